@@ -1,0 +1,117 @@
+"""quantize / dequantize / fake_quantize, per tensor and per channel (DESIGN §2).
+
+For codes ``q`` on the grid ``[qmin, qmax]`` with ``scale`` s and ``zero_point`` z::
+
+    q  = clamp(round_half_even(x / s) + z, qmin, qmax)       # quantize      (float -> int codes)
+    x̂  = (q - z) * s                                         # dequantize    (int codes -> float32)
+    fq = dequantize(quantize(x))                             # fake_quantize (float -> float)
+    d fq / d x = 1[qmin <= round(x / s) + z <= qmax]          # straight-through, masked to the unclipped region
+
+``x / s`` is evaluated as ``x * (1 / s)`` in float32, exactly as torch's kernels do; ``quantize``
+rounds ``x / s + z`` (as ``torch.quantize_per_tensor``) and ``fake_quantize`` rounds ``x / s`` then adds
+``z`` (as ``torch.fake_quantize_per_tensor_affine``), so both agree with torch bit for bit; the two
+differ only where float32 addition moves a value onto a rounding tie. Per channel, ``s`` and ``z``
+are ``(C,)`` and broadcast along ``ch_axis``.
+
+>>> import torch, lowbit as Q
+>>> x = torch.tensor([-1.0, 0.0, 0.26, 3.0])
+>>> q = Q.quantize(x, torch.tensor(0.1), torch.tensor(0), Q.qint8)
+>>> q.tolist()
+[-10, 0, 3, 30]
+>>> Q.dequantize(q, torch.tensor(0.1), torch.tensor(0)).tolist()[2]
+0.30000001192092896
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .qscheme import QDtype, as_qdtype
+
+__all__ = ["quantize", "dequantize", "fake_quantize", "check_ch_axis"]
+
+Number = float | int | torch.Tensor
+
+
+def check_ch_axis(ch_axis: int, ndim: int, shape: tuple[int, ...] | torch.Size | None = None) -> int:
+    """Normalise a (possibly negative) channel axis, or raise a ``ValueError`` naming it."""
+    if not isinstance(ch_axis, int) or isinstance(ch_axis, bool):
+        raise TypeError(f"ch_axis={ch_axis!r} must be an int")
+    if not -ndim <= ch_axis < ndim:
+        what = f"shape {tuple(shape)}" if shape is not None else f"{ndim}-d tensor"
+        raise ValueError(f"ch_axis={ch_axis} is out of range for a tensor of {what}")
+    return ch_axis % ndim
+
+
+def _broadcast(p: Number, x: torch.Tensor, ch_axis: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """Shape a qparam for ``x``: 0-d per tensor, ``[1, .., C, .., 1]`` per channel."""
+    t = p.to(device=x.device, dtype=dtype) if isinstance(p, torch.Tensor) else torch.tensor(p, dtype=dtype, device=x.device)
+    if ch_axis is None or t.dim() == 0:
+        if t.numel() != 1:
+            raise ValueError(f"per-tensor qparams must be scalars, got shape {tuple(t.shape)}; pass ch_axis for per-channel")
+        return t.reshape(())
+    axis = check_ch_axis(ch_axis, x.dim(), x.shape)
+    if t.dim() != 1 or t.numel() != x.shape[axis]:
+        raise ValueError(
+            f"per-channel qparams of shape {tuple(t.shape)} do not match dim {axis} "
+            f"(size {x.shape[axis]}) of a tensor of shape {tuple(x.shape)}"
+        )
+    shape = [1] * x.dim()
+    shape[axis] = -1
+    return t.reshape(shape)
+
+
+def _codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """Unclipped float codes ``round(x / s) + z``."""
+    return torch.round(x.to(torch.float32) * torch.reciprocal(scale)) + zero_point
+
+
+def quantize(x: torch.Tensor, scale: Number, zero_point: Number, qdtype: QDtype | str, ch_axis: int | None = None) -> torch.Tensor:
+    """Integer codes of ``x`` on ``qdtype``'s grid, stored as ``qdtype.storage``; not differentiable."""
+    qdtype = as_qdtype(qdtype)
+    if not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point tensor, got dtype {x.dtype}")
+    s, z = _broadcast(scale, x, ch_axis, torch.float32), _broadcast(zero_point, x, ch_axis, torch.float32)
+    q = torch.round(x.detach().to(torch.float32) * torch.reciprocal(s) + z).clamp_(qdtype.quant_min, qdtype.quant_max)
+    return q.to(qdtype.storage)
+
+
+def dequantize(q: torch.Tensor, scale: Number, zero_point: Number, ch_axis: int | None = None) -> torch.Tensor:
+    """float32 values ``(q - z) * s`` of integer codes ``q``."""
+    s, z = _broadcast(scale, q, ch_axis, torch.float32), _broadcast(zero_point, q, ch_axis, torch.float32)
+    return (q.to(torch.float32) - z) * s
+
+
+class _FakeQuantizeSTE(torch.autograd.Function):
+    # forward and its straight-through backward side by side (micrograd style)
+    @staticmethod
+    def forward(ctx, x, scale, zero_point, quant_min, quant_max):  # type: ignore[override]
+        q = _codes(x, scale, zero_point)
+        mask = (q >= quant_min) & (q <= quant_max)
+        ctx.save_for_backward(mask)
+        return ((q.clamp(quant_min, quant_max) - zero_point) * scale).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        return grad * mask, None, None, None, None
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    scale: Number,
+    zero_point: Number,
+    quant_min: int,
+    quant_max: int,
+    ch_axis: int | None = None,
+) -> torch.Tensor:
+    """``dequantize(quantize(x))`` in ``x``'s dtype, with the masked straight-through gradient.
+
+    Only ``x`` is differentiable; ``scale`` and ``zero_point`` are constants.
+    """
+    if quant_min >= quant_max:
+        raise ValueError(f"fake_quantize: quant_min={quant_min} must be < quant_max={quant_max}")
+    if not x.is_floating_point():
+        raise TypeError(f"fake_quantize expects a floating-point tensor, got dtype {x.dtype}")
+    s, z = _broadcast(scale, x, ch_axis, torch.float32), _broadcast(zero_point, x, ch_axis, torch.float32)
+    return _FakeQuantizeSTE.apply(x, s.detach(), z.detach(), int(quant_min), int(quant_max))

@@ -1,0 +1,107 @@
+"""From an observed range to quantization parameters (DESIGN §2).
+
+Affine (free zero point)::
+
+    min' = min(min, 0),  max' = max(max, 0)                    # 0.0 is always exactly representable
+    scale = max((max' - min') / (qmax - qmin), eps)
+    zero_point = clamp(qmin - round_half_even(min' / scale), qmin, qmax)
+
+Symmetric (zero point pinned)::
+
+    scale = max(max(|min'|, |max'|) / ((qmax - qmin) / 2), eps)
+    zero_point = 0 for signed grids, (qmin + qmax + 1) // 2 for unsigned ones (128 for quint8)
+
+Scalars give per-tensor qparams, ``(C,)`` tensors give per-channel ones: the map is elementwise.
+
+>>> import lowbit as Q
+>>> s, z = Q.calculate_qparams(-2.0, 6.0, Q.per_tensor_affine, Q.quint8)
+>>> round(s.item(), 6), int(z)
+(0.031373, 64)
+>>> s, z = Q.calculate_qparams(-1.0, 0.5, Q.per_tensor_symmetric, Q.qint8)
+>>> round(s.item(), 6), int(z)
+(0.007843, 0)
+
+Deliberate differences from ``torch.ao``: ``eps`` defaults to 1e-8 (torch: float32 machine eps,
+~1.19e-7, which only matters for ranges narrower than ~3e-5); per-tensor results are 0-d tensors
+(torch: shape ``(1,)``); a custom unsigned symmetric grid takes the rounded-up midpoint
+``(qmin + qmax + 1) // 2`` (torch: rounded down); and non-finite or inverted ranges raise a
+``ValueError`` instead of yielding a NaN scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .qscheme import QDtype, QScheme, as_qdtype, as_qscheme
+
+__all__ = ["QParams", "calculate_qparams"]
+
+
+@dataclass(frozen=True)
+class QParams:
+    """A complete description of one quantization grid.
+
+    ``scale``/``zero_point`` are 0-d tensors (per tensor) or ``(C,)`` tensors along ``ch_axis``.
+    """
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    qscheme: QScheme
+    qdtype: QDtype
+    ch_axis: int | None = None
+
+
+def _as_float_tensor(v: float | torch.Tensor, name: str) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        if v.is_complex():
+            raise TypeError(f"calculate_qparams: {name} must be real, got dtype {v.dtype}")
+        return v.detach().to(torch.float32)
+    if isinstance(v, (int, float)):
+        return torch.tensor(float(v), dtype=torch.float32)
+    raise TypeError(f"calculate_qparams: {name}={v!r} must be a float or a tensor")
+
+
+def calculate_qparams(
+    min_val: float | torch.Tensor,
+    max_val: float | torch.Tensor,
+    qscheme: QScheme | str = QScheme.PER_TENSOR_AFFINE,
+    qdtype: QDtype | str = "quint8",
+    eps: float = 1e-8,
+    *,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(scale, zero_point)``: float32 scale, int64 zero point, shaped like ``min_val``.
+
+    ``validate=False`` skips the finiteness / ordering check (one host sync), for callers such as
+    ``FakeQuantize`` that call this every step on data they already validated.
+    """
+    qscheme, qdtype = as_qscheme(qscheme), as_qdtype(qdtype)
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"calculate_qparams: eps={eps!r} must be a positive float")
+    lo, hi = _as_float_tensor(min_val, "min_val"), _as_float_tensor(max_val, "max_val")
+    if lo.shape != hi.shape:
+        raise ValueError(f"calculate_qparams: min_val shape {tuple(lo.shape)} != max_val shape {tuple(hi.shape)}")
+    if validate and lo.numel() > 0:
+        finite = bool(torch.isfinite(lo).all() & torch.isfinite(hi).all())
+        if not finite:
+            raise ValueError(
+                f"calculate_qparams: the range must be finite, got min_val={lo.tolist()} max_val={hi.tolist()} "
+                "(an observer that saw no data, or NaN/Inf inputs?)"
+            )
+        if bool((lo > hi).any()):
+            raise ValueError(f"calculate_qparams: min_val={lo.tolist()} exceeds max_val={hi.tolist()}")
+    qmin, qmax = qdtype.quant_min, qdtype.quant_max
+    zero = torch.zeros((), dtype=torch.float32, device=lo.device)
+    min_neg, max_pos = torch.minimum(lo, zero), torch.maximum(hi, zero)
+    eps_t = torch.tensor(eps, dtype=torch.float32, device=lo.device)
+    if qscheme.is_symmetric:
+        amax = torch.maximum(-min_neg, max_pos)
+        scale = torch.maximum(amax / (float(qmax - qmin) / 2), eps_t)
+        mid = 0 if qdtype.signed else (qmin + qmax + 1) // 2
+        zero_point = torch.full(lo.shape, mid, dtype=torch.int64, device=lo.device)
+    else:
+        scale = torch.maximum((max_pos - min_neg) / float(qmax - qmin), eps_t)
+        zero_point = (qmin - torch.round(min_neg / scale)).clamp(qmin, qmax).to(torch.int64)
+    return scale, zero_point

@@ -1,0 +1,318 @@
+"""QTensor: integer codes plus the grid they live on (DESIGN §3).
+
+``x̂ = (int_repr - zero_point) * scale`` — per tensor with 0-d qparams, per channel with ``(C,)``
+qparams broadcast along ``axis``. A QTensor is a small value object, not a ``torch.Tensor``
+subclass: shape ops that keep the grid (view, reshape, flatten, permute, relu, max_pool, cat of
+equal grids, indexing) stay integer; any other torch op runs on the dequantized values and warns
+once, naming the op, so a model never crashes at an int8/float boundary.
+
+>>> import torch, lowbit as Q
+>>> qt = Q.quantize_per_channel(torch.tensor([[0.5, -1.0], [2.0, 4.0]]),
+...                             torch.tensor([0.01, 0.1]), torch.tensor([0, 0]), 0, Q.qint8)
+>>> qt.int_repr().tolist(), qt.q_per_channel_scales().tolist(), qt.q_per_channel_axis()
+([[50, -100], [20, 40]], [0.009999999776482582, 0.10000000149011612], 0)
+>>> qt.dequantize()[1].tolist()
+[2.0, 4.0]
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .functional import check_ch_axis, dequantize, quantize
+from .qscheme import QDtype, QScheme, as_qdtype
+
+__all__ = ["QTensor", "quantize_per_tensor", "quantize_per_channel"]
+
+_warned_ops: set[str] = set()
+
+
+def _warn_float_fallback(op: str) -> None:
+    if op not in _warned_ops:
+        _warned_ops.add(op)
+        warnings.warn(
+            f"lowbit: {op} has no integer implementation for QTensor inputs; it ran on dequantized "
+            "float values (the output is float). Quantize it or move it outside the quantized region.",
+            stacklevel=3,
+        )
+
+
+class QTensor:
+    """Integer codes ``int_repr`` (``qdtype.storage``) with ``scale``/``zero_point`` (0-d or ``(C,)``)."""
+
+    __slots__ = ("_q", "_scale", "_zero_point", "_qdtype", "_axis")
+
+    def __init__(
+        self,
+        int_repr: torch.Tensor,
+        scale: torch.Tensor | float,
+        zero_point: torch.Tensor | int,
+        qdtype: QDtype | str,
+        axis: int | None = None,
+    ) -> None:
+        qdtype = as_qdtype(qdtype)
+        if int_repr.is_floating_point():
+            raise TypeError(f"QTensor int_repr must be an integer tensor, got dtype {int_repr.dtype}")
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=int_repr.device)
+        zero_point = torch.as_tensor(zero_point, dtype=torch.int64, device=int_repr.device)
+        if axis is not None:
+            axis = check_ch_axis(axis, int_repr.dim(), int_repr.shape)
+            n = int_repr.shape[axis]
+            if scale.shape != (n,) or zero_point.shape != (n,):
+                raise ValueError(
+                    f"per-channel QTensor along axis {axis} needs ({n},) scales and zero points, "
+                    f"got {tuple(scale.shape)} and {tuple(zero_point.shape)}"
+                )
+        elif scale.numel() != 1 or zero_point.numel() != 1:
+            raise ValueError(f"per-tensor QTensor needs scalar qparams, got shape {tuple(scale.shape)}; pass axis")
+        else:
+            scale, zero_point = scale.reshape(()), zero_point.reshape(())
+        self._q, self._scale, self._zero_point, self._qdtype, self._axis = int_repr, scale, zero_point, qdtype, axis
+
+    # ---- accessors (the torch.Tensor quantized API) ----
+    def int_repr(self) -> torch.Tensor:
+        return self._q
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self._q, self._scale, self._zero_point, self._axis)
+
+    def qscheme(self) -> QScheme:
+        return QScheme.PER_TENSOR_AFFINE if self._axis is None else QScheme.PER_CHANNEL_AFFINE
+
+    def _require(self, per_channel: bool, name: str) -> None:
+        if (self._axis is not None) != per_channel:
+            kind = "per-channel" if self._axis is not None else "per-tensor"
+            raise RuntimeError(f"QTensor.{name}() is not defined for a {kind} QTensor")
+
+    def q_scale(self) -> float:
+        self._require(False, "q_scale")
+        return float(self._scale)
+
+    def q_zero_point(self) -> int:
+        self._require(False, "q_zero_point")
+        return int(self._zero_point)
+
+    def q_per_channel_scales(self) -> torch.Tensor:
+        self._require(True, "q_per_channel_scales")
+        return self._scale
+
+    def q_per_channel_zero_points(self) -> torch.Tensor:
+        self._require(True, "q_per_channel_zero_points")
+        return self._zero_point
+
+    def q_per_channel_axis(self) -> int:
+        self._require(True, "q_per_channel_axis")
+        assert self._axis is not None
+        return self._axis
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._scale
+
+    @property
+    def zero_point(self) -> torch.Tensor:
+        return self._zero_point
+
+    @property
+    def axis(self) -> int | None:
+        return self._axis
+
+    @property
+    def qdtype(self) -> QDtype:
+        return self._qdtype
+
+    dtype = qdtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self._q.device
+
+    @property
+    def is_quantized(self) -> bool:
+        return True
+
+    def size(self, dim: int | None = None) -> Any:
+        return self._q.size() if dim is None else self._q.size(dim)
+
+    def dim(self) -> int:
+        return self._q.dim()
+
+    def numel(self) -> int:
+        return self._q.numel()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def to(self, *args: Any, **kwargs: Any) -> QTensor:
+        """Move to a device (dtype arguments are rejected: use ``dequantize()`` for float)."""
+        probe = torch.empty(0).to(*args, **kwargs)
+        if probe.dtype != torch.float32:
+            raise TypeError("QTensor.to() moves devices only; call .dequantize() to get float values")
+        dev = probe.device
+        return QTensor(self._q.to(dev), self._scale.to(dev), self._zero_point.to(dev), self._qdtype, self._axis)
+
+    def cpu(self) -> QTensor:
+        return self.to("cpu")
+
+    def cuda(self) -> QTensor:
+        return self.to("cuda")
+
+    def detach(self) -> QTensor:
+        return self
+
+    def __repr__(self) -> str:
+        grid = (f"scale={self.q_scale():.6g}, zero_point={self.q_zero_point()}" if self._axis is None
+                else f"axis={self._axis}, scales={self._scale.tolist()[:4]}{'...' if self._scale.numel() > 4 else ''}")
+        return f"QTensor(shape={tuple(self.shape)}, dtype={self._qdtype!r}, {grid}, device={self.device})"
+
+    # ---- integer-preserving ops ----
+    def _same_grid(self, q: torch.Tensor) -> QTensor:
+        return QTensor(q, self._scale, self._zero_point, self._qdtype, None)
+
+    def _shape_op(self, name: str, *args: Any) -> QTensor:
+        if self._axis is not None:
+            _warn_float_fallback(f"QTensor.{name} on a per-channel QTensor")
+            raise NotImplementedError(f"QTensor.{name} is defined for per-tensor QTensors only")
+        return self._same_grid(getattr(self._q, name)(*args))
+
+    def view(self, *shape: Any) -> QTensor:
+        return self._shape_op("view", *shape)
+
+    def reshape(self, *shape: Any) -> QTensor:
+        return self._shape_op("reshape", *shape)
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> QTensor:
+        return self._shape_op("flatten", start_dim, end_dim)
+
+    def permute(self, *dims: Any) -> QTensor:
+        return self._shape_op("permute", *dims)
+
+    def transpose(self, d0: int, d1: int) -> QTensor:
+        return self._shape_op("transpose", d0, d1)
+
+    def contiguous(self, *args: Any, **kwargs: Any) -> QTensor:
+        return QTensor(self._q.contiguous(*args, **kwargs), self._scale, self._zero_point, self._qdtype, self._axis)
+
+    def __getitem__(self, idx: Any) -> QTensor:
+        return self._shape_op("__getitem__", idx)
+
+    def relu(self) -> QTensor:
+        """ReLU on codes: ``max(q, zero_point)`` — exact, the grid is unchanged."""
+        if self._axis is not None:
+            return QTensor(torch.maximum(self._q, self._zero_point.reshape([-1 if i == self._axis else 1 for i in range(self.dim())]).to(self._q.dtype)),
+                           self._scale, self._zero_point, self._qdtype, self._axis)
+        return self._same_grid(torch.clamp(self._q, min=int(self._zero_point)))
+
+    # ---- everything else: float fallback ----
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        fast = _INT_OPS.get(func)
+        if fast is not None:
+            out = fast(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        name = getattr(func, "__name__", repr(func))
+        _warn_float_fallback(f"torch.{name}")
+        return func(*_tree_dequantize(args), **_tree_dequantize(kwargs))
+
+    def __add__(self, other: Any) -> Any:
+        return torch.add(self, other)
+
+    __radd__ = __add__
+
+    def __mul__(self, other: Any) -> Any:
+        return torch.mul(self, other)
+
+    __rmul__ = __mul__
+
+    def __sub__(self, other: Any) -> Any:
+        return torch.sub(self, other)
+
+    def __rsub__(self, other: Any) -> Any:
+        return torch.sub(other, self)
+
+    def __truediv__(self, other: Any) -> Any:
+        return torch.div(self, other)
+
+    def __matmul__(self, other: Any) -> Any:
+        return torch.matmul(self, other)
+
+    def __neg__(self) -> Any:
+        return torch.neg(self)
+
+
+def _tree_dequantize(obj: Any) -> Any:
+    if isinstance(obj, QTensor):
+        return obj.dequantize()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_tree_dequantize(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _tree_dequantize(v) for k, v in obj.items()}
+    return obj
+
+
+def _relu(x: Any, inplace: bool = False) -> Any:
+    return x.relu() if isinstance(x, QTensor) else NotImplemented
+
+
+def _max_pool(fn: Callable) -> Callable:
+    def op(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(x, QTensor) or x.axis is not None or kwargs.get("return_indices"):
+            return NotImplemented
+        # max is monotone in the codes, so pooling codes is exact; int8 pooling is not implemented
+        # by torch, so pool in a float dtype that holds every code exactly.
+        return x._same_grid(fn(x.int_repr().to(torch.float32), *args, **kwargs).to(x.int_repr().dtype))
+    return op
+
+
+def _flatten(x: Any, start_dim: int = 0, end_dim: int = -1) -> Any:
+    return x.flatten(start_dim, end_dim) if isinstance(x, QTensor) and x.axis is None else NotImplemented
+
+
+def _cat(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
+    ts = list(tensors)
+    if kwargs or not all(isinstance(t, QTensor) and t.axis is None for t in ts):
+        return NotImplemented
+    first = ts[0]
+    if not all(t.qdtype == first.qdtype and torch.equal(t.scale, first.scale) and torch.equal(t.zero_point, first.zero_point) for t in ts):
+        return NotImplemented
+    return first._same_grid(torch.cat([t.int_repr() for t in ts], dim))
+
+
+_INT_OPS: dict[Callable, Callable] = {
+    torch.relu: _relu,
+    F.relu: _relu,
+    torch.flatten: _flatten,
+    torch.cat: _cat,
+    torch.concat: _cat,
+    F.max_pool1d: _max_pool(F.max_pool1d),
+    F.max_pool2d: _max_pool(F.max_pool2d),
+    F.max_pool3d: _max_pool(F.max_pool3d),
+    F.adaptive_max_pool2d: _max_pool(F.adaptive_max_pool2d),
+}
+
+
+def quantize_per_tensor(x: torch.Tensor, scale: float | torch.Tensor, zero_point: int | torch.Tensor,
+                        dtype: QDtype | str) -> QTensor:
+    """Quantize ``x`` onto one grid: ``q = clamp(round(x / scale) + zero_point, qmin, qmax)``."""
+    qdtype = as_qdtype(dtype)
+    if isinstance(scale, (int, float)) and not scale > 0:
+        raise ValueError(f"quantize_per_tensor: scale={scale} must be positive")
+    return QTensor(quantize(x, scale, zero_point, qdtype), scale, zero_point, qdtype)
+
+
+def quantize_per_channel(x: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, axis: int,
+                         dtype: QDtype | str) -> QTensor:
+    """Quantize ``x`` with one grid per slice along ``axis`` (``scales``/``zero_points`` of shape ``(C,)``)."""
+    qdtype = as_qdtype(dtype)
+    axis = check_ch_axis(axis, x.dim(), x.shape)
+    return QTensor(quantize(x, scales, zero_points, qdtype, axis), scales, zero_points, qdtype, axis)
