@@ -11,6 +11,15 @@
 [0.01569, 64]
 """
 
+# The submodule lowbit/fake_quantize.py shares its name with the function lowbit.fake_quantize:
+# import it first so the function import below wins the package attribute.
+from .fake_quantize import (
+    FakeQuantize,
+    disable_fake_quant,
+    disable_observer,
+    enable_fake_quant,
+    enable_observer,
+)
 from .functional import dequantize, fake_quantize, quantize
 from .qparams import QParams, calculate_qparams
 from .qscheme import (
@@ -27,6 +36,45 @@ from .qscheme import (
     quint8,
 )
 from .qtensor import QTensor, quantize_per_channel, quantize_per_tensor
+from .observer import (
+    FixedQParamsObserver,
+    HistogramObserver,
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    MovingAveragePerChannelMinMaxObserver,
+    NoopObserver,
+    ObserverBase,
+    PerChannelMinMaxObserver,
+    PlaceholderObserver,
+    sync_observers,
+)
+from .qconfig import (
+    QConfig,
+    QConfigMapping,
+    get_default_qat_qconfig,
+    get_default_qat_qconfig_mapping,
+    get_default_qconfig,
+    get_default_qconfig_mapping,
+    get_dynamic_qconfig,
+    get_minmax_qconfig,
+)
+from .stubs import DeQuantStub, QuantStub, QuantWrapper
+from .fuse import fuse_modules, fuse_modules_qat
+from .mappings import (
+    ConvertReport,
+    get_default_dynamic_quant_module_mappings,
+    get_default_qat_module_mappings,
+    get_default_static_quant_module_mappings,
+)
+from .quantize import (
+    convert,
+    freeze_bn_stats,
+    prepare,
+    prepare_qat,
+    propagate_qconfig_,
+    quantize_dynamic,
+    update_bn_stats,
+)
 
 __version__ = "0.1.0"
 
@@ -37,4 +85,16 @@ __all__ = [
     # numerics
     "QParams", "calculate_qparams", "quantize", "dequantize", "fake_quantize",
     "QTensor", "quantize_per_tensor", "quantize_per_channel",
+    # observers and fake quantization
+    "ObserverBase", "MinMaxObserver", "MovingAverageMinMaxObserver", "PerChannelMinMaxObserver",
+    "MovingAveragePerChannelMinMaxObserver", "FixedQParamsObserver", "PlaceholderObserver", "NoopObserver",
+    "sync_observers", "HistogramObserver", "FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant",
+    # configs
+    "QConfig", "QConfigMapping", "get_default_qconfig", "get_default_qat_qconfig", "get_default_qconfig_mapping",
+    "get_default_qat_qconfig_mapping", "get_minmax_qconfig", "get_dynamic_qconfig",
+    # eager workflows
+    "QuantStub", "DeQuantStub", "QuantWrapper", "fuse_modules", "fuse_modules_qat", "prepare", "convert",
+    "prepare_qat", "quantize_dynamic", "propagate_qconfig_", "freeze_bn_stats", "update_bn_stats", "ConvertReport",
+    "get_default_static_quant_module_mappings", "get_default_qat_module_mappings",
+    "get_default_dynamic_quant_module_mappings",
 ]

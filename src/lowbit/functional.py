@@ -43,6 +43,12 @@ def check_ch_axis(ch_axis: int, ndim: int, shape: tuple[int, ...] | torch.Size |
     return ch_axis % ndim
 
 
+def _check_scale(scale: Number) -> None:
+    """A Python-number scale must be positive and finite (tensor scales are trusted: no host sync)."""
+    if isinstance(scale, (int, float)) and not 0 < scale < float("inf"):
+        raise ValueError(f"scale={scale!r} must be a positive finite number")
+
+
 def _broadcast(p: Number, x: torch.Tensor, ch_axis: int | None, dtype: torch.dtype) -> torch.Tensor:
     """Shape a qparam for ``x``: 0-d per tensor, ``[1, .., C, .., 1]`` per channel."""
     t = p.to(device=x.device, dtype=dtype) if isinstance(p, torch.Tensor) else torch.tensor(p, dtype=dtype, device=x.device)
@@ -71,6 +77,7 @@ def quantize(x: torch.Tensor, scale: Number, zero_point: Number, qdtype: QDtype 
     qdtype = as_qdtype(qdtype)
     if not x.is_floating_point():
         raise TypeError(f"quantize expects a floating-point tensor, got dtype {x.dtype}")
+    _check_scale(scale)
     s, z = _broadcast(scale, x, ch_axis, torch.float32), _broadcast(zero_point, x, ch_axis, torch.float32)
     q = torch.round(x.detach().to(torch.float32) * torch.reciprocal(s) + z).clamp_(qdtype.quant_min, qdtype.quant_max)
     return q.to(qdtype.storage)
@@ -113,5 +120,6 @@ def fake_quantize(
         raise ValueError(f"fake_quantize: quant_min={quant_min} must be < quant_max={quant_max}")
     if not x.is_floating_point():
         raise TypeError(f"fake_quantize expects a floating-point tensor, got dtype {x.dtype}")
+    _check_scale(scale)
     s, z = _broadcast(scale, x, ch_axis, torch.float32), _broadcast(zero_point, x, ch_axis, torch.float32)
     return _FakeQuantizeSTE.apply(x, s.detach(), z.detach(), int(quant_min), int(quant_max))

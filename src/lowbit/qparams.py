@@ -78,7 +78,7 @@ def calculate_qparams(
     ``FakeQuantize`` that call this every step on data they already validated.
     """
     qscheme, qdtype = as_qscheme(qscheme), as_qdtype(qdtype)
-    if not (isinstance(eps, (int, float)) and eps > 0):
+    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < float("inf")):
         raise ValueError(f"calculate_qparams: eps={eps!r} must be a positive float")
     lo, hi = _as_float_tensor(min_val, "min_val"), _as_float_tensor(max_val, "max_val")
     if lo.shape != hi.shape:

@@ -177,10 +177,10 @@ class QTensor:
     def _same_grid(self, q: torch.Tensor) -> QTensor:
         return QTensor(q, self._scale, self._zero_point, self._qdtype, None)
 
-    def _shape_op(self, name: str, *args: Any) -> QTensor:
-        if self._axis is not None:
+    def _shape_op(self, name: str, *args: Any) -> Any:
+        if self._axis is not None:  # the channel axis may not survive the op: run it on float values
             _warn_float_fallback(f"QTensor.{name} on a per-channel QTensor")
-            raise NotImplementedError(f"QTensor.{name} is defined for per-tensor QTensors only")
+            return getattr(self.dequantize(), name)(*args)
         return self._same_grid(getattr(self._q, name)(*args))
 
     def view(self, *shape: Any) -> QTensor:
@@ -305,8 +305,6 @@ def quantize_per_tensor(x: torch.Tensor, scale: float | torch.Tensor, zero_point
                         dtype: QDtype | str) -> QTensor:
     """Quantize ``x`` onto one grid: ``q = clamp(round(x / scale) + zero_point, qmin, qmax)``."""
     qdtype = as_qdtype(dtype)
-    if isinstance(scale, (int, float)) and not scale > 0:
-        raise ValueError(f"quantize_per_tensor: scale={scale} must be positive")
     return QTensor(quantize(x, scale, zero_point, qdtype), scale, zero_point, qdtype)
 
 

@@ -1,0 +1,177 @@
+"""Module fusion: merge ``conv/linear → bn → relu`` runs into one module before quantization.
+
+``fuse_modules`` (inference, eval mode) folds a BatchNorm into the layer before it with its
+running statistics (``W' = W·s``, ``b' = (b - μ)·s + β``, ``s = γ/sqrt(σ² + eps)``; see
+``lowbit.nn.intrinsic.fold``), so the fused model computes the same function. ``fuse_modules_qat``
+keeps the BN as a marker (``nni.ConvBn2d`` ...) that ``prepare_qat`` turns into a QAT module which
+folds on the fly while BN statistics keep training. In both, the first module of a group is
+replaced by the fused one and the others by ``nn.Identity`` (torch.ao semantics).
+
+Supported groups (by module type, in order):
+
+=========================  ===========================  ==========================
+group                      ``fuse_modules`` (eval)      ``fuse_modules_qat``
+=========================  ===========================  ==========================
+ConvNd, BatchNormNd        folded ConvNd                ``nni.ConvBnNd``
+ConvNd, BatchNormNd, ReLU  ``nni.ConvReLUNd`` (folded)  ``nni.ConvBnReLUNd``
+ConvNd, ReLU               ``nni.ConvReLUNd``           ``nni.ConvReLUNd``
+ConvTransposeNd, BNNd      folded ConvTransposeNd       (not supported)
+Linear, ReLU               ``nni.LinearReLU``           ``nni.LinearReLU``
+Linear, BatchNorm1d        folded Linear                ``nni.LinearBn1d``
+BatchNorm2d/3d, ReLU       ``nni.BNReLU2d/3d``          ``nni.BNReLU2d/3d``
+=========================  ===========================  ==========================
+
+Any other group raises ``ValueError`` naming the modules and their types (nothing is dropped).
+
+>>> import torch
+>>> from torch import nn
+>>> m = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+>>> f = fuse_modules(m, [["0", "1", "2"]])
+>>> [type(c).__name__ for c in f]
+['ConvReLU2d', 'Identity', 'Identity']
+>>> x = torch.randn(2, 1, 8, 8)
+>>> torch.allclose(f(x), m(x), atol=1e-5)
+True
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from .nn import intrinsic as nni
+from .nn.intrinsic.fold import fold_bn_weights
+
+__all__ = ["fuse_modules", "fuse_modules_qat", "fuse_known_modules"]
+
+_BN = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d,
+       nn.ConvTranspose1d: nn.BatchNorm1d, nn.ConvTranspose2d: nn.BatchNorm2d, nn.ConvTranspose3d: nn.BatchNorm3d,
+       nn.Linear: nn.BatchNorm1d}
+_CONV_RELU = {nn.Conv1d: nni.ConvReLU1d, nn.Conv2d: nni.ConvReLU2d, nn.Conv3d: nni.ConvReLU3d}
+_CONV_BN = {nn.Conv1d: nni.ConvBn1d, nn.Conv2d: nni.ConvBn2d, nn.Conv3d: nni.ConvBn3d}
+_CONV_BN_RELU = {nn.Conv1d: nni.ConvBnReLU1d, nn.Conv2d: nni.ConvBnReLU2d, nn.Conv3d: nni.ConvBnReLU3d}
+_BN_RELU = {nn.BatchNorm2d: nni.BNReLU2d, nn.BatchNorm3d: nni.BNReLU3d}
+
+
+def _fold(layer: nn.Module, bn: nn.Module) -> nn.Module:
+    """A copy of ``layer`` with ``bn`` (eval, running statistics) folded into weight and bias."""
+    if bn.training or layer.training:
+        raise ValueError(
+            f"fuse_modules folds {type(bn).__name__} with its running statistics, which needs eval mode: "
+            "call model.eval() first (or use fuse_modules_qat for quantization-aware training)"
+        )
+    fused = copy.deepcopy(layer)
+    w, b = fold_bn_weights(layer.weight.detach(), None if layer.bias is None else layer.bias.detach(), bn,
+                           transpose=isinstance(layer, nn.modules.conv._ConvTransposeNd),
+                           groups=getattr(layer, "groups", 1))
+    fused.weight, fused.bias = nn.Parameter(w), nn.Parameter(b)
+    return fused
+
+
+def fuse_known_modules(mods: Sequence[nn.Module], is_qat: bool = False) -> list[nn.Module]:
+    """Fuse one group ``mods`` → ``[fused, Identity, ...]`` (same length); ``ValueError`` if unsupported."""
+    types = tuple(type(m) for m in mods)
+    first = types[0]
+    fused: nn.Module | None = None
+    if len(mods) == 2 and types[1] is _BN.get(first):  # layer + bn
+        if is_qat:
+            fused = _CONV_BN[first](*mods) if first in _CONV_BN else (
+                nni.LinearBn1d(*mods) if first is nn.Linear else None)
+        else:
+            fused = _fold(*mods)
+    elif len(mods) == 3 and first in _CONV_BN and types[1:] == (_BN[first], nn.ReLU):
+        fused = _CONV_BN_RELU[first](*mods) if is_qat else _CONV_RELU[first](_fold(mods[0], mods[1]), mods[2])
+    elif len(mods) == 2 and types[1] is nn.ReLU:
+        if first in _CONV_RELU:
+            fused = _CONV_RELU[first](*mods)
+        elif first is nn.Linear:
+            fused = nni.LinearReLU(*mods)
+        elif first in _BN_RELU:
+            fused = _BN_RELU[first](*mods)
+    if fused is None:
+        fn, names = "fuse_modules_qat" if is_qat else "fuse_modules", ", ".join(t.__name__ for t in types)
+        raise ValueError(
+            f"{fn}: cannot fuse ({names}); "
+            "supported: conv+bn(+relu), conv+relu, linear+relu, linear+bn, bn+relu"
+            + ("" if is_qat else ", convtranspose+bn")
+        )
+    if hasattr(mods[0], "qconfig"):
+        fused.qconfig = mods[0].qconfig
+    fused.train(mods[0].training)
+    # keep user hooks: pre-hooks of the first module, forward hooks of the last
+    for h in mods[0]._forward_pre_hooks.values():
+        fused.register_forward_pre_hook(h)
+    for h in mods[-1]._forward_hooks.values():
+        fused.register_forward_hook(h)
+    return [fused] + [nn.Identity() for _ in mods[1:]]
+
+
+def _get(model: nn.Module, name: str) -> nn.Module:
+    if not isinstance(name, str):
+        raise TypeError(f"module names to fuse must be str, got {name!r}")
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"fuse: {type(model).__name__} has no submodule named {name!r}") from None
+
+
+def _set(model: nn.Module, name: str, mod: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    parent._modules[child] = mod  # in place: keeps Sequential order
+
+
+def _groups(modules_to_fuse: Any) -> list[list[str]]:
+    flat = isinstance(modules_to_fuse, (list, tuple)) and len(modules_to_fuse) > 0
+    if flat and all(isinstance(n, str) for n in modules_to_fuse):
+        return [list(modules_to_fuse)]
+    if (not isinstance(modules_to_fuse, (list, tuple))
+            or not all(isinstance(g, (list, tuple)) and len(g) >= 2 for g in modules_to_fuse)):
+        raise TypeError("modules_to_fuse must be a list of module names or a list of such lists "
+                        f"(each of length >= 2), got {modules_to_fuse!r}")
+    return [list(g) for g in modules_to_fuse]
+
+
+def _fuse(model: nn.Module, modules_to_fuse: Any, inplace: bool, is_qat: bool,
+          fuser: Callable[..., list[nn.Module]], qconfig: Any = None) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fuse: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"fuse: inplace must be a bool, got {inplace!r}")
+    groups = _groups(modules_to_fuse)
+    if not inplace:
+        model = copy.deepcopy(model)
+    for group in groups:
+        mods = [_get(model, n) for n in group]
+        new = fuser(mods, is_qat=is_qat)
+        for name, mod in zip(group, new):
+            if qconfig is not None and mod is new[0]:
+                mod.qconfig = qconfig
+            _set(model, name, mod)
+    return model
+
+
+def fuse_modules(model: nn.Module, modules_to_fuse: Any, inplace: bool = False,
+                 fuser_func: Callable[..., list[nn.Module]] = fuse_known_modules) -> nn.Module:
+    """Fuse groups of submodules for inference (the model must be in eval mode when a BN is folded).
+
+    ``modules_to_fuse``: one list of dotted names (``["conv", "bn", "relu"]``, nested such as
+    ``"layer1.0.conv1"``) or a list of such lists. Returns the fused model (a deep copy unless
+    ``inplace``). ``fuser_func(mods, is_qat=False)`` may be replaced to add custom patterns.
+    """
+    return _fuse(model, modules_to_fuse, inplace, False, fuser_func)
+
+
+def fuse_modules_qat(model: nn.Module, modules_to_fuse: Any, qconfig: Any = None, inplace: bool = False,
+                     fuser_func: Callable[..., list[nn.Module]] = fuse_known_modules) -> nn.Module:
+    """Fuse for quantization-aware training: conv+bn stay unfolded (``nni.ConvBn2d`` ...) for ``prepare_qat``.
+
+    ``qconfig`` (optional) is stored as ``.qconfig`` on each fused module, overriding what
+    ``prepare_qat`` would otherwise resolve for it.
+    """
+    if qconfig is not None and not (isinstance(qconfig, tuple) and hasattr(qconfig, "activation")):
+        raise TypeError(f"fuse_modules_qat: qconfig must be a QConfig or None, got {type(qconfig).__name__}")
+    return _fuse(model, modules_to_fuse, inplace, True, fuser_func, qconfig)

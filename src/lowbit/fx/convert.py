@@ -1,0 +1,244 @@
+"""``convert_fx``: turn a calibrated prepared graph into an integer one.
+
+For each observer node of the prepared graph (``lowbit.fx.prepare``):
+
+- after a ``module`` node: the module becomes ``mapping[type].from_float(mod)`` (the eager
+  ``convert`` path: the observer is its ``activation_post_process``; a QAT conv-BN is folded first);
+- after a ``functional`` node: the op becomes a method call on a new ``QFunctional`` holding the
+  observed grid (``qfunctional_<i>.add(a, b)``, ``add_relu``, ``mul``, ``matmul``, ``cat``,
+  ``add_scalar``, ``mul_scalar``; ``x / c`` is ``mul_scalar(x, 1 / c)``);
+- after an ``act`` node (``F.hardswish`` ...): a quantized activation module on the observed grid;
+- an input observer (a float value read by int ops) becomes a ``Quantize`` node.
+
+Then a shared ``DeQuantize`` is inserted after every int value read by a float op or the graph
+output, dropout becomes the identity, observers and ``.qconfig`` attributes are removed, and the
+eager-prepared (untraceable) submodules are converted with ``lowbit.convert`` and return float.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Any
+
+from torch import fx, nn
+
+from ..mappings import get_default_static_quant_module_mappings
+from ..nn.intrinsic.qat.modules import _BnFolded
+from ..nn.quantized import activation as nnq_act
+from ..nn.quantized._utils import output_qparams
+from ..nn.quantized.functional_modules import QFunctional
+from ..nn.quantized.stubs import DeQuantize, Quantize
+from ..quantize import convert
+from ..qtensor import QTensor
+from .patterns import func_activation, is_dropout
+from .prepare import STATE_KEY
+from .report import FxReport
+
+__all__ = ["convert_fx"]
+
+
+class _Holder(nn.Module):
+    """Carries an observer as ``activation_post_process`` for ``output_qparams``."""
+
+    def __init__(self, obs: nn.Module) -> None:
+        super().__init__()
+        self.activation_post_process = obs
+
+
+def _grid(obs: nn.Module, where: str) -> tuple[float, int, Any]:
+    return output_qparams(_Holder(obs), where)
+
+
+def _is_calibrated(obs: nn.Module) -> bool:
+    inner = getattr(obs, "activation_post_process", None)  # FakeQuantize wraps an observer
+    if inner is not None and hasattr(inner, "is_calibrated"):
+        return bool(inner.is_calibrated)
+    return bool(getattr(obs, "is_calibrated", True))
+
+
+def _dequantize_outputs(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """Forward hook on an eagerly converted submodule: its outputs leave int8."""
+    if isinstance(output, QTensor):
+        return output.dequantize()
+    if isinstance(output, (list, tuple)):
+        return type(output)(o.dequantize() if isinstance(o, QTensor) else o for o in output)
+    return output
+
+
+def _set_module(gm: fx.GraphModule, path: str, mod: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(gm.get_submodule(parent) if parent else gm, name, mod)
+
+
+def _what(node: fx.Node, gm: fx.GraphModule) -> str:
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__
+    return getattr(node.target, "__name__", str(node.target))
+
+
+class _Converter:
+    def __init__(self, gm: fx.GraphModule, report: FxReport) -> None:
+        self.gm, self.graph, self.report = gm, gm.graph, report
+        self.mapping = get_default_static_quant_module_mappings()
+        self.count = 0
+
+    def _new_name(self, prefix: str) -> str:
+        self.count += 1
+        return f"{prefix}_{self.count}"
+
+    def _replace(self, old: fx.Node, new: fx.Node) -> None:
+        new.meta.update({k: v for k, v in old.meta.items() if k.startswith("lowbit_")})
+        old.replace_all_uses_with(new)
+        self.graph.erase_node(old)
+
+    def module(self, node: fx.Node, obs: nn.Module) -> None:
+        mod = self.gm.get_submodule(node.target)
+        qcls = self.mapping[type(mod)]
+        src = mod.fold() if isinstance(mod, _BnFolded) else mod
+        src.activation_post_process = obs
+        try:
+            new = qcls.from_float(src)
+        except (ValueError, TypeError, RuntimeError) as err:
+            raise type(err)(f"convert_fx: module '{node.target}' ({type(mod).__name__} -> {qcls.__name__}): "
+                            f"{err}") from err
+        _set_module(self.gm, node.target, new)
+        self.report.converted[node.name] = f"{type(mod).__name__} -> {qcls.__module__}.{qcls.__name__}"
+
+    def functional(self, node: fx.Node, obs: nn.Module) -> fx.Node:
+        qop = node.meta["lowbit_qop"]
+        name = self._new_name("qfunctional")
+        self.gm.add_submodule(name, QFunctional(*_grid(obs, "QFunctional")))
+        args: tuple[Any, ...] = tuple(node.args)
+        with self.graph.inserting_before(node):
+            if qop == "cat":
+                tensors = args[0] if args else node.kwargs["tensors"]
+                dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
+                method, args = "cat", (tensors, dim)
+            elif qop.endswith("_scalar"):
+                x, c = args if isinstance(args[0], fx.Node) and args[0].meta.get("lowbit_ftensor") else args[::-1]
+                if qop == "div_scalar":
+                    c = (self.graph.call_function(operator.truediv, (1.0, c)) if isinstance(c, fx.Node)
+                         else 1.0 / c)
+                method, args = ("add_scalar" if qop == "add_scalar" else "mul_scalar"), (x, c)
+            else:
+                method = qop
+            owner = self.graph.get_attr(name)
+            new = self.graph.call_method(method, (owner, *args))
+        self.report.converted[node.name] = f"{_what(node, self.gm)} -> QFunctional.{method}"
+        self._replace(node, new)
+        return new
+
+    def act(self, node: fx.Node, obs: nn.Module) -> fx.Node:
+        cls = func_activation(node.op, node.target)
+        assert cls is not None
+        name = self._new_name("quantized_act")
+        if cls is nnq_act.ReLU6:
+            mod: nn.Module = cls()
+        else:
+            grid = _grid(obs, cls.__name__)
+            extra = node.kwargs.get("negative_slope", node.kwargs.get("alpha"))
+            if extra is None and len(node.args) > 1 and not isinstance(node.args[1], bool):
+                extra = node.args[1]
+            if cls is nnq_act.LeakyReLU:
+                mod = cls(grid[0], grid[1], 0.01 if extra is None else extra, grid[2])
+            elif cls is nnq_act.ELU:
+                mod = cls(grid[0], grid[1], 1.0 if extra is None else extra, grid[2])
+            else:
+                mod = cls(*grid)
+        self.gm.add_submodule(name, mod)
+        with self.graph.inserting_before(node):
+            new = self.graph.call_module(name, (node.args[0],))
+        self.report.converted[node.name] = f"{_what(node, self.gm)} -> {type(mod).__module__}.{type(mod).__name__}"
+        self._replace(node, new)
+        return new
+
+    def observers(self) -> None:
+        for node in list(self.graph.nodes):
+            role = node.meta.get("lowbit_kind")
+            if role not in ("obs_out", "obs_in"):
+                continue
+            obs = self.gm.get_submodule(node.target)
+            src = node.args[0]
+            if not _is_calibrated(obs):
+                raise RuntimeError(f"convert_fx: the observer after '{src.name}' ({_what(src, self.gm)}) saw no "
+                                   "data; run calibration batches through the prepared model before convert_fx()")
+            if role == "obs_in":
+                name = self._new_name("quantize")
+                self.gm.add_submodule(name, Quantize(*_grid(obs, "Quantize")))
+                with self.graph.inserting_before(node):
+                    new = self.graph.call_module(name, (src,))
+                self._replace(node, new)
+                new.meta["lowbit_kind"] = "quantize"
+                continue
+            kind = src.meta["lowbit_kind"]
+            if kind == "module":
+                self.module(src, obs)
+                produced = src
+            else:
+                produced = self.functional(src, obs) if kind == "functional" else self.act(src, obs)
+            node.replace_all_uses_with(produced)
+            self.graph.erase_node(node)
+
+    def dequantize(self) -> None:
+        self.gm.add_submodule("dequantize", DeQuantize())
+        made: dict[fx.Node, fx.Node] = {}
+        for node in list(self.graph.nodes):
+            if node.meta.get("lowbit_kind") not in ("float", "opaque", "output"):
+                continue
+            for src in list(node.all_input_nodes):
+                if src.meta.get("lowbit_domain") != "int":
+                    continue
+                if src not in made:
+                    with self.graph.inserting_after(src):
+                        made[src] = self.graph.call_module("dequantize", (src,))
+                    made[src].meta.update(lowbit_kind="dequantize", lowbit_domain="float", lowbit_ftensor=True)
+                node.replace_input_with(src, made[src])
+
+    def identities(self) -> None:
+        """Dropout (inference) and leftover stubs become the identity."""
+        from ..stubs import DeQuantStub, QuantStub
+        for node in list(self.graph.nodes):
+            mod = self.gm.get_submodule(node.target) if node.op == "call_module" else None
+            if is_dropout(node, mod) or isinstance(mod, (QuantStub, DeQuantStub)):
+                node.replace_all_uses_with(node.args[0])
+                self.graph.erase_node(node)
+
+
+def convert_fx(model: fx.GraphModule, inplace: bool = False) -> fx.GraphModule:
+    """Convert a calibrated (or QAT-trained) ``prepare_fx`` / ``prepare_qat_fx`` graph to int8; eval mode.
+
+    The result's quantized nodes are ``lowbit.nn.quantized`` modules and ``QFunctional`` calls;
+    ``Quantize``/``DeQuantize`` nodes sit where int8 regions begin and end, so the model takes and
+    returns float tensors. ``model.lowbit_report`` says what was quantized and what stayed float.
+    An observer that saw no data raises ``RuntimeError`` naming the op.
+    """
+    if not isinstance(model, fx.GraphModule) or STATE_KEY not in getattr(model, "meta", {}):
+        raise TypeError(f"convert_fx: expects a GraphModule returned by prepare_fx or prepare_qat_fx, "
+                        f"got {type(model).__name__}" + ("" if isinstance(model, nn.Module) else " (not an nn.Module)"))
+    if model.meta[STATE_KEY].get("converted"):
+        raise ValueError("convert_fx: this model was already converted")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"convert_fx: inplace must be a bool, got {inplace!r}")
+    if not inplace:
+        model = copy.deepcopy(model)
+    state = model.meta[STATE_KEY]
+    report: FxReport = copy.deepcopy(state["report"])
+    conv = _Converter(model, report)
+    conv.observers()
+    conv.identities()
+    conv.dequantize()
+    for path, how in report.eager.items():
+        if how.startswith("quantized eagerly"):
+            sub = convert(model.get_submodule(path), inplace=True)
+            _set_module(model, path, sub)
+            sub.register_forward_hook(_dequantize_outputs)
+    for m in model.modules():
+        m.__dict__.pop("qconfig", None)
+    model.graph.lint()
+    model.delete_all_unused_submodules()
+    model.recompile()
+    model.meta[STATE_KEY] = {**state, "converted": True, "report": report}
+    model.lowbit_report = report
+    return model.eval()
+

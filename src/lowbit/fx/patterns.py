@@ -1,0 +1,229 @@
+"""What graph mode knows about each op: integer kernels, grid-preserving ops, fusible runs.
+
+Every node of a traced model falls in one of four classes (``classify``):
+
+=============  ==========================================  ====================================
+class          ops                                         after ``convert_fx``
+=============  ==========================================  ====================================
+``module``     modules with a ``lowbit.nn.quantized`` twin  the twin (``from_float``), int in/out
+               (Linear, Conv*, fused markers, QAT modules,
+               ReLU6, Hardswish, Sigmoid, ...)
+``functional`` ``+``/``torch.add``/``operator.add``, mul,   a ``QFunctional`` method on the
+               cat, matmul/bmm, add-relu, scalar add/mul/div observed output grid, int in/out
+``act``        ``F.hardswish``, ``torch.sigmoid``, ...      the quantized activation module
+``share``      relu, flatten, view/reshape/permute,         runs on the codes of its input
+               max-pool, dropout, identity, size/shape      (int stays int, float stays float)
+``float``      everything else (softmax, layer_norm, gelu,  float, a ``DeQuantize`` before it
+               sub, avg-pool, unknown modules ...)
+=============  ==========================================  ====================================
+
+``fuse_graph`` folds the runs ``conv-bn(-relu)``, ``conv-relu``, ``linear-relu``, ``linear-bn``
+and ``bn-relu`` (relu as ``nn.ReLU``, ``F.relu``, ``torch.relu`` or ``.relu()``) into one
+``lowbit.nn.intrinsic`` module via ``lowbit.fuse.fuse_known_modules``, and ``relu(a + b)`` into
+one ``add_relu`` node.
+
+>>> import operator, torch
+>>> canonical_binary("call_function", operator.add), canonical_binary("call_method", "matmul")
+('add', 'matmul')
+>>> is_relu_target("call_function", torch.relu), is_relu_target("call_method", "relu_")
+(True, True)
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ..fuse import fuse_known_modules
+from ..mappings import get_default_static_quant_module_mappings
+from ..nn.quantized import activation as nnq_act
+
+__all__ = ["canonical_binary", "is_relu_target", "fuse_graph", "add_relu", "FUNC_ACTIVATIONS", "is_share_op",
+           "is_dropout", "graph_module_types", "SCALAR_OK"]
+
+# binary ops with a QFunctional twin: target -> method name
+_BINARY_FUNCS: dict[Any, str] = {
+    operator.add: "add", torch.add: "add", operator.mul: "mul", torch.mul: "mul",
+    operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "matmul",
+    operator.truediv: "div", torch.div: "div",
+    torch.cat: "cat", torch.concat: "cat",
+}
+_BINARY_METHODS = {"add": "add", "mul": "mul", "matmul": "matmul", "bmm": "matmul", "div": "div"}
+SCALAR_OK = {"add", "mul", "div"}  # ops with a scalar QFunctional form (add_scalar, mul_scalar)
+
+
+def canonical_binary(op: str, target: Any) -> str | None:
+    """The ``QFunctional`` op (``add``/``mul``/``matmul``/``div``/``cat``) a node computes, or ``None``."""
+    if op == "call_function":
+        return _BINARY_FUNCS.get(target)
+    if op == "call_method":
+        return _BINARY_METHODS.get(target)
+    return None
+
+
+def add_relu(a: Any, b: Any) -> Any:
+    """``relu(a + b)``: the float form of a fused add-relu node in a prepared graph."""
+    return torch.relu(a + b)
+
+
+torch.fx.wrap("add_relu")
+_BINARY_FUNCS[add_relu] = "add_relu"
+
+_RELU_FUNCS = {F.relu, torch.relu, torch.relu_}
+
+
+def is_relu_target(op: str, target: Any, mod: nn.Module | None = None) -> bool:
+    """Whether a node is a ReLU (module, function or method form)."""
+    if op == "call_function":
+        return target in _RELU_FUNCS
+    if op == "call_method":
+        return target in ("relu", "relu_")
+    return op == "call_module" and type(mod) is nn.ReLU
+
+
+# functional activations with a quantized module twin (built on the observed output grid)
+FUNC_ACTIVATIONS: dict[Any, type[nn.Module]] = {
+    F.hardswish: nnq_act.Hardswish, F.hardsigmoid: nnq_act.Hardsigmoid, torch.sigmoid: nnq_act.Sigmoid,
+    F.sigmoid: nnq_act.Sigmoid, torch.tanh: nnq_act.Tanh, F.tanh: nnq_act.Tanh, F.elu: nnq_act.ELU,
+    F.leaky_relu: nnq_act.LeakyReLU, F.relu6: nnq_act.ReLU6,
+}
+_METHOD_ACTIVATIONS = {"sigmoid": nnq_act.Sigmoid, "tanh": nnq_act.Tanh}
+
+# ops that run on QTensor codes (grid-preserving) or produce no tensor
+_SHARE_FUNCS = {F.relu, torch.relu, torch.relu_, torch.flatten, F.max_pool1d, F.max_pool2d, F.max_pool3d,
+                F.adaptive_max_pool2d, F.dropout, torch.dropout, operator.getitem, getattr, len}
+_SHARE_METHODS = {"relu", "relu_", "view", "reshape", "flatten", "permute", "transpose", "contiguous", "size",
+                  "dim", "numel", "detach"}
+_SHARE_MODULES = (nn.ReLU, nn.Identity, nn.Flatten, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.Dropout,
+                  nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+
+def func_activation(op: str, target: Any) -> type[nn.Module] | None:
+    """The quantized activation class for a functional/method activation node, or ``None``."""
+    if op == "call_function":
+        return FUNC_ACTIVATIONS.get(target)
+    if op == "call_method":
+        return _METHOD_ACTIVATIONS.get(target)
+    return None
+
+
+def is_share_op(node: fx.Node, mod: nn.Module | None) -> bool:
+    """Ops that keep their input's domain: int codes stay int on the same grid, float stays float."""
+    if node.op == "call_function":
+        if node.target is getattr:
+            return node.args[1] in ("shape", "device")
+        if node.target is F.max_pool2d or node.target is F.max_pool1d or node.target is F.max_pool3d:
+            return not node.kwargs.get("return_indices", False)
+        return node.target in _SHARE_FUNCS
+    if node.op == "call_method":
+        return node.target in _SHARE_METHODS
+    if node.op == "call_module":
+        from ..stubs import DeQuantStub, QuantStub  # identity markers a user may have left in
+        if isinstance(mod, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)) and mod.return_indices:
+            return False
+        return type(mod) in _SHARE_MODULES or type(mod) in (QuantStub, DeQuantStub)
+    return False
+
+
+def is_dropout(node: fx.Node, mod: nn.Module | None) -> bool:
+    """Dropout (module or function): the identity in an inference graph."""
+    if node.op == "call_function":
+        return node.target in (F.dropout, torch.dropout)
+    return node.op == "call_module" and isinstance(mod, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d))
+
+
+def graph_module_types() -> set[type]:
+    """Module types graph mode converts (the eager static mapping, minus stubs, embeddings, FloatFunctional)."""
+    from ..nn.quantized.functional_modules import FloatFunctional
+    from ..stubs import DeQuantStub, QuantStub
+    skip = {QuantStub, DeQuantStub, FloatFunctional, nn.Embedding, nn.EmbeddingBag}
+    return {t for t in get_default_static_quant_module_mappings() if t not in skip}
+
+
+# ---- fusion ----
+_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_BN_OF = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d, nn.Linear: nn.BatchNorm1d}
+
+
+def _single_user_module(node: fx.Node, modules: dict[str, nn.Module]) -> nn.Module | None:
+    if node.op == "call_module" and len(node.users) == 1:
+        return modules[node.target]  # type: ignore[index]
+    return None
+
+
+def _relu_user(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
+    """``node``'s only user when it is a ReLU taking ``node`` as its sole tensor input."""
+    if len(node.users) != 1:
+        return None
+    (user,) = node.users
+    mod = modules.get(user.target) if user.op == "call_module" else None  # type: ignore[arg-type]
+    if not is_relu_target(user.op, user.target, mod) or not user.args or user.args[0] is not node:
+        return None
+    return user
+
+
+def _set_module(gm: fx.GraphModule, path: str, mod: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(gm.get_submodule(parent) if parent else gm, name, mod)
+
+
+def fuse_graph(gm: fx.GraphModule, is_qat: bool) -> list[str]:
+    """Fuse module runs and add-relu in place; return descriptions of the fused runs."""
+    modules = dict(gm.named_modules())
+    fused: list[str] = []
+    erased: set[fx.Node] = set()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or node in erased:
+            continue
+        first = modules[node.target]
+        if type(first) not in _BN_OF and type(first) not in (nn.BatchNorm2d, nn.BatchNorm3d):
+            continue
+        run, mods = [node], [first]
+        if type(first) in _BN_OF:
+            nxt = next(iter(node.users)) if len(node.users) == 1 else None
+            if nxt is not None and nxt.op == "call_module" and type(modules[nxt.target]) is _BN_OF[type(first)]:
+                run.append(nxt)
+                mods.append(modules[nxt.target])
+        if type(first) in _LAYERS or type(first) in (nn.Linear, nn.BatchNorm2d, nn.BatchNorm3d):
+            relu = _relu_user(run[-1], modules)
+            linear_bn = type(first) is nn.Linear and len(run) == 2
+            if relu is not None and not linear_bn:
+                run.append(relu)
+                mods.append(modules[relu.target] if relu.op == "call_module" else nn.ReLU())
+        if len(run) == 1:
+            continue
+        if any(getattr(m, "qconfig", None) is None for m in mods[:1]):
+            continue  # excluded layers keep their float form
+        new = fuse_known_modules(mods, is_qat=is_qat)[0]
+        new.qconfig = first.qconfig
+        _set_module(gm, node.target, new)
+        modules[node.target] = new
+        run[-1].replace_all_uses_with(node)
+        for n in reversed(run[1:]):
+            gm.graph.erase_node(n)
+            erased.add(n)
+        fused.append(f"{node.target}: {' + '.join(type(m).__name__ for m in mods)} -> {type(new).__name__}")
+    # relu(a + b) -> add_relu(a, b)
+    for node in list(gm.graph.nodes):
+        if node in erased or canonical_binary(node.op, node.target) != "add" or node.kwargs:
+            continue
+        if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+            continue
+        relu = _relu_user(node, modules)
+        if relu is None:
+            continue
+        with gm.graph.inserting_after(node):
+            new_node = gm.graph.call_function(add_relu, tuple(node.args))
+        new_node.meta = dict(node.meta)
+        relu.replace_all_uses_with(new_node)
+        gm.graph.erase_node(relu)
+        gm.graph.erase_node(node)
+        erased.update((relu, node))
+        fused.append(f"{new_node.name}: add + relu -> add_relu")
+    gm.graph.lint()
+    gm.recompile()
+    return fused

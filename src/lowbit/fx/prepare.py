@@ -1,0 +1,274 @@
+"""``prepare_fx`` / ``prepare_qat_fx``: trace, fuse, and insert observers on graph edges.
+
+Steps: (1) every module gets its resolved ``.qconfig`` (``lowbit.quantize.propagate_qconfig_``:
+own attribute > module name > regex > type > parent); (2) ``torch.fx`` traces the model, untraceable
+submodules becoming leaves prepared eager-fashion (``lowbit.prepare`` / ``prepare_qat`` on them);
+(3) module runs and add-relu are fused (``lowbit.fx.patterns``); for QAT, modules are swapped for
+their ``lowbit.nn.qat`` twins; (4) every node is classified (``module``, ``functional``, ``act``,
+``share``, ``float``) and gets its *domain* after convert: ``int`` (a ``QTensor``), ``float`` or
+``other`` (not a float tensor). Observers (``qconfig.activation()``) are inserted as
+``activation_post_process_<i>`` call_module nodes:
+
+- after each int-producing node (all users read the observer: in QAT they see fake-quantized values);
+- after each float-domain tensor that an int op consumes (graph inputs, outputs of float ops):
+  only the int consumers read it; ``convert_fx`` turns it into a ``Quantize`` node.
+
+A functional op's qconfig is ``object_type[function]`` when set, else the qconfig of the module
+whose ``forward`` it was traced in.
+"""
+
+from __future__ import annotations
+
+import copy
+import numbers
+import warnings
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..mappings import get_default_qat_module_mappings
+from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
+from ..quantize import prepare, prepare_qat, propagate_qconfig_
+from .patterns import canonical_binary, func_activation, fuse_graph, graph_module_types, is_share_op
+from .report import FxReport
+from .trace import record_tensor_kinds, trace
+
+__all__ = ["prepare_fx", "prepare_qat_fx", "STATE_KEY"]
+
+STATE_KEY = "lowbit_fx"  # gm.meta key marking a graph prepared by prepare_fx / prepare_qat_fx
+_METHOD_FUNCS = {"add": torch.add, "mul": torch.mul, "matmul": torch.matmul, "bmm": torch.bmm, "div": torch.div,
+                 "relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
+
+
+def _check_args(fn: str, model: Any, example_inputs: Any, inplace: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn}: model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, fx.GraphModule) and STATE_KEY in model.meta:
+        raise ValueError(f"{fn}: this model was already prepared by prepare_fx/prepare_qat_fx; "
+                         "calibrate it and call convert_fx")
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        raise TypeError(f"{fn}: example_inputs must be a tuple of positional inputs (e.g. (x,)), "
+                        f"got {type(example_inputs).__name__}")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"{fn}: inplace must be a bool, got {inplace!r}")
+
+
+def _kinds_in_eval(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -> None:
+    """``record_tensor_kinds`` with every module in eval mode (no BN statistics or observer updates)."""
+    modes = {m: m.training for m in gm.modules()}
+    gm.eval()
+    try:
+        record_tensor_kinds(gm, example_inputs)
+    except Exception as err:
+        raise ValueError(f"prepare_fx: running the traced model on example_inputs failed: "
+                         f"{type(err).__name__}: {err}") from err
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+def _node_qconfig(node: fx.Node, root: nn.Module, mapping: QConfigMapping) -> QConfig | None:
+    """``object_type[function]`` when set, else the qconfig of the enclosing (or own) module."""
+    target = _METHOD_FUNCS.get(node.target, node.target) if node.op == "call_method" else node.target
+    if node.op in ("call_function", "call_method"):
+        try:
+            if target in mapping.object_type_qconfigs:
+                return mapping.object_type_qconfigs[target]
+        except TypeError:  # unhashable target
+            pass
+    scope = node.meta.get("lowbit_scope", "")
+    try:
+        mod = root.get_submodule(scope) if scope else root
+    except AttributeError:
+        mod = root
+    return getattr(mod, "qconfig", None)
+
+
+def _is_scalar(arg: Any) -> bool:
+    if isinstance(arg, fx.Node):
+        return bool(arg.meta.get("lowbit_scalar", False))
+    return isinstance(arg, numbers.Real) and not isinstance(arg, bool)
+
+
+def _ftensor(arg: Any) -> bool:
+    return isinstance(arg, fx.Node) and bool(arg.meta.get("lowbit_ftensor", False))
+
+
+def _functional_op(node: fx.Node) -> str | None:
+    """The QFunctional method for a binary node (``add``, ``add_scalar``, ``cat`` ...), or ``None``."""
+    op = canonical_binary(node.op, node.target)
+    if op is None or not node.meta.get("lowbit_ftensor", False):
+        return None
+    args, kwargs = node.args, dict(node.kwargs)
+    if op == "cat":
+        tensors = args[0] if args else kwargs.pop("tensors", None)
+        dim_ok = set(kwargs) <= {"dim"} and len(args) <= 2
+        ok = isinstance(tensors, (list, tuple)) and len(tensors) > 0 and all(_ftensor(t) for t in tensors)
+        return "cat" if ok and dim_ok else None
+    if kwargs or len(args) != 2:
+        return None
+    a, b = args
+    if op == "add_relu":
+        return op if _ftensor(a) and _ftensor(b) else None
+    if _ftensor(a) and _ftensor(b):
+        return op if op != "div" else None
+    if op in ("add", "mul") and (_ftensor(a) and _is_scalar(b) or _ftensor(b) and _is_scalar(a)):
+        return op + "_scalar"
+    if op == "div" and _ftensor(a) and _is_scalar(b):
+        return "div_scalar"
+    return None
+
+
+def _act_ok(node: fx.Node) -> bool:
+    """A functional activation whose extra arguments the quantized module can take."""
+    if not node.args or not _ftensor(node.args[0]):
+        return False
+    extra = set(node.kwargs) - {"inplace", "negative_slope", "alpha"}
+    return not extra and all(isinstance(a, (numbers.Real, bool)) for a in node.args[1:])
+
+
+def _classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaque: set[str],
+              module_types: set[type], report: FxReport) -> None:
+    """Set ``meta["lowbit_kind"]``, ``["lowbit_qop"]``, ``["lowbit_domain"]`` and ``["lowbit_qconfig"]``."""
+    modules = dict(gm.named_modules())
+    for node in gm.graph.nodes:
+        mod = modules.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
+        qc = getattr(mod, "qconfig", None) if mod is not None else _node_qconfig(node, root, mapping)
+        kind, qop = "float", None
+        if node.op in ("placeholder", "get_attr"):
+            kind = "input"
+        elif node.op == "output":
+            kind = "output"
+        elif node.op == "call_module" and node.target in opaque:
+            kind = "opaque"
+        elif is_share_op(node, mod):
+            kind = "share"
+        elif qc is not None and node.meta.get("lowbit_ftensor", False):
+            if node.op == "call_module" and type(mod) in module_types:
+                kind = "module"
+            elif (qop := _functional_op(node)) is not None:
+                kind = "functional"
+            elif func_activation(node.op, node.target) is not None and _act_ok(node):
+                kind = "act"
+        if kind == "share":
+            src = [a for a in node.all_input_nodes if a.meta.get("lowbit_domain") == "int"]
+            domain = "int" if src and node.meta.get("lowbit_ftensor", False) else "float"
+        else:
+            domain = "int" if kind in ("module", "functional", "act") else "float"
+        if not node.meta.get("lowbit_ftensor", False):
+            domain = "other"
+        node.meta.update(lowbit_kind=kind, lowbit_qop=qop, lowbit_domain=domain, lowbit_qconfig=qc)
+        if kind == "float" and qc is not None and node.op != "get_attr":
+            what = type(mod).__name__ if mod is not None else getattr(node.target, "__name__", str(node.target))
+            report.left_float[node.name] = f"{what} (no integer implementation in graph mode)"
+
+
+def _wants_int(user: fx.Node) -> bool:
+    return user.meta.get("lowbit_kind") in ("module", "functional", "act")
+
+
+def _insert_observers(gm: fx.GraphModule) -> int:
+    """Insert the observer nodes described in the module docstring; return how many."""
+    graph, count = gm.graph, 0
+
+    def add_observer(node: fx.Node, qconfig: QConfig, role: str) -> fx.Node:
+        nonlocal count
+        name = f"activation_post_process_{count}"
+        count += 1
+        gm.add_submodule(name, qconfig.activation())
+        with graph.inserting_after(node):
+            obs = graph.call_module(name, (node,))
+        obs.meta.update(lowbit_kind=role, lowbit_domain="int", lowbit_ftensor=True, lowbit_scalar=False,
+                        lowbit_qconfig=qconfig, lowbit_scope=node.meta.get("lowbit_scope", ""))
+        return obs
+
+    for node in list(graph.nodes):
+        kind = node.meta.get("lowbit_kind")
+        if kind in ("module", "functional", "act"):
+            obs = add_observer(node, node.meta["lowbit_qconfig"], "obs_out")
+            node.replace_all_uses_with(obs, delete_user_cb=lambda u: u is not obs)
+        elif node.meta.get("lowbit_domain") == "float":
+            int_users = [u for u in node.users if _wants_int(u)]
+            if int_users:
+                obs = add_observer(node, int_users[0].meta["lowbit_qconfig"], "obs_in")
+                for u in int_users:
+                    u.replace_input_with(node, obs)
+    return count
+
+
+def _swap_qat(gm: fx.GraphModule, opaque: set[str]) -> None:
+    """Replace float / fused-marker modules by their QAT twins (``get_default_qat_module_mappings``)."""
+    qat_map = get_default_qat_module_mappings()
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or node.target in opaque:
+            continue
+        mod = gm.get_submodule(node.target)
+        if type(mod) in qat_map and getattr(mod, "qconfig", None) is not None:
+            parent, _, name = node.target.rpartition(".")
+            setattr(gm.get_submodule(parent) if parent else gm, name, qat_map[type(mod)].from_float(mod))
+
+
+def _prepare_opaque(gm: fx.GraphModule, opaque: dict[str, str], is_qat: bool, report: FxReport) -> None:
+    for path, err in opaque.items():
+        sub = gm.get_submodule(path)
+        if getattr(sub, "qconfig", None) is None:
+            report.eager[path] = f"left float (qconfig None; torch.fx could not trace it: {err})"
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (prepare_qat if is_qat else prepare)(sub, inplace=True)
+        empty = any("no quantizable module" in str(w.message) for w in caught)
+        how = "left float (no quantizable module inside)" if empty else "quantized eagerly (modules only, float input)"
+        report.eager[path] = f"{how}; torch.fx could not trace it: {err}"
+        warnings.warn(f"prepare_fx: submodule '{path}' ({type(sub).__name__}) cannot be traced by torch.fx ({err}); "
+                      f"it is {how.split(' (')[0]}", stacklevel=4)
+
+
+def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inplace: Any,
+             is_qat: bool) -> fx.GraphModule:
+    _check_args(fn, model, example_inputs, inplace)
+    default = get_default_qat_qconfig_mapping() if is_qat else get_default_qconfig_mapping()
+    mapping = QConfigMapping.from_qconfig(qconfig_mapping, default)
+    if not inplace:
+        model = copy.deepcopy(model)
+    propagate_qconfig_(model, mapping)
+    gm, opaque = trace(model)
+    report = FxReport()
+    _kinds_in_eval(gm, example_inputs)
+    report.fused = fuse_graph(gm, is_qat)
+    module_types = graph_module_types()
+    if is_qat:
+        _swap_qat(gm, set(opaque))
+        module_types |= set(get_default_qat_module_mappings().values())
+    _prepare_opaque(gm, opaque, is_qat, report)
+    _classify(gm, model, mapping, set(opaque), module_types, report)
+    if _insert_observers(gm) == 0 and not report.eager:
+        warnings.warn(f"{fn}(): no quantizable op got a qconfig; convert_fx() will leave this model float",
+                      stacklevel=3)
+    gm.graph.lint()
+    gm.recompile()
+    gm.meta[STATE_KEY] = {"is_qat": is_qat, "report": report}
+    gm.lowbit_report = report
+    return gm.train(is_qat)
+
+
+def prepare_fx(model: nn.Module, qconfig_mapping: Any = None, example_inputs: tuple[Any, ...] | None = None,
+               inplace: bool = False) -> fx.GraphModule:
+    """Trace ``model`` and insert observers for static post-training quantization (eval mode).
+
+    ``qconfig_mapping``: ``None`` (``get_default_qconfig_mapping()``), a ``QConfig``, a
+    ``QConfigMapping`` or a qconfig dict. ``example_inputs`` (a tuple, recommended): one forward
+    pass tells tensors from sizes and scalars (without it a heuristic decides). The model must be
+    in eval mode when it has conv/linear-BN runs (they are folded). Returns a ``GraphModule``
+    whose ``lowbit_report`` lists fused runs, float ops and eager-quantized submodules.
+    """
+    return _prepare("prepare_fx", model, qconfig_mapping, example_inputs, inplace, is_qat=False)
+
+
+def prepare_qat_fx(model: nn.Module, qconfig_mapping: Any = None, example_inputs: tuple[Any, ...] | None = None,
+                   inplace: bool = False) -> fx.GraphModule:
+    """``prepare_fx`` for quantization-aware training: BN runs stay trainable (``nni.qat.ConvBn2d`` ...),
+    layers become ``lowbit.nn.qat`` modules, observers are ``FakeQuantize`` (default
+    ``get_default_qat_qconfig_mapping()``). Returns the ``GraphModule`` in train mode."""
+    return _prepare("prepare_qat_fx", model, qconfig_mapping, example_inputs, inplace, is_qat=True)

@@ -1,0 +1,126 @@
+"""Symbolic tracing for graph mode, robust to submodules that cannot be traced.
+
+``trace(model)`` runs ``torch.fx`` symbolic tracing with ``torch.nn`` and ``lowbit`` modules as
+leaves. When tracing fails inside a submodule (data-dependent control flow such as
+``if x.sum() > 0``, ``len(proxy)``, ...), that innermost submodule becomes a leaf and tracing is
+retried; the paths of such *opaque* submodules are returned so graph mode can quantize them
+eager-fashion. A failure in the root's own ``forward`` raises ``ValueError``.
+
+Every node records the dotted path of the module whose ``forward`` produced it in
+``node.meta["lowbit_scope"]`` (a leaf module's node records its own path).
+
+>>> import torch
+>>> from torch import nn
+>>> class Branchy(nn.Module):
+...     def forward(self, x):
+...         return x * 2 if x.sum() > 0 else x
+>>> m = nn.Sequential(nn.Linear(2, 2), Branchy())
+>>> gm, opaque = trace(m)
+>>> list(opaque), [n.op for n in gm.graph.nodes]
+(['1'], ['placeholder', 'call_module', 'call_module', 'output'])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+__all__ = ["trace", "record_tensor_kinds"]
+
+_MAX_RETRIES = 64
+_LOWBIT_LEAVES = ("lowbit.nn.", "lowbit.observer", "lowbit.fake_quantize", "lowbit.stubs")
+
+
+class _LeafTracer(fx.Tracer):
+    """``torch.nn`` / ``lowbit`` modules and the given ``opaque`` paths are leaves."""
+
+    def __init__(self, opaque: set[str]) -> None:
+        super().__init__()
+        self.opaque = opaque
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.opaque:
+            return True
+        if type(m).__module__.startswith(_LOWBIT_LEAVES):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as err:
+            if not hasattr(err, "_lowbit_culprit"):
+                err._lowbit_culprit = self.path_of_module(m)  # type: ignore[attr-defined]
+            raise
+
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
+                    type_expr: Any = None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        node.meta["lowbit_scope"] = target if kind == "call_module" else self.scope.module_path
+        return node
+
+
+def trace(model: nn.Module) -> tuple[fx.GraphModule, dict[str, str]]:
+    """``(GraphModule, {opaque submodule path: trace error})``; see the module docstring."""
+    opaque: set[str] = set()
+    order: dict[str, str] = {}
+    for _ in range(_MAX_RETRIES):
+        tracer = _LeafTracer(opaque)
+        try:
+            graph = tracer.trace(model)
+        except Exception as err:
+            culprit = getattr(err, "_lowbit_culprit", None)
+            if culprit is None or culprit == "" or culprit in opaque:
+                raise ValueError(
+                    f"prepare_fx: the forward of {type(model).__name__} itself cannot be traced by torch.fx "
+                    f"({type(err).__name__}: {err}); move data-dependent control flow into a submodule "
+                    "(it is then quantized eager-fashion) or use the eager prepare()/convert()"
+                ) from err
+            opaque.add(culprit)
+            order[culprit] = f"{type(err).__name__}: {err}".splitlines()[0]
+            continue
+        name = type(model).__name__
+        return fx.GraphModule(tracer.root, graph, name), order
+    raise ValueError(f"prepare_fx: gave up tracing {type(model).__name__} after {_MAX_RETRIES} untraceable submodules")
+
+
+def record_tensor_kinds(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -> None:
+    """Set ``node.meta["lowbit_ftensor"]`` (the value is a floating-point tensor) and ``["lowbit_scalar"]``.
+
+    With ``example_inputs`` the graph is run once and the values are inspected; without, a
+    heuristic says every node is a float tensor except size/shape queries and arithmetic on them.
+    """
+    if example_inputs is not None:
+        class _Rec(fx.Interpreter):
+            def run_node(self, n: fx.Node) -> Any:
+                out = super().run_node(n)
+                n.meta["lowbit_ftensor"] = isinstance(out, torch.Tensor) and out.is_floating_point()
+                n.meta["lowbit_scalar"] = isinstance(out, (int, float)) and not isinstance(out, bool)
+                return out
+
+        with torch.no_grad():
+            _Rec(gm).run(*example_inputs)
+        for n in gm.graph.nodes:  # nodes not reached (none in a straight-line graph)
+            n.meta.setdefault("lowbit_ftensor", False)
+            n.meta.setdefault("lowbit_scalar", False)
+        return
+    for n in gm.graph.nodes:
+        inputs = [a for a in n.all_input_nodes]
+        if n.op == "call_method" and n.target in ("size", "dim", "numel"):
+            val = False
+        elif n.op == "call_function" and (n.target in (getattr, len) or _is_scalar_math(n, inputs)):
+            val = False
+        elif n.op == "output":
+            val = False
+        else:
+            val = True
+        n.meta["lowbit_ftensor"] = val
+        n.meta["lowbit_scalar"] = not val and n.op != "output"
+
+
+def _is_scalar_math(n: fx.Node, inputs: list[fx.Node]) -> bool:
+    """``operator`` arithmetic whose node inputs are all non-tensors (``x.size(-1) ** 0.5``)."""
+    mod = getattr(n.target, "__module__", None)
+    return mod == "_operator" and bool(inputs) and not any(a.meta.get("lowbit_ftensor", True) for a in inputs)

@@ -1,0 +1,123 @@
+"""Integer kernels behind one interface, with a backend chosen per device (DESIGN §4).
+
+``linear(x, weight, bias, out, relu, cache)`` and ``conv(x, weight, bias, spec, out, relu, cache)``
+take a per-tensor ``QTensor`` input and a per-channel int8 ``QTensor`` weight and return a
+``QTensor`` on ``out`` (an ``OutGrid``), or float32 when ``out`` is ``None`` (dynamic use).
+
+Backends, tried in order until one accepts the case (a backend returns ``NotImplemented`` to
+decline, e.g. oneDNN for a transposed conv):
+
+==============  ===================================================================  ==========
+``onednn``      prepacked u8×s8 GEMM/conv with fused requantization (x86 CPU)         CPU default
+``int_mm``      ``torch._int_mm`` + torch epilogue; linear only                       CUDA default
+``reference``   float simulation (dequantize → float op → requantize), the oracle     last resort
+==============  ===================================================================  ==========
+
+``set_backend(name)`` pins one for the process and ``use_backend(name)`` for a ``with`` block; a
+pinned backend that declines falls back along the automatic chain (never an error). ``counts`` tallies
+what actually ran, keyed ``(backend, op)``, so a caller can check that the int8 path was taken.
+``cache`` is the caller's dict of packed weights (a cache, never module state).
+
+>>> import torch, lowbit as Q
+>>> from lowbit import kernels
+>>> x = Q.quantize_per_tensor(torch.tensor([[1.0, 2.0]]), 0.1, 0, Q.quint8)
+>>> w = Q.quantize_per_channel(torch.tensor([[1.0, -1.0]]), torch.tensor([0.01]), torch.tensor([0]), 0, Q.qint8)
+>>> with kernels.use_backend("reference"):
+...     kernels.linear(x, w, None, kernels.OutGrid(0.05, 128, Q.quint8)).int_repr().tolist()
+[[108]]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections import Counter
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ..qtensor import QTensor
+from . import int_mm, onednn, reference
+from .spec import ConvSpec, OutGrid
+
+__all__ = ["OutGrid", "ConvSpec", "BACKENDS", "counts", "set_backend", "get_backend", "use_backend",
+           "backend_chain", "linear", "conv"]
+
+BACKENDS: dict[str, ModuleType] = {"onednn": onednn, "int_mm": int_mm, "reference": reference}
+counts: Counter[tuple[str, str]] = Counter()
+
+_pinned: contextvars.ContextVar[str | None] = contextvars.ContextVar("lowbit_kernel_backend", default=None)
+_global: list[str | None] = [None]
+
+
+def _check(name: str | None) -> str | None:
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; choose one of {sorted(BACKENDS)} or None (automatic)")
+    return name
+
+
+def set_backend(name: str | None) -> None:
+    """Pin a backend for the whole process (``None``: choose per device)."""
+    _global[0] = _check(name)
+
+
+def get_backend() -> str | None:
+    """The pinned backend name (innermost ``use_backend`` first), or ``None`` for automatic."""
+    return _pinned.get() or _global[0]
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Pin a backend inside a ``with`` block (thread/async-task local)."""
+    token = _pinned.set(_check(name))
+    try:
+        yield
+    finally:
+        _pinned.reset(token)
+
+
+def backend_chain(device: torch.device) -> tuple[ModuleType, ...]:
+    """The backends tried, in order, for tensors on ``device``."""
+    auto = (onednn, int_mm, reference) if device.type == "cpu" else (int_mm, reference)
+    name = get_backend()
+    if name is None:
+        return auto
+    if name == "reference":
+        return (reference,)
+    return (BACKENDS[name],) + tuple(b for b in auto if b.NAME != name)
+
+
+def _check_input(x: Any, weight: Any, op: str) -> None:
+    if not isinstance(x, QTensor):
+        raise TypeError(f"kernels.{op}: x must be a lowbit.QTensor, got {type(x).__name__}")
+    if x.axis is not None:
+        raise ValueError(f"kernels.{op}: x must be quantized per tensor, got a per-channel QTensor (axis={x.axis})")
+    if not isinstance(weight, QTensor) or weight.int_repr().dtype != torch.int8:
+        raise TypeError(f"kernels.{op}: weight must be a QTensor with int8 codes, got {weight!r}")
+
+
+def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None = None, out: OutGrid | None = None,
+           relu: bool = False, cache: dict[str, Any] | None = None) -> QTensor | torch.Tensor:
+    """``relu?(x̂ ŵᵀ + b)`` for ``x`` ``(*, K)`` and ``weight`` ``(N, K)``, on ``out`` or float."""
+    _check_input(x, weight, "linear")
+    for backend in backend_chain(x.device):
+        y = backend.linear(x, weight, bias, out, relu, cache)
+        if y is not NotImplemented:
+            counts[(backend.NAME, "linear")] += 1
+            return y
+    raise AssertionError("the reference backend never declines")  # pragma: no cover
+
+
+def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec, out: OutGrid | None = None,
+         relu: bool = False, cache: dict[str, Any] | None = None) -> QTensor | torch.Tensor:
+    """``relu?(conv(x̂, ŵ) + b)`` (or the transposed conv) for ``x`` ``(N, C, *spatial)``."""
+    _check_input(x, weight, "conv")
+    op = "conv_transpose" if spec.transposed else "conv"
+    for backend in backend_chain(x.device):
+        y = backend.conv(x, weight, bias, spec, out, relu, cache)
+        if y is not NotImplemented:
+            counts[(backend.NAME, op)] += 1
+            return y
+    raise AssertionError("the reference backend never declines")  # pragma: no cover

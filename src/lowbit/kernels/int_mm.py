@@ -1,0 +1,100 @@
+"""Portable backend: ``torch._int_mm`` (int8 × int8 → int32) on CPU and CUDA, epilogue in torch ops.
+
+For ``x`` reshaped to ``(M, K)`` and the weight ``(N, K)``::
+
+    acc[m, n] = Σ_k q_x q_w  -  z_x Σ_k q_w[n]  -  z_w[n] Σ_k q_x[m]  +  K z_x z_w[n]
+              = Σ_k (q_x - z_x)(q_w - z_w)                               # exact int32
+    y         = acc · s_x s_w[n] + bias[n]  (→ relu)  →  requantize onto the output grid
+
+Per-channel weight zero points are supported (the ``z_w`` terms vanish when they are 0). The
+weight is kept ``(N, K)`` contiguous and passed as ``w.t()`` (column-major: the fast layout at small
+M); on CUDA, where ``_int_mm`` needs int8 inputs, ``M > 16`` and ``K, N`` multiples of 8, u8
+activations are shifted to s8 and the operands are zero-padded (padding adds nothing to ``acc``).
+Convolutions are declined (im2col + ``_int_mm`` is slower than float on CPU; see DESIGN §4).
+
+>>> import torch, lowbit as Q
+>>> from lowbit.kernels import int_mm
+>>> x = Q.quantize_per_tensor(torch.tensor([[1.0, 2.0]]), 0.1, 3, Q.quint8)
+>>> w = Q.quantize_per_channel(torch.tensor([[1.0, -1.0]]), torch.tensor([0.01]), torch.tensor([0]), 0, Q.qint8)
+>>> int_mm.linear(x, w, None, None).tolist()
+[[-1.0]]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..functional import quantize
+from ..qtensor import QTensor
+from .spec import ConvSpec, OutGrid
+
+__all__ = ["NAME", "STRICT_DEVICES", "linear", "conv"]
+
+NAME = "int_mm"
+STRICT_DEVICES = {"cuda"}  # device types whose _int_mm needs s8 A, M > 16 and K, N multiples of 8
+
+
+def _pad_to(t: torch.Tensor, dim: int, multiple: int, minimum: int = 0) -> torch.Tensor:
+    n = t.shape[dim]
+    target = max(-(-n // multiple) * multiple, minimum)
+    if target == n:
+        return t
+    shape = list(t.shape)
+    shape[dim] = target - n
+    return torch.cat([t, t.new_zeros(shape)], dim)
+
+
+def _prepare(weight: QTensor, cache: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(w_t, Σ_k q_w per n, z_w or None)``, cached per weight version."""
+    w = weight.int_repr()
+    version = (w.data_ptr(), w._version, w.device)
+    hit = cache.get("int_mm.linear") if cache is not None else None
+    if hit is not None and hit[0] == version:
+        return hit[1]
+    wq = w.to(torch.int8).contiguous()
+    if w.device.type in STRICT_DEVICES:
+        wq = _pad_to(_pad_to(wq, 0, 8), 1, 8)  # (N8, K8)
+    zw = weight.zero_point.to(torch.int32)
+    entry = (wq.t(), w.to(torch.int32).sum(1), zw if bool(zw.any()) else None)
+    if cache is not None:
+        cache["int_mm.linear"] = (version, entry)
+    return entry
+
+
+def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None,
+           relu: bool = False, cache: dict[str, Any] | None = None) -> Any:
+    """Exact int32 ``Σ (q_x - z_x)(q_w - z_w)`` from ``torch._int_mm``, float epilogue; any device."""
+    if x.int_repr().element_size() != 1 or weight.int_repr().dtype != torch.int8 or x.numel() == 0:
+        return NotImplemented
+    w_t, w_sum, zw = _prepare(weight, cache)
+    q = x.int_repr()
+    lead, k = q.shape[:-1], q.shape[-1]
+    q = q.reshape(-1, k)                                              # (M, K)
+    zx = int(x.zero_point)
+    m, n = q.shape[0], weight.shape[0]
+    if q.device.type in STRICT_DEVICES:
+        if q.dtype == torch.uint8:
+            q, zx = q.view(torch.int8).bitwise_xor(-128), zx - 128    # u8 - 128 as s8
+        acc = torch._int_mm(_pad_to(_pad_to(q, 1, 8), 0, 1, 17), w_t)[:m, :n]
+    else:
+        acc = torch._int_mm(q, w_t)                                   # (M, N) int32
+    acc = acc - zx * w_sum                                            # Σ (q_x - z_x) q_w
+    if zw is not None:
+        acc = acc - zw * (q.to(torch.int32).sum(1, keepdim=True)[:m] - k * zx)
+    y = acc.to(torch.float32) * (x.scale * weight.scale)
+    if bias is not None:
+        y = y + bias
+    if relu:
+        y = torch.relu_(y)
+    y = y.reshape(*lead, n)
+    if out is None:
+        return y
+    return QTensor(quantize(y, out.scale, out.zero_point, out.qdtype), out.scale, out.zero_point, out.qdtype)
+
+
+def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec, out: OutGrid | None,
+         relu: bool = False, cache: dict[str, Any] | None = None) -> Any:
+    """Declined: the dispatcher falls back to the reference conv."""
+    return NotImplemented

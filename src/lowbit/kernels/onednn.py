@@ -1,0 +1,180 @@
+"""oneDNN backend (x86 CPU): prepacked s8 weights, u8 activations, int32 accumulation, fused epilogue.
+
+One call per layer: ``torch.ops.onednn.qlinear_pointwise`` / ``qconv_pointwise`` compute::
+
+    acc[m, n] = Σ_k (q_x[m, k] - z_x) · q_w[n, k]                   # int32, u8 × s8 (VNNI)
+    y[m, n]   = acc · s_x · s_w[n] + bias[n]   (→ relu)              # fused epilogue
+    q_y       = clamp(round(y / s_out) + z_out)                     # fused requantization (or y)
+
+Weights are packed once (``qlinear_prepack`` / ``qconv_prepack``) into the caller's ``cache`` and
+repacked only when the weight tensor changes (its ``data_ptr``/``_version``). qint8 activations
+are shifted to u8 (``q + 128``, ``z + 128``): oneDNN's s8-source path is its slow reference kernel.
+
+Declines (returns ``NotImplemented``, the dispatcher falls back): non-CPU tensors, weight zero
+points other than 0 (oneDNN ignores them), transposed convs and empty inputs.
+
+Saturation on CPUs **without VNNI/AMX**: they multiply with ``vpmaddubsw``, which adds two u8·s8
+products into a *saturating* int16, so one call is exact only when ``255 · (w_a + w_b)`` fits int16
+for every pair of same-sign weights of a channel (``saturation_safe``; 7-bit weights always are).
+For other weights, ``linear`` declines (``int_mm`` is exact there) and ``conv`` splits the
+activations into two 7-bit halves (``_split_conv``: two exact convs). VNNI/AMX CPUs (``vpdpbusd``,
+32-bit accumulation) are exact for every int8 weight in one call.
+
+>>> from lowbit.kernels import onednn
+>>> isinstance(onednn.has_vnni(), bool)
+True
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ..functional import quantize
+from ..qtensor import QTensor
+from .spec import ConvSpec, OutGrid
+
+__all__ = ["NAME", "available", "has_vnni", "saturation_safe", "linear", "conv"]
+
+NAME = "onednn"
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether torch was built with the oneDNN quantized ops (x86 builds)."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+@functools.lru_cache(maxsize=None)
+def has_vnni() -> bool:
+    """Whether this CPU has a non-saturating u8×s8 dot product (AVX512-VNNI, AVX-VNNI or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def saturation_safe(weight_codes: torch.Tensor) -> bool:
+    """Whether ``vpmaddubsw`` (u8 × s8 pairs into a saturating int16) is exact for these weights.
+
+    For every output channel (dim 0), the two largest positive codes and the two most negative
+    codes must each sum to at most 128 in magnitude: ``255 · 128 = 32640 ≤ 32767``.
+    """
+    w = weight_codes.reshape(weight_codes.shape[0], -1).to(torch.int32)
+    if w.shape[1] < 2:
+        return True
+    pos = w.clamp(min=0).topk(2, dim=1).values.sum(1)
+    neg = (-w).clamp(min=0).topk(2, dim=1).values.sum(1)
+    return bool((pos <= 128).all() and (neg <= 128).all())
+
+
+def _as_u8(x: QTensor) -> tuple[torch.Tensor, float, int]:
+    """u8 codes, scale and zero point of a per-tensor 8-bit QTensor (qint8 shifted by +128)."""
+    q, zp = x.int_repr(), int(x.zero_point)
+    if q.dtype == torch.int8:
+        q, zp = q.view(torch.uint8).bitwise_xor(128), zp + 128
+    return q, float(x.scale), zp
+
+
+def _packed(cache: dict[str, Any] | None, key: str, weight: QTensor, pack: Any) -> Any:
+    """``(packed weight, needs_split)`` for ``weight`` (``None`` if declined), built once per weight version.
+
+    ``needs_split``: this CPU's u8×s8 product could saturate for these weights (no VNNI and not
+    ``saturation_safe``).
+    """
+    w = weight.int_repr()
+    version = (w.data_ptr(), w._version, w.device)
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit[0] == version:
+        return hit[1]
+    ok = w.device.type == "cpu" and w.dtype == torch.int8 and available() and not bool(weight.zero_point.any())
+    packed = (pack(w), not (has_vnni() or saturation_safe(w))) if ok else None
+    if cache is not None:
+        cache[key] = (version, packed)
+    return packed
+
+
+def _epilogue(out: OutGrid | None) -> tuple[float, int, torch.dtype]:
+    if out is None:
+        return 1.0, 0, torch.float32
+    return out.scale, out.zero_point, out.qdtype.storage
+
+
+def _wrap(y: torch.Tensor, out: OutGrid | None) -> QTensor | torch.Tensor:
+    if out is None:
+        return y
+    if not out.full_range:
+        y = y.clamp_(out.qdtype.quant_min, out.qdtype.quant_max)
+    return QTensor(y, out.scale, out.zero_point, out.qdtype)
+
+
+def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None,
+           relu: bool = False, cache: dict[str, Any] | None = None) -> Any:
+    """``int8 x (…, K) · int8 wᵀ (K, N)`` through ``onednn::qlinear_pointwise``; ``NotImplemented`` if declined."""
+    if x.device.type != "cpu" or x.numel() == 0 or x.int_repr().element_size() != 1:
+        return NotImplemented
+    entry = _packed(cache, "onednn.linear", weight, lambda w: torch.ops.onednn.qlinear_prepack(w, None))
+    if entry is None or entry[1]:  # saturation risk: int_mm is exact and cheaper than two GEMMs
+        return NotImplemented
+    packed = entry[0]
+    q, sx, zx = _as_u8(x)
+    s_out, z_out, dt = _epilogue(out)
+    y = torch.ops.onednn.qlinear_pointwise(q, sx, zx, packed, weight.scale, weight.zero_point, bias, s_out, z_out,
+                                           dt, "relu" if relu else "none", [], "")
+    return _wrap(y, out)
+
+
+def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec, out: OutGrid | None,
+         relu: bool = False, cache: dict[str, Any] | None = None) -> Any:
+    """N-d int8 convolution through ``onednn::qconv_pointwise`` (channels-last output)."""
+    if spec.transposed or x.device.type != "cpu" or x.numel() == 0 or x.int_repr().element_size() != 1:
+        return NotImplemented
+    stride, padding, dilation = list(spec.stride), list(spec.padding), list(spec.dilation)
+
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        # x_scale / x_zp given to prepack do not enter the packed weight (checked in the tests)
+        return torch.ops.onednn.qconv_prepack(w, weight.scale, 1.0, 0, stride, padding, dilation, spec.groups, None)
+
+    entry = _packed(cache, "onednn.conv", weight, pack)
+    if entry is None:
+        return NotImplemented
+    packed, split = entry
+    q, sx, zx = _as_u8(x)
+
+    def run(codes: torch.Tensor, zp: int, b: torch.Tensor | None, s_out: float, z_out: int, dt: torch.dtype,
+            post: str) -> torch.Tensor:
+        return torch.ops.onednn.qconv_pointwise(codes, sx, zp, packed, weight.scale, weight.zero_point, b, stride,
+                                                padding, dilation, spec.groups, s_out, z_out, dt, post, [], "")
+
+    if split:
+        return _split_conv(run, q, zx, bias, out, relu)
+    s_out, z_out, dt = _epilogue(out)
+    fuse = relu and spec.dim != 3  # oneDNN's conv3d has no fused relu
+    y = run(q, zx, bias, s_out, z_out, dt, "relu" if fuse else "none")
+    if relu and not fuse:  # quantize is monotone with quantize(0) = z_out, so relu commutes with it
+        y = y.relu_() if out is None else y.clamp_(min=out.zero_point)
+    return _wrap(y, out)
+
+
+def _split_conv(run: Any, q: torch.Tensor, zx: int, bias: torch.Tensor | None, out: OutGrid | None,
+                relu: bool) -> QTensor | torch.Tensor:
+    """Exact int8 conv on CPUs whose u8×s8 pairs saturate: two 7-bit-activation convs.
+
+    ``q - z = 2 (q_hi - z_hi) + (q_lo - z_lo)`` with ``q_hi = q >> 1 ≤ 127`` and ``q_lo = q & 1``, so
+    neither call can saturate (``127 · 2 · 128 < 2¹⁵``); padding stays exact because each call pads
+    with its own zero point. Costs two convs plus a float epilogue (about fp32 speed on AVX2).
+    """
+    hi = run(q.bitwise_right_shift(1), zx >> 1, None, 1.0, 0, torch.float32, "none")
+    lo = run(q.bitwise_and(1), zx & 1, None, 1.0, 0, torch.float32, "none")
+    y = hi.mul_(2).add_(lo)
+    if bias is not None:
+        y = y.add_(bias.reshape(1, -1, *([1] * (y.dim() - 2))))
+    if relu:
+        y = y.relu_()
+    if out is None:
+        return y
+    return QTensor(quantize(y, out.scale, out.zero_point, out.qdtype), out.scale, out.zero_point, out.qdtype)

@@ -1,0 +1,62 @@
+"""Reference backend: the float simulation every fast backend is tested against (the oracle).
+
+For an input ``x̂ = (q_x - z_x) s_x`` (per tensor) and a weight ``ŵ = (q_w - z_w) s_w`` (per output
+channel)::
+
+    y   = op(x̂, ŵ) + bias                    # op: F.linear / F.convNd / F.conv_transposeNd, float32
+    y   = relu(y)                            # if fused
+    q_y = clamp(round_half_even(y / s_out) + z_out, qmin, qmax)    # or y itself for a float output
+
+Runs on any device and covers every case (ConvTranspose, affine weights, custom grids).
+
+>>> import torch, lowbit as Q
+>>> from lowbit.kernels import reference, OutGrid
+>>> x = Q.quantize_per_tensor(torch.tensor([[1.0, 2.0]]), 0.1, 0, Q.quint8)
+>>> w = Q.quantize_per_channel(torch.tensor([[1.0, -1.0]]), torch.tensor([0.01]), torch.tensor([0]), 0, Q.qint8)
+>>> reference.linear(x, w, None, OutGrid(0.05, 128, Q.quint8)).int_repr().tolist()
+[[108]]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..functional import quantize
+from ..qtensor import QTensor
+from .spec import ConvSpec, OutGrid
+
+__all__ = ["NAME", "linear", "conv"]
+
+NAME = "reference"
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def _finish(y: torch.Tensor, out: OutGrid | None, relu: bool) -> QTensor | torch.Tensor:
+    if relu:
+        y = torch.relu(y)
+    if out is None:
+        return y
+    return QTensor(quantize(y, out.scale, out.zero_point, out.qdtype), out.scale, out.zero_point, out.qdtype)
+
+
+def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None,
+           relu: bool = False, cache: dict[str, Any] | None = None) -> QTensor | torch.Tensor:
+    """``y = x̂ ŵᵀ + b`` in float32, then requantized onto ``out`` (or returned as float)."""
+    return _finish(F.linear(x.dequantize(), weight.dequantize(), bias), out, relu)
+
+
+def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec, out: OutGrid | None,
+         relu: bool = False, cache: dict[str, Any] | None = None) -> QTensor | torch.Tensor:
+    """``y = conv(x̂, ŵ) + b`` (or the transposed conv) in float32, then requantized onto ``out``."""
+    xf, wf = x.dequantize(), weight.dequantize()
+    if spec.transposed:
+        y = _CONV_T[spec.dim](xf, wf, bias, spec.stride, spec.padding, spec.output_padding, spec.groups,
+                              spec.dilation)
+    else:
+        y = _CONV[spec.dim](xf, wf, bias, spec.stride, spec.padding, spec.dilation, spec.groups)
+    return _finish(y, out, relu)

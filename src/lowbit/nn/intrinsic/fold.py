@@ -1,0 +1,59 @@
+"""Folding a BatchNorm into the weight and bias of the conv / linear before it.
+
+With ``s = gamma / sqrt(running_var + eps)`` (``gamma = 1`` for a non-affine BN)::
+
+    W'[c] = W[c] * s[c]                      # c: the output-channel axis (1 for ConvTranspose)
+    b'    = (b - running_mean) * s + beta    # b = 0 when the layer has no bias
+
+so ``bn_eval(layer(x)) == layer'(x)`` exactly up to float rounding.
+
+>>> import torch
+>>> from torch import nn
+>>> conv, bn = nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3).eval()
+>>> bn.running_mean.uniform_(-1, 1); bn.running_var.uniform_(0.5, 2)  # doctest: +ELLIPSIS
+tensor(...)
+tensor(...)
+>>> w, b = fold_bn_weights(conv.weight, conv.bias, bn)
+>>> x = torch.randn(1, 2, 6, 6)
+>>> torch.allclose(bn(conv(x)), torch.nn.functional.conv2d(x, w, b), atol=1e-5)
+True
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["fold_bn_weights", "bn_scale"]
+
+
+def bn_scale(bn: nn.modules.batchnorm._BatchNorm) -> torch.Tensor:
+    """``gamma / sqrt(running_var + eps)`` of ``bn``, shape ``(C,)`` (differentiable in gamma)."""
+    if bn.running_var is None:
+        raise ValueError(f"cannot fold {type(bn).__name__} with track_running_stats=False: "
+                         "it has no running statistics")
+    std = torch.sqrt(bn.running_var + bn.eps)
+    return (bn.weight if bn.weight is not None else torch.ones_like(std)) / std
+
+
+def fold_bn_weights(
+    weight: torch.Tensor, bias: torch.Tensor | None, bn: nn.modules.batchnorm._BatchNorm, transpose: bool = False,
+    groups: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(W', b')`` of the layer ``bn(layer(x))`` with ``bn`` in eval mode (see module doc).
+
+    ``weight``: ``(C_out, ...)``, or ``(C_in, C_out/groups, ...)`` with ``transpose=True``, where
+    output channel ``g*(C_out/groups) + j`` owns the rows of group ``g`` at column ``j``.
+    """
+    s = bn_scale(bn)  # (C_out,)
+    c = weight.shape[1] * groups if transpose else weight.shape[0]
+    if s.numel() != c:
+        raise ValueError(f"cannot fold {type(bn).__name__}({s.numel()}) into a layer with {c} output channels")
+    b = bias if bias is not None else torch.zeros_like(s)
+    beta = bn.bias if bn.bias is not None else torch.zeros_like(s)
+    b_fold = (b - bn.running_mean) * s + beta
+    if not transpose:
+        return weight * s.reshape([-1] + [1] * (weight.dim() - 1)), b_fold
+    cin, cout_g, *k = weight.shape
+    w = weight.reshape(groups, cin // groups, cout_g, *k) * s.reshape(groups, 1, cout_g, *[1] * len(k))
+    return w.reshape(weight.shape), b_fold

@@ -1,0 +1,61 @@
+"""Float fused markers: ``nn.Sequential`` subclasses naming a pattern the workflows treat as one op.
+
+``fuse_modules`` / ``fuse_modules_qat`` build them; ``prepare`` observes only their output (never
+their children); ``prepare_qat`` swaps them for ``lowbit.nn.intrinsic.qat`` modules; ``convert``
+swaps them for ``lowbit.nn.quantized`` modules. Their float forward is the plain composition
+``y = m[-1](...m[1](m[0](x)))`` so a fused float model computes exactly what the unfused one did.
+
+>>> import torch
+>>> from torch import nn
+>>> import lowbit.nn.intrinsic as nni
+>>> m = nni.ConvReLU2d(nn.Conv2d(1, 2, 3), nn.ReLU())
+>>> bool((m(torch.randn(1, 1, 5, 5)) >= 0).all())
+True
+>>> nni.ConvReLU2d(nn.Conv1d(1, 2, 3), nn.ReLU())
+Traceback (most recent call last):
+...
+TypeError: ConvReLU2d expects (Conv2d, ReLU), got (Conv1d, ReLU)
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = [
+    "FusedModule", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "LinearReLU",
+    "ConvBn1d", "ConvBn2d", "ConvBn3d", "ConvBnReLU1d", "ConvBnReLU2d", "ConvBnReLU3d",
+    "LinearBn1d", "BNReLU2d", "BNReLU3d",
+]
+
+
+class FusedModule(nn.Sequential):
+    """Base of every fused marker; ``_types`` lists the exact child types, in order."""
+
+    _types: tuple[type[nn.Module], ...] = ()
+
+    def __init__(self, *mods: nn.Module) -> None:
+        got = tuple(type(m) for m in mods)
+        if len(mods) != len(self._types) or not all(isinstance(m, t) for m, t in zip(mods, self._types)):
+            want = ", ".join(t.__name__ for t in self._types)
+            have = ", ".join(t.__name__ for t in got)
+            raise TypeError(f"{type(self).__name__} expects ({want}), got ({have})")
+        super().__init__(*mods)
+
+
+def _marker(name: str, types: tuple[type[nn.Module], ...], doc: str) -> type[FusedModule]:
+    return type(name, (FusedModule,), {"_types": types, "__doc__": doc, "__module__": __name__})
+
+
+ConvReLU1d = _marker("ConvReLU1d", (nn.Conv1d, nn.ReLU), "``relu(conv1d(x))``.")
+ConvReLU2d = _marker("ConvReLU2d", (nn.Conv2d, nn.ReLU), "``relu(conv2d(x))``.")
+ConvReLU3d = _marker("ConvReLU3d", (nn.Conv3d, nn.ReLU), "``relu(conv3d(x))``.")
+LinearReLU = _marker("LinearReLU", (nn.Linear, nn.ReLU), "``relu(linear(x))``.")
+ConvBn1d = _marker("ConvBn1d", (nn.Conv1d, nn.BatchNorm1d), "``bn(conv1d(x))`` (kept unfolded for QAT).")
+ConvBn2d = _marker("ConvBn2d", (nn.Conv2d, nn.BatchNorm2d), "``bn(conv2d(x))`` (kept unfolded for QAT).")
+ConvBn3d = _marker("ConvBn3d", (nn.Conv3d, nn.BatchNorm3d), "``bn(conv3d(x))`` (kept unfolded for QAT).")
+ConvBnReLU1d = _marker("ConvBnReLU1d", (nn.Conv1d, nn.BatchNorm1d, nn.ReLU), "``relu(bn(conv1d(x)))``.")
+ConvBnReLU2d = _marker("ConvBnReLU2d", (nn.Conv2d, nn.BatchNorm2d, nn.ReLU), "``relu(bn(conv2d(x)))``.")
+ConvBnReLU3d = _marker("ConvBnReLU3d", (nn.Conv3d, nn.BatchNorm3d, nn.ReLU), "``relu(bn(conv3d(x)))``.")
+LinearBn1d = _marker("LinearBn1d", (nn.Linear, nn.BatchNorm1d), "``bn(linear(x))`` (kept unfolded for QAT).")
+BNReLU2d = _marker("BNReLU2d", (nn.BatchNorm2d, nn.ReLU), "``relu(bn2d(x))``.")
+BNReLU3d = _marker("BNReLU3d", (nn.BatchNorm3d, nn.ReLU), "``relu(bn3d(x))``.")

@@ -1,0 +1,23 @@
+"""QAT fused modules (``import lowbit.nn.intrinsic.qat as nniqat``) and the BN-statistics schedule helpers."""
+
+from .modules import (
+    ConvBn1d,
+    ConvBn2d,
+    ConvBn3d,
+    ConvBnReLU1d,
+    ConvBnReLU2d,
+    ConvBnReLU3d,
+    ConvReLU1d,
+    ConvReLU2d,
+    ConvReLU3d,
+    LinearBn1d,
+    LinearReLU,
+    freeze_bn_stats,
+    update_bn_stats,
+)
+
+__all__ = [
+    "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "LinearReLU",
+    "ConvBn1d", "ConvBn2d", "ConvBn3d", "ConvBnReLU1d", "ConvBnReLU2d", "ConvBnReLU3d", "LinearBn1d",
+    "freeze_bn_stats", "update_bn_stats",
+]

@@ -1,0 +1,27 @@
+"""QAT module family (``import lowbit.nn.qat as nnqat``).
+
+Weight fake-quant is inside each module; the output fake-quant is added by ``prepare_qat``.
+
+``LinearReLU`` and ``ConvReLU1d/2d/3d`` live in ``lowbit.nn.intrinsic.qat`` (torch.ao's home for
+them) and are also reachable here, where the seeds list them.
+
+>>> import lowbit.nn.qat as nnqat
+>>> nnqat.ConvReLU2d.__mro__[1] is nnqat.Conv2d
+True
+"""
+
+from typing import Any
+
+from .modules import Conv1d, Conv2d, Conv3d, Embedding, Linear
+
+__all__ = ["Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "LinearReLU", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d"]
+
+_FUSED = ("LinearReLU", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FUSED:  # imported lazily: lowbit.nn.intrinsic.qat builds on this package
+        from ..intrinsic import qat as nniqat
+
+        return getattr(nniqat, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

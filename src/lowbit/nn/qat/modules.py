@@ -1,0 +1,183 @@
+"""QAT modules: float layers whose weight passes through a ``FakeQuantize`` on every forward.
+
+For weight ``W`` and ``wfq = qconfig.weight()`` (a ``FakeQuantize``)::
+
+    Linear:    y = x @ wfq(W).T + b
+    ConvNd:    y = convNd(x, wfq(W), b)          # padding (incl. 'same'/'valid') and padding_mode kept
+    Embedding: y = wfq(W)[idx]
+
+``wfq`` rounds in the forward pass and passes the gradient straight through (STE), so training
+adapts the weights to the int8 grid. The *output* fake-quant is not part of these modules:
+``prepare_qat`` attaches ``activation_post_process`` (from ``qconfig.activation``) as an output
+hook, exactly as ``prepare`` attaches observers. ``from_float(mod)`` reads ``mod.qconfig`` and
+**shares** ``mod``'s ``Parameter`` objects; ``to_float()`` gives back a plain float module.
+
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> import lowbit.nn.qat as nnqat
+>>> lin = nn.Linear(4, 3); lin.qconfig = Q.get_default_qat_qconfig()
+>>> q = nnqat.Linear.from_float(lin)
+>>> q.weight is lin.weight, q(torch.randn(2, 4)).shape
+(True, torch.Size([2, 3]))
+>>> nnqat.Linear(4, 3)
+Traceback (most recent call last):
+...
+ValueError: lowbit.nn.qat.Linear needs a qconfig (got None): pass qconfig= or set mod.qconfig before from_float
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...qconfig import QConfig
+
+__all__ = ["Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "init_weight_fake_quant"]
+
+
+def init_weight_fake_quant(mod: nn.Module, qconfig: Any) -> None:
+    """Validate ``qconfig`` and give ``mod`` its ``qconfig`` and ``weight_fake_quant = qconfig.weight()``."""
+    owner = f"lowbit.nn.qat.{type(mod).__name__}"
+    if qconfig is None:
+        raise ValueError(f"{owner} needs a qconfig (got None): pass qconfig= or set mod.qconfig before from_float")
+    if not isinstance(qconfig, QConfig):
+        raise TypeError(f"{owner}: qconfig must be a lowbit QConfig, got {type(qconfig).__name__}")
+    mod.qconfig = qconfig
+    mod.weight_fake_quant = qconfig.weight()
+
+
+def _check_float(cls: type, mod: nn.Module, float_types: tuple[type, ...]) -> None:
+    if type(mod) not in float_types:
+        want = " or ".join(t.__name__ for t in float_types)
+        raise TypeError(f"{cls.__name__}.from_float expects {want}, got {type(mod).__name__}")
+
+
+class Linear(nn.Linear):
+    """``y = x @ wfq(W).T + b``; same constructor as ``nn.Linear`` plus ``qconfig`` (required)."""
+
+    _FLOAT_TYPES: tuple[type, ...] = (nn.Linear,)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, qconfig: QConfig | None = None,
+                 device: Any = None, dtype: Any = None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        init_weight_fake_quant(self, qconfig)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight_fake_quant(self.weight), self.bias)
+
+    @classmethod
+    def _float_core(cls, mod: nn.Module) -> nn.Linear:
+        _check_float(cls, mod, cls._FLOAT_TYPES)
+        return mod[0] if isinstance(mod, nn.Sequential) else mod
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> Linear:
+        """QAT twin of ``mod`` (``nn.Linear``) sharing its parameters; ``mod.qconfig`` must be set."""
+        lin = cls._float_core(mod)
+        q = cls(lin.in_features, lin.out_features, lin.bias is not None, qconfig=getattr(mod, "qconfig", None),
+                device=lin.weight.device, dtype=lin.weight.dtype)
+        q.weight, q.bias = lin.weight, lin.bias
+        return q.train(mod.training)
+
+    def to_float(self) -> nn.Module:
+        """A plain ``nn.Linear`` with this module's current weights (no fake-quant)."""
+        lin = nn.Linear(self.in_features, self.out_features, self.bias is not None,
+                        device=self.weight.device, dtype=self.weight.dtype)
+        lin.weight = nn.Parameter(self.weight.detach())
+        if self.bias is not None:
+            lin.bias = nn.Parameter(self.bias.detach())
+        return lin.train(self.training)
+
+
+class _ConvNd:
+    """Mixin over ``nn.ConvNd``: ``convNd(x, wfq(W), b)`` with the float conv's padding rules."""
+
+    _FLOAT_TYPES: tuple[type, ...] = ()
+    _FLOAT_CONV: type[nn.Module] = nn.Module
+
+    def __init__(self, *args: Any, qconfig: QConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        init_weight_fake_quant(self, qconfig)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(x, self.weight_fake_quant(self.weight), self.bias)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def conv_kwargs(conv: nn.Module) -> dict[str, Any]:
+        """Constructor arguments reproducing ``conv`` (string padding and ``padding_mode`` included)."""
+        return dict(in_channels=conv.in_channels, out_channels=conv.out_channels, kernel_size=conv.kernel_size,
+                    stride=conv.stride, padding=conv.padding, dilation=conv.dilation, groups=conv.groups,
+                    bias=conv.bias is not None, padding_mode=conv.padding_mode,
+                    device=conv.weight.device, dtype=conv.weight.dtype)
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> Any:
+        """QAT twin of ``mod`` (a float conv, or a fused marker led by one) sharing its parameters."""
+        _check_float(cls, mod, cls._FLOAT_TYPES)
+        conv = mod[0] if isinstance(mod, nn.Sequential) else mod
+        q = cls(**cls.conv_kwargs(conv), qconfig=getattr(mod, "qconfig", None))
+        q.weight, q.bias = conv.weight, conv.bias
+        return q.train(mod.training)
+
+    def to_float(self) -> nn.Module:
+        """A plain float conv with this module's current weights (no fake-quant)."""
+        conv = self._FLOAT_CONV(**_ConvNd.conv_kwargs(self))  # type: ignore[arg-type]
+        conv.weight = nn.Parameter(self.weight.detach())  # type: ignore[attr-defined]
+        if self.bias is not None:  # type: ignore[attr-defined]
+            conv.bias = nn.Parameter(self.bias.detach())  # type: ignore[attr-defined]
+        return conv.train(self.training)  # type: ignore[attr-defined]
+
+
+class Conv1d(_ConvNd, nn.Conv1d):
+    """QAT ``nn.Conv1d``: ``Conv1d(*conv_args, qconfig=qc, **conv_kwargs)``."""
+
+    _FLOAT_TYPES = (nn.Conv1d,)
+    _FLOAT_CONV = nn.Conv1d
+
+
+class Conv2d(_ConvNd, nn.Conv2d):
+    """QAT ``nn.Conv2d``: ``Conv2d(*conv_args, qconfig=qc, **conv_kwargs)``."""
+
+    _FLOAT_TYPES = (nn.Conv2d,)
+    _FLOAT_CONV = nn.Conv2d
+
+
+class Conv3d(_ConvNd, nn.Conv3d):
+    """QAT ``nn.Conv3d``: ``Conv3d(*conv_args, qconfig=qc, **conv_kwargs)``."""
+
+    _FLOAT_TYPES = (nn.Conv3d,)
+    _FLOAT_CONV = nn.Conv3d
+
+
+class Embedding(nn.Embedding):
+    """``y = wfq(W)[idx]``: the table is fake-quantized (per row with the default qconfig); no output fake-quant."""
+
+    _EMB_ATTRS = ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
+                 qconfig: QConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(num_embeddings, embedding_dim, padding_idx, **kwargs)
+        init_weight_fake_quant(self, qconfig)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.embedding(x, self.weight_fake_quant(self.weight), self.padding_idx, self.max_norm,
+                           self.norm_type, self.scale_grad_by_freq, self.sparse)
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> Embedding:
+        """QAT twin of an ``nn.Embedding`` sharing its table; ``mod.qconfig`` must be set."""
+        _check_float(cls, mod, (nn.Embedding,))
+        kw = {a: getattr(mod, a) for a in cls._EMB_ATTRS}
+        q = cls(mod.num_embeddings, mod.embedding_dim, qconfig=getattr(mod, "qconfig", None), **kw,
+                device=mod.weight.device, dtype=mod.weight.dtype)
+        q.weight = mod.weight
+        return q.train(mod.training)
+
+    def to_float(self) -> nn.Embedding:
+        """A plain ``nn.Embedding`` with this module's current table."""
+        emb = nn.Embedding(self.num_embeddings, self.embedding_dim, **{a: getattr(self, a) for a in self._EMB_ATTRS},
+                           _weight=self.weight.detach())
+        return emb.train(self.training)

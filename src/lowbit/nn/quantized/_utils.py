@@ -1,0 +1,259 @@
+"""Shared helpers of the static quantized modules: weight quantization, output grid, input coercion.
+
+Weight (per output channel ``c`` along ``ch_axis``)::
+
+    (s_w, z_w) = observer.calculate_qparams()     # after observer(W), or a QAT weight_fake_quant's
+    q_w        = clamp(round(W / s_w[c]) + z_w[c], qmin, qmax)       # int8 codes
+
+A per-tensor weight observer's scalar qparams are broadcast to every channel, so a quantized
+module always stores ``(C,)`` scales and zero points.
+
+>>> import torch, lowbit as Q
+>>> from lowbit.nn.quantized._utils import quantize_weight, as_qtensor
+>>> from lowbit.observer import PerChannelMinMaxObserver
+>>> w = torch.tensor([[1.0, -0.5], [0.2, 0.1]])
+>>> obs = PerChannelMinMaxObserver(ch_axis=0)
+>>> _ = obs(w)
+>>> quantize_weight(w, obs, 0).int_repr().tolist()
+[[127, -64], [127, 64]]
+>>> as_qtensor(torch.tensor([0.0, 1.0]), None, "Linear").qdtype
+lowbit.quint8
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...functional import quantize
+from ...kernels import OutGrid
+from ...qparams import calculate_qparams
+from ...qscheme import QDtype, QScheme, as_qdtype, per_tensor_affine, quint8
+from ...qtensor import QTensor, quantize_per_channel
+
+__all__ = ["quantize_weight", "weight_qparams", "weight_qscheme", "output_qparams", "as_qtensor", "float_op",
+           "check_out_grid", "WeightedQuantModule", "InputGrid"]
+
+InputGrid = tuple[float, int, QDtype]
+
+
+def weight_qparams(weight: torch.Tensor, mod: nn.Module, ch_axis: int, where: str) -> Any:
+    """The weight observer (or fake-quant) for ``mod``, already fed ``weight``.
+
+    A QAT module's ``weight_fake_quant`` is used as is (it observes ``weight`` once more only if its
+    observer is enabled, as in ``torch.ao``); otherwise ``mod.qconfig.weight()`` builds a fresh
+    observer. For a per-channel observer whose ``ch_axis`` is 0 while the weight's channel axis is
+    ``ch_axis`` (ConvTranspose: 1), the weight is observed with that axis moved to the front.
+    """
+    obs = getattr(mod, "weight_fake_quant", None)
+    if obs is None:
+        qconfig = getattr(mod, "qconfig", None)
+        if qconfig is None:
+            raise ValueError(f"{where}.from_float: {type(mod).__name__} has no qconfig (run prepare first)")
+        obs = qconfig.weight()
+    with torch.no_grad():
+        axis = getattr(obs, "ch_axis", None)
+        obs(weight.detach().movedim(ch_axis, 0) if axis == 0 and ch_axis != 0 else weight.detach())
+    return obs
+
+
+def quantize_weight(weight: torch.Tensor, observer: Any, ch_axis: int) -> QTensor:
+    """Quantize a float weight with ``observer``'s qparams into a per-channel int8 ``QTensor``."""
+    scale, zero_point = observer.calculate_qparams()
+    qdtype = as_qdtype(observer.qdtype)
+    if qdtype.storage != torch.int8:
+        raise ValueError(f"quantized weights must be signed 8-bit codes, got a {qdtype!r} weight observer "
+                         f"({type(observer).__name__}); use qint8 (optionally with_range(-127, 127))")
+    c = weight.shape[ch_axis]
+    scale = scale.detach().to(torch.float32).reshape(-1)
+    zero_point = zero_point.detach().to(torch.int64).reshape(-1)
+    if scale.numel() == 1:
+        scale, zero_point = scale.expand(c).clone(), zero_point.expand(c).clone()
+    if scale.numel() != c:
+        raise ValueError(f"weight observer {type(observer).__name__} gave {scale.numel()} scales for "
+                         f"{c} channels along axis {ch_axis} of a weight of shape {tuple(weight.shape)}")
+    w = weight.detach().to(torch.float32)
+    return quantize_per_channel(w, scale.to(w.device), zero_point.to(w.device), ch_axis, qdtype)
+
+
+def weight_qscheme(observer: Any) -> QScheme:
+    """The weight scheme recorded for ``repr`` (per-channel symmetric unless the observer says else)."""
+    qs = getattr(observer, "qscheme", None)
+    return qs if isinstance(qs, QScheme) else QScheme.PER_CHANNEL_SYMMETRIC
+
+
+def output_qparams(mod: nn.Module, where: str) -> tuple[float, int, QDtype]:
+    """``(scale, zero_point, qdtype)`` of the per-tensor grid ``mod.activation_post_process`` observed."""
+    obs = getattr(mod, "activation_post_process", None)
+    if obs is None or not hasattr(obs, "calculate_qparams"):
+        raise ValueError(f"{where}.from_float: {type(mod).__name__} has no activation_post_process observer; "
+                         "run prepare() and calibrate before convert()")
+    scale, zero_point = obs.calculate_qparams()
+    if scale.numel() != 1:
+        raise ValueError(f"{where}.from_float: the output observer of {type(mod).__name__} is per-channel "
+                         f"(scale shape {tuple(scale.shape)}); a module output grid must be per tensor")
+    return float(scale.reshape(())), int(zero_point.reshape(())), as_qdtype(getattr(obs, "qdtype", quint8))
+
+
+def float_op(mod: nn.Module, kind: type[nn.Module] | tuple[type[nn.Module], ...], where: str,
+             fused_relu: bool) -> nn.Module:
+    """The float op inside ``mod``: ``mod`` itself, or ``mod[0]`` of a fused ``(op, relu)`` marker."""
+    if isinstance(mod, nn.Sequential):
+        if fused_relu is False:
+            raise TypeError(f"{where}.from_float: {type(mod).__name__} is a fused (op, ReLU) module; "
+                            f"convert it with the ReLU variant of {where}")
+        op = mod[0]
+    else:
+        op = mod
+    if not isinstance(op, kind):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise TypeError(f"{where}.from_float expects a {names} (or its fused ReLU marker), got {type(op).__name__}")
+    return op
+
+
+def as_qtensor(x: Any, grid: InputGrid | None, where: str) -> QTensor:
+    """A per-tensor 8-bit ``QTensor`` from ``x``: passed through, or quantized from float.
+
+    Float input uses the recorded input ``grid`` when there is one, else a dynamic per-tensor
+    affine quint8 grid from ``x``'s min/max.
+    """
+    if isinstance(x, QTensor):
+        if x.axis is not None:
+            raise ValueError(f"{where}: expects a per-tensor quantized input, got a per-channel QTensor "
+                             f"(axis={x.axis})")
+        if x.int_repr().element_size() != 1:
+            raise TypeError(f"{where}: expects 8-bit activation codes, got a {x.qdtype!r} QTensor")
+        return x
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        what = f"a tensor of dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{where}: expects a lowbit.QTensor or a floating-point tensor, got {what}")
+    if grid is None:
+        lo, hi = torch.aminmax(x.detach().to(torch.float32)) if x.numel() else (torch.zeros(()), torch.zeros(()))
+        scale, zero_point = calculate_qparams(lo, hi, per_tensor_affine, quint8)
+        return QTensor(quantize(x, scale, zero_point, quint8), scale, zero_point, quint8)
+    scale, zp, qdtype = grid
+    return QTensor(quantize(x, scale, zp, qdtype), scale, zp, qdtype)
+
+
+def check_out_grid(scale: Any, zero_point: Any, qdtype: Any, where: str) -> tuple[float, int, QDtype]:
+    """Validate a per-tensor 8-bit output grid; return it as python scalars."""
+    qdtype = as_qdtype(qdtype)
+    if qdtype.storage not in (torch.int8, torch.uint8):
+        raise ValueError(f"{where}: out_qdtype={qdtype!r} must be an 8-bit activation dtype (quint8 or qint8)")
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"{where}: scale must be a scalar, got shape {tuple(scale.shape)}")
+        scale = float(scale)
+    if isinstance(zero_point, torch.Tensor):
+        if zero_point.numel() != 1 or zero_point.is_floating_point():
+            raise ValueError(f"{where}: zero_point must be an integer scalar, got {zero_point!r}")
+        zero_point = int(zero_point)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+        raise ValueError(f"{where}: scale={scale!r} must be a positive finite float")
+    if isinstance(zero_point, bool) or not isinstance(zero_point, int):
+        raise TypeError(f"{where}: zero_point={zero_point!r} must be an int")
+    if not qdtype.quant_min <= zero_point <= qdtype.quant_max:
+        raise ValueError(f"{where}: zero_point={zero_point} is outside the {qdtype!r} grid "
+                         f"[{qdtype.quant_min}, {qdtype.quant_max}]")
+    return float(scale), int(zero_point), qdtype
+
+
+class WeightedQuantModule(nn.Module):
+    """Base of the static quantized Linear / Conv family: the state and the packed-weight cache.
+
+    ``state_dict``: ``weight_int8`` (int8 codes), ``weight_scale`` (float32, ``(C,)``),
+    ``weight_zero_point`` (int64, ``(C,)``), ``bias`` (float32 buffer, absent without bias), and the
+    output grid ``scale`` (0-d float32) / ``zero_point`` (0-d int64). ``_cache`` holds packed
+    weights and the prepared ``(weight QTensor, OutGrid)``; it is keyed on the buffers' versions and
+    cleared by ``load_state_dict`` and ``.to()``, and never saved or deep-copied.
+    """
+
+    _relu = False
+    _weight_axis = 0
+
+    def __init__(self, weight_shape: tuple[int, ...], n_bias: int, bias: bool, device: Any = None) -> None:
+        super().__init__()
+        c = weight_shape[self._weight_axis]
+        self.register_buffer("weight_int8", torch.zeros(weight_shape, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.ones(c, dtype=torch.float32, device=device))
+        self.register_buffer("weight_zero_point", torch.zeros(c, dtype=torch.int64, device=device))
+        self.register_buffer("bias", torch.zeros(n_bias, dtype=torch.float32, device=device) if bias else None)
+        self.register_buffer("scale", torch.tensor(1.0, device=device))
+        self.register_buffer("zero_point", torch.tensor(0, dtype=torch.int64, device=device))
+        self.out_qdtype: QDtype = quint8
+        self.weight_qdtype: QDtype = as_qdtype("qint8")
+        self.weight_qscheme: QScheme = QScheme.PER_CHANNEL_SYMMETRIC
+        self.input_grid: InputGrid | None = None  # recorded input grid for float inputs (set by convert)
+        self._cache: dict[str, Any] = {}
+
+    # ---- state ----
+    def set_weight_bias(self, weight: QTensor, bias: torch.Tensor | None) -> None:
+        """Store a per-channel int8 weight ``QTensor`` (axis ``_weight_axis``) and a float bias."""
+        where = type(self).__name__
+        if not isinstance(weight, QTensor) or weight.int_repr().dtype != torch.int8:
+            raise TypeError(f"{where}: weight must be a QTensor with int8 codes, got {weight!r}")
+        if tuple(weight.shape) != tuple(self.weight_int8.shape):
+            raise ValueError(f"{where}: weight of shape {tuple(weight.shape)} does not match "
+                             f"{tuple(self.weight_int8.shape)}")
+        c = weight.shape[self._weight_axis]
+        scale, zp = weight.scale.reshape(-1), weight.zero_point.reshape(-1)
+        if weight.axis is None:
+            scale, zp = scale.expand(c), zp.expand(c)
+        elif weight.axis != self._weight_axis:
+            raise ValueError(f"{where}: weight must be per-channel along axis {self._weight_axis}, "
+                             f"got axis={weight.axis}")
+        if (bias is None) != (self.bias is None):
+            raise ValueError(f"{where}: bias={'None' if bias is None else 'a tensor'} but the module was built "
+                             f"with bias={self.bias is not None}")
+        with torch.no_grad():
+            self.weight_int8.copy_(weight.int_repr())
+            self.weight_scale.copy_(scale)
+            self.weight_zero_point.copy_(zp)
+            if bias is not None and self.bias is not None:
+                self.bias.copy_(bias.detach().reshape(-1))
+        self.weight_qdtype = weight.qdtype
+        self._cache.clear()
+
+    def set_output_grid(self, scale: Any, zero_point: Any, qdtype: Any = quint8) -> None:
+        """Set the per-tensor output grid ``(scale, zero_point, qdtype)``."""
+        s, z, dt = check_out_grid(scale, zero_point, qdtype, type(self).__name__)
+        with torch.no_grad():
+            self.scale.fill_(s)
+            self.zero_point.fill_(z)
+        self.out_qdtype = dt
+        self._cache.clear()
+
+    def weight(self) -> QTensor:
+        """The int8 weight as a per-channel ``QTensor``."""
+        return QTensor(self.weight_int8, self.weight_scale, self.weight_zero_point, self.weight_qdtype,
+                       self._weight_axis)
+
+    def _prepared(self) -> tuple[QTensor, Any]:
+        """``(weight QTensor, OutGrid)``, rebuilt only when a buffer changed."""
+        key = (self.weight_int8._version, self.weight_scale._version, self.weight_zero_point._version,
+               self.scale._version, self.zero_point._version, self.weight_int8.data_ptr(), self.out_qdtype)
+        hit = self._cache.get("prepared")
+        if hit is None or hit[0] != key:
+            hit = (key, (self.weight(), OutGrid(float(self.scale), int(self.zero_point), self.out_qdtype)))
+            self._cache["prepared"] = hit
+        return hit[1]
+
+    # ---- the cache is never state ----
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        self._cache.clear()
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._cache.clear()
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cache"] = {}
+        return state
+
+    def _grid_repr(self) -> str:
+        return (f"scale={float(self.scale):.6g}, zero_point={int(self.zero_point)}, dtype={self.out_qdtype!r}, "
+                f"qscheme={self.weight_qscheme.value}")

@@ -1,0 +1,119 @@
+"""Static quantized ``ConvTranspose1d/2d/3d``.
+
+The weight has shape ``(C_in, C_out/groups, *k)`` and is quantized per channel along **axis 1**::
+
+    y   = conv_transpose(x̂, ŵ) + bias            # x̂ = (q_x - z_x) s_x, ŵ = (q_w - z_w[j]) s_w[j]
+    q_y = clamp(round(y / scale) + zero_point)
+
+The kernel is the float reference on every device (oneDNN's int8 deconvolution is not exposed
+as a prepacked op in torch); the module still stores int8 weights and produces int8 outputs, so a
+converted model stays integer across it. Only integer padding and ``padding_mode='zeros'``.
+
+>>> import torch, lowbit as Q
+>>> from lowbit.nn.quantized import ConvTranspose1d
+>>> m = ConvTranspose1d(1, 1, 2, stride=2)
+>>> m.set_weight_bias(Q.quantize_per_channel(torch.ones(1, 1, 2), torch.tensor([0.01]), torch.tensor([0]), 1,
+...                                          Q.qint8), torch.zeros(1))
+>>> m.set_output_grid(0.1, 0, Q.quint8)
+>>> m(Q.quantize_per_tensor(torch.tensor([[[1.0, 2.0]]]), 0.1, 0, Q.quint8)).int_repr().tolist()
+[[[10, 10, 20, 20]]]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ... import kernels
+from ...kernels import ConvSpec
+from ...qscheme import QDtype, quint8
+from ...qtensor import QTensor
+from ._utils import (WeightedQuantModule, as_qtensor, float_op, output_qparams, quantize_weight, weight_qparams,
+                     weight_qscheme)
+from .conv import check_channels, ntuple
+
+__all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
+
+
+class _ConvTransposeNd(WeightedQuantModule):
+    _dim = 2
+    _float_type: type[nn.Module] = nn.ConvTranspose2d
+    _weight_axis = 1
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: Any, stride: Any = 1, padding: Any = 0,
+                 output_padding: Any = 0, groups: int = 1, bias: bool = True, dilation: Any = 1,
+                 padding_mode: str = "zeros", device: Any = None) -> None:
+        where, d = type(self).__name__, self._dim
+        check_channels(in_channels, out_channels, groups, where)
+        if padding_mode != "zeros":
+            raise ValueError(f"{where}: padding_mode={padding_mode!r} is not supported (only 'zeros', as in torch)")
+        if isinstance(padding, str):
+            raise ValueError(f"{where}: padding={padding!r}: string padding is not defined for transposed convs")
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.kernel_size = ntuple(kernel_size, d, "kernel_size", where)
+        self.stride = ntuple(stride, d, "stride", where)
+        self.dilation = ntuple(dilation, d, "dilation", where)
+        self.padding = ntuple(padding, d, "padding", where, minimum=0)
+        self.output_padding = ntuple(output_padding, d, "output_padding", where, minimum=0)
+        self.padding_mode = padding_mode
+        super().__init__((in_channels, out_channels // groups, *self.kernel_size), out_channels, bool(bias), device)
+        self._spec = ConvSpec(d, self.stride, self.padding, self.dilation, groups, True, self.output_padding)
+
+    def forward(self, x: QTensor | torch.Tensor) -> QTensor:
+        where = type(self).__name__
+        qx = as_qtensor(x, self.input_grid, where)
+        unbatched = qx.dim() == self._dim + 1
+        if unbatched:
+            qx = qx.reshape(1, *qx.shape)
+        if qx.dim() != self._dim + 2 or qx.shape[1] != self.in_channels:
+            raise ValueError(f"{where}: expects input of shape (N, {self.in_channels}, *{self._dim} spatial dims) "
+                             f"or unbatched, got {tuple(x.shape)}")
+        weight, out = self._prepared()
+        y = kernels.conv(qx, weight, self.bias, self._spec, out, False, self._cache)
+        assert isinstance(y, QTensor)
+        return y.reshape(*y.shape[1:]) if unbatched else y
+
+    @classmethod
+    def from_reference(cls, conv: nn.Module, weight: QTensor, out_scale: float, out_zero_point: int,
+                       out_qdtype: QDtype | str = quint8) -> _ConvTransposeNd:
+        """Build from a float transposed conv, its axis-1 per-channel ``weight`` and an output grid."""
+        c: Any = conv
+        mod = cls(c.in_channels, c.out_channels, c.kernel_size, c.stride, c.padding, c.output_padding, c.groups,
+                  c.bias is not None, c.dilation, c.padding_mode, device=c.weight.device)
+        mod.set_weight_bias(weight, None if c.bias is None else c.bias.detach().float())
+        mod.set_output_grid(out_scale, out_zero_point, out_qdtype)
+        return mod
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> _ConvTransposeNd:
+        """From a prepared float transposed conv; the weight observer is applied along axis 1."""
+        op: Any = float_op(mod, cls._float_type, cls.__name__, False)
+        obs = weight_qparams(op.weight, mod, 1, cls.__name__)
+        q = cls.from_reference(op, quantize_weight(op.weight, obs, 1), *output_qparams(mod, cls.__name__))
+        q.weight_qscheme = weight_qscheme(obs)
+        return q
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, output_padding={self.output_padding}, bias={self.bias is not None}, "
+                f"{self._grid_repr()}")
+
+
+class ConvTranspose1d(_ConvTransposeNd):
+    """Quantized ``nn.ConvTranspose1d``."""
+
+    _dim, _float_type = 1, nn.ConvTranspose1d
+
+
+class ConvTranspose2d(_ConvTransposeNd):
+    """Quantized ``nn.ConvTranspose2d``."""
+
+    _dim, _float_type = 2, nn.ConvTranspose2d
+
+
+class ConvTranspose3d(_ConvTransposeNd):
+    """Quantized ``nn.ConvTranspose3d``."""
+
+    _dim, _float_type = 3, nn.ConvTranspose3d

@@ -1,0 +1,15 @@
+"""Dynamic quantized modules: int8 weights stored ahead of time, activations quantized per token at each call.
+
+``quantize_dynamic`` swaps ``nn.Linear``/``nn.LSTM``/``nn.GRU`` for these; each has ``from_float(mod, dtype)``
+with ``dtype`` ``lowbit.qint8`` (default) or ``torch.float16`` (weight-only float16). Inputs and outputs are float.
+
+>>> import torch
+>>> from lowbit.nn.quantized import dynamic as nnqd
+>>> nnqd.Linear.from_float(torch.nn.Linear(4, 2))
+Linear(in_features=4, out_features=2, bias=True, dtype=lowbit.qint8, qscheme=per_channel_weight, activation=per_token_qint8_affine)
+"""
+
+from .linear import Linear, per_token_linear, quantize_per_token
+from .rnn import GRU, LSTM
+
+__all__ = ["Linear", "LSTM", "GRU", "quantize_per_token", "per_token_linear"]

@@ -1,0 +1,209 @@
+"""Dynamic int8 ``Linear``: int8 per-channel weights, activations quantized per token at each call.
+
+For an input flattened to ``x`` ``(M, K)`` and the weight ``W`` ``(N, K)``::
+
+    s_w[n], z_w[n] = per-channel symmetric qint8 (z_w = 0)             # once, in from_float
+    s_x[m], z_x[m] = affine qint8 over row m's [min(x_m, 0), max(x_m, 0)]   # each call, per token
+    q_x = clamp(round(x / s_x[m]) + z_x[m], -128, 127)                  # (M, K) int8
+    acc = Σ_k (q_x - z_x[m]) (q_w - z_w[n])                             # (M, N) exact int32 (torch._int_mm)
+    y   = acc · s_x[m] s_w[n] + bias[n]                                 # (M, N) float, reshaped to (*, N)
+
+Per-token asymmetric 8-bit activations (256 levels per row, the row's own range) keep the relative
+error near 1 % even when one token has outliers: ``torch.ao``'s ``quantize_dynamic`` uses one
+7-bit (reduce_range) grid for the whole tensor, which is what loses accuracy on transformers.
+``torch._int_mm`` is the only integer GEMM that takes per-row activation scales, so this path
+calls it directly (the ``lowbit.kernels`` interface takes per-tensor activations only); on CUDA
+the operands are zero-padded to its shape rules. ``dtype=torch.float16`` instead stores the weight
+in float16 and computes in float32 (weight-only compression).
+
+>>> import torch, lowbit as Q
+>>> from lowbit.nn.quantized.dynamic import Linear
+>>> fc = torch.nn.Linear(64, 32)
+>>> qfc = Linear.from_float(fc)
+>>> x = torch.randn(4, 64)
+>>> bool(((qfc(x) - fc(x)).norm() / fc(x).norm()) < 0.02), qfc.weight().qdtype
+(True, lowbit.qint8)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ....functional import quantize
+from ....qparams import calculate_qparams
+from ....qscheme import QDtype, QScheme, as_qdtype, qint8
+from ....qtensor import QTensor, quantize_per_channel
+from .._utils import quantize_weight, weight_qparams
+
+__all__ = ["Linear", "quantize_per_token", "per_token_linear"]
+
+
+def quantize_per_token(x: torch.Tensor) -> QTensor:
+    """``(M, K)`` float -> per-row (axis 0) affine qint8 ``QTensor``: one grid per token."""
+    xf = x.detach().to(torch.float32)
+    lo, hi = torch.aminmax(xf, dim=1)
+    scale, zp = calculate_qparams(lo, hi, QScheme.PER_CHANNEL_AFFINE, qint8, validate=False)
+    return QTensor(quantize(xf, scale, zp, qint8, ch_axis=0), scale, zp, qint8, axis=0)
+
+
+def _pad(t: torch.Tensor, dim: int, multiple: int, minimum: int = 0) -> torch.Tensor:
+    n = t.shape[dim]
+    target = max(-(-n // multiple) * multiple, minimum)
+    return t if target == n else F.pad(t, [0, 0] * (t.dim() - 1 - dim) + [0, target - n])
+
+
+def _prepared(weight: QTensor, cache: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(w_t (K, N) int8 view, Σ_k q_w (N,) int32, z_w (N,) int32 or None)``, cached per weight version."""
+    w = weight.int_repr()
+    key = (w.data_ptr(), w._version, w.device)
+    hit = None if cache is None else cache.get("per_token_linear")
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    wq = w.contiguous()
+    if wq.is_cuda:  # _int_mm on CUDA: K and N multiples of 8
+        wq = _pad(_pad(wq, 0, 8), 1, 8)
+    zw = weight.zero_point.to(torch.int32)
+    entry = (wq.t(), w.to(torch.int32).sum(1), zw if bool(zw.any()) else None)
+    if cache is not None:
+        cache["per_token_linear"] = (key, entry)
+    return entry
+
+
+def per_token_linear(xq: QTensor, weight: QTensor, bias: torch.Tensor | None = None,
+                     cache: dict[str, Any] | None = None) -> torch.Tensor:
+    """``x̂ ŵᵀ + bias`` (float32 ``(M, N)``) from a per-row int8 ``xq`` ``(M, K)`` and a per-channel int8 weight ``(N, K)``.
+
+    The integer part is exact; it equals ``F.linear(xq.dequantize(), weight.dequantize(), bias)``
+    up to float32 rounding of the epilogue.
+    """
+    q = xq.int_repr()
+    m, k = q.shape
+    w_t, w_sum, zw = _prepared(weight, cache)
+    n = weight.shape[0]
+    zx = xq.zero_point.to(torch.int32)[:, None]                     # (M, 1)
+    if q.is_cuda:  # M > 16, K multiple of 8 (zero padding adds nothing to the sums)
+        acc = torch._int_mm(_pad(_pad(q, 1, 8), 0, 1, 17), w_t)[:m, :n]
+    else:
+        acc = torch._int_mm(q, w_t)                                  # (M, N) Σ q_x q_w
+    acc = acc - zx * w_sum                                           # Σ (q_x - z_x) q_w
+    if zw is not None:
+        acc = acc - zw * (q.to(torch.int32).sum(1, keepdim=True) - k * zx)
+    y = acc.to(torch.float32) * (xq.scale[:, None] * weight.scale)
+    return y if bias is None else y + bias
+
+
+def _dtype_arg(dtype: Any, where: str) -> QDtype | torch.dtype:
+    if dtype in (torch.float16, "float16"):
+        return torch.float16
+    d = as_qdtype(dtype)
+    if d.storage != torch.int8:
+        raise ValueError(f"{where}: dtype={dtype!r} is not supported; use lowbit.qint8 or torch.float16")
+    return d
+
+
+def quantize_dynamic_weight(weight: torch.Tensor, mod: nn.Module | None, dtype: QDtype, where: str) -> QTensor:
+    """Per-channel (axis 0) int8 weight: ``mod.qconfig.weight()``'s grid if set, else symmetric ``dtype``."""
+    if mod is not None and getattr(getattr(mod, "qconfig", None), "weight", None) is not None:
+        return quantize_weight(weight, weight_qparams(weight, mod, 0, where), 0)
+    w = weight.detach().to(torch.float32)
+    scale, zp = calculate_qparams(w.amin(1), w.amax(1), QScheme.PER_CHANNEL_SYMMETRIC, dtype)
+    return quantize_per_channel(w, scale, zp, 0, dtype)
+
+
+class Linear(nn.Module):
+    """``y = x Wᵀ + b`` with int8 weights and per-token int8 activations; float in, float out.
+
+    ``state_dict``: ``weight_int8`` (N, K) int8, ``weight_scale`` (N,) float32, ``weight_zero_point``
+    (N,) int64, ``bias`` (N,) float32 — or ``weight_fp16`` and ``bias`` for ``dtype=torch.float16``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 dtype: QDtype | str | torch.dtype = qint8) -> None:
+        super().__init__()
+        for arg, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"dynamic Linear: {arg}={v!r} must be a positive int")
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = _dtype_arg(dtype, "dynamic Linear")
+        if self.dtype == torch.float16:
+            self.register_buffer("weight_fp16", torch.zeros(out_features, in_features, dtype=torch.float16))
+        else:
+            self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8))
+            self.register_buffer("weight_scale", torch.ones(out_features))
+            self.register_buffer("weight_zero_point", torch.zeros(out_features, dtype=torch.int64))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        self._cache: dict[str, Any] = {}
+
+    def weight(self) -> QTensor | torch.Tensor:
+        """The per-channel int8 weight as a ``QTensor`` (the float16 tensor for ``dtype=torch.float16``)."""
+        if self.dtype == torch.float16:
+            return self.weight_fp16
+        return QTensor(self.weight_int8, self.weight_scale, self.weight_zero_point, self.dtype, axis=0)
+
+    def set_weight_bias(self, weight: QTensor | torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Store a per-channel int8 ``QTensor`` (or, for float16, a float tensor) and a float bias."""
+        shape = (self.out_features, self.in_features)
+        if tuple(weight.shape) != shape:
+            raise ValueError(f"dynamic Linear: weight shape {tuple(weight.shape)} != {shape}")
+        if self.dtype == torch.float16:
+            self.weight_fp16 = weight.detach().to(torch.float16).contiguous()
+        else:
+            if not isinstance(weight, QTensor) or weight.axis not in (0, None) or weight.int_repr().dtype != torch.int8:
+                raise TypeError(f"dynamic Linear: weight must be a per-channel (axis 0) int8 QTensor, got {weight!r}")
+            n = self.out_features
+            self.weight_int8 = weight.int_repr().contiguous()
+            self.weight_scale = weight.scale.to(torch.float32).expand(n).contiguous()
+            self.weight_zero_point = weight.zero_point.to(torch.int64).expand(n).contiguous()
+            self.dtype = weight.qdtype
+        if (bias is None) != (self.bias is None):
+            raise ValueError(f"dynamic Linear: bias={'None' if bias is None else 'a tensor'} does not match "
+                             f"bias={self.bias is not None} given at construction")
+        if bias is not None:
+            self.bias = bias.detach().to(torch.float32).reshape(self.out_features).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, QTensor):
+            x = x.dequantize()
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError("dynamic Linear expects a floating-point tensor, got "
+                            + (f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__))
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"dynamic Linear: input shape {tuple(x.shape)} does not end in in_features={self.in_features}")
+        if self.dtype == torch.float16:
+            return F.linear(x, self.weight_fp16.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] == 0:
+            return x.new_zeros(*lead, self.out_features)
+        y = per_token_linear(quantize_per_token(x2), self.weight(), self.bias, self._cache)  # type: ignore[arg-type]
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+    @classmethod
+    def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype = qint8) -> Linear:
+        """Quantize an ``nn.Linear`` (per-channel symmetric ``dtype``, or its ``qconfig.weight`` grid)."""
+        if not isinstance(mod, nn.Linear):
+            raise TypeError(f"dynamic Linear.from_float expects an nn.Linear, got {type(mod).__name__}")
+        d = _dtype_arg(dtype, "dynamic Linear.from_float")
+        q = cls(mod.in_features, mod.out_features, mod.bias is not None, d)
+        w = mod.weight.detach() if d == torch.float16 else quantize_dynamic_weight(mod.weight, mod, d, "dynamic Linear")  # type: ignore[arg-type]
+        q.set_weight_bias(w, mod.bias)
+        return q.to(mod.weight.device)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:  # .to()/.cuda(): packed weights are a cache
+        self._cache = {}
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict[str, Any]:  # deepcopy / pickle: the cache is not state
+        state = self.__dict__.copy()
+        state["_cache"] = {}
+        return state
+
+    def extra_repr(self) -> str:
+        s = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        if self.dtype == torch.float16:
+            return s + ", dtype=torch.float16"
+        return s + f", dtype={self.dtype!r}, qscheme=per_channel_weight, activation=per_token_qint8_affine"

@@ -1,0 +1,252 @@
+"""Weight-only quantized ``Embedding`` and ``EmbeddingBag``: one grid per table row, 8 or 4 bits.
+
+Row ``i`` of the ``(N, D)`` table is stored as codes ``q[i]`` with its own ``(s_i, z_i)``
+(per-row affine by default, so an off-centre row keeps its full resolution)::
+
+    ŵ[i, :] = (q[i, :] - z_i) * s_i                      # q: (N, D) codes, s, z: (N,)
+    Embedding(idx)      = ŵ[idx]                         # (*idx, D) float32
+    EmbeddingBag(idx)   = reduce_{j in bag b} psw_j * ŵ[idx_j]     # (B, D) float32; sum / mean / max
+
+Only the gathered rows are dequantized (never the whole table). 4-bit rows (``qdtype=quint4`` or
+``qint4``) are packed two codes per byte, low nibble first: ``weight_q`` is ``(N, ceil(D/2))``
+uint8. The output is float, as in ``torch.ao`` (rows have different grids, so there is no
+common output grid to requantize onto).
+
+>>> import torch, lowbit as Q
+>>> from lowbit.nn.quantized.embedding import Embedding, EmbeddingBag
+>>> table = torch.nn.Embedding(10, 4)
+>>> qe = Embedding.from_float(table)
+>>> idx = torch.tensor([[1, 2], [3, 9]])
+>>> qe(idx).shape, bool((qe(idx) - table(idx)).abs().max() < 0.02)
+(torch.Size([2, 2, 4]), True)
+>>> bag = EmbeddingBag.from_float(torch.nn.EmbeddingBag(10, 4, mode="sum"), dtype=Q.quint4)
+>>> bag(torch.tensor([1, 2, 3]), offsets=torch.tensor([0, 2])).shape
+torch.Size([2, 4])
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...functional import quantize
+from ...qparams import calculate_qparams
+from ...qscheme import QDtype, QScheme, as_qdtype, quint8
+from ...qtensor import QTensor
+
+__all__ = ["Embedding", "EmbeddingBag"]
+
+_MODES = ("sum", "mean", "max")
+
+
+def _pack4(codes: torch.Tensor) -> torch.Tensor:
+    """``(N, D)`` 4-bit codes -> ``(N, ceil(D/2))`` uint8, element ``2k`` in the low nibble."""
+    u = (codes.to(torch.int16) & 0xF).to(torch.uint8)
+    if u.shape[1] % 2:
+        u = F.pad(u, (0, 1))
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def _unpack4(packed: torch.Tensor, dim: int, signed: bool) -> torch.Tensor:
+    """Inverse of ``_pack4``: ``(n, ceil(D/2))`` uint8 -> ``(n, D)`` codes (int8 if ``signed``, else uint8)."""
+    u = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)[:, :dim]
+    if signed:
+        return (u.to(torch.int8) ^ 8) - 8  # sign-extend the nibble: 8..15 -> -8..-1
+    return u
+
+
+def _row_qparams(weight: torch.Tensor, mod: nn.Module | None, qdtype: QDtype | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, QDtype]:
+    """Per-row ``(scale (N,), zero_point (N,), qdtype)`` for a float table.
+
+    Priority: an explicit ``qdtype`` (per-row affine min/max), else the module's QAT
+    ``weight_fake_quant``, else its ``qconfig.weight()`` observer, else per-row affine quint8.
+    A per-tensor observer's qparams are broadcast to every row.
+    """
+    w = weight.detach().to(torch.float32)
+    source = None
+    if qdtype is None and mod is not None:
+        source = getattr(mod, "weight_fake_quant", None)
+        qconfig = getattr(mod, "qconfig", None)
+        if source is None and qconfig is not None and getattr(qconfig, "weight", None) is not None:
+            source = qconfig.weight()
+        if source is not None:
+            source(w)
+    if source is None:
+        qdtype = qdtype or quint8
+        scale, zp = calculate_qparams(w.amin(1), w.amax(1), QScheme.PER_CHANNEL_AFFINE, qdtype)
+        return scale, zp, qdtype
+    scale, zp = source.calculate_qparams()
+    qdtype = as_qdtype(source.qdtype)
+    if scale.numel() == 1:
+        scale, zp = scale.reshape(1).expand(w.shape[0]), zp.reshape(1).expand(w.shape[0])
+    elif getattr(source, "ch_axis", 0) not in (0, -2):
+        raise ValueError(f"embedding weight observer has ch_axis={source.ch_axis}; rows need ch_axis=0")
+    return scale.to(w.device, torch.float32).contiguous(), zp.to(w.device, torch.int64).contiguous(), qdtype
+
+
+class _QuantizedTable(nn.Module):
+    """The shared table storage: buffers ``weight_q``, ``weight_scale`` (N,), ``weight_zero_point`` (N,)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None,
+                 qdtype: QDtype | str | torch.dtype) -> None:
+        super().__init__()
+        name = type(self).__name__
+        for arg, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name}: {arg}={v!r} must be a positive int")
+        if padding_idx is not None:
+            if isinstance(padding_idx, bool) or not isinstance(padding_idx, int) or not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"{name}: padding_idx={padding_idx!r} is out of range for {num_embeddings} embeddings")
+            padding_idx %= num_embeddings
+        self.qdtype = as_qdtype(qdtype)
+        if self.qdtype.bits not in (4, 8):
+            raise ValueError(f"{name}: qdtype={self.qdtype!r} must be an 8-bit or 4-bit dtype")
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        cols = (embedding_dim + 1) // 2 if self.qdtype.bits == 4 else embedding_dim
+        storage = torch.uint8 if self.qdtype.bits == 4 else self.qdtype.storage
+        self.register_buffer("weight_q", torch.zeros(num_embeddings, cols, dtype=storage))
+        self.register_buffer("weight_scale", torch.ones(num_embeddings, dtype=torch.float32))
+        self.register_buffer("weight_zero_point", torch.zeros(num_embeddings, dtype=torch.int64))
+        self.set_weight(torch.zeros(num_embeddings, embedding_dim))
+
+    def set_weight(self, weight: torch.Tensor | QTensor) -> None:
+        """Store a float ``(N, D)`` table (per-row affine on ``self.qdtype``) or a per-row QTensor."""
+        shape = (self.num_embeddings, self.embedding_dim)
+        if tuple(weight.shape) != shape:
+            raise ValueError(f"{type(self).__name__}.set_weight: weight shape {tuple(weight.shape)} != {shape}")
+        if isinstance(weight, QTensor):
+            if weight.axis not in (0, None) or weight.qdtype.bits != self.qdtype.bits:
+                raise ValueError(f"{type(self).__name__}.set_weight: need a per-row (axis 0) {self.qdtype.bits}-bit "
+                                 f"QTensor, got axis={weight.axis}, qdtype={weight.qdtype!r}")
+            codes, n = weight.int_repr(), self.num_embeddings
+            scale, zp = weight.scale.expand(n) if weight.axis is None else weight.scale, weight.zero_point
+            zp = zp.expand(n) if weight.axis is None else zp
+            self.qdtype = weight.qdtype
+        else:
+            if not weight.is_floating_point():
+                raise TypeError(f"{type(self).__name__}.set_weight: weight must be float, got {weight.dtype}")
+            scale, zp, _ = _row_qparams(weight, None, self.qdtype)
+            codes = quantize(weight.detach(), scale, zp, self.qdtype, ch_axis=0)
+        self.weight_q = _pack4(codes) if self.qdtype.bits == 4 else codes.to(self.qdtype.storage).contiguous()
+        self.weight_scale = scale.to(torch.float32).contiguous()
+        self.weight_zero_point = zp.to(torch.int64).contiguous()
+
+    def _codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        packed = self.weight_q if rows is None else self.weight_q.index_select(0, rows)
+        if self.qdtype.bits == 4:
+            return _unpack4(packed, self.embedding_dim, self.qdtype.signed)
+        return packed
+
+    def weight(self) -> QTensor:
+        """The table as a per-row (axis 0) QTensor of unpacked codes."""
+        return QTensor(self._codes(), self.weight_scale, self.weight_zero_point, self.qdtype, axis=0)
+
+    def _rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows ``(n, D)`` float32 for a flat index tensor ``idx`` (n,)."""
+        name = type(self).__name__
+        if not isinstance(idx, torch.Tensor) or idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+            raise TypeError(f"{name}: indices must be an integer tensor, got "
+                            + (f"dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__))
+        idx = idx.to(torch.int64)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_embeddings):
+            bad = idx[(idx < 0) | (idx >= self.num_embeddings)][0].item()
+            raise IndexError(f"{name}: index {bad} is out of range for {self.num_embeddings} embeddings")
+        codes = self._codes(idx).to(torch.float32)
+        z = self.weight_zero_point.index_select(0, idx).to(torch.float32)
+        return (codes - z[:, None]) * self.weight_scale.index_select(0, idx)[:, None]
+
+    def _check_float(self, mod: nn.Module, want: type) -> None:
+        if not isinstance(mod, want):
+            raise TypeError(f"{type(self).__name__}.from_float expects an nn.{want.__name__}, got {type(mod).__name__}")
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}, qdtype={self.qdtype!r}, qscheme=per_row_affine"
+        return s + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+
+
+class Embedding(_QuantizedTable):
+    """``ŵ[indices]``: ``(*)`` int indices -> ``(*, embedding_dim)`` float32 from a per-row quantized table."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
+                 qdtype: QDtype | str | torch.dtype = quint8) -> None:
+        super().__init__(num_embeddings, embedding_dim, padding_idx, qdtype)
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(indices.reshape(-1) if isinstance(indices, torch.Tensor) else indices)
+        return rows.reshape(*indices.shape, self.embedding_dim)
+
+    @classmethod
+    def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype | None = None) -> Embedding:
+        """Quantize ``mod.weight`` per row (``dtype`` overrides the module's qconfig / fake-quant)."""
+        if not isinstance(mod, nn.Embedding):
+            raise TypeError(f"Embedding.from_float expects an nn.Embedding, got {type(mod).__name__}")
+        scale, zp, qdtype = _row_qparams(mod.weight, mod, None if dtype is None else as_qdtype(dtype))
+        q = cls(mod.num_embeddings, mod.embedding_dim, mod.padding_idx, qdtype)
+        q.set_weight(QTensor(quantize(mod.weight.detach().float(), scale, zp, qdtype, 0), scale, zp, qdtype, 0))
+        return q
+
+
+class EmbeddingBag(_QuantizedTable):
+    """Pooled bags of rows: ``(B, L)`` indices, or ``(n,)`` indices + ``(B,)`` offsets -> ``(B, embedding_dim)``.
+
+    ``mode`` is ``'sum'``, ``'mean'`` or ``'max'``; ``per_sample_weights`` (``'sum'`` only) scale
+    each row; ``padding_idx`` rows are left out of their bag (and of the mean's count); an empty
+    bag gives zeros. ``include_last_offset`` as in ``nn.EmbeddingBag``. Reduction is float32.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "mean", padding_idx: int | None = None,
+                 include_last_offset: bool = False, qdtype: QDtype | str | torch.dtype = quint8) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"EmbeddingBag: mode={mode!r} must be one of {_MODES}")
+        super().__init__(num_embeddings, embedding_dim, padding_idx, qdtype)
+        self.mode, self.include_last_offset = mode, bool(include_last_offset)
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"EmbeddingBag: input must be an integer tensor, got {type(input).__name__}")
+        if per_sample_weights is not None:
+            if self.mode != "sum":
+                raise ValueError(f"EmbeddingBag: per_sample_weights need mode='sum', this bag has mode={self.mode!r}")
+            if per_sample_weights.shape != input.shape:
+                raise ValueError(f"EmbeddingBag: per_sample_weights shape {tuple(per_sample_weights.shape)} "
+                                 f"!= input shape {tuple(input.shape)}")
+            per_sample_weights = per_sample_weights.reshape(-1).to(torch.float32)
+        include_last = self.include_last_offset
+        if input.dim() == 2:
+            if offsets is not None:
+                raise ValueError("EmbeddingBag: offsets must be None for a 2-D input (each row is a bag)")
+            bags, length = input.shape
+            offsets = torch.arange(0, bags * length, max(length, 1), device=input.device)[:bags]
+            include_last = False
+        elif input.dim() == 1:
+            if offsets is None or not isinstance(offsets, torch.Tensor) or offsets.dim() != 1:
+                raise ValueError("EmbeddingBag: a 1-D input needs 1-D offsets (the start of each bag)")
+        else:
+            raise ValueError(f"EmbeddingBag: input must be 1-D (with offsets) or 2-D, got shape {tuple(input.shape)}")
+        flat = input.reshape(-1)
+        rows = self._rows(flat)  # (n, D): only the gathered rows are dequantized
+        local = torch.arange(flat.numel(), device=flat.device)
+        pad = None
+        if self.padding_idx is not None:  # route padding entries to an extra zero row that torch skips
+            pad = flat.numel()
+            local = torch.where(flat == self.padding_idx, pad, local)
+            rows = torch.cat([rows, rows.new_zeros(1, self.embedding_dim)])
+        return F.embedding_bag(local, rows, offsets.to(torch.int64), mode=self.mode,
+                               per_sample_weights=per_sample_weights, include_last_offset=include_last,
+                               padding_idx=pad)
+
+    @classmethod
+    def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype | None = None) -> EmbeddingBag:
+        """Quantize ``mod.weight`` per row; copies ``mode``, ``padding_idx``, ``include_last_offset``."""
+        if not isinstance(mod, nn.EmbeddingBag):
+            raise TypeError(f"EmbeddingBag.from_float expects an nn.EmbeddingBag, got {type(mod).__name__}")
+        scale, zp, qdtype = _row_qparams(mod.weight, mod, None if dtype is None else as_qdtype(dtype))
+        q = cls(mod.num_embeddings, mod.embedding_dim, mod.mode, mod.padding_idx, mod.include_last_offset, qdtype)
+        q.set_weight(QTensor(quantize(mod.weight.detach().float(), scale, zp, qdtype, 0), scale, zp, qdtype, 0))
+        return q
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", mode={self.mode!r}" + (", include_last_offset=True" if self.include_last_offset else "")

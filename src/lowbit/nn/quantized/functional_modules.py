@@ -1,0 +1,191 @@
+"""Observable merge points: ``FloatFunctional`` (float, observed) and ``QFunctional`` (integer).
+
+A model writes ``self.skip = FloatFunctional()`` and ``y = self.skip.add(a, b)`` (one instance
+per merge site: the instance's observer sees only that site's output). ``prepare`` replaces its
+``activation_post_process`` (an ``Identity`` until then) by an observer; ``convert`` swaps it for a
+``QFunctional`` on the observed output grid ``(s, z)``, which works on per-tensor QTensor codes
+``q_a, q_b`` with grids ``(s_a, z_a)``, ``(s_b, z_b)`` and requantizes once::
+
+    add:        q = round((q_a - z_a) * s_a/s + (q_b - z_b) * s_b/s) + z
+    add_scalar: q = round((q_a - z_a) * s_a/s + c/s) + z
+    mul:        q = round((q_a - z_a) * (q_b - z_b) * s_a*s_b/s) + z       # code product exact in float32
+    mul_scalar: q = round((q_a - z_a) * s_a*c/s) + z
+    matmul:     q = round(((q_a - z_a) @ (q_b - z_b)) * s_a*s_b/s) + z     # (.., M, K) @ (.., K, N)
+    cat:        each input requantized onto (s, z) (codes copied when the grid already matches)
+    add_relu:   add, then max(q, z)
+
+then ``clamp(q, qmin, qmax)``. The code sums run in float32 (exact for code products, and for
+matmul up to K = 258; beyond that the relative rounding is ~1e-7, far below one quantum). A
+float or per-channel input makes the method compute in float on dequantized values and quantize
+the result onto ``(s, z)``.
+
+>>> import torch, lowbit as Q
+>>> from lowbit.nn.quantized.functional_modules import QFunctional
+>>> qa = Q.quantize_per_tensor(torch.tensor([0.5, -1.0]), 0.01, 128, Q.quint8)
+>>> qb = Q.quantize_per_tensor(torch.tensor([0.25, 0.7]), 0.005, 0, Q.quint8)
+>>> QFunctional(0.02, 100).add(qa, qb).dequantize().tolist()
+[0.7599999904632568, -0.29999998211860657]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ...functional import quantize
+from ...qscheme import QDtype, quint8
+from ...qtensor import QTensor
+from ._utils import check_out_grid, output_qparams
+
+__all__ = ["FloatFunctional", "QFunctional"]
+
+
+class FloatFunctional(nn.Module):
+    """Float ``add/mul/cat/add_relu/add_scalar/mul_scalar/matmul`` whose result passes ``activation_post_process``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.activation_post_process: nn.Module = nn.Identity()
+
+    def forward(self, x: Any) -> Any:
+        raise RuntimeError("FloatFunctional is not called directly: use its add/mul/cat/add_relu/"
+                           "add_scalar/mul_scalar/matmul methods")
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.activation_post_process(torch.add(x, y))
+
+    def add_scalar(self, x: torch.Tensor, y: float) -> torch.Tensor:
+        return self.activation_post_process(torch.add(x, _scalar(y, "add_scalar")))
+
+    def mul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.activation_post_process(torch.mul(x, y))
+
+    def mul_scalar(self, x: torch.Tensor, y: float) -> torch.Tensor:
+        return self.activation_post_process(torch.mul(x, _scalar(y, "mul_scalar")))
+
+    def cat(self, x: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+        return self.activation_post_process(torch.cat(list(x), dim=dim))
+
+    def add_relu(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.activation_post_process(torch.relu(torch.add(x, y)))
+
+    def matmul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.activation_post_process(torch.matmul(x, y))
+
+
+def _scalar(c: Any, op: str) -> float:
+    if isinstance(c, torch.Tensor) and c.numel() == 1 and not (c.is_complex() or c.dtype == torch.bool):
+        return float(c)
+    if isinstance(c, bool) or not isinstance(c, (int, float)):
+        raise TypeError(f"{op}: the scalar operand must be a float or int, got {type(c).__name__} {c!r}")
+    return float(c)
+
+
+def _centered(x: Any, op: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(q - z) as float32, s`` for a per-tensor QTensor; ``None`` for inputs taking the float path."""
+    if isinstance(x, QTensor):
+        if x.axis is not None:
+            return None
+        return x.int_repr().to(torch.float32) - x.zero_point.to(torch.float32), x.scale
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return None
+    raise TypeError(f"QFunctional.{op} expects QTensors or float tensors, got {type(x).__name__}"
+                    + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
+
+
+def _float(x: Any) -> torch.Tensor:
+    return x.dequantize() if isinstance(x, QTensor) else x.to(torch.float32)
+
+
+class QFunctional(nn.Module):
+    """The integer twin of ``FloatFunctional``: every method returns a QTensor on ``(scale, zero_point, qdtype)``."""
+
+    def __init__(self, scale: float = 1.0, zero_point: int = 0, qdtype: QDtype | str | torch.dtype = quint8) -> None:
+        super().__init__()
+        scale, zero_point, self.qdtype = check_out_grid(scale, zero_point, qdtype, "QFunctional")
+        self.register_buffer("scale", torch.tensor(scale, dtype=torch.float32))
+        self.register_buffer("zero_point", torch.tensor(zero_point, dtype=torch.int64))
+
+    def forward(self, x: Any) -> Any:
+        raise RuntimeError("QFunctional is not called directly: use its add/mul/cat/add_relu/"
+                           "add_scalar/mul_scalar/matmul methods")
+
+    # ---- requantization onto the output grid ----
+    def _out(self, acc: torch.Tensor, relu: bool = False) -> QTensor:
+        """``acc`` is the result in units of the output scale (before rounding and the zero point)."""
+        d = self.qdtype
+        q = torch.round(acc).add_(self.zero_point.to(acc.device, torch.float32))
+        q = q.clamp_(int(self.zero_point) if relu else d.quant_min, d.quant_max).to(d.storage)
+        return QTensor(q, self.scale, self.zero_point, d)
+
+    def _from_float(self, y: torch.Tensor, relu: bool = False) -> QTensor:
+        if relu:
+            y = torch.relu(y)
+        return QTensor(quantize(y, self.scale, self.zero_point, self.qdtype), self.scale, self.zero_point, self.qdtype)
+
+    def _binary(self, x: Any, y: Any, op: str, int_op: Callable, float_op: Callable, relu: bool = False) -> QTensor:
+        cx, cy = _centered(x, op), _centered(y, op)
+        if cx is None or cy is None:
+            return self._from_float(float_op(_float(x), _float(y)), relu)
+        return self._out(int_op(cx, cy, self.scale.to(cx[0].device)), relu)
+
+    def add(self, x: QTensor, y: QTensor) -> QTensor:
+        return self._binary(x, y, "add", lambda a, b, s: a[0] * (a[1] / s) + b[0] * (b[1] / s), torch.add)
+
+    def add_relu(self, x: QTensor, y: QTensor) -> QTensor:
+        return self._binary(x, y, "add_relu", lambda a, b, s: a[0] * (a[1] / s) + b[0] * (b[1] / s),
+                            torch.add, relu=True)
+
+    def mul(self, x: QTensor, y: QTensor) -> QTensor:
+        return self._binary(x, y, "mul", lambda a, b, s: (a[0] * b[0]) * (a[1] * b[1] / s), torch.mul)
+
+    def matmul(self, x: QTensor, y: QTensor) -> QTensor:
+        return self._binary(x, y, "matmul", lambda a, b, s: torch.matmul(a[0], b[0]) * (a[1] * b[1] / s),
+                            torch.matmul)
+
+    def add_scalar(self, x: QTensor, y: float) -> QTensor:
+        c = _scalar(y, "QFunctional.add_scalar")
+        cx = _centered(x, "add_scalar")
+        if cx is None:
+            return self._from_float(_float(x) + c)
+        s = self.scale.to(cx[0].device)
+        return self._out(cx[0] * (cx[1] / s) + c / s)
+
+    def mul_scalar(self, x: QTensor, y: float) -> QTensor:
+        c = _scalar(y, "QFunctional.mul_scalar")
+        cx = _centered(x, "mul_scalar")
+        if cx is None:
+            return self._from_float(_float(x) * c)
+        return self._out(cx[0] * (cx[1] * c / self.scale.to(cx[0].device)))
+
+    def cat(self, x: Sequence[QTensor], dim: int = 0) -> QTensor:
+        if isinstance(x, (QTensor, torch.Tensor)) or not isinstance(x, Sequence) or len(x) == 0:
+            raise TypeError(f"QFunctional.cat expects a non-empty list of QTensors, got {type(x).__name__}")
+        parts = []
+        for t in x:
+            c = _centered(t, "cat")
+            if c is None:
+                return self._from_float(torch.cat([_float(t) for t in x], dim=dim))
+            t_: QTensor = t  # type: ignore[assignment]
+            if (t_.qdtype == self.qdtype and torch.equal(t_.scale, self.scale.to(t_.device))
+                    and torch.equal(t_.zero_point, self.zero_point.to(t_.device))):
+                parts.append(t_.int_repr())
+            else:
+                parts.append(self._out(c[0] * (c[1] / self.scale.to(t_.device))).int_repr())
+        return QTensor(torch.cat(parts, dim=dim), self.scale, self.zero_point, self.qdtype)
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> QFunctional:
+        """Build from a prepared and calibrated ``FloatFunctional`` (its observer gives the grid)."""
+        if not isinstance(mod, FloatFunctional):
+            raise TypeError(f"QFunctional.from_float expects a FloatFunctional, got {type(mod).__name__}")
+        if isinstance(mod.activation_post_process, nn.Identity):
+            raise ValueError("QFunctional.from_float: this FloatFunctional was never prepared "
+                             "(its activation_post_process is Identity); run prepare() and calibrate")
+        return cls(*output_qparams(mod, "QFunctional"))
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale.item():.6g}, zero_point={self.zero_point.item()}, dtype={self.qdtype!r}"

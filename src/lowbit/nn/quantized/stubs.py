@@ -1,0 +1,77 @@
+"""The entry and exit of a quantized region: ``Quantize`` (float -> QTensor) and ``DeQuantize``.
+
+``convert`` swaps a calibrated ``QuantStub`` for ``Quantize`` and a ``DeQuantStub`` for ``DeQuantize``::
+
+    Quantize:   q = clamp(round_half_even(x / scale) + zero_point, qmin, qmax)    # (*) float -> (*) codes
+    DeQuantize: x̂ = (q - zero_point) * scale                                      # (*) codes -> (*) float32
+
+>>> import torch, lowbit as Q
+>>> from lowbit.nn.quantized.stubs import Quantize, DeQuantize
+>>> qx = Quantize(0.1, 10, Q.quint8)(torch.tensor([-1.0, 0.0, 0.26]))
+>>> qx.int_repr().tolist()
+[0, 10, 13]
+>>> DeQuantize()(qx).tolist()
+[-1.0, 0.0, 0.30000001192092896]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...qscheme import QDtype, as_qdtype, quint8
+from ...qtensor import QTensor, quantize_per_tensor
+from ._utils import check_out_grid, output_qparams
+
+__all__ = ["Quantize", "DeQuantize"]
+
+
+class Quantize(nn.Module):
+    """Float tensor -> per-tensor ``QTensor`` on the grid ``(scale, zero_point, qdtype)``.
+
+    A ``QTensor`` input already on this grid passes through; one on another grid is requantized
+    onto it. ``scale`` (float32) and ``zero_point`` (int64) are 0-d buffers (``state_dict``).
+    """
+
+    def __init__(self, scale: float, zero_point: int, qdtype: QDtype | str | torch.dtype = quint8) -> None:
+        super().__init__()
+        scale, zero_point, self.qdtype = check_out_grid(scale, zero_point, qdtype, "Quantize")
+        self.register_buffer("scale", torch.tensor(scale, dtype=torch.float32))
+        self.register_buffer("zero_point", torch.tensor(zero_point, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor | QTensor) -> QTensor:
+        if isinstance(x, QTensor):
+            if (x.axis is None and x.qdtype == self.qdtype and torch.equal(x.scale, self.scale)
+                    and torch.equal(x.zero_point, self.zero_point)):
+                return x
+            x = x.dequantize()
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"Quantize expects a float tensor or a QTensor, got {type(x).__name__}"
+                            + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
+        return quantize_per_tensor(x, self.scale, self.zero_point, self.qdtype)
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> Quantize:
+        """Build from a calibrated ``QuantStub`` (its ``activation_post_process`` gives the grid)."""
+        return cls(*output_qparams(mod, "Quantize"))
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale.item():.6g}, zero_point={self.zero_point.item()}, qdtype={self.qdtype!r}"
+
+
+class DeQuantize(nn.Module):
+    """``QTensor`` -> float32 ``(q - zero_point) * scale``; a float tensor passes through unchanged."""
+
+    def forward(self, x: torch.Tensor | QTensor) -> torch.Tensor:
+        if isinstance(x, QTensor):
+            return x.dequantize()
+        if isinstance(x, torch.Tensor):
+            return x
+        raise TypeError(f"DeQuantize expects a QTensor or a tensor, got {type(x).__name__}")
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> DeQuantize:
+        """Build from a ``DeQuantStub`` (it carries no state)."""
+        return cls()

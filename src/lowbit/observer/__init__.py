@@ -1,0 +1,19 @@
+"""Observers: identity modules that record statistics and turn them into qparams.
+
+``from lowbit.observer import HistogramObserver`` works as in the seeds.
+"""
+
+from .base import ObserverBase
+from .distributed import sync_observers
+from .fixed import FixedQParamsObserver, NoopObserver, PlaceholderObserver
+from .histogram import HistogramObserver
+from .minmax import (
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    MovingAveragePerChannelMinMaxObserver,
+    PerChannelMinMaxObserver,
+)
+
+__all__ = ["ObserverBase", "MinMaxObserver", "MovingAverageMinMaxObserver", "PerChannelMinMaxObserver",
+           "MovingAveragePerChannelMinMaxObserver", "FixedQParamsObserver", "PlaceholderObserver", "NoopObserver",
+           "sync_observers", "HistogramObserver"]

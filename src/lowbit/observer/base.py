@@ -1,0 +1,120 @@
+"""ObserverBase: the calibration contract every observer follows (DESIGN §2).
+
+An observer is an ``nn.Module`` whose ``forward`` is the identity: it folds each batch into a
+running statistic kept in registered buffers (so it travels in ``state_dict`` and with ``.to``),
+and ``calculate_qparams()`` reduces that statistic to ``(scale, zero_point)`` through
+``lowbit.calculate_qparams``.
+
+>>> import torch, lowbit as Q
+>>> factory = Q.PerChannelMinMaxObserver.with_args(ch_axis=0)
+>>> type(factory()).__name__
+'PerChannelMinMaxObserver'
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..qscheme import QDtype, QScheme, as_qdtype, as_qscheme
+
+__all__ = ["ObserverBase", "finite_aminmax"]
+
+
+class ObserverBase(nn.Module):
+    """Abstract observer: ``forward(x) -> x`` plus ``calculate_qparams() -> (scale, zero_point)``.
+
+    ``ch_axis`` is kept only for per-channel schemes (``None`` otherwise). Subclasses register
+    their statistics as buffers; a buffer whose shape changes (scalar seed → ``(C,)``) is adopted
+    from a ``state_dict`` on load, so a calibrated checkpoint loads into a fresh observer.
+    """
+
+    def __init__(
+        self,
+        qscheme: QScheme | str = QScheme.PER_TENSOR_AFFINE,
+        qdtype: QDtype | str = "quint8",
+        ch_axis: int | None = None,
+        eps: float = 1e-8,
+    ) -> None:
+        super().__init__()
+        self.qscheme = as_qscheme(qscheme)
+        self.qdtype = as_qdtype(qdtype)
+        if not (isinstance(eps, (int, float)) and eps > 0):
+            raise ValueError(f"{type(self).__name__}: eps={eps!r} must be a positive float")
+        self.eps = float(eps)
+        if ch_axis is not None and (not isinstance(ch_axis, int) or isinstance(ch_axis, bool)):
+            raise TypeError(f"{type(self).__name__}: ch_axis={ch_axis!r} must be an int or None")
+        self.ch_axis = ch_axis if self.qscheme.is_per_channel else None
+
+    @classmethod
+    def with_args(cls, **kwargs: Any) -> functools.partial:
+        """A zero-arg factory building ``cls(**kwargs)`` — what a ``QConfig`` stores."""
+        return functools.partial(cls, **kwargs)
+
+    @property
+    def quant_min(self) -> int:
+        return self.qdtype.quant_min
+
+    @property
+    def quant_max(self) -> int:
+        return self.qdtype.quant_max
+
+    @property
+    def is_calibrated(self) -> bool:
+        """Whether ``calculate_qparams()`` has data to work from."""
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement forward")
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} must implement calculate_qparams")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+        for name, buf in list(self._buffers.items()):
+            saved = state_dict.get(prefix + name)
+            if buf is not None and isinstance(saved, torch.Tensor) and saved.shape != buf.shape:
+                self._buffers[name] = torch.empty_like(saved, device=buf.device, dtype=buf.dtype)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def extra_repr(self) -> str:
+        axis = f", ch_axis={self.ch_axis}" if self.ch_axis is not None else ""
+        return f"qscheme={self.qscheme.value}, qdtype={self.qdtype!r}{axis}"
+
+
+_warned_nonfinite: set[str] = set()
+
+
+def finite_aminmax(x: torch.Tensor, owner: str, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aminmax`` of ``x`` ignoring NaN and ±Inf (warning once per observer type).
+
+    The fast path is one ``aminmax``; only when its result is not finite is ``x`` masked and
+    reduced again. With ``dim``, reduces along ``dim`` (per channel). A tensor with no finite
+    value yields ``(+inf, -inf)``, i.e. "nothing observed".
+    """
+    x = x.detach()
+    if not x.is_floating_point():
+        raise TypeError(f"{owner} observes floating-point tensors, got dtype {x.dtype}")
+    if x.numel() == 0:
+        # nothing to observe: the "nothing observed" seed, shaped like the reduction's result
+        shape: tuple[int, ...] = ()
+        if dim is not None:
+            d = dim % x.dim()
+            shape = tuple(x.shape[:d]) + tuple(x.shape[d + 1:])
+        return (torch.full(shape, float("inf"), device=x.device), torch.full(shape, float("-inf"), device=x.device))
+    x = x.to(torch.float32)
+    mn, mx = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
+    if bool(torch.isfinite(mn).all() & torch.isfinite(mx).all()):
+        return mn, mx
+    if owner not in _warned_nonfinite:
+        _warned_nonfinite.add(owner)
+        warnings.warn(f"{owner}: observed data contains NaN or Inf; those values are ignored", stacklevel=3)
+    finite = torch.isfinite(x)
+    lo, hi = torch.where(finite, x, float("inf")), torch.where(finite, x, float("-inf"))
+    return (lo.amin(), hi.amax()) if dim is None else (lo.amin(dim), hi.amax(dim))

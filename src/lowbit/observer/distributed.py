@@ -1,0 +1,125 @@
+"""Cross-rank reduction of observer statistics (DESIGN §5).
+
+N ranks calibrating N shards must produce the qparams one process gets on the union. The
+statistics reduce exactly for the cumulative observers and approximately for the averaging ones::
+
+    min_val = MIN_r min_val[r],  max_val = MAX_r max_val[r]         # MinMax / PerChannelMinMax: exact
+    ema     = mean_r ema[r]   (over the ranks that saw data)        # moving averages: mean of ranks
+    hist    = SUM_r rebin(hist[r], common range)                    # HistogramObserver (its own module)
+
+Policy (one rule, used by every lowbit observer that has statistics):
+
+- Reduction is **automatic**: when ``torch.distributed`` is initialised with more than one rank,
+  ``observer.calculate_qparams()`` first calls ``observer.sync_statistics()`` — a collective — if
+  the observer saw data since its last reduction. Nothing is exchanged per batch.
+- A collective needs every rank: call ``calculate_qparams()`` (or ``convert``) on **every** rank,
+  in the same module order — or call ``sync_observers(model)`` on every rank first, after which
+  ``calculate_qparams()`` is local until the observer sees data again (so ``if rank == 0:
+  convert(model)`` is safe after it). Statistics loaded from a ``state_dict`` count as reduced.
+- ``FakeQuantize.forward`` around a min/max-family observer never reduces (QAT steps stay
+  collective-free; DDP's ``broadcast_buffers`` keeps the buffers consistent); around any other
+  observer it calls ``calculate_qparams()`` each step, i.e. a collective per step in lockstep.
+  ``FakeQuantize.calculate_qparams()`` follows the rule above.
+
+The helpers below are no-ops on a single process, return new tensors (inputs are not modified),
+and agree on per-channel shapes first: a rank whose per-channel observer saw no data still holds
+the scalar ``±inf`` seed, which is expanded to the channel count the other ranks report.
+
+>>> import torch
+>>> from lowbit.observer.distributed import all_reduce_min_max, is_distributed
+>>> is_distributed()
+False
+>>> all_reduce_min_max(torch.tensor(-1.0), torch.tensor(2.0))
+(tensor(-1.), tensor(2.))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["is_distributed", "all_reduce_min_max", "all_reduce_mean", "all_reduce_sum", "sync_observers"]
+
+
+def is_distributed(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``torch.distributed`` is available, initialised, and spans more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _agree_shape(t: torch.Tensor, owner: str, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Expand a 0-d seed to the ``(C,)`` the other ranks hold; raise on a real mismatch (all ranks)."""
+    if t.dim() > 1:
+        raise ValueError(f"{owner}: can only reduce 0-d or (C,) statistics, got shape {tuple(t.shape)}")
+    size = t.numel() if t.dim() == 1 else 0                     # 0 = "no channel count yet"
+    big = 2**62
+    sizes = torch.tensor([size, -(size if size else big)], dtype=torch.int64, device=t.device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+    largest, smallest = int(sizes[0]), -int(sizes[1])
+    if largest == 0:                                            # every rank holds a scalar
+        return t
+    if smallest != largest:
+        raise ValueError(f"{owner}: ranks hold statistics of different channel counts ({smallest} vs {largest})")
+    return t.expand(largest) if size == 0 else t
+
+
+def all_reduce_min_max(
+    min_val: torch.Tensor, max_val: torch.Tensor, group: dist.ProcessGroup | None = None, owner: str = "observer"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise ``(MIN_r min_val, MAX_r max_val)`` over the ranks, in two small collectives.
+
+    ``±inf`` (nothing observed on a rank) is the identity of the reduction, so ranks without data
+    simply adopt the others' range. Single process: returns the inputs.
+    """
+    if not is_distributed(group):
+        return min_val, max_val
+    min_val, max_val = _agree_shape(min_val, owner, group), _agree_shape(max_val, owner, group)
+    packed = torch.stack([min_val, -max_val]).to(torch.float32).contiguous()   # (2,) or (2, C)
+    dist.all_reduce(packed, op=dist.ReduceOp.MIN, group=group)
+    return packed[0].to(min_val.dtype), (-packed[1]).to(max_val.dtype)
+
+
+def all_reduce_mean(t: torch.Tensor, group: dist.ProcessGroup | None = None, owner: str = "observer") -> torch.Tensor:
+    """Elementwise mean over the ranks of the **finite** entries of ``t``.
+
+    A rank holding ``±inf`` (an averaging observer that saw no data) does not drag the mean to
+    infinity; an entry no rank has data for keeps its local value. Single process: returns ``t``.
+    """
+    if not is_distributed(group):
+        return t
+    t = _agree_shape(t, owner, group)
+    finite = torch.isfinite(t)
+    packed = torch.stack([torch.where(finite, t, 0.0), finite.to(t.dtype)]).to(torch.float64).contiguous()
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    total, count = packed[0], packed[1]
+    return torch.where(count > 0, total / count.clamp(min=1), t.to(torch.float64)).to(t.dtype)
+
+
+def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Elementwise sum over the ranks (e.g. histograms already rebinned onto a common range)."""
+    if not is_distributed(group):
+        return t
+    out = t.clone().contiguous()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def sync_observers(model: nn.Module, group: dist.ProcessGroup | None = None) -> int:
+    """Reduce the statistics of every observer in ``model`` across ranks; return how many.
+
+    Call it on **every** rank after calibration (a collective per observer, in ``model.modules()``
+    order, which is the same on every rank). Afterwards each rank holds the union statistics and
+    ``calculate_qparams``/``convert`` run locally, e.g. on rank 0 only.
+
+    >>> import torch, lowbit as Q
+    >>> model = torch.nn.Sequential(Q.MinMaxObserver(), Q.PerChannelMinMaxObserver())
+    >>> sync_observers(model)        # single process: nothing to exchange, nothing changes
+    2
+    """
+    n = 0
+    for mod in model.modules():
+        sync = getattr(mod, "sync_statistics", None)
+        if callable(sync):
+            sync(group)
+            n += 1
+    return n

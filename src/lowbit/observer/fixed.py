@@ -1,0 +1,126 @@
+"""Observers that collect nothing: a fixed grid, or a dtype carrier for dynamic quantization.
+
+``FixedQParamsObserver`` returns the constants it was built with, for ops whose output range is
+known a priori (sigmoid/softmax ``[0, 1]`` → ``scale = 1/256, zero_point = 0`` on quint8; tanh
+``[-1, 1]`` → ``scale = 2/256, zero_point = 128``)::
+
+    calculate_qparams() = (scale, zero_point)        # independent of any observed data
+
+``PlaceholderObserver`` / ``NoopObserver`` only carry ``qdtype`` (and ``is_dynamic``): their
+``calculate_qparams()`` raises, because the qparams are computed at run time or elsewhere.
+
+>>> import torch, lowbit as Q
+>>> obs = Q.FixedQParamsObserver(scale=1.0 / 256, zero_point=0)
+>>> scale, zero_point = obs.calculate_qparams()          # valid with no calibration
+>>> round(scale.item(), 6), int(zero_point.item())
+(0.003906, 0)
+>>> before = obs.scale.item()
+>>> _ = obs(torch.randn(4, 4))
+>>> obs.scale.item() == before
+True
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..qscheme import QDtype, QScheme, per_tensor_affine, quint8
+from .base import ObserverBase
+
+__all__ = ["FixedQParamsObserver", "PlaceholderObserver", "NoopObserver"]
+
+
+def _identity(owner: ObserverBase, x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{type(owner).__name__} takes tensors, got {type(x).__name__}")
+    return x
+
+
+class FixedQParamsObserver(ObserverBase):
+    """A per-tensor observer whose ``(scale, zero_point)`` are fixed at construction.
+
+    Buffers ``scale`` (float32, 0-d) and ``zero_point`` (int64, 0-d) travel in ``state_dict``.
+    ``qscheme`` and ``eps`` are metadata only: the scale is never derived, so never floored.
+    """
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+
+    def __init__(self, scale: float, zero_point: int, qscheme: QScheme | str = per_tensor_affine,
+                 qdtype: QDtype | str = quint8, eps: float = 1e-8) -> None:
+        super().__init__(qscheme, qdtype, None, eps)
+        name = type(self).__name__
+        if self.qscheme.is_per_channel:
+            raise ValueError(f"{name}: qscheme={self.qscheme.value} is per channel; fixed qparams are per tensor")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{name}: scale={scale!r} must be a finite positive float")
+        if isinstance(zero_point, bool) or not isinstance(zero_point, int):
+            raise TypeError(f"{name}: zero_point={zero_point!r} must be an int")
+        if not self.qdtype.quant_min <= zero_point <= self.qdtype.quant_max:
+            raise ValueError(
+                f"{name}: zero_point={zero_point} is outside the {self.qdtype!r} grid "
+                f"[{self.qdtype.quant_min}, {self.qdtype.quant_max}]"
+            )
+        self.register_buffer("scale", torch.tensor(float(scale), dtype=torch.float32))
+        self.register_buffer("zero_point", torch.tensor(zero_point, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Identity; nothing is recorded."""
+        return _identity(self, x)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed ``(scale, zero_point)`` (copies of the buffers); never raises."""
+        return self.scale.clone(), self.zero_point.clone()
+
+    def reset_min_max_vals(self) -> None:
+        """Nothing to reset: the qparams are constants."""
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scale={self.scale.item()}, zero_point={self.zero_point.item()}"
+
+
+class PlaceholderObserver(ObserverBase):
+    """Carries ``qdtype`` (and ``is_dynamic``) for a site whose qparams come from elsewhere.
+
+    Used by dynamic quantization (activations quantized with qparams computed per batch at run
+    time) and wherever a config needs a dtype but no statistics. ``calculate_qparams()`` raises.
+
+    >>> import lowbit as Q
+    >>> obs = Q.PlaceholderObserver(qdtype=Q.quint8, is_dynamic=True)
+    >>> obs.qdtype, obs.is_dynamic, obs.is_calibrated
+    (lowbit.quint8, True, False)
+    """
+
+    def __init__(self, qscheme: QScheme | str = per_tensor_affine, qdtype: QDtype | str = quint8,
+                 eps: float = 1e-8, is_dynamic: bool = False) -> None:
+        super().__init__(qscheme, qdtype, None, eps)
+        if not isinstance(is_dynamic, bool):
+            raise TypeError(f"{type(self).__name__}: is_dynamic={is_dynamic!r} must be a bool")
+        self.is_dynamic = is_dynamic
+
+    @property
+    def is_calibrated(self) -> bool:
+        """Always False: there is nothing for ``calculate_qparams`` to work from."""
+        return False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Identity; nothing is recorded."""
+        return _identity(self, x)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError(
+            f"{type(self).__name__} collects no statistics; qparams are computed at runtime "
+            "(dynamic quantization) or supplied elsewhere."
+        )
+
+    def reset_min_max_vals(self) -> None:
+        """Nothing to reset."""
+
+    def extra_repr(self) -> str:
+        return f"qdtype={self.qdtype!r}, is_dynamic={self.is_dynamic}"
+
+
+class NoopObserver(PlaceholderObserver):
+    """A ``PlaceholderObserver`` by another name (the seeds' spelling for "do not observe")."""

@@ -1,0 +1,320 @@
+"""QConfig, QConfigMapping and the default recipes: *how* and *where* to quantize.
+
+A ``QConfig(activation, weight)`` pairs two zero-arg factories (``Observer.with_args(...)`` or
+``FakeQuantize.with_args(...)``); ``prepare`` calls each once per insertion site, so no two
+layers share observer state. A ``QConfigMapping`` says which ``QConfig`` applies to which module.
+For a module named ``name`` of type ``T`` whose parent resolved to ``inherited``::
+
+    qconfig(name, T) = module_name[name]                     if name was set explicitly
+                     = first regex r (in registration order) with r.fullmatch(name)
+                     = object_type[T]                         (exact type, subclasses not matched)
+                     = inherited                              (the parent's; the root inherits the global)
+
+A ``None`` at any tier is an explicit setting: it excludes the module (and, through inheritance,
+its children unless they match a setting of their own).
+
+>>> import torch.nn as nn, lowbit as Q
+>>> m = (Q.QConfigMapping().set_global(Q.get_default_qconfig())
+...      .set_object_type(nn.Linear, Q.get_minmax_qconfig())
+...      .set_module_name("head", None))
+>>> m.get_qconfig(nn.Linear, "encoder.fc") is m.object_type_qconfigs[nn.Linear]
+True
+>>> m.get_qconfig(nn.Linear, "head") is None
+True
+>>> type(Q.get_default_qconfig().activation()).__name__
+'HistogramObserver'
+
+Departures from ``torch.ao``: regexes must match the whole name (``re.fullmatch``; torch uses
+``re.match``, a prefix match); children inherit their parent's resolved setting (torch's eager
+``propagate_qconfig_`` does this, its ``QConfigMapping`` lookup does not); and a ``QConfig`` built
+from an observer *instance* or a factory that needs arguments raises ``TypeError`` at construction.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import types
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from .fake_quantize import FakeQuantize
+from .observer.fixed import PlaceholderObserver
+from .observer.histogram import HistogramObserver
+from .observer.minmax import MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver
+from .qscheme import QDtype, as_qdtype, per_channel_symmetric, per_tensor_affine, qint8, quint8
+
+__all__ = [
+    "QConfig",
+    "QConfigMapping",
+    "get_default_qconfig",
+    "get_default_qat_qconfig",
+    "get_default_qconfig_mapping",
+    "get_default_qat_qconfig_mapping",
+    "get_minmax_qconfig",
+    "get_dynamic_qconfig",
+]
+
+Factory = Callable[[], nn.Module]
+
+
+def _check_factory(value: Any, field: str) -> None:
+    """Raise ``TypeError`` unless ``value`` is a zero-arg callable (not a built module)."""
+    if isinstance(value, nn.Module):
+        raise TypeError(
+            f"QConfig {field}={type(value).__name__}(...) is an observer instance; pass a factory such as "
+            f"{type(value).__name__}.with_args(...) so every insertion site gets its own observer"
+        )
+    if not callable(value):
+        raise TypeError(f"QConfig {field}={value!r} must be a zero-arg factory (e.g. MinMaxObserver.with_args())")
+    try:
+        sig = inspect.signature(value)
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check
+        return
+    try:
+        sig.bind()
+    except TypeError as err:
+        raise TypeError(f"QConfig {field}={_factory_repr(value)} cannot be called without arguments: {err}") from None
+
+
+def _value_repr(v: Any) -> str:
+    if isinstance(v, type):
+        return v.__name__
+    if isinstance(v, functools.partial):
+        return _factory_repr(v)
+    return repr(v).removeprefix("lowbit.")
+
+
+def _factory_repr(f: Any) -> str:
+    """``HistogramObserver.with_args(qscheme=per_tensor_affine, ...)`` for a partial, else the name."""
+    if isinstance(f, functools.partial):
+        args = [_value_repr(a) for a in f.args] + [f"{k}={_value_repr(v)}" for k, v in f.keywords.items()]
+        return f"{_value_repr(f.func)}.with_args({', '.join(args)})"
+    return _value_repr(f)
+
+
+class _QConfigFields(NamedTuple):
+    activation: Factory
+    weight: Factory
+
+
+class QConfig(_QConfigFields):
+    """``(activation, weight)`` zero-arg factories; immutable, unpacks as ``act, w = qconfig``.
+
+    >>> import lowbit as Q
+    >>> qc = Q.QConfig(Q.MinMaxObserver.with_args(), Q.PerChannelMinMaxObserver.with_args(ch_axis=0))
+    >>> qc
+    QConfig(activation=MinMaxObserver.with_args(), weight=PerChannelMinMaxObserver.with_args(ch_axis=0))
+    >>> Q.QConfig(Q.MinMaxObserver(), Q.MinMaxObserver)
+    Traceback (most recent call last):
+    ...
+    TypeError: QConfig activation=MinMaxObserver(...) is an observer instance; pass a factory such as MinMaxObserver.with_args(...) so every insertion site gets its own observer
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, activation: Factory, weight: Factory) -> QConfig:
+        _check_factory(activation, "activation")
+        _check_factory(weight, "weight")
+        return super().__new__(cls, activation, weight)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> QConfig:
+        return self  # immutable recipe of stateless factories: a deep-copied model shares it
+
+    def __repr__(self) -> str:
+        return f"QConfig(activation={_factory_repr(self.activation)}, weight={_factory_repr(self.weight)})"
+
+
+def _check_qconfig(qconfig: Any, where: str) -> QConfig | None:
+    if qconfig is None or isinstance(qconfig, QConfig):
+        return qconfig
+    raise TypeError(f"{where}: qconfig={qconfig!r} must be a lowbit QConfig or None")
+
+
+_DICT_KEYS = ("", "object_type", "module_name", "module_name_regex")
+
+
+class QConfigMapping:
+    """Which ``QConfig`` applies to which module: global < exact type < first regex < module name.
+
+    Setters are chainable and accept ``None`` (exclude). Setting a key again replaces its value
+    (a regex keeps its original position in the match order).
+
+    >>> import torch.nn as nn, lowbit as Q
+    >>> qc = Q.get_default_qconfig()
+    >>> m = Q.QConfigMapping().set_module_name_regex(r"blocks\\.\\d+\\.attn", None).set_global(qc)
+    >>> m.resolve("blocks.3.attn", nn.Linear, qc) is None, m.resolve("blocks.3.mlp", nn.Linear, None)
+    (True, None)
+    """
+
+    def __init__(self) -> None:
+        self.global_qconfig: QConfig | None = None
+        self.object_type_qconfigs: dict[type | Callable, QConfig | None] = {}
+        self.module_name_regex_qconfigs: dict[str, QConfig | None] = {}
+        self.module_name_qconfigs: dict[str, QConfig | None] = {}
+        self._regex: dict[str, re.Pattern[str]] = {}
+
+    # ---- setters (chainable) ----
+    def set_global(self, qconfig: QConfig | None) -> QConfigMapping:
+        """The root's setting, inherited by every module with no setting of its own."""
+        self.global_qconfig = _check_qconfig(qconfig, "QConfigMapping.set_global")
+        return self
+
+    def set_object_type(self, object_type: type | Callable, qconfig: QConfig | None) -> QConfigMapping:
+        """Modules of exactly ``object_type`` (a class; functions such as ``F.relu`` for graph mode)."""
+        if not isinstance(object_type, (type, types.FunctionType, types.BuiltinFunctionType)):
+            raise TypeError(
+                f"QConfigMapping.set_object_type: object_type={object_type!r} must be a module class "
+                "(e.g. nn.Linear) or a function"
+            )
+        self.object_type_qconfigs[object_type] = _check_qconfig(qconfig, "QConfigMapping.set_object_type")
+        return self
+
+    def set_module_name(self, module_name: str, qconfig: QConfig | None) -> QConfigMapping:
+        """The module at exactly this dotted path (``""`` is the root); beats every other tier."""
+        if not isinstance(module_name, str):
+            raise TypeError(f"QConfigMapping.set_module_name: module_name={module_name!r} must be a str")
+        self.module_name_qconfigs[module_name] = _check_qconfig(qconfig, "QConfigMapping.set_module_name")
+        return self
+
+    def set_module_name_regex(self, pattern: str, qconfig: QConfig | None) -> QConfigMapping:
+        """Modules whose full dotted name ``re.fullmatch``-es ``pattern``; first registered wins."""
+        if not isinstance(pattern, str):
+            raise TypeError(f"QConfigMapping.set_module_name_regex: pattern={pattern!r} must be a str")
+        try:
+            compiled = re.compile(pattern)
+        except re.error as err:
+            raise ValueError(f"QConfigMapping.set_module_name_regex: pattern={pattern!r} is not a valid regex: {err}") from None
+        self.module_name_regex_qconfigs[pattern] = _check_qconfig(qconfig, "QConfigMapping.set_module_name_regex")
+        self._regex[pattern] = compiled
+        return self
+
+    # ---- lookup ----
+    def resolve(self, module_name: str, module_type: type | Callable, inherited: QConfig | None) -> QConfig | None:
+        """This module's own explicit setting, else ``inherited`` (its parent's resolved qconfig)."""
+        if module_name in self.module_name_qconfigs:
+            return self.module_name_qconfigs[module_name]
+        for pattern, qconfig in self.module_name_regex_qconfigs.items():
+            if self._regex[pattern].fullmatch(module_name):
+                return qconfig
+        if module_type in self.object_type_qconfigs:
+            return self.object_type_qconfigs[module_type]
+        return inherited
+
+    def get_qconfig(self, module_type: type | Callable, module_name: str) -> QConfig | None:
+        """``resolve`` with the global setting as the inherited one (no parent walk)."""
+        return self.resolve(module_name, module_type, self.global_qconfig)
+
+    # ---- construction from user input ----
+    @classmethod
+    def from_qconfig(cls, qconfig: Any, default: QConfigMapping | QConfig | None = None) -> QConfigMapping:
+        """Normalise ``None | QConfig | QConfigMapping | dict`` into a mapping.
+
+        ``None`` gives ``default`` (itself normalised; ``None`` there means the default static
+        mapping). A ``QConfig`` becomes the global setting. A dict may be torch.ao's
+        ``qconfig_dict`` (``{"": qc, "object_type": [(T, qc)], "module_name": [(name, qc)],
+        "module_name_regex": [(pattern, qc)]}``) or a ``qconfig_spec`` (``{nn.Linear: qc, "fc1": qc}``).
+        """
+        if qconfig is None:
+            return cls.from_qconfig(default) if default is not None else get_default_qconfig_mapping()
+        if isinstance(qconfig, QConfigMapping):
+            return qconfig
+        if isinstance(qconfig, QConfig):
+            return cls().set_global(qconfig)
+        if isinstance(qconfig, dict):
+            return cls._from_dict(qconfig)
+        raise TypeError(
+            f"qconfig={qconfig!r} must be None, a QConfig, a QConfigMapping or a qconfig dict"
+        )
+
+    @classmethod
+    def _from_dict(cls, d: dict[Any, Any]) -> QConfigMapping:
+        m = cls()
+        if "" in d:
+            m.set_global(d[""])
+        for key, value in d.items():
+            if key == "":
+                continue
+            if key in _DICT_KEYS:
+                setter = {"object_type": m.set_object_type, "module_name": m.set_module_name,
+                          "module_name_regex": m.set_module_name_regex}[key]
+                for entry in value:
+                    if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+                        raise ValueError(f"qconfig dict [{key!r}]: entry {entry!r} must be a (key, qconfig) pair")
+                    setter(*entry)
+            elif isinstance(key, str):
+                m.set_module_name(key, value)
+            elif isinstance(key, type):
+                m.set_object_type(key, value)
+            else:
+                raise TypeError(f"qconfig dict key {key!r} must be a module class, a module name or one of {_DICT_KEYS}")
+        return m
+
+    def __repr__(self) -> str:
+        lines = [f"  global: {self.global_qconfig!r}"]
+        tiers = (("object_type", self.object_type_qconfigs), ("module_name_regex", self.module_name_regex_qconfigs),
+                 ("module_name", self.module_name_qconfigs))
+        for tier, entries in tiers:
+            for key, qc in entries.items():
+                lines.append(f"  {tier}[{_value_repr(key) if not isinstance(key, str) else repr(key)}]: {qc!r}")
+        return "QConfigMapping(\n" + "\n".join(lines) + "\n)"
+
+
+# ---- recipes ----
+def get_default_qconfig() -> QConfig:
+    """Static PTQ: histogram-calibrated per-tensor affine quint8 activations, per-channel symmetric qint8 weights."""
+    return QConfig(
+        activation=HistogramObserver.with_args(qscheme=per_tensor_affine, qdtype=quint8),
+        weight=PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=per_channel_symmetric, qdtype=qint8),
+    )
+
+
+def get_default_qat_qconfig() -> QConfig:
+    """QAT: the static recipe's grids behind ``FakeQuantize``.
+
+    Activations use a moving-average min/max (c = 0.01). Weights use the seeds' cumulative
+    ``PerChannelMinMaxObserver`` (torch uses a moving-average per-channel observer here).
+    """
+    return QConfig(
+        activation=FakeQuantize.with_args(observer=MovingAverageMinMaxObserver, qscheme=per_tensor_affine,
+                                          qdtype=quint8),
+        weight=FakeQuantize.with_args(observer=PerChannelMinMaxObserver, ch_axis=0,
+                                      qscheme=per_channel_symmetric, qdtype=qint8),
+    )
+
+
+def get_minmax_qconfig() -> QConfig:
+    """Static PTQ with plain min/max activations: the recipe that matches ``torch.ao`` numerics exactly."""
+    return QConfig(
+        activation=MinMaxObserver.with_args(qscheme=per_tensor_affine, qdtype=quint8),
+        weight=PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=per_channel_symmetric, qdtype=qint8),
+    )
+
+
+def get_dynamic_qconfig(dtype: QDtype | str | torch.dtype = qint8) -> QConfig:
+    """Dynamic quantization: activations quantized per batch at runtime, weights ahead of time.
+
+    quint8 activations (``PlaceholderObserver(is_dynamic=True)``: the range is measured on each
+    batch) and per-channel symmetric qint8 weights (torch's default dynamic recipe is per tensor).
+    Only ``dtype=qint8`` is supported (float16 weight storage is not implemented yet).
+    """
+    if dtype in (torch.float16, "float16") or as_qdtype(dtype) != qint8:
+        raise ValueError(f"get_dynamic_qconfig: dtype={dtype!r} is not supported; use qint8")
+    return QConfig(
+        activation=PlaceholderObserver.with_args(qdtype=quint8, is_dynamic=True),
+        weight=PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=per_channel_symmetric, qdtype=qint8),
+    )
+
+
+def get_default_qconfig_mapping() -> QConfigMapping:
+    """``get_default_qconfig()`` as the global setting (nothing else)."""
+    return QConfigMapping().set_global(get_default_qconfig())
+
+
+def get_default_qat_qconfig_mapping() -> QConfigMapping:
+    """``get_default_qat_qconfig()`` as the global setting (nothing else)."""
+    return QConfigMapping().set_global(get_default_qat_qconfig())

@@ -1,0 +1,289 @@
+"""Eager-mode workflows: ``prepare`` → calibrate → ``convert``; ``prepare_qat`` → train → ``convert``;
+``quantize_dynamic``.
+
+**Which qconfig a module gets** (``propagate_qconfig_``, torch.ao semantics): the module's own
+``.qconfig`` attribute if it has one (``model.qconfig = ...`` then ``prepare(model)``), else the
+mapping's explicit setting for it (name > regex > type, see ``QConfigMapping``), else its parent's.
+``qconfig=None`` with no ``.qconfig`` attribute anywhere means the default recipe.
+
+**Observers**: ``prepare`` gives every module whose exact type is a key of the static mapping
+(Linear, Conv*, ConvTranspose*, fused markers, QAT modules, activations, ``QuantStub``,
+``FloatFunctional``) and whose qconfig is not ``None`` an ``activation_post_process =
+qconfig.activation()`` called on its output by a forward hook (the hook returns the observer's
+output, so a ``FakeQuantize`` there fake-quantizes). Children of such modules (a fused marker's
+conv, a QAT module's ``weight_fake_quant``) are not observed. ``DeQuantStub`` and embeddings get
+no output observer (their outputs are float).
+
+**convert** swaps each observed module for ``mapping[type(mod)].from_float(mod)`` (a conv-BN QAT
+module is folded first), removes the remaining observers and hooks, and puts the model in eval
+mode. An observer that saw no data raises ``RuntimeError`` naming the module path. Modules with
+a qconfig that stay float are listed in a ``ConvertReport`` (``return_report=True`` returns
+``(model, report)``; it is also logged on the ``"lowbit"`` logger at INFO).
+
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> model = nn.Sequential(Q.QuantStub(), nn.Linear(4, 4), nn.ReLU(), Q.DeQuantStub())
+>>> model.qconfig = Q.get_minmax_qconfig()
+>>> prepared = prepare(model)
+>>> _ = prepared(torch.randn(16, 4))                       # calibrate
+>>> qmodel, report = convert(prepared, return_report=True)
+>>> [type(m).__name__ for m in qmodel]
+['Quantize', 'Linear', 'ReLU', 'DeQuantize']
+>>> type(qmodel[1]).__module__.startswith("lowbit.nn.quantized"), len(report.left_float)
+(True, 0)
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from typing import Any
+
+from torch import nn
+
+from .fake_quantize import FakeQuantize
+from .mappings import (
+    ConvertReport,
+    get_default_qat_module_mappings,
+    get_default_static_quant_module_mappings,
+)
+from .nn.intrinsic import FusedModule
+from .nn.intrinsic.qat.modules import _BnFolded, freeze_bn_stats, update_bn_stats
+from .nn.quantized.functional_modules import FloatFunctional
+from .observer.base import ObserverBase
+from .qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
+from .quantize_dynamic import quantize_dynamic
+from .stubs import DeQuantStub
+
+__all__ = [
+    "prepare", "convert", "prepare_qat", "quantize_dynamic", "propagate_qconfig_",
+    "freeze_bn_stats", "update_bn_stats",
+]
+
+logger = logging.getLogger("lowbit")
+
+_MISSING = object()
+# outputs that stay float after convert: no output observer
+_NO_OUTPUT_OBSERVER = (DeQuantStub, nn.Embedding, nn.EmbeddingBag)
+# leaf modules a QTensor passes through in integer (or that do nothing): not worth reporting
+_QTENSOR_NATIVE = (nn.Identity, nn.ReLU, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Flatten,
+                   nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
+
+
+def _path(name: str) -> str:
+    return name or "<root>"
+
+
+def _check_common(fn: str, model: Any, inplace: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn}: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"{fn}: inplace must be a bool, got {inplace!r}")
+
+
+def _check_mapping(fn: str, mapping: Any) -> dict[type, type]:
+    if not isinstance(mapping, dict) or not all(isinstance(k, type) for k in mapping):
+        raise TypeError(f"{fn}: mapping must be a dict {{module type: class with from_float}}, got {mapping!r}")
+    for k, v in mapping.items():
+        if not hasattr(v, "from_float"):
+            raise TypeError(f"{fn}: mapping[{k.__name__}] = {v!r} has no from_float")
+    return mapping
+
+
+def propagate_qconfig_(model: nn.Module, qconfig: Any = None) -> nn.Module:
+    """Set ``.qconfig`` on every module of ``model`` (in place): own attribute > mapping setting > parent.
+
+    ``qconfig``: ``None`` (only ``.qconfig`` attributes count), a ``QConfig`` (global), a
+    ``QConfigMapping`` or a qconfig dict.
+
+    >>> import lowbit as Q
+    >>> from torch import nn
+    >>> m = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    >>> m[1].qconfig = None                         # exclude a subtree
+    >>> _ = propagate_qconfig_(m, Q.get_minmax_qconfig())
+    >>> m[0].qconfig is m.qconfig, m[1][0].qconfig
+    (True, None)
+    """
+    mapping = QConfigMapping() if qconfig is None else QConfigMapping.from_qconfig(qconfig)
+
+    def walk(mod: nn.Module, name: str, inherited: QConfig | None) -> None:
+        qc = mod.__dict__.get("qconfig", _MISSING)
+        if qc is _MISSING:
+            qc = mapping.resolve(name, type(mod), inherited)
+        elif qc is not None and not isinstance(qc, QConfig):
+            raise TypeError(f"module '{_path(name)}' ({type(mod).__name__}) has .qconfig={qc!r}; "
+                            "expected a lowbit QConfig or None")
+        mod.qconfig = qc
+        for cname, child in mod.named_children():
+            walk(child, f"{name}.{cname}" if name else cname, qc)
+
+    walk(model, "", mapping.global_qconfig)
+    return model
+
+
+def _resolve_user_qconfig(model: nn.Module, qconfig: Any, default: QConfigMapping) -> Any:
+    """``None`` + no ``.qconfig`` attribute anywhere → ``default``; otherwise the user's value."""
+    if qconfig is not None:
+        if not isinstance(qconfig, (QConfig, QConfigMapping, dict)):
+            raise TypeError(f"qconfig={qconfig!r} must be None, a QConfig, a QConfigMapping or a qconfig dict")
+        return qconfig
+    has_attr = any("qconfig" in m.__dict__ for m in model.modules())
+    return None if has_attr else default
+
+
+def _observe_output(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """Forward hook ``prepare`` registers: the output goes through ``activation_post_process``."""
+    return module.activation_post_process(output)
+
+
+def _remove_observer_hooks(mod: nn.Module) -> None:
+    for key in [k for k, h in mod._forward_hooks.items() if h is _observe_output]:
+        del mod._forward_hooks[key]
+
+
+def _is_observer(m: Any) -> bool:
+    return isinstance(m, (ObserverBase, FakeQuantize))
+
+
+def _insert_observers(mod: nn.Module, observed: set[type]) -> int:
+    """Give each observable module an output observer; return how many got one."""
+    if _is_observer(mod):
+        return 0
+    qc = getattr(mod, "qconfig", None)
+    if type(mod) in observed and qc is not None:
+        if isinstance(mod, _NO_OUTPUT_OBSERVER):
+            return 1
+        mod.activation_post_process = qc.activation()
+        if not isinstance(mod, FloatFunctional):  # its methods call the observer themselves
+            _remove_observer_hooks(mod)
+            mod.register_forward_hook(_observe_output)
+        return 1
+    return sum(_insert_observers(child, observed) for child in mod.children())
+
+
+def prepare(model: nn.Module, qconfig: Any = None, inplace: bool = False,
+            mapping: dict[type, type] | None = None) -> nn.Module:
+    """Insert output observers for static post-training quantization; returns the model in eval mode.
+
+    ``qconfig``: ``None`` (``.qconfig`` attributes, or the default recipe when there are none), a
+    ``QConfig``, a ``QConfigMapping`` or a qconfig dict. ``mapping`` (default
+    ``get_default_static_quant_module_mappings()``): its keys are the module types observed —
+    pass the same extended mapping to ``convert``. ``inplace=False`` works on a deep copy.
+    """
+    _check_common("prepare", model, inplace)
+    mapping = _check_mapping("prepare", get_default_static_quant_module_mappings() if mapping is None else mapping)
+    qconfig = _resolve_user_qconfig(model, qconfig, get_default_qconfig_mapping())
+    if not inplace:
+        model = copy.deepcopy(model)
+    propagate_qconfig_(model, qconfig)
+    if _insert_observers(model, set(mapping)) == 0:
+        warnings.warn("prepare(): no quantizable module got a qconfig — convert() will leave this model float",
+                      stacklevel=2)
+    return model.eval()
+
+
+def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
+                mapping: dict[type, type] | None = None) -> nn.Module:
+    """Swap to QAT modules (``nn.qat`` / ``nn.intrinsic.qat``) and add output ``FakeQuantize``; train mode.
+
+    ``qconfig`` as in ``prepare`` (default: ``get_default_qat_qconfig_mapping()``); ``mapping``
+    (default ``get_default_qat_module_mappings()``): float type → QAT class. Fused conv-BN markers
+    from ``fuse_modules_qat`` become ``ConvBn*`` modules whose BN statistics keep updating.
+    """
+    _check_common("prepare_qat", model, inplace)
+    mapping = _check_mapping("prepare_qat", get_default_qat_module_mappings() if mapping is None else mapping)
+    qconfig = _resolve_user_qconfig(model, qconfig, get_default_qat_qconfig_mapping())
+    if not inplace:
+        model = copy.deepcopy(model)
+    propagate_qconfig_(model, qconfig)
+
+    def swap(mod: nn.Module) -> nn.Module:
+        if type(mod) in mapping and getattr(mod, "qconfig", None) is not None:
+            return mapping[type(mod)].from_float(mod)
+        for cname, child in list(mod.named_children()):
+            mod._modules[cname] = swap(child)
+        return mod
+
+    model = swap(model)
+    observed = set(get_default_static_quant_module_mappings()) | set(mapping.values())
+    if _insert_observers(model, observed) == 0:
+        warnings.warn("prepare_qat(): no quantizable module got a qconfig — convert() will leave this model float",
+                      stacklevel=2)
+    return model.train()
+
+
+def _is_calibrated(obs: nn.Module) -> bool:
+    inner = getattr(obs, "activation_post_process", None)  # FakeQuantize wraps an observer
+    if isinstance(obs, FakeQuantize) and isinstance(inner, ObserverBase):
+        return inner.is_calibrated
+    return bool(getattr(obs, "is_calibrated", True))
+
+
+def _strip(mod: nn.Module) -> None:
+    """Remove what prepare added to a module that stays float."""
+    _remove_observer_hooks(mod)
+    if _is_observer(mod._modules.get("activation_post_process")):
+        if isinstance(mod, FloatFunctional):
+            mod.activation_post_process = nn.Identity()
+        else:
+            del mod.activation_post_process
+    mod.__dict__.pop("qconfig", None)
+
+
+def _swap(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertReport) -> nn.Module:
+    obs = mod._modules.get("activation_post_process")
+    if obs is not None and not _is_calibrated(obs):
+        raise RuntimeError(
+            f"convert: module '{_path(name)}' ({type(mod).__name__}) has an observer that saw no data; "
+            "run calibration batches through the prepared model before convert()"
+        )
+    qcls = mapping[type(mod)]
+    src = mod.fold() if isinstance(mod, _BnFolded) else mod
+    try:
+        new = qcls.from_float(src)
+    except (ValueError, TypeError, RuntimeError) as err:
+        raise type(err)(f"convert: module '{_path(name)}' ({type(mod).__name__} -> {qcls.__name__}): {err}") from err
+    report.converted[_path(name)] = f"{type(mod).__name__} -> {qcls.__module__}.{qcls.__name__}"
+    return new
+
+
+def _convert(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertReport) -> nn.Module:
+    qc = getattr(mod, "qconfig", None)
+    observed = _is_observer(mod._modules.get("activation_post_process")) or isinstance(mod, _NO_OUTPUT_OBSERVER)
+    if type(mod) in mapping and qc is not None and observed:
+        return _swap(mod, name, mapping, report)
+    for cname, child in list(mod.named_children()):
+        if _is_observer(child):
+            continue
+        mod._modules[cname] = _convert(child, f"{name}.{cname}" if name else cname, mapping, report)
+    _strip(mod)
+    leaf = not any(True for _ in mod.children()) or isinstance(mod, FusedModule)
+    if qc is not None and leaf and not isinstance(mod, _QTENSOR_NATIVE):
+        why = "not observed (prepared with another mapping?)" if type(mod) in mapping else "no quantized mapping"
+        report.left_float[_path(name)] = f"{type(mod).__name__} ({why})"
+    return mod
+
+
+def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: bool = False,
+            return_report: bool = False) -> Any:
+    """Swap observed modules for ``lowbit.nn.quantized`` ones; returns the model (eval mode).
+
+    ``mapping`` (default ``get_default_static_quant_module_mappings()``): exact type → class with
+    ``from_float``. The root itself is swapped when it is observed, so use the return value.
+    ``return_report=True`` returns ``(model, ConvertReport)``.
+    """
+    _check_common("convert", model, inplace)
+    if not isinstance(return_report, bool):
+        raise TypeError(f"convert: return_report must be a bool, got {return_report!r}")
+    mapping = _check_mapping("convert", get_default_static_quant_module_mappings() if mapping is None else mapping)
+    if not inplace:
+        model = copy.deepcopy(model)
+    report = ConvertReport()
+    model = _convert(model, "", mapping, report).eval()
+    if not report.converted:
+        warnings.warn("convert(): no prepared module found (run prepare() or prepare_qat() and calibrate first); "
+                      "the model stays float", stacklevel=2)
+    if report.left_float:
+        logger.info("%s", report)
+    return (model, report) if return_report else model

@@ -1,0 +1,120 @@
+"""``quantize_dynamic``: int8 (or float16) weights ahead of time, activations quantized per call.
+
+``qconfig_spec`` says which modules to quantize and with which dtype:
+
+- ``None``: every module whose exact type is a key of ``mapping`` (Linear, LSTM, GRU) with ``dtype``;
+- a set of types: modules of exactly those types (and the modules inside them) with ``dtype``;
+- a dict ``{type or dotted name: dtype | QConfig | None}``: per type / per name; ``None`` excludes.
+  A name covers the submodules under it; a module's own name beats its type beats its parent's.
+
+``dtype``: ``lowbit.qint8`` (``"qint8"``, ``torch.qint8``) or ``torch.float16``. A bare target
+(``quantize_dynamic(nn.LSTM(...))``) returns the quantized module itself.
+
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+>>> qm = quantize_dynamic(m, {"2": torch.float16, nn.Linear: Q.qint8})
+>>> [type(c).__module__.startswith("lowbit.nn.quantized.dynamic") for c in qm]
+[True, False, True]
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from .mappings import get_default_dynamic_quant_module_mappings
+from .qconfig import QConfig
+from .qscheme import QDtype, as_qdtype, qint8
+
+__all__ = ["quantize_dynamic"]
+
+DynamicDtype = QDtype | torch.dtype
+_MISSING = object()
+
+
+def _as_dynamic_dtype(dtype: Any, where: str) -> DynamicDtype:
+    if dtype in (torch.float16, "float16"):
+        return torch.float16
+    try:
+        q = as_qdtype(dtype)
+    except (TypeError, ValueError):
+        q = None
+    if q != qint8:
+        raise ValueError(f"{where}: dtype={dtype!r} must be lowbit.qint8 or torch.float16")
+    return qint8
+
+
+def _spec_value(v: Any, key: Any) -> tuple[DynamicDtype, QConfig | None] | None:
+    """``None`` (exclude) or ``(dtype, qconfig)``; a QConfig's weight observer gives the dtype."""
+    if v is None:
+        return None
+    if isinstance(v, QConfig):
+        w = v.weight()
+        return _as_dynamic_dtype(getattr(w, "qdtype", None), f"qconfig_spec[{key!r}].weight"), v
+    return _as_dynamic_dtype(v, f"qconfig_spec[{key!r}]"), None
+
+
+def _normalise_spec(qconfig_spec: Any, dtype: DynamicDtype, mapping: dict[type, type]) -> dict[Any, Any]:
+    if qconfig_spec is None:
+        return {t: (dtype, None) for t in mapping}
+    if isinstance(qconfig_spec, (set, frozenset, list, tuple)):
+        bad = [t for t in qconfig_spec if not isinstance(t, type)]
+        if bad:
+            raise TypeError(f"quantize_dynamic: qconfig_spec set entries must be module types, got {bad[0]!r}")
+        return {t: (dtype, None) for t in qconfig_spec}
+    if isinstance(qconfig_spec, dict):
+        for k in qconfig_spec:
+            if not isinstance(k, (type, str)):
+                raise TypeError(f"quantize_dynamic: qconfig_spec key {k!r} must be a module type or a module name")
+        return {k: _spec_value(v, k) for k, v in qconfig_spec.items()}
+    raise TypeError(f"quantize_dynamic: qconfig_spec={qconfig_spec!r} must be None, a set of types or a dict")
+
+
+def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qint8,
+                     mapping: dict[type, type] | None = None, inplace: bool = False) -> nn.Module:
+    """Swap targeted modules for ``mapping[type].from_float(mod, dtype=...)``; returns the model (eval).
+
+    ``mapping`` defaults to ``get_default_dynamic_quant_module_mappings()``; ``inplace=False``
+    works on a deep copy.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_dynamic: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"quantize_dynamic: inplace must be a bool, got {inplace!r}")
+    mapping = get_default_dynamic_quant_module_mappings() if mapping is None else mapping
+    if not isinstance(mapping, dict) or not all(isinstance(k, type) and hasattr(v, "from_float")
+                                                for k, v in mapping.items()):
+        raise TypeError(f"quantize_dynamic: mapping must be a dict {{module type: class with from_float}}, "
+                        f"got {mapping!r}")
+    spec = _normalise_spec(qconfig_spec, _as_dynamic_dtype(dtype, "quantize_dynamic"), mapping)
+    if not inplace:
+        model = copy.deepcopy(model)
+    model.eval()
+    found = [0]
+
+    def walk(mod: nn.Module, name: str, inherited: Any) -> nn.Module:
+        d = spec.get(name, _MISSING) if name else _MISSING
+        if d is _MISSING:
+            d = spec.get(type(mod), inherited)
+        if type(mod) in mapping and d is not None:
+            found[0] += 1
+            if d[1] is not None:  # the module's weight observer comes from this qconfig
+                mod.qconfig = d[1]
+            try:
+                return mapping[type(mod)].from_float(mod, dtype=d[0])
+            except (ValueError, TypeError, RuntimeError) as err:
+                raise type(err)(f"quantize_dynamic: module '{name or '<root>'}' ({type(mod).__name__}): {err}") from err
+        for cname, child in list(mod.named_children()):
+            mod._modules[cname] = walk(child, f"{name}.{cname}" if name else cname, d)
+        return mod
+
+    model = walk(model, "", spec.get("", None))
+    if found[0] == 0 and spec:
+        warnings.warn("quantize_dynamic(): no module of a targeted type found — the model is returned unchanged",
+                      stacklevel=2)
+    return model

@@ -1,0 +1,159 @@
+"""Architecture checks: imports only go down the layer stack of docs/design.md, and ``import lowbit``
+is cheap (no optional dependency, no GPU initialisation)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "lowbit"
+
+# The layer stack of docs/design.md, bottom first. A module may import its own tier and the tiers
+# below it, never one above. Paths are dotted prefixes under ``lowbit``; the longest prefix wins.
+TIERS: list[tuple[str, ...]] = [
+    ("qscheme",),
+    ("qparams",),
+    ("functional",),
+    ("qtensor",),
+    ("observer",),
+    ("fake_quantize",),
+    ("qconfig",),
+    ("stubs", "kernels"),
+    ("nn.intrinsic",),                 # fused float markers and BN folding
+    ("nn.qat",),
+    ("nn.intrinsic.qat",),             # QAT ConvBn builds on nn.qat
+    ("nn.quantized",),                 # (+ dynamic/) run on kernels
+    ("mappings", "examples"),
+    ("fuse", "quantize", "quantize_dynamic", "fx"),
+    ("export", "algorithms", "debug", "data"),
+    ("__init__",),                     # the package root: re-exports the public names of all of the above
+    ("cli", "__main__"),
+]
+RANK = {prefix: i for i, tier in enumerate(TIERS) for prefix in tier}
+OPTIONAL = ("onnx", "onnxruntime", "matplotlib", "transformers", "gensim", "safetensors", "tokenizers")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def rank(mod: str) -> int | None:
+    """Tier of ``mod`` (dotted, relative to ``lowbit``); ``None`` for a bare package such as ``nn``."""
+    parts = mod.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in RANK:
+            return RANK[".".join(parts[:n])]
+    return None
+
+
+def is_module(mod: str) -> bool:
+    p = SRC.joinpath(*mod.split(".")) if mod else SRC
+    return p.with_suffix(".py").exists() or (p / "__init__.py").exists() or p.is_dir()
+
+
+def under_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def lowbit_imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, target)`` for every runtime import of a lowbit module (targets relative to ``lowbit``)."""
+    tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    me = module_name(path).split(".") if module_name(path) else []
+    package = me if path.name == "__init__.py" else me[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if under_type_checking(node, parents):
+            continue
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name.removeprefix("lowbit").lstrip(".")) for a in node.names
+                    if a.name == "lowbit" or a.name.startswith("lowbit.")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + (node.module or "").split("."))
+            elif node.module and (node.module == "lowbit" or node.module.startswith("lowbit.")):
+                base = node.module.removeprefix("lowbit").lstrip(".")
+            else:
+                continue
+            base = base.strip(".")
+            for a in node.names:  # `from .nn import qat` imports the submodule nn.qat
+                sub = f"{base}.{a.name}".strip(".")
+                out.append((node.lineno, sub if is_module(sub) else base))
+    return out
+
+
+def test_every_module_has_a_tier():
+    missing = sorted(m for p in SRC.rglob("*.py") if (m := module_name(p)) and rank(m) is None
+                     and not (p.name == "__init__.py"))
+    assert not missing, f"modules not in the layer stack of docs/design.md (add them there and to TIERS): {missing}"
+
+
+def design_layout() -> list[str]:
+    """Top-level entries of the ``## Layout`` block of docs/design.md, in order (``nn/qat/`` -> ``nn.qat``)."""
+    text = (SRC.parents[1] / "docs" / "design.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    entries = []
+    for line in block.splitlines():
+        if line.startswith("  ") and not line.startswith("   ") and line.strip():
+            token = line.split()[0]
+            if token.endswith((".py", "/")):
+                entries.append(token.removesuffix(".py").strip("/").replace("/", "."))
+    return entries
+
+
+def test_tiers_follow_docs_design_md():
+    entries = design_layout()
+    assert "qscheme" in entries and "qconfig" in entries, entries
+    assert [e for e in entries if e not in RANK] == [], "docs/design.md lists modules missing from TIERS"
+    ranks = [RANK[e] for e in entries]
+    assert ranks == sorted(ranks), f"TIERS order disagrees with docs/design.md: {list(zip(entries, ranks))}"
+
+
+def test_imports_only_go_down_the_layer_stack():
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        me = module_name(path)
+        if not me:  # lowbit/__init__.py re-exports everything
+            continue
+        my_rank = rank(me)
+        if my_rank is None:  # a bare package __init__ (e.g. nn/): takes the highest tier below it
+            my_rank = max((r for p in SRC.joinpath(*me.split(".")).rglob("*.py")
+                           if (r := rank(module_name(p))) is not None), default=len(TIERS))
+        for line, target in lowbit_imports(path):
+            target_rank = RANK["__init__"] if target == "" else rank(target)  # `import lowbit`
+            if target_rank is not None and target_rank > my_rank:
+                bad.append(f"{path.relative_to(SRC)}:{line} ({me}, tier {my_rank}) imports {target or 'lowbit'} "
+                           f"(tier {target_rank})")
+    assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def test_layer_checker_catches_an_upward_import(tmp_path, monkeypatch):
+    # the checker itself: a fake qparams.py importing qconfig must be reported
+    fake = tmp_path / "lowbit"
+    fake.mkdir()
+    (fake / "qparams.py").write_text("from .qconfig import QConfig\nfrom . import qscheme\n")
+    (fake / "qconfig.py").write_text("")
+    (fake / "qscheme.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", fake)
+    targets = [(t, rank(t)) for _, t in lowbit_imports(fake / "qparams.py")]
+    assert targets == [("qconfig", RANK["qconfig"]), ("qscheme", RANK["qscheme"])]
+    assert rank("qparams") < rank("qconfig") and rank("nn.intrinsic.qat.modules") == RANK["nn.intrinsic.qat"]
+
+
+def test_import_is_cheap():
+    """``import lowbit`` (then every submodule) loads no optional dependency and initialises no GPU."""
+    mods = sorted({module_name(p) for p in SRC.rglob("*.py")} - {""})
+    probe = f"print(sorted(m for m in {OPTIONAL!r} if m in sys.modules), torch.cuda.is_initialized())"
+    res = subprocess.run([sys.executable, "-c", "\n".join([
+        "import importlib, sys, lowbit, torch", probe,
+        f"for m in {mods!r}: importlib.import_module('lowbit.' + m)", probe,
+    ])], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[:2] == ["[] False", "[] False"]

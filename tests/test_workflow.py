@@ -1,0 +1,340 @@
+"""Eager workflows end to end: prepare / calibrate / convert, parity with torch.ao, reports, state_dict, dynamic."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.ao.nn.quantized as tnnq
+import torch.ao.quantization as tq
+from torch import nn
+
+import lowbit.nn.quantized.dynamic as nnqd
+from lowbit.fuse import fuse_modules
+from lowbit.mappings import get_default_static_quant_module_mappings
+from lowbit.nn.quantized.conv import Conv2d as QConv2d
+from lowbit.nn.quantized.conv import ConvReLU2d as QConvReLU2d
+from lowbit.nn.quantized.functional_modules import FloatFunctional, QFunctional
+from lowbit.nn.quantized.linear import Linear as QLinear
+from lowbit.nn.quantized.stubs import DeQuantize, Quantize
+from lowbit.qconfig import QConfigMapping, get_default_qconfig, get_dynamic_qconfig, get_minmax_qconfig
+from lowbit.qscheme import qint8
+from lowbit.qtensor import QTensor
+from lowbit.quantize import convert, prepare, propagate_qconfig_, quantize_dynamic
+from lowbit.stubs import DeQuantStub, QuantStub, QuantWrapper
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the 2 shared cores are oversubscribed otherwise (10x slower)
+    yield
+    torch.set_num_threads(n)
+
+
+FUSE = [["conv1", "bn1", "relu1"], ["conv2", "bn2"]]
+
+
+class SmallCNN(nn.Module):
+    """conv-bn-relu → conv-bn → residual add_relu (FloatFunctional) → maxpool → linear.
+
+    ``torch_ao=True`` builds the same network with torch.ao's stubs and FloatFunctional.
+    """
+
+    def __init__(self, torch_ao: bool = False):
+        super().__init__()
+        self.quant = tq.QuantStub() if torch_ao else QuantStub()
+        self.dequant = tq.DeQuantStub() if torch_ao else DeQuantStub()
+        self.conv1, self.bn1, self.relu1 = nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()
+        # torch.ao cannot convert padding="same" (conv2d_prepack wants ints): equal to padding=1 here
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1 if torch_ao else "same"), nn.BatchNorm2d(8)
+        self.skip = tnnq.FloatFunctional() if torch_ao else FloatFunctional()
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = self.relu1(self.bn1(self.conv1(self.quant(x))))
+        x = self.skip.add_relu(x, self.bn2(self.conv2(x)))
+        return self.dequant(self.fc(self.pool(x).flatten(1)))
+
+
+def _float_model(torch_ao=False):
+    torch.manual_seed(0)
+    m = SmallCNN(torch_ao)
+    with torch.no_grad():
+        for bn in (m.bn1, m.bn2):
+            bn.running_mean.uniform_(-0.2, 0.2)
+            bn.running_var.uniform_(0.5, 2.0)
+    return fuse_modules(m.eval(), FUSE) if not torch_ao else tq.fuse_modules(m.eval(), FUSE)
+
+
+def _data(n, seed):
+    return torch.randn(n, 1, 8, 8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    prepared = prepare(_float_model(), get_minmax_qconfig())
+    with torch.no_grad():
+        for i in range(4):
+            prepared(_data(32, i))
+    return prepared
+
+
+def test_prepare_places_observers_on_quantizable_outputs(calibrated):
+    observed = {n for n, m in calibrated.named_modules() if hasattr(m, "activation_post_process")
+                and not isinstance(m.activation_post_process, nn.Identity)}
+    assert observed == {"quant", "conv1", "conv2", "skip", "fc"}  # not conv1.0 (fused child), not dequant
+    assert not calibrated.training
+    x = _data(8, 9)
+    torch.testing.assert_close(calibrated(x), _float_model()(x))  # observers are the identity
+
+
+def test_qconfig_sources_agree():
+    def observed(m):
+        return sorted(n for n, mod in m.named_modules() if "activation_post_process" in mod._modules
+                      and not isinstance(mod.activation_post_process, nn.Identity))
+
+    m = _float_model()
+    m.qconfig = get_minmax_qconfig()  # torch.ao style: attribute on the root, propagated to children
+    by_attr = prepare(m)
+    assert type(by_attr.conv1.activation_post_process).__name__ == "MinMaxObserver"
+    by_default = prepare(_float_model())  # nothing set: the default recipe (histogram)
+    assert type(by_default.fc.activation_post_process).__name__ == "HistogramObserver"
+    excl = prepare(_float_model(), QConfigMapping().set_global(get_minmax_qconfig()).set_module_name("fc", None))
+    assert observed(by_attr) == observed(by_default) == sorted(observed(excl) + ["fc"])
+    sub = _float_model()
+    sub.conv2.qconfig = None  # an attribute wins over the mapping
+    assert "conv2" not in observed(prepare(sub, get_minmax_qconfig()))
+
+
+def test_convert_end_to_end_runs_int8(calibrated):
+    q, report = convert(calibrated, return_report=True)
+    assert [type(q.quant), type(q.conv1), type(q.conv2), type(q.skip), type(q.fc), type(q.dequant)] == [
+        Quantize, QConvReLU2d, QConv2d, QFunctional, QLinear, DeQuantize]
+    assert q.conv2.padding_str == "same"
+    assert report.left_float == {} and "conv1" in report.converted
+    assert not any("activation_post_process" in m._modules for m in q.modules())
+    assert not any(m._forward_hooks for m in q.modules())
+    seen = {}
+    for name in ("conv1", "conv2", "pool", "fc"):
+        getattr(q, name).register_forward_hook(lambda m, i, o, name=name: seen.setdefault(name, o))
+    x = _data(64, 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no float fallback anywhere inside the int8 region
+        y = q(x)
+    assert all(isinstance(seen[n], QTensor) for n in seen)
+    ref = _float_model()(x)
+    assert (y - ref).norm() / ref.norm() < 0.05
+    assert type(calibrated.conv1) is not QConvReLU2d  # not inplace
+
+
+def _torch_ao_convert(calib_batches):
+    engine, torch.backends.quantized.engine = torch.backends.quantized.engine, "qnnpack"
+    try:
+        return _torch_ao_prepare_convert(calib_batches)
+    finally:
+        torch.backends.quantized.engine = engine
+
+
+def _torch_ao_prepare_convert(calib_batches):
+    m = _float_model(torch_ao=True)
+    m.qconfig = tq.QConfig(
+        activation=tq.MinMaxObserver.with_args(dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_range=False),
+        weight=tq.PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = tq.prepare(m)
+        with torch.no_grad():
+            for x in calib_batches:
+                p(x)
+        return p, tq.convert(copy.deepcopy(p))
+
+
+def test_parity_with_torch_ao(calibrated):
+    tp, tqm = _torch_ao_convert([_data(32, i) for i in range(4)])
+    names = ["quant", "conv1", "conv2", "skip", "fc"]
+    for name in names:
+        s, z = calibrated.get_submodule(name).activation_post_process.calculate_qparams()
+        ts, tz = tp.get_submodule(name).activation_post_process.calculate_qparams()
+        torch.testing.assert_close(s.reshape(()), ts.reshape(()), rtol=1e-6, atol=0, msg=name)
+        assert int(z) == int(tz), name
+    x = _data(1000, 123)
+    ours, theirs = convert(calibrated)(x), tqm(x)
+    assert (ours.argmax(1) == theirs.argmax(1)).float().mean() >= 0.99
+    assert (ours - theirs).abs().max() < 3 * float(calibrated.fc.activation_post_process.calculate_qparams()[0])
+
+
+def test_uncalibrated_convert_names_module():
+    p = prepare(_float_model(), get_minmax_qconfig())
+    with pytest.raises(RuntimeError, match=r"module 'quant' \(QuantStub\).*saw no data"):
+        convert(p)
+
+
+class WithExtras(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant = QuantStub(), DeQuantStub()
+        self.fc1, self.norm, self.act, self.fc2 = nn.Linear(6, 6), nn.LayerNorm(6), nn.GELU(), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.dequant(self.fc2(self.act(self.norm(self.fc1(self.quant(x))))))
+
+
+def test_unknown_modules_listed_in_report_and_custom_mapping():
+    p = prepare(WithExtras(), get_minmax_qconfig())
+    p(torch.randn(16, 6))
+    with pytest.warns(UserWarning, match="no integer implementation"):
+        q, report = convert(p, return_report=True)
+        q(torch.randn(4, 6))
+    assert set(report.left_float) == {"norm", "act"} and "LayerNorm" in report.left_float["norm"]
+    assert "left float" in str(report)
+    assert type(q.norm) is nn.LayerNorm and not hasattr(q.norm, "qconfig")
+
+    class QGELU(nn.Module):  # a user's quantized op: plugged in through the mapping
+        @classmethod
+        def from_float(cls, mod):
+            out = cls()
+            out.grid = mod.activation_post_process.calculate_qparams()
+            return out
+
+    mapping = get_default_static_quant_module_mappings()
+    mapping[nn.GELU] = QGELU
+    assert nn.GELU not in get_default_static_quant_module_mappings()  # a copy
+    p = prepare(WithExtras(), get_minmax_qconfig(), mapping=mapping)
+    p(torch.randn(16, 6))
+    q, report = convert(p, mapping=mapping, return_report=True)
+    assert type(q.act) is QGELU and set(report.left_float) == {"norm"}
+
+
+def test_state_dict_round_trip_bit_exact(calibrated, tmp_path):
+    q = convert(calibrated)
+    twin = prepare(_float_model(), get_minmax_qconfig())
+    twin(_data(16, 42) * 3)  # different calibration: different grids until loaded
+    twin = convert(twin)
+    path = tmp_path / "q.pt"
+    torch.save(q.state_dict(), path)
+    sd = torch.load(path, weights_only=True)
+    twin.load_state_dict(sd)
+    x = _data(32, 5)
+    assert torch.equal(twin(x), q(x))
+    assert all(torch.equal(v, twin.state_dict()[k]) for k, v in q.state_dict().items())
+
+
+def test_inplace_semantics_and_root_swap():
+    m = _float_model()
+    p = prepare(m, get_minmax_qconfig())
+    assert p is not m and not any("activation_post_process" in x._modules for x in (m.conv1, m.fc))
+    p = prepare(m, get_minmax_qconfig(), inplace=True)
+    assert p is m and hasattr(m.conv1, "activation_post_process")
+    p(_data(8, 0))
+    q = convert(p, inplace=True)
+    assert q is m and type(m.conv1) is QConvReLU2d
+    lin = nn.Linear(4, 4)
+    pl = prepare(lin, get_minmax_qconfig())
+    pl(torch.randn(8, 4))
+    assert type(convert(pl)) is QLinear  # the root itself is swapped
+
+
+def test_quant_wrapper_and_propagation():
+    w = QuantWrapper(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    p = prepare(w, get_default_qconfig())
+    p(torch.randn(32, 4))
+    q = convert(p)
+    assert [type(q.quant), type(q.module[0]), type(q.dequant)] == [Quantize, QLinear, DeQuantize]
+    assert q(torch.randn(2, 4)).dtype == torch.float32
+    m = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    propagate_qconfig_(m, QConfigMapping().set_global(get_minmax_qconfig()).set_module_name("1", None))
+    assert m[0].qconfig is not None and m[1][0].qconfig is None
+
+
+def test_bad_arguments():
+    m = _float_model()
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        prepare("net")
+    with pytest.raises(TypeError, match="qconfig=.*must be None, a QConfig"):
+        prepare(m, qconfig="fbgemm")
+    with pytest.raises(TypeError, match="inplace must be a bool"):
+        convert(m, inplace="yes")
+    with pytest.raises(TypeError, match="mapping"):
+        convert(m, mapping={nn.Linear: object})
+    with pytest.raises(TypeError, match="return_report"):
+        convert(m, return_report=1)
+    m.fc.qconfig = "x"
+    with pytest.raises(TypeError, match="module 'fc'"):
+        prepare(m)
+    with pytest.warns(UserWarning, match="no prepared module"):
+        convert(nn.Sequential(nn.Linear(2, 2)))
+
+
+class Seq(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.rnn = nn.LSTM(16, 8, batch_first=True)
+        self.gru = nn.GRU(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x, _ = self.rnn(self.enc(x))
+        x, _ = self.gru(x)
+        return self.head(x)
+
+
+def test_quantize_dynamic_specs():
+    torch.manual_seed(0)
+    m, x = Seq().eval(), torch.randn(2, 5, 8)
+    q = quantize_dynamic(m)
+    assert [type(q.enc[0]), type(q.rnn), type(q.gru), type(q.head)] == [nnqd.Linear, nnqd.LSTM, nnqd.GRU, nnqd.Linear]
+    assert type(m.head) is nn.Linear  # not inplace
+    assert (q(x) - m(x)).norm() / m(x).norm() < 0.05
+    only_linear = quantize_dynamic(m, {nn.Linear})
+    assert type(only_linear.rnn) is nn.LSTM and type(only_linear.head) is nnqd.Linear
+    by_name = quantize_dynamic(m, {"enc": qint8, nn.LSTM: torch.float16, "head": None})
+    assert type(by_name.enc[0]) is nnqd.Linear and type(by_name.head) is nn.Linear and type(by_name.gru) is nn.GRU
+    assert type(by_name.rnn) is nnqd.LSTM
+    by_qconfig = quantize_dynamic(m, {nn.Linear: get_dynamic_qconfig(), "head": torch.float16})
+    assert by_qconfig.enc[0].weight().qdtype == qint8 and by_qconfig.head.weight_fp16.dtype == torch.float16
+    f16 = quantize_dynamic(m, dtype=torch.float16)
+    assert (f16(x) - m(x)).abs().max() < 1e-2
+    assert type(quantize_dynamic(nn.LSTM(4, 4))) is nnqd.LSTM  # bare root
+    assert quantize_dynamic(m, inplace=True) is m and type(m.head) is nnqd.Linear
+    with pytest.raises(ValueError, match="dtype="):
+        quantize_dynamic(Seq(), dtype="quint4")
+    with pytest.raises(TypeError, match="qconfig_spec"):
+        quantize_dynamic(Seq(), qconfig_spec="Linear")
+    with pytest.warns(UserWarning, match="no module of a targeted type"):
+        quantize_dynamic(nn.Sequential(nn.ReLU()))
+
+
+class Breadth(nn.Module):
+    """Embeddings (float out), activations and a ConvTranspose between stubs: every static mapping family."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.bag = nn.Embedding(20, 8), nn.EmbeddingBag(20, 8, mode="mean")
+        self.quant, self.dequant = QuantStub(), DeQuantStub()
+        self.fc = nn.Linear(8, 8)
+        self.acts = nn.Sequential(nn.Sigmoid(), nn.Tanh(), nn.Hardswish(), nn.Hardsigmoid(), nn.ELU(),
+                                  nn.LeakyReLU(0.2), nn.ReLU6())
+        self.ct = nn.ConvTranspose1d(8, 4, 3, stride=2, output_padding=1)
+
+    def forward(self, idx):
+        x = self.emb(idx) + self.bag(idx)[:, None]  # (B, T, 8) float
+        x = self.acts(self.fc(self.quant(x)))
+        return self.dequant(self.ct(x.permute(0, 2, 1)))
+
+
+def test_every_static_family_converts():
+    torch.manual_seed(0)
+    m, idx = Breadth().eval(), torch.randint(0, 20, (4, 6))
+    p = prepare(m, get_minmax_qconfig())
+    assert not hasattr(p.emb, "activation_post_process")  # float output: no observer
+    p(idx)
+    q, report = convert(p, return_report=True)
+    assert report.left_float == {} and len(report.converted) == 13
+    assert all(type(a).__module__.startswith("lowbit.nn.quantized") for a in [q.emb, q.bag, q.ct, *q.acts])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = q(idx)
+    assert (out - m(idx)).abs().max() < 0.05 * m(idx).abs().max()
