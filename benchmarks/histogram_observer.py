@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 import warnings
@@ -38,7 +39,7 @@ SCHEMES = {  # name: (lowbit qscheme, lowbit qdtype, torch qscheme, torch dtype)
 }
 
 
-def streams(numel: int, n_batches: int = 4) -> dict[str, Callable[[int, torch.Generator], torch.Tensor]]:
+def streams(numel: int) -> dict[str, Callable[[int, torch.Generator], torch.Tensor]]:
     t3 = torch.distributions.StudentT(torch.tensor(3.0))
 
     def student_t(i: int, g: torch.Generator) -> torch.Tensor:
@@ -72,7 +73,8 @@ def accuracy(numel: int, n_batches: int = 4) -> list[dict]:
                 ours(b)
                 ao(b)
             mm = Q.calculate_qparams(x.min(), x.max(), qs, qd)
-            e_ours, e_ao, e_mm = l2(x, *ours.calculate_qparams(), qd), l2(x, *ao.calculate_qparams(), qd), l2(x, *mm, qd)
+            e_ours, e_ao = l2(x, *ours.calculate_qparams(), qd), l2(x, *ao.calculate_qparams(), qd)
+            e_mm = l2(x, *mm, qd)
             rows.append(dict(data=name, scheme=scheme, lowbit=e_ours, torch_ao=e_ao, minmax=e_mm, ratio=e_ours / e_ao))
     return rows
 
@@ -115,8 +117,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "histogram_observer.json")
     args = p.parse_args()
 
+    load = os.getloadavg()[0]
     times = [timing(args.numel, args.rounds, t) for t in (1, 2)]
-    print(f"\nTiming, {args.numel:,}-element float32 batches, median of {args.rounds} interleaved rounds")
+    print(f"\nTiming, {args.numel:,}-element float32 batches, median of {args.rounds} interleaved rounds "
+          f"(load average {load:.1f} at start; the machine is shared)")
     print(f"{'threads':>7} | {'observe lowbit':>14} {'torch.ao':>9} {'ratio':>6} | "
           f"{'calc lowbit':>11} {'torch.ao':>9} {'ratio':>6}")
     for t in times:
@@ -133,7 +137,7 @@ def main() -> None:
               f"{r['minmax']:>10.4e} | {r['ratio']:>6.3f}")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(numel=args.numel, rounds=args.rounds, torch=torch.__version__,
+    args.out.write_text(json.dumps(dict(numel=args.numel, rounds=args.rounds, torch=torch.__version__, load=load,
                                         timing=times, l2=acc), indent=2))
     print(f"\nwrote {args.out}")
 

@@ -89,6 +89,17 @@ def test_int_mm_accumulator_is_exact(m: int, k: int, n: int, zx: int, seed: int)
     assert torch.allclose(y.double(), exact_linear(x, w, None), rtol=1e-6, atol=1e-6)
 
 
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 20), k=st.integers(1, 70), n=st.integers(1, 20), zx=st.integers(0, 255),
+       wmax=st.sampled_from([63, 127]), seed=st.integers(0, 2**16))
+def test_onednn_linear_accumulator_is_exact(m: int, k: int, n: int, zx: int, wmax: int, seed: int) -> None:
+    # full-range weights take the single-call path on VNNI CPUs and the exact split path elsewhere
+    torch.manual_seed(seed)
+    x, w, b = qinput(m, k, zp=zx), qweight(n, k, lo=-wmax - 1, hi=wmax), torch.randn(n)
+    y = onednn.linear(x, w, b, None, cache={})
+    assert torch.allclose(y.double(), exact_linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
 def test_onednn_declines_what_it_cannot_do_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(2)
     x = qinput(4, 16)
@@ -99,11 +110,25 @@ def test_onednn_declines_what_it_cannot_do_exactly(monkeypatch: pytest.MonkeyPat
     y = K.linear(x, affine, None, None, cache={})  # automatic chain: onednn declines -> int_mm
     assert K.counts[("int_mm", "linear")] == before + 1
     assert torch.allclose(y.double(), exact_linear(x, affine, None), rtol=1e-6, atol=1e-5)
+    assert onednn.linear(Q.QTensor(x.int_repr().to("meta"), 0.1, 0, Q.quint8), qweight(8, 16), None, None) \
+        is NotImplemented
+
+
+@pytest.mark.parametrize("out", [None, OUTS[0]], ids=["float", "u8"])
+def test_linear_split_path_is_exact_for_full_int8_weights(monkeypatch: pytest.MonkeyPatch, out: OutGrid) -> None:
+    # what a CPU without VNNI runs for weights that would saturate vpmaddubsw: two 7-bit GEMMs
+    monkeypatch.setattr(onednn, "has_vnni", lambda: False)
+    torch.manual_seed(2)
+    x, b, cache = qinput(5, 3, 16, zp=131), torch.randn(8), {}
     full = qweight(8, 16, lo=-128, hi=127)
     full._q[:, :2] = 127  # a pair that saturates vpmaddubsw: 255 * 254 > 32767
-    monkeypatch.setattr(onednn, "has_vnni", lambda: False)
     assert not onednn.saturation_safe(full.int_repr())
-    assert onednn.linear(x, full, None, None, cache={}) is NotImplemented
+    y = onednn.linear(x, full, b, out, True, cache=cache)
+    assert cache["onednn.linear"][1][1] is True  # the split path was chosen
+    if out is None:
+        assert torch.allclose(y.double(), exact_linear(x, full, b).relu(), rtol=1e-5, atol=1e-4)
+    else:
+        codes_close(y, reference.linear(x, full, b, out, True))
 
 
 def test_saturation_safe_bound() -> None:

@@ -18,7 +18,7 @@ TIERS: list[tuple[str, ...]] = [
     ("functional",),
     ("qtensor",),
     ("observer",),
-    ("fake_quantize",),
+    ("fake_quant",),
     ("qconfig",),
     ("stubs", "kernels"),
     ("nn.intrinsic",),                 # fused float markers and BN folding
@@ -26,7 +26,7 @@ TIERS: list[tuple[str, ...]] = [
     ("nn.intrinsic.qat",),             # QAT ConvBn builds on nn.qat
     ("nn.quantized",),                 # (+ dynamic/) run on kernels
     ("mappings", "examples"),
-    ("fuse", "quantize", "quantize_dynamic", "fx"),
+    ("fuse", "workflow", "quantize_dynamic", "fx"),
     ("export", "algorithms", "debug", "data"),
     ("__init__",),                     # the package root: re-exports the public names of all of the above
     ("cli", "__main__"),
@@ -54,10 +54,15 @@ def is_module(mod: str) -> bool:
     return p.with_suffix(".py").exists() or (p / "__init__.py").exists() or p.is_dir()
 
 
-def under_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+def exempt(node: ast.AST, parents: dict[ast.AST, ast.AST], is_init: bool) -> bool:
+    """Imports that are no runtime dependency: under ``if TYPE_CHECKING:``, or a package's lazy
+    PEP 562 re-export (``def __getattr__`` in an ``__init__.py``, resolved only when the name is used)."""
     while node in parents:
         node = parents[node]
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+        if is_init and isinstance(node, ast.FunctionDef) and node.name == "__getattr__" and isinstance(
+                parents.get(node), ast.Module):
             return True
     return False
 
@@ -70,7 +75,7 @@ def lowbit_imports(path: Path) -> list[tuple[int, str]]:
     package = me if path.name == "__init__.py" else me[:-1]
     out = []
     for node in ast.walk(tree):
-        if under_type_checking(node, parents):
+        if exempt(node, parents, path.name == "__init__.py"):
             continue
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name.removeprefix("lowbit").lstrip(".")) for a in node.names
@@ -138,12 +143,17 @@ def test_layer_checker_catches_an_upward_import(tmp_path, monkeypatch):
     # the checker itself: a fake qparams.py importing qconfig must be reported
     fake = tmp_path / "lowbit"
     fake.mkdir()
-    (fake / "qparams.py").write_text("from .qconfig import QConfig\nfrom . import qscheme\n")
+    (fake / "qparams.py").write_text("from .qconfig import QConfig\nfrom . import qscheme\n"
+                                     "def __getattr__(name):\n    from .qconfig import QConfigMapping\n")
     (fake / "qconfig.py").write_text("")
     (fake / "qscheme.py").write_text("")
     monkeypatch.setattr(sys.modules[__name__], "SRC", fake)
     targets = [(t, rank(t)) for _, t in lowbit_imports(fake / "qparams.py")]
-    assert targets == [("qconfig", RANK["qconfig"]), ("qscheme", RANK["qscheme"])]
+    # (a lazy import in a plain module's __getattr__ still counts: only package facades are exempt)
+    assert targets == [("qconfig", RANK["qconfig"]), ("qscheme", RANK["qscheme"]), ("qconfig", RANK["qconfig"])]
+    (fake / "__init__.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import cli\n"
+                                      "def __getattr__(name):\n    from . import cli\n")
+    assert lowbit_imports(fake / "__init__.py") == []  # typing-only and lazy package re-exports are exempt
     assert rank("qparams") < rank("qconfig") and rank("nn.intrinsic.qat.modules") == RANK["nn.intrinsic.qat"]
 
 

@@ -74,14 +74,14 @@ def test_linear_from_float_matches_simulation_and_runs_onednn(cls, relu: bool) -
     assert (y.dequantize() - ref).abs().max() < 4 * float(qmod.scale) + 0.05
 
 
-def test_linear_default_int8_weights_are_integer_on_every_cpu() -> None:
+def test_linear_default_int8_weights_run_onednn_on_every_cpu() -> None:
     torch.manual_seed(1)
     lin, x = nn.Linear(24, 8), torch.randn(6, 24)
     qmod = nnq.Linear.from_float(prepared(lin, x))
     qx = quant_in(x)
-    before = K.counts[("onednn", "linear")] + K.counts[("int_mm", "linear")]
+    before = K.counts[("onednn", "linear")]
     y = qmod(qx)
-    assert K.counts[("onednn", "linear")] + K.counts[("int_mm", "linear")] == before + 1
+    assert K.counts[("onednn", "linear")] == before + 1
     assert_codes_close(y, simulate(qmod, qx, F.linear))
 
 
@@ -116,6 +116,7 @@ def test_linear_parity_with_torch_ao(engine: str) -> None:
     qmod = nnq.Linear.from_float(prepared(lin, x, qconfig=QCONFIG_W7))
     qx = quant_in(x)
     w = qmod.weight()
+    saved = torch.backends.quantized.engine
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.backends.quantized.engine = engine
@@ -125,7 +126,7 @@ def test_linear_parity_with_torch_ao(engine: str) -> None:
         ao.scale, ao.zero_point = float(qmod.scale), int(qmod.zero_point)
         tx = torch.quantize_per_tensor(qx.dequantize(), float(qx.scale), int(qx.zero_point), torch.quint8)
         ty = ao(tx)
-        torch.backends.quantized.engine = "x86"
+        torch.backends.quantized.engine = saved
     ours = qmod(qx)
     assert torch.equal(tx.int_repr(), qx.int_repr())
     assert_codes_close(ours, Q.QTensor(ty.int_repr(), ty.q_scale(), ty.q_zero_point(), Q.quint8), frac=0.99)
@@ -184,6 +185,7 @@ def test_conv2d_parity_with_torch_ao() -> None:
     conv, x = nn.Conv2d(8, 16, 3, padding=1), torch.randn(2, 8, 10, 10)
     qmod, qx = nnq.Conv2d.from_float(prepared(conv, x, qconfig=QCONFIG_W7)), quant_in(x)
     w = qmod.weight()
+    saved = torch.backends.quantized.engine
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.backends.quantized.engine = "x86"
@@ -192,6 +194,7 @@ def test_conv2d_parity_with_torch_ao() -> None:
                            qmod.bias)
         ao.scale, ao.zero_point = float(qmod.scale), int(qmod.zero_point)
         ty = ao(torch.quantize_per_tensor(qx.dequantize(), float(qx.scale), int(qx.zero_point), torch.quint8))
+        torch.backends.quantized.engine = saved
     assert_codes_close(qmod(qx), Q.QTensor(ty.int_repr(), ty.q_scale(), ty.q_zero_point(), Q.quint8), frac=0.99)
 
 
@@ -278,6 +281,9 @@ def test_cache_is_not_state_and_survives_copy_and_to() -> None:
     qmod.to("cpu")
     assert qmod._cache == {}
     assert torch.equal(qmod(quant_in(x)).int_repr(), y.int_repr())
+    qmod.double()  # float casts leave the int8 contract (float32 scales) intact
+    assert qmod.weight_scale.dtype == torch.float32 and qmod.weight_int8.dtype == torch.int8
+    assert torch.equal(qmod(quant_in(x)).int_repr(), y.int_repr())
 
 
 def test_repr_and_weight() -> None:
@@ -361,3 +367,20 @@ def test_bad_inputs_and_arguments() -> None:
     with pytest.raises(ValueError, match="does not match"):
         lin.set_weight_bias(Q.quantize_per_channel(torch.randn(3, 4), torch.ones(3), torch.zeros(3, dtype=torch.long),
                                                    0, Q.qint8), torch.zeros(2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_linear_on_cuda_runs_int_mm_and_matches_cpu() -> None:
+    torch.manual_seed(14)
+    x = torch.randn(32, 64)
+    qmod = nnq.LinearReLU.from_float(prepared(nni.LinearReLU(nn.Linear(64, 24), nn.ReLU()), x))
+    qx = quant_in(x)
+    y_cpu = qmod(qx)
+    qmod.cuda()
+    assert qmod._cache == {}
+    before = K.counts[("int_mm", "linear")]
+    y_gpu = qmod(qx.to("cuda"))
+    assert K.counts[("int_mm", "linear")] == before + 1 and y_gpu.device.type == "cuda"
+    assert_codes_close(y_gpu.cpu(), y_cpu)
+    conv = nnq.Conv2d.from_float(prepared(nn.Conv2d(3, 4, 3), torch.randn(1, 3, 6, 6))).cuda()
+    assert conv(torch.randn(1, 3, 6, 6, device="cuda")).device.type == "cuda"  # reference conv on CUDA

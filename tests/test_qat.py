@@ -1,7 +1,12 @@
 """QAT modules: weight fake-quant, parameter sharing, Conv+BN fold with live BN statistics, the QAT workflow."""
 
+import copy
+
 import pytest
 import torch
+import torch.ao.nn.intrinsic as tnni
+import torch.ao.nn.intrinsic.qat as tnniqat
+import torch.ao.quantization as tq
 import torch.nn.functional as F
 from torch import nn
 
@@ -9,10 +14,10 @@ import lowbit.nn.intrinsic as nni
 import lowbit.nn.intrinsic.qat as nniqat
 import lowbit.nn.qat as nnqat
 from lowbit.nn.quantized import conv as nnq_conv, linear as nnq_linear
-from lowbit.fake_quantize import disable_observer
+from lowbit.fake_quant import disable_observer
 from lowbit.fuse import fuse_modules_qat
 from lowbit.qconfig import get_default_qat_qconfig
-from lowbit.quantize import convert, freeze_bn_stats, prepare_qat
+from lowbit.workflow import convert, freeze_bn_stats, prepare_qat
 from lowbit.qtensor import QTensor
 from lowbit.stubs import DeQuantStub, QuantStub
 
@@ -83,7 +88,7 @@ def test_qat_embedding_and_errors():
 def test_conv_bn_qat_matches_float_and_folds(d, relu):
     conv, bn = CONV[d](3, 4, 3, padding="same", padding_mode="reflect", bias=(d == 2)), BN[d](4)
     ref = nn.Sequential(conv, bn, nn.ReLU()) if relu else nn.Sequential(conv, bn)
-    ref_copy = __import__("copy").deepcopy(ref)
+    ref_copy = copy.deepcopy(ref)
     cls = getattr(nniqat, f"ConvBnReLU{d}d" if relu else f"ConvBn{d}d")
     q = cls(conv, bn, qconfig=QC)
     x = torch.randn(SIZE[d])
@@ -183,6 +188,11 @@ def test_prepare_qat_swaps_and_inplace():
     assert not hasattr(p[2], "activation_post_process")  # embedding output stays float
     p2 = prepare_qat(m, inplace=True)
     assert type(m[0]) is nnqat.Linear and p2 is m
+    # a qconfig given at fusion covers the fused module only; the rest gets the default recipe
+    qc = get_default_qat_qconfig()
+    f = prepare_qat(fuse_modules_qat(nn.Sequential(nn.Conv2d(1, 2, 1), nn.ReLU(), nn.Linear(2, 2)), ["0", "1"],
+                                     qconfig=qc))
+    assert f[0].qconfig is qc and type(f[2]) is nnqat.Linear and f[2].qconfig is not qc
     lb = prepare_qat(nn.Sequential(nni.LinearBn1d(nn.Linear(4, 4), nn.BatchNorm1d(4))), QC)
     assert type(lb[0]) is nniqat.LinearBn1d
     x = torch.randn(16, 4)
@@ -190,3 +200,34 @@ def test_prepare_qat_swaps_and_inplace():
     q = convert(lb.eval())
     assert type(q[0]) is nnq_linear.Linear
     assert (q(x).dequantize() - lb(x)).abs().max() < 3 * q[0].scale
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+@pytest.mark.parametrize("relu", [False, True])
+def test_conv_bn_qat_parity_with_torch_ao(d, relu):
+    """Same conv/BN and weight fake-quant → bit-equal outputs, BN statistics and gradients as torch.ao's."""
+    torch.manual_seed(d)
+    conv, bn = CONV[d](3, 4, 3, padding=1), BN[d](4)
+    name = f"ConvBnReLU{d}d" if relu else f"ConvBn{d}d"
+    mods = (copy.deepcopy(conv), copy.deepcopy(bn)) + ((nn.ReLU(),) if relu else ())
+    marker = getattr(tnni, name)(*mods)
+    marker.qconfig = tq.QConfig(
+        activation=tq.FakeQuantize.with_args(observer=tq.MovingAverageMinMaxObserver),
+        weight=tq.FakeQuantize.with_args(observer=tq.PerChannelMinMaxObserver, quant_min=-128, quant_max=127,
+                                         dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0))
+    theirs = getattr(tnniqat, name).from_float(marker)
+    ours = getattr(nniqat, name)(conv, bn, qconfig=QC)
+    for step in range(3):
+        if step == 2:
+            ours.freeze_bn_stats()
+            theirs.freeze_bn_stats()
+        x = torch.randn(SIZE[d])
+        a, b = ours(x), theirs(x)
+        assert torch.equal(a, b) and torch.equal(ours.bn.running_var, theirs.bn.running_var)
+        a.square().sum().backward()
+        b.square().sum().backward()
+        torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours.bn.weight.grad, theirs.bn.weight.grad, rtol=1e-5, atol=1e-6)
+    ours.eval(), theirs.eval()
+    x = torch.randn(SIZE[d])
+    assert torch.equal(ours(x), theirs(x))

@@ -12,7 +12,7 @@ from torch import nn
 from torch.ao.quantization import QConfigMapping as TorchQConfigMapping
 
 import lowbit as Q
-from lowbit.fake_quantize import FakeQuantize
+from lowbit.fake_quant import FakeQuantize
 from lowbit.observer.fixed import PlaceholderObserver
 from lowbit.observer.histogram import HistogramObserver
 from lowbit.observer.minmax import MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver

@@ -11,9 +11,7 @@
 [0.01569, 64]
 """
 
-# The submodule lowbit/fake_quantize.py shares its name with the function lowbit.fake_quantize:
-# import it first so the function import below wins the package attribute.
-from .fake_quantize import (
+from .fake_quant import (
     FakeQuantize,
     disable_fake_quant,
     disable_observer,
@@ -66,7 +64,7 @@ from .mappings import (
     get_default_qat_module_mappings,
     get_default_static_quant_module_mappings,
 )
-from .quantize import (
+from .workflow import (
     convert,
     freeze_bn_stats,
     prepare,
@@ -75,6 +73,7 @@ from .quantize import (
     quantize_dynamic,
     update_bn_stats,
 )
+from .fx import FxReport, convert_fx, prepare_fx, prepare_qat_fx
 
 __version__ = "0.1.0"
 
@@ -88,7 +87,8 @@ __all__ = [
     # observers and fake quantization
     "ObserverBase", "MinMaxObserver", "MovingAverageMinMaxObserver", "PerChannelMinMaxObserver",
     "MovingAveragePerChannelMinMaxObserver", "FixedQParamsObserver", "PlaceholderObserver", "NoopObserver",
-    "sync_observers", "HistogramObserver", "FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant",
+    "sync_observers", "HistogramObserver",
+    "FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant",
     # configs
     "QConfig", "QConfigMapping", "get_default_qconfig", "get_default_qat_qconfig", "get_default_qconfig_mapping",
     "get_default_qat_qconfig_mapping", "get_minmax_qconfig", "get_dynamic_qconfig",
@@ -97,4 +97,6 @@ __all__ = [
     "prepare_qat", "quantize_dynamic", "propagate_qconfig_", "freeze_bn_stats", "update_bn_stats", "ConvertReport",
     "get_default_static_quant_module_mappings", "get_default_qat_module_mappings",
     "get_default_dynamic_quant_module_mappings",
+    # graph mode
+    "prepare_fx", "prepare_qat_fx", "convert_fx", "FxReport",
 ]

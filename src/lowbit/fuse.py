@@ -170,7 +170,8 @@ def fuse_modules_qat(model: nn.Module, modules_to_fuse: Any, qconfig: Any = None
     """Fuse for quantization-aware training: conv+bn stay unfolded (``nni.ConvBn2d`` ...) for ``prepare_qat``.
 
     ``qconfig`` (optional) is stored as ``.qconfig`` on each fused module, overriding what
-    ``prepare_qat`` would otherwise resolve for it.
+    ``prepare_qat`` would otherwise resolve for it (the rest of the model still gets the default
+    or the ``qconfig`` given to ``prepare_qat``).
     """
     if qconfig is not None and not (isinstance(qconfig, tuple) and hasattr(qconfig, "activation")):
         raise TypeError(f"fuse_modules_qat: qconfig must be a QConfig or None, got {type(qconfig).__name__}")

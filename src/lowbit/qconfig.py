@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .fake_quantize import FakeQuantize
+from .fake_quant import FakeQuantize
 from .observer.fixed import PlaceholderObserver
 from .observer.histogram import HistogramObserver
 from .observer.minmax import MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver

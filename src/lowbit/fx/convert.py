@@ -11,8 +11,8 @@ For each observer node of the prepared graph (``lowbit.fx.prepare``):
 - an input observer (a float value read by int ops) becomes a ``Quantize`` node.
 
 Then a shared ``DeQuantize`` is inserted after every int value read by a float op or the graph
-output, dropout becomes the identity, observers and ``.qconfig`` attributes are removed, and the
-eager-prepared (untraceable) submodules are converted with ``lowbit.convert`` and return float.
+output, dropout becomes the identity, and observers and ``.qconfig`` attributes are removed. Every
+prepared graph in the model is converted (the children of untraceable modules have their own).
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ from ..nn.quantized import activation as nnq_act
 from ..nn.quantized._utils import output_qparams
 from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.stubs import DeQuantize, Quantize
-from ..quantize import convert
-from ..qtensor import QTensor
 from .patterns import func_activation, is_dropout
-from .prepare import STATE_KEY
+from .prepare import STATE_KEY, is_prepared
 from .report import FxReport
 
 __all__ = ["convert_fx"]
@@ -57,15 +55,6 @@ def _is_calibrated(obs: nn.Module) -> bool:
     return bool(getattr(obs, "is_calibrated", True))
 
 
-def _dequantize_outputs(module: nn.Module, inputs: Any, output: Any) -> Any:
-    """Forward hook on an eagerly converted submodule: its outputs leave int8."""
-    if isinstance(output, QTensor):
-        return output.dequantize()
-    if isinstance(output, (list, tuple)):
-        return type(output)(o.dequantize() if isinstance(o, QTensor) else o for o in output)
-    return output
-
-
 def _set_module(gm: fx.GraphModule, path: str, mod: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(gm.get_submodule(parent) if parent else gm, name, mod)
@@ -78,10 +67,13 @@ def _what(node: fx.Node, gm: fx.GraphModule) -> str:
 
 
 class _Converter:
-    def __init__(self, gm: fx.GraphModule, report: FxReport) -> None:
-        self.gm, self.graph, self.report = gm, gm.graph, report
+    def __init__(self, gm: fx.GraphModule, report: FxReport, prefix: str) -> None:
+        self.gm, self.graph, self.report, self.prefix = gm, gm.graph, report, prefix
         self.mapping = get_default_static_quant_module_mappings()
         self.count = 0
+
+    def _key(self, node: fx.Node) -> str:
+        return f"{self.prefix}.{node.name}" if self.prefix else node.name
 
     def _new_name(self, prefix: str) -> str:
         self.count += 1
@@ -103,7 +95,7 @@ class _Converter:
             raise type(err)(f"convert_fx: module '{node.target}' ({type(mod).__name__} -> {qcls.__name__}): "
                             f"{err}") from err
         _set_module(self.gm, node.target, new)
-        self.report.converted[node.name] = f"{type(mod).__name__} -> {qcls.__module__}.{qcls.__name__}"
+        self.report.converted[self._key(node)] = f"{type(mod).__name__} -> {qcls.__module__}.{qcls.__name__}"
 
     def functional(self, node: fx.Node, obs: nn.Module) -> fx.Node:
         qop = node.meta["lowbit_qop"]
@@ -125,7 +117,7 @@ class _Converter:
                 method = qop
             owner = self.graph.get_attr(name)
             new = self.graph.call_method(method, (owner, *args))
-        self.report.converted[node.name] = f"{_what(node, self.gm)} -> QFunctional.{method}"
+        self.report.converted[self._key(node)] = f"{_what(node, self.gm)} -> QFunctional.{method}"
         self._replace(node, new)
         return new
 
@@ -149,7 +141,7 @@ class _Converter:
         self.gm.add_submodule(name, mod)
         with self.graph.inserting_before(node):
             new = self.graph.call_module(name, (node.args[0],))
-        self.report.converted[node.name] = f"{_what(node, self.gm)} -> {type(mod).__module__}.{type(mod).__name__}"
+        self.report.converted[self._key(node)] = f"{_what(node, self.gm)} -> {type(mod).__module__}.{type(mod).__name__}"
         self._replace(node, new)
         return new
 
@@ -205,40 +197,43 @@ class _Converter:
                 self.graph.erase_node(node)
 
 
-def convert_fx(model: fx.GraphModule, inplace: bool = False) -> fx.GraphModule:
-    """Convert a calibrated (or QAT-trained) ``prepare_fx`` / ``prepare_qat_fx`` graph to int8; eval mode.
+def _convert_graph(gm: fx.GraphModule, report: FxReport) -> None:
+    conv = _Converter(gm, report, gm.meta[STATE_KEY].get("prefix", ""))
+    conv.observers()
+    conv.identities()
+    conv.dequantize()
+    gm.graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    gm.meta[STATE_KEY] = {**gm.meta[STATE_KEY], "converted": True}
+
+
+def convert_fx(model: nn.Module, inplace: bool = False) -> nn.Module:
+    """Convert a calibrated (or QAT-trained) ``prepare_fx`` / ``prepare_qat_fx`` model to int8; eval mode.
 
     The result's quantized nodes are ``lowbit.nn.quantized`` modules and ``QFunctional`` calls;
     ``Quantize``/``DeQuantize`` nodes sit where int8 regions begin and end, so the model takes and
     returns float tensors. ``model.lowbit_report`` says what was quantized and what stayed float.
     An observer that saw no data raises ``RuntimeError`` naming the op.
     """
-    if not isinstance(model, fx.GraphModule) or STATE_KEY not in getattr(model, "meta", {}):
-        raise TypeError(f"convert_fx: expects a GraphModule returned by prepare_fx or prepare_qat_fx, "
-                        f"got {type(model).__name__}" + ("" if isinstance(model, nn.Module) else " (not an nn.Module)"))
-    if model.meta[STATE_KEY].get("converted"):
+    if not is_prepared(model):
+        raise TypeError(f"convert_fx: expects a model returned by prepare_fx or prepare_qat_fx, got "
+                        f"{type(model).__name__}" + ("" if isinstance(model, nn.Module) else " (not an nn.Module)"))
+    top = model.meta[STATE_KEY] if isinstance(model, fx.GraphModule) else model.__dict__[STATE_KEY]
+    if top.get("converted"):
         raise ValueError("convert_fx: this model was already converted")
     if not isinstance(inplace, bool):
         raise TypeError(f"convert_fx: inplace must be a bool, got {inplace!r}")
     if not inplace:
         model = copy.deepcopy(model)
-    state = model.meta[STATE_KEY]
-    report: FxReport = copy.deepcopy(state["report"])
-    conv = _Converter(model, report)
-    conv.observers()
-    conv.identities()
-    conv.dequantize()
-    for path, how in report.eager.items():
-        if how.startswith("quantized eagerly"):
-            sub = convert(model.get_submodule(path), inplace=True)
-            _set_module(model, path, sub)
-            sub.register_forward_hook(_dequantize_outputs)
+    top = model.meta[STATE_KEY] if isinstance(model, fx.GraphModule) else model.__dict__[STATE_KEY]
+    report: FxReport = top["report"]
+    graphs = [m for m in model.modules() if isinstance(m, fx.GraphModule) and STATE_KEY in m.meta
+              and not m.meta[STATE_KEY].get("converted")]
+    for gm in graphs:
+        _convert_graph(gm, report)
     for m in model.modules():
         m.__dict__.pop("qconfig", None)
-    model.graph.lint()
-    model.delete_all_unused_submodules()
-    model.recompile()
-    model.meta[STATE_KEY] = {**state, "converted": True, "report": report}
+    top["converted"] = True
     model.lowbit_report = report
     return model.eval()
-

@@ -1,6 +1,6 @@
 """What graph mode knows about each op: integer kernels, grid-preserving ops, fusible runs.
 
-Every node of a traced model falls in one of four classes (``classify``):
+Every node of a traced model falls in one of five classes (``lowbit.fx.prepare`` assigns them):
 
 =============  ==========================================  ====================================
 class          ops                                         after ``convert_fx``
@@ -42,24 +42,23 @@ from ..fuse import fuse_known_modules
 from ..mappings import get_default_static_quant_module_mappings
 from ..nn.quantized import activation as nnq_act
 
-__all__ = ["canonical_binary", "is_relu_target", "fuse_graph", "add_relu", "FUNC_ACTIVATIONS", "is_share_op",
-           "is_dropout", "graph_module_types", "SCALAR_OK"]
+__all__ = ["BINARY_FUNCS", "canonical_binary", "is_relu_target", "fuse_graph", "add_relu", "FUNC_ACTIVATIONS",
+           "func_activation", "is_share_op", "is_dropout", "graph_module_types"]
 
 # binary ops with a QFunctional twin: target -> method name
-_BINARY_FUNCS: dict[Any, str] = {
+BINARY_FUNCS: dict[Any, str] = {
     operator.add: "add", torch.add: "add", operator.mul: "mul", torch.mul: "mul",
     operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "matmul",
     operator.truediv: "div", torch.div: "div",
     torch.cat: "cat", torch.concat: "cat",
 }
 _BINARY_METHODS = {"add": "add", "mul": "mul", "matmul": "matmul", "bmm": "matmul", "div": "div"}
-SCALAR_OK = {"add", "mul", "div"}  # ops with a scalar QFunctional form (add_scalar, mul_scalar)
 
 
 def canonical_binary(op: str, target: Any) -> str | None:
     """The ``QFunctional`` op (``add``/``mul``/``matmul``/``div``/``cat``) a node computes, or ``None``."""
     if op == "call_function":
-        return _BINARY_FUNCS.get(target)
+        return BINARY_FUNCS.get(target)
     if op == "call_method":
         return _BINARY_METHODS.get(target)
     return None
@@ -71,7 +70,7 @@ def add_relu(a: Any, b: Any) -> Any:
 
 
 torch.fx.wrap("add_relu")
-_BINARY_FUNCS[add_relu] = "add_relu"
+BINARY_FUNCS[add_relu] = "add_relu"
 
 _RELU_FUNCS = {F.relu, torch.relu, torch.relu_}
 

@@ -1,8 +1,12 @@
 """``prepare_fx`` / ``prepare_qat_fx``: trace, fuse, and insert observers on graph edges.
 
-Steps: (1) every module gets its resolved ``.qconfig`` (``lowbit.quantize.propagate_qconfig_``:
-own attribute > module name > regex > type > parent); (2) ``torch.fx`` traces the model, untraceable
-submodules becoming leaves prepared eager-fashion (``lowbit.prepare`` / ``prepare_qat`` on them);
+Steps: (1) every module gets its resolved ``.qconfig`` (``lowbit.workflow.propagate_qconfig_``:
+own attribute > module name > regex > type > parent); (2) ``torch.fx`` traces the model. A
+submodule it cannot trace stays a leaf of the graph (float in, float out) and each of *its*
+children is prepared the same way, as a graph of its own (recursively, down to single layers,
+which become ``Quantize -> layer -> DeQuantize`` graphs); an untraceable root is handled alike
+and returned as itself with prepared children. With ``example_inputs``, one run records every
+submodule's inputs, so these child graphs know their tensors and ``None`` arguments too;
 (3) module runs and add-relu are fused (``lowbit.fx.patterns``); for QAT, modules are swapped for
 their ``lowbit.nn.qat`` twins; (4) every node is classified (``module``, ``functional``, ``act``,
 ``share``, ``float``) and gets its *domain* after convert: ``int`` (a ``QTensor``), ``float`` or
@@ -20,6 +24,7 @@ whose ``forward`` it was traced in.
 from __future__ import annotations
 
 import copy
+import inspect
 import numbers
 import warnings
 from typing import Any
@@ -29,22 +34,29 @@ from torch import fx, nn
 
 from ..mappings import get_default_qat_module_mappings
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
-from ..quantize import prepare, prepare_qat, propagate_qconfig_
-from .patterns import canonical_binary, func_activation, fuse_graph, graph_module_types, is_share_op
+from ..workflow import propagate_qconfig_
+from .patterns import BINARY_FUNCS, canonical_binary, func_activation, fuse_graph, graph_module_types, is_share_op
 from .report import FxReport
-from .trace import record_tensor_kinds, trace
+from .trace import RootNotTraceable, record_tensor_kinds, trace
 
-__all__ = ["prepare_fx", "prepare_qat_fx", "STATE_KEY"]
+__all__ = ["prepare_fx", "prepare_qat_fx", "STATE_KEY", "is_prepared"]
 
 STATE_KEY = "lowbit_fx"  # gm.meta key marking a graph prepared by prepare_fx / prepare_qat_fx
 _METHOD_FUNCS = {"add": torch.add, "mul": torch.mul, "matmul": torch.matmul, "bmm": torch.bmm, "div": torch.div,
                  "relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
 
 
+def is_prepared(model: Any) -> bool:
+    """Whether ``model`` came from ``prepare_fx`` / ``prepare_qat_fx`` (a GraphModule or a container)."""
+    if isinstance(model, fx.GraphModule):
+        return STATE_KEY in model.meta
+    return isinstance(model, nn.Module) and STATE_KEY in model.__dict__
+
+
 def _check_args(fn: str, model: Any, example_inputs: Any, inplace: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}: model must be an nn.Module, got {type(model).__name__}")
-    if isinstance(model, fx.GraphModule) and STATE_KEY in model.meta:
+    if is_prepared(model):
         raise ValueError(f"{fn}: this model was already prepared by prepare_fx/prepare_qat_fx; "
                          "calibrate it and call convert_fx")
     if example_inputs is not None and not isinstance(example_inputs, tuple):
@@ -72,11 +84,16 @@ def _node_qconfig(node: fx.Node, root: nn.Module, mapping: QConfigMapping) -> QC
     """``object_type[function]`` when set, else the qconfig of the enclosing (or own) module."""
     target = _METHOD_FUNCS.get(node.target, node.target) if node.op == "call_method" else node.target
     if node.op in ("call_function", "call_method"):
-        try:
-            if target in mapping.object_type_qconfigs:
-                return mapping.object_type_qconfigs[target]
-        except TypeError:  # unhashable target
-            pass
+        op = canonical_binary(node.op, node.target)
+        op = "add" if op == "add_relu" else op
+        # `+`, torch.add and a fused add-relu are one op for the mapping (likewise mul, matmul, cat)
+        keys = [target] + ([f for f, name in BINARY_FUNCS.items() if name == op] if op else [])
+        for key in keys:
+            try:
+                if key in mapping.object_type_qconfigs:
+                    return mapping.object_type_qconfigs[key]
+            except TypeError:  # unhashable target
+                pass
     scope = node.meta.get("lowbit_scope", "")
     try:
         mod = root.get_submodule(scope) if scope else root
@@ -129,7 +146,7 @@ def _act_ok(node: fx.Node) -> bool:
 
 
 def _classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaque: set[str],
-              module_types: set[type], report: FxReport) -> None:
+              module_types: set[type], report: FxReport, prefix: str) -> None:
     """Set ``meta["lowbit_kind"]``, ``["lowbit_qop"]``, ``["lowbit_domain"]`` and ``["lowbit_qconfig"]``."""
     modules = dict(gm.named_modules())
     for node in gm.graph.nodes:
@@ -161,7 +178,7 @@ def _classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaq
         node.meta.update(lowbit_kind=kind, lowbit_qop=qop, lowbit_domain=domain, lowbit_qconfig=qc)
         if kind == "float" and qc is not None and node.op != "get_attr":
             what = type(mod).__name__ if mod is not None else getattr(node.target, "__name__", str(node.target))
-            report.left_float[node.name] = f"{what} (no integer implementation in graph mode)"
+            report.left_float[_join(prefix, node.name)] = f"{what} (no integer implementation in graph mode)"
 
 
 def _wants_int(user: fx.Node) -> bool:
@@ -209,48 +226,123 @@ def _swap_qat(gm: fx.GraphModule, opaque: set[str]) -> None:
             setattr(gm.get_submodule(parent) if parent else gm, name, qat_map[type(mod)].from_float(mod))
 
 
-def _prepare_opaque(gm: fx.GraphModule, opaque: dict[str, str], is_qat: bool, report: FxReport) -> None:
-    for path, err in opaque.items():
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _prepare_children(mod: nn.Module, ctx: _Ctx, prefix: str) -> None:
+    """Graph-prepare each child of a module whose own ``forward`` cannot be traced (in place)."""
+    for name, child in list(mod.named_children()):
+        new = _prepare_module(child, ctx, _join(prefix, name), ctx.captured.get(child))
+        if new is not child:
+            mod._modules[name] = new
+
+
+def _capture_inputs(model: nn.Module, example_inputs: tuple[Any, ...]) -> dict[nn.Module, tuple[Any, ...]]:
+    """Each submodule's first call on ``example_inputs``, as positional arguments (defaults filled in)."""
+    calls: dict[nn.Module, tuple[Any, ...]] = {}
+
+    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if mod in calls:
+            return
+        try:
+            sig = inspect.signature(mod.forward)
+            if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
+                return
+            bound = sig.bind(*args, **kwargs)
+        except (TypeError, ValueError):
+            return
+        bound.apply_defaults()
+        calls[mod] = tuple(bound.arguments.values())
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]
+    modes = {m: m.training for m in model.modules()}
+    try:
+        with torch.no_grad():
+            model.eval()(*example_inputs)
+    except Exception as err:
+        raise ValueError(f"prepare_fx: running the model on example_inputs failed: {type(err).__name__}: {err}") from err
+    finally:
+        for h in handles:
+            h.remove()
+        for m, mode in modes.items():
+            m.training = mode
+    return calls
+
+
+def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tuple[Any, ...] | None,
+                    top: bool = False) -> nn.Module:
+    """A prepared ``GraphModule`` for ``mod``, or ``mod`` itself with its children prepared."""
+    if type(mod).forward is nn.Module.forward:  # ModuleList / ModuleDict: no forward of its own
+        _prepare_children(mod, ctx, prefix)
+        return mod
+    try:
+        gm, opaque = trace(mod, example_inputs)
+    except RootNotTraceable as err:
+        cause = f"{type(err.__cause__).__name__}: {err.__cause__}".splitlines()[0]
+        ctx.untraceable(prefix, mod, cause)
+        _prepare_children(mod, ctx, prefix)
+        return mod
+    _kinds_in_eval(gm, example_inputs)
+    ctx.report.fused += [_join(prefix, f) for f in fuse_graph(gm, ctx.is_qat)]
+    if ctx.is_qat:
+        _swap_qat(gm, set(opaque))
+    for path, cause in opaque.items():
         sub = gm.get_submodule(path)
-        if getattr(sub, "qconfig", None) is None:
-            report.eager[path] = f"left float (qconfig None; torch.fx could not trace it: {err})"
-            continue
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            (prepare_qat if is_qat else prepare)(sub, inplace=True)
-        empty = any("no quantizable module" in str(w.message) for w in caught)
-        how = "left float (no quantizable module inside)" if empty else "quantized eagerly (modules only, float input)"
-        report.eager[path] = f"{how}; torch.fx could not trace it: {err}"
-        warnings.warn(f"prepare_fx: submodule '{path}' ({type(sub).__name__}) cannot be traced by torch.fx ({err}); "
-                      f"it is {how.split(' (')[0]}", stacklevel=4)
+        ctx.untraceable(_join(prefix, path), sub, cause)
+        _prepare_children(sub, ctx, _join(prefix, path))
+    _classify(gm, mod, ctx.mapping, set(opaque), ctx.module_types, ctx.report, prefix)
+    if _insert_observers(gm) == 0 and not top:
+        return mod  # nothing to quantize here: keep the module as it was
+    gm.graph.lint()
+    gm.recompile()
+    gm.meta[STATE_KEY] = {"is_qat": ctx.is_qat, "report": ctx.report, "prefix": prefix}
+    return gm
+
+
+class _Ctx:
+    """What one prepare_fx call shares across the graphs it builds."""
+
+    def __init__(self, fn: str, mapping: QConfigMapping, is_qat: bool) -> None:
+        self.fn, self.mapping, self.is_qat = fn, mapping, is_qat
+        self.report = FxReport()
+        self.captured: dict[nn.Module, tuple[Any, ...]] = {}
+        self.module_types = graph_module_types()
+        if is_qat:
+            self.module_types |= set(get_default_qat_module_mappings().values())
+
+    def untraceable(self, path: str, mod: nn.Module, cause: str) -> None:
+        how = ("its children are prepared one by one" if any(True for _ in mod.children())
+               else "left float (no children to quantize)")
+        self.report.eager[path or "<root>"] = f"{how}; torch.fx could not trace its forward: {cause}"
+        warnings.warn(f"{self.fn}: '{path or '<root>'}' ({type(mod).__name__}) cannot be traced by torch.fx "
+                      f"({cause}); {how}", stacklevel=5)
 
 
 def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inplace: Any,
-             is_qat: bool) -> fx.GraphModule:
+             is_qat: bool) -> nn.Module:
     _check_args(fn, model, example_inputs, inplace)
     default = get_default_qat_qconfig_mapping() if is_qat else get_default_qconfig_mapping()
     mapping = QConfigMapping.from_qconfig(qconfig_mapping, default)
     if not inplace:
         model = copy.deepcopy(model)
     propagate_qconfig_(model, mapping)
-    gm, opaque = trace(model)
-    report = FxReport()
-    _kinds_in_eval(gm, example_inputs)
-    report.fused = fuse_graph(gm, is_qat)
-    module_types = graph_module_types()
-    if is_qat:
-        _swap_qat(gm, set(opaque))
-        module_types |= set(get_default_qat_module_mappings().values())
-    _prepare_opaque(gm, opaque, is_qat, report)
-    _classify(gm, model, mapping, set(opaque), module_types, report)
-    if _insert_observers(gm) == 0 and not report.eager:
+    ctx = _Ctx(fn, mapping, is_qat)
+    if example_inputs is not None:
+        ctx.captured = _capture_inputs(model, example_inputs)
+    out = _prepare_module(model, ctx, "", example_inputs, top=True)
+    prepared = [m for m in out.modules() if isinstance(m, fx.GraphModule) and STATE_KEY in m.meta]
+    if not prepared or sum(1 for m in prepared for n in m.graph.nodes if n.meta.get("lowbit_kind", "")
+                           .startswith("obs_")) == 0:
         warnings.warn(f"{fn}(): no quantizable op got a qconfig; convert_fx() will leave this model float",
                       stacklevel=3)
-    gm.graph.lint()
-    gm.recompile()
-    gm.meta[STATE_KEY] = {"is_qat": is_qat, "report": report}
-    gm.lowbit_report = report
-    return gm.train(is_qat)
+    state = {"is_qat": is_qat, "report": ctx.report, "prefix": ""}
+    if isinstance(out, fx.GraphModule):
+        out.meta[STATE_KEY] = state
+    else:
+        out.__dict__[STATE_KEY] = state
+    out.lowbit_report = ctx.report
+    return out.train(is_qat)
 
 
 def prepare_fx(model: nn.Module, qconfig_mapping: Any = None, example_inputs: tuple[Any, ...] | None = None,

@@ -4,7 +4,8 @@
 leaves. When tracing fails inside a submodule (data-dependent control flow such as
 ``if x.sum() > 0``, ``len(proxy)``, ...), that innermost submodule becomes a leaf and tracing is
 retried; the paths of such *opaque* submodules are returned so graph mode can quantize them
-eager-fashion. A failure in the root's own ``forward`` raises ``ValueError``.
+eager-fashion. A failure in the root's own ``forward`` raises ``RootNotTraceable`` (a ``ValueError``). A root
+that is itself a leaf type (a bare ``nn.Linear``) is traced as a wrapper's child ``module``.
 
 Every node records the dotted path of the module whose ``forward`` produced it in
 ``node.meta["lowbit_scope"]`` (a leaf module's node records its own path).
@@ -22,15 +23,31 @@ Every node records the dotted path of the module whose ``forward`` produced it i
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-__all__ = ["trace", "record_tensor_kinds"]
+__all__ = ["trace", "record_tensor_kinds", "RootNotTraceable"]
 
 _MAX_RETRIES = 64
-_LOWBIT_LEAVES = ("lowbit.nn.", "lowbit.observer", "lowbit.fake_quantize", "lowbit.stubs")
+_LOWBIT_LEAVES = ("lowbit.nn.", "lowbit.observer", "lowbit.fake_quant", "lowbit.stubs")
+
+
+class RootNotTraceable(ValueError):
+    """The model's own ``forward`` cannot be traced (its children may still be)."""
+
+
+class _LeafRoot(nn.Module):
+    """Wraps a leaf-type root (``nn.Linear`` ...) so the traced graph holds one ``call_module``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: Any) -> Any:
+        return self.module(x)
 
 
 class _LeafTracer(fx.Tracer):
@@ -62,18 +79,30 @@ class _LeafTracer(fx.Tracer):
         return node
 
 
-def trace(model: nn.Module) -> tuple[fx.GraphModule, dict[str, str]]:
-    """``(GraphModule, {opaque submodule path: trace error})``; see the module docstring."""
+def trace(model: nn.Module, example_inputs: tuple[Any, ...] | None = None) -> tuple[fx.GraphModule, dict[str, str]]:
+    """``(GraphModule, {opaque submodule path: trace error})``; see the module docstring.
+
+    Arguments of ``example_inputs`` that are ``None`` are traced as constants
+    (``concrete_args``), so ``if mask is None:`` branches follow the example call.
+    """
     opaque: set[str] = set()
     order: dict[str, str] = {}
+    concrete: dict[str, Any] | None = None
+    names: list[str] = []
+    if _LeafTracer(opaque).is_leaf_module(model, ""):
+        model = _LeafRoot(model)
+    elif example_inputs is not None:
+        names = list(inspect.signature(model.forward).parameters)
+        concrete = {k: v for k, v in zip(names, example_inputs)
+                    if v is None} or None
     for _ in range(_MAX_RETRIES):
         tracer = _LeafTracer(opaque)
         try:
-            graph = tracer.trace(model)
+            graph = tracer.trace(model, concrete)
         except Exception as err:
             culprit = getattr(err, "_lowbit_culprit", None)
             if culprit is None or culprit == "" or culprit in opaque:
-                raise ValueError(
+                raise RootNotTraceable(
                     f"prepare_fx: the forward of {type(model).__name__} itself cannot be traced by torch.fx "
                     f"({type(err).__name__}: {err}); move data-dependent control flow into a submodule "
                     "(it is then quantized eager-fashion) or use the eager prepare()/convert()"
@@ -81,8 +110,11 @@ def trace(model: nn.Module) -> tuple[fx.GraphModule, dict[str, str]]:
             opaque.add(culprit)
             order[culprit] = f"{type(err).__name__}: {err}".splitlines()[0]
             continue
-        name = type(model).__name__
-        return fx.GraphModule(tracer.root, graph, name), order
+        if concrete:  # fx renames a specialised placeholder (mask -> mask_1): keep the keyword callable
+            for n in graph.nodes:
+                if n.op == "placeholder" and n.target not in names and n.target.rpartition("_")[0] in concrete:
+                    n.target = n.target.rpartition("_")[0]
+        return fx.GraphModule(tracer.root, graph, type(model).__name__), order
     raise ValueError(f"prepare_fx: gave up tracing {type(model).__name__} after {_MAX_RETRIES} untraceable submodules")
 
 
@@ -108,6 +140,9 @@ def record_tensor_kinds(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | No
         return
     for n in gm.graph.nodes:
         inputs = [a for a in n.all_input_nodes]
+        if n.op == "placeholder" and n.args:  # has a default (often None): not assumed to be a tensor
+            n.meta["lowbit_ftensor"] = n.meta["lowbit_scalar"] = False
+            continue
         if n.op == "call_method" and n.target in ("size", "dim", "numel"):
             val = False
         elif n.op == "call_function" and (n.target in (getattr, len) or _is_scalar_math(n, inputs)):

@@ -11,6 +11,8 @@ weight is kept ``(N, K)`` contiguous and passed as ``w.t()`` (column-major: the 
 M); on CUDA, where ``_int_mm`` needs int8 inputs, ``M > 16`` and ``K, N`` multiples of 8, u8
 activations are shifted to s8 and the operands are zero-padded (padding adds nothing to ``acc``).
 Convolutions are declined (im2col + ``_int_mm`` is slower than float on CPU; see DESIGN §4).
+On x86 CPUs without VNNI, torch's CPU ``_int_mm`` is a scalar loop (~30x slower than fp32 at
+128×768×768), so there it is only the exact fallback for affine (non-zero zero point) weights.
 
 >>> import torch, lowbit as Q
 >>> from lowbit.kernels import int_mm
@@ -77,7 +79,7 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
     if q.device.type in STRICT_DEVICES:
         if q.dtype == torch.uint8:
             q, zx = q.view(torch.int8).bitwise_xor(-128), zx - 128    # u8 - 128 as s8
-        acc = torch._int_mm(_pad_to(_pad_to(q, 1, 8), 0, 1, 17), w_t)[:m, :n]
+        acc = torch._int_mm(_pad_to(_pad_to(q, 1, 8), 0, 1, 17).contiguous(), w_t)[:m, :n]
     else:
         acc = torch._int_mm(q, w_t)                                   # (M, N) int32
     acc = acc - zx * w_sum                                            # Σ (q_x - z_x) q_w
@@ -91,7 +93,7 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
     y = y.reshape(*lead, n)
     if out is None:
         return y
-    return QTensor(quantize(y, out.scale, out.zero_point, out.qdtype), out.scale, out.zero_point, out.qdtype)
+    return out.wrap(quantize(y, out.scale, out.zero_point, out.qdtype))
 
 
 def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec, out: OutGrid | None,

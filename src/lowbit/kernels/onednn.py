@@ -16,8 +16,9 @@ points other than 0 (oneDNN ignores them), transposed convs and empty inputs.
 Saturation on CPUs **without VNNI/AMX**: they multiply with ``vpmaddubsw``, which adds two u8·s8
 products into a *saturating* int16, so one call is exact only when ``255 · (w_a + w_b)`` fits int16
 for every pair of same-sign weights of a channel (``saturation_safe``; 7-bit weights always are).
-For other weights, ``linear`` declines (``int_mm`` is exact there) and ``conv`` splits the
-activations into two 7-bit halves (``_split_conv``: two exact convs). VNNI/AMX CPUs (``vpdpbusd``,
+For other weights both ops split the activations into two 7-bit halves (``_split_run``: two exact
+kernel calls, still about 2x faster than fp32 there; ``torch._int_mm`` is no alternative on such
+CPUs: without VNNI it runs a scalar loop, ~30x slower than fp32). VNNI/AMX CPUs (``vpdpbusd``,
 32-bit accumulation) are exact for every int8 weight in one call.
 
 >>> from lowbit.kernels import onednn
@@ -109,7 +110,7 @@ def _wrap(y: torch.Tensor, out: OutGrid | None) -> QTensor | torch.Tensor:
         return y
     if not out.full_range:
         y = y.clamp_(out.qdtype.quant_min, out.qdtype.quant_max)
-    return QTensor(y, out.scale, out.zero_point, out.qdtype)
+    return out.wrap(y)
 
 
 def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None,
@@ -118,14 +119,20 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
     if x.device.type != "cpu" or x.numel() == 0 or x.int_repr().element_size() != 1:
         return NotImplemented
     entry = _packed(cache, "onednn.linear", weight, lambda w: torch.ops.onednn.qlinear_prepack(w, None))
-    if entry is None or entry[1]:  # saturation risk: int_mm is exact and cheaper than two GEMMs
+    if entry is None:
         return NotImplemented
-    packed = entry[0]
+    packed, split = entry
     q, sx, zx = _as_u8(x)
+
+    def run(codes: torch.Tensor, zp: int, b: torch.Tensor | None, s_out: float, z_out: int, dt: torch.dtype,
+            post: str) -> torch.Tensor:
+        return torch.ops.onednn.qlinear_pointwise(codes, sx, zp, packed, weight.scale, weight.zero_point, b, s_out,
+                                                  z_out, dt, post, [], "")
+
+    if split:
+        return _split_run(run, q, zx, bias, out, relu, -1)
     s_out, z_out, dt = _epilogue(out)
-    y = torch.ops.onednn.qlinear_pointwise(q, sx, zx, packed, weight.scale, weight.zero_point, bias, s_out, z_out,
-                                           dt, "relu" if relu else "none", [], "")
-    return _wrap(y, out)
+    return _wrap(run(q, zx, bias, s_out, z_out, dt, "relu" if relu else "none"), out)
 
 
 def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec, out: OutGrid | None,
@@ -151,7 +158,7 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
                                                 padding, dilation, spec.groups, s_out, z_out, dt, post, [], "")
 
     if split:
-        return _split_conv(run, q, zx, bias, out, relu)
+        return _split_run(run, q, zx, bias, out, relu, 1)
     s_out, z_out, dt = _epilogue(out)
     fuse = relu and spec.dim != 3  # oneDNN's conv3d has no fused relu
     y = run(q, zx, bias, s_out, z_out, dt, "relu" if fuse else "none")
@@ -160,21 +167,23 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     return _wrap(y, out)
 
 
-def _split_conv(run: Any, q: torch.Tensor, zx: int, bias: torch.Tensor | None, out: OutGrid | None,
-                relu: bool) -> QTensor | torch.Tensor:
-    """Exact int8 conv on CPUs whose u8×s8 pairs saturate: two 7-bit-activation convs.
+def _split_run(run: Any, q: torch.Tensor, zx: int, bias: torch.Tensor | None, out: OutGrid | None,
+               relu: bool, channel_dim: int) -> QTensor | torch.Tensor:
+    """Exact int8 GEMM/conv on CPUs whose u8×s8 pairs saturate: two calls on 7-bit activations.
 
     ``q - z = 2 (q_hi - z_hi) + (q_lo - z_lo)`` with ``q_hi = q >> 1 ≤ 127`` and ``q_lo = q & 1``, so
-    neither call can saturate (``127 · 2 · 128 < 2¹⁵``); padding stays exact because each call pads
-    with its own zero point. Costs two convs plus a float epilogue (about fp32 speed on AVX2).
+    neither call can saturate (``127 · 2 · 128 < 2¹⁵``); conv padding stays exact because each call
+    pads with its own zero point. Two kernel calls plus a float epilogue.
     """
     hi = run(q.bitwise_right_shift(1), zx >> 1, None, 1.0, 0, torch.float32, "none")
     lo = run(q.bitwise_and(1), zx & 1, None, 1.0, 0, torch.float32, "none")
     y = hi.mul_(2).add_(lo)
     if bias is not None:
-        y = y.add_(bias.reshape(1, -1, *([1] * (y.dim() - 2))))
+        shape = [1] * y.dim()
+        shape[channel_dim] = -1
+        y = y.add_(bias.reshape(shape))
     if relu:
         y = y.relu_()
     if out is None:
         return y
-    return QTensor(quantize(y, out.scale, out.zero_point, out.qdtype), out.scale, out.zero_point, out.qdtype)
+    return out.wrap(quantize(y, out.scale, out.zero_point, out.qdtype))

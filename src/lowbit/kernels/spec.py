@@ -10,11 +10,12 @@ False
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..qscheme import QDtype
+from ..qtensor import QTensor
 
 __all__ = ["OutGrid", "ConvSpec"]
 
@@ -26,6 +27,15 @@ class OutGrid:
     scale: float
     zero_point: int
     qdtype: QDtype
+    # optional 0-d tensors of scale / zero_point on the output device, reused by every output QTensor
+    scale_t: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    zero_point_t: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    def wrap(self, codes: torch.Tensor) -> QTensor:
+        """``codes`` (already on this grid) as a ``QTensor``."""
+        scale = self.scale if self.scale_t is None else self.scale_t
+        zp = self.zero_point if self.zero_point_t is None else self.zero_point_t
+        return QTensor(codes, scale, zp, self.qdtype)
 
     @property
     def torch_storage(self) -> torch.dtype:

@@ -24,12 +24,13 @@ refines the scale within ±3 % and ±0.5 % and the zero point by ±2. The unclip
 candidate. torch.ao's ``_non_linear_param_search`` instead moves one end at a time, stops at the
 first increase, and ignores the zero-point rounding.
 
-Per batch there is no host synchronisation on accelerators: bin indices come from tensor min/max
-and an ``index_add_`` into ``bins + 1`` slots (the last one takes NaN/Inf, which are ignored and
-counted; a warning comes at ``calculate_qparams``). On CPU one ``aminmax`` is read on the host and
-``bincount`` does the counting (several times faster than ``torch.histc``). Under
-``torch.distributed`` the ranks' histograms are merged onto their common range and summed inside
-``calculate_qparams``, so every rank gets the qparams of the union of the data.
+Counting: on CPU, one ``aminmax`` read on the host, then integer bin indices and ``scatter_add_``
+(several times faster than ``torch.histc``). On accelerators (or with ``sync_free = True``) nothing
+is read on the host per batch: min/max stay tensors, the rebinning always runs (an identity when
+the range did not move), and NaN/Inf get weight 0 in the ``scatter_add_`` (counted; a warning comes
+at ``calculate_qparams``). Under ``torch.distributed``, ``calculate_qparams`` (or
+``sync_observers``) first merges the ranks' histograms onto their common range and sums them
+(``sync_statistics``), so every rank gets the qparams of the union of the data.
 
 >>> import torch, lowbit as Q
 >>> obs = Q.HistogramObserver(bins=256)
@@ -52,6 +53,10 @@ from .distributed import all_reduce_min_max, all_reduce_sum, is_distributed
 
 __all__ = ["HistogramObserver"]
 
+# Bin index = floor((x - min) * bins * _SHRINK / (max - min)): the shrink keeps x = max in the last bin
+# through float32 rounding without a clamp pass (it narrows the last bin by bins * 2**-20 bin widths).
+_SHRINK = 1 - 2.0**-20
+
 
 def _rebin(hist: torch.Tensor, old_lo: torch.Tensor, old_hi: torch.Tensor,
            new_lo: torch.Tensor, new_hi: torch.Tensor) -> torch.Tensor:
@@ -62,25 +67,26 @@ def _rebin(hist: torch.Tensor, old_lo: torch.Tensor, old_hi: torch.Tensor,
     state (``old_lo = +inf``) gives zeros.
     """
     b = hist.numel()
-    h = hist.to(torch.float64)
-    ol, oh, nl, nh = (v.to(torch.float64) for v in (old_lo, old_hi, new_lo, new_hi))
+    acc = torch.float32 if hist.device.type == "mps" else torch.float64  # MPS has no float64
+    h = hist.to(acc)
+    ol, oh, nl, nh = (v.to(acc) for v in (old_lo, old_hi, new_lo, new_hi))
     ok = torch.isfinite(ol) & torch.isfinite(oh) & torch.isfinite(nl) & torch.isfinite(nh)
     ol, oh = torch.where(ok, ol, 0.0), torch.where(ok, oh, 0.0)
     nl, nh = torch.where(ok, nl, 0.0), torch.where(ok, nh, 1.0)
-    edges = nl + (nh - nl) * torch.arange(b + 1, dtype=torch.float64, device=h.device) / b  # (B+1,)
+    edges = nl + (nh - nl) * torch.arange(b + 1, dtype=acc, device=h.device) / b  # (B+1,)
     ow = (oh - ol) / b
     t = torch.where(ow > 0, (edges - ol) / torch.where(ow > 0, ow, 1.0), torch.where(edges > ol, float(b), 0.0))
     t = t.clamp(0, b)
     t[0], t[-1] = 0.0, float(b)  # the new range covers the old one: all mass lands inside
-    j = t.floor().clamp(max=b - 1)
+    j = t.to(torch.int64).clamp_(max=b - 1)  # floor (t >= 0)
     cum = torch.cat([h.new_zeros(1), h.cumsum(0)])
-    cdf = cum[j.long()] + (t - j) * h[j.long()]
+    cdf = cum.index_select(0, j) + (t - j) * h.index_select(0, j)
     out = cdf.diff().clamp_min(0)
     return torch.where(ok, out, 0.0).to(hist.dtype)
 
 
-def _tail_table(n: torch.Tensor) -> torch.Tensor:
-    """``(B+1, 4)`` rows ``[F, Φ, Ψ, n]`` at bin edges (bin units, uniform mass in each bin).
+def _tail_table(n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(B+1,)`` columns ``F, Φ, Ψ, n`` at bin edges (bin units, uniform mass in each bin).
 
     ``F(c)`` = mass below ``c``, ``Φ(c) = ∫_{x<c} (c - x) p``, ``Ψ(c) = ∫_{x<c} (c - x)² p``; between
     edges ``j`` and ``j+1`` (``f = c - j``) they are ``F_j + n_j f``, ``Φ_j + F_j f + n_j f²/2`` and
@@ -90,18 +96,21 @@ def _tail_table(n: torch.Tensor) -> torch.Tensor:
     cdf = torch.cat([zero, n.cumsum(0)])
     phi = torch.cat([zero, (cdf[:-1] + n / 2).cumsum(0)])
     psi = torch.cat([zero, (2 * phi[:-1] + cdf[:-1] + n / 3).cumsum(0)])
-    return torch.stack([cdf, phi, psi, torch.cat([n, zero])], dim=1)
+    return cdf, phi, psi, torch.cat([n, zero])
 
 
-def _rows(table: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(f, F_j, Φ_j, Ψ_j, n_j)`` for points ``c`` (any shape) in the edge interval ``j <= c < j+1``."""
-    f = c.clamp(min=0)
-    j = f.floor().clamp_(max=table.shape[0] - 1)
-    rows = table.index_select(0, j.long().flatten()).view(*c.shape, 4)
-    return (f.sub_(j), *rows.unbind(-1))
+def _rows(table: tuple[torch.Tensor, ...], c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(f, F_j, Φ_j, Ψ_j, n_j)`` for points ``c`` (any shape) in the edge interval ``j <= c < j+1``.
+
+    (1-D ``index_select`` and an integer cast for the floor: on a busy CPU, 2-D gathers and ``floor``
+    start parallel regions that cost milliseconds even on small tensors.)
+    """
+    j = c.clamp(0, table[0].numel() - 1).to(torch.int64)
+    cols = [col.index_select(0, j.flatten()).view(c.shape) for col in table]
+    return (c.clamp(min=0).sub_(j), *cols)
 
 
-def _cdf_and_psi(table: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _cdf_and_psi(table: tuple[torch.Tensor, ...], c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     f, cdf, phi, psi, n = _rows(table, c)
     return cdf + n * f, psi + f * (2 * phi + f * (cdf + n * f / 3))
 
@@ -279,14 +288,16 @@ class HistogramObserver(ObserverBase):
             raise TypeError(f"HistogramObserver observes floating-point tensors, got dtype {x.dtype}")
         if x.numel() == 0:
             return x
+        if x.device != self.histogram.device:  # the statistics follow the data (first batch, or a moved model)
+            self.to(x.device)
         sync_free = self.sync_free if self.sync_free is not None else x.device.type != "cpu"
-        xs = x.detach().reshape(-1).to(device=self.histogram.device, dtype=torch.float32)
+        xs = x.detach().reshape(-1).to(torch.float32)
         (self._observe_sync_free if sync_free else self._observe_host)(xs)
         self._needs_sync = True
         return x
 
     def _observe_host(self, x: torch.Tensor) -> None:
-        """CPU: one host read of the batch range, ``bincount`` of integer bin indices."""
+        """CPU: one host read of the batch range, ``scatter_add_`` of integer bin indices."""
         lo, hi = torch.stack(torch.aminmax(x)).tolist()
         if not (abs(lo) < float("inf") and abs(hi) < float("inf")):  # NaN/Inf: warn once, drop them
             lo, hi = torch.stack(finite_aminmax(x, type(self).__name__)).tolist()
@@ -297,12 +308,12 @@ class HistogramObserver(ObserverBase):
         new_lo, new_hi = min(lo, old_lo), max(hi, old_hi)
         if (new_lo, new_hi) != (old_lo, old_hi):
             self._set_range(torch.tensor(new_lo), torch.tensor(new_hi))
-        k = self.bins / (new_hi - new_lo) if new_hi > new_lo else 0.0
-        idx = (x - new_lo).mul_(k).to(torch.int32).clamp_(0, self.bins - 1)  # floor (x >= new_lo)
-        self.histogram += torch.bincount(idx, minlength=self.bins)
+        k = self.bins * _SHRINK / (new_hi - new_lo) if new_hi > new_lo else 0.0
+        idx = (x - new_lo).mul_(k).to(torch.int64)  # floor, in [0, bins - 1] (x >= new_lo, _SHRINK)
+        self.histogram.scatter_add_(0, idx, self.histogram.new_ones(1).expand_as(x))
 
     def _observe_sync_free(self, x: torch.Tensor) -> None:
-        """Accelerators: tensor min/max, ``index_add_`` into ``bins + 1`` slots (the last for NaN/Inf)."""
+        """Accelerators: tensor min/max, ``scatter_add_`` of weights 1 (finite) / 0 (NaN, Inf)."""
         finite = torch.isfinite(x)
         mn = torch.where(finite, x, float("inf")).amin()
         mx = torch.where(finite, x, float("-inf")).amax()
@@ -310,11 +321,10 @@ class HistogramObserver(ObserverBase):
         new_lo, new_hi = torch.minimum(self.min_val, mn), torch.maximum(self.max_val, mx)
         self._set_range(new_lo, new_hi)
         width = new_hi - new_lo
-        k = torch.where(width > 0, self.bins / width, 0.0)
+        k = torch.where(width > 0, self.bins * _SHRINK / width, 0.0)
         pos = ((x - torch.where(torch.isfinite(new_lo), new_lo, 0.0)) * k).clamp_(0, self.bins - 1)
-        idx = torch.where(finite, pos, float(self.bins)).to(torch.int64)
-        counts = torch.zeros(self.bins + 1, device=x.device).index_add_(0, idx, x.new_ones(1).expand_as(x))
-        self.histogram += counts[: self.bins]
+        idx = torch.where(finite, pos, 0.0).to(torch.int64)
+        self.histogram.scatter_add_(0, idx, finite.to(self.histogram.dtype))
 
     def _set_range(self, new_lo: torch.Tensor, new_hi: torch.Tensor) -> None:
         """Widen the range to ``[new_lo, new_hi]``, rebinning the histogram onto it (tensor ops only)."""
@@ -359,7 +369,8 @@ class HistogramObserver(ObserverBase):
             warnings.warn(f"{type(self).__name__}: ignored {skipped} NaN/Inf values in the observed data",
                           stacklevel=2)
             self.nonfinite_count.zero_()
-        cmin, cmax = _search_clip_range(self.histogram, lo, hi, self.qscheme, self.qdtype, self.eps)
+        # the search runs on small (B,) tensors: on the host, whatever device holds the histogram
+        cmin, cmax = _search_clip_range(self.histogram.cpu(), lo, hi, self.qscheme, self.qdtype, self.eps)
         dev = self.min_val.device
         return calculate_qparams(torch.tensor(cmin, device=dev), torch.tensor(cmax, device=dev),
                                  self.qscheme, self.qdtype, self.eps)

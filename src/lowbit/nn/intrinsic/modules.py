@@ -19,6 +19,7 @@ TypeError: ConvReLU2d expects (Conv2d, ReLU), got (Conv1d, ReLU)
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 __all__ = [
@@ -40,6 +41,12 @@ class FusedModule(nn.Sequential):
             have = ", ".join(t.__name__ for t in got)
             raise TypeError(f"{type(self).__name__} expects ({want}), got ({have})")
         super().__init__(*mods)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # only the fused ops: prepare adds observers as children, which Sequential would run too
+        for mod in list(self._modules.values())[: len(self._types)]:
+            x = mod(x)
+        return x
 
 
 def _marker(name: str, types: tuple[type[nn.Module], ...], doc: str) -> type[FusedModule]:

@@ -8,9 +8,16 @@ Linear(in_features=4, out_features=2, bias=True, scale=1, zero_point=0, dtype=lo
 from .conv import Conv1d, Conv2d, Conv3d, ConvReLU1d, ConvReLU2d, ConvReLU3d
 from .conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from .linear import Linear, LinearReLU
+from .activation import ELU, Hardsigmoid, Hardswish, LeakyReLU, ReLU6, Sigmoid, Tanh
+from .embedding import Embedding, EmbeddingBag
+from .functional_modules import FloatFunctional, QFunctional
+from .stubs import DeQuantize, Quantize
+from . import dynamic
 
 __all__ = [
     "Linear", "LinearReLU",
     "Conv1d", "Conv2d", "Conv3d", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d",
     "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+    "ReLU6", "Hardswish", "Hardsigmoid", "ELU", "LeakyReLU", "Sigmoid", "Tanh",
+    "Embedding", "EmbeddingBag", "FloatFunctional", "QFunctional", "Quantize", "DeQuantize", "dynamic",
 ]

@@ -230,20 +230,30 @@ class WeightedQuantModule(nn.Module):
         return QTensor(self.weight_int8, self.weight_scale, self.weight_zero_point, self.weight_qdtype,
                        self._weight_axis)
 
-    def _prepared(self) -> tuple[QTensor, Any]:
-        """``(weight QTensor, OutGrid)``, rebuilt only when a buffer changed."""
-        key = (self.weight_int8._version, self.weight_scale._version, self.weight_zero_point._version,
-               self.scale._version, self.zero_point._version, self.weight_int8.data_ptr(), self.out_qdtype)
+    def _prepared(self) -> tuple[QTensor, OutGrid]:
+        """``(weight QTensor, OutGrid)``; the weight QTensor views the buffers, so only an in-place
+        change of the output grid buffers needs a rebuild (``set_*``, ``load_state_dict`` and
+        ``.to()`` clear the cache)."""
+        buffers = self._buffers
+        scale, zero_point = buffers["scale"], buffers["zero_point"]
+        assert scale is not None and zero_point is not None
+        key = (scale._version, zero_point._version)
         hit = self._cache.get("prepared")
         if hit is None or hit[0] != key:
-            hit = (key, (self.weight(), OutGrid(float(self.scale), int(self.zero_point), self.out_qdtype)))
+            out = OutGrid(float(scale), int(zero_point), self.out_qdtype, scale.clone(), zero_point.clone())
+            hit = (key, (self.weight(), out))
             self._cache["prepared"] = hit
         return hit[1]
 
     # ---- the cache is never state ----
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         self._cache.clear()
-        return super()._apply(fn, *args, **kwargs)
+        out = super()._apply(fn, *args, **kwargs)
+        for name in ("weight_scale", "bias", "scale"):  # .double()/.half() must not change the int8 contract
+            t = self._buffers.get(name)
+            if t is not None and t.dtype != torch.float32:
+                self._buffers[name] = t.float()
+        return out
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._cache.clear()

@@ -88,7 +88,8 @@ class _LUTActivation(nn.Module):
     @classmethod
     def _check_float(cls, mod: nn.Module) -> None:
         if not isinstance(mod, cls._float_type):
-            raise TypeError(f"{cls.__name__}.from_float expects an nn.{cls._float_type.__name__}, got {type(mod).__name__}")
+            raise TypeError(f"{cls.__name__}.from_float expects an nn.{cls._float_type.__name__}, "
+                            f"got {type(mod).__name__}")
 
     @classmethod
     def from_float(cls, mod: nn.Module) -> Any:

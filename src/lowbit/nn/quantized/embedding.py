@@ -97,7 +97,8 @@ class _QuantizedTable(nn.Module):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name}: {arg}={v!r} must be a positive int")
         if padding_idx is not None:
-            if isinstance(padding_idx, bool) or not isinstance(padding_idx, int) or not -num_embeddings <= padding_idx < num_embeddings:
+            ok = isinstance(padding_idx, int) and not isinstance(padding_idx, bool)
+            if not ok or not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(f"{name}: padding_idx={padding_idx!r} is out of range for {num_embeddings} embeddings")
             padding_idx %= num_embeddings
         self.qdtype = as_qdtype(qdtype)
@@ -249,4 +250,5 @@ class EmbeddingBag(_QuantizedTable):
         return q
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", mode={self.mode!r}" + (", include_last_offset=True" if self.include_last_offset else "")
+        last = ", include_last_offset=True" if self.include_last_offset else ""
+        return super().extra_repr() + f", mode={self.mode!r}" + last

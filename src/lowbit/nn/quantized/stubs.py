@@ -16,12 +16,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from ...qscheme import QDtype, as_qdtype, quint8
+from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor, quantize_per_tensor
 from ._utils import check_out_grid, output_qparams
 

@@ -45,7 +45,7 @@ from .. import modules as nni
 from ..fold import bn_scale, fold_bn_weights
 
 __all__ = [
-    "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "LinearReLU",
+    "BnFoldedBase", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "LinearReLU",
     "ConvBn1d", "ConvBn2d", "ConvBn3d", "ConvBnReLU1d", "ConvBnReLU2d", "ConvBnReLU3d", "LinearBn1d",
     "freeze_bn_stats", "update_bn_stats",
 ]
@@ -87,7 +87,7 @@ class LinearReLU(_QLinear):
         return F.relu(super().forward(x))
 
 
-class _BnFolded(nn.Module):
+class BnFoldedBase(nn.Module):
     """``(op, bn)`` with the fold-aware fake-quant forward of the module docstring.
 
     Children: ``conv`` (or ``linear``) — the float layer, whose parameters are trained; ``bn``;
@@ -143,26 +143,26 @@ class _BnFolded(nn.Module):
         y = self.bn(y)
         return F.relu(y) if self._RELU else y
 
-    def train(self, mode: bool = True) -> _BnFolded:
+    def train(self, mode: bool = True) -> BnFoldedBase:
         super().train(mode)
         if self.freeze_bn:
             self.bn.train(False)
         return self
 
-    def freeze_bn_stats(self) -> _BnFolded:
+    def freeze_bn_stats(self) -> BnFoldedBase:
         """Use (and stop updating) the BN running statistics, as inference will."""
         self.freeze_bn = True
         self.bn.train(False)
         return self
 
-    def update_bn_stats(self) -> _BnFolded:
+    def update_bn_stats(self) -> BnFoldedBase:
         """Resume updating BN running statistics (in training mode)."""
         self.freeze_bn = False
         self.bn.train(self.training)
         return self
 
     @classmethod
-    def from_float(cls, mod: nn.Module) -> _BnFolded:
+    def from_float(cls, mod: nn.Module) -> BnFoldedBase:
         """From the float marker (``nni.ConvBn2d`` etc.): shares its layer and BN; reads ``mod.qconfig``."""
         if type(mod) is not cls._MARKER:
             raise TypeError(f"{cls.__name__}.from_float expects {cls._MARKER.__name__}, got {type(mod).__name__}")
@@ -203,9 +203,9 @@ class _BnFolded(nn.Module):
         return f"freeze_bn={self.freeze_bn}"
 
 
-def _bn_class(name: str, marker: type, layer: type, bn: type, folded: type, relu: bool) -> type[_BnFolded]:
+def _bn_class(name: str, marker: type, layer: type, bn: type, folded: type, relu: bool) -> type[BnFoldedBase]:
     doc = f"QAT ``{marker.__name__}``: ``{name}({layer.__name__}, {bn.__name__}, qconfig=qc)`` (see module doc)."
-    return type(name, (_BnFolded,), {"_MARKER": marker, "_LAYER": layer, "_BN": bn, "_RELU": relu,
+    return type(name, (BnFoldedBase,), {"_MARKER": marker, "_LAYER": layer, "_BN": bn, "_RELU": relu,
                                      "_FOLDED": folded, "__doc__": doc, "__module__": __name__})
 
 
@@ -228,13 +228,16 @@ class LinearBn1d(_bn_class("_LinearBn1d", nni.LinearBn1d, nn.Linear, nn.BatchNor
 
 def freeze_bn_stats(mod: nn.Module) -> nn.Module:
     """``model.apply(freeze_bn_stats)``: freeze BN statistics of every fused QAT conv/linear-BN."""
-    if isinstance(mod, _BnFolded):
+    if isinstance(mod, BnFoldedBase):
         mod.freeze_bn_stats()
     return mod
 
 
 def update_bn_stats(mod: nn.Module) -> nn.Module:
     """``model.apply(update_bn_stats)``: let BN statistics of fused QAT conv/linear-BN update again."""
-    if isinstance(mod, _BnFolded):
+    if isinstance(mod, BnFoldedBase):
         mod.update_bn_stats()
     return mod
+
+
+_BnFolded = BnFoldedBase  # earlier private name, still imported by lowbit.fx.convert

@@ -6,7 +6,7 @@ with ``dtype`` ``lowbit.qint8`` (default) or ``torch.float16`` (weight-only floa
 >>> import torch
 >>> from lowbit.nn.quantized import dynamic as nnqd
 >>> nnqd.Linear.from_float(torch.nn.Linear(4, 2))
-Linear(in_features=4, out_features=2, bias=True, dtype=lowbit.qint8, qscheme=per_channel_weight, activation=per_token_qint8_affine)
+Linear(in_features=4, out_features=2, bias=True, dtype=lowbit.qint8, activation=per_token)
 """
 
 from .linear import Linear, per_token_linear, quantize_per_token

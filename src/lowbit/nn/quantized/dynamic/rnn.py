@@ -120,7 +120,8 @@ class _RNNBase(nn.Module):
                 raise TypeError(f"dynamic {name}: input must be a float tensor or a PackedSequence, got "
                                 + (f"dtype {input.dtype}" if isinstance(input, torch.Tensor) else type(input).__name__))
             if input.dim() not in (2, 3):
-                raise ValueError(f"dynamic {name}: input must be 2-D (unbatched) or 3-D, got shape {tuple(input.shape)}")
+                raise ValueError(f"dynamic {name}: input must be 2-D (unbatched) or 3-D, "
+                                 f"got shape {tuple(input.shape)}")
             unbatched = input.dim() == 2
             x = input.unsqueeze(1) if unbatched else (input.transpose(0, 1) if self.batch_first else input)
             steps, batch = x.shape[0], x.shape[1]
@@ -167,7 +168,8 @@ class _RNNBase(nn.Module):
             for kind, table in (("ih", q.ih), ("hh", q.hh)):
                 w = getattr(mod, f"weight_{kind}_{key}")
                 b = getattr(mod, f"bias_{kind}_{key}") if q.bias else None
-                wq = w.detach() if d == torch.float16 else quantize_dynamic_weight(w, mod, d, f"dynamic {cls.__name__}")  # type: ignore[arg-type]
+                wq = (w.detach() if d == torch.float16
+                      else quantize_dynamic_weight(w, mod, d, f"dynamic {cls.__name__}"))  # type: ignore[arg-type]
                 table[key].set_weight_bias(wq, b)
         return q.to(next(mod.parameters()).device)
 

@@ -14,6 +14,13 @@ output, so a ``FakeQuantize`` there fake-quantizes). Children of such modules (a
 conv, a QAT module's ``weight_fake_quant``) are not observed. ``DeQuantStub`` and embeddings get
 no output observer (their outputs are float).
 
+**Float inputs** (lowbit beyond torch.ao): a weighted module (Linear, Conv*, ConvTranspose*, their
+fused/QAT forms) also gets ``input_activation_post_process``, fed by a forward pre-hook only with
+inputs that no observed module produced (the output hook tags what it returns; ReLU / MaxPool /
+Flatten / Dropout / Identity modules pass the tag on). ``convert`` records that grid as the
+quantized module's ``input_grid``, so a layer after a float op (or in a model without
+``QuantStub``) quantizes its float input on a calibrated grid instead of per call.
+
 **convert** swaps each observed module for ``mapping[type(mod)].from_float(mod)`` (a conv-BN QAT
 module is folded first), removes the remaining observers and hooks, and puts the model in eval
 mode. An observer that saw no data raises ``RuntimeError`` naming the module path. Modules with
@@ -40,19 +47,21 @@ import logging
 import warnings
 from typing import Any
 
+import torch
 from torch import nn
 
-from .fake_quantize import FakeQuantize
+from .fake_quant import FakeQuantize
 from .mappings import (
     ConvertReport,
     get_default_qat_module_mappings,
     get_default_static_quant_module_mappings,
 )
 from .nn.intrinsic import FusedModule
-from .nn.intrinsic.qat.modules import _BnFolded, freeze_bn_stats, update_bn_stats
+from .nn.intrinsic.qat.modules import BnFoldedBase, freeze_bn_stats, update_bn_stats
 from .nn.quantized.functional_modules import FloatFunctional
 from .observer.base import ObserverBase
 from .qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
+from .qscheme import as_qdtype
 from .quantize_dynamic import quantize_dynamic
 from .stubs import DeQuantStub
 
@@ -123,23 +132,60 @@ def propagate_qconfig_(model: nn.Module, qconfig: Any = None) -> nn.Module:
 
 
 def _resolve_user_qconfig(model: nn.Module, qconfig: Any, default: QConfigMapping) -> Any:
-    """``None`` + no ``.qconfig`` attribute anywhere → ``default``; otherwise the user's value."""
+    """``None`` + no ``.qconfig`` attribute anywhere → ``default``; otherwise the user's value.
+
+    A fused module's attribute (``fuse_modules_qat(..., qconfig=qc)``) does not count: it overrides
+    the default for that module only.
+    """
     if qconfig is not None:
         if not isinstance(qconfig, (QConfig, QConfigMapping, dict)):
             raise TypeError(f"qconfig={qconfig!r} must be None, a QConfig, a QConfigMapping or a qconfig dict")
         return qconfig
-    has_attr = any("qconfig" in m.__dict__ for m in model.modules())
+    has_attr = any("qconfig" in m.__dict__ for m in model.modules() if not isinstance(m, FusedModule))
     return None if has_attr else default
+
+
+_TAG = "_lowbit_observed"  # set on tensors an observed module returned: quantized after convert
+
+
+def _tag(t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        setattr(t, _TAG, True)
+    return t
 
 
 def _observe_output(module: nn.Module, inputs: Any, output: Any) -> Any:
     """Forward hook ``prepare`` registers: the output goes through ``activation_post_process``."""
-    return module.activation_post_process(output)
+    return _tag(module.activation_post_process(output))
+
+
+def _pass_tag(module: nn.Module, inputs: Any, output: Any) -> None:
+    """Forward hook on QTensor-native modules (ReLU, MaxPool, ...): a quantized input stays quantized."""
+    if inputs and getattr(inputs[0], _TAG, False):
+        _tag(output)
+
+
+def _observe_float_input(module: nn.Module, inputs: Any) -> Any:
+    """Forward pre-hook of weighted modules: observe (QAT: fake-quantize) an input no observed module made."""
+    x = inputs[0] if inputs else None
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and not getattr(x, _TAG, False):
+        return (module.input_activation_post_process(x), *inputs[1:])
+    return None
+
+
+_HOOKS = (_observe_output, _pass_tag, _observe_float_input)
 
 
 def _remove_observer_hooks(mod: nn.Module) -> None:
-    for key in [k for k, h in mod._forward_hooks.items() if h is _observe_output]:
-        del mod._forward_hooks[key]
+    for hooks in (mod._forward_hooks, mod._forward_pre_hooks):
+        for key in [k for k, h in hooks.items() if h in _HOOKS]:
+            del hooks[key]
+
+
+def _is_weighted(mod: nn.Module) -> bool:
+    """Linear / conv (incl. transposed), bare or inside a fused marker or a QAT conv-BN module."""
+    core = mod[0] if isinstance(mod, FusedModule) else (mod.layer if isinstance(mod, BnFoldedBase) else mod)
+    return isinstance(core, (nn.Linear, nn.modules.conv._ConvNd))
 
 
 def _is_observer(m: Any) -> bool:
@@ -151,6 +197,8 @@ def _insert_observers(mod: nn.Module, observed: set[type]) -> int:
     if _is_observer(mod):
         return 0
     qc = getattr(mod, "qconfig", None)
+    if qc is not None and isinstance(mod, _QTENSOR_NATIVE) and _pass_tag not in mod._forward_hooks.values():
+        mod.register_forward_hook(_pass_tag)
     if type(mod) in observed and qc is not None:
         if isinstance(mod, _NO_OUTPUT_OBSERVER):
             return 1
@@ -158,6 +206,9 @@ def _insert_observers(mod: nn.Module, observed: set[type]) -> int:
         if not isinstance(mod, FloatFunctional):  # its methods call the observer themselves
             _remove_observer_hooks(mod)
             mod.register_forward_hook(_observe_output)
+        if _is_weighted(mod):
+            mod.input_activation_post_process = qc.activation()
+            mod.register_forward_pre_hook(_observe_float_input)
         return 1
     return sum(_insert_observers(child, observed) for child in mod.children())
 
@@ -223,6 +274,8 @@ def _is_calibrated(obs: nn.Module) -> bool:
 def _strip(mod: nn.Module) -> None:
     """Remove what prepare added to a module that stays float."""
     _remove_observer_hooks(mod)
+    if _is_observer(mod._modules.get("input_activation_post_process")):
+        del mod.input_activation_post_process
     if _is_observer(mod._modules.get("activation_post_process")):
         if isinstance(mod, FloatFunctional):
             mod.activation_post_process = nn.Identity()
@@ -239,11 +292,15 @@ def _swap(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertR
             "run calibration batches through the prepared model before convert()"
         )
     qcls = mapping[type(mod)]
-    src = mod.fold() if isinstance(mod, _BnFolded) else mod
+    src = mod.fold() if isinstance(mod, BnFoldedBase) else mod
     try:
         new = qcls.from_float(src)
     except (ValueError, TypeError, RuntimeError) as err:
         raise type(err)(f"convert: module '{_path(name)}' ({type(mod).__name__} -> {qcls.__name__}): {err}") from err
+    inp = mod._modules.get("input_activation_post_process")
+    if inp is not None and _is_calibrated(inp) and hasattr(new, "input_grid"):  # it saw float inputs
+        scale, zero_point = inp.calculate_qparams()
+        new.input_grid = (float(scale), int(zero_point), as_qdtype(inp.qdtype))
     report.converted[_path(name)] = f"{type(mod).__name__} -> {qcls.__module__}.{qcls.__name__}"
     return new
 
