@@ -348,7 +348,8 @@ def test_conv_bn_in_train_mode_needs_eval():
 
 @pytest.mark.parametrize("call, err, match", [
     (lambda: prepare_fx("model"), TypeError, "model must be an nn.Module, got str"),
-    (lambda: prepare_fx(nn.Linear(2, 2), example_inputs=[torch.randn(1, 2)]), TypeError, "example_inputs must be a tuple"),
+    (lambda: prepare_fx(nn.Linear(2, 2), example_inputs=[torch.randn(1, 2)]), TypeError,
+     "example_inputs must be a tuple"),
     (lambda: prepare_fx(nn.Linear(2, 2), inplace="yes"), TypeError, "inplace must be a bool"),
     (lambda: prepare_fx(nn.Linear(2, 2), qconfig_mapping="x"), TypeError, "qconfig="),
     (lambda: prepare_qat_fx(3), TypeError, "model must be an nn.Module, got int"),
@@ -406,3 +407,22 @@ def test_captured_child_inputs_none_and_runtime_scalar():
     q = convert_fx(p)
     assert "QFunctional.mul_scalar" in " ".join(q.lowbit_report.converted.values())
     assert sqnr(model(x), run_silent(q, x)) > 20 and sqnr(model(-x), run_silent(q, -x)) > 20
+
+
+class SharedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.relu = nn.Linear(8, 8), nn.ReLU()
+
+    def forward(self, x):
+        return self.fc(self.relu(self.fc(x))) + self.fc(x)  # one Linear at three call sites
+
+
+def test_module_called_at_several_sites_shares_one_observer():
+    model = SharedLayer().eval()
+    p, q = ptq(model, (32, 8))
+    assert len({n.target for n in p.graph.nodes if n.op == "call_module" and "activation_post" in n.target
+                and n.args[0].target == "fc"}) == 1
+    assert isinstance(q.fc, nnq.Linear) and not isinstance(q.fc, nnq.LinearReLU)
+    x = torch.randn(32, 8)
+    assert sqnr(model(x), run_silent(q, x)) > 20

@@ -71,6 +71,7 @@ class _Converter:
         self.gm, self.graph, self.report, self.prefix = gm, gm.graph, report, prefix
         self.mapping = get_default_static_quant_module_mappings()
         self.count = 0
+        self.swapped: set[Any] = set()
 
     def _key(self, node: fx.Node) -> str:
         return f"{self.prefix}.{node.name}" if self.prefix else node.name
@@ -141,7 +142,8 @@ class _Converter:
         self.gm.add_submodule(name, mod)
         with self.graph.inserting_before(node):
             new = self.graph.call_module(name, (node.args[0],))
-        self.report.converted[self._key(node)] = f"{_what(node, self.gm)} -> {type(mod).__module__}.{type(mod).__name__}"
+        qname = f"{type(mod).__module__}.{type(mod).__name__}"
+        self.report.converted[self._key(node)] = f"{_what(node, self.gm)} -> {qname}"
         self._replace(node, new)
         return new
 
@@ -165,7 +167,9 @@ class _Converter:
                 continue
             kind = src.meta["lowbit_kind"]
             if kind == "module":
-                self.module(src, obs)
+                if src.target not in self.swapped:  # a module called at several sites is swapped once
+                    self.module(src, obs)
+                    self.swapped.add(src.target)
                 produced = src
             else:
                 produced = self.functional(src, obs) if kind == "functional" else self.act(src, obs)

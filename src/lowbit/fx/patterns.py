@@ -175,22 +175,27 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool) -> list[str]:
     modules = dict(gm.named_modules())
     fused: list[str] = []
     erased: set[fx.Node] = set()
+    calls: dict[Any, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
     for node in list(gm.graph.nodes):
-        if node.op != "call_module" or node in erased:
-            continue
+        if node.op != "call_module" or node in erased or calls[node.target] > 1:
+            continue  # a module called at several sites keeps its own form
         first = modules[node.target]
         if type(first) not in _BN_OF and type(first) not in (nn.BatchNorm2d, nn.BatchNorm3d):
             continue
         run, mods = [node], [first]
         if type(first) in _BN_OF:
             nxt = next(iter(node.users)) if len(node.users) == 1 else None
-            if nxt is not None and nxt.op == "call_module" and type(modules[nxt.target]) is _BN_OF[type(first)]:
+            if (nxt is not None and nxt.op == "call_module" and calls[nxt.target] == 1
+                    and type(modules[nxt.target]) is _BN_OF[type(first)]):
                 run.append(nxt)
                 mods.append(modules[nxt.target])
         if type(first) in _LAYERS or type(first) in (nn.Linear, nn.BatchNorm2d, nn.BatchNorm3d):
             relu = _relu_user(run[-1], modules)
             linear_bn = type(first) is nn.Linear and len(run) == 2
-            if relu is not None and not linear_bn:
+            if relu is not None and not linear_bn and calls.get(relu.target, 1) == 1:
                 run.append(relu)
                 mods.append(modules[relu.target] if relu.op == "call_module" else nn.ReLU())
         if len(run) == 1:

@@ -188,12 +188,18 @@ def _wants_int(user: fx.Node) -> bool:
 def _insert_observers(gm: fx.GraphModule) -> int:
     """Insert the observer nodes described in the module docstring; return how many."""
     graph, count = gm.graph, 0
+    per_module: dict[str, str] = {}  # a module called at several sites: one observer sees them all
 
     def add_observer(node: fx.Node, qconfig: QConfig, role: str) -> fx.Node:
         nonlocal count
-        name = f"activation_post_process_{count}"
-        count += 1
-        gm.add_submodule(name, qconfig.activation())
+        shared = node.op == "call_module" and role == "obs_out"
+        name = per_module.get(node.target) if shared else None  # type: ignore[arg-type]
+        if name is None:
+            name = f"activation_post_process_{count}"
+            count += 1
+            gm.add_submodule(name, qconfig.activation())
+            if shared:
+                per_module[node.target] = name  # type: ignore[index]
         with graph.inserting_after(node):
             obs = graph.call_module(name, (node,))
         obs.meta.update(lowbit_kind=role, lowbit_domain="int", lowbit_ftensor=True, lowbit_scalar=False,
@@ -261,7 +267,8 @@ def _capture_inputs(model: nn.Module, example_inputs: tuple[Any, ...]) -> dict[n
         with torch.no_grad():
             model.eval()(*example_inputs)
     except Exception as err:
-        raise ValueError(f"prepare_fx: running the model on example_inputs failed: {type(err).__name__}: {err}") from err
+        raise ValueError(f"prepare_fx: running the model on example_inputs failed: "
+                         f"{type(err).__name__}: {err}") from err
     finally:
         for h in handles:
             h.remove()
