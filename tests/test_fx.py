@@ -285,7 +285,7 @@ def test_untraceable_submodule_is_reported_and_its_children_quantized():
     x = torch.randn(32, 8)
     with pytest.warns(UserWarning, match="'gate' \\(Gate\\) cannot be traced"):
         p = prepare_fx(model, Q.get_minmax_qconfig(), example_inputs=(x,))
-    assert "gate" in p.lowbit_report.eager and "children" in p.lowbit_report.eager["gate"]
+    assert "gate" in p.lowbit_report.untraceable and "children" in p.lowbit_report.untraceable["gate"]
     p(x)
     q = convert_fx(p)
     assert isinstance(q.gate, Gate) and isinstance(q.gate.fc, fx.GraphModule)
@@ -426,3 +426,37 @@ def test_module_called_at_several_sites_shares_one_observer():
     assert isinstance(q.fc, nnq.Linear) and not isinstance(q.fc, nnq.LinearReLU)
     x = torch.randn(32, 8)
     assert sqnr(model(x), run_silent(q, x)) > 20
+
+
+class AllPatterns(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1, self.r1 = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()
+        self.c2 = nn.Conv2d(4, 4, 1)
+        self.b3 = nn.BatchNorm2d(4)
+        self.l1, self.l2, self.bl = nn.Linear(4 * 4 * 4, 8), nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x):  # (N, 3, 6, 6)
+        x = self.r1(self.b1(self.c1(x)))       # conv-bn-relu (nn.ReLU)
+        x = F.relu(self.c2(x))                 # conv-relu (F.relu)
+        x = torch.relu(self.b3(x))             # bn-relu (torch.relu)
+        x = self.l1(x.flatten(1)).relu()       # linear-relu (.relu())
+        return self.bl(self.l2(x))             # linear-bn
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_fusion_patterns(qat):
+    model = with_bn_stats(AllPatterns(), (8, 3, 6, 6))
+    x = torch.randn(8, 3, 6, 6)
+    p = (prepare_qat_fx if qat else prepare_fx)(model, example_inputs=(x,))
+    fused = " | ".join(p.lowbit_report.fused)
+    for run in ("Conv2d + BatchNorm2d + ReLU", "Conv2d + ReLU", "BatchNorm2d + ReLU", "Linear + ReLU",
+                "Linear + BatchNorm1d"):
+        assert run in fused, run
+    p.eval()
+    with torch.no_grad():
+        p(x)
+    q = convert_fx(p)
+    types = quantized_types(q)
+    assert types.count(nnq.ConvReLU2d) == 2 and nnq.LinearReLU in types and types.count(nnq.Linear) == 1
+    assert not any(isinstance(m, nn.BatchNorm1d) for m in q.modules())

@@ -25,7 +25,7 @@ TIERS: list[tuple[str, ...]] = [
     ("nn.qat",),
     ("nn.intrinsic.qat",),             # QAT ConvBn builds on nn.qat
     ("nn.quantized",),                 # (+ dynamic/) run on kernels
-    ("mappings", "examples"),
+    ("mappings", "examples", "speed_guard"),
     ("fuse", "workflow", "quantize_dynamic", "fx"),
     ("export", "algorithms", "debug", "data"),
     ("__init__",),                     # the package root: re-exports the public names of all of the above

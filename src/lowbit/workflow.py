@@ -63,6 +63,7 @@ from .observer.base import ObserverBase
 from .qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from .qscheme import as_qdtype
 from .quantize_dynamic import quantize_dynamic
+from .speed_guard import keep_faster
 from .stubs import DeQuantStub
 
 __all__ = [
@@ -323,12 +324,15 @@ def _convert(mod: nn.Module, name: str, mapping: dict[type, type], report: Conve
 
 
 def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: bool = False,
-            return_report: bool = False) -> Any:
+            return_report: bool = False, speed_check: Any = None) -> Any:
     """Swap observed modules for ``lowbit.nn.quantized`` ones; returns the model (eval mode).
 
     ``mapping`` (default ``get_default_static_quant_module_mappings()``): exact type → class with
     ``from_float``. The root itself is swapped when it is observed, so use the return value.
-    ``return_report=True`` returns ``(model, ConvertReport)``.
+    ``return_report=True`` returns ``(model, ConvertReport)``. ``speed_check`` (example inputs, a
+    tensor or a tuple): afterwards, ``lowbit.speed_guard.keep_faster`` times every quantized layer
+    against its float twin on these inputs and swaps back to float the layers where int8 is not
+    faster; its ``SpeedReport`` is the ``ConvertReport``'s ``speed`` attribute (and logged at INFO).
     """
     _check_common("convert", model, inplace)
     if not isinstance(return_report, bool):
@@ -336,8 +340,13 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
     mapping = _check_mapping("convert", get_default_static_quant_module_mappings() if mapping is None else mapping)
     if not inplace:
         model = copy.deepcopy(model)
+    float_twin = copy.deepcopy(model) if speed_check is not None else None
     report = ConvertReport()
     model = _convert(model, "", mapping, report).eval()
+    if float_twin is not None:
+        speed = keep_faster(model, float_twin, speed_check)
+        model, report.speed = speed.model, speed  # type: ignore[attr-defined]
+        logger.info("%s", speed)
     if not report.converted:
         warnings.warn("convert(): no prepared module found (run prepare() or prepare_qat() and calibrate first); "
                       "the model stays float", stacklevel=2)

@@ -13,5 +13,5 @@ from .compare import CompareResult, LayerComparison, compare, sqnr
 from .ranges import ActivationRange, activation_ranges
 from .sensitivity import SensitivityRow, SensitivityTable, sensitivity
 
-__all__ = ["compare", "sqnr", "CompareResult", "LayerComparison", "sensitivity", "SensitivityTable",
-           "SensitivityRow", "activation_ranges", "ActivationRange"]
+__all__ = ["ActivationRange", "CompareResult", "LayerComparison", "SensitivityRow", "SensitivityTable",
+           "activation_ranges", "compare", "sensitivity", "sqnr"]

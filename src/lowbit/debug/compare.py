@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -45,7 +45,7 @@ from ..nn.quantized.functional_modules import FloatFunctional, QFunctional
 from ..nn.quantized.stubs import DeQuantize
 from ..qtensor import QTensor
 
-__all__ = ["compare", "sqnr", "CompareResult", "LayerComparison"]
+__all__ = ["CompareResult", "LayerComparison", "compare", "sqnr"]
 
 _FUNCTIONAL_METHODS = ("add", "add_scalar", "mul", "mul_scalar", "cat", "add_relu", "matmul")
 
@@ -68,7 +68,7 @@ def _to_float(t: Any, what: str) -> torch.Tensor:
     if isinstance(t, QTensor):
         return t.dequantize()
     if isinstance(t, torch.Tensor):
-        return t.detach().float()
+        return t.detach() if t.is_floating_point() else t.detach().double()
     raise TypeError(f"{what} must be a tensor or a QTensor, got {type(t).__name__}")
 
 
@@ -85,7 +85,7 @@ class _Stats:
         if x.shape != x_hat.shape:
             raise ValueError(f"{where}: float output of shape {tuple(x.shape)} vs quantized output of shape "
                              f"{tuple(x_hat.shape)}; the models do not compute the same thing here")
-        x, x_hat = x.double(), x_hat.to(x.device).double()
+        x, x_hat = x.detach().double(), x_hat.detach().to(x.device).double()
         err = x - x_hat
         self.signal += float((x * x).sum())
         self.noise += float((err * err).sum())
@@ -118,7 +118,7 @@ class LayerComparison:
     weight_max_abs_err: float | None = None
 
 
-_HEADER = ("layer", "type", "compared with", "act SQNR (dB)", "act max |err|", "weight SQNR (dB)", "weight max |err|")
+_HEADER = ("layer", "type", "compared with", "act SQNR (dB)", "act max abs err", "weight SQNR (dB)", "weight max abs err")
 
 
 def _fmt_db(v: float | None) -> str:
@@ -134,6 +134,7 @@ class CompareResult:
     """The per-layer table ``compare`` returns: ``rows`` in the quantized model's module order."""
 
     rows: list[LayerComparison] = field(default_factory=list)
+    columns: ClassVar[tuple[str, ...]] = _HEADER
 
     def cells(self) -> list[tuple[str, ...]]:
         """Each row as the formatted strings of the text/Markdown tables (SQNR 2 decimals, errors 4 digits)."""
@@ -152,8 +153,8 @@ class CompareResult:
         return min(rows, key=lambda r: getattr(r, key))
 
     def __str__(self) -> str:
-        table = [_HEADER, *self.cells()]
-        widths = [max(len(row[i]) for row in table) for i in range(len(_HEADER))]
+        table = [self.columns, *self.cells()]
+        widths = [max(len(row[i]) for row in table) for i in range(len(self.columns))]
         lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                  for row in table]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -161,7 +162,7 @@ class CompareResult:
 
     def to_markdown(self) -> str:
         """A GitHub Markdown table with the same cells as ``str(result)``."""
-        lines = ["| " + " | ".join(_HEADER) + " |", "|" + "---|" * 3 + "---:|" * 4]
+        lines = ["| " + " | ".join(self.columns) + " |", "|" + "---|" * 3 + "---:|" * 4]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in self.cells()]
         return "\n".join(lines)
 
@@ -301,15 +302,18 @@ class _Recorder:
     def _record(self, name: str, out: Any) -> None:
         self.outputs.setdefault(name, []).append(_flatten(out))
 
+    def _recording(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            out = method(*args, **kwargs)
+            self._record(name, out)
+            return out
+        return wrapped
+
     def _attach(self, mod: nn.Module, name: str) -> None:
         if isinstance(mod, (FloatFunctional, QFunctional)):
             patched = [m for m in _FUNCTIONAL_METHODS if hasattr(mod, m)]
             for meth in patched:
-                def wrapped(*a: Any, _orig: Callable[..., Any] = getattr(mod, meth), **k: Any) -> Any:
-                    out = _orig(*a, **k)
-                    self._record(name, out)
-                    return out
-                object.__setattr__(mod, meth, wrapped)
+                object.__setattr__(mod, meth, self._recording(name, getattr(mod, meth)))
 
             def unpatch(mod: nn.Module = mod, patched: list[str] = patched) -> None:
                 for meth in patched:

@@ -58,9 +58,9 @@ def _read(name: str, obs: nn.Module) -> ActivationRange | None:
     if not isinstance(inner, ObserverBase) or not getattr(inner, "is_calibrated", False):
         return None
     lo, hi = getattr(inner, "min_val", None), getattr(inner, "max_val", None)
-    if not isinstance(lo, torch.Tensor) or lo.numel() != 1:  # placeholder or per-channel observer
-        return None
-    scale, zero_point = obs.calculate_qparams()
+    if not isinstance(lo, torch.Tensor) or not isinstance(hi, torch.Tensor) or lo.numel() != 1:
+        return None  # placeholder or per-channel observer
+    scale, zero_point = obs.calculate_qparams()  # type: ignore[operator]  # observer or FakeQuantize
     if scale.numel() != 1:
         return None
     s, z = float(scale), int(zero_point)

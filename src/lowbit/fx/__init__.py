@@ -14,14 +14,15 @@ and its children are prepared one by one, each as its own graph; it is named in 
 ...     def __init__(self):
 ...         super().__init__()
 ...         self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
-...     def forward(self, x):
-...         return torch.relu(self.bn(self.conv(x)) + x)
+...         self.fc = nn.Linear(4 * 6 * 6, 3)
+...     def forward(self, x):                                 # (N, 4, 6, 6)
+...         return self.fc(torch.relu(self.bn(self.conv(x)) + x).flatten(1))
 >>> model, x = Block().eval(), torch.randn(8, 4, 6, 6)
 >>> prepared = prepare_fx(model, Q.get_minmax_qconfig(), example_inputs=(x,))
 >>> _ = prepared(x)                                             # calibrate
 >>> qmodel = convert_fx(prepared)                               # conv+bn folded, `+` and relu fused
 >>> [type(m).__name__ for m in qmodel.children()]
-['Conv2d', 'Quantize', 'QFunctional', 'DeQuantize']
+['Conv2d', 'Linear', 'Quantize', 'QFunctional', 'DeQuantize']
 >>> print(qmodel.lowbit_report.converted["add_relu"])
 add_relu -> QFunctional.add_relu
 >>> err = (qmodel(x) - model(x)).abs().max() / model(x).abs().max()

@@ -93,9 +93,9 @@ FUNC_ACTIVATIONS: dict[Any, type[nn.Module]] = {
 _METHOD_ACTIVATIONS = {"sigmoid": nnq_act.Sigmoid, "tanh": nnq_act.Tanh}
 
 # ops that run on QTensor codes (grid-preserving) or produce no tensor
-_SHARE_FUNCS = {F.relu, torch.relu, torch.relu_, torch.flatten, F.max_pool1d, F.max_pool2d, F.max_pool3d,
+_SHARE_FUNCS = {F.relu, torch.relu, torch.flatten, F.max_pool1d, F.max_pool2d, F.max_pool3d,
                 F.adaptive_max_pool2d, F.dropout, torch.dropout, operator.getitem, getattr, len}
-_SHARE_METHODS = {"relu", "relu_", "view", "reshape", "flatten", "permute", "transpose", "contiguous", "size",
+_SHARE_METHODS = {"relu", "view", "reshape", "flatten", "permute", "transpose", "contiguous", "size",
                   "dim", "numel", "detach"}
 _SHARE_MODULES = (nn.ReLU, nn.Identity, nn.Flatten, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.Dropout,
                   nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)

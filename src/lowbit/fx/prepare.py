@@ -8,10 +8,11 @@ which become ``Quantize -> layer -> DeQuantize`` graphs); an untraceable root is
 and returned as itself with prepared children. With ``example_inputs``, one run records every
 submodule's inputs, so these child graphs know their tensors and ``None`` arguments too;
 (3) module runs and add-relu are fused (``lowbit.fx.patterns``); for QAT, modules are swapped for
-their ``lowbit.nn.qat`` twins; (4) every node is classified (``module``, ``functional``, ``act``,
-``share``, ``float``) and gets its *domain* after convert: ``int`` (a ``QTensor``), ``float`` or
-``other`` (not a float tensor). Observers (``qconfig.activation()``) are inserted as
-``activation_post_process_<i>`` call_module nodes:
+their ``lowbit.nn.qat`` twins; (4) every node is classified (``lowbit.fx.classify``: ``module``,
+``functional``, ``act``, ``share``, ``float``) and gets its *domain* after convert: ``int`` (a
+``QTensor``), ``float`` or ``other`` (not a float tensor); an elementwise int op between a float
+input and only float consumers stays float (it would only add roundings). Observers
+(``qconfig.activation()``) are inserted as ``activation_post_process_<i>`` call_module nodes:
 
 - after each int-producing node (all users read the observer: in QAT they see fake-quantized values);
 - after each float-domain tensor that an int op consumes (graph inputs, outputs of float ops):
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import numbers
 import warnings
 from typing import Any
 
@@ -35,15 +35,14 @@ from torch import fx, nn
 from ..mappings import get_default_qat_module_mappings
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..workflow import propagate_qconfig_
-from .patterns import BINARY_FUNCS, canonical_binary, func_activation, fuse_graph, graph_module_types, is_share_op
+from .classify import classify, join, wants_int
+from .patterns import fuse_graph, graph_module_types
 from .report import FxReport
 from .trace import RootNotTraceable, record_tensor_kinds, trace
 
 __all__ = ["prepare_fx", "prepare_qat_fx", "STATE_KEY", "is_prepared"]
 
 STATE_KEY = "lowbit_fx"  # gm.meta key marking a graph prepared by prepare_fx / prepare_qat_fx
-_METHOD_FUNCS = {"add": torch.add, "mul": torch.mul, "matmul": torch.matmul, "bmm": torch.bmm, "div": torch.div,
-                 "relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
 
 
 def is_prepared(model: Any) -> bool:
@@ -80,111 +79,6 @@ def _kinds_in_eval(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -
             m.training = mode
 
 
-def _node_qconfig(node: fx.Node, root: nn.Module, mapping: QConfigMapping) -> QConfig | None:
-    """``object_type[function]`` when set, else the qconfig of the enclosing (or own) module."""
-    target = _METHOD_FUNCS.get(node.target, node.target) if node.op == "call_method" else node.target
-    if node.op in ("call_function", "call_method"):
-        op = canonical_binary(node.op, node.target)
-        op = "add" if op == "add_relu" else op
-        # `+`, torch.add and a fused add-relu are one op for the mapping (likewise mul, matmul, cat)
-        keys = [target] + ([f for f, name in BINARY_FUNCS.items() if name == op] if op else [])
-        for key in keys:
-            try:
-                if key in mapping.object_type_qconfigs:
-                    return mapping.object_type_qconfigs[key]
-            except TypeError:  # unhashable target
-                pass
-    scope = node.meta.get("lowbit_scope", "")
-    try:
-        mod = root.get_submodule(scope) if scope else root
-    except AttributeError:
-        mod = root
-    return getattr(mod, "qconfig", None)
-
-
-def _is_scalar(arg: Any) -> bool:
-    if isinstance(arg, fx.Node):
-        return bool(arg.meta.get("lowbit_scalar", False))
-    return isinstance(arg, numbers.Real) and not isinstance(arg, bool)
-
-
-def _ftensor(arg: Any) -> bool:
-    return isinstance(arg, fx.Node) and bool(arg.meta.get("lowbit_ftensor", False))
-
-
-def _functional_op(node: fx.Node) -> str | None:
-    """The QFunctional method for a binary node (``add``, ``add_scalar``, ``cat`` ...), or ``None``."""
-    op = canonical_binary(node.op, node.target)
-    if op is None or not node.meta.get("lowbit_ftensor", False):
-        return None
-    args, kwargs = node.args, dict(node.kwargs)
-    if op == "cat":
-        tensors = args[0] if args else kwargs.pop("tensors", None)
-        dim_ok = set(kwargs) <= {"dim"} and len(args) <= 2
-        ok = isinstance(tensors, (list, tuple)) and len(tensors) > 0 and all(_ftensor(t) for t in tensors)
-        return "cat" if ok and dim_ok else None
-    if kwargs or len(args) != 2:
-        return None
-    a, b = args
-    if op == "add_relu":
-        return op if _ftensor(a) and _ftensor(b) else None
-    if _ftensor(a) and _ftensor(b):
-        return op if op != "div" else None
-    if op in ("add", "mul") and (_ftensor(a) and _is_scalar(b) or _ftensor(b) and _is_scalar(a)):
-        return op + "_scalar"
-    if op == "div" and _ftensor(a) and _is_scalar(b):
-        return "div_scalar"
-    return None
-
-
-def _act_ok(node: fx.Node) -> bool:
-    """A functional activation whose extra arguments the quantized module can take."""
-    if not node.args or not _ftensor(node.args[0]):
-        return False
-    extra = set(node.kwargs) - {"inplace", "negative_slope", "alpha"}
-    return not extra and all(isinstance(a, (numbers.Real, bool)) for a in node.args[1:])
-
-
-def _classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaque: set[str],
-              module_types: set[type], report: FxReport, prefix: str) -> None:
-    """Set ``meta["lowbit_kind"]``, ``["lowbit_qop"]``, ``["lowbit_domain"]`` and ``["lowbit_qconfig"]``."""
-    modules = dict(gm.named_modules())
-    for node in gm.graph.nodes:
-        mod = modules.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
-        qc = getattr(mod, "qconfig", None) if mod is not None else _node_qconfig(node, root, mapping)
-        kind, qop = "float", None
-        if node.op in ("placeholder", "get_attr"):
-            kind = "input"
-        elif node.op == "output":
-            kind = "output"
-        elif node.op == "call_module" and node.target in opaque:
-            kind = "opaque"
-        elif is_share_op(node, mod):
-            kind = "share"
-        elif qc is not None and node.meta.get("lowbit_ftensor", False):
-            if node.op == "call_module" and type(mod) in module_types:
-                kind = "module"
-            elif (qop := _functional_op(node)) is not None:
-                kind = "functional"
-            elif func_activation(node.op, node.target) is not None and _act_ok(node):
-                kind = "act"
-        if kind == "share":
-            src = [a for a in node.all_input_nodes if a.meta.get("lowbit_domain") == "int"]
-            domain = "int" if src and node.meta.get("lowbit_ftensor", False) else "float"
-        else:
-            domain = "int" if kind in ("module", "functional", "act") else "float"
-        if not node.meta.get("lowbit_ftensor", False):
-            domain = "other"
-        node.meta.update(lowbit_kind=kind, lowbit_qop=qop, lowbit_domain=domain, lowbit_qconfig=qc)
-        if kind == "float" and qc is not None and node.op != "get_attr":
-            what = type(mod).__name__ if mod is not None else getattr(node.target, "__name__", str(node.target))
-            report.left_float[_join(prefix, node.name)] = f"{what} (no integer implementation in graph mode)"
-
-
-def _wants_int(user: fx.Node) -> bool:
-    return user.meta.get("lowbit_kind") in ("module", "functional", "act")
-
-
 def _insert_observers(gm: fx.GraphModule) -> int:
     """Insert the observer nodes described in the module docstring; return how many."""
     graph, count = gm.graph, 0
@@ -212,7 +106,7 @@ def _insert_observers(gm: fx.GraphModule) -> int:
             obs = add_observer(node, node.meta["lowbit_qconfig"], "obs_out")
             node.replace_all_uses_with(obs, delete_user_cb=lambda u: u is not obs)
         elif node.meta.get("lowbit_domain") == "float":
-            int_users = [u for u in node.users if _wants_int(u)]
+            int_users = [u for u in node.users if wants_int(u)]
             if int_users:
                 obs = add_observer(node, int_users[0].meta["lowbit_qconfig"], "obs_in")
                 for u in int_users:
@@ -232,14 +126,10 @@ def _swap_qat(gm: fx.GraphModule, opaque: set[str]) -> None:
             setattr(gm.get_submodule(parent) if parent else gm, name, qat_map[type(mod)].from_float(mod))
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def _prepare_children(mod: nn.Module, ctx: _Ctx, prefix: str) -> None:
     """Graph-prepare each child of a module whose own ``forward`` cannot be traced (in place)."""
     for name, child in list(mod.named_children()):
-        new = _prepare_module(child, ctx, _join(prefix, name), ctx.captured.get(child))
+        new = _prepare_module(child, ctx, join(prefix, name), ctx.captured.get(child))
         if new is not child:
             mod._modules[name] = new
 
@@ -291,14 +181,14 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
         _prepare_children(mod, ctx, prefix)
         return mod
     _kinds_in_eval(gm, example_inputs)
-    ctx.report.fused += [_join(prefix, f) for f in fuse_graph(gm, ctx.is_qat)]
+    ctx.report.fused += [join(prefix, f) for f in fuse_graph(gm, ctx.is_qat)]
     if ctx.is_qat:
         _swap_qat(gm, set(opaque))
     for path, cause in opaque.items():
         sub = gm.get_submodule(path)
-        ctx.untraceable(_join(prefix, path), sub, cause)
-        _prepare_children(sub, ctx, _join(prefix, path))
-    _classify(gm, mod, ctx.mapping, set(opaque), ctx.module_types, ctx.report, prefix)
+        ctx.untraceable(join(prefix, path), sub, cause)
+        _prepare_children(sub, ctx, join(prefix, path))
+    classify(gm, mod, ctx.mapping, set(opaque), ctx.module_types, ctx.report, prefix)
     if _insert_observers(gm) == 0 and not top:
         return mod  # nothing to quantize here: keep the module as it was
     gm.graph.lint()
@@ -321,7 +211,7 @@ class _Ctx:
     def untraceable(self, path: str, mod: nn.Module, cause: str) -> None:
         how = ("its children are prepared one by one" if any(True for _ in mod.children())
                else "left float (no children to quantize)")
-        self.report.eager[path or "<root>"] = f"{how}; torch.fx could not trace its forward: {cause}"
+        self.report.untraceable[path or "<root>"] = f"{how}; torch.fx could not trace its forward: {cause}"
         warnings.warn(f"{self.fn}: '{path or '<root>'}' ({type(mod).__name__}) cannot be traced by torch.fx "
                       f"({cause}); {how}", stacklevel=5)
 
@@ -360,7 +250,9 @@ def prepare_fx(model: nn.Module, qconfig_mapping: Any = None, example_inputs: tu
     ``QConfigMapping`` or a qconfig dict. ``example_inputs`` (a tuple, recommended): one forward
     pass tells tensors from sizes and scalars (without it a heuristic decides). The model must be
     in eval mode when it has conv/linear-BN runs (they are folded). Returns a ``GraphModule``
-    whose ``lowbit_report`` lists fused runs, float ops and eager-quantized submodules.
+    whose ``lowbit_report`` lists fused runs, float ops and untraceable submodules (a model whose
+    own ``forward`` cannot be traced is returned as itself, its children prepared). ``inplace=True``
+    skips the deep copy: the model's own modules are reused (and given ``.qconfig`` attributes).
     """
     return _prepare("prepare_fx", model, qconfig_mapping, example_inputs, inplace, is_qat=False)
 

@@ -3,7 +3,7 @@
 >>> r = FxReport()
 >>> r.left_float["softmax"] = "softmax (no integer kernel)"
 >>> print(r)
-graph mode: 0 fused, 0 quantized, 1 left float, 0 eager submodules
+graph mode: 0 fused, 0 quantized, 1 left float, 0 untraceable modules
   float  softmax: softmax (no integer kernel)
 """
 
@@ -21,18 +21,18 @@ class FxReport:
     ``fused``: fused runs (``"conv: Conv2d + BatchNorm2d + ReLU -> ConvReLU2d"``).
     ``converted``: node name -> ``"Float -> lowbit Quantized"``, filled by ``convert_fx``.
     ``left_float``: node name -> why it stays float (no integer kernel, qconfig ``None`` ...).
-    ``eager``: path of every submodule torch.fx could not trace -> how it is handled
-    (``"quantized eagerly"`` or ``"left float"``), with the trace error.
+    ``untraceable``: path of every module whose ``forward`` torch.fx could not trace -> how it is
+    handled (its children prepared one by one, or left float) and the trace error.
     """
 
     fused: list[str] = field(default_factory=list)
     converted: dict[str, str] = field(default_factory=dict)
     left_float: dict[str, str] = field(default_factory=dict)
-    eager: dict[str, str] = field(default_factory=dict)
+    untraceable: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"graph mode: {len(self.fused)} fused, {len(self.converted)} quantized, "
-                 f"{len(self.left_float)} left float, {len(self.eager)} eager submodules"]
-        lines += [f"  eager  {p}: {why}" for p, why in self.eager.items()]
+                 f"{len(self.left_float)} left float, {len(self.untraceable)} untraceable modules"]
+        lines += [f"  untraceable  {p}: {why}" for p, why in self.untraceable.items()]
         lines += [f"  float  {p}: {why}" for p, why in self.left_float.items()]
         return "\n".join(lines)

@@ -3,9 +3,10 @@
 ``trace(model)`` runs ``torch.fx`` symbolic tracing with ``torch.nn`` and ``lowbit`` modules as
 leaves. When tracing fails inside a submodule (data-dependent control flow such as
 ``if x.sum() > 0``, ``len(proxy)``, ...), that innermost submodule becomes a leaf and tracing is
-retried; the paths of such *opaque* submodules are returned so graph mode can quantize them
-eager-fashion. A failure in the root's own ``forward`` raises ``RootNotTraceable`` (a ``ValueError``). A root
-that is itself a leaf type (a bare ``nn.Linear``) is traced as a wrapper's child ``module``.
+retried; the paths of such *opaque* submodules are returned so graph mode can prepare their
+children one by one. A failure in the root's own ``forward`` raises ``RootNotTraceable`` (a
+``ValueError``). A root that is itself a leaf type (a bare ``nn.Linear``) is traced as a
+wrapper's child ``module``.
 
 Every node records the dotted path of the module whose ``forward`` produced it in
 ``node.meta["lowbit_scope"]`` (a leaf module's node records its own path).
@@ -105,7 +106,7 @@ def trace(model: nn.Module, example_inputs: tuple[Any, ...] | None = None) -> tu
                 raise RootNotTraceable(
                     f"prepare_fx: the forward of {type(model).__name__} itself cannot be traced by torch.fx "
                     f"({type(err).__name__}: {err}); move data-dependent control flow into a submodule "
-                    "(it is then quantized eager-fashion) or use the eager prepare()/convert()"
+                    "(its children are then prepared one by one) or use the eager prepare()/convert()"
                 ) from err
             opaque.add(culprit)
             order[culprit] = f"{type(err).__name__}: {err}".splitlines()[0]

@@ -17,9 +17,16 @@ Saturation on CPUs **without VNNI/AMX**: they multiply with ``vpmaddubsw``, whic
 products into a *saturating* int16, so one call is exact only when ``255 · (w_a + w_b)`` fits int16
 for every pair of same-sign weights of a channel (``saturation_safe``; 7-bit weights always are).
 For other weights both ops split the activations into two 7-bit halves (``_split_run``: two exact
-kernel calls, still about 2x faster than fp32 there; ``torch._int_mm`` is no alternative on such
+kernel calls, about as fast as fp32 there), unless the activations are already 7-bit (a
+``reduce_range`` grid such as ``quint8.with_range(0, 127)``): then one call is exact for every int8
+weight; ``torch._int_mm`` is no alternative on such
 CPUs: without VNNI it runs a scalar loop, ~30x slower than fp32). VNNI/AMX CPUs (``vpdpbusd``,
 32-bit accumulation) are exact for every int8 weight in one call.
+
+Small M without VNNI: oneDNN's AVX2 int8 GEMM (``gemm:jit``) is slower than fp32 at M = 1, while
+fbgemm's is 2-5x faster there (``benchmarks/README.md``). For at most ``SMALL_M`` rows on such CPUs the
+linear runs fbgemm's float-output op (weights prepacked once with unit scales, same exactness
+rules, same split) when torch's quantized engine is fbgemm/x86; it is counted as this backend.
 
 >>> from lowbit.kernels import onednn
 >>> isinstance(onednn.has_vnni(), bool)
@@ -29,6 +36,7 @@ True
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -37,9 +45,10 @@ from ..functional import quantize
 from ..qtensor import QTensor
 from .spec import ConvSpec, OutGrid
 
-__all__ = ["NAME", "available", "has_vnni", "saturation_safe", "linear", "conv"]
+__all__ = ["NAME", "SMALL_M", "available", "has_vnni", "saturation_safe", "linear", "conv"]
 
 NAME = "onednn"
+SMALL_M = 16  # rows up to which fbgemm's int8 GEMM beats oneDNN's on CPUs without VNNI (benchmarks/README.md)
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,12 +82,20 @@ def saturation_safe(weight_codes: torch.Tensor) -> bool:
     return bool((pos <= 128).all() and (neg <= 128).all())
 
 
-def _as_u8(x: QTensor) -> tuple[torch.Tensor, float, int]:
-    """u8 codes, scale and zero point of a per-tensor 8-bit QTensor (qint8 shifted by +128)."""
-    q, zp = x.int_repr(), int(x.zero_point)
+def _as_u8(x: QTensor) -> tuple[torch.Tensor, float, int, bool]:
+    """u8 codes, scale, zero point of a per-tensor 8-bit QTensor, and whether every code is ≤ 127.
+
+    qint8 is shifted by +128, or by ``-quant_min`` when its grid spans at most 128 codes, so that a
+    7-bit grid (``reduce_range``: ``quint8.with_range(0, 127)``, ``qint8.with_range(-64, 63)``) stays
+    7-bit: ``127 · (w_a + w_b) ≤ 127 · 256 < 2¹⁵``, so ``vpmaddubsw`` cannot saturate for any int8 weight.
+    The codes are trusted to lie on the QTensor's grid (every lowbit op produces them so).
+    """
+    q, zp, qd = x.int_repr(), int(x.zero_point), x.qdtype
     if q.dtype == torch.int8:
-        q, zp = q.view(torch.uint8).bitwise_xor(128), zp + 128
-    return q, float(x.scale), zp
+        shift = 128 if qd.quant_max - qd.quant_min > 127 else -qd.quant_min
+        q = q.view(torch.uint8).bitwise_xor(128) if shift == 128 else torch.sub(q, qd.quant_min).view(torch.uint8)
+        return q, float(x.scale), zp + shift, qd.quant_max + shift <= 127
+    return q, float(x.scale), zp, qd.quant_max <= 127
 
 
 def _packed(cache: dict[str, Any] | None, key: str, weight: QTensor, pack: Any) -> Any:
@@ -122,14 +139,18 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
     if entry is None:
         return NotImplemented
     packed, split = entry
-    q, sx, zx = _as_u8(x)
+    q, sx, zx, seven_bit = _as_u8(x)
+    if not has_vnni() and q.numel() <= SMALL_M * q.shape[-1] and torch.backends.quantized.engine in _FBGEMM:
+        fb = _packed(cache, "onednn.fbgemm", weight, _fbgemm_pack)
+        if fb is not None:
+            return _fbgemm_linear(fb[0], q, sx, zx, split and not seven_bit, weight.scale, bias, out, relu)
 
     def run(codes: torch.Tensor, zp: int, b: torch.Tensor | None, s_out: float, z_out: int, dt: torch.dtype,
             post: str) -> torch.Tensor:
         return torch.ops.onednn.qlinear_pointwise(codes, sx, zp, packed, weight.scale, weight.zero_point, b, s_out,
                                                   z_out, dt, post, [], "")
 
-    if split:
+    if split and not seven_bit:
         return _split_run(run, q, zx, bias, out, relu, -1)
     s_out, z_out, dt = _epilogue(out)
     return _wrap(run(q, zx, bias, s_out, z_out, dt, "relu" if relu else "none"), out)
@@ -150,14 +171,14 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     if entry is None:
         return NotImplemented
     packed, split = entry
-    q, sx, zx = _as_u8(x)
+    q, sx, zx, seven_bit = _as_u8(x)
 
     def run(codes: torch.Tensor, zp: int, b: torch.Tensor | None, s_out: float, z_out: int, dt: torch.dtype,
             post: str) -> torch.Tensor:
         return torch.ops.onednn.qconv_pointwise(codes, sx, zp, packed, weight.scale, weight.zero_point, b, stride,
                                                 padding, dilation, spec.groups, s_out, z_out, dt, post, [], "")
 
-    if split:
+    if split and not seven_bit:
         return _split_run(run, q, zx, bias, out, relu, 1)
     s_out, z_out, dt = _epilogue(out)
     fuse = relu and spec.dim != 3  # oneDNN's conv3d has no fused relu
@@ -177,7 +198,12 @@ def _split_run(run: Any, q: torch.Tensor, zx: int, bias: torch.Tensor | None, ou
     """
     hi = run(q.bitwise_right_shift(1), zx >> 1, None, 1.0, 0, torch.float32, "none")
     lo = run(q.bitwise_and(1), zx & 1, None, 1.0, 0, torch.float32, "none")
-    y = hi.mul_(2).add_(lo)
+    return _float_epilogue(hi.mul_(2).add_(lo), bias, out, relu, channel_dim)
+
+
+def _float_epilogue(y: torch.Tensor, bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
+                    channel_dim: int) -> QTensor | torch.Tensor:
+    """``relu?(y + bias)`` requantized onto ``out`` (or float)."""
     if bias is not None:
         shape = [1] * y.dim()
         shape[channel_dim] = -1
@@ -186,4 +212,39 @@ def _split_run(run: Any, q: torch.Tensor, zx: int, bias: torch.Tensor | None, ou
         y = y.relu_()
     if out is None:
         return y
-    return out.wrap(quantize(y, out.scale, out.zero_point, out.qdtype))
+    # in place, bit-identical to functional.quantize: round(y · float32(1/s) + z), clamped
+    inv = float(torch.tensor(out.scale, dtype=torch.float32).reciprocal())
+    y = y.mul_(inv).add_(out.zero_point).round_().clamp_(out.qdtype.quant_min, out.qdtype.quant_max)
+    return out.wrap(y.to(out.qdtype.storage))
+
+
+_FBGEMM = ("x86", "fbgemm")
+
+
+def _fbgemm_pack(w: torch.Tensor) -> Any:
+    """fbgemm-packed int8 weight with unit per-channel scales (the real scales enter at call time)."""
+    ones, zeros = torch.ones(w.shape[0], dtype=torch.float64), torch.zeros(w.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # torch deprecates quantized tensors; this one lives only inside the pack
+        warnings.simplefilter("ignore", UserWarning)
+        wq = torch._make_per_channel_quantized_tensor(w, ones, zeros, 0)
+    return torch.ops.quantized.linear_prepack(wq, None)
+
+
+def _fbgemm_linear(packed: Any, q: torch.Tensor, sx: float, zx: int, split: bool, w_scale: torch.Tensor,
+                   bias: torch.Tensor | None, out: OutGrid | None, relu: bool) -> QTensor | torch.Tensor:
+    """Small-M linear through fbgemm: ``acc = Σ (q - z) q_w`` exactly (as float), then the float epilogue.
+
+    fbgemm's float-output op quantizes its float input ``q - z`` with scale 1 and zero point ``z``,
+    which gives back exactly the codes ``q``; the same ``vpmaddubsw`` rules hold, so unsafe
+    weights with 8-bit codes take the two 7-bit halves (``split``).
+    """
+    op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+    lead, k = q.shape[:-1], q.shape[-1]
+    q2 = q.reshape(-1, k)
+
+    def acc(codes: torch.Tensor, zp: int) -> torch.Tensor:
+        return op(codes.to(torch.float32).sub_(zp), 1.0, zp, packed)
+
+    y = acc(q2.bitwise_right_shift(1), zx >> 1).mul_(2).add_(acc(q2.bitwise_and(1), zx & 1)) if split else acc(q2, zx)
+    y = y.mul_(w_scale * sx).reshape(*lead, -1)
+    return _float_epilogue(y, bias, out, relu, -1)

@@ -1,0 +1,213 @@
+"""Shared timing machinery for the lowbit benchmarks: interleaved rounds, an idleness gate, JSON output.
+
+Method (the one of ``shared/reference/perf_cpu.md``):
+
+* every method's call count ``n`` is calibrated so that one sample takes at least ``min_time``;
+* all methods then run **interleaved** for ``rounds`` rounds, the order reversed every other round,
+  so that a change of machine load hits every method alike;
+* before each round we wait (at most ``max_wait`` s) until the *other* processes use less than
+  ``max_load`` CPUs, measured from ``/proc/stat`` (busy jiffies of the whole machine) minus this
+  process's own ``utime + stime`` (``/proc/self/stat``); the load during the round is measured the
+  same way and a round is **clean** when it stayed below ``max_load``;
+* reported: per method the median time over clean rounds (all rounds when fewer than 3 were clean,
+  flagged ``noisy``), and a speed-up as the **median of the per-round paired ratios**
+  ``t_base / t_method`` (> 1: the method is faster), which cancels most of a slow drift in load.
+
+Run any benchmark with ``--quick`` for a smoke run; results go to ``benchmarks/results/<name>.json``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _busy_jiffies() -> tuple[float, float] | None:
+    """``(busy jiffies of all CPUs, this process's jiffies)`` or ``None`` off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            cpu = [float(v) for v in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            me = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    idle = cpu[3] + (cpu[4] if len(cpu) > 4 else 0.0)  # idle + iowait
+    busy = sum(cpu[:8]) - idle  # user nice system idle iowait irq softirq steal (guest is in user)
+    return busy, float(me[11]) + float(me[12])  # utime, stime
+
+
+class LoadMeter:
+    """CPUs used by *other* processes between ``start()`` and ``stop()`` (``nan`` if unknown)."""
+
+    def __init__(self) -> None:
+        self._t0 = 0.0
+        self._j0: tuple[float, float] | None = None
+
+    def start(self) -> None:
+        self._t0, self._j0 = time.perf_counter(), _busy_jiffies()
+
+    def stop(self) -> float:
+        j1, dt = _busy_jiffies(), time.perf_counter() - self._t0
+        if self._j0 is None or j1 is None or dt <= 0:
+            return float("nan")
+        return max(0.0, ((j1[0] - self._j0[0]) - (j1[1] - self._j0[1])) / _TCK / dt)
+
+
+def other_load(window: float = 0.25) -> float:
+    """Load of the other processes over ``window`` seconds, in CPUs."""
+    m = LoadMeter()
+    m.start()
+    time.sleep(window)
+    return m.stop()
+
+
+def wait_idle(max_load: float, max_wait: float, window: float = 0.25) -> float:
+    """Wait until ``other_load() < max_load`` or ``max_wait`` seconds passed; return the last load seen."""
+    deadline = time.perf_counter() + max_wait
+    while True:
+        load = other_load(window)
+        if not load >= max_load or time.perf_counter() >= deadline:  # nan counts as idle
+            return load
+
+
+@dataclass
+class Timing:
+    """Per-round seconds per call for each method, and the other processes' load during each round."""
+
+    times: dict[str, list[float]]
+    loads: list[float]
+    max_load: float
+    clean: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.clean = [not (ld >= self.max_load) for ld in self.loads]
+
+    @property
+    def n_clean(self) -> int:
+        return sum(self.clean)
+
+    @property
+    def noisy(self) -> bool:
+        return self.n_clean < 3
+
+    def _rounds(self) -> list[int]:
+        idx = [i for i, c in enumerate(self.clean) if c]
+        return idx if len(idx) >= 3 else list(range(len(self.loads)))
+
+    def median(self, name: str) -> float:
+        """Median seconds per call over the clean rounds (all rounds if fewer than 3 were clean)."""
+        return statistics.median(self.times[name][i] for i in self._rounds())
+
+    def ratio(self, base: str, name: str) -> float:
+        """Median over rounds of ``t_base / t_name`` (> 1: ``name`` is faster than ``base``)."""
+        return statistics.median(self.times[base][i] / self.times[name][i] for i in self._rounds())
+
+    def spread(self, name: str) -> float:
+        """(max - min) / median of ``name``'s per-round times over the rounds used: a noise figure."""
+        v = [self.times[name][i] for i in self._rounds()]
+        return (max(v) - min(v)) / statistics.median(v)
+
+    def summary(self, base: str | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"rounds": len(self.loads), "clean_rounds": self.n_clean, "noisy": self.noisy,
+                               "other_load_median": statistics.median(self.loads) if self.loads else None,
+                               "methods": {}}
+        for k in self.times:
+            row: dict[str, Any] = {"ms": self.median(k) * 1e3, "spread": self.spread(k)}
+            if base is not None and base in self.times:
+                row["speedup_vs_" + base] = self.ratio(base, k)
+            out["methods"][k] = row
+        return out
+
+
+def bench(methods: dict[str, Callable[[], Any]], rounds: int = 7, min_time: float = 0.02,
+          max_load: float = 0.15, max_wait: float = 3.0, gate: bool = True) -> Timing:
+    """Time ``methods`` interleaved for ``rounds`` rounds (see the module docstring)."""
+    if not methods:
+        raise ValueError("bench: methods is empty")
+    if rounds < 1 or min_time <= 0:
+        raise ValueError(f"bench: rounds={rounds!r} must be >= 1 and min_time={min_time!r} > 0")
+    counts: dict[str, int] = {}
+    with torch.inference_mode():
+        for k, f in methods.items():
+            f()
+            f()
+            t = time.perf_counter()
+            f()
+            counts[k] = max(1, int(min_time / max(time.perf_counter() - t, 1e-9)))
+        names = list(methods)
+        times: dict[str, list[float]] = {k: [] for k in names}
+        loads: list[float] = []
+        meter = LoadMeter()
+        for r in range(rounds):
+            if gate:
+                wait_idle(max_load, max_wait)
+            meter.start()
+            for k in names if r % 2 == 0 else names[::-1]:
+                f, n = methods[k], counts[k]
+                t = time.perf_counter()
+                for _ in range(n):
+                    f()
+                times[k].append((time.perf_counter() - t) / n)
+            loads.append(meter.stop())
+    return Timing(times, loads, max_load)
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, family, the ISA flags that matter for int8, versions, date (UTC)."""
+    info: dict[str, Any] = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                            "torch": torch.__version__, "python": platform.python_version(),
+                            "cpu_count": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+        kv = dict(ln.split(":", 1) for ln in lines if ":" in ln)
+        kv = {k.strip(): v.strip() for k, v in kv.items()}
+        flags = set(kv.get("flags", "").split())
+        info.update(cpu=kv.get("model name", "?"), family=kv.get("cpu family", "?"), model=kv.get("model", "?"),
+                    isa={f: f in flags for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
+                                                 "amx_int8")})
+    except OSError:
+        info["cpu"] = platform.processor()
+    return info
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` plus ``machine()`` to ``benchmarks/results/<name>.json``; return the path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=1, default=str) + "\n")
+    return path
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub-markdown table; floats printed with 3 significant digits."""
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def add_common_args(parser: Any) -> None:
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--min-time", type=float, default=0.02, help="seconds per sample (calibrated call count)")
+    parser.add_argument("--max-load", type=float, default=0.15, help="other processes' CPUs for a clean round")
+    parser.add_argument("--max-wait", type=float, default=3.0, help="seconds to wait for idleness per round")
+    parser.add_argument("--quick", action="store_true", help="smoke run: few shapes, 3 rounds")
+    parser.add_argument("--out", default=None, help="results name (default: the script's)")

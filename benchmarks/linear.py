@@ -1,0 +1,165 @@
+"""Linear layers: fp32 / bf16 / torch.ao / ONNX Runtime / lowbit int8, interleaved, per thread count.
+
+Run: ``python benchmarks/linear.py [--quick] [--threads 1 2] [--rounds 7]`` (method: ``common.py``).
+Shapes: M ∈ {1, 16, 128, 512} × (K, N) ∈ {768², 768×3072, 3072×768, 4096²}. Every method is a whole
+float-in/float-out layer unless named "kernel". Speed-ups are against fp32 eager (``F.linear``,
+MKL sgemm) and against the best fp32 (oneDNN packed ``mkldnn._linear_pointwise``). Writes
+``benchmarks/results/linear.json``. Relative error vs fp32 is recorded per method.
+
+Methods:
+  fp32 eager | fp32 oneDNN packed | bf16 | ao dynamic (x86, reduce_range 7-bit per-tensor act) |
+  ao static (x86/fbgemm, reduce_range, quantize→qlinear→dequantize) | ORT fp32 / ORT dynamic int8 |
+  lowbit static u8 (8-bit act; split into 2 oneDNN calls on non-VNNI CPUs) |
+  lowbit static u7 (7-bit act, the speed recipe: 1 exact call) | lowbit dynamic (per-token u8) |
+  kernel u7 (one oneDNN qlinear call, u8 codes ≤ 127, float out): the raw GEMM, with GOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import lowbit as Q  # noqa: E402
+from lowbit.kernels import onednn  # noqa: E402
+from lowbit.nn.quantized import Linear as QLinear  # noqa: E402
+from lowbit.nn.quantized.dynamic import Linear as DLinear  # noqa: E402
+
+warnings.filterwarnings("ignore")
+MS = [1, 16, 128, 512]
+KN = [(768, 768), (768, 3072), (3072, 768), (4096, 4096)]
+
+
+def qweight(w: torch.Tensor) -> Q.QTensor:
+    s = w.abs().amax(1) / 127
+    return Q.quantize_per_channel(w, s, torch.zeros_like(s, dtype=torch.long), 0, Q.qint8)
+
+
+def lowbit_static(lin: nn.Linear, x: torch.Tensor, qd: Q.QDtype) -> Callable[[], torch.Tensor]:
+    y = lin(x)
+    wq = qweight(lin.weight.detach())
+    s_in = float(x.abs().amax()) * 2 / (qd.quant_max - qd.quant_min)
+    z_in = (qd.quant_min + qd.quant_max + 1) // 2
+    s_out = float(y.abs().amax()) * 2 / (qd.quant_max - qd.quant_min)
+    m = QLinear.from_reference(lin, wq, s_out, z_in, qd)
+    m.input_grid = (s_in, z_in, qd)
+    return lambda: m(x).dequantize()
+
+
+def ao_static(lin: nn.Linear, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    torch.backends.quantized.engine = "x86"
+    w = lin.weight.detach()
+    s = (w.abs().amax(1) / 127).double()
+    wq = torch.quantize_per_channel(w, s, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+    packed = torch.ops.quantized.linear_prepack(wq, lin.bias.detach())
+    s_in, s_out = float(x.abs().amax()) / 63.5, float(lin(x).abs().amax()) / 63.5  # reduce_range: 7-bit
+    return lambda: torch.ops.quantized.linear(torch.quantize_per_tensor(x, s_in, 64, torch.quint8), packed,
+                                              s_out, 64).dequantize()
+
+
+def ort_sessions(lin: nn.Linear, threads: int) -> dict[str, Any]:
+    try:
+        import onnx
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+    except ImportError:
+        return {}
+    w = lin.weight.detach().t().contiguous().numpy()
+    b = lin.bias.detach().numpy()
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])], "lin",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", w.shape[0]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", w.shape[1]])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
+    tmp = Path("/tmp/lowbit_bench_lin.onnx")
+    onnx.save(model, tmp)
+    out: dict[str, Any] = {"ORT fp32": ort.InferenceSession(str(tmp), opts, providers=["CPUExecutionProvider"])}
+    qtmp = Path("/tmp/lowbit_bench_lin_q.onnx")
+    quantize_dynamic(str(tmp), str(qtmp), weight_type=QuantType.QInt8, per_channel=True)
+    out["ORT dynamic int8"] = ort.InferenceSession(str(qtmp), opts, providers=["CPUExecutionProvider"])
+    return out
+
+
+def methods_for(m: int, k: int, n: int, threads: int) -> tuple[dict[str, Callable[[], Any]], dict[str, float]]:
+    torch.manual_seed(0)
+    lin = nn.Linear(k, n).eval()
+    x = torch.randn(m, k)
+    w, b = lin.weight.detach(), lin.bias.detach()
+    w_dnnl = torch.ops.mkldnn._reorder_linear_weight(w, m)
+    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
+    torch.backends.quantized.engine = "x86"
+    ao_dyn = torch.ao.quantization.quantize_dynamic(nn.Sequential(lin), {nn.Linear}, dtype=torch.qint8)
+    dyn = DLinear.from_float(lin)
+    wq = qweight(w)
+    packed = torch.ops.onednn.qlinear_prepack(wq.int_repr(), None)
+    xq7 = torch.randint(0, 128, (m, k), dtype=torch.uint8)
+    zpw = torch.zeros(n, dtype=torch.long)
+    meth: dict[str, Callable[[], Any]] = {
+        "fp32 eager": lambda: F.linear(x, w, b),
+        "fp32 oneDNN packed": lambda: torch.ops.mkldnn._linear_pointwise(x, w_dnnl, b, "none", [], ""),
+        "bf16": lambda: F.linear(xb, wb, bb),
+        "ao dynamic": lambda: ao_dyn(x),
+        "ao static": ao_static(lin, x),
+        "lowbit static u8": lowbit_static(lin, x, Q.quint8),
+        "lowbit static u7": lowbit_static(lin, x, Q.quint8.with_range(0, 127)),
+        "lowbit dynamic": lambda: dyn(x),
+        "kernel u7": lambda: torch.ops.onednn.qlinear_pointwise(xq7, 0.01, 64, packed, wq.scale, zpw, b, 1.0, 0,
+                                                                torch.float32, "none", [], ""),
+    }
+    for name, sess in ort_sessions(lin, threads).items():
+        xn = x.numpy()
+        meth[name] = lambda s=sess, xn=xn: s.run(None, {"x": xn})
+    with torch.inference_mode():
+        ref = lin(x)
+        err = {}
+        for name, f in meth.items():
+            if name.startswith("kernel"):
+                continue
+            y = f()
+            y = torch.as_tensor(y[0]) if isinstance(y, list) else y
+            err[name] = float((y.float() - ref).norm() / ref.norm())
+    return meth, err
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_common_args(p)
+    a = p.parse_args()
+    shapes = [(m, k, n) for m in MS for k, n in KN]
+    if a.quick:
+        shapes, a.rounds = [(16, 768, 768), (128, 768, 3072)], min(a.rounds, 3)
+    res: dict[str, Any] = {"vnni": onednn.has_vnni(), "runs": []}
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        for m, k, n in shapes:
+            meth, err = methods_for(m, k, n, threads)
+            t = common.bench(meth, a.rounds, a.min_time, a.max_load, a.max_wait)
+            summ = t.summary("fp32 eager")
+            for name, row in summ["methods"].items():
+                row["speedup_vs_best_fp32"] = t.ratio("fp32 oneDNN packed", name)
+                row["rel_err"] = err.get(name)
+                row["gops"] = 2 * m * k * n / (row["ms"] * 1e-3) / 1e9
+            res["runs"].append({"threads": threads, "M": m, "K": k, "N": n, **summ})
+            r = summ["methods"]
+            print(f"t={threads} {m:4d}x{k}x{n:<5d} clean {t.n_clean}/{a.rounds} load {summ['other_load_median']:.2f} | "
+                  + " ".join(f"{kk}={v['speedup_vs_fp32 eager']:.2f}" for kk, v in r.items()), flush=True)
+    print(common.write_results(a.out or "linear", res))
+
+
+if __name__ == "__main__":
+    main()

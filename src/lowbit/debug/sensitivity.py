@@ -1,0 +1,252 @@
+"""Layer-wise sensitivity: which layers cost the accuracy, and which to keep in float.
+
+``sensitivity(model, qconfig_mapping, calib, eval_fn)`` measures ``baseline = eval_fn(float model)``
+and, for every layer ``L`` the mapping would quantize, quantizes ``L`` **alone** (a mapping whose
+only setting is ``set_module_name(L, qconfig_L)``; the rest, stubs included, stays float), calibrates
+on ``calib``, converts and records ``drop_L = baseline - eval_fn(model_L)``. ``eval_fn`` scores a
+model, **higher is better** (accuracy; pass ``lambda m: -loss(m)`` for a loss). Rows come worst first.
+
+With ``tolerance`` it then quantizes everything (the user's mapping) and, while
+``baseline - metric > tolerance``, sets the worst remaining layer to ``None`` (kept float) and
+re-quantizes, so the returned mapping is the user's plus those exclusions.
+
+Models without ``QuantStub`` work: a quantized layer quantizes its float input on the grid observed
+during calibration, and a float layer given a ``QTensor`` runs on its dequantized values (the
+warning that says so is silenced here). ``eval_fn`` always sees float outputs (a ``QTensor``
+returned by the model is dequantized). ``.qconfig`` attributes on ``model`` are ignored: pass
+everything through ``qconfig_mapping``. ``fuse``: a list of ``fuse_modules`` groups, or a callable
+``model -> fused model``; layer names are then the fused model's.
+
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> torch.manual_seed(0) and None
+>>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+>>> x = torch.randn(64, 8)
+>>> ref = model(x).detach()
+>>> score = lambda m: -float(((m(x) - ref) ** 2).mean())
+>>> mapping, table = sensitivity(model, Q.get_minmax_qconfig(), x, score)
+>>> sorted(r.name for r in table.rows), table.baseline == 0.0, all(r.drop > 0 for r in table.rows)
+(['0', '2'], True, True)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import (
+    DeQuantStub,
+    QConfig,
+    QConfigMapping,
+    QuantStub,
+    convert,
+    fuse_modules,
+    get_default_static_quant_module_mappings,
+    prepare,
+    propagate_qconfig_,
+)
+from ..qtensor import QTensor, _warned_ops
+from .compare import check_module, iter_batches, run_batch
+
+__all__ = ["SensitivityRow", "SensitivityTable", "sensitivity"]
+
+
+@dataclass(frozen=True)
+class SensitivityRow:
+    """One layer quantized alone: ``metric = eval_fn(model with only this layer int8)``, ``drop = baseline - metric``."""
+
+    name: str
+    module_type: str
+    metric: float
+    drop: float
+
+
+@dataclass
+class SensitivityTable:
+    """``rows`` worst first; with a tolerance, ``float_layers`` kept float and the final metric."""
+
+    baseline: float
+    rows: list[SensitivityRow] = field(default_factory=list)
+    tolerance: float | None = None
+    float_layers: list[str] = field(default_factory=list)
+    final_metric: float | None = None      # everything quantized except float_layers (tolerance only)
+
+    @property
+    def final_drop(self) -> float | None:
+        return None if self.final_metric is None else self.baseline - self.final_metric
+
+    @property
+    def met_tolerance(self) -> bool | None:
+        d = self.final_drop
+        return None if d is None or self.tolerance is None else d <= self.tolerance
+
+    def _cells(self) -> list[tuple[str, ...]]:
+        return [(r.name, r.module_type, f"{r.metric + 0.0:.4g}", f"{r.drop + 0.0:+.4g}",
+                 "yes" if r.name in self.float_layers else "") for r in self.rows]
+
+    def _footer(self) -> str:
+        text = f"baseline (float) = {self.baseline + 0.0:.4g}"  # + 0.0: no "-0"
+        if self.final_metric is not None:
+            assert self.final_drop is not None
+            text += (f"; all quantized but {len(self.float_layers)} float layer(s): {self.final_metric + 0.0:.4g} "
+                     f"(drop {self.final_drop:+.4g}, tolerance {self.tolerance:g}, "
+                     f"{'met' if self.met_tolerance else 'NOT met'})")
+        return text
+
+    def __str__(self) -> str:
+        head = ("layer", "type", "metric (only this layer int8)", "drop", "kept float")
+        table = [head, *self._cells()]
+        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+                 for row in table]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join([*lines, self._footer()])
+
+    def to_markdown(self) -> str:
+        lines = ["| layer | type | metric (only this layer int8) | drop | kept float |", "|---|---|---:|---:|---|"]
+        lines += ["| " + " | ".join(row) + " |" for row in self._cells()]
+        return "\n".join([*lines, "", self._footer()])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"baseline": self.baseline, "rows": [asdict(r) for r in self.rows], "tolerance": self.tolerance,
+                "float_layers": list(self.float_layers), "final_metric": self.final_metric,
+                "final_drop": self.final_drop}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+@contextmanager
+def _quiet_float_fallback() -> Iterator[None]:
+    """Silence lowbit's "ran on dequantized float values" warnings without using up their warn-once."""
+    seen = set(_warned_ops)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"lowbit: .* has no integer implementation")
+        try:
+            yield
+        finally:
+            _warned_ops.intersection_update(seen)
+
+
+def _dequantize_output(module: nn.Module, inputs: Any, output: Any) -> Any:
+    if isinstance(output, QTensor):
+        return output.dequantize()
+    if isinstance(output, (tuple, list)):
+        return type(output)(_dequantize_output(module, inputs, o) for o in output)
+    return output
+
+
+def _score(eval_fn: Callable[[nn.Module], Any], model: nn.Module, what: str) -> float:
+    value = eval_fn(model)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(float(value)):
+        raise TypeError(f"sensitivity: eval_fn must return a real number (higher is better), got {value!r} "
+                        f"for {what}")
+    return float(value)
+
+
+def _layers(model: nn.Module, mapping: QConfigMapping) -> list[tuple[str, str, QConfig]]:
+    """``(name, type, qconfig)`` of each module ``prepare`` would quantize (stubs excluded), in order."""
+    probe = propagate_qconfig_(copy.deepcopy(model), mapping)
+    quantizable = set(get_default_static_quant_module_mappings())
+    out: list[tuple[str, str, QConfig]] = []
+
+    def walk(mod: nn.Module, name: str) -> None:
+        qc = getattr(mod, "qconfig", None)
+        if type(mod) in quantizable and qc is not None:
+            if not isinstance(mod, (QuantStub, DeQuantStub)):
+                out.append((name, type(mod).__name__, qc))
+            return
+        for cname, child in mod.named_children():
+            walk(child, f"{name}.{cname}" if name else cname)
+
+    walk(probe, "")
+    return out
+
+
+def _fused(model: nn.Module, fuse: Any) -> nn.Module:
+    base = copy.deepcopy(model).eval()
+    for m in base.modules():
+        m.__dict__.pop("qconfig", None)
+    if fuse is None:
+        return base
+    if callable(fuse):
+        fused = fuse(base)
+        if not isinstance(fused, nn.Module):
+            raise TypeError(f"sensitivity: fuse(model) must return an nn.Module, got {type(fused).__name__}")
+        return fused.eval()
+    if isinstance(fuse, (list, tuple)):
+        return fuse_modules(base, fuse)
+    raise TypeError(f"sensitivity: fuse={fuse!r} must be None, a list of fuse_modules groups or a callable")
+
+
+def _quantize(base: nn.Module, mapping: QConfigMapping, calib: list[Any]) -> nn.Module:
+    prepared = prepare(base, mapping)  # a deep copy
+    with torch.no_grad():
+        for batch in calib:
+            run_batch(prepared, batch)
+    qmodel = convert(prepared, inplace=True)
+    qmodel.register_forward_hook(_dequantize_output)
+    return qmodel
+
+
+# ---------------------------------------------------------------- sensitivity
+
+
+def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Callable[[nn.Module], Any],
+                tolerance: float | None = None, fuse: Any = None) -> tuple[QConfigMapping, SensitivityTable]:
+    """Quantize one layer at a time and rank layers by metric drop; optionally keep the worst ones float.
+
+    ``qconfig_mapping``: a ``QConfigMapping``, a ``QConfig`` (global), a qconfig dict or ``None``
+    (the default recipe). ``calib``: a calibration tensor or an iterable of batches (as ``compare``'s
+    inputs). ``tolerance``: the largest acceptable ``baseline - metric`` (``>= 0``), or ``None``.
+    Returns ``(mapping, table)``: ``mapping`` is a copy of the user's mapping (with ``tolerance``:
+    plus ``set_module_name(layer, None)`` for every layer kept float), usable with
+    ``prepare(fused_model, mapping)``; ``table`` is a ``SensitivityTable``. ``model`` is not modified.
+    """
+    check_module(model, "sensitivity: model")
+    if not callable(eval_fn):
+        raise TypeError(f"sensitivity: eval_fn={eval_fn!r} must be callable (model -> score, higher is better)")
+    if tolerance is not None:
+        if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real):
+            raise TypeError(f"sensitivity: tolerance={tolerance!r} must be a number >= 0 or None")
+        if not tolerance >= 0 or math.isinf(tolerance):
+            raise ValueError(f"sensitivity: tolerance={tolerance!r} must be a finite number >= 0")
+    user_mapping = copy.deepcopy(QConfigMapping.from_qconfig(qconfig_mapping))
+    batches = list(iter_batches(calib, "sensitivity: calib"))
+    base = _fused(model, fuse)
+    layers = _layers(base, user_mapping)
+    if not layers:
+        raise ValueError("sensitivity: qconfig_mapping quantizes no layer of the model (every quantizable module "
+                         "resolves to None)")
+
+    with _quiet_float_fallback(), torch.no_grad():
+        baseline = _score(eval_fn, copy.deepcopy(base), "the float model")
+        rows = []
+        for name, type_name, qc in layers:
+            only = QConfigMapping().set_module_name(name, qc)
+            metric = _score(eval_fn, _quantize(base, only, batches), f"layer '{name}' quantized alone")
+            rows.append(SensitivityRow(name, type_name, metric, baseline - metric))
+        rows.sort(key=lambda r: -r.drop)
+        table = SensitivityTable(baseline, rows, tolerance)
+        if tolerance is not None:
+            metric = _score(eval_fn, _quantize(base, user_mapping, batches), "the fully quantized model")
+            for row in rows:
+                if baseline - metric <= tolerance:
+                    break
+                user_mapping.set_module_name(row.name, None)
+                table.float_layers.append(row.name)
+                metric = _score(eval_fn, _quantize(base, user_mapping, batches),
+                                f"the model with {table.float_layers} float")
+            table.final_metric = metric
+    return user_mapping, table

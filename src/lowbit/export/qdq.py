@@ -1,0 +1,316 @@
+"""Export-only float "QDQ twins" of lowbit's quantized modules, lowered to ONNX QDQ nodes.
+
+Every twin is a float ``nn.Module`` whose integer steps are custom autograd functions carrying an
+ONNX ``symbolic``, so ``torch.onnx.export(..., dynamo=False)`` writes standard QDQ nodes::
+
+    activation grid (s, z):    x -> QuantizeLinear(x, s, z) -> DequantizeLinear(., s, z)
+                               = clamp(round_half_even(x / s) + z, qmin, qmax) - z) * s
+    weight (codes q, axis a):  DequantizeLinear(q int8/uint8 initializer, s (C,), z (C,), axis=a)
+    bias b (per channel c):    DequantizeLinear(round(b / (s_x s_w[c])) int32, s_x s_w, 0, axis=0)
+    quantized Linear / Conv:   Q/DQ(x; s_x) -> Gemm/Conv(., DQ(w), DQ(b)) (-> Relu) -> Q/DQ(.; s_y, z_y)
+
+which ONNX Runtime fuses into integer kernels (QLinearConv, QGemm, QLinearMatMul, QLinearAdd, ...).
+In eager mode the same twins compute the float simulation (``dequantize(quantize(.))``).
+
+``weight_dtype``: ``"int8"`` stores the codes as they are; ``"uint8"`` stores ``q + 128`` with zero
+point ``z + 128`` (same values). x86 CPUs without VNNI multiply u8 activations by s8 weights with
+``vpmaddubsw``, whose int16 pair sums saturate for full-range weights; u8 x u8 kernels do not. ``"auto"``
+keeps int8 for layers whose weights cannot saturate (``kernels.onednn.saturation_safe``) and uses
+uint8 for the others, so the file gives lowbit's results on every CPU.
+
+>>> import torch
+>>> from lowbit.export.qdq import QDQ
+>>> import lowbit as Q
+>>> QDQ(0.1, 10, Q.quint8)(torch.tensor([-2.0, 0.04, 0.26])).tolist()
+[-1.0, 0.0, 0.30000001192092896]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..functional import fake_quantize
+from ..kernels.onednn import saturation_safe
+from ..qscheme import QDtype
+
+__all__ = ["Grid", "QDQ", "DynamicQDQ", "ConstDQ", "WeightedTwin", "FunctionalTwin", "ActivationTwin",
+           "EmbeddingTwin", "ConstWeight", "FrozenWeightTwin", "weight_dq", "WEIGHT_DTYPES"]
+
+Grid = tuple[float, int, QDtype]  # (scale, zero_point, qdtype) of a per-tensor activation grid
+WEIGHT_DTYPES = ("auto", "int8", "uint8")
+_INT32 = 2**31 - 1
+
+
+class _Const:
+    """A tensor handed to a ``symbolic`` as a Python object, so it becomes an ONNX constant, not an input."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t.detach().cpu().contiguous()
+
+
+def _storage(qdtype: QDtype, where: str) -> torch.dtype:
+    if qdtype.storage not in (torch.int8, torch.uint8):
+        raise ValueError(f"{where}: a {qdtype!r} grid has no ONNX QuantizeLinear form (8-bit or narrower only)")
+    return qdtype.storage
+
+
+class _QDQFn(torch.autograd.Function):
+    """``fake_quantize`` on a per-tensor grid; ONNX: QuantizeLinear -> DequantizeLinear (-> Clip)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float, zp: int, qmin: int, qmax: int,  # type: ignore[override]
+                storage: torch.dtype) -> torch.Tensor:
+        return fake_quantize(x, scale, zp, qmin, qmax)
+
+    @staticmethod
+    def symbolic(g: Any, x: Any, scale: float, zp: int, qmin: int, qmax: int, storage: torch.dtype) -> Any:
+        s = g.op("Constant", value_t=torch.tensor(scale, dtype=torch.float32))
+        z = g.op("Constant", value_t=torch.tensor(zp, dtype=storage))
+        y = g.op("DequantizeLinear", g.op("QuantizeLinear", x, s, z), s, z)
+        full = (-128, 127) if storage == torch.int8 else (0, 255)
+        if (qmin, qmax) != full:  # a narrower grid (reduce_range, 4-bit): clip to its dequantized ends
+            s32 = torch.tensor(scale, dtype=torch.float32)  # (q - z) * s in float32, as DequantizeLinear does
+            lo = g.op("Constant", value_t=torch.tensor(float(qmin - zp), dtype=torch.float32) * s32)
+            hi = g.op("Constant", value_t=torch.tensor(float(qmax - zp), dtype=torch.float32) * s32)
+            y = g.op("Clip", y, lo, hi)
+        return y
+
+
+class _DynamicQDQFn(torch.autograd.Function):
+    """Per-call quint8 affine grid from ``x``'s range; ONNX: DynamicQuantizeLinear -> DequantizeLinear."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        lo = torch.clamp(x.detach().min(), max=0.0)
+        hi = torch.clamp(x.detach().max(), min=0.0)
+        scale = float(torch.clamp((hi - lo) / 255, min=1e-8))
+        zp = int(torch.clamp(torch.round(-lo / scale), 0, 255))
+        return fake_quantize(x, scale, zp, 0, 255)
+
+    @staticmethod
+    def symbolic(g: Any, x: Any) -> Any:
+        q, s, z = g.op("DynamicQuantizeLinear", x, outputs=3)
+        return g.op("DequantizeLinear", q, s, z)
+
+
+class _ConstDQFn(torch.autograd.Function):
+    """Constant codes dequantized per channel; ONNX: one DequantizeLinear of integer initializers."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, codes: _Const, scale: _Const, zp: _Const,  # type: ignore[override]
+                axis: int) -> torch.Tensor:
+        shape = [-1 if i == axis else 1 for i in range(codes.t.dim())]
+        z, s = zp.t.to(torch.float32).reshape(shape), scale.t.reshape(shape)
+        return ((codes.t.to(torch.float32) - z) * s).to(anchor.device)
+
+    @staticmethod
+    def symbolic(g: Any, anchor: Any, codes: _Const, scale: _Const, zp: _Const, axis: int) -> Any:
+        c, s, z = (g.op("Constant", value_t=v.t) for v in (codes, scale, zp))
+        return g.op("DequantizeLinear", c, s, z, axis_i=axis)
+
+
+class QDQ(nn.Module):
+    """Quantize-dequantize onto a per-tensor grid ``(scale, zero_point, qdtype)``."""
+
+    def __init__(self, scale: float, zero_point: int, qdtype: QDtype) -> None:
+        super().__init__()
+        self.grid = (float(scale), int(zero_point), qdtype)
+        self._storage = _storage(qdtype, "QDQ")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, z, d = self.grid
+        return _QDQFn.apply(x, s, z, d.quant_min, d.quant_max, self._storage)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.grid[0]:.6g}, zero_point={self.grid[1]}, qdtype={self.grid[2]!r}"
+
+
+class DynamicQDQ(nn.Module):
+    """Quantize-dequantize onto a quint8 grid computed from each input's range (ONNX DynamicQuantizeLinear)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DynamicQDQFn.apply(x)
+
+
+def _qdq(grid: Grid | None) -> nn.Module:
+    return DynamicQDQ() if grid is None else QDQ(*grid)
+
+
+class ConstDQ(nn.Module):
+    """A constant float tensor stored as integer ``codes`` with per-channel ``scale``/``zero_point`` along ``axis``."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int) -> None:
+        super().__init__()
+        self.codes, self.scale, self.axis = _Const(codes), _Const(scale.to(torch.float32)), axis
+        self.zero_point = _Const(zero_point.to(codes.dtype))
+        self.register_buffer("anchor", torch.zeros(()), persistent=False)  # carries the device
+
+    def forward(self) -> torch.Tensor:
+        return _ConstDQFn.apply(self.anchor, self.codes, self.scale, self.zero_point, self.axis)
+
+
+def weight_dq(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int,
+              weight_dtype: str) -> ConstDQ:
+    """``ConstDQ`` of int8 weight codes, shifted to uint8 when ``weight_dtype`` asks (see module doc)."""
+    codes = codes.detach().cpu()
+    zero_point = zero_point.detach().cpu().to(torch.int64)
+    shift = weight_dtype == "uint8" or (weight_dtype == "auto" and not saturation_safe(codes.movedim(axis, 0)))
+    if shift:
+        return ConstDQ((codes.to(torch.int16) + 128).to(torch.uint8), scale, zero_point + 128, axis)
+    return ConstDQ(codes.to(torch.int8), scale, zero_point, axis)
+
+
+class WeightedTwin(nn.Module):
+    """Twin of a quantized Linear / Conv / ConvTranspose (``kind``), see the module docstring.
+
+    ``in_grid`` is the grid of the inputs the converted module saw (``None``: quantized per call).
+    The bias becomes int32 codes on ``s_x s_w`` when ``in_grid`` is static and the codes fit;
+    otherwise it stays float and is added after the op.
+    """
+
+    def __init__(self, mod: Any, kind: str, in_grid: Grid | None, weight_dtype: str) -> None:
+        super().__init__()
+        self.kind, self.relu = kind, bool(getattr(mod, "_relu", False))
+        axis = 1 if kind == "conv_transpose" else 0
+        self.in_qdq = _qdq(in_grid)
+        self.out_qdq = QDQ(float(mod.scale), int(mod.zero_point), mod.out_qdtype)
+        self.weight = weight_dq(mod.weight_int8, mod.weight_scale, mod.weight_zero_point, axis, weight_dtype)
+        self.bias_dq: ConstDQ | None = None
+        self.register_buffer("bias_float", None)
+        if mod.bias is not None:
+            bias = mod.bias.detach().to(torch.float32).cpu()
+            bscale = (in_grid[0] * mod.weight_scale.detach().cpu().to(torch.float64)) if in_grid else None
+            if bscale is not None and bool((bias.double() / bscale).abs().max() < _INT32):
+                codes = torch.round(bias.double() / bscale).to(torch.int32)
+                self.bias_dq = ConstDQ(codes, bscale.to(torch.float32), torch.zeros_like(codes), 0)
+            else:
+                self.bias_float = bias
+        self.in_features = getattr(mod, "in_features", None)
+        self.conv_args = {}
+        if kind != "linear":
+            self.conv_args = dict(stride=mod.stride, dilation=mod.dilation, groups=mod.groups,
+                                  padding=mod._spec.padding)
+            if kind == "conv_transpose":
+                self.conv_args["output_padding"] = mod.output_padding
+            self.dim = mod._dim
+        self.pad, self.pad_mode = getattr(mod, "_explicit_pad", None), getattr(mod, "padding_mode", "zeros")
+
+    def _op(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        if self.kind == "linear":
+            return F.linear(x, w, b)
+        fn = {("conv", 1): F.conv1d, ("conv", 2): F.conv2d, ("conv", 3): F.conv3d,
+              ("conv_transpose", 1): F.conv_transpose1d, ("conv_transpose", 2): F.conv_transpose2d,
+              ("conv_transpose", 3): F.conv_transpose3d}[(self.kind, self.dim)]
+        return fn(x, w, b, **self.conv_args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = None
+        if self.kind == "linear" and x.dim() != 2:  # Gemm is 2-D: (*, K) -> (M, K) -> (*, N)
+            lead = x.shape[:-1]
+            x = x.reshape(-1, self.in_features)
+        if self.pad is not None:  # padding float 0.0 = padding codes with the zero point (before Q, so DQ meets Conv)
+            x = F.pad(x, self.pad) if self.pad_mode == "zeros" else F.pad(x, self.pad, mode=self.pad_mode)
+        x = self.in_qdq(x)
+        y = self._op(x, self.weight(), None if self.bias_dq is None else self.bias_dq())
+        if self.bias_float is not None:
+            y = y + self.bias_float.reshape(-1, *([1] * (y.dim() - 2))) if self.kind != "linear" else y + self.bias_float
+        if self.relu:
+            y = torch.relu(y)
+        y = self.out_qdq(y)
+        return y.reshape(*lead, y.shape[-1]) if lead is not None else y
+
+
+class FunctionalTwin(nn.Module):
+    """Twin of ``QFunctional``: the float op, then quantize-dequantize onto the output grid."""
+
+    def __init__(self, mod: Any) -> None:
+        super().__init__()
+        self.out_qdq = QDQ(float(mod.scale), int(mod.zero_point), mod.qdtype)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.out_qdq(torch.add(x, y))
+
+    def add_relu(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.out_qdq(torch.relu(torch.add(x, y)))
+
+    def mul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.out_qdq(torch.mul(x, y))
+
+    def matmul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.out_qdq(torch.matmul(x, y))
+
+    def add_scalar(self, x: torch.Tensor, c: float) -> torch.Tensor:
+        return self.out_qdq(x + float(c))
+
+    def mul_scalar(self, x: torch.Tensor, c: float) -> torch.Tensor:
+        return self.out_qdq(x * float(c))
+
+    def cat(self, xs: Any, dim: int = 0) -> torch.Tensor:
+        return self.out_qdq(torch.cat(list(xs), dim=dim))
+
+
+class ActivationTwin(nn.Module):
+    """Twin of an activation on quantized values: ``fn`` in float, then onto ``grid``."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], grid: Grid | None) -> None:
+        super().__init__()
+        self.fn, self.out_qdq = fn, _qdq(grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_qdq(self.fn(x))
+
+
+class EmbeddingTwin(nn.Module):
+    """Twin of an 8-bit per-row ``Embedding``: ``Gather(DequantizeLinear(table, axis=0), indices)``."""
+
+    def __init__(self, mod: Any) -> None:
+        super().__init__()
+        self.table = ConstDQ(mod.weight_q, mod.weight_scale, mod.weight_zero_point, 0)
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        return F.embedding(indices, self.table())
+
+
+class ConstWeight(nn.Module):
+    """Replaces a weight computation by constant codes: ``forward(w)`` ignores ``w``'s value (ONNX: one DQ)."""
+
+    def __init__(self, dq: ConstDQ | None = None) -> None:
+        super().__init__()
+        self.dq = dq
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        assert self.dq is not None
+        return _ConstDQFn.apply(w, self.dq.codes, self.dq.scale, self.dq.zero_point, self.dq.axis)
+
+
+class FrozenWeightTwin(ConstWeight):
+    """Twin of a QAT ``weight_fake_quant``: the first weight it sees is frozen into integer codes.
+
+    The input is ignored afterwards (in the ONNX graph the float weight and its fake-quant vanish;
+    only the codes and a DequantizeLinear remain).
+    """
+
+    def __init__(self, fq: Any, weight_dtype: str) -> None:
+        super().__init__()
+        self.scale, self.zero_point = fq.scale.detach().clone(), fq.zero_point.detach().clone()
+        self.axis, self.qdtype, self.weight_dtype = fq.ch_axis, fq.qdtype, weight_dtype
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if self.dq is None:
+            axis = 0 if self.axis is None else self.axis
+            n = w.shape[axis]
+            s, z = self.scale.reshape(-1).expand(n).cpu(), self.zero_point.reshape(-1).expand(n).cpu()
+            shape = [-1 if i == axis else 1 for i in range(w.dim())]
+            d = self.qdtype
+            v = fake_quantize(w.detach().cpu().float(), s, z, d.quant_min, d.quant_max, axis)  # as the QAT forward
+            q = torch.round(v / s.reshape(shape)) + z.reshape(shape)
+            storage = _storage(self.qdtype, "weight_fake_quant")
+            if storage == torch.int8:
+                self.dq = weight_dq(q.to(torch.int8), s, z, axis, self.weight_dtype)
+            else:
+                self.dq = ConstDQ(q.to(torch.uint8), s, z, axis)
+        return super().forward(w)

@@ -1,0 +1,182 @@
+"""Node classification for graph mode: kind, QFunctional op, qconfig and domain of every node.
+
+Kinds (see ``lowbit.fx.patterns``): ``input`` (placeholder / get_attr), ``module``, ``functional``,
+``act``, ``share``, ``float``, ``opaque`` (an untraceable submodule) and ``output``. Domains
+(what a value is after ``convert_fx``): ``int`` (a ``QTensor``) for ``module``/``functional``/
+``act`` nodes and for ``share`` ops of an int value, ``other`` for non-float values (sizes, masks),
+``float`` otherwise.
+
+>>> import torch
+>>> from torch import fx, nn
+>>> import lowbit as Q
+>>> gm = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.Softmax(-1)))
+>>> for n in gm.graph.nodes:
+...     n.meta["lowbit_ftensor"], n.meta["lowbit_scalar"] = n.op != "output", False
+>>> mapping = Q.QConfigMapping().set_global(Q.get_minmax_qconfig())
+>>> _ = Q.propagate_qconfig_(gm, mapping)
+>>> classify(gm, gm, mapping, set(), {nn.Linear}, Q.FxReport(), "")
+>>> [(n.meta["lowbit_kind"], n.meta["lowbit_domain"]) for n in gm.graph.nodes]
+[('input', 'float'), ('module', 'int'), ('float', 'float'), ('output', 'other')]
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..qconfig import QConfig, QConfigMapping
+from .patterns import BINARY_FUNCS, canonical_binary, func_activation, is_share_op
+from .report import FxReport
+
+__all__ = ["classify", "wants_int", "join"]
+
+
+def join(prefix: str, name: str) -> str:
+    """``prefix.name`` (or ``name`` at the root)."""
+    return f"{prefix}.{name}" if prefix else name
+
+
+_METHOD_FUNCS = {"add": torch.add, "mul": torch.mul, "matmul": torch.matmul, "bmm": torch.bmm, "div": torch.div,
+                 "relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
+
+
+def _node_qconfig(node: fx.Node, root: nn.Module, mapping: QConfigMapping) -> QConfig | None:
+    """``object_type[function]`` when set, else the qconfig of the enclosing (or own) module."""
+    target = _METHOD_FUNCS.get(node.target, node.target) if node.op == "call_method" else node.target
+    if node.op in ("call_function", "call_method"):
+        op = canonical_binary(node.op, node.target)
+        op = "add" if op == "add_relu" else op
+        # `+`, torch.add and a fused add-relu are one op for the mapping (likewise mul, matmul, cat)
+        keys = [target] + ([f for f, name in BINARY_FUNCS.items() if name == op] if op else [])
+        for key in keys:
+            try:
+                if key in mapping.object_type_qconfigs:
+                    return mapping.object_type_qconfigs[key]
+            except TypeError:  # unhashable target
+                pass
+    scope = node.meta.get("lowbit_scope", "")
+    try:
+        mod = root.get_submodule(scope) if scope else root
+    except AttributeError:
+        mod = root
+    return getattr(mod, "qconfig", None)
+
+
+def _is_scalar(arg: Any) -> bool:
+    if isinstance(arg, fx.Node):
+        return bool(arg.meta.get("lowbit_scalar", False))
+    return isinstance(arg, numbers.Real) and not isinstance(arg, bool)
+
+
+def _ftensor(arg: Any) -> bool:
+    return isinstance(arg, fx.Node) and bool(arg.meta.get("lowbit_ftensor", False))
+
+
+def _functional_op(node: fx.Node) -> str | None:
+    """The QFunctional method for a binary node (``add``, ``add_scalar``, ``cat`` ...), or ``None``."""
+    op = canonical_binary(node.op, node.target)
+    if op is None or not node.meta.get("lowbit_ftensor", False):
+        return None
+    args, kwargs = node.args, dict(node.kwargs)
+    if op == "cat":
+        tensors = args[0] if args else kwargs.pop("tensors", None)
+        dim_ok = set(kwargs) <= {"dim"} and len(args) <= 2
+        ok = isinstance(tensors, (list, tuple)) and len(tensors) > 0 and all(_ftensor(t) for t in tensors)
+        return "cat" if ok and dim_ok else None
+    if kwargs or len(args) != 2:
+        return None
+    a, b = args
+    if op == "add_relu":
+        return op if _ftensor(a) and _ftensor(b) else None
+    if _ftensor(a) and _ftensor(b):
+        return op if op != "div" else None
+    if op in ("add", "mul") and (_ftensor(a) and _is_scalar(b) or _ftensor(b) and _is_scalar(a)):
+        return op + "_scalar"
+    if op == "div" and _ftensor(a) and _is_scalar(b):
+        return "div_scalar"
+    return None
+
+
+def _act_ok(node: fx.Node) -> bool:
+    """A functional activation whose extra arguments the quantized module can take."""
+    if not node.args or not _ftensor(node.args[0]):
+        return False
+    extra = set(node.kwargs) - {"inplace", "negative_slope", "alpha"}
+    return not extra and all(isinstance(a, (numbers.Real, bool)) for a in node.args[1:])
+
+
+def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaque: set[str],
+              module_types: set[type], report: FxReport, prefix: str) -> None:
+    """Set ``meta["lowbit_kind"]``, ``["lowbit_qop"]``, ``["lowbit_domain"]`` and ``["lowbit_qconfig"]``."""
+    modules = dict(gm.named_modules())
+    for node in gm.graph.nodes:
+        mod = modules.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
+        qc = getattr(mod, "qconfig", None) if mod is not None else _node_qconfig(node, root, mapping)
+        kind, qop = "float", None
+        if node.op in ("placeholder", "get_attr"):
+            kind = "input"
+        elif node.op == "output":
+            kind = "output"
+        elif node.op == "call_module" and node.target in opaque:
+            kind = "opaque"
+        elif is_share_op(node, mod):
+            kind = "share"
+        elif qc is not None and node.meta.get("lowbit_ftensor", False):
+            if node.op == "call_module" and type(mod) in module_types:
+                kind = "module"
+            elif (qop := _functional_op(node)) is not None:
+                kind = "functional"
+            elif func_activation(node.op, node.target) is not None and _act_ok(node):
+                kind = "act"
+        node.meta.update(lowbit_kind=kind, lowbit_qop=qop, lowbit_qconfig=qc)
+        if kind == "float" and qc is not None and node.meta.get("lowbit_ftensor", False):
+            what = type(mod).__name__ if mod is not None else getattr(node.target, "__name__", str(node.target))
+            report.left_float[join(prefix, node.name)] = f"{what} (no integer implementation in graph mode)"
+    _assign_domains(gm)
+    while _demote_float_islands(gm, report, prefix):
+        _assign_domains(gm)
+
+
+def _assign_domains(gm: fx.GraphModule) -> None:
+    """``meta["lowbit_domain"]``: ``int`` (a QTensor after convert), ``float`` or ``other`` (no float tensor)."""
+    for node in gm.graph.nodes:
+        kind = node.meta["lowbit_kind"]
+        if not node.meta.get("lowbit_ftensor", False):
+            domain = "other"
+        elif kind == "share":
+            domain = "int" if any(a.meta.get("lowbit_domain") == "int" for a in node.all_input_nodes) else "float"
+        else:
+            domain = "int" if kind in ("module", "functional", "act") else "float"
+        node.meta["lowbit_domain"] = domain
+
+
+def _feeds_int(node: fx.Node) -> bool:
+    """Whether an int op reads ``node``'s value (directly or through grid-preserving ops)."""
+    return any(wants_int(u) or (u.meta.get("lowbit_kind") == "share" and _feeds_int(u)) for u in node.users)
+
+
+def _demote_float_islands(gm: fx.GraphModule, report: FxReport, prefix: str) -> bool:
+    """Keep float an elementwise int op that would sit alone between Quantize and DeQuantize.
+
+    A ``functional``/``act`` node none of whose results reaches an int op, with a float-domain
+    input, would only add two roundings (no integer kernel is saved by it): e.g. the residual
+    ``LayerNorm(dense(x) + x)`` of a BERT layer. Returns whether a node changed.
+    """
+    changed = False
+    for node in reversed(gm.graph.nodes):
+        if node.meta.get("lowbit_kind") not in ("functional", "act") or _feeds_int(node):
+            continue
+        if all(a.meta.get("lowbit_domain") != "float" for a in node.all_input_nodes):
+            continue
+        node.meta.update(lowbit_kind="float", lowbit_qop=None)
+        what = getattr(node.target, "__name__", str(node.target))
+        report.left_float[join(prefix, node.name)] = f"{what} (kept float: float input, only float consumers)"
+        changed = True
+    return changed
+
+
+def wants_int(user: fx.Node) -> bool:
+    return user.meta.get("lowbit_kind") in ("module", "functional", "act")

@@ -1,0 +1,256 @@
+"""Speed guard: keep a quantized layer only where its int8 kernel beats its float twin on this machine.
+
+Whether int8 pays depends on the CPU (VNNI or not), the layer shape and the batch: on AVX2-only
+x86 CPUs an 8-bit × 8-bit layer needs two exact oneDNN calls (see ``lowbit.kernels.onednn``), and
+at tiny shapes the per-call overhead of quantize → kernel → requantize exceeds a float GEMM.
+``keep_faster`` measures instead of guessing:
+
+1. one run of ``qmodel(*example_inputs)`` with forward pre-hooks captures every quantized layer's
+   real input (static ``Linear``/``Conv*`` and dynamic ``Linear``);
+2. each layer is timed against its **replacement**: the float twin (the module at the same path of
+   ``float_model``, cleaned of observers; QAT modules via ``to_float()``) fed with the dequantized
+   input, its output re-quantized onto the layer's output grid for the next int8 layer
+   (``FloatFallback``); a dynamic layer's replacement is the float module itself;
+3. with ``t_int8`` and ``t_float`` the medians over ``rounds`` interleaved rounds and
+   ``ratio = median_r(t_float / t_int8)`` (> 1: int8 is faster), the layer stays int8 iff
+   ``ratio > margin``; otherwise it is swapped for its replacement (in place).
+
+The result has the same interface: every replacement takes what the layer took and returns what
+it returned (a ``QTensor`` on the same grid, or float), so the model still runs unchanged.
+``get_speed_qconfig()`` is the companion recipe: 7-bit activations on CPUs without VNNI, which
+makes one oneDNN call exact for every int8 weight (about 2x faster there than 8-bit activations).
+
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> fmodel = nn.Sequential(nn.Linear(8, 8))
+>>> qmodel = Q.quantize_dynamic(fmodel)
+>>> fake = lambda name, run_int8, run_float: (2e-3, 1e-3)       # (int8 s, float s): float wins
+>>> report = keep_faster(qmodel, fmodel, torch.randn(4, 8), timer=fake)
+>>> [(d.layer, d.kept) for d in report.decisions], type(report.model[0]).__name__
+([('0', False)], 'Linear')
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .fake_quant import FakeQuantize
+from .functional import quantize
+from .kernels import onednn
+from .nn.quantized._utils import WeightedQuantModule
+from .nn.quantized.dynamic.linear import Linear as DynamicLinear
+from .observer.base import ObserverBase
+from .qconfig import QConfig, get_default_qconfig
+from .qscheme import QDtype, quint8
+from .qtensor import QTensor
+
+__all__ = ["keep_faster", "Decision", "SpeedReport", "FloatFallback", "get_speed_qconfig"]
+
+Timer = Callable[[str, Callable[[], Any], Callable[[], Any]], tuple[float, float]]
+_QUANT_LAYERS = (WeightedQuantModule, DynamicLinear)
+
+
+@dataclass
+class Decision:
+    """One layer: its input shape, median ms per call of int8 and of the float replacement, the ratio."""
+
+    layer: str
+    kind: str
+    shape: tuple[int, ...] | None
+    int8_ms: float | None
+    float_ms: float | None
+    ratio: float | None  # median of per-round t_float / t_int8 (> 1: int8 is faster)
+    kept: bool
+    note: str = ""
+
+
+@dataclass
+class SpeedReport:
+    """``decisions`` per quantized layer and ``model``: the (possibly new root) model after swapping."""
+
+    decisions: list[Decision] = field(default_factory=list)
+    model: nn.Module | None = None
+
+    @property
+    def swapped(self) -> list[str]:
+        return [d.layer for d in self.decisions if not d.kept]
+
+    def __str__(self) -> str:
+        lines = [f"speed guard: {len(self.decisions) - len(self.swapped)} int8 layers kept, "
+                 f"{len(self.swapped)} swapped back to float",
+                 f"  {'layer':24s} {'kind':16s} {'input shape':18s} {'int8 ms':>9s} {'float ms':>9s} "
+                 f"{'ratio':>6s}  kept"]
+        for d in self.decisions:
+            f = (lambda v: "-" if v is None else f"{v:.3f}")
+            lines.append(f"  {d.layer or '<root>':24s} {d.kind:16s} {str(d.shape):18s} {f(d.int8_ms):>9s} "
+                         f"{f(d.float_ms):>9s} {'-' if d.ratio is None else f'{d.ratio:.2f}':>6s}  "
+                         f"{'int8' if d.kept else 'float'}{'  (' + d.note + ')' if d.note else ''}")
+        return "\n".join(lines)
+
+
+class FloatFallback(nn.Module):
+    """A float module in an int8 model: ``quantize(float_module(x̂), out grid)`` (or float output).
+
+    ``x̂`` is the dequantized input when a ``QTensor`` arrives (a float input is used as is); with
+    ``out = (scale, zero_point, qdtype)`` the result is re-quantized onto that grid, so the next
+    int8 layer sees exactly the kind of input the replaced layer produced.
+    """
+
+    def __init__(self, module: nn.Module, out: tuple[float, int, QDtype] | None) -> None:
+        super().__init__()
+        self.module = module
+        self.out = out
+
+    def forward(self, x: Any) -> Any:
+        y = self.module(x.dequantize() if isinstance(x, QTensor) else x)
+        if self.out is None:
+            return y
+        s, z, qd = self.out
+        return QTensor(quantize(y, s, z, qd), s, z, qd)
+
+    def extra_repr(self) -> str:
+        return "float output" if self.out is None else f"out scale={self.out[0]:.4g}, zero_point={self.out[1]}"
+
+
+def get_speed_qconfig(vnni: bool | None = None) -> QConfig:
+    """The default static recipe, with 7-bit activations (``quint8.with_range(0, 127)``) without VNNI.
+
+    ``vnni=None`` asks the CPU (``kernels.onednn.has_vnni()``). Without VNNI, 7-bit activations let
+    oneDNN make one exact call per layer for any int8 weight instead of two (``reduce_range``);
+    the cost is one bit of activation resolution (measured in ``benchmarks/README.md``).
+
+    >>> get_speed_qconfig(vnni=False).activation().qdtype
+    lowbit.quint8[0, 127]
+    """
+    if vnni is not None and not isinstance(vnni, bool):
+        raise TypeError(f"get_speed_qconfig: vnni must be a bool or None, got {vnni!r}")
+    base = get_default_qconfig()
+    if onednn.has_vnni() if vnni is None else vnni:
+        return base
+    act = base.activation
+    if isinstance(act, functools.partial):
+        act = functools.partial(act.func, *act.args, **{**act.keywords, "qdtype": quint8.with_range(0, 127)})
+    return QConfig(activation=act, weight=base.weight)
+
+
+def _float_twin(mod: nn.Module) -> nn.Module:
+    """A clean float copy of a prepared module: no observers, no lowbit hooks, QAT → float."""
+    twin = copy.deepcopy(mod)
+    if hasattr(twin, "to_float") and hasattr(twin, "weight_fake_quant"):
+        twin = twin.to_float()
+    for m in twin.modules():
+        for hooks in (m._forward_hooks, m._forward_pre_hooks):
+            for key in [k for k, h in hooks.items() if getattr(h, "__module__", "") == "lowbit.workflow"]:
+                del hooks[key]
+        for name in ("activation_post_process", "input_activation_post_process"):
+            if isinstance(m._modules.get(name), (ObserverBase, FakeQuantize)):
+                del m._modules[name]
+    return twin.eval()
+
+
+def _default_timer(rounds: int, min_time: float = 0.005) -> Timer:
+    def timer(name: str, run_int8: Callable[[], Any], run_float: Callable[[], Any]) -> tuple[float, float]:
+        fns = (run_int8, run_float)
+        counts = []
+        for f in fns:
+            f()
+            t = time.perf_counter()
+            f()
+            counts.append(max(1, int(min_time / max(time.perf_counter() - t, 1e-9))))
+        ti: list[float] = []
+        tf: list[float] = []
+        for r in range(rounds):  # interleaved, order alternating
+            for j in ((0, 1) if r % 2 == 0 else (1, 0)):
+                t = time.perf_counter()
+                for _ in range(counts[j]):
+                    fns[j]()
+                (ti if j == 0 else tf).append((time.perf_counter() - t) / counts[j])
+        ratio = statistics.median(b / a for a, b in zip(ti, tf))
+        return statistics.median(ti), statistics.median(ti) * ratio  # float time consistent with the ratio
+    return timer
+
+
+def _capture_inputs(qmodel: nn.Module, example_inputs: tuple[Any, ...]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    handles = []
+    for name, m in qmodel.named_modules():
+        if isinstance(m, _QUANT_LAYERS):
+            def hook(mod: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+                if args and name not in seen:
+                    seen[name] = args[0]
+            handles.append(m.register_forward_pre_hook(hook))
+    try:
+        with torch.inference_mode():
+            qmodel(*example_inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _replacement(qmod: nn.Module, twin: nn.Module) -> nn.Module:
+    if isinstance(qmod, DynamicLinear):
+        return twin
+    return FloatFallback(twin, (float(qmod.scale), int(qmod.zero_point), qmod.out_qdtype))
+
+
+def keep_faster(qmodel: nn.Module, float_model: nn.Module, example_inputs: Any, rounds: int = 5,
+                margin: float = 1.0, timer: Timer | None = None) -> SpeedReport:
+    """Swap each quantized layer of ``qmodel`` (in place) back to float where int8 is not faster.
+
+    ``float_model``: the float (or prepared, observers are ignored) model ``qmodel`` came from;
+    layers are matched by module path. ``example_inputs``: a tensor or a tuple of positional
+    arguments of ``qmodel``, with the real shapes. A layer stays int8 iff ``t_float / t_int8 >
+    margin``. ``timer(name, run_int8, run_float) -> (int8 s, float s)`` replaces the built-in
+    interleaved timer (for tests). Returns a ``SpeedReport``; use ``report.model`` (the root itself
+    is replaced when it is a quantized layer).
+    """
+    if not isinstance(qmodel, nn.Module) or not isinstance(float_model, nn.Module):
+        raise TypeError(f"keep_faster: qmodel and float_model must be nn.Modules, got "
+                        f"{type(qmodel).__name__} and {type(float_model).__name__}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"keep_faster: rounds={rounds!r} must be a positive int")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 < margin < float("inf"):
+        raise ValueError(f"keep_faster: margin={margin!r} must be a positive finite number")
+    if timer is not None and not callable(timer):
+        raise TypeError(f"keep_faster: timer={timer!r} must be callable or None")
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if not args:
+        raise ValueError("keep_faster: example_inputs is empty")
+    timer = timer or _default_timer(rounds)
+    floats = dict(float_model.named_modules())
+    report = SpeedReport(model=qmodel)
+    layers = [(n, m) for n, m in qmodel.named_modules() if isinstance(m, _QUANT_LAYERS)]
+    for name, qmod in layers:
+        if name not in floats:
+            raise ValueError(f"keep_faster: float_model has no module {name or '<root>'!r} matching the "
+                             f"quantized {type(qmod).__name__}")
+    inputs = _capture_inputs(qmodel, args)
+    for name, qmod in layers:
+        kind = type(qmod).__name__ + (" (dynamic)" if isinstance(qmod, DynamicLinear) else "")
+        if name not in inputs:
+            report.decisions.append(Decision(name, kind, None, None, None, None, True, "not run"))
+            continue
+        x = inputs[name]
+        repl = _replacement(qmod, _float_twin(floats[name]))
+        with torch.inference_mode():
+            t_int8, t_float = timer(name, lambda q=qmod, x=x: q(x), lambda r=repl, x=x: r(x))
+        ratio = t_float / t_int8
+        kept = ratio > margin
+        report.decisions.append(Decision(name, kind, tuple(x.shape), t_int8 * 1e3, t_float * 1e3, ratio, kept))
+        if not kept:
+            if name:
+                parent_name, _, attr = name.rpartition(".")
+                qmodel.get_submodule(parent_name)._modules[attr] = repl
+            else:
+                report.model = repl
+    return report

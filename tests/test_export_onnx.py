@@ -1,0 +1,414 @@
+"""lowbit.export.to_onnx: QDQ files that onnx.checker accepts and ONNX Runtime runs on integer kernels,
+matching lowbit's converted models within one output quantum."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+import torch
+from torch import nn
+
+import lowbit as Q
+from lowbit.examples import SmallCNN
+from lowbit.export import run_onnx, to_onnx
+from lowbit.export.qdq import QDQ
+from lowbit.nn.quantized import DeQuantize, Embedding, FloatFunctional, Linear
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+INT_KERNELS = {"QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger", "QGemm", "MatMulIntegerToFloat",
+               "DynamicQuantizeMatMul", "QLinearAdd"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def quantized(model: nn.Module, batches: list[torch.Tensor], groups: list[list[str]] | None = None) -> nn.Module:
+    """fuse -> prepare -> calibrate -> convert, in eval mode."""
+    model = model.eval()
+    if groups:
+        model = Q.fuse_modules(model, groups)
+    model.qconfig = Q.get_default_qconfig()
+    prepared = Q.prepare(model)
+    with torch.no_grad():
+        for b in batches:
+            prepared(b)
+    return Q.convert(prepared)
+
+
+def within_one_quantum(a: torch.Tensor, b: torch.Tensor, quantum: float) -> float:
+    """Fraction of elements where |a - b| <= one output quantum (float slack for float ops after it)."""
+    return ((a - b).abs() <= quantum * (1 + 1e-3)).double().mean().item()
+
+
+def ort_ops(path, x: torch.Tensor, tmp_path) -> tuple[torch.Tensor, set[str]]:
+    """ORT's output on ``x`` and the op types of the graph ORT optimised (what actually executes)."""
+    opt = tmp_path / "optimized.onnx"
+    out = run_onnx(path, x, optimized_model_path=str(opt))[0]
+    return out, {n.op_type for n in onnx.load(str(opt)).graph.node}
+
+
+def calibration_images(n_batches: int = 3, batch: int = 64) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Fashion-MNIST images when the dataset is installed, else random images."""
+    import lowbit.data as D
+    if D.fashion_mnist_available():
+        x, _ = D.load_fashion_mnist("test", limit=n_batches * batch + 100)
+        x = D.normalize_images(x)
+        return list(x[: n_batches * batch].split(batch)), x[n_batches * batch:]
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(batch, 1, 28, 28, generator=g) for _ in range(n_batches)], torch.randn(100, 1, 28, 28)
+
+
+class ResNetish(nn.Module):
+    """Two residual blocks (conv-bn-relu, conv-bn, add_relu via FloatFunctional) and a Linear head."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.quant, self.dequant = Q.QuantStub(), Q.DeQuantStub()
+        self.stem, self.stem_bn, self.stem_relu = nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU()
+        for i in (1, 2):
+            setattr(self, f"c{i}a", nn.Conv2d(c, c, 3, padding=1, bias=False))
+            setattr(self, f"b{i}a", nn.BatchNorm2d(c))
+            setattr(self, f"r{i}", nn.ReLU())
+            setattr(self, f"c{i}b", nn.Conv2d(c, c, 3, padding=1, bias=False))
+            setattr(self, f"b{i}b", nn.BatchNorm2d(c))
+            setattr(self, f"add{i}", FloatFunctional())
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(c * 4 * 4, 5)
+
+    def groups(self) -> list[list[str]]:
+        g = [["stem", "stem_bn", "stem_relu"]]
+        for i in (1, 2):
+            g += [[f"c{i}a", f"b{i}a", f"r{i}"], [f"c{i}b", f"b{i}b"]]
+        return g
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.stem_relu(self.stem_bn(self.stem(self.quant(x)))))            # (B, c, 8, 8)
+        for i in (1, 2):
+            r = getattr(self, f"r{i}")(getattr(self, f"b{i}a")(getattr(self, f"c{i}a")(x)))
+            x = getattr(self, f"add{i}").add_relu(getattr(self, f"b{i}b")(getattr(self, f"c{i}b")(r)), x)
+        return self.dequant(self.fc(torch.flatten(self.pool(x), 1)))                      # (B, 5)
+
+
+class EncoderLayer(nn.Module):
+    """Pre-LN transformer layer: quantized q/k/v/o and FFN Linears, float LayerNorm / softmax / residuals."""
+
+    def __init__(self, d: int = 32, heads: int = 4, ff: int = 64) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.ff1, self.act, self.ff2 = nn.Linear(d, ff), nn.ReLU(), nn.Linear(ff, d)
+        self.dq = Q.DeQuantStub()
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        b, s, d = t.shape
+        return t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2)               # (B, H, S, D/H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:                                   # (B, S, D)
+        y = self.ln1(x)
+        q, k, v = (self._split(self.dq(lin(y))) for lin in (self.q, self.k, self.v))
+        a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v
+        x = x + self.dq(self.o(a.transpose(1, 2).reshape(x.shape)))
+        return x + self.dq(self.ff2(self.act(self.ff1(self.ln2(x)))))
+
+
+class Merges(nn.Module):
+    """Every QFunctional op and the LUT activations (Sigmoid/Tanh fixed grids, LeakyReLU, ELU, Hardsigmoid)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant, self.dequant = Q.QuantStub(), Q.DeQuantStub()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.mul, self.cat, self.adds, self.muls, self.mm = (FloatFunctional() for _ in range(5))
+        self.sig, self.tanh, self.lrelu, self.elu, self.hs = nn.Sigmoid(), nn.Tanh(), nn.LeakyReLU(0.1), nn.ELU(), \
+            nn.Hardsigmoid()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:                                   # (B, 8)
+        x = self.quant(x)
+        a, b = self.a(x), self.b(x)
+        y = self.mul.mul(self.sig(a), self.tanh(b))
+        y = self.cat.cat([y, self.lrelu(a), self.elu(b)], dim=1)                          # (B, 24)
+        y = self.muls.mul_scalar(self.adds.add_scalar(y, 0.5), -2.0)
+        y = self.mm.matmul(y.reshape(-1, 4, 6), y.reshape(-1, 6, 4))                      # (B, 4, 4)
+        return self.dequant(self.hs(y))
+
+
+class Convs(nn.Module):
+    """'same' even-kernel reflect padding, a strided ConvTranspose2d, dilation; Conv1d circular + ReLU6."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.quant, self.dequant, self.dim = Q.QuantStub(), Q.DeQuantStub(), dim
+        if dim == 2:
+            self.c1 = nn.Conv2d(3, 4, 4, padding="same", padding_mode="reflect")
+            self.ct = nn.ConvTranspose2d(4, 3, 3, stride=2, padding=1, output_padding=1)
+            self.c3 = nn.Conv2d(3, 2, 3, dilation=2)
+        else:
+            self.c1, self.r = nn.Conv1d(3, 4, 3, padding=1, padding_mode="circular"), nn.ReLU6()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.quant(x)
+        return self.dequant(self.c3(self.ct(self.c1(x))) if self.dim == 2 else self.r(self.c1(x)))
+
+
+def output_quantum(qm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """lowbit's output on ``x`` and the scale of the grid its final DeQuantize received."""
+    seen: list[float] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, a: seen.append(float(a[0].scale)))
+             for m in qm.modules() if isinstance(m, DeQuantize)]
+    out = qm(x)
+    for h in hooks:
+        h.remove()
+    return out, seen[-1]
+
+
+# ---- converted models: ORT matches lowbit, on integer kernels ------------------------------------
+@pytest.mark.parametrize("make, shape, kernels", [
+    (Merges, (16, 8), {"QLinearMul", "QLinearConcat", "QLinearMatMul", "QLinearSigmoid", "QLinearLeakyRelu"}),
+    (lambda: Convs(2), (4, 3, 8, 8), {"QLinearConv"}),
+    (lambda: Convs(1), (4, 3, 10), {"QLinearConv"}),
+])
+def test_module_zoo_matches_ort(make, shape, kernels, tmp_path):
+    torch.manual_seed(9)
+    qm = quantized(make(), [torch.randn(*shape) for _ in range(3)])
+    path = to_onnx(qm, torch.randn(2, *shape[1:]), tmp_path / "zoo.onnx")
+    x = torch.randn(7, *shape[1:])
+    ref, quantum = output_quantum(qm, x)
+    out, ops = ort_ops(path, x, tmp_path)
+    assert within_one_quantum(out, ref, quantum) >= 0.99
+    assert kernels <= ops
+
+
+class Grids(nn.Module):
+    """One QDQ per grid, each fed ``x * scale * 100`` (so every grid clips some values): (G, N) output."""
+
+    def __init__(self, grids: list[tuple[float, int, Q.QDtype]]) -> None:
+        super().__init__()
+        self.gains = [g[0] * 100 for g in grids]
+        self.qdqs = nn.ModuleList(QDQ(*g) for g in grids)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([q(x * k) for q, k in zip(self.qdqs, self.gains)])
+
+
+@st.composite
+def grids(draw: st.DrawFn) -> tuple[float, int, Q.QDtype]:
+    qdtype = draw(st.sampled_from([Q.qint8, Q.quint8, Q.qint8.with_range(-64, 63), Q.quint8.with_range(0, 127),
+                                   Q.qint4, Q.quint4]))
+    return draw(st.floats(1e-3, 10.0)), draw(st.integers(qdtype.quant_min, qdtype.quant_max)), qdtype
+
+
+@settings(max_examples=8, deadline=None)
+@given(gs=st.lists(grids(), min_size=1, max_size=8), seed=st.integers(0, 2**16))
+def test_qdq_nodes_are_lowbit_fake_quantize(gs, seed, tmp_path_factory):
+    """ORT's QuantizeLinear -> DequantizeLinear (+ Clip for narrow grids) = lowbit.fake_quantize, within a code."""
+    x = torch.randn(512, generator=torch.Generator().manual_seed(seed))
+    model = Grids(gs)
+    out = run_onnx(to_onnx(model, x[:2], tmp_path_factory.mktemp("qdq") / "qdq.onnx"), x)[0]   # (G, 512)
+    for row, (scale, zp, d), k in zip(out, gs, model.gains):
+        ref = Q.fake_quantize(x * k, scale, zp, d.quant_min, d.quant_max)
+        assert ((row - ref).abs() <= torch.tensor(scale, dtype=torch.float32) * 1.0001).all()
+        assert (row == ref).double().mean() >= 0.99          # x / s (ONNX) vs x * (1 / s) (lowbit) differ at ties
+
+
+def test_dynamic_input_grid_uses_dynamic_quantize_linear(tmp_path):
+    torch.manual_seed(10)
+    lin = nn.Linear(8, 4)
+    qlin = Linear.from_reference(lin, Q.quantize_per_channel(lin.weight.detach(), lin.weight.detach().abs().amax(1) / 127,
+                                                             torch.zeros(4, dtype=torch.long), 0, Q.qint8), 0.02, 128)
+    assert qlin.input_grid is None                        # float input -> per-call quint8 grid
+    path = to_onnx(nn.Sequential(qlin, DeQuantize()), torch.randn(2, 8), tmp_path / "dyn.onnx")
+    assert "DynamicQuantizeLinear" in {n.op_type for n in onnx.load(str(path)).graph.node}
+    x = torch.randn(30, 8)
+    assert within_one_quantum(run_onnx(path, x)[0], qlin(x).dequantize(), 0.02) >= 0.99
+
+
+def test_embedding_table_is_int8_gather(tmp_path):
+    emb = Embedding.from_float(nn.Embedding(50, 6))
+    path = to_onnx(nn.Sequential(emb), torch.tensor([[1, 2, 3]]), tmp_path / "emb.onnx")
+    idx = torch.randint(0, 50, (4, 3))
+    assert torch.equal(run_onnx(path, idx)[0], emb(idx))
+    assert {t.data_type for t in onnx.load(str(path)).graph.initializer if len(t.dims) == 2} == {onnx.TensorProto.UINT8}
+
+
+# ---- converted models: ORT matches lowbit, on integer kernels ------------------------------------
+def test_small_cnn_matches_ort_on_integer_kernels(tmp_path):
+    torch.manual_seed(0)
+    batches, x = calibration_images()
+    qm = quantized(SmallCNN(), batches, SmallCNN.fusion_groups())
+    path = to_onnx(qm, batches[0][:2], tmp_path / "cnn.onnx")            # example batch 2, run batch 100
+    out, ops = ort_ops(path, x, tmp_path)
+    assert within_one_quantum(out, qm(x), float(qm.fc2.scale)) >= 0.99
+    assert {"QLinearConv", "QGemm"} <= ops and not ops & {"Conv", "Gemm", "MatMul"}
+
+
+def test_resnet_style_residual_add_runs_as_qlinear_add(tmp_path):
+    torch.manual_seed(1)
+    m = ResNetish()
+    qm = quantized(m, [torch.randn(32, 3, 16, 16) for _ in range(3)], m.groups())
+    path = to_onnx(qm, torch.randn(2, 3, 16, 16), tmp_path / "resnet.onnx")
+    x = torch.randn(9, 3, 16, 16)
+    out, ops = ort_ops(path, x, tmp_path)
+    assert within_one_quantum(out, qm(x), float(qm.fc.scale)) >= 0.99
+    assert {"QLinearConv", "QLinearAdd", "QGemm"} <= ops and "Conv" not in ops
+
+
+def test_transformer_layer_quantized_linears_float_softmax_layernorm(tmp_path):
+    torch.manual_seed(2)
+    qm = quantized(EncoderLayer(), [torch.randn(8, 10, 32) for _ in range(3)], [["ff1", "act"]])
+    path = to_onnx(qm, torch.randn(2, 10, 32), tmp_path / "layer.onnx")
+    x = torch.randn(3, 10, 32)
+    out, ops = ort_ops(path, x, tmp_path)
+    assert within_one_quantum(out, qm(x), float(qm.ff2.scale)) >= 0.99
+    assert ops & INT_KERNELS and {"Softmax", "LayerNormalization"} <= ops and "Gemm" not in ops
+
+
+# ---- file format ---------------------------------------------------------------------------------
+def test_qdq_file_has_int8_weights_per_channel_axis_and_dynamic_batch(tmp_path):
+    torch.manual_seed(3)
+    qm = quantized(SmallCNN(), [torch.randn(16, 1, 28, 28)], SmallCNN.fusion_groups())
+    path = to_onnx(qm, torch.randn(2, 1, 28, 28), tmp_path / "int8.onnx", weight_dtype="int8")
+    proto = onnx.load(str(path))
+    onnx.checker.check_model(proto)
+    assert proto.opset_import[0].version >= 13
+    inits = {t.name: t for t in proto.graph.initializer}
+    conv1_codes = [t for t in inits.values() if tuple(t.dims) == tuple(qm.conv1.weight_int8.shape)]
+    assert conv1_codes and all(t.data_type == onnx.TensorProto.INT8 for t in conv1_codes)
+    assert not any(t.data_type == onnx.TensorProto.FLOAT and len(t.dims) >= 2 for t in inits.values())
+    weight_dq = [n for n in proto.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+                 and len(inits[n.input[0]].dims) >= 2]
+    assert len(weight_dq) == 5 and all(a.name == "axis" and a.i == 0 for n in weight_dq for a in n.attribute)
+    assert proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    assert proto.graph.output[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    float_path = tmp_path / "fp32.onnx"
+    torch.onnx.export(SmallCNN().eval(), (torch.randn(2, 1, 28, 28),), str(float_path), dynamo=False)
+    assert path.stat().st_size * 3 < float_path.stat().st_size                      # ~3.6x smaller
+
+
+def test_auto_weights_are_exact_on_cpus_without_vnni_and_int8_equal_in_value(tmp_path):
+    torch.manual_seed(4)
+    qm = quantized(SmallCNN(), [torch.randn(16, 1, 28, 28)], SmallCNN.fusion_groups())
+    x = torch.randn(6, 1, 28, 28)
+    outs = {}
+    for wd in ("auto", "int8", "uint8"):
+        path = to_onnx(qm, x[:2], tmp_path / f"{wd}.onnx", weight_dtype=wd)
+        opts = __import__("onnxruntime").SessionOptions()
+        opts.graph_optimization_level = __import__("onnxruntime").GraphOptimizationLevel.ORT_DISABLE_ALL
+        sess = __import__("onnxruntime").InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        outs[wd] = torch.from_numpy(sess.run(None, {"input": x.numpy()})[0])             # reference QDQ semantics
+    assert torch.equal(outs["auto"], outs["int8"]) and torch.equal(outs["auto"], outs["uint8"])
+    assert within_one_quantum(outs["auto"], qm(x), float(qm.fc2.scale)) >= 0.99
+
+
+# ---- prepared / QAT models -----------------------------------------------------------------------
+def test_qat_model_exports_frozen_int8_weights_and_matches_its_fake_quant_forward(tmp_path):
+    torch.manual_seed(5)
+    m = Q.fuse_modules_qat(SmallCNN(channels=(4, 8), hidden=16).train(), SmallCNN.fusion_groups())
+    qat = Q.prepare_qat(m)
+    for _ in range(3):
+        qat(torch.randn(16, 1, 28, 28))
+    qat.eval().apply(Q.disable_observer)                          # freeze the grids (else each forward moves them)
+    before = {k: v.clone() for k, v in qat.state_dict().items()}
+    path = to_onnx(qat, torch.randn(2, 1, 28, 28), tmp_path / "qat.onnx")
+    assert all(torch.equal(before[k], v) for k, v in qat.state_dict().items())             # model untouched
+    x = torch.randn(5, 1, 28, 28)
+    out, ops = ort_ops(path, x, tmp_path)
+    assert {"QLinearConv", "QGemm"} <= ops and "BatchNormalization" not in ops          # BN folded, int8 kernels
+    quantum = float(qat.fc2.activation_post_process.scale)
+    with torch.no_grad():
+        assert within_one_quantum(out, qat(x), quantum) >= 0.99
+    inits = onnx.load(str(path)).graph.initializer
+    assert any(t.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8) and tuple(t.dims) == (4, 1, 3, 3)
+               for t in inits)
+    assert not any(t.data_type == onnx.TensorProto.FLOAT and tuple(t.dims) == (4, 1, 3, 3) for t in inits)
+
+
+def test_prepared_ptq_model_exports_what_convert_would_build(tmp_path):
+    torch.manual_seed(7)
+    m = Q.fuse_modules(SmallCNN(channels=(4, 8), hidden=16).eval(), SmallCNN.fusion_groups())
+    m.qconfig = Q.get_default_qconfig()
+    prepared = Q.prepare(m)
+    with torch.no_grad():
+        for _ in range(2):
+            prepared(torch.randn(16, 1, 28, 28))
+    path = to_onnx(prepared, torch.randn(2, 1, 28, 28), tmp_path / "prepared.onnx")
+    qm = Q.convert(prepared)
+    x = torch.randn(6, 1, 28, 28)
+    out, ops = ort_ops(path, x, tmp_path)
+    assert within_one_quantum(out, qm(x), float(qm.fc2.scale)) >= 0.99
+    assert "QLinearConv" in ops
+    assert not any(t.data_type == onnx.TensorProto.FLOAT and len(t.dims) >= 2 for t in onnx.load(str(path)).graph.initializer)
+
+
+def test_fx_graph_module_exports(tmp_path):
+    torch.manual_seed(8)
+    from lowbit.fx import convert_fx, prepare_fx
+    x = torch.randn(2, 1, 28, 28)
+    prepared = prepare_fx(SmallCNN(channels=(4, 8), hidden=16).eval(), Q.get_default_qconfig_mapping(), (x,))
+    with torch.no_grad():
+        for _ in range(2):
+            prepared(torch.randn(16, 1, 28, 28))
+    qm = convert_fx(prepared)
+    path = to_onnx(qm, x, tmp_path / "fx.onnx")
+    x = torch.randn(5, 1, 28, 28)
+    assert within_one_quantum(run_onnx(path, x)[0], qm(x), float(qm.fc2.scale)) >= 0.99
+
+
+def test_float_inputs_and_quantized_activations(tmp_path):
+    torch.manual_seed(6)
+    # no QuantStub: the first Linear quantizes its float input on its recorded grid; LUT activation + ReLU6
+    m = nn.Sequential(nn.Linear(8, 16), nn.Hardswish(), nn.Linear(16, 8), nn.ReLU6(), Q.DeQuantStub())
+    qm = quantized(m, [torch.randn(64, 8) * 2 for _ in range(2)])
+    assert qm[0].input_grid is not None
+    path = to_onnx(qm, torch.randn(2, 8), tmp_path / "mlp.onnx")
+    x = torch.randn(50, 8) * 2
+    assert within_one_quantum(run_onnx(path, x)[0], qm(x), float(qm[2].scale)) >= 0.99
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+def test_unsupported_module_is_named_with_its_path_and_type(tmp_path):
+    m = nn.Sequential(nn.ReLU(), nn.Sequential(nn.ReLU(), nn.Linear(4, 2)))
+    dq = Q.quantize_dynamic(m, {nn.Linear})
+    with pytest.raises(TypeError, match=r"'1\.1' of type lowbit\.nn\.quantized\.dynamic.*Linear"):
+        to_onnx(dq, torch.randn(2, 4), tmp_path / "dyn.onnx")
+
+
+def test_unwritable_path_and_bad_arguments(tmp_path):
+    qm = quantized(nn.Sequential(Q.QuantStub(), nn.Linear(4, 2), Q.DeQuantStub()), [torch.randn(8, 4)])
+    x = torch.randn(2, 4)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for bad in (blocker / "m.onnx", tmp_path / "missing_dir" / "m.onnx"):
+        with pytest.raises(ValueError, match="cannot write path="):
+            to_onnx(qm, x, bad)
+    with pytest.raises(ValueError, match="is a directory"):
+        to_onnx(qm, x, tmp_path)
+    with pytest.raises(TypeError, match="path must be"):
+        to_onnx(qm, x, 3)
+    with pytest.raises(ValueError, match="weight_dtype='int4'"):
+        to_onnx(qm, x, tmp_path / "m.onnx", weight_dtype="int4")
+    with pytest.raises(ValueError, match="opset_version=11"):
+        to_onnx(qm, x, tmp_path / "m.onnx", opset_version=11)
+    with pytest.raises(TypeError, match="example_inputs"):
+        to_onnx(qm, [1, 2], tmp_path / "m.onnx")
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        to_onnx(lambda t: t, x, tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_missing_onnx_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "onnx", None)                                     # import onnx -> ImportError
+    with pytest.raises(ImportError, match=r"pip install lowbit\[onnx\]"):
+        to_onnx(nn.Linear(2, 2), torch.randn(1, 2), tmp_path / "m.onnx")
