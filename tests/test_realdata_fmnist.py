@@ -8,7 +8,7 @@ images (2 epochs, Adam, cosine LR, fixed seeds) and evaluated on the full 10k te
 - QAT (``fuse_modules_qat`` -> ``prepare_qat`` -> one epoch at lr 1e-4 on the same 15k, BN statistics
   frozen at 60 % and observers at 80 % of the steps -> ``convert``) ends at most 0.1 points below fp32;
 - ``quantize_dynamic`` (the two Linear layers) loses at most 0.2 points;
-- with plain min/max configs, lowbit and ``torch.ao.quantization`` (x86 engine) converted from the same
+- with plain min/max configs, lowbit and ``torch.ao.quantization`` (onednn engine) converted from the same
   trained model and calibration batch have equal activation qparams and agree on >= 99 % of top-1.
 
 Run with ``pytest -m realdata -rP tests/test_realdata_fmnist.py`` to see the figures.
@@ -64,10 +64,10 @@ def _report(name: str, acc: float, acc0: float) -> None:
 
 def test_static_ptq_loses_at_most_0_3_points(data, fp32):
     model, acc0 = fp32
-    prepared = prepare(fuse_modules(model, SmallCNN.fusion_groups()), Q.get_default_qconfig())
+    prepared = Q.prepare(Q.fuse_modules(model, SmallCNN.fusion_groups()), Q.get_default_qconfig())
     with torch.no_grad():
         prepared(data["xtr"][:N_CALIB])
-    qmodel = convert(prepared)
+    qmodel = Q.convert(prepared)
     assert type(qmodel.conv1).__module__.startswith("lowbit.nn.quantized")
     acc = evaluate(qmodel, data["xte"], data["yte"])
     _report("static PTQ (default qconfig)", acc, acc0)
@@ -76,17 +76,17 @@ def test_static_ptq_loses_at_most_0_3_points(data, fp32):
 
 def test_qat_within_0_1_points_or_above(data, fp32):
     model, acc0 = fp32
-    qat = prepare_qat(fuse_modules_qat(copy.deepcopy(model).train(), SmallCNN.fusion_groups()),
+    qat = Q.prepare_qat(Q.fuse_modules_qat(copy.deepcopy(model).train(), SmallCNN.fusion_groups()),
                       Q.get_default_qat_qconfig())
 
     def schedule(m: nn.Module, step: int, total: int) -> None:
         if step == int(0.6 * total):
-            m.apply(freeze_bn_stats)
+            m.apply(Q.freeze_bn_stats)
         if step == int(0.8 * total):
             m.apply(Q.disable_observer)
 
     train(qat, data["xtr"], data["ytr"], epochs=1, lr=1e-4, seed=1, on_step=schedule)
-    qmodel = convert(qat.eval())
+    qmodel = Q.convert(qat.eval())
     assert type(qmodel.conv1).__module__.startswith("lowbit.nn.quantized")
     acc = evaluate(qmodel, data["xte"], data["yte"])
     _report("QAT (1 epoch, lr 1e-4)", acc, acc0)
@@ -95,7 +95,7 @@ def test_qat_within_0_1_points_or_above(data, fp32):
 
 def test_dynamic_loses_at_most_0_2_points(data, fp32):
     model, acc0 = fp32
-    qmodel = quantize_dynamic(model)
+    qmodel = Q.quantize_dynamic(model)
     assert type(qmodel.fc1).__module__.startswith("lowbit.nn.quantized.dynamic")
     acc = evaluate(qmodel, data["xte"], data["yte"])
     _report("quantize_dynamic (Linear)", acc, acc0)
@@ -122,13 +122,18 @@ def test_minmax_parity_with_torch_ao(data, fp32):
     tq = pytest.importorskip("torch.ao.quantization")
     calib, x = data["xtr"][:N_CALIB], data["xte"]
 
-    prepared = prepare(fuse_modules(model, SmallCNN.fusion_groups()), Q.get_minmax_qconfig())
+    prepared = Q.prepare(Q.fuse_modules(model, SmallCNN.fusion_groups()), Q.get_minmax_qconfig())
     with torch.no_grad():
         prepared(calib)
-    ours = convert(prepared)
+    ours = Q.convert(prepared)
 
+    # oneDNN, not x86/fbgemm: fbgemm's u8*s8 kernels sum pairs of products in int16 (vpmaddubsw) and saturate
+    # when activations use the full 8-bit range (reduce_range=False); on this model that alone flips ~3 % of
+    # torch.ao's predictions (86.5 % vs 87.0 %). oneDNN accumulates in int32 as lowbit does.
+    if "onednn" not in torch.backends.quantized.supported_engines:
+        pytest.skip("torch.ao's onednn engine is not available in this torch build")
     engine = torch.backends.quantized.engine
-    torch.backends.quantized.engine = "x86" if "x86" in torch.backends.quantized.supported_engines else "onednn"
+    torch.backends.quantized.engine = "onednn"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -24,8 +24,8 @@ import pytest
 import torch
 from torch import nn
 
+import lowbit as Q
 import lowbit.data as D
-from lowbit.quantize import quantize_dynamic
 
 pytestmark = [
     pytest.mark.realdata,
@@ -74,7 +74,7 @@ def test_minilm_dynamic_int8_keeps_embeddings_and_lee_correlation(setup, fp32):
     tok, model, background, docs, human = setup
     emb0, r0 = fp32
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
-    qmodel = quantize_dynamic(model)
+    qmodel = Q.quantize_dynamic(model)
     assert n_linear == 36 and not any(type(m) is nn.Linear for m in qmodel.modules())
     emb, r = _figures(tok, qmodel, background, docs, human)
     cos = (emb * emb0).sum(1)

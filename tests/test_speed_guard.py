@@ -226,7 +226,9 @@ def test_onednn_linear_seven_bit_activations_single_call_exact(no_vnni_single_ca
     cache: dict = {}
     y = onednn.linear(x, w, b, out, out is not None, cache=cache)
     small = x.numel() <= onednn.SMALL_M * 70 and torch.backends.quantized.engine in onednn._FBGEMM
-    assert splits == ([False] if small else []) and ("onednn.fbgemm" in cache) == small
+    fused = small and out is not None and out.qdtype.storage == torch.uint8  # one fbgemm call, requantized
+    assert splits == ([False] if small and not fused else []) and ("onednn.fbgemm" in cache) == small
+    assert ("onednn.fbgemm_q" in cache) == fused
     if out is None:
         assert torch.allclose(y.double(), exact(x, w, b), rtol=1e-5, atol=1e-4)
         return
@@ -260,3 +262,19 @@ def test_small_m_fbgemm_split_is_exact_and_engine_gated(monkeypatch: pytest.Monk
     cache = {}
     y2 = onednn.linear(x, w, b, None, False, cache=cache)
     assert "onednn.fbgemm" not in cache and torch.allclose(y2.double(), exact(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_small_m_fused_fbgemm_repacks_after_bias_or_scale_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(onednn, "has_vnni", lambda: False)
+    if torch.backends.quantized.engine not in onednn._FBGEMM:
+        pytest.skip("fbgemm is not the quantized engine")
+    torch.manual_seed(7)
+    w, b, out = full_weight(12, 20), torch.randn(12), OutGrid(0.05, 90, Q.quint8)
+    x = Q.QTensor(torch.randint(0, 128, (3, 20), dtype=torch.uint8), 0.02, 7, Q.quint8.with_range(0, 127))
+    cache: dict = {}
+    for change in (None, lambda: b.add_(1.0), lambda: w.scale.mul_(1.5)):
+        if change is not None:
+            change()
+        y = onednn.linear(x, w, b, out, False, cache=cache)
+        ref = reference.linear(x, w, b, out, False)
+        assert "onednn.fbgemm_q" in cache and int((y.int_repr().int() - ref.int_repr().int()).abs().max()) <= 1

@@ -196,7 +196,9 @@ def _fusion_groups(model: nn.Module) -> list[list[str]]:
     return groups() if callable(groups) else []
 
 
-def _ptq(model: nn.Module, calib: torch.Tensor, qconfig: Any, quiet: bool, batch: int = 256) -> nn.Module:
+def _ptq(model: nn.Module, calib: torch.Tensor, qconfig: Any, quiet: bool,
+         batch: int = 256) -> tuple[nn.Module, nn.Module]:
+    """Fuse (when the model lists its fusion groups), prepare, calibrate, convert; return (prepared, quantized)."""
     import lowbit as Q
 
     m = model if _has_stubs(model) else Q.QuantWrapper(model)
@@ -206,7 +208,7 @@ def _ptq(model: nn.Module, calib: torch.Tensor, qconfig: Any, quiet: bool, batch
         chunks = range(0, len(calib), batch)
         for i in _progress(chunks, "calibrate", len(chunks), quiet):
             prepared(calib[i: i + batch])
-    return Q.convert(prepared)
+    return prepared, Q.convert(prepared)
 
 
 def _qat(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: float, quiet: bool) -> nn.Module:
@@ -220,9 +222,10 @@ def _qat(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: float, quie
 
     def schedule(mod: nn.Module, step: int, total: int) -> None:
         next(bar)
-        if step == int(0.6 * total):
+        # the usual schedule: BN statistics, then observers, frozen for the last steps (never before step 1)
+        if step == max(1, int(0.6 * total)):
             mod.apply(Q.freeze_bn_stats)
-        if step == int(0.8 * total):
+        if step == max(1, int(0.8 * total)):
             mod.apply(Q.disable_observer)
 
     train(prepared, x, y, epochs=epochs, lr=2e-4, seed=1, on_step=schedule)
@@ -275,16 +278,20 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _write_outputs(out: Path, files: dict[str, Callable[[Path], None]]) -> None:
-    """Write every file into a temporary folder first; move them into ``out`` only when all succeeded."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".lowbit-", dir=out.parent))
+def _write_outputs(out: Path, write_all: Callable[[Path], None]) -> list[str]:
+    """Let ``write_all`` fill a temporary folder; move its files into ``out`` only when it succeeded."""
     try:
-        for name, write in files.items():
-            write(tmp / name)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".lowbit-", dir=out.parent))
+    except OSError as e:
+        raise CLIError(f"--out {out}: cannot write there ({e.strerror or e})") from e
+    try:
+        write_all(tmp)
+        names = sorted(f.name for f in tmp.iterdir())
         out.mkdir(exist_ok=True)
-        for name in files:
+        for name in names:
             os.replace(tmp / name, out / name)
+        return names
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -308,6 +315,8 @@ def _quantize(args: argparse.Namespace) -> int:
             if getattr(args, flag) is not None:
                 raise CLIError(f"--{flag.replace('_', '-')} needs --model (the built-in example brings its own data)")
         name, xtr, ytr, xte, yte = _builtin_data(args.train_size, args.seed)
+        if args.test_size:
+            xte, yte = xte[: args.test_size], yte[: args.test_size]
         say(f"lowbit: built-in example — SmallCNN on {name} ({len(xtr)} train / {len(xte)} test images)")
         fp32 = examples.SmallCNN()
         steps = range(1)
@@ -317,9 +326,9 @@ def _quantize(args: argparse.Namespace) -> int:
         calib, labels_for_qat = xtr[: args.calib_size], ytr
         xqat = xtr
     else:
+        fp32 = _load_model(args.model, args.weights)
         if args.calib is None:
             raise CLIError("--model needs --calib (calibration inputs: .pt, .npz, .npy or a folder of images)")
-        fp32 = _load_model(args.model, args.weights)
         calib = _load_array(args.calib, "--calib").float()
         _check_runs(fp32, calib, "--calib data")
         xte = _load_array(args.eval, "--eval").float() if args.eval else None
@@ -341,10 +350,11 @@ def _quantize(args: argparse.Namespace) -> int:
     import copy
 
     qmodels: dict[str, nn.Module] = {}
+    prepared_ptq: nn.Module | None = None
     for method in methods:
         say(f"lowbit: {method} ...")
         if method == "ptq":
-            qmodels[method] = _ptq(copy.deepcopy(fp32), calib, _qconfig(args.qconfig, False), args.quiet)
+            prepared_ptq, qmodels[method] = _ptq(copy.deepcopy(fp32), calib, _qconfig(args.qconfig, False), args.quiet)
         elif method == "qat":
             assert labels_for_qat is not None
             qmodels[method] = _qat(copy.deepcopy(fp32), xqat, labels_for_qat, args.qat_epochs, args.quiet)
@@ -365,17 +375,28 @@ def _quantize(args: argparse.Namespace) -> int:
     table = _table(rows)
     print(table)
 
-    report = {"model": args.model or "lowbit.examples:SmallCNN", "rows": rows, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    files: dict[str, Callable[[Path], None]] = {
-        f"model_{k}.pt": (lambda p, m=m: torch.save(m.state_dict(), p)) for k, m in qmodels.items()}
-    files["report.json"] = lambda p: p.write_text(json.dumps(report, indent=2))
-    files["report.md"] = lambda p: p.write_text(
-        f"# lowbit quantize report\n\nModel: `{report['model']}`; torch {torch.__version__}, "
-        f"{report['threads']} threads, {report['date']}.\n\n{table}\n\n"
-        "Latency: batch of 64, median of 7 interleaved rounds; speed-up = median of per-round fp32/method ratios.\n")
-    _write_outputs(Path(args.out), files)
-    say(f"lowbit: wrote {', '.join(files)} to {args.out}")
+    from .debug import compare
+    from .report import write_report
+
+    cmp = compare(fp32, qmodels["ptq"], calib[:256]) if prepared_ptq is not None else None
+    report: dict[str, Any] = {"model": args.model or "lowbit.examples:SmallCNN", "rows": rows,
+                              "torch": torch.__version__, "threads": torch.get_num_threads(),
+                              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if cmp is not None:
+        report["layers"] = cmp.to_dict()["rows"]
+        say(f"lowbit: per-layer SQNR of the PTQ model vs fp32\n{cmp}")
+
+    def write_all(d: Path) -> None:
+        for k, m in qmodels.items():
+            torch.save(m.state_dict(), d / f"model_{k}.pt")
+        (d / "report.json").write_text(json.dumps(report, indent=2))
+        write_report(d, rows, compare_result=cmp, histograms=prepared_ptq, fmt="md",
+                     notes=f"Model: `{report['model']}`; torch {torch.__version__}, {report['threads']} threads, "
+                           f"{report['date']}. Latency: batch of 64, median of 7 interleaved rounds; speed-up = "
+                           "median of per-round fp32/method ratios.")
+
+    written = _write_outputs(Path(args.out), write_all)
+    say(f"lowbit: wrote {', '.join(written)} to {args.out}")
     return 0
 
 
@@ -399,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--epochs", type=float, default=2.0, help="built-in example: fp32 training epochs")
     q.add_argument("--qat-epochs", dest="qat_epochs", type=float, default=0.5, help="QAT fine-tune epochs")
     q.add_argument("--train-size", dest="train_size", type=int, default=12000, help="built-in example: train images")
+    q.add_argument("--test-size", dest="test_size", type=int, default=0, help="built-in example: test images (0: all)")
     q.add_argument("--calib-size", dest="calib_size", type=int, default=1000, help="built-in example: calib images")
     return p
 

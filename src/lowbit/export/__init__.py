@@ -10,4 +10,4 @@ True
 
 from .onnx import run_onnx, to_onnx
 
-__all__ = ["to_onnx", "run_onnx"]
+__all__ = ["run_onnx", "to_onnx"]

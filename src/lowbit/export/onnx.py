@@ -7,16 +7,18 @@ constants become initializers, and ``onnx.checker`` validates the result. What e
     Quantize                      Q -> DQ on its grid             DeQuantize      (nothing)
     Linear(ReLU), Conv*(ReLU)*,   Q/DQ(input grid) -> Gemm / Conv / ConvTranspose(DQ(int8 W, axis), DQ(int32 b))
       ConvTranspose*                -> (Relu) -> Q/DQ(output grid)
-    QFunctional.add/mul/cat/...   float op -> Q/DQ(output grid)
-    Hardswish, ELU, Sigmoid, ...  float op -> Q/DQ(output grid)    ReLU6: Clip -> Q/DQ(input grid)
+    QFunctional.add/mul/cat/...   Q/DQ(input grids) -> float op -> Q/DQ(output grid)
+    Hardswish, ELU, Sigmoid, ...  float op -> Q/DQ(output grid)    ReLU6: relu6 -> Q/DQ(input grid)
     Embedding (8-bit)             Gather(DQ(int8 table, axis=0))
     FakeQuantize / observer       Q -> DQ on its current grid; a module's ``weight_fake_quant`` freezes the
                                   weight into int8 codes + DQ (QAT conv-BN modules are BN-folded first); an
                                   observed float Linear/Conv gets the int8 weight ``convert`` would give it
 
 The input grid of each quantized layer is the grid of the ``QTensor`` it received when
-``example_inputs`` ran through the model (its recorded ``input_grid`` for float inputs). Batch size
-(dim 0 of every input and output) stays dynamic unless ``dynamic_batch=False``.
+``example_inputs`` ran through the model (its recorded ``input_grid`` for float inputs). The file
+describes the model in eval mode, traced on CPU; a ``QTensor`` the model returns becomes its
+dequantized float values. Batch size (dim 0 of every input and output) stays dynamic unless
+``dynamic_batch=False``. ``model`` itself is never changed (a copy is exported).
 
 >>> import torch, tempfile, os, lowbit as Q
 >>> from torch import nn
@@ -44,17 +46,45 @@ from torch.nn.utils import parametrize
 
 from ..fake_quant import FakeQuantize
 from ..nn.intrinsic.qat.modules import BnFoldedBase
-from ..nn.quantized import (ELU, Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d,
-                            DeQuantize, Embedding, FloatFunctional, Hardsigmoid, Hardswish, LeakyReLU, Linear,
-                            QFunctional, Quantize, ReLU6, Sigmoid, Tanh)
+from ..nn.quantized import (
+    ELU,
+    Conv1d,
+    Conv2d,
+    Conv3d,
+    ConvTranspose1d,
+    ConvTranspose2d,
+    ConvTranspose3d,
+    DeQuantize,
+    Embedding,
+    FloatFunctional,
+    Hardsigmoid,
+    Hardswish,
+    LeakyReLU,
+    Linear,
+    QFunctional,
+    Quantize,
+    ReLU6,
+    Sigmoid,
+    Tanh,
+)
+from ..nn.quantized._utils import quantize_weight, weight_qparams
 from ..observer import NoopObserver, ObserverBase, PlaceholderObserver
 from ..qscheme import quint8
 from ..qtensor import QTensor
-from ..nn.quantized._utils import quantize_weight, weight_qparams
-from .qdq import (QDQ, WEIGHT_DTYPES, ActivationTwin, ConstWeight, EmbeddingTwin, FrozenWeightTwin, FunctionalTwin,
-                  Grid, WeightedTwin, weight_dq)
+from .qdq import (
+    QDQ,
+    WEIGHT_DTYPES,
+    ActivationTwin,
+    ConstWeight,
+    EmbeddingTwin,
+    FrozenWeightTwin,
+    FunctionalTwin,
+    Grid,
+    WeightedTwin,
+    weight_dq,
+)
 
-__all__ = ["to_onnx", "run_onnx"]
+__all__ = ["run_onnx", "to_onnx"]
 
 _CONV = (Conv1d, Conv2d, Conv3d)
 _CONV_T = (ConvTranspose1d, ConvTranspose2d, ConvTranspose3d)
@@ -174,7 +204,7 @@ def _activation_twin(mod: nn.Module, path: str, name: str, weight_dtype: str) ->
     return QDQ(float(scale.reshape(())), int(zero_point.reshape(())), mod.qdtype)
 
 
-def _quantized_twin(mod: nn.Module, path: str, grids: dict[int, Grid | None], weight_dtype: str) -> nn.Module | None:
+def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dtype: str) -> nn.Module | None:
     """Twin of a converted lowbit module, or None for modules that stay as they are."""
     m: Any = mod
     grid = grids.get(id(mod), getattr(mod, "input_grid", None))
@@ -189,7 +219,7 @@ def _quantized_twin(mod: nn.Module, path: str, grids: dict[int, Grid | None], we
     if isinstance(mod, _CONV_T):
         return WeightedTwin(mod, "conv_transpose", grid, weight_dtype)
     if isinstance(mod, QFunctional):
-        return FunctionalTwin(mod)
+        return FunctionalTwin(mod, {op: grids[(id(mod), op)] for op in _QFUNCTIONAL_OPS if (id(mod), op) in grids})
     if isinstance(mod, _LUT):
         return ActivationTwin(m._f, (float(m.scale), int(m.zero_point), m.qdtype))
     if isinstance(mod, ReLU6):
@@ -215,43 +245,70 @@ def _swap(parent: nn.Module, prefix: str, make: Any) -> None:
             _swap(child, path, make)
 
 
-def _record_input_grids(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> dict[int, Grid | None]:
-    """Run ``model`` once and note the input grid of each layer that requantizes its input."""
-    grids: dict[int, Grid | None] = {}
+_QFUNCTIONAL_OPS = ("add", "add_relu", "mul", "matmul", "add_scalar", "mul_scalar", "cat")
+
+
+def _grid_of(x: Any) -> Grid | None:
+    return (float(x.scale), int(x.zero_point), x.qdtype) if isinstance(x, QTensor) and x.axis is None else None
+
+
+def _record_input_grids(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> dict[Any, Any]:
+    """Run ``model`` once and note the grid of each quantized layer's inputs.
+
+    Keys: ``id(layer)`` -> its input grid (``None``: float input quantized per call);
+    ``(id(qfunctional), method)`` -> one grid (or ``None`` for float) per tensor input.
+    """
+    grids: dict[Any, Any] = {}
     names = {id(m): n or type(m).__name__ for n, m in model.named_modules()}
+
+    def note(key: Any, mod: nn.Module, grid: Any) -> None:
+        if key in grids and grids[key] != grid:
+            raise ValueError(f"to_onnx: '{names[id(mod)]}' ({type(mod).__name__}) is called on inputs with different "
+                             f"grids ({grids[key]} and {grid}); give each call site its own module")
+        grids[key] = grid
 
     def hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
         x = args[0] if args else None
-        if isinstance(x, QTensor):
-            if x.axis is not None:
-                raise ValueError(f"to_onnx: '{names[id(mod)]}' receives a per-channel QTensor; ONNX QDQ needs "
-                                 "per-tensor activations")
-            grid: Grid | None = (float(x.scale), int(x.zero_point), x.qdtype)
-        elif isinstance(mod, ReLU6):
-            grid = _RELU6_FLOAT_GRID
-        else:
-            grid = getattr(mod, "input_grid", None)
-        if id(mod) in grids and grids[id(mod)] != grid:
-            raise ValueError(f"to_onnx: '{names[id(mod)]}' ({type(mod).__name__}) is called on inputs with different "
-                             f"grids ({grids[id(mod)]} and {grid}); give each call site its own module")
-        grids[id(mod)] = grid
+        if isinstance(x, QTensor) and x.axis is not None:
+            raise ValueError(f"to_onnx: '{names[id(mod)]}' receives a per-channel QTensor; ONNX QDQ needs "
+                             "per-tensor activations")
+        grid = _grid_of(x) if isinstance(x, QTensor) else (
+            _RELU6_FLOAT_GRID if isinstance(mod, ReLU6) else getattr(mod, "input_grid", None))
+        note(id(mod), mod, grid)
+
+    def spy(mod: nn.Module, op: str) -> None:
+        method = getattr(mod, op)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            xs = list(args[0]) if op == "cat" else args[:1] if op.endswith("_scalar") else args[:2]
+            note((id(mod), op), mod, [_grid_of(x) for x in xs])
+            return method(*args, **kwargs)
+
+        setattr(mod, op, wrapped)
 
     handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, _NEEDS_INPUT_GRID)]
+    spied = [m for m in model.modules() if isinstance(m, QFunctional)]
+    for m in spied:
+        for op in _QFUNCTIONAL_OPS:
+            spy(m, op)
     try:
         with torch.no_grad():
             model(*inputs)
     finally:
         for h in handles:
             h.remove()
+        for m in spied:
+            for op in _QFUNCTIONAL_OPS:
+                delattr(m, op)
     return grids
 
 
 def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto") -> nn.Module:
     """The float QDQ twin of ``model`` (a copy in eval mode; ``model`` is not changed)."""
-    inputs = _check_inputs(example_inputs)
+    inputs = tuple(t.cpu() for t in _check_inputs(example_inputs))
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"to_onnx: weight_dtype={weight_dtype!r} must be one of {WEIGHT_DTYPES}")
-    twin = copy.deepcopy(model).eval()
+    twin = copy.deepcopy(model).cpu().eval()  # an ONNX file is device-agnostic: trace on CPU, in inference mode
     holder = nn.Module()  # so that the root itself can be swapped
     holder.root = twin
     _swap(holder, "", lambda m, p, n: _bn_folded(m))
@@ -293,7 +350,7 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
         raise TypeError(f"to_onnx: model must be an nn.Module, got {type(model).__name__}")
     if isinstance(opset_version, bool) or not isinstance(opset_version, int) or opset_version < 13:
         raise ValueError(f"to_onnx: opset_version={opset_version!r} must be an int >= 13 (per-channel QDQ)")
-    inputs = _check_inputs(example_inputs)
+    inputs = tuple(t.cpu() for t in _check_inputs(example_inputs))
     out_path = _check_path(path)
     twin = build_twin(model, inputs, weight_dtype)
     with torch.no_grad():

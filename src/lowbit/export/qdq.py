@@ -27,7 +27,8 @@ uint8 for the others, so the file gives lowbit's results on every CPU.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +38,20 @@ from ..functional import fake_quantize
 from ..kernels.onednn import saturation_safe
 from ..qscheme import QDtype
 
-__all__ = ["Grid", "QDQ", "DynamicQDQ", "ConstDQ", "WeightedTwin", "FunctionalTwin", "ActivationTwin",
-           "EmbeddingTwin", "ConstWeight", "FrozenWeightTwin", "weight_dq", "WEIGHT_DTYPES"]
+__all__ = [
+    "QDQ",
+    "WEIGHT_DTYPES",
+    "ActivationTwin",
+    "ConstDQ",
+    "ConstWeight",
+    "DynamicQDQ",
+    "EmbeddingTwin",
+    "FrozenWeightTwin",
+    "FunctionalTwin",
+    "Grid",
+    "WeightedTwin",
+    "weight_dq",
+]
 
 Grid = tuple[float, int, QDtype]  # (scale, zero_point, qdtype) of a per-tensor activation grid
 WEIGHT_DTYPES = ("auto", "int8", "uint8")
@@ -189,11 +202,11 @@ class WeightedTwin(nn.Module):
                 self.bias_dq = ConstDQ(codes, bscale.to(torch.float32), torch.zeros_like(codes), 0)
             else:
                 self.bias_float = bias
-        self.in_features = getattr(mod, "in_features", None)
-        self.conv_args = {}
+        self.in_features: int = getattr(mod, "in_features", 0)
+        self.conv_args: dict[str, Any] = {}
         if kind != "linear":
-            self.conv_args = dict(stride=mod.stride, dilation=mod.dilation, groups=mod.groups,
-                                  padding=mod._spec.padding)
+            self.conv_args = {"stride": mod.stride, "dilation": mod.dilation, "groups": mod.groups,
+                              "padding": mod._spec.padding}
             if kind == "conv_transpose":
                 self.conv_args["output_padding"] = mod.output_padding
             self.dim = mod._dim
@@ -202,7 +215,7 @@ class WeightedTwin(nn.Module):
     def _op(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         if self.kind == "linear":
             return F.linear(x, w, b)
-        fn = {("conv", 1): F.conv1d, ("conv", 2): F.conv2d, ("conv", 3): F.conv3d,
+        fn: Any = {("conv", 1): F.conv1d, ("conv", 2): F.conv2d, ("conv", 3): F.conv3d,
               ("conv_transpose", 1): F.conv_transpose1d, ("conv_transpose", 2): F.conv_transpose2d,
               ("conv_transpose", 3): F.conv_transpose3d}[(self.kind, self.dim)]
         return fn(x, w, b, **self.conv_args)
@@ -225,32 +238,41 @@ class WeightedTwin(nn.Module):
 
 
 class FunctionalTwin(nn.Module):
-    """Twin of ``QFunctional``: the float op, then quantize-dequantize onto the output grid."""
+    """Twin of ``QFunctional``: Q/DQ on each quantized input's grid, the float op, Q/DQ onto the output grid.
 
-    def __init__(self, mod: Any) -> None:
+    ``in_grids[method]`` lists the grid of each tensor input the converted module received
+    (``None`` for float inputs, which take lowbit's float path and get no Q/DQ).
+    """
+
+    def __init__(self, mod: Any, in_grids: dict[str, list[Grid | None]]) -> None:
         super().__init__()
         self.out_qdq = QDQ(float(mod.scale), int(mod.zero_point), mod.qdtype)
+        self.in_qdq = nn.ModuleDict({f"{op}_{i}": QDQ(*g) for op, gs in in_grids.items()
+                                     for i, g in enumerate(gs) if g is not None})
+
+    def _in(self, op: str, *xs: torch.Tensor) -> list[torch.Tensor]:
+        return [self.in_qdq[f"{op}_{i}"](x) if f"{op}_{i}" in self.in_qdq else x for i, x in enumerate(xs)]
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.out_qdq(torch.add(x, y))
+        return self.out_qdq(torch.add(*self._in("add", x, y)))
 
     def add_relu(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.out_qdq(torch.relu(torch.add(x, y)))
+        return self.out_qdq(torch.relu(torch.add(*self._in("add_relu", x, y))))
 
     def mul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.out_qdq(torch.mul(x, y))
+        return self.out_qdq(torch.mul(*self._in("mul", x, y)))
 
     def matmul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.out_qdq(torch.matmul(x, y))
+        return self.out_qdq(torch.matmul(*self._in("matmul", x, y)))
 
     def add_scalar(self, x: torch.Tensor, c: float) -> torch.Tensor:
-        return self.out_qdq(x + float(c))
+        return self.out_qdq(self._in("add_scalar", x)[0] + float(c))
 
     def mul_scalar(self, x: torch.Tensor, c: float) -> torch.Tensor:
-        return self.out_qdq(x * float(c))
+        return self.out_qdq(self._in("mul_scalar", x)[0] * float(c))
 
     def cat(self, xs: Any, dim: int = 0) -> torch.Tensor:
-        return self.out_qdq(torch.cat(list(xs), dim=dim))
+        return self.out_qdq(torch.cat(self._in("cat", *xs), dim=dim))
 
 
 class ActivationTwin(nn.Module):

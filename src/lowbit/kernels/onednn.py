@@ -142,6 +142,8 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
     q, sx, zx, seven_bit = _as_u8(x)
     if not has_vnni() and q.numel() <= SMALL_M * q.shape[-1] and torch.backends.quantized.engine in _FBGEMM:
         fb = _packed(cache, "onednn.fbgemm", weight, _fbgemm_pack)
+        if fb is not None and out is not None and out.qdtype.storage == torch.uint8 and not (split and not seven_bit):
+            return _fbgemm_requant(cache, weight, bias, q, sx, zx, out, relu)
         if fb is not None:
             return _fbgemm_linear(fb[0], q, sx, zx, split and not seven_bit, weight.scale, bias, out, relu)
 
@@ -248,3 +250,30 @@ def _fbgemm_linear(packed: Any, q: torch.Tensor, sx: float, zx: int, split: bool
     y = acc(q2.bitwise_right_shift(1), zx >> 1).mul_(2).add_(acc(q2.bitwise_and(1), zx & 1)) if split else acc(q2, zx)
     y = y.mul_(w_scale * sx).reshape(*lead, -1)
     return _float_epilogue(y, bias, out, relu, -1)
+
+
+def _fbgemm_requant(cache: dict[str, Any] | None, weight: QTensor, bias: torch.Tensor | None, q: torch.Tensor,
+                    sx: float, zx: int, out: OutGrid, relu: bool) -> QTensor:
+    """Small-M static linear with a u8 output in one fbgemm call (scales, bias and requantization fused).
+
+    Needs a pack with the real scales and bias (keyed on their versions too); exact accumulation under
+    the same rules as ``_fbgemm_linear``, requantized by fbgemm (±1 code from the reference at ties).
+    """
+    w, sw = weight.int_repr(), weight.scale
+    version = (w.data_ptr(), w._version, sw.data_ptr(), sw._version,
+               None if bias is None else (bias.data_ptr(), bias._version))
+    hit = cache.get("onednn.fbgemm_q") if cache is not None else None
+    if hit is None or hit[0] != version:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            wq = torch._make_per_channel_quantized_tensor(w, sw.to(torch.float64), weight.zero_point, 0)
+        hit = (version, torch.ops.quantized.linear_prepack(wq, None if bias is None else bias.detach().float()))
+        if cache is not None:
+            cache["onednn.fbgemm_q"] = hit
+    op = torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        xt = torch._make_per_tensor_quantized_tensor(q, sx, zx)
+    lead, k = q.shape[:-1], q.shape[-1]
+    y = op(xt.reshape(-1, k), hit[1], out.scale, out.zero_point).int_repr().reshape(*lead, -1)
+    return _wrap(y, out)

@@ -1,0 +1,167 @@
+"""End to end: SmallCNN (batch 64) and MiniLM (dynamic, batch 32), fp32 vs lowbit vs torch.ao.
+
+Run: ``python benchmarks/e2e.py [--quick] [--threads 1 2]`` (method: ``common.py``). Writes
+``benchmarks/results/e2e.json``.
+
+SmallCNN (``lowbit.examples``; trained ``--epochs`` on Fashion-MNIST when the data is there, else
+random weights), fused conv-bn-relu, static PTQ calibrated on 512 images:
+  fp32 | lowbit u8 (default recipe: 8-bit activations) | lowbit u7 (``get_speed_qconfig(vnni=False)``:
+  7-bit activations) | lowbit u8 + speed guard (``convert(..., speed_check=batch)``) | torch.ao (x86
+  engine, default qconfig: reduce_range 7-bit activations, on an identical torch.ao twin).
+  Accuracy: test-set top-1 (or agreement with fp32 on random weights).
+MiniLM (``lowbit.data.load_minilm``, 50 Lee-corpus docs, batch 32, max 128 tokens), dynamic int8
+Linear: fp32 | lowbit ``quantize_dynamic`` | torch.ao ``quantize_dynamic``. Accuracy: mean cosine of
+the sentence embeddings to fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.ao.nn.quantized as aonnq
+import torch.ao.quantization as aoq
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import lowbit as Q  # noqa: E402
+from lowbit import data as D  # noqa: E402
+from lowbit.examples import SmallCNN, evaluate, train  # noqa: E402
+from lowbit.speed_guard import get_speed_qconfig  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+class AOSmallCNN(SmallCNN):
+    """``SmallCNN`` with torch.ao stubs and FloatFunctional, for torch.ao eager quantization."""
+
+    def __init__(self, src: SmallCNN) -> None:
+        super().__init__()
+        self.load_state_dict(src.state_dict())
+        self.quant, self.dequant, self.skip = aoq.QuantStub(), aoq.DeQuantStub(), aonnq.FloatFunctional()
+
+
+def cnn_data(quick: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, bool]:
+    if D.fashion_mnist_available():
+        xtr, ytr = D.load_fashion_mnist("train", limit=6000 if quick else 20000)
+        xte, yte = D.load_fashion_mnist("test", limit=2000)
+        return D.normalize_images(xtr), ytr, D.normalize_images(xte), yte, True
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(2048, 1, 28, 28, generator=g), None, torch.randn(1024, 1, 28, 28, generator=g), None, False
+
+
+def smallcnn(a: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(0)
+    xtr, ytr, xte, yte, real = cnn_data(a.quick)
+    model = SmallCNN()
+    if real:
+        torch.set_num_threads(max(a.threads))
+        train(model, xtr, ytr, epochs=a.epochs, batch_size=128)
+    model.eval()
+    fused = Q.fuse_modules(model, SmallCNN.fusion_groups())
+    calib = xtr[:512]
+
+    def lowbit(qconfig: Q.QConfig, speed: bool = False) -> tuple[nn.Module, Any]:
+        prep = Q.prepare(fused, qconfig)
+        for i in range(0, len(calib), 128):
+            prep(calib[i:i + 128])
+        if speed:
+            qm, rep = Q.convert(prep, return_report=True, speed_check=calib[:64])
+            return qm, rep.speed
+        return Q.convert(prep), None
+
+    q8, _ = lowbit(Q.get_default_qconfig())
+    q7, _ = lowbit(get_speed_qconfig(vnni=False))
+    torch.set_num_threads(1)
+    qg, speed = lowbit(Q.get_default_qconfig(), speed=True)
+    torch.backends.quantized.engine = "x86"
+    ao = AOSmallCNN(model).eval()
+    ao.qconfig = aoq.get_default_qconfig("x86")
+    ao = aoq.fuse_modules(ao, SmallCNN.fusion_groups())
+    aoq.prepare(ao, inplace=True)
+    with torch.inference_mode():
+        for i in range(0, len(calib), 128):
+            ao(calib[i:i + 128])
+    aoq.convert(ao, inplace=True)
+    models = {"fp32": model, "lowbit u8": q8, "lowbit u7 (speed recipe)": q7, "lowbit u8 + speed guard": qg,
+              "torch.ao x86": ao}
+    acc: dict[str, float] = {}
+    with torch.inference_mode():
+        ref = model(xte).argmax(1)
+        for k, m in models.items():
+            pred = m(xte).argmax(1)
+            acc[k] = float((pred == (yte if real else ref)).float().mean())
+    xb = xte[:64]
+    meth: dict[str, Callable[[], Any]] = {k: (lambda m=m: m(xb)) for k, m in models.items()}
+    out: dict[str, Any] = {"real_data": real, "metric": "top1" if real else "agreement with fp32", "accuracy": acc,
+                           "speed_guard": [vars(d) for d in speed.decisions] if speed is not None else None,
+                           "speed_guard_table": str(speed), "runs": []}
+    print(str(speed))
+    print("accuracy", {k: round(v, 4) for k, v in acc.items()})
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        t = common.bench(meth, a.rounds, a.min_time, a.max_load, a.max_wait)
+        s = t.summary("fp32")
+        out["runs"].append({"threads": threads, **s})
+        print(f"SmallCNN b64 t={threads} clean {t.n_clean}/{a.rounds} | "
+              + " ".join(f"{k}={v['ms']:.1f}ms ({v['speedup_vs_fp32']:.2f}x)" for k, v in s["methods"].items()),
+              flush=True)
+    return out
+
+
+def minilm(a: argparse.Namespace) -> dict[str, Any] | None:
+    if not D.minilm_available():
+        print("MiniLM: not installed, skipped")
+        return None
+    tok, model = D.load_minilm()
+    try:
+        docs = D.load_lee_corpus()[1]
+    except ImportError:
+        docs = [f"sentence number {i} about quantization of neural networks" for i in range(50)]
+    batch = docs[:32]
+    enc = tok(batch, padding=True, truncation=True, max_length=128, return_tensors="pt")
+    lb = Q.quantize_dynamic(copy.deepcopy(model))
+    torch.backends.quantized.engine = "x86"
+    ao = aoq.quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8)
+    models = {"fp32": model, "lowbit dynamic": lb, "torch.ao dynamic": ao}
+    cos: dict[str, float] = {}
+    ref = D.embed_sentences(tok, model, docs)
+    for k, m in models.items():
+        e = D.embed_sentences(tok, m, docs)
+        cos[k] = float((e * ref).sum(1).mean())
+    meth = {k: (lambda m=m: m(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]))
+            for k, m in models.items()}
+    out: dict[str, Any] = {"tokens": list(enc["input_ids"].shape), "cosine_to_fp32": cos, "runs": []}
+    print("MiniLM cosine", {k: round(v, 4) for k, v in cos.items()})
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        t = common.bench(meth, a.rounds, a.min_time, a.max_load, a.max_wait)
+        s = t.summary("fp32")
+        out["runs"].append({"threads": threads, **s})
+        print(f"MiniLM b32 t={threads} clean {t.n_clean}/{a.rounds} | "
+              + " ".join(f"{k}={v['ms']:.1f}ms ({v['speedup_vs_fp32']:.2f}x)" for k, v in s["methods"].items()),
+              flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_common_args(p)
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--skip-minilm", action="store_true")
+    a = p.parse_args()
+    if a.quick:
+        a.rounds, a.epochs = min(a.rounds, 3), min(a.epochs, 0.3)
+    res = {"smallcnn": smallcnn(a), "minilm": None if a.skip_minilm else minilm(a)}
+    print(common.write_results(a.out or "e2e", res))
+
+
+if __name__ == "__main__":
+    main()
