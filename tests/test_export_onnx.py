@@ -16,7 +16,7 @@ from lowbit.export import run_onnx, to_onnx
 from lowbit.nn.quantized import FloatFunctional
 
 onnx = pytest.importorskip("onnx")
-pytest.importorskip("onnxruntime")
+ort = pytest.importorskip("onnxruntime")
 
 INT_KERNELS = {"QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger", "QGemm", "MatMulIntegerToFloat",
                "DynamicQuantizeMatMul", "QLinearAdd"}
@@ -182,9 +182,9 @@ def test_auto_weights_are_exact_on_cpus_without_vnni_and_int8_equal_in_value(tmp
     outs = {}
     for wd in ("auto", "int8", "uint8"):
         path = to_onnx(qm, x[:2], tmp_path / f"{wd}.onnx", weight_dtype=wd)
-        opts = __import__("onnxruntime").SessionOptions()
-        opts.graph_optimization_level = __import__("onnxruntime").GraphOptimizationLevel.ORT_DISABLE_ALL
-        sess = __import__("onnxruntime").InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         outs[wd] = torch.from_numpy(sess.run(None, {"input": x.numpy()})[0])             # reference QDQ semantics
     assert torch.equal(outs["auto"], outs["int8"]) and torch.equal(outs["auto"], outs["uint8"])
     assert within_one_quantum(outs["auto"], qm(x), float(qm.fc2.scale)) >= 0.99

@@ -93,12 +93,12 @@ _NEEDS_INPUT_GRID = (Linear, *_CONV, *_CONV_T, ReLU6)
 _RELU6_FLOAT_GRID: Grid = (6.0 / 255, 0, quint8)
 
 
-def _require(name: str) -> Any:
+def _require(name: str, who: str) -> Any:
     """Import an optional dependency, or say which extra installs it."""
     try:
         return __import__(name)
     except ImportError as e:
-        raise ImportError(f"lowbit.export.to_onnx needs the '{name}' package: pip install lowbit[onnx]") from e
+        raise ImportError(f"lowbit.export.{who} needs the '{name}' package: pip install lowbit[onnx]") from e
 
 
 def _check_path(path: Any) -> Path:
@@ -345,7 +345,7 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     ``"uint8"`` (see ``lowbit.export.qdq``: ``auto`` keeps int8 unless a layer's weights could
     saturate u8 x s8 kernels on CPUs without VNNI). Needs ``pip install lowbit[onnx]``.
     """
-    onnx = _require("onnx")
+    onnx = _require("onnx", "to_onnx")
     if not isinstance(model, nn.Module):
         raise TypeError(f"to_onnx: model must be an nn.Module, got {type(model).__name__}")
     if isinstance(opset_version, bool) or not isinstance(opset_version, int) or opset_version < 13:
@@ -382,7 +382,7 @@ def run_onnx(path: str | os.PathLike[str], *inputs: torch.Tensor, optimized_mode
 
     ``optimized_model_path`` saves the graph ORT actually runs (its fused integer kernels).
     """
-    ort = _require("onnxruntime")
+    ort = _require("onnxruntime", "run_onnx")
     opts = ort.SessionOptions()
     if optimized_model_path is not None:
         opts.optimized_model_filepath = str(optimized_model_path)
