@@ -211,3 +211,56 @@ def add_common_args(parser: Any) -> None:
     parser.add_argument("--max-wait", type=float, default=3.0, help="seconds to wait for idleness per round")
     parser.add_argument("--quick", action="store_true", help="smoke run: few shapes, 3 rounds")
     parser.add_argument("--out", default=None, help="results name (default: the script's)")
+
+
+def _fmt_x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def tables(names: Sequence[str] = ("linear", "conv", "e2e")) -> str:
+    """Markdown tables (speed-ups, median of per-round ratios) from ``benchmarks/results/<name>.json``."""
+    parts = []
+    for name in names:
+        path = RESULTS / f"{name}.json"
+        if not path.exists():
+            continue
+        d = json.loads(path.read_text())
+        mach = d["machine"]
+        parts.append(f"### {name} — {mach['date']}, {mach.get('cpu', '?')} (family {mach.get('family', '?')}), "
+                     f"torch {mach['torch']}")
+        if name.startswith(("linear", "conv")):
+            base = "fp32 eager" if name.startswith("linear") else "fp32 NCHW"
+            runs = d["runs"]
+            methods = list(runs[0]["methods"])
+            for threads in sorted({r["threads"] for r in runs}):
+                rows = []
+                for r in (r for r in runs if r["threads"] == threads):
+                    shape = f"{r['M']}×{r['K']}×{r['N']}" if "M" in r else f"batch {r['batch']}"
+                    rows.append([shape, f"{r['clean_rounds']}/{r['rounds']}", f"{r['other_load_median']:.2f}",
+                                 f"{r['methods'][base]['ms']:.3f}"]
+                                + [_fmt_x(r["methods"][m].get(f"speedup_vs_{base}")) for m in methods[1:]])
+                parts.append(f"\n{threads} thread(s): speed-up vs {base} (×, > 1 faster)\n")
+                parts.append(md_table(["shape", "clean", "load", f"{base} ms"] + methods[1:], rows))
+            errs = {m: v.get("rel_err") for m, v in runs[-1]["methods"].items()}
+            parts.append("\nrel. error vs fp32 (last shape): "
+                         + ", ".join(f"{m} {e:.4f}" for m, e in errs.items() if e is not None))
+        elif name.startswith("e2e"):
+            for part in ("smallcnn", "minilm"):
+                blk = d.get(part)
+                if not blk:
+                    continue
+                acc = blk.get("accuracy") or blk.get("cosine_to_fp32")
+                for r in blk["runs"]:
+                    rows = [[m, f"{v['ms']:.1f}", _fmt_x(v.get("speedup_vs_fp32")), f"{acc.get(m, float('nan')):.4f}"]
+                            for m, v in r["methods"].items()]
+                    parts.append(f"\n{part}, {r['threads']} thread(s), clean rounds {r['clean_rounds']}/{r['rounds']}, "
+                                 f"other load {r['other_load_median']:.2f}\n")
+                    metric = blk.get("metric", "cosine to fp32")
+                    parts.append(md_table(["model", "ms", "speed-up vs fp32", metric], rows))
+        parts.append("")
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    import sys as _sys
+    print(tables(_sys.argv[1:] or ("linear", "conv", "e2e")))

@@ -15,18 +15,19 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
-import lowbit as Q  # noqa: E402
-from lowbit.kernels import onednn  # noqa: E402
-from lowbit.nn.quantized import Conv2d as QConv2d  # noqa: E402
+import lowbit as Q
+from lowbit.kernels import onednn
+from lowbit.nn.quantized import Conv2d as QConv2d
 
 warnings.filterwarnings("ignore")
 

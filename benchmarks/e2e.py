@@ -20,8 +20,9 @@ import argparse
 import copy
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.ao.nn.quantized as aonnq
@@ -29,12 +30,12 @@ import torch.ao.quantization as aoq
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
-import lowbit as Q  # noqa: E402
-from lowbit import data as D  # noqa: E402
-from lowbit.examples import SmallCNN, evaluate, train  # noqa: E402
-from lowbit.speed_guard import get_speed_qconfig  # noqa: E402
+import lowbit as Q
+from lowbit import data as D
+from lowbit.examples import SmallCNN, train
+from lowbit.speed_guard import get_speed_qconfig
 
 warnings.filterwarnings("ignore")
 

@@ -17,23 +17,23 @@ Methods:
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
-import lowbit as Q  # noqa: E402
-from lowbit.kernels import onednn  # noqa: E402
-from lowbit.nn.quantized import Linear as QLinear  # noqa: E402
-from lowbit.nn.quantized.dynamic import Linear as DLinear  # noqa: E402
+import lowbit as Q
+from lowbit.kernels import onednn
+from lowbit.nn.quantized import Linear as QLinear
+from lowbit.nn.quantized.dynamic import Linear as DLinear
 
 warnings.filterwarnings("ignore")
 MS = [1, 16, 128, 512]
@@ -139,8 +139,9 @@ def methods_for(m: int, k: int, n: int, threads: int) -> tuple[dict[str, Callabl
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(p)
+    p.add_argument("--ms", type=int, nargs="+", default=MS, help="the M values to run")
     a = p.parse_args()
-    shapes = [(m, k, n) for m in MS for k, n in KN]
+    shapes = [(m, k, n) for m in a.ms for k, n in KN]
     if a.quick:
         shapes, a.rounds = [(16, 768, 768), (128, 768, 3072)], min(a.rounds, 3)
     res: dict[str, Any] = {"vnni": onednn.has_vnni(), "runs": []}

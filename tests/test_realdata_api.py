@@ -42,8 +42,8 @@ def test_fashion_mnist_missing_names_the_debian_package(tmp_path):
 
 
 @pytest.mark.parametrize("kw, err", [
-    (dict(split="val"), ValueError), (dict(split="test", limit=0), ValueError),
-    (dict(split="test", limit=2.5), ValueError), (dict(split="test", limit=True), ValueError),
+    ({"split": "val"}, ValueError), ({"split": "test", "limit": 0}, ValueError),
+    ({"split": "test", "limit": 2.5}, ValueError), ({"split": "test", "limit": True}, ValueError),
 ])
 def test_fashion_mnist_bad_arguments(kw, err):
     with pytest.raises(err, match="split|limit"):
@@ -66,9 +66,9 @@ def test_lee_corpus():
 
 
 @pytest.mark.parametrize("kw, err, match", [
-    (dict(texts="one string"), TypeError, "list of str"), (dict(texts=[1]), TypeError, "list of str"),
-    (dict(texts=["a"], max_length=1), ValueError, "max_length=1"),
-    (dict(texts=["a"], batch_size=0), ValueError, "batch_size=0"),
+    ({"texts": "one string"}, TypeError, "list of str"), ({"texts": [1]}, TypeError, "list of str"),
+    ({"texts": ["a"], "max_length": 1}, ValueError, "max_length=1"),
+    ({"texts": ["a"], "batch_size": 0}, ValueError, "batch_size=0"),
 ])
 def test_embed_sentences_bad_arguments(kw, err, match):
     with pytest.raises(err, match=match):
@@ -76,8 +76,8 @@ def test_embed_sentences_bad_arguments(kw, err, match):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(channels=(16,)), "channels"), (dict(channels=(16, 0)), "channels"),
-    (dict(hidden=0), "hidden=0"), (dict(num_classes=True), "num_classes=True"),
+    ({"channels": (16,)}, "channels"), ({"channels": (16, 0)}, "channels"),
+    ({"hidden": 0}, "hidden=0"), ({"num_classes": True}, "num_classes=True"),
 ])
 def test_small_cnn_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -102,9 +102,9 @@ def test_train_learns_a_separable_toy_problem():
     (torch.zeros(4, 1, 28, 28, dtype=torch.uint8), torch.zeros(4, dtype=torch.long), {}, TypeError, "float"),
     (torch.zeros(4, 1, 28, 28), torch.zeros(3, dtype=torch.long), {}, ValueError, "length 4"),
     (torch.zeros(4, 1, 28, 28), torch.zeros(4), {}, ValueError, "int64"),
-    (torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long), dict(epochs=0), ValueError, "epochs=0"),
-    (torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long), dict(batch_size=0), ValueError, "batch_size=0"),
-    (torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long), dict(on_step=3), TypeError, "on_step=3"),
+    (torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long), {"epochs": 0}, ValueError, "epochs=0"),
+    (torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long), {"batch_size": 0}, ValueError, "batch_size=0"),
+    (torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long), {"on_step": 3}, TypeError, "on_step=3"),
 ])
 def test_train_bad_arguments(x, y, kw, err, match):
     with pytest.raises(err, match=match):

@@ -26,8 +26,6 @@ from torch import nn
 import lowbit as Q
 import lowbit.data as D
 from lowbit.examples import SmallCNN, evaluate, predict, train
-from lowbit.fuse import fuse_modules, fuse_modules_qat
-from lowbit.workflow import convert, freeze_bn_stats, prepare, prepare_qat, quantize_dynamic
 
 pytestmark = [
     pytest.mark.realdata,

@@ -158,7 +158,7 @@ def test_bad_arguments() -> None:
     _, qmodel = static(fmodel, x)
     for kw in ({"rounds": 0}, {"rounds": 1.5}, {"rounds": True}, {"margin": 0}, {"margin": -1.0},
                {"margin": float("inf")}, {"margin": True}):
-        with pytest.raises(ValueError, match=list(kw)[0]):
+        with pytest.raises(ValueError, match=next(iter(kw))):
             keep_faster(qmodel, fmodel, x, **kw)
     with pytest.raises(TypeError, match="timer"):
         keep_faster(qmodel, fmodel, x, timer="fast")
@@ -278,3 +278,16 @@ def test_small_m_fused_fbgemm_repacks_after_bias_or_scale_change(monkeypatch: py
         y = onednn.linear(x, w, b, out, False, cache=cache)
         ref = reference.linear(x, w, b, out, False)
         assert "onednn.fbgemm_q" in cache and int((y.int_repr().int() - ref.int_repr().int()).abs().max()) <= 1
+
+
+def test_qat_model_float_twins_come_from_to_float() -> None:
+    torch.manual_seed(8)
+    x = torch.randn(32, 16)
+    prepared = Q.prepare_qat(mlp())
+    prepared(x)
+    prepared.eval()
+    qmodel = Q.convert(prepared)
+    report = keep_faster(qmodel, prepared, x, timer=fake_timer({k: (2.0, 1.0) for k in "134"}))
+    assert report.swapped == ["1", "3", "4"]
+    assert all(type(qmodel[i].module) is nn.Linear for i in (1, 3, 4))  # plain float, no fake-quant
+    assert rel(qmodel(x), Q.convert(prepared)(x)) < 0.1

@@ -34,9 +34,18 @@ import numpy as np
 import torch
 
 __all__ = [
-    "FASHION_MNIST_DIR", "FASHION_MNIST_CLASSES", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD",
-    "fashion_mnist_available", "load_fashion_mnist", "normalize_images",
-    "gensim_test_data_dir", "load_lee_corpus", "minilm_available", "load_minilm", "embed_sentences",
+    "FASHION_MNIST_CLASSES",
+    "FASHION_MNIST_DIR",
+    "FASHION_MNIST_MEAN",
+    "FASHION_MNIST_STD",
+    "embed_sentences",
+    "fashion_mnist_available",
+    "gensim_test_data_dir",
+    "load_fashion_mnist",
+    "load_lee_corpus",
+    "load_minilm",
+    "minilm_available",
+    "normalize_images",
 ]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")

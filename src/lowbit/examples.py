@@ -27,7 +27,7 @@ from torch import nn
 from .nn.quantized.functional_modules import FloatFunctional
 from .stubs import DeQuantStub, QuantStub
 
-__all__ = ["SmallCNN", "train", "evaluate", "predict"]
+__all__ = ["SmallCNN", "evaluate", "predict", "train"]
 
 
 def _conv_bn(cin: int, cout: int) -> tuple[nn.Conv2d, nn.BatchNorm2d]:

@@ -53,7 +53,7 @@ from .qconfig import QConfig, get_default_qconfig
 from .qscheme import QDtype, quint8
 from .qtensor import QTensor
 
-__all__ = ["keep_faster", "Decision", "SpeedReport", "FloatFallback", "get_speed_qconfig"]
+__all__ = ["Decision", "FloatFallback", "SpeedReport", "get_speed_qconfig", "keep_faster"]
 
 Timer = Callable[[str, Callable[[], Any], Callable[[], Any]], tuple[float, float]]
 _QUANT_LAYERS = (WeightedQuantModule, DynamicLinear)
@@ -85,13 +85,13 @@ class SpeedReport:
         return [d.layer for d in self.decisions if not d.kept]
 
     def __str__(self) -> str:
-        lines = [f"speed guard: {len(self.decisions) - len(self.swapped)} int8 layers kept, "
-                 f"{len(self.swapped)} swapped back to float",
-                 f"  {'layer':24s} {'kind':16s} {'input shape':18s} {'int8 ms':>9s} {'float ms':>9s} "
-                 f"{'ratio':>6s}  kept"]
+        lines = [(f"speed guard: {len(self.decisions) - len(self.swapped)} int8 layers kept, "
+                  f"{len(self.swapped)} swapped back to float"),
+                 (f"  {'layer':24s} {'kind':16s} {'input shape':18s} {'int8 ms':>9s} {'float ms':>9s} "
+                  f"{'ratio':>6s}  kept")]
         for d in self.decisions:
             f = (lambda v: "-" if v is None else f"{v:.3f}")
-            lines.append(f"  {d.layer or '<root>':24s} {d.kind:16s} {str(d.shape):18s} {f(d.int8_ms):>9s} "
+            lines.append(f"  {d.layer or '<root>':24s} {d.kind:16s} {d.shape!s:18s} {f(d.int8_ms):>9s} "
                          f"{f(d.float_ms):>9s} {'-' if d.ratio is None else f'{d.ratio:.2f}':>6s}  "
                          f"{'int8' if d.kept else 'float'}{'  (' + d.note + ')' if d.note else ''}")
         return "\n".join(lines)
@@ -145,8 +145,9 @@ def get_speed_qconfig(vnni: bool | None = None) -> QConfig:
 def _float_twin(mod: nn.Module) -> nn.Module:
     """A clean float copy of a prepared module: no observers, no lowbit hooks, QAT → float."""
     twin = copy.deepcopy(mod)
-    if hasattr(twin, "to_float") and hasattr(twin, "weight_fake_quant"):
-        twin = twin.to_float()
+    to_float = getattr(twin, "to_float", None)
+    if callable(to_float) and hasattr(twin, "weight_fake_quant"):
+        twin = to_float()
     for m in twin.modules():
         for hooks in (m._forward_hooks, m._forward_pre_hooks):
             for key in [k for k, h in hooks.items() if getattr(h, "__module__", "") == "lowbit.workflow"]:
@@ -198,9 +199,11 @@ def _capture_inputs(qmodel: nn.Module, example_inputs: tuple[Any, ...]) -> dict[
 
 
 def _replacement(qmod: nn.Module, twin: nn.Module) -> nn.Module:
-    if isinstance(qmod, DynamicLinear):
+    if not isinstance(qmod, WeightedQuantModule):  # dynamic: float in, float out
         return twin
-    return FloatFallback(twin, (float(qmod.scale), int(qmod.zero_point), qmod.out_qdtype))
+    scale, zero_point = qmod._buffers["scale"], qmod._buffers["zero_point"]
+    assert scale is not None and zero_point is not None  # registered by WeightedQuantModule
+    return FloatFallback(twin, (float(scale), int(zero_point), qmod.out_qdtype))
 
 
 def keep_faster(qmodel: nn.Module, float_model: nn.Module, example_inputs: Any, rounds: int = 5,
@@ -243,7 +246,7 @@ def keep_faster(qmodel: nn.Module, float_model: nn.Module, example_inputs: Any, 
         x = inputs[name]
         repl = _replacement(qmod, _float_twin(floats[name]))
         with torch.inference_mode():
-            t_int8, t_float = timer(name, lambda q=qmod, x=x: q(x), lambda r=repl, x=x: r(x))
+            t_int8, t_float = timer(name, functools.partial(qmod, x), functools.partial(repl, x))
         ratio = t_float / t_int8
         kept = ratio > margin
         report.decisions.append(Decision(name, kind, tuple(x.shape), t_int8 * 1e3, t_float * 1e3, ratio, kept))

@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 
-from ..functional import quantize
 from ..qtensor import QTensor
 from .spec import ConvSpec, OutGrid
 
@@ -276,4 +275,4 @@ def _fbgemm_requant(cache: dict[str, Any] | None, weight: QTensor, bias: torch.T
         xt = torch._make_per_tensor_quantized_tensor(q, sx, zx)
     lead, k = q.shape[:-1], q.shape[-1]
     y = op(xt.reshape(-1, k), hit[1], out.scale, out.zero_point).int_repr().reshape(*lead, -1)
-    return _wrap(y, out)
+    return out.wrap(y if out.full_range else y.clamp_(out.qdtype.quant_min, out.qdtype.quant_max))
