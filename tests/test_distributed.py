@@ -97,8 +97,8 @@ def free_port():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    # fork: the children inherit the imported torch/lowbit instead of re-importing them (seconds each)
-    mp.start_processes(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True, start_method="fork")
+    # spawn, not fork: a parent whose OpenMP pool already ran (earlier tests) deadlocks forked children
+    mp.start_processes(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True, start_method="spawn")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

@@ -71,8 +71,8 @@ def free_port():
 
 
 def test_qat_trains_in_lockstep_under_ddp(tmp_path):
-    # fork: the children inherit the imported torch/lowbit instead of re-importing them
-    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
+    # spawn, not fork: a parent whose OpenMP pool already ran (earlier tests) deadlocks forked children
+    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="spawn")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD))
     assert r0["bn_type"] == "BatchNorm2d" and r0["qtype"] == "ConvReLU2d"
     assert r0["state"].keys() == r1["state"].keys()

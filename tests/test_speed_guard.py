@@ -38,7 +38,7 @@ def fake_timer(table: dict[str, tuple[float, float]], calls: list[str] | None = 
         run_int8(), run_float()  # both candidates must run on the captured input
         if calls is not None:
             calls.append(name)
-        return table[name]
+        return table[name] if name in table or name != "<model>" else (2.0, 1.0)  # swaps win as a whole
     return timer
 
 
@@ -53,10 +53,10 @@ def test_decisions_follow_the_timings_and_margin() -> None:
     calls: list[str] = []
     times = {"1": (1e-3, 3e-3), "3": (2e-3, 1e-3), "4": (1e-3, 1.5e-3)}  # (int8 s, float s)
     report = keep_faster(qmodel, fmodel, x, margin=2.0, timer=fake_timer(times, calls))
-    assert calls == ["1", "3", "4"]
+    assert calls == ["1", "3", "4", "<model>"]
     got = {d.layer: (d.kept, d.shape, round(d.ratio, 6)) for d in report.decisions}
     assert got == {"1": (True, (64, 16), 3.0), "3": (False, (64, 32), 0.5), "4": (False, (64, 32), 1.5)}
-    assert report.swapped == ["3", "4"] and report.model is qmodel
+    assert report.swapped == ["3", "4"] and report.model is qmodel and report.model_ms == (2000.0, 1000.0)
     assert isinstance(qmodel[1], QLinear) and isinstance(qmodel[3], FloatFallback)
     assert "swapped back to float" in str(report) and "int8" in str(report)
 
@@ -291,3 +291,32 @@ def test_qat_model_float_twins_come_from_to_float() -> None:
     assert report.swapped == ["1", "3", "4"]
     assert all(type(qmodel[i].module) is nn.Linear for i in (1, 3, 4))  # plain float, no fake-quant
     assert rel(qmodel(x), Q.convert(prepared)(x)) < 0.1
+
+
+def test_swaps_are_reverted_when_the_whole_model_is_not_faster() -> None:
+    x = torch.randn(16, 16)
+    fmodel = mlp()
+    _, qmodel = static(fmodel, x)
+    ref = qmodel(x)
+    times = {"1": (2.0, 1.0), "3": (2.0, 1.0), "4": (1.0, 2.0), "<model>": (1.0, 1.5)}
+    report = keep_faster(qmodel, fmodel, x, timer=fake_timer(times))
+    assert report.swapped == [] and all(isinstance(qmodel[i], QLinear) for i in (1, 3, 4))
+    assert [d.note for d in report.decisions][:2] == ["reverted: the whole model was not faster"] * 2
+    assert torch.equal(qmodel(x), ref) and "whole model" in str(report)
+
+
+def test_fallback_keeps_the_channels_last_layout_of_an_int8_conv() -> None:
+    torch.manual_seed(9)
+    fmodel = nn.Sequential(Q.QuantStub(), nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1),
+                           Q.DeQuantStub())
+    x = torch.randn(2, 3, 10, 10)
+    _, qmodel = static(fmodel, x)
+    ref = qmodel(x)
+    int8_codes = qmodel[1](qmodel[0](x)).int_repr()
+    cl = int8_codes.is_contiguous(memory_format=torch.channels_last) and not int8_codes.is_contiguous()
+    keep_faster(qmodel, fmodel, x, timer=fake_timer({"1": (2.0, 1.0), "2": (1.0, 2.0)}))
+    fb = qmodel[1]
+    assert isinstance(fb, FloatFallback) and fb.channels_last == cl
+    codes = fb(qmodel[0](x)).int_repr()
+    assert codes.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+    assert rel(qmodel(x), ref) < 0.1

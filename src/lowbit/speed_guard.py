@@ -13,7 +13,10 @@ at tiny shapes the per-call overhead of quantize → kernel → requantize excee
    (``FloatFallback``); a dynamic layer's replacement is the float module itself;
 3. with ``t_int8`` and ``t_float`` the medians over ``rounds`` interleaved rounds and
    ``ratio = median_r(t_float / t_int8)`` (> 1: int8 is faster), the layer stays int8 iff
-   ``ratio > margin``; otherwise it is swapped for its replacement (in place).
+   ``ratio > margin``; otherwise it is swapped for its replacement (in place);
+4. layers interact (a float conv hands the next int8 conv another memory layout, neighbours
+   requantize), so the model with all swaps is timed against the all-int8 model on the same
+   inputs (timer name ``"<model>"``); unless it is faster, every swap is reverted.
 
 The result has the same interface: every replacement takes what the layer took and returns what
 it returned (a ``QTensor`` on the same grid, or float), so the model still runs unchanged.
@@ -79,6 +82,7 @@ class SpeedReport:
 
     decisions: list[Decision] = field(default_factory=list)
     model: nn.Module | None = None
+    model_ms: tuple[float, float] | None = None  # whole model: (all int8, with the swaps) when any was tried
 
     @property
     def swapped(self) -> list[str]:
@@ -89,6 +93,8 @@ class SpeedReport:
                   f"{len(self.swapped)} swapped back to float"),
                  (f"  {'layer':24s} {'kind':16s} {'input shape':18s} {'int8 ms':>9s} {'float ms':>9s} "
                   f"{'ratio':>6s}  kept")]
+        if self.model_ms is not None:
+            lines.append(f"  whole model: all int8 {self.model_ms[0]:.3f} ms, with swaps {self.model_ms[1]:.3f} ms")
         for d in self.decisions:
             f = (lambda v: "-" if v is None else f"{v:.3f}")
             lines.append(f"  {d.layer or '<root>':24s} {d.kind:16s} {d.shape!s:18s} {f(d.int8_ms):>9s} "
@@ -105,13 +111,17 @@ class FloatFallback(nn.Module):
     int8 layer sees exactly the kind of input the replaced layer produced.
     """
 
-    def __init__(self, module: nn.Module, out: tuple[float, int, QDtype] | None) -> None:
+    def __init__(self, module: nn.Module, out: tuple[float, int, QDtype] | None, channels_last: bool = False) -> None:
         super().__init__()
         self.module = module
         self.out = out
+        self.channels_last = channels_last  # the replaced int8 conv returned channels-last codes: keep that layout
 
     def forward(self, x: Any) -> Any:
-        y = self.module(x.dequantize() if isinstance(x, QTensor) else x)
+        xf = x.dequantize() if isinstance(x, QTensor) else x
+        if self.channels_last and xf.dim() == 4:
+            xf = xf.contiguous(memory_format=torch.channels_last)
+        y = self.module(xf)
         if self.out is None:
             return y
         s, z, qd = self.out
@@ -198,12 +208,23 @@ def _capture_inputs(qmodel: nn.Module, example_inputs: tuple[Any, ...]) -> dict[
     return seen
 
 
-def _replacement(qmod: nn.Module, twin: nn.Module) -> nn.Module:
+def _replacement(qmod: nn.Module, twin: nn.Module, x: Any) -> nn.Module:
     if not isinstance(qmod, WeightedQuantModule):  # dynamic: float in, float out
         return twin
     scale, zero_point = qmod._buffers["scale"], qmod._buffers["zero_point"]
     assert scale is not None and zero_point is not None  # registered by WeightedQuantModule
-    return FloatFallback(twin, (float(scale), int(zero_point), qmod.out_qdtype))
+    with torch.inference_mode():
+        y = qmod(x)
+    codes = y.int_repr() if isinstance(y, QTensor) else y
+    cl = codes.dim() == 4 and codes.is_contiguous(memory_format=torch.channels_last) and not codes.is_contiguous()
+    if cl:
+        twin = twin.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    return FloatFallback(twin, (float(scale), int(zero_point), qmod.out_qdtype), channels_last=cl)
+
+
+def _set(model: nn.Module, name: str, mod: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    model.get_submodule(parent_name)._modules[attr] = mod
 
 
 def keep_faster(qmodel: nn.Module, float_model: nn.Module, example_inputs: Any, rounds: int = 5,
@@ -214,7 +235,7 @@ def keep_faster(qmodel: nn.Module, float_model: nn.Module, example_inputs: Any, 
     layers are matched by module path. ``example_inputs``: a tensor or a tuple of positional
     arguments of ``qmodel``, with the real shapes. A layer stays int8 iff ``t_float / t_int8 >
     margin``. ``timer(name, run_int8, run_float) -> (int8 s, float s)`` replaces the built-in
-    interleaved timer (for tests). Returns a ``SpeedReport``; use ``report.model`` (the root itself
+    interleaved timer (for tests); it is also called with ``name="<model>"`` for the whole-model check. Returns a ``SpeedReport``; use ``report.model`` (the root itself
     is replaced when it is a quantized layer).
     """
     if not isinstance(qmodel, nn.Module) or not isinstance(float_model, nn.Module):
@@ -238,22 +259,41 @@ def keep_faster(qmodel: nn.Module, float_model: nn.Module, example_inputs: Any, 
             raise ValueError(f"keep_faster: float_model has no module {name or '<root>'!r} matching the "
                              f"quantized {type(qmod).__name__}")
     inputs = _capture_inputs(qmodel, args)
+    swaps: dict[str, tuple[nn.Module, nn.Module]] = {}
     for name, qmod in layers:
         kind = type(qmod).__name__ + (" (dynamic)" if isinstance(qmod, DynamicLinear) else "")
         if name not in inputs:
             report.decisions.append(Decision(name, kind, None, None, None, None, True, "not run"))
             continue
         x = inputs[name]
-        repl = _replacement(qmod, _float_twin(floats[name]))
+        repl = _replacement(qmod, _float_twin(floats[name]), x)
         with torch.inference_mode():
             t_int8, t_float = timer(name, functools.partial(qmod, x), functools.partial(repl, x))
         ratio = t_float / t_int8
         kept = ratio > margin
         report.decisions.append(Decision(name, kind, tuple(x.shape), t_int8 * 1e3, t_float * 1e3, ratio, kept))
         if not kept:
-            if name:
-                parent_name, _, attr = name.rpartition(".")
-                qmodel.get_submodule(parent_name)._modules[attr] = repl
-            else:
-                report.model = repl
+            swaps[name] = (qmod, repl)
+    if not swaps:
+        return report
+    if "" in swaps:  # the root is the only quantized layer
+        report.model = swaps[""][1]
+        return report
+
+    def run(use_float: bool) -> Any:
+        for n, (q, r) in swaps.items():
+            _set(qmodel, n, r if use_float else q)
+        return qmodel(*args)
+
+    # layers interact (layouts, requantization between neighbours): the swapped model must win as a whole
+    with torch.inference_mode():
+        t_int8, t_mixed = timer("<model>", functools.partial(run, False), functools.partial(run, True))
+    report.model_ms = (t_int8 * 1e3, t_mixed * 1e3)
+    if not t_int8 / t_mixed > 1.0:
+        for d in report.decisions:
+            if d.layer in swaps:
+                d.kept, d.note = True, "reverted: the whole model was not faster"
+        run(False)
+    else:
+        run(True)
     return report

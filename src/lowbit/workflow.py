@@ -345,7 +345,8 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
     model = _convert(model, "", mapping, report).eval()
     if float_twin is not None:
         speed = keep_faster(model, float_twin, speed_check)
-        model, report.speed = speed.model, speed  # type: ignore[attr-defined]
+        report.speed = speed  # type: ignore[attr-defined]
+        model = model if speed.model is None else speed.model
         logger.info("%s", speed)
     if not report.converted:
         warnings.warn("convert(): no prepared module found (run prepare() or prepare_qat() and calibrate first); "

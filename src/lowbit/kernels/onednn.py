@@ -220,6 +220,7 @@ def _float_epilogue(y: torch.Tensor, bias: torch.Tensor | None, out: OutGrid | N
 
 
 _FBGEMM = ("x86", "fbgemm")
+_QUIET = [False]  # set once the first quantized tensor was made (torch warns only once)
 
 
 def _fbgemm_pack(w: torch.Tensor) -> Any:
@@ -270,9 +271,14 @@ def _fbgemm_requant(cache: dict[str, Any] | None, weight: QTensor, bias: torch.T
         if cache is not None:
             cache["onednn.fbgemm_q"] = hit
     op = torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
+    if _QUIET[0]:
         xt = torch._make_per_tensor_quantized_tensor(q, sx, zx)
-    lead, k = q.shape[:-1], q.shape[-1]
-    y = op(xt.reshape(-1, k), hit[1], out.scale, out.zero_point).int_repr().reshape(*lead, -1)
+    else:  # torch warns once per process about quantized tensors: keep it from users
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            xt = torch._make_per_tensor_quantized_tensor(q, sx, zx)
+        _QUIET[0] = True
+    flat = q.dim() == 2  # (M, K) needs no reshape: saves two dispatches at M = 1
+    y = op(xt if flat else xt.reshape(-1, q.shape[-1]), hit[1], out.scale, out.zero_point).int_repr()
+    y = y if flat else y.reshape(*q.shape[:-1], -1)
     return out.wrap(y if out.full_range else y.clamp_(out.qdtype.quant_min, out.qdtype.quant_max))
