@@ -28,6 +28,7 @@ TIERS: list[tuple[str, ...]] = [
     ("mappings", "examples", "speed_guard"),
     ("fuse", "workflow", "quantize_dynamic", "fx"),
     ("export", "algorithms", "debug", "data"),
+    ("report",),                       # renders debug results
     ("__init__",),                     # the package root: re-exports the public names of all of the above
     ("cli", "__main__"),
 ]

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import FakeQuantize, ObserverBase
+from ..fake_quant import FakeQuantize
+from ..observer import ObserverBase
 from .compare import check_module
 
 __all__ = ["ActivationRange", "activation_ranges"]

@@ -43,17 +43,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import (
-    DeQuantStub,
-    QConfig,
-    QConfigMapping,
-    QuantStub,
-    convert,
-    fuse_modules,
-    get_default_static_quant_module_mappings,
-    prepare,
-    propagate_qconfig_,
-)
+from ..fuse import fuse_modules
+from ..mappings import get_default_static_quant_module_mappings
+from ..qconfig import QConfig, QConfigMapping
+from ..stubs import DeQuantStub, QuantStub
+from ..workflow import convert, prepare, propagate_qconfig_
 from ..qtensor import QTensor, _warned_ops
 from .compare import check_module, iter_batches, run_batch
 

@@ -47,7 +47,7 @@ from .spec import ConvSpec, OutGrid
 __all__ = ["NAME", "SMALL_M", "available", "has_vnni", "saturation_safe", "linear", "conv"]
 
 NAME = "onednn"
-SMALL_M = 16  # rows up to which fbgemm's int8 GEMM beats oneDNN's on CPUs without VNNI (benchmarks/README.md)
+SMALL_M = 32  # rows up to which fbgemm's int8 GEMM beats oneDNN's on CPUs without VNNI (benchmarks/README.md)
 
 
 @functools.lru_cache(maxsize=None)
