@@ -178,8 +178,10 @@ def _qconfig(name: str, qat: bool) -> Any:
 
     if qat:
         return Q.get_default_qat_qconfig()
+    from .speed_guard import get_speed_qconfig
+
     recipes: dict[str, Callable[[], Any]] = {"default": Q.get_default_qconfig, "histogram": Q.get_default_qconfig,
-                                             "minmax": Q.get_minmax_qconfig}
+                                             "minmax": Q.get_minmax_qconfig, "speed": get_speed_qconfig}
     if name not in recipes:
         raise CLIError(f"--qconfig {name!r}: choose one of {sorted(recipes)}")
     return recipes[name]()
@@ -411,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--eval", help="evaluation inputs (same formats as --calib)")
     q.add_argument("--labels", help="labels of --eval")
     q.add_argument("--method", action="append", choices=METHODS, help="repeatable; default: all three")
-    q.add_argument("--qconfig", default="default", help="static recipe: default (histogram) or minmax")
+    q.add_argument("--qconfig", default="default", help="static recipe: default (histogram), minmax, or speed (7-bit activations on CPUs without VNNI)")
     q.add_argument("--backend", default="auto", choices=["auto", "reference", "onednn", "int_mm"])
     q.add_argument("--out", default="lowbit-out", help="output folder (default: lowbit-out)")
     q.add_argument("--quiet", action="store_true", help="no progress bars or messages")
