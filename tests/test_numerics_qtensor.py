@@ -25,7 +25,8 @@ def pair_pc(axis=0, dtype=Q.qint8):
     x = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(1))
     n = x.shape[axis]
     s, z = torch.linspace(0.01, 0.05, n), torch.arange(n) - 1
-    return Q.quantize_per_channel(x, s, z, axis, dtype), torch.quantize_per_channel(x, s.double(), z, axis % x.dim(), dtype.torch_dtype)
+    ours = Q.quantize_per_channel(x, s, z, axis, dtype)
+    return ours, torch.quantize_per_channel(x, s.double(), z, axis % x.dim(), dtype.torch_dtype)
 
 
 @pytest.fixture(autouse=True)

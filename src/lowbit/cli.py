@@ -413,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--eval", help="evaluation inputs (same formats as --calib)")
     q.add_argument("--labels", help="labels of --eval")
     q.add_argument("--method", action="append", choices=METHODS, help="repeatable; default: all three")
-    q.add_argument("--qconfig", default="default", help="static recipe: default (histogram), minmax, or speed (7-bit activations on CPUs without VNNI)")
+    q.add_argument("--qconfig", default="default",
+                   help="static recipe: default (histogram), minmax, or speed (7-bit activations without VNNI)")
     q.add_argument("--backend", default="auto", choices=["auto", "reference", "onednn", "int_mm"])
     q.add_argument("--out", default="lowbit-out", help="output folder (default: lowbit-out)")
     q.add_argument("--quiet", action="store_true", help="no progress bars or messages")

@@ -72,7 +72,8 @@ def _codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> to
     return torch.round(x.to(torch.float32) * torch.reciprocal(scale)) + zero_point
 
 
-def quantize(x: torch.Tensor, scale: Number, zero_point: Number, qdtype: QDtype | str, ch_axis: int | None = None) -> torch.Tensor:
+def quantize(x: torch.Tensor, scale: Number, zero_point: Number, qdtype: QDtype | str,
+             ch_axis: int | None = None) -> torch.Tensor:
     """Integer codes of ``x`` on ``qdtype``'s grid, stored as ``qdtype.storage``; not differentiable."""
     qdtype = as_qdtype(qdtype)
     if not x.is_floating_point():

@@ -112,7 +112,7 @@ class QConfig(_QConfigFields):
     >>> Q.QConfig(Q.MinMaxObserver(), Q.MinMaxObserver)
     Traceback (most recent call last):
     ...
-    TypeError: QConfig activation=MinMaxObserver(...) is an observer instance; pass a factory such as MinMaxObserver.with_args(...) so every insertion site gets its own observer
+    TypeError: QConfig activation=MinMaxObserver(...) is an observer instance; pass a factory such as ...
     """
 
     __slots__ = ()

@@ -207,7 +207,8 @@ class QTensor:
     def relu(self) -> QTensor:
         """ReLU on codes: ``max(q, zero_point)`` — exact, the grid is unchanged."""
         if self._axis is not None:
-            return QTensor(torch.maximum(self._q, self._zero_point.reshape([-1 if i == self._axis else 1 for i in range(self.dim())]).to(self._q.dtype)),
+            zp = self._zero_point.reshape([-1 if i == self._axis else 1 for i in range(self.dim())])
+            return QTensor(torch.maximum(self._q, zp.to(self._q.dtype)),
                            self._scale, self._zero_point, self._qdtype, self._axis)
         return self._same_grid(torch.clamp(self._q, min=int(self._zero_point)))
 
@@ -283,7 +284,9 @@ def _cat(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
     if kwargs or not all(isinstance(t, QTensor) and t.axis is None for t in ts):
         return NotImplemented
     first = ts[0]
-    if not all(t.qdtype == first.qdtype and torch.equal(t.scale, first.scale) and torch.equal(t.zero_point, first.zero_point) for t in ts):
+    same = (t.qdtype == first.qdtype and torch.equal(t.scale, first.scale)
+            and torch.equal(t.zero_point, first.zero_point) for t in ts)
+    if not all(same):
         return NotImplemented
     return first._same_grid(torch.cat([t.int_repr() for t in ts], dim))
 

@@ -235,8 +235,9 @@ def keep_faster(qmodel: nn.Module, float_model: nn.Module, example_inputs: Any, 
     layers are matched by module path. ``example_inputs``: a tensor or a tuple of positional
     arguments of ``qmodel``, with the real shapes. A layer stays int8 iff ``t_float / t_int8 >
     margin``. ``timer(name, run_int8, run_float) -> (int8 s, float s)`` replaces the built-in
-    interleaved timer (for tests); it is also called with ``name="<model>"`` for the whole-model check. Returns a ``SpeedReport``; use ``report.model`` (the root itself
-    is replaced when it is a quantized layer).
+    interleaved timer (for tests); it is also called with ``name="<model>"`` for the whole-model
+    check. Returns a ``SpeedReport``; use ``report.model`` (the root itself is replaced when it is
+    a quantized layer).
     """
     if not isinstance(qmodel, nn.Module) or not isinstance(float_model, nn.Module):
         raise TypeError(f"keep_faster: qmodel and float_model must be nn.Modules, got "

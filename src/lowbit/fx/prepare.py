@@ -104,7 +104,7 @@ def _insert_observers(gm: fx.GraphModule) -> int:
         kind = node.meta.get("lowbit_kind")
         if kind in ("module", "functional", "act"):
             obs = add_observer(node, node.meta["lowbit_qconfig"], "obs_out")
-            node.replace_all_uses_with(obs, delete_user_cb=lambda u: u is not obs)
+            node.replace_all_uses_with(obs, delete_user_cb=lambda u, obs=obs: u is not obs)
         elif node.meta.get("lowbit_domain") == "float":
             int_users = [u for u in node.users if wants_int(u)]
             if int_users:

@@ -172,6 +172,7 @@ class WeightedQuantModule(nn.Module):
 
     _relu = False
     _weight_axis = 0
+    _float_type: type[nn.Module] = nn.Module
 
     def __init__(self, weight_shape: tuple[int, ...], n_bias: int, bias: bool, device: Any = None) -> None:
         super().__init__()
@@ -187,6 +188,21 @@ class WeightedQuantModule(nn.Module):
         self.weight_qscheme: QScheme = QScheme.PER_CHANNEL_SYMMETRIC
         self.input_grid: InputGrid | None = None  # recorded input grid for float inputs (set by convert)
         self._cache: dict[str, Any] = {}
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> Any:
+        """From a prepared float/QAT module (or a fused ``(op, ReLU)`` marker for the ReLU variants).
+
+        Reads ``mod.qconfig.weight`` (or ``mod.weight_fake_quant``) for the weight grid, per channel
+        along ``_weight_axis``, and ``mod.activation_post_process`` for the output grid.
+        """
+        op: Any = float_op(mod, cls._float_type, cls.__name__, cls._relu)
+        owner = mod if hasattr(mod, "qconfig") or hasattr(mod, "weight_fake_quant") else op
+        obs = weight_qparams(op.weight, owner, cls._weight_axis, cls.__name__)
+        weight = quantize_weight(op.weight, obs, cls._weight_axis)
+        q = cls.from_reference(op, weight, *output_qparams(mod, cls.__name__))  # type: ignore[attr-defined]
+        q.weight_qscheme = weight_qscheme(obs)
+        return q
 
     # ---- state ----
     def set_weight_bias(self, weight: QTensor, bias: torch.Tensor | None) -> None:

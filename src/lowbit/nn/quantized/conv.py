@@ -34,8 +34,7 @@ from ... import kernels
 from ...kernels import ConvSpec
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
-from ._utils import (WeightedQuantModule, as_qtensor, float_op, output_qparams, quantize_weight, weight_qparams,
-                     weight_qscheme)
+from ._utils import (WeightedQuantModule, as_qtensor)
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "ntuple", "check_channels"]
 
@@ -131,16 +130,6 @@ class _ConvNd(WeightedQuantModule):
         mod.set_weight_bias(weight, None if c.bias is None else c.bias.detach().float())
         mod.set_output_grid(out_scale, out_zero_point, out_qdtype)
         return mod
-
-    @classmethod
-    def from_float(cls, mod: nn.Module) -> _ConvNd:
-        """From a prepared float/QAT conv (or a ``(Conv, ReLU)`` fused marker for the ReLU variants)."""
-        op: Any = float_op(mod, cls._float_type, cls.__name__, cls._relu)
-        owner = mod if hasattr(mod, "qconfig") or hasattr(mod, "weight_fake_quant") else op
-        obs = weight_qparams(op.weight, owner, 0, cls.__name__)
-        q = cls.from_reference(op, quantize_weight(op.weight, obs, 0), *output_qparams(mod, cls.__name__))
-        q.weight_qscheme = weight_qscheme(obs)
-        return q
 
     def extra_repr(self) -> str:
         pad = repr(self.padding_str) if self.padding_str else self.padding

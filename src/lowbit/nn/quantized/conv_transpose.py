@@ -30,8 +30,7 @@ from ... import kernels
 from ...kernels import ConvSpec
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
-from ._utils import (WeightedQuantModule, as_qtensor, float_op, output_qparams, quantize_weight, weight_qparams,
-                     weight_qscheme)
+from ._utils import (WeightedQuantModule, as_qtensor)
 from .conv import check_channels, ntuple
 
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
@@ -85,15 +84,6 @@ class _ConvTransposeNd(WeightedQuantModule):
         mod.set_weight_bias(weight, None if c.bias is None else c.bias.detach().float())
         mod.set_output_grid(out_scale, out_zero_point, out_qdtype)
         return mod
-
-    @classmethod
-    def from_float(cls, mod: nn.Module) -> _ConvTransposeNd:
-        """From a prepared float transposed conv; the weight observer is applied along axis 1."""
-        op: Any = float_op(mod, cls._float_type, cls.__name__, False)
-        obs = weight_qparams(op.weight, mod, 1, cls.__name__)
-        q = cls.from_reference(op, quantize_weight(op.weight, obs, 1), *output_qparams(mod, cls.__name__))
-        q.weight_qscheme = weight_qscheme(obs)
-        return q
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "

@@ -32,8 +32,7 @@ from torch import nn
 from ... import kernels
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
-from ._utils import (WeightedQuantModule, as_qtensor, float_op, output_qparams, quantize_weight, weight_qparams,
-                     weight_qscheme)
+from ._utils import (WeightedQuantModule, as_qtensor)
 
 __all__ = ["Linear", "LinearReLU"]
 
@@ -46,6 +45,8 @@ def _positive_int(v: Any, name: str, where: str) -> int:
 
 class Linear(WeightedQuantModule):
     """Quantized ``nn.Linear``; see the module docstring for the math and state."""
+
+    _float_type = nn.Linear
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None) -> None:
         where = type(self).__name__
@@ -69,20 +70,6 @@ class Linear(WeightedQuantModule):
         mod.set_weight_bias(weight, None if linear.bias is None else linear.bias.detach().float())
         mod.set_output_grid(out_scale, out_zero_point, out_qdtype)
         return mod
-
-    @classmethod
-    def from_float(cls, mod: nn.Module) -> Linear:
-        """From a prepared float/QAT ``nn.Linear`` (or an ``(Linear, ReLU)`` fused marker for ``LinearReLU``).
-
-        Reads ``mod.qconfig.weight`` (or ``mod.weight_fake_quant``) for the weight grid and
-        ``mod.activation_post_process`` for the output grid.
-        """
-        op = float_op(mod, nn.Linear, cls.__name__, cls._relu)
-        owner = mod if hasattr(mod, "qconfig") or hasattr(mod, "weight_fake_quant") else op
-        obs = weight_qparams(op.weight, owner, 0, cls.__name__)
-        q = cls.from_reference(op, quantize_weight(op.weight, obs, 0), *output_qparams(mod, cls.__name__))
-        q.weight_qscheme = weight_qscheme(obs)
-        return q
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
