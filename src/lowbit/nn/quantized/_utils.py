@@ -165,7 +165,8 @@ class WeightedQuantModule(nn.Module):
 
     ``state_dict``: ``weight_int8`` (int8 codes), ``weight_scale`` (float32, ``(C,)``),
     ``weight_zero_point`` (int64, ``(C,)``), ``bias`` (float32 buffer, absent without bias), and the
-    output grid ``scale`` (0-d float32) / ``zero_point`` (0-d int64). ``_cache`` holds packed
+    output grid ``scale`` (0-d float32) / ``zero_point`` (0-d int64), and the recorded grid of float
+    inputs ``input_scale`` / ``input_zero_point`` (scale 0: none). ``_cache`` holds packed
     weights and the prepared ``(weight QTensor, OutGrid)``; it is keyed on the buffers' versions and
     cleared by ``load_state_dict`` and ``.to()``, and never saved or deep-copied.
     """
@@ -186,8 +187,33 @@ class WeightedQuantModule(nn.Module):
         self.out_qdtype: QDtype = quint8
         self.weight_qdtype: QDtype = as_qdtype("qint8")
         self.weight_qscheme: QScheme = QScheme.PER_CHANNEL_SYMMETRIC
-        self.input_grid: InputGrid | None = None  # recorded input grid for float inputs (set by convert)
+        # recorded grid for float inputs (set by convert): buffers, so it travels with state_dict;
+        # input_scale == 0 means "none recorded" (float inputs are then quantized dynamically)
+        self.register_buffer("input_scale", torch.tensor(0.0, device=device))
+        self.register_buffer("input_zero_point", torch.tensor(0, dtype=torch.int64, device=device))
+        self.input_qdtype: QDtype = quint8
+        self._input_grid: InputGrid | None = None
         self._cache: dict[str, Any] = {}
+
+    @property
+    def input_grid(self) -> InputGrid | None:
+        """``(scale, zero_point, qdtype)`` used to quantize float inputs, or ``None`` (dynamic)."""
+        return self._input_grid
+
+    @input_grid.setter
+    def input_grid(self, grid: InputGrid | None) -> None:
+        with torch.no_grad():
+            if grid is None:
+                self.input_scale.zero_()
+                self.input_zero_point.zero_()
+            else:
+                scale, zero_point, qdtype = grid
+                if not float(scale) > 0:
+                    raise ValueError(f"{type(self).__name__}: input grid scale={scale!r} must be positive")
+                self.input_scale.fill_(float(scale))
+                self.input_zero_point.fill_(int(zero_point))
+                self.input_qdtype = as_qdtype(qdtype)
+        self._input_grid = None if grid is None else (float(grid[0]), int(grid[1]), self.input_qdtype)
 
     @classmethod
     def from_float(cls, mod: nn.Module) -> Any:
@@ -265,7 +291,7 @@ class WeightedQuantModule(nn.Module):
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         self._cache.clear()
         out = super()._apply(fn, *args, **kwargs)
-        for name in ("weight_scale", "bias", "scale"):  # .double()/.half() must not change the int8 contract
+        for name in ("weight_scale", "bias", "scale", "input_scale"):  # .double()/.half() keep the int8 contract
             t = self._buffers.get(name)
             if t is not None and t.dtype != torch.float32:
                 self._buffers[name] = t.float()
@@ -274,6 +300,8 @@ class WeightedQuantModule(nn.Module):
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._cache.clear()
         super()._load_from_state_dict(*args, **kwargs)
+        scale = float(self.input_scale)
+        self._input_grid = (scale, int(self.input_zero_point), self.input_qdtype) if scale > 0 else None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
