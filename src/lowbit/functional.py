@@ -24,6 +24,10 @@ are ``(C,)`` and broadcast along ``ch_axis``.
 
 from __future__ import annotations
 
+import struct
+import warnings
+
+import numpy as np
 import torch
 
 from .qscheme import QDtype, as_qdtype
@@ -31,6 +35,8 @@ from .qscheme import QDtype, as_qdtype
 __all__ = ["quantize", "dequantize", "fake_quantize", "check_ch_axis"]
 
 Number = float | int | torch.Tensor
+
+_U8_VIA_INT16 = 4096  # above this many codes, convert float32 -> uint8 through int16 (one dispatch less below)
 
 
 def check_ch_axis(ch_axis: int, ndim: int, shape: tuple[int, ...] | torch.Size | None = None) -> int:
@@ -79,15 +85,76 @@ def quantize(x: torch.Tensor, scale: Number, zero_point: Number, qdtype: QDtype 
     if not x.is_floating_point():
         raise TypeError(f"quantize expects a floating-point tensor, got dtype {x.dtype}")
     _check_scale(scale)
-    s, z = _broadcast(scale, x, ch_axis, torch.float32), _broadcast(zero_point, x, ch_axis, torch.float32)
-    q = torch.round(x.detach().to(torch.float32) * torch.reciprocal(s) + z).clamp_(qdtype.quant_min, qdtype.quant_max)
+    inv_z = _scalar_qparams(scale, zero_point) if ch_axis is None and x.device.type == "cpu" else None
+    if inv_z is not None:  # per tensor on CPU: Python-float operands, no qparam tensors to build
+        q = torch.mul(x.detach().to(torch.float32), inv_z[0]).add_(inv_z[1]).round_()
+    else:
+        s, z = _broadcast(scale, x, ch_axis, torch.float32), _broadcast(zero_point, x, ch_axis, torch.float32)
+        q = torch.mul(x.detach().to(torch.float32), torch.reciprocal(s)).add_(z).round_()
+    # one temporary, updated in place (same float32 operations as round(x * (1/s) + z), bit for bit);
+    # clamping to integer bounds commutes with rounding
+    q = q.clamp_(qdtype.quant_min, qdtype.quant_max)
+    if qdtype.storage == torch.uint8 and q.numel() > _U8_VIA_INT16:
+        # float32 -> uint8 is a scalar loop in torch's CPU kernels, float32 -> int16 a vector one
+        # (4x faster at 3M elements); the codes are integers in [0, 255], so both are exact
+        return q.to(torch.int16).to(torch.uint8)
     return q.to(qdtype.storage)
 
 
 def dequantize(q: torch.Tensor, scale: Number, zero_point: Number, ch_axis: int | None = None) -> torch.Tensor:
     """float32 values ``(q - z) * s`` of integer codes ``q``."""
+    if ch_axis is None and q.device.type == "cpu" and q.dtype in _TORCH_QDTYPE and q.is_contiguous():
+        sz = _f32_scalar(scale), _f32_scalar(zero_point)
+        fast = None if None in sz else _dequantize_fused(q, *sz)  # type: ignore[arg-type]
+        if fast is not None:
+            return fast
     s, z = _broadcast(scale, q, ch_axis, torch.float32), _broadcast(zero_point, q, ch_axis, torch.float32)
-    return (q.to(torch.float32) - z) * s
+    return q.to(torch.float32, copy=True).sub_(z).mul_(s)  # (q - z) * s, in place on one float32 copy
+
+
+_TORCH_QDTYPE = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
+_QUIET = [False]  # torch warns once per process that quantized tensors are deprecated: keep it from users
+
+
+def _scalar_qparams(scale: Number, zero_point: Number) -> tuple[float, float] | None:
+    """``(float32(1 / s), float32(z))`` as Python floats for scalar qparams (float32 division, as
+    ``torch.reciprocal``), or ``None`` when either is not a CPU scalar or ``1 / s`` is not finite."""
+    s, z = _f32_scalar(scale), _f32_scalar(zero_point)
+    if s is None or z is None or not 1e-38 <= s < float("inf"):  # 1 / s stays finite in float32
+        return None
+    return float(np.float32(1.0) / np.float32(s)), z
+
+
+def _f32_scalar(p: Number) -> float | None:
+    """``p`` rounded to float32 as a Python float, for a number or a one-element CPU tensor; else ``None``."""
+    if isinstance(p, torch.Tensor):
+        if p.numel() != 1 or p.device.type != "cpu" or p.is_complex():
+            return None
+        if p.dtype == torch.float32:
+            return float(p)
+        v = float(p.item())  # an integer below 2**24 is already exact in float32
+        return v if not p.is_floating_point() and abs(v) < 2**24 else float(p.to(torch.float32))
+    if isinstance(p, (int, float)) and not isinstance(p, bool):
+        return struct.unpack("f", struct.pack("f", p))[0] if abs(p) < 3e38 else None
+    return None
+
+
+def _dequantize_fused(q: torch.Tensor, s: float, z: float) -> torch.Tensor | None:
+    """``(q - z) * s`` in one pass through torch's per-tensor dequantize (CPU, 8-bit codes).
+
+    torch computes ``(float(q) - z) * float32(s)`` per element, vectorised; checked bit-identical to
+    the generic path (``tests/test_numerics_fastpaths.py``). ``None`` when torch would reject the grid.
+    """
+    lo, hi = _TORCH_QDTYPE[q.dtype]
+    if not (0 < s < float("inf") and lo <= z <= hi and z == int(z)):
+        return None
+    if _QUIET[0]:
+        return torch._make_per_tensor_quantized_tensor(q, s, int(z)).dequantize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        y = torch._make_per_tensor_quantized_tensor(q, s, int(z)).dequantize()
+    _QUIET[0] = True
+    return y
 
 
 class _FakeQuantizeSTE(torch.autograd.Function):

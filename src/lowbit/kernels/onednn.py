@@ -199,7 +199,7 @@ def _split_run(run: Any, q: torch.Tensor, zx: int, bias: torch.Tensor | None, ou
     """
     hi = run(q.bitwise_right_shift(1), zx >> 1, None, 1.0, 0, torch.float32, "none")
     lo = run(q.bitwise_and(1), zx & 1, None, 1.0, 0, torch.float32, "none")
-    return _float_epilogue(hi.mul_(2).add_(lo), bias, out, relu, channel_dim)
+    return _float_epilogue(lo.add_(hi, alpha=2), bias, out, relu, channel_dim)  # 2·hi is exact: = hi·2 + lo
 
 
 def _float_epilogue(y: torch.Tensor, bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
@@ -247,7 +247,7 @@ def _fbgemm_linear(packed: Any, q: torch.Tensor, sx: float, zx: int, split: bool
     def acc(codes: torch.Tensor, zp: int) -> torch.Tensor:
         return op(codes.to(torch.float32).sub_(zp), 1.0, zp, packed)
 
-    y = acc(q2.bitwise_right_shift(1), zx >> 1).mul_(2).add_(acc(q2.bitwise_and(1), zx & 1)) if split else acc(q2, zx)
+    y = acc(q2.bitwise_and(1), zx & 1).add_(acc(q2.bitwise_right_shift(1), zx >> 1), alpha=2) if split else acc(q2, zx)
     y = y.mul_(w_scale * sx).reshape(*lead, -1)
     return _float_epilogue(y, bias, out, relu, -1)
 

@@ -109,7 +109,8 @@ def finite_aminmax(x: torch.Tensor, owner: str, dim: int | None = None) -> tuple
             shape = tuple(x.shape[:d]) + tuple(x.shape[d + 1:])
         return (torch.full(shape, float("inf"), device=x.device), torch.full(shape, float("-inf"), device=x.device))
     x = x.to(torch.float32)
-    mn, mx = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
+    # amin + amax: torch.aminmax(dim=...) is ~20x slower on CPU (measured at 2048x1536)
+    mn, mx = torch.aminmax(x) if dim is None else (x.amin(dim), x.amax(dim))
     if bool(torch.isfinite(mn).all() & torch.isfinite(mx).all()):
         return mn, mx
     if owner not in _warned_nonfinite:
