@@ -17,6 +17,8 @@ from lowbit.nn.quantized import DeQuantize, Embedding, FloatFunctional, Linear
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
+from onnx_helpers import ort_ops, quantized, within_one_quantum  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _one_thread():
@@ -24,27 +26,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def quantized(model: nn.Module, batches: list[torch.Tensor]) -> nn.Module:
-    """prepare -> calibrate -> convert, in eval mode."""
-    model = model.eval()
-    model.qconfig = Q.get_default_qconfig()
-    prepared = Q.prepare(model)
-    with torch.no_grad():
-        for b in batches:
-            prepared(b)
-    return Q.convert(prepared)
-
-
-def within_one_quantum(a: torch.Tensor, b: torch.Tensor, quantum: float) -> float:
-    return ((a - b).abs() <= quantum * (1 + 1e-3)).double().mean().item()
-
-
-def ort_ops(path, x: torch.Tensor, tmp_path) -> tuple[torch.Tensor, set[str]]:
-    opt = tmp_path / "optimized.onnx"
-    out = run_onnx(path, x, optimized_model_path=str(opt))[0]
-    return out, {n.op_type for n in onnx.load(str(opt)).graph.node}
 
 
 class Merges(nn.Module):
