@@ -1,2 +1,13 @@
+import os
+
+from hypothesis import HealthCheck, settings
+
 # onnx_helpers.py is imported by the ONNX tests (which skip without onnx); never collect it on its own
 collect_ignore = ["onnx_helpers.py"]
+
+# Property tests: "ci" (the default) draws the same examples on every run, so CI is reproducible and a
+# red run can be rerun; "explore" draws fresh random examples, many more of them, to hunt for new cases:
+#   LOWBIT_HYPOTHESIS=explore python -m pytest tests -k "property or hypothesis or never_worse"
+settings.register_profile("ci", derandomize=True, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("explore", max_examples=400, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("LOWBIT_HYPOTHESIS", "ci"))
