@@ -283,6 +283,56 @@ def test_sensitivity_with_stubs_and_fuse(data):
     assert sorted(table.float_layers) == ["conv", "fc"] and table.met_tolerance is False  # the stubs still round
 
 
+def test_sensitivity_qat_ranks_like_ptq_and_trains_each_candidate():
+    m = sensitive_mlp()
+    x = torch.randn(128, 8, generator=torch.Generator().manual_seed(2))
+    score, target = mse_score(m, x), m(x).detach()
+    trained = []
+
+    def train_fn(prepared: nn.Module) -> None:  # a short fine-tune towards the float outputs
+        assert prepared.training and torch.is_grad_enabled()
+        opt = torch.optim.SGD(prepared.parameters(), lr=1e-4)
+        for _ in range(2):
+            opt.zero_grad()
+            ((prepared(x) - target) ** 2).mean().backward()
+            opt.step()
+        trained.append({n: type(c) for n, c in prepared.named_children()})
+
+    mapping, table = sensitivity(m, Q.get_minmax_qconfig(), x, score, method="qat", train_fn=train_fn, tolerance=1e-3)
+    assert len(trained) == 3 + 1 + len(table.float_layers)  # one per layer, the full model, one per exclusion
+    assert all(t[n] is Q.nn.qat.Linear for t in trained[3:] for n in ("fc1", "fc3"))  # the full model's, in QAT form
+    assert [sum(c is Q.nn.qat.Linear for c in t.values()) for t in trained[:3]] == [1, 1, 1]  # one layer at a time
+    assert table.rows[0].name == "fc2" and table.rows[0].drop > 20 * max(r.drop for r in table.rows[1:])
+    assert table.float_layers == ["fc2"] and table.met_tolerance
+    assert mapping.get_qconfig(nn.Linear, "fc2") is None
+    assert type(m.fc2) is nn.Linear and not m.training  # the user's model is untouched
+    with pytest.raises(TypeError, match="train_fn"):
+        sensitivity(m, None, x, score, method="qat")
+
+
+def test_sensitivity_dynamic_finds_the_outlier_column_layer():
+    """Per-channel weights cannot absorb an outlier *column*: every row's scale is set by it, crushing the rest
+    (the column meets a dead ReLU channel, so the float model does not see it)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(OrderedDict(fc1=nn.Linear(16, 32), relu=nn.ReLU(), fc2=nn.Linear(32, 32), fc3=nn.Linear(32, 4)))
+    with torch.no_grad():
+        m.fc1.weight[0], m.fc1.bias[0] = 0.0, -1.0
+        m.fc2.weight[:, 0] = 100.0
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    score = mse_score(m, x)
+    _, table = sensitivity(m, None, None, score, method="dynamic")
+    assert [r.module_type for r in table.rows] == ["Linear"] * 3 and table.rows[0].name == "fc2"
+    assert table.rows[0].drop > 10 * max(r.drop for r in table.rows[1:])
+    tol = 3 * sum(r.drop for r in table.rows[1:])
+    mapping, table = sensitivity(m, Q.get_dynamic_qconfig(), [x], score, method="dynamic", tolerance=tol)
+    assert table.float_layers == ["fc2"] and table.met_tolerance
+    spec = {name: None if name in table.float_layers else Q.get_dynamic_qconfig() for name in ("fc1", "fc2", "fc3")}
+    q = Q.quantize_dynamic(m, spec)
+    assert type(q.fc2) is nn.Linear and type(q.fc1).__module__.startswith("lowbit.nn.quantized.dynamic")
+    with torch.no_grad():
+        assert -float(((q(x) - m(x)) ** 2).mean()) == pytest.approx(table.final_metric, rel=1e-6, abs=1e-12)
+
+
 def test_sensitivity_bad_input(data):
     m = cbr_linear()
     ok = lambda mod: 0.0
@@ -298,6 +348,12 @@ def test_sensitivity_bad_input(data):
         sensitivity(m, None, [], ok)
     with pytest.raises(TypeError, match="fuse"):
         sensitivity(m, None, data, ok, fuse=42)
+    with pytest.raises(ValueError, match="method='gptq'"):
+        sensitivity(m, None, data, ok, method="gptq")
+    with pytest.raises(ValueError, match="train_fn"):
+        sensitivity(m, None, data, ok, train_fn=lambda p: None)
+    with pytest.raises(ValueError, match="method='dynamic'"):  # a model with no Linear/LSTM/GRU... cbr_linear has fc
+        sensitivity(nn.Sequential(nn.Conv2d(1, 1, 1)), None, None, ok, method="dynamic")
     with pytest.raises(ValueError, match="quantizes no layer"):
         sensitivity(m, Q.QConfigMapping(), data, ok)
     with pytest.raises(TypeError, match="real number"):

@@ -10,6 +10,13 @@ With ``tolerance`` it then quantizes everything (the user's mapping) and, while
 ``baseline - metric > tolerance``, sets the worst remaining layer to ``None`` (kept float) and
 re-quantizes, so the returned mapping is the user's plus those exclusions.
 
+``method`` picks the recipe each candidate goes through: ``"ptq"`` (default: ``prepare``, calibrate
+on ``calib``, ``convert``), ``"qat"`` (``prepare_qat``, observers warmed on ``calib`` in eval mode
+if it is given, then ``train_fn(prepared)`` fine-tunes in place, then ``convert``; the default
+mapping is ``get_default_qat_qconfig_mapping()``, ``fuse`` groups go through ``fuse_modules_qat``)
+or ``"dynamic"`` (``quantize_dynamic`` of the layers the mapping targets — Linear, LSTM, GRU —
+with the per-layer qconfigs; default ``get_dynamic_qconfig()``; ``calib`` may be ``None``).
+
 Models without ``QuantStub`` work: a quantized layer quantizes its float input on the grid observed
 during calibration, and a float layer given a ``QTensor`` runs on its dequantized values (the
 warning that says so is silenced here). ``eval_fn`` always sees float outputs (a ``QTensor``
@@ -43,11 +50,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fuse import fuse_modules
-from ..mappings import get_default_static_quant_module_mappings
-from ..qconfig import QConfig, QConfigMapping
+from ..fuse import fuse_modules, fuse_modules_qat
+from ..mappings import (
+    get_default_dynamic_quant_module_mappings,
+    get_default_qat_module_mappings,
+    get_default_static_quant_module_mappings,
+)
+from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_dynamic_qconfig
+from ..quantize_dynamic import quantize_dynamic
 from ..stubs import DeQuantStub, QuantStub
-from ..workflow import convert, prepare, propagate_qconfig_
+from ..workflow import convert, prepare, prepare_qat, propagate_qconfig_
 from ..qtensor import QTensor, _warned_ops
 from .compare import check_module, iter_batches, run_batch
 
@@ -149,15 +161,28 @@ def _score(eval_fn: Callable[[nn.Module], Any], model: nn.Module, what: str) -> 
     return float(value)
 
 
-def _layers(model: nn.Module, mapping: QConfigMapping) -> list[tuple[str, str, QConfig]]:
-    """``(name, type, qconfig)`` of each module ``prepare`` would quantize (stubs excluded), in order."""
+_METHODS = ("ptq", "qat", "dynamic")
+
+
+def _quantizable(method: str) -> set[type]:
+    if method == "dynamic":
+        return set(get_default_dynamic_quant_module_mappings())
+    if method == "qat":
+        return set(get_default_qat_module_mappings()) | set(get_default_static_quant_module_mappings())
+    return set(get_default_static_quant_module_mappings())
+
+
+def _layers(model: nn.Module, mapping: QConfigMapping, method: str,
+            keep_none: bool = False) -> list[tuple[str, str, QConfig | None]]:
+    """``(name, type, qconfig)`` of each module ``method`` would quantize (stubs excluded), in order;
+    ``keep_none`` also lists the targeted types whose qconfig resolves to ``None``."""
     probe = propagate_qconfig_(copy.deepcopy(model), mapping)
-    quantizable = set(get_default_static_quant_module_mappings())
-    out: list[tuple[str, str, QConfig]] = []
+    quantizable = _quantizable(method)
+    out: list[tuple[str, str, QConfig | None]] = []
 
     def walk(mod: nn.Module, name: str) -> None:
         qc = getattr(mod, "qconfig", None)
-        if type(mod) in quantizable and qc is not None:
+        if type(mod) in quantizable and (qc is not None or keep_none):
             if not isinstance(mod, (QuantStub, DeQuantStub)):
                 out.append((name, type(mod).__name__, qc))
             return
@@ -168,8 +193,10 @@ def _layers(model: nn.Module, mapping: QConfigMapping) -> list[tuple[str, str, Q
     return out
 
 
-def _fused(model: nn.Module, fuse: Any) -> nn.Module:
-    base = copy.deepcopy(model).eval()
+def _fused(model: nn.Module, fuse: Any, method: str) -> nn.Module:
+    """A deep copy without ``.qconfig`` attributes, fused; eval mode (train mode for QAT, BN unfolded)."""
+    qat = method == "qat"
+    base = copy.deepcopy(model).train(qat)
     for m in base.modules():
         m.__dict__.pop("qconfig", None)
     if fuse is None:
@@ -178,18 +205,38 @@ def _fused(model: nn.Module, fuse: Any) -> nn.Module:
         fused = fuse(base)
         if not isinstance(fused, nn.Module):
             raise TypeError(f"sensitivity: fuse(model) must return an nn.Module, got {type(fused).__name__}")
-        return fused.eval()
+        return fused.train(qat)
     if isinstance(fuse, (list, tuple)):
-        return fuse_modules(base, fuse)
+        return fuse_modules_qat(base, fuse) if qat else fuse_modules(base, fuse)
     raise TypeError(f"sensitivity: fuse={fuse!r} must be None, a list of fuse_modules groups or a callable")
 
 
-def _quantize(base: nn.Module, mapping: QConfigMapping, calib: list[Any]) -> nn.Module:
-    prepared = prepare(base, mapping)  # a deep copy
-    with torch.no_grad():
-        for batch in calib:
-            run_batch(prepared, batch)
-    qmodel = convert(prepared, inplace=True)
+def _dynamic_spec(base: nn.Module, mapping: QConfigMapping) -> dict[str, QConfig | None]:
+    """The mapping as a ``quantize_dynamic`` spec: every targeted module by name (``None``: stays float)."""
+    return {name: qc for name, _, qc in _layers(base, mapping, "dynamic", keep_none=True)}
+
+
+def _quantize(base: nn.Module, mapping: QConfigMapping, calib: list[Any], method: str,
+              train_fn: Callable[[nn.Module], Any] | None) -> nn.Module:
+    """``base`` quantized by ``method`` under ``mapping`` (a new model; ``base`` is not modified)."""
+    if method == "dynamic":
+        with warnings.catch_warnings():  # a mapping that targets nothing is a legal candidate (all float)
+            warnings.filterwarnings("ignore", message=r"quantize_dynamic\(\): no module")
+            qmodel = quantize_dynamic(base, _dynamic_spec(base, mapping))
+    else:
+        prepared = prepare_qat(base, mapping) if method == "qat" else prepare(base, mapping)  # deep copies
+        if calib:
+            prepared.eval()  # QAT: observers warm up on calib, BN statistics untouched
+            with torch.no_grad():
+                for batch in calib:
+                    run_batch(prepared, batch)
+        if method == "qat":
+            assert train_fn is not None
+            prepared.train()
+            with torch.enable_grad():
+                train_fn(prepared)
+            prepared.eval()
+        qmodel = convert(prepared, inplace=True)
     qmodel.register_forward_hook(_dequantize_output)
     return qmodel
 
@@ -198,15 +245,20 @@ def _quantize(base: nn.Module, mapping: QConfigMapping, calib: list[Any]) -> nn.
 
 
 def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Callable[[nn.Module], Any],
-                tolerance: float | None = None, fuse: Any = None) -> tuple[QConfigMapping, SensitivityTable]:
+                tolerance: float | None = None, fuse: Any = None, method: str = "ptq",
+                train_fn: Callable[[nn.Module], Any] | None = None) -> tuple[QConfigMapping, SensitivityTable]:
     """Quantize one layer at a time and rank layers by metric drop; optionally keep the worst ones float.
 
     ``qconfig_mapping``: a ``QConfigMapping``, a ``QConfig`` (global), a qconfig dict or ``None``
     (the default recipe). ``calib``: a calibration tensor or an iterable of batches (as ``compare``'s
     inputs). ``tolerance``: the largest acceptable ``baseline - metric`` (``>= 0``), or ``None``.
+    ``method``: ``"ptq"``, ``"qat"`` (needs ``train_fn(prepared_model)``, which fine-tunes in place;
+    ``calib`` may be ``None``) or ``"dynamic"`` (``calib`` may be ``None``).
     Returns ``(mapping, table)``: ``mapping`` is a copy of the user's mapping (with ``tolerance``:
     plus ``set_module_name(layer, None)`` for every layer kept float), usable with
-    ``prepare(fused_model, mapping)``; ``table`` is a ``SensitivityTable``. ``model`` is not modified.
+    ``prepare(fused_model, mapping)`` (``prepare_qat`` for QAT; for dynamic,
+    ``quantize_dynamic(model, {name: mapping qconfig ...})`` — ``table.float_layers`` names the
+    exclusions); ``table`` is a ``SensitivityTable``. ``model`` is not modified.
     """
     check_module(model, "sensitivity: model")
     if not callable(eval_fn):
@@ -216,31 +268,41 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
             raise TypeError(f"sensitivity: tolerance={tolerance!r} must be a number >= 0 or None")
         if not tolerance >= 0 or math.isinf(tolerance):
             raise ValueError(f"sensitivity: tolerance={tolerance!r} must be a finite number >= 0")
-    user_mapping = copy.deepcopy(QConfigMapping.from_qconfig(qconfig_mapping))
-    batches = list(iter_batches(calib, "sensitivity: calib"))
-    base = _fused(model, fuse)
-    layers = _layers(base, user_mapping)
+    if not isinstance(method, str) or method not in _METHODS:
+        raise ValueError(f"sensitivity: method={method!r} must be one of {', '.join(map(repr, _METHODS))}")
+    if method == "qat" and not callable(train_fn):
+        raise TypeError(f"sensitivity: method='qat' needs train_fn (prepared model -> None, fine-tunes in place), "
+                        f"got {train_fn!r}")
+    if method != "qat" and train_fn is not None:
+        raise ValueError(f"sensitivity: train_fn is only used with method='qat' (method={method!r})")
+    default = {"ptq": None, "qat": get_default_qat_qconfig_mapping(), "dynamic": get_dynamic_qconfig()}[method]
+    user_mapping = copy.deepcopy(QConfigMapping.from_qconfig(qconfig_mapping, default))
+    optional_calib = method != "ptq" and calib is None
+    batches = [] if optional_calib else list(iter_batches(calib, "sensitivity: calib"))
+    base = _fused(model, fuse, method)
+    layers = _layers(base, user_mapping, method)
     if not layers:
-        raise ValueError("sensitivity: qconfig_mapping quantizes no layer of the model (every quantizable module "
-                         "resolves to None)")
+        raise ValueError(f"sensitivity: qconfig_mapping quantizes no layer of the model for method={method!r} "
+                         "(every quantizable module resolves to None)")
+
+    def quantized(mapping: QConfigMapping, what: str) -> float:
+        return _score(eval_fn, _quantize(base, mapping, batches, method, train_fn), what)
 
     with _quiet_float_fallback(), torch.no_grad():
-        baseline = _score(eval_fn, copy.deepcopy(base), "the float model")
+        baseline = _score(eval_fn, copy.deepcopy(base).eval(), "the float model")
         rows = []
         for name, type_name, qc in layers:
-            only = QConfigMapping().set_module_name(name, qc)
-            metric = _score(eval_fn, _quantize(base, only, batches), f"layer '{name}' quantized alone")
+            metric = quantized(QConfigMapping().set_module_name(name, qc), f"layer '{name}' quantized alone")
             rows.append(SensitivityRow(name, type_name, metric, baseline - metric))
         rows.sort(key=lambda r: -r.drop)
         table = SensitivityTable(baseline, rows, tolerance)
         if tolerance is not None:
-            metric = _score(eval_fn, _quantize(base, user_mapping, batches), "the fully quantized model")
+            metric = quantized(user_mapping, "the fully quantized model")
             for row in rows:
                 if baseline - metric <= tolerance:
                     break
                 user_mapping.set_module_name(row.name, None)
                 table.float_layers.append(row.name)
-                metric = _score(eval_fn, _quantize(base, user_mapping, batches),
-                                f"the model with {table.float_layers} float")
+                metric = quantized(user_mapping, f"the model with {table.float_layers} float")
             table.final_metric = metric
     return user_mapping, table
