@@ -373,3 +373,55 @@ def test_float_inputs_get_a_calibrated_grid():
     assert (y - m(x)).norm() / m(x).norm() < 0.05
     assert q[0].input_grid is not None and not any(
         "input_activation_post_process" in mod._modules or mod._forward_pre_hooks for mod in q.modules())
+
+
+def _pool_head(quant: type = QuantStub, dequant: type = DeQuantStub) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(quant(), nn.Conv2d(3, 16, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 10), dequant()).eval()
+
+
+def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()))
+
+
+def test_global_average_pool_is_requantized_on_the_next_layers_calibrated_grid():
+    """conv -> global average -> Linear: lowbit averages in float and the Linear quantizes on the grid it
+    calibrated on the averages; torch.ao keeps the conv's (much wider) grid through the pool."""
+    m = _pool_head()
+    x = torch.randn(64, 3, 12, 12, generator=torch.Generator().manual_seed(1))
+    ref = m(x).detach()
+    prepared = prepare(m, get_minmax_qconfig())
+    prepared(x)
+    qm, report = convert(prepared, return_report=True)
+    assert "3" not in report.left_float and isinstance(qm[5], QLinear) and qm[5].input_grid is not None
+    assert qm[5].input_grid[0] < qm[1].scale / 4  # the averages' grid is much finer than the conv output's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "ran on dequantized values" warning: averaging in float is the design
+        out = qm(x)
+    ao = _pool_head(tq.QuantStub, tq.DeQuantStub)
+    ao.qconfig = tq.QConfig(activation=tq.MinMaxObserver.with_args(dtype=torch.quint8),
+                            weight=tq.PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric))
+    with _engine("onednn"):
+        ao_prepared = tq.prepare(ao)
+        ao_prepared(x)
+        ao_out = tq.convert(ao_prepared)(x)
+    assert _sqnr(ref, out) > _sqnr(ref, ao_out) + 6  # > 4x lower error power than keeping the conv's grid
+    # a QTensor given to the pool directly still averages in integer, on its own grid (torch's quantized op)
+    q = torch.quantize_per_tensor(torch.rand(2, 3, 4, 4), 0.05, 3, torch.quint8)
+    from lowbit.qtensor import quantize_per_tensor
+    lq = nn.AdaptiveAvgPool2d(1)(quantize_per_tensor(q.dequantize(), 0.05, 3, "quint8"))
+    assert isinstance(lq, QTensor) and lq.q_scale() == pytest.approx(0.05) and lq.q_zero_point() == 3
+    assert (lq.int_repr().int() - nn.AdaptiveAvgPool2d(1)(q).int_repr().int()).abs().max() <= 1  # torch rounds ties up
+
+
+class _engine:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        self.old = torch.backends.quantized.engine
+        torch.backends.quantized.engine = self.name
+
+    def __exit__(self, *exc: object) -> None:
+        torch.backends.quantized.engine = self.old

@@ -298,12 +298,24 @@ def get_minmax_qconfig() -> QConfig:
 def get_dynamic_qconfig(dtype: QDtype | str | torch.dtype = qint8) -> QConfig:
     """Dynamic quantization: activations quantized per batch at runtime, weights ahead of time.
 
-    quint8 activations (``PlaceholderObserver(is_dynamic=True)``: the range is measured on each
-    batch) and per-channel symmetric qint8 weights (torch's default dynamic recipe is per tensor).
-    Only ``dtype=qint8`` is supported (float16 weight storage is not implemented yet).
+    ``dtype=qint8``: quint8 activations (``PlaceholderObserver(is_dynamic=True)``: the range is
+    measured on each batch) and per-channel symmetric qint8 weights (torch's default dynamic recipe
+    is per tensor). ``dtype=torch.float16``: float16 weight storage, float activations — torch's
+    ``float16_dynamic_qconfig`` (``PlaceholderObserver`` with ``qdtype=torch.float16`` on both sides);
+    ``quantize_dynamic`` with it builds the same modules as ``quantize_dynamic(..., dtype=torch.float16)``.
+
+    >>> import torch, lowbit as Q
+    >>> qc = Q.get_dynamic_qconfig(torch.float16)
+    >>> qc.weight().qdtype, qc.activation().is_dynamic
+    (torch.float16, True)
     """
-    if dtype in (torch.float16, "float16") or as_qdtype(dtype) != qint8:
-        raise ValueError(f"get_dynamic_qconfig: dtype={dtype!r} is not supported; use qint8")
+    if dtype in (torch.float16, "float16"):
+        return QConfig(
+            activation=PlaceholderObserver.with_args(qdtype=torch.float16, is_dynamic=True),
+            weight=PlaceholderObserver.with_args(qdtype=torch.float16),
+        )
+    if as_qdtype(dtype) != qint8:
+        raise ValueError(f"get_dynamic_qconfig: dtype={dtype!r} is not supported; use qint8 or torch.float16")
     return QConfig(
         activation=PlaceholderObserver.with_args(qdtype=quint8, is_dynamic=True),
         weight=PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=per_channel_symmetric, qdtype=qint8),

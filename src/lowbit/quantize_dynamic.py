@@ -5,7 +5,9 @@
 - ``None``: every module whose exact type is a key of ``mapping`` (Linear, LSTM, GRU) with ``dtype``;
 - a set of types: modules of exactly those types (and the modules inside them) with ``dtype``;
 - a dict ``{type or dotted name: dtype | QConfig | None}``: per type / per name; ``None`` excludes.
-  A name covers the submodules under it; a module's own name beats its type beats its parent's.
+  A name covers the submodules under it; a module's own name beats its type beats its parent's;
+- a ``QConfig`` (every targeted module) or a ``QConfigMapping`` (resolved as in ``prepare``): each
+  targeted module's weight observer gives its dtype, e.g. ``get_dynamic_qconfig(torch.float16)``.
 
 ``dtype``: ``lowbit.qint8`` (``"qint8"``, ``torch.qint8``) or ``torch.float16``. A bare target
 (``quantize_dynamic(nn.LSTM(...))``) returns the quantized module itself.
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from .mappings import get_default_dynamic_quant_module_mappings
-from .qconfig import QConfig
+from .qconfig import QConfig, QConfigMapping
 from .qscheme import QDtype, as_qdtype, qint8
 
 __all__ = ["quantize_dynamic"]
@@ -59,7 +61,11 @@ def _spec_value(v: Any, key: Any) -> tuple[DynamicDtype, QConfig | None] | None:
     return _as_dynamic_dtype(v, f"qconfig_spec[{key!r}]"), None
 
 
-def _normalise_spec(qconfig_spec: Any, dtype: DynamicDtype, mapping: dict[type, type]) -> dict[Any, Any]:
+def _normalise_spec(qconfig_spec: Any, dtype: DynamicDtype, mapping: dict[type, type]) -> Any:
+    if isinstance(qconfig_spec, QConfig):  # before the tuple check: a QConfig is a NamedTuple
+        return QConfigMapping().set_global(qconfig_spec)
+    if isinstance(qconfig_spec, QConfigMapping):
+        return qconfig_spec
     if qconfig_spec is None:
         return {t: (dtype, None) for t in mapping}
     if isinstance(qconfig_spec, (set, frozenset, list, tuple)):
@@ -72,7 +78,8 @@ def _normalise_spec(qconfig_spec: Any, dtype: DynamicDtype, mapping: dict[type, 
             if not isinstance(k, (type, str)):
                 raise TypeError(f"quantize_dynamic: qconfig_spec key {k!r} must be a module type or a module name")
         return {k: _spec_value(v, k) for k, v in qconfig_spec.items()}
-    raise TypeError(f"quantize_dynamic: qconfig_spec={qconfig_spec!r} must be None, a set of types or a dict")
+    raise TypeError(f"quantize_dynamic: qconfig_spec={qconfig_spec!r} must be None, a set of types, a dict, "
+                    "a QConfig or a QConfigMapping")
 
 
 def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qint8,
@@ -97,23 +104,29 @@ def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qi
     model.eval()
     found = [0]
 
-    def walk(mod: nn.Module, name: str, inherited: Any) -> nn.Module:
+    def setting(mod: nn.Module, name: str, inherited: Any) -> Any:
+        """The module's ``None | (dtype, qconfig) | QConfig`` (a mapping's, resolved lazily)."""
+        if isinstance(spec, QConfigMapping):
+            return spec.resolve(name, type(mod), inherited)
         d = spec.get(name, _MISSING) if name else _MISSING
-        if d is _MISSING:
-            d = spec.get(type(mod), inherited)
+        return spec.get(type(mod), inherited) if d is _MISSING else d
+
+    def walk(mod: nn.Module, name: str, inherited: Any) -> nn.Module:
+        d = setting(mod, name, inherited)
         if type(mod) in mapping and d is not None:
             found[0] += 1
-            if d[1] is not None:  # the module's weight observer comes from this qconfig
-                mod.qconfig = d[1]
             try:
-                return mapping[type(mod)].from_float(mod, dtype=d[0])
+                wdtype, qconfig = _spec_value(d, name or type(mod).__name__) if isinstance(d, QConfig) else d
+                if qconfig is not None:  # the module's weight observer comes from this qconfig
+                    mod.qconfig = qconfig
+                return mapping[type(mod)].from_float(mod, dtype=wdtype)
             except (ValueError, TypeError, RuntimeError) as err:
                 raise type(err)(f"quantize_dynamic: module '{name or '<root>'}' ({type(mod).__name__}): {err}") from err
         for cname, child in list(mod.named_children()):
             mod._modules[cname] = walk(child, f"{name}.{cname}" if name else cname, d)
         return mod
 
-    model = walk(model, "", spec.get("", None))
+    model = walk(model, "", spec.global_qconfig if isinstance(spec, QConfigMapping) else spec.get("", None))
     if found[0] == 0 and spec:
         warnings.warn("quantize_dynamic(): no module of a targeted type found — the model is returned unchanged",
                       stacklevel=2)

@@ -62,6 +62,7 @@ from .nn.quantized.functional_modules import FloatFunctional
 from .observer.base import ObserverBase
 from .qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from .qscheme import as_qdtype
+from .qtensor import QTensor
 from .quantize_dynamic import quantize_dynamic
 from .speed_guard import keep_faster
 from .stubs import DeQuantStub
@@ -79,6 +80,11 @@ _NO_OUTPUT_OBSERVER = (DeQuantStub, nn.Embedding, nn.EmbeddingBag)
 # leaf modules a QTensor passes through in integer (or that do nothing): not worth reporting
 _QTENSOR_NATIVE = (nn.Identity, nn.ReLU, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Flatten,
                    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
+# Averages run on dequantized values after convert and the next layer quantizes them on the grid it
+# calibrated (a global average spans far less than its input, whose grid torch.ao keeps: up to ~10x
+# coarser; see docs/design.md). prepare treats their outputs as float, so the twins agree.
+_AVERAGING_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+                    nn.AdaptiveAvgPool3d)
 
 
 def _path(name: str) -> str:
@@ -172,6 +178,12 @@ def _observe_float_input(module: nn.Module, inputs: Any) -> Any:
     if isinstance(x, torch.Tensor) and x.is_floating_point() and not getattr(x, _TAG, False):
         return (module.input_activation_post_process(x), *inputs[1:])
     return None
+
+
+def _dequantize_input(module: nn.Module, inputs: Any) -> Any:
+    """Forward pre-hook ``convert`` puts on averaging pools: a ``QTensor`` input is averaged in float."""
+    x = inputs[0] if inputs else None
+    return (x.dequantize(), *inputs[1:]) if isinstance(x, QTensor) else None
 
 
 _HOOKS = (_observe_output, _pass_tag, _observe_float_input)
@@ -316,6 +328,9 @@ def _convert(mod: nn.Module, name: str, mapping: dict[type, type], report: Conve
             continue
         mod._modules[cname] = _convert(child, f"{name}.{cname}" if name else cname, mapping, report)
     _strip(mod)
+    if qc is not None and isinstance(mod, _AVERAGING_POOLS) and _dequantize_input not in mod._forward_pre_hooks.values():
+        mod.register_forward_pre_hook(_dequantize_input)
+        return mod
     leaf = not any(True for _ in mod.children()) or isinstance(mod, FusedModule)
     if qc is not None and leaf and not isinstance(mod, _QTENSOR_NATIVE):
         why = "not observed (prepared with another mapping?)" if type(mod) in mapping else "no quantized mapping"

@@ -86,16 +86,23 @@ class PlaceholderObserver(ObserverBase):
 
     Used by dynamic quantization (activations quantized with qparams computed per batch at run
     time) and wherever a config needs a dtype but no statistics. ``calculate_qparams()`` raises.
+    ``qdtype=torch.float16`` marks float16 weight storage (``get_dynamic_qconfig(torch.float16)``,
+    torch's ``PlaceholderObserver(dtype=torch.float16)``); such an observer has no integer grid.
 
     >>> import lowbit as Q
     >>> obs = Q.PlaceholderObserver(qdtype=Q.quint8, is_dynamic=True)
     >>> obs.qdtype, obs.is_dynamic, obs.is_calibrated
     (lowbit.quint8, True, False)
+    >>> Q.PlaceholderObserver(qdtype=torch.float16).qdtype
+    torch.float16
     """
 
-    def __init__(self, qscheme: QScheme | str = per_tensor_affine, qdtype: QDtype | str = quint8,
+    def __init__(self, qscheme: QScheme | str = per_tensor_affine, qdtype: QDtype | str | torch.dtype = quint8,
                  eps: float = 1e-8, is_dynamic: bool = False) -> None:
-        super().__init__(qscheme, qdtype, None, eps)
+        float16 = qdtype in (torch.float16, "float16")
+        super().__init__(qscheme, quint8 if float16 else qdtype, None, eps)  # type: ignore[arg-type]
+        if float16:  # float16 weight storage (dynamic quantization): no integer grid at all
+            self.qdtype = torch.float16  # type: ignore[assignment]
         if not isinstance(is_dynamic, bool):
             raise TypeError(f"{type(self).__name__}: is_dynamic={is_dynamic!r} must be a bool")
         self.is_dynamic = is_dynamic

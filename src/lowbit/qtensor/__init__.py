@@ -2,9 +2,16 @@
 
 ``x̂ = (int_repr - zero_point) * scale`` — per tensor with 0-d qparams, per channel with ``(C,)``
 qparams broadcast along ``axis``. A QTensor is a small value object, not a ``torch.Tensor``
-subclass: shape ops that keep the grid (view, reshape, flatten, permute, relu, max_pool, cat of
-equal grids, indexing) stay integer; any other torch op runs on the dequantized values and warns
-once, naming the op, so a model never crashes at an int8/float boundary.
+subclass: shape ops that keep the grid (view, reshape, flatten, squeeze/unsqueeze, permute,
+transpose, indexing, chunk/split/unbind, relu, max_pool, cat of equal grids) stay integer, and so do
+average pooling, ``mean``, nearest interpolation, constant padding and clamping (``qtensor/ops.py``);
+any other torch op runs on the dequantized values and warns once, naming the op, so a model never
+crashes at an int8/float boundary.
+
+Per channel, a shape op moves ``axis`` with the channel dim (``permute``, ``transpose``, a reshape
+that keeps the dim whole, indexing); an int index or ``unbind`` on the channel dim leaves a
+per-tensor slice on that channel's grid; ``chunk``/``split`` along it split the qparams. A reshape
+that merges or splits the channel dim, or advanced indexing, runs on float values (with the warning).
 
 >>> import torch, lowbit as Q
 >>> qt = Q.quantize_per_channel(torch.tensor([[0.5, -1.0], [2.0, 4.0]]),
@@ -13,6 +20,8 @@ once, naming the op, so a model never crashes at an int8/float boundary.
 ([[50, -100], [20, 40]], [0.009999999776482582, 0.10000000149011612], 0)
 >>> qt.dequantize()[1].tolist()
 [2.0, 4.0]
+>>> qt.transpose(0, 1).q_per_channel_axis(), qt[1].q_scale(), [p.q_per_channel_axis() for p in qt.chunk(2, 1)]
+(1, 0.10000000149011612, [0, 0])
 """
 
 from __future__ import annotations
@@ -23,8 +32,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .functional import check_ch_axis, dequantize, quantize
-from .qscheme import QDtype, QScheme, as_qdtype
+from ..functional import check_ch_axis, dequantize, quantize
+from ..qscheme import QDtype, QScheme, as_qdtype
+from .axis import indexed_axis, reshaped_axis
 
 __all__ = ["QTensor", "quantize_per_tensor", "quantize_per_channel"]
 
@@ -177,32 +187,88 @@ class QTensor:
     def _same_grid(self, q: torch.Tensor) -> QTensor:
         return QTensor(q, self._scale, self._zero_point, self._qdtype, None)
 
-    def _shape_op(self, name: str, *args: Any) -> Any:
-        if self._axis is not None:  # the channel axis may not survive the op: run it on float values
-            _warn_float_fallback(f"QTensor.{name} on a per-channel QTensor")
-            return getattr(self.dequantize(), name)(*args)
-        return self._same_grid(getattr(self._q, name)(*args))
+    def _regrid(self, q: torch.Tensor, axis: int | None, channels: Any = slice(None)) -> QTensor:
+        """Codes ``q`` on this grid; per channel, ``axis`` is where the channel dim now is and
+        ``channels`` selects its qparams (an int selects one channel: the result is per tensor)."""
+        if self._axis is None:
+            return self._same_grid(q)
+        s, z = self._scale[channels], self._zero_point[channels]
+        return QTensor(q, s, z, self._qdtype, None if isinstance(channels, int) else axis)
+
+    def _float_fallback(self, name: str, *args: Any) -> Any:
+        _warn_float_fallback(f"QTensor.{name} on a per-channel QTensor")
+        return getattr(self.dequantize(), name)(*args)
+
+    def _reshaped(self, name: str, *args: Any) -> Any:
+        """A reshape-like op: per channel, it stays integer when the channel dim survives intact."""
+        q = getattr(self._q, name)(*args)
+        if self._axis is None:
+            return self._same_grid(q)
+        axis = reshaped_axis(self.shape, self._axis, q.shape)
+        return self._float_fallback(name, *args) if axis is None else self._regrid(q, axis)
 
     def view(self, *shape: Any) -> QTensor:
-        return self._shape_op("view", *shape)
+        return self._reshaped("view", *shape)
 
     def reshape(self, *shape: Any) -> QTensor:
-        return self._shape_op("reshape", *shape)
+        return self._reshaped("reshape", *shape)
 
     def flatten(self, start_dim: int = 0, end_dim: int = -1) -> QTensor:
-        return self._shape_op("flatten", start_dim, end_dim)
+        return self._reshaped("flatten", start_dim, end_dim)
+
+    def squeeze(self, *dim: Any) -> QTensor:
+        return self._reshaped("squeeze", *dim)
+
+    def unsqueeze(self, dim: int) -> QTensor:
+        return self._reshaped("unsqueeze", dim)
 
     def permute(self, *dims: Any) -> QTensor:
-        return self._shape_op("permute", *dims)
+        """Per channel, the channel axis moves to where ``dims`` puts it."""
+        q = self._q.permute(*dims)
+        order = [d % self.dim() for d in (dims[0] if len(dims) == 1 and not isinstance(dims[0], int) else dims)]
+        return self._regrid(q, None if self._axis is None else order.index(self._axis))
 
     def transpose(self, d0: int, d1: int) -> QTensor:
-        return self._shape_op("transpose", d0, d1)
+        q, a = self._q.transpose(d0, d1), self._axis
+        if a is not None:  # the channel axis follows the swap
+            d0, d1 = d0 % self.dim(), d1 % self.dim()
+            a = d1 if a == d0 else d0 if a == d1 else a
+        return self._regrid(q, a)
 
     def contiguous(self, *args: Any, **kwargs: Any) -> QTensor:
         return QTensor(self._q.contiguous(*args, **kwargs), self._scale, self._zero_point, self._qdtype, self._axis)
 
     def __getitem__(self, idx: Any) -> QTensor:
-        return self._shape_op("__getitem__", idx)
+        """Indexing; per channel, basic indices (ints, slices, ``None``, ``...``) keep the grid: an
+        int on the channel dim gives that channel's per-tensor grid, a slice slices the qparams."""
+        q = self._q[idx]
+        if self._axis is None:
+            return self._same_grid(q)
+        where = indexed_axis(idx, self.dim(), self._axis)
+        return self._float_fallback("__getitem__", idx) if where is None else self._regrid(q, *where)
+
+    def _pieces(self, parts: tuple[torch.Tensor, ...], dim: int) -> tuple[QTensor, ...]:
+        """Split results along ``dim``: per channel, splitting the channel dim splits the qparams."""
+        dim = dim % self.dim()
+        if self._axis != dim:
+            return tuple(self._regrid(p, self._axis) for p in parts)
+        offsets = [0]
+        for p in parts:
+            offsets.append(offsets[-1] + p.shape[dim])
+        return tuple(self._regrid(p, dim, slice(lo, hi)) for p, lo, hi in zip(parts, offsets, offsets[1:]))
+
+    def chunk(self, chunks: int, dim: int = 0) -> tuple[QTensor, ...]:
+        return self._pieces(self._q.chunk(chunks, dim), dim)
+
+    def split(self, split_size_or_sections: Any, dim: int = 0) -> tuple[QTensor, ...]:
+        return self._pieces(self._q.split(split_size_or_sections, dim), dim)
+
+    def unbind(self, dim: int = 0) -> tuple[QTensor, ...]:
+        """Per channel: unbinding the channel dim gives per-tensor slices (each its channel's grid)."""
+        parts, dim, a = self._q.unbind(dim), dim % self.dim(), self._axis
+        if a is None or a != dim:
+            return tuple(self._regrid(p, None if a is None else a - (dim < a)) for p in parts)
+        return tuple(self._regrid(p, None, i) for i, p in enumerate(parts))
 
     def relu(self) -> QTensor:
         """ReLU on codes: ``max(q, zero_point)`` — exact, the grid is unchanged."""
@@ -211,6 +277,12 @@ class QTensor:
             return QTensor(torch.maximum(self._q, zp.to(self._q.dtype)),
                            self._scale, self._zero_point, self._qdtype, self._axis)
         return self._same_grid(torch.clamp(self._q, min=int(self._zero_point)))
+
+    def clamp(self, min: Any = None, max: Any = None) -> Any:  # noqa: A002 - torch's names
+        return torch.clamp(self, min, max)
+
+    def mean(self, dim: Any = None, keepdim: bool = False) -> Any:
+        return torch.mean(self, dim, keepdim) if dim is not None else torch.mean(self)
 
     # ---- everything else: float fallback ----
     @classmethod
@@ -261,6 +333,13 @@ def _tree_dequantize(obj: Any) -> Any:
     return obj
 
 
+def _method(name: str) -> Callable:
+    """``torch.<name>(qtensor, ...)`` as the QTensor method of that name."""
+    def op(x: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(x, name)(*args, **kwargs) if isinstance(x, QTensor) else NotImplemented
+    return op
+
+
 def _relu(x: Any, inplace: bool = False) -> Any:
     return x.relu() if isinstance(x, QTensor) else NotImplemented
 
@@ -273,10 +352,6 @@ def _max_pool(fn: Callable) -> Callable:
         # by torch, so pool in a float dtype that holds every code exactly.
         return x._same_grid(fn(x.int_repr().to(torch.float32), *args, **kwargs).to(x.int_repr().dtype))
     return op
-
-
-def _flatten(x: Any, start_dim: int = 0, end_dim: int = -1) -> Any:
-    return x.flatten(start_dim, end_dim) if isinstance(x, QTensor) and x.axis is None else NotImplemented
 
 
 def _cat(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
@@ -294,13 +369,14 @@ def _cat(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
 _INT_OPS: dict[Callable, Callable] = {
     torch.relu: _relu,
     F.relu: _relu,
-    torch.flatten: _flatten,
     torch.cat: _cat,
     torch.concat: _cat,
     F.max_pool1d: _max_pool(F.max_pool1d),
     F.max_pool2d: _max_pool(F.max_pool2d),
     F.max_pool3d: _max_pool(F.max_pool3d),
     F.adaptive_max_pool2d: _max_pool(F.adaptive_max_pool2d),
+    **{getattr(torch, name): _method(name) for name in (
+        "flatten", "reshape", "permute", "transpose", "squeeze", "unsqueeze", "chunk", "split", "unbind")},
 }
 
 
@@ -317,3 +393,6 @@ def quantize_per_channel(x: torch.Tensor, scales: torch.Tensor, zero_points: tor
     qdtype = as_qdtype(dtype)
     axis = check_ch_axis(axis, x.dim(), x.shape)
     return QTensor(quantize(x, scales, zero_points, qdtype, axis), scales, zero_points, qdtype, axis)
+
+
+from . import ops  # noqa: E402,F401  registers pooling, resampling, padding and clamping into _INT_OPS

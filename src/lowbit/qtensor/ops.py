@@ -1,0 +1,168 @@
+"""Pooling, resampling, padding and clamping of ``QTensor`` codes: ops that keep the input's grid.
+
+Each op here is what ``torch``'s quantized CPU kernels do on a ``torch.quantize_per_tensor`` input
+(the oracle of ``tests/test_qtensor_ops.py``), applied to the codes ``q`` on the grid ``(s, z)``; the
+output keeps ``(s, z)``:
+
+- selection ops are exact (code for code): ``F.interpolate(mode="nearest")``, ``F.pad`` (constant;
+  the pad value quantized onto the grid, so ``0.0`` pads ``z``), ``F.hardtanh``/``F.relu6``/``torch.clamp``
+  (``clamp(q, quantize(min), quantize(max))``);
+- averaging ops round the mean of the centred codes half to even:
+  ``q_out = clamp(round(mean_window(q - z)) + z, qmin, qmax)`` for ``F.avg_pool1d/2d/3d``,
+  ``F.adaptive_avg_pool1d/2d/3d`` and ``torch.mean``. The mean is exact (float64 where float32 could
+  lose a bit), so this is the correctly rounded average. torch multiplies the integer window sum by a
+  float32 ``1 / count`` before rounding, which can land on the other side of a ``.5`` tie: torch's codes
+  differ from these by at most one, and only where the exact average is a tie (``count`` even).
+
+Per-channel ``QTensor``s keep their per-channel grid when the op leaves the channel axis alone (pooling,
+interpolating or padding only trailing spatial dims; a mean over other dims); otherwise the op runs on
+float values with the usual one-time warning (torch's quantized ops reject per-channel inputs outright).
+
+>>> import torch, torch.nn.functional as F, lowbit as Q
+>>> qt = Q.quantize_per_tensor(torch.tensor([[[0.0, 0.1, 0.2, 0.4]]]), 0.1, 10, Q.quint8)
+>>> F.avg_pool1d(qt, 2).int_repr().tolist()       # means of (0, 1) and (2, 4) centred codes: 0.5, 3
+[[[10, 13]]]
+>>> F.pad(qt, (1, 0)).int_repr().tolist(), F.hardtanh(qt, 0.0, 0.25).int_repr().tolist()
+([[[10, 10, 11, 12, 14]]], [[[10, 11, 12, 12]]])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..functional import quantize
+from . import _INT_OPS, QTensor
+
+__all__: list[str] = []
+
+_F32_EXACT = 2**24  # float32 holds every integer up to this exactly
+
+
+def _channel_shaped(x: QTensor, p: torch.Tensor) -> torch.Tensor:
+    """A qparam broadcast against the codes: 0-d per tensor, ``[1, .., C, .., 1]`` per channel."""
+    return p if x.axis is None else p.reshape([-1 if i == x.axis else 1 for i in range(x.dim())])
+
+
+def _touches_axis(x: QTensor, trailing: int) -> bool:
+    """Whether an op on the last ``trailing`` dims would mix or move the channel axis."""
+    return x.axis is not None and x.axis >= x.dim() - trailing
+
+
+def _centred(x: QTensor, region: int) -> torch.Tensor:
+    """``q - z`` in a float dtype in which sums over ``region`` elements are exact."""
+    qd = x.qdtype
+    span = (qd.quant_max - qd.quant_min) * max(region, 1)
+    dtype = torch.float32 if span < _F32_EXACT else torch.float64
+    return x.int_repr().to(dtype) - _channel_shaped(x, x.zero_point).to(dtype)
+
+
+def _recentre(x: QTensor, y: torch.Tensor, axis: int | None = -1) -> QTensor:
+    """``clamp(round(y + z))`` back on ``x``'s grid (``axis=-1``: the channel axis is unchanged)."""
+    axis = x.axis if axis == -1 else axis
+    z = x.zero_point if x.axis is None else x.zero_point.reshape([-1 if i == axis else 1 for i in range(y.dim())])
+    q = y.add_(z).round_().clamp_(x.qdtype.quant_min, x.qdtype.quant_max)
+    return QTensor(q.to(x.qdtype.storage), x.scale, x.zero_point, x.qdtype, axis)
+
+
+def _region(x: QTensor, dims: Any) -> int:
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    return n
+
+
+def _avg_pool(fn: Callable, spatial: int) -> Callable:
+    """``fn`` (an average pooling of the last ``spatial`` dims) on the centred codes, rounded."""
+    def op(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(x, QTensor) or _touches_axis(x, spatial) or x.dim() <= spatial:
+            return NotImplemented
+        region = _region(x, range(x.dim() - spatial, x.dim()))
+        return _recentre(x, fn(_centred(x, region), *args, **kwargs))
+    return op
+
+
+def _mean(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
+    """``torch.mean`` over ``dim`` (all dims when ``None``) that keeps the grid."""
+    if not isinstance(x, QTensor) or dtype is not None or x.numel() == 0:
+        return NotImplemented
+    dims = list(range(x.dim())) if dim is None or dim == [] or dim == () else (
+        [dim] if isinstance(dim, int) else list(dim))
+    dims = sorted({d % x.dim() for d in dims}) if x.dim() else []
+    if x.axis is not None and x.axis in dims:
+        return NotImplemented
+    y = _centred(x, _region(x, dims))
+    y = y.mean(dims, keepdim=keepdim) if dims else y.clone()
+    axis = None if x.axis is None else x.axis - (0 if keepdim else sum(d < x.axis for d in dims))
+    return _recentre(x, y, axis)
+
+
+def _interpolate(x: Any, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
+                 *args: Any, **kwargs: Any) -> Any:
+    """Nearest-neighbour resampling selects codes: exact."""
+    if not isinstance(x, QTensor) or mode != "nearest" or _touches_axis(x, x.dim() - 2):
+        return NotImplemented
+    wide = torch.float32 if x.qdtype.quant_max - x.qdtype.quant_min < _F32_EXACT else torch.float64
+    q = F.interpolate(x.int_repr().to(wide), size, scale_factor, mode, *args, **kwargs)
+    return QTensor(q.to(x.qdtype.storage), x.scale, x.zero_point, x.qdtype, x.axis)
+
+
+def _pad(x: Any, pad: Any, mode: str = "constant", value: float | None = None) -> Any:
+    """Constant padding with ``value`` quantized onto the grid (``0.0`` pads the zero point)."""
+    if not isinstance(x, QTensor) or mode != "constant" or _touches_axis(x, len(pad) // 2):
+        return NotImplemented
+    fill = _code_bound(x, float(value or 0.0))
+    assert fill is not None
+    if x.axis is None:
+        return x._same_grid(F.pad(x.int_repr(), pad, value=int(fill)))
+    q = F.pad(x.int_repr().to(torch.int64) - fill, pad) + fill  # pad 0 around q - fill, per channel
+    return QTensor(q.to(x.qdtype.storage), x.scale, x.zero_point, x.qdtype, x.axis)
+
+
+def _code_bound(x: QTensor, v: Any) -> torch.Tensor | None:
+    """``quantize(v)`` on ``x``'s grid, shaped to broadcast against the codes; ``None`` for no bound."""
+    if v is None:
+        return None
+    per_channel = x.axis is not None
+    c = x.scale.numel()
+    code = quantize(torch.full((c,), float(v)), x.scale.reshape(c), x.zero_point.reshape(c), x.qdtype,
+                    0 if per_channel else None)
+    return _channel_shaped(x, code.to(torch.int64)) if per_channel else code.to(torch.int64).reshape(())
+
+
+def _clamp(x: Any, min: Any = None, max: Any = None) -> Any:  # noqa: A002 - torch's names
+    """``clamp(q, quantize(min), quantize(max))``: exact, the grid is unchanged."""
+    if not isinstance(x, QTensor) or isinstance(min, torch.Tensor) or isinstance(max, torch.Tensor):
+        return NotImplemented
+    if min is None and max is None:
+        raise ValueError("clamp: at least one of min=None and max=None must be a number")
+    lo, hi = _code_bound(x, min), _code_bound(x, max)
+    q = torch.clamp(x.int_repr(), lo, hi).to(x.qdtype.storage)
+    return QTensor(q, x.scale, x.zero_point, x.qdtype, x.axis)
+
+
+def _hardtanh(x: Any, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> Any:
+    return _clamp(x, min_val, max_val)
+
+
+def _relu6(x: Any, inplace: bool = False) -> Any:
+    return _clamp(x, 0.0, 6.0)
+
+
+_INT_OPS.update({
+    F.avg_pool1d: _avg_pool(F.avg_pool1d, 1),
+    F.avg_pool2d: _avg_pool(F.avg_pool2d, 2),
+    F.avg_pool3d: _avg_pool(F.avg_pool3d, 3),
+    F.adaptive_avg_pool1d: _avg_pool(F.adaptive_avg_pool1d, 1),
+    F.adaptive_avg_pool2d: _avg_pool(F.adaptive_avg_pool2d, 2),
+    F.adaptive_avg_pool3d: _avg_pool(F.adaptive_avg_pool3d, 3),
+    torch.mean: _mean,
+    F.interpolate: _interpolate,
+    F.pad: _pad,
+    F.hardtanh: _hardtanh,
+    F.relu6: _relu6,
+    torch.clamp: _clamp,
+    torch.clip: _clamp,
+})
