@@ -4,9 +4,11 @@
 outputs and on functional ops (``+``, ``torch.cat``, ``matmul``, ...); ``convert_fx`` swaps in
 ``lowbit.nn.quantized`` modules and ``QFunctional`` integer ops, with ``Quantize``/``DeQuantize``
 nodes where int8 regions begin and end. Ops with no integer kernel (softmax, layer norm, GELU)
-stay float. A submodule torch.fx cannot trace (data-dependent control flow) stays a float leaf
-and its children are prepared one by one, each as its own graph; it is named in a warning and in
-``model.lowbit_report`` (an ``FxReport``).
+stay float. ``F.linear``/``F.conv1d/2d/3d`` on the model's own parameters run as quantized
+``Linear``/``ConvNd`` (``lowbit.fx.weighted``); ``nn.Embedding``/``nn.EmbeddingBag`` become per-row
+weight-only quantized tables; ``ConvTranspose``-BN runs are folded. A submodule torch.fx cannot
+trace (data-dependent control flow) stays a float leaf and its children are prepared one by one,
+each as its own graph; it is named in a warning and in ``model.lowbit_report`` (an ``FxReport``).
 
 >>> import torch, lowbit as Q
 >>> from torch import nn

@@ -1,10 +1,12 @@
 """Node classification for graph mode: kind, QFunctional op, qconfig and domain of every node.
 
 Kinds (see ``lowbit.fx.patterns``): ``input`` (placeholder / get_attr), ``module``, ``functional``,
-``act``, ``share``, ``float``, ``opaque`` (an untraceable submodule) and ``output``. Domains
-(what a value is after ``convert_fx``): ``int`` (a ``QTensor``) for ``module``/``functional``/
-``act`` nodes and for ``share`` ops of an int value, ``other`` for non-float values (sizes, masks),
-``float`` otherwise.
+``act``, ``weighted`` (``F.linear``/``F.conv*`` on the model's own parameters, see
+``lowbit.fx.weighted``; ``meta["lowbit_wspec"]`` holds its arguments), ``wonly`` (a weight-only
+module: ``nn.Embedding``/``nn.EmbeddingBag``, float out), ``share``, ``float``, ``opaque`` (an
+untraceable submodule) and ``output``. Domains (what a value is after ``convert_fx``): ``int`` (a
+``QTensor``) for ``module``/``functional``/``act``/``weighted`` nodes and for ``share`` ops of an
+int value, ``other`` for non-float values (sizes, masks), ``float`` otherwise.
 
 >>> import torch
 >>> from torch import fx, nn
@@ -28,10 +30,13 @@ import torch
 from torch import fx, nn
 
 from ..qconfig import QConfig, QConfigMapping
-from .patterns import BINARY_FUNCS, canonical_binary, func_activation, is_share_op
+from .patterns import BINARY_FUNCS, WEIGHT_ONLY_TYPES, canonical_binary, func_activation, is_share_op
 from .report import FxReport
+from .weighted import input_of, parse
 
-__all__ = ["classify", "wants_int", "join"]
+__all__ = ["classify", "wants_int", "int_inputs", "join"]
+
+_INT_KINDS = ("module", "functional", "act", "weighted")
 
 
 def join(prefix: str, name: str) -> str:
@@ -115,7 +120,7 @@ def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaqu
     for node in gm.graph.nodes:
         mod = modules.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
         qc = getattr(mod, "qconfig", None) if mod is not None else _node_qconfig(node, root, mapping)
-        kind, qop = "float", None
+        kind, qop, why = "float", None, "no integer implementation in graph mode"
         if node.op in ("placeholder", "get_attr"):
             kind = "input"
         elif node.op == "output":
@@ -125,8 +130,16 @@ def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaqu
         elif is_share_op(node, mod):
             kind = "share"
         elif qc is not None and node.meta.get("lowbit_ftensor", False):
+            spec, reason = parse(node, gm)
             if node.op == "call_module" and type(mod) in module_types:
                 kind = "module"
+            elif node.op == "call_module" and type(mod) in WEIGHT_ONLY_TYPES:
+                kind = "wonly"
+            elif spec is not None:
+                kind = "weighted"
+                node.meta["lowbit_wspec"] = spec
+            elif reason is not None:
+                why = reason
             elif (qop := _functional_op(node)) is not None:
                 kind = "functional"
             elif func_activation(node.op, node.target) is not None and _act_ok(node):
@@ -134,7 +147,7 @@ def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaqu
         node.meta.update(lowbit_kind=kind, lowbit_qop=qop, lowbit_qconfig=qc)
         if kind == "float" and qc is not None and node.meta.get("lowbit_ftensor", False):
             what = type(mod).__name__ if mod is not None else getattr(node.target, "__name__", str(node.target))
-            report.left_float[join(prefix, node.name)] = f"{what} (no integer implementation in graph mode)"
+            report.left_float[join(prefix, node.name)] = f"{what} ({why})"
     _assign_domains(gm)
     while _demote_float_islands(gm, report, prefix):
         _assign_domains(gm)
@@ -149,7 +162,7 @@ def _assign_domains(gm: fx.GraphModule) -> None:
         elif kind == "share":
             domain = "int" if any(a.meta.get("lowbit_domain") == "int" for a in node.all_input_nodes) else "float"
         else:
-            domain = "int" if kind in ("module", "functional", "act") else "float"
+            domain = "int" if kind in _INT_KINDS else "float"
         node.meta["lowbit_domain"] = domain
 
 
@@ -179,4 +192,12 @@ def _demote_float_islands(gm: fx.GraphModule, report: FxReport, prefix: str) -> 
 
 
 def wants_int(user: fx.Node) -> bool:
-    return user.meta.get("lowbit_kind") in ("module", "functional", "act")
+    """Whether ``user`` reads (some of) its inputs as ``QTensor``s after convert."""
+    return user.meta.get("lowbit_kind") in _INT_KINDS
+
+
+def int_inputs(user: fx.Node) -> list[fx.Node]:
+    """The inputs of an int op that are activations (a functional layer's weight and bias are not)."""
+    if user.meta.get("lowbit_kind") == "weighted":
+        return [input_of(user)]
+    return list(user.all_input_nodes)

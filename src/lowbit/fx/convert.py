@@ -8,7 +8,14 @@ For each observer node of the prepared graph (``lowbit.fx.prepare``):
   observed grid (``qfunctional_<i>.add(a, b)``, ``add_relu``, ``mul``, ``matmul``, ``cat``,
   ``add_scalar``, ``mul_scalar``; ``x / c`` is ``mul_scalar(x, 1 / c)``);
 - after an ``act`` node (``F.hardswish`` ...): a quantized activation module on the observed grid;
+- after a ``weighted`` node (``F.linear``/``F.conv*`` on model parameters): a quantized
+  ``Linear``/``ConvNd`` module built from a float stand-in (``lowbit.fx.weighted``), its weight
+  grid from the ``weight_post_process`` observer of the weight edge; the float weight and bias
+  attributes no other node reads are deleted;
 - an input observer (a float value read by int ops) becomes a ``Quantize`` node.
+
+A weight-only node (``nn.Embedding``/``nn.EmbeddingBag``, or their QAT twin) is swapped for its
+``lowbit.nn.quantized`` table (per-row grid from ``qconfig.weight()``, float output).
 
 Then a shared ``DeQuantize`` is inserted after every int value read by a float op or the graph
 output, dropout becomes the identity, and observers and ``.qconfig`` attributes are removed. Every
@@ -32,6 +39,7 @@ from ..nn.quantized.stubs import DeQuantize, Quantize
 from .patterns import func_activation, is_dropout
 from .prepare import STATE_KEY, is_prepared
 from .report import FxReport
+from .weighted import arg_of, input_of, standin
 
 __all__ = ["convert_fx"]
 
@@ -72,6 +80,8 @@ class _Converter:
         self.mapping = get_default_static_quant_module_mappings()
         self.count = 0
         self.swapped: set[Any] = set()
+        self.dropped: set[str] = set()  # get_attr targets whose nodes were erased
+        self.standins: dict[fx.Node, nn.Module] = {}  # weighted node -> its float nn.Linear / nn.ConvNd
 
     def _key(self, node: fx.Node) -> str:
         return f"{self.prefix}.{node.name}" if self.prefix else node.name
@@ -85,11 +95,12 @@ class _Converter:
         old.replace_all_uses_with(new)
         self.graph.erase_node(old)
 
-    def module(self, node: fx.Node, obs: nn.Module) -> None:
+    def module(self, node: fx.Node, obs: nn.Module | None) -> None:
         mod = self.gm.get_submodule(node.target)
         qcls = self.mapping[type(mod)]
         src = mod.fold() if isinstance(mod, _BnFolded) else mod
-        src.activation_post_process = obs
+        if obs is not None:  # weight-only modules (embeddings) have no output observer
+            src.activation_post_process = obs
         try:
             new = qcls.from_float(src)
         except (ValueError, TypeError, RuntimeError) as err:
@@ -147,10 +158,62 @@ class _Converter:
         self._replace(node, new)
         return new
 
+    def weighted(self, node: fx.Node, obs: nn.Module) -> fx.Node:
+        wobs, bias = arg_of(node, "weight"), arg_of(node, "bias")  # weight_post_process(get_attr), get_attr
+        assert wobs.meta.get("lowbit_kind") == "obs_w", wobs
+        src = self.standins[node]
+        src.weight_fake_quant = self.gm.get_submodule(wobs.target)  # type: ignore[arg-type]
+        src.activation_post_process = obs
+        qcls = self.mapping[type(src)]
+        what = _what(node, self.gm)
+        try:
+            mod = qcls.from_float(src)
+        except (ValueError, TypeError, RuntimeError) as err:
+            raise type(err)(f"convert_fx: '{node.name}' ({what} -> {qcls.__name__}): {err}") from err
+        name = self._new_name(f"quantized_{what}")
+        self.gm.add_submodule(name, mod)
+        with self.graph.inserting_before(node):
+            new = self.graph.call_module(name, (input_of(node),))
+        self.report.converted[self._key(node)] = f"{what} -> {qcls.__module__}.{qcls.__name__}"
+        self._replace(node, new)
+        for attr in (wobs, wobs.args[0], bias):  # the observer, then the float weight / bias reads
+            if attr is not None and not attr.users:
+                if attr.op == "get_attr":
+                    self.dropped.add(attr.target)
+                self.graph.erase_node(attr)
+        return new
+
+    def weight_only(self) -> None:
+        """Swap embeddings for their quantized tables, unless a node still reads the float table."""
+        read = {n.target for n in self.graph.nodes if n.op == "get_attr"}
+        for node in self.graph.nodes:
+            if node.meta.get("lowbit_kind") != "wonly" or node.target in self.swapped:
+                continue
+            if any(t.startswith(f"{node.target}.") for t in read):  # type: ignore[union-attr]
+                what = type(self.gm.get_submodule(node.target)).__name__  # type: ignore[arg-type]
+                self.report.left_float[self._key(node)] = f"{what} (its table is also read as a float tensor)"
+                continue
+            self.swapped.add(node.target)
+            self.module(node, None)
+
+    def drop_float_attrs(self) -> None:
+        """Delete float weights/biases whose only readers were converted (kept if a node or a module
+        forward still reads them)."""
+        read = {n.target for n in self.graph.nodes if n.op == "get_attr"}
+        called = {n.target for n in self.graph.nodes if n.op == "call_module"}
+        for target in self.dropped - read:
+            owner, _, name = target.rpartition(".")
+            if any(owner == c or owner.startswith(f"{c}.") for c in called):  # a leaf's forward reads it
+                continue
+            delattr(self.gm.get_submodule(owner) if owner else self.gm, name)
+
     def observers(self) -> None:
+        # float stand-ins first: a weight may belong to a module that is swapped below (fc.weight)
+        self.standins = {n: standin(n.meta["lowbit_wspec"], self.gm) for n in self.graph.nodes
+                         if n.meta.get("lowbit_kind") == "weighted"}
         for node in list(self.graph.nodes):
             role = node.meta.get("lowbit_kind")
-            if role not in ("obs_out", "obs_in"):
+            if role not in ("obs_out", "obs_in"):  # obs_w: read by the weighted node's conversion
                 continue
             obs = self.gm.get_submodule(node.target)
             src = node.args[0]
@@ -171,6 +234,8 @@ class _Converter:
                     self.module(src, obs)
                     self.swapped.add(src.target)
                 produced = src
+            elif kind == "weighted":
+                produced = self.weighted(src, obs)
             else:
                 produced = self.functional(src, obs) if kind == "functional" else self.act(src, obs)
             node.replace_all_uses_with(produced)
@@ -204,6 +269,8 @@ class _Converter:
 def _convert_graph(gm: fx.GraphModule, report: FxReport) -> None:
     conv = _Converter(gm, report, gm.meta[STATE_KEY].get("prefix", ""))
     conv.observers()
+    conv.weight_only()
+    conv.drop_float_attrs()
     conv.identities()
     conv.dequantize()
     gm.graph.lint()

@@ -11,16 +11,21 @@ class          ops                                         after ``convert_fx``
 ``functional`` ``+``/``torch.add``/``operator.add``, mul,   a ``QFunctional`` method on the
                cat, matmul/bmm, add-relu, scalar add/mul/div observed output grid, int in/out
 ``act``        ``F.hardswish``, ``torch.sigmoid``, ...      the quantized activation module
+``weighted``   ``F.linear``/``F.conv1d/2d/3d`` whose weight   quantized ``Linear``/``ConvNd``
+               and bias are model parameters/buffers        (``lowbit.fx.weighted``), int in/out
+``wonly``      ``nn.Embedding``, ``nn.EmbeddingBag``         per-row weight-only quantized table,
+                                                            int indices in, float out
 ``share``      relu, flatten, view/reshape/permute,         runs on the codes of its input
                max-pool, dropout, identity, size/shape      (int stays int, float stays float)
 ``float``      everything else (softmax, layer_norm, gelu,  float, a ``DeQuantize`` before it
                sub, avg-pool, unknown modules ...)
 =============  ==========================================  ====================================
 
-``fuse_graph`` folds the runs ``conv-bn(-relu)``, ``conv-relu``, ``linear-relu``, ``linear-bn``
-and ``bn-relu`` (relu as ``nn.ReLU``, ``F.relu``, ``torch.relu`` or ``.relu()``) into one
-``lowbit.nn.intrinsic`` module via ``lowbit.fuse.fuse_known_modules``, and ``relu(a + b)`` into
-one ``add_relu`` node.
+``fuse_graph`` folds the runs ``conv-bn(-relu)``, ``conv-relu``, ``linear-relu``, ``linear-bn``,
+``bn-relu`` and (not for QAT) ``convtranspose-bn`` (relu as ``nn.ReLU``, ``F.relu``, ``torch.relu``
+or ``.relu()``) into one ``lowbit.nn.intrinsic`` module via ``lowbit.fuse.fuse_known_modules``;
+``relu(a + b)`` into one ``add_relu`` node; and ``relu(F.linear(x, self.w, self.b))`` (likewise
+``F.conv1d/2d/3d``) into one ``linear_relu`` / ``conv2d_relu`` node (``lowbit.fx.weighted``).
 
 >>> import operator, torch
 >>> canonical_binary("call_function", operator.add), canonical_binary("call_method", "matmul")
@@ -40,10 +45,12 @@ from torch import fx, nn
 
 from ..fuse import fuse_known_modules
 from ..mappings import get_default_static_quant_module_mappings
+from ..nn import qat as nnqat
 from ..nn.quantized import activation as nnq_act
+from .weighted import WITH_RELU, parse
 
-__all__ = ["BINARY_FUNCS", "canonical_binary", "is_relu_target", "fuse_graph", "add_relu", "FUNC_ACTIVATIONS",
-           "func_activation", "is_share_op", "is_dropout", "graph_module_types"]
+__all__ = ["BINARY_FUNCS", "WEIGHT_ONLY_TYPES", "canonical_binary", "is_relu_target", "fuse_graph", "add_relu",
+           "FUNC_ACTIVATIONS", "func_activation", "is_share_op", "is_dropout", "graph_module_types"]
 
 # binary ops with a QFunctional twin: target -> method name
 BINARY_FUNCS: dict[Any, str] = {
@@ -135,17 +142,24 @@ def is_dropout(node: fx.Node, mod: nn.Module | None) -> bool:
     return node.op == "call_module" and isinstance(mod, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d))
 
 
+# modules quantized weight-only (float output, no activation observer); QAT embeddings too
+WEIGHT_ONLY_TYPES: frozenset[type] = frozenset({nn.Embedding, nn.EmbeddingBag, nnqat.Embedding})
+
+
 def graph_module_types() -> set[type]:
     """Module types graph mode converts (the eager static mapping, minus stubs, embeddings, FloatFunctional)."""
     from ..nn.quantized.functional_modules import FloatFunctional
     from ..stubs import DeQuantStub, QuantStub
-    skip = {QuantStub, DeQuantStub, FloatFunctional, nn.Embedding, nn.EmbeddingBag}
+    skip = {QuantStub, DeQuantStub, FloatFunctional, *WEIGHT_ONLY_TYPES}
     return {t for t in get_default_static_quant_module_mappings() if t not in skip}
 
 
 # ---- fusion ----
 _LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BN_OF = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d, nn.Linear: nn.BatchNorm1d}
+# folded exactly for inference only (there is no QAT transposed conv-BN module)
+_BN_OF_TRANSPOSED = {nn.ConvTranspose1d: nn.BatchNorm1d, nn.ConvTranspose2d: nn.BatchNorm2d,
+                     nn.ConvTranspose3d: nn.BatchNorm3d}
 
 
 def _single_user_module(node: fx.Node, modules: dict[str, nn.Module]) -> nn.Module | None:
@@ -173,6 +187,7 @@ def _set_module(gm: fx.GraphModule, path: str, mod: nn.Module) -> None:
 def fuse_graph(gm: fx.GraphModule, is_qat: bool) -> list[str]:
     """Fuse module runs and add-relu in place; return descriptions of the fused runs."""
     modules = dict(gm.named_modules())
+    bn_of = _BN_OF if is_qat else {**_BN_OF, **_BN_OF_TRANSPOSED}
     fused: list[str] = []
     erased: set[fx.Node] = set()
     calls: dict[Any, int] = {}
@@ -183,13 +198,13 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool) -> list[str]:
         if node.op != "call_module" or node in erased or calls[node.target] > 1:
             continue  # a module called at several sites keeps its own form
         first = modules[node.target]
-        if type(first) not in _BN_OF and type(first) not in (nn.BatchNorm2d, nn.BatchNorm3d):
+        if type(first) not in bn_of and type(first) not in (nn.BatchNorm2d, nn.BatchNorm3d):
             continue
         run, mods = [node], [first]
-        if type(first) in _BN_OF:
+        if type(first) in bn_of:
             nxt = next(iter(node.users)) if len(node.users) == 1 else None
             if (nxt is not None and nxt.op == "call_module" and calls[nxt.target] == 1
-                    and type(modules[nxt.target]) is _BN_OF[type(first)]):
+                    and type(modules[nxt.target]) is bn_of[type(first)]):
                 run.append(nxt)
                 mods.append(modules[nxt.target])
         if type(first) in _LAYERS or type(first) in (nn.Linear, nn.BatchNorm2d, nn.BatchNorm3d):
@@ -211,6 +226,18 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool) -> list[str]:
             gm.graph.erase_node(n)
             erased.add(n)
         fused.append(f"{node.target}: {' + '.join(type(m).__name__ for m in mods)} -> {type(new).__name__}")
+    # relu(F.linear(x, self.w, self.b)) -> linear_relu(x, self.w, self.b) (likewise F.conv1d/2d/3d)
+    for node in list(gm.graph.nodes):
+        if node in erased or node.op != "call_function" or node.target not in WITH_RELU:
+            continue
+        relu = _relu_user(node, modules)
+        if relu is None or parse(node, gm)[0] is None:
+            continue  # a layer graph mode cannot quantize keeps its float form
+        base, node.target = node.target, WITH_RELU[node.target]
+        relu.replace_all_uses_with(node)
+        gm.graph.erase_node(relu)
+        erased.add(relu)
+        fused.append(f"{node.name}: {base.__name__} + relu -> {node.target.__name__}")
     # relu(a + b) -> add_relu(a, b)
     for node in list(gm.graph.nodes):
         if node in erased or canonical_binary(node.op, node.target) != "add" or node.kwargs:

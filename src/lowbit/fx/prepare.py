@@ -15,8 +15,13 @@ input and only float consumers stays float (it would only add roundings). Observ
 (``qconfig.activation()``) are inserted as ``activation_post_process_<i>`` call_module nodes:
 
 - after each int-producing node (all users read the observer: in QAT they see fake-quantized values);
-- after each float-domain tensor that an int op consumes (graph inputs, outputs of float ops):
-  only the int consumers read it; ``convert_fx`` turns it into a ``Quantize`` node.
+- after each float-domain tensor that an int op consumes as an activation (graph inputs, outputs
+  of float ops): only the int consumers read it; ``convert_fx`` turns it into a ``Quantize`` node;
+- on the weight edge of ``F.linear``/``F.conv*`` on a model parameter (``lowbit.fx.weighted``):
+  ``qconfig.weight()`` as ``weight_post_process_<i>`` (in QAT the layer sees fake-quantized weights).
+
+Embeddings (``nn.Embedding``/``nn.EmbeddingBag``) get no observer: their output stays float and
+``convert_fx`` quantizes their table per row with ``qconfig.weight()``, as the eager ``convert``.
 
 A functional op's qconfig is ``object_type[function]`` when set, else the qconfig of the module
 whose ``forward`` it was traced in.
@@ -35,10 +40,11 @@ from torch import fx, nn
 from ..mappings import get_default_qat_module_mappings
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..workflow import propagate_qconfig_
-from .classify import classify, join, wants_int
+from .classify import classify, int_inputs, join, wants_int
 from .patterns import fuse_graph, graph_module_types
 from .report import FxReport
 from .trace import RootNotTraceable, record_tensor_kinds, trace
+from .weighted import arg_of
 
 __all__ = ["prepare_fx", "prepare_qat_fx", "STATE_KEY", "is_prepared"]
 
@@ -80,7 +86,8 @@ def _kinds_in_eval(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -
 
 
 def _insert_observers(gm: fx.GraphModule) -> int:
-    """Insert the observer nodes described in the module docstring; return how many."""
+    """Insert the observer nodes described in the module docstring; return how many (weight-only
+    modules count as one each)."""
     graph, count = gm.graph, 0
     per_module: dict[str, str] = {}  # a module called at several sites: one observer sees them all
 
@@ -100,18 +107,31 @@ def _insert_observers(gm: fx.GraphModule) -> int:
                         lowbit_qconfig=qconfig, lowbit_scope=node.meta.get("lowbit_scope", ""))
         return obs
 
+    def add_weight_observer(node: fx.Node) -> None:
+        nonlocal count
+        weight, name = arg_of(node, "weight"), f"weight_post_process_{count}"
+        count += 1
+        gm.add_submodule(name, node.meta["lowbit_qconfig"].weight())
+        with graph.inserting_before(node):
+            obs = graph.call_module(name, (weight,))
+        obs.meta.update(lowbit_kind="obs_w", lowbit_domain="other", lowbit_ftensor=True, lowbit_scalar=False)
+        node.replace_input_with(weight, obs)
+
     for node in list(graph.nodes):
         kind = node.meta.get("lowbit_kind")
-        if kind in ("module", "functional", "act"):
+        if kind == "weighted":
+            add_weight_observer(node)
+        if kind in ("module", "functional", "act", "weighted"):
             obs = add_observer(node, node.meta["lowbit_qconfig"], "obs_out")
             node.replace_all_uses_with(obs, delete_user_cb=lambda u, obs=obs: u is not obs)
         elif node.meta.get("lowbit_domain") == "float":
-            int_users = [u for u in node.users if wants_int(u)]
+            int_users = [u for u in node.users if wants_int(u) and node in int_inputs(u)]
             if int_users:
                 obs = add_observer(node, int_users[0].meta["lowbit_qconfig"], "obs_in")
                 for u in int_users:
                     u.replace_input_with(node, obs)
-    return count
+    # a weight-only module (embedding) is quantized at convert with no observer: the graph is worth keeping
+    return count + sum(1 for n in graph.nodes if n.meta.get("lowbit_kind") == "wonly")
 
 
 def _swap_qat(gm: fx.GraphModule, opaque: set[str]) -> None:
@@ -230,7 +250,7 @@ def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inp
     out = _prepare_module(model, ctx, "", example_inputs, top=True)
     prepared = [m for m in out.modules() if isinstance(m, fx.GraphModule) and STATE_KEY in m.meta]
     if not prepared or sum(1 for m in prepared for n in m.graph.nodes if n.meta.get("lowbit_kind", "")
-                           .startswith("obs_")) == 0:
+                           .startswith("obs_") or n.meta.get("lowbit_kind") == "wonly") == 0:
         warnings.warn(f"{fn}(): no quantizable op got a qconfig; convert_fx() will leave this model float",
                       stacklevel=3)
     state = {"is_qat": is_qat, "report": ctx.report, "prefix": ""}
