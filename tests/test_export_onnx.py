@@ -13,23 +13,15 @@ from torch import nn
 import lowbit as Q
 from lowbit.examples import SmallCNN
 from lowbit.export import run_onnx, to_onnx
-from lowbit.nn.quantized import FloatFunctional
+from lowbit.nn.quantized import EmbeddingBag, FloatFunctional
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from onnx_helpers import ort_ops, quantized, within_one_quantum  # noqa: E402
+from onnx_helpers import one_thread, ort_ops, quantized, within_one_quantum  # noqa: E402,F401 (one_thread: autouse fixture)
 
 INT_KERNELS = {"QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger", "QGemm", "MatMulIntegerToFloat",
                "DynamicQuantizeMatMul", "QLinearAdd"}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -244,10 +236,9 @@ def test_cuda_model_exports_the_same_file(tmp_path):
 
 # ---- bad input -----------------------------------------------------------------------------------
 def test_unsupported_module_is_named_with_its_path_and_type(tmp_path):
-    m = nn.Sequential(nn.ReLU(), nn.Sequential(nn.ReLU(), nn.Linear(4, 2)))
-    dq = Q.quantize_dynamic(m, {nn.Linear})
-    with pytest.raises(TypeError, match=r"'1\.1' of type lowbit\.nn\.quantized\.dynamic.*Linear"):
-        to_onnx(dq, torch.randn(2, 4), tmp_path / "dyn.onnx")
+    m = nn.Sequential(nn.Identity(), nn.Sequential(nn.Identity(), EmbeddingBag.from_float(nn.EmbeddingBag(10, 4))))
+    with pytest.raises(TypeError, match=r"'1\.1' of type lowbit\.nn\.quantized\.embedding\.EmbeddingBag"):
+        to_onnx(m, torch.tensor([[1, 2], [3, 4]]), tmp_path / "bag.onnx")
 
 
 def test_unwritable_path_and_bad_arguments(tmp_path):

@@ -17,15 +17,7 @@ from lowbit.nn.quantized import DeQuantize, Embedding, FloatFunctional, Linear
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from onnx_helpers import ort_ops, quantized, within_one_quantum  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from onnx_helpers import one_thread, ort_ops, quantized, within_one_quantum  # noqa: E402,F401 (one_thread: autouse fixture)
 
 
 class Merges(nn.Module):

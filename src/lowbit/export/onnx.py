@@ -10,6 +10,9 @@ constants become initializers, and ``onnx.checker`` validates the result. What e
     QFunctional.add/mul/cat/...   Q/DQ(input grids) -> float op -> Q/DQ(output grid)
     Hardswish, ELU, Sigmoid, ...  float op -> Q/DQ(output grid)    ReLU6: relu6 -> Q/DQ(input grid)
     Embedding (8-bit)             Gather(DQ(int8 table, axis=0))
+    dynamic Linear                per-token grids (ReduceMin/Max) -> MatMulInteger -> int32 zero-point
+                                  correction -> Mul(s_x s_w) -> Add bias (``lowbit.export.dynamic``)
+    dynamic LSTM / GRU            time loop unrolled (fixed length, dynamic batch), each gate GEMM as above
     FakeQuantize / observer       Q -> DQ on its current grid; a module's ``weight_fake_quant`` freezes the
                                   weight into int8 codes + DQ (QAT conv-BN modules are BN-folded first); an
                                   observed float Linear/Conv gets the int8 weight ``convert`` would give it
@@ -68,9 +71,14 @@ from ..nn.quantized import (
     Tanh,
 )
 from ..nn.quantized._utils import quantize_weight, weight_qparams
+from ..nn.quantized.dynamic import GRU as DynamicGRU
+from ..nn.quantized.dynamic import LSTM as DynamicLSTM
+from ..nn.quantized.dynamic import Linear as DynamicLinear
 from ..observer import NoopObserver, ObserverBase, PlaceholderObserver
 from ..qscheme import quint8
 from ..qtensor import QTensor
+from .dynamic import DynamicLinearTwin, DynamicRNNTwin
+from .proto import constants_to_initializers
 from .qdq import (
     QDQ,
     WEIGHT_DTYPES,
@@ -226,11 +234,15 @@ def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dty
         return ActivationTwin(F.relu6, grids.get(id(mod), _RELU6_FLOAT_GRID))
     if isinstance(mod, Embedding) and m.qdtype.bits == 8:
         return EmbeddingTwin(mod)
+    if isinstance(mod, DynamicLinear):
+        return DynamicLinearTwin(mod, weight_dtype)
+    if isinstance(mod, (DynamicLSTM, DynamicGRU)):
+        return DynamicRNNTwin(mod, weight_dtype)
     cls = type(mod)
     if cls.__module__.startswith("lowbit.nn.quantized") and not isinstance(mod, FloatFunctional):
         raise TypeError(f"to_onnx: module '{path}' of type {cls.__module__}.{cls.__qualname__} has no ONNX QDQ "
                         "export (supported: Quantize, DeQuantize, Linear, Conv/ConvTranspose 1-3d (+ReLU), "
-                        "QFunctional, quantized activations, 8-bit Embedding, FakeQuantize, observers)")
+                        "QFunctional, quantized activations, 8-bit Embedding, dynamic Linear/LSTM/GRU, FakeQuantize, observers)")
     return None
 
 
@@ -321,20 +333,6 @@ def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto"
     return holder.root
 
 
-def _constants_to_initializers(proto: Any) -> None:
-    """Move every ``Constant`` node's tensor into the graph's initializers (where QDQ tools expect weights)."""
-    keep = []
-    for node in proto.graph.node:
-        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
-            t = proto.graph.initializer.add()
-            t.CopyFrom(node.attribute[0].t)
-            t.name = node.output[0]
-        else:
-            keep.append(node)
-    del proto.graph.node[:]
-    proto.graph.node.extend(keep)
-
-
 def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str], *, opset_version: int = 17,
             input_names: list[str] | None = None, output_names: list[str] | None = None,
             dynamic_batch: bool = True, weight_dtype: str = "auto") -> Path:
@@ -369,7 +367,7 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
                           input_names=input_names, output_names=output_names, dynamic_axes=axes,
                           do_constant_folding=True)
     proto = onnx.load(str(out_path))
-    _constants_to_initializers(proto)
+    constants_to_initializers(proto)
     proto.producer_name = "lowbit"
     onnx.checker.check_model(proto)
     onnx.save(proto, str(out_path))
