@@ -326,8 +326,7 @@ def test_sensitivity_dynamic_finds_the_outlier_column_layer():
     tol = 3 * sum(r.drop for r in table.rows[1:])
     mapping, table = sensitivity(m, Q.get_dynamic_qconfig(), [x], score, method="dynamic", tolerance=tol)
     assert table.float_layers == ["fc2"] and table.met_tolerance
-    spec = {name: None if name in table.float_layers else Q.get_dynamic_qconfig() for name in ("fc1", "fc2", "fc3")}
-    q = Q.quantize_dynamic(m, spec)
+    q = Q.quantize_dynamic(m, mapping)
     assert type(q.fc2) is nn.Linear and type(q.fc1).__module__.startswith("lowbit.nn.quantized.dynamic")
     with torch.no_grad():
         assert -float(((q(x) - m(x)) ** 2).mean()) == pytest.approx(table.final_metric, rel=1e-6, abs=1e-12)

@@ -256,9 +256,8 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
     ``calib`` may be ``None``) or ``"dynamic"`` (``calib`` may be ``None``).
     Returns ``(mapping, table)``: ``mapping`` is a copy of the user's mapping (with ``tolerance``:
     plus ``set_module_name(layer, None)`` for every layer kept float), usable with
-    ``prepare(fused_model, mapping)`` (``prepare_qat`` for QAT; for dynamic,
-    ``quantize_dynamic(model, {name: mapping qconfig ...})`` — ``table.float_layers`` names the
-    exclusions); ``table`` is a ``SensitivityTable``. ``model`` is not modified.
+    ``prepare(fused_model, mapping)`` (``prepare_qat`` for QAT, ``quantize_dynamic(model, mapping)``
+    for dynamic); ``table`` is a ``SensitivityTable``. ``model`` is not modified.
     """
     check_module(model, "sensitivity: model")
     if not callable(eval_fn):
