@@ -237,7 +237,7 @@ def _qat(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: float, quie
 def _dynamic(model: nn.Module) -> nn.Module:
     import lowbit as Q
 
-    return Q.quantize_dynamic(model.eval(), {nn.Linear, nn.LSTM, nn.GRU})
+    return Q.quantize_dynamic(model.eval())  # the default dynamic mapping: Linear, RNN/LSTM/GRU and their cells
 
 
 def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, quiet: bool, desc: str) -> float:

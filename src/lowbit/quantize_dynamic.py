@@ -2,7 +2,7 @@
 
 ``qconfig_spec`` says which modules to quantize and with which dtype:
 
-- ``None``: every module whose exact type is a key of ``mapping`` (Linear, LSTM, GRU) with ``dtype``;
+- ``None``: every module whose exact type is a key of ``mapping`` (Linear, RNN, LSTM, GRU and their cells) with ``dtype``;
 - a set of types: modules of exactly those types (and the modules inside them) with ``dtype``;
 - a dict ``{type or dotted name: dtype | QConfig | None}``: per type / per name; ``None`` excludes.
   A name covers the submodules under it; a module's own name beats its type beats its parent's;

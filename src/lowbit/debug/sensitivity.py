@@ -14,7 +14,7 @@ re-quantizes, so the returned mapping is the user's plus those exclusions.
 on ``calib``, ``convert``), ``"qat"`` (``prepare_qat``, observers warmed on ``calib`` in eval mode
 if it is given, then ``train_fn(prepared)`` fine-tunes in place, then ``convert``; the default
 mapping is ``get_default_qat_qconfig_mapping()``, ``fuse`` groups go through ``fuse_modules_qat``)
-or ``"dynamic"`` (``quantize_dynamic`` of the layers the mapping targets — Linear, LSTM, GRU —
+or ``"dynamic"`` (``quantize_dynamic`` of the layers the mapping targets — Linear, RNN/LSTM/GRU and their cells —
 with the per-layer qconfigs; default ``get_dynamic_qconfig()``; ``calib`` may be ``None``).
 
 Models without ``QuantStub`` work: a quantized layer quantizes its float input on the grid observed

@@ -17,8 +17,9 @@ which is ``lowbit.nn.quantized.dynamic.Linear`` up to float32 rounding of the ep
 follow ``weight_dtype`` as in ``lowbit.export.qdq`` (UINT8 ``q + 128`` where ORT's u8 x s8 kernel
 could saturate on CPUs without VNNI). A ``dtype=torch.float16`` Linear becomes ``MatMul`` on a
 FLOAT16 initializer cast to float (weight-only; opset >= 15, else float32 weights). Dynamic
-``LSTM``/``GRU`` unroll their time loop (``DynamicRNNTwin``): the file has the example's number of
-time steps, and every gate GEMM is the per-token graph above.
+``RNN``/``LSTM``/``GRU`` unroll their time loop (``DynamicRNNTwin``): the file has the example's number of
+time steps, and every gate GEMM is the per-token graph above; the cells (``RNNCell``/``LSTMCell``/
+``GRUCell``, ``DynamicCellTwin``) are one such step. ``dynamic_twin`` picks the twin of a module.
 
 >>> import torch
 >>> from lowbit.nn.quantized.dynamic import Linear
@@ -42,12 +43,14 @@ from torch import nn
 from ..kernels.onednn import saturation_safe
 from ..nn.quantized.dynamic import GRU as DynamicGRU
 from ..nn.quantized.dynamic import LSTM as DynamicLSTM
+from ..nn.quantized.dynamic import RNN as DynamicRNN
+from ..nn.quantized.dynamic import GRUCell, LSTMCell, RNNCell
 from ..nn.quantized.dynamic import Linear as DynamicLinear
 from ..nn.quantized.dynamic import per_token_linear, quantize_per_token
 from ..qtensor import QTensor
 from .qdq import _Const
 
-__all__ = ["DynamicLinearTwin", "DynamicRNNTwin"]
+__all__ = ["DynamicLinearTwin", "DynamicRNNTwin", "DynamicCellTwin", "dynamic_twin"]
 
 _EPS = 1e-8  # quantize_per_token's calculate_qparams default
 
@@ -178,7 +181,7 @@ class DynamicLinearTwin(nn.Module):
 
 
 class DynamicRNNTwin(nn.Module):
-    """Twin of a dynamic ``LSTM`` / ``GRU``: the time loop unrolled, every gate GEMM a ``DynamicLinearTwin``.
+    """Twin of a dynamic ``RNN`` / ``LSTM`` / ``GRU``: the time loop unrolled, every gate GEMM a ``DynamicLinearTwin``.
 
     Per layer and direction: one per-token GEMM ``x W_ihᵀ`` over all steps, then per step
     ``h W_hhᵀ`` and the float cell (lowbit's own ``_cell``), exactly as the module computes for a
@@ -188,7 +191,7 @@ class DynamicRNNTwin(nn.Module):
     time-major model with ``dynamic_batch=False``. ``PackedSequence`` inputs are not exportable (pad them).
     """
 
-    def __init__(self, mod: DynamicLSTM | DynamicGRU, weight_dtype: str) -> None:
+    def __init__(self, mod: DynamicRNN | DynamicLSTM | DynamicGRU, weight_dtype: str) -> None:
         super().__init__()
         self.lstm = isinstance(mod, DynamicLSTM)
         self.hidden_size, self.num_layers, self.batch_first = mod.hidden_size, mod.num_layers, mod.batch_first
@@ -199,7 +202,7 @@ class DynamicRNNTwin(nn.Module):
 
     def forward(self, input: Any, hx: Any = None) -> tuple[torch.Tensor, Any]:
         if not isinstance(input, torch.Tensor) or input.dim() not in (2, 3):
-            raise TypeError("to_onnx: a dynamic LSTM/GRU exports for padded float tensors (2-D or 3-D), got "
+            raise TypeError("to_onnx: a dynamic RNN/LSTM/GRU exports for padded float tensors (2-D or 3-D), got "
                             + (f"shape {tuple(input.shape)}" if isinstance(input, torch.Tensor)
                                else f"{type(input).__name__} (pad a PackedSequence first)"))
         unbatched = input.dim() == 2
@@ -233,3 +236,38 @@ class DynamicRNNTwin(nn.Module):
         elif self.batch_first:
             x = x.transpose(0, 1)
         return x, ((final[0], final[1]) if self.lstm else final[0])
+
+
+class DynamicCellTwin(nn.Module):
+    """Twin of a dynamic ``RNNCell`` / ``LSTMCell`` / ``GRUCell``: two ``DynamicLinearTwin`` GEMMs and the float step."""
+
+    def __init__(self, mod: RNNCell | LSTMCell | GRUCell, weight_dtype: str) -> None:
+        super().__init__()
+        self.lstm, self.hidden_size = isinstance(mod, LSTMCell), mod.hidden_size
+        self.ih = DynamicLinearTwin(mod.ih, weight_dtype)
+        self.hh = DynamicLinearTwin(mod.hh, weight_dtype)
+        self._step, self._split_hx = mod._step, mod._split_hx  # the module's float step and hx checks
+
+    def forward(self, input: torch.Tensor, hx: Any = None) -> Any:
+        if not isinstance(input, torch.Tensor) or input.dim() not in (1, 2):
+            raise TypeError("to_onnx: a dynamic cell exports for float tensors (input_size,) or (batch, input_size), "
+                            f"got {tuple(input.shape) if isinstance(input, torch.Tensor) else type(input).__name__}")
+        unbatched = input.dim() == 1
+        x = (input.unsqueeze(0) if unbatched else input).to(torch.float32)           # (B, I)
+        if hx is None:
+            state: tuple[torch.Tensor, ...] = (x.new_zeros(x.shape[0], self.hidden_size),) * (1 + self.lstm)
+        else:
+            state = tuple((s.unsqueeze(0) if unbatched else s).to(torch.float32) for s in self._split_hx(hx))
+        new = tuple(n.squeeze(0) if unbatched else n for n in self._step(self.ih(x), self.hh(state[0]), state))
+        return (new[0], new[1]) if self.lstm else new[0]
+
+
+def dynamic_twin(mod: nn.Module, weight_dtype: str) -> nn.Module | None:
+    """The export twin of a ``lowbit.nn.quantized.dynamic`` module, or None for any other module."""
+    if isinstance(mod, DynamicLinear):
+        return DynamicLinearTwin(mod, weight_dtype)
+    if isinstance(mod, (DynamicRNN, DynamicLSTM, DynamicGRU)):
+        return DynamicRNNTwin(mod, weight_dtype)
+    if isinstance(mod, (RNNCell, LSTMCell, GRUCell)):
+        return DynamicCellTwin(mod, weight_dtype)
+    return None

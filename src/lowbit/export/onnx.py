@@ -71,13 +71,10 @@ from ..nn.quantized import (
     Tanh,
 )
 from ..nn.quantized._utils import quantize_weight, weight_qparams
-from ..nn.quantized.dynamic import GRU as DynamicGRU
-from ..nn.quantized.dynamic import LSTM as DynamicLSTM
-from ..nn.quantized.dynamic import Linear as DynamicLinear
 from ..observer import NoopObserver, ObserverBase, PlaceholderObserver
 from ..qscheme import quint8
 from ..qtensor import QTensor
-from .dynamic import DynamicLinearTwin, DynamicRNNTwin
+from .dynamic import dynamic_twin
 from .proto import constants_to_initializers
 from .qdq import (
     QDQ,
@@ -234,15 +231,15 @@ def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dty
         return ActivationTwin(F.relu6, grids.get(id(mod), _RELU6_FLOAT_GRID))
     if isinstance(mod, Embedding) and m.qdtype.bits == 8:
         return EmbeddingTwin(mod)
-    if isinstance(mod, DynamicLinear):
-        return DynamicLinearTwin(mod, weight_dtype)
-    if isinstance(mod, (DynamicLSTM, DynamicGRU)):
-        return DynamicRNNTwin(mod, weight_dtype)
+    twin = dynamic_twin(mod, weight_dtype)
+    if twin is not None:
+        return twin
     cls = type(mod)
     if cls.__module__.startswith("lowbit.nn.quantized") and not isinstance(mod, FloatFunctional):
         raise TypeError(f"to_onnx: module '{path}' of type {cls.__module__}.{cls.__qualname__} has no ONNX QDQ "
                         "export (supported: Quantize, DeQuantize, Linear, Conv/ConvTranspose 1-3d (+ReLU), "
-                        "QFunctional, quantized activations, 8-bit Embedding, dynamic Linear/LSTM/GRU, FakeQuantize, observers)")
+                        "QFunctional, quantized activations, 8-bit Embedding, dynamic Linear/RNN/LSTM/GRU and their cells, "
+                        "FakeQuantize, observers)")
     return None
 
 

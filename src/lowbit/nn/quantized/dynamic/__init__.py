@@ -1,6 +1,7 @@
 """Dynamic quantized modules: int8 weights stored ahead of time, activations quantized per token at each call.
 
-``quantize_dynamic`` swaps ``nn.Linear``/``nn.LSTM``/``nn.GRU`` for these; each has ``from_float(mod, dtype)``
+``quantize_dynamic`` swaps ``nn.Linear``, ``nn.RNN``/``nn.LSTM``/``nn.GRU`` and the ``nn.RNNCell``/``nn.LSTMCell``/
+``nn.GRUCell`` cells for these; each has ``from_float(mod, dtype)``
 with ``dtype`` ``lowbit.qint8`` (default) or ``torch.float16`` (weight-only float16). Inputs and outputs are float.
 
 >>> import torch
@@ -10,6 +11,7 @@ Linear(in_features=4, out_features=2, bias=True, dtype=lowbit.qint8, activation=
 """
 
 from .linear import Linear, per_token_linear, quantize_per_token
-from .rnn import GRU, LSTM
+from .cells import GRUCell, LSTMCell, RNNCell
+from .rnn import GRU, LSTM, RNN
 
-__all__ = ["Linear", "LSTM", "GRU", "quantize_per_token", "per_token_linear"]
+__all__ = ["Linear", "RNN", "LSTM", "GRU", "RNNCell", "LSTMCell", "GRUCell", "quantize_per_token", "per_token_linear"]

@@ -1,13 +1,16 @@
-"""Dynamic int8 ``LSTM`` and ``GRU``: every gate GEMM is a per-token int8 GEMM.
+"""Dynamic int8 ``RNN``, ``LSTM`` and ``GRU``: every gate GEMM is a per-token int8 GEMM.
 
 Per layer and direction, with the weights quantized per row (per-channel symmetric int8)::
 
     G_x = x W_ihᵀ + b_ih            # (T·B, G·H): ONE int8 GEMM over all time steps, per-token activations
     for t in time order (reversed for the reverse direction):
         g = G_x[t] + h W_hhᵀ + b_hh   # (B_t, G·H): int8 GEMM, each batch row of h its own grid
+        RNN  (G=1): h = tanh(g) or relu(g)   (``nonlinearity``)
         LSTM (G=4): i, f, c̃, o = σ(g_i), σ(g_f), tanh(g_c), σ(g_o);  c = f c + i c̃;  h = o tanh(c)
         GRU  (G=3): r, z = σ(gx_r + gh_r), σ(gx_z + gh_z);  n = tanh(gx_n + r gh_n);  h = (1 - z) n + z h
 
+The step functions are ``lowbit.nn.quantized.dynamic.cells``' (a cell looped over a sequence gives
+the same numbers). ``torch.ao`` has no dynamic ``nn.RNN``; lowbit's follows its LSTM/GRU.
 Gate nonlinearities and the cell state stay float32; the output is float. This quantizes more
 finely than ``torch.ao``'s dynamic RNNs (one 8-bit grid per tensor per GEMM), so it tracks fp32
 more closely. ``PackedSequence`` inputs run natively: at step ``t`` only the first
@@ -33,23 +36,24 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from ....qscheme import QDtype, qint8
+from ....qtensor import QTensor
+from .cells import _RNN_STEPS, check_size, gru_step, lstm_step, nonlinearity_arg, weight_of
 from .linear import Linear, _dtype_arg, quantize_dynamic_weight
 
-__all__ = ["LSTM", "GRU"]
+__all__ = ["RNN", "LSTM", "GRU"]
 
 
 class _RNNBase(nn.Module):
     _float_type: type[nn.Module] = nn.RNNBase
     _gates = 1
+    _n_states = 1
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
                  dtype: QDtype | str | torch.dtype = qint8) -> None:
         super().__init__()
         name = type(self).__name__
-        for arg, v in (("input_size", input_size), ("hidden_size", hidden_size), ("num_layers", num_layers)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"dynamic {name}: {arg}={v!r} must be a positive int")
+        check_size(name, input_size=input_size, hidden_size=hidden_size, num_layers=num_layers)
         if not (isinstance(dropout, (int, float)) and 0 <= dropout <= 1):
             raise ValueError(f"dynamic {name}: dropout={dropout!r} must be in [0, 1]")
         self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
@@ -68,15 +72,24 @@ class _RNNBase(nn.Module):
     def _suffixes(self) -> tuple[str, ...]:
         return ("", "_reverse") if self.bidirectional else ("",)
 
+    def weight(self, name: str) -> QTensor | torch.Tensor:
+        """The weight of torch's parameter ``name`` (``"weight_ih_l0"``, ``"weight_hh_l1_reverse"``, ...):
+        a per-channel int8 ``QTensor`` (the float16 tensor for ``dtype=torch.float16``)."""
+        tables = {f"weight_{kind}_{k}": lin for kind, t in (("ih", self.ih), ("hh", self.hh)) for k, lin in t.items()}
+        return weight_of(tables, name, f"dynamic {type(self).__name__}")  # type: ignore[arg-type]
+
     # ---- one step of the cell: gates (B_t, G·H) -> new state ----
     def _cell(self, gx: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError  # pragma: no cover
 
     def _zero_state(self, batch: int, ref: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError  # pragma: no cover
+        z = ref.new_zeros(self.num_layers * len(self._suffixes()), batch, self.hidden_size)
+        return tuple(z.clone() for _ in range(self._n_states))
 
     def _split_hx(self, hx: Any) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError  # pragma: no cover
+        if not isinstance(hx, torch.Tensor):
+            raise TypeError(f"dynamic {type(self).__name__}: hx must be a tensor h0, got {type(hx).__name__}")
+        return (hx,)
 
     def _run(self, data: torch.Tensor, batch_sizes: list[int], hx: tuple[torch.Tensor, ...]
              ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -144,7 +157,7 @@ class _RNNBase(nn.Module):
         if unbatched:
             finals = tuple(f.squeeze(1) for f in finals)
         if packed:
-            output: Any = PackedSequence(out, input.batch_sizes, sorted_idx, unsorted_idx)
+            output: Any = PackedSequence(out, batch_sizes_t, sorted_idx, unsorted_idx)
         else:
             output = out.reshape(len(batch_sizes), batch, -1)
             output = output.squeeze(1) if unbatched else (output.transpose(0, 1) if self.batch_first else output)
@@ -162,16 +175,20 @@ class _RNNBase(nn.Module):
         if getattr(mod, "proj_size", 0):
             raise ValueError(f"dynamic {cls.__name__}.from_float: proj_size={mod.proj_size} is not supported")
         d = _dtype_arg(dtype, f"dynamic {cls.__name__}.from_float")
-        q = cls(mod.input_size, mod.hidden_size, mod.num_layers, mod.bias, mod.batch_first,  # type: ignore[arg-type]
-                float(mod.dropout), mod.bidirectional, d)  # type: ignore[arg-type]
+        q = cls(**cls._init_kwargs(mod), dtype=d)
         for key in q.ih:
             for kind, table in (("ih", q.ih), ("hh", q.hh)):
                 w = getattr(mod, f"weight_{kind}_{key}")
                 b = getattr(mod, f"bias_{kind}_{key}") if q.bias else None
                 wq = (w.detach() if d == torch.float16
                       else quantize_dynamic_weight(w, mod, d, f"dynamic {cls.__name__}"))  # type: ignore[arg-type]
-                table[key].set_weight_bias(wq, b)
+                table[key].set_weight_bias(wq, b)  # type: ignore[operator]  # a dynamic Linear
         return q.to(next(mod.parameters()).device)
+
+    @classmethod
+    def _init_kwargs(cls, mod: Any) -> dict[str, Any]:
+        return {k: getattr(mod, k) for k in ("input_size", "hidden_size", "num_layers", "bias", "batch_first",
+                                             "dropout", "bidirectional")}
 
     def extra_repr(self) -> str:
         s = f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}"
@@ -186,15 +203,10 @@ class LSTM(_RNNBase):
 
     _float_type = nn.LSTM
     _gates = 4
+    _n_states = 2
 
     def _cell(self, gx: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        i, f, g, o = (gx + gh).chunk(4, 1)
-        c = torch.sigmoid(f) * state[1] + torch.sigmoid(i) * torch.tanh(g)
-        return torch.sigmoid(o) * torch.tanh(c), c
-
-    def _zero_state(self, batch: int, ref: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        z = ref.new_zeros(self.num_layers * len(self._suffixes()), batch, self.hidden_size)
-        return z, z.clone()
+        return lstm_step(gx, gh, state)
 
     def _split_hx(self, hx: Any) -> tuple[torch.Tensor, ...]:
         if not (isinstance(hx, (tuple, list)) and len(hx) == 2 and all(isinstance(h, torch.Tensor) for h in hx)):
@@ -212,16 +224,38 @@ class GRU(_RNNBase):
     _gates = 3
 
     def _cell(self, gx: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        xr, xz, xn = gx.chunk(3, 1)
-        hr, hz, hn = gh.chunk(3, 1)
-        r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
-        n = torch.tanh(xn + r * hn)
-        return ((1 - z) * n + z * state[0],)
+        return gru_step(gx, gh, state)
 
-    def _zero_state(self, batch: int, ref: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return (ref.new_zeros(self.num_layers * len(self._suffixes()), batch, self.hidden_size),)
 
-    def _split_hx(self, hx: Any) -> tuple[torch.Tensor, ...]:
-        if not isinstance(hx, torch.Tensor):
-            raise TypeError(f"dynamic GRU: hx must be a tensor h0, got {type(hx).__name__}")
-        return (hx,)
+class RNN(_RNNBase):
+    """Dynamic int8 ``nn.RNN`` (Elman, ``nonlinearity`` tanh or relu): ``forward(input, h0=None) -> (output, h_n)``.
+
+    The constructor takes ``nn.RNN``'s arguments in its order (``nonlinearity`` after ``num_layers``).
+
+    >>> import torch
+    >>> rnn = torch.nn.RNN(4, 8, nonlinearity="relu", bidirectional=True)
+    >>> q = RNN.from_float(rnn)
+    >>> y, h = q(torch.randn(5, 2, 4))
+    >>> y.shape, h.shape, q.weight("weight_hh_l0_reverse").shape
+    (torch.Size([5, 2, 16]), torch.Size([2, 2, 8]), torch.Size([8, 8]))
+    """
+
+    _float_type = nn.RNN
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, nonlinearity: str = "tanh",
+                 bias: bool = True, batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
+                 dtype: QDtype | str | torch.dtype = qint8) -> None:
+        nonlinearity = nonlinearity_arg(nonlinearity, "dynamic RNN")
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, dtype)
+        self.nonlinearity = nonlinearity
+
+    def _cell(self, gx: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return _RNN_STEPS[self.nonlinearity](gx, gh, state)
+
+    @classmethod
+    def _init_kwargs(cls, mod: Any) -> dict[str, Any]:
+        return {**super()._init_kwargs(mod), "nonlinearity": mod.nonlinearity}
+
+    def extra_repr(self) -> str:
+        s = super().extra_repr()
+        return s if self.nonlinearity == "tanh" else s.replace(", dtype=", f", nonlinearity={self.nonlinearity}, dtype=")
