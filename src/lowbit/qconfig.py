@@ -13,6 +13,10 @@ For a module named ``name`` of type ``T`` whose parent resolved to ``inherited``
 A ``None`` at any tier is an explicit setting: it excludes the module (and, through inheritance,
 its children unless they match a setting of their own).
 
+``QConfigMapping(resolution="exact")`` is lucid's legacy lookup instead: ``module_name[name]``, else
+``object_type[T]``, else the global setting — no parent inheritance (``set_module_name("encoder",
+qc)`` does not reach ``encoder.fc``), no regexes, and ``prepare`` ignores ``.qconfig`` attributes.
+
 >>> import torch.nn as nn, lowbit as Q
 >>> m = (Q.QConfigMapping().set_global(Q.get_default_qconfig())
 ...      .set_object_type(nn.Linear, Q.get_minmax_qconfig())
@@ -43,10 +47,11 @@ import torch
 from torch import nn
 
 from .fake_quant import FakeQuantize
-from .observer.fixed import PlaceholderObserver
+from .observer.fixed import NoopObserver, PlaceholderObserver
 from .observer.histogram import HistogramObserver
 from .observer.minmax import MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver
-from .qscheme import QDtype, as_qdtype, per_channel_symmetric, per_tensor_affine, qint8, quint8
+from .qscheme import (QDtype, as_qdtype, per_channel_affine, per_channel_symmetric, per_tensor_affine, qint8,
+                      quint4, quint8)
 
 __all__ = [
     "QConfig",
@@ -57,6 +62,9 @@ __all__ = [
     "get_default_qat_qconfig_mapping",
     "get_minmax_qconfig",
     "get_dynamic_qconfig",
+    "get_lsq_qat_qconfig",
+    "get_fused_qat_qconfig",
+    "get_embedding_qconfig",
 ]
 
 Factory = Callable[[], nn.Module]
@@ -136,27 +144,40 @@ def _check_qconfig(qconfig: Any, where: str) -> QConfig | None:
 
 
 _DICT_KEYS = ("", "object_type", "module_name", "module_name_regex")
+_RESOLUTIONS = ("hierarchical", "exact")
 
 
 class QConfigMapping:
     """Which ``QConfig`` applies to which module: global < exact type < first regex < module name.
 
     Setters are chainable and accept ``None`` (exclude). Setting a key again replaces its value
-    (a regex keeps its original position in the match order).
+    (a regex keeps its original position in the match order). ``resolution="exact"`` (keyword):
+    lucid's lookup, module name > exact type > global, with no inheritance and no regexes.
 
     >>> import torch.nn as nn, lowbit as Q
     >>> qc = Q.get_default_qconfig()
     >>> m = Q.QConfigMapping().set_module_name_regex(r"blocks\\.\\d+\\.attn", None).set_global(qc)
     >>> m.resolve("blocks.3.attn", nn.Linear, qc) is None, m.resolve("blocks.3.mlp", nn.Linear, None)
     (True, None)
+    >>> e = Q.QConfigMapping(resolution="exact").set_global(qc).set_module_name("encoder", None)
+    >>> e.resolve("encoder", nn.Sequential, qc) is None, e.resolve("encoder.fc", nn.Linear, None) is qc
+    (True, True)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, resolution: str = "hierarchical") -> None:
+        if not isinstance(resolution, str) or resolution not in _RESOLUTIONS:
+            raise ValueError(f"QConfigMapping: resolution={resolution!r} must be one of {_RESOLUTIONS}")
+        self._resolution = resolution
         self.global_qconfig: QConfig | None = None
         self.object_type_qconfigs: dict[type | Callable, QConfig | None] = {}
         self.module_name_regex_qconfigs: dict[str, QConfig | None] = {}
         self.module_name_qconfigs: dict[str, QConfig | None] = {}
         self._regex: dict[str, re.Pattern[str]] = {}
+
+    @property
+    def resolution(self) -> str:
+        """``"hierarchical"`` (default) or ``"exact"`` (lucid's legacy lookup); fixed at construction."""
+        return self._resolution
 
     # ---- setters (chainable) ----
     def set_global(self, qconfig: QConfig | None) -> QConfigMapping:
@@ -185,6 +206,9 @@ class QConfigMapping:
         """Modules whose full dotted name ``re.fullmatch``-es ``pattern``; first registered wins."""
         if not isinstance(pattern, str):
             raise TypeError(f"QConfigMapping.set_module_name_regex: pattern={pattern!r} must be a str")
+        if self.resolution == "exact":
+            raise ValueError(f"QConfigMapping.set_module_name_regex: pattern={pattern!r} cannot be used with "
+                             "resolution='exact' (exact names and types only)")
         try:
             compiled = re.compile(pattern)
         except re.error as err:
@@ -195,7 +219,12 @@ class QConfigMapping:
 
     # ---- lookup ----
     def resolve(self, module_name: str, module_type: type | Callable, inherited: QConfig | None) -> QConfig | None:
-        """This module's own explicit setting, else ``inherited`` (its parent's resolved qconfig)."""
+        """This module's own explicit setting, else ``inherited`` (its parent's resolved qconfig).
+
+        With ``resolution="exact"``, ``inherited`` is ignored: the fallback is the global setting.
+        """
+        if self.resolution == "exact":
+            inherited = self.global_qconfig
         if module_name in self.module_name_qconfigs:
             return self.module_name_qconfigs[module_name]
         for pattern, qconfig in self.module_name_regex_qconfigs.items():
@@ -261,7 +290,8 @@ class QConfigMapping:
         for tier, entries in tiers:
             for key, qc in entries.items():
                 lines.append(f"  {tier}[{_value_repr(key) if not isinstance(key, str) else repr(key)}]: {qc!r}")
-        return "QConfigMapping(\n" + "\n".join(lines) + "\n)"
+        head = "QConfigMapping(\n" if self.resolution == "hierarchical" else "QConfigMapping(resolution='exact',\n"
+        return head + "\n".join(lines) + "\n)"
 
 
 # ---- recipes ----
@@ -295,6 +325,47 @@ def get_minmax_qconfig() -> QConfig:
     )
 
 
+def get_lsq_qat_qconfig() -> QConfig:
+    """QAT with learned step sizes (LSQ): ``LearnableFakeQuantize`` with gradient scaling on both sides.
+
+    Activations per-tensor affine quint8 (moving-average min/max initialises scale and zero point),
+    weights per-channel symmetric qint8 (min/max initialises the scales). The qparams follow the
+    observers until ``model.apply(lowbit.fake_quant_learnable.enable_param_learning)``.
+
+    >>> import lowbit as Q
+    >>> type(Q.get_lsq_qat_qconfig().weight()).__name__
+    'LearnableFakeQuantize'
+    """
+    from .fake_quant_learnable import LearnableFakeQuantize
+
+    return QConfig(
+        activation=LearnableFakeQuantize.with_args(observer=MovingAverageMinMaxObserver, qscheme=per_tensor_affine,
+                                                   qdtype=quint8, use_grad_scaling=True),
+        weight=LearnableFakeQuantize.with_args(observer=PerChannelMinMaxObserver, ch_axis=0,
+                                               qscheme=per_channel_symmetric, qdtype=qint8, use_grad_scaling=True),
+    )
+
+
+def get_fused_qat_qconfig() -> QConfig:
+    """QAT on torch's fused observe + fake-quant kernel (``FusedMovingAvgObsFakeQuantize``), as torch.ao's
+    default fused recipe: moving-average per-tensor affine quint8 activations, moving-average per-channel
+    symmetric qint8 weights (c = 0.01).
+
+    >>> import lowbit as Q
+    >>> type(Q.get_fused_qat_qconfig().activation()).__name__
+    'FusedMovingAvgObsFakeQuantize'
+    """
+    from .fake_quant_fused import FusedMovingAvgObsFakeQuantize
+    from .observer.minmax import MovingAveragePerChannelMinMaxObserver
+
+    return QConfig(
+        activation=FusedMovingAvgObsFakeQuantize.with_args(observer=MovingAverageMinMaxObserver,
+                                                           qscheme=per_tensor_affine, qdtype=quint8),
+        weight=FusedMovingAvgObsFakeQuantize.with_args(observer=MovingAveragePerChannelMinMaxObserver, ch_axis=0,
+                                                       qscheme=per_channel_symmetric, qdtype=qint8),
+    )
+
+
 def get_dynamic_qconfig(dtype: QDtype | str | torch.dtype = qint8) -> QConfig:
     """Dynamic quantization: activations quantized per batch at runtime, weights ahead of time.
 
@@ -319,6 +390,29 @@ def get_dynamic_qconfig(dtype: QDtype | str | torch.dtype = qint8) -> QConfig:
     return QConfig(
         activation=PlaceholderObserver.with_args(qdtype=quint8, is_dynamic=True),
         weight=PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=per_channel_symmetric, qdtype=qint8),
+    )
+
+
+def get_embedding_qconfig(bits: int = 8) -> QConfig:
+    """Weight-only embeddings, as ``torch.ao``'s ``float_qparams_weight_only_qconfig``: one grid per table row.
+
+    Weights: per-row (``ch_axis=0``) affine min/max on ``quint8`` (``bits=8``) or ``quint4`` (``bits=4``,
+    packed two per byte by ``nnq.Embedding``); the output stays float, so the activation entry is a
+    ``NoopObserver`` (never inserted for embeddings). torch.ao keeps a float zero point per row
+    (``per_channel_affine_float_qparams``); lowbit's is an integer code, as everywhere else.
+
+    >>> import torch, lowbit as Q
+    >>> emb = torch.nn.Sequential(torch.nn.Embedding(10, 8))
+    >>> emb[0].qconfig = Q.get_embedding_qconfig(4)
+    >>> Q.convert(Q.prepare(emb))[0]
+    Embedding(10, 8, qdtype=lowbit.quint4, qscheme=per_row_affine)
+    """
+    if bits not in (4, 8) or isinstance(bits, bool):
+        raise ValueError(f"get_embedding_qconfig: bits={bits!r} must be 8 or 4")
+    return QConfig(
+        activation=NoopObserver.with_args(),
+        weight=PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=per_channel_affine,
+                                                  qdtype=quint8 if bits == 8 else quint4),
     )
 
 

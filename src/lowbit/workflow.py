@@ -4,7 +4,9 @@
 **Which qconfig a module gets** (``propagate_qconfig_``, torch.ao semantics): the module's own
 ``.qconfig`` attribute if it has one (``model.qconfig = ...`` then ``prepare(model)``), else the
 mapping's explicit setting for it (name > regex > type, see ``QConfigMapping``), else its parent's.
-``qconfig=None`` with no ``.qconfig`` attribute anywhere means the default recipe.
+``qconfig=None`` with no ``.qconfig`` attribute anywhere means the default recipe. A
+``QConfigMapping(resolution="exact")`` (lucid's legacy mode) ignores ``.qconfig`` attributes and
+parents: a module gets its exact name's setting, else its exact type's, else the global one.
 
 **Observers**: ``prepare`` gives every module whose exact type is a key of the static mapping
 (Linear, Conv*, ConvTranspose*, fused markers, QAT modules, activations, ``QuantStub``,
@@ -27,6 +29,15 @@ mode. An observer that saw no data raises ``RuntimeError`` naming the module pat
 a qconfig that stay float are listed in a ``ConvertReport`` (``return_report=True`` returns
 ``(model, report)``; it is also logged on the ``"lowbit"`` logger at INFO).
 
+**Dynamic qconfigs** (activation ``PlaceholderObserver(is_dynamic=True)``, ``get_dynamic_qconfig()``;
+they mix with static ones in one mapping, e.g. static convs + ``set_object_type(nn.Linear, dynamic)``):
+``prepare`` gives such a module no observer (``prepare_qat`` leaves it float, trained in float),
+and ``convert`` swaps a module whose exact type is a key of the dynamic mapping (Linear, LSTM, GRU)
+for ``dynamic_mapping[type].from_float(mod, dtype=qconfig.weight().qdtype)`` — the module
+``quantize_dynamic`` builds with that qconfig; no calibration is needed. Any other module under a
+dynamic qconfig (Conv*, fused markers, activations) has no dynamic kernel: it stays float and is
+listed in ``ConvertReport.left_float`` (not an error, so a global dynamic recipe on a CNN works).
+
 >>> import torch, lowbit as Q
 >>> from torch import nn
 >>> model = nn.Sequential(Q.QuantStub(), nn.Linear(4, 4), nn.ReLU(), Q.DeQuantStub())
@@ -45,7 +56,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -53,6 +64,7 @@ from torch import nn
 from .fake_quant import FakeQuantize
 from .mappings import (
     ConvertReport,
+    get_default_dynamic_quant_module_mappings,
     get_default_qat_module_mappings,
     get_default_static_quant_module_mappings,
 )
@@ -65,11 +77,11 @@ from .qscheme import as_qdtype
 from .qtensor import QTensor
 from .quantize_dynamic import quantize_dynamic
 from .speed_guard import keep_faster
-from .stubs import DeQuantStub
+from .stubs import DeQuantStub, QuantStub
 
 __all__ = [
     "prepare", "convert", "prepare_qat", "quantize_dynamic", "propagate_qconfig_",
-    "freeze_bn_stats", "update_bn_stats",
+    "freeze_bn_stats", "update_bn_stats", "is_dynamic_qconfig",
 ]
 
 logger = logging.getLogger("lowbit")
@@ -107,6 +119,20 @@ def _check_mapping(fn: str, mapping: Any) -> dict[type, type]:
     return mapping
 
 
+def is_dynamic_qconfig(qconfig: Any) -> TypeGuard[QConfig]:
+    """Whether ``qconfig``'s activation is a dynamic placeholder (``get_dynamic_qconfig()``): quantized per call.
+
+    >>> import lowbit as Q
+    >>> is_dynamic_qconfig(Q.get_dynamic_qconfig()), is_dynamic_qconfig(Q.get_minmax_qconfig())
+    (True, False)
+    """
+    return isinstance(qconfig, QConfig) and getattr(qconfig.activation(), "is_dynamic", False) is True
+
+
+def _dynamic_default(dynamic_mapping: Any) -> Any:
+    return get_default_dynamic_quant_module_mappings() if dynamic_mapping is None else dynamic_mapping
+
+
 def propagate_qconfig_(model: nn.Module, qconfig: Any = None) -> nn.Module:
     """Set ``.qconfig`` on every module of ``model`` (in place): own attribute > mapping setting > parent.
 
@@ -122,9 +148,10 @@ def propagate_qconfig_(model: nn.Module, qconfig: Any = None) -> nn.Module:
     (True, None)
     """
     mapping = QConfigMapping() if qconfig is None else QConfigMapping.from_qconfig(qconfig)
+    exact = mapping.resolution == "exact"  # lucid's legacy mode: attributes ignored, resolve() skips parents
 
     def walk(mod: nn.Module, name: str, inherited: QConfig | None) -> None:
-        qc = mod.__dict__.get("qconfig", _MISSING)
+        qc = _MISSING if exact else mod.__dict__.get("qconfig", _MISSING)
         if qc is _MISSING:
             qc = mapping.resolve(name, type(mod), inherited)
         elif qc is not None and not isinstance(qc, QConfig):
@@ -181,7 +208,8 @@ def _observe_float_input(module: nn.Module, inputs: Any) -> Any:
 
 
 def _dequantize_input(module: nn.Module, inputs: Any) -> Any:
-    """Forward pre-hook ``convert`` puts on averaging pools: a ``QTensor`` input is averaged in float."""
+    """Forward pre-hook ``convert`` puts on averaging pools and dynamic modules: a ``QTensor`` input is
+    dequantized (averaged in float; quantized per call by a dynamic module)."""
     x = inputs[0] if inputs else None
     return (x.dequantize(), *inputs[1:]) if isinstance(x, QTensor) else None
 
@@ -205,11 +233,13 @@ def _is_observer(m: Any) -> bool:
     return isinstance(m, (ObserverBase, FakeQuantize))
 
 
-def _insert_observers(mod: nn.Module, observed: set[type]) -> int:
-    """Give each observable module an output observer; return how many got one."""
+def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type]) -> int:
+    """Give each observable module an output observer; return how many got one (or will be dynamic)."""
     if _is_observer(mod):
         return 0
     qc = getattr(mod, "qconfig", None)
+    if is_dynamic_qconfig(qc):  # quantized per call after convert: nothing to observe
+        return 1 if type(mod) in dynamic else sum(_insert_observers(c, observed, dynamic) for c in mod.children())
     if qc is not None and isinstance(mod, _QTENSOR_NATIVE) and _pass_tag not in mod._forward_hooks.values():
         mod.register_forward_hook(_pass_tag)
     if type(mod) in observed and qc is not None:
@@ -223,47 +253,53 @@ def _insert_observers(mod: nn.Module, observed: set[type]) -> int:
             mod.input_activation_post_process = qc.activation()
             mod.register_forward_pre_hook(_observe_float_input)
         return 1
-    return sum(_insert_observers(child, observed) for child in mod.children())
+    return sum(_insert_observers(child, observed, dynamic) for child in mod.children())
 
 
 def prepare(model: nn.Module, qconfig: Any = None, inplace: bool = False,
-            mapping: dict[type, type] | None = None) -> nn.Module:
+            mapping: dict[type, type] | None = None, dynamic_mapping: dict[type, type] | None = None) -> nn.Module:
     """Insert output observers for static post-training quantization; returns the model in eval mode.
 
     ``qconfig``: ``None`` (``.qconfig`` attributes, or the default recipe when there are none), a
     ``QConfig``, a ``QConfigMapping`` or a qconfig dict. ``mapping`` (default
     ``get_default_static_quant_module_mappings()``): its keys are the module types observed —
-    pass the same extended mapping to ``convert``. ``inplace=False`` works on a deep copy.
+    pass the same extended mapping to ``convert``. ``dynamic_mapping`` (default
+    ``get_default_dynamic_quant_module_mappings()``): the types a dynamic qconfig quantizes (not
+    observed). ``inplace=False`` works on a deep copy.
     """
     _check_common("prepare", model, inplace)
     mapping = _check_mapping("prepare", get_default_static_quant_module_mappings() if mapping is None else mapping)
+    dynamic = _check_mapping("prepare", _dynamic_default(dynamic_mapping))
     qconfig = _resolve_user_qconfig(model, qconfig, get_default_qconfig_mapping())
     if not inplace:
         model = copy.deepcopy(model)
     propagate_qconfig_(model, qconfig)
-    if _insert_observers(model, set(mapping)) == 0:
+    if _insert_observers(model, set(mapping), set(dynamic)) == 0:
         warnings.warn("prepare(): no quantizable module got a qconfig — convert() will leave this model float",
                       stacklevel=2)
     return model.eval()
 
 
 def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
-                mapping: dict[type, type] | None = None) -> nn.Module:
+                mapping: dict[type, type] | None = None, dynamic_mapping: dict[type, type] | None = None) -> nn.Module:
     """Swap to QAT modules (``nn.qat`` / ``nn.intrinsic.qat``) and add output ``FakeQuantize``; train mode.
 
     ``qconfig`` as in ``prepare`` (default: ``get_default_qat_qconfig_mapping()``); ``mapping``
     (default ``get_default_qat_module_mappings()``): float type → QAT class. Fused conv-BN markers
-    from ``fuse_modules_qat`` become ``ConvBn*`` modules whose BN statistics keep updating.
+    from ``fuse_modules_qat`` become ``ConvBn*`` modules whose BN statistics keep updating. Modules
+    with a dynamic qconfig train in float and become ``dynamic_mapping`` modules at ``convert``.
     """
     _check_common("prepare_qat", model, inplace)
     mapping = _check_mapping("prepare_qat", get_default_qat_module_mappings() if mapping is None else mapping)
+    dynamic = _check_mapping("prepare_qat", _dynamic_default(dynamic_mapping))
     qconfig = _resolve_user_qconfig(model, qconfig, get_default_qat_qconfig_mapping())
     if not inplace:
         model = copy.deepcopy(model)
     propagate_qconfig_(model, qconfig)
 
     def swap(mod: nn.Module) -> nn.Module:
-        if type(mod) in mapping and getattr(mod, "qconfig", None) is not None:
+        qc = getattr(mod, "qconfig", None)
+        if type(mod) in mapping and qc is not None and not is_dynamic_qconfig(qc):
             return mapping[type(mod)].from_float(mod)
         for cname, child in list(mod.named_children()):
             mod._modules[cname] = swap(child)
@@ -271,7 +307,7 @@ def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
 
     model = swap(model)
     observed = set(get_default_static_quant_module_mappings()) | set(mapping.values())
-    if _insert_observers(model, observed) == 0:
+    if _insert_observers(model, observed, set(dynamic)) == 0:
         warnings.warn("prepare_qat(): no quantizable module got a qconfig — convert() will leave this model float",
                       stacklevel=2)
     return model.train()
@@ -318,32 +354,55 @@ def _swap(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertR
     return new
 
 
-def _convert(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertReport) -> nn.Module:
+def _swap_dynamic(mod: nn.Module, name: str, qconfig: QConfig, dynamic: dict[type, type],
+                  report: ConvertReport) -> nn.Module:
+    """``dynamic[type(mod)].from_float(mod, dtype=qconfig.weight().qdtype)``, as ``quantize_dynamic`` does."""
+    qcls = dynamic[type(mod)]
+    try:
+        new = qcls.from_float(mod, dtype=getattr(qconfig.weight(), "qdtype", None))
+    except (ValueError, TypeError, RuntimeError) as err:
+        raise type(err)(f"convert: module '{_path(name)}' ({type(mod).__name__} -> dynamic {qcls.__name__}): "
+                        f"{err}") from err
+    report.converted[_path(name)] = f"{type(mod).__name__} -> {qcls.__module__}.{qcls.__name__}"
+    new.register_forward_pre_hook(_dequantize_input)  # a QTensor from a static layer before it: float in
+    return new
+
+
+def _convert(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertReport,
+             dynamic: dict[type, type]) -> nn.Module:
     qc = getattr(mod, "qconfig", None)
+    if is_dynamic_qconfig(qc) and type(mod) in dynamic:
+        return _swap_dynamic(mod, name, qc, dynamic, report)
+    is_dynamic = is_dynamic_qconfig(qc)  # any other module under a dynamic qconfig stays float
     observed = _is_observer(mod._modules.get("activation_post_process")) or isinstance(mod, _NO_OUTPUT_OBSERVER)
-    if type(mod) in mapping and qc is not None and observed:
+    if type(mod) in mapping and qc is not None and observed and not is_dynamic:
         return _swap(mod, name, mapping, report)
     for cname, child in list(mod.named_children()):
         if _is_observer(child):
             continue
-        mod._modules[cname] = _convert(child, f"{name}.{cname}" if name else cname, mapping, report)
+        mod._modules[cname] = _convert(child, f"{name}.{cname}" if name else cname, mapping, report, dynamic)
     _strip(mod)
     if qc is not None and isinstance(mod, _AVERAGING_POOLS) and _dequantize_input not in mod._forward_pre_hooks.values():
         mod.register_forward_pre_hook(_dequantize_input)
         return mod
     leaf = not any(True for _ in mod.children()) or isinstance(mod, FusedModule)
-    if qc is not None and leaf and not isinstance(mod, _QTENSOR_NATIVE):
+    if qc is not None and leaf and not isinstance(mod, (*_QTENSOR_NATIVE, QuantStub, DeQuantStub)):
         why = "not observed (prepared with another mapping?)" if type(mod) in mapping else "no quantized mapping"
+        if is_dynamic:
+            why = f"dynamic qconfig, but no dynamic module for it (dynamic: {', '.join(t.__name__ for t in dynamic)})"
         report.left_float[_path(name)] = f"{type(mod).__name__} ({why})"
     return mod
 
 
 def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: bool = False,
-            return_report: bool = False, speed_check: Any = None) -> Any:
+            return_report: bool = False, speed_check: Any = None,
+            dynamic_mapping: dict[type, type] | None = None) -> Any:
     """Swap observed modules for ``lowbit.nn.quantized`` ones; returns the model (eval mode).
 
     ``mapping`` (default ``get_default_static_quant_module_mappings()``): exact type → class with
-    ``from_float``. The root itself is swapped when it is observed, so use the return value.
+    ``from_float``; ``dynamic_mapping`` (default ``get_default_dynamic_quant_module_mappings()``): the
+    same for modules with a dynamic qconfig (``from_float(mod, dtype=...)``, no observer needed).
+    The root itself is swapped when it is observed (or dynamic), so use the return value.
     ``return_report=True`` returns ``(model, ConvertReport)``. ``speed_check`` (example inputs, a
     tensor or a tuple): afterwards, ``lowbit.speed_guard.keep_faster`` times every quantized layer
     against its float twin on these inputs and swaps back to float the layers where int8 is not
@@ -353,11 +412,12 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
     if not isinstance(return_report, bool):
         raise TypeError(f"convert: return_report must be a bool, got {return_report!r}")
     mapping = _check_mapping("convert", get_default_static_quant_module_mappings() if mapping is None else mapping)
+    dynamic = _check_mapping("convert", _dynamic_default(dynamic_mapping))
     if not inplace:
         model = copy.deepcopy(model)
     float_twin = copy.deepcopy(model) if speed_check is not None else None
     report = ConvertReport()
-    model = _convert(model, "", mapping, report).eval()
+    model = _convert(model, "", mapping, report, dynamic).eval()
     if float_twin is not None:
         speed = keep_faster(model, float_twin, speed_check)
         report.speed = speed  # type: ignore[attr-defined]

@@ -86,6 +86,7 @@ from .qdq import (
     FunctionalTwin,
     Grid,
     WeightedTwin,
+    fake_quant_grid,
     weight_dq,
 )
 
@@ -193,7 +194,7 @@ def _activation_twin(mod: nn.Module, path: str, name: str, weight_dtype: str) ->
             return nn.Identity()
         if name == "weight_fake_quant":
             return FrozenWeightTwin(mod, weight_dtype)
-        scale, zero_point = mod.scale, mod.zero_point
+        scale, zero_point = fake_quant_grid(mod)
     elif isinstance(mod, ObserverBase):
         if isinstance(mod, (PlaceholderObserver, NoopObserver)):
             return nn.Identity()

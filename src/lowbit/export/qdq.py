@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fake_quant_learnable import LearnableFakeQuantize
 from ..functional import fake_quantize
 from ..kernels.onednn import saturation_safe
 from ..qscheme import QDtype
@@ -309,6 +310,14 @@ class ConstWeight(nn.Module):
         return _ConstDQFn.apply(w, self.dq.codes, self.dq.scale, self.dq.zero_point, self.dq.axis)
 
 
+def fake_quant_grid(fq: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(scale, zero_point)`` a ``FakeQuantize``'s forward applies: the buffers, or for LSQ the
+    learned grid (scale clamped to eps, zero point rounded), which its parameters only approximate."""
+    if isinstance(fq, LearnableFakeQuantize):
+        return fq.calculate_qparams()
+    return fq.scale.detach(), fq.zero_point.detach()
+
+
 class FrozenWeightTwin(ConstWeight):
     """Twin of a QAT ``weight_fake_quant``: the first weight it sees is frozen into integer codes.
 
@@ -318,7 +327,8 @@ class FrozenWeightTwin(ConstWeight):
 
     def __init__(self, fq: Any, weight_dtype: str) -> None:
         super().__init__()
-        self.scale, self.zero_point = fq.scale.detach().clone(), fq.zero_point.detach().clone()
+        scale, zero_point = fake_quant_grid(fq)
+        self.scale, self.zero_point = scale.clone(), zero_point.clone()
         self.axis, self.qdtype, self.weight_dtype = fq.ch_axis, fq.qdtype, weight_dtype
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,9 @@ stay float. ``F.linear``/``F.conv1d/2d/3d`` on the model's own parameters run as
 weight-only quantized tables; ``ConvTranspose``-BN runs are folded. A submodule torch.fx cannot
 trace (data-dependent control flow) stays a float leaf and its children are prepared one by one,
 each as its own graph; it is named in a warning and in ``model.lowbit_report`` (an ``FxReport``).
+Dynamic qconfigs (``get_dynamic_qconfig()``, alone or mixed with static settings in one mapping)
+make Linear/LSTM/GRU modules and ``F.linear`` ``lowbit.nn.quantized.dynamic`` modules (float in
+and out, no calibration); other ops under a dynamic qconfig stay float and are reported.
 
 >>> import torch, lowbit as Q
 >>> from torch import nn

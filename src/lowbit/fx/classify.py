@@ -3,10 +3,13 @@
 Kinds (see ``lowbit.fx.patterns``): ``input`` (placeholder / get_attr), ``module``, ``functional``,
 ``act``, ``weighted`` (``F.linear``/``F.conv*`` on the model's own parameters, see
 ``lowbit.fx.weighted``; ``meta["lowbit_wspec"]`` holds its arguments), ``wonly`` (a weight-only
-module: ``nn.Embedding``/``nn.EmbeddingBag``, float out), ``share``, ``float``, ``opaque`` (an
-untraceable submodule) and ``output``. Domains (what a value is after ``convert_fx``): ``int`` (a
-``QTensor``) for ``module``/``functional``/``act``/``weighted`` nodes and for ``share`` ops of an
-int value, ``other`` for non-float values (sizes, masks), ``float`` otherwise.
+module: ``nn.Embedding``/``nn.EmbeddingBag``, float out), ``dynamic`` (a node whose qconfig is
+dynamic, ``get_dynamic_qconfig()``: a Linear/LSTM/GRU module or ``F.linear`` on parameters, float
+in and out, activations quantized per call; any other op under a dynamic qconfig is ``float``
+and reported), ``share``, ``float``, ``opaque`` (an untraceable submodule) and ``output``.
+Domains (what a value is after ``convert_fx``): ``int`` (a ``QTensor``) for
+``module``/``functional``/``act``/``weighted`` nodes and for ``share`` ops of an int value,
+``other`` for non-float values (sizes, masks), ``float`` otherwise.
 
 >>> import torch
 >>> from torch import fx, nn
@@ -29,10 +32,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..mappings import get_default_dynamic_quant_module_mappings
 from ..qconfig import QConfig, QConfigMapping
+from ..workflow import is_dynamic_qconfig
 from .patterns import BINARY_FUNCS, WEIGHT_ONLY_TYPES, canonical_binary, func_activation, is_share_op
 from .report import FxReport
-from .weighted import input_of, parse
+from .weighted import WITH_RELU, input_of, parse
 
 __all__ = ["classify", "wants_int", "int_inputs", "join"]
 
@@ -56,6 +61,7 @@ def _node_qconfig(node: fx.Node, root: nn.Module, mapping: QConfigMapping) -> QC
         op = "add" if op == "add_relu" else op
         # `+`, torch.add and a fused add-relu are one op for the mapping (likewise mul, matmul, cat)
         keys = [target] + ([f for f, name in BINARY_FUNCS.items() if name == op] if op else [])
+        keys += [f for f, fused in WITH_RELU.items() if fused is target]  # linear_relu: F.linear's setting
         for key in keys:
             try:
                 if key in mapping.object_type_qconfigs:
@@ -113,9 +119,30 @@ def _act_ok(node: fx.Node) -> bool:
     return not extra and all(isinstance(a, (numbers.Real, bool)) for a in node.args[1:])
 
 
+def _dynamic_kind(node: fx.Node, mod: nn.Module | None, gm: fx.GraphModule,
+                  dynamic_types: set[type]) -> tuple[str, str]:
+    """``("dynamic", "")`` for a node a dynamic qconfig quantizes, else ``("float", why)``."""
+    if node.op == "call_module" and type(mod) in dynamic_types:
+        if node.args and _ftensor(node.args[0]):
+            return "dynamic", ""
+        return "float", "dynamic qconfig, but its input is not a float tensor"
+    spec, reason = parse(node, gm)
+    if spec is not None and spec.module_type is nn.Linear:
+        node.meta["lowbit_wspec"] = spec
+        return "dynamic", ""
+    names = ", ".join(t.__name__ for t in dynamic_types)
+    return "float", reason or f"dynamic qconfig, but no dynamic kernel for it (dynamic: {names}, F.linear)"
+
+
 def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaque: set[str],
-              module_types: set[type], report: FxReport, prefix: str) -> None:
-    """Set ``meta["lowbit_kind"]``, ``["lowbit_qop"]``, ``["lowbit_domain"]`` and ``["lowbit_qconfig"]``."""
+             module_types: set[type], report: FxReport, prefix: str,
+             dynamic_types: set[type] | None = None) -> None:
+    """Set ``meta["lowbit_kind"]``, ``["lowbit_qop"]``, ``["lowbit_domain"]`` and ``["lowbit_qconfig"]``.
+
+    ``dynamic_types`` (default: the keys of ``get_default_dynamic_quant_module_mappings()``): the
+    module types a dynamic qconfig quantizes."""
+    if dynamic_types is None:
+        dynamic_types = set(get_default_dynamic_quant_module_mappings())
     modules = dict(gm.named_modules())
     for node in gm.graph.nodes:
         mod = modules.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
@@ -129,6 +156,8 @@ def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaqu
             kind = "opaque"
         elif is_share_op(node, mod):
             kind = "share"
+        elif is_dynamic_qconfig(qc):
+            kind, why = _dynamic_kind(node, mod, gm, dynamic_types)
         elif qc is not None and node.meta.get("lowbit_ftensor", False):
             spec, reason = parse(node, gm)
             if node.op == "call_module" and type(mod) in module_types:

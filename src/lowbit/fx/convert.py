@@ -15,7 +15,11 @@ For each observer node of the prepared graph (``lowbit.fx.prepare``):
 - an input observer (a float value read by int ops) becomes a ``Quantize`` node.
 
 A weight-only node (``nn.Embedding``/``nn.EmbeddingBag``, or their QAT twin) is swapped for its
-``lowbit.nn.quantized`` table (per-row grid from ``qconfig.weight()``, float output).
+``lowbit.nn.quantized`` table (per-row grid from ``qconfig.weight()``, float output). A dynamic
+node (dynamic qconfig: ``Linear``/``LSTM``/``GRU`` module, ``F.linear`` on parameters) becomes
+``get_default_dynamic_quant_module_mappings()[type].from_float(mod, dtype=qconfig.weight().qdtype)``
+(an ``F.linear`` through its float stand-in; a fused ``linear_relu`` is followed by ``F.relu``):
+float in, float out, no calibration needed.
 
 Then a shared ``DeQuantize`` is inserted after every int value read by a float op or the graph
 output, dropout becomes the identity, and observers and ``.qconfig`` attributes are removed. Every
@@ -28,9 +32,11 @@ import copy
 import operator
 from typing import Any
 
+import torch.nn.functional as F
 from torch import fx, nn
 
-from ..mappings import get_default_static_quant_module_mappings
+from ..mappings import get_default_dynamic_quant_module_mappings, get_default_static_quant_module_mappings
+from ..nn.intrinsic import FusedModule
 from ..nn.intrinsic.qat.modules import _BnFolded
 from ..nn.quantized import activation as nnq_act
 from ..nn.quantized._utils import output_qparams
@@ -78,6 +84,7 @@ class _Converter:
     def __init__(self, gm: fx.GraphModule, report: FxReport, prefix: str) -> None:
         self.gm, self.graph, self.report, self.prefix = gm, gm.graph, report, prefix
         self.mapping = get_default_static_quant_module_mappings()
+        self.dynamic_mapping = get_default_dynamic_quant_module_mappings()
         self.count = 0
         self.swapped: set[Any] = set()
         self.dropped: set[str] = set()  # get_attr targets whose nodes were erased
@@ -210,7 +217,7 @@ class _Converter:
     def observers(self) -> None:
         # float stand-ins first: a weight may belong to a module that is swapped below (fc.weight)
         self.standins = {n: standin(n.meta["lowbit_wspec"], self.gm) for n in self.graph.nodes
-                         if n.meta.get("lowbit_kind") == "weighted"}
+                         if n.meta.get("lowbit_kind") in ("weighted", "dynamic") and "lowbit_wspec" in n.meta}
         for node in list(self.graph.nodes):
             role = node.meta.get("lowbit_kind")
             if role not in ("obs_out", "obs_in"):  # obs_w: read by the weighted node's conversion
@@ -241,11 +248,44 @@ class _Converter:
             node.replace_all_uses_with(produced)
             self.graph.erase_node(node)
 
+    def dynamic(self) -> None:
+        """Swap dynamic nodes (module or ``F.linear`` stand-in) for ``lowbit.nn.quantized.dynamic`` modules."""
+        for node in list(self.graph.nodes):
+            if node.meta.get("lowbit_kind") != "dynamic" or node.target in self.swapped:
+                continue
+            qconfig, src = node.meta["lowbit_qconfig"], self.standins.get(node)
+            mod = self.gm.get_submodule(node.target) if src is None else src
+            if isinstance(src, FusedModule):  # linear_relu: the marker's Linear
+                mod = src[0]
+            qcls, what = self.dynamic_mapping[type(mod)], _what(node, self.gm)
+            mod.qconfig = qconfig  # the weight grid comes from qconfig.weight(), as in quantize_dynamic
+            try:
+                new = qcls.from_float(mod, dtype=getattr(qconfig.weight(), "qdtype", None))
+            except (ValueError, TypeError, RuntimeError) as err:
+                raise type(err)(f"convert_fx: '{node.name}' ({what} -> dynamic {qcls.__name__}): {err}") from err
+            self.report.converted[self._key(node)] = f"{what} -> {qcls.__module__}.{qcls.__name__}"
+            if src is None:
+                _set_module(self.gm, node.target, new)
+                self.swapped.add(node.target)
+                continue
+            name = self._new_name(f"dynamic_{what}")
+            self.gm.add_submodule(name, new)
+            weight, bias = arg_of(node, "weight"), arg_of(node, "bias")
+            with self.graph.inserting_before(node):
+                out = self.graph.call_module(name, (input_of(node),))
+                if mod is not src:  # fused linear_relu: the ReLU runs in float after the layer
+                    out = self.graph.call_function(F.relu, (out,))
+            self._replace(node, out)
+            for attr in (weight, bias):  # float weight / bias reads no other node needs
+                if attr is not None and not attr.users:
+                    self.dropped.add(attr.target)
+                    self.graph.erase_node(attr)
+
     def dequantize(self) -> None:
         self.gm.add_submodule("dequantize", DeQuantize())
         made: dict[fx.Node, fx.Node] = {}
         for node in list(self.graph.nodes):
-            if node.meta.get("lowbit_kind") not in ("float", "opaque", "output"):
+            if node.meta.get("lowbit_kind") not in ("float", "opaque", "output", "dynamic"):
                 continue
             for src in list(node.all_input_nodes):
                 if src.meta.get("lowbit_domain") != "int":
@@ -269,6 +309,7 @@ class _Converter:
 def _convert_graph(gm: fx.GraphModule, report: FxReport) -> None:
     conv = _Converter(gm, report, gm.meta[STATE_KEY].get("prefix", ""))
     conv.observers()
+    conv.dynamic()
     conv.weight_only()
     conv.drop_float_attrs()
     conv.identities()

@@ -1,6 +1,6 @@
 """What graph mode knows about each op: integer kernels, grid-preserving ops, fusible runs.
 
-Every node of a traced model falls in one of five classes (``lowbit.fx.prepare`` assigns them):
+Every node of a traced model falls in one of these classes (``lowbit.fx.prepare`` assigns them):
 
 =============  ==========================================  ====================================
 class          ops                                         after ``convert_fx``
@@ -15,6 +15,8 @@ class          ops                                         after ``convert_fx``
                and bias are model parameters/buffers        (``lowbit.fx.weighted``), int in/out
 ``wonly``      ``nn.Embedding``, ``nn.EmbeddingBag``         per-row weight-only quantized table,
                                                             int indices in, float out
+``dynamic``    Linear/LSTM/GRU modules, ``F.linear`` on      ``lowbit.nn.quantized.dynamic``
+               parameters, under a dynamic qconfig          module, float in/out
 ``share``      relu, flatten, view/reshape/permute,         runs on the codes of its input
                max-pool, dropout, identity, size/shape      (int stays int, float stays float)
 ``float``      everything else (softmax, layer_norm, gelu,  float, a ``DeQuantize`` before it
@@ -23,7 +25,8 @@ class          ops                                         after ``convert_fx``
 
 ``fuse_graph`` folds the runs ``conv-bn(-relu)``, ``conv-relu``, ``linear-relu``, ``linear-bn``,
 ``bn-relu`` and (not for QAT) ``convtranspose-bn`` (relu as ``nn.ReLU``, ``F.relu``, ``torch.relu``
-or ``.relu()``) into one ``lowbit.nn.intrinsic`` module via ``lowbit.fuse.fuse_known_modules``;
+or ``.relu()``; not a layer under a dynamic qconfig: there is no fused dynamic module) into one
+``lowbit.nn.intrinsic`` module via ``lowbit.fuse.fuse_known_modules``;
 ``relu(a + b)`` into one ``add_relu`` node; and ``relu(F.linear(x, self.w, self.b))`` (likewise
 ``F.conv1d/2d/3d``) into one ``linear_relu`` / ``conv2d_relu`` node (``lowbit.fx.weighted``).
 
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..fuse import fuse_known_modules
+from ..workflow import is_dynamic_qconfig
 from ..mappings import get_default_static_quant_module_mappings
 from ..nn import qat as nnqat
 from ..nn.quantized import activation as nnq_act
@@ -215,8 +219,8 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool) -> list[str]:
                 mods.append(modules[relu.target] if relu.op == "call_module" else nn.ReLU())
         if len(run) == 1:
             continue
-        if any(getattr(m, "qconfig", None) is None for m in mods[:1]):
-            continue  # excluded layers keep their float form
+        if getattr(first, "qconfig", None) is None or is_dynamic_qconfig(first.qconfig):
+            continue  # excluded layers keep their float form; dynamic ones have no fused dynamic twin
         new = fuse_known_modules(mods, is_qat=is_qat)[0]
         new.qconfig = first.qconfig
         _set_module(gm, node.target, new)

@@ -23,6 +23,15 @@ input and only float consumers stays float (it would only add roundings). Observ
 Embeddings (``nn.Embedding``/``nn.EmbeddingBag``) get no observer: their output stays float and
 ``convert_fx`` quantizes their table per row with ``qconfig.weight()``, as the eager ``convert``.
 
+Dynamic qconfigs (``get_dynamic_qconfig()``, alone or mixed with static settings in one mapping):
+a ``Linear``/``LSTM``/``GRU`` module (a leaf) or an ``F.linear`` on model parameters under one is a
+``dynamic`` node: no observers, float in and float out (a ``DeQuantize`` before it when a static
+int region feeds it), not fused with a following ReLU, never swapped for a QAT module;
+``convert_fx`` makes it a ``lowbit.nn.quantized.dynamic`` module, as ``quantize_dynamic`` with that
+qconfig would. Other ops under a dynamic qconfig (convs, adds, activations) have no dynamic
+kernel: they stay float and are listed in ``lowbit_report.left_float`` (not an error, so a global
+dynamic recipe on a CNN works, as in ``torch.ao``).
+
 A functional op's qconfig is ``object_type[function]`` when set, else the qconfig of the module
 whose ``forward`` it was traced in.
 """
@@ -37,9 +46,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..mappings import get_default_qat_module_mappings
+from ..mappings import get_default_dynamic_quant_module_mappings, get_default_qat_module_mappings
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
-from ..workflow import propagate_qconfig_
+from ..workflow import is_dynamic_qconfig, propagate_qconfig_
 from .classify import classify, int_inputs, join, wants_int
 from .patterns import fuse_graph, graph_module_types
 from .report import FxReport
@@ -130,8 +139,8 @@ def _insert_observers(gm: fx.GraphModule) -> int:
                 obs = add_observer(node, int_users[0].meta["lowbit_qconfig"], "obs_in")
                 for u in int_users:
                     u.replace_input_with(node, obs)
-    # a weight-only module (embedding) is quantized at convert with no observer: the graph is worth keeping
-    return count + sum(1 for n in graph.nodes if n.meta.get("lowbit_kind") == "wonly")
+    # weight-only (embedding) and dynamic layers are quantized at convert with no observer: keep the graph
+    return count + sum(1 for n in graph.nodes if n.meta.get("lowbit_kind") in ("wonly", "dynamic"))
 
 
 def _swap_qat(gm: fx.GraphModule, opaque: set[str]) -> None:
@@ -141,7 +150,8 @@ def _swap_qat(gm: fx.GraphModule, opaque: set[str]) -> None:
         if node.op != "call_module" or node.target in opaque:
             continue
         mod = gm.get_submodule(node.target)
-        if type(mod) in qat_map and getattr(mod, "qconfig", None) is not None:
+        qc = getattr(mod, "qconfig", None)
+        if type(mod) in qat_map and qc is not None and not is_dynamic_qconfig(qc):  # dynamic: trains in float
             parent, _, name = node.target.rpartition(".")
             setattr(gm.get_submodule(parent) if parent else gm, name, qat_map[type(mod)].from_float(mod))
 
@@ -208,7 +218,7 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
         sub = gm.get_submodule(path)
         ctx.untraceable(join(prefix, path), sub, cause)
         _prepare_children(sub, ctx, join(prefix, path))
-    classify(gm, mod, ctx.mapping, set(opaque), ctx.module_types, ctx.report, prefix)
+    classify(gm, mod, ctx.mapping, set(opaque), ctx.module_types, ctx.report, prefix, ctx.dynamic_types)
     if _insert_observers(gm) == 0 and not top:
         return mod  # nothing to quantize here: keep the module as it was
     gm.graph.lint()
@@ -225,6 +235,7 @@ class _Ctx:
         self.report = FxReport()
         self.captured: dict[nn.Module, tuple[Any, ...]] = {}
         self.module_types = graph_module_types()
+        self.dynamic_types = set(get_default_dynamic_quant_module_mappings())
         if is_qat:
             self.module_types |= set(get_default_qat_module_mappings().values())
 
@@ -250,7 +261,7 @@ def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inp
     out = _prepare_module(model, ctx, "", example_inputs, top=True)
     prepared = [m for m in out.modules() if isinstance(m, fx.GraphModule) and STATE_KEY in m.meta]
     if not prepared or sum(1 for m in prepared for n in m.graph.nodes if n.meta.get("lowbit_kind", "")
-                           .startswith("obs_") or n.meta.get("lowbit_kind") == "wonly") == 0:
+                           .startswith("obs_") or n.meta.get("lowbit_kind") in ("wonly", "dynamic")) == 0:
         warnings.warn(f"{fn}(): no quantizable op got a qconfig; convert_fx() will leave this model float",
                       stacklevel=3)
     state = {"is_qat": is_qat, "report": ctx.report, "prefix": ""}

@@ -12,6 +12,7 @@ from .activation import ELU, Hardsigmoid, Hardswish, LeakyReLU, ReLU6, Sigmoid, 
 from .embedding import Embedding, EmbeddingBag
 from .functional_modules import FloatFunctional, QFunctional
 from .stubs import DeQuantize, Quantize
+from .weight_only import WeightOnlyLinear
 from . import dynamic
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
     "ReLU6", "Hardswish", "Hardsigmoid", "ELU", "LeakyReLU", "Sigmoid", "Tanh",
     "Embedding", "EmbeddingBag", "FloatFunctional", "QFunctional", "Quantize", "DeQuantize", "dynamic",
+    "WeightOnlyLinear",
 ]

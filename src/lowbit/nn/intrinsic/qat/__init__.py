@@ -13,11 +13,12 @@ from .modules import (
     LinearBn1d,
     LinearReLU,
     freeze_bn_stats,
+    set_bn_fold_mode,
     update_bn_stats,
 )
 
 __all__ = [
     "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "LinearReLU",
     "ConvBn1d", "ConvBn2d", "ConvBn3d", "ConvBnReLU1d", "ConvBnReLU2d", "ConvBnReLU3d", "LinearBn1d",
-    "freeze_bn_stats", "update_bn_stats",
+    "freeze_bn_stats", "update_bn_stats", "set_bn_fold_mode",
 ]

@@ -14,6 +14,16 @@ the BN itself still runs on the output so batch statistics update in training::
 In eval mode (or after ``freeze_bn_stats``) this equals ``op(x, wfq(W'), b')`` with the folded
 ``(W', b')`` of ``fold_bn_weights`` — what ``convert`` builds, via ``fold()``.
 
+``bn_fold="running_stats"`` is lucid's variant instead (``_ConvBnNd``): always that eval-mode fold,
+in training too. The BN is never run, so its running statistics stay as they were when fused; the
+fold is computed on live tensors, so gradients reach ``W``, ``b``, ``gamma`` and ``beta``::
+
+    y = op(x, wfq(W'), b'),   W' = W * s[c],   b' = (b - running_mean) * s + beta
+
+Pass it to the constructor, or set it on a model before or after ``prepare_qat`` with
+``set_bn_fold_mode(model, "running_stats")`` (it also marks ``fuse_modules_qat``'s float markers).
+``convert`` folds either mode the same way.
+
 The BN variants are built from modules, ``ConvBn2d(conv, bn, qconfig=qc)`` (the seeds' signature;
 torch.ao's takes conv constructor arguments), or with ``from_float`` from the float marker
 ``fuse_modules_qat`` made. They share the given ``conv``/``bn`` (parameters and statistics).
@@ -47,8 +57,16 @@ from ..fold import bn_scale, fold_bn_weights
 __all__ = [
     "BnFoldedBase", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "LinearReLU",
     "ConvBn1d", "ConvBn2d", "ConvBn3d", "ConvBnReLU1d", "ConvBnReLU2d", "ConvBnReLU3d", "LinearBn1d",
-    "freeze_bn_stats", "update_bn_stats",
+    "freeze_bn_stats", "update_bn_stats", "set_bn_fold_mode",
 ]
+
+_BN_FOLD_MODES = ("batch_stats", "running_stats")
+
+
+def _check_bn_fold(owner: str, mode: object) -> str:
+    if not isinstance(mode, str) or mode not in _BN_FOLD_MODES:
+        raise ValueError(f"{owner}: bn_fold={mode!r} must be one of {_BN_FOLD_MODES}")
+    return mode
 
 
 class ConvReLU1d(_QConv1d):
@@ -91,7 +109,9 @@ class BnFoldedBase(nn.Module):
     """``(op, bn)`` with the fold-aware fake-quant forward of the module docstring.
 
     Children: ``conv`` (or ``linear``) — the float layer, whose parameters are trained; ``bn``;
-    ``weight_fake_quant``. ``freeze_bn`` (bool) stops BN statistics from updating.
+    ``weight_fake_quant``. ``freeze_bn`` (bool) stops BN statistics from updating. ``bn_fold``:
+    ``"batch_stats"`` (default, torch.ao) or ``"running_stats"`` (lucid: the fixed eval-mode fold;
+    ``freeze_bn`` then has no effect since the BN never runs).
     """
 
     _MARKER: type[nn.Module] = nn.Module  # the float marker from_float accepts
@@ -100,8 +120,10 @@ class BnFoldedBase(nn.Module):
     _RELU = False
     _FOLDED: type[nn.Module] = nn.Module  # the QAT module fold() returns
     _layer_name = "conv"
+    _bn_fold = "batch_stats"  # (modules pickled before the option existed)
 
-    def __init__(self, layer: nn.Module, bn: nn.Module, qconfig: Any = None, freeze_bn: bool = False) -> None:
+    def __init__(self, layer: nn.Module, bn: nn.Module, qconfig: Any = None, freeze_bn: bool = False,
+                 bn_fold: str = "batch_stats") -> None:
         super().__init__()
         if type(layer) is not self._LAYER or type(bn) is not self._BN:
             raise TypeError(f"{type(self).__name__} expects ({self._LAYER.__name__}, {self._BN.__name__}), "
@@ -114,7 +136,17 @@ class BnFoldedBase(nn.Module):
         self.bn = bn
         init_weight_fake_quant(self, qconfig)
         self.freeze_bn = bool(freeze_bn)
+        self.bn_fold = bn_fold
         self.train(layer.training)
+
+    @property
+    def bn_fold(self) -> str:
+        """``"batch_stats"`` (BN runs on the output) or ``"running_stats"`` (fixed fold, BN never runs)."""
+        return self._bn_fold
+
+    @bn_fold.setter
+    def bn_fold(self, mode: str) -> None:
+        self._bn_fold = _check_bn_fold(type(self).__name__, mode)
 
     @property
     def layer(self) -> nn.Module:
@@ -133,6 +165,11 @@ class BnFoldedBase(nn.Module):
         return self.layer._conv_forward(x, w, None)  # type: ignore[operator]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._bn_fold == "running_stats":  # lucid: the eval-mode fold, live in W, b, gamma, beta
+            w, b = fold_bn_weights(self.weight, self.bias, self.bn)  # (C, ...), (C,)
+            y = self._op(x, self.weight_fake_quant(w))  # (N, C, *spatial)
+            y = y + b.reshape([1, -1] + [1] * (y.dim() - 2))
+            return F.relu(y) if self._RELU else y
         s = bn_scale(self.bn)  # (C,)
         w_shape = [-1] + [1] * (self.weight.dim() - 1)  # (C, 1, ...)
         y = self._op(x, self.weight_fake_quant(self.weight * s.reshape(w_shape)))  # (N, C, *spatial)
@@ -166,7 +203,8 @@ class BnFoldedBase(nn.Module):
         """From the float marker (``nni.ConvBn2d`` etc.): shares its layer and BN; reads ``mod.qconfig``."""
         if type(mod) is not cls._MARKER:
             raise TypeError(f"{cls.__name__}.from_float expects {cls._MARKER.__name__}, got {type(mod).__name__}")
-        q = cls(mod[0], mod[1], qconfig=getattr(mod, "qconfig", None))
+        q = cls(mod[0], mod[1], qconfig=getattr(mod, "qconfig", None),
+                bn_fold=getattr(mod, "bn_fold", "batch_stats"))  # set_bn_fold_mode marks the marker
         return q.train(mod.training)
 
     def fold(self) -> nn.Module:
@@ -200,7 +238,7 @@ class BnFoldedBase(nn.Module):
         return marker(layer, nn.ReLU())
 
     def extra_repr(self) -> str:
-        return f"freeze_bn={self.freeze_bn}"
+        return f"freeze_bn={self.freeze_bn}, bn_fold={self._bn_fold!r}"
 
 
 def _bn_class(name: str, marker: type, layer: type, bn: type, folded: type, relu: bool) -> type[BnFoldedBase]:
@@ -240,4 +278,26 @@ def update_bn_stats(mod: nn.Module) -> nn.Module:
     return mod
 
 
+def set_bn_fold_mode(model: nn.Module, mode: str) -> nn.Module:
+    """Set ``bn_fold = mode`` on every QAT conv/linear-BN module of ``model`` and on every float
+    ``nni.ConvBn*`` / ``LinearBn1d`` marker (which ``prepare_qat`` then builds in that mode); in place.
+
+    >>> import torch, lowbit as Q
+    >>> from torch import nn
+    >>> m = Q.fuse_modules_qat(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), [["0", "1"]])
+    >>> qat = Q.prepare_qat(set_bn_fold_mode(m, "running_stats"), Q.get_default_qat_qconfig())
+    >>> _ = qat(torch.randn(4, 1, 5, 5)); qat[0].bn_fold, int(qat[0].bn.num_batches_tracked)
+    ('running_stats', 0)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"set_bn_fold_mode: model must be an nn.Module, got {type(model).__name__}")
+    _check_bn_fold("set_bn_fold_mode", mode)
+    markers = tuple(cls._MARKER for cls in _BN_CLASSES)
+    for mod in model.modules():
+        if isinstance(mod, BnFoldedBase) or type(mod) in markers:
+            mod.bn_fold = mode
+    return model
+
+
+_BN_CLASSES = (ConvBn1d, ConvBn2d, ConvBn3d, ConvBnReLU1d, ConvBnReLU2d, ConvBnReLU3d, LinearBn1d)
 _BnFolded = BnFoldedBase  # earlier private name, still imported by lowbit.fx.convert

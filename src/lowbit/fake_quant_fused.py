@@ -1,0 +1,230 @@
+"""FusedMovingAvgObsFakeQuantize: moving-average min/max observation and fake quantization in one step.
+
+``torch.ao``'s fused QAT fake-quant, numerically identical to it. Each forward, with
+``c = averaging_constant`` and ``[qmin, qmax]`` the grid::
+
+    observer on:    m, M = min(x), max(x)          # per tensor, or per slice along ch_axis: (C,)
+                    min_val += c * (m - min_val);  max_val += c * (M - max_val)    (first batch seeds)
+    fake quant on:  (scale, zero_point) = choose_qparams(min_val, max_val)        # below
+                    y = (clamp(round(x / scale) + zero_point, qmin, qmax) - zero_point) * scale
+    dy/dx = 1[qmin <= round(x / scale) + zero_point <= qmax]                      # straight-through
+
+``choose_qparams`` is fbgemm's ``ChooseQuantizationParams`` (what ``torch.fused_moving_avg_obs_fake_quant``
+uses), *not* ``lowbit.calculate_qparams``: the range is widened to include 0 and::
+
+    affine:     scale = (max - min) / (qmax - qmin)                     (float64, rounded to float32)
+                zero_point = round(qmin - min / scale) or round(qmax - max / scale), whichever is
+                             computed from the smaller terms, clamped to the grid
+    symmetric:  if min < 0 < max:  scale = max(|min| / (h + 1), max / h),  h = (qmax - qmin) // 2
+                                   zero_point = round_half_even((qmin + qmax) / 2)  (0 for qint8, 128 for quint8)
+                else as affine (all-positive data keeps zero_point = qmin)
+    scale < 6.1e-5 is raised to 6.1e-5 (the range widened to match); a zero scale becomes 0.1
+
+On CPU float32 the forward is one ``torch.fused_moving_avg_obs_fake_quant`` call (per tensor, or per
+channel along axis 0 — the only axis torch's kernel supports); elsewhere (other devices or dtypes,
+``ch_axis != 0``) lowbit's composite computes the same numbers. NaN/±Inf in ``x`` are handled as
+the min/max observers do (ignored by the statistics, warned once; NaN stays NaN in ``y``): torch's kernel
+would fold them into the running range, so such a batch is redone on the composite path.
+
+``calculate_qparams()`` returns the grid above for the current statistics — the grid the forward
+fake-quantizes with, so ``convert`` reproduces the QAT model. (Departure: ``torch.ao`` returns its
+observer's ``calculate_qparams()``, a different formula: ``amax / 127.5`` instead of
+``max(|min| / 128, max / 127)`` for symmetric qint8, zero point 127 instead of 128 for symmetric quint8.)
+
+>>> import torch, lowbit as Q
+>>> fq = Q.FusedMovingAvgObsFakeQuantize(averaging_constant=0.5)
+>>> _ = fq(torch.tensor([-1.0, 3.0])); _ = fq(torch.tensor([-3.0, 5.0]))
+>>> fq.activation_post_process.min_val.item(), fq.activation_post_process.max_val.item()
+(-2.0, 4.0)
+>>> round(fq.scale.item(), 6), fq.zero_point.item()       # scale = 6 / 255
+(0.023529, 85)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .fake_quant import FakeQuantize
+from .functional import check_ch_axis, fake_quantize
+from .observer.base import ObserverBase
+from .observer.minmax import MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
+
+__all__ = ["FusedMovingAvgObsFakeQuantize", "choose_qparams_fbgemm"]
+
+_SMALL_SCALE = 6.1e-5  # fbgemm's SMALL_SCALE_THRESHOLD (float32 constant)
+
+
+def choose_qparams_fbgemm(min_val: torch.Tensor, max_val: torch.Tensor, quant_min: int, quant_max: int,
+                          symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fbgemm's ``ChooseQuantizationParams``, elementwise on ``()`` or ``(C,)`` float32 ranges.
+
+    Returns ``(scale float32, zero_point int64)``; mirrors the C++ float32/float64 steps one by one.
+
+    >>> import torch
+    >>> from lowbit.fake_quant_fused import choose_qparams_fbgemm
+    >>> s, z = choose_qparams_fbgemm(torch.tensor(-1.0), torch.tensor(2.54), -128, 127, True)
+    >>> round(s.item(), 6), z.item()                          # max(1 / 128, 2.54 / 127)
+    (0.02, 0)
+    """
+    f32, f64 = torch.float32, torch.float64
+    lo, hi = min_val.detach().to(f32), max_val.detach().to(f32)
+    span = quant_max - quant_min
+    straddles = (lo < 0) & (hi > 0)
+    if symmetric:
+        sq_min, sq_max = -(span // 2 + 1), span // 2
+        # float32 divisions (float / int in C++), the larger one widened to float64, times the int
+        max_scale = torch.maximum((lo / sq_min).abs(), (hi / sq_max).abs()).to(f64)
+        lo = torch.where(straddles, (max_scale * sq_min).to(f32), lo)
+        hi = torch.where(straddles, (max_scale * sq_max).to(f32), hi)
+    zero = torch.zeros((), dtype=f32, device=lo.device)
+    lo, hi = torch.minimum(lo, zero), torch.maximum(hi, zero)
+    scale = (hi.to(f64) - lo.to(f64)) / span
+    s32 = scale.to(f32)
+    scale = torch.where((s32 == 0) | torch.isinf(torch.reciprocal(s32)), torch.full_like(scale, 0.1), scale)
+    small = scale < _SMALL_SCALE
+    if bool(small.any()):
+        thr = torch.tensor(_SMALL_SCALE, dtype=f32, device=lo.device)
+        amplifier = thr / scale.to(f32)                                   # float32, as in C++
+        new_hi = torch.where(lo == 0, thr * span, torch.where(hi == 0, hi, hi * amplifier))
+        new_lo = torch.where(lo == 0, lo, torch.where(hi == 0, -thr * span, lo * amplifier))
+        lo, hi = torch.where(small, new_lo, lo), torch.where(small, new_hi, hi)
+        scale = torch.where(small, thr.to(f64), scale)
+    scale = scale.to(f32).to(f64)                                        # fbgemm keeps a float32 scale
+    lo64, hi64 = lo.to(f64), hi.to(f64)
+    from_min, from_max = quant_min - lo64 / scale, quant_max - hi64 / scale
+    err_min = abs(quant_min) - (lo64 / scale).abs()
+    err_max = abs(quant_max) - (hi64 / scale).abs()
+    initial = torch.where(err_min < err_max, from_min, from_max)
+    if symmetric:
+        mid = torch.tensor((quant_min + quant_max) / 2, dtype=f64, device=lo.device)
+        initial = torch.where((lo < 0) & (hi > 0), mid, initial)
+    zero_point = torch.round(initial).clamp(quant_min, quant_max)        # below/above the grid: the bound
+    return scale.to(f32), zero_point.to(torch.int64)
+
+
+class FusedMovingAvgObsFakeQuantize(FakeQuantize):
+    """``FakeQuantize`` around a moving-average min/max observer, observed and fake-quantized in one step.
+
+    ``observer`` must build a ``MovingAverageMinMaxObserver`` or a
+    ``MovingAveragePerChannelMinMaxObserver``; ``scale``/``zero_point`` are updated only while fake
+    quantization is on (as torch's fused kernel does).
+
+    >>> import torch, lowbit as Q
+    >>> fq = Q.FusedMovingAvgObsFakeQuantize(Q.MovingAveragePerChannelMinMaxObserver, ch_axis=0)
+    >>> fq(torch.randn(4, 3)).shape, fq.scale.shape
+    (torch.Size([4, 3]), torch.Size([4]))
+    """
+
+    _use_torch_kernel = True  # the CPU float32 path through torch's fused op (tests switch it off)
+
+    def __init__(self, observer: Callable[..., ObserverBase] = MovingAverageMinMaxObserver,
+                 **observer_kwargs: Any) -> None:
+        super().__init__(observer, **observer_kwargs)
+        obs = self._observer
+        if not isinstance(obs, (MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver)):
+            raise TypeError(f"FusedMovingAvgObsFakeQuantize: observer={observer!r} built a {type(obs).__name__}; "
+                            "it needs MovingAverageMinMaxObserver or MovingAveragePerChannelMinMaxObserver")
+        self.is_symmetric_quant = obs.qscheme.is_symmetric
+
+    @property
+    def _observer(self) -> MovingAverageMinMaxObserver | MovingAveragePerChannelMinMaxObserver:
+        return self.activation_post_process  # type: ignore[return-value]  # checked in __init__
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"FusedMovingAvgObsFakeQuantize expects a floating-point tensor, got {got}")
+        if x.numel() == 0:
+            return x
+        observe, quant = self.observer_enabled.item() == 1, self.fake_quant_enabled.item() == 1
+        if self.ch_axis is not None:
+            self._size_channels(x)
+        if self._fits_torch_kernel(x, observe):
+            y = self._torch_kernel(x, observe, quant)
+            if y is not None:
+                return y
+        if observe:
+            self.activation_post_process(x.detach())
+        if not quant:
+            return x
+        self._set_qparams(*self._fused_qparams())
+        return fake_quantize(x, self.scale, self.zero_point, self.quant_min, self.quant_max, self.ch_axis)
+
+    # -- torch's fused kernel --------------------------------------------------------------------
+    def _fits_torch_kernel(self, x: torch.Tensor, observe: bool) -> bool:
+        obs = self._observer
+        return (self._use_torch_kernel and x.device.type == "cpu" and x.dtype == torch.float32
+                and self.scale.device.type == "cpu" and self.quant_max - self.quant_min < 1 << 16
+                and (self.ch_axis is None or self.ch_axis % x.dim() == 0)
+                and (observe or obs.is_calibrated))       # torch's kernel fails on a never-seen range
+
+    def _torch_kernel(self, x: torch.Tensor, observe: bool, quant: bool) -> torch.Tensor | None:
+        """One ``torch.fused_moving_avg_obs_fake_quant`` call; ``None`` (state restored) when the batch
+        held NaN/±Inf, which torch folds into the running range."""
+        obs = self._observer
+        lo, hi = obs.min_val, obs.max_val
+        per_channel = self.ch_axis is not None
+        saved: tuple[Any, ...] = ()                       # scale/zero_point need no backup: recomputed on failure
+        if observe:
+            saved = (lo.clone(), hi.clone()) if per_channel else (lo.item(), hi.item())
+        try:
+            y = torch.fused_moving_avg_obs_fake_quant(
+                x, self.observer_enabled, self.fake_quant_enabled, lo, hi, self.scale.view(-1),
+                self.zero_point.view(-1), obs.averaging_constant, self.quant_min, self.quant_max, 0, per_channel,
+                self.is_symmetric_quant)
+            if not observe:
+                ok = True
+            elif per_channel:
+                ok = bool(torch.isfinite(lo).all() & torch.isfinite(hi).all())
+            else:
+                ok = math.isfinite(lo.item()) and math.isfinite(hi.item())
+        except RuntimeError:
+            ok = False
+        if not ok:
+            for buf, old in zip((lo, hi), saved):
+                if isinstance(old, torch.Tensor):
+                    buf.copy_(old)
+                else:
+                    buf.fill_(old)
+            return None
+        if observe and not obs._needs_sync:
+            obs._needs_sync = True
+        if quant and not observe:
+            y = torch.where(torch.isnan(x), x.detach(), y)  # unobserved NaN: keep it (torch maps it to a code)
+        return y
+
+    # -- qparams ---------------------------------------------------------------------------------
+    def _size_channels(self, x: torch.Tensor) -> None:
+        """Give the per-channel statistics and qparams their ``(C,)`` shape before the first batch."""
+        axis = check_ch_axis(self.ch_axis, x.dim(), x.shape)  # type: ignore[arg-type]
+        c = x.shape[axis]
+        obs = self._observer
+        if obs.min_val.dim() == 1 and obs.min_val.numel() != c:
+            raise ValueError(f"FusedMovingAvgObsFakeQuantize: a tensor of shape {tuple(x.shape)} has {c} channels "
+                             f"along ch_axis={self.ch_axis}, but this module has recorded {obs.min_val.numel()}")
+        if obs.min_val.dim() == 0:
+            obs._store(torch.full((c,), float("inf"), device=obs.min_val.device),
+                       torch.full((c,), float("-inf"), device=obs.max_val.device))
+        if self.scale.shape != (c,):
+            self._set_qparams(torch.ones(c, device=self.scale.device), torch.zeros(c, dtype=torch.int64,
+                                                                                  device=self.scale.device))
+
+    def _fused_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused grid of the current statistics; a channel (or tensor) with no data yet: ``(1.0, 0)``."""
+        obs = self._observer
+        s, z = choose_qparams_fbgemm(obs.min_val, obs.max_val, self.quant_min, self.quant_max,
+                                     self.is_symmetric_quant)
+        seen = torch.isfinite(obs.min_val) & torch.isfinite(obs.max_val)
+        neutral_z = min(max(0, self.quant_min), self.quant_max)
+        return torch.where(seen, s, 1.0), torch.where(seen, z, neutral_z)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``choose_qparams`` of the observed range (raises if nothing was observed; syncs across ranks)."""
+        obs = self._observer
+        obs.calculate_qparams()  # validation, and the cross-rank reduction under torch.distributed
+        return choose_qparams_fbgemm(obs.min_val, obs.max_val, self.quant_min, self.quant_max,
+                                     self.is_symmetric_quant)

@@ -1,0 +1,303 @@
+"""LearnableFakeQuantize: fake quantization whose scale and zero point are trained (LSQ / LSQ+).
+
+Esser et al., "Learned Step Size Quantization" (ICLR 2020), with the learnable zero point of LSQ+.
+With ``s`` the scale, ``z = clamp(round(zero_point), qmin, qmax)``, ``g`` the gradient factor
+(``1 / sqrt(x.numel() * qmax)`` when ``use_grad_scaling``, else 1) and ``v = round(x / s) + z``::
+
+    y      = (clamp(v, qmin, qmax) - z) * s
+    dy/dx  = 1[qmin <= v <= qmax]                                   # straight-through
+    dy/ds  = g * (y - x) / s    inside,   g * (qmin - z) below,   g * (qmax - z) above
+    dy/dz  = 0                  inside,   -g * s             outside (below or above)
+
+``y - x`` is evaluated with one rounding, as the fused multiply-add of torch's compiled kernels does
+(so the scale gradients are bit-identical). ``ds``/``dz`` are summed over every element (per tensor;
+shape ``()``) or over every axis except ``ch_axis`` (per channel; shape ``(C,)``). NaN inputs stay NaN
+and contribute no gradient.
+
+Three phases, as ``torch.ao``'s ``_LearnableFakeQuantize`` (switches are ``uint8`` buffers):
+``enable_static_estimate()`` (the default: the observer runs and its qparams are copied into the
+parameters; output fake-quantized), ``enable_static_observation()`` (observer runs, output is ``x``)
+and ``enable_param_learning()`` (observer off, ``scale``/``zero_point`` get gradients). Outside the
+static phase ``scale`` is clamped to ``eps`` (the observer's) before use. ``calculate_qparams()``
+returns the learned ``(scale, round(zero_point))``, so ``convert`` builds the grid that was learned.
+
+Departures from ``torch.ao`` (values and gradients are otherwise identical, tested):
+
+- the backward uses the zero point the forward used, ``clamp(round_half_even(zero_point))``
+  (torch's per-tensor backward truncates ``zero_point + 0.5``: one code too high for every negative
+  zero point, so its mask and clipping gradients are off at the grid's edge; its per-channel backward
+  rounds ``z + x / s`` jointly, which moves exact ties ``x / s = k + 1/2`` to the other side for odd ``z``);
+- symmetric schemes pin ``zero_point`` to the observer's symmetric value (0 signed, the midpoint
+  unsigned) and never train it (torch zeroes it, also for ``quint8``, yet computes its gradient);
+- ``scale``/``zero_point`` require grad only while learning is enabled (torch's constructor leaves
+  them requiring grad in the static phase, so an optimizer step there leaks into the learned start);
+- the positivity floor is the observer's ``eps`` (default 1e-8; torch: float32 eps, 1.19e-7);
+- per-tensor parameters are 0-d (torch: shape ``(1,)``); a per-channel module sizes them on the first
+  batch unless ``channel_len`` is given; any floating dtype and device works (computed in float32).
+
+>>> import torch, lowbit as Q
+>>> fq = Q.LearnableFakeQuantize(qdtype=Q.quint8)
+>>> _ = fq(torch.tensor([-1.0, 3.0]))                   # static phase: observer sets the parameters
+>>> round(fq.scale.item(), 6), fq.zero_point.item()
+(0.015686, 64.0)
+>>> fq = fq.enable_param_learning()
+>>> fq(torch.tensor([0.5, 5.0])).sum().backward()
+>>> round(fq.scale.grad.item(), 3), round(fq.zero_point.grad.item(), 5)    # 5.0 clips at qmax
+(191.125, -0.01569)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .fake_quant import FakeQuantize
+from .functional import check_ch_axis
+from .observer.base import ObserverBase
+from .observer.minmax import MovingAverageMinMaxObserver
+
+__all__ = ["LearnableFakeQuantize", "fake_quantize_learnable", "enable_param_learning",
+           "enable_static_estimate", "enable_static_observation"]
+
+
+def _view(p: torch.Tensor, x: torch.Tensor, axis: int | None) -> torch.Tensor:
+    """``p`` (``()`` or ``(C,)``) shaped to broadcast against ``x`` along ``axis``."""
+    if axis is None:
+        return p.reshape(())
+    shape = [1] * x.dim()
+    shape[axis] = -1
+    return p.reshape(shape)
+
+
+class _LearnableFakeQuantizeFn(torch.autograd.Function):
+    # forward and its LSQ backward side by side (micrograd style)
+    @staticmethod
+    def forward(ctx, x, scale, zero_point, quant_min, quant_max, axis, grad_factor):  # type: ignore[override]
+        s = _view(scale.detach().to(torch.float32), x, axis)
+        z = _view(zero_point.detach().to(torch.float32).round().clamp(quant_min, quant_max), x, axis)
+        xf = x.detach().to(torch.float32)
+        v = torch.round(xf * torch.reciprocal(s)) + z                  # unclipped codes, float
+        y = (v.clamp(quant_min, quant_max) - z) * s
+        ctx.save_for_backward(xf, v, s, z)
+        ctx.qrange, ctx.axis, ctx.grad_factor = (quant_min, quant_max), axis, grad_factor
+        ctx.shapes = scale.shape, zero_point.shape
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        xf, v, s, z = ctx.saved_tensors
+        qmin, qmax = ctx.qrange
+        below, above = v < qmin, v > qmax
+        inside = (v >= qmin) & (v <= qmax)                             # NaN: in none of the three
+        dy32 = dy.to(torch.float32)
+        dx = (dy32 * inside).to(dy.dtype) if ctx.needs_input_grad[0] else None
+        g = torch.tensor(ctx.grad_factor, dtype=torch.float32, device=xf.device)
+        dims = [d for d in range(xf.dim()) if d != ctx.axis] if ctx.axis is not None else None
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:  # to the parameter's shape, () or (C,)
+            return t.sum() if dims is None else (t.sum(dims) if dims else t)  # sum([]) would sum everything
+
+        ds = dz = None
+        if ctx.needs_input_grad[1]:
+            # y - x with one rounding, (q - z) * s - x (exact in float64, then float32): the fused
+            # multiply-add torch's compiled kernels evaluate (a float32 product rounded first differs by ulps)
+            err = ((v.clamp(qmin, qmax) - z).double() * s.double() - xf.double()).to(torch.float32)
+            zero = torch.zeros((), device=xf.device)
+            clipped = torch.where(below, dy32 * (qmin - z), torch.where(above, dy32 * (qmax - z), zero)) * g
+            ds = reduce(torch.where(inside, dy32 * err * torch.reciprocal(s) * g, clipped)).reshape(ctx.shapes[0])
+        if ctx.needs_input_grad[2]:
+            dz = reduce(torch.where(below | above, -dy32 * s * g, torch.zeros((), device=xf.device))).reshape(ctx.shapes[1])
+        return dx, ds, dz, None, None, None, None
+
+
+def fake_quantize_learnable(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, quant_min: int,
+                            quant_max: int, ch_axis: int | None = None, grad_factor: float = 1.0) -> torch.Tensor:
+    """LSQ fake quantization: differentiable in ``x``, ``scale`` and ``zero_point`` (module docstring).
+
+    ``scale``/``zero_point`` are 0-d (per tensor) or ``(C,)`` with ``C = x.shape[ch_axis]``.
+
+    >>> import torch
+    >>> from lowbit.fake_quant_learnable import fake_quantize_learnable
+    >>> s = torch.tensor(0.5, requires_grad=True)
+    >>> fake_quantize_learnable(torch.tensor([0.3, 9.0]), s, torch.tensor(0.0), -8, 7).tolist()
+    [0.5, 3.5]
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"fake_quantize_learnable expects a floating-point tensor, got {got}")
+    if quant_min >= quant_max:
+        raise ValueError(f"fake_quantize_learnable: quant_min={quant_min} must be < quant_max={quant_max}")
+    if not (isinstance(grad_factor, (int, float)) and 0 < grad_factor < math.inf):
+        raise ValueError(f"fake_quantize_learnable: grad_factor={grad_factor!r} must be a positive finite number")
+    axis = None if ch_axis is None else check_ch_axis(ch_axis, x.dim(), x.shape)
+    channels = 1 if axis is None else x.shape[axis]
+    for name, p in (("scale", scale), ("zero_point", zero_point)):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"fake_quantize_learnable: {name} must be a tensor, got {type(p).__name__}")
+        if p.numel() != channels or (axis is not None and p.dim() != 1):
+            raise ValueError(f"fake_quantize_learnable: {name} of shape {tuple(p.shape)} does not fit "
+                             f"{'per-tensor' if axis is None else f'ch_axis={ch_axis} of'} a tensor of shape "
+                             f"{tuple(x.shape)}")
+    return _LearnableFakeQuantizeFn.apply(x, scale, zero_point, int(quant_min), int(quant_max), axis,
+                                          float(grad_factor))
+
+
+class LearnableFakeQuantize(FakeQuantize):
+    """A ``FakeQuantize`` whose ``scale``/``zero_point`` are ``nn.Parameter`` s learned by LSQ(+).
+
+    ``LearnableFakeQuantize(observer=MovingAverageMinMaxObserver, scale=1.0, zero_point=None,
+    channel_len=None, use_grad_scaling=False, **observer_kwargs)``. ``zero_point`` defaults to 0
+    (affine) or the pinned symmetric value; ``channel_len`` pre-sizes per-channel parameters (else
+    they take shape ``(C,)`` on the first batch, before any optimizer step). Buffers
+    ``fake_quant_enabled``, ``observer_enabled`` (alias ``static_enabled``) and ``learning_enabled``.
+
+    >>> import torch, lowbit as Q
+    >>> fq = Q.LearnableFakeQuantize(Q.PerChannelMinMaxObserver, ch_axis=0, use_grad_scaling=True)
+    >>> _ = fq(torch.randn(4, 3)); fq.scale.shape, fq.zero_point.requires_grad
+    (torch.Size([4]), False)
+    """
+
+    scale: nn.Parameter  # type: ignore[assignment]
+    zero_point: nn.Parameter  # type: ignore[assignment]
+    learning_enabled: torch.Tensor
+
+    def __init__(self, observer: Callable[..., ObserverBase] = MovingAverageMinMaxObserver, scale: float = 1.0,
+                 zero_point: float | None = None, channel_len: int | None = None, use_grad_scaling: bool = False,
+                 **observer_kwargs: Any) -> None:
+        super().__init__(observer, **observer_kwargs)
+        name = type(self).__name__
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            raise ValueError(f"{name}: scale={scale!r} must be a positive finite number")
+        if zero_point is not None and (isinstance(zero_point, bool) or not isinstance(zero_point, (int, float))
+                                       or not math.isfinite(zero_point)):
+            raise ValueError(f"{name}: zero_point={zero_point!r} must be a finite number or None")
+        if not isinstance(use_grad_scaling, bool):
+            raise TypeError(f"{name}: use_grad_scaling={use_grad_scaling!r} must be a bool")
+        if channel_len is not None:
+            if isinstance(channel_len, bool) or not isinstance(channel_len, int) or channel_len <= 0:
+                raise ValueError(f"{name}: channel_len={channel_len!r} must be a positive int or None")
+            if self.ch_axis is None:
+                raise ValueError(f"{name}: channel_len={channel_len} needs a per-channel qscheme, got {self.qscheme.value}")
+        self.symmetric_zero_point: int | None = None
+        if self.qscheme.is_symmetric:
+            self.symmetric_zero_point = 0 if self.qdtype.signed else (self.quant_min + self.quant_max + 1) // 2
+            if zero_point is not None and zero_point != self.symmetric_zero_point:
+                raise ValueError(f"{name}: zero_point={zero_point!r} conflicts with qscheme={self.qscheme.value}, "
+                                 f"whose zero point is pinned at {self.symmetric_zero_point}")
+        z0 = float(self.symmetric_zero_point if self.symmetric_zero_point is not None else (zero_point or 0.0))
+        shape = () if channel_len is None else (channel_len,)
+        del self._buffers["scale"], self._buffers["zero_point"]         # FakeQuantize's buffers become parameters
+        self.scale = nn.Parameter(torch.full(shape, float(scale)))
+        self.zero_point = nn.Parameter(torch.full(shape, z0))
+        self.use_grad_scaling = use_grad_scaling
+        self.eps = self.activation_post_process.eps
+        self.register_buffer("learning_enabled", torch.tensor([0], dtype=torch.uint8))
+        self.toggle_qparam_learning(False)
+
+    # -- phases (torch.ao names) -------------------------------------------------------------------
+    @property
+    def static_enabled(self) -> torch.Tensor:
+        """torch.ao's name for ``observer_enabled``: the observer runs and overwrites the parameters."""
+        return self.observer_enabled
+
+    def toggle_qparam_learning(self, enabled: bool = True) -> LearnableFakeQuantize:
+        self.learning_enabled[0] = 1 if enabled else 0
+        self.scale.requires_grad_(bool(enabled))
+        self.zero_point.requires_grad_(bool(enabled) and self.symmetric_zero_point is None)
+        return self
+
+    def toggle_observer_update(self, enabled: bool = True) -> LearnableFakeQuantize:
+        return self.enable_observer(enabled)  # type: ignore[return-value]
+
+    def toggle_fake_quant(self, enabled: bool = True) -> LearnableFakeQuantize:
+        return self.enable_fake_quant(enabled)  # type: ignore[return-value]
+
+    def enable_param_learning(self) -> LearnableFakeQuantize:
+        """Learn ``scale``/``zero_point`` by gradient; observer off; output fake-quantized."""
+        return self.toggle_qparam_learning(True).toggle_fake_quant(True).toggle_observer_update(False)
+
+    def enable_static_estimate(self) -> LearnableFakeQuantize:
+        """Observer qparams each step (no learning); output fake-quantized. The initial phase."""
+        return self.toggle_qparam_learning(False).toggle_fake_quant(True).toggle_observer_update(True)
+
+    def enable_static_observation(self) -> LearnableFakeQuantize:
+        """Observer accumulates, parameters follow it, output is ``x`` unchanged."""
+        return self.toggle_qparam_learning(False).toggle_fake_quant(False).toggle_observer_update(True)
+
+    # -- forward -----------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{type(self).__name__} expects a floating-point tensor, got {got}")
+        if self.observer_enabled[0] == 1:
+            self.activation_post_process(x.detach())
+            self._set_qparams(*self._step_qparams())
+        else:
+            with torch.no_grad():
+                self.scale.clamp_(min=self.eps)
+        if self.fake_quant_enabled[0] != 1:
+            return x
+        if self.symmetric_zero_point is not None:
+            with torch.no_grad():
+                self.zero_point.fill_(self.symmetric_zero_point)
+        grad_factor = 1.0 / math.sqrt(x.numel() * self.quant_max) if self.use_grad_scaling and x.numel() else 1.0
+        return fake_quantize_learnable(x, self.scale, self.zero_point, self.quant_min, self.quant_max,
+                                       self.ch_axis, grad_factor)
+
+    def _set_qparams(self, s: torch.Tensor, z: torch.Tensor) -> None:
+        with torch.no_grad():
+            for p, value in ((self.scale, s), (self.zero_point, z)):
+                value = value.detach().to(device=p.device, dtype=p.dtype)
+                if p.shape != value.shape:        # scalar seed -> (C,): same Parameter object, new storage
+                    p.data = value.clone()
+                else:
+                    p.copy_(value)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The learned grid: ``(max(scale, eps), clamp(round(zero_point), qmin, qmax))`` as float32 / int64."""
+        with torch.no_grad():
+            self.scale.clamp_(min=self.eps)
+        z = self.zero_point.detach().round().clamp(self.quant_min, self.quant_max)
+        if self.symmetric_zero_point is not None:
+            z = torch.full_like(z, self.symmetric_zero_point)
+        return self.scale.detach().to(torch.float32).clone(), z.to(torch.int64)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+        for name in ("scale", "zero_point"):  # adopt a per-channel (C,) shape from the checkpoint
+            saved, p = state_dict.get(prefix + name), getattr(self, name)
+            if isinstance(saved, torch.Tensor) and saved.shape != p.shape:
+                p.data = torch.empty(saved.shape, dtype=p.dtype, device=p.device)
+        nn.Module._load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                                        unexpected_keys, error_msgs)
+
+    def extra_repr(self) -> str:
+        axis = f", ch_axis={self.ch_axis}" if self.ch_axis is not None else ""
+        return (f"fake_quant_enabled={int(self.fake_quant_enabled[0])}, "
+                f"static_enabled={int(self.observer_enabled[0])}, "
+                f"learning_enabled={int(self.learning_enabled[0])}, use_grad_scaling={self.use_grad_scaling}, "
+                f"qdtype={self.qdtype!r}, qscheme={self.qscheme.value}{axis}, "
+                f"scale={self.scale.tolist()}, zero_point={self.zero_point.tolist()}")
+
+
+# Module-level phase switches for ``model.apply(...)``: they act on LearnableFakeQuantize, ignore others.
+def enable_param_learning(mod: nn.Module) -> None:
+    """``model.apply(enable_param_learning)``: every LearnableFakeQuantize starts learning its qparams."""
+    if isinstance(mod, LearnableFakeQuantize):
+        mod.enable_param_learning()
+
+
+def enable_static_estimate(mod: nn.Module) -> None:
+    """``model.apply(enable_static_estimate)``: qparams follow the observers again (no learning)."""
+    if isinstance(mod, LearnableFakeQuantize):
+        mod.enable_static_estimate()
+
+
+def enable_static_observation(mod: nn.Module) -> None:
+    """``model.apply(enable_static_observation)``: observers run, outputs pass through unquantized."""
+    if isinstance(mod, LearnableFakeQuantize):
+        mod.enable_static_observation()

@@ -1,0 +1,180 @@
+"""``quantize_weight_only``: every ``nn.Linear`` of a model -> ``WeightOnlyLinear`` (int4/int8 group-wise).
+
+Activations stay float; only weights shrink (int4 g128: ~0.53 bytes per weight incl. scales). Methods:
+
+- ``"rtn"``: round to nearest on each group's min/max range (no data).
+- ``"mse"``: per group, the clipping ratio of the range that minimises the weight MSE (no data). Lower
+  weight error is not lower model error: on SmolLM2-135M int4 g128 it scored ppl 42.5 against RTN's 41.2
+  (clipping trims the large weights that matter most); use ``"gptq"`` when calibration text is at hand (36.0).
+- ``"gptq"``: GPTQ. One pass of the float model over ``calib`` with forward hooks accumulates
+  ``H = Σ_batches Xᵀ X`` ``(K, K)`` per targeted Linear (X: its inputs, ``(tokens, K)``; Linears fed the
+  same tensor, like q/k/v, share the product and are quantized in one GPTQ pass over their stacked
+  rows); each weight is then quantized column by column with the rounding error spread by ``H⁻¹``
+  (see ``lowbit.nn.quantized.weight_only``).
+
+A Linear whose ``in_features`` is not divisible by ``group_size`` gets the largest ``group_size / 2ᵏ``
+that divides it (576 features with g128 -> g64; warned once, listing the layers).
+
+>>> import torch, lowbit as Q
+>>> model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+>>> qm = Q.quantize_weight_only(model, bits=4, group_size=32, method="mse")
+>>> type(qm[0]).__name__, qm[2].group_size, model[0].__class__.__name__
+('WeightOnlyLinear', 32, 'Linear')
+>>> calib = [torch.randn(16, 64) for _ in range(4)]
+>>> qg = Q.quantize_weight_only(model, bits=4, group_size=32, method="gptq", calib=calib)
+>>> qg(torch.randn(2, 64)).shape
+torch.Size([2, 16])
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .nn.quantized.weight_only import METHODS, WeightOnlyLinear, _check_args, gptq_quantize
+
+__all__ = ["quantize_weight_only", "collect_hessians"]
+
+
+def _targets(model: nn.Module, skip: tuple[str, ...]) -> dict[str, nn.Linear]:
+    """Named ``nn.Linear`` modules (exact type) whose name, or last name component(s), is not in ``skip``."""
+    def skipped(name: str) -> bool:
+        return any(name == s or name.endswith("." + s) for s in skip)
+    return {n: m for n, m in model.named_modules() if type(m) is nn.Linear and not skipped(n)}
+
+
+def _run(model: nn.Module, batch: Any) -> None:
+    if isinstance(batch, dict):
+        model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        model(*batch)
+    else:
+        model(batch)
+
+
+@torch.no_grad()
+def collect_hessians(model: nn.Module, linears: dict[str, nn.Linear], calib: Iterable[Any]) -> dict[str, torch.Tensor]:
+    """``{name: Σ XᵀX}`` (float32 ``(K, K)``) of each Linear's inputs over ``calib`` batches.
+
+    A batch is passed as ``model(**b)`` (dict), ``model(*b)`` (tuple/list) or ``model(b)``.
+    """
+    hs = {n: torch.zeros(m.in_features, m.in_features) for n, m in linears.items()}
+    last: list[Any] = [None, None]  # (input, XᵀX) of the latest call: q/k/v or gate/up get the same tensor
+
+    def hook(name: str):
+        def fn(_mod: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0]
+            if x is not last[0]:  # holding the input keeps its memory from being reused by another tensor
+                x2 = x.detach().reshape(-1, x.shape[-1]).to(torch.float32).cpu()  # (tokens, K)
+                last[:] = [x, x2.T @ x2]
+            hs[name] += last[1]
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+    batches = 0
+    try:
+        for batch in calib:
+            _run(model, batch)
+            batches += 1
+    finally:
+        for h in handles:
+            h.remove()
+        last[:] = [None, None]
+    if batches == 0:
+        raise ValueError("quantize_weight_only: calib yielded no batches; GPTQ needs calibration inputs")
+    return hs
+
+
+def _group_for(k: int, group_size: int) -> int:
+    if group_size == -1 or k % group_size == 0:
+        return group_size
+    g = group_size
+    while g > 1 and k % g:
+        g //= 2
+    return g if g >= 8 else -1
+
+
+def _same_input_runs(names: list[str], hessians: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Consecutive Linears with identical ``H`` (they read the same tensor) as runs; one name per run without H."""
+    runs: list[list[str]] = []
+    for n in names:
+        prev = runs[-1][0] if runs else None
+        if (prev is not None and n in hessians and prev in hessians and hessians[n].shape == hessians[prev].shape
+                and torch.equal(hessians[n], hessians[prev])):
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return runs
+
+
+def _gptq_stacked(lins: list[nn.Linear], hessian: torch.Tensor, bits: int, g: int, symmetric: bool,
+                  act_order: bool) -> list[WeightOnlyLinear]:
+    """GPTQ of Linears sharing one input, on their weights stacked by rows (rows are independent in GPTQ)."""
+    qs = [WeightOnlyLinear(lin.in_features, lin.out_features, lin.bias is not None, bits, g, symmetric) for lin in lins]
+    w = torch.cat([lin.weight.detach().cpu().float() for lin in lins])  # (sum N, K)
+    codes, s, z = gptq_quantize(w, hessian, qs[0]._g, qs[0].qdtype, symmetric, act_order=act_order)
+    rows = [lin.out_features for lin in lins]
+    for q, lin, c, s_i, z_i in zip(qs, lins, codes.split(rows), s.split(rows), z.split(rows)):
+        q.set_codes(c, s_i, z_i)
+        if lin.bias is not None:
+            q.bias = lin.bias.detach().to(torch.float32).cpu().clone()
+        q.to(lin.weight.device)
+    return qs
+
+
+def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128, method: str | None = None,
+                         calib: Iterable[Any] | None = None, skip: Iterable[str] = ("lm_head",),
+                         inplace: bool = False, symmetric: bool = True, act_order: bool = True) -> nn.Module:
+    """Replace each ``nn.Linear`` (not named in ``skip``) by a ``WeightOnlyLinear``; return the model.
+
+    ``method=None`` picks the most accurate recipe the inputs allow: ``"gptq"`` when ``calib`` is given,
+    else ``"rtn"`` (``"mse"`` has the lower weight error but scored worse on SmolLM2).
+    ``calib`` (an iterable of model inputs) is required for ``method="gptq"`` and ignored otherwise;
+    ``act_order`` (GPTQ only) quantizes the most active input columns first.
+    The model is deep-copied unless ``inplace``; it is put in eval mode.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_weight_only: model must be an nn.Module, got {type(model).__name__}")
+    if method is None:
+        method = "rtn" if calib is None else "gptq"
+    if method not in METHODS:
+        raise ValueError(f"quantize_weight_only: method={method!r} must be one of {METHODS}")
+    _check_args(2 * max(group_size, 1), 1, bits, group_size, "quantize_weight_only")
+    if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
+        raise TypeError(f"quantize_weight_only: skip={skip!r} must be a tuple of module names")
+    if method == "gptq" and calib is None:
+        raise ValueError("quantize_weight_only: method='gptq' needs calib= (an iterable of model inputs)")
+    skip = tuple(skip)
+    if not inplace:
+        model = copy.deepcopy(model)
+    model.eval()
+    linears = _targets(model, skip)
+    hessians = collect_hessians(model, linears, calib) if method == "gptq" else {}  # type: ignore[arg-type]
+    changed: list[str] = []
+    built: dict[str, WeightOnlyLinear] = {}
+    for names in _same_input_runs(list(linears), hessians):
+        lins = [linears[n] for n in names]
+        g = _group_for(lins[0].in_features, group_size)
+        if g != group_size:
+            changed += [f"{n or '<model>'} ({lins[0].in_features} features: group_size={g})" for n in names]
+        if method == "gptq":  # layers fed one input (q/k/v, gate/up) share H: one GPTQ pass over their stacked rows
+            built.update(zip(names, _gptq_stacked(lins, hessians[names[0]], bits, g, symmetric, act_order)))
+            for n in names:
+                del hessians[n]
+        else:
+            built.update((n, WeightOnlyLinear.from_float(lin, bits, g, symmetric, method)) for n, lin in zip(names, lins))
+    if changed:
+        warnings.warn(f"quantize_weight_only: group_size={group_size} does not divide in_features of "
+                      f"{len(changed)} layer(s); using smaller groups: {', '.join(changed[:4])}"
+                      + (" ..." if len(changed) > 4 else ""), stacklevel=2)
+    for name, q in built.items():
+        if not name:  # the model itself is a Linear
+            return q
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, q)
+    return model
