@@ -134,6 +134,20 @@ def test_mlp_from_quantize_dynamic(tmp_path):
     assert weight_inits(path) == {U8: 3}
 
 
+def test_fused_linear_relu_keeps_its_relu(tmp_path):
+    torch.manual_seed(1)
+    m = Q.fuse_modules(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval(), [["0", "1"]])
+    qm = Q.quantize_dynamic(m)
+    path = to_onnx(qm, torch.randn(2, 16), tmp_path / "linear_relu.onnx")
+    x = torch.randn(50, 16)
+    (out,), graph = ort_graph(path, (x,), tmp_path)
+    with torch.no_grad():
+        hidden = qm[0](x)
+    assert (hidden >= 0).all() and (hidden == 0).any()             # the fused ReLU clips something here
+    assert close(out, qm(x), dynamic_quantum(qm[2], hidden)) >= 0.99
+    assert sum(n.op_type == "MatMulInteger" for n in graph.node) == 2 and any(n.op_type == "Relu" for n in graph.node)
+
+
 class BertLayer(nn.Module):
     """Post-LN BERT layer: q/k/v/o and FFN Linears, GELU, softmax over a key mask."""
 

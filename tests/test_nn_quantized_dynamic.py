@@ -6,6 +6,7 @@ fp32), and the float simulation ``F.linear(x̂, ŵ)`` of the same integer codes.
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -264,3 +265,41 @@ def test_rnn_errors():
         q(torch.randn(2))
     with pytest.raises(TypeError, match="tensor h0"):
         nnqd.GRU(3, 4)(torch.randn(2, 1, 3), (torch.zeros(1, 1, 4),))
+
+
+# ---- fused Linear + ReLU --------------------------------------------------------------------------------
+def _fused_mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    return Q.fuse_modules(m, [["0", "1"]])
+
+
+def test_dynamic_linear_relu_is_relu_of_the_dynamic_linear_and_beats_torch_ao():
+    import torch.ao.nn.intrinsic as tnni
+    import torch.ao.nn.intrinsic.quantized.dynamic as tnniqd
+
+    m = _fused_mlp()
+    q = nnqd.LinearReLU.from_float(m[0])
+    x = torch.randn(16, 32) * torch.logspace(-1, 1, 32)  # columns on different scales
+    assert torch.equal(q(x), torch.relu(nnqd.Linear.from_float(m[0][0])(x)))
+    ref = m[0](x)
+    lin = copy.deepcopy(m[0][0])
+    lin.qconfig = torch.ao.quantization.default_dynamic_qconfig
+    tm = tnni.LinearReLU(lin, nn.ReLU())
+    tm.qconfig = lin.qconfig
+    ao = tnniqd.LinearReLU.from_float(tm)
+    assert (q(x) - ref).norm() <= (ao(x) - ref).norm()
+    assert "LinearReLU" in repr(q) and "per_token" in repr(q)
+    with pytest.raises(TypeError, match="fused lowbit.nn.intrinsic.LinearReLU"):
+        nnqd.LinearReLU.from_float(nn.Linear(4, 4))
+
+
+def test_fused_linear_relu_goes_dynamic_through_quantize_dynamic_and_convert():
+    m = _fused_mlp(1)
+    x = torch.randn(8, 32)
+    a = Q.quantize_dynamic(m)
+    prepared = Q.prepare(m, Q.QConfigMapping().set_global(Q.get_dynamic_qconfig()))
+    b, report = Q.convert(prepared, return_report=True)
+    for q in (a, b):
+        assert type(q[0]) is nnqd.LinearReLU and type(q[2]) is nnqd.Linear
+    assert torch.equal(a(x), b(x)) and not report.left_float

@@ -82,7 +82,7 @@ def get_default_qat_module_mappings() -> dict[type[nn.Module], type[nn.Module]]:
 
 def get_default_dynamic_quant_module_mappings() -> dict[type[nn.Module], type[nn.Module]]:
     """Float types → ``lowbit.nn.quantized.dynamic`` classes (``from_float(mod, dtype=...)``)."""
-    return {nn.Linear: nnqd.Linear, nn.RNN: nnqd.RNN, nn.LSTM: nnqd.LSTM, nn.GRU: nnqd.GRU,
+    return {nn.Linear: nnqd.Linear, nni.LinearReLU: nnqd.LinearReLU, nn.RNN: nnqd.RNN, nn.LSTM: nnqd.LSTM, nn.GRU: nnqd.GRU,
             nn.RNNCell: nnqd.RNNCell, nn.LSTMCell: nnqd.LSTMCell, nn.GRUCell: nnqd.GRUCell}
 
 

@@ -46,6 +46,7 @@ from ..nn.quantized.dynamic import LSTM as DynamicLSTM
 from ..nn.quantized.dynamic import RNN as DynamicRNN
 from ..nn.quantized.dynamic import GRUCell, LSTMCell, RNNCell
 from ..nn.quantized.dynamic import Linear as DynamicLinear
+from ..nn.quantized.dynamic import LinearReLU as DynamicLinearReLU
 from ..nn.quantized.dynamic import per_token_linear, quantize_per_token
 from ..qtensor import QTensor
 from .qdq import _Const
@@ -140,6 +141,7 @@ class DynamicLinearTwin(nn.Module):
         super().__init__()
         self.in_features, self.out_features = mod.in_features, mod.out_features
         self.fp16 = mod.dtype == torch.float16
+        self.relu = isinstance(mod, DynamicLinearReLU)
         bias = None if mod.bias is None else mod.bias.detach().to(torch.float32).cpu()
         self.bias_c = None if bias is None else _Const(bias)
         if self.fp16:
@@ -173,7 +175,8 @@ class DynamicLinearTwin(nn.Module):
         else:
             y = _PerTokenLinearFn.apply(x, self.eager, self.w_t, self.w_zp, self.w_sum,
                                         self.w_scale, self.bias_c)
-        return y.reshape(*lead, self.out_features) if lead is not None else y
+        y = y.reshape(*lead, self.out_features) if lead is not None else y
+        return F.relu(y) if self.relu else y
 
     def extra_repr(self) -> str:
         kind = "float16 weight" if self.fp16 else f"int8 per-token, weights {self.w_t.t.dtype}"

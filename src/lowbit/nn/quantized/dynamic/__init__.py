@@ -1,8 +1,8 @@
 """Dynamic quantized modules: int8 weights stored ahead of time, activations quantized per token at each call.
 
-``quantize_dynamic`` swaps ``nn.Linear``, ``nn.RNN``/``nn.LSTM``/``nn.GRU`` and the ``nn.RNNCell``/``nn.LSTMCell``/
-``nn.GRUCell`` cells for these; each has ``from_float(mod, dtype)``
-with ``dtype`` ``lowbit.qint8`` (default) or ``torch.float16`` (weight-only float16). Inputs and outputs are float.
+``quantize_dynamic`` swaps ``nn.Linear`` (and fused ``LinearReLU``), ``nn.RNN``/``nn.LSTM``/``nn.GRU`` and
+the ``nn.RNNCell``/``nn.LSTMCell``/``nn.GRUCell`` cells for these; each has ``from_float(mod, dtype)`` with
+``dtype`` ``lowbit.qint8`` (default) or ``torch.float16`` (weight-only float16). Inputs and outputs are float.
 
 >>> import torch
 >>> from lowbit.nn.quantized import dynamic as nnqd
@@ -10,8 +10,9 @@ with ``dtype`` ``lowbit.qint8`` (default) or ``torch.float16`` (weight-only floa
 Linear(in_features=4, out_features=2, bias=True, dtype=lowbit.qint8, activation=per_token)
 """
 
-from .linear import Linear, per_token_linear, quantize_per_token
+from .linear import Linear, LinearReLU, per_token_linear, quantize_per_token
 from .cells import GRUCell, LSTMCell, RNNCell
 from .rnn import GRU, LSTM, RNN
 
-__all__ = ["Linear", "RNN", "LSTM", "GRU", "RNNCell", "LSTMCell", "GRUCell", "quantize_per_token", "per_token_linear"]
+__all__ = ["Linear", "LinearReLU", "RNN", "LSTM", "GRU", "RNNCell", "LSTMCell", "GRUCell", "quantize_per_token",
+           "per_token_linear"]

@@ -37,11 +37,12 @@ from torch import nn
 from ....functional import quantize
 from ....qparams import calculate_qparams
 from .... import kernels
+from ....nn.intrinsic import LinearReLU as _LinearReLUMarker
 from ....qscheme import QDtype, QScheme, as_qdtype, qint8, quint8
 from ....qtensor import QTensor, quantize_per_channel
 from .._utils import quantize_weight, weight_qparams
 
-__all__ = ["Linear", "quantize_per_token", "per_token_linear"]
+__all__ = ["Linear", "LinearReLU", "quantize_per_token", "per_token_linear"]
 
 
 def quantize_per_token(x: torch.Tensor) -> QTensor:
@@ -200,12 +201,17 @@ class Linear(nn.Module):
         """Quantize an ``nn.Linear`` (per-channel symmetric ``dtype``, or its ``qconfig.weight`` grid)."""
         if not isinstance(mod, nn.Linear):
             raise TypeError(f"dynamic Linear.from_float expects an nn.Linear, got {type(mod).__name__}")
-        d = _dtype_arg(dtype, "dynamic Linear.from_float")
-        q = cls(mod.in_features, mod.out_features, mod.bias is not None, d)
-        w = (mod.weight.detach() if d == torch.float16
-             else quantize_dynamic_weight(mod.weight, mod, d, "dynamic Linear"))  # type: ignore[arg-type]
-        q.set_weight_bias(w, mod.bias)
-        return q.to(mod.weight.device)
+        return cls._build(mod, mod, dtype)
+
+    @classmethod
+    def _build(cls, lin: nn.Linear, owner: nn.Module, dtype: Any) -> Any:
+        """``cls`` holding ``lin``'s weight, on ``owner.qconfig.weight``'s grid when ``owner`` has one."""
+        d = _dtype_arg(dtype, f"dynamic {cls.__name__}.from_float")
+        q = cls(lin.in_features, lin.out_features, lin.bias is not None, d)
+        w = (lin.weight.detach() if d == torch.float16
+             else quantize_dynamic_weight(lin.weight, owner, d, f"dynamic {cls.__name__}"))  # type: ignore[arg-type]
+        q.set_weight_bias(w, lin.bias)
+        return q.to(lin.weight.device)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:  # .to()/.cuda(): packed weights are a cache
         self._cache = {}
@@ -221,3 +227,27 @@ class Linear(nn.Module):
         if self.dtype == torch.float16:
             return s + ", dtype=torch.float16"
         return s + f", dtype={self.dtype!r}, activation=per_token"
+
+
+class LinearReLU(Linear):
+    """``relu(x Wᵀ + b)``: a fused ``lowbit.nn.intrinsic.LinearReLU`` (``fuse_modules`` of Linear, ReLU)
+    quantized dynamically, as ``torch.ao.nn.intrinsic.quantized.dynamic.LinearReLU``.
+
+    >>> import torch, lowbit as Q
+    >>> m = Q.fuse_modules(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU()).eval(), [["0", "1"]])
+    >>> q = LinearReLU.from_float(m[0])
+    >>> bool((q(torch.randn(3, 8)) >= 0).all())
+    True
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(super().forward(x))
+
+    @classmethod
+    def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype = qint8) -> LinearReLU:
+        """Quantize a fused ``LinearReLU`` marker (its qconfig's weight grid, else per-channel symmetric)."""
+        if not isinstance(mod, _LinearReLUMarker):
+            raise TypeError(f"dynamic LinearReLU.from_float expects a fused lowbit.nn.intrinsic.LinearReLU, "
+                            f"got {type(mod).__name__}")
+        lin = mod[0]
+        return cls._build(lin, mod if getattr(mod, "qconfig", None) is not None else lin, dtype)
