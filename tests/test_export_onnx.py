@@ -13,7 +13,7 @@ from torch import nn
 import lowbit as Q
 from lowbit.examples import SmallCNN
 from lowbit.export import run_onnx, to_onnx
-from lowbit.nn.quantized import EmbeddingBag, FloatFunctional
+from lowbit.nn.quantized import FloatFunctional, WeightOnlyLinear
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -264,9 +264,10 @@ def test_cuda_model_exports_the_same_file(tmp_path):
 
 # ---- bad input -----------------------------------------------------------------------------------
 def test_unsupported_module_is_named_with_its_path_and_type(tmp_path):
-    m = nn.Sequential(nn.Identity(), nn.Sequential(nn.Identity(), EmbeddingBag.from_float(nn.EmbeddingBag(10, 4))))
-    with pytest.raises(TypeError, match=r"'1\.1' of type lowbit\.nn\.quantized\.embedding\.EmbeddingBag"):
-        to_onnx(m, torch.tensor([[1, 2], [3, 4]]), tmp_path / "bag.onnx")
+    wol = WeightOnlyLinear.from_float(nn.Linear(8, 4), group_size=8)
+    m = nn.Sequential(nn.Identity(), nn.Sequential(nn.Identity(), wol))
+    with pytest.raises(TypeError, match=r"'1\.1' of type lowbit\.nn\.quantized\.weight_only\.WeightOnlyLinear"):
+        to_onnx(m, torch.randn(2, 8), tmp_path / "wol.onnx")
 
 
 def test_unwritable_path_and_bad_arguments(tmp_path):

@@ -433,3 +433,13 @@ def test_embedding_errors():
         b(torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="1-D .* or 2-D"):
         b(torch.zeros(1, 1, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [Q.qint8, Q.quint4, Q.qint4])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_with_no_index_at_all_gives_zero_bags_like_torch(dtype, mode):
+    fb = nn.EmbeddingBag(10, 5, mode=mode)
+    q = EmbeddingBag.from_float(fb, dtype=dtype)
+    idx, off = torch.tensor([], dtype=torch.long), torch.tensor([0, 0, 0])
+    out = q(idx, off)
+    assert out.shape == (3, 5) and torch.equal(out, fb(idx, off).detach())

@@ -10,6 +10,8 @@ constants become initializers, and ``onnx.checker`` validates the result. What e
     QFunctional.add/mul/cat/...   Q/DQ(input grids) -> float op -> Q/DQ(output grid)
     Hardswish, ELU, Sigmoid, ...  float op -> Q/DQ(output grid)    ReLU6: relu6 -> Q/DQ(input grid)
     Embedding (8-bit)             Gather(DQ(int8 table, axis=0))
+    Embedding (4-bit), EmbeddingBag   Gather(DQ(codes, axis=0)) (-> ScatterElements bag reduction), 4-bit codes
+                                  as INT4/UINT4 at opset 21, else one per byte (``lowbit.export.embedding``)
     dynamic Linear                per-token grids (ReduceMin/Max) -> MatMulInteger -> int32 zero-point
                                   correction -> Mul(s_x s_w) -> Add bias (``lowbit.export.dynamic``)
     dynamic LSTM / GRU            time loop unrolled (fixed length, dynamic batch), each gate GEMM as above
@@ -59,6 +61,7 @@ from ..nn.quantized import (
     ConvTranspose3d,
     DeQuantize,
     Embedding,
+    EmbeddingBag,
     FloatFunctional,
     Hardsigmoid,
     Hardswish,
@@ -75,6 +78,7 @@ from ..observer import NoopObserver, ObserverBase, PlaceholderObserver
 from ..qscheme import quint8
 from ..qtensor import QTensor
 from .dynamic import dynamic_twin
+from .embedding import EmbeddingBagTwin, EmbeddingTableTwin, to_int4
 from .proto import constants_to_initializers
 from .qdq import (
     QDQ,
@@ -230,8 +234,10 @@ def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dty
         return ActivationTwin(m._f, (float(m.scale), int(m.zero_point), m.qdtype))
     if isinstance(mod, ReLU6):
         return ActivationTwin(F.relu6, grids.get(id(mod), _RELU6_FLOAT_GRID))
-    if isinstance(mod, Embedding) and m.qdtype.bits == 8:
-        return EmbeddingTwin(mod)
+    if isinstance(mod, Embedding):
+        return EmbeddingTwin(mod) if m.qdtype.bits == 8 else EmbeddingTableTwin(mod)
+    if isinstance(mod, EmbeddingBag):
+        return EmbeddingBagTwin(mod)
     twin = dynamic_twin(mod, weight_dtype)
     if twin is not None:
         return twin
@@ -239,7 +245,8 @@ def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dty
     if cls.__module__.startswith("lowbit.nn.quantized") and not isinstance(mod, FloatFunctional):
         raise TypeError(f"to_onnx: module '{path}' of type {cls.__module__}.{cls.__qualname__} has no ONNX QDQ "
                         "export (supported: Quantize, DeQuantize, Linear, Conv/ConvTranspose 1-3d (+ReLU), "
-                        "QFunctional, quantized activations, 8-bit Embedding, dynamic Linear/RNN/LSTM/GRU and their cells, "
+                        "QFunctional, quantized activations, 8/4-bit Embedding and EmbeddingBag, "
+                        "dynamic Linear/RNN/LSTM/GRU and their cells, "
                         "FakeQuantize, observers)")
     return None
 
@@ -344,11 +351,16 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     onnx = _require("onnx", "to_onnx")
     if not isinstance(model, nn.Module):
         raise TypeError(f"to_onnx: model must be an nn.Module, got {type(model).__name__}")
-    if isinstance(opset_version, bool) or not isinstance(opset_version, int) or opset_version < 13:
-        raise ValueError(f"to_onnx: opset_version={opset_version!r} must be an int >= 13 (per-channel QDQ)")
+    if isinstance(opset_version, bool) or not isinstance(opset_version, int) or not 13 <= opset_version <= 21:
+        raise ValueError(f"to_onnx: opset_version={opset_version!r} must be an int in 13..21 (per-channel QDQ; "
+                         "21: exported at 20 and relabelled, for INT4/UINT4 embedding tables)")
     inputs = tuple(t.cpu() for t in _check_inputs(example_inputs))
     out_path = _check_path(path)
     twin = build_twin(model, inputs, weight_dtype)
+    tables = [m for m in twin.modules() if isinstance(m, (EmbeddingTableTwin, EmbeddingBagTwin))]
+    for name, m in twin.named_modules():
+        if isinstance(m, EmbeddingBagTwin):
+            m.check_opset(opset_version, name)
     with torch.no_grad():
         n_out = len(_flat_tensors(twin(*inputs)))
     input_names = list(input_names) if input_names else (
@@ -361,11 +373,18 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     axes = {n: {0: "batch"} for n in input_names + output_names} if dynamic_batch else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-        torch.onnx.export(twin, inputs, str(out_path), dynamo=False, opset_version=opset_version,
+        torch.onnx.export(twin, inputs, str(out_path), dynamo=False, opset_version=min(opset_version, 20),
                           input_names=input_names, output_names=output_names, dynamic_axes=axes,
                           do_constant_folding=True)
     proto = onnx.load(str(out_path))
     constants_to_initializers(proto)
+    if opset_version == 21:  # 20 -> 21 only added types (INT4, FLOAT8) and defaulted attributes to the ops used
+        if any(n.op_type == "GroupNormalization" for n in proto.graph.node):
+            raise ValueError("to_onnx: opset_version=21 cannot relabel a GroupNormalization graph; use <= 20")
+        for imp in proto.opset_import:
+            if imp.domain in ("", "ai.onnx"):
+                imp.version = 21
+        to_int4(proto, tables)
     proto.producer_name = "lowbit"
     onnx.checker.check_model(proto)
     onnx.save(proto, str(out_path))

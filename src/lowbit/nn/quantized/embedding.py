@@ -50,7 +50,7 @@ def _pack4(codes: torch.Tensor) -> torch.Tensor:
 
 def _unpack4(packed: torch.Tensor, dim: int, signed: bool) -> torch.Tensor:
     """Inverse of ``_pack4``: ``(n, ceil(D/2))`` uint8 -> ``(n, D)`` codes (int8 if ``signed``, else uint8)."""
-    u = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)[:, :dim]
+    u = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], 2 * packed.shape[1])[:, :dim]
     if signed:
         return (u.to(torch.int8) ^ 8) - 8  # sign-extend the nibble: 8..15 -> -8..-1
     return u
