@@ -2,8 +2,8 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-# onnx_helpers.py is imported by the ONNX tests (which skip without onnx); never collect it on its own
-collect_ignore = ["onnx_helpers.py"]
+# helper modules imported by tests (onnx_helpers: by the ONNX tests, which skip without onnx); never collected
+collect_ignore = ["onnx_helpers.py", "nets.py"]
 
 # Property tests: "ci" (the default) draws the same examples on every run, so CI is reproducible and a
 # red run can be rerun; "explore" draws fresh random examples, many more of them, to hunt for new cases:

@@ -10,9 +10,9 @@ import torch.ao.quantization as tq
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 import lowbit as Q
+from nets import StubMLP
 from lowbit.fake_quant_fused import choose_qparams_fbgemm
 
 torch.set_num_threads(1)
@@ -185,21 +185,11 @@ def test_state_dict_round_trip_and_repr():
     assert "per_channel_symmetric" in repr(b) and "ch_axis=0" in repr(b)
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.quant, self.dequant = Q.QuantStub(), Q.DeQuantStub()
-        self.fc1, self.relu, self.fc2 = nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)
-
-    def forward(self, x):
-        return self.dequant(self.fc2(self.relu(self.fc1(self.quant(x)))))
-
-
 def test_fused_qat_loop_trains_and_converts_to_the_same_outputs():
     torch.manual_seed(0)
     x = torch.randn(256, 16)
     y = x[:, :4].argmax(1)
-    qat = Q.prepare_qat(Q.fuse_modules_qat(Net(), [["fc1", "relu"]]), Q.get_fused_qat_qconfig())
+    qat = Q.prepare_qat(Q.fuse_modules_qat(StubMLP(), [["fc1", "relu"]]), Q.get_fused_qat_qconfig())
     assert type(qat.fc1.weight_fake_quant) is Q.FusedMovingAvgObsFakeQuantize
     opt = torch.optim.Adam(qat.parameters(), lr=1e-2)
     losses = []

@@ -14,6 +14,7 @@ from torch import nn
 from torch.ao.quantization._learnable_fake_quantize import _LearnableFakeQuantize
 
 import lowbit as Q
+from nets import StubMLP
 from lowbit.fake_quant_learnable import enable_param_learning, enable_static_observation, fake_quantize_learnable
 
 torch.set_num_threads(1)
@@ -233,21 +234,11 @@ def test_state_dict_round_trip_repr_and_with_args():
     assert c.scale.shape == (4,) and isinstance(c.scale, nn.Parameter)
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.quant, self.dequant = Q.QuantStub(), Q.DeQuantStub()
-        self.fc1, self.relu, self.fc2 = nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)
-
-    def forward(self, x):
-        return self.dequant(self.fc2(self.relu(self.fc1(self.quant(x)))))
-
-
 def test_lsq_qat_loop_learns_scales_and_converts_to_the_same_outputs():
     torch.manual_seed(0)
     x = torch.randn(256, 16)
     y = x[:, :4].argmax(1)
-    qat = Q.prepare_qat(Q.fuse_modules_qat(Net(), [["fc1", "relu"]]), Q.get_lsq_qat_qconfig())
+    qat = Q.prepare_qat(Q.fuse_modules_qat(StubMLP(), [["fc1", "relu"]]), Q.get_lsq_qat_qconfig())
     assert type(qat.fc2.weight_fake_quant) is Q.LearnableFakeQuantize
     opt = torch.optim.Adam(qat.parameters(), lr=1e-2)
     losses, start = [], {}
