@@ -256,6 +256,20 @@ def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type]) -
     return sum(_insert_observers(child, observed, dynamic) for child in mod.children())
 
 
+def _setup(fn: str, model: Any, qconfig: Any, inplace: Any, mapping: Any, dynamic_mapping: Any,
+           default_mapping: dict[type, type], default_qconfig: QConfigMapping
+           ) -> tuple[nn.Module, dict[type, type], dict[type, type]]:
+    """The shared start of ``prepare``/``prepare_qat``: checked arguments, the (copied) model with
+    ``.qconfig`` propagated, the observed-type mapping and the dynamic mapping."""
+    _check_common(fn, model, inplace)
+    mapping = _check_mapping(fn, default_mapping if mapping is None else mapping)
+    dynamic = _check_mapping(fn, _dynamic_default(dynamic_mapping))
+    qconfig = _resolve_user_qconfig(model, qconfig, default_qconfig)
+    if not inplace:
+        model = copy.deepcopy(model)
+    return propagate_qconfig_(model, qconfig), mapping, dynamic
+
+
 def prepare(model: nn.Module, qconfig: Any = None, inplace: bool = False,
             mapping: dict[type, type] | None = None, dynamic_mapping: dict[type, type] | None = None) -> nn.Module:
     """Insert output observers for static post-training quantization; returns the model in eval mode.
@@ -267,13 +281,8 @@ def prepare(model: nn.Module, qconfig: Any = None, inplace: bool = False,
     ``get_default_dynamic_quant_module_mappings()``): the types a dynamic qconfig quantizes (not
     observed). ``inplace=False`` works on a deep copy.
     """
-    _check_common("prepare", model, inplace)
-    mapping = _check_mapping("prepare", get_default_static_quant_module_mappings() if mapping is None else mapping)
-    dynamic = _check_mapping("prepare", _dynamic_default(dynamic_mapping))
-    qconfig = _resolve_user_qconfig(model, qconfig, get_default_qconfig_mapping())
-    if not inplace:
-        model = copy.deepcopy(model)
-    propagate_qconfig_(model, qconfig)
+    model, mapping, dynamic = _setup("prepare", model, qconfig, inplace, mapping, dynamic_mapping,
+                                     get_default_static_quant_module_mappings(), get_default_qconfig_mapping())
     if _insert_observers(model, set(mapping), set(dynamic)) == 0:
         warnings.warn("prepare(): no quantizable module got a qconfig — convert() will leave this model float",
                       stacklevel=2)
@@ -289,13 +298,8 @@ def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
     from ``fuse_modules_qat`` become ``ConvBn*`` modules whose BN statistics keep updating. Modules
     with a dynamic qconfig train in float and become ``dynamic_mapping`` modules at ``convert``.
     """
-    _check_common("prepare_qat", model, inplace)
-    mapping = _check_mapping("prepare_qat", get_default_qat_module_mappings() if mapping is None else mapping)
-    dynamic = _check_mapping("prepare_qat", _dynamic_default(dynamic_mapping))
-    qconfig = _resolve_user_qconfig(model, qconfig, get_default_qat_qconfig_mapping())
-    if not inplace:
-        model = copy.deepcopy(model)
-    propagate_qconfig_(model, qconfig)
+    model, mapping, dynamic = _setup("prepare_qat", model, qconfig, inplace, mapping, dynamic_mapping,
+                                     get_default_qat_module_mappings(), get_default_qat_qconfig_mapping())
 
     def swap(mod: nn.Module) -> nn.Module:
         qc = getattr(mod, "qconfig", None)
