@@ -80,6 +80,10 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
         if q.dtype == torch.uint8:
             q, zx = q.view(torch.int8).bitwise_xor(-128), zx - 128    # u8 - 128 as s8
         acc = torch._int_mm(_pad_to(_pad_to(q, 1, 8), 0, 1, 17).contiguous(), w_t)[:m, :n]
+    elif k == 1:
+        # torch's CPU _int_mm returns wrong sums for K == 1, N > 1 on AVX-512 VNNI (either weight
+        # layout; every other shape of a 225-shape grid is exact): one int32 product is exact there.
+        acc = q.to(torch.int32) * w_t.to(torch.int32)                 # (M, 1) x (1, N)
     else:
         acc = torch._int_mm(q, w_t)                                   # (M, N) int32
     acc = acc - zx * w_sum                                            # Σ (q_x - z_x) q_w
