@@ -60,6 +60,7 @@ from .qconfig import (
     get_fused_qat_qconfig,
     get_lsq_qat_qconfig,
     get_minmax_qconfig,
+    qconfig_equals,
 )
 from .stubs import DeQuantStub, QuantStub, QuantWrapper
 from .fuse import fuse_modules, fuse_modules_qat
@@ -78,6 +79,7 @@ from .workflow import (
     quantize_dynamic,
     update_bn_stats,
 )
+from .quantize_api import quantize_qat
 from .fx import FxReport, convert_fx, prepare_fx, prepare_qat_fx
 from .weight_only import quantize_weight_only
 from .nn.intrinsic.qat.modules import set_bn_fold_mode
@@ -100,11 +102,11 @@ __all__ = [
     # configs
     "QConfig", "QConfigMapping", "get_default_qconfig", "get_default_qat_qconfig", "get_default_qconfig_mapping",
     "get_default_qat_qconfig_mapping", "get_minmax_qconfig", "get_dynamic_qconfig",
-    "get_lsq_qat_qconfig", "get_fused_qat_qconfig",
+    "get_lsq_qat_qconfig", "get_fused_qat_qconfig", "qconfig_equals",
     # eager workflows
     "QuantStub", "DeQuantStub", "QuantWrapper", "fuse_modules", "fuse_modules_qat", "prepare", "convert",
     "prepare_qat", "quantize_dynamic", "propagate_qconfig_", "freeze_bn_stats", "update_bn_stats", "ConvertReport",
-    "set_bn_fold_mode",
+    "set_bn_fold_mode", "quantize_qat",
     "get_default_static_quant_module_mappings", "get_default_qat_module_mappings",
     "get_default_dynamic_quant_module_mappings",
     # graph mode

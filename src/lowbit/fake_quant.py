@@ -31,7 +31,6 @@ True
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +38,7 @@ import torch
 from torch import nn
 
 from .functional import fake_quantize
-from .observer.base import ObserverBase
+from .observer.base import Factory, ObserverBase
 from .observer.minmax import MovingAverageMinMaxObserver, _MinMaxObserverBase
 from .qparams import calculate_qparams
 
@@ -82,9 +81,9 @@ class FakeQuantize(nn.Module):
         self.register_buffer("observer_enabled", torch.tensor([1], dtype=torch.uint8))
 
     @classmethod
-    def with_args(cls, **kwargs: Any) -> functools.partial:
-        """A zero-arg factory building ``cls(**kwargs)`` — what a ``QConfig`` stores."""
-        return functools.partial(cls, **kwargs)
+    def with_args(cls, **kwargs: Any) -> Factory:
+        """A zero-arg factory building ``cls(**kwargs)`` — what a ``QConfig`` stores; chainable."""
+        return Factory(cls, **kwargs)
 
     # -- switches --------------------------------------------------------------------------------
     def enable_observer(self, enabled: bool = True) -> FakeQuantize:

@@ -65,6 +65,7 @@ __all__ = [
     "get_lsq_qat_qconfig",
     "get_fused_qat_qconfig",
     "get_embedding_qconfig",
+    "qconfig_equals",
 ]
 
 Factory = Callable[[], nn.Module]
@@ -141,6 +142,54 @@ def _check_qconfig(qconfig: Any, where: str) -> QConfig | None:
     if qconfig is None or isinstance(qconfig, QConfig):
         return qconfig
     raise TypeError(f"{where}: qconfig={qconfig!r} must be a lowbit QConfig or None")
+
+
+def _flatten_factory(f: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """``(callable, args, keywords)`` of a factory, nested ``partial``s merged (outer keywords win)."""
+    args: tuple[Any, ...] = ()
+    keywords: dict[str, Any] = {}
+    while isinstance(f, functools.partial):
+        args, keywords = f.args + args, {**f.keywords, **keywords}
+        f = f.func
+    return f, args, keywords
+
+
+def _recipe_value_equals(a: Any, b: Any) -> bool:
+    if isinstance(a, functools.partial) or isinstance(b, functools.partial):
+        return _factory_equals(a, b)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a is b or bool(a == b)
+
+
+def _factory_equals(a: Any, b: Any) -> bool:
+    """Same callable and equal arguments after flattening; nested factories (``observer=``) compared alike."""
+    fa, args_a, kw_a = _flatten_factory(a)
+    fb, args_b, kw_b = _flatten_factory(b)
+    if fa != fb or len(args_a) != len(args_b) or kw_a.keys() != kw_b.keys():
+        return False
+    return (all(_recipe_value_equals(x, y) for x, y in zip(args_a, args_b))
+            and all(_recipe_value_equals(kw_a[k], kw_b[k]) for k in kw_a))
+
+
+def qconfig_equals(q1: QConfig | None, q2: QConfig | None) -> bool:
+    """Whether two qconfigs build the same observers: same classes and equal arguments.
+
+    Factories compare by value, not identity (two ``with_args`` calls with the same arguments are
+    equal; chained ``with_args`` compare as their merged arguments), as ``torch.ao``'s.
+
+    >>> import lowbit as Q
+    >>> a = Q.QConfig(Q.MinMaxObserver.with_args(qdtype=Q.quint8), Q.MinMaxObserver.with_args(qdtype=Q.qint8))
+    >>> b = Q.QConfig(Q.MinMaxObserver.with_args().with_args(qdtype=Q.quint8), Q.MinMaxObserver.with_args(qdtype=Q.qint8))
+    >>> Q.qconfig_equals(a, b), Q.qconfig_equals(a, None), Q.qconfig_equals(None, None)
+    (True, False, True)
+    """
+    for q in (q1, q2):
+        if q is not None and not isinstance(q, QConfig):
+            raise TypeError(f"qconfig_equals: {q!r} is not a lowbit QConfig or None")
+    if q1 is None or q2 is None:
+        return q1 is q2
+    return _factory_equals(q1.activation, q2.activation) and _factory_equals(q1.weight, q2.weight)
 
 
 _DICT_KEYS = ("", "object_type", "module_name", "module_name_regex")

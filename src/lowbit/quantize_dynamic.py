@@ -3,7 +3,8 @@
 ``qconfig_spec`` says which modules to quantize and with which dtype:
 
 - ``None``: every module whose exact type is a key of ``mapping`` (Linear, RNN, LSTM, GRU and their cells) with ``dtype``;
-- a set of types: modules of exactly those types (and the modules inside them) with ``dtype``;
+- a set of types and/or dotted module names (``{nn.LSTM, "encoder.fc1"}``): modules of exactly
+  those types or at those paths (and the modules inside them) with ``dtype``;
 - a dict ``{type or dotted name: dtype | QConfig | None}``: per type / per name; ``None`` excludes.
   A name covers the submodules under it; a module's own name beats its type beats its parent's;
 - a ``QConfig`` (every targeted module) or a ``QConfigMapping`` (resolved as in ``prepare``): each
@@ -69,9 +70,10 @@ def _normalise_spec(qconfig_spec: Any, dtype: DynamicDtype, mapping: dict[type, 
     if qconfig_spec is None:
         return {t: (dtype, None) for t in mapping}
     if isinstance(qconfig_spec, (set, frozenset, list, tuple)):
-        bad = [t for t in qconfig_spec if not isinstance(t, type)]
+        bad = [t for t in qconfig_spec if not isinstance(t, (type, str))]
         if bad:
-            raise TypeError(f"quantize_dynamic: qconfig_spec set entries must be module types, got {bad[0]!r}")
+            raise TypeError(f"quantize_dynamic: qconfig_spec set entries must be module types or module names, "
+                            f"got {bad[0]!r}")
         return {t: (dtype, None) for t in qconfig_spec}
     if isinstance(qconfig_spec, dict):
         for k in qconfig_spec:

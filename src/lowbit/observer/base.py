@@ -22,7 +22,24 @@ from torch import nn
 
 from ..qscheme import QDtype, QScheme, as_qdtype, as_qscheme
 
-__all__ = ["ObserverBase", "finite_aminmax"]
+__all__ = ["ObserverBase", "Factory", "finite_aminmax"]
+
+
+class Factory(functools.partial):
+    """A zero-arg factory ``cls(**kwargs)`` (what ``with_args`` returns and a ``QConfig`` stores).
+
+    It is a ``functools.partial`` that chains: ``f.with_args(**more)`` returns a new factory with
+    the keyword arguments merged, later ones overriding earlier ones (as ``torch.ao``'s).
+
+    >>> import lowbit as Q
+    >>> f = Q.MinMaxObserver.with_args(qdtype=Q.qint8).with_args(qdtype=Q.quint8, eps=1e-5)
+    >>> f.keywords == {"qdtype": Q.quint8, "eps": 1e-5}, f().qdtype
+    (True, lowbit.quint8)
+    """
+
+    def with_args(self, **kwargs: Any) -> Factory:
+        """This factory with ``kwargs`` merged into its keyword arguments (``kwargs`` win)."""
+        return Factory(self.func, *self.args, **{**self.keywords, **kwargs})
 
 
 class ObserverBase(nn.Module):
@@ -51,9 +68,9 @@ class ObserverBase(nn.Module):
         self.ch_axis = ch_axis if self.qscheme.is_per_channel else None
 
     @classmethod
-    def with_args(cls, **kwargs: Any) -> functools.partial:
-        """A zero-arg factory building ``cls(**kwargs)`` — what a ``QConfig`` stores."""
-        return functools.partial(cls, **kwargs)
+    def with_args(cls, **kwargs: Any) -> Factory:
+        """A zero-arg factory building ``cls(**kwargs)`` — what a ``QConfig`` stores; chainable."""
+        return Factory(cls, **kwargs)
 
     @property
     def quant_min(self) -> int:
