@@ -18,7 +18,8 @@ from .fake_quant import (
     enable_fake_quant,
     enable_observer,
 )
-from .fake_quant_fused import FusedMovingAvgObsFakeQuantize
+from .fake_quant_fixed import FixedQParamsFakeQuantize
+from .fake_quant_fused import FusedMovingAvgObsFakeQuantize, fused_moving_avg_obs_fake_quant
 from .fake_quant_learnable import LearnableFakeQuantize
 from .functional import dequantize, fake_quantize, quantize
 from .qparams import QParams, calculate_qparams
@@ -46,6 +47,10 @@ from .observer import (
     ObserverBase,
     PerChannelMinMaxObserver,
     PlaceholderObserver,
+    RecordingObserver,
+    get_observer_dict,
+    get_observer_state_dict,
+    load_observer_state_dict,
     sync_observers,
 )
 from .qconfig import (
@@ -99,6 +104,8 @@ __all__ = [
     "sync_observers", "HistogramObserver",
     "FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant",
     "LearnableFakeQuantize", "FusedMovingAvgObsFakeQuantize",
+    "FixedQParamsFakeQuantize", "fused_moving_avg_obs_fake_quant", "RecordingObserver", "get_observer_dict",
+    "get_observer_state_dict", "load_observer_state_dict",
     # configs
     "QConfig", "QConfigMapping", "get_default_qconfig", "get_default_qat_qconfig", "get_default_qconfig_mapping",
     "get_default_qat_qconfig_mapping", "get_minmax_qconfig", "get_dynamic_qconfig",

@@ -53,7 +53,7 @@ from .functional import check_ch_axis, fake_quantize
 from .observer.base import ObserverBase
 from .observer.minmax import MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
 
-__all__ = ["FusedMovingAvgObsFakeQuantize", "choose_qparams_fbgemm"]
+__all__ = ["FusedMovingAvgObsFakeQuantize", "choose_qparams_fbgemm", "fused_moving_avg_obs_fake_quant"]
 
 _SMALL_SCALE = 6.1e-5  # fbgemm's SMALL_SCALE_THRESHOLD (float32 constant)
 
@@ -228,3 +228,61 @@ class FusedMovingAvgObsFakeQuantize(FakeQuantize):
         obs.calculate_qparams()  # validation, and the cross-rank reduction under torch.distributed
         return choose_qparams_fbgemm(obs.min_val, obs.max_val, self.quant_min, self.quant_max,
                                      self.is_symmetric_quant)
+
+
+def fused_moving_avg_obs_fake_quant(x: torch.Tensor, observer_on: torch.Tensor, fake_quant_on: torch.Tensor,
+                                    running_min: torch.Tensor, running_max: torch.Tensor, scale: torch.Tensor,
+                                    zero_point: torch.Tensor, averaging_const: float, quant_min: int, quant_max: int,
+                                    ch_axis: int, per_row_fake_quant: bool = False,
+                                    symmetric_quant: bool = False) -> torch.Tensor:
+    """The functional form of ``FusedMovingAvgObsFakeQuantize`` (``torch.fused_moving_avg_obs_fake_quant``'s
+    signature); updates ``running_min``/``running_max``/``scale``/``zero_point`` in place.
+
+    ``per_row_fake_quant``: statistics and grid per slice along ``ch_axis`` (buffers of shape ``(C,)``);
+    else per tensor (buffers ``()`` or ``(1,)``). ``observer_on``/``fake_quant_on`` are 0/1 tensors.
+    An all-``inf`` running range (never observed) is seeded by the first batch; NaN in ``x`` is
+    ignored by the statistics.
+
+    >>> import torch
+    >>> lo, hi = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    >>> s, z, on = torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1])
+    >>> y = fused_moving_avg_obs_fake_quant(torch.tensor([-1.0, 3.0]), on, on, lo, hi, s, z, 0.01, 0, 255, 0)
+    >>> lo.item(), hi.item(), round(s.item(), 6), z.item()
+    (-1.0, 3.0, 0.015686, 64)
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"fused_moving_avg_obs_fake_quant: x must be a floating-point tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    axis = check_ch_axis(ch_axis, x.dim(), x.shape) if per_row_fake_quant else None
+    if bool(observer_on.reshape(-1)[0] == 1) and x.numel():
+        xd = x.detach().to(torch.float32)
+        if axis is None:
+            finite = xd[torch.isfinite(xd)]
+            if finite.numel():
+                lo, hi = torch.aminmax(finite)
+                _moving_update(running_min, running_max, lo, hi, averaging_const)
+        else:
+            rows = xd.movedim(axis, 0).reshape(x.shape[axis], -1)
+            ok = torch.isfinite(rows)
+            lo = torch.where(ok, rows, float("inf")).amin(1)
+            hi = torch.where(ok, rows, float("-inf")).amax(1)
+            seen = torch.isfinite(lo)
+            _moving_update(running_min, running_max, torch.where(seen, lo, running_min),
+                           torch.where(seen, hi, running_max), averaging_const)
+    if bool(fake_quant_on.reshape(-1)[0] != 1):
+        return x
+    s, z = choose_qparams_fbgemm(running_min, running_max, quant_min, quant_max, symmetric_quant)
+    seen = torch.isfinite(running_min) & torch.isfinite(running_max)
+    s, z = torch.where(seen, s, 1.0), torch.where(seen, z, min(max(0, quant_min), quant_max))
+    scale.copy_(s.reshape(scale.shape))
+    zero_point.copy_(z.reshape(zero_point.shape))
+    return fake_quantize(x, s.reshape(-1) if axis is not None else s.reshape(()),
+                         z.reshape(-1) if axis is not None else z.reshape(()), quant_min, quant_max, axis)
+
+
+def _moving_update(running_min: torch.Tensor, running_max: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                   c: float) -> None:
+    """``running += c * (new - running)``; an infinite (unseen) running value takes ``new`` as is."""
+    lo, hi = lo.reshape(running_min.shape), hi.reshape(running_max.shape)
+    running_min.copy_(torch.where(torch.isinf(running_min), lo, running_min + c * (lo - running_min)))
+    running_max.copy_(torch.where(torch.isinf(running_max), hi, running_max + c * (hi - running_max)))

@@ -23,6 +23,7 @@ from torch import nn
 from .nn import intrinsic as nni
 from .nn import qat as nnqat
 from .nn.intrinsic import qat as nniqat
+from .nn.qat import dynamic as nnqatd
 from .nn.quantized import activation as nnq_act
 from .nn.quantized import conv as nnq_conv
 from .nn.quantized import conv_transpose as nnq_convt
@@ -82,7 +83,8 @@ def get_default_qat_module_mappings() -> dict[type[nn.Module], type[nn.Module]]:
 
 def get_default_dynamic_quant_module_mappings() -> dict[type[nn.Module], type[nn.Module]]:
     """Float types → ``lowbit.nn.quantized.dynamic`` classes (``from_float(mod, dtype=...)``)."""
-    return {nn.Linear: nnqd.Linear, nni.LinearReLU: nnqd.LinearReLU, nn.RNN: nnqd.RNN, nn.LSTM: nnqd.LSTM, nn.GRU: nnqd.GRU,
+    return {nn.Linear: nnqd.Linear, nnqatd.Linear: nnqd.Linear,
+            nni.LinearReLU: nnqd.LinearReLU, nn.RNN: nnqd.RNN, nn.LSTM: nnqd.LSTM, nn.GRU: nnqd.GRU,
             nn.RNNCell: nnqd.RNNCell, nn.LSTMCell: nnqd.LSTMCell, nn.GRUCell: nnqd.GRUCell}
 
 

@@ -7,6 +7,8 @@ from .base import ObserverBase
 from .distributed import sync_observers
 from .fixed import FixedQParamsObserver, NoopObserver, PlaceholderObserver
 from .histogram import HistogramObserver
+from .recording import RecordingObserver, get_observer_dict
+from .state import get_observer_state_dict, load_observer_state_dict
 from .minmax import (
     MinMaxObserver,
     MovingAverageMinMaxObserver,
@@ -16,4 +18,5 @@ from .minmax import (
 
 __all__ = ["ObserverBase", "MinMaxObserver", "MovingAverageMinMaxObserver", "PerChannelMinMaxObserver",
            "MovingAveragePerChannelMinMaxObserver", "FixedQParamsObserver", "PlaceholderObserver", "NoopObserver",
-           "sync_observers", "HistogramObserver"]
+           "sync_observers", "HistogramObserver", "RecordingObserver", "get_observer_dict",
+           "get_observer_state_dict", "load_observer_state_dict"]

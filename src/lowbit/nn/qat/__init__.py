@@ -20,6 +20,10 @@ _FUSED = ("LinearReLU", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d")
 
 
 def __getattr__(name: str) -> Any:
+    if name == "dynamic":  # lowbit.nn.qat.dynamic.Linear (torch.ao's nn.qat.dynamic)
+        import importlib
+
+        return importlib.import_module(f"{__name__}.dynamic")
     if name in _FUSED:  # imported lazily: lowbit.nn.intrinsic.qat builds on this package
         from ..intrinsic import qat as nniqat
 

@@ -13,6 +13,7 @@ from .embedding import Embedding, EmbeddingBag
 from .functional_modules import FloatFunctional, QFunctional
 from .stubs import DeQuantize, Quantize
 from .weight_only import WeightOnlyLinear
+from .normalization import Dropout, GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm
 from . import dynamic
 
 __all__ = [
@@ -21,5 +22,5 @@ __all__ = [
     "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
     "ReLU6", "Hardswish", "Hardsigmoid", "ELU", "LeakyReLU", "Sigmoid", "Tanh",
     "Embedding", "EmbeddingBag", "FloatFunctional", "QFunctional", "Quantize", "DeQuantize", "dynamic",
-    "WeightOnlyLinear",
+    "WeightOnlyLinear", "LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "Dropout",
 ]

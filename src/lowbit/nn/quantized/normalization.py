@@ -1,0 +1,202 @@
+"""Quantized normalization layers and ``Dropout``: integer codes in, integer codes out.
+
+``LayerNorm``, ``GroupNorm`` and ``InstanceNorm1d/2d/3d`` (torch.ao's ``nn.quantized`` forms) take a
+``QTensor`` on any per-tensor 8-bit grid, normalize its values in float32 and quantize the result
+onto the module's output grid ``(scale, zero_point, qdtype)`` (the one its ``activation_post_process``
+observed)::
+
+    x̂ = (q_in - z_in) * s_in                                          # (*) dequantized input
+    y  = (x̂ - mean) / sqrt(var + eps) * weight + bias                 # statistics over the norm's axes
+    q  = clamp(round_half_even(y / scale) + zero_point, qmin, qmax)     # (*) output codes
+
+A normalization mixes all values of a row or group, so there is no integer-only form; ``torch.ao``'s
+kernels compute the same float math, and the results agree within one output quantum. A float
+input is normalized as is. ``Dropout`` is the identity (inference): it returns its input unchanged.
+
+These layers are **not** in lowbit's default static mapping: by default a norm stays float and the
+next quantized layer requantizes its output on its calibrated input grid (more accurate on
+transformers; see docs/design.md). Opt in with a mapping entry::
+
+    mapping = {**Q.get_default_static_quant_module_mappings(), **nnq.normalization.NORM_MAPPINGS}
+    qmodel = Q.convert(Q.prepare(model, mapping=mapping), mapping=mapping)
+
+>>> import torch, lowbit as Q
+>>> from lowbit.nn.quantized.normalization import LayerNorm
+>>> ln = LayerNorm(4, weight=torch.ones(4), bias=torch.zeros(4), scale=2 / 255, zero_point=128)
+>>> qx = Q.quantize_per_tensor(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), 0.1, 0, Q.quint8)
+>>> [round(v, 2) for v in ln(qx).dequantize()[0].tolist()]
+[-1.0, -0.45, 0.45, 1.0]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...functional import quantize
+from ...qscheme import QDtype, quint8
+from ...qtensor import QTensor
+from ._utils import check_out_grid, output_qparams
+
+__all__ = ["LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "Dropout",
+           "NORM_MAPPINGS"]
+
+
+class _QuantizedNorm:
+    """Mixin: the output grid buffers and the dequantize → float norm → quantize forward."""
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+
+    def _init_grid(self, scale: Any, zero_point: Any, qdtype: Any) -> None:
+        s, z, self.qdtype = check_out_grid(scale, zero_point, qdtype, type(self).__name__)
+        self.register_buffer("scale", torch.tensor(s, dtype=torch.float32))  # type: ignore[attr-defined]
+        self.register_buffer("zero_point", torch.tensor(z, dtype=torch.int64))  # type: ignore[attr-defined]
+
+    def _float_forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, x: Any) -> QTensor:
+        if isinstance(x, QTensor):
+            x = x.dequantize()
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            got = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"quantized {type(self).__name__} expects a QTensor or a float tensor, got {got}")
+        y = self._float_forward(x.to(torch.float32))
+        return QTensor(quantize(y, self.scale, self.zero_point, self.qdtype), self.scale, self.zero_point,
+                       self.qdtype)
+
+    @staticmethod
+    def _affine(mod: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
+        return (None if w is None else w.detach().float()), (None if b is None else b.detach().float())
+
+    def _grid_repr(self) -> str:
+        return f"scale={self.scale.item():.6g}, zero_point={self.zero_point.item()}, dtype={self.qdtype!r}"
+
+
+def _set_affine(mod: nn.Module, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+    """Store the affine parameters as float32 buffers (no gradients: this is an inference module)."""
+    for name, t in (("weight", weight), ("bias", bias)):
+        if name in mod._parameters:
+            del mod._parameters[name]
+        mod.register_buffer(name, None if t is None else t.detach().to(torch.float32).clone())
+
+
+class LayerNorm(_QuantizedNorm, nn.LayerNorm):
+    """``F.layer_norm`` over the last ``len(normalized_shape)`` dims, onto the output grid."""
+
+    def __init__(self, normalized_shape: Any, weight: torch.Tensor | None, bias: torch.Tensor | None, scale: float,
+                 zero_point: int, eps: float = 1e-5, elementwise_affine: bool = True,
+                 qdtype: QDtype | str | torch.dtype = quint8) -> None:
+        nn.LayerNorm.__init__(self, normalized_shape, eps=eps, elementwise_affine=elementwise_affine)
+        _set_affine(self, weight, bias)
+        self._init_grid(scale, zero_point, qdtype)
+
+    def _float_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> LayerNorm:
+        if type(mod) is not nn.LayerNorm:
+            raise TypeError(f"quantized LayerNorm.from_float expects an nn.LayerNorm, got {type(mod).__name__}")
+        s, z, d = output_qparams(mod, "LayerNorm")
+        w, b = cls._affine(mod)
+        return cls(mod.normalized_shape, w, b, s, z, mod.eps, mod.elementwise_affine, d)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.normalized_shape)}, eps={self.eps}, {self._grid_repr()}"
+
+
+class GroupNorm(_QuantizedNorm, nn.GroupNorm):
+    """``F.group_norm`` with ``num_groups`` groups over ``num_channels``, onto the output grid."""
+
+    def __init__(self, num_groups: int, num_channels: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 scale: float, zero_point: int, eps: float = 1e-5, affine: bool = True,
+                 qdtype: QDtype | str | torch.dtype = quint8) -> None:
+        nn.GroupNorm.__init__(self, num_groups, num_channels, eps=eps, affine=affine)
+        _set_affine(self, weight, bias)
+        self._init_grid(scale, zero_point, qdtype)
+
+    def _float_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> GroupNorm:
+        if type(mod) is not nn.GroupNorm:
+            raise TypeError(f"quantized GroupNorm.from_float expects an nn.GroupNorm, got {type(mod).__name__}")
+        s, z, d = output_qparams(mod, "GroupNorm")
+        w, b = cls._affine(mod)
+        return cls(mod.num_groups, mod.num_channels, w, b, s, z, mod.eps, mod.affine, d)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, {self._grid_repr()}"
+
+
+class _InstanceNorm(_QuantizedNorm):
+    """``F.instance_norm`` with per-sample statistics (running statistics are not used, as in torch.ao)."""
+
+    _float_type: type[nn.Module] = nn.Module
+
+    def __init__(self, num_features: int, weight: torch.Tensor | None, bias: torch.Tensor | None, scale: float,
+                 zero_point: int, eps: float = 1e-5, momentum: float = 0.1, affine: bool = False,
+                 track_running_stats: bool = False, qdtype: QDtype | str | torch.dtype = quint8) -> None:
+        self._float_type.__init__(self, num_features, eps, momentum, affine, track_running_stats)  # type: ignore[call-arg]
+        _set_affine(self, weight, bias)
+        self._init_grid(scale, zero_point, qdtype)
+
+    def _float_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.instance_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> Any:
+        if type(mod) is not cls._float_type:
+            raise TypeError(f"quantized {cls.__name__}.from_float expects an nn.{cls._float_type.__name__}, "
+                            f"got {type(mod).__name__}")
+        s, z, d = output_qparams(mod, cls.__name__)
+        w, b = cls._affine(mod)
+        return cls(mod.num_features, w, b, s, z, mod.eps, mod.momentum, mod.affine, mod.track_running_stats, d)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, {self._grid_repr()}"  # type: ignore[attr-defined]
+
+
+class InstanceNorm1d(_InstanceNorm, nn.InstanceNorm1d):
+    """Instance norm over ``(N, C, L)``."""
+
+    _float_type = nn.InstanceNorm1d
+
+
+class InstanceNorm2d(_InstanceNorm, nn.InstanceNorm2d):
+    """Instance norm over ``(N, C, H, W)``."""
+
+    _float_type = nn.InstanceNorm2d
+
+
+class InstanceNorm3d(_InstanceNorm, nn.InstanceNorm3d):
+    """Instance norm over ``(N, C, D, H, W)``."""
+
+    _float_type = nn.InstanceNorm3d
+
+
+class Dropout(nn.Dropout):
+    """Inference dropout: the identity on ``QTensor`` (and float) inputs."""
+
+    def forward(self, x: Any) -> Any:
+        return x
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> Dropout:
+        if not isinstance(mod, nn.Dropout):
+            raise TypeError(f"quantized Dropout.from_float expects an nn.Dropout, got {type(mod).__name__}")
+        return cls(mod.p, mod.inplace)
+
+
+# opt-in mapping entries (float type -> quantized class) for prepare/convert
+NORM_MAPPINGS: dict[type[nn.Module], type[nn.Module]] = {
+    nn.LayerNorm: LayerNorm, nn.GroupNorm: GroupNorm, nn.InstanceNorm1d: InstanceNorm1d,
+    nn.InstanceNorm2d: InstanceNorm2d, nn.InstanceNorm3d: InstanceNorm3d, nn.Dropout: Dropout,
+}
