@@ -1,0 +1,228 @@
+"""``lowbit quantize``: argument parsing, the run from inputs to report, and ``main``.
+
+The order is fixed so that nothing is wasted and nothing is half-written: parse and check every
+argument, check ``--out`` and create its staging folder, load and check the model and data, then
+quantize, measure, write into the staging folder, and swap it in for ``--out`` (see ``output``).
+Every error ends as one line on stderr and exit status 2; Ctrl-C as one line and status 130; in
+both cases ``--out`` is left as it was.
+
+>>> build_parser().parse_args(["quantize", "--method", "ptq"]).method
+['ptq']
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+
+from . import common
+from .common import CLIError, stage
+from .inputs import builtin_data, check_data, check_labels, check_runs, check_spec, load_array, load_model
+from .measure import accuracy, latency_ratios, state_bytes, table
+from .methods import METHODS, Job
+from .output import OutputFolder, strict_json
+
+__all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): ``lowbit: error: ...``, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"lowbit: error: {' '.join(message.split())}\n")
+
+
+def _count(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {minimum}" + (" (0: the default)" if minimum == 0 else ""))
+        return v
+    parse.__name__ = "count"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive finite number")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="lowbit", description="int8 quantization for PyTorch")
+    sub = p.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("quantize", help="quantize a model (no arguments: the built-in example)")
+    q.add_argument("--model", help="package.module:factory returning an nn.Module")
+    q.add_argument("--weights", help="state_dict (.pt) to load into the model")
+    q.add_argument("--calib", help="calibration inputs: .pt, .npz, .npy or a folder of images")
+    q.add_argument("--calib-labels", dest="calib_labels", help="labels of --calib (needed for --method qat)")
+    q.add_argument("--eval", help="evaluation inputs (same formats as --calib)")
+    q.add_argument("--labels", help="labels of --eval")
+    q.add_argument("--method", action="append", choices=list(METHODS),
+                   help="repeatable; default: ptq, qat (when labels are at hand) and dynamic. " +
+                        "; ".join(f"{m.name}: {m.help}" for m in METHODS.values() if m.help))
+    q.add_argument("--qconfig", default="default",
+                   help="static recipe: default (histogram), minmax, or speed (7-bit activations without VNNI)")
+    q.add_argument("--backend", default="auto", choices=["auto", "reference", "onednn", "int_mm"])
+    q.add_argument("--out", default="lowbit-out", help="output folder, replaced as a whole (default: lowbit-out)")
+    q.add_argument("--quiet", action="store_true", help="no progress bars or messages")
+    q.add_argument("--traceback", action="store_true", help="let unexpected errors raise with their traceback")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--threads", type=_count(0), default=0, help="torch threads (0: torch's default)")
+    q.add_argument("--epochs", type=_positive_float, default=2.0, help="built-in example: fp32 training epochs")
+    q.add_argument("--qat-epochs", dest="qat_epochs", type=_positive_float, default=0.5, help="QAT fine-tune epochs")
+    q.add_argument("--train-size", dest="train_size", type=_count(1), default=12000,
+                   help="built-in example: train images")
+    q.add_argument("--test-size", dest="test_size", type=_count(0), default=0,
+                   help="built-in example: test images (0: all)")
+    q.add_argument("--calib-size", dest="calib_size", type=_count(1), default=1000,
+                   help="built-in example: calib images")
+    return p
+
+
+DEFAULT_METHODS = ("ptq", "qat", "dynamic")
+
+
+def _default_methods(args: argparse.Namespace) -> list[str]:
+    """ptq, qat and dynamic; for a user model without ``--calib-labels``, the methods that need no labels."""
+    if args.model is not None and args.calib_labels is None:
+        return [m for m in DEFAULT_METHODS if not METHODS[m].needs_labels]
+    return list(DEFAULT_METHODS)
+
+
+def _check_args(args: argparse.Namespace, methods: list[str]) -> None:
+    """Every check that needs no file read: flag combinations and the ``--model`` spec."""
+    if args.model is None:
+        for flag in ("weights", "calib", "eval", "labels", "calib_labels"):
+            if getattr(args, flag) is not None:
+                raise CLIError(f"--{flag.replace('_', '-')} needs --model (the built-in example brings its own data)")
+        return
+    check_spec(args.model)
+    if args.calib is None:
+        raise CLIError("--model needs --calib (calibration inputs: .pt, .npz, .npy or a folder of images)")
+    if (args.eval is None) != (args.labels is None):
+        raise CLIError("--eval and --labels go together")
+    needs_labels = [m for m in methods if METHODS[m].needs_labels]
+    if needs_labels and args.calib_labels is None:
+        raise CLIError(f"--method {needs_labels[0]} needs --calib-labels (it fine-tunes on the --calib data)")
+
+
+def _inputs(args: argparse.Namespace, methods: list[str], say: Any) -> tuple[nn.Module, torch.Tensor, Any, Any, Any]:
+    """(fp32 model, calib, calib labels or None, eval x or None, eval y or None), all checked."""
+    from .. import examples
+
+    needs_labels = any(METHODS[m].needs_labels for m in methods)
+    if args.model is None:
+        name, xtr, ytr, xte, yte = builtin_data(args.train_size, args.seed)
+        if args.test_size:
+            xte, yte = xte[: args.test_size], yte[: args.test_size]
+        say(f"lowbit: built-in example — SmallCNN on {name} ({len(xtr)} train / {len(xte)} test images)")
+        fp32 = examples.SmallCNN()
+        with stage("training the fp32 example"):
+            examples.train(fp32, xtr, ytr, epochs=args.epochs, lr=2e-3, seed=args.seed)
+        return fp32.eval(), xtr[: args.calib_size], ytr[: args.calib_size] if needs_labels else None, xte, yte
+    fp32 = load_model(args.model, args.weights)
+    calib = check_data(load_array(args.calib, "--calib"), f"--calib {args.calib}")
+    out = check_runs(fp32, calib, "--calib data")
+    classes = out.shape[-1] if out.dim() >= 2 else None
+    xte = yte = calib_labels = None
+    if args.eval is not None:
+        xte = check_data(load_array(args.eval, "--eval"), f"--eval {args.eval}")
+        out = check_runs(fp32, xte, "--eval data")
+        if out.dim() != 2:
+            raise CLIError(f"--eval: accuracy needs (batch, classes) model outputs, got shape {tuple(out.shape)}")
+        yte = check_labels(load_array(args.labels, "--labels"), f"--labels {args.labels}", len(xte), out.shape[-1])
+    if needs_labels:
+        calib_labels = check_labels(load_array(args.calib_labels, "--calib-labels"),
+                                    f"--calib-labels {args.calib_labels}", len(calib), classes)
+    return fp32, calib, calib_labels, xte, yte
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from .. import kernels
+
+    common.RAISE_UNEXPECTED = bool(args.traceback)
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
+    if args.backend != "auto":
+        kernels.set_backend(args.backend)
+    methods = list(dict.fromkeys(args.method or _default_methods(args)))
+    _check_args(args, methods)
+    with OutputFolder(args.out) as folder:          # --out is checked (and its staging folder made) first
+        fp32, calib, calib_labels, xte, yte = _inputs(args, methods, say)
+        qmodels: dict[str, nn.Module] = {}
+        extras: dict[str, Any] = {}
+        for method in methods:
+            say(f"lowbit: {method} ...")
+            job = Job(copy.deepcopy(fp32), calib, calib_labels, args, extras)
+            with stage(f"--method {method}"):
+                qmodels[method] = METHODS[method].run(job)
+
+        all_models = {"fp32": fp32, **qmodels}
+        with stage("measuring"):
+            lat = latency_ratios(all_models, (xte if xte is not None else calib)[:64])
+            fp32_size = state_bytes(fp32)
+            rows = []
+            fp32_acc = accuracy(fp32, xte, yte, args.quiet, "fp32") if xte is not None else float("nan")
+            for k, m in all_models.items():
+                acc = fp32_acc if k == "fp32" else (accuracy(m, xte, yte, args.quiet, k) if xte is not None
+                                                    else float("nan"))
+                size = state_bytes(m)
+                rows.append({"method": k, "accuracy": acc, "delta": acc - fp32_acc, "size_kib": size / 1024,
+                             "size_ratio": fp32_size / size, "latency_ms": lat[k]["ms"], "speedup": lat[k]["ratio"]})
+        print(table(rows))
+
+        from ..debug import compare
+        from ..report import write_report
+
+        prepared_ptq = extras.get("prepared_ptq")
+        with stage("comparing layers"):
+            cmp = compare(fp32, qmodels["ptq"], calib[:256]) if "ptq" in qmodels else None
+        report: dict[str, Any] = {"model": args.model or "lowbit.examples:SmallCNN", "rows": rows,
+                                  "torch": torch.__version__, "threads": torch.get_num_threads(),
+                                  "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if cmp is not None:
+            report["layers"] = cmp.to_dict()["rows"]
+            say(f"lowbit: per-layer SQNR of the PTQ model vs fp32\n{cmp}")
+
+        with stage(f"writing --out {args.out}"):
+            d = folder.staging
+            for k, m in qmodels.items():
+                torch.save(m.state_dict(), d / f"model_{k}.pt")
+            (d / "report.json").write_text(strict_json(report) + "\n")
+            write_report(d, rows, compare_result=cmp, histograms=prepared_ptq, fmt="md",
+                         notes=f"Model: `{report['model']}`; torch {torch.__version__}, {report['threads']} threads, "
+                               f"{report['date']}. Latency: batch of 64, median of 7 interleaved rounds; speed-up = "
+                               "median of per-round fp32/method ratios.")
+        written = folder.commit()
+    say(f"lowbit: wrote {', '.join(written)} to {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``lowbit`` command; returns the exit status (0, 2 on errors, 130 on Ctrl-C)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _quantize(args)
+    except CLIError as e:
+        print(f"lowbit: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"lowbit: interrupted; --out {Path(args.out)} left as it was", file=sys.stderr)
+        return 130

@@ -1,0 +1,191 @@
+"""Reading and checking what the user hands ``lowbit quantize``: the model, its data and labels.
+
+Every check runs before any quantization work and fails with a one-line ``CLIError`` naming the
+flag and the file. Data must be a non-empty float-convertible tensor with finite values only
+(calibrating on NaN/Inf gives no usable range); labels must be a 1-D tensor of integer class
+indices in ``[0, C)``, ``C`` being the size of the model's last output dimension.
+
+>>> check_labels(torch.tensor([0, 2, 1]), "--labels y.pt", n=3, classes=3).tolist()
+[0, 2, 1]
+>>> check_labels(torch.tensor([0, 3]), "--labels y.pt", n=2, classes=3)
+Traceback (most recent call last):
+...
+lowbit.cli.common.CLIError: --labels y.pt: label 3 is outside [0, 3) (the model has 3 outputs)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .common import CLIError, one_line
+
+__all__ = ["load_array", "check_data", "check_labels", "check_spec", "load_model", "check_runs", "builtin_data"]
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
+_KEYS = ("x", "inputs", "data", "y", "labels")
+
+
+def load_array(path: str, what: str) -> torch.Tensor:
+    """The tensor in ``path`` (.pt tensor or dict, .npz, .npy, or a folder of images)."""
+    p = Path(path)
+    if not p.exists():
+        raise CLIError(f"{what} file not found: {path}")
+    if p.is_dir():
+        return _load_images(p, what)
+    suffix = p.suffix.lower()
+    if suffix not in (".pt", ".npz", ".npy"):
+        raise CLIError(f"{what} {path}: unsupported format {suffix!r} (use .pt, .npz, .npy or a folder of images)")
+    try:
+        if suffix == ".pt":
+            obj = torch.load(p, map_location="cpu", weights_only=True)
+            if isinstance(obj, dict):
+                obj = next((obj[k] for k in _KEYS if k in obj), None)
+            if not isinstance(obj, torch.Tensor):
+                raise CLIError(f"{what} {path}: expected a tensor (or a dict with key 'x'/'inputs'/'y')")
+            return obj
+        if suffix == ".npz":
+            with np.load(p) as z:
+                key = next((k for k in _KEYS if k in z.files), z.files[0] if z.files else None)
+                if key is None:
+                    raise CLIError(f"{what} {path}: the .npz holds no array")
+                return torch.from_numpy(np.array(z[key]))
+        return torch.from_numpy(np.load(p))
+    except CLIError:
+        raise
+    except Exception as e:  # corrupt file, object arrays, ...: one clear line
+        raise CLIError(f"{what} {path}: cannot read ({one_line(e)})") from e
+
+
+def _load_images(folder: Path, what: str) -> torch.Tensor:
+    files = sorted(f for f in folder.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise CLIError(f"{what} folder {folder} holds no .png/.jpg/.bmp images")
+    try:
+        from PIL import Image
+    except ImportError as e:
+        raise CLIError("reading an image folder needs Pillow: pip install pillow") from e
+    arrs = []
+    for f in files:
+        try:
+            with Image.open(f) as im:
+                arrs.append(np.asarray(im.convert("L"), dtype=np.float32) / 255.0)
+        except Exception as e:  # truncated / not an image despite its suffix
+            raise CLIError(f"{what} folder {folder}: cannot read image {f.name} ({one_line(e)})") from e
+    shapes = {a.shape for a in arrs}
+    if len(shapes) != 1:
+        raise CLIError(f"{what} folder {folder}: images differ in size ({', '.join(map(str, sorted(shapes)))})")
+    return torch.from_numpy(np.stack(arrs)).unsqueeze(1)
+
+
+def check_data(x: torch.Tensor, what: str) -> torch.Tensor:
+    """``x`` as float32 after checking it holds samples, numbers, and finite values only."""
+    if x.dtype == torch.bool or x.is_complex():
+        raise CLIError(f"{what}: expected real numbers, got dtype {x.dtype}")
+    if x.dim() == 0 or len(x) == 0 or x.numel() == 0:
+        raise CLIError(f"{what}: holds no samples (shape {tuple(x.shape)})")
+    x = x.float()
+    bad = int((~torch.isfinite(x)).sum())
+    if bad:
+        kind = "all" if bad == x.numel() else f"{bad} of {x.numel()}"
+        raise CLIError(f"{what}: {kind} values are NaN or Inf (calibration needs finite data; clean it first)")
+    return x
+
+
+def check_labels(y: torch.Tensor, what: str, n: int, classes: int | None) -> torch.Tensor:
+    """``y`` as int64 class indices after checking shape ``(n,)``, integer values and range ``[0, classes)``."""
+    if y.dim() != 1:
+        raise CLIError(f"{what}: expected a 1-D tensor of class indices, got shape {tuple(y.shape)}")
+    if len(y) != n:
+        raise CLIError(f"{what}: has {len(y)} labels for {n} samples")
+    if y.dtype == torch.bool or y.is_complex():
+        raise CLIError(f"{what}: expected integer class indices, got dtype {y.dtype}")
+    if y.is_floating_point():
+        if not bool(torch.isfinite(y).all()) or not torch.equal(y, y.round()):
+            raise CLIError(f"{what}: expected integer class indices, got non-integer values (dtype {y.dtype})")
+    y = y.long()
+    lo, hi = int(y.min()), int(y.max())
+    if lo < 0 or (classes is not None and hi >= classes):
+        bad = lo if lo < 0 else hi
+        limit = f"[0, {classes}) (the model has {classes} outputs)" if classes is not None else "[0, ∞)"
+        raise CLIError(f"{what}: label {bad} is outside {limit}")
+    return y
+
+
+def check_spec(spec: str) -> tuple[str, str]:
+    """``(module, factory)`` of a ``package.module:factory`` spec."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise CLIError(f"--model {spec!r}: expected 'package.module:factory'")
+    return mod_name, attr
+
+
+def load_model(spec: str, weights: str | None) -> nn.Module:
+    """``factory()`` from ``package.module:factory``, with ``weights`` loaded (weights_only), in eval mode."""
+    mod_name, attr = check_spec(spec)
+    if weights is not None and not Path(weights).is_file():
+        raise CLIError(f"--weights file not found: {weights}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as e:
+        raise CLIError(f"--model {spec!r}: cannot import {mod_name!r} ({one_line(e)})") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise CLIError(f"--model {spec!r}: {mod_name} has no callable {attr!r}")
+    try:
+        model = factory()
+    except Exception as e:
+        raise CLIError(f"--model {spec!r}: the factory raised {one_line(e)}") from e
+    if not isinstance(model, nn.Module):
+        raise CLIError(f"--model {spec!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    if weights is not None:
+        try:
+            model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+        except Exception as e:
+            raise CLIError(f"--weights {weights}: does not load into the model ({one_line(e)})") from e
+    return model.eval()
+
+
+def check_runs(model: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
+    """The model's output on ``x[:2]``; a ``CLIError`` when the data does not fit the model."""
+    try:
+        with torch.no_grad():
+            out = model(x[:2])
+    except Exception as e:
+        raise CLIError(f"{what} of shape {tuple(x.shape)} does not fit the model ({one_line(e)})") from e
+    if not isinstance(out, torch.Tensor):
+        raise CLIError(f"{what}: the model returns {type(out).__name__}; lowbit quantize needs a tensor output")
+    if not bool(torch.isfinite(out).all()):
+        raise CLIError(f"{what}: the float model already returns NaN/Inf on it (check --weights and the data)")
+    return out
+
+
+def builtin_data(n_train: int, seed: int) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(name, x_train, y_train, x_test, y_test): Fashion-MNIST, else scikit-learn's digits upscaled."""
+    from .. import data
+
+    if data.fashion_mnist_available():
+        xtr, ytr = data.load_fashion_mnist("train")
+        xte, yte = data.load_fashion_mnist("test")
+        idx = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(seed))[:n_train]
+        return "Fashion-MNIST", data.normalize_images(xtr[idx]), ytr[idx], data.normalize_images(xte), yte
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as e:
+        raise CLIError("no built-in dataset: install Debian's dataset-fashion-mnist or scikit-learn") from e
+    d = load_digits()
+    x = torch.nn.functional.interpolate(torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0,
+                                        size=(28, 28), mode="bilinear", align_corners=False)
+    x, y = (x - x.mean()) / x.std(), torch.tensor(d.target, dtype=torch.int64)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    cut = min(int(0.75 * len(x)), n_train)
+    return ("sklearn digits (8x8 upscaled)", x[perm[:cut]], y[perm[:cut]], x[perm[int(0.75 * len(x)):]],
+            y[perm[int(0.75 * len(x)):]])

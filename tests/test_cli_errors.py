@@ -1,0 +1,145 @@
+"""`lowbit quantize` on bad input: one line on stderr, exit status 2, checks before any work, --out untouched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lowbit import cli
+from lowbit.cli import methods as cli_methods
+
+MODULE = """
+import os, pathlib, torch
+from torch import nn
+def make():
+    pathlib.Path("factory_ran").write_text("yes")
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+def raises():
+    raise ValueError("no weights here\\n(second line)")
+def images():
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
+"""
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    (tmp_path / "usermodel_err.py").write_text(MODULE)
+    monkeypatch.chdir(tmp_path)
+    torch.save(torch.randn(16, 8), "calib.pt")
+    torch.save(torch.randint(0, 3, (16,)), "y.pt")
+    return tmp_path
+
+
+def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    rc = cli.main(["quantize", "--quiet", *args])
+    return rc, capsys.readouterr().err
+
+
+def assert_one_line(rc: int, err: str, needle: str) -> None:
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("lowbit: error:"), err
+    assert needle in lines[0], err
+
+
+def make_data(workdir: Path) -> None:
+    nan = torch.randn(16, 8)
+    nan[3, 2] = float("nan")
+    torch.save(torch.full((16, 8), float("nan")), "allnan.pt")
+    torch.save(nan, "somenan.pt")
+    torch.save(torch.empty(0, 8), "empty.pt")
+    np.save("empty.npy", np.zeros((0, 8), np.float32))
+    torch.save(torch.randint(0, 3, (16, 2)), "y2d.pt")
+    torch.save(torch.tensor([0, 1, 2, 3] * 4), "y_high.pt")
+    torch.save(torch.tensor([0, 1, -1, 2] * 4), "y_neg.pt")
+    torch.save(torch.tensor([0.5, 1.0] * 8), "y_frac.pt")
+    torch.save(torch.randint(0, 3, (15,)), "y_short.pt")
+    torch.save(torch.ones(16, 8, dtype=torch.bool), "bool.pt")
+
+
+M = ["--model", "usermodel_err:make", "--calib", "calib.pt", "--method", "ptq"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", "usermodel_err:raises", "--calib", "calib.pt"], "the factory raised ValueError: no weights here (second"),
+    ([*M[:3], "allnan.pt"], "--calib allnan.pt: all values are NaN or Inf"),
+    ([*M[:3], "somenan.pt"], "--calib somenan.pt: 1 of 128 values are NaN or Inf"),
+    ([*M[:3], "empty.pt"], "--calib empty.pt: holds no samples (shape (0, 8))"),
+    ([*M[:3], "empty.npy"], "--calib empty.npy: holds no samples"),
+    ([*M[:3], "bool.pt"], "expected real numbers, got dtype torch.bool"),
+    ([*M, "--eval", "calib.pt", "--labels", "y2d.pt"], "--labels y2d.pt: expected a 1-D tensor of class indices, "
+                                                        "got shape (16, 2)"),
+    ([*M, "--eval", "calib.pt", "--labels", "y_high.pt"], "label 3 is outside [0, 3) (the model has 3 outputs)"),
+    ([*M, "--eval", "calib.pt", "--labels", "y_neg.pt"], "label -1 is outside [0, 3)"),
+    ([*M, "--eval", "calib.pt", "--labels", "y_frac.pt"], "non-integer values"),
+    ([*M, "--eval", "calib.pt", "--labels", "y_short.pt"], "has 15 labels for 16 samples"),
+    ([*M[:4], "--method", "qat", "--calib-labels", "y_high.pt"], "--calib-labels y_high.pt: label 3 is outside [0, 3)"),
+    ([*M[:4], "--method", "qat"], "--method qat needs --calib-labels"),
+    ([*M, "--eval", "calib.pt"], "--eval and --labels go together"),
+])
+def test_bad_data_is_one_line_exit_2(workdir, capsys, args, needle):
+    make_data(workdir)
+    rc, err = run([*args, "--out", "o"], capsys)
+    assert_one_line(rc, err, needle)
+    assert not (workdir / "o").exists() and not list(workdir.glob(".lowbit-*"))
+
+
+def test_corrupt_image_in_the_folder_is_named(workdir, capsys):
+    from PIL import Image
+
+    folder = workdir / "imgs"
+    folder.mkdir()
+    for i in range(3):
+        Image.fromarray((np.arange(16, dtype=np.uint8).reshape(4, 4) * (i + 1))).save(folder / f"ok{i}.png")
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    rc, err = run(["--model", "usermodel_err:images", "--calib", "imgs", "--method", "ptq", "--out", "o"], capsys)
+    assert_one_line(rc, err, "cannot read image broken.png")
+    (folder / "broken.png").unlink()
+    rc, err = run(["--model", "usermodel_err:images", "--calib", "imgs", "--method", "ptq", "--out", "o"], capsys)
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--threads", "-3", "argument --threads: -3 must be >= 0"),
+    ("--threads", "two", "argument --threads: 'two' is not an integer"),
+    ("--qat-epochs", "nan", "argument --qat-epochs: nan must be a positive finite number"),
+    ("--calib-size", "0", "argument --calib-size: 0 must be >= 1"),
+    ("--method", "bogus", "invalid choice: 'bogus'"),
+])
+def test_bad_arguments_are_one_line_exit_2(workdir, capsys, flag, value, needle):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["quantize", *M, flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+    assert not (workdir / "factory_ran").exists()
+
+
+def test_out_is_checked_before_any_work(workdir, capsys):
+    (workdir / "taken").write_text("a file")
+    rc, err = run([*M, "--out", "taken"], capsys)
+    assert_one_line(rc, err, "--out taken names an existing file")
+    assert not (workdir / "factory_ran").exists()          # the model was never built
+    assert (workdir / "taken").read_text() == "a file"
+    (workdir / "mine").mkdir()
+    (workdir / "mine" / "thesis.tex").write_text("keep me")
+    rc, err = run([*M, "--out", "mine"], capsys)
+    assert_one_line(rc, err, "--out mine is a folder lowbit did not write (it holds 'thesis.tex')")
+    assert not (workdir / "factory_ran").exists() and (workdir / "mine" / "thesis.tex").read_text() == "keep me"
+    rc, err = run([*M, "--out", "taken/sub"], capsys)
+    assert_one_line(rc, err, "is a file, not a folder")
+    assert not (workdir / "factory_ran").exists()
+
+
+def test_a_failing_method_is_one_line_and_leaves_nothing(workdir, capsys, monkeypatch):
+    def boom(job):
+        raise RuntimeError("kernel\nexploded")
+
+    monkeypatch.setitem(cli_methods.METHODS, "ptq", cli_methods.Method("ptq", boom))
+    rc, err = run([*M, "--out", "o"], capsys)
+    assert_one_line(rc, err, "--method ptq failed: RuntimeError: kernel exploded")
+    assert not (workdir / "o").exists() and not list(workdir.glob(".lowbit-*"))
+    with pytest.raises(RuntimeError, match="exploded"):       # --traceback: the real exception, for debugging
+        cli.main(["quantize", "--quiet", "--traceback", *M, "--out", "o"])
