@@ -68,8 +68,8 @@ def test_builtin_grids():
                    (-8, 7, torch.int8, "lowbit.qint4"), (0, 15, torch.uint8, "lowbit.quint4"),
                    (-(2**31), 2**31 - 1, torch.int32, "lowbit.qint32")]
     assert repr(Q.qint8.with_range(-127, 127)) == "lowbit.qint8[-127, 127]"
-    assert [s.is_per_channel for s in Q.QScheme] == [False, False, True, True]
-    assert [s.is_symmetric for s in Q.QScheme] == [False, True, False, True]
+    assert [s.is_per_channel for s in Q.QScheme] == [False, False, True, True, True]  # + float_qparams
+    assert [s.is_symmetric for s in Q.QScheme] == [False, True, False, True, False]
 
 
 def test_scheme_and_dtype_spellings():

@@ -27,6 +27,7 @@ from .qscheme import (
     QDtype,
     QScheme,
     per_channel_affine,
+    per_channel_affine_float_qparams,
     per_channel_symmetric,
     per_tensor_affine,
     per_tensor_symmetric,
@@ -61,6 +62,7 @@ from .qconfig import (
     get_default_qconfig,
     get_default_qconfig_mapping,
     get_dynamic_qconfig,
+    get_embedding_qat_qconfig,
     get_embedding_qconfig,
     get_fused_qat_qconfig,
     get_lsq_qat_qconfig,
@@ -94,7 +96,7 @@ __version__ = "0.1.0"
 __all__ = [
     # schemes and dtypes
     "QScheme", "QDtype", "per_tensor_affine", "per_tensor_symmetric", "per_channel_affine",
-    "per_channel_symmetric", "qint8", "quint8", "qint32", "qint4", "quint4",
+    "per_channel_symmetric", "per_channel_affine_float_qparams", "qint8", "quint8", "qint32", "qint4", "quint4",
     # numerics
     "QParams", "calculate_qparams", "quantize", "dequantize", "fake_quantize",
     "QTensor", "quantize_per_tensor", "quantize_per_channel",
@@ -119,5 +121,5 @@ __all__ = [
     # graph mode
     "prepare_fx", "prepare_qat_fx", "convert_fx", "FxReport",
     # weight-only (int4/int8 group-wise Linear)
-    "quantize_weight_only", "get_embedding_qconfig",
+    "quantize_weight_only", "get_embedding_qconfig", "get_embedding_qat_qconfig",
 ]

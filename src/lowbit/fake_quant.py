@@ -76,7 +76,9 @@ class FakeQuantize(nn.Module):
         self.qdtype, self.qscheme, self.ch_axis = obs.qdtype, obs.qscheme, obs.ch_axis
         self.quant_min, self.quant_max = obs.qdtype.quant_min, obs.qdtype.quant_max
         self.register_buffer("scale", torch.tensor(1.0))
-        self.register_buffer("zero_point", torch.tensor(0, dtype=torch.int64))
+        # float qparams (embeddings): float32 zero points, as torch.ao's FakeQuantize
+        zp_dtype = torch.float32 if self.qscheme.has_float_zero_point else torch.int64
+        self.register_buffer("zero_point", torch.tensor(0, dtype=zp_dtype))
         self.register_buffer("fake_quant_enabled", torch.tensor([1], dtype=torch.uint8))
         self.register_buffer("observer_enabled", torch.tensor([1], dtype=torch.uint8))
 
@@ -109,6 +111,9 @@ class FakeQuantize(nn.Module):
             self.activation_post_process(x.detach())
             self._set_qparams(*self._step_qparams())
         if self.fake_quant_enabled[0] == 1:
+            if self.qscheme.has_float_zero_point:
+                return fake_quantize(x, self.scale, self.zero_point, self.quant_min, self.quant_max, self.ch_axis,
+                                     float_zero_point=True)
             return _fake_quantize_fast(x, self.scale, self.zero_point, self.quant_min, self.quant_max, self.ch_axis)
         return x
 

@@ -160,8 +160,11 @@ def _dequantize_fused(q: torch.Tensor, s: float, z: float) -> torch.Tensor | Non
 class _FakeQuantizeSTE(torch.autograd.Function):
     # forward and its straight-through backward side by side (micrograd style)
     @staticmethod
-    def forward(ctx, x, scale, zero_point, quant_min, quant_max):  # type: ignore[override]
-        q = _codes(x, scale, zero_point)
+    def forward(ctx, x, scale, zero_point, quant_min, quant_max, float_zero_point=False):  # type: ignore[override]
+        if float_zero_point:  # round(x / s + z), as torch's float-zero-point kernels (z is not an integer)
+            q = torch.round(x.to(torch.float32) * torch.reciprocal(scale) + zero_point)
+        else:
+            q = _codes(x, scale, zero_point)
         mask = (q >= quant_min) & (q <= quant_max)
         ctx.save_for_backward(mask)
         return ((q.clamp(quant_min, quant_max) - zero_point) * scale).to(x.dtype)
@@ -169,7 +172,7 @@ class _FakeQuantizeSTE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (mask,) = ctx.saved_tensors
-        return grad * mask, None, None, None, None
+        return grad * mask, None, None, None, None, None
 
 
 def fake_quantize(
@@ -179,10 +182,13 @@ def fake_quantize(
     quant_min: int,
     quant_max: int,
     ch_axis: int | None = None,
+    *,
+    float_zero_point: bool = False,
 ) -> torch.Tensor:
     """``dequantize(quantize(x))`` in ``x``'s dtype, with the masked straight-through gradient.
 
-    Only ``x`` is differentiable; ``scale`` and ``zero_point`` are constants.
+    Only ``x`` is differentiable; ``scale`` and ``zero_point`` are constants. ``float_zero_point=True``
+    (``per_channel_affine_float_qparams``) rounds ``x / s + z`` instead of adding ``z`` after rounding.
     """
     if quant_min >= quant_max:
         raise ValueError(f"fake_quantize: quant_min={quant_min} must be < quant_max={quant_max}")
@@ -190,4 +196,4 @@ def fake_quantize(
         raise TypeError(f"fake_quantize expects a floating-point tensor, got dtype {x.dtype}")
     _check_scale(scale)
     s, z = _broadcast(scale, x, ch_axis, torch.float32), _broadcast(zero_point, x, ch_axis, torch.float32)
-    return _FakeQuantizeSTE.apply(x, s.detach(), z.detach(), int(quant_min), int(quant_max))
+    return _FakeQuantizeSTE.apply(x, s.detach(), z.detach(), int(quant_min), int(quant_max), bool(float_zero_point))

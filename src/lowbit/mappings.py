@@ -53,6 +53,7 @@ def get_default_static_quant_module_mappings() -> dict[type[nn.Module], type[nn.
         nn.Linear: QLinear, nnqat.Linear: QLinear, nniqat.LinearBn1d: QLinear,
         nni.LinearReLU: QLinearReLU, nniqat.LinearReLU: QLinearReLU,
         nn.Embedding: QEmbedding, nnqat.Embedding: QEmbedding, nn.EmbeddingBag: QEmbeddingBag,
+        nnqat.EmbeddingBag: QEmbeddingBag,
     }
     for name in nnq_act.__all__:  # ReLU6, Hardswish, Hardsigmoid, ELU, LeakyReLU, Sigmoid, Tanh
         m[getattr(nn, name)] = getattr(nnq_act, name)
@@ -71,7 +72,7 @@ def get_default_static_quant_module_mappings() -> dict[type[nn.Module], type[nn.
 def get_default_qat_module_mappings() -> dict[type[nn.Module], type[nn.Module]]:
     """Float and fused-marker types → QAT classes (used by ``prepare_qat``)."""
     m: dict[type[nn.Module], type[nn.Module]] = {
-        nn.Linear: nnqat.Linear, nn.Embedding: nnqat.Embedding,
+        nn.Linear: nnqat.Linear, nn.Embedding: nnqat.Embedding, nn.EmbeddingBag: nnqat.EmbeddingBag,
         nni.LinearReLU: nniqat.LinearReLU, nni.LinearBn1d: nniqat.LinearBn1d,
     }
     for d in ("1d", "2d", "3d"):

@@ -50,8 +50,8 @@ from .fake_quant import FakeQuantize
 from .observer.fixed import NoopObserver, PlaceholderObserver
 from .observer.histogram import HistogramObserver
 from .observer.minmax import MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver
-from .qscheme import (QDtype, as_qdtype, per_channel_affine, per_channel_symmetric, per_tensor_affine, qint8,
-                      quint4, quint8)
+from .qscheme import (QDtype, as_qdtype, per_channel_affine, per_channel_affine_float_qparams, per_channel_symmetric,
+                      per_tensor_affine, qint8, quint4, quint8)
 
 __all__ = [
     "QConfig",
@@ -65,6 +65,7 @@ __all__ = [
     "get_lsq_qat_qconfig",
     "get_fused_qat_qconfig",
     "get_embedding_qconfig",
+    "get_embedding_qat_qconfig",
     "qconfig_equals",
 ]
 
@@ -442,13 +443,21 @@ def get_dynamic_qconfig(dtype: QDtype | str | torch.dtype = qint8) -> QConfig:
     )
 
 
-def get_embedding_qconfig(bits: int = 8) -> QConfig:
+def _embedding_bits(fn: str, bits: Any) -> QDtype:
+    if bits not in (4, 8) or isinstance(bits, bool):
+        raise ValueError(f"{fn}: bits={bits!r} must be 8 or 4")
+    return quint8 if bits == 8 else quint4
+
+
+def get_embedding_qconfig(bits: int = 8, float_qparams: bool = False) -> QConfig:
     """Weight-only embeddings, as ``torch.ao``'s ``float_qparams_weight_only_qconfig``: one grid per table row.
 
     Weights: per-row (``ch_axis=0``) affine min/max on ``quint8`` (``bits=8``) or ``quint4`` (``bits=4``,
     packed two per byte by ``nnq.Embedding``); the output stays float, so the activation entry is a
-    ``NoopObserver`` (never inserted for embeddings). torch.ao keeps a float zero point per row
-    (``per_channel_affine_float_qparams``); lowbit's is an integer code, as everywhere else.
+    ``NoopObserver`` (never inserted for embeddings). By default the zero point is an integer code, as
+    everywhere else in lowbit (the range widened to include 0); ``float_qparams=True`` is torch.ao's
+    recipe exactly: ``per_channel_affine_float_qparams``, ``s = (max - min) / (qmax - qmin)``, float
+    ``z = -min / s`` (same codes and outputs as torch.ao's quantized Embedding/EmbeddingBag).
 
     >>> import torch, lowbit as Q
     >>> emb = torch.nn.Sequential(torch.nn.Embedding(10, 8))
@@ -456,12 +465,34 @@ def get_embedding_qconfig(bits: int = 8) -> QConfig:
     >>> Q.convert(Q.prepare(emb))[0]
     Embedding(10, 8, qdtype=lowbit.quint4, qscheme=per_row_affine)
     """
-    if bits not in (4, 8) or isinstance(bits, bool):
-        raise ValueError(f"get_embedding_qconfig: bits={bits!r} must be 8 or 4")
+    qdtype = _embedding_bits("get_embedding_qconfig", bits)
+    qscheme = per_channel_affine_float_qparams if float_qparams else per_channel_affine
     return QConfig(
         activation=NoopObserver.with_args(),
-        weight=PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=per_channel_affine,
-                                                  qdtype=quint8 if bits == 8 else quint4),
+        weight=PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=qscheme, qdtype=qdtype),
+    )
+
+
+def get_embedding_qat_qconfig(bits: int = 8, float_qparams: bool = False) -> QConfig:
+    """QAT embeddings (``nn.qat.Embedding`` / ``EmbeddingBag``): the table fake-quantized per row on every step.
+
+    As ``torch.ao``'s ``default_embedding_qat_qconfig``: a ``FakeQuantize`` over a memoryless
+    (``averaging_constant=1``) per-row moving-average min/max, so each step's grid is the current
+    table's; ``bits`` and ``float_qparams`` as in ``get_embedding_qconfig``.
+
+    >>> import lowbit as Q
+    >>> fq = Q.get_embedding_qat_qconfig(4, float_qparams=True).weight()
+    >>> fq.qdtype, fq.qscheme.value, fq.zero_point.dtype
+    (lowbit.quint4, 'per_channel_affine_float_qparams', torch.float32)
+    """
+    from .observer.minmax import MovingAveragePerChannelMinMaxObserver
+
+    qdtype = _embedding_bits("get_embedding_qat_qconfig", bits)
+    qscheme = per_channel_affine_float_qparams if float_qparams else per_channel_affine
+    return QConfig(
+        activation=NoopObserver.with_args(),
+        weight=FakeQuantize.with_args(observer=MovingAveragePerChannelMinMaxObserver, ch_axis=0, qscheme=qscheme,
+                                      qdtype=qdtype, averaging_constant=1.0),
     )
 
 

@@ -11,6 +11,13 @@ Symmetric (zero point pinned)::
     scale = max(max(|min'|, |max'|) / ((qmax - qmin) / 2), eps)
     zero_point = 0 for signed grids, (qmin + qmax + 1) // 2 for unsigned ones (128 for quint8)
 
+Float qparams (``per_channel_affine_float_qparams``, torch.ao's embedding scheme; per row)::
+
+    scale = (max - min) / (qmax - qmin), or 1.0 where that is <= eps    # the range is NOT widened to 0
+    zero_point = -min / scale                                           # float32, not rounded
+
+so that ``q = round(x / scale + zero_point) = round((x - min) / scale)`` spans exactly ``[min, max]``.
+
 Scalars give per-tensor qparams, ``(C,)`` tensors give per-channel ones: the map is elementwise.
 
 >>> import lowbit as Q
@@ -72,7 +79,7 @@ def calculate_qparams(
     *,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(scale, zero_point)``: float32 scale, int64 zero point, shaped like ``min_val``.
+    """Return ``(scale, zero_point)``: float32 scale, int64 zero point (float32 for float qparams), shaped like ``min_val``.
 
     ``validate=False`` skips the finiteness / ordering check (one host sync), for callers such as
     ``FakeQuantize`` that call this every step on data they already validated.
@@ -96,6 +103,10 @@ def calculate_qparams(
     zero = torch.zeros((), dtype=torch.float32, device=lo.device)
     min_neg, max_pos = torch.minimum(lo, zero), torch.maximum(hi, zero)
     eps_t = torch.tensor(eps, dtype=torch.float32, device=lo.device)
+    if qscheme.has_float_zero_point:  # torch.ao's formula, eps only guards a constant row
+        scale = (hi - lo) / float(qmax - qmin)
+        scale = torch.where(scale > eps, scale, torch.ones_like(scale))
+        return scale, -lo / scale
     if qscheme.is_symmetric:
         amax = torch.maximum(-min_neg, max_pos)
         scale = torch.maximum(amax / (float(qmax - qmin) / 2), eps_t)

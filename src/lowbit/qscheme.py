@@ -27,6 +27,7 @@ __all__ = [
     "per_tensor_symmetric",
     "per_channel_affine",
     "per_channel_symmetric",
+    "per_channel_affine_float_qparams",
     "qint8",
     "quint8",
     "qint32",
@@ -44,10 +45,18 @@ class QScheme(enum.Enum):
     PER_TENSOR_SYMMETRIC = "per_tensor_symmetric"
     PER_CHANNEL_AFFINE = "per_channel_affine"
     PER_CHANNEL_SYMMETRIC = "per_channel_symmetric"
+    # torch.ao's embedding scheme: per channel, unwidened min/max, *float* zero point z = -min / s
+    PER_CHANNEL_AFFINE_FLOAT_QPARAMS = "per_channel_affine_float_qparams"
 
     @property
     def is_per_channel(self) -> bool:
-        return self in (QScheme.PER_CHANNEL_AFFINE, QScheme.PER_CHANNEL_SYMMETRIC)
+        return self in (QScheme.PER_CHANNEL_AFFINE, QScheme.PER_CHANNEL_SYMMETRIC,
+                        QScheme.PER_CHANNEL_AFFINE_FLOAT_QPARAMS)
+
+    @property
+    def has_float_zero_point(self) -> bool:
+        """Whether zero points are float32 (``per_channel_affine_float_qparams``) rather than integer codes."""
+        return self is QScheme.PER_CHANNEL_AFFINE_FLOAT_QPARAMS
 
     @property
     def is_symmetric(self) -> bool:
@@ -61,12 +70,14 @@ per_tensor_affine = QScheme.PER_TENSOR_AFFINE
 per_tensor_symmetric = QScheme.PER_TENSOR_SYMMETRIC
 per_channel_affine = QScheme.PER_CHANNEL_AFFINE
 per_channel_symmetric = QScheme.PER_CHANNEL_SYMMETRIC
+per_channel_affine_float_qparams = QScheme.PER_CHANNEL_AFFINE_FLOAT_QPARAMS
 
 _TORCH_QSCHEMES = {
     torch.per_tensor_affine: per_tensor_affine,
     torch.per_tensor_symmetric: per_tensor_symmetric,
     torch.per_channel_affine: per_channel_affine,
     torch.per_channel_symmetric: per_channel_symmetric,
+    torch.per_channel_affine_float_qparams: per_channel_affine_float_qparams,
 }
 
 

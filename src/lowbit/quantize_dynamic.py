@@ -10,6 +10,10 @@
 - a ``QConfig`` (every targeted module) or a ``QConfigMapping`` (resolved as in ``prepare``): each
   targeted module's weight observer gives its dtype, e.g. ``get_dynamic_qconfig(torch.float16)``.
 
+Embeddings (``nn.Embedding``/``nn.EmbeddingBag``) become weight-only per-row tables when they resolve
+to an embedding ``QConfig`` (``{nn.Embedding: get_embedding_qconfig(float_qparams=True)}``, torch.ao's
+``float_qparams_weight_only_qconfig``); a plain dtype inherited from a parent leaves them float.
+
 ``dtype``: ``lowbit.qint8`` (``"qint8"``, ``torch.qint8``) or ``torch.float16``. A bare target
 (``quantize_dynamic(nn.LSTM(...))``) returns the quantized module itself.
 
@@ -31,12 +35,16 @@ import torch
 from torch import nn
 
 from .mappings import get_default_dynamic_quant_module_mappings
+from .nn.quantized.embedding import Embedding as QEmbedding
+from .nn.quantized.embedding import EmbeddingBag as QEmbeddingBag
 from .qconfig import QConfig, QConfigMapping
 from .qscheme import QDtype, as_qdtype, qint8
 
 __all__ = ["quantize_dynamic"]
 
 DynamicDtype = QDtype | torch.dtype
+# weight-only per-row tables: quantized when a module resolves to an embedding qconfig (as torch.ao's)
+_EMBEDDINGS: dict[type, type] = {nn.Embedding: QEmbedding, nn.EmbeddingBag: QEmbeddingBag}
 _MISSING = object()
 
 
@@ -52,13 +60,19 @@ def _as_dynamic_dtype(dtype: Any, where: str) -> DynamicDtype:
     return qint8
 
 
-def _spec_value(v: Any, key: Any) -> tuple[DynamicDtype, QConfig | None] | None:
-    """``None`` (exclude) or ``(dtype, qconfig)``; a QConfig's weight observer gives the dtype."""
+def _spec_value(v: Any, key: Any) -> tuple[DynamicDtype | None, QConfig | None] | None:
+    """``None`` (exclude) or ``(dtype, qconfig)``; a QConfig's weight observer gives the dtype.
+
+    A QConfig whose weight is no dynamic dtype (an embedding recipe: quint8 / quint4 rows) gives
+    ``(None, qconfig)``; only embeddings accept it (checked when a module resolves to it).
+    """
     if v is None:
         return None
     if isinstance(v, QConfig):
-        w = v.weight()
-        return _as_dynamic_dtype(getattr(w, "qdtype", None), f"qconfig_spec[{key!r}].weight"), v
+        try:
+            return _as_dynamic_dtype(getattr(v.weight(), "qdtype", None), f"qconfig_spec[{key!r}].weight"), v
+        except ValueError:
+            return None, v
     return _as_dynamic_dtype(v, f"qconfig_spec[{key!r}]"), None
 
 
@@ -115,18 +129,35 @@ def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qi
 
     def walk(mod: nn.Module, name: str, inherited: Any) -> nn.Module:
         d = setting(mod, name, inherited)
+        where = name or type(mod).__name__
+        if type(mod) in _EMBEDDINGS and type(mod) not in mapping and d is not None:
+            wd, qconfig = _spec_value(d, where) if isinstance(d, QConfig) else d
+            if qconfig is not None and wd is None:  # an embedding recipe: weight-only per-row table
+                found[0] += 1
+                mod.qconfig = qconfig
+                return _from_float(_EMBEDDINGS[type(mod)], mod, name, None)
+            if isinstance(spec, dict) and type(mod) in spec:
+                raise ValueError(f"quantize_dynamic: {type(mod).__name__} needs an embedding qconfig "
+                                 f"(get_embedding_qconfig(), float_qparams=True for torch.ao's), got dtype {d[0]!r}")
+            return mod  # a dynamic recipe (dtype) inherited from a parent does not reach embeddings
         if type(mod) in mapping and d is not None:
             found[0] += 1
-            try:
-                wdtype, qconfig = _spec_value(d, name or type(mod).__name__) if isinstance(d, QConfig) else d
-                if qconfig is not None:  # the module's weight observer comes from this qconfig
-                    mod.qconfig = qconfig
-                return mapping[type(mod)].from_float(mod, dtype=wdtype)
-            except (ValueError, TypeError, RuntimeError) as err:
-                raise type(err)(f"quantize_dynamic: module '{name or '<root>'}' ({type(mod).__name__}): {err}") from err
+            wdtype, qconfig = _spec_value(d, where) if isinstance(d, QConfig) else d
+            if wdtype is None:
+                wdtype = _as_dynamic_dtype(getattr(qconfig.weight(), "qdtype", None),
+                                           f"quantize_dynamic: module '{name or '<root>'}' ({type(mod).__name__})")
+            if qconfig is not None:  # the module's weight observer comes from this qconfig
+                mod.qconfig = qconfig
+            return _from_float(mapping[type(mod)], mod, name, wdtype)
         for cname, child in list(mod.named_children()):
             mod._modules[cname] = walk(child, f"{name}.{cname}" if name else cname, d)
         return mod
+
+    def _from_float(qcls: type, mod: nn.Module, name: str, wdtype: Any) -> nn.Module:
+        try:
+            return qcls.from_float(mod) if wdtype is None else qcls.from_float(mod, dtype=wdtype)
+        except (ValueError, TypeError, RuntimeError) as err:
+            raise type(err)(f"quantize_dynamic: module '{name or '<root>'}' ({type(mod).__name__}): {err}") from err
 
     model = walk(model, "", spec.global_qconfig if isinstance(spec, QConfigMapping) else spec.get("", None))
     if found[0] == 0 and spec:

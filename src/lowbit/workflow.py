@@ -88,7 +88,7 @@ logger = logging.getLogger("lowbit")
 
 _MISSING = object()
 # outputs that stay float after convert: no output observer
-_NO_OUTPUT_OBSERVER = (DeQuantStub, nn.Embedding, nn.EmbeddingBag)
+_NO_OUTPUT_OBSERVER = (DeQuantStub, nn.Embedding, nn.EmbeddingBag)  # (QAT embeddings subclass these)
 # leaf modules a QTensor passes through in integer (or that do nothing): not worth reporting
 _QTENSOR_NATIVE = (nn.Identity, nn.ReLU, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Flatten,
                    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .qdq import ConstDQ
+from .qdq import ConstDQ, check_integer_zero_points
 
 __all__ = ["EmbeddingBagTwin", "EmbeddingTableTwin", "table_dq", "to_int4"]
 
@@ -62,6 +62,7 @@ class _ScatterFn(torch.autograd.Function):
 
 def table_dq(mod: Any) -> ConstDQ:
     """The quantized table of ``mod`` as a ``ConstDQ`` (axis 0); 4-bit codes unpacked one per byte."""
+    check_integer_zero_points(mod)
     codes = mod._codes().detach().cpu()
     if mod.qdtype.bits == 4:
         codes = codes.to(torch.int8 if mod.qdtype.signed else torch.uint8)

@@ -287,11 +287,20 @@ class ActivationTwin(nn.Module):
         return self.out_qdq(self.fn(x))
 
 
+def check_integer_zero_points(mod: Any) -> None:
+    """Raise unless ``mod``'s table has integer zero points (float ones cannot be a DequantizeLinear's)."""
+    if mod.weight_zero_point.is_floating_point():
+        raise ValueError(f"to_onnx: {type(mod).__name__} has float zero points (per_channel_affine_float_qparams), "
+                         "which ONNX DequantizeLinear cannot hold; quantize it with get_embedding_qconfig() "
+                         "(integer zero points) to export")
+
+
 class EmbeddingTwin(nn.Module):
     """Twin of an 8-bit per-row ``Embedding``: ``Gather(DequantizeLinear(table, axis=0), indices)``."""
 
     def __init__(self, mod: Any) -> None:
         super().__init__()
+        check_integer_zero_points(mod)
         self.table = ConstDQ(mod.weight_q, mod.weight_scale, mod.weight_zero_point, 0)
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,10 @@ class QTensor:
         if int_repr.is_floating_point():
             raise TypeError(f"QTensor int_repr must be an integer tensor, got dtype {int_repr.dtype}")
         scale = torch.as_tensor(scale, dtype=torch.float32, device=int_repr.device)
-        zero_point = torch.as_tensor(zero_point, dtype=torch.int64, device=int_repr.device)
+        # a float per-channel zero point is kept (per_channel_affine_float_qparams, torch.ao's embeddings)
+        float_zp = axis is not None and isinstance(zero_point, torch.Tensor) and zero_point.is_floating_point()
+        zero_point = torch.as_tensor(zero_point, dtype=torch.float32 if float_zp else torch.int64,
+                                     device=int_repr.device)
         if axis is not None:
             axis = check_ch_axis(axis, int_repr.dim(), int_repr.shape)
             n = int_repr.shape[axis]
@@ -91,7 +94,11 @@ class QTensor:
         return dequantize(self._q, self._scale, self._zero_point, self._axis)
 
     def qscheme(self) -> QScheme:
-        return QScheme.PER_TENSOR_AFFINE if self._axis is None else QScheme.PER_CHANNEL_AFFINE
+        if self._axis is None:
+            return QScheme.PER_TENSOR_AFFINE
+        if self._zero_point.is_floating_point():
+            return QScheme.PER_CHANNEL_AFFINE_FLOAT_QPARAMS
+        return QScheme.PER_CHANNEL_AFFINE
 
     def _require(self, per_channel: bool, name: str) -> None:
         if (self._axis is not None) != per_channel:

@@ -12,9 +12,10 @@ True
 
 from typing import Any
 
-from .modules import Conv1d, Conv2d, Conv3d, Embedding, Linear
+from .modules import Conv1d, Conv2d, Conv3d, Embedding, EmbeddingBag, Linear
 
-__all__ = ["Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "LinearReLU", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d"]
+__all__ = ["Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "EmbeddingBag",
+           "LinearReLU", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d"]
 
 _FUSED = ("LinearReLU", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d")
 

@@ -5,6 +5,7 @@ For weight ``W`` and ``wfq = qconfig.weight()`` (a ``FakeQuantize``)::
     Linear:    y = x @ wfq(W).T + b
     ConvNd:    y = convNd(x, wfq(W), b)          # padding (incl. 'same'/'valid') and padding_mode kept
     Embedding: y = wfq(W)[idx]
+    EmbeddingBag: y_b = reduce_{j in bag b} psw_j * wfq(W)[idx_j]      # sum / mean / max
 
 ``wfq`` rounds in the forward pass and passes the gradient straight through (STE), so training
 adapts the weights to the int8 grid. The *output* fake-quant is not part of these modules:
@@ -35,7 +36,7 @@ from torch import nn
 
 from ...qconfig import QConfig
 
-__all__ = ["Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "init_weight_fake_quant"]
+__all__ = ["Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "EmbeddingBag", "init_weight_fake_quant"]
 
 
 def init_weight_fake_quant(mod: nn.Module, qconfig: Any) -> None:
@@ -181,3 +182,45 @@ class Embedding(nn.Embedding):
         emb = nn.Embedding(self.num_embeddings, self.embedding_dim, **{a: getattr(self, a) for a in self._EMB_ATTRS},
                            _weight=self.weight.detach())
         return emb.train(self.training)
+
+
+class EmbeddingBag(nn.EmbeddingBag):
+    """``nn.EmbeddingBag`` over ``wfq(W)``: pooled bags of fake-quantized rows; no output fake-quant.
+
+    >>> import torch, lowbit as Q
+    >>> import lowbit.nn.qat as nnqat
+    >>> bag = torch.nn.EmbeddingBag(10, 4, mode="sum"); bag.qconfig = Q.get_embedding_qat_qconfig()
+    >>> q = nnqat.EmbeddingBag.from_float(bag)
+    >>> q(torch.tensor([1, 2, 3]), torch.tensor([0, 2])).shape
+    torch.Size([2, 4])
+    """
+
+    _BAG_ATTRS = ("max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse", "include_last_offset",
+                  "padding_idx")
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, qconfig: QConfig | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(num_embeddings, embedding_dim, **kwargs)
+        init_weight_fake_quant(self, qconfig)
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        return F.embedding_bag(input, self.weight_fake_quant(self.weight), offsets, self.max_norm, self.norm_type,
+                               self.scale_grad_by_freq, self.mode, self.sparse, per_sample_weights,
+                               self.include_last_offset, self.padding_idx)
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> EmbeddingBag:
+        """QAT twin of an ``nn.EmbeddingBag`` sharing its table; ``mod.qconfig`` must be set."""
+        _check_float(cls, mod, (nn.EmbeddingBag,))
+        kw = {a: getattr(mod, a) for a in cls._BAG_ATTRS}
+        q = cls(mod.num_embeddings, mod.embedding_dim, qconfig=getattr(mod, "qconfig", None), **kw,
+                device=mod.weight.device, dtype=mod.weight.dtype)
+        q.weight = mod.weight
+        return q.train(mod.training)
+
+    def to_float(self) -> nn.EmbeddingBag:
+        """A plain ``nn.EmbeddingBag`` with this module's current table."""
+        bag = nn.EmbeddingBag(self.num_embeddings, self.embedding_dim,
+                              **{a: getattr(self, a) for a in self._BAG_ATTRS}, _weight=self.weight.detach())
+        return bag.train(self.training)

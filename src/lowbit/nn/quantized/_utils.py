@@ -66,6 +66,9 @@ def quantize_weight(weight: torch.Tensor, observer: Any, ch_axis: int) -> QTenso
     if qdtype.storage != torch.int8:
         raise ValueError(f"quantized weights must be signed 8-bit codes, got a {qdtype!r} weight observer "
                          f"({type(observer).__name__}); use qint8 (optionally with_range(-127, 127))")
+    if getattr(observer, "qscheme", None) is QScheme.PER_CHANNEL_AFFINE_FLOAT_QPARAMS:
+        raise ValueError(f"{type(observer).__name__} uses per_channel_affine_float_qparams (float zero points), "
+                         "which only embeddings support; use per_channel_symmetric or per_channel_affine weights")
     c = weight.shape[ch_axis]
     scale = scale.detach().to(torch.float32).reshape(-1)
     zero_point = zero_point.detach().to(torch.int64).reshape(-1)

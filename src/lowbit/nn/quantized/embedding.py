@@ -7,6 +7,10 @@ Row ``i`` of the ``(N, D)`` table is stored as codes ``q[i]`` with its own ``(s_
     Embedding(idx)      = ŵ[idx]                         # (*idx, D) float32
     EmbeddingBag(idx)   = reduce_{j in bag b} psw_j * ŵ[idx_j]     # (B, D) float32; sum / mean / max
 
+With ``per_channel_affine_float_qparams`` (torch.ao's embedding recipe, ``get_embedding_qconfig(
+float_qparams=True)``) ``z_i = -min_i / s_i`` is a float32 and the codes are ``round(w / s_i + z_i)``;
+the formula for ``ŵ`` is the same.
+
 Only the gathered rows are dequantized (never the whole table). 4-bit rows (``qdtype=quint4`` or
 ``qint4``) are packed two codes per byte, low nibble first: ``weight_q`` is ``(N, ceil(D/2))``
 uint8. The output is float, as in ``torch.ao`` (rows have different grids, so there is no
@@ -32,7 +36,7 @@ from torch import nn
 
 from ...functional import quantize
 from ...qparams import calculate_qparams
-from ...qscheme import QDtype, QScheme, as_qdtype, quint8
+from ...qscheme import QDtype, QScheme, as_qdtype, as_qscheme, quint8
 from ...qtensor import QTensor
 
 __all__ = ["Embedding", "EmbeddingBag"]
@@ -56,13 +60,14 @@ def _unpack4(packed: torch.Tensor, dim: int, signed: bool) -> torch.Tensor:
     return u
 
 
-def _row_qparams(weight: torch.Tensor, mod: nn.Module | None, qdtype: QDtype | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, QDtype]:
+def _row_qparams(weight: torch.Tensor, mod: nn.Module | None, qdtype: QDtype | None,
+                 qscheme: QScheme = QScheme.PER_CHANNEL_AFFINE) -> tuple[torch.Tensor, torch.Tensor, QDtype]:
     """Per-row ``(scale (N,), zero_point (N,), qdtype)`` for a float table.
 
-    Priority: an explicit ``qdtype`` (per-row affine min/max), else the module's QAT
+    Priority: an explicit ``qdtype`` (per-row min/max on ``qscheme``), else the module's QAT
     ``weight_fake_quant``, else its ``qconfig.weight()`` observer, else per-row affine quint8.
-    A per-tensor observer's qparams are broadcast to every row.
+    A per-tensor observer's qparams are broadcast to every row. Zero points are int64, or float32
+    for ``per_channel_affine_float_qparams``.
     """
     w = weight.detach().to(torch.float32)
     source = None
@@ -75,7 +80,7 @@ def _row_qparams(weight: torch.Tensor, mod: nn.Module | None, qdtype: QDtype | N
             source(w)
     if source is None:
         qdtype = qdtype or quint8
-        scale, zp = calculate_qparams(w.amin(1), w.amax(1), QScheme.PER_CHANNEL_AFFINE, qdtype)
+        scale, zp = calculate_qparams(w.amin(1), w.amax(1), qscheme, qdtype)
         return scale, zp, qdtype
     scale, zp = source.calculate_qparams()
     qdtype = as_qdtype(source.qdtype)
@@ -83,14 +88,15 @@ def _row_qparams(weight: torch.Tensor, mod: nn.Module | None, qdtype: QDtype | N
         scale, zp = scale.reshape(1).expand(w.shape[0]), zp.reshape(1).expand(w.shape[0])
     elif getattr(source, "ch_axis", 0) not in (0, -2):
         raise ValueError(f"embedding weight observer has ch_axis={source.ch_axis}; rows need ch_axis=0")
-    return scale.to(w.device, torch.float32).contiguous(), zp.to(w.device, torch.int64).contiguous(), qdtype
+    zp_dtype = torch.float32 if getattr(source, "qscheme", None) is QScheme.PER_CHANNEL_AFFINE_FLOAT_QPARAMS else torch.int64
+    return scale.to(w.device, torch.float32).contiguous(), zp.to(w.device, zp_dtype).contiguous(), qdtype
 
 
 class _QuantizedTable(nn.Module):
     """The shared table storage: buffers ``weight_q``, ``weight_scale`` (N,), ``weight_zero_point`` (N,)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None,
-                 qdtype: QDtype | str | torch.dtype) -> None:
+                 qdtype: QDtype | str | torch.dtype, qscheme: QScheme | str = QScheme.PER_CHANNEL_AFFINE) -> None:
         super().__init__()
         name = type(self).__name__
         for arg, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
@@ -101,7 +107,10 @@ class _QuantizedTable(nn.Module):
             if not ok or not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(f"{name}: padding_idx={padding_idx!r} is out of range for {num_embeddings} embeddings")
             padding_idx %= num_embeddings
-        self.qdtype = as_qdtype(qdtype)
+        self.qdtype, self.qscheme = as_qdtype(qdtype), as_qscheme(qscheme)
+        if self.qscheme not in (QScheme.PER_CHANNEL_AFFINE, QScheme.PER_CHANNEL_AFFINE_FLOAT_QPARAMS):
+            raise ValueError(f"{name}: qscheme={self.qscheme.value} must be per_channel_affine or "
+                             "per_channel_affine_float_qparams (one grid per row)")
         if self.qdtype.bits not in (4, 8):
             raise ValueError(f"{name}: qdtype={self.qdtype!r} must be an 8-bit or 4-bit dtype")
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
@@ -109,7 +118,8 @@ class _QuantizedTable(nn.Module):
         storage = torch.uint8 if self.qdtype.bits == 4 else self.qdtype.storage
         self.register_buffer("weight_q", torch.zeros(num_embeddings, cols, dtype=storage))
         self.register_buffer("weight_scale", torch.ones(num_embeddings, dtype=torch.float32))
-        self.register_buffer("weight_zero_point", torch.zeros(num_embeddings, dtype=torch.int64))
+        zp_dtype = torch.float32 if self.qscheme.has_float_zero_point else torch.int64
+        self.register_buffer("weight_zero_point", torch.zeros(num_embeddings, dtype=zp_dtype))
         self.set_weight(torch.zeros(num_embeddings, embedding_dim))
 
     def set_weight(self, weight: torch.Tensor | QTensor) -> None:
@@ -125,14 +135,16 @@ class _QuantizedTable(nn.Module):
             scale, zp = weight.scale.expand(n) if weight.axis is None else weight.scale, weight.zero_point
             zp = zp.expand(n) if weight.axis is None else zp
             self.qdtype = weight.qdtype
+            self.qscheme = (QScheme.PER_CHANNEL_AFFINE_FLOAT_QPARAMS if zp.is_floating_point()
+                            else QScheme.PER_CHANNEL_AFFINE)
         else:
             if not weight.is_floating_point():
                 raise TypeError(f"{type(self).__name__}.set_weight: weight must be float, got {weight.dtype}")
-            scale, zp, _ = _row_qparams(weight, None, self.qdtype)
+            scale, zp, _ = _row_qparams(weight, None, self.qdtype, self.qscheme)
             codes = quantize(weight.detach(), scale, zp, self.qdtype, ch_axis=0)
         self.weight_q = _pack4(codes) if self.qdtype.bits == 4 else codes.to(self.qdtype.storage).contiguous()
         self.weight_scale = scale.to(torch.float32).contiguous()
-        self.weight_zero_point = zp.to(torch.int64).contiguous()
+        self.weight_zero_point = zp.to(torch.float32 if zp.is_floating_point() else torch.int64).contiguous()
 
     def _codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         packed = self.weight_q if rows is None else self.weight_q.index_select(0, rows)
@@ -158,12 +170,23 @@ class _QuantizedTable(nn.Module):
         z = self.weight_zero_point.index_select(0, idx).to(torch.float32)
         return (codes - z[:, None]) * self.weight_scale.index_select(0, idx)[:, None]
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+        zp = state_dict.get(prefix + "weight_zero_point")  # a float-qparams table keeps float zero points
+        if isinstance(zp, torch.Tensor) and zp.dtype != self.weight_zero_point.dtype:
+            self.weight_zero_point = torch.zeros_like(self.weight_zero_point, dtype=zp.dtype)
+            self.qscheme = (QScheme.PER_CHANNEL_AFFINE_FLOAT_QPARAMS if zp.is_floating_point()
+                            else QScheme.PER_CHANNEL_AFFINE)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
     def _check_float(self, mod: nn.Module, want: type) -> None:
         if not isinstance(mod, want):
             raise TypeError(f"{type(self).__name__}.from_float expects an nn.{want.__name__}, got {type(mod).__name__}")
 
     def extra_repr(self) -> str:
-        s = f"{self.num_embeddings}, {self.embedding_dim}, qdtype={self.qdtype!r}, qscheme=per_row_affine"
+        kind = "per_row_float_qparams" if self.qscheme.has_float_zero_point else "per_row_affine"
+        s = f"{self.num_embeddings}, {self.embedding_dim}, qdtype={self.qdtype!r}, qscheme={kind}"
         return s + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
 
 
@@ -171,8 +194,8 @@ class Embedding(_QuantizedTable):
     """``ŵ[indices]``: ``(*)`` int indices -> ``(*, embedding_dim)`` float32 from a per-row quantized table."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 qdtype: QDtype | str | torch.dtype = quint8) -> None:
-        super().__init__(num_embeddings, embedding_dim, padding_idx, qdtype)
+                 qdtype: QDtype | str | torch.dtype = quint8, qscheme: QScheme | str = QScheme.PER_CHANNEL_AFFINE) -> None:
+        super().__init__(num_embeddings, embedding_dim, padding_idx, qdtype, qscheme)
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         rows = self._rows(indices.reshape(-1) if isinstance(indices, torch.Tensor) else indices)
@@ -198,10 +221,11 @@ class EmbeddingBag(_QuantizedTable):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "mean", padding_idx: int | None = None,
-                 include_last_offset: bool = False, qdtype: QDtype | str | torch.dtype = quint8) -> None:
+                 include_last_offset: bool = False, qdtype: QDtype | str | torch.dtype = quint8,
+                 qscheme: QScheme | str = QScheme.PER_CHANNEL_AFFINE) -> None:
         if mode not in _MODES:
             raise ValueError(f"EmbeddingBag: mode={mode!r} must be one of {_MODES}")
-        super().__init__(num_embeddings, embedding_dim, padding_idx, qdtype)
+        super().__init__(num_embeddings, embedding_dim, padding_idx, qdtype, qscheme)
         self.mode, self.include_last_offset = mode, bool(include_last_offset)
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
