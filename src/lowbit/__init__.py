@@ -46,6 +46,9 @@ from .observer import (
     MovingAveragePerChannelMinMaxObserver,
     NoopObserver,
     ObserverBase,
+    EntropyObserver,
+    MSEObserver,
+    PercentileObserver,
     PerChannelMinMaxObserver,
     PlaceholderObserver,
     RecordingObserver,
@@ -69,6 +72,7 @@ from .qconfig import (
     get_minmax_qconfig,
     qconfig_equals,
 )
+from .recipes import get_accurate_qconfig, get_calibration_qconfig
 from .stubs import DeQuantStub, QuantStub, QuantWrapper
 from .fuse import fuse_modules, fuse_modules_qat
 from .mappings import (
@@ -103,7 +107,7 @@ __all__ = [
     # observers and fake quantization
     "ObserverBase", "MinMaxObserver", "MovingAverageMinMaxObserver", "PerChannelMinMaxObserver",
     "MovingAveragePerChannelMinMaxObserver", "FixedQParamsObserver", "PlaceholderObserver", "NoopObserver",
-    "sync_observers", "HistogramObserver",
+    "sync_observers", "HistogramObserver", "PercentileObserver", "EntropyObserver", "MSEObserver",
     "FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant",
     "LearnableFakeQuantize", "FusedMovingAvgObsFakeQuantize",
     "FixedQParamsFakeQuantize", "fused_moving_avg_obs_fake_quant", "RecordingObserver", "get_observer_dict",
@@ -111,7 +115,8 @@ __all__ = [
     # configs
     "QConfig", "QConfigMapping", "get_default_qconfig", "get_default_qat_qconfig", "get_default_qconfig_mapping",
     "get_default_qat_qconfig_mapping", "get_minmax_qconfig", "get_dynamic_qconfig",
-    "get_lsq_qat_qconfig", "get_fused_qat_qconfig", "qconfig_equals",
+    "get_lsq_qat_qconfig", "get_fused_qat_qconfig", "qconfig_equals", "get_accurate_qconfig",
+    "get_calibration_qconfig",
     # eager workflows
     "QuantStub", "DeQuantStub", "QuantWrapper", "fuse_modules", "fuse_modules_qat", "prepare", "convert",
     "prepare_qat", "quantize_dynamic", "propagate_qconfig_", "freeze_bn_stats", "update_bn_stats", "ConvertReport",

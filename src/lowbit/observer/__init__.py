@@ -5,6 +5,7 @@
 
 from .base import ObserverBase
 from .distributed import sync_observers
+from .entropy import EntropyObserver
 from .fixed import FixedQParamsObserver, NoopObserver, PlaceholderObserver
 from .histogram import HistogramObserver
 from .recording import RecordingObserver, get_observer_dict
@@ -15,8 +16,10 @@ from .minmax import (
     MovingAveragePerChannelMinMaxObserver,
     PerChannelMinMaxObserver,
 )
+from .mse import MSEObserver
+from .percentile import PercentileObserver
 
 __all__ = ["ObserverBase", "MinMaxObserver", "MovingAverageMinMaxObserver", "PerChannelMinMaxObserver",
            "MovingAveragePerChannelMinMaxObserver", "FixedQParamsObserver", "PlaceholderObserver", "NoopObserver",
            "sync_observers", "HistogramObserver", "RecordingObserver", "get_observer_dict",
-           "get_observer_state_dict", "load_observer_state_dict"]
+           "get_observer_state_dict", "load_observer_state_dict", "PercentileObserver", "EntropyObserver", "MSEObserver"]
