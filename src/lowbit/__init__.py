@@ -91,7 +91,9 @@ from .workflow import (
     update_bn_stats,
 )
 from .quantize_api import quantize_qat
-from .fx import FxReport, convert_fx, prepare_fx, prepare_qat_fx
+from .fx import FxReport, convert_fx, fuse_fx, prepare_fx, prepare_qat_fx
+from .custom_config import ConvertCustomConfig, FuseCustomConfig, PrepareCustomConfig
+from .fusion_registry import register_fusion_pattern, unregister_fusion_pattern
 from .weight_only import quantize_weight_only
 from .nn.intrinsic.qat.modules import set_bn_fold_mode
 
@@ -124,7 +126,10 @@ __all__ = [
     "get_default_static_quant_module_mappings", "get_default_qat_module_mappings",
     "get_default_dynamic_quant_module_mappings",
     # graph mode
-    "prepare_fx", "prepare_qat_fx", "convert_fx", "FxReport",
+    "prepare_fx", "prepare_qat_fx", "convert_fx", "FxReport", "fuse_fx",
+    # custom configs and user fusion patterns
+    "PrepareCustomConfig", "ConvertCustomConfig", "FuseCustomConfig", "register_fusion_pattern",
+    "unregister_fusion_pattern",
     # weight-only (int4/int8 group-wise Linear)
     "quantize_weight_only", "get_embedding_qconfig", "get_embedding_qat_qconfig",
 ]

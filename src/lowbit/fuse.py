@@ -21,6 +21,7 @@ Linear, BatchNorm1d        folded Linear                ``nni.LinearBn1d``
 BatchNorm2d/3d, ReLU       ``nni.BNReLU2d/3d``          ``nni.BNReLU2d/3d``
 =========================  ===========================  ==========================
 
+Patterns registered with ``lowbit.fusion_registry.register_fusion_pattern`` are tried first.
 Any other group raises ``ValueError`` naming the modules and their types (nothing is dropped).
 
 >>> import torch
@@ -42,6 +43,7 @@ from typing import Any
 
 from torch import nn
 
+from .fusion_registry import find_fusion_pattern
 from .nn import intrinsic as nni
 from .nn.intrinsic.fold import fold_bn_weights
 
@@ -76,7 +78,13 @@ def fuse_known_modules(mods: Sequence[nn.Module], is_qat: bool = False) -> list[
     types = tuple(type(m) for m in mods)
     first = types[0]
     fused: nn.Module | None = None
-    if len(mods) == 2 and types[1] is _BN.get(first):  # layer + bn
+    registered = find_fusion_pattern(types)  # lowbit.fusion_registry: user patterns first
+    if registered is not None:
+        fused = registered.fuser(is_qat, *mods)
+        if not isinstance(fused, nn.Module):
+            raise TypeError(f"fuse: the registered fuser for {tuple(t.__name__ for t in types)} returned "
+                            f"{type(fused).__name__}, not an nn.Module")
+    elif len(mods) == 2 and types[1] is _BN.get(first):  # layer + bn
         if is_qat:
             fused = _CONV_BN[first](*mods) if first in _CONV_BN else (
                 nni.LinearBn1d(*mods) if first is nn.Linear else None)

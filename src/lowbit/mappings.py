@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .fusion_registry import extra_mappings
 from .nn import intrinsic as nni
 from .nn import qat as nnqat
 from .nn.intrinsic import qat as nniqat
@@ -66,6 +67,7 @@ def get_default_static_quant_module_mappings() -> dict[type[nn.Module], type[nn.
         m[getattr(nniqat, "ConvReLU" + d)] = conv_relu
         m[getattr(nniqat, "ConvBnReLU" + d)] = conv_relu
         m[getattr(nn, "ConvTranspose" + d)] = getattr(nnq_convt, "ConvTranspose" + d)
+    m.update(extra_mappings("static"))  # fused types of user patterns (lowbit.fusion_registry)
     return m
 
 
@@ -79,6 +81,7 @@ def get_default_qat_module_mappings() -> dict[type[nn.Module], type[nn.Module]]:
         m[getattr(nn, "Conv" + d)] = getattr(nnqat, "Conv" + d)
         for name in ("ConvReLU", "ConvBn", "ConvBnReLU"):
             m[getattr(nni, name + d)] = getattr(nniqat, name + d)
+    m.update(extra_mappings("qat"))
     return m
 
 

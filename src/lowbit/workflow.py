@@ -61,6 +61,7 @@ from typing import Any, TypeGuard
 import torch
 from torch import nn
 
+from .custom_config import ConvertCustomConfig, PrepareCustomConfig, check_module_types, swap_float_to_observed
 from .fake_quant import FakeQuantize
 from .mappings import (
     ConvertReport,
@@ -271,7 +272,8 @@ def _setup(fn: str, model: Any, qconfig: Any, inplace: Any, mapping: Any, dynami
 
 
 def prepare(model: nn.Module, qconfig: Any = None, inplace: bool = False,
-            mapping: dict[type, type] | None = None, dynamic_mapping: dict[type, type] | None = None) -> nn.Module:
+            mapping: dict[type, type] | None = None, dynamic_mapping: dict[type, type] | None = None,
+            observer_non_leaf_module_list: Any = None, prepare_custom_config_dict: Any = None) -> nn.Module:
     """Insert output observers for static post-training quantization; returns the model in eval mode.
 
     ``qconfig``: ``None`` (``.qconfig`` attributes, or the default recipe when there are none), a
@@ -280,10 +282,21 @@ def prepare(model: nn.Module, qconfig: Any = None, inplace: bool = False,
     pass the same extended mapping to ``convert``. ``dynamic_mapping`` (default
     ``get_default_dynamic_quant_module_mappings()``): the types a dynamic qconfig quantizes (not
     observed). ``inplace=False`` works on a deep copy.
+
+    As torch.ao: ``observer_non_leaf_module_list`` (module types) — modules of these types get an
+    output observer as a whole and their children are not observed (give ``convert`` a mapping
+    entry for them, or they stay float); ``prepare_custom_config_dict`` (a dict with
+    ``"float_to_observed_custom_module_class": {Float: Observed}`` or a
+    ``lowbit.custom_config.PrepareCustomConfig``) — a module of type ``Float`` with a qconfig becomes
+    ``Observed.from_float(mod)`` with an output observer (``convert_custom_config_dict`` makes it
+    quantized).
     """
+    non_leaf = check_module_types("prepare", "observer_non_leaf_module_list", observer_non_leaf_module_list)
+    custom = PrepareCustomConfig.coerce(prepare_custom_config_dict, "prepare").float_to_observed_mapping
     model, mapping, dynamic = _setup("prepare", model, qconfig, inplace, mapping, dynamic_mapping,
                                      get_default_static_quant_module_mappings(), get_default_qconfig_mapping())
-    if _insert_observers(model, set(mapping), set(dynamic)) == 0:
+    model = swap_float_to_observed(model, custom, skip=is_dynamic_qconfig)
+    if _insert_observers(model, set(mapping) | non_leaf | set(custom.values()), set(dynamic)) == 0:
         warnings.warn("prepare(): no quantizable module got a qconfig — convert() will leave this model float",
                       stacklevel=2)
     return model.eval()
@@ -400,7 +413,7 @@ def _convert(mod: nn.Module, name: str, mapping: dict[type, type], report: Conve
 
 def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: bool = False,
             return_report: bool = False, speed_check: Any = None,
-            dynamic_mapping: dict[type, type] | None = None) -> Any:
+            dynamic_mapping: dict[type, type] | None = None, convert_custom_config_dict: Any = None) -> Any:
     """Swap observed modules for ``lowbit.nn.quantized`` ones; returns the model (eval mode).
 
     ``mapping`` (default ``get_default_static_quant_module_mappings()``): exact type → class with
@@ -411,11 +424,15 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
     tensor or a tuple): afterwards, ``lowbit.speed_guard.keep_faster`` times every quantized layer
     against its float twin on these inputs and swaps back to float the layers where int8 is not
     faster; its ``SpeedReport`` is the ``ConvertReport``'s ``speed`` attribute (and logged at INFO).
+    ``convert_custom_config_dict`` (``{"observed_to_quantized_custom_module_class": {Observed: Quantized}}``
+    or a ``lowbit.custom_config.ConvertCustomConfig``): observed custom modules become
+    ``Quantized.from_observed(mod)``.
     """
     _check_common("convert", model, inplace)
     if not isinstance(return_report, bool):
         raise TypeError(f"convert: return_report must be a bool, got {return_report!r}")
     mapping = _check_mapping("convert", get_default_static_quant_module_mappings() if mapping is None else mapping)
+    mapping = {**mapping, **ConvertCustomConfig.coerce(convert_custom_config_dict, "convert").mapping()}
     dynamic = _check_mapping("convert", _dynamic_default(dynamic_mapping))
     if not inplace:
         model = copy.deepcopy(model)

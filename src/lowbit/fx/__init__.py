@@ -36,7 +36,8 @@ True
 """
 
 from .convert import convert_fx
+from .fuse_fx import fuse_fx
 from .prepare import prepare_fx, prepare_qat_fx
 from .report import FxReport
 
-__all__ = ["prepare_fx", "prepare_qat_fx", "convert_fx", "FxReport"]
+__all__ = ["prepare_fx", "prepare_qat_fx", "convert_fx", "fuse_fx", "FxReport"]

@@ -35,6 +35,7 @@ from typing import Any
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ..custom_config import ConvertCustomConfig
 from ..mappings import get_default_dynamic_quant_module_mappings, get_default_static_quant_module_mappings
 from ..nn.intrinsic import FusedModule
 from ..nn.intrinsic.qat.modules import _BnFolded
@@ -81,14 +82,30 @@ def _what(node: fx.Node, gm: fx.GraphModule) -> str:
 
 
 class _Converter:
-    def __init__(self, gm: fx.GraphModule, report: FxReport, prefix: str) -> None:
+    def __init__(self, gm: fx.GraphModule, report: FxReport, prefix: str, custom: dict[type, type]) -> None:
         self.gm, self.graph, self.report, self.prefix = gm, gm.graph, report, prefix
-        self.mapping = get_default_static_quant_module_mappings()
+        self.mapping = {**get_default_static_quant_module_mappings(), **custom}
         self.dynamic_mapping = get_default_dynamic_quant_module_mappings()
         self.count = 0
         self.swapped: set[Any] = set()
         self.dropped: set[str] = set()  # get_attr targets whose nodes were erased
         self.standins: dict[fx.Node, nn.Module] = {}  # weighted node -> its float nn.Linear / nn.ConvNd
+        # prepare_custom_config's quantized input/output indexes (top-level graph only)
+        state = gm.meta[STATE_KEY]
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        top = not prefix
+        self.quantized_inputs = {placeholders[i] for i in state.get("input_quantized_idxs", [])
+                                 if top and i < len(placeholders)}
+        self.output_idxs: list[int] = list(state.get("output_quantized_idxs", [])) if top else []
+
+    def _quantized_outputs(self) -> set[fx.Node]:
+        """The values returned as ``QTensor``s (``output_quantized_idxs``), read from the final output node."""
+        outputs = [n for n in self.graph.nodes if n.op == "output"]
+        if not outputs or not self.output_idxs:
+            return set()
+        args = outputs[0].args[0]
+        values = list(args) if isinstance(args, (tuple, list)) else [args]
+        return {values[i] for i in self.output_idxs if i < len(values) and isinstance(values[i], fx.Node)}
 
     def _key(self, node: fx.Node) -> str:
         return f"{self.prefix}.{node.name}" if self.prefix else node.name
@@ -104,7 +121,11 @@ class _Converter:
 
     def module(self, node: fx.Node, obs: nn.Module | None) -> None:
         mod = self.gm.get_submodule(node.target)
-        qcls = self.mapping[type(mod)]
+        qcls = self.mapping.get(type(mod))
+        if qcls is None:
+            raise ValueError(f"convert_fx: module '{node.target}' ({type(mod).__name__}) has no quantized class; "
+                             "for an observed custom module pass convert_custom_config="
+                             "ConvertCustomConfig().set_observed_to_quantized_mapping(Observed, Quantized)")
         src = mod.fold() if isinstance(mod, _BnFolded) else mod
         if obs is not None:  # weight-only modules (embeddings) have no output observer
             src.activation_post_process = obs
@@ -227,6 +248,11 @@ class _Converter:
             if not _is_calibrated(obs):
                 raise RuntimeError(f"convert_fx: the observer after '{src.name}' ({_what(src, self.gm)}) saw no "
                                    "data; run calibration batches through the prepared model before convert_fx()")
+            if role == "obs_in" and src in self.quantized_inputs:  # arrives as a QTensor: no Quantize
+                node.replace_all_uses_with(src)
+                self.graph.erase_node(node)
+                src.meta["lowbit_domain"] = "int"
+                continue
             if role == "obs_in":
                 name = self._new_name("quantize")
                 self.gm.add_submodule(name, Quantize(*_grid(obs, "Quantize")))
@@ -284,11 +310,14 @@ class _Converter:
     def dequantize(self) -> None:
         self.gm.add_submodule("dequantize", DeQuantize())
         made: dict[fx.Node, fx.Node] = {}
+        quantized_outputs = self._quantized_outputs()
         for node in list(self.graph.nodes):
             if node.meta.get("lowbit_kind") not in ("float", "opaque", "output", "dynamic"):
                 continue
             for src in list(node.all_input_nodes):
                 if src.meta.get("lowbit_domain") != "int":
+                    continue
+                if node.op == "output" and src in quantized_outputs:  # returned as a QTensor
                     continue
                 if src not in made:
                     with self.graph.inserting_after(src):
@@ -306,8 +335,8 @@ class _Converter:
                 self.graph.erase_node(node)
 
 
-def _convert_graph(gm: fx.GraphModule, report: FxReport) -> None:
-    conv = _Converter(gm, report, gm.meta[STATE_KEY].get("prefix", ""))
+def _convert_graph(gm: fx.GraphModule, report: FxReport, custom: dict[type, type]) -> None:
+    conv = _Converter(gm, report, gm.meta[STATE_KEY].get("prefix", ""), custom)
     conv.observers()
     conv.dynamic()
     conv.weight_only()
@@ -320,14 +349,18 @@ def _convert_graph(gm: fx.GraphModule, report: FxReport) -> None:
     gm.meta[STATE_KEY] = {**gm.meta[STATE_KEY], "converted": True}
 
 
-def convert_fx(model: nn.Module, inplace: bool = False) -> nn.Module:
+def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: Any = None) -> nn.Module:
     """Convert a calibrated (or QAT-trained) ``prepare_fx`` / ``prepare_qat_fx`` model to int8; eval mode.
 
     The result's quantized nodes are ``lowbit.nn.quantized`` modules and ``QFunctional`` calls;
     ``Quantize``/``DeQuantize`` nodes sit where int8 regions begin and end, so the model takes and
     returns float tensors. ``model.lowbit_report`` says what was quantized and what stayed float.
-    An observer that saw no data raises ``RuntimeError`` naming the op.
+    An observer that saw no data raises ``RuntimeError`` naming the op. ``convert_custom_config``
+    (a ``lowbit.custom_config.ConvertCustomConfig``, torch.ao's, or its dict form): observed custom
+    modules become ``Quantized.from_observed(mod)``; its preserved attributes are kept (as are
+    those ``prepare_custom_config`` preserved).
     """
+    cfg = ConvertCustomConfig.coerce(convert_custom_config, "convert_fx")
     if not is_prepared(model):
         raise TypeError(f"convert_fx: expects a model returned by prepare_fx or prepare_qat_fx, got "
                         f"{type(model).__name__}" + ("" if isinstance(model, nn.Module) else " (not an nn.Module)"))
@@ -336,16 +369,22 @@ def convert_fx(model: nn.Module, inplace: bool = False) -> nn.Module:
         raise ValueError("convert_fx: this model was already converted")
     if not isinstance(inplace, bool):
         raise TypeError(f"convert_fx: inplace must be a bool, got {inplace!r}")
+    source = model
     if not inplace:
         model = copy.deepcopy(model)
     top = model.meta[STATE_KEY] if isinstance(model, fx.GraphModule) else model.__dict__[STATE_KEY]
     report: FxReport = top["report"]
     graphs = [m for m in model.modules() if isinstance(m, fx.GraphModule) and STATE_KEY in m.meta
               and not m.meta[STATE_KEY].get("converted")]
+    custom = cfg.mapping()
     for gm in graphs:
-        _convert_graph(gm, report)
+        _convert_graph(gm, report, custom)
     for m in model.modules():
         m.__dict__.pop("qconfig", None)
     top["converted"] = True
+    for name in [*top.get("preserved", []), *cfg.preserved_attributes]:  # a GraphModule copy drops them
+        if not hasattr(source, name):
+            raise ValueError(f"convert_fx: preserved attribute {name!r} is not an attribute of the prepared model")
+        setattr(model, name, getattr(source, name))
     model.lowbit_report = report
     return model.eval()

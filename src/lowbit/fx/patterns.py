@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..fuse import fuse_known_modules
+from ..fusion_registry import fusion_patterns
 from ..workflow import is_dynamic_qconfig
 from ..mappings import get_default_static_quant_module_mappings
 from ..nn import qat as nnqat
@@ -188,8 +189,48 @@ def _set_module(gm: fx.GraphModule, path: str, mod: nn.Module) -> None:
     setattr(gm.get_submodule(parent) if parent else gm, name, mod)
 
 
-def fuse_graph(gm: fx.GraphModule, is_qat: bool) -> list[str]:
-    """Fuse module runs and add-relu in place; return descriptions of the fused runs."""
+def _fuse_registered(gm: fx.GraphModule, modules: dict[str, nn.Module], calls: dict[Any, int], is_qat: bool,
+                     require_qconfig: bool, erased: set[fx.Node]) -> list[str]:
+    """Fuse chains of call_module nodes matching ``lowbit.fusion_registry`` patterns (longest first)."""
+    fused: list[str] = []
+    patterns = sorted(fusion_patterns(), key=lambda p: -len(p.pattern))
+    for node in list(gm.graph.nodes):
+        if node in erased or node.op != "call_module" or calls.get(node.target, 0) != 1:
+            continue
+        for entry in patterns:
+            run = [node]
+            while len(run) < len(entry.pattern):
+                last = run[-1]
+                nxt = next(iter(last.users)) if len(last.users) == 1 else None
+                if (nxt is None or nxt.op != "call_module" or calls.get(nxt.target, 0) != 1 or not nxt.args
+                        or nxt.args[0] is not last):
+                    break
+                run.append(nxt)
+            types = tuple(type(modules[n.target]) for n in run)  # type: ignore[index]
+            if types != entry.pattern:
+                continue
+            first = modules[node.target]  # type: ignore[index]
+            qc = getattr(first, "qconfig", None)
+            if require_qconfig and (qc is None or is_dynamic_qconfig(qc)):
+                break
+            new = fuse_known_modules([modules[n.target] for n in run], is_qat=is_qat)[0]  # type: ignore[index]
+            _set_module(gm, node.target, new)  # type: ignore[arg-type]
+            modules[node.target] = new  # type: ignore[index]
+            run[-1].replace_all_uses_with(node)
+            for n in reversed(run[1:]):
+                gm.graph.erase_node(n)
+                erased.add(n)
+            fused.append(f"{node.target}: {' + '.join(t.__name__ for t in types)} -> {type(new).__name__}")
+            break
+    return fused
+
+
+def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True) -> list[str]:
+    """Fuse module runs and add-relu in place; return descriptions of the fused runs.
+
+    User patterns (``lowbit.fusion_registry``) are fused first. ``require_qconfig=False``
+    (``fuse_fx``) also fuses layers that have no qconfig.
+    """
     modules = dict(gm.named_modules())
     bn_of = _BN_OF if is_qat else {**_BN_OF, **_BN_OF_TRANSPOSED}
     fused: list[str] = []
@@ -198,6 +239,7 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool) -> list[str]:
     for node in gm.graph.nodes:
         if node.op == "call_module":
             calls[node.target] = calls.get(node.target, 0) + 1
+    fused += _fuse_registered(gm, modules, calls, is_qat, require_qconfig, erased)
     for node in list(gm.graph.nodes):
         if node.op != "call_module" or node in erased or calls[node.target] > 1:
             continue  # a module called at several sites keeps its own form
@@ -219,10 +261,11 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool) -> list[str]:
                 mods.append(modules[relu.target] if relu.op == "call_module" else nn.ReLU())
         if len(run) == 1:
             continue
-        if getattr(first, "qconfig", None) is None or is_dynamic_qconfig(first.qconfig):
+        if require_qconfig and (getattr(first, "qconfig", None) is None or is_dynamic_qconfig(first.qconfig)):
             continue  # excluded layers keep their float form; dynamic ones have no fused dynamic twin
         new = fuse_known_modules(mods, is_qat=is_qat)[0]
-        new.qconfig = first.qconfig
+        if hasattr(first, "qconfig"):
+            new.qconfig = first.qconfig
         _set_module(gm, node.target, new)
         modules[node.target] = new
         run[-1].replace_all_uses_with(node)

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..custom_config import PrepareCustomConfig
 from ..mappings import get_default_dynamic_quant_module_mappings, get_default_qat_module_mappings
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..workflow import is_dynamic_qconfig, propagate_qconfig_
@@ -156,6 +157,20 @@ def _swap_qat(gm: fx.GraphModule, opaque: set[str]) -> None:
             setattr(gm.get_submodule(parent) if parent else gm, name, qat_map[type(mod)].from_float(mod))
 
 
+def _swap_custom(gm: fx.GraphModule, custom: dict[type, type]) -> None:
+    """Replace custom float modules (``prepare_custom_config``'s float → observed classes) in the graph."""
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        mod = gm.get_submodule(node.target)
+        qc = getattr(mod, "qconfig", None)
+        if type(mod) in custom and qc is not None and not is_dynamic_qconfig(qc):
+            new = custom[type(mod)].from_float(mod)
+            new.qconfig = qc
+            parent, _, name = node.target.rpartition(".")
+            setattr(gm.get_submodule(parent) if parent else gm, name, new)
+
+
 def _prepare_children(mod: nn.Module, ctx: _Ctx, prefix: str) -> None:
     """Graph-prepare each child of a module whose own ``forward`` cannot be traced (in place)."""
     for name, child in list(mod.named_children()):
@@ -204,7 +219,7 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
         _prepare_children(mod, ctx, prefix)
         return mod
     try:
-        gm, opaque = trace(mod, example_inputs)
+        gm, opaque = trace(mod, example_inputs, ctx.leaves)
     except RootNotTraceable as err:
         cause = f"{type(err.__cause__).__name__}: {err.__cause__}".splitlines()[0]
         ctx.untraceable(prefix, mod, cause)
@@ -214,6 +229,7 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
     ctx.report.fused += [join(prefix, f) for f in fuse_graph(gm, ctx.is_qat)]
     if ctx.is_qat:
         _swap_qat(gm, set(opaque))
+    _swap_custom(gm, ctx.custom)
     for path, cause in opaque.items():
         sub = gm.get_submodule(path)
         ctx.untraceable(join(prefix, path), sub, cause)
@@ -230,11 +246,14 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
 class _Ctx:
     """What one prepare_fx call shares across the graphs it builds."""
 
-    def __init__(self, fn: str, mapping: QConfigMapping, is_qat: bool) -> None:
+    def __init__(self, fn: str, mapping: QConfigMapping, is_qat: bool, custom: PrepareCustomConfig) -> None:
         self.fn, self.mapping, self.is_qat = fn, mapping, is_qat
         self.report = FxReport()
         self.captured: dict[nn.Module, tuple[Any, ...]] = {}
-        self.module_types = graph_module_types()
+        self.custom = custom.float_to_observed_mapping
+        # leaves of the trace: declared non-traceable modules (by id) and classes, custom float classes
+        self.leaves: tuple[set[int], set[type]] = (set(), set(custom.non_traceable_module_classes) | set(self.custom))
+        self.module_types = graph_module_types() | set(self.custom.values())
         self.dynamic_types = set(get_default_dynamic_quant_module_mappings())
         if is_qat:
             self.module_types |= set(get_default_qat_module_mappings().values())
@@ -247,15 +266,43 @@ class _Ctx:
                       f"({cause}); {how}", stacklevel=5)
 
 
+def _declare_non_traceable(model: nn.Module, ctx: _Ctx, cfg: PrepareCustomConfig) -> None:
+    """Make the declared non-traceable modules float leaves: no qconfig inside, listed in the report."""
+    found: dict[str, nn.Module] = {}
+    for name in cfg.non_traceable_module_names:
+        try:
+            found[name] = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"{ctx.fn}: prepare_custom_config names non-traceable module {name!r}, which "
+                             f"{type(model).__name__} does not have") from None
+    classes = tuple(cfg.non_traceable_module_classes)
+    if classes:
+        found.update({n: m for n, m in model.named_modules() if isinstance(m, classes) and n})
+    for name, mod in found.items():
+        ctx.leaves[0].add(id(mod))
+        for m in mod.modules():
+            m.qconfig = None
+        ctx.report.untraceable[name] = "declared non-traceable (prepare_custom_config): left float"
+
+
+def _preserve(src: nn.Module, dst: nn.Module, names: list[str], fn: str) -> None:
+    for name in names:
+        if not hasattr(src, name):
+            raise ValueError(f"{fn}: preserved attribute {name!r} is not an attribute of {type(src).__name__}")
+        setattr(dst, name, getattr(src, name))
+
+
 def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inplace: Any,
-             is_qat: bool) -> nn.Module:
+             is_qat: bool, prepare_custom_config: Any = None) -> nn.Module:
     _check_args(fn, model, example_inputs, inplace)
+    cfg = PrepareCustomConfig.coerce(prepare_custom_config, fn)
     default = get_default_qat_qconfig_mapping() if is_qat else get_default_qconfig_mapping()
     mapping = QConfigMapping.from_qconfig(qconfig_mapping, default)
     if not inplace:
         model = copy.deepcopy(model)
     propagate_qconfig_(model, mapping)
-    ctx = _Ctx(fn, mapping, is_qat)
+    ctx = _Ctx(fn, mapping, is_qat, cfg)
+    _declare_non_traceable(model, ctx, cfg)
     if example_inputs is not None:
         ctx.captured = _capture_inputs(model, example_inputs)
     out = _prepare_module(model, ctx, "", example_inputs, top=True)
@@ -264,7 +311,10 @@ def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inp
                            .startswith("obs_") or n.meta.get("lowbit_kind") in ("wonly", "dynamic")) == 0:
         warnings.warn(f"{fn}(): no quantizable op got a qconfig; convert_fx() will leave this model float",
                       stacklevel=3)
-    state = {"is_qat": is_qat, "report": ctx.report, "prefix": ""}
+    state = {"is_qat": is_qat, "report": ctx.report, "prefix": "", "preserved": list(cfg.preserved_attributes),
+             "input_quantized_idxs": list(cfg.input_quantized_indexes),
+             "output_quantized_idxs": list(cfg.output_quantized_indexes)}
+    _preserve(model, out, cfg.preserved_attributes, fn)
     if isinstance(out, fx.GraphModule):
         out.meta[STATE_KEY] = state
     else:
@@ -274,7 +324,7 @@ def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inp
 
 
 def prepare_fx(model: nn.Module, qconfig_mapping: Any = None, example_inputs: tuple[Any, ...] | None = None,
-               inplace: bool = False) -> fx.GraphModule:
+               inplace: bool = False, prepare_custom_config: Any = None) -> fx.GraphModule:
     """Trace ``model`` and insert observers for static post-training quantization (eval mode).
 
     ``qconfig_mapping``: ``None`` (``get_default_qconfig_mapping()``), a ``QConfig``, a
@@ -284,13 +334,16 @@ def prepare_fx(model: nn.Module, qconfig_mapping: Any = None, example_inputs: tu
     whose ``lowbit_report`` lists fused runs, float ops and untraceable submodules (a model whose
     own ``forward`` cannot be traced is returned as itself, its children prepared). ``inplace=True``
     skips the deep copy: the model's own modules are reused (and given ``.qconfig`` attributes).
+    ``prepare_custom_config`` (a ``lowbit.custom_config.PrepareCustomConfig``, torch.ao's, or its
+    dict form): custom observed modules, non-traceable modules, quantized input/output indexes and
+    preserved attributes (see ``lowbit.custom_config``).
     """
-    return _prepare("prepare_fx", model, qconfig_mapping, example_inputs, inplace, is_qat=False)
+    return _prepare("prepare_fx", model, qconfig_mapping, example_inputs, inplace, False, prepare_custom_config)
 
 
 def prepare_qat_fx(model: nn.Module, qconfig_mapping: Any = None, example_inputs: tuple[Any, ...] | None = None,
-                   inplace: bool = False) -> fx.GraphModule:
+                   inplace: bool = False, prepare_custom_config: Any = None) -> fx.GraphModule:
     """``prepare_fx`` for quantization-aware training: BN runs stay trainable (``nni.qat.ConvBn2d`` ...),
     layers become ``lowbit.nn.qat`` modules, observers are ``FakeQuantize`` (default
     ``get_default_qat_qconfig_mapping()``). Returns the ``GraphModule`` in train mode."""
-    return _prepare("prepare_qat_fx", model, qconfig_mapping, example_inputs, inplace, is_qat=True)
+    return _prepare("prepare_qat_fx", model, qconfig_mapping, example_inputs, inplace, True, prepare_custom_config)

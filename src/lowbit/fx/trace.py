@@ -33,6 +33,7 @@ from torch import fx, nn
 __all__ = ["trace", "record_tensor_kinds", "RootNotTraceable"]
 
 _MAX_RETRIES = 64
+Leaves = tuple[set[int], set[type]]  # (ids of leaf modules, leaf module types)
 _LOWBIT_LEAVES = ("lowbit.nn.", "lowbit.observer", "lowbit.fake_quant", "lowbit.stubs")
 
 
@@ -54,12 +55,15 @@ class _LeafRoot(nn.Module):
 class _LeafTracer(fx.Tracer):
     """``torch.nn`` / ``lowbit`` modules and the given ``opaque`` paths are leaves."""
 
-    def __init__(self, opaque: set[str]) -> None:
+    def __init__(self, opaque: set[str], leaves: Leaves | None = None) -> None:
         super().__init__()
         self.opaque = opaque
+        self.leaf_modules, self.leaf_types = leaves if leaves is not None else (set(), set())
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.opaque:
+            return True
+        if id(m) in self.leaf_modules or type(m) in self.leaf_types:  # prepare_custom_config's leaves
             return True
         if type(m).__module__.startswith(_LOWBIT_LEAVES):
             return True
@@ -80,24 +84,27 @@ class _LeafTracer(fx.Tracer):
         return node
 
 
-def trace(model: nn.Module, example_inputs: tuple[Any, ...] | None = None) -> tuple[fx.GraphModule, dict[str, str]]:
+def trace(model: nn.Module, example_inputs: tuple[Any, ...] | None = None,
+          leaves: Leaves | None = None) -> tuple[fx.GraphModule, dict[str, str]]:
     """``(GraphModule, {opaque submodule path: trace error})``; see the module docstring.
 
     Arguments of ``example_inputs`` that are ``None`` are traced as constants
-    (``concrete_args``), so ``if mask is None:`` branches follow the example call.
+    (``concrete_args``), so ``if mask is None:`` branches follow the example call. ``leaves``:
+    ``(ids of modules, module types)`` traced as leaves besides ``torch.nn``/``lowbit`` ones (the
+    non-traceable and custom modules of ``prepare_custom_config``).
     """
     opaque: set[str] = set()
     order: dict[str, str] = {}
     concrete: dict[str, Any] | None = None
     names: list[str] = []
-    if _LeafTracer(opaque).is_leaf_module(model, ""):
+    if _LeafTracer(opaque, leaves).is_leaf_module(model, ""):
         model = _LeafRoot(model)
     elif example_inputs is not None:
         names = list(inspect.signature(model.forward).parameters)
         concrete = {k: v for k, v in zip(names, example_inputs)
                     if v is None} or None
     for _ in range(_MAX_RETRIES):
-        tracer = _LeafTracer(opaque)
+        tracer = _LeafTracer(opaque, leaves)
         try:
             graph = tracer.trace(model, concrete)
         except Exception as err:
