@@ -73,6 +73,7 @@ from .nn.intrinsic import FusedModule
 from .nn.intrinsic.qat.modules import BnFoldedBase, freeze_bn_stats, update_bn_stats
 from .nn.quantized.functional_modules import FloatFunctional
 from .observer.base import ObserverBase
+from .observer.distributed import sync_pending
 from .qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from .qscheme import as_qdtype
 from .qtensor import QTensor
@@ -331,6 +332,7 @@ def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
 
 
 def _is_calibrated(obs: nn.Module) -> bool:
+    sync_pending(obs)  # under torch.distributed: decide on the ranks' union, as calculate_qparams does
     inner = getattr(obs, "activation_post_process", None)  # FakeQuantize wraps an observer
     if isinstance(obs, FakeQuantize) and isinstance(inner, ObserverBase):
         return inner.is_calibrated

@@ -41,6 +41,7 @@ from ..nn.intrinsic import FusedModule
 from ..nn.intrinsic.qat.modules import _BnFolded
 from ..nn.quantized import activation as nnq_act
 from ..nn.quantized._utils import output_qparams
+from ..observer.distributed import sync_pending
 from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.stubs import DeQuantize, Quantize
 from .patterns import func_activation, is_dropout
@@ -64,6 +65,7 @@ def _grid(obs: nn.Module, where: str) -> tuple[float, int, Any]:
 
 
 def _is_calibrated(obs: nn.Module) -> bool:
+    sync_pending(obs)  # under torch.distributed: decide on the ranks' union, as calculate_qparams does
     inner = getattr(obs, "activation_post_process", None)  # FakeQuantize wraps an observer
     if inner is not None and hasattr(inner, "is_calibrated"):
         return bool(inner.is_calibrated)

@@ -16,6 +16,11 @@ Policy (one rule, used by every lowbit observer that has statistics):
   in the same module order — or call ``sync_observers(model)`` on every rank first, after which
   ``calculate_qparams()`` is local until the observer sees data again (so ``if rank == 0:
   convert(model)`` is safe after it). Statistics loaded from a ``state_dict`` count as reduced.
+- ``convert`` follows the same rule for activation observers: it reduces the pending ones
+  (``sync_pending``) before deciding whether an observer saw data, so ``convert`` on every rank
+  works when a rank's shard was empty or all NaN (it adopts the others' statistics). Weight qparams
+  are always local (``local_statistics()``: parameters are replicated, their statistics are the
+  union already), so ``convert`` after ``sync_observers`` runs no collective at all.
 - ``FakeQuantize.forward`` around a min/max-family observer never reduces (QAT steps stay
   collective-free; DDP's ``broadcast_buffers`` keeps the buffers consistent); around any other
   observer it calls ``calculate_qparams()`` each step, i.e. a collective per step in lockstep.
@@ -35,16 +40,45 @@ False
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["is_distributed", "all_reduce_min_max", "all_reduce_mean", "all_reduce_sum", "sync_observers"]
+__all__ = ["is_distributed", "all_reduce_min_max", "all_reduce_mean", "all_reduce_sum", "sync_observers",
+           "local_statistics", "sync_pending"]
+
+_LOCAL = threading.local()
 
 
 def is_distributed(group: dist.ProcessGroup | None = None) -> bool:
-    """Whether ``torch.distributed`` is available, initialised, and spans more than one rank."""
+    """Whether ``torch.distributed`` is available, initialised, and spans more than one rank
+    (and the caller is not inside a ``local_statistics()`` block)."""
+    if getattr(_LOCAL, "depth", 0):
+        return False
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+@contextmanager
+def local_statistics() -> Iterator[None]:
+    """Inside this block (this thread) observers never reduce across ranks: qparams come from local statistics.
+
+    For statistics that are already the union, such as those of a weight: parameters are replicated on
+    every rank, so ``convert`` computes weight qparams in this block — converting on one rank alone runs
+    no collective for its weights, and activation observers follow the policy above.
+
+    >>> with local_statistics():
+    ...     is_distributed()
+    False
+    """
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _LOCAL.depth -= 1
 
 
 def _agree_shape(t: torch.Tensor, owner: str, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -123,3 +157,21 @@ def sync_observers(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
             sync(group)
             n += 1
     return n
+
+
+def sync_pending(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Reduce the observers in ``module`` that saw data since their last reduction — exactly the ones
+    ``calculate_qparams()`` would reduce, so it is a collective under the same rule (every rank, same
+    order) and a no-op where that is local (one process, after ``sync_observers``, in
+    ``local_statistics()``). ``convert`` calls it before asking whether an observer saw any data, so
+    a rank whose shard was empty (or all NaN) adopts the others' statistics instead of raising alone
+    and leaving its peers waiting in the collective.
+
+    >>> import lowbit as Q
+    >>> sync_pending(Q.MinMaxObserver())     # single process: nothing to do
+    """
+    if not is_distributed(group):
+        return
+    for mod in module.modules():
+        if getattr(mod, "_needs_sync", False) and callable(getattr(mod, "sync_statistics", None)):
+            mod.sync_statistics(group)

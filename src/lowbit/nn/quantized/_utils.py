@@ -29,6 +29,7 @@ from torch import nn
 
 from ...functional import quantize
 from ...kernels import OutGrid
+from ...observer.distributed import local_statistics
 from ...qparams import calculate_qparams
 from ...qscheme import QDtype, QScheme, as_qdtype, per_tensor_affine, quint8
 from ...qtensor import QTensor, quantize_per_channel
@@ -61,7 +62,8 @@ def weight_qparams(weight: torch.Tensor, mod: nn.Module, ch_axis: int, where: st
 
 def quantize_weight(weight: torch.Tensor, observer: Any, ch_axis: int) -> QTensor:
     """Quantize a float weight with ``observer``'s qparams into a per-channel int8 ``QTensor``."""
-    scale, zero_point = observer.calculate_qparams()
+    with local_statistics():  # weights are replicated: their statistics are already the union (no collective)
+        scale, zero_point = observer.calculate_qparams()
     qdtype = as_qdtype(observer.qdtype)
     if qdtype.storage != torch.int8:
         raise ValueError(f"quantized weights must be signed 8-bit codes, got a {qdtype!r} weight observer "

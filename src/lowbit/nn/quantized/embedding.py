@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...functional import quantize
+from ...observer.distributed import local_statistics
 from ...qparams import calculate_qparams
 from ...qscheme import QDtype, QScheme, as_qdtype, as_qscheme, quint8
 from ...qtensor import QTensor
@@ -82,7 +83,8 @@ def _row_qparams(weight: torch.Tensor, mod: nn.Module | None, qdtype: QDtype | N
         qdtype = qdtype or quint8
         scale, zp = calculate_qparams(w.amin(1), w.amax(1), qscheme, qdtype)
         return scale, zp, qdtype
-    scale, zp = source.calculate_qparams()
+    with local_statistics():  # a replicated table: no collective
+        scale, zp = source.calculate_qparams()
     qdtype = as_qdtype(source.qdtype)
     if scale.numel() == 1:
         scale, zp = scale.reshape(1).expand(w.shape[0]), zp.reshape(1).expand(w.shape[0])
