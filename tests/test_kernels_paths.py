@@ -1,0 +1,180 @@
+"""Every kernel code path, chosen on purpose, scanned over a shape grid against the exact integer oracle.
+
+The backends pick their code path from the CPU (``onednn.has_vnni()``), the quantized engine and the
+shape, so a test suite run on one machine would cover only that machine's paths. Here each path is
+forced (the selection is monkeypatched) and a spy asserts that the intended path actually ran:
+
+=================  ====================================================================================
+``vnni-single``    oneDNN, one ``qlinear_pointwise`` call (VNNI/AMX CPUs; full int8 weights only where
+                   the CPU really has VNNI, saturation-safe weights elsewhere — the same path, exact)
+``avx2-single``    oneDNN on a CPU without VNNI, saturation-safe weights: one call
+``avx2-split``     oneDNN on a CPU without VNNI, full int8 weights: two 7-bit calls (``_split_run``)
+``fbgemm-float``   no VNNI, M ≤ ``SMALL_M``: fbgemm with float output (split for full weights)
+``fbgemm-requant`` no VNNI, M ≤ ``SMALL_M``, u8 output: one fbgemm call with fused requantization
+``int_mm``         ``torch._int_mm`` on CPU (with the K == 1 guard), affine weights
+``int_mm-strict``  the CUDA layout (s8 activations, padded operands) run on CPU
+``int_mm-cuda``    ``torch._int_mm`` on CUDA (when present)
+``reference``      float simulation
+=================  ====================================================================================
+
+With unit scales and no bias the float output *is* the int32 accumulator (|acc| < 2²⁴, exact in
+float32), compared with ``torch.equal`` against ``Σ (q_x - z_x)(q_w - z_w)`` in int64; every wrong
+shape is listed at once. Shapes: M, K, N each over sizes including 1, odd sizes and SIMD-block edges.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+import lowbit as Q
+from lowbit import kernels as K
+from lowbit.kernels import OutGrid, int_mm, onednn
+
+torch.set_num_threads(1)
+MS = (1, 2, 3, 5, 16, 17, 33, 64)
+KS = (1, 2, 3, 4, 7, 8, 15, 16, 33, 64, 65)
+NS = (1, 2, 3, 7, 8, 16, 17, 33)
+GRID = list(itertools.product(MS, KS, NS))      # 704 shapes
+
+
+def operands(m: int, k: int, n: int, *, safe: bool, zp_w: bool, device: str = "cpu") -> tuple[Q.QTensor, Q.QTensor]:
+    """Activations u8 or s8 (alternating with the shape) with a random zero point; int8 weights with unit scales:
+    full range (with a saturating pair of 127s when k > 1) or 7-bit (``safe``: exact even through vpmaddubsw)."""
+    g = torch.Generator().manual_seed(m * 10_000 + k * 100 + n)
+    if (m + k + n) % 2:
+        x = Q.QTensor(torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8), 1.0,
+                      int(torch.randint(0, 256, (), generator=g)), Q.quint8)
+    else:
+        x = Q.QTensor(torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8), 1.0,
+                      int(torch.randint(-128, 128, (), generator=g)), Q.qint8)
+    lo, hi = (-64, 63) if safe else (-128, 127)
+    codes = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int8)
+    if not safe and k > 1:
+        codes[:, :2] = 127                       # 255 · 254 > 32767: saturates vpmaddubsw
+    zps = torch.randint(-3, 4, (n,), generator=g) if zp_w else torch.zeros(n, dtype=torch.int64)
+    w = Q.QTensor(codes, torch.ones(n), zps, Q.qint8, 0)
+    return (x.to(device), w.to(device)) if device != "cpu" else (x, w)
+
+
+def exact_acc(x: Q.QTensor, w: Q.QTensor) -> torch.Tensor:
+    return (x.int_repr().long().cpu() - int(x.zero_point)) @ (w.int_repr().long().cpu() - w.zero_point.cpu()[:, None]).t()
+
+
+@pytest.fixture
+def paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Counts which oneDNN-backend code path ran (spies around its internal routes)."""
+    ran: Counter[str] = Counter()
+    for name in ("_split_run", "_fbgemm_linear", "_fbgemm_requant"):
+        real = getattr(onednn, name)
+
+        def spy(*a: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            ran[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(onednn, name, spy)
+    return ran
+
+
+def force(monkeypatch: pytest.MonkeyPatch, *, vnni: bool, fbgemm: bool) -> None:
+    if not onednn.available():
+        pytest.skip("oneDNN int8 ops not available in this torch build")
+    monkeypatch.setattr(onednn, "has_vnni", lambda: vnni)
+    if fbgemm:
+        if "x86" not in torch.backends.quantized.supported_engines:
+            pytest.skip("no x86/fbgemm quantized engine")
+        monkeypatch.setattr(torch.backends.quantized, "engine", "x86")
+    else:
+        monkeypatch.setattr(onednn, "_FBGEMM", ())
+
+
+def scan(backend: str, *, safe: bool, zp_w: bool, out: OutGrid | None = None, device: str = "cpu",
+         shapes: list[tuple[int, int, int]] = GRID) -> list[str]:
+    """Run ``backend`` (pinned; it must not fall back) over ``shapes``; return the wrong ones."""
+    wrong = []
+    before = K.counts[(backend, "linear")]
+    with K.use_backend(backend):
+        for m, k, n in shapes:
+            x, w = operands(m, k, n, safe=safe, zp_w=zp_w, device=device)
+            y = K.linear(x, w, None, out, cache={})
+            want = exact_acc(x, w)
+            if out is None:
+                ok = y.shape == (m, n) and torch.equal(y.cpu().double(), want.double())
+            else:   # requantized: within one code of rounding the exact value (ties may round either way)
+                ref = torch.clamp(torch.round(want.double() / out.scale) + out.zero_point, 0, 255)
+                ok = int((y.int_repr().cpu().double() - ref).abs().max()) <= 1
+            if not ok:
+                wrong.append(f"M={m} K={k} N={n}")
+    assert K.counts[(backend, "linear")] == before + len(shapes), f"{backend} declined some shapes (fell back)"
+    return wrong
+
+
+# the real CPU's answer, captured before any test monkeypatches has_vnni
+_REAL_VNNI = onednn.has_vnni()
+
+
+def test_onednn_vnni_single_call(monkeypatch: pytest.MonkeyPatch, paths: Counter[str]) -> None:
+    force(monkeypatch, vnni=True, fbgemm=True)
+    # full int8 weights are exact in one call only on a real VNNI/AMX CPU; 7-bit ones on any CPU
+    wrong = scan("onednn", safe=not _REAL_VNNI, zp_w=False)
+    assert not wrong, f"wrong int32 sums: {wrong}"
+    assert not paths, f"expected the single-call path only, ran {dict(paths)}"
+
+
+def test_onednn_avx2_single_call_with_safe_weights(monkeypatch: pytest.MonkeyPatch, paths: Counter[str]) -> None:
+    force(monkeypatch, vnni=False, fbgemm=False)
+    wrong = scan("onednn", safe=True, zp_w=False)
+    assert not wrong, f"wrong int32 sums: {wrong}"
+    assert not paths, f"expected the single-call path only, ran {dict(paths)}"
+
+
+def test_onednn_avx2_split_with_full_weights(monkeypatch: pytest.MonkeyPatch, paths: Counter[str]) -> None:
+    force(monkeypatch, vnni=False, fbgemm=False)
+    shapes = [s for s in GRID if s[1] > 1]       # k == 1 weights are always saturation-safe (one code per row)
+    wrong = scan("onednn", safe=False, zp_w=False, shapes=shapes)
+    assert not wrong, f"wrong int32 sums: {wrong}"
+    # 7-bit activations (none here: u8 / full s8 grids) would skip the split; every call here splits
+    assert paths["_split_run"] == len(shapes) and set(paths) == {"_split_run"}
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safe", "full"])
+def test_onednn_fbgemm_small_m_float(monkeypatch: pytest.MonkeyPatch, paths: Counter[str], safe: bool) -> None:
+    force(monkeypatch, vnni=False, fbgemm=True)
+    shapes = [s for s in GRID if s[0] <= onednn.SMALL_M]
+    wrong = scan("onednn", safe=safe, zp_w=False, shapes=shapes)
+    assert not wrong, f"wrong int32 sums: {wrong}"
+    assert paths["_fbgemm_linear"] == len(shapes) and set(paths) == {"_fbgemm_linear"}
+
+
+def test_onednn_fbgemm_small_m_requantized(monkeypatch: pytest.MonkeyPatch, paths: Counter[str]) -> None:
+    force(monkeypatch, vnni=False, fbgemm=True)
+    shapes = [s for s in GRID if s[0] <= onednn.SMALL_M]
+    wrong = scan("onednn", safe=True, zp_w=False, out=OutGrid(64.0, 128, Q.quint8), shapes=shapes)
+    assert not wrong, f"wrong requantized codes: {wrong}"
+    assert paths["_fbgemm_requant"] == len(shapes) and set(paths) == {"_fbgemm_requant"}
+
+
+def test_int_mm_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    wrong = scan("int_mm", safe=False, zp_w=True)
+    assert not wrong, f"wrong int32 sums: {wrong}"
+
+
+def test_int_mm_strict_layout_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(int_mm, "STRICT_DEVICES", {"cpu", "cuda"})
+    wrong = scan("int_mm", safe=False, zp_w=True)
+    assert not wrong, f"wrong int32 sums: {wrong}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_int_mm_cuda() -> None:
+    wrong = scan("int_mm", safe=False, zp_w=True, device="cuda")
+    assert not wrong, f"wrong int32 sums: {wrong}"
+
+
+def test_reference() -> None:
+    wrong = scan("reference", safe=False, zp_w=True, shapes=GRID[::3])
+    assert not wrong, f"wrong sums: {wrong}"
