@@ -242,7 +242,7 @@ def test_fx_quantized_input_and_output_indexes():
     q, qp = Q.convert_fx(prepared), Q.convert_fx(plain)
     assert not any(type(m).__name__ == "Quantize" for m in q.modules())
     assert not any(type(m).__name__ == "DeQuantize" for m in q.modules())
-    grid = qp.get_submodule(next(n.target for n in qp.graph.nodes if n.op == "call_module"))  # the Quantize
+    grid = next(m for m in qp.modules() if isinstance(m, nnq.Quantize))  # the Quantize
     qx = Q.quantize_per_tensor(x, float(grid.scale), int(grid.zero_point), Q.quint8)
     out = q(qx)
     assert isinstance(out, Q.QTensor)
@@ -334,3 +334,58 @@ def test_register_fusion_pattern_errors():
         Q.register_fusion_pattern((nn.Linear, nn.ReLU6), lambda *a: None, quantized=QuantLinearReLU6)
     with pytest.raises(KeyError, match="not registered"):
         Q.unregister_fusion_pattern((nn.Linear, nn.Tanh))
+
+
+def test_fx_quantized_input_gets_no_observer_and_feeds_share_ops():
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(6, 3)).eval()
+    x = torch.randn(4, 2, 3)
+    cfg = Q.PrepareCustomConfig().set_input_quantized_indexes([0])
+    prepared = Q.prepare_fx(model, Q.get_minmax_qconfig(), (x,), prepare_custom_config=cfg)
+    plain = Q.prepare_fx(model, Q.get_minmax_qconfig(), (x,))
+
+    def observers(gm):
+        return sum(isinstance(m, Q.ObserverBase) for m in gm.modules())
+
+    assert observers(prepared) == observers(plain) - 1 == 1  # only the Linear's output
+    prepared(x), plain(x)
+    q, qp = Q.convert_fx(prepared), Q.convert_fx(plain)
+    grid = next(m for m in qp.modules() if isinstance(m, nnq.Quantize))
+    qx = Q.quantize_per_tensor(x, float(grid.scale), int(grid.zero_point), Q.quint8)
+    assert torch.equal(q(qx), qp(x))
+
+
+class DynamicCustom(nn.Module):  # torch.ao's dynamic custom module flow: a float leaf swapped at convert
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+    @classmethod
+    def from_observed(cls, mod):
+        return cls(nnq.dynamic.Linear.from_float(mod.fc))
+
+
+class HasLinearBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.block = nn.Linear(4, 4), Block()
+
+    def forward(self, x):
+        return self.block(self.fc(x))
+
+
+def test_fx_dynamic_custom_module_from_a_non_traceable_class():
+    torch.manual_seed(9)
+    model = HasLinearBlock().eval()
+    x = torch.randn(8, 4)
+    prepared = Q.prepare_fx(model, Q.get_minmax_qconfig(), (x,),
+                            prepare_custom_config={"non_traceable_module_class": [Block]})
+    prepared(x)
+    q = Q.convert_fx(prepared, convert_custom_config={
+        "observed_to_quantized_custom_module_class": {"dynamic": {Block: DynamicCustom}}})
+    assert type(q.block) is DynamicCustom and type(q.block.linear) is nnq.dynamic.Linear
+    ref = model(x)
+    assert ((q(x) - ref).norm() / ref.norm()) < 0.05

@@ -22,7 +22,9 @@ dict forms) with the same setters and ``from_dict``/``to_dict`` keys:
 ``ConvertCustomConfig.set_observed_to_quantized_mapping(Observed, Quantized)``: ``convert`` /
 ``convert_fx`` build ``Quantized.from_observed(observed_mod)`` (the observed module carries its
 calibrated ``activation_post_process``). In graph mode the custom module is an int op: it
-receives a ``QTensor`` and must return one (a single tensor).
+receives a ``QTensor`` and must return one (a single tensor). With ``quant_type="dynamic"``
+(graph mode, torch.ao's dynamic custom modules) the key is a float module declared non-traceable:
+``convert_fx`` swaps it for ``Quantized.from_observed(mod)``, float in and float out.
 
 >>> from torch import nn
 >>> class Observed(nn.Module):
@@ -47,10 +49,10 @@ __all__ = ["PrepareCustomConfig", "ConvertCustomConfig", "FuseCustomConfig", "fr
 _STATIC = ("static", "qat")  # quant types lowbit's custom modules take part in
 
 
-def _quant_type(quant_type: Any, where: str) -> str:
+def _quant_type(quant_type: Any, where: str, allowed: tuple[str, ...] = _STATIC) -> str:
     name = getattr(quant_type, "name", quant_type)
     name = str(name).lower() if name is not None else "static"
-    if name not in _STATIC:
+    if name not in allowed:
         raise ValueError(f"{where}: quant_type={quant_type!r} is not supported; custom modules are static or QAT "
                          "(dynamic layers come from the dynamic mapping)")
     return name
@@ -176,17 +178,21 @@ class ConvertCustomConfig:
 
     def __init__(self) -> None:
         self.observed_to_quantized_mapping: dict[type, type] = {}
+        self.dynamic_mapping: dict[type, type] = {}  # quant_type "dynamic": float leaf -> quantized, no observer
         self.preserved_attributes: list[str] = []
 
     def set_observed_to_quantized_mapping(self, observed_class: type, quantized_class: type,
                                           quant_type: Any = "static") -> ConvertCustomConfig:
+        """``quant_type`` "static"/"qat": ``observed_class`` was observed by prepare; "dynamic" (graph mode):
+        ``observed_class`` is a float leaf (declared non-traceable) swapped as is, float in and out."""
         where = "ConvertCustomConfig.set_observed_to_quantized_mapping"
-        _quant_type(quant_type, where)
+        kind = _quant_type(quant_type, where, (*_STATIC, "dynamic"))
         if not isinstance(observed_class, type) or not isinstance(quantized_class, type):
             raise TypeError(f"{where}: expects two classes, got {observed_class!r}, {quantized_class!r}")
         if not hasattr(quantized_class, "from_observed"):
             raise TypeError(f"{where}: {quantized_class.__name__} has no from_observed(observed_module) classmethod")
-        self.observed_to_quantized_mapping[observed_class] = quantized_class
+        (self.dynamic_mapping if kind == "dynamic" else self.observed_to_quantized_mapping)[observed_class] = \
+            quantized_class
         return self
 
     def set_preserved_attributes(self, attributes: list[str]) -> ConvertCustomConfig:
@@ -215,8 +221,10 @@ class ConvertCustomConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {}
-        if self.observed_to_quantized_mapping:
-            d["observed_to_quantized_custom_module_class"] = {"static": dict(self.observed_to_quantized_mapping)}
+        by_type = {k: dict(v) for k, v in (("static", self.observed_to_quantized_mapping),
+                                            ("dynamic", self.dynamic_mapping)) if v}
+        if by_type:
+            d["observed_to_quantized_custom_module_class"] = by_type
         if self.preserved_attributes:
             d["preserved_attributes"] = list(self.preserved_attributes)
         return d
@@ -234,9 +242,11 @@ class ConvertCustomConfig:
         raise TypeError(f"{where}: convert_custom_config must be None, a dict or a ConvertCustomConfig, "
                         f"got {type(value).__name__}")
 
-    def mapping(self) -> dict[type, type]:
-        """``{observed type: adapter whose from_float calls Quantized.from_observed}`` for the swap tables."""
-        return {o: from_observed_adapter(q) for o, q in self.observed_to_quantized_mapping.items()}
+    def mapping(self, dynamic: bool = False) -> dict[type, type]:
+        """``{observed type: adapter whose from_float calls Quantized.from_observed}`` for the swap tables
+        (``dynamic=True``: the dynamic entries)."""
+        table = self.dynamic_mapping if dynamic else self.observed_to_quantized_mapping
+        return {o: from_observed_adapter(q) for o, q in table.items()}
 
 
 class FuseCustomConfig:

@@ -190,8 +190,8 @@ def _assign_domains(gm: fx.GraphModule) -> None:
             domain = "other"
         elif kind == "share":
             domain = "int" if any(a.meta.get("lowbit_domain") == "int" for a in node.all_input_nodes) else "float"
-        else:
-            domain = "int" if kind in _INT_KINDS else "float"
+        else:  # a placeholder declared quantized (input_quantized_idxs) arrives as a QTensor
+            domain = "int" if kind in _INT_KINDS or node.meta.get("lowbit_qinput") else "float"
         node.meta["lowbit_domain"] = domain
 
 

@@ -276,6 +276,19 @@ class _Converter:
             node.replace_all_uses_with(produced)
             self.graph.erase_node(node)
 
+    def custom_dynamic(self, table: dict[type, type]) -> None:
+        """Swap float leaves whose type has a dynamic custom class (``from_observed``): float in, float out."""
+        for node in self.graph.nodes:
+            if node.op != "call_module" or node.target in self.swapped:
+                continue
+            mod = self.gm.get_submodule(node.target)
+            if type(mod) not in table:
+                continue
+            new = table[type(mod)].from_float(mod)
+            _set_module(self.gm, node.target, new)
+            self.swapped.add(node.target)
+            self.report.converted[self._key(node)] = f"{type(mod).__name__} -> {type(new).__name__} (dynamic custom)"
+
     def dynamic(self) -> None:
         """Swap dynamic nodes (module or ``F.linear`` stand-in) for ``lowbit.nn.quantized.dynamic`` modules."""
         for node in list(self.graph.nodes):
@@ -337,8 +350,10 @@ class _Converter:
                 self.graph.erase_node(node)
 
 
-def _convert_graph(gm: fx.GraphModule, report: FxReport, custom: dict[type, type]) -> None:
+def _convert_graph(gm: fx.GraphModule, report: FxReport, custom: dict[type, type],
+                   custom_dynamic: dict[type, type]) -> None:
     conv = _Converter(gm, report, gm.meta[STATE_KEY].get("prefix", ""), custom)
+    conv.custom_dynamic(custom_dynamic)
     conv.observers()
     conv.dynamic()
     conv.weight_only()
@@ -378,9 +393,9 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
     report: FxReport = top["report"]
     graphs = [m for m in model.modules() if isinstance(m, fx.GraphModule) and STATE_KEY in m.meta
               and not m.meta[STATE_KEY].get("converted")]
-    custom = cfg.mapping()
+    custom, custom_dynamic = cfg.mapping(), cfg.mapping(dynamic=True)
     for gm in graphs:
-        _convert_graph(gm, report, custom)
+        _convert_graph(gm, report, custom, custom_dynamic)
     for m in model.modules():
         m.__dict__.pop("qconfig", None)
     top["converted"] = True

@@ -234,6 +234,11 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
         sub = gm.get_submodule(path)
         ctx.untraceable(join(prefix, path), sub, cause)
         _prepare_children(sub, ctx, join(prefix, path))
+    if top:  # prepare_custom_config's quantized inputs: QTensors after convert, so no input observer
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for i in ctx.input_quantized:
+            if i < len(placeholders):
+                placeholders[i].meta["lowbit_qinput"] = True
     classify(gm, mod, ctx.mapping, set(opaque), ctx.module_types, ctx.report, prefix, ctx.dynamic_types)
     if _insert_observers(gm) == 0 and not top:
         return mod  # nothing to quantize here: keep the module as it was
@@ -251,6 +256,7 @@ class _Ctx:
         self.report = FxReport()
         self.captured: dict[nn.Module, tuple[Any, ...]] = {}
         self.custom = custom.float_to_observed_mapping
+        self.input_quantized = list(custom.input_quantized_indexes)
         # leaves of the trace: declared non-traceable modules (by id) and classes, custom float classes
         self.leaves: tuple[set[int], set[type]] = (set(), set(custom.non_traceable_module_classes) | set(self.custom))
         self.module_types = graph_module_types() | set(self.custom.values())
