@@ -177,11 +177,18 @@ def test_dynamic_qat_linear_matches_torch_ao_forward_and_backward():
 
 def test_dynamic_qat_linear_workflow_converts_to_dynamic_linear():
     torch.manual_seed(4)
-    qc, _ = dynamic_qat_qconfigs()
+    qc, tqc = dynamic_qat_qconfigs()
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
-    model.qconfig = qc
+    theirs = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    theirs.load_state_dict(model.state_dict())
+    model.qconfig, theirs.qconfig = qc, tqc
     qat = Q.prepare_qat(model, mapping={nn.Linear: nnqatd.Linear})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tqat = tq.prepare_qat(theirs, mapping={nn.Linear: tnnqatd.Linear})
     assert type(qat[0]) is nnqatd.Linear
+    x = torch.randn(16, 6)  # the activation fake-quant is on the input (memoryless), as torch.ao's pre-hook
+    assert torch.allclose(qat(x), tqat(x), atol=1e-5)
     opt = torch.optim.SGD(qat.parameters(), lr=0.01)
     for _ in range(3):
         opt.zero_grad()
@@ -196,5 +203,9 @@ def test_dynamic_qat_linear_workflow_converts_to_dynamic_linear():
 
 
 def test_dynamic_qat_linear_rejects_a_stateful_activation():
-    with pytest.raises(ValueError, match="memoryless"):
+    with pytest.raises(ValueError, match="Dynamic QAT requires a memoryless observer.This means a MovingAverage "
+                                         "observer with averaging constant equal to 1"):
         nnqatd.Linear(2, 2, qconfig=Q.get_default_qat_qconfig())
+    with pytest.raises(ValueError, match="got MinMaxObserver"):  # accumulates: not memoryless
+        nnqatd.Linear(2, 2, qconfig=Q.QConfig(activation=Q.MinMaxObserver, weight=Q.get_default_qat_qconfig().weight))
+    assert nnqatd.is_memoryless(Q.get_dynamic_qat_qconfig()) and nnqatd.is_memoryless(Q.get_dynamic_qconfig())

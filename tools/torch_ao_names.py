@@ -167,8 +167,8 @@ EQUIV: dict[str, tuple[str | None, str]] = {
     _q("default_weight_fake_quant"): ("lowbit.get_default_qat_qconfig", "its weight"),
     _q("default_per_channel_weight_fake_quant"): ("lowbit.get_default_qat_qconfig", "its weight (per channel)"),
     _q("default_histogram_fake_quant"): ("lowbit.FakeQuantize", "`FakeQuantize.with_args(observer=HistogramObserver)`"),
-    _q("default_dynamic_fake_quant"): ("lowbit.nn.qat.dynamic.Linear", "memoryless activation "
-                                                                       "(`averaging_constant=1`)"),
+    _q("default_dynamic_fake_quant"): ("lowbit.get_dynamic_qat_qconfig", "its activation (memoryless: "
+                                                                         "`averaging_constant=1`)"),
     _q("default_embedding_fake_quant"): ("lowbit.get_embedding_qat_qconfig", "its weight"),
     _q("default_embedding_fake_quant_4bit"): ("lowbit.get_embedding_qat_qconfig", "`bits=4`"),
     _q("default_fused_act_fake_quant"): ("lowbit.get_fused_qat_qconfig", "its activation"),

@@ -96,6 +96,7 @@ from .custom_config import ConvertCustomConfig, FuseCustomConfig, PrepareCustomC
 from .fusion_registry import register_fusion_pattern, unregister_fusion_pattern
 from .weight_only import quantize_weight_only
 from .nn.intrinsic.qat.modules import set_bn_fold_mode
+from .nn.qat.dynamic import get_dynamic_qat_qconfig
 
 __version__ = "0.1.0"
 
@@ -116,7 +117,7 @@ __all__ = [
     "get_observer_state_dict", "load_observer_state_dict",
     # configs
     "QConfig", "QConfigMapping", "get_default_qconfig", "get_default_qat_qconfig", "get_default_qconfig_mapping",
-    "get_default_qat_qconfig_mapping", "get_minmax_qconfig", "get_dynamic_qconfig",
+    "get_default_qat_qconfig_mapping", "get_minmax_qconfig", "get_dynamic_qconfig", "get_dynamic_qat_qconfig",
     "get_lsq_qat_qconfig", "get_fused_qat_qconfig", "qconfig_equals", "get_accurate_qconfig",
     "get_calibration_qconfig",
     # eager workflows

@@ -216,7 +216,12 @@ def _dequantize_input(module: nn.Module, inputs: Any) -> Any:
     return (x.dequantize(), *inputs[1:]) if isinstance(x, QTensor) else None
 
 
-_HOOKS = (_observe_output, _pass_tag, _observe_float_input)
+def _observe_input(module: nn.Module, inputs: Any) -> Any:
+    """Forward pre-hook of dynamic QAT layers: the input goes through ``activation_post_process``."""
+    return (module.activation_post_process(inputs[0]), *inputs[1:]) if inputs else None
+
+
+_HOOKS = (_observe_output, _pass_tag, _observe_float_input, _observe_input)
 
 
 def _remove_observer_hooks(mod: nn.Module) -> None:
@@ -248,6 +253,10 @@ def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type]) -
         if isinstance(mod, _NO_OUTPUT_OBSERVER):
             return 1
         mod.activation_post_process = qc.activation()
+        if getattr(mod, "_observe_input", False):  # dynamic QAT: memoryless fake-quant of the input
+            _remove_observer_hooks(mod)
+            mod.register_forward_pre_hook(_observe_input)
+            return 1
         if not isinstance(mod, FloatFunctional):  # its methods call the observer themselves
             _remove_observer_hooks(mod)
             mod.register_forward_hook(_observe_output)
