@@ -26,7 +26,7 @@ TIERS: list[tuple[str, ...]] = [
     ("nn.intrinsic.qat",),             # QAT ConvBn builds on nn.qat
     ("nn.quantized",),                 # (+ dynamic/) run on kernels
     ("mappings", "examples", "speed_guard"),
-    ("fuse", "workflow", "quantize_dynamic", "weight_only", "fx"),
+    ("fuse", "workflow", "quantize_dynamic", "weight_only", "fx", "quantize_api", "reference"),
     ("export", "algorithms", "debug", "data"),
     ("report",),                       # renders debug results
     ("__init__",),                     # the package root: re-exports the public names of all of the above

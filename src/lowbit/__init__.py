@@ -94,6 +94,7 @@ from .quantize_api import quantize_qat
 from .fx import FxReport, convert_fx, fuse_fx, prepare_fx, prepare_qat_fx
 from .custom_config import ConvertCustomConfig, FuseCustomConfig, PrepareCustomConfig
 from .fusion_registry import register_fusion_pattern, unregister_fusion_pattern
+from .reference import convert_to_reference_fx, lower_reference
 from .weight_only import quantize_weight_only
 from .nn.intrinsic.qat.modules import set_bn_fold_mode
 from .nn.qat.dynamic import get_dynamic_qat_qconfig
@@ -123,11 +124,11 @@ __all__ = [
     # eager workflows
     "QuantStub", "DeQuantStub", "QuantWrapper", "fuse_modules", "fuse_modules_qat", "prepare", "convert",
     "prepare_qat", "quantize_dynamic", "propagate_qconfig_", "freeze_bn_stats", "update_bn_stats", "ConvertReport",
-    "set_bn_fold_mode", "quantize_qat",
+    "set_bn_fold_mode", "quantize_qat", "lower_reference",
     "get_default_static_quant_module_mappings", "get_default_qat_module_mappings",
     "get_default_dynamic_quant_module_mappings",
     # graph mode
-    "prepare_fx", "prepare_qat_fx", "convert_fx", "FxReport", "fuse_fx",
+    "prepare_fx", "prepare_qat_fx", "convert_fx", "FxReport", "fuse_fx", "convert_to_reference_fx",
     # custom configs and user fusion patterns
     "PrepareCustomConfig", "ConvertCustomConfig", "FuseCustomConfig", "register_fusion_pattern",
     "unregister_fusion_pattern",

@@ -424,7 +424,8 @@ def _convert(mod: nn.Module, name: str, mapping: dict[type, type], report: Conve
 
 def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: bool = False,
             return_report: bool = False, speed_check: Any = None,
-            dynamic_mapping: dict[type, type] | None = None, convert_custom_config_dict: Any = None) -> Any:
+            dynamic_mapping: dict[type, type] | None = None, convert_custom_config_dict: Any = None,
+            is_reference: bool = False) -> Any:
     """Swap observed modules for ``lowbit.nn.quantized`` ones; returns the model (eval mode).
 
     ``mapping`` (default ``get_default_static_quant_module_mappings()``): exact type → class with
@@ -438,7 +439,16 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
     ``convert_custom_config_dict`` (``{"observed_to_quantized_custom_module_class": {Observed: Quantized}}``
     or a ``lowbit.custom_config.ConvertCustomConfig``): observed custom modules become
     ``Quantized.from_observed(mod)``.
+    ``is_reference=True``: the reference model instead (``lowbit.reference.to_reference``: float
+    modules with explicit quantize → dequantize of weights and activations; ``lower_reference``
+    turns it into this int8 model).
     """
+    if is_reference is not False:
+        if is_reference is not True:
+            raise TypeError(f"convert: is_reference must be a bool, got {is_reference!r}")
+        from .reference.convert import to_reference  # same tier; reference builds on this module
+
+        return to_reference(model, mapping=mapping, inplace=inplace, return_report=return_report)
     _check_common("convert", model, inplace)
     if not isinstance(return_report, bool):
         raise TypeError(f"convert: return_report must be a bool, got {return_report!r}")

@@ -376,6 +376,8 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
     (a ``lowbit.custom_config.ConvertCustomConfig``, torch.ao's, or its dict form): observed custom
     modules become ``Quantized.from_observed(mod)``; its preserved attributes are kept (as are
     those ``prepare_custom_config`` preserved).
+    A reference model (``convert_to_reference_fx``) is lowered to the same int8 model
+    (``lowbit.reference.lower_reference_fx``).
     """
     cfg = ConvertCustomConfig.coerce(convert_custom_config, "convert_fx")
     if not is_prepared(model):
@@ -384,6 +386,10 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
     top = model.meta[STATE_KEY] if isinstance(model, fx.GraphModule) else model.__dict__[STATE_KEY]
     if top.get("converted"):
         raise ValueError("convert_fx: this model was already converted")
+    if top.get("reference"):  # a convert_to_reference_fx model: lower it (same tier; it builds on this module)
+        from ..reference.fx import lower_reference_fx
+
+        return lower_reference_fx(model, inplace=inplace)
     if not isinstance(inplace, bool):
         raise TypeError(f"convert_fx: inplace must be a bool, got {inplace!r}")
     source = model

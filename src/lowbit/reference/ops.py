@@ -1,0 +1,49 @@
+"""The quantize / dequantize functions of reference graphs (``convert_to_reference_fx``).
+
+Plain functions of tensors and literals (no ``QDtype`` objects), so a reference graph's code reads
+``quantize_per_tensor(x, 0.0123, 128, 0, 255, torch.uint8)``::
+
+    quantize_per_tensor(x, s, z, qmin, qmax, storage)   = clamp(round(x / s + z), qmin, qmax)   as storage
+    dequantize_per_tensor(q, s, z)                      = (q - z) * s                          float32
+    quantize_per_channel(x, s, z, axis, qmin, qmax, storage), dequantize_per_channel(q, s, z, axis)
+                                                        the same with (C,) qparams along axis
+
+They are ``lowbit.quantize`` / ``lowbit.dequantize`` (bit for bit the int8 modules' rounding).
+
+>>> import torch
+>>> q = quantize_per_tensor(torch.tensor([-1.0, 0.26, 9.0]), 0.1, 10, 0, 255, torch.uint8)
+>>> q.tolist(), dequantize_per_tensor(q, 0.1, 10).tolist()[0]
+([0, 13, 100], -1.0)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..functional import dequantize, quantize
+from ..qscheme import QDtype, as_qdtype
+
+__all__ = ["quantize_per_tensor", "dequantize_per_tensor", "quantize_per_channel", "dequantize_per_channel"]
+
+
+def _grid(quant_min: int, quant_max: int, storage: torch.dtype) -> QDtype:
+    base = as_qdtype(storage)  # int8 -> qint8, uint8 -> quint8
+    return base if (base.quant_min, base.quant_max) == (quant_min, quant_max) else base.with_range(quant_min, quant_max)
+
+
+def quantize_per_tensor(x: torch.Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int,
+                        storage: torch.dtype) -> torch.Tensor:
+    return quantize(x, scale, zero_point, _grid(quant_min, quant_max, storage))
+
+
+def dequantize_per_tensor(q: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
+    return dequantize(q, scale, zero_point)
+
+
+def quantize_per_channel(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int, quant_min: int,
+                         quant_max: int, storage: torch.dtype) -> torch.Tensor:
+    return quantize(x, scale, zero_point, _grid(quant_min, quant_max, storage), axis)
+
+
+def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int) -> torch.Tensor:
+    return dequantize(q, scale, zero_point, axis)
