@@ -45,6 +45,8 @@ FLOATS = {
     "conv1d": (lambda: nn.Conv1d(3, 4, 3, padding=1), tnnqr.Conv1d, R.Conv1d, (2, 3, 9)),
     "conv2d": (lambda: nn.Conv2d(3, 4, 3, stride=2, groups=1), tnnqr.Conv2d, R.Conv2d, (2, 3, 8, 8)),
     "conv3d": (lambda: nn.Conv3d(2, 3, 2), tnnqr.Conv3d, R.Conv3d, (1, 2, 4, 4, 4)),
+    "convt2d": (lambda: nn.ConvTranspose2d(3, 4, 3, stride=2, output_padding=1), tnnqr.ConvTranspose2d,
+                R.ConvTranspose2d, (2, 3, 5, 5)),
 }
 
 
@@ -54,7 +56,7 @@ def test_reference_modules_match_torch_ao(kind, qscheme):
     make, theirs_cls, ours_cls, shape = FLOATS[kind]
     torch.manual_seed(0)
     f = make()
-    qp = _torch_qparams(f.weight.detach(), qscheme)
+    qp = _torch_qparams(f.weight.detach(), qscheme, axis=1 if kind.startswith("convt") else 0)
     # torch.ao's reference modules take a symmetric grid as affine (zero point 0), as its get_qparam_dict does
     tqp = {**qp, "qscheme": torch.per_channel_affine} if qscheme == torch.per_channel_symmetric else qp
     theirs, ours = theirs_cls.from_float(f, tqp), ours_cls.from_float(f, qp)  # torch spellings accepted
@@ -166,6 +168,23 @@ def test_eager_reference_of_qat_model_with_bn_folding():
     with kernels.use_backend("reference"):
         y8 = direct(x)
     assert (ref(x) - y8).abs().max() <= float(direct.fc2.scale) * 1.001
+
+
+def test_eager_reference_of_transposed_conv_lowers_to_direct_convert():
+    torch.manual_seed(0)
+    m = nn.Sequential(Q.QuantStub(), nn.ConvTranspose2d(3, 4, 3, stride=2, groups=1), nn.ReLU(),
+                      Q.DeQuantStub()).eval()
+    p = Q.prepare(m, Q.get_minmax_qconfig())
+    for i in range(3):
+        p(torch.randn(8, 3, 5, 5, generator=torch.Generator().manual_seed(i)))
+    ref = Q.convert(p, is_reference=True)
+    assert type(ref[1]) is R.ConvTranspose2d and ref[1].weight_axis == 1
+    direct = Q.convert(p)
+    _assert_same_state(Q.lower_reference(ref), direct)
+    x = torch.randn(4, 3, 5, 5)
+    with kernels.use_backend("reference"):
+        y8 = direct(x)
+    assert (ref(x) - y8).abs().max() <= float(direct[1].scale) * 1.001
 
 
 def test_eager_reference_errors():

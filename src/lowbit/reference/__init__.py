@@ -13,6 +13,9 @@ from .modules import (
     Conv1d,
     Conv2d,
     Conv3d,
+    ConvTranspose1d,
+    ConvTranspose2d,
+    ConvTranspose3d,
     Embedding,
     EmbeddingBag,
     FrozenObserver,
@@ -21,6 +24,7 @@ from .modules import (
     weight_qparams_of,
 )
 
-__all__ = ["QuantDeQuant", "FrozenObserver", "Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "EmbeddingBag",
+__all__ = ["QuantDeQuant", "FrozenObserver", "Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+           "ConvTranspose3d", "Embedding", "EmbeddingBag",
            "weight_qparams_of", "REFERENCE_MODULES", "to_reference", "lower_reference", "lower_reference_eager",
            "convert_to_reference_fx", "lower_reference_fx", "is_reference_fx"]

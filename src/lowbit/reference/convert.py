@@ -7,7 +7,7 @@ structure and float arithmetic and freezes its calibration:
   becomes a ``QuantDeQuant`` on the grid it measured, still called by ``prepare``'s hooks: each
   observed output (and each float input of a weighted layer) is rounded onto its int8 grid;
 - every observed ``Linear``/``ConvNd`` (bare, QAT, inside a fused ``(op, ReLU)`` marker, or a QAT
-  conv-BN folded first) and every ``Embedding``/``EmbeddingBag`` becomes its ``lowbit.reference``
+  conv-BN folded first), ``ConvTransposeNd`` and every ``Embedding``/``EmbeddingBag`` becomes its ``lowbit.reference``
   module: the float weight, quantized → dequantized on its weight grid on every call;
 - activations, ``FloatFunctional``, stubs and pools stay the float modules (stubs are identities;
   the QDQ after them is the quantization).
@@ -72,7 +72,10 @@ def _reference_of(mod: nn.Module, owner: nn.Module, name: str) -> nn.Module:
     axis = 1 if isinstance(mod, nn.modules.conv._ConvTransposeNd) else 0
     try:
         obs = weight_qparams(mod.weight, owner, axis, f"convert(is_reference=True) '{_path(name)}'")
-        return REFERENCE_MODULES[base].from_float(mod, weight_qparams_of(obs))  # type: ignore[attr-defined]
+        qparams = weight_qparams_of(obs)
+        if qparams["axis"] is not None:  # observed with the channel axis moved to the front (transposed convs)
+            qparams["axis"] = axis
+        return REFERENCE_MODULES[base].from_float(mod, qparams)  # type: ignore[attr-defined]
     except (ValueError, TypeError, RuntimeError) as err:
         raise type(err)(f"convert(is_reference=True): module '{_path(name)}' ({type(mod).__name__}): {err}") from err
 

@@ -7,6 +7,7 @@ integer model computes (the form backends and exporters lower from, as ``torch.a
     QuantDeQuant(x)          = qdq(x; s, z)                                  # an activation grid, per tensor
     Linear(x)                = x @ qdq(W; s_w, z_w).T + b                    # weight grid per output channel
     ConvNd(x)                = convNd(x, qdq(W; s_w, z_w), b)
+    ConvTransposeNd(x)       = conv_transposeNd(x, qdq(W; s_w, z_w), b)      # grid per output channel: axis 1
     Embedding(idx)           = qdq(W; s_w, z_w)[idx]                         # per row (float qparams allowed)
     EmbeddingBag(idx, off)   = reduce over bags of qdq(W; s_w, z_w)[idx]
 
@@ -43,7 +44,8 @@ from ..observer.base import ObserverBase
 from ..qscheme import QDtype, QScheme, as_qdtype, as_qscheme, per_tensor_affine, quint8
 from ..qtensor import QTensor
 
-__all__ = ["QuantDeQuant", "FrozenObserver", "Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "EmbeddingBag",
+__all__ = ["QuantDeQuant", "FrozenObserver", "Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d",
+           "ConvTranspose2d", "ConvTranspose3d", "Embedding", "EmbeddingBag",
            "weight_qparams_of", "REFERENCE_MODULES"]
 
 
@@ -292,6 +294,62 @@ class Conv3d(_ConvNd, nn.Conv3d):
     _FLOAT = nn.Conv3d
 
 
+def _conv_transpose_kwargs(conv: nn.Module) -> dict[str, Any]:
+    return dict(in_channels=conv.in_channels, out_channels=conv.out_channels, kernel_size=conv.kernel_size,
+                stride=conv.stride, padding=conv.padding, output_padding=conv.output_padding, groups=conv.groups,
+                bias=conv.bias is not None, dilation=conv.dilation, padding_mode=conv.padding_mode,
+                device=conv.weight.device, dtype=conv.weight.dtype)
+
+
+class _ConvTransposeNd(_ConvNd):
+    """``conv_transposeNd(x, qdq(W), b)``; as torch.ao's reference transposed convs (``output_size`` honoured)."""
+
+    _FN: Any = None
+
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        dims = len(self.kernel_size)  # type: ignore[attr-defined]
+        output_padding = self._output_padding(x, output_size, self.stride, self.padding,  # type: ignore[attr-defined]
+                                              self.kernel_size, dims, self.dilation)  # type: ignore[attr-defined]
+        return type(self)._FN(x, self.get_weight(), self.bias, self.stride, self.padding,  # type: ignore[attr-defined]
+                              output_padding, self.groups, self.dilation)  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_float(cls, mod: nn.Module, weight_qparams: dict[str, Any]) -> Any:
+        if not isinstance(mod, cls._FLOAT):
+            raise TypeError(f"lowbit.reference.{cls.__name__}.from_float expects an nn.{cls._FLOAT.__name__}, "
+                            f"got {type(mod).__name__}")
+        ref = cls(**_conv_transpose_kwargs(mod), weight_qparams=weight_qparams)
+        ref.weight = nn.Parameter(mod.weight.detach().clone())
+        if mod.bias is not None:
+            ref.bias = nn.Parameter(mod.bias.detach().clone())
+        return ref
+
+    def to_float(self) -> nn.Module:
+        conv = self._FLOAT(**_conv_transpose_kwargs(self))
+        conv.weight = nn.Parameter(self.weight.detach().clone())
+        if self.bias is not None:  # type: ignore[attr-defined]
+            conv.bias = nn.Parameter(self.bias.detach().clone())  # type: ignore[attr-defined]
+        return conv
+
+
+class ConvTranspose1d(_ConvTransposeNd, nn.ConvTranspose1d):
+    """Reference ``nn.ConvTranspose1d``."""
+
+    _FLOAT, _FN = nn.ConvTranspose1d, F.conv_transpose1d
+
+
+class ConvTranspose2d(_ConvTransposeNd, nn.ConvTranspose2d):
+    """Reference ``nn.ConvTranspose2d``."""
+
+    _FLOAT, _FN = nn.ConvTranspose2d, F.conv_transpose2d
+
+
+class ConvTranspose3d(_ConvTransposeNd, nn.ConvTranspose3d):
+    """Reference ``nn.ConvTranspose3d``."""
+
+    _FLOAT, _FN = nn.ConvTranspose3d, F.conv_transpose3d
+
+
 class Embedding(_WeightQDQ, nn.Embedding):
     """``qdq(W)[idx]`` per row; as ``torch.ao.nn.quantized.reference.Embedding``."""
 
@@ -346,5 +404,6 @@ class EmbeddingBag(_WeightQDQ, nn.EmbeddingBag):
 # float type -> reference class (what convert(..., is_reference=True) swaps a weighted module for)
 REFERENCE_MODULES: dict[type[nn.Module], type[nn.Module]] = {
     nn.Linear: Linear, nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d,
+    nn.ConvTranspose1d: ConvTranspose1d, nn.ConvTranspose2d: ConvTranspose2d, nn.ConvTranspose3d: ConvTranspose3d,
     nn.Embedding: Embedding, nn.EmbeddingBag: EmbeddingBag,
 }
