@@ -193,6 +193,8 @@ def test_eager_reference_errors():
         Q.convert(p, is_reference=True)
     with pytest.raises(TypeError, match="is_reference"):
         Q.convert(p, is_reference="yes")
+    with pytest.raises(ValueError, match="speed_check"):
+        Q.convert(p, is_reference=True, speed_check=torch.randn(2, 3))
 
 
 class FxNet(nn.Module):
@@ -261,3 +263,21 @@ def test_fx_reference_agrees_with_torch_ao_reference_graph():
     x = torch.randn(100, 8)
     out_scale = [n for n in r.graph.nodes if n.op == "call_function" and n.target is R.ops.dequantize_per_tensor][-1]
     assert (r(x) - tr(x)).abs().max() <= out_scale.args[1] * 1.001
+
+
+def test_eager_reference_keeps_custom_modules_float_and_lowers_with_the_config():
+    from test_custom_config import Doubler, ObservedDoubler, QuantDoubler, custom_net
+
+    ours = Q.prepare(custom_net(), Q.get_minmax_qconfig(), prepare_custom_config_dict={
+        "float_to_observed_custom_module_class": {Doubler: ObservedDoubler}})
+    for _ in range(3):
+        ours(torch.randn(16, 6))
+    cfg = Q.ConvertCustomConfig().set_observed_to_quantized_mapping(ObservedDoubler, QuantDoubler)
+    ref = Q.convert(ours, is_reference=True, convert_custom_config_dict=cfg)
+    assert type(ref[2]) is ObservedDoubler and isinstance(ref[2].activation_post_process, R.QuantDeQuant)
+    q, lowered = Q.convert(ours, convert_custom_config_dict=cfg), Q.lower_reference(ref, convert_custom_config_dict=cfg)
+    assert type(lowered[2]) is QuantDoubler
+    x = torch.randn(8, 6)
+    with kernels.use_backend("reference"):
+        assert torch.equal(lowered(x), q(x))
+        assert (ref(x) - q(x)).abs().max() <= float(q[3].scale) * 1.001

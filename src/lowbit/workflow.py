@@ -446,9 +446,13 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
     if is_reference is not False:
         if is_reference is not True:
             raise TypeError(f"convert: is_reference must be a bool, got {is_reference!r}")
+        if speed_check is not None:
+            raise ValueError("convert: speed_check times int8 layers; a reference model (is_reference=True) has none")
         from .reference.convert import to_reference  # same tier; reference builds on this module
 
-        return to_reference(model, mapping=mapping, inplace=inplace, return_report=return_report)
+        custom = ConvertCustomConfig.coerce(convert_custom_config_dict, "convert").mapping()  # those stay float
+        full = {**(get_default_static_quant_module_mappings() if mapping is None else mapping), **custom}
+        return to_reference(model, mapping=full, inplace=inplace, return_report=return_report)
     _check_common("convert", model, inplace)
     if not isinstance(return_report, bool):
         raise TypeError(f"convert: return_report must be a bool, got {return_report!r}")

@@ -47,7 +47,7 @@ from ..nn.intrinsic.qat.modules import BnFoldedBase
 from ..nn.quantized._utils import weight_qparams
 from ..observer.fixed import NoopObserver
 from ..qconfig import QConfig
-from ..workflow import _check_common, _check_mapping, _is_calibrated, _is_observer, _observe_float_input, _path
+from ..workflow import _check_common, _is_calibrated, _is_observer, _observe_float_input, _path
 from ..workflow import convert as _convert_int8
 from ..workflow import is_dynamic_qconfig
 from .modules import REFERENCE_MODULES, FrozenObserver, QuantDeQuant, _WeightQDQ, weight_qparams_of
@@ -131,7 +131,9 @@ def to_reference(model: nn.Module, mapping: dict[type, type] | None = None, inpl
     quantized types without a reference module (their weights stay float; ``ConvTranspose*``).
     """
     _check_common("convert", model, inplace)
-    mapping = _check_mapping("convert", get_default_static_quant_module_mappings() if mapping is None else mapping)
+    mapping = get_default_static_quant_module_mappings() if mapping is None else mapping
+    if not isinstance(mapping, dict) or not all(isinstance(k, type) for k in mapping):  # only the keys matter here
+        raise TypeError(f"convert: mapping must be a dict {{module type: quantized class}}, got {mapping!r}")
     if not inplace:
         model = copy.deepcopy(model)
     report = ConvertReport()
@@ -168,11 +170,12 @@ def _frozen_weight_qconfig(ref: _WeightQDQ, qconfig: Any) -> QConfig:
 
 
 def lower_reference_eager(model: nn.Module, mapping: dict[type, type] | None = None, inplace: bool = False,
-                          return_report: bool = False) -> Any:
+                          return_report: bool = False, convert_custom_config_dict: Any = None) -> Any:
     """The lowbit int8 model of an eager reference model (``convert(..., is_reference=True)``).
 
     Equal, code for code and grid for grid, to ``convert`` of the prepared model the reference came
-    from. ``mapping`` / ``return_report`` as in ``convert``.
+    from. ``mapping`` / ``return_report`` / ``convert_custom_config_dict`` (observed custom modules,
+    which stay float with their output grid in the reference model) as in ``convert``.
     """
     _check_common("lower_reference", model, inplace)
     if not inplace:
@@ -194,4 +197,5 @@ def lower_reference_eager(model: nn.Module, mapping: dict[type, type] | None = N
             mod._modules[cname] = walk(child)
         return mod
 
-    return _convert_int8(walk(model), mapping=mapping, inplace=True, return_report=return_report)
+    return _convert_int8(walk(model), mapping=mapping, inplace=True, return_report=return_report,
+                         convert_custom_config_dict=convert_custom_config_dict)

@@ -21,15 +21,18 @@ __all__ = ["lower_reference"]
 
 
 def lower_reference(model: nn.Module, mapping: dict[type, type] | None = None, inplace: bool = False,
-                    return_report: bool = False) -> Any:
+                    return_report: bool = False, convert_custom_config_dict: Any = None) -> Any:
     """``convert(prepared)`` rebuilt from ``convert(prepared, is_reference=True)`` or from
     ``convert_to_reference_fx(prepared)``: the same int8 modules, codes and grids.
 
-    ``mapping`` / ``return_report`` apply to eager models (graph mode reports in ``model.lowbit_report``).
+    ``mapping`` / ``return_report`` / ``convert_custom_config_dict`` apply to eager models (graph mode
+    reports in ``model.lowbit_report``).
     """
     if is_reference_fx(model):
-        if mapping is not None or return_report:
-            raise ValueError("lower_reference: mapping / return_report apply to eager reference models; a graph-mode "
+        if mapping is not None or return_report or convert_custom_config_dict is not None:
+            raise ValueError("lower_reference: mapping / return_report / convert_custom_config_dict apply to eager "
+                         "reference models; a graph-mode "
                              "one reports in model.lowbit_report")
         return lower_reference_fx(model, inplace=inplace)
-    return lower_reference_eager(model, mapping=mapping, inplace=inplace, return_report=return_report)
+    return lower_reference_eager(model, mapping=mapping, inplace=inplace, return_report=return_report,
+                                 convert_custom_config_dict=convert_custom_config_dict)
