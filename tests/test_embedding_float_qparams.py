@@ -179,6 +179,8 @@ def test_quantize_dynamic_with_embedding_qconfigs_matches_torch_ao():
     assert type(q.emb) is nn.Embedding and type(q.fc).__module__.endswith("dynamic.linear")
     with pytest.raises(ValueError, match="Embedding needs an embedding qconfig"):
         Q.quantize_dynamic(m, {nn.Embedding})
+    with pytest.raises(ValueError, match="EmbeddingBag needs an embedding qconfig"):
+        Q.quantize_dynamic(m, {"bag": Q.qint8})
 
 
 def test_float_qparams_errors(tmp_path):

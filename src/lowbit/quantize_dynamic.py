@@ -136,7 +136,7 @@ def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qi
                 found[0] += 1
                 mod.qconfig = qconfig
                 return _from_float(_EMBEDDINGS[type(mod)], mod, name, None)
-            if isinstance(spec, dict) and type(mod) in spec:
+            if isinstance(spec, dict) and (type(mod) in spec or (name and name in spec)):  # asked for by type / name
                 raise ValueError(f"quantize_dynamic: {type(mod).__name__} needs an embedding qconfig "
                                  f"(get_embedding_qconfig(), float_qparams=True for torch.ao's), got dtype {d[0]!r}")
             return mod  # a dynamic recipe (dtype) inherited from a parent does not reach embeddings
