@@ -26,7 +26,8 @@ TS = ("TorchScript: lowbit deploys through ONNX (`lowbit.export.to_onnx`) and `t
       "(docs/design.md)")
 SPARSE = "lowbit has no sparse kernels"
 ALIAS = "a typing alias"
-REF = "reference form: `convert(..., is_reference=True)` / `convert_to_reference_fx` (issue #12 item 2)"
+REF_RNN = ("no reference recurrent layers: lowbit quantizes RNNs dynamically only "
+           "(`lowbit.nn.quantized.dynamic`)")
 ONEDNN_FUSION = ("oneDNN-only fusion; add it with `register_fusion_pattern` (pattern, fuser, quantized class)")
 
 
@@ -86,7 +87,7 @@ EQUIV: dict[str, tuple[str | None, str]] = {
     # -- workflows --
     _q("prepare"): ("lowbit.prepare", "`observer_non_leaf_module_list`, `prepare_custom_config_dict` as torch.ao"),
     _q("prepare_qat"): ("lowbit.prepare_qat", "`mapping` as torch.ao"),
-    _q("convert"): ("lowbit.convert", "`mapping`, `convert_custom_config_dict` as torch.ao"),
+    _q("convert"): ("lowbit.convert", "`mapping`, `convert_custom_config_dict`, `is_reference` as torch.ao"),
     _q("quantize"): ("lowbit.quantize_api.quantize", "`lowbit.quantize` is the tensor function"),
     _q("quantize_qat"): ("lowbit.quantize_qat", ""),
     _q("quantize_dynamic"): ("lowbit.quantize_dynamic", ""),
@@ -129,7 +130,8 @@ EQUIV: dict[str, tuple[str | None, str]] = {
                                                        "embeddings are in the default table"),
     _q("get_embedding_qat_module_mappings"): ("lowbit.get_default_qat_module_mappings",
                                               "QAT embeddings are in the default table"),
-    _q("get_default_static_quant_reference_module_mappings"): ("lowbit.convert", REF),
+    _q("get_default_static_quant_reference_module_mappings"): ("lowbit.reference.REFERENCE_MODULES",
+                                                               "float type -> reference class (a dict)"),
     _q("get_default_float_to_quantized_operator_mappings"): ("lowbit.fx.patterns.FUNC_ACTIVATIONS",
                                                              "functional op -> quantized module"),
     _q("get_quantized_operator"): ("lowbit.fx.patterns.func_activation", ""),
@@ -192,7 +194,8 @@ EQUIV: dict[str, tuple[str | None, str]] = {
     "torch.ao.quantization.quantize_fx.prepare_qat_fx": ("lowbit.prepare_qat_fx", ""),
     "torch.ao.quantization.quantize_fx.convert_fx": ("lowbit.convert_fx", "`convert_custom_config` as torch.ao"),
     "torch.ao.quantization.quantize_fx.fuse_fx": ("lowbit.fuse_fx", ""),
-    "torch.ao.quantization.quantize_fx.convert_to_reference_fx": ("lowbit.convert_fx", REF),
+    "torch.ao.quantization.quantize_fx.convert_to_reference_fx": ("lowbit.convert_to_reference_fx",
+                                                                  "`lower_reference` makes it int8"),
     "torch.ao.quantization.quantize_fx.attach_preserved_attrs_to_model": (
         "lowbit.PrepareCustomConfig", "`set_preserved_attributes([...])`"),
 }
@@ -255,7 +258,9 @@ def equivalent(full: str) -> tuple[str | None, str]:
     if key in _NN_RENAMED:
         return _NN_RENAMED[key]
     if fam == "quantized.reference":
-        return "lowbit.convert", REF
+        if name in ("RNNCell", "LSTMCell", "GRUCell", "LSTM", "GRU"):
+            return None, REF_RNN
+        return f"lowbit.reference.{name}", ""
     if fam in _SAME:
         return f"{_SAME[fam]}.{name}", ""
     raise KeyError(full)
