@@ -202,3 +202,32 @@ def test_float_qparams_errors(tmp_path):
     from lowbit.export import to_onnx
     with pytest.raises(ValueError, match="float zero points"):
         to_onnx(nn.Sequential(QEmbedding.from_float(f)), torch.tensor([[1, 2]]), tmp_path / "e.onnx")
+
+
+def test_static_workflow_takes_torch_ao_style_dynamic_activation_embedding_qconfig():
+    """torch.ao's test: QConfigDynamic(activation=default_dynamic_quant_observer, weight=float_qparams observer)
+    on an EmbeddingBag through prepare/convert gives a quantized bag (the activation entry is irrelevant)."""
+    for qdtype, tdtype in ((Q.quint8, torch.quint8), (Q.quint4, torch.quint4x2)):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.EmbeddingBag(10, 12, mode="sum", include_last_offset=True))
+        m.qconfig = Q.QConfig(Q.get_dynamic_qconfig().activation,
+                              Q.PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=FQP, qdtype=qdtype))
+        t = nn.Sequential(nn.EmbeddingBag(10, 12, mode="sum", include_last_offset=True))
+        t.load_state_dict(m.state_dict())
+        t.qconfig = tq.QConfig(activation=tq.default_dynamic_quant_observer,
+                               weight=tq.PerChannelMinMaxObserver.with_args(
+                                   dtype=tdtype, qscheme=torch.per_channel_affine_float_qparams, ch_axis=0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "nothing to quantize" warning from prepare
+            q = Q.convert(Q.prepare(m))
+        tqm = tq.convert(tq.prepare(t))
+        assert type(q[0]) is QEmbeddingBag and q[0].qdtype == qdtype
+        idx, off = torch.tensor([9, 6, 5, 7, 8, 8, 9, 2, 8, 6]), torch.tensor([0, 4, 4, 10])
+        tol = 2e-5 if qdtype == Q.quint8 else 0.05
+        torch.testing.assert_close(q[0](idx, off), tqm[0](idx, off), rtol=0, atol=tol)
+    # a dynamic int8 recipe on an embedding still leaves it float (no table recipe)
+    e = nn.Sequential(nn.Embedding(5, 4))
+    e.qconfig = Q.get_dynamic_qconfig()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert type(Q.convert(Q.prepare(e))[0]) is nn.Embedding

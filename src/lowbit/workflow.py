@@ -75,7 +75,7 @@ from .nn.quantized.functional_modules import FloatFunctional
 from .observer.base import ObserverBase
 from .observer.distributed import sync_pending
 from .qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
-from .qscheme import as_qdtype
+from .qscheme import as_qdtype, per_channel_affine_float_qparams, quint4, quint8
 from .qtensor import QTensor
 from .quantize_dynamic import quantize_dynamic
 from .speed_guard import keep_faster
@@ -240,13 +240,26 @@ def _is_observer(m: Any) -> bool:
     return isinstance(m, (ObserverBase, FakeQuantize))
 
 
+def _is_table_recipe(mod: nn.Module, qconfig: Any) -> bool:
+    """An embedding whose qconfig's weight is a table recipe (8/4-bit unsigned rows or float qparams):
+    weight-only, so it is quantized whatever the activation entry is (torch.ao's ``QConfigDynamic(
+    activation=default_dynamic_quant_observer, weight=float_qparams_observer)`` on an EmbeddingBag)."""
+    if not isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) or not isinstance(qconfig, QConfig):
+        return False
+    w = qconfig.weight()
+    qdtype = getattr(w, "qdtype", None)
+    return getattr(w, "qscheme", None) is per_channel_affine_float_qparams or qdtype in (quint8, quint4)
+
+
 def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type]) -> int:
     """Give each observable module an output observer; return how many got one (or will be dynamic)."""
     if _is_observer(mod):
         return 0
     qc = getattr(mod, "qconfig", None)
     if is_dynamic_qconfig(qc):  # quantized per call after convert: nothing to observe
-        return 1 if type(mod) in dynamic else sum(_insert_observers(c, observed, dynamic) for c in mod.children())
+        if type(mod) in dynamic or _is_table_recipe(mod, qc):
+            return 1
+        return sum(_insert_observers(c, observed, dynamic) for c in mod.children())
     if qc is not None and isinstance(mod, _QTENSOR_NATIVE) and _pass_tag not in mod._forward_hooks.values():
         mod.register_forward_hook(_pass_tag)
     if type(mod) in observed and qc is not None:
@@ -401,7 +414,8 @@ def _convert(mod: nn.Module, name: str, mapping: dict[type, type], report: Conve
     qc = getattr(mod, "qconfig", None)
     if is_dynamic_qconfig(qc) and type(mod) in dynamic:
         return _swap_dynamic(mod, name, qc, dynamic, report)
-    is_dynamic = is_dynamic_qconfig(qc)  # any other module under a dynamic qconfig stays float
+    # any other module under a dynamic qconfig stays float (an embedding with a table recipe is weight-only)
+    is_dynamic = is_dynamic_qconfig(qc) and not _is_table_recipe(mod, qc)
     observed = _is_observer(mod._modules.get("activation_post_process")) or isinstance(mod, _NO_OUTPUT_OBSERVER)
     if type(mod) in mapping and qc is not None and observed and not is_dynamic:
         return _swap(mod, name, mapping, report)
