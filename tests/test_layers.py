@@ -18,8 +18,9 @@ TIERS: list[tuple[str, ...]] = [
     ("functional",),
     ("qtensor",),
     ("observer",),
-    ("fake_quant", "fake_quant_learnable", "fake_quant_fused"),
+    ("fake_quant", "fake_quant_learnable", "fake_quant_fused", "fake_quant_fixed"),
     ("qconfig",),
+    ("custom_config", "fusion_registry"),  # plain config objects / the user pattern registry (torch only)
     ("stubs", "kernels"),
     ("nn.intrinsic",),                 # fused float markers and BN folding
     ("nn.qat",),

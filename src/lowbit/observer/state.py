@@ -39,9 +39,10 @@ __all__ = ["get_observer_state_dict", "load_observer_state_dict"]
 
 
 def _is_observer(m: nn.Module) -> bool:
-    from ..fake_quant import FakeQuantize  # fake_quant builds on observer: imported at call time
-
-    return isinstance(m, (ObserverBase, FakeQuantize))
+    """An observer, or a fake-quant module (it wraps one and has the ``fake_quant_enabled`` switch; the
+    fake-quant classes sit above this layer, so they are recognised by shape, not imported)."""
+    inner = m._modules.get("activation_post_process")
+    return isinstance(m, ObserverBase) or (isinstance(inner, ObserverBase) and "fake_quant_enabled" in m._buffers)
 
 
 def _observers(mod: nn.Module) -> dict[str, nn.Module]:
