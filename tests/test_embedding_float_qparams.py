@@ -202,6 +202,11 @@ def test_float_qparams_errors(tmp_path):
     from lowbit.export import to_onnx
     with pytest.raises(ValueError, match="float zero points"):
         to_onnx(nn.Sequential(QEmbedding.from_float(f)), torch.tensor([[1, 2]]), tmp_path / "e.onnx")
+    qat = Q.prepare_qat(nn.Sequential(nn.Embedding(10, 4)),
+                        Q.QConfigMapping().set_object_type(nn.Embedding, Q.get_embedding_qat_qconfig(float_qparams=True)))
+    qat(torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="float zero points"):
+        to_onnx(qat.eval(), torch.tensor([[1, 2]]), tmp_path / "q.onnx")
 
 
 def test_static_workflow_takes_torch_ao_style_dynamic_activation_embedding_qconfig():

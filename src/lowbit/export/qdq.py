@@ -337,6 +337,10 @@ class FrozenWeightTwin(ConstWeight):
     def __init__(self, fq: Any, weight_dtype: str) -> None:
         super().__init__()
         scale, zero_point = fake_quant_grid(fq)
+        if getattr(getattr(fq, "qscheme", None), "has_float_zero_point", False):
+            raise ValueError("to_onnx: a QAT weight fake-quant with float zero points (per_channel_affine_float_qparams) "
+                             "cannot become an ONNX DequantizeLinear; train with get_embedding_qat_qconfig() "
+                             "(integer zero points) to export")
         self.scale, self.zero_point = scale.clone(), zero_point.clone()
         self.axis, self.qdtype, self.weight_dtype = fq.ch_axis, fq.qdtype, weight_dtype
 
