@@ -236,3 +236,33 @@ def test_static_workflow_takes_torch_ao_style_dynamic_activation_embedding_qconf
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert type(Q.convert(Q.prepare(e))[0]) is nn.Embedding
+
+
+class _BagNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag, self.emb, self.fc = nn.EmbeddingBag(20, 8, mode="sum"), nn.Embedding(20, 8), nn.Linear(8, 3)
+
+    def forward(self, i):
+        return self.fc(self.bag(i) + self.emb(i).sum(1))
+
+
+def test_graph_mode_qat_and_table_recipes_under_a_dynamic_activation():
+    torch.manual_seed(0)
+    i = torch.randint(0, 20, (4, 5))
+    qm = (Q.QConfigMapping().set_global(Q.get_default_qat_qconfig())
+          .set_object_type(nn.EmbeddingBag, Q.get_embedding_qat_qconfig(float_qparams=True))
+          .set_object_type(nn.Embedding, Q.get_embedding_qat_qconfig(4)))
+    p = Q.prepare_qat_fx(_BagNet().train(), qm, (i,))
+    assert type(p.bag) is nnqat.EmbeddingBag and type(p.emb) is nnqat.Embedding
+    p(i).sum().backward()
+    q = Q.convert_fx(p)
+    assert type(q.bag) is QEmbeddingBag and q.bag.qscheme is FQP and type(q.emb) is QEmbedding
+    assert q.emb.qdtype == Q.quint4
+    torch.testing.assert_close(q.bag(i), p.bag(i), rtol=0, atol=1e-5)  # the table the QAT model trained on
+    table = Q.QConfig(Q.get_dynamic_qconfig().activation,
+                      Q.PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=FQP, qdtype=Q.quint8))
+    p2 = Q.prepare_fx(_BagNet().eval(), Q.QConfigMapping().set_global(Q.get_minmax_qconfig())
+                      .set_object_type(nn.EmbeddingBag, table), (i,))
+    p2(i)
+    assert type(Q.convert_fx(p2).bag) is QEmbeddingBag

@@ -34,7 +34,7 @@ from torch import fx, nn
 
 from ..mappings import get_default_dynamic_quant_module_mappings
 from ..qconfig import QConfig, QConfigMapping
-from ..workflow import is_dynamic_qconfig
+from ..workflow import _is_table_recipe, is_dynamic_qconfig
 from .patterns import BINARY_FUNCS, WEIGHT_ONLY_TYPES, canonical_binary, func_activation, is_share_op
 from .report import FxReport
 from .weighted import WITH_RELU, input_of, parse
@@ -156,6 +156,8 @@ def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaqu
             kind = "opaque"
         elif is_share_op(node, mod):
             kind = "share"
+        elif node.op == "call_module" and type(mod) in WEIGHT_ONLY_TYPES and _is_table_recipe(mod, qc):
+            kind = "wonly"  # an embedding recipe under a dynamic activation entry (torch.ao's QConfigDynamic)
         elif is_dynamic_qconfig(qc):
             kind, why = _dynamic_kind(node, mod, gm, dynamic_types)
         elif qc is not None and node.meta.get("lowbit_ftensor", False):

@@ -148,7 +148,7 @@ def is_dropout(node: fx.Node, mod: nn.Module | None) -> bool:
 
 
 # modules quantized weight-only (float output, no activation observer); QAT embeddings too
-WEIGHT_ONLY_TYPES: frozenset[type] = frozenset({nn.Embedding, nn.EmbeddingBag, nnqat.Embedding})
+WEIGHT_ONLY_TYPES: frozenset[type] = frozenset({nn.Embedding, nn.EmbeddingBag, nnqat.Embedding, nnqat.EmbeddingBag})
 
 
 def graph_module_types() -> set[type]:

@@ -51,7 +51,7 @@ from ..mappings import get_default_dynamic_quant_module_mappings, get_default_qa
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..workflow import is_dynamic_qconfig, propagate_qconfig_
 from .classify import classify, int_inputs, join, wants_int
-from .patterns import fuse_graph, graph_module_types
+from .patterns import WEIGHT_ONLY_TYPES, fuse_graph, graph_module_types
 from .report import FxReport
 from .trace import RootNotTraceable, record_tensor_kinds, trace
 from .weighted import arg_of
@@ -262,7 +262,8 @@ class _Ctx:
         self.module_types = graph_module_types() | set(self.custom.values())
         self.dynamic_types = set(get_default_dynamic_quant_module_mappings())
         if is_qat:
-            self.module_types |= set(get_default_qat_module_mappings().values())
+            # QAT embeddings stay weight-only nodes (no output observer), as their float forms
+            self.module_types |= set(get_default_qat_module_mappings().values()) - WEIGHT_ONLY_TYPES
 
     def untraceable(self, path: str, mod: nn.Module, cause: str) -> None:
         how = ("its children are prepared one by one" if any(True for _ in mod.children())
