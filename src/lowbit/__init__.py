@@ -98,6 +98,7 @@ from .reference import convert_to_reference_fx, lower_reference
 from .weight_only import quantize_weight_only
 from .nn.intrinsic.qat.modules import set_bn_fold_mode
 from .nn.qat.dynamic import get_dynamic_qat_qconfig
+from . import pt2  # noqa: F401  registers the torch.ops.lowbit custom ops (torch.compile / torch.export)
 
 __version__ = "0.1.0"
 

@@ -30,6 +30,7 @@ import warnings
 import numpy as np
 import torch
 
+from .compile_state import qdtype_key, tracing
 from .qscheme import QDtype, as_qdtype
 
 __all__ = ["quantize", "dequantize", "fake_quantize", "check_ch_axis"]
@@ -73,6 +74,11 @@ def _broadcast(p: Number, x: torch.Tensor, ch_axis: int | None, dtype: torch.dty
     return t.reshape(shape)
 
 
+def _qparam_tensor(p: Number, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A qparam as a tensor on ``x``'s device (for the traced ops; a tensor keeps its dtype)."""
+    return p.to(x.device) if isinstance(p, torch.Tensor) else torch.tensor(p, dtype=dtype, device=x.device)
+
+
 def _codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
     """Unclipped float codes ``round(x / s) + z``."""
     return torch.round(x.to(torch.float32) * torch.reciprocal(scale)) + zero_point
@@ -85,6 +91,9 @@ def quantize(x: torch.Tensor, scale: Number, zero_point: Number, qdtype: QDtype 
     if not x.is_floating_point():
         raise TypeError(f"quantize expects a floating-point tensor, got dtype {x.dtype}")
     _check_scale(scale)
+    if tracing():  # one opaque op (lowbit.pt2): the compiled program computes these very codes
+        s, z = _qparam_tensor(scale, x, torch.float32), _qparam_tensor(zero_point, x, torch.int64)
+        return torch.ops.lowbit.quantize(x, s, z, qdtype_key(qdtype), ch_axis)
     inv_z = _scalar_qparams(scale, zero_point) if ch_axis is None and x.device.type == "cpu" else None
     if inv_z is not None:  # per tensor on CPU: Python-float operands, no qparam tensors to build
         q = torch.mul(x.detach().to(torch.float32), inv_z[0]).add_(inv_z[1]).round_()
@@ -103,6 +112,9 @@ def quantize(x: torch.Tensor, scale: Number, zero_point: Number, qdtype: QDtype 
 
 def dequantize(q: torch.Tensor, scale: Number, zero_point: Number, ch_axis: int | None = None) -> torch.Tensor:
     """float32 values ``(q - z) * s`` of integer codes ``q``."""
+    if tracing():
+        s, z = _qparam_tensor(scale, q, torch.float32), _qparam_tensor(zero_point, q, torch.int64)
+        return torch.ops.lowbit.dequantize(q, s, z, ch_axis)
     if ch_axis is None and q.device.type == "cpu" and q.dtype in _TORCH_QDTYPE and q.is_contiguous():
         sz = _f32_scalar(scale), _f32_scalar(zero_point)
         fast = None if None in sz else _dequantize_fused(q, *sz)  # type: ignore[arg-type]

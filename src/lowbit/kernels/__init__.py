@@ -18,6 +18,12 @@ pinned backend that declines falls back along the automatic chain (never an erro
 what actually ran, keyed ``(backend, op)``, so a caller can check that the int8 path was taken.
 ``cache`` is the caller's dict of packed weights (a cache, never module state).
 
+While ``torch.compile`` / ``torch.export`` trace (``lowbit.compile_state.tracing()``), both entry points
+emit one ``torch.ops.lowbit.qlinear`` / ``qconv`` custom op instead (``lowbit.pt2``); its real
+implementation calls back into this dispatcher, so backend choice, pins and ``counts`` work the same
+in compiled and exported programs. The output grid then comes from ``OutGrid.scale_t`` /
+``zero_point_t`` (tensors: no scale is read into Python while tracing).
+
 >>> import torch, lowbit as Q
 >>> from lowbit import kernels
 >>> x = Q.quantize_per_tensor(torch.tensor([[1.0, 2.0]]), 0.1, 0, Q.quint8)
@@ -38,6 +44,7 @@ from typing import Any
 
 import torch
 
+from ..compile_state import qdtype_key, tracing
 from ..qtensor import QTensor
 from . import int_mm, onednn, reference
 from .spec import ConvSpec, OutGrid
@@ -102,6 +109,8 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None = None, out: O
            relu: bool = False, cache: dict[str, Any] | None = None) -> QTensor | torch.Tensor:
     """``relu?(x̂ ŵᵀ + b)`` for ``x`` ``(*, K)`` and ``weight`` ``(N, K)``, on ``out`` or float."""
     _check_input(x, weight, "linear")
+    if tracing():
+        return _traced("qlinear", x, weight, bias, out, relu)
     for backend in backend_chain(x.device):
         y = backend.linear(x, weight, bias, out, relu, cache)
         if y is not NotImplemented:
@@ -114,6 +123,10 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
          relu: bool = False, cache: dict[str, Any] | None = None) -> QTensor | torch.Tensor:
     """``relu?(conv(x̂, ŵ) + b)`` (or the transposed conv) for ``x`` ``(N, C, *spatial)``."""
     _check_input(x, weight, "conv")
+    if tracing():
+        geometry = (list(spec.stride), list(spec.padding), list(spec.dilation), spec.groups, spec.transposed,
+                    list(spec.output_padding) or [0] * spec.dim)
+        return _traced("qconv", x, weight, bias, out, relu, *geometry)
     op = "conv_transpose" if spec.transposed else "conv"
     for backend in backend_chain(x.device):
         y = backend.conv(x, weight, bias, spec, out, relu, cache)
@@ -121,3 +134,21 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
             counts[(backend.NAME, op)] += 1
             return y
     raise AssertionError("the reference backend never declines")  # pragma: no cover
+
+
+def _traced(op: str, x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
+            *geometry: Any) -> QTensor | torch.Tensor:
+    """The kernel call as one ``torch.ops.lowbit`` custom op (see the module docstring)."""
+    if out is None:
+        s_out = z_out = None
+        key = ""
+    else:
+        dev = x.device
+        s_out = out.scale_t if out.scale_t is not None else torch.tensor(out.scale, dtype=torch.float32, device=dev)
+        z_out = (out.zero_point_t if out.zero_point_t is not None
+                 else torch.tensor(out.zero_point, dtype=torch.int64, device=dev))
+        key = qdtype_key(out.qdtype)
+    y = getattr(torch.ops.lowbit, op)(x.int_repr(), x.scale, x.zero_point, qdtype_key(x.qdtype), weight.int_repr(),
+                                      weight.scale, weight.zero_point, qdtype_key(weight.qdtype), bias, s_out,
+                                      z_out, key, relu, *geometry)
+    return y if out is None else QTensor(y, s_out, z_out, out.qdtype)

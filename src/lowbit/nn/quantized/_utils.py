@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...compile_state import tracing
 from ...functional import quantize
 from ...kernels import OutGrid
 from ...observer.distributed import local_statistics
@@ -284,6 +285,8 @@ class WeightedQuantModule(nn.Module):
         buffers = self._buffers
         scale, zero_point = buffers["scale"], buffers["zero_point"]
         assert scale is not None and zero_point is not None
+        if tracing():  # the traced kernels read the grid from the buffers (no Python float: export-safe)
+            return self.weight(), OutGrid(float("nan"), 0, self.out_qdtype, scale, zero_point)
         key = (scale._version, zero_point._version)
         hit = self._cache.get("prepared")
         if hit is None or hit[0] != key:

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ...compile_state import qdtype_key, tracing
 from ...functional import quantize
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
@@ -132,21 +133,48 @@ class QFunctional(nn.Module):
             return self._from_float(float_op(_float(x), _float(y)), relu)
         return self._out(int_op(cx, cy, self.scale.to(cx[0].device)), relu)
 
-    def add(self, x: QTensor, y: QTensor) -> QTensor:
+    def _eager_add(self, x: QTensor, y: QTensor) -> QTensor:
         return self._binary(x, y, "add", lambda a, b, s: a[0] * (a[1] / s) + b[0] * (b[1] / s), torch.add)
 
-    def add_relu(self, x: QTensor, y: QTensor) -> QTensor:
+    def _eager_add_relu(self, x: QTensor, y: QTensor) -> QTensor:
         return self._binary(x, y, "add_relu", lambda a, b, s: a[0] * (a[1] / s) + b[0] * (b[1] / s),
                             torch.add, relu=True)
 
-    def mul(self, x: QTensor, y: QTensor) -> QTensor:
+    def _eager_mul(self, x: QTensor, y: QTensor) -> QTensor:
         return self._binary(x, y, "mul", lambda a, b, s: (a[0] * b[0]) * (a[1] * b[1] / s), torch.mul)
+
+    # ---- public methods: eager arithmetic, or one lowbit::qfunctional op while tracing ----
+    def add(self, x: QTensor, y: QTensor) -> QTensor:
+        return self._traced("add", x, y) if tracing() else self._eager_add(x, y)
+
+    def add_relu(self, x: QTensor, y: QTensor) -> QTensor:
+        return self._traced("add_relu", x, y) if tracing() else self._eager_add_relu(x, y)
+
+    def mul(self, x: QTensor, y: QTensor) -> QTensor:
+        return self._traced("mul", x, y) if tracing() else self._eager_mul(x, y)
+
+    def add_scalar(self, x: QTensor, y: float) -> QTensor:
+        return self._traced("add_scalar", x, None, y) if tracing() else self._eager_add_scalar(x, y)
+
+    def mul_scalar(self, x: QTensor, y: float) -> QTensor:
+        return self._traced("mul_scalar", x, None, y) if tracing() else self._eager_mul_scalar(x, y)
+
+    def _traced(self, op: str, x: Any, y: Any, c: Any = 0.0) -> QTensor:
+        """While tracing, per-tensor QTensor inputs go through ``torch.ops.lowbit.qfunctional`` (opaque: the
+        compiler cannot reassociate or fuse the float32 steps, so the codes match eager)."""
+        if not all(isinstance(t, QTensor) and t.axis is None for t in (x, y) if t is not None):
+            return getattr(self, f"_eager_{op}")(x, c if y is None else y)
+        c = _scalar(c, f"QFunctional.{op}")
+        yq = (None, None, None, "") if y is None else (y.int_repr(), y.scale, y.zero_point, qdtype_key(y.qdtype))
+        q = torch.ops.lowbit.qfunctional(op, x.int_repr(), x.scale, x.zero_point, qdtype_key(x.qdtype), *yq, c,
+                                         self.scale, self.zero_point, qdtype_key(self.qdtype))
+        return QTensor(q, self.scale, self.zero_point, self.qdtype)
 
     def matmul(self, x: QTensor, y: QTensor) -> QTensor:
         return self._binary(x, y, "matmul", lambda a, b, s: torch.matmul(a[0], b[0]) * (a[1] * b[1] / s),
                             torch.matmul)
 
-    def add_scalar(self, x: QTensor, y: float) -> QTensor:
+    def _eager_add_scalar(self, x: QTensor, y: float) -> QTensor:
         c = _scalar(y, "QFunctional.add_scalar")
         cx = _centered(x, "add_scalar")
         if cx is None:
@@ -154,7 +182,7 @@ class QFunctional(nn.Module):
         s = self.scale.to(cx[0].device)
         return self._out(cx[0] * (cx[1] / s) + c / s)
 
-    def mul_scalar(self, x: QTensor, y: float) -> QTensor:
+    def _eager_mul_scalar(self, x: QTensor, y: float) -> QTensor:
         c = _scalar(y, "QFunctional.mul_scalar")
         cx = _centered(x, "mul_scalar")
         if cx is None:

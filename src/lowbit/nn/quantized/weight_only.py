@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...compile_state import tracing
 from ...qparams import calculate_qparams
 from ...qscheme import QDtype, per_channel_affine, per_channel_symmetric, qint4, qint8, quint4
 from ...qtensor import QTensor
@@ -284,6 +285,14 @@ class WeightOnlyLinear(nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"WeightOnlyLinear: input of shape {tuple(x.shape)} does not end in "
                              f"in_features={self.in_features}")
+        if tracing():  # one opaque op (lowbit.pt2): compiled/exported programs compute the eager numbers
+            spec = [self.in_features, self.out_features, self.bits, self.group_size, int(self.symmetric),
+                    int(self.relu)]
+            return torch.ops.lowbit.weight_only_linear(x, self.qweight, self.scales, self.zero_points, self.bias,
+                                                       spec, self.kernel)
+        return self._eager(x)
+
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)  # (M, K)
         if self._kernel_applies(x):
             packed, sz = self._int4_cache()

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ....compile_state import qdtype_key, tracing
 from ....functional import quantize
 from ....qparams import calculate_qparams
 from .... import kernels
@@ -191,6 +192,10 @@ class Linear(nn.Module):
             return F.linear(x, self.weight_fp16.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        if tracing():  # one opaque op (lowbit.pt2): compiled/exported programs compute the eager numbers
+            y = torch.ops.lowbit.dynamic_linear(x2, self.weight_int8, self.weight_scale, self.weight_zero_point,
+                                                qdtype_key(self.dtype), self.bias)  # type: ignore[arg-type]
+            return y.reshape(*lead, self.out_features).to(x.dtype)
         if x2.shape[0] == 0:
             return x.new_zeros(*lead, self.out_features)
         y = per_token_linear(quantize_per_token(x2), self.weight(), self.bias, self._cache)  # type: ignore[arg-type]

@@ -1,0 +1,52 @@
+"""Whether PyTorch 2 is tracing the current call (``torch.compile`` / ``torch.export``), and qdtype keys.
+
+Converted models run two ways with the same integer results:
+
+- **eager**: modules call the kernels directly (Python floats read from scale buffers, packed-weight
+  caches keyed on the module), the fastest path when nobody traces;
+- **traced** (``tracing()`` is true while dynamo or ``torch.export`` traces): every integer step is one
+  ``torch.ops.lowbit.*`` custom op (``lowbit.pt2``) whose fake implementation gives shapes and
+  dtypes and whose real implementation is the eager function itself, so a compiled or exported
+  program computes exactly the eager codes and no scale is read into Python during tracing.
+
+Custom-op schemas take strings, not ``QDtype`` objects, so a grid travels as ``qdtype_key``.
+
+>>> import lowbit as Q
+>>> from lowbit.compile_state import qdtype_key, qdtype_from_key, tracing
+>>> qdtype_key(Q.quint8.with_range(0, 127)), qdtype_from_key("quint8:0:127") == Q.quint8.with_range(0, 127)
+('quint8:0:127', True)
+>>> tracing()
+False
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .qscheme import QDtype, as_qdtype
+
+__all__ = ["tracing", "qdtype_key", "qdtype_from_key"]
+
+
+def tracing() -> bool:
+    """True while ``torch.compile`` (dynamo) or ``torch.export`` traces the calling code."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+def qdtype_key(qdtype: QDtype) -> str:
+    """``"name:quant_min:quant_max"``: a ``QDtype`` as a custom-op string argument."""
+    return f"{qdtype.name}:{qdtype.quant_min}:{qdtype.quant_max}"
+
+
+@functools.lru_cache(maxsize=None)
+def qdtype_from_key(key: str) -> QDtype:
+    """The ``QDtype`` of a ``qdtype_key`` (a builtin grid, possibly narrowed with ``with_range``)."""
+    try:
+        name, lo, hi = key.split(":")
+        base = as_qdtype(name)
+        lo_i, hi_i = int(lo), int(hi)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"qdtype key {key!r} must be 'name:quant_min:quant_max' with a builtin name") from e
+    return base if (lo_i, hi_i) == (base.quant_min, base.quant_max) else base.with_range(lo_i, hi_i)

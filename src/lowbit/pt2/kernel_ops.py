@@ -1,0 +1,133 @@
+"""``lowbit::qlinear`` / ``lowbit::qconv``: the ``lowbit.kernels`` interface as custom ops.
+
+Inputs are the plain tensors of the ``QTensor``s (codes, scale, zero point; grids as
+``qdtype_key`` strings) and of the output grid (``out_scale``/``out_zero_point``, ``None`` for a
+float output)::
+
+    qlinear: (*, K) codes, (N, K) int8 weight  ->  (*, N) codes on the output grid (or float32)
+    qconv:   (N, C, *spatial) codes             ->  (N, C_out, *spatial_out) codes, channels-last
+
+The real implementation calls ``kernels.linear`` / ``kernels.conv`` (backend chosen at run time,
+``use_backend`` pins honoured, ``counts`` tallied) with the packed weight cached per weight tensor
+object (``weight_cache``: the same buffer object comes back on every call of a compiled or
+exported program).
+
+>>> import torch, lowbit as Q
+>>> from lowbit.pt2 import weight_cache
+>>> w = torch.ones(2, 3, dtype=torch.int8)
+>>> weight_cache(w) is weight_cache(w)
+True
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from .. import kernels
+from ..compile_state import qdtype_from_key
+from ..kernels import ConvSpec, OutGrid
+from ..qtensor import QTensor
+
+__all__ = ["weight_cache", "conv_out_shape"]
+
+_CACHES: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
+
+
+def weight_cache(weight: torch.Tensor) -> dict[str, Any]:
+    """The packed-weight cache dict of this weight tensor object (dropped when the tensor dies)."""
+    key = id(weight)
+    hit = _CACHES.get(key)
+    if hit is not None and hit[0]() is weight:
+        return hit[1]
+
+    def drop(ref: weakref.ref, key: int = key) -> None:
+        if _CACHES.get(key, (None,))[0] is ref:
+            del _CACHES[key]
+
+    cache: dict[str, Any] = {}
+    _CACHES[key] = (weakref.ref(weight, drop), cache)
+    return cache
+
+
+def _out_grid(scale: torch.Tensor | None, zero_point: torch.Tensor | None, qdtype: str) -> OutGrid | None:
+    if scale is None or zero_point is None:
+        return None
+    return OutGrid(float(scale), int(zero_point), qdtype_from_key(qdtype), scale, zero_point)
+
+
+def _storage(qdtype: str, has_out: bool) -> torch.dtype:
+    return qdtype_from_key(qdtype).storage if has_out else torch.float32
+
+
+@torch.library.custom_op("lowbit::qlinear", mutates_args=())
+def qlinear(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
+            weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
+            bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
+            out_qdtype: str, relu: bool) -> torch.Tensor:
+    xq = QTensor(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
+    wq = QTensor(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=0)
+    out = _out_grid(out_scale, out_zero_point, out_qdtype)
+    y = kernels.linear(xq, wq, bias, out, relu, weight_cache(weight))
+    return (y.int_repr() if isinstance(y, QTensor) else y).contiguous()
+
+
+@qlinear.register_fake
+def _(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str, weight: torch.Tensor,
+      w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str, bias: torch.Tensor | None,
+      out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None, out_qdtype: str,
+      relu: bool) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=_storage(out_qdtype, out_scale is not None))
+
+
+def conv_out_shape(x_shape: Any, w_shape: Any, spec: ConvSpec) -> list[Any]:
+    """``(N, C_out, *spatial_out)`` of a (transposed) convolution (``ConvSpec`` geometry)."""
+    spatial = []
+    for i in range(spec.dim):
+        n, k = x_shape[2 + i], w_shape[2 + i]
+        s, p, d = spec.stride[i], spec.padding[i], spec.dilation[i]
+        if spec.transposed:
+            spatial.append((n - 1) * s - 2 * p + d * (k - 1) + spec.output_padding[i] + 1)
+        else:
+            spatial.append((n + 2 * p - d * (k - 1) - 1) // s + 1)
+    c_out = w_shape[1] * spec.groups if spec.transposed else w_shape[0]
+    return [x_shape[0], c_out, *spatial]
+
+
+def _memory_format(dim: int) -> torch.memory_format:
+    return {2: torch.channels_last, 3: torch.channels_last_3d}.get(dim, torch.contiguous_format)
+
+
+def _spec(stride: list[int], padding: list[int], dilation: list[int], groups: int, transposed: bool,
+          output_padding: list[int]) -> ConvSpec:
+    return ConvSpec(len(stride), tuple(stride), tuple(padding), tuple(dilation), groups, transposed,
+                    tuple(output_padding))
+
+
+@torch.library.custom_op("lowbit::qconv", mutates_args=())
+def qconv(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
+          weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
+          bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
+          out_qdtype: str, relu: bool, stride: list[int], padding: list[int], dilation: list[int], groups: int,
+          transposed: bool, output_padding: list[int]) -> torch.Tensor:
+    spec = _spec(stride, padding, dilation, groups, transposed, output_padding)
+    axis = 1 if transposed else 0
+    xq = QTensor(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
+    wq = QTensor(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=axis)
+    out = _out_grid(out_scale, out_zero_point, out_qdtype)
+    y = kernels.conv(xq, wq, bias, spec, out, relu, weight_cache(weight))
+    return (y.int_repr() if isinstance(y, QTensor) else y).contiguous(memory_format=_memory_format(spec.dim))
+
+
+@qconv.register_fake
+def _(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str, weight: torch.Tensor,
+      w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str, bias: torch.Tensor | None,
+      out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None, out_qdtype: str, relu: bool,
+      stride: list[int], padding: list[int], dilation: list[int], groups: int, transposed: bool,
+      output_padding: list[int]) -> torch.Tensor:
+    spec = _spec(stride, padding, dilation, groups, transposed, output_padding)
+    shape = conv_out_shape(x.shape, weight.shape, spec)
+    dtype = _storage(out_qdtype, out_scale is not None)
+    return x.new_empty(shape, dtype=dtype).contiguous(memory_format=_memory_format(spec.dim))

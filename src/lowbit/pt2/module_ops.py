@@ -1,0 +1,117 @@
+"""Custom ops for the float-in/float-out quantized modules and ``QFunctional``'s integer arithmetic.
+
+- ``lowbit::dynamic_linear(x (M, K), int8 weight (N, K), ...) -> (M, N) float32``: per-token
+  dynamic quantization, the int8 GEMM and the per-row epilogue of ``nn.quantized.dynamic.Linear``;
+- ``lowbit::weight_only_linear(x (M, K), qweight, scales, zero_points, bias, ...) -> (M, N)``:
+  ``WeightOnlyLinear``'s forward (int4 CPU kernel, int8 scaling or dequantize + ``F.linear``), in
+  ``x``'s dtype;
+- ``lowbit::qfunctional(op, a, b | None, c, out grid) -> codes``: ``QFunctional``'s ``add``,
+  ``add_relu``, ``mul``, ``add_scalar``, ``mul_scalar`` on per-tensor QTensor codes.
+
+The implementations are the eager code (packed weights cached per weight tensor object), so a
+compiled or exported program gives the eager numbers bit for bit.
+
+>>> import torch, lowbit as Q
+>>> from lowbit.nn.quantized.dynamic import Linear
+>>> m = Linear.from_float(torch.nn.Linear(8, 4))
+>>> x = torch.randn(3, 8)
+>>> y = torch.ops.lowbit.dynamic_linear(x, m.weight_int8, m.weight_scale, m.weight_zero_point, "qint8:-128:127", m.bias)
+>>> torch.equal(y, m(x))
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..compile_state import qdtype_from_key
+from ..nn.quantized.dynamic.linear import per_token_linear, quantize_per_token
+from ..nn.quantized.functional_modules import QFunctional
+from ..nn.quantized.weight_only import WeightOnlyLinear
+from ..qtensor import QTensor
+from .kernel_ops import weight_cache
+from .quant_ops import like
+
+__all__: list[str] = []
+
+
+@torch.library.custom_op("lowbit::dynamic_linear", mutates_args=())
+def dynamic_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
+                   w_qdtype: str, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.shape[0] == 0:
+        return x.new_zeros(0, weight.shape[0], dtype=torch.float32)
+    wq = QTensor(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=0)
+    return per_token_linear(quantize_per_token(x), wq, bias, weight_cache(weight)).contiguous()
+
+
+@dynamic_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
+      bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def _weight_only_module(qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
+                        bias: torch.Tensor | None, spec: list[int], kernel: str) -> WeightOnlyLinear:
+    """A ``WeightOnlyLinear`` viewing these tensors (cached per tensor versions: keeps its int4 pack)."""
+    cache = weight_cache(qweight)
+    key = (tuple(spec), kernel, qweight._version, scales._version, zero_points._version, id(scales),
+           id(zero_points), None if bias is None else (id(bias), bias._version))
+    hit = cache.get("weight_only.module")
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    in_f, out_f, bits, group_size, symmetric, relu = spec
+    m = WeightOnlyLinear(in_f, out_f, bias is not None, bits, group_size, bool(symmetric), bool(relu), kernel)
+    m.qweight, m.scales, m.zero_points = qweight, scales, zero_points
+    if bias is not None:
+        m.bias = bias
+    cache["weight_only.module"] = (key, m)
+    return m
+
+
+@torch.library.custom_op("lowbit::weight_only_linear", mutates_args=())
+def weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
+                       bias: torch.Tensor | None, spec: list[int], kernel: str) -> torch.Tensor:
+    """``spec``: ``[in_features, out_features, bits, group_size, symmetric, relu]``."""
+    return _weight_only_module(qweight, scales, zero_points, bias, spec, kernel)._eager(x).contiguous()
+
+
+@weight_only_linear.register_fake
+def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
+      bias: torch.Tensor | None, spec: list[int], kernel: str) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], spec[1]))
+
+
+class _Grid:
+    """``QFunctional``'s arithmetic on an explicit output grid (no module needed)."""
+
+    def __init__(self, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: Any) -> None:
+        self.scale, self.zero_point, self.qdtype = scale, zero_point, qdtype
+
+
+for _name in ("_out", "_from_float", "_binary", "_eager_add", "_eager_add_relu", "_eager_mul", "_eager_add_scalar",
+              "_eager_mul_scalar"):
+    setattr(_Grid, _name, getattr(QFunctional, _name))
+
+
+@torch.library.custom_op("lowbit::qfunctional", mutates_args=())
+def qfunctional(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
+                y: torch.Tensor | None, y_scale: torch.Tensor | None, y_zero_point: torch.Tensor | None,
+                y_qdtype: str, c: float, out_scale: torch.Tensor, out_zero_point: torch.Tensor,
+                out_qdtype: str) -> torch.Tensor:
+    grid = _Grid(out_scale, out_zero_point, qdtype_from_key(out_qdtype))
+    xq = QTensor(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
+    other: Any = c if y is None else QTensor(y, y_scale, y_zero_point, qdtype_from_key(y_qdtype))  # type: ignore[arg-type]
+    out = getattr(grid, f"_eager_{op}")(xq, other).int_repr()
+    return like(out.clone() if out is x or out is y else out, x if y is None or y.shape == x.shape else out)
+
+
+@qfunctional.register_fake
+def _(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
+      y: torch.Tensor | None, y_scale: torch.Tensor | None, y_zero_point: torch.Tensor | None, y_qdtype: str,
+      c: float, out_scale: torch.Tensor, out_zero_point: torch.Tensor, out_qdtype: str) -> torch.Tensor:
+    dtype = qdtype_from_key(out_qdtype).storage
+    if y is None or y.shape == x.shape:
+        return torch.empty_like(x, dtype=dtype)
+    return x.new_empty(torch.broadcast_shapes(x.shape, y.shape), dtype=dtype)

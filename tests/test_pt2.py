@@ -1,0 +1,152 @@
+"""PyTorch 2: converted models (eager convert, convert_fx, quantize_dynamic, quantize_weight_only) under
+``torch.compile(fullgraph=True)`` and ``torch.export`` (dynamic batch; save -> load in a fresh process),
+bit-identical to eager; and the converted forward takes the fast kernels where they exist (``kernels.counts``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit as Q
+from lowbit import kernels
+from lowbit.examples import SmallCNN
+from lowbit.kernels import onednn
+
+SRC = str(Path(Q.__file__).resolve().parent.parent)
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.relu, self.fc2 = nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.relu(self.fc1(x)))
+
+
+class _ConvNet(nn.Module):
+    """conv-relu, an add, pooling, flatten and a linear head: the graph-mode model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.conv1(x))
+        b = self.conv2(a) + a
+        return self.fc(torch.flatten(torch.nn.functional.max_pool2d(b, 2), 1))
+
+
+def _eager_converted() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    m = Q.fuse_modules(SmallCNN(channels=(4, 8), hidden=16).eval(), SmallCNN.fusion_groups())
+    p = Q.prepare(m, Q.get_default_qconfig())
+    p(torch.randn(16, 1, 28, 28))
+    return Q.convert(p), torch.randn(5, 1, 28, 28)
+
+
+def _fx_converted() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 8, 8)
+    p = Q.prepare_fx(_ConvNet().eval(), Q.get_default_qconfig_mapping(), (x,))
+    p(torch.randn(16, 3, 8, 8))
+    return Q.convert_fx(p), torch.randn(5, 3, 8, 8)
+
+
+def _dynamic() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return Q.quantize_dynamic(_MLP().eval()), torch.randn(5, 7, 32)
+
+
+def _weight_only(bits: int) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return Q.quantize_weight_only(_MLP().eval(), bits=bits, group_size=32 if bits == 4 else -1), torch.randn(5, 32)
+
+
+MODELS = {"eager_convert": _eager_converted, "convert_fx": _fx_converted, "dynamic": _dynamic,
+          "weight_only_int4": lambda: _weight_only(4), "weight_only_int8": lambda: _weight_only(8)}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_compile_fullgraph_matches_eager(kind: str) -> None:
+    model, x = MODELS[kind]()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        ref, got = model(x), compiled(x)
+    assert torch.equal(ref, got), f"{kind}: compiled output differs from eager (max {(ref - got).abs().max()})"
+
+
+_LOAD = """
+import sys, torch, lowbit
+for name in sys.argv[2:]:
+    ep = torch.export.load(f"{sys.argv[1]}/{name}.pt2")
+    torch.save(ep.module()(torch.load(f"{sys.argv[1]}/{name}.x.pt")), f"{sys.argv[1]}/{name}.y.pt")
+"""
+
+
+def test_export_dynamic_batch_save_load_fresh_process(tmp_path: Path) -> None:
+    """Every model kind exports with a dynamic batch (traced at 3, run at 5) through ``torch.ops.lowbit``
+    ops; the saved programs, loaded in a fresh process that imports lowbit, give the eager outputs."""
+    refs = {}
+    for kind, build in MODELS.items():
+        model, x = build()
+        batch = torch.export.Dim("batch", min=1, max=1024)
+        ep = torch.export.export(model, (x[:3],), dynamic_shapes=({0: batch},))
+        names = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+        assert any(n.startswith("lowbit.") for n in names), f"{kind}: {names}"
+        with torch.no_grad():
+            refs[kind] = model(x)
+        assert torch.equal(ep.module()(x), refs[kind]), f"{kind}: the exported program differs from eager"
+        torch.export.save(ep, tmp_path / f"{kind}.pt2")
+        torch.save(x, tmp_path / f"{kind}.x.pt")
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", _LOAD, str(tmp_path), *refs], check=True, env=env, timeout=300)
+    for kind, ref in refs.items():
+        assert torch.equal(torch.load(tmp_path / f"{kind}.y.pt"), ref), f"{kind}: the loaded program differs"
+
+
+@pytest.mark.skipif(not onednn.available(), reason="torch built without oneDNN quantized ops (non-x86 build)")
+@pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "avx2_split"])
+def test_converted_forward_takes_the_fast_kernels(vnni: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with oneDNN, no converted layer of a static, fx or dynamic model falls back to the reference
+    kernel; both ISA paths (VNNI: one call; AVX2: the exact two-call split) are pinned by ``has_vnni``."""
+    monkeypatch.setattr(onednn, "has_vnni", lambda: vnni)
+    for kind in ("eager_convert", "convert_fx", "dynamic"):
+        model, x = MODELS[kind]()
+        kernels.counts.clear()
+        with torch.no_grad():
+            model(x)
+        ran = dict(kernels.counts)
+        assert not any(b == "reference" for b, _ in ran), f"{kind}: fell back to the reference kernel: {ran}"
+        assert sum(n for (b, _), n in ran.items() if b == "onednn") >= 2, f"{kind}: {ran}"
+
+
+def test_compiled_model_counts_its_kernels() -> None:
+    """The custom ops call back into the dispatcher: a compiled model is counted (and pinnable) like eager."""
+    model, x = _eager_converted()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        compiled(x)
+        kernels.counts.clear()
+        with kernels.use_backend("reference"):
+            ref = compiled(x)
+    assert kernels.counts[("reference", "conv")] == 3 and kernels.counts[("reference", "linear")] == 2
+    with torch.no_grad(), kernels.use_backend("reference"):
+        assert torch.equal(ref, model(x))
