@@ -14,6 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "lowbit"
 # below it, never one above. Paths are dotted prefixes under ``lowbit``; the longest prefix wins.
 TIERS: list[tuple[str, ...]] = [
     ("qscheme",),
+    ("compile_state",),                # tracing(): lower layers emit torch.ops.lowbit.* while traced
     ("qparams",),
     ("functional",),
     ("qtensor",),
@@ -26,7 +27,7 @@ TIERS: list[tuple[str, ...]] = [
     ("nn.qat",),
     ("nn.intrinsic.qat",),             # QAT ConvBn builds on nn.qat
     ("nn.quantized",),                 # (+ dynamic/) run on kernels
-    ("mappings", "examples", "speed_guard"),
+    ("mappings", "examples", "speed_guard", "pt2"),
     ("fuse", "workflow", "quantize_dynamic", "weight_only", "fx", "quantize_api", "reference"),
     ("export", "algorithms", "debug", "data"),
     ("report",),                       # renders debug results

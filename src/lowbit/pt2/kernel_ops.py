@@ -43,9 +43,9 @@ def weight_cache(weight: torch.Tensor) -> dict[str, Any]:
     if hit is not None and hit[0]() is weight:
         return hit[1]
 
-    def drop(ref: weakref.ref, key: int = key) -> None:
-        if _CACHES.get(key, (None,))[0] is ref:
-            del _CACHES[key]
+    def drop(ref: weakref.ref, key: int = key, caches: dict = _CACHES) -> None:  # bound now: safe at exit
+        if caches.get(key, (None,))[0] is ref:
+            del caches[key]
 
     cache: dict[str, Any] = {}
     _CACHES[key] = (weakref.ref(weight, drop), cache)
