@@ -281,3 +281,18 @@ def test_eager_reference_keeps_custom_modules_float_and_lowers_with_the_config()
     with kernels.use_backend("reference"):
         assert torch.equal(lowered(x), q(x))
         assert (ref(x) - q(x)).abs().max() <= float(q[3].scale) * 1.001
+
+
+def test_reference_models_export_with_torch_export():
+    """The reference forms are plain float programs: torch.export captures them, same outputs."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).eval()
+    x = _data(8, 1)
+    p = Q.prepare_fx(m, Q.QConfigMapping().set_global(Q.get_minmax_qconfig()), (x,))
+    p(x)
+    ref = Q.convert_to_reference_fx(p)
+    assert torch.equal(torch.export.export(ref, (x,)).module()(x), ref(x))
+    pe = Q.prepare(nn.Sequential(Q.QuantStub(), m, Q.DeQuantStub()), Q.get_minmax_qconfig())
+    pe(x)
+    refe = Q.convert(pe, is_reference=True)
+    assert torch.equal(torch.export.export(refe, (x,)).module()(x), refe(x))
