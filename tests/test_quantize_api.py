@@ -248,3 +248,19 @@ def test_qconfig_equals_chained_and_errors():
     assert Q.qconfig_equals(copy.deepcopy(a), a)
     with pytest.raises(TypeError, match="qconfig_equals"):
         Q.qconfig_equals(a, tq.default_qconfig)
+
+
+def test_with_callable_args_evaluated_per_call_as_torch_ao():
+    seq, tseq = iter([1e-4, 2e-4, 3e-4]), iter([1e-4, 2e-4, 3e-4])
+    ours = Q.MinMaxObserver.with_args(qdtype=Q.qint8, eps=0.5).with_callable_args(eps=lambda: next(seq))
+    theirs = tq.MinMaxObserver.with_args(dtype=torch.qint8, eps=0.5).with_callable_args(eps=lambda: next(tseq))
+    got = [(ours().eps, float(theirs().eps)) for _ in range(2)]
+    assert [a for a, _ in got] == pytest.approx([b for _, b in got]) == [1e-4, 2e-4]  # callable beats with_args
+    assert ours(eps=0.25).eps == 0.25 and float(theirs(eps=0.25).eps) == 0.25         # the call beats both
+    chained = ours.with_args(qdtype=Q.quint8)                                          # chaining keeps them
+    assert chained().qdtype == Q.quint8 and chained.callable_args == ours.callable_args
+    qc = Q.QConfig(Q.FixedQParamsObserver.with_callable_args(scale=lambda: 0.1, zero_point=lambda: 3), Q.MinMaxObserver)
+    assert qc.activation().calculate_qparams()[1] == 3 and "with_callable_args(scale=" in repr(qc)
+    assert Q.qconfig_equals(Q.QConfig(ours, Q.MinMaxObserver), Q.QConfig(ours.with_args(), Q.MinMaxObserver))
+    with pytest.raises(TypeError, match="zero-arg callable"):
+        Q.MinMaxObserver.with_callable_args(eps=0.1)

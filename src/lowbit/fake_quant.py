@@ -87,6 +87,11 @@ class FakeQuantize(nn.Module):
         """A zero-arg factory building ``cls(**kwargs)`` — what a ``QConfig`` stores; chainable."""
         return Factory(cls, **kwargs)
 
+    @classmethod
+    def with_callable_args(cls, **kwargs: Any) -> Factory:
+        """A factory passing ``name=fn()`` for each ``name=fn``, evaluated at every call (``Factory``)."""
+        return Factory(cls).with_callable_args(**kwargs)
+
     # -- switches --------------------------------------------------------------------------------
     def enable_observer(self, enabled: bool = True) -> FakeQuantize:
         self.observer_enabled[0] = 1 if enabled else 0

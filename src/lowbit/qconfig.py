@@ -86,7 +86,7 @@ def _check_factory(value: Any, field: str) -> None:
     except (TypeError, ValueError):  # builtins without a signature: nothing to check
         return
     try:
-        sig.bind()
+        sig.bind(**dict.fromkeys(getattr(value, "callable_args", {})))  # with_callable_args supplies these
     except TypeError as err:
         raise TypeError(f"QConfig {field}={_factory_repr(value)} cannot be called without arguments: {err}") from None
 
@@ -103,7 +103,9 @@ def _factory_repr(f: Any) -> str:
     """``HistogramObserver.with_args(qscheme=per_tensor_affine, ...)`` for a partial, else the name."""
     if isinstance(f, functools.partial):
         args = [_value_repr(a) for a in f.args] + [f"{k}={_value_repr(v)}" for k, v in f.keywords.items()]
-        return f"{_value_repr(f.func)}.with_args({', '.join(args)})"
+        lazy = getattr(f, "callable_args", {})
+        tail = f".with_callable_args({', '.join(f'{k}={_value_repr(v)}' for k, v in lazy.items())})" if lazy else ""
+        return f"{_value_repr(f.func)}.with_args({', '.join(args)}){tail}"
     return _value_repr(f)
 
 
@@ -150,7 +152,8 @@ def _flatten_factory(f: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     args: tuple[Any, ...] = ()
     keywords: dict[str, Any] = {}
     while isinstance(f, functools.partial):
-        args, keywords = f.args + args, {**f.keywords, **keywords}
+        lazy = {k: ("<callable>", fn) for k, fn in getattr(f, "callable_args", {}).items()}  # with_callable_args
+        args, keywords = f.args + args, {**f.keywords, **lazy, **keywords}
         f = f.func
     return f, args, keywords
 

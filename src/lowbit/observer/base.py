@@ -30,16 +30,45 @@ class Factory(functools.partial):
 
     It is a ``functools.partial`` that chains: ``f.with_args(**more)`` returns a new factory with
     the keyword arguments merged, later ones overriding earlier ones (as ``torch.ao``'s).
+    ``f.with_callable_args(name=fn)`` adds arguments computed when the factory is called:
+    ``fn()`` on every call (a fresh value per insertion site); they override ``with_args`` values,
+    and an argument passed to the call itself overrides both (``torch.ao``'s rules).
 
     >>> import lowbit as Q
     >>> f = Q.MinMaxObserver.with_args(qdtype=Q.qint8).with_args(qdtype=Q.quint8, eps=1e-5)
     >>> f.keywords == {"qdtype": Q.quint8, "eps": 1e-5}, f().qdtype
     (True, lowbit.quint8)
+    >>> sizes = iter([1e-4, 1e-3])
+    >>> g = f.with_callable_args(eps=lambda: next(sizes))
+    >>> g().eps, g().eps, g(eps=0.5).eps
+    (0.0001, 0.001, 0.5)
     """
+
+    callable_args: dict[str, Any]
+
+    def __new__(cls, func: Any, /, *args: Any, **keywords: Any) -> Factory:
+        self = super().__new__(cls, func, *args, **keywords)
+        self.callable_args = {}
+        return self
+
+    def __call__(self, /, *args: Any, **keywords: Any) -> Any:
+        lazy = {k: fn() for k, fn in self.callable_args.items() if k not in keywords}
+        return super().__call__(*args, **lazy, **keywords)
 
     def with_args(self, **kwargs: Any) -> Factory:
         """This factory with ``kwargs`` merged into its keyword arguments (``kwargs`` win)."""
-        return Factory(self.func, *self.args, **{**self.keywords, **kwargs})
+        out = Factory(self.func, *self.args, **{**self.keywords, **kwargs})
+        out.callable_args = dict(self.callable_args)
+        return out
+
+    def with_callable_args(self, **kwargs: Any) -> Factory:
+        """This factory with arguments computed at each call: ``name=fn`` passes ``name=fn()``."""
+        bad = [k for k, fn in kwargs.items() if not callable(fn)]
+        if bad:
+            raise TypeError(f"with_callable_args: {bad[0]}={kwargs[bad[0]]!r} must be a zero-arg callable")
+        out = self.with_args()
+        out.callable_args.update(kwargs)
+        return out
 
 
 class ObserverBase(nn.Module):
@@ -71,6 +100,11 @@ class ObserverBase(nn.Module):
     def with_args(cls, **kwargs: Any) -> Factory:
         """A zero-arg factory building ``cls(**kwargs)`` — what a ``QConfig`` stores; chainable."""
         return Factory(cls, **kwargs)
+
+    @classmethod
+    def with_callable_args(cls, **kwargs: Any) -> Factory:
+        """A factory passing ``name=fn()`` for each ``name=fn``, evaluated at every call (``Factory``)."""
+        return Factory(cls).with_callable_args(**kwargs)
 
     @property
     def quant_min(self) -> int:
