@@ -96,6 +96,7 @@ from .custom_config import ConvertCustomConfig, FuseCustomConfig, PrepareCustomC
 from .fusion_registry import register_fusion_pattern, unregister_fusion_pattern
 from .reference import convert_to_reference_fx, lower_reference
 from .weight_only import quantize_weight_only
+from .ptq import PTQReport, quantize_ptq
 from .nn.intrinsic.qat.modules import set_bn_fold_mode
 from .nn.qat.dynamic import get_dynamic_qat_qconfig
 from . import pt2  # noqa: F401  registers the torch.ops.lowbit custom ops (torch.compile / torch.export)
@@ -135,4 +136,6 @@ __all__ = [
     "unregister_fusion_pattern",
     # weight-only (int4/int8 group-wise Linear)
     "quantize_weight_only", "get_embedding_qconfig", "get_embedding_qat_qconfig",
+    # one-call PTQ with accuracy recovery (lowbit.algorithms)
+    "quantize_ptq", "PTQReport",
 ]

@@ -22,6 +22,9 @@ BatchNorm2d/3d, ReLU       ``nni.BNReLU2d/3d``          ``nni.BNReLU2d/3d``
 =========================  ===========================  ==========================
 
 Patterns registered with ``lowbit.fusion_registry.register_fusion_pattern`` are tried first.
+In ``fuse_modules`` the ReLU may also be ``ReLU6`` or ``Hardtanh(0, t)``: it becomes
+``nni.ClampedReLU(t)`` inside the ReLU marker, and the quantized layer's output grid does the clamp.
+
 Any other group raises ``ValueError`` naming the modules and their types (nothing is dropped).
 
 >>> import torch
@@ -76,9 +79,12 @@ def _fold(layer: nn.Module, bn: nn.Module) -> nn.Module:
 def fuse_known_modules(mods: Sequence[nn.Module], is_qat: bool = False) -> list[nn.Module]:
     """Fuse one group ``mods`` → ``[fused, Identity, ...]`` (same length); ``ValueError`` if unsupported."""
     types = tuple(type(m) for m in mods)
+    registered = find_fusion_pattern(types)  # lowbit.fusion_registry: user patterns first
+    if registered is None and not is_qat and len(mods) in (2, 3) and (relu := nni.as_fusable_relu(mods[-1])):
+        mods = [*mods[:-1], relu]  # ReLU6 / Hardtanh(0, t): fused as a clamped ReLU (its grid does the clamp)
+        types = types[:-1] + (nn.ReLU,)
     first = types[0]
     fused: nn.Module | None = None
-    registered = find_fusion_pattern(types)  # lowbit.fusion_registry: user patterns first
     if registered is not None:
         fused = registered.fuser(is_qat, *mods)
         if not isinstance(fused, nn.Module):

@@ -25,7 +25,8 @@ class          ops                                         after ``convert_fx``
 
 ``fuse_graph`` folds the runs ``conv-bn(-relu)``, ``conv-relu``, ``linear-relu``, ``linear-bn``,
 ``bn-relu`` and (not for QAT) ``convtranspose-bn`` (relu as ``nn.ReLU``, ``F.relu``, ``torch.relu``
-or ``.relu()``; not a layer under a dynamic qconfig: there is no fused dynamic module) into one
+or ``.relu()``; not for QAT also a ``[0, t]`` clamp — ``ReLU6``, ``F.relu6``, ``Hardtanh(0, t)``,
+``clamp(x, 0, t)`` — as ``nni.ClampedReLU(t)``, whose clamp the output grid then performs; not a layer under a dynamic qconfig: there is no fused dynamic module) into one
 ``lowbit.nn.intrinsic`` module via ``lowbit.fuse.fuse_known_modules``;
 ``relu(a + b)`` into one ``add_relu`` node; and ``relu(F.linear(x, self.w, self.b))`` (likewise
 ``F.conv1d/2d/3d``) into one ``linear_relu`` / ``conv2d_relu`` node (``lowbit.fx.weighted``).
@@ -50,6 +51,7 @@ from ..fuse import fuse_known_modules
 from ..fusion_registry import fusion_patterns
 from ..workflow import is_dynamic_qconfig
 from ..mappings import get_default_static_quant_module_mappings
+from ..nn import intrinsic as nni
 from ..nn import qat as nnqat
 from ..nn.quantized import activation as nnq_act
 from .weighted import WITH_RELU, parse
@@ -184,6 +186,43 @@ def _relu_user(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
     return user
 
 
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def clamp_relu(node: fx.Node, mod: nn.Module | None) -> nni.ClampedReLU | None:
+    """``ClampedReLU(t)`` when ``node`` computes ``clamp(x, 0, t)`` of its first argument, t > 0 constant.
+
+    Recognised: ``nn.ReLU6``, ``nn.Hardtanh(0, t)``, ``F.relu6``, ``F.hardtanh(x, 0, t)``,
+    ``torch.clamp(x, 0, t)`` / ``x.clamp(0, t)`` (also ``min=0, max=t`` keywords). Others: None.
+    """
+    if node.op == "call_module":
+        relu = nni.as_fusable_relu(mod) if mod is not None and type(mod) is not nn.ReLU else None
+        return relu if isinstance(relu, nni.ClampedReLU) else None
+    if node.target is F.relu6 and not node.kwargs.get("inplace", False):
+        return nni.ClampedReLU(6.0)
+    rest, kw = list(node.args[1:]), dict(node.kwargs)
+    if node.target is F.hardtanh or (node.op in ("call_function", "call_method") and node.target in (torch.clamp, "clamp")):
+        lo_name, hi_name = ("min_val", "max_val") if node.target is F.hardtanh else ("min", "max")
+        lo = _num(rest[0] if rest else kw.get(lo_name, -1.0 if node.target is F.hardtanh else None))
+        hi = _num(rest[1] if len(rest) > 1 else kw.get(hi_name, 1.0 if node.target is F.hardtanh else None))
+        if lo == 0.0 and hi is not None and hi > 0 and not kw.get("inplace", False):
+            return nni.ClampedReLU(hi)
+    return None
+
+
+def _clamp_user(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[fx.Node, nni.ClampedReLU] | None:
+    """``node``'s only user when it clamps ``node`` to ``[0, t]`` (ReLU6-like), with its ``ClampedReLU``."""
+    if len(node.users) != 1:
+        return None
+    (user,) = node.users
+    if not user.args or user.args[0] is not node:
+        return None
+    mod = modules.get(user.target) if user.op == "call_module" else None  # type: ignore[arg-type]
+    relu = clamp_relu(user, mod)
+    return None if relu is None else (user, relu)
+
+
 def _set_module(gm: fx.GraphModule, path: str, mod: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(gm.get_submodule(parent) if parent else gm, name, mod)
@@ -255,10 +294,14 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True) -
                 mods.append(modules[nxt.target])
         if type(first) in _LAYERS or type(first) in (nn.Linear, nn.BatchNorm2d, nn.BatchNorm3d):
             relu = _relu_user(run[-1], modules)
+            act: nn.Module = modules[relu.target] if relu is not None and relu.op == "call_module" else nn.ReLU()
+            clamp = None if relu is not None or is_qat else _clamp_user(run[-1], modules)
+            if clamp is not None:  # ReLU6-like: its [0, t] clamp becomes the layer's output grid
+                relu, act = clamp
             linear_bn = type(first) is nn.Linear and len(run) == 2
             if relu is not None and not linear_bn and calls.get(relu.target, 1) == 1:
                 run.append(relu)
-                mods.append(modules[relu.target] if relu.op == "call_module" else nn.ReLU())
+                mods.append(act)
         if len(run) == 1:
             continue
         if require_qconfig and (getattr(first, "qconfig", None) is None or is_dynamic_qconfig(first.qconfig)):

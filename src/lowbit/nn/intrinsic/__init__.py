@@ -9,6 +9,7 @@ from .fold import bn_scale, fold_bn_weights
 from .modules import (
     BNReLU2d,
     BNReLU3d,
+    ClampedReLU,
     ConvBn1d,
     ConvBn2d,
     ConvBn3d,
@@ -21,10 +22,12 @@ from .modules import (
     FusedModule,
     LinearBn1d,
     LinearReLU,
+    as_fusable_relu,
 )
 
 __all__ = [
     "FusedModule", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "LinearReLU",
     "ConvBn1d", "ConvBn2d", "ConvBn3d", "ConvBnReLU1d", "ConvBnReLU2d", "ConvBnReLU3d",
     "LinearBn1d", "BNReLU2d", "BNReLU3d", "fold_bn_weights", "bn_scale",
+    "ClampedReLU", "as_fusable_relu",
 ]

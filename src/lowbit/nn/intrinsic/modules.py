@@ -25,7 +25,7 @@ from torch import nn
 __all__ = [
     "FusedModule", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "LinearReLU",
     "ConvBn1d", "ConvBn2d", "ConvBn3d", "ConvBnReLU1d", "ConvBnReLU2d", "ConvBnReLU3d",
-    "LinearBn1d", "BNReLU2d", "BNReLU3d",
+    "LinearBn1d", "BNReLU2d", "BNReLU3d", "ClampedReLU", "as_fusable_relu",
 ]
 
 
@@ -47,6 +47,40 @@ class FusedModule(nn.Sequential):
         for mod in list(self._modules.values())[: len(self._types)]:
             x = mod(x)
         return x
+
+
+class ClampedReLU(nn.ReLU):
+    """``clamp(x, 0, max_val)``: ReLU6 / ``Hardtanh(0, max_val)`` / ``clamp(x, 0, max_val)`` as a fusable ReLU.
+
+    It is an ``nn.ReLU`` so the ReLU markers accept it. Fused after a conv/linear, the marker's output
+    observer sees clamped values, so the quantized layer's output grid is ``[0, t]`` with ``t <= max_val``:
+    the requantize step's code clamp *is* the activation (one rounding instead of two, and a grid that
+    spends no codes on values the clamp removes).
+
+    >>> ClampedReLU(6.0)(torch.tensor([-1.0, 3.0, 9.0])).tolist()
+    [0.0, 3.0, 6.0]
+    """
+
+    def __init__(self, max_val: float = 6.0) -> None:
+        super().__init__()
+        if not max_val > 0:
+            raise ValueError(f"ClampedReLU: max_val={max_val!r} must be > 0")
+        self.max_val = float(max_val)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(x, 0.0, self.max_val)
+
+    def extra_repr(self) -> str:
+        return f"max_val={self.max_val}"
+
+
+def as_fusable_relu(mod: nn.Module) -> nn.Module | None:
+    """``mod`` as a ReLU a marker can hold: ``nn.ReLU`` itself, ReLU6 / Hardtanh(0, t) as ``ClampedReLU``."""
+    if type(mod) is nn.ReLU or isinstance(mod, ClampedReLU):
+        return mod
+    if isinstance(mod, nn.Hardtanh) and float(mod.min_val) == 0.0 and float(mod.max_val) > 0:  # ReLU6 too
+        return ClampedReLU(float(mod.max_val))
+    return None
 
 
 def _marker(name: str, types: tuple[type[nn.Module], ...], doc: str) -> type[FusedModule]:

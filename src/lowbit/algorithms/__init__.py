@@ -1,0 +1,13 @@
+"""Accuracy-recovery algorithms for post-training quantization (calibration data only, no labels).
+
+- ``layers``: weighted layers of a prepared model, their weight codes, frozen learned codes;
+- ``adaround``: learned rounding of one layer's weights (Nagel et al. 2020);
+- ``reconstruct``: the layer-by-layer pass (AdaRound + empirical bias correction) on the
+  quantized model's own inputs, graph or eager mode;
+- ``equalize``: cross-layer equalization with bias absorption (Nagel et al. 2019).
+"""
+
+from .adaround import adaround_codes
+from .reconstruct import LayerChange, reconstruct, reconstruct_eager
+
+__all__ = ["adaround_codes", "reconstruct", "reconstruct_eager", "LayerChange"]

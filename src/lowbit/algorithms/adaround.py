@@ -1,0 +1,84 @@
+"""AdaRound: learn whether each weight rounds up or down (Nagel et al. 2020, "Up or Down?").
+
+For one layer with weight grid ``(s, z)`` (per output channel) the weight is
+``W_hat(V) = s * (clamp(floor(W / s) + h(V) + z, qmin, qmax) - z)`` with the rectified sigmoid
+``h(V) = clamp(sigmoid(V) * (zeta - gamma) + gamma, 0, 1)``, ``zeta = 1.1``, ``gamma = -0.1``.
+``V`` starts where ``h(V)`` equals the fractional part (round-to-nearest's neighbourhood) and minimises::
+
+    || act(op(x_q; W_hat(V))) - y ||^2  +  lam * sum(1 - |2 h(V) - 1| ** beta)
+
+on calibration data: ``x_q`` is the layer's input *in the quantized model* (earlier layers already
+rounded, activations fake-quantized), ``y`` the float model's output of this layer, so each layer
+also absorbs the error arriving from upstream. ``beta`` anneals from 20 to 2 after a 20 % warm-up
+(the regulariser then pushes every ``h`` to 0 or 1); the final codes round ``h(V) >= 0.5`` up.
+Cost: ``iters`` forward/backward passes of the layer on ``batch_size`` samples.
+
+>>> import torch
+>>> from torch import nn
+>>> _ = torch.manual_seed(0); lin = nn.Linear(16, 8)
+>>> x = torch.randn(256, 16); y = lin(x)
+>>> w = lin.weight.detach(); s = w.abs().amax(1, keepdim=True) / 8; z = torch.zeros_like(s)   # a coarse 4-bit grid
+>>> q_near = torch.clamp(torch.round(w / s), -8, 7)
+>>> q = adaround_codes(w, s, z, -8, 7, lambda w_, i: nn.functional.linear(x[i], w_, lin.bias), y, iters=300, batch_size=64)
+>>> err = lambda q_: float((nn.functional.linear(x, (q_ - z) * s, lin.bias) - y).pow(2).mean())
+>>> err(q) < err(q_near)
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["adaround_codes", "rectified_sigmoid"]
+
+ZETA, GAMMA = 1.1, -0.1
+
+
+def rectified_sigmoid(v: torch.Tensor) -> torch.Tensor:
+    """``h(V) = clamp(sigmoid(V) * (zeta - gamma) + gamma, 0, 1)``."""
+    return torch.clamp(torch.sigmoid(v) * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
+
+
+def adaround_codes(weight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin: int, qmax: int,
+                   forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], target: torch.Tensor,
+                   iters: int = 500, batch_size: int = 8, lr: float = 1e-2, lam: float = 0.01,
+                   warmup: float = 0.2, beta: tuple[float, float] = (20.0, 2.0),
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """Learned integer codes ``q`` for ``weight`` on the grid ``(s, z)`` (same shape as ``weight``).
+
+    ``forward(w_hat, idx)`` runs the layer (with its activation) with weight ``w_hat`` on the samples
+    ``idx`` (a LongTensor into dim 0 of the cached quantized-model inputs) and ``target[idx]`` is what
+    it should produce. The reconstruction term sums squared errors over dim 1 (channels) and averages the
+    rest, as in the paper's per-output formulation.
+    """
+    if iters < 0:
+        raise ValueError(f"adaround_codes: iters={iters} must be >= 0")
+    w = weight.detach().to(torch.float32)
+    w_s = w / s
+    w_floor = torch.floor(w_s)
+    rest = (w_s - w_floor).clamp(0.0, 1.0)
+    # h(V0) = rest:  sigmoid(V0) = (rest - gamma) / (zeta - gamma)
+    p = ((rest - GAMMA) / (ZETA - GAMMA)).clamp(1e-4, 1 - 1e-4)
+    v = torch.log(p / (1 - p)).requires_grad_(True)
+    target = target.detach()
+    n = target.shape[0]
+    opt = torch.optim.Adam([v], lr=lr)
+    start = int(warmup * iters)
+    for it in range(iters):
+        idx = torch.randint(n, (min(batch_size, n),), generator=generator)
+        h = rectified_sigmoid(v)
+        w_hat = (torch.clamp(w_floor + h + z, qmin, qmax) - z) * s
+        d = (forward(w_hat, idx) - target[idx]).pow(2)
+        rec = d.sum(1).mean() if d.dim() > 1 else d.mean()
+        loss = rec
+        if it >= start:
+            b = beta[0] + (beta[1] - beta[0]) * (it - start) / max(1, iters - start)
+            loss = rec + lam * (1 - (2 * h - 1).abs().pow(b)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        up = (rectified_sigmoid(v) >= 0.5).to(torch.float32)
+        return torch.clamp(w_floor + up + z, qmin, qmax)

@@ -1,0 +1,192 @@
+"""Cross-layer equalization with bias absorption (Nagel et al. 2019, "Data-Free Quantization").
+
+For a pair of weighted layers ``A -> act -> B`` where ``A``'s output feeds only ``B`` and ``act`` is
+the identity, ReLU or a ``[0, t]`` clamp (ReLU6), output channel ``i`` of ``A`` and input channel
+``i`` of ``B`` are rescaled by ``s_i`` (positive scaling commutes with ReLU)::
+
+    W_A[i] /= s_i,  b_A[i] /= s_i,  W_B[:, i] *= s_i,   s_i = sqrt(r_A[i] / r_B[i])
+
+with ``r_A[i] = max|W_A[i]|`` and ``r_B[i] = max|W_B[:, i]|`` (for a depthwise ``B``, its own channel
+``i``), which makes both ranges ``sqrt(r_A r_B)``. ``sweeps`` passes over all pairs let chains
+(expand -> depthwise -> project) settle.
+
+ReLU6 is not scale-equivariant: ``clamp(x / s, 0, 6) != clamp(x, 0, 6) / s``. The bound would have
+to become ``6 / s_i`` per channel, which a per-tensor output grid cannot clamp, so (as the paper
+does) the clamp of an equalized pair is replaced by a plain ReLU; the report names each such layer.
+
+Bias absorption (``absorb=True``): when ``A``'s pre-activation output is at least ``c_i > 0`` on all
+calibration data, ``relu(y_i - c_i) = relu(y_i) - c_i`` there, so ``b_A[i] -= c_i`` and ``B`` gets
+``b_B += sum_k W_B[:, i, k] c_i``. It shrinks ``A``'s output range without changing the function
+on the calibration data; done only when ``B`` has no zero padding (the sum would be wrong at borders)
+and ``act`` is a plain ReLU (after equalization).
+
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> _ = torch.manual_seed(0)
+>>> m = nn.Sequential(nn.Conv2d(3, 8, 1), nn.ReLU(), nn.Conv2d(8, 4, 1)).eval()
+>>> with torch.no_grad(): _ = m[0].weight.mul_(torch.logspace(-2, 1, 8).view(8, 1, 1, 1))
+>>> x = torch.randn(4, 3, 5, 5); y = m(x)
+>>> p = Q.prepare_fx(m, Q.get_default_qconfig_mapping(), example_inputs=(x,))
+>>> pairs = equalize_prepared(p, [(x,)])
+>>> [(e.first, e.second) for e in pairs]
+[('0', '2')]
+>>> bool(torch.allclose(p(x), y, atol=1e-4))
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..fake_quant import FakeQuantize
+from ..nn.intrinsic import ClampedReLU
+from ..observer import ObserverBase
+from .layers import is_weighted, split
+
+__all__ = ["EqualizedPair", "equalize_prepared"]
+
+
+@dataclass
+class EqualizedPair:
+    """One equalized pair: ranges before/after (max over channels of r_A/r_B ratio), clamp replaced, absorbed."""
+
+    first: str
+    second: str
+    ratio_before: float
+    ratio_after: float
+    relu6_replaced: bool = False
+    absorbed: int = 0  # channels whose bias was absorbed into the second layer
+
+
+def _in_ranges(b: nn.Module) -> torch.Tensor | None:
+    """``r_B[i]``: max |weight| per input channel (for depthwise, per own channel); None if grouped otherwise."""
+    w = b.weight.detach()
+    groups = getattr(b, "groups", 1)
+    if groups == 1:
+        return w.abs().transpose(0, 1).reshape(w.shape[1], -1).amax(1)
+    if groups == w.shape[0] and w.shape[1] == 1:  # depthwise
+        return w.abs().reshape(w.shape[0], -1).amax(1)
+    return None
+
+
+def _scale_in(b: nn.Module, s: torch.Tensor) -> None:
+    w = b.weight
+    shape = [1] * w.dim()
+    if getattr(b, "groups", 1) == 1:
+        shape[1] = -1
+    else:
+        shape[0] = -1
+    w.mul_(s.view(shape))
+
+
+def _pairs(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    mods = dict(gm.named_modules())
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or not is_weighted(mods[node.target]) or len(node.users) != 1:
+            continue
+        (obs,) = node.users
+        if obs.op != "call_module" or not isinstance(mods[obs.target], (ObserverBase, FakeQuantize)):
+            continue
+        if len(obs.users) != 1:
+            continue
+        (nxt,) = obs.users
+        if nxt.op == "call_module" and is_weighted(mods[nxt.target]) and nxt.args[0] is obs:
+            a, act = split(mods[node.target])
+            b, _ = split(mods[nxt.target])
+            ok_act = act is None or type(act) is nn.ReLU or isinstance(act, ClampedReLU)
+            if ok_act and _in_ranges(b) is not None and a.weight.shape[0] == _in_ranges(b).numel():
+                out.append((str(node.target), str(nxt.target)))
+    return out
+
+
+def equalize_prepared(prepared: fx.GraphModule, calib: Iterable[Any] | None = None, sweeps: int = 2,
+                      absorb: bool = True) -> list[EqualizedPair]:
+    """Equalize every eligible pair of a graph-mode prepared model (before calibration), in place.
+
+    ``calib`` (batches of the model's inputs) is needed only for bias absorption. Returns one record per pair.
+    """
+    if not isinstance(prepared, fx.GraphModule):
+        raise TypeError(f"equalize_prepared: expects a prepare_fx model (fx.GraphModule), got {type(prepared).__name__}")
+    mods = dict(prepared.named_modules())
+    pairs = _pairs(prepared)
+    records = {}
+    with torch.no_grad():
+        for sweep in range(max(1, sweeps)):
+            for an, bn in pairs:
+                a, act = split(mods[an])
+                b, _ = split(mods[bn])
+                r_a = a.weight.detach().abs().reshape(a.weight.shape[0], -1).amax(1)
+                r_b = _in_ranges(b)
+                assert r_b is not None
+                ok = (r_a > 0) & (r_b > 0)
+                s = torch.where(ok, torch.sqrt(r_a / r_b.clamp_min(1e-12)), torch.ones_like(r_a))
+                if sweep == 0:
+                    records[an] = EqualizedPair(an, bn, float((r_a / r_b.clamp_min(1e-12))[ok].max()), 1.0)
+                a.weight.div_(s.view(-1, *[1] * (a.weight.dim() - 1)))
+                if a.bias is not None:
+                    a.bias.div_(s)
+                _scale_in(b, s)
+                if isinstance(act, ClampedReLU):  # not scale-equivariant: the paper's replacement
+                    mods[an][1] = nn.ReLU()
+                    records[an].relu6_replaced = True
+        for an, bn in pairs:
+            a, _ = split(mods[an])
+            b, _ = split(mods[bn])
+            r_a = a.weight.abs().reshape(a.weight.shape[0], -1).amax(1)
+            records[an].ratio_after = float((r_a / _in_ranges(b).clamp_min(1e-12)).max())  # type: ignore[union-attr]
+        if absorb and calib is not None:
+            _absorb(prepared, mods, pairs, records, calib)
+    return list(records.values())
+
+
+def _absorb(gm: fx.GraphModule, mods: dict[str, nn.Module], pairs: list[tuple[str, str]],
+            records: dict[str, EqualizedPair], calib: Iterable[Any]) -> None:
+    lows: dict[str, torch.Tensor] = {}
+    hooks = []
+    for an, bn in pairs:
+        a, act = split(mods[an])
+        b, _ = split(mods[bn])
+        if type(act) is not nn.ReLU or a.bias is None or any(p != 0 for p in getattr(b, "padding", (0,))) \
+                or getattr(b, "groups", 1) != 1:
+            continue
+
+        def hook(m: nn.Module, args: Any, out: Any, an: str = an) -> None:
+            pre = nn.functional.linear(args[0], m.weight, m.bias) if isinstance(m, nn.Linear) else \
+                m._conv_forward(args[0], m.weight, m.bias)  # type: ignore[operator]
+            dims = [d for d in range(pre.dim()) if d != 1] if pre.dim() > 1 else [0]
+            lo = pre.amin(dim=dims)
+            lows[an] = torch.minimum(lows[an], lo) if an in lows else lo
+        hooks.append(a.register_forward_hook(hook))
+    if not hooks:
+        return
+    obs = [m for m in gm.modules() if isinstance(m, (ObserverBase, FakeQuantize))]
+    for m in obs:  # observe nothing while measuring
+        m.forward = lambda x, *a, **k: x  # type: ignore[method-assign]
+    try:
+        for batch in calib:
+            gm(*(batch if isinstance(batch, tuple) else (batch,)))
+    finally:
+        for h in hooks:
+            h.remove()
+        for m in obs:
+            m.__dict__.pop("forward", None)
+    for an, bn in pairs:
+        if an not in lows:
+            continue
+        a, _ = split(mods[an])
+        b, _ = split(mods[bn])
+        c = lows[an].clamp_min(0)
+        if not bool((c > 0).any()):
+            continue
+        a.bias.sub_(c)
+        w = b.weight.reshape(b.weight.shape[0], b.weight.shape[1], -1).sum(-1)  # (out, in)
+        if b.bias is None:
+            b.bias = nn.Parameter(torch.zeros(b.weight.shape[0]))
+        b.bias.add_(w @ c)
+        records[an].absorbed = int((c > 0).sum())

@@ -1,0 +1,117 @@
+"""Weighted layers of a prepared model, simulated on their int8 grids, with frozen learned weight codes.
+
+A *weighted layer* is a prepared ``nn.Linear`` / ``nn.ConvNd`` or a fused ``(op, ReLU)`` marker
+(``lowbit.nn.intrinsic``; the ReLU may be a ``ClampedReLU``). Its weight grid comes from
+``qconfig.weight()`` fed the current weight (per channel ``c`` along axis 0)::
+
+    q = clamp(round(W / s_c) + z_c, qmin, qmax),    W_hat = (q - z_c) * s_c
+
+``freeze_weight(mod, q, s, z)`` stores ``W_hat`` as the float weight and swaps the qconfig's weight
+observer for a ``FrozenWeightObserver`` that returns ``(s, z)``, so ``convert`` / ``convert_fx``
+reproduce exactly the codes ``q`` (learned rounding survives conversion onto the int8 kernels).
+
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> lin = nn.Linear(3, 2); lin.qconfig = Q.get_default_qconfig()
+>>> q, s, z, lo, hi = weight_codes(lin)
+>>> freeze_weight(lin, q.clone(), s, z)
+>>> bool((weight_codes(lin)[0] == q).all())
+True
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..nn.intrinsic import FusedModule
+from ..qconfig import QConfig
+
+__all__ = ["WEIGHTED", "is_weighted", "split", "layer_forward", "weight_codes", "freeze_weight",
+           "FrozenWeightObserver"]
+
+WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_FORWARDS = tuple(t.forward for t in WEIGHTED)
+
+
+def split(mod: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+    """``(op, activation)`` of a weighted layer (activation None for a plain layer)."""
+    if isinstance(mod, FusedModule) and len(mod._types) == 2 and isinstance(mod[0], WEIGHTED):
+        return mod[0], mod[1]
+    return mod, None
+
+
+def is_weighted(mod: nn.Module) -> bool:
+    """A static-quantizable weighted layer: Linear / ConvNd (not transposed), or its ReLU marker, with a qconfig."""
+    op, _ = split(mod)
+    qc = getattr(mod, "qconfig", None)
+    plain = isinstance(op, WEIGHTED) and type(op).forward in _FORWARDS  # not a subclass with its own forward
+    return plain and qc is not None and not getattr(qc.activation(), "is_dynamic", False)
+
+
+def layer_forward(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None, activation: bool = True) -> torch.Tensor:
+    """``act(op(x))`` with ``weight`` / ``bias`` in place of the layer's own (None: the layer's)."""
+    op, act = split(mod)
+    w = op.weight if weight is None else weight
+    b = op.bias if bias is None else bias
+    y = F.linear(x, w, b) if isinstance(op, nn.Linear) else op._conv_forward(x, w, b)  # type: ignore[operator]
+    return act(y) if act is not None and activation else y
+
+
+class FrozenWeightObserver(nn.Module):
+    """A weight observer with fixed qparams: the base observer's grid attributes, ``(scale, zero_point)`` pinned."""
+
+    def __init__(self, base: Any, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
+        super().__init__()
+        obs = base()
+        for attr in ("qdtype", "qscheme", "ch_axis", "eps"):
+            setattr(self, attr, getattr(obs, attr, None))
+        self.quant_min, self.quant_max = int(obs.quant_min), int(obs.quant_max)
+        self.register_buffer("frozen_scale", scale.detach().clone().to(torch.float32))
+        self.register_buffer("frozen_zero_point", zero_point.detach().clone().to(torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.frozen_scale.clone(), self.frozen_zero_point.clone()
+
+
+def weight_codes(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """``(q, s, z, qmin, qmax)``: the layer's integer weight codes and grid (``s``, ``z`` shaped to broadcast)."""
+    op, _ = split(mod)
+    obs = mod.qconfig.weight()  # type: ignore[union-attr,operator]
+    if getattr(obs, "ch_axis", 0) not in (0, None):
+        raise ValueError(f"weight_codes: {type(op).__name__}'s weight observer has ch_axis={obs.ch_axis}; "
+                         "learned rounding supports per-output-channel (axis 0) or per-tensor weight grids")
+    w = op.weight.detach().to(torch.float32)
+    obs(w)
+    scale, zp = obs.calculate_qparams()
+    c = w.shape[0]
+    shape = (c,) + (1,) * (w.dim() - 1)
+    s = scale.reshape(-1).expand(c).reshape(shape).to(torch.float32) if scale.numel() == 1 else \
+        scale.reshape(shape).to(torch.float32)
+    z = zp.reshape(-1).expand(c).reshape(shape).to(torch.float32) if zp.numel() == 1 else \
+        zp.reshape(shape).to(torch.float32)
+    q = torch.clamp(torch.round(w / s) + z, obs.quant_min, obs.quant_max)
+    return q, s, z, int(obs.quant_min), int(obs.quant_max)
+
+
+def freeze_weight(mod: nn.Module, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
+    """Store ``(q - z) * s`` as the float weight and pin the weight grid to ``(s, z)`` for convert."""
+    op, _ = split(mod)
+    with torch.no_grad():
+        op.weight.copy_(((q - z) * s).to(op.weight.dtype))
+    qc: QConfig = mod.qconfig  # type: ignore[assignment]
+    base = getattr(qc.weight, "keywords", {}).get("base", qc.weight)  # re-freezing keeps the original observer
+    factory = functools.partial(FrozenWeightObserver, base=base, scale=s.reshape(-1),
+                                zero_point=z.reshape(-1).round().to(torch.int64))
+    new = QConfig(activation=qc.activation, weight=factory)
+    mod.qconfig = new
+    if op is not mod:
+        op.qconfig = new

@@ -1,0 +1,254 @@
+"""Layer-by-layer weight rounding and bias correction on a calibrated prepared model.
+
+One pass walks a prepared graph-mode model (``prepare_fx`` + calibration) in topological order
+and runs two copies of every value side by side on the calibration batches:
+
+- ``float``: the float model (observers are the identity, weights as they are);
+- ``quant``: the int8 model simulated in float — every activation observer fake-quantizes with its
+  calibrated grid, every weighted layer runs with its rounded weight ``W_hat``.
+
+At each weighted layer (``lowbit.algorithms.layers``) with quantized-model input ``x_q`` and
+float output ``y = act(op(x))``:
+
+1. rounding (``adaround=True``): the weight codes are learned by ``adaround_codes`` so that
+   ``act(op(x_q; W_hat))`` matches ``y`` (else round to nearest);
+2. bias correction (``bias_correction=True``, empirical, Nagel et al. 2019 §4.2): per output channel
+   ``b_c += mean(op(x; W) - op(x_q; W_hat))`` over batch and positions, which also removes the mean
+   error that arrives from upstream layers;
+3. the codes are frozen (``layers.freeze_weight``) so ``convert_fx`` uses exactly them.
+
+The pass is exact to the int8 model up to what the simulation leaves float (averaging pools,
+functional convs on parameters keep float weights here and round to nearest in ``convert_fx``).
+Eager-mode prepared models go through ``reconstruct_eager`` (one model pass per layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..fake_quant import FakeQuantize
+from ..functional import fake_quantize
+from ..observer import ObserverBase
+from .adaround import adaround_codes
+from .layers import freeze_weight, is_weighted, layer_forward, split, weight_codes
+
+__all__ = ["LayerChange", "reconstruct", "reconstruct_eager"]
+
+
+@dataclass
+class LayerChange:
+    """What the pass did to one layer: MSE of its output against the float layer before/after."""
+
+    name: str
+    mse_nearest: float
+    mse_after: float
+    codes_changed: float = 0.0  # fraction of weight codes that differ from round-to-nearest
+    bias_shift: float = 0.0  # max |correction| added to the bias
+    notes: list[str] = field(default_factory=list)
+
+
+def _fq(obs: nn.Module) -> Any:
+    """``x -> fake_quantize(x)`` on the grid ``obs`` calibrated (None: leave values as they are)."""
+    if isinstance(obs, FakeQuantize):
+        obs = obs.activation_post_process
+    if not isinstance(obs, ObserverBase) or getattr(obs, "is_dynamic", False) or not hasattr(obs, "quant_min"):
+        return None
+    if not getattr(obs, "is_calibrated", True):
+        return None
+    s, z = obs.calculate_qparams()
+    axis = obs.ch_axis if s.numel() > 1 else None
+    return lambda x: fake_quantize(x, s, z, obs.quant_min, obs.quant_max, axis) if isinstance(x, torch.Tensor) \
+        and x.is_floating_point() else x
+
+
+def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(xs, 0) if len(xs) > 1 else xs[0]
+
+
+def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Tensor], adaround: bool,
+           bias_correction: bool, iters: int, batch_size: int, g: torch.Generator) -> tuple[torch.Tensor, LayerChange]:
+    """Round (and bias-correct) one layer; return its simulated weight and the change record."""
+    op, _ = split(mod)
+    q0, s, z, lo, hi = weight_codes(mod)
+    with torch.no_grad():
+        target = [layer_forward(mod, x) for x in xf]
+    x_all, t_all = _cat(xq), _cat(target)
+
+    def mse(q: torch.Tensor, b: torch.Tensor | None = None) -> float:
+        with torch.no_grad():
+            w = (q - z) * s
+            return sum(float((layer_forward(mod, x, w, b) - t).pow(2).sum()) for x, t in zip(xq, target)) / \
+                max(1, t_all.numel())
+
+    rec = LayerChange(name, mse(q0), 0.0)
+    q = q0
+    if adaround and iters > 0:
+        q = adaround_codes(op.weight, s, z, lo, hi, lambda w, i: layer_forward(mod, x_all[i], w), t_all,
+                           iters=iters, batch_size=batch_size, generator=g)
+        rec.codes_changed = float((q != q0).float().mean())
+    if bias_correction:
+        with torch.no_grad():
+            w_hat = (q - z) * s
+            dims = [d for d in range(t_all.dim()) if d != 1]
+            pre_f = _cat([layer_forward(mod, x, activation=False) for x in xf])
+            pre_q = _cat([layer_forward(mod, x, w_hat, activation=False) for x in xq])
+            delta = (pre_f - pre_q).mean(dim=dims) if t_all.dim() > 1 else (pre_f - pre_q)
+            if op.bias is None:
+                op.bias = nn.Parameter(torch.zeros(op.weight.shape[0], dtype=op.weight.dtype))
+            op.bias.add_(delta.to(op.bias.dtype))
+            rec.bias_shift = float(delta.abs().max())
+    freeze_weight(mod, q, s, z)
+    rec.mse_after = mse(q)
+    return (q - z) * s, rec
+
+
+def _batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
+    out = [b if isinstance(b, tuple) else (b,) for b in calib]
+    if not out:
+        raise ValueError("reconstruct: calib is empty; pass an iterable of calibration batches")
+    return out
+
+
+def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True, bias_correction: bool = True,
+                iters: int = 500, batch_size: int = 8, seed: int = 0, progress: bool = True) -> list[LayerChange]:
+    """Learned rounding and/or bias correction for every weighted layer of a calibrated ``prepared`` model.
+
+    Graph-mode models (``prepare_fx``) get the one-pass lockstep walk; others ``reconstruct_eager``.
+    Returns one ``LayerChange`` per layer, in order. The model is changed in place (weights, biases,
+    weight grids pinned for ``convert``/``convert_fx``).
+    """
+    if not isinstance(prepared, fx.GraphModule):
+        return reconstruct_eager(prepared, calib, adaround, bias_correction, iters, batch_size, seed, progress)
+    from tqdm.auto import tqdm
+
+    gm, batches, g = prepared, _batches(calib), torch.Generator().manual_seed(seed)
+    mods = dict(gm.named_modules())
+    nodes = list(gm.graph.nodes)
+    last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
+    n_layers = sum(1 for n in nodes if n.op == "call_module" and is_weighted(mods[n.target]))
+    envs_f: list[dict[fx.Node, Any]] = [{} for _ in batches]
+    envs_q: list[dict[fx.Node, Any]] = [{} for _ in batches]
+    changes: list[LayerChange] = []
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    bar = tqdm(total=n_layers, desc="adaround" if adaround else "bias correction", disable=not progress)
+    with torch.no_grad():
+        for i, node in enumerate(nodes):
+            if node.op == "output":
+                break
+            mod = mods.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
+            if node.op == "placeholder":
+                k = placeholders.index(node)
+                for ef, eq, b in zip(envs_f, envs_q, batches):
+                    ef[node] = eq[node] = b[k] if k < len(b) else node.args[0] if node.args else None
+            elif mod is not None and isinstance(mod, (ObserverBase, FakeQuantize)):
+                fq = _fq(mod)
+                for ef, eq in zip(envs_f, envs_q):
+                    ef[node] = ef[node.args[0]]
+                    eq[node] = fq(eq[node.args[0]]) if fq is not None else eq[node.args[0]]
+            elif mod is not None and is_weighted(mod) and len(node.args) == 1 and not node.kwargs:
+                src = node.args[0]
+                for ef in envs_f:  # the float layer, before its weight and bias change
+                    ef[node] = layer_forward(mod, ef[src])
+                with torch.enable_grad():
+                    w_hat, rec = _layer(str(node.target), mod, [e[src] for e in envs_q], [e[src] for e in envs_f],
+                                        adaround, bias_correction, iters, batch_size, g)
+                changes.append(rec)
+                bar.update(1)
+                bar.set_postfix(layer=node.target)
+                for eq in envs_q:
+                    eq[node] = layer_forward(mod, eq[src], w_hat)
+            else:
+                for env in (*envs_f, *envs_q):
+                    args = fx.node.map_arg(node.args, lambda n: env[n])
+                    kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+                    if node.op == "get_attr":
+                        val: Any = gm
+                        for part in str(node.target).split("."):
+                            val = getattr(val, part)
+                        env[node] = val
+                    elif node.op == "call_module":
+                        env[node] = mods[node.target](*args, **kwargs)  # type: ignore[index]
+                    elif node.op == "call_function":
+                        env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+                    else:  # call_method
+                        env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)  # type: ignore[arg-type]
+            for n in node.all_input_nodes:  # free values nothing later reads
+                if last_use.get(n) == i:
+                    for env in (*envs_f, *envs_q):
+                        env.pop(n, None)
+    bar.close()
+    return changes
+
+
+def _run(model: nn.Module, batch: tuple[Any, ...]) -> None:
+    model(*batch)
+
+
+def _patch_observers(model: nn.Module, mode: str) -> list[nn.Module]:
+    """Make every activation observer the identity (``float``) or a fake-quantizer (``quant``); no statistics."""
+    patched = []
+    for m in model.modules():
+        if isinstance(m, (ObserverBase, FakeQuantize)):
+            fq = _fq(m) if mode == "quant" else None
+            m.forward = fq if fq is not None else (lambda x, *a, **k: x)  # type: ignore[method-assign]
+            patched.append(m)
+    return patched
+
+
+def _capture(model: nn.Module, mod: nn.Module, batches: list[tuple[Any, ...]]) -> list[torch.Tensor]:
+    got: list[torch.Tensor] = []
+    h = mod.register_forward_pre_hook(lambda _m, args: got.append(args[0].detach()))
+    try:
+        with torch.no_grad():
+            for b in batches:
+                _run(model, b)
+    finally:
+        h.remove()
+    return got
+
+
+def reconstruct_eager(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True, bias_correction: bool = True,
+                      iters: int = 500, batch_size: int = 8, seed: int = 0, progress: bool = True) -> list[LayerChange]:
+    """``reconstruct`` for eager-mode prepared models: per layer, one float and one simulated-int8 model pass.
+
+    The layer order is the order the layers first run on the first batch.
+    """
+    import copy
+
+    from tqdm.auto import tqdm
+
+    batches, g = _batches(calib), torch.Generator().manual_seed(seed)
+    names = {m: n for n, m in prepared.named_modules()}
+    order: list[nn.Module] = []
+    hooks = [m.register_forward_pre_hook(lambda m, _a: order.append(m) if m not in order else None)
+             for m in prepared.modules() if is_weighted(m)]
+    float_model = copy.deepcopy(prepared)
+    fnames = dict(float_model.named_modules())
+    obs = _patch_observers(prepared, "float")
+    try:
+        with torch.no_grad():
+            _run(prepared, batches[0])
+    finally:
+        for h in hooks:
+            h.remove()
+    _patch_observers(float_model, "float")
+    changes = []
+    try:
+        for m in obs:
+            del m.forward
+        _patch_observers(prepared, "quant")
+        for mod in tqdm(order, desc="adaround" if adaround else "bias correction", disable=not progress):
+            xq = _capture(prepared, mod, batches)
+            xf = _capture(float_model, fnames[names[mod]], batches)
+            with torch.enable_grad():
+                _, rec = _layer(names[mod], mod, xq, xf, adaround, bias_correction, iters, batch_size, g)
+            changes.append(rec)
+    finally:
+        for m in obs:
+            m.__dict__.pop("forward", None)
+    return changes
