@@ -116,8 +116,8 @@ def test_nested_names_list_of_lists_and_inplace():
 
 
 @pytest.mark.parametrize("mods, match", [
-    ((nn.Conv2d(3, 3, 3), nn.ReLU6()), r"cannot fuse \(Conv2d, ReLU6\)"),
-    ((nn.Conv2d(3, 3, 3), nn.BatchNorm2d(3), nn.ReLU6()), r"cannot fuse \(Conv2d, BatchNorm2d, ReLU6\)"),
+    ((nn.Conv2d(3, 3, 3), nn.Hardtanh(-1.0, 1.0)), r"cannot fuse \(Conv2d, Hardtanh\)"),  # ReLU6 fuses (ClampedReLU)
+    ((nn.Conv2d(3, 3, 3), nn.BatchNorm2d(3), nn.Sigmoid()), r"cannot fuse \(Conv2d, BatchNorm2d, Sigmoid\)"),
     ((nn.Conv2d(3, 3, 3), nn.BatchNorm1d(3)), r"cannot fuse \(Conv2d, BatchNorm1d\)"),
     ((nn.ReLU(), nn.Linear(3, 3)), r"cannot fuse \(ReLU, Linear\)"),
 ])

@@ -25,7 +25,10 @@ quantized module's ``input_grid``, so a layer after a float op (or in a model wi
 
 **convert** swaps each observed module for ``mapping[type(mod)].from_float(mod)`` (a conv-BN QAT
 module is folded first), removes the remaining observers and hooks, and puts the model in eval
-mode. An observer that saw no data raises ``RuntimeError`` naming the module path. Modules with
+mode. An observer that saw no data raises ``RuntimeError`` naming the module path when no observer
+saw data (convert before calibration); when others did, its module never ran (a ``FloatFunctional``
+declared in every block, used in residual ones only): it stays float, with a warning and a
+``left_float`` entry. Modules with
 a qconfig that stay float are listed in a ``ConvertReport`` (``return_report=True`` returns
 ``(model, report)``; it is also logged on the ``"lowbit"`` logger at INFO).
 
@@ -376,6 +379,14 @@ def _strip(mod: nn.Module) -> None:
 
 def _swap(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertReport) -> nn.Module:
     obs = mod._modules.get("activation_post_process")
+    if obs is not None and not _is_calibrated(obs) and getattr(report, "_calibrated", False):
+        # other observers saw data, this module never ran (torchvision's quantizable style declares a
+        # FloatFunctional in every block, residual blocks alone use it): keep it as it is
+        warnings.warn(f"convert: module '{_path(name)}' ({type(mod).__name__}) never ran during calibration; "
+                      "it is left as it is (float)", stacklevel=4)
+        _strip(mod)
+        report.left_float[_path(name)] = f"{type(mod).__name__} (never ran during calibration)"
+        return mod
     if obs is not None and not _is_calibrated(obs):
         raise RuntimeError(
             f"convert: module '{_path(name)}' ({type(mod).__name__}) has an observer that saw no data; "
@@ -477,6 +488,8 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
         model = copy.deepcopy(model)
     float_twin = copy.deepcopy(model) if speed_check is not None else None
     report = ConvertReport()
+    observers = [m for m in model.modules() if _is_observer(m) and not getattr(m, "is_dynamic", False)]
+    report._calibrated = any([_is_calibrated(m) for m in observers])  # type: ignore[attr-defined]
     model = _convert(model, "", mapping, report, dynamic).eval()
     if float_twin is not None:
         speed = keep_faster(model, float_twin, speed_check)

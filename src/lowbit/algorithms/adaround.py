@@ -10,7 +10,8 @@ For one layer with weight grid ``(s, z)`` (per output channel) the weight is
 on calibration data: ``x_q`` is the layer's input *in the quantized model* (earlier layers already
 rounded, activations fake-quantized), ``y`` the float model's output of this layer, so each layer
 also absorbs the error arriving from upstream. ``beta`` anneals from 20 to 2 after a 20 % warm-up
-(the regulariser then pushes every ``h`` to 0 or 1); the final codes round ``h(V) >= 0.5`` up.
+(the regulariser then pushes every ``h`` to 0 or 1); the final codes round ``h(V) >= 0.5`` up, unless
+round-to-nearest scores better on the whole calibration objective (short runs can end worse).
 Cost: ``iters`` forward/backward passes of the layer on ``batch_size`` samples.
 
 >>> import torch
@@ -19,7 +20,7 @@ Cost: ``iters`` forward/backward passes of the layer on ``batch_size`` samples.
 >>> x = torch.randn(256, 16); y = lin(x)
 >>> w = lin.weight.detach(); s = w.abs().amax(1, keepdim=True) / 8; z = torch.zeros_like(s)   # a coarse 4-bit grid
 >>> q_near = torch.clamp(torch.round(w / s), -8, 7)
->>> q = adaround_codes(w, s, z, -8, 7, lambda w_, i: nn.functional.linear(x[i], w_, lin.bias), y, iters=300, batch_size=64)
+>>> q = adaround_codes(w, s, z, -8, 7, lambda w_, i: nn.functional.linear(x[i], w_, lin.bias), y, iters=100, batch_size=64)
 >>> err = lambda q_: float((nn.functional.linear(x, (q_ - z) * s, lin.bias) - y).pow(2).mean())
 >>> err(q) < err(q_near)
 True
@@ -81,4 +82,12 @@ def adaround_codes(weight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin:
         opt.step()
     with torch.no_grad():
         up = (rectified_sigmoid(v) >= 0.5).to(torch.float32)
-        return torch.clamp(w_floor + up + z, qmin, qmax)
+        learned = torch.clamp(w_floor + up + z, qmin, qmax)
+        nearest = torch.clamp(torch.round(w_s) + z, qmin, qmax)
+
+        def err(q: torch.Tensor) -> float:
+            w_hat = (q - z) * s
+            return sum(float((forward(w_hat, i) - target[i]).pow(2).sum())
+                       for i in torch.arange(n).split(max(1, batch_size)))
+
+        return learned if err(learned) <= err(nearest) else nearest  # a short run can end worse: keep nearest

@@ -164,8 +164,8 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
                     eq[node] = layer_forward(mod, eq[src], w_hat)
             else:
                 for env in (*envs_f, *envs_q):
-                    args = fx.node.map_arg(node.args, lambda n: env[n])
-                    kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+                    args = fx.node.map_arg(node.args, env.__getitem__)
+                    kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
                     if node.op == "get_attr":
                         val: Any = gm
                         for part in str(node.target).split("."):
@@ -224,11 +224,11 @@ def reconstruct_eager(prepared: nn.Module, calib: Iterable[Any], adaround: bool 
 
     batches, g = _batches(calib), torch.Generator().manual_seed(seed)
     names = {m: n for n, m in prepared.named_modules()}
+    float_model = copy.deepcopy(prepared)  # before the order hooks, which must not travel with the copy
+    fnames = dict(float_model.named_modules())
     order: list[nn.Module] = []
     hooks = [m.register_forward_pre_hook(lambda m, _a: order.append(m) if m not in order else None)
              for m in prepared.modules() if is_weighted(m)]
-    float_model = copy.deepcopy(prepared)
-    fnames = dict(float_model.named_modules())
     obs = _patch_observers(prepared, "float")
     try:
         with torch.no_grad():

@@ -26,7 +26,8 @@ class          ops                                         after ``convert_fx``
 ``fuse_graph`` folds the runs ``conv-bn(-relu)``, ``conv-relu``, ``linear-relu``, ``linear-bn``,
 ``bn-relu`` and (not for QAT) ``convtranspose-bn`` (relu as ``nn.ReLU``, ``F.relu``, ``torch.relu``
 or ``.relu()``; not for QAT also a ``[0, t]`` clamp — ``ReLU6``, ``F.relu6``, ``Hardtanh(0, t)``,
-``clamp(x, 0, t)`` — as ``nni.ClampedReLU(t)``, whose clamp the output grid then performs; not a layer under a dynamic qconfig: there is no fused dynamic module) into one
+``clamp(x, 0, t)`` — as ``nni.ClampedReLU(t)``, whose clamp the output grid then performs; not a
+layer under a dynamic qconfig: there is no fused dynamic module) into one
 ``lowbit.nn.intrinsic`` module via ``lowbit.fuse.fuse_known_modules``;
 ``relu(a + b)`` into one ``add_relu`` node; and ``relu(F.linear(x, self.w, self.b))`` (likewise
 ``F.conv1d/2d/3d``) into one ``linear_relu`` / ``conv2d_relu`` node (``lowbit.fx.weighted``).

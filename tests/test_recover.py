@@ -1,0 +1,235 @@
+"""Accuracy recovery (``lowbit.algorithms``) and ``quantize_ptq``: small nets, kernels pinned.
+
+- AdaRound never does worse than round-to-nearest on the layer objective it optimises (property test);
+- learned codes survive ``convert_fx`` / ``convert`` exactly (frozen weight grid);
+- bias correction removes the per-channel mean output error on the calibration data;
+- cross-layer equalization keeps the float function (ReLU / identity pairs, depthwise -> pointwise),
+  equalizes the ranges, and replaces a ReLU6 clamp by ReLU (reported);
+- ``quantize_ptq``: ``default`` equals ``prepare_fx`` → ``convert_fx``; ``accurate`` beats it on a
+  depthwise net, in graph mode and (``reconstruct_eager``) eager mode; bad input raises.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import lowbit as Q
+from lowbit import kernels
+from lowbit.algorithms import adaround_codes, reconstruct
+from lowbit.algorithms.equalize import equalize_prepared
+from lowbit.algorithms.layers import split, weight_codes
+
+
+@pytest.fixture(autouse=True)
+def _pin():
+    with kernels.use_backend("reference"):
+        yield
+
+
+def _sqnr(ref, out):
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()))
+
+
+class DwNet(nn.Module):
+    """conv-bn-relu6 → depthwise-bn-relu6 (badly scaled channels) → pointwise-bn → residual → pool → fc."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU6())
+        self.dw = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False), nn.BatchNorm2d(16),
+                                nn.ReLU6())
+        self.pw = nn.Sequential(nn.Conv2d(16, 16, 1, bias=False), nn.BatchNorm2d(16))
+        self.fc = nn.Linear(16, 5)
+        with torch.no_grad():  # channel ranges spread over 3 decades, as in MobileNetV2's depthwise layers
+            self.dw[0].weight.mul_(torch.logspace(-1.5, 1.5, 16).view(16, 1, 1, 1))
+            for bn in (self.stem[1], self.dw[1], self.pw[1]):
+                bn.running_mean.uniform_(-0.5, 0.5)
+                bn.running_var.uniform_(0.5, 2.0)
+                bn.bias.uniform_(-0.2, 0.5)
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = h + self.pw(self.dw(h))
+        return self.fc(nn.functional.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+def _data(n=4, batch=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, 3, 12, 12, generator=g) for _ in range(n)]
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10_000), bits=st.sampled_from([3, 4, 8]))
+def test_adaround_never_worse_than_nearest_on_its_objective(seed, bits):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(6, 10, generator=g)
+    x = torch.randn(128, 10, generator=g)
+    y = x @ w.t()
+    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    s = w.abs().amax(1, keepdim=True) / hi
+    z = torch.zeros_like(s)
+    near = torch.clamp(torch.round(w / s), lo, hi)
+    q = adaround_codes(w, s, z, lo, hi, lambda w_, i: x[i] @ w_.t(), y, iters=150, batch_size=128,
+                       generator=torch.Generator().manual_seed(0))
+    err = lambda c: float((x @ ((c - z) * s).t() - y).pow(2).mean())  # noqa: E731
+    assert q.min() >= lo and q.max() <= hi and bool((q == q.round()).all())
+    assert bool(((q - w / s).abs() < 1 + 1e-5).all())  # only ever the floor or the ceiling
+    assert err(q) <= err(near) * 1.02 + 1e-9
+
+
+def test_adaround_rejects_negative_iters():
+    with pytest.raises(ValueError, match="iters=-1"):
+        adaround_codes(torch.ones(2, 2), torch.ones(2, 1), torch.zeros(2, 1), -8, 7, lambda w, i: w, torch.ones(2, 2),
+                       iters=-1)
+
+
+def _prepared(model, calib):
+    p = Q.prepare_fx(copy.deepcopy(model).eval(), Q.get_default_qconfig_mapping(), example_inputs=(calib[0],))
+    with torch.no_grad():
+        for b in calib:
+            p(b)
+    return p
+
+
+def test_learned_codes_survive_convert_fx_and_run_on_int8_modules():
+    torch.manual_seed(0)
+    model, calib = DwNet().eval(), _data()
+    p = _prepared(model, calib)
+    changes = reconstruct(p, calib, iters=40, batch_size=8, progress=False)
+    assert [c.name for c in changes] == ["stem.0", "dw.0", "pw.0", "fc"]
+    assert any(c.codes_changed > 0 for c in changes)
+    mods = dict(p.named_modules())
+    learned = {c.name: weight_codes(mods[c.name])[0] for c in changes}
+    q = Q.convert_fx(p)
+    qmods = dict(q.named_modules())
+    for name, codes in learned.items():
+        assert type(qmods[name]).__module__.startswith("lowbit.nn.quantized"), name
+        torch.testing.assert_close(qmods[name].weight().int_repr().float(), codes, rtol=0, atol=0, msg=name)
+
+
+def test_bias_correction_removes_mean_channel_error():
+    torch.manual_seed(1)
+    lin = nn.Sequential(nn.Linear(32, 8)).eval()
+    with torch.no_grad():
+        lin[0].weight.add_(0.05)  # rounding errors that do not cancel
+    calib = [torch.rand(64, 32) * 4 for _ in range(2)]
+    qc = Q.QConfig(activation=Q.MinMaxObserver.with_args(), weight=Q.PerChannelMinMaxObserver.with_args(
+        ch_axis=0, qdtype=Q.qint8.with_range(-8, 7)))  # a coarse 4-bit weight grid makes the bias visible
+    p = Q.prepare_fx(lin, Q.QConfigMapping().set_global(qc), example_inputs=(calib[0],))
+    before = copy.deepcopy(p)
+    for b in calib:
+        p(b)
+        before(b)
+    x = torch.cat(calib)
+    err_before = (Q.convert_fx(before)(x) - lin(x)).mean(0).abs().max()
+    reconstruct(p, calib, adaround=False, bias_correction=True, progress=False)
+    err_after = (Q.convert_fx(p)(x) - lin(x)).mean(0).abs().max()
+    assert err_after < 0.2 * err_before
+
+
+def test_equalize_keeps_function_and_equalizes_ranges():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU(),
+                          nn.Conv2d(8, 4, 1)).eval()
+    with torch.no_grad():
+        model[0].weight.mul_(torch.logspace(-2, 1, 8).view(8, 1, 1, 1))
+    x = torch.randn(4, 3, 6, 6)
+    p = Q.prepare_fx(model, Q.get_default_qconfig_mapping(), example_inputs=(x,))
+    pairs = equalize_prepared(p, [x], sweeps=4)
+    assert [(e.first, e.second) for e in pairs] == [("0", "2"), ("2", "4")]  # incl. depthwise -> pointwise
+    assert pairs[0].ratio_before > 50 and pairs[0].ratio_after < 1.5
+    torch.testing.assert_close(p(x), model(x), atol=1e-4, rtol=1e-4)
+
+
+def test_equalize_replaces_relu6_and_reports_it():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU6(), nn.Linear(4, 2)).eval()
+    x = torch.randn(8, 4)
+    p = Q.prepare_fx(model, Q.get_default_qconfig_mapping(), example_inputs=(x,))
+    assert equalize_prepared(copy.deepcopy(p), [x]) == []  # default: a ReLU6 pair is left alone
+    (pair,) = equalize_prepared(p, [x], relu6="replace")
+    assert pair.relu6_replaced and type(split(dict(p.named_modules())["0"])[1]) is nn.ReLU
+
+
+def test_quantize_ptq_composes_equalize_with_rounding():
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU(),
+                          nn.Conv2d(8, 4, 1), nn.Flatten(), nn.Linear(4 * 12 * 12, 3)).eval()
+    with torch.no_grad():
+        model[0].weight.mul_(torch.logspace(-2, 1, 8).view(8, 1, 1, 1))
+    calib, x = _data(), _data(1, seed=3)[0]
+    q, rep = Q.quantize_ptq(model, calib, iters=20, equalize=True, progress=False)
+    assert [s for s, _ in rep.steps][:3] == ["fuse", "equalize", "calibrate"] and len(rep.equalized) == 2
+    assert _sqnr(model(x), q(x)) > 25
+
+
+def test_equalize_rejects_eager_models():
+    with pytest.raises(TypeError, match="prepare_fx model"):
+        equalize_prepared(nn.Linear(2, 2))
+
+
+def test_quantize_ptq_default_is_todays_behaviour():
+    model, calib = DwNet().eval(), _data()
+    qmodel, report = Q.quantize_ptq(model, calib, recipe="default", progress=False)
+    ref = Q.convert_fx(_prepared(model, calib))
+    x = _data(1, seed=5)[0]
+    torch.testing.assert_close(qmodel(x), ref(x), rtol=0, atol=0)
+    assert [s for s, _ in report.steps] == ["fuse", "calibrate", "convert"] and not report.layers
+
+
+def test_quantize_ptq_accurate_beats_default_and_reports():
+    torch.manual_seed(3)
+    model, calib, x = DwNet().eval(), _data(), _data(2, seed=9)[0]
+    ref = model(x)
+    qd, _ = Q.quantize_ptq(model, calib, recipe="default", progress=False)
+    qa, rep = Q.quantize_ptq(model, calib, recipe="accurate", iters=60, progress=False)
+    assert _sqnr(ref, qa(x)) > _sqnr(ref, qd(x)) + 1.0
+    assert [s for s, _ in rep.steps] == ["fuse", "calibrate", "round", "correct bias", "convert"]
+    assert len(rep.layers) == 4 and "AdaRound" in str(rep)
+    assert all(type(m).__module__.startswith("lowbit.nn.quantized") for n, m in qa.named_modules()
+               if n in ("stem.0", "dw.0", "pw.0", "fc"))
+
+
+def test_reconstruct_eager_mode_improves_sqnr():
+    torch.manual_seed(4)
+    model = nn.Sequential(Q.QuantStub(), nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3, groups=8),
+                          nn.MaxPool2d(4), nn.Flatten(), nn.Linear(8 * 2 * 2, 4), Q.DeQuantStub()).eval()
+    with torch.no_grad():
+        model[3].weight.mul_(torch.logspace(-1, 1, 8).view(8, 1, 1, 1))
+    calib, x = _data(8, 16), _data(1, 64, seed=7)[0]
+    ref = model(x)
+
+    def prepared():
+        p = Q.prepare(copy.deepcopy(model), Q.get_default_qconfig())
+        for b in calib:
+            p(b)
+        return p
+
+    plain = Q.convert(prepared())
+    p = prepared()
+    changes = reconstruct(p, calib, iters=60, progress=False)
+    assert [c.name for c in changes] == ["1", "3", "6"]
+    tuned = Q.convert(p)
+    assert _sqnr(ref, tuned(x)) > _sqnr(ref, plain(x))
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(recipe="fast"), ValueError, "recipe='fast'"),
+    (dict(iters=-2), ValueError, "iters=-2"),
+])
+def test_quantize_ptq_bad_arguments(kw, err, match):
+    with pytest.raises(err, match=match):
+        Q.quantize_ptq(DwNet().eval(), _data(1), progress=False, **kw)
+
+
+def test_quantize_ptq_bad_calib():
+    with pytest.raises(ValueError, match="calib is empty"):
+        Q.quantize_ptq(DwNet().eval(), [], progress=False)
+    with pytest.raises(TypeError, match="single tensor"):
+        Q.quantize_ptq(DwNet().eval(), torch.randn(2, 3, 8, 8), progress=False)
+    with pytest.raises(TypeError, match="nn.Module"):
+        Q.quantize_ptq("model", _data(1), progress=False)
