@@ -1,6 +1,7 @@
 """Reference models: the modules against torch.ao's reference modules, eager and graph-mode reference
 models against the int8 models, and lowering (reference -> int8) against direct conversion."""
 
+import io
 import warnings
 
 import pytest
@@ -147,6 +148,10 @@ def test_eager_reference_model_matches_int8_and_lowers_to_it(backend):
     yr = ref(x)
     assert (yr - y8).abs().max() <= quantum * 1.001  # the reference states the int8 model
     assert torch.equal(ref(x), yr) and not ref.training
+    buf = io.BytesIO()  # a saved reference model (whole-module pickle) still lowers to the same int8 model
+    torch.save(ref, buf)
+    buf.seek(0)
+    _assert_same_state(Q.lower_reference(torch.load(buf, weights_only=False)), direct)
 
 
 def test_eager_reference_of_qat_model_with_bn_folding():
