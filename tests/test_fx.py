@@ -460,3 +460,21 @@ def test_fusion_patterns(qat):
     types = quantized_types(q)
     assert types.count(nnq.ConvReLU2d) == 2 and nnq.LinearReLU in types and types.count(nnq.Linear) == 1
     assert not any(isinstance(m, nn.BatchNorm1d) for m in q.modules())
+
+
+def test_graph_modules_pickle_round_trip() -> None:
+    """torch.save/torch.load of prepared and converted GraphModules (fx re-creates the tracer with no arguments)."""
+    import io
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    x = torch.randn(4, 8)
+    prepared = Q.prepare_fx(m, Q.get_default_qconfig_mapping(), example_inputs=(x,))
+    prepared(x)
+    converted = Q.convert_fx(prepared)
+    for gm in (prepared, converted):
+        buf = io.BytesIO()
+        torch.save(gm, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert torch.equal(gm(x), loaded(x))

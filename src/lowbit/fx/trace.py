@@ -55,9 +55,10 @@ class _LeafRoot(nn.Module):
 class _LeafTracer(fx.Tracer):
     """``torch.nn`` / ``lowbit`` modules and the given ``opaque`` paths are leaves."""
 
-    def __init__(self, opaque: set[str], leaves: Leaves | None = None) -> None:
+    def __init__(self, opaque: set[str] | None = None, leaves: Leaves | None = None) -> None:
+        # torch.fx re-creates the tracer class with no arguments when a GraphModule is unpickled
         super().__init__()
-        self.opaque = opaque
+        self.opaque = opaque if opaque is not None else set()
         self.leaf_modules, self.leaf_types = leaves if leaves is not None else (set(), set())
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
