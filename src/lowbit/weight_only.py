@@ -150,11 +150,20 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128,
     if method == "gptq" and calib is None:
         raise ValueError("quantize_weight_only: method='gptq' needs calib= (an iterable of model inputs)")
     skip = tuple(skip)
+    for name, lin in _targets(model, skip).items():  # before any copy or calibration work
+        bad = int((~torch.isfinite(lin.weight.detach())).sum())
+        if bad:
+            raise ValueError(f"quantize_weight_only: layer {name or '<model>'!r} has {bad} NaN/Inf weight values "
+                             f"(of {lin.weight.numel()}); fix the checkpoint before quantizing")
     if not inplace:
         model = copy.deepcopy(model)
     model.eval()
     linears = _targets(model, skip)
     hessians = collect_hessians(model, linears, calib) if method == "gptq" else {}  # type: ignore[arg-type]
+    for name, h in hessians.items():
+        if not bool(torch.isfinite(h).all()):
+            raise ValueError(f"quantize_weight_only: the calibration inputs reaching layer {name or '<model>'!r} hold "
+                             "NaN/Inf (their XᵀX is not finite); GPTQ needs finite calibration data")
     changed: list[str] = []
     built: dict[str, WeightOnlyLinear] = {}
     for names in _same_input_runs(list(linears), hessians):

@@ -141,6 +141,11 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, g: int, qdtype: QDtype
     H = hessian.detach().to(torch.float64).clone()  # float64 keeps the Cholesky stable at K=1536
     if H.shape != (K, K):
         raise ValueError(f"gptq_quantize: hessian of shape {tuple(H.shape)} does not match in_features={K}")
+    if not bool(torch.isfinite(W).all()):
+        raise ValueError(f"gptq_quantize: the weight holds {int((~torch.isfinite(W)).sum())} NaN/Inf values")
+    if not bool(torch.isfinite(H).all()):
+        raise ValueError("gptq_quantize: the hessian XᵀX holds NaN/Inf: the calibration inputs reaching this layer "
+                         "(or their squares) are not finite")
     dead = torch.diag(H) == 0  # inputs that never fired: their weights cannot matter
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
@@ -219,6 +224,10 @@ class WeightOnlyLinear(nn.Module):
         if method == "gptq" and not isinstance(hessian, torch.Tensor):
             raise ValueError("WeightOnlyLinear.from_float: method='gptq' needs hessian=X^T X of calibration inputs "
                              "(lowbit.quantize_weight_only collects it from calib batches)")
+        bad = int((~torch.isfinite(mod.weight.detach())).sum())
+        if bad:
+            raise ValueError(f"WeightOnlyLinear.from_float: the weight holds {bad} NaN/Inf values "
+                             f"(of {mod.weight.numel()}); they have no place on a quantization grid")
         q = cls(mod.in_features, mod.out_features, mod.bias is not None, bits, group_size, symmetric, relu, kernel)
         w = mod.weight.detach().cpu()
         if method == "gptq":
