@@ -178,3 +178,52 @@ def test_int_mm_cuda() -> None:
 def test_reference() -> None:
     wrong = scan("reference", safe=False, zp_w=True, shapes=GRID[::3])
     assert not wrong, f"wrong sums: {wrong}"
+
+
+# ---------------------------------------------------------------- convolutions: oneDNN single call vs split
+
+CONVS = [(dim, cin, cout, ks, groups, stride)
+         for dim in (1, 2, 3) for cin, cout, groups in ((1, 1, 1), (1, 3, 1), (3, 2, 1), (4, 4, 2), (7, 5, 1), (6, 6, 6),
+                                                        (17, 8, 1))
+         for ks, stride in ((1, 1), (3, 2))
+         if dim != 3 or cin <= 7]
+
+
+def conv_operands(dim: int, cin: int, cout: int, ks: int, groups: int, safe: bool
+                  ) -> tuple[Q.QTensor, Q.QTensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(dim * 1000 + cin * 37 + cout * 5 + ks)
+    spatial = (7,) * dim if dim < 3 else (5,) * dim
+    x = Q.QTensor(torch.randint(0, 256, (2, cin, *spatial), generator=g, dtype=torch.uint8), 1.0,
+                  int(torch.randint(0, 256, (), generator=g)), Q.quint8)
+    lo, hi = (-64, 63) if safe else (-128, 127)
+    codes = torch.randint(lo, hi + 1, (cout, cin // groups, *(ks,) * dim), generator=g, dtype=torch.int8)
+    if not safe and codes[0].numel() > 1:
+        codes.view(cout, -1)[:, :2] = 127           # a pair that saturates vpmaddubsw
+    w = Q.QTensor(codes, torch.ones(cout), torch.zeros(cout, dtype=torch.int64), Q.qint8, 0)
+    acc = getattr(torch.nn.functional, f"conv{dim}d")
+    return x, w, acc
+
+
+@pytest.mark.parametrize("variant", ["vnni-single", "avx2-single", "avx2-split"])
+def test_onednn_conv_paths(monkeypatch: pytest.MonkeyPatch, paths: Counter[str], variant: str) -> None:
+    force(monkeypatch, vnni=variant == "vnni-single", fbgemm=False)
+    safe = variant == "avx2-single" or (variant == "vnni-single" and not _REAL_VNNI)
+    wrong, splits = [], 0
+    for dim, cin, cout, ks, groups, stride in CONVS:
+        x, w, conv = conv_operands(dim, cin, cout, ks, groups, safe)
+        spec = K.ConvSpec(dim, (stride,) * dim, (ks // 2,) * dim, (1,) * dim, groups)
+        with K.use_backend("onednn"):
+            before = K.counts[("onednn", "conv")]
+            y = K.conv(x, w, None, spec, None, cache={})
+            assert K.counts[("onednn", "conv")] == before + 1, "oneDNN declined (fell back)"
+        # the exact oracle: integer-valued float64 conv of (q_x - z_x) (padding adds 0) and q_w
+        want = conv((x.int_repr().double() - int(x.zero_point)), w.int_repr().double(), None, spec.stride,
+                    spec.padding, spec.dilation, groups)
+        if y.shape != want.shape or not torch.equal(y.double(), want):
+            wrong.append(f"conv{dim}d cin={cin} cout={cout} k={ks} groups={groups} stride={stride}")
+        splits += int(not safe and not onednn.saturation_safe(w.int_repr()))
+    assert not wrong, f"wrong int32 sums: {wrong}"
+    if variant == "avx2-split":
+        assert paths["_split_run"] == splits > 0 and set(paths) == {"_split_run"}
+    else:
+        assert not paths, f"expected the single-call path only, ran {dict(paths)}"
