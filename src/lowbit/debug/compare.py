@@ -15,7 +15,10 @@ Fused models: a quantized module at ``N`` followed, in its parent, by ``nn.Ident
 ``M1..Mk`` that exist in the float model (the BN/ReLU that ``fuse_modules`` folded away) is compared
 with the float output at ``Mk``; its weight is compared with the float weight with the BN at ``M1``
 folded in. A float model fused beforehand works too (same names; its ``Identity`` passes the fused
-output on). A quantized model built from ``QuantWrapper(float_model)`` matches ``module.<name>``.
+output on). Graph-mode models (``convert_fx``) say in ``lowbit_report.absorbed`` which BN/ReLU each
+fused layer absorbed: the layer is compared with the float output of the last of them (a functional
+ReLU applied to the float output before it) and its weight with the BN folded in, as in eager mode.
+A quantized model built from ``QuantWrapper(float_model)`` matches ``module.<name>``.
 
 >>> import torch, lowbit as Q
 >>> from torch import nn
@@ -226,11 +229,13 @@ class _Pair:
     float_name: str           # float module at the same name
     ref: str                  # float module whose output is compared
     fused: list[str]          # float names of the fused-away modules M1..Mk
+    relu: bool = False        # a functional ReLU was absorbed after ``ref`` (graph mode): apply it
 
 
 def _pairs(float_model: nn.Module, quantized_model: nn.Module) -> list[_Pair]:
     f_named = dict(float_model.named_modules())
     q_named = dict(quantized_model.named_modules())
+    absorbed = getattr(getattr(quantized_model, "lowbit_report", None), "absorbed", None) or {}
     pairs = []
     for name, qmod in q_named.items():
         fname = _float_name(name, f_named) if _is_quantized(qmod) else None
@@ -247,7 +252,11 @@ def _pairs(float_model: nn.Module, quantized_model: nn.Module) -> list[_Pair]:
                 if not isinstance(sib, nn.Identity) or fsib is None:
                     break
                 fused.append(fsib)
-        pairs.append(_Pair(name, qmod, fname, fused[-1] if fused else fname, fused))
+        relu = False
+        if not fused and name in absorbed:  # graph mode: the fused run recorded by prepare_fx
+            fused = [f for f in absorbed[name] if f != "relu" and f in f_named]
+            relu = absorbed[name][-1] == "relu"
+        pairs.append(_Pair(name, qmod, fname, fused[-1] if fused else fname, fused, relu))
     return pairs
 
 
@@ -362,6 +371,7 @@ def compare(float_model: nn.Module, quantized_model: nn.Module, inputs: Any) -> 
                     calls_f, calls_q = rec_f.outputs.get(p.ref, []), rec_q.outputs.get(p.name, [])
                     for outs_f, outs_q in zip(calls_f, calls_q):
                         for x, x_hat in zip(outs_f, outs_q):
+                            x = x.relu() if p.relu else x
                             act[p.name].add(x, x_hat, f"compare: layer '{p.name or '<root>'}' vs float '{p.ref}'")
                 rec_f.outputs.clear()
                 rec_q.outputs.clear()
@@ -384,6 +394,7 @@ def compare(float_model: nn.Module, quantized_model: nn.Module, inputs: Any) -> 
             stats = _Stats()
             stats.add(w, w_hat, f"compare: weight of '{p.name}'")
             w_sqnr, w_err = stats.sqnr_db, stats.max_err
-        rows.append(LayerComparison(p.name, type(p.qmod).__name__, p.ref, act[p.name].sqnr_db,
+        rows.append(LayerComparison(p.name, type(p.qmod).__name__, p.ref + (" + relu" if p.relu else ""),
+                                    act[p.name].sqnr_db,
                                     act[p.name].max_err, w_sqnr, w_err))
     return CompareResult(rows)

@@ -15,7 +15,10 @@ on ``calib``, ``convert``), ``"qat"`` (``prepare_qat``, observers warmed on ``ca
 if it is given, then ``train_fn(prepared)`` fine-tunes in place, then ``convert``; the default
 mapping is ``get_default_qat_qconfig_mapping()``, ``fuse`` groups go through ``fuse_modules_qat``)
 or ``"dynamic"`` (``quantize_dynamic`` of the layers the mapping targets — Linear, RNN/LSTM/GRU and their cells —
-with the per-layer qconfigs; default ``get_dynamic_qconfig()``; ``calib`` may be ``None``).
+with the per-layer qconfigs; default ``get_dynamic_qconfig()``; ``calib`` may be ``None``), or ``"fx"``
+(graph mode: ``prepare_fx`` with ``example_inputs`` — default: the first calibration batch —, calibrate,
+``convert_fx``; layers are the original model's module names, BN folding is automatic, ``fuse`` must be
+``None``).
 
 Models without ``QuantStub`` work: a quantized layer quantizes its float input on the grid observed
 during calibration, and a float layer given a ``QTensor`` runs on its dequantized values (the
@@ -51,6 +54,7 @@ import torch
 from torch import nn
 
 from ..fuse import fuse_modules, fuse_modules_qat
+from ..fx import convert_fx, prepare_fx
 from ..mappings import (
     get_default_dynamic_quant_module_mappings,
     get_default_qat_module_mappings,
@@ -61,9 +65,9 @@ from ..quantize_dynamic import quantize_dynamic
 from ..stubs import DeQuantStub, QuantStub
 from ..workflow import convert, prepare, prepare_qat, propagate_qconfig_
 from ..qtensor import QTensor, _warned_ops
-from .compare import check_module, iter_batches, run_batch
+from .compare import _flatten, check_module, iter_batches, run_batch
 
-__all__ = ["SensitivityRow", "SensitivityTable", "sensitivity"]
+__all__ = ["SensitivityRow", "SensitivityTable", "layer_sensitivity", "sensitivity"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class SensitivityTable:
     tolerance: float | None = None
     float_layers: list[str] = field(default_factory=list)
     final_metric: float | None = None      # everything quantized except float_layers (tolerance only)
+    all_quantized_metric: float | None = None  # everything quantized (auto_mixed_precision)
 
     @property
     def final_drop(self) -> float | None:
@@ -101,11 +106,14 @@ class SensitivityTable:
 
     def _footer(self) -> str:
         text = f"baseline (float) = {self.baseline + 0.0:.4g}"  # + 0.0: no "-0"
+        if self.all_quantized_metric is not None:
+            text += f"; all quantized = {self.all_quantized_metric + 0.0:.4g}"
         if self.final_metric is not None:
             assert self.final_drop is not None
+            budget = ("no tolerance" if self.tolerance is None else
+                      f"tolerance {self.tolerance:g}, {'met' if self.met_tolerance else 'NOT met'}")
             text += (f"; all quantized but {len(self.float_layers)} float layer(s): {self.final_metric + 0.0:.4g} "
-                     f"(drop {self.final_drop:+.4g}, tolerance {self.tolerance:g}, "
-                     f"{'met' if self.met_tolerance else 'NOT met'})")
+                     f"(drop {self.final_drop:+.4g}, {budget})")
         return text
 
     def __str__(self) -> str:
@@ -161,7 +169,7 @@ def _score(eval_fn: Callable[[nn.Module], Any], model: nn.Module, what: str) -> 
     return float(value)
 
 
-_METHODS = ("ptq", "qat", "dynamic")
+_METHODS = ("ptq", "qat", "dynamic", "fx")
 
 
 def _quantizable(method: str) -> set[type]:
@@ -182,7 +190,8 @@ def _layers(model: nn.Module, mapping: QConfigMapping, method: str,
 
     def walk(mod: nn.Module, name: str) -> None:
         qc = getattr(mod, "qconfig", None)
-        if type(mod) in quantizable and (qc is not None or keep_none):
+        if type(mod) in quantizable and (qc is not None or keep_none) and not (
+                method == "fx" and isinstance(mod, nn.modules.batchnorm._BatchNorm)):
             if not isinstance(mod, (QuantStub, DeQuantStub)):
                 out.append((name, type(mod).__name__, qc))
             return
@@ -216,9 +225,29 @@ def _dynamic_spec(base: nn.Module, mapping: QConfigMapping) -> dict[str, QConfig
     return {name: qc for name, _, qc in _layers(base, mapping, "dynamic", keep_none=True)}
 
 
+def example_inputs_of(batch: Any, where: str) -> tuple[Any, ...]:
+    """A calibration batch as ``prepare_fx``'s ``example_inputs`` (a dict batch needs them explicitly)."""
+    if isinstance(batch, torch.Tensor):
+        return (batch,)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch)
+    raise ValueError(f"{where}: graph mode needs example_inputs (a tuple of positional arguments) for batches "
+                     f"of type {type(batch).__name__}")
+
+
 def _quantize(base: nn.Module, mapping: QConfigMapping, calib: list[Any], method: str,
-              train_fn: Callable[[nn.Module], Any] | None) -> nn.Module:
+              train_fn: Callable[[nn.Module], Any] | None, example_inputs: tuple[Any, ...] | None = None) -> nn.Module:
     """``base`` quantized by ``method`` under ``mapping`` (a new model; ``base`` is not modified)."""
+    if method == "fx":
+        with warnings.catch_warnings():  # untraceable children are reported by prepare_fx itself
+            warnings.filterwarnings("ignore", message=r".*cannot be traced")
+            prepared = prepare_fx(copy.deepcopy(base), mapping, example_inputs=example_inputs)
+        with torch.no_grad():
+            for batch in calib:
+                run_batch(prepared, batch)
+        qmodel = convert_fx(prepared)
+        qmodel.register_forward_hook(_dequantize_output)
+        return qmodel
     if method == "dynamic":
         with warnings.catch_warnings():  # a mapping that targets nothing is a legal candidate (all float)
             warnings.filterwarnings("ignore", message=r"quantize_dynamic\(\): no module")
@@ -246,7 +275,8 @@ def _quantize(base: nn.Module, mapping: QConfigMapping, calib: list[Any], method
 
 def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Callable[[nn.Module], Any],
                 tolerance: float | None = None, fuse: Any = None, method: str = "ptq",
-                train_fn: Callable[[nn.Module], Any] | None = None) -> tuple[QConfigMapping, SensitivityTable]:
+                train_fn: Callable[[nn.Module], Any] | None = None,
+                example_inputs: tuple[Any, ...] | None = None) -> tuple[QConfigMapping, SensitivityTable]:
     """Quantize one layer at a time and rank layers by metric drop; optionally keep the worst ones float.
 
     ``qconfig_mapping``: a ``QConfigMapping``, a ``QConfig`` (global), a qconfig dict or ``None``
@@ -274,9 +304,12 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
                         f"got {train_fn!r}")
     if method != "qat" and train_fn is not None:
         raise ValueError(f"sensitivity: train_fn is only used with method='qat' (method={method!r})")
-    default = {"ptq": None, "qat": get_default_qat_qconfig_mapping(), "dynamic": get_dynamic_qconfig()}[method]
+    if method == "fx" and fuse is not None:
+        raise ValueError("sensitivity: method='fx' fuses by itself; fuse must be None")
+    default = {"ptq": None, "fx": None, "qat": get_default_qat_qconfig_mapping(),
+               "dynamic": get_dynamic_qconfig()}[method]
     user_mapping = copy.deepcopy(QConfigMapping.from_qconfig(qconfig_mapping, default))
-    optional_calib = method != "ptq" and calib is None
+    optional_calib = method in ("qat", "dynamic") and calib is None
     batches = [] if optional_calib else list(iter_batches(calib, "sensitivity: calib"))
     base = _fused(model, fuse, method)
     layers = _layers(base, user_mapping, method)
@@ -284,8 +317,11 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
         raise ValueError(f"sensitivity: qconfig_mapping quantizes no layer of the model for method={method!r} "
                          "(every quantizable module resolves to None)")
 
+    if method == "fx" and example_inputs is None:
+        example_inputs = example_inputs_of(batches[0], "sensitivity")
+
     def quantized(mapping: QConfigMapping, what: str) -> float:
-        return _score(eval_fn, _quantize(base, mapping, batches, method, train_fn), what)
+        return _score(eval_fn, _quantize(base, mapping, batches, method, train_fn, example_inputs), what)
 
     with _quiet_float_fallback(), torch.no_grad():
         baseline = _score(eval_fn, copy.deepcopy(base).eval(), "the float model")
@@ -305,3 +341,44 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
                 metric = quantized(user_mapping, f"the model with {table.float_layers} float")
             table.final_metric = metric
     return user_mapping, table
+
+
+def layer_sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, inputs: Any = None, mode: str = "eager",
+                      example_inputs: tuple[Any, ...] | None = None, fuse: Any = None) -> SensitivityTable:
+    """"Quantize only this layer", for every layer, scored by the model output's error: worst first.
+
+    No metric needed: ``metric = -Σ(y - ŷ)² / Σ y²`` over ``inputs`` (default: ``calib``), ``y`` the float
+    model's outputs, ``ŷ`` those of the model with only that layer int8; so ``drop`` is the
+    noise-to-signal ratio that layer alone causes and ``-10·log10(drop)`` its output SQNR in dB.
+    ``mode``: ``"eager"`` (``prepare``/``convert``, optional ``fuse`` groups) or ``"fx"`` (graph mode).
+
+    >>> import torch, lowbit as Q
+    >>> from torch import nn
+    >>> torch.manual_seed(0) and None
+    >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    >>> x = torch.randn(64, 8)
+    >>> x[0, 0] = 100.0                                     # an outlier input: layer '0' costs most
+    >>> table = layer_sensitivity(model, Q.get_minmax_qconfig(), x, mode="fx")
+    >>> [r.name for r in table.rows]
+    ['0', '2']
+    """
+    if mode not in ("eager", "fx"):
+        raise ValueError(f"layer_sensitivity: mode={mode!r} must be 'eager' or 'fx'")
+    batches = list(iter_batches(calib, "layer_sensitivity: calib"))
+    evals = batches if inputs is None else list(iter_batches(inputs, "layer_sensitivity: inputs"))
+    with torch.no_grad():
+        refs = [[t.double() for t in _flatten(run_batch(model.eval(), b))] for b in evals]
+    signal = sum(float((t * t).sum()) for ts in refs for t in ts)
+
+    def score(m: nn.Module) -> float:
+        noise = 0.0
+        for b, ts in zip(evals, refs):
+            for t, t_hat in zip(ts, _flatten(run_batch(m, b))):
+                noise += float(((t - t_hat.double()) ** 2).sum())
+        return -noise / max(signal, 1e-30)
+
+    _, table = sensitivity(model, qconfig_mapping, batches, score, fuse=fuse,
+                           method="fx" if mode == "fx" else "ptq", example_inputs=example_inputs)
+    return table
+
+

@@ -226,7 +226,10 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
         _prepare_children(mod, ctx, prefix)
         return mod
     _kinds_in_eval(gm, example_inputs)
-    ctx.report.fused += [join(prefix, f) for f in fuse_graph(gm, ctx.is_qat)]
+    absorbed: dict[str, list[str]] = {}
+    ctx.report.fused += [join(prefix, f) for f in fuse_graph(gm, ctx.is_qat, absorbed=absorbed)]
+    ctx.report.absorbed.update({join(prefix, k): [v if v == "relu" else join(prefix, v) for v in vs]
+                                for k, vs in absorbed.items()})
     if ctx.is_qat:
         _swap_qat(gm, set(opaque))
     _swap_custom(gm, ctx.custom)

@@ -29,6 +29,7 @@ class FxReport:
     converted: dict[str, str] = field(default_factory=dict)
     left_float: dict[str, str] = field(default_factory=dict)
     untraceable: dict[str, str] = field(default_factory=dict)
+    absorbed: dict[str, list[str]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"graph mode: {len(self.fused)} fused, {len(self.converted)} quantized, "

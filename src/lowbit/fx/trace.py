@@ -53,7 +53,8 @@ class _LeafRoot(nn.Module):
 
 
 class _LeafTracer(fx.Tracer):
-    """``torch.nn`` / ``lowbit`` modules and the given ``opaque`` paths are leaves."""
+    """``torch.nn`` / ``lowbit`` modules (and classes with ``_lowbit_fx_leaf = True``) and the given
+    ``opaque`` paths are leaves."""
 
     def __init__(self, opaque: set[str] | None = None, leaves: Leaves | None = None) -> None:
         # torch.fx re-creates the tracer class with no arguments when a GraphModule is unpickled
@@ -66,7 +67,7 @@ class _LeafTracer(fx.Tracer):
             return True
         if id(m) in self.leaf_modules or type(m) in self.leaf_types:  # prepare_custom_config's leaves
             return True
-        if type(m).__module__.startswith(_LOWBIT_LEAVES):
+        if type(m).__module__.startswith(_LOWBIT_LEAVES) or getattr(type(m), "_lowbit_fx_leaf", False):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
