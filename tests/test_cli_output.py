@@ -111,7 +111,8 @@ def test_the_commit_rechecks_the_target(workdir, capsys, monkeypatch):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_ctrl_c_midway_leaves_the_old_folder_intact(workdir, capsys):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_midway_leaves_the_old_folder_intact(workdir, capsys, sig):
     before = first_run(capsys)
     env = {**os.environ, "LOWBIT_TEST_STALL": str(workdir / "stalled"), "PYTHONPATH": str(Path(cli.__file__).parents[2])}
     proc = subprocess.Popen([sys.executable, "-m", "lowbit", "quantize", *BASE, "--method", "dynamic", "--out", "o"],
@@ -123,7 +124,7 @@ def test_ctrl_c_midway_leaves_the_old_folder_intact(workdir, capsys):
             time.sleep(0.1)
         assert (workdir / "stalled").exists(), proc.stderr.read() if proc.poll() is not None else "no stall"
         assert list(workdir.glob(".lowbit-*"))      # the staging folder exists: the run is midway
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, sig))
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()

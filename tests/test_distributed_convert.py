@@ -134,3 +134,13 @@ def test_sync_then_rank0_alone_converts(ranks, kind):
 def test_convert_on_all_ranks_with_one_all_nan_rank(ranks):
     assert_same_state(ranks[0]["all_ranks_nan"], ranks[1]["all_ranks_nan"])       # every rank, one model
     assert_same_state(ranks[0]["all_ranks_nan"], single_process(data(0)))         # = calibrating the finite data
+
+
+def test_single_process_bad_input_and_local_block():
+    from lowbit.observer import distributed as D
+
+    with pytest.raises(TypeError, match="sync_observers: model must be an nn.Module, got dict"):
+        Q.sync_observers({})
+    with D.local_statistics(), D.local_statistics():     # nests; the flag is restored on exit
+        assert not D.is_distributed()
+    assert D._LOCAL.depth == 0

@@ -3,8 +3,8 @@
 The order is fixed so that nothing is wasted and nothing is half-written: parse and check every
 argument, check ``--out`` and create its staging folder, load and check the model and data, then
 quantize, measure, write into the staging folder, and swap it in for ``--out`` (see ``output``).
-Every error ends as one line on stderr and exit status 2; Ctrl-C as one line and status 130; in
-both cases ``--out`` is left as it was.
+Every error ends as one line on stderr and exit status 2; Ctrl-C (or SIGTERM) as one line and status
+130; in all cases ``--out`` is left as it was.
 
 >>> build_parser().parse_args(["quantize", "--method", "ptq"]).method
 ['ptq']
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, NoReturn
@@ -155,7 +157,6 @@ def _inputs(args: argparse.Namespace, methods: list[str], say: Any) -> tuple[nn.
 def _quantize(args: argparse.Namespace) -> int:
     from .. import kernels
 
-    common.RAISE_UNEXPECTED = bool(args.traceback)
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -218,6 +219,8 @@ def _quantize(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lowbit`` command; returns the exit status (0, 2 on errors, 130 on Ctrl-C)."""
     args = build_parser().parse_args(argv)
+    previous = _on_sigterm(_interrupt)
+    common.RAISE_UNEXPECTED = bool(args.traceback)
     try:
         return _quantize(args)
     except CLIError as e:
@@ -226,3 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"lowbit: interrupted; --out {Path(args.out)} left as it was", file=sys.stderr)
         return 130
+    finally:
+        common.RAISE_UNEXPECTED = False
+        _on_sigterm(previous)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C: the staging folder goes, --out stays as it was
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install ``handler`` for SIGTERM (main thread, POSIX only); return the previous one."""
+    if handler is None or not hasattr(signal, "SIGTERM") or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)

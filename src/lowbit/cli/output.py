@@ -121,12 +121,12 @@ class OutputFolder:
         shutil.rmtree(self.staging, ignore_errors=True)
 
     def commit(self) -> list[str]:
-        """Swap the staging folder in for ``out``; return the names it holds. Ctrl-C waits until it is done."""
+        """Swap the staging folder in for ``out``; return the names it holds. Ctrl-C and SIGTERM wait until it is done."""
         (self.staging / MARKER).write_text(json.dumps({"written_by": "lowbit quantize"}) + "\n")
         names = sorted(p.name for p in self.staging.iterdir() if p.name != MARKER)
         block = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
         if block:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             _check_target(self.out)  # changed under us since the start (e.g. now a file)? keep it
             try:
@@ -147,5 +147,5 @@ class OutputFolder:
             self.committed = True
         finally:
             if block:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         return names

@@ -150,6 +150,8 @@ def sync_observers(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
     >>> sync_observers(model)        # single process: nothing to exchange, nothing changes
     2
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"sync_observers: model must be an nn.Module, got {type(model).__name__}")
     n = 0
     for mod in model.modules():
         sync = getattr(mod, "sync_statistics", None)
