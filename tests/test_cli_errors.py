@@ -107,6 +107,8 @@ def test_corrupt_image_in_the_folder_is_named(workdir, capsys):
     ("--threads", "two", "argument --threads: 'two' is not an integer"),
     ("--qat-epochs", "nan", "argument --qat-epochs: nan must be a positive finite number"),
     ("--calib-size", "0", "argument --calib-size: 0 must be >= 1"),
+    ("--threads", "100000", "argument --threads: 100000 is more than the"),
+    ("--qconfig", "bogus", "argument --qconfig: invalid choice: 'bogus'"),
     ("--method", "bogus", "invalid choice: 'bogus'"),
 ])
 def test_bad_arguments_are_one_line_exit_2(workdir, capsys, flag, value, needle):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import signal
 import sys
 import threading
@@ -28,7 +29,7 @@ from . import common
 from .common import CLIError, stage
 from .inputs import builtin_data, check_data, check_labels, check_runs, check_spec, load_array, load_model
 from .measure import accuracy, latency_ratios, state_bytes, table
-from .methods import METHODS, Job
+from .methods import METHODS, QCONFIGS, Job
 from .output import OutputFolder, strict_json
 
 __all__ = ["main", "build_parser"]
@@ -41,7 +42,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"lowbit: error: {' '.join(message.split())}\n")
 
 
-def _count(minimum: int) -> Any:
+def _cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _count(minimum: int, maximum: int | None = None) -> Any:
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -49,6 +58,8 @@ def _count(minimum: int) -> Any:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if v < minimum:
             raise argparse.ArgumentTypeError(f"{v} must be >= {minimum}" + (" (0: the default)" if minimum == 0 else ""))
+        if maximum is not None and v > maximum:
+            raise argparse.ArgumentTypeError(f"{v} is more than the {maximum} CPUs this process may use")
         return v
     parse.__name__ = "count"
     return parse
@@ -77,14 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--method", action="append", choices=list(METHODS),
                    help="repeatable; default: ptq, qat (when labels are at hand) and dynamic. " +
                         "; ".join(f"{m.name}: {m.help}" for m in METHODS.values() if m.help))
-    q.add_argument("--qconfig", default="default",
+    q.add_argument("--qconfig", default="default", choices=QCONFIGS,
                    help="static recipe: default (histogram), minmax, or speed (7-bit activations without VNNI)")
     q.add_argument("--backend", default="auto", choices=["auto", "reference", "onednn", "int_mm"])
     q.add_argument("--out", default="lowbit-out", help="output folder, replaced as a whole (default: lowbit-out)")
     q.add_argument("--quiet", action="store_true", help="no progress bars or messages")
     q.add_argument("--traceback", action="store_true", help="let unexpected errors raise with their traceback")
     q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--threads", type=_count(0), default=0, help="torch threads (0: torch's default)")
+    q.add_argument("--threads", type=_count(0, _cpus()), default=0,
+                   help=f"torch threads, at most the {_cpus()} CPUs (0: torch's default)")
     q.add_argument("--epochs", type=_positive_float, default=2.0, help="built-in example: fp32 training epochs")
     q.add_argument("--qat-epochs", dest="qat_epochs", type=_positive_float, default=0.5, help="QAT fine-tune epochs")
     q.add_argument("--train-size", dest="train_size", type=_count(1), default=12000,

@@ -27,7 +27,10 @@ from torch import nn
 
 from .common import CLIError, progress
 
-__all__ = ["Job", "Method", "METHODS", "register_method", "qconfig_for"]
+__all__ = ["Job", "Method", "METHODS", "QCONFIGS", "register_method", "qconfig_for"]
+
+#: the static recipes ``--qconfig`` accepts (its argparse choices)
+QCONFIGS = ("default", "histogram", "minmax", "speed")
 
 
 @dataclass
