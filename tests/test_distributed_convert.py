@@ -1,6 +1,6 @@
 """The documented distributed conversion patterns, 2 gloo processes, each under a timeout:
 
-1. ``sync_observers`` on every rank, then rank 0 alone calls ``convert`` (PTQ and QAT): conversion
+1. ``sync_observers`` on every rank, then rank 0 alone calls ``convert`` (PTQ, QAT, graph mode): conversion
    is local — no collective (the weight observers built or re-fed during conversion never reduce).
 2. ``convert`` on every rank when one rank's calibration data was all NaN: no rank dies; every rank
    gets the model one process calibrated on the finite data gets.
@@ -31,10 +31,19 @@ def data(rank: int) -> torch.Tensor:
     return torch.randn(32, 10, generator=torch.Generator().manual_seed(11 + rank)) * (1 + rank)
 
 
-def net(qat: bool = False) -> torch.nn.Module:
+def net(kind: str = "ptq") -> torch.nn.Module:
     torch.manual_seed(0)
-    m = Q.QuantWrapper(torch.nn.Sequential(torch.nn.Linear(10, 12), torch.nn.ReLU(), torch.nn.Linear(12, 4)))
-    return Q.prepare_qat(m.train(), Q.get_default_qat_qconfig()) if qat else Q.prepare(m.eval(), Q.get_default_qconfig())
+    float_net = torch.nn.Sequential(torch.nn.Linear(10, 12), torch.nn.ReLU(), torch.nn.Linear(12, 4))
+    if kind == "fx":
+        return Q.prepare_fx(float_net.eval(), Q.get_default_qconfig_mapping(), (torch.randn(2, 10),))
+    m = Q.QuantWrapper(float_net)
+    if kind == "qat":
+        return Q.prepare_qat(m.train(), Q.get_default_qat_qconfig())
+    return Q.prepare(m.eval(), Q.get_default_qconfig())
+
+
+def convert(prepared: torch.nn.Module, kind: str) -> torch.nn.Module:
+    return Q.convert_fx(prepared) if kind == "fx" else Q.convert(prepared.eval())
 
 
 def calibrate(prepared: torch.nn.Module, x: torch.Tensor) -> torch.nn.Module:
@@ -56,11 +65,11 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     result: dict[str, object] = {}
     try:
         # 1. sync on every rank, then rank 0 alone converts (a PTQ and a QAT model)
-        for kind in ("ptq", "qat"):
-            prepared = calibrate(net(kind == "qat"), data(rank))
+        for kind in ("ptq", "qat", "fx"):
+            prepared = calibrate(net(kind), data(rank))
             Q.sync_observers(prepared)
             if rank == 0:
-                result[f"rank0_{kind}"] = quantized_state(Q.convert(copy.deepcopy(prepared).eval()))
+                result[f"rank0_{kind}"] = quantized_state(convert(copy.deepcopy(prepared), kind))
                 store.set(f"converted_{kind}", "1")
             else:
                 store.wait([f"converted_{kind}"])       # stays alive (and out of any collective) meanwhile
@@ -104,8 +113,8 @@ def ranks(tmp_path_factory):
     return results
 
 
-def single_process(x: torch.Tensor, qat: bool = False) -> dict[str, torch.Tensor]:
-    return quantized_state(Q.convert(calibrate(net(qat), x).eval()))
+def single_process(x: torch.Tensor, kind: str = "ptq") -> dict[str, torch.Tensor]:
+    return quantized_state(convert(calibrate(net(kind), x), kind))
 
 
 def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -117,13 +126,13 @@ def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
             assert torch.equal(got[k], want[k]), k
 
 
-@pytest.mark.parametrize("kind", ["ptq", "qat"])
+@pytest.mark.parametrize("kind", ["ptq", "qat", "fx"])
 def test_sync_then_rank0_alone_converts(ranks, kind):
     union = torch.cat([data(0), data(1)])
     # the union's min/max is exact; the histogram of the union is the sum of the ranks' rebinned histograms,
     # so compare the weights (exact: same parameters on every rank) and check the activation grids are sane
     got = ranks[0][f"rank0_{kind}"]
-    want = single_process(union, kind == "qat")
+    want = single_process(union, kind)
     for k in want:
         if "weight" in k or "bias" in k:
             assert torch.equal(got[k], want[k]), k
