@@ -175,6 +175,47 @@ def test_int_mm_cuda() -> None:
     assert not wrong, f"wrong int32 sums: {wrong}"
 
 
+_UNDER_CAP = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import test_kernels_paths as T
+from lowbit.kernels import onednn
+torch.set_num_threads(1)
+assert not onednn.has_vnni(), "the ISA cap must count as no VNNI"
+shapes = T.GRID[::3]
+for backend, zp_w in (("onednn", False), ("int_mm", True)):
+    wrong = T.scan(backend, safe=False, zp_w=zp_w, shapes=shapes)
+    assert not wrong, f"{backend} under the cap: wrong int32 sums {wrong}"
+print("exact", len(shapes))
+"""
+
+
+def test_real_avx2_kernels_under_an_isa_cap() -> None:
+    """Not forced: oneDNN and torch really run their AVX2 kernels (``ONEDNN_MAX_CPU_ISA=AVX2``,
+    ``ATEN_CPU_CAPABILITY=avx2``), on a VNNI machine too, and lowbit must pick exact paths by itself
+    (there torch's ``_int_mm`` and a single oneDNN call saturate; both are guarded)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not onednn.available():
+        pytest.skip("oneDNN int8 ops not available in this torch build")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(Q.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", _UNDER_CAP, str(Path(__file__).parent)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "exact" in r.stdout, r.stderr[-3000:]
+
+
+def test_isa_cap_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cap, capped in (("", False), ("ALL", False), ("avx2", True), ("AVX512_CORE", True), ("SSE41", True),
+                        ("AVX2_VNNI", False), ("AVX512_CORE_VNNI", False), ("AVX512_CORE_AMX", False)):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert onednn.isa_capped() is capped, cap
+
+
 def test_reference() -> None:
     wrong = scan("reference", safe=False, zp_w=True, shapes=GRID[::3])
     assert not wrong, f"wrong sums: {wrong}"

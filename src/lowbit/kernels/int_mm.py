@@ -38,6 +38,12 @@ NAME = "int_mm"
 STRICT_DEVICES = {"cuda"}  # device types whose _int_mm needs s8 A, M > 16 and K, N multiples of 8
 
 
+def _onednn_capped() -> bool:
+    from .onednn import cpu_has_vnni, isa_capped
+
+    return cpu_has_vnni() and isa_capped()
+
+
 def _pad_to(t: torch.Tensor, dim: int, multiple: int, minimum: int = 0) -> torch.Tensor:
     n = t.shape[dim]
     target = max(-(-n // multiple) * multiple, minimum)
@@ -84,6 +90,10 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
         # torch's CPU _int_mm returns wrong sums for K == 1, N > 1 on AVX-512 VNNI (either weight
         # layout; every other shape of a 225-shape grid is exact): one int32 product is exact there.
         acc = q.to(torch.int32) * w_t.to(torch.int32)                 # (M, 1) x (1, N)
+    elif _onednn_capped():
+        # a VNNI CPU with ONEDNN_MAX_CPU_ISA below VNNI: torch still routes _int_mm to oneDNN, whose
+        # AVX2 kernel saturates (sums off by up to ~6e5 measured); an int32 matmul is exact
+        acc = q.to(torch.int32) @ w_t.to(torch.int32)
     else:
         acc = torch._int_mm(q, w_t)                                   # (M, N) int32
     acc = acc - zx * w_sum                                            # Σ (q_x - z_x) q_w

@@ -36,6 +36,7 @@ True
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from typing import Any
 
@@ -44,7 +45,8 @@ import torch
 from ..qtensor import QTensor
 from .spec import ConvSpec, OutGrid
 
-__all__ = ["NAME", "SMALL_M", "available", "has_vnni", "saturation_safe", "linear", "conv"]
+__all__ = ["NAME", "SMALL_M", "available", "has_vnni", "cpu_has_vnni", "isa_capped", "saturation_safe", "linear",
+           "conv"]
 
 NAME = "onednn"
 SMALL_M = 32  # rows up to which fbgemm's int8 GEMM beats oneDNN's on CPUs without VNNI (benchmarks/README.md)
@@ -58,13 +60,30 @@ def available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def has_vnni() -> bool:
-    """Whether this CPU has a non-saturating u8×s8 dot product (AVX512-VNNI, AVX-VNNI or AMX)."""
+    """Whether this CPU has a non-saturating u8×s8 dot product (AVX512-VNNI, AVX-VNNI or AMX) that
+    oneDNN may use: ``ONEDNN_MAX_CPU_ISA=AVX2`` (or any cap below VNNI) makes oneDNN run its
+    saturating AVX2 kernels on a VNNI CPU, so the cap counts as no VNNI (``isa_capped``)."""
+    return cpu_has_vnni() and not isa_capped()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_vnni() -> bool:
+    """Whether the CPU itself reports VNNI/AMX int8 (``/proc/cpuinfo`` flags)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
     except OSError:
         return False
     return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def isa_capped() -> bool:
+    """Whether ``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA`` keeps oneDNN below any VNNI ISA
+    (``SSE41``, ``AVX``, ``AVX2``, ``AVX512_CORE``, ...); ``ALL``/``DEFAULT``/unset: no cap."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    if cap in ("", "ALL", "DEFAULT"):
+        return False
+    return not ("VNNI" in cap or "AMX" in cap or "BF16" in cap or "FP16" in cap or cap.startswith("AVX10"))
 
 
 def saturation_safe(weight_codes: torch.Tensor) -> bool:
