@@ -187,6 +187,8 @@ shapes = T.GRID[::3]
 for backend, zp_w in (("onednn", False), ("int_mm", True)):
     wrong = T.scan(backend, safe=False, zp_w=zp_w, shapes=shapes)
     assert not wrong, f"{backend} under the cap: wrong int32 sums {wrong}"
+wrong, _ = T.conv_scan(safe=False)
+assert not wrong, f"onednn conv under the cap: wrong int32 sums {wrong}"
 print("exact", len(shapes))
 """
 
@@ -245,11 +247,9 @@ def conv_operands(dim: int, cin: int, cout: int, ks: int, groups: int, safe: boo
     return x, w, acc
 
 
-@pytest.mark.parametrize("variant", ["vnni-single", "avx2-single", "avx2-split"])
-def test_onednn_conv_paths(monkeypatch: pytest.MonkeyPatch, paths: Counter[str], variant: str) -> None:
-    force(monkeypatch, vnni=variant == "vnni-single", fbgemm=False)
-    safe = variant == "avx2-single" or (variant == "vnni-single" and not _REAL_VNNI)
-    wrong, splits = [], 0
+def conv_scan(safe: bool) -> tuple[list[str], int]:
+    """Run oneDNN (pinned; must not fall back) over ``CONVS``; (wrong cases, how many weights were unsafe)."""
+    wrong, unsafe = [], 0
     for dim, cin, cout, ks, groups, stride in CONVS:
         x, w, conv = conv_operands(dim, cin, cout, ks, groups, safe)
         spec = K.ConvSpec(dim, (stride,) * dim, (ks // 2,) * dim, (1,) * dim, groups)
@@ -262,9 +262,17 @@ def test_onednn_conv_paths(monkeypatch: pytest.MonkeyPatch, paths: Counter[str],
                     spec.padding, spec.dilation, groups)
         if y.shape != want.shape or not torch.equal(y.double(), want):
             wrong.append(f"conv{dim}d cin={cin} cout={cout} k={ks} groups={groups} stride={stride}")
-        splits += int(not safe and not onednn.saturation_safe(w.int_repr()))
+        unsafe += int(not onednn.saturation_safe(w.int_repr()))
+    return wrong, unsafe
+
+
+@pytest.mark.parametrize("variant", ["vnni-single", "avx2-single", "avx2-split"])
+def test_onednn_conv_paths(monkeypatch: pytest.MonkeyPatch, paths: Counter[str], variant: str) -> None:
+    force(monkeypatch, vnni=variant == "vnni-single", fbgemm=False)
+    safe = variant == "avx2-single" or (variant == "vnni-single" and not _REAL_VNNI)
+    wrong, unsafe = conv_scan(safe)
     assert not wrong, f"wrong int32 sums: {wrong}"
     if variant == "avx2-split":
-        assert paths["_split_run"] == splits > 0 and set(paths) == {"_split_run"}
+        assert paths["_split_run"] == unsafe > 0 and set(paths) == {"_split_run"}
     else:
         assert not paths, f"expected the single-call path only, ran {dict(paths)}"
