@@ -137,3 +137,15 @@ def test_default_methods_skip_qat_without_labels():
     assert command._default_methods(args) == ["ptq", "dynamic"]
     args = command.build_parser().parse_args(["quantize", "--model", "m:f", "--calib-labels", "y.pt"])
     assert command._default_methods(args) == ["ptq", "qat", "dynamic"]
+
+
+def test_a_killed_runs_staging_folder_is_removed_by_the_next_run(workdir, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()                                              # a pid that no longer runs
+    stale = workdir / f"{output._staging_prefix().replace(str(os.getpid()), str(dead.pid))}abc123"
+    stale.mkdir()
+    (stale / "model_ptq.pt").write_text("half")
+    alive = workdir / f"{output._staging_prefix()}live42"     # this process: alive, kept
+    alive.mkdir()
+    assert cli.main(["quantize", *BASE, "--method", "dynamic", "--out", "o"]) == 0
+    assert not stale.exists() and alive.exists()

@@ -2,7 +2,8 @@
 
 ``OutputFolder(path)`` checks ``path`` at once — it must be missing, an empty folder, or a folder a
 previous ``lowbit`` run wrote (it holds the marker file ``.lowbit-out``, or only files named like
-lowbit's outputs) — and creates a staging folder beside it (same file system). The run writes into
+lowbit's outputs) — and creates a staging folder beside it (same file system), named after this
+host and process so that the next run removes it should this one be killed (SIGKILL, a crash). The run writes into
 ``staging``; ``commit()`` swaps the staging folder in for ``path`` in one rename (``renameat2``'s
 ``RENAME_EXCHANGE`` on Linux; elsewhere two renames, the old folder moved aside first) and then
 deletes the old run. Leaving the ``with`` block by an exception (or Ctrl-C) deletes the staging
@@ -31,6 +32,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 from pathlib import Path
@@ -82,6 +84,30 @@ def _check_target(out: Path) -> None:
             break
 
 
+def _staging_prefix() -> str:
+    """``.lowbit-<host>-<pid>-``: whose staging folder it is, so a later run can remove it if that run died."""
+    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40] or "host"
+    return f".lowbit-{host}-{os.getpid()}-"
+
+
+_STAGING = re.compile(r"\.lowbit-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-")
+
+
+def _remove_stale_staging(parent: Path) -> None:
+    """Delete staging folders a killed run (SIGKILL, a crash) left beside ``--out``: same host, dead pid."""
+    host = _staging_prefix().split("-")[1]
+    for p in parent.iterdir():
+        m = _STAGING.match(p.name)
+        if not m or m["host"] != host or not p.is_dir() or p.is_symlink():
+            continue
+        try:
+            os.kill(int(m["pid"]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except (PermissionError, OverflowError, OSError):
+            pass                      # alive (another user's), or not ours to judge
+
+
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -105,7 +131,8 @@ class OutputFolder:
         _check_target(self.out)
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
-            self.staging = Path(tempfile.mkdtemp(prefix=".lowbit-", dir=self.out.parent))
+            _remove_stale_staging(self.out.parent)
+            self.staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(), dir=self.out.parent))
         except OSError as e:
             raise CLIError(f"--out {out}: cannot write there ({e.strerror or e})") from e
         self.committed = False
@@ -133,7 +160,7 @@ class OutputFolder:
                 if not self.out.exists():
                     os.rename(self.staging, self.out)
                 elif not _exchange(self.staging, self.out):
-                    aside = Path(tempfile.mkdtemp(prefix=".lowbit-old-", dir=self.out.parent))
+                    aside = Path(tempfile.mkdtemp(prefix=_staging_prefix() + "old-", dir=self.out.parent))
                     os.rename(self.out, aside / "old")
                     try:
                         os.rename(self.staging, self.out)
