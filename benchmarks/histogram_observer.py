@@ -53,6 +53,10 @@ def streams(numel: int) -> dict[str, Callable[[int, torch.Generator], torch.Tens
         "grow_normal": lambda i, g: torch.randn(numel, generator=g) * (1 + i),
         "grow_relu": lambda i, g: torch.relu(torch.randn(numel, generator=g) * (1 + i) + 0.2 * i),
         "lognormal": lambda i, g: torch.randn(numel, generator=g).exp(),
+        # values on a lattice: k / 128 over [-8, 8] puts every value on a bin edge of the 2048 bins
+        # (torch.histc's binning decides which bin); small integers, as after an upstream quantized layer
+        "lattice": lambda i, g: torch.randint(-1024, 1025, (numel,), generator=g) / 128.0,
+        "small_int": lambda i, g: torch.randint(0, 9, (numel,), generator=g).float(),
     }
 
 
@@ -114,11 +118,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--numel", type=int, default=1_000_000)
+    p.add_argument("--accuracy-only", action="store_true", help="skip the timing part (prints, writes nothing)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "histogram_observer.json")
     args = p.parse_args()
 
     load = os.getloadavg()[0]
-    times = [timing(args.numel, args.rounds, t) for t in (1, 2)]
+    times = [] if args.accuracy_only else [timing(args.numel, args.rounds, t) for t in (1, 2)]
     print(f"\nTiming, {args.numel:,}-element float32 batches, median of {args.rounds} interleaved rounds "
           f"(load average {load:.1f} at start; the machine is shared)")
     print(f"{'threads':>7} | {'observe lowbit':>14} {'torch.ao':>9} {'ratio':>6} | "
@@ -136,6 +141,8 @@ def main() -> None:
         print(f"{r['data']:>12} {r['scheme']:>16} | {r['lowbit']:>10.4e} {r['torch_ao']:>10.4e} "
               f"{r['minmax']:>10.4e} | {r['ratio']:>6.3f}")
 
+    if args.accuracy_only:
+        return
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(numel=args.numel, rounds=args.rounds, torch=torch.__version__, load=load,
                                         timing=times, l2=acc), indent=2))

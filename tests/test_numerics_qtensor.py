@@ -57,12 +57,12 @@ def test_per_channel_accessors_match_torch(axis):
         pair()[0].q_per_channel_axis()
 
 
-def test_to_moves_devices_only():
+def test_to_moves_devices_and_a_dtype_gives_the_dequantized_values():
     qt = pair()[0]
     moved = qt.to("cpu")
     assert isinstance(moved, Q.QTensor) and torch.equal(moved.int_repr(), qt.int_repr()) and moved.device.type == "cpu"
-    with pytest.raises(TypeError, match="dequantize"):
-        qt.to(torch.float16)
+    half = qt.to(torch.float16)  # an explicit float request: the float fallback (as .half())
+    assert half.dtype == torch.float16 and torch.equal(half, qt.dequantize().half())
     assert "scale=0.05" in repr(qt) and "lowbit.quint8" in repr(qt)
 
 

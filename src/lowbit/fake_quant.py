@@ -184,7 +184,8 @@ def _fake_quantize_fast(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.
     fits = (ch_axis is None and x.dtype == torch.float32 and scale.device == x.device and scale.numel() == 1
             and quant_max - quant_min < 1 << 16 and x.device.type == "cpu" and x.numel() <= _FUSED_MAX_NUMEL_CPU)
     if not fits:
-        return fake_quantize(x, scale, zero_point, quant_min, quant_max, ch_axis)
+        # the qparams come from the observer (or a checked state dict): no host read on accelerators
+        return fake_quantize(x, scale, zero_point, quant_min, quant_max, ch_axis, validate=x.device.type == "cpu")
     y = torch.fake_quantize_per_tensor_affine(x, scale.reshape(()), zero_point.reshape(()).to(torch.int32),
                                               quant_min, quant_max)
     return torch.where(torch.isnan(x), x.detach(), y)

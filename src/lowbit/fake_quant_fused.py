@@ -152,7 +152,8 @@ class FusedMovingAvgObsFakeQuantize(FakeQuantize):
         if not quant:
             return x
         self._set_qparams(*self._fused_qparams())
-        return fake_quantize(x, self.scale, self.zero_point, self.quant_min, self.quant_max, self.ch_axis)
+        return fake_quantize(x, self.scale, self.zero_point, self.quant_min, self.quant_max, self.ch_axis,
+                             validate=x.device.type == "cpu")
 
     # -- torch's fused kernel --------------------------------------------------------------------
     def _fits_torch_kernel(self, x: torch.Tensor, observe: bool) -> bool:

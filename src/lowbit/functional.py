@@ -50,10 +50,65 @@ def check_ch_axis(ch_axis: int, ndim: int, shape: tuple[int, ...] | torch.Size |
     return ch_axis % ndim
 
 
-def _check_scale(scale: Number) -> None:
-    """A Python-number scale must be positive and finite (tensor scales are trusted: no host sync)."""
-    if isinstance(scale, (int, float)) and not 0 < scale < float("inf"):
-        raise ValueError(f"scale={scale!r} must be a positive finite number")
+def _check_qparams(fn: str, scale: Number, zero_point: Number, qmin: int | None = None,
+                   qmax: int | None = None, *, float_zp: bool = False) -> None:
+    """Reject a scale that is not positive and finite, and a zero point that is not an integer on the
+    grid ``[qmin, qmax]`` — Python numbers and tensors alike (``ValueError`` naming the value).
+    ``float_zp``: a float zero-point *tensor* (per channel: ``per_channel_affine_float_qparams``) need
+    only be finite.
+
+    A tensor qparam costs one host read (free on CPU); nothing is checked while ``torch.compile``
+    traces (the values are symbolic there; they were checked when the module was built or loaded).
+    """
+    if torch.compiler.is_compiling():
+        return
+    scale, zero_point = _host_scalar(scale), _host_scalar(zero_point)
+    if isinstance(scale, torch.Tensor):
+        if scale.is_complex() or scale.dtype == torch.bool:
+            raise TypeError(f"{fn}: scale must be a real tensor, got dtype {scale.dtype}")
+        s = scale.detach()
+        if s.numel() and not bool(((s > 0) & (s < float("inf"))).all()):
+            raise ValueError(f"{fn}: scale={_show(s)} must be positive and finite")
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{fn}: scale={scale!r} must be a float or a tensor")
+    elif not 0 < scale < float("inf"):
+        raise ValueError(f"{fn}: scale={scale!r} must be a positive finite number")
+    lo = -float("inf") if qmin is None else qmin
+    hi = float("inf") if qmax is None else qmax
+    grid = "" if qmin is None else f" in [{qmin}, {qmax}]"
+    if isinstance(zero_point, torch.Tensor):
+        if zero_point.is_complex() or zero_point.dtype == torch.bool:
+            raise TypeError(f"{fn}: zero_point must be a real tensor, got dtype {zero_point.dtype}")
+        z = zero_point.detach()
+        if z.numel() == 0:
+            return
+        if float_zp and z.is_floating_point():
+            if not bool(torch.isfinite(z).all()):
+                raise ValueError(f"{fn}: zero_point={_show(z)} must be finite")
+            return
+        ok = (z >= lo) & (z <= hi)
+        if z.is_floating_point():
+            ok &= torch.isfinite(z) & (z == torch.round(z))
+        if not bool(ok.all()):
+            raise ValueError(f"{fn}: zero_point={_show(z)} must be integers{grid}")
+    elif isinstance(zero_point, bool) or not isinstance(zero_point, (int, float)):
+        raise TypeError(f"{fn}: zero_point={zero_point!r} must be an int or a tensor")
+    elif not (lo <= zero_point <= hi and float(zero_point).is_integer()):
+        raise ValueError(f"{fn}: zero_point={zero_point!r} must be an integer{grid}")
+
+
+def _host_scalar(p: Number) -> Number:
+    """A one-element real CPU tensor as a Python number (a cheaper check than tensor ops), else ``p``."""
+    if isinstance(p, torch.Tensor) and p.numel() == 1 and p.device.type == "cpu" and not p.is_complex() \
+            and p.dtype != torch.bool:
+        return p.item()
+    return p
+
+
+def _show(t: torch.Tensor) -> str:
+    """A short rendering of a qparam tensor for an error message."""
+    v = t.flatten()[:8].tolist()
+    return f"{v if t.dim() else v[0]}{'...' if t.numel() > 8 else ''}"
 
 
 def _broadcast(p: Number, x: torch.Tensor, ch_axis: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -85,12 +140,17 @@ def _codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> to
 
 
 def quantize(x: torch.Tensor, scale: Number, zero_point: Number, qdtype: QDtype | str,
-             ch_axis: int | None = None) -> torch.Tensor:
-    """Integer codes of ``x`` on ``qdtype``'s grid, stored as ``qdtype.storage``; not differentiable."""
+             ch_axis: int | None = None, *, validate: bool = True) -> torch.Tensor:
+    """Integer codes of ``x`` on ``qdtype``'s grid, stored as ``qdtype.storage``; not differentiable.
+
+    ``scale`` must be positive and finite, ``zero_point`` an integer on the grid (else ``ValueError``);
+    ``validate=False`` skips that check (one host read) for qparams already checked, e.g. a module's.
+    """
     qdtype = as_qdtype(qdtype)
-    if not x.is_floating_point():
-        raise TypeError(f"quantize expects a floating-point tensor, got dtype {x.dtype}")
-    _check_scale(scale)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if validate:
+        _check_qparams("quantize", scale, zero_point, qdtype.quant_min, qdtype.quant_max, float_zp=ch_axis is not None)
     if tracing():  # one opaque op (lowbit.pt2): the compiled program computes these very codes
         s, z = _qparam_tensor(scale, x, torch.float32), _qparam_tensor(zero_point, x, torch.int64)
         return torch.ops.lowbit.quantize(x, s, z, qdtype_key(qdtype), ch_axis)
@@ -110,8 +170,15 @@ def quantize(x: torch.Tensor, scale: Number, zero_point: Number, qdtype: QDtype 
     return q.to(qdtype.storage)
 
 
-def dequantize(q: torch.Tensor, scale: Number, zero_point: Number, ch_axis: int | None = None) -> torch.Tensor:
-    """float32 values ``(q - z) * s`` of integer codes ``q``."""
+def dequantize(q: torch.Tensor, scale: Number, zero_point: Number, ch_axis: int | None = None, *,
+               validate: bool = True) -> torch.Tensor:
+    """float32 values ``(q - z) * s`` of integer codes ``q`` (``scale`` positive and finite,
+    ``zero_point`` integral — or any finite float per channel — else ``ValueError``; ``validate=False``
+    skips the check)."""
+    if not isinstance(q, torch.Tensor) or q.is_complex() or q.dtype == torch.bool:
+        raise TypeError(f"dequantize expects a tensor of codes, got {getattr(q, 'dtype', type(q).__name__)}")
+    if validate:
+        _check_qparams("dequantize", scale, zero_point, float_zp=ch_axis is not None)
     if tracing():
         s, z = _qparam_tensor(scale, q, torch.float32), _qparam_tensor(zero_point, q, torch.int64)
         return torch.ops.lowbit.dequantize(q, s, z, ch_axis)
@@ -196,16 +263,19 @@ def fake_quantize(
     ch_axis: int | None = None,
     *,
     float_zero_point: bool = False,
+    validate: bool = True,
 ) -> torch.Tensor:
     """``dequantize(quantize(x))`` in ``x``'s dtype, with the masked straight-through gradient.
 
-    Only ``x`` is differentiable; ``scale`` and ``zero_point`` are constants. ``float_zero_point=True``
-    (``per_channel_affine_float_qparams``) rounds ``x / s + z`` instead of adding ``z`` after rounding.
+    Only ``x`` is differentiable; ``scale`` and ``zero_point`` are constants, checked as in
+    ``quantize`` unless ``validate=False``. ``float_zero_point=True`` (``per_channel_affine_float_qparams``)
+    rounds ``x / s + z`` instead of adding ``z`` after rounding (``z`` then need not be an integer).
     """
     if quant_min >= quant_max:
         raise ValueError(f"fake_quantize: quant_min={quant_min} must be < quant_max={quant_max}")
-    if not x.is_floating_point():
-        raise TypeError(f"fake_quantize expects a floating-point tensor, got dtype {x.dtype}")
-    _check_scale(scale)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"fake_quantize expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if validate:
+        _check_qparams("fake_quantize", scale, zero_point, quant_min, quant_max, float_zp=bool(float_zero_point))
     s, z = _broadcast(scale, x, ch_axis, torch.float32), _broadcast(zero_point, x, ch_axis, torch.float32)
     return _FakeQuantizeSTE.apply(x, s.detach(), z.detach(), int(quant_min), int(quant_max), bool(float_zero_point))

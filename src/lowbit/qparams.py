@@ -70,6 +70,22 @@ def _as_float_tensor(v: float | torch.Tensor, name: str) -> torch.Tensor:
     raise TypeError(f"calculate_qparams: {name}={v!r} must be a float or a tensor")
 
 
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _keep_grid_finite(scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """Shrink a scale whose grid end ``(qmin - z) s`` or ``(qmax - z) s`` overflows float32 (a range
+    within half a step of ±3.4e38) to the largest one that keeps both ends finite: the end is clipped
+    by less than one step instead of dequantizing to ±inf. Every other scale is returned unchanged."""
+    steps = torch.maximum(zero_point - qmin, qmax - zero_point).to(torch.float64)  # >= 1 (qmin < qmax)
+    over = steps * scale.to(torch.float64) > _F32_MAX
+    if not bool(over.any()):
+        return scale
+    safe = (_F32_MAX / steps).to(torch.float32)
+    safe = torch.where(steps.to(torch.float32) * safe > _F32_MAX, torch.nextafter(safe, torch.zeros_like(safe)), safe)
+    return torch.where(over, safe, scale)
+
+
 def calculate_qparams(
     min_val: float | torch.Tensor,
     max_val: float | torch.Tensor,
@@ -113,6 +129,13 @@ def calculate_qparams(
         mid = 0 if qdtype.signed else (qmin + qmax + 1) // 2
         zero_point = torch.full(lo.shape, mid, dtype=torch.int64, device=lo.device)
     else:
-        scale = torch.maximum((max_pos - min_neg) / float(qmax - qmin), eps_t)
+        width = max_pos - min_neg  # overflows float32 beyond ±1.7e38: then (max - min) / n term by term
+        scale = torch.where(torch.isfinite(width), width / float(qmax - qmin),
+                            max_pos / float(qmax - qmin) - min_neg / float(qmax - qmin))
+        scale = torch.maximum(scale, eps_t)
         zero_point = (qmin - torch.round(min_neg / scale)).clamp(qmin, qmax).to(torch.int64)
+    scale = _keep_grid_finite(scale, zero_point, qmin, qmax)
+    if validate and scale.numel() > 0 and not bool(torch.isfinite(scale).all()):
+        raise ValueError(f"calculate_qparams: the range [{lo.tolist()}, {hi.tolist()}] is too wide for a float32 "
+                         f"scale on the {qmax - qmin + 1}-level grid {qdtype!r}")
     return scale, zero_point

@@ -57,9 +57,16 @@ from .histogram_search import _L2Model, _quantile_clip_range, _search_clip_range
 
 __all__ = ["HistogramObserver"]
 
-# Bin index = floor((x - min) * bins * _SHRINK / (max - min)): the shrink keeps x = max in the last bin
-# through float32 rounding without a clamp pass (it narrows the last bin by bins * 2**-20 bin widths).
-_SHRINK = 1 - 2.0**-20
+# Bin index = floor((x - min) * bins / (max - min)), clamped to bins - 1 (x = max): torch.histc's formula
+# in the same float32 operation order, so a value on an interior edge lands in the bin above it, as in
+# histc. Where float32 would overflow or underflow (a range beyond ~1e35 or a denormal width), the
+# host path computes it in float64 and the accelerator path on halved operands.
+_F32_SAFE = 1e35
+
+
+def _bin_index(x: torch.Tensor, lo: torch.Tensor | float, width: torch.Tensor | float, bins: int) -> torch.Tensor:
+    """``floor((x - lo) * bins / width)`` as float (not yet clamped), the operation order of ``torch.histc``."""
+    return torch.sub(x, lo).mul_(bins).div_(width)
 
 
 def _rebin(hist: torch.Tensor, old_lo: torch.Tensor, old_hi: torch.Tensor,
@@ -201,8 +208,13 @@ class HistogramObserver(ObserverBase):
         new_lo, new_hi = min(lo, old_lo), max(hi, old_hi)
         if (new_lo, new_hi) != (old_lo, old_hi):
             self._set_range(torch.tensor(new_lo), torch.tensor(new_hi))
-        k = self.bins * _SHRINK / (new_hi - new_lo) if new_hi > new_lo else 0.0
-        idx = (x - new_lo).mul_(k).to(torch.int64)  # floor, in [0, bins - 1] (x >= new_lo, _SHRINK)
+        width = new_hi - new_lo  # a Python float (double): no overflow
+        if width <= 0:
+            idx = torch.zeros(x.shape, dtype=torch.int64)
+        else:
+            f32 = width * self.bins < _F32_SAFE and width > 1e-30  # else float32 could overflow / go denormal
+            xs = x if f32 else x.to(torch.float64)
+            idx = _bin_index(xs, new_lo, width, self.bins).to(torch.int64).clamp_(0, self.bins - 1)
         self.histogram.scatter_add_(0, idx, self.histogram.new_ones(1).expand_as(x))
 
     def _observe_sync_free(self, x: torch.Tensor) -> None:
@@ -213,9 +225,12 @@ class HistogramObserver(ObserverBase):
         self.nonfinite_count += x.numel() - finite.sum()
         new_lo, new_hi = torch.minimum(self.min_val, mn), torch.maximum(self.max_val, mx)
         self._set_range(new_lo, new_hi)
-        width = new_hi - new_lo
-        k = torch.where(width > 0, self.bins * _SHRINK / width, 0.0)
-        pos = ((x - torch.where(torch.isfinite(new_lo), new_lo, 0.0)) * k).clamp_(0, self.bins - 1)
+        lo = torch.where(torch.isfinite(new_lo), new_lo, 0.0)
+        width = torch.where(new_hi > new_lo, new_hi - new_lo, 1.0)
+        pos = _bin_index(x, lo, width, self.bins)
+        # float32 overflow (a range beyond ~1e35): the same on halved operands (exact scaling by 2)
+        pos = torch.where(torch.isfinite(pos), pos, _bin_index(x * 0.5, lo * 0.5, new_hi * 0.5 - lo * 0.5, self.bins))
+        pos = torch.where(new_hi > new_lo, pos, 0.0).clamp_(0, self.bins - 1)
         idx = torch.where(finite, pos, 0.0).to(torch.int64)
         self.histogram.scatter_add_(0, idx, finite.to(self.histogram.dtype))
 
@@ -268,6 +283,8 @@ class HistogramObserver(ObserverBase):
         else:
             cmin, cmax = _search_clip_range(self.histogram.cpu(), lo, hi, self.qscheme, self.qdtype, self.eps)
         dev = self.min_val.device
+        big = torch.finfo(torch.float32).max  # a grid end just past ±3.4e38 (double) must not become ±inf
+        cmin, cmax = max(cmin, -big), min(cmax, big)
         return calculate_qparams(torch.tensor(cmin, device=dev), torch.tensor(cmax, device=dev),
                                  self.qscheme, self.qdtype, self.eps)
 

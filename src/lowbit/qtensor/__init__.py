@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..functional import check_ch_axis, dequantize, quantize
+from ..functional import _check_qparams, check_ch_axis, dequantize, quantize
 from ..qscheme import QDtype, QScheme, as_qdtype
 from .axis import indexed_axis, reshaped_axis
 
@@ -51,6 +51,15 @@ def _warn_float_fallback(op: str) -> None:
         )
 
 
+def _check_python_qparams(scale: Any, zero_point: Any) -> None:
+    """Python-number qparams (free to check): a positive finite scale and an integral zero point.
+    Tensor qparams are checked where they are made (``quantize``, module ``load_state_dict``)."""
+    if isinstance(scale, (int, float)) and not 0 < scale < float("inf"):
+        raise ValueError(f"QTensor: scale={scale!r} must be a positive finite number")
+    if isinstance(zero_point, float) and not zero_point.is_integer():
+        raise ValueError(f"QTensor: zero_point={zero_point!r} must be an integer")
+
+
 class QTensor:
     """Integer codes ``int_repr`` (``qdtype.storage``) with ``scale``/``zero_point`` (0-d or ``(C,)``)."""
 
@@ -67,6 +76,10 @@ class QTensor:
         qdtype = as_qdtype(qdtype)
         if int_repr.is_floating_point():
             raise TypeError(f"QTensor int_repr must be an integer tensor, got dtype {int_repr.dtype}")
+        _check_python_qparams(scale, zero_point)
+        if axis is None and isinstance(zero_point, torch.Tensor) and zero_point.is_floating_point():
+            if not bool((zero_point == torch.round(zero_point)).all()):  # never truncated (per channel: kept float)
+                raise ValueError(f"QTensor: zero_point={zero_point.tolist()} must be an integer")
         scale = torch.as_tensor(scale, dtype=torch.float32, device=int_repr.device)
         # a float per-channel zero point is kept (per_channel_affine_float_qparams, torch.ao's embeddings)
         float_zp = axis is not None and isinstance(zero_point, torch.Tensor) and zero_point.is_floating_point()
@@ -168,12 +181,12 @@ class QTensor:
     def __len__(self) -> int:
         return len(self._q)
 
-    def to(self, *args: Any, **kwargs: Any) -> QTensor:
-        """Move to a device (dtype arguments are rejected: use ``dequantize()`` for float)."""
-        probe = torch.empty(0).to(*args, **kwargs)
-        if probe.dtype != torch.float32:
-            raise TypeError("QTensor.to() moves devices only; call .dequantize() to get float values")
-        dev = probe.device
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """Move to a device; with a dtype (or a tensor to match), the dequantized values converted to it
+        (an explicit request for float: no warning)."""
+        if "dtype" in kwargs or any(isinstance(a, (torch.dtype, torch.Tensor)) for a in args):
+            return self.dequantize().to(*args, **kwargs)
+        dev = torch.empty(0).to(*args, **kwargs).device
         return QTensor(self._q.to(dev), self._scale.to(dev), self._zero_point.to(dev), self._qdtype, self._axis)
 
     def cpu(self) -> QTensor:
@@ -389,9 +402,12 @@ _INT_OPS: dict[Callable, Callable] = {
 
 def quantize_per_tensor(x: torch.Tensor, scale: float | torch.Tensor, zero_point: int | torch.Tensor,
                         dtype: QDtype | str) -> QTensor:
-    """Quantize ``x`` onto one grid: ``q = clamp(round(x / scale) + zero_point, qmin, qmax)``."""
+    """Quantize ``x`` onto one grid: ``q = clamp(round(x / scale) + zero_point, qmin, qmax)``.
+
+    ``scale`` must be positive and finite and ``zero_point`` an integer on the grid (``ValueError``)."""
     qdtype = as_qdtype(dtype)
-    return QTensor(quantize(x, scale, zero_point, qdtype), scale, zero_point, qdtype)
+    _check_qparams("quantize_per_tensor", scale, zero_point, qdtype.quant_min, qdtype.quant_max)
+    return QTensor(quantize(x, scale, zero_point, qdtype, validate=False), scale, zero_point, qdtype)
 
 
 def quantize_per_channel(x: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, axis: int,
@@ -399,7 +415,11 @@ def quantize_per_channel(x: torch.Tensor, scales: torch.Tensor, zero_points: tor
     """Quantize ``x`` with one grid per slice along ``axis`` (``scales``/``zero_points`` of shape ``(C,)``)."""
     qdtype = as_qdtype(dtype)
     axis = check_ch_axis(axis, x.dim(), x.shape)
-    return QTensor(quantize(x, scales, zero_points, qdtype, axis), scales, zero_points, qdtype, axis)
+    _check_qparams("quantize_per_channel", scales, zero_points, qdtype.quant_min, qdtype.quant_max, float_zp=True)
+    return QTensor(quantize(x, scales, zero_points, qdtype, axis, validate=False), scales, zero_points, qdtype, axis)
 
 
 from . import ops  # noqa: E402,F401  registers pooling, resampling, padding and clamping into _INT_OPS
+from .fallback import install as _install_fallback  # noqa: E402
+
+_install_fallback(QTensor)  # every other torch.Tensor method / attribute: the float fallback (fallback.py)

@@ -1,0 +1,136 @@
+"""Every ``torch.Tensor`` method and attribute on a ``QTensor``: the documented float fallback.
+
+A ``QTensor`` is not a ``torch.Tensor``; code written for tensors (``nn.MultiheadAttention`` checks
+``query.is_nested``, a loss calls ``.float()``, a metric ``.argmax(-1)``) must still run on it. So, for
+any public name of ``torch.Tensor`` that ``QTensor`` does not define itself:
+
+- **metadata** (``ndim``, ``is_nested``, ``is_cuda``, ``layout``, ``stride()``, ``requires_grad`` ...)
+  is the codes' (no dequantization, no warning); a QTensor holds no gradient (``grad`` is ``None``);
+- **explicit conversions** to float or host values (``float()``, ``double()``, ``numpy()``,
+  ``tolist()``, ``item()``, ``to(dtype)``, ``float(qt)``) return the dequantized values, silently —
+  that is what they ask for;
+- **in-place methods** (``add_``, ``masked_fill_``, ``qt[i] = v`` ...) raise a ``TypeError`` naming the
+  method: they would change a dequantized copy, not the codes, so running them would lose the write;
+- **everything else** (methods such as ``sum``, ``argmax``, ``masked_fill``, ``softmax``; the Python
+  operators ``<``, ``**``, ``abs()`` ...) runs on ``dequantize()`` and warns once per name
+  (``"lowbit: QTensor.sum has no integer implementation ..."``); the result is a float tensor.
+
+``clone`` and ``T``/``mT``/``H``/``mH`` stay integer (they keep the grid). Plain Python attribute
+lookup only — no tracing machinery — so a converted model stays simple for ``torch.compile``.
+
+>>> import torch, warnings, lowbit as Q
+>>> qt = Q.quantize_per_tensor(torch.tensor([[0.5, -1.0], [2.0, 4.0]]), 0.5, 0, Q.qint8)
+>>> qt.ndim, qt.is_nested, qt.T.int_repr().tolist()
+(2, False, [[1, 4], [-2, 8]])
+>>> with warnings.catch_warnings():
+...     warnings.simplefilter("ignore")
+...     qt.sum().item(), qt.argmax().item(), qt.float().dtype
+(5.5, 3, torch.float32)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["install"]
+
+# read from the codes: shape / layout / device metadata, no values involved
+_METADATA = frozenset({
+    "ndim", "is_nested", "is_cpu", "is_cuda", "is_ipu", "is_maia", "is_meta", "is_mkldnn", "is_mps", "is_mtia",
+    "is_sparse", "is_sparse_csr", "is_vulkan", "is_xla", "is_xpu", "layout", "names", "name",
+    "stride", "storage_offset", "is_contiguous", "ndimension", "nelement", "get_device", "data_ptr",
+    "element_size", "itemsize", "nbytes", "is_pinned", "is_shared", "dim_order", "untyped_storage",
+})
+# a QTensor is a leaf without autograd state
+_AUTOGRAD = {"requires_grad": False, "grad": None, "grad_fn": None, "is_leaf": True, "retains_grad": False,
+             "output_nr": 0, "volatile": False, "grad_dtype": None}
+# explicit requests for float (or host) values: dequantize without a warning
+_CONVERSIONS = frozenset({"float", "double", "half", "bfloat16", "numpy", "tolist", "item", "type_as", "to_dense",
+                          "real"})
+# names whose in-place form is not a trailing underscore
+_INPLACE = frozenset({"set_", "resize_", "requires_grad_", "retain_grad", "share_memory_", "backward",
+                      "register_hook", "register_post_accumulate_grad_hook"})
+
+
+def _is_inplace(name: str) -> bool:
+    return name in _INPLACE or (name.endswith("_") and not name.startswith("_"))
+
+
+def tensor_getattr(self: Any, name: str) -> Any:
+    """``QTensor.__getattr__``: called only for names the class does not define."""
+    from . import _warn_float_fallback
+
+    if name.startswith("_") or not hasattr(torch.Tensor, name):
+        raise AttributeError(f"'QTensor' object has no attribute {name!r}")
+    if name in _AUTOGRAD:
+        return _AUTOGRAD[name]
+    if name in _METADATA:
+        return getattr(self.int_repr(), name)
+    if _is_inplace(name):
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise TypeError(f"QTensor.{name}: in-place ops are not supported on a QTensor (its codes are "
+                            f"immutable); use qt.dequantize().{name}(...) or the out-of-place op")
+        return refuse
+    if name in _CONVERSIONS:
+        return getattr(self.dequantize(), name)
+    value = getattr(self.dequantize(), name)  # a bound method of the float tensor (or a property's value)
+    if not callable(value):
+        _warn_float_fallback(f"QTensor.{name}")
+        return value
+
+    def method(*args: Any, **kwargs: Any) -> Any:
+        _warn_float_fallback(f"QTensor.{name}")
+        return value(*args, **kwargs)
+    return method
+
+
+def _binary(name: str) -> Callable:
+    def op(self: Any, *args: Any) -> Any:
+        from . import _tree_dequantize, _warn_float_fallback
+        _warn_float_fallback(f"QTensor.{name}")
+        return getattr(self.dequantize(), name)(*_tree_dequantize(args))
+    op.__name__ = name
+    return op
+
+
+def _conversion(name: str) -> Callable:
+    def op(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.dequantize(), name)(*args, **kwargs)
+    op.__name__ = name
+    return op
+
+
+def _setitem(self: Any, key: Any, value: Any) -> None:
+    raise TypeError("QTensor.__setitem__: in-place ops are not supported on a QTensor (its codes are immutable); "
+                    "dequantize() first, or quantize the edited float tensor again")
+
+
+# Python operators are looked up on the class, never through __getattr__: install them explicitly.
+# In-place operators (__iadd__ ...) are left out, so `qt += 1` rebinds to the float result of `qt + 1`.
+_OPERATORS = ("__abs__", "__and__", "__or__", "__xor__", "__invert__", "__pos__", "__pow__", "__rpow__",
+              "__mod__", "__rmod__", "__floordiv__", "__rfloordiv__", "__rtruediv__", "__rmatmul__",
+              "__lshift__", "__rshift__", "__rand__", "__ror__", "__rxor__", "__eq__", "__ne__", "__lt__", "__le__",
+              "__gt__", "__ge__", "__contains__", "__reversed__", "__iter__")
+_PY_CONVERSIONS = ("__float__", "__int__", "__bool__", "__complex__", "__array__", "__format__", "__index__")
+
+
+def install(cls: type) -> None:
+    """Give ``cls`` (``QTensor``) the fallback: ``__getattr__``, the operators, ``T``/``mT``, ``clone``."""
+    cls.__getattr__ = tensor_getattr  # type: ignore[attr-defined]
+    for name in _OPERATORS:
+        if name not in cls.__dict__:
+            setattr(cls, name, _binary(name))
+    for name in _PY_CONVERSIONS:
+        if name not in cls.__dict__:
+            setattr(cls, name, _conversion(name))
+    cls.__setitem__ = _setitem  # type: ignore[attr-defined]
+    cls.__hash__ = object.__hash__  # type: ignore[method-assign]  # identity, as torch.Tensor (== is elementwise)
+    cls.__array_priority__ = 1000  # numpy defers `array op qt` to QTensor's reflected operator
+    cls.T = property(lambda self: self.permute(*reversed(range(self.dim()))))  # type: ignore[attr-defined]
+    cls.mT = property(lambda self: self.transpose(-2, -1))  # type: ignore[attr-defined]
+    cls.data = property(lambda self: self)  # type: ignore[attr-defined]  # as detach(): the QTensor itself
+    cls.H, cls.mH = cls.T, cls.mT  # type: ignore[attr-defined]  # real codes: conjugation is the identity
+    cls.clone = lambda self, *args, **kwargs: type(self)(  # type: ignore[attr-defined]
+        self.int_repr().clone(*args, **kwargs), self.scale.clone(), self.zero_point.clone(), self.qdtype, self.axis)
