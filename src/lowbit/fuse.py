@@ -138,6 +138,29 @@ def _set(model: nn.Module, name: str, mod: nn.Module) -> None:
     parent._modules[child] = mod  # in place: keeps Sequential order
 
 
+def _check_adjacent(model: nn.Module, group: list[str]) -> None:
+    """Members of a group that share a parent must be adjacent among its children (``nn.Identity``
+    left by an earlier fusion aside): a module registered between them (``conv1, bn1, relu1`` fused as
+    ``["conv1", "relu1"]``) would be skipped by the fused module, silently changing the function.
+    Members registered in another order, or under other parents, are not judged (no dataflow here)."""
+    parents: dict[str, list[str]] = {}
+    for name in group:
+        parent, _, child = name.rpartition(".")
+        parents.setdefault(parent, []).append(child)
+    for parent, children in parents.items():
+        if len(children) < 2:
+            continue
+        kids = (model.get_submodule(parent) if parent else model)._modules
+        order = list(kids)
+        pos = sorted(order.index(c) for c in children)
+        between = [order[i] for i in range(pos[0] + 1, pos[-1])
+                   if order[i] not in children and kids[order[i]] is not None and not isinstance(kids[order[i]], nn.Identity)]
+        if between:
+            where = f"{parent}." if parent else ""
+            raise ValueError(f"fuse: cannot fuse {group}: {[where + b for b in between]} sits between them, and the "
+                             "fused module would skip it (fuse only modules that run one after the other)")
+
+
 def _groups(modules_to_fuse: Any) -> list[list[str]]:
     flat = isinstance(modules_to_fuse, (list, tuple)) and len(modules_to_fuse) > 0
     if flat and all(isinstance(n, str) for n in modules_to_fuse):
@@ -160,6 +183,7 @@ def _fuse(model: nn.Module, modules_to_fuse: Any, inplace: bool, is_qat: bool,
         model = copy.deepcopy(model)
     for group in groups:
         mods = [_get(model, n) for n in group]
+        _check_adjacent(model, group)
         new = fuser(mods, is_qat=is_qat)
         for name, mod in zip(group, new):
             if qconfig is not None and mod is new[0]:

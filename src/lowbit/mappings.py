@@ -107,3 +107,20 @@ class ConvertReport:
         lines = [f"convert: {len(self.converted)} modules quantized, {len(self.left_float)} left float"]
         lines += [f"  float  {path}: {why}" for path, why in self.left_float.items()]
         return "\n".join(lines)
+
+
+def copy_user_hooks(old: nn.Module, new: nn.Module, skip: tuple = ()) -> nn.Module:
+    """Re-register ``old``'s forward pre-hooks and forward hooks (except the functions in ``skip``:
+    the workflow's own observer hooks) on its replacement ``new``, in order, keeping their
+    ``with_kwargs`` / ``always_call`` flags — as torch.ao's ``swap_module`` does, so a user's hook
+    survives ``prepare_qat``, ``convert`` and ``quantize_dynamic``. Returns ``new``."""
+    if new is old:
+        return new
+    for key, hook in old._forward_pre_hooks.items():
+        if hook not in skip:
+            new.register_forward_pre_hook(hook, with_kwargs=key in old._forward_pre_hooks_with_kwargs)
+    for key, hook in old._forward_hooks.items():
+        if hook not in skip:
+            new.register_forward_hook(hook, with_kwargs=key in old._forward_hooks_with_kwargs,
+                                      always_call=key in old._forward_hooks_always_called)
+    return new

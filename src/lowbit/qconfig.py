@@ -36,11 +36,13 @@ from an observer *instance* or a factory that needs arguments raises ``TypeError
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import re
 import types
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -286,6 +288,21 @@ class QConfigMapping:
         if module_type in self.object_type_qconfigs:
             return self.object_type_qconfigs[module_type]
         return inherited
+
+    def check_module_names(self, names: Iterable[str], where: str) -> None:
+        """Raise ``ValueError`` for a ``set_module_name`` key that names none of ``names`` (the model's
+        module paths: a typo would otherwise be ignored silently); warn for a regex matching none."""
+        names = set(names)
+        missing = [n for n in self.module_name_qconfigs if n not in names]
+        if missing:
+            hints = {n: difflib.get_close_matches(n, names, n=3) for n in missing}
+            did = "; ".join(f"{n!r}: did you mean {h}?" for n, h in hints.items() if h)
+            raise ValueError(f"{where}: QConfigMapping.set_module_name names no module of this model: {missing}"
+                             + (f" ({did})" if did else "") + "; module names are dotted paths as in named_modules()")
+        for pattern, regex in self._regex.items():
+            if not any(regex.fullmatch(n) for n in names):
+                warnings.warn(f"{where}: QConfigMapping.set_module_name_regex({pattern!r}) matches no module of "
+                              "this model", stacklevel=3)
 
     def get_qconfig(self, module_type: type | Callable, module_name: str) -> QConfig | None:
         """``resolve`` with the global setting as the inherited one (no parent walk)."""

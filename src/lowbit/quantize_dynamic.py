@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .mappings import get_default_dynamic_quant_module_mappings
+from .mappings import copy_user_hooks, get_default_dynamic_quant_module_mappings
 from .nn.quantized.embedding import Embedding as QEmbedding
 from .nn.quantized.embedding import EmbeddingBag as QEmbeddingBag
 from .qconfig import QConfig, QConfigMapping
@@ -115,6 +115,14 @@ def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qi
         raise TypeError(f"quantize_dynamic: mapping must be a dict {{module type: class with from_float}}, "
                         f"got {mapping!r}")
     spec = _normalise_spec(qconfig_spec, _as_dynamic_dtype(dtype, "quantize_dynamic"), mapping)
+    names = {n for n, _ in model.named_modules()}
+    if isinstance(spec, QConfigMapping):
+        spec.check_module_names(names, "quantize_dynamic")
+    else:
+        typos = [k for k in spec if isinstance(k, str) and k not in names]
+        if typos:  # a misspelt name would be ignored silently
+            raise ValueError(f"quantize_dynamic: qconfig_spec names no module of this model: {typos}; "
+                             "module names are dotted paths as in named_modules()")
     if not inplace:
         model = copy.deepcopy(model)
     model.eval()
@@ -155,7 +163,8 @@ def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qi
 
     def _from_float(qcls: type, mod: nn.Module, name: str, wdtype: Any) -> nn.Module:
         try:
-            return qcls.from_float(mod) if wdtype is None else qcls.from_float(mod, dtype=wdtype)
+            new = qcls.from_float(mod) if wdtype is None else qcls.from_float(mod, dtype=wdtype)
+            return copy_user_hooks(mod, new)  # the user's hooks survive the swap (as torch.ao)
         except (ValueError, TypeError, RuntimeError) as err:
             raise type(err)(f"quantize_dynamic: module '{name or '<root>'}' ({type(mod).__name__}): {err}") from err
 

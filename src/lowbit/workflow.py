@@ -68,6 +68,7 @@ from .custom_config import ConvertCustomConfig, PrepareCustomConfig, check_modul
 from .fake_quant import FakeQuantize
 from .mappings import (
     ConvertReport,
+    copy_user_hooks,
     get_default_dynamic_quant_module_mappings,
     get_default_qat_module_mappings,
     get_default_static_quant_module_mappings,
@@ -153,6 +154,7 @@ def propagate_qconfig_(model: nn.Module, qconfig: Any = None) -> nn.Module:
     (True, None)
     """
     mapping = QConfigMapping() if qconfig is None else QConfigMapping.from_qconfig(qconfig)
+    mapping.check_module_names((n for n, _ in model.named_modules()), "propagate_qconfig_")
     exact = mapping.resolution == "exact"  # lucid's legacy mode: attributes ignored, resolve() skips parents
 
     def walk(mod: nn.Module, name: str, inherited: QConfig | None) -> None:
@@ -225,6 +227,7 @@ def _observe_input(module: nn.Module, inputs: Any) -> Any:
 
 
 _HOOKS = (_observe_output, _pass_tag, _observe_float_input, _observe_input)
+_OWN_HOOKS = (*_HOOKS, _dequantize_input)  # everything the workflow registers: never copied as a user's hook
 
 
 def _remove_observer_hooks(mod: nn.Module) -> None:
@@ -343,7 +346,7 @@ def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
     def swap(mod: nn.Module) -> nn.Module:
         qc = getattr(mod, "qconfig", None)
         if type(mod) in mapping and qc is not None and not is_dynamic_qconfig(qc):
-            return mapping[type(mod)].from_float(mod)
+            return copy_user_hooks(mod, mapping[type(mod)].from_float(mod), _OWN_HOOKS)  # user hooks survive
         for cname, child in list(mod.named_children()):
             mod._modules[cname] = swap(child)
         return mod
@@ -403,7 +406,7 @@ def _swap(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertR
         scale, zero_point = inp.calculate_qparams()
         new.input_grid = (float(scale), int(zero_point), as_qdtype(inp.qdtype))
     report.converted[_path(name)] = f"{type(mod).__name__} -> {qcls.__module__}.{qcls.__name__}"
-    return new
+    return copy_user_hooks(mod, new, _OWN_HOOKS)  # the user's hooks survive (torch.ao's swap_module keeps them)
 
 
 def _swap_dynamic(mod: nn.Module, name: str, qconfig: QConfig, dynamic: dict[type, type],
@@ -417,7 +420,7 @@ def _swap_dynamic(mod: nn.Module, name: str, qconfig: QConfig, dynamic: dict[typ
                         f"{err}") from err
     report.converted[_path(name)] = f"{type(mod).__name__} -> {qcls.__module__}.{qcls.__name__}"
     new.register_forward_pre_hook(_dequantize_input)  # a QTensor from a static layer before it: float in
-    return new
+    return copy_user_hooks(mod, new, _OWN_HOOKS)
 
 
 def _convert(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertReport,

@@ -13,6 +13,7 @@ and ``calculate_qparams()`` reduces that statistic to ``(scale, zero_point)`` th
 
 from __future__ import annotations
 
+import abc
 import functools
 import warnings
 from typing import Any
@@ -71,8 +72,11 @@ class Factory(functools.partial):
         return out
 
 
-class ObserverBase(nn.Module):
+class ObserverBase(abc.ABC, nn.Module):
     """Abstract observer: ``forward(x) -> x`` plus ``calculate_qparams() -> (scale, zero_point)``.
+
+    Abstract as in torch.ao: ``ObserverBase()`` itself (or a subclass missing either method) raises
+    ``TypeError`` on construction.
 
     ``ch_axis`` is kept only for per-channel schemes (``None`` otherwise). Subclasses register
     their statistics as buffers; a buffer whose shape changes (scalar seed → ``(C,)``) is adopted
@@ -119,11 +123,13 @@ class ObserverBase(nn.Module):
         """Whether ``calculate_qparams()`` has data to work from."""
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError(f"{type(self).__name__} must implement forward")
+    @abc.abstractmethod
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Fold ``x`` into the statistics; return ``x`` unchanged."""
 
+    @abc.abstractmethod
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError(f"{type(self).__name__} must implement calculate_qparams")
+        """``(scale, zero_point)`` from the statistics."""
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]

@@ -34,9 +34,10 @@ from ...observer.distributed import local_statistics
 from ...qparams import calculate_qparams
 from ...qscheme import QDtype, QScheme, as_qdtype, per_tensor_affine, quint8
 from ...qtensor import QTensor, quantize_per_channel
+from ._state import CheckedQuantState
 
 __all__ = ["quantize_weight", "weight_qparams", "weight_qscheme", "output_qparams", "as_qtensor", "float_op",
-           "check_out_grid", "WeightedQuantModule", "InputGrid"]
+           "check_out_grid", "check_no_nan", "WeightedQuantModule", "InputGrid"]
 
 InputGrid = tuple[float, int, QDtype]
 
@@ -62,7 +63,16 @@ def weight_qparams(weight: torch.Tensor, mod: nn.Module, ch_axis: int, where: st
 
 
 def quantize_weight(weight: torch.Tensor, observer: Any, ch_axis: int) -> QTensor:
-    """Quantize a float weight with ``observer``'s qparams into a per-channel int8 ``QTensor``."""
+    """Quantize a float weight with ``observer``'s qparams into a per-channel int8 ``QTensor``.
+
+    A NaN or ±Inf weight is a ``ValueError`` (int8 codes cannot hold it; quantizing it would give a
+    finite, wrong layer); ``convert`` adds the layer's name."""
+    bad = ~torch.isfinite(weight.detach())
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"the weight of shape {tuple(weight.shape)} holds {int(bad.sum())} NaN/Inf values "
+                         f"(first at index {first}: {float(weight.detach()[first])}); int8 codes cannot represent "
+                         "them — fix or exclude this layer (qconfig None)")
     with local_statistics():  # weights are replicated: their statistics are already the union (no collective)
         scale, zero_point = observer.calculate_qparams()
     qdtype = as_qdtype(observer.qdtype)
@@ -135,12 +145,23 @@ def as_qtensor(x: Any, grid: InputGrid | None, where: str) -> QTensor:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         what = f"a tensor of dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{where}: expects a lowbit.QTensor or a floating-point tensor, got {what}")
+    check_no_nan(x, where)
     if grid is None:
         lo, hi = torch.aminmax(x.detach().to(torch.float32)) if x.numel() else (torch.zeros(()), torch.zeros(()))
         scale, zero_point = calculate_qparams(lo, hi, per_tensor_affine, quint8)
         return QTensor(quantize(x, scale, zero_point, quint8), scale, zero_point, quint8)
     scale, zp, qdtype = grid
     return QTensor(quantize(x, scale, zp, qdtype), scale, zp, qdtype)
+
+
+def check_no_nan(x: torch.Tensor, where: str) -> None:
+    """``RuntimeError`` for a float input holding NaN: int8 codes cannot carry it, and quantizing it would
+    turn it into a finite code (the float model outputs NaN there). One reduction over ``x``; skipped
+    while ``torch.compile`` traces (no data-dependent branch in a graph)."""
+    if not torch.compiler.is_compiling() and x.numel() and bool(torch.isnan(x).any()):
+        raise RuntimeError(f"{where}: the float input of shape {tuple(x.shape)} holds {int(torch.isnan(x).sum())} "
+                           "NaN values; int8 codes cannot represent NaN (the float model would output NaN) — "
+                           "check the data, or keep this part of the model float")
 
 
 def check_out_grid(scale: Any, zero_point: Any, qdtype: Any, where: str) -> tuple[float, int, QDtype]:
@@ -166,7 +187,7 @@ def check_out_grid(scale: Any, zero_point: Any, qdtype: Any, where: str) -> tupl
     return float(scale), int(zero_point), qdtype
 
 
-class WeightedQuantModule(nn.Module):
+class WeightedQuantModule(CheckedQuantState):
     """Base of the static quantized Linear / Conv family: the state and the packed-weight cache.
 
     ``state_dict``: ``weight_int8`` (int8 codes), ``weight_scale`` (float32, ``(C,)``),
@@ -230,6 +251,9 @@ class WeightedQuantModule(nn.Module):
         """
         op: Any = float_op(mod, cls._float_type, cls.__name__, cls._relu)
         owner = mod if hasattr(mod, "qconfig") or hasattr(mod, "weight_fake_quant") else op
+        if op.bias is not None and not bool(torch.isfinite(op.bias.detach()).all()):
+            raise ValueError(f"{cls.__name__}.from_float: the bias holds NaN/Inf values; the quantized layer "
+                             "would turn them into finite output codes — fix or exclude this layer (qconfig None)")
         obs = weight_qparams(op.weight, owner, cls._weight_axis, cls.__name__)
         weight = quantize_weight(op.weight, obs, cls._weight_axis)
         q = cls.from_reference(op, weight, *output_qparams(mod, cls.__name__))  # type: ignore[attr-defined]

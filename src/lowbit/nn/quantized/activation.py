@@ -31,13 +31,14 @@ from ...functional import quantize
 from ...qscheme import QDtype, as_qdtype, quint8
 from ...qtensor import QTensor
 from ._utils import check_out_grid, output_qparams
+from ._state import CheckedQuantState
 
 __all__ = ["ReLU6", "Hardswish", "Hardsigmoid", "ELU", "LeakyReLU", "Sigmoid", "Tanh"]
 
 _MAX_LUT = 2**16
 
 
-class _LUTActivation(nn.Module):
+class _LUTActivation(CheckedQuantState):
     """Base class: ``f`` in float, once per input grid, tabulated over the input codes."""
 
     _float_type: type[nn.Module] = nn.Module

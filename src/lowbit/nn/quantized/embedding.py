@@ -39,6 +39,7 @@ from ...observer.distributed import local_statistics
 from ...qparams import calculate_qparams
 from ...qscheme import QDtype, QScheme, as_qdtype, as_qscheme, quint8
 from ...qtensor import QTensor
+from ._state import CheckedQuantState
 
 __all__ = ["Embedding", "EmbeddingBag"]
 
@@ -94,7 +95,7 @@ def _row_qparams(weight: torch.Tensor, mod: nn.Module | None, qdtype: QDtype | N
     return scale.to(w.device, torch.float32).contiguous(), zp.to(w.device, zp_dtype).contiguous(), qdtype
 
 
-class _QuantizedTable(nn.Module):
+class _QuantizedTable(CheckedQuantState):
     """The shared table storage: buffers ``weight_q``, ``weight_scale`` (N,), ``weight_zero_point`` (N,)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None,

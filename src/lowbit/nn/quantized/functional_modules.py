@@ -40,6 +40,7 @@ from ...functional import quantize
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
 from ._utils import check_out_grid, output_qparams
+from ._state import CheckedQuantState
 
 __all__ = ["FloatFunctional", "QFunctional"]
 
@@ -101,7 +102,7 @@ def _float(x: Any) -> torch.Tensor:
     return x.dequantize() if isinstance(x, QTensor) else x.to(torch.float32)
 
 
-class QFunctional(nn.Module):
+class QFunctional(CheckedQuantState):
     """The integer twin of ``FloatFunctional``: every method returns a QTensor on ``(scale, zero_point, qdtype)``."""
 
     def __init__(self, scale: float = 1.0, zero_point: int = 0, qdtype: QDtype | str | torch.dtype = quint8) -> None:

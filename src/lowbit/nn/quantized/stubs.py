@@ -21,12 +21,13 @@ from torch import nn
 
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor, quantize_per_tensor
-from ._utils import check_out_grid, output_qparams
+from ._utils import check_no_nan, check_out_grid, output_qparams
+from ._state import CheckedQuantState
 
 __all__ = ["Quantize", "DeQuantize"]
 
 
-class Quantize(nn.Module):
+class Quantize(CheckedQuantState):
     """Float tensor -> per-tensor ``QTensor`` on the grid ``(scale, zero_point, qdtype)``.
 
     A ``QTensor`` input already on this grid passes through; one on another grid is requantized
@@ -48,6 +49,7 @@ class Quantize(nn.Module):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"Quantize expects a float tensor or a QTensor, got {type(x).__name__}"
                             + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
+        check_no_nan(x, "Quantize")
         return quantize_per_tensor(x, self.scale, self.zero_point, self.qdtype)
 
     @classmethod

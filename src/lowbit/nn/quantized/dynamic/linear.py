@@ -42,6 +42,7 @@ from ....nn.intrinsic import LinearReLU as _LinearReLUMarker
 from ....qscheme import QDtype, QScheme, as_qdtype, qint8, quint8
 from ....qtensor import QTensor, quantize_per_channel
 from .._utils import quantize_weight, weight_qparams
+from .._state import CheckedQuantState
 
 __all__ = ["Linear", "LinearReLU", "quantize_per_token", "per_token_linear"]
 
@@ -51,7 +52,8 @@ def quantize_per_token(x: torch.Tensor) -> QTensor:
     xf = x.detach().to(torch.float32)
     lo, hi = xf.amin(1), xf.amax(1)  # two vectorised row reductions: ~20x faster than aminmax(dim=1) on CPU
     scale, zp = calculate_qparams(lo, hi, QScheme.PER_CHANNEL_AFFINE, quint8, validate=False)
-    return QTensor(quantize(xf, scale, zp, quint8, ch_axis=0), scale, zp, quint8, axis=0)
+    # validate=False: a NaN/Inf row has a NaN scale, which carries NaN to that row of the output (as float)
+    return QTensor(quantize(xf, scale, zp, quint8, ch_axis=0, validate=False), scale, zp, quint8, axis=0)
 
 
 def _weight_row_sums(weight: QTensor, cache: dict[str, Any] | None) -> torch.Tensor:
@@ -128,7 +130,7 @@ def quantize_dynamic_weight(weight: torch.Tensor, mod: nn.Module | None, dtype: 
     return quantize_per_channel(w, scale, zp, 0, dtype)
 
 
-class Linear(nn.Module):
+class Linear(CheckedQuantState):
     """``y = x Wᵀ + b`` with int8 weights and per-token int8 activations; float in, float out.
 
     ``state_dict``: ``weight_int8`` (N, K) int8, ``weight_scale`` (N,) float32, ``weight_zero_point``

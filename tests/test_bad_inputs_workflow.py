@@ -1,0 +1,248 @@
+"""Hostile inputs at the workflow layer: fusion, qconfig mappings, hooks, NaN weights/inputs,
+tampered checkpoints, abstract bases. Each ends in a clear error naming the value, or a documented
+safe result — never a silently different model."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.ao.quantization as tq
+from torch import nn
+
+import lowbit as Q
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant, self.dequant = Q.QuantStub(), Q.DeQuantStub()
+        self.conv1, self.bn1, self.relu1 = nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.ReLU()
+        self.fc = nn.Linear(2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu1(self.bn1(self.conv1(self.quant(x))))
+        return self.dequant(self.fc(x.mean((2, 3)) if isinstance(x, torch.Tensor) else x.dequantize().mean((2, 3))))
+
+
+# ---- fuse_modules ----
+def test_fusing_around_a_module_in_between_is_an_error():
+    m = nn.Sequential(nn.Conv2d(1, 1, 1), nn.BatchNorm2d(1), nn.ReLU()).eval()
+    with pytest.raises(ValueError, match=r"\['1'\] sits between"):
+        Q.fuse_modules(m, [["0", "2"]])
+    with pytest.raises(ValueError, match="bn1"):
+        Q.fuse_modules(Block().eval(), [["conv1", "relu1"]])
+    with pytest.raises(ValueError, match="sits between"):
+        Q.fuse_modules_qat(Block().train(), [["conv1", "relu1"]])
+
+
+def test_adjacent_fusions_still_work_and_keep_the_function():
+    m = Block().eval()
+    x = torch.randn(2, 1, 6, 6)
+    f = Q.fuse_modules(m, [["conv1", "bn1", "relu1"]])
+    assert torch.allclose(f(x), m(x), atol=1e-5)
+    # after an earlier fusion the Identity it left in between does not block a later one
+    s = nn.Sequential(nn.Conv2d(1, 1, 1), nn.Identity(), nn.ReLU()).eval()
+    assert isinstance(Q.fuse_modules(s, [["0", "2"]])[0], Q.nn.intrinsic.ConvReLU2d)
+
+
+# ---- QConfigMapping names ----
+def test_set_module_name_that_matches_nothing_is_an_error_at_prepare():
+    qc = Q.get_minmax_qconfig()
+    mapping = Q.QConfigMapping().set_global(qc).set_module_name("fc1", None)
+    for call in (lambda: Q.prepare(Block(), mapping), lambda: Q.prepare_qat(Block().train(), mapping)):
+        with pytest.raises(ValueError, match=r"names no module.*'fc1'.*did you mean \['fc'\]"):
+            call()
+    with pytest.raises(ValueError, match="'fc1'"):
+        Q.quantize_dynamic(Block(), Q.QConfigMapping().set_module_name("fc1", Q.get_dynamic_qconfig()))
+    with pytest.raises(ValueError, match="'typo'"):
+        Q.quantize_dynamic(Block(), {"typo": Q.get_dynamic_qconfig()})
+    # a name that exists is fine (and excludes that module)
+    prepared = Q.prepare(Block(), Q.QConfigMapping().set_global(qc).set_module_name("fc", None))
+    assert not hasattr(prepared.fc, "activation_post_process")
+
+
+def test_regex_matching_nothing_warns():
+    mapping = Q.QConfigMapping().set_global(Q.get_minmax_qconfig()).set_module_name_regex(r"blocks\.\d+", None)
+    with pytest.warns(UserWarning, match="matches no module"):
+        Q.prepare(Block(), mapping)
+
+
+# ---- user hooks survive every module swap (torch.ao parity) ----
+def _hooked(model_cls=Block):
+    m = model_cls()
+    calls: list[str] = []
+    m.fc.register_forward_pre_hook(lambda mod, inp: calls.append("pre"))
+    m.fc.register_forward_hook(lambda mod, inp, out: calls.append("post"))
+    return m, calls
+
+
+def _hook_count(mod: nn.Module) -> tuple[int, int]:
+    return len(mod._forward_pre_hooks), len(mod._forward_hooks)
+
+
+def test_hooks_survive_prepare_and_convert_like_torch_ao():
+    x = torch.randn(2, 1, 6, 6)
+    ours, calls = _hooked()
+    ours.qconfig = Q.get_minmax_qconfig()
+    prepared = Q.prepare(ours)
+    prepared(x)
+    converted = Q.convert(prepared)
+    calls.clear()
+    converted(x)
+    assert calls == ["pre", "post"]
+
+    ao, _ = _hooked()
+    ao.qconfig = tq.get_default_qconfig("x86")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ao_prepared = tq.prepare(ao)
+        ao_prepared(x)
+        ao_converted = tq.convert(ao_prepared)
+    assert _hook_count(converted.fc) == _hook_count(ao_converted.fc) == (1, 1)
+
+
+def test_hooks_survive_prepare_qat_and_convert():
+    x = torch.randn(2, 1, 6, 6)
+    m, calls = _hooked()
+    prepared = Q.prepare_qat(m.train(), Q.get_default_qat_qconfig())
+    assert type(prepared.fc).__module__.startswith("lowbit.nn.qat")
+    calls.clear()
+    prepared(x)
+    assert calls == ["pre", "post"]
+    converted = Q.convert(prepared.eval())
+    calls.clear()
+    converted(x)
+    assert calls == ["pre", "post"]
+    ao, _ = _hooked()
+    ao.qconfig = tq.get_default_qat_qconfig("x86")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ao_prepared = tq.prepare_qat(ao.train())
+    assert _hook_count(prepared.fc)[1] - 1 == _hook_count(ao_prepared.fc)[1] - 1 == 1  # + the output observer's
+
+
+def test_hooks_survive_quantize_dynamic_like_torch_ao():
+    m, calls = _hooked()
+    q = Q.quantize_dynamic(m, {nn.Linear})
+    calls.clear()
+    q(torch.randn(2, 1, 6, 6))
+    assert calls == ["pre", "post"]
+    ao, _ = _hooked()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ao_q = tq.quantize_dynamic(ao, {nn.Linear})
+    assert _hook_count(ao_q.fc) == (1, 1) and _hook_count(q.fc)[1] == 1
+    assert type(q.fc).__module__.startswith("lowbit.nn.quantized.dynamic")
+
+
+# ---- abstract bases ----
+def test_observer_base_is_abstract_like_torch_ao():
+    with pytest.raises(TypeError, match="abstract"):
+        Q.ObserverBase()
+    with pytest.raises(TypeError):
+        tq.ObserverBase(torch.quint8)
+
+    class Half(Q.ObserverBase):  # no calculate_qparams
+        def forward(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="calculate_qparams"):
+        Half()
+
+
+# ---- NaN weights and NaN inputs ----
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Q.QuantStub(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2), Q.DeQuantStub())
+
+
+def _converted(model: nn.Module | None = None) -> nn.Module:
+    prepared = Q.prepare(model or _mlp(), Q.get_minmax_qconfig())
+    prepared(torch.randn(16, 4))
+    return Q.convert(prepared)
+
+
+@pytest.mark.parametrize("what", ["weight", "bias"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_weight_in_static_ptq_is_an_error_naming_the_layer(what, bad):
+    m = _mlp()
+    with torch.no_grad():
+        getattr(m[3], what).view(-1)[1] = bad
+    prepared = Q.prepare(m, Q.get_minmax_qconfig())
+    prepared(torch.randn(16, 4))
+    with pytest.raises(ValueError, match=rf"module '3'.*{what} .*NaN/Inf"):
+        Q.convert(prepared)
+
+
+def test_a_nan_weight_in_quantize_dynamic_is_an_error_naming_the_layer():
+    m = _mlp()
+    with torch.no_grad():
+        m[1].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"module '1'.*NaN/Inf"):
+        Q.quantize_dynamic(m)
+
+
+def test_a_converted_model_fed_nan_errors_instead_of_finite_garbage():
+    q = _converted()
+    x = torch.randn(3, 4)
+    x[1, 2] = float("nan")
+    with pytest.raises(RuntimeError, match=r"Quantize: .*1 NaN"):
+        q(x)
+    # a float input straight into a quantized layer (no QuantStub) is checked the same way
+    with pytest.raises(RuntimeError, match="NaN"):
+        q[1](x)
+    assert torch.isfinite(q(torch.randn(3, 4))).all()
+
+
+def test_a_dynamic_model_fed_nan_propagates_nan_like_the_float_model():
+    m = nn.Sequential(nn.Linear(4, 3)).eval()
+    q = Q.quantize_dynamic(m)
+    x = torch.randn(3, 4)
+    x[1, 2] = float("nan")
+    assert torch.equal(torch.isnan(q(x)), torch.isnan(m(x)))
+
+
+# ---- tampered checkpoints ----
+TAMPER = {
+    "3.scale": [float("nan"), 0.0, -0.5, float("inf")],
+    "0.scale": [float("nan"), 0.0],
+    "3.weight_scale": [torch.tensor([0.1, float("nan")]), torch.tensor([0.1, -1.0])],
+    "3.zero_point": [300, -1, 2.5],
+    "0.zero_point": [256],
+    "3.weight_zero_point": [torch.tensor([0.0, 1.5])],
+    "3.input_scale": [-1.0, float("nan")],
+    "3.bias": [torch.tensor([0.0, float("nan")])],
+    "1.weight_int8": [torch.full((4, 4), 200, dtype=torch.int16), torch.full((4, 4), 0.5)],
+}
+CASES = [(k, v) for k, vs in TAMPER.items() for v in vs]
+
+
+@pytest.mark.parametrize(("key", "value"), CASES, ids=[f"{k}={v}" for k, v in CASES])
+def test_tampered_checkpoint_is_rejected_naming_the_key(key, value):
+    q = _converted()
+    state = q.state_dict()
+    before = {k: v.clone() for k, v in state.items()}
+    tampered = dict(state)
+    tampered[key] = torch.as_tensor(value)
+    with pytest.raises(RuntimeError, match=rf"{key.replace('.', '[.]')}: "):
+        q.load_state_dict(tampered)
+    after = q.state_dict()
+    owner = key.rsplit(".", 1)[0]  # the failing module keeps its state
+    assert all(torch.equal(after[k], before[k]) for k in after if k.startswith(owner + "."))
+
+
+def test_tampered_shapes_are_rejected_naming_the_key():
+    q = _converted()
+    state = dict(q.state_dict())
+    state["3.weight_scale"] = torch.ones(3)
+    with pytest.raises(RuntimeError, match="3.weight_scale"):
+        q.load_state_dict(state)
+
+
+def test_valid_checkpoint_round_trips():
+    q, fresh = _converted(), _converted(_mlp())
+    fresh.load_state_dict(q.state_dict())
+    x = torch.randn(5, 4)
+    assert torch.equal(fresh(x), q(x))
