@@ -66,13 +66,13 @@ def _check_qparams(fn: str, scale: Number, zero_point: Number, qmin: int | None 
     if isinstance(scale, torch.Tensor):
         if scale.is_complex() or scale.dtype == torch.bool:
             raise TypeError(f"{fn}: scale must be a real tensor, got dtype {scale.dtype}")
-        s = scale.detach()
+        s = scale.detach().to(torch.float32)  # as quantize uses it: float64 1e39 / 1e-46 are inf / 0 there
         if s.numel() and not bool(((s > 0) & (s < float("inf"))).all()):
             raise ValueError(f"{fn}: scale={_show(s)} must be positive and finite")
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{fn}: scale={scale!r} must be a float or a tensor")
-    elif not 0 < scale < float("inf"):
-        raise ValueError(f"{fn}: scale={scale!r} must be a positive finite number")
+    elif not 0 < _as_f32(scale) < float("inf"):  # positive and finite once rounded to float32
+        raise ValueError(f"{fn}: scale={scale!r} must be a positive finite number (in float32)")
     lo = -float("inf") if qmin is None else qmin
     hi = float("inf") if qmax is None else qmax
     grid = "" if qmin is None else f" in [{qmin}, {qmax}]"
@@ -95,6 +95,11 @@ def _check_qparams(fn: str, scale: Number, zero_point: Number, qmin: int | None 
         raise TypeError(f"{fn}: zero_point={zero_point!r} must be an int or a tensor")
     elif not (lo <= zero_point <= hi and float(zero_point).is_integer()):
         raise ValueError(f"{fn}: zero_point={zero_point!r} must be an integer{grid}")
+
+
+def _as_f32(v: float) -> float:
+    with np.errstate(over="ignore"):
+        return float(np.float32(v))
 
 
 def _host_scalar(p: Number) -> Number:

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..qscheme import QDtype, QScheme, as_qdtype, as_qscheme
 
-__all__ = ["ObserverBase", "Factory", "finite_aminmax"]
+__all__ = ["ObserverBase", "AbstractObserverError", "Factory", "finite_aminmax"]
 
 
 class Factory(functools.partial):
@@ -72,16 +72,30 @@ class Factory(functools.partial):
         return out
 
 
+class AbstractObserverError(TypeError, NotImplementedError):
+    """Raised on constructing an abstract observer: a ``TypeError`` as torch.ao's abstract
+    ``ObserverBase`` raises, and a ``NotImplementedError`` as the seeds document."""
+
+
 class ObserverBase(abc.ABC, nn.Module):
     """Abstract observer: ``forward(x) -> x`` plus ``calculate_qparams() -> (scale, zero_point)``.
 
     Abstract as in torch.ao: ``ObserverBase()`` itself (or a subclass missing either method) raises
-    ``TypeError`` on construction.
+    ``AbstractObserverError`` on construction — a ``TypeError`` (torch.ao) and a
+    ``NotImplementedError`` (the seeds: "its calculate_qparams raises NotImplementedError").
 
     ``ch_axis`` is kept only for per-channel schemes (``None`` otherwise). Subclasses register
     their statistics as buffers; a buffer whose shape changes (scalar seed → ``(C,)``) is adopted
     from a ``state_dict`` on load, so a calibrated checkpoint loads into a fresh observer.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ObserverBase:
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        if missing:
+            raise AbstractObserverError(f"Can't instantiate abstract observer class {cls.__name__}: it does not "
+                                        f"implement {', '.join(missing)}; use a concrete observer "
+                                        "(MinMaxObserver, HistogramObserver, ...)")
+        return super().__new__(cls)
 
     def __init__(
         self,

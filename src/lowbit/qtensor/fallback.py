@@ -108,11 +108,12 @@ def _setitem(self: Any, key: Any, value: Any) -> None:
 
 
 # Python operators are looked up on the class, never through __getattr__: install them explicitly.
-# In-place operators (__iadd__ ...) are left out, so `qt += 1` rebinds to the float result of `qt + 1`.
+# In-place operators (__iadd__ ...) are left out, so `qt += 1` rebinds to the float result of `qt + 1`;
+# so are __iter__/__reversed__: iterating goes through __getitem__ and yields integer QTensor rows.
 _OPERATORS = ("__abs__", "__and__", "__or__", "__xor__", "__invert__", "__pos__", "__pow__", "__rpow__",
               "__mod__", "__rmod__", "__floordiv__", "__rfloordiv__", "__rtruediv__", "__rmatmul__",
               "__lshift__", "__rshift__", "__rand__", "__ror__", "__rxor__", "__eq__", "__ne__", "__lt__", "__le__",
-              "__gt__", "__ge__", "__contains__", "__reversed__", "__iter__")
+              "__gt__", "__ge__", "__contains__")  # iteration keeps using __len__/__getitem__: QTensor rows
 _PY_CONVERSIONS = ("__float__", "__int__", "__bool__", "__complex__", "__array__", "__format__", "__index__")
 
 
