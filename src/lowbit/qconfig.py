@@ -289,16 +289,20 @@ class QConfigMapping:
             return self.object_type_qconfigs[module_type]
         return inherited
 
-    def check_module_names(self, names: Iterable[str], where: str) -> None:
-        """Raise ``ValueError`` for a ``set_module_name`` key that names none of ``names`` (the model's
-        module paths: a typo would otherwise be ignored silently); warn for a regex matching none."""
+    def check_module_names(self, names: Iterable[str], where: str, strict: bool = True) -> None:
+        """Raise ``ValueError`` (``strict=False``: warn) for a ``set_module_name`` key that names none of
+        ``names`` (the model's module paths: a typo would otherwise be ignored silently); warn for a
+        regex matching none."""
         names = set(names)
         missing = [n for n in self.module_name_qconfigs if n not in names]
         if missing:
             hints = {n: difflib.get_close_matches(n, names, n=3) for n in missing}
             did = "; ".join(f"{n!r}: did you mean {h}?" for n, h in hints.items() if h)
-            raise ValueError(f"{where}: QConfigMapping.set_module_name names no module of this model: {missing}"
-                             + (f" ({did})" if did else "") + "; module names are dotted paths as in named_modules()")
+            msg = (f"{where}: QConfigMapping.set_module_name names no module of this model: {missing}"
+                   + (f" ({did})" if did else "") + "; module names are dotted paths as in named_modules()")
+            if strict:
+                raise ValueError(msg)
+            warnings.warn(msg, stacklevel=3)
         for pattern, regex in self._regex.items():
             if not any(regex.fullmatch(n) for n in names):
                 warnings.warn(f"{where}: QConfigMapping.set_module_name_regex({pattern!r}) matches no module of "

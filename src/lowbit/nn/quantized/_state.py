@@ -4,9 +4,9 @@ A checkpoint's qparams and codes must describe a valid grid, exactly what ``from
 
 - every ``*scale`` buffer: floating point, finite and ``> 0`` (``input_scale`` may be ``0``: "no
   recorded input grid");
-- every ``*zero_point`` buffer: finite integers on the grid of the matching dtype (``zero_point`` →
+- every integer ``*zero_point`` buffer: finite integers on the grid of the matching dtype (``zero_point`` →
   the module's ``out_qdtype`` / ``qdtype``, ``weight_zero_point`` → ``weight_qdtype``,
-  ``input_zero_point`` → ``input_qdtype``);
+  ``input_zero_point`` → ``input_qdtype``); a float one (``per_channel_affine_float_qparams``) finite;
 - ``weight_int8`` codes: inside the weight grid (e.g. ``[-127, 127]`` for a narrowed ``qint8``);
 - a float ``bias``: finite.
 
@@ -67,6 +67,10 @@ def check_quantized_state(module: nn.Module, state_dict: dict[str, Any], prefix:
                 errors.append(f"{key}: expected integers, got dtype {value.dtype} ({where})")
                 continue
             v = value.detach()
+            if buf.is_floating_point() and v.is_floating_point():  # float zero points (float_qparams rows)
+                if not bool(torch.isfinite(v).all()):
+                    errors.append(f"{key}: zero_point {_show(v[~torch.isfinite(v)])} must be finite ({where})")
+                continue
             ok = torch.isfinite(v) & (v == torch.round(v)) if v.is_floating_point() else torch.ones_like(v, dtype=torch.bool)
             qdtype = next((getattr(module, a) for a in _GRIDS.get(name, ()) if hasattr(module, a)), None)
             if name == "weight_int8" and (qdtype is None or getattr(qdtype, "bits", 8) != 8):
