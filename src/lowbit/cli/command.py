@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import common
-from .common import CLIError, stage
+from .common import CLIError, progress, stage
 from .inputs import builtin_data, check_data, check_labels, check_runs, check_spec, load_array, load_model
 from .measure import accuracy, latency_ratios, state_bytes, table
 from .methods import METHODS, QCONFIGS, Job
@@ -146,8 +146,10 @@ def _inputs(args: argparse.Namespace, methods: list[str], say: Any) -> tuple[nn.
             xte, yte = xte[: args.test_size], yte[: args.test_size]
         say(f"lowbit: built-in example — SmallCNN on {name} ({len(xtr)} train / {len(xte)} test images)")
         fp32 = examples.SmallCNN()
+        bar = iter(progress(iter(int, 1), "train fp32", None, args.quiet))
         with stage("training the fp32 example"):
-            examples.train(fp32, xtr, ytr, epochs=args.epochs, lr=2e-3, seed=args.seed)
+            examples.train(fp32, xtr, ytr, epochs=args.epochs, lr=2e-3, seed=args.seed,
+                           on_step=lambda *_: next(bar))
         return fp32.eval(), xtr[: args.calib_size], ytr[: args.calib_size] if needs_labels else None, xte, yte
     fp32 = load_model(args.model, args.weights)
     calib = check_data(load_array(args.calib, "--calib"), f"--calib {args.calib}")
@@ -189,7 +191,7 @@ def _quantize(args: argparse.Namespace) -> int:
 
         all_models = {"fp32": fp32, **qmodels}
         with stage("measuring"):
-            lat = latency_ratios(all_models, (xte if xte is not None else calib)[:64])
+            lat = latency_ratios(all_models, (xte if xte is not None else calib)[:64], quiet=args.quiet)
             fp32_size = state_bytes(fp32)
             rows = []
             fp32_acc = accuracy(fp32, xte, yte, args.quiet, "fp32") if xte is not None else float("nan")

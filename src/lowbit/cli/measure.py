@@ -45,13 +45,14 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, quiet: bool, de
     return 100.0 * hits / len(x)
 
 
-def latency_ratios(models: dict[str, nn.Module], x: torch.Tensor, rounds: int = 7) -> dict[str, dict[str, Any]]:
+def latency_ratios(models: dict[str, nn.Module], x: torch.Tensor, rounds: int = 7,
+                   quiet: bool = False) -> dict[str, dict[str, Any]]:
     """Median ms per call and median of per-round ratios fp32/method, methods interleaved."""
     times: dict[str, list[float]] = {k: [] for k in models}
     with torch.no_grad():
         for m in models.values():
             m(x)
-        for r in progress(range(rounds), "latency", rounds, quiet=False):
+        for r in progress(range(rounds), "latency", rounds, quiet):
             order = list(models) if r % 2 == 0 else list(models)[::-1]
             for k in order:
                 t = time.perf_counter()
