@@ -262,3 +262,45 @@ def test_multihead_attention_after_a_quantized_layer():
         out, _ = mha(y, y, y)
     ref, _ = mha(y.dequantize(), y.dequantize(), y.dequantize())
     assert torch.equal(out, ref)
+
+
+# ---- every observer / fake-quant entry point against hostile data ----
+OBSERVERS = {
+    "MinMaxObserver": lambda: Q.MinMaxObserver(),
+    "MovingAverageMinMaxObserver": lambda: Q.MovingAverageMinMaxObserver(),
+    "PerChannelMinMaxObserver": lambda: Q.PerChannelMinMaxObserver(ch_axis=0),
+    "MovingAveragePerChannelMinMaxObserver": lambda: Q.MovingAveragePerChannelMinMaxObserver(ch_axis=0),
+    "HistogramObserver": lambda: Q.HistogramObserver(bins=64),
+    "FakeQuantize": lambda: Q.FakeQuantize(),
+    "FakeQuantize(per channel)": lambda: Q.FakeQuantize(observer=Q.PerChannelMinMaxObserver, ch_axis=0),
+    "LearnableFakeQuantize": lambda: Q.LearnableFakeQuantize(),
+    "FusedMovingAvgObsFakeQuantize": lambda: Q.FusedMovingAvgObsFakeQuantize(),
+    "FusedMovingAvgObsFakeQuantize(per channel)": lambda: Q.FusedMovingAvgObsFakeQuantize(
+        observer=Q.MovingAveragePerChannelMinMaxObserver, ch_axis=0),
+}
+DATA = {
+    "nan": torch.full((2, 3), float("nan")), "inf": torch.tensor([[float("inf"), 1.0, 2.0], [0.0, 1.0, 2.0]]),
+    "-inf": torch.full((2, 3), -float("inf")), "denormal": torch.full((2, 3), 1e-42),
+    "huge": torch.tensor([[-3.4e38, 3.4e38, 0.0], [1.0, 2.0, 3.0]]), "empty": torch.zeros(0, 3),
+    "constant": torch.full((2, 3), 5.0), "int": torch.ones(2, 3, dtype=torch.int32),
+    "half": torch.tensor([[0.5, -1.0, 2.0], [3.0, 0.0, 1.0]]).half(), "list": [1.0, 2.0],
+}
+
+
+@pytest.mark.parametrize("data", list(DATA))
+@pytest.mark.parametrize("name", list(OBSERVERS))
+def test_observers_and_fake_quants_on_hostile_data(name, data):
+    """A clear error naming the class (or 'floating-point'/'observed'), or finite positive qparams and a
+    fake-quantized output that is finite wherever the input is."""
+    mod, x = OBSERVERS[name](), DATA[data]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            y = mod(x)
+            scale, zp = mod.calculate_qparams()
+        except (TypeError, ValueError, RuntimeError) as err:
+            assert type(mod).__name__ in str(err) or "floating-point" in str(err) or "Observer" in str(err), err
+            return
+    assert torch.isfinite(scale).all() and (scale > 0).all() and torch.isfinite(zp.float()).all()
+    if isinstance(y, torch.Tensor) and y.shape == x.shape and x.numel():
+        assert torch.isfinite(y[torch.isfinite(x)]).all()

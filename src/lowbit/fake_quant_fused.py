@@ -42,7 +42,6 @@ observer's ``calculate_qparams()``, a different formula: ``amax / 127.5`` instea
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -52,10 +51,14 @@ from .fake_quant import FakeQuantize
 from .functional import check_ch_axis, fake_quantize
 from .observer.base import ObserverBase
 from .observer.minmax import MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
+from .qparams import _keep_grid_finite
 
 __all__ = ["FusedMovingAvgObsFakeQuantize", "choose_qparams_fbgemm", "fused_moving_avg_obs_fake_quant"]
 
 _SMALL_SCALE = 6.1e-5  # fbgemm's SMALL_SCALE_THRESHOLD (float32 constant)
+
+
+_HUGE = 1e38  # observed ranges beyond this skip torch's fused kernel (its grid ends would overflow to ±inf)
 
 
 def choose_qparams_fbgemm(min_val: torch.Tensor, max_val: torch.Tensor, quant_min: int, quant_max: int,
@@ -102,8 +105,9 @@ def choose_qparams_fbgemm(min_val: torch.Tensor, max_val: torch.Tensor, quant_mi
     if symmetric:
         mid = torch.tensor((quant_min + quant_max) / 2, dtype=f64, device=lo.device)
         initial = torch.where((lo < 0) & (hi > 0), mid, initial)
-    zero_point = torch.round(initial).clamp(quant_min, quant_max)        # below/above the grid: the bound
-    return scale.to(f32), zero_point.to(torch.int64)
+    zero_point = torch.round(initial).clamp(quant_min, quant_max).to(torch.int64)  # off the grid: the bound
+    # lowbit beyond fbgemm: a grid end past ±3.4e38 (a range at float32's limit) is clipped by < 1 step
+    return _keep_grid_finite(scale.to(f32), zero_point, quant_min, quant_max), zero_point
 
 
 class FusedMovingAvgObsFakeQuantize(FakeQuantize):
@@ -180,9 +184,9 @@ class FusedMovingAvgObsFakeQuantize(FakeQuantize):
             if not observe:
                 ok = True
             elif per_channel:
-                ok = bool(torch.isfinite(lo).all() & torch.isfinite(hi).all())
-            else:
-                ok = math.isfinite(lo.item()) and math.isfinite(hi.item())
+                ok = bool(((lo.abs() < _HUGE) & (hi.abs() < _HUGE)).all())
+            else:  # a range near float32's limit: the fallback keeps the grid ends finite (torch's overflow)
+                ok = max(abs(lo.item()), abs(hi.item())) < _HUGE
         except RuntimeError:
             ok = False
         if not ok:
