@@ -95,6 +95,8 @@ _STAGING = re.compile(r"\.lowbit-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-")
 
 def _remove_stale_staging(parent: Path) -> None:
     """Delete staging folders a killed run (SIGKILL, a crash) left beside ``--out``: same host, dead pid."""
+    if os.name != "posix":  # os.kill(pid, 0) is a liveness probe only on POSIX (on Windows it terminates)
+        return
     host = _staging_prefix().split("-")[1]
     for p in parent.iterdir():
         m = _STAGING.match(p.name)
@@ -117,7 +119,7 @@ def _exchange(a: Path, b: Path) -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):   # not Linux/glibc: no renameat2
         return False
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     return fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
