@@ -8,6 +8,7 @@ Linear(in_features=4, out_features=2, bias=True, scale=1, zero_point=0, dtype=lo
 from .conv import Conv1d, Conv2d, Conv3d, ConvReLU1d, ConvReLU2d, ConvReLU3d
 from .conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from .linear import Linear, LinearReLU
+from .linear_float_out import LinearFloatOut
 from .activation import ELU, Hardsigmoid, Hardswish, LeakyReLU, ReLU6, Sigmoid, Tanh
 from .embedding import Embedding, EmbeddingBag
 from .functional_modules import FloatFunctional, QFunctional
@@ -17,7 +18,7 @@ from .normalization import Dropout, GroupNorm, InstanceNorm1d, InstanceNorm2d, I
 from . import dynamic
 
 __all__ = [
-    "Linear", "LinearReLU",
+    "Linear", "LinearReLU", "LinearFloatOut",
     "Conv1d", "Conv2d", "Conv3d", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d",
     "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
     "ReLU6", "Hardswish", "Hardsigmoid", "ELU", "LeakyReLU", "Sigmoid", "Tanh",
