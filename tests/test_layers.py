@@ -21,7 +21,7 @@ TIERS: list[tuple[str, ...]] = [
     ("observer",),
     ("fake_quant", "fake_quant_learnable", "fake_quant_fused", "fake_quant_fixed"),
     ("qconfig",),
-    ("custom_config", "fusion_registry"),  # plain config objects / the user pattern registry (torch only)
+    ("custom_config", "fusion_registry", "recipes"),  # config objects, the user pattern registry, recipes
     ("stubs", "kernels"),
     ("nn.intrinsic",),                 # fused float markers and BN folding
     ("nn.qat",),
