@@ -247,3 +247,20 @@ def test_valid_checkpoint_round_trips():
     fresh.load_state_dict(q.state_dict())
     x = torch.randn(5, 4)
     assert torch.equal(fresh(x), q(x))
+
+
+@pytest.mark.parametrize(("make", "key", "value"), [
+    (lambda: Q.FakeQuantize(), "scale", torch.tensor([float("nan")])),
+    (lambda: Q.FakeQuantize(), "zero_point", torch.tensor([300])),
+    (lambda: Q.FakeQuantize(), "activation_post_process.min_val", torch.tensor(float("nan"))),
+    (lambda: Q.MinMaxObserver(), "max_val", torch.tensor(float("nan"))),
+    (lambda: Q.HistogramObserver(bins=4), "histogram", torch.tensor([1.0, -1.0, 0.0, float("nan")])),
+])
+def test_tampered_observer_and_fake_quant_state_is_rejected_naming_the_key(make, key, value):
+    src = make()
+    src(torch.randn(16))
+    state = dict(src.state_dict())
+    state[key] = value
+    with pytest.raises(RuntimeError, match=rf"{key.replace('.', '[.]')}: "):
+        make().load_state_dict(state)
+    make().load_state_dict(src.state_dict())  # the untampered state loads

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .functional import fake_quantize
+from .functional import check_quantized_state, fake_quantize
 from .observer.base import Factory, ObserverBase
 from .observer.minmax import MovingAverageMinMaxObserver, _MinMaxObserverBase
 from .qparams import calculate_qparams
@@ -150,6 +150,10 @@ class FakeQuantize(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+        errors = check_quantized_state(self, state_dict, prefix)  # a NaN / 0 scale, an off-grid zero point
+        if errors:
+            error_msgs.extend(errors)
+            return
         for name in ("scale", "zero_point"):  # adopt a per-channel (C,) shape from the checkpoint
             saved = state_dict.get(prefix + name)
             if isinstance(saved, torch.Tensor) and saved.shape != getattr(self, name).shape:

@@ -35,7 +35,7 @@ import torch
 from .compile_state import qdtype_key, tracing
 from .qscheme import QDtype, as_qdtype
 
-__all__ = ["quantize", "dequantize", "fake_quantize", "check_ch_axis"]
+__all__ = ["quantize", "dequantize", "fake_quantize", "check_ch_axis", "check_quantized_state"]
 
 Number = float | int | torch.Tensor
 
@@ -290,3 +290,61 @@ def fake_quantize(
         _check_qparams("fake_quantize", scale, zero_point, quant_min, quant_max, float_zp=bool(float_zero_point))
     s, z = _broadcast(scale, x, ch_axis, torch.float32), _broadcast(zero_point, x, ch_axis, torch.float32)
     return _FakeQuantizeSTE.apply(x, s.detach(), z.detach(), int(quant_min), int(quant_max), bool(float_zero_point))
+
+
+# buffer name -> the module attributes that may hold its grid, first found wins
+_GRIDS = {"zero_point": ("out_qdtype", "qdtype"), "weight_zero_point": ("weight_qdtype", "qdtype"),
+          "input_zero_point": ("input_qdtype",), "weight_int8": ("weight_qdtype",)}
+
+
+def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str) -> list[str]:
+    """The problems of the incoming values of ``module``'s own buffers for ``load_state_dict`` (an empty
+    list: all valid): scales finite and > 0, zero points and codes integers on the module's grid, a
+    float ``bias`` finite, a ``histogram`` finite and >= 0, ``min_val``/``max_val`` not NaN. Used by the
+    quantized modules (``nn/quantized/_state.py``), ``FakeQuantize`` and every observer."""
+    where, errors = type(module).__name__, []
+    for name, buf in module._buffers.items():
+        value = state_dict.get(prefix + name)
+        if buf is None or not isinstance(value, torch.Tensor) or value.numel() == 0:
+            continue
+        key = prefix + name
+        if name.endswith("scale") and buf.is_floating_point():
+            if not value.is_floating_point():
+                errors.append(f"{key}: a scale must be a floating-point tensor, got dtype {value.dtype} ({where})")
+                continue
+            v = value.detach()
+            ok = torch.isfinite(v) & ((v > 0) | (v == 0) if name == "input_scale" else v > 0)
+            if not bool(ok.all()):
+                errors.append(f"{key}: scale={_show(v)} must be finite and > 0 ({where})")
+        elif name in ("min_val", "max_val") and value.is_floating_point():  # ±inf: "nothing observed yet"
+            if bool(torch.isnan(value.detach()).any()):
+                errors.append(f"{key}: the observed range holds NaN ({where})")
+        elif name == "histogram" and value.is_floating_point():
+            v = value.detach()
+            if not bool((torch.isfinite(v) & (v >= 0)).all()):
+                errors.append(f"{key}: histogram counts must be finite and >= 0 ({where})")
+        elif name == "bias" and value.is_floating_point():
+            if not bool(torch.isfinite(value.detach()).all()):
+                errors.append(f"{key}: the bias holds NaN/Inf values ({where})")
+        elif name in _GRIDS or name.endswith("zero_point"):
+            if value.is_complex() or value.dtype == torch.bool:
+                errors.append(f"{key}: expected integers, got dtype {value.dtype} ({where})")
+                continue
+            v = value.detach()
+            if buf.is_floating_point() and v.is_floating_point():  # float zero points (float_qparams rows)
+                if not bool(torch.isfinite(v).all()):
+                    errors.append(f"{key}: zero_point {_show(v[~torch.isfinite(v)])} must be finite ({where})")
+                continue
+            ok = torch.isfinite(v) & (v == torch.round(v)) if v.is_floating_point() else torch.ones_like(v, dtype=torch.bool)
+            qdtype = next((getattr(module, a) for a in _GRIDS.get(name, ()) if hasattr(module, a)), None)
+            if name == "weight_int8" and (qdtype is None or getattr(qdtype, "bits", 8) != 8):
+                qdtype = None  # packed / non-8-bit storage: the dtype itself bounds the codes
+            grid = ""
+            if qdtype is not None and hasattr(qdtype, "quant_min"):
+                ok &= (v >= qdtype.quant_min) & (v <= qdtype.quant_max)
+                grid = f" in [{qdtype.quant_min}, {qdtype.quant_max}] ({qdtype!r})"
+            if not bool(ok.all()):
+                bad = v[~ok] if v.dim() else v
+                what = "codes" if name == "weight_int8" else "zero_point"
+                errors.append(f"{key}: {what} {_show(bad)} must be integers{grid} ({where})")
+    return errors

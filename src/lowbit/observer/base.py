@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..functional import check_quantized_state
 from ..qscheme import QDtype, QScheme, as_qdtype, as_qscheme
 
 __all__ = ["ObserverBase", "AbstractObserverError", "Factory", "finite_aminmax"]
@@ -147,6 +148,10 @@ class ObserverBase(abc.ABC, nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+        errors = check_quantized_state(self, state_dict, prefix)  # NaN ranges, bad histograms / qparams
+        if errors:
+            error_msgs.extend(errors)
+            return
         for name, buf in list(self._buffers.items()):
             saved = state_dict.get(prefix + name)
             if buf is not None and isinstance(saved, torch.Tensor) and saved.shape != buf.shape:

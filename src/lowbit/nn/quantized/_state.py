@@ -28,62 +28,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
+from ...functional import check_quantized_state
+
 __all__ = ["CheckedQuantState", "check_quantized_state"]
-
-# buffer name -> the module attributes that may hold its grid, first found wins
-_GRIDS = {"zero_point": ("out_qdtype", "qdtype"), "weight_zero_point": ("weight_qdtype", "qdtype"),
-          "input_zero_point": ("input_qdtype",), "weight_int8": ("weight_qdtype",)}
-
-
-def _show(t: torch.Tensor) -> str:
-    v = t.detach().flatten()[:6].tolist()
-    return f"{v if t.dim() else v[0]}{'...' if t.numel() > 6 else ''}"
-
-
-def check_quantized_state(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> list[str]:
-    """The problems of the incoming values of ``module``'s own buffers (an empty list: all valid)."""
-    where, errors = type(module).__name__, []
-    for name, buf in module._buffers.items():
-        value = state_dict.get(prefix + name)
-        if buf is None or not isinstance(value, torch.Tensor) or value.numel() == 0:
-            continue
-        key = prefix + name
-        if name.endswith("scale") and buf.is_floating_point():
-            if not value.is_floating_point():
-                errors.append(f"{key}: a scale must be a floating-point tensor, got dtype {value.dtype} ({where})")
-                continue
-            v = value.detach()
-            ok = torch.isfinite(v) & ((v > 0) | (v == 0) if name == "input_scale" else v > 0)
-            if not bool(ok.all()):
-                errors.append(f"{key}: scale={_show(v)} must be finite and > 0 ({where})")
-        elif name == "bias" and value.is_floating_point():
-            if not bool(torch.isfinite(value.detach()).all()):
-                errors.append(f"{key}: the bias holds NaN/Inf values ({where})")
-        elif name in _GRIDS or name.endswith("zero_point"):
-            if value.is_complex() or value.dtype == torch.bool:
-                errors.append(f"{key}: expected integers, got dtype {value.dtype} ({where})")
-                continue
-            v = value.detach()
-            if buf.is_floating_point() and v.is_floating_point():  # float zero points (float_qparams rows)
-                if not bool(torch.isfinite(v).all()):
-                    errors.append(f"{key}: zero_point {_show(v[~torch.isfinite(v)])} must be finite ({where})")
-                continue
-            ok = torch.isfinite(v) & (v == torch.round(v)) if v.is_floating_point() else torch.ones_like(v, dtype=torch.bool)
-            qdtype = next((getattr(module, a) for a in _GRIDS.get(name, ()) if hasattr(module, a)), None)
-            if name == "weight_int8" and (qdtype is None or getattr(qdtype, "bits", 8) != 8):
-                qdtype = None  # packed / non-8-bit storage: the dtype itself bounds the codes
-            grid = ""
-            if qdtype is not None and hasattr(qdtype, "quant_min"):
-                ok &= (v >= qdtype.quant_min) & (v <= qdtype.quant_max)
-                grid = f" in [{qdtype.quant_min}, {qdtype.quant_max}] ({qdtype!r})"
-            if not bool(ok.all()):
-                bad = v[~ok] if v.dim() else v
-                what = "codes" if name == "weight_int8" else "zero_point"
-                errors.append(f"{key}: {what} {_show(bad)} must be integers{grid} ({where})")
-    return errors
 
 
 class CheckedQuantState(nn.Module):
