@@ -1,0 +1,150 @@
+"""Per-layer "best of" calibration: each layer gets the range methods that minimise its OUTPUT error.
+
+For every weighted layer (``nn.Linear``, ``nn.Conv1d/2d/3d``, or a fused marker such as
+``ConvReLU2d`` / ``LinearReLU`` whose first child is one) ``best_of_ranges`` records, on the
+calibration batches, the layer's float input ``X`` and output ``Y = f(X, W)``, then:
+
+    weight method  w* = argmin_w  ||f(X, Ŵ_w) - Y||²                        # Ŵ_w: W fake-quantized on w's grid
+    output method  a* = argmin_a  ||q_a(f(X, Ŵ_w*)) - Y||²                  # q_a: fake-quantized on a's grid
+
+(the candidates are the named methods of ``lowbit.recipes``: weights ``minmax``/``mse``/``percentile``,
+activations ``histogram``/``minmax``/``percentile``/``entropy``/``mse``), so a weight range is judged on
+what the layer computes, not on the weight error itself, and an output range on the quantized output
+against the float one. The result is a ``QConfigMapping``: ``global`` = ``base`` (the ops between
+layers), one ``set_module_name(layer, QConfig(a*, w*))`` per layer; use it with ``prepare`` (on the same,
+already fused, model) or ``prepare_fx``. In graph mode a conv later folded with its BN is judged
+before the fold. ``X`` keeps at most ``max_rows`` rows (tokens / pixels) per layer.
+
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> torch.manual_seed(0) and None
+>>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+>>> x = torch.randn(256, 16)
+>>> mapping, report = Q.best_of_ranges(model, x)
+>>> [(r.name, r.weight in ("minmax", "mse", "percentile")) for r in report]
+[('0', True), ('2', True)]
+>>> prepared = Q.prepare_fx(model, mapping, example_inputs=(x,))
+>>> _ = prepared(x)
+>>> bool((Q.convert_fx(prepared)(x) - model(x)).abs().max() < 0.05)
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from tqdm.auto import tqdm
+
+from ..debug.compare import check_module, iter_batches, run_batch
+from ..functional import fake_quantize
+from ..qconfig import QConfig, QConfigMapping, get_default_qconfig
+from ..recipes import ACTIVATION_METHODS, WEIGHT_METHODS
+
+__all__ = ["LayerChoice", "best_of_ranges"]
+
+_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """One layer: the chosen methods and every candidate's relative output error ``||·||² / ||Y||²``."""
+
+    name: str
+    weight: str
+    activation: str
+    weight_errors: dict[str, float] = field(default_factory=dict)
+    activation_errors: dict[str, float] = field(default_factory=dict)
+
+
+def _core(mod: nn.Module) -> tuple[nn.Module, str] | None:
+    """``(layer, weight parameter path)`` of a plain or fused weighted module, else ``None``."""
+    if type(mod) in _LAYERS:
+        return mod, "weight"
+    if isinstance(mod, nn.Sequential) and len(mod) and type(mod[0]) in _LAYERS and \
+            type(mod).__module__.startswith("lowbit.nn.intrinsic"):
+        return mod[0], "0.weight"
+    return None
+
+
+def _fq(x: torch.Tensor, obs: nn.Module) -> torch.Tensor:
+    obs(x)
+    scale, zp = obs.calculate_qparams()
+    return fake_quantize(x, scale, zp, obs.quant_min, obs.quant_max, obs.ch_axis)
+
+
+def _rel(y: torch.Tensor, y_hat: torch.Tensor) -> float:
+    return float(((y - y_hat) ** 2).sum() / (y * y).sum().clamp_min(1e-30))
+
+
+def best_of_ranges(model: nn.Module, calib: Any, base: QConfig | None = None,
+                   activations: Sequence[str] = ("histogram", "minmax", "percentile", "entropy", "mse"),
+                   weights: Sequence[str] = ("minmax", "mse"), max_rows: int = 4096,
+                   progress: bool = True) -> tuple[QConfigMapping, list[LayerChoice]]:
+    """Pick, per layer, the activation and weight range methods of least output error (module docstring).
+
+    ``calib``: a tensor or an iterable of batches (tuple/list batches are unpacked, dicts passed as
+    keywords). ``base``: the global qconfig (default ``get_default_qconfig()``). Returns
+    ``(mapping, choices)``; ``model`` is not modified.
+    """
+    check_module(model, "best_of_ranges: model")
+    for side, names, table in (("activations", activations, ACTIVATION_METHODS), ("weights", weights, WEIGHT_METHODS)):
+        if isinstance(names, str) or not names or any(n not in table for n in names):
+            raise ValueError(f"best_of_ranges: {side}={names!r} must be a non-empty list of {sorted(table)}")
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise ValueError(f"best_of_ranges: max_rows={max_rows!r} must be a positive int")
+    batches = list(iter_batches(calib, "best_of_ranges: calib"))
+    layers: dict[str, nn.Module] = {}
+    for n, m in model.named_modules():
+        if _core(m) is not None and not any(n.startswith(f"{p}.") for p in layers):  # not a fused marker's child
+            layers[n] = m
+    if not layers:
+        raise ValueError("best_of_ranges: the model has no Linear/Conv layer to calibrate")
+    seen: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {n: ([], []) for n in layers}
+
+    def hook(name: str):  # type: ignore[no-untyped-def]
+        def record(mod: nn.Module, inputs: Any, output: Any) -> None:
+            xs, ys = seen[name]
+            if isinstance(inputs[0], torch.Tensor) and isinstance(output, torch.Tensor) and \
+                    sum(x.shape[0] for x in xs) < max_rows:
+                xs.append(inputs[0].detach())
+                ys.append(output.detach())
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            for batch in batches:
+                run_batch(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    base = base if base is not None else get_default_qconfig()
+    mapping = QConfigMapping().set_global(base)
+    choices: list[LayerChoice] = []
+    with torch.no_grad():
+        for name, mod in tqdm(layers.items(), desc="best_of_ranges", disable=not progress, leave=False):
+            xs, ys = seen[name]
+            if not xs:
+                continue  # never called during calibration: keeps the global qconfig
+            x, y = torch.cat(xs), torch.cat(ys)
+            layer, path = _core(mod)  # type: ignore[misc]
+            w = layer.weight.detach()
+            w_err, outs = {}, {}
+            for method in weights:
+                w_hat = _fq(w, WEIGHT_METHODS[method]())
+                outs[method] = functional_call(mod, {path: w_hat}, (x,))
+                w_err[method] = _rel(y, outs[method])
+            best_w = min(w_err, key=w_err.__getitem__)
+            a_err = {method: _rel(y, _fq(outs[best_w], ACTIVATION_METHODS[method]())) for method in activations}
+            best_a = min(a_err, key=a_err.__getitem__)
+            mapping.set_module_name(name, QConfig(activation=ACTIVATION_METHODS[best_a], weight=WEIGHT_METHODS[best_w]))
+            choices.append(LayerChoice(name, best_w, best_a, w_err, a_err))
+    return mapping, choices
