@@ -304,3 +304,22 @@ def test_observers_and_fake_quants_on_hostile_data(name, data):
     assert torch.isfinite(scale).all() and (scale > 0).all() and torch.isfinite(zp.float()).all()
     if isinstance(y, torch.Tensor) and y.shape == x.shape and x.numel():
         assert torch.isfinite(y[torch.isfinite(x)]).all()
+
+
+# ---- wrong shapes / axes / dtypes at the qtensor and functional entry points ----
+@pytest.mark.parametrize("call", [
+    lambda: Q.quantize(torch.ones(2, 3), torch.ones(3), torch.zeros(3, dtype=torch.long), Q.qint8, 0),  # C mismatch
+    lambda: Q.quantize(torch.ones(2, 3), torch.ones(2), torch.zeros(2, dtype=torch.long), Q.qint8, 2),  # axis
+    lambda: Q.fake_quantize(torch.ones(2, 3), torch.ones(2), torch.zeros(2), -128, 127, -3),
+    lambda: Q.quantize(torch.ones(2, 3), torch.ones(2), 0, Q.qint8),  # per-tensor with (C,) scales
+    lambda: Q.quantize_per_channel(torch.ones(2, 3), torch.ones(2), torch.zeros(2, dtype=torch.long), 5, Q.qint8),
+    lambda: Q.QTensor(torch.zeros(2, 3, dtype=torch.int8), torch.ones(3), torch.zeros(3, dtype=torch.long), Q.qint8, 0),
+    lambda: Q.QTensor(torch.zeros(2, 3), 0.1, 0, Q.qint8),  # float codes
+    lambda: Q.QTensor(torch.zeros(2, dtype=torch.int8), float("nan"), 0, Q.qint8),
+    lambda: Q.fake_quantize(torch.ones(2), 0.1, 0, 5, 5),  # empty grid
+    lambda: Q.quantize(torch.ones(2), 0.1, 0, "int7"),
+])
+def test_wrong_shapes_axes_and_dtypes_are_clear_errors(call):
+    with pytest.raises((ValueError, TypeError)) as info:
+        call()
+    assert any(w in str(info.value) for w in ("shape", "ch_axis", "axis", "dtype", "scale", "quant_min", "qdtype"))
