@@ -76,3 +76,18 @@ def test_bad_input():
     with pytest.raises(TypeError, match="must be an nn.Module"):
         Q.fuse_dequantize("model")
     assert Q.fuse_dequantize(nn.Linear(2, 2)) == []   # no graph: nothing to do
+
+
+def test_onnx_export_has_no_output_rounding(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from lowbit.export import run_onnx, to_onnx
+
+    _, qmodel = _converted()
+    x = torch.randn(16, 16)
+    with kernels.use_backend("reference"):
+        rounded = qmodel(x)
+        Q.fuse_dequantize(qmodel)
+        expected = qmodel(x)
+    got = run_onnx(to_onnx(qmodel, (x,), tmp_path / "m.onnx"), x)[0]
+    err, err_rounded = float((got - expected).abs().max()), float((rounded - expected).abs().max())
+    assert err < 0.2 * err_rounded, (err, err_rounded)   # the file follows the float-output model

@@ -191,7 +191,9 @@ class WeightedTwin(nn.Module):
         self.kind, self.relu = kind, bool(getattr(mod, "_relu", False))
         axis = 1 if kind == "conv_transpose" else 0
         self.in_qdq = _qdq(in_grid)
-        self.out_qdq = QDQ(float(mod.scale), int(mod.zero_point), mod.out_qdtype)
+        # a float-output layer (nnq.LinearFloatOut, from fuse_dequantize) ends at the float value
+        self.out_qdq: nn.Module = nn.Identity() if getattr(mod, "float_output", False) else QDQ(
+            float(mod.scale), int(mod.zero_point), mod.out_qdtype)
         self.weight = weight_dq(mod.weight_int8, mod.weight_scale, mod.weight_zero_point, axis, weight_dtype)
         self.bias_dq: ConstDQ | None = None
         self.register_buffer("bias_float", None)

@@ -35,7 +35,13 @@ __all__ = ["LinearFloatOut"]
 
 
 class LinearFloatOut(Linear):
-    """Quantized ``nn.Linear`` with a float output (``relu`` kept if built from a ``LinearReLU``)."""
+    """Quantized ``nn.Linear`` with a float output (``relu`` kept if built from a ``LinearReLU``).
+
+    ONNX export (``lowbit.export.to_onnx``) writes it as the Linear's QDQ form without the output
+    QuantizeLinear/DequantizeLinear pair.
+    """
+
+    float_output = True
 
     def forward(self, x: QTensor | torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         qx = as_qtensor(x, self.input_grid, type(self).__name__)
