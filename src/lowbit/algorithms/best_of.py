@@ -120,7 +120,7 @@ def best_of_ranges(model: nn.Module, calib: Any, base: QConfig | None = None,
     try:
         model.eval()
         with torch.no_grad():
-            for batch in batches:
+            for batch in tqdm(batches, desc="best_of_ranges: calibration", disable=not progress, leave=False):
                 run_batch(model, batch)
     finally:
         for h in handles:

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..debug.compare import _flatten, check_module, iter_batches, run_batch
 
@@ -153,7 +154,7 @@ def _collect(model: nn.Module, batches: Iterable[Any], names: list[str]) -> tupl
     handles += [modules[n].register_forward_pre_hook(in_hook(n)) for n in names]
     try:
         with torch.no_grad():
-            for batch in batches:
+            for batch in tqdm(batches, desc="smooth_quant: calibration", leave=False):
                 last_output.clear()
                 run_batch(model, batch)
     finally:

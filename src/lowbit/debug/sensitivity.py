@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..fuse import fuse_modules, fuse_modules_qat
 from ..fx import convert_fx, prepare_fx
@@ -326,7 +327,7 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
     with _quiet_float_fallback(), torch.no_grad():
         baseline = _score(eval_fn, copy.deepcopy(base).eval(), "the float model")
         rows = []
-        for name, type_name, qc in layers:
+        for name, type_name, qc in tqdm(layers, desc="sensitivity (one layer int8 at a time)", leave=False):
             metric = quantized(QConfigMapping().set_module_name(name, qc), f"layer '{name}' quantized alone")
             rows.append(SensitivityRow(name, type_name, metric, baseline - metric))
         rows.sort(key=lambda r: -r.drop)
