@@ -20,7 +20,10 @@ Cost: ``iters`` forward/backward passes of the layer on ``batch_size`` samples.
 >>> x = torch.randn(256, 16); y = lin(x)
 >>> w = lin.weight.detach(); s = w.abs().amax(1, keepdim=True) / 8; z = torch.zeros_like(s)   # a coarse 4-bit grid
 >>> q_near = torch.clamp(torch.round(w / s), -8, 7)
->>> q = adaround_codes(w, s, z, -8, 7, lambda w_, i: nn.functional.linear(x[i], w_, lin.bias), y, iters=100, batch_size=64)
+>>> def sample():                                         # a random mini-batch of 64 rows
+...     i = torch.randint(256, (64,))
+...     return (lambda w_: nn.functional.linear(x[i], w_, lin.bias)), y[i]
+>>> q = adaround_codes(w, s, z, -8, 7, sample, iters=100)
 >>> err = lambda q_: float((nn.functional.linear(x, (q_ - z) * s, lin.bias) - y).pow(2).mean())
 >>> err(q) < err(q_near)
 True
@@ -43,19 +46,19 @@ def rectified_sigmoid(v: torch.Tensor) -> torch.Tensor:
 
 
 def adaround_codes(weight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin: int, qmax: int,
-                   forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], target: torch.Tensor,
-                   iters: int = 500, batch_size: int = 8, lr: float = 1e-2, lam: float = 0.01,
-                   warmup: float = 0.2, beta: tuple[float, float] = (20.0, 2.0),
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+                   sample: Callable[[], tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]],
+                   error: Callable[[torch.Tensor], float] | None = None, iters: int = 500, lr: float = 1e-2,
+                   lam: float = 0.01, warmup: float = 0.2, beta: tuple[float, float] = (20.0, 2.0)) -> torch.Tensor:
     """Learned integer codes ``q`` for ``weight`` on the grid ``(s, z)`` (same shape as ``weight``).
 
-    ``forward(w_hat, idx)`` runs the layer (with its activation) with weight ``w_hat`` on the samples
-    ``idx`` (a LongTensor into dim 0 of the cached quantized-model inputs) and ``target[idx]`` is what
-    it should produce. The reconstruction term sums squared errors over dim 1 (channels) and averages the
-    rest, as in the paper's per-output formulation.
+    ``sample()`` draws a mini-batch and returns ``(run, target)``: ``run(w_hat)`` is the layer (with its
+    activation) applied to that batch's quantized-model inputs with weight ``w_hat``, ``target`` what it
+    should produce (the float layer's output). The reconstruction term sums squared errors over dim 1
+    (channels) and averages the rest. ``error(w_hat)`` (optional) scores a weight on all calibration
+    data; the learned codes are kept only if they score no worse than round-to-nearest.
     """
-    if iters < 0:
-        raise ValueError(f"adaround_codes: iters={iters} must be >= 0")
+    if not isinstance(iters, int) or iters < 0:
+        raise ValueError(f"adaround_codes: iters={iters!r} must be an int >= 0")
     w = weight.detach().to(torch.float32)
     w_s = w / s
     w_floor = torch.floor(w_s)
@@ -63,31 +66,25 @@ def adaround_codes(weight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin:
     # h(V0) = rest:  sigmoid(V0) = (rest - gamma) / (zeta - gamma)
     p = ((rest - GAMMA) / (ZETA - GAMMA)).clamp(1e-4, 1 - 1e-4)
     v = torch.log(p / (1 - p)).requires_grad_(True)
-    target = target.detach()
-    n = target.shape[0]
     opt = torch.optim.Adam([v], lr=lr)
     start = int(warmup * iters)
     for it in range(iters):
-        idx = torch.randint(n, (min(batch_size, n),), generator=generator)
+        run, target = sample()
         h = rectified_sigmoid(v)
         w_hat = (torch.clamp(w_floor + h + z, qmin, qmax) - z) * s
-        d = (forward(w_hat, idx) - target[idx]).pow(2)
-        rec = d.sum(1).mean() if d.dim() > 1 else d.mean()
-        loss = rec
+        d = (run(w_hat) - target.detach()).pow(2)
+        loss = d.sum(1).mean() if d.dim() > 1 else d.mean()
         if it >= start:
             b = beta[0] + (beta[1] - beta[0]) * (it - start) / max(1, iters - start)
-            loss = rec + lam * (1 - (2 * h - 1).abs().pow(b)).sum()
+            loss = loss + lam * (1 - (2 * h - 1).abs().pow(b)).sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
         up = (rectified_sigmoid(v) >= 0.5).to(torch.float32)
         learned = torch.clamp(w_floor + up + z, qmin, qmax)
+        if error is None:
+            return learned
         nearest = torch.clamp(torch.round(w_s) + z, qmin, qmax)
-
-        def err(q: torch.Tensor) -> float:
-            w_hat = (q - z) * s
-            return sum(float((forward(w_hat, i) - target[i]).pow(2).sum())
-                       for i in torch.arange(n).split(max(1, batch_size)))
-
-        return learned if err(learned) <= err(nearest) else nearest  # a short run can end worse: keep nearest
+        # a short run can end worse than round-to-nearest on the whole objective: keep the better
+        return learned if error((learned - z) * s) <= error((nearest - z) * s) else nearest

@@ -70,32 +70,67 @@ def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(xs, 0) if len(xs) > 1 else xs[0]
 
 
+def _sampler(mod: nn.Module, x_all: torch.Tensor, t_all: torch.Tensor, batch_size: int, window: int,
+             g: torch.Generator) -> Any:
+    """``sample()`` for ``adaround_codes``: random samples and, for a 2-d conv, a random output window.
+
+    The window (``window x window`` outputs) is computed exactly from a slice of the zero-padded input
+    (padding 0 on the slice), so each step costs a fraction of a full-resolution conv.
+    """
+    op, act = split(mod)
+    n = x_all.shape[0]
+    spatial = isinstance(op, nn.Conv2d) and op.padding_mode == "zeros" and t_all.dim() == 4 and \
+        not isinstance(op.padding, str) and (t_all.shape[2] > window or t_all.shape[3] > window)
+    if spatial:
+        ph, pw = op.padding  # type: ignore[misc]
+        xpad = nn.functional.pad(x_all, [pw, pw, ph, ph])
+        (sh, sw), (dh, dw), (kh, kw) = op.stride, op.dilation, op.kernel_size
+        oh, ow = min(window, t_all.shape[2]), min(window, t_all.shape[3])
+
+    def sample() -> tuple[Any, torch.Tensor]:
+        idx = torch.randint(n, (min(batch_size, n),), generator=g)
+        if not spatial:
+            return (lambda w: layer_forward(mod, x_all[idx], w)), t_all[idx]
+        r = int(torch.randint(t_all.shape[2] - oh + 1, (1,), generator=g))
+        c = int(torch.randint(t_all.shape[3] - ow + 1, (1,), generator=g))
+        xs = xpad[idx, :, r * sh: r * sh + (oh - 1) * sh + (kh - 1) * dh + 1,
+                  c * sw: c * sw + (ow - 1) * sw + (kw - 1) * dw + 1]
+
+        def run(w: torch.Tensor) -> torch.Tensor:
+            y = nn.functional.conv2d(xs, w, op.bias, op.stride, 0, op.dilation, op.groups)
+            return act(y) if act is not None else y
+        return run, t_all[idx, :, r: r + oh, c: c + ow]
+    return sample
+
+
 def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Tensor], adaround: bool,
-           bias_correction: bool, iters: int, batch_size: int, g: torch.Generator) -> tuple[torch.Tensor, LayerChange]:
+           bias_correction: bool, iters: int, batch_size: int, g: torch.Generator, window: int = 16,
+           target: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, LayerChange]:
     """Round (and bias-correct) one layer; return its simulated weight and the change record."""
-    op, _ = split(mod)
+    op, act = split(mod)
     q0, s, z, lo, hi = weight_codes(mod)
-    with torch.no_grad():
-        target = [layer_forward(mod, x) for x in xf]
+    if target is None:
+        with torch.no_grad():
+            target = [layer_forward(mod, x) for x in xf]
     x_all, t_all = _cat(xq), _cat(target)
 
-    def mse(q: torch.Tensor, b: torch.Tensor | None = None) -> float:
+    def error(w: torch.Tensor, b: torch.Tensor | None = None) -> float:
         with torch.no_grad():
-            w = (q - z) * s
             return sum(float((layer_forward(mod, x, w, b) - t).pow(2).sum()) for x, t in zip(xq, target)) / \
                 max(1, t_all.numel())
 
-    rec = LayerChange(name, mse(q0), 0.0)
+    rec = LayerChange(name, error((q0 - z) * s), 0.0)
     q = q0
     if adaround and iters > 0:
-        q = adaround_codes(op.weight, s, z, lo, hi, lambda w, i: layer_forward(mod, x_all[i], w), t_all,
-                           iters=iters, batch_size=batch_size, generator=g)
+        q = adaround_codes(op.weight, s, z, lo, hi, _sampler(mod, x_all, t_all, batch_size, window, g), iters=iters)
+        if error((q - z) * s) > rec.mse_nearest:  # a short run can end worse than round-to-nearest: keep that
+            q = q0
         rec.codes_changed = float((q != q0).float().mean())
     if bias_correction:
         with torch.no_grad():
             w_hat = (q - z) * s
             dims = [d for d in range(t_all.dim()) if d != 1]
-            pre_f = _cat([layer_forward(mod, x, activation=False) for x in xf])
+            pre_f = t_all if act is None else _cat([layer_forward(mod, x, activation=False) for x in xf])
             pre_q = _cat([layer_forward(mod, x, w_hat, activation=False) for x in xq])
             delta = (pre_f - pre_q).mean(dim=dims) if t_all.dim() > 1 else (pre_f - pre_q)
             if op.bias is None:
@@ -103,7 +138,7 @@ def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Ten
             op.bias.add_(delta.to(op.bias.dtype))
             rec.bias_shift = float(delta.abs().max())
     freeze_weight(mod, q, s, z)
-    rec.mse_after = mse(q)
+    rec.mse_after = error((q - z) * s)
     return (q - z) * s, rec
 
 
@@ -134,8 +169,23 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     envs_f: list[dict[fx.Node, Any]] = [{} for _ in batches]
     envs_q: list[dict[fx.Node, Any]] = [{} for _ in batches]
     changes: list[LayerChange] = []
-    placeholders = [n for n in nodes if n.op == "placeholder"]
     bar = tqdm(total=n_layers, desc="adaround" if adaround else "bias correction", disable=not progress)
+    patched = _patch_observers(gm, "float")  # observers inside opaque leaves must not keep observing
+    try:
+        _walk(gm, nodes, mods, batches, envs_f, envs_q, last_use, changes, bar, adaround, bias_correction, iters,
+              batch_size, g)
+    finally:
+        for m in patched:
+            m.__dict__.pop("forward", None)
+        bar.close()
+    return changes
+
+
+def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], batches: list[tuple[Any, ...]],
+          envs_f: list[dict[fx.Node, Any]], envs_q: list[dict[fx.Node, Any]], last_use: dict[fx.Node, int],
+          changes: list[LayerChange], bar: Any, adaround: bool, bias_correction: bool, iters: int, batch_size: int,
+          g: torch.Generator) -> None:
+    placeholders = [n for n in nodes if n.op == "placeholder"]
     with torch.no_grad():
         for i, node in enumerate(nodes):
             if node.op == "output":
@@ -156,7 +206,8 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
                     ef[node] = layer_forward(mod, ef[src])
                 with torch.enable_grad():
                     w_hat, rec = _layer(str(node.target), mod, [e[src] for e in envs_q], [e[src] for e in envs_f],
-                                        adaround, bias_correction, iters, batch_size, g)
+                                        adaround, bias_correction, iters, batch_size, g,
+                                        target=[e[node] for e in envs_f])
                 changes.append(rec)
                 bar.update(1)
                 bar.set_postfix(layer=node.target)
@@ -181,8 +232,6 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
                 if last_use.get(n) == i:
                     for env in (*envs_f, *envs_q):
                         env.pop(n, None)
-    bar.close()
-    return changes
 
 
 def _run(model: nn.Module, batch: tuple[Any, ...]) -> None:

