@@ -88,7 +88,8 @@ def test_adaround_never_worse_than_nearest_on_its_objective(seed, bits):
 
 def test_adaround_rejects_negative_iters():
     with pytest.raises(ValueError, match="iters=-1"):
-        adaround_codes(torch.ones(2, 2), torch.ones(2, 1), torch.zeros(2, 1), -8, 7, lambda: (lambda w: w, torch.ones(2, 2)), iters=-1)
+        adaround_codes(torch.ones(2, 2), torch.ones(2, 1), torch.zeros(2, 1), -8, 7,
+                       lambda: (lambda w: w, torch.ones(2, 2)), iters=-1)
 
 
 def _prepared(model, calib):
