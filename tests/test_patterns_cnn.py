@@ -187,3 +187,26 @@ def test_squeeze_excite_eager_mode():
     q = Q.convert(p)
     assert {"conv", "fc1", "fc2", "head"} <= set(_int8_layers(q))
     assert _sqnr(m(x), q(x)) > 25
+
+
+class FunctionalClamps(nn.Module):
+    """F.conv2d / F.linear on the model's own parameters followed by F.relu6 / clamp (EfficientNet's style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(0.3 * torch.randn(6, 3, 3, 3)), nn.Parameter(torch.zeros(6))
+        self.w2 = nn.Parameter(0.3 * torch.randn(4, 6))
+
+    def forward(self, x):
+        h = F.relu6(F.conv2d(F.pad(x, [1, 1, 1, 1]), self.w1, self.b1))
+        return torch.clamp(F.linear(F.adaptive_avg_pool2d(h, 1).flatten(1), self.w2), 0.0, 2.0)
+
+
+def test_functional_layers_fold_relu6_and_clamp():
+    torch.manual_seed(5)
+    m, x = FunctionalClamps().eval(), 3 * torch.randn(8, 3, 8, 8)
+    q = _fx(m, x)
+    relus = [mod for mod in q.modules() if isinstance(mod, (nnq.ConvReLU2d, nnq.LinearReLU))]
+    assert len(relus) == 2 and not any(isinstance(mod, nnq.ReLU6) for mod in q.modules())
+    assert all(float(r.scale) * (255 - int(r.zero_point)) <= t * (1 + 1e-6) for r, t in zip(relus, (6.0, 2.0)))
+    assert _sqnr(m(x), q(x)) > 25

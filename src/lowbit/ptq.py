@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .algorithms.reconstruct import LayerChange, reconstruct
+from .algorithms.layerwise import LayerChange, reconstruct
 from .fx import convert_fx, prepare_fx
 from .qconfig import QConfigMapping, get_default_qconfig_mapping
 

@@ -2,12 +2,12 @@
 
 - ``layers``: weighted layers of a prepared model, their weight codes, frozen learned codes;
 - ``adaround``: learned rounding of one layer's weights (Nagel et al. 2020);
-- ``reconstruct``: the layer-by-layer pass (AdaRound + empirical bias correction) on the
+- ``layerwise``: the layer-by-layer pass (``reconstruct``) (AdaRound + empirical bias correction) on the
   quantized model's own inputs, graph or eager mode;
 - ``equalize``: cross-layer equalization with bias absorption (Nagel et al. 2019).
 """
 
 from .adaround import adaround_codes
-from .reconstruct import LayerChange, reconstruct, reconstruct_eager
+from .layerwise import LayerChange, reconstruct, reconstruct_eager
 
 __all__ = ["adaround_codes", "reconstruct", "reconstruct_eager", "LayerChange"]

@@ -48,13 +48,18 @@ def rectified_sigmoid(v: torch.Tensor) -> torch.Tensor:
 def adaround_codes(weight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin: int, qmax: int,
                    sample: Callable[[], tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]],
                    error: Callable[[torch.Tensor], float] | None = None, iters: int = 500, lr: float = 1e-2,
-                   lam: float = 0.01, warmup: float = 0.2, beta: tuple[float, float] = (20.0, 2.0)) -> torch.Tensor:
+                   lam: float = 0.1, warmup: float = 0.2, beta: tuple[float, float] = (20.0, 2.0),
+                   normalize: bool = True) -> torch.Tensor:
     """Learned integer codes ``q`` for ``weight`` on the grid ``(s, z)`` (same shape as ``weight``).
 
     ``sample()`` draws a mini-batch and returns ``(run, target)``: ``run(w_hat)`` is the layer (with its
     activation) applied to that batch's quantized-model inputs with weight ``w_hat``, ``target`` what it
     should produce (the float layer's output). The reconstruction term sums squared errors over dim 1
-    (channels) and averages the rest. ``error(w_hat)`` (optional) scores a weight on all calibration
+    (channels) and averages the rest. ``normalize=True`` divides it by its first value and averages the
+    regulariser over the weights, so ``lam`` weighs the two terms alike for every layer size (the paper's
+    ``lam = 0.01`` on a summed regulariser is tuned for 10k+ steps; with a few hundred, it rounds every
+    weight before the reconstruction term has moved it). ``normalize=False, lam=0.01`` is the paper's
+    objective. ``error(w_hat)`` (optional) scores a weight on all calibration
     data; the learned codes are kept only if they score no worse than round-to-nearest.
     """
     if not isinstance(iters, int) or iters < 0:
@@ -68,15 +73,20 @@ def adaround_codes(weight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin:
     v = torch.log(p / (1 - p)).requires_grad_(True)
     opt = torch.optim.Adam([v], lr=lr)
     start = int(warmup * iters)
+    scale = None
     for it in range(iters):
         run, target = sample()
         h = rectified_sigmoid(v)
         w_hat = (torch.clamp(w_floor + h + z, qmin, qmax) - z) * s
         d = (run(w_hat) - target.detach()).pow(2)
         loss = d.sum(1).mean() if d.dim() > 1 else d.mean()
+        if normalize:  # reconstruction relative to its first value, regulariser averaged over weights
+            scale = float(loss.detach()) + 1e-12 if scale is None else scale
+            loss = loss / scale
         if it >= start:
             b = beta[0] + (beta[1] - beta[0]) * (it - start) / max(1, iters - start)
-            loss = loss + lam * (1 - (2 * h - 1).abs().pow(b)).sum()
+            f = 1 - (2 * h - 1).abs().pow(b)
+            loss = loss + lam * (f.mean() if normalize else f.sum())
         opt.zero_grad()
         loss.backward()
         opt.step()

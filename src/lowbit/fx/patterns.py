@@ -327,8 +327,13 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
         if node in erased or node.op != "call_function" or node.target not in WITH_RELU:
             continue
         relu = _relu_user(node, modules)
+        clamp = None if relu is not None or is_qat else _clamp_user(node, modules)
+        if clamp is not None:  # ReLU6-like: the fused node clamps at t, its output grid does it in int8
+            relu = clamp[0]
         if relu is None or parse(node, gm)[0] is None:
             continue  # a layer graph mode cannot quantize keeps its float form
+        if clamp is not None:
+            node.kwargs = {**node.kwargs, "relu_max": clamp[1].max_val}
         base, node.target = node.target, WITH_RELU[node.target]
         relu.replace_all_uses_with(node)
         gm.graph.erase_node(relu)

@@ -52,27 +52,31 @@ __all__ = ["WEIGHTED_FUNCS", "WITH_RELU", "WeightedSpec", "parse", "standin", "f
            "linear_relu", "conv1d_relu", "conv2d_relu", "conv3d_relu"]
 
 
-def linear_relu(input: Any, weight: Any, bias: Any = None) -> Any:
-    """``relu(F.linear(...))``: the float form of a fused functional linear-relu node."""
-    return F.relu(F.linear(input, weight, bias))
+def _relu(y: Any, relu_max: float | None) -> Any:
+    return F.relu(y) if relu_max is None else torch.clamp(y, 0.0, relu_max)
+
+
+def linear_relu(input: Any, weight: Any, bias: Any = None, relu_max: float | None = None) -> Any:
+    """``relu(F.linear(...))`` (``clamp(., 0, relu_max)`` when given): a fused functional linear-relu node."""
+    return _relu(F.linear(input, weight, bias), relu_max)
 
 
 def conv1d_relu(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
-                groups: int = 1) -> Any:
-    """``relu(F.conv1d(...))``: the float form of a fused functional conv-relu node."""
-    return F.relu(F.conv1d(input, weight, bias, stride, padding, dilation, groups))
+                groups: int = 1, relu_max: float | None = None) -> Any:
+    """``relu(F.conv1d(...))`` (``clamp(., 0, relu_max)`` when given): a fused functional conv-relu node."""
+    return _relu(F.conv1d(input, weight, bias, stride, padding, dilation, groups), relu_max)
 
 
 def conv2d_relu(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
-                groups: int = 1) -> Any:
-    """``relu(F.conv2d(...))``: the float form of a fused functional conv-relu node."""
-    return F.relu(F.conv2d(input, weight, bias, stride, padding, dilation, groups))
+                groups: int = 1, relu_max: float | None = None) -> Any:
+    """``relu(F.conv2d(...))`` (``clamp(., 0, relu_max)`` when given): a fused functional conv-relu node."""
+    return _relu(F.conv2d(input, weight, bias, stride, padding, dilation, groups), relu_max)
 
 
 def conv3d_relu(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
-                groups: int = 1) -> Any:
-    """``relu(F.conv3d(...))``: the float form of a fused functional conv-relu node."""
-    return F.relu(F.conv3d(input, weight, bias, stride, padding, dilation, groups))
+                groups: int = 1, relu_max: float | None = None) -> Any:
+    """``relu(F.conv3d(...))`` (``clamp(., 0, relu_max)`` when given): a fused functional conv-relu node."""
+    return _relu(F.conv3d(input, weight, bias, stride, padding, dilation, groups), relu_max)
 
 
 for _fn in (linear_relu, conv1d_relu, conv2d_relu, conv3d_relu):
@@ -105,6 +109,7 @@ class WeightedSpec:
     bias: str | None
     relu: bool = False  # a fused ``linear_relu`` / ``convNd_relu`` node
     options: dict[str, Any] = field(default_factory=dict)  # stride, padding, dilation, groups (conv only)
+    relu_max: float | None = None  # its clamp's upper bound (a folded ReLU6 / [0, t] clamp)
 
 
 def arg_of(node: fx.Node, name: str) -> Any:
@@ -140,7 +145,8 @@ def parse(node: fx.Node, gm: fx.GraphModule) -> tuple[WeightedSpec | None, str |
         return None, None
     mtype = WEIGHTED_FUNCS[base]
     names = _CONV_ARGS if mtype is not nn.Linear else _CONV_ARGS[:3]
-    if len(node.args) > len(names) or set(node.kwargs) - set(names):
+    fused_kw = {"relu_max"} if base is not node.target else set()
+    if len(node.args) > len(names) or set(node.kwargs) - set(names) - fused_kw:
         return None, "unexpected arguments"
     bound = {**{k: v for k, v in _CONV_DEFAULTS.items() if k in names}, **dict(zip(names, node.args)),
              **node.kwargs}
@@ -168,7 +174,7 @@ def parse(node: fx.Node, gm: fx.GraphModule) -> tuple[WeightedSpec | None, str |
     if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0 or weight.shape[0] % groups:
         return None, f"groups={groups!r} is not a positive int dividing the output channels"
     return WeightedSpec(mtype, w.target, None if b is None else b.target, base is not node.target,  # type: ignore
-                        options), None
+                        options, node.kwargs.get("relu_max")), None
 
 
 def standin(spec: WeightedSpec, gm: fx.GraphModule) -> nn.Module:
@@ -186,5 +192,6 @@ def standin(spec: WeightedSpec, gm: fx.GraphModule) -> nn.Module:
     if bias is not None:
         mod.bias = nn.Parameter(bias.detach(), requires_grad=False)
     if spec.relu:
-        mod = _RELU_MARKER[spec.module_type](mod, nn.ReLU())
+        act = nn.ReLU() if spec.relu_max is None else nni.ClampedReLU(float(spec.relu_max))
+        mod = _RELU_MARKER[spec.module_type](mod, act)
     return mod.eval()

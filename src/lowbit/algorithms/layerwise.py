@@ -42,7 +42,8 @@ __all__ = ["LayerChange", "reconstruct", "reconstruct_eager"]
 
 @dataclass
 class LayerChange:
-    """What the pass did to one layer: MSE of its output against the float layer before/after."""
+    """What the pass did to one layer: MSE of its output against the float layer (first calibration batch,
+    quantized-model inputs) with round-to-nearest and after the pass."""
 
     name: str
     mse_nearest: float
@@ -66,40 +67,37 @@ def _fq(obs: nn.Module) -> Any:
         and x.is_floating_point() else x
 
 
-def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(xs, 0) if len(xs) > 1 else xs[0]
-
-
-def _sampler(mod: nn.Module, x_all: torch.Tensor, t_all: torch.Tensor, batch_size: int, window: int,
+def _sampler(mod: nn.Module, xq: list[torch.Tensor], target: list[torch.Tensor], batch_size: int, window: int,
              g: torch.Generator) -> Any:
-    """``sample()`` for ``adaround_codes``: random samples and, for a 2-d conv, a random output window.
-
-    The window (``window x window`` outputs) is computed exactly from a slice of the zero-padded input
-    (padding 0 on the slice), so each step costs a fraction of a full-resolution conv.
+    """``sample()`` for ``adaround_codes``: random samples of one batch and, for a 2-d conv, a random
+    ``window x window`` output window, computed exactly from a zero-padded slice of the input (padding 0
+    on the slice), so a step costs a fraction of a full-resolution conv and nothing is copied up front.
     """
     op, act = split(mod)
-    n = x_all.shape[0]
-    spatial = isinstance(op, nn.Conv2d) and op.padding_mode == "zeros" and t_all.dim() == 4 and \
-        not isinstance(op.padding, str) and (t_all.shape[2] > window or t_all.shape[3] > window)
-    if spatial:
-        ph, pw = op.padding  # type: ignore[misc]
-        xpad = nn.functional.pad(x_all, [pw, pw, ph, ph])
-        (sh, sw), (dh, dw), (kh, kw) = op.stride, op.dilation, op.kernel_size
-        oh, ow = min(window, t_all.shape[2]), min(window, t_all.shape[3])
+    t0 = target[0]
+    spatial = isinstance(op, nn.Conv2d) and op.padding_mode == "zeros" and t0.dim() == 4 and \
+        not isinstance(op.padding, str) and (t0.shape[2] > window or t0.shape[3] > window)
 
     def sample() -> tuple[Any, torch.Tensor]:
-        idx = torch.randint(n, (min(batch_size, n),), generator=g)
+        k = int(torch.randint(len(xq), (1,), generator=g))
+        x, t = xq[k], target[k]
+        idx = torch.randint(x.shape[0], (min(batch_size, x.shape[0]),), generator=g)
         if not spatial:
-            return (lambda w: layer_forward(mod, x_all[idx], w)), t_all[idx]
-        r = int(torch.randint(t_all.shape[2] - oh + 1, (1,), generator=g))
-        c = int(torch.randint(t_all.shape[3] - ow + 1, (1,), generator=g))
-        xs = xpad[idx, :, r * sh: r * sh + (oh - 1) * sh + (kh - 1) * dh + 1,
-                  c * sw: c * sw + (ow - 1) * sw + (kw - 1) * dw + 1]
+            return (lambda w: layer_forward(mod, x[idx], w)), t[idx]
+        (ph, pw), (sh, sw), (dh, dw), (kh, kw) = op.padding, op.stride, op.dilation, op.kernel_size  # type: ignore[misc]
+        oh, ow = min(window, t.shape[2]), min(window, t.shape[3])
+        r = int(torch.randint(t.shape[2] - oh + 1, (1,), generator=g))
+        c = int(torch.randint(t.shape[3] - ow + 1, (1,), generator=g))
+        # rows r*sh - ph ... of the unpadded input; pad the slice where it runs past the border
+        r0, r1 = r * sh - ph, r * sh - ph + (oh - 1) * sh + (kh - 1) * dh + 1
+        c0, c1 = c * sw - pw, c * sw - pw + (ow - 1) * sw + (kw - 1) * dw + 1
+        xs = x[idx][:, :, max(r0, 0): min(r1, x.shape[2]), max(c0, 0): min(c1, x.shape[3])]
+        xs = nn.functional.pad(xs, [max(0, -c0), max(0, c1 - x.shape[3]), max(0, -r0), max(0, r1 - x.shape[2])])
 
         def run(w: torch.Tensor) -> torch.Tensor:
             y = nn.functional.conv2d(xs, w, op.bias, op.stride, 0, op.dilation, op.groups)
             return act(y) if act is not None else y
-        return run, t_all[idx, :, r: r + oh, c: c + ow]
+        return run, t[idx, :, r: r + oh, c: c + ow]
     return sample
 
 
@@ -112,27 +110,28 @@ def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Ten
     if target is None:
         with torch.no_grad():
             target = [layer_forward(mod, x) for x in xf]
-    x_all, t_all = _cat(xq), _cat(target)
 
-    def error(w: torch.Tensor, b: torch.Tensor | None = None) -> float:
+    def error(w: torch.Tensor) -> float:  # output MSE on the first calibration batch (cost: one batch)
         with torch.no_grad():
-            return sum(float((layer_forward(mod, x, w, b) - t).pow(2).sum()) for x, t in zip(xq, target)) / \
-                max(1, t_all.numel())
+            return float((layer_forward(mod, xq[0], w) - target[0]).pow(2).mean())
 
     rec = LayerChange(name, error((q0 - z) * s), 0.0)
     q = q0
     if adaround and iters > 0:
-        q = adaround_codes(op.weight, s, z, lo, hi, _sampler(mod, x_all, t_all, batch_size, window, g), iters=iters)
+        q = adaround_codes(op.weight, s, z, lo, hi, _sampler(mod, xq, target, batch_size, window, g), iters=iters)
         if error((q - z) * s) > rec.mse_nearest:  # a short run can end worse than round-to-nearest: keep that
             q = q0
         rec.codes_changed = float((q != q0).float().mean())
     if bias_correction:
         with torch.no_grad():
             w_hat = (q - z) * s
-            dims = [d for d in range(t_all.dim()) if d != 1]
-            pre_f = t_all if act is None else _cat([layer_forward(mod, x, activation=False) for x in xf])
-            pre_q = _cat([layer_forward(mod, x, w_hat, activation=False) for x in xq])
-            delta = (pre_f - pre_q).mean(dim=dims) if t_all.dim() > 1 else (pre_f - pre_q)
+            total, count = torch.zeros(op.weight.shape[0]), 0
+            for x_f, x_q, t in zip(xf, xq, target):
+                pre_f = t if act is None else layer_forward(mod, x_f, activation=False)
+                d = pre_f - layer_forward(mod, x_q, w_hat, activation=False)  # (N, C, ...)
+                total += d.transpose(0, 1).reshape(d.shape[1], -1).sum(1) if d.dim() > 1 else d
+                count += d.numel() // d.shape[1] if d.dim() > 1 else 1
+            delta = total / max(1, count)
             if op.bias is None:
                 op.bias = nn.Parameter(torch.zeros(op.weight.shape[0], dtype=op.weight.dtype))
             op.bias.add_(delta.to(op.bias.dtype))
