@@ -65,7 +65,7 @@ def _check_qparams(fn: str, scale: Number, zero_point: Number, qmin: int | None 
     A tensor qparam costs one host read (free on CPU); nothing is checked while ``torch.compile``
     traces (the values are symbolic there; they were checked when the module was built or loaded).
     """
-    if torch.compiler.is_compiling():
+    if tracing():  # torch.compile or torch.export (non-strict export is not "compiling")
         return
     scale, zero_point = _host_scalar(scale), _host_scalar(zero_point)
     if isinstance(scale, torch.Tensor):
@@ -165,15 +165,33 @@ def quantize(x: torch.Tensor, scale: Number, zero_point: Number, qdtype: QDtype 
     if tracing():  # one opaque op (lowbit.pt2): the compiled program computes these very codes
         s, z = _qparam_tensor(scale, x, torch.float32), _qparam_tensor(zero_point, x, torch.int64)
         return torch.ops.lowbit.quantize(x, s, z, qdtype_key(qdtype), ch_axis)
-    inv_z = _scalar_qparams(scale, zero_point) if ch_axis is None and x.device.type == "cpu" else None
+    inv_z = scalar_qparams(scale, zero_point) if ch_axis is None and x.device.type == "cpu" else None
     if inv_z is not None:  # per tensor on CPU: Python-float operands, no qparam tensors to build
-        q = torch.mul(x.detach().to(torch.float32), inv_z[0]).add_(inv_z[1]).round_()
-    else:
-        s, z = _broadcast(scale, x, ch_axis, torch.float32), _broadcast(zero_point, x, ch_axis, torch.float32)
-        q = torch.mul(x.detach().to(torch.float32), torch.reciprocal(s)).add_(z).round_()
+        return quantize_scaled(x, inv_z[0], inv_z[1], qdtype)
+    s, z = _broadcast(scale, x, ch_axis, torch.float32), _broadcast(zero_point, x, ch_axis, torch.float32)
+    q = torch.mul(x.detach().to(torch.float32), torch.reciprocal(s)).add_(z).round_()
+    return _store(q.clamp_(qdtype.quant_min, qdtype.quant_max), qdtype)
+
+
+def quantize_scaled(x: torch.Tensor, inv_scale: float, zero_point: float, qdtype: QDtype) -> torch.Tensor:
+    """Per-tensor ``quantize`` with the grid as Python floats ``inv_scale = float32(1 / s)`` and ``z``
+    (see ``scalar_qparams``), computed once by the caller (e.g. at convert time): no per-call qparam work.
+    Not traceable (``quantize`` is); bit-identical to ``quantize(x, s, z, qdtype)``.
+
+    >>> import torch, lowbit as Q
+    >>> x = torch.tensor([0.26, -1.0])
+    >>> torch.equal(quantize_scaled(x, *scalar_qparams(0.1, 3), Q.qint8), quantize(x, 0.1, 3, Q.qint8))
+    True
+    """
+    xf = x if x.dtype == torch.float32 and not x.requires_grad else x.detach().to(torch.float32)
     # one temporary, updated in place (same float32 operations as round(x * (1/s) + z), bit for bit);
     # clamping to integer bounds commutes with rounding
-    q = q.clamp_(qdtype.quant_min, qdtype.quant_max)
+    q = torch.mul(xf, inv_scale).add_(zero_point).round_().clamp_(qdtype.quant_min, qdtype.quant_max)
+    return _store(q, qdtype)
+
+
+def _store(q: torch.Tensor, qdtype: QDtype) -> torch.Tensor:
+    """Integer-valued float32 codes (already clamped) in ``qdtype``'s storage dtype."""
     if qdtype.storage == torch.uint8 and q.numel() > _U8_VIA_INT16:
         # float32 -> uint8 is a scalar loop in torch's CPU kernels, float32 -> int16 a vector one
         # (4x faster at 3M elements); the codes are integers in [0, 255], so both are exact
@@ -206,7 +224,7 @@ _TORCH_QDTYPE = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
 _QUIET = [False]  # torch warns once per process that quantized tensors are deprecated: keep it from users
 
 
-def _scalar_qparams(scale: Number, zero_point: Number) -> tuple[float, float] | None:
+def scalar_qparams(scale: Number, zero_point: Number) -> tuple[float, float] | None:
     """``(float32(1 / s), float32(z))`` as Python floats for scalar qparams (float32 division, as
     ``torch.reciprocal``), or ``None`` when either is not a CPU scalar or ``1 / s`` is not finite."""
     s, z = _f32_scalar(scale), _f32_scalar(zero_point)

@@ -33,9 +33,16 @@ class OutGrid:
 
     def wrap(self, codes: torch.Tensor) -> QTensor:
         """``codes`` (already on this grid) as a ``QTensor``."""
+        if self.scale_t is not None and self.zero_point_t is not None and self.scale_t.device == codes.device:
+            return QTensor._trusted(codes, self.scale_t, self.zero_point_t, self.qdtype)  # checked in __post_init__
         scale = self.scale if self.scale_t is None else self.scale_t
         zp = self.zero_point if self.zero_point_t is None else self.zero_point_t
         return QTensor(codes, scale, zp, self.qdtype)
+
+    def __post_init__(self) -> None:
+        for t, dtype, name in ((self.scale_t, torch.float32, "scale_t"), (self.zero_point_t, torch.int64, "zero_point_t")):
+            if t is not None and (t.dim() != 0 or t.dtype != dtype):
+                raise ValueError(f"OutGrid: {name} must be a 0-d {dtype} tensor, got {t.dtype} of shape {tuple(t.shape)}")
 
     @property
     def torch_storage(self) -> torch.dtype:

@@ -30,6 +30,7 @@ from .. import kernels
 from ..compile_state import qdtype_from_key
 from ..kernels import ConvSpec, OutGrid
 from ..qtensor import QTensor
+from .quant_ops import define
 
 __all__ = ["weight_cache", "conv_out_shape"]
 
@@ -55,27 +56,26 @@ def weight_cache(weight: torch.Tensor) -> dict[str, Any]:
 def _out_grid(scale: torch.Tensor | None, zero_point: torch.Tensor | None, qdtype: str) -> OutGrid | None:
     if scale is None or zero_point is None:
         return None
-    return OutGrid(float(scale), int(zero_point), qdtype_from_key(qdtype), scale, zero_point)
+    s, z = scale.to(torch.float32).reshape(()), zero_point.to(torch.int64).reshape(())
+    return OutGrid(float(s), int(z), qdtype_from_key(qdtype), s, z)
 
 
 def _storage(qdtype: str, has_out: bool) -> torch.dtype:
     return qdtype_from_key(qdtype).storage if has_out else torch.float32
 
 
-@torch.library.custom_op("lowbit::qlinear", mutates_args=())
 def qlinear(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
             weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
             bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
             out_qdtype: str, relu: bool) -> torch.Tensor:
-    xq = QTensor(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
-    wq = QTensor(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=0)
+    xq = QTensor._trusted(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
+    wq = QTensor._trusted(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=0)
     out = _out_grid(out_scale, out_zero_point, out_qdtype)
     y = kernels.linear(xq, wq, bias, out, relu, weight_cache(weight))
     return (y.int_repr() if isinstance(y, QTensor) else y).contiguous()
 
 
-@qlinear.register_fake
-def _(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str, weight: torch.Tensor,
+def _qlinear_fake(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str, weight: torch.Tensor,
       w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str, bias: torch.Tensor | None,
       out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None, out_qdtype: str,
       relu: bool) -> torch.Tensor:
@@ -106,7 +106,6 @@ def _spec(stride: list[int], padding: list[int], dilation: list[int], groups: in
                     tuple(output_padding))
 
 
-@torch.library.custom_op("lowbit::qconv", mutates_args=())
 def qconv(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
           weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
           bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
@@ -114,15 +113,14 @@ def qconv(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_
           transposed: bool, output_padding: list[int]) -> torch.Tensor:
     spec = _spec(stride, padding, dilation, groups, transposed, output_padding)
     axis = 1 if transposed else 0
-    xq = QTensor(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
-    wq = QTensor(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=axis)
+    xq = QTensor._trusted(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
+    wq = QTensor._trusted(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=axis)
     out = _out_grid(out_scale, out_zero_point, out_qdtype)
     y = kernels.conv(xq, wq, bias, spec, out, relu, weight_cache(weight))
     return (y.int_repr() if isinstance(y, QTensor) else y).contiguous(memory_format=_memory_format(spec.dim))
 
 
-@qconv.register_fake
-def _(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str, weight: torch.Tensor,
+def _qconv_fake(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str, weight: torch.Tensor,
       w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str, bias: torch.Tensor | None,
       out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None, out_qdtype: str, relu: bool,
       stride: list[int], padding: list[int], dilation: list[int], groups: int, transposed: bool,
@@ -131,3 +129,11 @@ def _(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdty
     shape = conv_out_shape(x.shape, weight.shape, spec)
     dtype = _storage(out_qdtype, out_scale is not None)
     return x.new_empty(shape, dtype=dtype).contiguous(memory_format=_memory_format(spec.dim))
+
+
+_GRIDS = ("Tensor x, Tensor x_scale, Tensor x_zero_point, str x_qdtype, Tensor weight, Tensor w_scale, "
+          "Tensor w_zero_point, str w_qdtype, Tensor? bias, Tensor? out_scale, Tensor? out_zero_point, "
+          "str out_qdtype, bool relu")
+define(f"qlinear({_GRIDS}) -> Tensor", qlinear, _qlinear_fake)
+define(f"qconv({_GRIDS}, int[] stride, int[] padding, int[] dilation, int groups, bool transposed, "
+       "int[] output_padding) -> Tensor", qconv, _qconv_fake)

@@ -32,12 +32,11 @@ from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.weight_only import WeightOnlyLinear
 from ..qtensor import QTensor
 from .kernel_ops import weight_cache
-from .quant_ops import like
+from .quant_ops import define, like
 
 __all__: list[str] = []
 
 
-@torch.library.custom_op("lowbit::dynamic_linear", mutates_args=())
 def dynamic_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
                    w_qdtype: str, bias: torch.Tensor | None) -> torch.Tensor:
     if x.shape[0] == 0:
@@ -46,8 +45,7 @@ def dynamic_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
     return per_token_linear(quantize_per_token(x), wq, bias, weight_cache(weight)).contiguous()
 
 
-@dynamic_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
+def _dynamic_linear_fake(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
       bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
@@ -70,15 +68,13 @@ def _weight_only_module(qweight: torch.Tensor, scales: torch.Tensor, zero_points
     return m
 
 
-@torch.library.custom_op("lowbit::weight_only_linear", mutates_args=())
 def weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
                        bias: torch.Tensor | None, spec: list[int], kernel: str) -> torch.Tensor:
     """``spec``: ``[in_features, out_features, bits, group_size, symmetric, relu]``."""
     return _weight_only_module(qweight, scales, zero_points, bias, spec, kernel)._eager(x).contiguous()
 
 
-@weight_only_linear.register_fake
-def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
+def _weight_only_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
       bias: torch.Tensor | None, spec: list[int], kernel: str) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], spec[1]))
 
@@ -95,7 +91,6 @@ for _name in ("_out", "_from_float", "_binary", "_eager_add", "_eager_add_relu",
     setattr(_Grid, _name, getattr(QFunctional, _name))
 
 
-@torch.library.custom_op("lowbit::qfunctional", mutates_args=())
 def qfunctional(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
                 y: torch.Tensor | None, y_scale: torch.Tensor | None, y_zero_point: torch.Tensor | None,
                 y_qdtype: str, c: float, out_scale: torch.Tensor, out_zero_point: torch.Tensor,
@@ -107,11 +102,19 @@ def qfunctional(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: t
     return like(out.clone() if out is x or out is y else out, x if y is None or y.shape == x.shape else out)
 
 
-@qfunctional.register_fake
-def _(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
+def _qfunctional_fake(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
       y: torch.Tensor | None, y_scale: torch.Tensor | None, y_zero_point: torch.Tensor | None, y_qdtype: str,
       c: float, out_scale: torch.Tensor, out_zero_point: torch.Tensor, out_qdtype: str) -> torch.Tensor:
     dtype = qdtype_from_key(out_qdtype).storage
     if y is None or y.shape == x.shape:
         return torch.empty_like(x, dtype=dtype)
     return x.new_empty(torch.broadcast_shapes(x.shape, y.shape), dtype=dtype)
+
+
+define("dynamic_linear(Tensor x, Tensor weight, Tensor w_scale, Tensor w_zero_point, str w_qdtype, Tensor? bias) "
+       "-> Tensor", dynamic_linear, _dynamic_linear_fake)
+define("weight_only_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zero_points, Tensor? bias, int[] spec, "
+       "str kernel) -> Tensor", weight_only_linear, _weight_only_linear_fake)
+define("qfunctional(str op, Tensor x, Tensor x_scale, Tensor x_zero_point, str x_qdtype, Tensor? y, "
+       "Tensor? y_scale, Tensor? y_zero_point, str y_qdtype, float c, Tensor out_scale, Tensor out_zero_point, "
+       "str out_qdtype) -> Tensor", qfunctional, _qfunctional_fake)

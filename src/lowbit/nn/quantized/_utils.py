@@ -158,7 +158,7 @@ def check_no_nan(x: torch.Tensor, where: str) -> None:
     """``RuntimeError`` for a float input holding NaN: int8 codes cannot carry it, and quantizing it would
     turn it into a finite code (the float model outputs NaN there). One reduction over ``x``; skipped
     while ``torch.compile`` traces (no data-dependent branch in a graph)."""
-    if not torch.compiler.is_compiling() and x.numel() and bool(torch.isnan(x).any()):
+    if not tracing() and x.numel() and bool(torch.isnan(x).any()):
         raise RuntimeError(f"{where}: the float input of shape {tuple(x.shape)} holds {int(torch.isnan(x).sum())} "
                            "NaN values; int8 codes cannot represent NaN (the float model would output NaN) — "
                            "check the data, or keep this part of the model float")

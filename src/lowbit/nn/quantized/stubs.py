@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from ...qscheme import QDtype, quint8
+from ...compile_state import tracing
+from ...functional import quantize_scaled, scalar_qparams
 from ...qtensor import QTensor, quantize_per_tensor
 from ._utils import check_no_nan, check_out_grid, output_qparams
 from ._state import CheckedQuantState
@@ -50,7 +52,21 @@ class Quantize(CheckedQuantState):
             raise TypeError(f"Quantize expects a float tensor or a QTensor, got {type(x).__name__}"
                             + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
         check_no_nan(x, "Quantize")
+        if x.device.type == "cpu" and not tracing():
+            return QTensor._trusted(quantize_scaled(x, *self._grid(), self.qdtype), self.scale, self.zero_point,
+                                    self.qdtype)
         return quantize_per_tensor(x, self.scale, self.zero_point, self.qdtype)
+
+    def _grid(self) -> tuple[float, float]:
+        """``(float32(1 / scale), zero_point)`` as Python floats, once per buffer version (not per call)."""
+        key = (self.scale._version, self.zero_point._version, self.scale.data_ptr())
+        hit = self.__dict__.get("_grid_cache")
+        if hit is None or hit[0] != key:
+            inv_z = scalar_qparams(self.scale, self.zero_point)
+            if inv_z is None:
+                raise ValueError(f"Quantize: scale={float(self.scale)!r} has no finite float32 reciprocal")
+            hit = self.__dict__["_grid_cache"] = (key, inv_z)
+        return hit[1]
 
     @classmethod
     def from_float(cls, mod: nn.Module) -> Quantize:

@@ -52,8 +52,9 @@ def quantize_per_token(x: torch.Tensor) -> QTensor:
     xf = x.detach().to(torch.float32)
     lo, hi = xf.amin(1), xf.amax(1)  # two vectorised row reductions: ~20x faster than aminmax(dim=1) on CPU
     scale, zp = calculate_qparams(lo, hi, QScheme.PER_CHANNEL_AFFINE, quint8, validate=False)
-    # validate=False: a NaN/Inf row has a NaN scale, which carries NaN to that row of the output (as float)
-    return QTensor(quantize(xf, scale, zp, quint8, ch_axis=0, validate=False), scale, zp, quint8, axis=0)
+    # validate=False: a NaN/Inf row has a NaN scale, which carries NaN to that row of the output (as float);
+    # (M,) float32 / int64 qparams on x's device are already QTensor's contract: no re-check per call
+    return QTensor._trusted(quantize(xf, scale, zp, quint8, ch_axis=0, validate=False), scale, zp, quint8, axis=0)
 
 
 def _weight_row_sums(weight: QTensor, cache: dict[str, Any] | None) -> torch.Tensor:
@@ -87,9 +88,21 @@ def per_token_linear(xq: QTensor, weight: QTensor, bias: torch.Tensor | None = N
         q, zx = q.view(torch.uint8).bitwise_xor(128), xq.zero_point + 128
     else:
         zx = xq.zero_point
-    raw = kernels.linear(QTensor(q, 1.0, 128, quint8), weight, None, None, cache=cache)
+    raw = kernels.linear(QTensor._trusted(q, *_shared_grid(q.device)), weight, None, None, cache=cache)
     wsum = _weight_row_sums(weight, cache)
     return _epilogue(raw, (zx - 128).to(torch.float32), wsum, xq.scale, bias)  # type: ignore[arg-type]  # float out
+
+
+_SHARED: dict[torch.device, tuple[torch.Tensor, torch.Tensor, QDtype]] = {}
+
+
+def _shared_grid(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, QDtype]:
+    """The shared kernel grid ``(scale 1, zero point 128, quint8)`` as 0-d tensors, made once per device."""
+    hit = _SHARED.get(device)
+    if hit is None:
+        with torch.inference_mode(False):  # normal tensors even when first made under inference_mode
+            hit = _SHARED[device] = (torch.tensor(1.0, device=device), torch.tensor(128, device=device), quint8)
+    return hit
 
 
 _BLOCK = 262144  # floats per row block of the epilogue (1 MiB; fastest of 64 KiB-4 MiB and unblocked, AVX2 EPYC)
