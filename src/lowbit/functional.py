@@ -65,7 +65,7 @@ def _check_qparams(fn: str, scale: Number, zero_point: Number, qmin: int | None 
     A tensor qparam costs one host read (free on CPU); nothing is checked while ``torch.compile``
     traces (the values are symbolic there; they were checked when the module was built or loaded).
     """
-    if tracing():  # torch.compile or torch.export (non-strict export is not "compiling")
+    if tracing():
         return
     scale, zero_point = _host_scalar(scale), _host_scalar(zero_point)
     if isinstance(scale, torch.Tensor):
