@@ -18,7 +18,6 @@ is 1e-3; a block adds its input when stride is 1 and channels are unchanged.
 from __future__ import annotations
 
 import importlib.util
-import math
 from pathlib import Path
 
 import torch
@@ -34,15 +33,23 @@ _EPS = 1e-3
 
 
 class SameConv2d(nn.Conv2d):
-    """``nn.Conv2d`` with TensorFlow "same" padding computed from the input's height and width."""
+    """``nn.Conv2d`` with TensorFlow "same" padding computed from the input's height and width.
+
+    Written without data-dependent control flow (needs ``kernel >= stride``, true for every layer here), so
+    ``torch.fx`` traces it: the pads are integer arithmetic on the input's shape, then ``F.pad`` + ``F.conv2d``.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        if any(k < s for k, s in zip(self.kernel_size, self.stride)):
+            raise ValueError(f"SameConv2d: kernel_size={self.kernel_size} must be >= stride={self.stride}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ih, iw = x.shape[-2:]
-        kh, kw = self.weight.shape[-2:]
-        sh, sw = self.stride
-        ph = max((math.ceil(ih / sh) - 1) * sh + kh - ih, 0)
-        pw = max((math.ceil(iw / sw) - 1) * sw + kw - iw, 0)
-        if ph > 0 or pw > 0:
+        (kh, kw), (sh, sw) = self.kernel_size, self.stride  # python ints, also under torch.fx
+        if kh > 1 or sh > 1:  # python ints: no padding at all for 1x1 stride-1 convs
+            ih, iw = x.shape[-2], x.shape[-1]
+            ph = ((ih + sh - 1) // sh - 1) * sh + kh - ih  # >= 0 since kernel >= stride
+            pw = ((iw + sw - 1) // sw - 1) * sw + kw - iw
             x = F.pad(x, [pw // 2, pw - pw // 2, ph // 2, ph - ph // 2])
         return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
 
