@@ -103,19 +103,19 @@ def fmnist(iters: int, quick: bool) -> None:
     ref = predict(model, xte)
     with torch.no_grad():
         logits = model(xte)
-    _row("Fashion-MNIST CNN", "fp32", f"accuracy {evaluate(model, xte, yte):.4f}", "")
+    _row("Fashion-MNIST CNN", "fp32", f"accuracy {evaluate(model, xte, yte):.2f}", "")
     calib = list(xtr[:1000].split(250))
     for recipe in ("default", "accurate"):
         q, _ = Q.quantize_ptq(model, calib, recipe=recipe, iters=iters, progress=False)
         with torch.no_grad():
             out = q(xte)
-        _row("Fashion-MNIST CNN", f"lowbit {recipe}", f"accuracy {evaluate(q, xte, yte):.4f}",
+        _row("Fashion-MNIST CNN", f"lowbit {recipe}", f"accuracy {evaluate(q, xte, yte):.2f}",
              f"agreement {float((out.argmax(1) == ref).float().mean()):.4f}", _cls(logits, out)[1])
     try:
         q = _ao_fx(model, calib, "x86")
         with torch.no_grad():
             out = q(xte)
-        _row("Fashion-MNIST CNN", "torch.ao fx (x86)", f"accuracy {float((out.argmax(1) == yte).float().mean()):.4f}",
+        _row("Fashion-MNIST CNN", "torch.ao fx (x86)", f"accuracy {100 * float((out.argmax(1) == yte).float().mean()):.2f}",
              f"agreement {float((out.argmax(1) == ref).float().mean()):.4f}", _cls(logits, out)[1])
     except Exception as e:
         _row("Fashion-MNIST CNN", "torch.ao fx (x86)", "n/a", "n/a", f"{type(e).__name__}: {str(e)[:60]}")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["EfficientNetLite0", "load_efficientnet_lite0", "efficientnet_lite0_weights_path"]
+__all__ = ["EfficientNetLite0", "same_pad", "load_efficientnet_lite0", "efficientnet_lite0_weights_path"]
 
 # (kernel, stride, expansion, output channels, repeats)
 _BLOCKS = ((3, 1, 1, 16, 1), (3, 2, 6, 24, 2), (5, 2, 6, 40, 2), (3, 2, 6, 80, 3), (5, 1, 6, 112, 3),
@@ -32,26 +32,24 @@ _BLOCKS = ((3, 1, 1, 16, 1), (3, 2, 6, 24, 2), (5, 2, 6, 40, 2), (3, 2, 6, 80, 3
 _EPS = 1e-3
 
 
-class SameConv2d(nn.Conv2d):
-    """``nn.Conv2d`` with TensorFlow "same" padding computed from the input's height and width.
+def same_pad(x: torch.Tensor, k: int, stride: int) -> torch.Tensor:
+    """Zero-pad ``x`` (N, C, H, W) for a ``k x k`` conv of ``stride`` with TF "same" output size ``ceil(i / s)``.
 
-    Written without data-dependent control flow (needs ``kernel >= stride``, true for every layer here), so
-    ``torch.fx`` traces it: the pads are integer arithmetic on the input's shape, then ``F.pad`` + ``F.conv2d``.
+    Integer arithmetic on the shape, no data-dependent branch (needs ``k >= stride``), so ``torch.fx``
+    traces it and the conv after it stays an ``nn.Conv2d`` module that graph mode folds with its BN.
     """
+    if k == 1 and stride == 1:
+        return x
+    ih, iw = x.shape[-2], x.shape[-1]
+    ph = ((ih + stride - 1) // stride - 1) * stride + k - ih
+    pw = ((iw + stride - 1) // stride - 1) * stride + k - iw
+    return F.pad(x, [pw // 2, pw - pw // 2, ph // 2, ph - ph // 2])
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        if any(k < s for k, s in zip(self.kernel_size, self.stride)):
-            raise ValueError(f"SameConv2d: kernel_size={self.kernel_size} must be >= stride={self.stride}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (kh, kw), (sh, sw) = self.kernel_size, self.stride  # python ints, also under torch.fx
-        if kh > 1 or sh > 1:  # python ints: no padding at all for 1x1 stride-1 convs
-            ih, iw = x.shape[-2], x.shape[-1]
-            ph = ((ih + sh - 1) // sh - 1) * sh + kh - ih  # >= 0 since kernel >= stride
-            pw = ((iw + sw - 1) // sw - 1) * sw + kw - iw
-            x = F.pad(x, [pw // 2, pw - pw // 2, ph // 2, ph - ph // 2])
-        return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+def _conv(cin: int, cout: int, k: int, stride: int = 1, groups: int = 1) -> nn.Conv2d:
+    if k < stride:
+        raise ValueError(f"EfficientNetLite0: kernel {k} must be >= stride {stride}")
+    return nn.Conv2d(cin, cout, k, stride, padding=0, groups=groups, bias=False)
 
 
 class MBConv(nn.Module):
@@ -59,19 +57,20 @@ class MBConv(nn.Module):
         super().__init__()
         hidden = cin * t
         if t != 1:
-            self._expand_conv = SameConv2d(cin, hidden, 1, bias=False)
+            self._expand_conv = _conv(cin, hidden, 1)
             self._bn0 = nn.BatchNorm2d(hidden, eps=_EPS)
-        self._depthwise_conv = SameConv2d(hidden, hidden, k, stride, groups=hidden, bias=False)
+        self._depthwise_conv = _conv(hidden, hidden, k, stride, groups=hidden)
         self._bn1 = nn.BatchNorm2d(hidden, eps=_EPS)
-        self._project_conv = SameConv2d(hidden, cout, 1, bias=False)
+        self._project_conv = _conv(hidden, cout, 1)
         self._bn2 = nn.BatchNorm2d(cout, eps=_EPS)
         self.skip = stride == 1 and cin == cout
+        self.k, self.stride = k, stride
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x
         if hasattr(self, "_expand_conv"):
             y = F.relu6(self._bn0(self._expand_conv(y)))
-        y = F.relu6(self._bn1(self._depthwise_conv(y)))
+        y = F.relu6(self._bn1(self._depthwise_conv(same_pad(y, self.k, self.stride))))
         y = self._bn2(self._project_conv(y))
         return x + y if self.skip else y
 
@@ -79,7 +78,7 @@ class MBConv(nn.Module):
 class EfficientNetLite0(nn.Module):
     def __init__(self, num_classes: int = 1000, dropout: float = 0.2) -> None:
         super().__init__()
-        self._conv_stem = SameConv2d(3, 32, 3, 2, bias=False)
+        self._conv_stem = _conv(3, 32, 3, 2)
         self._bn0 = nn.BatchNorm2d(32, eps=_EPS)
         blocks, cin = [], 32
         for k, s, t, cout, n in _BLOCKS:
@@ -87,13 +86,13 @@ class EfficientNetLite0(nn.Module):
                 blocks.append(MBConv(cin, cout, k, s if i == 0 else 1, t))
                 cin = cout
         self._blocks = nn.ModuleList(blocks)
-        self._conv_head = SameConv2d(cin, 1280, 1, bias=False)
+        self._conv_head = _conv(cin, 1280, 1)
         self._bn1 = nn.BatchNorm2d(1280, eps=_EPS)
         self._dropout = nn.Dropout(dropout)
         self._fc = nn.Linear(1280, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:                 # (N, 3, H, W)
-        x = F.relu6(self._bn0(self._conv_stem(x)))
+        x = F.relu6(self._bn0(self._conv_stem(same_pad(x, 3, 2))))
         for block in self._blocks:
             x = block(x)
         x = F.relu6(self._bn1(self._conv_head(x)))                      # (N, 1280, h, w)
