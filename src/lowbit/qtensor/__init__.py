@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..compile_state import tracing
 from ..functional import _check_qparams, check_ch_axis, dequantize, quantize
 from ..qscheme import QDtype, QScheme, as_qdtype
 from .axis import indexed_axis, reshaped_axis
@@ -378,10 +379,28 @@ def _max_pool(fn: Callable) -> Callable:
     def op(x: Any, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(x, QTensor) or x.axis is not None or kwargs.get("return_indices"):
             return NotImplemented
-        # max is monotone in the codes, so pooling codes is exact; int8 pooling is not implemented
-        # by torch, so pool in a float dtype that holds every code exactly.
-        return x._same_grid(fn(x.int_repr().to(torch.float32), *args, **kwargs).to(x.int_repr().dtype))
+        # max is monotone in the codes, so pooling codes is exact; torch pools uint8 codes only as a
+        # quantized tensor (one pass, channels-last kept: used for 2-d on CPU), anything else pools in a
+        # float dtype that holds every code exactly
+        q = x.int_repr()
+        if fn is F.max_pool2d and q.dtype == torch.uint8 and q.device.type == "cpu" and not tracing():
+            return x._same_grid(fn(_as_torch_quantized(q), *args, **kwargs).int_repr())
+        return x._same_grid(fn(q.to(torch.float32), *args, **kwargs).to(q.dtype))
     return op
+
+
+_QUIET = [False]  # torch warns once per process that quantized tensors are deprecated: keep it from users
+
+
+def _as_torch_quantized(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes viewed as a torch quint8 tensor (unit grid; only its codes are used)."""
+    if _QUIET[0]:
+        return torch._make_per_tensor_quantized_tensor(q, 1.0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch._make_per_tensor_quantized_tensor(q, 1.0, 0)
+    _QUIET[0] = True
+    return t
 
 
 def _cat(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:

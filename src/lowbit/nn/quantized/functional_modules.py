@@ -98,6 +98,15 @@ def _centered(x: Any, op: str) -> tuple[torch.Tensor, torch.Tensor] | None:
                     + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
 
 
+def _scaled_sum(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+                s: torch.Tensor) -> torch.Tensor:
+    """``(q_a - z_a) · (s_a / s) + (q_b - z_b) · (s_b / s)``: the same float32 operations in the same order,
+    in place on the fresh centred codes when no broadcasting is involved (no new full-size temporaries)."""
+    if a[0].shape != b[0].shape:
+        return a[0] * (a[1] / s) + b[0] * (b[1] / s)
+    return a[0].mul_(a[1] / s).add_(b[0].mul_(b[1] / s))
+
+
 def _float(x: Any) -> torch.Tensor:
     return x.dequantize() if isinstance(x, QTensor) else x.to(torch.float32)
 
@@ -118,10 +127,10 @@ class QFunctional(CheckedQuantState):
     # ---- requantization onto the output grid ----
     def _out(self, acc: torch.Tensor, relu: bool = False) -> QTensor:
         """``acc`` is the result in units of the output scale (before rounding and the zero point)."""
-        d = self.qdtype
-        q = torch.round(acc).add_(self.zero_point.to(acc.device, torch.float32))
+        d = self.qdtype  # acc is always a fresh temporary here: round, shift and clamp it in place
+        q = acc.round_().add_(self.zero_point.to(acc.device, torch.float32))
         q = q.clamp_(int(self.zero_point) if relu else d.quant_min, d.quant_max).to(d.storage)
-        return QTensor(q, self.scale, self.zero_point, d)
+        return QTensor._trusted(q, self.scale, self.zero_point, d)
 
     def _from_float(self, y: torch.Tensor, relu: bool = False) -> QTensor:
         if relu:
@@ -135,11 +144,10 @@ class QFunctional(CheckedQuantState):
         return self._out(int_op(cx, cy, self.scale.to(cx[0].device)), relu)
 
     def _eager_add(self, x: QTensor, y: QTensor) -> QTensor:
-        return self._binary(x, y, "add", lambda a, b, s: a[0] * (a[1] / s) + b[0] * (b[1] / s), torch.add)
+        return self._binary(x, y, "add", _scaled_sum, torch.add)
 
     def _eager_add_relu(self, x: QTensor, y: QTensor) -> QTensor:
-        return self._binary(x, y, "add_relu", lambda a, b, s: a[0] * (a[1] / s) + b[0] * (b[1] / s),
-                            torch.add, relu=True)
+        return self._binary(x, y, "add_relu", _scaled_sum, torch.add, relu=True)
 
     def _eager_mul(self, x: QTensor, y: QTensor) -> QTensor:
         return self._binary(x, y, "mul", lambda a, b, s: (a[0] * b[0]) * (a[1] * b[1] / s), torch.mul)
