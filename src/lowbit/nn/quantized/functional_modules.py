@@ -91,7 +91,7 @@ def _centered(x: Any, op: str) -> tuple[torch.Tensor, torch.Tensor] | None:
     if isinstance(x, QTensor):
         if x.axis is not None:
             return None
-        return x.int_repr().to(torch.float32) - x.zero_point.to(torch.float32), x.scale
+        return x.int_repr().to(torch.float32).sub_(x.zero_point.to(torch.float32)), x.scale  # fresh: in place
     if isinstance(x, torch.Tensor) and x.is_floating_point():
         return None
     raise TypeError(f"QFunctional.{op} expects QTensors or float tensors, got {type(x).__name__}"
