@@ -188,7 +188,9 @@ def main() -> None:
     for r in ROWS:
         print(f"| {r['model']} | {r['method']} | {r['m1']} | {r['m2']} | {r['note']} |")
     from pathlib import Path
-    out = Path(__file__).resolve().parent / "results" / "accuracy.json"
+    default = args.models == ap.get_default("models")
+    out = Path(__file__).resolve().parent / "results" / ("accuracy.json" if default else
+                                                          f"accuracy_{args.models.replace(',', '_')}.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(dict(isa=_isa(), torch=torch.__version__, iters=iters, rows=ROWS), indent=1))
 
