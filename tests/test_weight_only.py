@@ -16,7 +16,7 @@ import lowbit as Q
 import lowbit.data as D
 import lowbit.nn.quantized as nnq
 from lowbit.nn.quantized import WeightOnlyLinear
-from lowbit.nn.quantized.weight_only import gptq_quantize, quantize_groups, weight_qdtype
+from lowbit.nn.quantized.weight_only import DECODE_MAX_ROWS, gptq_quantize, quantize_groups, weight_qdtype
 
 torch.set_num_threads(1)
 
@@ -91,7 +91,8 @@ def test_int8_per_channel_rtn_matches_torch_ao():
     w = q.weight()
     assert isinstance(w, Q.QTensor) and w.q_per_channel_axis() == 0
     assert torch.equal(w.int_repr(), ref.int_repr()) and torch.allclose(w.q_per_channel_scales(), s.float())
-    assert torch.allclose(q(torch.ones(1, 64)), F.linear(torch.ones(1, 64), ref.dequantize(), lin.bias), atol=1e-5)
+    x = torch.ones(DECODE_MAX_ROWS + 1, 64)  # above the bf16 decode kernel's rows: float32 (x @ qᵀ) * s
+    assert torch.allclose(q(x), F.linear(x, ref.dequantize(), lin.bias), atol=1e-5)
 
 
 @pytest.mark.parametrize("sym", [True, False])
@@ -158,11 +159,17 @@ def test_int4_kernel_path_matches_reference(g, sym, n, k):
     assert torch.allclose(yr, F.linear(x, ref.dequantize_weight(), lin.bias), atol=1e-5)
 
 
-def test_int8_per_channel_fast_path_matches_reference():
-    lin, q = wol(96, 40, bits=8, group_size=-1)
+@pytest.mark.parametrize("m", [7, 64])
+def test_int8_per_channel_fast_paths_match_reference(m):
+    lin, q = wol(96, 48, bits=8, group_size=-1)
     ref = WeightOnlyLinear.from_float(lin, 8, -1, kernel="reference")
-    x = torch.randn(7, 96)
-    assert torch.allclose(q(x), ref(x), rtol=1e-5, atol=1e-5)
+    x = torch.randn(m, 96)
+    assert q._int8_kernel_applies(x) == (m <= DECODE_MAX_ROWS)
+    if m <= DECODE_MAX_ROWS:  # _weight_int8pack_mm: bf16 activations and product (2^-9 relative each)
+        bound = 2**-7 * (x.abs() @ q.dequantize_weight().abs().T) + 1e-5
+        assert bool(((q(x) - ref(x)).abs() <= bound).all())
+    else:  # (x @ qᵀ) * s in float32
+        assert torch.allclose(q(x), ref(x), rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_falls_back_when_shape_does_not_apply():

@@ -100,6 +100,8 @@ from .fusion_registry import register_fusion_pattern, unregister_fusion_pattern
 from .reference import convert_to_reference_fx, lower_reference
 from .weight_only import quantize_weight_only
 from .ptq import PTQReport, quantize_ptq
+from . import llm
+from .llm import quantize_llm, quantize_w8a8
 from .nn.intrinsic.qat.modules import set_bn_fold_mode
 from .nn.qat.dynamic import get_dynamic_qat_qconfig
 from . import pt2  # noqa: F401  registers the torch.ops.lowbit custom ops (torch.compile / torch.export)
@@ -141,4 +143,6 @@ __all__ = [
     "quantize_weight_only", "get_embedding_qconfig", "get_embedding_qat_qconfig",
     # one-call PTQ with accuracy recovery (lowbit.algorithms)
     "quantize_ptq", "PTQReport",
+    # LLMs: block-by-block GPTQ/AWQ, tied quantized heads, W8A8 (lowbit.llm)
+    "llm", "quantize_llm", "quantize_w8a8",
 ]

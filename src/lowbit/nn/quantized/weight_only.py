@@ -25,8 +25,11 @@ activations and scales, float32 accumulation: error ≤ ~2⁻⁸ |x|·|ŵ|, far 
 error; its packed layout is a cache the size of ``qweight``, rebuilt after ``load_state_dict`` /
 ``.to()``); 8-bit per-channel weights compute ``(x @ qᵀ) * s`` in float32; everything else
 dequantizes the weight per call and runs ``F.linear``. ``kernel="reference"`` forces dequantize +
-``F.linear`` (the oracle). torch's ``_weight_int8pack_mm`` is not used: with float32 activations it
-is ~8x slower than fp32 on CPU; with bf16 ones its bf16 output (2⁻⁹ relative) rivals the int8 weight error.
+``F.linear`` (the oracle). For up to ``DECODE_MAX_ROWS`` input rows (decoding), 8-bit per-channel
+symmetric weights run torch's ``_weight_int8pack_mm`` with bf16 activations and a bf16 product
+(2⁻⁹ relative each; the float32 scales are applied after): 2.6x fp32 at M = 1 on AVX-512. The
+int4 kernel also runs only up to ``DECODE_MAX_ROWS`` rows: for prefill, dequantize + ``F.linear``
+is faster (and exact in float32).
 
 >>> import torch
 >>> from lowbit.nn.quantized import WeightOnlyLinear
@@ -60,6 +63,9 @@ __all__ = ["WeightOnlyLinear", "CLIP_RATIOS", "METHODS", "group_qparams", "quant
 METHODS = ("rtn", "mse", "gptq")
 CLIP_RATIOS = tuple(1.0 - 0.02 * i for i in range(25))  # 1.00, 0.98, ..., 0.52: the mse search grid
 _KERNEL_GROUPS = (32, 64, 128, 256)
+# torch's packed CPU kernels win for few rows (decode: 2.5-3x fp32 at M=1) and lose to dequantize + F.linear
+# for many (prefill: ~2x slower at M=512), so they run up to this many rows
+DECODE_MAX_ROWS = 32
 _KERNELS = ("auto", "reference")
 
 
@@ -100,16 +106,21 @@ def _fake(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qdtype: QDtype) -> 
     return q, (q - zf) * s[..., None]
 
 
-def quantize_groups(w: torch.Tensor, g: int, qdtype: QDtype, symmetric: bool, method: str = "rtn"
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes ``(N, K)`` int64, scales ``(N, G)``, zero points ``(N, G)`` of a float ``(N, K)`` weight (rtn or mse)."""
+def quantize_groups(w: torch.Tensor, g: int, qdtype: QDtype, symmetric: bool, method: str = "rtn",
+                    col_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes ``(N, K)`` int64, scales ``(N, G)``, zero points ``(N, G)`` of a float ``(N, K)`` weight (rtn or mse).
+
+    ``col_weight`` ``(K,)`` (mse only) weighs each column's squared error, e.g. by ``diag(XᵀX)``: the
+    clip then minimises ``Σ_k h_k (w_k - ŵ_k)²``, the layer-output error of uncorrelated inputs.
+    """
     wg = w.detach().to(torch.float32).reshape(w.shape[0], -1, g)  # (N, G, g)
+    cw = 1.0 if col_weight is None else col_weight.detach().to(torch.float32).reshape(1, -1, g)
     s, z = group_qparams(wg, qdtype, symmetric)
     if method == "mse":
-        best = ((_fake(wg, s, z, qdtype)[1] - wg) ** 2).sum(-1)  # (N, G)
+        best = ((_fake(wg, s, z, qdtype)[1] - wg) ** 2 * cw).sum(-1)  # (N, G)
         for r in CLIP_RATIOS[1:]:
             s_r, z_r = group_qparams(wg, qdtype, symmetric, r)
-            err = ((_fake(wg, s_r, z_r, qdtype)[1] - wg) ** 2).sum(-1)
+            err = ((_fake(wg, s_r, z_r, qdtype)[1] - wg) ** 2 * cw).sum(-1)
             better = err < best
             best, s, z = torch.where(better, err, best), torch.where(better, s_r, s), torch.where(better, z_r, z)
     q, _ = _fake(wg, s, z, qdtype)
@@ -123,7 +134,8 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, g: int, qdtype: QDtype
     """GPTQ codes ``(N, K)``, scales and zero points ``(N, G)`` minimising ``||X wᵀ - X ŵᵀ||²`` for ``H = XᵀX`` ``(K, K)``.
 
     A group's qparams are chosen when its first column is reached, from the weights as updated so
-    far, by ``group_method`` (``"mse"``: clipping search, the default; ``"rtn"``: min/max). On
+    far, by ``group_method`` (``"mse"``: clipping search, the default; ``"rtn"``: min/max; ``"hmse"``: the
+    clipping search with each column's error weighted by ``diag(H)``, i.e. activation-aware). On
     SmolLM2-135M int4 g128 (2048 tokens) min/max groups gave ppl 49.0, the mse search 40.4 (RTN 43.4).
     ``act_order``: quantize columns by decreasing ``diag(H)`` (the most active inputs first), with
     every group's qparams fixed beforehand by ``group_method`` on the original weights ("static
@@ -134,8 +146,8 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, g: int, qdtype: QDtype
     >>> q.shape, s.shape, int(q.min()) >= -8
     (torch.Size([8, 32]), torch.Size([8, 2]), True)
     """
-    if group_method not in ("rtn", "mse"):
-        raise ValueError(f"gptq_quantize: group_method={group_method!r} must be 'rtn' or 'mse'")
+    if group_method not in ("rtn", "mse", "hmse"):
+        raise ValueError(f"gptq_quantize: group_method={group_method!r} must be 'rtn', 'mse' or 'hmse'")
     W = w.detach().to(torch.float32).clone()  # (N, K)
     N, K = W.shape
     H = hessian.detach().to(torch.float64).clone()  # float64 keeps the Cholesky stable at K=1536
@@ -152,8 +164,9 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, g: int, qdtype: QDtype
     G = K // g
     S, Z = torch.zeros(N, G), torch.zeros(N, G, dtype=torch.int64)
     perm = torch.arange(K)
+    gm, cw = ("mse", torch.diag(H).float()) if group_method == "hmse" else (group_method, None)
     if act_order:
-        _, S, Z = quantize_groups(W, g, qdtype, symmetric, group_method)  # static groups
+        _, S, Z = quantize_groups(W, g, qdtype, symmetric, gm, cw)  # static groups
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
         cols = perm // g  # (K,): the group of each permuted column
@@ -171,7 +184,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, g: int, qdtype: QDtype
                 s, inv_s, zf = Sc[:, col], Ic[:, col], Zc[:, col]
             elif col % g == 0:  # new group: qparams from the weights as updated so far
                 grp = torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :g]
-                _, s, z = quantize_groups(grp, g, qdtype, symmetric, group_method)
+                _, s, z = quantize_groups(grp, g, qdtype, symmetric, gm, None if cw is None else cw[col:col + g])
                 S[:, col // g], Z[:, col // g] = s[:, 0], z[:, 0]
                 s, inv_s, zf = s[:, 0], torch.reciprocal(s[:, 0]), z[:, 0].float()  # (N,): as in _fake
             w = W1[:, i]
@@ -275,7 +288,13 @@ class WeightOnlyLinear(nn.Module):
     # ---- forward ----
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         return (self.kernel == "auto" and self.bits == 4 and x.device.type == "cpu" and self.out_features % 16 == 0
-                and self._g in _KERNEL_GROUPS and x.dtype in (torch.float32, torch.bfloat16))
+                and self._g in _KERNEL_GROUPS and x.dtype in (torch.float32, torch.bfloat16)
+                and x.numel() <= DECODE_MAX_ROWS * self.in_features)
+
+    def _int8_kernel_applies(self, x: torch.Tensor) -> bool:
+        return (self.kernel == "auto" and self.bits == 8 and self._g == self.in_features and self.symmetric
+                and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and x.numel() <= DECODE_MAX_ROWS * self.in_features)
 
     def _int4_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cache is None:
@@ -306,6 +325,11 @@ class WeightOnlyLinear(nn.Module):
         if self._kernel_applies(x):
             packed, sz = self._int4_cache()
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), packed, self._g, sz)
+            y = y.to(x.dtype)
+        elif self._int8_kernel_applies(x):  # bf16 activations, float32 scales applied after
+            ones = torch.ones(self.out_features, dtype=torch.bfloat16, device=x.device)
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, ones)
+            y = y.to(torch.float32) * self.scales[:, 0]
             y = y.to(x.dtype)
         elif self.kernel == "auto" and self.bits == 8 and self._g == self.in_features and self.symmetric:
             y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales[:, 0].to(x.dtype)  # (x @ qᵀ) * s

@@ -1,0 +1,96 @@
+"""Activation-aware per-channel scaling (AWQ, Lin et al. 2023) before weight rounding.
+
+For Linears ``W`` ``(N, K)`` reading ``x`` ``(n, K)``, scaling input channel ``k`` by ``s_k`` and the
+weight column by the same factor leaves the float product unchanged, ``x W^T = (x / s)(W s)^T``, but
+moves rounding error away from the channels that carry large activations. AWQ searches::
+
+    s(α) = m^α / sqrt(max(m^α) · min(m^α)),   m_k = mean_t |x_tk|,     α ∈ {0, 1/n_grid, ..., 1}
+    α*   = argmin_α || x W^T - (x / s) Q(W s)^T ||²          (Q: round to nearest on the group grid)
+
+``α = 0`` is plain rounding, so the result never scores worse than RTN on the sample. ``1 / s`` is
+folded into the op that produces ``x`` — an RMSNorm/LayerNorm weight (q/k/v after ``input_layernorm``,
+gate/up after ``post_attention_layernorm``) or the output rows of ``up_proj`` (for ``down_proj``,
+since ``down(act(gate) * up)``) — so the model gains no op. ``o_proj`` is scaled through ``v_proj``
+only without grouped-query attention (``v`` out == ``o`` in).
+
+>>> import torch
+>>> from lowbit.qscheme import qint4
+>>> x = torch.randn(256, 32) * torch.linspace(0.1, 8, 32)     # a few loud channels
+>>> w = torch.randn(16, 32)
+>>> s, alpha, errs = awq_search(w, x, 16, qint4, True)
+>>> s.shape, errs[alpha] <= errs[0.0]
+(torch.Size([32]), True)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..nn.quantized.weight_only import quantize_groups
+from ..qscheme import QDtype
+
+__all__ = ["awq_search", "awq_fold", "scale_source"]
+
+
+def _rtn(w: torch.Tensor, g: int, qdtype: QDtype, symmetric: bool) -> torch.Tensor:
+    q, s, z = quantize_groups(w, g, qdtype, symmetric, "rtn")
+    N, K = w.shape
+    return ((q.float().reshape(N, -1, g) - z.float()[..., None]) * s[..., None]).reshape(N, K)
+
+
+@torch.no_grad()
+def awq_search(w: torch.Tensor, x: torch.Tensor, g: int, qdtype: QDtype, symmetric: bool, n_grid: int = 20
+               ) -> tuple[torch.Tensor, float, dict[float, float]]:
+    """``(s (K,), α*, {α: error})`` for weight ``w`` ``(N, K)`` and sample inputs ``x`` ``(n, K)``."""
+    w, x = w.detach().float(), x.detach().float()
+    if x.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"awq_search: inputs of shape {tuple(x.shape)} do not match a weight {tuple(w.shape)}")
+    m = x.abs().mean(0).clamp_min(1e-6)
+    y = x @ w.T
+    errs: dict[float, float] = {}
+    best: tuple[float, float, torch.Tensor] = (float("inf"), 0.0, torch.ones_like(m))
+    for i in range(n_grid + 1):
+        a = i / n_grid
+        s = m.pow(a).clamp_min(1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        err = float(((x / s) @ _rtn(w * s, g, qdtype, symmetric).T - y).pow(2).mean())
+        errs[a] = err
+        if err < best[0]:
+            best = (err, a, s)
+    return best[2], best[1], errs
+
+
+def scale_source(block: nn.Module, names: list[str]) -> str | None:
+    """Name of the module in ``block`` whose output feeds the Linears ``names`` and can absorb ``1 / s``."""
+    def has(n: str) -> bool:
+        try:
+            block.get_submodule(n)
+            return True
+        except AttributeError:
+            return False
+    first = names[0]
+    pre, _, leaf = first.rpartition(".")
+    cands = {"q_proj": "input_layernorm", "gate_proj": "post_attention_layernorm", "up_proj": "post_attention_layernorm",
+             "down_proj": pre + ".up_proj" if pre else "up_proj"}
+    if leaf == "o_proj" and pre and has(pre + ".v_proj"):
+        v, o = block.get_submodule(pre + ".v_proj"), block.get_submodule(first)
+        return pre + ".v_proj" if v.weight.shape[0] == o.weight.shape[1] else None
+    src = cands.get(leaf)
+    return src if src is not None and has(src) else None
+
+
+@torch.no_grad()
+def awq_fold(block: nn.Module, src: str, names: list[str], s: torch.Tensor) -> None:
+    """Divide ``src``'s output channels by ``s`` and multiply the input columns of ``names`` by it (exact in float)."""
+    prev = block.get_submodule(src)
+    s = s.to(device=prev.weight.device)
+    if isinstance(prev, nn.Linear):
+        prev.weight.div_(s[:, None].to(prev.weight.dtype))
+    else:  # a norm: y = weight * x_hat (+ bias)
+        prev.weight.div_(s.to(prev.weight.dtype))
+    if getattr(prev, "bias", None) is not None:
+        prev.bias.div_(s.to(prev.bias.dtype))
+    for n in names:
+        lin = block.get_submodule(n)
+        lin.weight.mul_(s[None, :].to(lin.weight.dtype))

@@ -1,0 +1,124 @@
+"""Decoder blocks of a causal LM, run one at a time on cached calibration inputs.
+
+Sequential (block-by-block) calibration quantizes block ``i`` on the hidden states that the
+*already quantized* blocks ``0..i-1`` produce, so each block's rounding compensates for its
+predecessors' (GPTQ paper §"Step 3"; AWQ does the same). The pieces:
+
+- ``decoder_layers(model)``: the ``nn.ModuleList`` of blocks (``model.layers`` of HF Llama/Mistral/
+  Qwen, ``transformer.h`` of GPT-2, ...).
+- ``capture_block_inputs(model, layers, calib)``: for every calibration batch, the hidden states
+  entering block 0 and the keyword arguments the model passes to its blocks (rotary embeddings,
+  attention mask). Only the embedding runs; a pre-hook on block 0 stops the forward.
+- ``linear_groups(block, inp, kw)``: the block's ``nn.Linear``s in call order, grouped by the
+  tensor they read (``[q, k, v], [o], [gate, up], [down]`` for Llama): the true-sequential order.
+
+>>> import torch
+>>> from torch import nn
+>>> class Block(nn.Module):
+...     def __init__(self):
+...         super().__init__(); self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+...     def forward(self, x, scale=1.0):
+...         return self.c(self.a(x) * self.b(x)) * scale
+>>> linear_groups(Block(), torch.randn(2, 8), {})
+[['a', 'b'], ['c']]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["decoder_layers", "capture_block_inputs", "linear_groups", "run_block", "StopForward"]
+
+_LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers")
+
+
+class StopForward(Exception):
+    """Raised by a hook to end a forward pass early (caught by the runners here)."""
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ``nn.ModuleList`` of decoder blocks of a causal LM (first match of ``_LAYER_PATHS``)."""
+    for path in _LAYER_PATHS:
+        try:
+            m = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(m, nn.ModuleList) and len(m):
+            return m
+    raise ValueError(f"lowbit.llm: {type(model).__name__} has no decoder block list at any of {_LAYER_PATHS}")
+
+
+def _call(model: nn.Module, batch: Any) -> None:
+    if isinstance(batch, dict):
+        model(**{"use_cache": False, **batch})
+    elif isinstance(batch, torch.Tensor):
+        model(batch, use_cache=False)
+    else:
+        raise TypeError(f"lowbit.llm: a calibration batch must be a token-id tensor or a dict of model inputs, "
+                        f"got {type(batch).__name__}")
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, layers: nn.ModuleList, calib: Iterable[Any]
+                         ) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    """``[(hidden_states, block_kwargs)]``, one per batch of ``calib``, as they enter ``layers[0]``."""
+    store: list[tuple[torch.Tensor, dict[str, Any]]] = []
+
+    def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        kw = dict(kwargs)
+        x = args[0] if args else kw.pop("hidden_states")
+        store.append((x.detach(), kw))
+        raise StopForward
+
+    h = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for batch in calib:
+            try:
+                _call(model, batch)
+            except StopForward:
+                pass
+    finally:
+        h.remove()
+    return store
+
+
+def run_block(block: nn.Module, x: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor:
+    """``block(x, **kw)`` as a tensor (blocks that return tuples give their first element)."""
+    try:
+        out = block(x, **kw)
+    except StopForward:
+        return x
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@torch.no_grad()
+def linear_groups(block: nn.Module, x: torch.Tensor, kw: dict[str, Any]) -> list[list[str]]:
+    """Names of ``block``'s ``nn.Linear`` modules in call order, consecutive readers of one tensor grouped."""
+    order: list[tuple[str, torch.Tensor]] = []
+    lins = {n: m for n, m in block.named_modules() if type(m) is nn.Linear}
+
+    def hook(name: str):
+        def fn(_m: nn.Module, args: tuple[Any, ...]) -> None:
+            if all(n != name for n, _ in order):
+                order.append((name, args[0]))
+        return fn
+
+    hs = [m.register_forward_pre_hook(hook(n)) for n, m in lins.items()]
+    try:
+        run_block(block, x, kw)
+    finally:
+        for h in hs:
+            h.remove()
+    groups: list[list[str]] = []
+    prev: torch.Tensor | None = None
+    for n, t in order:
+        if prev is not None and t is prev:
+            groups[-1].append(n)
+        else:
+            groups.append([n])
+        prev = t
+    return groups

@@ -1,0 +1,186 @@
+"""``quantize_llm``: block-by-block weight-only quantization of a causal LM (GPTQ, AWQ, clip search).
+
+Per decoder block ``i`` (inputs: the hidden states of the already quantized blocks ``0..i-1``):
+
+1. ``awq``: AWQ per-channel scales for each Linear group whose producer can absorb them (see
+   ``lowbit.llm.awq``), searched on the block's float outputs and folded in.
+2. For each group of Linears in call order (``[q, k, v] -> [o] -> [gate, up] -> [down]``: true-sequential),
+   the block runs on all calibration batches with the earlier groups already quantized, and
+   ``H = Σ_b X_bᵀ X_b`` of the group's input is accumulated (distributed: summed over ranks in the
+   global batch order, bit-identical to one process; see ``lowbit.llm.dist``).
+3. The group's weights (stacked by rows) are quantized by GPTQ (``method="gptq"``; act-order with
+   static groups; group qparams by ``clip``; the damping ``damp`` — a tuple is searched, the value
+   with the least ``tr(ΔW H ΔWᵀ)`` kept) or by rounding (``method="rtn"``), and the Linears become
+   ``WeightOnlyLinear``. With several ranks, group ``j`` is quantized on rank ``j % W`` and broadcast.
+4. The quantized block runs once more to give block ``i + 1`` its inputs.
+
+``head`` quantizes the output projection too (``"int8"``: per-row int8; ``"int4"``: groups); with tied
+embeddings (``lm_head.weight is embed_tokens.weight``) the embedding becomes a ``TiedEmbedding`` on the
+same codes, so the tie and its single copy in the file are kept.
+
+>>> import torch, lowbit as Q
+>>> from lowbit.llm.blocks import decoder_layers
+>>> model = Q.llm.toy_llama()                          # a 2-block Llama with random weights (tests/docs)
+>>> calib = [torch.randint(0, 128, (1, 32)) for _ in range(2)]
+>>> qm = Q.quantize_llm(model, calib, bits=4, group_size=32, progress=False)
+>>> type(decoder_layers(qm)[0].mlp.down_proj).__name__, type(qm.model.embed_tokens).__name__
+('WeightOnlyLinear', 'TiedEmbedding')
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..nn.quantized.weight_only import WeightOnlyLinear, _check_args, gptq_quantize, quantize_groups, weight_qdtype
+from .awq import awq_fold, awq_search, scale_source
+from .blocks import StopForward, capture_block_inputs, decoder_layers, linear_groups, run_block
+from .dist import broadcast_tensors, ordered_gather, ordered_sum, rank_and_world
+from .tied import quantize_head
+
+__all__ = ["quantize_llm", "METHODS", "CLIPS"]
+
+METHODS = ("gptq", "rtn")
+CLIPS = ("hmse", "mse", "rtn")
+
+
+def _group_for(k: int, group_size: int) -> int:
+    if group_size == -1 or k % group_size == 0:
+        return group_size
+    g = group_size
+    while g > 1 and k % g:
+        g //= 2
+    return g if g >= 8 else -1
+
+
+def _progress(it: Iterable[Any], desc: str, total: int, on: bool) -> Iterable[Any]:
+    if not on:
+        return it
+    from tqdm.auto import tqdm
+    return tqdm(it, desc=desc, total=total, leave=False)
+
+
+@torch.no_grad()
+def _group_inputs(block: nn.Module, names: list[str], inps: list[tuple[torch.Tensor, dict[str, Any]]],
+                  rows: int | None) -> list[torch.Tensor]:
+    """Per batch: ``XᵀX`` (``rows=None``) or the first ``rows`` tokens of the input of Linears ``names``."""
+    out: list[torch.Tensor] = []
+    first, last = block.get_submodule(names[0]), block.get_submodule(names[-1])
+
+    def grab(_m: nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+        out.append(x.T @ x if rows is None else x[:rows].clone())
+
+    def stop(_m: nn.Module, _a: tuple[Any, ...]) -> None:
+        raise StopForward
+
+    hs = [first.register_forward_pre_hook(grab), last.register_forward_hook(lambda *a: stop(*a[:2]))]
+    try:
+        for x, kw in inps:
+            run_block(block, x, kw)
+    finally:
+        for h in hs:
+            h.remove()
+    return out
+
+
+def _gptq_best(w: torch.Tensor, H: torch.Tensor, g: int, bits: int, symmetric: bool, act_order: bool, clip: str,
+               damps: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qd = weight_qdtype(bits, symmetric)
+    best: tuple[float, Any] = (float("inf"), None)
+    for d in damps:
+        q, s, z = gptq_quantize(w, H, g, qd, symmetric, damp=d, group_method=clip, act_order=act_order)
+        dq = ((q.float().reshape(w.shape[0], -1, g) - z.float()[..., None]) * s[..., None]).reshape(w.shape)
+        dw = (w - dq).double()
+        err = float(((dw @ H.double()) * dw).sum())
+        if err < best[0]:
+            best = (err, (q, s, z))
+    return best[1]
+
+
+def _replace(block: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(block.get_submodule(parent) if parent else block, child, new)
+
+
+@torch.no_grad()
+def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_size: int = 128,
+                 method: str = "gptq", awq: bool = True, clip: str = "hmse", act_order: bool = True,
+                 damp: float | Sequence[float] = (0.01, 0.03, 0.1), symmetric: bool = False,
+                 head: str | None = "int8", awq_tokens: int = 256, inplace: bool = False, progress: bool = True,
+                 group: Any = None) -> nn.Module:
+    """Quantize every ``nn.Linear`` of a causal LM's decoder blocks, block by block; see the module docstring.
+
+    ``calib``: token-id tensors ``(1, T)`` (or dicts of model inputs); with ``torch.distributed`` each
+    rank passes its shard (``lowbit.llm.shard``; equal counts). ``method``: ``"gptq"`` or ``"rtn"``;
+    ``clip``: group qparams by ``"hmse"`` (clip search weighted by ``diag(XᵀX)``), ``"mse"`` or ``"rtn"``
+    (min/max); ``awq``: AWQ scaling first (searched on ``awq_tokens`` tokens per batch); ``head``:
+    ``"int8"``, ``"int4"`` or ``None`` (keep the float output projection / embedding).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_llm: model must be an nn.Module, got {type(model).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"quantize_llm: method={method!r} must be one of {METHODS}")
+    if clip not in CLIPS:
+        raise ValueError(f"quantize_llm: clip={clip!r} must be one of {CLIPS}")
+    if head not in ("int8", "int4", None):
+        raise ValueError(f"quantize_llm: head={head!r} must be 'int8', 'int4' or None")
+    damps = (damp,) if isinstance(damp, (int, float)) else tuple(damp)
+    if not damps or any(not isinstance(d, (int, float)) or d <= 0 for d in damps):
+        raise ValueError(f"quantize_llm: damp={damp!r} must be a positive float or a tuple of them")
+    _check_args(2 * max(group_size, 1), 1, bits, group_size, "quantize_llm")
+    if not inplace:
+        model = copy.deepcopy(model)
+    model.eval()
+    rank, world = rank_and_world(group)
+    layers = decoder_layers(model)
+    inps = capture_block_inputs(model, layers, calib)
+    if not inps:
+        raise ValueError("quantize_llm: calib yielded no batches")
+    qd = weight_qdtype(bits, symmetric)
+    job = 0
+    for block in _progress(layers, "quantize_llm blocks", len(layers), progress and rank == 0):
+        groups = linear_groups(block, *inps[0])
+        if awq:
+            for names in groups:
+                src = scale_source(block, names)
+                if src is None:
+                    continue
+                x = torch.cat(ordered_gather(_group_inputs(block, names, inps, awq_tokens), group))
+                w = torch.cat([block.get_submodule(n).weight.float() for n in names])
+                s, _, _ = awq_search(w, x, _group_for(w.shape[1], group_size), qd, symmetric)
+                awq_fold(block, src, names, s)
+        for names in groups:
+            lins = [block.get_submodule(n) for n in names]
+            k = lins[0].in_features
+            g = _group_for(k, group_size)
+            if g == -1:
+                warnings.warn(f"quantize_llm: {names} ({k} features) have no group size dividing them; per channel",
+                              stacklevel=2)
+            qs = [WeightOnlyLinear(k, m.out_features, m.bias is not None, bits, g, symmetric) for m in lins]
+            w = torch.cat([m.weight.detach().float().cpu() for m in lins])
+            n, G = w.shape[0], qs[0].scales.shape[1]
+            codes, s, z = torch.zeros(n, k, dtype=torch.int64), torch.zeros(n, G), torch.zeros(n, G, dtype=torch.int64)
+            if method == "gptq":
+                H = ordered_sum(_group_inputs(block, names, inps, None), group)
+                if job % world == rank:
+                    codes, s, z = _gptq_best(w, H, qs[0]._g, bits, symmetric, act_order, clip, damps)
+                broadcast_tensors([codes, s, z], job % world, group)
+                job += 1
+            else:
+                codes, s, z = quantize_groups(w, qs[0]._g, qd, symmetric, "rtn" if clip == "rtn" else "mse")
+            split = [m.out_features for m in lins]
+            for name, q, m, c, si, zi in zip(names, qs, lins, codes.split(split), s.split(split), z.split(split)):
+                q.set_codes(c, si, zi)
+                if m.bias is not None:
+                    q.bias = m.bias.detach().float().cpu().clone()
+                _replace(block, name, q.to(m.weight.device))
+        inps = [(run_block(block, x, kw), kw) for x, kw in inps]
+    if head is not None:
+        quantize_head(model, 8 if head == "int8" else 4, group_size, symmetric)
+    return model

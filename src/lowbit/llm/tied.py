@@ -1,0 +1,91 @@
+"""Quantized output projection (``lm_head``) and an embedding that shares its codes (the tie kept).
+
+A causal LM with tied embeddings stores one ``(V, D)`` matrix ``E`` used twice: rows are looked up
+(``embed(ids) = E[ids]``) and the logits are ``h @ Eᵀ``. ``quantize_head`` turns ``lm_head`` into a
+``WeightOnlyLinear`` (int8 per row: ``ŵ[v] = q[v] · s_v``; or int4 groups) and, when tied, replaces the
+embedding by a ``TiedEmbedding`` that holds *the same* module, dequantizing only the looked-up rows::
+
+    embed(ids)[t] = (q[ids_t] - z[ids_t]) * s[ids_t]        # row-wise, groups of g columns
+
+so the checkpoint holds one copy (``torch.save`` / ``state_dict`` share the storages) and decoding reads
+the quantized matrix for the logits. An untied embedding is left float (it is a lookup: it costs
+memory, not time).
+
+>>> import torch
+>>> from torch import nn
+>>> emb = nn.Embedding(64, 32); head = nn.Linear(32, 64, bias=False); head.weight = emb.weight
+>>> model = nn.ModuleDict({"embed_tokens": emb, "lm_head": head})
+>>> _ = quantize_head(model, bits=8)
+>>> e = model["embed_tokens"]
+>>> e.head is model["lm_head"], bool((e(torch.tensor([3])) - emb.weight[3]).abs().max() < 0.02)
+(True, True)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..nn.quantized.embedding import _unpack4
+from ..nn.quantized.weight_only import WeightOnlyLinear
+
+__all__ = ["TiedEmbedding", "quantize_head", "find_head"]
+
+
+class TiedEmbedding(nn.Module):
+    """An embedding lookup on the codes of a ``WeightOnlyLinear`` ``head`` ``(V, D)`` (shared, not copied)."""
+
+    def __init__(self, head: WeightOnlyLinear, padding_idx: int | None = None) -> None:
+        super().__init__()
+        if not isinstance(head, WeightOnlyLinear):
+            raise TypeError(f"TiedEmbedding: head must be a WeightOnlyLinear, got {type(head).__name__}")
+        self.head, self.padding_idx = head, padding_idx
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
+            raise TypeError(f"TiedEmbedding: ids must be an integer tensor, got "
+                            f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+        h, flat = self.head, ids.reshape(-1)
+        rows = F.embedding(flat, h.qweight)  # (T, D/2) packed or (T, D)
+        q = _unpack4(rows, h.in_features, h.qdtype.signed) if h.bits == 4 else rows
+        s, z = h.scales[flat], h.zero_points[flat].float()  # (T, G)
+        e = (q.float().reshape(flat.numel(), -1, h._g) - z[..., None]) * s[..., None]
+        return e.reshape(*ids.shape, h.in_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tied to a {self.head.bits}-bit head"
+
+
+def find_head(model: nn.Module) -> tuple[str, str | None]:
+    """``(lm_head name, tied embedding name or None)`` of a causal LM."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {id(m): n for n, m in model.named_modules()}
+    if out is None:
+        out = next((m for n, m in model.named_modules() if n.split(".")[-1] == "lm_head"), None)
+    if emb is None:
+        emb = next((m for n, m in model.named_modules() if n.split(".")[-1] in ("embed_tokens", "wte")), None)
+    if not isinstance(out, nn.Linear):
+        raise ValueError(f"lowbit.llm: no nn.Linear output projection (lm_head) found in {type(model).__name__}")
+    tied = isinstance(emb, nn.Embedding) and emb.weight is out.weight
+    return names[id(out)], names[id(emb)] if tied else None
+
+
+@torch.no_grad()
+def quantize_head(model: nn.Module, bits: int = 8, group_size: int = 128, symmetric: bool = True) -> nn.Module:
+    """``lm_head`` -> ``WeightOnlyLinear`` (``bits=8``: per row; 4: groups), a tied embedding -> ``TiedEmbedding``."""
+    head_name, emb_name = find_head(model)
+    lin = model.get_submodule(head_name)
+    g = -1 if bits == 8 else group_size
+    while g != -1 and lin.in_features % g:
+        g //= 2
+    q = WeightOnlyLinear.from_float(lin, bits, g, symmetric if bits == 4 else True, "rtn" if bits == 8 else "mse")
+    for name, new in ((head_name, q), *(((emb_name, TiedEmbedding(q, model.get_submodule(emb_name).padding_idx)),)
+                                        if emb_name else ())):
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    if emb_name and hasattr(model, "config"):  # HF would re-tie a float embedding on save/resize: the tie is ours now
+        model.config.tie_word_embeddings = False
+    return model

