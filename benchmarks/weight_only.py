@@ -7,10 +7,12 @@ Speed: ``nn.Linear(768, 2048)`` at M = 1 and 64 tokens, fp32 ``F.linear`` vs ``W
 int4 g128 (torch's ``_weight_int4pack_mm_for_cpu``, bf16 activations), int4 g128 reference path
 (dequantize + ``F.linear``) and int8 per channel (``(x @ qᵀ) * s``).
 
-LLM: SmolLM2-135M-Instruct (``lowbit.data.load_smollm2``), every Linear except ``lm_head``;
-perplexity on the first ``--tokens`` tokens of ``lee_background.cor`` in windows of 512, GPTQ
-calibrated on the ``--calib-windows`` x 512 tokens that follow them (default 8: 4096 tokens), so it never
-sees the evaluated text.
+LLM: SmolLM2-135M-Instruct (``lowbit.data.load_smollm2``): ``quantize_weight_only`` rows quantize every
+Linear except ``lm_head``; ``quantize_llm`` rows (block-by-block GPTQ + AWQ + hmse clip, ``lowbit.llm``)
+also the tied ``lm_head`` / embedding; ``w8a8`` rows every block Linear (dynamic per-token int8
+activations, ``torch._int_mm``). Perplexity on the first ``--tokens`` tokens of ``lee_background.cor``
+in windows of 512; calibration on the ``--calib-windows`` x 512 tokens that follow them (default 8:
+4096 tokens), so it never sees the evaluated text. ``--only`` picks rows by substring.
 Size: bytes of the unique tensors of ``state_dict()`` (the tied embedding / lm_head counted once).
 """
 
@@ -67,12 +69,22 @@ def llm(tokens: int, only: list[str] | None = None, calib_windows: int = 8) -> d
     ids = torch.tensor(tok("\n".join(bg)).input_ids)
     ev, cal = ids[:tokens], ids[tokens : tokens + calib_windows * 512].reshape(calib_windows, 512)
     calib = [c[None] for c in cal]
-    configs = {
+    cw = f"calib {calib_windows}x512"
+    wo, llm_ = Q.quantize_weight_only, Q.quantize_llm
+    configs: dict[str, Any] = {
         "fp32": None,
-        "int8 per-channel rtn": dict(bits=8, group_size=-1, method="rtn"),
-        "int4 g128 rtn": dict(bits=4, group_size=128, method="rtn"),
-        "int4 g128 mse": dict(bits=4, group_size=128, method="mse"),
-        f"int4 g128 gptq act_order (calib {calib_windows}x512)": dict(bits=4, group_size=128, method="gptq", calib=calib),
+        "int8 per-channel rtn": (wo, dict(bits=8, group_size=-1, method="rtn")),
+        "int8 per-channel rtn + int8 tied head": (llm_, dict(bits=8, group_size=-1, method="rtn", awq=False, clip="rtn",
+                                                             symmetric=True, calib=calib)),
+        "int4 g128 rtn": (wo, dict(bits=4, group_size=128, method="rtn")),
+        "int4 g128 mse": (wo, dict(bits=4, group_size=128, method="mse")),
+        f"int4 g128 gptq act_order, float activations ({cw})": (wo, dict(bits=4, group_size=128, method="gptq",
+                                                                        calib=calib)),
+        f"int4 g128 quantize_llm default + int8 tied head ({cw})": (llm_, dict(calib=calib)),
+        f"int4 g128 quantize_llm no awq + int8 tied head ({cw})": (llm_, dict(calib=calib, awq=False)),
+        f"int4 g128 quantize_llm default + int4 tied head ({cw})": (llm_, dict(calib=calib, head="int4")),
+        f"w8a8 dynamic per-token + smoothquant 0.5 ({cw})": (Q.quantize_w8a8, dict(calib=calib, alpha=0.5)),
+        f"w8a8 dynamic per-token, no smoothing ({cw})": (Q.quantize_w8a8, dict(calib=calib, alpha=None)),
     }
     rows = {}
     for name, cfg in configs.items():
@@ -81,7 +93,7 @@ def llm(tokens: int, only: list[str] | None = None, calib_windows: int = 8) -> d
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            qm = model if cfg is None else Q.quantize_weight_only(model, **cfg)
+            qm = model if cfg is None else cfg[0](model, **cfg[1])
         tq = time.perf_counter() - t0
         t0 = time.perf_counter()
         ppl = D.perplexity(qm, ev, 512)

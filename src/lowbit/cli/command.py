@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="built-in example: test images (0: all)")
     q.add_argument("--calib-size", dest="calib_size", type=_count(1), default=1000,
                    help="built-in example: calib images")
+    from .llm import build_parser_into as _llm_parser  # `lowbit quantize-llm`: causal LMs (cli/llm.py)
+    _llm_parser(sub)
     return p
 
 
@@ -239,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     previous = _on_sigterm(_interrupt)
     common.RAISE_UNEXPECTED = bool(args.traceback)
     try:
+        if args.command == "quantize-llm":
+            from .llm import run as _run_llm
+            return _run_llm(args)
         return _quantize(args)
     except CLIError as e:
         print(f"lowbit: error: {' '.join(str(e).split())}", file=sys.stderr)
