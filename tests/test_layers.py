@@ -28,7 +28,7 @@ TIERS: list[tuple[str, ...]] = [
     ("nn.intrinsic.qat",),             # QAT ConvBn builds on nn.qat
     ("nn.quantized",),                 # (+ dynamic/) run on kernels
     ("mappings", "examples", "speed_guard", "pt2"),
-    ("fuse", "workflow", "quantize_dynamic", "weight_only", "fx", "quantize_api", "reference"),
+    ("fuse", "workflow", "quantize_dynamic", "weight_only", "llm", "fx", "quantize_api", "reference"),
     ("export", "algorithms", "debug", "data"),
     ("report", "ptq", "models"),       # renders debug results; quantize_ptq (fx + algorithms); real CNNs
     ("__init__",),                     # the package root: re-exports the public names of all of the above
