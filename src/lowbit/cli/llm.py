@@ -59,6 +59,7 @@ def build_parser_into(sub: Any) -> argparse.ArgumentParser:
     q.add_argument("--threads", type=int, default=0)
     q.add_argument("--out", default="lowbit-out")
     q.add_argument("--quiet", action="store_true")
+    q.add_argument("--traceback", action="store_true", help="let unexpected errors raise with their traceback")
     return q
 
 
