@@ -159,7 +159,7 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
             lins = [block.get_submodule(n) for n in names]
             k = lins[0].in_features
             g = _group_for(k, group_size)
-            if g == -1:
+            if g == -1 and group_size != -1:
                 warnings.warn(f"quantize_llm: {names} ({k} features) have no group size dividing them; per channel",
                               stacklevel=2)
             qs = [WeightOnlyLinear(k, m.out_features, m.bias is not None, bits, g, symmetric) for m in lins]
