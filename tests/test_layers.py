@@ -17,7 +17,7 @@ TIERS: list[tuple[str, ...]] = [
     ("compile_state",),                # tracing(): lower layers emit torch.ops.lowbit.* while traced
     ("qparams",),
     ("functional",),
-    ("qtensor",),
+    ("qtensor", "batches"),           # batches: the calibration-input convention (iter_batches, run_batch)
     ("observer",),
     ("fake_quant", "fake_quant_learnable", "fake_quant_fused", "fake_quant_fixed"),
     ("qconfig",),

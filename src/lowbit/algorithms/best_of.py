@@ -40,7 +40,7 @@ from torch import nn
 from torch.func import functional_call
 from tqdm.auto import tqdm
 
-from ..debug.compare import check_module, iter_batches, run_batch
+from ..batches import check_module, iter_batches, run_batch
 from ..functional import fake_quantize
 from ..qconfig import QConfig, QConfigMapping, get_default_qconfig
 from ..recipes import ACTIVATION_METHODS, WEIGHT_METHODS

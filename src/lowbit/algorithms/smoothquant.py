@@ -46,7 +46,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..debug.compare import _flatten, check_module, iter_batches, run_batch
+from ..batches import check_module, iter_batches, run_batch
+from ..batches import flatten_outputs as _flatten
 
 __all__ = ["InputScale", "SmoothedLinear", "SmoothQuantLayer", "SmoothQuantReport", "smooth_quant",
            "smooth_quant_scales"]

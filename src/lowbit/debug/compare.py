@@ -36,13 +36,14 @@ True
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from ..batches import check_module, flatten_outputs, iter_batches, run_batch  # noqa: F401 (re-exported)
 from ..nn.intrinsic.fold import fold_bn_weights
 from ..nn.quantized.functional_modules import FloatFunctional, QFunctional
 from ..nn.quantized.stubs import DeQuantize
@@ -177,36 +178,6 @@ class CompareResult:
 # ---------------------------------------------------------------- inputs
 
 
-def iter_batches(inputs: Any, where: str) -> Iterator[Any]:
-    """A tensor is one batch; a list/tuple/iterable holds batches. Raises on an empty or odd ``inputs``."""
-    if isinstance(inputs, torch.Tensor):
-        yield inputs
-        return
-    if isinstance(inputs, (str, bytes, dict)) or not isinstance(inputs, Iterable):
-        raise TypeError(f"{where}: inputs must be a tensor or an iterable of batches, got {type(inputs).__name__}")
-    n = 0
-    for batch in inputs:
-        n += 1
-        yield batch
-    if n == 0:
-        raise ValueError(f"{where}: inputs is empty; give at least one batch")
-
-
-def run_batch(model: nn.Module, batch: Any) -> Any:
-    """``model(batch)``; a tuple/list batch is unpacked as positional arguments, a dict as keywords."""
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    if isinstance(batch, dict):
-        return model(**batch)
-    return model(batch)
-
-
-def check_module(model: Any, what: str) -> nn.Module:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{what} must be an nn.Module, got {type(model).__name__}")
-    return model
-
-
 # ---------------------------------------------------------------- matching
 
 
@@ -286,16 +257,7 @@ def _quantized_weight(qmod: nn.Module) -> torch.Tensor | None:
 # ---------------------------------------------------------------- recording
 
 
-def _flatten(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, QTensor):
-        return [out.dequantize()]
-    if isinstance(out, torch.Tensor):
-        return [out.detach().float().clone()]  # clone: a later in-place op must not change the record
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _flatten(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _flatten(o)]
-    return []
+_flatten = flatten_outputs
 
 
 class _Recorder:

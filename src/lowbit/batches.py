@@ -1,0 +1,68 @@
+"""Calibration inputs as batches: the one convention every data-driven step shares.
+
+``inputs`` is a tensor (one batch) or an iterable of batches; a batch that is a tuple/list is
+unpacked as positional arguments, a dict as keywords. ``flatten_outputs`` turns whatever a model
+returns (tensor, ``QTensor``, nested tuple/list/dict) into a flat list of float tensors.
+
+>>> import torch
+>>> from lowbit.batches import iter_batches, run_batch, flatten_outputs
+>>> [b.shape[0] for b in iter_batches([torch.zeros(2, 3), torch.zeros(4, 3)], "demo")]
+[2, 4]
+>>> [t.shape for t in flatten_outputs((torch.ones(2), {"a": torch.zeros(3)}))]
+[torch.Size([2]), torch.Size([3])]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .qtensor import QTensor
+
+__all__ = ["iter_batches", "run_batch", "check_module", "flatten_outputs"]
+
+
+def iter_batches(inputs: Any, where: str) -> Iterator[Any]:
+    """A tensor is one batch; a list/tuple/iterable holds batches. Raises on an empty or odd ``inputs``."""
+    if isinstance(inputs, torch.Tensor):
+        yield inputs
+        return
+    if isinstance(inputs, (str, bytes, dict)) or not isinstance(inputs, Iterable):
+        raise TypeError(f"{where}: inputs must be a tensor or an iterable of batches, got {type(inputs).__name__}")
+    n = 0
+    for batch in inputs:
+        n += 1
+        yield batch
+    if n == 0:
+        raise ValueError(f"{where}: inputs is empty; give at least one batch")
+
+
+def run_batch(model: nn.Module, batch: Any) -> Any:
+    """``model(batch)``; a tuple/list batch is unpacked as positional arguments, a dict as keywords."""
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    if isinstance(batch, dict):
+        return model(**batch)
+    return model(batch)
+
+
+def check_module(model: Any, what: str) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{what} must be an nn.Module, got {type(model).__name__}")
+    return model
+
+
+def flatten_outputs(out: Any) -> list[torch.Tensor]:
+    """Every tensor in ``out`` as float, in order (QTensors dequantized; clones, so later in-place ops can't alter them)."""
+    if isinstance(out, QTensor):
+        return [out.dequantize()]
+    if isinstance(out, torch.Tensor):
+        return [out.detach().float().clone()]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in flatten_outputs(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in flatten_outputs(o)]
+    return []
