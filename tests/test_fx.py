@@ -170,7 +170,11 @@ def test_mobilenet_block_depthwise_relu6_hardswish():
     model = with_bn_stats(MobileNet(), (8, 3, 16, 16))
     _, q = ptq(model, (16, 3, 16, 16))
     types = quantized_types(q)
-    assert QReLU6 in types and QHardswish in types
+    # ReLU6 after a conv is folded into the conv's output grid (ConvReLU2d, codes capped at 6), not a separate op
+    assert QHardswish in types and QReLU6 not in types and nnq.ConvReLU2d in types
+    assert not any(isinstance(m, nn.ReLU6) for m in q.modules())
+    for m in (m for m in q.modules() if isinstance(m, nnq.ConvReLU2d)):  # quint8 grid tops out near 6
+        assert float((255 - m.zero_point) * m.scale) <= 6.0 + float(m.scale)
     dw = [m for m in q.modules() if isinstance(m, nnq.Conv2d) and m.groups > 1]
     assert len(dw) == 2 and all(m.groups == m.in_channels for m in dw)
     x = torch.randn(32, 3, 16, 16)
