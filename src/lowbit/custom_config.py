@@ -77,8 +77,33 @@ def _indexes(values: Any, where: str) -> list[int]:
     return list(values)
 
 
-class PrepareCustomConfig:
+class _Config:
+    """``coerce``: what the workflow functions accept for a custom config argument."""
+
+    _arg = ""  # the argument's name in error messages
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Any:  # pragma: no cover - each config defines it
+        raise NotImplementedError
+
+    @classmethod
+    def coerce(cls, value: Any, where: str) -> Any:
+        """``None`` → empty; a dict → ``from_dict``; an instance (lowbit's, or torch.ao's via ``to_dict``)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        if hasattr(value, "to_dict"):
+            return cls.from_dict(value.to_dict())
+        raise TypeError(f"{where}: {cls._arg} must be None, a dict or a {cls.__name__}, got {type(value).__name__}")
+
+
+class PrepareCustomConfig(_Config):
     """Options of ``prepare`` / ``prepare_fx`` (see the module docstring); setters return ``self``."""
+
+    _arg = "prepare_custom_config"
 
     def __init__(self) -> None:
         self.float_to_observed_mapping: dict[type, type] = {}
@@ -158,23 +183,12 @@ class PrepareCustomConfig:
                 d[key] = list(val)
         return d
 
-    @classmethod
-    def coerce(cls, value: Any, where: str) -> PrepareCustomConfig:
-        """``None`` → empty; a dict → ``from_dict``; an instance (lowbit's, or torch.ao's via ``to_dict``)."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            return cls.from_dict(value)
-        if hasattr(value, "to_dict"):
-            return cls.from_dict(value.to_dict())
-        raise TypeError(f"{where}: prepare_custom_config must be None, a dict or a PrepareCustomConfig, "
-                        f"got {type(value).__name__}")
 
 
-class ConvertCustomConfig:
+class ConvertCustomConfig(_Config):
     """Options of ``convert`` / ``convert_fx``: observed → quantized custom classes, preserved attributes."""
+
+    _arg = "convert_custom_config"
 
     def __init__(self) -> None:
         self.observed_to_quantized_mapping: dict[type, type] = {}
@@ -228,19 +242,6 @@ class ConvertCustomConfig:
         if self.preserved_attributes:
             d["preserved_attributes"] = list(self.preserved_attributes)
         return d
-
-    @classmethod
-    def coerce(cls, value: Any, where: str) -> ConvertCustomConfig:
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            return cls.from_dict(value)
-        if hasattr(value, "to_dict"):
-            return cls.from_dict(value.to_dict())
-        raise TypeError(f"{where}: convert_custom_config must be None, a dict or a ConvertCustomConfig, "
-                        f"got {type(value).__name__}")
 
     def mapping(self, dynamic: bool = False) -> dict[type, type]:
         """``{observed type: adapter whose from_float calls Quantized.from_observed}`` for the swap tables
