@@ -425,3 +425,19 @@ class _engine:
 
     def __exit__(self, *exc: object) -> None:
         torch.backends.quantized.engine = self.old
+
+
+def test_torch_ao_positional_orders_keep_working() -> None:
+    """torch.ao: prepare(model, inplace) and prepare_qat(model, mapping) — positional, as migrated scripts call them."""
+    import lowbit as Q
+    import lowbit.nn.qat as nnqat
+
+    model = nn.Sequential(Q.QuantStub(), nn.Linear(4, 4), Q.DeQuantStub()).eval()
+    model.qconfig = Q.get_default_qconfig()
+    same = Q.prepare(model, True)
+    assert same is model and hasattr(model[1], "activation_post_process")
+
+    qat_model = nn.Sequential(Q.QuantStub(), nn.Linear(4, 4), nn.Conv2d(1, 1, 1), Q.DeQuantStub()).train()
+    qat_model.qconfig = Q.get_default_qat_qconfig()
+    only_linear = Q.prepare_qat(qat_model, {nn.Linear: nnqat.Linear})
+    assert isinstance(only_linear[1], nnqat.Linear) and type(only_linear[2]) is nn.Conv2d

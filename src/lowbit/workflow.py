@@ -286,11 +286,24 @@ def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type]) -
     return sum(_insert_observers(child, observed, dynamic) for child in mod.children())
 
 
+def _is_module_mapping(value: Any) -> bool:
+    """A non-empty ``{module class: module class}`` dict (a swap mapping, not a qconfig dict)."""
+    return isinstance(value, dict) and bool(value) and all(
+        isinstance(k, type) and isinstance(v, type) and issubclass(v, nn.Module) for k, v in value.items())
+
+
 def _setup(fn: str, model: Any, qconfig: Any, inplace: Any, mapping: Any, dynamic_mapping: Any,
            default_mapping: dict[type, type], default_qconfig: QConfigMapping
            ) -> tuple[nn.Module, dict[type, type], dict[type, type]]:
     """The shared start of ``prepare``/``prepare_qat``: checked arguments, the (copied) model with
-    ``.qconfig`` propagated, the observed-type mapping and the dynamic mapping."""
+    ``.qconfig`` propagated, the observed-type mapping and the dynamic mapping.
+
+    torch.ao's positional orders keep working: ``prepare(model, True)`` (its second argument is
+    ``inplace``) and ``prepare_qat(model, {Float: Qat})`` (its second argument is ``mapping``)."""
+    if isinstance(qconfig, bool) and inplace is False:
+        qconfig, inplace = None, qconfig
+    elif mapping is None and _is_module_mapping(qconfig):
+        qconfig, mapping = None, qconfig
     _check_common(fn, model, inplace)
     mapping = _check_mapping(fn, default_mapping if mapping is None else mapping)
     dynamic = _check_mapping(fn, _dynamic_default(dynamic_mapping))
