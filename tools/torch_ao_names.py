@@ -287,6 +287,7 @@ def render() -> str:
         for full in names:
             eq, note = equivalent(full)
             short = full.removeprefix(section + ".")
+            note = note.replace("|", "\\|")  # a pipe inside a table cell must be escaped
             lines.append(f"| `{short}` | {f'`{eq}`' if eq else '—'} | {note} |")
         lines.append("")
     return "\n".join(lines)
