@@ -111,13 +111,20 @@ def test_the_commit_rechecks_the_target(workdir, capsys, monkeypatch):
     assert (workdir / "o").read_text() == "appeared meanwhile" and not list(workdir.glob(".lowbit-*"))
 
 
+def _terminal_signals() -> None:
+    """The child starts with SIGINT/SIGTERM at their defaults, as from a terminal: a test run started in the
+    background (``cmd &`` in a script, as CI may be) ignores SIGINT, and a child inherits that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_midway_leaves_the_old_folder_intact(workdir, capsys, sig):
     before = first_run(capsys)
     env = {**os.environ, "LOWBIT_TEST_STALL": str(workdir / "stalled"), "PYTHONPATH": str(Path(cli.__file__).parents[2])}
     proc = subprocess.Popen([sys.executable, "-m", "lowbit", "quantize", *BASE, "--method", "dynamic", "--out", "o"],
-                            cwd=workdir, env=env, stderr=subprocess.PIPE, text=True)
+                            cwd=workdir, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=_terminal_signals)
     try:
         for _ in range(1200):                       # wait (up to 120 s) until the run stalls in its latency batch
             if (workdir / "stalled").exists() or proc.poll() is not None:
