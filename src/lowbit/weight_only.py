@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .nn.quantized.weight_only import METHODS, WeightOnlyLinear, _check_args, gptq_quantize
+from .nn.quantized.weight_only import METHODS, WeightOnlyLinear, _check_args, fit_group_size, gptq_quantize
 
 __all__ = ["quantize_weight_only", "collect_hessians"]
 
@@ -88,15 +88,6 @@ def collect_hessians(model: nn.Module, linears: dict[str, nn.Linear], calib: Ite
     if batches == 0:
         raise ValueError("quantize_weight_only: calib yielded no batches; GPTQ needs calibration inputs")
     return hs
-
-
-def _group_for(k: int, group_size: int) -> int:
-    if group_size == -1 or k % group_size == 0:
-        return group_size
-    g = group_size
-    while g > 1 and k % g:
-        g //= 2
-    return g if g >= 8 else -1
 
 
 def _same_input_runs(names: list[str], hessians: dict[str, torch.Tensor]) -> list[list[str]]:
@@ -168,7 +159,7 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128,
     built: dict[str, WeightOnlyLinear] = {}
     for names in _same_input_runs(list(linears), hessians):
         lins = [linears[n] for n in names]
-        g = _group_for(lins[0].in_features, group_size)
+        g = fit_group_size(lins[0].in_features, group_size)
         if g != group_size:
             changed += [f"{n or '<model>'} ({lins[0].in_features} features: group_size={g})" for n in names]
         if method == "gptq":  # layers fed one input (q/k/v, gate/up) share H: one GPTQ pass over their stacked rows

@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..nn.quantized.weight_only import WeightOnlyLinear, _check_args, gptq_quantize, quantize_groups, weight_qdtype
+from ..nn.quantized.weight_only import (WeightOnlyLinear, _check_args, fit_group_size, gptq_quantize, quantize_groups,
+                                       weight_qdtype)
 from .awq import awq_fold, awq_search, scale_source
 from .blocks import StopForward, capture_block_inputs, decoder_layers, linear_groups, run_block
 from .dist import broadcast_tensors, ordered_gather, ordered_sum, rank_and_world
@@ -47,15 +48,6 @@ __all__ = ["quantize_llm", "METHODS", "CLIPS"]
 
 METHODS = ("gptq", "rtn")
 CLIPS = ("hmse", "mse", "rtn")
-
-
-def _group_for(k: int, group_size: int) -> int:
-    if group_size == -1 or k % group_size == 0:
-        return group_size
-    g = group_size
-    while g > 1 and k % g:
-        g //= 2
-    return g if g >= 8 else -1
 
 
 def _progress(it: Iterable[Any], desc: str, total: int, on: bool) -> Iterable[Any]:
@@ -153,12 +145,12 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
                     continue
                 x = torch.cat(ordered_gather(_group_inputs(block, names, inps, awq_tokens), group))
                 w = torch.cat([block.get_submodule(n).weight.float() for n in names])
-                s, _, _ = awq_search(w, x, _group_for(w.shape[1], group_size), qd, symmetric)
+                s, _, _ = awq_search(w, x, fit_group_size(w.shape[1], group_size), qd, symmetric)
                 awq_fold(block, src, names, s)
         for names in groups:
             lins = [block.get_submodule(n) for n in names]
             k = lins[0].in_features
-            g = _group_for(k, group_size)
+            g = fit_group_size(k, group_size)
             if g == -1 and group_size != -1:
                 warnings.warn(f"quantize_llm: {names} ({k} features) have no group size dividing them; per channel",
                               stacklevel=2)
