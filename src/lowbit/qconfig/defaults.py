@@ -1,0 +1,190 @@
+"""The default recipes: ``get_default_qconfig`` (static PTQ), ``get_default_qat_qconfig``, min/max,
+LSQ, fused QAT, dynamic and embedding recipes, and the default ``QConfigMapping``s.
+
+>>> import lowbit as Q
+>>> qc = Q.get_default_qconfig()
+>>> type(qc.activation()).__name__, type(qc.weight()).__name__
+('HistogramObserver', 'PerChannelMinMaxObserver')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..fake_quant import FakeQuantize
+from ..observer.fixed import NoopObserver, PlaceholderObserver
+from ..observer.histogram import HistogramObserver
+from ..observer.minmax import MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver
+from ..qscheme import (QDtype, as_qdtype, per_channel_affine, per_channel_affine_float_qparams, per_channel_symmetric,
+                       per_tensor_affine, qint8, quint4, quint8)
+from .config import QConfig
+from .mapping import QConfigMapping
+
+__all__ = [
+    "get_default_qconfig", "get_default_qat_qconfig", "get_default_qconfig_mapping", "get_default_qat_qconfig_mapping",
+    "get_minmax_qconfig", "get_dynamic_qconfig", "get_lsq_qat_qconfig", "get_fused_qat_qconfig",
+    "get_embedding_qconfig", "get_embedding_qat_qconfig",
+]
+
+
+def get_default_qconfig() -> QConfig:
+    """Static PTQ: histogram-calibrated per-tensor affine quint8 activations, per-channel symmetric qint8 weights."""
+    return QConfig(
+        activation=HistogramObserver.with_args(qscheme=per_tensor_affine, qdtype=quint8),
+        weight=PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=per_channel_symmetric, qdtype=qint8),
+    )
+
+
+def get_default_qat_qconfig() -> QConfig:
+    """QAT: the static recipe's grids behind ``FakeQuantize``.
+
+    Activations use a moving-average min/max (c = 0.01). Weights use the seeds' cumulative
+    ``PerChannelMinMaxObserver`` (torch uses a moving-average per-channel observer here).
+    """
+    return QConfig(
+        activation=FakeQuantize.with_args(observer=MovingAverageMinMaxObserver, qscheme=per_tensor_affine,
+                                          qdtype=quint8),
+        weight=FakeQuantize.with_args(observer=PerChannelMinMaxObserver, ch_axis=0,
+                                      qscheme=per_channel_symmetric, qdtype=qint8),
+    )
+
+
+def get_minmax_qconfig() -> QConfig:
+    """Static PTQ with plain min/max activations: the recipe that matches ``torch.ao`` numerics exactly."""
+    return QConfig(
+        activation=MinMaxObserver.with_args(qscheme=per_tensor_affine, qdtype=quint8),
+        weight=PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=per_channel_symmetric, qdtype=qint8),
+    )
+
+
+def get_lsq_qat_qconfig() -> QConfig:
+    """QAT with learned step sizes (LSQ): ``LearnableFakeQuantize`` with gradient scaling on both sides.
+
+    Activations per-tensor affine quint8 (moving-average min/max initialises scale and zero point),
+    weights per-channel symmetric qint8 (min/max initialises the scales). The qparams follow the
+    observers until ``model.apply(lowbit.fake_quant_learnable.enable_param_learning)``.
+
+    >>> import lowbit as Q
+    >>> type(Q.get_lsq_qat_qconfig().weight()).__name__
+    'LearnableFakeQuantize'
+    """
+    from ..fake_quant_learnable import LearnableFakeQuantize
+
+    return QConfig(
+        activation=LearnableFakeQuantize.with_args(observer=MovingAverageMinMaxObserver, qscheme=per_tensor_affine,
+                                                   qdtype=quint8, use_grad_scaling=True),
+        weight=LearnableFakeQuantize.with_args(observer=PerChannelMinMaxObserver, ch_axis=0,
+                                               qscheme=per_channel_symmetric, qdtype=qint8, use_grad_scaling=True),
+    )
+
+
+def get_fused_qat_qconfig() -> QConfig:
+    """QAT on torch's fused observe + fake-quant kernel (``FusedMovingAvgObsFakeQuantize``), as torch.ao's
+    default fused recipe: moving-average per-tensor affine quint8 activations, moving-average per-channel
+    symmetric qint8 weights (c = 0.01).
+
+    >>> import lowbit as Q
+    >>> type(Q.get_fused_qat_qconfig().activation()).__name__
+    'FusedMovingAvgObsFakeQuantize'
+    """
+    from ..fake_quant_fused import FusedMovingAvgObsFakeQuantize
+    from ..observer.minmax import MovingAveragePerChannelMinMaxObserver
+
+    return QConfig(
+        activation=FusedMovingAvgObsFakeQuantize.with_args(observer=MovingAverageMinMaxObserver,
+                                                           qscheme=per_tensor_affine, qdtype=quint8),
+        weight=FusedMovingAvgObsFakeQuantize.with_args(observer=MovingAveragePerChannelMinMaxObserver, ch_axis=0,
+                                                       qscheme=per_channel_symmetric, qdtype=qint8),
+    )
+
+
+def get_dynamic_qconfig(dtype: QDtype | str | torch.dtype = qint8) -> QConfig:
+    """Dynamic quantization: activations quantized per batch at runtime, weights ahead of time.
+
+    ``dtype=qint8``: quint8 activations (``PlaceholderObserver(is_dynamic=True)``: the range is
+    measured on each batch) and per-channel symmetric qint8 weights (torch's default dynamic recipe
+    is per tensor). ``dtype=torch.float16``: float16 weight storage, float activations — torch's
+    ``float16_dynamic_qconfig`` (``PlaceholderObserver`` with ``qdtype=torch.float16`` on both sides);
+    ``quantize_dynamic`` with it builds the same modules as ``quantize_dynamic(..., dtype=torch.float16)``.
+
+    >>> import torch, lowbit as Q
+    >>> qc = Q.get_dynamic_qconfig(torch.float16)
+    >>> qc.weight().qdtype, qc.activation().is_dynamic
+    (torch.float16, True)
+    """
+    if dtype in (torch.float16, "float16"):
+        return QConfig(
+            activation=PlaceholderObserver.with_args(qdtype=torch.float16, is_dynamic=True),
+            weight=PlaceholderObserver.with_args(qdtype=torch.float16),
+        )
+    if as_qdtype(dtype) != qint8:
+        raise ValueError(f"get_dynamic_qconfig: dtype={dtype!r} is not supported; use qint8 or torch.float16")
+    return QConfig(
+        activation=PlaceholderObserver.with_args(qdtype=quint8, is_dynamic=True),
+        weight=PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=per_channel_symmetric, qdtype=qint8),
+    )
+
+
+def _embedding_bits(fn: str, bits: Any) -> QDtype:
+    if bits not in (4, 8) or isinstance(bits, bool):
+        raise ValueError(f"{fn}: bits={bits!r} must be 8 or 4")
+    return quint8 if bits == 8 else quint4
+
+
+def get_embedding_qconfig(bits: int = 8, float_qparams: bool = False) -> QConfig:
+    """Weight-only embeddings, as ``torch.ao``'s ``float_qparams_weight_only_qconfig``: one grid per table row.
+
+    Weights: per-row (``ch_axis=0``) affine min/max on ``quint8`` (``bits=8``) or ``quint4`` (``bits=4``,
+    packed two per byte by ``nnq.Embedding``); the output stays float, so the activation entry is a
+    ``NoopObserver`` (never inserted for embeddings). By default the zero point is an integer code, as
+    everywhere else in lowbit (the range widened to include 0); ``float_qparams=True`` is torch.ao's
+    recipe exactly: ``per_channel_affine_float_qparams``, ``s = (max - min) / (qmax - qmin)``, float
+    ``z = -min / s`` (same codes and outputs as torch.ao's quantized Embedding/EmbeddingBag).
+
+    >>> import torch, lowbit as Q
+    >>> emb = torch.nn.Sequential(torch.nn.Embedding(10, 8))
+    >>> emb[0].qconfig = Q.get_embedding_qconfig(4)
+    >>> Q.convert(Q.prepare(emb))[0]
+    Embedding(10, 8, qdtype=lowbit.quint4, qscheme=per_row_affine)
+    """
+    qdtype = _embedding_bits("get_embedding_qconfig", bits)
+    qscheme = per_channel_affine_float_qparams if float_qparams else per_channel_affine
+    return QConfig(
+        activation=NoopObserver.with_args(),
+        weight=PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=qscheme, qdtype=qdtype),
+    )
+
+
+def get_embedding_qat_qconfig(bits: int = 8, float_qparams: bool = False) -> QConfig:
+    """QAT embeddings (``nn.qat.Embedding`` / ``EmbeddingBag``): the table fake-quantized per row on every step.
+
+    As ``torch.ao``'s ``default_embedding_qat_qconfig``: a ``FakeQuantize`` over a memoryless
+    (``averaging_constant=1``) per-row moving-average min/max, so each step's grid is the current
+    table's; ``bits`` and ``float_qparams`` as in ``get_embedding_qconfig``.
+
+    >>> import lowbit as Q
+    >>> fq = Q.get_embedding_qat_qconfig(4, float_qparams=True).weight()
+    >>> fq.qdtype, fq.qscheme.value, fq.zero_point.dtype
+    (lowbit.quint4, 'per_channel_affine_float_qparams', torch.float32)
+    """
+    from ..observer.minmax import MovingAveragePerChannelMinMaxObserver
+
+    qdtype = _embedding_bits("get_embedding_qat_qconfig", bits)
+    qscheme = per_channel_affine_float_qparams if float_qparams else per_channel_affine
+    return QConfig(
+        activation=NoopObserver.with_args(),
+        weight=FakeQuantize.with_args(observer=MovingAveragePerChannelMinMaxObserver, ch_axis=0, qscheme=qscheme,
+                                      qdtype=qdtype, averaging_constant=1.0),
+    )
+
+
+def get_default_qconfig_mapping() -> QConfigMapping:
+    """``get_default_qconfig()`` as the global setting (nothing else)."""
+    return QConfigMapping().set_global(get_default_qconfig())
+
+
+def get_default_qat_qconfig_mapping() -> QConfigMapping:
+    """``get_default_qat_qconfig()`` as the global setting (nothing else)."""
+    return QConfigMapping().set_global(get_default_qat_qconfig())

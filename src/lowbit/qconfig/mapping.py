@@ -1,0 +1,195 @@
+"""``QConfigMapping``: which ``QConfig`` applies to which module (global < exact type < regex < name).
+
+For a module named ``name`` of type ``T`` whose parent resolved to ``inherited``::
+
+    qconfig(name, T) = module_name[name]                     if name was set explicitly
+                     = first regex r (in registration order) with r.fullmatch(name)
+                     = object_type[T]                         (exact type, subclasses not matched)
+                     = inherited                              (the parent's; the root inherits the global)
+
+``resolution="exact"`` is lucid's legacy lookup: name, else exact type, else global.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import types
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .config import QConfig, _check_qconfig, _value_repr
+
+__all__ = ["QConfigMapping"]
+
+_DICT_KEYS = ("", "object_type", "module_name", "module_name_regex")
+_RESOLUTIONS = ("hierarchical", "exact")
+
+
+class QConfigMapping:
+    """Which ``QConfig`` applies to which module: global < exact type < first regex < module name.
+
+    Setters are chainable and accept ``None`` (exclude). Setting a key again replaces its value
+    (a regex keeps its original position in the match order). ``resolution="exact"`` (keyword):
+    lucid's lookup, module name > exact type > global, with no inheritance and no regexes.
+
+    >>> import torch.nn as nn, lowbit as Q
+    >>> qc = Q.get_default_qconfig()
+    >>> m = Q.QConfigMapping().set_module_name_regex(r"blocks\\.\\d+\\.attn", None).set_global(qc)
+    >>> m.resolve("blocks.3.attn", nn.Linear, qc) is None, m.resolve("blocks.3.mlp", nn.Linear, None)
+    (True, None)
+    >>> e = Q.QConfigMapping(resolution="exact").set_global(qc).set_module_name("encoder", None)
+    >>> e.resolve("encoder", nn.Sequential, qc) is None, e.resolve("encoder.fc", nn.Linear, None) is qc
+    (True, True)
+    """
+
+    def __init__(self, *, resolution: str = "hierarchical") -> None:
+        if not isinstance(resolution, str) or resolution not in _RESOLUTIONS:
+            raise ValueError(f"QConfigMapping: resolution={resolution!r} must be one of {_RESOLUTIONS}")
+        self._resolution = resolution
+        self.global_qconfig: QConfig | None = None
+        self.object_type_qconfigs: dict[type | Callable, QConfig | None] = {}
+        self.module_name_regex_qconfigs: dict[str, QConfig | None] = {}
+        self.module_name_qconfigs: dict[str, QConfig | None] = {}
+        self._regex: dict[str, re.Pattern[str]] = {}
+
+    @property
+    def resolution(self) -> str:
+        """``"hierarchical"`` (default) or ``"exact"`` (lucid's legacy lookup); fixed at construction."""
+        return self._resolution
+
+    # ---- setters (chainable) ----
+    def set_global(self, qconfig: QConfig | None) -> QConfigMapping:
+        """The root's setting, inherited by every module with no setting of its own."""
+        self.global_qconfig = _check_qconfig(qconfig, "QConfigMapping.set_global")
+        return self
+
+    def set_object_type(self, object_type: type | Callable, qconfig: QConfig | None) -> QConfigMapping:
+        """Modules of exactly ``object_type`` (a class; functions such as ``F.relu`` for graph mode)."""
+        if not isinstance(object_type, (type, types.FunctionType, types.BuiltinFunctionType)):
+            raise TypeError(
+                f"QConfigMapping.set_object_type: object_type={object_type!r} must be a module class "
+                "(e.g. nn.Linear) or a function"
+            )
+        self.object_type_qconfigs[object_type] = _check_qconfig(qconfig, "QConfigMapping.set_object_type")
+        return self
+
+    def set_module_name(self, module_name: str, qconfig: QConfig | None) -> QConfigMapping:
+        """The module at exactly this dotted path (``""`` is the root); beats every other tier."""
+        if not isinstance(module_name, str):
+            raise TypeError(f"QConfigMapping.set_module_name: module_name={module_name!r} must be a str")
+        self.module_name_qconfigs[module_name] = _check_qconfig(qconfig, "QConfigMapping.set_module_name")
+        return self
+
+    def set_module_name_regex(self, pattern: str, qconfig: QConfig | None) -> QConfigMapping:
+        """Modules whose full dotted name ``re.fullmatch``-es ``pattern``; first registered wins."""
+        if not isinstance(pattern, str):
+            raise TypeError(f"QConfigMapping.set_module_name_regex: pattern={pattern!r} must be a str")
+        if self.resolution == "exact":
+            raise ValueError(f"QConfigMapping.set_module_name_regex: pattern={pattern!r} cannot be used with "
+                             "resolution='exact' (exact names and types only)")
+        try:
+            compiled = re.compile(pattern)
+        except re.error as err:
+            raise ValueError(f"QConfigMapping.set_module_name_regex: pattern={pattern!r} is not a valid regex: {err}") from None
+        self.module_name_regex_qconfigs[pattern] = _check_qconfig(qconfig, "QConfigMapping.set_module_name_regex")
+        self._regex[pattern] = compiled
+        return self
+
+    # ---- lookup ----
+    def resolve(self, module_name: str, module_type: type | Callable, inherited: QConfig | None) -> QConfig | None:
+        """This module's own explicit setting, else ``inherited`` (its parent's resolved qconfig).
+
+        With ``resolution="exact"``, ``inherited`` is ignored: the fallback is the global setting.
+        """
+        if self.resolution == "exact":
+            inherited = self.global_qconfig
+        if module_name in self.module_name_qconfigs:
+            return self.module_name_qconfigs[module_name]
+        for pattern, qconfig in self.module_name_regex_qconfigs.items():
+            if self._regex[pattern].fullmatch(module_name):
+                return qconfig
+        if module_type in self.object_type_qconfigs:
+            return self.object_type_qconfigs[module_type]
+        return inherited
+
+    def check_module_names(self, names: Iterable[str], where: str, strict: bool = True) -> None:
+        """Raise ``ValueError`` (``strict=False``: warn) for a ``set_module_name`` key that names none of
+        ``names`` (the model's module paths: a typo would otherwise be ignored silently); warn for a
+        regex matching none."""
+        names = set(names)
+        missing = [n for n in self.module_name_qconfigs if n not in names]
+        if missing:
+            hints = {n: difflib.get_close_matches(n, names, n=3) for n in missing}
+            did = "; ".join(f"{n!r}: did you mean {h}?" for n, h in hints.items() if h)
+            msg = (f"{where}: QConfigMapping.set_module_name names no module of this model: {missing}"
+                   + (f" ({did})" if did else "") + "; module names are dotted paths as in named_modules()")
+            if strict:
+                raise ValueError(msg)
+            warnings.warn(msg, stacklevel=3)
+        for pattern, regex in self._regex.items():
+            if not any(regex.fullmatch(n) for n in names):
+                warnings.warn(f"{where}: QConfigMapping.set_module_name_regex({pattern!r}) matches no module of "
+                              "this model", stacklevel=3)
+
+    def get_qconfig(self, module_type: type | Callable, module_name: str) -> QConfig | None:
+        """``resolve`` with the global setting as the inherited one (no parent walk)."""
+        return self.resolve(module_name, module_type, self.global_qconfig)
+
+    # ---- construction from user input ----
+    @classmethod
+    def from_qconfig(cls, qconfig: Any, default: QConfigMapping | QConfig | None = None) -> QConfigMapping:
+        """Normalise ``None | QConfig | QConfigMapping | dict`` into a mapping.
+
+        ``None`` gives ``default`` (itself normalised; ``None`` there means the default static
+        mapping). A ``QConfig`` becomes the global setting. A dict may be torch.ao's
+        ``qconfig_dict`` (``{"": qc, "object_type": [(T, qc)], "module_name": [(name, qc)],
+        "module_name_regex": [(pattern, qc)]}``) or a ``qconfig_spec`` (``{nn.Linear: qc, "fc1": qc}``).
+        """
+        if qconfig is None:
+            from .defaults import get_default_qconfig_mapping  # (defaults builds on this module)
+
+            return cls.from_qconfig(default) if default is not None else get_default_qconfig_mapping()
+        if isinstance(qconfig, QConfigMapping):
+            return qconfig
+        if isinstance(qconfig, QConfig):
+            return cls().set_global(qconfig)
+        if isinstance(qconfig, dict):
+            return cls._from_dict(qconfig)
+        raise TypeError(
+            f"qconfig={qconfig!r} must be None, a QConfig, a QConfigMapping or a qconfig dict"
+        )
+
+    @classmethod
+    def _from_dict(cls, d: dict[Any, Any]) -> QConfigMapping:
+        m = cls()
+        if "" in d:
+            m.set_global(d[""])
+        for key, value in d.items():
+            if key == "":
+                continue
+            if key in _DICT_KEYS:
+                setter = {"object_type": m.set_object_type, "module_name": m.set_module_name,
+                          "module_name_regex": m.set_module_name_regex}[key]
+                for entry in value:
+                    if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+                        raise ValueError(f"qconfig dict [{key!r}]: entry {entry!r} must be a (key, qconfig) pair")
+                    setter(*entry)
+            elif isinstance(key, str):
+                m.set_module_name(key, value)
+            elif isinstance(key, type):
+                m.set_object_type(key, value)
+            else:
+                raise TypeError(f"qconfig dict key {key!r} must be a module class, a module name or one of {_DICT_KEYS}")
+        return m
+
+    def __repr__(self) -> str:
+        lines = [f"  global: {self.global_qconfig!r}"]
+        tiers = (("object_type", self.object_type_qconfigs), ("module_name_regex", self.module_name_regex_qconfigs),
+                 ("module_name", self.module_name_qconfigs))
+        for tier, entries in tiers:
+            for key, qc in entries.items():
+                lines.append(f"  {tier}[{_value_repr(key) if not isinstance(key, str) else repr(key)}]: {qc!r}")
+        head = "QConfigMapping(\n" if self.resolution == "hierarchical" else "QConfigMapping(resolution='exact',\n"
+        return head + "\n".join(lines) + "\n)"
