@@ -160,7 +160,7 @@ def _float_twin(mod: nn.Module) -> nn.Module:
         twin = to_float()
     for m in twin.modules():
         for hooks in (m._forward_hooks, m._forward_pre_hooks):
-            for key in [k for k, h in hooks.items() if getattr(h, "__module__", "") == "lowbit.workflow"]:
+            for key in [k for k, h in hooks.items() if str(getattr(h, "__module__", "")).startswith("lowbit.workflow")]:
                 del hooks[key]
         for name in ("activation_post_process", "input_activation_post_process"):
             if isinstance(m._modules.get(name), (ObserverBase, FakeQuantize)):

@@ -47,9 +47,10 @@ from ..nn.intrinsic.qat.modules import BnFoldedBase
 from ..nn.quantized._utils import weight_qparams
 from ..observer.fixed import NoopObserver
 from ..qconfig import QConfig
-from ..workflow import _check_common, _is_calibrated, _is_observer, _observe_float_input, _path
 from ..workflow import convert as _convert_int8
-from ..workflow import is_dynamic_qconfig
+from ..workflow.hooks import _is_observer, _observe_float_input
+from ..workflow.propagate import _check_common, _path, is_dynamic_qconfig
+from ..workflow.swap import _is_calibrated
 from .modules import REFERENCE_MODULES, FrozenObserver, QuantDeQuant, _WeightQDQ, weight_qparams_of
 
 __all__ = ["to_reference", "lower_reference_eager"]

@@ -42,7 +42,7 @@ from torch import fx, nn
 
 from ..fx.convert import convert_fx
 from ..fx.prepare import STATE_KEY, is_prepared
-from ..workflow import _is_calibrated
+from ..workflow.swap import _is_calibrated
 from .convert import _frozen_weight_qconfig, _move_state, _weighted_reference
 from .modules import FrozenObserver, QuantDeQuant, _WeightQDQ
 from .ops import dequantize_per_channel, dequantize_per_tensor, quantize_per_channel, quantize_per_tensor

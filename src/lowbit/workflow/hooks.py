@@ -1,0 +1,113 @@
+"""What ``prepare`` attaches and ``convert`` removes: the forward hooks that observe outputs and float
+inputs, the tag that marks a tensor an observed module produced, and the module classes the two
+treat specially.
+
+A tensor an observed module returned carries the tag (it is quantized after ``convert``); ReLU /
+MaxPool / Flatten / Dropout / Identity pass it on. A weighted module observes only untagged float
+inputs (``input_activation_post_process``), the grid ``convert`` records as ``input_grid``.
+
+>>> import torch
+>>> from torch import nn
+>>> relu = nn.ReLU()
+>>> _ = relu.register_forward_hook(_pass_tag)
+>>> getattr(relu(_tag(torch.ones(2))), _TAG, False), getattr(relu(torch.ones(2)), _TAG, False)
+(True, False)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..fake_quant import FakeQuantize
+from ..nn.intrinsic import FusedModule
+from ..nn.intrinsic.qat.modules import BnFoldedBase
+from ..observer.base import ObserverBase
+from ..qconfig import QConfig
+from ..qscheme import per_channel_affine_float_qparams, quint4, quint8
+from ..qtensor import QTensor
+from ..stubs import DeQuantStub
+
+# outputs that stay float after convert: no output observer
+_NO_OUTPUT_OBSERVER = (DeQuantStub, nn.Embedding, nn.EmbeddingBag)  # (QAT embeddings subclass these)
+# leaf modules a QTensor passes through in integer (or that do nothing): not worth reporting
+_QTENSOR_NATIVE = (nn.Identity, nn.ReLU, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Flatten,
+                   nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
+# Averages run on dequantized values after convert and the next layer quantizes them on the grid it
+# calibrated (a global average spans far less than its input, whose grid torch.ao keeps: up to ~10x
+# coarser; see docs/design.md). prepare treats their outputs as float, so the twins agree.
+_AVERAGING_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+                    nn.AdaptiveAvgPool3d)
+
+
+_TAG = "_lowbit_observed"  # set on tensors an observed module returned: quantized after convert
+
+
+def _tag(t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        setattr(t, _TAG, True)
+    return t
+
+
+def _observe_output(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """Forward hook ``prepare`` registers: the output goes through ``activation_post_process``."""
+    return _tag(module.activation_post_process(output))
+
+
+def _pass_tag(module: nn.Module, inputs: Any, output: Any) -> None:
+    """Forward hook on QTensor-native modules (ReLU, MaxPool, ...): a quantized input stays quantized."""
+    if inputs and getattr(inputs[0], _TAG, False):
+        _tag(output)
+
+
+def _observe_float_input(module: nn.Module, inputs: Any) -> Any:
+    """Forward pre-hook of weighted modules: observe (QAT: fake-quantize) an input no observed module made."""
+    x = inputs[0] if inputs else None
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and not getattr(x, _TAG, False):
+        return (module.input_activation_post_process(x), *inputs[1:])
+    return None
+
+
+def _dequantize_input(module: nn.Module, inputs: Any) -> Any:
+    """Forward pre-hook ``convert`` puts on averaging pools and dynamic modules: a ``QTensor`` input is
+    dequantized (averaged in float; quantized per call by a dynamic module)."""
+    x = inputs[0] if inputs else None
+    return (x.dequantize(), *inputs[1:]) if isinstance(x, QTensor) else None
+
+
+def _observe_input(module: nn.Module, inputs: Any) -> Any:
+    """Forward pre-hook of dynamic QAT layers: the input goes through ``activation_post_process``."""
+    return (module.activation_post_process(inputs[0]), *inputs[1:]) if inputs else None
+
+
+_HOOKS = (_observe_output, _pass_tag, _observe_float_input, _observe_input)
+_OWN_HOOKS = (*_HOOKS, _dequantize_input)  # everything the workflow registers: never copied as a user's hook
+
+
+def _remove_observer_hooks(mod: nn.Module) -> None:
+    for hooks in (mod._forward_hooks, mod._forward_pre_hooks):
+        for key in [k for k, h in hooks.items() if h in _HOOKS]:
+            del hooks[key]
+
+
+def _is_weighted(mod: nn.Module) -> bool:
+    """Linear / conv (incl. transposed), bare or inside a fused marker or a QAT conv-BN module."""
+    core = mod[0] if isinstance(mod, FusedModule) else (mod.layer if isinstance(mod, BnFoldedBase) else mod)
+    return isinstance(core, (nn.Linear, nn.modules.conv._ConvNd))
+
+
+def _is_observer(m: Any) -> bool:
+    return isinstance(m, (ObserverBase, FakeQuantize))
+
+
+def _is_table_recipe(mod: nn.Module, qconfig: Any) -> bool:
+    """An embedding whose qconfig's weight is a table recipe (8/4-bit unsigned rows or float qparams):
+    weight-only, so it is quantized whatever the activation entry is (torch.ao's ``QConfigDynamic(
+    activation=default_dynamic_quant_observer, weight=float_qparams_observer)`` on an EmbeddingBag)."""
+    if not isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) or not isinstance(qconfig, QConfig):
+        return False
+    w = qconfig.weight()
+    qdtype = getattr(w, "qdtype", None)
+    return getattr(w, "qscheme", None) is per_channel_affine_float_qparams or qdtype in (quint8, quint4)

@@ -1,0 +1,142 @@
+"""``prepare`` (observers for static PTQ) and ``prepare_qat`` (QAT modules + output ``FakeQuantize``).
+
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> prepared = prepare(nn.Sequential(Q.QuantStub(), nn.Linear(4, 4)), Q.get_minmax_qconfig())
+>>> type(prepared[1].activation_post_process).__name__
+'MinMaxObserver'
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+from torch import nn
+
+from ..custom_config import PrepareCustomConfig, check_module_types, swap_float_to_observed
+from ..mappings import copy_user_hooks, get_default_qat_module_mappings, get_default_static_quant_module_mappings
+from ..nn.quantized.functional_modules import FloatFunctional
+from ..qconfig import QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
+from .hooks import (_NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_NATIVE, _is_observer, _is_table_recipe, _is_weighted,
+                    _observe_float_input, _observe_input, _observe_output, _pass_tag, _remove_observer_hooks)
+from .propagate import (_check_common, _check_mapping, _dynamic_default, _resolve_user_qconfig, is_dynamic_qconfig,
+                        propagate_qconfig_)
+
+__all__ = ["prepare", "prepare_qat"]
+
+
+def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type]) -> int:
+    """Give each observable module an output observer; return how many got one (or will be dynamic)."""
+    if _is_observer(mod):
+        return 0
+    qc = getattr(mod, "qconfig", None)
+    if is_dynamic_qconfig(qc):  # quantized per call after convert: nothing to observe
+        if type(mod) in dynamic or _is_table_recipe(mod, qc):
+            return 1
+        return sum(_insert_observers(c, observed, dynamic) for c in mod.children())
+    if qc is not None and isinstance(mod, _QTENSOR_NATIVE) and _pass_tag not in mod._forward_hooks.values():
+        mod.register_forward_hook(_pass_tag)
+    if type(mod) in observed and qc is not None:
+        if isinstance(mod, _NO_OUTPUT_OBSERVER):
+            return 1
+        mod.activation_post_process = qc.activation()
+        if getattr(mod, "_observe_input", False):  # dynamic QAT: memoryless fake-quant of the input
+            _remove_observer_hooks(mod)
+            mod.register_forward_pre_hook(_observe_input)
+            return 1
+        if not isinstance(mod, FloatFunctional):  # its methods call the observer themselves
+            _remove_observer_hooks(mod)
+            mod.register_forward_hook(_observe_output)
+        if _is_weighted(mod):
+            mod.input_activation_post_process = qc.activation()
+            mod.register_forward_pre_hook(_observe_float_input)
+        return 1
+    return sum(_insert_observers(child, observed, dynamic) for child in mod.children())
+
+
+def _is_module_mapping(value: Any) -> bool:
+    """A non-empty ``{module class: module class}`` dict (a swap mapping, not a qconfig dict)."""
+    return isinstance(value, dict) and bool(value) and all(
+        isinstance(k, type) and isinstance(v, type) and issubclass(v, nn.Module) for k, v in value.items())
+
+
+def _setup(fn: str, model: Any, qconfig: Any, inplace: Any, mapping: Any, dynamic_mapping: Any,
+           default_mapping: dict[type, type], default_qconfig: QConfigMapping
+           ) -> tuple[nn.Module, dict[type, type], dict[type, type]]:
+    """The shared start of ``prepare``/``prepare_qat``: checked arguments, the (copied) model with
+    ``.qconfig`` propagated, the observed-type mapping and the dynamic mapping.
+
+    torch.ao's positional orders keep working: ``prepare(model, True)`` (its second argument is
+    ``inplace``) and ``prepare_qat(model, {Float: Qat})`` (its second argument is ``mapping``)."""
+    if isinstance(qconfig, bool) and inplace is False:
+        qconfig, inplace = None, qconfig
+    elif mapping is None and _is_module_mapping(qconfig):
+        qconfig, mapping = None, qconfig
+    _check_common(fn, model, inplace)
+    mapping = _check_mapping(fn, default_mapping if mapping is None else mapping)
+    dynamic = _check_mapping(fn, _dynamic_default(dynamic_mapping))
+    qconfig = _resolve_user_qconfig(model, qconfig, default_qconfig)
+    if not inplace:
+        model = copy.deepcopy(model)
+    return propagate_qconfig_(model, qconfig), mapping, dynamic
+
+
+def prepare(model: nn.Module, qconfig: Any = None, inplace: bool = False,
+            mapping: dict[type, type] | None = None, dynamic_mapping: dict[type, type] | None = None,
+            observer_non_leaf_module_list: Any = None, prepare_custom_config_dict: Any = None) -> nn.Module:
+    """Insert output observers for static post-training quantization; returns the model in eval mode.
+
+    ``qconfig``: ``None`` (``.qconfig`` attributes, or the default recipe when there are none), a
+    ``QConfig``, a ``QConfigMapping`` or a qconfig dict. ``mapping`` (default
+    ``get_default_static_quant_module_mappings()``): its keys are the module types observed —
+    pass the same extended mapping to ``convert``. ``dynamic_mapping`` (default
+    ``get_default_dynamic_quant_module_mappings()``): the types a dynamic qconfig quantizes (not
+    observed). ``inplace=False`` works on a deep copy.
+
+    As torch.ao: ``observer_non_leaf_module_list`` (module types) — modules of these types get an
+    output observer as a whole and their children are not observed (give ``convert`` a mapping
+    entry for them, or they stay float); ``prepare_custom_config_dict`` (a dict with
+    ``"float_to_observed_custom_module_class": {Float: Observed}`` or a
+    ``lowbit.custom_config.PrepareCustomConfig``) — a module of type ``Float`` with a qconfig becomes
+    ``Observed.from_float(mod)`` with an output observer (``convert_custom_config_dict`` makes it
+    quantized).
+    """
+    non_leaf = check_module_types("prepare", "observer_non_leaf_module_list", observer_non_leaf_module_list)
+    custom = PrepareCustomConfig.coerce(prepare_custom_config_dict, "prepare").float_to_observed_mapping
+    model, mapping, dynamic = _setup("prepare", model, qconfig, inplace, mapping, dynamic_mapping,
+                                     get_default_static_quant_module_mappings(), get_default_qconfig_mapping())
+    model = swap_float_to_observed(model, custom, skip=is_dynamic_qconfig)
+    if _insert_observers(model, set(mapping) | non_leaf | set(custom.values()), set(dynamic)) == 0:
+        warnings.warn("prepare(): no quantizable module got a qconfig — convert() will leave this model float",
+                      stacklevel=2)
+    return model.eval()
+
+
+def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
+                mapping: dict[type, type] | None = None, dynamic_mapping: dict[type, type] | None = None) -> nn.Module:
+    """Swap to QAT modules (``nn.qat`` / ``nn.intrinsic.qat``) and add output ``FakeQuantize``; train mode.
+
+    ``qconfig`` as in ``prepare`` (default: ``get_default_qat_qconfig_mapping()``); ``mapping``
+    (default ``get_default_qat_module_mappings()``): float type → QAT class. Fused conv-BN markers
+    from ``fuse_modules_qat`` become ``ConvBn*`` modules whose BN statistics keep updating. Modules
+    with a dynamic qconfig train in float and become ``dynamic_mapping`` modules at ``convert``.
+    """
+    model, mapping, dynamic = _setup("prepare_qat", model, qconfig, inplace, mapping, dynamic_mapping,
+                                     get_default_qat_module_mappings(), get_default_qat_qconfig_mapping())
+
+    def swap(mod: nn.Module) -> nn.Module:
+        qc = getattr(mod, "qconfig", None)
+        if type(mod) in mapping and qc is not None and not is_dynamic_qconfig(qc):
+            return copy_user_hooks(mod, mapping[type(mod)].from_float(mod), _OWN_HOOKS)  # user hooks survive
+        for cname, child in list(mod.named_children()):
+            mod._modules[cname] = swap(child)
+        return mod
+
+    model = swap(model)
+    observed = set(get_default_static_quant_module_mappings()) | set(mapping.values())
+    if _insert_observers(model, observed, set(dynamic)) == 0:
+        warnings.warn("prepare_qat(): no quantizable module got a qconfig — convert() will leave this model float",
+                      stacklevel=2)
+    return model.train()

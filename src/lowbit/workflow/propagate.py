@@ -1,0 +1,104 @@
+"""Which qconfig a module gets: ``propagate_qconfig_`` (own ``.qconfig`` > mapping setting > parent),
+``is_dynamic_qconfig``, and the argument checks ``prepare`` / ``convert`` share.
+
+>>> import lowbit as Q
+>>> from torch import nn
+>>> m = propagate_qconfig_(nn.Sequential(nn.Linear(2, 2)), Q.get_minmax_qconfig())
+>>> m[0].qconfig is m.qconfig
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeGuard
+
+from torch import nn
+
+from ..mappings import get_default_dynamic_quant_module_mappings
+from ..nn.intrinsic import FusedModule
+from ..qconfig import QConfig, QConfigMapping
+
+__all__ = ["propagate_qconfig_", "is_dynamic_qconfig"]
+
+_MISSING = object()
+
+
+def _path(name: str) -> str:
+    return name or "<root>"
+
+
+def _check_common(fn: str, model: Any, inplace: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn}: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"{fn}: inplace must be a bool, got {inplace!r}")
+
+
+def _check_mapping(fn: str, mapping: Any) -> dict[type, type]:
+    if not isinstance(mapping, dict) or not all(isinstance(k, type) for k in mapping):
+        raise TypeError(f"{fn}: mapping must be a dict {{module type: class with from_float}}, got {mapping!r}")
+    for k, v in mapping.items():
+        if not hasattr(v, "from_float"):
+            raise TypeError(f"{fn}: mapping[{k.__name__}] = {v!r} has no from_float")
+    return mapping
+
+
+def is_dynamic_qconfig(qconfig: Any) -> TypeGuard[QConfig]:
+    """Whether ``qconfig``'s activation is a dynamic placeholder (``get_dynamic_qconfig()``): quantized per call.
+
+    >>> import lowbit as Q
+    >>> is_dynamic_qconfig(Q.get_dynamic_qconfig()), is_dynamic_qconfig(Q.get_minmax_qconfig())
+    (True, False)
+    """
+    return isinstance(qconfig, QConfig) and getattr(qconfig.activation(), "is_dynamic", False) is True
+
+
+def _dynamic_default(dynamic_mapping: Any) -> Any:
+    return get_default_dynamic_quant_module_mappings() if dynamic_mapping is None else dynamic_mapping
+
+
+def propagate_qconfig_(model: nn.Module, qconfig: Any = None) -> nn.Module:
+    """Set ``.qconfig`` on every module of ``model`` (in place): own attribute > mapping setting > parent.
+
+    ``qconfig``: ``None`` (only ``.qconfig`` attributes count), a ``QConfig`` (global), a
+    ``QConfigMapping`` or a qconfig dict.
+
+    >>> import lowbit as Q
+    >>> from torch import nn
+    >>> m = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    >>> m[1].qconfig = None                         # exclude a subtree
+    >>> _ = propagate_qconfig_(m, Q.get_minmax_qconfig())
+    >>> m[0].qconfig is m.qconfig, m[1][0].qconfig
+    (True, None)
+    """
+    mapping = QConfigMapping() if qconfig is None else QConfigMapping.from_qconfig(qconfig)
+    mapping.check_module_names((n for n, _ in model.named_modules()), "propagate_qconfig_")
+    exact = mapping.resolution == "exact"  # lucid's legacy mode: attributes ignored, resolve() skips parents
+
+    def walk(mod: nn.Module, name: str, inherited: QConfig | None) -> None:
+        qc = _MISSING if exact else mod.__dict__.get("qconfig", _MISSING)
+        if qc is _MISSING:
+            qc = mapping.resolve(name, type(mod), inherited)
+        elif qc is not None and not isinstance(qc, QConfig):
+            raise TypeError(f"module '{_path(name)}' ({type(mod).__name__}) has .qconfig={qc!r}; "
+                            "expected a lowbit QConfig or None")
+        mod.qconfig = qc
+        for cname, child in mod.named_children():
+            walk(child, f"{name}.{cname}" if name else cname, qc)
+
+    walk(model, "", mapping.global_qconfig)
+    return model
+
+
+def _resolve_user_qconfig(model: nn.Module, qconfig: Any, default: QConfigMapping) -> Any:
+    """``None`` + no ``.qconfig`` attribute anywhere → ``default``; otherwise the user's value.
+
+    A fused module's attribute (``fuse_modules_qat(..., qconfig=qc)``) does not count: it overrides
+    the default for that module only.
+    """
+    if qconfig is not None:
+        if not isinstance(qconfig, (QConfig, QConfigMapping, dict)):
+            raise TypeError(f"qconfig={qconfig!r} must be None, a QConfig, a QConfigMapping or a qconfig dict")
+        return qconfig
+    has_attr = any("qconfig" in m.__dict__ for m in model.modules() if not isinstance(m, FusedModule))
+    return None if has_attr else default
