@@ -18,7 +18,9 @@ class          ops                                         after ``convert_fx``
 ``dynamic``    Linear/LSTM/GRU modules, ``F.linear`` on      ``lowbit.nn.quantized.dynamic``
                parameters, under a dynamic qconfig          module, float in/out
 ``share``      relu, flatten, view/reshape/permute,         runs on the codes of its input
-               max-pool, dropout, identity, size/shape      (int stays int, float stays float)
+               max-pool, dropout, identity, size/shape,     (int stays int, float stays float;
+               zero padding (``F.pad`` value 0,            a zero pad fills the zero point)
+               ``nn.ZeroPad*d``, ``nn.ConstantPad*d(0)``)
 ``float``      everything else (softmax, layer_norm, gelu,  float, a ``DeQuantize`` before it
                sub, avg-pool, unknown modules ...)
 =============  ==========================================  ====================================
@@ -58,7 +60,7 @@ from ..nn.quantized import activation as nnq_act
 from .weighted import WITH_RELU, parse
 
 __all__ = ["BINARY_FUNCS", "WEIGHT_ONLY_TYPES", "canonical_binary", "is_relu_target", "fuse_graph", "add_relu",
-           "FUNC_ACTIVATIONS", "func_activation", "is_share_op", "is_dropout", "graph_module_types"]
+           "FUNC_ACTIVATIONS", "func_activation", "is_share_op", "is_zero_pad", "is_dropout", "graph_module_types"]
 
 # binary ops with a QFunctional twin: target -> method name
 BINARY_FUNCS: dict[Any, str] = {
@@ -113,7 +115,25 @@ _SHARE_FUNCS = {F.relu, torch.relu, torch.flatten, F.max_pool1d, F.max_pool2d, F
 _SHARE_METHODS = {"relu", "view", "reshape", "flatten", "permute", "transpose", "contiguous", "size",
                   "dim", "numel", "detach"}
 _SHARE_MODULES = (nn.ReLU, nn.Identity, nn.Flatten, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.Dropout,
-                  nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+                  nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d)
+_CONSTANT_PADS = (nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)
+
+
+def is_zero_pad(node: fx.Node, mod: nn.Module | None) -> bool:
+    """Constant padding with 0 (``F.pad`` in ``"constant"`` mode with value 0/None, ``nn.ZeroPad*d``,
+    ``nn.ConstantPad*d(..., 0)``): exact on any affine grid, it pads the codes with the zero point.
+
+    A non-zero constant is not known to lie on the grid before calibration: that pad stays float.
+    """
+    if node.op == "call_module":
+        return type(mod) in (nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d) or (
+            type(mod) in _CONSTANT_PADS and float(mod.value) == 0.0)  # type: ignore[union-attr]
+    if node.op != "call_function" or node.target is not F.pad:
+        return False
+    rest, kw = list(node.args[2:]), dict(node.kwargs)
+    mode = rest[0] if rest else kw.get("mode", "constant")
+    value = rest[1] if len(rest) > 1 else kw.get("value", None)
+    return mode == "constant" and (value is None or (_num(value) == 0.0))
 
 
 def func_activation(op: str, target: Any) -> type[nn.Module] | None:
@@ -132,14 +152,14 @@ def is_share_op(node: fx.Node, mod: nn.Module | None) -> bool:
             return node.args[1] in ("shape", "device")
         if node.target is F.max_pool2d or node.target is F.max_pool1d or node.target is F.max_pool3d:
             return not node.kwargs.get("return_indices", False)
-        return node.target in _SHARE_FUNCS
+        return node.target in _SHARE_FUNCS or is_zero_pad(node, mod)
     if node.op == "call_method":
         return node.target in _SHARE_METHODS
     if node.op == "call_module":
         from ..stubs import DeQuantStub, QuantStub  # identity markers a user may have left in
         if isinstance(mod, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)) and mod.return_indices:
             return False
-        return type(mod) in _SHARE_MODULES or type(mod) in (QuantStub, DeQuantStub)
+        return type(mod) in _SHARE_MODULES or type(mod) in (QuantStub, DeQuantStub) or is_zero_pad(node, mod)
     return False
 
 
