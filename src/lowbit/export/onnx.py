@@ -40,72 +40,20 @@ dequantized float values. Batch size (dim 0 of every input and output) stays dyn
 
 from __future__ import annotations
 
-import copy
 import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
 
-from ..fake_quant import FakeQuantize
-from ..nn.intrinsic.qat.modules import BnFoldedBase
-from ..nn.quantized import (
-    ELU,
-    Conv1d,
-    Conv2d,
-    Conv3d,
-    ConvTranspose1d,
-    ConvTranspose2d,
-    ConvTranspose3d,
-    DeQuantize,
-    Embedding,
-    EmbeddingBag,
-    FloatFunctional,
-    Hardsigmoid,
-    Hardswish,
-    LeakyReLU,
-    Linear,
-    QFunctional,
-    Quantize,
-    ReLU6,
-    Sigmoid,
-    Tanh,
-    WeightOnlyLinear,
-)
-from ..nn.quantized._utils import quantize_weight, weight_qparams
-from ..observer import NoopObserver, ObserverBase, PlaceholderObserver
-from ..qscheme import quint8
-from ..qtensor import QTensor
-from .dynamic import dynamic_twin
 from .embedding import EmbeddingBagTwin, EmbeddingTableTwin, to_int4
 from .proto import constants_to_initializers
-from .qdq import (
-    QDQ,
-    WEIGHT_DTYPES,
-    ActivationTwin,
-    ConstWeight,
-    EmbeddingTwin,
-    FrozenWeightTwin,
-    FunctionalTwin,
-    Grid,
-    WeightedTwin,
-    fake_quant_grid,
-    weight_dq,
-)
+from .twin import _check_inputs, build_twin
 from .weight_only import WeightOnlyTwin, to_blocked
 
 __all__ = ["run_onnx", "to_onnx"]
-
-_CONV = (Conv1d, Conv2d, Conv3d)
-_CONV_T = (ConvTranspose1d, ConvTranspose2d, ConvTranspose3d)
-_LUT = (ELU, Hardswish, Hardsigmoid, LeakyReLU, Sigmoid, Tanh)
-_NEEDS_INPUT_GRID = (Linear, *_CONV, *_CONV_T, ReLU6)
-_RELU6_FLOAT_GRID: Grid = (6.0 / 255, 0, quint8)
-
 
 def _require(name: str, who: str) -> Any:
     """Import an optional dependency, or say which extra installs it."""
@@ -134,214 +82,12 @@ def _check_path(path: Any) -> Path:
     return p
 
 
-def _check_inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
-    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
-    if not isinstance(inputs, (tuple, list)) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
-        raise TypeError("to_onnx: example_inputs must be a tensor or a non-empty tuple of tensors, got "
-                        f"{type(example_inputs).__name__}")
-    return tuple(inputs)
-
-
 def _flat_tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, (tuple, list)):
         return [t for o in out for t in _flat_tensors(o)]
     raise TypeError(f"to_onnx: the model must return tensors (or tuples/lists of them), got {type(out).__name__}")
-
-
-def _bn_folded(mod: nn.Module) -> nn.Module | None:
-    """A QAT conv/linear-BN module as its BN-folded QAT layer (what ``convert`` builds from), hooks kept."""
-    if not isinstance(mod, BnFoldedBase):
-        return None
-    out = mod.fold().eval()
-    for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                  "_forward_pre_hooks_with_kwargs"):
-        getattr(out, hooks).update(getattr(mod, hooks))
-    if hasattr(mod, "input_activation_post_process"):
-        out.input_activation_post_process = mod.input_activation_post_process
-    return out
-
-
-def _quantize_observed_weights(model: nn.Module, weight_dtype: str) -> None:
-    """In a prepared (PTQ) model, give each observed Linear/Conv the int8 weight ``convert`` would build.
-
-    The weight is observed with ``qconfig.weight()`` and quantized per channel; a parametrization
-    makes ``layer.weight`` that constant (so the ONNX file holds codes + DQ, not float weights).
-    """
-    for path, mod in list(model.named_modules()):
-        if not isinstance(getattr(mod, "activation_post_process", None), (ObserverBase, FakeQuantize)):
-            continue
-        core = mod[0] if isinstance(mod, nn.Sequential) and len(mod) else mod
-        if not isinstance(core, (nn.Linear, nn.modules.conv._ConvNd)) or hasattr(core, "weight_fake_quant"):
-            continue
-        axis = 1 if isinstance(core, nn.modules.conv._ConvTransposeNd) else 0
-        owner = mod if getattr(mod, "qconfig", None) is not None else core
-        if getattr(owner, "qconfig", None) is None:
-            continue
-        q = quantize_weight(core.weight, weight_qparams(core.weight, owner, axis, f"to_onnx '{path}'"), axis)
-        dq = weight_dq(q.int_repr(), q.scale, q.zero_point, axis, weight_dtype)
-        parametrize.register_parametrization(core, "weight", ConstWeight(dq), unsafe=True)
-
-
-class _Uncalibrated(nn.Module):
-    """Stands in for an observer without data: harmless until the traced forward reaches it."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__()
-        self.message = message
-
-    def forward(self, x: Any) -> Any:
-        raise RuntimeError(self.message)
-
-
-def _activation_twin(mod: nn.Module, path: str, name: str, weight_dtype: str) -> nn.Module | None:
-    """Twin of an observer or FakeQuantize (prepared / QAT models), or None for other modules."""
-    if isinstance(mod, FakeQuantize):
-        if int(mod.fake_quant_enabled[0]) == 0:
-            return nn.Identity()
-        if name == "weight_fake_quant":
-            return FrozenWeightTwin(mod, weight_dtype)
-        scale, zero_point = fake_quant_grid(mod)
-    elif isinstance(mod, ObserverBase):
-        if isinstance(mod, (PlaceholderObserver, NoopObserver)):
-            return nn.Identity()
-        if not getattr(mod, "is_calibrated", True):  # fine while unused (e.g. an input observer of a layer fed int8)
-            return _Uncalibrated(f"to_onnx: observer '{path}' ({type(mod).__name__}) saw no calibration data but "
-                                 "the exported forward uses it; calibrate the model before exporting")
-        scale, zero_point = mod.calculate_qparams()
-    else:
-        return None
-    if scale.numel() != 1:
-        raise ValueError(f"to_onnx: '{path}' ({type(mod).__name__}) is per-channel on an activation "
-                         f"(scale shape {tuple(scale.shape)}); only weights may be per-channel in ONNX QDQ")
-    return QDQ(float(scale.reshape(())), int(zero_point.reshape(())), mod.qdtype)
-
-
-def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dtype: str) -> nn.Module | None:
-    """Twin of a converted lowbit module, or None for modules that stay as they are."""
-    m: Any = mod
-    grid = grids.get(id(mod), getattr(mod, "input_grid", None))
-    if isinstance(mod, Quantize):
-        return QDQ(float(m.scale), int(m.zero_point), m.qdtype)
-    if isinstance(mod, DeQuantize):
-        return nn.Identity()
-    if isinstance(mod, Linear):
-        return WeightedTwin(mod, "linear", grid, weight_dtype)
-    if isinstance(mod, _CONV):
-        return WeightedTwin(mod, "conv", grid, weight_dtype)
-    if isinstance(mod, _CONV_T):
-        return WeightedTwin(mod, "conv_transpose", grid, weight_dtype)
-    if isinstance(mod, QFunctional):
-        return FunctionalTwin(mod, {op: grids[(id(mod), op)] for op in _QFUNCTIONAL_OPS if (id(mod), op) in grids})
-    if isinstance(mod, _LUT):
-        return ActivationTwin(m._f, (float(m.scale), int(m.zero_point), m.qdtype))
-    if isinstance(mod, ReLU6):
-        return ActivationTwin(F.relu6, grids.get(id(mod), _RELU6_FLOAT_GRID))
-    if isinstance(mod, Embedding):
-        return EmbeddingTwin(mod) if m.qdtype.bits == 8 else EmbeddingTableTwin(mod)
-    if isinstance(mod, EmbeddingBag):
-        return EmbeddingBagTwin(mod)
-    if isinstance(mod, WeightOnlyLinear):
-        return WeightOnlyTwin(mod)
-    twin = dynamic_twin(mod, weight_dtype)
-    if twin is not None:
-        return twin
-    cls = type(mod)
-    if cls.__module__.startswith("lowbit.nn.quantized") and not isinstance(mod, FloatFunctional):
-        raise TypeError(f"to_onnx: module '{path}' of type {cls.__module__}.{cls.__qualname__} has no ONNX QDQ "
-                        "export (supported: Quantize, DeQuantize, Linear, Conv/ConvTranspose 1-3d (+ReLU), "
-                        "QFunctional, quantized activations, 8/4-bit Embedding and EmbeddingBag, "
-                        "dynamic Linear/RNN/LSTM/GRU and their cells, WeightOnlyLinear, "
-                        "FakeQuantize, observers)")
-    return None
-
-
-def _swap(parent: nn.Module, prefix: str, make: Any) -> None:
-    """Replace every descendant ``c`` of ``parent`` for which ``make(c, path, name)`` gives a module."""
-    for name, child in list(parent.named_children()):
-        path = f"{prefix}.{name}" if prefix else name
-        twin = make(child, path, name)
-        if twin is not None:
-            setattr(parent, name, twin)
-        else:
-            _swap(child, path, make)
-
-
-_QFUNCTIONAL_OPS = ("add", "add_relu", "mul", "matmul", "add_scalar", "mul_scalar", "cat")
-
-
-def _grid_of(x: Any) -> Grid | None:
-    return (float(x.scale), int(x.zero_point), x.qdtype) if isinstance(x, QTensor) and x.axis is None else None
-
-
-def _record_input_grids(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> dict[Any, Any]:
-    """Run ``model`` once and note the grid of each quantized layer's inputs.
-
-    Keys: ``id(layer)`` -> its input grid (``None``: float input quantized per call);
-    ``(id(qfunctional), method)`` -> one grid (or ``None`` for float) per tensor input.
-    """
-    grids: dict[Any, Any] = {}
-    names = {id(m): n or type(m).__name__ for n, m in model.named_modules()}
-
-    def note(key: Any, mod: nn.Module, grid: Any) -> None:
-        if key in grids and grids[key] != grid:
-            raise ValueError(f"to_onnx: '{names[id(mod)]}' ({type(mod).__name__}) is called on inputs with different "
-                             f"grids ({grids[key]} and {grid}); give each call site its own module")
-        grids[key] = grid
-
-    def hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
-        x = args[0] if args else None
-        if isinstance(x, QTensor) and x.axis is not None:
-            raise ValueError(f"to_onnx: '{names[id(mod)]}' receives a per-channel QTensor; ONNX QDQ needs "
-                             "per-tensor activations")
-        grid = _grid_of(x) if isinstance(x, QTensor) else (
-            _RELU6_FLOAT_GRID if isinstance(mod, ReLU6) else getattr(mod, "input_grid", None))
-        note(id(mod), mod, grid)
-
-    def spy(mod: nn.Module, op: str) -> None:
-        method = getattr(mod, op)
-
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            xs = list(args[0]) if op == "cat" else args[:1] if op.endswith("_scalar") else args[:2]
-            note((id(mod), op), mod, [_grid_of(x) for x in xs])
-            return method(*args, **kwargs)
-
-        setattr(mod, op, wrapped)
-
-    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, _NEEDS_INPUT_GRID)]
-    spied = [m for m in model.modules() if isinstance(m, QFunctional)]
-    for m in spied:
-        for op in _QFUNCTIONAL_OPS:
-            spy(m, op)
-    try:
-        with torch.no_grad():
-            model(*inputs)
-    finally:
-        for h in handles:
-            h.remove()
-        for m in spied:
-            for op in _QFUNCTIONAL_OPS:
-                delattr(m, op)
-    return grids
-
-
-def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto") -> nn.Module:
-    """The float QDQ twin of ``model`` (a copy in eval mode; ``model`` is not changed)."""
-    inputs = tuple(t.cpu() for t in _check_inputs(example_inputs))
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"to_onnx: weight_dtype={weight_dtype!r} must be one of {WEIGHT_DTYPES}")
-    twin = copy.deepcopy(model).cpu().eval()  # an ONNX file is device-agnostic: trace on CPU, in inference mode
-    holder = nn.Module()  # so that the root itself can be swapped
-    holder.root = twin
-    _swap(holder, "", lambda m, p, n: _bn_folded(m))
-    _quantize_observed_weights(holder.root, weight_dtype)
-    _swap(holder, "", lambda m, p, n: _activation_twin(m, p[len("root."):] if p != "root" else "<root>", n,
-                                                       weight_dtype))
-    grids = _record_input_grids(holder.root, inputs)
-    _swap(holder, "", lambda m, p, n: _quantized_twin(m, p[len("root."):] if p != "root" else "<root>", grids,
-                                                      weight_dtype))
-    return holder.root
 
 
 def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str], *, opset_version: int = 17,
