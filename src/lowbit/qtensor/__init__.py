@@ -3,8 +3,9 @@
 ``x̂ = (int_repr - zero_point) * scale`` — per tensor with 0-d qparams, per channel with ``(C,)``
 qparams broadcast along ``axis``. A QTensor is a small value object, not a ``torch.Tensor``
 subclass: shape ops that keep the grid (view, reshape, flatten, squeeze/unsqueeze, permute,
-transpose, indexing, chunk/split/unbind, relu, max_pool, cat of equal grids) stay integer, and so do
-average pooling, ``mean``, nearest interpolation, constant padding and clamping (``qtensor/ops.py``);
+transpose, indexing, chunk/split/unbind, relu, max_pool, cat of equal grids; ``qtensor/shape_ops.py``)
+stay integer, and so do average pooling, ``mean``, nearest interpolation, constant padding and
+clamping (``qtensor/ops.py``);
 any other torch op runs on the dequantized values and warns once, naming the op, so a model never
 crashes at an int8/float boundary.
 
@@ -30,9 +31,7 @@ import warnings
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
-from ..compile_state import tracing
 from ..functional import _check_qparams, check_ch_axis, dequantize, quantize
 from ..qscheme import QDtype, QScheme, as_qdtype
 from .axis import indexed_axis, reshaped_axis
@@ -364,69 +363,7 @@ def _tree_dequantize(obj: Any) -> Any:
     return obj
 
 
-def _method(name: str) -> Callable:
-    """``torch.<name>(qtensor, ...)`` as the QTensor method of that name."""
-    def op(x: Any, *args: Any, **kwargs: Any) -> Any:
-        return getattr(x, name)(*args, **kwargs) if isinstance(x, QTensor) else NotImplemented
-    return op
-
-
-def _relu(x: Any, inplace: bool = False) -> Any:
-    return x.relu() if isinstance(x, QTensor) else NotImplemented
-
-
-def _max_pool(fn: Callable) -> Callable:
-    def op(x: Any, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(x, QTensor) or x.axis is not None or kwargs.get("return_indices"):
-            return NotImplemented
-        # max is monotone in the codes, so pooling codes is exact; torch pools uint8 codes only as a
-        # quantized tensor (one pass, channels-last kept: used for 2-d on CPU), anything else pools in a
-        # float dtype that holds every code exactly
-        q = x.int_repr()
-        if fn is F.max_pool2d and q.dtype == torch.uint8 and q.device.type == "cpu" and not tracing():
-            return x._same_grid(fn(_as_torch_quantized(q), *args, **kwargs).int_repr())
-        return x._same_grid(fn(q.to(torch.float32), *args, **kwargs).to(q.dtype))
-    return op
-
-
-_QUIET = [False]  # torch warns once per process that quantized tensors are deprecated: keep it from users
-
-
-def _as_torch_quantized(q: torch.Tensor) -> torch.Tensor:
-    """uint8 codes viewed as a torch quint8 tensor (unit grid; only its codes are used)."""
-    if _QUIET[0]:
-        return torch._make_per_tensor_quantized_tensor(q, 1.0, 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch._make_per_tensor_quantized_tensor(q, 1.0, 0)
-    _QUIET[0] = True
-    return t
-
-
-def _cat(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
-    ts = list(tensors)
-    if kwargs or not all(isinstance(t, QTensor) and t.axis is None for t in ts):
-        return NotImplemented
-    first = ts[0]
-    same = (t.qdtype == first.qdtype and torch.equal(t.scale, first.scale)
-            and torch.equal(t.zero_point, first.zero_point) for t in ts)
-    if not all(same):
-        return NotImplemented
-    return first._same_grid(torch.cat([t.int_repr() for t in ts], dim))
-
-
-_INT_OPS: dict[Callable, Callable] = {
-    torch.relu: _relu,
-    F.relu: _relu,
-    torch.cat: _cat,
-    torch.concat: _cat,
-    F.max_pool1d: _max_pool(F.max_pool1d),
-    F.max_pool2d: _max_pool(F.max_pool2d),
-    F.max_pool3d: _max_pool(F.max_pool3d),
-    F.adaptive_max_pool2d: _max_pool(F.adaptive_max_pool2d),
-    **{getattr(torch, name): _method(name) for name in (
-        "flatten", "reshape", "permute", "transpose", "squeeze", "unsqueeze", "chunk", "split", "unbind")},
-}
+_INT_OPS: dict[Callable, Callable] = {}  # torch function -> integer implementation (shape_ops.py, ops.py)
 
 
 def quantize_per_tensor(x: torch.Tensor, scale: float | torch.Tensor, zero_point: int | torch.Tensor,
@@ -453,7 +390,7 @@ def quantize_per_channel(x: torch.Tensor, scales: torch.Tensor, zero_points: tor
     return QTensor(quantize(x, scales, zero_points, qdtype, axis, validate=False), scales, zero_points, qdtype, axis)
 
 
-from . import ops  # noqa: E402,F401  registers pooling, resampling, padding and clamping into _INT_OPS
+from . import ops, shape_ops  # noqa: E402,F401  register their integer ops into _INT_OPS
 from .fallback import install as _install_fallback  # noqa: E402
 
 _install_fallback(QTensor)  # every other torch.Tensor method / attribute: the float fallback (fallback.py)
