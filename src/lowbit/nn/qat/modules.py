@@ -153,10 +153,36 @@ class Conv3d(_ConvNd, nn.Conv3d):
     _FLOAT_CONV = nn.Conv3d
 
 
-class Embedding(nn.Embedding):
+class _Table:
+    """Mixin over ``nn.Embedding`` / ``nn.EmbeddingBag``: ``from_float`` shares the float table,
+    ``to_float`` copies it back; ``_FLOAT`` is the float class, ``_ATTRS`` its constructor options."""
+
+    _FLOAT: type[nn.Module] = nn.Module
+    _ATTRS: tuple[str, ...] = ()
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> Any:
+        """QAT twin of a float table sharing its weight; ``mod.qconfig`` must be set."""
+        _check_float(cls, mod, (cls._FLOAT,))
+        kw = {a: getattr(mod, a) for a in cls._ATTRS}
+        q = cls(mod.num_embeddings, mod.embedding_dim, qconfig=getattr(mod, "qconfig", None), **kw,  # type: ignore[call-arg]
+                device=mod.weight.device, dtype=mod.weight.dtype)
+        q.weight = mod.weight  # type: ignore[attr-defined]
+        return q.train(mod.training)  # type: ignore[attr-defined]
+
+    def to_float(self) -> nn.Module:
+        """A plain float table (``nn.Embedding`` / ``nn.EmbeddingBag``) with this module's current weight."""
+        me: Any = self
+        table = self._FLOAT(me.num_embeddings, me.embedding_dim, **{a: getattr(me, a) for a in self._ATTRS},
+                            _weight=me.weight.detach())
+        return table.train(me.training)
+
+
+class Embedding(_Table, nn.Embedding):
     """``y = wfq(W)[idx]``: the table is fake-quantized (per row with the default qconfig); no output fake-quant."""
 
-    _EMB_ATTRS = ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+    _FLOAT = nn.Embedding
+    _ATTRS = ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
                  qconfig: QConfig | None = None, **kwargs: Any) -> None:
@@ -167,36 +193,20 @@ class Embedding(nn.Embedding):
         return F.embedding(x, self.weight_fake_quant(self.weight), self.padding_idx, self.max_norm,
                            self.norm_type, self.scale_grad_by_freq, self.sparse)
 
-    @classmethod
-    def from_float(cls, mod: nn.Module) -> Embedding:
-        """QAT twin of an ``nn.Embedding`` sharing its table; ``mod.qconfig`` must be set."""
-        _check_float(cls, mod, (nn.Embedding,))
-        kw = {a: getattr(mod, a) for a in cls._EMB_ATTRS}
-        q = cls(mod.num_embeddings, mod.embedding_dim, qconfig=getattr(mod, "qconfig", None), **kw,
-                device=mod.weight.device, dtype=mod.weight.dtype)
-        q.weight = mod.weight
-        return q.train(mod.training)
 
-    def to_float(self) -> nn.Embedding:
-        """A plain ``nn.Embedding`` with this module's current table."""
-        emb = nn.Embedding(self.num_embeddings, self.embedding_dim, **{a: getattr(self, a) for a in self._EMB_ATTRS},
-                           _weight=self.weight.detach())
-        return emb.train(self.training)
-
-
-class EmbeddingBag(nn.EmbeddingBag):
+class EmbeddingBag(_Table, nn.EmbeddingBag):
     """``nn.EmbeddingBag`` over ``wfq(W)``: pooled bags of fake-quantized rows; no output fake-quant.
 
     >>> import torch, lowbit as Q
     >>> import lowbit.nn.qat as nnqat
     >>> bag = torch.nn.EmbeddingBag(10, 4, mode="sum"); bag.qconfig = Q.get_embedding_qat_qconfig()
     >>> q = nnqat.EmbeddingBag.from_float(bag)
-    >>> q(torch.tensor([1, 2, 3]), torch.tensor([0, 2])).shape
-    torch.Size([2, 4])
+    >>> q(torch.tensor([1, 2, 3]), torch.tensor([0, 2])).shape, type(q.to_float()).__name__
+    (torch.Size([2, 4]), 'EmbeddingBag')
     """
 
-    _BAG_ATTRS = ("max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse", "include_last_offset",
-                  "padding_idx")
+    _FLOAT = nn.EmbeddingBag
+    _ATTRS = ("max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse", "include_last_offset", "padding_idx")
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, qconfig: QConfig | None = None,
                  **kwargs: Any) -> None:
@@ -208,19 +218,3 @@ class EmbeddingBag(nn.EmbeddingBag):
         return F.embedding_bag(input, self.weight_fake_quant(self.weight), offsets, self.max_norm, self.norm_type,
                                self.scale_grad_by_freq, self.mode, self.sparse, per_sample_weights,
                                self.include_last_offset, self.padding_idx)
-
-    @classmethod
-    def from_float(cls, mod: nn.Module) -> EmbeddingBag:
-        """QAT twin of an ``nn.EmbeddingBag`` sharing its table; ``mod.qconfig`` must be set."""
-        _check_float(cls, mod, (nn.EmbeddingBag,))
-        kw = {a: getattr(mod, a) for a in cls._BAG_ATTRS}
-        q = cls(mod.num_embeddings, mod.embedding_dim, qconfig=getattr(mod, "qconfig", None), **kw,
-                device=mod.weight.device, dtype=mod.weight.dtype)
-        q.weight = mod.weight
-        return q.train(mod.training)
-
-    def to_float(self) -> nn.EmbeddingBag:
-        """A plain ``nn.EmbeddingBag`` with this module's current table."""
-        bag = nn.EmbeddingBag(self.num_embeddings, self.embedding_dim,
-                              **{a: getattr(self, a) for a in self._BAG_ATTRS}, _weight=self.weight.detach())
-        return bag.train(self.training)
