@@ -42,6 +42,7 @@ from torch import nn
 from ..functional import dequantize, quantize
 from ..observer.base import ObserverBase
 from ..qscheme import QDtype, QScheme, as_qdtype, as_qscheme, per_tensor_affine, quint8
+from ..nn.quantized._utils import observer_grid
 from ..qtensor import QTensor
 
 __all__ = ["QuantDeQuant", "FrozenObserver", "Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d",
@@ -122,11 +123,7 @@ class QuantDeQuant(nn.Module):
     @classmethod
     def from_observer(cls, obs: nn.Module, where: str = "") -> QuantDeQuant:
         """The grid a calibrated per-tensor observer (or ``FakeQuantize``) describes."""
-        scale, zero_point = obs.calculate_qparams()
-        if scale.numel() != 1:
-            raise ValueError(f"{where or type(obs).__name__}: an activation grid must be per tensor, got "
-                             f"{scale.numel()} scales")
-        return cls(scale.reshape(()), zero_point.reshape(()), as_qdtype(obs.qdtype))
+        return cls(*observer_grid(obs, where or type(obs).__name__))
 
     def as_observer(self) -> FrozenObserver:
         return FrozenObserver(self.scale, self.zero_point, per_tensor_affine, self.qdtype)
@@ -144,6 +141,14 @@ def weight_qparams_of(obs: Any) -> dict[str, Any]:
     qscheme = as_qscheme(obs.qscheme)
     return {"qscheme": qscheme, "dtype": as_qdtype(obs.qdtype), "scale": scale, "zero_point": zero_point,
             "axis": getattr(obs, "ch_axis", None) if qscheme.is_per_channel else None}
+
+
+def _copy_weight_bias(dst: nn.Module, src: nn.Module) -> nn.Module:
+    """``dst`` with its own copies (new ``Parameter``s) of ``src``'s float weight and bias."""
+    dst.weight = nn.Parameter(src.weight.detach().clone())
+    if src.bias is not None:
+        dst.bias = nn.Parameter(src.bias.detach().clone())
+    return dst
 
 
 class _WeightQDQ:
@@ -216,19 +221,13 @@ class Linear(_WeightQDQ, nn.Linear):
             raise TypeError(f"lowbit.reference.Linear.from_float expects an nn.Linear, got {type(mod).__name__}")
         ref = cls(mod.in_features, mod.out_features, mod.bias is not None, mod.weight.device, mod.weight.dtype,
                   weight_qparams=weight_qparams)
-        ref.weight = nn.Parameter(mod.weight.detach().clone())
-        if mod.bias is not None:
-            ref.bias = nn.Parameter(mod.bias.detach().clone())
-        return ref
+        return _copy_weight_bias(ref, mod)
 
     def to_float(self) -> nn.Linear:
         """A plain ``nn.Linear`` with the float weight and bias."""
         lin = nn.Linear(self.in_features, self.out_features, self.bias is not None, self.weight.device,
                         self.weight.dtype)
-        lin.weight = nn.Parameter(self.weight.detach().clone())
-        if self.bias is not None:
-            lin.bias = nn.Parameter(self.bias.detach().clone())
-        return lin
+        return _copy_weight_bias(lin, self)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", " + self._weight_repr()
@@ -245,6 +244,7 @@ class _ConvNd(_WeightQDQ):
     """``convNd(x, qdq(W), b)`` with the float conv's padding rules; as torch.ao's reference convs."""
 
     _FLOAT: type[nn.Module] = nn.Module
+    _kwargs = staticmethod(_conv_kwargs)  # constructor arguments reproducing a float conv
 
     def __init__(self, *args: Any, weight_qparams: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self._FLOAT.__init__(self, *args, **kwargs)  # type: ignore[arg-type]
@@ -255,22 +255,14 @@ class _ConvNd(_WeightQDQ):
 
     @classmethod
     def from_float(cls, mod: nn.Module, weight_qparams: dict[str, Any]) -> Any:
-        if type(mod) is not cls._FLOAT and not isinstance(mod, cls._FLOAT):
+        if not isinstance(mod, cls._FLOAT):
             raise TypeError(f"lowbit.reference.{cls.__name__}.from_float expects an nn.{cls._FLOAT.__name__}, "
                             f"got {type(mod).__name__}")
-        ref = cls(**_conv_kwargs(mod), weight_qparams=weight_qparams)
-        ref.weight = nn.Parameter(mod.weight.detach().clone())
-        if mod.bias is not None:
-            ref.bias = nn.Parameter(mod.bias.detach().clone())
-        return ref
+        return _copy_weight_bias(cls(**cls._kwargs(mod), weight_qparams=weight_qparams), mod)
 
     def to_float(self) -> nn.Module:
         """A plain float conv with the float weight and bias."""
-        conv = self._FLOAT(**_conv_kwargs(self))
-        conv.weight = nn.Parameter(self.weight.detach().clone())
-        if self.bias is not None:  # type: ignore[attr-defined]
-            conv.bias = nn.Parameter(self.bias.detach().clone())  # type: ignore[attr-defined]
-        return conv
+        return _copy_weight_bias(self._FLOAT(**self._kwargs(self)), self)  # type: ignore[arg-type]
 
     def extra_repr(self) -> str:
         return self._FLOAT.extra_repr(self) + ", " + self._weight_repr()  # type: ignore[arg-type]
@@ -305,6 +297,7 @@ class _ConvTransposeNd(_ConvNd):
     """``conv_transposeNd(x, qdq(W), b)``; as torch.ao's reference transposed convs (``output_size`` honoured)."""
 
     _FN: Any = None
+    _kwargs = staticmethod(_conv_transpose_kwargs)
 
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         dims = len(self.kernel_size)  # type: ignore[attr-defined]
@@ -313,23 +306,6 @@ class _ConvTransposeNd(_ConvNd):
         return type(self)._FN(x, self.get_weight(), self.bias, self.stride, self.padding,  # type: ignore[attr-defined]
                               output_padding, self.groups, self.dilation)  # type: ignore[attr-defined]
 
-    @classmethod
-    def from_float(cls, mod: nn.Module, weight_qparams: dict[str, Any]) -> Any:
-        if not isinstance(mod, cls._FLOAT):
-            raise TypeError(f"lowbit.reference.{cls.__name__}.from_float expects an nn.{cls._FLOAT.__name__}, "
-                            f"got {type(mod).__name__}")
-        ref = cls(**_conv_transpose_kwargs(mod), weight_qparams=weight_qparams)
-        ref.weight = nn.Parameter(mod.weight.detach().clone())
-        if mod.bias is not None:
-            ref.bias = nn.Parameter(mod.bias.detach().clone())
-        return ref
-
-    def to_float(self) -> nn.Module:
-        conv = self._FLOAT(**_conv_transpose_kwargs(self))
-        conv.weight = nn.Parameter(self.weight.detach().clone())
-        if self.bias is not None:  # type: ignore[attr-defined]
-            conv.bias = nn.Parameter(self.bias.detach().clone())  # type: ignore[attr-defined]
-        return conv
 
 
 class ConvTranspose1d(_ConvTransposeNd, nn.ConvTranspose1d):

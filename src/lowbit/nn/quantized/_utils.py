@@ -36,8 +36,8 @@ from ...qscheme import QDtype, QScheme, as_qdtype, per_tensor_affine, quint8
 from ...qtensor import QTensor, quantize_per_channel
 from ._state import CheckedQuantState
 
-__all__ = ["quantize_weight", "weight_qparams", "weight_qscheme", "output_qparams", "as_qtensor", "float_op",
-           "check_out_grid", "check_no_nan", "WeightedQuantModule", "InputGrid"]
+__all__ = ["quantize_weight", "weight_qparams", "weight_qscheme", "observer_grid", "output_qparams", "as_qtensor",
+           "float_op", "check_out_grid", "check_no_nan", "WeightedQuantModule", "InputGrid"]
 
 InputGrid = tuple[float, int, QDtype]
 
@@ -100,17 +100,23 @@ def weight_qscheme(observer: Any) -> QScheme:
     return qs if isinstance(qs, QScheme) else QScheme.PER_CHANNEL_SYMMETRIC
 
 
+def observer_grid(obs: Any, where: str) -> tuple[float, int, QDtype]:
+    """``(scale, zero_point, qdtype)`` of the per-tensor grid a calibrated observer or ``FakeQuantize``
+    describes (``ValueError`` naming ``where`` for a per-channel one: an activation grid is per tensor)."""
+    scale, zero_point = obs.calculate_qparams()
+    if scale.numel() != 1:
+        raise ValueError(f"{where}: {type(obs).__name__} is per-channel (scale shape {tuple(scale.shape)}); "
+                         "an activation grid must be per tensor")
+    return float(scale.reshape(())), int(zero_point.reshape(())), as_qdtype(getattr(obs, "qdtype", quint8))
+
+
 def output_qparams(mod: nn.Module, where: str) -> tuple[float, int, QDtype]:
     """``(scale, zero_point, qdtype)`` of the per-tensor grid ``mod.activation_post_process`` observed."""
     obs = getattr(mod, "activation_post_process", None)
     if obs is None or not hasattr(obs, "calculate_qparams"):
         raise ValueError(f"{where}.from_float: {type(mod).__name__} has no activation_post_process observer; "
                          "run prepare() and calibrate before convert()")
-    scale, zero_point = obs.calculate_qparams()
-    if scale.numel() != 1:
-        raise ValueError(f"{where}.from_float: the output observer of {type(mod).__name__} is per-channel "
-                         f"(scale shape {tuple(scale.shape)}); a module output grid must be per tensor")
-    return float(scale.reshape(())), int(zero_point.reshape(())), as_qdtype(getattr(obs, "qdtype", quint8))
+    return observer_grid(obs, f"{where}.from_float: the output observer of {type(mod).__name__}")
 
 
 def float_op(mod: nn.Module, kind: type[nn.Module] | tuple[type[nn.Module], ...], where: str,

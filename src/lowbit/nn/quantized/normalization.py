@@ -50,6 +50,7 @@ class _QuantizedNorm:
 
     scale: torch.Tensor
     zero_point: torch.Tensor
+    _float_type: type[nn.Module] = nn.Module  # the float module from_float accepts (exact type)
 
     def _init_grid(self, scale: Any, zero_point: Any, qdtype: Any) -> None:
         s, z, self.qdtype = check_out_grid(scale, zero_point, qdtype, type(self).__name__)
@@ -69,10 +70,16 @@ class _QuantizedNorm:
         return QTensor(quantize(y, self.scale, self.zero_point, self.qdtype), self.scale, self.zero_point,
                        self.qdtype)
 
-    @staticmethod
-    def _affine(mod: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    @classmethod
+    def _from_float_parts(cls, mod: nn.Module) -> tuple[Any, Any, float, int, QDtype]:
+        """``(weight, bias, scale, zero_point, qdtype)`` of an observed float norm: its affine parameters
+        (float32 copies, or ``None``) and the output grid its ``activation_post_process`` observed."""
+        if type(mod) is not cls._float_type:
+            raise TypeError(f"quantized {cls.__name__}.from_float expects an nn.{cls._float_type.__name__}, "
+                            f"got {type(mod).__name__}")
+        s, z, d = output_qparams(mod, cls.__name__)
         w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
-        return (None if w is None else w.detach().float()), (None if b is None else b.detach().float())
+        return (None if w is None else w.detach().float()), (None if b is None else b.detach().float()), s, z, d
 
     def _grid_repr(self) -> str:
         return f"scale={self.scale.item():.6g}, zero_point={self.zero_point.item()}, dtype={self.qdtype!r}"
@@ -89,6 +96,8 @@ def _set_affine(mod: nn.Module, weight: torch.Tensor | None, bias: torch.Tensor 
 class LayerNorm(_QuantizedNorm, nn.LayerNorm):
     """``F.layer_norm`` over the last ``len(normalized_shape)`` dims, onto the output grid."""
 
+    _float_type = nn.LayerNorm
+
     def __init__(self, normalized_shape: Any, weight: torch.Tensor | None, bias: torch.Tensor | None, scale: float,
                  zero_point: int, eps: float = 1e-5, elementwise_affine: bool = True,
                  qdtype: QDtype | str | torch.dtype = quint8) -> None:
@@ -101,10 +110,7 @@ class LayerNorm(_QuantizedNorm, nn.LayerNorm):
 
     @classmethod
     def from_float(cls, mod: nn.Module) -> LayerNorm:
-        if type(mod) is not nn.LayerNorm:
-            raise TypeError(f"quantized LayerNorm.from_float expects an nn.LayerNorm, got {type(mod).__name__}")
-        s, z, d = output_qparams(mod, "LayerNorm")
-        w, b = cls._affine(mod)
+        w, b, s, z, d = cls._from_float_parts(mod)
         return cls(mod.normalized_shape, w, b, s, z, mod.eps, mod.elementwise_affine, d)
 
     def extra_repr(self) -> str:
@@ -113,6 +119,8 @@ class LayerNorm(_QuantizedNorm, nn.LayerNorm):
 
 class GroupNorm(_QuantizedNorm, nn.GroupNorm):
     """``F.group_norm`` with ``num_groups`` groups over ``num_channels``, onto the output grid."""
+
+    _float_type = nn.GroupNorm
 
     def __init__(self, num_groups: int, num_channels: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  scale: float, zero_point: int, eps: float = 1e-5, affine: bool = True,
@@ -126,10 +134,7 @@ class GroupNorm(_QuantizedNorm, nn.GroupNorm):
 
     @classmethod
     def from_float(cls, mod: nn.Module) -> GroupNorm:
-        if type(mod) is not nn.GroupNorm:
-            raise TypeError(f"quantized GroupNorm.from_float expects an nn.GroupNorm, got {type(mod).__name__}")
-        s, z, d = output_qparams(mod, "GroupNorm")
-        w, b = cls._affine(mod)
+        w, b, s, z, d = cls._from_float_parts(mod)
         return cls(mod.num_groups, mod.num_channels, w, b, s, z, mod.eps, mod.affine, d)
 
     def extra_repr(self) -> str:
@@ -138,8 +143,6 @@ class GroupNorm(_QuantizedNorm, nn.GroupNorm):
 
 class _InstanceNorm(_QuantizedNorm):
     """``F.instance_norm`` with per-sample statistics (running statistics are not used, as in torch.ao)."""
-
-    _float_type: type[nn.Module] = nn.Module
 
     def __init__(self, num_features: int, weight: torch.Tensor | None, bias: torch.Tensor | None, scale: float,
                  zero_point: int, eps: float = 1e-5, momentum: float = 0.1, affine: bool = False,
@@ -153,11 +156,7 @@ class _InstanceNorm(_QuantizedNorm):
 
     @classmethod
     def from_float(cls, mod: nn.Module) -> Any:
-        if type(mod) is not cls._float_type:
-            raise TypeError(f"quantized {cls.__name__}.from_float expects an nn.{cls._float_type.__name__}, "
-                            f"got {type(mod).__name__}")
-        s, z, d = output_qparams(mod, cls.__name__)
-        w, b = cls._affine(mod)
+        w, b, s, z, d = cls._from_float_parts(mod)
         return cls(mod.num_features, w, b, s, z, mod.eps, mod.momentum, mod.affine, mod.track_running_stats, d)
 
     def extra_repr(self) -> str:
