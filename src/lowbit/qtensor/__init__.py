@@ -363,7 +363,7 @@ def _tree_dequantize(obj: Any) -> Any:
     return obj
 
 
-_INT_OPS: dict[Callable, Callable] = {}  # torch function -> integer implementation (shape_ops.py, ops.py)
+_INT_OPS: dict[Callable, Callable] = {}  # torch function -> integer implementation (shape_ops.py, pool.py, ops.py)
 
 
 def quantize_per_tensor(x: torch.Tensor, scale: float | torch.Tensor, zero_point: int | torch.Tensor,
@@ -390,7 +390,7 @@ def quantize_per_channel(x: torch.Tensor, scales: torch.Tensor, zero_points: tor
     return QTensor(quantize(x, scales, zero_points, qdtype, axis, validate=False), scales, zero_points, qdtype, axis)
 
 
-from . import ops, shape_ops  # noqa: E402,F401  register their integer ops into _INT_OPS
+from . import ops, pool, shape_ops  # noqa: E402,F401  register their integer ops into _INT_OPS
 from .fallback import install as _install_fallback  # noqa: E402
 
 _install_fallback(QTensor)  # every other torch.Tensor method / attribute: the float fallback (fallback.py)

@@ -29,6 +29,7 @@ the result onto ``(s, z)``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -39,6 +40,7 @@ from ...compile_state import qdtype_key, tracing
 from ...functional import quantize
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
+from ...qtensor.pool import as_torch_quantized
 from ._utils import check_out_grid, output_qparams
 from ._state import CheckedQuantState
 
@@ -107,6 +109,44 @@ def _scaled_sum(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, tor
     return a[0].mul_(a[1] / s).add_(b[0].mul_(b[1] / s))
 
 
+@functools.lru_cache(maxsize=None)
+def _fbgemm_dequantize() -> bool:
+    """Whether ``torch.dequantize`` of a CPU quantized tensor is fbgemm's ``scale * (q - zero_point)`` (x86 builds)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _fast_add(x: Any, y: Any, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: QDtype,
+              relu: bool) -> QTensor | None:
+    """``add`` / ``add_relu`` of two same-shape per-tensor 8-bit CPU QTensors in 6 tensor passes instead of 11,
+    bit-identical to ``_scaled_sum`` + ``_out`` (``None`` when the case is not covered).
+
+    ``(q - z) · k`` with ``k = float32(s_in / s)`` is fbgemm's dequantization of the codes viewed as a torch
+    quantized tensor of scale ``k`` and zero point ``z`` (``scale * (q - z)`` in float32: one rounding, as
+    ours), so the centred, scaled codes come out of one native pass each; then, with integer bounds
+    ``lo, hi``, ``clamp(round(acc) + z, lo, hi) = round(clamp(acc, lo - z, hi - z)) + z`` (rounding is
+    monotone and fixes integers), and the last add and the narrowing run in int16.
+    """
+    if not (isinstance(x, QTensor) and isinstance(y, QTensor) and x.axis is None and y.axis is None
+            and x.device.type == "cpu" and y.device.type == "cpu" and x.shape == y.shape and x.numel()
+            and x.int_repr().element_size() == 1 and y.int_repr().element_size() == 1
+            and qdtype.storage in (torch.uint8, torch.int8) and not tracing() and _fbgemm_dequantize()):
+        return None
+    qa, qb = x.int_repr(), y.int_repr()
+    if not ((qa.is_contiguous() or qa.is_contiguous(memory_format=torch.channels_last))
+            and (qb.is_contiguous() or qb.is_contiguous(memory_format=torch.channels_last))):
+        return None
+    s = scale.to(torch.float32)
+    ka, kb = float(x.scale / s), float(y.scale / s)  # the float32 quotients _scaled_sum multiplies by
+    if not (0 < ka < float("inf") and 0 < kb < float("inf")):
+        return None
+    acc = torch.dequantize(as_torch_quantized(qa, ka, int(x.zero_point)))
+    acc = acc.add_(torch.dequantize(as_torch_quantized(qb, kb, int(y.zero_point))))
+    z = int(zero_point)
+    lo, hi = (z if relu else qdtype.quant_min), qdtype.quant_max
+    q = acc.clamp_(lo - z, hi - z).round_().to(torch.int16).add_(z).to(qdtype.storage)
+    return QTensor._trusted(q, scale, zero_point, qdtype)
+
+
 def _float(x: Any) -> torch.Tensor:
     return x.dequantize() if isinstance(x, QTensor) else x.to(torch.float32)
 
@@ -144,10 +184,12 @@ class QFunctional(CheckedQuantState):
         return self._out(int_op(cx, cy, self.scale.to(cx[0].device)), relu)
 
     def _eager_add(self, x: QTensor, y: QTensor) -> QTensor:
-        return self._binary(x, y, "add", _scaled_sum, torch.add)
+        fast = _fast_add(x, y, self.scale, self.zero_point, self.qdtype, False)
+        return fast if fast is not None else self._binary(x, y, "add", _scaled_sum, torch.add)
 
     def _eager_add_relu(self, x: QTensor, y: QTensor) -> QTensor:
-        return self._binary(x, y, "add_relu", _scaled_sum, torch.add, relu=True)
+        fast = _fast_add(x, y, self.scale, self.zero_point, self.qdtype, True)
+        return fast if fast is not None else self._binary(x, y, "add_relu", _scaled_sum, torch.add, relu=True)
 
     def _eager_mul(self, x: QTensor, y: QTensor) -> QTensor:
         return self._binary(x, y, "mul", lambda a, b, s: (a[0] * b[0]) * (a[1] * b[1] / s), torch.mul)

@@ -1,0 +1,95 @@
+"""Eager fast paths of the end-to-end glue (issue #10): each is checked code for code against the plain path
+it replaces — 2-d max pooling of channels-last codes (oracle: torch's quantized ``max_pool2d``) and
+``QFunctional.add``/``add_relu`` through fbgemm's dequantization (oracle: the float32 formula of
+``functional_modules._scaled_sum``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lowbit as Q
+from lowbit.nn.quantized import functional_modules as fm
+from lowbit.qtensor.pool import as_torch_quantized, max_pool2d_codes
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning")
+
+
+def codes(shape, dtype, seed, channels_last=True):
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (0, 256) if dtype == torch.uint8 else (-128, 128)
+    q = torch.randint(lo, hi, shape, dtype=dtype, generator=g)
+    return q.contiguous(memory_format=torch.channels_last) if channels_last else q
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3), c=st.integers(1, 24), h=st.integers(1, 13), w=st.integers(1, 13), k=st.integers(1, 4),
+       s=st.integers(1, 4), signed=st.booleans(), seed=st.integers(0, 2**16))
+def test_max_pool2d_codes_match_torch_quantized(n, c, h, w, k, s, signed, seed):
+    dtype = torch.int8 if signed else torch.uint8
+    q = codes((n, c, h, w), dtype, seed)
+    if k > h or k > w:
+        assert max_pool2d_codes(q, k, s) is None
+        return
+    ours = max_pool2d_codes(q, k, s)
+    assert ours is not None and ours.is_contiguous(memory_format=torch.channels_last)
+    ref = F.max_pool2d(as_torch_quantized(q), k, s).int_repr()
+    assert torch.equal(ours, ref)
+    qt = Q.QTensor(q, 0.1, 3 if not signed else 0, Q.qint8 if signed else Q.quint8)
+    assert torch.equal(torch.nn.MaxPool2d(k, s)(qt).int_repr(), ref)  # the QTensor op takes the same path
+
+
+def test_max_pool2d_codes_declines_what_it_does_not_cover():
+    q = codes((2, 4, 8, 8), torch.uint8, 0)
+    assert max_pool2d_codes(q.contiguous(), 2) is None            # NCHW: torch's quantized kernel instead
+    assert max_pool2d_codes(q, 2, 2, padding=1) is None
+    assert max_pool2d_codes(q, 2, 2, dilation=2) is None
+    assert max_pool2d_codes(q, 2, 2, ceil_mode=True) is None
+    qt = Q.QTensor(q, 0.1, 0, Q.quint8)
+    for kw in ({"padding": 1}, {"dilation": 2}, {"ceil_mode": True}):  # still exact through the other paths
+        ref = F.max_pool2d(as_torch_quantized(q), 3, 2, **kw).int_repr()
+        assert torch.equal(F.max_pool2d(qt, 3, 2, **kw).int_repr(), ref)
+
+
+GRIDS = [Q.quint8, Q.qint8, Q.quint8.with_range(0, 127)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(grid_in=st.sampled_from([Q.quint8, Q.qint8]), grid_out=st.sampled_from(GRIDS), relu=st.booleans(),
+       sa=st.floats(1e-4, 1.0), sb=st.floats(1e-4, 1.0), so=st.floats(1e-4, 1.0), za=st.integers(0, 255),
+       zb=st.integers(0, 255), zo=st.integers(0, 127), tie=st.sampled_from([None, 0.5, 2.0]),
+       channels_last=st.booleans(), seed=st.integers(0, 2**16))
+def test_fast_add_is_bit_identical_to_the_float32_formula(grid_in, grid_out, relu, sa, sb, so, za, zb, zo, tie,
+                                                           channels_last, seed):
+    if grid_in is Q.qint8:
+        za, zb = za - 128, zb - 128
+    if grid_out.storage == torch.int8:
+        zo -= 64
+    if tie is not None:  # output scale a simple multiple of an input scale: many exact .5 ties
+        so = sa * tie
+    shape = (3, 5, 7, 6)
+    store = grid_in.storage
+    qa = Q.QTensor(codes(shape, store, seed, channels_last), sa, za, grid_in)
+    qb = Q.QTensor(codes(shape, store, seed + 1, channels_last), sb, zb, grid_in)
+    m = fm.QFunctional(so, zo, grid_out)
+    fast = fm._fast_add(qa, qb, m.scale, m.zero_point, m.qdtype, relu)
+    assert fast is not None
+    slow = m._binary(qa, qb, "add", fm._scaled_sum, torch.add, relu=relu)
+    assert torch.equal(fast.int_repr(), slow.int_repr())
+    assert (fast.q_scale(), fast.q_zero_point(), fast.qdtype) == (slow.q_scale(), slow.q_zero_point(), slow.qdtype)
+    assert torch.equal((m.add_relu if relu else m.add)(qa, qb).int_repr(), slow.int_repr())
+
+
+def test_fast_add_declines_broadcast_and_per_channel():
+    qa = Q.quantize_per_tensor(torch.randn(2, 3, 4), 0.05, 128, Q.quint8)
+    qb = Q.quantize_per_tensor(torch.randn(3, 4), 0.05, 128, Q.quint8)
+    m = fm.QFunctional(0.1, 128)
+    assert fm._fast_add(qa, qb, m.scale, m.zero_point, m.qdtype, False) is None
+    pc = Q.quantize_per_channel(torch.randn(2, 3, 4), torch.full((2,), 0.05), torch.full((2,), 128), 0, Q.quint8)
+    assert fm._fast_add(pc, qa, m.scale, m.zero_point, m.qdtype, False) is None
+    expect = Q.quantize_per_tensor(qa.dequantize() + qb.dequantize(), 0.1, 128, Q.quint8).int_repr()
+    assert (m.add(qa, qb).int_repr().int() - expect.int()).abs().max() <= 1
