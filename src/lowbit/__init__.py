@@ -76,6 +76,7 @@ from .recipes import get_accurate_qconfig, get_calibration_qconfig
 from .algorithms.smoothquant import smooth_quant
 from .algorithms.float_output import fuse_dequantize
 from .algorithms.best_of import best_of_ranges
+from .algorithms.equalize_eager import equalize
 from .stubs import DeQuantStub, QuantStub, QuantWrapper
 from .fuse import fuse_modules, fuse_modules_qat
 from .mappings import (
@@ -127,7 +128,7 @@ __all__ = [
     "QConfig", "QConfigMapping", "get_default_qconfig", "get_default_qat_qconfig", "get_default_qconfig_mapping",
     "get_default_qat_qconfig_mapping", "get_minmax_qconfig", "get_dynamic_qconfig", "get_dynamic_qat_qconfig",
     "get_lsq_qat_qconfig", "get_fused_qat_qconfig", "qconfig_equals", "get_accurate_qconfig",
-    "get_calibration_qconfig", "smooth_quant", "fuse_dequantize", "best_of_ranges",
+    "get_calibration_qconfig", "smooth_quant", "fuse_dequantize", "best_of_ranges", "equalize",
     # eager workflows
     "QuantStub", "DeQuantStub", "QuantWrapper", "fuse_modules", "fuse_modules_qat", "prepare", "convert",
     "prepare_qat", "quantize_dynamic", "propagate_qconfig_", "freeze_bn_stats", "update_bn_stats", "ConvertReport",

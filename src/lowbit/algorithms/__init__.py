@@ -4,7 +4,8 @@
 - ``adaround``: learned rounding of one layer's weights (Nagel et al. 2020);
 - ``layerwise``: the layer-by-layer pass (``reconstruct``) (AdaRound + empirical bias correction) on the
   quantized model's own inputs, graph or eager mode;
-- ``equalize``: cross-layer equalization with bias absorption (Nagel et al. 2019).
+- ``equalize``: cross-layer equalization with bias absorption (Nagel et al. 2019), graph mode;
+- ``equalize_eager``: the same for eager models (torch.ao's ``_equalize.equalize`` signature; pairs given or found).
 """
 
 from .adaround import adaround_codes
