@@ -7,7 +7,10 @@ moves rounding error away from the channels that carry large activations. AWQ se
     s(α) = m^α / sqrt(max(m^α) · min(m^α)),   m_k = mean_t |x_tk|,     α ∈ {0, 1/n_grid, ..., 1}
     α*   = argmin_α || x W^T - (x / s) Q(W s)^T ||²          (Q: round to nearest on the group grid)
 
-``α = 0`` is plain rounding, so the result never scores worse than RTN on the sample. ``1 / s`` is
+``α = 0`` is plain rounding, so the result never scores worse than RTN on the sample. The error is
+computed from the statistics ``H = xᵀx`` and ``m`` (``awq_search_stats``), not from ``x`` itself:
+``||x Dᵀ||² = tr(D H Dᵀ)`` with ``D = Q(W s) diag(1/s) - W``, so every calibration token counts at a
+cost of ``N K²`` per grid point whatever the token count (the AWQ paper searches on a sample of ``x``). ``1 / s`` is
 folded into the op that produces ``x`` — an RMSNorm/LayerNorm weight (q/k/v after ``input_layernorm``,
 gate/up after ``post_attention_layernorm``) or the output rows of ``up_proj`` (for ``down_proj``,
 since ``down(act(gate) * up)``) — so the model gains no op. ``o_proj`` is scaled through ``v_proj``
@@ -30,7 +33,7 @@ from torch import nn
 from ..nn.quantized.weight_only import quantize_groups
 from ..qscheme import QDtype
 
-__all__ = ["awq_search", "awq_fold", "scale_source"]
+__all__ = ["awq_search", "awq_search_stats", "awq_fold", "scale_source"]
 
 
 def _rtn(w: torch.Tensor, g: int, qdtype: QDtype, symmetric: bool) -> torch.Tensor:
@@ -42,19 +45,31 @@ def _rtn(w: torch.Tensor, g: int, qdtype: QDtype, symmetric: bool) -> torch.Tens
 @torch.no_grad()
 def awq_search(w: torch.Tensor, x: torch.Tensor, g: int, qdtype: QDtype, symmetric: bool, n_grid: int = 20
                ) -> tuple[torch.Tensor, float, dict[float, float]]:
-    """``(s (K,), α*, {α: error})`` for weight ``w`` ``(N, K)`` and sample inputs ``x`` ``(n, K)``."""
+    """``(s (K,), α*, {α: mean squared output error})`` for weight ``w`` ``(N, K)`` and sample inputs ``x`` ``(n, K)``."""
     w, x = w.detach().float(), x.detach().float()
     if x.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"awq_search: inputs of shape {tuple(x.shape)} do not match a weight {tuple(w.shape)}")
-    m = x.abs().mean(0).clamp_min(1e-6)
-    y = x @ w.T
+    return awq_search_stats(w, x.T @ x, x.abs().sum(0), x.shape[0], g, qdtype, symmetric, n_grid)
+
+
+@torch.no_grad()
+def awq_search_stats(w: torch.Tensor, H: torch.Tensor, abs_sum: torch.Tensor, n: int, g: int, qdtype: QDtype,
+                     symmetric: bool, n_grid: int = 20) -> tuple[torch.Tensor, float, dict[float, float]]:
+    """``awq_search`` from ``H = xᵀx`` ``(K, K)``, ``abs_sum = Σ_t |x_t|`` ``(K,)`` and the token count ``n``."""
+    w, H = w.detach().float(), H.detach().float()
+    K = w.shape[1]
+    if H.shape != (K, K) or abs_sum.shape != (K,) or n < 1:
+        raise ValueError(f"awq_search_stats: H {tuple(H.shape)}, abs_sum {tuple(abs_sum.shape)}, n={n} do not match "
+                         f"a weight {tuple(w.shape)}")
+    m = (abs_sum.float() / n).clamp_min(1e-6)
     errs: dict[float, float] = {}
     best: tuple[float, float, torch.Tensor] = (float("inf"), 0.0, torch.ones_like(m))
     for i in range(n_grid + 1):
         a = i / n_grid
         s = m.pow(a).clamp_min(1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        err = float(((x / s) @ _rtn(w * s, g, qdtype, symmetric).T - y).pow(2).mean())
+        d = _rtn(w * s, g, qdtype, symmetric) / s - w  # (N, K): the effective weight error
+        err = float(((d @ H) * d).sum()) / (n * w.shape[0])
         errs[a] = err
         if err < best[0]:
             best = (err, a, s)

@@ -3,7 +3,8 @@
 Per decoder block ``i`` (inputs: the hidden states of the already quantized blocks ``0..i-1``):
 
 1. ``awq``: AWQ per-channel scales for each Linear group whose producer can absorb them (see
-   ``lowbit.llm.awq``), searched on the block's float outputs and folded in.
+   ``lowbit.llm.awq``), searched on the statistics ``(xᵀx, Σ|x|)`` of every group's input, gathered in
+   one pass of the float block over all calibration tokens, and folded in.
 2. For each group of Linears in call order (``[q, k, v] -> [o] -> [gate, up] -> [down]``: true-sequential),
    the block runs on all calibration batches with the earlier groups already quantized, and
    ``H = Σ_b X_bᵀ X_b`` of the group's input is accumulated (distributed: summed over ranks in the
@@ -12,6 +13,8 @@ Per decoder block ``i`` (inputs: the hidden states of the already quantized bloc
    static groups; group qparams by ``clip``; the damping ``damp`` — a tuple is searched, the value
    with the least ``tr(ΔW H ΔWᵀ)`` kept) or by rounding (``method="rtn"``), and the Linears become
    ``WeightOnlyLinear``. With several ranks, group ``j`` is quantized on rank ``j % W`` and broadcast.
+   ``refine``: after GPTQ, the group scales are re-fitted to ``tr(ΔW H ΔWᵀ)`` with the codes fixed
+   (``lowbit.llm.refine``).
 4. The quantized block runs once more to give block ``i + 1`` its inputs.
 
 ``head`` quantizes the output projection too (``"int8"``: per-row int8; ``"int4"``: groups); with tied
@@ -39,9 +42,10 @@ from torch import nn
 
 from ..nn.quantized.weight_only import (WeightOnlyLinear, _check_args, fit_group_size, gptq_quantize, quantize_groups,
                                        weight_qdtype)
-from .awq import awq_fold, awq_search, scale_source
+from .awq import awq_fold, awq_search_stats, scale_source
 from .blocks import StopForward, capture_block_inputs, decoder_layers, linear_groups, run_block
-from .dist import broadcast_tensors, ordered_gather, ordered_sum, rank_and_world
+from .dist import broadcast_tensors, ordered_sum, rank_and_world
+from .refine import output_error, refine_scales
 from .tied import quantize_head
 
 __all__ = ["quantize_llm", "METHODS", "CLIPS"]
@@ -57,28 +61,54 @@ def _progress(it: Iterable[Any], desc: str, total: int, on: bool) -> Iterable[An
     return tqdm(it, desc=desc, total=total, leave=False)
 
 
+class _Terms:
+    """Per-batch statistic terms: summed as they come on one process, kept for ``ordered_sum`` on several."""
+
+    def __init__(self, world: int) -> None:
+        self.world, self.terms, self.total = world, [], None
+
+    def add(self, t: torch.Tensor) -> None:
+        if self.world > 1:
+            self.terms.append(t)
+        elif self.total is None:  # ((0 + t_0) + t_1) + ...: the same bits as ordered_sum of the list
+            self.total = torch.zeros_like(t).add_(t)
+        else:
+            self.total += t
+
+    def sum(self, group: Any) -> torch.Tensor:
+        return ordered_sum(self.terms, group) if self.world > 1 else self.total
+
+
 @torch.no_grad()
-def _group_inputs(block: nn.Module, names: list[str], inps: list[tuple[torch.Tensor, dict[str, Any]]],
-                  rows: int | None) -> list[torch.Tensor]:
-    """Per batch: ``XᵀX`` (``rows=None``) or the first ``rows`` tokens of the input of Linears ``names``."""
-    out: list[torch.Tensor] = []
-    first, last = block.get_submodule(names[0]), block.get_submodule(names[-1])
+def _input_stats(block: nn.Module, firsts: list[str], last: str | None, inps: list[tuple[torch.Tensor, dict[str, Any]]],
+                 world: int, group: Any, abs_sum: bool = False) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Per Linear in ``firsts``: ``(XᵀX,)`` (and ``Σ_t |x_t|`` with ``abs_sum``) of its input over all batches.
 
-    def grab(_m: nn.Module, args: tuple[Any, ...]) -> None:
-        x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-        out.append(x.T @ x if rows is None else x[:rows].clone())
+    The forward stops after Linear ``last`` (``None``: runs the whole block).
+    """
+    acc = {n: (_Terms(world), _Terms(world)) for n in firsts}
 
-    def stop(_m: nn.Module, _a: tuple[Any, ...]) -> None:
+    def grab(name: str):
+        def fn(_m: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            acc[name][0].add(x.T @ x)
+            if abs_sum:
+                acc[name][1].add(x.abs().sum(0))
+        return fn
+
+    def stop(*_a: Any) -> None:
         raise StopForward
 
-    hs = [first.register_forward_pre_hook(grab), last.register_forward_hook(lambda *a: stop(*a[:2]))]
+    hs = [block.get_submodule(n).register_forward_pre_hook(grab(n)) for n in firsts]
+    if last is not None:
+        hs.append(block.get_submodule(last).register_forward_hook(stop))
     try:
         for x, kw in inps:
             run_block(block, x, kw)
     finally:
         for h in hs:
             h.remove()
-    return out
+    return {n: (a.sum(group), b.sum(group)) if abs_sum else (a.sum(group),) for n, (a, b) in acc.items()}
 
 
 def _gptq_best(w: torch.Tensor, H: torch.Tensor, g: int, bits: int, symmetric: bool, act_order: bool, clip: str,
@@ -87,9 +117,7 @@ def _gptq_best(w: torch.Tensor, H: torch.Tensor, g: int, bits: int, symmetric: b
     best: tuple[float, Any] = (float("inf"), None)
     for d in damps:
         q, s, z = gptq_quantize(w, H, g, qd, symmetric, damp=d, group_method=clip, act_order=act_order)
-        dq = ((q.float().reshape(w.shape[0], -1, g) - z.float()[..., None]) * s[..., None]).reshape(w.shape)
-        dw = (w - dq).double()
-        err = float(((dw @ H.double()) * dw).sum())
+        err = output_error(w, H, q, s, z, g)
         if err < best[0]:
             best = (err, (q, s, z))
     return best[1]
@@ -104,15 +132,15 @@ def _replace(block: nn.Module, name: str, new: nn.Module) -> None:
 def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_size: int = 128,
                  method: str = "gptq", awq: bool = True, clip: str = "hmse", act_order: bool = True,
                  damp: float | Sequence[float] = (0.01, 0.03, 0.1), symmetric: bool = False,
-                 head: str | None = "int8", awq_tokens: int = 256, inplace: bool = False, progress: bool = True,
+                 head: str | None = "int8", refine: bool = False, inplace: bool = False, progress: bool = True,
                  group: Any = None) -> nn.Module:
     """Quantize every ``nn.Linear`` of a causal LM's decoder blocks, block by block; see the module docstring.
 
     ``calib``: token-id tensors ``(1, T)`` (or dicts of model inputs); with ``torch.distributed`` each
     rank passes its shard (``lowbit.llm.shard``; equal counts). ``method``: ``"gptq"`` or ``"rtn"``;
     ``clip``: group qparams by ``"hmse"`` (clip search weighted by ``diag(XᵀX)``), ``"mse"`` or ``"rtn"``
-    (min/max); ``awq``: AWQ scaling first (searched on ``awq_tokens`` tokens per batch); ``head``:
-    ``"int8"``, ``"int4"`` or ``None`` (keep the float output projection / embedding).
+    (min/max); ``awq``: AWQ scaling first; ``refine``: re-fit the group scales after GPTQ (codes
+    fixed); ``head``: ``"int8"``, ``"int4"`` or ``None`` (keep the float output projection / embedding).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_llm: model must be an nn.Module, got {type(model).__name__}")
@@ -138,15 +166,17 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
     job = 0
     for block in _progress(layers, "quantize_llm blocks", len(layers), progress and rank == 0):
         groups = linear_groups(block, *inps[0])
-        if awq:
+        srcs = {names[0]: scale_source(block, names) for names in groups} if awq else {}
+        if any(srcs.values()):  # the folds leave every group's float input as it was: one pass for all
+            n_tok = int(ordered_sum([torch.tensor(float(x.shape[:-1].numel())) for x, _ in inps], group))
+            stats = _input_stats(block, [n for n, src in srcs.items() if src], None, inps, world, group, True)
             for names in groups:
-                src = scale_source(block, names)
-                if src is None:
+                if srcs[names[0]] is None:
                     continue
-                x = torch.cat(ordered_gather(_group_inputs(block, names, inps, awq_tokens), group))
                 w = torch.cat([block.get_submodule(n).weight.float() for n in names])
-                s, _, _ = awq_search(w, x, fit_group_size(w.shape[1], group_size), qd, symmetric)
-                awq_fold(block, src, names, s)
+                H, a = stats[names[0]]
+                s, _, _ = awq_search_stats(w, H, a, n_tok, fit_group_size(w.shape[1], group_size), qd, symmetric)
+                awq_fold(block, srcs[names[0]], names, s)
         for names in groups:
             lins = [block.get_submodule(n) for n in names]
             k = lins[0].in_features
@@ -159,9 +189,11 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
             n, G = w.shape[0], qs[0].scales.shape[1]
             codes, s, z = torch.zeros(n, k, dtype=torch.int64), torch.zeros(n, G), torch.zeros(n, G, dtype=torch.int64)
             if method == "gptq":
-                H = ordered_sum(_group_inputs(block, names, inps, None), group)
+                H = _input_stats(block, names[:1], names[-1], inps, world, group)[names[0]][0]
                 if job % world == rank:
                     codes, s, z = _gptq_best(w, H, qs[0]._g, bits, symmetric, act_order, clip, damps)
+                    if refine:
+                        s = refine_scales(w, H, codes, s, z, qs[0]._g)[0]
                 broadcast_tensors([codes, s, z], job % world, group)
                 job += 1
             else:
@@ -172,7 +204,8 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
                 if m.bias is not None:
                     q.bias = m.bias.detach().float().cpu().clone()
                 _replace(block, name, q.to(m.weight.device))
-        inps = [(run_block(block, x, kw), kw) for x, kw in inps]
+        if method == "gptq" or awq:  # plain rounding needs no activations
+            inps = [(run_block(block, x, kw), kw) for x, kw in inps]
     if head is not None:
         quantize_head(model, 8 if head == "int8" else 4, group_size, symmetric)
     return model
