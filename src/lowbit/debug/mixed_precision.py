@@ -13,7 +13,19 @@ so every layer kept float pays for itself. ``tolerance`` (``>= 0``) is the large
 ``baseline - metric`` (``eval_fn``: higher is better); ``max_float_layers`` caps the float layers;
 give either or both. ``mode="eager"`` (``prepare``/``convert``, optional ``fuse`` groups) or ``"fx"``
 (``prepare_fx``/``convert_fx`` with ``example_inputs``). Costs ``L + 1`` quantizations for the
-ranking plus one per greedy step.
+ranking plus one per greedy step (``search="exact"``, the default).
+
+``search="fast"`` quantizes **once** and then swaps layers of that one converted model back to float
+(no new calibration): the ranking is one evaluation per layer with *only that layer float*
+(``metric_L``, best first: the layer whose float twin helps most), the greedy walk keeps a layer float
+if that improves the metric and stops at the budget or at the first layer whose own gain
+``metric_L - metric_all`` is not positive. ``L + 1`` evaluations plus a few, one calibration. A layer
+kept float computes in float from its dequantized input; its output goes back onto the layer's
+calibrated output grid when the quantized layer had one (the grid its int8 consumers read), so the
+search sees what ``prepare`` with ``set_module_name(L, None)`` then does, up to that rounding. A layer
+alone in its own graph (an untraceable parent's child) is swapped for the float module itself.
+``finalize(qmodel)`` (e.g. ``lowbit.fuse_dequantize``) runs on every converted model before it is
+scored, in either search; use it again on the model built from the returned mapping.
 
 >>> import torch, lowbit as Q
 >>> from lowbit.debug import auto_mixed_precision
@@ -39,13 +51,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from tqdm.auto import tqdm
 
 from ..qconfig import QConfigMapping
+from ..qtensor import QTensor, quantize_per_tensor
 from .compare import check_module, iter_batches
 from .sensitivity import (
+    SensitivityRow,
     SensitivityTable,
+    _dequantize_output,
     _fused,
     _quantize,
     _quiet_float_fallback,
@@ -57,12 +72,14 @@ from .sensitivity import (
 __all__ = ["auto_mixed_precision"]
 
 _MODES = ("eager", "fx")
+_SEARCHES = ("exact", "fast")
 
 
 def auto_mixed_precision(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Callable[[nn.Module], Any],
                          *, tolerance: float | None = None, max_float_layers: int | None = None,
                          mode: str = "eager", example_inputs: tuple[Any, ...] | None = None,
-                         fuse: Any = None, progress: bool = True) -> tuple[QConfigMapping, SensitivityTable]:
+                         fuse: Any = None, progress: bool = True, search: str = "exact",
+                         finalize: Callable[[nn.Module], Any] | None = None) -> tuple[QConfigMapping, SensitivityTable]:
     """Quantize ``model`` keeping float the fewest layers that meet ``tolerance`` / ``max_float_layers``.
 
     Returns ``(mapping, table)``: ``mapping`` is the user's mapping plus ``set_module_name(L, None)``
@@ -82,10 +99,17 @@ def auto_mixed_precision(model: nn.Module, qconfig_mapping: Any, calib: Any, eva
     if max_float_layers is not None and (isinstance(max_float_layers, bool) or not isinstance(max_float_layers, int)
                                          or max_float_layers < 0):
         raise ValueError(f"auto_mixed_precision: max_float_layers={max_float_layers!r} must be an int >= 0")
+    if not isinstance(search, str) or search not in _SEARCHES:
+        raise ValueError(f"auto_mixed_precision: search={search!r} must be 'exact' or 'fast'")
+    if finalize is not None and not callable(finalize):
+        raise TypeError(f"auto_mixed_precision: finalize={finalize!r} must be callable (converted model -> None)")
     method = "fx" if mode == "fx" else "ptq"
     batches = list(iter_batches(calib, "auto_mixed_precision: calib"))
     if mode == "fx" and example_inputs is None:
         example_inputs = example_inputs_of(batches[0], "auto_mixed_precision")
+    if search == "fast":
+        return _fast(model, qconfig_mapping, batches, eval_fn, tolerance, max_float_layers, method, example_inputs,
+                     fuse, progress, finalize)
     mapping, table = sensitivity(model, qconfig_mapping, batches, eval_fn, fuse=fuse, method=method,
                                  example_inputs=example_inputs)
     table.tolerance = tolerance
@@ -94,7 +118,10 @@ def auto_mixed_precision(model: nn.Module, qconfig_mapping: Any, calib: Any, eva
     limit = -math.inf if tolerance is None else tolerance  # no tolerance: only the layer budget stops
 
     def measure(m: QConfigMapping, what: str) -> float:
-        return _score(eval_fn, _quantize(base, m, batches, method, None, example_inputs), what)
+        qmodel = _quantize(base, m, batches, method, None, example_inputs)
+        if finalize is not None:
+            finalize(qmodel)
+        return _score(eval_fn, qmodel, what)
 
     with _quiet_float_fallback(), torch.no_grad():
         metric = measure(mapping, "the fully quantized model")
@@ -108,5 +135,145 @@ def auto_mixed_precision(model: nn.Module, qconfig_mapping: Any, calib: Any, eva
             if m > metric:
                 mapping, metric = trial, m
                 table.float_layers.append(row.name)
+    table.final_metric = metric
+    return mapping, table
+
+
+# ---------------------------------------------------------------- search="fast"
+
+
+class _FloatTwin(nn.Module):
+    """A quantized layer's float form: float compute on its (dequantized) input, back on the layer's output
+    grid when it had one that int8 consumers read (``grid`` None: float output)."""
+
+    def __init__(self, float_mod: nn.Module, qmod: nn.Module, float_out: bool) -> None:
+        super().__init__()
+        self.float_mod = float_mod
+        qdtype = getattr(qmod, "out_qdtype", None)
+        float_out = float_out or type(qmod).__name__.endswith("FloatOut")
+        self.grid = None if float_out or qdtype is None else (float(qmod.scale), int(qmod.zero_point), qdtype)
+
+    def forward(self, x: Any) -> Any:
+        y = self.float_mod(x.dequantize() if isinstance(x, QTensor) else x)
+        return y if self.grid is None else quantize_per_tensor(y, *self.grid)
+
+
+def _set(root: nn.Module, path: str, mod: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, mod)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _node_of(qmodel: nn.Module, path: str) -> tuple[str, fx.GraphModule, fx.Node] | None:
+    """The innermost graph holding the call of module ``path``, and that node."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        gpath = ".".join(parts[:i])
+        gm = qmodel.get_submodule(gpath) if gpath else qmodel
+        if isinstance(gm, fx.GraphModule):
+            rel = ".".join(parts[i:])
+            for node in gm.graph.nodes:
+                if node.op == "call_module" and node.target == rel:
+                    return gpath, gm, node
+            return None
+    return None
+
+
+def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module) -> dict[str, list[tuple[str, nn.Module]]]:
+    """``{layer name: [(path in qmodel, float replacement), ...]}`` for every quantized weighted layer."""
+    from ..nn.quantized.stubs import DeQuantize, Quantize
+
+    out: dict[str, list[tuple[str, nn.Module]]] = {}
+    base_mods = dict(base.named_modules())
+    prep_mods = dict(prepared.named_modules())
+    for path, qmod in qmodel.named_modules():
+        if not type(qmod).__module__.startswith("lowbit.nn.quantized") or not callable(getattr(qmod, "weight", None)):
+            continue
+        if ".dynamic" in type(qmod).__module__ or path not in prep_mods:
+            continue
+        parent, _, last = path.rpartition(".")
+        if last == "module" and parent in base_mods and type(base_mods[parent]) is type(prep_mods[path]):
+            out[parent] = [(parent, copy.deepcopy(base_mods[parent]))]  # a one-layer graph: the float module
+            continue
+        found = _node_of(qmodel, path)
+        swaps: list[tuple[str, nn.Module]] = []
+        float_out = False
+        if found is not None:  # the layer's own input Quantize goes too: a float layer reads float
+            gpath, gm, node = found
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, fx.Node) and arg.op == "call_module" and len(arg.users) == 1 and \
+                    isinstance(gm.get_submodule(arg.target), Quantize):
+                swaps.append((_join(gpath, str(arg.target)), nn.Identity()))
+            float_out = bool(node.users) and all(
+                u.op == "call_module" and isinstance(gm.get_submodule(u.target), DeQuantize) for u in node.users)
+        swaps.append((path, _FloatTwin(copy.deepcopy(prep_mods[path]), qmod, float_out)))
+        out[path] = swaps
+    return out
+
+
+def _apply(qmodel: nn.Module, swaps: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Put the replacements in; return what to put back."""
+    undo = [(path, qmodel.get_submodule(path)) for path, _ in swaps]
+    for path, mod in swaps:
+        _set(qmodel, path, mod)
+    return undo
+
+
+def _fast(model: nn.Module, qconfig_mapping: Any, batches: list[Any], eval_fn: Callable[[nn.Module], Any],
+          tolerance: float | None, max_float_layers: int | None, method: str,
+          example_inputs: tuple[Any, ...] | None, fuse: Any, progress: bool,
+          finalize: Callable[[nn.Module], Any] | None) -> tuple[QConfigMapping, SensitivityTable]:
+    from ..fx import convert_fx, prepare_fx
+    from ..workflow import convert, prepare
+    from .compare import run_batch
+
+    mapping = copy.deepcopy(QConfigMapping.from_qconfig(qconfig_mapping, None))
+    base = _fused(model, fuse, method)
+    with _quiet_float_fallback(), torch.no_grad():
+        baseline = _score(eval_fn, copy.deepcopy(base).eval(), "the float model")
+        if method == "fx":
+            import warnings
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r".*cannot be traced")
+                prepared = prepare_fx(copy.deepcopy(base), mapping, example_inputs=example_inputs)
+        else:
+            prepared = prepare(base, mapping)
+        for b in tqdm(batches, desc="auto_mixed_precision: calibrate", disable=not progress, leave=False):
+            run_batch(prepared, b)
+        qmodel = convert_fx(copy.deepcopy(prepared)) if method == "fx" else convert(copy.deepcopy(prepared))
+        qmodel.register_forward_hook(_dequantize_output)
+        if finalize is not None:
+            finalize(qmodel)
+        swaps = _swaps(base, prepared, qmodel)
+        if not swaps:
+            raise ValueError("auto_mixed_precision: the quantized model has no int8 weighted layer to keep float")
+        table = SensitivityTable(baseline, tolerance=tolerance, view="float")
+        metric = table.all_quantized_metric = _score(eval_fn, qmodel, "the fully quantized model")
+        rows = []
+        for name, sw in tqdm(swaps.items(), desc="auto_mixed_precision: rank (one layer float)",
+                             disable=not progress, leave=False):
+            undo = _apply(qmodel, sw)
+            m = _score(eval_fn, qmodel, f"the model with '{name}' float")
+            _apply(qmodel, undo)
+            rows.append(SensitivityRow(name, type(undo[-1][1]).__name__, m, baseline - m))
+        rows.sort(key=lambda r: r.drop)
+        table.rows = rows
+        budget = len(rows) if max_float_layers is None else max_float_layers
+        limit = -math.inf if tolerance is None else tolerance
+        steps = tqdm(rows, desc="auto_mixed_precision: greedy", disable=not progress, leave=False)
+        for row in steps:
+            if baseline - metric <= limit or len(table.float_layers) >= budget or row.metric <= table.all_quantized_metric:
+                break
+            undo = _apply(qmodel, swaps[row.name])
+            m = _score(eval_fn, qmodel, f"the model with {[*table.float_layers, row.name]} float")
+            if m > metric:
+                metric = m
+                table.float_layers.append(row.name)
+                mapping.set_module_name(row.name, None)
+            else:
+                _apply(qmodel, undo)
     table.final_metric = metric
     return mapping, table

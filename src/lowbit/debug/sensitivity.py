@@ -91,6 +91,7 @@ class SensitivityTable:
     float_layers: list[str] = field(default_factory=list)
     final_metric: float | None = None      # everything quantized except float_layers (tolerance only)
     all_quantized_metric: float | None = None  # everything quantized (auto_mixed_precision)
+    view: str = "alone"  # rows: "alone" = only this layer int8; "float" = only this layer float (search="fast")
 
     @property
     def final_drop(self) -> float | None:
@@ -117,8 +118,11 @@ class SensitivityTable:
                      f"(drop {self.final_drop:+.4g}, {budget})")
         return text
 
+    def _metric_head(self) -> str:
+        return "metric (only this layer float)" if self.view == "float" else "metric (only this layer int8)"
+
     def __str__(self) -> str:
-        head = ("layer", "type", "metric (only this layer int8)", "drop", "kept float")
+        head = ("layer", "type", self._metric_head(), "drop", "kept float")
         table = [head, *self._cells()]
         widths = [max(len(row[i]) for row in table) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
@@ -127,7 +131,7 @@ class SensitivityTable:
         return "\n".join([*lines, self._footer()])
 
     def to_markdown(self) -> str:
-        lines = ["| layer | type | metric (only this layer int8) | drop | kept float |", "|---|---|---:|---:|---|"]
+        lines = [f"| layer | type | {self._metric_head()} | drop | kept float |", "|---|---|---:|---:|---|"]
         lines += ["| " + " | ".join(row) + " |" for row in self._cells()]
         return "\n".join([*lines, "", self._footer()])
 
