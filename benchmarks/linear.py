@@ -1,6 +1,12 @@
 """Linear layers: fp32 / bf16 / torch.ao / ONNX Runtime / lowbit int8, interleaved, per thread count.
 
 Run: ``python benchmarks/linear.py [--quick] [--threads 1 2] [--rounds 7]`` (method: ``common.py``).
+
+``python benchmarks/linear.py --vs-ao [--threads 1] [--rounds 9]`` is the issue #10 table instead: the
+converted models the workflows build (``QuantStub → Linear → DeQuantStub`` with the default qconfigs,
+and ``quantize_dynamic`` of an ``nn.Linear``; torch.ao's on the x86 engine), eager, at M ∈ {1, 16, 128,
+512} × (K, N) ∈ {768², 768×3072, 4096²}: medians of interleaved rounds and lowbit / torch.ao speed ratios
+(> 1: lowbit faster), ISA printed; writes ``benchmarks/results/linear_vs_ao.json``.
 Shapes: M ∈ {1, 16, 128, 512} × (K, N) ∈ {768², 768×3072, 3072×768, 4096²}. Every method is a whole
 float-in/float-out layer unless named "kernel". Speed-ups are against fp32 eager (``F.linear``,
 MKL sgemm) and against the best fp32 (oneDNN packed ``mkldnn._linear_pointwise``). Writes
@@ -17,6 +23,7 @@ Methods:
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import warnings
 from collections.abc import Callable
@@ -38,6 +45,7 @@ from lowbit.nn.quantized.dynamic import Linear as DLinear
 warnings.filterwarnings("ignore")
 MS = [1, 16, 128, 512]
 KN = [(768, 768), (768, 3072), (3072, 768), (4096, 4096)]
+KN_VS_AO = [(768, 768), (768, 3072), (4096, 4096)]
 
 
 def qweight(w: torch.Tensor) -> Q.QTensor:
@@ -136,11 +144,60 @@ def methods_for(m: int, k: int, n: int, threads: int) -> tuple[dict[str, Callabl
     return meth, err
 
 
+def converted_pair(m: int, k: int, n: int) -> tuple[torch.Tensor, dict[str, nn.Module]]:
+    """fp32, lowbit / torch.ao static (default qconfigs, x86 engine) and dynamic models of one ``nn.Linear``."""
+    import torch.ao.quantization as aoq
+
+    torch.manual_seed(0)
+    lin, x = nn.Linear(k, n).eval(), torch.randn(m, k)
+    prep = Q.prepare(nn.Sequential(Q.QuantStub(), copy.deepcopy(lin), Q.DeQuantStub()).eval(), Q.get_default_qconfig())
+    torch.backends.quantized.engine = "x86"
+    ao = nn.Sequential(aoq.QuantStub(), copy.deepcopy(lin), aoq.DeQuantStub()).eval()
+    ao.qconfig = aoq.get_default_qconfig("x86")
+    aoq.prepare(ao, inplace=True)
+    with torch.inference_mode():
+        prep(x)
+        ao(x)
+    aoq.convert(ao, inplace=True)
+    return x, {"fp32": lin, "lowbit static": Q.convert(prep), "ao static": ao,
+               "lowbit dynamic": Q.quantize_dynamic(nn.Sequential(copy.deepcopy(lin))),
+               "ao dynamic": aoq.quantize_dynamic(nn.Sequential(copy.deepcopy(lin)), {nn.Linear}, dtype=torch.qint8)}
+
+
+def vs_ao(a: argparse.Namespace) -> None:
+    """The issue #10 table: lowbit vs torch.ao, static and dynamic, eager, 12 shapes."""
+    mach = common.machine()
+    print(f"{mach.get('cpu', '?')} | ISA {mach.get('isa')} | vnni={onednn.has_vnni()} | torch {mach['torch']}")
+    res: dict[str, Any] = {"vnni": onednn.has_vnni(), "runs": []}
+    shapes = [(16, 768, 768), (1, 768, 3072)] if a.quick else [(m, k, n) for k, n in KN_VS_AO for m in a.ms]
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        print(f"\n{threads} thread(s): median µs of interleaved rounds; ratio = torch.ao time / lowbit time (> 1: lowbit faster)")
+        print(common.md_table(["M×K×N", "clean", "lowbit static", "ao static", "ratio", "lowbit dynamic", "ao dynamic",
+                               "ratio", "fp32"], []))
+        for m, k, n in shapes:
+            x, mods = converted_pair(m, k, n)
+            meth = {name: (lambda mod=mod, x=x: mod(x)) for name, mod in mods.items()}
+            t = common.bench(meth, a.rounds, a.min_time, a.max_load, a.max_wait)
+            us = {name: t.median(name) * 1e6 for name in meth}
+            st, dy = t.ratio("ao static", "lowbit static"), t.ratio("ao dynamic", "lowbit dynamic")
+            print(f"| {m}×{k}×{n} | {t.n_clean}/{a.rounds} | {us['lowbit static']:.1f} | {us['ao static']:.1f} | "
+                  f"{st:.2f} | {us['lowbit dynamic']:.1f} | {us['ao dynamic']:.1f} | {dy:.2f} | "
+                  f"{us['fp32']:.1f} |", flush=True)
+            res["runs"].append({"threads": threads, "M": m, "K": k, "N": n, "us": us, "static_ratio": st,
+                                "dynamic_ratio": dy, **t.summary()})
+    print(common.write_results(a.out or "linear_vs_ao", res))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(p)
     p.add_argument("--ms", type=int, nargs="+", default=MS, help="the M values to run")
+    p.add_argument("--vs-ao", action="store_true", help="the issue #10 lowbit-vs-torch.ao table (12 shapes)")
     a = p.parse_args()
+    if a.vs_ao:
+        vs_ao(a)
+        return
     shapes = [(m, k, n) for m in a.ms for k, n in KN]
     if a.quick:
         shapes, a.rounds = [(16, 768, 768), (128, 768, 3072)], min(a.rounds, 3)

@@ -1,63 +1,99 @@
-"""Per-call overhead of a static int8 Linear at M = 1 (1×768×768, 1 thread): where the time goes.
+"""Per-call overhead of the static and dynamic int8 Linear at small M: where the time goes.
 
-Run: ``python benchmarks/overhead.py``; writes ``benchmarks/results/overhead_m1.json``. Interleaved like
-``common.bench``; each line adds one layer of the call stack on top of the previous one.
+Run: ``python benchmarks/overhead.py [--shapes 1x768x768 16x768x768] [--rounds 7]``; prints the ISA,
+writes ``benchmarks/results/overhead.json``. 1 thread, interleaved like ``common.bench``. Each row times
+one layer of the call stack (the whole model, one module, the kernel dispatcher, the raw torch op), so
+the differences between rows are the per-call costs of each layer; torch.ao's twins are the yardstick.
 """
 
+from __future__ import annotations
+
+import argparse
+import copy
 import sys
+import warnings
 from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.ao.quantization as aoq
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import warnings
-
 import common
-import torch
-
-warnings.filterwarnings("ignore")
-import torch.nn.functional as F
 
 import lowbit as Q
 from lowbit import kernels
-from lowbit.kernels import onednn
-from lowbit.nn.quantized import Linear as QLinear
+from lowbit.nn.quantized.dynamic.per_token import dynamic_linear, quantize_per_token
 
-torch.set_num_threads(1)
-torch.backends.quantized.engine = "x86"
-lin = torch.nn.Linear(768, 768)
-x = torch.randn(1, 768)
-w = lin.weight.detach()
-b = lin.bias.detach()
-s = w.abs().amax(1) / 127
-wq = Q.quantize_per_channel(w, s, torch.zeros(768, dtype=torch.long), 0, Q.qint8)
-qd = Q.quint8.with_range(0, 127)
-m = QLinear.from_reference(lin, wq, 0.05, 64, qd)
-m.input_grid = (0.03, 64, qd)
-xq = Q.QTensor(Q.quantize(x, 0.03, 64, qd), 0.03, 64, qd)
-weight, out = m._prepared()
-cache = m._cache
-kernels.linear(xq, weight, m.bias, out, False, cache)
-pk = cache["onednn.fbgemm_q"][1]
-q = xq.int_repr()
-aw = torch._make_per_channel_quantized_tensor(wq.int_repr(), s.double(), torch.zeros(768, dtype=torch.long), 0)
-apk = torch.ops.quantized.linear_prepack(aw, b)
-meth = {
-    "fp32 F.linear": lambda: F.linear(x, w, b),
-    "ao static full (q->qlinear->dq)": lambda: torch.ops.quantized.linear(
-        torch.quantize_per_tensor(x, 0.03, 64, torch.quint8), apk, 0.05, 64
-    ).dequantize(),
-    "lowbit static full (float in, dequantize out)": lambda: m(x).dequantize(),
-    "lowbit module forward (QTensor in)": lambda: m(xq),
-    "kernels.linear (dispatch)": lambda: kernels.linear(xq, weight, m.bias, out, False, cache),
-    "onednn.linear (backend)": lambda: onednn.linear(xq, weight, m.bias, out, False, cache),
-    "fbgemm op only": lambda: torch.ops.quantized.linear(
-        torch._make_per_tensor_quantized_tensor(q, 0.03, 64), pk, 0.05, 64
-    ),
-    "lowbit quantize(x) (input)": lambda: Q.quantize(x, 0.03, 64, qd),
-    "QTensor.dequantize (output)": lambda: xq.dequantize(),
-}
-T = common.bench(meth, rounds=7, min_time=0.05, max_wait=2.0)
-rows = {k: T.median(k) * 1e6 for k in meth}
-for k, v in rows.items():
-    print(f"{k:48s} {v:7.1f} us")
-print("clean", T.n_clean, "load", T.summary()["other_load_median"])
-common.write_results("overhead_m1", {"shape": "1x768x768", "threads": 1, "us": rows, "clean_rounds": T.n_clean})
+warnings.filterwarnings("ignore")
+
+
+def models(m: int, k: int, n: int) -> tuple[torch.Tensor, dict[str, nn.Module]]:
+    """fp32 / lowbit static / torch.ao static (x86) / lowbit dynamic / torch.ao dynamic of one ``nn.Linear``."""
+    torch.manual_seed(0)
+    lin, x = nn.Linear(k, n).eval(), torch.randn(m, k)
+    prep = Q.prepare(nn.Sequential(Q.QuantStub(), copy.deepcopy(lin), Q.DeQuantStub()).eval(), Q.get_default_qconfig())
+    torch.backends.quantized.engine = "x86"
+    ao = nn.Sequential(aoq.QuantStub(), copy.deepcopy(lin), aoq.DeQuantStub()).eval()
+    ao.qconfig = aoq.get_default_qconfig("x86")
+    aoq.prepare(ao, inplace=True)
+    with torch.inference_mode():
+        prep(x)
+        ao(x)
+    aoq.convert(ao, inplace=True)
+    return x, {"fp32": lin, "lowbit static": Q.convert(prep), "ao static": ao,
+               "lowbit dynamic": Q.quantize_dynamic(nn.Sequential(copy.deepcopy(lin))),
+               "ao dynamic": aoq.quantize_dynamic(nn.Sequential(copy.deepcopy(lin)), {nn.Linear}, dtype=torch.qint8)}
+
+
+def methods(m: int, k: int, n: int) -> dict[str, Callable[[], Any]]:
+    x, mods = models(m, k, n)
+    st = mods["lowbit static"]
+    quant, qlin, dequant = st[0], st[1], st[2]
+    xq = quant(x)
+    yq = qlin(xq)
+    weight, out = qlin._prepared()
+    cache = qlin._cache
+    dyn = mods["lowbit dynamic"][0]
+    dargs = (dyn.weight_int8, dyn.weight_scale, dyn.weight_zero_point, dyn.dtype, dyn.bias, dyn._cache)
+    return {
+        "fp32 nn.Linear": lambda: mods["fp32"](x),
+        "ao static (q -> linear -> dq)": lambda: mods["ao static"](x),
+        "lowbit static (Quantize -> Linear -> DeQuantize)": lambda: st(x),
+        "  Quantize (float -> QTensor)": lambda: quant(x),
+        "  Linear module (QTensor in)": lambda: qlin(xq),
+        "  kernels.linear (dispatch + backend)": lambda: kernels.linear(xq, weight, qlin.bias, out, False, cache),
+        "  DeQuantize (QTensor -> float)": lambda: dequant(yq),
+        "ao dynamic": lambda: mods["ao dynamic"](x),
+        "lowbit dynamic (module)": lambda: mods["lowbit dynamic"](x),
+        "  per_token.dynamic_linear": lambda: dynamic_linear(x, *dargs),
+        "  quantize_per_token": lambda: quantize_per_token(x),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=["1x768x768", "16x768x768"], help="MxKxN")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--min-time", type=float, default=0.05)
+    p.add_argument("--max-wait", type=float, default=2.0)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    mach = common.machine()
+    print(f"{mach.get('cpu', '?')} | ISA {mach.get('isa')} | torch {mach['torch']} | 1 thread")
+    res: dict[str, Any] = {"threads": 1, "runs": []}
+    for shape in a.shapes:
+        m, k, n = (int(v) for v in shape.split("x"))
+        meth = methods(m, k, n)
+        t = common.bench(meth, a.rounds, a.min_time, max_wait=a.max_wait)
+        rows = {name: t.median(name) * 1e6 for name in meth}
+        print(f"\n{shape}: clean rounds {t.n_clean}/{a.rounds}, other load {t.summary()['other_load_median']:.2f}")
+        for name, us in rows.items():
+            print(f"  {name:52s} {us:8.1f} us")
+        res["runs"].append({"shape": shape, "us": rows, "clean_rounds": t.n_clean})
+    print(common.write_results("overhead", res))
+
+
+if __name__ == "__main__":
+    main()

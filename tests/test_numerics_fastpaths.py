@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import lowbit as Q
 from lowbit.functional import dequantize, quantize
-from lowbit.nn.quantized.dynamic import linear as dl
+from lowbit.nn.quantized.dynamic import per_token as dl
 
 
 def plain_quantize(x, s, z, qd):
@@ -44,4 +44,4 @@ def test_blocked_epilogue_equals_whole_tensor_expression(monkeypatch):
     wsum, sx, b = torch.randn(11, generator=g), torch.rand(37, generator=g), torch.randn(11, generator=g)
     ref = (raw - c[:, None] * wsum) * sx[:, None] + b
     monkeypatch.setattr(dl, "_BLOCK", 30)  # blocks of 2 rows, the last one short
-    assert torch.equal(dl._epilogue(raw.clone(), c, wsum, sx, b), ref)
+    assert torch.equal(dl._epilogue(raw.clone(), c[:, None], wsum, sx[:, None], b), ref)

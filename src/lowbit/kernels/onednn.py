@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ..functional import _store, scalar_tensors
 from ..qtensor import QTensor
 from .spec import ConvSpec, OutGrid
 
@@ -151,8 +152,14 @@ def _wrap(y: torch.Tensor, out: OutGrid | None) -> QTensor | torch.Tensor:
 def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None,
            relu: bool = False, cache: dict[str, Any] | None = None) -> Any:
     """``int8 x (…, K) · int8 wᵀ (K, N)`` through ``onednn::qlinear_pointwise``; ``NotImplemented`` if declined."""
-    if x.device.type != "cpu" or x.numel() == 0 or x.int_repr().element_size() != 1:
+    q = x.int_repr()
+    if x.device.type != "cpu" or q.numel() == 0 or q.element_size() != 1:
         return NotImplemented
+    k = q.shape[-1]
+    if q.numel() == k > 1 and has_vnni():  # one row: torch._int_mm's GEMV (no pack needed, 3-5x faster)
+        y = _gemv(q, x, weight, bias, out, relu, cache)
+        if y is not NotImplemented:
+            return y
     entry = _packed(cache, "onednn.linear", weight, lambda w: torch.ops.onednn.qlinear_prepack(w, None))
     if entry is None:
         return NotImplemented
@@ -174,6 +181,58 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
         return _split_run(run, q, zx, bias, out, relu, -1)
     s_out, z_out, dt = _epilogue(out)
     return _wrap(run(q, zx, bias, s_out, z_out, dt, "relu" if relu else "none"), out)
+
+
+def _gemv(q: torch.Tensor, x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None,
+          relu: bool, cache: dict[str, Any] | None) -> Any:
+    """One row ``(…, 1, K)`` on a VNNI/AMX CPU: ``torch._int_mm`` (u8/s8 × s8, exact int32; the weight is
+    read in place as ``wᵀ``, no pack) and the ``int_mm`` backend's epilogue, bit for bit::
+
+        acc = Σ_k q_x q_w - z_x Σ_k q_w            y = acc · (s_x s_w) + bias (→ relu)  →  quantize onto ``out``
+
+    oneDNN's and fbgemm's prepacked calls cost 20-35 µs at M = 1 (1×768×768); this one ~7 µs. Weight
+    zero points must be 0 (checked once per weight version), else ``NotImplemented``."""
+    w = weight.int_repr()
+    version = (w.data_ptr(), w._version, weight.scale.data_ptr(), weight.scale._version)
+    hit = cache.get("onednn.gemv") if cache is not None else None
+    if hit is None or hit[0] != version:
+        ok = w.dtype == torch.int8 and not bool(weight.zero_point.any())
+        hit = (version, (w.t(), w.to(torch.int32).sum(1), weight.scale) if ok else None, {})
+        if cache is not None:
+            cache["onednn.gemv"] = hit
+    if hit[1] is None:
+        return NotImplemented
+    (w_t, w_sum, w_scale), grids = hit[1], hit[2]
+    sx, zx = x.scale.item(), x.zero_point.item()
+    g = grids.get((sx, zx))
+    if g is None:  # per input grid: z_x Σ q_w and s_x s_w, made once (a model's input grids are fixed)
+        g = grids[(sx, zx)] = (w_sum * zx if zx else None, w_scale * sx)
+        if len(grids) > 8:
+            grids.pop(next(iter(grids)))
+    acc = torch._int_mm(q if q.dim() == 2 else q.reshape(1, -1), w_t)
+    if g[0] is not None:
+        acc = acc.sub_(g[0])
+    y = acc.float().mul_(g[1])
+    if bias is not None:
+        y = y.add_(bias)
+    if relu:
+        y = y.relu_()
+    if q.dim() != 2:
+        y = y.reshape(*q.shape[:-1], -1)
+    if out is None:
+        return y
+    qd = out.qdtype
+    o = grids.get(out)
+    if o is None:  # round(y · float32(1/s) + z): functional.quantize's arithmetic, 0-d float32 operands
+        o = grids[out] = scalar_tensors(_inv_scale(out.scale), float(out.zero_point))
+    y = y.mul_(o[0]).add_(o[1]).round_().clamp_(qd.quant_min, qd.quant_max)
+    return out.wrap(_store(y, qd))
+
+
+@functools.lru_cache(maxsize=256)
+def _inv_scale(scale: float) -> float:
+    """``float32(1 / float32(scale))`` as a Python float (``torch.reciprocal`` in float32)."""
+    return float(torch.tensor(scale, dtype=torch.float32).reciprocal())
 
 
 def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec, out: OutGrid | None,
@@ -233,7 +292,7 @@ def _float_epilogue(y: torch.Tensor, bias: torch.Tensor | None, out: OutGrid | N
     if out is None:
         return y
     # in place, bit-identical to functional.quantize: round(y · float32(1/s) + z), clamped
-    inv = float(torch.tensor(out.scale, dtype=torch.float32).reciprocal())
+    inv = _inv_scale(out.scale)
     y = y.mul_(inv).add_(out.zero_point).round_().clamp_(out.qdtype.quant_min, out.qdtype.quant_max)
     return out.wrap(y.to(out.qdtype.storage))
 

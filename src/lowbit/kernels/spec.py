@@ -10,6 +10,7 @@ False
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +49,7 @@ class OutGrid:
     def torch_storage(self) -> torch.dtype:
         return self.qdtype.storage
 
-    @property
+    @functools.cached_property
     def full_range(self) -> bool:
         """Whether the grid spans its whole 8-bit storage (no extra clamp needed after a kernel)."""
         info = torch.iinfo(self.qdtype.storage)

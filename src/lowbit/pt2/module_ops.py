@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..compile_state import qdtype_from_key
-from ..nn.quantized.dynamic.linear import per_token_linear, quantize_per_token
+from ..nn.quantized.dynamic.per_token import dynamic_linear as _dynamic_linear
 from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.weight_only import WeightOnlyLinear
 from ..qtensor import QTensor
@@ -41,8 +41,8 @@ def dynamic_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
                    w_qdtype: str, bias: torch.Tensor | None) -> torch.Tensor:
     if x.shape[0] == 0:
         return x.new_zeros(0, weight.shape[0], dtype=torch.float32)
-    wq = QTensor(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=0)
-    return per_token_linear(quantize_per_token(x), wq, bias, weight_cache(weight)).contiguous()
+    return _dynamic_linear(x, weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), bias,
+                           weight_cache(weight)).contiguous()
 
 
 def _dynamic_linear_fake(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,

@@ -60,7 +60,7 @@ class Linear(WeightedQuantModule):
             raise ValueError(f"{type(self).__name__}: input of shape {tuple(qx.shape)} does not end in "
                              f"in_features={self.in_features}")
         weight, out = self._prepared()
-        return kernels.linear(qx, weight, self.bias, out, self._relu, self._cache)  # type: ignore[return-value]
+        return kernels.linear(qx, weight, self._buffers["bias"], out, self._relu, self._cache)  # type: ignore[return-value]
 
     @classmethod
     def from_reference(cls, linear: nn.Linear, weight: QTensor, out_scale: float, out_zero_point: int,

@@ -14,8 +14,9 @@ uses one 7-bit (reduce_range) grid for the whole tensor, which is what loses acc
 transformers (MiniLM sentence embeddings: cosine 0.999 here vs 0.93). The integer GEMM runs
 through ``lowbit.kernels`` (oneDNN prepacked on x86 CPU, ``torch._int_mm`` on CUDA): the kernels
 take one activation grid per call, so ``per_token_linear`` applies the per-row grids in its
-epilogue. ``dtype=torch.float16`` instead stores the weight in float16 and computes in the
-input's dtype (weight-only compression).
+epilogue; the forward runs ``per_token.dynamic_linear``, the same codes with no per-call
+validation (``torch._int_mm`` at M = 1 on VNNI CPUs, see ``per_token.py``). ``dtype=torch.float16``
+instead stores the weight in float16 and computes in the input's dtype (weight-only compression).
 
 >>> import torch, lowbit as Q
 >>> from lowbit.nn.quantized.dynamic import Linear
@@ -35,94 +36,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ....compile_state import qdtype_key, tracing
-from ....functional import quantize
 from ....qparams import calculate_qparams
-from .... import kernels
 from ....nn.intrinsic import LinearReLU as _LinearReLUMarker
-from ....qscheme import QDtype, QScheme, as_qdtype, qint8, quint8
+from ....qscheme import QDtype, QScheme, as_qdtype, qint8
 from ....qtensor import QTensor, quantize_per_channel
 from .._utils import quantize_weight, weight_qparams
 from .._state import CheckedQuantState
+from .per_token import dynamic_linear, per_token_linear, quantize_per_token
 
 __all__ = ["Linear", "LinearReLU", "quantize_per_token", "per_token_linear"]
-
-
-def quantize_per_token(x: torch.Tensor) -> QTensor:
-    """``(M, K)`` float -> per-row (axis 0) affine quint8 ``QTensor``: one grid per token."""
-    xf = x.detach().to(torch.float32)
-    lo, hi = xf.amin(1), xf.amax(1)  # two vectorised row reductions: ~20x faster than aminmax(dim=1) on CPU
-    scale, zp = calculate_qparams(lo, hi, QScheme.PER_CHANNEL_AFFINE, quint8, validate=False)
-    # validate=False: a NaN/Inf row has a NaN scale, which carries NaN to that row of the output (as float);
-    # (M,) float32 / int64 qparams on x's device are already QTensor's contract: no re-check per call
-    return QTensor._trusted(quantize(xf, scale, zp, quint8, ch_axis=0, validate=False), scale, zp, quint8, axis=0)
-
-
-def _weight_row_sums(weight: QTensor, cache: dict[str, Any] | None) -> torch.Tensor:
-    """``Σ_k ŵ[n, k]`` (N,) float32, cached per weight version."""
-    w = weight.int_repr()
-    key = (w.data_ptr(), w._version, w.device)
-    hit = None if cache is None else cache.get("per_token.wsum")
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    centered = w.to(torch.int64).sum(1) - weight.zero_point.to(torch.int64) * w.shape[1]
-    wsum = (centered.to(torch.float64) * weight.scale.to(torch.float64)).to(torch.float32)
-    if cache is not None:
-        cache["per_token.wsum"] = (key, wsum)
-    return wsum
-
-
-def per_token_linear(xq: QTensor, weight: QTensor, bias: torch.Tensor | None = None,
-                     cache: dict[str, Any] | None = None) -> torch.Tensor:
-    """``x̂ ŵᵀ + bias`` (float32 ``(M, N)``): per-row 8-bit ``xq`` ``(M, K)``, per-channel int8 weight ``(N, K)``.
-
-    The kernels take one activation grid per call, so the codes go in on the shared grid
-    ``(scale 1, zero point 128)`` and each row's own grid is applied in the epilogue::
-
-        raw[m, n] = Σ_k (q_x[m, k] - 128) ŵ[n, k]                    # lowbit.kernels: int32 accumulation
-        y[m, n]   = s_x[m] (raw[m, n] - (z_x[m] - 128) Σ_k ŵ[n, k]) + bias[n]
-
-    Equal to ``F.linear(xq.dequantize(), weight.dequantize(), bias)`` up to float32 rounding.
-    """
-    q = xq.int_repr()
-    if q.dtype == torch.int8:  # qint8 codes -> the same values on the u8 grid
-        q, zx = q.view(torch.uint8).bitwise_xor(128), xq.zero_point + 128
-    else:
-        zx = xq.zero_point
-    raw = kernels.linear(QTensor._trusted(q, *_shared_grid(q.device)), weight, None, None, cache=cache)
-    wsum = _weight_row_sums(weight, cache)
-    return _epilogue(raw, (zx - 128).to(torch.float32), wsum, xq.scale, bias)  # type: ignore[arg-type]  # float out
-
-
-_SHARED: dict[torch.device, tuple[torch.Tensor, torch.Tensor, QDtype]] = {}
-
-
-def _shared_grid(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, QDtype]:
-    """The shared kernel grid ``(scale 1, zero point 128, quint8)`` as 0-d tensors, made once per device."""
-    hit = _SHARED.get(device)
-    if hit is None:
-        with torch.inference_mode(False):  # normal tensors even when first made under inference_mode
-            hit = _SHARED[device] = (torch.tensor(1.0, device=device), torch.tensor(128, device=device), quint8)
-    return hit
-
-
-_BLOCK = 262144  # floats per row block of the epilogue (1 MiB; fastest of 64 KiB-4 MiB and unblocked, AVX2 EPYC)
-
-
-def _epilogue(raw: torch.Tensor, c: torch.Tensor, wsum: torch.Tensor, sx: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
-    """``(raw - c ⊗ wsum) · s_x[:, None] + bias`` in place on ``raw`` (the kernel's fresh output).
-
-    The same float32 operations, in the same order, as the whole-tensor expression, applied to
-    blocks of rows: each block stays in cache for its passes and the ``c ⊗ wsum`` temporary
-    is one block, not a fresh ``(M, N)`` allocation.
-    """
-    rows = max(1, _BLOCK // max(1, raw.shape[1]))
-    for i in range(0, raw.shape[0], rows):
-        blk = raw[i:i + rows]
-        blk.sub_(c[i:i + rows, None] * wsum).mul_(sx[i:i + rows, None])
-        if bias is not None:
-            blk.add_(bias)
-    return raw
 
 
 def _dtype_arg(dtype: Any, where: str) -> QDtype | torch.dtype:
@@ -205,16 +127,20 @@ class Linear(CheckedQuantState):
                              f"in_features={self.in_features}")
         if self.dtype == torch.float16:
             return F.linear(x, self.weight_fp16.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        flat = x.dim() == 2  # (M, K): no reshape either way (two dispatches less at M = 1)
+        x2 = x if flat else x.reshape(-1, self.in_features)
         if tracing():  # one opaque op (lowbit.pt2): compiled/exported programs compute the eager numbers
             y = torch.ops.lowbit.dynamic_linear(x2, self.weight_int8, self.weight_scale, self.weight_zero_point,
                                                 qdtype_key(self.dtype), self.bias)  # type: ignore[arg-type]
-            return y.reshape(*lead, self.out_features).to(x.dtype)
-        if x2.shape[0] == 0:
-            return x.new_zeros(*lead, self.out_features)
-        y = per_token_linear(quantize_per_token(x2), self.weight(), self.bias, self._cache)  # type: ignore[arg-type]
-        return y.reshape(*lead, self.out_features).to(x.dtype)
+        elif x2.shape[0] == 0:
+            y = x2.new_zeros(0, self.out_features, dtype=torch.float32)
+        else:
+            b = self._buffers  # (nn.Module.__getattr__ costs ~1 µs per buffer read)
+            y = dynamic_linear(x2, b["weight_int8"], b["weight_scale"], b["weight_zero_point"],  # type: ignore[arg-type]
+                               self.dtype, b["bias"], self._cache)
+        if not flat:
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     @classmethod
     def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype = qint8) -> Linear:

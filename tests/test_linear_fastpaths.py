@@ -1,0 +1,157 @@
+"""The eager fast paths of the Linear family (issue #10): the same numbers as the generic building blocks.
+
+- ``quantize_per_token``'s lean qparams/codes are bit-identical to ``calculate_qparams`` + ``quantize``;
+- the dynamic ``Linear`` forward (``per_token.dynamic_linear``: ``torch._int_mm`` at M = 1, one oneDNN call
+  otherwise, on VNNI CPUs) matches ``per_token_linear`` on the reference backend, is counted in
+  ``kernels.counts``, and leaves pinned backends, non-finite rows and affine weights to the generic path;
+- the static M = 1 GEMV route of the oneDNN backend is exact (int32 sums) and requantizes like ``int_mm``.
+
+Both ISA branches run on any CPU: ``onednn.has_vnni`` is pinned; on a CPU without VNNI the forced-VNNI
+cases use 7-bit weights (exact through the saturating AVX2 kernels too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import lowbit as Q
+from lowbit import kernels
+from lowbit.functional import quantize
+from lowbit.kernels import OutGrid, onednn
+from lowbit.nn.quantized import dynamic as nnqd
+from lowbit.nn.quantized.dynamic import per_token
+from lowbit.qparams import calculate_qparams
+
+_REAL_VNNI = onednn.has_vnni() if onednn.available() else False
+
+
+def _generic_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lo, hi = x.amin(1), x.amax(1)
+    s, z = calculate_qparams(lo, hi, Q.per_channel_affine, Q.quint8, validate=False)
+    return quantize(x, s, z, Q.quint8, ch_axis=0, validate=False), s, z
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 12), k=st.integers(1, 300), exp=st.integers(-6, 6), kind=st.sampled_from(
+    ["normal", "ties", "positive", "negative", "zero_row"]), seed=st.integers(0, 2**16))
+def test_quantize_per_token_bit_identical_to_calculate_qparams(m: int, k: int, exp: int, kind: str, seed: int) -> None:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 10.0 ** exp
+    if kind == "ties":
+        x = torch.round(x * 4) / 4
+    elif kind == "positive":
+        x = x.abs()
+    elif kind == "negative":
+        x = -x.abs()
+    elif kind == "zero_row":
+        x[0] = 0
+    got = per_token.quantize_per_token(x)
+    q, s, z = _generic_codes(x)
+    assert torch.equal(got.int_repr(), q) and torch.equal(got.scale, s) and torch.equal(got.zero_point, z)
+
+
+def _force_vnni(monkeypatch: pytest.MonkeyPatch, vnni: bool) -> None:
+    if not onednn.available():
+        pytest.skip("oneDNN int8 ops not available in this torch build")
+    monkeypatch.setattr(onednn, "has_vnni", lambda: vnni)
+
+
+def _dyn(k: int, n: int, seed: int, *, seven_bit: bool, bias: bool = True) -> nnqd.Linear:
+    torch.manual_seed(seed)
+    mod = nnqd.Linear.from_float(nn.Linear(k, n, bias=bias))
+    if seven_bit:  # exact through vpmaddubsw as well (a CPU without VNNI forced onto the VNNI route)
+        w = mod.weight()
+        codes = w.int_repr().clamp(-64, 63)
+        mod.set_weight_bias(Q.QTensor(codes, w.scale, w.zero_point, w.qdtype, axis=0), mod.bias)
+    return mod
+
+
+def _generic(mod: nnqd.Linear, x: torch.Tensor) -> torch.Tensor:
+    with kernels.use_backend("reference"):
+        return per_token.per_token_linear(per_token.quantize_per_token(x), mod.weight(), mod.bias, {})
+
+
+@pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "no_vnni"])
+@pytest.mark.parametrize("m", [1, 3, 40])
+@pytest.mark.parametrize("bias", [True, False])
+def test_dynamic_forward_matches_generic(monkeypatch: pytest.MonkeyPatch, vnni: bool, m: int, bias: bool) -> None:
+    _force_vnni(monkeypatch, vnni)
+    mod = _dyn(48, 20, m, seven_bit=vnni and not _REAL_VNNI, bias=bias)
+    x = torch.randn(m, 48) * torch.rand(m, 1) * 5
+    kernels.counts.clear()
+    y = mod(x)
+    ran = dict(kernels.counts)
+    ref = _generic(mod, x)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5), float((y - ref).abs().max())
+    assert not any(b == "reference" for b, _ in ran), ran
+    if vnni:
+        assert ran == {("int_mm" if m == 1 else "onednn", "linear"): 1}, ran
+
+
+@pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "no_vnni"])
+def test_dynamic_m1_is_integer_exact(monkeypatch: pytest.MonkeyPatch, vnni: bool) -> None:
+    """Unit weight scales, no bias: ``y / s_x`` is the exact integer sum ``Σ (q_x - z_x) q_w``."""
+    _force_vnni(monkeypatch, vnni)
+    g = torch.Generator().manual_seed(1)
+    k, n = 70, 9
+    mod = nnqd.Linear(k, n, bias=False)
+    lo, hi = (-64, 63) if vnni and not _REAL_VNNI else (-128, 127)
+    codes = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int8)
+    mod.set_weight_bias(Q.QTensor(codes, torch.ones(n), torch.zeros(n, dtype=torch.long), Q.qint8, axis=0), None)
+    x = torch.randn(1, k, generator=g)
+    xq = per_token.quantize_per_token(x)
+    exact = (xq.int_repr().long() - xq.zero_point[:, None]) @ codes.long().t()
+    y = mod(x)
+    assert torch.allclose(y / xq.scale[:, None], exact.double().float(), rtol=1e-6, atol=1e-3)
+
+
+def test_dynamic_generic_path_for_pins_nonfinite_rows_and_affine_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    _force_vnni(monkeypatch, True)
+    mod = _dyn(16, 8, 0, seven_bit=not _REAL_VNNI)
+    x = torch.randn(4, 16)
+    kernels.counts.clear()
+    with kernels.use_backend("reference"):
+        y = mod(x)
+    assert dict(kernels.counts) == {("reference", "linear"): 1}
+    assert torch.allclose(y, _generic(mod, x), rtol=1e-5, atol=1e-5)
+    x[2, 3] = float("nan")
+    y = mod(x)
+    assert bool(torch.isnan(y[2]).all()) and bool(torch.isfinite(y[[0, 1, 3]]).all())
+    w = mod.weight()  # an affine weight (non-zero zero points): the fast paths decline
+    mod.set_weight_bias(Q.QTensor(w.int_repr().clamp(-60, 60), w.scale, torch.full((8,), 2), w.qdtype, axis=0),
+                        mod.bias)
+    x[2, 3] = 0.0
+    assert torch.allclose(mod(x), _generic(mod, x), rtol=1e-5, atol=1e-5)
+
+
+def _static_operands(k: int, n: int, seed: int, seven_bit: bool) -> tuple[Q.QTensor, Q.QTensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-64, 63) if seven_bit else (-128, 127)
+    w = Q.QTensor(torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g) / 50,
+                  torch.zeros(n, dtype=torch.long), Q.qint8, axis=0)
+    x = Q.QTensor(torch.randint(0, 256, (1, k), generator=g, dtype=torch.uint8), 0.03, 100, Q.quint8)
+    return x, w, torch.randn(n, generator=g)
+
+
+@pytest.mark.parametrize("out", [None, OutGrid(0.05, 128, Q.quint8), OutGrid(0.05, 0, Q.qint8)])
+@pytest.mark.parametrize("relu", [False, True])
+def test_static_gemv_route_matches_int_mm(monkeypatch: pytest.MonkeyPatch, out: OutGrid | None, relu: bool) -> None:
+    _force_vnni(monkeypatch, True)
+    ran: list[Any] = []
+    real = onednn._gemv
+    monkeypatch.setattr(onednn, "_gemv", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    x, w, b = _static_operands(96, 24, 3, not _REAL_VNNI)
+    with kernels.use_backend("onednn"):
+        got = kernels.linear(x, w, b, out, relu, cache={})
+    with kernels.use_backend("int_mm"):
+        want = kernels.linear(x, w, b, out, relu, cache={})
+    assert ran, "the M = 1 GEMV route did not run"
+    if out is None:
+        assert torch.equal(got, want)
+    else:
+        assert torch.equal(got.int_repr(), want.int_repr()) and got.qdtype == out.qdtype
