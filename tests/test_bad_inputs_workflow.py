@@ -185,6 +185,66 @@ def test_a_nan_weight_in_quantize_dynamic_is_an_error_naming_the_layer():
         Q.quantize_dynamic(m)
 
 
+def _table(kind: type, bad: float) -> nn.Sequential:
+    m = nn.Sequential(kind(6, 4))
+    with torch.no_grad():
+        m[0].weight[2, 1] = bad
+    return m
+
+
+@pytest.mark.parametrize("kind", [nn.Embedding, nn.EmbeddingBag])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("flow", ["from_float", "static", "float_qparams", "dynamic", "qat"])
+def test_a_non_finite_embedding_table_is_an_error_naming_the_layer(kind, bad, flow):
+    # the row observers skip NaN/Inf, so the table used to quantize into finite rows that are wrong
+    m = _table(kind, bad)
+    qcls = Q.nn.quantized.Embedding if kind is nn.Embedding else Q.nn.quantized.EmbeddingBag
+    with pytest.raises(ValueError, match=rf"{kind.__name__}.from_float: the weight .* 1 NaN/Inf") as err:
+        if flow == "from_float":
+            qcls.from_float(m[0])
+        elif flow == "dynamic":
+            Q.quantize_dynamic(m, {kind: Q.get_embedding_qconfig()})
+        elif flow == "qat":
+            m[0].qconfig = Q.get_embedding_qat_qconfig()
+            Q.convert(Q.prepare_qat(m).eval())
+        else:
+            m[0].qconfig = Q.get_embedding_qconfig(float_qparams=flow == "float_qparams")
+            Q.convert(Q.prepare(m))
+    assert flow == "from_float" or "module '0'" in str(err.value)
+
+
+def test_learnable_fake_quantize_refuses_a_grid_it_never_saw_data_for():
+    """All-NaN (or no) data leaves no grid: calculate_qparams raises naming the module (it reported the
+    initial scale 1.0); finite data, learning or a loaded state give it one."""
+    nan = torch.full((8,), float("nan"))
+    for make in (lambda: Q.LearnableFakeQuantize(),
+                 lambda: Q.LearnableFakeQuantize(Q.PerChannelMinMaxObserver, ch_axis=0)):
+        fq = make()
+        with pytest.raises(RuntimeError, match="LearnableFakeQuantize: .*no grid"):
+            fq.calculate_qparams()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the observer warns that it ignores NaN
+            fq(nan.reshape(2, 4))
+        with pytest.raises(RuntimeError, match="LearnableFakeQuantize: .*NaN"):
+            fq.calculate_qparams()
+        x = torch.tensor([[-1.0, 0.0, 2.0, 3.0], [0.5, 1.0, 1.5, 4.0]])
+        fq(x)
+        scale, _ = fq.calculate_qparams()
+        assert torch.isfinite(scale).all() and not torch.equal(scale, torch.ones_like(scale))
+        loaded = make()
+        loaded.load_state_dict(fq.state_dict())
+        assert torch.equal(loaded.calculate_qparams()[0], scale)
+    learning = Q.LearnableFakeQuantize(scale=0.05).enable_param_learning()  # trained from a given start
+    assert float(learning.calculate_qparams()[0]) == pytest.approx(0.05)
+    # partly NaN per channel: the unseen channel has no grid, as PerChannelMinMaxObserver says
+    fq = Q.LearnableFakeQuantize(Q.PerChannelMinMaxObserver, ch_axis=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fq(torch.stack([torch.randn(4), nan[:4]]))
+    with pytest.raises(RuntimeError, match="LearnableFakeQuantize"):
+        fq.calculate_qparams()
+
+
 def test_a_converted_model_fed_nan_errors_instead_of_finite_garbage():
     q = _converted()
     x = torch.randn(3, 4)
@@ -255,6 +315,12 @@ def test_valid_checkpoint_round_trips():
     (lambda: Q.FakeQuantize(), "activation_post_process.min_val", torch.tensor(float("nan"))),
     (lambda: Q.MinMaxObserver(), "max_val", torch.tensor(float("nan"))),
     (lambda: Q.HistogramObserver(bins=4), "histogram", torch.tensor([1.0, -1.0, 0.0, float("nan")])),
+    (lambda: Q.LearnableFakeQuantize(), "scale", torch.tensor(float("nan"))),  # (a Parameter, not a buffer)
+    (lambda: Q.LearnableFakeQuantize(), "scale", torch.tensor(0.0)),
+    (lambda: Q.LearnableFakeQuantize(), "scale", torch.tensor(-0.5)),
+    (lambda: Q.LearnableFakeQuantize(), "zero_point", torch.tensor(float("inf"))),
+    (lambda: Q.LearnableFakeQuantize(Q.PerChannelMinMaxObserver, ch_axis=0, channel_len=16), "scale",
+     torch.tensor([0.1] * 15 + [float("nan")])),
 ])
 def test_tampered_observer_and_fake_quant_state_is_rejected_naming_the_key(make, key, value):
     src = make()

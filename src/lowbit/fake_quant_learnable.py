@@ -34,6 +34,10 @@ Departures from ``torch.ao`` (values and gradients are otherwise identical, test
 - the positivity floor is the observer's ``eps`` (default 1e-8; torch: float32 eps, 1.19e-7);
 - per-tensor parameters are 0-d (torch: shape ``(1,)``); a per-channel module sizes them on the first
   batch unless ``channel_len`` is given; any floating dtype and device works (computed in float32).
+- ``calculate_qparams()`` raises ``RuntimeError`` (naming the module) while the parameters hold no grid
+  — the observer saw no finite data, nothing was learned or loaded — where torch returns the initial
+  ``scale=1.0``; ``load_state_dict`` rejects a NaN/Inf/0/negative ``scale`` or a NaN/Inf ``zero_point``
+  naming the key, as for ``FakeQuantize``'s buffers (torch loads them).
 
 >>> import torch, lowbit as Q
 >>> fq = Q.LearnableFakeQuantize(qdtype=Q.quint8)
@@ -56,7 +60,7 @@ import torch
 from torch import nn
 
 from .fake_quant import FakeQuantize
-from .functional import check_ch_axis
+from .functional import _show, check_ch_axis, check_quantized_state
 from .observer.base import ObserverBase
 from .observer.minmax import MovingAverageMinMaxObserver
 
@@ -196,6 +200,7 @@ class LearnableFakeQuantize(FakeQuantize):
         self.use_grad_scaling = use_grad_scaling
         self.eps = self.activation_post_process.eps
         self.register_buffer("learning_enabled", torch.tensor([0], dtype=torch.uint8))
+        self._grid_loaded = False  # set by load_state_dict: the parameters came from a checkpoint
         self.toggle_qparam_learning(False)
 
     # -- phases (torch.ao names) -------------------------------------------------------------------
@@ -257,8 +262,26 @@ class LearnableFakeQuantize(FakeQuantize):
                 else:
                     p.copy_(value)
 
+    def _holds_grid(self) -> bool:
+        """Whether ``scale``/``zero_point`` hold a grid: the observer saw finite data (the static phases copy
+        its grid), learning is on (they are trained), or they were loaded from a state dict."""
+        obs = self.activation_post_process
+        loaded = getattr(self, "_grid_loaded", False)  # (absent on modules pickled before it existed)
+        return bool(self.learning_enabled[0] == 1) or loaded or bool(getattr(obs, "is_calibrated", True))
+
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The learned grid: ``(max(scale, eps), clamp(round(zero_point), qmin, qmax))`` as float32 / int64."""
+        """The learned grid: ``(max(scale, eps), clamp(round(zero_point), qmin, qmax))`` as float32 / int64.
+
+        ``RuntimeError`` naming this module while the parameters hold no grid: its observer saw no
+        finite data (no batch, or only NaN/Inf), learning was never enabled and no state was loaded
+        (torch.ao returns the initial ``scale=1.0`` there; lowbit refuses, as ``FakeQuantize`` does).
+        """
+        if not self._holds_grid():
+            obs = self.activation_post_process
+            raise RuntimeError(f"{type(self).__name__}: scale/zero_point hold no grid yet: its observer "
+                               f"({type(obs).__name__}) has not observed finite data (in every channel; no batch, "
+                               "or only NaN/Inf) and the parameters were neither learned nor loaded; run calibration "
+                               "batches with finite values (or enable_param_learning()) before calculate_qparams()")
         with torch.no_grad():
             self.scale.clamp_(min=self.eps)
         z = self.zero_point.detach().round().clamp(self.quant_min, self.quant_max)
@@ -268,12 +291,39 @@ class LearnableFakeQuantize(FakeQuantize):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+        errors = check_quantized_state(self, state_dict, prefix) + self._check_parameters(state_dict, prefix)
+        if errors:  # a NaN / 0 / negative scale, a NaN zero point: rejected naming the key, state kept
+            error_msgs.extend(errors)
+            return
         for name in ("scale", "zero_point"):  # adopt a per-channel (C,) shape from the checkpoint
             saved, p = state_dict.get(prefix + name), getattr(self, name)
             if isinstance(saved, torch.Tensor) and saved.shape != p.shape:
                 p.data = torch.empty(saved.shape, dtype=p.dtype, device=p.device)
+        n_errors = len(error_msgs)
         nn.Module._load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                                         unexpected_keys, error_msgs)
+        if len(error_msgs) == n_errors and prefix + "scale" in state_dict:
+            self._grid_loaded = True
+
+    def _check_parameters(self, state_dict: dict[str, Any], prefix: str) -> list[str]:
+        """The incoming ``scale`` (floating, finite, > 0) and ``zero_point`` (finite; a learned zero point
+        is continuous, rounded and clamped onto the grid where it is used) — ``check_quantized_state``
+        covers buffers only, and these are parameters."""
+        errors, where = [], type(self).__name__
+        for name in ("scale", "zero_point"):
+            value, key = state_dict.get(prefix + name), prefix + name
+            if not isinstance(value, torch.Tensor) or value.numel() == 0:
+                continue
+            if not value.is_floating_point() and (name == "scale" or value.is_complex() or value.dtype == torch.bool):
+                errors.append(f"{key}: expected a real {'floating-point' if name == 'scale' else 'numeric'} "
+                              f"tensor, got dtype {value.dtype} ({where})")
+                continue
+            v = value.detach()
+            ok = torch.isfinite(v) & (v > 0) if name == "scale" else torch.isfinite(v)
+            if not bool(ok.all()):
+                need = "finite and > 0" if name == "scale" else "finite"
+                errors.append(f"{key}: {name}={_show(v)} must be {need} ({where})")
+        return errors
 
     def extra_repr(self) -> str:
         axis = f", ch_axis={self.ch_axis}" if self.ch_axis is not None else ""

@@ -37,7 +37,7 @@ from ...qtensor import QTensor, quantize_per_channel
 from ._state import CheckedQuantState
 
 __all__ = ["quantize_weight", "weight_qparams", "weight_qscheme", "observer_grid", "output_qparams", "as_qtensor",
-           "float_op", "check_out_grid", "check_no_nan", "WeightedQuantModule", "InputGrid"]
+           "float_op", "check_out_grid", "check_no_nan", "check_finite_weight", "WeightedQuantModule", "InputGrid"]
 
 InputGrid = tuple[float, int, QDtype]
 
@@ -62,17 +62,22 @@ def weight_qparams(weight: torch.Tensor, mod: nn.Module, ch_axis: int, where: st
     return obs
 
 
-def quantize_weight(weight: torch.Tensor, observer: Any, ch_axis: int) -> QTensor:
-    """Quantize a float weight with ``observer``'s qparams into a per-channel int8 ``QTensor``.
-
-    A NaN or ±Inf weight is a ``ValueError`` (int8 codes cannot hold it; quantizing it would give a
-    finite, wrong layer); ``convert`` adds the layer's name."""
+def check_finite_weight(weight: torch.Tensor, where: str = "") -> None:
+    """``ValueError`` (prefixed ``where: ``) for a float weight holding NaN or ±Inf: integer codes cannot
+    hold it, and quantizing it would give a finite, wrong layer. ``convert`` adds the layer's name."""
     bad = ~torch.isfinite(weight.detach())
     if bool(bad.any()):
         first = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"the weight of shape {tuple(weight.shape)} holds {int(bad.sum())} NaN/Inf values "
-                         f"(first at index {first}: {float(weight.detach()[first])}); int8 codes cannot represent "
-                         "them — fix or exclude this layer (qconfig None)")
+        raise ValueError(f"{where + ': ' if where else ''}the weight of shape {tuple(weight.shape)} holds "
+                         f"{int(bad.sum())} NaN/Inf values (first at index {first}: {float(weight.detach()[first])}); "
+                         "integer codes cannot represent them — fix or exclude this layer (qconfig None)")
+
+
+def quantize_weight(weight: torch.Tensor, observer: Any, ch_axis: int) -> QTensor:
+    """Quantize a float weight with ``observer``'s qparams into a per-channel int8 ``QTensor``.
+
+    A NaN or ±Inf weight is a ``ValueError`` (``check_finite_weight``)."""
+    check_finite_weight(weight)
     with local_statistics():  # weights are replicated: their statistics are already the union (no collective)
         scale, zero_point = observer.calculate_qparams()
     qdtype = as_qdtype(observer.qdtype)

@@ -40,6 +40,7 @@ from ...qparams import calculate_qparams
 from ...qscheme import QDtype, QScheme, as_qdtype, as_qscheme, quint8
 from ...qtensor import QTensor
 from ._state import CheckedQuantState
+from ._utils import check_finite_weight
 
 __all__ = ["Embedding", "EmbeddingBag"]
 
@@ -143,6 +144,7 @@ class _QuantizedTable(CheckedQuantState):
         else:
             if not weight.is_floating_point():
                 raise TypeError(f"{type(self).__name__}.set_weight: weight must be float, got {weight.dtype}")
+            check_finite_weight(weight, f"{type(self).__name__}.set_weight")
             scale, zp, _ = _row_qparams(weight, None, self.qdtype, self.qscheme)
             codes = quantize(weight.detach(), scale, zp, self.qdtype, ch_axis=0)
         self.weight_q = _pack4(codes) if self.qdtype.bits == 4 else codes.to(self.qdtype.storage).contiguous()
@@ -209,6 +211,7 @@ class Embedding(_QuantizedTable):
         """Quantize ``mod.weight`` per row (``dtype`` overrides the module's qconfig / fake-quant)."""
         if not isinstance(mod, nn.Embedding):
             raise TypeError(f"Embedding.from_float expects an nn.Embedding, got {type(mod).__name__}")
+        check_finite_weight(mod.weight, "Embedding.from_float")  # observers skip NaN: a silent wrong row
         scale, zp, qdtype = _row_qparams(mod.weight, mod, None if dtype is None else as_qdtype(dtype))
         q = cls(mod.num_embeddings, mod.embedding_dim, mod.padding_idx, qdtype)
         q.set_weight(QTensor(quantize(mod.weight.detach().float(), scale, zp, qdtype, 0), scale, zp, qdtype, 0))
@@ -271,6 +274,7 @@ class EmbeddingBag(_QuantizedTable):
         """Quantize ``mod.weight`` per row; copies ``mode``, ``padding_idx``, ``include_last_offset``."""
         if not isinstance(mod, nn.EmbeddingBag):
             raise TypeError(f"EmbeddingBag.from_float expects an nn.EmbeddingBag, got {type(mod).__name__}")
+        check_finite_weight(mod.weight, "EmbeddingBag.from_float")
         scale, zp, qdtype = _row_qparams(mod.weight, mod, None if dtype is None else as_qdtype(dtype))
         q = cls(mod.num_embeddings, mod.embedding_dim, mod.mode, mod.padding_idx, mod.include_last_offset, qdtype)
         q.set_weight(QTensor(quantize(mod.weight.detach().float(), scale, zp, qdtype, 0), scale, zp, qdtype, 0))
