@@ -167,6 +167,16 @@ class ObserverBase(abc.ABC, nn.Module):
 _warned_nonfinite: set[str] = set()
 
 
+def check_observed(x: object, owner: str) -> torch.Tensor:
+    """``x`` if it is a floating-point tensor, else ``TypeError`` naming ``owner`` (what every observer's
+    ``forward`` accepts)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{owner} observes tensors, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{owner} observes floating-point tensors, got dtype {x.dtype}")
+    return x
+
+
 def finite_aminmax(x: torch.Tensor, owner: str, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``aminmax`` of ``x`` ignoring NaN and ±Inf (warning once per observer type).
 

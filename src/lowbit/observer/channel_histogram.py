@@ -33,7 +33,7 @@ import torch
 
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
-from .base import ObserverBase
+from .base import ObserverBase, check_observed
 from .distributed import all_reduce_min_max, all_reduce_sum, is_distributed
 
 __all__: list[str] = []
@@ -118,10 +118,7 @@ class _ClipRangeObserver(ObserverBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Fold ``x`` into the histogram(s), widening the range if needed; return ``x`` unchanged."""
         name = type(self).__name__
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} observes tensors, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"{name} observes floating-point tensors, got dtype {x.dtype}")
+        check_observed(x, name)
         if x.numel() == 0:
             return x
         rows = self._rows(x)  # (C, N)

@@ -51,7 +51,7 @@ import torch
 
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
-from .base import ObserverBase, finite_aminmax
+from .base import ObserverBase, check_observed, finite_aminmax
 from .distributed import all_reduce_min_max, all_reduce_sum, is_distributed
 from .histogram_search import _L2Model, _quantile_clip_range, _search_clip_range  # noqa: F401 (_L2Model: tests)
 
@@ -182,10 +182,7 @@ class HistogramObserver(ObserverBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Fold ``x`` into the histogram (widening the range if needed) and return ``x`` unchanged."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"HistogramObserver observes tensors, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"HistogramObserver observes floating-point tensors, got dtype {x.dtype}")
+        check_observed(x, "HistogramObserver")
         if x.numel() == 0:
             return x
         if x.device != self.histogram.device:  # the statistics follow the data (first batch, or a moved model)

@@ -35,7 +35,7 @@ import torch
 
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme, per_channel_symmetric, per_tensor_affine, qint8, quint8
-from .base import ObserverBase, finite_aminmax
+from .base import ObserverBase, check_observed, finite_aminmax
 from .distributed import all_reduce_mean, all_reduce_min_max, is_distributed
 
 __all__ = [
@@ -94,10 +94,7 @@ class _MinMaxObserverBase(ObserverBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Fold ``x``'s range into the statistics and return ``x`` unchanged."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{type(self).__name__} observes tensors, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"{type(self).__name__} observes floating-point tensors, got dtype {x.dtype}")
+        check_observed(x, type(self).__name__)
         batch = self._batch_range(x)
         if batch is None:
             return x
