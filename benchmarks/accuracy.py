@@ -8,8 +8,9 @@ Rows (fp32 model = reference):
   ``get_default_qconfig_mapping("x86")`` (and the onednn engine's mapping);
 - the Fashion-MNIST SmallCNN (trained here for one epoch on 10k images; 1k calibration images,
   2k test images): test accuracy and agreement;
-- MiniLM (all-MiniLM-L6-v2) on the Lee corpus: static int8 through graph mode, and dynamic int8;
-  cosine of sentence embeddings to fp32 (mean / worst) on the background documents, Lee r.
+- MiniLM (all-MiniLM-L6-v2) on the Lee corpus: static int8 through graph mode (all Linears int8, and
+  with the float layers picked by ``auto_mixed_precision(search="fast")`` + ``fuse_dequantize``), and
+  dynamic int8; cosine of sentence embeddings to fp32 (mean / worst) on the background documents, Lee r.
 
 Accuracy does not depend on the ISA except through kernels' exactness, which lowbit guarantees; the
 ISA is printed anyway. Run: ``python benchmarks/accuracy.py`` (``--quick``: fewer samples and
@@ -153,11 +154,50 @@ def minilm(quick: bool) -> None:
                          example_inputs=(enc["input_ids"], enc["attention_mask"]))
         embed(p, background[:64])
         _row("MiniLM", "lowbit static (graph mode)", *score(Q.convert_fx(p)), "64 calibration docs")
+    auto_static(tok, model, background, embed, score)
     _row("MiniLM", "lowbit dynamic", *score(Q.quantize_dynamic(copy.deepcopy(model))))
     from torch.ao.quantization import quantize_dynamic
 
     _row("MiniLM", "torch.ao dynamic", *score(quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear})))
     _row("MiniLM", "torch.ao static (fx)", "n/a", "n/a", "torch.ao prepare_fx cannot trace BertModel")
+
+
+def auto_static(tok, model: torch.nn.Module, background: list[str], embed, score) -> None:
+    """Static MiniLM with the float layers picked automatically: ``auto_mixed_precision(search="fast")``
+    scored by how well the int8 model keeps the fp32 pairwise similarities of the 64 calibration documents
+    (Pearson r of the off-diagonal cosine similarities; label-free), target r >= 0.997, with
+    ``fuse_dequantize`` on every candidate; then the returned mapping is built from scratch and measured."""
+    from lowbit.debug import auto_mixed_precision
+
+    calib_docs = background[:64]
+    sel = calib_docs[:32]
+    ref = embed(model, sel)
+    iu = np.triu_indices(len(sel), 1)
+    ref_sims = (ref @ ref.T).numpy()[iu]
+
+    def keeps_similarities(m: torch.nn.Module) -> float:
+        e = embed(m, sel)
+        return float(np.corrcoef((e @ e.T).numpy()[iu], ref_sims)[0, 1])
+
+    batches = []
+    for i in range(0, len(calib_docs), 8):
+        enc = tok(calib_docs[i:i + 8], padding=True, truncation=True, max_length=128, return_tensors="pt")
+        batches.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    example = (batches[0]["input_ids"], batches[0]["attention_mask"])
+    t = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mapping, table = auto_mixed_precision(model, Q.get_default_qconfig(), batches, keeps_similarities,
+                                              tolerance=0.003, mode="fx", example_inputs=example, search="fast",
+                                              finalize=Q.fuse_dequantize)
+        p = Q.prepare_fx(copy.deepcopy(model), mapping, example_inputs=example)
+        embed(p, calib_docs)
+        q = Q.convert_fx(p)
+        Q.fuse_dequantize(q)
+    n = len(table.rows)
+    _row("MiniLM", "lowbit static, auto float layers", *score(q),
+         f"{n - len(table.float_layers)} of {n} weighted layers int8, float: {', '.join(table.float_layers) or 'none'}; "
+         f"search {time.perf_counter() - t:.0f} s")
 
 
 def main() -> None:
