@@ -38,14 +38,14 @@ import torch
 from torch import nn
 
 from .functional import check_quantized_state, fake_quantize
-from .observer.base import Factory, ObserverBase
+from .observer.base import ObserverBase, WithArgs
 from .observer.minmax import MovingAverageMinMaxObserver, _MinMaxObserverBase
 from .qparams import calculate_qparams
 
 __all__ = ["FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant"]
 
 
-class FakeQuantize(nn.Module):
+class FakeQuantize(WithArgs, nn.Module):
     """Observe (optionally) and fake-quantize (optionally) with a straight-through gradient.
 
     Builds ``activation_post_process = observer(**observer_kwargs)`` and mirrors its ``qdtype``,
@@ -81,16 +81,6 @@ class FakeQuantize(nn.Module):
         self.register_buffer("zero_point", torch.tensor(0, dtype=zp_dtype))
         self.register_buffer("fake_quant_enabled", torch.tensor([1], dtype=torch.uint8))
         self.register_buffer("observer_enabled", torch.tensor([1], dtype=torch.uint8))
-
-    @classmethod
-    def with_args(cls, **kwargs: Any) -> Factory:
-        """A zero-arg factory building ``cls(**kwargs)`` — what a ``QConfig`` stores; chainable."""
-        return Factory(cls, **kwargs)
-
-    @classmethod
-    def with_callable_args(cls, **kwargs: Any) -> Factory:
-        """A factory passing ``name=fn()`` for each ``name=fn``, evaluated at every call (``Factory``)."""
-        return Factory(cls).with_callable_args(**kwargs)
 
     # -- switches --------------------------------------------------------------------------------
     def enable_observer(self, enabled: bool = True) -> FakeQuantize:

@@ -73,12 +73,27 @@ class Factory(functools.partial):
         return out
 
 
+class WithArgs:
+    """``with_args`` / ``with_callable_args``: the factories a ``QConfig`` stores, for observers and
+    fake-quant modules alike."""
+
+    @classmethod
+    def with_args(cls, **kwargs: Any) -> Factory:
+        """A zero-arg factory building ``cls(**kwargs)`` — what a ``QConfig`` stores; chainable."""
+        return Factory(cls, **kwargs)
+
+    @classmethod
+    def with_callable_args(cls, **kwargs: Any) -> Factory:
+        """A factory passing ``name=fn()`` for each ``name=fn``, evaluated at every call (``Factory``)."""
+        return Factory(cls).with_callable_args(**kwargs)
+
+
 class AbstractObserverError(TypeError, NotImplementedError):
     """Raised on constructing an abstract observer: a ``TypeError`` as torch.ao's abstract
     ``ObserverBase`` raises, and a ``NotImplementedError`` as the seeds document."""
 
 
-class ObserverBase(abc.ABC, nn.Module):
+class ObserverBase(abc.ABC, WithArgs, nn.Module):
     """Abstract observer: ``forward(x) -> x`` plus ``calculate_qparams() -> (scale, zero_point)``.
 
     Abstract as in torch.ao: ``ObserverBase()`` itself (or a subclass missing either method) raises
@@ -114,16 +129,6 @@ class ObserverBase(abc.ABC, nn.Module):
         if ch_axis is not None and (not isinstance(ch_axis, int) or isinstance(ch_axis, bool)):
             raise TypeError(f"{type(self).__name__}: ch_axis={ch_axis!r} must be an int or None")
         self.ch_axis = ch_axis if self.qscheme.is_per_channel else None
-
-    @classmethod
-    def with_args(cls, **kwargs: Any) -> Factory:
-        """A zero-arg factory building ``cls(**kwargs)`` — what a ``QConfig`` stores; chainable."""
-        return Factory(cls, **kwargs)
-
-    @classmethod
-    def with_callable_args(cls, **kwargs: Any) -> Factory:
-        """A factory passing ``name=fn()`` for each ``name=fn``, evaluated at every call (``Factory``)."""
-        return Factory(cls).with_callable_args(**kwargs)
 
     @property
     def quant_min(self) -> int:
