@@ -155,3 +155,43 @@ def test_static_gemv_route_matches_int_mm(monkeypatch: pytest.MonkeyPatch, out: 
         assert torch.equal(got, want)
     else:
         assert torch.equal(got.int_repr(), want.int_repr()) and got.qdtype == out.qdtype
+
+
+@settings(max_examples=30, deadline=None)
+@given(r=st.integers(1, 9), c=st.integers(1, 40), block=st.integers(1, 64), z=st.integers(-128, 255),
+       qd=st.sampled_from(["quint8", "qint8", "quint8_7bit", "qint32"]), seed=st.integers(0, 2**16))
+def test_blocked_codes_bit_identical(r: int, c: int, block: int, z: int, qd: str, seed: int) -> None:
+    """``lowbit.blocked.codes`` (row blocks, int8 cast + xor for uint8) gives ``quantize``'s codes, ties included."""
+    from lowbit import blocked
+
+    qdtype = {"quint8": Q.quint8, "qint8": Q.qint8, "quint8_7bit": Q.quint8.with_range(0, 127),
+              "qint32": Q.qint32}[qd]
+    z = max(qdtype.quant_min, min(qdtype.quant_max, z))
+    g = torch.Generator().manual_seed(seed)
+    s = float(torch.rand((), generator=g)) * 0.1 + 1e-3
+    x = torch.randint(-600, 600, (r, c), generator=g).float() * (s / 2)  # many exact ties
+    x += torch.randn(r, c, generator=g) * s * (seed % 2)
+    want = quantize(x, s, z, qdtype)
+    inv = torch.scalar_tensor(float(torch.tensor(s).reciprocal()))
+    got = blocked.codes(x, inv, torch.scalar_tensor(float(z)), qdtype.quant_min, qdtype.quant_max, qdtype.storage, block)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    # per row (the per-token grids): row m on its own (inv, z)
+    xq = per_token.quantize_per_token(x)
+    inv_r = torch.reciprocal(xq.scale)[:, None]
+    got = blocked.codes(x, inv_r, xq.zero_point.float()[:, None], 0, 255, torch.uint8, block)
+    assert torch.equal(got, xq.int_repr())
+
+
+def test_large_inputs_take_the_blocked_path_with_the_same_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowbit import blocked
+    from lowbit.nn.quantized.stubs import Quantize
+
+    x = torch.randn(70, 33) * 3
+    q = Quantize(0.05, 131, Q.quint8)
+    small = (q(x).int_repr(), per_token.quantize_per_token(x).int_repr())
+    calls: list[int] = []
+    real = blocked.codes
+    monkeypatch.setattr(blocked, "codes", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(blocked, "BLOCK", 100)
+    big = (q(x).int_repr(), per_token.quantize_per_token(x).int_repr())
+    assert len(calls) == 2 and all(torch.equal(a, b) for a, b in zip(small, big))

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import blocked
 from .compile_state import qdtype_key, tracing
 from .qscheme import QDtype, as_qdtype
 
@@ -187,6 +188,12 @@ def quantize_scaled(x: torch.Tensor, inv_scale: float | torch.Tensor, zero_point
     True
     """
     xf = x if x.dtype == torch.float32 and not x.requires_grad else x.detach().to(torch.float32)
+    if xf.numel() > blocked.BLOCK and xf.dim() and xf.is_contiguous() and xf.device.type == "cpu":
+        # a large tensor: the same passes on L2-sized row blocks (lowbit.blocked)
+        inv_t = inv_scale if isinstance(inv_scale, torch.Tensor) else torch.scalar_tensor(inv_scale)
+        z_t = zero_point if isinstance(zero_point, torch.Tensor) else torch.scalar_tensor(zero_point)
+        q2 = blocked.codes(xf.view(-1, xf.shape[-1]), inv_t, z_t, qdtype.quant_min, qdtype.quant_max, qdtype.storage)
+        return q2.view(xf.shape)
     # one temporary, updated in place (same float32 operations as round(x * (1/s) + z), bit for bit);
     # clamping to integer bounds commutes with rounding
     q = torch.mul(xf, inv_scale).add_(zero_point).round_().clamp_(qdtype.quant_min, qdtype.quant_max)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .... import kernels
+from .... import blocked, kernels
 from ....functional import _store, quantize
 from ....kernels import onednn
 from ....qparams import calculate_qparams
@@ -79,6 +79,8 @@ def _one_row_grid(xf: torch.Tensor) -> tuple[float, float, float] | None:
 def _codes(xf: torch.Tensor, inv_scale: torch.Tensor, neg_zp: torch.Tensor) -> torch.Tensor:
     """u8 codes ``clamp(round(x · float32(1/s) + z), 0, 255)``: ``functional.quantize``'s arithmetic
     (``a - (-z)`` is ``a + z`` exactly)."""
+    if xf.numel() > blocked.BLOCK:  # large: the same passes on L2-sized row blocks
+        return blocked.codes(xf, inv_scale, neg_zp.neg(), 0, 255, torch.uint8)
     return _store(torch.mul(xf, inv_scale).sub_(neg_zp).round_().clamp_(0, 255), quint8)
 
 
