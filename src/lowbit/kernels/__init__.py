@@ -111,6 +111,11 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None = None, out: O
     _check_input(x, weight, "linear")
     if tracing():
         return _traced("qlinear", x, weight, bias, out, relu)
+    if x.int_repr().is_cpu and get_backend() is None:  # the automatic CPU chain, without building it
+        y = onednn.linear(x, weight, bias, out, relu, cache)
+        if y is not NotImplemented:
+            counts[("onednn", "linear")] += 1
+            return y
     for backend in backend_chain(x.device):
         y = backend.linear(x, weight, bias, out, relu, cache)
         if y is not NotImplemented:

@@ -109,12 +109,12 @@ def _as_u8(x: QTensor) -> tuple[torch.Tensor, float, int, bool]:
     7-bit: ``127 · (w_a + w_b) ≤ 127 · 256 < 2¹⁵``, so ``vpmaddubsw`` cannot saturate for any int8 weight.
     The codes are trusted to lie on the QTensor's grid (every lowbit op produces them so).
     """
-    q, zp, qd = x.int_repr(), int(x.zero_point), x.qdtype
+    q, zp, qd = x.int_repr(), int(x.zero_point.item()), x.qdtype
     if q.dtype == torch.int8:
         shift = 128 if qd.quant_max - qd.quant_min > 127 else -qd.quant_min
         q = q.view(torch.uint8).bitwise_xor(128) if shift == 128 else torch.sub(q, qd.quant_min).view(torch.uint8)
-        return q, float(x.scale), zp + shift, qd.quant_max + shift <= 127
-    return q, float(x.scale), zp, qd.quant_max <= 127
+        return q, x.scale.item(), zp + shift, qd.quant_max + shift <= 127
+    return q, x.scale.item(), zp, qd.quant_max <= 127
 
 
 def _packed(cache: dict[str, Any] | None, key: str, weight: QTensor, pack: Any) -> Any:
@@ -153,19 +153,25 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
            relu: bool = False, cache: dict[str, Any] | None = None) -> Any:
     """``int8 x (…, K) · int8 wᵀ (K, N)`` through ``onednn::qlinear_pointwise``; ``NotImplemented`` if declined."""
     q = x.int_repr()
-    if x.device.type != "cpu" or q.numel() == 0 or q.element_size() != 1:
+    if not q.is_cpu or q.numel() == 0 or q.element_size() != 1:
         return NotImplemented
-    k = q.shape[-1]
-    if q.numel() == k > 1 and has_vnni():  # one row: torch._int_mm's GEMV (no pack needed, 3-5x faster)
+    vnni = has_vnni()
+    if vnni and q.numel() == q.shape[-1] > 1:  # one row: torch._int_mm's GEMV (no pack needed, 3-5x faster)
         y = _gemv(q, x, weight, bias, out, relu, cache)
         if y is not NotImplemented:
             return y
-    entry = _packed(cache, "onednn.linear", weight, lambda w: torch.ops.onednn.qlinear_prepack(w, None))
+    entry = _packed(cache, "onednn.linear", weight, _pack_linear)
     if entry is None:
         return NotImplemented
     packed, split = entry
+    if vnni and q.dtype == torch.uint8:  # the common case, straight to the op: one exact call
+        s_out, z_out, dt = _epilogue(out)
+        y = torch.ops.onednn.qlinear_pointwise(q, x.scale.item(), x.zero_point.item(), packed, weight.scale,
+                                               weight.zero_point, bias, s_out, z_out, dt, "relu" if relu else "none",
+                                               [], "")
+        return _wrap(y, out)
     q, sx, zx, seven_bit = _as_u8(x)
-    if not has_vnni() and q.numel() <= SMALL_M * q.shape[-1] and torch.backends.quantized.engine in _FBGEMM:
+    if not vnni and q.numel() <= SMALL_M * q.shape[-1] and torch.backends.quantized.engine in _FBGEMM:
         fb = _packed(cache, "onednn.fbgemm", weight, _fbgemm_pack)
         if fb is not None and out is not None and out.qdtype.storage == torch.uint8 and not (split and not seven_bit):
             return _fbgemm_requant(cache, weight, bias, q, sx, zx, out, relu)
@@ -181,6 +187,10 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
         return _split_run(run, q, zx, bias, out, relu, -1)
     s_out, z_out, dt = _epilogue(out)
     return _wrap(run(q, zx, bias, s_out, z_out, dt, "relu" if relu else "none"), out)
+
+
+def _pack_linear(w: torch.Tensor) -> Any:
+    return torch.ops.onednn.qlinear_prepack(w, None)
 
 
 def _gemv(q: torch.Tensor, x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None,
