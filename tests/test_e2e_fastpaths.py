@@ -93,3 +93,22 @@ def test_fast_add_declines_broadcast_and_per_channel():
     assert fm._fast_add(pc, qa, m.scale, m.zero_point, m.qdtype, False) is None
     expect = Q.quantize_per_tensor(qa.dequantize() + qb.dequantize(), 0.1, 128, Q.quint8).int_repr()
     assert (m.add(qa, qb).int_repr().int() - expect.int()).abs().max() <= 1
+
+
+def test_traced_glue_is_plain_aten_ops_on_codes():
+    """Traced (export here; torch.compile takes the same path): the skip add is aten float32 ops in eager's
+    order, not the opaque ``lowbit::qfunctional`` op, and 2-d max pooling stays on the 8-bit codes (no float
+    ``max_pool2d``), so inductor can fuse both into neighbouring kernels; the program gives eager's codes."""
+    from lowbit.examples import SmallCNN
+    torch.manual_seed(0)
+    m = Q.fuse_modules(SmallCNN(channels=(4, 8), hidden=16).eval(), SmallCNN.fusion_groups())
+    p = Q.prepare(m, Q.get_default_qconfig())
+    p(torch.randn(16, 1, 28, 28))
+    q = Q.convert(p)
+    x = torch.randn(3, 1, 28, 28)
+    ep = torch.export.export(q, (x,))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert not any("qfunctional" in t or "max_pool" in t for t in targets), targets
+    assert any(t.startswith("lowbit.qconv") for t in targets)
+    with torch.no_grad():
+        assert torch.equal(ep.module()(x), q(x))

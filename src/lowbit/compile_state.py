@@ -11,6 +11,11 @@ Converted models run two ways with the same integer results:
 
 Custom-op schemas take strings, not ``QDtype`` objects, so a grid travels as ``qdtype_key``.
 
+``inline_float_ok()``: whether a traced integer step may be written as plain aten float32 ops (which
+inductor fuses with its neighbours) instead of an opaque custom op: inductor's C++ code is built
+without floating-point contraction (its default ``-ffp-contract=off``), so each float32 step rounds as
+in eager and the codes are eager's. Callers also require CPU tensors (GPU code generators may contract).
+
 >>> import lowbit as Q
 >>> from lowbit.compile_state import qdtype_key, qdtype_from_key, tracing
 >>> qdtype_key(Q.quint8.with_range(0, 127)), qdtype_from_key("quint8:0:127") == Q.quint8.with_range(0, 127)
@@ -27,12 +32,25 @@ import torch
 
 from .qscheme import QDtype, as_qdtype
 
-__all__ = ["tracing", "qdtype_key", "qdtype_from_key"]
+__all__ = ["tracing", "inline_float_ok", "qdtype_key", "qdtype_from_key"]
 
 
 def tracing() -> bool:
     """True while ``torch.compile`` (dynamo) or ``torch.export`` traces the calling code."""
     return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+def inline_float_ok() -> bool:
+    """Whether inductor compiles float32 glue without contraction (see the module docstring); read once per
+    trace as a constant (marked as ``torch.compiler.assume_constant_result`` does, without importing dynamo)."""
+    try:
+        from torch._inductor import config
+    except ImportError:  # pragma: no cover - torch without inductor
+        return False
+    return str(getattr(config.cpp, "enable_floating_point_contract_flag", "")).lower() == "off"
+
+
+inline_float_ok._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def qdtype_key(qdtype: QDtype) -> str:

@@ -11,7 +11,11 @@ Paths (all give the same codes):
   adjacent halves of one ``2C`` row, so it is two ``maximum`` calls on plain views (SmallCNN, 64×16×28×28:
   ~0.05 ms, where torch's quantized ``max_pool2d`` takes ~0.9 ms at 16 channels);
 - other 2-d uint8 CPU codes: torch's quantized ``max_pool2d`` (one pass);
-- the rest (and while tracing): the float op on codes converted to float32 (exact for 8-bit codes).
+- the rest: the float op on codes converted to float32 (exact for 8-bit codes).
+
+While ``torch.compile`` / ``torch.export`` trace, the strided-view path is used too (plain ``maximum`` /
+``permute`` / ``reshape`` on the 8-bit codes: inductor fuses them into the neighbouring glue without a
+float32 buffer).
 
 >>> import torch, torch.nn.functional as F, lowbit as Q
 >>> x = torch.arange(16.0).reshape(1, 1, 4, 4)
@@ -52,8 +56,8 @@ def max_pool2d_codes(q: torch.Tensor, kernel_size: Any, stride: Any = None, padd
     when the case is not covered (then the caller pools another way). The output is channels-last."""
     k, s = _pair(kernel_size), _pair(stride, kernel_size)
     if (k is None or s is None or ceil_mode or _pair(padding) != (0, 0) or _pair(dilation) != (1, 1)
-            or q.dim() != 4 or q.element_size() != 1 or q.device.type != "cpu" or q.numel() == 0
-            or not q.is_contiguous(memory_format=torch.channels_last) or min(k) < 1 or min(s) < 1):
+            or q.dim() != 4 or q.element_size() != 1 or q.device.type != "cpu" or min(k) < 1 or min(s) < 1
+            or not q.is_contiguous(memory_format=torch.channels_last) or (not tracing() and q.numel() == 0)):
         return None
     n, c, h, w = q.shape
     (kh, kw), (sh, sw) = k, s
@@ -79,11 +83,11 @@ def _max_pool(fn: Callable) -> Callable:
         if not isinstance(x, QTensor) or x.axis is not None or kwargs.get("return_indices"):
             return NotImplemented
         q = x.int_repr()
-        if fn is F.max_pool2d and not tracing():
+        if fn is F.max_pool2d:  # eager, and traced: the compiled kernel then works on the 8-bit codes too
             y = max_pool2d_codes(q, *args, **{k: v for k, v in kwargs.items() if k != "return_indices"})
             if y is not None:
                 return x._same_grid(y)
-            if q.dtype == torch.uint8 and q.device.type == "cpu":  # torch pools uint8 codes only as quint8
+            if q.dtype == torch.uint8 and q.device.type == "cpu" and not tracing():  # torch pools uint8 as quint8
                 return x._same_grid(fn(as_torch_quantized(q), *args, **kwargs).int_repr())
         return x._same_grid(fn(q.to(torch.float32), *args, **kwargs).to(q.dtype))
     return op

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ...compile_state import qdtype_key, tracing
+from ...compile_state import inline_float_ok, qdtype_key, tracing
 from ...functional import quantize
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
@@ -147,6 +147,27 @@ def _fast_add(x: Any, y: Any, scale: torch.Tensor, zero_point: torch.Tensor, qdt
     return QTensor._trusted(q, scale, zero_point, qdtype)
 
 
+def _inductor_exact(x: QTensor, y: QTensor) -> bool:
+    """Whether a traced ``add`` may be plain aten ops (``compile_state.inline_float_ok``, CPU tensors);
+    otherwise (CUDA, contraction on) the opaque ``lowbit::qfunctional`` op runs."""
+    return x.device.type == "cpu" and y.device.type == "cpu" and inline_float_ok()
+
+
+def _traced_add(x: QTensor, y: QTensor, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: QDtype,
+                relu: bool) -> QTensor:
+    """``add`` / ``add_relu`` as the aten ops of ``_scaled_sum`` + ``_out`` in their order (no data-dependent
+    Python value), so that inductor fuses them into one pass over the codes and ``torch.export`` records them;
+    the float32 steps are the eager ones, so the codes are too (``tests/test_pt2.py``)."""
+    f32 = torch.float32
+    a = (x.int_repr().to(f32) - x.zero_point.to(f32)) * (x.scale / scale)
+    b = (y.int_repr().to(f32) - y.zero_point.to(f32)) * (y.scale / scale)
+    z = zero_point.to(f32)
+    q = torch.clamp(torch.round(a + b) + z, qdtype.quant_min, qdtype.quant_max)
+    if relu:
+        q = torch.maximum(q, z)
+    return QTensor(q.to(qdtype.storage), scale, zero_point, qdtype)
+
+
 def _float(x: Any) -> torch.Tensor:
     return x.dequantize() if isinstance(x, QTensor) else x.to(torch.float32)
 
@@ -215,6 +236,8 @@ class QFunctional(CheckedQuantState):
         compiler cannot reassociate or fuse the float32 steps, so the codes match eager)."""
         if not all(isinstance(t, QTensor) and t.axis is None for t in (x, y) if t is not None):
             return getattr(self, f"_eager_{op}")(x, c if y is None else y)
+        if op in ("add", "add_relu") and _inductor_exact(x, y):
+            return _traced_add(x, y, self.scale, self.zero_point, self.qdtype, op == "add_relu")
         c = _scalar(c, f"QFunctional.{op}")
         yq = (None, None, None, "") if y is None else (y.int_repr(), y.scale, y.zero_point, qdtype_key(y.qdtype))
         q = torch.ops.lowbit.qfunctional(op, x.int_repr(), x.scale, x.zero_point, qdtype_key(x.qdtype), *yq, c,
