@@ -133,6 +133,11 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
                     list(spec.output_padding) or [0] * spec.dim)
         return _traced("qconv", x, weight, bias, out, relu, *geometry)
     op = "conv_transpose" if spec.transposed else "conv"
+    if x.int_repr().is_cpu and get_backend() is None:  # the automatic CPU chain, without building it
+        y = onednn.conv(x, weight, bias, spec, out, relu, cache)
+        if y is not NotImplemented:
+            counts[("onednn", op)] += 1
+            return y
     for backend in backend_chain(x.device):
         y = backend.conv(x, weight, bias, spec, out, relu, cache)
         if y is not NotImplemented:

@@ -250,7 +250,7 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     """N-d int8 convolution through ``onednn::qconv_pointwise`` (channels-last output)."""
     if spec.transposed or x.device.type != "cpu" or x.numel() == 0 or x.int_repr().element_size() != 1:
         return NotImplemented
-    stride, padding, dilation = list(spec.stride), list(spec.padding), list(spec.dilation)
+    stride, padding, dilation = _geometry(spec)
 
     def pack(w: torch.Tensor) -> torch.Tensor:
         # x_scale / x_zp given to prepack do not enter the packed weight (checked in the tests)
@@ -275,6 +275,13 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     if relu and not fuse:  # quantize is monotone with quantize(0) = z_out, so relu commutes with it
         y = y.relu_() if out is None else y.clamp_(min=out.zero_point)
     return _wrap(y, out)
+
+
+@functools.lru_cache(maxsize=256)
+def _geometry(spec: ConvSpec) -> tuple[list[int], list[int], list[int]]:
+    """``(stride, padding, dilation)`` lists of a (frozen, hashable) ``ConvSpec``, built once per geometry.
+    The lists are passed to the oneDNN ops only, which do not mutate them."""
+    return list(spec.stride), list(spec.padding), list(spec.dilation)
 
 
 def _split_run(run: Any, q: torch.Tensor, zx: int, bias: torch.Tensor | None, out: OutGrid | None,
