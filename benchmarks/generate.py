@@ -11,7 +11,11 @@ rounded to nearest here (no calibration). Each model decodes ``--new`` tokens gr
 text, a different window per batch row). Per configuration: the prefill time (``max_new_tokens=1``), the
 whole run, and from them the decode time per step ``(t_all - t_prefill) / (new - 1)`` and decode
 tokens/s ``= batch / step``; the median of ``--rounds`` interleaved rounds. "compiled" wraps
-``model.forward`` in ``torch.compile(dynamic=True)`` (compile time reported, not counted).
+a copy's ``model.forward`` in ``torch.compile(dynamic=True)`` (compile time reported as ``warmup_s``, not
+counted; weight-only Linears are one opaque op there, ``torch.ops.lowbit.weight_only_linear``, so
+compiling fuses the rest of the model, not the dequantization); its rows record whether the greedy
+tokens equal eager's (``same_tokens_as_eager``) and the decode speed-up over eager. A kind that fails to
+compile is reported with its error under ``errors``.
 The weight bytes a decode step reads (``MB/token``) and the rate it implies are printed to show where
 the time goes: at batch 1 decoding is bound by streaming the weights.
 """
@@ -19,6 +23,7 @@ the time goes: at batch 1 decoding is bound by streaming the weights.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -57,6 +62,9 @@ def build(model: nn.Module, kind: str) -> nn.Module:
     return quantize_head(qm, bits=8)
 
 
+LAST: list[torch.Tensor] = []  # the tokens of the latest gen_time call
+
+
 def gen_time(model: nn.Module, ids: torch.Tensor, new: int) -> float:
     t = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
@@ -64,6 +72,7 @@ def gen_time(model: nn.Module, ids: torch.Tensor, new: int) -> float:
     dt = time.perf_counter() - t
     if out.shape[1] != ids.shape[1] + new:
         raise RuntimeError(f"generate returned {out.shape[1] - ids.shape[1]} tokens, expected {new}")
+    LAST[:] = [out]
     return dt
 
 
@@ -76,6 +85,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--kinds", nargs="+", default=["fp32", "int8", "int4"])
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--out", default="generate", help="results file name (benchmarks/results/OUT.json)")
+    p.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     info = common.machine()
@@ -85,13 +96,15 @@ def main() -> None:
     bg, _, _ = D.load_lee_corpus()
     ids = torch.tensor(tok("\n".join(bg)).input_ids)
     models = {k: build(base, k) for k in a.kinds}
-    modes = ["eager"] + ([] if a.no_compile else ["compiled"])
+    modes = [m for m in a.modes if not (a.no_compile and m == "compiled")]
     rows: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    outs: dict[tuple[int, str, str], torch.Tensor] = {}  # (batch, kind, mode) -> generated tokens
     for mode in modes:
         runs: dict[str, nn.Module] = {}
         for k, m in models.items():
-            if mode == "compiled":
-                m = build(base, k) if k != "fp32" else base
+            if mode == "compiled":  # a fresh copy per kind, so no compiled graph is shared between kinds
+                m = copy.deepcopy(m)
                 m.forward = torch.compile(m.forward, dynamic=True)
             runs[k] = m
         for b in a.batches:
@@ -99,15 +112,22 @@ def main() -> None:
             times: dict[str, dict[str, list[float]]] = {k: {"prefill": [], "all": []} for k in runs}
             compile_s: dict[str, float] = {}
             with torch.inference_mode():
-                for k, m in runs.items():  # warm-up (and compilation)
+                for k, m in list(runs.items()):  # warm-up (and compilation)
                     t = time.perf_counter()
-                    gen_time(m, prompt, 2)
-                    gen_time(m, prompt, a.new)
+                    try:
+                        gen_time(m, prompt, 2)
+                        gen_time(m, prompt, a.new)
+                    except Exception as e:  # a kind that does not compile is reported, not fatal
+                        errors[f"{mode} b={b} {k}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                        print(f"{mode} batch {b}: {k} failed: {errors[f'{mode} b={b} {k}']}", flush=True)
+                        del runs[k]
+                        continue
                     compile_s[k] = time.perf_counter() - t
                 for r in range(a.rounds):
                     for k in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
                         times[k]["prefill"].append(gen_time(runs[k], prompt, 1))
                         times[k]["all"].append(gen_time(runs[k], prompt, a.new))
+                        outs[(b, k, mode)] = LAST[0]
             for k in runs:
                 pre, tot = statistics.median(times[k]["prefill"]), statistics.median(times[k]["all"])
                 step = (tot - pre) / (a.new - 1)
@@ -115,6 +135,12 @@ def main() -> None:
                 rows[f"{mode} b={b} {k}"] = {"prefill_s": pre, "total_s": tot, "decode_ms_per_step": step * 1e3,
                                              "decode_tok_s": b / step, "weights_MB": mb,
                                              "weights_GB_s_at_b1": mb / 1024 / step, "warmup_s": compile_s[k]}
+                if mode == "compiled" and (b, k, "eager") in outs:  # does compiling change the greedy tokens?
+                    rows[f"{mode} b={b} {k}"]["same_tokens_as_eager"] = torch.equal(outs[(b, k, mode)],
+                                                                                    outs[(b, k, "eager")])
+                if mode == "compiled" and f"eager b={b} {k}" in rows:
+                    rows[f"{mode} b={b} {k}"]["speedup_vs_eager"] = (rows[f"eager b={b} {k}"]["decode_ms_per_step"]
+                                                                     / (step * 1e3))
             base_rate = rows[f"{mode} b={b} fp32"]["decode_tok_s"] if "fp32" in runs else None
             for k in runs:
                 row = rows[f"{mode} b={b} {k}"]
@@ -124,7 +150,8 @@ def main() -> None:
                       f"({row['decode_ms_per_step']:6.2f} ms/step, {row.get('decode_speedup_vs_fp32', 1):.2f}x fp32)  "
                       f"prefill {row['prefill_s'] * 1e3:7.1f} ms  weights {row['weights_MB']:6.1f} MB "
                       f"-> {row['weights_GB_s_at_b1']:5.1f} GB/s  warm-up {row['warmup_s']:.0f} s", flush=True)
-    print(common.write_results("generate", {"prompt": a.prompt, "new": a.new, "threads": a.threads, "rows": rows}))
+    print(common.write_results(a.out, {"prompt": a.prompt, "new": a.new, "threads": a.threads, "rows": rows,
+                                       "errors": errors}))
 
 
 if __name__ == "__main__":

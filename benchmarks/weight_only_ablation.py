@@ -34,6 +34,8 @@ D01 = dict(damp=0.01)
 ROWS: dict[str, dict[str, Any]] = {
     "rtn min/max": dict(method="rtn", clip="rtn", awq=False),
     "rtn + clip search": dict(method="rtn", clip="hmse", awq=False),
+    "gptq + act-order + awq + float target, hmse clip, damp 0.01": dict(awq=True, clip="hmse", float_target=True,
+                                                                        **D01),
     "gptq + act-order + awq + refine, min/max, damp 0.01": dict(awq=True, clip="rtn", refine=True, **D01),
     "gptq + act-order, min/max, damp 0.01": dict(awq=False, clip="rtn", **D01),
     "gptq + act-order + awq, hmse clip, damp 0.01": dict(awq=True, clip="hmse", **D01),

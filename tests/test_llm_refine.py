@@ -63,3 +63,17 @@ def test_quantize_llm_refine_keeps_the_first_codes_and_moves_scales():
     qa, qb = a.model.layers[0].self_attn.q_proj, b.model.layers[0].self_attn.q_proj
     assert torch.equal(qa.qweight, qb.qweight) and torch.equal(qa.zero_points, qb.zero_points)
     assert not torch.equal(qa.scales, qb.scales)
+
+
+def test_float_target_fits_the_float_model_better_and_starts_from_the_same_codes():
+    m = Q.llm.toy_llama(layers=3, hidden=64)
+    g = torch.Generator().manual_seed(1)
+    calib = [torch.randint(0, 128, (1, 64), generator=g) for _ in range(6)]
+    kw = dict(bits=4, group_size=32, head=None, damp=0.01, progress=False, awq=False)
+    a, b = Q.quantize_llm(m, calib, **kw), Q.quantize_llm(m, calib, float_target=True, **kw)
+    # block 0's first group reads the embedding in both streams: X_f = X_q, so V = W and the codes agree
+    qa, qb = a.model.layers[0].self_attn.q_proj, b.model.layers[0].self_attn.q_proj
+    assert torch.equal(qa.qweight, qb.qweight) and torch.equal(qa.scales, qb.scales)
+    with torch.no_grad():
+        err = [sum(float((q(x).logits - m(x).logits).pow(2).mean()) for x in calib) for q in (a, b)]
+    assert err[1] < 0.5 * err[0], err  # later layers fit X_f Wᵀ: far closer to the float model on its data

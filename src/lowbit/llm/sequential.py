@@ -14,7 +14,10 @@ Per decoder block ``i`` (inputs: the hidden states of the already quantized bloc
    with the least ``tr(ΔW H ΔWᵀ)`` kept) or by rounding (``method="rtn"``), and the Linears become
    ``WeightOnlyLinear``. With several ranks, group ``j`` is quantized on rank ``j % W`` and broadcast.
    ``refine``: after GPTQ, the group scales are re-fitted to ``tr(ΔW H ΔWᵀ)`` with the codes fixed
-   (``lowbit.llm.refine``).
+   (``lowbit.llm.refine``). ``float_target``: a float copy of the block runs on the float model's own
+   hidden states beside it, and GPTQ quantizes ``V = W + W (C - H) H⁻¹`` (``C = X_fᵀX_q``) instead of
+   ``W``: since ``||X_f Wᵀ - X_q Ŵᵀ||² = ||X_q (V - Ŵ)ᵀ||² + const``, the codes then fit the float
+   model's outputs and undo part of the error the quantized predecessors put into ``X_q``.
 4. The quantized block runs once more to give block ``i + 1`` its inputs.
 
 ``head`` quantizes the output projection too (``"int8"``: per-row int8; ``"int4"``: groups); with tied
@@ -111,6 +114,43 @@ def _input_stats(block: nn.Module, firsts: list[str], last: str | None, inps: li
     return {n: (a.sum(group), b.sum(group)) if abs_sum else (a.sum(group),) for n, (a, b) in acc.items()}
 
 
+@torch.no_grad()
+def _cross_stats(block: nn.Module, fblock: nn.Module, first: str, last: str,
+                 inps: list[tuple[torch.Tensor, dict[str, Any]]], finps: list[tuple[torch.Tensor, dict[str, Any]]],
+                 world: int, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(X_qᵀX_q, X_fᵀX_q)`` of Linear ``first``'s input in ``block`` (quantized stream) and ``fblock`` (float)."""
+    H, C, cur = _Terms(world), _Terms(world), {}
+
+    def grab(key: str):
+        def fn(_m: nn.Module, args: tuple[Any, ...]) -> None:
+            cur[key] = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+        return fn
+
+    def stop(*_a: Any) -> None:
+        raise StopForward
+
+    hs = [block.get_submodule(first).register_forward_pre_hook(grab("q")),
+          fblock.get_submodule(first).register_forward_pre_hook(grab("f")),
+          block.get_submodule(last).register_forward_hook(stop), fblock.get_submodule(last).register_forward_hook(stop)]
+    try:
+        for (x, kw), (xf, kwf) in zip(inps, finps):
+            run_block(fblock, xf, kwf)
+            run_block(block, x, kw)
+            H.add(cur["q"].T @ cur["q"])
+            C.add(cur["f"].T @ cur["q"])
+    finally:
+        for h in hs:
+            h.remove()
+    return H.sum(group), C.sum(group)
+
+
+def _float_target(w: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp: float) -> torch.Tensor:
+    """``V = W + W (C - H) (H + λI)⁻¹``: the least-squares weight for ``X_q Vᵀ ≈ X_f Wᵀ`` (``V = W`` when X_q = X_f)."""
+    Hd = H.double() + damp * torch.diag(H).double().mean().clamp_min(1e-12) * torch.eye(H.shape[0], dtype=torch.float64)
+    corr = torch.linalg.solve(Hd, (C.double() - H.double()).T @ w.double().T).T  # (N, K) = W (C - H) Hd⁻¹
+    return (w.double() + corr).float()
+
+
 def _gptq_best(w: torch.Tensor, H: torch.Tensor, g: int, bits: int, symmetric: bool, act_order: bool, clip: str,
                damps: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     qd = weight_qdtype(bits, symmetric)
@@ -132,7 +172,8 @@ def _replace(block: nn.Module, name: str, new: nn.Module) -> None:
 def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_size: int = 128,
                  method: str = "gptq", awq: bool = True, clip: str = "hmse", act_order: bool = True,
                  damp: float | Sequence[float] = (0.01, 0.03, 0.1), symmetric: bool = False,
-                 head: str | None = "int8", refine: bool = False, inplace: bool = False, progress: bool = True,
+                 head: str | None = "int8", refine: bool = False, float_target: bool = False, inplace: bool = False,
+                 progress: bool = True,
                  group: Any = None) -> nn.Module:
     """Quantize every ``nn.Linear`` of a causal LM's decoder blocks, block by block; see the module docstring.
 
@@ -140,7 +181,9 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
     rank passes its shard (``lowbit.llm.shard``; equal counts). ``method``: ``"gptq"`` or ``"rtn"``;
     ``clip``: group qparams by ``"hmse"`` (clip search weighted by ``diag(XᵀX)``), ``"mse"`` or ``"rtn"``
     (min/max); ``awq``: AWQ scaling first; ``refine``: re-fit the group scales after GPTQ (codes
-    fixed); ``head``: ``"int8"``, ``"int4"`` or ``None`` (keep the float output projection / embedding).
+    fixed); ``float_target``: GPTQ fits the float model's outputs ``X_f Wᵀ`` rather than ``X_q Wᵀ`` (the
+    quantized stream's inputs times the float weight), correcting the earlier layers' error; ``head``:
+    ``"int8"``, ``"int4"`` or ``None`` (keep the float output projection / embedding).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_llm: model must be an nn.Module, got {type(model).__name__}")
@@ -164,6 +207,8 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
         raise ValueError("quantize_llm: calib yielded no batches")
     qd = weight_qdtype(bits, symmetric)
     job = 0
+    float_target = float_target and method == "gptq"
+    finps = inps  # the float model's block inputs (float_target)
     for block in _progress(layers, "quantize_llm blocks", len(layers), progress and rank == 0):
         groups = linear_groups(block, *inps[0])
         srcs = {names[0]: scale_source(block, names) for names in groups} if awq else {}
@@ -177,6 +222,7 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
                 H, a = stats[names[0]]
                 s, _, _ = awq_search_stats(w, H, a, n_tok, fit_group_size(w.shape[1], group_size), qd, symmetric)
                 awq_fold(block, srcs[names[0]], names, s)
+        fblock = copy.deepcopy(block) if float_target else None  # after the AWQ folds: the same float W
         for names in groups:
             lins = [block.get_submodule(n) for n in names]
             k = lins[0].in_features
@@ -189,8 +235,13 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
             n, G = w.shape[0], qs[0].scales.shape[1]
             codes, s, z = torch.zeros(n, k, dtype=torch.int64), torch.zeros(n, G), torch.zeros(n, G, dtype=torch.int64)
             if method == "gptq":
-                H = _input_stats(block, names[:1], names[-1], inps, world, group)[names[0]][0]
+                if fblock is None:
+                    H = _input_stats(block, names[:1], names[-1], inps, world, group)[names[0]][0]
+                else:
+                    H, C = _cross_stats(block, fblock, names[0], names[-1], inps, finps, world, group)
                 if job % world == rank:
+                    if fblock is not None:
+                        w = _float_target(w, H, C, min(damps))
                     codes, s, z = _gptq_best(w, H, qs[0]._g, bits, symmetric, act_order, clip, damps)
                     if refine:
                         s = refine_scales(w, H, codes, s, z, qs[0]._g)[0]
@@ -205,6 +256,8 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
                     q.bias = m.bias.detach().float().cpu().clone()
                 _replace(block, name, q.to(m.weight.device))
         if method == "gptq" or awq:  # plain rounding needs no activations
+            if fblock is not None:
+                finps = [(run_block(fblock, x, kw), kw) for x, kw in finps]
             inps = [(run_block(block, x, kw), kw) for x, kw in inps]
     if head is not None:
         quantize_head(model, 8 if head == "int8" else 4, group_size, symmetric)
