@@ -129,3 +129,18 @@ def test_zero_pad_module_stays_int_in_eager_mode():
     out, padded = seen["out"], seen["in"]
     assert isinstance(padded, Q.QTensor) and padded.q_scale() == out.q_scale()
     assert torch.equal(padded.int_repr(), F.pad(out.int_repr(), (1, 1, 1, 1), value=out.q_zero_point()))
+
+
+def test_compare_applies_the_absorbed_relu6_clamp():
+    """A conv + BN + F.relu6 fused in graph mode is compared with clamp(BN output, 0, 6), not relu(BN output)."""
+    from lowbit.debug import compare
+
+    x = torch.randn(8, 3, 9, 9)
+    model = PadNet().eval()
+    with torch.no_grad():
+        model.bn.weight.mul_(20.0)  # pre-activation values far above 6: a plain relu reference would be off by them
+    q = _convert(model, x)
+    with kernels.use_backend("reference"):
+        row = next(r for r in compare(model, q, x).rows if r.name == "c1")
+    assert row.compared_with == "bn + clamp(0, 6)"
+    assert row.act_sqnr_db > 30 and row.act_max_abs_err < 1.0, (row.act_sqnr_db, row.act_max_abs_err)

@@ -201,6 +201,7 @@ class _Pair:
     ref: str                  # float module whose output is compared
     fused: list[str]          # float names of the fused-away modules M1..Mk
     relu: bool = False        # a functional ReLU was absorbed after ``ref`` (graph mode): apply it
+    clamp_max: float | None = None  # ... a functional [0, t] clamp (F.relu6): apply clamp(0, t) instead
 
 
 def _pairs(float_model: nn.Module, quantized_model: nn.Module) -> list[_Pair]:
@@ -223,12 +224,20 @@ def _pairs(float_model: nn.Module, quantized_model: nn.Module) -> list[_Pair]:
                 if not isinstance(sib, nn.Identity) or fsib is None:
                     break
                 fused.append(fsib)
-        relu = False
+        relu, clamp_max = False, None
         if not fused and name in absorbed:  # graph mode: the fused run recorded by prepare_fx
             fused = [f for f in absorbed[name] if f != "relu" and f in f_named]
-            relu = absorbed[name][-1] == "relu"
-        pairs.append(_Pair(name, qmod, fname, fused[-1] if fused else fname, fused, relu))
+            last = absorbed[name][-1]
+            relu = last == "relu" or last.startswith("clamp:")
+            clamp_max = float(last[len("clamp:"):]) if last.startswith("clamp:") else None
+        pairs.append(_Pair(name, qmod, fname, fused[-1] if fused else fname, fused, relu, clamp_max))
     return pairs
+
+
+def _act_suffix(p: _Pair) -> str:
+    if not p.relu:
+        return ""
+    return " + relu" if p.clamp_max is None else f" + clamp(0, {p.clamp_max:g})"
 
 
 def _float_weight(fmod: nn.Module, bn: nn.Module | None) -> torch.Tensor | None:
@@ -333,7 +342,8 @@ def compare(float_model: nn.Module, quantized_model: nn.Module, inputs: Any) -> 
                     calls_f, calls_q = rec_f.outputs.get(p.ref, []), rec_q.outputs.get(p.name, [])
                     for outs_f, outs_q in zip(calls_f, calls_q):
                         for x, x_hat in zip(outs_f, outs_q):
-                            x = x.relu() if p.relu else x
+                            if p.relu:
+                                x = x.relu() if p.clamp_max is None else x.clamp(0.0, p.clamp_max)
                             act[p.name].add(x, x_hat, f"compare: layer '{p.name or '<root>'}' vs float '{p.ref}'")
                 rec_f.outputs.clear()
                 rec_q.outputs.clear()
@@ -356,7 +366,7 @@ def compare(float_model: nn.Module, quantized_model: nn.Module, inputs: Any) -> 
             stats = _Stats()
             stats.add(w, w_hat, f"compare: weight of '{p.name}'")
             w_sqnr, w_err = stats.sqnr_db, stats.max_err
-        rows.append(LayerComparison(p.name, type(p.qmod).__name__, p.ref + (" + relu" if p.relu else ""),
+        rows.append(LayerComparison(p.name, type(p.qmod).__name__, p.ref + _act_suffix(p),
                                     act[p.name].sqnr_db,
                                     act[p.name].max_err, w_sqnr, w_err))
     return CompareResult(rows)

@@ -292,7 +292,8 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
     User patterns (``lowbit.fusion_registry``) are fused first. ``require_qconfig=False``
     (``fuse_fx``) also fuses layers that have no qconfig. ``absorbed`` (if given) receives, for each
     fused conv/linear-BN-ReLU run, ``{layer target: [targets of the modules it absorbed, in order]}``
-    (``"relu"`` for a functional ReLU), for ``lowbit.debug.compare``.
+    (``"relu"`` for a functional ReLU, ``"clamp:t"`` for a functional ``[0, t]`` clamp such as ``F.relu6``),
+    for ``lowbit.debug.compare``.
     """
     modules = dict(gm.named_modules())
     bn_of = _BN_OF if is_qat else {**_BN_OF, **_BN_OF_TRANSPOSED}
@@ -341,7 +342,8 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
             erased.add(n)
         fused.append(f"{node.target}: {' + '.join(type(m).__name__ for m in mods)} -> {type(new).__name__}")
         if absorbed is not None:
-            absorbed[node.target] = [str(n.target) if n.op == "call_module" else "relu" for n in run[1:]]
+            absorbed[node.target] = [str(n.target) if n.op == "call_module" else "relu" if
+                                     is_relu_target(n.op, n.target) else f"clamp:{float(act.max_val)}" for n in run[1:]]
     # relu(F.linear(x, self.w, self.b)) -> linear_relu(x, self.w, self.b) (likewise F.conv1d/2d/3d)
     for node in list(gm.graph.nodes):
         if node in erased or node.op != "call_function" or node.target not in WITH_RELU:

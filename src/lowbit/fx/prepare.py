@@ -228,7 +228,7 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
     _kinds_in_eval(gm, example_inputs)
     absorbed: dict[str, list[str]] = {}
     ctx.report.fused += [join(prefix, f) for f in fuse_graph(gm, ctx.is_qat, absorbed=absorbed)]
-    ctx.report.absorbed.update({join(prefix, k): [v if v == "relu" else join(prefix, v) for v in vs]
+    ctx.report.absorbed.update({join(prefix, k): [v if v == "relu" or v.startswith("clamp:") else join(prefix, v) for v in vs]
                                 for k, vs in absorbed.items()})
     if ctx.is_qat:
         _swap_qat(gm, set(opaque))
