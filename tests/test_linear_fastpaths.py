@@ -4,7 +4,8 @@
 - the dynamic ``Linear`` forward (``per_token.dynamic_linear``: ``torch._int_mm`` at M = 1, one oneDNN call
   otherwise, on VNNI CPUs) matches ``per_token_linear`` on the reference backend, is counted in
   ``kernels.counts``, and leaves pinned backends, non-finite rows and affine weights to the generic path;
-- the static M = 1 GEMV route of the oneDNN backend is exact (int32 sums) and requantizes like ``int_mm``.
+- the static M = 1 GEMV route of the oneDNN backend is exact (int32 sums) and requantizes within one code
+  of ``int_mm`` (one folded rounding).
 
 Both ISA branches run on any CPU: ``onednn.has_vnni`` is pinned; on a CPU without VNNI the forced-VNNI
 cases use 7-bit weights (exact through the saturating AVX2 kernels too).
@@ -153,8 +154,9 @@ def test_static_gemv_route_matches_int_mm(monkeypatch: pytest.MonkeyPatch, out: 
     assert ran, "the M = 1 GEMV route did not run"
     if out is None:
         assert torch.equal(got, want)
-    else:
-        assert torch.equal(got.int_repr(), want.int_repr()) and got.qdtype == out.qdtype
+    else:  # one folded rounding: within one code of the reference at ties, the same codes elsewhere
+        diff = (got.int_repr().int() - want.int_repr().int()).abs()
+        assert got.qdtype == out.qdtype and int(diff.max()) <= 1 and int((diff > 0).sum()) <= 1
 
 
 @settings(max_examples=30, deadline=None)
