@@ -15,6 +15,8 @@ Custom-op schemas take strings, not ``QDtype`` objects, so a grid travels as ``q
 inductor fuses with its neighbours) instead of an opaque custom op: inductor's C++ code is built
 without floating-point contraction (its default ``-ffp-contract=off``), so each float32 step rounds as
 in eager and the codes are eager's. Callers also require CPU tensors (GPU code generators may contract).
+``inline_quantize`` / ``inline_dequantize`` are the per-tensor ``functional.quantize`` / ``dequantize`` written
+so (the Quantize / DeQuantize stubs then fuse with the float glue around them).
 
 >>> import lowbit as Q
 >>> from lowbit.compile_state import qdtype_key, qdtype_from_key, tracing
@@ -32,7 +34,7 @@ import torch
 
 from .qscheme import QDtype, as_qdtype
 
-__all__ = ["tracing", "inline_float_ok", "qdtype_key", "qdtype_from_key"]
+__all__ = ["tracing", "inline_float_ok", "inline_quantize", "inline_dequantize", "qdtype_key", "qdtype_from_key"]
 
 
 def tracing() -> bool:
@@ -51,6 +53,23 @@ def inline_float_ok() -> bool:
 
 
 inline_float_ok._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def inline_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: QDtype) -> torch.Tensor | None:
+    """Traced per-tensor ``quantize`` as aten ops on CPU: ``clamp(round(x · (1/s) + z))``, eager's float32 steps
+    (``functional.quantize_scaled``) in eager's order; ``None`` where the opaque op must run."""
+    if x.device.type != "cpu" or scale.numel() != 1 or not inline_float_ok():
+        return None
+    q = torch.round(x.to(torch.float32) * torch.reciprocal(scale.to(torch.float32)) + zero_point.to(torch.float32))
+    return torch.clamp(q, qdtype.quant_min, qdtype.quant_max).to(qdtype.storage)
+
+
+def inline_dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor | None:
+    """Traced per-tensor ``dequantize`` as aten ops on CPU: ``(q - z) · s`` in float32 (exact difference, one
+    rounding, as eager); ``None`` where the opaque op must run."""
+    if q.device.type != "cpu" or scale.numel() != 1 or not inline_float_ok():
+        return None
+    return (q.to(torch.float32) - zero_point.to(torch.float32)) * scale.to(torch.float32)
 
 
 def qdtype_key(qdtype: QDtype) -> str:

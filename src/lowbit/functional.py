@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import blocked
-from .compile_state import qdtype_key, tracing
+from .compile_state import inline_dequantize, inline_quantize, qdtype_key, tracing
 from .qscheme import QDtype, as_qdtype
 
 __all__ = ["quantize", "dequantize", "fake_quantize", "check_ch_axis", "check_quantized_state"]
@@ -165,7 +165,8 @@ def quantize(x: torch.Tensor, scale: Number, zero_point: Number, qdtype: QDtype 
         _check_qparams("quantize", scale, zero_point, qdtype.quant_min, qdtype.quant_max, float_zp=ch_axis is not None)
     if tracing():  # one opaque op (lowbit.pt2): the compiled program computes these very codes
         s, z = _qparam_tensor(scale, x, torch.float32), _qparam_tensor(zero_point, x, torch.int64)
-        return torch.ops.lowbit.quantize(x, s, z, qdtype_key(qdtype), ch_axis)
+        inline = inline_quantize(x, s, z, qdtype) if ch_axis is None else None  # CPU: aten ops inductor fuses
+        return inline if inline is not None else torch.ops.lowbit.quantize(x, s, z, qdtype_key(qdtype), ch_axis)
     inv_z = scalar_qparams(scale, zero_point) if ch_axis is None and x.device.type == "cpu" else None
     if inv_z is not None:  # per tensor on CPU: Python-float operands, no qparam tensors to build
         return quantize_scaled(x, inv_z[0], inv_z[1], qdtype)
@@ -231,7 +232,8 @@ def dequantize(q: torch.Tensor, scale: Number, zero_point: Number, ch_axis: int 
         _check_qparams("dequantize", scale, zero_point, float_zp=ch_axis is not None)
     if tracing():
         s, z = _qparam_tensor(scale, q, torch.float32), _qparam_tensor(zero_point, q, torch.int64)
-        return torch.ops.lowbit.dequantize(q, s, z, ch_axis)
+        inline = inline_dequantize(q, s, z) if ch_axis is None else None  # CPU: aten ops inductor fuses
+        return inline if inline is not None else torch.ops.lowbit.dequantize(q, s, z, ch_axis)
     if ch_axis is None and q.device.type == "cpu" and q.dtype in _TORCH_QDTYPE and q.is_contiguous():
         sz = _f32_scalar(scale), _f32_scalar(zero_point)
         fast = None if None in sz else _dequantize_fused(q, *sz)  # type: ignore[arg-type]
