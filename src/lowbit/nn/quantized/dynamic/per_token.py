@@ -14,8 +14,8 @@ quantize with no per-call validation, then the fastest exact GEMM for the case, 
 - ``M = 1`` on a VNNI/AMX CPU: ``torch._int_mm`` (u8 × s8 → exact int32, the GEMV is 3-5x faster
   than a prepacked oneDNN/fbgemm call at M = 1) and an integer zero-point correction;
 - otherwise on x86: one prepacked ``onednn::qlinear_pointwise`` call on the shared grid
-  ``(scale 1, zero point 128)`` and each row's grid in a blocked float epilogue (``per_token_linear``'s
-  numbers exactly);
+  ``(scale 1, zero point 128)`` and each row's grid in the float epilogue (``per_token_linear``'s
+  arithmetic, with one fused multiply-add when the output is small: equal up to float32 rounding);
 - a pinned backend (``kernels.use_backend``), a CPU without VNNI (its u8 × s8 pairs saturate: the
   kernels' split/fbgemm rules apply), affine weights, non-finite rows or other devices take the
   generic ``per_token_linear``.
@@ -241,7 +241,11 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     raw = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, plan.packed, w_scale, w_zero_point, None, 1.0, 0,
                                              torch.float32, "none", [], "")  # Σ (q_x - 128) ŵ, float32
     kernels.counts[("onednn", "linear")] += 1
-    return _epilogue(raw, neg_zp.add_(_C128).neg_(), plan.wsum, scale, bias)  # c = z_x - 128
+    cn = neg_zp.add_(_C128)  # 128 - z_x
+    if raw.numel() > _BLOCK:
+        return _epilogue(raw, cn.neg_(), plan.wsum, scale, bias)  # c = z_x - 128, blocked
+    raw = raw.addcmul_(cn, plan.wsum).mul_(scale)  # (raw - c ⊗ wsum) · s_x: one fused pass less
+    return raw if bias is None else raw.add_(bias)
 
 
 def _generic(xf: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
