@@ -70,7 +70,7 @@ def test_float_target_fits_the_float_model_better_and_starts_from_the_same_codes
     g = torch.Generator().manual_seed(1)
     calib = [torch.randint(0, 128, (1, 64), generator=g) for _ in range(6)]
     kw = dict(bits=4, group_size=32, head=None, damp=0.01, progress=False, awq=False)
-    a, b = Q.quantize_llm(m, calib, **kw), Q.quantize_llm(m, calib, float_target=True, **kw)
+    a, b = Q.quantize_llm(m, calib, float_target=False, **kw), Q.quantize_llm(m, calib, float_target=True, **kw)
     # block 0's first group reads the embedding in both streams: X_f = X_q, so V = W and the codes agree
     qa, qb = a.model.layers[0].self_attn.q_proj, b.model.layers[0].self_attn.q_proj
     assert torch.equal(qa.qweight, qb.qweight) and torch.equal(qa.scales, qb.scales)
