@@ -112,3 +112,18 @@ def test_traced_glue_is_plain_aten_ops_on_codes():
     assert any(t.startswith("lowbit.qconv") for t in targets)
     with torch.no_grad():
         assert torch.equal(ep.module()(x), q(x))
+
+
+@pytest.mark.parametrize("layouts", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("relu", [False, True])
+def test_fast_add_large_inputs_in_blocks_are_bit_identical(layouts, relu):
+    """Above ``_ADD_BLOCK`` elements the fast add runs on blocks of whole samples (40 × 2304 codes: blocks of
+    28 and 12 samples); mixed layouts take the one-block path. Output scale 2 × an input scale: many ties."""
+    shape = (40, 16, 12, 12)
+    qa = Q.QTensor(codes(shape, torch.uint8, 1, layouts[0]), 0.02, 131, Q.quint8)
+    qb = Q.QTensor(codes(shape, torch.uint8, 2, layouts[1]), 0.013, 77, Q.quint8)
+    m = fm.QFunctional(0.04, 125)
+    fast = fm._fast_add(qa, qb, m.scale, m.zero_point, m.qdtype, relu)
+    slow = m._binary(qa, qb, "add", fm._scaled_sum, torch.add, relu=relu)
+    assert fast is not None and torch.equal(fast.int_repr(), slow.int_repr())
+    assert fast.int_repr().is_contiguous(memory_format=torch.channels_last) == layouts[0]

@@ -139,12 +139,24 @@ def _fast_add(x: Any, y: Any, scale: torch.Tensor, zero_point: torch.Tensor, qdt
     ka, kb = float(x.scale / s), float(y.scale / s)  # the float32 quotients _scaled_sum multiplies by
     if not (0 < ka < float("inf") and 0 < kb < float("inf")):
         return None
-    acc = torch.dequantize(as_torch_quantized(qa, ka, int(x.zero_point)))
-    acc = acc.add_(torch.dequantize(as_torch_quantized(qb, kb, int(y.zero_point))))
-    z = int(zero_point)
+    za, zb, z = int(x.zero_point), int(y.zero_point), int(zero_point)
     lo, hi = (z if relu else qdtype.quant_min), qdtype.quant_max
-    q = acc.clamp_(lo - z, hi - z).round_().to(torch.int16).add_(z).to(qdtype.storage)
-    return QTensor._trusted(q, scale, zero_point, qdtype)
+
+    def codes(ca: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+        acc = torch.dequantize(as_torch_quantized(ca, ka, za)).add_(torch.dequantize(as_torch_quantized(cb, kb, zb)))
+        return acc.clamp_(lo - z, hi - z).round_().to(torch.int16).add_(z)
+
+    rows = max(1, _ADD_BLOCK // max(1, qa[0].numel())) if qa.dim() else 0
+    if qa.dim() == 0 or qa.shape[0] <= rows or qa.stride() != qb.stride():
+        return QTensor._trusted(codes(qa, qb).to(qdtype.storage), scale, zero_point, qdtype)
+    # large: the same passes on blocks of whole samples, so the two float32 temporaries stay in L2
+    out = torch.empty_like(qa, dtype=qdtype.storage)
+    for i in range(0, qa.shape[0], rows):
+        out[i:i + rows].copy_(codes(qa[i:i + rows], qb[i:i + rows]))
+    return QTensor._trusted(out, scale, zero_point, qdtype)
+
+
+_ADD_BLOCK = 64 * 1024  # elements per block of a large fast add (two float32 temporaries: 512 KB)
 
 
 def _inductor_exact(x: QTensor, y: QTensor) -> bool:
