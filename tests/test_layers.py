@@ -16,6 +16,7 @@ TIERS: list[tuple[str, ...]] = [
     ("qscheme",),
     ("compile_state",),                # tracing(): lower layers emit torch.ops.lowbit.* while traced
     ("qparams",),
+    ("blocked",),                      # cache-blocked exact quantize of large activations
     ("functional",),
     ("qtensor", "batches"),           # batches: the calibration-input convention (iter_batches, run_batch)
     ("observer",),
