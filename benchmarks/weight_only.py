@@ -11,8 +11,8 @@ LLM: SmolLM2-135M-Instruct (``lowbit.data.load_smollm2``): ``quantize_weight_onl
 Linear except ``lm_head``; ``quantize_llm`` rows (block-by-block GPTQ + AWQ + hmse clip, ``lowbit.llm``)
 also the tied ``lm_head`` / embedding; ``w8a8`` rows every block Linear (dynamic per-token int8
 activations, ``torch._int_mm``). Perplexity on the first ``--tokens`` tokens of ``lee_background.cor``
-in windows of 512; calibration on the ``--calib-windows`` x 512 tokens that follow them (default 8:
-4096 tokens), so it never sees the evaluated text. ``--only`` picks rows by substring.
+in windows of 512; calibration on the ``--calib-windows`` x 512 tokens that follow them (default 16:
+8192 tokens), so it never sees the evaluated text. ``--only`` picks rows by substring.
 Size: bytes of the unique tensors of ``state_dict()`` (the tied embedding / lm_head counted once).
 """
 
@@ -111,7 +111,7 @@ def main() -> None:
     p.add_argument("--skip-llm", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--calib-windows", type=int, default=8, help="GPTQ calibration: this many 512-token windows")
+    p.add_argument("--calib-windows", type=int, default=16, help="GPTQ calibration: this many 512-token windows")
     p.add_argument("--only", nargs="*", help="LLM configs whose name contains one of these (e.g. gptq fp32)")
     a = p.parse_args()
     torch.set_num_threads(1)

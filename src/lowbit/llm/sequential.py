@@ -10,8 +10,8 @@ Per decoder block ``i`` (inputs: the hidden states of the already quantized bloc
    ``H = Σ_b X_bᵀ X_b`` of the group's input is accumulated (distributed: summed over ranks in the
    global batch order, bit-identical to one process; see ``lowbit.llm.dist``).
 3. The group's weights (stacked by rows) are quantized by GPTQ (``method="gptq"``; act-order with
-   static groups; group qparams by ``clip``; the damping ``damp`` — a tuple is searched, the value
-   with the least ``tr(ΔW H ΔWᵀ)`` kept) or by rounding (``method="rtn"``), and the Linears become
+   static groups; group qparams by ``clip``; the damping ``damp``, default 0.01 — a tuple is searched,
+   the value with the least ``tr(ΔW H ΔWᵀ)`` kept) or by rounding (``method="rtn"``), and the Linears become
    ``WeightOnlyLinear``. With several ranks, group ``j`` is quantized on rank ``j % W`` and broadcast.
    ``refine``: after GPTQ, the group scales are re-fitted to ``tr(ΔW H ΔWᵀ)`` with the codes fixed
    (``lowbit.llm.refine``). ``float_target``: a float copy of the block runs on the float model's own
@@ -171,7 +171,7 @@ def _replace(block: nn.Module, name: str, new: nn.Module) -> None:
 @torch.no_grad()
 def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_size: int = 128,
                  method: str = "gptq", awq: bool = True, clip: str = "hmse", act_order: bool = True,
-                 damp: float | Sequence[float] = (0.01, 0.03, 0.1), symmetric: bool = False,
+                 damp: float | Sequence[float] = 0.01, symmetric: bool = False,
                  head: str | None = "int8", refine: bool = False, float_target: bool = False, inplace: bool = False,
                  progress: bool = True,
                  group: Any = None) -> nn.Module:
