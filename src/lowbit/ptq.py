@@ -7,7 +7,8 @@ the real int8 kernels and a ``PTQReport`` saying what every step changed. Recipe
 ``"default"``    graph mode as ``prepare_fx`` → calibrate → ``convert_fx`` with
                  ``get_default_qconfig_mapping()`` (histogram activations, per-channel weights).
 ``"accurate"``   fuse (BN folded; ReLU/ReLU6 folded into the layer's output grid) → equalize
-                 (``lowbit.algorithms.equalize``, see below) → calibrate → round (AdaRound, layer by
+                 (``lowbit.algorithms.equalize``, see below) → calibrate (``get_accurate_qconfig()``:
+                 MSE-searched activation and per-channel weight ranges) → round (AdaRound, layer by
                  layer on the quantized model's own inputs) → correct bias (empirical) → convert.
 
 Per-channel weights already give every output channel its own grid, so weight-range equalization
@@ -46,6 +47,7 @@ from torch import nn
 from .algorithms.layerwise import LayerChange, reconstruct
 from .fx import convert_fx, prepare_fx
 from .qconfig import QConfigMapping, get_default_qconfig_mapping
+from .recipes import get_accurate_qconfig
 
 __all__ = ["quantize_ptq", "PTQReport", "RECIPES"]
 
@@ -98,9 +100,11 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
                  equalize: bool | str = "range", progress: bool = True, seed: int = 0) -> tuple[nn.Module, PTQReport]:
     """Quantize a float ``model`` with ``recipe`` (``"default"`` or ``"accurate"``); return ``(qmodel, report)``.
 
-    ``qconfig_mapping`` (default ``get_default_qconfig_mapping()``) chooses the grids; ``iters`` and
+    ``qconfig_mapping`` (default: ``get_default_qconfig_mapping()`` for ``"default"``, ``get_accurate_qconfig()``
+    as the global setting for ``"accurate"``: MSE-searched ranges) chooses the grids; ``iters`` and
     ``batch_size`` are AdaRound's optimisation steps and samples per step (per layer); ``equalize``
-    adds cross-layer equalization before calibration. ``model`` itself is not changed.
+    (``accurate`` only): ``"range"`` stretches clamped channels into depthwise layers, ``True`` adds the
+    weight-range equalization of ReLU / identity pairs, ``False`` neither. ``model`` itself is not changed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_ptq: model must be an nn.Module, got {type(model).__name__}")
@@ -113,7 +117,12 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     batches = _batches(calib)
     report = PTQReport(recipe)
     float_model = copy.deepcopy(model).eval()
-    mapping = qconfig_mapping if qconfig_mapping is not None else get_default_qconfig_mapping()
+    if qconfig_mapping is not None:
+        mapping = qconfig_mapping
+    elif recipe == "accurate":  # MSE-searched ranges on both sides (lowbit.recipes)
+        mapping = QConfigMapping().set_global(get_accurate_qconfig())
+    else:
+        mapping = get_default_qconfig_mapping()
     prepared = prepare_fx(float_model, mapping, example_inputs=batches[0])
     fx_report = getattr(prepared, "lowbit_report", None)
     fused = list(getattr(fx_report, "fused", []) or [])
