@@ -34,7 +34,18 @@ import torch
 
 from .qscheme import QDtype, as_qdtype
 
-__all__ = ["tracing", "inline_float_ok", "inline_quantize", "inline_dequantize", "qdtype_key", "qdtype_from_key"]
+__all__ = ["tensor_version", "tracing", "inline_float_ok", "inline_quantize", "inline_dequantize", "qdtype_key",
+           "qdtype_from_key"]
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t._version`` for the eager caches' keys (packed weights, grid constants).
+
+    Inference tensors (made under ``torch.inference_mode``, e.g. a model deep-copied there) keep no
+    version counter and cannot change in place outside inference mode: they key as ``-1`` (with their
+    ``data_ptr`` in the same key, a new tensor still misses the cache).
+    """
+    return -1 if t.is_inference() else t._version
 
 
 def tracing() -> bool:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..compile_state import tensor_version
 from ..functional import quantize
 from ..qtensor import QTensor
 from .spec import ConvSpec, OutGrid
@@ -57,7 +58,7 @@ def _pad_to(t: torch.Tensor, dim: int, multiple: int, minimum: int = 0) -> torch
 def _prepare(weight: QTensor, cache: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(w_t, Σ_k q_w per n, z_w or None)``, cached per weight version."""
     w = weight.int_repr()
-    version = (w.data_ptr(), w._version, w.device)
+    version = (w.data_ptr(), tensor_version(w), w.device)
     hit = cache.get("int_mm.linear") if cache is not None else None
     if hit is not None and hit[0] == version:
         return hit[1]

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ..compile_state import tensor_version
 from ..functional import _store
 from ..qtensor import QTensor
 from .spec import ConvSpec, OutGrid
@@ -124,7 +125,7 @@ def _packed(cache: dict[str, Any] | None, key: str, weight: QTensor, pack: Any) 
     ``saturation_safe``).
     """
     w = weight.int_repr()
-    version = (w.data_ptr(), w._version, w.device)
+    version = (w.data_ptr(), tensor_version(w), w.device)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit[0] == version:
         return hit[1]
@@ -204,7 +205,7 @@ def _gemv(q: torch.Tensor, x: QTensor, weight: QTensor, bias: torch.Tensor | Non
     zero points must be 0 (checked once per weight version), else ``NotImplemented``. A requantized
     output folds the epilogue into one affine map (``_requant_folded``)."""
     w = weight.int_repr()
-    version = (w.data_ptr(), w._version, weight.scale.data_ptr(), weight.scale._version)
+    version = (w.data_ptr(), tensor_version(w), weight.scale.data_ptr(), tensor_version(weight.scale))
     hit = cache.get("onednn.gemv") if cache is not None else None
     if hit is None or hit[0] != version:
         ok = w.dtype == torch.int8 and not bool(weight.zero_point.any())
@@ -241,7 +242,7 @@ def _requant_folded(acc: torch.Tensor, grids: dict[Any, Any], sx: float, zx: int
     row costs four small ops instead of eight. The int32 sums are exact; ``y / s_out`` is rounded once
     instead of twice, so a code can differ from the reference's by one at a rounding tie (the DESIGN §4
     contract: within one output quantum). ReLU is the clamp at ``z_out`` (quantize is monotone)."""
-    key = (sx, zx, out, relu, None if bias is None else (bias.data_ptr(), bias._version))
+    key = (sx, zx, out, relu, None if bias is None else (bias.data_ptr(), tensor_version(bias)))
     f = grids.get(key)
     if f is None:
         qd = out.qdtype
@@ -373,8 +374,8 @@ def _fbgemm_requant(cache: dict[str, Any] | None, weight: QTensor, bias: torch.T
     the same rules as ``_fbgemm_linear``, requantized by fbgemm (±1 code from the reference at ties).
     """
     w, sw = weight.int_repr(), weight.scale
-    version = (w.data_ptr(), w._version, sw.data_ptr(), sw._version,
-               None if bias is None else (bias.data_ptr(), bias._version))
+    version = (w.data_ptr(), tensor_version(w), sw.data_ptr(), tensor_version(sw),
+               None if bias is None else (bias.data_ptr(), tensor_version(bias)))
     hit = cache.get("onednn.fbgemm_q") if cache is not None else None
     if hit is None or hit[0] != version:
         with warnings.catch_warnings():

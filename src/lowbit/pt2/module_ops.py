@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..compile_state import qdtype_from_key
+from ..compile_state import qdtype_from_key, tensor_version
 from ..nn.quantized.dynamic.per_token import dynamic_linear as _dynamic_linear
 from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.weight_only import WeightOnlyLinear
@@ -54,8 +54,8 @@ def _weight_only_module(qweight: torch.Tensor, scales: torch.Tensor, zero_points
                         bias: torch.Tensor | None, spec: list[int], kernel: str) -> WeightOnlyLinear:
     """A ``WeightOnlyLinear`` viewing these tensors (cached per tensor versions: keeps its int4 pack)."""
     cache = weight_cache(qweight)
-    key = (tuple(spec), kernel, qweight._version, scales._version, zero_points._version, id(scales),
-           id(zero_points), None if bias is None else (id(bias), bias._version))
+    key = (tuple(spec), kernel, tensor_version(qweight), tensor_version(scales), tensor_version(zero_points), id(scales),
+           id(zero_points), None if bias is None else (id(bias), tensor_version(bias)))
     hit = cache.get("weight_only.module")
     if hit is not None and hit[0] == key:
         return hit[1]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...compile_state import tracing
+from ...compile_state import tensor_version, tracing
 from ...functional import quantize
 from ...kernels import OutGrid
 from ...observer.distributed import local_statistics
@@ -322,7 +322,7 @@ class WeightedQuantModule(CheckedQuantState):
         assert scale is not None and zero_point is not None
         if tracing():  # the traced kernels read the grid from the buffers (no Python float: export-safe)
             return self.weight(), OutGrid(float("nan"), 0, self.out_qdtype, scale, zero_point)
-        key = (scale._version, zero_point._version)
+        key = (tensor_version(scale), tensor_version(zero_point))
         hit = self._cache.get("prepared")
         if hit is None or hit[0] != key:
             out = OutGrid(float(scale), int(zero_point), self.out_qdtype, scale.clone(), zero_point.clone())

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ...qscheme import QDtype, quint8
-from ...compile_state import tracing
+from ...compile_state import tensor_version, tracing
 from ...functional import dequantize_fast, quantize_scaled, scalar_qparams, scalar_tensors
 from ...qtensor import QTensor, quantize_per_tensor
 from ._utils import check_no_nan, check_out_grid, output_qparams
@@ -74,7 +74,7 @@ class Quantize(CheckedQuantState):
     def _grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(float32(1 / scale), zero_point)`` as 0-d float32 tensors, once per buffer version (not per call)."""
         scale, zero_point = self._buffers["scale"], self._buffers["zero_point"]
-        key = (scale._version, zero_point._version, scale.data_ptr(), zero_point.data_ptr())  # type: ignore[union-attr]
+        key = (tensor_version(scale), tensor_version(zero_point), scale.data_ptr(), zero_point.data_ptr())  # type: ignore[union-attr]
         hit = self.__dict__.get("_grid_cache")
         if hit is None or hit[0] != key:
             inv_z = scalar_qparams(self.scale, self.zero_point)

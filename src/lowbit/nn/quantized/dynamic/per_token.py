@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from .... import blocked, kernels
+from ....compile_state import tensor_version
 from ....functional import _store, quantize
 from ....kernels import onednn
 from ....qparams import calculate_qparams
@@ -102,7 +103,7 @@ def quantize_per_token(x: torch.Tensor) -> QTensor:
 def _weight_row_sums(weight: QTensor, cache: dict[str, Any] | None) -> torch.Tensor:
     """``Σ_k ŵ[n, k]`` (N,) float32, cached per weight version."""
     w = weight.int_repr()
-    key = (w.data_ptr(), w._version, w.device)
+    key = (w.data_ptr(), tensor_version(w), w.device)
     hit = None if cache is None else cache.get("per_token.wsum")
     if hit is not None and hit[0] == key:
         return hit[1]
@@ -188,8 +189,8 @@ class _Plan:
 def _plan(weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, qdtype: QDtype,
           cache: dict[str, Any]) -> _Plan | None:
     """The fast-path plan for this weight (rebuilt when a buffer changes), ``None`` for affine weights."""
-    key = (weight_int8.data_ptr(), weight_int8._version, w_scale.data_ptr(), w_scale._version,
-           w_zero_point.data_ptr(), w_zero_point._version)
+    key = (weight_int8.data_ptr(), tensor_version(weight_int8), w_scale.data_ptr(), tensor_version(w_scale),
+           w_zero_point.data_ptr(), tensor_version(w_zero_point))
     hit = cache.get("per_token.plan")
     if hit is not None and hit.key == key:
         return hit if hit.weight is not None else None
