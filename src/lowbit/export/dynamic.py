@@ -26,7 +26,8 @@ time steps, and every gate GEMM is the per-token graph above; the cells (``RNNCe
 >>> from lowbit.export.dynamic import DynamicLinearTwin
 >>> q = Linear.from_float(torch.nn.Linear(8, 3))
 >>> x = torch.randn(2, 5, 8)
->>> torch.equal(DynamicLinearTwin(q, "auto")(x), q(x))
+>>> y_twin, y = DynamicLinearTwin(q, "auto")(x), q(x)      # same int32 sums; the float epilogues may round apart
+>>> bool(((y_twin - y).abs() <= 1e-6 * (1 + y.abs())).all())
 True
 """
 
