@@ -9,42 +9,21 @@ the differences between rows are the per-call costs of each layer; torch.ao's tw
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.ao.quantization as aoq
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+from linear import converted_pair as models  # fp32 / lowbit / torch.ao static and dynamic
 
-import lowbit as Q
 from lowbit import kernels
 from lowbit.nn.quantized.dynamic.per_token import dynamic_linear, quantize_per_token
 
 warnings.filterwarnings("ignore")
-
-
-def models(m: int, k: int, n: int) -> tuple[torch.Tensor, dict[str, nn.Module]]:
-    """fp32 / lowbit static / torch.ao static (x86) / lowbit dynamic / torch.ao dynamic of one ``nn.Linear``."""
-    torch.manual_seed(0)
-    lin, x = nn.Linear(k, n).eval(), torch.randn(m, k)
-    prep = Q.prepare(nn.Sequential(Q.QuantStub(), copy.deepcopy(lin), Q.DeQuantStub()).eval(), Q.get_default_qconfig())
-    torch.backends.quantized.engine = "x86"
-    ao = nn.Sequential(aoq.QuantStub(), copy.deepcopy(lin), aoq.DeQuantStub()).eval()
-    ao.qconfig = aoq.get_default_qconfig("x86")
-    aoq.prepare(ao, inplace=True)
-    with torch.inference_mode():
-        prep(x)
-        ao(x)
-    aoq.convert(ao, inplace=True)
-    return x, {"fp32": lin, "lowbit static": Q.convert(prep), "ao static": ao,
-               "lowbit dynamic": Q.quantize_dynamic(nn.Sequential(copy.deepcopy(lin))),
-               "ao dynamic": aoq.quantize_dynamic(nn.Sequential(copy.deepcopy(lin)), {nn.Linear}, dtype=torch.qint8)}
 
 
 def methods(m: int, k: int, n: int) -> dict[str, Callable[[], Any]]:

@@ -192,6 +192,21 @@ def equalize_prepared(prepared: fx.GraphModule, calib: Iterable[Any] | None = No
     return sorted(records.values(), key=lambda r: order.get(r.first, 0))
 
 
+def _run_hooked(gm: fx.GraphModule, hooks: list[Any], calib: Iterable[Any]) -> None:
+    """Run ``calib`` through ``gm`` with its observers inert (they record nothing), then remove ``hooks``."""
+    obs = [m for m in gm.modules() if isinstance(m, (ObserverBase, FakeQuantize))]
+    for m in obs:
+        m.forward = lambda x, *a, **k: x  # type: ignore[method-assign]
+    try:
+        for batch in calib:
+            gm(*(batch if isinstance(batch, tuple) else (batch,)))
+    finally:
+        for h in hooks:
+            h.remove()
+        for m in obs:
+            m.__dict__.pop("forward", None)
+
+
 def _measure(gm: fx.GraphModule, layers: dict[str, nn.Module], stat: str, calib: Iterable[Any]) -> dict[str, torch.Tensor]:
     """Per output channel ``amin`` / ``amax`` of each ``layers[name]``'s output over ``calib``, observers inert."""
     got: dict[str, torch.Tensor] = {}
@@ -203,17 +218,7 @@ def _measure(gm: fx.GraphModule, layers: dict[str, nn.Module], stat: str, calib:
             got[name] = v if name not in got else torch.minimum(got[name], v) if stat == "amin" \
                 else torch.maximum(got[name], v)
         hooks.append(m.register_forward_hook(hook))
-    obs = [m for m in gm.modules() if isinstance(m, (ObserverBase, FakeQuantize))]
-    for m in obs:  # observe nothing while measuring
-        m.forward = lambda x, *a, **k: x  # type: ignore[method-assign]
-    try:
-        for batch in calib:
-            gm(*(batch if isinstance(batch, tuple) else (batch,)))
-    finally:
-        for h in hooks:
-            h.remove()
-        for m in obs:
-            m.__dict__.pop("forward", None)
+    _run_hooked(gm, hooks, calib)
     return got
 
 
@@ -262,17 +267,7 @@ def _absorb(gm: fx.GraphModule, mods: dict[str, nn.Module], pairs: list[tuple[st
         hooks.append(a.register_forward_hook(hook))
     if not hooks:
         return
-    obs = [m for m in gm.modules() if isinstance(m, (ObserverBase, FakeQuantize))]
-    for m in obs:  # observe nothing while measuring
-        m.forward = lambda x, *a, **k: x  # type: ignore[method-assign]
-    try:
-        for batch in calib:
-            gm(*(batch if isinstance(batch, tuple) else (batch,)))
-    finally:
-        for h in hooks:
-            h.remove()
-        for m in obs:
-            m.__dict__.pop("forward", None)
+    _run_hooked(gm, hooks, calib)
     for an, bn in pairs:
         if an not in lows:
             continue
