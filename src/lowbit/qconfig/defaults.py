@@ -5,6 +5,15 @@ LSQ, fused QAT, dynamic and embedding recipes, and the default ``QConfigMapping`
 >>> qc = Q.get_default_qconfig()
 >>> type(qc.activation()).__name__, type(qc.weight()).__name__
 ('HistogramObserver', 'PerChannelMinMaxObserver')
+
+``backend=`` takes torch.ao's names and gives torch.ao's recipe for that engine (observer classes,
+grids and schemes as ``torch.ao.quantization.get_default_qconfig(backend)``): ``"x86"`` / ``"fbgemm"``
+observe activations on the 7-bit ``reduce_range`` grid ``quint8[0, 127]``; ``"onednn"`` and
+``"qnnpack"`` on the full ``quint8[0, 255]`` grid (``"qnnpack"`` with per-tensor symmetric weights).
+Without ``backend`` lowbit's own default stays: 8-bit activations (torch.ao's no-argument default is x86).
+
+>>> Q.get_default_qconfig("x86").activation().qdtype
+lowbit.quint8[0, 127]
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from ..observer.fixed import NoopObserver, PlaceholderObserver
 from ..observer.histogram import HistogramObserver
 from ..observer.minmax import MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver
 from ..qscheme import (QDtype, as_qdtype, per_channel_affine, per_channel_affine_float_qparams, per_channel_symmetric,
-                       per_tensor_affine, qint8, quint4, quint8)
+                       per_tensor_affine, per_tensor_symmetric, qint8, quint4, quint8)
 from .config import QConfig
 from .mapping import QConfigMapping
 
@@ -29,26 +38,71 @@ __all__ = [
 ]
 
 
-def get_default_qconfig() -> QConfig:
-    """Static PTQ: histogram-calibrated per-tensor affine quint8 activations, per-channel symmetric qint8 weights."""
-    return QConfig(
-        activation=HistogramObserver.with_args(qscheme=per_tensor_affine, qdtype=quint8),
-        weight=PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=per_channel_symmetric, qdtype=qint8),
-    )
+BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")  # torch.ao's engine names, in its order
 
 
-def get_default_qat_qconfig() -> QConfig:
+def _backend_grid(fn: str, backend: Any, version: Any, versions: tuple[int, ...]) -> QDtype:
+    """The activation grid of ``backend``'s recipe (torch.ao's reduce_range on x86/fbgemm); checks the arguments."""
+    if isinstance(version, bool) or version not in versions:
+        raise ValueError(f"{fn}: version={version!r} is not supported; use one of {list(versions)}")
+    if backend is None:
+        return quint8
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"{fn}: backend={backend!r} is not supported; use one of {list(BACKENDS)} "
+                         "(torch.ao's engines) or None (lowbit's default recipe)")
+    return quint8.with_range(0, 127) if backend in ("x86", "fbgemm") else quint8
+
+
+def get_default_qconfig(backend: str | None = None, version: int = 0) -> QConfig:
+    """Static PTQ: histogram-calibrated per-tensor affine activations, per-channel symmetric qint8 weights.
+
+    ``backend=None``: lowbit's recipe, 8-bit ``quint8`` activations (exact on every CPU; without VNNI
+    the int8 kernels split the codes into two calls). ``backend`` in ``"x86"``, ``"fbgemm"``,
+    ``"onednn"``, ``"qnnpack"`` (``version`` 0): torch.ao's recipe for that engine, activations on
+    ``quint8[0, 127]`` (x86/fbgemm, ``reduce_range=True``: one exact call without VNNI, one bit of
+    resolution less) or ``quint8[0, 255]``; qnnpack weights are one per-tensor symmetric qint8 grid.
+
+    >>> get_default_qconfig("qnnpack").weight().qscheme.value
+    'per_tensor_symmetric'
+    """
+    act = _backend_grid("get_default_qconfig", backend, version, (0,))
+    weight = (MinMaxObserver.with_args(qscheme=per_tensor_symmetric, qdtype=qint8) if backend == "qnnpack" else
+              PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=per_channel_symmetric, qdtype=qint8))
+    return QConfig(activation=HistogramObserver.with_args(qscheme=per_tensor_affine, qdtype=act), weight=weight)
+
+
+def get_default_qat_qconfig(backend: str | None = None, version: int = 1) -> QConfig:
     """QAT: the static recipe's grids behind ``FakeQuantize``.
 
-    Activations use a moving-average min/max (c = 0.01). Weights use the seeds' cumulative
-    ``PerChannelMinMaxObserver`` (torch uses a moving-average per-channel observer here).
+    ``backend=None`` (lowbit's recipe; ``version`` is not used): activations use a moving-average
+    min/max (c = 0.01) on ``quint8``; weights use the seeds' cumulative ``PerChannelMinMaxObserver``
+    (torch uses a moving-average per-channel observer here). With a torch.ao ``backend`` (see
+    ``get_default_qconfig``): torch.ao's recipe, ``version=1`` on the fused observe + fake-quant module
+    (``FusedMovingAvgObsFakeQuantize``), ``version=0`` on ``FakeQuantize``; moving-average observers on
+    both sides, activations on the backend's grid, weights per channel (qnnpack: per tensor) symmetric.
+
+    >>> fq = get_default_qat_qconfig("x86").activation()
+    >>> type(fq).__name__, fq.qdtype
+    ('FusedMovingAvgObsFakeQuantize', lowbit.quint8[0, 127])
     """
-    return QConfig(
-        activation=FakeQuantize.with_args(observer=MovingAverageMinMaxObserver, qscheme=per_tensor_affine,
-                                          qdtype=quint8),
-        weight=FakeQuantize.with_args(observer=PerChannelMinMaxObserver, ch_axis=0,
-                                      qscheme=per_channel_symmetric, qdtype=qint8),
-    )
+    act = _backend_grid("get_default_qat_qconfig", backend, version, (0, 1))
+    if backend is None:
+        return QConfig(
+            activation=FakeQuantize.with_args(observer=MovingAverageMinMaxObserver, qscheme=per_tensor_affine,
+                                              qdtype=quint8),
+            weight=FakeQuantize.with_args(observer=PerChannelMinMaxObserver, ch_axis=0,
+                                          qscheme=per_channel_symmetric, qdtype=qint8),
+        )
+    from ..fake_quant_fused import FusedMovingAvgObsFakeQuantize
+    from ..observer.minmax import MovingAveragePerChannelMinMaxObserver
+
+    fq: Any = FusedMovingAvgObsFakeQuantize if version == 1 else FakeQuantize
+    weight = (fq.with_args(observer=MovingAverageMinMaxObserver, qscheme=per_tensor_symmetric, qdtype=qint8)
+              if backend == "qnnpack" else
+              fq.with_args(observer=MovingAveragePerChannelMinMaxObserver, ch_axis=0, qscheme=per_channel_symmetric,
+                           qdtype=qint8))
+    return QConfig(activation=fq.with_args(observer=MovingAverageMinMaxObserver, qscheme=per_tensor_affine, qdtype=act),
+                   weight=weight)
 
 
 def get_minmax_qconfig() -> QConfig:
@@ -180,11 +234,12 @@ def get_embedding_qat_qconfig(bits: int = 8, float_qparams: bool = False) -> QCo
     )
 
 
-def get_default_qconfig_mapping() -> QConfigMapping:
-    """``get_default_qconfig()`` as the global setting (nothing else)."""
-    return QConfigMapping().set_global(get_default_qconfig())
+def get_default_qconfig_mapping(backend: str | None = None, version: int = 0) -> QConfigMapping:
+    """``get_default_qconfig(backend, version)`` as the global setting (nothing else: torch.ao's mapping also
+    pins fixed grids for sigmoid/tanh/softmax outputs, which lowbit's observers measure instead)."""
+    return QConfigMapping().set_global(get_default_qconfig(backend, version))
 
 
-def get_default_qat_qconfig_mapping() -> QConfigMapping:
-    """``get_default_qat_qconfig()`` as the global setting (nothing else)."""
-    return QConfigMapping().set_global(get_default_qat_qconfig())
+def get_default_qat_qconfig_mapping(backend: str | None = None, version: int = 1) -> QConfigMapping:
+    """``get_default_qat_qconfig(backend, version)`` as the global setting (nothing else)."""
+    return QConfigMapping().set_global(get_default_qat_qconfig(backend, version))
