@@ -310,3 +310,31 @@ def test_adaround_window_equals_full_conv(stride, padding, groups):
         for _ in range(10):
             run, target = sample()
             torch.testing.assert_close(run(conv.weight), target, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qconfig, want", [("default", "MSEObserver"), ("histogram", "HistogramObserver")])
+def test_cli_recipe_accurate_uses_the_recipes_grids(tmp_path, capsys, monkeypatch, qconfig, want):
+    """``lowbit quantize --recipe accurate`` calibrates with the grids ``quantize_ptq(recipe="accurate")``
+    picks (MSE-searched ranges) unless ``--qconfig`` names others."""
+    import lowbit.ptq
+    from lowbit import cli
+
+    seen: list[set[str]] = []
+    real = lowbit.ptq.prepare_fx
+
+    def spy(*a, **kw):  # the observers quantize_ptq's prepared model calibrates with
+        prepared = real(*a, **kw)
+        seen.append({type(m).__name__ for m in prepared.modules() if type(m).__name__.endswith("Observer")})
+        return prepared
+
+    monkeypatch.setattr(lowbit.ptq, "prepare_fx", spy)
+    (tmp_path / "usermodel.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "def make():\n    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(8, 16), nn.ReLU6(), nn.Linear(16, 3))\n")
+    monkeypatch.chdir(tmp_path)
+    torch.save(torch.randn(64, 8), tmp_path / "calib.pt")
+    rc = cli.main(["quantize", "--model", "usermodel:make", "--calib", "calib.pt", "--method", "ptq",
+                   "--recipe", "accurate", "--qconfig", qconfig, "--quiet", "--out", "o"])
+    assert rc == 0, capsys.readouterr().out
+    assert seen and want in seen[0], seen

@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="repeatable; default: ptq, qat (when labels are at hand) and dynamic. " +
                         "; ".join(f"{m.name}: {m.help}" for m in METHODS.values() if m.help))
     q.add_argument("--qconfig", default="default", choices=QCONFIGS,
-                   help="static recipe: default (histogram), minmax, or speed (7-bit activations without VNNI)")
+                   help="static recipe: default (histogram; under --recipe accurate: that recipe's MSE-searched "
+                        "ranges), histogram, minmax, or speed (7-bit activations without VNNI)")
     q.add_argument("--recipe", default="default", choices=["default", "accurate"],
                    help="ptq recipe: default (eager prepare/convert) or accurate (quantize_ptq: graph mode, "
                         "AdaRound + bias correction; slower)")
