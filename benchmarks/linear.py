@@ -3,8 +3,9 @@
 Run: ``python benchmarks/linear.py [--quick] [--threads 1 2] [--rounds 7]`` (method: ``common.py``).
 
 ``python benchmarks/linear.py --vs-ao [--threads 1] [--rounds 9]`` is the issue #10 table instead: the
-converted models the workflows build (``QuantStub → Linear → DeQuantStub`` with the default qconfigs,
-and ``quantize_dynamic`` of an ``nn.Linear``; torch.ao's on the x86 engine), eager, at M ∈ {1, 16, 128,
+converted models the workflows build (``QuantStub → Linear → DeQuantStub``: lowbit with its default
+qconfig and with torch.ao's x86 recipe ``get_default_qconfig("x86")``, torch.ao with its x86 default; and
+``quantize_dynamic`` of an ``nn.Linear``; torch.ao's on the x86 engine), eager, at M ∈ {1, 16, 128,
 512} × (K, N) ∈ {768², 768×3072, 4096²}: medians of interleaved rounds and lowbit / torch.ao speed ratios
 (> 1: lowbit faster), ISA printed; writes ``benchmarks/results/linear_vs_ao.json``.
 Shapes: M ∈ {1, 16, 128, 512} × (K, N) ∈ {768², 768×3072, 3072×768, 4096²}. Every method is a whole
@@ -145,21 +146,26 @@ def methods_for(m: int, k: int, n: int, threads: int) -> tuple[dict[str, Callabl
 
 
 def converted_pair(m: int, k: int, n: int) -> tuple[torch.Tensor, dict[str, nn.Module]]:
-    """fp32, lowbit / torch.ao static (default qconfigs, x86 engine) and dynamic models of one ``nn.Linear``."""
+    """fp32, lowbit / torch.ao static and dynamic models of one ``nn.Linear``: lowbit static with its default
+    qconfig (8-bit activations) and with torch.ao's x86 recipe (``get_default_qconfig("x86")``: 7-bit
+    activations), torch.ao static with its x86 default (the same recipe), on the x86 engine."""
     import torch.ao.quantization as aoq
 
     torch.manual_seed(0)
     lin, x = nn.Linear(k, n).eval(), torch.randn(m, k)
-    prep = Q.prepare(nn.Sequential(Q.QuantStub(), copy.deepcopy(lin), Q.DeQuantStub()).eval(), Q.get_default_qconfig())
+    preps = {name: Q.prepare(nn.Sequential(Q.QuantStub(), copy.deepcopy(lin), Q.DeQuantStub()).eval(), qc)
+             for name, qc in (("lowbit static", Q.get_default_qconfig()),
+                              ("lowbit static x86", Q.get_default_qconfig("x86")))}
     torch.backends.quantized.engine = "x86"
     ao = nn.Sequential(aoq.QuantStub(), copy.deepcopy(lin), aoq.DeQuantStub()).eval()
     ao.qconfig = aoq.get_default_qconfig("x86")
     aoq.prepare(ao, inplace=True)
     with torch.inference_mode():
-        prep(x)
+        for prep in preps.values():
+            prep(x)
         ao(x)
     aoq.convert(ao, inplace=True)
-    return x, {"fp32": lin, "lowbit static": Q.convert(prep), "ao static": ao,
+    return x, {"fp32": lin, **{name: Q.convert(prep) for name, prep in preps.items()}, "ao static": ao,
                "lowbit dynamic": Q.quantize_dynamic(nn.Sequential(copy.deepcopy(lin))),
                "ao dynamic": aoq.quantize_dynamic(nn.Sequential(copy.deepcopy(lin)), {nn.Linear}, dtype=torch.qint8)}
 
@@ -174,23 +180,27 @@ def vs_ao(a: argparse.Namespace) -> None:
         torch.set_num_threads(threads)
         print(f"\n{threads} thread(s): median µs of interleaved rounds; ratio = torch.ao time / lowbit time (> 1: lowbit "
               "faster), median of per-round ratios (ratio of the best rounds)")
-        print(common.md_table(["M×K×N", "clean", "lowbit static", "ao static", "ratio", "lowbit dynamic", "ao dynamic",
-                               "ratio", "fp32"], []))
+        print(common.md_table(["M×K×N", "clean", "load", "lowbit static", "lowbit static x86", "ao static",
+                               "ratio default", "ratio x86", "lowbit dynamic", "ao dynamic", "ratio", "fp32"], []))
         for m, k, n in shapes:
             x, mods = converted_pair(m, k, n)
             meth = {name: (lambda mod=mod, x=x: mod(x)) for name, mod in mods.items()}
             t = common.bench(meth, a.rounds, a.min_time, a.max_load, a.max_wait)
             us = {name: t.median(name) * 1e6 for name in meth}
-            st, dy = t.ratio("ao static", "lowbit static"), t.ratio("ao dynamic", "lowbit dynamic")
+            st, s7 = t.ratio("ao static", "lowbit static"), t.ratio("ao static", "lowbit static x86")
+            dy = t.ratio("ao dynamic", "lowbit dynamic")
             # best-of-rounds ratios too: on a loaded machine the minimum is the least disturbed sample
             best = {name: min(v) for name, v in t.times.items()}
-            st_b, dy_b = best["ao static"] / best["lowbit static"], best["ao dynamic"] / best["lowbit dynamic"]
-            print(f"| {m}×{k}×{n} | {t.n_clean}/{a.rounds} | {us['lowbit static']:.1f} | {us['ao static']:.1f} | "
-                  f"{st:.2f} ({st_b:.2f}) | {us['lowbit dynamic']:.1f} | {us['ao dynamic']:.1f} | {dy:.2f} ({dy_b:.2f}) | "
-                  f"{us['fp32']:.1f} |", flush=True)
+            st_b, s7_b = best["ao static"] / best["lowbit static"], best["ao static"] / best["lowbit static x86"]
+            dy_b = best["ao dynamic"] / best["lowbit dynamic"]
+            load = t.summary()["other_load_median"]
+            print(f"| {m}×{k}×{n} | {t.n_clean}/{a.rounds} | {load:.2f} | {us['lowbit static']:.1f} | "
+                  f"{us['lowbit static x86']:.1f} | {us['ao static']:.1f} | {st:.2f} ({st_b:.2f}) | {s7:.2f} ({s7_b:.2f}) | "
+                  f"{us['lowbit dynamic']:.1f} | {us['ao dynamic']:.1f} | {dy:.2f} ({dy_b:.2f}) | {us['fp32']:.1f} |",
+                  flush=True)
             res["runs"].append({"threads": threads, "M": m, "K": k, "N": n, "us": us, "static_ratio": st,
-                                "dynamic_ratio": dy, "static_ratio_best": st_b, "dynamic_ratio_best": dy_b,
-                                **t.summary()})
+                                "static_x86_ratio": s7, "dynamic_ratio": dy, "static_ratio_best": st_b,
+                                "static_x86_ratio_best": s7_b, "dynamic_ratio_best": dy_b, **t.summary()})
     print(common.write_results(a.out or "linear_vs_ao", res))
 
 

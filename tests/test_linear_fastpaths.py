@@ -94,6 +94,25 @@ def test_dynamic_forward_matches_generic(monkeypatch: pytest.MonkeyPatch, vnni: 
         assert ran == {("int_mm" if m == 1 else "onednn", "linear"): 1}, ran
 
 
+@pytest.mark.parametrize("m", [1, 5, onednn.SMALL_M, onednn.SMALL_M + 1, 70])
+@pytest.mark.parametrize("engine_fbgemm", [True, False], ids=["fbgemm", "onednn"])
+def test_dynamic_no_vnni_route_bit_identical_to_generic(monkeypatch: pytest.MonkeyPatch, m: int,
+                                                        engine_fbgemm: bool) -> None:
+    """Without VNNI the module's route (no per-call wrapping) gives the generic path's floats bit for bit,
+    through the same onednn backend (split for full int8 weights; fbgemm for few rows, oneDNN above)."""
+    _force_vnni(monkeypatch, False)
+    if not engine_fbgemm:
+        monkeypatch.setattr(onednn, "_FBGEMM", ())
+    mod = _dyn(96, 24, m, seven_bit=False)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 96, generator=g) * torch.rand(m, 1, generator=g) * 4 + torch.rand(m, 1, generator=g)
+    kernels.counts.clear()
+    y = mod(x)
+    assert dict(kernels.counts) == {("onednn", "linear"): 1}
+    want = per_token.per_token_linear(per_token.quantize_per_token(x), mod.weight(), mod.bias, {})
+    assert torch.equal(y, want), float((y - want).abs().max())
+
+
 @pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "no_vnni"])
 def test_dynamic_m1_is_integer_exact(monkeypatch: pytest.MonkeyPatch, vnni: bool) -> None:
     """Unit weight scales, no bias: ``y / s_x`` is the exact integer sum ``Σ (q_x - z_x) q_w``."""

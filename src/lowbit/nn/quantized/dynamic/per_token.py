@@ -16,8 +16,9 @@ quantize with no per-call validation, then the fastest exact GEMM for the case, 
 - otherwise on x86: one prepacked ``onednn::qlinear_pointwise`` call on the shared grid
   ``(scale 1, zero point 128)`` and each row's grid in the float epilogue (``per_token_linear``'s
   arithmetic, with one fused multiply-add when the output is small: equal up to float32 rounding);
-- a pinned backend (``kernels.use_backend``), a CPU without VNNI (its u8 × s8 pairs saturate: the
-  kernels' split/fbgemm rules apply), affine weights, non-finite rows or other devices take the
+- a CPU without VNNI (its u8 × s8 pairs saturate: the kernels' split/fbgemm rules apply): the
+  generic path's codes, kernel call and epilogue (bit for bit) without its per-call wrapping;
+- a pinned backend (``kernels.use_backend``), affine weights, non-finite rows or other devices take the
   generic ``per_token_linear``.
 
 Both fast paths are counted in ``kernels.counts`` like the dispatcher (``("int_mm" | "onednn", "linear")``).
@@ -50,7 +51,7 @@ _INF = float("inf")
 _F32 = np.float32
 # 0-d operands made once: on CPU a Python float operand costs ~3 µs per op (scalar wrapping and
 # type promotion), a 0-d float32 tensor ~0.6 µs, with the same float32 arithmetic
-_C255, _C128 = torch.tensor(255.0), torch.tensor(128.0)
+_C255, _C128, _CM128 = torch.tensor(255.0), torch.tensor(128.0), torch.tensor(-128.0)
 
 
 def _row_grids(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -214,8 +215,10 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     xf = x2.detach()
     xf = xf if xf.dtype == torch.float32 else xf.float()
     plan = _plan(weight_int8, w_scale, w_zero_point, qdtype, cache) if xf.device.type == "cpu" else None
-    if plan is None or kernels.get_backend() is not None or not onednn.has_vnni():
+    if plan is None or kernels.get_backend() is not None:
         return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
+    if not onednn.has_vnni():
+        return _no_vnni(xf, plan, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
     m, k = xf.shape
     if m == 1 and k > 1:  # (K = 1: torch's CPU _int_mm sums are wrong for N > 1, see kernels/int_mm.py)
         grid = _one_row_grid(xf)
@@ -247,6 +250,25 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
         return _epilogue(raw, cn.neg_(), plan.wsum, scale, bias)  # c = z_x - 128, blocked
     raw = raw.addcmul_(cn, plan.wsum).mul_(scale)  # (raw - c ⊗ wsum) · s_x: one fused pass less
     return raw if bias is None else raw.add_(bias)
+
+
+def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: torch.Tensor,
+             w_zero_point: torch.Tensor, qdtype: QDtype, bias: torch.Tensor | None,
+             cache: dict[str, Any]) -> torch.Tensor:
+    """``_generic``'s codes, kernel call and epilogue, bit for bit, without its per-call wrapping: the
+    row grids stay ``(M, 1)`` float32 tensors (no int64 zero points, no ``QTensor`` of the codes, no
+    dispatcher) and the codes go straight to the onednn backend on the shared grid (split or not by
+    its rules, fbgemm for few rows)."""
+    grids = _row_grids(xf)
+    if grids is None:
+        return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
+    scale, neg_zp = grids
+    q = _codes(xf, torch.reciprocal(scale), neg_zp)
+    raw = onednn.linear(QTensor._trusted(q, *_shared_grid(q.device)), plan.weight, None, None, False, cache)
+    if raw is NotImplemented:
+        return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
+    kernels.counts[("onednn", "linear")] += 1
+    return _epilogue(raw, torch.sub(_CM128, neg_zp), plan.wsum, scale, bias)  # c = z_x - 128, as _generic's
 
 
 def _generic(xf: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
