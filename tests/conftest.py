@@ -2,8 +2,9 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-# helper modules imported by tests (onnx_helpers: by the ONNX tests, which skip without onnx); never collected
-collect_ignore = ["onnx_helpers.py", "nets.py"]
+# helper modules imported by tests (onnx_helpers: by the ONNX tests, which skip without onnx; dist_helpers: by the
+# distributed tests); never collected
+collect_ignore = ["onnx_helpers.py", "nets.py", "dist_helpers.py"]
 
 # Property tests: "ci" (the default) draws the same examples on every run, so CI is reproducible and a
 # red run can be rerun; "explore" draws fresh random examples, many more of them, to hunt for new cases:

@@ -2,20 +2,14 @@
 the qparams of one process on the union (MinMax, PerChannel exactly; moving averages as the mean of
 the ranks' averages)."""
 
-import datetime
-import os
-import socket
-import sys
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_helpers import needs_gloo, run_ranks
 
 import lowbit as Q
 from lowbit.observer import distributed as D
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or sys.platform == "win32", reason="needs torch.distributed")
+pytestmark = needs_gloo
 WORLD = 2
 
 
@@ -46,10 +40,7 @@ def feed(obs, acts, weights, rank=None):
             o(b)
 
 
-def worker(rank, port, out_dir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=30))
-    torch.set_num_threads(1)
+def worker(rank):
     acts, weights, _, _ = shards(rank)
     assert D.is_distributed()
     # 1. automatic reduction at calculate_qparams time, on every rank
@@ -83,23 +74,12 @@ def worker(rank, port, out_dir):
     result["ddp_scale_shape"] = tuple(net[3].scale.shape)
     result["mean"] = D.all_reduce_mean(torch.tensor([float(rank), float("inf") if rank else 1.0]))
     result["sum"] = D.all_reduce_sum(torch.tensor([1.0, float(rank)]))
-    dist.barrier()
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return result
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist")
-    # spawn, not fork: a parent whose OpenMP pool already ran (earlier tests) deadlocks forked children
-    mp.start_processes(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True, start_method="spawn")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+def ranks():
+    return run_ranks(worker, world=WORLD, pg_timeout_s=30)
 
 
 def single_process():

@@ -9,20 +9,15 @@
 from __future__ import annotations
 
 import copy
-import datetime
-import os
-import socket
-import sys
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_helpers import needs_gloo, rank_store, run_ranks
 
 import lowbit as Q
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or sys.platform == "win32", reason="needs torch.distributed")
+pytestmark = needs_gloo
 WORLD = 2
 TIMEOUT_S = 20          # a collective that one rank never joins fails after this instead of hanging for 30 min
 
@@ -57,60 +52,29 @@ def quantized_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    torch.set_num_threads(1)
+def worker(rank: int) -> dict[str, object]:
+    store = rank_store()
     result: dict[str, object] = {}
-    try:
-        # 1. sync on every rank, then rank 0 alone converts (a PTQ and a QAT model)
-        for kind in ("ptq", "qat", "fx"):
-            prepared = calibrate(net(kind), data(rank))
-            Q.sync_observers(prepared)
-            if rank == 0:
-                result[f"rank0_{kind}"] = quantized_state(convert(copy.deepcopy(prepared), kind))
-                store.set(f"converted_{kind}", "1")
-            else:
-                store.wait([f"converted_{kind}"])       # stays alive (and out of any collective) meanwhile
-        # 2. convert on every rank; rank 1 calibrated on all-NaN data
-        x = data(0) if rank == 0 else torch.full((32, 10), float("nan"))
-        prepared = calibrate(net(), x)
-        result["all_ranks_nan"] = quantized_state(Q.convert(prepared))
-        dist.barrier()
-    except Exception:
-        result["error"] = traceback.format_exc()
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    if "error" not in result:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # 1. sync on every rank, then rank 0 alone converts (a PTQ and a QAT model)
+    for kind in ("ptq", "qat", "fx"):
+        prepared = calibrate(net(kind), data(rank))
+        Q.sync_observers(prepared)
+        if rank == 0:
+            result[f"rank0_{kind}"] = quantized_state(convert(copy.deepcopy(prepared), kind))
+            store.set(f"converted_{kind}", "1")
+        else:
+            store.wait([f"converted_{kind}"])       # stays alive (and out of any collective) meanwhile
+    # 2. convert on every rank; rank 1 calibrated on all-NaN data
+    x = data(0) if rank == 0 else torch.full((32, 10), float("nan"))
+    prepared = calibrate(net(), x)
+    result["all_ranks_nan"] = quantized_state(Q.convert(prepared))
+    dist.barrier()
+    return result
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist_convert")
-    # spawn, not fork: a parent whose OpenMP pool already ran (earlier tests) deadlocks forked children
-    ctx = mp.start_processes(worker, args=(free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = 3 * TIMEOUT_S + 60
-    try:
-        for _ in range(deadline):
-            if ctx.join(timeout=1):
-                break
-        else:
-            pytest.fail(f"the ranks did not finish within {deadline} s (a collective hung)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
-    assert not errors, "\n".join(errors)
-    return results
+def ranks():
+    return run_ranks(worker, world=WORLD, pg_timeout_s=TIMEOUT_S, timeout_s=3 * TIMEOUT_S + 60)
 
 
 def single_process(x: torch.Tensor, kind: str = "ptq") -> dict[str, torch.Tensor]:

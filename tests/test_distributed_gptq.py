@@ -3,18 +3,12 @@ strided half of the batches, give codes, scales and zero points bit-identical to
 batches (Hessians and AWQ samples gathered and summed in the global batch order; group ``j`` quantized
 on rank ``j % 2`` and broadcast). A small random Llama (2 blocks, grouped-query attention, tied head)."""
 
-import datetime
-import os
-import socket
-import sys
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_helpers import needs_gloo, run_ranks
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(not dist.is_available() or sys.platform == "win32", reason="needs torch.distributed")
+pytestmark = needs_gloo
 WORLD, BATCHES = 2, 4
 
 
@@ -30,27 +24,13 @@ def quantize(batches):
     return {k: v.clone() for k, v in qm.state_dict().items()}
 
 
-def worker(rank, port, out_dir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    torch.set_num_threads(1)
+def worker(rank):
     from lowbit.llm import shard
-    state = quantize(shard(calib(), rank, WORLD))
-    dist.barrier()
-    torch.save(state, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return quantize(shard(calib(), rank, WORLD))
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_ranks_give_the_one_process_codes_bit_exactly(tmp_path):
-    # spawn, not fork: a parent whose OpenMP pool already ran deadlocks forked children
-    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="spawn")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+def test_two_ranks_give_the_one_process_codes_bit_exactly():
+    ranks = run_ranks(worker, world=WORLD, pg_timeout_s=60)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

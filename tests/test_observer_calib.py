@@ -3,16 +3,11 @@ properties of the chosen ranges, per-channel use, distributed merging and bad in
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import sys
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_helpers import needs_gloo, run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.ao.quantization.observer import MinMaxObserver as AOMinMax
@@ -287,10 +282,7 @@ def _data(rank=None):
     return (acts, weights) if rank is None else (acts[rank::WORLD], weights[rank::WORLD])
 
 
-def _worker(rank, port, out_dir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    torch.set_num_threads(1)
+def _worker(rank):
     acts, weights = _data(rank)
     out = {}
     for cls in CALIB:
@@ -302,17 +294,12 @@ def _worker(rank, port, out_dir):
         first = (obs.calculate_qparams(), pc.calculate_qparams())
         second = (obs.calculate_qparams(), pc.calculate_qparams())          # no double counting
         out[cls.__name__] = (first, second, obs.histogram.sum().item())
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return out
 
 
-@pytest.mark.skipif(not dist.is_available() or sys.platform == "win32", reason="needs torch.distributed")
-def test_two_ranks_give_the_union_qparams(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True, start_method="spawn")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+@needs_gloo
+def test_two_ranks_give_the_union_qparams():
+    ranks = run_ranks(_worker, world=WORLD, pg_timeout_s=60)
     acts, weights = _data()
     x, w = torch.cat(acts), torch.cat(weights, 1)
     for cls in CALIB:

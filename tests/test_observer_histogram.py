@@ -1,18 +1,13 @@
 """HistogramObserver: L2 error vs torch.ao's (the oracle to beat), the exact error model, the rebinning,
 the sync-free (accelerator) path forced on CPU, edge cases, state_dict, and 2-rank merging."""
 
-import datetime
 import io
-import os
-import socket
-import sys
 import warnings
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_helpers import needs_gloo, run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.ao.quantization.observer import HistogramObserver as AOHistogramObserver
@@ -272,28 +267,19 @@ def test_qconfig_factory_from_seed_003():
 WORLD = 2
 
 
-def _worker(rank, port, out_dir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=30))
-    torch.set_num_threads(1)
+def _worker(rank):
     batches = stream("grow_normal", seed=11)
     obs = observe(HistogramObserver(), batches[rank::WORLD])
     first = obs.calculate_qparams()  # reduces (collective)
     second = obs.calculate_qparams()  # nothing new: local, no double counting
     obs(batches[0] * 0.5)  # new data on both ranks: the next reduction adds only it
     third = obs.calculate_qparams()
-    torch.save(dict(first=first, second=second, third=third, hist=obs.histogram.clone()),
-               os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return dict(first=first, second=second, third=third, hist=obs.histogram.clone())
 
 
-@pytest.mark.skipif(not dist.is_available() or sys.platform == "win32", reason="needs torch.distributed")
-def test_two_ranks_merge_histograms(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True, start_method="spawn")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+@needs_gloo
+def test_two_ranks_merge_histograms():
+    ranks = run_ranks(_worker, world=WORLD, pg_timeout_s=30)
     batches = stream("grow_normal", seed=11)
     union = observe(HistogramObserver(), batches)
     expected = union.calculate_qparams()

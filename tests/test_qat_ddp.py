@@ -2,16 +2,9 @@
 FakeQuantize everywhere) trains in lockstep on different shards — parameters agree bit for bit, buffers
 (BN statistics, fake-quant grids) follow rank 0 through DDP's broadcast — and converts to int8."""
 
-import datetime
-import os
-import socket
-import sys
-
-import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from dist_helpers import needs_gloo, run_ranks
 from torch import nn
 
 import lowbit.nn.intrinsic.qat as nniqat
@@ -21,7 +14,7 @@ from lowbit.qconfig import get_default_qat_qconfig
 from lowbit.workflow import convert, prepare_qat
 from lowbit.stubs import DeQuantStub, QuantStub
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or sys.platform == "win32", reason="needs torch.distributed")
+pytestmark = needs_gloo
 WORLD = 2
 
 
@@ -36,10 +29,7 @@ class Net(nn.Module):
         return self.dequant(self.fc(self.relu(self.bn(self.conv(self.quant(x)))).flatten(1)))
 
 
-def worker(rank, port, out_dir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=30))
-    torch.set_num_threads(1)
+def worker(rank):
     torch.manual_seed(0)  # same initial model on every rank
     qat = prepare_qat(fuse_modules_qat(Net(), [["conv", "bn", "relu"]]), get_default_qat_qconfig())
     ddp = nn.parallel.DistributedDataParallel(qat)
@@ -58,22 +48,11 @@ def worker(rank, port, out_dir):
     state = {k: v.detach().clone() for k, v in qat.state_dict().items()}
     q = convert(qat.eval())
     out = q(torch.randn(2, 1, 6, 6, generator=torch.Generator().manual_seed(5)))
-    torch.save({"state": state, "bn_type": type(qat.conv.bn).__name__, "out": out,
-                "qtype": type(q.conv).__name__}, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"state": state, "bn_type": type(qat.conv.bn).__name__, "out": out, "qtype": type(q.conv).__name__}
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_qat_trains_in_lockstep_under_ddp(tmp_path):
-    # spawn, not fork: a parent whose OpenMP pool already ran (earlier tests) deadlocks forked children
-    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="spawn")
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD))
+def test_qat_trains_in_lockstep_under_ddp():
+    r0, r1 = run_ranks(worker, world=WORLD, pg_timeout_s=30)
     assert r0["bn_type"] == "BatchNorm2d" and r0["qtype"] == "ConvReLU2d"
     assert r0["state"].keys() == r1["state"].keys()
     for k, v in r0["state"].items():
