@@ -1,5 +1,6 @@
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # helper modules imported by tests (onnx_helpers: by the ONNX tests, which skip without onnx; dist_helpers: by the
@@ -12,3 +13,15 @@ collect_ignore = ["onnx_helpers.py", "nets.py", "dist_helpers.py"]
 settings.register_profile("ci", derandomize=True, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("explore", max_examples=400, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("LOWBIT_HYPOTHESIS", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_warn_once(monkeypatch):
+    """Every test starts with lowbit's warn-once memory empty (the QTensor float-fallback and the observers'
+    NaN/Inf warnings fire once per process): a test that expects such a warning passes in any order."""
+    from lowbit.observer import base, channel_histogram
+    from lowbit import qtensor
+
+    monkeypatch.setattr(qtensor, "_warned_ops", set())
+    monkeypatch.setattr(base, "_warned_nonfinite", set())
+    monkeypatch.setattr(channel_histogram, "_warned", set())

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 import lowbit as Q
-import lowbit.qtensor as qtensor_mod
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning")
@@ -28,10 +27,6 @@ def pair_pc(axis=0, dtype=Q.qint8):
     ours = Q.quantize_per_channel(x, s, z, axis, dtype)
     return ours, torch.quantize_per_channel(x, s.double(), z, axis % x.dim(), dtype.torch_dtype)
 
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(qtensor_mod, "_warned_ops", set())
 
 
 # ---- accessors ----

@@ -13,15 +13,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import lowbit as Q
-import lowbit.qtensor as qtensor_mod
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning")
 
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(qtensor_mod, "_warned_ops", set())
 
 
 def data(shape, seed=0):

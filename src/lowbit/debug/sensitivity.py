@@ -65,7 +65,8 @@ from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, 
 from ..quantize_dynamic import quantize_dynamic
 from ..stubs import DeQuantStub, QuantStub
 from ..workflow import convert, prepare, prepare_qat, propagate_qconfig_
-from ..qtensor import QTensor, _warned_ops
+from .. import qtensor as _qtensor
+from ..qtensor import QTensor
 from .compare import _flatten, check_module, iter_batches, run_batch
 
 __all__ = ["SensitivityRow", "SensitivityTable", "layer_sensitivity", "sensitivity"]
@@ -147,13 +148,13 @@ class SensitivityTable:
 @contextmanager
 def _quiet_float_fallback() -> Iterator[None]:
     """Silence lowbit's "ran on dequantized float values" warnings without using up their warn-once."""
-    seen = set(_warned_ops)
+    seen = set(_qtensor._warned_ops)  # read through the module: the set is looked up there at warn time
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"lowbit: .* has no integer implementation")
         try:
             yield
         finally:
-            _warned_ops.intersection_update(seen)
+            _qtensor._warned_ops.intersection_update(seen)
 
 
 def _dequantize_output(module: nn.Module, inputs: Any, output: Any) -> Any:
