@@ -1,8 +1,9 @@
 """Probe: MiniLM with 7-bit per-token dynamic activations (one exact oneDNN call without VNNI).
 
-Monkeypatches ``lowbit.nn.quantized.dynamic.linear`` for the run only (a recipe study, not a
-lowbit feature yet). Run: ``python benchmarks/dynamic7_probe.py``; writes
-``benchmarks/results/minilm_dynamic7_probe.json``.
+Monkeypatches ``lowbit.nn.quantized.dynamic.linear.dynamic_linear`` for the run only (a recipe study,
+not a lowbit feature yet): per-row grids on ``[0, 127]``, so the kernel makes one exact call without
+VNNI. Run: ``python benchmarks/dynamic7_probe.py [OUT]``; writes ``benchmarks/results/OUT.json``
+(default ``minilm_dynamic7_probe``).
 """
 
 import copy
@@ -20,28 +21,28 @@ import common
 import lowbit as Q
 import lowbit.nn.quantized.dynamic.linear as DL
 from lowbit import data as D
-from lowbit import kernels
-from lowbit.functional import quantize
-from lowbit.qparams import calculate_qparams
-from lowbit.qscheme import QScheme
+from lowbit.kernels import onednn
+from lowbit.nn.quantized.dynamic import per_token
 from lowbit.qtensor import QTensor
 
 U7 = Q.quint8.with_range(0, 127)
-orig = (DL.quantize_per_token, DL.per_token_linear)
+orig = DL.dynamic_linear
+_C127, _CM64 = torch.tensor(127.0), torch.tensor(-64.0)
+_SHARED7 = (torch.tensor(1.0), torch.tensor(64), U7)  # the codes' shared kernel grid: 7-bit, one exact call
 
 
-def qpt7(x):
-    xf = x.detach().float()
-    lo, hi = torch.aminmax(xf, dim=1)
-    s, z = calculate_qparams(lo, hi, QScheme.PER_CHANNEL_AFFINE, U7, validate=False)
-    return QTensor(quantize(xf, s, z, U7, ch_axis=0), s, z, U7, axis=0)
-
-
-def ptl7(xq, weight, bias=None, cache=None):
-    raw = kernels.linear(QTensor(xq.int_repr(), 1.0, 64, U7), weight, None, None, cache=cache)
-    wsum = DL._weight_row_sums(weight, cache)
-    y = (raw - (xq.zero_point - 64).float()[:, None] * wsum) * xq.scale[:, None]
-    return y if bias is None else y + bias
+def dyn7(x2, weight_int8, w_scale, w_zero_point, qdtype, bias, cache):
+    """``dynamic_linear`` with 7-bit per-token codes (``[0, 127]`` per row): the kernel sees a 7-bit grid
+    and makes one call without VNNI; the per-row grids enter in the same epilogue as the 8-bit path."""
+    xf = x2.detach().float()
+    lo = xf.amin(1, keepdim=True).clamp_(max=0.0)
+    scale = xf.amax(1, keepdim=True).clamp_(min=0.0).sub_(lo).div_(_C127).clamp_(min=1e-8)
+    neg_zp = lo.div_(scale).round_()
+    q = torch.mul(xf, torch.reciprocal(scale)).sub_(neg_zp).round_().clamp_(0, 127).byte()
+    weight = QTensor._trusted(weight_int8, w_scale, w_zero_point, qdtype, axis=0)
+    raw = onednn.linear(QTensor._trusted(q, *_SHARED7), weight, None, None, False, cache)
+    wsum = per_token._weight_row_sums(weight, cache)
+    return per_token._epilogue(raw, torch.sub(_CM64, neg_zp), wsum, scale, bias)  # c = z_x - 64
 
 
 class Seven(torch.nn.Module):
@@ -50,11 +51,11 @@ class Seven(torch.nn.Module):
         self.m = m
 
     def forward(self, **kw):
-        DL.quantize_per_token, DL.per_token_linear = qpt7, ptl7
+        DL.dynamic_linear = dyn7
         try:
             return self.m(**kw)
         finally:
-            DL.quantize_per_token, DL.per_token_linear = orig
+            DL.dynamic_linear = orig
 
 
 torch.set_num_threads(1)
@@ -81,4 +82,4 @@ meth = {
 T = common.bench(meth, rounds=5, min_time=0.02, max_wait=1.0)
 s = T.summary("fp32")
 print(s)
-common.write_results("minilm_dynamic7_probe", {"cosine_to_fp32": cos, "threads": 1, **s})
+common.write_results(sys.argv[1] if len(sys.argv) > 1 else "minilm_dynamic7_probe", {"cosine_to_fp32": cos, "threads": 1, **s})

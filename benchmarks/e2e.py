@@ -5,8 +5,9 @@ Run: ``python benchmarks/e2e.py [--quick] [--threads 1 2]`` (method: ``common.py
 
 SmallCNN (``lowbit.examples``; trained ``--epochs`` on Fashion-MNIST when the data is there, else
 random weights), fused conv-bn-relu, static PTQ calibrated on 512 images:
-  fp32 | lowbit u8 (default recipe: 8-bit activations) | lowbit u7 (``get_speed_qconfig(vnni=False)``:
-  7-bit activations) | lowbit u8 + speed guard (``convert(..., speed_check=batch)``) | torch.ao (x86
+  fp32 | lowbit u8 (default recipe: 8-bit activations) | lowbit x86 qconfig (``get_default_qconfig("x86")``,
+  torch.ao's x86 recipe: 7-bit ``reduce_range`` activations, as ``get_speed_qconfig(vnni=False)``) | lowbit
+  u8 + speed guard (``convert(..., speed_check=batch)``) | torch.ao (x86
   engine, default qconfig: reduce_range 7-bit activations, on an identical torch.ao twin).
   Accuracy: test-set top-1 (or agreement with fp32 on random weights).
 MiniLM (``lowbit.data.load_minilm``, 50 Lee-corpus docs, batch 32, max 128 tokens), dynamic int8
@@ -35,7 +36,6 @@ import common
 import lowbit as Q
 from lowbit import data as D
 from lowbit.examples import SmallCNN, train
-from lowbit.speed_guard import get_speed_qconfig
 
 warnings.filterwarnings("ignore")
 
@@ -79,7 +79,7 @@ def smallcnn(a: argparse.Namespace) -> dict[str, Any]:
         return Q.convert(prep), None
 
     q8, _ = lowbit(Q.get_default_qconfig())
-    q7, _ = lowbit(get_speed_qconfig(vnni=False))
+    q7, _ = lowbit(Q.get_default_qconfig("x86"))  # torch.ao's own x86 recipe: the like-for-like comparison
     torch.set_num_threads(1)
     qg, speed = lowbit(Q.get_default_qconfig(), speed=True)
     torch.backends.quantized.engine = "x86"
@@ -91,7 +91,7 @@ def smallcnn(a: argparse.Namespace) -> dict[str, Any]:
         for i in range(0, len(calib), 128):
             ao(calib[i:i + 128])
     aoq.convert(ao, inplace=True)
-    models = {"fp32": model, "lowbit u8": q8, "lowbit u7 (speed recipe)": q7, "lowbit u8 + speed guard": qg,
+    models = {"fp32": model, "lowbit u8": q8, "lowbit x86 qconfig (u7)": q7, "lowbit u8 + speed guard": qg,
               "torch.ao x86": ao}
     acc: dict[str, float] = {}
     with torch.inference_mode():

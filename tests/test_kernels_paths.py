@@ -33,7 +33,7 @@ import torch
 
 import lowbit as Q
 from lowbit import kernels as K
-from lowbit.kernels import OutGrid, int_mm, onednn
+from lowbit.kernels import OutGrid, avx2, int_mm, onednn
 
 torch.set_num_threads(1)
 MS = (1, 2, 3, 5, 16, 17, 33, 64)
@@ -276,3 +276,39 @@ def test_onednn_conv_paths(monkeypatch: pytest.MonkeyPatch, paths: Counter[str],
         assert paths["_split_run"] == unsafe > 0 and set(paths) == {"_split_run"}
     else:
         assert not paths, f"expected the single-call path only, ran {dict(paths)}"
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv2d", "conv1d"])
+@pytest.mark.parametrize("relu", [False, True])
+def test_split_blocked_epilogue_bit_identical(monkeypatch: pytest.MonkeyPatch, kind: str, relu: bool) -> None:
+    """A large split output is requantized on L2-sized row blocks (``avx2._blocked_requant``): the same codes,
+    in the same (channels-last) layout, as the one-pass float epilogue (forced by a huge block size)."""
+    from lowbit import blocked
+
+    force(monkeypatch, vnni=False, fbgemm=False)
+    g = torch.Generator().manual_seed(7)
+    cin, cout = 24, 40
+    x = Q.QTensor(torch.randint(0, 256, (2000, cin) if kind == "linear" else
+                                (3, cin, 60, 60) if kind == "conv2d" else (40, cin, 70), generator=g,
+                                dtype=torch.uint8), 0.02, 131, Q.quint8)
+    wshape = (cout, cin) if kind == "linear" else (cout, cin, 3, 3) if kind == "conv2d" else (cout, cin, 3)
+    w = Q.QTensor(torch.randint(-128, 128, wshape, generator=g, dtype=torch.int8), torch.rand(cout, generator=g) / 40,
+                  torch.zeros(cout, dtype=torch.long), Q.qint8, 0)
+    bias, out = torch.randn(cout, generator=g), OutGrid(0.05, 7, Q.quint8)
+
+    def run() -> Q.QTensor:
+        with K.use_backend("onednn"):
+            if kind == "linear":
+                return K.linear(x, w, bias, out, relu, cache={})
+            dim = 2 if kind == "conv2d" else 1
+            return K.conv(x, w, bias, K.ConvSpec(dim, (1,) * dim, (1,) * dim, (1,) * dim, 1), out, relu, cache={})
+
+    ran: list[bool] = []
+    real = avx2._blocked_requant
+    monkeypatch.setattr(avx2, "_blocked_requant", lambda *a: ran.append(True) or real(*a))
+    y = run()
+    assert ran and y.int_repr().numel() > blocked.BLOCK
+    monkeypatch.setattr(blocked, "BLOCK", 1 << 40)  # one pass over the whole output: the float epilogue
+    ref = run()
+    assert len(ran) == 1 and torch.equal(y.int_repr(), ref.int_repr())
+    assert y.int_repr().stride() == ref.int_repr().stride()

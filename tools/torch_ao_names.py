@@ -143,8 +143,10 @@ EQUIV: dict[str, tuple[str | None, str]] = {
     _q("get_default_dynamic_sparse_quant_module_mappings"): (None, SPARSE),
     _q("get_default_static_sparse_quant_module_mappings"): (None, SPARSE),
     # -- qconfig getters --
-    _q("get_default_qconfig"): ("lowbit.get_default_qconfig", "no backend string: one recipe"),
-    _q("get_default_qat_qconfig"): ("lowbit.get_default_qat_qconfig", "no backend string"),
+    _q("get_default_qconfig"): ("lowbit.get_default_qconfig",
+                                "same signature; no backend: lowbit's 8-bit recipe (torch.ao: x86)"),
+    _q("get_default_qat_qconfig"): ("lowbit.get_default_qat_qconfig",
+                                    "same signature; no backend: lowbit's 8-bit recipe (torch.ao: x86)"),
     _q("get_default_qconfig_mapping"): ("lowbit.get_default_qconfig_mapping", ""),
     _q("get_default_qat_qconfig_mapping"): ("lowbit.get_default_qat_qconfig_mapping", ""),
     _q("get_default_qconfig_dict"): ("lowbit.get_default_qconfig_mapping", "qconfig dicts are accepted too"),

@@ -16,17 +16,17 @@ points other than 0 (oneDNN ignores them), transposed convs and empty inputs.
 Saturation on CPUs **without VNNI/AMX**: they multiply with ``vpmaddubsw``, which adds two u8·s8
 products into a *saturating* int16, so one call is exact only when ``255 · (w_a + w_b)`` fits int16
 for every pair of same-sign weights of a channel (``saturation_safe``; 7-bit weights always are).
-For other weights both ops split the activations into two 7-bit halves (``_split_run``: stacked
-along dim 0 into one exact kernel call on twice the rows, about as fast as fp32 there), unless the activations are already 7-bit (a
-``reduce_range`` grid such as ``quint8.with_range(0, 127)``): then one call is exact for every int8
-weight; ``torch._int_mm`` is no alternative on such
-CPUs: without VNNI it runs a scalar loop, ~30x slower than fp32). VNNI/AMX CPUs (``vpdpbusd``,
+For other weights both ops split the activations into two 7-bit halves (``avx2._split_run``: stacked
+along dim 0 into one exact kernel call on twice the rows, about as fast as fp32 there), unless the
+activations are already 7-bit (a ``reduce_range`` grid such as ``quint8.with_range(0, 127)``): then
+one call is exact for every int8 weight. ``torch._int_mm`` is no alternative on such CPUs: without
+VNNI it runs a scalar loop, ~30x slower than fp32. VNNI/AMX CPUs (``vpdpbusd``,
 32-bit accumulation) are exact for every int8 weight in one call.
 
 Small M without VNNI: oneDNN's AVX2 int8 GEMM (``gemm:jit``) is slower than fp32 at M = 1, while
 fbgemm's is 2-5x faster there (``benchmarks/README.md``). For at most ``SMALL_M`` rows on such CPUs the
-linear runs fbgemm's float-output op (weights prepacked once with unit scales, same exactness
-rules, same split) when torch's quantized engine is fbgemm/x86; it is counted as this backend.
+linear runs fbgemm's float-output op (``lowbit.kernels.avx2``; weights prepacked once with unit
+scales, same exactness rules, same split) when torch's quantized engine is fbgemm/x86; it is counted as this backend.
 
 >>> from lowbit.kernels import onednn
 >>> isinstance(onednn.has_vnni(), bool)
@@ -45,12 +45,14 @@ import torch
 from ..compile_state import tensor_version
 from ..functional import _store
 from ..qtensor import QTensor
+from .avx2 import _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _split_run
 from .spec import ConvSpec, OutGrid
 
 __all__ = ["NAME", "SMALL_M", "available", "has_vnni", "cpu_has_vnni", "isa_capped", "saturation_safe", "linear",
            "conv"]
 
 NAME = "onednn"
+_FBGEMM = ("x86", "fbgemm")  # torch's quantized engines whose fbgemm ops the small-M path may use
 SMALL_M = 32  # rows up to which fbgemm's int8 GEMM beats oneDNN's on CPUs without VNNI (benchmarks/README.md)
 
 
@@ -258,12 +260,6 @@ def _requant_folded(acc: torch.Tensor, grids: dict[Any, Any], sx: float, zx: int
     return _store(torch.addcmul(c, acc.float(), a).round_().clamp_(lo, hi), qd)
 
 
-@functools.lru_cache(maxsize=256)
-def _inv_scale(scale: float) -> float:
-    """``float32(1 / float32(scale))`` as a Python float (``torch.reciprocal`` in float32)."""
-    return float(torch.tensor(scale, dtype=torch.float32).reciprocal())
-
-
 def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec, out: OutGrid | None,
          relu: bool = False, cache: dict[str, Any] | None = None) -> Any:
     """N-d int8 convolution through ``onednn::qconv_pointwise`` (channels-last output)."""
@@ -301,172 +297,3 @@ def _geometry(spec: ConvSpec) -> tuple[list[int], list[int], list[int]]:
     """``(stride, padding, dilation)`` lists of a (frozen, hashable) ``ConvSpec``, built once per geometry.
     The lists are passed to the oneDNN ops only, which do not mutate them."""
     return list(spec.stride), list(spec.padding), list(spec.dilation)
-
-
-@functools.lru_cache(maxsize=512)
-def _const(value: float | int, dtype: torch.dtype) -> torch.Tensor:
-    """A 0-d CPU tensor made once: an elementwise op with a Python number operand wraps and casts it on
-    every call (~3-4 µs and a ``_to_copy`` on this CPU), with a 0-d tensor of the operand's dtype ~1 µs;
-    the arithmetic is the same (the scalar is cast to that dtype either way)."""
-    with torch.inference_mode(False):  # a normal tensor even when first made under inference_mode
-        return torch.tensor(value, dtype=dtype)
-
-
-def _halves(q: torch.Tensor, zx: int) -> tuple[torch.Tensor, int]:
-    """The two 7-bit halves of 8-bit codes stacked along dim 0 on one shared zero point ``c``.
-
-    ``q - z = 2 (q_hi - z_hi) + (q_lo - z_lo)`` with ``q_hi = q >> 1``, ``q_lo = q & 1``. Both halves are
-    moved onto ``c = max(z_hi, z_lo)``: codes ``q_hi - z_hi + c`` and ``q_lo - z_lo + c`` lie in ``[0, 128]``
-    (``c ≤ z_hi + 1``), so ``vpmaddubsw`` cannot saturate with any int8 weight (``128 · 254 ≤ 32767``,
-    ``128 · -256 = -32768``), and one kernel call on the ``2 × dim 0`` stack gives both exact sums.
-
-    >>> st, c = _halves(torch.tensor([[255, 6]], dtype=torch.uint8), 3)
-    >>> st.tolist(), c
-    ([[127, 3], [1, 0]], 1)
-    """
-    z_hi, z_lo = zx >> 1, zx & 1
-    c = max(z_hi, z_lo)
-    n = q.shape[0]
-    st = torch.empty((2 * n, *q.shape[1:]), dtype=torch.uint8)
-    one = _const(1, torch.uint8)
-    hi, lo = st[:n], st[n:]
-    torch.bitwise_right_shift(q, one, out=hi)
-    torch.bitwise_and(q, one, out=lo)
-    if c != z_hi:
-        hi.add_(_const(c - z_hi, torch.uint8))
-    if c != z_lo:
-        lo.add_(_const(c - z_lo, torch.uint8))
-    return st, c
-
-
-def _split_run(run: Any, q: torch.Tensor, zx: int, bias: torch.Tensor | None, out: OutGrid | None,
-               relu: bool, channel_dim: int) -> QTensor | torch.Tensor:
-    """Exact int8 GEMM/conv on CPUs whose u8×s8 pairs saturate: the 7-bit halves (``_halves``) in one call.
-
-    ``q - z = 2 (q_hi - z_hi) + (q_lo - z_lo)``; the halves are stacked along dim 0 (rows of a GEMM,
-    samples of a conv), so one kernel call computes ``Σ (q_hi - z_hi) w`` and ``Σ (q_lo - z_lo) w``
-    with the weights read once; conv padding stays exact because both halves pad with their shared
-    zero point (centered value 0). A float epilogue adds ``2·hi + lo`` (the same float32 operations
-    as two separate calls) and applies bias, ReLU and the output grid.
-    """
-    if q.dim() < 2:  # one row of a linear: nothing to stack along
-        hi = run(q.bitwise_right_shift(1), zx >> 1, None, 1.0, 0, torch.float32, "none")
-        lo = run(q.bitwise_and(1), zx & 1, None, 1.0, 0, torch.float32, "none")
-        return _float_epilogue(lo.add_(hi, alpha=2), bias, out, relu, channel_dim)
-    st, c = _halves(q, zx)
-    acc = run(st, c, None, 1.0, 0, torch.float32, "none")
-    n = q.shape[0]
-    return _float_epilogue(acc[n:].add_(acc[:n], alpha=2), bias, out, relu, channel_dim)  # 2·hi is exact
-
-
-def _float_epilogue(y: torch.Tensor, bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
-                    channel_dim: int) -> QTensor | torch.Tensor:
-    """``relu?(y + bias)`` requantized onto ``out`` (or float)."""
-    if bias is not None:
-        if channel_dim == -1 or y.dim() == 1:
-            y = y.add_(bias)
-        else:
-            shape = [1] * y.dim()
-            shape[channel_dim] = -1
-            y = y.add_(bias.reshape(shape))
-    if relu:
-        y = y.relu_()
-    if out is None:
-        return y
-    # in place, bit-identical to functional.quantize: round(y · float32(1/s) + z), clamped
-    inv, zp = _out_consts(out.scale, out.zero_point)
-    y = y.mul_(inv).add_(zp).round_().clamp_(out.qdtype.quant_min, out.qdtype.quant_max)
-    return out.wrap(y.to(out.qdtype.storage))
-
-
-@functools.lru_cache(maxsize=256)
-def _out_consts(scale: float, zero_point: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``float32(1 / float32(scale))`` and ``float32(zero_point)`` as 0-d tensors (``_const``)."""
-    return _const(_inv_scale(scale), torch.float32), _const(float(zero_point), torch.float32)
-
-
-_FBGEMM = ("x86", "fbgemm")
-_QUIET = [False]  # set once the first quantized tensor was made (torch warns only once)
-
-
-def _fbgemm_pack(w: torch.Tensor) -> Any:
-    """fbgemm-packed int8 weight with unit per-channel scales (the real scales enter at call time)."""
-    ones, zeros = torch.ones(w.shape[0], dtype=torch.float64), torch.zeros(w.shape[0], dtype=torch.long)
-    with warnings.catch_warnings():  # torch deprecates quantized tensors; this one lives only inside the pack
-        warnings.simplefilter("ignore", UserWarning)
-        wq = torch._make_per_channel_quantized_tensor(w, ones, zeros, 0)
-    return torch.ops.quantized.linear_prepack(wq, None)
-
-
-def _fbgemm_linear(packed: Any, q: torch.Tensor, sx: float, zx: int, split: bool, w_scale: torch.Tensor,
-                   bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
-                   cache: dict[str, Any] | None = None) -> QTensor | torch.Tensor:
-    """Small-M linear through fbgemm: ``acc = Σ (q - z) q_w`` exactly (as float), then the float epilogue.
-
-    fbgemm's float-output op quantizes its float input ``q - z`` with scale 1 and zero point ``z``,
-    which gives back exactly the codes ``q``; the same ``vpmaddubsw`` rules hold, so unsafe
-    weights with 8-bit codes take the two 7-bit halves (``split``), stacked into one call.
-    """
-    op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
-    lead, k = q.shape[:-1], q.shape[-1]
-    q2 = q if q.dim() == 2 else q.reshape(-1, k)
-    if split:  # both 7-bit halves in one call (``_halves``): float ``q_half - z_half`` on the shared zero point
-        m, z_hi, z_lo = q2.shape[0], zx >> 1, zx & 1
-        st = torch.empty((2 * m, k), dtype=torch.float32)
-        one = _const(1, torch.uint8)
-        torch.bitwise_right_shift(q2, one, out=st[:m])
-        torch.bitwise_and(q2, one, out=st[m:])
-        if z_hi:
-            st[:m].sub_(_const(float(z_hi), torch.float32))
-        if z_lo:
-            st[m:].sub_(_const(1.0, torch.float32))
-        a = op(st, 1.0, max(z_hi, z_lo), packed)
-        y = a[m:].add_(a[:m], alpha=2)
-    else:
-        y = op(q2.float().sub_(_const(float(zx), torch.float32)), 1.0, zx, packed)
-    y = y.mul_(_scaled(w_scale, sx, cache))
-    return _float_epilogue(y if q.dim() == 2 else y.reshape(*lead, -1), bias, out, relu, -1)
-
-
-def _scaled(w_scale: torch.Tensor, sx: float, cache: dict[str, Any] | None) -> torch.Tensor:
-    """``w_scale * sx`` (float32, the same product), kept in the layer's ``cache`` for its last input scale."""
-    key = (w_scale.data_ptr(), tensor_version(w_scale), sx)
-    hit = cache.get("onednn.scaled") if cache is not None else None
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    prod = w_scale * sx
-    if cache is not None:
-        cache["onednn.scaled"] = (key, prod)
-    return prod
-
-
-def _fbgemm_requant(cache: dict[str, Any] | None, weight: QTensor, bias: torch.Tensor | None, q: torch.Tensor,
-                    sx: float, zx: int, out: OutGrid, relu: bool) -> QTensor:
-    """Small-M static linear with a u8 output in one fbgemm call (scales, bias and requantization fused).
-
-    Needs a pack with the real scales and bias (keyed on their versions too); exact accumulation under
-    the same rules as ``_fbgemm_linear``, requantized by fbgemm (±1 code from the reference at ties).
-    """
-    w, sw = weight.int_repr(), weight.scale
-    version = (w.data_ptr(), tensor_version(w), sw.data_ptr(), tensor_version(sw),
-               None if bias is None else (bias.data_ptr(), tensor_version(bias)))
-    hit = cache.get("onednn.fbgemm_q") if cache is not None else None
-    if hit is None or hit[0] != version:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            wq = torch._make_per_channel_quantized_tensor(w, sw.to(torch.float64), weight.zero_point, 0)
-        hit = (version, torch.ops.quantized.linear_prepack(wq, None if bias is None else bias.detach().float()))
-        if cache is not None:
-            cache["onednn.fbgemm_q"] = hit
-    op = torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear
-    if _QUIET[0]:
-        xt = torch._make_per_tensor_quantized_tensor(q, sx, zx)
-    else:  # torch warns once per process about quantized tensors: keep it from users
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            xt = torch._make_per_tensor_quantized_tensor(q, sx, zx)
-        _QUIET[0] = True
-    flat = q.dim() == 2  # (M, K) needs no reshape: saves two dispatches at M = 1
-    y = op(xt if flat else xt.reshape(-1, q.shape[-1]), hit[1], out.scale, out.zero_point).int_repr()
-    y = y if flat else y.reshape(*q.shape[:-1], -1)
-    return out.wrap(y if out.full_range else y.clamp_(out.qdtype.quant_min, out.qdtype.quant_max))
