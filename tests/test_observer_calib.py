@@ -282,15 +282,21 @@ def _data(rank=None):
     return (acts, weights) if rank is None else (acts[rank::WORLD], weights[rank::WORLD])
 
 
+def _observed(cls, acts, weights):
+    """A per-tensor ``cls`` fed ``acts`` and a per-channel one fed ``weights``."""
+    obs, pc = cls(), cls(**PER_CHANNEL)
+    for a in acts:
+        obs(a)
+    for w in weights:
+        pc(w)
+    return obs, pc
+
+
 def _worker(rank):
     acts, weights = _data(rank)
     out = {}
     for cls in CALIB:
-        obs, pc = cls(), cls(**PER_CHANNEL)
-        for a in acts:
-            obs(a)
-        for w in weights:
-            pc(w)
+        obs, pc = _observed(cls, acts, weights)
         first = (obs.calculate_qparams(), pc.calculate_qparams())
         second = (obs.calculate_qparams(), pc.calculate_qparams())          # no double counting
         out[cls.__name__] = (first, second, obs.histogram.sum().item())
@@ -303,11 +309,7 @@ def test_two_ranks_give_the_union_qparams():
     acts, weights = _data()
     x, w = torch.cat(acts), torch.cat(weights, 1)
     for cls in CALIB:
-        union, pc = cls(), cls(**PER_CHANNEL)
-        for a in acts:
-            union(a)
-        for w in weights:
-            pc(w)
+        union, pc = _observed(cls, acts, weights)
         for r in ranks:
             first, second, mass = r[cls.__name__]
             assert mass == pytest.approx(x.numel(), rel=1e-6)
