@@ -282,7 +282,8 @@ def test_quantize_ptq_bad_calib():
         Q.quantize_ptq("model", _data(1), progress=False)
 
 
-def test_cli_recipe_accurate(tmp_path, capsys, monkeypatch):
+def cli_quantize_accurate(tmp_path, monkeypatch, *extra: str) -> int:
+    """``lowbit quantize --method ptq --recipe accurate`` on a small user model (in ``tmp_path``)."""
     from lowbit import cli
 
     (tmp_path / "usermodel.py").write_text(
@@ -291,8 +292,12 @@ def test_cli_recipe_accurate(tmp_path, capsys, monkeypatch):
         "    return nn.Sequential(nn.Linear(8, 16), nn.ReLU6(), nn.Linear(16, 3))\n")
     monkeypatch.chdir(tmp_path)
     torch.save(torch.randn(64, 8), tmp_path / "calib.pt")
-    rc = cli.main(["quantize", "--model", "usermodel:make", "--calib", "calib.pt", "--method", "ptq",
-                   "--recipe", "accurate", "--quiet", "--out", "o"])
+    return cli.main(["quantize", "--model", "usermodel:make", "--calib", "calib.pt", "--method", "ptq",
+                     "--recipe", "accurate", *extra, "--quiet", "--out", "o"])
+
+
+def test_cli_recipe_accurate(tmp_path, capsys, monkeypatch):
+    rc = cli_quantize_accurate(tmp_path, monkeypatch)
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| ptq |" in out and (tmp_path / "o" / "model_ptq.pt").is_file()
@@ -317,7 +322,6 @@ def test_cli_recipe_accurate_uses_the_recipes_grids(tmp_path, capsys, monkeypatc
     """``lowbit quantize --recipe accurate`` calibrates with the grids ``quantize_ptq(recipe="accurate")``
     picks (MSE-searched ranges) unless ``--qconfig`` names others."""
     import lowbit.ptq
-    from lowbit import cli
 
     seen: list[set[str]] = []
     real = lowbit.ptq.prepare_fx
@@ -328,13 +332,6 @@ def test_cli_recipe_accurate_uses_the_recipes_grids(tmp_path, capsys, monkeypatc
         return prepared
 
     monkeypatch.setattr(lowbit.ptq, "prepare_fx", spy)
-    (tmp_path / "usermodel.py").write_text(
-        "import torch\nfrom torch import nn\n"
-        "def make():\n    torch.manual_seed(0)\n"
-        "    return nn.Sequential(nn.Linear(8, 16), nn.ReLU6(), nn.Linear(16, 3))\n")
-    monkeypatch.chdir(tmp_path)
-    torch.save(torch.randn(64, 8), tmp_path / "calib.pt")
-    rc = cli.main(["quantize", "--model", "usermodel:make", "--calib", "calib.pt", "--method", "ptq",
-                   "--recipe", "accurate", "--qconfig", qconfig, "--quiet", "--out", "o"])
+    rc = cli_quantize_accurate(tmp_path, monkeypatch, "--qconfig", qconfig)
     assert rc == 0, capsys.readouterr().out
     assert seen and want in seen[0], seen
