@@ -14,12 +14,9 @@ For each observer node of the prepared graph (``lowbit.fx.prepare``):
   attributes no other node reads are deleted;
 - an input observer (a float value read by int ops) becomes a ``Quantize`` node.
 
-A weight-only node (``nn.Embedding``/``nn.EmbeddingBag``, or their QAT twin) is swapped for its
-``lowbit.nn.quantized`` table (per-row grid from ``qconfig.weight()``, float output). A dynamic
-node (dynamic qconfig: ``Linear``/``LSTM``/``GRU`` module, ``F.linear`` on parameters) becomes
-``get_default_dynamic_quant_module_mappings()[type].from_float(mod, dtype=qconfig.weight().qdtype)``
-(an ``F.linear`` through its float stand-in; a fused ``linear_relu`` is followed by ``F.relu``):
-float in, float out, no calibration needed.
+Weight-only nodes (embeddings: a quantized table, float output) and dynamic nodes (``Linear``/``LSTM``/
+``GRU``/``F.linear`` with a dynamic qconfig: float in, float out, no calibration needed) are swapped by
+``lowbit.fx.convert_dynamic``.
 
 Then a shared ``DeQuantize`` is inserted after every int value read by a float op or the graph
 output, dropout becomes the identity, and observers and ``.qconfig`` attributes are removed. Every
@@ -32,18 +29,19 @@ import copy
 import operator
 from typing import Any
 
-import torch.nn.functional as F
 from torch import fx, nn
 
 from ..custom_config import ConvertCustomConfig
 from ..mappings import get_default_dynamic_quant_module_mappings, get_default_static_quant_module_mappings
-from ..nn.intrinsic import FusedModule
 from ..nn.intrinsic.qat.modules import _BnFolded
 from ..nn.quantized import activation as nnq_act
 from ..nn.quantized._utils import output_qparams
 from ..observer.distributed import sync_pending
 from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.stubs import DeQuantize, Quantize
+from . import convert_dynamic as float_out
+from .convert_dynamic import set_module as _set_module
+from .convert_dynamic import what as _what
 from .patterns import func_activation, is_dropout
 from .prepare import STATE_KEY, is_prepared
 from .report import FxReport
@@ -70,17 +68,6 @@ def _is_calibrated(obs: nn.Module) -> bool:
     if inner is not None and hasattr(inner, "is_calibrated"):
         return bool(inner.is_calibrated)
     return bool(getattr(obs, "is_calibrated", True))
-
-
-def _set_module(gm: fx.GraphModule, path: str, mod: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(gm.get_submodule(parent) if parent else gm, name, mod)
-
-
-def _what(node: fx.Node, gm: fx.GraphModule) -> str:
-    if node.op == "call_module":
-        return type(gm.get_submodule(node.target)).__name__
-    return getattr(node.target, "__name__", str(node.target))
 
 
 class _Converter:
@@ -213,19 +200,6 @@ class _Converter:
                 self.graph.erase_node(attr)
         return new
 
-    def weight_only(self) -> None:
-        """Swap embeddings for their quantized tables, unless a node still reads the float table."""
-        read = {n.target for n in self.graph.nodes if n.op == "get_attr"}
-        for node in self.graph.nodes:
-            if node.meta.get("lowbit_kind") != "wonly" or node.target in self.swapped:
-                continue
-            if any(t.startswith(f"{node.target}.") for t in read):  # type: ignore[union-attr]
-                what = type(self.gm.get_submodule(node.target)).__name__  # type: ignore[arg-type]
-                self.report.left_float[self._key(node)] = f"{what} (its table is also read as a float tensor)"
-                continue
-            self.swapped.add(node.target)
-            self.module(node, None)
-
     def drop_float_attrs(self) -> None:
         """Delete float weights/biases whose only readers were converted (kept if a node or a module
         forward still reads them)."""
@@ -276,52 +250,6 @@ class _Converter:
             node.replace_all_uses_with(produced)
             self.graph.erase_node(node)
 
-    def custom_dynamic(self, table: dict[type, type]) -> None:
-        """Swap float leaves whose type has a dynamic custom class (``from_observed``): float in, float out."""
-        for node in self.graph.nodes:
-            if node.op != "call_module" or node.target in self.swapped:
-                continue
-            mod = self.gm.get_submodule(node.target)
-            if type(mod) not in table:
-                continue
-            new = table[type(mod)].from_float(mod)
-            _set_module(self.gm, node.target, new)
-            self.swapped.add(node.target)
-            self.report.converted[self._key(node)] = f"{type(mod).__name__} -> {type(new).__name__} (dynamic custom)"
-
-    def dynamic(self) -> None:
-        """Swap dynamic nodes (module or ``F.linear`` stand-in) for ``lowbit.nn.quantized.dynamic`` modules."""
-        for node in list(self.graph.nodes):
-            if node.meta.get("lowbit_kind") != "dynamic" or node.target in self.swapped:
-                continue
-            qconfig, src = node.meta["lowbit_qconfig"], self.standins.get(node)
-            mod = self.gm.get_submodule(node.target) if src is None else src
-            if isinstance(src, FusedModule):  # linear_relu: the marker's Linear
-                mod = src[0]
-            qcls, what = self.dynamic_mapping[type(mod)], _what(node, self.gm)
-            mod.qconfig = qconfig  # the weight grid comes from qconfig.weight(), as in quantize_dynamic
-            try:
-                new = qcls.from_float(mod, dtype=getattr(qconfig.weight(), "qdtype", None))
-            except (ValueError, TypeError, RuntimeError) as err:
-                raise type(err)(f"convert_fx: '{node.name}' ({what} -> dynamic {qcls.__name__}): {err}") from err
-            self.report.converted[self._key(node)] = f"{what} -> {qcls.__module__}.{qcls.__name__}"
-            if src is None:
-                _set_module(self.gm, node.target, new)
-                self.swapped.add(node.target)
-                continue
-            name = self._new_name(f"dynamic_{what}")
-            self.gm.add_submodule(name, new)
-            weight, bias = arg_of(node, "weight"), arg_of(node, "bias")
-            with self.graph.inserting_before(node):
-                out = self.graph.call_module(name, (input_of(node),))
-                if mod is not src:  # fused linear_relu: the ReLU runs in float after the layer
-                    out = self.graph.call_function(F.relu, (out,))
-            self._replace(node, out)
-            for attr in (weight, bias):  # float weight / bias reads no other node needs
-                if attr is not None and not attr.users:
-                    self.dropped.add(attr.target)
-                    self.graph.erase_node(attr)
-
     def dequantize(self) -> None:
         self.gm.add_submodule("dequantize", DeQuantize())
         made: dict[fx.Node, fx.Node] = {}
@@ -353,10 +281,10 @@ class _Converter:
 def _convert_graph(gm: fx.GraphModule, report: FxReport, custom: dict[type, type],
                    custom_dynamic: dict[type, type]) -> None:
     conv = _Converter(gm, report, gm.meta[STATE_KEY].get("prefix", ""), custom)
-    conv.custom_dynamic(custom_dynamic)
+    float_out.custom_dynamic(conv, custom_dynamic)
     conv.observers()
-    conv.dynamic()
-    conv.weight_only()
+    float_out.dynamic(conv)
+    float_out.weight_only(conv)
     conv.drop_float_attrs()
     conv.identities()
     conv.dequantize()
