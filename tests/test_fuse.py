@@ -7,17 +7,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import lowbit as Q
+from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
 import lowbit.nn.intrinsic as nni
 from lowbit.fuse import fuse_modules, fuse_modules_qat
 from lowbit.nn.intrinsic import fold_bn_weights
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # the 2 shared cores are oversubscribed otherwise (10x slower)
-    yield
-    torch.set_num_threads(n)
 
 
 torch.manual_seed(0)

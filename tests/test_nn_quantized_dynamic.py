@@ -7,7 +7,6 @@ fp32), and the float simulation ``F.linear(x̂, ŵ)`` of the same integer codes.
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import lowbit as Q
+from helpers import roundtrip
 from lowbit import kernels
 from lowbit.nn.quantized import dynamic as nnqd
 from lowbit.nn.quantized.dynamic.linear import per_token_linear, quantize_per_token
@@ -28,15 +28,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y - ref).norm() / ref.norm()).item()
-
-
-def roundtrip(mod: nn.Module) -> dict:
-    buf = io.BytesIO()
-    torch.save(mod.state_dict(), buf)
-    buf.seek(0)
-    sd = torch.load(buf, weights_only=True)
-    assert all(isinstance(v, torch.Tensor) for v in sd.values())
-    return sd
 
 
 def ao_dynamic(mod: nn.Module) -> nn.Module:

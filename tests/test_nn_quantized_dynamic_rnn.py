@@ -7,7 +7,6 @@ of the same codes, and the full module vs a cell looped over the sequence on sha
 
 from __future__ import annotations
 
-import io
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import lowbit as Q
+from helpers import roundtrip
 from lowbit.mappings import get_default_dynamic_quant_module_mappings
 from lowbit.nn.quantized import dynamic as nnqd
 from lowbit.nn.quantized.dynamic import quantize_per_token
@@ -64,15 +64,6 @@ def heavy_tailed(m: int, k: int, seed: int = 0) -> torch.Tensor:
     x = torch.distributions.StudentT(2.0).sample((m, k))
     x[::4] *= 10  # every 4th token much larger: a per-tensor grid spends its levels on them
     return x
-
-
-def roundtrip(mod: nn.Module) -> dict:
-    buf = io.BytesIO()
-    torch.save(mod.state_dict(), buf)
-    buf.seek(0)
-    sd = torch.load(buf, weights_only=True)
-    assert all(isinstance(v, torch.Tensor) for v in sd.values())
-    return sd
 
 
 def shared_rnn_and_cell(kind: str, i: int = 6, h: int = 10) -> tuple[nn.Module, nn.Module]:

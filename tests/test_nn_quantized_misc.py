@@ -5,7 +5,6 @@ Oracles: the float op on dequantized values (one output quantum), and ``torch.ao
 
 from __future__ import annotations
 
-import io
 import warnings
 
 import pytest
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import lowbit as Q
+from helpers import roundtrip
 from lowbit.functional import quantize
 from lowbit.nn.quantized.activation import ELU, Hardsigmoid, Hardswish, LeakyReLU, ReLU6, Sigmoid, Tanh
 from lowbit.nn.quantized.embedding import Embedding, EmbeddingBag, _pack4, _unpack4
@@ -40,15 +40,6 @@ def ao(x: torch.Tensor, s: float, z: int, d=torch.quint8) -> torch.Tensor:
 
 def codes_close(a: torch.Tensor, b: torch.Tensor, tol: int = 1) -> None:
     assert (a.to(torch.int64) - b.to(torch.int64)).abs().max().item() <= tol
-
-
-def roundtrip(mod: nn.Module) -> dict:
-    buf = io.BytesIO()
-    torch.save(mod.state_dict(), buf)
-    buf.seek(0)
-    sd = torch.load(buf, weights_only=True)
-    assert all(isinstance(v, torch.Tensor) for v in sd.values())
-    return sd
 
 
 def observed(mod: nn.Module, x: torch.Tensor, fn) -> nn.Module:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowbit.nn.intrinsic as nni
+from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
 import lowbit.nn.intrinsic.qat as nniqat
 import lowbit.nn.qat as nnqat
 from lowbit.nn.quantized import conv as nnq_conv, linear as nnq_linear
@@ -20,14 +21,6 @@ from lowbit.qconfig import get_default_qat_qconfig
 from lowbit.workflow import convert, freeze_bn_stats, prepare_qat
 from lowbit.qtensor import QTensor
 from lowbit.stubs import DeQuantStub, QuantStub
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # the 2 shared cores are oversubscribed otherwise (10x slower)
-    yield
-    torch.set_num_threads(n)
 
 
 torch.manual_seed(0)

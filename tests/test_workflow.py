@@ -10,6 +10,7 @@ import torch.ao.quantization as tq
 from torch import nn
 
 import lowbit.nn.quantized.dynamic as nnqd
+from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
 from lowbit.fuse import fuse_modules
 from lowbit.mappings import get_default_static_quant_module_mappings
 from lowbit.nn.quantized.conv import Conv2d as QConv2d
@@ -22,14 +23,6 @@ from lowbit.qscheme import qint8
 from lowbit.qtensor import QTensor
 from lowbit.workflow import convert, prepare, propagate_qconfig_, quantize_dynamic
 from lowbit.stubs import DeQuantStub, QuantStub, QuantWrapper
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # the 2 shared cores are oversubscribed otherwise (10x slower)
-    yield
-    torch.set_num_threads(n)
 
 
 FUSE = [["conv1", "bn1", "relu1"], ["conv2", "bn2"]]
