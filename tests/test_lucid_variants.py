@@ -21,16 +21,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import lowbit as Q
+from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
 import lowbit.nn.intrinsic.qat as nniqat
 from lowbit.observer.histogram import HistogramObserver, _L2Model, _quantile_clip_range
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 AFFINE, SYMMETRIC = (Q.per_tensor_affine, Q.quint8), (Q.per_tensor_symmetric, Q.qint8)

@@ -10,16 +10,9 @@ import torch.ao.quantization as tq
 from torch import nn
 
 import lowbit as Q
+from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
 from lowbit import kernels
 from lowbit.quantize_api import quantize, quantize_qat
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class Net(nn.Module):

@@ -12,19 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowbit as Q
+from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
 import lowbit.reference as R
 from lowbit import kernels
 from lowbit.nn.intrinsic import qat as nniqat
 from lowbit.fuse import fuse_modules, fuse_modules_qat
 from lowbit.nn.quantized.functional_modules import FloatFunctional
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _torch_qparams(w, qscheme, axis=0):
