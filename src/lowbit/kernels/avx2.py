@@ -88,7 +88,8 @@ def _split_run(run: Any, q: torch.Tensor, zx: int, bias: torch.Tensor | None, ou
     acc = run(st, c, None, 1.0, 0, torch.float32, "none")
     n = q.shape[0]
     lo, hi = acc[n:], acc[:n]
-    if out is not None and lo.numel() > blocked.BLOCK:
+    if out is not None and lo.numel() > blocked.BLOCK and torch.get_num_threads() == 1:
+        # (with more threads every block's small ops are parallel regions of their own: measured slower)
         y = _blocked_requant(lo, hi, bias, out, relu)
         if y is not None:
             return y
