@@ -1,6 +1,7 @@
 """Eager vs ``torch.compile``: lowbit eager | lowbit compiled | torch.ao | fp32 | fp32 compiled, interleaved.
 
-Run: ``python benchmarks/compiled.py [--quick] [--threads 1 2] [--cases linear conv smallcnn minilm mobilenetv2]``
+Run: ``python benchmarks/compiled.py [--quick] [--threads 1 2] [--cases linear conv smallcnn smallcnn-x86 minilm
+mobilenetv2]``
 (method: ``common.py``; prints the ISA first). Writes ``benchmarks/results/compiled.json``.
 
 Every method is a whole float-in/float-out model built by the public workflows:
@@ -8,7 +9,8 @@ Every method is a whole float-in/float-out model built by the public workflows:
 - linear: ``QuantStub → Linear → DeQuantStub`` (static, default qconfig: 8-bit activations) and
   ``quantize_dynamic`` of an ``nn.Linear`` (per-token), M × K × N in ``SHAPES``;
 - conv: ``QuantStub → Conv2d 3×3 64→64 (+ReLU) → DeQuantStub`` on 8 × 64 × 56 × 56, channels-last input;
-- smallcnn: ``lowbit.examples.SmallCNN`` (random weights, fused, batch 64), static;
+- smallcnn: ``lowbit.examples.SmallCNN`` (random weights, fused, batch 64), static (smallcnn-x86: lowbit on
+  torch.ao's own x86 recipe ``get_default_qconfig("x86")``, 7-bit activations, like its torch.ao twin);
 - minilm: MiniLM sentence encoder (``lowbit.data.load_minilm``, if installed), dynamic, batch 32;
 - mobilenetv2: a MobileNetV2 (torchvision's layout, ReLU instead of ReLU6 as in torchvision's
   quantizable variant, random weights, 1000 classes) static, batch 8 at 224 × 224.
@@ -44,7 +46,7 @@ from lowbit.examples import SmallCNN
 
 warnings.filterwarnings("ignore")
 SHAPES = [(16, 768, 768), (128, 768, 3072), (512, 4096, 4096)]
-CASES = ("linear", "conv", "smallcnn", "minilm", "mobilenetv2")
+CASES = ("linear", "conv", "smallcnn", "smallcnn-x86", "minilm", "mobilenetv2")
 
 
 class _Stubs:
@@ -115,10 +117,11 @@ class MobileNetV2(nn.Module):
 
 
 def _static_pair(fp32: nn.Module, fp32_ao: nn.Module, calib: list[torch.Tensor],
-                 groups: list[list[str]] | None = None) -> tuple[nn.Module, nn.Module]:
-    """(lowbit converted, torch.ao converted) twins of the same float weights."""
+                 groups: list[list[str]] | None = None, backend: str | None = None) -> tuple[nn.Module, nn.Module]:
+    """(lowbit converted, torch.ao converted) twins of the same float weights; lowbit on its default qconfig,
+    or on torch.ao's recipe for ``backend`` (``get_default_qconfig("x86")``: the same recipe as the twin)."""
     lb = Q.fuse_modules(copy.deepcopy(fp32).eval(), groups) if groups else copy.deepcopy(fp32).eval()
-    prep = Q.prepare(lb, Q.get_default_qconfig())
+    prep = Q.prepare(lb, Q.get_default_qconfig(backend))
     torch.backends.quantized.engine = "x86"
     ao = copy.deepcopy(fp32_ao).eval()
     ao.qconfig = aoq.get_default_qconfig("x86")
@@ -183,17 +186,20 @@ def cases(names: list[str], quick: bool) -> list[tuple[str, Callable[[], dict[st
             lb, ao = _static_pair(_wrapped(c, False, relu=True), _wrapped(c, True, relu=True), [x], [["1", "2"]])
             return _methods(fp, lb, ao, (x,))
         out.append(("Conv 8x64x56x56 3x3 +ReLU static", conv))
-    if "smallcnn" in names:
-        def smallcnn() -> dict[str, Callable[[], Any]]:
+    for case, backend in (("smallcnn", None), ("smallcnn-x86", "x86")):
+        if case not in names:
+            continue
+
+        def smallcnn(backend: str | None = backend) -> dict[str, Callable[[], Any]]:
             torch.manual_seed(0)
             fp = SmallCNN().eval()
             ao_fp = SmallCNN().eval()
             ao_fp.load_state_dict(fp.state_dict())
             ao_fp.quant, ao_fp.dequant, ao_fp.skip = aoq.QuantStub(), aoq.DeQuantStub(), aonnq.FloatFunctional()
             calib = [torch.randn(128, 1, 28, 28) for _ in range(2)]
-            lb, ao = _static_pair(fp, ao_fp, calib, SmallCNN.fusion_groups())
+            lb, ao = _static_pair(fp, ao_fp, calib, SmallCNN.fusion_groups(), backend)
             return _methods(fp, lb, ao, (torch.randn(64, 1, 28, 28),))
-        out.append(("SmallCNN b64 static", smallcnn))
+        out.append(("SmallCNN b64 static" + (" (lowbit on torch.ao's x86 qconfig)" if backend else ""), smallcnn))
     if "minilm" in names and D.minilm_available():
         def minilm() -> dict[str, Callable[[], Any]]:
             tok, model = D.load_minilm()
