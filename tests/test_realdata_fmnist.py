@@ -125,13 +125,14 @@ def test_minmax_parity_with_torch_ao(data, fp32):
         prepared(calib)
     ours = Q.convert(prepared)
 
-    # oneDNN, not x86/fbgemm: fbgemm's u8*s8 kernels sum pairs of products in int16 (vpmaddubsw) and saturate
-    # when activations use the full 8-bit range (reduce_range=False); on this model that alone flips ~3 % of
-    # torch.ao's predictions (86.5 % vs 87.0 %). oneDNN accumulates in int32 as lowbit does.
-    if "onednn" not in torch.backends.quantized.supported_engines:
-        pytest.skip("torch.ao's onednn engine is not available in this torch build")
+    # QNNPACK, not x86/fbgemm or oneDNN: on CPUs without VNNI both sum pairs of u8*s8 products in int16
+    # (vpmaddubsw) and saturate when activations use the full 8-bit range (reduce_range=False); on this model
+    # that alone flips ~3 % of torch.ao's predictions (86.5 % vs 87.0 %). QNNPACK subtracts the zero points
+    # in int16 and accumulates in int32 on every x86 CPU, as lowbit does.
+    if "qnnpack" not in torch.backends.quantized.supported_engines:
+        pytest.skip("torch.ao's qnnpack engine is not available in this torch build")
     engine = torch.backends.quantized.engine
-    torch.backends.quantized.engine = "onednn"
+    torch.backends.quantized.engine = "qnnpack"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
