@@ -98,14 +98,17 @@ def _sqnr(ref: Any, out: Any) -> float:
 
 def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate", *,
                  qconfig_mapping: QConfigMapping | None = None, iters: int = 500, batch_size: int = 8,
-                 equalize: bool | str = "range", progress: bool = True, seed: int = 0) -> tuple[nn.Module, PTQReport]:
+                 equalize: bool | str = "range", blocks: bool = True, progress: bool = True,
+                 seed: int = 0) -> tuple[nn.Module, PTQReport]:
     """Quantize a float ``model`` with ``recipe`` (``"default"`` or ``"accurate"``); return ``(qmodel, report)``.
 
     ``qconfig_mapping`` (default: ``get_default_qconfig_mapping()`` for ``"default"``, ``get_accurate_qconfig()``
     as the global setting for ``"accurate"``: MSE-searched ranges) chooses the grids; ``iters`` and
     ``batch_size`` are AdaRound's optimisation steps and samples per step (per layer); ``equalize``
     (``accurate`` only): ``"range"`` stretches clamped channels into depthwise layers, ``True`` adds the
-    weight-range equalization of ReLU / identity pairs, ``False`` neither. ``model`` itself is not changed.
+    weight-range equalization of ReLU / identity pairs, ``False`` neither. ``blocks`` (``accurate`` only):
+    the layers of every residual block learn their rounding together on the block's output (BRECQ,
+    ``lowbit.algorithms.block``); ``False``: every layer on its own output. ``model`` itself is not changed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_ptq: model must be an nn.Module, got {type(model).__name__}")
@@ -143,10 +146,12 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     report.steps.append(("calibrate", f"{len(batches)} batches observed"))
     if recipe == "accurate":  # rounding and bias correction run together, layer by layer, in one pass
         report.layers = reconstruct(prepared, batches, adaround=iters > 0, bias_correction=True, iters=iters,
-                                    batch_size=batch_size, seed=seed, progress=progress)
+                                    batch_size=batch_size, seed=seed, progress=progress, blocks=blocks)
         n = max(1, len(report.layers))
         changed = sum(c.codes_changed for c in report.layers) / n
-        report.steps.append(("round", f"AdaRound on {len(report.layers)} layers ({iters} steps each): "
+        in_blocks = sum(any(n.startswith("block ") for n in c.notes) for c in report.layers)
+        report.steps.append(("round", f"AdaRound on {len(report.layers)} layers ({in_blocks} of them per residual "
+                                      f"block; {iters} steps each): "
                                       f"{changed:.1%} of weight codes moved from round-to-nearest"))
         shift = max((c.bias_shift for c in report.layers), default=0.0)
         gain = sum(c.mse_nearest > 0 and c.mse_after < c.mse_nearest for c in report.layers)

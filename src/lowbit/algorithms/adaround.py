@@ -55,8 +55,9 @@ def adaround_codes(weight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin:
     ``sample()`` draws a mini-batch and returns ``(run, target)``: ``run(w_hat)`` is the layer (with its
     activation) applied to that batch's quantized-model inputs with weight ``w_hat``, ``target`` what it
     should produce (the float layer's output). The reconstruction term sums squared errors over dim 1
-    (channels) and averages the rest. ``normalize=True`` divides it by its first value and averages the
-    regulariser over the weights, so ``lam`` weighs the two terms alike for every layer size (the paper's
+    (channels) and averages the rest. ``normalize=True`` divides it by round-to-nearest's value on the
+    first mini-batch (not by the first step's, where ``W_hat = W`` and an exact input would make it 0)
+    and averages the regulariser over the weights, so ``lam`` weighs the two terms alike for every layer size (the paper's
     ``lam = 0.01`` on a summed regulariser is tuned for 10k+ steps; with a few hundred, it rounds every
     weight before the reconstruction term has moved it). ``normalize=False, lam=0.01`` is the paper's
     objective. ``error(w_hat)`` (optional) scores a weight on all calibration
@@ -80,8 +81,11 @@ def adaround_codes(weight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin:
         w_hat = (torch.clamp(w_floor + h + z, qmin, qmax) - z) * s
         d = (run(w_hat) - target.detach()).pow(2)
         loss = d.sum(1).mean() if d.dim() > 1 else d.mean()
-        if normalize:  # reconstruction relative to its first value, regulariser averaged over weights
-            scale = float(loss.detach()) + 1e-12 if scale is None else scale
+        if normalize:  # reconstruction relative to round-to-nearest's, regulariser averaged over weights
+            if scale is None:
+                with torch.no_grad():
+                    e = (run((torch.clamp(torch.round(w_s) + z, qmin, qmax) - z) * s) - target).pow(2)
+                    scale = float(e.sum(1).mean() if e.dim() > 1 else e.mean()) + 1e-12
             loss = loss / scale
         if it >= start:
             b = beta[0] + (beta[1] - beta[0]) * (it - start) / max(1, iters - start)

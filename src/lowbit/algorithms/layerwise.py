@@ -35,6 +35,7 @@ from ..fake_quant import FakeQuantize
 from ..functional import fake_quantize
 from ..observer import ObserverBase
 from .adaround import adaround_codes
+from .block import block_codes, find_blocks, span_sample
 from .layers import freeze_weight, is_weighted, layer_forward, split, weight_codes
 
 __all__ = ["LayerChange", "reconstruct", "reconstruct_eager"]
@@ -103,8 +104,10 @@ def _sampler(mod: nn.Module, xq: list[torch.Tensor], target: list[torch.Tensor],
 
 def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Tensor], adaround: bool,
            bias_correction: bool, iters: int, batch_size: int, g: torch.Generator, window: int = 16,
-           target: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, LayerChange]:
-    """Round (and bias-correct) one layer; return its simulated weight and the change record."""
+           target: list[torch.Tensor] | None = None, codes: torch.Tensor | None = None) -> tuple[torch.Tensor, LayerChange]:
+    """Round (and bias-correct) one layer; return its simulated weight and the change record.
+
+    ``codes``: weight codes learned elsewhere (block reconstruction) to use instead of rounding here."""
     op, act = split(mod)
     q0, s, z, lo, hi = weight_codes(mod)
     if target is None:
@@ -116,8 +119,10 @@ def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Ten
             return float((layer_forward(mod, xq[0], w) - target[0]).pow(2).mean())
 
     rec = LayerChange(name, error((q0 - z) * s), 0.0)
-    q = q0
-    if adaround and iters > 0:
+    q = q0 if codes is None else codes
+    if codes is not None:
+        rec.codes_changed = float((q != q0).float().mean())
+    elif adaround and iters > 0:
         q = adaround_codes(op.weight, s, z, lo, hi, _sampler(mod, xq, target, batch_size, window, g), iters=iters)
         if error((q - z) * s) > rec.mse_nearest:  # a short run can end worse than round-to-nearest: keep that
             q = q0
@@ -149,10 +154,13 @@ def _batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
 
 
 def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True, bias_correction: bool = True,
-                iters: int = 500, batch_size: int = 8, seed: int = 0, progress: bool = True) -> list[LayerChange]:
+                iters: int = 500, batch_size: int = 8, seed: int = 0, progress: bool = True,
+                blocks: bool = False) -> list[LayerChange]:
     """Learned rounding and/or bias correction for every weighted layer of a calibrated ``prepared`` model.
 
     Graph-mode models (``prepare_fx``) get the one-pass lockstep walk; others ``reconstruct_eager``.
+    ``blocks=True`` (graph mode, with ``adaround``): the layers of every residual block round together on
+    the block's output (``lowbit.algorithms.block``, BRECQ), the others layer by layer.
     Returns one ``LayerChange`` per layer, in order. The model is changed in place (weights, biases,
     weight grids pinned for ``convert``/``convert_fx``).
     """
@@ -171,8 +179,9 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     bar = tqdm(total=n_layers, desc="adaround" if adaround else "bias correction", disable=not progress)
     patched = _patch_observers(gm, "float")  # observers inside opaque leaves must not keep observing
     try:
+        spans = find_blocks(nodes, mods) if blocks and adaround and iters > 0 else {}
         _walk(gm, nodes, mods, batches, envs_f, envs_q, last_use, changes, bar, adaround, bias_correction, iters,
-              batch_size, g)
+              batch_size, g, spans)
     finally:
         for m in patched:
             m.__dict__.pop("forward", None)
@@ -183,12 +192,15 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
 def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], batches: list[tuple[Any, ...]],
           envs_f: list[dict[fx.Node, Any]], envs_q: list[dict[fx.Node, Any]], last_use: dict[fx.Node, int],
           changes: list[LayerChange], bar: Any, adaround: bool, bias_correction: bool, iters: int, batch_size: int,
-          g: torch.Generator) -> None:
+          g: torch.Generator, spans: dict[int, int] | None = None) -> None:
     placeholders = [n for n in nodes if n.op == "placeholder"]
+    done = -1
     with torch.no_grad():
         for i, node in enumerate(nodes):
             if node.op == "output":
                 break
+            if i <= done:  # inside a block already reconstructed
+                continue
             mod = mods.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
             if node.op == "placeholder":
                 k = placeholders.index(node)
@@ -214,23 +226,96 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
                     eq[node] = layer_forward(mod, eq[src], w_hat)
             else:
                 for env in (*envs_f, *envs_q):
-                    args = fx.node.map_arg(node.args, env.__getitem__)
-                    kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-                    if node.op == "get_attr":
-                        val: Any = gm
-                        for part in str(node.target).split("."):
-                            val = getattr(val, part)
-                        env[node] = val
-                    elif node.op == "call_module":
-                        env[node] = mods[node.target](*args, **kwargs)  # type: ignore[index]
-                    elif node.op == "call_function":
-                        env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
-                    else:  # call_method
-                        env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)  # type: ignore[arg-type]
+                    _eval(gm, mods, node, env)
             for n in node.all_input_nodes:  # free values nothing later reads
                 if last_use.get(n) == i:
                     for env in (*envs_f, *envs_q):
                         env.pop(n, None)
+            if spans and i in spans:
+                done = spans[i]
+                _block(gm, nodes, i, done, mods, envs_f, envs_q, last_use, changes, bar, bias_correction, iters,
+                       batch_size, g)
+
+
+def _eval(gm: fx.GraphModule, mods: dict[str, nn.Module], node: fx.Node, env: dict[fx.Node, Any]) -> None:
+    """Compute ``node`` (not an observer, not a weighted layer) from the values in ``env``."""
+    args = fx.node.map_arg(node.args, env.__getitem__)
+    kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+    if node.op == "get_attr":
+        val: Any = gm
+        for part in str(node.target).split("."):
+            val = getattr(val, part)
+        env[node] = val
+    elif node.op == "call_module":
+        env[node] = mods[node.target](*args, **kwargs)  # type: ignore[index]
+    elif node.op == "call_function":
+        env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+    else:  # call_method
+        env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)  # type: ignore[arg-type]
+
+
+def _block(gm: fx.GraphModule, nodes: list[fx.Node], i: int, j: int, mods: dict[str, nn.Module],
+           envs_f: list[dict[fx.Node, Any]], envs_q: list[dict[fx.Node, Any]], last_use: dict[fx.Node, int],
+           changes: list[LayerChange], bar: Any, bias_correction: bool, iters: int, batch_size: int,
+           g: torch.Generator) -> None:
+    """Nodes ``i+1 .. j`` (a residual block): codes learned together on the block output, then layer by layer
+    bias correction with those codes, as the one-layer path does."""
+    span, start, end = nodes[i + 1: j + 1], nodes[i], nodes[j]
+    weighted = [n for n in span if n.op == "call_module" and is_weighted(mods[n.target])]  # type: ignore[index]
+    pos = {n: k for k, n in enumerate(weighted)}
+    fqs = {n: _fq(mods[n.target]) for n in span if n.op == "call_module"  # type: ignore[index]
+           and isinstance(mods[n.target], (ObserverBase, FakeQuantize))}  # type: ignore[index]
+
+    def run_node(node: fx.Node, env: dict[fx.Node, Any], w_hats: list[torch.Tensor] | None) -> None:
+        if node in pos:  # w_hats None: the float layer
+            w = None if w_hats is None else w_hats[pos[node]]
+            env[node] = layer_forward(mods[node.target], env[node.args[0]], w)  # type: ignore[index]
+        elif node in fqs:
+            fq = fqs[node] if w_hats is not None else None
+            env[node] = fq(env[node.args[0]]) if fq is not None else env[node.args[0]]
+        else:
+            _eval(gm, mods, node, env)
+
+    for ef in envs_f:  # the float block, before any weight or bias changes
+        for node in span:
+            run_node(node, ef, None)
+    grids = [weight_codes(mods[n.target]) for n in weighted]  # type: ignore[index]
+    codes = [q for q, *_ in grids]
+    if len({(lo, hi) for *_, lo, hi in grids}) == 1:
+        weights = [split(mods[n.target])[0].weight for n in weighted]  # type: ignore[index]
+        scales, zeros = [gr[1] for gr in grids], [gr[2] for gr in grids]
+        xq, target = [e[start] for e in envs_q], [e[end] for e in envs_f]
+        bar.set_postfix(block=f"{start.name} -> {end.name}, {len(weighted)} layers")
+        with torch.enable_grad():
+            learned = block_codes(weights, scales, zeros, grids[0][3], grids[0][4],
+                                  span_sample(span, start, end, run_node, xq, target, batch_size, g), iters=iters)
+
+        def error(qs: list[torch.Tensor]) -> float:  # block output MSE on the first calibration batch
+            env: dict[fx.Node, Any] = {start: xq[0]}
+            for node in span:
+                run_node(node, env, [(q - z) * s for q, s, z in zip(qs, scales, zeros)])
+            return float((env[end] - target[0]).pow(2).mean())
+        codes = learned if error(learned) <= error(codes) else codes
+    for p, node in enumerate(span, start=i + 1):  # layer by layer: bias correction with the block's codes
+        if node in pos:
+            src = node.args[0]
+            with torch.enable_grad():
+                w_hat, rec = _layer(str(node.target), mods[node.target], [e[src] for e in envs_q],  # type: ignore[index]
+                                    [e[src] for e in envs_f], False, bias_correction, iters, batch_size, g,
+                                    target=[e[node] for e in envs_f], codes=codes[pos[node]])
+            rec.notes.append(f"block {start.name} -> {end.name}")
+            changes.append(rec)
+            bar.update(1)
+            bar.set_postfix(layer=node.target)
+            for eq in envs_q:
+                eq[node] = layer_forward(mods[node.target], eq[src], w_hat)  # type: ignore[index]
+        else:
+            for eq in envs_q:
+                run_node(node, eq, [])
+        for n in (start, *span[: p - i]):  # free values nothing later reads
+            if last_use.get(n, -1) <= p and n is not end:
+                for env in (*envs_f, *envs_q):
+                    env.pop(n, None)
 
 
 def _run(model: nn.Module, batch: tuple[Any, ...]) -> None:

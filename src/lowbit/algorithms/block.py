@@ -1,0 +1,143 @@
+"""Block reconstruction (BRECQ, Li et al. 2021): learn the rounding of a residual block's weights together.
+
+Layer-by-layer AdaRound (``lowbit.algorithms.adaround``) makes every layer's output match the float
+layer's; what the model keeps is the *block's* output, where the rounding errors of its layers and the
+grids inside it (activations, the residual add) meet and may cancel. For a span of a graph-mode
+prepared model from one *cut* (a value that is the only one alive) to the next, when the span holds a
+residual merge (a node with two or more computed inputs) and weighted layers, the rounding variables
+``V_l`` of all its layers ``l`` minimise together::
+
+    || B(x_q; W_hat_1(V_1), ..., W_hat_L(V_L)) - B_float(x) ||^2  +  lam * mean_l mean(1 - |2 h(V_l) - 1| ** beta)
+
+where ``B`` is the span run as the int8 model runs it (activation observers fake-quantize on their
+calibrated grids with the straight-through gradient, ``x_q`` the span's input in the quantized model)
+and ``B_float`` the float model's span on the float input. The reconstruction term is normalised by
+round-to-nearest's value on the first mini-batch, ``beta`` anneals 20 -> 2 after a 20 % warm-up (as ``adaround_codes``). The codes round
+``h >= 0.5`` up, unless round-to-nearest gives the lower block-output error on the first batch.
+
+>>> import torch
+>>> from torch import nn
+>>> _ = torch.manual_seed(0)
+>>> w = [torch.randn(8, 4), torch.randn(4, 8)]
+>>> s = [x.abs().amax(1, keepdim=True) / 7 for x in w]; z = [torch.zeros_like(t) for t in s]   # 4-bit grids
+>>> x = torch.randn(256, 2) @ torch.randn(2, 4)                 # correlated inputs (white ones: nearest is best)
+>>> y = x + torch.relu(x @ w[0].T) @ w[1].T                                                  # a residual block
+>>> def sample():
+...     i = torch.randint(256, (64,))
+...     return (lambda ws: x[i] + torch.relu(x[i] @ ws[0].T) @ ws[1].T), y[i]
+>>> q = block_codes(w, s, z, -8, 7, sample, iters=200)
+>>> err = lambda qs: float((x + torch.relu(x @ ((qs[0] - z[0]) * s[0]).T) @ ((qs[1] - z[1]) * s[1]).T - y).pow(2).mean())
+>>> err(q) < err([torch.round(t / g) for t, g in zip(w, s)])
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from .adaround import GAMMA, ZETA, rectified_sigmoid
+from .layers import is_weighted
+
+__all__ = ["block_codes", "find_blocks", "span_sample"]
+
+
+def block_codes(weights: list[torch.Tensor], scales: list[torch.Tensor], zeros: list[torch.Tensor], qmin: int,
+                qmax: int, sample: Callable[[], tuple[Callable[[list[torch.Tensor]], torch.Tensor], torch.Tensor]], *,
+                iters: int = 500, lr: float = 1e-2, lam: float = 0.1, warmup: float = 0.2,
+                beta: tuple[float, float] = (20.0, 2.0)) -> list[torch.Tensor]:
+    """Learned integer codes for every weight of a block, on the grids ``(scales[l], zeros[l])``.
+
+    ``sample()`` returns ``(run, target)``: ``run(w_hats)`` is the block on a mini-batch of its
+    quantized-model inputs with the weights ``w_hats`` (one per layer, in order), ``target`` the float
+    block's output there. Same objective and schedule as ``adaround_codes`` (normalised), summed over
+    the block's layers; see the module docstring.
+    """
+    if not isinstance(iters, int) or iters < 0:
+        raise ValueError(f"block_codes: iters={iters!r} must be an int >= 0")
+    if not (len(weights) == len(scales) == len(zeros)) or not weights:
+        raise ValueError(f"block_codes: got {len(weights)} weights, {len(scales)} scales, {len(zeros)} zero points; "
+                         "pass one grid per weight, at least one weight")
+    floors, vs = [], []
+    for w, s in zip(weights, scales):
+        w_s = w.detach().to(torch.float32) / s
+        fl = torch.floor(w_s)
+        p = (((w_s - fl).clamp(0.0, 1.0) - GAMMA) / (ZETA - GAMMA)).clamp(1e-4, 1 - 1e-4)
+        floors.append(fl)
+        vs.append(torch.log(p / (1 - p)).requires_grad_(True))
+    opt = torch.optim.Adam(vs, lr=lr)
+    start, scale = int(warmup * iters), None
+    for it in range(iters):
+        run, target = sample()
+        hs = [rectified_sigmoid(v) for v in vs]
+        w_hats = [(torch.clamp(fl + h + z, qmin, qmax) - z) * s for fl, h, z, s in zip(floors, hs, zeros, scales)]
+        d = (run(w_hats) - target.detach()).pow(2)
+        loss = d.sum(1).mean() if d.dim() > 1 else d.mean()
+        if scale is None:  # round-to-nearest's reconstruction error on the first mini-batch
+            with torch.no_grad():
+                near = [(torch.clamp(torch.round(w.detach().to(torch.float32) / s) + z, qmin, qmax) - z) * s
+                        for w, s, z in zip(weights, scales, zeros)]
+                e = (run(near) - target).pow(2)
+                scale = float(e.sum(1).mean() if e.dim() > 1 else e.mean()) + 1e-12
+        loss = loss / scale
+        if it >= start:
+            b = beta[0] + (beta[1] - beta[0]) * (it - start) / max(1, iters - start)
+            loss = loss + lam * sum((1 - (2 * h - 1).abs().pow(b)).mean() for h in hs) / len(hs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        return [torch.clamp(fl + (rectified_sigmoid(v) >= 0.5).to(torch.float32) + z, qmin, qmax)
+                for fl, v, z in zip(floors, vs, zeros)]
+
+
+def find_blocks(nodes: list[fx.Node], mods: dict[str, nn.Module]) -> dict[int, int]:
+    """``{i: j}``: spans ``nodes[i+1 .. j]`` between consecutive cuts that hold a residual merge and weighted layers.
+
+    A cut is a node after which it is the only value still to be read. Every weighted layer in a span
+    must take one positional input and no keywords (as the layer-by-layer pass requires).
+    """
+    index = {n: i for i, n in enumerate(nodes)}
+    last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
+    # live after i: defined at <= i, read after i. Count with a sweep: +1 at definition, -1 after last read
+    delta = [0] * (len(nodes) + 1)
+    for n, i in index.items():
+        if n in last_use and last_use[n] > i:
+            delta[i] += 1
+            delta[last_use[n]] -= 1
+    cuts, live = [], 0
+    for i, node in enumerate(nodes):
+        live += delta[i]
+        if node.op != "output" and live == 1 and last_use.get(node, -1) > i:
+            cuts.append(i)
+    spans = {}
+    for i, j in zip(cuts, cuts[1:]):
+        span = nodes[i + 1: j + 1]
+        weighted = [n for n in span if n.op == "call_module" and is_weighted(mods[n.target])]  # type: ignore[index]
+        merge = any(sum(1 for a in n.all_input_nodes if a.op != "get_attr") >= 2 for n in span)
+        simple = all(len(n.args) == 1 and not n.kwargs for n in weighted)
+        if weighted and merge and simple:
+            spans[i] = j
+    return spans
+
+
+def span_sample(span: list[fx.Node], start: fx.Node, end: fx.Node, run_node: Callable[..., Any],
+                xq: list[torch.Tensor], target: list[torch.Tensor], batch_size: int,
+                g: torch.Generator) -> Callable[[], tuple[Callable[[list[torch.Tensor]], torch.Tensor], torch.Tensor]]:
+    """``sample()`` for ``block_codes``: a random mini-batch of one calibration batch's span input ``xq[k]``
+    and its target; ``run_node(node, env, w_hats)`` computes one span node the quantized model's way."""
+
+    def sample() -> tuple[Callable[[list[torch.Tensor]], torch.Tensor], torch.Tensor]:
+        k = int(torch.randint(len(xq), (1,), generator=g))
+        idx = torch.randint(xq[k].shape[0], (min(batch_size, xq[k].shape[0]),), generator=g)
+
+        def run(w_hats: list[torch.Tensor]) -> torch.Tensor:
+            env: dict[fx.Node, Any] = {start: xq[k][idx]}
+            for node in span:
+                run_node(node, env, w_hats)
+            return env[end]
+        return run, target[k][idx]
+    return sample
