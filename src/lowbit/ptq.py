@@ -118,6 +118,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         raise ValueError(f"quantize_ptq: recipe={recipe!r}; choose one of {list(RECIPES)}")
     if not isinstance(iters, int) or iters < 0:
         raise ValueError(f"quantize_ptq: iters={iters!r} must be an int >= 0")
+    if not isinstance(blocks, bool):
+        raise TypeError(f"quantize_ptq: blocks={blocks!r} must be True or False")
     from tqdm.auto import tqdm
 
     batches = _batches(calib)
