@@ -288,6 +288,24 @@ def test_quantize_ptq_bad_calib():
         Q.quantize_ptq("model", _data(1), progress=False)
 
 
+def test_quantize_ptq_non_finite_empty_or_half_inputs_are_named():
+    x = _data(2)
+    nan = [x[0], x[1].clone().index_fill_(0, torch.tensor([0]), float("nan"))]
+    with pytest.raises(ValueError, match=r"calib batch 1, input 0 holds \d+ NaN/Inf"):
+        Q.quantize_ptq(DwNet().eval(), nan, progress=False)
+    with pytest.raises(ValueError, match=r"calib batch 0, input 0 is empty \(shape \(0, "):
+        Q.quantize_ptq(DwNet().eval(), [x[0][:0]], progress=False)
+    bad = DwNet().eval()
+    name, p = next(iter(bad.named_parameters()))
+    with torch.no_grad():
+        p.view(-1)[0] = float("inf")
+    with pytest.raises(ValueError, match=f"parameter '{name}' holds NaN/Inf"):
+        Q.quantize_ptq(bad, x, progress=False)
+    assert torch.isinf(p).any()  # the user's model is left as it was
+    with pytest.raises(TypeError, match=r"torch.float16; lowbit quantizes float32 models: call model.float\(\)"):
+        Q.quantize_ptq(DwNet().eval().half(), [t.half() for t in x], progress=False)
+
+
 def cli_quantize_accurate(tmp_path, monkeypatch, *extra: str) -> int:
     """``lowbit quantize --method ptq --recipe accurate`` on a small user model (in ``tmp_path``)."""
     from lowbit import cli

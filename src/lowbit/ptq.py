@@ -87,7 +87,32 @@ def _batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
         raise TypeError(f"quantize_ptq: calib must be an iterable of batches, got {type(calib).__name__}") from e
     if not out:
         raise ValueError("quantize_ptq: calib is empty; pass at least one calibration batch")
+    for i, batch in enumerate(out):
+        for j, t in enumerate(batch):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.dim() > 0 and t.shape[0] == 0:
+                raise ValueError(f"quantize_ptq: calib batch {i}, input {j} is empty (shape {tuple(t.shape)}); "
+                                 "every calibration batch needs at least one sample")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise ValueError(f"quantize_ptq: calib batch {i}, input {j} holds {bad} NaN/Inf values of "
+                                 f"{t.numel()}; calibration ranges need finite data")
     return out
+
+
+def _check_model(model: nn.Module) -> None:
+    """A float32 model with finite parameters and buffers, or a ``ValueError``/``TypeError`` naming the tensor."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if not t.is_floating_point():
+                continue
+            if t.dtype != torch.float32:
+                raise TypeError(f"quantize_ptq: model {kind} {name!r} is {t.dtype}; lowbit quantizes float32 "
+                                "models: call model.float() first")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"quantize_ptq: model {kind} {name!r} holds NaN/Inf values; the int8 model "
+                                 "would not represent them")
 
 
 def _sqnr(ref: Any, out: Any) -> float:
@@ -122,6 +147,7 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         raise TypeError(f"quantize_ptq: blocks={blocks!r} must be True or False")
     from tqdm.auto import tqdm
 
+    _check_model(model)
     batches = _batches(calib)
     report = PTQReport(recipe)
     float_model = copy.deepcopy(model).eval()
