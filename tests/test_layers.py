@@ -23,7 +23,7 @@ TIERS: list[tuple[str, ...]] = [
     ("fake_quant", "fake_quant_learnable", "fake_quant_fused", "fake_quant_fixed"),
     ("qconfig",),
     ("custom_config", "fusion_registry", "recipes"),  # config objects, the user pattern registry, recipes
-    ("stubs", "kernels", "kernels.avx2"),  # kernels.avx2: the exact split and fbgemm paths without VNNI
+    ("stubs", "kernels", "kernels.avx2", "kernels.plan"),  # avx2: exact split / fbgemm without VNNI; plan: eager floor
     ("nn.intrinsic",),                 # fused float markers and BN folding
     ("nn.qat",),
     ("nn.intrinsic.qat",),             # QAT ConvBn builds on nn.qat

@@ -29,6 +29,7 @@ from torch import nn
 
 from ...compile_state import tensor_version, tracing
 from ...functional import quantize
+from ... import kernels
 from ...kernels import OutGrid
 from ...observer.distributed import local_statistics
 from ...qparams import calculate_qparams
@@ -328,6 +329,26 @@ class WeightedQuantModule(CheckedQuantState):
             out = OutGrid(float(scale), int(zero_point), self.out_qdtype, scale.clone(), zero_point.clone())
             hit = (key, (self.weight(), out))
             self._cache["prepared"] = hit
+        return hit[1]
+
+    def _plan(self, x: QTensor, build: Any) -> Any:
+        """The layer's eager per-call plan for input ``x`` (``build(weight, out, qdtype)`` makes it, e.g.
+        ``kernels.plan.linear_plan``), or ``None`` where the generic path must run: tracing, a pinned backend,
+        a per-channel, empty or non-CPU input. Kept in ``_cache`` for the buffers it was built from (identity
+        and ``tensor_version``) and the input ``QDtype``; a plan that declines (``None``) is kept too."""
+        if tracing() or kernels.get_backend() or x._axis is not None:  # (tracing first: no guard on the shape)
+            return None
+        q = x._q
+        if not q.numel() or q.device.type != "cpu":
+            return None
+        b = self._buffers
+        bufs = (b["weight_int8"], b["weight_scale"], b["weight_zero_point"], b["bias"], b["scale"], b["zero_point"])
+        key = (x._qdtype, kernels.onednn.has_vnni(), *map(id, bufs),
+               *(-2 if t is None else tensor_version(t) for t in bufs))
+        hit = self._cache.get("plan")
+        if hit is None or hit[0] != key:
+            weight, out = self._prepared()
+            hit = self._cache["plan"] = (key, build(weight, b["bias"], out, self._relu, x._qdtype), bufs)
         return hit[1]
 
     # ---- the cache is never state ----

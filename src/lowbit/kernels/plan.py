@@ -1,0 +1,133 @@
+"""A static int8 Linear's per-call work at the floor: its path, packs and constants chosen once per layer state.
+
+``onednn.linear`` re-derives on every call what a converted layer never changes between calls: whether the CPU
+saturates (VNNI), whether the weights are ``saturation_safe``, the activation grid's u8 shift and 7-bit-ness,
+whether the split is needed, which packed weight to use (three version-keyed cache look-ups), the output grid's
+Python floats, and which fbgemm op. ``linear_plan`` decides all of it once, for one layer state (weight codes,
+scales, zero points, bias, output grid) and one activation ``QDtype``, and returns ``run(codes, s_x, z_x)``::
+
+    u8 = codes (uint8 storage)  |  codes ^ 0x80 (full int8 grid)  |  codes - qmin (≤ 128-code int8 grid)
+    rows ≤ SMALL_M and torch's engine is x86/fbgemm:
+        u8 output, no split      →  fbgemm quantized::linear(_relu) on the real-scale pack, int_repr (clamp)
+        otherwise                →  onednn._fbgemm_linear (unit-scale pack; the split if needed)
+    more rows                    →  one onednn::qlinear_pointwise (clamp)   |   onednn._split_run
+
+These are the very calls and float32 operations ``onednn.linear`` makes on a CPU without VNNI (the
+same helpers, looked up on ``onednn`` at call time), so the integer codes are bit-identical to the generic
+path's (``tests/test_kernels_paths.py`` compares them shape by shape, on every route); the plan drops only
+re-validation and re-derivation. ``None`` where the generic dispatcher must run: a VNNI/AMX CPU (its
+generic path is already one call), no oneDNN, weights with zero points, a non-CPU layer. The caller keys
+the plan on the layer's buffers (identity and ``tensor_version``) and runs it only with no backend pinned
+and outside tracing; a plan's call counts in ``kernels.counts`` as ``("onednn", "linear")`` like the generic
+one.
+
+>>> import torch, lowbit as Q
+>>> from lowbit.kernels import OutGrid, plan
+>>> w = Q.quantize_per_channel(torch.tensor([[1.0, -1.0]]), torch.tensor([0.01]), torch.tensor([0]), 0, Q.qint8)
+>>> run = plan.linear_plan(w, None, OutGrid(0.05, 128, Q.quint8), False, Q.quint8)
+>>> run is None or run(torch.tensor([[10, 20]], dtype=torch.uint8), 0.1, 0).int_repr().tolist() == [[108]]
+True
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..qscheme import QDtype
+from ..qtensor import QTensor
+from . import onednn
+from .avx2 import _QUIET
+from .spec import OutGrid
+
+__all__ = ["linear_plan"]
+
+Run = Callable[[torch.Tensor, float, int], QTensor]
+
+
+def _quiet_qtensor(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """A torch quantized tensor made by ``fn``, without torch's one-time deprecation warning reaching users."""
+    if _QUIET[0]:
+        return fn(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = fn(*args)
+    _QUIET[0] = True
+    return t
+
+
+def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: bool, x_qdtype: QDtype) -> Run | None:
+    """``run(codes, s_x, z_x)`` computing ``onednn.linear``'s result for this layer on a CPU without VNNI, or ``None``."""
+    w = weight.int_repr()
+    if (onednn.has_vnni() or not onednn.available() or w.device.type != "cpu" or w.dtype != torch.int8
+            or w.dim() != 2 or x_qdtype.storage not in (torch.uint8, torch.int8) or bool(weight.zero_point.any())):
+        return None
+    k = w.shape[1]
+    # the activation codes as u8 (onednn._as_u8, decided once for this grid)
+    if x_qdtype.storage == torch.int8:
+        shift = 128 if x_qdtype.quant_max - x_qdtype.quant_min > 127 else -x_qdtype.quant_min
+    else:
+        shift = 0
+    seven_bit = x_qdtype.quant_max + shift <= 127
+    split = not (seven_bit or onednn.saturation_safe(w))
+    s_out, z_out, dt = out.scale, out.zero_point, out.qdtype.storage
+    qd, full = out.qdtype, out.full_range
+    post = "relu" if relu else "none"
+    w_scale, w_zp = weight.scale, weight.zero_point
+    packs: dict[str, Any] = {}  # made on first use: a layer that only ever sees small M never packs for oneDNN
+    fused_ok = dt == torch.uint8 and not split
+    fb_op = torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear
+    make_qt = torch._make_per_tensor_quantized_tensor
+    counts = _counts()
+
+    def onednn_pack() -> Any:
+        p = packs.get("onednn")
+        if p is None:
+            p = packs["onednn"] = torch.ops.onednn.qlinear_prepack(w, None)
+        return p
+
+    def fbgemm_requant(q: torch.Tensor, sx: float, zx: int) -> QTensor:
+        p = packs.get("fbgemm_q")
+        if p is None:  # onednn._fbgemm_requant's pack: real per-channel scales and the bias inside
+            wq = _quiet_qtensor(torch._make_per_channel_quantized_tensor, w, w_scale.to(torch.float64), w_zp, 0)
+            p = packs["fbgemm_q"] = torch.ops.quantized.linear_prepack(
+                wq, None if bias is None else bias.detach().float())
+        flat = q.dim() == 2
+        xt = _quiet_qtensor(make_qt, q if flat else q.reshape(-1, k), sx, zx)
+        y = fb_op(xt, p, s_out, z_out).int_repr()
+        if not flat:
+            y = y.reshape(*q.shape[:-1], -1)
+        return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
+
+    def run(q: torch.Tensor, sx: float, zx: int) -> QTensor:
+        counts[("onednn", "linear")] += 1
+        if shift:
+            q = q.view(torch.uint8).bitwise_xor(128) if shift == 128 else torch.sub(q, x_qdtype.quant_min).view(torch.uint8)
+            zx += shift
+        if q.numel() <= onednn.SMALL_M * k and torch.backends.quantized.engine in onednn._FBGEMM:
+            if fused_ok:
+                return fbgemm_requant(q, sx, zx)
+            p = packs.get("fbgemm")
+            if p is None:
+                p = packs["fbgemm"] = onednn._fbgemm_pack(w)
+            return onednn._fbgemm_linear(p, q, sx, zx, split, w_scale, bias, out, relu, packs)  # type: ignore[no-any-return]
+        packed = onednn_pack()
+        if split:
+            def call(codes: torch.Tensor, zp: int, b: torch.Tensor | None, so: float, zo: int, d: torch.dtype,
+                     pst: str) -> torch.Tensor:
+                return torch.ops.onednn.qlinear_pointwise(codes, sx, zp, packed, w_scale, w_zp, b, so, zo, d, pst, [], "")
+
+            return onednn._split_run(call, q, zx, bias, out, relu, -1)  # type: ignore[no-any-return]
+        y = torch.ops.onednn.qlinear_pointwise(q, sx, zx, packed, w_scale, w_zp, bias, s_out, z_out, dt, post, [], "")
+        return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
+
+    return run
+
+
+def _counts() -> Any:
+    from . import counts  # the dispatcher's tally (imported when a plan is built: the package is loaded by then)
+
+    return counts

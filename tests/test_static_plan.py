@@ -1,0 +1,138 @@
+"""The static Linear's eager plan (``lowbit.kernels.plan``) gives the generic path's codes, bit for bit, on every route.
+
+Each route of ``onednn.linear`` on a CPU without VNNI is forced (``has_vnni`` patched False; torch's engine x86
+or fbgemm disabled) and a quantized ``Linear`` module — which runs its plan — is compared with the generic
+dispatcher (``onednn.linear`` on the same weight, input and output grid) over activation grids (u8, full s8,
+7-bit u8 / s8), output grids (u8, s8, 7-bit u8), weights (full int8: the split; 7-bit: one call), ReLU, M below
+and above ``SMALL_M`` and 3-d inputs. Spies check the route that ran and ``kernels.counts`` that no fallback did.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+
+import lowbit as Q
+from lowbit import kernels as K
+from lowbit.kernels import onednn
+from lowbit.kernels.plan import linear_plan
+from lowbit.nn.quantized import Linear, LinearReLU
+
+torch.set_num_threads(1)
+
+X_GRIDS = [(Q.quint8, 131), (Q.qint8, -7), (Q.quint8.with_range(0, 127), 60), (Q.qint8.with_range(-64, 63), -3)]
+OUT_GRIDS = [(0.05, 100, Q.quint8), (0.04, -5, Q.qint8), (0.05, 3, Q.quint8.with_range(0, 127))]
+
+
+def _layer(k: int, n: int, full: bool, relu: bool, out: tuple[float, int, Q.QDtype], seed: int) -> Linear:
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-128, 127) if full else (-64, 63)
+    codes = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int8)
+    if full:
+        codes[:, :2] = 127                                    # saturates vpmaddubsw with 8-bit activations
+    w = Q.QTensor(codes, torch.rand(n, generator=g) / 50 + 1e-3, torch.zeros(n, dtype=torch.long), Q.qint8, 0)
+    mod = (LinearReLU if relu else Linear)(k, n)
+    mod.set_weight_bias(w, torch.randn(n, generator=g))
+    mod.set_output_grid(*out)
+    return mod
+
+
+@pytest.fixture
+def routes(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    ran: Counter[str] = Counter()
+    for name in ("_split_run", "_fbgemm_linear"):
+        real = getattr(onednn, name)
+        monkeypatch.setattr(onednn, name, lambda *a, _r=real, _n=name, **kw: ran.update([_n]) or _r(*a, **kw))
+    return ran
+
+
+@pytest.mark.parametrize("fbgemm", [True, False], ids=["fbgemm", "onednn-only"])
+def test_plan_matches_generic_on_every_route(monkeypatch: pytest.MonkeyPatch, routes: Counter[str], fbgemm: bool) -> None:
+    if not onednn.available():
+        pytest.skip("oneDNN int8 ops not available in this torch build")
+    monkeypatch.setattr(onednn, "has_vnni", lambda: False)
+    if fbgemm:
+        if "x86" not in torch.backends.quantized.supported_engines:
+            pytest.skip("no x86/fbgemm quantized engine")
+        monkeypatch.setattr(torch.backends.quantized, "engine", "x86")
+    else:
+        monkeypatch.setattr(onednn, "_FBGEMM", ())
+    k, n = 70, 24
+    wrong, seen = [], set()
+    cases = itertools.product(X_GRIDS, OUT_GRIDS, (True, False), (False, True), ((1, k), (5, k), (2, 3, k), (40, k)))
+    for i, ((xqd, zx), out, full, relu, shape) in enumerate(cases):
+        mod = _layer(k, n, full, relu, out, i)
+        g = torch.Generator().manual_seed(1000 + i)
+        x = Q.QTensor(torch.randint(xqd.quant_min, xqd.quant_max + 1, shape, generator=g, dtype=xqd.storage), 0.02, zx,
+                      xqd)
+        before, fell = K.counts[("onednn", "linear")], K.counts[("reference", "linear")] + K.counts[("int_mm", "linear")]
+        routes.clear()
+        y = mod(x)
+        assert K.counts[("onednn", "linear")] == before + 1
+        assert K.counts[("reference", "linear")] + K.counts[("int_mm", "linear")] == fell
+        plan = mod._cache.get("plan")
+        assert plan is not None and plan[1] is not None, "the module did not build its plan"
+        got_routes = dict(routes)
+        weight, grid = mod._prepared()
+        want = onednn.linear(x, weight, mod.bias, grid, relu, cache={})
+        seven = xqd.quant_max - xqd.quant_min <= 127
+        rows = x.int_repr().numel() // k
+        small = fbgemm and rows <= onednn.SMALL_M
+        split = full and not seven
+        expect = ({"_fbgemm_linear": 1} if small and (split or grid.qdtype.storage != torch.uint8)
+                  else {} if small else {"_split_run": 1} if split else {})
+        seen.add(tuple(sorted(expect)) + (small,))
+        if got_routes != expect:
+            wrong.append(f"case {i}: routes {got_routes} != {expect}")
+        if not (y.qdtype == want.qdtype and torch.equal(y.int_repr(), want.int_repr()) and torch.equal(y.scale, want.scale)):
+            wrong.append(f"case {i}: x {xqd!r} out {out} full={full} relu={relu} shape={shape}: codes differ")
+    assert not wrong, "\n".join(wrong[:20])
+    assert len(seen) == (4 if fbgemm else 2)  # every route of this engine setting ran
+
+
+def test_plan_follows_state_changes_pins_and_vnni(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan is rebuilt after an in-place weight / grid change and a new input grid, and is bypassed while a
+    backend is pinned or on a VNNI CPU (the generic path runs: its counts, its codes)."""
+    if not onednn.available():
+        pytest.skip("oneDNN int8 ops not available in this torch build")
+    monkeypatch.setattr(onednn, "has_vnni", lambda: False)
+    mod = _layer(32, 8, True, False, OUT_GRIDS[0], 3)
+    x = Q.QTensor(torch.randint(0, 256, (4, 32), dtype=torch.uint8), 0.02, 128, Q.quint8)
+    y0 = mod(x)
+    first = mod._cache["plan"]
+    with torch.no_grad():
+        mod.weight_int8.neg_()                                 # in place: a new version
+    y1 = mod(x)
+    assert mod._cache["plan"] is not first and not torch.equal(y0.int_repr(), y1.int_repr())
+    weight, grid = mod._prepared()
+    assert torch.equal(y1.int_repr(), onednn.linear(x, weight, mod.bias, grid, False, cache={}).int_repr())
+    x7 = Q.QTensor(x.int_repr() >> 1, 0.04, 64, Q.quint8.with_range(0, 127))
+    mod(x7)
+    assert mod._cache["plan"][0][0] == x7.qdtype
+    with K.use_backend("reference"):
+        before = K.counts[("reference", "linear")]
+        mod(x)
+        assert K.counts[("reference", "linear")] == before + 1
+    monkeypatch.setattr(onednn, "has_vnni", lambda: True)
+    assert mod._plan(x, linear_plan) is None             # VNNI: the generic path (already one call) runs
+
+
+def test_converted_model_runs_the_plan_not_the_reference() -> None:
+    """A converted Quantize → Linear → DeQuantize model on this CPU takes an int8 route in every forward (never the
+    float reference), on lowbit's default recipe and on torch.ao's x86 recipe."""
+    torch.manual_seed(0)
+    for qconfig in (Q.get_default_qconfig(), Q.get_default_qconfig("x86")):
+        model = torch.nn.Sequential(Q.QuantStub(), torch.nn.Linear(64, 32), Q.DeQuantStub()).eval()
+        prep = Q.prepare(model, qconfig)
+        x = torch.randn(16, 64)
+        prep(x)
+        qm = Q.convert(prep)
+        ref_before = K.counts[("reference", "linear")]
+        fast_before = sum(v for (b, op), v in K.counts.items() if op == "linear" and b != "reference")
+        for m in (1, 16, 40):
+            qm(torch.randn(m, 64))
+        assert K.counts[("reference", "linear")] == ref_before
+        assert sum(v for (b, op), v in K.counts.items() if op == "linear" and b != "reference") == fast_before + 3
