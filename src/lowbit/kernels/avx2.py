@@ -29,6 +29,7 @@ import torch
 
 from .. import blocked
 from ..compile_state import tensor_version
+from ..functional import _store
 from ..qtensor import QTensor
 from .spec import OutGrid
 
@@ -159,7 +160,7 @@ def _float_epilogue(y: torch.Tensor, bias: torch.Tensor | None, out: OutGrid | N
     # in place, bit-identical to functional.quantize: round(y · float32(1/s) + z), clamped
     inv, zp = _out_consts(out.scale, out.zero_point)
     y = y.mul_(inv).add_(zp).round_().clamp_(out.qdtype.quant_min, out.qdtype.quant_max)
-    return out.wrap(y.to(out.qdtype.storage))
+    return out.wrap(_store(y, out.qdtype))  # .byte()/.char() (or via int16 when large): one dispatch less than .to
 
 
 @functools.lru_cache(maxsize=256)
@@ -194,20 +195,24 @@ def _fbgemm_linear(packed: Any, q: torch.Tensor, sx: float, zx: int, split: bool
     q2 = q if q.dim() == 2 else q.reshape(-1, k)
     if split:  # both 7-bit halves in one call (``_halves``): float ``q_half - z_half`` on the shared zero point
         m, z_hi, z_lo = q2.shape[0], zx >> 1, zx & 1
-        st = torch.empty((2 * m, k), dtype=torch.float32)
-        one = _const(1, torch.uint8)
-        torch.bitwise_right_shift(q2, one, out=st[:m])
-        torch.bitwise_and(q2, one, out=st[m:])
-        if z_hi:
-            st[:m].sub_(_const(float(z_hi), torch.float32))
-        if z_lo:
-            st[m:].sub_(_const(1.0, torch.float32))
-        a = op(st, 1.0, max(z_hi, z_lo), packed)
-        y = a[m:].add_(a[:m], alpha=2)
+        shifts, masks, zps = _split_consts(z_hi, z_lo)
+        # (2, m, k): [q >> 1, q & 1] in three broadcast ops, then float32 q_half - z_half (exact small integers)
+        st = torch.sub(torch.bitwise_right_shift(q2, shifts).bitwise_and_(masks), zps)
+        hi, lo = op(st.view(2 * m, k), 1.0, max(z_hi, z_lo), packed).split(m)
+        y = lo.add_(hi, alpha=2)
     else:
         y = op(q2.float().sub_(_const(float(zx), torch.float32)), 1.0, zx, packed)
     y = y.mul_(_scaled(w_scale, sx, cache))
     return _float_epilogue(y if q.dim() == 2 else y.reshape(*lead, -1), bias, out, relu, -1)
+
+
+@functools.lru_cache(maxsize=512)
+def _split_consts(z_hi: int, z_lo: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(2, 1, 1)`` operands that make both halves of ``(m, k)`` u8 codes in one broadcast op each: shifts
+    ``[1, 0]`` and masks ``[255, 1]`` (uint8), zero points ``[z_hi, z_lo]`` (float32); made once per grid."""
+    with torch.inference_mode(False):
+        return (torch.tensor([1, 0], dtype=torch.uint8).view(2, 1, 1), torch.tensor([255, 1], dtype=torch.uint8).view(2, 1, 1),
+                torch.tensor([float(z_hi), float(z_lo)]).view(2, 1, 1))
 
 
 def _scaled(w_scale: torch.Tensor, sx: float, cache: dict[str, Any] | None) -> torch.Tensor:
