@@ -11,7 +11,9 @@ random weights), fused conv-bn-relu, static PTQ calibrated on 512 images:
   engine, default qconfig: reduce_range 7-bit activations, on an identical torch.ao twin).
   Accuracy: test-set top-1 (or agreement with fp32 on random weights).
 MiniLM (``lowbit.data.load_minilm``, 50 Lee-corpus docs, batch 32, max 128 tokens), dynamic int8
-Linear: fp32 | lowbit ``quantize_dynamic`` | torch.ao ``quantize_dynamic``. Accuracy: mean cosine of
+Linear: fp32 | lowbit ``quantize_dynamic`` (per-token u8, the default) | lowbit 7-bit per token
+(``get_dynamic_qconfig(reduce_range=True)``) | lowbit on torch.ao's x86 recipe (``get_dynamic_qconfig(backend="x86")``:
+per-tensor u7, torch.ao's outputs bit for bit) | torch.ao ``quantize_dynamic``. Accuracy: mean cosine of
 the sentence embeddings to fp32.
 """
 
@@ -129,9 +131,12 @@ def minilm(a: argparse.Namespace) -> dict[str, Any] | None:
     batch = docs[:32]
     enc = tok(batch, padding=True, truncation=True, max_length=128, return_tensors="pt")
     lb = Q.quantize_dynamic(copy.deepcopy(model))
+    lb7 = Q.quantize_dynamic(copy.deepcopy(model), {nn.Linear: Q.get_dynamic_qconfig(reduce_range=True)})
+    lbx = Q.quantize_dynamic(copy.deepcopy(model), {nn.Linear: Q.get_dynamic_qconfig(backend="x86")})
     torch.backends.quantized.engine = "x86"
     ao = aoq.quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8)
-    models = {"fp32": model, "lowbit dynamic": lb, "torch.ao dynamic": ao}
+    models = {"fp32": model, "lowbit dynamic": lb, "lowbit dynamic u7 (per token)": lb7,
+              "lowbit dynamic x86 recipe (per tensor u7)": lbx, "torch.ao dynamic": ao}
     cos: dict[str, float] = {}
     ref = D.embed_sentences(tok, model, docs)
     for k, m in models.items():

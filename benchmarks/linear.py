@@ -5,7 +5,9 @@ Run: ``python benchmarks/linear.py [--quick] [--threads 1 2] [--rounds 7]`` (met
 ``python benchmarks/linear.py --vs-ao [--threads 1] [--rounds 9]`` is the issue #10 table instead: the
 converted models the workflows build (``QuantStub → Linear → DeQuantStub``: lowbit with its default
 qconfig and with torch.ao's x86 recipe ``get_default_qconfig("x86")``, torch.ao with its x86 default; and
-``quantize_dynamic`` of an ``nn.Linear``; torch.ao's on the x86 engine), eager, at M ∈ {1, 16, 128,
+``quantize_dynamic`` of an ``nn.Linear`` with lowbit's per-token default, its 7-bit per-token recipe
+``get_dynamic_qconfig(reduce_range=True)`` and torch.ao's x86 recipe ``get_dynamic_qconfig(backend="x86")``;
+torch.ao's on the x86 engine), eager, at M ∈ {1, 16, 128,
 512} × (K, N) ∈ {768², 768×3072, 4096²}: medians of interleaved rounds and lowbit / torch.ao speed ratios
 (> 1: lowbit faster), ISA printed; writes ``benchmarks/results/linear_vs_ao.json``.
 Shapes: M ∈ {1, 16, 128, 512} × (K, N) ∈ {768², 768×3072, 3072×768, 4096²}. Every method is a whole
@@ -165,8 +167,13 @@ def converted_pair(m: int, k: int, n: int) -> tuple[torch.Tensor, dict[str, nn.M
             prep(x)
         ao(x)
     aoq.convert(ao, inplace=True)
+    def dyn(qconfig: Q.QConfig | None) -> nn.Module:
+        spec = None if qconfig is None else {nn.Linear: qconfig}
+        return Q.quantize_dynamic(nn.Sequential(copy.deepcopy(lin)), spec)
+
     return x, {"fp32": lin, **{name: Q.convert(prep) for name, prep in preps.items()}, "ao static": ao,
-               "lowbit dynamic": Q.quantize_dynamic(nn.Sequential(copy.deepcopy(lin))),
+               "lowbit dynamic": dyn(None), "lowbit dynamic u7": dyn(Q.get_dynamic_qconfig(reduce_range=True)),
+               "lowbit dynamic x86": dyn(Q.get_dynamic_qconfig(backend="x86")),
                "ao dynamic": aoq.quantize_dynamic(nn.Sequential(copy.deepcopy(lin)), {nn.Linear}, dtype=torch.qint8)}
 
 
@@ -181,7 +188,8 @@ def vs_ao(a: argparse.Namespace) -> None:
         print(f"\n{threads} thread(s): median µs of interleaved rounds; ratio = torch.ao time / lowbit time (> 1: lowbit "
               "faster), median of per-round ratios (ratio of the best rounds)")
         print(common.md_table(["M×K×N", "clean", "load", "lowbit static", "lowbit static x86", "ao static",
-                               "ratio default", "ratio x86", "lowbit dynamic", "ao dynamic", "ratio", "fp32"], []))
+                               "ratio default", "ratio x86", "lowbit dynamic", "ao dynamic", "ratio", "ratio dyn u7",
+                               "ratio dyn x86", "fp32"], []))
         for m, k, n in shapes:
             x, mods = converted_pair(m, k, n)
             meth = {name: (lambda mod=mod, x=x: mod(x)) for name, mod in mods.items()}
@@ -189,6 +197,7 @@ def vs_ao(a: argparse.Namespace) -> None:
             us = {name: t.median(name) * 1e6 for name in meth}
             st, s7 = t.ratio("ao static", "lowbit static"), t.ratio("ao static", "lowbit static x86")
             dy = t.ratio("ao dynamic", "lowbit dynamic")
+            d7, dx = t.ratio("ao dynamic", "lowbit dynamic u7"), t.ratio("ao dynamic", "lowbit dynamic x86")
             # best-of-rounds ratios too: on a loaded machine the minimum is the least disturbed sample
             best = {name: min(v) for name, v in t.times.items()}
             st_b, s7_b = best["ao static"] / best["lowbit static"], best["ao static"] / best["lowbit static x86"]
@@ -196,10 +205,12 @@ def vs_ao(a: argparse.Namespace) -> None:
             load = t.summary()["other_load_median"]
             print(f"| {m}×{k}×{n} | {t.n_clean}/{a.rounds} | {load:.2f} | {us['lowbit static']:.1f} | "
                   f"{us['lowbit static x86']:.1f} | {us['ao static']:.1f} | {st:.2f} ({st_b:.2f}) | {s7:.2f} ({s7_b:.2f}) | "
-                  f"{us['lowbit dynamic']:.1f} | {us['ao dynamic']:.1f} | {dy:.2f} ({dy_b:.2f}) | {us['fp32']:.1f} |",
+                  f"{us['lowbit dynamic']:.1f} | {us['ao dynamic']:.1f} | {dy:.2f} ({dy_b:.2f}) | {d7:.2f} | {dx:.2f} | "
+                  f"{us['fp32']:.1f} |",
                   flush=True)
             res["runs"].append({"threads": threads, "M": m, "K": k, "N": n, "us": us, "static_ratio": st,
-                                "static_x86_ratio": s7, "dynamic_ratio": dy, "static_ratio_best": st_b,
+                                "static_x86_ratio": s7, "dynamic_ratio": dy, "dynamic_u7_ratio": d7,
+                                "dynamic_x86_ratio": dx, "static_ratio_best": st_b,
                                 "static_x86_ratio_best": s7_b, "dynamic_ratio_best": dy_b, **t.summary()})
     print(common.write_results(a.out or "linear_vs_ao", res))
 

@@ -163,7 +163,9 @@ EQUIV: dict[str, tuple[str | None, str]] = {
     _q("default_placeholder_observer"): ("lowbit.PlaceholderObserver", ""),
     _q("default_debug_observer"): ("lowbit.RecordingObserver", ""),
     _q("default_dynamic_quant_observer"): ("lowbit.get_dynamic_qconfig", "its activation "
-                                                                         "(`PlaceholderObserver(is_dynamic=True)`)"),
+                                                                         "(`PlaceholderObserver(is_dynamic=True)`: "
+                                                                         "per token); torch.ao's one 7-bit grid per "
+                                                                         "tensor: `backend=\"x86\"`"),
     _q("default_reuse_input_observer"): (None, "see ReuseInputObserver"),
     _q("default_float_qparams_observer"): ("lowbit.get_embedding_qconfig", "`float_qparams=True`"),
     _q("default_float_qparams_observer_4bit"): ("lowbit.get_embedding_qconfig", "`bits=4, float_qparams=True`"),

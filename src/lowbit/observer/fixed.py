@@ -86,6 +86,8 @@ class PlaceholderObserver(ObserverBase):
 
     Used by dynamic quantization (activations quantized with qparams computed per batch at run
     time) and wherever a config needs a dtype but no statistics. ``calculate_qparams()`` raises.
+    ``per_token`` (dynamic activations): one grid per token (lowbit's default) or, ``False``, one grid
+    per input tensor (torch.ao's dynamic ops; the dynamic ``Linear`` takes it on ``quint8[0, 127]``).
     ``qdtype=torch.float16`` marks float16 weight storage (``get_dynamic_qconfig(torch.float16)``,
     torch's ``PlaceholderObserver(dtype=torch.float16)``); such an observer has no integer grid.
 
@@ -98,7 +100,7 @@ class PlaceholderObserver(ObserverBase):
     """
 
     def __init__(self, qscheme: QScheme | str = per_tensor_affine, qdtype: QDtype | str | torch.dtype = quint8,
-                 eps: float = 1e-8, is_dynamic: bool = False) -> None:
+                 eps: float = 1e-8, is_dynamic: bool = False, per_token: bool = True) -> None:
         float16 = qdtype in (torch.float16, "float16")
         super().__init__(qscheme, quint8 if float16 else qdtype, None, eps)  # type: ignore[arg-type]
         if float16:  # float16 weight storage (dynamic quantization): no integer grid at all
@@ -106,6 +108,9 @@ class PlaceholderObserver(ObserverBase):
         if not isinstance(is_dynamic, bool):
             raise TypeError(f"{type(self).__name__}: is_dynamic={is_dynamic!r} must be a bool")
         self.is_dynamic = is_dynamic
+        if not isinstance(per_token, bool):
+            raise TypeError(f"{type(self).__name__}: per_token={per_token!r} must be a bool")
+        self.per_token = per_token
 
     @property
     def is_calibrated(self) -> bool:
@@ -126,7 +131,7 @@ class PlaceholderObserver(ObserverBase):
         """Nothing to reset."""
 
     def extra_repr(self) -> str:
-        return f"qdtype={self.qdtype!r}, is_dynamic={self.is_dynamic}"
+        return f"qdtype={self.qdtype!r}, is_dynamic={self.is_dynamic}" + ("" if self.per_token else ", per_token=False")
 
 
 class NoopObserver(PlaceholderObserver):

@@ -1,7 +1,8 @@
 """Custom ops for the float-in/float-out quantized modules and ``QFunctional``'s integer arithmetic.
 
 - ``lowbit::dynamic_linear(x (M, K), int8 weight (N, K), ...) -> (M, N) float32``: per-token
-  dynamic quantization, the int8 GEMM and the per-row epilogue of ``nn.quantized.dynamic.Linear``;
+  dynamic quantization, the int8 GEMM and the per-row epilogue of ``nn.quantized.dynamic.Linear``
+  (``w_qdtype`` ``"<weight grid>|<activation>"`` for its 7-bit recipes, ``reduced.py``);
 - ``lowbit::weight_only_linear(x (M, K), qweight, scales, zero_points, bias, ...) -> (M, N)``:
   ``WeightOnlyLinear``'s forward (int4 CPU kernel, int8 scaling or dequantize + ``F.linear``), in
   ``x``'s dtype;
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from ..compile_state import qdtype_from_key, tensor_version
-from ..nn.quantized.dynamic.per_token import dynamic_linear as _dynamic_linear
+from ..nn.quantized.dynamic.reduced import forward as _reduced_forward
 from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.weight_only import WeightOnlyLinear
 from ..qtensor import QTensor
@@ -41,8 +42,9 @@ def dynamic_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
                    w_qdtype: str, bias: torch.Tensor | None) -> torch.Tensor:
     if x.shape[0] == 0:
         return x.new_zeros(0, weight.shape[0], dtype=torch.float32)
-    return _dynamic_linear(x, weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), bias,
-                           weight_cache(weight)).contiguous()
+    key, _, act = w_qdtype.partition("|")  # "qint8:-128:127" (per token) or "...|per_token_7bit" (reduced.py)
+    return _reduced_forward(act or "per_token", x, weight, w_scale, w_zero_point, qdtype_from_key(key), bias,
+                            weight_cache(weight)).contiguous()
 
 
 def _dynamic_linear_fake(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,

@@ -154,29 +154,54 @@ def get_fused_qat_qconfig() -> QConfig:
     )
 
 
-def get_dynamic_qconfig(dtype: QDtype | str | torch.dtype = qint8) -> QConfig:
+def get_dynamic_qconfig(dtype: QDtype | str | torch.dtype = qint8, *, backend: str | None = None,
+                        reduce_range: bool = False) -> QConfig:
     """Dynamic quantization: activations quantized per batch at runtime, weights ahead of time.
 
     ``dtype=qint8``: quint8 activations (``PlaceholderObserver(is_dynamic=True)``: the range is
-    measured on each batch) and per-channel symmetric qint8 weights (torch's default dynamic recipe
-    is per tensor). ``dtype=torch.float16``: float16 weight storage, float activations — torch's
+    measured on each batch, one grid per token) and per-channel symmetric qint8 weights (torch's default
+    dynamic recipe is per tensor). ``dtype=torch.float16``: float16 weight storage, float activations — torch's
     ``float16_dynamic_qconfig`` (``PlaceholderObserver`` with ``qdtype=torch.float16`` on both sides);
     ``quantize_dynamic`` with it builds the same modules as ``quantize_dynamic(..., dtype=torch.float16)``.
+
+    ``reduce_range=True``: the same per-token recipe on 7-bit activations ``quint8[0, 127]`` (one exact
+    int8 call on CPUs without VNNI, one bit of resolution less). ``backend="x86"`` / ``"fbgemm"``:
+    torch.ao's ``default_dynamic_qconfig`` as those engines run it (``reduce_range=True``): one 7-bit grid
+    per input tensor (``PlaceholderObserver(per_token=False)``) and per-tensor symmetric qint8 weights —
+    the dynamic ``Linear`` then computes torch.ao's outputs bit for bit, through torch.ao's own op on x86.
 
     >>> import torch, lowbit as Q
     >>> qc = Q.get_dynamic_qconfig(torch.float16)
     >>> qc.weight().qdtype, qc.activation().is_dynamic
     (torch.float16, True)
+    >>> qc = Q.get_dynamic_qconfig(backend="x86")
+    >>> qc.activation().qdtype, qc.activation().per_token, qc.weight().qscheme.value
+    (lowbit.quint8[0, 127], False, 'per_tensor_symmetric')
     """
+    if backend is not None and backend not in ("x86", "fbgemm"):
+        raise ValueError(f"get_dynamic_qconfig: backend={backend!r} is not supported; use 'x86' or 'fbgemm' "
+                         "(torch.ao's default_dynamic_qconfig on those engines) or None (lowbit's per-token recipe)")
+    if not isinstance(reduce_range, bool):
+        raise TypeError(f"get_dynamic_qconfig: reduce_range={reduce_range!r} must be a bool")
     if dtype in (torch.float16, "float16"):
+        if backend is not None or reduce_range:
+            raise ValueError("get_dynamic_qconfig: dtype=torch.float16 has float activations; "
+                             f"backend={backend!r} / reduce_range={reduce_range!r} do not apply")
         return QConfig(
             activation=PlaceholderObserver.with_args(qdtype=torch.float16, is_dynamic=True),
             weight=PlaceholderObserver.with_args(qdtype=torch.float16),
         )
     if as_qdtype(dtype) != qint8:
         raise ValueError(f"get_dynamic_qconfig: dtype={dtype!r} is not supported; use qint8 or torch.float16")
+    if backend is not None:
+        return QConfig(
+            activation=PlaceholderObserver.with_args(qdtype=quint8.with_range(0, 127), is_dynamic=True,
+                                                     per_token=False),
+            weight=MinMaxObserver.with_args(qscheme=per_tensor_symmetric, qdtype=qint8),
+        )
     return QConfig(
-        activation=PlaceholderObserver.with_args(qdtype=quint8, is_dynamic=True),
+        activation=PlaceholderObserver.with_args(qdtype=quint8.with_range(0, 127) if reduce_range else quint8,
+                                                 is_dynamic=True),
         weight=PerChannelMinMaxObserver.with_args(ch_axis=0, qscheme=per_channel_symmetric, qdtype=qint8),
     )
 

@@ -18,6 +18,11 @@ epilogue; the forward runs ``per_token.dynamic_linear``, the same codes with no 
 validation (``torch._int_mm`` at M = 1 on VNNI CPUs, see ``per_token.py``). ``dtype=torch.float16``
 instead stores the weight in float16 and computes in the input's dtype (weight-only compression).
 
+``activation`` picks the activation recipe (``reduced.py``): ``"per_token"`` (the default above),
+``"per_token_7bit"`` (the same on ``quint8[0, 127]``: one exact call without VNNI) or ``"per_tensor_7bit"``
+(torch.ao's x86 dynamic Linear, bit for bit: one 7-bit grid per input). ``from_float`` reads it from the
+module's qconfig: ``get_dynamic_qconfig(reduce_range=True)`` / ``get_dynamic_qconfig(backend="x86")``.
+
 >>> import torch, lowbit as Q
 >>> from lowbit.nn.quantized.dynamic import Linear
 >>> fc = torch.nn.Linear(64, 32)
@@ -38,11 +43,12 @@ from torch import nn
 from ....compile_state import qdtype_key, tracing
 from ....qparams import calculate_qparams
 from ....nn.intrinsic import LinearReLU as _LinearReLUMarker
-from ....qscheme import QDtype, QScheme, as_qdtype, qint8
+from ....qscheme import QDtype, QScheme, as_qdtype, qint8, quint8
 from ....qtensor import QTensor, quantize_per_channel
 from .._utils import quantize_weight, weight_qparams
 from .._state import CheckedQuantState
-from .per_token import dynamic_linear, per_token_linear, quantize_per_token
+from . import reduced
+from .per_token import U7, dynamic_linear, per_token_linear, quantize_per_token
 
 __all__ = ["Linear", "LinearReLU", "quantize_per_token", "per_token_linear"]
 
@@ -54,6 +60,28 @@ def _dtype_arg(dtype: Any, where: str) -> QDtype | torch.dtype:
     if d.storage != torch.int8:
         raise ValueError(f"{where}: dtype={dtype!r} is not supported; use lowbit.qint8 or torch.float16")
     return d
+
+
+def _activation_arg(activation: Any, where: str) -> str:
+    if activation not in reduced.ACTIVATIONS:
+        raise ValueError(f"{where}: activation={activation!r} is not one of {list(reduced.ACTIVATIONS)}")
+    return activation
+
+
+def activation_of(owner: nn.Module | None, where: str) -> str:
+    """The activation recipe of ``owner.qconfig.activation()`` (lowbit's ``"per_token"`` without one):
+    ``quint8`` per token, or ``quint8[0, 127]`` per token / per tensor (``PlaceholderObserver(per_token=...)``)."""
+    qc = getattr(owner, "qconfig", None)
+    if qc is None or getattr(qc, "activation", None) is None:
+        return "per_token"
+    obs = qc.activation()
+    qd, per_token = getattr(obs, "qdtype", quint8), getattr(obs, "per_token", True)
+    if qd == U7:
+        return "per_token_7bit" if per_token else "per_tensor_7bit"
+    if not per_token:
+        raise ValueError(f"{where}: per-tensor dynamic activations need the 7-bit grid quint8[0, 127] "
+                         f"(get_dynamic_qconfig(backend='x86')), got qdtype={qd!r}")
+    return "per_token"
 
 
 def quantize_dynamic_weight(weight: torch.Tensor, mod: nn.Module | None, dtype: QDtype, where: str) -> QTensor:
@@ -73,13 +101,14 @@ class Linear(CheckedQuantState):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 dtype: QDtype | str | torch.dtype = qint8) -> None:
+                 dtype: QDtype | str | torch.dtype = qint8, activation: str = "per_token") -> None:
         super().__init__()
         for arg, v in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"dynamic Linear: {arg}={v!r} must be a positive int")
         self.in_features, self.out_features = in_features, out_features
         self.dtype = _dtype_arg(dtype, "dynamic Linear")
+        self.activation = _activation_arg(activation, "dynamic Linear")
         if self.dtype == torch.float16:
             self.register_buffer("weight_fp16", torch.zeros(out_features, in_features, dtype=torch.float16))
         else:
@@ -129,15 +158,18 @@ class Linear(CheckedQuantState):
             return F.linear(x, self.weight_fp16.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         flat = x.dim() == 2  # (M, K): no reshape either way (two dispatches less at M = 1)
         x2 = x if flat else x.reshape(-1, self.in_features)
+        act = self.activation
         if tracing():  # one opaque op (lowbit.pt2): compiled/exported programs compute the eager numbers
+            key = qdtype_key(self.dtype) if act == "per_token" else f"{qdtype_key(self.dtype)}|{act}"
             y = torch.ops.lowbit.dynamic_linear(x2, self.weight_int8, self.weight_scale, self.weight_zero_point,
-                                                qdtype_key(self.dtype), self.bias)  # type: ignore[arg-type]
+                                                key, self.bias)  # type: ignore[arg-type]
         elif x2.shape[0] == 0:
             y = x2.new_zeros(0, self.out_features, dtype=torch.float32)
         else:
             b = self._buffers  # (nn.Module.__getattr__ costs ~1 µs per buffer read)
-            y = dynamic_linear(x2, b["weight_int8"], b["weight_scale"], b["weight_zero_point"],  # type: ignore[arg-type]
-                               self.dtype, b["bias"], self._cache)
+            f = dynamic_linear if act == "per_token" else _REDUCED[act]
+            y = f(x2, b["weight_int8"], b["weight_scale"], b["weight_zero_point"],  # type: ignore[arg-type]
+                  self.dtype, b["bias"], self._cache)
         if not flat:
             y = y.reshape(*x.shape[:-1], self.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -153,7 +185,8 @@ class Linear(CheckedQuantState):
     def _build(cls, lin: nn.Linear, owner: nn.Module, dtype: Any) -> Any:
         """``cls`` holding ``lin``'s weight, on ``owner.qconfig.weight``'s grid when ``owner`` has one."""
         d = _dtype_arg(dtype, f"dynamic {cls.__name__}.from_float")
-        q = cls(lin.in_features, lin.out_features, lin.bias is not None, d)
+        act = "per_token" if d == torch.float16 else activation_of(owner, f"dynamic {cls.__name__}.from_float")
+        q = cls(lin.in_features, lin.out_features, lin.bias is not None, d, act)
         w = (lin.weight.detach() if d == torch.float16
              else quantize_dynamic_weight(lin.weight, owner, d, f"dynamic {cls.__name__}"))  # type: ignore[arg-type]
         q.set_weight_bias(w, lin.bias)
@@ -172,7 +205,10 @@ class Linear(CheckedQuantState):
         s = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         if self.dtype == torch.float16:
             return s + ", dtype=torch.float16"
-        return s + f", dtype={self.dtype!r}, activation=per_token"
+        return s + f", dtype={self.dtype!r}, activation={self.activation}"
+
+
+_REDUCED = {"per_token_7bit": reduced.per_token_7bit, "per_tensor_7bit": reduced.per_tensor_7bit}
 
 
 class LinearReLU(Linear):

@@ -44,7 +44,7 @@ from ....qparams import calculate_qparams
 from ....qscheme import QDtype, QScheme, quint8
 from ....qtensor import QTensor
 
-__all__ = ["quantize_per_token", "per_token_linear", "dynamic_linear"]
+__all__ = ["quantize_per_token", "per_token_linear", "dynamic_linear", "U7"]
 
 _EPS = 1e-8  # calculate_qparams' default eps
 _INF = float("inf")
@@ -52,21 +52,22 @@ _F32 = np.float32
 # 0-d operands made once: on CPU a Python float operand costs ~3 µs per op (scalar wrapping and
 # type promotion), a 0-d float32 tensor ~0.6 µs, with the same float32 arithmetic
 _C255, _C128, _CM128 = torch.tensor(255.0), torch.tensor(128.0), torch.tensor(-128.0)
+_LEVELS = {255: _C255, 127: torch.tensor(127.0)}
 
 
-def _row_grids(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(s_x, -z_x)`` as ``(M, 1)`` float32, computed as ``calculate_qparams`` does (same bits), or
-    ``None`` when some row's range is not finite (NaN/Inf, or wider than float32): the generic path
-    then decides (a NaN scale that carries NaN to the row's output)."""
+def _row_grids(xf: torch.Tensor, levels: torch.Tensor = _C255) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(s_x, -z_x)`` as ``(M, 1)`` float32 on ``[0, levels]`` (255, or 127 for 7-bit codes), computed as
+    ``calculate_qparams`` does (same bits), or ``None`` when some row's range is not finite (NaN/Inf, or
+    wider than float32): the generic path then decides (a NaN scale that carries NaN to the row's output)."""
     lo = xf.amin(1, keepdim=True).clamp_(max=0.0)  # amin + amax: ~20x faster than aminmax(dim=1) on CPU
     width = xf.amax(1, keepdim=True).clamp_(min=0.0).sub_(lo)
     if not width.max().item() < _INF:  # one host read: NaN fails too
         return None
-    scale = width.div_(_C255).clamp_(min=_EPS)
-    return scale, lo.div_(scale).round_()  # -z_x = round(lo / s_x) in [-255, 0]: the clamp is a no-op
+    scale = width.div_(levels).clamp_(min=_EPS)
+    return scale, lo.div_(scale).round_()  # -z_x = round(lo / s_x) in [-levels, 0]: the clamp is a no-op
 
 
-def _one_row_grid(xf: torch.Tensor) -> tuple[float, float, float] | None:
+def _one_row_grid(xf: torch.Tensor, levels: float = 255.0) -> tuple[float, float, float] | None:
     """``(s_x, -z_x, float32(1 / s_x))`` of a one-row ``xf`` as Python floats: ``_row_grids``'
     float32 arithmetic on NumPy scalars (one reduction and two host reads instead of ~10 tiny ops)."""
     lo_t, hi_t = torch.aminmax(xf)
@@ -74,31 +75,38 @@ def _one_row_grid(xf: torch.Tensor) -> tuple[float, float, float] | None:
     width = hi - lo
     if not width < _INF:
         return None
-    scale = max(width / _F32(255.0), _F32(_EPS))
+    scale = max(width / _F32(levels), _F32(_EPS))
     return float(scale), float(np.round(lo / scale)), float(_F32(1.0) / scale)
 
 
-def _codes(xf: torch.Tensor, inv_scale: torch.Tensor, neg_zp: torch.Tensor) -> torch.Tensor:
-    """u8 codes ``clamp(round(x · float32(1/s) + z), 0, 255)``: ``functional.quantize``'s arithmetic
+def _codes(xf: torch.Tensor, inv_scale: torch.Tensor, neg_zp: torch.Tensor, qmax: int = 255) -> torch.Tensor:
+    """u8 codes ``clamp(round(x · float32(1/s) + z), 0, qmax)``: ``functional.quantize``'s arithmetic
     (``a - (-z)`` is ``a + z`` exactly)."""
     if xf.numel() > blocked.BLOCK:  # large: the same passes on L2-sized row blocks
-        return blocked.codes(xf, inv_scale, neg_zp.neg(), 0, 255, torch.uint8)
-    return _store(torch.mul(xf, inv_scale).sub_(neg_zp).round_().clamp_(0, 255), quint8)
+        return blocked.codes(xf, inv_scale, neg_zp.neg(), 0, qmax, torch.uint8)
+    return _store(torch.mul(xf, inv_scale).sub_(neg_zp).round_().clamp_(0, qmax), quint8)
 
 
-def quantize_per_token(x: torch.Tensor) -> QTensor:
-    """``(M, K)`` float -> per-row (axis 0) affine quint8 ``QTensor``: one grid per token."""
+U7 = quint8.with_range(0, 127)  # 7-bit activations (torch.ao's reduce_range): one exact call without VNNI
+
+
+def quantize_per_token(x: torch.Tensor, qdtype: QDtype = quint8) -> QTensor:
+    """``(M, K)`` float -> per-row (axis 0) affine ``QTensor`` on ``qdtype`` (``quint8``, or the 7-bit
+    ``quint8[0, 127]``): one grid per token."""
+    if qdtype not in (quint8, U7):
+        raise ValueError(f"quantize_per_token: qdtype={qdtype!r} must be lowbit.quint8 or quint8.with_range(0, 127)")
     xf = x.detach().to(torch.float32)
-    grids = _row_grids(xf) if xf.numel() else None
+    grids = _row_grids(xf, _LEVELS[qdtype.quant_max]) if xf.numel() else None
     if grids is not None:
         scale, neg_zp = grids
         zp = neg_zp.neg().to(torch.int64).reshape(-1)
-        return QTensor._trusted(_codes(xf, torch.reciprocal(scale), neg_zp), scale.reshape(-1), zp, quint8, axis=0)
+        q = _codes(xf, torch.reciprocal(scale), neg_zp, qdtype.quant_max)
+        return QTensor._trusted(q, scale.reshape(-1), zp, qdtype, axis=0)
     lo, hi = xf.amin(1), xf.amax(1)
-    scale, zp = calculate_qparams(lo, hi, QScheme.PER_CHANNEL_AFFINE, quint8, validate=False)
+    scale, zp = calculate_qparams(lo, hi, QScheme.PER_CHANNEL_AFFINE, qdtype, validate=False)
     # validate=False: a NaN/Inf row has a NaN scale, which carries NaN to that row of the output (as float);
     # (M,) float32 / int64 qparams on x's device are already QTensor's contract: no re-check per call
-    return QTensor._trusted(quantize(xf, scale, zp, quint8, ch_axis=0, validate=False), scale, zp, quint8, axis=0)
+    return QTensor._trusted(quantize(xf, scale, zp, qdtype, ch_axis=0, validate=False), scale, zp, qdtype, axis=0)
 
 
 def _weight_row_sums(weight: QTensor, cache: dict[str, Any] | None) -> torch.Tensor:
@@ -120,33 +128,38 @@ def per_token_linear(xq: QTensor, weight: QTensor, bias: torch.Tensor | None = N
     """``x̂ ŵᵀ + bias`` (float32 ``(M, N)``): per-row 8-bit ``xq`` ``(M, K)``, per-channel int8 weight ``(N, K)``.
 
     The kernels take one activation grid per call, so the codes go in on the shared grid
-    ``(scale 1, zero point 128)`` and each row's own grid is applied in the epilogue::
+    ``(scale 1, zero point c)`` (``c = 128``; ``64`` on ``quint8[0, 127]`` for 7-bit codes, which the
+    kernels then run in one exact call without VNNI) and each row's own grid is applied in the epilogue::
 
-        raw[m, n] = Σ_k (q_x[m, k] - 128) ŵ[n, k]                    # lowbit.kernels: int32 accumulation
-        y[m, n]   = s_x[m] (raw[m, n] - (z_x[m] - 128) Σ_k ŵ[n, k]) + bias[n]
+        raw[m, n] = Σ_k (q_x[m, k] - c) ŵ[n, k]                      # lowbit.kernels: int32 accumulation
+        y[m, n]   = s_x[m] (raw[m, n] - (z_x[m] - c) Σ_k ŵ[n, k]) + bias[n]
 
     Equal to ``F.linear(xq.dequantize(), weight.dequantize(), bias)`` up to float32 rounding.
     """
     q = xq.int_repr()
     if q.dtype == torch.int8:  # qint8 codes -> the same values on the u8 grid
         q, zx = q.view(torch.uint8).bitwise_xor(128), xq.zero_point + 128
+        seven = False
     else:
-        zx = xq.zero_point
-    raw = kernels.linear(QTensor._trusted(q, *_shared_grid(q.device)), weight, None, None, cache=cache)
+        zx, seven = xq.zero_point, xq.qdtype.quant_max <= 127
+    grid = _shared_grid(q.device, seven)
+    raw = kernels.linear(QTensor._trusted(q, *grid), weight, None, None, cache=cache)
     wsum = _weight_row_sums(weight, cache)
-    c = (zx - 128).to(torch.float32)[:, None]
+    c = (zx - (64 if seven else 128)).to(torch.float32)[:, None]
     return _epilogue(raw, c, wsum, xq.scale[:, None], bias)  # type: ignore[arg-type]  # float out
 
 
-_SHARED: dict[torch.device, tuple[torch.Tensor, torch.Tensor, QDtype]] = {}
+_SHARED: dict[tuple[torch.device, bool], tuple[torch.Tensor, torch.Tensor, QDtype]] = {}
 
 
-def _shared_grid(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, QDtype]:
-    """The shared kernel grid ``(scale 1, zero point 128, quint8)`` as 0-d tensors, made once per device."""
-    hit = _SHARED.get(device)
+def _shared_grid(device: torch.device, seven: bool = False) -> tuple[torch.Tensor, torch.Tensor, QDtype]:
+    """The shared kernel grid ``(scale 1, zero point 128, quint8)`` (``seven``: ``(1, 64, quint8[0, 127])``)
+    as 0-d tensors, made once per device."""
+    hit = _SHARED.get((device, seven))
     if hit is None:
         with torch.inference_mode(False):  # normal tensors even when first made under inference_mode
-            hit = _SHARED[device] = (torch.tensor(1.0, device=device), torch.tensor(128, device=device), quint8)
+            hit = _SHARED[(device, seven)] = (torch.tensor(1.0, device=device),
+                                              torch.tensor(64 if seven else 128, device=device), U7 if seven else quint8)
     return hit
 
 

@@ -1,0 +1,189 @@
+"""The dynamic ``Linear``'s 7-bit (``reduce_range``) activation recipes: one exact int8 call on every x86 CPU.
+
+Without VNNI a u8 × s8 GEMM adds product pairs into a saturating int16, so lowbit's default 8-bit
+per-token codes need two 7-bit halves (``kernels/avx2.py``); codes ≤ 128 never saturate with any int8
+weight (``128 · 254 ≤ 32767``), so both recipes here make one call. For ``x`` ``(M, K)``, int8 weights
+``q_w`` ``(N, K)`` with scales ``s_w[n]`` (zero points 0)::
+
+    per_tensor_7bit  (torch.ao's dynamic Linear on its x86 / fbgemm engine: reduce_range=True)
+      lo, hi = min(min x, 0), max(max x, 0)                        # one grid for the whole input
+      s = float32((hi - lo) / 127)  (float64 arithmetic; 0.1 if 0; floored at 6.1e-5)
+      z = round(the zero point of the end, lo or hi, with the smaller error), clamped to [0, 127]
+      q = clamp(round(x · float32(1/s) + z), 0, 255)               # ≤ 128 (x · inv + z rounded once: an FMA)
+      y = s s_w[n] Σ_k (q - z) q_w[n, k] + bias[n]
+
+    per_token_7bit   (lowbit's per-token recipe on quint8[0, 127])
+      s_x[m], z_x[m] = calculate_qparams(min(x_m, 0), max(x_m, 0)) on [0, 127]   # one grid per token
+      q = clamp(round(x · float32(1/s_x) + z_x), 0, 127)
+      y = s_x[m] (Σ_k q ŵ[n, k] - z_x[m] Σ_k ŵ[n, k]) + bias[n]          # ŵ = s_w q_w
+
+``per_tensor_7bit``'s grid is fbgemm's ``ChooseQuantizationParams`` (``ao_qparams``; torch's
+``_choose_qparams_per_tensor(x, reduce_range=True)``), so on an x86 CPU with torch's ``x86``/``fbgemm``
+quantized engine the layer runs torch.ao's own op, ``quantized::linear_dynamic(x, packed, True)``:
+torch.ao's outputs bit for bit, at its speed. ``per_token_7bit`` runs fbgemm's float-input GEMM on
+``u = clamp(x · float32(1/s_x) + z_x, 0, 127)`` with scale 1 and zero point 0: fbgemm rounds half to
+even, as ``torch.round``, so its codes are exactly ``q`` (one quantize pass, fused in the call).
+A pinned backend (``kernels.use_backend``), another device or engine, or weights with zero points
+take the generic path: the same codes through ``lowbit.kernels`` (``per_token_linear`` /
+``kernels.linear``). The fast paths count as ``("onednn", "linear")``, as the other fbgemm paths.
+
+>>> import torch
+>>> s, z = ao_qparams(torch.tensor([[-1.0, 0.5], [2.0, 0.25]]))
+>>> round(s, 6), z, ao_codes(torch.tensor([[-1.0, 2.0]]), s, z).tolist()
+(0.023622, 42, [[0, 127]])
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from .... import kernels
+from ....compile_state import tensor_version
+from ....qscheme import QDtype, quint8
+from ....qtensor import QTensor
+from .per_token import (U7, _LEVELS, _epilogue, _one_row_grid, _row_grids, _weight_row_sums, dynamic_linear, per_token_linear,
+                        quantize_per_token)
+
+__all__ = ["ACTIVATIONS", "ao_qparams", "ao_codes", "per_tensor_7bit", "per_token_7bit"]
+
+# the dynamic Linear's activation recipes: lowbit's default first
+ACTIVATIONS = ("per_token", "per_token_7bit", "per_tensor_7bit")
+_F32 = np.float32
+_SMALL_SCALE = _F32(6.1e-5)  # fbgemm's SMALL_SCALE_THRESHOLD (a float)
+
+
+def ao_qparams(x: torch.Tensor) -> tuple[float, int]:
+    """``(scale, zero_point)`` of ``x`` on ``[0, 127]`` as torch.ao's x86 dynamic ops choose them (fbgemm's
+    ``ChooseQuantizationParams`` with ``reduce_range``; ``torch._choose_qparams_per_tensor(x, True)``)."""
+    lo_t, hi_t = torch.aminmax(x.detach().float())
+    lo, hi = min(_F32(lo_t.item()), _F32(0.0)), max(_F32(hi_t.item()), _F32(0.0))  # float32, as fbgemm's
+    qmin, qmax = 0, 127
+    scale = (float(hi) - float(lo)) / (qmax - qmin)  # float64, as fbgemm
+    if not math.isfinite(scale):
+        return float("nan"), 0  # NaN / Inf input: a NaN output, as the per-token recipe's non-finite rows
+    s32 = _F32(scale)
+    with np.errstate(over="ignore", divide="ignore"):
+        if s32 == 0 or np.isinf(_F32(1.0) / s32):
+            scale, s32 = 0.1, _F32(0.1)
+    if scale < _SMALL_SCALE:  # fbgemm widens the range so that the scale is the threshold
+        org, scale = s32, float(_SMALL_SCALE)
+        if lo == 0:
+            hi = _SMALL_SCALE * _F32(qmax - qmin)
+        elif hi == 0:
+            lo = -_SMALL_SCALE * _F32(qmax - qmin)
+        else:
+            amp = _SMALL_SCALE / org
+            lo, hi = lo * amp, hi * amp
+    lo_d, hi_d = float(lo), float(hi)
+    from_min, from_max = qmin - lo_d / scale, qmax - hi_d / scale
+    err_min, err_max = abs(qmin) - abs(lo_d / scale), abs(qmax) - abs(hi_d / scale)
+    z0 = from_min if err_min < err_max else from_max
+    z = qmin if z0 < qmin else qmax if z0 > qmax else int(round(z0))  # round half even, as nearbyint
+    return float(_F32(scale)), z
+
+
+def ao_codes(x: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
+    """u8 codes ``clamp(round(x · float32(1/s) + z), 0, 255)`` with ``x · inv + z`` rounded once to float32, as
+    fbgemm's vectorised ``Quantize`` (a fused multiply-add) and ``torch.quantize_per_tensor`` compute them
+    (emulated in float64: the product of two float32 is exact there)."""
+    inv = torch.tensor(scale, dtype=torch.float32, device=x.device).reciprocal().double()
+    return torch.mul(x.detach().double(), inv).add_(zero_point).float().round_().clamp_(0, 255).to(torch.uint8)
+
+
+@functools.lru_cache(maxsize=None)
+def _fbgemm() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
+
+
+def _fast(x: torch.Tensor, w_zero_point: torch.Tensor, cache: dict[str, Any]) -> bool:
+    """Whether fbgemm's ops may run this call: x86 CPU, torch's x86/fbgemm engine, no pinned backend,
+    symmetric weights (checked once per zero-point version)."""
+    if not (x.is_cpu and _fbgemm() and torch.backends.quantized.engine in ("x86", "fbgemm")
+            and kernels.get_backend() is None):
+        return False
+    key = (w_zero_point.data_ptr(), tensor_version(w_zero_point))
+    hit = cache.get("reduced.symmetric")
+    if hit is None or hit[0] != key:
+        hit = cache["reduced.symmetric"] = (key, not bool(w_zero_point.any()))
+    return hit[1]
+
+
+def _pack(cache: dict[str, Any], name: str, weight_int8: torch.Tensor, w_scale: torch.Tensor,
+          bias: torch.Tensor | None) -> Any:
+    """fbgemm-packed weight with its real per-channel scales (and ``bias``), rebuilt when a buffer changes."""
+    key = (weight_int8.data_ptr(), tensor_version(weight_int8), w_scale.data_ptr(), tensor_version(w_scale),
+           None if bias is None else (bias.data_ptr(), tensor_version(bias)))
+    hit = cache.get(name)
+    if hit is None or hit[0] != key:
+        n = weight_int8.shape[0]
+        with warnings.catch_warnings():  # torch deprecates quantized tensors; this one lives only inside the pack
+            warnings.simplefilter("ignore", UserWarning)
+            wq = torch._make_per_channel_quantized_tensor(weight_int8, w_scale.double(),
+                                                          torch.zeros(n, dtype=torch.long), 0)
+        hit = cache[name] = (key, torch.ops.quantized.linear_prepack(wq, bias))
+    return hit[1]
+
+
+def per_tensor_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
+                    qdtype: QDtype, bias: torch.Tensor | None, cache: dict[str, Any]) -> torch.Tensor:
+    """torch.ao's x86 dynamic Linear (``(M, K)`` float, ``M > 0`` → ``(M, N)`` float32): one grid, 7-bit."""
+    xf = x2.detach()
+    xf = xf if xf.dtype == torch.float32 else xf.float()
+    if _fast(xf, w_zero_point, cache):
+        packed = _pack(cache, "reduced.ao", weight_int8, w_scale, bias)
+        kernels.counts[("onednn", "linear")] += 1
+        return torch.ops.quantized.linear_dynamic(xf, packed, True)
+    scale, zp = ao_qparams(xf)
+    dev = xf.device
+    xq = QTensor._trusted(ao_codes(xf, scale, zp), torch.tensor(scale, dtype=torch.float32, device=dev),
+                          torch.tensor(zp, dtype=torch.int64, device=dev), quint8)  # codes ≤ 128: the 8-bit grid
+    weight = QTensor._trusted(weight_int8, w_scale, w_zero_point, qdtype, axis=0)
+    return kernels.linear(xq, weight, bias, None, cache=cache)  # type: ignore[return-value]
+
+
+def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
+                   qdtype: QDtype, bias: torch.Tensor | None, cache: dict[str, Any]) -> torch.Tensor:
+    """lowbit's per-token recipe on 7-bit codes (``(M, K)`` float, ``M > 0`` → ``(M, N)`` float32)."""
+    xf = x2.detach()
+    xf = xf if xf.dtype == torch.float32 else xf.float()
+    weight = QTensor._trusted(weight_int8, w_scale, w_zero_point, qdtype, axis=0)
+    fast = _fast(xf, w_zero_point, cache)
+    if fast and xf.shape[0] == 1:  # one token: the grid as Python floats (one reduction, two host reads)
+        grid = _one_row_grid(xf, 127.0)
+        if grid is not None:
+            s, neg_zp, inv = grid
+            u = torch.mul(xf, torch.scalar_tensor(inv)).sub_(torch.scalar_tensor(neg_zp)).clamp_(0, 127)
+            y = _fbgemm_float(u, cache, weight_int8, w_scale).add_(_weight_row_sums(weight, cache), alpha=neg_zp)
+            y = y.mul_(torch.scalar_tensor(s))  # s_x (Σ q ŵ - z_x Σ ŵ)
+            return y if bias is None else y.add_(bias)
+    grids = _row_grids(xf, _LEVELS[127]) if fast else None
+    if grids is None:  # generic: pinned backend, other device/engine, affine weights, or a non-finite row
+        return per_token_linear(quantize_per_token(xf, U7), weight, bias, cache)
+    scale, neg_zp = grids
+    u = torch.mul(xf, torch.reciprocal(scale)).sub_(neg_zp).clamp_(0, 127)  # fbgemm rounds: round(u) = q
+    raw = _fbgemm_float(u, cache, weight_int8, w_scale)
+    return _epilogue(raw, neg_zp.neg_(), _weight_row_sums(weight, cache), scale, bias)  # c = z_x
+
+
+def _fbgemm_float(u: torch.Tensor, cache: dict[str, Any], weight_int8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``s_w[n] Σ_k round(u[m, k]) q_w[n, k]`` (float32) in one fbgemm call: fbgemm quantizes ``u`` with scale 1 and
+    zero point 0 (round half to even: ``round(u)``, exact on the integer-valued range ``[0, 127]``)."""
+    packed = _pack(cache, "reduced.token", weight_int8, w_scale, None)
+    kernels.counts[("onednn", "linear")] += 1
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(u, 1.0, 0, packed)
+
+
+def forward(activation: str, x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tensor,
+            w_zero_point: torch.Tensor, qdtype: QDtype, bias: torch.Tensor | None, cache: dict[str, Any]) -> torch.Tensor:
+    """The dynamic Linear's forward for ``activation`` (one of ``ACTIVATIONS``) on a 2-d ``x2`` with rows."""
+    if activation == "per_tensor_7bit":
+        return per_tensor_7bit(x2, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
+    if activation == "per_token_7bit":
+        return per_token_7bit(x2, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
+    return dynamic_linear(x2, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
