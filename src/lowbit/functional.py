@@ -247,7 +247,7 @@ def dequantize_fast(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tens
     """``dequantize`` of per-tensor codes whose 0-d qparams were already checked (a ``QTensor``'s): on
     CPU, 8-bit and contiguous, one fused pass with no validation and no per-call dispatch of Python
     checks; otherwise ``dequantize(..., validate=False)``. Bit-identical to ``dequantize``."""
-    if q.device.type == "cpu" and q.dtype in _TORCH_QDTYPE and q.is_contiguous() and scale.dtype == torch.float32:
+    if q.is_cpu and q.dtype in _TORCH_QDTYPE and q.is_contiguous() and scale.dtype == torch.float32:
         y = _dequantize_fused(q, scale.item(), zero_point.item())
         if y is not None:
             return y

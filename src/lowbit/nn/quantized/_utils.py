@@ -339,17 +339,20 @@ class WeightedQuantModule(CheckedQuantState):
         if tracing() or kernels.get_backend() or x._axis is not None:  # (tracing first: no guard on the shape)
             return None
         q = x._q
-        if not q.numel() or q.device.type != "cpu":
+        if not q.is_cpu or not q.numel():
             return None
         b = self._buffers
-        bufs = (b["weight_int8"], b["weight_scale"], b["weight_zero_point"], b["bias"], b["scale"], b["zero_point"])
-        key = (x._qdtype, kernels.onednn.has_vnni(), *map(id, bufs),
-               *(-2 if t is None else tensor_version(t) for t in bufs))
+        w, ws, wz, bias, s, z = (b["weight_int8"], b["weight_scale"], b["weight_zero_point"], b["bias"], b["scale"],
+                                 b["zero_point"])
+        tv = tensor_version
+        key = (kernels.onednn.has_vnni(), id(w), id(ws), id(wz), id(bias), id(s), id(z),
+               tv(w), tv(ws), tv(wz), -2 if bias is None else tv(bias), tv(s), tv(z))  # type: ignore[arg-type]
         hit = self._cache.get("plan")
-        if hit is None or hit[0] != key:
+        if hit is None or hit[0] != key or (hit[1] is not x._qdtype and hit[1] != x._qdtype):
             weight, out = self._prepared()
-            hit = self._cache["plan"] = (key, build(weight, b["bias"], out, self._relu, x._qdtype), bufs)
-        return hit[1]
+            # the buffers ride along: while the plan holds them, their ids cannot be reused
+            hit = self._cache["plan"] = (key, x._qdtype, build(weight, bias, out, self._relu, x._qdtype), (w, ws, wz, bias, s, z))
+        return hit[2]
 
     # ---- the cache is never state ----
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -50,7 +50,7 @@ class Quantize(CheckedQuantState):
         self.register_buffer("zero_point", torch.tensor(zero_point, dtype=torch.int64))
 
     def forward(self, x: torch.Tensor | QTensor) -> QTensor:
-        if type(x) is torch.Tensor and x.dtype == torch.float32 and x.device.type == "cpu" and not tracing():
+        if type(x) is torch.Tensor and x.dtype == torch.float32 and x.is_cpu and not tracing():  # (.is_cpu: no device object)
             # the eager fast path: one reduction for the NaN check, one fused-by-hand quantize
             if x.numel() and _has_nan(x):
                 check_no_nan(x, "Quantize")
@@ -74,14 +74,14 @@ class Quantize(CheckedQuantState):
     def _grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(float32(1 / scale), zero_point)`` as 0-d float32 tensors, once per buffer version (not per call)."""
         scale, zero_point = self._buffers["scale"], self._buffers["zero_point"]
-        key = (tensor_version(scale), tensor_version(zero_point), scale.data_ptr(), zero_point.data_ptr())  # type: ignore[union-attr]
+        key = (tensor_version(scale), tensor_version(zero_point))  # type: ignore[arg-type]
         hit = self.__dict__.get("_grid_cache")
-        if hit is None or hit[0] != key:
+        if hit is None or hit[0] != key or hit[2] is not scale or hit[3] is not zero_point:  # (held: ids stay unique)
             inv_z = scalar_qparams(self.scale, self.zero_point)
             if inv_z is None:
                 raise ValueError(f"Quantize: scale={float(self.scale)!r} has no finite float32 reciprocal")
             with torch.inference_mode(False):
-                hit = self.__dict__["_grid_cache"] = (key, scalar_tensors(*inv_z))
+                hit = self.__dict__["_grid_cache"] = (key, scalar_tensors(*inv_z), scale, zero_point)
         return hit[1]
 
     @classmethod
