@@ -125,13 +125,12 @@ def _blocked_requant(lo: torch.Tensor, hi: torch.Tensor, bias: torch.Tensor | No
     codes = torch.empty(lo2.shape, dtype=torch.int8 if u8 else qd.storage)
     inv, zp = _out_consts(out.scale, out.zero_point)
     rows = max(1, blocked.BLOCK // max(1, ch))
+    lo_code = _relu_floor(qd.quant_min, out.zero_point, relu)
     for i in range(0, lo2.shape[0], rows):
         t = lo2[i:i + rows].add_(hi2[i:i + rows], alpha=2)
         if bias is not None:
             t.add_(bias)
-        if relu:
-            t.relu_()
-        t.mul_(inv).add_(zp).round_().clamp_(qd.quant_min, qd.quant_max)
+        t.mul_(inv).add_(zp).round_().clamp_(lo_code, qd.quant_max)  # (ReLU: the clamp's floor, _relu_floor)
         if u8:
             t.sub_(_C128F)  # exact on integers: int8(v - 128) is a vectorised cast, uint8(v) a scalar loop
         codes[i:i + rows].copy_(t)
@@ -153,14 +152,19 @@ def _float_epilogue(y: torch.Tensor, bias: torch.Tensor | None, out: OutGrid | N
             shape = [1] * y.dim()
             shape[channel_dim] = -1
             y = y.add_(bias.reshape(shape))
-    if relu:
-        y = y.relu_()
     if out is None:
-        return y
-    # in place, bit-identical to functional.quantize: round(y · float32(1/s) + z), clamped
+        return y.relu_() if relu else y
+    # in place, bit-identical to functional.quantize: round(y · float32(1/s) + z), clamped (ReLU: _relu_floor)
     inv, zp = _out_consts(out.scale, out.zero_point)
-    y = y.mul_(inv).add_(zp).round_().clamp_(out.qdtype.quant_min, out.qdtype.quant_max)
+    y = y.mul_(inv).add_(zp).round_().clamp_(_relu_floor(out.qdtype.quant_min, out.zero_point, relu), out.qdtype.quant_max)
     return out.wrap(_store(y, out.qdtype))  # .byte()/.char() (or via int16 when large): one dispatch less than .to
+
+
+def _relu_floor(qmin: int, zero_point: int, relu: bool) -> int:
+    """The clamp's lower bound that applies a ReLU before requantization, bit for bit: with ``z`` on the grid,
+    ``y < 0`` gives ``round(fl(fl(y·inv) + z)) ≤ z`` where ``relu(y) = 0`` gives exactly ``z``, and ``y ≥ 0`` gives
+    ``≥ z`` either way, so ``clamp(q(relu(y)), qmin, qmax) = clamp(q(y), max(qmin, z), qmax)``: one pass less."""
+    return max(qmin, zero_point) if relu else qmin
 
 
 @functools.lru_cache(maxsize=256)
