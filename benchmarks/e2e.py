@@ -1,6 +1,6 @@
 """End to end: SmallCNN (batch 64) and MiniLM (dynamic, batch 32), fp32 vs lowbit vs torch.ao.
 
-Run: ``python benchmarks/e2e.py [--quick] [--threads 1 2]`` (method: ``common.py``). Writes
+Run: ``python benchmarks/e2e.py [--quick] [--threads 1 2] [--skip-smallcnn | --skip-minilm]`` (method: ``common.py``). Writes
 ``benchmarks/results/e2e.json``.
 
 SmallCNN (``lowbit.examples``; trained ``--epochs`` on Fashion-MNIST when the data is there, else
@@ -162,10 +162,11 @@ def main() -> None:
     common.add_common_args(p)
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--skip-minilm", action="store_true")
+    p.add_argument("--skip-smallcnn", action="store_true")
     a = p.parse_args()
     if a.quick:
         a.rounds, a.epochs = min(a.rounds, 3), min(a.epochs, 0.3)
-    res = {"smallcnn": smallcnn(a), "minilm": None if a.skip_minilm else minilm(a)}
+    res = {"smallcnn": None if a.skip_smallcnn else smallcnn(a), "minilm": None if a.skip_minilm else minilm(a)}
     print(common.write_results(a.out or "e2e", res))
 
 

@@ -99,7 +99,9 @@ def test_dynamic_forward_matches_generic(monkeypatch: pytest.MonkeyPatch, vnni: 
 def test_dynamic_no_vnni_route_bit_identical_to_generic(monkeypatch: pytest.MonkeyPatch, m: int,
                                                         engine_fbgemm: bool) -> None:
     """Without VNNI the module's route (no per-call wrapping) gives the generic path's floats bit for bit,
-    through the same onednn backend (split for full int8 weights; fbgemm for few rows, oneDNN above)."""
+    through the same onednn backend (split for full int8 weights; fbgemm for few rows, oneDNN above) — except
+    few rows on an fbgemm engine, which split the weights instead (same codes: equal up to float32 rounding,
+    and integer-exact in ``test_dynamic_weight_split_is_integer_exact``)."""
     _force_vnni(monkeypatch, False)
     if not engine_fbgemm:
         monkeypatch.setattr(onednn, "_FBGEMM", ())
@@ -110,7 +112,36 @@ def test_dynamic_no_vnni_route_bit_identical_to_generic(monkeypatch: pytest.Monk
     y = mod(x)
     assert dict(kernels.counts) == {("onednn", "linear"): 1}
     want = per_token.per_token_linear(per_token.quantize_per_token(x), mod.weight(), mod.bias, {})
-    assert torch.equal(y, want), float((y - want).abs().max())
+    if engine_fbgemm and m <= onednn.SMALL_M:
+        assert torch.allclose(y, want, rtol=1e-5, atol=1e-5), float((y - want).abs().max())
+    else:
+        assert torch.equal(y, want), float((y - want).abs().max())
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, onednn.SMALL_M])
+def test_dynamic_weight_split_is_integer_exact(monkeypatch: pytest.MonkeyPatch, m: int) -> None:
+    """Few rows without VNNI on fbgemm: full-range codes (0 and 255 in every row) against weights whose pairs saturate
+    ``vpmaddubsw`` (127, 127 / -128, -128): with unit weight scales and no bias, ``y`` is ``s_x`` times the exact
+    integer sum ``Σ (q_x - z_x) q_w`` bit for bit (every intermediate is an integer below 2²⁴)."""
+    _force_vnni(monkeypatch, False)
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("torch built without fbgemm")
+    monkeypatch.setattr(torch.backends.quantized, "engine", "x86")
+    g = torch.Generator().manual_seed(m)
+    k, n = 97, 11
+    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    codes[:, :4] = torch.tensor([127, 127, -128, -128], dtype=torch.int8)
+    mod = nnqd.Linear(k, n, bias=False)
+    mod.set_weight_bias(Q.QTensor(codes, torch.ones(n), torch.zeros(n, dtype=torch.long), Q.qint8, axis=0), None)
+    x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 3).clamp(-3.9, 5.9)
+    x[:, :4] = torch.tensor([6.0, 6.0, -4.0, -4.0])  # the row's extremes on the saturating pairs: codes 255, 255, 0, 0
+    xq = per_token.quantize_per_token(x)
+    assert (xq.int_repr()[:, :2] == 255).all() and (xq.int_repr()[:, 2:4] == 0).all()
+    kernels.counts.clear()
+    y = mod(x)
+    assert dict(kernels.counts) == {("onednn", "linear"): 1}
+    exact = ((xq.int_repr().long() - xq.zero_point[:, None]) @ codes.long().t()).float()
+    assert torch.equal(y, exact * xq.scale[:, None])
 
 
 @pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "no_vnni"])

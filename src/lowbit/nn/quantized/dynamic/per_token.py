@@ -17,7 +17,9 @@ quantize with no per-call validation, then the fastest exact GEMM for the case, 
   ``(scale 1, zero point 128)`` and each row's grid in the float epilogue (``per_token_linear``'s
   arithmetic, with one fused multiply-add when the output is small: equal up to float32 rounding);
 - a CPU without VNNI (its u8 × s8 pairs saturate: the kernels' split/fbgemm rules apply): the
-  generic path's codes, kernel call and epilogue (bit for bit) without its per-call wrapping;
+  generic path's codes, kernel call and epilogue (bit for bit) without its per-call wrapping; for at
+  most ``SMALL_M`` rows on torch's fbgemm/x86 engine and weights up to 768×3072, the same codes against
+  the weights split into two 7-bit halves (``_weight_split``: one fbgemm call, ~15 ops instead of ~65);
 - a pinned backend (``kernels.use_backend``), affine weights, non-finite rows or other devices take the
   generic ``per_token_linear``.
 
@@ -31,6 +33,7 @@ Both fast paths are counted in ``kernels.counts`` like the dispatcher (``("int_m
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -189,7 +192,7 @@ def _epilogue(raw: torch.Tensor, c: torch.Tensor, wsum: torch.Tensor, sx: torch.
 class _Plan:
     """Per-weight-version constants of the fast paths (a cache, never state)."""
 
-    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed")
+    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "split")
 
     def __init__(self, key: Any, weight: QTensor, cache: dict[str, Any]) -> None:
         w = weight.int_repr()
@@ -198,6 +201,7 @@ class _Plan:
         self.wsum_i = w.to(torch.int32).sum(1)  # exact: |Σ| <= 128 K
         self.wsum = _weight_row_sums(weight, cache)
         self.packed: Any = None
+        self.split: Any = None
 
 
 def _plan(weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, qdtype: QDtype,
@@ -272,6 +276,11 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
     row grids stay ``(M, 1)`` float32 tensors (no int64 zero points, no ``QTensor`` of the codes, no
     dispatcher) and the codes go straight to the onednn backend on the shared grid (split or not by
     its rules, fbgemm for few rows)."""
+    m, k = xf.shape
+    if m <= onednn.SMALL_M and weight_int8.numel() <= _WSPLIT_MAX and torch.backends.quantized.engine in onednn._FBGEMM:
+        y = _weight_split(xf, plan, weight_int8, w_scale, bias, cache)
+        if y is not None:
+            return y
     grids = _row_grids(xf)
     if grids is None:
         return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
@@ -282,6 +291,60 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
         return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
     kernels.counts[("onednn", "linear")] += 1
     return _epilogue(raw, torch.sub(_CM128, neg_zp), plan.wsum, scale, bias)  # c = z_x - 128, as _generic's
+
+
+_WSPLIT_MAX = 768 * 3072  # weight elements up to which the split weights (2x the bytes) beat one read at small M
+
+
+def _weight_split(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None, cache: dict[str, Any]) -> torch.Tensor | None:
+    """Few rows without VNNI: the same 8-bit codes against the weights split in two 7-bit halves, one fbgemm call.
+
+    ``q_w = 2 (q_w >> 1) + (q_w & 1)``: ``q_w >> 1`` in ``[-64, 63]`` and ``q_w & 1`` in ``{0, 1}`` are stacked into
+    one ``(2N, K)`` pack (made once per weight, scales ``2 s_w`` and ``s_w``), which ``vpmaddubsw`` multiplies
+    exactly with any u8 codes (``255 · 126 ≤ 32767``, ``255 · -128 ≥ -32768``). fbgemm's float-input op quantizes
+    ``u = x · float32(1/s_x) + z_x`` with scale 1 and zero point 0: ``clamp(round(u), 0, 255)``, exactly the codes
+    of ``quantize_per_token`` (the same two float32 ops, round half to even)::
+
+        raw = [2 s_w Σ q (q_w >> 1) | s_w Σ q (q_w & 1)]  (M, 2N)      y = s_x (hi + lo - z_x Σ ŵ) + bias
+
+    Against the activation split (``kernels/avx2.py``: codes, 7-bit halves staged, two stacked rows per token)
+    this is ~15 ops instead of ~65 per call and no staging; it reads twice the weight bytes, so it runs for
+    weights up to ``_WSPLIT_MAX`` elements only. ``None`` for a non-finite row (the generic path decides).
+    """
+    n = weight_int8.shape[0]
+    if xf.shape[0] == 1:
+        grid = _one_row_grid(xf)
+        if grid is None:
+            return None
+        s, neg_zp, inv = grid
+        u = torch.mul(xf, torch.scalar_tensor(inv)).sub_(torch.scalar_tensor(neg_zp))
+        raw = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(u, 1.0, 0, _split_pack(plan, w_scale))
+        y = torch.add(raw[:, :n], raw[:, n:]).add_(plan.wsum, alpha=neg_zp).mul_(torch.scalar_tensor(s))
+    else:
+        grids = _row_grids(xf)
+        if grids is None:
+            return None
+        scale, neg_zp = grids
+        u = torch.mul(xf, torch.reciprocal(scale)).sub_(neg_zp)
+        raw = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(u, 1.0, 0, _split_pack(plan, w_scale))
+        y = torch.add(raw[:, :n], raw[:, n:]).addcmul_(neg_zp, plan.wsum).mul_(scale)
+    kernels.counts[("onednn", "linear")] += 1
+    return y if bias is None else y.add_(bias)
+
+
+def _split_pack(plan: _Plan, w_scale: torch.Tensor) -> Any:
+    """The fbgemm pack of ``[q_w >> 1; q_w & 1]`` with scales ``[2 s_w; s_w]`` (made once per plan)."""
+    if plan.split is None:
+        w = plan.weight.int_repr()
+        n = w.shape[0]
+        with warnings.catch_warnings():  # torch deprecates quantized tensors; this one lives only inside the pack
+            warnings.simplefilter("ignore", UserWarning)
+            wq = torch._make_per_channel_quantized_tensor(torch.cat([w >> 1, w & 1]),
+                                                          torch.cat([w_scale * 2, w_scale]).double(),
+                                                          torch.zeros(2 * n, dtype=torch.long), 0)
+        plan.split = torch.ops.quantized.linear_prepack(wq, None)
+    return plan.split
 
 
 def _generic(xf: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,

@@ -21,8 +21,9 @@ weight (``128 · 254 ≤ 32767``), so both recipes here make one call. For ``x``
 ``_choose_qparams_per_tensor(x, reduce_range=True)``), so on an x86 CPU with torch's ``x86``/``fbgemm``
 quantized engine the layer runs torch.ao's own op, ``quantized::linear_dynamic(x, packed, True)``:
 torch.ao's outputs bit for bit, at its speed. ``per_token_7bit`` runs fbgemm's float-input GEMM on
-``u = clamp(x · float32(1/s_x) + z_x, 0, 127)`` with scale 1 and zero point 0: fbgemm rounds half to
-even, as ``torch.round``, so its codes are exactly ``q`` (one quantize pass, fused in the call).
+``u = min(x · float32(1/s_x) + z_x, 127)`` with scale 1 and zero point 0: fbgemm rounds half to
+even, as ``torch.round``, and clamps to ``[0, 255]`` (so the low clamp is left to it), so its codes are
+exactly ``q`` (one quantize pass, fused in the call).
 A pinned backend (``kernels.use_backend``), another device or engine, or weights with zero points
 take the generic path: the same codes through ``lowbit.kernels`` (``per_token_linear`` /
 ``kernels.linear``). The fast paths count as ``("onednn", "linear")``, as the other fbgemm paths.
@@ -47,7 +48,7 @@ from .... import kernels
 from ....compile_state import tensor_version
 from ....qscheme import QDtype, quint8
 from ....qtensor import QTensor
-from .per_token import (U7, _LEVELS, _epilogue, _one_row_grid, _row_grids, _weight_row_sums, dynamic_linear, per_token_linear,
+from .per_token import (_BLOCK, U7, _LEVELS, _one_row_grid, _row_grids, _weight_row_sums, dynamic_linear, per_token_linear,
                         quantize_per_token)
 
 __all__ = ["ACTIVATIONS", "ao_qparams", "ao_codes", "per_tensor_7bit", "per_token_7bit"]
@@ -158,7 +159,7 @@ def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
         grid = _one_row_grid(xf, 127.0)
         if grid is not None:
             s, neg_zp, inv = grid
-            u = torch.mul(xf, torch.scalar_tensor(inv)).sub_(torch.scalar_tensor(neg_zp)).clamp_(0, 127)
+            u = torch.mul(xf, torch.scalar_tensor(inv)).sub_(torch.scalar_tensor(neg_zp)).clamp_max_(127)
             y = _fbgemm_float(u, cache, weight_int8, w_scale).add_(_weight_row_sums(weight, cache), alpha=neg_zp)
             y = y.mul_(torch.scalar_tensor(s))  # s_x (Σ q ŵ - z_x Σ ŵ)
             return y if bias is None else y.add_(bias)
@@ -166,9 +167,20 @@ def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     if grids is None:  # generic: pinned backend, other device/engine, affine weights, or a non-finite row
         return per_token_linear(quantize_per_token(xf, U7), weight, bias, cache)
     scale, neg_zp = grids
-    u = torch.mul(xf, torch.reciprocal(scale)).sub_(neg_zp).clamp_(0, 127)  # fbgemm rounds: round(u) = q
+    u = torch.mul(xf, torch.reciprocal(scale)).sub_(neg_zp).clamp_max_(127)  # fbgemm rounds: round(u) = q
     raw = _fbgemm_float(u, cache, weight_int8, w_scale)
-    return _epilogue(raw, neg_zp.neg_(), _weight_row_sums(weight, cache), scale, bias)  # c = z_x
+    return _row_epilogue(raw, neg_zp, _weight_row_sums(weight, cache), scale, bias)
+
+
+def _row_epilogue(raw: torch.Tensor, neg_zp: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """``(raw - z_x ⊗ Σŵ) · s_x + bias`` in place (one fused multiply-add, no temporary), on L2-sized row blocks."""
+    rows = max(1, _BLOCK // max(1, raw.shape[1]))
+    for i in range(0, raw.shape[0], rows):
+        blk = raw[i:i + rows].addcmul_(neg_zp[i:i + rows], wsum).mul_(scale[i:i + rows])
+        if bias is not None:
+            blk.add_(bias)
+    return raw
 
 
 def _fbgemm_float(u: torch.Tensor, cache: dict[str, Any], weight_int8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
