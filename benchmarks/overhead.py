@@ -34,6 +34,10 @@ def methods(m: int, k: int, n: int) -> dict[str, Callable[[], Any]]:
     yq = qlin(xq)
     weight, out = qlin._prepared()
     cache = qlin._cache
+    st7 = mods["lowbit static x86"]  # torch.ao's own x86 recipe (7-bit activations): one exact kernel call
+    xq7 = st7[0](x)
+    st7[1](xq7)
+    plan7 = st7[1]._cache["plan"][2] if "plan" in st7[1]._cache else None  # kernels.plan (CPUs without VNNI)
     dyn = mods["lowbit dynamic"][0]
     dargs = (dyn.weight_int8, dyn.weight_scale, dyn.weight_zero_point, dyn.dtype, dyn.bias, dyn._cache)
     return {
@@ -44,6 +48,11 @@ def methods(m: int, k: int, n: int) -> dict[str, Callable[[], Any]]:
         "  Linear module (QTensor in)": lambda: qlin(xq),
         "  kernels.linear (dispatch + backend)": lambda: kernels.linear(xq, weight, qlin.bias, out, False, cache),
         "  DeQuantize (QTensor -> float)": lambda: dequant(yq),
+        "lowbit static, x86 recipe (Quantize -> Linear -> DeQuantize)": lambda: st7(x),
+        "  Quantize (x86 recipe)": lambda: st7[0](x),
+        "  Linear module (x86 recipe, QTensor in)": lambda: st7[1](xq7),
+        **({"  kernels.plan run (x86 recipe)": lambda: plan7(xq7.int_repr(), xq7.scale.item(), xq7.zero_point.item())}
+           if plan7 is not None else {}),
         "ao dynamic": lambda: mods["ao dynamic"](x),
         "lowbit dynamic (module)": lambda: mods["lowbit dynamic"](x),
         "  per_token.dynamic_linear": lambda: dynamic_linear(x, *dargs),
@@ -57,6 +66,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--min-time", type=float, default=0.05)
     p.add_argument("--max-wait", type=float, default=2.0)
+    p.add_argument("--out", default=None, help="results name (default overhead); use one for scratch runs")
     a = p.parse_args()
     torch.set_num_threads(1)
     mach = common.machine()
@@ -69,9 +79,9 @@ def main() -> None:
         rows = {name: t.median(name) * 1e6 for name in meth}
         print(f"\n{shape}: clean rounds {t.n_clean}/{a.rounds}, other load {t.summary()['other_load_median']:.2f}")
         for name, us in rows.items():
-            print(f"  {name:52s} {us:8.1f} us")
+            print(f"  {name:62s} {us:8.1f} us")
         res["runs"].append({"shape": shape, "us": rows, "clean_rounds": t.n_clean})
-    print(common.write_results("overhead", res))
+    print(common.write_results(a.out or "overhead", res))
 
 
 if __name__ == "__main__":
