@@ -11,6 +11,8 @@ forced (the selection is monkeypatched) and a spy asserts that the intended path
 ``avx2-split``     oneDNN on a CPU without VNNI, full int8 weights: two 7-bit calls (``_split_run``)
 ``fbgemm-float``   no VNNI, M ≤ ``SMALL_M``: fbgemm with float output (split for full weights)
 ``fbgemm-requant`` no VNNI, M ≤ ``SMALL_M``, u8 output: one fbgemm call with fused requantization
+``plan``           a converted static Linear's eager plan (``kernels.plan``, no VNNI): each route above with its
+                   decisions made once; codes bit for bit ``onednn.linear``'s (and ``tests/test_static_plan.py``)
 ``int_mm``         ``torch._int_mm`` on CPU (with the K == 1 guard), affine weights
 ``int_mm-strict``  the CUDA layout (s8 activations, padded operands) run on CPU
 ``int_mm-cuda``    ``torch._int_mm`` on CUDA (when present)
@@ -156,6 +158,35 @@ def test_onednn_fbgemm_small_m_requantized(monkeypatch: pytest.MonkeyPatch, path
     wrong = scan("onednn", safe=True, zp_w=False, out=OutGrid(64.0, 128, Q.quint8), shapes=shapes)
     assert not wrong, f"wrong requantized codes: {wrong}"
     assert paths["_fbgemm_requant"] == len(shapes) and set(paths) == {"_fbgemm_requant"}
+
+
+@pytest.mark.parametrize("fbgemm", [True, False], ids=["fbgemm", "onednn"])
+@pytest.mark.parametrize("safe", [True, False], ids=["safe", "full"])
+def test_static_plan_routes(monkeypatch: pytest.MonkeyPatch, paths: Counter[str], fbgemm: bool, safe: bool) -> None:
+    """``kernels.plan.linear_plan`` on every route of a CPU without VNNI (fbgemm requant / float + split, oneDNN /
+    split): the generic backend's codes bit for bit, within one code of the exact accumulator requantized."""
+    from lowbit.kernels.plan import linear_plan
+
+    force(monkeypatch, vnni=False, fbgemm=fbgemm)
+    out = OutGrid(64.0, 128, Q.quint8)
+    wrong = []
+    for m, k, n in GRID[::5]:
+        x, w = operands(m, k, n, safe=safe, zp_w=False)
+        run = linear_plan(w, None, out, False, x.qdtype)
+        assert run is not None
+        before, ran = K.counts[("onednn", "linear")], sum(paths.values())
+        y = run(x.int_repr(), float(x.scale), int(x.zero_point))
+        assert K.counts[("onednn", "linear")] == before + 1
+        small = fbgemm and m <= onednn.SMALL_M
+        route = "_fbgemm_linear" if small else "_split_run"  # 8-bit activations with unsafe weights: the split
+        split = not onednn.saturation_safe(w.int_repr())       # (K = 1 weights are always safe)
+        if sum(paths.values()) - ran != int(split) or (split and not paths[route]):
+            wrong.append(f"M={m} K={k} N={n}: route")
+        want = onednn.linear(x, w, None, out, False, cache={})
+        ref = torch.clamp(torch.round(exact_acc(x, w).double() / out.scale) + out.zero_point, 0, 255)
+        if not torch.equal(y.int_repr(), want.int_repr()) or int((y.int_repr().double() - ref).abs().max()) > 1:
+            wrong.append(f"M={m} K={k} N={n}")
+    assert not wrong, f"plan codes or routes differ: {wrong}"
 
 
 def test_int_mm_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
