@@ -7,7 +7,8 @@ stay in L2, reusing one float32 scratch block::
 
     for each block b of rows:   t = x_b · inv_b;  t += z_b;  round(t);  clamp(t)     # in L2
                                 out_b = int8(t - 128)   (uint8 storage)   or   int8(t) / int16(t) / ...
-    uint8 storage: out ^= 0x80  (int8(v - 128) viewed as uint8, xor 128, is v)
+    uint8 storage: out ^= 0x80  (int8(v - 128) viewed as uint8, xor 128, is v); a 7-bit uint8 grid
+    (qmax ≤ 127) is int8(t) viewed as uint8, no shift
 
 ``inv`` / ``z`` are 0-d (per tensor) or ``(R, 1)`` (one grid per row: per-token) float32 tensors.
 
@@ -34,8 +35,9 @@ def codes(x2: torch.Tensor, inv: torch.Tensor, z: torch.Tensor, qmin: int, qmax:
     """Integer codes of the contiguous 2-d float32 ``x2`` (``(R, C)``) in ``storage``, by row blocks."""
     r, c = x2.shape
     rows = max(1, block // max(1, c))
-    u8 = storage == torch.uint8
-    out = torch.empty((r, c), dtype=torch.int8 if u8 else storage, device=x2.device)
+    u8 = storage == torch.uint8 and qmax > 127  # codes in [0, 127] (a 7-bit grid) need no shift: int8 as they are
+    seven = storage == torch.uint8 and not u8
+    out = torch.empty((r, c), dtype=torch.int8 if u8 or seven else storage, device=x2.device)
     tmp = torch.empty((min(rows, r), c), dtype=torch.float32, device=x2.device)
     per_row = inv.dim() > 0
     for i in range(0, r, rows):
@@ -46,4 +48,4 @@ def codes(x2: torch.Tensor, inv: torch.Tensor, z: torch.Tensor, qmin: int, qmax:
         if u8:
             t.sub_(_C128)  # exact on integers: int8(v - 128) is a vectorised cast, uint8(v) a scalar loop
         out[i:i + n].copy_(t)
-    return out.view(torch.uint8).bitwise_xor_(128) if u8 else out
+    return out.view(torch.uint8).bitwise_xor_(128) if u8 else out.view(torch.uint8) if seven else out

@@ -210,8 +210,9 @@ def _store(q: torch.Tensor, qdtype: QDtype) -> torch.Tensor:
     """Integer-valued float32 codes (already clamped) in ``qdtype``'s storage dtype."""
     if qdtype.storage == torch.uint8 and q.numel() > _U8_VIA_INT16:
         # float32 -> uint8 is a scalar loop in torch's CPU kernels, float32 -> int16 a vector one
-        # (4x faster at 3M elements); the codes are integers in [0, 255], so both are exact
-        return q.short().byte()
+        # (4x faster at 3M elements); the codes are integers in [0, 255], so both are exact. A 7-bit grid
+        # (codes in [0, 127], e.g. torch.ao's reduce_range) casts to int8 in one vector pass, viewed as uint8.
+        return q.char().view(torch.uint8) if qdtype.quant_max <= 127 else q.short().byte()
     cast = _CASTS.get(qdtype.storage)  # .byte()/.char(): ~1 µs; .to(dtype) parses its overloads (~3 µs)
     return cast(q) if cast is not None else q.to(qdtype.storage)
 
