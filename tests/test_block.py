@@ -9,8 +9,11 @@ from torch import nn
 
 import lowbit as Q
 from lowbit import kernels
-from lowbit.algorithms.block import block_codes, find_blocks
-from lowbit.algorithms.layers import is_weighted
+from lowbit.algorithms.block import LearnedGrid, block_codes, find_blocks
+from lowbit.algorithms.layers import is_weighted, split
+from lowbit.algorithms.layerwise import reconstruct
+from lowbit.nn.intrinsic import ClampedReLU
+from lowbit.observer.fixed import FixedQParamsObserver
 
 
 @pytest.fixture(autouse=True)
@@ -76,3 +79,55 @@ def test_block_codes_bad_input():
         block_codes(w, s, [torch.zeros(4, 1)], -8, 7, lambda: None, iters=-1)
     with pytest.raises(ValueError, match="one grid per weight"):
         block_codes(w, s, [], -8, 7, lambda: None, iters=1)
+
+
+def test_find_blocks_through_observer_takes_the_output_grid():
+    prepared = Q.prepare_fx(_net(), Q.get_default_qconfig(), example_inputs=(torch.randn(2, 3, 8, 8),))
+    nodes, mods = list(prepared.graph.nodes), dict(prepared.named_modules())
+    plain, through = find_blocks(nodes, mods), find_blocks(nodes, mods, through_observer=True)
+    assert list(plain) == list(through)
+    for i, j in plain.items():  # one node further: the add's observer
+        assert through[i] == j + 1 and nodes[j + 1].args == (nodes[j],)
+        assert isinstance(mods[nodes[j + 1].target], Q.ObserverBase)
+
+
+def test_learned_grid_is_lsq_and_checks_its_grid():
+    gr = LearnedGrid(0.5, 10, 0, 255, cap=6.0 / 245)  # cap above s0 * ... : never below the calibrated step
+    assert gr.cap == 0.5
+    x = torch.tensor([-5.0, 0.3, 0.76, 200.0])
+    torch.testing.assert_close(gr(x), torch.tensor([-5.0, 0.5, 1.0, 122.5]))
+    gr(torch.tensor([0.74])).sum().backward()  # LSQ: d/ds of s * (round(x / s)) = round(x / s) - x / s
+    torch.testing.assert_close(gr.t.grad, torch.tensor((1.0 - 0.74 / 0.5) * 0.5))
+    assert gr(torch.tensor([1, 2])).dtype == torch.int64  # integer values pass through
+    with pytest.raises(ValueError, match="zero_point=300"):
+        LearnedGrid(0.1, 300, 0, 255)
+    with pytest.raises(ValueError, match="scale=0.0"):
+        LearnedGrid(0.0, 0, 0, 255)
+
+
+def test_learn_grids_pins_learned_scales_and_converts_exactly():
+    model = _net()
+    torch.manual_seed(1)
+    calib = [torch.randn(8, 3, 10, 10) for _ in range(4)]
+    prepared = Q.prepare_fx(model, Q.get_default_qconfig(), example_inputs=(calib[0],))
+    with torch.no_grad():
+        for b in calib:
+            prepared(b)
+    before = {n: m.calculate_qparams() for n, m in prepared.named_modules() if isinstance(m, Q.ObserverBase)}
+    reconstruct(prepared, [(b,) for b in calib], iters=100, blocks=True, learn_grids=True, progress=False)
+    fixed = {n: m for n, m in prepared.named_modules() if isinstance(m, FixedQParamsObserver)}
+    # a block keeps its learned codes and grids (expand, depthwise, project outputs and the add's) together,
+    # where they beat round-to-nearest on the calibrated grids (on this seed: one of the two blocks)
+    assert len(fixed) == 4, sorted(fixed)
+    assert any(float(m.scale) != float(before[n][0]) for n, m in fixed.items())
+    for n, m in fixed.items():
+        assert int(m.zero_point) == int(before[n][1])  # zero points stay where calibration put them
+        src = next(node.args[0] for node in prepared.graph.nodes if node.target == n)
+        act = split(dict(prepared.named_modules()).get(src.target, nn.Identity()))[1] if src.op == "call_module" else None
+        if isinstance(act, ClampedReLU):  # the ReLU6 grid stays inside the clamp (or where calibration put it)
+            top = float(m.scale) * (m.quant_max - int(m.zero_point))
+            assert top <= max(6.0, float(before[n][0]) * (m.quant_max - int(before[n][1]))) + 1e-5
+    qmodel = Q.convert_fx(prepared)
+    x = torch.randn(4, 3, 10, 10)
+    with torch.no_grad():
+        assert _sqnr(model(x), qmodel(x)) > 20

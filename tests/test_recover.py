@@ -329,13 +329,13 @@ def test_cli_recipe_accurate(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("stride, padding, groups", [(1, 1, 1), (2, 1, 4), (2, 2, 1), (1, 0, 4)])
 def test_adaround_window_equals_full_conv(stride, padding, groups):
-    from lowbit.algorithms.layerwise import _sampler
+    from lowbit.algorithms.layers import layer_sample
 
     conv = nn.Conv2d(4, 8, 5 if padding == 2 else 3, stride, padding, groups=groups)
     x = torch.randn(6, 4, 37, 29)
     with torch.no_grad():
         full = conv(x)
-        sample = _sampler(conv, [x], [full], batch_size=3, window=7, g=torch.Generator().manual_seed(0))
+        sample = layer_sample(conv, [x], [full], batch_size=3, window=7, g=torch.Generator().manual_seed(0))
         for _ in range(10):
             run, target = sample()
             torch.testing.assert_close(run(conv.weight), target, rtol=1e-5, atol=1e-5)

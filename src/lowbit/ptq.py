@@ -10,7 +10,8 @@ the real int8 kernels and a ``PTQReport`` saying what every step changed. Recipe
                  (``lowbit.algorithms.equalize``, see below) → calibrate (``get_accurate_qconfig()``:
                  MSE-searched activation and per-channel weight ranges) → round (AdaRound on the
                  quantized model's own inputs: the layers of a residual block together on the block's
-                 output, BRECQ; the others layer by layer) → correct bias (empirical) → convert.
+                 output, BRECQ, with the step sizes of the block's activation grids learned alongside
+                 (LSQ); the others layer by layer) → correct bias (empirical) → convert.
 
 Per-channel weights already give every output channel its own grid, so weight-range equalization
 buys little; what per-tensor activation grids need is channels of alike range. ``equalize="range"``
@@ -21,7 +22,8 @@ identity pairs, ``False`` turns both off. Measured on MobileNetV2 (``benchmarks/
 default 0.688 top-1 agreement / 11.40 dB logit SQNR; accurate (100 AdaRound steps per layer)
 0.875 / 15.82 dB without the stretch, 0.927 / 16.93 dB with it, 0.917 / 17.26 dB with MSE-searched
 ranges too (500 steps with histogram ranges: 0.906 / 17.46 dB); with residual blocks rounded together
-(the recipe; ``blocks``) 0.885 / 17.49 dB where layer by layer gives 0.865 / 17.26 dB (both at 1 thread).
+(``blocks``) 0.885 / 17.49 dB where layer by layer gives 0.865 / 17.26 dB, and with the blocks' activation
+step sizes learned too (the recipe; ``learn_grids``) 0.896 / 18.17 dB (all at 1 thread).
 The whole-model check in the report (``sqnr_db`` on the first calibration batch) compares the float
 and the int8 model's outputs.
 
@@ -125,8 +127,8 @@ def _sqnr(ref: Any, out: Any) -> float:
 
 def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate", *,
                  qconfig_mapping: QConfigMapping | None = None, iters: int = 500, batch_size: int = 8,
-                 equalize: bool | str = "range", blocks: bool = True, progress: bool = True,
-                 seed: int = 0) -> tuple[nn.Module, PTQReport]:
+                 equalize: bool | str = "range", blocks: bool = True, learn_grids: bool = True,
+                 progress: bool = True, seed: int = 0) -> tuple[nn.Module, PTQReport]:
     """Quantize a float ``model`` with ``recipe`` (``"default"`` or ``"accurate"``); return ``(qmodel, report)``.
 
     ``qconfig_mapping`` (default: ``get_default_qconfig_mapping()`` for ``"default"``, ``get_accurate_qconfig()``
@@ -135,7 +137,10 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     (``accurate`` only): ``"range"`` stretches clamped channels into depthwise layers, ``True`` adds the
     weight-range equalization of ReLU / identity pairs, ``False`` neither. ``blocks`` (``accurate`` only):
     the layers of every residual block learn their rounding together on the block's output (BRECQ,
-    ``lowbit.algorithms.block``); ``False``: every layer on its own output. ``model`` itself is not changed.
+    ``lowbit.algorithms.block``); ``False``: every layer on its own output. ``learn_grids`` (with ``blocks``):
+    the block's output grid joins the block and the step sizes of its activation grids learn with the
+    rounding (LSQ; zero points fixed, a ReLU6 grid kept inside its clamp); the learned grids are what
+    ``convert_fx`` uses. ``model`` itself is not changed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_ptq: model must be an nn.Module, got {type(model).__name__}")
@@ -176,12 +181,14 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     report.steps.append(("calibrate", f"{len(batches)} batches observed"))
     if recipe == "accurate":  # rounding and bias correction run together, layer by layer, in one pass
         report.layers = reconstruct(prepared, batches, adaround=iters > 0, bias_correction=True, iters=iters,
-                                    batch_size=batch_size, seed=seed, progress=progress, blocks=blocks)
+                                    batch_size=batch_size, seed=seed, progress=progress, blocks=blocks,
+                                    learn_grids=learn_grids)
         n = max(1, len(report.layers))
         changed = sum(c.codes_changed for c in report.layers) / n
         in_blocks = sum(any(n.startswith("block ") for n in c.notes) for c in report.layers)
         report.steps.append(("round", f"AdaRound on {len(report.layers)} layers ({in_blocks} of them per residual "
-                                      f"block; {iters} steps each): "
+                                      f"block{', activation steps learned' if learn_grids and blocks else ''}; "
+                                      f"{iters} steps each): "
                                       f"{changed:.1%} of weight codes moved from round-to-nearest"))
         shift = max((c.bias_shift for c in report.layers), default=0.0)
         gain = sum(c.mse_nearest > 0 and c.mse_after < c.mse_nearest for c in report.layers)

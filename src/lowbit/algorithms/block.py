@@ -40,16 +40,99 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..fake_quant import FakeQuantize
+from ..nn.intrinsic import ClampedReLU
+from ..observer import ObserverBase
+from ..observer.fixed import FixedQParamsObserver
 from .adaround import GAMMA, ZETA, rectified_sigmoid
-from .layers import is_weighted
+from .layers import is_weighted, split
 
-__all__ = ["block_codes", "find_blocks", "span_sample"]
+__all__ = ["block_codes", "find_blocks", "span_sample", "LearnedGrid", "learnable_grids", "install_grid"]
+
+
+class LearnedGrid:
+    """A per-tensor activation grid whose step size learns (LSQ, Esser et al. 2020; as in BRECQ / QDrop).
+
+    ``s = min(s0 * exp(t), cap)`` with ``t`` learned (starts at 0: the calibrated grid), the zero point ``z``
+    fixed (an integer on the grid), and ``x -> (clamp(round(x / s) + z, qmin, qmax) - z) * s`` with the
+    straight-through gradient for the rounding, so both ``x`` and ``t`` get gradients (codes clamped at
+    ``qmin`` / ``qmax`` pull ``s`` as in LSQ). ``cap`` keeps a clamped layer's grid (ReLU6: the requantize
+    clamp *is* the activation) inside the clamp: ``(qmax - z) * s <= max_val``.
+
+    >>> import torch
+    >>> gr = LearnedGrid(0.1, 0, 0, 255)
+    >>> gr(torch.tensor([0.04, 0.26, 30.0])).tolist() == [0.0, 0.30000001192092896, 25.5]
+    True
+    >>> _ = gr(torch.tensor([30.0])).sum().backward(); float(gr.t.grad) > 0   # clamped codes pull s up
+    True
+    """
+
+    def __init__(self, scale: float, zero_point: int, qmin: int, qmax: int, cap: float | None = None) -> None:
+        if not (scale > 0 and qmin <= zero_point <= qmax):
+            raise ValueError(f"LearnedGrid: scale={scale!r} must be > 0 and zero_point={zero_point!r} in [{qmin}, {qmax}]")
+        self.s0, self.z, self.qmin, self.qmax = float(scale), int(zero_point), int(qmin), int(qmax)
+        self.cap = None if cap is None else max(float(cap), self.s0)
+        self.t = torch.zeros((), requires_grad=True)
+
+    def scale(self) -> torch.Tensor:
+        s = self.s0 * torch.exp(self.t)
+        return s.clamp(max=self.cap) if self.cap is not None else s
+
+    def __call__(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return x
+        s = self.scale()
+        v = x / s + self.z
+        v = v + (torch.round(v) - v).detach()
+        return (torch.clamp(v, self.qmin, self.qmax) - self.z) * s
+
+
+def learnable_grids(span: list[fx.Node], mods: dict[str, nn.Module]) -> dict[fx.Node, LearnedGrid]:
+    """The span's activation observers whose grid may learn: calibrated per-tensor observers (not fake-quant
+    modules) right after a weighted layer (capped by a fused ReLU6's clamp) or a residual ``add``."""
+    import operator
+
+    out = {}
+    for n in span:
+        obs = mods.get(n.target) if n.op == "call_module" else None  # type: ignore[arg-type]
+        if not isinstance(obs, ObserverBase) or isinstance(obs, FakeQuantize) or getattr(obs, "is_dynamic", False) \
+                or not getattr(obs, "is_calibrated", True) or not hasattr(obs, "quant_min") or len(n.args) != 1:
+            continue
+        src = n.args[0]
+        if not isinstance(src, fx.Node):
+            continue
+        smod = mods.get(src.target) if src.op == "call_module" else None  # type: ignore[arg-type]
+        if smod is not None and is_weighted(smod):
+            act = split(smod)[1]
+        elif src.op == "call_function" and src.target in (operator.add, torch.add) and not src.kwargs:
+            act = None
+        else:
+            continue
+        if act is not None and type(act) is not nn.ReLU and not isinstance(act, ClampedReLU):
+            continue
+        s, z = obs.calculate_qparams()
+        if s.numel() != 1:
+            continue
+        cap = act.max_val / (obs.quant_max - int(z)) if isinstance(act, ClampedReLU) else None
+        out[n] = LearnedGrid(float(s), int(z), obs.quant_min, obs.quant_max, cap)
+    return out
+
+
+def install_grid(gm: fx.GraphModule, mods: dict[str, nn.Module], node: fx.Node, grid: LearnedGrid) -> nn.Module:
+    """Swap ``node``'s observer for a ``FixedQParamsObserver`` holding the learned grid (what ``convert_fx`` reads)."""
+    old = mods[node.target]  # type: ignore[index]
+    new = FixedQParamsObserver(float(grid.scale()), grid.z, old.qscheme, old.qdtype)
+    parent, _, name = str(node.target).rpartition(".")
+    setattr(gm.get_submodule(parent) if parent else gm, name, new)
+    mods[node.target] = new  # type: ignore[index]
+    return new
 
 
 def block_codes(weights: list[torch.Tensor], scales: list[torch.Tensor], zeros: list[torch.Tensor], qmin: int,
                 qmax: int, sample: Callable[[], tuple[Callable[[list[torch.Tensor]], torch.Tensor], torch.Tensor]], *,
                 iters: int = 500, lr: float = 1e-2, lam: float = 0.1, warmup: float = 0.2,
-                beta: tuple[float, float] = (20.0, 2.0)) -> list[torch.Tensor]:
+                beta: tuple[float, float] = (20.0, 2.0), grids: list[LearnedGrid] | None = None,
+                grid_lr: float = 1e-3) -> list[torch.Tensor]:
     """Learned integer codes for every weight of a block, on the grids ``(scales[l], zeros[l])``.
 
     ``sample()`` returns ``(run, target)``: ``run(w_hats)`` is the block on a mini-batch of its
@@ -69,7 +152,10 @@ def block_codes(weights: list[torch.Tensor], scales: list[torch.Tensor], zeros: 
         p = (((w_s - fl).clamp(0.0, 1.0) - GAMMA) / (ZETA - GAMMA)).clamp(1e-4, 1 - 1e-4)
         floors.append(fl)
         vs.append(torch.log(p / (1 - p)).requires_grad_(True))
-    opt = torch.optim.Adam(vs, lr=lr)
+    groups = [{"params": vs, "lr": lr}]
+    if grids:
+        groups.append({"params": [gr.t for gr in grids], "lr": grid_lr})
+    opt = torch.optim.Adam(groups)
     start, scale = int(warmup * iters), None
     for it in range(iters):
         run, target = sample()
@@ -77,7 +163,7 @@ def block_codes(weights: list[torch.Tensor], scales: list[torch.Tensor], zeros: 
         w_hats = [(torch.clamp(fl + h + z, qmin, qmax) - z) * s for fl, h, z, s in zip(floors, hs, zeros, scales)]
         d = (run(w_hats) - target.detach()).pow(2)
         loss = d.sum(1).mean() if d.dim() > 1 else d.mean()
-        if scale is None:  # round-to-nearest's reconstruction error on the first mini-batch
+        if scale is None:  # round-to-nearest's reconstruction error on the first mini-batch (initial grids)
             with torch.no_grad():
                 near = [(torch.clamp(torch.round(w.detach().to(torch.float32) / s) + z, qmin, qmax) - z) * s
                         for w, s, z in zip(weights, scales, zeros)]
@@ -95,11 +181,12 @@ def block_codes(weights: list[torch.Tensor], scales: list[torch.Tensor], zeros: 
                 for fl, v, z in zip(floors, vs, zeros)]
 
 
-def find_blocks(nodes: list[fx.Node], mods: dict[str, nn.Module]) -> dict[int, int]:
+def find_blocks(nodes: list[fx.Node], mods: dict[str, nn.Module], through_observer: bool = False) -> dict[int, int]:
     """``{i: j}``: spans ``nodes[i+1 .. j]`` between consecutive cuts that hold a residual merge and weighted layers.
 
     A cut is a node after which it is the only value still to be read. Every weighted layer in a span
     must take one positional input and no keywords (as the layer-by-layer pass requires).
+    ``through_observer``: a span also takes the observer that reads its last node (the block's output grid).
     """
     index = {n: i for i, n in enumerate(nodes)}
     last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
@@ -116,6 +203,10 @@ def find_blocks(nodes: list[fx.Node], mods: dict[str, nn.Module]) -> dict[int, i
             cuts.append(i)
     spans = {}
     for i, j in zip(cuts, cuts[1:]):
+        nxt = nodes[j + 1] if through_observer and j + 1 < len(nodes) else None
+        if nxt is not None and nxt.op == "call_module" and nxt.args == (nodes[j],) and \
+                isinstance(mods.get(nxt.target), (ObserverBase, FakeQuantize)):  # type: ignore[arg-type]
+            j += 1  # the block's output grid (the residual add's observer) belongs to the block
         span = nodes[i + 1: j + 1]
         weighted = [n for n in span if n.op == "call_module" and is_weighted(mods[n.target])]  # type: ignore[index]
         merge = any(sum(1 for a in n.all_input_nodes if a.op != "get_attr") >= 2 for n in span)

@@ -32,7 +32,7 @@ from ..nn.intrinsic import FusedModule
 from ..qconfig import QConfig
 
 __all__ = ["WEIGHTED", "is_weighted", "split", "layer_forward", "weight_codes", "freeze_weight",
-           "FrozenWeightObserver"]
+           "FrozenWeightObserver", "layer_sample"]
 
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _FORWARDS = tuple(t.forward for t in WEIGHTED)
@@ -115,3 +115,37 @@ def freeze_weight(mod: nn.Module, q: torch.Tensor, s: torch.Tensor, z: torch.Ten
     mod.qconfig = new
     if op is not mod:
         op.qconfig = new
+
+
+def layer_sample(mod: nn.Module, xq: list[torch.Tensor], target: list[torch.Tensor], batch_size: int, window: int,
+             g: torch.Generator) -> Any:
+    """``sample()`` for ``adaround_codes``: random samples of one batch and, for a 2-d conv, a random
+    ``window x window`` output window, computed exactly from a zero-padded slice of the input (padding 0
+    on the slice), so a step costs a fraction of a full-resolution conv and nothing is copied up front.
+    """
+    op, act = split(mod)
+    t0 = target[0]
+    spatial = isinstance(op, nn.Conv2d) and op.padding_mode == "zeros" and t0.dim() == 4 and \
+        not isinstance(op.padding, str) and (t0.shape[2] > window or t0.shape[3] > window)
+
+    def sample() -> tuple[Any, torch.Tensor]:
+        k = int(torch.randint(len(xq), (1,), generator=g))
+        x, t = xq[k], target[k]
+        idx = torch.randint(x.shape[0], (min(batch_size, x.shape[0]),), generator=g)
+        if not spatial:
+            return (lambda w: layer_forward(mod, x[idx], w)), t[idx]
+        (ph, pw), (sh, sw), (dh, dw), (kh, kw) = op.padding, op.stride, op.dilation, op.kernel_size  # type: ignore[misc]
+        oh, ow = min(window, t.shape[2]), min(window, t.shape[3])
+        r = int(torch.randint(t.shape[2] - oh + 1, (1,), generator=g))
+        c = int(torch.randint(t.shape[3] - ow + 1, (1,), generator=g))
+        # rows r*sh - ph ... of the unpadded input; pad the slice where it runs past the border
+        r0, r1 = r * sh - ph, r * sh - ph + (oh - 1) * sh + (kh - 1) * dh + 1
+        c0, c1 = c * sw - pw, c * sw - pw + (ow - 1) * sw + (kw - 1) * dw + 1
+        xs = x[idx][:, :, max(r0, 0): min(r1, x.shape[2]), max(c0, 0): min(c1, x.shape[3])]
+        xs = nn.functional.pad(xs, [max(0, -c0), max(0, c1 - x.shape[3]), max(0, -r0), max(0, r1 - x.shape[2])])
+
+        def run(w: torch.Tensor) -> torch.Tensor:
+            y = nn.functional.conv2d(xs, w, op.bias, op.stride, 0, op.dilation, op.groups)
+            return act(y) if act is not None else y
+        return run, t[idx, :, r: r + oh, c: c + ow]
+    return sample

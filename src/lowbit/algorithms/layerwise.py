@@ -35,8 +35,8 @@ from ..fake_quant import FakeQuantize
 from ..functional import fake_quantize
 from ..observer import ObserverBase
 from .adaround import adaround_codes
-from .block import block_codes, find_blocks, span_sample
-from .layers import freeze_weight, is_weighted, layer_forward, split, weight_codes
+from .block import block_codes, find_blocks, install_grid, learnable_grids, span_sample
+from .layers import freeze_weight, is_weighted, layer_forward, layer_sample, split, weight_codes
 
 __all__ = ["LayerChange", "reconstruct", "reconstruct_eager"]
 
@@ -68,40 +68,6 @@ def _fq(obs: nn.Module) -> Any:
         and x.is_floating_point() else x
 
 
-def _sampler(mod: nn.Module, xq: list[torch.Tensor], target: list[torch.Tensor], batch_size: int, window: int,
-             g: torch.Generator) -> Any:
-    """``sample()`` for ``adaround_codes``: random samples of one batch and, for a 2-d conv, a random
-    ``window x window`` output window, computed exactly from a zero-padded slice of the input (padding 0
-    on the slice), so a step costs a fraction of a full-resolution conv and nothing is copied up front.
-    """
-    op, act = split(mod)
-    t0 = target[0]
-    spatial = isinstance(op, nn.Conv2d) and op.padding_mode == "zeros" and t0.dim() == 4 and \
-        not isinstance(op.padding, str) and (t0.shape[2] > window or t0.shape[3] > window)
-
-    def sample() -> tuple[Any, torch.Tensor]:
-        k = int(torch.randint(len(xq), (1,), generator=g))
-        x, t = xq[k], target[k]
-        idx = torch.randint(x.shape[0], (min(batch_size, x.shape[0]),), generator=g)
-        if not spatial:
-            return (lambda w: layer_forward(mod, x[idx], w)), t[idx]
-        (ph, pw), (sh, sw), (dh, dw), (kh, kw) = op.padding, op.stride, op.dilation, op.kernel_size  # type: ignore[misc]
-        oh, ow = min(window, t.shape[2]), min(window, t.shape[3])
-        r = int(torch.randint(t.shape[2] - oh + 1, (1,), generator=g))
-        c = int(torch.randint(t.shape[3] - ow + 1, (1,), generator=g))
-        # rows r*sh - ph ... of the unpadded input; pad the slice where it runs past the border
-        r0, r1 = r * sh - ph, r * sh - ph + (oh - 1) * sh + (kh - 1) * dh + 1
-        c0, c1 = c * sw - pw, c * sw - pw + (ow - 1) * sw + (kw - 1) * dw + 1
-        xs = x[idx][:, :, max(r0, 0): min(r1, x.shape[2]), max(c0, 0): min(c1, x.shape[3])]
-        xs = nn.functional.pad(xs, [max(0, -c0), max(0, c1 - x.shape[3]), max(0, -r0), max(0, r1 - x.shape[2])])
-
-        def run(w: torch.Tensor) -> torch.Tensor:
-            y = nn.functional.conv2d(xs, w, op.bias, op.stride, 0, op.dilation, op.groups)
-            return act(y) if act is not None else y
-        return run, t[idx, :, r: r + oh, c: c + ow]
-    return sample
-
-
 def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Tensor], adaround: bool,
            bias_correction: bool, iters: int, batch_size: int, g: torch.Generator, window: int = 16,
            target: list[torch.Tensor] | None = None, codes: torch.Tensor | None = None) -> tuple[torch.Tensor, LayerChange]:
@@ -123,7 +89,7 @@ def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Ten
     if codes is not None:
         rec.codes_changed = float((q != q0).float().mean())
     elif adaround and iters > 0:
-        q = adaround_codes(op.weight, s, z, lo, hi, _sampler(mod, xq, target, batch_size, window, g), iters=iters)
+        q = adaround_codes(op.weight, s, z, lo, hi, layer_sample(mod, xq, target, batch_size, window, g), iters=iters)
         if error((q - z) * s) > rec.mse_nearest:  # a short run can end worse than round-to-nearest: keep that
             q = q0
         rec.codes_changed = float((q != q0).float().mean())
@@ -155,12 +121,14 @@ def _batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
 
 def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True, bias_correction: bool = True,
                 iters: int = 500, batch_size: int = 8, seed: int = 0, progress: bool = True,
-                blocks: bool = False) -> list[LayerChange]:
+                blocks: bool = False, learn_grids: bool = False) -> list[LayerChange]:
     """Learned rounding and/or bias correction for every weighted layer of a calibrated ``prepared`` model.
 
     Graph-mode models (``prepare_fx``) get the one-pass lockstep walk; others ``reconstruct_eager``.
     ``blocks=True`` (graph mode, with ``adaround``): the layers of every residual block round together on
-    the block's output (``lowbit.algorithms.block``, BRECQ), the others layer by layer.
+    the block's output (``lowbit.algorithms.block``, BRECQ), the others layer by layer; ``learn_grids``: a
+    block's output grid joins the block and the step sizes of its activation grids learn with the rounding
+    (LSQ; ``block.learnable_grids``), the learned grids replace their observers (``FixedQParamsObserver``).
     Returns one ``LayerChange`` per layer, in order. The model is changed in place (weights, biases,
     weight grids pinned for ``convert``/``convert_fx``).
     """
@@ -179,9 +147,9 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     bar = tqdm(total=n_layers, desc="adaround" if adaround else "bias correction", disable=not progress)
     patched = _patch_observers(gm, "float")  # observers inside opaque leaves must not keep observing
     try:
-        spans = find_blocks(nodes, mods) if blocks and adaround and iters > 0 else {}
+        spans = find_blocks(nodes, mods, learn_grids) if blocks and adaround and iters > 0 else {}
         _walk(gm, nodes, mods, batches, envs_f, envs_q, last_use, changes, bar, adaround, bias_correction, iters,
-              batch_size, g, spans)
+              batch_size, g, spans, learn_grids)
     finally:
         for m in patched:
             m.__dict__.pop("forward", None)
@@ -192,14 +160,22 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
 def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], batches: list[tuple[Any, ...]],
           envs_f: list[dict[fx.Node, Any]], envs_q: list[dict[fx.Node, Any]], last_use: dict[fx.Node, int],
           changes: list[LayerChange], bar: Any, adaround: bool, bias_correction: bool, iters: int, batch_size: int,
-          g: torch.Generator, spans: dict[int, int] | None = None) -> None:
+          g: torch.Generator, spans: dict[int, int] | None = None, learn_grids: bool = False) -> None:
     placeholders = [n for n in nodes if n.op == "placeholder"]
     done = -1
+
+    def block(i: int) -> int:
+        _block(gm, nodes, i, spans[i], mods, envs_f, envs_q, last_use, changes, bar,  # type: ignore[index]
+               bias_correction, iters, batch_size, g, learn_grids)
+        return spans[i]  # type: ignore[index]
+
     with torch.no_grad():
         for i, node in enumerate(nodes):
             if node.op == "output":
                 break
-            if i <= done:  # inside a block already reconstructed
+            if i <= done:  # inside a block already reconstructed; its last node may start the next one
+                if i == done and spans and i in spans:
+                    done = block(i)
                 continue
             mod = mods.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
             if node.op == "placeholder":
@@ -232,9 +208,7 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
                     for env in (*envs_f, *envs_q):
                         env.pop(n, None)
             if spans and i in spans:
-                done = spans[i]
-                _block(gm, nodes, i, done, mods, envs_f, envs_q, last_use, changes, bar, bias_correction, iters,
-                       batch_size, g)
+                done = block(i)
 
 
 def _eval(gm: fx.GraphModule, mods: dict[str, nn.Module], node: fx.Node, env: dict[fx.Node, Any]) -> None:
@@ -257,21 +231,22 @@ def _eval(gm: fx.GraphModule, mods: dict[str, nn.Module], node: fx.Node, env: di
 def _block(gm: fx.GraphModule, nodes: list[fx.Node], i: int, j: int, mods: dict[str, nn.Module],
            envs_f: list[dict[fx.Node, Any]], envs_q: list[dict[fx.Node, Any]], last_use: dict[fx.Node, int],
            changes: list[LayerChange], bar: Any, bias_correction: bool, iters: int, batch_size: int,
-           g: torch.Generator) -> None:
-    """Nodes ``i+1 .. j`` (a residual block): codes learned together on the block output, then layer by layer
-    bias correction with those codes, as the one-layer path does."""
+           g: torch.Generator, learn_grids: bool = False) -> None:
+    """Nodes ``i+1 .. j`` (a residual block): codes (and with ``learn_grids`` activation step sizes) learned
+    together on the block output, then layer by layer bias correction with those, as the one-layer path does."""
     span, start, end = nodes[i + 1: j + 1], nodes[i], nodes[j]
     weighted = [n for n in span if n.op == "call_module" and is_weighted(mods[n.target])]  # type: ignore[index]
     pos = {n: k for k, n in enumerate(weighted)}
     fqs = {n: _fq(mods[n.target]) for n in span if n.op == "call_module"  # type: ignore[index]
            and isinstance(mods[n.target], (ObserverBase, FakeQuantize))}  # type: ignore[index]
+    learn = learnable_grids(span, mods) if learn_grids else {}
 
     def run_node(node: fx.Node, env: dict[fx.Node, Any], w_hats: list[torch.Tensor] | None) -> None:
         if node in pos:  # w_hats None: the float layer
             w = None if w_hats is None else w_hats[pos[node]]
             env[node] = layer_forward(mods[node.target], env[node.args[0]], w)  # type: ignore[index]
         elif node in fqs:
-            fq = fqs[node] if w_hats is not None else None
+            fq = learn.get(node, fqs[node]) if w_hats is not None else None
             env[node] = fq(env[node.args[0]]) if fq is not None else env[node.args[0]]
         else:
             _eval(gm, mods, node, env)
@@ -288,14 +263,21 @@ def _block(gm: fx.GraphModule, nodes: list[fx.Node], i: int, j: int, mods: dict[
         bar.set_postfix(block=f"{start.name} -> {end.name}, {len(weighted)} layers")
         with torch.enable_grad():
             learned = block_codes(weights, scales, zeros, grids[0][3], grids[0][4],
-                                  span_sample(span, start, end, run_node, xq, target, batch_size, g), iters=iters)
+                                  span_sample(span, start, end, run_node, xq, target, batch_size, g), iters=iters,
+                                  grids=list(learn.values()))
 
         def error(qs: list[torch.Tensor]) -> float:  # block output MSE on the first calibration batch
             env: dict[fx.Node, Any] = {start: xq[0]}
             for node in span:
                 run_node(node, env, [(q - z) * s for q, s, z in zip(qs, scales, zeros)])
             return float((env[end] - target[0]).pow(2).mean())
-        codes = learned if error(learned) <= error(codes) else codes
+        e_learned, active = error(learned), dict(learn)
+        learn.clear()  # round-to-nearest on the calibrated grids
+        if e_learned <= error(codes):
+            codes = learned
+            for node, gr in active.items():  # the learned grids replace their observers
+                fqs[node] = _fq(install_grid(gm, mods, node, gr))
+    learn.clear()
     for p, node in enumerate(span, start=i + 1):  # layer by layer: bias correction with the block's codes
         if node in pos:
             src = node.args[0]
