@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/linear.py [--quick] [--threads 1 2] [--rounds 7]`` (method: ``common.py``).
 
-``python benchmarks/linear.py --vs-ao [--threads 1] [--rounds 9]`` is the issue #10 table instead: the
+``python benchmarks/linear.py --vs-ao [--dynamic-only] [--threads 1] [--rounds 9]`` is the issue #10 table instead: the
 converted models the workflows build (``QuantStub → Linear → DeQuantStub``: lowbit with its default
 qconfig and with torch.ao's x86 recipe ``get_default_qconfig("x86")``, torch.ao with its x86 default; and
 ``quantize_dynamic`` of an ``nn.Linear`` with lowbit's per-token default, its 7-bit per-token recipe
@@ -202,17 +202,50 @@ def vs_ao(a: argparse.Namespace) -> None:
             best = {name: min(v) for name, v in t.times.items()}
             st_b, s7_b = best["ao static"] / best["lowbit static"], best["ao static"] / best["lowbit static x86"]
             dy_b = best["ao dynamic"] / best["lowbit dynamic"]
+            d7_b, dx_b = best["ao dynamic"] / best["lowbit dynamic u7"], best["ao dynamic"] / best["lowbit dynamic x86"]
             load = t.summary()["other_load_median"]
             print(f"| {m}×{k}×{n} | {t.n_clean}/{a.rounds} | {load:.2f} | {us['lowbit static']:.1f} | "
                   f"{us['lowbit static x86']:.1f} | {us['ao static']:.1f} | {st:.2f} ({st_b:.2f}) | {s7:.2f} ({s7_b:.2f}) | "
-                  f"{us['lowbit dynamic']:.1f} | {us['ao dynamic']:.1f} | {dy:.2f} ({dy_b:.2f}) | {d7:.2f} | {dx:.2f} | "
+                  f"{us['lowbit dynamic']:.1f} | {us['ao dynamic']:.1f} | {dy:.2f} ({dy_b:.2f}) | {d7:.2f} ({d7_b:.2f}) | {dx:.2f} ({dx_b:.2f}) | "
                   f"{us['fp32']:.1f} |",
                   flush=True)
             res["runs"].append({"threads": threads, "M": m, "K": k, "N": n, "us": us, "static_ratio": st,
                                 "static_x86_ratio": s7, "dynamic_ratio": dy, "dynamic_u7_ratio": d7,
-                                "dynamic_x86_ratio": dx, "static_ratio_best": st_b,
+                                "dynamic_x86_ratio": dx, "dynamic_u7_ratio_best": d7_b,
+                                "dynamic_x86_ratio_best": dx_b, "static_ratio_best": st_b,
                                 "static_x86_ratio_best": s7_b, "dynamic_ratio_best": dy_b, **t.summary()})
     print(common.write_results(a.out or "linear_vs_ao", res))
+
+
+def vs_ao_dynamic(a: argparse.Namespace) -> None:
+    """The issue #10 dynamic table alone (``--vs-ao --dynamic-only``): lowbit's three dynamic recipes vs torch.ao's
+    dynamic Linear, 12 shapes; ratios are medians of per-round ratios and, in brackets, of the best rounds."""
+    mach = common.machine()
+    print(f"{mach.get('cpu', '?')} | ISA {mach.get('isa')} | vnni={onednn.has_vnni()} | torch {mach['torch']}")
+    res: dict[str, Any] = {"vnni": onednn.has_vnni(), "runs": []}
+    names = {"default": "lowbit dynamic", "u7": "lowbit dynamic u7", "x86": "lowbit dynamic x86"}
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        print(f"\n{threads} thread(s): ratio = torch.ao dynamic time / lowbit time (> 1: lowbit faster)")
+        print(common.md_table(["M×K×N", "clean", "load", "ao dynamic µs", "default µs", "u7 µs", "x86 µs",
+                               "ratio default", "ratio u7", "ratio x86", "fp32 µs"], []))
+        for m, k, n in [(m, k, n) for k, n in KN_VS_AO for m in a.ms]:
+            x, mods = converted_pair(m, k, n)
+            keep = ("fp32", "ao dynamic", *names.values())
+            meth = {name: (lambda mod=mods[name], x=x: mod(x)) for name in keep}
+            t = common.bench(meth, a.rounds, a.min_time, a.max_load, a.max_wait)
+            us = {name: t.median(name) * 1e6 for name in meth}
+            best = {name: min(v) for name, v in t.times.items()}
+            ratio = {key: t.ratio("ao dynamic", name) for key, name in names.items()}
+            ratio_b = {key: best["ao dynamic"] / best[name] for key, name in names.items()}
+            load = t.summary()["other_load_median"]
+            print(f"| {m}×{k}×{n} | {t.n_clean}/{a.rounds} | {load:.2f} | {us['ao dynamic']:.1f} | "
+                  + " | ".join(f"{us[name]:.1f}" for name in names.values()) + " | "
+                  + " | ".join(f"{ratio[key]:.2f} ({ratio_b[key]:.2f})" for key in names) + f" | {us['fp32']:.1f} |",
+                  flush=True)
+            res["runs"].append({"threads": threads, "M": m, "K": k, "N": n, "us": us, "ratio": ratio,
+                                "ratio_best": ratio_b, **t.summary()})
+    print(common.write_results(a.out or "linear_vs_ao_dynamic", res))
 
 
 def main() -> None:
@@ -220,7 +253,11 @@ def main() -> None:
     common.add_common_args(p)
     p.add_argument("--ms", type=int, nargs="+", default=MS, help="the M values to run")
     p.add_argument("--vs-ao", action="store_true", help="the issue #10 lowbit-vs-torch.ao table (12 shapes)")
+    p.add_argument("--dynamic-only", action="store_true", help="with --vs-ao: the dynamic recipes only")
     a = p.parse_args()
+    if a.vs_ao and a.dynamic_only:
+        vs_ao_dynamic(a)
+        return
     if a.vs_ao:
         vs_ao(a)
         return
