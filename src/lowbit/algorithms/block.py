@@ -181,15 +181,12 @@ def block_codes(weights: list[torch.Tensor], scales: list[torch.Tensor], zeros: 
                 for fl, v, z in zip(floors, vs, zeros)]
 
 
-def find_blocks(nodes: list[fx.Node], mods: dict[str, nn.Module], through_observer: bool = False,
-                chains: bool = False) -> dict[int, int]:
+def find_blocks(nodes: list[fx.Node], mods: dict[str, nn.Module], through_observer: bool = False) -> dict[int, int]:
     """``{i: j}``: spans ``nodes[i+1 .. j]`` between consecutive cuts that hold a residual merge and weighted layers.
 
     A cut is a node after which it is the only value still to be read. Every weighted layer in a span
     must take one positional input and no keywords (as the layer-by-layer pass requires).
     ``through_observer``: a span also takes the observer that reads its last node (the block's output grid).
-    ``chains``: the weighted layers between two residual spans (MobileNetV2's stride-2 blocks) join the
-    next residual span instead of going layer by layer.
     """
     index = {n: i for i, n in enumerate(nodes)}
     last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
@@ -205,7 +202,6 @@ def find_blocks(nodes: list[fx.Node], mods: dict[str, nn.Module], through_observ
         if node.op != "output" and live == 1 and last_use.get(node, -1) > i:
             cuts.append(i)
     spans: dict[int, int] = {}
-    pending: int | None = None
     for i, j in zip(cuts, cuts[1:]):
         nxt = nodes[j + 1] if through_observer and j + 1 < len(nodes) else None
         if nxt is not None and nxt.op == "call_module" and nxt.args == (nodes[j],) and \
@@ -215,13 +211,8 @@ def find_blocks(nodes: list[fx.Node], mods: dict[str, nn.Module], through_observ
         weighted = [n for n in span if n.op == "call_module" and is_weighted(mods[n.target])]  # type: ignore[index]
         merge = any(sum(1 for a in n.all_input_nodes if a.op != "get_attr") >= 2 for n in span)
         simple = all(len(n.args) == 1 and not n.kwargs for n in weighted)
-        if not simple or (merge and not weighted):
-            pending = None
-        elif weighted and merge:
-            spans[i if pending is None else pending] = j
-            pending = None
-        elif weighted and chains and pending is None:
-            pending = i  # a chain of layers without a merge joins the next residual span
+        if weighted and merge and simple:
+            spans[i] = j
     return spans
 
 
