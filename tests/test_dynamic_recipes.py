@@ -171,3 +171,25 @@ def test_recipe_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match=r"quint8\[0, 127\]"):
         DLinear.from_float(lin)
     assert DLinear.from_float(nn.Linear(4, 4)).activation == "per_token"  # no qconfig: lowbit's default
+
+
+def test_onnx_export_refuses_the_7bit_recipes_instead_of_exporting_8bit_numerics() -> None:
+    from lowbit.export.dynamic import DynamicLinearTwin
+
+    lin = nn.Linear(8, 4)
+    lin.qconfig = Q.get_dynamic_qconfig(reduce_range=True)
+    with pytest.raises(ValueError, match="activation='per_token_7bit'"):
+        DynamicLinearTwin(DLinear.from_float(lin), "auto")
+    DynamicLinearTwin(DLinear.from_float(nn.Linear(8, 4)), "auto")  # the default recipe exports
+
+
+def test_prepare_convert_and_fx_carry_the_recipe() -> None:
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    x = torch.randn(3, 8)
+    for qc, act in ((Q.get_dynamic_qconfig(backend="x86"), "per_tensor_7bit"),
+                    (Q.get_dynamic_qconfig(reduce_range=True), "per_token_7bit")):
+        qm = Q.QConfigMapping().set_global(qc)
+        eager = Q.convert(Q.prepare(copy.deepcopy(m), qm))
+        fx = Q.convert_fx(Q.prepare_fx(copy.deepcopy(m), qm, (x,)))
+        assert [mod.activation for mod in fx.modules() if isinstance(mod, DLinear)] == [act, act]
+        assert eager[0].activation == act and torch.equal(eager(x), fx(x))

@@ -140,6 +140,10 @@ class DynamicLinearTwin(nn.Module):
 
     def __init__(self, mod: DynamicLinear, weight_dtype: str) -> None:
         super().__init__()
+        act = getattr(mod, "activation", "per_token")
+        if act != "per_token" and mod.dtype != torch.float16:  # the graph below is the per-token 8-bit recipe only
+            raise ValueError(f"to_onnx: a dynamic Linear with activation={act!r} (a 7-bit recipe) has no ONNX twin "
+                             "yet; export the default per-token recipe (get_dynamic_qconfig())")
         self.in_features, self.out_features = mod.in_features, mod.out_features
         self.fp16 = mod.dtype == torch.float16
         self.relu = isinstance(mod, DynamicLinearReLU)
