@@ -169,6 +169,7 @@ def get_dynamic_qconfig(dtype: QDtype | str | torch.dtype = qint8, *, backend: s
     torch.ao's ``default_dynamic_qconfig`` as those engines run it (``reduce_range=True``): one 7-bit grid
     per input tensor (``PlaceholderObserver(per_token=False)``) and per-tensor symmetric qint8 weights —
     the dynamic ``Linear`` then computes torch.ao's outputs bit for bit, through torch.ao's own op on x86.
+    The 7-bit recipes are the dynamic ``Linear`` / ``LinearReLU``'s; dynamic RNNs and cells keep per-token 8-bit.
 
     >>> import torch, lowbit as Q
     >>> qc = Q.get_dynamic_qconfig(torch.float16)
