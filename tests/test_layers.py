@@ -162,12 +162,17 @@ def test_layer_checker_catches_an_upward_import(tmp_path, monkeypatch):
 
 
 def test_import_is_cheap():
-    """``import lowbit`` (then every submodule) loads no optional dependency and initialises no GPU."""
+    """``import lowbit`` loads no optional dependency and not ``lowbit.debug``, and initialises no GPU; importing
+    every submodule after it (``lowbit.data``, ``lowbit.examples``, ``lowbit.report`` among them) still loads no
+    optional dependency: gensim / transformers come with the data, matplotlib when a report draws. One fresh
+    interpreter for all of it (test_report and test_realdata_api each started one for a part of it before)."""
     mods = sorted({module_name(p) for p in SRC.rglob("*.py")} - {""})
-    probe = f"print(sorted(m for m in {OPTIONAL!r} if m in sys.modules), torch.cuda.is_initialized())"
+
+    def probe(names: tuple[str, ...]) -> str:
+        return f"print(sorted(m for m in {names!r} if m in sys.modules), torch.cuda.is_initialized())"
     res = subprocess.run([sys.executable, "-c", "\n".join([
-        "import importlib, sys, lowbit, torch", probe,
-        f"for m in {mods!r}: importlib.import_module('lowbit.' + m)", probe,
+        "import importlib, sys, lowbit, torch", probe(OPTIONAL + ("lowbit.debug",)),
+        f"for m in {mods!r}: importlib.import_module('lowbit.' + m)", probe(OPTIONAL),
     ])], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split("\n")[:2] == ["[] False", "[] False"]
