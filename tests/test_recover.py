@@ -273,6 +273,7 @@ def test_reconstruct_eager_mode_improves_sqnr():
     (dict(recipe="fast"), ValueError, "recipe='fast'"),
     (dict(iters=-2), ValueError, "iters=-2"),
     (dict(blocks="no"), TypeError, "blocks='no'"),
+    (dict(learn_grids="off"), TypeError, "learn_grids='off'"),
 ])
 def test_quantize_ptq_bad_arguments(kw, err, match):
     with pytest.raises(err, match=match):

@@ -150,6 +150,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         raise ValueError(f"quantize_ptq: iters={iters!r} must be an int >= 0")
     if not isinstance(blocks, bool):
         raise TypeError(f"quantize_ptq: blocks={blocks!r} must be True or False")
+    if not isinstance(learn_grids, bool):
+        raise TypeError(f"quantize_ptq: learn_grids={learn_grids!r} must be True or False")
     from tqdm.auto import tqdm
 
     _check_model(model)
