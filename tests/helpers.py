@@ -1,4 +1,5 @@
-"""Helpers shared by several test modules (not a test module): a state_dict round trip, a 1-thread fixture.
+"""Helpers shared by several test modules (not a test module): a state_dict round trip, a 1-thread fixture,
+``force`` (pin the CPU kernel route: VNNI or not, fbgemm or oneDNN only).
 
 ``one_thread`` is a module-scoped autouse fixture: a test module that imports it runs with
 ``torch.set_num_threads(1)`` (the 2 shared cores are oversubscribed otherwise, ~10x slower) and the
@@ -30,3 +31,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def force(monkeypatch: pytest.MonkeyPatch, *, vnni: bool, fbgemm: bool) -> None:
+    """Make the oneDNN backend take its VNNI (or non-VNNI) route, with fbgemm or without, on any CPU."""
+    from lowbit.kernels import onednn
+
+    if not onednn.available():
+        pytest.skip("oneDNN int8 ops not available in this torch build")
+    monkeypatch.setattr(onednn, "has_vnni", lambda: vnni)
+    if fbgemm:
+        if "x86" not in torch.backends.quantized.supported_engines:
+            pytest.skip("no x86/fbgemm quantized engine")
+        monkeypatch.setattr(torch.backends.quantized, "engine", "x86")
+    else:
+        monkeypatch.setattr(onednn, "_FBGEMM", ())

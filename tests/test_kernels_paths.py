@@ -35,6 +35,7 @@ import torch
 
 import lowbit as Q
 from lowbit import kernels as K
+from helpers import force
 from lowbit.kernels import OutGrid, avx2, int_mm, onednn
 
 torch.set_num_threads(1)
@@ -80,18 +81,6 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
         monkeypatch.setattr(onednn, name, spy)
     return ran
-
-
-def force(monkeypatch: pytest.MonkeyPatch, *, vnni: bool, fbgemm: bool) -> None:
-    if not onednn.available():
-        pytest.skip("oneDNN int8 ops not available in this torch build")
-    monkeypatch.setattr(onednn, "has_vnni", lambda: vnni)
-    if fbgemm:
-        if "x86" not in torch.backends.quantized.supported_engines:
-            pytest.skip("no x86/fbgemm quantized engine")
-        monkeypatch.setattr(torch.backends.quantized, "engine", "x86")
-    else:
-        monkeypatch.setattr(onednn, "_FBGEMM", ())
 
 
 def scan(backend: str, *, safe: bool, zp_w: bool, out: OutGrid | None = None, device: str = "cpu",

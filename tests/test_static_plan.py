@@ -17,6 +17,7 @@ import torch
 
 import lowbit as Q
 from lowbit import kernels as K
+from helpers import force
 from lowbit.kernels import onednn
 from lowbit.kernels.plan import linear_plan
 from lowbit.nn.quantized import Linear, LinearReLU
@@ -51,15 +52,7 @@ def routes(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
 @pytest.mark.parametrize("fbgemm", [True, False], ids=["fbgemm", "onednn-only"])
 def test_plan_matches_generic_on_every_route(monkeypatch: pytest.MonkeyPatch, routes: Counter[str], fbgemm: bool) -> None:
-    if not onednn.available():
-        pytest.skip("oneDNN int8 ops not available in this torch build")
-    monkeypatch.setattr(onednn, "has_vnni", lambda: False)
-    if fbgemm:
-        if "x86" not in torch.backends.quantized.supported_engines:
-            pytest.skip("no x86/fbgemm quantized engine")
-        monkeypatch.setattr(torch.backends.quantized, "engine", "x86")
-    else:
-        monkeypatch.setattr(onednn, "_FBGEMM", ())
+    force(monkeypatch, vnni=False, fbgemm=fbgemm)
     k, n = 70, 24
     wrong, seen = [], set()
     cases = itertools.product(X_GRIDS, OUT_GRIDS, (True, False), (False, True), ((1, k), (5, k), (2, 3, k), (40, k)))
