@@ -11,7 +11,8 @@ Every method is a whole float-in/float-out model built by the public workflows:
 - conv: ``QuantStub → Conv2d 3×3 64→64 (+ReLU) → DeQuantStub`` on 8 × 64 × 56 × 56, channels-last input;
 - smallcnn: ``lowbit.examples.SmallCNN`` (random weights, fused, batch 64), static (smallcnn-x86: lowbit on
   torch.ao's own x86 recipe ``get_default_qconfig("x86")``, 7-bit activations, like its torch.ao twin);
-- minilm: MiniLM sentence encoder (``lowbit.data.load_minilm``, if installed), dynamic, batch 32;
+- minilm: MiniLM sentence encoder (``lowbit.data.load_minilm``, if installed), dynamic, batch 32: the default
+  (per-token u8) and, interleaved with it, ``MINILM_RECIPES`` (per-token 7-bit, torch.ao's x86 recipe);
 - mobilenetv2: a MobileNetV2 (torchvision's layout, ReLU instead of ReLU6 as in torchvision's
   quantizable variant, random weights, 1000 classes) static, batch 8 at 224 × 224.
 
@@ -46,6 +47,8 @@ from lowbit.examples import SmallCNN
 
 warnings.filterwarnings("ignore")
 SHAPES = [(16, 768, 768), (128, 768, 3072), (512, 4096, 4096)]
+# MiniLM's other dynamic recipes, timed next to the default (per-token u8): per-token 7-bit, torch.ao's x86 recipe
+MINILM_RECIPES: dict[str, dict[str, Any]] = {"u7 per token": {"reduce_range": True}, "x86 recipe": {"backend": "x86"}}
 CASES = ("linear", "conv", "smallcnn", "smallcnn-x86", "minilm", "mobilenetv2")
 
 
@@ -136,26 +139,34 @@ def _static_pair(fp32: nn.Module, fp32_ao: nn.Module, calib: list[torch.Tensor],
 
 
 def _methods(fp32: nn.Module, lowbit: nn.Module, ao: nn.Module, args: tuple[Any, ...],
-             kwargs: dict[str, Any] | None = None, exact: bool = True) -> dict[str, Callable[[], Any]]:
+             kwargs: dict[str, Any] | None = None, exact: bool = True,
+             variants: dict[str, nn.Module] | None = None) -> dict[str, Callable[[], Any]]:
+    """The five methods, plus ``lowbit <v> eager`` / ``lowbit <v> compiled`` for each other lowbit recipe ``v``
+    in ``variants`` (interleaved in the same rounds)."""
     kwargs = kwargs or {}
     torch._dynamo.reset()
-    lb_c = torch.compile(lowbit, fullgraph=True, dynamic=False)
     fp_c = torch.compile(fp32, dynamic=False)
+    out: dict[str, Callable[[], Any]] = {}
+    for tag, model in {"": lowbit, **{f" {k}": v for k, v in (variants or {}).items()}}.items():
+        compiled = torch.compile(model, fullgraph=True, dynamic=False)
+        with torch.inference_mode():
+            ref, got = model(*args, **kwargs), compiled(*args, **kwargs)
+        ref_t = ref if isinstance(ref, torch.Tensor) else ref[0]
+        got_t = got if isinstance(got, torch.Tensor) else got[0]
+        # int8 steps are bit-identical; float ops between them (MiniLM's attention, LayerNorm, GELU) are
+        # compiled by inductor, whose float32 kernels round differently from eager (~1e-7 per layer, as for
+        # fp32); per-token int8 grids then move codes, and over 6 layers MiniLM's outputs drift measurably
+        # (printed; with backend="aot_eager" the compiled model is bit-identical)
+        rel = float((ref_t - got_t).norm() / ref_t.norm().clamp(min=1e-30))
+        same = torch.equal(ref_t, got_t)
+        tqdm.write(f"  lowbit{tag} compiled vs eager: {'bit-identical' if same else f'rel. diff {rel:.2e}'}")
+        if exact and not same:
+            raise AssertionError(f"lowbit{tag} compiled differs from lowbit{tag} eager (relative {rel:.2e})")
+        out[f"lowbit{tag} eager"] = lambda m=model: m(*args, **kwargs)
+        out[f"lowbit{tag} compiled"] = lambda m=compiled: m(*args, **kwargs)
     with torch.inference_mode():
-        ref, got = lowbit(*args, **kwargs), lb_c(*args, **kwargs)
         fp_c(*args, **kwargs)
-    ref_t = ref if isinstance(ref, torch.Tensor) else ref[0]
-    got_t = got if isinstance(got, torch.Tensor) else got[0]
-    # int8 steps are bit-identical; float ops between them (MiniLM's attention, LayerNorm, GELU) are
-    # compiled by inductor, whose float32 kernels round differently from eager (~1e-7 per layer, as for
-    # fp32); per-token int8 grids then move codes, and over 6 layers MiniLM's outputs drift measurably
-    # (printed; with backend="aot_eager" the compiled model is bit-identical)
-    rel = float((ref_t - got_t).norm() / ref_t.norm().clamp(min=1e-30))
-    tqdm.write(f"  lowbit compiled vs eager: {'bit-identical' if torch.equal(ref_t, got_t) else f'rel. diff {rel:.2e}'}")
-    if exact and not torch.equal(ref_t, got_t):
-        raise AssertionError(f"lowbit compiled differs from lowbit eager (relative {rel:.2e})")
-    return {"lowbit eager": lambda: lowbit(*args, **kwargs), "lowbit compiled": lambda: lb_c(*args, **kwargs),
-            "torch.ao": lambda: ao(*args, **kwargs), "fp32": lambda: fp32(*args, **kwargs),
+    return {**out, "torch.ao": lambda: ao(*args, **kwargs), "fp32": lambda: fp32(*args, **kwargs),
             "fp32 compiled": lambda: fp_c(*args, **kwargs)}
 
 
@@ -208,7 +219,9 @@ def cases(names: list[str], quick: bool) -> list[tuple[str, Callable[[], dict[st
             torch.backends.quantized.engine = "x86"
             ao = aoq.quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8)
             kw = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-            return _methods(model, Q.quantize_dynamic(copy.deepcopy(model)), ao, (), kw, exact=False)
+            variants = {name: Q.quantize_dynamic(copy.deepcopy(model), {nn.Linear: Q.get_dynamic_qconfig(**qc)})
+                        for name, qc in MINILM_RECIPES.items()}
+            return _methods(model, Q.quantize_dynamic(copy.deepcopy(model)), ao, (), kw, exact=False, variants=variants)
         out.append(("MiniLM b32 dynamic", minilm))
     if "mobilenetv2" in names:
         def mobilenet() -> dict[str, Callable[[], Any]]:
@@ -240,9 +253,11 @@ def main() -> None:
             torch.set_num_threads(threads)
             t = common.bench(meth, a.rounds, a.min_time, a.max_load, a.max_wait)
             s = t.summary("fp32")
-            ratios = {"lowbit eager / torch.ao": t.ratio("torch.ao", "lowbit eager"),
-                      "lowbit compiled / torch.ao": t.ratio("torch.ao", "lowbit compiled"),
-                      "lowbit compiled / fp32 compiled": t.ratio("fp32 compiled", "lowbit compiled")}
+            ratios = {}
+            for tag in [k[len("lowbit"):-len(" eager")] for k in meth if k.startswith("lowbit") and k.endswith(" eager")]:
+                ratios.update({f"lowbit{tag} eager / torch.ao": t.ratio("torch.ao", f"lowbit{tag} eager"),
+                               f"lowbit{tag} compiled / torch.ao": t.ratio("torch.ao", f"lowbit{tag} compiled"),
+                               f"lowbit{tag} compiled / fp32 compiled": t.ratio("fp32 compiled", f"lowbit{tag} compiled")})
             res["runs"].append({"case": label, "threads": threads, **s, "ratios": ratios})
             tqdm.write(f"{label} t={threads} clean {t.n_clean}/{a.rounds} | "
                        + " ".join(f"{k}={v['ms']:.3g}ms" for k, v in s["methods"].items()) + " | "

@@ -44,10 +44,10 @@ class _ConvNet(nn.Module):
         return self.fc(torch.flatten(torch.nn.functional.max_pool2d(b, 2), 1))
 
 
-def _eager_converted() -> tuple[nn.Module, torch.Tensor]:
+def _eager_converted(backend: str | None = None) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     m = Q.fuse_modules(SmallCNN(channels=(4, 8), hidden=16).eval(), SmallCNN.fusion_groups())
-    p = Q.prepare(m, Q.get_default_qconfig())
+    p = Q.prepare(m, Q.get_default_qconfig(backend))
     p(torch.randn(16, 1, 28, 28))
     return Q.convert(p), torch.randn(5, 1, 28, 28)
 
@@ -60,9 +60,11 @@ def _fx_converted() -> tuple[nn.Module, torch.Tensor]:
     return Q.convert_fx(p), torch.randn(5, 3, 8, 8)
 
 
-def _dynamic() -> tuple[nn.Module, torch.Tensor]:
+def _dynamic(**recipe: object) -> tuple[nn.Module, torch.Tensor]:
+    """``quantize_dynamic`` on the default per-token u8 recipe, or on ``get_dynamic_qconfig(**recipe)``."""
     torch.manual_seed(0)
-    return Q.quantize_dynamic(_MLP().eval()), torch.randn(5, 7, 32)
+    spec = {nn.Linear: Q.get_dynamic_qconfig(**recipe)} if recipe else None  # type: ignore[arg-type]
+    return Q.quantize_dynamic(_MLP().eval(), spec), torch.randn(5, 7, 32)
 
 
 def _weight_only(bits: int) -> tuple[nn.Module, torch.Tensor]:
@@ -70,7 +72,10 @@ def _weight_only(bits: int) -> tuple[nn.Module, torch.Tensor]:
     return Q.quantize_weight_only(_MLP().eval(), bits=bits, group_size=32 if bits == 4 else -1), torch.randn(5, 32)
 
 
-MODELS = {"eager_convert": _eager_converted, "convert_fx": _fx_converted, "dynamic": _dynamic,
+MODELS = {"eager_convert": _eager_converted, "eager_convert_x86": lambda: _eager_converted("x86"),
+          "convert_fx": _fx_converted, "dynamic": _dynamic,
+          "dynamic_u7_per_token": lambda: _dynamic(reduce_range=True),
+          "dynamic_x86_recipe": lambda: _dynamic(backend="x86"),
           "weight_only_int4": lambda: _weight_only(4), "weight_only_int8": lambda: _weight_only(8)}
 
 
@@ -127,7 +132,8 @@ def test_converted_forward_takes_the_fast_kernels(vnni: bool, monkeypatch: pytes
     """On a CPU with oneDNN, no converted layer of a static, fx or dynamic model falls back to the reference
     kernel; both ISA paths (VNNI: one call; AVX2: the exact two-call split) are pinned by ``has_vnni``."""
     monkeypatch.setattr(onednn, "has_vnni", lambda: vnni)
-    for kind in ("eager_convert", "convert_fx", "dynamic"):
+    for kind in ("eager_convert", "eager_convert_x86", "convert_fx", "dynamic", "dynamic_u7_per_token",
+                 "dynamic_x86_recipe"):
         model, x = MODELS[kind]()
         kernels.counts.clear()
         with torch.no_grad():
