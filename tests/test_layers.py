@@ -16,7 +16,7 @@ TIERS: list[tuple[str, ...]] = [
     ("qscheme",),
     ("compile_state",),                # tracing(): lower layers emit torch.ops.lowbit.* while traced
     ("qparams",),
-    ("blocked",),                      # cache-blocked exact quantize of large activations
+    ("blocked", "qstore"),             # cache-blocked exact quantize; one-pass 8-bit codes of round(v + z)
     ("functional",),
     ("qtensor", "batches"),           # batches: the calibration-input convention (iter_batches, run_batch)
     ("observer",),

@@ -27,9 +27,8 @@ from typing import Any
 
 import torch
 
-from .. import blocked
+from .. import blocked, qstore
 from ..compile_state import tensor_version
-from ..functional import _store
 from ..qtensor import QTensor
 from .spec import OutGrid
 
@@ -154,10 +153,12 @@ def _float_epilogue(y: torch.Tensor, bias: torch.Tensor | None, out: OutGrid | N
             y = y.add_(bias.reshape(shape))
     if out is None:
         return y.relu_() if relu else y
-    # in place, bit-identical to functional.quantize: round(y · float32(1/s) + z), clamped (ReLU: _relu_floor)
-    inv, zp = _out_consts(out.scale, out.zero_point)
-    y = y.mul_(inv).add_(zp).round_().clamp_(_relu_floor(out.qdtype.quant_min, out.zero_point, relu), out.qdtype.quant_max)
-    return out.wrap(_store(y, out.qdtype))  # .byte()/.char() (or via int16 when large): one dispatch less than .to
+    # bit-identical to functional.quantize: round(fl(y · float32(1/s)) + z), clamped (ReLU: _relu_floor); the add,
+    # round, clamp and 8-bit store in one pass (lowbit.qstore)
+    inv, _ = _out_consts(out.scale, out.zero_point)
+    qd = out.qdtype
+    return out.wrap(qstore.codes(y.mul_(inv), out.zero_point, _relu_floor(qd.quant_min, out.zero_point, relu), qd.quant_max,
+                                 qd.storage))
 
 
 def _relu_floor(qmin: int, zero_point: int, relu: bool) -> int:

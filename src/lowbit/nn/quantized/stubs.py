@@ -71,8 +71,8 @@ class Quantize(CheckedQuantState):
                                     self.qdtype)
         return quantize_per_tensor(x, self.scale, self.zero_point, self.qdtype)
 
-    def _grid(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(float32(1 / scale), zero_point)`` as 0-d float32 tensors, once per buffer version (not per call)."""
+    def _grid(self) -> tuple[torch.Tensor, float]:
+        """``(float32(1 / scale), zero_point)`` (a 0-d float32 tensor, a Python float), once per buffer version."""
         scale, zero_point = self._buffers["scale"], self._buffers["zero_point"]
         key = (tensor_version(scale), tensor_version(zero_point))  # type: ignore[arg-type]
         hit = self.__dict__.get("_grid_cache")
@@ -80,8 +80,8 @@ class Quantize(CheckedQuantState):
             inv_z = scalar_qparams(self.scale, self.zero_point)
             if inv_z is None:
                 raise ValueError(f"Quantize: scale={float(self.scale)!r} has no finite float32 reciprocal")
-            with torch.inference_mode(False):
-                hit = self.__dict__["_grid_cache"] = (key, scalar_tensors(*inv_z), scale, zero_point)
+            with torch.inference_mode(False):  # (the zero point as a Python number: quantize_scaled's store takes one)
+                hit = self.__dict__["_grid_cache"] = (key, (scalar_tensors(*inv_z)[0], inv_z[1]), scale, zero_point)
         return hit[1]
 
     @classmethod
