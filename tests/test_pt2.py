@@ -156,3 +156,20 @@ def test_compiled_model_counts_its_kernels() -> None:
     assert kernels.counts[("reference", "conv")] == 3 and kernels.counts[("reference", "linear")] == 2
     with torch.no_grad(), kernels.use_backend("reference"):
         assert torch.equal(ref, model(x))
+
+
+def test_compiled_linear_takes_the_eager_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled static Linear runs the eager module's plan (``kernels.plan``) where eager does (a CPU without
+    VNNI: pinned by ``has_vnni``) and the generic dispatcher elsewhere, with eager's codes either way."""
+    model, x = _eager_converted("x86")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    for vnni in (False, True):
+        monkeypatch.setattr(onednn, "has_vnni", lambda v=vnni: v)
+        with torch.no_grad():
+            ref = model(x)
+            got = compiled(x)
+        assert torch.equal(ref, got), f"has_vnni={vnni}: compiled differs from eager"
+        cache = Q.pt2.weight_cache(model.fc1.weight_int8)
+        plan = cache["pt2.linear_plan"][1]
+        assert (plan is None) == (vnni or not onednn.available()), f"has_vnni={vnni}: plan {plan}"

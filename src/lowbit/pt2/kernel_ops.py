@@ -10,7 +10,8 @@ float output)::
 The real implementation calls ``kernels.linear`` / ``kernels.conv`` (backend chosen at run time,
 ``use_backend`` pins honoured, ``counts`` tallied) with the packed weight cached per weight tensor
 object (``weight_cache``: the same buffer object comes back on every call of a compiled or
-exported program).
+exported program); with no backend pinned, a per-tensor CPU ``qlinear`` runs the eager module's own
+``kernels.plan.linear_plan`` (the same codes, ~50 µs less per call at small M on the AVX2 EPYC), kept in that cache.
 
 >>> import torch, lowbit as Q
 >>> from lowbit.pt2 import weight_cache
@@ -27,8 +28,9 @@ from typing import Any
 import torch
 
 from .. import kernels
-from ..compile_state import qdtype_from_key
-from ..kernels import ConvSpec, OutGrid
+from ..compile_state import qdtype_from_key, tensor_version
+from ..kernels import ConvSpec, OutGrid, onednn
+from ..kernels.plan import linear_plan
 from ..qtensor import QTensor
 from .quant_ops import define
 
@@ -64,14 +66,40 @@ def _storage(qdtype: str, has_out: bool) -> torch.dtype:
     return qdtype_from_key(qdtype).storage if has_out else torch.float32
 
 
+def _linear_plan(cache: dict[str, Any], x_qdtype: str, weight: torch.Tensor, w_scale: torch.Tensor,
+                 w_zero_point: torch.Tensor, w_qdtype: str, bias: torch.Tensor | None, out_scale: torch.Tensor,
+                 out_zero_point: torch.Tensor, out_qdtype: str, relu: bool) -> Any:
+    """The eager layer's ``kernels.plan.linear_plan`` for these buffers (``None``: the generic path), kept in the
+    weight's cache for the buffers' identities and versions, the grids and the CPU's VNNI (as the module keeps it)."""
+    tv = tensor_version
+    key = (onednn.has_vnni(), x_qdtype, w_qdtype, out_qdtype, relu, tv(weight), id(w_scale), tv(w_scale),
+           id(w_zero_point), tv(w_zero_point), -1 if bias is None else id(bias), -2 if bias is None else tv(bias),
+           id(out_scale), tv(out_scale), id(out_zero_point), tv(out_zero_point))
+    hit = cache.get("pt2.linear_plan")
+    if hit is None or hit[0] != key:
+        wq = QTensor._trusted(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=0)
+        out = _out_grid(out_scale, out_zero_point, out_qdtype)
+        run = linear_plan(wq, bias, out, relu, qdtype_from_key(x_qdtype))  # type: ignore[arg-type]
+        # the buffers ride along: while the plan holds them, their ids cannot be reused
+        hit = cache["pt2.linear_plan"] = (key, run, (w_scale, w_zero_point, bias, out_scale, out_zero_point))
+    return hit[1]
+
+
 def qlinear(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
             weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
             bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
             out_qdtype: str, relu: bool) -> torch.Tensor:
+    cache = weight_cache(weight)
+    if (out_scale is not None and out_zero_point is not None and x.is_cpu and x.dim() and x.numel()
+            and kernels.get_backend() is None and x_scale.numel() == 1):  # the eager module's plan (its floor)
+        run = _linear_plan(cache, x_qdtype, weight, w_scale, w_zero_point, w_qdtype, bias, out_scale, out_zero_point,
+                           out_qdtype, relu)
+        if run is not None:
+            return run(x, x_scale.item(), int(x_zero_point.item())).int_repr().contiguous()
     xq = QTensor._trusted(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
     wq = QTensor._trusted(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=0)
     out = _out_grid(out_scale, out_zero_point, out_qdtype)
-    y = kernels.linear(xq, wq, bias, out, relu, weight_cache(weight))
+    y = kernels.linear(xq, wq, bias, out, relu, cache)
     return (y.int_repr() if isinstance(y, QTensor) else y).contiguous()
 
 
