@@ -300,11 +300,10 @@ def test_onednn_conv_paths(monkeypatch: pytest.MonkeyPatch, paths: Counter[str],
 
 @pytest.mark.parametrize("kind", ["linear", "conv2d", "conv1d"])
 @pytest.mark.parametrize("relu", [False, True])
-def test_split_blocked_epilogue_bit_identical(monkeypatch: pytest.MonkeyPatch, kind: str, relu: bool) -> None:
-    """A large split output is requantized on L2-sized row blocks (``avx2._blocked_requant``): the same codes,
-    in the same (channels-last) layout, as the one-pass float epilogue (forced by a huge block size)."""
-    from lowbit import blocked
-
+def test_split_large_epilogue_is_the_exact_sum_requantized(monkeypatch: pytest.MonkeyPatch, kind: str, relu: bool) -> None:
+    """A large split output (above 4096 codes: the one-pass store's view route) is the exact integer accumulator
+    put through the epilogue's float32 operations (``fl(acc) · fl(s_x s_w) + b``, ReLU, ``· inv + z``, round half
+    to even, clamp), bit for bit, with the channels innermost in memory (a conv's output stays channels-last)."""
     force(monkeypatch, vnni=False, fbgemm=False)
     g = torch.Generator().manual_seed(7)
     cin, cout = 24, 40
@@ -315,20 +314,25 @@ def test_split_blocked_epilogue_bit_identical(monkeypatch: pytest.MonkeyPatch, k
     w = Q.QTensor(torch.randint(-128, 128, wshape, generator=g, dtype=torch.int8), torch.rand(cout, generator=g) / 40,
                   torch.zeros(cout, dtype=torch.long), Q.qint8, 0)
     bias, out = torch.randn(cout, generator=g), OutGrid(0.05, 7, Q.quint8)
-
-    def run() -> Q.QTensor:
-        with K.use_backend("onednn"):
-            if kind == "linear":
-                return K.linear(x, w, bias, out, relu, cache={})
-            dim = 2 if kind == "conv2d" else 1
-            return K.conv(x, w, bias, K.ConvSpec(dim, (1,) * dim, (1,) * dim, (1,) * dim, 1), out, relu, cache={})
-
     ran: list[bool] = []
-    real = avx2._blocked_requant
-    monkeypatch.setattr(avx2, "_blocked_requant", lambda *a: ran.append(True) or real(*a))
-    y = run()
-    assert ran and y.int_repr().numel() > blocked.BLOCK
-    monkeypatch.setattr(blocked, "BLOCK", 1 << 40)  # one pass over the whole output: the float epilogue
-    ref = run()
-    assert len(ran) == 1 and torch.equal(y.int_repr(), ref.int_repr())
-    assert y.int_repr().stride() == ref.int_repr().stride()
+    real = onednn._split_run
+    monkeypatch.setattr(onednn, "_split_run", lambda *a: ran.append(True) or real(*a))
+    with K.use_backend("onednn"):
+        if kind == "linear":
+            y = K.linear(x, w, bias, out, relu, cache={})
+        else:
+            dim = 2 if kind == "conv2d" else 1
+            y = K.conv(x, w, bias, K.ConvSpec(dim, (1,) * dim, (1,) * dim, (1,) * dim, 1), out, relu, cache={})
+    assert ran and y.int_repr().numel() > 4096
+    xc, wc = (x.int_repr().double() - 131), w.int_repr().double()
+    if kind == "linear":
+        acc, shape = xc @ wc.t(), [1, -1]
+    else:
+        conv = torch.nn.functional.conv2d if kind == "conv2d" else torch.nn.functional.conv1d
+        acc, shape = conv(xc, wc, padding=1), [1, -1] + [1] * (x.int_repr().dim() - 2)
+    v = acc.float().mul_((w.scale * 0.02).reshape(shape)).add_(bias.reshape(shape))  # exact sums below 2**24
+    inv = torch.tensor(0.05).reciprocal()
+    want = v.mul_(inv).add_(7.0).round_().clamp_(7 if relu else 0, 255).to(torch.uint8)
+    assert torch.equal(y.int_repr(), want)
+    if kind != "linear":  # channels innermost in memory, as the kernel wrote them
+        assert y.int_repr().stride(1) == 1

@@ -234,20 +234,20 @@ def test_blocked_codes_bit_identical(r: int, c: int, block: int, z: int, qd: str
     assert torch.equal(got, xq.int_repr())
 
 
-def test_large_inputs_take_the_blocked_path_with_the_same_codes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Per-token codes of a large input are made in L2-sized blocks; a per-tensor ``Quantize`` of any size stores
-    its 8-bit codes in one pass (``lowbit.qstore``, faster than the blocks on CPU at every size measured)."""
-    from lowbit import blocked, qstore
+def test_large_inputs_take_the_one_pass_store_with_the_same_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A per-tensor ``Quantize`` and per-token codes of a large input (above 4096 codes) are stored in one pass
+    (``lowbit.qstore``: a view of the quantized tensor's storage, no copy); the same codes as the float ops."""
+    from lowbit import qstore
     from lowbit.nn.quantized.stubs import Quantize
 
-    x = torch.randn(70, 33) * 3
+    x = torch.randn(200, 33) * 3
+    x[0, :4] = torch.tensor([0.025, 0.075, -0.025, 100.0])  # ties on the 0.05 grid, saturation
     q = Quantize(0.05, 131, Q.quint8)
-    small = (q(x).int_repr(), per_token.quantize_per_token(x).int_repr())
-    calls: list[str] = []
-    for mod, name in ((blocked, "codes"), (qstore, "codes")):
-        real = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _r=real, _m=mod.__name__, **kw: calls.append(_m) or _r(*a, **kw))
-    monkeypatch.setattr(blocked, "BLOCK", 100)
-    big = (q(x).int_repr(), per_token.quantize_per_token(x).int_repr())
-    assert sorted(calls) == ["lowbit.blocked", "lowbit.qstore"]
-    assert all(torch.equal(a, b) for a, b in zip(small, big))
+    calls: list[int] = []
+    real = qstore.codes
+    monkeypatch.setattr(qstore, "codes", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    fast = (q(x).int_repr(), per_token.quantize_per_token(x).int_repr())
+    assert len(calls) == 2
+    monkeypatch.setattr(qstore, "exact", lambda fused: False)  # the float ops
+    slow = (q(x).int_repr(), per_token.quantize_per_token(x).int_repr())
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(fast, slow))

@@ -25,7 +25,9 @@ import torch
 
 __all__ = ["BLOCK", "codes"]
 
-BLOCK = 65536  # floats per block: a 256 KiB scratch, its input block and codes fit in a 2 MiB L2
+# floats per block: a 256 KiB scratch, its input block and codes fit in a 2 MiB L2. 8-bit per-tensor and per-token
+# codes on CPU no longer come here: lowbit.qstore's one pass beats these blocks at every size measured (98K-2M floats)
+BLOCK = 65536
 
 _C128 = torch.tensor(128.0)
 

@@ -37,7 +37,7 @@ import warnings
 
 import torch
 
-__all__ = ["codes", "exact"]
+__all__ = ["codes", "exact", "plain"]
 
 _TORCH_Q = {torch.uint8: (torch.quint8, 0, 255), torch.int8: (torch.qint8, -128, 127)}
 _QUIET = [False]  # torch warns once per process about quantized tensors: keep it from users
@@ -98,9 +98,9 @@ def codes(v: torch.Tensor, z: int, lo: int, hi: int, storage: torch.dtype) -> to
         if not v.is_contiguous():
             return _slow(v, z, lo, hi, storage).permute(_inverse(perm))
     if exact(True):
-        q = _plain(_qpt(v, z, dtype), storage)
+        q = plain(_qpt(v, z, dtype), storage)
     elif exact(False):
-        q = _plain(_qpt(v.add_(z), 0, dtype), storage)
+        q = plain(_qpt(v.add_(z), 0, dtype), storage)
     else:
         q = _slow(v, z, lo, hi, storage)
     return q if perm is None else q.permute(_inverse(perm))
@@ -109,9 +109,9 @@ def codes(v: torch.Tensor, z: int, lo: int, hi: int, storage: torch.dtype) -> to
 _VIEW_ABOVE = 4096  # codes above which the storage view (~3 µs flat) beats int_repr's copy (a scalar loop)
 
 
-def _plain(qt: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
-    """The codes of a contiguous quantized tensor as a plain ``storage`` tensor: ``int_repr`` (a copy) when small,
-    else the same memory (``set_`` on its storage: no copy)."""
+def plain(qt: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """The codes of a contiguous 8-bit torch quantized tensor (e.g. an fbgemm output) as a plain ``storage``
+    tensor: ``int_repr`` (a copy) when small, else the same memory (``set_`` on its storage: no copy)."""
     if qt.numel() <= _VIEW_ABOVE:
         return qt.int_repr()
     return torch.empty(0, dtype=storage).set_(qt.untyped_storage(), qt.storage_offset(), qt.shape, qt.stride())

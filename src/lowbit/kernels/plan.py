@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from .. import qstore
 from ..qscheme import QDtype
 from ..qtensor import QTensor
 from . import onednn
@@ -97,7 +98,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
                 wq, None if bias is None else bias.detach().float())
         flat = q.dim() == 2
         xt = _quiet_qtensor(make_qt, q if flat else q.reshape(-1, k), sx, zx)
-        y = fb_op(xt, p, s_out, z_out).int_repr()
+        y = qstore.plain(fb_op(xt, p, s_out, z_out), torch.uint8)  # (above 4096 codes no int_repr copy: a scalar loop)
         if not flat:
             y = y.reshape(*q.shape[:-1], -1)
         return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
