@@ -106,3 +106,47 @@ def test_bad_search_arguments():
         auto_mixed_precision(model, None, x, score, max_float_layers=1, search="quick")
     with pytest.raises(TypeError, match="finalize"):
         auto_mixed_precision(model, None, x, score, max_float_layers=1, finalize="fuse_dequantize")
+
+
+def test_prediction_matches_the_model_built_from_the_mapping_with_adjacent_float_layers():
+    """Two float layers in a row: the model built from the mapping does not round between them, so neither may
+    the search (a float twin drops its output grid while every reader is float too); before, the first twin
+    still rounded onto its int8 output grid and the search's metric differed from the real model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    x = torch.randn(128, 8)
+    x[0, 0] = 200.0  # layer 0's input grid suffers
+    with torch.no_grad():
+        model[2].weight[:, 3] *= 30.0  # layer 2's output range: a coarse grid for its reader
+        ref = model(x)
+
+    def score(m: nn.Module) -> float:
+        with torch.no_grad():
+            return -float(((m(x) - ref) ** 2).mean())
+
+    with kernels.use_backend("reference"):
+        mapping, fast = auto_mixed_precision(model, Q.get_minmax_qconfig(), x, score, max_float_layers=2, mode="fx",
+                                             progress=False, search="fast")
+        assert sorted(fast.float_layers) == ["0", "2"]  # adjacent: 0 -> relu -> 2
+        p = Q.prepare_fx(model, mapping, example_inputs=(x,))
+        p(x)
+        real = score(Q.convert_fx(p))
+    assert fast.final_metric == pytest.approx(real, rel=1e-5)
+
+
+def test_ranking_by_metric_when_the_float_model_scores_infinite():
+    """An SQNR-vs-float metric gives the float model +inf: every drop is inf, so the ranking sorts by the metric."""
+    model, x, _, _ = _outlier_case()
+    with torch.no_grad():
+        ref = model(x)
+
+    def sqnr(m: nn.Module) -> float:
+        with torch.no_grad():
+            noise = float(((m(x) - ref) ** 2).sum())
+        return float("inf") if noise == 0 else 10 * torch.log10(ref.pow(2).sum() / noise).item()
+
+    with kernels.use_backend("reference"):
+        _, fast = auto_mixed_precision(model, Q.get_minmax_qconfig(), x, sqnr, max_float_layers=1, mode="fx",
+                                       progress=False, search="fast")
+    metrics = [r.metric for r in fast.rows]
+    assert metrics == sorted(metrics, reverse=True) and fast.float_layers == ["0"]

@@ -21,8 +21,10 @@ ranking plus one per greedy step (``search="exact"``, the default).
 if that improves the metric and stops at the budget or at the first layer whose own gain
 ``metric_L - metric_all`` is not positive. ``L + 1`` evaluations plus a few, one calibration. A layer
 kept float computes in float from its dequantized input; its output goes back onto the layer's
-calibrated output grid when the quantized layer had one (the grid its int8 consumers read), so the
-search sees what ``prepare`` with ``set_module_name(L, None)`` then does, up to that rounding. A layer
+calibrated output grid when the quantized layer had one (the grid its int8 consumers read), and stays
+float while every reader of it (through zero pads, flatten, ...) is a layer kept float too, so the search
+sees what ``prepare`` with ``set_module_name(L, None)`` then does, up to that rounding. The ranking sorts
+by ``metric_L`` itself (an SQNR-vs-float metric scores the float model ``inf``: every drop is ``inf``). A layer
 alone in its own graph (an untraceable parent's child) is swapped for the float module itself.
 ``finalize(qmodel)`` (e.g. ``lowbit.fuse_dequantize``) runs on every converted model before it is
 scored, in either search; use it again on the model built from the returned mapping.
@@ -144,7 +146,9 @@ def auto_mixed_precision(model: nn.Module, qconfig_mapping: Any, calib: Any, eva
 
 class _FloatTwin(nn.Module):
     """A quantized layer's float form: float compute on its (dequantized) input, back on the layer's output
-    grid when it had one that int8 consumers read (``grid`` None: float output)."""
+    grid when it had one that int8 consumers read (``grid`` None: float output). ``keep`` is cleared while
+    every reader of the output is itself kept float (``_regrid``): the model built from the mapping does
+    not round between two float layers."""
 
     def __init__(self, float_mod: nn.Module, qmod: nn.Module, float_out: bool) -> None:
         super().__init__()
@@ -152,10 +156,11 @@ class _FloatTwin(nn.Module):
         qdtype = getattr(qmod, "out_qdtype", None)
         float_out = float_out or type(qmod).__name__.endswith("FloatOut")
         self.grid = None if float_out or qdtype is None else (float(qmod.scale), int(qmod.zero_point), qdtype)
+        self.keep = True
 
     def forward(self, x: Any) -> Any:
         y = self.float_mod(x.dequantize() if isinstance(x, QTensor) else x)
-        return y if self.grid is None else quantize_per_tensor(y, *self.grid)
+        return y if self.grid is None or not self.keep else quantize_per_tensor(y, *self.grid)
 
 
 def _set(root: nn.Module, path: str, mod: nn.Module) -> None:
@@ -182,11 +187,39 @@ def _node_of(qmodel: nn.Module, path: str) -> tuple[str, fx.GraphModule, fx.Node
     return None
 
 
-def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module) -> dict[str, list[tuple[str, nn.Module]]]:
-    """``{layer name: [(path in qmodel, float replacement), ...]}`` for every quantized weighted layer."""
+def _readers(gm: fx.GraphModule, gpath: str, node: fx.Node) -> tuple[set[str], bool]:
+    """The modules (paths) that read ``node``'s value through grid-sharing ops (zero pads, flatten, ...), and
+    whether anything else reads it (``x.shape`` reads do not count)."""
+    from ..fx.patterns import is_share_op
+    from ..nn.quantized.stubs import DeQuantize, Quantize
+
+    mods, other, todo, seen = set(), False, list(node.users), set()
+    while todo:
+        u = todo.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        mod = gm.get_submodule(str(u.target)) if u.op == "call_module" else None
+        if (u.op == "call_function" and (u.target is len or (u.target is getattr and u.args[1] in ("shape", "device")))) \
+                or (u.op == "call_method" and u.target in ("size", "dim", "numel")):
+            continue
+        if mod is not None and not isinstance(mod, (Quantize, DeQuantize)) and callable(getattr(mod, "weight", None)):
+            mods.add(_join(gpath, str(u.target)))
+        elif u.op != "output" and not isinstance(mod, (Quantize, DeQuantize)) and is_share_op(u, mod):
+            todo.extend(u.users)
+        else:
+            other = True
+    return mods, other
+
+
+def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module
+           ) -> tuple[dict[str, list[tuple[str, nn.Module]]], dict[str, tuple[_FloatTwin, set[str]]]]:
+    """``{layer name: [(path in qmodel, float replacement), ...]}`` for every quantized weighted layer, and
+    ``{layer name: (its float twin, the layers that alone read its output)}`` for ``_regrid``."""
     from ..nn.quantized.stubs import DeQuantize, Quantize
 
     out: dict[str, list[tuple[str, nn.Module]]] = {}
+    readers: dict[str, tuple[_FloatTwin, set[str], bool]] = {}
     base_mods = dict(base.named_modules())
     prep_mods = dict(prepared.named_modules())
     for path, qmod in qmodel.named_modules():
@@ -201,6 +234,8 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module) -> dict[str,
         found = _node_of(qmodel, path)
         swaps: list[tuple[str, nn.Module]] = []
         float_out = False
+        mods: set[str] = set()
+        other = True
         if found is not None:  # the layer's own input Quantize goes too: a float layer reads float
             gpath, gm, node = found
             arg = node.args[0] if node.args else None
@@ -209,9 +244,21 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module) -> dict[str,
                 swaps.append((_join(gpath, str(arg.target)), nn.Identity()))
             float_out = bool(node.users) and all(
                 u.op == "call_module" and isinstance(gm.get_submodule(u.target), DeQuantize) for u in node.users)
-        swaps.append((path, _FloatTwin(copy.deepcopy(prep_mods[path]), qmod, float_out)))
+            mods, other = _readers(gm, gpath, node)
+        twin = _FloatTwin(copy.deepcopy(prep_mods[path]), qmod, float_out)
+        swaps.append((path, twin))
         out[path] = swaps
-    return out
+        readers[path] = (twin, mods, other)
+    # a twin may drop its grid only when every reader is a layer that has a float twin too
+    twins = {name: (twin, mods) for name, (twin, mods, other) in readers.items()
+             if not other and mods and all(m in readers for m in mods)}
+    return out, twins
+
+
+def _regrid(twins: dict[str, tuple[_FloatTwin, set[str]]], floats: set[str]) -> None:
+    """A float layer whose every reader is float too outputs float (no rounding between float layers)."""
+    for name, (twin, mods) in twins.items():
+        twin.keep = not (name in floats and mods <= floats)
 
 
 def _apply(qmodel: nn.Module, swaps: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -247,7 +294,7 @@ def _fast(model: nn.Module, qconfig_mapping: Any, batches: list[Any], eval_fn: C
         qmodel.register_forward_hook(_dequantize_output)
         if finalize is not None:
             finalize(qmodel)
-        swaps = _swaps(base, prepared, qmodel)
+        swaps, twins = _swaps(base, prepared, qmodel)
         if not swaps:
             raise ValueError("auto_mixed_precision: the quantized model has no int8 weighted layer to keep float")
         table = SensitivityTable(baseline, tolerance=tolerance, view="float")
@@ -259,7 +306,7 @@ def _fast(model: nn.Module, qconfig_mapping: Any, batches: list[Any], eval_fn: C
             m = _score(eval_fn, qmodel, f"the model with '{name}' float")
             _apply(qmodel, undo)
             rows.append(SensitivityRow(name, type(undo[-1][1]).__name__, m, baseline - m))
-        rows.sort(key=lambda r: r.drop)
+        rows.sort(key=lambda r: -r.metric)  # not by drop: an infinite baseline (SQNR vs float) makes every drop inf
         table.rows = rows
         budget = len(rows) if max_float_layers is None else max_float_layers
         limit = -math.inf if tolerance is None else tolerance
@@ -268,6 +315,7 @@ def _fast(model: nn.Module, qconfig_mapping: Any, batches: list[Any], eval_fn: C
             if baseline - metric <= limit or len(table.float_layers) >= budget or row.metric <= table.all_quantized_metric:
                 break
             undo = _apply(qmodel, swaps[row.name])
+            _regrid(twins, {*table.float_layers, row.name})
             m = _score(eval_fn, qmodel, f"the model with {[*table.float_layers, row.name]} float")
             if m > metric:
                 metric = m
@@ -275,5 +323,6 @@ def _fast(model: nn.Module, qconfig_mapping: Any, batches: list[Any], eval_fn: C
                 mapping.set_module_name(row.name, None)
             else:
                 _apply(qmodel, undo)
+                _regrid(twins, set(table.float_layers))
     table.final_metric = metric
     return mapping, table
