@@ -246,6 +246,21 @@ def test_quantize_ptq_accurate_beats_default_and_reports():
                if n in ("stem.0", "dw.0", "pw.0", "fc"))
 
 
+def test_quantize_ptq_max_float_layers_keeps_the_rest_int8_and_reports_the_returned_model():
+    torch.manual_seed(3)
+    model, calib, x = DwNet().eval(), _data(), _data(2, seed=9)[0]
+    q0, r0 = Q.quantize_ptq(model, calib, recipe="default", progress=False)
+    q, rep = Q.quantize_ptq(model, calib, recipe="default", max_float_layers=1, progress=False)
+    assert len(rep.float_layers) == 1 and rep.steps[-1][0] == "float layers" and "float layers" in str(rep)
+    # the figure reported is the returned model's own (first calibration batch), and it improved
+    with torch.no_grad():
+        assert rep.sqnr_db == pytest.approx(_sqnr(model(calib[0]), q(calib[0])), abs=1e-3) and rep.sqnr_db > r0.sqnr_db
+        assert _sqnr(model(x), q(x)) > _sqnr(model(x), q0(x))  # other inputs too
+    kinds = {n: type(m).__module__ for n, m in q.named_modules() if n in ("stem.0", "dw.0", "pw.0", "fc")}
+    (kept,) = rep.float_layers
+    assert all(k.startswith("lowbit.nn.quantized") == (n != kept) for n, k in kinds.items()), kinds
+
+
 def test_reconstruct_eager_mode_improves_sqnr():
     torch.manual_seed(4)
     model = nn.Sequential(Q.QuantStub(), nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3, groups=8),
@@ -274,6 +289,8 @@ def test_reconstruct_eager_mode_improves_sqnr():
     (dict(iters=-2), ValueError, "iters=-2"),
     (dict(blocks="no"), TypeError, "blocks='no'"),
     (dict(learn_grids="off"), TypeError, "learn_grids='off'"),
+    (dict(max_float_layers=-1), ValueError, "max_float_layers=-1"),
+    (dict(max_float_layers=True), ValueError, "max_float_layers=True"),
 ])
 def test_quantize_ptq_bad_arguments(kw, err, match):
     with pytest.raises(err, match=match):

@@ -37,11 +37,15 @@ and the int8 model's outputs.
 ['fuse', 'equalize', 'calibrate', 'round', 'correct bias', 'convert']
 >>> report.sqnr_db > 20
 True
+>>> q2, r2 = Q.quantize_ptq(model, calib, recipe="default", max_float_layers=1, progress=False)
+>>> len(r2.float_layers) <= 1 and [step for step, _ in r2.steps][-1]
+'float layers'
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +72,7 @@ class PTQReport:
     layers: list[LayerChange] = field(default_factory=list)
     equalized: list[Any] = field(default_factory=list)
     sqnr_db: float = float("nan")
+    float_layers: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"quantize_ptq(recipe={self.recipe!r}): output SQNR vs float {self.sqnr_db:.2f} dB"]
@@ -118,17 +123,21 @@ def _check_model(model: nn.Module) -> None:
 
 
 def _sqnr(ref: Any, out: Any) -> float:
-    if not isinstance(ref, torch.Tensor) or not isinstance(out, torch.Tensor):
+    """``10 log10(Σ ref² / Σ (ref - out)²)`` over every output tensor (nested outputs flattened)."""
+    from .batches import flatten_outputs
+
+    refs, outs = flatten_outputs(ref), flatten_outputs(out)
+    if not refs or len(refs) != len(outs):
         return float("nan")
-    ref, out = ref.detach().float(), out.detach().float()
-    noise = (ref - out).pow(2).sum()
-    return float(10 * torch.log10(ref.pow(2).sum() / noise)) if noise > 0 else float("inf")
+    signal = sum(float(r.detach().double().pow(2).sum()) for r in refs)
+    noise = sum(float((r.detach().double() - o.detach().double()).pow(2).sum()) for r, o in zip(refs, outs))
+    return 10 * math.log10(signal / noise) if noise > 0 else float("inf")
 
 
 def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate", *,
                  qconfig_mapping: QConfigMapping | None = None, iters: int = 500, batch_size: int = 8,
                  equalize: bool | str = "range", blocks: bool = True, learn_grids: bool = True,
-                 progress: bool = True, seed: int = 0) -> tuple[nn.Module, PTQReport]:
+                 max_float_layers: int = 0, progress: bool = True, seed: int = 0) -> tuple[nn.Module, PTQReport]:
     """Quantize a float ``model`` with ``recipe`` (``"default"`` or ``"accurate"``); return ``(qmodel, report)``.
 
     ``qconfig_mapping`` (default: ``get_default_qconfig_mapping()`` for ``"default"``, ``get_accurate_qconfig()``
@@ -140,7 +149,13 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     ``lowbit.algorithms.block``); ``False``: every layer on its own output. ``learn_grids`` (with ``blocks``):
     the block's output grid joins the block and the step sizes of its activation grids learn with the
     rounding (LSQ; zero points fixed, a ReLU6 grid kept inside its clamp); the learned grids are what
-    ``convert_fx`` uses. ``model`` itself is not changed.
+    ``convert_fx`` uses. ``max_float_layers`` (either recipe, default 0): after convert, keep up to that many
+    weighted layers float, picked label-free on the first calibration batch by the output SQNR against the
+    float model (``lowbit.debug.auto_mixed_precision``'s ``search="fast"`` walk on this converted model: each
+    layer ranked by the SQNR with only it float, then greedily while the SQNR improves); a float layer reads
+    its input dequantized and its output goes back onto its calibrated grid where an int8 layer reads it,
+    every other layer stays on the int8 kernels; ``report.float_layers`` names them. ``model`` itself is not
+    changed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_ptq: model must be an nn.Module, got {type(model).__name__}")
@@ -152,6 +167,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         raise TypeError(f"quantize_ptq: blocks={blocks!r} must be True or False")
     if not isinstance(learn_grids, bool):
         raise TypeError(f"quantize_ptq: learn_grids={learn_grids!r} must be True or False")
+    if isinstance(max_float_layers, bool) or not isinstance(max_float_layers, int) or max_float_layers < 0:
+        raise ValueError(f"quantize_ptq: max_float_layers={max_float_layers!r} must be an int >= 0")
     from tqdm.auto import tqdm
 
     _check_model(model)
@@ -196,8 +213,24 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         gain = sum(c.mse_nearest > 0 and c.mse_after < c.mse_nearest for c in report.layers)
         report.steps.append(("correct bias", f"biases corrected on {len(report.layers)} layers (max |shift| "
                                              f"{shift:.3g}); output MSE lower on {gain}/{len(report.layers)}"))
+    calibrated = copy.deepcopy(prepared) if max_float_layers else None  # the float twins' modules
     qmodel = convert_fx(prepared)
     with torch.no_grad():
-        report.sqnr_db = _sqnr(float_model(*batches[0]), qmodel(*batches[0]))
+        ref = float_model(*batches[0])
+        report.sqnr_db = _sqnr(ref, qmodel(*batches[0]))
     report.steps.append(("convert", f"int8 model; output SQNR on the first calibration batch {report.sqnr_db:.2f} dB"))
+    if max_float_layers:
+        from .debug.mixed_precision import keep_float_layers
+
+        def score(m: nn.Module) -> float:
+            return _sqnr(ref, m(*batches[0]))
+
+        before = report.sqnr_db
+        table = keep_float_layers(float_model, calibrated, qmodel, score, max_float_layers, progress=progress,
+                                  who="quantize_ptq: float layers")
+        report.float_layers = list(table.float_layers)
+        report.sqnr_db = table.final_metric if table.final_metric is not None else before
+        report.steps.append(("float layers", f"{len(report.float_layers)} of {len(table.rows)} weighted layers kept "
+                                             f"float (budget {max_float_layers}): first-batch SQNR {before:.2f} -> "
+                                             f"{report.sqnr_db:.2f} dB"))
     return qmodel, report

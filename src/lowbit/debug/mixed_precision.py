@@ -297,32 +297,55 @@ def _fast(model: nn.Module, qconfig_mapping: Any, batches: list[Any], eval_fn: C
         swaps, twins = _swaps(base, prepared, qmodel)
         if not swaps:
             raise ValueError("auto_mixed_precision: the quantized model has no int8 weighted layer to keep float")
-        table = SensitivityTable(baseline, tolerance=tolerance, view="float")
-        metric = table.all_quantized_metric = _score(eval_fn, qmodel, "the fully quantized model")
-        rows = []
-        for name, sw in tqdm(swaps.items(), desc="auto_mixed_precision: rank (one layer float)",
-                             disable=not progress, leave=False):
-            undo = _apply(qmodel, sw)
-            m = _score(eval_fn, qmodel, f"the model with '{name}' float")
-            _apply(qmodel, undo)
-            rows.append(SensitivityRow(name, type(undo[-1][1]).__name__, m, baseline - m))
-        rows.sort(key=lambda r: -r.metric)  # not by drop: an infinite baseline (SQNR vs float) makes every drop inf
-        table.rows = rows
-        budget = len(rows) if max_float_layers is None else max_float_layers
-        limit = -math.inf if tolerance is None else tolerance
-        steps = tqdm(rows, desc="auto_mixed_precision: greedy", disable=not progress, leave=False)
-        for row in steps:
-            if baseline - metric <= limit or len(table.float_layers) >= budget or row.metric <= table.all_quantized_metric:
-                break
-            undo = _apply(qmodel, swaps[row.name])
-            _regrid(twins, {*table.float_layers, row.name})
-            m = _score(eval_fn, qmodel, f"the model with {[*table.float_layers, row.name]} float")
-            if m > metric:
-                metric = m
-                table.float_layers.append(row.name)
-                mapping.set_module_name(row.name, None)
-            else:
-                _apply(qmodel, undo)
-                _regrid(twins, set(table.float_layers))
-    table.final_metric = metric
+        table = _search(qmodel, swaps, twins, eval_fn, baseline, tolerance, max_float_layers, progress, "auto_mixed_precision")
+        for name in table.float_layers:
+            mapping.set_module_name(name, None)
     return mapping, table
+
+
+def _search(qmodel: nn.Module, swaps: dict[str, list[tuple[str, nn.Module]]],
+            twins: dict[str, tuple[_FloatTwin, set[str]]], eval_fn: Callable[[nn.Module], Any], baseline: float,
+            tolerance: float | None, max_float_layers: int | None, progress: bool, who: str) -> SensitivityTable:
+    """Rank (one layer float each) and walk greedily; ``qmodel`` is left with the chosen layers swapped in."""
+    table = SensitivityTable(baseline, tolerance=tolerance, view="float")
+    metric = table.all_quantized_metric = _score(eval_fn, qmodel, "the fully quantized model")
+    rows = []
+    for name, sw in tqdm(swaps.items(), desc=f"{who}: rank (one layer float)", disable=not progress, leave=False):
+        undo = _apply(qmodel, sw)
+        m = _score(eval_fn, qmodel, f"the model with '{name}' float")
+        _apply(qmodel, undo)
+        rows.append(SensitivityRow(name, type(undo[-1][1]).__name__, m, baseline - m))
+    rows.sort(key=lambda r: -r.metric)  # not by drop: an infinite baseline (SQNR vs float) makes every drop inf
+    table.rows = rows
+    budget = len(rows) if max_float_layers is None else max_float_layers
+    limit = -math.inf if tolerance is None else tolerance
+    for row in tqdm(rows, desc=f"{who}: greedy", disable=not progress, leave=False):
+        if baseline - metric <= limit or len(table.float_layers) >= budget or row.metric <= table.all_quantized_metric:
+            break
+        undo = _apply(qmodel, swaps[row.name])
+        _regrid(twins, {*table.float_layers, row.name})
+        m = _score(eval_fn, qmodel, f"the model with {[*table.float_layers, row.name]} float")
+        if m > metric:
+            metric = m
+            table.float_layers.append(row.name)
+        else:
+            _apply(qmodel, undo)
+            _regrid(twins, set(table.float_layers))
+    table.final_metric = metric
+    return table
+
+
+def keep_float_layers(float_model: nn.Module, prepared: nn.Module, qmodel: nn.Module,
+                      eval_fn: Callable[[nn.Module], Any], max_float_layers: int, *, progress: bool = True,
+                      who: str = "keep_float_layers") -> SensitivityTable:
+    """Swap up to ``max_float_layers`` int8 layers of the converted ``qmodel`` back to float, in place, picked as
+    ``search="fast"`` picks them (ranked by ``eval_fn`` with only that layer float, then greedily while the
+    metric improves). ``prepared`` is the calibrated model ``qmodel`` came from (its modules give the float
+    twins), ``float_model`` the float original. Every other layer stays on the int8 kernels.
+    """
+    with _quiet_float_fallback(), torch.no_grad():
+        baseline = _score(eval_fn, float_model, "the float model")
+        swaps, twins = _swaps(float_model, prepared, qmodel)
+        if not swaps:
+            return SensitivityTable(baseline, view="float")
+        return _search(qmodel, swaps, twins, eval_fn, baseline, None, max_float_layers, progress, who)
