@@ -129,3 +129,27 @@ def test_converted_model_runs_the_plan_not_the_reference() -> None:
             qm(torch.randn(m, 64))
         assert K.counts[("reference", "linear")] == ref_before
         assert sum(v for (b, op), v in K.counts.items() if op == "linear" and b != "reference") == fast_before + 3
+
+
+def test_fbgemm_output_tensor_rides_along(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A requantizing fbgemm call leaves its quantized tensor on the output QTensor (``_tq``: the same storage, so
+    the 7-bit clamp is in it too); the next layer feeds it to fbgemm as it is and DeQuantize dequantizes it: the
+    same codes and floats as the generic path's, layer by layer."""
+    force(monkeypatch, vnni=False, fbgemm=True)
+    from lowbit.nn.quantized.stubs import DeQuantize
+
+    out7 = (0.05, 3, Q.quint8.with_range(0, 127))
+    first, second = _layer(48, 32, False, True, out7, 11), _layer(32, 16, True, False, OUT_GRIDS[0], 12)
+    g = torch.Generator().manual_seed(5)
+    for m in (1, 4, onednn.SMALL_M):
+        x = Q.QTensor(torch.randint(0, 128, (m, 48), generator=g, dtype=torch.uint8), 0.02, 60, Q.quint8.with_range(0, 127))
+        y1 = first(x)
+        assert y1._tq is not None and y1._tq.data_ptr() == y1.int_repr().data_ptr()
+        assert torch.equal(y1._tq.int_repr(), y1.int_repr()) and int(y1.int_repr().max()) <= 127
+        w1, g1 = first._prepared()
+        assert torch.equal(y1.int_repr(), onednn.linear(x, w1, first.bias, g1, True, cache={}).int_repr())
+        y2 = second(y1)
+        w2, g2 = second._prepared()
+        plain = Q.QTensor(y1.int_repr().clone(), y1.scale, y1.zero_point, y1.qdtype)  # no _tq: wrapped again
+        assert torch.equal(y2.int_repr(), onednn.linear(plain, w2, second.bias, g2, False, cache={}).int_repr())
+        assert torch.equal(DeQuantize()(y2), y2.dequantize()) and torch.equal(DeQuantize()(y1), plain.dequantize())

@@ -109,10 +109,10 @@ def codes(v: torch.Tensor, z: int, lo: int, hi: int, storage: torch.dtype) -> to
 _VIEW_ABOVE = 4096  # codes above which the storage view (~3 µs flat) beats int_repr's copy (a scalar loop)
 
 
-def plain(qt: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+def plain(qt: torch.Tensor, storage: torch.dtype, shared: bool = False) -> torch.Tensor:
     """The codes of a contiguous 8-bit torch quantized tensor (e.g. an fbgemm output) as a plain ``storage``
-    tensor: ``int_repr`` (a copy) when small, else the same memory (``set_`` on its storage: no copy)."""
-    if qt.numel() <= _VIEW_ABOVE:
+    tensor: ``int_repr`` (a copy) when small, else (or ``shared``) the same memory (``set_`` on its storage)."""
+    if qt.numel() <= _VIEW_ABOVE and not shared:
         return qt.int_repr()
     return torch.empty(0, dtype=storage).set_(qt.untyped_storage(), qt.storage_offset(), qt.shape, qt.stride())
 

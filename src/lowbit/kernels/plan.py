@@ -46,7 +46,7 @@ from .spec import OutGrid
 
 __all__ = ["linear_plan"]
 
-Run = Callable[[torch.Tensor, float, int], QTensor]
+Run = Callable[..., QTensor]  # run(codes, s_x, z_x, tq=None)
 
 
 def _quiet_qtensor(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
@@ -90,27 +90,29 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             p = packs["onednn"] = torch.ops.onednn.qlinear_prepack(w, None)
         return p
 
-    def fbgemm_requant(q: torch.Tensor, sx: float, zx: int) -> QTensor:
+    def fbgemm_requant(q: torch.Tensor, sx: float, zx: int, tq: torch.Tensor | None) -> QTensor:
         p = packs.get("fbgemm_q")
         if p is None:  # onednn._fbgemm_requant's pack: real per-channel scales and the bias inside
             wq = _quiet_qtensor(torch._make_per_channel_quantized_tensor, w, w_scale.to(torch.float64), w_zp, 0)
             p = packs["fbgemm_q"] = torch.ops.quantized.linear_prepack(
                 wq, None if bias is None else bias.detach().float())
-        flat = q.dim() == 2
-        xt = _quiet_qtensor(make_qt, q if flat else q.reshape(-1, k), sx, zx)
-        y = qstore.plain(fb_op(xt, p, s_out, z_out), torch.uint8)  # (above 4096 codes no int_repr copy: a scalar loop)
-        if not flat:
-            y = y.reshape(*q.shape[:-1], -1)
+        if q.dim() == 2:  # the output's codes stay in fbgemm's tensor (a QTensor's _tq: DeQuantize / the next layer)
+            t = fb_op(tq if tq is not None else _quiet_qtensor(make_qt, q, sx, zx), p, s_out, z_out)
+            y = qstore.plain(t, torch.uint8, shared=True)
+            return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max), t)  # (clamped in t's storage too)
+        y = qstore.plain(fb_op(_quiet_qtensor(make_qt, q.reshape(-1, k), sx, zx), p, s_out, z_out), torch.uint8)
+        y = y.reshape(*q.shape[:-1], -1)  # (above 4096 codes no int_repr copy: a scalar loop)
         return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
 
-    def run(q: torch.Tensor, sx: float, zx: int) -> QTensor:
+    def run(q: torch.Tensor, sx: float, zx: int, tq: torch.Tensor | None = None) -> QTensor:
         counts[("onednn", "linear")] += 1
         if shift:
             q = q.view(torch.uint8).bitwise_xor(128) if shift == 128 else torch.sub(q, x_qdtype.quant_min).view(torch.uint8)
             zx += shift
+            tq = None
         if q.numel() <= onednn.SMALL_M * k and torch.backends.quantized.engine in onednn._FBGEMM:
             if fused_ok:
-                return fbgemm_requant(q, sx, zx)
+                return fbgemm_requant(q, sx, zx, tq)
             p = packs.get("fbgemm")
             if p is None:
                 p = packs["fbgemm"] = onednn._fbgemm_pack(w)

@@ -32,10 +32,11 @@ class OutGrid:
     scale_t: torch.Tensor | None = field(default=None, compare=False, repr=False)
     zero_point_t: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
-    def wrap(self, codes: torch.Tensor) -> QTensor:
-        """``codes`` (already on this grid) as a ``QTensor``."""
+    def wrap(self, codes: torch.Tensor, tq: torch.Tensor | None = None) -> QTensor:
+        """``codes`` (already on this grid) as a ``QTensor``; ``tq``: a torch quantized tensor on this grid whose
+        storage holds ``codes`` (a kernel's output viewed by ``qstore.plain``), kept on the QTensor."""
         if self.scale_t is not None and self.zero_point_t is not None and self.scale_t.device == codes.device:
-            return QTensor._trusted(codes, self.scale_t, self.zero_point_t, self.qdtype)  # checked in __post_init__
+            return QTensor._trusted(codes, self.scale_t, self.zero_point_t, self.qdtype, None, tq)  # checked in __post_init__
         scale = self.scale if self.scale_t is None else self.scale_t
         zp = self.zero_point if self.zero_point_t is None else self.zero_point_t
         return QTensor(codes, scale, zp, self.qdtype)

@@ -63,7 +63,9 @@ def _check_python_qparams(scale: Any, zero_point: Any) -> None:
 class QTensor:
     """Integer codes ``int_repr`` (``qdtype.storage``) with ``scale``/``zero_point`` (0-d or ``(C,)``)."""
 
-    __slots__ = ("_q", "_scale", "_zero_point", "_qdtype", "_axis")
+    # _tq: None, or a torch quantized tensor on this very grid whose storage *is* _q's (a kernel's output, kept so
+    # that the next fbgemm call or DeQuantize takes it as it is instead of wrapping the codes again)
+    __slots__ = ("_q", "_scale", "_zero_point", "_qdtype", "_axis", "_tq")
 
     def __init__(
         self,
@@ -98,15 +100,17 @@ class QTensor:
         else:
             scale, zero_point = scale.reshape(()), zero_point.reshape(())
         self._q, self._scale, self._zero_point, self._qdtype, self._axis = int_repr, scale, zero_point, qdtype, axis
+        self._tq = None
 
     @classmethod
     def _trusted(cls, int_repr: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: QDtype,
-                 axis: int | None = None) -> QTensor:
+                 axis: int | None = None, tq: torch.Tensor | None = None) -> QTensor:
         """A QTensor from parts that already meet ``__init__``'s contract (float32 / int64 qparams on the
         codes' device, 0-d per tensor or ``(C,)`` along ``axis``), without re-checking them: lowbit's own
-        kernels and shape ops rewrap validated grids on every call (~0.1 µs instead of ~10 µs)."""
+        kernels and shape ops rewrap validated grids on every call (~0.1 µs instead of ~10 µs). ``tq``: a torch
+        quantized tensor with this scale and zero point whose storage holds ``int_repr`` (same shape and strides)."""
         t = cls.__new__(cls)
-        t._q, t._scale, t._zero_point, t._qdtype, t._axis = int_repr, scale, zero_point, qdtype, axis
+        t._q, t._scale, t._zero_point, t._qdtype, t._axis, t._tq = int_repr, scale, zero_point, qdtype, axis, tq
         return t
 
     # ---- accessors (the torch.Tensor quantized API) ----
