@@ -259,6 +259,14 @@ def test_quantize_ptq_max_float_layers_keeps_the_rest_int8_and_reports_the_retur
     kinds = {n: type(m).__module__ for n, m in q.named_modules() if n in ("stem.0", "dw.0", "pw.0", "fc")}
     (kept,) = rep.float_layers
     assert all(k.startswith("lowbit.nn.quantized") == (n != kept) for n, k in kinds.items()), kinds
+    # accurate: the float twins compute with the float weights (rounding writes its codes into the prepared
+    # model's weights and bias correction shifts its biases: a twin built from those changed nothing)
+    qa, ra = Q.quantize_ptq(model, calib, iters=5, equalize=False, max_float_layers=2, progress=False)
+    fresh = dict(Q.prepare_fx(copy.deepcopy(model), Q.QConfigMapping().set_global(Q.get_accurate_qconfig()),
+                              example_inputs=(calib[0],)).named_modules())
+    for name in ra.float_layers:
+        twin, want = split(qa.get_submodule(name).float_mod)[0], split(fresh[name])[0]
+        assert torch.equal(twin.weight, want.weight) and torch.equal(twin.bias, want.bias), name
 
 
 def test_reconstruct_eager_mode_improves_sqnr():

@@ -198,6 +198,9 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         for b in tqdm(batches, desc="calibrate", disable=not progress):
             prepared(*b)
     report.steps.append(("calibrate", f"{len(batches)} batches observed"))
+    # the float twins of the layers kept float (max_float_layers): float weights, before rounding writes the
+    # learned codes into them and bias correction shifts their biases
+    calibrated = copy.deepcopy(prepared) if max_float_layers else None
     if recipe == "accurate":  # rounding and bias correction run together, layer by layer, in one pass
         report.layers = reconstruct(prepared, batches, adaround=iters > 0, bias_correction=True, iters=iters,
                                     batch_size=batch_size, seed=seed, progress=progress, blocks=blocks,
@@ -213,7 +216,6 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         gain = sum(c.mse_nearest > 0 and c.mse_after < c.mse_nearest for c in report.layers)
         report.steps.append(("correct bias", f"biases corrected on {len(report.layers)} layers (max |shift| "
                                              f"{shift:.3g}); output MSE lower on {gain}/{len(report.layers)}"))
-    calibrated = copy.deepcopy(prepared) if max_float_layers else None  # the float twins' modules
     qmodel = convert_fx(prepared)
     with torch.no_grad():
         ref = float_model(*batches[0])
