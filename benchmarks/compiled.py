@@ -1,7 +1,7 @@
 """Eager vs ``torch.compile``: lowbit eager | lowbit compiled | torch.ao | fp32 | fp32 compiled, interleaved.
 
 Run: ``python benchmarks/compiled.py [--quick] [--threads 1 2] [--cases linear conv smallcnn smallcnn-x86 minilm
-mobilenetv2]``
+mobilenetv2 mobilenetv2-x86]``
 (method: ``common.py``; prints the ISA first). Writes ``benchmarks/results/compiled.json``.
 
 Every method is a whole float-in/float-out model built by the public workflows:
@@ -14,7 +14,8 @@ Every method is a whole float-in/float-out model built by the public workflows:
 - minilm: MiniLM sentence encoder (``lowbit.data.load_minilm``, if installed), dynamic, batch 32: the default
   (per-token u8) and, interleaved with it, ``MINILM_RECIPES`` (per-token 7-bit, torch.ao's x86 recipe);
 - mobilenetv2: a MobileNetV2 (torchvision's layout, ReLU instead of ReLU6 as in torchvision's
-  quantizable variant, random weights, 1000 classes) static, batch 8 at 224 × 224.
+  quantizable variant, random weights, 1000 classes) static, batch 8 at 224 × 224 (mobilenetv2-x86: lowbit on
+  torch.ao's x86 recipe, as smallcnn-x86).
 
 torch.ao twins use the x86 engine and its default qconfigs (reduce_range 7-bit activations) on the
 same float weights; ``lowbit compiled`` is ``torch.compile(model, fullgraph=True)`` (the int8 steps
@@ -49,7 +50,7 @@ warnings.filterwarnings("ignore")
 SHAPES = [(16, 768, 768), (128, 768, 3072), (512, 4096, 4096)]
 # MiniLM's other dynamic recipes, timed next to the default (per-token u8): per-token 7-bit, torch.ao's x86 recipe
 MINILM_RECIPES: dict[str, dict[str, Any]] = {"u7 per token": {"reduce_range": True}, "x86 recipe": {"backend": "x86"}}
-CASES = ("linear", "conv", "smallcnn", "smallcnn-x86", "minilm", "mobilenetv2")
+CASES = ("linear", "conv", "smallcnn", "smallcnn-x86", "minilm", "mobilenetv2", "mobilenetv2-x86")
 
 
 class _Stubs:
@@ -223,15 +224,18 @@ def cases(names: list[str], quick: bool) -> list[tuple[str, Callable[[], dict[st
                         for name, qc in MINILM_RECIPES.items()}
             return _methods(model, Q.quantize_dynamic(copy.deepcopy(model)), ao, (), kw, exact=False, variants=variants)
         out.append(("MiniLM b32 dynamic", minilm))
-    if "mobilenetv2" in names:
-        def mobilenet() -> dict[str, Callable[[], Any]]:
+    for case, backend in (("mobilenetv2", None), ("mobilenetv2-x86", "x86")):
+        if case not in names:
+            continue
+
+        def mobilenet(backend: str | None = backend) -> dict[str, Callable[[], Any]]:
             torch.manual_seed(0)
             fp, ao_fp = MobileNetV2().eval(), MobileNetV2(ao=True).eval()
             ao_fp.load_state_dict(fp.state_dict())
             calib = [torch.randn(8, 3, 224, 224) for _ in range(2)]
-            lb, ao = _static_pair(fp, ao_fp, calib, fp.fusion_groups())
+            lb, ao = _static_pair(fp, ao_fp, calib, fp.fusion_groups(), backend)
             return _methods(fp, lb, ao, (torch.randn(8, 3, 224, 224),))
-        out.append(("MobileNetV2 b8 static", mobilenet))
+        out.append(("MobileNetV2 b8 static" + (" (lowbit on torch.ao's x86 qconfig)" if backend else ""), mobilenet))
     return out
 
 
