@@ -1,14 +1,17 @@
-"""Helpers shared by several test modules (not a test module): a state_dict round trip, a 1-thread fixture,
+"""Helpers shared by several test modules (not a test module): a state_dict round trip, thread-count fixtures,
 ``force`` (pin the CPU kernel route: VNNI or not, fbgemm or oneDNN only).
 
-``one_thread`` is a module-scoped autouse fixture: a test module that imports it runs with
-``torch.set_num_threads(1)`` (the 2 shared cores are oversubscribed otherwise, ~10x slower) and the
-previous thread count comes back after the module's last test.
+``threads(n)`` makes an autouse fixture: a test module that binds or imports it runs with ``torch.set_num_threads(n)``
+and the previous count comes back afterwards. ``one_thread`` (module scope) is the common one: the 2 shared cores
+are oversubscribed otherwise, ~10x slower; the real-data files bind ``threads(2, ...)``: their floors were
+measured at 2 threads.
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -25,12 +28,21 @@ def roundtrip(mod: nn.Module) -> dict:
     return sd
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def threads(n: int, scope: str = "module", name: str = "one_thread") -> Any:
+    """An autouse fixture (bound to a name in a test module, or imported there) that runs that module's tests on
+    ``n`` torch threads and restores the previous count after the module (``scope="module"``) or each test."""
+
+    @pytest.fixture(autouse=True, scope=scope, name=name)  # type: ignore[call-overload]
+    def _threads() -> Iterator[None]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        yield
+        torch.set_num_threads(before)
+
+    return _threads
+
+
+one_thread = threads(1)
 
 
 def force(monkeypatch: pytest.MonkeyPatch, *, vnni: bool, fbgemm: bool) -> None:

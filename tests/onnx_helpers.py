@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import onnx
-import pytest
 import torch
 from torch import nn
 
 import lowbit as Q
 from lowbit.export import run_onnx
+from helpers import threads
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Importing this fixture into a test module makes every test there run on one torch thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+one_thread = threads(1, "function")  # importing it into a test module runs every test there on one torch thread
 
 
 def quantized(model: nn.Module, batches: list[torch.Tensor], groups: list[list[str]] | None = None) -> nn.Module:

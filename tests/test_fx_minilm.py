@@ -30,19 +30,14 @@ import torch
 
 import lowbit as Q
 import lowbit.nn.quantized as nnq
+from helpers import threads
 
 pytestmark = [pytest.mark.slow, pytest.mark.realdata]
 
 MAX_TOKENS = 128
 
 
-@pytest.fixture(autouse=True)
-def two_threads():
-    """The figures were measured at 2 threads; the previous count comes back after the test."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(n)
+two_threads = threads(2, "function", "two_threads")  # the figures were measured at 2 threads; restored after each test
 
 
 def test_minilm_static_int8_linears_on_the_lee_corpus():

@@ -17,6 +17,7 @@ import lowbit as Q
 from lowbit import kernels
 from lowbit.examples import SmallCNN
 from lowbit.kernels import onednn
+from helpers import threads
 
 SRC = str(Path(Q.__file__).resolve().parent.parent)
 
@@ -79,12 +80,7 @@ MODELS = {"eager_convert": _eager_converted, "eager_convert_x86": lambda: _eager
           "weight_only_int4": lambda: _weight_only(4), "weight_only_int8": lambda: _weight_only(8)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+_one_thread = threads(1, "function", "_one_thread")
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))

@@ -15,6 +15,7 @@ import torch
 
 import lowbit as Q
 from lowbit import kernels
+from helpers import threads
 from lowbit.models import (efficientnet_lite0_weights_path, load_efficientnet_lite0, load_mobilenet_v2,
                            mobilenet_v2_weights_path, photo_crops, photos_available)
 
@@ -29,13 +30,8 @@ def _metrics(ref: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
     return agree, float(10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def two_threads():
-    """The floors were measured at 2 threads (float summation order moves top-1 agreement); restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(n)
+# the floors were measured at 2 threads (float summation order moves top-1 agreement); restored after the file
+two_threads = threads(2, "module", "two_threads")
 
 
 Case = tuple[torch.nn.Module, list[torch.Tensor], torch.Tensor, torch.Tensor]
