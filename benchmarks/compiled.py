@@ -1,7 +1,8 @@
 """Eager vs ``torch.compile``: lowbit eager | lowbit compiled | torch.ao | fp32 | fp32 compiled, interleaved.
 
 Run: ``python benchmarks/compiled.py [--quick] [--threads 1 2] [--cases linear conv smallcnn smallcnn-x86 minilm
-mobilenetv2 mobilenetv2-x86]``
+mobilenetv2 mobilenetv2-x86] [--cosine]`` (``--cosine``: MiniLM's embedding cosine to fp32 per recipe, eager and
+compiled, as ``e2e.py`` measures it)
 (method: ``common.py``; prints the ISA first). Writes ``benchmarks/results/compiled.json``.
 
 Every method is a whole float-in/float-out model built by the public workflows:
@@ -239,10 +240,36 @@ def cases(names: list[str], quick: bool) -> list[tuple[str, Callable[[], dict[st
     return out
 
 
+def minilm_cosine() -> dict[str, dict[str, float]]:
+    """Mean cosine to fp32 of ``e2e.py``'s sentence embeddings (``lowbit.data.embed_sentences``, the 50 Lee-corpus
+    documents when gensim's copy is installed) for each MiniLM dynamic recipe, eager and compiled."""
+    tok, model = D.load_minilm()
+    try:
+        docs = D.load_lee_corpus()[1]
+    except ImportError:
+        docs = [f"sentence number {i} about quantization of neural networks" for i in range(50)]
+    with torch.inference_mode():
+        ref = D.embed_sentences(tok, model, docs)
+    recipes: dict[str, Any] = {"default": None}
+    recipes.update({k: {nn.Linear: Q.get_dynamic_qconfig(**v)} for k, v in MINILM_RECIPES.items()})
+    out: dict[str, dict[str, float]] = {}
+    for name, spec in tqdm(recipes.items(), desc="MiniLM cosine", file=sys.stdout):
+        m = Q.quantize_dynamic(copy.deepcopy(model), spec)
+        torch._dynamo.reset()
+        c = torch.compile(m, fullgraph=True)
+        with torch.inference_mode():
+            out[name] = {mode: float((D.embed_sentences(tok, f, docs) * ref).sum(1).mean())
+                         for mode, f in (("eager", m), ("compiled", c))}
+        tqdm.write(f"MiniLM {name}: cosine to fp32 eager {out[name]['eager']:.4f}, compiled {out[name]['compiled']:.4f} "
+                   f"({len(docs)} documents)")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(p)
-    p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    p.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES, help="none: only --cosine")
+    p.add_argument("--cosine", action="store_true", help="MiniLM recipes' embedding cosine to fp32, eager and compiled")
     a = p.parse_args()
     if a.quick:
         a.rounds = min(a.rounds, 3)
@@ -266,6 +293,8 @@ def main() -> None:
             tqdm.write(f"{label} t={threads} clean {t.n_clean}/{a.rounds} | "
                        + " ".join(f"{k}={v['ms']:.3g}ms" for k, v in s["methods"].items()) + " | "
                        + " ".join(f"{k}={v:.2f}x" for k, v in ratios.items()), file=sys.stdout)
+    if a.cosine and D.minilm_available():
+        res["minilm_cosine"] = minilm_cosine()
     print(common.write_results(a.out or "compiled", res))
 
 
