@@ -110,7 +110,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             q = q.view(torch.uint8).bitwise_xor(128) if shift == 128 else torch.sub(q, x_qdtype.quant_min).view(torch.uint8)
             zx += shift
             tq = None
-        if q.numel() <= onednn.SMALL_M * k and torch.backends.quantized.engine in onednn._FBGEMM:
+        if q.numel() <= onednn.SMALL_M * k and onednn.fbgemm_engine():
             if fused_ok:
                 return fbgemm_requant(q, sx, zx, tq)
             p = packs.get("fbgemm")

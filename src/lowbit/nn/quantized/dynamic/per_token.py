@@ -280,7 +280,7 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
     dispatcher) and the codes go straight to the onednn backend on the shared grid (split or not by
     its rules, fbgemm for few rows)."""
     m, k = xf.shape
-    if m <= onednn.SMALL_M and weight_int8.numel() <= _WSPLIT_MAX and torch.backends.quantized.engine in onednn._FBGEMM:
+    if m <= onednn.SMALL_M and weight_int8.numel() <= _WSPLIT_MAX and onednn.fbgemm_engine():
         y = _weight_split(xf, plan, weight_int8, w_scale, bias, cache)
         if y is not None:
             return y
