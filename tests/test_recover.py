@@ -299,6 +299,8 @@ def test_reconstruct_eager_mode_improves_sqnr():
     (dict(learn_grids="off"), TypeError, "learn_grids='off'"),
     (dict(max_float_layers=-1), ValueError, "max_float_layers=-1"),
     (dict(max_float_layers=True), ValueError, "max_float_layers=True"),
+    (dict(streams=2), ValueError, "streams=2"),
+    (dict(streams=True), ValueError, "streams=True"),
 ])
 def test_quantize_ptq_bad_arguments(kw, err, match):
     with pytest.raises(err, match=match):
