@@ -80,7 +80,7 @@ def imagenet(name: str, model: torch.nn.Module, norm: str, iters: int, n_cal: in
         q, _ = Q.quantize_ptq(model, calib, recipe=recipe, iters=iters)
         with torch.no_grad():
             _row(name, f"lowbit {recipe}", *_cls(ref, q(x)), f"{time.perf_counter() - t:.0f} s, {n_cal} calibration crops"
-                 + (f", AdaRound {iters} steps (residual blocks together, activation steps learned)"
+                 + (f", AdaRound {iters} steps (residual streams equalized, blocks together, activation steps learned)"
                     if recipe == "accurate" else ""))
     for engine in ("x86", "onednn"):
         try:

