@@ -27,7 +27,8 @@ MobileNetV2 (48 calibration crops, MSE-searched grids, round to nearest, 96 othe
 late stream's channel spread 16.2 -> 2.4 (``alpha=0.75``); activations-only logit SQNR 15.35 -> 16.98 dB
 (``alpha`` 0.5: 16.66, 1.0: 16.78), weights-only 14.95 -> 14.95 dB (1.0: 14.65); the accurate recipe
 (``quantize_ptq``, 100 steps) 0.896 / 18.17 -> 0.917 / 19.54 dB. Per-channel RMS in place of ``max |x_c|``
-simulated 17.43 dB activations-only; not adopted (its one recipe run was not comparable).
+simulated 17.43 dB activations-only and gave 0.875 / 20.11 dB on the recipe (2 threads: 0.885 / 20.15 dB
+where ``max |x_c|`` gives 0.865 / 19.70): more SQNR, not more agreement; not adopted.
 
 >>> import torch, lowbit as Q
 >>> from torch import nn
