@@ -194,9 +194,10 @@ def quantize_scaled(x: torch.Tensor, inv_scale: float | torch.Tensor, zero_point
     True
     """
     xf = x if x.dtype == torch.float32 and not x.requires_grad else x.detach().to(torch.float32)
-    z = float(zero_point) if xf.is_cpu and qdtype.storage in (torch.uint8, torch.int8) else 0.5
-    if z.is_integer():  # x · inv, then add, round, clamp and the 8-bit store in one pass
-        return qstore.codes(torch.mul(xf, inv_scale), int(z), qdtype.quant_min, qdtype.quant_max, qdtype.storage)
+    if xf.is_cpu and qdtype.storage in (torch.uint8, torch.int8) and float(zero_point).is_integer():
+        # x · inv, then add, round, clamp and the 8-bit store in one pass
+        return qstore.codes(torch.mul(xf, inv_scale), int(zero_point), qdtype.quant_min, qdtype.quant_max,
+                            qdtype.storage)
     if xf.numel() > blocked.BLOCK and xf.dim() and xf.is_contiguous() and xf.device.type == "cpu":  # L2-sized blocks
         inv_t = inv_scale if isinstance(inv_scale, torch.Tensor) else torch.scalar_tensor(inv_scale)
         z_t = zero_point if isinstance(zero_point, torch.Tensor) else torch.scalar_tensor(zero_point)

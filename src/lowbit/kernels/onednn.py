@@ -64,6 +64,8 @@ def fbgemm_engine() -> bool:
 @functools.lru_cache(maxsize=8)
 def _engine_ids(names: tuple[str, ...]) -> frozenset[int]:
     return frozenset(torch.backends.quantized._get_qengine_id(n) for n in names)
+
+
 SMALL_M = 32  # rows up to which fbgemm's int8 GEMM beats oneDNN's on CPUs without VNNI (benchmarks/README.md)
 
 
