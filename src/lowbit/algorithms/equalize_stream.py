@@ -61,6 +61,7 @@ from torch import fx, nn
 
 from ..fake_quant import FakeQuantize
 from ..observer import ObserverBase
+from .equalize import _run_hooked, _scale_in
 from .layers import is_weighted, split
 
 __all__ = ["EqualizedStream", "equalize_streams"]
@@ -140,8 +141,6 @@ def _streams(gm: fx.GraphModule, mods: dict[str, nn.Module]) -> list[tuple[list[
 def _absmax(gm: fx.GraphModule, groups: list[list[nn.Module]], calib: Iterable[Any]) -> list[torch.Tensor | None]:
     """Per group of observers: per-channel ``max |x|`` over every tensor they see on ``calib`` (observers
     inert). Rescaling one stream leaves every other tensor as it is, up to float rounding."""
-    from .equalize import _run_hooked
-
     got: list[torch.Tensor | None] = [None] * len(groups)
 
     def hook(k: int, args: Any) -> None:
@@ -194,9 +193,7 @@ def equalize_streams(prepared: fx.GraphModule, calib: Iterable[Any], alpha: floa
                 if op.bias is not None:
                     op.bias.div_(s)
             for c in convs:
-                shape = [1] * c.weight.dim()
-                shape[1 if c.groups == 1 else 0] = -1
-                c.weight.mul_(s.view(shape))
+                _scale_in(c, s)
             records.append(EqualizedStream([str(w.target) for w in writers], [str(n.target) for n in readers],
                                            _spread(a), _spread(a / s)))
     return records
