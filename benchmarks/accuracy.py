@@ -8,9 +8,10 @@ Rows (fp32 model = reference):
   ``get_default_qconfig_mapping("x86")`` (and the onednn engine's mapping);
 - the Fashion-MNIST SmallCNN (trained here for one epoch on 10k images; 1k calibration images,
   2k test images): test accuracy and agreement;
-- MiniLM (all-MiniLM-L6-v2) on the Lee corpus: static int8 through graph mode (all Linears int8, and
-  with the float layers picked by ``auto_mixed_precision(search="fast")`` + ``fuse_dequantize``), and
-  dynamic int8; cosine of sentence embeddings to fp32 (mean / worst) on the background documents, Lee r.
+- MiniLM (all-MiniLM-L6-v2) on the Lee corpus: static int8 through graph mode (all Linears int8; all
+  int8 with min/max grids on the query/key/value inputs + ``fuse_dequantize``; and with the float
+  layers picked by ``auto_mixed_precision(search="fast")`` + ``fuse_dequantize``), and dynamic int8;
+  cosine of sentence embeddings to fp32 (mean / worst) on the background documents, Lee r.
 
 Accuracy does not depend on the ISA except through kernels' exactness, which lowbit guarantees; the
 ISA is printed anyway. Run: ``python benchmarks/accuracy.py`` (``--quick``: fewer samples and
@@ -155,6 +156,14 @@ def minilm(quick: bool) -> None:
                          example_inputs=(enc["input_ids"], enc["attention_mask"]))
         embed(p, background[:64])
         _row("MiniLM", "lowbit static (graph mode)", *score(Q.convert_fx(p)), "64 calibration docs")
+        # all 37 Linears int8: min/max grids on the attention projections' inputs, float-out epilogues
+        mapping = Q.QConfigMapping().set_global(Q.get_default_qconfig()).set_module_name_regex(
+            r"encoder\.layer\.\d+\.attention\.self\.(query|key|value)", Q.get_calibration_qconfig("minmax", "minmax"))
+        p = Q.prepare_fx(copy.deepcopy(model), mapping, example_inputs=(enc["input_ids"], enc["attention_mask"]))
+        embed(p, background[:64])
+        q = Q.convert_fx(p)
+        Q.fuse_dequantize(q)
+        _row("MiniLM", "lowbit static, min/max q/k/v inputs + fuse_dequantize", *score(q), "all 37 Linear int8")
     auto_static(tok, model, background, embed, score)
     _row("MiniLM", "lowbit dynamic", *score(Q.quantize_dynamic(copy.deepcopy(model))))
     from torch.ao.quantization import quantize_dynamic
