@@ -127,6 +127,15 @@ def _out_consts(scale: float, zero_point: int) -> tuple[torch.Tensor, torch.Tens
 _QUIET = [False]  # set once the first quantized tensor was made (torch warns only once)
 
 
+def direct(op: Any) -> Any:
+    """The C++ entry of a ``torch.ops`` operator's default overload: the same kernel, without
+    ``OpOverloadPacket.__call__``'s Python scan of every argument for torchbind fakes, which runs on each
+    call of an op that takes a torchbind object (fbgemm's packed weights: ~2-4 µs per call on the AVX2 EPYC).
+    The scan matters only while ``torch.export`` traces with fake script objects; the eager paths that use
+    this never run while tracing. ``op`` itself where torch has no such entry."""
+    return getattr(getattr(op, "default", None), "_op", op)
+
+
 def _fbgemm_pack(w: torch.Tensor) -> Any:
     """fbgemm-packed int8 weight with unit per-channel scales (the real scales enter at call time)."""
     ones, zeros = torch.ones(w.shape[0], dtype=torch.float64), torch.zeros(w.shape[0], dtype=torch.long)
@@ -145,7 +154,7 @@ def _fbgemm_linear(packed: Any, q: torch.Tensor, sx: float, zx: int, split: bool
     which gives back exactly the codes ``q``; the same ``vpmaddubsw`` rules hold, so unsafe
     weights with 8-bit codes take the two 7-bit halves (``split``), stacked into one call.
     """
-    op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+    op = fbgemm_ops()[0]
     lead, k = q.shape[:-1], q.shape[-1]
     q2 = q if q.dim() == 2 else q.reshape(-1, k)
     if split:  # both 7-bit halves in one call (``_halves``): float ``q_half - z_half`` on the shared zero point
@@ -200,7 +209,7 @@ def _fbgemm_requant(cache: dict[str, Any] | None, weight: QTensor, bias: torch.T
         hit = (version, torch.ops.quantized.linear_prepack(wq, None if bias is None else bias.detach().float()))
         if cache is not None:
             cache["onednn.fbgemm_q"] = hit
-    op = torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear
+    op = fbgemm_ops()[2 if relu else 1]
     if _QUIET[0]:
         xt = torch._make_per_tensor_quantized_tensor(q, sx, zx)
     else:  # torch warns once per process about quantized tensors: keep it from users
@@ -212,3 +221,11 @@ def _fbgemm_requant(cache: dict[str, Any] | None, weight: QTensor, bias: torch.T
     y = qstore.plain(op(xt if flat else xt.reshape(-1, q.shape[-1]), hit[1], out.scale, out.zero_point), torch.uint8)
     y = y if flat else y.reshape(*q.shape[:-1], -1)
     return out.wrap(y if out.full_range else y.clamp_(out.qdtype.quant_min, out.qdtype.quant_max))
+
+
+@functools.lru_cache(maxsize=None)
+def fbgemm_ops() -> tuple[Any, Any, Any]:
+    """fbgemm's float-output, requantizing and requantizing-ReLU linear ops through their C++ entries
+    (``direct``), looked up on first use (a torch without them never gets here: the callers check the engine)."""
+    q = torch.ops.quantized
+    return direct(q.linear_with_input_q_dq_qweight_dq_output_fp32), direct(q.linear), direct(q.linear_relu)

@@ -38,13 +38,14 @@ from typing import Any
 import torch
 
 from .. import qstore
+from ..compile_state import tensor_version
 from ..qscheme import QDtype
 from ..qtensor import QTensor
-from . import onednn
+from . import avx2, onednn
 from .avx2 import _QUIET
 from .spec import OutGrid
 
-__all__ = ["linear_plan"]
+__all__ = ["linear_plan", "layer_key"]
 
 Run = Callable[..., QTensor]  # run(codes, s_x, z_x, tq=None)
 
@@ -58,6 +59,29 @@ def _quiet_qtensor(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         t = fn(*args)
     _QUIET[0] = True
     return t
+
+
+def layer_key(w: torch.Tensor, ws: torch.Tensor, wz: torch.Tensor, bias: torch.Tensor | None, s: torch.Tensor,
+              z: torch.Tensor) -> tuple[Any, ...]:
+    """The cache key of a layer's plan: the identity and version counter of its weight codes, scales, zero points,
+    bias (``None``: ``-2``), output scale and zero point, and whether the CPU has VNNI (one helper for the eager
+    module and the ``lowbit::qlinear`` op). A cache that keeps the plan must hold the tensors too, so that their
+    ids cannot be reused. ``_version`` read directly (~1 µs for the whole key instead of ~2 through
+    ``compile_state.tensor_version``); inference tensors, which keep no version counter, key as ``-1`` as there.
+
+    >>> t = torch.zeros(2)
+    >>> k0 = layer_key(t, t, t, None, t, t)
+    >>> _ = t.add_(1)
+    >>> k0 == layer_key(t, t, t, None, t, t), k0[3] == id(None)
+    (False, True)
+    """
+    try:
+        return (onednn.has_vnni(), id(w), id(ws), id(wz), id(bias), id(s), id(z), w._version, ws._version,
+                wz._version, -2 if bias is None else bias._version, s._version, z._version)
+    except RuntimeError:  # an inference tensor ("do not track version counter")
+        tv = tensor_version
+        return (onednn.has_vnni(), id(w), id(ws), id(wz), id(bias), id(s), id(z), tv(w), tv(ws), tv(wz),
+                -2 if bias is None else tv(bias), tv(s), tv(z))
 
 
 def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: bool, x_qdtype: QDtype) -> Run | None:
@@ -80,9 +104,15 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
     w_scale, w_zp = weight.scale, weight.zero_point
     packs: dict[str, Any] = {}  # made on first use: a layer that only ever sees small M never packs for oneDNN
     fused_ok = dt == torch.uint8 and not split
-    fb_op = torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear
     make_qt = torch._make_per_tensor_quantized_tensor
+    # the output grid's clamp where it is narrower than the u8 storage (a 7-bit grid): fbgemm saturates at 0 / 255
+    c_lo, c_hi = (qd.quant_min if qd.quant_min > 0 else None), (qd.quant_max if qd.quant_max < 255 else None)
+    s_t, z_t = out.scale_t, out.zero_point_t
+    if s_t is None or z_t is None or s_t.device != w.device:
+        s_t, z_t = None, None  # (out.wrap checks the grid)
     counts = _counts()
+    key = ("onednn", "linear")
+    empty, u8 = torch.empty, torch.uint8
 
     def onednn_pack() -> Any:
         p = packs.get("onednn")
@@ -91,21 +121,27 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         return p
 
     def fbgemm_requant(q: torch.Tensor, sx: float, zx: int, tq: torch.Tensor | None) -> QTensor:
-        p = packs.get("fbgemm_q")
-        if p is None:  # onednn._fbgemm_requant's pack: real per-channel scales and the bias inside
+        hit = packs.get("fbgemm_q")
+        if hit is None:  # onednn._fbgemm_requant's pack: real per-channel scales and the bias inside; its op
             wq = _quiet_qtensor(torch._make_per_channel_quantized_tensor, w, w_scale.to(torch.float64), w_zp, 0)
-            p = packs["fbgemm_q"] = torch.ops.quantized.linear_prepack(
-                wq, None if bias is None else bias.detach().float())
+            hit = packs["fbgemm_q"] = (torch.ops.quantized.linear_prepack(
+                wq, None if bias is None else bias.detach().float()), avx2.fbgemm_ops()[2 if relu else 1])
+        p, op = hit
         if q.dim() == 2:  # the output's codes stay in fbgemm's tensor (a QTensor's _tq: DeQuantize / the next layer)
-            t = fb_op(tq if tq is not None else _quiet_qtensor(make_qt, q, sx, zx), p, s_out, z_out)
-            y = qstore.plain(t, torch.uint8, shared=True)
-            return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max), t)  # (clamped in t's storage too)
-        y = qstore.plain(fb_op(_quiet_qtensor(make_qt, q.reshape(-1, k), sx, zx), p, s_out, z_out), torch.uint8)
+            if tq is None:
+                tq = make_qt(q, sx, zx) if _QUIET[0] else _quiet_qtensor(make_qt, q, sx, zx)
+            t = op(tq, p, s_out, z_out)
+            # its codes viewed, not copied (qstore.plain(shared=True)), and clamped in t's storage too
+            y = empty(0, dtype=u8).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+            if c_lo is not None or c_hi is not None:
+                y.clamp_(c_lo, c_hi)
+            return QTensor._trusted(y, s_t, z_t, qd, None, t) if s_t is not None else out.wrap(y, t)
+        y = qstore.plain(op(_quiet_qtensor(make_qt, q.reshape(-1, k), sx, zx), p, s_out, z_out), torch.uint8)
         y = y.reshape(*q.shape[:-1], -1)  # (above 4096 codes no int_repr copy: a scalar loop)
         return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
 
     def run(q: torch.Tensor, sx: float, zx: int, tq: torch.Tensor | None = None) -> QTensor:
-        counts[("onednn", "linear")] += 1
+        counts[key] += 1
         if shift:
             q = q.view(torch.uint8).bitwise_xor(128) if shift == 128 else torch.sub(q, x_qdtype.quant_min).view(torch.uint8)
             zx += shift

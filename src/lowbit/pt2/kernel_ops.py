@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from .. import kernels
-from ..compile_state import qdtype_from_key, tensor_version
-from ..kernels import ConvSpec, OutGrid, onednn
-from ..kernels.plan import linear_plan
+from ..compile_state import qdtype_from_key
+from ..kernels import ConvSpec, OutGrid
+from ..kernels.plan import layer_key, linear_plan
 from ..qtensor import QTensor
 from .quant_ops import define
 
@@ -71,10 +71,8 @@ def _linear_plan(cache: dict[str, Any], x_qdtype: str, weight: torch.Tensor, w_s
                  out_zero_point: torch.Tensor, out_qdtype: str, relu: bool) -> Any:
     """The eager layer's ``kernels.plan.linear_plan`` for these buffers (``None``: the generic path), kept in the
     weight's cache for the buffers' identities and versions, the grids and the CPU's VNNI (as the module keeps it)."""
-    tv = tensor_version
-    key = (onednn.has_vnni(), x_qdtype, w_qdtype, out_qdtype, relu, tv(weight), id(w_scale), tv(w_scale),
-           id(w_zero_point), tv(w_zero_point), -1 if bias is None else id(bias), -2 if bias is None else tv(bias),
-           id(out_scale), tv(out_scale), id(out_zero_point), tv(out_zero_point))
+    key = (x_qdtype, w_qdtype, out_qdtype, relu, *layer_key(weight, w_scale, w_zero_point, bias, out_scale,
+                                                         out_zero_point))
     hit = cache.get("pt2.linear_plan")
     if hit is None or hit[0] != key:
         wq = QTensor._trusted(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=0)

@@ -31,6 +31,7 @@ from ...compile_state import tensor_version, tracing
 from ...functional import quantize
 from ... import kernels
 from ...kernels import OutGrid
+from ...kernels.plan import layer_key
 from ...observer.distributed import local_statistics
 from ...qparams import calculate_qparams
 from ...qscheme import QDtype, QScheme, as_qdtype, per_tensor_affine, quint8
@@ -344,9 +345,7 @@ class WeightedQuantModule(CheckedQuantState):
         b = self._buffers
         w, ws, wz, bias, s, z = (b["weight_int8"], b["weight_scale"], b["weight_zero_point"], b["bias"], b["scale"],
                                  b["zero_point"])
-        tv = tensor_version
-        key = (kernels.onednn.has_vnni(), id(w), id(ws), id(wz), id(bias), id(s), id(z),
-               tv(w), tv(ws), tv(wz), -2 if bias is None else tv(bias), tv(s), tv(z))  # type: ignore[arg-type]
+        key = layer_key(w, ws, wz, bias, s, z)  # type: ignore[arg-type]
         hit = self._cache.get("plan")
         if hit is None or hit[0] != key or (hit[1] is not x._qdtype and hit[1] != x._qdtype):
             weight, out = self._prepared()

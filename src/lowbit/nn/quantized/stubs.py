@@ -16,9 +16,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from ... import qstore
 from ...qscheme import QDtype, quint8
 from ...compile_state import tensor_version, tracing
 from ...functional import dequantize_fast, quantize_scaled, scalar_qparams, scalar_tensors
@@ -29,11 +32,14 @@ from ._state import CheckedQuantState
 __all__ = ["Quantize", "DeQuantize"]
 
 
-def _has_nan(x: torch.Tensor) -> bool:
-    """Whether ``x`` may hold NaN: one sum (NaN propagates; ``inf - inf`` is a false alarm that the
-    caller's exact check clears), ~3x cheaper than ``isnan(x).any()``."""
-    s = x.sum().item()
-    return s != s
+def _store(qdtype: QDtype, z: float) -> tuple[Any, ...] | None:
+    """``qstore.codes``' one-pass route for codes on ``qdtype`` with zero point ``z`` (see ``Quantize._grid``)."""
+    spec = qstore._TORCH_Q.get(qdtype.storage)
+    if spec is None or not z.is_integer() or not spec[1] <= z <= spec[2] or not qstore.exact(True):
+        return None
+    zi, (dtype, smin, smax) = int(z), spec
+    lo, hi = qdtype.quant_min, qdtype.quant_max
+    return (lo - zi if lo > smin else None), (hi - zi if hi < smax else None), zi, dtype
 
 
 class Quantize(CheckedQuantState):
@@ -51,12 +57,26 @@ class Quantize(CheckedQuantState):
 
     def forward(self, x: torch.Tensor | QTensor) -> QTensor:
         if type(x) is torch.Tensor and x.dtype == torch.float32 and x.is_cpu and not tracing():  # (.is_cpu: no device object)
-            # the eager fast path: one reduction for the NaN check, one fused-by-hand quantize
-            if x.numel() and _has_nan(x):
-                check_no_nan(x, "Quantize")
+            # the eager fast path: one sum for the NaN check (NaN propagates; ``inf - inf``
+            # is a false alarm that check_no_nan's exact check clears), one fused-by-hand quantize
+            if x.numel():
+                nan = x.sum().item()
+                if nan != nan:
+                    check_no_nan(x, "Quantize")
             bufs = self._buffers  # (nn.Module.__getattr__ costs ~1 µs per buffer read)
-            return QTensor._trusted(quantize_scaled(x, *self._grid(), self.qdtype), bufs["scale"],  # type: ignore[arg-type]
-                                    bufs["zero_point"], self.qdtype)
+            inv, z, store = self._grid()
+            if store is not None and x.is_contiguous() and not x.requires_grad:
+                # quantize_scaled → qstore.codes, their decisions made once (_grid): v = x · inv, the 7-bit clamp of v,
+                # then add, round, clamp and the 8-bit store in one quantize_per_tensor at scale 1
+                lo, hi, zi, dtype = store
+                v = torch.mul(x, inv)
+                if lo is not None or hi is not None:
+                    v.clamp_(lo, hi)
+                t = torch.quantize_per_tensor(v, 1.0, zi, dtype) if qstore._QUIET[0] else qstore._qpt(v, zi, dtype)
+                codes = qstore.plain(t, self.qdtype.storage) if t.numel() > qstore._VIEW_ABOVE else t.int_repr()
+            else:
+                codes = quantize_scaled(x, inv, z, self.qdtype)
+            return QTensor._trusted(codes, bufs["scale"], bufs["zero_point"], self.qdtype)  # type: ignore[arg-type]
         if isinstance(x, QTensor):
             if (x.axis is None and x.qdtype == self.qdtype and torch.equal(x.scale, self.scale)
                     and torch.equal(x.zero_point, self.zero_point)):
@@ -67,21 +87,31 @@ class Quantize(CheckedQuantState):
                             + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
         check_no_nan(x, "Quantize")
         if x.device.type == "cpu" and not tracing():
-            return QTensor._trusted(quantize_scaled(x, *self._grid(), self.qdtype), self.scale, self.zero_point,
+            inv, z, _ = self._grid()
+            return QTensor._trusted(quantize_scaled(x, inv, z, self.qdtype), self.scale, self.zero_point,
                                     self.qdtype)
         return quantize_per_tensor(x, self.scale, self.zero_point, self.qdtype)
 
-    def _grid(self) -> tuple[torch.Tensor, float]:
-        """``(float32(1 / scale), zero_point)`` (a 0-d float32 tensor, a Python float), once per buffer version."""
+    def _grid(self) -> tuple[torch.Tensor, float, tuple[Any, ...] | None]:
+        """``(float32(1 / scale), zero_point, store)`` (a 0-d float32 tensor, a Python float), once per buffer version;
+        ``store``: ``qstore.codes``' one-pass route decided for this grid, ``(lo - z or None, hi - z or None, z,
+        torch qdtype)`` (the clamp of ``v`` on a side where the grid is narrower than its 8-bit storage), or ``None``
+        where ``quantize_scaled`` must decide per call (other storage, a zero point outside it, a torch whose
+        ``quantize_per_tensor`` is not exact at scale 1)."""
         scale, zero_point = self._buffers["scale"], self._buffers["zero_point"]
-        key = (tensor_version(scale), tensor_version(zero_point))  # type: ignore[arg-type]
+        try:
+            key = (scale._version, zero_point._version)  # type: ignore[union-attr]
+        except RuntimeError:  # inference tensors keep no version counter
+            key = (tensor_version(scale), tensor_version(zero_point))  # type: ignore[arg-type]
         hit = self.__dict__.get("_grid_cache")
-        if hit is None or hit[0] != key or hit[2] is not scale or hit[3] is not zero_point:  # (held: ids stay unique)
+        if (hit is None or hit[0] != key or hit[2] is not scale or hit[3] is not zero_point  # (held: ids stay unique)
+                or hit[4] is not self.qdtype):
             inv_z = scalar_qparams(self.scale, self.zero_point)
             if inv_z is None:
                 raise ValueError(f"Quantize: scale={float(self.scale)!r} has no finite float32 reciprocal")
             with torch.inference_mode(False):  # (the zero point as a Python number: quantize_scaled's store takes one)
-                hit = self.__dict__["_grid_cache"] = (key, (scalar_tensors(*inv_z)[0], inv_z[1]), scale, zero_point)
+                hit = self.__dict__["_grid_cache"] = (key, (scalar_tensors(*inv_z)[0], inv_z[1], _store(self.qdtype, inv_z[1])),
+                                                      scale, zero_point, self.qdtype)
         return hit[1]
 
     @classmethod

@@ -79,7 +79,7 @@ def _one_row_grid(xf: torch.Tensor, levels: float = 255.0) -> tuple[float, float
     if not width < _INF:
         return None
     scale = max(width / _F32(levels), _F32(_EPS))
-    return float(scale), float(np.round(lo / scale)), float(_F32(1.0) / scale)
+    return float(scale), float(np.rint(lo / scale)), float(_F32(1.0) / scale)  # (np.round at 0 decimals is rint)
 
 
 def _codes(xf: torch.Tensor, inv_scale: torch.Tensor, neg_zp: torch.Tensor, qmax: int = 255) -> torch.Tensor:

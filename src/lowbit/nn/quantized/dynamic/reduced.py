@@ -46,6 +46,8 @@ import torch
 
 from .... import kernels
 from ....compile_state import tensor_version
+from ....kernels import onednn
+from ....kernels.avx2 import direct, fbgemm_ops
 from ....qscheme import QDtype, quint8
 from ....qtensor import QTensor
 from .per_token import (_BLOCK, U7, _LEVELS, _one_row_grid, _row_grids, _weight_row_sums, dynamic_linear, per_token_linear,
@@ -103,10 +105,10 @@ def _fbgemm() -> bool:
 
 
 def _fast(x: torch.Tensor, w_zero_point: torch.Tensor, cache: dict[str, Any]) -> bool:
-    """Whether fbgemm's ops may run this call: x86 CPU, torch's x86/fbgemm engine, no pinned backend,
+    """Whether fbgemm's ops may run this call: x86 CPU, torch's x86/fbgemm engine (``onednn.fbgemm_engine``: its id
+    read from C++, not the ``torch.backends.quantized.engine`` property's name lookup), no pinned backend,
     symmetric weights (checked once per zero-point version)."""
-    if not (x.is_cpu and _fbgemm() and torch.backends.quantized.engine in ("x86", "fbgemm")
-            and kernels.get_backend() is None):
+    if not (x.is_cpu and _fbgemm() and onednn.fbgemm_engine() and kernels.get_backend() is None):
         return False
     key = (w_zero_point.data_ptr(), tensor_version(w_zero_point))
     hit = cache.get("reduced.symmetric")
@@ -117,9 +119,14 @@ def _fast(x: torch.Tensor, w_zero_point: torch.Tensor, cache: dict[str, Any]) ->
 
 def _pack(cache: dict[str, Any], name: str, weight_int8: torch.Tensor, w_scale: torch.Tensor,
           bias: torch.Tensor | None) -> Any:
-    """fbgemm-packed weight with its real per-channel scales (and ``bias``), rebuilt when a buffer changes."""
-    key = (weight_int8.data_ptr(), tensor_version(weight_int8), w_scale.data_ptr(), tensor_version(w_scale),
-           None if bias is None else (bias.data_ptr(), tensor_version(bias)))
+    """fbgemm-packed weight with its real per-channel scales (and ``bias``), rebuilt when a buffer changes (their
+    identities and versions)."""
+    try:  # (the pack holds the three tensors: their ids stay unique)
+        key = (id(weight_int8), id(w_scale), id(bias), weight_int8._version, w_scale._version,
+               None if bias is None else bias._version)
+    except RuntimeError:  # inference tensors keep no version counter
+        key = (id(weight_int8), id(w_scale), id(bias), tensor_version(weight_int8), tensor_version(w_scale),
+               None if bias is None else tensor_version(bias))
     hit = cache.get(name)
     if hit is None or hit[0] != key:
         n = weight_int8.shape[0]
@@ -127,7 +134,7 @@ def _pack(cache: dict[str, Any], name: str, weight_int8: torch.Tensor, w_scale: 
             warnings.simplefilter("ignore", UserWarning)
             wq = torch._make_per_channel_quantized_tensor(weight_int8, w_scale.double(),
                                                           torch.zeros(n, dtype=torch.long), 0)
-        hit = cache[name] = (key, torch.ops.quantized.linear_prepack(wq, bias))
+        hit = cache[name] = (key, torch.ops.quantized.linear_prepack(wq, bias), (weight_int8, w_scale, bias))
     return hit[1]
 
 
@@ -139,7 +146,7 @@ def per_tensor_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.
     if _fast(xf, w_zero_point, cache):
         packed = _pack(cache, "reduced.ao", weight_int8, w_scale, bias)
         kernels.counts[("onednn", "linear")] += 1
-        return torch.ops.quantized.linear_dynamic(xf, packed, True)
+        return _dynamic_op()(xf, packed, True)
     scale, zp = ao_qparams(xf)
     dev = xf.device
     xq = QTensor._trusted(ao_codes(xf, scale, zp), torch.tensor(scale, dtype=torch.float32, device=dev),
@@ -151,7 +158,7 @@ def per_tensor_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.
 def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
                    qdtype: QDtype, bias: torch.Tensor | None, cache: dict[str, Any]) -> torch.Tensor:
     """lowbit's per-token recipe on 7-bit codes (``(M, K)`` float, ``M > 0`` → ``(M, N)`` float32)."""
-    xf = x2.detach()
+    xf = x2.detach() if x2.requires_grad else x2  # (a no-grad input needs no detached view: one op less)
     xf = xf if xf.dtype == torch.float32 else xf.float()
     weight = QTensor._trusted(weight_int8, w_scale, w_zero_point, qdtype, axis=0)
     fast = _fast(xf, w_zero_point, cache)
@@ -176,6 +183,9 @@ def _row_epilogue(raw: torch.Tensor, neg_zp: torch.Tensor, wsum: torch.Tensor, s
                   bias: torch.Tensor | None) -> torch.Tensor:
     """``(raw - z_x ⊗ Σŵ) · s_x + bias`` in place (one fused multiply-add, no temporary), on L2-sized row blocks."""
     rows = max(1, _BLOCK // max(1, raw.shape[1]))
+    if raw.shape[0] <= rows:  # one block: the whole tensors (three slices less), the same operations
+        raw = raw.addcmul_(neg_zp, wsum).mul_(scale)
+        return raw if bias is None else raw.add_(bias)
     for i in range(0, raw.shape[0], rows):
         blk = raw[i:i + rows].addcmul_(neg_zp[i:i + rows], wsum).mul_(scale[i:i + rows])
         if bias is not None:
@@ -188,7 +198,13 @@ def _fbgemm_float(u: torch.Tensor, cache: dict[str, Any], weight_int8: torch.Ten
     zero point 0 (round half to even: ``round(u)``, exact on the integer-valued range ``[0, 127]``)."""
     packed = _pack(cache, "reduced.token", weight_int8, w_scale, None)
     kernels.counts[("onednn", "linear")] += 1
-    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(u, 1.0, 0, packed)
+    return fbgemm_ops()[0](u, 1.0, 0, packed)
+
+
+@functools.lru_cache(maxsize=None)
+def _dynamic_op() -> Any:
+    """torch.ao's ``quantized::linear_dynamic`` through its C++ entry (``kernels.avx2.direct``)."""
+    return direct(torch.ops.quantized.linear_dynamic)
 
 
 def forward(activation: str, x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tensor,
