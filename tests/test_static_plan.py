@@ -153,3 +153,20 @@ def test_fbgemm_output_tensor_rides_along(monkeypatch: pytest.MonkeyPatch) -> No
         plain = Q.QTensor(y1.int_repr().clone(), y1.scale, y1.zero_point, y1.qdtype)  # no _tq: wrapped again
         assert torch.equal(y2.int_repr(), onednn.linear(plain, w2, second.bias, g2, False, cache={}).int_repr())
         assert torch.equal(DeQuantize()(y2), y2.dequantize()) and torch.equal(DeQuantize()(y1), plain.dequantize())
+
+
+@pytest.mark.parametrize("fbgemm", [True, False], ids=["fbgemm", "onednn-only"])
+def test_transposed_float_input_gives_the_contiguous_codes(monkeypatch: pytest.MonkeyPatch, fbgemm: bool) -> None:
+    """A transposed (non-contiguous) float input runs every route — the default recipe's split through fbgemm
+    included, whose stacked halves follow the codes' strides (a ``view`` of them failed) — with the codes and
+    floats of its contiguous copy."""
+    force(monkeypatch, vnni=False, fbgemm=fbgemm)
+    torch.manual_seed(0)
+    for qconfig in (Q.get_default_qconfig(), Q.get_default_qconfig("x86")):
+        prep = Q.prepare(torch.nn.Sequential(Q.QuantStub(), torch.nn.Linear(64, 96), Q.DeQuantStub()).eval(), qconfig)
+        prep(torch.randn(16, 64))
+        qm = Q.convert(prep)
+        for m in (3, 40):
+            x = torch.randn(64, m).t()
+            assert not x.is_contiguous()
+            assert torch.equal(qm(x), qm(x.contiguous())), f"{qconfig.activation} M={m}"

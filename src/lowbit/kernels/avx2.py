@@ -162,7 +162,7 @@ def _fbgemm_linear(packed: Any, q: torch.Tensor, sx: float, zx: int, split: bool
         shifts, masks, zps = _split_consts(z_hi, z_lo)
         # (2, m, k): [q >> 1, q & 1] in three broadcast ops, then float32 q_half - z_half (exact small integers)
         st = torch.sub(torch.bitwise_right_shift(q2, shifts).bitwise_and_(masks), zps)
-        hi, lo = op(st.view(2 * m, k), 1.0, max(z_hi, z_lo), packed).split(m)
+        hi, lo = op(st.reshape(2 * m, k), 1.0, max(z_hi, z_lo), packed).split(m)  # (a copy for transposed codes)
         y = lo.add_(hi, alpha=2)
     else:
         y = op(q2.float().sub_(_const(float(zx), torch.float32)), 1.0, zx, packed)
