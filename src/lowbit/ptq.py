@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .algorithms.layerwise import LayerChange, reconstruct
+from .algorithms.layerwise import ROUNDINGS, LayerChange, reconstruct
 from .fx import convert_fx, prepare_fx
 from .qconfig import QConfigMapping, get_default_qconfig_mapping
 from .recipes import get_accurate_qconfig
@@ -140,7 +140,7 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
                  qconfig_mapping: QConfigMapping | None = None, iters: int = 500, batch_size: int = 8,
                  equalize: bool | str = "range", streams: float | None = 0.75, blocks: bool = True,
                  learn_grids: bool = True, max_float_layers: int = 0, progress: bool = True,
-                 seed: int = 0) -> tuple[nn.Module, PTQReport]:
+                 seed: int = 0, rounding: str = "adaround") -> tuple[nn.Module, PTQReport]:
     """Quantize a float ``model`` with ``recipe`` (``"default"`` or ``"accurate"``); return ``(qmodel, report)``.
 
     ``qconfig_mapping`` (default: ``get_default_qconfig_mapping()`` for ``"default"``, ``get_accurate_qconfig()``
@@ -165,7 +165,10 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     the downstream corrections keep compensating the error a float layer no longer makes; pick the layers
     before rounding instead (``auto_mixed_precision(..., search="fast")`` on ``get_accurate_qconfig()``, then
     ``qconfig_mapping=`` its mapping: Lite0 with 16 float layers 0.969 / 28.84 dB; ``docs/design.md``).
-    ``model`` itself is not changed.
+    ``rounding`` (``accurate``, layer-by-layer path; residual blocks keep BRECQ): ``"adaround"`` (default),
+    ``"depthwise"`` (depthwise convs take ``lowbit.algorithms.quadratic``'s codes, minimising the layer's output
+    error on all calibration data at full resolution, borders included) or ``"quadratic"`` (every Linear and
+    dense / depthwise conv). ``model`` itself is not changed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_ptq: model must be an nn.Module, got {type(model).__name__}")
@@ -175,6 +178,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         raise ValueError(f"quantize_ptq: iters={iters!r} must be an int >= 0")
     if not isinstance(blocks, bool):
         raise TypeError(f"quantize_ptq: blocks={blocks!r} must be True or False")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"quantize_ptq: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")
     if not isinstance(learn_grids, bool):
         raise TypeError(f"quantize_ptq: learn_grids={learn_grids!r} must be True or False")
     if isinstance(max_float_layers, bool) or not isinstance(max_float_layers, int) or max_float_layers < 0:
@@ -224,11 +229,13 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     if recipe == "accurate":  # rounding and bias correction run together, layer by layer, in one pass
         report.layers = reconstruct(prepared, batches, adaround=iters > 0, bias_correction=True, iters=iters,
                                     batch_size=batch_size, seed=seed, progress=progress, blocks=blocks,
-                                    learn_grids=learn_grids)
+                                    learn_grids=learn_grids, rounding=rounding)
         n = max(1, len(report.layers))
         changed = sum(c.codes_changed for c in report.layers) / n
         in_blocks = sum(any(n.startswith("block ") for n in c.notes) for c in report.layers)
-        report.steps.append(("round", f"AdaRound on {len(report.layers)} layers ({in_blocks} of them per residual "
+        quad = sum("quadratic" in c.notes for c in report.layers)
+        report.steps.append(("round", f"{len(report.layers)} layers rounded ({quad} by the quadratic search, "
+                                      f"{in_blocks} by AdaRound per residual "
                                       f"block{', activation steps learned' if learn_grids and blocks else ''}; "
                                       f"{iters} steps each): "
                                       f"{changed:.1%} of weight codes moved from round-to-nearest"))

@@ -36,9 +36,12 @@ from ..functional import fake_quantize
 from ..observer import ObserverBase
 from .adaround import adaround_codes
 from .block import block_codes, find_blocks, install_grid, learnable_grids, span_sample
+from .quadratic import quadratic_codes, supports
 from .layers import freeze_weight, is_weighted, layer_forward, layer_sample, split, weight_codes
 
-__all__ = ["LayerChange", "reconstruct", "reconstruct_eager"]
+__all__ = ["LayerChange", "reconstruct", "reconstruct_eager", "ROUNDINGS"]
+
+ROUNDINGS = ("adaround", "quadratic", "depthwise")
 
 
 @dataclass
@@ -70,10 +73,13 @@ def _fq(obs: nn.Module) -> Any:
 
 def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Tensor], adaround: bool,
            bias_correction: bool, iters: int, batch_size: int, g: torch.Generator, window: int = 16,
-           target: list[torch.Tensor] | None = None, codes: torch.Tensor | None = None) -> tuple[torch.Tensor, LayerChange]:
+           target: list[torch.Tensor] | None = None, codes: torch.Tensor | None = None,
+           rounding: str = "adaround") -> tuple[torch.Tensor, LayerChange]:
     """Round (and bias-correct) one layer; return its simulated weight and the change record.
 
-    ``codes``: weight codes learned elsewhere (block reconstruction) to use instead of rounding here."""
+    ``codes``: weight codes learned elsewhere (block reconstruction) to use instead of rounding here.
+    ``rounding``: ``"adaround"``, or ``"quadratic"`` / ``"depthwise"`` (``quadratic.quadratic_codes`` on every
+    supported layer / on depthwise convs only; AdaRound on the others)."""
     op, act = split(mod)
     q0, s, z, lo, hi = weight_codes(mod)
     if target is None:
@@ -88,6 +94,13 @@ def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Ten
     q = q0 if codes is None else codes
     if codes is not None:
         rec.codes_changed = float((q != q0).float().mean())
+    elif adaround and _quadratic(op, rounding):
+        lo_hi = None if act is None else (0.0, float(getattr(act, "max_val", float("inf"))))
+        q = quadratic_codes(op, op.weight, s, z, lo, hi, xq, xf, act_range=lo_hi, bias=op.bias)
+        if error((q - z) * s) > rec.mse_nearest:
+            q = q0
+        rec.codes_changed = float((q != q0).float().mean())
+        rec.notes.append("quadratic")
     elif adaround and iters > 0:
         q = adaround_codes(op.weight, s, z, lo, hi, layer_sample(mod, xq, target, batch_size, window, g), iters=iters)
         if error((q - z) * s) > rec.mse_nearest:  # a short run can end worse than round-to-nearest: keep that
@@ -112,6 +125,13 @@ def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Ten
     return (q - z) * s, rec
 
 
+def _quadratic(op: nn.Module, rounding: str) -> bool:
+    """Whether ``rounding`` takes ``quadratic_codes`` for this layer."""
+    if rounding == "adaround" or not supports(op):
+        return False
+    return rounding == "quadratic" or (isinstance(op, nn.Conv2d) and op.groups > 1)
+
+
 def _batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
     out = [b if isinstance(b, tuple) else (b,) for b in calib]
     if not out:
@@ -121,7 +141,7 @@ def _batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
 
 def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True, bias_correction: bool = True,
                 iters: int = 500, batch_size: int = 8, seed: int = 0, progress: bool = True,
-                blocks: bool = False, learn_grids: bool = False) -> list[LayerChange]:
+                blocks: bool = False, learn_grids: bool = False, rounding: str = "adaround") -> list[LayerChange]:
     """Learned rounding and/or bias correction for every weighted layer of a calibrated ``prepared`` model.
 
     Graph-mode models (``prepare_fx``) get the one-pass lockstep walk; others ``reconstruct_eager``.
@@ -129,9 +149,13 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     the block's output (``lowbit.algorithms.block``, BRECQ), the others layer by layer; ``learn_grids``: a
     block's output grid joins the block and the step sizes of its activation grids learn with the rounding
     (LSQ; ``block.learnable_grids``), the learned grids replace their observers (``FixedQParamsObserver``).
-    Returns one ``LayerChange`` per layer, in order. The model is changed in place (weights, biases,
+    ``rounding`` (layer-by-layer path): ``"adaround"``, ``"quadratic"`` (``lowbit.algorithms.quadratic``: codes
+    minimising the layer's output error on all calibration data, every Linear / dense or depthwise conv) or
+    ``"depthwise"`` (those codes on depthwise convs only). Returns one ``LayerChange`` per layer, in order. The model is changed in place (weights, biases,
     weight grids pinned for ``convert``/``convert_fx``).
     """
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"reconstruct: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")
     if not isinstance(prepared, fx.GraphModule):
         return reconstruct_eager(prepared, calib, adaround, bias_correction, iters, batch_size, seed, progress)
     from tqdm.auto import tqdm
@@ -149,7 +173,7 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     try:
         spans = find_blocks(nodes, mods, learn_grids) if blocks and adaround and iters > 0 else {}
         _walk(gm, nodes, mods, batches, envs_f, envs_q, last_use, changes, bar, adaround, bias_correction, iters,
-              batch_size, g, spans, learn_grids)
+              batch_size, g, spans, learn_grids, rounding)
     finally:
         for m in patched:
             m.__dict__.pop("forward", None)
@@ -160,7 +184,8 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
 def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], batches: list[tuple[Any, ...]],
           envs_f: list[dict[fx.Node, Any]], envs_q: list[dict[fx.Node, Any]], last_use: dict[fx.Node, int],
           changes: list[LayerChange], bar: Any, adaround: bool, bias_correction: bool, iters: int, batch_size: int,
-          g: torch.Generator, spans: dict[int, int] | None = None, learn_grids: bool = False) -> None:
+          g: torch.Generator, spans: dict[int, int] | None = None, learn_grids: bool = False,
+          rounding: str = "adaround") -> None:
     placeholders = [n for n in nodes if n.op == "placeholder"]
     done = -1
 
@@ -194,7 +219,7 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
                 with torch.enable_grad():
                     w_hat, rec = _layer(str(node.target), mod, [e[src] for e in envs_q], [e[src] for e in envs_f],
                                         adaround, bias_correction, iters, batch_size, g,
-                                        target=[e[node] for e in envs_f])
+                                        target=[e[node] for e in envs_f], rounding=rounding)
                 changes.append(rec)
                 bar.update(1)
                 bar.set_postfix(layer=node.target)

@@ -1,0 +1,139 @@
+"""``lowbit.algorithms.quadratic``: rounding that minimises the layer's output error on the calibration data.
+
+Property tests on the objective itself (computed here independently by running the layer), local
+optimality of the coordinate descent, the depthwise activation mask, and bad input.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+
+import lowbit as Q
+from lowbit import kernels
+from lowbit.algorithms.quadratic import quadratic_codes, supports
+from helpers import threads
+
+one_thread = threads(1, "module", "one_thread")
+
+
+def _grid(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    hi = 2 ** (bits - 1) - 1
+    shape = (w.shape[0],) + (1,) * (w.dim() - 1)
+    s = (w.abs().reshape(w.shape[0], -1).amax(1) / hi).clamp(min=1e-8).reshape(shape)
+    return s, torch.zeros_like(s), -hi - 1, hi
+
+
+def _out(op: nn.Module, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w, op.bias) if isinstance(op, nn.Linear) else op._conv_forward(x, w, op.bias)
+
+
+def _layer(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    if kind == "linear":
+        return nn.Linear(12, 5), torch.randn(64, 12)
+    if kind == "conv":
+        return nn.Conv2d(3, 4, 3, stride=2, padding=1), torch.randn(4, 3, 9, 9)
+    return nn.Conv2d(6, 6, 3, padding=1, groups=6), torch.rand(4, 6, 9, 9) * 6  # depthwise on a ReLU6-like input
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), kind=st.sampled_from(["linear", "conv", "depthwise"]), bits=st.sampled_from([3, 4, 8]))
+def test_codes_never_worse_than_nearest_and_locally_optimal(seed, kind, bits):
+    torch.manual_seed(seed)
+    op, x = _layer(kind)
+    w = op.weight.detach()
+    s, z, lo, hi = _grid(w, bits)
+    xq = (x + 0.05 * torch.randn_like(x)) if kind != "depthwise" else (x * 64).round() / 64  # an upstream error
+    with torch.no_grad():
+        y = _out(op, x, w)
+        q = quadratic_codes(op, w, s, z, lo, hi, [xq], [x], center=False)
+
+    def err(codes: torch.Tensor) -> float:
+        with torch.no_grad():
+            return float((_out(op, xq, (codes - z) * s) - y).double().pow(2).sum())
+
+    near = torch.clamp(torch.round(w / s), lo, hi)
+    assert err(q) <= err(near) * (1 + 1e-6) + 1e-9
+    floor = torch.floor(w / s)
+    assert bool(((q == torch.clamp(floor, lo, hi)) | (q == torch.clamp(floor + 1, lo, hi))).all())
+    base = err(q)  # no single flip (to the other of floor / floor + 1) lowers the error
+    flat = q.reshape(-1)
+    for i in torch.randperm(flat.numel())[:20].tolist():
+        alt = flat.clone()
+        f = float(floor.reshape(-1)[i])
+        alt[i] = f + 1 if float(flat[i]) == f else f
+        if not lo <= float(alt[i]) <= hi:
+            continue
+        assert err(alt.reshape(q.shape)) >= base * (1 - 1e-6) - 1e-9
+
+
+def test_depthwise_mask_ignores_clamped_positions():
+    """With the activation range, positions where the float pre-activation is clamped do not count."""
+    torch.manual_seed(0)
+    op = nn.Conv2d(4, 4, 3, padding=1, groups=4)
+    x = torch.rand(4, 4, 8, 8) * 6
+    w = op.weight.detach()
+    s, z, lo, hi = _grid(w, 4)
+    with torch.no_grad():
+        pre = op(x)
+        keep = ((pre > 0) & (pre < 6)).float()
+        q = quadratic_codes(op, w, s, z, lo, hi, [x], [x], act_range=(0.0, 6.0), bias=op.bias, center=False)
+
+        unmasked = quadratic_codes(op, w, s, z, lo, hi, [x], [x], center=False)
+
+    def err(codes: torch.Tensor, mask: torch.Tensor) -> float:
+        with torch.no_grad():
+            return float(((_out(op, x, (codes - z) * s) - pre) * mask).double().pow(2).sum())
+    assert err(q, keep) <= err(unmasked, keep) * (1 + 1e-6) + 1e-9
+    assert err(unmasked, torch.ones_like(keep)) <= err(q, torch.ones_like(keep)) * (1 + 1e-6) + 1e-9
+
+
+def test_centered_objective_leaves_the_mean_to_bias_correction():
+    """Centered: the codes minimise the error's variance; after removing each channel's mean error
+    they are no worse than round-to-nearest after the same correction."""
+    torch.manual_seed(1)
+    op = nn.Conv2d(5, 5, 3, padding=1, groups=5, bias=False)
+    x = torch.rand(6, 5, 10, 10) * 6
+    w = op.weight.detach()
+    s, z, lo, hi = _grid(w, 4)
+    with torch.no_grad():
+        y = op(x)
+        q = quadratic_codes(op, w, s, z, lo, hi, [x], [x])
+
+    def err(codes: torch.Tensor) -> float:
+        with torch.no_grad():
+            d = _out(op, x, (codes - z) * s) - y
+            return float((d - d.mean((0, 2, 3), keepdim=True)).double().pow(2).sum())
+
+    assert err(q) <= err(torch.clamp(torch.round(w / s), lo, hi)) * (1 + 1e-6)
+
+
+def test_supports_and_bad_input():
+    assert supports(nn.Linear(3, 2)) and supports(nn.Conv2d(3, 4, 3)) and supports(nn.Conv2d(4, 4, 3, groups=4))
+    assert not supports(nn.Conv2d(4, 8, 3, groups=2)) and not supports(nn.Conv2d(3, 4, 3, padding="same"))
+    op = nn.Conv2d(4, 8, 3, groups=2)
+    w = op.weight.detach()
+    s, z, lo, hi = _grid(w, 8)
+    with pytest.raises(ValueError, match="groups=2"):
+        quadratic_codes(op, w, s, z, lo, hi, [torch.randn(1, 4, 5, 5)], [torch.randn(1, 4, 5, 5)])
+    lin = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="got 1 and 0"):
+        quadratic_codes(lin, lin.weight, *_grid(lin.weight.detach(), 8), [torch.randn(4, 3)], [])
+
+
+def test_quantize_ptq_rounding_quadratic_runs_on_int8_and_is_reported():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU6(),
+                          nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU6(), nn.Flatten(), nn.Linear(8 * 64, 4)).eval()
+    calib = [torch.randn(8, 3, 8, 8) for _ in range(2)]
+    with kernels.use_backend("reference"):
+        _, report = Q.quantize_ptq(model, calib, rounding="quadratic", iters=10, progress=False)
+    assert report.sqnr_db > 15
+    assert [c.notes.count("quadratic") for c in report.layers] == [1, 1, 1]
+    assert "quadratic" in dict(report.steps)["round"]
+    with pytest.raises(ValueError, match="rounding='nearest'"):
+        Q.quantize_ptq(model, calib, rounding="nearest", progress=False)
