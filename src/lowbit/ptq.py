@@ -227,7 +227,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     # learned codes into them and bias correction shifts their biases
     calibrated = copy.deepcopy(prepared) if max_float_layers else None
     if recipe == "accurate":  # rounding and bias correction run together, layer by layer, in one pass
-        report.layers = reconstruct(prepared, batches, adaround=iters > 0, bias_correction=True, iters=iters,
+        report.layers = reconstruct(prepared, batches, adaround=iters > 0 or rounding != "adaround",
+                                    bias_correction=True, iters=iters,
                                     batch_size=batch_size, seed=seed, progress=progress, blocks=blocks,
                                     learn_grids=learn_grids, rounding=rounding)
         n = max(1, len(report.layers))

@@ -75,18 +75,18 @@ def _moments(op: nn.Module, act_range: tuple[float, float] | None, xq: list[torc
         for lo in range(0, x_q.shape[0], _CHUNK):
             uq = _patches(op, x_q[lo: lo + _CHUNK]).double()
             uf = _patches(op, x_f[lo: lo + _CHUNK]).double()
-            if dw:
+            if dw:  # (C, k, N*L): one batched matmul per moment
+                uq, uf = (u.permute(1, 2, 0, 3).reshape(u.shape[1], u.shape[2], -1) for u in (uq, uf))
                 if act_range is not None:  # the float pre-activation inside the activation's range
-                    pre = torch.einsum("nckl,ck->ncl", uf, w)
+                    pre = torch.bmm(w.unsqueeze(1), uf)  # (C, 1, N*L)
                     if bias is not None:
-                        pre = pre + bias.double().view(1, -1, 1)
-                    m = ((pre > act_range[0]) & (pre < act_range[1])).double().unsqueeze(2)
+                        pre = pre + bias.detach().double().view(-1, 1, 1)
+                    m = ((pre > act_range[0]) & (pre < act_range[1])).double()
                     uq, uf = uq * m, uf * m
-                    n = m.sum((0, 2, 3))
+                    n = m.sum((1, 2))
                 else:
-                    n = torch.full((uq.shape[1],), float(uq.shape[0] * uq.shape[3]), dtype=torch.float64)
-                parts = (torch.einsum("nckl,ncjl->ckj", uq, uq), torch.einsum("nckl,ncjl->ckj", uq, uf),
-                         uq.sum((0, 3)), uf.sum((0, 3)), n)
+                    n = torch.full((uq.shape[0],), float(uq.shape[2]), dtype=torch.float64)
+                parts = (torch.bmm(uq, uq.transpose(1, 2)), torch.bmm(uq, uf.transpose(1, 2)), uq.sum(2), uf.sum(2), n)
             else:
                 parts = (uq.T @ uq, uq.T @ uf, uq.sum(0), uf.sum(0), torch.tensor(float(uq.shape[0]),
                                                                                      dtype=torch.float64))
@@ -141,10 +141,10 @@ def quadratic_codes(op: nn.Module, weight: torch.Tensor, s: torch.Tensor, z: tor
                 take = gain < -1e-12 * (1 + r[:, i].abs() * d.abs())
                 if not bool(take.any()):
                     continue
-                d = torch.where(take, d, torch.zeros_like(d))
-                q[:, i] = torch.where(take, alt, q[:, i])
-                r += d.unsqueeze(1) * (a[:, :, i] if dw else a[i].unsqueeze(0))
-                moved += int(take.sum())
+                rows_ = take.nonzero().squeeze(1)  # update only the rows that moved (few after the first sweep)
+                q[rows_, i] = alt[rows_]
+                r[rows_] += d[rows_].unsqueeze(1) * (a[rows_, :, i] if dw else a[i].unsqueeze(0))
+                moved += int(rows_.numel())
             if not moved:
                 break
     return q.reshape(weight.shape).to(torch.float32)
