@@ -7,6 +7,9 @@ constants become initializers, and ``onnx.checker`` validates the result. What e
     Quantize                      Q -> DQ on its grid             DeQuantize      (nothing)
     Linear(ReLU), Conv*(ReLU)*,   Q/DQ(input grid) -> Gemm / Conv / ConvTranspose(DQ(int8 W, axis), DQ(int32 b))
       ConvTranspose*                -> (Relu) -> Q/DQ(output grid)
+    LinearFloatOut                as Linear, without the output Q/DQ (float result; ``fuse_dequantize``)
+    float layer kept in an int8   the float module (float weights) -> Q/DQ(the grid its int8 readers read)
+      model (``quantize_ptq(max_float_layers=...)``, ``keep_faster``), or nothing when its output is float
     QFunctional.add/mul/cat/...   Q/DQ(input grids) -> float op -> Q/DQ(output grid)
     Hardswish, ELU, Sigmoid, ...  float op -> Q/DQ(output grid)    ReLU6: relu6 -> Q/DQ(input grid)
     Embedding (8-bit)             Gather(DQ(int8 table, axis=0))

@@ -14,6 +14,7 @@ once (``_record_input_grids``). See ``lowbit.export.onnx`` for what each module 
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any
 
 import torch
@@ -49,7 +50,8 @@ from ..nn.quantized import (
 from ..nn.quantized._utils import quantize_weight, weight_qparams
 from ..observer import NoopObserver, ObserverBase, PlaceholderObserver
 from ..qscheme import quint8
-from ..qtensor import QTensor
+from ..qtensor import QTensor, quantize_per_tensor
+from ..speed_guard import FloatFallback
 from .dynamic import dynamic_twin
 from .embedding import EmbeddingBagTwin, EmbeddingTableTwin
 from .qdq import (
@@ -103,8 +105,10 @@ def _quantize_observed_weights(model: nn.Module, weight_dtype: str) -> None:
     The weight is observed with ``qconfig.weight()`` and quantized per channel; a parametrization
     makes ``layer.weight`` that constant (so the ONNX file holds codes + DQ, not float weights).
     """
+    inside_float = {id(m) for f in model.modules() if isinstance(f, FloatLayerTwin) for m in f.modules()}
     for path, mod in list(model.named_modules()):
-        if not isinstance(getattr(mod, "activation_post_process", None), (ObserverBase, FakeQuantize)):
+        if id(mod) in inside_float or \
+                not isinstance(getattr(mod, "activation_post_process", None), (ObserverBase, FakeQuantize)):
             continue
         core = mod[0] if isinstance(mod, nn.Sequential) and len(mod) else mod
         if not isinstance(core, (nn.Linear, nn.modules.conv._ConvNd)) or hasattr(core, "weight_fake_quant"):
@@ -116,6 +120,51 @@ def _quantize_observed_weights(model: nn.Module, weight_dtype: str) -> None:
         q = quantize_weight(core.weight, weight_qparams(core.weight, owner, axis, f"to_onnx '{path}'"), axis)
         dq = weight_dq(q.int_repr(), q.scale, q.zero_point, axis, weight_dtype)
         parametrize.register_parametrization(core, "weight", ConstWeight(dq), unsafe=True)
+
+
+class FloatLayerTwin(nn.Module):
+    """A float layer left in an int8 model: ``y = module(x̂)``, then Q/DQ onto ``grid`` (None: float output).
+
+    Stands in for ``quantize_ptq(max_float_layers=...)``'s float twins (``debug.mixed_precision``) and
+    ``keep_faster``'s ``FloatFallback``. While input grids are recorded (``recording``) it returns the
+    ``QTensor`` the original returns, so the int8 layer reading it sees that grid; in the file the float
+    op's output gets QuantizeLinear -> DequantizeLinear on the same grid.
+    """
+
+    def __init__(self, module: nn.Module, grid: Grid | None, path: str) -> None:
+        super().__init__()
+        for sub in module.modules():  # a prepared float module: its observers return their input unchanged
+            if isinstance(getattr(sub, "weight_fake_quant", None), FakeQuantize) or any(
+                    isinstance(c, FakeQuantize) for c in sub.children()):
+                raise TypeError(f"to_onnx: float layer '{path}' holds a FakeQuantize ({type(sub).__name__}); "
+                                "a layer kept float must be a float module (give it the float module)")
+            for name, c in list(sub.named_children()):
+                if isinstance(c, ObserverBase):
+                    setattr(sub, name, nn.Identity())
+            cls = type(sub)
+            if cls.__module__.startswith("lowbit.nn.quantized"):
+                raise TypeError(f"to_onnx: float layer '{path}' holds a quantized {cls.__qualname__}; a layer kept "
+                                "float must be a float module")
+        self.module, self.grid, self.recording = module, grid, True
+        self.out_qdq: nn.Module = nn.Identity() if grid is None else QDQ(*grid)
+
+    def forward(self, x: Any) -> Any:
+        y = self.module(x.dequantize() if isinstance(x, QTensor) else x)
+        if self.grid is not None and self.recording:
+            return quantize_per_tensor(y, *self.grid)
+        return self.out_qdq(y)
+
+
+def _float_layer(mod: nn.Module, path: str) -> nn.Module | None:
+    """``FloatLayerTwin`` of a float layer kept in an int8 model (``FloatLayerTwin`` itself: left alone)."""
+    if isinstance(mod, FloatLayerTwin):
+        return mod
+    if isinstance(mod, FloatFallback):
+        return FloatLayerTwin(mod.module, mod.out, path)
+    mp = sys.modules.get("lowbit.debug.mixed_precision")  # no import: no instance exists unless it is loaded
+    if mp is not None and isinstance(mod, mp._FloatTwin):
+        return FloatLayerTwin(mod.float_mod, mod.grid if mod.keep else None, path)
+    return None
 
 
 class _Uncalibrated(nn.Module):
@@ -268,11 +317,19 @@ def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto"
     twin = copy.deepcopy(model).cpu().eval()  # an ONNX file is device-agnostic: trace on CPU, in inference mode
     holder = nn.Module()  # so that the root itself can be swapped
     holder.root = twin
-    _swap(holder, "", lambda m, p, n: _bn_folded(m))
+
+    def rel(p: str) -> str:
+        return p[len("root."):] if p != "root" else "<root>"
+
+    _swap(holder, "", lambda m, p, n: _float_layer(m, rel(p)))  # first: later passes leave float layers alone
+    _swap(holder, "", lambda m, p, n: m if isinstance(m, FloatLayerTwin) else _bn_folded(m))
     _quantize_observed_weights(holder.root, weight_dtype)
-    _swap(holder, "", lambda m, p, n: _activation_twin(m, p[len("root."):] if p != "root" else "<root>", n,
-                                                       weight_dtype))
+    _swap(holder, "", lambda m, p, n: m if isinstance(m, FloatLayerTwin) else _activation_twin(m, rel(p), n,
+                                                                                               weight_dtype))
     grids = _record_input_grids(holder.root, inputs)
-    _swap(holder, "", lambda m, p, n: _quantized_twin(m, p[len("root."):] if p != "root" else "<root>", grids,
-                                                      weight_dtype))
+    for m in holder.root.modules():
+        if isinstance(m, FloatLayerTwin):
+            m.recording = False
+    _swap(holder, "", lambda m, p, n: m if isinstance(m, FloatLayerTwin) else _quantized_twin(m, rel(p), grids,
+                                                                                              weight_dtype))
     return holder.root
