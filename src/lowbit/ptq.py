@@ -168,7 +168,9 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     ``rounding`` (``accurate``, layer-by-layer path; residual blocks keep BRECQ): ``"adaround"`` (default),
     ``"depthwise"`` (depthwise convs take ``lowbit.algorithms.quadratic``'s codes, minimising the layer's output
     error on all calibration data at full resolution, borders included) or ``"quadratic"`` (every Linear and
-    dense / depthwise conv). ``model`` itself is not changed.
+    dense / depthwise conv; with ``iters=0`` no AdaRound runs). EfficientNet-Lite0, histogram ranges,
+    ``equalize=False, blocks=False, rounding="quadratic"``: 0.948 / 23.99 dB (AdaRound, pinned test settings:
+    0.938 / 23.74; MobileNetV2 the same way 0.833 / 16.25 dB). ``model`` itself is not changed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_ptq: model must be an nn.Module, got {type(model).__name__}")
@@ -235,11 +237,11 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         changed = sum(c.codes_changed for c in report.layers) / n
         in_blocks = sum(any(n.startswith("block ") for n in c.notes) for c in report.layers)
         quad = sum("quadratic" in c.notes for c in report.layers)
-        report.steps.append(("round", f"{len(report.layers)} layers rounded ({quad} by the quadratic search, "
-                                      f"{in_blocks} by AdaRound per residual "
-                                      f"block{', activation steps learned' if learn_grids and blocks else ''}; "
-                                      f"{iters} steps each): "
-                                      f"{changed:.1%} of weight codes moved from round-to-nearest"))
+        report.steps.append(("round", f"{len(report.layers)} layers rounded: {quad} by the quadratic search, "
+                                      f"{in_blocks} by AdaRound per residual block"
+                                      f"{' (activation steps learned)' if learn_grids and blocks else ''}, "
+                                      f"{len(report.layers) - quad - in_blocks} by AdaRound alone ({iters} steps "
+                                      f"each); {changed:.1%} of weight codes moved from round-to-nearest"))
         shift = max((c.bias_shift for c in report.layers), default=0.0)
         gain = sum(c.mse_nearest > 0 and c.mse_after < c.mse_nearest for c in report.layers)
         report.steps.append(("correct bias", f"biases corrected on {len(report.layers)} layers (max |shift| "
