@@ -114,6 +114,23 @@ def test_mixed_precision_mapping_float_layer_exports(tmp_path):
     assert within_one_quantum(got, eager, quantum) >= 0.99
 
 
+def test_eager_float_layer_between_int8_layers_exports(tmp_path):
+    """Eager mode, ``qconfig=None`` on a middle Linear (what an eager mixed-precision mapping gives): the float
+    layer runs on the dequantized QTensor, the next int8 layer quantizes on its recorded input grid."""
+    torch.manual_seed(0)
+    m = nn.Sequential(Q.QuantStub(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 8), Q.DeQuantStub())
+    m.eval().qconfig = Q.get_default_qconfig()
+    m[3].qconfig = None
+    prepared = Q.prepare(m)
+    prepared(torch.randn(64, 16))
+    qmodel = Q.convert(prepared)
+    assert type(qmodel[3]) is nn.Linear
+    x, quantum = torch.randn(24, 16), float(qmodel[4].scale)
+    with pytest.warns(UserWarning, match="no integer implementation"):
+        got, eager, _ = _parity(qmodel, x, tmp_path, quantum)
+    assert within_one_quantum(got, eager, quantum) >= 0.99
+
+
 def test_float_layer_holding_quantized_or_fake_quant_modules_is_named(tmp_path):
     qmodel = _fx(_mlp())
     qmid = qmodel.get_submodule("2")
