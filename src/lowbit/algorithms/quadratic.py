@@ -20,7 +20,7 @@ the search stops at a point no single flip improves. Why it matters: a kernel wh
 ~0 (an edge detector) reading a positive input (ReLU6, mean ~3) turns each rounding error's sum into a
 gain on the *local* input mean, which varies over the image: bias correction removes only its
 average. EfficientNet-Lite0's first depthwise conv alone (weights only, round to nearest + bias
-correction) 33.4 dB logit SQNR, with these codes 41.5 dB.
+correction) 33.4 dB logit SQNR, with these codes 37.3 dB (AdaRound, 100 steps on 16x16 windows: 31.1 dB).
 
 >>> import torch
 >>> from torch import nn
