@@ -139,7 +139,7 @@ def _sqnr(ref: Any, out: Any) -> float:
 def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate", *,
                  qconfig_mapping: QConfigMapping | None = None, iters: int = 500, batch_size: int = 8,
                  equalize: bool | str = "range", streams: float | None = 0.75, blocks: bool = True,
-                 learn_grids: bool = True, max_float_layers: int = 0, progress: bool = True,
+                 learn_grids: bool = True, tune: int = 0, max_float_layers: int = 0, progress: bool = True,
                  seed: int = 0, rounding: str = "adaround") -> tuple[nn.Module, PTQReport]:
     """Quantize a float ``model`` with ``recipe`` (``"default"`` or ``"accurate"``); return ``(qmodel, report)``.
 
@@ -155,7 +155,11 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     ``lowbit.algorithms.block``); ``False``: every layer on its own output. ``learn_grids`` (with ``blocks``):
     the block's output grid joins the block and the step sizes of its activation grids learn with the
     rounding (LSQ; zero points fixed, a ReLU6 grid kept inside its clamp); the learned grids are what
-    ``convert_fx`` uses. ``max_float_layers`` (either recipe, default 0): after convert, keep up to that many
+    ``convert_fx`` uses. ``tune`` (``accurate`` only, default 0: off): after rounding and bias correction, that
+    many Adam steps (16 samples each) tune every layer's bias on the whole model's output against the float
+    model's, codes fixed (``lowbit.algorithms.tune``, AdaQuant's bias tuning; kept only if the calibration
+    error drops). Off by default: on MobileNetV2 it found no gain (``docs/design.md``).
+    ``max_float_layers`` (either recipe, default 0): after convert, keep up to that many
     weighted layers float, picked label-free on the first calibration batch by the output SQNR against the
     float model (``lowbit.debug.auto_mixed_precision``'s ``search="fast"`` walk on this converted model: each
     layer ranked by the SQNR with only it float, then greedily while the SQNR improves); a float layer reads
@@ -184,6 +188,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         raise ValueError(f"quantize_ptq: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")
     if not isinstance(learn_grids, bool):
         raise TypeError(f"quantize_ptq: learn_grids={learn_grids!r} must be True or False")
+    if isinstance(tune, bool) or not isinstance(tune, int) or tune < 0:
+        raise ValueError(f"quantize_ptq: tune={tune!r} must be an int >= 0 (steps of end-to-end bias tuning)")
     if isinstance(max_float_layers, bool) or not isinstance(max_float_layers, int) or max_float_layers < 0:
         raise ValueError(f"quantize_ptq: max_float_layers={max_float_layers!r} must be an int >= 0")
     if streams is not None and (isinstance(streams, bool) or not isinstance(streams, (int, float))
@@ -246,6 +252,13 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         gain = sum(c.mse_nearest > 0 and c.mse_after < c.mse_nearest for c in report.layers)
         report.steps.append(("correct bias", f"biases corrected on {len(report.layers)} layers (max |shift| "
                                              f"{shift:.3g}); output MSE lower on {gain}/{len(report.layers)}"))
+        if tune:
+            from .algorithms.tune import tune_biases
+
+            t = tune_biases(prepared, float_model, batches, iters=tune, batch_size=16, seed=seed, progress=progress)
+            report.steps.append(("tune biases", f"{t.n_biases} layers' biases tuned on the model output ({tune} steps): "
+                                                f"calibration output error x{t.error_after / t.error_before:.3f}"
+                                                f"{'' if t.kept else ' (no gain: not kept)'}"))
     qmodel = convert_fx(prepared)
     with torch.no_grad():
         ref = float_model(*batches[0])
