@@ -20,7 +20,7 @@ from lowbit.nn.quantized import dynamic as nnqd
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from onnx_helpers import dynamic_quantum, float_weight_matmuls, one_thread, ort_graph  # noqa: E402,F401 (one_thread: autouse fixture)
+from onnx_helpers import Encoder, dynamic_quantum, float_weight_matmuls, one_thread, ort_graph  # noqa: E402,F401 (one_thread: autouse fixture)
 
 I8, U8, F16 = onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT16
 
@@ -211,14 +211,6 @@ def test_minilm_encoder_sentence_embeddings(tmp_path, monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     tok, model = D.load_minilm()
     qm = Q.quantize_dynamic(model.eval(), {nn.Linear})
-
-    class Encoder(nn.Module):
-        def __init__(self, m: nn.Module) -> None:
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return self.m(input_ids=ids, attention_mask=mask).last_hidden_state
 
     def embed(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return F.normalize((h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True), dim=-1)

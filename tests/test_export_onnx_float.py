@@ -163,15 +163,7 @@ def test_minilm_static_recipe_exports_and_ort_matches(tmp_path):
     import torch.nn.functional as F
 
     from lowbit.data import embed_sentences, load_lee_corpus, load_minilm
-    from onnx_helpers import float_weight_matmuls, ort_graph
-
-    class Encoder(nn.Module):
-        def __init__(self, m: nn.Module) -> None:
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return self.m(input_ids=ids, attention_mask=mask).last_hidden_state
+    from onnx_helpers import Encoder, float_weight_matmuls, ort_graph
 
     tok, model = load_minilm()
     background, docs, _ = load_lee_corpus()
