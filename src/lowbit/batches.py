@@ -22,7 +22,7 @@ from torch import nn
 
 from .qtensor import QTensor
 
-__all__ = ["iter_batches", "run_batch", "check_module", "flatten_outputs"]
+__all__ = ["iter_batches", "run_batch", "check_module", "output_tensors", "flatten_outputs"]
 
 
 def iter_batches(inputs: Any, where: str) -> Iterator[Any]:
@@ -55,14 +55,21 @@ def check_module(model: Any, what: str) -> nn.Module:
     return model
 
 
+def output_tensors(out: Any) -> list[Any]:
+    """Every tensor (or ``QTensor``) in a nested tuple/list/dict output, in order, as it is (gradients kept).
+
+    >>> [tuple(t.shape) for t in output_tensors([torch.ones(2), (torch.zeros(1), {"k": torch.ones(3)}), "x"])]
+    [(2,), (1,), (3,)]
+    """
+    if isinstance(out, (QTensor, torch.Tensor)):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in output_tensors(o)]
+    return []
+
+
 def flatten_outputs(out: Any) -> list[torch.Tensor]:
     """Every tensor in ``out`` as float, in order (QTensors dequantized; clones, so later in-place ops can't alter them)."""
-    if isinstance(out, QTensor):
-        return [out.dequantize()]
-    if isinstance(out, torch.Tensor):
-        return [out.detach().float().clone()]
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in flatten_outputs(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in flatten_outputs(o)]
-    return []
+    return [t.dequantize() if isinstance(t, QTensor) else t.detach().float().clone() for t in output_tensors(out)]

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..batches import output_tensors
 from .block import LearnedGrid, install_grid, learnable_grids
 from .layers import freeze_weight, is_weighted, split, weight_codes
 from .layerwise import _batches, _patch_observers
@@ -60,11 +61,7 @@ class TuneResult:
 
 def _tensors(out: Any) -> list[torch.Tensor]:
     """The floating-point tensors in a (nested) output, in order, gradients kept."""
-    if isinstance(out, torch.Tensor):
-        return [out] if out.is_floating_point() else []
-    if isinstance(out, dict):
-        out = list(out.values())
-    return [t for o in out for t in _tensors(o)] if isinstance(out, (tuple, list)) else []
+    return [t for t in output_tensors(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def _error(out: Any, target: list[torch.Tensor]) -> torch.Tensor:
