@@ -244,10 +244,12 @@ def test_large_inputs_take_the_one_pass_store_with_the_same_codes(monkeypatch: p
     x[0, :4] = torch.tensor([0.025, 0.075, -0.025, 100.0])  # ties on the 0.05 grid, saturation
     q = Quantize(0.05, 131, Q.quint8)
     calls: list[int] = []
-    real = qstore.plain  # (Quantize decides qstore.codes' route once per grid and stores inline: the view is the mark)
-    monkeypatch.setattr(qstore, "plain", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    fast = (q(x).int_repr(), per_token.quantize_per_token(x).int_repr())
-    assert len(calls) == 2
+    real = qstore.plain  # (Quantize decides qstore.codes' route once per grid and stores inline: its mark is the
+    monkeypatch.setattr(qstore, "plain", lambda *a, **kw: calls.append(1) or real(*a, **kw))  # quantized tensor kept)
+    qx = q(x)
+    assert qx._tu is not None and qx._c is None
+    fast = (qx.int_repr(), per_token.quantize_per_token(x).int_repr())
+    assert len(calls) == 1 and qx._tu is not None and qx._tu.data_ptr() == qx.int_repr().data_ptr()  # (a view)
     monkeypatch.setattr(qstore, "exact", lambda fused: False)  # the float ops (a new grid decides again)
     slow = (Quantize(0.05, 131, Q.quint8)(x).int_repr(), per_token.quantize_per_token(x).int_repr())
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(fast, slow))

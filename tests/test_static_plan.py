@@ -132,9 +132,9 @@ def test_converted_model_runs_the_plan_not_the_reference() -> None:
 
 
 def test_fbgemm_output_tensor_rides_along(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A requantizing fbgemm call leaves its quantized tensor on the output QTensor (``_tq``: the same storage, so
-    the 7-bit clamp is in it too); the next layer feeds it to fbgemm as it is and DeQuantize dequantizes it: the
-    same codes and floats as the generic path's, layer by layer."""
+    """A requantizing fbgemm call leaves its quantized tensor on the output QTensor (``_tq``, the 7-bit clamp in it;
+    the plain codes made only when read); the next layer feeds it to fbgemm as it is and DeQuantize dequantizes it:
+    the same codes and floats as the generic path's, layer by layer."""
     force(monkeypatch, vnni=False, fbgemm=True)
     from lowbit.nn.quantized.stubs import DeQuantize
 
@@ -144,15 +144,16 @@ def test_fbgemm_output_tensor_rides_along(monkeypatch: pytest.MonkeyPatch) -> No
     for m in (1, 4, onednn.SMALL_M):
         x = Q.QTensor(torch.randint(0, 128, (m, 48), generator=g, dtype=torch.uint8), 0.02, 60, Q.quint8.with_range(0, 127))
         y1 = first(x)
-        assert y1._tq is not None and y1._tq.data_ptr() == y1.int_repr().data_ptr()
-        assert torch.equal(y1._tq.int_repr(), y1.int_repr()) and int(y1.int_repr().max()) <= 127
+        assert y1._tq is not None and y1._c is None  # (no plain codes made yet)
+        y2, d1 = second(y1), DeQuantize()(y1)  # both from y1's fbgemm tensor
+        assert y1._tq is not None and torch.equal(y1._tq.int_repr(), y1.int_repr()) and int(y1.int_repr().max()) <= 127
         w1, g1 = first._prepared()
         assert torch.equal(y1.int_repr(), onednn.linear(x, w1, first.bias, g1, True, cache={}).int_repr())
-        y2 = second(y1)
         w2, g2 = second._prepared()
         plain = Q.QTensor(y1.int_repr().clone(), y1.scale, y1.zero_point, y1.qdtype)  # no _tq: wrapped again
         assert torch.equal(y2.int_repr(), onednn.linear(plain, w2, second.bias, g2, False, cache={}).int_repr())
-        assert torch.equal(DeQuantize()(y2), y2.dequantize()) and torch.equal(DeQuantize()(y1), plain.dequantize())
+        assert torch.equal(d1, plain.dequantize())
+        assert torch.equal(DeQuantize()(second(y1)), y2.dequantize())  # (y1's codes read: a copy, the natives dropped)
 
 
 @pytest.mark.parametrize("fbgemm", [True, False], ids=["fbgemm", "onednn-only"])
@@ -170,3 +171,37 @@ def test_transposed_float_input_gives_the_contiguous_codes(monkeypatch: pytest.M
             x = torch.randn(64, m).t()
             assert not x.is_contiguous()
             assert torch.equal(qm(x), qm(x.contiguous())), f"{qconfig.activation} M={m}"
+
+
+@pytest.mark.parametrize("hardtanh", [True, False], ids=["hardtanh", "clamp"])
+def test_quantize_codes_on_scale_one_go_into_fbgemm(monkeypatch: pytest.MonkeyPatch, hardtanh: bool) -> None:
+    """``Quantize``'s codes stay in its quantized tensor on scale 1 (``_tu``); a fbgemm Linear takes it with a pack
+    whose weight scales are float32 ``s_x · s_w``: the same codes as the generic path on the plain codes, over input
+    grids (zero points 0 / 60 / 127, ties and saturation to 0 and 127), output grids, ReLU and M; the 7-bit output clamp
+    by quantized ``hardtanh_`` or, where its probe fails, by ``clamp_`` on the viewed codes."""
+    force(monkeypatch, vnni=False, fbgemm=True)
+    from lowbit.kernels import plan
+    from lowbit.nn.quantized.stubs import DeQuantize, Quantize
+
+    if not hardtanh:
+        monkeypatch.setattr(plan, "_qclamp_exact", lambda *a: False)
+    u7 = Q.quint8.with_range(0, 127)
+    g = torch.Generator().manual_seed(3)
+    wrong = []
+    for i, ((s, z), out, relu, m) in enumerate(itertools.product(((0.05, 60), (0.0123, 0), (0.31, 127)),
+                                                                  (OUT_GRIDS[0], OUT_GRIDS[2]), (False, True), (1, 7, 32))):
+        mod, quant = _layer(40, 24, False, relu, out, 100 + i), Quantize(s, z, u7)
+        x = torch.randn(m, 40, generator=g) * 4 * s * 40
+        x[0, :4] = torch.tensor([0.5, 1.5, -2.5, 1e9]) * s  # ties, saturation
+        qx = quant(x)
+        assert qx._tu is not None and qx._c is None
+        before = K.counts[("onednn", "linear")]
+        y = mod(qx)
+        assert K.counts[("onednn", "linear")] == before + 1 and qx._c is None  # (the plain codes never made)
+        plain = Q.QTensor(quant(x).int_repr().clone(), qx.scale, qx.zero_point, u7)
+        w, grid = mod._prepared()
+        want = onednn.linear(plain, w, mod.bias, grid, relu, cache={})
+        if not (torch.equal(y.int_repr(), want.int_repr()) and torch.equal(DeQuantize()(mod(quant(x))), want.dequantize())
+                and torch.equal(DeQuantize()(quant(x)), plain.dequantize())):
+            wrong.append((s, z, out, relu, m))
+    assert not wrong

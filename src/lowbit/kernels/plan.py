@@ -120,22 +120,37 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             p = packs["onednn"] = torch.ops.onednn.qlinear_prepack(w, None)
         return p
 
+    def fbgemm_pack(scales: torch.Tensor) -> Any:  # onednn._fbgemm_requant's pack: per-channel scales, bias inside
+        wq = _quiet_qtensor(torch._make_per_channel_quantized_tensor, w, scales.to(torch.float64), w_zp, 0)
+        return torch.ops.quantized.linear_prepack(wq, None if bias is None else bias.detach().float())
+
+    op = avx2.fbgemm_ops()[2 if relu else 1] if fused_ok else None
+    # the 7-bit clamp as fbgemm's own in-place quantized hardtanh_ where it gives clamp's codes on this grid (all 256
+    # checked once): one op on the quantized output, whose plain codes are then made only if something reads them
+    ht = (None if not fused_ok or s_t is None or (c_lo is None and c_hi is None) or not _qclamp_exact(s_out, z_out, qd)
+          else ((qd.quant_min - z_out) * s_out, (qd.quant_max - z_out) * s_out))
+
+    def fbgemm_out(t: torch.Tensor) -> QTensor:
+        """fbgemm's 2-d u8 output on the output grid: its codes stay in t (a QTensor's _tq, for DeQuantize / the next
+        layer), clamped by hardtanh_ (ht) or, viewed, by clamp_."""
+        if ht is not None:
+            torch._C._nn.hardtanh_(t, ht[0], ht[1])
+            return QTensor._trusted(None, s_t, z_t, qd, None, t)  # type: ignore[arg-type]
+        if c_lo is None and c_hi is None and s_t is not None:
+            return QTensor._trusted(None, s_t, z_t, qd, None, t)
+        y = empty(0, dtype=u8).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())  # a view, no copy
+        if c_lo is not None or c_hi is not None:
+            y.clamp_(c_lo, c_hi)
+        return QTensor._trusted(y, s_t, z_t, qd, None, t) if s_t is not None else out.wrap(y, t)
+
     def fbgemm_requant(q: torch.Tensor, sx: float, zx: int, tq: torch.Tensor | None) -> QTensor:
-        hit = packs.get("fbgemm_q")
-        if hit is None:  # onednn._fbgemm_requant's pack: real per-channel scales and the bias inside; its op
-            wq = _quiet_qtensor(torch._make_per_channel_quantized_tensor, w, w_scale.to(torch.float64), w_zp, 0)
-            hit = packs["fbgemm_q"] = (torch.ops.quantized.linear_prepack(
-                wq, None if bias is None else bias.detach().float()), avx2.fbgemm_ops()[2 if relu else 1])
-        p, op = hit
-        if q.dim() == 2:  # the output's codes stay in fbgemm's tensor (a QTensor's _tq: DeQuantize / the next layer)
+        p = packs.get("fbgemm_q")
+        if p is None:
+            p = packs["fbgemm_q"] = fbgemm_pack(w_scale)
+        if q.dim() == 2:
             if tq is None:
                 tq = make_qt(q, sx, zx) if _QUIET[0] else _quiet_qtensor(make_qt, q, sx, zx)
-            t = op(tq, p, s_out, z_out)
-            # its codes viewed, not copied (qstore.plain(shared=True)), and clamped in t's storage too
-            y = empty(0, dtype=u8).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-            if c_lo is not None or c_hi is not None:
-                y.clamp_(c_lo, c_hi)
-            return QTensor._trusted(y, s_t, z_t, qd, None, t) if s_t is not None else out.wrap(y, t)
+            return fbgemm_out(op(tq, p, s_out, z_out))
         y = qstore.plain(op(_quiet_qtensor(make_qt, q.reshape(-1, k), sx, zx), p, s_out, z_out), torch.uint8)
         y = y.reshape(*q.shape[:-1], -1)  # (above 4096 codes no int_repr copy: a scalar loop)
         return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
@@ -163,7 +178,43 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         y = torch.ops.onednn.qlinear_pointwise(q, sx, zx, packed, w_scale, w_zp, bias, s_out, z_out, dt, post, [], "")
         return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
 
+    unit: list[Any] = [None]  # (key, pack, the grid's tensors held): the pack for inputs on scale 1 (Quantize's)
+
+    def run_qt(x: QTensor) -> QTensor:
+        """``run`` on a per-tensor ``QTensor`` (the module's entry): a kernel output (``_tq``) goes into fbgemm as it is;
+        ``Quantize``'s codes on scale 1 (``_tu``) go in with the pack made for this input grid, whose weight scales are
+        float32 ``s_x · s_w`` (fbgemm multiplies ``float(s_in) · w_scale`` first: with ``s_in = 1`` the same float32
+        products, so the same requantization); no scale read as a Python number, no re-wrap."""
+        tq, tu = x._tq, x._tu
+        if (tq is not None or tu is not None) and op is not None and not shift:
+            t = tq if tq is not None else tu
+            if t.dim() == 2 and t.numel() <= onednn.SMALL_M * k and onednn.fbgemm_engine():  # type: ignore[union-attr]
+                counts[key] += 1
+                if tq is not None:
+                    return fbgemm_requant(tq, 0.0, 0, tq)
+                s, z = x._scale, x._zero_point
+                try:
+                    ukey = (id(s), id(z), s._version, z._version)
+                except RuntimeError:  # inference tensors keep no version counter
+                    ukey = (id(s), id(z), tensor_version(s), tensor_version(z))
+                hit = unit[0]
+                if hit is None or hit[0] != ukey:
+                    hit = unit[0] = (ukey, fbgemm_pack(s.float() * w_scale.float()), s, z)
+                return fbgemm_out(op(tu, hit[1], s_out, z_out))
+        return run(x._q, x._scale.item(), x._zero_point.item(), tq)
+
+    run.qt = run_qt  # type: ignore[attr-defined]
     return run
+
+
+def _qclamp_exact(s: float, z: int, qd: QDtype) -> bool:
+    """Whether torch's quantized ``hardtanh_`` at ``(qmin - z)·s, (qmax - z)·s`` clamps all 256 u8 codes of this grid
+    to ``[qmin, qmax]`` (its bounds are quantized by torch: checked, not assumed)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    with torch.inference_mode(False):
+        t = _quiet_qtensor(torch._make_per_tensor_quantized_tensor, codes.clone(), s, z)
+        torch._C._nn.hardtanh_(t, (qd.quant_min - z) * s, (qd.quant_max - z) * s)
+        return torch.equal(t.int_repr(), codes.clamp(qd.quant_min, qd.quant_max))
 
 
 def _counts() -> Any:

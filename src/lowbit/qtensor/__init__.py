@@ -63,9 +63,11 @@ def _check_python_qparams(scale: Any, zero_point: Any) -> None:
 class QTensor:
     """Integer codes ``int_repr`` (``qdtype.storage``) with ``scale``/``zero_point`` (0-d or ``(C,)``)."""
 
-    # _tq: None, or a torch quantized tensor on this very grid whose storage *is* _q's (a kernel's output, kept so
-    # that the next fbgemm call or DeQuantize takes it as it is instead of wrapping the codes again)
-    __slots__ = ("_q", "_scale", "_zero_point", "_qdtype", "_axis", "_tq")
+    # _tq: None, or a torch quantized tensor on this very grid whose storage *is* the codes (a kernel's output, kept
+    # so that the next fbgemm call or DeQuantize takes it as it is instead of wrapping the codes again); _tu: None, or
+    # one with the same codes on scale 1 and this zero point (Quantize's store). _c: the plain codes, or None while a
+    # native tensor holds them: made on first use (_q), a copy up to 4096 codes (the natives then dropped) else a view
+    __slots__ = ("_c", "_scale", "_zero_point", "_qdtype", "_axis", "_tq", "_tu")
 
     def __init__(
         self,
@@ -99,19 +101,36 @@ class QTensor:
             raise ValueError(f"per-tensor QTensor needs scalar qparams, got shape {tuple(scale.shape)}; pass axis")
         else:
             scale, zero_point = scale.reshape(()), zero_point.reshape(())
-        self._q, self._scale, self._zero_point, self._qdtype, self._axis = int_repr, scale, zero_point, qdtype, axis
-        self._tq = None
+        self._c, self._scale, self._zero_point, self._qdtype, self._axis = int_repr, scale, zero_point, qdtype, axis
+        self._tq = self._tu = None
 
     @classmethod
-    def _trusted(cls, int_repr: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: QDtype,
-                 axis: int | None = None, tq: torch.Tensor | None = None) -> QTensor:
+    def _trusted(cls, int_repr: torch.Tensor | None, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: QDtype,
+                 axis: int | None = None, tq: torch.Tensor | None = None, tu: torch.Tensor | None = None) -> QTensor:
         """A QTensor from parts that already meet ``__init__``'s contract (float32 / int64 qparams on the
         codes' device, 0-d per tensor or ``(C,)`` along ``axis``), without re-checking them: lowbit's own
-        kernels and shape ops rewrap validated grids on every call (~0.1 µs instead of ~10 µs). ``tq``: a torch
-        quantized tensor with this scale and zero point whose storage holds ``int_repr`` (same shape and strides)."""
+        kernels and shape ops rewrap validated grids on every call (~0.1 µs instead of ~10 µs). ``tq`` / ``tu``: a
+        torch quantized tensor holding the codes on this grid / on scale 1 (``int_repr`` ``None``: made when read)."""
         t = cls.__new__(cls)
-        t._q, t._scale, t._zero_point, t._qdtype, t._axis, t._tq = int_repr, scale, zero_point, qdtype, axis, tq
+        t._c, t._scale, t._zero_point, t._qdtype, t._axis, t._tq, t._tu = int_repr, scale, zero_point, qdtype, axis, tq, tu
         return t
+
+    @property
+    def _q(self) -> torch.Tensor:  # the codes; a native tensor's made on first read: int_repr's copy, above 4096 a view
+        c = self._c
+        if c is None:
+            t = self._tu if self._tu is not None else self._tq
+            if t.numel() <= 4096:  # (a copy: the natives, no longer sharing its memory, are dropped)
+                c, self._tq, self._tu = t.int_repr(), None, None
+            else:
+                c = torch.empty(0, dtype=self._qdtype.storage).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+            self._c = c
+        return c
+
+    @property
+    def _meta(self) -> torch.Tensor:  # a tensor with the codes' shape and device (no plain codes made)
+        c = self._c
+        return c if c is not None else self._tu if self._tu is not None else self._tq  # type: ignore[return-value]
 
     # ---- accessors (the torch.Tensor quantized API) ----
     def int_repr(self) -> torch.Tensor:
@@ -173,27 +192,27 @@ class QTensor:
 
     @property
     def shape(self) -> torch.Size:
-        return self._q.shape
+        return self._meta.shape
 
     @property
     def device(self) -> torch.device:
-        return self._q.device
+        return self._meta.device
 
     @property
     def is_quantized(self) -> bool:
         return True
 
     def size(self, dim: int | None = None) -> Any:
-        return self._q.size() if dim is None else self._q.size(dim)
+        return self._meta.size() if dim is None else self._meta.size(dim)
 
     def dim(self) -> int:
-        return self._q.dim()
+        return self._meta.dim()
 
     def numel(self) -> int:
-        return self._q.numel()
+        return self._meta.numel()
 
     def __len__(self) -> int:
-        return len(self._q)
+        return len(self._meta)
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         """Move to a device; with a dtype (or a tensor to match), the dequantized values converted to it
@@ -334,12 +353,8 @@ class QTensor:
     def __add__(self, other: Any) -> Any:
         return torch.add(self, other)
 
-    __radd__ = __add__
-
     def __mul__(self, other: Any) -> Any:
         return torch.mul(self, other)
-
-    __rmul__ = __mul__
 
     def __sub__(self, other: Any) -> Any:
         return torch.sub(self, other)
@@ -355,6 +370,8 @@ class QTensor:
 
     def __neg__(self) -> Any:
         return torch.neg(self)
+
+    __radd__, __rmul__ = __add__, __mul__
 
 
 def _tree_dequantize(obj: Any) -> Any:

@@ -339,7 +339,7 @@ class WeightedQuantModule(CheckedQuantState):
         and ``tensor_version``) and the input ``QDtype``; a plan that declines (``None``) is kept too."""
         if tracing() or kernels.get_backend() or x._axis is not None:  # (tracing first: no guard on the shape)
             return None
-        q = x._q
+        q = x._meta  # (the codes' shape and device: a native tensor's codes are not made here)
         if not q.is_cpu or not q.numel():
             return None
         b = self._buffers

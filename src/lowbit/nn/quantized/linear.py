@@ -56,10 +56,10 @@ class Linear(WeightedQuantModule):
         super().__init__((out_features, in_features), out_features, bool(bias), device)
 
     def forward(self, x: QTensor | torch.Tensor) -> QTensor:
-        if type(x) is QTensor and x._q.dim() and x._q.shape[-1] == self.in_features:
+        if type(x) is QTensor and x._meta.dim() and x._meta.shape[-1] == self.in_features:
             run = self._plan(x, linear_plan)  # the eager floor: one plan per layer state (kernels.plan)
             if run is not None:
-                return run(x._q, x._scale.item(), x._zero_point.item(), x._tq)  # type: ignore[no-any-return]
+                return run.qt(x)  # type: ignore[no-any-return]
         qx = as_qtensor(x, self.input_grid, type(self).__name__)
         if qx.dim() == 0 or qx.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__}: input of shape {tuple(qx.shape)} does not end in "

@@ -73,9 +73,11 @@ class Quantize(CheckedQuantState):
                 if lo is not None or hi is not None:
                     v.clamp_(lo, hi)
                 t = torch.quantize_per_tensor(v, 1.0, zi, dtype) if qstore._QUIET[0] else qstore._qpt(v, zi, dtype)
-                codes = qstore.plain(t, self.qdtype.storage) if t.numel() > qstore._VIEW_ABOVE else t.int_repr()
-            else:
-                codes = quantize_scaled(x, inv, z, self.qdtype)
+                # the codes stay in t (the QTensor's _tu: a Linear's fbgemm call takes it as it is; the plain codes
+                # are made only where something reads them)
+                return QTensor._trusted(None, bufs["scale"], bufs["zero_point"], self.qdtype,  # type: ignore[arg-type]
+                                        None, None, t)
+            codes = quantize_scaled(x, inv, z, self.qdtype)
             return QTensor._trusted(codes, bufs["scale"], bufs["zero_point"], self.qdtype)  # type: ignore[arg-type]
         if isinstance(x, QTensor):
             if (x.axis is None and x.qdtype == self.qdtype and torch.equal(x.scale, self.scale)
@@ -130,6 +132,8 @@ class DeQuantize(nn.Module):
         if type(x) is QTensor:
             if x._tq is not None and not tracing():  # a kernel's own quantized output on this grid: one op
                 return x._tq.dequantize()
+            if x._tu is not None and not tracing():  # codes on scale 1: (q - z) · 1 is exact, then float32 · s
+                return x._tu.dequantize().mul_(x._scale)
             if x.axis is None and not tracing():
                 # a QTensor's grid was checked where it was made: the lean one-pass dequantize, no re-check
                 return dequantize_fast(x.int_repr(), x.scale, x.zero_point)
