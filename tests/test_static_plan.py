@@ -205,3 +205,26 @@ def test_quantize_codes_on_scale_one_go_into_fbgemm(monkeypatch: pytest.MonkeyPa
                 and torch.equal(DeQuantize()(quant(x)), plain.dequantize())):
             wrong.append((s, z, out, relu, m))
     assert not wrong
+
+
+def test_split_output_keeps_its_scale_one_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split's float epilogue stores its codes with ``quantize_per_tensor`` at scale 1 and keeps that tensor on the
+    output (``_tu``): DeQuantize is its ``dequantize · s`` and the next fbgemm layer takes it with its own pack; the
+    same codes and floats as from the plain codes."""
+    force(monkeypatch, vnni=False, fbgemm=True)
+    from lowbit.nn.quantized.stubs import DeQuantize
+
+    u7 = Q.quint8.with_range(0, 127)
+    first, second = _layer(48, 32, True, False, (0.05, 3, u7), 21), _layer(32, 16, False, True, OUT_GRIDS[0], 22)
+    g = torch.Generator().manual_seed(6)
+    for m in (1, 5, onednn.SMALL_M):
+        x = Q.QTensor(torch.randint(0, 256, (m, 48), generator=g, dtype=torch.uint8), 0.02, 131, Q.quint8)
+        y1 = first(x)
+        assert y1._tu is not None and y1._c is None
+        y2, d1 = second(y1), DeQuantize()(y1)
+        plain = Q.QTensor(y1.int_repr().clone(), y1.scale, y1.zero_point, y1.qdtype)
+        w1, g1 = first._prepared()
+        w2, g2 = second._prepared()
+        assert torch.equal(plain.int_repr(), onednn.linear(x, w1, first.bias, g1, False, cache={}).int_repr())
+        assert torch.equal(d1, plain.dequantize())
+        assert torch.equal(y2.int_repr(), onednn.linear(plain, w2, second.bias, g2, True, cache={}).int_repr())

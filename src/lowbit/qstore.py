@@ -79,11 +79,13 @@ def exact(fused: bool) -> bool:
     return True
 
 
-def codes(v: torch.Tensor, z: int, lo: int, hi: int, storage: torch.dtype) -> torch.Tensor:
+def codes(v: torch.Tensor, z: int, lo: int, hi: int, storage: torch.dtype, native: bool = False) -> torch.Tensor:
     """``clamp(round_half_even(fl(v + z)), lo, hi)`` in ``storage``; ``v`` (float32) may be overwritten.
 
     ``z`` an int in ``storage``'s range and ``[lo, hi]`` inside it for the one-pass route (8-bit CPU storage);
-    anything else takes ``v + z``, ``round``, ``clamp`` and a cast, the same codes.
+    anything else takes ``v + z``, ``round``, ``clamp`` and a cast, the same codes. ``native``: on the fused
+    one-pass route with ``v`` contiguous, the torch quantized tensor itself (scale 1, zero point ``z``; a
+    ``QTensor``'s ``tu``), not its plain codes.
     """
     spec = _TORCH_Q.get(storage)
     if spec is None or not v.is_cpu or not spec[1] <= z <= spec[2]:
@@ -98,6 +100,8 @@ def codes(v: torch.Tensor, z: int, lo: int, hi: int, storage: torch.dtype) -> to
         if not v.is_contiguous():
             return _slow(v, z, lo, hi, storage).permute(_inverse(perm))
     if exact(True):
+        if native and perm is None:
+            return _qpt(v, z, dtype)
         q = plain(_qpt(v, z, dtype), storage)
     elif exact(False):
         q = plain(_qpt(v.add_(z), 0, dtype), storage)

@@ -107,8 +107,8 @@ def _float_epilogue(y: torch.Tensor, bias: torch.Tensor | None, out: OutGrid | N
     # round, clamp and 8-bit store in one pass (lowbit.qstore)
     inv, _ = _out_consts(out.scale, out.zero_point)
     qd = out.qdtype
-    return out.wrap(qstore.codes(y.mul_(inv), out.zero_point, _relu_floor(qd.quant_min, out.zero_point, relu), qd.quant_max,
-                                 qd.storage))
+    return out.wrap_store(qstore.codes(y.mul_(inv), out.zero_point, _relu_floor(qd.quant_min, out.zero_point, relu),
+                                       qd.quant_max, qd.storage, native=True))
 
 
 def _relu_floor(qmin: int, zero_point: int, relu: bool) -> int:

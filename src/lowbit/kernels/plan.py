@@ -178,7 +178,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         y = torch.ops.onednn.qlinear_pointwise(q, sx, zx, packed, w_scale, w_zp, bias, s_out, z_out, dt, post, [], "")
         return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
 
-    unit: list[Any] = [None]  # (key, pack, the grid's tensors held): the pack for inputs on scale 1 (Quantize's)
+    unit: list[Any] = [None]  # (key, s_x, z_x, the grid's tensors held, the pack for inputs on scale 1 or None)
 
     def run_qt(x: QTensor) -> QTensor:
         """``run`` on a per-tensor ``QTensor`` (the module's entry): a kernel output (``_tq``) goes into fbgemm as it is;
@@ -186,22 +186,24 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         float32 ``s_x · s_w`` (fbgemm multiplies ``float(s_in) · w_scale`` first: with ``s_in = 1`` the same float32
         products, so the same requantization); no scale read as a Python number, no re-wrap."""
         tq, tu = x._tq, x._tu
-        if (tq is not None or tu is not None) and op is not None and not shift:
-            t = tq if tq is not None else tu
-            if t.dim() == 2 and t.numel() <= onednn.SMALL_M * k and onednn.fbgemm_engine():  # type: ignore[union-attr]
-                counts[key] += 1
-                if tq is not None:
-                    return fbgemm_requant(tq, 0.0, 0, tq)
-                s, z = x._scale, x._zero_point
-                try:
-                    ukey = (id(s), id(z), s._version, z._version)
-                except RuntimeError:  # inference tensors keep no version counter
-                    ukey = (id(s), id(z), tensor_version(s), tensor_version(z))
-                hit = unit[0]
-                if hit is None or hit[0] != ukey:
-                    hit = unit[0] = (ukey, fbgemm_pack(s.float() * w_scale.float()), s, z)
-                return fbgemm_out(op(tu, hit[1], s_out, z_out))
-        return run(x._q, x._scale.item(), x._zero_point.item(), tq)
+        fused = op is not None and not shift
+        if tq is not None and fused and tq.dim() == 2 and tq.numel() <= onednn.SMALL_M * k and onednn.fbgemm_engine():
+            counts[key] += 1
+            return fbgemm_requant(tq, 0.0, 0, tq)
+        s, z = x._scale, x._zero_point  # the input grid as Python numbers, read once per grid state (no items)
+        try:
+            ukey = (id(s), id(z), s._version, z._version)
+        except RuntimeError:  # inference tensors keep no version counter
+            ukey = (id(s), id(z), tensor_version(s), tensor_version(z))
+        hit = unit[0]
+        if hit is None or hit[0] != ukey:
+            hit = unit[0] = [ukey, s.item(), z.item(), (s, z), None]
+        if tu is not None and fused and tu.dim() == 2 and tu.numel() <= onednn.SMALL_M * k and onednn.fbgemm_engine():
+            counts[key] += 1
+            if hit[4] is None:
+                hit[4] = fbgemm_pack(s.float() * w_scale.float())
+            return fbgemm_out(op(tu, hit[4], s_out, z_out))
+        return run(x._q, hit[1], hit[2], tq)
 
     run.qt = run_qt  # type: ignore[attr-defined]
     return run

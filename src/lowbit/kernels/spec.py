@@ -41,6 +41,15 @@ class OutGrid:
         zp = self.zero_point if self.zero_point_t is None else self.zero_point_t
         return QTensor(codes, scale, zp, self.qdtype)
 
+    def wrap_store(self, t: torch.Tensor) -> QTensor:
+        """``qstore.codes(..., native=True)``'s result as a ``QTensor``: a torch quantized tensor on scale 1 and this
+        zero point kept as it is (``tu``: its plain codes made only when read), or plain codes (``wrap``)."""
+        if not t.is_quantized:
+            return self.wrap(t)
+        if self.scale_t is not None and self.zero_point_t is not None and self.scale_t.device == t.device:
+            return QTensor._trusted(None, self.scale_t, self.zero_point_t, self.qdtype, None, None, t)
+        return self.wrap(t.int_repr())
+
     def __post_init__(self) -> None:
         for t, dtype, name in ((self.scale_t, torch.float32, "scale_t"), (self.zero_point_t, torch.int64, "zero_point_t")):
             if t is not None and (t.dim() != 0 or t.dtype != dtype):
