@@ -37,6 +37,7 @@ def methods(m: int, k: int, n: int) -> dict[str, Callable[[], Any]]:
     st7 = mods["lowbit static x86"]  # torch.ao's own x86 recipe (7-bit activations): one exact kernel call
     xq7 = st7[0](x)
     st7[1](xq7)
+    codes7 = st7[0](x).int_repr()
     plan7 = st7[1]._cache["plan"][2] if "plan" in st7[1]._cache else None  # kernels.plan (CPUs without VNNI)
     dyn = mods["lowbit dynamic"][0]
     dargs = (dyn.weight_int8, dyn.weight_scale, dyn.weight_zero_point, dyn.dtype, dyn.bias, dyn._cache)
@@ -51,7 +52,8 @@ def methods(m: int, k: int, n: int) -> dict[str, Callable[[], Any]]:
         "lowbit static, x86 recipe (Quantize -> Linear -> DeQuantize)": lambda: st7(x),
         "  Quantize (x86 recipe)": lambda: st7[0](x),
         "  Linear module (x86 recipe, QTensor in)": lambda: st7[1](xq7),
-        **({"  kernels.plan run (x86 recipe)": lambda: plan7(xq7.int_repr(), xq7.scale.item(), xq7.zero_point.item())}
+        # (its own copy: reading xq7's codes would drop the scale-1 tensor the Linear module row feeds to fbgemm)
+        **({"  kernels.plan run (x86 recipe)": lambda: plan7(codes7, xq7.scale.item(), xq7.zero_point.item())}
            if plan7 is not None else {}),
         "ao dynamic": lambda: mods["ao dynamic"](x),
         "lowbit dynamic (module)": lambda: mods["lowbit dynamic"](x),
