@@ -211,8 +211,8 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
 
 def _qclamp_exact(s: float, z: int, qd: QDtype) -> bool:
     """Whether torch's quantized ``hardtanh_`` at ``(qmin - z)·s, (qmax - z)·s`` clamps all 256 u8 codes of this grid
-    to ``[qmin, qmax]`` (its bounds are quantized by torch: checked, not assumed)."""
-    codes = torch.arange(256, dtype=torch.uint8)
+    to ``[qmin, qmax]`` (its bounds are quantized by torch: checked, not assumed; a vector body and a scalar tail)."""
+    codes = torch.arange(263, dtype=torch.int16).remainder_(256).to(torch.uint8)
     with torch.inference_mode(False):
         t = _quiet_qtensor(torch._make_per_tensor_quantized_tensor, codes.clone(), s, z)
         torch._C._nn.hardtanh_(t, (qd.quant_min - z) * s, (qd.quant_max - z) * s)
