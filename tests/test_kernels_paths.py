@@ -8,7 +8,10 @@ forced (the selection is monkeypatched) and a spy asserts that the intended path
 ``vnni-single``    oneDNN, one ``qlinear_pointwise`` call (VNNI/AMX CPUs; full int8 weights only where
                    the CPU really has VNNI, saturation-safe weights elsewhere — the same path, exact)
 ``avx2-single``    oneDNN on a CPU without VNNI, saturation-safe weights: one call
-``avx2-split``     oneDNN on a CPU without VNNI, full int8 weights: two 7-bit calls (``_split_run``)
+``avx2-split``     oneDNN on a CPU without VNNI, full int8 weights: the activations' 7-bit halves in one call
+                   (``_split_run``; linear, and convs whose halves' sums could leave float32's exact range)
+``avx2-wsplit``    conv, same case: the weights' 7-bit halves, one call on the codes (``_wsplit_conv``;
+                   depthwise: two), the codes bit for bit the exact accumulator's float32 epilogue
 ``fbgemm-float``   no VNNI, M ≤ ``SMALL_M``: fbgemm with float output (split for full weights)
 ``fbgemm-requant`` no VNNI, M ≤ ``SMALL_M``, u8 output: one fbgemm call with fused requantization
 ``plan``           a converted static Linear's eager plan (``kernels.plan``, no VNNI): each route above with its
@@ -72,7 +75,7 @@ def exact_acc(x: Q.QTensor, w: Q.QTensor) -> torch.Tensor:
 def paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """Counts which oneDNN-backend code path ran (spies around its internal routes)."""
     ran: Counter[str] = Counter()
-    for name in ("_split_run", "_fbgemm_linear", "_fbgemm_requant"):
+    for name in ("_split_run", "_wsplit_conv", "_fbgemm_linear", "_fbgemm_requant"):
         real = getattr(onednn, name)
 
         def spy(*a: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
@@ -286,14 +289,16 @@ def conv_scan(safe: bool) -> tuple[list[str], int]:
     return wrong, unsafe
 
 
-@pytest.mark.parametrize("variant", ["vnni-single", "avx2-single", "avx2-split"])
+@pytest.mark.parametrize("variant", ["vnni-single", "avx2-single", "avx2-split", "avx2-wsplit"])
 def test_onednn_conv_paths(monkeypatch: pytest.MonkeyPatch, paths: Counter[str], variant: str) -> None:
     force(monkeypatch, vnni=variant == "vnni-single", fbgemm=False)
+    monkeypatch.setattr(onednn, "WSPLIT_CONV", variant != "avx2-split")
     safe = variant == "avx2-single" or (variant == "vnni-single" and not _REAL_VNNI)
     wrong, unsafe = conv_scan(safe)
     assert not wrong, f"wrong int32 sums: {wrong}"
-    if variant == "avx2-split":
-        assert paths["_split_run"] == unsafe > 0 and set(paths) == {"_split_run"}
+    if variant.startswith("avx2-") and variant != "avx2-single":
+        route = "_split_run" if variant == "avx2-split" else "_wsplit_conv"
+        assert paths[route] == unsafe > 0 and set(paths) == {route}
     else:
         assert not paths, f"expected the single-call path only, ran {dict(paths)}"
 
@@ -315,8 +320,9 @@ def test_split_large_epilogue_is_the_exact_sum_requantized(monkeypatch: pytest.M
                   torch.zeros(cout, dtype=torch.long), Q.qint8, 0)
     bias, out = torch.randn(cout, generator=g), OutGrid(0.05, 7, Q.quint8)
     ran: list[bool] = []
-    real = onednn._split_run
-    monkeypatch.setattr(onednn, "_split_run", lambda *a: ran.append(True) or real(*a))
+    route = "_split_run" if kind == "linear" else "_wsplit_conv"  # (convs: the weights' halves)
+    real = getattr(onednn, route)
+    monkeypatch.setattr(onednn, route, lambda *a: ran.append(True) or real(*a))
     with K.use_backend("onednn"):
         if kind == "linear":
             y = K.linear(x, w, bias, out, relu, cache={})
@@ -336,3 +342,65 @@ def test_split_large_epilogue_is_the_exact_sum_requantized(monkeypatch: pytest.M
     assert torch.equal(y.int_repr(), want)
     if kind != "linear":  # channels innermost in memory, as the kernel wrote them
         assert y.int_repr().stride(1) == 1
+
+
+# (dim, cin, cout, k, groups, stride, padding, dilation): depthwise, grouped, strided, padded, dilated, 1×1, 1d/3d
+WSPLIT_CONVS = [(2, 8, 16, 3, 1, 1, 1, 1), (2, 16, 16, 3, 16, 2, 1, 1), (2, 12, 8, 3, 4, 1, 0, 1), (2, 24, 40, 1, 1, 1, 0, 1),
+                (2, 6, 6, 5, 6, 1, 2, 1), (2, 5, 7, 3, 1, 2, 0, 2), (1, 7, 5, 3, 1, 2, 2, 2), (1, 9, 9, 3, 9, 1, 1, 1),
+                (3, 4, 6, 3, 2, 1, 1, 1), (3, 3, 3, 3, 3, 2, 1, 1)]
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
+@pytest.mark.parametrize("zx", [0, 131, 255])
+def test_conv_weight_split_codes_are_the_exact_sum_requantized(monkeypatch: pytest.MonkeyPatch, paths: Counter[str],
+                                                               relu: bool, zx: int) -> None:
+    """The weight split (``onednn._wsplit_conv``) on every conv form, saturating weights (127/-128 pairs), codes 0 and
+    255, input zero points at both ends and output grids at 0/128/255: the codes are bit for bit the exact
+    accumulator's float32 epilogue ``fl(acc) · fl(s_x s_w) + b`` (ReLU) ``· inv + z``, rounded, clamped; float
+    outputs are ``fl(acc) · fl(s_x s_w) + b`` bit for bit (sums below 2²⁴ here)."""
+    force(monkeypatch, vnni=False, fbgemm=False)
+    wrong = []
+    for i, (dim, cin, cout, ks, groups, stride, pad, dil) in enumerate(WSPLIT_CONVS):
+        g = torch.Generator().manual_seed(100 * i + zx)
+        q = torch.randint(0, 256, (2, cin, *(9 - dim,) * dim), generator=g, dtype=torch.uint8)
+        q.view(-1)[:5], q.view(-1)[-5:] = 0, 255
+        if dim == 2 and i % 2:
+            q = q.contiguous(memory_format=torch.channels_last)
+        x = Q.QTensor(q, 0.03, zx, Q.quint8)
+        codes = torch.randint(-128, 128, (cout, cin // groups, *(ks,) * dim), generator=g, dtype=torch.int8)
+        codes.view(cout, -1)[::2, :2], codes.view(cout, -1)[1::2, :2] = 127, -128  # pairs that saturate vpmaddubsw
+        w = Q.QTensor(codes, torch.rand(cout, generator=g) / 50 + 1e-3, torch.zeros(cout, dtype=torch.long), Q.qint8, 0)
+        bias = torch.randn(cout, generator=g)
+        spec = K.ConvSpec(dim, (stride,) * dim, (pad,) * dim, (dil,) * dim, groups)
+        conv = getattr(torch.nn.functional, f"conv{dim}d")
+        acc = conv(q.double() - zx, codes.double(), None, spec.stride, spec.padding, spec.dilation, groups)
+        shape = [1, -1] + [1] * dim
+        v = acc.float().mul_((w.scale * 0.03).reshape(shape)).add_(bias.reshape(shape))
+        zo = (0, 128, 255)[i % 3]
+        out = OutGrid(float(v.abs().max()) / 90, zo, Q.quint8)
+        with K.use_backend("onednn"):
+            before = K.counts[("onednn", "conv")]
+            y, yf = K.conv(x, w, bias, spec, out, relu, cache={}), K.conv(x, w, bias, spec, None, relu, cache={})
+            assert K.counts[("onednn", "conv")] == before + 2, "oneDNN declined (fell back)"
+        inv = torch.tensor(out.scale).reciprocal()
+        want = (v.relu() if relu else v).mul(inv).add_(float(zo)).round_().clamp_(zo if relu else 0, 255).to(torch.uint8)
+        if not (torch.equal(y.int_repr(), want) and torch.equal(yf, v.relu() if relu else v)):
+            wrong.append(WSPLIT_CONVS[i])
+    assert not wrong, f"codes differ from the exact sums requantized: {wrong}"
+    assert paths["_wsplit_conv"] == 2 * len(WSPLIT_CONVS) and set(paths) == {"_wsplit_conv"}
+
+
+def test_conv_weight_split_declines_sums_past_float32(monkeypatch: pytest.MonkeyPatch, paths: Counter[str]) -> None:
+    """Weights whose ``q_w >> 1`` sums could reach 2²⁴ (``255 · Σ |hi| ≥ 2²⁴``: 1100 weights of -128 a channel) keep
+    the activation split, with the same exact sums."""
+    force(monkeypatch, vnni=False, fbgemm=False)
+    g = torch.Generator().manual_seed(3)
+    x = Q.QTensor(torch.randint(120, 137, (2, 1100, 5), generator=g, dtype=torch.uint8), 1.0, 128, Q.quint8)
+    codes = torch.full((3, 1100, 1), -128, dtype=torch.int8)
+    codes[1] = 1  # (hi 0, lo 1: this channel alone would split)
+    w = Q.QTensor(codes, torch.ones(3), torch.zeros(3, dtype=torch.long), Q.qint8, 0)
+    assert avx2.weight_halves(codes[1:2]) is not None and avx2.weight_halves(codes) is None
+    with K.use_backend("onednn"):
+        y = K.conv(x, w, None, K.ConvSpec(1, (1,), (0,), (1,), 1), None, cache={})
+    want = torch.nn.functional.conv1d(x.int_repr().double() - 128, codes.double())
+    assert torch.equal(y.double(), want) and set(paths) == {"_split_run"}

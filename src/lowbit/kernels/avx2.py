@@ -22,6 +22,8 @@ dispatch between these paths lives in ``onednn.linear`` / ``onednn.conv``.
 from __future__ import annotations
 
 import functools
+import math
+import threading
 import warnings
 from typing import Any
 
@@ -89,6 +91,74 @@ def _split_run(run: Any, q: torch.Tensor, zx: int, bias: torch.Tensor | None, ou
     n = q.shape[0]
     # (whole-tensor passes: with the one-pass store they beat L2-sized row blocks 1.04-2x at 98K-2M outputs)
     return _float_epilogue(acc[n:].add_(acc[:n], alpha=2), bias, out, relu, channel_dim)  # 2·hi is exact
+
+
+_F32_EXACT = 1 << 24  # integers below this magnitude are exact in float32
+
+
+def weight_halves(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``q_w = 2 (q_w >> 1) + (q_w & 1)``: the two 7-bit halves ``(hi, lo)`` of int8 weights (output channels on dim 0).
+
+    ``hi`` in ``[-64, 63]`` and ``lo`` in ``{0, 1}``: any u8 × half pair is exact through ``vpmaddubsw``
+    (``255 · 126 ≤ 32767``, ``255 · -128 ≥ -32768``). ``None`` unless every half's sum is an exact float32 integer
+    for any u8 codes and zero point: ``255 · Σ_k |hi| < 2²⁴`` per channel (``|q - z| ≤ 255``; ``Σ |lo|`` is
+    smaller); then ``fl(lo + 2·hi) = fl(acc)``, the exact accumulator rounded once (exact while ``|acc| < 2²⁴``).
+
+    >>> [t.tolist() for t in weight_halves(torch.tensor([[127, -128, 3]], dtype=torch.int8))]
+    [[[63, -64, 1]], [[1, 0, 1]]]
+    """
+    hi, lo = torch.bitwise_right_shift(w, 1), torch.bitwise_and(w, 1)
+    if 255 * int(hi.reshape(hi.shape[0], -1).abs().sum(1, dtype=torch.int64).max()) >= _F32_EXACT:
+        return None
+    return hi, lo
+
+
+def stack_halves(hi: torch.Tensor, lo: torch.Tensor, groups: int) -> torch.Tensor:
+    """``hi`` and ``lo`` stacked along dim 0 per group: channel ``c`` of group ``j`` (``m = C_out / groups`` a group)
+    at ``2 m j + c`` (``hi``) and ``2 m j + m + c`` (``lo``), so a conv with the same ``groups`` on ``2 C_out``
+    channels computes both halves of every channel from that group's inputs (``groups = 1``: ``[hi; lo]``)."""
+    m = hi.shape[0] // groups
+    return torch.stack([hi.reshape(groups, m, *hi.shape[1:]), lo.reshape(groups, m, *hi.shape[1:])], 1
+                       ).reshape(2 * hi.shape[0], *hi.shape[1:])
+
+
+def combine_stacked(y: torch.Tensor, groups: int, scratch: bool) -> torch.Tensor:
+    """``fl(lo + 2·hi)`` from a conv's float32 sums ``(N, 2 C, *spatial)`` on ``stack_halves`` channels, as
+    ``(N, C, *spatial)`` with the channels innermost in memory (channels-last, as oneDNN wrote ``y``).
+    ``scratch``: written into this thread's reused buffer (``_scratch``), for a result that does not leave."""
+    yl = y.movedim(1, -1)
+    if not yl.is_contiguous():
+        yl = yl.contiguous()
+    lead, c = yl.shape[:-1], yl.shape[-1] // 2
+    v = yl.view(*lead, groups, 2, c // groups)
+    shape = (*lead, groups, c // groups)
+    acc = _scratch(shape) if scratch else torch.empty(shape, dtype=torch.float32)
+    torch.add(v[..., 1, :], v[..., 0, :], alpha=2, out=acc)  # 2·hi exact: one rounding of the exact sum
+    return acc.view(*lead, c).movedim(-1, 1)
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 ``shape`` view of this thread's scratch buffer (grown to the largest request, then kept).
+
+    A float32 conv output of more than 32 MiB is a fresh ``mmap`` per call (glibc's largest mmap threshold), and
+    writing it page-faults: ~5x the time of the same pass into reused memory (8×96×112² on the AVX2 EPYC)."""
+    n = math.prod(shape)
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < n:
+        with torch.inference_mode(False):  # a normal tensor: usable in and out of inference mode
+            buf = _SCRATCH.buf = torch.empty(n, dtype=torch.float32)
+    return buf[:n].view(shape)
+
+
+def _acc_epilogue(acc: torch.Tensor, w_scale: torch.Tensor, sx: float, bias: torch.Tensor | None,
+                  out: OutGrid | None, relu: bool, cache: dict[str, Any] | None) -> QTensor | torch.Tensor:
+    """``fl(acc) · fl(s_x s_w) + bias`` (→ ReLU), requantized onto ``out`` or float (``_float_epilogue``), for a
+    conv's float32 accumulator ``acc`` ``(N, C, *spatial)`` (overwritten)."""
+    scale = _scaled(w_scale, sx, cache)
+    return _float_epilogue(acc.mul_(scale.view(1, -1, *[1] * (acc.dim() - 2))), bias, out, relu, 1)
 
 
 def _float_epilogue(y: torch.Tensor, bias: torch.Tensor | None, out: OutGrid | None, relu: bool,

@@ -16,8 +16,9 @@ points other than 0 (oneDNN ignores them), transposed convs and empty inputs.
 Saturation on CPUs **without VNNI/AMX**: they multiply with ``vpmaddubsw``, which adds two u8·s8
 products into a *saturating* int16, so one call is exact only when ``255 · (w_a + w_b)`` fits int16
 for every pair of same-sign weights of a channel (``saturation_safe``; 7-bit weights always are).
-For other weights both ops split the activations into two 7-bit halves (``avx2._split_run``: stacked
-along dim 0 into one exact kernel call on twice the rows, about as fast as fp32 there), unless the
+For other weights the linear splits the activations into two 7-bit halves (``avx2._split_run``: stacked
+along dim 0 into one exact kernel call on twice the rows, about as fast as fp32 there) and the conv
+splits its weights, once (``_wsplit_conv``: one call on the unmodified codes, no staging), unless the
 activations are already 7-bit (a ``reduce_range`` grid such as ``quint8.with_range(0, 127)``): then
 one call is exact for every int8 weight. ``torch._int_mm`` is no alternative on such CPUs: without
 VNNI it runs a scalar loop, ~30x slower than fp32. VNNI/AMX CPUs (``vpdpbusd``,
@@ -45,7 +46,8 @@ import torch
 from ..compile_state import tensor_version
 from ..functional import _store
 from ..qtensor import QTensor
-from .avx2 import _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _split_run
+from .avx2 import (_acc_epilogue, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _split_run, combine_stacked, stack_halves,
+                   weight_halves)
 from .spec import ConvSpec, OutGrid
 
 __all__ = ["NAME", "SMALL_M", "available", "has_vnni", "cpu_has_vnni", "isa_capped", "saturation_safe", "linear",
@@ -296,6 +298,11 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
                                                 padding, dilation, spec.groups, s_out, z_out, dt, post, [], "")
 
     if split and not seven_bit:
+        halves = _packed(cache, "onednn.conv_wsplit", weight, functools.partial(
+            _pack_wsplit, geometry=(stride, padding, dilation), groups=spec.groups))
+        if halves is not None and halves[0] is not None and WSPLIT_CONV:
+            return _wsplit_conv(halves[0], q, sx, zx, weight, bias, spec.groups, (stride, padding, dilation), out,
+                                relu, cache)
         return _split_run(run, q, zx, bias, out, relu, 1)
     s_out, z_out, dt = _epilogue(out)
     fuse = relu and spec.dim != 3  # oneDNN's conv3d has no fused relu
@@ -303,6 +310,45 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     if relu and not fuse:  # quantize is monotone with quantize(0) = z_out, so relu commutes with it
         y = y.relu_() if out is None else y.clamp_(min=out.zero_point)
     return _wrap(y, out)
+
+
+WSPLIT_CONV = True  # split the weights (one call on the codes) rather than the activations; see ``_wsplit_conv``
+
+
+def _pack_wsplit(w: torch.Tensor, geometry: tuple[list[int], list[int], list[int]], groups: int) -> Any:
+    """oneDNN packs of ``avx2.weight_halves(w)`` with unit scales (raw sums come out as float32) and the unit scales
+    and zero points they are called with; ``None`` where the halves' float32 sums could be inexact. Depthwise
+    (one input and one output channel a group): the two halves packed apart, as oneDNN's depthwise kernels take
+    no channel multiplier (stacked, a 96-channel 3×3 ran ~100x slower); otherwise one ``stack_halves`` pack."""
+    halves = weight_halves(w)
+    if halves is None:
+        return None
+    hi, lo = halves
+    dw = groups > 1 and w.shape[0] == groups and w.shape[1] == 1
+    ws = (hi, lo) if dw else (stack_halves(hi, lo, groups),)
+    n = ws[0].shape[0]
+    ones, zeros = torch.ones(n), torch.zeros(n, dtype=torch.int64)
+    return tuple(torch.ops.onednn.qconv_prepack(t, ones, 1.0, 0, *geometry, groups, None) for t in ws), ones, zeros
+
+
+def _wsplit_conv(entry: Any, q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.Tensor | None,
+                 groups: int, geometry: tuple[list[int], list[int], list[int]], out: OutGrid | None, relu: bool,
+                 cache: dict[str, Any] | None) -> QTensor | torch.Tensor:
+    """Exact 8-bit conv without VNNI, the weights split: oneDNN on the unmodified u8 codes.
+
+    ``acc = Σ (q - z) q_w = 2 Σ (q - z) (q_w >> 1) + Σ (q - z) (q_w & 1)``: the halves (``avx2.weight_halves``,
+    packed once by ``_pack_wsplit``) never saturate ``vpmaddubsw`` with u8 codes; oneDNN returns both sums as
+    float32 (unit scales: exact integers, checked at pack time) from one call on ``2 C_out`` channels (depthwise:
+    two calls), and ``fl(lo + 2·hi) = fl(acc)`` goes through ``avx2._acc_epilogue`` (``· fl(s_x s_w) + bias``, ReLU,
+    requantization). Against the activation split (``_split_run``): no staging of code halves (shift, mask,
+    copies out of channels-last), no doubled batch; the same multiply-adds.
+    """
+    packs, ones, zeros = entry
+    stride, padding, dilation = geometry
+    ys = [torch.ops.onednn.qconv_pointwise(q, 1.0, zx, p, ones, zeros, None, stride, padding, dilation, groups, 1.0, 0,
+                                           torch.float32, "none", [], "") for p in packs]
+    acc = ys[1].add_(ys[0], alpha=2) if len(ys) == 2 else combine_stacked(ys[0], groups, out is not None)  # (2·hi exact)
+    return _acc_epilogue(acc, weight.scale, sx, bias, out, relu, cache)
 
 
 @functools.lru_cache(maxsize=256)
