@@ -5,9 +5,10 @@ float-in/float-out layers unless named "kernel"; speed-ups vs fp32 NCHW eager. W
 ``benchmarks/results/conv.json``.
 
 Methods: fp32 NCHW | fp32 channels_last | bf16 channels_last | ao static (x86 engine, reduce_range
-7-bit activations, channels_last, quantize→qconv→dequantize) | lowbit static u8 (8-bit act; two exact
-oneDNN calls on CPUs without VNNI) | lowbit static u7 (7-bit act, one exact call) | kernel u7 (one
-``onednn.qconv_pointwise`` on u8 codes ≤ 127, u8 out).
+7-bit activations, channels_last, quantize→qconv→dequantize) | lowbit static u8 (8-bit act; on CPUs without
+VNNI the exact weight split: one oneDNN call on 2 × 64 channels) | lowbit static u8 act-split (the same layer on the
+previous route, the activation codes split per call: ``onednn.WSPLIT_CONV = False``, for the A/B) | lowbit static u7
+(7-bit act, one exact call) | kernel u7 (one ``onednn.qconv_pointwise`` on u8 codes ≤ 127, u8 out).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from lowbit.nn.quantized import Conv2d as QConv2d
 warnings.filterwarnings("ignore")
 
 
-def lowbit_static(conv: nn.Conv2d, x: torch.Tensor, qd: Q.QDtype) -> Callable[[], torch.Tensor]:
+def lowbit_static(conv: nn.Conv2d, x: torch.Tensor, qd: Q.QDtype, act_split: bool = False) -> Callable[[], torch.Tensor]:
     w = conv.weight.detach()
     s = w.abs().flatten(1).amax(1) / 127
     wq = Q.quantize_per_channel(w, s, torch.zeros_like(s, dtype=torch.long), 0, Q.qint8)
@@ -40,7 +41,16 @@ def lowbit_static(conv: nn.Conv2d, x: torch.Tensor, qd: Q.QDtype) -> Callable[[]
     z = (qd.quant_min + qd.quant_max + 1) // 2
     m = QConv2d.from_reference(conv, wq, float(conv(x).abs().amax()) * 2 / span, z, qd)
     m.input_grid = (float(x.abs().amax()) * 2 / span, z, qd)
-    return lambda: m(x).dequantize()
+    if not act_split:
+        return lambda: m(x).dequantize()
+
+    def run() -> torch.Tensor:
+        onednn.WSPLIT_CONV = False
+        try:
+            return m(x).dequantize()
+        finally:
+            onednn.WSPLIT_CONV = True
+    return run
 
 
 def methods_for(batch: int) -> tuple[dict[str, Callable[[], Any]], dict[str, float]]:
@@ -73,6 +83,7 @@ def methods_for(batch: int) -> tuple[dict[str, Callable[[], Any]], dict[str, flo
         "bf16 channels_last": lambda: conv_bf(xbf),
         "ao static": lambda: aoq(torch.quantize_per_tensor(xcl, s_in, 64, torch.quint8)).dequantize(),
         "lowbit static u8": lowbit_static(conv, x, Q.quint8),
+        "lowbit static u8 act-split": lowbit_static(conv, x, Q.quint8, act_split=True),
         "lowbit static u7": lowbit_static(conv, x, Q.quint8.with_range(0, 127)),
         "kernel u7": lambda: torch.ops.onednn.qconv_pointwise(codes, 0.01, 64, packed, s.float(), zpw, conv.bias,
                                                               [1, 1], [1, 1], [1, 1], 1, 0.05, 64, torch.uint8,
