@@ -145,6 +145,8 @@ def test_fbgemm_output_tensor_rides_along(monkeypatch: pytest.MonkeyPatch) -> No
         x = Q.QTensor(torch.randint(0, 128, (m, 48), generator=g, dtype=torch.uint8), 0.02, 60, Q.quint8.with_range(0, 127))
         y1 = first(x)
         assert y1._tq is not None and y1._c is None  # (no plain codes made yet)
+        y3 = second(first(x.reshape(1, m, 48)))  # 3-d: the same codes through the (rows, K) views
+        assert y3.shape == (1, m, 16) and torch.equal(y3.int_repr().reshape(m, 16), second(first(x)).int_repr())
         y2, d1 = second(y1), DeQuantize()(y1)  # both from y1's fbgemm tensor
         assert y1._tq is not None and torch.equal(y1._tq.int_repr(), y1.int_repr()) and int(y1.int_repr().max()) <= 127
         w1, g1 = first._prepared()
@@ -189,10 +191,11 @@ def test_quantize_codes_on_scale_one_go_into_fbgemm(monkeypatch: pytest.MonkeyPa
     g = torch.Generator().manual_seed(3)
     wrong = []
     for i, ((s, z), out, relu, m) in enumerate(itertools.product(((0.05, 60), (0.0123, 0), (0.31, 127)),
-                                                                  (OUT_GRIDS[0], OUT_GRIDS[2]), (False, True), (1, 7, 32))):
+                                                                  (OUT_GRIDS[0], OUT_GRIDS[2]), (False, True),
+                                                                  ((1,), (7,), (32,), (), (2, 3), (4, 2, 4)))):
         mod, quant = _layer(40, 24, False, relu, out, 100 + i), Quantize(s, z, u7)
-        x = torch.randn(m, 40, generator=g) * 4 * s * 40
-        x[0, :4] = torch.tensor([0.5, 1.5, -2.5, 1e9]) * s  # ties, saturation
+        x = torch.randn(*m, 40, generator=g) * 4 * s * 40  # (1-d and 3-d: fbgemm on the (rows, K) view)
+        x.view(-1, 40)[0, :4] = torch.tensor([0.5, 1.5, -2.5, 1e9]) * s  # ties, saturation
         qx = quant(x)
         assert qx._tu is not None and qx._c is None
         before = K.counts[("onednn", "linear")]
@@ -201,8 +204,14 @@ def test_quantize_codes_on_scale_one_go_into_fbgemm(monkeypatch: pytest.MonkeyPa
         plain = Q.QTensor(quant(x).int_repr().clone(), qx.scale, qx.zero_point, u7)
         w, grid = mod._prepared()
         want = onednn.linear(plain, w, mod.bias, grid, relu, cache={})
+        nxt = _layer(24, 8, False, False, OUT_GRIDS[0], 200 + i)  # the output's fbgemm tensor (_tq) into the next call
+        y2 = nxt(mod(quant(x)))
+        w2, grid2 = nxt._prepared()
+        want2 = onednn.linear(Q.QTensor(want.int_repr().clone(), want.scale, want.zero_point, want.qdtype), w2, nxt.bias,
+                              grid2, False, cache={})
         if not (torch.equal(y.int_repr(), want.int_repr()) and torch.equal(DeQuantize()(mod(quant(x))), want.dequantize())
-                and torch.equal(DeQuantize()(quant(x)), plain.dequantize())):
+                and torch.equal(DeQuantize()(quant(x)), plain.dequantize()) and torch.equal(y2.int_repr(), want2.int_repr())
+                and y.shape == want.shape == (*m, 24)):
             wrong.append((s, z, out, relu, m))
     assert not wrong
 

@@ -130,23 +130,29 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
     ht = (None if not fused_ok or s_t is None or (c_lo is None and c_hi is None) or not _qclamp_exact(s_out, z_out, qd)
           else ((qd.quant_min - z_out) * s_out, (qd.quant_max - z_out) * s_out))
 
-    def fbgemm_out(t: torch.Tensor) -> QTensor:
-        """fbgemm's 2-d u8 output on the output grid: its codes stay in t (a QTensor's _tq, for DeQuantize / the next
-        layer), clamped by hardtanh_ (ht) or, viewed, by clamp_."""
+    def fbgemm_out(t: torch.Tensor, lead: Any = None) -> QTensor:
+        """fbgemm's u8 output on the output grid (``lead``: a 1-d input's ``()``, the output reshaped to it):
+        its codes stay in t (a QTensor's _tq, for DeQuantize / the next layer), clamped by hardtanh_ (ht) or, viewed,
+        by clamp_."""
         if ht is not None:
             torch._C._nn.hardtanh_(t, ht[0], ht[1])
+        if lead is not None:
+            t = t.reshape(*lead, t.shape[-1])  # (a view of the quantized tensor)
+        if (ht is not None or (c_lo is None and c_hi is None)) and s_t is not None:
             return QTensor._trusted(None, s_t, z_t, qd, None, t)  # type: ignore[arg-type]
-        if c_lo is None and c_hi is None and s_t is not None:
-            return QTensor._trusted(None, s_t, z_t, qd, None, t)
         y = empty(0, dtype=u8).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())  # a view, no copy
         if c_lo is not None or c_hi is not None:
             y.clamp_(c_lo, c_hi)
         return QTensor._trusted(y, s_t, z_t, qd, None, t) if s_t is not None else out.wrap(y, t)
 
-    def fbgemm_requant(q: torch.Tensor, sx: float, zx: int, tq: torch.Tensor | None) -> QTensor:
+    def fbgemm_requant_pack() -> Any:
         p = packs.get("fbgemm_q")
         if p is None:
             p = packs["fbgemm_q"] = fbgemm_pack(w_scale)
+        return p
+
+    def fbgemm_requant(q: torch.Tensor, sx: float, zx: int, tq: torch.Tensor | None) -> QTensor:
+        p = fbgemm_requant_pack()
         if q.dim() == 2:
             if tq is None:
                 tq = make_qt(q, sx, zx) if _QUIET[0] else _quiet_qtensor(make_qt, q, sx, zx)
@@ -186,10 +192,17 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         float32 ``s_x · s_w`` (fbgemm multiplies ``float(s_in) · w_scale`` first: with ``s_in = 1`` the same float32
         products, so the same requantization); no scale read as a Python number, no re-wrap."""
         tq, tu = x._tq, x._tu
-        fused = op is not None and not shift
-        if tq is not None and fused and tq.dim() == 2 and tq.numel() <= onednn.SMALL_M * k and onednn.fbgemm_engine():
+        t, lead = tq if tq is not None else tu, None
+        fused = (t is not None and op is not None and not shift and t.numel() <= onednn.SMALL_M * k
+                 and onednn.fbgemm_engine())
+        if fused and t.dim() != 2:  # type: ignore[union-attr]  # (fbgemm flattens ≥ 3-d inputs itself, as for torch.ao)
+            if t.dim() == 0 or not t.is_contiguous():  # type: ignore[union-attr]
+                fused = False
+            elif t.dim() == 1:  # type: ignore[union-attr]
+                lead, t = (), t.reshape(1, k)  # type: ignore[union-attr]
+        if fused and tq is not None:
             counts[key] += 1
-            return fbgemm_requant(tq, 0.0, 0, tq)
+            return fbgemm_out(op(t, fbgemm_requant_pack(), s_out, z_out), lead)
         s, z = x._scale, x._zero_point  # the input grid as Python numbers, read once per grid state (no items)
         try:
             ukey = (id(s), id(z), s._version, z._version)
@@ -198,11 +211,11 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         hit = unit[0]
         if hit is None or hit[0] != ukey:
             hit = unit[0] = [ukey, s.item(), z.item(), (s, z), None]
-        if tu is not None and fused and tu.dim() == 2 and tu.numel() <= onednn.SMALL_M * k and onednn.fbgemm_engine():
+        if fused:  # (tu)
             counts[key] += 1
             if hit[4] is None:
                 hit[4] = fbgemm_pack(s.float() * w_scale.float())
-            return fbgemm_out(op(tu, hit[4], s_out, z_out))
+            return fbgemm_out(op(t, hit[4], s_out, z_out), lead)
         return run(x._q, hit[1], hit[2], tq)
 
     run.qt = run_qt  # type: ignore[attr-defined]
