@@ -4,7 +4,7 @@ Rows (fp32 model = reference):
 
 - MobileNetV2 (torchvision's ImageNet checkpoint) and EfficientNet-Lite0, 48 calibration crops and
   96 *other* evaluation crops of scikit-image's photos: top-1 agreement with fp32, logit SQNR;
-  lowbit ``quantize_ptq`` default / accurate vs torch.ao ``prepare_fx`` with
+  lowbit ``quantize_ptq`` default / balanced / accurate vs torch.ao ``prepare_fx`` with
   ``get_default_qconfig_mapping("x86")`` (and the onednn engine's mapping);
 - the Fashion-MNIST SmallCNN (trained here for one epoch on 10k images; 1k calibration images,
   2k test images): test accuracy and agreement;
@@ -76,13 +76,14 @@ def imagenet(name: str, model: torch.nn.Module, norm: str, iters: int, n_cal: in
     x = photo_crops(n_eval, seed=1, norm=norm)
     with torch.no_grad():
         ref = model(x)
-    for recipe in ("default", "accurate"):
+    notes = {"accurate": f", AdaRound {iters} steps (residual streams equalized, blocks together, activation steps "
+                         "learned)", "balanced": ", default grids, quadratic codes, bias correction"}
+    for recipe in ("default", "balanced", "accurate"):
         t = time.perf_counter()
         q, _ = Q.quantize_ptq(model, calib, recipe=recipe, iters=iters)
         with torch.no_grad():
             _row(name, f"lowbit {recipe}", *_cls(ref, q(x)), f"{time.perf_counter() - t:.0f} s, {n_cal} calibration crops"
-                 + (f", AdaRound {iters} steps (residual streams equalized, blocks together, activation steps learned)"
-                    if recipe == "accurate" else ""))
+                 + notes.get(recipe, ""))
     for engine in ("x86", "onednn"):
         try:
             q = _ao_fx(model, calib, engine)
@@ -108,7 +109,7 @@ def fmnist(iters: int, quick: bool) -> None:
         logits = model(xte)
     _row("Fashion-MNIST CNN", "fp32", f"accuracy {evaluate(model, xte, yte):.2f}", "")
     calib = list(xtr[:1000].split(250))
-    for recipe in ("default", "accurate"):
+    for recipe in ("default", "balanced", "accurate"):
         q, _ = Q.quantize_ptq(model, calib, recipe=recipe, iters=iters, progress=False)
         with torch.no_grad():
             out = q(xte)

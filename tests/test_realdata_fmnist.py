@@ -161,3 +161,28 @@ def test_minmax_parity_with_torch_ao(data, fp32):
     print(f"\nFashion-MNIST min/max PTQ: lowbit {acc_ours:.2f} %, torch.ao {acc_theirs:.2f} %, "
           f"top-1 agreement {agree:.2f} %")
     assert agree >= 99.0
+
+
+
+def test_balanced_recipe_no_worse_than_default(data, fp32):
+    """``quantize_ptq(recipe="balanced")`` (default grids + quadratic codes + bias correction, graph mode; 512
+    calibration images, 2k test images): within 0.3 points of fp32 and no further from the fp32 logits than the
+    default recipe."""
+    from lowbit import kernels
+
+    model, _ = fp32
+    calib, x, y = list(data["xtr"][:512].split(256)), data["xte"][:2000], data["yte"][:2000]
+    acc0 = evaluate(model, x, y)
+    with torch.no_grad():
+        ref = model(x)
+    got = {}
+    with kernels.use_backend("reference"):
+        for recipe in ("default", "balanced"):
+            qmodel, _ = Q.quantize_ptq(model, calib, recipe=recipe, progress=False)
+            with torch.no_grad():
+                out = qmodel(x)
+            sqnr = float(10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()))
+            got[recipe] = (evaluate(qmodel, x, y), sqnr)
+            _report(f"quantize_ptq {recipe} (logit SQNR {sqnr:.2f} dB, 2k test images)", got[recipe][0], acc0)
+    assert got["balanced"][0] >= acc0 - 0.3
+    assert got["balanced"][1] >= got["default"][1] - 0.5, got

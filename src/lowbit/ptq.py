@@ -13,6 +13,12 @@ the real int8 kernels and a ``PTQReport`` saying what every step changed. Recipe
                  quantized model's own inputs: the layers of a residual block together on the block's
                  output, BRECQ, with the step sizes of the block's activation grids learned alongside
                  (LSQ); the others layer by layer) → correct bias (empirical) → convert.
+``"balanced"``   the cheap middle: the default recipe's grids (histogram activations, per-channel weights,
+                 no equalization) → round every Linear / dense or depthwise conv by
+                 ``lowbit.algorithms.quadratic`` (codes minimising the layer's output error on all the
+                 calibration data, no AdaRound) → correct bias → convert: minutes where ``"accurate"``
+                 takes tens of minutes. The ``"accurate"``-only options (``iters``, ``blocks``,
+                 ``equalize``, ``streams``, ``learn_grids``, ``rounding``, ``tune``) do not apply.
 
 Per-channel weights already give every output channel its own grid, so weight-range equalization
 buys little; what per-tensor activation grids need is channels of alike range. ``equalize="range"``
@@ -39,6 +45,9 @@ and the int8 model's outputs.
 ['fuse', 'equalize', 'calibrate', 'round', 'correct bias', 'convert']
 >>> report.sqnr_db > 20
 True
+>>> q1, r1 = Q.quantize_ptq(model, calib, recipe="balanced", progress=False)
+>>> [step for step, _ in r1.steps], r1.sqnr_db > 20
+(['fuse', 'calibrate', 'round', 'correct bias', 'convert'], True)
 >>> q2, r2 = Q.quantize_ptq(model, calib, recipe="default", max_float_layers=1, progress=False)
 >>> len(r2.float_layers) <= 1 and [step for step, _ in r2.steps][-1]
 'float layers'
@@ -62,7 +71,7 @@ from .recipes import get_accurate_qconfig
 
 __all__ = ["quantize_ptq", "PTQReport", "RECIPES"]
 
-RECIPES = ("default", "accurate")
+RECIPES = ("default", "accurate", "balanced")
 
 
 @dataclass
@@ -141,9 +150,11 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
                  equalize: bool | str = "range", streams: float | None = 0.75, blocks: bool = True,
                  learn_grids: bool = True, tune: int = 0, max_float_layers: int = 0, progress: bool = True,
                  seed: int = 0, rounding: str = "adaround") -> tuple[nn.Module, PTQReport]:
-    """Quantize a float ``model`` with ``recipe`` (``"default"`` or ``"accurate"``); return ``(qmodel, report)``.
+    """Quantize a float ``model`` with ``recipe`` (``"default"``, ``"accurate"`` or ``"balanced"``, module doc);
+    return ``(qmodel, report)``.
 
-    ``qconfig_mapping`` (default: ``get_default_qconfig_mapping()`` for ``"default"``, ``get_accurate_qconfig()``
+    ``qconfig_mapping`` (default: ``get_default_qconfig_mapping()`` for ``"default"`` and ``"balanced"``,
+    ``get_accurate_qconfig()``
     as the global setting for ``"accurate"``: MSE-searched ranges) chooses the grids; ``iters`` and
     ``batch_size`` are AdaRound's optimisation steps and samples per step (per layer); ``equalize``
     (``accurate`` only): ``"range"`` stretches clamped channels into depthwise layers, ``True`` adds the
@@ -206,7 +217,7 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         mapping = qconfig_mapping
     elif recipe == "accurate":  # MSE-searched ranges on both sides (lowbit.recipes)
         mapping = QConfigMapping().set_global(get_accurate_qconfig())
-    else:
+    else:  # "default" and "balanced": histogram activations, per-channel weights
         mapping = get_default_qconfig_mapping()
     prepared = prepare_fx(float_model, mapping, example_inputs=batches[0])
     fx_report = getattr(prepared, "lowbit_report", None)
@@ -235,7 +246,9 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     # the float twins of the layers kept float (max_float_layers): float weights, before rounding writes the
     # learned codes into them and bias correction shifts their biases
     calibrated = copy.deepcopy(prepared) if max_float_layers else None
-    if recipe == "accurate":  # rounding and bias correction run together, layer by layer, in one pass
+    if recipe == "balanced":  # quadratic codes on every layer it supports, no AdaRound, no blocks
+        iters, blocks, learn_grids, rounding, tune = 0, False, False, "quadratic", 0
+    if recipe in ("accurate", "balanced"):  # rounding and bias correction run together, layer by layer, in one pass
         report.layers = reconstruct(prepared, batches, adaround=iters > 0 or rounding != "adaround",
                                     bias_correction=True, iters=iters,
                                     batch_size=batch_size, seed=seed, progress=progress, blocks=blocks,
@@ -244,11 +257,13 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         changed = sum(c.codes_changed for c in report.layers) / n
         in_blocks = sum(any(n.startswith("block ") for n in c.notes) for c in report.layers)
         quad = sum("quadratic" in c.notes for c in report.layers)
+        rest = len(report.layers) - quad - in_blocks
         report.steps.append(("round", f"{len(report.layers)} layers rounded: {quad} by the quadratic search, "
                                       f"{in_blocks} by AdaRound per residual block"
                                       f"{' (activation steps learned)' if learn_grids and blocks else ''}, "
-                                      f"{len(report.layers) - quad - in_blocks} by AdaRound alone ({iters} steps "
-                                      f"each); {changed:.1%} of weight codes moved from round-to-nearest"))
+                                      + (f"{rest} by AdaRound alone ({iters} steps each)" if iters else
+                                         f"{rest} to nearest")
+                                      + f"; {changed:.1%} of weight codes moved from round-to-nearest"))
         shift = max((c.bias_shift for c in report.layers), default=0.0)
         gain = sum(c.mse_nearest > 0 and c.mse_after < c.mse_nearest for c in report.layers)
         report.steps.append(("correct bias", f"biases corrected on {len(report.layers)} layers (max |shift| "

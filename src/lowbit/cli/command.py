@@ -91,9 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--qconfig", default="default", choices=QCONFIGS,
                    help="static recipe: default (histogram; under --recipe accurate: that recipe's MSE-searched "
                         "ranges), histogram, minmax, or speed (7-bit activations without VNNI)")
-    q.add_argument("--recipe", default="default", choices=["default", "accurate"],
-                   help="ptq recipe: default (eager prepare/convert) or accurate (quantize_ptq: graph mode, "
-                        "AdaRound + bias correction; slower)")
+    q.add_argument("--recipe", default="default", choices=["default", "accurate", "balanced"],
+                   help="ptq recipe: default (eager prepare/convert), accurate (quantize_ptq: graph mode, "
+                        "AdaRound + bias correction; slowest) or balanced (quantize_ptq: graph mode, default "
+                        "grids, quadratic rounding + bias correction; minutes)")
     q.add_argument("--backend", default="auto", choices=["auto", "reference", "onednn", "int_mm"])
     q.add_argument("--out", default="lowbit-out", help="output folder, replaced as a whole (default: lowbit-out)")
     q.add_argument("--quiet", action="store_true", help="no progress bars or messages")

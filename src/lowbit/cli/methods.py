@@ -100,17 +100,19 @@ def _fusion_groups(model: nn.Module) -> list[list[str]]:
 def _ptq(job: Job, batch: int = 256) -> nn.Module:
     """Fuse (when the model lists its fusion groups), prepare, calibrate, convert.
 
-    ``--recipe accurate``: ``lowbit.quantize_ptq`` (graph mode: fuse, equalize, calibrate with MSE-searched
-    ranges unless ``--qconfig`` names other grids, AdaRound, bias correction), the same as the Python call.
+    ``--recipe accurate`` / ``balanced``: ``lowbit.quantize_ptq`` with that recipe (graph mode; accurate: fuse,
+    equalize, calibrate with MSE-searched ranges unless ``--qconfig`` names other grids, AdaRound, bias
+    correction; balanced: the default grids, quadratic rounding, bias correction), the same as the Python call.
     """
     import lowbit as Q
 
-    if getattr(job.args, "recipe", "default") == "accurate":
-        # --qconfig default: the accurate recipe's own grids (MSE-searched ranges, as quantize_ptq picks);
+    recipe = getattr(job.args, "recipe", "default")
+    if recipe in ("accurate", "balanced"):
+        # --qconfig default: the recipe's own grids (accurate: MSE-searched ranges, as quantize_ptq picks);
         # a named --qconfig overrides them
         name = getattr(job.args, "qconfig", "default")
         mapping = None if name == "default" else Q.QConfigMapping().set_global(qconfig_for(name))
-        qmodel, report = Q.quantize_ptq(job.fp32.eval(), list(job.calib.split(batch)), recipe="accurate",
+        qmodel, report = Q.quantize_ptq(job.fp32.eval(), list(job.calib.split(batch)), recipe=recipe,
                                         qconfig_mapping=mapping, progress=not job.quiet)
         job.extras["ptq_report"] = str(report)
         return qmodel
