@@ -11,8 +11,10 @@ Without VNNI, oneDNN and fbgemm multiply u8 × s8 with ``vpmaddubsw``, which add
 same float32 operations as two separate calls would need, the requantizing add, round, clamp and 8-bit
 store in one pass (``lowbit.qstore``). For at most ``onednn.SMALL_M`` rows the linear runs fbgemm's
 float-output op (``_fbgemm_linear``, split the same way) or, for a u8 output on 7-bit codes or
-saturation-safe weights, one fbgemm call with fused requantization (``_fbgemm_requant``). The
-dispatch between these paths lives in ``onednn.linear`` / ``onednn.conv``.
+saturation-safe weights, one fbgemm call with fused requantization (``_fbgemm_requant``). Static convs
+split their *weights* instead, once (``weight_halves``, ``stack_halves``: ``q_w = 2 (q_w >> 1) + (q_w & 1)``;
+``combine_stacked`` and ``_acc_epilogue`` finish ``onednn._wsplit_conv``'s raw sums). The dispatch between
+these paths lives in ``onednn.linear`` / ``onednn.conv``.
 
 >>> st, c = _halves(torch.tensor([[255, 6]], dtype=torch.uint8), 3)
 >>> st.tolist(), c
