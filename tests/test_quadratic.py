@@ -112,6 +112,34 @@ def test_centered_objective_leaves_the_mean_to_bias_correction():
     assert err(q) <= err(torch.clamp(torch.round(w / s), lo, hi)) * (1 + 1e-6)
 
 
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_exact_centering_is_the_masked_error_after_bias_correction(seed):
+    """``center="exact"`` (depthwise, masked): the quadratic equals, up to a constant, the error energy at the
+    unclamped positions after removing the error's mean over *all* positions (what bias correction removes)."""
+    from lowbit.algorithms.quadratic import _moments
+
+    torch.manual_seed(seed)
+    op = nn.Conv2d(4, 4, 3, padding=1, groups=4)
+    xf = torch.rand(3, 4, 9, 9) * 6
+    xq = (xf * 8).round() / 8
+    w = op.weight.detach().double().reshape(4, -1)
+    a, b = _moments(op, (0.0, 6.0), [xq], [xf], w, op.bias, "exact")
+    with torch.no_grad():
+        keep = ((op(xf) > 0) & (op(xf) < 6)).double()
+        y = op._conv_forward(xf, op.weight, None).double()
+
+    def energy(wh: torch.Tensor) -> torch.Tensor:  # per channel, computed by running the layer
+        with torch.no_grad():
+            e = op._conv_forward(xq, wh.float().reshape(op.weight.shape), None).double() - y
+        return ((e - e.mean((0, 2, 3), keepdim=True)) ** 2 * keep).sum((0, 2, 3))
+
+    def quad(wh: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("ck,ckj,cj->c", wh, a, wh) - 2 * (wh * b).sum(1)
+
+    w1, w2 = w + 0.05 * torch.randn_like(w), w + 0.05 * torch.randn_like(w)
+    torch.testing.assert_close(quad(w1) - quad(w2), energy(w1) - energy(w2), rtol=1e-4, atol=1e-4)  # float32 conv
+
 def test_supports_and_bad_input():
     assert supports(nn.Linear(3, 2)) and supports(nn.Conv2d(3, 4, 3)) and supports(nn.Conv2d(4, 4, 3, groups=4))
     assert not supports(nn.Conv2d(4, 8, 3, groups=2)) and not supports(nn.Conv2d(3, 4, 3, padding="same"))
@@ -121,6 +149,9 @@ def test_supports_and_bad_input():
     with pytest.raises(ValueError, match="groups=2"):
         quadratic_codes(op, w, s, z, lo, hi, [torch.randn(1, 4, 5, 5)], [torch.randn(1, 4, 5, 5)])
     lin = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="center='all'"):
+        quadratic_codes(lin, lin.weight, *_grid(lin.weight.detach(), 8), [torch.randn(4, 3)], [torch.randn(4, 3)],
+                        center="all")
     with pytest.raises(ValueError, match="got 1 and 0"):
         quadratic_codes(lin, lin.weight, *_grid(lin.weight.detach(), 8), [torch.randn(4, 3)], [])
 

@@ -8,7 +8,13 @@ quantized model and ``x_f`` in the float model, the output error of one row is q
 
 over every position ``p`` of every calibration batch (full resolution: a conv's patches at the borders
 hold their zero padding, so border effects count exactly). ``center=True`` takes both moments about
-their means (the error's mean is left to bias correction, which runs after). For a depthwise conv each
+their means (the error's mean is left to bias correction, which runs after); ``center="exact"`` (the
+default; differs from ``True`` only for a depthwise conv with an activation range) minimises what is
+left after that correction, which removes the error's mean over *all* positions ``δ``, not over the
+counted ones: ``Σ_p a_p (e_p - δ)²``, i.e.
+``A' = A_m - (Q Q_mᵀ + Q_m Qᵀ)/n + n_m Q Qᵀ/n²`` with ``Q``, ``n`` the all-position input sum and count
+and ``Q_m``, ``n_m`` the counted ones (``A_qf`` alike with the float input's sums): Lite0, balanced recipe,
+0.948 / 23.99 → 0.958 / 24.16 dB (whole-pixel crops 25.55 → 25.78). For a depthwise conv each
 channel has its own ``k x k`` moments (``k`` the kernel taps) and ``a_p`` is 1 where the float
 pre-activation lies inside the layer's activation range (ReLU / ReLU6), 0 where it clamps; a dense layer
 (Linear, conv with ``groups=1``) shares one ``A`` across its rows, with ``a_p = 1``.
@@ -67,16 +73,19 @@ def _patches(op: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _moments(op: nn.Module, act_range: tuple[float, float] | None, xq: list[torch.Tensor], xf: list[torch.Tensor],
-             w: torch.Tensor, bias: torch.Tensor | None, center: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             w: torch.Tensor, bias: torch.Tensor | None, center: bool | str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A, A_qf w)`` in float64: dense ``(n, n)`` and ``(R, n)``; depthwise ``(C, k, k)`` and ``(C, k)``."""
     dw = isinstance(op, nn.Conv2d) and op.groups > 1
     a = aqf = sq = sf = cnt = None
+    tq = tf = tn = None  # depthwise: the all-position sums and count (the bias correction's mean), for "exact"
     for x_q, x_f in zip(xq, xf):
         for lo in range(0, x_q.shape[0], _CHUNK):
             uq = _patches(op, x_q[lo: lo + _CHUNK]).double()
             uf = _patches(op, x_f[lo: lo + _CHUNK]).double()
             if dw:  # (C, k, N*L): one batched matmul per moment
                 uq, uf = (u.permute(1, 2, 0, 3).reshape(u.shape[1], u.shape[2], -1) for u in (uq, uf))
+                alls = (uq.sum(2), uf.sum(2), float(uq.shape[2]))
+                tq, tf, tn = alls if tq is None else (tq + alls[0], tf + alls[1], tn + alls[2])
                 if act_range is not None:  # the float pre-activation inside the activation's range
                     pre = torch.bmm(w.unsqueeze(1), uf)  # (C, 1, N*L)
                     if bias is not None:
@@ -95,7 +104,15 @@ def _moments(op: nn.Module, act_range: tuple[float, float] | None, xq: list[torc
             else:
                 a, aqf, sq, sf, cnt = (p + d for p, d in zip((a, aqf, sq, sf, cnt), parts))
     assert a is not None and aqf is not None and sq is not None and sf is not None and cnt is not None
-    if center:
+    if center == "exact" and dw and tq is not None:
+        # E = Σ_mask (e_p - δ)² with δ the error's mean over *all* positions (what bias correction removes):
+        # A' = A_m - (Q Q_mᵀ + Q_m Qᵀ)/n + n_m Q Qᵀ/n², A_qf' = A_qf,m - (Q F_mᵀ + Q_m Fᵀ)/n + n_m Q Fᵀ/n²
+        nm = cnt.view(-1, 1, 1)
+        a = a - (torch.einsum("ck,cj->ckj", tq, sq) + torch.einsum("ck,cj->ckj", sq, tq)) / tn \
+            + nm * torch.einsum("ck,cj->ckj", tq, tq) / tn ** 2
+        aqf = aqf - (torch.einsum("ck,cj->ckj", tq, sf) + torch.einsum("ck,cj->ckj", sq, tf)) / tn \
+            + nm * torch.einsum("ck,cj->ckj", tq, tf) / tn ** 2
+    elif center:
         c = cnt.clamp(min=1.0)
         if dw:
             a = a - torch.einsum("ck,cj->ckj", sq, sq) / c.view(-1, 1, 1)
@@ -108,16 +125,19 @@ def _moments(op: nn.Module, act_range: tuple[float, float] | None, xq: list[torc
 
 def quadratic_codes(op: nn.Module, weight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin: int, qmax: int,
                     xq: list[torch.Tensor], xf: list[torch.Tensor], act_range: tuple[float, float] | None = None,
-                    bias: torch.Tensor | None = None, center: bool = True, sweeps: int = 20) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, center: bool | str = "exact", sweeps: int = 20) -> torch.Tensor:
     """Integer codes (``weight``'s shape) that minimise the layer's output error on ``xq`` / ``xf`` (module doc).
 
     ``op`` is the bare Linear / Conv2d (``supports(op)``), ``s`` / ``z`` the weight grid shaped to broadcast,
     ``act_range`` the activation's ``(lo, hi)`` (depthwise only: positions where the float pre-activation
-    ``op(x_f) + bias`` leaves it are not counted), ``sweeps`` the most coordinate-descent passes.
+    ``op(x_f) + bias`` leaves it are not counted), ``center`` ``True`` / ``False`` / ``"exact"`` (module doc),
+    ``sweeps`` the most coordinate-descent passes.
     """
     if not supports(op):
         raise ValueError(f"quadratic_codes: {type(op).__name__} (groups={getattr(op, 'groups', 1)}) is not "
                          "supported; Linear and dense or depthwise Conv2d with zero padding are")
+    if center not in (True, False, "exact"):
+        raise ValueError(f"quadratic_codes: center={center!r}; choose True, False or 'exact'")
     if not xq or len(xq) != len(xf):
         raise ValueError(f"quadratic_codes: need matching quantized / float inputs, got {len(xq)} and {len(xf)}")
     rows = weight.shape[0]
