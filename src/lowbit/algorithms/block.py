@@ -54,7 +54,7 @@ class LearnedGrid:
     """A per-tensor activation grid whose step size learns (LSQ, Esser et al. 2020; as in BRECQ / QDrop).
 
     ``s = min(s0 * exp(t), cap)`` with ``t`` learned (starts at 0: the calibrated grid), the zero point ``z``
-    fixed (an integer on the grid), and ``x -> (clamp(round(x / s) + z, qmin, qmax) - z) * s`` with the
+    fixed (an integer on the grid), and ``x -> (clamp(round(x / s + z), qmin, qmax) - z) * s`` with the
     straight-through gradient for the rounding, so both ``x`` and ``t`` get gradients (codes clamped at
     ``qmin`` / ``qmax`` pull ``s`` as in LSQ). ``cap`` keeps a clamped layer's grid (ReLU6: the requantize
     clamp *is* the activation) inside the clamp: ``(qmax - z) * s <= max_val``.
@@ -82,7 +82,7 @@ class LearnedGrid:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return x
         s = self.scale()
-        v = x / s + self.z
+        v = x * torch.reciprocal(s) + self.z  # the int8 model's round(x · (1/s) + z) (``quantize``)
         v = v + (torch.round(v) - v).detach()
         return (torch.clamp(v, self.qmin, self.qmax) - self.z) * s
 
