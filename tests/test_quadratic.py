@@ -202,16 +202,9 @@ def test_quantize_ptq_balanced_is_default_grids_plus_quadratic_codes_and_bias_co
 
 
 def test_cli_recipe_balanced(tmp_path, capsys, monkeypatch):
-    from lowbit import cli
+    from test_recover import cli_quantize_accurate  # the small user model, calibration file and CLI call
 
-    (tmp_path / "usermodel.py").write_text(
-        "import torch\nfrom torch import nn\n"
-        "def make():\n    torch.manual_seed(0)\n"
-        "    return nn.Sequential(nn.Linear(8, 16), nn.ReLU6(), nn.Linear(16, 3))\n")
-    monkeypatch.chdir(tmp_path)
-    torch.save(torch.randn(64, 8), tmp_path / "calib.pt")
-    rc = cli.main(["quantize", "--model", "usermodel:make", "--calib", "calib.pt", "--method", "ptq",
-                   "--recipe", "balanced", "--quiet", "--out", "o"])
+    rc = cli_quantize_accurate(tmp_path, monkeypatch, recipe="balanced")
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| ptq |" in out and (tmp_path / "o" / "model_ptq.pt").is_file()

@@ -334,8 +334,8 @@ def test_quantize_ptq_non_finite_empty_or_half_inputs_are_named():
         Q.quantize_ptq(DwNet().eval().half(), [t.half() for t in x], progress=False)
 
 
-def cli_quantize_accurate(tmp_path, monkeypatch, *extra: str) -> int:
-    """``lowbit quantize --method ptq --recipe accurate`` on a small user model (in ``tmp_path``)."""
+def cli_quantize_accurate(tmp_path, monkeypatch, *extra: str, recipe: str = "accurate") -> int:
+    """``lowbit quantize --method ptq --recipe RECIPE`` on a small user model (in ``tmp_path``)."""
     from lowbit import cli
 
     (tmp_path / "usermodel.py").write_text(
@@ -345,7 +345,7 @@ def cli_quantize_accurate(tmp_path, monkeypatch, *extra: str) -> int:
     monkeypatch.chdir(tmp_path)
     torch.save(torch.randn(64, 8), tmp_path / "calib.pt")
     return cli.main(["quantize", "--model", "usermodel:make", "--calib", "calib.pt", "--method", "ptq",
-                     "--recipe", "accurate", *extra, "--quiet", "--out", "o"])
+                     "--recipe", recipe, *extra, "--quiet", "--out", "o"])
 
 
 def test_cli_recipe_accurate(tmp_path, capsys, monkeypatch):
