@@ -184,7 +184,7 @@ def test_qat_model_exports_frozen_int8_weights_and_matches_its_fake_quant_forwar
 
 def test_lsq_qat_model_exports_its_learned_grid_with_a_fractional_zero_point(tmp_path):
     """LSQ's zero point is a float parameter its forward rounds: the export must round it too (not truncate)."""
-    from lowbit.fake_quant_learnable import LearnableFakeQuantize, enable_param_learning
+    from lowbit.fake_quant import LearnableFakeQuantize, enable_param_learning
 
     torch.manual_seed(6)
     m = nn.Sequential(Q.QuantStub(), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), Q.DeQuantStub())

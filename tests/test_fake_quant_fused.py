@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import lowbit as Q
 from nets import StubMLP
-from lowbit.fake_quant_fused import choose_qparams_fbgemm
+from lowbit.fake_quant import choose_qparams_fbgemm
 
 torch.set_num_threads(1)
 TQS = {Q.per_tensor_affine: torch.per_tensor_affine, Q.per_tensor_symmetric: torch.per_tensor_symmetric,

@@ -15,7 +15,7 @@ from torch.ao.quantization._learnable_fake_quantize import _LearnableFakeQuantiz
 
 import lowbit as Q
 from nets import StubMLP
-from lowbit.fake_quant_learnable import enable_param_learning, enable_static_observation, fake_quantize_learnable
+from lowbit.fake_quant import enable_param_learning, enable_static_observation, fake_quantize_learnable
 
 torch.set_num_threads(1)
 TQS = {Q.per_tensor_affine: torch.per_tensor_affine, Q.per_tensor_symmetric: torch.per_tensor_symmetric,

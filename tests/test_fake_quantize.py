@@ -169,7 +169,7 @@ def test_bad_arguments():
 @pytest.mark.parametrize("qdtype", [Q.quint8, Q.qint8, Q.qint8.with_range(-127, 127), Q.quint8.with_range(0, 127), Q.qint4])
 @pytest.mark.parametrize("ch_axis", [None, 1, -1])
 def test_fast_path_is_bit_identical_to_lowbit_fake_quantize(qdtype, ch_axis):
-    from lowbit.fake_quant import _fake_quantize_fast
+    from lowbit.fake_quant.base import _fake_quantize_fast
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5, 6, 7, generator=g) * 4
     x[0, 0, :4] = torch.tensor([float("nan"), float("inf"), float("-inf"), 1e30])
@@ -188,10 +188,10 @@ def test_fast_path_is_bit_identical_to_lowbit_fake_quantize(qdtype, ch_axis):
 
 
 def test_package_attributes_are_the_functions():
-    # the FakeQuantize module is lowbit/fake_quant.py and the workflows lowbit/workflow.py, so the
-    # package attributes Q.fake_quantize / Q.quantize stay the functions
+    # the FakeQuantize modules are the package lowbit/fake_quant/ and the workflows lowbit/workflow/, so
+    # the package attributes Q.fake_quantize / Q.quantize stay the functions
     import lowbit.fake_quant  # noqa: F401
     import lowbit.workflow  # noqa: F401
     assert callable(Q.fake_quantize) and Q.fake_quantize.__module__ == "lowbit.functional"
     assert callable(Q.quantize) and Q.quantize.__module__ == "lowbit.functional"
-    assert Q.FakeQuantize.__module__ == "lowbit.fake_quant"
+    assert Q.FakeQuantize.__module__ == "lowbit.fake_quant.base"

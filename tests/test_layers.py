@@ -20,7 +20,7 @@ TIERS: list[tuple[str, ...]] = [
     ("functional",),
     ("qtensor", "batches"),           # batches: the calibration-input convention (iter_batches, run_batch)
     ("observer",),
-    ("fake_quant", "fake_quant_learnable", "fake_quant_fused", "fake_quant_fixed"),
+    ("fake_quant",),                   # package: base, learnable, fused, fixed
     ("qconfig",),
     ("custom_config", "fusion_registry", "recipes"),  # config objects, the user pattern registry, recipes
     ("stubs", "kernels", "kernels.avx2", "kernels.plan"),  # avx2: exact split / fbgemm without VNNI; plan: eager floor

@@ -13,14 +13,15 @@
 
 from .fake_quant import (
     FakeQuantize,
+    FixedQParamsFakeQuantize,
+    FusedMovingAvgObsFakeQuantize,
+    LearnableFakeQuantize,
     disable_fake_quant,
     disable_observer,
     enable_fake_quant,
     enable_observer,
+    fused_moving_avg_obs_fake_quant,
 )
-from .fake_quant_fixed import FixedQParamsFakeQuantize
-from .fake_quant_fused import FusedMovingAvgObsFakeQuantize, fused_moving_avg_obs_fake_quant
-from .fake_quant_learnable import LearnableFakeQuantize
 from .functional import dequantize, fake_quantize, quantize
 from .qparams import QParams, calculate_qparams
 from .qscheme import (

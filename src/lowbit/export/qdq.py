@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fake_quant_learnable import LearnableFakeQuantize
+from ..fake_quant import LearnableFakeQuantize
 from ..functional import fake_quantize
 from ..kernels.onednn import saturation_safe
 from ..qscheme import QDtype

@@ -93,7 +93,7 @@ def get_default_qat_qconfig(backend: str | None = None, version: int = 1) -> QCo
             weight=FakeQuantize.with_args(observer=PerChannelMinMaxObserver, ch_axis=0,
                                           qscheme=per_channel_symmetric, qdtype=qint8),
         )
-    from ..fake_quant_fused import FusedMovingAvgObsFakeQuantize
+    from ..fake_quant import FusedMovingAvgObsFakeQuantize
     from ..observer.minmax import MovingAveragePerChannelMinMaxObserver
 
     fq: Any = FusedMovingAvgObsFakeQuantize if version == 1 else FakeQuantize
@@ -118,13 +118,13 @@ def get_lsq_qat_qconfig() -> QConfig:
 
     Activations per-tensor affine quint8 (moving-average min/max initialises scale and zero point),
     weights per-channel symmetric qint8 (min/max initialises the scales). The qparams follow the
-    observers until ``model.apply(lowbit.fake_quant_learnable.enable_param_learning)``.
+    observers until ``model.apply(lowbit.fake_quant.enable_param_learning)``.
 
     >>> import lowbit as Q
     >>> type(Q.get_lsq_qat_qconfig().weight()).__name__
     'LearnableFakeQuantize'
     """
-    from ..fake_quant_learnable import LearnableFakeQuantize
+    from ..fake_quant import LearnableFakeQuantize
 
     return QConfig(
         activation=LearnableFakeQuantize.with_args(observer=MovingAverageMinMaxObserver, qscheme=per_tensor_affine,
@@ -143,7 +143,7 @@ def get_fused_qat_qconfig() -> QConfig:
     >>> type(Q.get_fused_qat_qconfig().activation()).__name__
     'FusedMovingAvgObsFakeQuantize'
     """
-    from ..fake_quant_fused import FusedMovingAvgObsFakeQuantize
+    from ..fake_quant import FusedMovingAvgObsFakeQuantize
     from ..observer.minmax import MovingAveragePerChannelMinMaxObserver
 
     return QConfig(

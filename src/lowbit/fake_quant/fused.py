@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
-from .fake_quant import FakeQuantize
-from .functional import check_ch_axis, fake_quantize
-from .observer.base import ObserverBase
-from .observer.minmax import MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
-from .qparams import _keep_grid_finite
+from ..functional import check_ch_axis, fake_quantize
+from ..observer.base import ObserverBase
+from ..observer.minmax import MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
+from ..qparams import _keep_grid_finite
+from .base import FakeQuantize
 
 __all__ = ["FusedMovingAvgObsFakeQuantize", "choose_qparams_fbgemm", "fused_moving_avg_obs_fake_quant"]
 
@@ -68,7 +68,7 @@ def choose_qparams_fbgemm(min_val: torch.Tensor, max_val: torch.Tensor, quant_mi
     Returns ``(scale float32, zero_point int64)``; mirrors the C++ float32/float64 steps one by one.
 
     >>> import torch
-    >>> from lowbit.fake_quant_fused import choose_qparams_fbgemm
+    >>> from lowbit.fake_quant import choose_qparams_fbgemm
     >>> s, z = choose_qparams_fbgemm(torch.tensor(-1.0), torch.tensor(2.54), -128, 127, True)
     >>> round(s.item(), 6), z.item()                          # max(1 / 128, 2.54 / 127)
     (0.02, 0)

@@ -59,10 +59,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fake_quant import FakeQuantize
-from .functional import _show, check_ch_axis, check_quantized_state
-from .observer.base import ObserverBase
-from .observer.minmax import MovingAverageMinMaxObserver
+from ..functional import _show, check_ch_axis, check_quantized_state
+from ..observer.base import ObserverBase
+from ..observer.minmax import MovingAverageMinMaxObserver
+from .base import FakeQuantize
 
 __all__ = ["LearnableFakeQuantize", "fake_quantize_learnable", "enable_param_learning",
            "enable_static_estimate", "enable_static_observation"]
@@ -125,7 +125,7 @@ def fake_quantize_learnable(x: torch.Tensor, scale: torch.Tensor, zero_point: to
     ``scale``/``zero_point`` are 0-d (per tensor) or ``(C,)`` with ``C = x.shape[ch_axis]``.
 
     >>> import torch
-    >>> from lowbit.fake_quant_learnable import fake_quantize_learnable
+    >>> from lowbit.fake_quant import fake_quantize_learnable
     >>> s = torch.tensor(0.5, requires_grad=True)
     >>> fake_quantize_learnable(torch.tensor([0.3, 9.0]), s, torch.tensor(0.0), -8, 7).tolist()
     [0.5, 3.5]

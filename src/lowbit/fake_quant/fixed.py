@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from .fake_quant import FakeQuantize
-from .observer.base import ObserverBase
-from .observer.fixed import FixedQParamsObserver
+from ..observer.base import ObserverBase
+from ..observer.fixed import FixedQParamsObserver
+from .base import FakeQuantize
 
 __all__ = ["FixedQParamsFakeQuantize"]
 

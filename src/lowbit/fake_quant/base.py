@@ -37,10 +37,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .functional import check_quantized_state, fake_quantize
-from .observer.base import ObserverBase, WithArgs
-from .observer.minmax import MovingAverageMinMaxObserver, _MinMaxObserverBase
-from .qparams import calculate_qparams
+from ..functional import check_quantized_state, fake_quantize
+from ..observer.base import ObserverBase, WithArgs
+from ..observer.minmax import MovingAverageMinMaxObserver, _MinMaxObserverBase
+from ..qparams import calculate_qparams
 
 __all__ = ["FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant"]
 
