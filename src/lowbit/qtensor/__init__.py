@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..functional import _check_qparams, check_ch_axis, dequantize, quantize
+from ..functional import check_ch_axis, dequantize
 from ..qscheme import QDtype, QScheme, as_qdtype
 from .axis import indexed_axis, reshaped_axis
 
@@ -387,31 +387,8 @@ def _tree_dequantize(obj: Any) -> Any:
 _INT_OPS: dict[Callable, Callable] = {}  # torch function -> integer implementation (shape_ops.py, pool.py, ops.py)
 
 
-def quantize_per_tensor(x: torch.Tensor, scale: float | torch.Tensor, zero_point: int | torch.Tensor,
-                        dtype: QDtype | str) -> QTensor:
-    """Quantize ``x`` onto one grid: ``q = clamp(round(x / scale) + zero_point, qmin, qmax)``.
-
-    ``scale`` must be positive and finite and ``zero_point`` an integer on the grid (``ValueError``)."""
-    qdtype = as_qdtype(dtype)
-    _check_qparams("quantize_per_tensor", scale, zero_point, qdtype.quant_min, qdtype.quant_max)
-    q = quantize(x, scale, zero_point, qdtype, validate=False)
-    if (isinstance(scale, torch.Tensor) and isinstance(zero_point, torch.Tensor) and scale.dim() == 0
-            and zero_point.dim() == 0 and scale.dtype == torch.float32 and zero_point.dtype == torch.int64
-            and scale.device == q.device and zero_point.device == q.device):  # e.g. a Quantize stub's buffers
-        return QTensor._trusted(q, scale, zero_point, qdtype)
-    return QTensor(q, scale, zero_point, qdtype)
-
-
-def quantize_per_channel(x: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, axis: int,
-                         dtype: QDtype | str) -> QTensor:
-    """Quantize ``x`` with one grid per slice along ``axis`` (``scales``/``zero_points`` of shape ``(C,)``)."""
-    qdtype = as_qdtype(dtype)
-    axis = check_ch_axis(axis, x.dim(), x.shape)
-    _check_qparams("quantize_per_channel", scales, zero_points, qdtype.quant_min, qdtype.quant_max, float_zp=True)
-    return QTensor(quantize(x, scales, zero_points, qdtype, axis, validate=False), scales, zero_points, qdtype, axis)
-
-
 from . import ops, pool, shape_ops  # noqa: E402,F401  register their integer ops into _INT_OPS
+from .factories import quantize_per_channel, quantize_per_tensor  # noqa: E402
 from .fallback import install as _install_fallback  # noqa: E402
 
 _install_fallback(QTensor)  # every other torch.Tensor method / attribute: the float fallback (fallback.py)
