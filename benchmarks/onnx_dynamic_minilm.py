@@ -28,16 +28,8 @@ import common  # noqa: E402
 
 import lowbit as Q  # noqa: E402
 from lowbit import data as D  # noqa: E402
+from lowbit.data import Encoder  # noqa: E402
 from lowbit.export import run_onnx, to_onnx  # noqa: E402
-
-
-class Encoder(nn.Module):
-    def __init__(self, m: nn.Module) -> None:
-        super().__init__()
-        self.m = m
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.m(input_ids=ids, attention_mask=mask).last_hidden_state
 
 
 def embed(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -59,14 +59,3 @@ def float_weight_matmuls(graph: onnx.GraphProto) -> list[str]:
     """Names of float MatMul / Gemm / FusedMatMul nodes fed directly by a 2-D initializer (a float weight)."""
     weights = {t.name for t in graph.initializer if len(t.dims) == 2}
     return [n.name for n in graph.node if n.op_type in ("MatMul", "Gemm", "FusedMatMul") and set(n.input) & weights]
-
-
-class Encoder(nn.Module):
-    """A HF encoder as ``(input_ids, attention_mask) -> last_hidden_state`` (positional inputs for ONNX export)."""
-
-    def __init__(self, m: nn.Module) -> None:
-        super().__init__()
-        self.m = m
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.m(input_ids=ids, attention_mask=mask).last_hidden_state

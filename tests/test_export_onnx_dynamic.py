@@ -20,7 +20,7 @@ from lowbit.nn.quantized import dynamic as nnqd
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from onnx_helpers import Encoder, dynamic_quantum, float_weight_matmuls, one_thread, ort_graph  # noqa: E402,F401 (one_thread: autouse fixture)
+from onnx_helpers import dynamic_quantum, float_weight_matmuls, one_thread, ort_graph  # noqa: E402,F401 (one_thread: autouse fixture)
 
 I8, U8, F16 = onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT16
 
@@ -219,10 +219,10 @@ def test_minilm_encoder_sentence_embeddings(tmp_path, monkeypatch):
                  "quantization keeps sentence embeddings close"], padding="max_length", max_length=16,
                 return_tensors="pt")
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    path = to_onnx(Encoder(qm), (ids[:2], mask[:2]), tmp_path / "minilm.onnx")
+    path = to_onnx(D.Encoder(qm), (ids[:2], mask[:2]), tmp_path / "minilm.onnx")
     (out,), graph = ort_graph(path, (ids, mask), tmp_path)
     with torch.no_grad():
-        ref, fp = Encoder(qm)(ids, mask), Encoder(model)(ids, mask)
+        ref, fp = D.Encoder(qm)(ids, mask), D.Encoder(model)(ids, mask)
     m = mask.float()
     cos_ort_lowbit = (embed(out, m) * embed(ref, m)).sum(-1)
     cos_ort_fp, cos_lowbit_fp = (embed(out, m) * embed(fp, m)).sum(-1), (embed(ref, m) * embed(fp, m)).sum(-1)

@@ -162,8 +162,8 @@ def test_minilm_static_recipe_exports_and_ort_matches(tmp_path):
 
     import torch.nn.functional as F
 
-    from lowbit.data import embed_sentences, load_lee_corpus, load_minilm
-    from onnx_helpers import Encoder, float_weight_matmuls, ort_graph
+    from lowbit.data import Encoder, embed_sentences, load_lee_corpus, load_minilm
+    from onnx_helpers import float_weight_matmuls, ort_graph
 
     tok, model = load_minilm()
     background, docs, _ = load_lee_corpus()

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "Encoder",
     "FASHION_MNIST_CLASSES",
     "FASHION_MNIST_DIR",
     "FASHION_MNIST_MEAN",
@@ -180,6 +181,29 @@ def load_minilm() -> tuple[Any, torch.nn.Module]:
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModel.from_pretrained(path, local_files_only=True).eval()
     return tok, model
+
+
+class Encoder(torch.nn.Module):
+    """A Hugging Face encoder as ``(input_ids, attention_mask) -> last_hidden_state``: positional inputs and a
+    plain tensor output, as ONNX export and tracing want (``load_minilm``'s ``BertModel`` takes keywords and
+    returns an output object). ``ids``, ``mask``: ``(B, T)``; the result ``(B, T, hidden)``.
+
+    >>> import types, torch
+    >>> from lowbit.data import Encoder
+    >>> class Tiny(torch.nn.Module):  # stands in for a BertModel: keyword inputs, an output object
+    ...     def forward(self, input_ids, attention_mask):
+    ...         h = torch.nn.functional.one_hot(input_ids, 4).float() * attention_mask[..., None]  # (B, T, 4)
+    ...         return types.SimpleNamespace(last_hidden_state=h)
+    >>> Encoder(Tiny())(torch.tensor([[1, 3]]), torch.tensor([[1, 0]])).tolist()
+    [[[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]]
+    """
+
+    def __init__(self, m: torch.nn.Module) -> None:
+        super().__init__()
+        self.m = m
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=ids, attention_mask=mask).last_hidden_state
 
 
 @torch.no_grad()
