@@ -126,7 +126,10 @@ def test_export_dynamic_batch_save_load_fresh_process(tmp_path: Path) -> None:
 @pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "avx2_split"])
 def test_converted_forward_takes_the_fast_kernels(vnni: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU with oneDNN, no converted layer of a static, fx or dynamic model falls back to the reference
-    kernel; both ISA paths (VNNI: one call; AVX2: the exact two-call split) are pinned by ``has_vnni``."""
+    kernel; both ISA paths are pinned by ``has_vnni``: VNNI, one exact call per layer; AVX2, the exact 7-bit splits
+    of ``kernels.avx2`` (a Linear stacks its activation codes' two halves into one call, or runs fbgemm for few rows;
+    a conv splits its constant weights once, packed at the first call, and makes one call on the unmodified codes,
+    a depthwise conv two)."""
     monkeypatch.setattr(onednn, "has_vnni", lambda: vnni)
     for kind in ("eager_convert", "eager_convert_x86", "convert_fx", "dynamic", "dynamic_u7_per_token",
                  "dynamic_x86_recipe"):
