@@ -404,3 +404,24 @@ def test_conv_weight_split_declines_sums_past_float32(monkeypatch: pytest.Monkey
         y = K.conv(x, w, None, K.ConvSpec(1, (1,), (0,), (1,), 1), None, cache={})
     want = torch.nn.functional.conv1d(x.int_repr().double() - 128, codes.double())
     assert torch.equal(y.double(), want) and set(paths) == {"_split_run"}
+
+
+def test_conv_weight_split_packs_the_unsplit_weight_only_when_a_call_needs_it(monkeypatch: pytest.MonkeyPatch,
+                                                                              paths: Counter[str]) -> None:
+    """8-bit activations on saturating weights take the weight split and leave the unsplit pack unmade; a 7-bit input
+    (one exact call) then makes it once, in the same cache entry, with the codes of a fresh cache and the exact sums."""
+    force(monkeypatch, vnni=False, fbgemm=False)
+    x, w, conv = conv_operands(2, 8, 6, 3, 2, safe=False)
+    spec, cache = K.ConvSpec(2, (1, 1), (1, 1), (1, 1), 2), {}
+    with K.use_backend("onednn"):
+        y8 = K.conv(x, w, None, spec, None, cache=cache)
+        assert cache["onednn.conv"][1] == (None, True) and set(paths) == {"_wsplit_conv"}
+        x7 = Q.QTensor(x.int_repr() // 2, 1.0, 60, Q.quint8.with_range(0, 127))
+        y7 = K.conv(x7, w, None, spec, None, cache=cache)
+        packed = cache["onednn.conv"][1][0]
+        assert packed is not None and paths["_wsplit_conv"] == 1 and set(paths) == {"_wsplit_conv"}
+        assert torch.equal(K.conv(x7, w, None, spec, None, cache=cache), y7) and cache["onednn.conv"][1][0] is packed
+        assert torch.equal(K.conv(x7, w, None, spec, None, cache={}), y7)
+    for xi, y in ((x, y8), (x7, y7)):
+        want = conv(xi.int_repr().double() - int(xi.zero_point), w.int_repr().double(), None, 1, 1, 1, 2)
+        assert torch.equal(y.double(), want)

@@ -139,7 +139,8 @@ def _packed(cache: dict[str, Any] | None, key: str, weight: QTensor, pack: Any) 
     """``(packed weight, needs_split)`` for ``weight`` (``None`` if declined), built once per weight version.
 
     ``needs_split``: this CPU's u8×s8 product could saturate for these weights (no VNNI and not
-    ``saturation_safe``).
+    ``saturation_safe``). ``pack=None``: ``(None, needs_split)``, for a caller whose route may never use the
+    pack (``conv``: it packs on first use and stores the pack in the entry).
     """
     w = weight.int_repr()
     version = (w.data_ptr(), tensor_version(w), w.device)
@@ -147,7 +148,7 @@ def _packed(cache: dict[str, Any] | None, key: str, weight: QTensor, pack: Any) 
     if hit is not None and hit[0] == version:
         return hit[1]
     ok = w.device.type == "cpu" and w.dtype == torch.int8 and available() and not bool(weight.zero_point.any())
-    packed = (pack(w), not (has_vnni() or saturation_safe(w))) if ok else None
+    packed = (None if pack is None else pack(w), not (has_vnni() or saturation_safe(w))) if ok else None
     if cache is not None:
         cache[key] = (version, packed)
     return packed
@@ -286,11 +287,22 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
         # x_scale / x_zp given to prepack do not enter the packed weight (checked in the tests)
         return torch.ops.onednn.qconv_prepack(w, weight.scale, 1.0, 0, stride, padding, dilation, spec.groups, None)
 
-    entry = _packed(cache, "onednn.conv", weight, pack)
+    entry = _packed(cache, "onednn.conv", weight, None)  # the pack deferred: the weight split never reads it
     if entry is None:
         return NotImplemented
-    packed, split = entry
+    split = entry[1]
     q, sx, zx, seven_bit = _as_u8(x)
+    if split and not seven_bit and WSPLIT_CONV:
+        halves = _packed(cache, "onednn.conv_wsplit", weight, functools.partial(
+            _pack_wsplit, geometry=(stride, padding, dilation), groups=spec.groups))
+        if halves is not None and halves[0] is not None:
+            return _wsplit_conv(halves[0], q, sx, zx, weight, bias, spec.groups, (stride, padding, dilation), out,
+                                relu, cache)
+    packed = entry[0]
+    if packed is None:  # first call on this weight version that needs the unsplit pack
+        packed = pack(weight.int_repr())
+        if cache is not None:
+            cache["onednn.conv"] = (cache["onednn.conv"][0], (packed, split))
 
     def run(codes: torch.Tensor, zp: int, b: torch.Tensor | None, s_out: float, z_out: int, dt: torch.dtype,
             post: str) -> torch.Tensor:
@@ -298,11 +310,6 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
                                                 padding, dilation, spec.groups, s_out, z_out, dt, post, [], "")
 
     if split and not seven_bit:
-        halves = _packed(cache, "onednn.conv_wsplit", weight, functools.partial(
-            _pack_wsplit, geometry=(stride, padding, dilation), groups=spec.groups))
-        if halves is not None and halves[0] is not None and WSPLIT_CONV:
-            return _wsplit_conv(halves[0], q, sx, zx, weight, bias, spec.groups, (stride, padding, dilation), out,
-                                relu, cache)
         return _split_run(run, q, zx, bias, out, relu, 1)
     s_out, z_out, dt = _epilogue(out)
     fuse = relu and spec.dim != 3  # oneDNN's conv3d has no fused relu
