@@ -58,9 +58,10 @@ def get_default_qconfig(backend: str | None = None, version: int = 0) -> QConfig
 
     ``backend=None``: lowbit's recipe, 8-bit ``quint8`` activations (exact on every CPU; without VNNI
     the int8 kernels split them or the weights into 7-bit halves, ``lowbit.kernels.avx2``). ``backend``
-    in ``"x86"``, ``"fbgemm"``, ``"onednn"``, ``"qnnpack"`` (``version`` 0): torch.ao's recipe for that engine, activations on
-    ``quint8[0, 127]`` (x86/fbgemm, ``reduce_range=True``: one exact call without VNNI, one bit of
-    resolution less) or ``quint8[0, 255]``; qnnpack weights are one per-tensor symmetric qint8 grid.
+    in ``"x86"``, ``"fbgemm"``, ``"onednn"``, ``"qnnpack"`` (``version`` 0): torch.ao's recipe for that
+    engine, activations on ``quint8[0, 127]`` (x86/fbgemm, ``reduce_range=True``: one exact call without
+    VNNI, one bit of resolution less) or ``quint8[0, 255]``; qnnpack weights are one per-tensor symmetric
+    qint8 grid.
 
     >>> get_default_qconfig("qnnpack").weight().qscheme.value
     'per_tensor_symmetric'
