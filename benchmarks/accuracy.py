@@ -4,8 +4,12 @@ Rows (fp32 model = reference):
 
 - MobileNetV2 (torchvision's ImageNet checkpoint) and EfficientNet-Lite0, 48 calibration crops and
   480 *other* evaluation crops (``--eval``) of scikit-image's photos: top-1 agreement with fp32, logit SQNR;
-  lowbit ``quantize_ptq`` default / balanced / accurate vs torch.ao ``prepare_fx`` with
-  ``get_default_qconfig_mapping("x86")`` (and the onednn engine's mapping);
+  lowbit ``quantize_ptq`` default / balanced / accurate (``--recipes``) vs torch.ao ``prepare_fx`` with
+  ``get_default_qconfig_mapping("x86")`` (and the onednn engine's mapping); the note gives the first 96
+  evaluation crops' figures too (the EfficientNet-Lite0 test's set). ``--crops fractional,whole`` adds the
+  same rows on whole-pixel crops (``photo_crops(uint8=True)`` for calibration, evaluation and the fp32
+  reference: what an 8-bit image pipeline feeds; on the default fractional crops an 8-bit input grid rounds
+  the resampler's sub-pixel values, which alone caps EfficientNet-Lite0 near 23.6 dB, ``docs/design.md``);
 - the Fashion-MNIST SmallCNN (trained here for one epoch on 10k images; 1k calibration images,
   2k test images): test accuracy and agreement;
 - MiniLM (all-MiniLM-L6-v2) on the Lee corpus: static int8 through graph mode (all Linears int8; all
@@ -15,7 +19,8 @@ Rows (fp32 model = reference):
 
 Accuracy does not depend on the ISA except through kernels' exactness, which lowbit guarantees; the
 ISA is printed anyway. Run: ``python benchmarks/accuracy.py`` (``--quick``: fewer samples and
-AdaRound steps; ``--models mnv2,lite0,fmnist,minilm``; ``--calib N`` / ``--eval N`` ImageNet calibration / evaluation crops).
+AdaRound steps; ``--models mnv2,lite0,fmnist,minilm``; ``--calib N`` / ``--eval N`` ImageNet calibration / evaluation crops;
+``--recipes`` / ``--crops`` the ImageNet rows).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 
 import lowbit as Q
 from lowbit import kernels
+from lowbit.ptq import RECIPES
 
 ROWS: list[dict] = []
 
@@ -69,28 +75,41 @@ def _ao_fx(model: torch.nn.Module, calib: list[torch.Tensor], engine: str) -> to
         return convert_fx(p)
 
 
-def imagenet(name: str, model: torch.nn.Module, norm: str, iters: int, n_cal: int, n_eval: int) -> None:
+def imagenet(name: str, model: torch.nn.Module, norm: str, iters: int, n_cal: int, n_eval: int,
+             recipes: tuple[str, ...] = ("default", "balanced", "accurate"), crops: tuple[str, ...] = ("fractional",)) -> None:
     from lowbit.models import photo_crops
 
-    calib = list(photo_crops(n_cal, seed=0, norm=norm).split(16))
-    x = photo_crops(n_eval, seed=1, norm=norm)
-    with torch.no_grad():
-        ref = model(x)
     notes = {"accurate": f", AdaRound {iters} steps (residual streams equalized, blocks together, activation steps "
                          "learned)", "balanced": ", default grids, quadratic codes, bias correction"}
-    for recipe in ("default", "balanced", "accurate"):
-        t = time.perf_counter()
-        q, _ = Q.quantize_ptq(model, calib, recipe=recipe, iters=iters)
+    for kind in crops:
+        whole = kind == "whole"
+        tag = ", whole-pixel crops" if whole else ""
+        calib = list(photo_crops(n_cal, seed=0, norm=norm, uint8=whole).split(16))
+        x = photo_crops(n_eval, seed=1, norm=norm, uint8=whole)
         with torch.no_grad():
-            _row(name, f"lowbit {recipe}", *_cls(ref, q(x)), f"{time.perf_counter() - t:.0f} s, {n_cal} calibration crops"
-                 + notes.get(recipe, ""))
-    for engine in ("x86", "onednn"):
-        try:
-            q = _ao_fx(model, calib, engine)
+            ref = model(x)
+
+        def first96(out: torch.Tensor) -> str:  # the Lite0 test's evaluation set (photo_crops(96, seed=1))
+            if n_eval <= 96:
+                return ""
+            a, s = _cls(ref[:96], out[:96])
+            return f"; first 96 crops {a.split()[1]} / {s.split()[1]} dB"
+
+        for recipe in recipes:
+            t = time.perf_counter()
+            q, _ = Q.quantize_ptq(model, calib, recipe=recipe, iters=iters)
             with torch.no_grad():
-                _row(name, f"torch.ao fx ({engine})", *_cls(ref, q(x)))
-        except Exception as e:  # torch.ao cannot trace shape-dependent padding (EfficientNet-Lite0)
-            _row(name, f"torch.ao fx ({engine})", "n/a", "n/a", f"{type(e).__name__}: {str(e)[:60]}")
+                out = q(x)
+            _row(name, f"lowbit {recipe}{tag}", *_cls(ref, out), f"{time.perf_counter() - t:.0f} s, {n_cal} calibration "
+                 f"crops{notes.get(recipe, '')}{first96(out)}")
+        for engine in ("x86", "onednn"):
+            try:
+                q = _ao_fx(model, calib, engine)
+                with torch.no_grad():
+                    out = q(x)
+                _row(name, f"torch.ao fx ({engine}){tag}", *_cls(ref, out), first96(out).lstrip("; "))
+            except Exception as e:  # torch.ao cannot trace shape-dependent padding (EfficientNet-Lite0)
+                _row(name, f"torch.ao fx ({engine}){tag}", "n/a", "n/a", f"{type(e).__name__}: {str(e)[:60]}")
 
 
 def fmnist(iters: int, quick: bool) -> None:
@@ -219,12 +238,20 @@ def main() -> None:
     ap.add_argument("--calib", type=int, default=48, help="ImageNet calibration crops (seed 0)")
     ap.add_argument("--eval", type=int, default=480, help="ImageNet evaluation crops (seed 1, none a calibration "
                                                           "crop; 480 as the tests: one crop of 96 is 0.010 of agreement)")
+    ap.add_argument("--recipes", default="default,balanced,accurate", help="lowbit recipes of the ImageNet rows")
+    ap.add_argument("--crops", default="fractional", help="ImageNet crops: fractional (the resampler's values, as the "
+                                                         "tests), whole (rounded to whole pixels), or both")
     ap.add_argument("--out", default=None, help="results file name under results/ (default: accuracy[_MODELS].json)")
     args = ap.parse_args()
     if args.calib < 1:
         raise SystemExit(f"--calib {args.calib}: need at least one calibration crop")
     if args.eval < 1:
         raise SystemExit(f"--eval {args.eval}: need at least one evaluation crop")
+    recipes, crops = tuple(args.recipes.split(",")), tuple(args.crops.split(","))
+    if not recipes or any(r not in RECIPES for r in recipes):
+        raise SystemExit(f"--recipes {args.recipes}: choose from {','.join(RECIPES)}")
+    if not crops or any(c not in ("fractional", "whole") for c in crops):
+        raise SystemExit(f"--crops {args.crops}: choose from fractional,whole")
     iters = args.iters if args.iters is not None else (100 if args.quick else 500)
     n_cal, n_eval = args.calib, args.eval
     torch.manual_seed(0)
@@ -235,10 +262,10 @@ def main() -> None:
     with kernels.use_backend("reference"):
         if "mnv2" in want:
             from lowbit.models import load_mobilenet_v2
-            imagenet("MobileNetV2", load_mobilenet_v2(), "imagenet", iters, n_cal, n_eval)
+            imagenet("MobileNetV2", load_mobilenet_v2(), "imagenet", iters, n_cal, n_eval, recipes, crops)
         if "lite0" in want:
             from lowbit.models import load_efficientnet_lite0
-            imagenet("EfficientNet-Lite0", load_efficientnet_lite0(), "lite", iters, n_cal, n_eval)
+            imagenet("EfficientNet-Lite0", load_efficientnet_lite0(), "lite", iters, n_cal, n_eval, recipes, crops)
         if "fmnist" in want:
             fmnist(iters, args.quick)
         if "minilm" in want:
@@ -252,7 +279,7 @@ def main() -> None:
     out = Path(__file__).resolve().parent / "results" / (name if name.endswith(".json") else name + ".json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(dict(isa=_isa(), torch=torch.__version__, threads=torch.get_num_threads(), iters=iters,
-                                   calib=n_cal, rows=ROWS), indent=1))
+                                   calib=n_cal, eval=n_eval, rows=ROWS), indent=1))
 
 
 if __name__ == "__main__":
