@@ -257,6 +257,28 @@ def test_a_converted_model_fed_nan_errors_instead_of_finite_garbage():
     assert torch.isfinite(q(torch.randn(3, 4))).all()
 
 
+@pytest.mark.parametrize("size", [*range(1, 20), 31, 33, 768])
+def test_quantize_finds_nan_anywhere_and_infinities_are_no_false_alarm(size):
+    # Quantize's eager fast path tests one reduction (max, which propagates NaN) and runs the exact count only then:
+    # a NaN at any place of a vector body or tail, next to ±inf or not, raises; ±inf alone quantizes to the edge codes
+    qz = Q.nn.quantized.Quantize(0.05, 64, Q.quint8.with_range(0, 127))
+    torch.manual_seed(size)
+    for pos in sorted({0, size // 2, size - 1, *range(0, size, max(1, size // 7))}):
+        for infs in ((), (float("inf"),), (float("inf"), -float("inf"))):
+            x = torch.randn(size)
+            for j, v in enumerate(infs):
+                x[(pos + 1 + j) % size] = v
+            x[pos] = float("nan")
+            with pytest.raises(RuntimeError, match=r"Quantize: .* holds 1 NaN values"):
+                qz(x)
+    x = torch.randn(size)
+    x[0] = float("inf")
+    x[-1] = -float("inf") if size > 1 else float("inf")
+    codes = qz(x).int_repr()
+    assert codes[0] == 127 and codes[-1] == (0 if size > 1 else 127)
+    assert torch.equal(codes, Q.quantize_per_tensor(x, 0.05, 64, Q.quint8.with_range(0, 127)).int_repr())
+
+
 def test_a_dynamic_model_fed_nan_propagates_nan_like_the_float_model():
     m = nn.Sequential(nn.Linear(4, 3)).eval()
     q = Q.quantize_dynamic(m)

@@ -332,14 +332,16 @@ class WeightedQuantModule(CheckedQuantState):
             self._cache["prepared"] = hit
         return hit[1]
 
-    def _plan(self, x: QTensor, build: Any) -> Any:
+    def _plan(self, x: QTensor, build: Any, q: torch.Tensor | None = None) -> Any:
         """The layer's eager per-call plan for input ``x`` (``build(weight, out, qdtype)`` makes it, e.g.
         ``kernels.plan.linear_plan``), or ``None`` where the generic path must run: tracing, a pinned backend,
         a per-channel, empty or non-CPU input. Kept in ``_cache`` for the buffers it was built from (identity
-        and ``tensor_version``) and the input ``QDtype``; a plan that declines (``None``) is kept too."""
+        and ``tensor_version``) and the input ``QDtype``; a plan that declines (``None``) is kept too. ``q``: ``x._meta``
+        where the caller has read it."""
         if tracing() or kernels.get_backend() or x._axis is not None:  # (tracing first: no guard on the shape)
             return None
-        q = x._meta  # (the codes' shape and device: a native tensor's codes are not made here)
+        if q is None:
+            q = x._meta  # (the codes' shape and device: a native tensor's codes are not made here)
         if not q.is_cpu or not q.numel():
             return None
         b = self._buffers

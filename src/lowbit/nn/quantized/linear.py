@@ -56,10 +56,12 @@ class Linear(WeightedQuantModule):
         super().__init__((out_features, in_features), out_features, bool(bias), device)
 
     def forward(self, x: QTensor | torch.Tensor) -> QTensor:
-        if type(x) is QTensor and x._meta.dim() and x._meta.shape[-1] == self.in_features:
-            run = self._plan(x, linear_plan)  # the eager floor: one plan per layer state (kernels.plan)
-            if run is not None:
-                return run.qt(x)  # type: ignore[no-any-return]
+        if type(x) is QTensor:
+            q = x._meta
+            if q.dim() and q.shape[-1] == self.in_features:
+                run = self._plan(x, linear_plan, q)  # the eager floor: one plan per layer state (kernels.plan)
+                if run is not None:
+                    return run.qt(x)  # type: ignore[no-any-return]
         qx = as_qtensor(x, self.input_grid, type(self).__name__)
         if qx.dim() == 0 or qx.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__}: input of shape {tuple(qx.shape)} does not end in "
