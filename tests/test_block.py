@@ -155,3 +155,29 @@ def test_simulated_grids_round_as_the_int8_model():
     sim = _fq(FixedQParamsObserver(s, z))
     assert torch.equal(sim(x), ref)
     assert torch.equal(LearnedGrid(s, z, 0, 255)(x), ref)
+
+
+class PaddedInverted(Inverted):
+    """EfficientNet-Lite0's block: TF-"same" zero padding (asymmetric) before the depthwise conv, in the block."""
+
+    def __init__(self, c: int):
+        super().__init__(c)
+        self.dw[0].padding = (0, 0)
+
+    def forward(self, x):
+        y = torch.nn.functional.pad(self.expand(x), (0, 2, 1, 1))
+        return x + self.project(self.dw(y))
+
+
+def test_blocks_span_zero_pads_and_convert_exactly():
+    """A residual block with a zero pad inside (graph mode runs it on the codes) is rounded as one block, and
+    the int8 model reproduces the report's figure: the pad runs the same way in the pass and after convert."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU6(), PaddedInverted(8),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)).eval()
+    calib = [torch.randn(8, 3, 10, 10) for _ in range(4)]
+    q, rep = Q.quantize_ptq(model, calib, recipe="accurate", iters=20, blocks=True, progress=False)
+    blocked = [c.name for c in rep.layers if any(n.startswith("block ") for n in c.notes)]
+    assert blocked == ["2.expand.0", "2.dw.0", "2.project"], blocked
+    with torch.no_grad():
+        assert abs(_sqnr(model(calib[0]), q(calib[0])) - rep.sqnr_db) < 1e-6
