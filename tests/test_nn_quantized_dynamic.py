@@ -129,6 +129,19 @@ def test_linear_state_dict_round_trip_and_cache_invalidation():
     assert "qint8" in repr(q) and "per_token" in repr(q)
 
 
+def test_linear_cache_follows_a_scale_only_change():
+    """Scales changed in place with the codes unchanged (a rescaled layer) must not reuse the row sums cached for
+    the old scales: the result equals a module that never ran with the old ones."""
+    fc, x = nn.Linear(32, 24), torch.randn(7, 32)
+    q = nnqd.Linear.from_float(fc)
+    before = q(x)
+    with torch.no_grad():
+        q.weight_scale.mul_(2)
+    fresh = nnqd.Linear(32, 24)
+    fresh.load_state_dict(q.state_dict())
+    assert torch.equal(q(x), fresh(x)) and not torch.equal(q(x), before)
+
+
 def test_linear_from_float_honours_a_qconfig_weight_observer():
     fc = nn.Linear(8, 4)
     fc.qconfig = Q.QConfig(activation=Q.PlaceholderObserver,

@@ -116,16 +116,17 @@ def quantize_per_token(x: torch.Tensor, qdtype: QDtype = quint8) -> QTensor:
 
 
 def _weight_row_sums(weight: QTensor, cache: dict[str, Any] | None) -> torch.Tensor:
-    """``Σ_k ŵ[n, k]`` (N,) float32, cached per weight version."""
-    w = weight.int_repr()
-    key = (w.data_ptr(), tensor_version(w), w.device)
+    """``Σ_k ŵ[n, k]`` (N,) float32, cached per version of the weight's codes, scales *and* zero points (the entry
+    holds the three tensors, so their addresses cannot be reused while it is kept)."""
+    w, ws, wz = weight.int_repr(), weight.scale, weight.zero_point
+    key = tuple((t.data_ptr(), tensor_version(t)) for t in (w, ws, wz)) + (w.device,)
     hit = None if cache is None else cache.get("per_token.wsum")
     if hit is not None and hit[0] == key:
         return hit[1]
-    centered = w.to(torch.int64).sum(1) - weight.zero_point.to(torch.int64) * w.shape[1]
-    wsum = (centered.to(torch.float64) * weight.scale.to(torch.float64)).to(torch.float32)
+    centered = w.to(torch.int64).sum(1) - wz.to(torch.int64) * w.shape[1]
+    wsum = (centered.to(torch.float64) * ws.to(torch.float64)).to(torch.float32)
     if cache is not None:
-        cache["per_token.wsum"] = (key, wsum)
+        cache["per_token.wsum"] = (key, wsum, (w, ws, wz))
     return wsum
 
 
