@@ -106,8 +106,8 @@ def test_efficientnet_lite0_default_and_balanced_recipes(lite0):
     # figure on these crops (docs/design.md, Lite0's error budget).
     assert agree >= 0.64 and sqnr >= 10.5, (agree, sqnr)
     agree, sqnr = _run(lite0, "balanced")
-    # default grids + quadratic codes + bias correction: measured 0.948 / 24.19 dB at this test's 2 threads (480
-    # crops: 0.923 / 24.27; quantize_ptq 2122 s at load 5-7 on 2 cores). It replaces the
+    # default grids + quadratic codes + bias correction: measured 0.948 / 24.19 dB at this test's 2 threads and at 1
+    # (480 crops: 0.923 / 24.27; quantize_ptq 2122 s at load 5-7 on 2 cores). It replaces the
     # accurate recipe pinned to histogram ranges, no stretch, no learned steps (AdaRound 100 steps, blocks
     # together: 0.938 / 23.74 dB at 1 thread); the path that run alone covered, a residual block rounded together
     # across a zero pad, is tests/test_block.py's test_blocks_span_zero_pads_and_convert_exactly, and the accurate
