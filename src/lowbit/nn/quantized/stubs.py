@@ -65,13 +65,8 @@ class Quantize(CheckedQuantState):
                 if top != top:
                     check_no_nan(x, "Quantize")
             bufs = self._buffers  # (nn.Module.__getattr__ costs ~1 µs per buffer read)
-            hit, scale, zero_point = self.__dict__.get("_grid_cache"), bufs["scale"], bufs["zero_point"]
-            try:  # _grid's cache hit checked here (a call less); inference tensors keep no version counter
-                fresh = (hit is not None and hit[2] is scale and hit[3] is zero_point and hit[4] is self.qdtype
-                         and hit[0] == (scale._version, zero_point._version))  # type: ignore[union-attr]
-            except RuntimeError:
-                fresh = False
-            inv, z, store = hit[1] if fresh else self._grid()  # type: ignore[index]
+            scale, zero_point = bufs["scale"], bufs["zero_point"]
+            inv, z, store = self._grid()
             if store is not None and x.is_contiguous() and not x.requires_grad:
                 # quantize_scaled → qstore.codes, their decisions made once (_grid): v = x · inv, the 7-bit clamp of v,
                 # then add, round, clamp and the 8-bit store in one quantize_per_tensor at scale 1
@@ -84,7 +79,7 @@ class Quantize(CheckedQuantState):
                 # are made only where something reads them)
                 return QTensor._trusted(None, scale, zero_point, self.qdtype, None, None, t)  # type: ignore[arg-type]
             codes = quantize_scaled(x, inv, z, self.qdtype)
-            return QTensor._trusted(codes, bufs["scale"], bufs["zero_point"], self.qdtype)  # type: ignore[arg-type]
+            return QTensor._trusted(codes, scale, zero_point, self.qdtype)  # type: ignore[arg-type]
         if isinstance(x, QTensor):
             if (x.axis is None and x.qdtype == self.qdtype and torch.equal(x.scale, self.scale)
                     and torch.equal(x.zero_point, self.zero_point)):
