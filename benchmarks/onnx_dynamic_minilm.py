@@ -1,7 +1,7 @@
 """MiniLM with every encoder Linear dynamic int8, exported to ONNX and run by ONNX Runtime.
 
-Run: ``python benchmarks/onnx_dynamic_minilm.py [--docs 16] [--tokens 128]``. Prints and writes
-``benchmarks/results/onnx_dynamic_minilm.json``: sentence-embedding cosine ORT vs lowbit and each vs
+Run: ``python benchmarks/onnx_dynamic_minilm.py [--docs 16] [--tokens 128] [--out NAME]``. Prints and writes
+``benchmarks/results/NAME.json`` (default ``onnx_dynamic_minilm``): sentence-embedding cosine ORT vs lowbit and each vs
 fp32 on the first ``--docs`` ``lee_background`` documents, the ONNX file sizes (int8 vs an fp32
 export of the same model), and ORT's op counts (``MatMulInteger`` vs float ``MatMul``).
 
@@ -20,7 +20,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,19 +27,15 @@ import common  # noqa: E402
 
 import lowbit as Q  # noqa: E402
 from lowbit import data as D  # noqa: E402
-from lowbit.data import Encoder  # noqa: E402
+from lowbit.data import Encoder, mean_pool as embed  # noqa: E402
 from lowbit.export import run_onnx, to_onnx  # noqa: E402
-
-
-def embed(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    m = mask.float()[..., None]
-    return F.normalize((h * m).sum(1) / m.sum(1), dim=-1)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--docs", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--out", default="onnx_dynamic_minilm", help="results name (benchmarks/results/OUT.json)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -71,7 +66,7 @@ def main() -> None:
     print(common.md_table(["cosine", "mean", "worst"], rows))
     print(f"\nONNX file: int8 {sizes['int8']:.1f} MB, fp32 {sizes['fp32']:.1f} MB; "
           f"MatMulInteger {ops['MatMulInteger']}, float MatMul {ops['MatMul']}")
-    common.write_results("onnx_dynamic_minilm", {
+    common.write_results(args.out, {
         "docs": args.docs, "tokens": args.tokens, "sizes_MB": sizes, "ops": dict(ops),
         "cosine": {k: {"mean": float(v.mean()), "worst": float(v.min())} for k, v in cos.items()}})
 

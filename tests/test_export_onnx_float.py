@@ -160,9 +160,7 @@ def test_minilm_static_recipe_exports_and_ort_matches(tmp_path):
     pytest.importorskip("gensim")
     import warnings
 
-    import torch.nn.functional as F
-
-    from lowbit.data import Encoder, embed_sentences, load_lee_corpus, load_minilm
+    from lowbit.data import Encoder, embed_sentences, load_lee_corpus, load_minilm, mean_pool
     from onnx_helpers import float_weight_matmuls, ort_graph
 
     tok, model = load_minilm()
@@ -187,11 +185,7 @@ def test_minilm_static_recipe_exports_and_ort_matches(tmp_path):
     (out,), graph = ort_graph(path, (ids, mask), tmp_path)
     assert float_weight_matmuls(graph) == []
 
-    def embed(h: torch.Tensor) -> torch.Tensor:
-        m = mask.float()[..., None]
-        return F.normalize((h * m).sum(1) / m.sum(1), dim=-1)
-
-    e_ort, e_lb, e_fp = embed(out), embed(ref), embed(fp)
+    e_ort, e_lb, e_fp = (mean_pool(h, mask) for h in (out, ref, fp))
     ort_lb, ort_fp, lb_fp = (e_ort * e_lb).sum(-1), (e_ort * e_fp).sum(-1), (e_lb * e_fp).sum(-1)
     print(f"\nMiniLM static recipe ONNX: cosine ORT vs lowbit {ort_lb.mean():.4f} / {ort_lb.min():.4f}, "
           f"ORT vs fp32 {ort_fp.mean():.4f} / {ort_fp.min():.4f}, lowbit vs fp32 {lb_fp.mean():.4f} / {lb_fp.min():.4f}")

@@ -46,6 +46,7 @@ __all__ = [
     "load_lee_corpus",
     "load_minilm",
     "load_smollm2",
+    "mean_pool",
     "minilm_available",
     "normalize_images",
     "perplexity",
@@ -222,9 +223,20 @@ def embed_sentences(
         enc = tokenizer(texts[i : i + batch_size], padding=True, truncation=True, max_length=max_length,
                         return_tensors="pt")
         h = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state  # (B, T, H)
-        m = enc["attention_mask"].unsqueeze(-1).to(h.dtype)  # (B, T, 1)
-        out.append(torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp_min(1e-9), dim=-1))
+        out.append(mean_pool(h, enc["attention_mask"]))
     return torch.cat(out) if out else torch.empty(0, 0)
+
+
+def mean_pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sentence embeddings from hidden states ``h`` ``(B, T, H)`` and an attention ``mask`` ``(B, T)``: the mean of the
+    unmasked tokens' states, L2-normalised, ``normalize(Σ_t m_t h_t / max(Σ_t m_t, 1e-9))`` (sentence-transformers'
+    pooling for MiniLM).
+
+    >>> mean_pool(torch.tensor([[[3.0, 4.0], [9.0, 9.0]]]), torch.tensor([[1, 0]]))
+    tensor([[0.6000, 0.8000]])
+    """
+    m = mask.unsqueeze(-1).to(h.dtype)  # (B, T, 1)
+    return torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp_min(1e-9), dim=-1)
 
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
