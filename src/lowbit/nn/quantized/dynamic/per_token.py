@@ -58,12 +58,24 @@ _C255, _C128, _CM128 = torch.tensor(255.0), torch.tensor(128.0), torch.tensor(-1
 _LEVELS = {255: _C255, 127: torch.tensor(127.0)}
 
 
-def _row_grids(xf: torch.Tensor, levels: torch.Tensor = _C255) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _row_grids(xf: torch.Tensor, levels: torch.Tensor = _C255,
+               blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(s_x, -z_x)`` as ``(M, 1)`` float32 on ``[0, levels]`` (255, or 127 for 7-bit codes), computed as
     ``calculate_qparams`` does (same bits), or ``None`` when some row's range is not finite (NaN/Inf, or
-    wider than float32): the generic path then decides (a NaN scale that carries NaN to the row's output)."""
-    lo = xf.amin(1, keepdim=True).clamp_(max=0.0)  # amin + amax: ~20x faster than aminmax(dim=1) on CPU
-    width = xf.amax(1, keepdim=True).clamp_(min=0.0).sub_(lo)
+    wider than float32): the generic path then decides (a NaN scale that carries NaN to the row's output).
+    ``blocked``: the row minima and maxima on ``_BLOCK``-float row blocks (the amax reads each block from cache,
+    not from memory: an input past the caches is read once instead of twice; min and max are exact either way)."""
+    m = xf.shape[0]
+    rows = max(1, _BLOCK // max(1, xf.shape[1])) if blocked else m
+    if rows >= m:
+        lo, hi = xf.amin(1, keepdim=True), xf.amax(1, keepdim=True)  # ~20x faster than aminmax(dim=1) on CPU
+    else:
+        lo, hi = xf.new_empty(m, 1), xf.new_empty(m, 1)
+        for i in range(0, m, rows):
+            torch.amin(xf[i:i + rows], 1, keepdim=True, out=lo[i:i + rows])
+            torch.amax(xf[i:i + rows], 1, keepdim=True, out=hi[i:i + rows])
+    lo = lo.clamp_(max=0.0)
+    width = hi.clamp_(min=0.0).sub_(lo)
     if not width.max().item() < _INF:  # one host read: NaN fails too
         return None
     scale = width.div_(levels).clamp_(min=_EPS)

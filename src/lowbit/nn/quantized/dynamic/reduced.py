@@ -47,7 +47,7 @@ import torch
 from .... import kernels
 from ....compile_state import tensor_version
 from ....kernels import onednn
-from ....kernels.avx2 import direct, fbgemm_ops
+from ....kernels.avx2 import _scratch, direct, fbgemm_ops
 from ....qscheme import QDtype, quint8
 from ....qtensor import QTensor
 from .per_token import (_BLOCK, U7, _LEVELS, _one_row_grid, _row_grids, _weight_row_sums, dynamic_linear, per_token_linear,
@@ -59,6 +59,7 @@ __all__ = ["ACTIVATIONS", "ao_qparams", "ao_codes", "per_tensor_7bit", "per_toke
 ACTIVATIONS = ("per_token", "per_token_7bit", "per_tensor_7bit")
 _F32 = np.float32
 _SMALL_SCALE = _F32(6.1e-5)  # fbgemm's SMALL_SCALE_THRESHOLD (a float)
+_SCRATCH_MAX = 1 << 24  # floats (64 MiB) up to which per_token_7bit's u lives in the thread's kept scratch buffer
 
 
 def ao_qparams(x: torch.Tensor) -> tuple[float, int]:
@@ -170,13 +171,28 @@ def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
             y = _fbgemm_float(u, cache, weight_int8, w_scale).add_(_weight_row_sums(weight, cache), alpha=neg_zp)
             y = y.mul_(torch.scalar_tensor(s))  # s_x (Σ q ŵ - z_x Σ ŵ)
             return y if bias is None else y.add_(bias)
-    grids = _row_grids(xf, _LEVELS[127]) if fast else None
+    grids = _row_grids(xf, _LEVELS[127], blocked=True) if fast else None
     if grids is None:  # generic: pinned backend, other device/engine, affine weights, or a non-finite row
         return per_token_linear(quantize_per_token(xf, U7), weight, bias, cache)
     scale, neg_zp = grids
-    u = torch.mul(xf, torch.reciprocal(scale)).sub_(neg_zp).clamp_max_(127)  # fbgemm rounds: round(u) = q
-    raw = _fbgemm_float(u, cache, weight_int8, w_scale)
+    raw = _fbgemm_float(_u7(xf, scale, neg_zp), cache, weight_int8, w_scale)  # fbgemm rounds: round(u) = q
     return _row_epilogue(raw, neg_zp, _weight_row_sums(weight, cache), scale, bias)
+
+
+def _u7(xf: torch.Tensor, scale: torch.Tensor, neg_zp: torch.Tensor) -> torch.Tensor:
+    """``u = min(x · float32(1/s_x) - (-z_x), 127)`` (``(M, K)`` float32, the same three float32 operations) written
+    into this thread's reused scratch buffer (``avx2._scratch``, up to ``_SCRATCH_MAX`` floats; ``u`` only feeds the
+    fbgemm call) on ``_BLOCK``-float row blocks: no fresh ``(M, K)`` allocation to page-fault per call, and the sub
+    and clamp passes read the block from cache."""
+    m, k = xf.shape
+    inv = torch.reciprocal(scale)
+    u = _scratch((m, k)) if m * k <= _SCRATCH_MAX else torch.empty(m, k)
+    rows = max(1, _BLOCK // max(1, k))
+    if rows >= m:
+        return torch.mul(xf, inv, out=u).sub_(neg_zp).clamp_max_(127)
+    for i in range(0, m, rows):
+        torch.mul(xf[i:i + rows], inv[i:i + rows], out=u[i:i + rows]).sub_(neg_zp[i:i + rows]).clamp_max_(127)
+    return u
 
 
 def _row_epilogue(raw: torch.Tensor, neg_zp: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
