@@ -208,3 +208,26 @@ def test_cli_recipe_balanced(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| ptq |" in out and (tmp_path / "o" / "model_ptq.pt").is_file()
+
+
+@pytest.mark.parametrize("conv", [nn.Conv2d(3, 5, 3, stride=2, padding=1), nn.Conv2d(4, 6, (3, 2), padding=(2, 1), dilation=2),
+                                  nn.Conv2d(4, 6, 1), nn.Conv2d(6, 6, 5, stride=2, padding=2, groups=6),
+                                  nn.Conv2d(5, 5, 3, groups=5)])
+def test_patches_are_unfold_bit_for_bit(conv):
+    """``_patches`` writes the patches tap by tap into a reused buffer: the same float64 values and layout as
+    ``F.unfold`` (dense: positions x features; depthwise: channels x taps x positions), so the moments' products
+    see the same operands; a smaller chunk after a larger one reuses the buffer."""
+    from lowbit.algorithms.quadratic import _patches
+
+    buf = [torch.empty(0, dtype=torch.float64)]
+    for n in (3, 2):
+        x = torch.randn(n, conv.in_channels, 11, 10)
+        u = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride).double()  # (N, C*k, L)
+        if conv.groups == 1:
+            want = u.transpose(1, 2).reshape(-1, u.shape[1])
+        else:
+            want = u.view(n, conv.in_channels, -1, u.shape[-1]).permute(1, 2, 0, 3).reshape(conv.in_channels, -1,
+                                                                                            n * u.shape[-1])
+        got = _patches(conv, x, buf)
+        assert got.shape == want.shape and got.is_contiguous()
+        assert torch.equal(got, want)

@@ -62,14 +62,31 @@ def supports(op: nn.Module) -> bool:
     return op.groups == 1 or (op.groups == op.in_channels == op.out_channels)
 
 
-def _patches(op: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Dense: ``(positions, in_features)``. Depthwise: ``(N, C, taps, positions)``."""
+def _patches(op: nn.Module, x: torch.Tensor, buf: list[torch.Tensor]) -> torch.Tensor:
+    """float64 patches: dense ``(positions, in_features)`` (``F.unfold``'s columns as rows), depthwise
+    ``(C, taps, N * positions)``, written tap by tap from strided views of ``x`` into ``buf[0]`` (a flat float64
+    buffer, grown when too small and reused across chunks: a fresh tensor this size per chunk costs more in page
+    faults than the copy itself). The same values, in the same layout, as ``F.unfold`` and a transposed copy."""
     if isinstance(op, nn.Linear):
-        return x.reshape(-1, x.shape[-1])
-    u = F.unfold(x, op.kernel_size, op.dilation, op.padding, op.stride)  # (N, C*taps, L)
-    if op.groups == 1:
-        return u.transpose(1, 2).reshape(-1, u.shape[1])
-    return u.view(x.shape[0], op.in_channels, -1, u.shape[-1])
+        return x.reshape(-1, x.shape[-1]).double()
+    (kh, kw), (dh, dwl), (sh, sw) = op.kernel_size, op.dilation, op.stride
+    if any(op.padding):
+        x = F.pad(x, (op.padding[1], op.padding[1], op.padding[0], op.padding[0]))
+    n, c, h, w_ = x.shape
+    ho, wo = (h - dh * (kh - 1) - 1) // sh + 1, (w_ - dwl * (kw - 1) - 1) // sw + 1
+    shape = (n, ho, wo, c, kh, kw) if op.groups == 1 else (c, kh, kw, n, ho, wo)
+    size = n * ho * wo * c * kh * kw
+    if buf[0].numel() < size:
+        buf[0] = torch.empty(size, dtype=torch.float64)
+    u = buf[0][:size].view(shape)
+    for i in range(kh):
+        for j in range(kw):
+            tap = x[:, :, i * dh: i * dh + sh * (ho - 1) + 1: sh, j * dwl: j * dwl + sw * (wo - 1) + 1: sw]
+            if op.groups == 1:
+                u[:, :, :, :, i, j].copy_(tap.permute(0, 2, 3, 1))
+            else:
+                u[:, i, j].copy_(tap.transpose(0, 1))
+    return u.view(n * ho * wo, c * kh * kw) if op.groups == 1 else u.view(c, kh * kw, n * ho * wo)
 
 
 def _moments(op: nn.Module, act_range: tuple[float, float] | None, xq: list[torch.Tensor], xf: list[torch.Tensor],
@@ -78,12 +95,11 @@ def _moments(op: nn.Module, act_range: tuple[float, float] | None, xq: list[torc
     dw = isinstance(op, nn.Conv2d) and op.groups > 1
     a = aqf = sq = sf = cnt = None
     tq = tf = tn = None  # depthwise: the all-position sums and count (the bias correction's mean), for "exact"
+    bq, bf = [torch.empty(0, dtype=torch.float64)], [torch.empty(0, dtype=torch.float64)]
     for x_q, x_f in zip(xq, xf):
         for lo in range(0, x_q.shape[0], _CHUNK):
-            uq = _patches(op, x_q[lo: lo + _CHUNK]).double()
-            uf = _patches(op, x_f[lo: lo + _CHUNK]).double()
+            uq, uf = _patches(op, x_q[lo: lo + _CHUNK], bq), _patches(op, x_f[lo: lo + _CHUNK], bf)
             if dw:  # (C, k, N*L): one batched matmul per moment
-                uq, uf = (u.permute(1, 2, 0, 3).reshape(u.shape[1], u.shape[2], -1) for u in (uq, uf))
                 alls = (uq.sum(2), uf.sum(2), float(uq.shape[2]))
                 tq, tf, tn = alls if tq is None else (tq + alls[0], tf + alls[1], tn + alls[2])
                 if act_range is not None:  # the float pre-activation inside the activation's range
@@ -91,7 +107,7 @@ def _moments(op: nn.Module, act_range: tuple[float, float] | None, xq: list[torc
                     if bias is not None:
                         pre = pre + bias.detach().double().view(-1, 1, 1)
                     m = ((pre > act_range[0]) & (pre < act_range[1])).double()
-                    uq, uf = uq * m, uf * m
+                    uq, uf = uq.mul_(m), uf.mul_(m)
                     n = m.sum((1, 2))
                 else:
                     n = torch.full((uq.shape[0],), float(uq.shape[2]), dtype=torch.float64)
