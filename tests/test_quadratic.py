@@ -231,3 +231,54 @@ def test_patches_are_unfold_bit_for_bit(conv):
         got = _patches(conv, x, buf)
         assert got.shape == want.shape and got.is_contiguous()
         assert torch.equal(got, want)
+
+
+def _column_loop(q: torch.Tensor, down: torch.Tensor, up: torch.Tensor, s: torch.Tensor, a: torch.Tensor,
+                 r: torch.Tensor, sweeps: int) -> None:
+    """The plain coordinate descent ``_descend`` reformulates: every column of every sweep, one Python step each."""
+    dw = a.dim() == 3
+    diag = torch.diagonal(a, dim1=-2, dim2=-1)
+    for _ in range(sweeps):
+        moved = 0
+        for i in range(q.shape[1]):
+            alt = torch.where(q[:, i] == down[:, i], up[:, i], down[:, i])
+            d = (alt - q[:, i]) * s
+            gain = d * d * (diag[:, i] if dw else diag[i]) + 2 * d * r[:, i]
+            take = gain < -1e-12 * (1 + r[:, i].abs() * d.abs())
+            if not bool(take.any()):
+                continue
+            rows_ = take.nonzero().squeeze(1)
+            q[rows_, i] = alt[rows_]
+            r[rows_] += d[rows_].unsqueeze(1) * (a[rows_, :, i] if dw else a[i].unsqueeze(0))
+            moved += int(rows_.numel())
+        if not moved:
+            break
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000), kind=st.sampled_from(["linear", "conv", "depthwise"]), bits=st.sampled_from([2, 3, 4, 8]),
+       block=st.sampled_from([1, 3, 64]))
+def test_descent_is_the_column_loop_bit_for_bit(seed, kind, bits, block):
+    """``_descend`` (constant steps, ``index_add_``, blocks of kept take masks) gives the plain column loop's codes
+    exactly, clamped entries (``down == up``) and rows that stop moving early included."""
+    from lowbit.algorithms.quadratic import _descend, _moments
+
+    torch.manual_seed(seed)
+    op, x = {"linear": (nn.Linear(48, 20), torch.randn(40, 48) @ torch.randn(48, 48)),
+             "conv": (nn.Conv2d(6, 8, 3, padding=1), torch.randn(3, 6, 8, 8)),
+             "depthwise": (nn.Conv2d(6, 6, 5, padding=2, groups=6), torch.rand(3, 6, 9, 9) * 6)}[kind]
+    w = op.weight.detach()
+    s, z, lo, hi = _grid(w, bits)
+    rows = w.shape[0]
+    wd, sc = w.double().reshape(rows, -1), s.double().reshape(rows, 1)
+    a, b = _moments(op, (0.0, 6.0) if kind == "depthwise" else None, [x + 0.1 * torch.randn_like(x)], [x], wd,
+                    op.bias, "exact")
+    ws = (w / s).reshape(rows, -1).double()
+    q0 = torch.clamp(torch.round(ws), lo, hi)
+    down, up = torch.clamp(torch.floor(ws), lo, hi), torch.clamp(torch.floor(ws) + 1, lo, hi)
+    r0 = (torch.einsum("ckj,cj->ck", a, q0 * sc) if a.dim() == 3 else (q0 * sc) @ a) - b
+    want, got, r1, r2 = q0.clone(), q0.clone(), r0.clone(), r0.clone()
+    _column_loop(want, down, up, sc[:, 0], a, r1, 20)
+    _descend(got, down, up, sc[:, 0], a, r2, 20, block=block)
+    assert torch.equal(got, want)
+    assert torch.equal(r1, r2)

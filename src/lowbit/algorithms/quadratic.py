@@ -139,6 +139,76 @@ def _moments(op: nn.Module, act_range: tuple[float, float] | None, xq: list[torc
     return a, b
 
 
+def _takes(r: torch.Tensor, d: torch.Tensor, c2: torch.Tensor, dpos: torch.Tensor) -> torch.Tensor:
+    """Whether flipping lowers ``E``: ``ΔE = d² A_ii + 2 d r_i < -1e-12 (1 + |r_i d|)`` (``c2 = d² A_ii``,
+    ``dpos = |d|``). Elementwise, so a block of entries gives the same bits as one column at a time."""
+    return c2 + 2 * d * r < -1e-12 * (1 + r.abs() * dpos)
+
+
+def _descend(q: torch.Tensor, down: torch.Tensor, up: torch.Tensor, s: torch.Tensor, a: torch.Tensor,
+             r: torch.Tensor, sweeps: int, block: int = 64) -> None:
+    """Coordinate descent (module doc) in place on the codes ``q`` (rows x columns, each ``down`` or ``up``) and
+    ``r = A ŵ - A_qf w``: columns in order, each flipping every row whose flip lowers ``E``, until a sweep moves
+    nothing or ``sweeps`` ran.
+
+    Exact reformulations of that loop, the same codes bit for bit: a flip's step is ``±dpos``, ``dpos = (up -
+    down) s``, and ``d² A_ii`` a constant per entry; ``r`` is updated by ``index_add_`` of the same products.
+    A column's decision reads only its rows' step and ``r``, which change only where the row flips, so when few
+    columns take a flip (the previous sweep visited at most half) each block of columns keeps its take mask,
+    recomputed for the rows that moved, and the sweep jumps straight to the next column with a take: no
+    Python step for a column where nothing moves."""
+    dw = a.dim() == 3
+    n = q.shape[1]
+    diag = torch.diagonal(a, dim1=-2, dim2=-1)  # (C, k) or (n,)
+    dpos = (up - down) * s.unsqueeze(1)  # (alt - q) s is ±dpos
+    c2 = dpos * dpos * (diag if dw else diag.unsqueeze(0))  # the same bits as (d d) A_ii
+    # the step each entry's flip takes now (+dpos at down); column-major: a column's entries contiguous
+    dT = torch.where(q == down, dpos, -dpos).T.contiguous()
+    c2T, pT = c2.T.contiguous(), dpos.T.contiguous()
+
+    def flip(i: int, rows_: torch.Tensor) -> int:
+        step = dT[i, rows_]
+        dT[i, rows_] = -step
+        r.index_add_(0, rows_, step.unsqueeze(1) * (a[rows_, :, i] if dw else a[i].unsqueeze(0)))
+        return int(rows_.numel())
+
+    visited = n
+    for _ in range(sweeps):
+        moved = 0
+        if 2 * visited > n:  # most columns take a flip: visit each
+            visited = 0
+            for i in range(n):
+                take = _takes(r[:, i], dT[i], c2T[i], pT[i])
+                if bool(take.any()):
+                    visited += 1
+                    moved += flip(i, take.nonzero().squeeze(1))
+        else:
+            visited = 0
+            for b0 in range(0, n, block):
+                b1 = min(n, b0 + block)
+                take = _takes(r[:, b0:b1], dT[b0:b1].T, c2T[b0:b1].T, pT[b0:b1].T)  # (rows, block)
+                count = take.sum(0)  # rows taking, per column
+                i = b0
+                while True:
+                    nz = torch.nonzero(count[i - b0:])
+                    if nz.numel() == 0:
+                        break
+                    i += int(nz[0, 0])
+                    rows_ = take[:, i - b0].nonzero().squeeze(1)
+                    visited += 1
+                    moved += flip(i, rows_)
+                    i += 1
+                    if i >= b1:
+                        break
+                    old = take[rows_, i - b0:]  # only the moved rows' later columns can change their decision
+                    new = _takes(r[rows_, i:b1], dT[i:b1, rows_].T, c2T[i:b1, rows_].T, pT[i:b1, rows_].T)
+                    take[rows_, i - b0:] = new
+                    count[i - b0:] += new.sum(0) - old.sum(0)
+        if not moved:
+            break
+    q.copy_(torch.where(dT.T == dpos, down, up))
+
+
 def quadratic_codes(op: nn.Module, weight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin: int, qmax: int,
                     xq: list[torch.Tensor], xf: list[torch.Tensor], act_range: tuple[float, float] | None = None,
                     bias: torch.Tensor | None = None, center: bool | str = "exact", sweeps: int = 20) -> torch.Tensor:
@@ -167,20 +237,5 @@ def quadratic_codes(op: nn.Module, weight: torch.Tensor, s: torch.Tensor, z: tor
         down, up = torch.clamp(floor + zc, qmin, qmax), torch.clamp(floor + 1 + zc, qmin, qmax)
         dw = a.dim() == 3
         r = (torch.einsum("ckj,cj->ck", a, (q - zc) * sc) if dw else ((q - zc) * sc) @ a) - b  # A ŵ - A_qf w
-        diag = torch.diagonal(a, dim1=-2, dim2=-1)  # (C, k) or (n,)
-        for _ in range(sweeps):
-            moved = 0
-            for i in range(w.shape[1]):
-                alt = torch.where(q[:, i] == down[:, i], up[:, i], down[:, i])
-                d = (alt - q[:, i]) * sc[:, 0]
-                gain = d * d * (diag[:, i] if dw else diag[i]) + 2 * d * r[:, i]
-                take = gain < -1e-12 * (1 + r[:, i].abs() * d.abs())
-                if not bool(take.any()):
-                    continue
-                rows_ = take.nonzero().squeeze(1)  # update only the rows that moved (few after the first sweep)
-                q[rows_, i] = alt[rows_]
-                r[rows_] += d[rows_].unsqueeze(1) * (a[rows_, :, i] if dw else a[i].unsqueeze(0))
-                moved += int(rows_.numel())
-            if not moved:
-                break
+        _descend(q, down, up, sc[:, 0], a, r, sweeps)
     return q.reshape(weight.shape).to(torch.float32)
