@@ -110,6 +110,33 @@ def test_per_token_7bit_fast_path_has_the_reference_codes(m: int) -> None:
     assert torch.allclose(ref, expect, rtol=1e-5, atol=1e-5)
 
 
+def test_per_token_7bit_row_blocks_are_the_whole_tensor_passes() -> None:
+    # 1500×384 is three 1 MiB row blocks (682 rows each, the last partial): the blocked row min/max and u must be the
+    # whole-tensor operations bit for bit, and the layer (u in the thread's kept scratch) must not alias its output
+    from lowbit.nn.quantized.dynamic.per_token import _LEVELS, _row_grids
+
+    torch.manual_seed(0)
+    x = torch.randn(1500, 384) * torch.rand(1500, 1) * 4 + torch.randn(1500, 1)
+    x[0] = 0.0
+    x[700] = 2.5  # a constant row in the second block
+    (s, nz), (s_b, nz_b) = _row_grids(x, _LEVELS[127]), _row_grids(x, _LEVELS[127], blocked=True)
+    assert torch.equal(s, s_b) and torch.equal(nz, nz_b)
+    u = reduced._u7(x, s, nz)
+    assert torch.equal(u, torch.mul(x, torch.reciprocal(s)).sub_(nz).clamp_max_(127))
+    lin = nn.Linear(384, 40)
+    lin.qconfig = Q.get_dynamic_qconfig(reduce_range=True)
+    q = DLinear.from_float(lin)
+    y = q(x)
+    y_other = q(torch.randn(900, 384))  # another call through the same scratch
+    assert torch.equal(q(x), y) and y_other.shape == (900, 40)
+    with kernels.use_backend("reference"):
+        ref = q(x)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+    x[1499, 7] = float("nan")  # a non-finite row in the last block: the generic path, NaN in that row only
+    y_nan = q(x)
+    assert bool(y_nan[1499].isnan().all()) and torch.allclose(y_nan[:1499], ref[:1499], rtol=1e-5, atol=1e-5)
+
+
 def test_quantize_per_token_7bit_matches_calculate_qparams_and_quantize() -> None:
     x = torch.randn(20, 33) * torch.logspace(-3, 2, 20)[:, None]
     x[3] = 0.0
