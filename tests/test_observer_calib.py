@@ -195,6 +195,42 @@ def test_state_dict_round_trip_per_channel(cls):
     assert torch.equal(fresh.calculate_qparams()[0], obs.calculate_qparams()[0])
 
 
+@pytest.mark.parametrize("cls", CALIB)
+def test_remembered_qparams_follow_every_change_of_state(cls):
+    """``clip_range`` remembers its answer for the observer's exact state (the rounding passes ask many times):
+    every change of the statistics or of a setting gives what a fresh observer of that state gives."""
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 300, generator=g) * (1 + 3 * i) for i in range(3)]
+
+    def fresh(*batches, **kw):
+        o = cls(**PER_CHANNEL, **kw)
+        for x in batches:
+            o(x)
+        return o.calculate_qparams()
+
+    obs = cls(**PER_CHANNEL)
+    obs(xs[0])
+    first = obs.calculate_qparams()
+    first[0].mul_(2)  # the caller owns what it gets back
+    assert all(torch.equal(a, b) for a, b in zip(obs.calculate_qparams(), fresh(xs[0])))
+    obs(xs[1])  # more data: recomputed
+    assert all(torch.equal(a, b) for a, b in zip(obs.calculate_qparams(), fresh(xs[0], xs[1])))
+    obs.load_state_dict(_observer_of(cls, xs[2]).state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(obs.calculate_qparams(), fresh(xs[2])))
+    obs.reset_min_max_vals()
+    obs(xs[0])
+    assert all(torch.equal(a, b) for a, b in zip(obs.calculate_qparams(), fresh(xs[0])))
+    if cls is Q.PercentileObserver:  # a setting changed after the first answer
+        obs.percentile = 90.0
+        assert all(torch.equal(a, b) for a, b in zip(obs.calculate_qparams(), fresh(xs[0], percentile=90.0)))
+
+
+def _observer_of(cls, x):
+    o = cls(**PER_CHANNEL)
+    o(x)
+    return o
+
+
 # ---------------------------------------------------------------- bad input
 
 

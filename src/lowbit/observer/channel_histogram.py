@@ -28,6 +28,7 @@ tensor([[4., 0.]], dtype=torch.float64)
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 
@@ -223,6 +224,10 @@ class _ClipRangeObserver(ObserverBase):
         if not self.is_calibrated:
             missing = (~torch.isfinite(self.min_val)).nonzero().flatten().tolist()
             raise RuntimeError(f"{name}: channels {missing} never held a finite value; cannot compute qparams")
+        key = self._state_key()
+        cached = self.__dict__.get("_clip_cache")
+        if key is not None and cached is not None and _same_state(cached[0], key):
+            return cached[1].clone(), cached[2].clone()
         rows = self.min_val.numel()
         lo, hi = self.min_val.reshape(rows).double(), self.max_val.reshape(rows).double()
         hist = self.histogram.reshape(rows, self.bins).double()
@@ -230,7 +235,23 @@ class _ClipRangeObserver(ObserverBase):
         cmin = torch.minimum(torch.maximum(cmin, lo), hi)
         cmax = torch.maximum(torch.minimum(cmax, hi), cmin)
         shape = self.min_val.shape
-        return cmin.to(torch.float32).reshape(shape), cmax.to(torch.float32).reshape(shape)
+        cmin, cmax = cmin.to(torch.float32).reshape(shape), cmax.to(torch.float32).reshape(shape)
+        # the search is the costly part (MSE: a 24 x 24 grid on 2048 bins) and the rounding passes ask again and
+        # again for the same observer's qparams: remember the answer for exactly this state
+        if key is not None:
+            self.__dict__["_clip_cache"] = (key, cmin, cmax)
+        return cmin.clone(), cmax.clone()
+
+    def _state_key(self) -> tuple[Any, ...] | None:
+        """What ``clip_range`` depends on: the statistics buffers themselves (held, so never another tensor at the
+        same address) with their in-place version counters, and every plain setting (``bins``, ``percentile``...);
+        ``None`` (no caching) for inference tensors, which keep no version counter."""
+        if any(t.is_inference() for t in (self.min_val, self.max_val, self.histogram)):
+            return None
+        bufs = tuple((t, t._version) for t in (self.min_val, self.max_val, self.histogram))
+        plain = tuple(sorted((k, v) for k, v in vars(self).items()
+                             if isinstance(v, (bool, int, float, str)) and k != "_needs_sync"))
+        return bufs, plain, self.qscheme, self.qdtype, self.eps, self.ch_axis
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scale, zero_point)`` (float32 / int64, ``()`` or ``(C,)``) of ``clip_range()``."""
@@ -239,6 +260,11 @@ class _ClipRangeObserver(ObserverBase):
 
     def extra_repr(self) -> str:
         return f"bins={self.bins}, {super().extra_repr()}"
+
+
+def _same_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Two ``_state_key``s: the same buffer objects at the same versions, the same settings."""
+    return all(x is y and u == v for (x, u), (y, v) in zip(a[0], b[0])) and a[1:] == b[1:]
 
 
 def bin_edges(lo: torch.Tensor, hi: torch.Tensor, bins: int) -> torch.Tensor:
