@@ -1,0 +1,180 @@
+"""Output-aware activation grids: step sizes chosen on the model's output error, not on the tensor's.
+
+A calibrated per-tensor observer (``MSEObserver``: the range of least squared error of *its own* tensor)
+weighs every element alike. What the model keeps is the output: for a grid ``k`` with step ``s`` and zero
+point ``z``, the error that matters is::
+
+    E_k(s) = || f_k(x; Q_{s,z}) - f(x) ||^2
+
+where ``f`` is the float prepared model (every observer the identity) on the calibration inputs ``x`` and
+``f_k(.; Q)`` the same model run as the int8 model runs its activations (every calibrated per-tensor grid
+quantizing: ``(clamp(round(v / s + z), qmin, qmax) - z) s``, the int8 model's rounding; weights float) with
+grid ``k`` at step ``s``. ``refine_grids`` first ranks the grids by the output error each causes alone at
+its calibrated step on a few samples (``rank_samples``), then, in graph order, for each of the ``top``
+costliest tries ``s = m s_0`` for every multiplier ``m`` in ``mults`` (at most 1: a clamped layer's grid
+stays inside its clamp; the zero point stays) on the first calibration batch, with every other grid
+quantizing (those already searched at their new step), and keeps the ``m`` of least error. A changed grid
+replaces its observer by a ``FixedQParamsObserver`` (what the rounding pass and ``convert_fx`` read). Only
+the nodes downstream of grid ``k`` are recomputed per candidate (upstream values are cached), so late
+grids are cheap. The search is greedy and sees the weights float: chosen alone (every other grid float)
+MobileNetV2's late-stream grids went down to ``m = 0.4`` and the int8 model lost 2.6 dB
+(``docs/design.md``).
+
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> _ = torch.manual_seed(0)
+>>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+>>> batches = [(torch.randn(64, 8),)]
+>>> p = Q.prepare_fx(model, Q.QConfigMapping().set_global(Q.get_accurate_qconfig()), example_inputs=batches[0])
+>>> _ = p(*batches[0])
+>>> changes = refine_grids(p, batches, top=2, progress=False)
+>>> len(changes) == 2 and all(c.error_after <= c.error_before for c in changes)
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..fake_quant import FakeQuantize
+from ..functional import fake_quantize
+from ..observer import ObserverBase
+from ..observer.fixed import FixedQParamsObserver
+
+__all__ = ["GridChange", "refine_grids"]
+
+MULTS = (0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
+
+
+@dataclass
+class GridChange:
+    """One searched grid: the observer's name, what it quantizes, the step before/after and the model's output
+    error ``E_k`` (sum of squares over the search batch) with each."""
+
+    name: str
+    source: str
+    scale_before: float
+    scale_after: float
+    error_before: float
+    error_after: float
+
+
+def _eligible(node: fx.Node, mods: dict[str, nn.Module]) -> bool:
+    obs = mods.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
+    if not isinstance(obs, ObserverBase) or isinstance(obs, FakeQuantize) or getattr(obs, "is_dynamic", False) \
+            or not getattr(obs, "is_calibrated", True) or not hasattr(obs, "quant_min") or len(node.args) != 1:
+        return False
+    return obs.calculate_qparams()[0].numel() == 1
+
+
+def _is_obs(node: fx.Node, mods: dict[str, nn.Module]) -> bool:
+    return node.op == "call_module" and isinstance(mods.get(node.target), (ObserverBase, FakeQuantize))  # type: ignore[arg-type]
+
+
+class _Runner:
+    """The prepared graph run in float (every observer the identity) with all values cached, and reruns of the
+    nodes downstream of one node whose value is replaced."""
+
+    def __init__(self, gm: fx.GraphModule, mods: dict[str, nn.Module], inputs: tuple[Any, ...]) -> None:
+        self.gm, self.mods, self.nodes = gm, mods, list(gm.graph.nodes)
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        self.env: dict[fx.Node, Any] = {}
+        ph = iter(inputs)
+        for n in self.nodes:
+            if n.op == "placeholder":
+                self.env[n] = next(ph, n.args[0] if n.args else None)
+            elif n.op == "output":
+                self.out = n.args[0]
+            else:
+                self.env[n] = self._compute(n, self.env.__getitem__)
+        self.ref = self._outputs(self.env.__getitem__)
+
+    def _compute(self, n: fx.Node, get: Any) -> Any:
+        if _is_obs(n, self.mods):
+            return get(n.args[0])
+        if n.op == "get_attr":
+            val: Any = self.gm
+            for part in str(n.target).split("."):
+                val = getattr(val, part)
+            return val
+        args, kwargs = fx.node.map_arg(n.args, get), fx.node.map_arg(n.kwargs, get)
+        if n.op == "call_module":
+            return self.mods[n.target](*args, **kwargs)  # type: ignore[index]
+        if n.op == "call_function":
+            return n.target(*args, **kwargs)  # type: ignore[operator]
+        return getattr(args[0], n.target)(*args[1:], **kwargs)  # type: ignore[arg-type]
+
+    def _outputs(self, get: Any) -> list[torch.Tensor]:
+        flat: list[torch.Tensor] = []
+        fx.node.map_arg(self.out, lambda n: flat.append(get(n)) or n)
+        return [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+    def error(self, node: fx.Node, value: torch.Tensor) -> float:
+        """Output error (sum of squares) with ``node``'s value replaced and everything downstream recomputed."""
+        new: dict[fx.Node, Any] = {node: value}
+        get = lambda m: new[m] if m in new else self.env[m]  # noqa: E731
+        for n in self.nodes[self.index[node] + 1:]:
+            if n.op == "output":
+                break
+            if any(a in new for a in n.all_input_nodes):
+                new[n] = self._compute(n, get)
+        return sum(float((o.double() - r.double()).pow(2).sum()) for o, r in zip(self._outputs(get), self.ref))
+
+
+def _fq(x: torch.Tensor, s: float, z: int, qmin: int, qmax: int) -> torch.Tensor:
+    return fake_quantize(x, torch.tensor([s]), torch.tensor([float(z)]), qmin, qmax, None, float_zero_point=True)
+
+
+def refine_grids(gm: fx.GraphModule, batches: Iterable[Any], *, top: int = 8, mults: Sequence[float] = MULTS,
+                 rank_samples: int = 4, progress: bool = True) -> list[GridChange]:
+    """Search the step of the ``top`` activation grids of a calibrated graph-mode ``gm`` with the most output
+    error on the model's output error (module docstring); return one ``GridChange`` per searched grid, in graph
+    order. Changed grids replace their observers (``FixedQParamsObserver``) in place."""
+    from tqdm.auto import tqdm
+
+    if not isinstance(gm, fx.GraphModule):
+        raise TypeError(f"refine_grids: needs a graph-mode prepared model (prepare_fx), got {type(gm).__name__}")
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise ValueError(f"refine_grids: top={top!r} must be an int >= 0")
+    if not mults or any(not 0 < m <= 1 for m in mults):
+        raise ValueError(f"refine_grids: mults={tuple(mults)!r} must be multipliers in (0, 1]")
+    first = next(iter(batches), None)
+    if first is None:
+        raise ValueError("refine_grids: batches is empty; pass the calibration batches")
+    first = first if isinstance(first, tuple) else (first,)
+    mods = dict(gm.named_modules())
+    grids = [n for n in gm.graph.nodes if _eligible(n, mods)]
+    if not grids or top == 0:
+        return []
+    qp = {n: mods[n.target].calculate_qparams() for n in grids}  # type: ignore[index]
+    qp = {n: (float(s), int(z)) for n, (s, z) in qp.items()}
+    few = tuple(t[:rank_samples] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in first)
+    with torch.no_grad():
+        runner = _Runner(gm, mods, few)
+        cost = {}
+        for n in tqdm(grids, desc="rank grids", disable=not progress):
+            o = mods[n.target]  # type: ignore[index]
+            cost[n] = runner.error(n, _fq(runner.env[n], *qp[n], o.quant_min, o.quant_max))
+        chosen = sorted(sorted(grids, key=lambda n: -cost[n])[:top], key=lambda n: runner.index[n])
+        runner = _Runner(gm, mods, first)
+        changes = []
+        for n in tqdm(chosen, desc="search grids", disable=not progress):
+            o = mods[n.target]  # type: ignore[index]
+            s0, z = qp[n]
+            x = runner.env[n]
+            errs = {m: runner.error(n, _fq(x, s0 * m, z, o.quant_min, o.quant_max)) for m in (1.0, *mults)}
+            best = min(errs, key=lambda m: (errs[m], abs(1 - m)))
+            src = n.args[0]
+            changes.append(GridChange(str(n.target), src.name if isinstance(src, fx.Node) else str(src), s0, s0 * best,
+                                      errs[1.0], errs[best]))
+            if best != 1.0:
+                new = FixedQParamsObserver(s0 * best, z, o.qscheme, o.qdtype)
+                parent, _, attr = str(n.target).rpartition(".")
+                setattr(gm.get_submodule(parent) if parent else gm, attr, new)
+                mods[n.target] = new  # type: ignore[index]
+    return changes

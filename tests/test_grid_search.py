@@ -1,0 +1,113 @@
+"""``algorithms.grid_search.refine_grids``: activation steps searched on the model's output error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit as Q
+from lowbit.algorithms.grid_search import refine_grids
+from lowbit.functional import fake_quantize
+from lowbit.observer.fixed import FixedQParamsObserver
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = torch.relu(self.a(x))
+        y = y + self.b(y)
+        return self.fc(y.mean((2, 3)))
+
+
+def _prepared(seed: int = 0):
+    torch.manual_seed(seed)
+    model = Net().eval()
+    with torch.no_grad():
+        # one channel of large values that nothing downstream reads: the tensor's MSE range serves it, the output
+        # wants the other channels' resolution
+        model.a.weight[0] *= 8
+        model.b.weight[:, 0] = 0
+        model.b.weight[0] = 0
+        model.fc.weight[:, 0] = 0
+    x = torch.randn(16, 3, 8, 8)
+    p = Q.prepare_fx(model, Q.QConfigMapping().set_global(Q.get_accurate_qconfig()), example_inputs=(x,))
+    with torch.no_grad():
+        p(x)
+    return model, p, x
+
+
+def _output_error(p, x, name: str, scale: float, zero_point: int) -> float:
+    """The oracle: the whole prepared model run with only observer ``name`` fake-quantizing, against float."""
+    mods = dict(p.named_modules())
+    obs = [m for m in mods.values() if isinstance(m, Q.ObserverBase)]
+    target = mods[name]
+    try:
+        for m in obs:
+            m.forward = (lambda v, m=m: fake_quantize(v, torch.tensor([scale]), torch.tensor([float(zero_point)]),
+                                                      m.quant_min, m.quant_max, None, float_zero_point=True)) \
+                if m is target else (lambda v: v)
+        with torch.no_grad():
+            out = p(x)
+        for m in obs:
+            m.forward = lambda v: v
+        with torch.no_grad():
+            ref = p(x)
+    finally:
+        for m in obs:
+            m.__dict__.pop("forward", None)
+    return float((out.double() - ref.double()).pow(2).sum())
+
+
+def test_searched_errors_match_the_whole_model_and_the_grids_are_pinned():
+    _, p, x = _prepared()
+    qparams = {n: tuple(float(v) for v in m.calculate_qparams()) for n, m in p.named_modules()
+               if isinstance(m, Q.ObserverBase) and not isinstance(m, FixedQParamsObserver)}
+    changes = refine_grids(p, [x], top=3, progress=False)
+    assert len(changes) == 3
+    mods = dict(p.named_modules())
+    for c in changes:
+        s0, z = qparams[c.name]
+        assert c.scale_before == pytest.approx(s0)
+        # the suffix reruns agree with the whole model run with only this grid quantizing
+        assert c.error_before == pytest.approx(_output_error(p, x, c.name, s0, int(z)), rel=1e-6)
+        assert c.error_after == pytest.approx(_output_error(p, x, c.name, c.scale_after, int(z)), rel=1e-6)
+        assert c.error_after <= c.error_before
+        if c.scale_after != c.scale_before:
+            obs = mods[c.name]
+            assert isinstance(obs, FixedQParamsObserver)
+            assert float(obs.scale) == pytest.approx(c.scale_after) and int(obs.zero_point) == int(z)
+    assert any(c.scale_after < c.scale_before for c in changes)
+
+
+def test_quantize_ptq_refine_runs_the_step_and_converts():
+    model, _, x = _prepared(1)
+    calib = list(x.split(8))
+    q, report = Q.quantize_ptq(model, calib, recipe="accurate", iters=5, refine=2, progress=False)
+    assert [s for s, _ in report.steps][:4] == ["fuse", "equalize", "calibrate", "refine grids"]
+    with torch.no_grad():
+        ref, out = model(x), q(x)
+    assert 10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()) > 15
+
+
+@pytest.mark.parametrize("kw, match", [(dict(top=-1), "top=-1"), (dict(top=True), "top=True"),
+                                       (dict(mults=(0.5, 1.5)), "1.5"), (dict(mults=()), "mults")])
+def test_bad_arguments_name_the_value(kw, match):
+    _, p, x = _prepared()
+    with pytest.raises(ValueError, match=match):
+        refine_grids(p, [x], progress=False, **kw)
+
+
+def test_bad_model_and_batches():
+    model, p, x = _prepared()
+    with pytest.raises(TypeError, match="Net"):
+        refine_grids(model, [x], progress=False)
+    with pytest.raises(ValueError, match="empty"):
+        refine_grids(p, [], progress=False)
+    with pytest.raises(ValueError, match="refine=-2"):
+        Q.quantize_ptq(model, [x], recipe="accurate", refine=-2, progress=False)
