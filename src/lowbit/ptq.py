@@ -18,7 +18,9 @@ the real int8 kernels and a ``PTQReport`` saying what every step changed. Recipe
                  ``lowbit.algorithms.quadratic`` (codes minimising the layer's output error on all the
                  calibration data, no AdaRound) → correct bias → convert: minutes where ``"accurate"``
                  takes tens of minutes. EfficientNet-Lite0 (48 / 96 crops, ``tests/test_realdata_imagenet.py``):
-                 0.948 / 24.19 dB at 1 and at 2 threads; the 8-bit input grid alone caps these
+                 0.948 / 24.19 dB at 1 and at 2 threads, ``quantize_ptq`` 182 s at 1 thread on a 2-core AVX2
+                 EPYC at load 2-3 (435 s at load 3-4 before session 10's exact speed-ups of the quadratic
+                 search: the same codes); the 8-bit input grid alone caps these
                  fractional-pixel crops near 23.6 dB, so 30 dB is not an all-int8 figure there (``docs/design.md``).
                  The ``"accurate"``-only options (``iters``, ``blocks``, ``equalize``, ``streams``,
                  ``learn_grids``, ``rounding``, ``tune``) do not apply.
