@@ -192,14 +192,20 @@ def equalize_prepared(prepared: fx.GraphModule, calib: Iterable[Any] | None = No
     return sorted(records.values(), key=lambda r: order.get(r.first, 0))
 
 
-def _run_hooked(gm: fx.GraphModule, hooks: list[Any], calib: Iterable[Any]) -> None:
-    """Run ``calib`` through ``gm`` with its observers inert (they record nothing), then remove ``hooks``."""
+def _run_hooked(gm: fx.GraphModule, hooks: list[Any], calib: Iterable[Any],
+                stop: type[Exception] | None = None) -> None:
+    """Run ``calib`` through ``gm`` with its observers inert (they record nothing), then remove ``hooks``;
+    a hook that raises ``stop`` ends that batch's forward early."""
     obs = [m for m in gm.modules() if isinstance(m, (ObserverBase, FakeQuantize))]
     for m in obs:
         m.forward = lambda x, *a, **k: x  # type: ignore[method-assign]
     try:
         for batch in calib:
-            gm(*(batch if isinstance(batch, tuple) else (batch,)))
+            try:
+                gm(*(batch if isinstance(batch, tuple) else (batch,)))
+            except Exception as e:
+                if stop is None or not isinstance(e, stop):
+                    raise
     finally:
         for h in hooks:
             h.remove()

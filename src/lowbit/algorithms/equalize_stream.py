@@ -142,15 +142,32 @@ def _absmax(gm: fx.GraphModule, groups: list[list[nn.Module]], calib: Iterable[A
     """Per group of observers: per-channel ``max |x|`` over every tensor they see on ``calib`` (observers
     inert). Rescaling one stream leaves every other tensor as it is, up to float rounding."""
     got: list[torch.Tensor | None] = [None] * len(groups)
+    # the first batch runs whole and counts the hooked calls; later batches stop once they are all made (the
+    # rest of the model would compute nothing these statistics read: same values, a shorter pass)
+    calls = {"n": 0, "total": None}
 
     def hook(k: int, args: Any) -> None:
         x = args[0].detach()
         v = x.abs().amax(dim=[d for d in range(x.dim()) if d != 1])
         old = got[k]
         got[k] = v if old is None else torch.maximum(old, v)
+        calls["n"] += 1
+        if calls["total"] is not None and calls["n"] >= calls["total"]:
+            raise _Done
     hooks = [m.register_forward_hook(lambda _m, args, _out, k=k: hook(k, args)) for k, obs in enumerate(groups) for m in obs]
-    _run_hooked(gm, hooks, calib)
+
+    def batches() -> Any:
+        for i, batch in enumerate(calib):
+            if i == 1:
+                calls["total"] = calls["n"]
+            calls["n"] = 0
+            yield batch
+    _run_hooked(gm, hooks, batches(), stop=_Done)
     return got
+
+
+class _Done(Exception):
+    """Raised by ``_absmax``'s last hook of a batch: the rest of the forward is not needed."""
 
 
 def _spread(a: torch.Tensor) -> float:
