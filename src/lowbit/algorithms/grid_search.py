@@ -7,18 +7,17 @@ point ``z``, the error that matters is::
     E_k(s) = || f_k(x; Q_{s,z}) - f(x) ||^2
 
 where ``f`` is the float prepared model (every observer the identity) on the calibration inputs ``x`` and
-``f_k(.; Q)`` the same model run as the int8 model runs its activations (every calibrated per-tensor grid
-quantizing: ``(clamp(round(v / s + z), qmin, qmax) - z) s``, the int8 model's rounding; weights float) with
-grid ``k`` at step ``s``. ``refine_grids`` first ranks the grids by the output error each causes alone at
-its calibrated step on a few samples (``rank_samples``), then, in graph order, for each of the ``top``
-costliest tries ``s = m s_0`` for every multiplier ``m`` in ``mults`` (at most 1: a clamped layer's grid
-stays inside its clamp; the zero point stays) on the first calibration batch, with every other grid
-quantizing (those already searched at their new step), and keeps the ``m`` of least error. A changed grid
+``f_k(.; Q)`` the same float model with only grid ``k`` quantizing, as the int8 model rounds
+(``(clamp(round(v / s + z), qmin, qmax) - z) s``; weights and every other activation float), at step ``s``.
+``refine_grids`` first ranks the grids by the output error each causes alone at its calibrated step on a
+few samples (``rank_samples``), then, for each of the ``top`` costliest, tries ``s = m s_0`` for every
+multiplier ``m`` in ``mults`` (at most 1: a clamped layer's grid stays inside its clamp; the zero point
+stays) on the first calibration batch, each grid alone, and keeps the ``m`` of least error. A changed grid
 replaces its observer by a ``FixedQParamsObserver`` (what the rounding pass and ``convert_fx`` read). Only
 the nodes downstream of grid ``k`` are recomputed per candidate (upstream values are cached), so late
-grids are cheap. The search is greedy and sees the weights float: chosen alone (every other grid float)
-MobileNetV2's late-stream grids went down to ``m = 0.4`` and the int8 model lost 2.6 dB
-(``docs/design.md``).
+grids are cheap. Each grid is judged alone and with the weights float, so the choices do not add up
+exactly: with multipliers down to 0.4 MobileNetV2's late-stream grids went to 0.4-0.5 and the int8 model
+lost 2.6 dB, hence ``MULTS`` stop at 0.6 (``docs/design.md``).
 
 >>> import torch, lowbit as Q
 >>> from torch import nn
