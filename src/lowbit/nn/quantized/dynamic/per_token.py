@@ -66,7 +66,7 @@ def _row_grids(xf: torch.Tensor, levels: torch.Tensor = _C255,
     ``blocked``: the row minima and maxima on ``_BLOCK``-float row blocks (the amax reads each block from cache,
     not from memory: an input past the caches is read once instead of twice; min and max are exact either way)."""
     m = xf.shape[0]
-    rows = max(1, _BLOCK // max(1, xf.shape[1])) if blocked else m
+    rows = _block_rows(xf.shape[1]) if blocked else m
     if rows >= m:
         lo, hi = xf.amin(1, keepdim=True), xf.amax(1, keepdim=True)  # ~20x faster than aminmax(dim=1) on CPU
     else:
@@ -185,6 +185,11 @@ def _shared_grid(device: torch.device, seven: bool = False) -> tuple[torch.Tenso
 _BLOCK = 262144  # floats per row block of the epilogue (1 MiB; fastest of 64 KiB-4 MiB and unblocked, AVX2 EPYC)
 
 
+def _block_rows(cols: int) -> int:
+    """Rows of ``cols`` floats per ``_BLOCK``-float row block (at least one)."""
+    return max(1, _BLOCK // max(1, cols))
+
+
 def _epilogue(raw: torch.Tensor, c: torch.Tensor, wsum: torch.Tensor, sx: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
     """``(raw - c ⊗ wsum) · s_x + bias`` in place on ``raw`` (the kernel's fresh output); ``c``, ``sx`` ``(M, 1)``.
@@ -193,7 +198,7 @@ def _epilogue(raw: torch.Tensor, c: torch.Tensor, wsum: torch.Tensor, sx: torch.
     blocks of rows: each block stays in cache for its passes and the ``c ⊗ wsum`` temporary
     is one block, not a fresh ``(M, N)`` allocation.
     """
-    rows = max(1, _BLOCK // max(1, raw.shape[1]))
+    rows = _block_rows(raw.shape[1])
     if rows >= raw.shape[0]:
         raw.sub_(c * wsum).mul_(sx)
         return raw if bias is None else raw.add_(bias)

@@ -50,8 +50,8 @@ from ....kernels import onednn
 from ....kernels.avx2 import _scratch, direct, fbgemm_ops
 from ....qscheme import QDtype, quint8
 from ....qtensor import QTensor
-from .per_token import (_BLOCK, U7, _LEVELS, _one_row_grid, _row_grids, _weight_row_sums, dynamic_linear, per_token_linear,
-                        quantize_per_token)
+from .per_token import (U7, _LEVELS, _block_rows, _one_row_grid, _row_grids, _weight_row_sums, dynamic_linear,
+                        per_token_linear, quantize_per_token)
 
 __all__ = ["ACTIVATIONS", "ao_qparams", "ao_codes", "per_tensor_7bit", "per_token_7bit"]
 
@@ -187,7 +187,7 @@ def _u7(xf: torch.Tensor, scale: torch.Tensor, neg_zp: torch.Tensor) -> torch.Te
     m, k = xf.shape
     inv = torch.reciprocal(scale)
     u = _scratch((m, k)) if m * k <= _SCRATCH_MAX else torch.empty(m, k)
-    rows = max(1, _BLOCK // max(1, k))
+    rows = _block_rows(k)
     if rows >= m:
         return torch.mul(xf, inv, out=u).sub_(neg_zp).clamp_max_(127)
     for i in range(0, m, rows):
@@ -198,7 +198,7 @@ def _u7(xf: torch.Tensor, scale: torch.Tensor, neg_zp: torch.Tensor) -> torch.Te
 def _row_epilogue(raw: torch.Tensor, neg_zp: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """``(raw - z_x ⊗ Σŵ) · s_x + bias`` in place (one fused multiply-add, no temporary), on L2-sized row blocks."""
-    rows = max(1, _BLOCK // max(1, raw.shape[1]))
+    rows = _block_rows(raw.shape[1])
     if raw.shape[0] <= rows:  # one block: the whole tensors (three slices less), the same operations
         raw = raw.addcmul_(neg_zp, wsum).mul_(scale)
         return raw if bias is None else raw.add_(bias)
