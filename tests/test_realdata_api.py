@@ -109,3 +109,36 @@ def test_predict_bad_arguments():
         predict(m, torch.zeros(2, 1, 28, 28, dtype=torch.uint8))
     with pytest.raises(ValueError, match="batch_size=0"):
         predict(m, torch.zeros(2, 1, 28, 28), batch_size=0)
+
+
+def test_mean_pool_matches_the_masked_mean_and_pools_empty_sentences_to_zero():
+    torch.manual_seed(0)
+    h, mask = torch.randn(3, 5, 4), torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    out = D.mean_pool(h, mask)
+    ref = h[0, :2].mean(0)
+    assert torch.allclose(out[0], ref / ref.norm())
+    assert torch.allclose(out[1], h[1].mean(0) / h[1].mean(0).norm())
+    assert torch.equal(out[2], torch.zeros(4))
+    assert torch.equal(D.mean_pool(h, mask.bool()), out) and torch.equal(D.mean_pool(h, mask.float()), out)
+
+
+@pytest.mark.parametrize("h, mask, match", [
+    (torch.ones(2, 3, 4), torch.ones(2, 4), r"\(B, T\) = \(2, 3\).*got \(2, 4\)"),
+    (torch.ones(2, 3, 4), torch.ones(3), r"got \(3,\)"),
+    (torch.ones(2, 3, 4), [[1, 1, 1]] * 2, "got list"),
+    (torch.ones(2, 3), torch.ones(2, 3), r"\(B, T, H\).*got \(2, 3\)"),
+    (torch.ones(2, 3, 4, dtype=torch.int64), torch.ones(2, 3), "floating.*torch.int64"),
+    ("h", torch.ones(2, 3), "got str"),
+    (torch.ones(2, 3, 4), torch.tensor([[1, 2, 0], [1, 1, 1]]), r"only 0 and 1, got \[2\]"),
+    (torch.ones(2, 3, 4), torch.tensor([[1.0, float("nan"), 0], [1, 1, 1]]), r"only 0 and 1, got \[nan\]"),
+])
+def test_mean_pool_bad_input_names_the_value(h, mask, match):
+    with pytest.raises(ValueError, match=match):
+        D.mean_pool(h, mask)
+
+
+def test_mean_pool_propagates_non_finite_states():
+    h = torch.ones(2, 2, 3)
+    h[0, 0, 0] = float("nan")
+    out = D.mean_pool(h, torch.ones(2, 2))
+    assert out[0].isnan().all() and torch.isfinite(out[1]).all()

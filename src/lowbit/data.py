@@ -232,9 +232,23 @@ def mean_pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     unmasked tokens' states, L2-normalised, ``normalize(Σ_t m_t h_t / max(Σ_t m_t, 1e-9))`` (sentence-transformers'
     pooling for MiniLM).
 
+    ``mask`` holds 0/1 (bool, integer or float); a sentence with no unmasked token pools to the zero vector.
+    Non-finite states propagate (NaN out), as in the float model. Anything else names the bad value.
+
     >>> mean_pool(torch.tensor([[[3.0, 4.0], [9.0, 9.0]]]), torch.tensor([[1, 0]]))
     tensor([[0.6000, 0.8000]])
     """
+    if not isinstance(h, torch.Tensor) or not h.is_floating_point() or h.dim() != 3:
+        raise ValueError(f"mean_pool: h must be a floating (B, T, H) tensor, got "
+                         f"{tuple(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__}"
+                         f"{' ' + str(h.dtype) if isinstance(h, torch.Tensor) else ''}")
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(h.shape[:2]):
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"mean_pool: mask must be a (B, T) = {tuple(h.shape[:2])} tensor for h of shape "
+                         f"{tuple(h.shape)}, got {got}")
+    if mask.is_complex() or ((mask != 0) & (mask != 1)).any():
+        bad = mask[(mask != 0) & (mask != 1)].flatten()[:3].tolist() if not mask.is_complex() else "complex"
+        raise ValueError(f"mean_pool: mask must hold only 0 and 1, got {bad}")
     m = mask.unsqueeze(-1).to(h.dtype)  # (B, T, 1)
     return torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp_min(1e-9), dim=-1)
 
