@@ -213,7 +213,7 @@ def _epilogue(raw: torch.Tensor, c: torch.Tensor, wsum: torch.Tensor, sx: torch.
 class _Plan:
     """Per-weight-version constants of the fast paths (a cache, never state)."""
 
-    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "split")
+    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "split", "token")
 
     def __init__(self, key: Any, weight: QTensor, cache: dict[str, Any]) -> None:
         w = weight.int_repr()
@@ -223,6 +223,7 @@ class _Plan:
         self.wsum = _weight_row_sums(weight, cache)
         self.packed: Any = None
         self.split: Any = None
+        self.token: Any = None  # the 7-bit recipe's fbgemm pack (reduced.per_token_7bit)
 
 
 def _plan(weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, qdtype: QDtype,
@@ -250,9 +251,9 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     ``weight_int8`` / ``w_scale`` / ``w_zero_point`` are the module's checked buffers (``(N, K)`` int8,
     ``(N,)`` float32 / int64); ``cache`` holds the per-weight plan and packed weights.
     """
-    xf = x2.detach()
+    xf = x2.detach() if x2.requires_grad else x2  # (a no-grad input needs no detached view: one op less)
     xf = xf if xf.dtype == torch.float32 else xf.float()
-    plan = _plan(weight_int8, w_scale, w_zero_point, qdtype, cache) if xf.device.type == "cpu" else None
+    plan = _plan(weight_int8, w_scale, w_zero_point, qdtype, cache) if xf.is_cpu else None
     if plan is None or kernels.get_backend() is not None:
         return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
     if not onednn.has_vnni():

@@ -50,8 +50,8 @@ from ....kernels import onednn
 from ....kernels.avx2 import _scratch, direct, fbgemm_ops
 from ....qscheme import QDtype, quint8
 from ....qtensor import QTensor
-from .per_token import (U7, _LEVELS, _block_rows, _one_row_grid, _row_grids, _weight_row_sums, dynamic_linear,
-                        per_token_linear, quantize_per_token)
+from .per_token import (U7, _LEVELS, _block_rows, _one_row_grid, _plan, _row_grids, dynamic_linear, per_token_linear,
+                        quantize_per_token)
 
 __all__ = ["ACTIVATIONS", "ao_qparams", "ao_codes", "per_tensor_7bit", "per_token_7bit"]
 
@@ -130,13 +130,17 @@ def _pack(cache: dict[str, Any], name: str, weight_int8: torch.Tensor, w_scale: 
                None if bias is None else tensor_version(bias))
     hit = cache.get(name)
     if hit is None or hit[0] != key:
-        n = weight_int8.shape[0]
-        with warnings.catch_warnings():  # torch deprecates quantized tensors; this one lives only inside the pack
-            warnings.simplefilter("ignore", UserWarning)
-            wq = torch._make_per_channel_quantized_tensor(weight_int8, w_scale.double(),
-                                                          torch.zeros(n, dtype=torch.long), 0)
-        hit = cache[name] = (key, torch.ops.quantized.linear_prepack(wq, bias), (weight_int8, w_scale, bias))
+        hit = cache[name] = (key, _prepack(weight_int8, w_scale, bias), (weight_int8, w_scale, bias))
     return hit[1]
+
+
+def _prepack(weight_int8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    """fbgemm's pack of the int8 weight with its real per-channel scales (zero points 0) and ``bias``."""
+    with warnings.catch_warnings():  # torch deprecates quantized tensors; this one lives only inside the pack
+        warnings.simplefilter("ignore", UserWarning)
+        wq = torch._make_per_channel_quantized_tensor(weight_int8, w_scale.double(),
+                                                      torch.zeros(weight_int8.shape[0], dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(wq, bias)
 
 
 def per_tensor_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
@@ -161,22 +165,40 @@ def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     """lowbit's per-token recipe on 7-bit codes (``(M, K)`` float, ``M > 0`` → ``(M, N)`` float32)."""
     xf = x2.detach() if x2.requires_grad else x2  # (a no-grad input needs no detached view: one op less)
     xf = xf if xf.dtype == torch.float32 else xf.float()
-    weight = QTensor._trusted(weight_int8, w_scale, w_zero_point, qdtype, axis=0)
-    fast = _fast(xf, w_zero_point, cache)
-    if fast and xf.shape[0] == 1:  # one token: the grid as Python floats (one reduction, two host reads)
+    plan = _token_plan(xf, weight_int8, w_scale, w_zero_point, qdtype, cache)
+    if plan is not None and xf.shape[0] == 1:  # one token: the grid as Python floats (one reduction, two host reads)
         grid = _one_row_grid(xf, 127.0)
         if grid is not None:
             s, neg_zp, inv = grid
             u = torch.mul(xf, torch.scalar_tensor(inv)).sub_(torch.scalar_tensor(neg_zp)).clamp_max_(127)
-            y = _fbgemm_float(u, cache, weight_int8, w_scale).add_(_weight_row_sums(weight, cache), alpha=neg_zp)
+            kernels.counts[_COUNT] += 1
+            y = fbgemm_ops()[0](u, 1.0, 0, plan.token).add_(plan.wsum, alpha=neg_zp)
             y = y.mul_(torch.scalar_tensor(s))  # s_x (Σ q ŵ - z_x Σ ŵ)
             return y if bias is None else y.add_(bias)
-    grids = _row_grids(xf, _LEVELS[127], blocked=True) if fast else None
+    grids = _row_grids(xf, _LEVELS[127], blocked=True) if plan is not None else None
     if grids is None:  # generic: pinned backend, other device/engine, affine weights, or a non-finite row
+        weight = QTensor._trusted(weight_int8, w_scale, w_zero_point, qdtype, axis=0)
         return per_token_linear(quantize_per_token(xf, U7), weight, bias, cache)
     scale, neg_zp = grids
-    raw = _fbgemm_float(_u7(xf, scale, neg_zp), cache, weight_int8, w_scale)  # fbgemm rounds: round(u) = q
-    return _row_epilogue(raw, neg_zp, _weight_row_sums(weight, cache), scale, bias)
+    kernels.counts[_COUNT] += 1
+    raw = fbgemm_ops()[0](_u7(xf, scale, neg_zp), 1.0, 0, plan.token)  # fbgemm rounds: round(u) = q
+    return _row_epilogue(raw, neg_zp, plan.wsum, scale, bias)
+
+
+_COUNT = ("onednn", "linear")
+
+
+def _token_plan(xf: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
+                qdtype: QDtype, cache: dict[str, Any]) -> Any:
+    """``per_token._plan`` (the per-weight-version constants, one key check per call: ``Σ ŵ``) with its fbgemm pack
+    of the real scales (no bias) as ``plan.token``, when fbgemm's ops may run this call (``_fast``'s conditions:
+    x86 CPU, torch's x86/fbgemm engine, no pinned backend, symmetric weights); else ``None``."""
+    if not (xf.is_cpu and _fbgemm() and onednn.fbgemm_engine() and kernels.get_backend() is None):
+        return None
+    plan = _plan(weight_int8, w_scale, w_zero_point, qdtype, cache)
+    if plan is not None and plan.token is None:
+        plan.token = _prepack(weight_int8, w_scale, None)  # (the plan's key covers both buffers)
+    return plan
 
 
 def _u7(xf: torch.Tensor, scale: torch.Tensor, neg_zp: torch.Tensor) -> torch.Tensor:
@@ -207,14 +229,6 @@ def _row_epilogue(raw: torch.Tensor, neg_zp: torch.Tensor, wsum: torch.Tensor, s
         if bias is not None:
             blk.add_(bias)
     return raw
-
-
-def _fbgemm_float(u: torch.Tensor, cache: dict[str, Any], weight_int8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """``s_w[n] Σ_k round(u[m, k]) q_w[n, k]`` (float32) in one fbgemm call: fbgemm quantizes ``u`` with scale 1 and
-    zero point 0 (round half to even: ``round(u)``, exact on the integer-valued range ``[0, 127]``)."""
-    packed = _pack(cache, "reduced.token", weight_int8, w_scale, None)
-    kernels.counts[("onednn", "linear")] += 1
-    return fbgemm_ops()[0](u, 1.0, 0, packed)
 
 
 @functools.lru_cache(maxsize=None)
