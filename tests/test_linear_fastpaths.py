@@ -13,6 +13,7 @@ cases use 7-bit weights (exact through the saturating AVX2 kernels too).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -253,3 +254,37 @@ def test_large_inputs_take_the_one_pass_store_with_the_same_codes(monkeypatch: p
     monkeypatch.setattr(qstore, "exact", lambda fused: False)  # the float ops (a new grid decides again)
     slow = (Quantize(0.05, 131, Q.quint8)(x).int_repr(), per_token.quantize_per_token(x).int_repr())
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(fast, slow))
+
+
+@pytest.mark.parametrize("qdtype,zero_point", [(Q.quint8.with_range(0, 127), 60), (Q.quint8.with_range(0, 127), 0),
+                                               (Q.qint8.with_range(-64, 63), -3), (Q.quint8, 131), (Q.qint8, -7)],
+                         ids=["u7", "u7-z0", "s7", "u8", "s8"])
+def test_quantize_skips_the_upper_clamp_only_where_no_value_reaches_it(qdtype: Q.QDtype, zero_point: int) -> None:
+    """``Quantize``'s eager store leaves out the upper clamp of ``v = fl(x · inv)`` when the NaN check's max ``top``
+    gives ``top · inv ≤ qmax - z``: its codes equal the float oracle ``clamp(round(fl(fl(x · inv) + z)))`` with the
+    maximum just below, on and just above the bound (float32 neighbours), at ±inf, on ties, for empty, one-element
+    and vector-plus-tail lengths, and with the scale changed in place (the grid cache follows it)."""
+    from lowbit.nn.quantized.stubs import Quantize
+
+    g = torch.Generator().manual_seed(5)
+    q = Quantize(0.0371, zero_point, qdtype)
+    for step, scale in enumerate((0.0371, 0.21, 1e-3)):
+        with torch.no_grad():
+            q.scale.fill_(scale)
+        inv = torch.tensor(scale, dtype=torch.float32).reciprocal()
+        bound = torch.tensor(float(qdtype.quant_max - zero_point), dtype=torch.float32)
+        edge = bound / inv  # the x whose product lands on or next to the bound
+        tops = [edge, torch.nextafter(edge, torch.tensor(1e30)), torch.nextafter(edge, torch.tensor(-1e30)),
+                (bound - 0.5) / inv, (bound + 0.5) / inv, torch.tensor(float("inf")), torch.tensor(-50.0) * scale]
+        for n, top in itertools.product((0, 1, 7, 8, 9, 33, 4100), tops):
+            x = (torch.rand(n, generator=g) - 0.7) * (bound / inv) * 2.2
+            if n:
+                x = torch.minimum(x, top)
+                x[n // 2] = top
+            if n > 3:
+                x[:3] = (torch.tensor([0.5, -1.5, 2.5]) - zero_point) / inv  # ties on the grid
+                x = torch.minimum(x, top)
+            want = torch.add(torch.mul(x, inv), float(zero_point)).round_().clamp_(qdtype.quant_min, qdtype.quant_max)
+            got = q(x)
+            assert torch.equal(got.int_repr(), want.to(qdtype.storage)), (step, n, float(top))
+            assert got.int_repr().max().item() <= qdtype.quant_max if n else got.shape == (0,)

@@ -175,12 +175,12 @@ def test_transposed_float_input_gives_the_contiguous_codes(monkeypatch: pytest.M
             assert torch.equal(qm(x), qm(x.contiguous())), f"{qconfig.activation} M={m}"
 
 
-@pytest.mark.parametrize("hardtanh", [True, False], ids=["hardtanh", "clamp"])
+@pytest.mark.parametrize("hardtanh", [True, False], ids=["qclamp", "clamp"])
 def test_quantize_codes_on_scale_one_go_into_fbgemm(monkeypatch: pytest.MonkeyPatch, hardtanh: bool) -> None:
     """``Quantize``'s codes stay in its quantized tensor on scale 1 (``_tu``); a fbgemm Linear takes it with a pack
     whose weight scales are float32 ``s_x · s_w``: the same codes as the generic path on the plain codes, over input
     grids (zero points 0 / 60 / 127, ties and saturation to 0 and 127), output grids, ReLU and M; the 7-bit output clamp
-    by quantized ``hardtanh_`` or, where its probe fails, by ``clamp_`` on the viewed codes."""
+    by the quantized ``clamp`` or, where its probe fails, by ``clamp_`` on the viewed codes."""
     force(monkeypatch, vnni=False, fbgemm=True)
     from lowbit.kernels import plan
     from lowbit.nn.quantized.stubs import DeQuantize, Quantize

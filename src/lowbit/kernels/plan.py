@@ -104,7 +104,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
     w_scale, w_zp = weight.scale, weight.zero_point
     packs: dict[str, Any] = {}  # made on first use: a layer that only ever sees small M never packs for oneDNN
     fused_ok = dt == torch.uint8 and not split
-    make_qt = torch._make_per_tensor_quantized_tensor
+    make_qt, qclamp = torch._make_per_tensor_quantized_tensor, torch.clamp
     # the output grid's clamp where it is narrower than the u8 storage (a 7-bit grid): fbgemm saturates at 0 / 255
     c_lo, c_hi = (qd.quant_min if qd.quant_min > 0 else None), (qd.quant_max if qd.quant_max < 255 else None)
     s_t, z_t = out.scale_t, out.zero_point_t
@@ -125,17 +125,18 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         return torch.ops.quantized.linear_prepack(wq, None if bias is None else bias.detach().float())
 
     op = avx2.fbgemm_ops()[2 if relu else 1] if fused_ok else None
-    # the 7-bit clamp as fbgemm's own in-place quantized hardtanh_ where it gives clamp's codes on this grid (all 256
-    # checked once): one op on the quantized output, whose plain codes are then made only if something reads them
+    # the 7-bit clamp as torch's quantized clamp (out of place: hardtanh_, the in-place one, is this clamp then a
+    # copy_ back) where it gives clamp's codes on this grid (all 256 checked once): one op on the quantized output,
+    # whose plain codes are then made only if something reads them
     ht = (None if not fused_ok or s_t is None or (c_lo is None and c_hi is None) or not _qclamp_exact(s_out, z_out, qd)
           else ((qd.quant_min - z_out) * s_out, (qd.quant_max - z_out) * s_out))
 
     def fbgemm_out(t: torch.Tensor, lead: Any = None) -> QTensor:
         """fbgemm's u8 output on the output grid (``lead``: a 1-d input's ``()``, the output reshaped to it):
-        its codes stay in t (a QTensor's _tq, for DeQuantize / the next layer), clamped by hardtanh_ (ht) or, viewed,
-        by clamp_."""
+        its codes stay in t (a QTensor's _tq, for DeQuantize / the next layer), clamped by the quantized clamp (ht) or,
+        viewed, by clamp_."""
         if ht is not None:
-            torch._C._nn.hardtanh_(t, ht[0], ht[1])
+            t = qclamp(t, ht[0], ht[1])
         if lead is not None:
             t = t.reshape(*lead, t.shape[-1])  # (a view of the quantized tensor)
         if (ht is not None or (c_lo is None and c_hi is None)) and s_t is not None:
@@ -223,12 +224,12 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
 
 
 def _qclamp_exact(s: float, z: int, qd: QDtype) -> bool:
-    """Whether torch's quantized ``hardtanh_`` at ``(qmin - z)·s, (qmax - z)·s`` clamps all 256 u8 codes of this grid
+    """Whether torch's quantized ``clamp`` at ``(qmin - z)·s, (qmax - z)·s`` clamps all 256 u8 codes of this grid
     to ``[qmin, qmax]`` (its bounds are quantized by torch: checked, not assumed; a vector body and a scalar tail)."""
     codes = torch.arange(263, dtype=torch.int16).remainder_(256).to(torch.uint8)
     with torch.inference_mode(False):
         t = _quiet_qtensor(torch._make_per_tensor_quantized_tensor, codes.clone(), s, z)
-        torch._C._nn.hardtanh_(t, (qd.quant_min - z) * s, (qd.quant_max - z) * s)
+        t = torch.clamp(t, (qd.quant_min - z) * s, (qd.quant_max - z) * s)
         return torch.equal(t.int_repr(), codes.clamp(qd.quant_min, qd.quant_max))
 
 

@@ -60,18 +60,21 @@ class Quantize(CheckedQuantState):
             # the eager fast path: one max for the NaN check (torch's max propagates NaN and makes none: no false
             # alarm from ``inf - inf`` as a sum had; about half the sum's instruction-cache misses: its reduction
             # kernel is smaller), check_no_nan's exact check and error only when it is NaN; one fused-by-hand quantize
-            if x.numel():
-                top = x.max().item()
-                if top != top:
-                    check_no_nan(x, "Quantize")
+            top = x.max().item() if x.numel() else 0.0
+            if top != top:
+                check_no_nan(x, "Quantize")
             bufs = self._buffers  # (nn.Module.__getattr__ costs ~1 µs per buffer read)
             scale, zero_point = bufs["scale"], bufs["zero_point"]
             inv, z, store = self._grid()
             if store is not None and x.is_contiguous() and not x.requires_grad:
                 # quantize_scaled → qstore.codes, their decisions made once (_grid): v = x · inv, the 7-bit clamp of v,
-                # then add, round, clamp and the 8-bit store in one quantize_per_tensor at scale 1
-                lo, hi, zi, dtype = store
+                # then add, round, clamp and the 8-bit store in one quantize_per_tensor at scale 1. The upper clamp only
+                # where the NaN check's max says v passes it: v ≤ fl(top · inv) (inv > 0, float32 rounding monotone) and
+                # top · inv is exact in double, so top · inv ≤ hi means no v above hi (the clamp would change nothing)
+                lo, hi, zi, dtype, inv_f = store
                 v = torch.mul(x, inv)
+                if hi is not None and top * inv_f <= hi:
+                    hi = None
                 if lo is not None or hi is not None:
                     v.clamp_(lo, hi)
                 t = torch.quantize_per_tensor(v, 1.0, zi, dtype) if qstore._QUIET[0] else qstore._qpt(v, zi, dtype)
@@ -98,7 +101,8 @@ class Quantize(CheckedQuantState):
     def _grid(self) -> tuple[torch.Tensor, float, tuple[Any, ...] | None]:
         """``(float32(1 / scale), zero_point, store)`` (a 0-d float32 tensor, a Python float), once per buffer version;
         ``store``: ``qstore.codes``' one-pass route decided for this grid, ``(lo - z or None, hi - z or None, z,
-        torch qdtype)`` (the clamp of ``v`` on a side where the grid is narrower than its 8-bit storage), or ``None``
+        torch qdtype, float32(1 / scale) as a Python float)`` (the clamp of ``v`` on a side where the grid is narrower
+        than its 8-bit storage), or ``None``
         where ``quantize_scaled`` must decide per call (other storage, a zero point outside it, a torch whose
         ``quantize_per_tensor`` is not exact at scale 1)."""
         scale, zero_point = self._buffers["scale"], self._buffers["zero_point"]
@@ -113,7 +117,9 @@ class Quantize(CheckedQuantState):
             if inv_z is None:
                 raise ValueError(f"Quantize: scale={float(self.scale)!r} has no finite float32 reciprocal")
             with torch.inference_mode(False):  # (the zero point as a Python number: quantize_scaled's store takes one)
-                hit = self.__dict__["_grid_cache"] = (key, (scalar_tensors(*inv_z)[0], inv_z[1], _store(self.qdtype, inv_z[1])),
+                store = _store(self.qdtype, inv_z[1])
+                hit = self.__dict__["_grid_cache"] = (key, (scalar_tensors(*inv_z)[0], inv_z[1],
+                                                            None if store is None else (*store, inv_z[0])),
                                                       scale, zero_point, self.qdtype)
         return hit[1]
 
