@@ -119,6 +119,35 @@ def test_dynamic_no_vnni_route_bit_identical_to_generic(monkeypatch: pytest.Monk
         assert torch.equal(y, want), float((y - want).abs().max())
 
 
+@pytest.mark.parametrize("m", [2 * onednn.SMALL_M + 2, 70, 301])
+def test_dynamic_no_vnni_row_chunks_bit_identical_to_one_call(monkeypatch: pytest.MonkeyPatch, m: int) -> None:
+    """Large outputs without VNNI run in row chunks of ``_OUT_CHUNK`` output floats (above ``_CHUNK_ABOVE``), each of
+    more than ``SMALL_M`` rows so that every chunk takes the one-call route: the generic path's floats bit for bit,
+    counted once. Fails if a chunk is lost, overlaps, or falls to fbgemm's few-row route (another rounding order)."""
+    _force_vnni(monkeypatch, False)
+    monkeypatch.setattr(per_token, "_OUT_CHUNK", 24 * 40)  # 40 rows of N = 24 per chunk, at least SMALL_M + 1
+    monkeypatch.setattr(per_token, "_CHUNK_ABOVE", 0)
+    mod = _dyn(96, 24, m, seven_bit=False)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 96, generator=g) * torch.rand(m, 1, generator=g) * 4 + torch.rand(m, 1, generator=g)
+    rows: list[int] = []
+    real = onednn.linear
+
+    def spy(xq: Any, *args: Any) -> Any:
+        rows.append(xq.int_repr().shape[0])
+        return real(xq, *args)
+
+    monkeypatch.setattr(onednn, "linear", spy)
+    kernels.counts.clear()
+    y = mod(x)
+    assert dict(kernels.counts) == {("onednn", "linear"): 1}
+    assert sum(rows) == m and len(rows) == min(-(-m // 40), m // (onednn.SMALL_M + 1)) > 1, rows
+    assert min(rows) > onednn.SMALL_M, rows
+    monkeypatch.setattr(onednn, "linear", real)
+    want = per_token.per_token_linear(per_token.quantize_per_token(x), mod.weight(), mod.bias, {})
+    assert torch.equal(y, want), float((y - want).abs().max())
+
+
 @pytest.mark.parametrize("m", [1, 2, 7, onednn.SMALL_M])
 def test_dynamic_weight_split_is_integer_exact(monkeypatch: pytest.MonkeyPatch, m: int) -> None:
     """Few rows without VNNI on fbgemm: full-range codes (0 and 255 in every row) against weights whose pairs saturate

@@ -297,7 +297,7 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
     """``_generic``'s codes, kernel call and epilogue, bit for bit, without its per-call wrapping: the
     row grids stay ``(M, 1)`` float32 tensors (no int64 zero points, no ``QTensor`` of the codes, no
     dispatcher) and the codes go straight to the onednn backend on the shared grid (split or not by
-    its rules, fbgemm for few rows)."""
+    its rules, fbgemm for few rows); a large output on row chunks of more than ``SMALL_M`` rows (``_OUT_CHUNK``)."""
     m, k = xf.shape
     if m <= onednn.SMALL_M and weight_int8.numel() <= _WSPLIT_MAX and onednn.fbgemm_engine():
         y = _weight_split(xf, plan, weight_int8, w_scale, bias, cache)
@@ -308,11 +308,33 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
         return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
     scale, neg_zp = grids
     q = _codes(xf, torch.reciprocal(scale), neg_zp)
-    raw = onednn.linear(QTensor._trusted(q, *_shared_grid(q.device)), plan.weight, None, None, False, cache)
-    if raw is NotImplemented:
-        return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
+    grid = _shared_grid(q.device)
+    n = weight_int8.shape[0]
+    chunks = min(-(-m * n // _OUT_CHUNK), m // (onednn.SMALL_M + 1)) if m * n > _CHUNK_ABOVE else 1
+    if chunks > 1:  # row chunks of more than SMALL_M rows: every chunk takes the same oneDNN route as the whole
+        raw = torch.empty(m, n)
+        for c in range(chunks):
+            i, j = m * c // chunks, m * (c + 1) // chunks
+            r = onednn.linear(QTensor._trusted(q[i:j], *grid), plan.weight, None, None, False, cache)
+            if r is NotImplemented:
+                return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
+            raw[i:j].copy_(r)
+    else:
+        raw = onednn.linear(QTensor._trusted(q, *grid), plan.weight, None, None, False, cache)
+        if raw is NotImplemented:
+            return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
     kernels.counts[("onednn", "linear")] += 1
     return _epilogue(raw, torch.sub(_CM128, neg_zp), plan.wsum, scale, bias)  # c = z_x - 128, as _generic's
+
+
+# The 8-bit path without VNNI in row chunks of _OUT_CHUNK output floats (4 MiB) per oneDNN call when the output has
+# more than _CHUNK_ABOVE floats. Its split kernel returns (2M, N) float32 sums (the layer's output was a view of their
+# second half); above 32 MiB (glibc's largest mmap threshold) that buffer is a fresh mapping per call, page-faulted on
+# every write (12289 faults per call at 4096×384×1536). In 4 MiB chunks no call faulted (2-3 larger chunks still did);
+# below the threshold nothing faults and the chunks' extra copy pass only costs (7-12 % at 1.6 M floats). Read at
+# call time (tests set them).
+_OUT_CHUNK = 1 << 20
+_CHUNK_ABOVE = 1 << 22
 
 
 _WSPLIT_MAX = 768 * 3072  # weight elements up to which the split weights (2x the bytes) beat one read at small M
