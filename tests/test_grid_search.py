@@ -85,6 +85,20 @@ def test_searched_errors_match_the_whole_model_and_the_grids_are_pinned():
     assert any(c.scale_after < c.scale_before for c in changes)
 
 
+def test_samples_span_batches_and_only_restricts_the_grids():
+    _, p, x = _prepared()
+    everything = [c.source for c in refine_grids(_prepared()[1], [x], top=10, mults=(1.0,), progress=False)]
+    assert len(everything) >= 3
+    scales = {n: float(m.calculate_qparams()[0]) for n, m in p.named_modules() if isinstance(m, Q.ObserverBase)}
+    # 12 samples from batches of 5: the first two batches and two samples of the third, as one search batch
+    changes = refine_grids(p, list(x.split(5)), top=10, samples=12, only=everything[1:], progress=False)
+    assert [c.source for c in changes] == everything[1:]
+    for c in changes:
+        assert c.scale_before == pytest.approx(scales[c.name])
+        z = int(dict(p.named_modules())[c.name].calculate_qparams()[1])
+        assert c.error_after == pytest.approx(_output_error(p, x[:12], c.name, c.scale_after, z), rel=1e-6)
+
+
 def test_quantize_ptq_refine_runs_the_step_and_converts():
     model, _, x = _prepared(1)
     calib = list(x.split(8))
@@ -96,11 +110,14 @@ def test_quantize_ptq_refine_runs_the_step_and_converts():
 
 
 @pytest.mark.parametrize("kw, match", [(dict(top=-1), "top=-1"), (dict(top=True), "top=True"),
-                                       (dict(mults=(0.5, 1.5)), "1.5"), (dict(mults=()), "mults")])
+                                       (dict(mults=(0.5, 1.5)), "1.5"), (dict(mults=()), "mults"),
+                                       (dict(samples=-1), "samples=-1")])
 def test_bad_arguments_name_the_value(kw, match):
     _, p, x = _prepared()
     with pytest.raises(ValueError, match=match):
         refine_grids(p, [x], progress=False, **kw)
+    with pytest.raises(TypeError, match="only='a'"):
+        refine_grids(p, [x], only="a", progress=False)
 
 
 def test_bad_model_and_batches():
