@@ -127,7 +127,6 @@ def test_dynamic_no_vnni_row_chunks_bit_identical_to_one_call(monkeypatch: pytes
     _force_vnni(monkeypatch, False)
     monkeypatch.setattr(per_token, "_OUT_CHUNK", 24 * 40)  # 40 rows of N = 24 per chunk, at least SMALL_M + 1
     monkeypatch.setattr(per_token, "_CHUNK_ABOVE", 0)
-    monkeypatch.setattr(per_token, "_CHUNK_THREADS", torch.get_num_threads())
     mod = _dyn(96, 24, m, seven_bit=False)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 96, generator=g) * torch.rand(m, 1, generator=g) * 4 + torch.rand(m, 1, generator=g)

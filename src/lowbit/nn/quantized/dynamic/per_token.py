@@ -310,9 +310,7 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
     q = _codes(xf, torch.reciprocal(scale), neg_zp)
     grid = _shared_grid(q.device)
     n = weight_int8.shape[0]
-    chunks = 1
-    if m * n > _CHUNK_ABOVE and torch.get_num_threads() <= _CHUNK_THREADS:
-        chunks = min(-(-m * n // _OUT_CHUNK), m // (onednn.SMALL_M + 1))
+    chunks = min(-(-m * n // _OUT_CHUNK), m // (onednn.SMALL_M + 1)) if m * n > _CHUNK_ABOVE else 1
     if chunks > 1:  # row chunks of more than SMALL_M rows: every chunk takes the same oneDNN route as the whole
         raw = torch.empty(m, n)
         for c in range(chunks):
@@ -333,13 +331,11 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
 # more than _CHUNK_ABOVE floats. Its split kernel returns (2M, N) float32 sums (the layer's output was a view of their
 # second half); above 32 MiB (glibc's largest mmap threshold) that buffer is a fresh mapping per call, page-faulted on
 # every write (12289 faults per call at 4096×384×1536). In 4 MiB chunks no call faulted (2-3 larger chunks still did);
-# below the threshold nothing faults and the chunks' extra copy pass only costs (7-12 % at 1.6 M floats). At most
-# _CHUNK_THREADS intra-op threads: at 2 threads on the loaded 2-core EPYC the chunks' extra parallel regions cost more
-# than the faults (4096×384×1536 wall 1400 -> 1699 ms, load 4.3; 1 thread 149 -> 108 ms); not measured on a quiet
-# machine. Read at call time (tests set them).
+# below the threshold nothing faults and the chunks' extra copy pass only costs (7-12 % at 1.6 M floats). At any thread
+# count: quiet 2-core EPYC, 4096×384×1536 one call / chunks 1.07-1.08 at 1 thread, 1.22-1.34 at 2 (a loaded run had read
+# 0.82 at 2 threads: contention, not the chunks). Read at call time (tests set them).
 _OUT_CHUNK = 1 << 20
 _CHUNK_ABOVE = 1 << 22
-_CHUNK_THREADS = 1
 
 
 _WSPLIT_MAX = 768 * 3072  # weight elements up to which the split weights (2x the bytes) beat one read at small M
