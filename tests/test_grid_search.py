@@ -128,3 +128,20 @@ def test_bad_model_and_batches():
         refine_grids(p, [], progress=False)
     with pytest.raises(ValueError, match="refine=-2"):
         Q.quantize_ptq(model, [x], recipe="accurate", refine=-2, progress=False)
+
+
+@pytest.mark.parametrize("samples, pulled", [(0, 1), (5, 1), (6, 2), (12, 3), (100, 4)])
+def test_reads_only_the_batches_it_searches(samples: int, pulled: int):
+    """A generator of batches is read only as far as the search needs (the first batch, or enough for ``samples``),
+    and what it reads gives the same search as the list."""
+    _, p, x = _prepared()
+    seen: list[int] = []
+
+    def gen():
+        for i, b in enumerate(x[:20].split(5)):
+            seen.append(i)
+            yield b
+
+    changes = refine_grids(_prepared()[1], gen(), top=3, samples=samples, progress=False)
+    assert len(seen) == pulled
+    assert changes == refine_grids(p, list(x[:20].split(5)), top=3, samples=samples, progress=False)

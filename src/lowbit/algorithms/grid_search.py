@@ -154,17 +154,16 @@ def refine_grids(gm: fx.GraphModule, batches: Iterable[Any], *, top: int = 8, mu
         raise ValueError(f"refine_grids: samples={samples!r} must be an int >= 0 (0: the first batch)")
     if isinstance(only, str) or not all(isinstance(p, str) for p in only):
         raise TypeError(f"refine_grids: only={only!r} must be a sequence of node-name prefixes, e.g. ('features_14',)")
-    rows = [b if isinstance(b, tuple) else (b,) for b in batches]
-    if not rows:
+    taken, got = [], 0  # only the batches the search reads: one, or enough for ``samples`` (a generator is not drained)
+    for b in batches:
+        taken.append(b if isinstance(b, tuple) else (b,))
+        got += taken[-1][0].shape[0] if isinstance(taken[-1][0], torch.Tensor) and taken[-1][0].dim() else 1
+        if got >= samples:
+            break
+    if not taken:
         raise ValueError("refine_grids: batches is empty; pass the calibration batches")
-    first = rows[0]
+    first = taken[0]
     if samples:
-        taken, got = [], 0
-        for r in rows:
-            if got >= samples:
-                break
-            taken.append(r)
-            got += r[0].shape[0]
         first = tuple(torch.cat([r[k] for r in taken])[:samples] for k in range(len(first)))
     mods = dict(gm.named_modules())
     grids = [n for n in gm.graph.nodes if _eligible(n, mods) and (not only or any(
