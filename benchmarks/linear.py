@@ -182,7 +182,7 @@ def vs_ao(a: argparse.Namespace) -> None:
     mach = common.machine()
     print(f"{mach.get('cpu', '?')} | ISA {mach.get('isa')} | vnni={onednn.has_vnni()} | torch {mach['torch']}")
     res: dict[str, Any] = {"vnni": onednn.has_vnni(), "runs": []}
-    shapes = [(16, 768, 768), (1, 768, 3072)] if a.quick else [(m, k, n) for k, n in KN_VS_AO for m in a.ms]
+    shapes = [(16, 768, 768), (1, 768, 3072)] if a.quick else [(m, k, n) for k, n in (a.kn or KN_VS_AO) for m in a.ms]
     for threads in a.threads:
         torch.set_num_threads(threads)
         print(f"\n{threads} thread(s): median µs of interleaved rounds; ratio = torch.ao time / lowbit time (> 1: lowbit "
@@ -229,7 +229,7 @@ def vs_ao_dynamic(a: argparse.Namespace) -> None:
         print(f"\n{threads} thread(s): ratio = torch.ao dynamic time / lowbit time (> 1: lowbit faster)")
         print(common.md_table(["M×K×N", "clean", "load", "ao dynamic µs", "default µs", "u7 µs", "x86 µs",
                                "ratio default", "ratio u7", "ratio x86", "fp32 µs"], []))
-        for m, k, n in [(m, k, n) for k, n in KN_VS_AO for m in a.ms]:
+        for m, k, n in [(m, k, n) for k, n in (a.kn or KN_VS_AO) for m in a.ms]:
             x, mods = converted_pair(m, k, n)
             keep = ("fp32", "ao dynamic", *names.values())
             meth = {name: (lambda mod=mods[name], x=x: mod(x)) for name in keep}
@@ -248,12 +248,22 @@ def vs_ao_dynamic(a: argparse.Namespace) -> None:
     print(common.write_results(a.out or "linear_vs_ao_dynamic", res))
 
 
+def _kn(text: str) -> tuple[int, int]:
+    """``"384x1536"`` → ``(384, 1536)``; anything else is an argparse error naming the value."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--kn {text!r}: expected KxN with positive integers, e.g. 384x1536")
+    return int(parts[0]), int(parts[1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(p)
     p.add_argument("--ms", type=int, nargs="+", default=MS, help="the M values to run")
     p.add_argument("--vs-ao", action="store_true", help="the issue #10 lowbit-vs-torch.ao table (12 shapes)")
     p.add_argument("--dynamic-only", action="store_true", help="with --vs-ao: the dynamic recipes only")
+    p.add_argument("--kn", type=_kn, nargs="+", default=None, metavar="KxN",
+                   help="the K×N weight shapes instead of the built-in ones, e.g. --kn 384x1536 1536x384 (MiniLM)")
     a = p.parse_args()
     if a.vs_ao and a.dynamic_only:
         vs_ao_dynamic(a)
@@ -261,7 +271,7 @@ def main() -> None:
     if a.vs_ao:
         vs_ao(a)
         return
-    shapes = [(m, k, n) for m in a.ms for k, n in KN]
+    shapes = [(m, k, n) for m in a.ms for k, n in (a.kn or KN)]
     if a.quick:
         shapes, a.rounds = [(16, 768, 768), (128, 768, 3072)], min(a.rounds, 3)
     res: dict[str, Any] = {"vnni": onednn.has_vnni(), "runs": []}
