@@ -310,19 +310,17 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
     q = _codes(xf, torch.reciprocal(scale), neg_zp)
     grid = _shared_grid(q.device)
     n = weight_int8.shape[0]
-    chunks = min(-(-m * n // _OUT_CHUNK), m // (onednn.SMALL_M + 1)) if m * n > _CHUNK_ABOVE else 1
-    if chunks > 1:  # row chunks of more than SMALL_M rows: every chunk takes the same oneDNN route as the whole
-        raw = torch.empty(m, n)
-        for c in range(chunks):
-            i, j = m * c // chunks, m * (c + 1) // chunks
-            r = onednn.linear(QTensor._trusted(q[i:j], *grid), plan.weight, None, None, False, cache)
-            if r is NotImplemented:
-                return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
-            raw[i:j].copy_(r)
-    else:
-        raw = onednn.linear(QTensor._trusted(q, *grid), plan.weight, None, None, False, cache)
-        if raw is NotImplemented:
+    chunks = max(1, min(-(-m * n // _OUT_CHUNK), m // (onednn.SMALL_M + 1))) if m * n > _CHUNK_ABOVE else 1
+    raw = torch.empty(m, n) if chunks > 1 else None  # chunks: more than SMALL_M rows each, the whole's oneDNN route
+    for c in range(chunks):
+        i, j = m * c // chunks, m * (c + 1) // chunks
+        r = onednn.linear(QTensor._trusted(q if chunks == 1 else q[i:j], *grid), plan.weight, None, None, False, cache)
+        if r is NotImplemented:
             return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
+        if raw is None:
+            raw = r
+        else:
+            raw[i:j].copy_(r)
     kernels.counts[("onednn", "linear")] += 1
     return _epilogue(raw, torch.sub(_CM128, neg_zp), plan.wsum, scale, bias)  # c = z_x - 128, as _generic's
 

@@ -105,11 +105,15 @@ def _fbgemm() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
 
 
+def _fbgemm_may_run(x: torch.Tensor) -> bool:
+    """Whether fbgemm's ops may run on ``x``: x86 CPU, torch's x86/fbgemm engine (``onednn.fbgemm_engine``: its id
+    read from C++, not the ``torch.backends.quantized.engine`` property's name lookup), no pinned backend."""
+    return x.is_cpu and _fbgemm() and onednn.fbgemm_engine() and kernels.get_backend() is None
+
+
 def _fast(x: torch.Tensor, w_zero_point: torch.Tensor, cache: dict[str, Any]) -> bool:
-    """Whether fbgemm's ops may run this call: x86 CPU, torch's x86/fbgemm engine (``onednn.fbgemm_engine``: its id
-    read from C++, not the ``torch.backends.quantized.engine`` property's name lookup), no pinned backend,
-    symmetric weights (checked once per zero-point version)."""
-    if not (x.is_cpu and _fbgemm() and onednn.fbgemm_engine() and kernels.get_backend() is None):
+    """``_fbgemm_may_run`` and symmetric weights (checked once per zero-point version)."""
+    if not _fbgemm_may_run(x):
         return False
     key = (w_zero_point.data_ptr(), tensor_version(w_zero_point))
     hit = cache.get("reduced.symmetric")
@@ -171,8 +175,7 @@ def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
         if grid is not None:
             s, neg_zp, inv = grid
             u = torch.mul(xf, torch.scalar_tensor(inv)).sub_(torch.scalar_tensor(neg_zp)).clamp_max_(127)
-            kernels.counts[_COUNT] += 1
-            y = fbgemm_ops()[0](u, 1.0, 0, plan.token).add_(plan.wsum, alpha=neg_zp)
+            y = _token_gemm(u, plan).add_(plan.wsum, alpha=neg_zp)
             y = y.mul_(torch.scalar_tensor(s))  # s_x (Σ q ŵ - z_x Σ ŵ)
             return y if bias is None else y.add_(bias)
     grids = _row_grids(xf, _LEVELS[127], blocked=True) if plan is not None else None
@@ -180,12 +183,7 @@ def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
         weight = QTensor._trusted(weight_int8, w_scale, w_zero_point, qdtype, axis=0)
         return per_token_linear(quantize_per_token(xf, U7), weight, bias, cache)
     scale, neg_zp = grids
-    kernels.counts[_COUNT] += 1
-    raw = fbgemm_ops()[0](_u7(xf, scale, neg_zp), 1.0, 0, plan.token)  # fbgemm rounds: round(u) = q
-    return _row_epilogue(raw, neg_zp, plan.wsum, scale, bias)
-
-
-_COUNT = ("onednn", "linear")
+    return _row_epilogue(_token_gemm(_u7(xf, scale, neg_zp), plan), neg_zp, plan.wsum, scale, bias)
 
 
 def _token_plan(xf: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
@@ -193,12 +191,19 @@ def _token_plan(xf: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tens
     """``per_token._plan`` (the per-weight-version constants, one key check per call: ``Σ ŵ``) with its fbgemm pack
     of the real scales (no bias) as ``plan.token``, when fbgemm's ops may run this call (``_fast``'s conditions:
     x86 CPU, torch's x86/fbgemm engine, no pinned backend, symmetric weights); else ``None``."""
-    if not (xf.is_cpu and _fbgemm() and onednn.fbgemm_engine() and kernels.get_backend() is None):
+    if not _fbgemm_may_run(xf):
         return None
     plan = _plan(weight_int8, w_scale, w_zero_point, qdtype, cache)
     if plan is not None and plan.token is None:
         plan.token = _prepack(weight_int8, w_scale, None)  # (the plan's key covers both buffers)
     return plan
+
+
+def _token_gemm(u: torch.Tensor, plan: Any) -> torch.Tensor:
+    """``s_w[n] Σ_k round(u[m, k]) q_w[n, k]`` (float32) in one fbgemm call on ``plan.token``: fbgemm quantizes ``u``
+    with scale 1 and zero point 0 (round half to even: ``round(u)``, exact on the integer-valued range ``[0, 127]``)."""
+    kernels.counts[("onednn", "linear")] += 1
+    return fbgemm_ops()[0](u, 1.0, 0, plan.token)  # type: ignore[no-any-return]
 
 
 def _u7(xf: torch.Tensor, scale: torch.Tensor, neg_zp: torch.Tensor) -> torch.Tensor:
