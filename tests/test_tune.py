@@ -99,3 +99,32 @@ def test_quantize_ptq_tune_step_and_bad_input():
         tune_biases(p, model, calib, batch_size=0)
     with pytest.raises(TypeError, match="prepare_fx"):
         tune_biases(model, model, calib)
+
+
+def test_calibration_batches_follow_lowbit_batches_convention_and_errors_name_the_caller():
+    """``reconstruct`` / ``tune_biases`` read ``calib`` as every other data-driven step does (``lowbit.batches``:
+    a tensor is one batch, a list batch holds positional inputs like a tuple), and bad ``calib`` raises naming
+    the function called (the shared helper once named ``reconstruct`` for ``tune_biases`` too)."""
+    model = _net()
+    calib = [torch.randn(8, 3, 6, 6) for _ in range(2)]
+    p = _rounded(model, calib, offset=0.05)
+    ref = tune_biases(copy.deepcopy(p), model, [(b,) for b in calib], iters=5, progress=False)
+    for same in ([[b] for b in calib], calib):  # list batches, tensor batches: the same run, the same numbers
+        got = tune_biases(copy.deepcopy(p), model, same, iters=5, progress=False)
+        assert (got.error_before, got.error_after) == (ref.error_before, ref.error_after)
+    with pytest.raises(ValueError, match="tune_biases: calib: inputs is empty"):
+        tune_biases(p, model, [])
+    with pytest.raises(TypeError, match="tune_biases: calib batch 0 is a dict"):
+        tune_biases(p, model, [{"x": calib[0]}])
+    with pytest.raises(TypeError, match="tune_biases: calib: inputs must be a tensor or an iterable"):
+        tune_biases(p, model, 3)
+    q = Q.prepare_fx(copy.deepcopy(model), Q.get_default_qconfig_mapping(), example_inputs=(calib[0],))
+    with torch.no_grad():
+        q(calib[0])
+    with pytest.raises(ValueError, match="reconstruct: calib: inputs is empty"):
+        reconstruct(q, [], progress=False)
+    one = copy.deepcopy(q)
+    reconstruct(one, calib[0], adaround=False, progress=False)  # a tensor is one batch
+    two = copy.deepcopy(q)
+    reconstruct(two, [[calib[0]]], adaround=False, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), two.state_dict().values()))

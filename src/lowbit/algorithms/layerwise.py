@@ -32,6 +32,7 @@ import torch
 from torch import fx, nn
 
 from ..fake_quant import FakeQuantize
+from ..batches import iter_batches
 from ..functional import fake_quantize
 from ..observer import ObserverBase
 from .adaround import adaround_codes
@@ -137,10 +138,15 @@ def _quadratic(op: nn.Module, rounding: str) -> bool:
     return rounding == "quadratic" or (isinstance(op, nn.Conv2d) and op.groups > 1)
 
 
-def _batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
-    out = [b if isinstance(b, tuple) else (b,) for b in calib]
-    if not out:
-        raise ValueError("reconstruct: calib is empty; pass an iterable of calibration batches")
+def batch_tuples(calib: Any, where: str) -> list[tuple[Any, ...]]:
+    """``calib`` (``lowbit.batches``' convention: a tensor is one batch, a tuple/list batch holds positional
+    inputs) as a list of positional-argument tuples, for the walks that feed graph placeholders in order;
+    errors name ``where``. A dict batch (keywords) has no such order: a ``TypeError``."""
+    out = []
+    for i, b in enumerate(iter_batches(calib, f"{where}: calib")):
+        if isinstance(b, dict):
+            raise TypeError(f"{where}: calib batch {i} is a dict; give positional inputs (a tensor or a tuple/list)")
+        out.append(b if isinstance(b, tuple) else tuple(b) if isinstance(b, list) else (b,))
     return out
 
 
@@ -165,7 +171,7 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
         return reconstruct_eager(prepared, calib, adaround, bias_correction, iters, batch_size, seed, progress)
     from tqdm.auto import tqdm
 
-    gm, batches, g = prepared, _batches(calib), torch.Generator().manual_seed(seed)
+    gm, batches, g = prepared, batch_tuples(calib, "reconstruct"), torch.Generator().manual_seed(seed)
     mods = dict(gm.named_modules())
     nodes = list(gm.graph.nodes)
     last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
@@ -174,7 +180,7 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     envs_q: list[dict[fx.Node, Any]] = [{} for _ in batches]
     changes: list[LayerChange] = []
     bar = tqdm(total=n_layers, desc="adaround" if adaround else "bias correction", disable=not progress)
-    patched = _patch_observers(gm, "float")  # observers inside opaque leaves must not keep observing
+    patched = patch_observers(gm, "float")  # observers inside opaque leaves must not keep observing
     try:
         spans = find_blocks(nodes, mods, learn_grids) if blocks and adaround and iters > 0 else {}
         _walk(gm, nodes, mods, batches, envs_f, envs_q, last_use, changes, bar, adaround, bias_correction, iters,
@@ -334,7 +340,7 @@ def _run(model: nn.Module, batch: tuple[Any, ...]) -> None:
     model(*batch)
 
 
-def _patch_observers(model: nn.Module, mode: str) -> list[nn.Module]:
+def patch_observers(model: nn.Module, mode: str) -> list[nn.Module]:
     """Make every activation observer the identity (``float``) or a fake-quantizer (``quant``); no statistics."""
     patched = []
     for m in model.modules():
@@ -367,26 +373,26 @@ def reconstruct_eager(prepared: nn.Module, calib: Iterable[Any], adaround: bool 
 
     from tqdm.auto import tqdm
 
-    batches, g = _batches(calib), torch.Generator().manual_seed(seed)
+    batches, g = batch_tuples(calib, "reconstruct_eager"), torch.Generator().manual_seed(seed)
     names = {m: n for n, m in prepared.named_modules()}
     float_model = copy.deepcopy(prepared)  # before the order hooks, which must not travel with the copy
     fnames = dict(float_model.named_modules())
     order: list[nn.Module] = []
     hooks = [m.register_forward_pre_hook(lambda m, _a: order.append(m) if m not in order else None)
              for m in prepared.modules() if is_weighted(m)]
-    obs = _patch_observers(prepared, "float")
+    obs = patch_observers(prepared, "float")
     try:
         with torch.no_grad():
             _run(prepared, batches[0])
     finally:
         for h in hooks:
             h.remove()
-    _patch_observers(float_model, "float")
+    patch_observers(float_model, "float")
     changes = []
     try:
         for m in obs:
             del m.forward
-        _patch_observers(prepared, "quant")
+        patch_observers(prepared, "quant")
         for mod in tqdm(order, desc="adaround" if adaround else "bias correction", disable=not progress):
             xq = _capture(prepared, mod, batches)
             xf = _capture(float_model, fnames[names[mod]], batches)

@@ -42,7 +42,7 @@ from torch import fx, nn
 from ..batches import output_tensors
 from .block import LearnedGrid, install_grid, learnable_grids
 from .layers import freeze_weight, is_weighted, split, weight_codes
-from .layerwise import _batches, _patch_observers
+from .layerwise import batch_tuples, patch_observers
 
 __all__ = ["tune_biases", "TuneResult"]
 
@@ -103,7 +103,7 @@ def tune_biases(prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any
         raise ValueError(f"tune_biases: batch_size={batch_size!r} must be an int >= 1")
     from tqdm.auto import tqdm
 
-    batches, g = _batches(calib), torch.Generator().manual_seed(seed)
+    batches, g = batch_tuples(calib, "tune_biases"), torch.Generator().manual_seed(seed)
     mods = dict(prepared.named_modules())
     biases = []
     for node in prepared.graph.nodes:  # the layers the graph calls (a fused marker's op carries a qconfig too)
@@ -122,7 +122,7 @@ def tune_biases(prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any
         targets = [[t.detach() for t in _tensors(float_model(*b))] for b in batches]
     flags = {p: p.requires_grad for p in prepared.parameters()}
     saved = [b.detach().clone() for b in biases]
-    patched = _patch_observers(prepared, "quant")
+    patched = patch_observers(prepared, "quant")
     for node, gr in learn.items():
         mods[node.target].forward = gr  # type: ignore[index]
 
