@@ -86,6 +86,42 @@ def test_streams_make_per_tensor_grids_finer():
     assert sqnr[0.75] > sqnr[None] + 15, sqnr
 
 
+
+class BnResNet(ResNet):
+    """ResNet with b1's projection followed by a BatchNorm (mixed precision keeps the pair float)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        bn = nn.BatchNorm2d(8)
+        with torch.no_grad():
+            bn.running_mean.uniform_(-0.3, 0.3)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.uniform_(0.5, 1.5)
+        self.b1.project = nn.Sequential(self.b1.project, bn)
+
+
+@pytest.mark.parametrize("float_layer, writer, reader", [
+    ("b1.project", "b1.project", None),           # a float writer conv
+    ("b2.expand.0", None, "b2.expand.0"),         # a float reader conv
+    ("b1.project.0", "b1.project.1", None),       # a float conv + BatchNorm: the BN's affine takes the scale
+])
+def test_streams_take_layers_mixed_precision_keeps_float(float_layer, writer, reader):
+    """A layer left float (``set_module_name(name, None)``) no longer keeps its stream from equalizing: it is scaled
+    like an int8 writer / reader, exactly, and the float function is kept."""
+    torch.manual_seed(0)
+    model = (BnResNet() if float_layer.endswith(".0") and float_layer.startswith("b1") else ResNet()).eval()
+    x = torch.randn(4, 3, 10, 10)
+    p = Q.prepare_fx(model, Q.get_default_qconfig_mapping().set_module_name(float_layer, None), example_inputs=(x,))
+    with torch.no_grad():
+        y = model(x)
+        (rec,) = equalize_streams(p, [(x,)], alpha=0.75)
+        assert torch.allclose(p(x), y, rtol=1e-4, atol=1e-5)
+    assert rec.spread_before > 100 and rec.spread_after < rec.spread_before / 10
+    assert writer is None or writer in rec.writers, rec.writers
+    assert reader is None or reader in rec.readers, rec.readers
+    q = Q.convert_fx(p)
+    assert type(q.get_submodule(float_layer)) is nn.Conv2d  # still float
+
 class Pooled(nn.Module):
     """A stream read by a pooling op (not a conv): left alone."""
 

@@ -195,6 +195,60 @@ def test_equalize_range_stretches_clamped_channels_and_keeps_function():
     assert stretched > plain - 4.0, (stretched, plain)
 
 
+
+@pytest.mark.parametrize("bn", [True, False])
+def test_equalize_range_stretches_a_float_first_layer(bn):
+    """Mixed precision keeps the stem float (``set_module_name("0.0", None)``): its run stays float modules (conv,
+    BN, ReLU6), and the stretch still fills the clamp of its channels into the int8 depthwise's input grid, divided
+    out of the BN's affine parameters (or the conv's rows without a BN). The float function is kept on the
+    calibration data, and the stem stays float through convert."""
+    model = _dw_chain()
+    if not bn:  # conv -> ReLU6 -> depthwise: the BN folded into the conv by hand
+        conv, norm = model[0][0], model[0][1]
+        with torch.no_grad():
+            g = norm.weight / torch.sqrt(norm.running_var + norm.eps)
+            fused = nn.Conv2d(3, 16, 3, padding=1)
+            fused.weight.copy_(conv.weight * g.view(-1, 1, 1, 1))
+            fused.bias.copy_(norm.bias - g * norm.running_mean)
+        model[0] = nn.Sequential(fused, nn.ReLU6())
+    calib, x = _data(), torch.cat(_data(2, seed=5))
+    mapping = Q.get_default_qconfig_mapping().set_module_name("0.0", None)
+    p = Q.prepare_fx(copy.deepcopy(model), mapping, example_inputs=(calib[0],))
+    pairs = equalize_prepared(p, calib, relu6="range", weights=False)
+    assert [(e.first, e.second) for e in pairs] == [("0.0", "1.0")] and 0 < pairs[0].stretched < 16
+    mods = dict(p.named_modules())
+    with torch.no_grad():
+        for b in calib:
+            torch.testing.assert_close(p(b), model(b), atol=1e-4, rtol=1e-4)
+        pre = mods["0.1"] if bn else mods["0.0"]  # the clamp's input
+        top = torch.cat([pre(mods["0.0"](b)) if bn else pre(b) for b in calib]).amax((0, 2, 3))
+    live = top > 0
+    assert bool((top[live] >= 6 / 1.5 - 1e-4).all())
+    for b in calib:
+        p(b)
+    q = Q.convert_fx(p)
+    assert type(q.get_submodule("0.0")) is nn.Conv2d  # still float
+    assert _sqnr(model(x), q(x)) > 25
+
+
+def test_equalize_range_stretches_into_a_float_second_layer():
+    """Mixed precision keeps the depthwise float (``set_module_name("1.0", None)``): the int8 stem's clamp still
+    stretches its channels, and the float layer's input channels absorb ``s_i`` exactly (no weight grid)."""
+    model = _dw_chain()
+    calib, x = _data(), torch.cat(_data(2, seed=5))
+    mapping = Q.get_default_qconfig_mapping().set_module_name("1.0", None)
+    p = Q.prepare_fx(copy.deepcopy(model), mapping, example_inputs=(calib[0],))
+    pairs = equalize_prepared(p, calib, relu6="range", weights=False)
+    assert [(e.first, e.second) for e in pairs] == [("0.0", "1.0")] and 0 < pairs[0].stretched < 16
+    with torch.no_grad():
+        for b in calib:
+            torch.testing.assert_close(p(b), model(b), atol=1e-4, rtol=1e-4)
+    for b in calib:
+        p(b)
+    q = Q.convert_fx(p)
+    assert type(q.get_submodule("1.0")) is nn.Conv2d
+    assert _sqnr(model(x), q(x)) > 25
+
 def test_equalize_range_bad_input():
     p = Q.prepare_fx(_dw_chain(), Q.get_default_qconfig_mapping(), example_inputs=(_data(1)[0],))
     with pytest.raises(ValueError, match="needs calib"):

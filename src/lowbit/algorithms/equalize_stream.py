@@ -21,7 +21,9 @@ with ``a_c`` the largest ``|x_c|`` over the stream's tensors on the calibration 
 ``|W[:, c]|`` over its readers and ``gm`` the geometric mean over channels. A stream is equalized only
 when every producer is a weighted conv without activation (or an ``add`` / observer of the stream) and
 every other consumer is a dense or depthwise conv reading it as its input; anything else (pooling, the
-model's output, a Linear, a placeholder) leaves that stream alone.
+model's output, a Linear, a placeholder) leaves that stream alone. Layers that mixed precision keeps float
+count too: a float conv, as a writer or a reader, or a float BatchNorm after a float conv, as a writer
+(its ``γ, β`` take ``1 / s_c``). Scaling a float layer is exact, since it has no weight grid.
 
 MobileNetV2 (48 calibration crops, MSE-searched grids, round to nearest, 96 other crops; 1 thread): the
 late stream's channel spread 16.2 -> 2.4 (``alpha=0.75``); activations-only logit SQNR 15.35 -> 16.98 dB
@@ -98,6 +100,29 @@ def _conv(node: fx.Node, mods: dict[str, nn.Module]) -> nn.Module | None:
     return op if isinstance(op, _CONVS) else None
 
 
+def _float_conv(node: fx.Node, mods: dict[str, nn.Module]) -> nn.Module | None:
+    """A float (no qconfig: mixed precision) plain conv node's module, else None: scaling its rows or its input
+    channels is exact (no weight grid)."""
+    m = mods.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
+    return m if type(m) in _CONVS and getattr(m, "qconfig", None) is None else None
+
+
+def _writer(node: fx.Node, mods: dict[str, nn.Module]) -> nn.Module | None:
+    """The module whose output channels a stream writer's ``1 / s_c`` divides: a weighted conv without activation, a
+    float conv, or a float affine BatchNorm that alone reads a float conv (mixed precision keeps that run float)."""
+    conv = _conv(node, mods)
+    if conv is not None:
+        return conv if split(mods[node.target])[1] is None else None  # type: ignore[index]
+    if _float_conv(node, mods) is not None:
+        return mods[node.target]  # type: ignore[index]
+    m = mods.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
+    prev = node.args[0] if node.args else None
+    if (isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine and getattr(m, "qconfig", None) is None
+            and isinstance(prev, fx.Node) and len(prev.users) == 1 and _float_conv(prev, mods) is not None):
+        return m
+    return None
+
+
 def _streams(gm: fx.GraphModule, mods: dict[str, nn.Module]) -> list[tuple[list[fx.Node], list[fx.Node], list[fx.Node]]]:
     """``(values, writers, readers)`` of every stream that can be equalized (module docstring)."""
     parent: dict[fx.Node, fx.Node] = {}
@@ -125,13 +150,13 @@ def _streams(gm: fx.GraphModule, mods: dict[str, nn.Module]) -> list[tuple[list[
         writers = [n for n in values if not _is_add(n) and not _is_obs(n, mods)]
         readers = sorted({u for n in values for u in n.users if not (u in members and (_is_add(u) or _is_obs(u, mods)))},
                          key=lambda u: list(gm.graph.nodes).index(u))
-        ok = all(_conv(w, mods) is not None and split(mods[w.target])[1] is None for w in writers)  # type: ignore[index]
+        ok = all(_writer(w, mods) is not None for w in writers)
         for r in readers:
-            conv = _conv(r, mods)
+            conv = _conv(r, mods) or _float_conv(r, mods)
             dense = conv is not None and getattr(conv, "groups", 1) == 1
             depthwise = conv is not None and conv.groups == conv.in_channels == conv.out_channels
             ok = ok and (dense or depthwise) and len(r.args) == 1 and not r.kwargs
-        channels = {(split(mods[w.target])[0]).out_channels for w in writers if ok}  # type: ignore[index,union-attr]
+        channels = {_writer(w, mods).weight.shape[0] for w in writers if ok}  # type: ignore[union-attr]
         channels |= {(split(mods[r.target])[0]).in_channels for r in readers if ok}  # type: ignore[index,union-attr]
         if ok and writers and readers and len(channels) == 1:
             out.append((values, writers, readers))
@@ -205,7 +230,7 @@ def equalize_streams(prepared: fx.GraphModule, calib: Iterable[Any], alpha: floa
             if bool(live.any()):
                 s[live] = (a[live] / _gm(a[live])) ** alpha * (_gm(r[live]) / r[live]) ** (1 - alpha)
             for w in writers:
-                op = split(mods[w.target])[0]  # type: ignore[index]
+                op = _writer(w, mods)  # type: ignore[assignment]
                 op.weight.div_(s.view(-1, *[1] * (op.weight.dim() - 1)))
                 if op.bias is not None:
                     op.bias.div_(s)

@@ -330,7 +330,15 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
         if len(run) == 1:
             continue
         if require_qconfig and (getattr(first, "qconfig", None) is None or is_dynamic_qconfig(first.qconfig)):
-            continue  # excluded layers keep their float form; dynamic ones have no fused dynamic twin
+            # excluded layers keep their float form; dynamic ones have no fused dynamic twin. An excluded layer's
+            # run stays float as a whole, as torch.ao's fused module under the layer's qconfig does: its BN / ReLU
+            # modules drop their qconfig (else the BN would run as an int8 op of its own on the layer's wide
+            # pre-BN output, after a quantize the float layer never asked for)
+            if getattr(first, "qconfig", None) is None:
+                for n, m in zip(run[1:], mods[1:]):
+                    if n.op == "call_module" and hasattr(modules[n.target], "qconfig"):
+                        modules[n.target].qconfig = None
+            continue
         new = fuse_known_modules(mods, is_qat=is_qat)[0]
         if hasattr(first, "qconfig"):
             new.qconfig = first.qconfig
