@@ -181,6 +181,11 @@ def machine() -> dict[str, Any]:
                                                  "amx_int8")})
     except OSError:
         info["cpu"] = platform.processor()
+    try:  # lowbit's C row passes: built, and which bodies (AVX2 + FMA or scalar), or why not
+        from lowbit import native
+        info["lowbit_native"] = native.reason()
+    except ImportError:
+        pass
     return info
 
 

@@ -13,8 +13,9 @@ random weights), fused conv-bn-relu, static PTQ calibrated on 512 images:
 MiniLM (``lowbit.data.load_minilm``, 50 Lee-corpus docs, batch 32, max 128 tokens), dynamic int8
 Linear: fp32 | lowbit ``quantize_dynamic`` (per-token u8, the default) | lowbit 7-bit per token
 (``get_dynamic_qconfig(reduce_range=True)``) | lowbit on torch.ao's x86 recipe (``get_dynamic_qconfig(backend="x86")``:
-per-tensor u7, torch.ao's outputs bit for bit) | torch.ao ``quantize_dynamic``. Accuracy: mean cosine of
-the sentence embeddings to fp32.
+per-tensor u7, torch.ao's outputs bit for bit) | torch.ao ``quantize_dynamic`` | the two per-token recipes again
+with ``lowbit.native`` switched off (its row passes as torch ops: the same outputs; ``--skip-native-ab`` drops
+them). Accuracy: mean cosine of the sentence embeddings to fp32.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import common
 
 import lowbit as Q
 from lowbit import data as D
+from lowbit import native
 from lowbit.examples import SmallCNN, train
 
 warnings.filterwarnings("ignore")
@@ -144,6 +146,9 @@ def minilm(a: argparse.Namespace) -> dict[str, Any] | None:
         cos[k] = float((e * ref).sum(1).mean())
     meth = {k: (lambda m=m: m(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]))
             for k, m in models.items()}
+    if not a.skip_native_ab and native.available():  # the per-token recipes with their torch-op row passes
+        for k, m in (("lowbit dynamic, native off", lb), ("lowbit dynamic u7, native off", lb7)):
+            meth[k] = lambda m=m: _native_off(m, enc)
     out: dict[str, Any] = {"tokens": list(enc["input_ids"].shape), "cosine_to_fp32": cos, "runs": []}
     print("MiniLM cosine", {k: round(v, 4) for k, v in cos.items()})
     for threads in a.threads:
@@ -157,15 +162,23 @@ def minilm(a: argparse.Namespace) -> dict[str, Any] | None:
     return out
 
 
+def _native_off(model: nn.Module, enc: Any) -> Any:
+    with native.disabled():
+        return model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(p)
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--skip-minilm", action="store_true")
     p.add_argument("--skip-smallcnn", action="store_true")
+    p.add_argument("--skip-native-ab", action="store_true", help="no MiniLM columns with lowbit.native switched off")
     a = p.parse_args()
     if a.quick:
         a.rounds, a.epochs = min(a.rounds, 3), min(a.epochs, 0.3)
+    mach = common.machine()
+    print(f"{mach.get('cpu', '?')} | ISA {mach.get('isa')} | torch {mach['torch']} | native: {mach.get('lowbit_native')}")
     res = {"smallcnn": None if a.skip_smallcnn else smallcnn(a), "minilm": None if a.skip_minilm else minilm(a)}
     print(common.write_results(a.out or "e2e", res))
 

@@ -16,7 +16,7 @@ TIERS: list[tuple[str, ...]] = [
     ("qscheme",),
     ("compile_state",),                # tracing(): lower layers emit torch.ops.lowbit.* while traced
     ("qparams",),
-    ("blocked", "qstore"),             # cache-blocked exact quantize; one-pass 8-bit codes of round(v + z)
+    ("blocked", "qstore", "native"),   # cache-blocked exact quantize; one-pass 8-bit codes; C row passes
     ("functional",),
     ("qtensor", "batches"),           # batches: the calibration-input convention (iter_batches, run_batch)
     ("observer",),

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .... import kernels, qstore
+from .... import kernels, native, qstore
 from ....compile_state import tensor_version
 from ....functional import _store, quantize
 from ....kernels import onednn
@@ -271,11 +271,10 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
             acc = acc.add_(plan.wsum_i, alpha=int(neg_zp))  # Σ_k (q_x - z_x) q_w: exact
         y = acc.float().mul_(torch.mul(plan.scale, torch.scalar_tensor(scale)))
         return y if bias is None else y.add_(bias)
-    grids = _row_grids(xf)
-    if grids is None:
+    codes = _grid_codes(xf)
+    if codes is None:
         return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
-    scale, neg_zp = grids
-    q = _codes(xf, torch.reciprocal(scale), neg_zp)
+    q, scale, neg_zp = codes
     if plan.packed is None:
         entry = onednn._packed(cache, "onednn.linear", plan.weight, lambda w: torch.ops.onednn.qlinear_prepack(w, None))
         if entry is None:
@@ -286,9 +285,33 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     kernels.counts[("onednn", "linear")] += 1
     cn = neg_zp.add_(_C128)  # 128 - z_x
     if raw.numel() > _BLOCK:
-        return _epilogue(raw, cn.neg_(), plan.wsum, scale, bias)  # c = z_x - 128, blocked
+        cn = cn.neg_()  # c = z_x - 128, blocked
+        return _epilogue(raw, cn, plan.wsum, scale, bias) if _native_epilogue(raw, cn, plan.wsum, scale, bias,
+                                                                              False) is None else raw
+    if _native_epilogue(raw, cn, plan.wsum, scale, bias, True) is not None:
+        return raw
     raw = raw.addcmul_(cn, plan.wsum).mul_(scale)  # (raw - c ⊗ wsum) · s_x: one fused pass less
     return raw if bias is None else raw.add_(bias)
+
+
+def _grid_codes(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(q, s_x, -z_x)``: ``_row_grids`` and ``_codes`` of ``xf`` (u8 codes, ``(M, 1)`` grids), in one native pass
+    per row where ``lowbit.native`` runs (the same bits), else the torch ops; ``None`` for a non-finite row."""
+    fast = native.row_grid(xf, 255.0, "codes")
+    if fast is not None:
+        return fast
+    grids = _row_grids(xf)
+    if grids is None:
+        return None
+    scale, neg_zp = grids
+    return _codes(xf, torch.reciprocal(scale), neg_zp), scale, neg_zp
+
+
+def _native_epilogue(raw: torch.Tensor, c: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None, fused: bool) -> torch.Tensor | None:
+    """In place in one native pass: ``(raw + c ⊗ wsum) · s_x + bias`` rounded as ``addcmul_`` (``fused``), or
+    ``_epilogue``'s ``(raw - c ⊗ wsum) · s_x + bias``; ``None`` (nothing written) where the torch ops must run."""
+    return native.row_epilogue(raw, c, wsum, scale, bias, fused)
 
 
 def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: torch.Tensor,
@@ -303,11 +326,10 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
         y = _weight_split(xf, plan, weight_int8, w_scale, bias, cache)
         if y is not None:
             return y
-    grids = _row_grids(xf)
-    if grids is None:
+    codes = _grid_codes(xf)
+    if codes is None:
         return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
-    scale, neg_zp = grids
-    q = _codes(xf, torch.reciprocal(scale), neg_zp)
+    q, scale, neg_zp = codes
     grid = _shared_grid(q.device)
     n = weight_int8.shape[0]
     chunks = max(1, min(-(-m * n // _OUT_CHUNK), m // (onednn.SMALL_M + 1))) if m * n > _CHUNK_ABOVE else 1
@@ -322,7 +344,9 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
         else:
             raw[i:j].copy_(r)
     kernels.counts[("onednn", "linear")] += 1
-    return _epilogue(raw, torch.sub(_CM128, neg_zp), plan.wsum, scale, bias)  # c = z_x - 128, as _generic's
+    c = torch.sub(_CM128, neg_zp)  # c = z_x - 128, as _generic's
+    return raw if _native_epilogue(raw, c, plan.wsum, scale, bias, False) is not None else _epilogue(
+        raw, c, plan.wsum, scale, bias)
 
 
 # The 8-bit path without VNNI in row chunks of _OUT_CHUNK output floats (4 MiB) per oneDNN call when the output has
@@ -365,13 +389,22 @@ def _weight_split(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_sc
         raw = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(u, 1.0, 0, _split_pack(plan, w_scale))
         y = torch.add(raw[:, :n], raw[:, n:]).add_(plan.wsum, alpha=neg_zp).mul_(torch.scalar_tensor(s))
     else:
-        grids = _row_grids(xf)
-        if grids is None:
-            return None
-        scale, neg_zp = grids
-        u = torch.mul(xf, torch.reciprocal(scale)).sub_(neg_zp)
+        fast = native.row_grid(xf, 255.0, "u", qmax=_INF)  # u unclamped: fbgemm clamps
+        if fast is not None:
+            u, scale, neg_zp = fast
+        else:
+            grids = _row_grids(xf)
+            if grids is None:
+                return None
+            scale, neg_zp = grids
+            u = torch.mul(xf, torch.reciprocal(scale)).sub_(neg_zp)
         raw = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(u, 1.0, 0, _split_pack(plan, w_scale))
-        y = torch.add(raw[:, :n], raw[:, n:]).addcmul_(neg_zp, plan.wsum).mul_(scale)
+        y = torch.add(raw[:, :n], raw[:, n:])
+        kernels.counts[("onednn", "linear")] += 1
+        if _native_epilogue(y, neg_zp, plan.wsum, scale, bias, True) is not None:
+            return y
+        y = y.addcmul_(neg_zp, plan.wsum).mul_(scale)
+        return y if bias is None else y.add_(bias)
     kernels.counts[("onednn", "linear")] += 1
     return y if bias is None else y.add_(bias)
 

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .... import kernels
+from .... import kernels, native
 from ....compile_state import tensor_version
 from ....kernels import onednn
 from ....kernels.avx2 import _scratch, direct, fbgemm_ops
@@ -60,6 +60,7 @@ ACTIVATIONS = ("per_token", "per_token_7bit", "per_tensor_7bit")
 _F32 = np.float32
 _SMALL_SCALE = _F32(6.1e-5)  # fbgemm's SMALL_SCALE_THRESHOLD (a float)
 _SCRATCH_MAX = 1 << 24  # floats (64 MiB) up to which per_token_7bit's u lives in the thread's kept scratch buffer
+_SCRATCH_MIN = 1 << 16  # floats (256 KiB) above which it does (below: malloc's reused heap blocks, no faults)
 
 
 def ao_qparams(x: torch.Tensor) -> tuple[float, int]:
@@ -170,6 +171,13 @@ def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     xf = x2.detach() if x2.requires_grad else x2  # (a no-grad input needs no detached view: one op less)
     xf = xf if xf.dtype == torch.float32 else xf.float()
     plan = _token_plan(xf, weight_int8, w_scale, w_zero_point, qdtype, cache)
+    fast = _native_u7(xf) if plan is not None else None
+    if fast is not None:  # grids and u in one native pass per row (the same bits as the torch ops below)
+        u, scale, neg_zp = fast
+        raw = _token_gemm(u, plan)
+        if native.row_epilogue(raw, neg_zp, plan.wsum, scale, bias, True) is not None:
+            return raw
+        return _row_epilogue(raw, neg_zp, plan.wsum, scale, bias)
     if plan is not None and xf.shape[0] == 1:  # one token: the grid as Python floats (one reduction, two host reads)
         grid = _one_row_grid(xf, 127.0)
         if grid is not None:
@@ -184,6 +192,17 @@ def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
         return per_token_linear(quantize_per_token(xf, U7), weight, bias, cache)
     scale, neg_zp = grids
     return _row_epilogue(_token_gemm(_u7(xf, scale, neg_zp), plan), neg_zp, plan.wsum, scale, bias)
+
+
+def _native_u7(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(u, s_x, -z_x)`` of ``_row_grids(xf, 127)`` and ``_u7`` in one native pass per row (``lowbit.native``),
+    ``u`` in the thread's scratch buffer as ``_u7``'s (above ``_SCRATCH_MIN`` floats); ``None`` where the native
+    pass does not run or a row is not finite (the torch ops then decide)."""
+    if not native.available():
+        return None
+    m, k = xf.shape
+    kept = _SCRATCH_MIN < m * k <= _SCRATCH_MAX  # (a small u: a fresh malloc block is cheaper than the lookup)
+    return native.row_grid(xf, 127.0, "u", out=_scratch((m, k)) if kept else None)
 
 
 def _token_plan(xf: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,

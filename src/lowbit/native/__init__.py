@@ -1,0 +1,207 @@
+"""Native row passes of the per-token (dynamic) Linear: one pass per row where torch needs five to eight.
+
+The per-token recipes quantize every row ``x_m`` of an ``(M, K)`` float32 input on its own grid, and after the
+GEMM scale every output row by it. In torch ops that is ``amin``, ``amax``, the grid's ten tiny ops, then
+``mul``, ``sub``, ``round``/``clamp`` over ``x`` and ``addcmul``, ``mul``, ``add`` over the output: each a pass
+over memory, ~130 ms of a 950 ms MiniLM forward at one thread. ``rowquant.c`` does each side in one pass per
+row (the row's second read comes from L1), with the same float32 operations in the same order, so its results
+are bit for bit those of the torch ops it replaces (``tests/test_native.py`` checks them against each other)::
+
+    row_grid(x, levels, mode)      lo = min(x_m, 0), hi = max(x_m, 0)            (NaN / ±Inf: None, all rows)
+                                   s_m = max(fl(fl(hi - lo) / levels), 1e-8),  -z_m = round(fl(lo / s_m))
+                                   u = fl(fl(x · fl(1 / s_m)) - (-z_m))
+                                   mode "u":     min(u, qmax)                   float32 (fbgemm rounds it)
+                                   mode "codes": clamp(round(u), 0, qmax)       uint8
+    row_epilogue(raw, a, w, s, b)  in place, fused=True:  raw = fl(raw + a_m w_n) · s_m + b_n   (one rounding
+                                                          of raw + a w: torch's addcmul_ is a fused multiply-add)
+                                              fused=False: raw = fl(raw - fl(a_m w_n)) · s_m + b_n  (sub_ of a product)
+
+The C source is compiled once per machine and source version with the system's C compiler (``cc``, or
+``$CC``) into ``$LOWBIT_CACHE_DIR`` (default ``~/.cache/lowbit``) and loaded with ``ctypes`` (no torch headers:
+~0.5 s). It takes AVX2 + FMA bodies where the CPU has them, checked at run time, and scalar bodies with the
+same results elsewhere; rows are split over ``torch.get_num_threads()`` threads of torch's own OpenMP pool (the
+object links ``libgomp.so.1``, which resolves to the copy torch loaded) for inputs past ATen's grain size.
+Where there is no compiler, the build fails or ``LOWBIT_NATIVE=0`` is set, ``available()`` is ``False`` and
+every caller keeps its torch ops (the same numbers, slower); ``reason()`` says why.
+
+>>> import torch
+>>> from lowbit import native
+>>> x = torch.tensor([[-1.0, 0.0, 2.0], [0.5, 0.25, 0.0]])
+>>> r = native.row_grid(x, 255.0, "codes") if native.available() else None
+>>> r is None or r[0].tolist() == [[0, 85, 255], [255, 127, 0]]
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from collections import Counter
+from typing import Iterator
+
+import torch
+
+__all__ = ["available", "reason", "row_grid", "row_epilogue", "disabled", "force_scalar", "counts"]
+
+_SRC = Path(__file__).with_name("rowquant.c")
+_FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
+_OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds the single-threaded object
+_THREAD_MIN = 1 << 15  # floats a pass must cover before it is split over threads (ATen's grain size)
+_state: dict[str, object] = {}
+_lock = threading.Lock()
+_local = threading.local()  # per-thread switches for tests: disabled(), force_scalar()
+counts: Counter[str] = Counter()  # passes that ran natively ("row_grid", "row_epilogue"), as kernels.counts
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LOWBIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "lowbit")
+    return Path(root) / "native"
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("LOWBIT_NATIVE", "1") == "0":
+        return None, "LOWBIT_NATIVE=0"
+    if sys.platform != "linux" or not _SRC.exists():
+        return None, f"no native build on {sys.platform}" if _SRC.exists() else f"{_SRC} is missing"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None, "no C compiler (cc / gcc / $CC) on PATH"
+    src = _SRC.read_bytes()
+    tag = hashlib.sha256(src + " ".join([cc, *_FLAGS, _OPENMP]).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"rowquant-{tag}.so"
+    if not lib.exists():
+        try:
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # build aside, then one atomic rename
+                out = Path(tmp) / lib.name
+                for extra in ([_OPENMP], []):
+                    done = subprocess.run([cc, *_FLAGS, *extra, "-o", str(out), str(_SRC)], capture_output=True,
+                                          text=True, timeout=120)
+                    if done.returncode == 0:
+                        break
+                else:
+                    return None, f"{cc} failed: {done.stderr.strip()[-300:]}"
+                os.replace(out, lib)
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, f"native build failed: {e}"
+    try:
+        dll = ctypes.CDLL(str(lib))
+    except OSError as e:
+        return None, f"cannot load {lib}: {e}"
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    dll.lb_row_grid.argtypes = [p, i64, i64, i64, f32, f32, f32, i32, p, i64, p, p, i32, i32]
+    dll.lb_row_grid.restype = i32
+    dll.lb_row_epilogue.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i32, i32]
+    dll.lb_row_epilogue.restype = None
+    dll.lb_cpu_avx2.restype = dll.lb_openmp.restype = i32
+    body = "AVX2 + FMA bodies" if dll.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
+    return dll, body + (", OpenMP threads" if dll.lb_openmp() else ", one thread (built without OpenMP)")
+
+
+def _lib() -> ctypes.CDLL | None:
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                _state["lib"], _state["reason"] = _build()
+    if getattr(_local, "off", False):
+        return None
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def available() -> bool:
+    """Whether the native passes run in this thread (built and loaded, not switched off)."""
+    return _lib() is not None
+
+
+def reason() -> str:
+    """What the native build gave: the bodies it runs, or why it is not used."""
+    _lib()
+    return str(_state["reason"])
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Callers keep their torch ops inside this block (this thread): the reference for the native passes."""
+    old = getattr(_local, "off", False)
+    _local.off = True
+    try:
+        yield
+    finally:
+        _local.off = old
+
+
+@contextlib.contextmanager
+def force_scalar() -> Iterator[None]:
+    """The scalar C bodies inside this block (this thread), on any CPU: tests cover both bodies everywhere."""
+    old = getattr(_local, "isa", 1)
+    _local.isa = 0
+    try:
+        yield
+    finally:
+        _local.isa = old
+
+
+def _threads(work: int) -> int:
+    return torch.get_num_threads() if work >= _THREAD_MIN else 1
+
+
+def _fits(x: torch.Tensor) -> bool:
+    return (x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0
+            and x.shape[1] > 0 and x.stride(0) >= x.shape[1] and not x.requires_grad)
+
+
+def row_grid(x: torch.Tensor, levels: float, mode: str, out: torch.Tensor | None = None,
+             qmax: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(out, s, -z)`` for a 2-d float32 CPU ``x`` (unit column stride): the row grids on ``[0, levels]`` as
+    ``(M, 1)`` float32 and ``out`` (``(M, K)``, given or new; float32 for ``mode="u"``, uint8 for ``"codes"``)
+    as the module doc states; ``qmax`` defaults to ``levels`` (``inf``: no clamp on ``u``). ``None`` when the
+    native passes are off, the tensors do not fit them, or some row is not finite: the caller's torch ops decide."""
+    lib = _lib()
+    if lib is None or not _fits(x) or mode not in ("u", "codes"):
+        return None
+    m, k = x.shape
+    dtype = torch.float32 if mode == "u" else torch.uint8
+    if out is None:
+        out = torch.empty(m, k, dtype=dtype)
+    elif out.dtype != dtype or tuple(out.shape) != (m, k) or not out.is_contiguous():
+        raise ValueError(f"row_grid: out must be a contiguous {dtype} tensor of shape {(m, k)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    scale, negzp = torch.empty(m, 1), torch.empty(m, 1)
+    bad = lib.lb_row_grid(x.data_ptr(), m, k, x.stride(0), levels, 1e-8, levels if qmax is None else qmax,
+                          0 if mode == "u" else 1, out.data_ptr(), k, scale.data_ptr(), negzp.data_ptr(),
+                          _threads(m * k), getattr(_local, "isa", 1))
+    if bad:
+        return None
+    counts["row_grid"] += 1
+    return out, scale, negzp
+
+
+def row_epilogue(raw: torch.Tensor, a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None,
+                 fused: bool) -> torch.Tensor | None:
+    """``raw = (raw ± a ⊗ w) · s + bias`` in place (``fused``: ``+``, as ``addcmul_``; else ``-``), for ``raw``
+    ``(M, N)``, ``a`` / ``s`` ``(M, 1)``, ``w`` / ``bias`` ``(N,)``, all contiguous float32 CPU; returns ``raw``, or
+    ``None`` (nothing written) when the native passes are off or the tensors do not fit."""
+    lib = _lib()
+    if lib is None:
+        return None
+    m, n = raw.shape if raw.dim() == 2 else (0, 0)
+    parts = (raw, a, w, s) if bias is None else (raw, a, w, s, bias)
+    if m == 0 or n == 0 or any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in parts):
+        return None
+    if a.numel() != m or s.numel() != m or w.numel() != n or (bias is not None and bias.numel() != n):
+        return None
+    if raw.requires_grad:
+        return None
+    lib.lb_row_epilogue(raw.data_ptr(), m, n, n, a.data_ptr(), w.data_ptr(), s.data_ptr(),
+                        None if bias is None else bias.data_ptr(), int(fused), _threads(m * n),
+                        getattr(_local, "isa", 1))
+    counts["row_epilogue"] += 1
+    return raw

@@ -1,0 +1,206 @@
+/* lowbit's native row passes (see lowbit/native/__init__.py for the math and the contract).
+ *
+ * Every float operation here is the float32 operation torch's ops perform on the same operands, in the
+ * same order: products and quotients correctly rounded, no contraction (built with -ffp-contract=off;
+ * the one fused multiply-add is explicit, where torch's addcmul_ fuses too), round half to even.
+ * An AVX2 body where the CPU has it (checked at run time), a scalar body with the same results otherwise.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_THREADS 64
+
+typedef struct {
+    const float *x; int64_t k, ldx, ldo; float levels, eps, qmax; int mode; void *out;
+    float *scale, *negzp; int64_t r0, r1; int avx2, bad;
+} grid_job;
+
+typedef struct {
+    float *raw; int64_t n, ldr; const float *a, *w, *s, *bias; int fused; int64_t r0, r1; int avx2;
+} epi_job;
+
+static int bad_bits(float v) { uint32_t b; memcpy(&b, &v, 4); return (b & 0x7f800000u) == 0x7f800000u; }
+
+static int cpu_avx2(void) {
+    static int known = -1;
+    if (known < 0) { __builtin_cpu_init(); known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+    return known;
+}
+
+/* (s, -z) of one row from lo = min(x, 0), hi = max(x, 0): _row_grids' float32 arithmetic. 1: not finite. */
+static int row_grid(float lo, float hi, float levels, float eps, float *s, float *nz) {
+    float width = hi - lo;
+    if (!(width < INFINITY)) return 1;
+    float sc = width / levels;
+    sc = sc < eps ? eps : sc;
+    *s = sc;
+    *nz = nearbyintf(lo / sc);
+    return 0;
+}
+
+static void out_tail(const grid_job *j, const float *xr, int64_t m, int64_t i0, float inv, float nz) {
+    if (j->mode == 0) {
+        float *o = (float *)j->out + m * j->ldo;
+        for (int64_t i = i0; i < j->k; ++i) { float v = xr[i] * inv - nz; o[i] = v > j->qmax ? j->qmax : v; }
+    } else {
+        uint8_t *o = (uint8_t *)j->out + m * j->ldo;
+        for (int64_t i = i0; i < j->k; ++i) {
+            float v = nearbyintf(xr[i] * inv - nz);
+            v = v < 0.f ? 0.f : v;
+            o[i] = (uint8_t)(v > j->qmax ? j->qmax : v);
+        }
+    }
+}
+
+static void grid_scalar(grid_job *j) {
+    for (int64_t m = j->r0; m < j->r1; ++m) {
+        const float *xr = j->x + m * j->ldx;
+        float lo = 0.f, hi = 0.f, s, nz;
+        int bad = 0;
+        for (int64_t i = 0; i < j->k; ++i) {
+            float v = xr[i];
+            bad |= bad_bits(v); lo = v < lo ? v : lo; hi = v > hi ? v : hi;
+        }
+        if (bad || row_grid(lo, hi, j->levels, j->eps, &s, &nz)) { j->bad = 1; return; }
+        j->scale[m] = s; j->negzp[m] = nz;
+        out_tail(j, xr, m, 0, 1.0f / s, nz);
+    }
+}
+
+__attribute__((target("avx2,fma")))
+static void grid_avx2(grid_job *j) {
+    const __m256i expo = _mm256_set1_epi32(0x7f800000);
+    const int64_t k = j->k, k8 = k & ~(int64_t)7;
+    for (int64_t m = j->r0; m < j->r1; ++m) {
+        const float *xr = j->x + m * j->ldx;
+        __m256 vlo = _mm256_setzero_ps(), vhi = _mm256_setzero_ps();
+        __m256i vbad = _mm256_setzero_si256();
+        for (int64_t i = 0; i < k8; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            vbad = _mm256_or_si256(vbad, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), expo), expo));
+            vlo = _mm256_min_ps(v, vlo);  /* a NaN lane keeps the running value: the bits check catches it */
+            vhi = _mm256_max_ps(v, vhi);
+        }
+        float l8[8], h8[8], lo = 0.f, hi = 0.f, s, nz;
+        _mm256_storeu_ps(l8, vlo); _mm256_storeu_ps(h8, vhi);
+        int bad = !_mm256_testz_si256(vbad, vbad);
+        for (int t = 0; t < 8; ++t) { lo = l8[t] < lo ? l8[t] : lo; hi = h8[t] > hi ? h8[t] : hi; }
+        for (int64_t i = k8; i < k; ++i) { float v = xr[i]; bad |= bad_bits(v); lo = v < lo ? v : lo; hi = v > hi ? v : hi; }
+        if (bad || row_grid(lo, hi, j->levels, j->eps, &s, &nz)) { j->bad = 1; return; }
+        j->scale[m] = s; j->negzp[m] = nz;
+        const float inv = 1.0f / s;
+        const __m256 vinv = _mm256_set1_ps(inv), vnz = _mm256_set1_ps(nz), vq = _mm256_set1_ps(j->qmax);
+        if (j->mode == 0) {
+            float *o = (float *)j->out + m * j->ldo;
+            for (int64_t i = 0; i < k8; i += 8) {
+                __m256 v = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv), vnz);
+                _mm256_storeu_ps(o + i, _mm256_min_ps(v, vq));
+            }
+        } else {
+            uint8_t *o = (uint8_t *)j->out + m * j->ldo;
+            const __m256 zero = _mm256_setzero_ps();
+            for (int64_t i = 0; i < k8; i += 8) {
+                __m256 v = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv), vnz);
+                v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, zero), vq));
+                __m128i q16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+                _mm_storel_epi64((__m128i *)(o + i), _mm_packus_epi16(q16, q16));
+            }
+        }
+        out_tail(j, xr, m, k8, inv, nz);
+    }
+}
+
+static float epi_one(float r, float a, float w, float s, const float *bias, int64_t i, int fused) {
+    float t = fused ? fmaf(a, w, r) : r - a * w;
+    t = t * s;
+    return bias ? t + bias[i] : t;
+}
+
+static void epi_scalar(epi_job *j) {
+    for (int64_t m = j->r0; m < j->r1; ++m) {
+        float *r = j->raw + m * j->ldr;
+        for (int64_t i = 0; i < j->n; ++i) r[i] = epi_one(r[i], j->a[m], j->w[i], j->s[m], j->bias, i, j->fused);
+    }
+}
+
+__attribute__((target("avx2,fma")))
+static void epi_avx2(epi_job *j) {
+    const int64_t n8 = j->n & ~(int64_t)7;
+    for (int64_t m = j->r0; m < j->r1; ++m) {
+        float *r = j->raw + m * j->ldr;
+        const __m256 va = _mm256_set1_ps(j->a[m]), vs = _mm256_set1_ps(j->s[m]);
+        for (int64_t i = 0; i < n8; i += 8) {
+            __m256 w = _mm256_loadu_ps(j->w + i), x = _mm256_loadu_ps(r + i);
+            __m256 t = j->fused ? _mm256_fmadd_ps(va, w, x) : _mm256_sub_ps(x, _mm256_mul_ps(va, w));
+            t = _mm256_mul_ps(t, vs);
+            if (j->bias) t = _mm256_add_ps(t, _mm256_loadu_ps(j->bias + i));
+            _mm256_storeu_ps(r + i, t);
+        }
+        for (int64_t i = n8; i < j->n; ++i) r[i] = epi_one(r[i], j->a[m], j->w[i], j->s[m], j->bias, i, j->fused);
+    }
+}
+
+static void *grid_run(void *p) { grid_job *j = p; if (j->avx2) grid_avx2(j); else grid_scalar(j); return NULL; }
+static void *epi_run(void *p) { epi_job *j = p; if (j->avx2) epi_avx2(j); else epi_scalar(j); return NULL; }
+
+/* Run fn on jobs[0..n), one per thread of the OpenMP pool. Loaded after torch, this object's libgomp.so.1 is the
+ * one torch's CPU ops already run on (the same soname): the same warm threads, no second pool competing for the
+ * cores. Built without OpenMP, the jobs run one after another on the caller's thread. */
+static void fan_out(void *(*fn)(void *), void *jobs, size_t size, int n) {
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(n) schedule(static, 1)
+#endif
+    for (int t = 0; t < n; ++t) fn((char *)jobs + t * size);
+}
+
+static int threads_for(int nthreads, int64_t rows) {
+    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+    if (nthreads > rows) nthreads = (int)rows;
+    return nthreads < 1 ? 1 : nthreads;
+}
+
+static int use_avx2(int isa) { return isa == 0 ? 0 : cpu_avx2(); }
+
+int lb_cpu_avx2(void) { return cpu_avx2(); }
+
+int lb_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Rows [0, m) of x (row stride ldx floats, unit column stride): scale[m], negzp[m] = -z, and out (row stride ldo):
+ * mode 0: float32 u = min(x * (1/s) - negzp, qmax);  mode 1: uint8 clamp(round(x * (1/s) - negzp), 0, qmax).
+ * Returns 1 when some row is not finite (the outputs are then partly written and must be dropped), else 0.
+ * isa: 0 the scalar body, anything else the best the CPU has. */
+int lb_row_grid(const float *x, int64_t m, int64_t k, int64_t ldx, float levels, float eps, float qmax, int mode,
+                void *out, int64_t ldo, float *scale, float *negzp, int nthreads, int isa) {
+    grid_job jobs[MAX_THREADS];
+    int n = threads_for(nthreads, m), bad = 0;
+    for (int t = 0; t < n; ++t) {
+        grid_job jb = {x, k, ldx, ldo, levels, eps, qmax, mode, out, scale, negzp, m * t / n, m * (t + 1) / n,
+                       use_avx2(isa), 0};
+        jobs[t] = jb;
+    }
+    fan_out(grid_run, jobs, sizeof(grid_job), n);
+    for (int t = 0; t < n; ++t) bad |= jobs[t].bad;
+    return bad;
+}
+
+/* In place on raw (m rows of n floats, row stride ldr): fused: raw = fl(raw + a[m] w[n]) s[m] (+ bias[n]), the sum
+ * rounded once (torch's addcmul_); else raw = fl(raw - fl(a[m] w[n])) s[m] (+ bias[n]) (torch's sub_ of a product). */
+void lb_row_epilogue(float *raw, int64_t m, int64_t n, int64_t ldr, const float *a, const float *w, const float *s,
+                     const float *bias, int fused, int nthreads, int isa) {
+    epi_job jobs[MAX_THREADS];
+    int nt = threads_for(nthreads, m);
+    for (int t = 0; t < nt; ++t) {
+        epi_job jb = {raw, n, ldr, a, w, s, bias, fused, m * t / nt, m * (t + 1) / nt, use_avx2(isa)};
+        jobs[t] = jb;
+    }
+    fan_out(epi_run, jobs, sizeof(epi_job), nt);
+}

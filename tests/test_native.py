@@ -1,0 +1,187 @@
+"""``lowbit.native``: the C row passes must be the torch ops they replace, bit for bit, in both C bodies (AVX2 + FMA
+and scalar: ``force_scalar`` pins the scalar one on any CPU), split over threads or not, on every dynamic Linear
+route that calls them (VNNI and non-VNNI routes pinned by ``has_vnni``, fbgemm's 7-bit and weight-split routes);
+a non-finite row leaves the decision to the torch path; without the build every caller keeps its torch ops."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit as Q
+from lowbit import kernels, native
+from lowbit.nn.quantized.dynamic import Linear as DLinear
+from lowbit.nn.quantized.dynamic import per_token as pt
+from lowbit.nn.quantized.dynamic import reduced
+
+from helpers import force
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"lowbit.native not built: {native.reason()}")
+BODIES = ["best", "scalar"]
+
+
+def _body(name: str) -> contextlib.AbstractContextManager[None]:
+    return native.force_scalar() if name == "scalar" else contextlib.nullcontext()
+
+
+def _rows(seed: int) -> list[torch.Tensor]:
+    """Random row sets: scales 1e-6..1e4, shifted, one-signed, quarter-step values (ties), zero / constant / -0.0 rows,
+    tails of every length mod 8, and a strided view (row stride > K)."""
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.zeros(3, 9), torch.full((2, 17), 2.5), torch.full((2, 8), -0.0), torch.tensor([[1e-30, -1e-30, 0.0]])]
+    for i in range(60):
+        m, k = 1 + int(torch.randint(0, 40, (), generator=g)), 1 + int(torch.randint(0, 90, (), generator=g))
+        x = torch.randn(m, k, generator=g) * 10.0 ** float(torch.rand((), generator=g) * 10 - 6)
+        x = x + torch.randn(m, 1, generator=g) * x.abs().mean() * (i % 3)
+        if i % 4 == 1:
+            x = x.abs()
+        elif i % 4 == 2:
+            x = -x.abs()
+        if i % 5 == 0:
+            x = torch.round(x * 4) / 4
+        out.append(x)
+    wide = torch.randn(20, 50, generator=g)
+    out.append(wide[:, 3:40])  # row stride 50, K = 37
+    return out
+
+
+def _torch_grid(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    grids = pt._row_grids(x, pt._LEVELS[levels])
+    assert grids is not None
+    return grids
+
+
+@needs_native
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_grid_is_the_torch_ops(body: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with _body(body):
+            for x in _rows(threads):
+                s, nz = _torch_grid(x, 127)
+                u = torch.mul(x, torch.reciprocal(s)).sub_(nz).clamp_max_(127)
+                got = native.row_grid(x, 127.0, "u")
+                assert got is not None and torch.equal(got[1], s) and torch.equal(got[2], nz) and torch.equal(got[0], u)
+                free = native.row_grid(x, 255.0, "u", qmax=float("inf"))
+                s, nz = _torch_grid(x, 255)
+                assert free is not None and torch.equal(free[0], torch.mul(x, torch.reciprocal(s)).sub_(nz))
+                codes = native.row_grid(x, 255.0, "codes")
+                assert codes is not None and torch.equal(codes[0], pt._codes(x, torch.reciprocal(s), nz))
+                assert torch.equal(codes[1], s) and torch.equal(codes[2], nz)
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_native
+@pytest.mark.parametrize("body", BODIES)
+def test_non_finite_rows_and_misfits_are_left_to_torch(body: str) -> None:
+    with _body(body):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            for k in (5, 16, 21):  # the bad value in the vector body and in the tail
+                x = torch.randn(4, k)
+                x[2, k - 1] = bad
+                assert native.row_grid(x, 255.0, "codes") is None and pt._row_grids(x) is None
+        wide = torch.tensor([[3e38, -3e38]])  # finite values, a range past float32
+        assert native.row_grid(wide, 127.0, "u") is None and pt._row_grids(wide) is None
+    assert native.row_grid(torch.randn(3, 4, dtype=torch.float64), 255.0, "codes") is None
+    assert native.row_grid(torch.randn(4, 3).t(), 255.0, "codes") is None  # column stride 4
+    assert native.row_grid(torch.randn(3, 4, requires_grad=True), 255.0, "codes") is None
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.uint8 tensor of shape \(3, 4\)"):
+        native.row_grid(torch.randn(3, 4), 255.0, "codes", out=torch.empty(3, 4))
+
+
+@needs_native
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_epilogue_is_addcmul_or_sub(body: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(1)
+    try:
+        with _body(body):
+            for m, n in [(1, 1), (3, 7), (5, 8), (17, 45), (64, 129)]:
+                raw = torch.randn(m, n, generator=g) * 300
+                a = torch.round(torch.randn(m, 1, generator=g) * 100)
+                w, s = torch.randn(n, generator=g) * 3, torch.rand(m, 1, generator=g) * 1e-2
+                for bias in (None, torch.randn(n, generator=g)):
+                    fused = raw.clone().addcmul_(a, w).mul_(s)
+                    sub = raw.clone().sub_(a * w).mul_(s)
+                    if bias is not None:
+                        fused, sub = fused.add_(bias), sub.add_(bias)
+                    assert torch.equal(native.row_epilogue(raw.clone(), a, w, s, bias, True), fused), (m, n)
+                    assert torch.equal(native.row_epilogue(raw.clone(), a, w, s, bias, False), sub), (m, n)
+            assert native.row_epilogue(torch.randn(2, 3).t(), torch.ones(3, 1), torch.ones(2), torch.ones(3, 1), None,
+                                       True) is None  # not contiguous: nothing written, the caller's torch ops run
+    finally:
+        torch.set_num_threads(old)
+
+
+def _layer(k: int, n: int, reduce_range: bool) -> DLinear:
+    torch.manual_seed(k + n)
+    lin = nn.Linear(k, n)
+    lin.qconfig = Q.get_dynamic_qconfig(reduce_range=reduce_range)
+    return DLinear.from_float(lin)
+
+
+@needs_native
+@pytest.mark.parametrize("vnni", [True, False])
+@pytest.mark.parametrize("reduce_range", [False, True])
+def test_dynamic_linear_routes_are_bit_identical_with_and_without_native(vnni: bool, reduce_range: bool,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    force(monkeypatch, vnni=vnni, fbgemm=True)
+    monkeypatch.setattr(pt, "_CHUNK_ABOVE", 1 << 12)  # the chunked non-VNNI route at small sizes too
+    q = _layer(96, 70, reduce_range)
+    g = torch.Generator().manual_seed(2)
+    for m in (1, 2, 5, 16, 40, 300, 4000):  # one row, the weight split (few rows), chunks, blocked epilogue
+        x = torch.randn(m, 96, generator=g) * torch.rand(m, 1, generator=g) * 4 + torch.randn(m, 1, generator=g)
+        kernels.counts.clear()
+        native.counts.clear()
+        y = q(x)
+        fast = sum(v for (b, _), v in kernels.counts.items() if b != "reference")
+        ran = (native.counts["row_grid"], native.counts["row_epilogue"])
+        with native.disabled():
+            ref = q(x)
+        assert fast >= 1 and torch.equal(y, ref), (m, vnni, reduce_range)
+        one_row_host = m == 1 and not reduce_range  # the 8-bit recipe's one-row routes read the grid on the host
+        assert ran == ((0, 0) if one_row_host else (1, 1)), (m, ran)
+    x[5, 3] = float("nan")  # a non-finite row: the generic path's NaN row (its epilogue rounds the others alike)
+    y = q(x)
+    ok = torch.allclose(y[:5], ref[:5], rtol=1e-5, atol=1e-5) and torch.allclose(y[6:], ref[6:], rtol=1e-5, atol=1e-5)
+    assert bool(y[5].isnan().all()) and ok
+
+
+@needs_native
+def test_per_token_7bit_scratch_u_is_not_the_output() -> None:
+    q = _layer(384, 40, True)
+    x, other = torch.randn(1500, 384), torch.randn(900, 384)
+    y = q(x)
+    assert q(other).shape == (900, 40) and torch.equal(q(x), y)
+    with native.disabled():
+        assert torch.equal(q(x), y)
+    assert reduced._native_u7(x) is not None
+
+
+def test_without_the_build_callers_keep_their_torch_ops(tmp_path) -> None:
+    code = ("import torch, lowbit as Q; from lowbit import native; from torch import nn\n"
+            "l = nn.Linear(8, 4); l.qconfig = Q.get_dynamic_qconfig()\n"
+            "from lowbit.nn.quantized.dynamic import Linear\n"
+            "y = Linear.from_float(l)(torch.randn(300, 8))\n"
+            "print(native.available(), native.reason(), y.shape[0])")
+    env = {**os.environ, "LOWBIT_NATIVE": "0", "LOWBIT_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "LOWBIT_NATIVE=0", "300"]
+    env = {**env, "LOWBIT_NATIVE": "1", "PATH": "/nonexistent", "CC": ""}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("False no C compiler"), out.stdout
