@@ -185,3 +185,35 @@ def test_without_the_build_callers_keep_their_torch_ops(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("False no C compiler"), out.stdout
+
+
+class _Convs(nn.Module):
+    """Dense, grouped and depthwise convs (odd channel counts: vector bodies and tails), ReLU, ReLU6, no bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 21, 3, padding=1), nn.ReLU())
+        self.b = nn.Sequential(nn.Conv2d(21, 42, 3, padding=1, groups=3), nn.ReLU6())
+        self.c = nn.Conv2d(42, 42, 3, padding=1, groups=42)
+        self.d = nn.Conv2d(42, 13, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(self.c(self.b(self.a(x))))
+
+
+@needs_native
+@pytest.mark.parametrize("body", BODIES)
+def test_split_weight_conv_epilogue_is_the_torch_passes(body: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    force(monkeypatch, vnni=False, fbgemm=False)  # 8-bit codes without VNNI: the split-weight convs
+    torch.manual_seed(0)
+    model = _Convs().eval()
+    calib = [torch.randn(4, 3, 12, 12) for _ in range(3)]
+    qmodel, _ = Q.quantize_ptq(model, calib, recipe="default")
+    x = torch.randn(5, 3, 12, 12)
+    with _body(body):
+        native.counts.clear()
+        y = qmodel(x)
+        ran = native.counts["conv_epilogue"]
+    with native.disabled():
+        ref = qmodel(x)
+    assert ran == 4 and torch.equal(y, ref), ran  # every conv: dense, grouped (stacked halves), depthwise (two sums)

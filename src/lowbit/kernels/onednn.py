@@ -43,11 +43,12 @@ from typing import Any
 
 import torch
 
+from .. import native
 from ..compile_state import tensor_version
 from ..functional import _store
 from ..qtensor import QTensor
-from .avx2 import (_acc_epilogue, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _split_run, combine_stacked, stack_halves,
-                   weight_halves)
+from .avx2 import (_acc_epilogue, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor, _scaled, _split_run,
+                   combine_stacked, stack_halves, weight_halves)
 from .spec import ConvSpec, OutGrid
 
 __all__ = ["NAME", "SMALL_M", "available", "has_vnni", "cpu_has_vnni", "isa_capped", "saturation_safe", "linear",
@@ -354,6 +355,12 @@ def _wsplit_conv(entry: Any, q: torch.Tensor, sx: float, zx: int, weight: QTenso
     stride, padding, dilation = geometry
     ys = [torch.ops.onednn.qconv_pointwise(q, 1.0, zx, p, ones, zeros, None, stride, padding, dilation, groups, 1.0, 0,
                                            torch.float32, "none", [], "") for p in packs]
+    if out is not None and out.qdtype.storage == torch.uint8:  # the whole epilogue in one native pass (same codes)
+        codes = native.conv_epilogue(ys, groups, _scaled(weight.scale, sx, cache), bias, _inv_scale(out.scale),
+                                     out.zero_point, _relu_floor(out.qdtype.quant_min, out.zero_point, relu),
+                                     out.qdtype.quant_max)
+        if codes is not None:
+            return out.wrap(codes)
     acc = ys[1].add_(ys[0], alpha=2) if len(ys) == 2 else combine_stacked(ys[0], groups, out is not None)  # (2·hi exact)
     return _acc_epilogue(acc, weight.scale, sx, bias, out, relu, cache)
 

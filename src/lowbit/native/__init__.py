@@ -49,7 +49,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["available", "reason", "row_grid", "row_epilogue", "disabled", "force_scalar", "counts"]
+__all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "disabled", "force_scalar", "counts"]
 
 _SRC = Path(__file__).with_name("rowquant.c")
 _FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
@@ -101,6 +101,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_row_grid.restype = i32
     dll.lb_row_epilogue.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i32, i32]
     dll.lb_row_epilogue.restype = None
+    dll.lb_conv_epilogue.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, f32, f32, f32, f32, p, i32, i32]
+    dll.lb_conv_epilogue.restype = None
     dll.lb_cpu_avx2.restype = dll.lb_openmp.restype = i32
     body = "AVX2 + FMA bodies" if dll.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
     return dll, body + (", OpenMP threads" if dll.lb_openmp() else ", one thread (built without OpenMP)")
@@ -205,3 +207,43 @@ def row_epilogue(raw: torch.Tensor, a: torch.Tensor, w: torch.Tensor, s: torch.T
                         getattr(_local, "isa", 1))
     counts["row_epilogue"] += 1
     return raw
+
+
+def conv_epilogue(ys: list[torch.Tensor], groups: int, scale: torch.Tensor, bias: torch.Tensor | None, inv: float,
+                  zero_point: int, lo: int, hi: int) -> torch.Tensor | None:
+    """The split-weight conv's epilogue in one pass (``kernels.onednn._wsplit_conv``): from its raw float32 sums,
+    ``[stacked]`` (``(N, 2C, *sp)``, each group's ``hi`` then ``lo`` channels) or ``[hi, lo]`` (``(N, C, *sp)`` each),
+    channels innermost in memory (oneDNN's channels-last output), the uint8 codes
+    ``clamp(round(fl(clamp(fl(fl(fl(lo + 2 hi) · scale_c) + bias_c) · inv), lo - z, hi - z) + z)), 0, 255)``
+    (``combine_stacked`` / ``add_(alpha=2)``, ``_acc_epilogue``'s multiply and bias, ``qstore.codes``' clamp, round and
+    store) as an ``(N, C, *sp)`` channels-last tensor; ``None`` (nothing written) where the tensors do not fit."""
+    lib = _lib()
+    if lib is None or len(ys) not in (1, 2):
+        return None
+    y0 = ys[0]
+    c2 = y0.shape[1] if y0.dim() >= 3 else 0
+    c = c2 // 2 if len(ys) == 1 else c2
+    if c == 0 or (len(ys) == 1 and (c2 % 2 or c % groups)) or not 0 <= lo <= hi <= 255:
+        return None
+    lasts = [t.movedim(1, -1) for t in ys]
+    if any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.requires_grad for t in lasts):
+        return None
+    if len(ys) == 2 and ys[1].shape != y0.shape:
+        return None
+    parts = (scale,) if bias is None else (scale, bias)
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != c for t in parts):
+        return None
+    npix = y0.numel() // c2
+    codes = torch.empty((*lasts[0].shape[:-1], c), dtype=torch.uint8)
+    if len(ys) == 1:
+        cpg = c // groups
+        h, lo_ptr, ps, gs, ng = y0.data_ptr(), y0.data_ptr() + 4 * cpg, 2 * c, 2 * cpg, groups
+    else:
+        cpg, h, lo_ptr, ps, gs, ng = c, ys[0].data_ptr(), ys[1].data_ptr(), c, 0, 1
+    vlo = float(lo - zero_point) if lo > 0 else -float("inf")
+    vhi = float(hi - zero_point) if hi < 255 else float("inf")
+    lib.lb_conv_epilogue(h, lo_ptr, npix, ps, gs, ng, cpg, scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                         inv, float(zero_point), vlo, vhi, codes.data_ptr(), _threads(npix * c),
+                         getattr(_local, "isa", 1))
+    counts["conv_epilogue"] += 1
+    return codes.movedim(-1, 1)

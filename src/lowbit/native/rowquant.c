@@ -204,3 +204,78 @@ void lb_row_epilogue(float *raw, int64_t m, int64_t n, int64_t ldr, const float 
     }
     fan_out(epi_run, jobs, sizeof(epi_job), nt);
 }
+
+/* ---- the split-weight conv's epilogue (kernels/onednn._wsplit_conv + avx2._acc_epilogue + qstore.codes) ---- */
+
+typedef struct {
+    const float *hi, *lo; int64_t ps, gs, groups, cpg; const float *sc, *bias; float inv, z, vlo, vhi;
+    uint8_t *out; int64_t p0, p1; int avx2;
+} conv_job;
+
+static uint8_t conv_code(float h, float l, float sc, const float *bias, int64_t ch, const conv_job *j) {
+    float t = l + (h + h);                 /* fl(lo + 2 hi): 2 hi is exact */
+    t = t * sc;                            /* · fl(s_x s_w) */
+    if (bias) t = t + bias[ch];
+    float v = t * j->inv;                  /* · float32(1 / s_out) */
+    v = v < j->vlo ? j->vlo : v;           /* qstore's clamp of v (ReLU floor / narrow grid), -inf/inf if none */
+    v = v > j->vhi ? j->vhi : v;
+    float r = nearbyintf(v + j->z);        /* round half to even of fl(v + z) */
+    r = r < 0.f ? 0.f : r;                 /* the 8-bit storage's saturation */
+    return (uint8_t)(r > 255.f ? 255.f : r);
+}
+
+static void conv_scalar(conv_job *j) {
+    const int64_t c_all = j->groups * j->cpg;
+    for (int64_t p = j->p0; p < j->p1; ++p)
+        for (int64_t g = 0; g < j->groups; ++g) {
+            const float *h = j->hi + p * j->ps + g * j->gs, *l = j->lo + p * j->ps + g * j->gs;
+            for (int64_t c = 0; c < j->cpg; ++c) {
+                int64_t ch = g * j->cpg + c;
+                j->out[p * c_all + ch] = conv_code(h[c], l[c], j->sc[ch], j->bias, ch, j);
+            }
+        }
+}
+
+__attribute__((target("avx2,fma")))
+static void conv_avx2(conv_job *j) {
+    const int64_t c_all = j->groups * j->cpg, c8 = j->cpg & ~(int64_t)7;
+    const __m256 vinv = _mm256_set1_ps(j->inv), vz = _mm256_set1_ps(j->z), vlo = _mm256_set1_ps(j->vlo),
+                 vhi = _mm256_set1_ps(j->vhi), zero = _mm256_setzero_ps(), top = _mm256_set1_ps(255.f);
+    for (int64_t p = j->p0; p < j->p1; ++p)
+        for (int64_t g = 0; g < j->groups; ++g) {
+            const float *h = j->hi + p * j->ps + g * j->gs, *l = j->lo + p * j->ps + g * j->gs;
+            const int64_t base = g * j->cpg;
+            uint8_t *o = j->out + p * c_all + base;
+            for (int64_t c = 0; c < c8; c += 8) {
+                __m256 hv = _mm256_loadu_ps(h + c);
+                __m256 t = _mm256_add_ps(_mm256_loadu_ps(l + c), _mm256_add_ps(hv, hv));
+                t = _mm256_mul_ps(t, _mm256_loadu_ps(j->sc + base + c));
+                if (j->bias) t = _mm256_add_ps(t, _mm256_loadu_ps(j->bias + base + c));
+                __m256 v = _mm256_mul_ps(t, vinv);
+                v = _mm256_min_ps(_mm256_max_ps(v, vlo), vhi);
+                v = _mm256_round_ps(_mm256_add_ps(v, vz), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, zero), top));
+                __m128i q16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+                _mm_storel_epi64((__m128i *)(o + c), _mm_packus_epi16(q16, q16));
+            }
+            for (int64_t c = c8; c < j->cpg; ++c) o[c] = conv_code(h[c], l[c], j->sc[base + c], j->bias, base + c, j);
+        }
+}
+
+static void *conv_run(void *p) { conv_job *j = p; if (j->avx2) conv_avx2(j); else conv_scalar(j); return NULL; }
+
+/* npix pixels (channels innermost) of a conv's two raw float32 sums: hi / lo at pixel p, group g, channel c of the
+ * group at hi[p ps + g gs + c] / lo[...]; out[p C + g cpg + c] = clamp(round(fl(clamp(fl(fl(fl(lo + 2 hi) sc) + bias)
+ * inv, vlo, vhi) + z)), 0, 255) (uint8, C = groups cpg; bias may be NULL). */
+void lb_conv_epilogue(const float *hi, const float *lo, int64_t npix, int64_t ps, int64_t gs, int64_t groups,
+                      int64_t cpg, const float *sc, const float *bias, float inv, float z, float vlo, float vhi,
+                      uint8_t *out, int nthreads, int isa) {
+    conv_job jobs[MAX_THREADS];
+    int nt = threads_for(nthreads, npix);
+    for (int t = 0; t < nt; ++t) {
+        conv_job jb = {hi, lo, ps, gs, groups, cpg, sc, bias, inv, z, vlo, vhi, out, npix * t / nt,
+                       npix * (t + 1) / nt, use_avx2(isa)};
+        jobs[t] = jb;
+    }
+    fan_out(conv_run, jobs, sizeof(conv_job), nt);
+}
