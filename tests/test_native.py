@@ -217,3 +217,30 @@ def test_split_weight_conv_epilogue_is_the_torch_passes(body: str, monkeypatch: 
     with native.disabled():
         ref = qmodel(x)
     assert ran == 4 and torch.equal(y, ref), ran  # every conv: dense, grouped (stacked halves), depthwise (two sums)
+
+
+@needs_native
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("relu", [False, True])
+def test_quantized_add_is_the_torch_passes(body: str, relu: bool) -> None:
+    from lowbit.nn.quantized.functional_modules import QFunctional
+
+    g = torch.Generator().manual_seed(3)
+    cases = [((5, 7, 9, 11), Q.quint8, Q.quint8, Q.quint8), ((2, 33), Q.qint8, Q.quint8, Q.qint8),
+             ((3, 16, 6, 6), Q.quint8, Q.qint8, Q.quint8), ((1,), Q.quint8, Q.quint8, Q.quint8)]
+    for shape, da, db, dout in cases:
+        for last in (False, True):
+            xa, xb = torch.randn(*shape, generator=g) * 3, torch.randn(*shape, generator=g) * 2 + 0.5
+            if last and len(shape) == 4:
+                xa, xb = xa.to(memory_format=torch.channels_last), xb.to(memory_format=torch.channels_last)
+            a = Q.quantize_per_tensor(xa, 0.031, 3 if da == Q.qint8 else 120, da)
+            b = Q.quantize_per_tensor(xb, 0.017, -5 if db == Q.qint8 else 90, db)
+            f = QFunctional(0.043, 0 if dout == Q.qint8 else 128, dout)
+            with _body(body):
+                native.counts.clear()
+                got = f.add_relu(a, b) if relu else f.add(a, b)
+                ran = native.counts["qadd"]
+            with native.disabled():
+                ref = f.add_relu(a, b) if relu else f.add(a, b)
+            assert ran == 1 and torch.equal(got.int_repr(), ref.int_repr()), (shape, da, db, dout, last)
+            assert got.int_repr().stride() == ref.int_repr().stride()

@@ -49,7 +49,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "disabled", "force_scalar", "counts"]
+__all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "disabled", "force_scalar", "counts"]
 
 _SRC = Path(__file__).with_name("rowquant.c")
 _FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
@@ -103,6 +103,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_row_epilogue.restype = None
     dll.lb_conv_epilogue.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, f32, f32, f32, f32, p, i32, i32]
     dll.lb_conv_epilogue.restype = None
+    dll.lb_qadd.argtypes = [p, i32, p, i32, p, i32, i64, f32, f32, f32, f32, f32, f32, f32, i32, i32]
+    dll.lb_qadd.restype = None
     dll.lb_cpu_avx2.restype = dll.lb_openmp.restype = i32
     body = "AVX2 + FMA bodies" if dll.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
     return dll, body + (", OpenMP threads" if dll.lb_openmp() else ", one thread (built without OpenMP)")
@@ -247,3 +249,29 @@ def conv_epilogue(ys: list[torch.Tensor], groups: int, scale: torch.Tensor, bias
                          getattr(_local, "isa", 1))
     counts["conv_epilogue"] += 1
     return codes.movedim(-1, 1)
+
+
+_CODES = (torch.uint8, torch.int8)
+
+
+def qadd(qa: torch.Tensor, za: int, ka: float, qb: torch.Tensor, zb: int, kb: float, z: int, lo: int, hi: int,
+         storage: torch.dtype) -> torch.Tensor | None:
+    """``round(clamp(fl(fl((q_a - z_a) k_a) + fl((q_b - z_b) k_b)), lo - z, hi - z)) + z`` in ``storage`` (uint8 /
+    int8) for two same-shape dense 8-bit code tensors in the same memory order (``functional_modules._fast_add``'s
+    arithmetic, its float32 steps in its order), as a new tensor in that order; ``None`` where they do not fit."""
+    lib = _lib()
+    if lib is None or qa.dtype not in _CODES or qb.dtype not in _CODES or storage not in _CODES:
+        return None
+    if qa.shape != qb.shape or qa.stride() != qb.stride() or not qa.is_cpu or not qb.is_cpu or qa.numel() == 0:
+        return None
+    if not (qa.is_contiguous() or qa.is_contiguous(memory_format=torch.channels_last)):
+        return None
+    out = torch.empty_like(qa, dtype=storage)
+    if out.stride() != qa.stride():
+        return None
+    n = qa.numel()
+    lib.lb_qadd(qa.data_ptr(), int(qa.dtype == torch.int8), qb.data_ptr(), int(qb.dtype == torch.int8), out.data_ptr(),
+                int(storage == torch.int8), n, float(za), float(zb), ka, kb, float(lo - z), float(hi - z), float(z),
+                _threads(n), getattr(_local, "isa", 1))
+    counts["qadd"] += 1
+    return out
