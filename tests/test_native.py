@@ -244,3 +244,28 @@ def test_quantized_add_is_the_torch_passes(body: str, relu: bool) -> None:
                 ref = f.add_relu(a, b) if relu else f.add(a, b)
             assert ran == 1 and torch.equal(got.int_repr(), ref.int_repr()), (shape, da, db, dout, last)
             assert got.int_repr().stride() == ref.int_repr().stride()
+
+
+@needs_native
+@pytest.mark.parametrize("body", BODIES)
+def test_quantize_stub_is_the_torch_passes(body: str) -> None:
+    from lowbit.nn.quantized.stubs import Quantize
+
+    g = torch.Generator().manual_seed(4)
+    grids = [(0.02, 128, Q.quint8), (0.013, 3, Q.quint8.with_range(0, 127)), (0.05, -4, Q.qint8), (0.1, 0, Q.quint8)]
+    for scale, zp, qd in grids:
+        stub = Quantize(scale, zp, qd)
+        for shape in [(1, 768), (7, 13), (3, 5, 9, 9), (1,)]:
+            x = torch.randn(*shape, generator=g) * 4
+            x.view(-1)[0] = float("inf")  # saturates like torch's quantize
+            with _body(body):
+                native.counts.clear()
+                got = stub(x)
+                ran = native.counts["quantize"]
+            with native.disabled():
+                ref = stub(x)
+            assert ran == 1 and torch.equal(got.int_repr(), ref.int_repr()), (scale, zp, qd, shape)
+        x = torch.randn(4, 20, generator=g)
+        x[2, 17] = float("nan")  # NaN: the torch path's error, nothing from the native pass
+        with pytest.raises(RuntimeError, match="holds 1 NaN values"):
+            stub(x)

@@ -49,7 +49,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "disabled", "force_scalar", "counts"]
+__all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "disabled", "force_scalar", "counts"]
 
 _SRC = Path(__file__).with_name("rowquant.c")
 _FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
@@ -105,6 +105,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_conv_epilogue.restype = None
     dll.lb_qadd.argtypes = [p, i32, p, i32, p, i32, i64, f32, f32, f32, f32, f32, f32, f32, i32, i32]
     dll.lb_qadd.restype = None
+    dll.lb_quantize.argtypes = [p, i64, f32, f32, f32, f32, i32, p, i32, i32]
+    dll.lb_quantize.restype = i32
     dll.lb_cpu_avx2.restype = dll.lb_openmp.restype = i32
     body = "AVX2 + FMA bodies" if dll.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
     return dll, body + (", OpenMP threads" if dll.lb_openmp() else ", one thread (built without OpenMP)")
@@ -275,3 +277,25 @@ def qadd(qa: torch.Tensor, za: int, ka: float, qb: torch.Tensor, zb: int, kb: fl
                 _threads(n), getattr(_local, "isa", 1))
     counts["qadd"] += 1
     return out
+
+
+def quantize_into(x: torch.Tensor, inv: float, z: int, lo: float | None, hi: float | None, out: torch.Tensor) -> bool:
+    """``out = clamp(round(fl(clamp(fl(x · inv), lo, hi) + z)), storage range)`` for a contiguous float32 CPU ``x``
+    and an 8-bit ``out`` of as many elements (its ``data_ptr`` written: a plain uint8 / int8 tensor or a torch
+    quantized tensor's storage): the Quantize stub's ``mul``, clamp and ``quantize_per_tensor(v, 1, z)`` with its
+    NaN check in one pass. ``False`` (``out`` partly written, to be dropped) for a NaN, or where it does not fit."""
+    lib = _lib()
+    if lib is None or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or x.requires_grad:
+        return False
+    sgn = out.dtype in (torch.int8, torch.qint8)
+    if out.dtype not in (torch.uint8, torch.int8, torch.quint8, torch.qint8) or out.numel() != x.numel() \
+            or not out.is_contiguous():
+        return False
+    n = x.numel()
+    nan = lib.lb_quantize(x.data_ptr(), n, inv, float(z), -float("inf") if lo is None else lo,
+                          float("inf") if hi is None else hi, int(sgn), out.data_ptr(), _threads(n),
+                          getattr(_local, "isa", 1))
+    if nan:
+        return False
+    counts["quantize"] += 1
+    return True

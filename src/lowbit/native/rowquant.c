@@ -339,3 +339,59 @@ void lb_qadd(const uint8_t *a, int sa, const uint8_t *b, int sb, void *out, int 
     }
     fan_out(add_run, jobs, sizeof(add_job), nt);
 }
+
+/* ---- the Quantize stub's per-tensor quantize (nn/quantized/stubs.Quantize: NaN check, v = x inv, clamp, codes) ---- */
+
+typedef struct { const float *x; void *out; int64_t i0, i1; float inv, z, vlo, vhi, smin, smax; int sgn, avx2, nan; } qt_job;
+
+static void qt_scalar(qt_job *j) {
+    for (int64_t i = j->i0; i < j->i1; ++i) {
+        float x = j->x[i];
+        if (x != x) { j->nan = 1; return; }
+        float v = x * j->inv;
+        v = v < j->vlo ? j->vlo : v;
+        v = v > j->vhi ? j->vhi : v;
+        float r = nearbyintf(v + j->z);
+        r = r < j->smin ? j->smin : r;
+        r = r > j->smax ? j->smax : r;
+        if (j->sgn) ((int8_t *)j->out)[i] = (int8_t)r; else ((uint8_t *)j->out)[i] = (uint8_t)r;
+    }
+}
+
+__attribute__((target("avx2,fma")))
+static void qt_avx2(qt_job *j) {
+    const __m256 inv = _mm256_set1_ps(j->inv), z = _mm256_set1_ps(j->z), lo = _mm256_set1_ps(j->vlo),
+                 hi = _mm256_set1_ps(j->vhi), smin = _mm256_set1_ps(j->smin), smax = _mm256_set1_ps(j->smax);
+    int64_t i = j->i0;
+    for (; i + 8 <= j->i1; i += 8) {
+        __m256 x = _mm256_loadu_ps(j->x + i);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))) { j->nan = 1; return; }
+        __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x, inv), lo), hi);
+        __m256 r = _mm256_round_ps(_mm256_add_ps(v, z), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, smin), smax));
+        __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64((__m128i *)((uint8_t *)j->out + i), j->sgn ? _mm_packs_epi16(q16, q16) : _mm_packus_epi16(q16, q16));
+    }
+    qt_job t = *j;
+    t.i0 = i;
+    qt_scalar(&t);
+    j->nan = t.nan;
+}
+
+static void *qt_run(void *p) { qt_job *j = p; if (j->avx2) qt_avx2(j); else qt_scalar(j); return NULL; }
+
+/* out[i] = clamp(round(fl(clamp(fl(x inv), vlo, vhi) + z)), smin, smax) (int8 if sgn, else uint8) for n floats;
+ * returns 1 (out partly written) if some x is NaN. */
+int lb_quantize(const float *x, int64_t n, float inv, float z, float vlo, float vhi, int sgn, void *out, int nthreads,
+                int isa) {
+    qt_job jobs[MAX_THREADS];
+    int nt = threads_for(nthreads, n), nan = 0;
+    for (int t = 0; t < nt; ++t) {
+        qt_job jb = {x, out, n * t / nt, n * (t + 1) / nt, inv, z, vlo, vhi, sgn ? -128.f : 0.f, sgn ? 127.f : 255.f,
+                     sgn, use_avx2(isa), 0};
+        jobs[t] = jb;
+    }
+    fan_out(qt_run, jobs, sizeof(qt_job), nt);
+    for (int t = 0; t < nt; ++t) nan |= jobs[t].nan;
+    return nan;
+}
