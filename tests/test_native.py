@@ -213,10 +213,40 @@ def test_split_weight_conv_epilogue_is_the_torch_passes(body: str, monkeypatch: 
     with _body(body):
         native.counts.clear()
         y = qmodel(x)
-        ran = native.counts["conv_epilogue"]
+        ran = (native.counts["conv_epilogue"], native.counts["dwconv"])
     with native.disabled():
         ref = qmodel(x)
-    assert ran == 4 and torch.equal(y, ref), ran  # every conv: dense, grouped (stacked halves), depthwise (two sums)
+    assert ran == (3, 1) and torch.equal(y, ref), ran  # dense, grouped (stacked halves); the depthwise conv whole
+
+
+class _Depthwise(nn.Module):
+    def __init__(self, c: int, k: int, stride: int, dilation: int, bias: bool, act: nn.Module) -> None:
+        super().__init__()
+        self.pre = nn.Conv2d(3, c, 1)
+        self.dw = nn.Sequential(nn.Conv2d(c, c, k, stride, dilation * (k // 2), dilation, groups=c, bias=bias), act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dw(self.pre(x))
+
+
+@needs_native
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("c,k,stride,dilation,bias,act", [(32, 3, 1, 1, True, nn.ReLU6()), (21, 3, 2, 1, False, nn.ReLU()),
+                                                          (40, 5, 2, 2, True, nn.Identity()), (7, 5, 1, 1, True, nn.ReLU())])
+def test_native_depthwise_conv_is_the_split_oneDNN_conv(body: str, c: int, k: int, stride: int, dilation: int, bias: bool,
+                                                        act: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    force(monkeypatch, vnni=False, fbgemm=False)
+    torch.manual_seed(c + k)
+    model = _Depthwise(c, k, stride, dilation, bias, act).eval()
+    qmodel, _ = Q.quantize_ptq(model, [torch.randn(2, 3, 15, 13) * 2 for _ in range(2)], recipe="default")
+    x = torch.randn(3, 3, 15, 13) * 2.5
+    with _body(body):
+        native.counts.clear()
+        y = qmodel(x)
+        ran = native.counts["dwconv"]
+    with native.disabled():
+        ref = qmodel(x)
+    assert ran == 1 and torch.equal(y, ref)
 
 
 @needs_native

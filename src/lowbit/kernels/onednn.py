@@ -297,6 +297,11 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
         halves = _packed(cache, "onednn.conv_wsplit", weight, functools.partial(
             _pack_wsplit, geometry=(stride, padding, dilation), groups=spec.groups))
         if halves is not None and halves[0] is not None:
+            if (out is not None and spec.dim == 2 and spec.groups == q.shape[1] == weight.shape[0] and weight.shape[1] == 1
+                    and out.qdtype.storage == torch.uint8):  # depthwise: one native pass, the same codes
+                codes = _native_dw(q, zx, sx, weight, bias, (stride, padding, dilation), out, relu, cache)
+                if codes is not None:
+                    return codes
             return _wsplit_conv(halves[0], q, sx, zx, weight, bias, spec.groups, (stride, padding, dilation), out,
                                 relu, cache)
     packed = entry[0]
@@ -318,6 +323,23 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     if relu and not fuse:  # quantize is monotone with quantize(0) = z_out, so relu commutes with it
         y = y.relu_() if out is None else y.clamp_(min=out.zero_point)
     return _wrap(y, out)
+
+
+def _native_dw(q: torch.Tensor, zx: int, sx: float, weight: QTensor, bias: torch.Tensor | None,
+               geometry: tuple[list[int], list[int], list[int]], out: OutGrid, relu: bool,
+               cache: dict[str, Any] | None) -> QTensor | None:
+    """The split-weight depthwise conv (``_wsplit_conv``: two oneDNN calls and the epilogue) as ``native.dwconv``: the
+    same exact sums (int32 instead of two float32 halves, ``fl(acc)`` either way) and epilogue, so the same codes."""
+    if not native.available():
+        return None
+    taps = _packed(cache, "native.dw", weight, lambda w: native.dw_weight(w))
+    if taps is None:
+        return None
+    stride, padding, dilation = geometry
+    codes = native.dwconv(q, zx, taps[0], stride, padding, dilation, _scaled(weight.scale, sx, cache), bias,
+                          _inv_scale(out.scale), out.zero_point, _relu_floor(out.qdtype.quant_min, out.zero_point, relu),
+                          out.qdtype.quant_max)
+    return None if codes is None else out.wrap(codes)
 
 
 WSPLIT_CONV = True  # split the weights (one call on the codes) rather than the activations; see ``_wsplit_conv``

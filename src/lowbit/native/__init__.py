@@ -49,7 +49,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "disabled", "force_scalar", "counts"]
+__all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dwconv", "dw_weight", "disabled", "force_scalar", "counts"]
 
 _SRC = Path(__file__).with_name("rowquant.c")
 _FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
@@ -107,6 +107,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_qadd.restype = None
     dll.lb_quantize.argtypes = [p, i64, f32, f32, f32, f32, i32, p, i32, i32]
     dll.lb_quantize.restype = i32
+    dll.lb_dwconv.argtypes = [p, i64, i64, i64, i64, p, i32, i32, i32, i32, i32, i32, i32, i32, i32, i64, i64, p, p,
+                              f32, f32, f32, f32, p, i32, i32]
+    dll.lb_dwconv.restype = None
     dll.lb_cpu_avx2.restype = dll.lb_openmp.restype = i32
     body = "AVX2 + FMA bodies" if dll.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
     return dll, body + (", OpenMP threads" if dll.lb_openmp() else ", one thread (built without OpenMP)")
@@ -299,3 +302,43 @@ def quantize_into(x: torch.Tensor, inv: float, z: int, lo: float | None, hi: flo
         return False
     counts["quantize"] += 1
     return True
+
+
+def dw_weight(w: torch.Tensor) -> torch.Tensor:
+    """A depthwise conv's int8 weight ``(C, 1, kh, kw)`` as the ``(kh, kw, C)`` int16 taps ``dwconv`` reads."""
+    return w[:, 0].permute(1, 2, 0).to(torch.int16).contiguous()
+
+
+def dwconv(q: torch.Tensor, zx: int, taps: torch.Tensor, stride: list[int], padding: list[int], dilation: list[int],
+           scale: torch.Tensor, bias: torch.Tensor | None, inv: float, zero_point: int, lo: int,
+           hi: int) -> torch.Tensor | None:
+    """A 2-d depthwise int8 conv with its requantizing epilogue in one pass: u8 codes ``q`` ``(N, C, H, W)`` on zero
+    point ``zx`` (zero padding: the zero point), ``taps`` from ``dw_weight``, exact int32 sums ``acc``, then
+    ``conv_epilogue``'s codes of ``fl(acc)`` (``scale`` = ``fl(s_x s_w)`` per channel, ``bias``, ``inv`` = 1 / s_out,
+    clamp to ``[lo, hi]``) as ``(N, C, OH, OW)`` channels-last uint8; ``None`` where the tensors do not fit."""
+    lib = _lib()
+    if lib is None or q.dtype != torch.uint8 or q.dim() != 4 or not q.is_cpu or not 0 <= zx <= 255:
+        return None
+    n, c, h, w = q.shape
+    kh, kw = taps.shape[:2] if taps.dim() == 3 else (0, 0)
+    if taps.dtype != torch.int16 or taps.shape != (kh, kw, c) or not taps.is_contiguous() or not 0 <= lo <= hi <= 255 \
+            or kh * kw > 64:  # (rowquant.c's DW_MAX_TAPS)
+        return None
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != c for t in (scale, *(() if bias is None else (bias,)))):
+        return None
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    if oh <= 0 or ow <= 0 or n == 0 or c == 0:
+        return None
+    x = q.movedim(1, -1)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty((n, oh, ow, c), dtype=torch.uint8)
+    vlo = float(lo - zero_point) if lo > 0 else -float("inf")
+    vhi = float(hi - zero_point) if hi < 255 else float("inf")
+    lib.lb_dwconv(x.data_ptr(), n, c, h, w, taps.data_ptr(), kh, kw, stride[0], stride[1], padding[0], padding[1],
+                  dilation[0], dilation[1], zx, oh, ow, scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                  inv, float(zero_point), vlo, vhi, out.data_ptr(), _threads(n * oh * ow * c * kh * kw),
+                  getattr(_local, "isa", 1))
+    counts["dwconv"] += 1
+    return out.movedim(-1, 1)
