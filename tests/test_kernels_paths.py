@@ -38,6 +38,7 @@ import torch
 
 import lowbit as Q
 from lowbit import kernels as K
+from lowbit import native
 from helpers import force
 from lowbit.kernels import OutGrid, avx2, int_mm, onednn
 
@@ -83,6 +84,24 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
             return _real(*a, **kw)
 
         monkeypatch.setattr(onednn, name, spy)
+    real_native = onednn.native_linear
+
+    def native_spy(*a: Any, **kw: Any) -> Any:  # counted only where it ran (None: the route was not taken)
+        y = real_native(*a, **kw)
+        if y is not None:
+            ran["native_linear"] += 1
+        return y
+
+    monkeypatch.setattr(onednn, "native_linear", native_spy)
+    real_dw = onednn._native_dw
+
+    def dw_spy(*a: Any, **kw: Any) -> Any:
+        y = real_dw(*a, **kw)
+        if y is not None:
+            ran["_native_dw"] += 1
+        return y
+
+    monkeypatch.setattr(onednn, "_native_dw", dw_spy)
     return ran
 
 
@@ -141,7 +160,10 @@ def test_onednn_fbgemm_small_m_float(monkeypatch: pytest.MonkeyPatch, paths: Cou
     shapes = [s for s in GRID if s[0] <= onednn.SMALL_M]
     wrong = scan("onednn", safe=safe, zp_w=False, shapes=shapes)
     assert not wrong, f"wrong int32 sums: {wrong}"
-    assert paths["_fbgemm_linear"] == len(shapes) and set(paths) == {"_fbgemm_linear"}
+    # lowbit.native's one call takes up to NATIVE_LINEAR_M rows (the same floats: tests/test_native.py), fbgemm the rest
+    by_native = sum(m <= onednn.NATIVE_LINEAR_M for m, _, _ in shapes) if native.available() else 0
+    assert paths["_fbgemm_linear"] + paths["native_linear"] == len(shapes) and paths["native_linear"] == by_native
+    assert set(paths) <= {"_fbgemm_linear", "native_linear"}
 
 
 def test_onednn_fbgemm_small_m_requantized(monkeypatch: pytest.MonkeyPatch, paths: Counter[str]) -> None:
@@ -170,7 +192,8 @@ def test_static_plan_routes(monkeypatch: pytest.MonkeyPatch, paths: Counter[str]
         y = run(x.int_repr(), float(x.scale), int(x.zero_point))
         assert K.counts[("onednn", "linear")] == before + 1
         small = fbgemm and m <= onednn.SMALL_M
-        route = "_fbgemm_linear" if small else "_split_run"  # 8-bit activations with unsafe weights: the split
+        by_native = native.available() and m <= onednn.NATIVE_LINEAR_M  # lowbit.native's one call (same codes)
+        route = ("native_linear" if by_native else "_fbgemm_linear") if small else "_split_run"  # unsafe weights: split
         split = not onednn.saturation_safe(w.int_repr())       # (K = 1 weights are always safe)
         if sum(paths.values()) - ran != int(split) or (split and not paths[route]):
             wrong.append(f"M={m} K={k} N={n}: route")
@@ -387,7 +410,10 @@ def test_conv_weight_split_codes_are_the_exact_sum_requantized(monkeypatch: pyte
         if not (torch.equal(y.int_repr(), want) and torch.equal(yf, v.relu() if relu else v)):
             wrong.append(WSPLIT_CONVS[i])
     assert not wrong, f"codes differ from the exact sums requantized: {wrong}"
-    assert paths["_wsplit_conv"] == 2 * len(WSPLIT_CONVS) and set(paths) == {"_wsplit_conv"}
+    # 2-d depthwise convs with a u8 output: lowbit.native's one pass (the same codes, checked above against the exact sums)
+    dw = sum(c[0] == 2 and c[4] == c[1] == c[2] for c in WSPLIT_CONVS) if native.available() else 0
+    assert paths["_wsplit_conv"] == 2 * len(WSPLIT_CONVS) - dw and paths["_native_dw"] == dw
+    assert set(paths) <= {"_wsplit_conv", "_native_dw"}
 
 
 def test_conv_weight_split_declines_sums_past_float32(monkeypatch: pytest.MonkeyPatch, paths: Counter[str]) -> None:

@@ -299,3 +299,39 @@ def test_quantize_stub_is_the_torch_passes(body: str) -> None:
         x[2, 17] = float("nan")  # NaN: the torch path's error, nothing from the native pass
         with pytest.raises(RuntimeError, match="holds 1 NaN values"):
             stub(x)
+
+
+@needs_native
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("k,big", [(37, False), (768, False), (3000, True)])
+def test_small_m_linear_is_the_fbgemm_split_route(body: str, k: int, big: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 8-bit codes without VNNI, few rows: native.qlinear replaces _fbgemm_linear (the activation split), bit for bit,
+    # for u8 and float outputs, ReLU, no bias, 3-d inputs; not for weights whose split sums could pass 2^24
+    force(monkeypatch, vnni=False, fbgemm=True)
+    from lowbit.kernels import OutGrid
+
+    g = torch.Generator().manual_seed(k)
+    n = 45
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    if big:
+        w = torch.where(torch.arange(n)[:, None] % 3 == 0, -128, 127).expand(n, k).to(torch.int8).contiguous()
+        w[:, ::7] = 5  # 127 * max Σ|w| >= 2^24: the split's hi sums may round, the route stays fbgemm's
+    wq = Q.QTensor(w, torch.rand(n, generator=g) * 1e-3 + 1e-4, torch.zeros(n, dtype=torch.int64), Q.qint8, axis=0)
+    for m in (1, 2, 3, 4):
+        for lead in ((m,), (1, m)):
+            x = Q.quantize_per_tensor(torch.randn(*lead, k, generator=g) * 2, 0.02, 131, Q.quint8)
+            if big:  # same-signed codes far from z: the split's hi sums pass 2^24, where fl(hi) rounds
+                codes = torch.randint(200, 256, (*lead, k), generator=g, dtype=torch.uint8)
+                x = Q.QTensor(codes, torch.tensor(0.02), torch.tensor(2), Q.quint8)
+            for bias in (None, torch.randn(n, generator=g)):
+                for out in (None, OutGrid(0.05 * (k / 37) ** 0.5, 120, Q.quint8)):
+                    for relu in (False, True):
+                        with _body(body):
+                            native.counts.clear()
+                            got = kernels.linear(x, wq, bias, out, relu)
+                            ran = native.counts["qlinear"]
+                        with native.disabled():
+                            ref = kernels.linear(x, wq, bias, out, relu)
+                        if out is not None:
+                            got, ref = got.int_repr(), ref.int_repr()
+                        assert ran == (0 if big else 1) and torch.equal(got, ref), (m, lead, bias is None, out is None, relu)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowbit as Q
+from lowbit import native
 from lowbit import speed_guard as SG
 from lowbit.examples import SmallCNN
 from lowbit.kernels import ConvSpec, OutGrid, onednn, reference
@@ -218,6 +219,16 @@ def test_onednn_linear_seven_bit_activations_single_call_exact(no_vnni_single_ca
     splits: list[bool] = []
     fbgemm = onednn._fbgemm_linear
     monkeypatch.setattr(onednn, "_fbgemm_linear", lambda *a: splits.append(a[4]) or fbgemm(*a))
+    natives: list[object] = []
+    real_native = onednn.native_linear
+
+    def native_linear(*a: object) -> object:  # lowbit.native's one call (the same floats: tests/test_native.py)
+        y = real_native(*a)
+        if y is not None:
+            natives.append(y)
+        return y
+
+    monkeypatch.setattr(onednn, "native_linear", native_linear)
     w, b = full_weight(24, 70), torch.randn(24)
     assert not onednn.saturation_safe(w.int_repr())
     codes = torch.randint(lo, hi + 1, (*rows, 70), dtype=qd.storage)
@@ -227,7 +238,9 @@ def test_onednn_linear_seven_bit_activations_single_call_exact(no_vnni_single_ca
     y = onednn.linear(x, w, b, out, out is not None, cache=cache)
     small = x.numel() <= onednn.SMALL_M * 70 and torch.backends.quantized.engine in onednn._FBGEMM
     fused = small and out is not None and out.qdtype.storage == torch.uint8  # one fbgemm call, requantized
-    assert splits == ([False] if small and not fused else []) and ("onednn.fbgemm" in cache) == small
+    by_native = small and out is None and native.available() and x.numel() <= onednn.NATIVE_LINEAR_M * 70
+    assert splits == ([False] if small and not fused and not by_native else []) and ("onednn.fbgemm" in cache) == small
+    assert len(natives) == int(by_native)
     assert ("onednn.fbgemm_q" in cache) == fused
     if out is None:
         assert torch.allclose(y.double(), exact(x, w, b), rtol=1e-5, atol=1e-4)

@@ -17,6 +17,7 @@ import torch
 
 import lowbit as Q
 from lowbit import kernels as K
+from lowbit import native
 from helpers import force
 from lowbit.kernels import onednn
 from lowbit.kernels.plan import linear_plan
@@ -47,6 +48,15 @@ def routes(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     for name in ("_split_run", "_fbgemm_linear"):
         real = getattr(onednn, name)
         monkeypatch.setattr(onednn, name, lambda *a, _r=real, _n=name, **kw: ran.update([_n]) or _r(*a, **kw))
+    real_native = onednn.native_linear
+
+    def native_linear(*a: object, **kw: object) -> object:  # counted only when it ran (None: not taken)
+        y = real_native(*a, **kw)
+        if y is not None:
+            ran.update(["native_linear"])
+        return y
+
+    monkeypatch.setattr(onednn, "native_linear", native_linear)
     return ran
 
 
@@ -75,7 +85,10 @@ def test_plan_matches_generic_on_every_route(monkeypatch: pytest.MonkeyPatch, ro
         rows = x.int_repr().numel() // k
         small = fbgemm and rows <= onednn.SMALL_M
         split = full and not seven
-        expect = ({"_fbgemm_linear": 1} if small and (split or grid.qdtype.storage != torch.uint8)
+        # (few rows, u8 output: lowbit.native's one call replaces _fbgemm_linear, the same codes: tests/test_native.py)
+        by_native = native.available() and rows <= onednn.NATIVE_LINEAR_M and grid.qdtype.storage == torch.uint8
+        expect = ({"native_linear": 1} if small and split and by_native
+                  else {"_fbgemm_linear": 1} if small and (split or grid.qdtype.storage != torch.uint8)
                   else {} if small else {"_split_run": 1} if split else {})
         seen.add(tuple(sorted(expect)) + (small,))
         if got_routes != expect:
@@ -83,7 +96,7 @@ def test_plan_matches_generic_on_every_route(monkeypatch: pytest.MonkeyPatch, ro
         if not (y.qdtype == want.qdtype and torch.equal(y.int_repr(), want.int_repr()) and torch.equal(y.scale, want.scale)):
             wrong.append(f"case {i}: x {xqd!r} out {out} full={full} relu={relu} shape={shape}: codes differ")
     assert not wrong, "\n".join(wrong[:20])
-    assert len(seen) == (4 if fbgemm else 2)  # every route of this engine setting ran
+    assert len(seen) == (4 if fbgemm else 2) + (fbgemm and native.available())  # every route of this setting ran
 
 
 def test_plan_follows_state_changes_pins_and_vnni(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -196,6 +196,9 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
         if fb is not None and out is not None and out.qdtype.storage == torch.uint8 and not (split and not seven_bit):
             return _fbgemm_requant(cache, weight, bias, q, sx, zx, out, relu)
         if fb is not None:
+            y = native_linear(q, sx, zx, weight.int_repr(), weight.scale, split and not seven_bit, bias, out, relu, cache)
+            if y is not None:
+                return y
             return _fbgemm_linear(fb[0], q, sx, zx, split and not seven_bit, weight.scale, bias, out, relu, cache)
 
     def run(codes: torch.Tensor, zp: int, b: torch.Tensor | None, s_out: float, z_out: int, dt: torch.dtype,
@@ -323,6 +326,47 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     if relu and not fuse:  # quantize is monotone with quantize(0) = z_out, so relu commutes with it
         y = y.relu_() if out is None else y.clamp_(min=out.zero_point)
     return _wrap(y, out)
+
+
+NATIVE_LINEAR_M = 4  # rows up to which native.qlinear replaces _fbgemm_linear (measured: benchmarks/README.md, session 13)
+NATIVE_LINEAR_W = 1 << 22  # weight elements up to which it does (4096²: fbgemm's kernel is faster from M = 2 on)
+_F32_EXACT = 1 << 24
+
+
+def native_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale: torch.Tensor, split: bool,
+                  bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
+                  cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:
+    """``_fbgemm_linear``'s result (the same codes or floats) from ``native.qlinear`` for at most ``NATIVE_LINEAR_M`` rows
+    and ``NATIVE_LINEAR_W`` weights: the exact sums and the float epilogue in one call. ``fl(acc)`` is the split's
+    ``fl(fl(lo) + 2 fl(hi))`` while both half sums are exact floats (``127 · max_n Σ_k |w| < 2²⁴``); past that bound
+    the split rounds its hi sums and the route stays fbgemm's. ``None``: not taken."""
+    k = q.shape[-1] if q.dim() else 0
+    if (not native.available() or k == 0 or q.numel() > NATIVE_LINEAR_M * k or q.dtype != torch.uint8
+            or w.numel() > NATIVE_LINEAR_W):
+        return None
+    if (out is not None and out.qdtype.storage != torch.uint8) or (split and 127 * _abs_row_max(w, cache) >= _F32_EXACT):
+        return None
+    o = None if out is None else (_inv_scale(out.scale), out.zero_point,
+                                  _relu_floor(out.qdtype.quant_min, out.zero_point, relu), out.qdtype.quant_max)
+    q2 = q if q.dim() == 2 else q.reshape(-1, k)
+    y = native.qlinear(q2, zx, w, _scaled(w_scale, sx, cache), bias, o, relu)
+    if y is None:
+        return None
+    if q.dim() != 2:
+        y = y.reshape(*q.shape[:-1], y.shape[-1])
+    return y if out is None else out.wrap_store(y)  # (the codes stay a scale-1 torch tensor, as the split's store)
+
+
+def _abs_row_max(w: torch.Tensor, cache: dict[str, Any] | None) -> int:
+    """``max_n Σ_k |w[n, k]|`` of int8 weights, kept in ``cache`` per weight version."""
+    key = (w.data_ptr(), tensor_version(w))
+    hit = cache.get("native.absmax") if cache is not None else None
+    if hit is not None and hit[0] == key:
+        return hit[1]  # type: ignore[no-any-return]
+    v = int(w.to(torch.int16).abs().sum(1, dtype=torch.int64).max()) if w.numel() else 0
+    if cache is not None:
+        cache["native.absmax"] = (key, v)
+    return v
 
 
 def _native_dw(q: torch.Tensor, zx: int, sx: float, weight: QTensor, bias: torch.Tensor | None,

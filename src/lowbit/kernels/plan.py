@@ -171,6 +171,9 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         if q.numel() <= onednn.SMALL_M * k and onednn.fbgemm_engine():
             if fused_ok:
                 return fbgemm_requant(q, sx, zx, tq)
+            y = onednn.native_linear(q, sx, zx, w, w_scale, split, bias, out, relu, packs)
+            if y is not None:
+                return y  # type: ignore[return-value]
             p = packs.get("fbgemm")
             if p is None:
                 p = packs["fbgemm"] = onednn._fbgemm_pack(w)

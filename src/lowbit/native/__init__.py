@@ -43,13 +43,15 @@ import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from collections import Counter
 from typing import Iterator
 
 import torch
 
-__all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dwconv", "dw_weight", "disabled", "force_scalar", "counts"]
+__all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dwconv", "dw_weight",
+           "qlinear", "empty_codes", "disabled", "force_scalar", "counts"]
 
 _SRC = Path(__file__).with_name("rowquant.c")
 _FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
@@ -110,6 +112,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_dwconv.argtypes = [p, i64, i64, i64, i64, p, i32, i32, i32, i32, i32, i32, i32, i32, i32, i64, i64, p, p,
                               f32, f32, f32, f32, p, i32, i32]
     dll.lb_dwconv.restype = None
+    dll.lb_qlinear.argtypes = [p, i64, i64, i64, i32, p, i64, p, p, i32, i32, f32, f32, f32, f32, p, i64, i32, i32]
+    dll.lb_qlinear.restype = i32
     dll.lb_cpu_avx2.restype = dll.lb_openmp.restype = i32
     body = "AVX2 + FMA bodies" if dll.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
     return dll, body + (", OpenMP threads" if dll.lb_openmp() else ", one thread (built without OpenMP)")
@@ -237,8 +241,7 @@ def conv_epilogue(ys: list[torch.Tensor], groups: int, scale: torch.Tensor, bias
         return None
     if len(ys) == 2 and ys[1].shape != y0.shape:
         return None
-    parts = (scale,) if bias is None else (scale, bias)
-    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != c for t in parts):
+    if not _channel_vectors(c, scale, bias):
         return None
     npix = y0.numel() // c2
     codes = torch.empty((*lasts[0].shape[:-1], c), dtype=torch.uint8)
@@ -304,6 +307,11 @@ def quantize_into(x: torch.Tensor, inv: float, z: int, lo: float | None, hi: flo
     return True
 
 
+def _channel_vectors(n: int, *vs: torch.Tensor | None) -> bool:
+    """Whether every given vector is a contiguous float32 tensor of ``n`` elements (``None``: absent, fine)."""
+    return all(v is None or (v.dtype == torch.float32 and v.is_contiguous() and v.numel() == n) for v in vs)
+
+
 def dw_weight(w: torch.Tensor) -> torch.Tensor:
     """A depthwise conv's int8 weight ``(C, 1, kh, kw)`` as the ``(kh, kw, C)`` int16 taps ``dwconv`` reads."""
     return w[:, 0].permute(1, 2, 0).to(torch.int16).contiguous()
@@ -324,7 +332,7 @@ def dwconv(q: torch.Tensor, zx: int, taps: torch.Tensor, stride: list[int], padd
     if taps.dtype != torch.int16 or taps.shape != (kh, kw, c) or not taps.is_contiguous() or not 0 <= lo <= hi <= 255 \
             or kh * kw > 64:  # (rowquant.c's DW_MAX_TAPS)
         return None
-    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != c for t in (scale, *(() if bias is None else (bias,)))):
+    if not _channel_vectors(c, scale, bias):
         return None
     oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
@@ -342,3 +350,49 @@ def dwconv(q: torch.Tensor, zx: int, taps: torch.Tensor, stride: list[int], padd
                   getattr(_local, "isa", 1))
     counts["dwconv"] += 1
     return out.movedim(-1, 1)
+
+
+_QUIET = [False]  # torch's one deprecation warning for quantized tensors, kept from users
+
+
+def empty_codes(shape: tuple[int, ...] | torch.Size, zero_point: int, dtype: torch.dtype) -> torch.Tensor:
+    """An empty torch quantized tensor (``quint8`` / ``qint8``) on scale 1 and ``zero_point``, for a native pass to fill:
+    the form lowbit keeps 8-bit codes in for the fbgemm ops that read them next (a ``QTensor``'s ``tu``)."""
+    if _QUIET[0]:
+        return torch._empty_affine_quantized(shape, scale=1.0, zero_point=zero_point, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch._empty_affine_quantized(shape, scale=1.0, zero_point=zero_point, dtype=dtype)
+    _QUIET[0] = True
+    return t
+
+
+def qlinear(q: torch.Tensor, zx: int, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+            out: tuple[float, int, int, int] | None, relu: bool) -> torch.Tensor | None:
+    """A small-M int8 Linear with lowbit's float epilogue in one native call: u8 codes ``q`` ``(M, K)`` on zero point
+    ``zx``, int8 weights ``w`` ``(N, K)``, the exact ``acc = Σ (q - z_x) w`` (int16 products, int32 sums) as
+    ``fl(acc)``, then ``· scale_n + bias_n``;
+    ``out = (inv, z, lo, hi)``: the codes as ``conv_epilogue``'s in a torch ``quint8`` tensor on scale 1 and zero point
+    ``z`` (``empty_codes``), or float32 ``(M, N)`` (``relu``: ``max(·, 0)``) when ``None``. ``None`` where the tensors
+    do not fit."""
+    lib = _lib()
+    if lib is None or q.dtype != torch.uint8 or q.dim() != 2 or not q.is_cpu or q.stride(1) != 1 or not 0 <= zx <= 255:
+        return None
+    m, k = q.shape
+    n = w.shape[0] if w.dim() == 2 else 0
+    if m == 0 or n == 0 or w.dtype != torch.int8 or w.shape[1] != k or not w.is_contiguous():
+        return None
+    if not _channel_vectors(n, scale, bias):
+        return None
+    if out is not None and not 0 <= out[2] <= out[3] <= 255:
+        return None
+    inv, z, lo, hi = out if out is not None else (1.0, 0, 0, 255)
+    y = torch.empty(m, n, dtype=torch.float32) if out is None else empty_codes((m, n), z, torch.quint8)
+    vlo = float(lo - z) if lo > 0 else -float("inf")
+    vhi = float(hi - z) if hi < 255 else float("inf")
+    if lib.lb_qlinear(q.data_ptr(), m, k, q.stride(0), zx, w.data_ptr(), n, scale.data_ptr(),
+                      None if bias is None else bias.data_ptr(), int(out is not None), int(relu), inv, float(z), vlo, vhi,
+                      y.data_ptr(), n, _threads(m * n * k // 16), getattr(_local, "isa", 1)):
+        return None
+    counts["qlinear"] += 1
+    return y

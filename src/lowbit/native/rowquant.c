@@ -516,3 +516,90 @@ void lb_dwconv(const uint8_t *x, int64_t n, int64_t c, int64_t h, int64_t w, con
     }
     fan_out(dw_run, jobs, sizeof(dw_job), nt);
 }
+
+/* ---- small-M int8 Linear, exact int32 sums and lowbit's float epilogue (8-bit codes without VNNI) ---- */
+
+#include <stdlib.h>
+
+typedef struct {
+    const uint8_t *x; int64_t m, k, ldx; int16_t zx; const int8_t *w; const float *sc, *bias; int mode, relu;
+    float inv, z, vlo, vhi; void *out; int64_t ldo, n0, n1; const int16_t *xs; int avx2;
+} lin_job;
+
+/* acc: the exact Σ (x - z) w; fl(acc) is the split's fl(fl(lo) + 2 fl(hi)) while both half sums are exact floats */
+static void lin_store(const lin_job *j, int64_t row, int64_t col, int32_t acc) {
+    float t = (float)acc * j->sc[col];     /* · fl(s_x s_w) */
+    if (j->bias) t = t + j->bias[col];
+    if (j->mode == 0) {
+        ((float *)j->out)[row * j->ldo + col] = (j->relu && t < 0.f) ? 0.f : t;  /* relu_ of a finite value */
+        return;
+    }
+    float v = t * j->inv;
+    v = v < j->vlo ? j->vlo : v;
+    v = v > j->vhi ? j->vhi : v;
+    float r = nearbyintf(v + j->z);
+    r = r < 0.f ? 0.f : r;
+    ((uint8_t *)j->out)[row * j->ldo + col] = (uint8_t)(r > 255.f ? 255.f : r);
+}
+
+static void lin_scalar(lin_job *j) {
+    for (int64_t c = j->n0; c < j->n1; ++c)
+        for (int64_t r = 0; r < j->m; ++r) {
+            int32_t acc = 0;
+            for (int64_t i = 0; i < j->k; ++i) acc += (int32_t)j->xs[r * j->k + i] * j->w[c * j->k + i];
+            lin_store(j, r, c, acc);
+        }
+}
+
+__attribute__((target("avx2,fma")))
+static int32_t hsum8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+__attribute__((target("avx2,fma")))
+static void lin_avx2(lin_job *j) {
+    const int64_t k = j->k, k32 = k & ~(int64_t)31;
+    for (int64_t c = j->n0; c < j->n1; ++c) {
+        const int8_t *wr = j->w + c * k;
+        for (int64_t r = 0; r < j->m; ++r) {
+            const int16_t *xr = j->xs + r * k;
+            __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+            for (int64_t i = 0; i < k32; i += 32) {  /* (x - z) w in int16 pairs summed into int32 by vpmaddwd: exact */
+                __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + i)));
+                __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + i + 16)));
+                a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xr + i)), w0));
+                a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xr + i + 16)), w1));
+            }
+            int32_t acc = hsum8(_mm256_add_epi32(a0, a1));
+            for (int64_t i = k32; i < k; ++i) acc += (int32_t)xr[i] * wr[i];
+            lin_store(j, r, c, acc);
+        }
+    }
+}
+
+static void *lin_run(void *p) { lin_job *j = p; if (j->avx2) lin_avx2(j); else lin_scalar(j); return NULL; }
+
+/* y[r, c] for r < m (codes x, row stride ldx, zero point zx) and c < n (int8 weights w (n, k) contiguous): the exact
+ * acc = Σ (x - zx) w, then fl(acc) · sc[c] (+ bias[c]); mode 0: float32 (relu: max 0), mode 1: uint8 codes
+ * clamp(round(fl(clamp(fl(t inv), vlo, vhi) + z)), 0, 255). out row stride ldo. Returns 1 when out of memory. */
+int lb_qlinear(const uint8_t *x, int64_t m, int64_t k, int64_t ldx, int zx, const int8_t *w, int64_t n,
+               const float *sc, const float *bias, int mode, int relu, float inv, float z, float vlo, float vhi,
+               void *out, int64_t ldo, int nthreads, int isa) {
+    int16_t *xs = malloc(sizeof(int16_t) * (size_t)(m * k > 0 ? m * k : 1));
+    if (!xs) return 1;
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < k; ++i) xs[r * k + i] = (int16_t)((int)x[r * ldx + i] - zx);  /* [-255, 255] */
+    lin_job jobs[MAX_THREADS];
+    int nt = threads_for(nthreads, n);
+    for (int t = 0; t < nt; ++t) {
+        lin_job jb = {x, m, k, ldx, (int16_t)zx, w, sc, bias, mode, relu, inv, z, vlo, vhi, out, ldo, n * t / nt,
+                      n * (t + 1) / nt, xs, use_avx2(isa)};
+        jobs[t] = jb;
+    }
+    fan_out(lin_run, jobs, sizeof(lin_job), nt);
+    free(xs);
+    return 0;
+}

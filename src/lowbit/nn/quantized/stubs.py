@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -62,7 +61,7 @@ class Quantize(CheckedQuantState):
             if store is not None and native.available() and x.is_contiguous() and not x.requires_grad and x.numel():
                 # the path below (NaN check, v = x · inv, the 7-bit clamp, quantize_per_tensor at scale 1) in one pass
                 lo, hi, zi, dtype, inv_f = store
-                t = _empty_codes(x.shape, zi, dtype)
+                t = native.empty_codes(x.shape, zi, dtype)
                 if native.quantize_into(x, inv_f, zi, lo, hi, t):
                     bufs = self._buffers
                     return QTensor._trusted(None, bufs["scale"], bufs["zero_point"], self.qdtype, None, None, t)
@@ -162,15 +161,3 @@ class DeQuantize(nn.Module):
     def from_float(cls, mod: nn.Module) -> DeQuantize:
         """Build from a ``DeQuantStub`` (it carries no state)."""
         return cls()
-
-
-def _empty_codes(shape: torch.Size, zero_point: int, dtype: torch.dtype) -> torch.Tensor:
-    """An empty torch quantized tensor on scale 1 and ``zero_point`` for the native quantize to fill (torch's one
-    deprecation warning for quantized tensors kept from users, as ``qstore`` does)."""
-    if qstore._QUIET[0]:
-        return torch._empty_affine_quantized(shape, scale=1.0, zero_point=zero_point, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch._empty_affine_quantized(shape, scale=1.0, zero_point=zero_point, dtype=dtype)
-    qstore._QUIET[0] = True
-    return t
