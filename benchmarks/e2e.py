@@ -8,7 +8,8 @@ random weights), fused conv-bn-relu, static PTQ calibrated on 512 images:
   fp32 | lowbit u8 (default recipe: 8-bit activations) | lowbit x86 qconfig (``get_default_qconfig("x86")``,
   torch.ao's x86 recipe: 7-bit ``reduce_range`` activations, as ``get_speed_qconfig(vnni=False)``) | lowbit
   u8 + speed guard (``convert(..., speed_check=batch)``) | torch.ao (x86
-  engine, default qconfig: reduce_range 7-bit activations, on an identical torch.ao twin).
+  engine, default qconfig: reduce_range 7-bit activations, on an identical torch.ao twin) | lowbit u8 with
+  ``lowbit.native`` switched off (the same codes through torch ops; ``--skip-native-ab`` drops it).
   Accuracy: test-set top-1 (or agreement with fp32 on random weights).
 MiniLM (``lowbit.data.load_minilm``, 50 Lee-corpus docs, batch 32, max 128 tokens), dynamic int8
 Linear: fp32 | lowbit ``quantize_dynamic`` (per-token u8, the default) | lowbit 7-bit per token
@@ -105,6 +106,8 @@ def smallcnn(a: argparse.Namespace) -> dict[str, Any]:
             acc[k] = float((pred == (yte if real else ref)).float().mean())
     xb = xte[:64]
     meth: dict[str, Callable[[], Any]] = {k: (lambda m=m: m(xb)) for k, m in models.items()}
+    if not a.skip_native_ab and native.available():  # the default recipe with its torch-op passes (the same codes)
+        meth["lowbit u8, native off"] = lambda: _native_off_call(q8, xb)
     out: dict[str, Any] = {"real_data": real, "metric": "top1" if real else "agreement with fp32", "accuracy": acc,
                            "speed_guard": [vars(d) for d in speed.decisions] if speed is not None else None,
                            "speed_guard_table": str(speed), "runs": []}
@@ -162,6 +165,11 @@ def minilm(a: argparse.Namespace) -> dict[str, Any] | None:
     return out
 
 
+def _native_off_call(model: nn.Module, x: torch.Tensor) -> Any:
+    with native.disabled():
+        return model(x)
+
+
 def _native_off(model: nn.Module, enc: Any) -> Any:
     with native.disabled():
         return model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
@@ -173,7 +181,7 @@ def main() -> None:
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--skip-minilm", action="store_true")
     p.add_argument("--skip-smallcnn", action="store_true")
-    p.add_argument("--skip-native-ab", action="store_true", help="no MiniLM columns with lowbit.native switched off")
+    p.add_argument("--skip-native-ab", action="store_true", help="no columns with lowbit.native switched off")
     a = p.parse_args()
     if a.quick:
         a.rounds, a.epochs = min(a.rounds, 3), min(a.epochs, 0.3)
