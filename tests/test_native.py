@@ -278,14 +278,17 @@ def test_quantized_add_is_the_torch_passes(body: str, relu: bool) -> None:
 
 @needs_native
 @pytest.mark.parametrize("body", BODIES)
-def test_quantize_stub_is_the_torch_passes(body: str) -> None:
+def test_quantize_stub_is_the_torch_passes(body: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from lowbit.nn.quantized.stubs import Quantize
 
+    from lowbit.nn.quantized import stubs
+
+    monkeypatch.setattr(stubs, "_NATIVE_MIN", 1)  # every size (the stub takes the native pass from 64K elements)
     g = torch.Generator().manual_seed(4)
     grids = [(0.02, 128, Q.quint8), (0.013, 3, Q.quint8.with_range(0, 127)), (0.05, -4, Q.qint8), (0.1, 0, Q.quint8)]
     for scale, zp, qd in grids:
         stub = Quantize(scale, zp, qd)
-        for shape in [(1, 768), (7, 13), (3, 5, 9, 9), (1,)]:
+        for shape in [(1, 768), (7, 13), (3, 5, 9, 9), (1,), (2, 3, 61, 47)]:
             x = torch.randn(*shape, generator=g) * 4
             x.view(-1)[0] = float("inf")  # saturates like torch's quantize
             with _body(body):

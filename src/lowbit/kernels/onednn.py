@@ -329,7 +329,7 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
 
 
 NATIVE_LINEAR_M = 4  # rows up to which native.qlinear replaces _fbgemm_linear (measured: benchmarks/README.md, session 13)
-NATIVE_LINEAR_W = 1 << 22  # weight elements up to which it does (4096²: fbgemm's kernel is faster from M = 2 on)
+NATIVE_LINEAR_WORK = 1 << 23  # and rows × weight elements up to which (4×768×3072 and 4096² from M = 1: fbgemm's is faster)
 _F32_EXACT = 1 << 24
 
 
@@ -337,12 +337,12 @@ def native_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale:
                   bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
                   cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:
     """``_fbgemm_linear``'s result (the same codes or floats) from ``native.qlinear`` for at most ``NATIVE_LINEAR_M`` rows
-    and ``NATIVE_LINEAR_W`` weights: the exact sums and the float epilogue in one call. ``fl(acc)`` is the split's
+    and ``NATIVE_LINEAR_WORK`` rows × weights: the exact sums and the float epilogue in one call. ``fl(acc)`` is the split's
     ``fl(fl(lo) + 2 fl(hi))`` while both half sums are exact floats (``127 · max_n Σ_k |w| < 2²⁴``); past that bound
     the split rounds its hi sums and the route stays fbgemm's. ``None``: not taken."""
     k = q.shape[-1] if q.dim() else 0
     if (not native.available() or k == 0 or q.numel() > NATIVE_LINEAR_M * k or q.dtype != torch.uint8
-            or w.numel() > NATIVE_LINEAR_W):
+            or q.numel() // k * w.numel() > NATIVE_LINEAR_WORK):
         return None
     if (out is not None and out.qdtype.storage != torch.uint8) or (split and 127 * _abs_row_max(w, cache) >= _F32_EXACT):
         return None

@@ -140,15 +140,23 @@ def reason() -> str:
     return str(_state["reason"])
 
 
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
+class _Disabled:
+    """``disabled()``'s context manager: a class, not a generator (~0.3 µs instead of ~3 per block, which matters
+    where benchmarks time small calls with the native passes off)."""
+
+    __slots__ = ("old",)
+
+    def __enter__(self) -> None:
+        self.old = getattr(_local, "off", False)
+        _local.off = True
+
+    def __exit__(self, *exc: object) -> None:
+        _local.off = self.old
+
+
+def disabled() -> _Disabled:
     """Callers keep their torch ops inside this block (this thread): the reference for the native passes."""
-    old = getattr(_local, "off", False)
-    _local.off = True
-    try:
-        yield
-    finally:
-        _local.off = old
+    return _Disabled()
 
 
 @contextlib.contextmanager
