@@ -9,6 +9,8 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +30,29 @@ BODIES = ["best", "scalar"]
 
 def _body(name: str) -> contextlib.AbstractContextManager[None]:
     return native.force_scalar() if name == "scalar" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _split_over(threads: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``threads`` torch threads, every native pass split over them (1: never split)."""
+    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _native_and_torch(body: str, f: Callable[[], Any]) -> tuple[Any, Any, dict[str, int]]:
+    """``f()`` with the native passes (in ``body``), ``f()`` with the torch path, and the native passes that ran."""
+    with _body(body):
+        native.counts.clear()
+        got = f()
+        ran = dict(native.counts)
+    with native.disabled():
+        ref = f()
+    return got, ref, ran
 
 
 def _rows(seed: int) -> list[torch.Tensor]:
@@ -61,24 +86,18 @@ def _torch_grid(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tenso
 @pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_row_grid_is_the_torch_ops(body: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with _body(body):
-            for x in _rows(threads):
-                s, nz = _torch_grid(x, 127)
-                u = torch.mul(x, torch.reciprocal(s)).sub_(nz).clamp_max_(127)
-                got = native.row_grid(x, 127.0, "u")
-                assert got is not None and torch.equal(got[1], s) and torch.equal(got[2], nz) and torch.equal(got[0], u)
-                free = native.row_grid(x, 255.0, "u", qmax=float("inf"))
-                s, nz = _torch_grid(x, 255)
-                assert free is not None and torch.equal(free[0], torch.mul(x, torch.reciprocal(s)).sub_(nz))
-                codes = native.row_grid(x, 255.0, "codes")
-                assert codes is not None and torch.equal(codes[0], pt._codes(x, torch.reciprocal(s), nz))
-                assert torch.equal(codes[1], s) and torch.equal(codes[2], nz)
-    finally:
-        torch.set_num_threads(old)
+    with _split_over(threads, monkeypatch), _body(body):
+        for x in _rows(threads):
+            s, nz = _torch_grid(x, 127)
+            u = torch.mul(x, torch.reciprocal(s)).sub_(nz).clamp_max_(127)
+            got = native.row_grid(x, 127.0, "u")
+            assert got is not None and torch.equal(got[1], s) and torch.equal(got[2], nz) and torch.equal(got[0], u)
+            free = native.row_grid(x, 255.0, "u", qmax=float("inf"))
+            s, nz = _torch_grid(x, 255)
+            assert free is not None and torch.equal(free[0], torch.mul(x, torch.reciprocal(s)).sub_(nz))
+            codes = native.row_grid(x, 255.0, "codes")
+            assert codes is not None and torch.equal(codes[0], pt._codes(x, torch.reciprocal(s), nz))
+            assert torch.equal(codes[1], s) and torch.equal(codes[2], nz)
 
 
 @needs_native
@@ -103,27 +122,21 @@ def test_non_finite_rows_and_misfits_are_left_to_torch(body: str) -> None:
 @pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_row_epilogue_is_addcmul_or_sub(body: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(1)
-    try:
-        with _body(body):
-            for m, n in [(1, 1), (3, 7), (5, 8), (17, 45), (64, 129)]:
-                raw = torch.randn(m, n, generator=g) * 300
-                a = torch.round(torch.randn(m, 1, generator=g) * 100)
-                w, s = torch.randn(n, generator=g) * 3, torch.rand(m, 1, generator=g) * 1e-2
-                for bias in (None, torch.randn(n, generator=g)):
-                    fused = raw.clone().addcmul_(a, w).mul_(s)
-                    sub = raw.clone().sub_(a * w).mul_(s)
-                    if bias is not None:
-                        fused, sub = fused.add_(bias), sub.add_(bias)
-                    assert torch.equal(native.row_epilogue(raw.clone(), a, w, s, bias, True), fused), (m, n)
-                    assert torch.equal(native.row_epilogue(raw.clone(), a, w, s, bias, False), sub), (m, n)
-            assert native.row_epilogue(torch.randn(2, 3).t(), torch.ones(3, 1), torch.ones(2), torch.ones(3, 1), None,
-                                       True) is None  # not contiguous: nothing written, the caller's torch ops run
-    finally:
-        torch.set_num_threads(old)
+    with _split_over(threads, monkeypatch), _body(body):
+        for m, n in [(1, 1), (3, 7), (5, 8), (17, 45), (64, 129)]:
+            raw = torch.randn(m, n, generator=g) * 300
+            a = torch.round(torch.randn(m, 1, generator=g) * 100)
+            w, s = torch.randn(n, generator=g) * 3, torch.rand(m, 1, generator=g) * 1e-2
+            for bias in (None, torch.randn(n, generator=g)):
+                fused = raw.clone().addcmul_(a, w).mul_(s)
+                sub = raw.clone().sub_(a * w).mul_(s)
+                if bias is not None:
+                    fused, sub = fused.add_(bias), sub.add_(bias)
+                assert torch.equal(native.row_epilogue(raw.clone(), a, w, s, bias, True), fused), (m, n)
+                assert torch.equal(native.row_epilogue(raw.clone(), a, w, s, bias, False), sub), (m, n)
+        assert native.row_epilogue(torch.randn(2, 3).t(), torch.ones(3, 1), torch.ones(2), torch.ones(3, 1), None,
+                                   True) is None  # not contiguous: nothing written, the caller's torch ops run
 
 
 def _layer(k: int, n: int, reduce_range: bool) -> DLinear:
@@ -210,13 +223,8 @@ def test_split_weight_conv_epilogue_is_the_torch_passes(body: str, monkeypatch: 
     calib = [torch.randn(4, 3, 12, 12) for _ in range(3)]
     qmodel, _ = Q.quantize_ptq(model, calib, recipe="default")
     x = torch.randn(5, 3, 12, 12)
-    with _body(body):
-        native.counts.clear()
-        y = qmodel(x)
-        ran = (native.counts["conv_epilogue"], native.counts["dwconv"])
-    with native.disabled():
-        ref = qmodel(x)
-    assert ran == (3, 1) and torch.equal(y, ref), ran  # dense, grouped (stacked halves); the depthwise conv whole
+    y, ref, ran = _native_and_torch(body, lambda: qmodel(x))
+    assert (ran.get("conv_epilogue"), ran.get("dwconv")) == (3, 1) and torch.equal(y, ref), ran  # the depthwise: whole
 
 
 class _Depthwise(nn.Module):
@@ -240,13 +248,8 @@ def test_native_depthwise_conv_is_the_split_oneDNN_conv(body: str, c: int, k: in
     model = _Depthwise(c, k, stride, dilation, bias, act).eval()
     qmodel, _ = Q.quantize_ptq(model, [torch.randn(2, 3, 15, 13) * 2 for _ in range(2)], recipe="default")
     x = torch.randn(3, 3, 15, 13) * 2.5
-    with _body(body):
-        native.counts.clear()
-        y = qmodel(x)
-        ran = native.counts["dwconv"]
-    with native.disabled():
-        ref = qmodel(x)
-    assert ran == 1 and torch.equal(y, ref)
+    y, ref, ran = _native_and_torch(body, lambda: qmodel(x))
+    assert ran.get("dwconv") == 1 and torch.equal(y, ref)
 
 
 @needs_native
@@ -266,13 +269,8 @@ def test_quantized_add_is_the_torch_passes(body: str, relu: bool) -> None:
             a = Q.quantize_per_tensor(xa, 0.031, 3 if da == Q.qint8 else 120, da)
             b = Q.quantize_per_tensor(xb, 0.017, -5 if db == Q.qint8 else 90, db)
             f = QFunctional(0.043, 0 if dout == Q.qint8 else 128, dout)
-            with _body(body):
-                native.counts.clear()
-                got = f.add_relu(a, b) if relu else f.add(a, b)
-                ran = native.counts["qadd"]
-            with native.disabled():
-                ref = f.add_relu(a, b) if relu else f.add(a, b)
-            assert ran == 1 and torch.equal(got.int_repr(), ref.int_repr()), (shape, da, db, dout, last)
+            got, ref, ran = _native_and_torch(body, lambda f=f, a=a, b=b: f.add_relu(a, b) if relu else f.add(a, b))
+            assert ran.get("qadd") == 1 and torch.equal(got.int_repr(), ref.int_repr()), (shape, da, db, dout, last)
             assert got.int_repr().stride() == ref.int_repr().stride()
 
 
@@ -291,13 +289,8 @@ def test_quantize_stub_is_the_torch_passes(body: str, monkeypatch: pytest.Monkey
         for shape in [(1, 768), (7, 13), (3, 5, 9, 9), (1,), (2, 3, 61, 47)]:
             x = torch.randn(*shape, generator=g) * 4
             x.view(-1)[0] = float("inf")  # saturates like torch's quantize
-            with _body(body):
-                native.counts.clear()
-                got = stub(x)
-                ran = native.counts["quantize"]
-            with native.disabled():
-                ref = stub(x)
-            assert ran == 1 and torch.equal(got.int_repr(), ref.int_repr()), (scale, zp, qd, shape)
+            got, ref, ran = _native_and_torch(body, lambda stub=stub, x=x: stub(x))
+            assert ran.get("quantize") == 1 and torch.equal(got.int_repr(), ref.int_repr()), (scale, zp, qd, shape)
         x = torch.randn(4, 20, generator=g)
         x[2, 17] = float("nan")  # NaN: the torch path's error, nothing from the native pass
         with pytest.raises(RuntimeError, match="holds 1 NaN values"):
@@ -329,12 +322,8 @@ def test_small_m_linear_is_the_fbgemm_split_route(body: str, k: int, big: bool, 
             for bias in (None, torch.randn(n, generator=g)):
                 for out in (None, OutGrid(0.05 * (k / 37) ** 0.5, 120, Q.quint8)):
                     for relu in (False, True):
-                        with _body(body):
-                            native.counts.clear()
-                            got = kernels.linear(x, wq, bias, out, relu)
-                            ran = native.counts["qlinear"]
-                        with native.disabled():
-                            ref = kernels.linear(x, wq, bias, out, relu)
+                        got, ref, ran = _native_and_torch(body, lambda x=x, b=bias, o=out, r=relu: kernels.linear(x, wq, b, o, r))
                         if out is not None:
                             got, ref = got.int_repr(), ref.int_repr()
-                        assert ran == (0 if big else 1) and torch.equal(got, ref), (m, lead, bias is None, out is None, relu)
+                        ok = ran.get("qlinear", 0) == (0 if big else 1) and torch.equal(got, ref)
+                        assert ok, (m, lead, bias is None, out is None, relu)

@@ -414,91 +414,97 @@ static uint8_t dw_code(int32_t acc, int64_t ch, const dw_job *j) {
     return (uint8_t)(r > 255.f ? 255.f : r);
 }
 
-/* acc[c] for channels [c0, c1) of output pixel (n, y, x) in the scalar body */
-static void dw_pixel_scalar(const dw_job *j, int64_t n, int64_t y, int64_t x, int64_t c0, uint8_t *o) {
+#define DW_MAX_TAPS 64
+
+/* The in-bounds taps of output pixel (n, y, x): input rows src[t] and weight rows wts[t] (zero padding adds 0: the
+ * out-of-bounds taps are left out); toff: the taps' offsets from the window's corner, for interior pixels. */
+static inline __attribute__((always_inline)) int dw_taps(const dw_job *j, int64_t n, int64_t y, int64_t x,
+                                                       const int64_t *toff, const uint8_t **src, const int16_t **wts) {
+    const int64_t y0 = y * j->sy - j->py, x0 = x * j->sx - j->px;
+    int nt = 0;
+    if (y0 >= 0 && x0 >= 0 && y0 + (int64_t)(j->kh - 1) * j->dy < j->h && x0 + (int64_t)(j->kw - 1) * j->dx < j->w) {
+        const uint8_t *base = j->x + ((n * j->h + y0) * j->w + x0) * j->c;  /* interior: every tap */
+        const int ntaps = j->kh * j->kw;
+        const int16_t *wt = j->wt;
+        const int64_t c = j->c;
+        for (int t = 0; t < ntaps; ++t) { src[t] = base + toff[t]; wts[t] = wt + (int64_t)t * c; }
+        return ntaps;
+    }
+    for (int i = 0; i < j->kh; ++i) {
+        int64_t iy = y0 + (int64_t)i * j->dy;
+        if (iy < 0 || iy >= j->h) continue;
+        for (int k = 0; k < j->kw; ++k) {
+            int64_t ix = x0 + (int64_t)k * j->dx;
+            if (ix < 0 || ix >= j->w) continue;
+            src[nt] = j->x + ((n * j->h + iy) * j->w + ix) * j->c;
+            wts[nt++] = j->wt + (i * j->kw + k) * j->c;
+        }
+    }
+    return nt;
+}
+
+static void dw_offsets(const dw_job *j, int64_t *toff) {
+    for (int i = 0; i < j->kh; ++i)
+        for (int k = 0; k < j->kw; ++k) toff[i * j->kw + k] = ((int64_t)i * j->dy * j->w + (int64_t)k * j->dx) * j->c;
+}
+
+/* channels [c0, C) of one output pixel from its taps, in the scalar body */
+static void dw_pixel_scalar(const dw_job *j, const uint8_t **src, const int16_t **wts, int nt, int64_t c0, uint8_t *o) {
     for (int64_t c = c0; c < j->c; ++c) {
         int32_t acc = 0;
-        for (int i = 0; i < j->kh; ++i) {
-            int64_t iy = y * j->sy - j->py + (int64_t)i * j->dy;
-            if (iy < 0 || iy >= j->h) continue;
-            for (int k = 0; k < j->kw; ++k) {
-                int64_t ix = x * j->sx - j->px + (int64_t)k * j->dx;
-                if (ix < 0 || ix >= j->w) continue;
-                acc += ((int32_t)j->x[((n * j->h + iy) * j->w + ix) * j->c + c] - j->zx) * j->wt[(i * j->kw + k) * j->c + c];
-            }
-        }
+        for (int t = 0; t < nt; ++t) acc += ((int32_t)src[t][c] - j->zx) * wts[t][c];
         o[c] = dw_code(acc, c, j);
     }
 }
 
-static void dw_scalar(dw_job *j) {
-    for (int64_t r = j->r0; r < j->r1; ++r) {
-        int64_t n = r / j->oh, y = r % j->oh;
-        for (int64_t x = 0; x < j->ow; ++x) dw_pixel_scalar(j, n, y, x, 0, j->out + ((n * j->oh + y) * j->ow + x) * j->c);
-    }
-}
-
-#define DW_MAX_TAPS 64
-
+/* one output pixel: 16 channels at a time ((q - z) w in int16, exact: |255 · 128| fits; widened to int32), the rest
+ * in the scalar body */
 __attribute__((target("avx2,fma")))
-static void dw_avx2(dw_job *j) {
-    const int64_t c16 = j->c & ~(int64_t)15;
+static void dw_pixel_avx2(const dw_job *j, const uint8_t **src, const int16_t **wts, int nt, int64_t c0, uint8_t *o) {
+    const int64_t c16 = c0 + ((j->c - c0) & ~(int64_t)15);
     const __m256i zx = _mm256_set1_epi16(j->zx);
     const __m256 vinv = _mm256_set1_ps(j->inv), vz = _mm256_set1_ps(j->z), vlo = _mm256_set1_ps(j->vlo),
                  vhi = _mm256_set1_ps(j->vhi), zero = _mm256_setzero_ps(), top = _mm256_set1_ps(255.f);
+    for (int64_t c = c0; c < c16; c += 16) {
+        __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+        for (int t = 0; t < nt; ++t) {
+            __m256i d = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src[t] + c))), zx);
+            __m256i p = _mm256_mullo_epi16(d, _mm256_loadu_si256((const __m256i *)(wts[t] + c)));
+            a0 = _mm256_add_epi32(a0, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(p)));
+            a1 = _mm256_add_epi32(a1, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(p, 1)));
+        }
+        __m256i qs[2];
+        for (int h = 0; h < 2; ++h) {
+            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(h ? a1 : a0), _mm256_loadu_ps(j->sc + c + 8 * h));
+            if (j->bias) t = _mm256_add_ps(t, _mm256_loadu_ps(j->bias + c + 8 * h));
+            __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(t, vinv), vlo), vhi);
+            v = _mm256_round_ps(_mm256_add_ps(v, vz), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            qs[h] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, zero), top));
+        }
+        __m128i lo16 = _mm_packus_epi32(_mm256_castsi256_si128(qs[0]), _mm256_extracti128_si256(qs[0], 1));
+        __m128i hi16 = _mm_packus_epi32(_mm256_castsi256_si128(qs[1]), _mm256_extracti128_si256(qs[1], 1));
+        _mm_storeu_si128((__m128i *)(o + c), _mm_packus_epi16(lo16, hi16));
+    }
+    dw_pixel_scalar(j, src, wts, nt, c16, o);
+}
+
+static void *dw_run(void *p) {
+    dw_job *j = p;
+    void (*pixel)(const dw_job *, const uint8_t **, const int16_t **, int, int64_t, uint8_t *) =
+        j->avx2 ? dw_pixel_avx2 : dw_pixel_scalar;
     const uint8_t *src[DW_MAX_TAPS];
     const int16_t *wts[DW_MAX_TAPS];
     int64_t toff[DW_MAX_TAPS];
-    const int ntaps = j->kh * j->kw;
-    for (int i = 0; i < j->kh; ++i)
-        for (int k = 0; k < j->kw; ++k) toff[i * j->kw + k] = ((int64_t)i * j->dy * j->w + (int64_t)k * j->dx) * j->c;
+    dw_offsets(j, toff);
     for (int64_t r = j->r0; r < j->r1; ++r) {
         int64_t n = r / j->oh, y = r % j->oh;
         for (int64_t x = 0; x < j->ow; ++x) {
-            uint8_t *o = j->out + ((n * j->oh + y) * j->ow + x) * j->c;
-            int nt = 0;  /* the in-bounds taps of this output pixel: input and weight rows (zero padding adds 0) */
-            const int64_t y0 = y * j->sy - j->py, x0 = x * j->sx - j->px;
-            if (y0 >= 0 && x0 >= 0 && y0 + (int64_t)(j->kh - 1) * j->dy < j->h && x0 + (int64_t)(j->kw - 1) * j->dx < j->w) {
-                const uint8_t *base = j->x + ((n * j->h + y0) * j->w + x0) * j->c;  /* interior: every tap */
-                for (int t = 0; t < ntaps; ++t) { src[t] = base + toff[t]; wts[t] = j->wt + (int64_t)t * j->c; }
-                nt = ntaps;
-            } else
-            for (int i = 0; i < j->kh; ++i) {
-                int64_t iy = y * j->sy - j->py + (int64_t)i * j->dy;
-                if (iy < 0 || iy >= j->h) continue;
-                for (int k = 0; k < j->kw; ++k) {
-                    int64_t ix = x * j->sx - j->px + (int64_t)k * j->dx;
-                    if (ix < 0 || ix >= j->w) continue;
-                    src[nt] = j->x + ((n * j->h + iy) * j->w + ix) * j->c;
-                    wts[nt++] = j->wt + (i * j->kw + k) * j->c;
-                }
-            }
-            for (int64_t c = 0; c < c16; c += 16) {
-                __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-                for (int t = 0; t < nt; ++t) {
-                    __m256i d = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src[t] + c))), zx);
-                    __m256i p = _mm256_mullo_epi16(d, _mm256_loadu_si256((const __m256i *)(wts[t] + c)));  /* exact */
-                    a0 = _mm256_add_epi32(a0, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(p)));
-                    a1 = _mm256_add_epi32(a1, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(p, 1)));
-                }
-                __m256i qs[2];
-                for (int h = 0; h < 2; ++h) {
-                    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(h ? a1 : a0), _mm256_loadu_ps(j->sc + c + 8 * h));
-                    if (j->bias) t = _mm256_add_ps(t, _mm256_loadu_ps(j->bias + c + 8 * h));
-                    __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(t, vinv), vlo), vhi);
-                    v = _mm256_round_ps(_mm256_add_ps(v, vz), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                    qs[h] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, zero), top));
-                }
-                __m128i lo16 = _mm_packus_epi32(_mm256_castsi256_si128(qs[0]), _mm256_extracti128_si256(qs[0], 1));
-                __m128i hi16 = _mm_packus_epi32(_mm256_castsi256_si128(qs[1]), _mm256_extracti128_si256(qs[1], 1));
-                _mm_storeu_si128((__m128i *)(o + c), _mm_packus_epi16(lo16, hi16));
-            }
-            if (c16 < j->c) dw_pixel_scalar(j, n, y, x, c16, o);
+            int nt = dw_taps(j, n, y, x, toff, src, wts);
+            pixel(j, src, wts, nt, 0, j->out + ((n * j->oh + y) * j->ow + x) * j->c);
         }
     }
+    return NULL;
 }
-
-static void *dw_run(void *p) { dw_job *j = p; if (j->avx2) dw_avx2(j); else dw_scalar(j); return NULL; }
 
 /* Depthwise conv of channels-last u8 codes x (n, h, w, c) with zero point zx and int16 weights wt (kh, kw, c):
  * acc = sum over in-bounds taps of (x - zx) wt (zero padding = the zero point: centred 0), exact in int32; then
