@@ -161,12 +161,17 @@ def test_dynamic_linear_routes_are_bit_identical_with_and_without_native(vnni: b
         native.counts.clear()
         y = q(x)
         fast = sum(v for (b, _), v in kernels.counts.items() if b != "reference")
-        ran = (native.counts["row_grid"], native.counts["row_epilogue"])
+        ran = {k: v for k, v in native.counts.items() if v}
         with native.disabled():
             ref = q(x)
         assert fast >= 1 and torch.equal(y, ref), (m, vnni, reduce_range)
-        one_row_host = m == 1 and not reduce_range  # the 8-bit recipe's one-row routes read the grid on the host
-        assert ran == ((0, 0) if one_row_host else (1, 1)), (m, ran)
+        if reduce_range or (vnni and m > 1) or (not vnni and m > pt._NATIVE_WSPLIT_M):
+            want = {"row_grid": 1, "row_epilogue": 1}  # (the weight split's few rows: u, then the row epilogue)
+        elif vnni:
+            want = {}  # one row on a VNNI CPU: torch._int_mm with the grid read on the host
+        else:
+            want = {"row_grid": 1, "dyn_wsplit": 1}  # the weight split's route whole (its codes, then one call)
+        assert ran == want, (m, vnni, reduce_range, ran)
     x[5, 3] = float("nan")  # a non-finite row: the generic path's NaN row (its epilogue rounds the others alike)
     y = q(x)
     ok = torch.allclose(y[:5], ref[:5], rtol=1e-5, atol=1e-5) and torch.allclose(y[6:], ref[6:], rtol=1e-5, atol=1e-5)
@@ -327,3 +332,20 @@ def test_small_m_linear_is_the_fbgemm_split_route(body: str, k: int, big: bool, 
                             got, ref = got.int_repr(), ref.int_repr()
                         ok = ran.get("qlinear", 0) == (0 if big else 1) and torch.equal(got, ref)
                         assert ok, (m, lead, bias is None, out is None, relu)
+
+
+@needs_native
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("k,bias", [(96, True), (768, False), (3000, True)])
+def test_dynamic_weight_split_route_is_fbgemms(body: str, k: int, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the 8-bit recipe's few-row route without VNNI: fbgemm's two float sums of the split pack, reproduced (codes up to
+    # 255 against halves in [-64, 63] and {0, 1}; sums past 2^24 at K = 3000 round in float32 the same way)
+    force(monkeypatch, vnni=False, fbgemm=True)
+    torch.manual_seed(k)
+    lin = nn.Linear(k, 45, bias=bias)
+    lin.qconfig = Q.get_dynamic_qconfig()
+    q = DLinear.from_float(lin)
+    for m in range(1, pt._NATIVE_WSPLIT_M + 1):
+        for x in (torch.randn(m, k) * 3 + 1, torch.rand(m, k) * 5):  # mixed signs; one-signed (z_x at an end)
+            got, ref, ran = _native_and_torch(body, lambda q=q, x=x: q(x))
+            assert ran.get("dyn_wsplit") == 1 and torch.equal(got, ref), (m, k, bias)

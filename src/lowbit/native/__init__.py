@@ -51,7 +51,7 @@ from typing import Iterator
 import torch
 
 __all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dwconv", "dw_weight",
-           "qlinear", "empty_codes", "disabled", "force_scalar", "counts"]
+           "qlinear", "dyn_wsplit", "empty_codes", "disabled", "force_scalar", "counts"]
 
 _SRC = Path(__file__).with_name("rowquant.c")
 _FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
@@ -114,6 +114,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_dwconv.restype = None
     dll.lb_qlinear.argtypes = [p, i64, i64, i64, i32, p, i64, p, p, i32, i32, f32, f32, f32, f32, p, i64, i32, i32]
     dll.lb_qlinear.restype = i32
+    dll.lb_dyn_wsplit.argtypes = [p, i64, i64, p, i64, p, p, p, p, p, p, i32, i32]
+    dll.lb_dyn_wsplit.restype = i32
     dll.lb_cpu_avx2.restype = dll.lb_openmp.restype = i32
     body = "AVX2 + FMA bodies" if dll.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
     return dll, body + (", OpenMP threads" if dll.lb_openmp() else ", one thread (built without OpenMP)")
@@ -403,4 +405,29 @@ def qlinear(q: torch.Tensor, zx: int, w: torch.Tensor, scale: torch.Tensor, bias
                       y.data_ptr(), n, _threads(m * n * k // 16), getattr(_local, "isa", 1)):
         return None
     counts["qlinear"] += 1
+    return y
+
+
+def dyn_wsplit(q: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a: torch.Tensor, wsum: torch.Tensor,
+               s: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The 8-bit dynamic Linear's few-row route without VNNI in one call (``per_token._weight_split``'s arithmetic):
+    u8 codes ``q`` ``(M, K)`` on zero point 0, int8 weights ``w`` ``(N, K)`` split as ``2 (w >> 1) + (w & 1)``,
+    ``t = fl(fl(Σ q (w >> 1)) · 2 s_w) + fl(fl(Σ q (w & 1)) · s_w)`` (fbgemm's two float sums of the split pack, added),
+    then ``fl(fl(t + a_m wsum) · s_m) + bias`` (``a`` = -z_x and ``s`` = s_x per row, ``(M, 1)``). ``None`` where the
+    tensors do not fit."""
+    lib = _lib()
+    if lib is None or q.dtype != torch.uint8 or q.dim() != 2 or not q.is_contiguous() or not q.is_cpu:
+        return None
+    m, k = q.shape
+    n = w.shape[0] if w.dim() == 2 else 0
+    if m == 0 or n == 0 or w.dtype != torch.int8 or w.shape[1] != k or not w.is_contiguous():
+        return None
+    if not (_channel_vectors(n, w_scale, wsum, bias) and _channel_vectors(m, a, s)):
+        return None
+    y = torch.empty(m, n, dtype=torch.float32)
+    if lib.lb_dyn_wsplit(q.data_ptr(), m, k, w.data_ptr(), n, w_scale.data_ptr(), a.data_ptr(), wsum.data_ptr(),
+                         s.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), _threads(m * n * k // 16),
+                         getattr(_local, "isa", 1)):
+        return None
+    counts["dyn_wsplit"] += 1
     return y

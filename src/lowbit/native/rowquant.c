@@ -609,3 +609,74 @@ int lb_qlinear(const uint8_t *x, int64_t m, int64_t k, int64_t ldx, int zx, cons
     free(xs);
     return 0;
 }
+
+/* ---- the 8-bit dynamic Linear's few-row route without VNNI (nn/quantized/dynamic/per_token._weight_split) ---- */
+
+typedef struct {
+    const int16_t *xs; int64_t m, k; const int8_t *w; int64_t n; const float *sw, *a, *wsum, *s, *bias; float *out;
+    int64_t n0, n1; int avx2;
+} ws_job;
+
+/* fbgemm's two float sums of the split weights (q_w >> 1 on scale 2 s_w, q_w & 1 on s_w), added, then the per-row
+ * epilogue: y = fl(fl(fl(t + a w_sum) · s) + bias), the first add rounded once (addcmul_ / add_(alpha)) */
+static void ws_store(const ws_job *j, int64_t r, int64_t c, int32_t hi, int32_t lo) {
+    float t = (float)hi * (2.0f * j->sw[c]) + (float)lo * j->sw[c];
+    t = fmaf(j->a[r], j->wsum[c], t) * j->s[r];
+    j->out[r * j->n + c] = j->bias ? t + j->bias[c] : t;
+}
+
+static void ws_scalar(ws_job *j) {
+    for (int64_t c = j->n0; c < j->n1; ++c)
+        for (int64_t r = 0; r < j->m; ++r) {
+            int32_t hi = 0, lo = 0;
+            for (int64_t i = 0; i < j->k; ++i) {
+                int w = j->w[c * j->k + i], x = j->xs[r * j->k + i];
+                hi += x * (w >> 1);  /* (arithmetic shift: floor, as torch's bitwise_right_shift) */
+                lo += x * (w & 1);
+            }
+            ws_store(j, r, c, hi, lo);
+        }
+}
+
+__attribute__((target("avx2,fma")))
+static void ws_avx2(ws_job *j) {
+    const int64_t k = j->k, k16 = k & ~(int64_t)15;
+    const __m256i one = _mm256_set1_epi16(1);
+    for (int64_t c = j->n0; c < j->n1; ++c) {
+        const int8_t *wr = j->w + c * k;
+        for (int64_t r = 0; r < j->m; ++r) {
+            const int16_t *xr = j->xs + r * k;
+            __m256i ah = _mm256_setzero_si256(), al = _mm256_setzero_si256();
+            for (int64_t i = 0; i < k16; i += 16) {  /* q in [0, 255] times halves in [-64, 63] / {0, 1}: exact pairs */
+                __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + i)));
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xr + i));
+                ah = _mm256_add_epi32(ah, _mm256_madd_epi16(x, _mm256_srai_epi16(w, 1)));
+                al = _mm256_add_epi32(al, _mm256_madd_epi16(x, _mm256_and_si256(w, one)));
+            }
+            int32_t hi = hsum8(ah), lo = hsum8(al);
+            for (int64_t i = k16; i < k; ++i) { hi += xr[i] * (wr[i] >> 1); lo += xr[i] * (wr[i] & 1); }
+            ws_store(j, r, c, hi, lo);
+        }
+    }
+}
+
+static void *ws_run(void *p) { ws_job *j = p; if (j->avx2) ws_avx2(j); else ws_scalar(j); return NULL; }
+
+/* out (m, n) float32 = the split-weight route's result for u8 codes q (m, k) (zero point 0: the per-token grids enter
+ * through a = -z_x per row and s = s_x per row), int8 weights w (n, k) with scales sw, w_sum = Σ ŵ per column, bias
+ * (may be NULL). Returns 1 when out of memory. */
+int lb_dyn_wsplit(const uint8_t *q, int64_t m, int64_t k, const int8_t *w, int64_t n, const float *sw, const float *a,
+                  const float *wsum, const float *s, const float *bias, float *out, int nthreads, int isa) {
+    int16_t *xs = malloc(sizeof(int16_t) * (size_t)(m * k > 0 ? m * k : 1));
+    if (!xs) return 1;
+    for (int64_t i = 0; i < m * k; ++i) xs[i] = q[i];
+    ws_job jobs[MAX_THREADS];
+    int nt = threads_for(nthreads, n);
+    for (int t = 0; t < nt; ++t) {
+        ws_job jb = {xs, m, k, w, n, sw, a, wsum, s, bias, out, n * t / nt, n * (t + 1) / nt, use_avx2(isa)};
+        jobs[t] = jb;
+    }
+    fan_out(ws_run, jobs, sizeof(ws_job), nt);
+    free(xs);
+    return 0;
+}

@@ -361,6 +361,7 @@ _CHUNK_ABOVE = 1 << 22
 
 
 _WSPLIT_MAX = 768 * 3072  # weight elements up to which the split weights (2x the bytes) beat one read at small M
+_NATIVE_WSPLIT_M = 2  # rows up to which lowbit.native runs that route (measured: benchmarks/README.md, session 13)
 
 
 def _weight_split(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: torch.Tensor,
@@ -377,9 +378,17 @@ def _weight_split(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_sc
 
     Against the activation split (``kernels/avx2.py``: codes, 7-bit halves staged, two stacked rows per token)
     this is ~15 ops instead of ~65 per call and no staging; it reads twice the weight bytes, so it runs for
-    weights up to ``_WSPLIT_MAX`` elements only. ``None`` for a non-finite row (the generic path decides).
+    weights up to ``_WSPLIT_MAX`` elements only. Up to ``_NATIVE_WSPLIT_M`` rows ``lowbit.native`` runs the route in two
+    calls (the codes; the two split sums with fbgemm's float arithmetic ``fl(fl(acc) · scale)`` and the epilogue),
+    the same floats. ``None`` for a non-finite row (the generic path decides).
     """
     n = weight_int8.shape[0]
+    if xf.shape[0] <= _NATIVE_WSPLIT_M:  # the codes and then the whole route in two native calls (the same floats)
+        fast = native.row_grid(xf, 255.0, "codes")
+        y = None if fast is None else native.dyn_wsplit(fast[0], weight_int8, w_scale, fast[2], plan.wsum, fast[1], bias)
+        if y is not None:
+            kernels.counts[("onednn", "linear")] += 1
+            return y
     if xf.shape[0] == 1:
         grid = _one_row_grid(xf)
         if grid is None:
