@@ -7,7 +7,7 @@ native time (> 1: native faster). Cases, on whatever CPU this is (the routes wit
 ``onednn.has_vnni``, as the tests do, so an AVX-512 VNNI machine times them too):
 
 - dynamic Linear, per-token 7-bit and 8-bit recipes: the row grids + codes and the per-row epilogue (MiniLM's
-  4096×384→1536 and 4096×1536→384, and 16×768²);
+  4096×384→1536 and 4096×1536→384, 16×768²), and at 1×768² the 8-bit weight-split route without VNNI;
 - static conv without VNNI: a dense 3×3 (the split-weight epilogue) and a depthwise 3×3 (the whole conv), batch 8;
 - the quantized add_relu of two 8×96×56² tensors; the Quantize stub on 8×3×224² and 1×768;
 - the small-M static Linear without VNNI (8-bit codes, M = 1 and 4, 768² and 768×3072).
@@ -51,7 +51,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _dynamic(quick: bool) -> list[tuple[str, Callable[[], Any]]]:
-    shapes = [(16, 768, 768)] if quick else [(4096, 384, 1536), (4096, 1536, 384), (16, 768, 768)]
+    shapes = [(16, 768, 768)] if quick else [(4096, 384, 1536), (4096, 1536, 384), (16, 768, 768), (1, 768, 768)]
     out = []
     for m, k, n in shapes:
         for rr, name in ((True, "per-token 7-bit"), (False, "per-token 8-bit")):
