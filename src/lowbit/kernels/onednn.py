@@ -47,8 +47,8 @@ from .. import native
 from ..compile_state import tensor_version
 from ..functional import _store
 from ..qtensor import QTensor
-from .avx2 import (_acc_epilogue, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor, _scaled, _split_run,
-                   combine_stacked, stack_halves, weight_halves)
+from .avx2 import (_F32_EXACT, _acc_epilogue, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor,
+                   _scaled, _split_run, combine_stacked, stack_halves, weight_halves)
 from .spec import ConvSpec, OutGrid
 
 __all__ = ["NAME", "SMALL_M", "available", "has_vnni", "cpu_has_vnni", "isa_capped", "saturation_safe", "linear",
@@ -330,9 +330,6 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
 
 NATIVE_LINEAR_M = 4  # rows up to which native.qlinear replaces _fbgemm_linear (measured: benchmarks/README.md, session 13)
 NATIVE_LINEAR_WORK = 1 << 23  # and rows × weight elements up to which (4×768×3072 and 4096² from M = 1: fbgemm's is faster)
-_F32_EXACT = 1 << 24
-
-
 def native_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale: torch.Tensor, split: bool,
                   bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
                   cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:

@@ -9,7 +9,8 @@ scales, zero points, bias, output grid) and one activation ``QDtype``, and retur
     u8 = codes (uint8 storage)  |  codes ^ 0x80 (full int8 grid)  |  codes - qmin (≤ 128-code int8 grid)
     rows ≤ SMALL_M and torch's engine is x86/fbgemm:
         u8 output, no split      →  fbgemm quantized::linear(_relu) on the real-scale pack, int_repr (clamp)
-        otherwise                →  onednn._fbgemm_linear (unit-scale pack; the split if needed)
+        otherwise                →  onednn.native_linear (lowbit.native, few rows: the same floats) or
+                                    onednn._fbgemm_linear (unit-scale pack; the split if needed)
     more rows                    →  one onednn::qlinear_pointwise (clamp)   |   onednn._split_run
 
 These are the very calls and float32 operations ``onednn.linear`` makes on a CPU without VNNI (the

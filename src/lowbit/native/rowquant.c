@@ -528,8 +528,8 @@ void lb_dwconv(const uint8_t *x, int64_t n, int64_t c, int64_t h, int64_t w, con
 #include <stdlib.h>
 
 typedef struct {
-    const uint8_t *x; int64_t m, k, ldx; int16_t zx; const int8_t *w; const float *sc, *bias; int mode, relu;
-    float inv, z, vlo, vhi; void *out; int64_t ldo, n0, n1; const int16_t *xs; int avx2;
+    int64_t m, k; const int8_t *w; const float *sc, *bias; int mode, relu;
+    float inv, z, vlo, vhi; void *out; int64_t ldo, n0, n1; const int16_t *xs; int avx2;  /* xs: (x - zx), (m, k) */
 } lin_job;
 
 /* acc: the exact Σ (x - z) w; fl(acc) is the split's fl(fl(lo) + 2 fl(hi)) while both half sums are exact floats */
@@ -601,8 +601,8 @@ int lb_qlinear(const uint8_t *x, int64_t m, int64_t k, int64_t ldx, int zx, cons
     lin_job jobs[MAX_THREADS];
     int nt = threads_for(nthreads, n);
     for (int t = 0; t < nt; ++t) {
-        lin_job jb = {x, m, k, ldx, (int16_t)zx, w, sc, bias, mode, relu, inv, z, vlo, vhi, out, ldo, n * t / nt,
-                      n * (t + 1) / nt, xs, use_avx2(isa)};
+        lin_job jb = {m, k, w, sc, bias, mode, relu, inv, z, vlo, vhi, out, ldo, n * t / nt, n * (t + 1) / nt, xs,
+                      use_avx2(isa)};
         jobs[t] = jb;
     }
     fan_out(lin_run, jobs, sizeof(lin_job), nt);

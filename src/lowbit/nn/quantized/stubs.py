@@ -68,8 +68,8 @@ class Quantize(CheckedQuantState):
                 lo, hi, zi, dtype, inv_f = store
                 t = native.empty_codes(x.shape, zi, dtype)
                 if native.quantize_into(x, inv_f, zi, lo, hi, t):
-                    bufs = self._buffers
-                    return QTensor._trusted(None, bufs["scale"], bufs["zero_point"], self.qdtype, None, None, t)
+                    return QTensor._trusted(None, self._buffers["scale"], self._buffers["zero_point"], self.qdtype, None,
+                                            None, t)
             # the eager fast path: one max for the NaN check (torch's max propagates NaN and makes none: no false
             # alarm from ``inf - inf`` as a sum had; about half the sum's instruction-cache misses: its reduction
             # kernel is smaller), check_no_nan's exact check and error only when it is NaN; one fused-by-hand quantize
@@ -78,7 +78,6 @@ class Quantize(CheckedQuantState):
                 check_no_nan(x, "Quantize")
             bufs = self._buffers  # (nn.Module.__getattr__ costs ~1 µs per buffer read)
             scale, zero_point = bufs["scale"], bufs["zero_point"]
-            inv, z, store = self._grid()
             if store is not None and x.is_contiguous() and not x.requires_grad:
                 # quantize_scaled → qstore.codes, their decisions made once (_grid): v = x · inv, the 7-bit clamp of v,
                 # then add, round, clamp and the 8-bit store in one quantize_per_tensor at scale 1. The upper clamp only

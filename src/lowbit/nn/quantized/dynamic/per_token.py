@@ -286,9 +286,9 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     cn = neg_zp.add_(_C128)  # 128 - z_x
     if raw.numel() > _BLOCK:
         cn = cn.neg_()  # c = z_x - 128, blocked
-        return _epilogue(raw, cn, plan.wsum, scale, bias) if _native_epilogue(raw, cn, plan.wsum, scale, bias,
+        return _epilogue(raw, cn, plan.wsum, scale, bias) if native.row_epilogue(raw, cn, plan.wsum, scale, bias,
                                                                               False) is None else raw
-    if _native_epilogue(raw, cn, plan.wsum, scale, bias, True) is not None:
+    if native.row_epilogue(raw, cn, plan.wsum, scale, bias, True) is not None:
         return raw
     raw = raw.addcmul_(cn, plan.wsum).mul_(scale)  # (raw - c ⊗ wsum) · s_x: one fused pass less
     return raw if bias is None else raw.add_(bias)
@@ -305,13 +305,6 @@ def _grid_codes(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         return None
     scale, neg_zp = grids
     return _codes(xf, torch.reciprocal(scale), neg_zp), scale, neg_zp
-
-
-def _native_epilogue(raw: torch.Tensor, c: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None, fused: bool) -> torch.Tensor | None:
-    """In place in one native pass: ``(raw + c ⊗ wsum) · s_x + bias`` rounded as ``addcmul_`` (``fused``), or
-    ``_epilogue``'s ``(raw - c ⊗ wsum) · s_x + bias``; ``None`` (nothing written) where the torch ops must run."""
-    return native.row_epilogue(raw, c, wsum, scale, bias, fused)
 
 
 def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: torch.Tensor,
@@ -345,7 +338,7 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
             raw[i:j].copy_(r)
     kernels.counts[("onednn", "linear")] += 1
     c = torch.sub(_CM128, neg_zp)  # c = z_x - 128, as _generic's
-    return raw if _native_epilogue(raw, c, plan.wsum, scale, bias, False) is not None else _epilogue(
+    return raw if native.row_epilogue(raw, c, plan.wsum, scale, bias, False) is not None else _epilogue(
         raw, c, plan.wsum, scale, bias)
 
 
@@ -410,7 +403,7 @@ def _weight_split(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_sc
         raw = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(u, 1.0, 0, _split_pack(plan, w_scale))
         y = torch.add(raw[:, :n], raw[:, n:])
         kernels.counts[("onednn", "linear")] += 1
-        if _native_epilogue(y, neg_zp, plan.wsum, scale, bias, True) is not None:
+        if native.row_epilogue(y, neg_zp, plan.wsum, scale, bias, True) is not None:
             return y
         y = y.addcmul_(neg_zp, plan.wsum).mul_(scale)
         return y if bias is None else y.add_(bias)
