@@ -6,6 +6,7 @@ a non-finite row leaves the decision to the torch path; without the build every 
 from __future__ import annotations
 
 import contextlib
+import re
 import os
 import subprocess
 import sys
@@ -349,3 +350,42 @@ def test_dynamic_weight_split_route_is_fbgemms(body: str, k: int, bias: bool, mo
         for x in (torch.randn(m, k) * 3 + 1, torch.rand(m, k) * 5):  # mixed signs; one-signed (z_x at an end)
             got, ref, ran = _native_and_torch(body, lambda q=q, x=x: q(x))
             assert ran.get("dyn_wsplit") == 1 and torch.equal(got, ref), (m, k, bias)
+
+
+def test_bad_arguments_raise_naming_the_value() -> None:
+    # argument values a caller got wrong raise whether or not the build is here; tensors that do not fit return None
+    x, q8 = torch.randn(3, 8), torch.zeros(3, 8, dtype=torch.uint8)
+    cases = [
+        (lambda: native.row_grid(x, 255.0, "bytes"), "mode='bytes'"),
+        (lambda: native.row_grid(x, 0.0, "u"), "levels=0.0"),
+        (lambda: native.row_grid(x, float("nan"), "codes"), "levels=nan"),
+        (lambda: native.row_grid(x, 255.0, "codes", qmax=300.0), "qmax=300.0"),
+        (lambda: native.conv_epilogue([torch.zeros(1, 4, 2, 2)], 1, torch.ones(2), None, 1.0, 0, 0, 300), "hi=300"),
+        (lambda: native.conv_epilogue([torch.zeros(1, 4, 2, 2)], 1, torch.ones(2), None, 1.0, 256, 0, 255),
+         "zero_point=256"),
+        (lambda: native.conv_epilogue([torch.zeros(1, 4, 2, 2)], 1, torch.ones(2), None, float("inf"), 0, 0, 255),
+         "inv=inf"),
+        (lambda: native.conv_epilogue([torch.zeros(1, 4, 2, 2)], 0, torch.ones(2), None, 1.0, 0, 0, 255), "groups=0"),
+        (lambda: native.qadd(q8, 0, 1.0, q8, 0, 1.0, 0, 0, 255, torch.int16), "storage=torch.int16"),
+        (lambda: native.qadd(q8, 0, 1.0, q8, 0, 1.0, 0, 0, 255, torch.int8), "hi=255"),
+        (lambda: native.qadd(q8, 0, -1.0, q8, 0, 1.0, 0, 0, 255, torch.uint8), "ka=-1.0"),
+        (lambda: native.quantize_into(x, 0.0, 0, None, None, q8), "inv=0.0"),
+        (lambda: native.quantize_into(x, 1.0, 300, None, None, q8), "zero_point=300"),
+        (lambda: native.quantize_into(x, 1.0, 0, 5.0, 1.0, q8), "lo=5.0, hi=1.0"),
+        (lambda: native.dw_weight(torch.zeros(4, 2, 3, 3, dtype=torch.int8)), "shape (4, 2, 3, 3)"),
+        (lambda: native.dwconv(torch.zeros(1, 4, 5, 5, dtype=torch.uint8), 300, torch.zeros(3, 3, 4, dtype=torch.int16),
+                               [1, 1], [1, 1], [1, 1], torch.ones(4), None, 1.0, 0, 0, 255), "zx=300"),
+        (lambda: native.dwconv(torch.zeros(1, 4, 5, 5, dtype=torch.uint8), 0, torch.zeros(3, 3, 4, dtype=torch.int16),
+                               [0, 1], [1, 1], [1, 1], torch.ones(4), None, 1.0, 0, 0, 255), "stride=[0, 1]"),
+        (lambda: native.qlinear(q8, -1, torch.zeros(2, 8, dtype=torch.int8), torch.ones(2), None, None, False), "zx=-1"),
+        (lambda: native.qlinear(q8, 0, torch.zeros(2, 8, dtype=torch.int8), torch.ones(2), None, (1.0, 0, 9, 3), False),
+         "lo=9, hi=3"),
+        (lambda: native.empty_codes((2,), 0, torch.int8), "dtype=torch.int8"),
+        (lambda: native.empty_codes((2,), 200, torch.qint8), "zero_point=200"),
+    ]
+    for call, named in cases:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            call()
+    with native.disabled():  # the same errors with the native passes off
+        with pytest.raises(ValueError, match="mode='bytes'"):
+            native.row_grid(x, 255.0, "bytes")

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -176,6 +177,22 @@ def _threads(work: int) -> int:
     return torch.get_num_threads() if work >= _THREAD_MIN else 1
 
 
+_STORAGE = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
+
+
+def _check_grid(fn: str, zero_point: int, lo: int, hi: int, storage: torch.dtype = torch.uint8,
+                inv: float | None = None) -> None:
+    """Argument values a caller got wrong raise (tensors that do not fit a pass return ``None`` instead): the code range
+    ``[lo, hi]`` and the zero point inside the 8-bit storage, ``inv`` (``1 / scale``) finite and positive."""
+    smin, smax = _STORAGE[storage]
+    if not smin <= lo <= hi <= smax:
+        raise ValueError(f"lowbit.native.{fn}: code range lo={lo!r}, hi={hi!r} is not an interval inside [{smin}, {smax}]")
+    if not smin <= zero_point <= smax:
+        raise ValueError(f"lowbit.native.{fn}: zero_point={zero_point!r} is outside [{smin}, {smax}]")
+    if inv is not None and not (math.isfinite(inv) and inv > 0):
+        raise ValueError(f"lowbit.native.{fn}: inv={inv!r} must be a finite positive 1 / scale")
+
+
 def _fits(x: torch.Tensor) -> bool:
     return (x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0
             and x.shape[1] > 0 and x.stride(0) >= x.shape[1] and not x.requires_grad)
@@ -187,8 +204,14 @@ def row_grid(x: torch.Tensor, levels: float, mode: str, out: torch.Tensor | None
     ``(M, 1)`` float32 and ``out`` (``(M, K)``, given or new; float32 for ``mode="u"``, uint8 for ``"codes"``)
     as the module doc states; ``qmax`` defaults to ``levels`` (``inf``: no clamp on ``u``). ``None`` when the
     native passes are off, the tensors do not fit them, or some row is not finite: the caller's torch ops decide."""
+    if mode not in ("u", "codes"):
+        raise ValueError(f"lowbit.native.row_grid: mode={mode!r} must be 'u' or 'codes'")
+    top = levels if qmax is None else qmax
+    if not (math.isfinite(levels) and levels > 0) or top != top or (mode == "codes" and not 0 <= top <= 255):
+        raise ValueError(f"lowbit.native.row_grid: levels={levels!r} must be finite and positive, qmax={qmax!r} a number "
+                         "(for codes: inside [0, 255])")
     lib = _lib()
-    if lib is None or not _fits(x) or mode not in ("u", "codes"):
+    if lib is None or not _fits(x):
         return None
     m, k = x.shape
     dtype = torch.float32 if mode == "u" else torch.uint8
@@ -238,13 +261,16 @@ def conv_epilogue(ys: list[torch.Tensor], groups: int, scale: torch.Tensor, bias
     ``clamp(round(fl(clamp(fl(fl(fl(lo + 2 hi) · scale_c) + bias_c) · inv), lo - z, hi - z) + z)), 0, 255)``
     (``combine_stacked`` / ``add_(alpha=2)``, ``_acc_epilogue``'s multiply and bias, ``qstore.codes``' clamp, round and
     store) as an ``(N, C, *sp)`` channels-last tensor; ``None`` (nothing written) where the tensors do not fit."""
+    _check_grid("conv_epilogue", zero_point, lo, hi, inv=inv)
+    if groups < 1:
+        raise ValueError(f"lowbit.native.conv_epilogue: groups={groups!r} must be at least 1")
     lib = _lib()
     if lib is None or len(ys) not in (1, 2):
         return None
     y0 = ys[0]
     c2 = y0.shape[1] if y0.dim() >= 3 else 0
     c = c2 // 2 if len(ys) == 1 else c2
-    if c == 0 or (len(ys) == 1 and (c2 % 2 or c % groups)) or not 0 <= lo <= hi <= 255:
+    if c == 0 or (len(ys) == 1 and (c2 % 2 or c % groups)):
         return None
     lasts = [t.movedim(1, -1) for t in ys]
     if any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.requires_grad for t in lasts):
@@ -277,8 +303,13 @@ def qadd(qa: torch.Tensor, za: int, ka: float, qb: torch.Tensor, zb: int, kb: fl
     """``round(clamp(fl(fl((q_a - z_a) k_a) + fl((q_b - z_b) k_b)), lo - z, hi - z)) + z`` in ``storage`` (uint8 /
     int8) for two same-shape dense 8-bit code tensors in the same memory order (``functional_modules._fast_add``'s
     arithmetic, its float32 steps in its order), as a new tensor in that order; ``None`` where they do not fit."""
+    if storage not in _CODES:
+        raise ValueError(f"lowbit.native.qadd: storage={storage!r} must be torch.uint8 or torch.int8")
+    _check_grid("qadd", z, lo, hi, storage)
+    if not all(math.isfinite(k) and k > 0 for k in (ka, kb)):
+        raise ValueError(f"lowbit.native.qadd: ka={ka!r}, kb={kb!r} must be finite positive scale ratios")
     lib = _lib()
-    if lib is None or qa.dtype not in _CODES or qb.dtype not in _CODES or storage not in _CODES:
+    if lib is None or qa.dtype not in _CODES or qb.dtype not in _CODES:
         return None
     if qa.shape != qb.shape or qa.stride() != qb.stride() or not qa.is_cpu or not qb.is_cpu or qa.numel() == 0:
         return None
@@ -300,10 +331,13 @@ def quantize_into(x: torch.Tensor, inv: float, z: int, lo: float | None, hi: flo
     and an 8-bit ``out`` of as many elements (its ``data_ptr`` written: a plain uint8 / int8 tensor or a torch
     quantized tensor's storage): the Quantize stub's ``mul``, clamp and ``quantize_per_tensor(v, 1, z)`` with its
     NaN check in one pass. ``False`` (``out`` partly written, to be dropped) for a NaN, or where it does not fit."""
+    sgn = out.dtype in (torch.int8, torch.qint8)
+    _check_grid("quantize_into", z, -128 if sgn else 0, 127 if sgn else 255, torch.int8 if sgn else torch.uint8, inv)
+    if (lo is not None and lo != lo) or (hi is not None and hi != hi) or (lo is not None and hi is not None and lo > hi):
+        raise ValueError(f"lowbit.native.quantize_into: clamp bounds lo={lo!r}, hi={hi!r} must be numbers with lo <= hi")
     lib = _lib()
     if lib is None or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or x.requires_grad:
         return False
-    sgn = out.dtype in (torch.int8, torch.qint8)
     if out.dtype not in (torch.uint8, torch.int8, torch.quint8, torch.qint8) or out.numel() != x.numel() \
             or not out.is_contiguous():
         return False
@@ -324,6 +358,9 @@ def _channel_vectors(n: int, *vs: torch.Tensor | None) -> bool:
 
 def dw_weight(w: torch.Tensor) -> torch.Tensor:
     """A depthwise conv's int8 weight ``(C, 1, kh, kw)`` as the ``(kh, kw, C)`` int16 taps ``dwconv`` reads."""
+    if w.dtype != torch.int8 or w.dim() != 4 or w.shape[1] != 1:
+        raise ValueError(f"lowbit.native.dw_weight: a depthwise int8 weight of shape (C, 1, kh, kw) is needed, got "
+                         f"{w.dtype} of shape {tuple(w.shape)}")
     return w[:, 0].permute(1, 2, 0).to(torch.int16).contiguous()
 
 
@@ -334,14 +371,20 @@ def dwconv(q: torch.Tensor, zx: int, taps: torch.Tensor, stride: list[int], padd
     point ``zx`` (zero padding: the zero point), ``taps`` from ``dw_weight``, exact int32 sums ``acc``, then
     ``conv_epilogue``'s codes of ``fl(acc)`` (``scale`` = ``fl(s_x s_w)`` per channel, ``bias``, ``inv`` = 1 / s_out,
     clamp to ``[lo, hi]``) as ``(N, C, OH, OW)`` channels-last uint8; ``None`` where the tensors do not fit."""
+    _check_grid("dwconv", zero_point, lo, hi, inv=inv)
+    if not 0 <= zx <= 255:
+        raise ValueError(f"lowbit.native.dwconv: input zero point zx={zx!r} is outside [0, 255]")
+    geometry = (list(stride), list(padding), list(dilation))
+    if any(len(g) != 2 for g in geometry) or min(*stride, *dilation) < 1 or min(padding) < 0:
+        raise ValueError(f"lowbit.native.dwconv: stride={stride!r}, padding={padding!r}, dilation={dilation!r} must be "
+                         "two values each, stride and dilation >= 1, padding >= 0")
     lib = _lib()
-    if lib is None or q.dtype != torch.uint8 or q.dim() != 4 or not q.is_cpu or not 0 <= zx <= 255:
+    if lib is None or q.dtype != torch.uint8 or q.dim() != 4 or not q.is_cpu:
         return None
     n, c, h, w = q.shape
     kh, kw = taps.shape[:2] if taps.dim() == 3 else (0, 0)
-    if taps.dtype != torch.int16 or taps.shape != (kh, kw, c) or not taps.is_contiguous() or not 0 <= lo <= hi <= 255 \
-            or kh * kw > 64:  # (rowquant.c's DW_MAX_TAPS)
-        return None
+    if taps.dtype != torch.int16 or taps.shape != (kh, kw, c) or not taps.is_contiguous() or kh * kw > 64:
+        return None  # (rowquant.c's DW_MAX_TAPS)
     if not _channel_vectors(c, scale, bias):
         return None
     oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
@@ -368,6 +411,9 @@ _QUIET = [False]  # torch's one deprecation warning for quantized tensors, kept 
 def empty_codes(shape: tuple[int, ...] | torch.Size, zero_point: int, dtype: torch.dtype) -> torch.Tensor:
     """An empty torch quantized tensor (``quint8`` / ``qint8``) on scale 1 and ``zero_point``, for a native pass to fill:
     the form lowbit keeps 8-bit codes in for the fbgemm ops that read them next (a ``QTensor``'s ``tu``)."""
+    if dtype not in (torch.quint8, torch.qint8):
+        raise ValueError(f"lowbit.native.empty_codes: dtype={dtype!r} must be torch.quint8 or torch.qint8")
+    _check_grid("empty_codes", zero_point, *((-128, 127, torch.int8) if dtype == torch.qint8 else (0, 255)))
     if _QUIET[0]:
         return torch._empty_affine_quantized(shape, scale=1.0, zero_point=zero_point, dtype=dtype)
     with warnings.catch_warnings():
@@ -385,16 +431,18 @@ def qlinear(q: torch.Tensor, zx: int, w: torch.Tensor, scale: torch.Tensor, bias
     ``out = (inv, z, lo, hi)``: the codes as ``conv_epilogue``'s in a torch ``quint8`` tensor on scale 1 and zero point
     ``z`` (``empty_codes``), or float32 ``(M, N)`` (``relu``: ``max(·, 0)``) when ``None``. ``None`` where the tensors
     do not fit."""
+    if not 0 <= zx <= 255:
+        raise ValueError(f"lowbit.native.qlinear: input zero point zx={zx!r} is outside [0, 255]")
+    if out is not None:
+        _check_grid("qlinear", out[1], out[2], out[3], inv=out[0])
     lib = _lib()
-    if lib is None or q.dtype != torch.uint8 or q.dim() != 2 or not q.is_cpu or q.stride(1) != 1 or not 0 <= zx <= 255:
+    if lib is None or q.dtype != torch.uint8 or q.dim() != 2 or not q.is_cpu or q.stride(1) != 1:
         return None
     m, k = q.shape
     n = w.shape[0] if w.dim() == 2 else 0
     if m == 0 or n == 0 or w.dtype != torch.int8 or w.shape[1] != k or not w.is_contiguous():
         return None
     if not _channel_vectors(n, scale, bias):
-        return None
-    if out is not None and not 0 <= out[2] <= out[3] <= 255:
         return None
     inv, z, lo, hi = out if out is not None else (1.0, 0, 0, 255)
     y = torch.empty(m, n, dtype=torch.float32) if out is None else empty_codes((m, n), z, torch.quint8)
