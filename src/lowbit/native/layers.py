@@ -1,0 +1,189 @@
+"""Conv and Linear passes without VNNI: the split-weight conv epilogue, a whole depthwise conv, the small-M Linears.
+
+On a CPU whose u8 × s8 pairs saturate, 8-bit codes cost lowbit extra passes around oneDNN / fbgemm (weight halves,
+their float sums combined, the epilogue). These do the exact integer sums and lowbit's float epilogue in one call
+with the same float32 operations, so the same codes / floats (``kernels.onednn`` and ``nn/quantized/dynamic`` say
+where each is taken). ``empty_codes`` makes the torch quantized tensor a pass writes its u8 codes into.
+
+>>> import torch
+>>> from lowbit import native
+>>> tuple(native.dw_weight(torch.ones(4, 1, 3, 3, dtype=torch.int8)).shape)
+(3, 3, 4)
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import _channel_vectors, _check_grid, _lib, _local, _threads, counts
+
+__all__ = ["conv_epilogue", "dw_weight", "dwconv", "empty_codes", "qlinear", "dyn_wsplit"]
+
+
+def conv_epilogue(ys: list[torch.Tensor], groups: int, scale: torch.Tensor, bias: torch.Tensor | None, inv: float,
+                  zero_point: int, lo: int, hi: int) -> torch.Tensor | None:
+    """The split-weight conv's epilogue in one pass (``kernels.onednn._wsplit_conv``): from its raw float32 sums,
+    ``[stacked]`` (``(N, 2C, *sp)``, each group's ``hi`` then ``lo`` channels) or ``[hi, lo]`` (``(N, C, *sp)`` each),
+    channels innermost in memory (oneDNN's channels-last output), the uint8 codes
+    ``clamp(round(fl(clamp(fl(fl(fl(lo + 2 hi) · scale_c) + bias_c) · inv), lo - z, hi - z) + z)), 0, 255)``
+    (``combine_stacked`` / ``add_(alpha=2)``, ``_acc_epilogue``'s multiply and bias, ``qstore.codes``' clamp, round and
+    store) as an ``(N, C, *sp)`` channels-last tensor; ``None`` (nothing written) where the tensors do not fit."""
+    _check_grid("conv_epilogue", zero_point, lo, hi, inv=inv)
+    if groups < 1:
+        raise ValueError(f"lowbit.native.conv_epilogue: groups={groups!r} must be at least 1")
+    lib = _lib()
+    if lib is None or len(ys) not in (1, 2):
+        return None
+    y0 = ys[0]
+    c2 = y0.shape[1] if y0.dim() >= 3 else 0
+    c = c2 // 2 if len(ys) == 1 else c2
+    if c == 0 or (len(ys) == 1 and (c2 % 2 or c % groups)):
+        return None
+    lasts = [t.movedim(1, -1) for t in ys]
+    if any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.requires_grad for t in lasts):
+        return None
+    if len(ys) == 2 and ys[1].shape != y0.shape:
+        return None
+    if not _channel_vectors(c, scale, bias):
+        return None
+    npix = y0.numel() // c2
+    codes = torch.empty((*lasts[0].shape[:-1], c), dtype=torch.uint8)
+    if len(ys) == 1:
+        cpg = c // groups
+        h, lo_ptr, ps, gs, ng = y0.data_ptr(), y0.data_ptr() + 4 * cpg, 2 * c, 2 * cpg, groups
+    else:
+        cpg, h, lo_ptr, ps, gs, ng = c, ys[0].data_ptr(), ys[1].data_ptr(), c, 0, 1
+    vlo = float(lo - zero_point) if lo > 0 else -float("inf")
+    vhi = float(hi - zero_point) if hi < 255 else float("inf")
+    lib.lb_conv_epilogue(h, lo_ptr, npix, ps, gs, ng, cpg, scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                         inv, float(zero_point), vlo, vhi, codes.data_ptr(), _threads(npix * c),
+                         getattr(_local, "isa", 1))
+    counts["conv_epilogue"] += 1
+    return codes.movedim(-1, 1)
+
+
+def dw_weight(w: torch.Tensor) -> torch.Tensor:
+    """A depthwise conv's int8 weight ``(C, 1, kh, kw)`` as the ``(kh, kw, C)`` int16 taps ``dwconv`` reads."""
+    if w.dtype != torch.int8 or w.dim() != 4 or w.shape[1] != 1:
+        raise ValueError(f"lowbit.native.dw_weight: a depthwise int8 weight of shape (C, 1, kh, kw) is needed, got "
+                         f"{w.dtype} of shape {tuple(w.shape)}")
+    return w[:, 0].permute(1, 2, 0).to(torch.int16).contiguous()
+
+
+def dwconv(q: torch.Tensor, zx: int, taps: torch.Tensor, stride: list[int], padding: list[int], dilation: list[int],
+           scale: torch.Tensor, bias: torch.Tensor | None, inv: float, zero_point: int, lo: int,
+           hi: int) -> torch.Tensor | None:
+    """A 2-d depthwise int8 conv with its requantizing epilogue in one pass: u8 codes ``q`` ``(N, C, H, W)`` on zero
+    point ``zx`` (zero padding: the zero point), ``taps`` from ``dw_weight``, exact int32 sums ``acc``, then
+    ``conv_epilogue``'s codes of ``fl(acc)`` (``scale`` = ``fl(s_x s_w)`` per channel, ``bias``, ``inv`` = 1 / s_out,
+    clamp to ``[lo, hi]``) as ``(N, C, OH, OW)`` channels-last uint8; ``None`` where the tensors do not fit."""
+    _check_grid("dwconv", zero_point, lo, hi, inv=inv)
+    if not 0 <= zx <= 255:
+        raise ValueError(f"lowbit.native.dwconv: input zero point zx={zx!r} is outside [0, 255]")
+    geometry = (list(stride), list(padding), list(dilation))
+    if any(len(g) != 2 for g in geometry) or min(*stride, *dilation) < 1 or min(padding) < 0:
+        raise ValueError(f"lowbit.native.dwconv: stride={stride!r}, padding={padding!r}, dilation={dilation!r} must be "
+                         "two values each, stride and dilation >= 1, padding >= 0")
+    lib = _lib()
+    if lib is None or q.dtype != torch.uint8 or q.dim() != 4 or not q.is_cpu:
+        return None
+    n, c, h, w = q.shape
+    kh, kw = taps.shape[:2] if taps.dim() == 3 else (0, 0)
+    if taps.dtype != torch.int16 or taps.shape != (kh, kw, c) or not taps.is_contiguous() or kh * kw > 64:
+        return None  # (rowquant.c's DW_MAX_TAPS)
+    if not _channel_vectors(c, scale, bias):
+        return None
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    if oh <= 0 or ow <= 0 or n == 0 or c == 0:
+        return None
+    x = q.movedim(1, -1)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty((n, oh, ow, c), dtype=torch.uint8)
+    vlo = float(lo - zero_point) if lo > 0 else -float("inf")
+    vhi = float(hi - zero_point) if hi < 255 else float("inf")
+    lib.lb_dwconv(x.data_ptr(), n, c, h, w, taps.data_ptr(), kh, kw, stride[0], stride[1], padding[0], padding[1],
+                  dilation[0], dilation[1], zx, oh, ow, scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                  inv, float(zero_point), vlo, vhi, out.data_ptr(), _threads(n * oh * ow * c * kh * kw),
+                  getattr(_local, "isa", 1))
+    counts["dwconv"] += 1
+    return out.movedim(-1, 1)
+
+
+_QUIET = [False]  # torch's one deprecation warning for quantized tensors, kept from users
+
+
+def empty_codes(shape: tuple[int, ...] | torch.Size, zero_point: int, dtype: torch.dtype) -> torch.Tensor:
+    """An empty torch quantized tensor (``quint8`` / ``qint8``) on scale 1 and ``zero_point``, for a native pass to fill:
+    the form lowbit keeps 8-bit codes in for the fbgemm ops that read them next (a ``QTensor``'s ``tu``)."""
+    if dtype not in (torch.quint8, torch.qint8):
+        raise ValueError(f"lowbit.native.empty_codes: dtype={dtype!r} must be torch.quint8 or torch.qint8")
+    _check_grid("empty_codes", zero_point, *((-128, 127, torch.int8) if dtype == torch.qint8 else (0, 255)))
+    if _QUIET[0]:
+        return torch._empty_affine_quantized(shape, scale=1.0, zero_point=zero_point, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch._empty_affine_quantized(shape, scale=1.0, zero_point=zero_point, dtype=dtype)
+    _QUIET[0] = True
+    return t
+
+
+def qlinear(q: torch.Tensor, zx: int, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+            out: tuple[float, int, int, int] | None, relu: bool) -> torch.Tensor | None:
+    """A small-M int8 Linear with lowbit's float epilogue in one native call: u8 codes ``q`` ``(M, K)`` on zero point
+    ``zx``, int8 weights ``w`` ``(N, K)``, the exact ``acc = Σ (q - z_x) w`` (int16 products, int32 sums) as
+    ``fl(acc)``, then ``· scale_n + bias_n``;
+    ``out = (inv, z, lo, hi)``: the codes as ``conv_epilogue``'s in a torch ``quint8`` tensor on scale 1 and zero point
+    ``z`` (``empty_codes``), or float32 ``(M, N)`` (``relu``: ``max(·, 0)``) when ``None``. ``None`` where the tensors
+    do not fit."""
+    if not 0 <= zx <= 255:
+        raise ValueError(f"lowbit.native.qlinear: input zero point zx={zx!r} is outside [0, 255]")
+    if out is not None:
+        _check_grid("qlinear", out[1], out[2], out[3], inv=out[0])
+    lib = _lib()
+    if lib is None or q.dtype != torch.uint8 or q.dim() != 2 or not q.is_cpu or q.stride(1) != 1:
+        return None
+    m, k = q.shape
+    n = w.shape[0] if w.dim() == 2 else 0
+    if m == 0 or n == 0 or w.dtype != torch.int8 or w.shape[1] != k or not w.is_contiguous():
+        return None
+    if not _channel_vectors(n, scale, bias):
+        return None
+    inv, z, lo, hi = out if out is not None else (1.0, 0, 0, 255)
+    y = torch.empty(m, n, dtype=torch.float32) if out is None else empty_codes((m, n), z, torch.quint8)
+    vlo = float(lo - z) if lo > 0 else -float("inf")
+    vhi = float(hi - z) if hi < 255 else float("inf")
+    if lib.lb_qlinear(q.data_ptr(), m, k, q.stride(0), zx, w.data_ptr(), n, scale.data_ptr(),
+                      None if bias is None else bias.data_ptr(), int(out is not None), int(relu), inv, float(z), vlo, vhi,
+                      y.data_ptr(), n, _threads(m * n * k // 16), getattr(_local, "isa", 1)):
+        return None
+    counts["qlinear"] += 1
+    return y
+
+
+def dyn_wsplit(q: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a: torch.Tensor, wsum: torch.Tensor,
+               s: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The 8-bit dynamic Linear's few-row route without VNNI in one call (``per_token._weight_split``'s arithmetic):
+    u8 codes ``q`` ``(M, K)`` on zero point 0, int8 weights ``w`` ``(N, K)`` split as ``2 (w >> 1) + (w & 1)``,
+    ``t = fl(fl(Σ q (w >> 1)) · 2 s_w) + fl(fl(Σ q (w & 1)) · s_w)`` (fbgemm's two float sums of the split pack, added),
+    then ``fl(fl(t + a_m wsum) · s_m) + bias`` (``a`` = -z_x and ``s`` = s_x per row, ``(M, 1)``). ``None`` where the
+    tensors do not fit."""
+    lib = _lib()
+    if lib is None or q.dtype != torch.uint8 or q.dim() != 2 or not q.is_contiguous() or not q.is_cpu:
+        return None
+    m, k = q.shape
+    n = w.shape[0] if w.dim() == 2 else 0
+    if m == 0 or n == 0 or w.dtype != torch.int8 or w.shape[1] != k or not w.is_contiguous():
+        return None
+    if not (_channel_vectors(n, w_scale, wsum, bias) and _channel_vectors(m, a, s)):
+        return None
+    y = torch.empty(m, n, dtype=torch.float32)
+    if lib.lb_dyn_wsplit(q.data_ptr(), m, k, w.data_ptr(), n, w_scale.data_ptr(), a.data_ptr(), wsum.data_ptr(),
+                         s.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), _threads(m * n * k // 16),
+                         getattr(_local, "isa", 1)):
+        return None
+    counts["dyn_wsplit"] += 1
+    return y
