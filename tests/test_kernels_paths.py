@@ -29,6 +29,7 @@ shape is listed at once. Shapes: M, K, N each over sizes including 1, odd sizes 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import Counter
 from typing import Any
@@ -40,7 +41,7 @@ import lowbit as Q
 from lowbit import kernels as K
 from lowbit import native
 from helpers import force
-from lowbit.kernels import OutGrid, avx2, int_mm, onednn
+from lowbit.kernels import OutGrid, avx2, int_mm, onednn, small_m
 
 torch.set_num_threads(1)
 MS = (1, 2, 3, 5, 16, 17, 33, 64)
@@ -102,6 +103,19 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
         return y
 
     monkeypatch.setattr(onednn, "_native_dw", dw_spy)
+    real_requant, fbgemm_requant = onednn.native_requant, avx2._fbgemm_requant  # (onednn._fbgemm_requant: a spy)
+
+    def requant_spy(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale: torch.Tensor, bias: Any, out: Any,
+                    relu: bool, cache: Any, *rest: Any) -> Any:  # counted where it ran, its codes checked against fbgemm's
+        y = real_requant(q, sx, zx, w, w_scale, bias, out, relu, cache, *rest)
+        if y is not None:
+            ran["native_requant"] += 1
+            weight = Q.QTensor(w, w_scale, torch.zeros(w.shape[0], dtype=torch.int64), Q.qint8, 0)
+            ref = fbgemm_requant({}, weight, bias, q, sx, zx, out, relu)
+            ran["native_requant_differs"] += int(not torch.equal(y.int_repr(), ref.int_repr()))
+        return y
+
+    monkeypatch.setattr(onednn, "native_requant", requant_spy)
     return ran
 
 
@@ -166,12 +180,20 @@ def test_onednn_fbgemm_small_m_float(monkeypatch: pytest.MonkeyPatch, paths: Cou
     assert set(paths) <= {"_fbgemm_linear", "native_linear"}
 
 
-def test_onednn_fbgemm_small_m_requantized(monkeypatch: pytest.MonkeyPatch, paths: Counter[str]) -> None:
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "fbgemm"])
+def test_onednn_fbgemm_small_m_requantized(monkeypatch: pytest.MonkeyPatch, paths: Counter[str], use_native: bool) -> None:
+    """Few rows with a u8 output: lowbit.native's one call (fbgemm's codes bit for bit, checked by the spy) up to
+    ``small_m.REQUANT_M`` rows and ``REQUANT_WEIGHTS`` weights, fbgemm's ``quantized::linear`` beyond or without it."""
     force(monkeypatch, vnni=False, fbgemm=True)
     shapes = [s for s in GRID if s[0] <= onednn.SMALL_M]
-    wrong = scan("onednn", safe=True, zp_w=False, out=OutGrid(64.0, 128, Q.quint8), shapes=shapes)
+    with contextlib.nullcontext() if use_native else native.disabled():
+        wrong = scan("onednn", safe=True, zp_w=False, out=OutGrid(64.0, 128, Q.quint8), shapes=shapes)
     assert not wrong, f"wrong requantized codes: {wrong}"
-    assert paths["_fbgemm_requant"] == len(shapes) and set(paths) == {"_fbgemm_requant"}
+    by_native = sum(m <= small_m.REQUANT_M and k * n <= small_m.REQUANT_WEIGHTS for m, k, n in shapes)
+    by_native *= use_native and native.available()
+    assert paths["native_requant"] == by_native and paths["native_requant_differs"] == 0
+    assert paths["_fbgemm_requant"] == len(shapes) - by_native
+    assert set(paths) <= {"_fbgemm_requant", "native_requant", "native_requant_differs"}
 
 
 @pytest.mark.parametrize("fbgemm", [True, False], ids=["fbgemm", "onednn"])

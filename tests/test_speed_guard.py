@@ -14,7 +14,7 @@ import lowbit as Q
 from lowbit import native
 from lowbit import speed_guard as SG
 from lowbit.examples import SmallCNN
-from lowbit.kernels import ConvSpec, OutGrid, onednn, reference
+from lowbit.kernels import ConvSpec, OutGrid, onednn, reference, small_m
 from lowbit.nn.quantized import Linear as QLinear
 from lowbit.nn.quantized._utils import WeightedQuantModule
 from lowbit.speed_guard import FloatFallback, get_speed_qconfig, keep_faster
@@ -241,7 +241,8 @@ def test_onednn_linear_seven_bit_activations_single_call_exact(no_vnni_single_ca
     by_native = small and out is None and native.available() and x.numel() <= onednn.NATIVE_LINEAR_M * 70
     assert splits == ([False] if small and not fused and not by_native else []) and ("onednn.fbgemm" in cache) == small
     assert len(natives) == int(by_native)
-    assert ("onednn.fbgemm_q" in cache) == fused
+    by_requant = fused and native.available() and x.numel() <= small_m.REQUANT_M * 70  # lowbit.native: fbgemm's codes
+    assert ("onednn.fbgemm_q" in cache) == (fused and not by_requant) and ("native.requant" in cache) == by_requant
     if out is None:
         assert torch.allclose(y.double(), exact(x, w, b), rtol=1e-5, atol=1e-4)
         return
@@ -278,6 +279,8 @@ def test_small_m_fbgemm_split_is_exact_and_engine_gated(monkeypatch: pytest.Monk
 
 
 def test_small_m_fused_fbgemm_repacks_after_bias_or_scale_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused few-row route (lowbit.native's one call, else fbgemm's requantizing op) follows in-place changes of
+    the bias and the weight scales: its kept constants / pack are remade, and both give the same codes."""
     monkeypatch.setattr(onednn, "has_vnni", lambda: False)
     if torch.backends.quantized.engine not in onednn._FBGEMM:
         pytest.skip("fbgemm is not the quantized engine")
@@ -285,12 +288,17 @@ def test_small_m_fused_fbgemm_repacks_after_bias_or_scale_change(monkeypatch: py
     w, b, out = full_weight(12, 20), torch.randn(12), OutGrid(0.05, 90, Q.quint8)
     x = Q.QTensor(torch.randint(0, 128, (3, 20), dtype=torch.uint8), 0.02, 7, Q.quint8.with_range(0, 127))
     cache: dict = {}
+    fb_cache: dict = {}
     for change in (None, lambda: b.add_(1.0), lambda: w.scale.mul_(1.5)):
         if change is not None:
             change()
         y = onednn.linear(x, w, b, out, False, cache=cache)
+        with native.disabled():
+            y_fb = onednn.linear(x, w, b, out, False, cache=fb_cache)
         ref = reference.linear(x, w, b, out, False)
-        assert "onednn.fbgemm_q" in cache and int((y.int_repr().int() - ref.int_repr().int()).abs().max()) <= 1
+        assert ("native.requant" if native.available() else "onednn.fbgemm_q") in cache and "onednn.fbgemm_q" in fb_cache
+        assert torch.equal(y.int_repr(), y_fb.int_repr())
+        assert int((y.int_repr().int() - ref.int_repr().int()).abs().max()) <= 1
 
 
 def test_qat_model_float_twins_come_from_to_float() -> None:

@@ -188,13 +188,18 @@ def test_transposed_float_input_gives_the_contiguous_codes(monkeypatch: pytest.M
             assert torch.equal(qm(x), qm(x.contiguous())), f"{qconfig.activation} M={m}"
 
 
+@pytest.mark.parametrize("use_native", [False, True], ids=["torch", "native"])
 @pytest.mark.parametrize("hardtanh", [True, False], ids=["qclamp", "clamp"])
-def test_quantize_codes_on_scale_one_go_into_fbgemm(monkeypatch: pytest.MonkeyPatch, hardtanh: bool) -> None:
+def test_quantize_codes_on_scale_one_go_into_fbgemm(monkeypatch: pytest.MonkeyPatch, hardtanh: bool,
+                                                    use_native: bool) -> None:
     """``Quantize``'s codes stay in its quantized tensor on scale 1 (``_tu``); a fbgemm Linear takes it with a pack
     whose weight scales are float32 ``s_x · s_w``: the same codes as the generic path on the plain codes, over input
     grids (zero points 0 / 60 / 127, ties and saturation to 0 and 127), output grids, ReLU and M; the 7-bit output clamp
-    by the quantized ``clamp`` or, where its probe fails, by ``clamp_`` on the viewed codes."""
+    by the quantized ``clamp`` or, where its probe fails, by ``clamp_`` on the viewed codes. With ``lowbit.native``,
+    small inputs' codes are plain and the Linear up to ``REQUANT_M`` rows is one native call: the same codes again."""
     force(monkeypatch, vnni=False, fbgemm=True)
+    if not use_native:
+        monkeypatch.setattr(native, "_lib", lambda: None)
     from lowbit.kernels import plan
     from lowbit.nn.quantized.stubs import DeQuantize, Quantize
 
@@ -210,10 +215,11 @@ def test_quantize_codes_on_scale_one_go_into_fbgemm(monkeypatch: pytest.MonkeyPa
         x = torch.randn(*m, 40, generator=g) * 4 * s * 40  # (1-d and 3-d: fbgemm on the (rows, K) view)
         x.view(-1, 40)[0, :4] = torch.tensor([0.5, 1.5, -2.5, 1e9]) * s  # ties, saturation
         qx = quant(x)
-        assert qx._tu is not None and qx._c is None
+        plain_codes = use_native and native.available()  # (small inputs: the native Quantize's plain codes)
+        assert (qx._tu is None and qx._c is not None) if plain_codes else (qx._tu is not None and qx._c is None)
         before = K.counts[("onednn", "linear")]
         y = mod(qx)
-        assert K.counts[("onednn", "linear")] == before + 1 and qx._c is None  # (the plain codes never made)
+        assert K.counts[("onednn", "linear")] == before + 1 and (plain_codes or qx._c is None)  # (plain codes not made)
         plain = Q.QTensor(quant(x).int_repr().clone(), qx.scale, qx.zero_point, u7)
         w, grid = mod._prepared()
         want = onednn.linear(plain, w, mod.bias, grid, relu, cache={})

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -47,8 +46,9 @@ from .. import native
 from ..compile_state import tensor_version
 from ..functional import _store
 from ..qtensor import QTensor
-from .avx2 import (_F32_EXACT, _acc_epilogue, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor,
+from .avx2 import (_acc_epilogue, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor,
                    _scaled, _split_run, combine_stacked, stack_halves, weight_halves)
+from .small_m import NATIVE_LINEAR_M, NATIVE_LINEAR_WORK, native_linear, native_requant  # noqa: F401  (callers' names)
 from .spec import ConvSpec, OutGrid
 
 __all__ = ["NAME", "SMALL_M", "available", "has_vnni", "cpu_has_vnni", "isa_capped", "saturation_safe", "linear",
@@ -194,7 +194,8 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
     if not vnni and q.numel() <= SMALL_M * q.shape[-1] and fbgemm_engine():
         fb = _packed(cache, "onednn.fbgemm", weight, _fbgemm_pack)
         if fb is not None and out is not None and out.qdtype.storage == torch.uint8 and not (split and not seven_bit):
-            return _fbgemm_requant(cache, weight, bias, q, sx, zx, out, relu)
+            y = native_requant(q, sx, zx, weight.int_repr(), weight.scale, bias, out, relu, cache)
+            return y if y is not None else _fbgemm_requant(cache, weight, bias, q, sx, zx, out, relu)
         if fb is not None:
             y = native_linear(q, sx, zx, weight.int_repr(), weight.scale, split and not seven_bit, bias, out, relu, cache)
             if y is not None:
@@ -326,44 +327,6 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     if relu and not fuse:  # quantize is monotone with quantize(0) = z_out, so relu commutes with it
         y = y.relu_() if out is None else y.clamp_(min=out.zero_point)
     return _wrap(y, out)
-
-
-NATIVE_LINEAR_M = 4  # rows up to which native.qlinear replaces _fbgemm_linear (measured: benchmarks/README.md, session 13)
-NATIVE_LINEAR_WORK = 1 << 23  # and rows × weight elements up to which (4×768×3072 and 4096² from M = 1: fbgemm's is faster)
-def native_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale: torch.Tensor, split: bool,
-                  bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
-                  cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:
-    """``_fbgemm_linear``'s result (the same codes or floats) from ``native.qlinear`` for at most ``NATIVE_LINEAR_M`` rows
-    and ``NATIVE_LINEAR_WORK`` rows × weights: the exact sums and the float epilogue in one call. ``fl(acc)`` is the split's
-    ``fl(fl(lo) + 2 fl(hi))`` while both half sums are exact floats (``127 · max_n Σ_k |w| < 2²⁴``); past that bound
-    the split rounds its hi sums and the route stays fbgemm's. ``None``: not taken."""
-    k = q.shape[-1] if q.dim() else 0
-    if (not native.available() or k == 0 or q.numel() > NATIVE_LINEAR_M * k or q.dtype != torch.uint8
-            or q.numel() // k * w.numel() > NATIVE_LINEAR_WORK):
-        return None
-    if (out is not None and out.qdtype.storage != torch.uint8) or (split and 127 * _abs_row_max(w, cache) >= _F32_EXACT):
-        return None
-    o = None if out is None else (_inv_scale(out.scale), out.zero_point,
-                                  _relu_floor(out.qdtype.quant_min, out.zero_point, relu), out.qdtype.quant_max)
-    q2 = q if q.dim() == 2 else q.reshape(-1, k)
-    y = native.qlinear(q2, zx, w, _scaled(w_scale, sx, cache), bias, o, relu)
-    if y is None:
-        return None
-    if q.dim() != 2:
-        y = y.reshape(*q.shape[:-1], y.shape[-1])
-    return y if out is None else out.wrap_store(y)  # (the codes stay a scale-1 torch tensor, as the split's store)
-
-
-def _abs_row_max(w: torch.Tensor, cache: dict[str, Any] | None) -> int:
-    """``max_n Σ_k |w[n, k]|`` of int8 weights, kept in ``cache`` per weight version."""
-    key = (w.data_ptr(), tensor_version(w))
-    hit = cache.get("native.absmax") if cache is not None else None
-    if hit is not None and hit[0] == key:
-        return hit[1]  # type: ignore[no-any-return]
-    v = int(w.to(torch.int16).abs().sum(1, dtype=torch.int64).max()) if w.numel() else 0
-    if cache is not None:
-        cache["native.absmax"] = (key, v)
-    return v
 
 
 def _native_dw(q: torch.Tensor, zx: int, sx: float, weight: QTensor, bias: torch.Tensor | None,

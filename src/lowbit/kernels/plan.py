@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from .. import qstore
+from .. import native, qstore
 from ..compile_state import tensor_version
 from ..qscheme import QDtype
 from ..qtensor import QTensor
-from . import avx2, onednn
+from . import avx2, onednn, small_m
 from .avx2 import _QUIET
 from .spec import OutGrid
 
@@ -154,6 +154,9 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         return p
 
     def fbgemm_requant(q: torch.Tensor, sx: float, zx: int, tq: torch.Tensor | None) -> QTensor:
+        y = small_m.native_requant(q, sx, zx, w, w_scale, bias, out, relu, packs)
+        if y is not None:
+            return y
         p = fbgemm_requant_pack()
         if q.dim() == 2:
             if tq is None:
@@ -192,12 +195,14 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
     unit: list[Any] = [None]  # (key, s_x, z_x, the grid's tensors held, the pack for inputs on scale 1 or None)
 
     def run_qt(x: QTensor) -> QTensor:
-        """``run`` on a per-tensor ``QTensor`` (the module's entry): a kernel output (``_tq``) goes into fbgemm as it is;
-        ``Quantize``'s codes on scale 1 (``_tu``) go in with the pack made for this input grid, whose weight scales are
-        float32 ``s_x · s_w`` (fbgemm multiplies ``float(s_in) · w_scale`` first: with ``s_in = 1`` the same float32
-        products, so the same requantization); no scale read as a Python number, no re-wrap."""
+        """``run`` on a per-tensor ``QTensor`` (the module's entry). Up to ``small_m.REQUANT_M`` rows, ``lowbit.native``
+        takes its codes as they are (plain, ``_tq`` or ``_tu``) with the native plan made once per input grid. Else a
+        kernel output (``_tq``) goes into fbgemm as it is; ``Quantize``'s codes on scale 1 (``_tu``) go in with the pack
+        made for this input grid, whose weight scales are float32 ``s_x · s_w`` (fbgemm multiplies ``float(s_in) ·
+        w_scale`` first: with ``s_in = 1`` the same float32 products, so the same requantization); no scale read as a
+        Python number, no re-wrap."""
         tq, tu = x._tq, x._tu
-        t, lead = tq if tq is not None else tu, None
+        t, lead = tq if tq is not None else (tu if tu is not None else x._q), None  # (plain codes: lowbit.native only)
         fused = (t is not None and op is not None and not shift and t.numel() <= onednn.SMALL_M * k
                  and onednn.fbgemm_engine())
         if fused and t.dim() != 2:  # type: ignore[union-attr]  # (fbgemm flattens ≥ 3-d inputs itself, as for torch.ao)
@@ -205,7 +210,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
                 fused = False
             elif t.dim() == 1:  # type: ignore[union-attr]
                 lead, t = (), t.reshape(1, k)  # type: ignore[union-attr]
-        if fused and tq is not None:
+        if fused and tq is not None and not native_ok:
             counts[key] += 1
             return fbgemm_out(op(t, fbgemm_requant_pack(), s_out, z_out), lead)
         s, z = x._scale, x._zero_point  # the input grid as Python numbers, read once per grid state (no items)
@@ -216,13 +221,25 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         hit = unit[0]
         if hit is None or hit[0] != ukey:
             hit = unit[0] = [ukey, s.item(), z.item(), (s, z), None]
-        if fused:  # (tu)
+        if fused and native_ok and t.is_contiguous():  # type: ignore[union-attr]  # lowbit.native: fbgemm's codes, one call
+            if len(hit) == 5:  # the native plan for this input grid, made once
+                hit.append(small_m.requant_plan(w, w_scale, bias, hit[1], out, relu, packs))
+            y = (None if hit[5] is None else  # type: ignore[arg-type]
+                 small_m.native_requant(t, hit[1], hit[2], w, w_scale, bias, out, relu, packs, lead, hit[5]))
+            if y is not None:
+                counts[key] += 1
+                return y
+        if fused and tq is not None:
+            counts[key] += 1
+            return fbgemm_out(op(t, fbgemm_requant_pack(), s_out, z_out), lead)
+        if fused and tu is not None:
             counts[key] += 1
             if hit[4] is None:
                 hit[4] = fbgemm_pack(s.float() * w_scale.float())
             return fbgemm_out(op(t, hit[4], s_out, z_out), lead)
         return run(x._q, hit[1], hit[2], tq)
 
+    native_ok = fused_ok and w.is_contiguous() and w.numel() <= small_m.REQUANT_WEIGHTS and native.available()
     run.qt = run_qt  # type: ignore[attr-defined]
     return run
 

@@ -39,9 +39,11 @@ from typing import Iterator
 import torch
 
 __all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dwconv", "dw_weight",
-           "qlinear", "dyn_wsplit", "empty_codes", "disabled", "force_scalar", "counts"]
+           "qlinear", "qlinear_requant", "qlinear_rows", "LinearPlan", "linear_plan", "dyn_wsplit", "empty_codes", "disabled",
+           "force_scalar", "counts"]
 
-_SRC = Path(__file__).with_name("rowquant.c")
+_DIR = Path(__file__).parent
+_SRC = [_DIR / "rowquant.c", _DIR / "linear.c"]  # compiled together; both include common.h
 _FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
 _OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds the single-threaded object
 _THREAD_MIN = 1 << 15  # floats a pass must cover before it is split over threads (ATen's grain size)
@@ -59,12 +61,13 @@ def _cache_dir() -> Path:
 def _build() -> tuple[ctypes.CDLL | None, str]:
     if os.environ.get("LOWBIT_NATIVE", "1") == "0":
         return None, "LOWBIT_NATIVE=0"
-    if sys.platform != "linux" or not _SRC.exists():
-        return None, f"no native build on {sys.platform}" if _SRC.exists() else f"{_SRC} is missing"
+    missing = [str(f) for f in (*_SRC, _DIR / "common.h") if not f.exists()]
+    if sys.platform != "linux" or missing:
+        return None, f"{missing[0]} is missing" if missing else f"no native build on {sys.platform}"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None, "no C compiler (cc / gcc / $CC) on PATH"
-    src = _SRC.read_bytes()
+    src = b"".join(f.read_bytes() for f in (*_SRC, _DIR / "common.h"))
     tag = hashlib.sha256(src + " ".join([cc, *_FLAGS, _OPENMP]).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"rowquant-{tag}.so"
     if not lib.exists():
@@ -73,7 +76,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # build aside, then one atomic rename
                 out = Path(tmp) / lib.name
                 for extra in ([_OPENMP], []):
-                    done = subprocess.run([cc, *_FLAGS, *extra, "-o", str(out), str(_SRC)], capture_output=True,
+                    done = subprocess.run([cc, *_FLAGS, *extra, "-o", str(out), *map(str, _SRC)], capture_output=True,
                                           text=True, timeout=120)
                     if done.returncode == 0:
                         break
@@ -100,8 +103,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_dwconv.argtypes = [p, i64, i64, i64, i64, p, i32, i32, i32, i32, i32, i32, i32, i32, i32, i64, i64, p, p,
                               f32, f32, f32, f32, p, i32, i32]
     dll.lb_dwconv.restype = None
-    dll.lb_qlinear.argtypes = [p, i64, i64, i64, i32, p, i64, p, p, i32, i32, f32, f32, f32, f32, p, i64, i32, i32]
-    dll.lb_qlinear.restype = i32
+    dll.lb_linear_run.argtypes = [p, p, i64, i64, i32, p, p, p, i32, i32]
+    dll.lb_linear_run.restype = i32
     dll.lb_dyn_wsplit.argtypes = [p, i64, i64, p, i64, p, p, p, p, p, p, i32, i32]
     dll.lb_dyn_wsplit.restype = i32
     dll.lb_cpu_avx2.restype = dll.lb_openmp.restype = i32
@@ -114,7 +117,7 @@ def _lib() -> ctypes.CDLL | None:
         with _lock:
             if "lib" not in _state:
                 _state["lib"], _state["reason"] = _build()
-    if getattr(_local, "off", False):
+    if _local.__dict__.get("off", False):
         return None
     return _state["lib"]  # type: ignore[return-value]
 
@@ -137,7 +140,7 @@ class _Disabled:
     __slots__ = ("old",)
 
     def __enter__(self) -> None:
-        self.old = getattr(_local, "off", False)
+        self.old = _local.__dict__.get("off", False)
         _local.off = True
 
     def __exit__(self, *exc: object) -> None:
@@ -152,7 +155,7 @@ def disabled() -> _Disabled:
 @contextlib.contextmanager
 def force_scalar() -> Iterator[None]:
     """The scalar C bodies inside this block (this thread), on any CPU: tests cover both bodies everywhere."""
-    old = getattr(_local, "isa", 1)
+    old = _local.__dict__.get("isa", 1)
     _local.isa = 0
     try:
         yield
@@ -185,5 +188,6 @@ def _channel_vectors(n: int, *vs: torch.Tensor | None) -> bool:
     return all(v is None or (v.dtype == torch.float32 and v.is_contiguous() and v.numel() == n) for v in vs)
 
 
-from .layers import conv_epilogue, dw_weight, dwconv, dyn_wsplit, empty_codes, qlinear  # noqa: E402  (below the helpers)
+from .layers import conv_epilogue, dw_weight, dwconv, empty_codes  # noqa: E402  (below the helpers)
+from .gemm import LinearPlan, dyn_wsplit, linear_plan, qlinear, qlinear_requant, qlinear_rows  # noqa: E402
 from .rows import qadd, quantize_into, row_epilogue, row_grid  # noqa: E402

@@ -1,9 +1,9 @@
-"""Conv and Linear passes without VNNI: the split-weight conv epilogue, a whole depthwise conv, the small-M Linears.
+"""Conv passes without VNNI: the split-weight conv epilogue and a whole depthwise conv (``gemm``: the Linears).
 
-On a CPU whose u8 × s8 pairs saturate, 8-bit codes cost lowbit extra passes around oneDNN / fbgemm (weight halves,
-their float sums combined, the epilogue). These do the exact integer sums and lowbit's float epilogue in one call
-with the same float32 operations, so the same codes / floats (``kernels.onednn`` and ``nn/quantized/dynamic`` say
-where each is taken). ``empty_codes`` makes the torch quantized tensor a pass writes its u8 codes into.
+On a CPU whose u8 × s8 pairs saturate, 8-bit codes cost lowbit extra passes around oneDNN (weight halves, their
+float sums combined, the epilogue). These do the exact integer sums and lowbit's float epilogue in one call with
+the same float32 operations, so the same codes (``kernels.onednn`` says where each is taken). ``empty_codes`` makes
+the torch quantized tensor a pass writes its u8 codes into.
 
 >>> import torch
 >>> from lowbit import native
@@ -19,7 +19,7 @@ import torch
 
 from . import _channel_vectors, _check_grid, _lib, _local, _threads, counts
 
-__all__ = ["conv_epilogue", "dw_weight", "dwconv", "empty_codes", "qlinear", "dyn_wsplit"]
+__all__ = ["conv_epilogue", "dw_weight", "dwconv", "empty_codes"]
 
 
 def conv_epilogue(ys: list[torch.Tensor], groups: int, scale: torch.Tensor, bias: torch.Tensor | None, inv: float,
@@ -59,7 +59,7 @@ def conv_epilogue(ys: list[torch.Tensor], groups: int, scale: torch.Tensor, bias
     vhi = float(hi - zero_point) if hi < 255 else float("inf")
     lib.lb_conv_epilogue(h, lo_ptr, npix, ps, gs, ng, cpg, scale.data_ptr(), None if bias is None else bias.data_ptr(),
                          inv, float(zero_point), vlo, vhi, codes.data_ptr(), _threads(npix * c),
-                         getattr(_local, "isa", 1))
+                         _local.__dict__.get("isa", 1))
     counts["conv_epilogue"] += 1
     return codes.movedim(-1, 1)
 
@@ -108,7 +108,7 @@ def dwconv(q: torch.Tensor, zx: int, taps: torch.Tensor, stride: list[int], padd
     lib.lb_dwconv(x.data_ptr(), n, c, h, w, taps.data_ptr(), kh, kw, stride[0], stride[1], padding[0], padding[1],
                   dilation[0], dilation[1], zx, oh, ow, scale.data_ptr(), None if bias is None else bias.data_ptr(),
                   inv, float(zero_point), vlo, vhi, out.data_ptr(), _threads(n * oh * ow * c * kh * kw),
-                  getattr(_local, "isa", 1))
+                  _local.__dict__.get("isa", 1))
     counts["dwconv"] += 1
     return out.movedim(-1, 1)
 
@@ -129,61 +129,3 @@ def empty_codes(shape: tuple[int, ...] | torch.Size, zero_point: int, dtype: tor
         t = torch._empty_affine_quantized(shape, scale=1.0, zero_point=zero_point, dtype=dtype)
     _QUIET[0] = True
     return t
-
-
-def qlinear(q: torch.Tensor, zx: int, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-            out: tuple[float, int, int, int] | None, relu: bool) -> torch.Tensor | None:
-    """A small-M int8 Linear with lowbit's float epilogue in one native call: u8 codes ``q`` ``(M, K)`` on zero point
-    ``zx``, int8 weights ``w`` ``(N, K)``, the exact ``acc = Σ (q - z_x) w`` (int16 products, int32 sums) as
-    ``fl(acc)``, then ``· scale_n + bias_n``;
-    ``out = (inv, z, lo, hi)``: the codes as ``conv_epilogue``'s in a torch ``quint8`` tensor on scale 1 and zero point
-    ``z`` (``empty_codes``), or float32 ``(M, N)`` (``relu``: ``max(·, 0)``) when ``None``. ``None`` where the tensors
-    do not fit."""
-    if not 0 <= zx <= 255:
-        raise ValueError(f"lowbit.native.qlinear: input zero point zx={zx!r} is outside [0, 255]")
-    if out is not None:
-        _check_grid("qlinear", out[1], out[2], out[3], inv=out[0])
-    lib = _lib()
-    if lib is None or q.dtype != torch.uint8 or q.dim() != 2 or not q.is_cpu or q.stride(1) != 1:
-        return None
-    m, k = q.shape
-    n = w.shape[0] if w.dim() == 2 else 0
-    if m == 0 or n == 0 or w.dtype != torch.int8 or w.shape[1] != k or not w.is_contiguous():
-        return None
-    if not _channel_vectors(n, scale, bias):
-        return None
-    inv, z, lo, hi = out if out is not None else (1.0, 0, 0, 255)
-    y = torch.empty(m, n, dtype=torch.float32) if out is None else empty_codes((m, n), z, torch.quint8)
-    vlo = float(lo - z) if lo > 0 else -float("inf")
-    vhi = float(hi - z) if hi < 255 else float("inf")
-    if lib.lb_qlinear(q.data_ptr(), m, k, q.stride(0), zx, w.data_ptr(), n, scale.data_ptr(),
-                      None if bias is None else bias.data_ptr(), int(out is not None), int(relu), inv, float(z), vlo, vhi,
-                      y.data_ptr(), n, _threads(m * n * k // 16), getattr(_local, "isa", 1)):
-        return None
-    counts["qlinear"] += 1
-    return y
-
-
-def dyn_wsplit(q: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a: torch.Tensor, wsum: torch.Tensor,
-               s: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The 8-bit dynamic Linear's few-row route without VNNI in one call (``per_token._weight_split``'s arithmetic):
-    u8 codes ``q`` ``(M, K)`` on zero point 0, int8 weights ``w`` ``(N, K)`` split as ``2 (w >> 1) + (w & 1)``,
-    ``t = fl(fl(Σ q (w >> 1)) · 2 s_w) + fl(fl(Σ q (w & 1)) · s_w)`` (fbgemm's two float sums of the split pack, added),
-    then ``fl(fl(t + a_m wsum) · s_m) + bias`` (``a`` = -z_x and ``s`` = s_x per row, ``(M, 1)``). ``None`` where the
-    tensors do not fit."""
-    lib = _lib()
-    if lib is None or q.dtype != torch.uint8 or q.dim() != 2 or not q.is_contiguous() or not q.is_cpu:
-        return None
-    m, k = q.shape
-    n = w.shape[0] if w.dim() == 2 else 0
-    if m == 0 or n == 0 or w.dtype != torch.int8 or w.shape[1] != k or not w.is_contiguous():
-        return None
-    if not (_channel_vectors(n, w_scale, wsum, bias) and _channel_vectors(m, a, s)):
-        return None
-    y = torch.empty(m, n, dtype=torch.float32)
-    if lib.lb_dyn_wsplit(q.data_ptr(), m, k, w.data_ptr(), n, w_scale.data_ptr(), a.data_ptr(), wsum.data_ptr(),
-                         s.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), _threads(m * n * k // 16),
-                         getattr(_local, "isa", 1)):
-        return None
-    counts["dyn_wsplit"] += 1
-    return y

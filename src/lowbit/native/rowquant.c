@@ -1,16 +1,5 @@
-/* lowbit's native row passes (see lowbit/native/__init__.py for the math and the contract).
- *
- * Every float operation here is the float32 operation torch's ops perform on the same operands, in the
- * same order: products and quotients correctly rounded, no contraction (built with -ffp-contract=off;
- * the one fused multiply-add is explicit, where torch's addcmul_ fuses too), round half to even.
- * An AVX2 body where the CPU has it (checked at run time), a scalar body with the same results otherwise.
- */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#define MAX_THREADS 64
+/* lowbit's native row, conv and elementwise passes (common.h: the shared rules; linear.c: the Linears). */
+#include "common.h"
 
 typedef struct {
     const float *x; int64_t k, ldx, ldo; float levels, eps, qmax; int mode; void *out;
@@ -20,14 +9,6 @@ typedef struct {
 typedef struct {
     float *raw; int64_t n, ldr; const float *a, *w, *s, *bias; int fused; int64_t r0, r1; int avx2;
 } epi_job;
-
-static int bad_bits(float v) { uint32_t b; memcpy(&b, &v, 4); return (b & 0x7f800000u) == 0x7f800000u; }
-
-static int cpu_avx2(void) {
-    static int known = -1;
-    if (known < 0) { __builtin_cpu_init(); known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
-    return known;
-}
 
 /* (s, -z) of one row from lo = min(x, 0), hi = max(x, 0): _row_grids' float32 arithmetic. 1: not finite. */
 static int row_grid(float lo, float hi, float levels, float eps, float *s, float *nz) {
@@ -145,24 +126,6 @@ static void epi_avx2(epi_job *j) {
 
 static void *grid_run(void *p) { grid_job *j = p; if (j->avx2) grid_avx2(j); else grid_scalar(j); return NULL; }
 static void *epi_run(void *p) { epi_job *j = p; if (j->avx2) epi_avx2(j); else epi_scalar(j); return NULL; }
-
-/* Run fn on jobs[0..n), one per thread of the OpenMP pool. Loaded after torch, this object's libgomp.so.1 is the
- * one torch's CPU ops already run on (the same soname): the same warm threads, no second pool competing for the
- * cores. Built without OpenMP, the jobs run one after another on the caller's thread. */
-static void fan_out(void *(*fn)(void *), void *jobs, size_t size, int n) {
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(n) schedule(static, 1)
-#endif
-    for (int t = 0; t < n; ++t) fn((char *)jobs + t * size);
-}
-
-static int threads_for(int nthreads, int64_t rows) {
-    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
-    if (nthreads > rows) nthreads = (int)rows;
-    return nthreads < 1 ? 1 : nthreads;
-}
-
-static int use_avx2(int isa) { return isa == 0 ? 0 : cpu_avx2(); }
 
 int lb_cpu_avx2(void) { return cpu_avx2(); }
 
@@ -521,162 +484,4 @@ void lb_dwconv(const uint8_t *x, int64_t n, int64_t c, int64_t h, int64_t w, con
         jobs[t] = jb;
     }
     fan_out(dw_run, jobs, sizeof(dw_job), nt);
-}
-
-/* ---- small-M int8 Linear, exact int32 sums and lowbit's float epilogue (8-bit codes without VNNI) ---- */
-
-#include <stdlib.h>
-
-typedef struct {
-    int64_t m, k; const int8_t *w; const float *sc, *bias; int mode, relu;
-    float inv, z, vlo, vhi; void *out; int64_t ldo, n0, n1; const int16_t *xs; int avx2;  /* xs: (x - zx), (m, k) */
-} lin_job;
-
-/* acc: the exact Σ (x - z) w; fl(acc) is the split's fl(fl(lo) + 2 fl(hi)) while both half sums are exact floats */
-static void lin_store(const lin_job *j, int64_t row, int64_t col, int32_t acc) {
-    float t = (float)acc * j->sc[col];     /* · fl(s_x s_w) */
-    if (j->bias) t = t + j->bias[col];
-    if (j->mode == 0) {
-        ((float *)j->out)[row * j->ldo + col] = (j->relu && t < 0.f) ? 0.f : t;  /* relu_ of a finite value */
-        return;
-    }
-    float v = t * j->inv;
-    v = v < j->vlo ? j->vlo : v;
-    v = v > j->vhi ? j->vhi : v;
-    float r = nearbyintf(v + j->z);
-    r = r < 0.f ? 0.f : r;
-    ((uint8_t *)j->out)[row * j->ldo + col] = (uint8_t)(r > 255.f ? 255.f : r);
-}
-
-static void lin_scalar(lin_job *j) {
-    for (int64_t c = j->n0; c < j->n1; ++c)
-        for (int64_t r = 0; r < j->m; ++r) {
-            int32_t acc = 0;
-            for (int64_t i = 0; i < j->k; ++i) acc += (int32_t)j->xs[r * j->k + i] * j->w[c * j->k + i];
-            lin_store(j, r, c, acc);
-        }
-}
-
-__attribute__((target("avx2,fma")))
-static int32_t hsum8(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-
-__attribute__((target("avx2,fma")))
-static void lin_avx2(lin_job *j) {
-    const int64_t k = j->k, k32 = k & ~(int64_t)31;
-    for (int64_t c = j->n0; c < j->n1; ++c) {
-        const int8_t *wr = j->w + c * k;
-        for (int64_t r = 0; r < j->m; ++r) {
-            const int16_t *xr = j->xs + r * k;
-            __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-            for (int64_t i = 0; i < k32; i += 32) {  /* (x - z) w in int16 pairs summed into int32 by vpmaddwd: exact */
-                __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + i)));
-                __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + i + 16)));
-                a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xr + i)), w0));
-                a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xr + i + 16)), w1));
-            }
-            int32_t acc = hsum8(_mm256_add_epi32(a0, a1));
-            for (int64_t i = k32; i < k; ++i) acc += (int32_t)xr[i] * wr[i];
-            lin_store(j, r, c, acc);
-        }
-    }
-}
-
-static void *lin_run(void *p) { lin_job *j = p; if (j->avx2) lin_avx2(j); else lin_scalar(j); return NULL; }
-
-/* y[r, c] for r < m (codes x, row stride ldx, zero point zx) and c < n (int8 weights w (n, k) contiguous): the exact
- * acc = Σ (x - zx) w, then fl(acc) · sc[c] (+ bias[c]); mode 0: float32 (relu: max 0), mode 1: uint8 codes
- * clamp(round(fl(clamp(fl(t inv), vlo, vhi) + z)), 0, 255). out row stride ldo. Returns 1 when out of memory. */
-int lb_qlinear(const uint8_t *x, int64_t m, int64_t k, int64_t ldx, int zx, const int8_t *w, int64_t n,
-               const float *sc, const float *bias, int mode, int relu, float inv, float z, float vlo, float vhi,
-               void *out, int64_t ldo, int nthreads, int isa) {
-    int16_t *xs = malloc(sizeof(int16_t) * (size_t)(m * k > 0 ? m * k : 1));
-    if (!xs) return 1;
-    for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = 0; i < k; ++i) xs[r * k + i] = (int16_t)((int)x[r * ldx + i] - zx);  /* [-255, 255] */
-    lin_job jobs[MAX_THREADS];
-    int nt = threads_for(nthreads, n);
-    for (int t = 0; t < nt; ++t) {
-        lin_job jb = {m, k, w, sc, bias, mode, relu, inv, z, vlo, vhi, out, ldo, n * t / nt, n * (t + 1) / nt, xs,
-                      use_avx2(isa)};
-        jobs[t] = jb;
-    }
-    fan_out(lin_run, jobs, sizeof(lin_job), nt);
-    free(xs);
-    return 0;
-}
-
-/* ---- the 8-bit dynamic Linear's few-row route without VNNI (nn/quantized/dynamic/per_token._weight_split) ---- */
-
-typedef struct {
-    const int16_t *xs; int64_t m, k; const int8_t *w; int64_t n; const float *sw, *a, *wsum, *s, *bias; float *out;
-    int64_t n0, n1; int avx2;
-} ws_job;
-
-/* fbgemm's two float sums of the split weights (q_w >> 1 on scale 2 s_w, q_w & 1 on s_w), added, then the per-row
- * epilogue: y = fl(fl(fl(t + a w_sum) · s) + bias), the first add rounded once (addcmul_ / add_(alpha)) */
-static void ws_store(const ws_job *j, int64_t r, int64_t c, int32_t hi, int32_t lo) {
-    float t = (float)hi * (2.0f * j->sw[c]) + (float)lo * j->sw[c];
-    t = fmaf(j->a[r], j->wsum[c], t) * j->s[r];
-    j->out[r * j->n + c] = j->bias ? t + j->bias[c] : t;
-}
-
-static void ws_scalar(ws_job *j) {
-    for (int64_t c = j->n0; c < j->n1; ++c)
-        for (int64_t r = 0; r < j->m; ++r) {
-            int32_t hi = 0, lo = 0;
-            for (int64_t i = 0; i < j->k; ++i) {
-                int w = j->w[c * j->k + i], x = j->xs[r * j->k + i];
-                hi += x * (w >> 1);  /* (arithmetic shift: floor, as torch's bitwise_right_shift) */
-                lo += x * (w & 1);
-            }
-            ws_store(j, r, c, hi, lo);
-        }
-}
-
-__attribute__((target("avx2,fma")))
-static void ws_avx2(ws_job *j) {
-    const int64_t k = j->k, k16 = k & ~(int64_t)15;
-    const __m256i one = _mm256_set1_epi16(1);
-    for (int64_t c = j->n0; c < j->n1; ++c) {
-        const int8_t *wr = j->w + c * k;
-        for (int64_t r = 0; r < j->m; ++r) {
-            const int16_t *xr = j->xs + r * k;
-            __m256i ah = _mm256_setzero_si256(), al = _mm256_setzero_si256();
-            for (int64_t i = 0; i < k16; i += 16) {  /* q in [0, 255] times halves in [-64, 63] / {0, 1}: exact pairs */
-                __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + i)));
-                __m256i x = _mm256_loadu_si256((const __m256i *)(xr + i));
-                ah = _mm256_add_epi32(ah, _mm256_madd_epi16(x, _mm256_srai_epi16(w, 1)));
-                al = _mm256_add_epi32(al, _mm256_madd_epi16(x, _mm256_and_si256(w, one)));
-            }
-            int32_t hi = hsum8(ah), lo = hsum8(al);
-            for (int64_t i = k16; i < k; ++i) { hi += xr[i] * (wr[i] >> 1); lo += xr[i] * (wr[i] & 1); }
-            ws_store(j, r, c, hi, lo);
-        }
-    }
-}
-
-static void *ws_run(void *p) { ws_job *j = p; if (j->avx2) ws_avx2(j); else ws_scalar(j); return NULL; }
-
-/* out (m, n) float32 = the split-weight route's result for u8 codes q (m, k) (zero point 0: the per-token grids enter
- * through a = -z_x per row and s = s_x per row), int8 weights w (n, k) with scales sw, w_sum = Σ ŵ per column, bias
- * (may be NULL). Returns 1 when out of memory. */
-int lb_dyn_wsplit(const uint8_t *q, int64_t m, int64_t k, const int8_t *w, int64_t n, const float *sw, const float *a,
-                  const float *wsum, const float *s, const float *bias, float *out, int nthreads, int isa) {
-    int16_t *xs = malloc(sizeof(int16_t) * (size_t)(m * k > 0 ? m * k : 1));
-    if (!xs) return 1;
-    for (int64_t i = 0; i < m * k; ++i) xs[i] = q[i];
-    ws_job jobs[MAX_THREADS];
-    int nt = threads_for(nthreads, n);
-    for (int t = 0; t < nt; ++t) {
-        ws_job jb = {xs, m, k, w, n, sw, a, wsum, s, bias, out, n * t / nt, n * (t + 1) / nt, use_avx2(isa)};
-        jobs[t] = jb;
-    }
-    fan_out(ws_run, jobs, sizeof(ws_job), nt);
-    free(xs);
-    return 0;
 }

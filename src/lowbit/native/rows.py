@@ -27,6 +27,7 @@ True
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ def row_grid(x: torch.Tensor, levels: float, mode: str, out: torch.Tensor | None
     scale, negzp = torch.empty(m, 1), torch.empty(m, 1)
     bad = lib.lb_row_grid(x.data_ptr(), m, k, x.stride(0), levels, 1e-8, levels if qmax is None else qmax,
                           0 if mode == "u" else 1, out.data_ptr(), k, scale.data_ptr(), negzp.data_ptr(),
-                          _threads(m * k), getattr(_local, "isa", 1))
+                          _threads(m * k), _local.__dict__.get("isa", 1))
     if bad:
         return None
     counts["row_grid"] += 1
@@ -90,7 +91,7 @@ def row_epilogue(raw: torch.Tensor, a: torch.Tensor, w: torch.Tensor, s: torch.T
         return None
     lib.lb_row_epilogue(raw.data_ptr(), m, n, n, a.data_ptr(), w.data_ptr(), s.data_ptr(),
                         None if bias is None else bias.data_ptr(), int(fused), _threads(m * n),
-                        getattr(_local, "isa", 1))
+                        _local.__dict__.get("isa", 1))
     counts["row_epilogue"] += 1
     return raw
 
@@ -121,7 +122,7 @@ def qadd(qa: torch.Tensor, za: int, ka: float, qb: torch.Tensor, zb: int, kb: fl
     n = qa.numel()
     lib.lb_qadd(qa.data_ptr(), int(qa.dtype == torch.int8), qb.data_ptr(), int(qb.dtype == torch.int8), out.data_ptr(),
                 int(storage == torch.int8), n, float(za), float(zb), ka, kb, float(lo - z), float(hi - z), float(z),
-                _threads(n), getattr(_local, "isa", 1))
+                _threads(n), _local.__dict__.get("isa", 1))
     counts["qadd"] += 1
     return out
 
@@ -141,11 +142,14 @@ def quantize_into(x: torch.Tensor, inv: float, z: int, lo: float | None, hi: flo
     if out.dtype not in (torch.uint8, torch.int8, torch.quint8, torch.qint8) or out.numel() != x.numel() \
             or not out.is_contiguous():
         return False
+    return _quantize(lib, x, inv, float(z), -math.inf if lo is None else lo, math.inf if hi is None else hi, sgn, out)
+
+
+def _quantize(lib: Any, x: torch.Tensor, inv: float, z: float, lo: float, hi: float, sgn: bool, out: torch.Tensor) -> bool:
+    """``quantize_into``'s call once its arguments are checked (the Quantize stub checks its grid once per state)."""
     n = x.numel()
-    nan = lib.lb_quantize(x.data_ptr(), n, inv, float(z), -float("inf") if lo is None else lo,
-                          float("inf") if hi is None else hi, int(sgn), out.data_ptr(), _threads(n),
-                          getattr(_local, "isa", 1))
-    if nan:
+    if lib.lb_quantize(x.data_ptr(), n, inv, z, lo, hi, int(sgn), out.data_ptr(), _threads(n),
+                       _local.__dict__.get("isa", 1)):
         return False
     counts["quantize"] += 1
     return True

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -42,8 +43,9 @@ def _store(qdtype: QDtype, z: float) -> tuple[Any, ...] | None:
     return (lo - zi if lo > smin else None), (hi - zi if hi < smax else None), zi, dtype
 
 
-_NATIVE_MIN = 1 << 16  # elements from which the native quantize beats torch's three ops (1 thread, AVX2 EPYC: 64K
-#                        40 vs 35 µs; at 16K and below its ~5 µs of call overhead costs more than it saves)
+_NATIVE_MIN = 1 << 16  # elements from which the native quantize writes a torch quantized tensor (below: plain codes,
+#                        whose tensor is ~3 µs cheaper to make: session 14)
+_PLAIN = {torch.quint8: torch.uint8, torch.qint8: torch.int8}
 
 
 class Quantize(CheckedQuantState):
@@ -62,14 +64,20 @@ class Quantize(CheckedQuantState):
     def forward(self, x: torch.Tensor | QTensor) -> QTensor:
         if type(x) is torch.Tensor and x.dtype == torch.float32 and x.is_cpu and not tracing():  # (.is_cpu: no device object)
             inv, z, store = self._grid()
-            if (store is not None and x.numel() >= _NATIVE_MIN and native.available() and x.is_contiguous()
-                    and not x.requires_grad):
-                # the path below (NaN check, v = x · inv, the 7-bit clamp, quantize_per_tensor at scale 1) in one pass
+            lib = native._lib()
+            if store is not None and lib is not None and x.is_contiguous() and not x.requires_grad:
+                # the path below (NaN check, v = x · inv, the 7-bit clamp, quantize_per_tensor at scale 1) in one pass:
+                # from _NATIVE_MIN elements into a torch quantized tensor (the _tu fbgemm / oneDNN take as it is), below
+                # it into plain codes (a quantized tensor costs ~3 µs more to make than the pass itself there)
                 lo, hi, zi, dtype, inv_f = store
-                t = native.empty_codes(x.shape, zi, dtype)
-                if native.quantize_into(x, inv_f, zi, lo, hi, t):
-                    return QTensor._trusted(None, self._buffers["scale"], self._buffers["zero_point"], self.qdtype, None,
-                                            None, t)
+                big = x.numel() >= _NATIVE_MIN
+                t = native.empty_codes(x.shape, zi, dtype) if big else torch.empty(x.shape, dtype=_PLAIN[dtype])
+                if native.rows._quantize(lib, x, inv_f, float(zi), -math.inf if lo is None else lo,
+                                         math.inf if hi is None else hi, dtype == torch.qint8, t):
+                    bufs = self._buffers
+                    if big:
+                        return QTensor._trusted(None, bufs["scale"], bufs["zero_point"], self.qdtype, None, None, t)
+                    return QTensor._trusted(t, bufs["scale"], bufs["zero_point"], self.qdtype)  # type: ignore[arg-type]
             # the eager fast path: one max for the NaN check (torch's max propagates NaN and makes none: no false
             # alarm from ``inf - inf`` as a sum had; about half the sum's instruction-cache misses: its reduction
             # kernel is smaller), check_no_nan's exact check and error only when it is NaN; one fused-by-hand quantize

@@ -213,7 +213,7 @@ def _epilogue(raw: torch.Tensor, c: torch.Tensor, wsum: torch.Tensor, sx: torch.
 class _Plan:
     """Per-weight-version constants of the fast paths (a cache, never state)."""
 
-    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "split", "token")
+    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "split", "token", "rows")
 
     def __init__(self, key: Any, weight: QTensor, cache: dict[str, Any]) -> None:
         w = weight.int_repr()
@@ -224,6 +224,7 @@ class _Plan:
         self.packed: Any = None
         self.split: Any = None
         self.token: Any = None  # the 7-bit recipe's fbgemm pack (reduced.per_token_7bit)
+        self.rows: Any = None  # its native plan for few rows, with the bias it holds: (bias key, native.LinearPlan)
 
 
 def _plan(weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, qdtype: QDtype,

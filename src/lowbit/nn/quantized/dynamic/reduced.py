@@ -46,7 +46,7 @@ import torch
 
 from .... import kernels, native
 from ....compile_state import tensor_version
-from ....kernels import onednn
+from ....kernels import onednn, small_m
 from ....kernels.avx2 import _scratch, direct, fbgemm_ops
 from ....qscheme import QDtype, quint8
 from ....qtensor import QTensor
@@ -61,6 +61,7 @@ _F32 = np.float32
 _SMALL_SCALE = _F32(6.1e-5)  # fbgemm's SMALL_SCALE_THRESHOLD (a float)
 _SCRATCH_MAX = 1 << 24  # floats (64 MiB) up to which per_token_7bit's u lives in the thread's kept scratch buffer
 _SCRATCH_MIN = 1 << 16  # floats (256 KiB) above which it does (below: malloc's reused heap blocks, no faults)
+NATIVE_ROWS = 16  # rows up to which per_token_7bit runs lowbit.native's two calls instead of fbgemm's (session 14)
 
 
 def ao_qparams(x: torch.Tensor) -> tuple[float, int]:
@@ -171,6 +172,10 @@ def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     xf = x2.detach() if x2.requires_grad else x2  # (a no-grad input needs no detached view: one op less)
     xf = xf if xf.dtype == torch.float32 else xf.float()
     plan = _token_plan(xf, weight_int8, w_scale, w_zero_point, qdtype, cache)
+    if plan is not None and xf.shape[0] <= NATIVE_ROWS and weight_int8.numel() <= small_m.REQUANT_WEIGHTS:
+        y = _native_rows(xf, plan, weight_int8, w_scale, bias)
+        if y is not None:
+            return y
     fast = _native_u7(xf) if plan is not None else None
     if fast is not None:  # grids and u in one native pass per row (the same bits as the torch ops below)
         u, scale, neg_zp = fast
@@ -192,6 +197,27 @@ def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
         return per_token_linear(quantize_per_token(xf, U7), weight, bias, cache)
     scale, neg_zp = grids
     return _row_epilogue(_token_gemm(_u7(xf, scale, neg_zp), plan), neg_zp, plan.wsum, scale, bias)
+
+
+def _native_rows(xf: torch.Tensor, plan: Any, weight_int8: torch.Tensor, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor | None:
+    """Few rows in two native calls, the same floats as the fbgemm route below: the row grids with their 7-bit codes
+    ``round(u)`` (``native.row_grid``: what fbgemm's scale-1 quantize of ``u`` makes), then ``native.LinearPlan``'s
+    "rows" mode: exact ``Σ q q_w``, fbgemm's float output ``fl(fl(acc) · s_w)`` and the fused row epilogue. The plan
+    holds the bias it was made with (rebuilt for another bias tensor). ``None``: not taken (the fbgemm route runs)."""
+    g = native.row_grid(xf, 127.0, "codes")
+    if g is None:
+        return None
+    bkey = None if bias is None else (bias.data_ptr(), bias.dtype)
+    if plan.rows is None or plan.rows[0] != bkey:
+        plan.rows = (bkey, native.linear_plan(weight_int8, "rows", w_scale, bias, pairs=True, fw=plan.wsum))
+    lp = plan.rows[1]
+    q, scale, neg_zp = g
+    y = torch.empty(q.shape[0], weight_int8.shape[0])
+    if lp is None or not lp.run(q, 0, y, (neg_zp, scale)):
+        return None
+    kernels.counts[("onednn", "linear")] += 1  # (the fbgemm call it replaces)
+    return y
 
 
 def _native_u7(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

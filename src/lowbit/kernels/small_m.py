@@ -1,0 +1,157 @@
+"""Small-M static Linears through ``lowbit.native`` on CPUs without VNNI: fbgemm's codes or lowbit's floats, one call.
+
+On such a CPU the few-row static Linear runs fbgemm (``onednn.linear``, ``plan.linear_plan``): ``quantized::linear`` for
+a u8 output when no split is needed, ``_fbgemm_linear`` with lowbit's float epilogue otherwise. ``native.qlinear*``
+(``lowbit/native/linear.c``) does the exact int32 sums with a register-blocked AVX2 kernel (``vpmaddubsw`` where no
+u8 × s8 pair can saturate) and the epilogue in the same call, so a layer costs one call instead of fbgemm's input
+wrapping, packed GEMM, output tensor and clamp:
+
+    native_requant   fbgemm's requantized codes, bit for bit (``native.qlinear_requant``): a = Σ q w - z_x Σ w,
+                     v = fl(fl(a) + fl(b / fl(s_x s_w))), round(fl(v · fl(fl(s_x s_w) / s_out))), saturated, + z_out,
+                     clamped to the output grid (the ReLU floor and a 7-bit grid's top folded in)
+    native_linear    ``_fbgemm_linear``'s codes or floats (``native.qlinear``): fl(a) · fl(s_x s_w) + b, lowbit's store
+
+Each keeps its per-weight constants (``Σ w``, the fbgemm multipliers per input grid) in the layer's cache and is
+taken only where it measured faster than fbgemm (``benchmarks/README.md``, sessions 13-14); ``None``: not taken.
+
+>>> import torch, lowbit as Q
+>>> from lowbit.kernels import OutGrid, small_m
+>>> w = Q.quantize_per_channel(torch.tensor([[1.0, -1.0]]), torch.tensor([0.01]), torch.tensor([0]), 0, Q.qint8)
+>>> y = small_m.native_requant(torch.tensor([[10, 20]], dtype=torch.uint8), 0.1, 0, w.int_repr(), w.scale, None,
+...                            OutGrid(0.05, 128, Q.quint8), False, {})
+>>> y is None or y.int_repr().tolist() == [[108]]
+True
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from .. import native
+from ..compile_state import tensor_version
+from ..qtensor import QTensor
+from .avx2 import _F32_EXACT, _QUIET, _inv_scale, _relu_floor, _scaled
+from .spec import OutGrid
+
+__all__ = ["NATIVE_LINEAR_M", "NATIVE_LINEAR_WORK", "REQUANT_M", "REQUANT_WEIGHTS", "native_linear", "native_requant",
+           "requant_plan"]
+
+NATIVE_LINEAR_M = 4  # rows up to which native.qlinear replaces _fbgemm_linear (measured: benchmarks/README.md, session 13)
+NATIVE_LINEAR_WORK = 1 << 23  # and rows × weight elements up to which (4×768×3072 and 4096² from M = 1: fbgemm's is faster)
+REQUANT_M = 16  # rows up to which native.qlinear_requant replaces fbgemm's quantized::linear (session 14)
+REQUANT_WEIGHTS = 1 << 22  # and weight elements (4096² streams from memory: fbgemm's packed GEMV is faster there)
+
+
+def _weight_sums(w: torch.Tensor, cache: dict[str, Any] | None) -> torch.Tensor:
+    """``Σ_k w[n, k]`` (int32) of int8 weights, kept in ``cache`` per weight version."""
+    key = (w.data_ptr(), tensor_version(w))
+    hit = cache.get("native.wsum") if cache is not None else None
+    if hit is not None and hit[0] == key:
+        return hit[1]  # type: ignore[no-any-return]
+    v = w.sum(1, dtype=torch.int32)
+    if cache is not None:
+        cache["native.wsum"] = (key, v)
+    return v
+
+
+def requant_plan(w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, sx: float, out: OutGrid, relu: bool,
+                 cache: dict[str, Any] | None) -> native.LinearPlan | None:
+    """``native.linear_plan`` in "requant" mode for this layer state and input scale, kept in ``cache``: fbgemm's float32
+    constants ``mult = fl(fl(s_x s_w) / s_out)`` and ``bterm = fl(b / fl(s_x s_w))`` (torch's qlinear:
+    ``act_times_w_scale``, ``output_multiplier_float``; fbgemm's requantization divides the float bias), ``Σ w``, and
+    the output codes' range (the ReLU floor and a narrow grid's ends)."""
+    qd = out.qdtype
+    key = (w.data_ptr(), tensor_version(w), w_scale.data_ptr(), tensor_version(w_scale),
+           None if bias is None else (bias.data_ptr(), tensor_version(bias)), sx, out.scale, out.zero_point,
+           qd.quant_min, qd.quant_max, relu)
+    hit = cache.get("native.requant") if cache is not None else None
+    if hit is not None and hit[0] == key:
+        return hit[1]  # type: ignore[no-any-return]
+    atws = torch.tensor(sx, dtype=torch.float32) * w_scale.float()
+    mult = atws / torch.tensor(out.scale, dtype=torch.float32)
+    bterm = None if bias is None else bias.detach().float() / atws
+    plan = native.linear_plan(w, "requant", mult, bterm, wsum=_weight_sums(w, cache), pairs=True,
+                              codes=(out.zero_point, _relu_floor(qd.quant_min, out.zero_point, relu), qd.quant_max))
+    if cache is not None:
+        cache["native.requant"] = (key, plan)
+    return plan
+
+
+def _quantized_out(shape: tuple[int, ...], scale: float, zero_point: int) -> torch.Tensor:
+    """An empty torch ``quint8`` tensor on the output grid for the native pass to fill (a ``QTensor``'s ``tq``)."""
+    if _QUIET[0]:
+        return torch._empty_affine_quantized(shape, scale=scale, zero_point=zero_point, dtype=torch.quint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch._empty_affine_quantized(shape, scale=scale, zero_point=zero_point, dtype=torch.quint8)
+    _QUIET[0] = True
+    return t
+
+
+def native_requant(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                   out: OutGrid, relu: bool, cache: dict[str, Any] | None, lead: tuple[int, ...] | None = None,
+                   plan: native.LinearPlan | None = None) -> QTensor | None:
+    """``onednn._fbgemm_requant``'s codes (fbgemm ``quantized::linear(_relu)``, then the output grid's clamp) from one
+    native call (``requant_plan``, or ``plan`` made by it for this state), for u8 codes ``q`` (or a contiguous ``quint8``
+    tensor holding them) on ``(s_x, z_x)`` whose pairs cannot saturate (7-bit codes or ``saturation_safe`` weights:
+    the caller's ``not split``), at most ``REQUANT_M`` rows and ``REQUANT_WEIGHTS`` weights. The codes land in a torch
+    quantized tensor on the output grid (the QTensor's ``tq``: DeQuantize and the next fbgemm layer read it as it
+    is), shaped ``(*q.shape[:-1], N)`` or ``(*lead, N)``. ``None``: not taken."""
+    k = q.shape[-1] if q.dim() else 0
+    if k == 0 or q.numel() > REQUANT_M * k or w.numel() > REQUANT_WEIGHTS or out.qdtype.storage != torch.uint8:
+        return None
+    if plan is None:
+        plan = requant_plan(w, w_scale, bias, sx, out, relu, cache)
+        if plan is None:
+            return None
+    m = q.numel() // k
+    t = _quantized_out((m, plan.n), out.scale, out.zero_point)
+    if not plan.run(q if q.dim() == 2 else q.reshape(m, k), zx, t):
+        return None
+    if lead is not None or q.dim() != 2:
+        t = t.reshape(*(q.shape[:-1] if lead is None else lead), plan.n)
+    if out.scale_t is not None and out.zero_point_t is not None and out.scale_t.device == t.device:
+        return QTensor._trusted(None, out.scale_t, out.zero_point_t, out.qdtype, None, t)
+    return out.wrap(t.int_repr(), t)
+
+
+def native_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale: torch.Tensor, split: bool,
+                  bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
+                  cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:
+    """``_fbgemm_linear``'s result (the same codes or floats) from ``native.qlinear`` for at most ``NATIVE_LINEAR_M`` rows
+    and ``NATIVE_LINEAR_WORK`` rows × weights: the exact sums and the float epilogue in one call. ``fl(acc)`` is the split's
+    ``fl(fl(lo) + 2 fl(hi))`` while both half sums are exact floats (``127 · max_n Σ_k |w| < 2²⁴``); past that bound
+    the split rounds its hi sums and the route stays fbgemm's. ``None``: not taken."""
+    k = q.shape[-1] if q.dim() else 0
+    if (not native.available() or k == 0 or q.numel() > NATIVE_LINEAR_M * k or q.dtype != torch.uint8
+            or q.numel() // k * w.numel() > NATIVE_LINEAR_WORK):
+        return None
+    if (out is not None and out.qdtype.storage != torch.uint8) or (split and 127 * _abs_row_max(w, cache) >= _F32_EXACT):
+        return None
+    o = None if out is None else (_inv_scale(out.scale), out.zero_point,
+                                  _relu_floor(out.qdtype.quant_min, out.zero_point, relu), out.qdtype.quant_max)
+    q2 = q if q.dim() == 2 else q.reshape(-1, k)
+    y = native.qlinear(q2, zx, w, _scaled(w_scale, sx, cache), bias, o, relu, _weight_sums(w, cache) if zx else None,
+                       pairs=not split)
+    if y is None:
+        return None
+    if q.dim() != 2:
+        y = y.reshape(*q.shape[:-1], y.shape[-1])
+    return y if out is None else out.wrap_store(y)  # (the codes stay a scale-1 torch tensor, as the split's store)
+
+
+def _abs_row_max(w: torch.Tensor, cache: dict[str, Any] | None) -> int:
+    """``max_n Σ_k |w[n, k]|`` of int8 weights, kept in ``cache`` per weight version."""
+    key = (w.data_ptr(), tensor_version(w))
+    hit = cache.get("native.absmax") if cache is not None else None
+    if hit is not None and hit[0] == key:
+        return hit[1]  # type: ignore[no-any-return]
+    v = int(w.to(torch.int16).abs().sum(1, dtype=torch.int64).max()) if w.numel() else 0
+    if cache is not None:
+        cache["native.absmax"] = (key, v)
+    return v
+
+

@@ -1,0 +1,208 @@
+"""The small-M int8 Linears without VNNI (``linear.c``): exact int32 sums and an epilogue in one native call.
+
+``LinearPlan`` holds one layer's constants (int8 weights ``(N, K)``, ``Σ_k w`` per column, the epilogue's vectors and
+scalars) in the C struct ``lb_linear_run`` reads, checked once where it is made; a call then passes only the codes,
+their zero point and the output (~3 µs of Python and ctypes at M = 1 instead of ~14 with every argument checked and
+converted per call). The sums are exact for any u8 codes (``vpmaddubsw`` where no u8 × s8 pair can saturate:
+``pairs``, else int16 products), so each mode gives its reference's floats or codes bit for bit:
+
+    a = Σ_k q w - z_x Σ_k w
+    "float"    y = fl(fl(a) · sc_n) (+ b_n), ReLU: max(y, 0)           (``_fbgemm_linear`` / fbgemm's float output)
+    "codes"    lowbit's store of that y: clamp(round(fl(clamp(fl(y · inv), vlo, vhi) + z)), 0, 255)
+    "requant"  fbgemm's ``quantized::linear``: round(fl(fl(fl(a) + bterm_n) · mult_n)) saturated, + z_out, to [lo, hi]
+    "rows"     the per-token rows: t = fl(fl(a) · sc_n), y = fl(fl(t + a_m fw_n) · s_m) (+ b_n)
+
+``qlinear``, ``qlinear_requant`` and ``qlinear_rows`` are the one-shot forms; ``dyn_wsplit`` the 8-bit dynamic Linear's
+split-weight route.
+
+>>> import torch
+>>> from lowbit import native
+>>> w = torch.tensor([[1, -2], [3, 4]], dtype=torch.int8)
+>>> y = native.qlinear(torch.tensor([[10, 20]], dtype=torch.uint8), 0, w, torch.ones(2), None, None, False)
+>>> y is None or y.tolist() == [[-30.0, 110.0]]
+True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from . import _channel_vectors, _check_grid, _lib, _local, _state, _threads, counts
+from .layers import empty_codes
+
+__all__ = ["MAX_ROWS", "LinearPlan", "linear_plan", "qlinear", "qlinear_requant", "qlinear_rows", "dyn_wsplit"]
+
+MAX_ROWS = 64  # input rows one call takes (linear.c's MAX_ROWS)
+_MODES = {"float": 0, "codes": 1, "requant": 2, "rows": 3}
+_U8 = (torch.uint8, torch.quint8)
+
+
+class _Plan(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("wsum", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("fw", ctypes.c_void_p), ("k", ctypes.c_int64), ("n", ctypes.c_int64), ("pairs", ctypes.c_int32),
+                ("mode", ctypes.c_int32), ("relu", ctypes.c_int32), ("zo", ctypes.c_int32), ("lo", ctypes.c_int32),
+                ("hi", ctypes.c_int32), ("inv", ctypes.c_float), ("z", ctypes.c_float), ("vlo", ctypes.c_float),
+                ("vhi", ctypes.c_float)]
+
+
+class LinearPlan:
+    """One layer's constants for ``lb_linear_run`` (made by ``linear_plan``); ``run`` is the per-call entry."""
+
+    __slots__ = ("_plan", "_addr", "_keep", "k", "n", "mode", "name")
+
+    def __init__(self, plan: _Plan, keep: tuple[torch.Tensor | None, ...], k: int, n: int, mode: str) -> None:
+        self._plan, self._keep, self.k, self.n, self.mode = plan, keep, k, n, mode
+        self._addr = ctypes.addressof(plan)
+        self.name = {"float": "qlinear", "codes": "qlinear", "requant": "qlinear_requant", "rows": "qlinear_rows"}[mode]
+
+    def run(self, q: torch.Tensor, zx: int, out: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+        """``out`` (contiguous ``(M, N)``: float32 for "float" / "rows", an 8-bit tensor, plain or torch quantized,
+        for the codes) from u8 codes ``q`` ``(M, K)`` (unit column stride; a ``quint8`` tensor's codes read as they
+        are) on zero point ``zx``; "rows": ``(a, s)``, float32 ``(M,)`` each. ``False`` (nothing written) where they do
+        not fit, or the native build is switched off."""
+        lib = _state.get("lib")
+        shape = q.shape
+        if (lib is None or len(shape) != 2 or shape[1] != self.k or not 0 < shape[0] <= MAX_ROWS or q.dtype not in _U8
+                or q.stride(1) != 1 or not q.is_cpu or not 0 <= zx <= 255 or _local.__dict__.get("off", False)):
+            return False
+        m = shape[0]
+        if out.shape != (m, self.n) or not out.is_contiguous():
+            return False
+        ra = rs = None
+        if self.mode == "rows":
+            if rows is None or not _channel_vectors(m, *rows):
+                return False
+            ra, rs = rows[0].data_ptr(), rows[1].data_ptr()
+        if lib.lb_linear_run(self._addr, q.data_ptr(), m, q.stride(0), zx, ra, rs, out.data_ptr(),
+                             _threads(m * self.n * self.k // 16), _local.__dict__.get("isa", 1)):
+            return False
+        counts[self.name] += 1
+        return True
+
+
+def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor | None = None, *,
+                wsum: torch.Tensor | None = None, pairs: bool = False, relu: bool = False,
+                grid: tuple[float, int, int, int] | None = None, codes: tuple[int, int, int] | None = None,
+                fw: torch.Tensor | None = None) -> LinearPlan | None:
+    """A ``LinearPlan`` for int8 weights ``w`` ``(N, K)`` (contiguous) in ``mode`` ("float", "codes", "requant",
+    "rows"; the module docstring's math): ``sc`` (``mult`` for "requant") and ``bias`` (``bterm`` for "requant")
+    float32 ``(N,)``; ``wsum`` int32 ``Σ_k w`` (made here when absent); ``pairs``: every u8 × s8 pair sum fits int16;
+    ``grid = (inv, z, lo, hi)`` for "codes" (``lo``/``hi``: the code range, ReLU floor included), ``codes = (z_out, lo,
+    hi)`` for "requant", ``fw`` for "rows". Wrong argument values raise ``ValueError``; ``None`` where the tensors do
+    not fit (dtype, shape, layout, device) or there is no native build."""
+    if mode not in _MODES:
+        raise ValueError(f"lowbit.native.linear_plan: mode={mode!r} is not one of {sorted(_MODES)}")
+    inv, z, vlo, vhi = 1.0, 0.0, 0.0, 0.0
+    if mode == "codes":
+        if grid is None:
+            raise ValueError("lowbit.native.linear_plan: mode 'codes' needs grid=(inv, z, lo, hi)")
+        _check_grid("linear_plan", grid[1], grid[2], grid[3], inv=grid[0])
+        inv, z = grid[0], float(grid[1])
+        vlo = float(grid[2] - grid[1]) if grid[2] > 0 else -math.inf
+        vhi = float(grid[3] - grid[1]) if grid[3] < 255 else math.inf
+    zo, lo, hi = codes if codes is not None else (0, 0, 255)
+    if mode == "requant":
+        if codes is None:
+            raise ValueError("lowbit.native.linear_plan: mode 'requant' needs codes=(z_out, lo, hi)")
+        _check_grid("linear_plan", zo, lo, hi)
+    if mode == "rows" and fw is None:
+        raise ValueError("lowbit.native.linear_plan: mode 'rows' needs fw (Σ ŵ per column)")
+    if _lib() is None or w.dim() != 2 or w.dtype != torch.int8 or not w.is_contiguous() or not w.is_cpu or w.numel() == 0:
+        return None
+    n, k = w.shape
+    if not _channel_vectors(n, sc, bias, fw):
+        return None
+    if wsum is None:
+        wsum = w.sum(1, dtype=torch.int32)
+    if wsum.dtype != torch.int32 or not wsum.is_contiguous() or wsum.numel() != n:
+        return None
+    ptr = [None if t is None else t.data_ptr() for t in (w, wsum, sc, bias, fw)]
+    plan = _Plan(*ptr, k, n, int(pairs), _MODES[mode], int(relu), zo, lo, hi, inv, z, vlo, vhi)
+    return LinearPlan(plan, (w, wsum, sc, bias, fw), k, n, mode)
+
+
+def _one_shot(q: torch.Tensor, zx: int, plan: LinearPlan | None, out: torch.Tensor,
+              rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+    return out if plan is not None and plan.run(q, zx, out, rows) else None
+
+
+def _rows_cols(q: torch.Tensor, w: torch.Tensor) -> tuple[int, int]:
+    return (q.shape[0] if q.dim() == 2 else 0), (w.shape[0] if w.dim() == 2 else 0)
+
+
+def _check_zx(fn: str, zx: int) -> None:
+    if not 0 <= zx <= 255:
+        raise ValueError(f"lowbit.native.{fn}: input zero point zx={zx!r} is outside [0, 255]")
+
+
+def qlinear(q: torch.Tensor, zx: int, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+            out: tuple[float, int, int, int] | None, relu: bool, wsum: torch.Tensor | None = None,
+            pairs: bool = False) -> torch.Tensor | None:
+    """A small-M int8 Linear with lowbit's float epilogue in one native call: u8 codes ``q`` ``(M, K)`` on zero point
+    ``zx``, int8 weights ``w`` ``(N, K)``, the exact ``acc = Σ (q - z_x) w`` as ``fl(acc)``, then ``· scale_n + bias_n``;
+    ``out = (inv, z, lo, hi)``: the codes as ``conv_epilogue``'s in a torch ``quint8`` tensor on scale 1 and zero point
+    ``z`` (``empty_codes``), or float32 ``(M, N)`` (``relu``: ``max(·, 0)``) when ``None``. ``wsum``: ``Σ_k w`` as int32
+    (made here when absent); ``pairs``: every u8 × s8 pair sum fits int16 (codes ≤ 127 or ``saturation_safe``
+    weights), the faster sums. ``None`` where the tensors do not fit (M above ``MAX_ROWS`` too)."""
+    _check_zx("qlinear", zx)
+    m, n = _rows_cols(q, w)
+    plan = linear_plan(w, "float" if out is None else "codes", scale, bias, wsum=wsum, pairs=pairs, relu=relu, grid=out)
+    y = torch.empty(m, n, dtype=torch.float32) if out is None else empty_codes((m, n), out[1], torch.quint8)
+    return _one_shot(q, zx, plan, y)
+
+
+def qlinear_requant(q: torch.Tensor, zx: int, w: torch.Tensor, wsum: torch.Tensor | None, mult: torch.Tensor,
+                    bterm: torch.Tensor | None, zero_point: int, lo: int, hi: int, pairs: bool,
+                    into: torch.Tensor | None = None) -> torch.Tensor | None:
+    """torch's fbgemm ``quantized::linear`` (per-channel weights, float bias) in one native call, its codes bit for bit:
+    exact ``a = Σ q w - z_x Σ w``, ``v = fl(fl(a) + bterm_n)`` (``bterm = fl(bias / fl(s_x s_w))``, ``None``: no bias),
+    ``fl(v · mult_n)`` (``mult = fl(fl(s_x s_w) / s_out)``) rounded half to even (``INT32_MIN`` past int32, as
+    ``cvtps2dq``), saturated to int16, ``+ zero_point`` saturated, to ``[0, 255]``, then to ``[lo, hi]`` (the ReLU floor
+    and a narrow grid). ``q`` may be a ``quint8`` tensor (its codes are read). Plain uint8 ``(M, N)``, or written
+    into ``into`` (a contiguous ``(M, N)`` uint8 / ``quint8`` tensor) and that returned; ``None`` where the tensors do
+    not fit."""
+    _check_zx("qlinear_requant", zx)
+    m, n = _rows_cols(q, w)
+    plan = linear_plan(w, "requant", mult, bterm, wsum=wsum, pairs=pairs, codes=(zero_point, lo, hi))
+    if into is not None and into.dtype not in (torch.uint8, torch.quint8):
+        return None
+    return _one_shot(q, zx, plan, torch.empty(m, n, dtype=torch.uint8) if into is None else into)
+
+
+def qlinear_rows(q: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a: torch.Tensor, s: torch.Tensor,
+                 fw: torch.Tensor, bias: torch.Tensor | None, pairs: bool) -> torch.Tensor | None:
+    """The per-token dynamic Linear on its u8 codes ``q`` (one grid per row, zero point 0) in one native call:
+    ``t = fl(fl(Σ q w) · s_w)`` (fbgemm's float output of the row codes on scale 1), then the fused row epilogue
+    ``y = fl(fl(t + a_m fw_n) · s_m) (+ bias_n)`` (``a`` = -z_x and ``s`` = s_x per row, ``fw`` = Σ ŵ per column; the
+    sum rounded once, as ``addcmul_``). Float32 ``(M, N)``; ``None`` where the tensors do not fit."""
+    m, n = _rows_cols(q, w)
+    plan = linear_plan(w, "rows", w_scale, bias, pairs=pairs, fw=fw)
+    return _one_shot(q, 0, plan, torch.empty(m, n, dtype=torch.float32), (a, s))
+
+
+def dyn_wsplit(q: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a: torch.Tensor, wsum: torch.Tensor,
+               s: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The 8-bit dynamic Linear's few-row route without VNNI in one call (``per_token._weight_split``'s arithmetic):
+    u8 codes ``q`` ``(M, K)`` on zero point 0, int8 weights ``w`` ``(N, K)`` split as ``2 (w >> 1) + (w & 1)``,
+    ``t = fl(fl(Σ q (w >> 1)) · 2 s_w) + fl(fl(Σ q (w & 1)) · s_w)`` (fbgemm's two float sums of the split pack, added),
+    then ``fl(fl(t + a_m wsum) · s_m) + bias`` (``a`` = -z_x and ``s`` = s_x per row, ``(M, 1)``). ``None`` where the
+    tensors do not fit."""
+    lib = _lib()
+    if lib is None or q.dtype != torch.uint8 or q.dim() != 2 or not q.is_contiguous() or not q.is_cpu:
+        return None
+    m, k = q.shape
+    n = w.shape[0] if w.dim() == 2 else 0
+    if m == 0 or n == 0 or w.dtype != torch.int8 or w.shape[1] != k or not w.is_contiguous():
+        return None
+    if not (_channel_vectors(n, w_scale, wsum, bias) and _channel_vectors(m, a, s)):
+        return None
+    y = torch.empty(m, n, dtype=torch.float32)
+    if lib.lb_dyn_wsplit(q.data_ptr(), m, k, w.data_ptr(), n, w_scale.data_ptr(), a.data_ptr(), wsum.data_ptr(),
+                         s.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), _threads(m * n * k // 16),
+                         _local.__dict__.get("isa", 1)):
+        return None
+    counts["dyn_wsplit"] += 1
+    return y

@@ -1,0 +1,197 @@
+"""``lowbit.native``'s small-M Linears (``native/gemm.py``, ``linear.c``) against their references, bit for bit.
+
+The "requant" mode is checked against torch's own fbgemm ``quantized::linear(_relu)`` (the op it replaces), the
+"float" mode against the exact integer sums scaled in float32, both sum kernels (``vpmaddubsw`` pairs and int16
+words) and both C bodies (AVX2 and scalar), split over 1 and 2 threads; then the routes that take them: the few-row
+static Linear (``kernels.small_m``), the 7-bit per-token dynamic Linear, and the Quantize stub's plain codes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit as Q
+from lowbit import native
+from lowbit.kernels import small_m
+from lowbit.nn.quantized.dynamic import reduced
+
+from helpers import force
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"lowbit.native not built: {native.reason()}")
+needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="no fbgemm in torch")
+
+
+def _body(name: str) -> contextlib.AbstractContextManager[None]:
+    return native.force_scalar() if name == "scalar" else contextlib.nullcontext()
+
+
+def _fbgemm_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
+                   so: float, zo: int, relu: bool) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        wq = torch._make_per_channel_quantized_tensor(w, sw.double(), torch.zeros(w.shape[0], dtype=torch.long), 0)
+        xt = torch._make_per_tensor_quantized_tensor(q, sx, zx)
+    op = torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear
+    return op(xt, torch.ops.quantized.linear_prepack(wq, bias), so, zo).int_repr()
+
+
+@needs_native
+@needs_fbgemm
+@pytest.mark.parametrize("body,threads", [("best", 1), ("best", 2), ("scalar", 1)])
+def test_requant_mode_is_fbgemm_quantized_linear(body: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Codes ≤ 127 against any int8 weight and 8-bit codes against saturation-safe weights, M up to 64 (row pairs and a
+    single row), K and N with every tail, zero points 0 / 57, bias or none, ReLU, output scales that saturate both
+    ends: fbgemm's codes exactly."""
+    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(threads)
+    wrong = []
+    try:
+        for m, k, n, seven in itertools.product((1, 2, 3, 16, 64), (5, 32, 100, 769), (1, 7, 13, 70), (True, False)):
+            hi_x, w_lo, w_hi = (127, -128, 127) if seven else (255, -64, 64)
+            q = torch.randint(0, hi_x + 1, (m, k), generator=g, dtype=torch.uint8)
+            w = torch.randint(w_lo, w_hi + 1, (n, k), generator=g, dtype=torch.int8)
+            sw = torch.rand(n, generator=g) * 0.01 + 1e-4
+            for zx, has_bias, relu in itertools.product((0, 57), (False, True), (False, True)):
+                bias = torch.randn(n, generator=g) * 3 if has_bias else None
+                sx, so, zo = 0.02, (0.05 if k < 100 else 0.4), 60
+                ref = _fbgemm_linear(q, sx, zx, w, sw, bias, so, zo, relu)
+                atws = torch.tensor(sx, dtype=torch.float32) * sw
+                mult = atws / torch.tensor(so, dtype=torch.float32)
+                bterm = None if bias is None else bias / atws
+                with _body(body):
+                    got = native.qlinear_requant(q, zx, w, None, mult, bterm, zo, zo if relu else 0, 255, True)
+                if got is None or not torch.equal(got, ref):
+                    wrong.append((m, k, n, seven, zx, has_bias, relu))
+    finally:
+        torch.set_num_threads(old)
+    assert not wrong, wrong[:5]
+
+
+@needs_native
+@pytest.mark.parametrize("body", ["best", "scalar"])
+def test_float_mode_is_the_exact_sums_scaled_for_both_kernels(body: str) -> None:
+    """"float": ``fl(fl(Σ (q - z) w) · sc) + b`` (ReLU), the same floats from the pair kernel (codes ≤ 127) and the
+    int16 kernel (any codes); strided rows and a ``quint8`` input read as they are."""
+    g = torch.Generator().manual_seed(9)
+    for m, k, n in itertools.product((1, 2, 5, 33), (3, 32, 65, 300), (4, 9, 66)):
+        base = torch.randint(0, 256, (m, k + 3), generator=g, dtype=torch.uint8)
+        w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        sc, bias = torch.rand(n, generator=g) * 1e-3, torch.randn(n, generator=g)
+        for q, pairs in ((base[:, :k], False), (base[:, :k] // 2, True)):  # (a strided view: row stride k + 3)
+            exact = (q.int() - 19) @ w.int().t()
+            for relu in (False, True):
+                want = exact.float() * sc + bias
+                want = want.relu() if relu else want
+                with _body(body):
+                    got = native.qlinear(q, 19, w, sc, bias, None, relu, pairs=pairs)
+                assert got is not None and torch.equal(got, want), (m, k, n, pairs, relu)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        tq = torch._make_per_tensor_quantized_tensor(torch.randint(0, 128, (2, 40), dtype=torch.uint8), 1.0, 3)
+    w = torch.randint(-128, 128, (8, 40), dtype=torch.int8)
+    plan = native.linear_plan(w, "float", torch.ones(8), pairs=True)
+    y = torch.empty(2, 8)
+    assert plan is not None and plan.run(tq, 3, y) and torch.equal(y, ((tq.int_repr().int() - 3) @ w.int().t()).float())
+
+
+@needs_native
+def test_plans_decline_what_does_not_fit_and_name_wrong_values() -> None:
+    w = torch.randint(-128, 128, (8, 16), dtype=torch.int8)
+    one = torch.ones(8)
+    for bad, match in ((lambda: native.linear_plan(w, "fast", one), "mode='fast'"),
+                       (lambda: native.linear_plan(w, "codes", one), "needs grid"),
+                       (lambda: native.linear_plan(w, "codes", one, grid=(float("inf"), 0, 0, 255)), "inv=inf"),
+                       (lambda: native.linear_plan(w, "requant", one, codes=(300, 0, 255)), "zero_point=300"),
+                       (lambda: native.linear_plan(w, "rows", one), "needs fw"),
+                       (lambda: native.qlinear(torch.zeros(1, 16, dtype=torch.uint8), 256, w, one, None, None, False),
+                        "zx=256")):
+        with pytest.raises(ValueError, match=match):
+            bad()
+    assert native.linear_plan(w.t(), "float", one) is None  # not contiguous
+    assert native.linear_plan(w, "float", torch.ones(7)) is None  # a vector of the wrong length
+    assert native.linear_plan(w.float(), "float", one) is None
+    plan = native.linear_plan(w, "float", one)
+    assert plan is not None
+    y = torch.empty(65, 8)
+    assert not plan.run(torch.zeros(65, 16, dtype=torch.uint8), 0, y)  # above MAX_ROWS
+    assert not plan.run(torch.zeros(2, 15, dtype=torch.uint8), 0, y[:2])  # another K
+    assert not plan.run(torch.zeros(2, 16, dtype=torch.int8), 0, y[:2])
+    assert not plan.run(torch.zeros(2, 16, dtype=torch.uint8), 0, torch.empty(2, 9))
+    with native.disabled():
+        assert not plan.run(torch.zeros(2, 16, dtype=torch.uint8), 0, y[:2])
+
+
+@needs_native
+@needs_fbgemm
+@pytest.mark.parametrize("relu", [False, True])
+def test_static_linear_few_rows_is_one_native_call_with_fbgemm_codes(relu: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A converted ``QuantStub → Linear → DeQuantStub`` on torch.ao's x86 recipe (7-bit activations and outputs), on a
+    CPU without VNNI: up to ``small_m.REQUANT_M`` rows the Linear is one native call, and the model's outputs equal
+    the fbgemm route's (native off) for 1-d, 2-d and 3-d inputs."""
+    force(monkeypatch, vnni=False, fbgemm=True)
+    torch.manual_seed(3)
+    body = nn.Sequential(nn.Linear(48, 40), nn.ReLU()) if relu else nn.Linear(48, 40)
+    prep = Q.prepare(nn.Sequential(Q.QuantStub(), body, Q.DeQuantStub()).eval(), Q.get_default_qconfig("x86"))
+    prep(torch.randn(64, 48) * 2)
+    qm = Q.convert(Q.fuse_modules(prep, [["1.0", "1.1"]]) if relu else prep)
+    for shape in ((48,), (1, 48), (5, 48), (16, 48), (2, 3, 48), (17, 48), (40, 48)):
+        x = torch.randn(*shape) * 2
+        native.counts.clear()
+        y = qm(x)
+        took = native.counts["qlinear_requant"]
+        with native.disabled():
+            ref = qm(x)
+        rows = x.numel() // 48
+        assert torch.equal(y, ref) and took == int(rows <= small_m.REQUANT_M), (shape, took)
+
+
+@needs_native
+@needs_fbgemm
+def test_per_token_7bit_few_rows_are_the_fbgemm_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 7-bit per-token dynamic Linear up to ``reduced.NATIVE_ROWS`` rows: the row codes and one "rows" call, the
+    same floats as fbgemm's route, with and without bias, after the bias tensor is replaced, on both bodies."""
+    force(monkeypatch, vnni=False, fbgemm=True)
+    torch.manual_seed(4)
+    lin = nn.Linear(80, 36)
+    qm = Q.quantize_dynamic(nn.Sequential(lin), {nn.Linear: Q.get_dynamic_qconfig(reduce_range=True)})
+    for body, m in itertools.product(("best", "scalar"), (1, 2, 7, 16, 17)):
+        x = torch.randn(m, 80) * torch.rand(m, 1) * 3 + torch.randn(m, 1)
+        native.counts.clear()
+        with _body(body):
+            y = qm(x)
+        took = native.counts["qlinear_rows"]
+        with native.disabled():
+            ref = qm(x)
+        assert torch.equal(y, ref) and took == int(m <= reduced.NATIVE_ROWS), (body, m)
+    qm[0].bias = torch.randn(36)  # another bias tensor: the plan is made again
+    x = torch.randn(3, 80)
+    y = qm(x)
+    with native.disabled():
+        assert torch.equal(y, qm(x))
+
+
+@needs_native
+@pytest.mark.parametrize("qdtype,zp", [(Q.quint8, 131), (Q.quint8.with_range(0, 127), 60), (Q.qint8, -7)])
+def test_quantize_stub_small_inputs_give_plain_codes_equal_to_the_torch_path(qdtype: Q.QDtype, zp: int) -> None:
+    from lowbit.nn.quantized.stubs import Quantize
+
+    stub = Quantize(0.05, zp, qdtype)
+    x = torch.randn(7, 33) * 4
+    x[0, :4] = torch.tensor([0.025, 0.075, -0.025, 1e9])  # ties, saturation
+    native.counts.clear()
+    qx = stub(x)
+    assert native.counts["quantize"] == 1 and qx._c is not None and qx._tu is None
+    with native.disabled():
+        ref = stub(x)
+    assert torch.equal(qx.int_repr(), ref.int_repr()) and qx.int_repr().dtype == ref.int_repr().dtype
+    x[1, 1] = float("nan")
+    with pytest.raises(RuntimeError, match="NaN"):  # (the native pass reports it; the stub's check names it)
+        stub(x)
