@@ -1,12 +1,14 @@
-"""lowbit's native passes: one C file (``rowquant.c``) doing in one pass what torch needs several for.
+"""lowbit's native passes: C files (``rowquant.c``, ``linear.c``) doing in one call what torch needs several for.
 
-Every pass does the same float32 operations, in the same order, as the torch ops it replaces (built with
-``-ffp-contract=off``, the one FMA explicit where torch's ``addcmul_`` fuses; integer sums exact), so its results
-are bit for bit theirs (``tests/test_native.py`` checks them against each other, both C bodies, 1 and 2 threads).
-``rows``: the per-token Linear's row grids and epilogue, the quantized add, the Quantize stub. ``layers``: the
-split-weight conv epilogue, a depthwise conv, the small-M static and dynamic Linears without VNNI.
+Every pass does the same float32 operations, in the same order, as the torch ops (or the fbgemm op) it replaces
+(built with ``-ffp-contract=off``, an FMA explicit where torch's ``addcmul_`` fuses; integer sums exact), so its
+results are bit for bit theirs (``tests/test_native.py`` and ``tests/test_native_gemm.py`` check them against each
+other, both C bodies, 1 and 2 threads). ``rows``: the per-token Linear's row grids and epilogue, the quantized add,
+the Quantize stub. ``layers``: the split-weight conv epilogue, a depthwise conv. ``gemm``: the small-M Linears
+without VNNI (``LinearPlan``: lowbit's float epilogue, fbgemm's requantization, the per-token rows; the dynamic
+weight split).
 
-The C source is compiled once per machine and source version with the system's C compiler (``cc``, or ``$CC``)
+The C sources are compiled once per machine and source version with the system's C compiler (``cc``, or ``$CC``)
 into ``$LOWBIT_CACHE_DIR`` (default ``~/.cache/lowbit``) and loaded with ``ctypes`` (no torch headers: ~1 s). It
 takes AVX2 + FMA bodies where the CPU has them, checked at run time, and scalar bodies with the same results
 elsewhere; work is split over ``torch.get_num_threads()`` threads of torch's own OpenMP pool (the object links
@@ -69,7 +71,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         return None, "no C compiler (cc / gcc / $CC) on PATH"
     src = b"".join(f.read_bytes() for f in (*_SRC, _DIR / "common.h"))
     tag = hashlib.sha256(src + " ".join([cc, *_FLAGS, _OPENMP]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"rowquant-{tag}.so"
+    lib = _cache_dir() / f"lowbit-native-{tag}.so"
     if not lib.exists():
         try:
             lib.parent.mkdir(parents=True, exist_ok=True)
