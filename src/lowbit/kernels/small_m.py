@@ -39,8 +39,9 @@ from .spec import OutGrid
 __all__ = ["NATIVE_LINEAR_M", "NATIVE_LINEAR_WORK", "REQUANT_M", "REQUANT_WEIGHTS", "native_linear", "native_requant",
            "requant_plan"]
 
-NATIVE_LINEAR_M = 4  # rows up to which native.qlinear replaces _fbgemm_linear (measured: benchmarks/README.md, session 13)
-NATIVE_LINEAR_WORK = 1 << 23  # and rows × weight elements up to which (4×768×3072 and 4096² from M = 1: fbgemm's is faster)
+NATIVE_LINEAR_M = 32  # rows up to which native.qlinear replaces _fbgemm_linear's activation split (all of fbgemm's rows)
+NATIVE_LINEAR_WORK = 1 << 26  # and rows × weight elements (session 14: 1.5-1.75x at 768² M ≤ 32 and 768×3072 M ≤ 16,
+#                               level at 16×3072×768; above, fbgemm's packed GEMM catches up)
 REQUANT_M = 16  # rows up to which native.qlinear_requant replaces fbgemm's quantized::linear (session 14)
 REQUANT_WEIGHTS = 1 << 22  # and weight elements (4096² streams from memory: fbgemm's packed GEMV is faster there)
 
