@@ -107,8 +107,6 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_dwconv.restype = None
     dll.lb_linear_run.argtypes = [p, p, i64, i64, i32, p, p, p, i32, i32]
     dll.lb_linear_run.restype = i32
-    dll.lb_dyn_wsplit.argtypes = [p, i64, i64, p, i64, p, p, p, p, p, p, i32, i32]
-    dll.lb_dyn_wsplit.restype = i32
     dll.lb_cpu_avx2.restype = dll.lb_openmp.restype = i32
     body = "AVX2 + FMA bodies" if dll.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
     return dll, body + (", OpenMP threads" if dll.lb_openmp() else ", one thread (built without OpenMP)")

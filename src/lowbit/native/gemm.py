@@ -36,13 +36,13 @@ from .layers import empty_codes
 __all__ = ["MAX_ROWS", "LinearPlan", "linear_plan", "qlinear", "qlinear_requant", "qlinear_rows", "dyn_wsplit"]
 
 MAX_ROWS = 64  # input rows one call takes (linear.c's MAX_ROWS)
-_MODES = {"float": 0, "codes": 1, "requant": 2, "rows": 3}
+_MODES = {"float": 0, "codes": 1, "requant": 2, "rows": 3, "split": 4}
 _U8 = (torch.uint8, torch.quint8)
 
 
 class _Plan(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("wsum", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("fw", ctypes.c_void_p), ("k", ctypes.c_int64), ("n", ctypes.c_int64), ("pairs", ctypes.c_int32),
+                ("fw", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("k", ctypes.c_int64), ("n", ctypes.c_int64), ("pairs", ctypes.c_int32),
                 ("mode", ctypes.c_int32), ("relu", ctypes.c_int32), ("zo", ctypes.c_int32), ("lo", ctypes.c_int32),
                 ("hi", ctypes.c_int32), ("inv", ctypes.c_float), ("z", ctypes.c_float), ("vlo", ctypes.c_float),
                 ("vhi", ctypes.c_float)]
@@ -56,12 +56,13 @@ class LinearPlan:
     def __init__(self, plan: _Plan, keep: tuple[torch.Tensor | None, ...], k: int, n: int, mode: str) -> None:
         self._plan, self._keep, self.k, self.n, self.mode = plan, keep, k, n, mode
         self._addr = ctypes.addressof(plan)
-        self.name = {"float": "qlinear", "codes": "qlinear", "requant": "qlinear_requant", "rows": "qlinear_rows"}[mode]
+        self.name = {"float": "qlinear", "codes": "qlinear", "requant": "qlinear_requant", "rows": "qlinear_rows",
+                     "split": "dyn_wsplit"}[mode]
 
     def run(self, q: torch.Tensor, zx: int, out: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """``out`` (contiguous ``(M, N)``: float32 for "float" / "rows", an 8-bit tensor, plain or torch quantized,
         for the codes) from u8 codes ``q`` ``(M, K)`` (unit column stride; a ``quint8`` tensor's codes read as they
-        are) on zero point ``zx``; "rows": ``(a, s)``, float32 ``(M,)`` each. ``False`` (nothing written) where they do
+        are) on zero point ``zx``; "rows" and "split": ``zx = 0`` and ``(a, s)``, float32 ``(M,)`` each. ``False`` (nothing written) where they do
         not fit, or the native build is switched off."""
         lib = _state.get("lib")
         shape = q.shape
@@ -72,8 +73,8 @@ class LinearPlan:
         if out.shape != (m, self.n) or not out.is_contiguous():
             return False
         ra = rs = None
-        if self.mode == "rows":
-            if rows is None or not _channel_vectors(m, *rows):
+        if self.mode in ("rows", "split"):
+            if zx or rows is None or not _channel_vectors(m, *rows):
                 return False
             ra, rs = rows[0].data_ptr(), rows[1].data_ptr()
         if lib.lb_linear_run(self._addr, q.data_ptr(), m, q.stride(0), zx, ra, rs, out.data_ptr(),
@@ -86,13 +87,14 @@ class LinearPlan:
 def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor | None = None, *,
                 wsum: torch.Tensor | None = None, pairs: bool = False, relu: bool = False,
                 grid: tuple[float, int, int, int] | None = None, codes: tuple[int, int, int] | None = None,
-                fw: torch.Tensor | None = None) -> LinearPlan | None:
+                fw: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> LinearPlan | None:
     """A ``LinearPlan`` for int8 weights ``w`` ``(N, K)`` (contiguous) in ``mode`` ("float", "codes", "requant",
     "rows"; the module docstring's math): ``sc`` (``mult`` for "requant") and ``bias`` (``bterm`` for "requant")
     float32 ``(N,)``; ``wsum`` int32 ``Σ_k w`` (made here when absent); ``pairs``: every u8 × s8 pair sum fits int16;
     ``grid = (inv, z, lo, hi)`` for "codes" (``lo``/``hi``: the code range, ReLU floor included), ``codes = (z_out, lo,
-    hi)`` for "requant", ``fw`` for "rows". Wrong argument values raise ``ValueError``; ``None`` where the tensors do
-    not fit (dtype, shape, layout, device) or there is no native build."""
+    hi)`` for "requant", ``fw`` for "rows" and "split", and ``w2 = w & 1`` (int8, like ``w``) for "split". Wrong argument
+    values raise ``ValueError``; ``None`` where the tensors do not fit (dtype, shape, layout, device) or there is no
+    native build."""
     if mode not in _MODES:
         raise ValueError(f"lowbit.native.linear_plan: mode={mode!r} is not one of {sorted(_MODES)}")
     inv, z, vlo, vhi = 1.0, 0.0, 0.0, 0.0
@@ -108,8 +110,10 @@ def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor
         if codes is None:
             raise ValueError("lowbit.native.linear_plan: mode 'requant' needs codes=(z_out, lo, hi)")
         _check_grid("linear_plan", zo, lo, hi)
-    if mode == "rows" and fw is None:
-        raise ValueError("lowbit.native.linear_plan: mode 'rows' needs fw (Σ ŵ per column)")
+    if mode in ("rows", "split") and fw is None:
+        raise ValueError(f"lowbit.native.linear_plan: mode {mode!r} needs fw (Σ ŵ per column)")
+    if mode == "split" and w2 is None:
+        raise ValueError("lowbit.native.linear_plan: mode 'split' needs w2 = w & 1")
     if _lib() is None or w.dim() != 2 or w.dtype != torch.int8 or not w.is_contiguous() or not w.is_cpu or w.numel() == 0:
         return None
     n, k = w.shape
@@ -119,9 +123,11 @@ def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor
         wsum = w.sum(1, dtype=torch.int32)
     if wsum.dtype != torch.int32 or not wsum.is_contiguous() or wsum.numel() != n:
         return None
-    ptr = [None if t is None else t.data_ptr() for t in (w, wsum, sc, bias, fw)]
+    if w2 is not None and (w2.dtype != torch.int8 or w2.shape != w.shape or not w2.is_contiguous() or not w2.is_cpu):
+        return None
+    ptr = [None if t is None else t.data_ptr() for t in (w, wsum, sc, bias, fw, w2)]
     plan = _Plan(*ptr, k, n, int(pairs), _MODES[mode], int(relu), zo, lo, hi, inv, z, vlo, vhi)
-    return LinearPlan(plan, (w, wsum, sc, bias, fw), k, n, mode)
+    return LinearPlan(plan, (w, wsum, sc, bias, fw, w2), k, n, mode)
 
 
 def _one_shot(q: torch.Tensor, zx: int, plan: LinearPlan | None, out: torch.Tensor,
@@ -188,21 +194,8 @@ def dyn_wsplit(q: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a: torch
     """The 8-bit dynamic Linear's few-row route without VNNI in one call (``per_token._weight_split``'s arithmetic):
     u8 codes ``q`` ``(M, K)`` on zero point 0, int8 weights ``w`` ``(N, K)`` split as ``2 (w >> 1) + (w & 1)``,
     ``t = fl(fl(Σ q (w >> 1)) · 2 s_w) + fl(fl(Σ q (w & 1)) · s_w)`` (fbgemm's two float sums of the split pack, added),
-    then ``fl(fl(t + a_m wsum) · s_m) + bias`` (``a`` = -z_x and ``s`` = s_x per row, ``(M, 1)``). ``None`` where the
-    tensors do not fit."""
-    lib = _lib()
-    if lib is None or q.dtype != torch.uint8 or q.dim() != 2 or not q.is_contiguous() or not q.is_cpu:
-        return None
-    m, k = q.shape
-    n = w.shape[0] if w.dim() == 2 else 0
-    if m == 0 or n == 0 or w.dtype != torch.int8 or w.shape[1] != k or not w.is_contiguous():
-        return None
-    if not (_channel_vectors(n, w_scale, wsum, bias) and _channel_vectors(m, a, s)):
-        return None
-    y = torch.empty(m, n, dtype=torch.float32)
-    if lib.lb_dyn_wsplit(q.data_ptr(), m, k, w.data_ptr(), n, w_scale.data_ptr(), a.data_ptr(), wsum.data_ptr(),
-                         s.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), _threads(m * n * k // 16),
-                         _local.__dict__.get("isa", 1)):
-        return None
-    counts["dyn_wsplit"] += 1
-    return y
+    then ``fl(fl(t + a_m wsum) · s_m) + bias`` (``a`` = -z_x and ``s`` = s_x per row, ``(M, 1)``). The one-shot form of
+    ``linear_plan(w, "split", ...)`` (which a layer keeps: ``w & 1`` made once). ``None`` where the tensors do not fit."""
+    m, n = _rows_cols(q, w)
+    plan = None if w.dtype != torch.int8 else linear_plan(w, "split", w_scale, bias, fw=wsum, w2=w & 1)
+    return _one_shot(q, 0, plan, torch.empty(m, n, dtype=torch.float32), (a, s))

@@ -12,6 +12,9 @@
  *           bterm = fl(bias / fl(s_x s_w)), fl(v mult[c]) rounded by cvtps2dq (half to even; INT32_MIN past the
  *           int32 range), saturated to int16, + zo saturated, to [0, 255], then to [lo, hi]
  *   mode 3  the per-token rows: t = fl(fl(a) sc[c]); y = fl(fl(fma(ra[r], fw[c], t)) rs[r]) (+ bias[c])
+ *   mode 4  the 8-bit per-token rows' weight split (fbgemm's float sums of w >> 1 on 2 sc and w & 1 on sc): with
+ *           lo = Σ x (w & 1) from the same read of the weights, hi = (acc - lo) / 2 exactly, t = fl(fl(hi) (2 sc[c])) +
+ *           fl(fl(lo) sc[c]) rounded once, then mode 3's row epilogue (zx = 0)
  */
 #include "common.h"
 
@@ -28,7 +31,7 @@
 typedef struct {
     const uint8_t *x; int64_t m, k, ldx; int32_t zx; const int16_t *xs; const int8_t *w; const int32_t *wsum;
     int pairs, mode, relu; const float *sc, *bias; float inv, z, vlo, vhi; int32_t zo, lo, hi;
-    const float *ra, *rs, *fw; void *out; int64_t ldo, n0, n1; int avx2;
+    const float *ra, *rs, *fw; void *out; int64_t ldo, n0, n1; int avx2; const int8_t *w2;
 } lin_job;
 
 static int32_t cvt_rne(float f) {  /* cvtps2dq */
@@ -38,7 +41,13 @@ static int32_t cvt_rne(float f) {  /* cvtps2dq */
 
 static int32_t sat16(int32_t v) { return v < -32768 ? -32768 : v > 32767 ? 32767 : v; }
 
-static void store_one(const lin_job *j, int64_t r, int64_t c, int32_t acc) {
+static void store_one(const lin_job *j, int64_t r, int64_t c, int32_t acc, int32_t lo_sum) {
+    if (j->mode == 4) {  /* acc - lo = 2 Σ q (w >> 1): exact halving */
+        float t = (float)((acc - lo_sum) / 2) * (2.0f * j->sc[c]) + (float)lo_sum * j->sc[c];
+        t = fmaf(j->ra[r], j->fw[c], t) * j->rs[r];
+        ((float *)j->out)[r * j->ldo + c] = j->bias ? t + j->bias[c] : t;
+        return;
+    }
     int32_t a = j->zx ? acc - j->zx * j->wsum[c] : acc;
     if (j->mode == 2) {
         float f = (float)a;
@@ -127,6 +136,34 @@ static inline void blk_words(const lin_job *j, int64_t r0, const int nr, int64_t
         for (int c = 0; c < NC; ++c) o[r * CB + c] = hsum8(a[r][c]) + dot_scalar(j, r0 + r, c0 + c, k16);
 }
 
+/* mode 4's two sums of input row r against weight rows [c0, c0 + NC) from one read of the weights:
+ * o[c] = Σ x w and o2[c] = Σ x (w & 1) (int16 products, exact) */
+__attribute__((target("avx2,fma")))
+static void blk_split(const lin_job *j, int64_t r, int64_t c0, int32_t *o, int32_t *o2) {
+    const int64_t k = j->k, k16 = k & ~(int64_t)15;
+    const int8_t *w = j->w + c0 * k;
+    const int16_t *xr = j->xs + r * k;
+    const __m256i one = _mm256_set1_epi16(1);
+    __m256i a[NC], l[NC];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) a[c] = l[c] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < k16; i += 16) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + i));
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; ++c) {
+            __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + c * k + i)));
+            a[c] = _mm256_add_epi32(a[c], _mm256_madd_epi16(xv, wv));
+            l[c] = _mm256_add_epi32(l[c], _mm256_madd_epi16(xv, _mm256_and_si256(wv, one)));
+        }
+    }
+    for (int c = 0; c < NC; ++c) {
+        int32_t sa = hsum8(a[c]), sl = hsum8(l[c]);
+        for (int64_t i = k16; i < k; ++i) { sa += xr[i] * w[c * k + i]; sl += xr[i] * (w[c * k + i] & 1); }
+        o[c] = sa;
+        o2[c] = sl;
+    }
+}
+
 __attribute__((target("avx2,fma")))
 static void sums_avx2(const lin_job *j, int64_t c0, int32_t *o) {
     int64_t r = 0;
@@ -149,12 +186,23 @@ static void sums_avx2(const lin_job *j, int64_t c0, int32_t *o) {
 
 /* the chunk's epilogue, columns [cs, ce) of row r from o = sums + r CB - cs */
 __attribute__((target("avx2,fma")))
-static void epi_avx2(const lin_job *j, int64_t r, int64_t cs, int64_t ce, const int32_t *o) {
+static void epi_avx2(const lin_job *j, int64_t r, int64_t cs, int64_t ce, const int32_t *o, const int32_t *o2) {
     const __m256 zero = _mm256_setzero_ps();
     const __m256i vzx = _mm256_set1_epi32(j->zx);
     int64_t c = cs;
     for (; c + 8 <= ce; c += 8) {
         __m256i acc = _mm256_loadu_si256((const __m256i *)(o + c));
+        if (j->mode == 4) {
+            __m256i lo = _mm256_loadu_si256((const __m256i *)(o2 + c));
+            __m256 s = _mm256_loadu_ps(j->sc + c);
+            __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sub_epi32(acc, lo), 1)),
+                                                   _mm256_add_ps(s, s)),
+                                     _mm256_mul_ps(_mm256_cvtepi32_ps(lo), s));
+            t = _mm256_mul_ps(_mm256_fmadd_ps(_mm256_set1_ps(j->ra[r]), _mm256_loadu_ps(j->fw + c), t), _mm256_set1_ps(j->rs[r]));
+            if (j->bias) t = _mm256_add_ps(t, _mm256_loadu_ps(j->bias + c));
+            _mm256_storeu_ps((float *)j->out + r * j->ldo + c, t);
+            continue;
+        }
         if (j->zx) acc = _mm256_sub_epi32(acc, _mm256_mullo_epi32(vzx, _mm256_loadu_si256((const __m256i *)(j->wsum + c))));
         __m256 f = _mm256_cvtepi32_ps(acc);
         if (j->mode == 2) {
@@ -184,28 +232,54 @@ static void epi_avx2(const lin_job *j, int64_t r, int64_t cs, int64_t ce, const 
         __m128i q16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
         _mm_storel_epi64((__m128i *)((uint8_t *)j->out + r * j->ldo + c), _mm_packus_epi16(q16, q16));
     }
-    for (; c < ce; ++c) store_one(j, r, c, o[c]);
+    for (; c < ce; ++c) store_one(j, r, c, o[c], o2 ? o2[c] : 0);
+}
+
+/* the chunk's sums of columns [cs, ce) for every row into buf[r CB + c - cs] */
+static void chunk_sums(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
+    for (int64_t c0 = cs; c0 < ce; c0 += NC) {
+        if (j->avx2 && c0 + NC <= ce) {
+            sums_avx2(j, c0, buf + (c0 - cs));
+            continue;
+        }
+        for (int64_t c = c0; c < ce && c < c0 + NC; ++c)
+            for (int64_t r = 0; r < j->m; ++r) buf[r * CB + (c - cs)] = dot_scalar(j, r, c, 0);
+    }
+}
+
+/* mode 4's chunk: both sums (blk_split where a whole block fits, scalar dots against w and w2 = w & 1 elsewhere) */
+static void chunk_split(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf, int32_t *lo) {
+    lin_job jl = *j;
+    jl.w = j->w2;
+    for (int64_t c0 = cs; c0 < ce; c0 += NC) {
+        if (j->avx2 && c0 + NC <= ce) {
+            for (int64_t r = 0; r < j->m; ++r) blk_split(j, r, c0, buf + r * CB + (c0 - cs), lo + r * CB + (c0 - cs));
+            continue;
+        }
+        for (int64_t c = c0; c < ce && c < c0 + NC; ++c)
+            for (int64_t r = 0; r < j->m; ++r) {
+                buf[r * CB + (c - cs)] = dot_scalar(j, r, c, 0);
+                lo[r * CB + (c - cs)] = dot_scalar(&jl, r, c, 0);
+            }
+    }
 }
 
 static void *lin_run(void *p) {
     const lin_job *j = p;
-    int32_t buf[MAX_ROWS * CB];
+    int32_t buf[MAX_ROWS * CB], lo[MAX_ROWS * CB];
     for (int64_t cs = j->n0; cs < j->n1; cs += CB) {
         const int64_t ce = cs + CB < j->n1 ? cs + CB : j->n1;
-        for (int64_t c0 = cs; c0 < ce; c0 += NC) {
-            if (j->avx2 && c0 + NC <= ce) {
-                sums_avx2(j, c0, buf + (c0 - cs));
-                continue;
-            }
-            for (int64_t c = c0; c < ce && c < c0 + NC; ++c)
-                for (int64_t r = 0; r < j->m; ++r) buf[r * CB + (c - cs)] = dot_scalar(j, r, c, 0);
-        }
+        if (j->mode == 4)
+            chunk_split(j, cs, ce, buf, lo);
+        else
+            chunk_sums(j, cs, ce, buf);
         for (int64_t r = 0; r < j->m; ++r) {
+            const int32_t *o2 = j->mode == 4 ? lo + r * CB - cs : NULL;
             if (j->avx2) {
-                epi_avx2(j, r, cs, ce, buf + r * CB - cs);
+                epi_avx2(j, r, cs, ce, buf + r * CB - cs, o2);
                 continue;
             }
-            for (int64_t c = cs; c < ce; ++c) store_one(j, r, c, buf[r * CB + (c - cs)]);
+            for (int64_t c = cs; c < ce; ++c) store_one(j, r, c, buf[r * CB + (c - cs)], o2 ? o2[c] : 0);
         }
     }
     return NULL;
@@ -214,9 +288,9 @@ static void *lin_run(void *p) {
 /* A layer's constants, made once (lowbit.native.gemm.LinearPlan mirrors this layout): int8 weights w (n, k)
  * contiguous, wsum[c] = Σ_i w[c, i] (read only when a call's zx != 0), the mode's per-column vectors (sc / bias;
  * mode 2: mult / bterm; mode 3: fw too; bias may be NULL) and scalars (inv, z, vlo, vhi: mode 1; zo, lo, hi: mode
- * 2). pairs: every u8 × s8 pair sum fits int16 (codes ≤ 127 or saturation-safe weights). */
+ * 2), w2 = w & 1 (mode 4). pairs: every u8 × s8 pair sum fits int16 (codes ≤ 127 or saturation-safe weights). */
 typedef struct {
-    const int8_t *w; const int32_t *wsum; const float *sc, *bias, *fw;
+    const int8_t *w; const int32_t *wsum; const float *sc, *bias, *fw; const int8_t *w2;
     int64_t k, n; int32_t pairs, mode, relu, zo, lo, hi; float inv, z, vlo, vhi;
 } lin_plan;
 
@@ -228,7 +302,7 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     const int avx2 = use_avx2(isa);
     const int64_t k = p->k, n = p->n;
     int16_t *xs = NULL;
-    if (avx2 && !p->pairs) {
+    if (avx2 && (!p->pairs || p->mode == 4)) {
         xs = malloc(sizeof(int16_t) * (size_t)(m * k > 0 ? m * k : 1));
         if (!xs) return 1;
         for (int64_t r = 0; r < m; ++r)
@@ -240,81 +314,10 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     for (int t = 0; t < nt; ++t) {
         int64_t n0 = blocks * t / nt * NC, n1 = blocks * (t + 1) / nt * NC;
         lin_job jb = {x, m, k, ldx, zx, xs, p->w, p->wsum, p->pairs, p->mode, p->relu, p->sc, p->bias, p->inv, p->z,
-                      p->vlo, p->vhi, p->zo, p->lo, p->hi, ra, rs, p->fw, out, n, n0, n1 < n ? n1 : n, avx2};
+                      p->vlo, p->vhi, p->zo, p->lo, p->hi, ra, rs, p->fw, out, n, n0, n1 < n ? n1 : n, avx2, p->w2};
         jobs[t] = jb;
     }
     fan_out(lin_run, jobs, sizeof(lin_job), nt);
-    free(xs);
-    return 0;
-}
-
-/* ---- the 8-bit dynamic Linear's few-row route without VNNI (nn/quantized/dynamic/per_token._weight_split) ---- */
-
-typedef struct {
-    const int16_t *xs; int64_t m, k; const int8_t *w; int64_t n; const float *sw, *a, *wsum, *s, *bias; float *out;
-    int64_t n0, n1; int avx2;
-} ws_job;
-
-/* fbgemm's two float sums of the split weights (q_w >> 1 on scale 2 s_w, q_w & 1 on s_w), added, then the per-row
- * epilogue: y = fl(fl(fl(t + a w_sum) · s) + bias), the first add rounded once (addcmul_ / add_(alpha)) */
-static void ws_store(const ws_job *j, int64_t r, int64_t c, int32_t hi, int32_t lo) {
-    float t = (float)hi * (2.0f * j->sw[c]) + (float)lo * j->sw[c];
-    t = fmaf(j->a[r], j->wsum[c], t) * j->s[r];
-    j->out[r * j->n + c] = j->bias ? t + j->bias[c] : t;
-}
-
-static void ws_scalar(ws_job *j) {
-    for (int64_t c = j->n0; c < j->n1; ++c)
-        for (int64_t r = 0; r < j->m; ++r) {
-            int32_t hi = 0, lo = 0;
-            for (int64_t i = 0; i < j->k; ++i) {
-                int w = j->w[c * j->k + i], x = j->xs[r * j->k + i];
-                hi += x * (w >> 1);  /* (arithmetic shift: floor, as torch's bitwise_right_shift) */
-                lo += x * (w & 1);
-            }
-            ws_store(j, r, c, hi, lo);
-        }
-}
-
-__attribute__((target("avx2,fma")))
-static void ws_avx2(ws_job *j) {
-    const int64_t k = j->k, k16 = k & ~(int64_t)15;
-    const __m256i one = _mm256_set1_epi16(1);
-    for (int64_t c = j->n0; c < j->n1; ++c) {
-        const int8_t *wr = j->w + c * k;
-        for (int64_t r = 0; r < j->m; ++r) {
-            const int16_t *xr = j->xs + r * k;
-            __m256i ah = _mm256_setzero_si256(), al = _mm256_setzero_si256();
-            for (int64_t i = 0; i < k16; i += 16) {  /* q in [0, 255] times halves in [-64, 63] / {0, 1}: exact pairs */
-                __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + i)));
-                __m256i x = _mm256_loadu_si256((const __m256i *)(xr + i));
-                ah = _mm256_add_epi32(ah, _mm256_madd_epi16(x, _mm256_srai_epi16(w, 1)));
-                al = _mm256_add_epi32(al, _mm256_madd_epi16(x, _mm256_and_si256(w, one)));
-            }
-            int32_t hi = hsum8(ah), lo = hsum8(al);
-            for (int64_t i = k16; i < k; ++i) { hi += xr[i] * (wr[i] >> 1); lo += xr[i] * (wr[i] & 1); }
-            ws_store(j, r, c, hi, lo);
-        }
-    }
-}
-
-static void *ws_run(void *p) { ws_job *j = p; if (j->avx2) ws_avx2(j); else ws_scalar(j); return NULL; }
-
-/* out (m, n) float32 = the split-weight route's result for u8 codes q (m, k) (zero point 0: the per-token grids enter
- * through a = -z_x per row and s = s_x per row), int8 weights w (n, k) with scales sw, w_sum = Σ ŵ per column, bias
- * (may be NULL). Returns 1 when out of memory. */
-int lb_dyn_wsplit(const uint8_t *q, int64_t m, int64_t k, const int8_t *w, int64_t n, const float *sw, const float *a,
-                  const float *wsum, const float *s, const float *bias, float *out, int nthreads, int isa) {
-    int16_t *xs = malloc(sizeof(int16_t) * (size_t)(m * k > 0 ? m * k : 1));
-    if (!xs) return 1;
-    for (int64_t i = 0; i < m * k; ++i) xs[i] = q[i];
-    ws_job jobs[MAX_THREADS];
-    int nt = threads_for(nthreads, n);
-    for (int t = 0; t < nt; ++t) {
-        ws_job jb = {xs, m, k, w, n, sw, a, wsum, s, bias, out, n * t / nt, n * (t + 1) / nt, use_avx2(isa)};
-        jobs[t] = jb;
-    }
-    fan_out(ws_run, jobs, sizeof(ws_job), nt);
     free(xs);
     return 0;
 }

@@ -213,7 +213,7 @@ def _epilogue(raw: torch.Tensor, c: torch.Tensor, wsum: torch.Tensor, sx: torch.
 class _Plan:
     """Per-weight-version constants of the fast paths (a cache, never state)."""
 
-    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "split", "token", "rows")
+    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "split", "token", "rows", "wsplit")
 
     def __init__(self, key: Any, weight: QTensor, cache: dict[str, Any]) -> None:
         w = weight.int_repr()
@@ -225,6 +225,7 @@ class _Plan:
         self.split: Any = None
         self.token: Any = None  # the 7-bit recipe's fbgemm pack (reduced.per_token_7bit)
         self.rows: Any = None  # its native plan for few rows, with the bias it holds: (bias key, native.LinearPlan)
+        self.wsplit: Any = None  # the 8-bit recipe's native weight-split plan, likewise (_weight_split)
 
 
 def _plan(weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, qdtype: QDtype,
@@ -355,7 +356,7 @@ _CHUNK_ABOVE = 1 << 22
 
 
 _WSPLIT_MAX = 768 * 3072  # weight elements up to which the split weights (2x the bytes) beat one read at small M
-_NATIVE_WSPLIT_M = 2  # rows up to which lowbit.native runs that route (measured: benchmarks/README.md, session 13)
+_NATIVE_WSPLIT_M = 4  # rows up to which lowbit.native runs that route (one blocked pass: 1.0-1.6x fbgemm, session 14)
 
 
 def _weight_split(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: torch.Tensor,
@@ -379,8 +380,12 @@ def _weight_split(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_sc
     n = weight_int8.shape[0]
     if xf.shape[0] <= _NATIVE_WSPLIT_M:  # the codes and then the whole route in two native calls (the same floats)
         fast = native.row_grid(xf, 255.0, "codes")
-        y = None if fast is None else native.dyn_wsplit(fast[0], weight_int8, w_scale, fast[2], plan.wsum, fast[1], bias)
-        if y is not None:
+        bkey = None if bias is None else (bias.data_ptr(), bias.dtype)
+        if fast is not None and (plan.wsplit is None or plan.wsplit[0] != bkey):  # made once per weight and bias tensor
+            plan.wsplit = (bkey, native.linear_plan(weight_int8, "split", w_scale, bias, fw=plan.wsum, w2=weight_int8 & 1,
+                                                    pairs=onednn.saturation_safe(weight_int8)))
+        y = None if fast is None or plan.wsplit[1] is None else torch.empty(xf.shape[0], n)
+        if y is not None and plan.wsplit[1].run(fast[0], 0, y, (fast[2], fast[1])):
             kernels.counts[("onednn", "linear")] += 1
             return y
     if xf.shape[0] == 1:
