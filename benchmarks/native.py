@@ -7,10 +7,12 @@ native time (> 1: native faster). Cases, on whatever CPU this is (the routes wit
 ``onednn.has_vnni``, as the tests do, so an AVX-512 VNNI machine times them too):
 
 - dynamic Linear, per-token 7-bit and 8-bit recipes: the row grids + codes and the per-row epilogue (MiniLM's
-  4096×384→1536 and 4096×1536→384, 16×768²), and at 1×768² the 8-bit weight-split route without VNNI;
+  4096×384→1536 and 4096×1536→384), and at few rows (16, 4, 1 × 768²) the whole Linear: the 7-bit recipe's rows
+  (up to 16) and the 8-bit weight-split route without VNNI (up to 4);
 - static conv without VNNI: a dense 3×3 (the split-weight epilogue) and a depthwise 3×3 (the whole conv), batch 8;
 - the quantized add_relu of two 8×96×56² tensors; the Quantize stub on 8×3×224² and 1×768;
-- the small-M static Linear without VNNI (8-bit codes, M = 1 and 4, 768² and 768×3072).
+- the small-M static Linear without VNNI, M = 1 and 16 on 768² and 768×3072: the 8-bit recipe (lowbit's epilogue)
+  and torch.ao's x86 recipe (fbgemm's requantization, reproduced), each with its Quantize stub.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _dynamic(quick: bool) -> list[tuple[str, Callable[[], Any]]]:
-    shapes = [(16, 768, 768)] if quick else [(4096, 384, 1536), (4096, 1536, 384), (16, 768, 768), (1, 768, 768)]
+    shapes = [(16, 768, 768)] if quick else [(4096, 384, 1536), (4096, 1536, 384), (16, 768, 768), (4, 768, 768),
+                                             (1, 768, 768)]
     out = []
     for m, k, n in shapes:
         for rr, name in ((True, "per-token 7-bit"), (False, "per-token 8-bit")):
@@ -87,14 +90,16 @@ def _small(quick: bool) -> list[tuple[str, Callable[[], Any]]]:
     for shape in ((8, 3, 224, 224), (1, 768)):
         x = torch.randn(*shape)
         out.append((f"Quantize {'×'.join(map(str, shape))}", lambda x=x: stub(x)))
-    for m, k, n in ([(1, 768, 768)] if quick else [(1, 768, 768), (4, 768, 768), (1, 768, 3072), (4, 768, 3072)]):
+    shapes = [(1, 768, 768)] if quick else [(1, 768, 768), (16, 768, 768), (1, 768, 3072), (16, 768, 3072)]
+    for (m, k, n), (recipe, qconfig) in ((s, r) for s in shapes for r in (("8-bit", Q.get_default_qconfig()),
+                                                                          ("x86 recipe", Q.get_default_qconfig("x86")))):
         lin = nn.Sequential(Q.QuantStub(), nn.Linear(k, n), Q.DeQuantStub()).eval()
-        lin.qconfig = Q.get_default_qconfig()
+        lin.qconfig = qconfig
         p = Q.prepare(lin)
         p(torch.randn(64, k))
         qm = Q.convert(p)
         x = torch.randn(m, k)
-        out.append((f"static Linear 8-bit {m}×{k}×{n}", lambda qm=qm, x=x: qm(x)))
+        out.append((f"static Linear {recipe} {m}×{k}×{n}", lambda qm=qm, x=x: qm(x)))
     return out
 
 

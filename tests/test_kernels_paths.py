@@ -182,14 +182,14 @@ def test_onednn_fbgemm_small_m_float(monkeypatch: pytest.MonkeyPatch, paths: Cou
 
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "fbgemm"])
 def test_onednn_fbgemm_small_m_requantized(monkeypatch: pytest.MonkeyPatch, paths: Counter[str], use_native: bool) -> None:
-    """Few rows with a u8 output: lowbit.native's one call (fbgemm's codes bit for bit, checked by the spy) up to
-    ``small_m.REQUANT_M`` rows and ``REQUANT_WEIGHTS`` weights, fbgemm's ``quantized::linear`` beyond or without it."""
+    """Few rows with a u8 output: lowbit.native's one call (fbgemm's codes bit for bit, checked by the spy) where
+    ``small_m.native_rows`` says, fbgemm's ``quantized::linear`` beyond or without it."""
     force(monkeypatch, vnni=False, fbgemm=True)
     shapes = [s for s in GRID if s[0] <= onednn.SMALL_M]
     with contextlib.nullcontext() if use_native else native.disabled():
         wrong = scan("onednn", safe=True, zp_w=False, out=OutGrid(64.0, 128, Q.quint8), shapes=shapes)
     assert not wrong, f"wrong requantized codes: {wrong}"
-    by_native = sum(m <= small_m.REQUANT_M and k * n <= small_m.REQUANT_WEIGHTS for m, k, n in shapes)
+    by_native = sum(small_m.native_rows(m, k * n) for m, k, n in shapes)
     by_native *= use_native and native.available()
     assert paths["native_requant"] == by_native and paths["native_requant_differs"] == 0
     assert paths["_fbgemm_requant"] == len(shapes) - by_native

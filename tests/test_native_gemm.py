@@ -19,7 +19,6 @@ from torch import nn
 import lowbit as Q
 from lowbit import native
 from lowbit.kernels import small_m
-from lowbit.nn.quantized.dynamic import reduced
 
 from helpers import force
 
@@ -156,7 +155,7 @@ def test_static_linear_few_rows_is_one_native_call_with_fbgemm_codes(relu: bool,
 @needs_native
 @needs_fbgemm
 def test_per_token_7bit_few_rows_are_the_fbgemm_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The 7-bit per-token dynamic Linear up to ``reduced.NATIVE_ROWS`` rows: the row codes and one "rows" call, the
+    """The 7-bit per-token dynamic Linear up to ``small_m.REQUANT_M`` rows: the row codes and one "rows" call, the
     same floats as fbgemm's route, with and without bias, after the bias tensor is replaced, on both bodies."""
     force(monkeypatch, vnni=False, fbgemm=True)
     torch.manual_seed(4)
@@ -170,7 +169,7 @@ def test_per_token_7bit_few_rows_are_the_fbgemm_route(monkeypatch: pytest.Monkey
         took = native.counts["qlinear_rows"]
         with native.disabled():
             ref = qm(x)
-        assert torch.equal(y, ref) and took == int(m <= reduced.NATIVE_ROWS), (body, m)
+        assert torch.equal(y, ref) and took == int(m <= small_m.REQUANT_M), (body, m)
     qm[0].bias = torch.randn(36)  # another bias tensor: the plan is made again
     x = torch.randn(3, 80)
     y = qm(x)

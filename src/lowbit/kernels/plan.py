@@ -239,7 +239,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             return fbgemm_out(op(t, hit[4], s_out, z_out), lead)
         return run(x._q, hit[1], hit[2], tq)
 
-    native_ok = fused_ok and w.is_contiguous() and w.numel() <= small_m.REQUANT_WEIGHTS and native.available()
+    native_ok = fused_ok and w.is_contiguous() and native.available()
     run.qt = run_qt  # type: ignore[attr-defined]
     return run
 

@@ -36,14 +36,21 @@ from ..qtensor import QTensor
 from .avx2 import _F32_EXACT, _QUIET, _inv_scale, _relu_floor, _scaled
 from .spec import OutGrid
 
-__all__ = ["NATIVE_LINEAR_M", "NATIVE_LINEAR_WORK", "REQUANT_M", "REQUANT_WEIGHTS", "native_linear", "native_requant",
-           "requant_plan"]
+__all__ = ["NATIVE_LINEAR_M", "NATIVE_LINEAR_WORK", "REQUANT_M", "REQUANT_WEIGHTS", "REQUANT_BIG_M", "native_rows",
+           "native_linear", "native_requant", "requant_plan"]
 
 NATIVE_LINEAR_M = 32  # rows up to which native.qlinear replaces _fbgemm_linear's activation split (all of fbgemm's rows)
 NATIVE_LINEAR_WORK = 1 << 26  # and rows × weight elements (session 14: 1.5-1.75x at 768² M ≤ 32 and 768×3072 M ≤ 16,
 #                               level at 16×3072×768; above, fbgemm's packed GEMM catches up)
-REQUANT_M = 16  # rows up to which native.qlinear_requant replaces fbgemm's quantized::linear (session 14)
-REQUANT_WEIGHTS = 1 << 22  # and weight elements (4096² streams from memory: fbgemm's packed GEMV is faster there)
+REQUANT_M = 16  # rows up to which native.qlinear_requant replaces fbgemm's quantized::linear (session 14: 1.1-2.7x at M
+REQUANT_WEIGHTS = 1 << 22  # ≤ 8 on 768-wide layers, level at 16), for weights up to this many elements, and for any
+REQUANT_BIG_M = 2  # weights up to this many rows (1-2×4096²: 1.4-1.6x; from 4 rows fbgemm's packed GEMM is faster)
+
+
+def native_rows(rows: int, weights: int) -> bool:
+    """Whether the native small-M Linear (fbgemm's requantization, or the per-token rows) takes ``rows`` rows against
+    ``weights`` weight elements: the bounds above."""
+    return rows <= REQUANT_M and (weights <= REQUANT_WEIGHTS or rows <= REQUANT_BIG_M)
 
 
 def _weight_sums(w: torch.Tensor, cache: dict[str, Any] | None) -> torch.Tensor:
@@ -98,11 +105,11 @@ def native_requant(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale
     """``onednn._fbgemm_requant``'s codes (fbgemm ``quantized::linear(_relu)``, then the output grid's clamp) from one
     native call (``requant_plan``, or ``plan`` made by it for this state), for u8 codes ``q`` (or a contiguous ``quint8``
     tensor holding them) on ``(s_x, z_x)`` whose pairs cannot saturate (7-bit codes or ``saturation_safe`` weights:
-    the caller's ``not split``), at most ``REQUANT_M`` rows and ``REQUANT_WEIGHTS`` weights. The codes land in a torch
+    the caller's ``not split``), where ``native_rows`` says so. The codes land in a torch
     quantized tensor on the output grid (the QTensor's ``tq``: DeQuantize and the next fbgemm layer read it as it
     is), shaped ``(*q.shape[:-1], N)`` or ``(*lead, N)``. ``None``: not taken."""
     k = q.shape[-1] if q.dim() else 0
-    if k == 0 or q.numel() > REQUANT_M * k or w.numel() > REQUANT_WEIGHTS or out.qdtype.storage != torch.uint8:
+    if k == 0 or not native_rows(q.numel() // k, w.numel()) or out.qdtype.storage != torch.uint8:
         return None
     if plan is None:
         plan = requant_plan(w, w_scale, bias, sx, out, relu, cache)

@@ -42,10 +42,10 @@ _U8 = (torch.uint8, torch.quint8)
 
 class _Plan(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("wsum", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("fw", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("k", ctypes.c_int64), ("n", ctypes.c_int64), ("pairs", ctypes.c_int32),
-                ("mode", ctypes.c_int32), ("relu", ctypes.c_int32), ("zo", ctypes.c_int32), ("lo", ctypes.c_int32),
-                ("hi", ctypes.c_int32), ("inv", ctypes.c_float), ("z", ctypes.c_float), ("vlo", ctypes.c_float),
-                ("vhi", ctypes.c_float)]
+                ("fw", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("k", ctypes.c_int64), ("n", ctypes.c_int64),
+                ("pairs", ctypes.c_int32), ("mode", ctypes.c_int32), ("relu", ctypes.c_int32), ("zo", ctypes.c_int32),
+                ("lo", ctypes.c_int32), ("hi", ctypes.c_int32), ("inv", ctypes.c_float), ("z", ctypes.c_float),
+                ("vlo", ctypes.c_float), ("vhi", ctypes.c_float)]
 
 
 class LinearPlan:
@@ -62,8 +62,8 @@ class LinearPlan:
     def run(self, q: torch.Tensor, zx: int, out: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """``out`` (contiguous ``(M, N)``: float32 for "float" / "rows", an 8-bit tensor, plain or torch quantized,
         for the codes) from u8 codes ``q`` ``(M, K)`` (unit column stride; a ``quint8`` tensor's codes read as they
-        are) on zero point ``zx``; "rows" and "split": ``zx = 0`` and ``(a, s)``, float32 ``(M,)`` each. ``False`` (nothing written) where they do
-        not fit, or the native build is switched off."""
+        are) on zero point ``zx``; "rows" and "split": ``zx = 0`` and ``(a, s)``, float32 ``(M,)`` each. ``False``
+        (nothing written) where they do not fit, or the native build is switched off."""
         lib = _state.get("lib")
         shape = q.shape
         if (lib is None or len(shape) != 2 or shape[1] != self.k or not 0 < shape[0] <= MAX_ROWS or q.dtype not in _U8

@@ -61,7 +61,6 @@ _F32 = np.float32
 _SMALL_SCALE = _F32(6.1e-5)  # fbgemm's SMALL_SCALE_THRESHOLD (a float)
 _SCRATCH_MAX = 1 << 24  # floats (64 MiB) up to which per_token_7bit's u lives in the thread's kept scratch buffer
 _SCRATCH_MIN = 1 << 16  # floats (256 KiB) above which it does (below: malloc's reused heap blocks, no faults)
-NATIVE_ROWS = 16  # rows up to which per_token_7bit runs lowbit.native's two calls instead of fbgemm's (session 14)
 
 
 def ao_qparams(x: torch.Tensor) -> tuple[float, int]:
@@ -172,7 +171,7 @@ def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     xf = x2.detach() if x2.requires_grad else x2  # (a no-grad input needs no detached view: one op less)
     xf = xf if xf.dtype == torch.float32 else xf.float()
     plan = _token_plan(xf, weight_int8, w_scale, w_zero_point, qdtype, cache)
-    if plan is not None and xf.shape[0] <= NATIVE_ROWS and weight_int8.numel() <= small_m.REQUANT_WEIGHTS:
+    if plan is not None and small_m.native_rows(xf.shape[0], weight_int8.numel()):
         y = _native_rows(xf, plan, weight_int8, w_scale, bias)
         if y is not None:
             return y
