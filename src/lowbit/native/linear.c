@@ -18,9 +18,7 @@
  */
 #include "common.h"
 
-#ifndef NC
-#define NC 4          /* weight rows (output columns) per register block */
-#endif
+#define NC 4          /* weight rows (output columns) per register block (store4 sums four) */
 #ifndef MR
 #define MR 2          /* input rows per register block (MR × NC accumulators) */
 #endif
@@ -83,6 +81,16 @@ static int32_t dot_scalar(const lin_job *j, int64_t r, int64_t c, int64_t i0) {
     return s;
 }
 
+/* the four accumulators' sums (one hadd tree instead of four horizontal sums) plus the scalar tails from i0 */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void store4(int32_t *o, const __m256i *a, const lin_job *j, int64_t r, int64_t c0, int64_t i0) {
+    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    _mm_storeu_si128((__m128i *)o, s);
+    if (i0 < j->k)
+        for (int c = 0; c < NC; ++c) o[c] += dot_scalar(j, r, c0 + c, i0);
+}
+
 /* sums of input rows [r0, r0 + nr) (nr ≤ 2) against weight rows [c0, c0 + NC) into o[r CB + c] */
 __attribute__((target("avx2,fma"), always_inline))
 static inline void blk_pairs(const lin_job *j, int64_t r0, const int nr, int64_t c0, int32_t *o) {
@@ -110,7 +118,7 @@ static inline void blk_pairs(const lin_job *j, int64_t r0, const int nr, int64_t
         }
     }
     for (int r = 0; r < nr; ++r)
-        for (int c = 0; c < NC; ++c) o[r * CB + c] = hsum8(a[r][c]) + dot_scalar(j, r0 + r, c0 + c, k32);
+        store4(o + r * CB, a[r], j, r0 + r, c0, k32);
 }
 
 __attribute__((target("avx2,fma"), always_inline))
@@ -138,7 +146,7 @@ static inline void blk_words(const lin_job *j, int64_t r0, const int nr, int64_t
         }
     }
     for (int r = 0; r < nr; ++r)
-        for (int c = 0; c < NC; ++c) o[r * CB + c] = hsum8(a[r][c]) + dot_scalar(j, r0 + r, c0 + c, k16);
+        store4(o + r * CB, a[r], j, r0 + r, c0, k16);
 }
 
 /* mode 4's two sums of input row r against weight rows [c0, c0 + NC) from one read of the weights:
