@@ -53,16 +53,21 @@ def native_rows(rows: int, weights: int) -> bool:
     return rows <= REQUANT_M and (weights <= REQUANT_WEIGHTS or rows <= REQUANT_BIG_M)
 
 
+def _per_weight(cache: dict[str, Any] | None, name: str, w: torch.Tensor, make: Any) -> Any:
+    """``make(w)`` kept in ``cache[name]`` per weight version (the weight's storage and ``tensor_version``)."""
+    key = (w.data_ptr(), tensor_version(w))
+    hit = cache.get(name) if cache is not None else None
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    v = make(w)
+    if cache is not None:
+        cache[name] = (key, v)
+    return v
+
+
 def _weight_sums(w: torch.Tensor, cache: dict[str, Any] | None) -> torch.Tensor:
     """``Σ_k w[n, k]`` (int32) of int8 weights, kept in ``cache`` per weight version."""
-    key = (w.data_ptr(), tensor_version(w))
-    hit = cache.get("native.wsum") if cache is not None else None
-    if hit is not None and hit[0] == key:
-        return hit[1]  # type: ignore[no-any-return]
-    v = w.sum(1, dtype=torch.int32)
-    if cache is not None:
-        cache["native.wsum"] = (key, v)
-    return v
+    return _per_weight(cache, "native.wsum", w, lambda t: t.sum(1, dtype=torch.int32))  # type: ignore[no-any-return]
 
 
 def requant_plan(w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, sx: float, out: OutGrid, relu: bool,
@@ -153,13 +158,5 @@ def native_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale:
 
 def _abs_row_max(w: torch.Tensor, cache: dict[str, Any] | None) -> int:
     """``max_n Σ_k |w[n, k]|`` of int8 weights, kept in ``cache`` per weight version."""
-    key = (w.data_ptr(), tensor_version(w))
-    hit = cache.get("native.absmax") if cache is not None else None
-    if hit is not None and hit[0] == key:
-        return hit[1]  # type: ignore[no-any-return]
-    v = int(w.to(torch.int16).abs().sum(1, dtype=torch.int64).max()) if w.numel() else 0
-    if cache is not None:
-        cache["native.absmax"] = (key, v)
-    return v
-
-
+    return _per_weight(cache, "native.absmax", w,  # type: ignore[no-any-return]
+                       lambda t: int(t.to(torch.int16).abs().sum(1, dtype=torch.int64).max()) if t.numel() else 0)
