@@ -228,6 +228,24 @@ class _Plan:
         self.wsplit: Any = None  # the 8-bit recipe's native weight-split plan, likewise (_weight_split)
 
 
+def native_plan_call(plan: _Plan, slot: str, codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     bias: torch.Tensor | None, make: Any) -> torch.Tensor | None:
+    """A few-row dynamic Linear's ``native.LinearPlan`` call on ``native.row_grid``'s ``(q, s_x, -z_x)``: the plan kept in
+    ``plan.<slot>`` with the bias tensor it holds (``make()`` again for another bias tensor; ``None``: no plan), float32
+    ``(M, N)`` out, counted as the fbgemm call it replaces. ``None``: not taken (the caller's route runs)."""
+    bkey = None if bias is None else (bias.data_ptr(), bias.dtype)
+    hit = getattr(plan, slot)
+    if hit is None or hit[0] != bkey:
+        hit = (bkey, make())
+        setattr(plan, slot, hit)
+    q, scale, neg_zp = codes
+    y = torch.empty(q.shape[0], plan.wsum.shape[0])
+    if hit[1] is None or not hit[1].run(q, 0, y, (neg_zp, scale)):
+        return None
+    kernels.counts[("onednn", "linear")] += 1
+    return y
+
+
 def _plan(weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, qdtype: QDtype,
           cache: dict[str, Any]) -> _Plan | None:
     """The fast-path plan for this weight (rebuilt when a buffer changes), ``None`` for affine weights."""
@@ -380,13 +398,9 @@ def _weight_split(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_sc
     n = weight_int8.shape[0]
     if xf.shape[0] <= _NATIVE_WSPLIT_M:  # the codes and then the whole route in two native calls (the same floats)
         fast = native.row_grid(xf, 255.0, "codes")
-        bkey = None if bias is None else (bias.data_ptr(), bias.dtype)
-        if fast is not None and (plan.wsplit is None or plan.wsplit[0] != bkey):  # made once per weight and bias tensor
-            plan.wsplit = (bkey, native.linear_plan(weight_int8, "split", w_scale, bias, fw=plan.wsum, w2=weight_int8 & 1,
-                                                    pairs=onednn.saturation_safe(weight_int8)))
-        y = None if fast is None or plan.wsplit[1] is None else torch.empty(xf.shape[0], n)
-        if y is not None and plan.wsplit[1].run(fast[0], 0, y, (fast[2], fast[1])):
-            kernels.counts[("onednn", "linear")] += 1
+        y = None if fast is None else native_plan_call(plan, "wsplit", fast, bias, lambda: native.linear_plan(
+            weight_int8, "split", w_scale, bias, fw=plan.wsum, w2=weight_int8 & 1, pairs=onednn.saturation_safe(weight_int8)))
+        if y is not None:
             return y
     if xf.shape[0] == 1:
         grid = _one_row_grid(xf)

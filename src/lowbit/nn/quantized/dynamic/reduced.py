@@ -50,8 +50,8 @@ from ....kernels import onednn, small_m
 from ....kernels.avx2 import _scratch, direct, fbgemm_ops
 from ....qscheme import QDtype, quint8
 from ....qtensor import QTensor
-from .per_token import (U7, _LEVELS, _block_rows, _one_row_grid, _plan, _row_grids, dynamic_linear, per_token_linear,
-                        quantize_per_token)
+from .per_token import (U7, _LEVELS, _block_rows, _one_row_grid, _plan, _row_grids, dynamic_linear, native_plan_call,
+                        per_token_linear, quantize_per_token)
 
 __all__ = ["ACTIVATIONS", "ao_qparams", "ao_codes", "per_tensor_7bit", "per_token_7bit"]
 
@@ -205,18 +205,8 @@ def _native_rows(xf: torch.Tensor, plan: Any, weight_int8: torch.Tensor, w_scale
     "rows" mode: exact ``Σ q q_w``, fbgemm's float output ``fl(fl(acc) · s_w)`` and the fused row epilogue. The plan
     holds the bias it was made with (rebuilt for another bias tensor). ``None``: not taken (the fbgemm route runs)."""
     g = native.row_grid(xf, 127.0, "codes")
-    if g is None:
-        return None
-    bkey = None if bias is None else (bias.data_ptr(), bias.dtype)
-    if plan.rows is None or plan.rows[0] != bkey:
-        plan.rows = (bkey, native.linear_plan(weight_int8, "rows", w_scale, bias, pairs=True, fw=plan.wsum))
-    lp = plan.rows[1]
-    q, scale, neg_zp = g
-    y = torch.empty(q.shape[0], weight_int8.shape[0])
-    if lp is None or not lp.run(q, 0, y, (neg_zp, scale)):
-        return None
-    kernels.counts[("onednn", "linear")] += 1  # (the fbgemm call it replaces)
-    return y
+    return None if g is None else native_plan_call(plan, "rows", g, bias, lambda: native.linear_plan(
+        weight_int8, "rows", w_scale, bias, pairs=True, fw=plan.wsum))
 
 
 def _native_u7(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
