@@ -49,6 +49,7 @@ from .spec import OutGrid
 __all__ = ["linear_plan", "layer_key"]
 
 Run = Callable[..., QTensor]  # run(codes, s_x, z_x, tq=None)
+_UNMADE = object()  # a kept slot not filled yet (None is a made "declined")
 
 
 def _quiet_qtensor(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
@@ -192,7 +193,9 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         y = torch.ops.onednn.qlinear_pointwise(q, sx, zx, packed, w_scale, w_zp, bias, s_out, z_out, dt, post, [], "")
         return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
 
-    unit: list[Any] = [None]  # (key, s_x, z_x, the grid's tensors held, the pack for inputs on scale 1 or None)
+    unit: list[Any] = [None]  # (key, s_x, z_x, the grid's tensors held, the pack for inputs on scale 1 or None,
+    #                           the native plan for this grid: _UNMADE, None (declined) or a native.LinearPlan)
+    native_ok = fused_ok and w.is_contiguous() and native.available()
 
     def run_qt(x: QTensor) -> QTensor:
         """``run`` on a per-tensor ``QTensor`` (the module's entry). Up to ``small_m.REQUANT_M`` rows, ``lowbit.native``
@@ -220,10 +223,10 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             ukey = (id(s), id(z), tensor_version(s), tensor_version(z))
         hit = unit[0]
         if hit is None or hit[0] != ukey:
-            hit = unit[0] = [ukey, s.item(), z.item(), (s, z), None]
+            hit = unit[0] = [ukey, s.item(), z.item(), (s, z), None, _UNMADE]
         if fused and native_ok and t.is_contiguous():  # type: ignore[union-attr]  # lowbit.native: fbgemm's codes, one call
-            if len(hit) == 5:  # the native plan for this input grid, made once
-                hit.append(small_m.requant_plan(w, w_scale, bias, hit[1], out, relu, packs))
+            if hit[5] is _UNMADE:  # the native plan for this input grid, made once
+                hit[5] = small_m.requant_plan(w, w_scale, bias, hit[1], out, relu, packs)
             y = (None if hit[5] is None else  # type: ignore[arg-type]
                  small_m.native_requant(t, hit[1], hit[2], w, w_scale, bias, out, relu, packs, lead, hit[5]))
             if y is not None:
@@ -239,7 +242,6 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             return fbgemm_out(op(t, hit[4], s_out, z_out), lead)
         return run(x._q, hit[1], hit[2], tq)
 
-    native_ok = fused_ok and w.is_contiguous() and native.available()
     run.qt = run_qt  # type: ignore[attr-defined]
     return run
 
