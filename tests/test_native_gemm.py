@@ -110,6 +110,11 @@ def test_plans_decline_what_does_not_fit_and_name_wrong_values() -> None:
                        (lambda: native.linear_plan(w, "codes", one, grid=(float("inf"), 0, 0, 255)), "inv=inf"),
                        (lambda: native.linear_plan(w, "requant", one, codes=(300, 0, 255)), "zero_point=300"),
                        (lambda: native.linear_plan(w, "rows", one), "needs fw"),
+                       (lambda: native.linear_plan(w, "split", one, fw=one), "needs w2"),
+                       (lambda: native.qlinear_requant(torch.zeros(1, 16, dtype=torch.uint8), 0, w, None, one, None, 0, 200,
+                                                       100, True), "lo=200, hi=100"),
+                       (lambda: native.qlinear_requant(torch.zeros(1, 16, dtype=torch.uint8), -1, w, None, one, None, 0, 0,
+                                                       255, True), "zx=-1"),
                        (lambda: native.qlinear(torch.zeros(1, 16, dtype=torch.uint8), 256, w, one, None, None, False),
                         "zx=256")):
         with pytest.raises(ValueError, match=match):
@@ -126,6 +131,12 @@ def test_plans_decline_what_does_not_fit_and_name_wrong_values() -> None:
     assert not plan.run(torch.zeros(2, 16, dtype=torch.uint8), 0, torch.empty(2, 9))
     with native.disabled():
         assert not plan.run(torch.zeros(2, 16, dtype=torch.uint8), 0, y[:2])
+    with pytest.raises(ValueError, match="zx=256"):
+        plan.run(torch.zeros(2, 16, dtype=torch.uint8), 256, y[:2])
+    rows = native.linear_plan(w, "rows", one, fw=one)
+    assert rows is not None
+    with pytest.raises(ValueError, match="zx=3 .*'rows'"):  # per-token rows carry their zero points in (a, s)
+        rows.run(torch.zeros(2, 16, dtype=torch.uint8), 3, y[:2], (torch.zeros(2), torch.ones(2)))
 
 
 @needs_native

@@ -63,18 +63,20 @@ class LinearPlan:
         """``out`` (contiguous ``(M, N)``: float32 for "float" / "rows", an 8-bit tensor, plain or torch quantized,
         for the codes) from u8 codes ``q`` ``(M, K)`` (unit column stride; a ``quint8`` tensor's codes read as they
         are) on zero point ``zx``; "rows" and "split": ``zx = 0`` and ``(a, s)``, float32 ``(M,)`` each. ``False``
-        (nothing written) where they do not fit, or the native build is switched off."""
+        (nothing written) where they do not fit, or the native build is switched off; a ``zx`` outside those raises."""
+        if not 0 <= zx <= 255 or (zx and self.mode in ("rows", "split")):
+            raise ValueError(f"lowbit.native.LinearPlan.run: zx={zx!r} must be in [0, 255] (0 in mode {self.mode!r})")
         lib = _state.get("lib")
         shape = q.shape
         if (lib is None or len(shape) != 2 or shape[1] != self.k or not 0 < shape[0] <= MAX_ROWS or q.dtype not in _U8
-                or q.stride(1) != 1 or not q.is_cpu or not 0 <= zx <= 255 or _local.__dict__.get("off", False)):
+                or q.stride(1) != 1 or not q.is_cpu or _local.__dict__.get("off", False)):
             return False
         m = shape[0]
         if out.shape != (m, self.n) or not out.is_contiguous():
             return False
         ra = rs = None
         if self.mode in ("rows", "split"):
-            if zx or rows is None or not _channel_vectors(m, *rows):
+            if rows is None or not _channel_vectors(m, *rows):
                 return False
             ra, rs = rows[0].data_ptr(), rows[1].data_ptr()
         if lib.lb_linear_run(self._addr, q.data_ptr(), m, q.stride(0), zx, ra, rs, out.data_ptr(),
@@ -119,9 +121,9 @@ def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor
     n, k = w.shape
     if not _channel_vectors(n, sc, bias, fw):
         return None
-    if wsum is None:
+    if wsum is None and mode not in ("rows", "split"):  # (read only for a non-zero input zero point, which those lack)
         wsum = w.sum(1, dtype=torch.int32)
-    if wsum.dtype != torch.int32 or not wsum.is_contiguous() or wsum.numel() != n:
+    if wsum is not None and (wsum.dtype != torch.int32 or not wsum.is_contiguous() or wsum.numel() != n):
         return None
     if w2 is not None and (w2.dtype != torch.int8 or w2.shape != w.shape or not w2.is_contiguous() or not w2.is_cpu):
         return None
