@@ -41,7 +41,7 @@ import lowbit as Q
 from lowbit import kernels as K
 from lowbit import native
 from helpers import force
-from lowbit.kernels import OutGrid, avx2, int_mm, onednn, small_m
+from lowbit.kernels import OutGrid, avx2, int_mm, onednn
 
 torch.set_num_threads(1)
 MS = (1, 2, 3, 5, 16, 17, 33, 64)
@@ -181,18 +181,16 @@ def test_onednn_fbgemm_small_m_float(monkeypatch: pytest.MonkeyPatch, paths: Cou
 
 
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "fbgemm"])
-def test_onednn_fbgemm_small_m_requantized(monkeypatch: pytest.MonkeyPatch, paths: Counter[str], use_native: bool) -> None:
-    """Few rows with a u8 output: lowbit.native's one call (fbgemm's codes bit for bit, checked by the spy) where
-    ``small_m.native_rows`` says, fbgemm's ``quantized::linear`` beyond or without it."""
+def test_onednn_fbgemm_requantized_at_every_m(monkeypatch: pytest.MonkeyPatch, paths: Counter[str], use_native: bool) -> None:
+    """A u8 output with no split, at every M (past ``SMALL_M`` too): lowbit.native's one call (fbgemm's codes bit for
+    bit, checked by the spy), fbgemm's ``quantized::linear`` without it."""
     force(monkeypatch, vnni=False, fbgemm=True)
-    shapes = [s for s in GRID if s[0] <= onednn.SMALL_M]
     with contextlib.nullcontext() if use_native else native.disabled():
-        wrong = scan("onednn", safe=True, zp_w=False, out=OutGrid(64.0, 128, Q.quint8), shapes=shapes)
+        wrong = scan("onednn", safe=True, zp_w=False, out=OutGrid(64.0, 128, Q.quint8), shapes=GRID)
     assert not wrong, f"wrong requantized codes: {wrong}"
-    by_native = sum(small_m.native_rows(m, k * n) for m, k, n in shapes)
-    by_native *= use_native and native.available()
+    by_native = len(GRID) if use_native and native.available() else 0
     assert paths["native_requant"] == by_native and paths["native_requant_differs"] == 0
-    assert paths["_fbgemm_requant"] == len(shapes) - by_native
+    assert paths["_fbgemm_requant"] == len(GRID) - by_native
     assert set(paths) <= {"_fbgemm_requant", "native_requant", "native_requant_differs"}
 
 

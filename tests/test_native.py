@@ -21,7 +21,6 @@ import lowbit as Q
 from lowbit import kernels, native
 from lowbit.nn.quantized.dynamic import Linear as DLinear
 from lowbit.nn.quantized.dynamic import per_token as pt
-from lowbit.kernels import small_m
 from lowbit.nn.quantized.dynamic import reduced
 
 from helpers import force
@@ -167,8 +166,8 @@ def test_dynamic_linear_routes_are_bit_identical_with_and_without_native(vnni: b
         with native.disabled():
             ref = q(x)
         assert fast >= 1 and torch.equal(y, ref), (m, vnni, reduce_range)
-        if reduce_range and m <= small_m.REQUANT_M:
-            want = {"row_grid": 1, "qlinear_rows": 1}  # few rows of the 7-bit recipe: its codes, then one Linear call
+        if reduce_range:
+            want = {"row_grid": 1, "qlinear_rows": 1}  # the 7-bit recipe: its codes, then one Linear call
         elif reduce_range or (vnni and m > 1) or (not vnni and m > pt._NATIVE_WSPLIT_M):
             want = {"row_grid": 1, "row_epilogue": 1}  # (the weight split's few rows: u, then the row epilogue)
         elif vnni:

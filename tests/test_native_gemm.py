@@ -1,9 +1,10 @@
-"""``lowbit.native``'s small-M Linears (``native/gemm.py``, ``linear.c``) against their references, bit for bit.
+"""``lowbit.native``'s int8 Linears without VNNI (``native/gemm.py``, ``linear.c``) against their references, bit for bit.
 
 The "requant" mode is checked against torch's own fbgemm ``quantized::linear(_relu)`` (the op it replaces), the
-"float" mode against the exact integer sums scaled in float32, both sum kernels (``vpmaddubsw`` pairs and int16
-words) and both C bodies (AVX2 and scalar), split over 1 and 2 threads; then the routes that take them: the few-row
-static Linear (``kernels.small_m``), the 7-bit per-token dynamic Linear, and the Quantize stub's plain codes.
+"float" mode against the exact integer sums scaled in float32, every sum kernel (the one-row dot products, the packed
+many-row kernel from ``native.BCAST_M`` rows, int16 words) with row counts past a row chunk (``native.MAX_ROWS``), both C
+bodies (AVX2 and scalar), split over 1 and 2 threads; then the routes that take them: the static Linear with a u8
+output (``kernels.small_m``), the 7-bit per-token dynamic Linear, and the Quantize stub's plain codes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from torch import nn
 
 import lowbit as Q
 from lowbit import native
-from lowbit.kernels import small_m
 
 from helpers import force
 
@@ -44,16 +44,16 @@ def _fbgemm_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, sw: tor
 @needs_fbgemm
 @pytest.mark.parametrize("body,threads", [("best", 1), ("best", 2), ("scalar", 1)])
 def test_requant_mode_is_fbgemm_quantized_linear(body: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Codes ≤ 127 against any int8 weight and 8-bit codes against saturation-safe weights, M up to 64 (row pairs and a
-    single row), K and N with every tail, zero points 0 / 57, bias or none, ReLU, output scales that saturate both
-    ends: fbgemm's codes exactly."""
+    """Codes ≤ 127 against any int8 weight and 8-bit codes against saturation-safe weights, M from 1 (the dot
+    products) to 133 (the packed kernel's row blocks with every remainder, over three row chunks), K and N with every
+    tail, zero points 0 / 57, bias or none, ReLU, output scales that saturate both ends: fbgemm's codes exactly."""
     monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(threads)
     wrong = []
     try:
-        for m, k, n, seven in itertools.product((1, 2, 3, 16, 64), (5, 32, 100, 769), (1, 7, 13, 70), (True, False)):
+        for m, k, n, seven in itertools.product((1, 2, 3, 16, 64, 133), (5, 32, 100, 769), (1, 7, 13, 70), (True, False)):
             hi_x, w_lo, w_hi = (127, -128, 127) if seven else (255, -64, 64)
             q = torch.randint(0, hi_x + 1, (m, k), generator=g, dtype=torch.uint8)
             w = torch.randint(w_lo, w_hi + 1, (n, k), generator=g, dtype=torch.int8)
@@ -80,7 +80,7 @@ def test_float_mode_is_the_exact_sums_scaled_for_both_kernels(body: str) -> None
     """"float": ``fl(fl(Σ (q - z) w) · sc) + b`` (ReLU), the same floats from the pair kernel (codes ≤ 127) and the
     int16 kernel (any codes); strided rows and a ``quint8`` input read as they are."""
     g = torch.Generator().manual_seed(9)
-    for m, k, n in itertools.product((1, 2, 5, 33), (3, 32, 65, 300), (4, 9, 66)):
+    for m, k, n in itertools.product((1, 2, 5, 33, 70), (3, 32, 65, 300), (4, 9, 66)):
         base = torch.randint(0, 256, (m, k + 3), generator=g, dtype=torch.uint8)
         w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
         sc, bias = torch.rand(n, generator=g) * 1e-3, torch.randn(n, generator=g)
@@ -125,7 +125,8 @@ def test_plans_decline_what_does_not_fit_and_name_wrong_values() -> None:
     plan = native.linear_plan(w, "float", one)
     assert plan is not None
     y = torch.empty(65, 8)
-    assert not plan.run(torch.zeros(65, 16, dtype=torch.uint8), 0, y)  # above MAX_ROWS
+    q65 = torch.randint(0, 128, (65, 16), dtype=torch.uint8)
+    assert plan.run(q65, 0, y) and torch.equal(y, (q65.int() @ w.int().t()).float())  # past one row chunk (MAX_ROWS)
     assert not plan.run(torch.zeros(2, 15, dtype=torch.uint8), 0, y[:2])  # another K
     assert not plan.run(torch.zeros(2, 16, dtype=torch.int8), 0, y[:2])
     assert not plan.run(torch.zeros(2, 16, dtype=torch.uint8), 0, torch.empty(2, 9))
@@ -144,35 +145,34 @@ def test_plans_decline_what_does_not_fit_and_name_wrong_values() -> None:
 @pytest.mark.parametrize("relu", [False, True])
 def test_static_linear_few_rows_is_one_native_call_with_fbgemm_codes(relu: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A converted ``QuantStub → Linear → DeQuantStub`` on torch.ao's x86 recipe (7-bit activations and outputs), on a
-    CPU without VNNI: up to ``small_m.REQUANT_M`` rows the Linear is one native call, and the model's outputs equal
-    the fbgemm route's (native off) for 1-d, 2-d and 3-d inputs."""
+    CPU without VNNI: at every row count the Linear is one native call, and the model's outputs equal the fbgemm
+    route's (native off) for 1-d, 2-d and 3-d inputs."""
     force(monkeypatch, vnni=False, fbgemm=True)
     torch.manual_seed(3)
     body = nn.Sequential(nn.Linear(48, 40), nn.ReLU()) if relu else nn.Linear(48, 40)
     prep = Q.prepare(nn.Sequential(Q.QuantStub(), body, Q.DeQuantStub()).eval(), Q.get_default_qconfig("x86"))
     prep(torch.randn(64, 48) * 2)
     qm = Q.convert(Q.fuse_modules(prep, [["1.0", "1.1"]]) if relu else prep)
-    for shape in ((48,), (1, 48), (5, 48), (16, 48), (2, 3, 48), (17, 48), (40, 48)):
+    for shape in ((48,), (1, 48), (5, 48), (16, 48), (2, 3, 48), (17, 48), (40, 48), (3, 50, 48)):
         x = torch.randn(*shape) * 2
         native.counts.clear()
         y = qm(x)
         took = native.counts["qlinear_requant"]
         with native.disabled():
             ref = qm(x)
-        rows = x.numel() // 48
-        assert torch.equal(y, ref) and took == int(rows <= small_m.REQUANT_M), (shape, took)
+        assert torch.equal(y, ref) and took == 1, (shape, took)
 
 
 @needs_native
 @needs_fbgemm
 def test_per_token_7bit_few_rows_are_the_fbgemm_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The 7-bit per-token dynamic Linear up to ``small_m.REQUANT_M`` rows: the row codes and one "rows" call, the
-    same floats as fbgemm's route, with and without bias, after the bias tensor is replaced, on both bodies."""
+    """The 7-bit per-token dynamic Linear at every row count: the row codes and one "rows" call, the same floats as
+    fbgemm's route, with and without bias, after the bias tensor is replaced, on both bodies."""
     force(monkeypatch, vnni=False, fbgemm=True)
     torch.manual_seed(4)
     lin = nn.Linear(80, 36)
     qm = Q.quantize_dynamic(nn.Sequential(lin), {nn.Linear: Q.get_dynamic_qconfig(reduce_range=True)})
-    for body, m in itertools.product(("best", "scalar"), (1, 2, 7, 16, 17)):
+    for body, m in itertools.product(("best", "scalar"), (1, 2, 7, 16, 17, 70)):
         x = torch.randn(m, 80) * torch.rand(m, 1) * 3 + torch.randn(m, 1)
         native.counts.clear()
         with _body(body):
@@ -180,7 +180,7 @@ def test_per_token_7bit_few_rows_are_the_fbgemm_route(monkeypatch: pytest.Monkey
         took = native.counts["qlinear_rows"]
         with native.disabled():
             ref = qm(x)
-        assert torch.equal(y, ref) and took == int(m <= small_m.REQUANT_M), (body, m)
+        assert torch.equal(y, ref) and took == 1, (body, m)
     qm[0].bias = torch.randn(36)  # another bias tensor: the plan is made again
     x = torch.randn(3, 80)
     y = qm(x)

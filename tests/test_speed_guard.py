@@ -14,7 +14,7 @@ import lowbit as Q
 from lowbit import native
 from lowbit import speed_guard as SG
 from lowbit.examples import SmallCNN
-from lowbit.kernels import ConvSpec, OutGrid, onednn, reference, small_m
+from lowbit.kernels import ConvSpec, OutGrid, onednn, reference
 from lowbit.nn.quantized import Linear as QLinear
 from lowbit.nn.quantized._utils import WeightedQuantModule
 from lowbit.speed_guard import FloatFallback, get_speed_qconfig, keep_faster
@@ -236,12 +236,13 @@ def test_onednn_linear_seven_bit_activations_single_call_exact(no_vnni_single_ca
     x = Q.QTensor(codes, 0.02, zp, qd)
     cache: dict = {}
     y = onednn.linear(x, w, b, out, out is not None, cache=cache)
-    small = x.numel() <= onednn.SMALL_M * 70 and torch.backends.quantized.engine in onednn._FBGEMM
-    fused = small and out is not None and out.qdtype.storage == torch.uint8  # one fbgemm call, requantized
+    engine = torch.backends.quantized.engine in onednn._FBGEMM
+    small = x.numel() <= onednn.SMALL_M * 70 and engine
+    fused = engine and out is not None and out.qdtype.storage == torch.uint8  # fbgemm's requantized codes, at every M
     by_native = small and out is None and native.available() and x.numel() <= onednn.NATIVE_LINEAR_M * 70
-    assert splits == ([False] if small and not fused and not by_native else []) and ("onednn.fbgemm" in cache) == small
-    assert len(natives) == int(by_native)
-    by_requant = fused and native.available() and x.numel() <= small_m.REQUANT_M * 70  # lowbit.native: fbgemm's codes
+    assert splits == ([False] if small and not fused and not by_native else [])
+    assert ("onednn.fbgemm" in cache) == (small and not fused) and len(natives) == int(by_native)
+    by_requant = fused and native.available()  # lowbit.native: fbgemm's codes in one call
     assert ("onednn.fbgemm_q" in cache) == (fused and not by_requant) and ("native.requant" in cache) == by_requant
     if out is None:
         assert torch.allclose(y.double(), exact(x, w, b), rtol=1e-5, atol=1e-4)

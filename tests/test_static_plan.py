@@ -196,7 +196,7 @@ def test_quantize_codes_on_scale_one_go_into_fbgemm(monkeypatch: pytest.MonkeyPa
     whose weight scales are float32 ``s_x · s_w``: the same codes as the generic path on the plain codes, over input
     grids (zero points 0 / 60 / 127, ties and saturation to 0 and 127), output grids, ReLU and M; the 7-bit output clamp
     by the quantized ``clamp`` or, where its probe fails, by ``clamp_`` on the viewed codes. With ``lowbit.native``,
-    small inputs' codes are plain and the Linear up to ``REQUANT_M`` rows is one native call: the same codes again."""
+    small inputs' codes are plain and the Linear is one native call: the same codes again."""
     force(monkeypatch, vnni=False, fbgemm=True)
     if not use_native:
         monkeypatch.setattr(native, "_lib", lambda: None)

@@ -28,6 +28,8 @@ Small M without VNNI: oneDNN's AVX2 int8 GEMM (``gemm:jit``) is slower than fp32
 fbgemm's is 2-5x faster there (``benchmarks/README.md``). For at most ``SMALL_M`` rows on such CPUs the
 linear runs fbgemm's float-output op (``lowbit.kernels.avx2``; weights prepacked once with unit
 scales, same exactness rules, same split) when torch's quantized engine is fbgemm/x86; it is counted as this backend.
+A u8 output with no split takes fbgemm's requantized codes at every M there (``small_m.native_requant``: lowbit.native's
+kernels, 1.1-1.3x fbgemm's packed GEMM at M ≥ 2 on the AVX2 EPYC, or fbgemm's ``quantized::linear`` itself).
 
 >>> from lowbit.kernels import onednn
 >>> isinstance(onednn.has_vnni(), bool)
@@ -191,11 +193,12 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
                                                [], "")
         return _wrap(y, out)
     q, sx, zx, seven_bit = _as_u8(x)
+    if not vnni and fbgemm_engine() and out is not None and out.qdtype.storage == torch.uint8 and not (split and not seven_bit):
+        # a u8 output with no split: fbgemm's requantized codes at every M (lowbit.native's kernels, or fbgemm's op)
+        y = native_requant(q, sx, zx, weight.int_repr(), weight.scale, bias, out, relu, cache)
+        return y if y is not None else _fbgemm_requant(cache, weight, bias, q, sx, zx, out, relu)
     if not vnni and q.numel() <= SMALL_M * q.shape[-1] and fbgemm_engine():
         fb = _packed(cache, "onednn.fbgemm", weight, _fbgemm_pack)
-        if fb is not None and out is not None and out.qdtype.storage == torch.uint8 and not (split and not seven_bit):
-            y = native_requant(q, sx, zx, weight.int_repr(), weight.scale, bias, out, relu, cache)
-            return y if y is not None else _fbgemm_requant(cache, weight, bias, q, sx, zx, out, relu)
         if fb is not None:
             y = native_linear(q, sx, zx, weight.int_repr(), weight.scale, split and not seven_bit, bias, out, relu, cache)
             if y is not None:

@@ -7,11 +7,12 @@ Python floats, and which fbgemm op. ``linear_plan`` decides all of it once, for 
 scales, zero points, bias, output grid) and one activation ``QDtype``, and returns ``run(codes, s_x, z_x)``::
 
     u8 = codes (uint8 storage)  |  codes ^ 0x80 (full int8 grid)  |  codes - qmin (≤ 128-code int8 grid)
-    rows ≤ SMALL_M and torch's engine is x86/fbgemm:
-        u8 output, no split      →  fbgemm quantized::linear(_relu) on the real-scale pack, int_repr (clamp)
-        otherwise                →  onednn.native_linear (lowbit.native, few rows: the same floats) or
+    torch's engine is x86/fbgemm:
+        u8 output, no split      →  fbgemm's requantized codes at every M: lowbit.native (small_m.native_requant, the
+                                    same codes) or fbgemm quantized::linear(_relu) on the real-scale pack (clamp)
+        otherwise, rows ≤ SMALL_M →  onednn.native_linear (lowbit.native, few rows: the same floats) or
                                     onednn._fbgemm_linear (unit-scale pack; the split if needed)
-    more rows                    →  one onednn::qlinear_pointwise (clamp)   |   onednn._split_run
+    otherwise                    →  one onednn::qlinear_pointwise (clamp)   |   onednn._split_run
 
 These are the very calls and float32 operations ``onednn.linear`` makes on a CPU without VNNI (the
 same helpers, looked up on ``onednn`` at call time), so the integer codes are bit-identical to the generic
@@ -173,8 +174,9 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             q = q.view(torch.uint8).bitwise_xor(128) if shift == 128 else torch.sub(q, x_qdtype.quant_min).view(torch.uint8)
             zx += shift
             tq = None
-        if q.numel() <= onednn.SMALL_M * k and onednn.fbgemm_engine():
-            if fused_ok:
+        small = q.numel() <= onednn.SMALL_M * k
+        if (small or fused_ok) and onednn.fbgemm_engine():
+            if fused_ok:  # fbgemm's requantization at every M (lowbit.native's packed kernel from 2 rows, or fbgemm's op)
                 return fbgemm_requant(q, sx, zx, tq)
             y = onednn.native_linear(q, sx, zx, w, w_scale, split, bias, out, relu, packs)
             if y is not None:
@@ -198,7 +200,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
     native_ok = fused_ok and w.is_contiguous() and native.available()
 
     def run_qt(x: QTensor) -> QTensor:
-        """``run`` on a per-tensor ``QTensor`` (the module's entry). Up to ``small_m.REQUANT_M`` rows, ``lowbit.native``
+        """``run`` on a per-tensor ``QTensor`` (the module's entry). For a u8 output with no split, ``lowbit.native``
         takes its codes as they are (plain, ``_tq`` or ``_tu``) with the native plan made once per input grid. Else a
         kernel output (``_tq``) goes into fbgemm as it is; ``Quantize``'s codes on scale 1 (``_tu``) go in with the pack
         made for this input grid, whose weight scales are float32 ``s_x · s_w`` (fbgemm multiplies ``float(s_in) ·
@@ -206,8 +208,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         Python number, no re-wrap."""
         tq, tu = x._tq, x._tu
         t, lead = tq if tq is not None else (tu if tu is not None else x._q), None  # (plain codes: lowbit.native only)
-        fused = (t is not None and op is not None and not shift and t.numel() <= onednn.SMALL_M * k
-                 and onednn.fbgemm_engine())
+        fused = t is not None and op is not None and not shift and onednn.fbgemm_engine()
         if fused and t.dim() != 2:  # type: ignore[union-attr]  # (fbgemm flattens ≥ 3-d inputs itself, as for torch.ao)
             if t.dim() == 0 or not t.is_contiguous():  # type: ignore[union-attr]
                 fused = False

@@ -11,8 +11,10 @@ wrapping, packed GEMM, output tensor and clamp:
                      clamped to the output grid (the ReLU floor and a 7-bit grid's top folded in)
     native_linear    ``_fbgemm_linear``'s codes or floats (``native.qlinear``): fl(a) · fl(s_x s_w) + b, lowbit's store
 
-Each keeps its per-weight constants (``Σ w``, the fbgemm multipliers per input grid) in the layer's cache and is
-taken only where it measured faster than fbgemm (``benchmarks/README.md``, sessions 13-14); ``None``: not taken.
+Each keeps its per-weight constants (``Σ w``, the fbgemm multipliers per input grid) in the layer's cache.
+``native_requant`` runs at every M: one row by the dot-product kernel (1.1-2.7x fbgemm at M = 1, session 14), from
+``native.BCAST_M`` rows by the packed many-row kernel (1.1-1.3x fbgemm's packed GEMM, session 15). ``native_linear``
+only where it measured faster than fbgemm (``benchmarks/README.md``, sessions 13-14). ``None``: not taken.
 
 >>> import torch, lowbit as Q
 >>> from lowbit.kernels import OutGrid, small_m
@@ -36,21 +38,11 @@ from ..qtensor import QTensor
 from .avx2 import _F32_EXACT, _QUIET, _inv_scale, _relu_floor, _scaled
 from .spec import OutGrid
 
-__all__ = ["NATIVE_LINEAR_M", "NATIVE_LINEAR_WORK", "REQUANT_M", "REQUANT_WEIGHTS", "REQUANT_BIG_M", "native_rows",
-           "native_linear", "native_requant", "requant_plan"]
+__all__ = ["NATIVE_LINEAR_M", "NATIVE_LINEAR_WORK", "native_linear", "native_requant", "requant_plan"]
 
 NATIVE_LINEAR_M = 32  # rows up to which native.qlinear replaces _fbgemm_linear's activation split (all of fbgemm's rows)
 NATIVE_LINEAR_WORK = 1 << 26  # and rows × weight elements (session 14: 1.5-1.75x at 768² M ≤ 32 and 768×3072 M ≤ 16,
 #                               level at 16×3072×768; above, fbgemm's packed GEMM catches up)
-REQUANT_M = 16  # rows up to which native.qlinear_requant replaces fbgemm's quantized::linear (session 14: 1.1-2.7x at M
-REQUANT_WEIGHTS = 1 << 22  # ≤ 8 on 768-wide layers, level at 16), for weights up to this many elements, and for any
-REQUANT_BIG_M = 2  # weights up to this many rows (1-2×4096²: 1.4-1.6x; from 4 rows fbgemm's packed GEMM is faster)
-
-
-def native_rows(rows: int, weights: int) -> bool:
-    """Whether the native small-M Linear (fbgemm's requantization, or the per-token rows) takes ``rows`` rows against
-    ``weights`` weight elements: the bounds above."""
-    return rows <= REQUANT_M and (weights <= REQUANT_WEIGHTS or rows <= REQUANT_BIG_M)
 
 
 def _per_weight(cache: dict[str, Any] | None, name: str, w: torch.Tensor, make: Any) -> Any:
@@ -110,11 +102,11 @@ def native_requant(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale
     """``onednn._fbgemm_requant``'s codes (fbgemm ``quantized::linear(_relu)``, then the output grid's clamp) from one
     native call (``requant_plan``, or ``plan`` made by it for this state), for u8 codes ``q`` (or a contiguous ``quint8``
     tensor holding them) on ``(s_x, z_x)`` whose pairs cannot saturate (7-bit codes or ``saturation_safe`` weights:
-    the caller's ``not split``), where ``native_rows`` says so. The codes land in a torch
+    the caller's ``not split``), at any M. The codes land in a torch
     quantized tensor on the output grid (the QTensor's ``tq``: DeQuantize and the next fbgemm layer read it as it
     is), shaped ``(*q.shape[:-1], N)`` or ``(*lead, N)``. ``None``: not taken."""
     k = q.shape[-1] if q.dim() else 0
-    if k == 0 or not native_rows(q.numel() // k, w.numel()) or out.qdtype.storage != torch.uint8:
+    if k == 0 or out.qdtype.storage != torch.uint8:
         return None
     if plan is None:
         plan = requant_plan(w, w_scale, bias, sx, out, relu, cache)

@@ -33,9 +33,11 @@ import torch
 from . import _channel_vectors, _check_grid, _lib, _local, _state, _threads, counts
 from .layers import empty_codes
 
-__all__ = ["MAX_ROWS", "LinearPlan", "linear_plan", "qlinear", "qlinear_requant", "qlinear_rows", "dyn_wsplit"]
+__all__ = ["MAX_ROWS", "BCAST_M", "LinearPlan", "linear_plan", "pack_bcast", "qlinear", "qlinear_requant", "qlinear_rows",
+           "dyn_wsplit"]
 
-MAX_ROWS = 64  # input rows one call takes (linear.c's MAX_ROWS)
+MAX_ROWS = 64  # input rows per row chunk of a call (linear.c's MAX_ROWS; a call takes any number)
+BCAST_M = 2  # rows from which a "pairs" plan runs linear.c's many-row kernel on its packed weights (linear.c's BCAST_M)
 _MODES = {"float": 0, "codes": 1, "requant": 2, "rows": 3, "split": 4}
 _U8 = (torch.uint8, torch.quint8)
 
@@ -45,16 +47,17 @@ class _Plan(ctypes.Structure):
                 ("fw", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("k", ctypes.c_int64), ("n", ctypes.c_int64),
                 ("pairs", ctypes.c_int32), ("mode", ctypes.c_int32), ("relu", ctypes.c_int32), ("zo", ctypes.c_int32),
                 ("lo", ctypes.c_int32), ("hi", ctypes.c_int32), ("inv", ctypes.c_float), ("z", ctypes.c_float),
-                ("vlo", ctypes.c_float), ("vhi", ctypes.c_float)]
+                ("vlo", ctypes.c_float), ("vhi", ctypes.c_float), ("wp", ctypes.c_void_p)]
 
 
 class LinearPlan:
     """One layer's constants for ``lb_linear_run`` (made by ``linear_plan``); ``run`` is the per-call entry."""
 
-    __slots__ = ("_plan", "_addr", "_keep", "k", "n", "mode", "name")
+    __slots__ = ("_plan", "_addr", "_keep", "_wp", "k", "n", "mode", "name")
 
     def __init__(self, plan: _Plan, keep: tuple[torch.Tensor | None, ...], k: int, n: int, mode: str) -> None:
         self._plan, self._keep, self.k, self.n, self.mode = plan, keep, k, n, mode
+        self._wp: torch.Tensor | None = None  # pack_bcast(w), made by the first call of BCAST_M rows or more
         self._addr = ctypes.addressof(plan)
         self.name = {"float": "qlinear", "codes": "qlinear", "requant": "qlinear_requant", "rows": "qlinear_rows",
                      "split": "dyn_wsplit"}[mode]
@@ -68,12 +71,16 @@ class LinearPlan:
             raise ValueError(f"lowbit.native.LinearPlan.run: zx={zx!r} must be in [0, 255] (0 in mode {self.mode!r})")
         lib = _state.get("lib")
         shape = q.shape
-        if (lib is None or len(shape) != 2 or shape[1] != self.k or not 0 < shape[0] <= MAX_ROWS or q.dtype not in _U8
+        if (lib is None or len(shape) != 2 or shape[1] != self.k or not 0 < shape[0] or q.dtype not in _U8
                 or q.stride(1) != 1 or not q.is_cpu or _local.__dict__.get("off", False)):
             return False
         m = shape[0]
         if out.shape != (m, self.n) or not out.is_contiguous():
             return False
+        if m >= BCAST_M and self._wp is None and self._plan.pairs and self.mode != "split":
+            wp = pack_bcast(self._keep[0])  # type: ignore[arg-type]
+            if self._wp is None:  # (set once, with no GIL release between the check and the set: a racing pack is dropped)
+                self._wp, self._plan.wp = wp, wp.data_ptr()
         ra = rs = None
         if self.mode in ("rows", "split"):
             if rows is None or not _channel_vectors(m, *rows):
@@ -132,6 +139,20 @@ def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor
     return LinearPlan(plan, (w, wsum, sc, bias, fw, w2), k, n, mode)
 
 
+def pack_bcast(w: torch.Tensor) -> torch.Tensor:
+    """int8 weights ``w`` ``(N, K)`` as ``linear.c``'s many-row kernel reads them: blocks of 16 columns, each ``ceil(K / 4)``
+    groups of 4 consecutive ``k`` for its 16 columns, ``wp[b, g, c, t] = w[16 b + c, 4 g + t]`` (zeros past ``N`` and ``K``).
+
+    >>> pack_bcast(torch.arange(8, dtype=torch.int8).view(1, 8)).shape
+    torch.Size([1, 2, 16, 4])
+    """
+    n, k = w.shape
+    nb, kq = -(-n // 16), -(-k // 4)
+    pad = torch.zeros(nb * 16, kq * 4, dtype=torch.int8)
+    pad[:n, :k] = w
+    return pad.view(nb, 16, kq, 4).permute(0, 2, 1, 3).contiguous()
+
+
 def _one_shot(q: torch.Tensor, zx: int, plan: LinearPlan | None, out: torch.Tensor,
               rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     return out if plan is not None and plan.run(q, zx, out, rows) else None
@@ -154,7 +175,7 @@ def qlinear(q: torch.Tensor, zx: int, w: torch.Tensor, scale: torch.Tensor, bias
     ``out = (inv, z, lo, hi)``: the codes as ``conv_epilogue``'s in a torch ``quint8`` tensor on scale 1 and zero point
     ``z`` (``empty_codes``), or float32 ``(M, N)`` (``relu``: ``max(·, 0)``) when ``None``. ``wsum``: ``Σ_k w`` as int32
     (made here when absent); ``pairs``: every u8 × s8 pair sum fits int16 (codes ≤ 127 or ``saturation_safe``
-    weights), the faster sums. ``None`` where the tensors do not fit (M above ``MAX_ROWS`` too)."""
+    weights), the faster sums. ``None`` where the tensors do not fit."""
     _check_zx("qlinear", zx)
     m, n = _rows_cols(q, w)
     plan = linear_plan(w, "float" if out is None else "codes", scale, bias, wsum=wsum, pairs=pairs, relu=relu, grid=out)
