@@ -6,6 +6,8 @@ a non-finite row leaves the decision to the torch path; without the build every 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import re
 import os
 import subprocess
@@ -303,6 +305,33 @@ def test_quantize_stub_is_the_torch_passes(body: str, monkeypatch: pytest.Monkey
         x[2, 17] = float("nan")  # NaN: the torch path's error, nothing from the native pass
         with pytest.raises(RuntimeError, match="holds 1 NaN values"):
             stub(x)
+
+
+@needs_native
+@pytest.mark.parametrize("body", BODIES)
+def test_quantize_into_is_its_formula_for_any_clamp_bounds(body: str) -> None:
+    """``quantize_into``: ``clamp(round(fl(clamp(fl(x · inv), lo, hi) + z)), storage)`` in float32 torch ops, for clamp
+    bounds inside, across and outside the storage range (the AVX2 body folds the two clamps into one), int8 and uint8,
+    ties, ±Inf, -0.0 and every tail length; a NaN anywhere (in the vector body or the tail) reports ``False``."""
+    g = torch.Generator().manual_seed(11)
+    bounds = [(None, None), (-3.0, 40.0), (-500.0, 500.0), (200.0, 300.0), (-300.0, -200.0), (5.0, 5.0), (-0.0, 0.0)]
+    for n, (lo, hi), sgn, z in itertools.product((1, 15, 16, 17, 100), bounds, (False, True), (0, 7, -9)):
+        if not sgn and z < 0:
+            continue
+        x = torch.randn(n, generator=g) * 60
+        x[: min(n, 4)] = torch.tensor([0.5, 2.5, -0.0, float("inf")])[: min(n, 4)]  # ties (inv 1), -0.0, saturation
+        for inv in (1.0, 0.37):
+            v = (x * torch.tensor(inv)).clamp(-math.inf if lo is None else lo, math.inf if hi is None else hi)
+            want = (v + z).round().clamp(-128 if sgn else 0, 127 if sgn else 255).to(torch.int8 if sgn else torch.uint8)
+            out = torch.empty(n, dtype=torch.int8 if sgn else torch.uint8)
+            with _body(body):
+                assert native.quantize_into(x, inv, z, lo, hi, out), (n, lo, hi, sgn, z, inv)
+            assert torch.equal(out, want), (n, lo, hi, sgn, z, inv)
+        for at in {0, n // 2, n - 1}:
+            y = x.clone()
+            y[at] = float("nan")
+            with _body(body):
+                assert not native.quantize_into(y, 1.0, z, lo, hi, out), (n, at)
 
 
 @needs_native

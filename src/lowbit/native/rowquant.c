@@ -321,19 +321,36 @@ static void qt_scalar(qt_job *j) {
     }
 }
 
+/* The two clamps as one: with integer z, smin, smax, round(fl(v + z)) is monotone in v and maps smin - z to smin and
+ * smax - z to smax, so clamp(round(fl(clamp(t, vlo, vhi) + z)), smin, smax) = round(fl(clamp(t, lo, hi) + z)) with
+ * lo = max(vlo, smin - z), hi = min(vhi, smax - z) where those overlap (else every code is the one end both give:
+ * lo = hi = smin - z when vhi < smin - z, smax - z when vlo > smax - z). cvtps2dq rounds half to even (the default
+ * MXCSR, as nearbyintf) a value already in [smin, smax]; the NaN check is one OR over the chunk, read at its end. */
 __attribute__((target("avx2,fma")))
 static void qt_avx2(qt_job *j) {
-    const __m256 inv = _mm256_set1_ps(j->inv), z = _mm256_set1_ps(j->z), lo = _mm256_set1_ps(j->vlo),
-                 hi = _mm256_set1_ps(j->vhi), smin = _mm256_set1_ps(j->smin), smax = _mm256_set1_ps(j->smax);
+    const float *restrict x = j->x;
+    uint8_t *restrict out = j->out;
+    const int64_t i1 = j->i1;
+    const int sgn = j->sgn;
+    float lo = j->vlo > j->smin - j->z ? j->vlo : j->smin - j->z, hi = j->vhi < j->smax - j->z ? j->vhi : j->smax - j->z;
+    if (lo > hi) lo = hi = j->vhi < j->smin - j->z ? j->smin - j->z : j->smax - j->z;
+    const __m256 inv = _mm256_set1_ps(j->inv), z = _mm256_set1_ps(j->z), vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+    __m256 nan = _mm256_setzero_ps();
     int64_t i = j->i0;
-    for (; i + 8 <= j->i1; i += 8) {
-        __m256 x = _mm256_loadu_ps(j->x + i);
-        if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))) { j->nan = 1; return; }
-        __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x, inv), lo), hi);
-        __m256 r = _mm256_round_ps(_mm256_add_ps(v, z), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, smin), smax));
-        __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-        _mm_storel_epi64((__m128i *)((uint8_t *)j->out + i), j->sgn ? _mm_packs_epi16(q16, q16) : _mm_packus_epi16(q16, q16));
+    for (; i + 16 <= i1; i += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(x0, x0, _CMP_UNORD_Q), _mm256_cmp_ps(x1, x1, _CMP_UNORD_Q)));
+        const __m256 v0 = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x0, inv), vlo), vhi);
+        const __m256 v1 = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x1, inv), vlo), vhi);
+        const __m256i q0 = _mm256_cvtps_epi32(_mm256_add_ps(v0, z)), q1 = _mm256_cvtps_epi32(_mm256_add_ps(v1, z));
+        __m256i p = _mm256_packs_epi32(q0, q1);  /* lanes: q0[0-3] q1[0-3] | q0[4-7] q1[4-7] (int16, exact) */
+        p = _mm256_permute4x64_epi64(p, 0xd8);   /* q0[0-7] q1[0-7] */
+        const __m128i a = _mm256_castsi256_si128(p), b = _mm256_extracti128_si256(p, 1);
+        _mm_storeu_si128((__m128i *)(out + i), sgn ? _mm_packs_epi16(a, b) : _mm_packus_epi16(a, b));
+    }
+    if (_mm256_movemask_ps(nan)) {
+        j->nan = 1;
+        return;
     }
     qt_job t = *j;
     t.i0 = i;
