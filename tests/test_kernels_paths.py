@@ -174,8 +174,8 @@ def test_onednn_fbgemm_small_m_float(monkeypatch: pytest.MonkeyPatch, paths: Cou
     shapes = [s for s in GRID if s[0] <= onednn.SMALL_M]
     wrong = scan("onednn", safe=safe, zp_w=False, shapes=shapes)
     assert not wrong, f"wrong int32 sums: {wrong}"
-    # lowbit.native's one call takes up to NATIVE_LINEAR_M rows (the same floats: tests/test_native.py), fbgemm the rest
-    by_native = sum(m <= onednn.NATIVE_LINEAR_M for m, _, _ in shapes) if native.available() else 0
+    # lowbit.native's one call takes every M (the same floats: tests/test_native.py), fbgemm runs without it
+    by_native = len(shapes) if native.available() else 0
     assert paths["_fbgemm_linear"] + paths["native_linear"] == len(shapes) and paths["native_linear"] == by_native
     assert set(paths) <= {"_fbgemm_linear", "native_linear"}
 
@@ -212,8 +212,8 @@ def test_static_plan_routes(monkeypatch: pytest.MonkeyPatch, paths: Counter[str]
         y = run(x.int_repr(), float(x.scale), int(x.zero_point))
         assert K.counts[("onednn", "linear")] == before + 1
         small = fbgemm and m <= onednn.SMALL_M
-        by_native = native.available() and m <= onednn.NATIVE_LINEAR_M  # lowbit.native's one call (same codes)
-        route = ("native_linear" if by_native else "_fbgemm_linear") if small else "_split_run"  # unsafe weights: split
+        by_native = fbgemm and native.available()  # lowbit.native's one call at every M (same codes)
+        route = "native_linear" if by_native else "_fbgemm_linear" if small else "_split_run"  # unsafe weights: split
         split = not onednn.saturation_safe(w.int_repr())       # (K = 1 weights are always safe)
         if sum(paths.values()) - ran != int(split) or (split and not paths[route]):
             wrong.append(f"M={m} K={k} N={n}: route")

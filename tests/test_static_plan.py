@@ -86,8 +86,8 @@ def test_plan_matches_generic_on_every_route(monkeypatch: pytest.MonkeyPatch, ro
         small = fbgemm and rows <= onednn.SMALL_M
         split = full and not seven
         # (few rows, u8 output: lowbit.native's one call replaces _fbgemm_linear, the same codes: tests/test_native.py)
-        by_native = native.available() and rows <= onednn.NATIVE_LINEAR_M and grid.qdtype.storage == torch.uint8
-        expect = ({"native_linear": 1} if small and split and by_native
+        by_native = fbgemm and native.available() and grid.qdtype.storage == torch.uint8  # at every M
+        expect = ({"native_linear": 1} if split and by_native
                   else {"_fbgemm_linear": 1} if small and (split or grid.qdtype.storage != torch.uint8)
                   else {} if small else {"_split_run": 1} if split else {})
         seen.add(tuple(sorted(expect)) + (small,))
@@ -96,7 +96,7 @@ def test_plan_matches_generic_on_every_route(monkeypatch: pytest.MonkeyPatch, ro
         if not (y.qdtype == want.qdtype and torch.equal(y.int_repr(), want.int_repr()) and torch.equal(y.scale, want.scale)):
             wrong.append(f"case {i}: x {xqd!r} out {out} full={full} relu={relu} shape={shape}: codes differ")
     assert not wrong, "\n".join(wrong[:20])
-    assert len(seen) == (4 if fbgemm else 2) + (fbgemm and native.available())  # every route of this setting ran
+    assert len(seen) == (4 if fbgemm else 2) + 2 * (fbgemm and native.available())  # every route of this setting ran
 
 
 def test_plan_follows_state_changes_pins_and_vnni(monkeypatch: pytest.MonkeyPatch) -> None:

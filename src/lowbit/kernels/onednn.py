@@ -50,7 +50,7 @@ from ..functional import _store
 from ..qtensor import QTensor
 from .avx2 import (_acc_epilogue, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor,
                    _scaled, _split_run, combine_stacked, stack_halves, weight_halves)
-from .small_m import NATIVE_LINEAR_M, NATIVE_LINEAR_WORK, native_linear, native_requant  # noqa: F401  (callers' names)
+from .small_m import float_route, native_linear, native_requant
 from .spec import ConvSpec, OutGrid
 
 __all__ = ["NAME", "SMALL_M", "available", "has_vnni", "cpu_has_vnni", "isa_capped", "saturation_safe", "linear",
@@ -197,13 +197,16 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
         # a u8 output with no split: fbgemm's requantized codes at every M (lowbit.native's kernels, or fbgemm's op)
         y = native_requant(q, sx, zx, weight.int_repr(), weight.scale, bias, out, relu, cache)
         return y if y is not None else _fbgemm_requant(cache, weight, bias, q, sx, zx, out, relu)
-    if not vnni and q.numel() <= SMALL_M * q.shape[-1] and fbgemm_engine():
+    halves = split and not seven_bit
+    if not vnni and fbgemm_engine() and (q.numel() <= SMALL_M * q.shape[-1]
+                                         or float_route(weight.int_repr(), halves, out, cache)):
+        # the float epilogue fl(fl(acc) · fl(s_x s_w)): lowbit.native's one call, else fbgemm's split (the same floats)
+        y = native_linear(q, sx, zx, weight.int_repr(), weight.scale, halves, bias, out, relu, cache)
+        if y is not None:
+            return y
         fb = _packed(cache, "onednn.fbgemm", weight, _fbgemm_pack)
         if fb is not None:
-            y = native_linear(q, sx, zx, weight.int_repr(), weight.scale, split and not seven_bit, bias, out, relu, cache)
-            if y is not None:
-                return y
-            return _fbgemm_linear(fb[0], q, sx, zx, split and not seven_bit, weight.scale, bias, out, relu, cache)
+            return _fbgemm_linear(fb[0], q, sx, zx, halves, weight.scale, bias, out, relu, cache)
 
     def run(codes: torch.Tensor, zp: int, b: torch.Tensor | None, s_out: float, z_out: int, dt: torch.dtype,
             post: str) -> torch.Tensor:

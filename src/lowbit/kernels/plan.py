@@ -10,7 +10,8 @@ scales, zero points, bias, output grid) and one activation ``QDtype``, and retur
     torch's engine is x86/fbgemm:
         u8 output, no split      →  fbgemm's requantized codes at every M: lowbit.native (small_m.native_requant, the
                                     same codes) or fbgemm quantized::linear(_relu) on the real-scale pack (clamp)
-        otherwise, rows ≤ SMALL_M →  onednn.native_linear (lowbit.native, few rows: the same floats) or
+        rows ≤ SMALL_M, or at any M where small_m.float_route holds (u8 output, an exact split)
+                                 →  onednn.native_linear (lowbit.native: the same floats) or
                                     onednn._fbgemm_linear (unit-scale pack; the split if needed)
     otherwise                    →  one onednn::qlinear_pointwise (clamp)   |   onednn._split_run
 
@@ -174,10 +175,11 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             q = q.view(torch.uint8).bitwise_xor(128) if shift == 128 else torch.sub(q, x_qdtype.quant_min).view(torch.uint8)
             zx += shift
             tq = None
-        small = q.numel() <= onednn.SMALL_M * k
-        if (small or fused_ok) and onednn.fbgemm_engine():
+        if onednn.fbgemm_engine() and (fused_ok or q.numel() <= onednn.SMALL_M * k
+                                       or small_m.float_route(w, split, out, packs)):
             if fused_ok:  # fbgemm's requantization at every M (lowbit.native's packed kernel from 2 rows, or fbgemm's op)
                 return fbgemm_requant(q, sx, zx, tq)
+            # the float epilogue fl(fl(acc) · fl(s_x s_w)): lowbit.native, else fbgemm's split (the same floats)
             y = onednn.native_linear(q, sx, zx, w, w_scale, split, bias, out, relu, packs)
             if y is not None:
                 return y  # type: ignore[return-value]

@@ -38,11 +38,7 @@ from ..qtensor import QTensor
 from .avx2 import _F32_EXACT, _QUIET, _inv_scale, _relu_floor, _scaled
 from .spec import OutGrid
 
-__all__ = ["NATIVE_LINEAR_M", "NATIVE_LINEAR_WORK", "native_linear", "native_requant", "requant_plan"]
-
-NATIVE_LINEAR_M = 32  # rows up to which native.qlinear replaces _fbgemm_linear's activation split (all of fbgemm's rows)
-NATIVE_LINEAR_WORK = 1 << 26  # and rows × weight elements (session 14: 1.5-1.75x at 768² M ≤ 32 and 768×3072 M ≤ 16,
-#                               level at 16×3072×768; above, fbgemm's packed GEMM catches up)
+__all__ = ["float_route", "native_linear", "native_requant", "requant_plan"]
 
 
 def _per_weight(cache: dict[str, Any] | None, name: str, w: torch.Tensor, make: Any) -> Any:
@@ -126,26 +122,52 @@ def native_requant(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale
 def native_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale: torch.Tensor, split: bool,
                   bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
                   cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:
-    """``_fbgemm_linear``'s result (the same codes or floats) from ``native.qlinear`` for at most ``NATIVE_LINEAR_M`` rows
-    and ``NATIVE_LINEAR_WORK`` rows × weights: the exact sums and the float epilogue in one call. ``fl(acc)`` is the split's
+    """``_fbgemm_linear``'s result (the same codes or floats) from a ``native.qlinear`` plan kept per layer state, at every
+    M: the exact sums and the float epilogue in one call (the packed many-row kernels from 2 rows: 8-bit codes against
+    full int8 weights 1.3-1.5x oneDNN's activation split from 64 rows, session 15). ``fl(acc)`` is the split's
     ``fl(fl(lo) + 2 fl(hi))`` while both half sums are exact floats (``127 · max_n Σ_k |w| < 2²⁴``); past that bound
-    the split rounds its hi sums and the route stays fbgemm's. ``None``: not taken."""
+    the split rounds its hi sums and the route stays fbgemm's / oneDNN's. ``None``: not taken."""
     k = q.shape[-1] if q.dim() else 0
-    if (not native.available() or k == 0 or q.numel() > NATIVE_LINEAR_M * k or q.dtype != torch.uint8
-            or q.numel() // k * w.numel() > NATIVE_LINEAR_WORK):
-        return None
-    if (out is not None and out.qdtype.storage != torch.uint8) or (split and 127 * _abs_row_max(w, cache) >= _F32_EXACT):
+    if not native.available() or k == 0 or q.dtype != torch.uint8 or not float_route(w, split, out, cache):
         return None
     o = None if out is None else (_inv_scale(out.scale), out.zero_point,
                                   _relu_floor(out.qdtype.quant_min, out.zero_point, relu), out.qdtype.quant_max)
     q2 = q if q.dim() == 2 else q.reshape(-1, k)
-    y = native.qlinear(q2, zx, w, _scaled(w_scale, sx, cache), bias, o, relu, _weight_sums(w, cache) if zx else None,
-                       pairs=not split)
-    if y is None:
+    plan = _linear_plan(w, _scaled(w_scale, sx, cache), bias, o, relu, split, cache)
+    if plan is None:
+        return None
+    m = q2.shape[0]
+    y = torch.empty(m, plan.n) if o is None else native.empty_codes((m, plan.n), o[1], torch.quint8)
+    if not plan.run(q2, zx, y):
         return None
     if q.dim() != 2:
         y = y.reshape(*q.shape[:-1], y.shape[-1])
     return y if out is None else out.wrap_store(y)  # (the codes stay a scale-1 torch tensor, as the split's store)
+
+
+def float_route(w: torch.Tensor, split: bool, out: OutGrid | None, cache: dict[str, Any] | None) -> bool:
+    """Whether a layer's float-epilogue Linear is ``fl(fl(acc) · fl(s_x s_w)) + b`` at every M without VNNI (torch's
+    fbgemm engine): a float or u8 output, and no split or a split whose half sums are exact floats. Then
+    ``native_linear`` runs it, or fbgemm's split (``_fbgemm_linear``, the same floats) where the native build is off;
+    else oneDNN's split takes more than ``SMALL_M`` rows, as before session 15."""
+    return (out is None or out.qdtype.storage == torch.uint8) and not (split and 127 * _abs_row_max(w, cache) >= _F32_EXACT)
+
+
+def _linear_plan(w: torch.Tensor, sc: torch.Tensor, bias: torch.Tensor | None, o: tuple[float, int, int, int] | None,
+                 relu: bool, split: bool, cache: dict[str, Any] | None) -> native.LinearPlan | None:
+    """``native.qlinear``'s plan ("float", or "codes" on ``o``) for this layer state, kept in ``cache``: a call then costs
+    the codes' pass only, and the many-row kernel's packed weights are made once (``sc``: ``_scaled``'s kept tensor,
+    held by the entry, so its id stays unique while the entry lives)."""
+    key = (w.data_ptr(), tensor_version(w), id(sc), None if bias is None else (bias.data_ptr(), tensor_version(bias)), o,
+           relu, split)
+    hit = cache.get("native.linear") if cache is not None else None
+    if hit is not None and hit[0] == key:
+        return hit[1]  # type: ignore[no-any-return]
+    plan = native.linear_plan(w, "float" if o is None else "codes", sc, bias, wsum=_weight_sums(w, cache),
+                              pairs=not split, relu=relu, grid=o)
+    if cache is not None:
+        cache["native.linear"] = (key, plan, sc)
+    return plan
 
 
 def _abs_row_max(w: torch.Tensor, cache: dict[str, Any] | None) -> int:

@@ -37,7 +37,7 @@ __all__ = ["MAX_ROWS", "BCAST_M", "LinearPlan", "linear_plan", "pack_bcast", "ql
            "dyn_wsplit"]
 
 MAX_ROWS = 64  # input rows per row chunk of a call (linear.c's MAX_ROWS; a call takes any number)
-BCAST_M = 2  # rows from which a "pairs" plan runs linear.c's many-row kernel on its packed weights (linear.c's BCAST_M)
+BCAST_M = 2  # rows from which a plan (but "split") runs linear.c's many-row kernels on packed weights (linear.c's BCAST_M)
 _MODES = {"float": 0, "codes": 1, "requant": 2, "rows": 3, "split": 4}
 _U8 = (torch.uint8, torch.quint8)
 
@@ -77,8 +77,8 @@ class LinearPlan:
         m = shape[0]
         if out.shape != (m, self.n) or not out.is_contiguous():
             return False
-        if m >= BCAST_M and self._wp is None and self._plan.pairs and self.mode != "split":
-            wp = pack_bcast(self._keep[0])  # type: ignore[arg-type]
+        if m >= BCAST_M and self._wp is None and self.mode != "split":
+            wp = pack_bcast(self._keep[0], bool(self._plan.pairs))  # type: ignore[arg-type]
             if self._wp is None:  # (set once, with no GIL release between the check and the set: a racing pack is dropped)
                 self._wp, self._plan.wp = wp, wp.data_ptr()
         ra = rs = None
@@ -139,18 +139,22 @@ def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor
     return LinearPlan(plan, (w, wsum, sc, bias, fw, w2), k, n, mode)
 
 
-def pack_bcast(w: torch.Tensor) -> torch.Tensor:
-    """int8 weights ``w`` ``(N, K)`` as ``linear.c``'s many-row kernel reads them: blocks of 16 columns, each ``ceil(K / 4)``
-    groups of 4 consecutive ``k`` for its 16 columns, ``wp[b, g, c, t] = w[16 b + c, 4 g + t]`` (zeros past ``N`` and ``K``).
+def pack_bcast(w: torch.Tensor, pairs: bool = True) -> torch.Tensor:
+    """int8 weights ``w`` ``(N, K)`` as ``linear.c``'s many-row kernels read them: blocks of 16 columns, each of groups of
+    ``g`` consecutive ``k`` for its 16 columns, ``wp[b, i, c, t] = w[16 b + c, g i + t]`` (zeros past ``N`` and ``K``):
+    ``pairs`` (``vpmaddubsw``) int8 in groups of 4, else (``vpmaddwd``) int16 in groups of 2.
 
     >>> pack_bcast(torch.arange(8, dtype=torch.int8).view(1, 8)).shape
     torch.Size([1, 2, 16, 4])
+    >>> pack_bcast(torch.arange(8, dtype=torch.int8).view(1, 8), pairs=False)[0, :, 0].tolist()
+    [[0, 1], [2, 3], [4, 5], [6, 7]]
     """
     n, k = w.shape
-    nb, kq = -(-n // 16), -(-k // 4)
-    pad = torch.zeros(nb * 16, kq * 4, dtype=torch.int8)
+    g = 4 if pairs else 2
+    nb, kg = -(-n // 16), -(-k // g)
+    pad = torch.zeros(nb * 16, kg * g, dtype=torch.int8 if pairs else torch.int16)
     pad[:n, :k] = w
-    return pad.view(nb, 16, kq, 4).permute(0, 2, 1, 3).contiguous()
+    return pad.view(nb, 16, kg, g).permute(0, 2, 1, 3).contiguous()
 
 
 def _one_shot(q: torch.Tensor, zx: int, plan: LinearPlan | None, out: torch.Tensor,

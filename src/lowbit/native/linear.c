@@ -233,19 +233,68 @@ static inline void blk_bcast(const lin_job *j, int64_t r0, const int nr, int64_t
     }
 }
 
-/* the chunk's sums of columns [cs, ce) (cs a multiple of NB) for every row by blk_bcast */
+/* blk_bcast's twin for any u8 codes (not `pairs`): the weights packed as int16 pairs (gemm.pack_bcast of a words plan:
+ * wp[(b kh + g) 32 + 2 c + t] = w[b NB + c, 2 g + t], kh = ceil(k / 2)) and the codes' int16 copy xs; 2 codes
+ * broadcast meet 16 columns through vpmaddwd (int16 products summed in pairs into int32: exact for any u8 code). */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void blk_bcast_w(const lin_job *j, int64_t r0, const int nr, int64_t b, int32_t *o) {
+    const int64_t kh = (j->k + 1) / 2, kf = j->k / 2;
+    const int16_t *wp = (const int16_t *)(const void *)j->wp + b * kh * 32;
+    const int16_t *xr[MB];
+    __m256i a[MB][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < nr; ++r) {
+        xr[r] = j->xs + (r0 + r) * j->k;
+        a[r][0] = a[r][1] = _mm256_setzero_si256();
+    }
+    for (int64_t g = 0; g < kh; ++g) {
+        _mm_prefetch((const char *)(wp + kh * 32 + g * 32), _MM_HINT_T0);  /* as blk_bcast */
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wp + g * 32));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wp + g * 32 + 16));
+        if (g == kf) {  /* odd k: the last code alone (its pair meets a zero weight; never read past the row) */
+            for (int r = 0; r < nr; ++r) {
+                const __m256i xb = _mm256_set1_epi32((int32_t)(uint16_t)xr[r][2 * g]);
+                a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(xb, w0));
+                a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(xb, w1));
+            }
+            break;
+        }
+#pragma GCC unroll 6
+        for (int r = 0; r < nr; ++r) {
+            const __m256i xb = _mm256_set1_epi32(*(const i32u *)(xr[r] + 2 * g));
+            a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(xb, w0));
+            a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(xb, w1));
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < nr; ++r) {
+        _mm256_storeu_si256((__m256i *)(o + r * CB), a[r][0]);
+        _mm256_storeu_si256((__m256i *)(o + r * CB + 8), a[r][1]);
+    }
+}
+
+/* rows [r0, r0 + nr) against packed block b by the plan's kernel */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void blk_packed(const lin_job *j, int64_t r0, const int nr, int64_t b, int32_t *o) {
+    if (j->pairs)
+        blk_bcast(j, r0, nr, b, o);
+    else
+        blk_bcast_w(j, r0, nr, b, o);
+}
+
+/* the chunk's sums of columns [cs, ce) (cs a multiple of NB) for every row by blk_packed */
 __attribute__((target("avx2,fma")))
 static void sums_bcast(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
     for (int64_t c0 = cs; c0 < ce; c0 += NB) {
         int32_t *o = buf + (c0 - cs);
         int64_t r = 0;
-        for (; r + MB <= j->m; r += MB) blk_bcast(j, r, MB, c0 / NB, o + r * CB);
+        for (; r + MB <= j->m; r += MB) blk_packed(j, r, MB, c0 / NB, o + r * CB);
         switch (j->m - r) {
-            case 5: blk_bcast(j, r, 5 < MB ? 5 : MB, c0 / NB, o + r * CB); break;
-            case 4: blk_bcast(j, r, 4 < MB ? 4 : MB, c0 / NB, o + r * CB); break;
-            case 3: blk_bcast(j, r, 3 < MB ? 3 : MB, c0 / NB, o + r * CB); break;
-            case 2: blk_bcast(j, r, 2, c0 / NB, o + r * CB); break;
-            case 1: blk_bcast(j, r, 1, c0 / NB, o + r * CB); break;
+            case 5: blk_packed(j, r, 5 < MB ? 5 : MB, c0 / NB, o + r * CB); break;
+            case 4: blk_packed(j, r, 4 < MB ? 4 : MB, c0 / NB, o + r * CB); break;
+            case 3: blk_packed(j, r, 3 < MB ? 3 : MB, c0 / NB, o + r * CB); break;
+            case 2: blk_packed(j, r, 2, c0 / NB, o + r * CB); break;
+            case 1: blk_packed(j, r, 1, c0 / NB, o + r * CB); break;
         }
     }
 }
@@ -390,7 +439,8 @@ static void *lin_run(void *p) {
  * contiguous, wsum[c] = Σ_i w[c, i] (read only when a call's zx != 0), the mode's per-column vectors (sc / bias;
  * mode 2: mult / bterm; mode 3: fw too; bias may be NULL) and scalars (inv, z, vlo, vhi: mode 1; zo, lo, hi: mode
  * 2), w2 = w & 1 (mode 4). pairs: every u8 × s8 pair sum fits int16 (codes ≤ 127 or saturation-safe weights).
- * wp: the many-row kernel's packing of w (blk_bcast; NULL until a call with BCAST_M rows or more makes it). */
+ * wp: the many-row kernels' packing of w (blk_bcast for `pairs`, else blk_bcast_w; NULL until a call with BCAST_M
+ * rows or more makes it). */
 typedef struct {
     const int8_t *w; const int32_t *wsum; const float *sc, *bias, *fw; const int8_t *w2;
     int64_t k, n; int32_t pairs, mode, relu, zo, lo, hi; float inv, z, vlo, vhi; const int8_t *wp;
@@ -402,7 +452,7 @@ typedef struct {
 int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, int zx, const float *ra,
                   const float *rs, void *out, int nthreads, int isa) {
     const int avx2 = use_avx2(isa);
-    const int8_t *wp = avx2 && p->wp && p->pairs && p->mode != 4 && m >= BCAST_M ? p->wp : NULL;
+    const int8_t *wp = avx2 && p->wp && p->mode != 4 && m >= BCAST_M ? p->wp : NULL;
     const int64_t k = p->k, n = p->n;
     int16_t *xs = NULL;
     if (avx2 && (!p->pairs || p->mode == 4)) {
