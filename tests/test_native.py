@@ -310,6 +310,22 @@ def test_quantize_stub_is_the_torch_passes(body: str, monkeypatch: pytest.Monkey
             stub(x)
 
 
+def test_prune_removes_only_stale_builds_of_other_versions(tmp_path: Any) -> None:
+    """A new build removes other versions' objects unused for ``_STALE_S`` seconds (and session 13's ``rowquant-*.so``),
+    never the one it made, recent ones, or other files."""
+    import time
+
+    keep = tmp_path / "lowbit-native-new.so"
+    names = ["lowbit-native-new.so", "lowbit-native-old.so", "rowquant-old.so", "lowbit-native-recent.so", "notes.txt"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    past = time.time() - native._STALE_S - 60
+    for name in ("lowbit-native-new.so", "lowbit-native-old.so", "rowquant-old.so", "notes.txt"):
+        os.utime(tmp_path / name, (past, past))
+    native._prune(keep)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lowbit-native-new.so", "lowbit-native-recent.so", "notes.txt"]
+
+
 @needs_native
 @pytest.mark.parametrize("body", BODIES)
 def test_quantize_into_is_its_formula_for_any_clamp_bounds(body: str) -> None:

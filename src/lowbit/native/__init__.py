@@ -9,7 +9,8 @@ without VNNI (``LinearPlan``: lowbit's float epilogue, fbgemm's requantization, 
 weight split).
 
 The C sources are compiled once per machine and source version with the system's C compiler (``cc``, or ``$CC``)
-into ``$LOWBIT_CACHE_DIR`` (default ``~/.cache/lowbit``) and loaded with ``ctypes`` (no torch headers: ~1 s). It
+into ``$LOWBIT_CACHE_DIR`` (default ``~/.cache/lowbit``; a new build removes other versions' builds unused for a
+week) and loaded with ``ctypes`` (no torch headers: ~1 s). It
 takes AVX2 + FMA bodies where the CPU has them, checked at run time, and scalar bodies with the same results
 elsewhere; work is split over ``torch.get_num_threads()`` threads of torch's own OpenMP pool (the object links
 ``libgomp.so.1``, which resolves to the copy torch loaded) for inputs past ATen's grain size. Where there is no
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from collections import Counter
 from typing import Iterator
@@ -85,6 +87,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                 else:
                     return None, f"{cc} failed: {done.stderr.strip()[-300:]}"
                 os.replace(out, lib)
+            _prune(lib)
         except (OSError, subprocess.SubprocessError) as e:
             return None, f"native build failed: {e}"
     try:
@@ -110,6 +113,25 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_cpu_avx2.restype = dll.lb_openmp.restype = i32
     body = "AVX2 + FMA bodies" if dll.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
     return dll, body + (", OpenMP threads" if dll.lb_openmp() else ", one thread (built without OpenMP)")
+
+
+_STALE_S = 7 * 24 * 3600  # builds of other source versions unused this long are removed when a new one is made
+
+
+def _prune(keep: Path) -> None:
+    """Remove other builds (``lowbit-native-*.so``, and session 13's ``rowquant-*.so``) from ``keep``'s folder whose
+    last use (access or change) is older than ``_STALE_S``: every source edit adds one, and none was ever removed.
+    A process that still has one loaded keeps its mapping; a newer lowbit rebuilds its own in about a second."""
+    now = time.time()
+    for old in [*keep.parent.glob("lowbit-native-*.so"), *keep.parent.glob("rowquant-*.so")]:
+        if old == keep:
+            continue
+        try:
+            st = old.stat()
+            if now - max(st.st_atime, st.st_mtime) > _STALE_S:
+                old.unlink()
+        except OSError:
+            pass  # (another process removed it, or it is not ours to remove)
 
 
 def _lib() -> ctypes.CDLL | None:
