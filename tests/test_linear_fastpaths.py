@@ -100,9 +100,10 @@ def test_dynamic_forward_matches_generic(monkeypatch: pytest.MonkeyPatch, vnni: 
 def test_dynamic_no_vnni_route_bit_identical_to_generic(monkeypatch: pytest.MonkeyPatch, m: int,
                                                         engine_fbgemm: bool) -> None:
     """Without VNNI the module's route (no per-call wrapping) gives the generic path's floats bit for bit,
-    through the same onednn backend (split for full int8 weights; fbgemm for few rows, oneDNN above) — except
-    few rows on an fbgemm engine, which split the weights instead (same codes: equal up to float32 rounding,
-    and integer-exact in ``test_dynamic_weight_split_is_integer_exact``)."""
+    through the same onednn backend (lowbit.native's float route, or fbgemm's split, at every M on an fbgemm engine;
+    oneDNN above ``SMALL_M`` rows on another) — except up to ``_WSPLIT_M`` rows on an fbgemm engine, which split the
+    weights instead (same codes: equal up to float32 rounding, and integer-exact in
+    ``test_dynamic_weight_split_is_integer_exact``)."""
     _force_vnni(monkeypatch, False)
     if not engine_fbgemm:
         monkeypatch.setattr(onednn, "_FBGEMM", ())
@@ -113,7 +114,7 @@ def test_dynamic_no_vnni_route_bit_identical_to_generic(monkeypatch: pytest.Monk
     y = mod(x)
     assert dict(kernels.counts) == {("onednn", "linear"): 1}
     want = per_token.per_token_linear(per_token.quantize_per_token(x), mod.weight(), mod.bias, {})
-    if engine_fbgemm and m <= onednn.SMALL_M:
+    if engine_fbgemm and m <= per_token._WSPLIT_M:
         assert torch.allclose(y, want, rtol=1e-5, atol=1e-5), float((y - want).abs().max())
     else:
         assert torch.equal(y, want), float((y - want).abs().max())

@@ -21,7 +21,6 @@ from torch import nn
 
 import lowbit as Q
 from lowbit import kernels, native
-from lowbit.kernels import onednn
 from lowbit.nn.quantized.dynamic import Linear as DLinear
 from lowbit.nn.quantized.dynamic import per_token as pt
 from lowbit.nn.quantized.dynamic import reduced
@@ -171,8 +170,8 @@ def test_dynamic_linear_routes_are_bit_identical_with_and_without_native(vnni: b
         assert fast >= 1 and torch.equal(y, ref), (m, vnni, reduce_range)
         if reduce_range:
             want = {"row_grid": 1, "qlinear_rows": 1}  # the 7-bit recipe: its codes, then one Linear call
-        elif not vnni and m > onednn.SMALL_M:
-            want = {"row_grid": 1, "qlinear": 1, "row_epilogue": 1}  # many rows: the codes, the native sums, the epilogue
+        elif not vnni and m > pt._WSPLIT_M:
+            want = {"row_grid": 1, "qlinear": 1, "row_epilogue": 1}  # past the weight split: codes, native sums, epilogue
         elif vnni and m > 1 or not vnni and m > pt._NATIVE_WSPLIT_M:
             want = {"row_grid": 1, "row_epilogue": 1}  # (the weight split's few rows: u, then the row epilogue)
         elif vnni:

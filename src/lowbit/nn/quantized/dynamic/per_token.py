@@ -17,9 +17,11 @@ quantize with no per-call validation, then the fastest exact GEMM for the case, 
   ``(scale 1, zero point 128)`` and each row's grid in the float epilogue (``per_token_linear``'s
   arithmetic, with one fused multiply-add when the output is small: equal up to float32 rounding);
 - a CPU without VNNI (its u8 × s8 pairs saturate: the kernels' split/fbgemm rules apply): the
-  generic path's codes, kernel call and epilogue (bit for bit) without its per-call wrapping; for at
-  most ``SMALL_M`` rows on torch's fbgemm/x86 engine and weights up to 768×3072, the same codes against
-  the weights split into two 7-bit halves (``_weight_split``: one fbgemm call, ~15 ops instead of ~65);
+  generic path's codes, kernel call and epilogue (bit for bit) without its per-call wrapping (on torch's
+  fbgemm/x86 engine: lowbit.native's packed 8-bit kernel at every M, ``kernels.small_m.float_route``); for at
+  most ``_WSPLIT_M`` rows on that engine and weights up to 768×3072 (up to ``SMALL_M`` rows where the float
+  route does not hold), the same codes against the weights split into two 7-bit halves (``_weight_split``:
+  one fbgemm call, ~15 ops instead of ~65);
 - a pinned backend (``kernels.use_backend``), affine weights, non-finite rows or other devices take the
   generic ``per_token_linear``.
 
@@ -42,7 +44,7 @@ import torch
 from .... import kernels, native, qstore
 from ....compile_state import tensor_version
 from ....functional import _store, quantize
-from ....kernels import onednn
+from ....kernels import onednn, small_m
 from ....qparams import calculate_qparams
 from ....qscheme import QDtype, QScheme, quint8
 from ....qtensor import QTensor
@@ -335,7 +337,8 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
     dispatcher) and the codes go straight to the onednn backend on the shared grid (split or not by
     its rules, fbgemm for few rows); a large output on row chunks of more than ``SMALL_M`` rows (``_OUT_CHUNK``)."""
     m, k = xf.shape
-    if m <= onednn.SMALL_M and weight_int8.numel() <= _WSPLIT_MAX and onednn.fbgemm_engine():
+    if (m <= onednn.SMALL_M and weight_int8.numel() <= _WSPLIT_MAX and onednn.fbgemm_engine()
+            and (m <= _WSPLIT_M or not small_m.float_route(weight_int8, True, None, cache))):
         y = _weight_split(xf, plan, weight_int8, w_scale, bias, cache)
         if y is not None:
             return y
@@ -374,6 +377,9 @@ _CHUNK_ABOVE = 1 << 22
 
 
 _WSPLIT_MAX = 768 * 3072  # weight elements up to which the split weights (2x the bytes) beat one read at small M
+_WSPLIT_M = 4  # rows up to which the weight split runs; more take the codes and onednn.linear where its float route
+#                holds (small_m.float_route: lowbit.native's packed 8-bit kernel, or fbgemm's activation split, the same
+#                floats): 1.35-1.45x at 5-32 rows of 768² / 768×3072 (session 15)
 _NATIVE_WSPLIT_M = 4  # rows up to which lowbit.native runs that route (one blocked pass: 1.0-1.6x fbgemm, session 14)
 
 
