@@ -142,7 +142,7 @@ def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor
 def pack_bcast(w: torch.Tensor, pairs: bool = True) -> torch.Tensor:
     """int8 weights ``w`` ``(N, K)`` as ``linear.c``'s many-row kernels read them: blocks of 16 columns, each of groups of
     ``g`` consecutive ``k`` for its 16 columns, ``wp[b, i, c, t] = w[16 b + c, g i + t]`` (zeros past ``N`` and ``K``):
-    ``pairs`` (``vpmaddubsw``) int8 in groups of 4, else (``vpmaddwd``) int16 in groups of 2.
+    groups of 4 for ``pairs`` (``vpmaddubsw``), else of 2 (widened to int16 as they are loaded, for ``vpmaddwd``).
 
     >>> pack_bcast(torch.arange(8, dtype=torch.int8).view(1, 8)).shape
     torch.Size([1, 2, 16, 4])
@@ -152,7 +152,7 @@ def pack_bcast(w: torch.Tensor, pairs: bool = True) -> torch.Tensor:
     n, k = w.shape
     g = 4 if pairs else 2
     nb, kg = -(-n // 16), -(-k // g)
-    pad = torch.zeros(nb * 16, kg * g, dtype=torch.int8 if pairs else torch.int16)
+    pad = torch.zeros(nb * 16, kg * g, dtype=torch.int8)
     pad[:n, :k] = w
     return pad.view(nb, 16, kg, g).permute(0, 2, 1, 3).contiguous()
 

@@ -233,13 +233,14 @@ static inline void blk_bcast(const lin_job *j, int64_t r0, const int nr, int64_t
     }
 }
 
-/* blk_bcast's twin for any u8 codes (not `pairs`): the weights packed as int16 pairs (gemm.pack_bcast of a words plan:
- * wp[(b kh + g) 32 + 2 c + t] = w[b NB + c, 2 g + t], kh = ceil(k / 2)) and the codes' int16 copy xs; 2 codes
- * broadcast meet 16 columns through vpmaddwd (int16 products summed in pairs into int32: exact for any u8 code). */
+/* blk_bcast's twin for any u8 codes (not `pairs`): the weights packed as int8 pairs (gemm.pack_bcast of a words plan:
+ * wp[(b kh + g) 32 + 2 c + t] = w[b NB + c, 2 g + t], kh = ceil(k / 2)), widened to int16 as they are loaded, and the
+ * codes' int16 copy xs; 2 codes broadcast meet 16 columns through vpmaddwd (int16 products summed in pairs into int32:
+ * exact for any u8 code). The widening runs beside vpmaddwd, the bound here: no slower than int16 packs, half the bytes. */
 __attribute__((target("avx2,fma"), always_inline))
 static inline void blk_bcast_w(const lin_job *j, int64_t r0, const int nr, int64_t b, int32_t *o) {
     const int64_t kh = (j->k + 1) / 2, kf = j->k / 2;
-    const int16_t *wp = (const int16_t *)(const void *)j->wp + b * kh * 32;
+    const int8_t *wp = j->wp + b * kh * 32;
     const int16_t *xr[MB];
     __m256i a[MB][2];
 #pragma GCC unroll 6
@@ -249,8 +250,8 @@ static inline void blk_bcast_w(const lin_job *j, int64_t r0, const int nr, int64
     }
     for (int64_t g = 0; g < kh; ++g) {
         _mm_prefetch((const char *)(wp + kh * 32 + g * 32), _MM_HINT_T0);  /* as blk_bcast */
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wp + g * 32));
-        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wp + g * 32 + 16));
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wp + g * 32)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wp + g * 32 + 16)));
         if (g == kf) {  /* odd k: the last code alone (its pair meets a zero weight; never read past the row) */
             for (int r = 0; r < nr; ++r) {
                 const __m256i xb = _mm256_set1_epi32((int32_t)(uint16_t)xr[r][2 * g]);
