@@ -1,6 +1,7 @@
-"""Small-M static Linears through ``lowbit.native`` on CPUs without VNNI: fbgemm's codes or lowbit's floats, one call.
+"""Static Linears through ``lowbit.native`` on CPUs without VNNI: fbgemm's codes or lowbit's floats, one call.
 
-On such a CPU the few-row static Linear runs fbgemm (``onednn.linear``, ``plan.linear_plan``): ``quantized::linear`` for
+(The module's name is from session 14, when these routes took few rows only.) On such a CPU the few-row static Linear
+ran fbgemm (``onednn.linear``, ``plan.linear_plan``): ``quantized::linear`` for
 a u8 output when no split is needed, ``_fbgemm_linear`` with lowbit's float epilogue otherwise. ``native.qlinear*``
 (``lowbit/native/linear.c``) does the exact int32 sums with a register-blocked AVX2 kernel (``vpmaddubsw`` where no
 u8 × s8 pair can saturate) and the epilogue in the same call, so a layer costs one call instead of fbgemm's input
@@ -13,8 +14,8 @@ wrapping, packed GEMM, output tensor and clamp:
 
 Each keeps its per-weight constants (``Σ w``, the fbgemm multipliers per input grid) in the layer's cache.
 ``native_requant`` runs at every M: one row by the dot-product kernel (1.1-2.7x fbgemm at M = 1, session 14), from
-``native.BCAST_M`` rows by the packed many-row kernel (1.1-1.3x fbgemm's packed GEMM, session 15). ``native_linear``
-only where it measured faster than fbgemm (``benchmarks/README.md``, sessions 13-14). ``None``: not taken.
+``native.gemm.BCAST_M`` rows by the packed many-row kernel (1.1-1.3x fbgemm's packed GEMM, session 15). ``native_linear``
+at every M where ``float_route`` holds (1.3-1.5x oneDNN's split from 64 rows, session 15). ``None``: not taken.
 
 >>> import torch, lowbit as Q
 >>> from lowbit.kernels import OutGrid, small_m

@@ -1,4 +1,4 @@
-"""The small-M int8 Linears without VNNI (``linear.c``): exact int32 sums and an epilogue in one native call.
+"""The int8 Linears without VNNI (``linear.c``): exact int32 sums and an epilogue in one native call, at any M.
 
 ``LinearPlan`` holds one layer's constants (int8 weights ``(N, K)``, ``Σ_k w`` per column, the epilogue's vectors and
 scalars) in the C struct ``lb_linear_run`` reads, checked once where it is made; a call then passes only the codes,
@@ -149,6 +149,9 @@ def pack_bcast(w: torch.Tensor, pairs: bool = True) -> torch.Tensor:
     >>> pack_bcast(torch.arange(8, dtype=torch.int8).view(1, 8), pairs=False)[0, :, 0].tolist()
     [[0, 1], [2, 3], [4, 5], [6, 7]]
     """
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != torch.int8:
+        what = f"{tuple(w.shape)} {w.dtype}" if isinstance(w, torch.Tensor) else type(w).__name__
+        raise ValueError(f"lowbit.native.gemm.pack_bcast: w must be a 2-d int8 tensor (N, K), got {what}")
     n, k = w.shape
     g = 4 if pairs else 2
     nb, kg = -(-n // 16), -(-k // g)

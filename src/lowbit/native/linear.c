@@ -1,10 +1,11 @@
-/* lowbit's native small-M Linears for CPUs without VNNI (common.h: the shared rules; layers.py: the Python side).
+/* lowbit's native int8 Linears for CPUs without VNNI (common.h: the shared rules; gemm.py: the Python side).
  *
- * One register-blocked kernel gives the exact int32 sums acc[r, c] = Σ_i x[r, i] w[c, i] of u8 codes x and int8
- * weights w (N, K): vpmaddubsw where the u8 × s8 pairs cannot saturate (codes ≤ 127, or saturation-safe weights:
- * `pairs`), else int16 products through vpmaddwd; both exact. A block is NC weight rows × up to 2 input rows held in
- * 8 accumulators; each thread owns whole blocks of columns, in chunks of CB columns whose sums stay in L1 until
- * the chunk's epilogue turns them into the output:
+ * Register-blocked kernels give the exact int32 sums acc[r, c] = Σ_i x[r, i] w[c, i] of u8 codes x and int8 weights
+ * w (N, K): vpmaddubsw where the u8 × s8 pairs cannot saturate (codes ≤ 127, or saturation-safe weights: `pairs`),
+ * else int16 products through vpmaddwd; both exact. One row (or a plan without packed weights): dot products of NC
+ * weight rows × up to 2 input rows in 8 accumulators on the plain weights. From BCAST_M rows: blk_bcast / blk_bcast_w
+ * on weights packed once. Rows go in chunks of MAX_ROWS; each thread owns whole blocks of columns, in chunks of CB
+ * columns whose sums stay in L1 until the chunk's epilogue turns them into the output:
  *   a = acc - zx wsum[c]                              (the input zero point, exact in int32)
  *   mode 0  y = fl(fl(a) sc[c]) (+ bias[c])  (relu: 0 where < 0)                  float32, lowbit's epilogue
  *   mode 1  lowbit's codes of that y: clamp(round(fl(clamp(fl(y inv), vlo, vhi) + z)), 0, 255)
