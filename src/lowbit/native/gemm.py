@@ -38,6 +38,7 @@ __all__ = ["MAX_ROWS", "BCAST_M", "LinearPlan", "linear_plan", "pack_bcast", "ql
 
 MAX_ROWS = 64  # input rows per row chunk of a call (linear.c's MAX_ROWS; a call takes any number)
 BCAST_M = 2  # rows from which a plan (but "split") runs linear.c's many-row kernels on packed weights (linear.c's BCAST_M)
+_NO_PACK = torch.empty(0, dtype=torch.int8)  # a plan's "no packed weights on this CPU" (its C pointer stays NULL)
 _MODES = {"float": 0, "codes": 1, "requant": 2, "rows": 3, "split": 4}
 _U8 = (torch.uint8, torch.quint8)
 
@@ -78,9 +79,12 @@ class LinearPlan:
         if out.shape != (m, self.n) or not out.is_contiguous():
             return False
         if m >= BCAST_M and self._wp is None and self.mode != "split":
-            wp = pack_bcast(self._keep[0], bool(self._plan.pairs))  # type: ignore[arg-type]
-            if self._wp is None:  # (set once, with no GIL release between the check and the set: a racing pack is dropped)
-                self._wp, self._plan.wp = wp, wp.data_ptr()
+            if not lib.lb_cpu_avx2():  # (the packed kernels are AVX2 only: no copy of the weights for the scalar body)
+                self._wp = _NO_PACK
+            else:
+                wp = pack_bcast(self._keep[0], bool(self._plan.pairs))  # type: ignore[arg-type]
+                if self._wp is None:  # (set once, with no GIL release between check and set: a racing pack is dropped)
+                    self._wp, self._plan.wp = wp, wp.data_ptr()
         ra = rs = None
         if self.mode in ("rows", "split"):
             if rows is None or not _channel_vectors(m, *rows):
