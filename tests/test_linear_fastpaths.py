@@ -30,6 +30,8 @@ from lowbit.nn.quantized import dynamic as nnqd
 from lowbit.nn.quantized.dynamic import per_token
 from lowbit.qparams import calculate_qparams
 
+from helpers import force
+
 _REAL_VNNI = onednn.has_vnni() if onednn.available() else False
 
 
@@ -222,8 +224,12 @@ def _static_operands(k: int, n: int, seed: int, seven_bit: bool) -> tuple[Q.QTen
 
 @pytest.mark.parametrize("out", [None, OutGrid(0.05, 128, Q.quint8), OutGrid(0.05, 0, Q.qint8)])
 @pytest.mark.parametrize("relu", [False, True])
-def test_static_gemv_route_matches_int_mm(monkeypatch: pytest.MonkeyPatch, out: OutGrid | None, relu: bool) -> None:
-    _force_vnni(monkeypatch, True)
+@pytest.mark.parametrize("fbgemm", [False, True], ids=["onednn_engine", "x86_engine"])
+def test_static_gemv_route_matches_int_mm(monkeypatch: pytest.MonkeyPatch, out: OutGrid | None, relu: bool,
+                                          fbgemm: bool) -> None:
+    """One row on a VNNI CPU: torch._int_mm's GEMV on the onednn engine; on the x86 engine the routes without VNNI
+    (lowbit.native's kernels: the same floats, codes within one of the folded rounding)."""
+    force(monkeypatch, vnni=True, fbgemm=fbgemm)
     ran: list[Any] = []
     real = onednn._gemv
     monkeypatch.setattr(onednn, "_gemv", lambda *a, **kw: ran.append(1) or real(*a, **kw))
@@ -232,7 +238,7 @@ def test_static_gemv_route_matches_int_mm(monkeypatch: pytest.MonkeyPatch, out: 
         got = kernels.linear(x, w, b, out, relu, cache={})
     with kernels.use_backend("int_mm"):
         want = kernels.linear(x, w, b, out, relu, cache={})
-    assert ran, "the M = 1 GEMV route did not run"
+    assert bool(ran) != fbgemm, "the M = 1 GEMV route ran on the x86 engine" if fbgemm else "the GEMV route did not run"
     if out is None:
         assert torch.equal(got, want)
     else:  # one folded rounding: within one code of the reference at ties, the same codes elsewhere

@@ -28,7 +28,13 @@ needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.suppo
 
 
 def _body(name: str) -> contextlib.AbstractContextManager[None]:
-    return native.force_scalar() if name == "scalar" else contextlib.nullcontext()
+    """Each C body pinned: "vnni" (the AVX-512 VNNI Linears; skipped where the CPU lacks them), "avx2" (even on a
+    VNNI CPU), "scalar"."""
+    if name == "vnni" and not native.vnni():
+        pytest.skip("this CPU has no AVX-512 VNNI (or lowbit.native's VNNI kernels are off): the VNNI body cannot run")
+    if name == "avx2" and "AVX2" not in native.reason():
+        pytest.skip("this CPU has no AVX2 + FMA: the AVX2 body cannot run")
+    return native.force_scalar() if name == "scalar" else native.force_avx2() if name == "avx2" else contextlib.nullcontext()
 
 
 def _fbgemm_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
@@ -43,10 +49,10 @@ def _fbgemm_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, sw: tor
 
 @needs_native
 @needs_fbgemm
-@pytest.mark.parametrize("body,threads", [("best", 1), ("best", 2), ("scalar", 1)])
+@pytest.mark.parametrize("body,threads", [("vnni", 1), ("vnni", 2), ("avx2", 1), ("avx2", 2), ("scalar", 1)])
 def test_requant_mode_is_fbgemm_quantized_linear(body: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Codes ≤ 127 against any int8 weight and 8-bit codes against saturation-safe weights, M from 1 (the dot
-    products) to 133 (the packed kernel's row blocks with every remainder, over three row chunks), K and N with every
+    products) to 133 (the packed kernels' row blocks with every remainder, over three row chunks), K and N with every
     tail, zero points 0 / 57, bias or none, ReLU, output scales that saturate both ends: fbgemm's codes exactly."""
     monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
     old = torch.get_num_threads()
@@ -54,7 +60,8 @@ def test_requant_mode_is_fbgemm_quantized_linear(body: str, threads: int, monkey
     g = torch.Generator().manual_seed(threads)
     wrong = []
     try:
-        for m, k, n, seven in itertools.product((1, 2, 3, 16, 64, 133), (5, 32, 100, 769), (1, 7, 13, 70), (True, False)):
+        for m, k, n, seven in itertools.product((1, 2, 3, 15, 27, 64, 133), (5, 32, 100, 769), (1, 7, 13, 70),
+                                                (True, False)):
             hi_x, w_lo, w_hi = (127, -128, 127) if seven else (255, -64, 64)
             q = torch.randint(0, hi_x + 1, (m, k), generator=g, dtype=torch.uint8)
             w = torch.randint(w_lo, w_hi + 1, (n, k), generator=g, dtype=torch.int8)
@@ -76,7 +83,7 @@ def test_requant_mode_is_fbgemm_quantized_linear(body: str, threads: int, monkey
 
 
 @needs_native
-@pytest.mark.parametrize("body", ["best", "scalar"])
+@pytest.mark.parametrize("body", ["vnni", "avx2", "scalar"])
 def test_float_mode_is_the_exact_sums_scaled_for_both_kernels(body: str) -> None:
     """"float": ``fl(fl(Σ (q - z) w) · sc) + b`` (ReLU), the same floats from the pair kernel (codes ≤ 127) and the
     int16 kernel (any codes); strided rows and a ``quint8`` input read as they are."""
@@ -100,6 +107,24 @@ def test_float_mode_is_the_exact_sums_scaled_for_both_kernels(body: str) -> None
     plan = native.linear_plan(w, "float", torch.ones(8), pairs=True)
     y = torch.empty(2, 8)
     assert plan is not None and plan.run(tq, 3, y) and torch.equal(y, ((tq.int_repr().int() - 3) @ w.int().t()).float())
+
+
+@needs_native
+@pytest.mark.parametrize("body", ["vnni", "avx2"])
+@pytest.mark.parametrize("k", [1024, 4096, 3072])
+def test_row_strides_that_alias_in_l1_give_the_same_sums(body: str, k: int) -> None:
+    """Rows 1-4 KiB apart (the VNNI kernel copies such codes onto a padded stride first) and a strided view of them:
+    the exact sums, by both SIMD bodies, at row counts around its 16- and 8-row blocks."""
+    g = torch.Generator().manual_seed(k)
+    w = torch.randint(-128, 128, (20, k), generator=g, dtype=torch.int8)
+    for m in (3, 4, 9, 16, 25):
+        base = torch.randint(0, 256, (m, k + 4096), generator=g, dtype=torch.uint8)
+        for q in (base[:, :k].contiguous(), base[:, :k]):
+            plan = native.linear_plan(w, "float", torch.ones(20), wsum=w.sum(1, dtype=torch.int32), pairs=False)
+            y = torch.empty(m, 20)
+            with _body(body):
+                assert plan is not None and plan.run(q, 7, y), (m, k)
+            assert torch.equal(y, ((q.int() - 7) @ w.int().t()).float()), (m, k, q.stride())
 
 
 @needs_native

@@ -101,7 +101,7 @@ def test_plan_matches_generic_on_every_route(monkeypatch: pytest.MonkeyPatch, ro
 
 def test_plan_follows_state_changes_pins_and_vnni(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan is rebuilt after an in-place weight / grid change and a new input grid, and is bypassed while a
-    backend is pinned or on a VNNI CPU (the generic path runs: its counts, its codes)."""
+    backend is pinned (the generic path runs: its counts, its codes); on a VNNI CPU it gives the generic path's codes."""
     if not onednn.available():
         pytest.skip("oneDNN int8 ops not available in this torch build")
     monkeypatch.setattr(onednn, "has_vnni", lambda: False)
@@ -122,8 +122,13 @@ def test_plan_follows_state_changes_pins_and_vnni(monkeypatch: pytest.MonkeyPatc
         before = K.counts[("reference", "linear")]
         mod(x)
         assert K.counts[("reference", "linear")] == before + 1
-    monkeypatch.setattr(onednn, "has_vnni", lambda: True)
-    assert mod._plan(x, linear_plan) is None             # VNNI: the generic path (already one call) runs
+    monkeypatch.setattr(onednn, "has_vnni", lambda: True)  # VNNI: a plan too (the routes without VNNI for few rows)
+    run = mod._plan(x, linear_plan)
+    assert run is not None
+    weight, grid = mod._prepared()
+    for m in (4, onednn.VNNI_M + 8):  # few rows and more: the plan's codes are the generic path's
+        xm = Q.QTensor(torch.randint(0, 256, (m, 32), dtype=torch.uint8), 0.02, 128, Q.quint8)
+        assert torch.equal(mod(xm).int_repr(), onednn.linear(xm, weight, mod.bias, grid, False, cache={}).int_repr())
 
 
 def test_converted_model_runs_the_plan_not_the_reference() -> None:

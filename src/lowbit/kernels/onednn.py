@@ -50,7 +50,7 @@ from ..functional import _store
 from ..qtensor import QTensor
 from .avx2 import (_acc_epilogue, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor,
                    _scaled, _split_run, combine_stacked, stack_halves, weight_halves)
-from .small_m import float_route, native_linear, native_requant
+from .small_m import VNNI_M, float_route, native_linear, native_requant, split_on_avx2
 from .spec import ConvSpec, OutGrid
 
 __all__ = ["NAME", "SMALL_M", "available", "has_vnni", "cpu_has_vnni", "isa_capped", "saturation_safe", "linear",
@@ -138,6 +138,13 @@ def _as_u8(x: QTensor) -> tuple[torch.Tensor, float, int, bool]:
     return q, x.scale.item(), zp, qd.quant_max <= 127
 
 
+def _seven_bit(qd: Any) -> bool:
+    """``_as_u8``'s "every code ≤ 127" for a grid, before any codes are read."""
+    if qd.storage == torch.int8:
+        return bool(qd.quant_max + (128 if qd.quant_max - qd.quant_min > 127 else -qd.quant_min) <= 127)
+    return bool(qd.quant_max <= 127)
+
+
 def _packed(cache: dict[str, Any] | None, key: str, weight: QTensor, pack: Any) -> Any:
     """``(packed weight, needs_split)`` for ``weight`` (``None`` if declined), built once per weight version.
 
@@ -178,6 +185,13 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
     if not q.is_cpu or q.numel() == 0 or q.element_size() != 1:
         return NotImplemented
     vnni = has_vnni()
+    few = q.numel() <= VNNI_M * q.shape[-1]
+    # a VNNI CPU takes the routes without VNNI below (their results, small_m.VNNI_M) for few rows, and for a
+    # requantized u8 output with no split at every M (fbgemm's codes: lowbit.native's kernels, then fbgemm's op)
+    nat_v = vnni and fbgemm_engine() and (few or (out is not None and out.qdtype.storage == torch.uint8 and (
+        _seven_bit(x.qdtype) or not split_on_avx2(weight.int_repr(), cache))))
+    if nat_v:
+        vnni = False
     if vnni and q.numel() == q.shape[-1] > 1:  # one row: torch._int_mm's GEMV (no pack needed, 3-5x faster)
         y = _gemv(q, x, weight, bias, out, relu, cache)
         if y is not NotImplemented:
@@ -186,6 +200,9 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
     if entry is None:
         return NotImplemented
     packed, split = entry
+    split_o = split  # (this CPU's own need, for oneDNN's call at the end)
+    if nat_v:  # choose as a CPU without VNNI would, so that both give the same results
+        split = split_on_avx2(weight.int_repr(), cache)
     if vnni and q.dtype == torch.uint8:  # the common case, straight to the op: one exact call
         s_out, z_out, dt = _epilogue(out)
         y = torch.ops.onednn.qlinear_pointwise(q, x.scale.item(), x.zero_point.item(), packed, weight.scale,
@@ -195,25 +212,25 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
     q, sx, zx, seven_bit = _as_u8(x)
     if not vnni and fbgemm_engine() and out is not None and out.qdtype.storage == torch.uint8 and not (split and not seven_bit):
         # a u8 output with no split: fbgemm's requantized codes at every M (lowbit.native's kernels, or fbgemm's op)
-        y = native_requant(q, sx, zx, weight.int_repr(), weight.scale, bias, out, relu, cache)
+        y = native_requant(q, sx, zx, weight.int_repr(), weight.scale, bias, out, relu, cache) if few or not nat_v else None
         return y if y is not None else _fbgemm_requant(cache, weight, bias, q, sx, zx, out, relu)
     halves = split and not seven_bit
     if not vnni and fbgemm_engine() and (q.numel() <= SMALL_M * q.shape[-1]
-                                         or float_route(weight.int_repr(), halves, out, cache)):
+                                         or float_route(weight.int_repr(), halves, out, cache, nat_v)):
         # the float epilogue fl(fl(acc) · fl(s_x s_w)): lowbit.native's one call, else fbgemm's split (the same floats)
-        y = native_linear(q, sx, zx, weight.int_repr(), weight.scale, halves, bias, out, relu, cache)
+        y = native_linear(q, sx, zx, weight.int_repr(), weight.scale, halves, bias, out, relu, cache, nat_v)
         if y is not None:
             return y
         fb = _packed(cache, "onednn.fbgemm", weight, _fbgemm_pack)
         if fb is not None:
-            return _fbgemm_linear(fb[0], q, sx, zx, halves, weight.scale, bias, out, relu, cache)
+            return _fbgemm_linear(fb[0], q, sx, zx, halves and split_o, weight.scale, bias, out, relu, cache)
 
     def run(codes: torch.Tensor, zp: int, b: torch.Tensor | None, s_out: float, z_out: int, dt: torch.dtype,
             post: str) -> torch.Tensor:
         return torch.ops.onednn.qlinear_pointwise(codes, sx, zp, packed, weight.scale, weight.zero_point, b, s_out,
                                                   z_out, dt, post, [], "")
 
-    if split and not seven_bit:
+    if split_o and not seven_bit:
         return _split_run(run, q, zx, bias, out, relu, -1)
     s_out, z_out, dt = _epilogue(out)
     return _wrap(run(q, zx, bias, s_out, z_out, dt, "relu" if relu else "none"), out)

@@ -89,9 +89,9 @@ def layer_key(w: torch.Tensor, ws: torch.Tensor, wz: torch.Tensor, bias: torch.T
 
 
 def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: bool, x_qdtype: QDtype) -> Run | None:
-    """``run(codes, s_x, z_x)`` computing ``onednn.linear``'s result for this layer on a CPU without VNNI, or ``None``."""
+    """``run(codes, s_x, z_x)`` computing ``onednn.linear``'s result for this layer, or ``None``."""
     w = weight.int_repr()
-    if (onednn.has_vnni() or not onednn.available() or w.device.type != "cpu" or w.dtype != torch.int8
+    if (not onednn.available() or w.device.type != "cpu" or w.dtype != torch.int8
             or w.dim() != 2 or x_qdtype.storage not in (torch.uint8, torch.int8) or bool(weight.zero_point.any())):
         return None
     k = w.shape[1]
@@ -101,7 +101,9 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
     else:
         shift = 0
     seven_bit = x_qdtype.quant_max + shift <= 127
-    split = not (seven_bit or onednn.saturation_safe(w))
+    split = not (seven_bit or onednn.saturation_safe(w))  # (as a CPU without VNNI decides: a VNNI CPU's few rows too)
+    vnni = onednn.has_vnni()
+    vnni_rows = small_m.VNNI_M * k  # codes up to which a VNNI CPU takes the routes without VNNI (small_m.VNNI_M)
     s_out, z_out, dt = out.scale, out.zero_point, out.qdtype.storage
     qd, full = out.qdtype, out.full_range
     post = "relu" if relu else "none"
@@ -157,7 +159,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         return p
 
     def fbgemm_requant(q: torch.Tensor, sx: float, zx: int, tq: torch.Tensor | None) -> QTensor:
-        y = small_m.native_requant(q, sx, zx, w, w_scale, bias, out, relu, packs)
+        y = small_m.native_requant(q, sx, zx, w, w_scale, bias, out, relu, packs) if not vnni or q.numel() <= vnni_rows else None
         if y is not None:
             return y
         p = fbgemm_requant_pack()
@@ -175,20 +177,25 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             q = q.view(torch.uint8).bitwise_xor(128) if shift == 128 else torch.sub(q, x_qdtype.quant_min).view(torch.uint8)
             zx += shift
             tq = None
+        if vnni and (not onednn.fbgemm_engine() or (q.numel() > vnni_rows and not fused_ok)):  # oneDNN's one exact call
+            y = torch.ops.onednn.qlinear_pointwise(q, sx, zx, onednn_pack(), w_scale, w_zp, bias, s_out, z_out, dt, post,
+                                                   [], "")
+            return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
         if onednn.fbgemm_engine() and (fused_ok or q.numel() <= onednn.SMALL_M * k
-                                       or small_m.float_route(w, split, out, packs)):
+                                       or small_m.float_route(w, split, out, packs, vnni)):
             if fused_ok:  # fbgemm's requantization at every M (lowbit.native's packed kernel from 2 rows, or fbgemm's op)
                 return fbgemm_requant(q, sx, zx, tq)
             # the float epilogue fl(fl(acc) · fl(s_x s_w)): lowbit.native, else fbgemm's split (the same floats)
-            y = onednn.native_linear(q, sx, zx, w, w_scale, split, bias, out, relu, packs)
+            y = onednn.native_linear(q, sx, zx, w, w_scale, split, bias, out, relu, packs, vnni)
             if y is not None:
                 return y  # type: ignore[return-value]
             p = packs.get("fbgemm")
             if p is None:
                 p = packs["fbgemm"] = onednn._fbgemm_pack(w)
-            return onednn._fbgemm_linear(p, q, sx, zx, split, w_scale, bias, out, relu, packs)  # type: ignore[no-any-return]
+            return onednn._fbgemm_linear(p, q, sx, zx, split and not vnni, w_scale, bias, out, relu,  # type: ignore[no-any-return]
+                                         packs)
         packed = onednn_pack()
-        if split:
+        if split and not vnni:
             def call(codes: torch.Tensor, zp: int, b: torch.Tensor | None, so: float, zo: int, d: torch.dtype,
                      pst: str) -> torch.Tensor:
                 return torch.ops.onednn.qlinear_pointwise(codes, sx, zp, packed, w_scale, w_zp, b, so, zo, d, pst, [], "")
@@ -227,7 +234,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         hit = unit[0]
         if hit is None or hit[0] != ukey:
             hit = unit[0] = [ukey, s.item(), z.item(), (s, z), None, _UNMADE]
-        if fused and native_ok and t.is_contiguous():  # type: ignore[union-attr]  # lowbit.native: fbgemm's codes, one call
+        if fused and native_ok and t.is_contiguous() and not (vnni and t.numel() > vnni_rows):  # type: ignore[union-attr]
             if hit[5] is _UNMADE:  # the native plan for this input grid, made once
                 hit[5] = small_m.requant_plan(w, w_scale, bias, hit[1], out, relu, packs)
             y = (None if hit[5] is None else  # type: ignore[arg-type]

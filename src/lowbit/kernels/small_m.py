@@ -39,7 +39,22 @@ from ..qtensor import QTensor
 from .avx2 import _F32_EXACT, _QUIET, _inv_scale, _relu_floor, _scaled
 from .spec import OutGrid
 
-__all__ = ["float_route", "native_linear", "native_requant", "requant_plan"]
+__all__ = ["VNNI_M", "float_route", "native_linear", "native_requant", "requant_plan", "split_on_avx2"]
+
+# Rows up to which a static Linear on a VNNI CPU (torch's x86/fbgemm engine) takes the routes of a CPU without VNNI,
+# chosen as there (``split_on_avx2``), so it gives their codes and floats: lowbit.native's AVX-512 VNNI kernels where
+# they run, else fbgemm's ops (exact with VNNI, no split needed). 512-bit vpdpbusd blocks are 1.1-1.6x oneDNN's call at
+# 2-32 rows and 1.5-5x at one row, 0.8-1.05x from 64 rows (Zen 4 EPYC, session 16); more rows keep oneDNN's one call
+# (AMX where the CPU has it). The route depends on the CPU and M only, never on whether lowbit.native is built.
+VNNI_M = 32
+
+
+def split_on_avx2(w: torch.Tensor, cache: dict[str, Any] | None) -> bool:
+    """Whether a CPU without VNNI would split these 8-bit weights (not ``saturation_safe``), kept per weight version:
+    the routes a VNNI CPU shares with it are chosen by this, so that both give the same results."""
+    from .onednn import saturation_safe
+
+    return not _per_weight(cache, "native.safe", w, saturation_safe)  # type: ignore[no-any-return]
 
 
 def _per_weight(cache: dict[str, Any] | None, name: str, w: torch.Tensor, make: Any) -> Any:
@@ -122,14 +137,15 @@ def native_requant(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale
 
 def native_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale: torch.Tensor, split: bool,
                   bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
-                  cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:
+                  cache: dict[str, Any] | None, exact: bool = False) -> QTensor | torch.Tensor | None:
     """``_fbgemm_linear``'s result (the same codes or floats) from a ``native.qlinear`` plan kept per layer state, at every
     M: the exact sums and the float epilogue in one call (the packed many-row kernels from 2 rows: 8-bit codes against
     full int8 weights 1.3-1.5x oneDNN's activation split from 64 rows, session 15). ``fl(acc)`` is the split's
     ``fl(fl(lo) + 2 fl(hi))`` while both half sums are exact floats (``127 · max_n Σ_k |w| < 2²⁴``); past that bound
-    the split rounds its hi sums and the route stays fbgemm's / oneDNN's. ``None``: not taken."""
+    the split rounds its hi sums and the route stays fbgemm's / oneDNN's; ``exact`` (VNNI: no split on any path) lifts
+    that bound. ``None``: not taken."""
     k = q.shape[-1] if q.dim() else 0
-    if not native.available() or k == 0 or q.dtype != torch.uint8 or not float_route(w, split, out, cache):
+    if not native.available() or k == 0 or q.dtype != torch.uint8 or not float_route(w, split, out, cache, exact):
         return None
     o = None if out is None else (_inv_scale(out.scale), out.zero_point,
                                   _relu_floor(out.qdtype.quant_min, out.zero_point, relu), out.qdtype.quant_max)
@@ -146,12 +162,15 @@ def native_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale:
     return y if out is None else out.wrap_store(y)  # (the codes stay a scale-1 torch tensor, as the split's store)
 
 
-def float_route(w: torch.Tensor, split: bool, out: OutGrid | None, cache: dict[str, Any] | None) -> bool:
+def float_route(w: torch.Tensor, split: bool, out: OutGrid | None, cache: dict[str, Any] | None,
+                exact: bool = False) -> bool:
     """Whether a layer's float-epilogue Linear is ``fl(fl(acc) · fl(s_x s_w)) + b`` at every M without VNNI (torch's
     fbgemm engine): a float or u8 output, and no split or a split whose half sums are exact floats. Then
     ``native_linear`` runs it, or fbgemm's split (``_fbgemm_linear``, the same floats) where the native build is off;
-    else oneDNN's split takes more than ``SMALL_M`` rows, as before session 15."""
-    return (out is None or out.qdtype.storage == torch.uint8) and not (split and 127 * _abs_row_max(w, cache) >= _F32_EXACT)
+    else oneDNN's split takes more than ``SMALL_M`` rows, as before session 15. ``exact``: the sums are exact on every
+    path (a VNNI CPU), so only the output's storage counts."""
+    return (out is None or out.qdtype.storage == torch.uint8) and (
+        exact or not (split and 127 * _abs_row_max(w, cache) >= _F32_EXACT))
 
 
 def _linear_plan(w: torch.Tensor, sc: torch.Tensor, bias: torch.Tensor | None, o: tuple[float, int, int, int] | None,

@@ -44,7 +44,7 @@ import torch
 
 __all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dwconv", "dw_weight",
            "qlinear", "qlinear_requant", "qlinear_rows", "LinearPlan", "linear_plan", "dyn_wsplit", "empty_codes", "disabled",
-           "force_scalar", "counts"]
+           "force_scalar", "force_avx2", "vnni", "counts"]
 
 _DIR = Path(__file__).parent
 _SRC = [_DIR / "rowquant.c", _DIR / "linear.c"]  # compiled together; both include common.h
@@ -110,8 +110,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_dwconv.restype = None
     dll.lb_linear_run.argtypes = [p, p, i64, i64, i32, p, p, p, i32, i32]
     dll.lb_linear_run.restype = i32
-    dll.lb_cpu_avx2.restype = dll.lb_openmp.restype = i32
+    dll.lb_cpu_avx2.restype = dll.lb_cpu_vnni.restype = dll.lb_openmp.restype = i32
     body = "AVX2 + FMA bodies" if dll.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
+    if dll.lb_cpu_vnni():
+        body += ", AVX-512 VNNI Linears"
     return dll, body + (", OpenMP threads" if dll.lb_openmp() else ", one thread (built without OpenMP)")
 
 
@@ -183,6 +185,24 @@ def force_scalar() -> Iterator[None]:
         yield
     finally:
         _local.isa = old
+
+
+@contextlib.contextmanager
+def force_avx2() -> Iterator[None]:
+    """The AVX2 bodies inside this block (this thread) even on a CPU with AVX-512 VNNI, whose Linears otherwise take
+    their VNNI kernels (the same sums): tests cover both where the CPU has both. No effect without AVX2."""
+    old = _local.__dict__.get("isa", 1)
+    _local.isa = 2
+    try:
+        yield
+    finally:
+        _local.isa = old
+
+
+def vnni() -> bool:
+    """Whether the Linears' AVX-512 VNNI kernels run in this thread (built, the CPU has them, not pinned away)."""
+    lib = _lib()
+    return lib is not None and bool(lib.lb_cpu_vnni()) and _local.__dict__.get("isa", 1) == 1
 
 
 def _threads(work: int) -> int:

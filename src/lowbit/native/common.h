@@ -44,7 +44,20 @@ static inline int threads_for(int nthreads, int64_t rows) {
     return nthreads < 1 ? 1 : nthreads;
 }
 
+/* AVX-512 VNNI (vpdpbusd: four u8 × s8 products and the int32 sum in one exact step) */
+static inline int cpu_vnni(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = cpu_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni")
+                && __builtin_cpu_supports("avx512vl");
+    }
+    return known;
+}
+
+/* isa: 0 the scalar bodies, 1 the best this CPU has, 2 the AVX2 bodies even where VNNI is present (tests pin each) */
 static inline int use_avx2(int isa) { return isa == 0 ? 0 : cpu_avx2(); }
+static inline int use_vnni(int isa) { return isa == 1 ? cpu_vnni() : 0; }
 
 __attribute__((target("avx2,fma")))
 static inline int32_t hsum8(__m256i v) {

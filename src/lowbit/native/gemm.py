@@ -48,7 +48,7 @@ class _Plan(ctypes.Structure):
                 ("fw", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("k", ctypes.c_int64), ("n", ctypes.c_int64),
                 ("pairs", ctypes.c_int32), ("mode", ctypes.c_int32), ("relu", ctypes.c_int32), ("zo", ctypes.c_int32),
                 ("lo", ctypes.c_int32), ("hi", ctypes.c_int32), ("inv", ctypes.c_float), ("z", ctypes.c_float),
-                ("vlo", ctypes.c_float), ("vhi", ctypes.c_float), ("wp", ctypes.c_void_p)]
+                ("vlo", ctypes.c_float), ("vhi", ctypes.c_float), ("wp", ctypes.c_void_p), ("quad", ctypes.c_int32)]
 
 
 class LinearPlan:
@@ -66,10 +66,11 @@ class LinearPlan:
     def run(self, q: torch.Tensor, zx: int, out: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """``out`` (contiguous ``(M, N)``: float32 for "float" / "rows", an 8-bit tensor, plain or torch quantized,
         for the codes) from u8 codes ``q`` ``(M, K)`` (unit column stride; a ``quint8`` tensor's codes read as they
-        are) on zero point ``zx``; "rows" and "split": ``zx = 0`` and ``(a, s)``, float32 ``(M,)`` each. ``False``
+        are) on zero point ``zx``; "rows" and "split": ``(a, s)``, float32 ``(M,)`` each. ``False``
         (nothing written) where they do not fit, or the native build is switched off; a ``zx`` outside those raises."""
-        if not 0 <= zx <= 255 or (zx and self.mode in ("rows", "split")):
-            raise ValueError(f"lowbit.native.LinearPlan.run: zx={zx!r} must be in [0, 255] (0 in mode {self.mode!r})")
+        if not 0 <= zx <= 255 or (zx and (self.mode == "split" or not self._plan.wsum)):
+            raise ValueError(f"lowbit.native.LinearPlan.run: zx={zx!r} must be in [0, 255] (0 in mode {self.mode!r}"
+                             " and for a plan made without wsum)")
         lib = _state.get("lib")
         shape = q.shape
         if (lib is None or len(shape) != 2 or shape[1] != self.k or not 0 < shape[0] or q.dtype not in _U8
@@ -81,10 +82,12 @@ class LinearPlan:
         if m >= BCAST_M and self._wp is None and self.mode != "split":
             if not lib.lb_cpu_avx2():  # (the packed kernels are AVX2 only: no copy of the weights for the scalar body)
                 self._wp = _NO_PACK
-            else:
-                wp = pack_bcast(self._keep[0], bool(self._plan.pairs))  # type: ignore[arg-type]
+            else:  # groups of 4 for the pairs kernel and the VNNI kernels (any plan), of 2 for the words kernel; the body
+                #     of this first packing call decides (a plan packed for the other body takes its dot products)
+                quad = bool(self._plan.pairs) or (bool(lib.lb_cpu_vnni()) and _local.__dict__.get("isa", 1) == 1)
+                wp = pack_bcast(self._keep[0], quad)  # type: ignore[arg-type]
                 if self._wp is None:  # (set once, with no GIL release between check and set: a racing pack is dropped)
-                    self._wp, self._plan.wp = wp, wp.data_ptr()
+                    self._wp, self._plan.wp, self._plan.quad = wp, wp.data_ptr(), int(quad)
         ra = rs = None
         if self.mode in ("rows", "split"):
             if rows is None or not _channel_vectors(m, *rows):

@@ -128,6 +128,7 @@ static void *grid_run(void *p) { grid_job *j = p; if (j->avx2) grid_avx2(j); els
 static void *epi_run(void *p) { epi_job *j = p; if (j->avx2) epi_avx2(j); else epi_scalar(j); return NULL; }
 
 int lb_cpu_avx2(void) { return cpu_avx2(); }
+int lb_cpu_vnni(void) { return cpu_vnni(); }
 
 int lb_openmp(void) {
 #ifdef _OPENMP

@@ -215,7 +215,8 @@ def _epilogue(raw: torch.Tensor, c: torch.Tensor, wsum: torch.Tensor, sx: torch.
 class _Plan:
     """Per-weight-version constants of the fast paths (a cache, never state)."""
 
-    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "split", "token", "rows", "wsplit")
+    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "split", "token", "rows", "wsplit", "vnni",
+                 "sc")
 
     def __init__(self, key: Any, weight: QTensor, cache: dict[str, Any]) -> None:
         w = weight.int_repr()
@@ -228,6 +229,8 @@ class _Plan:
         self.token: Any = None  # the 7-bit recipe's fbgemm pack (reduced.per_token_7bit)
         self.rows: Any = None  # its native plan for few rows, with the bias it holds: (bias key, native.LinearPlan)
         self.wsplit: Any = None  # the 8-bit recipe's native weight-split plan, likewise (_weight_split)
+        self.vnni: Any = None  # a VNNI CPU's native plans for few rows: (bias key, one-row plan, rows plan) (_vnni_native)
+        self.sc: Any = None  # the one-row plan's per-call column scales fl(s_w · s_x), float32 (N,)
 
 
 def native_plan_call(plan: _Plan, slot: str, codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -281,6 +284,13 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     if not onednn.has_vnni():
         return _no_vnni(xf, plan, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
     m, k = xf.shape
+    if m == 1 and k > 1 and native.vnni():  # one native pass for the codes and grid, one for the Linear
+        codes = _grid_codes(xf)
+        if codes is None:
+            return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
+        y = _vnni_native(plan, codes[0], codes[1].reshape(()), -codes[2].item(), None, bias)
+        if y is not None:
+            return y
     if m == 1 and k > 1:  # (K = 1: torch's CPU _int_mm sums are wrong for N > 1, see kernels/int_mm.py)
         grid = _one_row_grid(xf)
         if grid is None:
@@ -297,6 +307,10 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     if codes is None:
         return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
     q, scale, neg_zp = codes
+    if m <= small_m.VNNI_M and n_out(plan) * m <= _BLOCK:  # few rows: lowbit.native's VNNI kernel, the same floats
+        y = _vnni_native(plan, q, scale, 128, neg_zp.add(_C128), bias)
+        if y is not None:
+            return y
     if plan.packed is None:
         entry = onednn._packed(cache, "onednn.linear", plan.weight, lambda w: torch.ops.onednn.qlinear_prepack(w, None))
         if entry is None:
@@ -314,6 +328,45 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
         return raw
     raw = raw.addcmul_(cn, plan.wsum).mul_(scale)  # (raw - c ⊗ wsum) · s_x: one fused pass less
     return raw if bias is None else raw.add_(bias)
+
+
+def n_out(plan: _Plan) -> int:
+    return plan.wsum.shape[0]  # type: ignore[no-any-return]
+
+
+def _vnni_native(plan: _Plan, q: torch.Tensor, scale: float | torch.Tensor, zx: int | float, cn: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A VNNI CPU's dynamic Linear on its u8 codes in one ``lowbit.native`` call (its AVX-512 VNNI kernels, kept per
+    weight and bias), the floats of the oneDNN / ``_int_mm`` route it replaces, bit for bit:
+
+        one row (``cn`` None, grid ``(s_x, z_x)``):  y = fl(fl(Σ (q - z_x) ŵ) · fl(s_w s_x)) + b   (``_int_mm``'s epilogue)
+        rows (zero point 128, ``cn = 128 - z_x``, ``(M, 1)``):  t = fl(fl(Σ (q - 128) ŵ) · s_w) (oneDNN's raw sums),
+                                                  y = fl(fl(t + cn · Σ ŵ) · s_x) + b  (the fused row epilogue)
+
+    ``None``: not taken (no VNNI kernels here, or the tensors do not fit)."""
+    if not native.vnni():
+        return None
+    bkey = None if bias is None else (bias.data_ptr(), bias.dtype)
+    hit = plan.vnni
+    if hit is None or hit[0] != bkey:
+        w, wsum = plan.weight.int_repr(), plan.wsum_i.to(torch.int32)  # type: ignore[union-attr]  # (|Σ| ≤ 128 K)
+        plan.sc = torch.empty_like(plan.scale, dtype=torch.float32)
+        one = native.linear_plan(w, "float", plan.sc, bias, wsum=wsum, pairs=False)
+        rows = native.linear_plan(w, "rows", plan.scale.float(), bias, wsum=wsum, pairs=False, fw=plan.wsum)
+        hit = plan.vnni = (bkey, one, rows)
+    m = q.shape[0]
+    y = torch.empty(m, n_out(plan))
+    if cn is None:
+        if hit[1] is None:
+            return None
+        torch.mul(plan.scale, scale, out=plan.sc)  # (scale: a 0-d float32 tensor)
+        ok = hit[1].run(q, int(zx), y)
+    else:
+        ok = hit[2] is not None and hit[2].run(q, int(zx), y, (cn, scale))  # type: ignore[arg-type]
+    if not ok:
+        return None
+    kernels.counts[("int_mm" if cn is None else "onednn", "linear")] += 1  # (as the call it replaces)
+    return y
 
 
 def _grid_codes(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
