@@ -212,7 +212,7 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
     q, sx, zx, seven_bit = _as_u8(x)
     if not vnni and fbgemm_engine() and out is not None and out.qdtype.storage == torch.uint8 and not (split and not seven_bit):
         # a u8 output with no split: fbgemm's requantized codes at every M (lowbit.native's kernels, or fbgemm's op)
-        y = native_requant(q, sx, zx, weight.int_repr(), weight.scale, bias, out, relu, cache) if few or not nat_v else None
+        y = native_requant(q, sx, zx, weight.int_repr(), weight.scale, bias, out, relu, cache)
         return y if y is not None else _fbgemm_requant(cache, weight, bias, q, sx, zx, out, relu)
     halves = split and not seven_bit
     if not vnni and fbgemm_engine() and (q.numel() <= SMALL_M * q.shape[-1]

@@ -159,7 +159,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         return p
 
     def fbgemm_requant(q: torch.Tensor, sx: float, zx: int, tq: torch.Tensor | None) -> QTensor:
-        y = small_m.native_requant(q, sx, zx, w, w_scale, bias, out, relu, packs) if not vnni or q.numel() <= vnni_rows else None
+        y = small_m.native_requant(q, sx, zx, w, w_scale, bias, out, relu, packs)
         if y is not None:
             return y
         p = fbgemm_requant_pack()
@@ -234,7 +234,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         hit = unit[0]
         if hit is None or hit[0] != ukey:
             hit = unit[0] = [ukey, s.item(), z.item(), (s, z), None, _UNMADE]
-        if fused and native_ok and t.is_contiguous() and not (vnni and t.numel() > vnni_rows):  # type: ignore[union-attr]
+        if fused and native_ok and t.is_contiguous():  # type: ignore[union-attr]  # lowbit.native: fbgemm's codes, one call
             if hit[5] is _UNMADE:  # the native plan for this input grid, made once
                 hit[5] = small_m.requant_plan(w, w_scale, bias, hit[1], out, relu, packs)
             y = (None if hit[5] is None else  # type: ignore[arg-type]
