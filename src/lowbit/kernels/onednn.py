@@ -138,12 +138,6 @@ def _as_u8(x: QTensor) -> tuple[torch.Tensor, float, int, bool]:
     return q, x.scale.item(), zp, qd.quant_max <= 127
 
 
-def _seven_bit(qd: Any) -> bool:
-    """``_as_u8``'s "every code ≤ 127" for a grid, before any codes are read."""
-    if qd.storage == torch.int8:
-        return bool(qd.quant_max + (128 if qd.quant_max - qd.quant_min > 127 else -qd.quant_min) <= 127)
-    return bool(qd.quant_max <= 127)
-
 
 def _packed(cache: dict[str, Any] | None, key: str, weight: QTensor, pack: Any) -> Any:
     """``(packed weight, needs_split)`` for ``weight`` (``None`` if declined), built once per weight version.
@@ -185,11 +179,8 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
     if not q.is_cpu or q.numel() == 0 or q.element_size() != 1:
         return NotImplemented
     vnni = has_vnni()
-    few = q.numel() <= VNNI_M * q.shape[-1]
-    # a VNNI CPU takes the routes without VNNI below (their results, small_m.VNNI_M) for few rows, and for a
-    # requantized u8 output with no split at every M (fbgemm's codes: lowbit.native's kernels, then fbgemm's op)
-    nat_v = vnni and fbgemm_engine() and (few or (out is not None and out.qdtype.storage == torch.uint8 and (
-        _seven_bit(x.qdtype) or not split_on_avx2(weight.int_repr(), cache))))
+    # a VNNI CPU takes the routes without VNNI below for few rows (their codes and floats, small_m.VNNI_M)
+    nat_v = vnni and q.numel() <= VNNI_M * q.shape[-1] and fbgemm_engine()
     if nat_v:
         vnni = False
     if vnni and q.numel() == q.shape[-1] > 1:  # one row: torch._int_mm's GEMV (no pack needed, 3-5x faster)

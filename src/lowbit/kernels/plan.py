@@ -177,7 +177,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             q = q.view(torch.uint8).bitwise_xor(128) if shift == 128 else torch.sub(q, x_qdtype.quant_min).view(torch.uint8)
             zx += shift
             tq = None
-        if vnni and (not onednn.fbgemm_engine() or (q.numel() > vnni_rows and not fused_ok)):  # oneDNN's one exact call
+        if vnni and (not onednn.fbgemm_engine() or q.numel() > vnni_rows):  # oneDNN's one exact call (VNNI / AMX)
             y = torch.ops.onednn.qlinear_pointwise(q, sx, zx, onednn_pack(), w_scale, w_zp, bias, s_out, z_out, dt, post,
                                                    [], "")
             return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
@@ -217,7 +217,8 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         Python number, no re-wrap."""
         tq, tu = x._tq, x._tu
         t, lead = tq if tq is not None else (tu if tu is not None else x._q), None  # (plain codes: lowbit.native only)
-        fused = t is not None and op is not None and not shift and onednn.fbgemm_engine()
+        fused = (t is not None and op is not None and not shift and onednn.fbgemm_engine()
+                 and not (vnni and t.numel() > vnni_rows))
         if fused and t.dim() != 2:  # type: ignore[union-attr]  # (fbgemm flattens ≥ 3-d inputs itself, as for torch.ao)
             if t.dim() == 0 or not t.is_contiguous():  # type: ignore[union-attr]
                 fused = False

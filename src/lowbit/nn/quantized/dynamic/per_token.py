@@ -307,7 +307,7 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     if codes is None:
         return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
     q, scale, neg_zp = codes
-    if m <= _VNNI_ROWS and n_out(plan) * m <= _BLOCK:  # lowbit.native's VNNI kernels: the same floats, one call
+    if m <= small_m.VNNI_M and n_out(plan) * m <= _BLOCK:  # lowbit.native's VNNI kernels: the same floats, one call
         y = _vnni_native(plan, q, scale, 128, neg_zp.add(_C128), bias)
         if y is not None:
             return y
@@ -429,9 +429,6 @@ _OUT_CHUNK = 1 << 20
 _CHUNK_ABOVE = 1 << 22
 
 
-_VNNI_ROWS = 128  # rows up to which a VNNI CPU's 8-bit dynamic Linear is one native call (codes, then sums and the row
-#                  epilogue fused) instead of oneDNN's call and the epilogue pass: 1.1x at 64 rows of 768² (Zen 4, session
-#                  16); only where that epilogue is the fused one (≤ _BLOCK floats), whose floats it reproduces
 _WSPLIT_MAX = 768 * 3072  # weight elements up to which the split weights (2x the bytes) beat one read at small M
 _WSPLIT_M = 4  # rows up to which the weight split runs; more take the codes and onednn.linear where its float route
 #                holds (small_m.float_route: lowbit.native's packed 8-bit kernel, or fbgemm's activation split, the same
