@@ -44,10 +44,10 @@ __all__ = ["VNNI_M", "float_route", "native_linear", "native_requant", "requant_
 # Rows up to which a static Linear on a VNNI CPU (torch's x86/fbgemm engine) takes the routes of a CPU without VNNI,
 # chosen as there (``split_on_avx2``), so it gives their codes and floats: lowbit.native's AVX-512 VNNI kernels where
 # they run, else fbgemm's ops (exact with VNNI, no split needed). 512-bit vpdpbusd blocks are 1.1-1.6x oneDNN's call at
-# 2-32 rows and 1.5-5x at one row, near one 512-bit vpdpbusd per cycle at 16 rows, 1.05-1.15x at 64-128 rows, but
-# 0.8-0.9x oneDNN's call at 512 rows (Zen 4 EPYC, session 16): more rows keep oneDNN's one call, its codes (AMX where
-# the CPU has it). The route depends on the CPU and M only, never on whether lowbit.native is built.
-VNNI_M = 128
+# 2-32 rows and 1.5-5x at one row (near one 512-bit vpdpbusd per cycle at 16 rows), but 0.73-1.0x oneDNN's call at
+# 64-128 rows and 0.8-0.9x at 512 (Zen 4 EPYC, session 16, 15 interleaved rounds): more rows keep oneDNN's one call,
+# its codes (AMX where the CPU has it). The route depends on the CPU and M only, never on whether lowbit.native is built.
+VNNI_M = 32
 
 
 def split_on_avx2(w: torch.Tensor, cache: dict[str, Any] | None) -> bool:
