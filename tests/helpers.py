@@ -45,13 +45,15 @@ def threads(n: int, scope: str = "module", name: str = "one_thread") -> Any:
 one_thread = threads(1)
 
 
-def force(monkeypatch: pytest.MonkeyPatch, *, vnni: bool, fbgemm: bool) -> None:
-    """Make the oneDNN backend take its VNNI (or non-VNNI) route, with fbgemm or without, on any CPU."""
+def force(monkeypatch: pytest.MonkeyPatch, *, vnni: bool, fbgemm: bool, shared: bool = True) -> None:
+    """Make the oneDNN backend take its VNNI (or non-VNNI) route, with fbgemm or without, on any CPU; ``shared``: a
+    VNNI CPU with AVX-512 VNNI (few rows take the routes without VNNI), else one with AVX-VNNI only."""
     from lowbit.kernels import onednn
 
     if not onednn.available():
         pytest.skip("oneDNN int8 ops not available in this torch build")
     monkeypatch.setattr(onednn, "has_vnni", lambda: vnni)
+    monkeypatch.setattr(onednn, "shares_routes", lambda: shared)
     if fbgemm:
         if "x86" not in torch.backends.quantized.supported_engines:
             pytest.skip("no x86/fbgemm quantized engine")

@@ -224,12 +224,15 @@ def _static_operands(k: int, n: int, seed: int, seven_bit: bool) -> tuple[Q.QTen
 
 @pytest.mark.parametrize("out", [None, OutGrid(0.05, 128, Q.quint8), OutGrid(0.05, 0, Q.qint8)])
 @pytest.mark.parametrize("relu", [False, True])
-@pytest.mark.parametrize("fbgemm", [False, True], ids=["onednn_engine", "x86_engine"])
+@pytest.mark.parametrize("fbgemm,shared", [(False, True), (True, True), (True, False)],
+                         ids=["onednn_engine", "x86_engine", "x86_engine_avx_vnni"])
 def test_static_gemv_route_matches_int_mm(monkeypatch: pytest.MonkeyPatch, out: OutGrid | None, relu: bool,
-                                          fbgemm: bool) -> None:
-    """One row on a VNNI CPU: torch._int_mm's GEMV on the onednn engine; on the x86 engine the routes without VNNI
-    (lowbit.native's kernels: the same floats, codes within one of the folded rounding)."""
-    force(monkeypatch, vnni=True, fbgemm=fbgemm)
+                                          fbgemm: bool, shared: bool) -> None:
+    """One row on a VNNI CPU: torch._int_mm's GEMV on the onednn engine or with AVX-VNNI only; on the x86 engine with
+    AVX-512 VNNI the routes without VNNI (lowbit.native's kernels: the same floats, codes within one of the folded
+    rounding)."""
+    force(monkeypatch, vnni=True, fbgemm=fbgemm, shared=shared)
+    fbgemm = fbgemm and shared  # (the shared routes ran)
     ran: list[Any] = []
     real = onednn._gemv
     monkeypatch.setattr(onednn, "_gemv", lambda *a, **kw: ran.append(1) or real(*a, **kw))

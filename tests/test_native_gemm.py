@@ -194,6 +194,31 @@ def test_static_linear_few_rows_is_one_native_call_with_fbgemm_codes(relu: bool,
 
 @needs_native
 @needs_fbgemm
+@pytest.mark.parametrize("recipe", ["default", "x86"])
+def test_avx512_vnni_few_rows_give_the_codes_of_a_cpu_without_vnni(recipe: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to ``VNNI_M`` rows a CPU with AVX-512 VNNI takes the static Linear's routes without VNNI (pinned both ways
+    here, on any CPU): the same outputs as a CPU without VNNI, with lowbit.native on or off, for lowbit's default recipe
+    (8-bit codes against full int8 weights: the float route) and torch.ao's x86 recipe (fbgemm's requantization)."""
+    from lowbit.kernels import onednn
+
+    torch.manual_seed(4)
+    body = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 24))
+    qc = Q.get_default_qconfig("x86") if recipe == "x86" else Q.get_default_qconfig()
+    prep = Q.prepare(nn.Sequential(Q.QuantStub(), body, Q.DeQuantStub()).eval(), qc)
+    prep(torch.randn(64, 64) * 2)
+    qm = Q.convert(prep)
+    for m in (1, 2, 9, onednn.VNNI_M):
+        x = torch.randn(m, 64) * 2
+        outs = []
+        for vnni, off in itertools.product((False, True), (False, True)):
+            force(monkeypatch, vnni=vnni, fbgemm=True)
+            with native.disabled() if off else contextlib.nullcontext():
+                outs.append(qm(x))
+        assert all(torch.equal(outs[0], y) for y in outs[1:]), (recipe, m)
+
+
+@needs_native
+@needs_fbgemm
 def test_per_token_7bit_few_rows_are_the_fbgemm_route(monkeypatch: pytest.MonkeyPatch) -> None:
     """The 7-bit per-token dynamic Linear at every row count: the row codes and one "rows" call, the same floats as
     fbgemm's route, with and without bias, after the bias tensor is replaced, on both bodies."""

@@ -122,7 +122,8 @@ def test_plan_follows_state_changes_pins_and_vnni(monkeypatch: pytest.MonkeyPatc
         before = K.counts[("reference", "linear")]
         mod(x)
         assert K.counts[("reference", "linear")] == before + 1
-    monkeypatch.setattr(onednn, "has_vnni", lambda: True)  # VNNI: a plan too (the routes without VNNI for few rows)
+    monkeypatch.setattr(onednn, "has_vnni", lambda: True)  # AVX-512 VNNI: a plan too (the routes without VNNI for few rows)
+    monkeypatch.setattr(onednn, "shares_routes", lambda: True)
     run = mod._plan(x, linear_plan)
     assert run is not None
     weight, grid = mod._prepared()

@@ -89,14 +89,23 @@ def has_vnni() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_has_vnni() -> bool:
-    """Whether the CPU itself reports VNNI/AMX int8 (``/proc/cpuinfo`` flags)."""
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+            return frozenset(next((ln for ln in f if ln.startswith("flags")), "").split())
     except OSError:
-        return False
-    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+        return frozenset()
+
+
+def cpu_has_vnni() -> bool:
+    """Whether the CPU itself reports VNNI/AMX int8 (``/proc/cpuinfo`` flags)."""
+    return bool(_cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def shares_routes() -> bool:
+    """Whether a VNNI CPU's few-row Linears take the routes of a CPU without VNNI (``small_m.VNNI_M``): where it has
+    AVX-512 VNNI, which lowbit.native's VNNI kernels use. A CPU with AVX-VNNI only (no AVX-512) keeps oneDNN's call."""
+    return {"avx512_vnni", "avx512vl", "avx512f"} <= _cpu_flags()
 
 
 def isa_capped() -> bool:
@@ -180,7 +189,7 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
         return NotImplemented
     vnni = has_vnni()
     # a VNNI CPU takes the routes without VNNI below for few rows (their codes and floats, small_m.VNNI_M)
-    nat_v = vnni and q.numel() <= VNNI_M * q.shape[-1] and fbgemm_engine()
+    nat_v = vnni and q.numel() <= VNNI_M * q.shape[-1] and fbgemm_engine() and shares_routes()
     if nat_v:
         vnni = False
     if vnni and q.numel() == q.shape[-1] > 1:  # one row: torch._int_mm's GEMV (no pack needed, 3-5x faster)

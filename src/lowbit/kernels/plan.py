@@ -89,9 +89,11 @@ def layer_key(w: torch.Tensor, ws: torch.Tensor, wz: torch.Tensor, bias: torch.T
 
 
 def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: bool, x_qdtype: QDtype) -> Run | None:
-    """``run(codes, s_x, z_x)`` computing ``onednn.linear``'s result for this layer, or ``None``."""
+    """``run(codes, s_x, z_x)`` computing ``onednn.linear``'s result for this layer, or ``None`` (a VNNI CPU without
+    AVX-512 VNNI: its generic path is one oneDNN call)."""
     w = weight.int_repr()
-    if (not onednn.available() or w.device.type != "cpu" or w.dtype != torch.int8
+    if (not onednn.available() or (onednn.has_vnni() and not onednn.shares_routes()) or w.device.type != "cpu"
+            or w.dtype != torch.int8
             or w.dim() != 2 or x_qdtype.storage not in (torch.uint8, torch.int8) or bool(weight.zero_point.any())):
         return None
     k = w.shape[1]
@@ -192,8 +194,8 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             p = packs.get("fbgemm")
             if p is None:
                 p = packs["fbgemm"] = onednn._fbgemm_pack(w)
-            return onednn._fbgemm_linear(p, q, sx, zx, split and not vnni, w_scale, bias, out, relu,  # type: ignore[no-any-return]
-                                         packs)
+            y = onednn._fbgemm_linear(p, q, sx, zx, split and not vnni, w_scale, bias, out, relu, packs)
+            return y  # type: ignore[no-any-return]
         packed = onednn_pack()
         if split and not vnni:
             def call(codes: torch.Tensor, zp: int, b: torch.Tensor | None, so: float, zo: int, d: torch.dtype,
