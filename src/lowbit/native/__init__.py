@@ -177,26 +177,25 @@ def disabled() -> _Disabled:
 
 
 @contextlib.contextmanager
-def force_scalar() -> Iterator[None]:
-    """The scalar C bodies inside this block (this thread), on any CPU: tests cover both bodies everywhere."""
+def _pinned(isa: int) -> Iterator[None]:
+    """The C bodies of ``isa`` (0 scalar, 1 the best, 2 AVX2: common.h's ``use_avx2`` / ``use_vnni``) in this block."""
     old = _local.__dict__.get("isa", 1)
-    _local.isa = 0
+    _local.isa = isa
     try:
         yield
     finally:
         _local.isa = old
 
 
-@contextlib.contextmanager
-def force_avx2() -> Iterator[None]:
+def force_scalar() -> contextlib.AbstractContextManager[None]:
+    """The scalar C bodies inside this block (this thread), on any CPU: tests cover both bodies everywhere."""
+    return _pinned(0)
+
+
+def force_avx2() -> contextlib.AbstractContextManager[None]:
     """The AVX2 bodies inside this block (this thread) even on a CPU with AVX-512 VNNI, whose Linears otherwise take
     their VNNI kernels (the same sums): tests cover both where the CPU has both. No effect without AVX2."""
-    old = _local.__dict__.get("isa", 1)
-    _local.isa = 2
-    try:
-        yield
-    finally:
-        _local.isa = old
+    return _pinned(2)
 
 
 def vnni() -> bool:
