@@ -207,10 +207,12 @@ def test_avx512_vnni_few_rows_give_the_codes_of_a_cpu_without_vnni(recipe: str, 
     prep = Q.prepare(nn.Sequential(Q.QuantStub(), body, Q.DeQuantStub()).eval(), qc)
     prep(torch.randn(64, 64) * 2)
     qm = Q.convert(prep)
+    # a VNNI route with lowbit.native off runs fbgemm unsplit, exact only on a real VNNI CPU (it saturates elsewhere)
+    combos = [(v, off) for v, off in itertools.product((False, True), (False, True)) if onednn.has_vnni() or not (v and off)]
     for m in (1, 2, 9, onednn.VNNI_M):
         x = torch.randn(m, 64) * 2
         outs = []
-        for vnni, off in itertools.product((False, True), (False, True)):
+        for vnni, off in combos:
             force(monkeypatch, vnni=vnni, fbgemm=True)
             with native.disabled() if off else contextlib.nullcontext():
                 outs.append(qm(x))
