@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from . import _channel_vectors, _check_grid, _lib, _local, _state, _threads, counts
+from . import _channel_vectors, _check_grid, _lib, _local, _state, _threads, counts, vnni
 from .layers import empty_codes
 
 __all__ = ["MAX_ROWS", "BCAST_M", "LinearPlan", "linear_plan", "pack_bcast", "qlinear", "qlinear_requant", "qlinear_rows",
@@ -84,7 +84,7 @@ class LinearPlan:
                 self._wp = _NO_PACK
             else:  # groups of 4 for the pairs kernel and the VNNI kernels (any plan), of 2 for the words kernel; the body
                 #     of this first packing call decides (a plan packed for the other body takes its dot products)
-                quad = bool(self._plan.pairs) or (bool(lib.lb_cpu_vnni()) and _local.__dict__.get("isa", 1) == 1)
+                quad = bool(self._plan.pairs) or vnni()
                 wp = pack_bcast(self._keep[0], quad)  # type: ignore[arg-type]
                 if self._wp is None:  # (set once, with no GIL release between check and set: a racing pack is dropped)
                     self._wp, self._plan.wp, self._plan.quad = wp, wp.data_ptr(), int(quad)

@@ -307,7 +307,7 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     if codes is None:
         return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
     q, scale, neg_zp = codes
-    if m <= small_m.VNNI_M and n_out(plan) * m <= _BLOCK:  # lowbit.native's VNNI kernels: the same floats, one call
+    if m <= small_m.VNNI_M and plan.wsum.shape[0] * m <= _BLOCK:  # lowbit.native's VNNI kernels: the same floats, one call
         y = _vnni_native(plan, q, scale, 128, neg_zp.add(_C128), bias)
         if y is not None:
             return y
@@ -328,10 +328,6 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
         return raw
     raw = raw.addcmul_(cn, plan.wsum).mul_(scale)  # (raw - c ⊗ wsum) · s_x: one fused pass less
     return raw if bias is None else raw.add_(bias)
-
-
-def n_out(plan: _Plan) -> int:
-    return plan.wsum.shape[0]  # type: ignore[no-any-return]
 
 
 def _vnni_native(plan: _Plan, q: torch.Tensor, scale: float | torch.Tensor, zx: int | float, cn: torch.Tensor | None,
@@ -355,7 +351,7 @@ def _vnni_native(plan: _Plan, q: torch.Tensor, scale: float | torch.Tensor, zx: 
         rows = native.linear_plan(w, "rows", plan.scale.float(), bias, wsum=wsum, pairs=False, fw=plan.wsum)
         hit = plan.vnni = (bkey, one, rows)
     m = q.shape[0]
-    y = torch.empty(m, n_out(plan))
+    y = torch.empty(m, plan.wsum.shape[0])
     if cn is None:
         if hit[1] is None:
             return None
