@@ -147,7 +147,6 @@ def _as_u8(x: QTensor) -> tuple[torch.Tensor, float, int, bool]:
     return q, x.scale.item(), zp, qd.quant_max <= 127
 
 
-
 def _packed(cache: dict[str, Any] | None, key: str, weight: QTensor, pack: Any) -> Any:
     """``(packed weight, needs_split)`` for ``weight`` (``None`` if declined), built once per weight version.
 

@@ -307,7 +307,7 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     if codes is None:
         return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
     q, scale, neg_zp = codes
-    if m <= small_m.VNNI_M and plan.wsum.shape[0] * m <= _BLOCK:  # lowbit.native's VNNI kernels: the same floats, one call
+    if m <= small_m.VNNI_M and plan.wsum.shape[0] * m <= _BLOCK and native.vnni():  # the same floats, one native call
         y = _vnni_native(plan, q, scale, 128, neg_zp.add(_C128), bias)
         if y is not None:
             return y
@@ -339,9 +339,7 @@ def _vnni_native(plan: _Plan, q: torch.Tensor, scale: float | torch.Tensor, zx: 
         rows (zero point 128, ``cn = 128 - z_x``, ``(M, 1)``):  t = fl(fl(Σ (q - 128) ŵ) · s_w) (oneDNN's raw sums),
                                                   y = fl(fl(t + cn · Σ ŵ) · s_x) + b  (the fused row epilogue)
 
-    ``None``: not taken (no VNNI kernels here, or the tensors do not fit)."""
-    if not native.vnni():
-        return None
+    The caller checks ``native.vnni()`` (the VNNI kernels run here). ``None``: not taken (the tensors do not fit)."""
     bkey = None if bias is None else (bias.data_ptr(), bias.dtype)
     hit = plan.vnni
     if hit is None or hit[0] != bkey:
