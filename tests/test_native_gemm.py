@@ -167,6 +167,16 @@ def test_plans_decline_what_does_not_fit_and_name_wrong_values() -> None:
     assert rows is not None
     with pytest.raises(ValueError, match="zx=3 .*'rows'"):  # per-token rows carry their zero points in (a, s)
         rows.run(torch.zeros(2, 16, dtype=torch.uint8), 3, y[:2], (torch.zeros(2), torch.ones(2)))
+    rows_z = native.linear_plan(w, "rows", one, wsum=w.sum(1, dtype=torch.int32), fw=one)  # with Σ w: a zero point too
+    q5 = torch.randint(0, 256, (5, 16), dtype=torch.uint8)
+    y5 = torch.empty(5, 8)
+    for body in ("vnni", "avx2", "scalar"):  # (the VNNI CPU's dynamic rows: zero point 128, a = 128 - z_x)
+        if (body == "vnni" and not native.vnni()) or (body == "avx2" and "AVX2" not in native.reason()):
+            continue  # (a body this CPU lacks; the others still run)
+        with _body(body):
+            assert rows_z is not None and rows_z.run(q5, 128, y5, (torch.full((5,), 2.0), torch.full((5,), 0.5)))
+        want = (((q5.int() - 128) @ w.int().t()).float() + 2.0 * one) * 0.5
+        assert torch.equal(y5, want), body
 
 
 @needs_native
