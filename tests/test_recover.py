@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -287,6 +288,26 @@ def test_quantize_ptq_default_is_todays_behaviour():
     assert [s for s, _ in report.steps] == ["fuse", "calibrate", "convert"] and not report.layers
 
 
+def test_quantize_ptq_float_output_drops_only_the_last_rounding():
+    """``float_output`` (accurate, default True): the Linear read only by dequantize returns its float result, the
+    same int8 kernel one output rounding less: within half an output step of the 8-bit model where nothing clips."""
+    torch.manual_seed(3)
+    model, calib, x = DwNet().eval(), _data(), _data(2, seed=9)[0]
+    kw = dict(recipe="accurate", iters=0, refine=0, progress=False)
+    q8, r8 = Q.quantize_ptq(model, calib, float_output=False, **kw)
+    qf, rf = Q.quantize_ptq(model, calib, **kw)
+    assert r8.float_output == [] and "float output" not in dict(r8.steps)
+    assert rf.float_output == ["fc"] and type(qf.fc).__name__ == "LinearFloatOut", rf.float_output
+    step, zp = float(q8.fc.scale), int(q8.fc.zero_point)
+    y8, yf = q8(x), qf(x)
+    inside = ((yf / step + zp) > 0.5) & ((yf / step + zp) < 254.5)  # no clipping on the 8-bit grid there
+    assert inside.float().mean() > 0.9 and not torch.equal(y8, yf)
+    assert float((y8 - yf)[inside].abs().max()) <= step / 2 + 1e-6
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match=f"float_output={bad!r} must be True or False"):
+            Q.quantize_ptq(model, calib, float_output=bad, **kw)
+
+
 def test_quantize_ptq_accurate_beats_default_and_reports():
     torch.manual_seed(3)
     model, calib, x = DwNet().eval(), _data(), _data(2, seed=9)[0]
@@ -294,8 +315,9 @@ def test_quantize_ptq_accurate_beats_default_and_reports():
     qd, _ = Q.quantize_ptq(model, calib, recipe="default", progress=False)
     qa, rep = Q.quantize_ptq(model, calib, recipe="accurate", iters=60, progress=False)
     assert _sqnr(ref, qa(x)) > _sqnr(ref, qd(x)) + 1.0
-    assert [s for s, _ in rep.steps] == ["fuse", "equalize", "calibrate", "round", "correct bias", "convert"]
-    assert len(rep.layers) == 4 and "AdaRound" in str(rep)
+    assert [s for s, _ in rep.steps] == ["fuse", "equalize", "calibrate", "refine grids", "round", "correct bias",
+                                         "convert", "float output"]
+    assert len(rep.layers) == 4 and "AdaRound" in str(rep) and rep.float_output == ["fc"]
     assert all(type(m).__module__.startswith("lowbit.nn.quantized") for n, m in qa.named_modules()
                if n in ("stem.0", "dw.0", "pw.0", "fc"))
 
@@ -398,8 +420,12 @@ def cli_quantize_accurate(tmp_path, monkeypatch, *extra: str, recipe: str = "acc
         "    return nn.Sequential(nn.Linear(8, 16), nn.ReLU6(), nn.Linear(16, 3))\n")
     monkeypatch.chdir(tmp_path)
     torch.save(torch.randn(64, 8), tmp_path / "calib.pt")
-    return cli.main(["quantize", "--model", "usermodel:make", "--calib", "calib.pt", "--method", "ptq",
-                     "--recipe", recipe, *extra, "--quiet", "--out", "o"])
+    sys.modules.pop("usermodel", None)  # this file's module, not another test's (nor left for the next one)
+    try:
+        return cli.main(["quantize", "--model", "usermodel:make", "--calib", "calib.pt", "--method", "ptq",
+                         "--recipe", recipe, *extra, "--quiet", "--out", "o"])
+    finally:
+        sys.modules.pop("usermodel", None)
 
 
 def test_cli_recipe_accurate(tmp_path, capsys, monkeypatch):

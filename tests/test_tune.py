@@ -88,7 +88,7 @@ def test_quantize_ptq_tune_step_and_bad_input():
     model = _net()
     calib = [torch.randn(8, 3, 6, 6) for _ in range(2)]
     q, rep = Q.quantize_ptq(model, calib, iters=5, tune=10, progress=False)
-    assert [s for s, _ in rep.steps][-2:] == ["tune biases", "convert"], rep.steps
+    assert [s for s, _ in rep.steps][-3:] == ["tune biases", "convert", "float output"], rep.steps
     for bad in (-1, True, 2.5):
         with pytest.raises(ValueError, match=f"tune={bad!r}"):
             Q.quantize_ptq(model, calib, tune=bad, progress=False)

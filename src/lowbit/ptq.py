@@ -9,10 +9,12 @@ the real int8 kernels and a ``PTQReport`` saying what every step changed. Recipe
 ``"accurate"``   fuse (BN folded; ReLU/ReLU6 folded into the layer's output grid) → equalize
                  (``lowbit.algorithms.equalize``, see below; residual streams:
                  ``lowbit.algorithms.equalize_stream``) → calibrate (``get_accurate_qconfig()``:
-                 MSE-searched activation and per-channel weight ranges) → round (AdaRound on the
+                 MSE-searched activation and per-channel weight ranges) → refine the 8 costliest
+                 activation grids on the model's output (``lowbit.algorithms.grid_search``) → round (AdaRound on the
                  quantized model's own inputs: the layers of a residual block together on the block's
                  output, BRECQ, with the step sizes of the block's activation grids learned alongside
-                 (LSQ); the others layer by layer) → correct bias (empirical) → convert.
+                 (LSQ); the others layer by layer) → correct bias (empirical) → convert → float output
+                 (int8 Linears read only by dequantize return float: ``fuse_dequantize``).
 ``"balanced"``   the cheap middle: the default recipe's grids (histogram activations, per-channel weights,
                  no equalization) → round every Linear / dense or depthwise conv by
                  ``lowbit.algorithms.quadratic`` (codes minimising the layer's output error on all the
@@ -38,7 +40,8 @@ ranges too (500 steps with histogram ranges: 0.906 / 17.46 dB); with residual bl
 step sizes learned too (``learn_grids``) 0.896 / 18.17 dB, and with the residual streams equalized
 (``streams``, the recipe) 0.917 / 19.54 dB (all at 1 thread, 96 evaluation crops; on 480 the recipe measures
 0.867 / 19.62 dB at 1 thread, 0.898 / 19.62 dB at 2 with 48 calibration crops, 0.896 / 20.12 and 0.896 / 20.13
-with 96: short of a robust 0.90, ``docs/design.md``).
+with 96; with the grid refinement and float logits (the recipe since session 17) and 192 crops 0.904 / 21.24 and
+0.896 / 21.15, on 1440 evaluation crops 0.905 / 21.14 and 0.897 / 21.09: short of a robust 0.90, ``docs/design.md``).
 The whole-model check in the report (``sqnr_db`` on the first calibration batch) compares the float
 and the int8 model's outputs.
 
@@ -49,7 +52,9 @@ and the int8 model's outputs.
 >>> calib = [torch.randn(8, 3, 8, 8) for _ in range(2)]
 >>> qmodel, report = Q.quantize_ptq(model, calib, recipe="accurate", iters=20, progress=False)
 >>> [step for step, _ in report.steps]
-['fuse', 'equalize', 'calibrate', 'round', 'correct bias', 'convert']
+['fuse', 'equalize', 'calibrate', 'refine grids', 'round', 'correct bias', 'convert', 'float output']
+>>> report.float_output                                  # the last Linear gives the float logits
+['4']
 >>> report.sqnr_db > 20
 True
 >>> q1, r1 = Q.quantize_ptq(model, calib, recipe="balanced", progress=False)
@@ -91,6 +96,7 @@ class PTQReport:
     equalized: list[Any] = field(default_factory=list)
     sqnr_db: float = float("nan")
     float_layers: list[str] = field(default_factory=list)
+    float_output: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"quantize_ptq(recipe={self.recipe!r}): output SQNR vs float {self.sqnr_db:.2f} dB"]
@@ -156,7 +162,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
                  qconfig_mapping: QConfigMapping | None = None, iters: int = 500, batch_size: int = 8,
                  equalize: bool | str = "range", streams: float | None = 0.75, blocks: bool = True,
                  learn_grids: bool = True, tune: int = 0, max_float_layers: int = 0, progress: bool = True,
-                 seed: int = 0, rounding: str = "adaround", refine: int = 0) -> tuple[nn.Module, PTQReport]:
+                 seed: int = 0, rounding: str = "adaround", refine: int = 8,
+                 float_output: bool = True) -> tuple[nn.Module, PTQReport]:
     """Quantize a float ``model`` with ``recipe`` (``"default"``, ``"accurate"`` or ``"balanced"``, module doc);
     return ``(qmodel, report)``.
 
@@ -177,12 +184,15 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     many Adam steps (16 samples each) tune every layer's bias on the whole model's output against the float
     model's, codes fixed (``lowbit.algorithms.tune``, AdaQuant's bias tuning; kept only if the calibration
     error drops). Off by default: on MobileNetV2 it found no gain (``docs/design.md``). ``refine`` (``accurate``
-    only, default 0: off): after calibration, the step of that many activation grids (the costliest on the
+    only, default 8; 0: off): after calibration, the step of that many activation grids (the costliest on the
     model's output, each alone) is searched on the model's output error on the first calibration batch
-    (``lowbit.algorithms.grid_search``; the output prefers more clipping than the tensor's MSE range). MobileNetV2
-    (96 calibration crops, 480 evaluation crops) ``refine=8``: 0.885 / 20.73 dB at 1 thread against
-    0.896 / 20.12 without, 0.894 / 20.71 at 2 threads against 0.896 / 20.13: more SQNR, not more agreement, so
-    off by default.
+    (``lowbit.algorithms.grid_search``; the output prefers more clipping than the tensor's MSE range).
+    ``float_output`` (``accurate`` only, default True): after convert, every int8 Linear read only by dequantize
+    nodes returns its float result (``lowbit.algorithms.float_output.fuse_dequantize``: the same int8 kernel, one
+    8-bit rounding and clip of the output less; ``report.float_output`` names them). MobileNetV2 (1 thread,
+    100 AdaRound steps, 1440 evaluation crops): 96 calibration crops 0.897 / 20.08 dB with neither, 0.896 / 20.85
+    with both; 192 calibration crops 0.892 / 20.34 with neither, 0.902 / 21.02 with ``refine=8``, **0.905 / 21.14**
+    with both (``docs/design.md``).
     ``max_float_layers`` (either recipe, default 0): after convert, keep up to that many
     weighted layers float, picked label-free on the first calibration batch by the output SQNR against the
     float model (``lowbit.debug.auto_mixed_precision``'s ``search="fast"`` walk on this converted model: each
@@ -215,6 +225,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         raise TypeError(f"quantize_ptq: learn_grids={learn_grids!r} must be True or False")
     if isinstance(tune, bool) or not isinstance(tune, int) or tune < 0:
         raise ValueError(f"quantize_ptq: tune={tune!r} must be an int >= 0 (steps of end-to-end bias tuning)")
+    if not isinstance(float_output, bool):
+        raise TypeError(f"quantize_ptq: float_output={float_output!r} must be True or False")
     if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
         raise ValueError(f"quantize_ptq: refine={refine!r} must be an int >= 0 (activation grids searched on the output)")
     if isinstance(max_float_layers, bool) or not isinstance(max_float_layers, int) or max_float_layers < 0:
@@ -319,4 +331,14 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         report.steps.append(("float layers", f"{len(report.float_layers)} of {len(table.rows)} weighted layers kept "
                                              f"float (budget {max_float_layers}): first-batch SQNR {before:.2f} -> "
                                              f"{report.sqnr_db:.2f} dB"))
+    if recipe == "accurate" and float_output:
+        from .algorithms.float_output import fuse_dequantize
+
+        before = report.sqnr_db
+        report.float_output = fuse_dequantize(qmodel)
+        with torch.no_grad():
+            report.sqnr_db = _sqnr(ref, qmodel(*batches[0]))
+        report.steps.append(("float output", f"{len(report.float_output)} int8 Linears read only by dequantize give "
+                                             f"their float result ({', '.join(report.float_output) or '-'}): "
+                                             f"first-batch SQNR {before:.2f} -> {report.sqnr_db:.2f} dB"))
     return qmodel, report
