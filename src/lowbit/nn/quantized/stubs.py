@@ -126,10 +126,7 @@ class Quantize(CheckedQuantState):
         where ``quantize_scaled`` must decide per call (other storage, a zero point outside it, a torch whose
         ``quantize_per_tensor`` is not exact at scale 1)."""
         scale, zero_point = self._buffers["scale"], self._buffers["zero_point"]
-        try:
-            key = (scale._version, zero_point._version)  # type: ignore[union-attr]
-        except RuntimeError:  # inference tensors keep no version counter
-            key = (tensor_version(scale), tensor_version(zero_point))  # type: ignore[arg-type]
+        key = (tensor_version(scale), tensor_version(zero_point))  # type: ignore[arg-type]  # (no raise: inference -1)
         hit = self.__dict__.get("_grid_cache")
         if (hit is None or hit[0] != key or hit[2] is not scale or hit[3] is not zero_point  # (held: ids stay unique)
                 or hit[4] is not self.qdtype):

@@ -129,12 +129,9 @@ def _pack(cache: dict[str, Any], name: str, weight_int8: torch.Tensor, w_scale: 
           bias: torch.Tensor | None) -> Any:
     """fbgemm-packed weight with its real per-channel scales (and ``bias``), rebuilt when a buffer changes (their
     identities and versions)."""
-    try:  # (the pack holds the three tensors: their ids stay unique)
-        key = (id(weight_int8), id(w_scale), id(bias), weight_int8._version, w_scale._version,
-               None if bias is None else bias._version)
-    except RuntimeError:  # inference tensors keep no version counter
-        key = (id(weight_int8), id(w_scale), id(bias), tensor_version(weight_int8), tensor_version(w_scale),
-               None if bias is None else tensor_version(bias))
+    # (the pack holds the three tensors: their ids stay unique; an inference tensor keys as -1 without a raise)
+    key = (id(weight_int8), id(w_scale), id(bias), tensor_version(weight_int8), tensor_version(w_scale),
+           None if bias is None else tensor_version(bias))
     hit = cache.get(name)
     if hit is None or hit[0] != key:
         hit = cache[name] = (key, _prepack(weight_int8, w_scale, bias), (weight_int8, w_scale, bias))
