@@ -11,7 +11,8 @@ The real implementation calls ``kernels.linear`` / ``kernels.conv`` (backend cho
 ``use_backend`` pins honoured, ``counts`` tallied) with the packed weight cached per weight tensor
 object (``weight_cache``: the same buffer object comes back on every call of a compiled or
 exported program); with no backend pinned, a per-tensor CPU ``qlinear`` runs the eager module's own
-``kernels.plan.linear_plan`` (the same codes, ~50 µs less per call at small M on the AVX2 EPYC), kept in that cache.
+``kernels.plan.linear_plan`` (the same codes, ~50 µs less per call at small M on the AVX2 EPYC), and ``qconv`` its
+``kernels.conv_plan`` where it makes one (the same oneDNN call), kept in that cache.
 
 >>> import torch, lowbit as Q
 >>> from lowbit.pt2 import weight_cache
@@ -30,6 +31,7 @@ import torch
 from .. import kernels
 from ..compile_state import qdtype_from_key
 from ..kernels import ConvSpec, OutGrid
+from ..kernels.conv_plan import conv_plan
 from ..kernels.plan import layer_key, linear_plan
 from ..qtensor import QTensor
 from .quant_ops import define
@@ -80,6 +82,22 @@ def _linear_plan(cache: dict[str, Any], x_qdtype: str, weight: torch.Tensor, w_s
         run = linear_plan(wq, bias, out, relu, qdtype_from_key(x_qdtype))  # type: ignore[arg-type]
         # the buffers ride along: while the plan holds them, their ids cannot be reused
         hit = cache["pt2.linear_plan"] = (key, run, (w_scale, w_zero_point, bias, out_scale, out_zero_point))
+    return hit[1]
+
+
+def _conv_plan(cache: dict[str, Any], x_qdtype: str, weight: torch.Tensor, w_scale: torch.Tensor,
+               w_zero_point: torch.Tensor, w_qdtype: str, bias: torch.Tensor | None, out_scale: torch.Tensor,
+               out_zero_point: torch.Tensor, out_qdtype: str, relu: bool, spec: ConvSpec) -> Any:
+    """The eager conv module's ``kernels.conv_plan`` for these buffers and this geometry (``None``: the generic path),
+    kept in the weight's cache as ``_linear_plan`` keeps the Linear's."""
+    key = (x_qdtype, w_qdtype, out_qdtype, relu, spec, *layer_key(weight, w_scale, w_zero_point, bias, out_scale,
+                                                               out_zero_point))
+    hit = cache.get("pt2.conv_plan")
+    if hit is None or hit[0] != key:
+        wq = QTensor._trusted(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=0)
+        run = conv_plan(wq, bias, _out_grid(out_scale, out_zero_point, out_qdtype), relu, qdtype_from_key(x_qdtype),
+                        spec)
+        hit = cache["pt2.conv_plan"] = (key, run, (w_scale, w_zero_point, bias, out_scale, out_zero_point))
     return hit[1]
 
 
@@ -138,11 +156,17 @@ def qconv(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_
           out_qdtype: str, relu: bool, stride: list[int], padding: list[int], dilation: list[int], groups: int,
           transposed: bool, output_padding: list[int]) -> torch.Tensor:
     spec = _spec(stride, padding, dilation, groups, transposed, output_padding)
-    axis = 1 if transposed else 0
+    cache = weight_cache(weight)
     xq = QTensor._trusted(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
-    wq = QTensor._trusted(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=axis)
+    if (out_scale is not None and out_zero_point is not None and x.is_cpu and x.numel()
+            and kernels.get_backend() is None and x_scale.numel() == 1):  # the eager module's plan (its floor)
+        run = _conv_plan(cache, x_qdtype, weight, w_scale, w_zero_point, w_qdtype, bias, out_scale, out_zero_point,
+                         out_qdtype, relu, spec)
+        if run is not None:
+            return run(xq).int_repr().contiguous(memory_format=_memory_format(spec.dim))
+    wq = QTensor._trusted(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=1 if transposed else 0)
     out = _out_grid(out_scale, out_zero_point, out_qdtype)
-    y = kernels.conv(xq, wq, bias, spec, out, relu, weight_cache(weight))
+    y = kernels.conv(xq, wq, bias, spec, out, relu, cache)
     return (y.int_repr() if isinstance(y, QTensor) else y).contiguous(memory_format=_memory_format(spec.dim))
 
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from ... import kernels
 from ...kernels import ConvSpec
+from ...kernels.conv_plan import conv_plan
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
 from ._utils import (WeightedQuantModule, as_qtensor)
@@ -114,10 +115,17 @@ class _ConvNd(WeightedQuantModule):
                              f"or unbatched, got {tuple(x.shape)}")
         if self._explicit_pad is not None:
             qx = self._pad(qx)
+        run = self._plan(qx, self._conv_plan)  # the eager floor: one plan per layer state (kernels.conv_plan)
+        if run is not None:
+            y = run(qx)
+            return y.reshape(*y.shape[1:]) if unbatched else y
         weight, out = self._prepared()
         y = kernels.conv(qx, weight, self.bias, self._spec, out, self._relu, self._cache)
         assert isinstance(y, QTensor)
         return y.reshape(*y.shape[1:]) if unbatched else y
+
+    def _conv_plan(self, weight: QTensor, bias: torch.Tensor | None, out: Any, relu: bool, x_qdtype: QDtype) -> Any:
+        return conv_plan(weight, bias, out, relu, x_qdtype, self._spec)
 
     @classmethod
     def from_reference(cls, conv: nn.Module, weight: QTensor, out_scale: float, out_zero_point: int,

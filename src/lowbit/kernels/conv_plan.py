@@ -1,0 +1,80 @@
+"""A static int8 conv's per-call work at the floor: its oneDNN call's arguments made once per layer state.
+
+``onednn.conv`` re-derives on every call what a converted layer never changes between calls: the geometry lists,
+the packed weight (a version-keyed cache look-up), whether the CPU's u8 × s8 products could saturate (the split),
+the output grid's Python numbers, whether ReLU fuses, and the input grid's scale and zero point (two ``item``
+reads). ``conv_plan`` decides it once, for one layer state (weight codes, scales, bias, output grid), one
+geometry and one activation ``QDtype``, and returns ``run(x)`` for a per-tensor ``QTensor`` input::
+
+    y = onednn::qconv_pointwise(codes, s_x, z_x, packed w, s_w, 0, bias, geometry, s_out, z_out, u8, relu?)
+
+It is the very call ``onednn.conv`` makes where no split is needed (a VNNI CPU, or weights ``saturation_safe``
+on a CPU without VNNI), so the codes are bit-identical to the generic path's (``tests/test_static_plan.py``);
+the plan drops only re-validation and re-derivation (~30 µs per call on the Zen 4 EPYC, where the oneDNN call
+itself costs ~50 µs at batch 2). ``None`` where the generic dispatcher must run: no oneDNN, a split (the
+weight-split convs and the native depthwise kernel), weights with zero points, a transposed or non-2-d conv,
+an input grid whose codes are not u8, a float output, a non-CPU layer. The caller keys the plan on the
+layer's buffers and runs it only with no backend pinned and outside tracing; each call counts in
+``kernels.counts`` as ``("onednn", "conv")``, like the generic one.
+
+>>> import torch, lowbit as Q
+>>> from lowbit.kernels import ConvSpec, OutGrid, conv_plan
+>>> w = Q.quantize_per_channel(torch.ones(1, 1, 1, 1), torch.tensor([0.01]), torch.tensor([0]), 0, Q.qint8)
+>>> run = conv_plan.conv_plan(w, None, OutGrid(0.5, 0, Q.quint8), False, Q.quint8, ConvSpec(2, (1, 1), (0, 0), (1, 1), 1))
+>>> x = Q.quantize_per_tensor(torch.full((1, 1, 2, 2), 2.0), 0.1, 0, Q.quint8)   # y = 2.0 on a 0.5 grid
+>>> run is None or run(x).int_repr().flatten().tolist() == [4, 4, 4, 4]
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..qscheme import QDtype
+from ..qtensor import QTensor
+from . import onednn
+from .spec import ConvSpec, OutGrid
+
+__all__ = ["conv_plan"]
+
+
+def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, relu: bool, x_qdtype: QDtype,
+              spec: ConvSpec) -> Callable[[QTensor], QTensor] | None:
+    """``run(x)``: the layer's one oneDNN call on a per-tensor u8-coded ``x`` (module docstring), or ``None``."""
+    w = weight.int_repr()
+    if (out is None or spec.transposed or spec.dim != 2 or x_qdtype.storage != torch.uint8 or not onednn.available()
+            or w.device.type != "cpu" or w.dtype != torch.int8 or out.qdtype.storage != torch.uint8
+            or bool(weight.zero_point.any())):
+        return None
+    if not (onednn.has_vnni() or onednn.saturation_safe(w)):  # the split routes: the generic path
+        return None
+    stride, padding, dilation = onednn._geometry(spec)
+    packed = torch.ops.onednn.qconv_prepack(w, weight.scale, 1.0, 0, stride, padding, dilation, spec.groups, None)
+    w_scale, w_zp, groups = weight.scale, weight.zero_point, spec.groups
+    s_out, z_out, post = out.scale, out.zero_point, "relu" if relu else "none"
+    full, qd = out.full_range, out.qdtype
+    counts, key = _counts(), ("onednn", "conv")
+    grid: list[Any] = [None]  # (key of the input grid's tensors, s_x, z_x, the tensors held)
+
+    def run(x: QTensor) -> QTensor:
+        s, z = x._scale, x._zero_point
+        # (an inference tensor keys as -1: its _version raises, and a caught torch error costs ~8 µs)
+        gkey = (id(s), id(z), -1 if s.is_inference() else s._version, -1 if z.is_inference() else z._version)
+        hit = grid[0]
+        if hit is None or hit[0] != gkey:
+            hit = grid[0] = (gkey, s.item(), int(z.item()), (s, z))
+        counts[key] += 1
+        y = torch.ops.onednn.qconv_pointwise(x.int_repr(), hit[1], hit[2], packed, w_scale, w_zp, bias, stride, padding,
+                                             dilation, groups, s_out, z_out, torch.uint8, post, [], "")
+        return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
+
+    return run
+
+
+def _counts() -> Any:
+    from . import counts  # the dispatcher's tally (imported when a plan is built: the package is loaded by then)
+
+    return counts
