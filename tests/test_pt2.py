@@ -173,3 +173,28 @@ def test_compiled_linear_takes_the_eager_plan(monkeypatch: pytest.MonkeyPatch) -
         cache = Q.pt2.weight_cache(model.fc1.weight_int8)
         plan = cache["pt2.linear_plan"][1]
         assert (plan is None) == (not onednn.available()), f"has_vnni={vnni}: plan {plan}"
+
+
+def test_compiled_conv_and_pool_take_the_eager_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled static conv runs the eager module's plan (``kernels.conv_plan``) where one is made (VNNI, pinned;
+    without VNNI these random weights need the split: the generic dispatcher), and max pooling stays one opaque
+    ``lowbit::max_pool2d_codes`` op (inlined, inductor fused its window reads into the flatten's index order);
+    eager's codes either way."""
+    model, x = _eager_converted()
+    for vnni in (True, False):
+        monkeypatch.setattr(onednn, "has_vnni", lambda v=vnni: v)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, dynamic=False)
+        with torch.no_grad():
+            assert torch.equal(compiled(x), model(x)), f"has_vnni={vnni}: compiled differs from eager"
+        hit = Q.pt2.weight_cache(model.conv2.weight_int8).get("pt2.conv_plan")
+        if onednn.available():
+            assert hit is not None and (hit[1] is not None) == vnni, f"has_vnni={vnni}: {hit}"
+    gm = torch.export.export(model, (x,)).graph_module
+    pools = [n for n in gm.graph.nodes if str(n.target) == "lowbit.max_pool2d_codes.default"]
+    assert len(pools) == 2, gm.graph
+    q = torch.randint(0, 256, (2, 3, 6, 7), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    y = torch.ops.lowbit.max_pool2d_codes(q, [2, 2], [2, 2])
+    assert torch.equal(y, torch.nn.functional.max_pool2d(q.float(), 2).to(torch.uint8))
+    with pytest.raises(ValueError, match="max_pool2d_codes: kernel_size=\\[2, 2\\].*not covered"):
+        torch.ops.lowbit.max_pool2d_codes(q.contiguous(), [2, 2], [2, 2])  # NCHW codes: not this op's case

@@ -7,7 +7,12 @@
   ``WeightOnlyLinear``'s forward (int4 CPU kernel, int8 scaling or dequantize + ``F.linear``), in
   ``x``'s dtype;
 - ``lowbit::qfunctional(op, a, b | None, c, out grid) -> codes``: ``QFunctional``'s ``add``,
-  ``add_relu``, ``mul``, ``add_scalar``, ``mul_scalar`` on per-tensor QTensor codes.
+  ``add_relu``, ``mul``, ``add_scalar``, ``mul_scalar`` on per-tensor QTensor codes;
+- ``lowbit::max_pool2d_codes(codes (N, C, H, W) channels-last, kernel, stride) -> codes``: the eager
+  strided-view window maximum (``qtensor.pool``). Opaque on purpose: inlined, inductor fused the window
+  reads into the next kernel's index order (a ``flatten`` to NCHW order: a scalar gather with an integer
+  division per element, 0.8 ms for SmallCNN's 64 × 32 × 14 × 14 add + pool + flatten on the Zen 4 EPYC);
+  realized here, the ``flatten`` is a plain transposing copy.
 
 The implementations are the eager code (packed weights cached per weight tensor object), so a
 compiled or exported program gives the eager numbers bit for bit.
@@ -32,6 +37,7 @@ from ..nn.quantized.dynamic.reduced import forward as _reduced_forward
 from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.weight_only import WeightOnlyLinear
 from ..qtensor import QTensor
+from ..qtensor.pool import max_pool2d_codes
 from .kernel_ops import weight_cache
 from .quant_ops import define, like
 
@@ -120,3 +126,21 @@ define("weight_only_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zero_
 define("qfunctional(str op, Tensor x, Tensor x_scale, Tensor x_zero_point, str x_qdtype, Tensor? y, "
        "Tensor? y_scale, Tensor? y_zero_point, str y_qdtype, float c, Tensor out_scale, Tensor out_zero_point, "
        "str out_qdtype) -> Tensor", qfunctional, _qfunctional_fake)
+
+
+def _max_pool2d_codes(q: torch.Tensor, kernel_size: list[int], stride: list[int]) -> torch.Tensor:
+    y = max_pool2d_codes(q, kernel_size, stride)
+    if y is None:  # (the caller traced only what max_pool2d_codes takes)
+        raise ValueError(f"lowbit::max_pool2d_codes: kernel_size={kernel_size}, stride={stride} on a {q.dtype} "
+                         f"tensor of shape {tuple(q.shape)} (channels-last 8-bit CPU codes, no padding) is not covered")
+    return y.contiguous(memory_format=torch.channels_last)
+
+
+def _max_pool2d_codes_fake(q: torch.Tensor, kernel_size: list[int], stride: list[int]) -> torch.Tensor:
+    n, c, h, w = q.shape
+    shape = (n, c, (h - kernel_size[0]) // stride[0] + 1, (w - kernel_size[1]) // stride[1] + 1)
+    return torch.empty(shape, dtype=q.dtype, device=q.device, memory_format=torch.channels_last)
+
+
+define("max_pool2d_codes(Tensor q, int[] kernel_size, int[] stride) -> Tensor", _max_pool2d_codes,
+       _max_pool2d_codes_fake)

@@ -13,9 +13,9 @@ Paths (all give the same codes):
 - other 2-d uint8 CPU codes: torch's quantized ``max_pool2d`` (one pass);
 - the rest: the float op on codes converted to float32 (exact for 8-bit codes).
 
-While ``torch.compile`` / ``torch.export`` trace, the strided-view path is used too (plain ``maximum`` /
-``permute`` / ``reshape`` on the 8-bit codes: inductor fuses them into the neighbouring glue without a
-float32 buffer).
+While ``torch.compile`` / ``torch.export`` trace, the strided-view path runs as one opaque op,
+``lowbit::max_pool2d_codes`` (``lowbit.pt2``), on the 8-bit codes: inlined, inductor fused the window reads into
+the next kernel (SmallCNN's ``flatten``: a scalar gather, ~0.6 ms at batch 64).
 
 >>> import torch, torch.nn.functional as F, lowbit as Q
 >>> x = torch.arange(16.0).reshape(1, 1, 4, 4)
@@ -64,6 +64,8 @@ def max_pool2d_codes(q: torch.Tensor, kernel_size: Any, stride: Any = None, padd
     ho, wo = (h - kh) // sh + 1, (w - kw) // sw + 1
     if ho <= 0 or wo <= 0 or kh * kw > 16:
         return None
+    if tracing():  # one opaque op (lowbit.pt2): the window reads stay out of the next kernel's index order
+        return torch.ops.lowbit.max_pool2d_codes(q, [kh, kw], [sh, sw])
     if k == s == (2, 2) and h % 2 == 0 and w % 2 == 0:
         rows = q.permute(0, 2, 3, 1).reshape(n, ho, 2, wo, 2 * c)  # a view: (W pairs) x C are contiguous
         m = torch.maximum(rows[:, :, 0], rows[:, :, 1])
