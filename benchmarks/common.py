@@ -190,9 +190,10 @@ def machine() -> dict[str, Any]:
 
 
 def write_results(name: str, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` plus ``machine()`` to ``benchmarks/results/<name>.json``; return the path."""
+    """Write ``payload`` plus ``machine()`` to ``benchmarks/results/<name>.json`` (``name`` with or without the
+    ``.json`` suffix, as ``--out`` is given); return the path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    path = RESULTS / f"{name.removesuffix('.json')}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=1, default=str) + "\n")
     return path
 
