@@ -36,6 +36,7 @@ import torch
 from ..qscheme import QDtype
 from ..qtensor import QTensor
 from . import onednn
+from .plan import _counts, input_grid_key
 from .spec import ConvSpec, OutGrid
 
 __all__ = ["conv_plan"]
@@ -61,8 +62,7 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
 
     def run(x: QTensor) -> QTensor:
         s, z = x._scale, x._zero_point
-        # (an inference tensor keys as -1: its _version raises, and a caught torch error costs ~8 µs)
-        gkey = (id(s), id(z), -1 if s.is_inference() else s._version, -1 if z.is_inference() else z._version)
+        gkey = input_grid_key(s, z)
         hit = grid[0]
         if hit is None or hit[0] != gkey:
             hit = grid[0] = (gkey, s.item(), int(z.item()), (s, z))
@@ -73,8 +73,3 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
 
     return run
 
-
-def _counts() -> Any:
-    from . import counts  # the dispatcher's tally (imported when a plan is built: the package is loaded by then)
-
-    return counts

@@ -47,7 +47,7 @@ from . import avx2, onednn, small_m
 from .avx2 import _QUIET
 from .spec import OutGrid
 
-__all__ = ["linear_plan", "layer_key"]
+__all__ = ["linear_plan", "layer_key", "input_grid_key"]
 
 Run = Callable[..., QTensor]  # run(codes, s_x, z_x, tq=None)
 _UNMADE = object()  # a kept slot not filled yet (None is a made "declined")
@@ -85,6 +85,12 @@ def layer_key(w: torch.Tensor, ws: torch.Tensor, wz: torch.Tensor, bias: torch.T
             -1 if wz.is_inference() else wz._version,
             -2 if bias is None else -1 if bias.is_inference() else bias._version,
             -1 if s.is_inference() else s._version, -1 if z.is_inference() else z._version)
+
+
+def input_grid_key(s: torch.Tensor, z: torch.Tensor) -> tuple[int, int, int, int]:
+    """The key of an input grid's Python numbers (its scale and zero point read once per state): the tensors'
+    identities and versions (an inference tensor -1, asked first: its ``_version`` raises, ~8 µs caught)."""
+    return id(s), id(z), -1 if s.is_inference() else s._version, -1 if z.is_inference() else z._version
 
 
 def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: bool, x_qdtype: QDtype) -> Run | None:
@@ -229,7 +235,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             counts[key] += 1
             return fbgemm_out(op(t, fbgemm_requant_pack(), s_out, z_out), lead)
         s, z = x._scale, x._zero_point  # the input grid as Python numbers, read once per grid state (no items)
-        ukey = (id(s), id(z), -1 if s.is_inference() else s._version, -1 if z.is_inference() else z._version)
+        ukey = input_grid_key(s, z)
         hit = unit[0]
         if hit is None or hit[0] != ukey:
             hit = unit[0] = [ukey, s.item(), z.item(), (s, z), None, _UNMADE]
