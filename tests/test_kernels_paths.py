@@ -155,18 +155,20 @@ def test_onednn_vnni_single_call(monkeypatch: pytest.MonkeyPatch, paths: Counter
 @pytest.mark.parametrize("pin", ["best", "avx2"])
 def test_onednn_vnni_few_rows_take_the_routes_without_vnni(monkeypatch: pytest.MonkeyPatch, paths: Counter[str],
                                                            pin: str) -> None:
-    """torch's x86 engine on a VNNI CPU: up to VNNI_M rows the float output runs lowbit.native (its VNNI kernels where the
-    CPU has them, else the AVX2 ones, pinned here too), exact for every int8 weight; more rows, oneDNN's single call."""
+    """torch's x86 engine on a VNNI CPU: up to small_m.vnni_rows rows the float output runs lowbit.native (its VNNI kernels
+    where the CPU has them, else the AVX2 ones, pinned here too), exact for every int8 weight; more rows, oneDNN's single
+    call."""
     force(monkeypatch, vnni=True, fbgemm=True)
     if not native.available():
         pytest.skip(f"lowbit.native is off: {native.reason()}")
-    few = [s for s in GRID if s[0] <= onednn.VNNI_M]
+    few = [s for s in GRID if s[0] <= onednn.vnni_rows(s[1], s[2])]
     with native.force_avx2() if pin == "avx2" else contextlib.nullcontext():
         wrong = scan("onednn", safe=False, zp_w=False, shapes=few)
     assert not wrong, f"wrong int32 sums: {wrong}"
     assert dict(paths) == {"native_linear": len(few)}, dict(paths)
     paths.clear()
-    many = [(onednn.VNNI_M + d, k, n) for d, (k, n) in enumerate(itertools.product((1, 33, 65), (1, 17)), 1)]
+    # more rows than small_m.vnni_rows (VNNI_M, or more for small layers): oneDNN's single call
+    many = [(onednn.vnni_rows(k, n) + d, k, n) for d, (k, n) in enumerate(itertools.product((1, 33, 65), (1, 17)), 1)]
     assert not scan("onednn", safe=not _REAL_VNNI, zp_w=False, shapes=many)
     assert not paths, f"expected the single-call path only, ran {dict(paths)}"
 

@@ -290,6 +290,34 @@ def test_quantized_add_is_the_torch_passes(body: str, relu: bool) -> None:
 
 @needs_native
 @pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_max_pool_of_codes_is_the_window_maximum(body: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One native pass pools channels-last codes as the float op pools their values (exact on 8-bit codes): uint8 and
+    int8 (compared signed), channel counts with 32- and 16-wide steps and scalar tails, windows 1x1 to 3x3, strides
+    below / at / above the window, odd sizes whose last rows and columns no window reads; and QTensor pooling takes it."""
+    g = torch.Generator().manual_seed(5)
+    cases = [((3, 16, 28, 28), 2, 2, 2, 2), ((2, 37, 9, 11), 3, 3, 2, 2), ((2, 64, 8, 8), 2, 2, 1, 1),
+             ((1, 5, 4, 4), 4, 4, 4, 4), ((2, 48, 7, 6), 3, 2, 2, 3), ((1, 33, 5, 5), 1, 1, 2, 2)]
+    with _split_over(threads, monkeypatch), _body(body):
+        for dt, lo, hi in ((torch.uint8, 0, 256), (torch.int8, -128, 128)):
+            for shape, kh, kw, sh, sw in cases:
+                q = torch.randint(lo, hi, shape, generator=g, dtype=dt).contiguous(memory_format=torch.channels_last)
+                native.counts.clear()
+                got = native.maxpool_codes(q, kh, kw, sh, sw)
+                want = torch.nn.functional.max_pool2d(q.float(), (kh, kw), (sh, sw)).to(dt)
+                assert native.counts.get("maxpool") == 1 and torch.equal(got, want), (dt, shape, kh, kw, sh, sw)
+                assert got.is_contiguous(memory_format=torch.channels_last)
+        qt = Q.quantize_per_tensor(torch.randn(2, 24, 10, 10, generator=g), 0.05, 128, Q.quint8)
+        qt = qt.contiguous(memory_format=torch.channels_last)
+        native.counts.clear()
+        y = torch.nn.functional.max_pool2d(qt, 2)
+        assert native.counts.get("maxpool") == 1
+        assert torch.equal(y.dequantize(), torch.nn.functional.max_pool2d(qt.dequantize(), 2))
+    assert native.maxpool_codes(q.contiguous(), 2, 2, 2, 2) is None  # NCHW codes: not this pass's layout
+
+
+@needs_native
+@pytest.mark.parametrize("body", BODIES)
 def test_quantize_stub_is_the_torch_passes(body: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from lowbit.nn.quantized.stubs import Quantize
 
@@ -421,6 +449,7 @@ def test_bad_arguments_raise_naming_the_value() -> None:
         (lambda: native.qadd(q8, 0, 1.0, q8, 0, 1.0, 0, 0, 255, torch.int8), "hi=255"),
         (lambda: native.qadd(q8, 0, -1.0, q8, 0, 1.0, 0, 0, 255, torch.uint8), "ka=-1.0"),
         (lambda: native.quantize_into(x, 0.0, 0, None, None, q8), "inv=0.0"),
+        (lambda: native.maxpool_codes(torch.zeros(1, 2, 4, 4, dtype=torch.uint8), 2, 0, 2, 2), "kernel (2, 0)"),
         (lambda: native.quantize_into(x, 1.0, 300, None, None, q8), "zero_point=300"),
         (lambda: native.quantize_into(x, 1.0, 0, 5.0, 1.0, q8), "lo=5.0, hi=1.0"),
         (lambda: native.dw_weight(torch.zeros(4, 2, 3, 3, dtype=torch.int8)), "shape (4, 2, 3, 3)"),

@@ -127,7 +127,7 @@ def test_plan_follows_state_changes_pins_and_vnni(monkeypatch: pytest.MonkeyPatc
     run = mod._plan(x, linear_plan)
     assert run is not None
     weight, grid = mod._prepared()
-    for m in (4, onednn.VNNI_M + 8):  # few rows and more: the plan's codes are the generic path's
+    for m in (4, onednn.VNNI_M + 8, onednn.vnni_rows(32, 8) + 8):  # few rows and more: the generic path's codes
         xm = Q.QTensor(torch.randint(0, 256, (m, 32), dtype=torch.uint8), 0.02, 128, Q.quint8)
         assert torch.equal(mod(xm).int_repr(), onednn.linear(xm, weight, mod.bias, grid, False, cache={}).int_repr())
 

@@ -50,7 +50,7 @@ from ..functional import _store
 from ..qtensor import QTensor
 from .avx2 import (_acc_epilogue, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor,
                    _scaled, _split_run, combine_stacked, stack_halves, weight_halves)
-from .small_m import VNNI_M, float_route, native_linear, native_requant, split_on_avx2
+from .small_m import VNNI_M, float_route, native_linear, native_requant, split_on_avx2, vnni_rows  # noqa: F401 (VNNI_M: tests)
 from .spec import ConvSpec, OutGrid
 
 __all__ = ["NAME", "SMALL_M", "available", "has_vnni", "cpu_has_vnni", "isa_capped", "saturation_safe", "linear",
@@ -187,8 +187,9 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
     if not q.is_cpu or q.numel() == 0 or q.element_size() != 1:
         return NotImplemented
     vnni = has_vnni()
-    # a VNNI CPU takes the routes without VNNI below for few rows (their codes and floats, small_m.VNNI_M)
-    nat_v = vnni and q.numel() <= VNNI_M * q.shape[-1] and fbgemm_engine() and shares_routes()
+    # a VNNI CPU takes the routes without VNNI below for few rows (their codes and floats, small_m.vnni_rows)
+    nat_v = (vnni and q.numel() <= vnni_rows(q.shape[-1], weight.shape[0]) * q.shape[-1] and fbgemm_engine()
+             and shares_routes())
     if nat_v:
         vnni = False
     if vnni and q.numel() == q.shape[-1] > 1:  # one row: torch._int_mm's GEMV (no pack needed, 3-5x faster)

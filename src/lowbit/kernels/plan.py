@@ -110,7 +110,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
     seven_bit = x_qdtype.quant_max + shift <= 127
     split = not (seven_bit or onednn.saturation_safe(w))  # (as a CPU without VNNI decides: a VNNI CPU's few rows too)
     vnni = onednn.has_vnni()
-    vnni_rows = small_m.VNNI_M * k  # codes up to which a VNNI CPU takes the routes without VNNI (small_m.VNNI_M)
+    vnni_rows = small_m.vnni_rows(k, w.shape[0]) * k  # codes up to which a VNNI CPU takes the routes without VNNI
     s_out, z_out, dt = out.scale, out.zero_point, out.qdtype.storage
     qd, full = out.qdtype, out.full_range
     post = "relu" if relu else "none"

@@ -39,7 +39,8 @@ from ..qtensor import QTensor
 from .avx2 import _F32_EXACT, _QUIET, _inv_scale, _relu_floor, _scaled
 from .spec import OutGrid
 
-__all__ = ["VNNI_M", "float_route", "native_linear", "native_requant", "requant_plan", "split_on_avx2"]
+__all__ = ["VNNI_M", "VNNI_WORK", "VNNI_M_MAX", "vnni_rows", "float_route", "native_linear", "native_requant", "requant_plan",
+           "split_on_avx2"]
 
 # Rows up to which a static Linear on a VNNI CPU (torch's x86/fbgemm engine) takes the routes of a CPU without VNNI,
 # chosen as there (``split_on_avx2``), so it gives their codes and floats: lowbit.native's AVX-512 VNNI kernels where
@@ -48,6 +49,22 @@ __all__ = ["VNNI_M", "float_route", "native_linear", "native_requant", "requant_
 # 64-128 rows and 0.8-0.9x at 512 (Zen 4 EPYC, session 16, 15 interleaved rounds): more rows keep oneDNN's one call,
 # its codes (AMX where the CPU has it). The route depends on the CPU and M only, never on whether lowbit.native is built.
 VNNI_M = 32
+# ... and past 32 rows while the layer is small (M·K·N ≤ VNNI_WORK multiply-adds, at most VNNI_M_MAX rows), where
+# oneDNN's per-call cost (~30 µs: its primitive made on every call) outweighs its faster blocking: SmallCNN's
+# 64×1568×64 Linear 119 → 85 µs, 128 rows 152 → 131 (Zen 4 EPYC, session 18, interleaved); the 64×768×3072 and
+# 128×768² layers session 16 measured slower natively (37.7M-151M multiply-adds) stay above the bound.
+VNNI_WORK = 1 << 24
+VNNI_M_MAX = 256
+
+
+def vnni_rows(k: int, n: int) -> int:
+    """Rows up to which a static Linear with ``K = k`` inputs and ``N = n`` outputs on a VNNI CPU takes the routes of a
+    CPU without VNNI: ``VNNI_M``, or more while ``M·k·n ≤ VNNI_WORK`` (at most ``VNNI_M_MAX``).
+
+    >>> vnni_rows(768, 3072), vnni_rows(1568, 64), vnni_rows(64, 10)
+    (32, 167, 256)
+    """
+    return min(VNNI_M_MAX, max(VNNI_M, VNNI_WORK // max(1, k * n)))
 
 
 def split_on_avx2(w: torch.Tensor, cache: dict[str, Any] | None) -> bool:

@@ -1,10 +1,11 @@
-"""lowbit's native passes: C files (``rowquant.c``, ``linear.c``) doing in one call what torch needs several for.
+"""lowbit's native passes: C files (``rowquant.c``, ``linear.c``, ``pool.c``) doing in one call what torch needs several for.
 
 Every pass does the same float32 operations, in the same order, as the torch ops (or the fbgemm op) it replaces
 (built with ``-ffp-contract=off``, an FMA explicit where torch's ``addcmul_`` fuses; integer sums exact), so its
 results are bit for bit theirs (``tests/test_native.py`` and ``tests/test_native_gemm.py`` check them against each
 other, both C bodies, 1 and 2 threads). ``rows``: the per-token Linear's row grids and epilogue, the quantized add,
-the Quantize stub. ``layers``: the split-weight conv epilogue, a depthwise conv. ``gemm``: the small-M Linears
+the Quantize stub. ``layers``: the split-weight conv epilogue, a depthwise conv, max pooling of channels-last codes
+(``pool.c``). ``gemm``: the small-M Linears
 without VNNI (``LinearPlan``: lowbit's float epilogue, fbgemm's requantization, the per-token rows; the dynamic
 weight split).
 
@@ -43,11 +44,11 @@ from typing import Iterator
 import torch
 
 __all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dwconv", "dw_weight",
-           "qlinear", "qlinear_requant", "qlinear_rows", "LinearPlan", "linear_plan", "dyn_wsplit", "empty_codes", "disabled",
-           "force_scalar", "force_avx2", "vnni", "counts"]
+           "maxpool_codes", "qlinear", "qlinear_requant", "qlinear_rows", "LinearPlan", "linear_plan", "dyn_wsplit",
+           "empty_codes", "disabled", "force_scalar", "force_avx2", "vnni", "counts"]
 
 _DIR = Path(__file__).parent
-_SRC = [_DIR / "rowquant.c", _DIR / "linear.c"]  # compiled together; both include common.h
+_SRC = [_DIR / "rowquant.c", _DIR / "linear.c", _DIR / "pool.c"]  # compiled together; all include common.h
 _FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
 _OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds the single-threaded object
 _THREAD_MIN = 1 << 15  # floats a pass must cover before it is split over threads (ATen's grain size)
@@ -110,6 +111,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_dwconv.restype = None
     dll.lb_linear_run.argtypes = [p, p, i64, i64, i32, p, p, p, i32, i32]
     dll.lb_linear_run.restype = i32
+    dll.lb_maxpool_codes.argtypes = [p, i32, i64, i64, i64, i64, i64, i64, i64, i64, p, i32, i32]
+    dll.lb_maxpool_codes.restype = None
     dll.lb_cpu_avx2.restype = dll.lb_cpu_vnni.restype = dll.lb_openmp.restype = i32
     body = "AVX2 + FMA bodies" if dll.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
     if dll.lb_cpu_vnni():
@@ -229,6 +232,6 @@ def _channel_vectors(n: int, *vs: torch.Tensor | None) -> bool:
     return all(v is None or (v.dtype == torch.float32 and v.is_contiguous() and v.numel() == n) for v in vs)
 
 
-from .layers import conv_epilogue, dw_weight, dwconv, empty_codes  # noqa: E402  (below the helpers)
+from .layers import conv_epilogue, dw_weight, dwconv, empty_codes, maxpool_codes  # noqa: E402  (below the helpers)
 from .gemm import LinearPlan, dyn_wsplit, linear_plan, qlinear, qlinear_requant, qlinear_rows  # noqa: E402
 from .rows import qadd, quantize_into, row_epilogue, row_grid  # noqa: E402

@@ -1,4 +1,5 @@
-"""Conv passes without VNNI: the split-weight conv epilogue and a whole depthwise conv (``gemm``: the Linears).
+"""Conv passes without VNNI: the split-weight conv epilogue and a whole depthwise conv (``gemm``: the Linears);
+max pooling of channels-last codes on every CPU.
 
 On a CPU whose u8 × s8 pairs saturate, 8-bit codes cost lowbit extra passes around oneDNN (weight halves, their
 float sums combined, the epilogue). These do the exact integer sums and lowbit's float epilogue in one call with
@@ -19,7 +20,7 @@ import torch
 
 from . import _channel_vectors, _check_grid, _lib, _local, _threads, counts
 
-__all__ = ["conv_epilogue", "dw_weight", "dwconv", "empty_codes"]
+__all__ = ["conv_epilogue", "dw_weight", "dwconv", "empty_codes", "maxpool_codes"]
 
 
 def conv_epilogue(ys: list[torch.Tensor], groups: int, scale: torch.Tensor, bias: torch.Tensor | None, inv: float,
@@ -129,3 +130,24 @@ def empty_codes(shape: tuple[int, ...] | torch.Size, zero_point: int, dtype: tor
         t = torch._empty_affine_quantized(shape, scale=1.0, zero_point=zero_point, dtype=dtype)
     _QUIET[0] = True
     return t
+
+
+def maxpool_codes(q: torch.Tensor, kh: int, kw: int, sh: int, sw: int) -> torch.Tensor | None:
+    """2-d max pooling of channels-last ``(N, C, H, W)`` 8-bit codes (uint8, or int8 compared as signed), window
+    ``kh × kw``, stride ``sh × sw``, no padding or dilation, in one pass (``pool.c``): a new channels-last
+    ``(N, C, (H - kh) // sh + 1, (W - kw) // sw + 1)`` tensor of the same dtype; ``None`` (nothing made) where ``q``
+    does not fit (another dtype or layout, not CPU, empty, a window larger than the input)."""
+    if min(kh, kw, sh, sw) < 1:
+        raise ValueError(f"lowbit.native.maxpool_codes: kernel ({kh}, {kw}) and stride ({sh}, {sw}) must be positive")
+    lib = _lib()
+    if (lib is None or q.dtype not in (torch.uint8, torch.int8) or q.dim() != 4 or not q.is_cpu or q.numel() == 0
+            or not q.is_contiguous(memory_format=torch.channels_last)):
+        return None
+    n, c, h, w = q.shape
+    if h < kh or w < kw:
+        return None
+    out = torch.empty((n, c, (h - kh) // sh + 1, (w - kw) // sw + 1), dtype=q.dtype, memory_format=torch.channels_last)
+    lib.lb_maxpool_codes(q.data_ptr(), int(q.dtype == torch.int8), n, h, w, c, kh, kw, sh, sw, out.data_ptr(),
+                         _threads(q.numel()), _local.__dict__.get("isa", 1))
+    counts["maxpool"] += 1
+    return out

@@ -262,27 +262,56 @@ static void add_scalar(add_job *j) {
     }
 }
 
-__attribute__((target("avx2,fma")))
-static __m256 load8(const uint8_t *p, int sgn) {
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 load8(const uint8_t *p, const int sgn) {
     __m128i v = _mm_loadl_epi64((const __m128i *)p);
     return _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
 }
 
-__attribute__((target("avx2,fma")))
-static void add_avx2(add_job *j) {
+/* eight codes of the sum as int32: the add_scalar steps, lane by lane */
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256i add8(const uint8_t *a, const uint8_t *b, const int sa, const int sb, __m256 za, __m256 zb, __m256 ka,
+                           __m256 kb, __m256 lo, __m256 hi, __m256 z) {
+    __m256 x = _mm256_mul_ps(_mm256_sub_ps(load8(a, sa), za), ka);
+    __m256 y = _mm256_mul_ps(_mm256_sub_ps(load8(b, sb), zb), kb);
+    __m256 acc = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(x, y), lo), hi);
+    __m256 r = _mm256_add_ps(_mm256_round_ps(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), z);
+    return _mm256_cvtps_epi32(r);  /* integers in the storage's range: the packs below are exact */
+}
+
+/* The vector loop for one combination of storages (constants after inlining: no branch and no reload of the job per
+ * step; the job's fields are read once into locals), 16 codes a step; returns where the scalar tail starts. */
+__attribute__((target("avx2,fma"), always_inline))
+static inline int64_t add_body(const add_job *j, const int sa, const int sb, const int so) {
+    const uint8_t *restrict a = j->a, *restrict b = j->b;
+    uint8_t *restrict out = j->out;
     const __m256 za = _mm256_set1_ps(j->za), zb = _mm256_set1_ps(j->zb), ka = _mm256_set1_ps(j->ka),
                  kb = _mm256_set1_ps(j->kb), lo = _mm256_set1_ps(j->vlo), hi = _mm256_set1_ps(j->vhi),
                  z = _mm256_set1_ps(j->z);
+    const int64_t i1 = j->i1;
     int64_t i = j->i0;
-    for (; i + 8 <= j->i1; i += 8) {
-        __m256 x = _mm256_mul_ps(_mm256_sub_ps(load8(j->a + i, j->sa), za), ka);
-        __m256 y = _mm256_mul_ps(_mm256_sub_ps(load8(j->b + i, j->sb), zb), kb);
-        __m256 acc = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(x, y), lo), hi);
-        __m256 r = _mm256_add_ps(_mm256_round_ps(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), z);
-        __m256i q = _mm256_cvtps_epi32(r);  /* integers in the storage's range: packs are exact */
-        __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-        __m128i q8 = j->so ? _mm_packs_epi16(q16, q16) : _mm_packus_epi16(q16, q16);
-        _mm_storel_epi64((__m128i *)((uint8_t *)j->out + i), q8);
+    for (; i + 16 <= i1; i += 16) {
+        __m256i q0 = add8(a + i, b + i, sa, sb, za, zb, ka, kb, lo, hi, z);
+        __m256i q1 = add8(a + i + 8, b + i + 8, sa, sb, za, zb, ka, kb, lo, hi, z);
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xd8);  /* q0[0-7] q1[0-7] as int16 */
+        __m128i l = _mm256_castsi256_si128(p), h = _mm256_extracti128_si256(p, 1);
+        _mm_storeu_si128((__m128i *)(out + i), so ? _mm_packs_epi16(l, h) : _mm_packus_epi16(l, h));
+    }
+    return i;
+}
+
+__attribute__((target("avx2,fma")))
+static void add_avx2(add_job *j) {
+    int64_t i;
+    switch (j->sa << 2 | j->sb << 1 | j->so) {
+        case 0: i = add_body(j, 0, 0, 0); break;
+        case 1: i = add_body(j, 0, 0, 1); break;
+        case 2: i = add_body(j, 0, 1, 0); break;
+        case 3: i = add_body(j, 0, 1, 1); break;
+        case 4: i = add_body(j, 1, 0, 0); break;
+        case 5: i = add_body(j, 1, 0, 1); break;
+        case 6: i = add_body(j, 1, 1, 0); break;
+        default: i = add_body(j, 1, 1, 1); break;
     }
     add_job t = *j;
     t.i0 = i;

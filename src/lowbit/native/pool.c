@@ -1,0 +1,95 @@
+/* Max pooling of 8-bit codes in channels-last memory (qtensor/pool.max_pool2d_codes): for each output pixel
+ * (n, i, j) and channel c, out = max over the kh x kw window of in[n, i sh + di, j sw + dj, c], no padding, no
+ * dilation. max is exact on codes (uint8, or int8 when sgn), so every body gives the same codes. */
+#include "common.h"
+
+typedef struct {
+    const uint8_t *in; uint8_t *out; int64_t h, w, c, kh, kw, sh, sw, ho, wo, p0, p1; int sgn, avx2;
+} pool_job;
+
+static void pool_scalar(const pool_job *j) {
+    for (int64_t p = j->p0; p < j->p1; ++p) {
+        const int64_t n = p / (j->ho * j->wo), i = p / j->wo % j->ho, jj = p % j->wo;
+        const uint8_t *base = j->in + ((n * j->h + i * j->sh) * j->w + jj * j->sw) * j->c;
+        uint8_t *o = j->out + p * j->c;
+        for (int64_t ch = 0; ch < j->c; ++ch) {
+            int best = j->sgn ? -128 : 0;
+            for (int64_t di = 0; di < j->kh; ++di)
+                for (int64_t dj = 0; dj < j->kw; ++dj) {
+                    const uint8_t u = base[(di * j->w + dj) * j->c + ch];
+                    const int v = j->sgn ? (int)(int8_t)u : (int)u;
+                    best = v > best ? v : best;
+                }
+            o[ch] = (uint8_t)best;
+        }
+    }
+}
+
+/* 32 channels a step (16, then the scalar tail): the window's rows loaded and max-ed in registers */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void pool_body(const pool_job *j, const int sgn) {
+    const int64_t c = j->c, w = j->w, kh = j->kh, kw = j->kw, rs = w * c, ho = j->ho, wo = j->wo;
+    const int64_t step = j->sw * c, row = j->sh * rs, image = j->h * rs;
+    int64_t n = j->p0 / (ho * wo), i = j->p0 / wo % ho, jj = j->p0 % wo;  /* the first pixel's place, then stepped */
+    for (int64_t p = j->p0; p < j->p1; ++p) {
+        const uint8_t *base = j->in + n * image + i * row + jj * step;
+        uint8_t *o = j->out + p * c;
+        if (++jj == wo) {
+            jj = 0;
+            if (++i == ho) { i = 0; ++n; }
+        }
+        int64_t ch = 0;
+        for (; ch + 32 <= c; ch += 32) {
+            __m256i m = _mm256_loadu_si256((const __m256i *)(base + ch));
+            for (int64_t di = 0; di < kh; ++di)
+                for (int64_t dj = 0; dj < kw; ++dj) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(base + di * rs + dj * c + ch));
+                    m = sgn ? _mm256_max_epi8(m, v) : _mm256_max_epu8(m, v);
+                }
+            _mm256_storeu_si256((__m256i *)(o + ch), m);
+        }
+        for (; ch + 16 <= c; ch += 16) {
+            __m128i m = _mm_loadu_si128((const __m128i *)(base + ch));
+            for (int64_t di = 0; di < kh; ++di)
+                for (int64_t dj = 0; dj < kw; ++dj) {
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(base + di * rs + dj * c + ch));
+                    m = sgn ? _mm_max_epi8(m, v) : _mm_max_epu8(m, v);
+                }
+            _mm_storeu_si128((__m128i *)(o + ch), m);
+        }
+        for (; ch < c; ++ch) {
+            int best = sgn ? -128 : 0;
+            for (int64_t di = 0; di < kh; ++di)
+                for (int64_t dj = 0; dj < kw; ++dj) {
+                    const uint8_t u = base[di * rs + dj * c + ch];
+                    const int v = sgn ? (int)(int8_t)u : (int)u;
+                    best = v > best ? v : best;
+                }
+            o[ch] = (uint8_t)best;
+        }
+    }
+}
+
+__attribute__((target("avx2,fma")))
+static void pool_avx2(const pool_job *j) {
+    if (j->sgn) pool_body(j, 1); else pool_body(j, 0);
+}
+
+static void *pool_run(void *p) {
+    const pool_job *j = p;
+    if (j->avx2) pool_avx2(j); else pool_scalar(j);
+    return NULL;
+}
+
+/* in: (n, h, w, c) dense codes; out: (n, ho, wo, c) dense, ho = (h - kh) / sh + 1, wo likewise (the caller checks) */
+void lb_maxpool_codes(const uint8_t *in, int sgn, int64_t n, int64_t h, int64_t w, int64_t c, int64_t kh, int64_t kw,
+                      int64_t sh, int64_t sw, uint8_t *out, int nthreads, int isa) {
+    const int64_t ho = (h - kh) / sh + 1, wo = (w - kw) / sw + 1, npix = n * ho * wo;
+    pool_job jobs[MAX_THREADS];
+    int nt = threads_for(nthreads, npix);
+    for (int t = 0; t < nt; ++t) {
+        pool_job jb = {in, out, h, w, c, kh, kw, sh, sw, ho, wo, npix * t / nt, npix * (t + 1) / nt, sgn, use_avx2(isa)};
+        jobs[t] = jb;
+    }
+    fan_out(pool_run, jobs, sizeof(pool_job), nt);
+}
