@@ -78,6 +78,35 @@ def test_conv_plan_gives_the_generic_codes(monkeypatch: pytest.MonkeyPatch, vnni
     assert planned and generic
 
 
+def test_conv_plan_packs_per_input_and_takes_nchw_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One planned layer meets batch sizes, NCHW and channels-last codes, zero and non-zero input zero points: the
+    weight is packed once per (input shape, zero point zero or not) and the codes stay the generic path's; NCHW codes
+    go to channels-last memory through ``lowbit.native`` where it is built (oneDNN's own copy is ~3x slower)."""
+    from lowbit import native
+
+    force(monkeypatch, vnni=True, fbgemm=False)
+    mod = _layer((3, 8, 3, 2, 1, 1, 1), False, True, bias=True, out=OUT_GRIDS[0], seed=7)
+    packs = []
+    real = torch.ops.onednn.qconv_prepack
+
+    def prepack(*a: object) -> object:
+        if a[8] is not None:  # (the generic path's packs carry no input shape)
+            packs.append((a[3], tuple(a[8])))  # type: ignore[arg-type]
+        return real(*a)
+
+    monkeypatch.setattr(torch.ops.onednn, "qconv_prepack", prepack)
+    native.counts.clear()
+    for batch, zp, last in [(2, 0, False), (2, 0, False), (2, 9, False), (5, 9, True), (5, 9, True), (2, 0, True)]:
+        x = Q.QTensor(_input(3, batch, (Q.quint8, zp), last, seed=batch + zp).int_repr(), torch.tensor(0.02),
+                      torch.tensor(zp), Q.quint8)
+        y = mod(x)
+        weight, out = mod._prepared()
+        assert mod._cache["plan"][2] is not None
+        assert torch.equal(y.int_repr(), onednn.conv(x, weight, mod.bias, mod._spec, out, True, {}).int_repr())
+    assert packs == [(0, (2, 3, 9, 11)), (9, (2, 3, 9, 11)), (9, (5, 3, 9, 11))], packs
+    assert native.counts.get("to_nhwc", 0) == (3 if native.available() else 0)
+
+
 def test_conv_plan_follows_weight_and_grid_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A changed weight (in place), bias or input grid reaches the planned call, as on the generic path."""
     force(monkeypatch, vnni=True, fbgemm=False)

@@ -317,6 +317,23 @@ def test_max_pool_of_codes_is_the_window_maximum(body: str, threads: int, monkey
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_codes_to_channels_last_is_the_torch_copy(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCHW 8-bit codes into channels-last memory: the values torch's copy gives, three-channel images (their own
+    loop) and others, pixel counts off the 64-pixel blocks; other layouts and dtypes are declined."""
+    g = torch.Generator().manual_seed(6)
+    with _split_over(threads, monkeypatch):
+        for shape in [(4, 3, 30, 31), (2, 1, 5, 5), (3, 37, 9, 7), (1, 64, 16, 16), (2, 3, 1, 1)]:
+            for dt, lo, hi in ((torch.uint8, 0, 256), (torch.int8, -128, 128)):
+                q = torch.randint(lo, hi, shape, generator=g, dtype=dt)
+                y = native.to_channels_last(q)
+                assert y is not None and torch.equal(y, q) and y.is_contiguous(memory_format=torch.channels_last), shape
+    assert native.to_channels_last(torch.zeros(2, 3, 4, dtype=torch.uint8)) is None
+    assert native.to_channels_last(torch.zeros(2, 3, 4, 4)) is None
+    assert native.to_channels_last(torch.zeros(2, 4, 3, 3, dtype=torch.uint8)[:, ::2]) is None
+
+
+@needs_native
 @pytest.mark.parametrize("body", BODIES)
 def test_quantize_stub_is_the_torch_passes(body: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from lowbit.nn.quantized.stubs import Quantize

@@ -11,10 +11,16 @@ geometry and one activation ``QDtype``, and returns ``run(x)`` for a per-tensor 
 It is the very call ``onednn.conv`` makes where no split is needed (a VNNI CPU, or weights ``saturation_safe``
 on a CPU without VNNI), so the codes are bit-identical to the generic path's (``tests/test_static_plan.py``);
 the plan drops only re-validation and re-derivation (~30 µs per call on the Zen 4 EPYC, where the oneDNN call
-itself costs ~50 µs at batch 2). ``None`` where the generic dispatcher must run: no oneDNN, a split (the
-weight-split convs and the native depthwise kernel), weights with zero points, a transposed or non-2-d conv,
-an input grid whose codes are not u8, a float output, a non-CPU layer. The caller keys the plan on the
-layer's buffers and runs it only with no backend pinned and outside tracing; each call counts in
+itself costs ~50 µs at batch 2). The weight is packed for the input it meets (``qconv_prepack`` given the input
+shape and whether ``z_x`` is non-zero; kept per shape, up to ``_PACKS``): packed without them, oneDNN's layout for
+the real input can differ, and the call then reorders the weight on every call (``ONEDNN_VERBOSE``: a generic
+``simple:any`` reorder, 1.57 ms of a 1.7 ms call for MobileNetV2's 64 → 384 1x1 conv at batch 8; ~35 reorders in one
+MobileNetV2 forward). The layout does not change the sums, so the codes are the same. NCHW codes (a Quantize
+stub's output, e.g. an image) go to channels-last memory through ``lowbit.native`` first (MobileNetV2's stem input
+at batch 8: ~0.3 ms against ~0.8-1.6 for the copy inside the oneDNN call). ``None`` where the generic dispatcher
+must run: no oneDNN, a split (the weight-split convs and the native depthwise kernel), weights with zero points, a
+transposed or non-2-d conv, an input grid whose codes are not u8, a float output, a non-CPU layer. The caller keys
+the plan on the layer's buffers and runs it only with no backend pinned and outside tracing; each call counts in
 ``kernels.counts`` as ``("onednn", "conv")``, like the generic one.
 
 >>> import torch, lowbit as Q
@@ -33,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .. import native
 from ..qscheme import QDtype
 from ..qtensor import QTensor
 from . import onednn
@@ -40,6 +47,8 @@ from .plan import _counts, input_grid_key
 from .spec import ConvSpec, OutGrid
 
 __all__ = ["conv_plan"]
+
+_PACKS = 8  # input shapes (with a zero / non-zero input zero point) a plan keeps a weight pack for
 
 
 def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, relu: bool, x_qdtype: QDtype,
@@ -53,8 +62,18 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
     if not (onednn.has_vnni() or onednn.saturation_safe(w)):  # the split routes: the generic path
         return None
     stride, padding, dilation = onednn._geometry(spec)
-    packed = torch.ops.onednn.qconv_prepack(w, weight.scale, 1.0, 0, stride, padding, dilation, spec.groups, None)
     w_scale, w_zp, groups = weight.scale, weight.zero_point, spec.groups
+    packs: dict[tuple[Any, bool], Any] = {}  # (input shape, z_x != 0) -> the weight packed for it (module docstring)
+
+    def packed_for(shape: Any, zx: int) -> Any:
+        key = (shape, zx != 0)
+        p = packs.get(key)
+        if p is None:
+            if len(packs) >= _PACKS:
+                packs.pop(next(iter(packs)))
+            p = packs[key] = torch.ops.onednn.qconv_prepack(w, w_scale, 1.0, zx, stride, padding, dilation, groups,
+                                                            list(shape))
+        return p
     s_out, z_out, post = out.scale, out.zero_point, "relu" if relu else "none"
     full, qd = out.full_range, out.qdtype
     counts, key = _counts(), ("onednn", "conv")
@@ -67,8 +86,12 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
         if hit is None or hit[0] != gkey:
             hit = grid[0] = (gkey, s.item(), int(z.item()), (s, z))
         counts[key] += 1
-        y = torch.ops.onednn.qconv_pointwise(x.int_repr(), hit[1], hit[2], packed, w_scale, w_zp, bias, stride, padding,
-                                             dilation, groups, s_out, z_out, torch.uint8, post, [], "")
+        q = x.int_repr()
+        if not q.is_contiguous(memory_format=torch.channels_last):  # oneDNN would copy it so, ~3x slower (an NCHW input)
+            cl = native.to_channels_last(q)
+            q = q if cl is None else cl
+        y = torch.ops.onednn.qconv_pointwise(q, hit[1], hit[2], packed_for(q.shape, hit[2]), w_scale, w_zp, bias, stride,
+                                             padding, dilation, groups, s_out, z_out, torch.uint8, post, [], "")
         return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
 
     return run

@@ -385,7 +385,28 @@ def _pack_wsplit(w: torch.Tensor, geometry: tuple[list[int], list[int], list[int
     ws = (hi, lo) if dw else (stack_halves(hi, lo, groups),)
     n = ws[0].shape[0]
     ones, zeros = torch.ones(n), torch.zeros(n, dtype=torch.int64)
-    return tuple(torch.ops.onednn.qconv_prepack(t, ones, 1.0, 0, *geometry, groups, None) for t in ws), ones, zeros
+    shaped: dict[tuple[Any, bool], Any] = {}  # (input shape, z_x != 0) -> the packs for that input (_wsplit_packs)
+    return tuple(torch.ops.onednn.qconv_prepack(t, ones, 1.0, 0, *geometry, groups, None) for t in ws), ones, zeros, ws, shaped
+
+
+_SHAPED_PACKS = 8  # input shapes a split conv keeps packs for
+
+
+def _wsplit_packs(entry: Any, q: torch.Tensor, zx: int, groups: int,
+                  geometry: tuple[list[int], list[int], list[int]]) -> Any:
+    """The halves packed for this input (``qconv_prepack`` given its shape and whether ``z_x`` is non-zero): packed
+    without them, oneDNN's layout for the real input can differ, and every call then reorders the weights
+    (``ONEDNN_VERBOSE``: two reorders per call, to the plain layout and back with the zero-point compensation, for a
+    1x1 conv reading a non-zero zero point); the layout does not change the sums."""
+    shaped = entry[4]
+    key = (q.shape, zx != 0)
+    packs = shaped.get(key)
+    if packs is None:
+        if len(shaped) >= _SHAPED_PACKS:
+            shaped.pop(next(iter(shaped)))
+        packs = shaped[key] = tuple(torch.ops.onednn.qconv_prepack(t, entry[1], 1.0, zx, *geometry, groups, list(q.shape))
+                                    for t in entry[3])
+    return packs
 
 
 def _wsplit_conv(entry: Any, q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.Tensor | None,
@@ -400,7 +421,8 @@ def _wsplit_conv(entry: Any, q: torch.Tensor, sx: float, zx: int, weight: QTenso
     requantization). Against the activation split (``_split_run``): no staging of code halves (shift, mask,
     copies out of channels-last), no doubled batch; the same multiply-adds.
     """
-    packs, ones, zeros = entry
+    _, ones, zeros = entry[:3]
+    packs = _wsplit_packs(entry, q, zx, groups, geometry) if q.dim() == 4 else entry[0]
     stride, padding, dilation = geometry
     ys = [torch.ops.onednn.qconv_pointwise(q, 1.0, zx, p, ones, zeros, None, stride, padding, dilation, groups, 1.0, 0,
                                            torch.float32, "none", [], "") for p in packs]

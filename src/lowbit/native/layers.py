@@ -20,7 +20,7 @@ import torch
 
 from . import _channel_vectors, _check_grid, _lib, _local, _threads, counts
 
-__all__ = ["conv_epilogue", "dw_weight", "dwconv", "empty_codes", "maxpool_codes"]
+__all__ = ["conv_epilogue", "dw_weight", "dwconv", "empty_codes", "maxpool_codes", "to_channels_last"]
 
 
 def conv_epilogue(ys: list[torch.Tensor], groups: int, scale: torch.Tensor, bias: torch.Tensor | None, inv: float,
@@ -150,4 +150,19 @@ def maxpool_codes(q: torch.Tensor, kh: int, kw: int, sh: int, sw: int) -> torch.
     lib.lb_maxpool_codes(q.data_ptr(), int(q.dtype == torch.int8), n, h, w, c, kh, kw, sh, sw, out.data_ptr(),
                          _threads(q.numel()), _local.__dict__.get("isa", 1))
     counts["maxpool"] += 1
+    return out
+
+
+def to_channels_last(q: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous ``(N, C, H, W)`` 8-bit code tensor copied into channels-last memory in one pass (``pool.c``;
+    torch's ``contiguous(memory_format=torch.channels_last)`` of uint8 codes takes ~1.6 ms for MobileNetV2's
+    8×3×224×224 input, this ~0.2): the same values, a new tensor; ``None`` where ``q`` does not fit."""
+    lib = _lib()
+    if (lib is None or q.dtype not in (torch.uint8, torch.int8) or q.dim() != 4 or not q.is_cpu or q.numel() == 0
+            or not q.is_contiguous()):
+        return None
+    n, c, h, w = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, memory_format=torch.channels_last)
+    lib.lb_to_nhwc(q.data_ptr(), n, c, h * w, out.data_ptr(), _threads(q.numel()))
+    counts["to_nhwc"] += 1
     return out

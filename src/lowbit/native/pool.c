@@ -93,3 +93,45 @@ void lb_maxpool_codes(const uint8_t *in, int sgn, int64_t n, int64_t h, int64_t 
     }
     fan_out(pool_run, jobs, sizeof(pool_job), nt);
 }
+
+/* ---- NCHW -> NHWC of 8-bit codes (an (n, c, h, w) contiguous tensor into channels-last memory): out[i, p, ch] =
+ * in[i, ch, p] per image i and pixel p, in blocks of 64 pixels (each block's reads: 64 bytes per channel, its writes
+ * 64 c contiguous bytes), jobs split over (image, block). A byte move, so every body gives the same bytes. ---- */
+
+typedef struct { const uint8_t *in; uint8_t *out; int64_t c, hw, nblk, b0, b1; } nhwc_job;
+
+static void *nhwc_run(void *p) {
+    const nhwc_job *j = p;
+    const int64_t c = j->c, hw = j->hw;
+    for (int64_t b = j->b0; b < j->b1; ++b) {
+        const int64_t i = b / j->nblk, p0 = b % j->nblk * 64, p1 = p0 + 64 < hw ? p0 + 64 : hw;
+        const uint8_t *src = j->in + i * c * hw;
+        uint8_t *dst = j->out + i * c * hw;
+        if (c == 3) {  /* an image's three planes (the common stem input), interleaved in one sweep */
+            const uint8_t *restrict s0 = src, *restrict s1 = src + hw, *restrict s2 = src + 2 * hw;
+            uint8_t *restrict d = dst;
+            for (int64_t q = p0; q < p1; ++q) {
+                d[3 * q] = s0[q];
+                d[3 * q + 1] = s1[q];
+                d[3 * q + 2] = s2[q];
+            }
+            continue;
+        }
+        for (int64_t ch = 0; ch < c; ++ch) {
+            const uint8_t *s = src + ch * hw;
+            for (int64_t q = p0; q < p1; ++q) dst[q * c + ch] = s[q];
+        }
+    }
+    return NULL;
+}
+
+void lb_to_nhwc(const uint8_t *in, int64_t n, int64_t c, int64_t hw, uint8_t *out, int nthreads) {
+    const int64_t nblk = (hw + 63) / 64, total = n * nblk;
+    nhwc_job jobs[MAX_THREADS];
+    int nt = threads_for(nthreads, total);
+    for (int t = 0; t < nt; ++t) {
+        nhwc_job jb = {in, out, c, hw, nblk, total * t / nt, total * (t + 1) / nt};
+        jobs[t] = jb;
+    }
+    fan_out(nhwc_run, jobs, sizeof(nhwc_job), nt);
+}
