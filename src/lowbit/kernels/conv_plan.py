@@ -14,7 +14,7 @@ the plan drops only re-validation and re-derivation (~30 µs per call on the Zen
 itself costs ~50 µs at batch 2). The weight is packed for the input it meets (``qconv_prepack`` given the input
 shape and whether ``z_x`` is non-zero; kept per shape, up to ``_PACKS``): packed without them, oneDNN's layout for
 the real input can differ, and the call then reorders the weight on every call (``ONEDNN_VERBOSE``: a generic
-``simple:any`` reorder, 1.57 ms of a 1.7 ms call for MobileNetV2's 64 → 384 1x1 conv at batch 8; ~35 reorders in one
+``simple:any`` reorder, 1.57 ms of a 1.7 ms call for a 64 → 384 1x1 conv at batch 8 with z_x = 0; ~35 reorders in one
 MobileNetV2 forward). The layout does not change the sums, so the codes are the same. NCHW codes (a Quantize
 stub's output, e.g. an image) go to channels-last memory through ``lowbit.native`` first (MobileNetV2's stem input
 at batch 8: ~0.3 ms against ~0.8-1.6 for the copy inside the oneDNN call). ``None`` where the generic dispatcher
