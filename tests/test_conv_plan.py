@@ -107,6 +107,26 @@ def test_conv_plan_packs_per_input_and_takes_nchw_codes(monkeypatch: pytest.Monk
     assert native.counts.get("to_nhwc", 0) == (3 if native.available() else 0)
 
 
+def test_narrow_output_grid_clamped_by_the_post_op_gives_the_clamped_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 7-bit (or narrower) output grid is clamped by oneDNN's hardtanh post-op in the plan and by a clamp after the
+    call in the generic path: the same codes over random scales and zero points (inside and at the grid's ends, with
+    and without ReLU), outputs pushed past both ends."""
+    force(monkeypatch, vnni=True, fbgemm=False)
+    g = torch.Generator().manual_seed(11)
+    for i in range(24):
+        qd = Q.quint8.with_range(0, 127) if i % 3 else Q.quint8.with_range(10, 100)
+        z = int(torch.randint(qd.quant_min, qd.quant_max + 1, (), generator=g))
+        scale = float(torch.rand((), generator=g)) * 0.05 + 0.002
+        mod = _layer((6, 5, 3, 1, 1, 1, 1), False, i % 2 == 0, bias=True, out=(scale, z, qd), seed=200 + i)
+        x = _input(6, 2, (Q.quint8, 17 * (i % 4)), i % 2 == 1, seed=300 + i)
+        y = mod(x)
+        assert mod._cache["plan"][2] is not None
+        weight, out = mod._prepared()
+        want = onednn.conv(x, weight, mod.bias, mod._spec, out, i % 2 == 0, {})
+        assert torch.equal(y.int_repr(), want.int_repr()), (i, scale, z, qd)
+        assert int(y.int_repr().min()) >= qd.quant_min and int(y.int_repr().max()) <= qd.quant_max
+
+
 def test_conv_plan_follows_weight_and_grid_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A changed weight (in place), bias or input grid reaches the planned call, as on the generic path."""
     force(monkeypatch, vnni=True, fbgemm=False)

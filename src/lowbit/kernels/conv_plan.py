@@ -17,7 +17,11 @@ the real input can differ, and the call then reorders the weight on every call (
 ``simple:any`` reorder, 1.57 ms of a 1.7 ms call for a 64 → 384 1x1 conv at batch 8 with z_x = 0; ~35 reorders in one
 MobileNetV2 forward). The layout does not change the sums, so the codes are the same. NCHW codes (a Quantize
 stub's output, e.g. an image) go to channels-last memory through ``lowbit.native`` first (MobileNetV2's stem input
-at batch 8: ~0.3 ms against ~0.8-1.6 for the copy inside the oneDNN call). ``None`` where the generic dispatcher
+at batch 8: ~0.3 ms against ~0.8-1.6 for the copy inside the oneDNN call). An output grid narrower than the u8
+storage (a 7-bit grid) is clamped by oneDNN's ``hardtanh`` post-op at ``((q_min - z) s, (q_max - z) s)`` (with ReLU:
+the lower bound at least 0) instead of a second pass over the codes: the requantization ``round(y / s + z)`` is
+monotone in ``y`` and maps the bounds to within float rounding of ``q_min`` / ``q_max``, so clamping before it gives
+the codes clamping after it gives. ``None`` where the generic dispatcher
 must run: no oneDNN, a split (the weight-split convs and the native depthwise kernel), weights with zero points, a
 transposed or non-2-d conv, an input grid whose codes are not u8, a float output, a non-CPU layer. The caller keys
 the plan on the layer's buffers and runs it only with no backend pinned and outside tracing; each call counts in
@@ -75,7 +79,14 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
                                                             list(shape))
         return p
     s_out, z_out, post = out.scale, out.zero_point, "relu" if relu else "none"
-    full, qd = out.full_range, out.qdtype
+    qd, scalars, clamp = out.qdtype, [], False
+    if not out.full_range:  # a grid narrower than u8 (7-bit): its clamp as oneDNN's post-op (module docstring)
+        lo, hi = (qd.quant_min - z_out) * s_out, (qd.quant_max - z_out) * s_out
+        lo = max(lo, 0.0) if relu else lo
+        if lo <= hi:
+            post, scalars = "hardtanh", [lo, hi]
+        else:  # (a zero point above the grid's top with ReLU: every code is q_max) the clamp after the call
+            clamp = True
     counts, key = _counts(), ("onednn", "conv")
     grid: list[Any] = [None]  # (key of the input grid's tensors, s_x, z_x, the tensors held)
 
@@ -91,8 +102,8 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
             cl = native.to_channels_last(q)
             q = q if cl is None else cl
         y = torch.ops.onednn.qconv_pointwise(q, hit[1], hit[2], packed_for(q.shape, hit[2]), w_scale, w_zp, bias, stride,
-                                             padding, dilation, groups, s_out, z_out, torch.uint8, post, [], "")
-        return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
+                                             padding, dilation, groups, s_out, z_out, torch.uint8, post, scalars, "")
+        return out.wrap(y.clamp_(qd.quant_min, qd.quant_max) if clamp else y)
 
     return run
 
