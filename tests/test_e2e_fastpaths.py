@@ -129,3 +129,31 @@ def test_fast_add_large_inputs_in_blocks_are_bit_identical(layouts, relu):
     slow = m._binary(qa, qb, "add", fm._scaled_sum, torch.add, relu=relu)
     assert fast is not None and torch.equal(fast.int_repr(), slow.int_repr())
     assert fast.int_repr().is_contiguous(memory_format=torch.channels_last) == layouts[0]
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_fast_add_memo_follows_grid_changes(relu):
+    """The add reads its grids' numbers once per grid state (a memo on the QFunctional): in-place changes of the
+    output grid or of an input's scale or zero point give the codes of an add without the memo, on every call."""
+    shape = (3, 8, 5, 5)
+    qa = Q.QTensor(codes(shape, torch.uint8, 1, True), torch.tensor(0.02), torch.tensor(131), Q.quint8)
+    qb = Q.QTensor(codes(shape, torch.uint8, 2, True), torch.tensor(0.013), torch.tensor(77), Q.quint8)
+    m = fm.QFunctional(0.04, 125)
+
+    def check() -> None:
+        got = m.add_relu(qa, qb) if relu else m.add(qa, qb)
+        want = fm._fast_add(qa, qb, m.scale, m.zero_point, m.qdtype, relu)  # no memo
+        assert want is not None and torch.equal(got.int_repr(), want.int_repr())
+
+    check()
+    check()
+    with torch.no_grad():
+        m.scale.mul_(1.5)
+        check()
+        m.zero_point.sub_(20)
+        check()
+        qa.scale.mul_(0.7)
+        check()
+        qb.zero_point.add_(9)
+        check()
+    assert len(m._memo) <= 8
