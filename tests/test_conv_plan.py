@@ -89,8 +89,10 @@ def test_conv_plan_packs_per_input_and_takes_nchw_codes(monkeypatch: pytest.Monk
     packs = []
     real = torch.ops.onednn.qconv_prepack
 
+    recording = [False]
+
     def prepack(*a: object) -> object:
-        if a[8] is not None:  # (the generic path's packs carry no input shape)
+        if recording[0]:  # the plan's packs (not the reference's, made by the generic path on a fresh cache)
             packs.append((a[3], tuple(a[8])))  # type: ignore[arg-type]
         return real(*a)
 
@@ -99,7 +101,9 @@ def test_conv_plan_packs_per_input_and_takes_nchw_codes(monkeypatch: pytest.Monk
     for batch, zp, last in [(2, 0, False), (2, 0, False), (2, 9, False), (5, 9, True), (5, 9, True), (2, 0, True)]:
         x = Q.QTensor(_input(3, batch, (Q.quint8, zp), last, seed=batch + zp).int_repr(), torch.tensor(0.02),
                       torch.tensor(zp), Q.quint8)
+        recording[0] = True
         y = mod(x)
+        recording[0] = False
         weight, out = mod._prepared()
         assert mod._cache["plan"][2] is not None
         assert torch.equal(y.int_repr(), onednn.conv(x, weight, mod.bias, mod._spec, out, True, {}).int_repr())

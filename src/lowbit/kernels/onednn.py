@@ -311,9 +311,10 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
         return NotImplemented
     stride, padding, dilation = _geometry(spec)
 
-    def pack(w: torch.Tensor) -> torch.Tensor:
-        # x_scale / x_zp given to prepack do not enter the packed weight (checked in the tests)
-        return torch.ops.onednn.qconv_prepack(w, weight.scale, 1.0, 0, stride, padding, dilation, spec.groups, None)
+    def pack(w: torch.Tensor, zx: int, shape: list[int] | None) -> torch.Tensor:
+        # x_scale / x_zp given to prepack do not enter the sums; the input's shape and whether z_x is non-zero choose
+        # the layout oneDNN's call wants (packed for another, every call reorders the weight: conv_plan's docstring)
+        return torch.ops.onednn.qconv_prepack(w, weight.scale, 1.0, zx, stride, padding, dilation, spec.groups, shape)
 
     entry = _packed(cache, "onednn.conv", weight, None)  # the pack deferred: the weight split never reads it
     if entry is None:
@@ -331,11 +332,17 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
                     return codes
             return _wsplit_conv(halves[0], q, sx, zx, weight, bias, spec.groups, (stride, padding, dilation), out,
                                 relu, cache)
-    packed = entry[0]
-    if packed is None:  # first call on this weight version that needs the unsplit pack
-        packed = pack(weight.int_repr())
+    shaped = entry[0]
+    if shaped is None:  # first call on this weight version that needs the unsplit pack: packs per input, made on use
+        shaped = {}
         if cache is not None:
-            cache["onednn.conv"] = (cache["onednn.conv"][0], (packed, split))
+            cache["onednn.conv"] = (cache["onednn.conv"][0], (shaped, split))
+    key = (q.shape, zx != 0)
+    packed = shaped.get(key)
+    if packed is None:
+        if len(shaped) >= _SHAPED_PACKS:
+            shaped.pop(next(iter(shaped)))
+        packed = shaped[key] = pack(weight.int_repr(), zx, list(q.shape) if q.dim() == 4 else None)
 
     def run(codes: torch.Tensor, zp: int, b: torch.Tensor | None, s_out: float, z_out: int, dt: torch.dtype,
             post: str) -> torch.Tensor:
