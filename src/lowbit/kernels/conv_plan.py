@@ -12,20 +12,20 @@ It is the very call ``onednn.conv`` makes where no split is needed (a VNNI CPU, 
 on a CPU without VNNI), so the codes are bit-identical to the generic path's (``tests/test_static_plan.py``);
 the plan drops only re-validation and re-derivation (~30 µs per call on the Zen 4 EPYC, where the oneDNN call
 itself costs ~50 µs at batch 2). The weight is packed for the input it meets (``qconv_prepack`` given the input
-shape and whether ``z_x`` is non-zero; kept per shape, up to ``_PACKS``): packed without them, oneDNN's layout for
-the real input can differ, and the call then reorders the weight on every call (``ONEDNN_VERBOSE``: a generic
-``simple:any`` reorder, 1.57 ms of a 1.7 ms call for a 64 → 384 1x1 conv at batch 8 with z_x = 0; ~35 reorders in one
-MobileNetV2 forward). The layout does not change the sums, so the codes are the same. NCHW codes (a Quantize
-stub's output, e.g. an image) go to channels-last memory through ``lowbit.native`` first (MobileNetV2's stem input
-at batch 8: ~0.3 ms against ~0.8-1.6 for the copy inside the oneDNN call). An output grid narrower than the u8
-storage (a 7-bit grid) is clamped by oneDNN's ``hardtanh`` post-op at ``((q_min - z) s, (q_max - z) s)`` (with ReLU:
-the lower bound at least 0) instead of a second pass over the codes: the requantization ``round(y / s + z)`` is
-monotone in ``y`` and maps the bounds to within float rounding of ``q_min`` / ``q_max``, so clamping before it gives
-the codes clamping after it gives. ``None`` where the generic dispatcher
-must run: no oneDNN, a split (the weight-split convs and the native depthwise kernel), weights with zero points, a
-transposed or non-2-d conv, an input grid whose codes are not u8, a float output, a non-CPU layer. The caller keys
-the plan on the layer's buffers and runs it only with no backend pinned and outside tracing; each call counts in
-``kernels.counts`` as ``("onednn", "conv")``, like the generic one.
+shape and whether ``z_x`` is non-zero; kept per shape, up to ``onednn.SHAPED_PACKS``, by
+``onednn.packed_for_input``): packed without them, oneDNN's layout for the real input can differ, and the call then
+reorders the weight on every call (``ONEDNN_VERBOSE``: a generic ``simple:any`` reorder, 1.57 ms of a 1.7 ms call
+for a 64 → 384 1x1 conv at batch 8 with z_x = 0; ~35 reorders in one MobileNetV2 forward). The layout does not
+change the sums, so the codes are the same. NCHW codes (a Quantize stub's output, e.g. an image) go to
+channels-last memory through ``lowbit.native`` first (MobileNetV2's stem input at batch 8: ~0.3 ms against ~0.8-1.6
+for the copy inside the oneDNN call). An output grid narrower than the u8 storage (a 7-bit grid) is clamped by
+oneDNN's ``hardtanh`` post-op at ``((q_min - z) s, (q_max - z) s)`` (with ReLU: the lower bound at least 0) instead
+of a second pass over the codes: the requantization ``round(y / s + z)`` is monotone in ``y`` and maps the bounds
+to within float rounding of ``q_min`` / ``q_max``, so clamping before it gives the codes clamping after it gives.
+``None`` where the generic dispatcher must run: no oneDNN, a split (the weight-split convs and the native depthwise
+kernel), weights with zero points, a transposed or non-2-d conv, an input grid whose codes are not u8, a float
+output, a non-CPU layer. The caller keys the plan on the layer's buffers and runs it only with no backend pinned and
+outside tracing; each call counts in ``kernels.counts`` as ``("onednn", "conv")``, like the generic one.
 
 >>> import torch, lowbit as Q
 >>> from lowbit.kernels import ConvSpec, OutGrid, conv_plan
@@ -52,9 +52,6 @@ from .spec import ConvSpec, OutGrid
 
 __all__ = ["conv_plan"]
 
-_PACKS = 8  # input shapes (with a zero / non-zero input zero point) a plan keeps a weight pack for
-
-
 def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, relu: bool, x_qdtype: QDtype,
               spec: ConvSpec) -> Callable[[QTensor], QTensor] | None:
     """``run(x)``: the layer's one oneDNN call on a per-tensor u8-coded ``x`` (module docstring), or ``None``."""
@@ -69,15 +66,8 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
     w_scale, w_zp, groups = weight.scale, weight.zero_point, spec.groups
     packs: dict[tuple[Any, bool], Any] = {}  # (input shape, z_x != 0) -> the weight packed for it (module docstring)
 
-    def packed_for(shape: Any, zx: int) -> Any:
-        key = (shape, zx != 0)
-        p = packs.get(key)
-        if p is None:
-            if len(packs) >= _PACKS:
-                packs.pop(next(iter(packs)))
-            p = packs[key] = torch.ops.onednn.qconv_prepack(w, w_scale, 1.0, zx, stride, padding, dilation, groups,
-                                                            list(shape))
-        return p
+    def pack(zx: int, shape: list[int] | None) -> Any:
+        return torch.ops.onednn.qconv_prepack(w, w_scale, 1.0, zx, stride, padding, dilation, groups, shape)
     s_out, z_out, post = out.scale, out.zero_point, "relu" if relu else "none"
     qd, scalars, clamp = out.qdtype, [], False
     if not out.full_range:  # a grid narrower than u8 (7-bit): its clamp as oneDNN's post-op (module docstring)
@@ -101,8 +91,9 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
         if not q.is_contiguous(memory_format=torch.channels_last):  # oneDNN would copy it so, ~3x slower (an NCHW input)
             cl = native.to_channels_last(q)
             q = q if cl is None else cl
-        y = torch.ops.onednn.qconv_pointwise(q, hit[1], hit[2], packed_for(q.shape, hit[2]), w_scale, w_zp, bias, stride,
-                                             padding, dilation, groups, s_out, z_out, torch.uint8, post, scalars, "")
+        packed = onednn.packed_for_input(packs, q, hit[2], pack)
+        y = torch.ops.onednn.qconv_pointwise(q, hit[1], hit[2], packed, w_scale, w_zp, bias, stride, padding, dilation,
+                                             groups, s_out, z_out, torch.uint8, post, scalars, "")
         return out.wrap(y.clamp_(qd.quant_min, qd.quant_max) if clamp else y)
 
     return run

@@ -39,6 +39,7 @@ True
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 import os
 from typing import Any
 
@@ -337,12 +338,7 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
         shaped = {}
         if cache is not None:
             cache["onednn.conv"] = (cache["onednn.conv"][0], (shaped, split))
-    key = (q.shape, zx != 0)
-    packed = shaped.get(key)
-    if packed is None:
-        if len(shaped) >= _SHAPED_PACKS:
-            shaped.pop(next(iter(shaped)))
-        packed = shaped[key] = pack(weight.int_repr(), zx, list(q.shape) if q.dim() == 4 else None)
+    packed = packed_for_input(shaped, q, zx, lambda z, shape: pack(weight.int_repr(), z, shape))
 
     def run(codes: torch.Tensor, zp: int, b: torch.Tensor | None, s_out: float, z_out: int, dt: torch.dtype,
             post: str) -> torch.Tensor:
@@ -396,7 +392,30 @@ def _pack_wsplit(w: torch.Tensor, geometry: tuple[list[int], list[int], list[int
     return tuple(torch.ops.onednn.qconv_prepack(t, ones, 1.0, 0, *geometry, groups, None) for t in ws), ones, zeros, ws, shaped
 
 
-_SHAPED_PACKS = 8  # input shapes a split conv keeps packs for
+SHAPED_PACKS = 8  # input shapes (with a zero / non-zero input zero point) a conv layer keeps weight packs for
+
+
+def packed_for_input(store: dict[tuple[Any, bool], Any], q: torch.Tensor, zx: int,
+                     make: Callable[[int, list[int] | None], Any]) -> Any:
+    """``store[(q.shape, z_x != 0)]``, made by ``make(z_x, shape)`` on a miss (``shape``: ``q``'s as a list for a 2-d
+    conv's 4-d input, else ``None``), keeping the ``SHAPED_PACKS`` newest. A conv weight packed by ``qconv_prepack``
+    for the input it meets: packed without its shape and zero point, oneDNN's layout for the real input can differ and
+    every call reorders the weight (``conv_plan``'s docstring); the layout does not change the sums. Shared by
+    ``conv_plan``, the generic ``conv`` and the weight-split convs (``_wsplit_packs``).
+
+    >>> store = {}
+    >>> packed_for_input(store, torch.zeros(2, 3, 4, 4), 5, lambda z, shape: (z, shape))
+    (5, [2, 3, 4, 4])
+    >>> packed_for_input(store, torch.zeros(2, 3, 4, 4), 7, lambda z, shape: "not made: same shape, z_x != 0 again")
+    (5, [2, 3, 4, 4])
+    """
+    key = (q.shape, zx != 0)
+    packed = store.get(key)
+    if packed is None:
+        if len(store) >= SHAPED_PACKS:
+            store.pop(next(iter(store)))
+        packed = store[key] = make(zx, list(q.shape) if q.dim() == 4 else None)
+    return packed
 
 
 def _wsplit_packs(entry: Any, q: torch.Tensor, zx: int, groups: int,
@@ -405,15 +424,8 @@ def _wsplit_packs(entry: Any, q: torch.Tensor, zx: int, groups: int,
     without them, oneDNN's layout for the real input can differ, and every call then reorders the weights
     (``ONEDNN_VERBOSE``: two reorders per call, to the plain layout and back with the zero-point compensation, for a
     1x1 conv reading a non-zero zero point); the layout does not change the sums."""
-    shaped = entry[4]
-    key = (q.shape, zx != 0)
-    packs = shaped.get(key)
-    if packs is None:
-        if len(shaped) >= _SHAPED_PACKS:
-            shaped.pop(next(iter(shaped)))
-        packs = shaped[key] = tuple(torch.ops.onednn.qconv_prepack(t, entry[1], 1.0, zx, *geometry, groups, list(q.shape))
-                                    for t in entry[3])
-    return packs
+    return packed_for_input(entry[4], q, zx, lambda z, shape: tuple(
+        torch.ops.onednn.qconv_prepack(t, entry[1], 1.0, z, *geometry, groups, shape) for t in entry[3]))
 
 
 def _wsplit_conv(entry: Any, q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.Tensor | None,
