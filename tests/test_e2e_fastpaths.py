@@ -5,6 +5,9 @@ it replaces — 2-d max pooling of channels-last codes (oracle: torch's quantize
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowbit as Q
+from lowbit import native
 from lowbit.nn.quantized import functional_modules as fm
 from lowbit.qtensor.pool import as_torch_quantized, max_pool2d_codes
 
@@ -95,23 +99,46 @@ def test_fast_add_declines_broadcast_and_per_channel():
     assert (m.add(qa, qb).int_repr().int() - expect.int()).abs().max() <= 1
 
 
-def test_traced_glue_is_plain_aten_ops_on_codes():
-    """Traced (export here; torch.compile takes the same path): the skip add is aten float32 ops in eager's
-    order, not the opaque ``lowbit::qfunctional`` op, so inductor can fuse it into neighbouring kernels; 2-d max
-    pooling stays on the 8-bit codes as the opaque ``lowbit::max_pool2d_codes`` (no float ``max_pool2d``; opaque
-    since session 17, see ``docs/design.md``); the program gives eager's codes."""
+@settings(max_examples=300, deadline=None)
+@given(*[st.floats(2.0 ** -100, 2.0 ** 100, width=32)] * 3)
+def test_add_numbers_are_the_float32_quotients(sa, sb, so):
+    """``_add_numbers`` divides the scales as Python floats and rounds to float32: the float32 tensor quotient
+    ``_scaled_sum`` multiplies by, bit for bit (no double-rounding error for a quotient of float32 values); a
+    quotient past float32's range (or a zero) gives ``None`` (the plain path runs)."""
+    qa = Q.QTensor(torch.zeros(2, dtype=torch.uint8), sa, 3, Q.quint8)
+    qb = Q.QTensor(torch.zeros(2, dtype=torch.uint8), sb, 5, Q.quint8)
+    s = torch.tensor(so, dtype=torch.float32)
+    got = fm._add_numbers(qa, qb, s, torch.tensor(7), Q.quint8, False)
+    ka, kb = float(qa.scale / s), float(qb.scale / s)
+    if not all(0 < k < float("inf") for k in (ka, kb)):
+        assert got is None
+    else:
+        assert got == (ka, kb, 3, 5, 7, 0, 255)
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_traced_glue_ops_on_codes(built):
+    """Traced (export here; torch.compile takes the same path), SmallCNN's glue stays on the 8-bit codes: 2-d max
+    pooling is the opaque ``lowbit::max_pool2d_codes`` (no float ``max_pool2d``; opaque since session 17), the
+    flatten of channels-last codes the opaque ``lowbit::contiguous_codes`` (no ``aten.clone``: inductor's copy was a
+    scalar gather); the skip add is the opaque ``lowbit::qfunctional`` (eager's native one-pass add) where
+    ``lowbit.native`` is built, else aten float32 ops in eager's order. The program gives eager's codes."""
     from lowbit.examples import SmallCNN
+    if built and not native.available():
+        pytest.skip(f"lowbit.native not built: {native.reason()}")
     torch.manual_seed(0)
     m = Q.fuse_modules(SmallCNN(channels=(4, 8), hidden=16).eval(), SmallCNN.fusion_groups())
     p = Q.prepare(m, Q.get_default_qconfig())
     p(torch.randn(16, 1, 28, 28))
     q = Q.convert(p)
     x = torch.randn(3, 1, 28, 28)
-    ep = torch.export.export(q, (x,))
+    with contextlib.nullcontext() if built else mock.patch.object(fm, "_native_add", lambda: False):
+        ep = torch.export.export(q, (x,))
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
-    assert not any("qfunctional" in t or t.startswith("aten.max_pool") for t in targets), targets
-    assert "lowbit.max_pool2d_codes.default" in targets, targets
+    assert not any(t.startswith(("aten.max_pool", "aten.clone")) for t in targets), targets
+    assert {"lowbit.max_pool2d_codes.default", "lowbit.contiguous_codes.default"} <= targets, targets
     assert any(t.startswith("lowbit.qconv") for t in targets)
+    assert ("lowbit.qfunctional.default" in targets) == built, targets
     with torch.no_grad():
         assert torch.equal(ep.module()(x), q(x))
 

@@ -334,6 +334,25 @@ def test_codes_to_channels_last_is_the_torch_copy(threads: int, monkeypatch: pyt
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_codes_to_contiguous_is_the_torch_copy(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Channels-last 8-bit codes into NCHW memory: the values torch's copy gives, channel counts on and off the
+    16-channel tiles, pixel counts on and off the 16-pixel tiles and 64-pixel blocks; other layouts and dtypes are
+    declined."""
+    g = torch.Generator().manual_seed(7)
+    with _split_over(threads, monkeypatch):
+        for shape in [(64, 32, 7, 7), (2, 3, 5, 5), (3, 17, 9, 11), (1, 16, 4, 4), (5, 48, 16, 16), (2, 33, 1, 70),
+                      (2, 1, 3, 3), (1, 16, 8, 8)]:
+            for dt, lo, hi in ((torch.uint8, 0, 256), (torch.int8, -128, 128)):
+                q = torch.randint(lo, hi, shape, generator=g, dtype=dt).contiguous(memory_format=torch.channels_last)
+                y = native.to_contiguous(q)
+                assert y is not None and torch.equal(y, q) and y.is_contiguous(), shape
+    assert native.to_contiguous(torch.zeros(2, 3, 4, dtype=torch.uint8)) is None
+    assert native.to_contiguous(torch.zeros(2, 3, 4, 4).contiguous(memory_format=torch.channels_last)) is None
+    assert native.to_contiguous(torch.zeros(2, 4, 3, 3, dtype=torch.uint8)) is None  # NCHW: not this pass's layout
+
+
+@needs_native
 @pytest.mark.parametrize("body", BODIES)
 def test_quantize_stub_is_the_torch_passes(body: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from lowbit.nn.quantized.stubs import Quantize

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import lowbit as Q
+from lowbit import native
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning")
@@ -153,6 +154,26 @@ def test_per_channel_shape_ops_move_the_axis(op, axis):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         same_values(op(qt), op(qt.dequantize()), axis)
+
+
+@pytest.mark.parametrize("op, copies", [
+    (lambda t: torch.flatten(t, 1), True), (lambda t: t.flatten(), True), (lambda t: t.flatten(0, 1), True),
+    (lambda t: t.flatten(1, 2), True), (lambda t: t.flatten(-3, -1), True), (lambda t: t.reshape(2, -1), True),
+    (lambda t: t.reshape((-1, 30)), True), (lambda t: t.flatten(2), False), (lambda t: t.reshape(2, 3, 30), False),
+])
+@pytest.mark.parametrize("qdtype", [Q.quint8, Q.qint8])
+def test_flatten_of_channels_last_codes_is_torchs(op, copies, qdtype):
+    """A flatten / 2-d reshape merging the channels of channels-last per-tensor codes with another dim copies them
+    to NCHW order in one native pass (``native.to_contiguous``); the codes and grid are torch's (and the float
+    tensor's) either way; a merge of H and W alone stays a view."""
+    qt = Q.quantize_per_tensor(data((2, 3, 6, 5), 3), 0.05, 7, qdtype)
+    cl = Q.QTensor(qt.int_repr().contiguous(memory_format=torch.channels_last), qt.scale, qt.zero_point, qt.qdtype,
+                   qt.axis)
+    before = native.counts["to_nchw"]
+    out, ref = op(cl), op(qt)
+    assert torch.equal(out.int_repr(), ref.int_repr()) and out.axis == ref.axis and out.shape == ref.shape
+    assert torch.equal(out.dequantize(), op(qt.dequantize()))
+    assert native.counts["to_nchw"] - before == (1 if copies and native.available() else 0)
 
 
 def test_per_channel_getitem_and_unbind_match_torch():

@@ -44,8 +44,9 @@ from typing import Iterator
 import torch
 
 __all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dwconv", "dw_weight",
-           "maxpool_codes", "to_channels_last", "qlinear", "qlinear_requant", "qlinear_rows", "LinearPlan", "linear_plan",
-           "dyn_wsplit", "empty_codes", "disabled", "force_scalar", "force_avx2", "vnni", "counts"]
+           "maxpool_codes", "to_channels_last", "to_contiguous", "qlinear", "qlinear_requant", "qlinear_rows",
+           "LinearPlan", "linear_plan", "dyn_wsplit", "empty_codes", "disabled", "force_scalar", "force_avx2", "vnni",
+           "counts"]
 
 _DIR = Path(__file__).parent
 _SRC = [_DIR / "rowquant.c", _DIR / "linear.c", _DIR / "pool.c"]  # compiled together; all include common.h
@@ -115,6 +116,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_maxpool_codes.restype = None
     dll.lb_to_nhwc.argtypes = [p, i64, i64, i64, p, i32]
     dll.lb_to_nhwc.restype = None
+    dll.lb_to_nchw.argtypes = [p, i64, i64, i64, p, i32]
+    dll.lb_to_nchw.restype = None
     dll.lb_cpu_avx2.restype = dll.lb_cpu_vnni.restype = dll.lb_openmp.restype = i32
     body = "AVX2 + FMA bodies" if dll.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
     if dll.lb_cpu_vnni():
@@ -234,6 +237,6 @@ def _channel_vectors(n: int, *vs: torch.Tensor | None) -> bool:
     return all(v is None or (v.dtype == torch.float32 and v.is_contiguous() and v.numel() == n) for v in vs)
 
 
-from .layers import conv_epilogue, dw_weight, dwconv, empty_codes, maxpool_codes, to_channels_last  # noqa: E402  (below the helpers)
+from .layers import conv_epilogue, dw_weight, dwconv, empty_codes, maxpool_codes, to_channels_last, to_contiguous  # noqa: E402  (below the helpers)
 from .gemm import LinearPlan, dyn_wsplit, linear_plan, qlinear, qlinear_requant, qlinear_rows  # noqa: E402
 from .rows import qadd, quantize_into, row_epilogue, row_grid  # noqa: E402

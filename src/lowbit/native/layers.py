@@ -166,3 +166,18 @@ def to_channels_last(q: torch.Tensor) -> torch.Tensor | None:
     lib.lb_to_nhwc(q.data_ptr(), n, c, h * w, out.data_ptr(), _threads(q.numel()))
     counts["to_nhwc"] += 1
     return out
+
+
+def to_contiguous(q: torch.Tensor) -> torch.Tensor | None:
+    """A channels-last ``(N, C, H, W)`` 8-bit code tensor copied into contiguous (NCHW) memory in one pass
+    (``pool.c``: 16 × 16 byte tiles transposed in registers), e.g. before a flatten feeds a Linear: the same values,
+    a new tensor; ``None`` where ``q`` does not fit (then ``q.contiguous()`` does it)."""
+    lib = _lib()
+    if (lib is None or q.dtype not in (torch.uint8, torch.int8) or q.dim() != 4 or not q.is_cpu or q.numel() == 0
+            or not q.is_contiguous(memory_format=torch.channels_last)):
+        return None
+    n, c, h, w = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype)
+    lib.lb_to_nchw(q.data_ptr(), n, c, h * w, out.data_ptr(), _threads(q.numel()))
+    counts["to_nchw"] += 1
+    return out

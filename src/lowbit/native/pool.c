@@ -135,3 +135,62 @@ void lb_to_nhwc(const uint8_t *in, int64_t n, int64_t c, int64_t hw, uint8_t *ou
     }
     fan_out(nhwc_run, jobs, sizeof(nhwc_job), nt);
 }
+
+/* ---- NHWC -> NCHW of 8-bit codes (channels-last memory into a contiguous (n, c, h, w) tensor, e.g. before a
+ * flatten): out[i, ch, p] = in[i, p, ch], in blocks of 64 pixels; inside a block, 16-pixel x 16-channel tiles are
+ * transposed in SSE2 registers (four unpack stages: bytes, pairs, quads, eights), the edges byte by byte. A byte
+ * move, so every body gives the same bytes. ---- */
+
+static inline void t16x16(const uint8_t *src, int64_t ss, uint8_t *dst, int64_t ds) {
+    __m128i a[16], b[16];
+    for (int r = 0; r < 16; ++r) a[r] = _mm_loadu_si128((const __m128i *)(src + r * ss));
+    for (int r = 0; r < 8; ++r) {  /* rows 2r, 2r + 1 interleaved: columns 0-7, then 8-15 */
+        b[2 * r] = _mm_unpacklo_epi8(a[2 * r], a[2 * r + 1]);
+        b[2 * r + 1] = _mm_unpackhi_epi8(a[2 * r], a[2 * r + 1]);
+    }
+    for (int g = 0; g < 4; ++g) {  /* rows 4g..4g+3: a[4g + k] holds columns 4k..4k+3, 4 bytes each */
+        a[4 * g] = _mm_unpacklo_epi16(b[4 * g], b[4 * g + 2]);
+        a[4 * g + 1] = _mm_unpackhi_epi16(b[4 * g], b[4 * g + 2]);
+        a[4 * g + 2] = _mm_unpacklo_epi16(b[4 * g + 1], b[4 * g + 3]);
+        a[4 * g + 3] = _mm_unpackhi_epi16(b[4 * g + 1], b[4 * g + 3]);
+    }
+    for (int h = 0; h < 2; ++h)  /* rows 8h..8h+7: b[8h + m] holds columns 2m, 2m + 1, 8 bytes each */
+        for (int k = 0; k < 4; ++k) {
+            b[8 * h + 2 * k] = _mm_unpacklo_epi32(a[8 * h + k], a[8 * h + 4 + k]);
+            b[8 * h + 2 * k + 1] = _mm_unpackhi_epi32(a[8 * h + k], a[8 * h + 4 + k]);
+        }
+    for (int m = 0; m < 8; ++m) {  /* column 2m (and 2m + 1): rows 0-7 from b[m], rows 8-15 from b[8 + m] */
+        _mm_storeu_si128((__m128i *)(dst + 2 * m * ds), _mm_unpacklo_epi64(b[m], b[8 + m]));
+        _mm_storeu_si128((__m128i *)(dst + (2 * m + 1) * ds), _mm_unpackhi_epi64(b[m], b[8 + m]));
+    }
+}
+
+static void *nchw_run(void *p) {
+    const nhwc_job *j = p;  /* the same job fields: in is channels-last, out contiguous */
+    const int64_t c = j->c, hw = j->hw, c16 = c & ~(int64_t)15;
+    for (int64_t b = j->b0; b < j->b1; ++b) {
+        const int64_t i = b / j->nblk, p0 = b % j->nblk * 64, p1 = p0 + 64 < hw ? p0 + 64 : hw;
+        const uint8_t *src = j->in + i * c * hw;
+        uint8_t *dst = j->out + i * c * hw;
+        int64_t q = p0;
+        for (; q + 16 <= p1; q += 16) {
+            for (int64_t ch = 0; ch < c16; ch += 16) t16x16(src + q * c + ch, c, dst + ch * hw + q, hw);
+            for (int64_t ch = c16; ch < c; ++ch)
+                for (int64_t r = q; r < q + 16; ++r) dst[ch * hw + r] = src[r * c + ch];
+        }
+        for (int64_t ch = 0; ch < c; ++ch)
+            for (int64_t r = q; r < p1; ++r) dst[ch * hw + r] = src[r * c + ch];
+    }
+    return NULL;
+}
+
+void lb_to_nchw(const uint8_t *in, int64_t n, int64_t c, int64_t hw, uint8_t *out, int nthreads) {
+    const int64_t nblk = (hw + 63) / 64, total = n * nblk;
+    nhwc_job jobs[MAX_THREADS];
+    int nt = threads_for(nthreads, total);
+    for (int t = 0; t < nt; ++t) {
+        nhwc_job jb = {in, out, c, hw, nblk, total * t / nt, total * (t + 1) / nt};
+        jobs[t] = jb;
+    }
+    fan_out(nchw_run, jobs, sizeof(nhwc_job), nt);
+}

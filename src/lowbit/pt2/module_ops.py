@@ -12,7 +12,11 @@
   strided-view window maximum (``qtensor.pool``). Opaque on purpose: inlined, inductor fused the window
   reads into the next kernel's index order (a ``flatten`` to NCHW order: a scalar gather with an integer
   division per element, 0.8 ms for SmallCNN's 64 × 32 × 14 × 14 add + pool + flatten on the Zen 4 EPYC);
-  realized here, the ``flatten`` is a plain transposing copy.
+  realized here, the ``flatten`` is a plain transposing copy;
+- ``lowbit::contiguous_codes(codes (N, C, H, W) channels-last) -> codes in NCHW order``: the copy a
+  ``flatten`` / 2-d ``reshape`` of channels-last QTensor codes needs, as eager makes it (``native.to_contiguous``;
+  inlined, inductor's copy was a scalar gather with an integer division per byte, ~105 µs for SmallCNN's
+  64 × 32 × 7 × 7 codes against ~28 µs).
 
 The implementations are the eager code (packed weights cached per weight tensor object), so a
 compiled or exported program gives the eager numbers bit for bit.
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .. import native
 from ..compile_state import qdtype_from_key, tensor_version
 from ..nn.quantized.dynamic.reduced import forward as _reduced_forward
 from ..nn.quantized.functional_modules import QFunctional
@@ -99,13 +104,22 @@ for _name in ("_out", "_from_float", "_binary", "_eager_add", "_eager_add_relu",
     setattr(_Grid, _name, getattr(QFunctional, _name))
 
 
+def _qtensor(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: str) -> QTensor:
+    """A per-tensor QTensor of an op's arguments; grids traced from QTensors (0-d float32 / int64 on the codes'
+    device) are taken as they are, others checked by ``QTensor``."""
+    if (scale.dtype == torch.float32 and zero_point.dtype == torch.int64 and scale.dim() == 0 and zero_point.dim() == 0
+            and scale.device == q.device == zero_point.device):
+        return QTensor._trusted(q, scale, zero_point, qdtype_from_key(qdtype))
+    return QTensor(q, scale, zero_point, qdtype_from_key(qdtype))
+
+
 def qfunctional(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
                 y: torch.Tensor | None, y_scale: torch.Tensor | None, y_zero_point: torch.Tensor | None,
                 y_qdtype: str, c: float, out_scale: torch.Tensor, out_zero_point: torch.Tensor,
                 out_qdtype: str) -> torch.Tensor:
     grid = _Grid(out_scale, out_zero_point, qdtype_from_key(out_qdtype))
-    xq = QTensor(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
-    other: Any = c if y is None else QTensor(y, y_scale, y_zero_point, qdtype_from_key(y_qdtype))  # type: ignore[arg-type]
+    xq = _qtensor(x, x_scale, x_zero_point, x_qdtype)
+    other: Any = c if y is None else _qtensor(y, y_scale, y_zero_point, y_qdtype)  # type: ignore[arg-type]
     out = getattr(grid, f"_eager_{op}")(xq, other).int_repr()
     return like(out.clone() if out is x or out is y else out, x if y is None or y.shape == x.shape else out)
 
@@ -144,3 +158,15 @@ def _max_pool2d_codes_fake(q: torch.Tensor, kernel_size: list[int], stride: list
 
 define("max_pool2d_codes(Tensor q, int[] kernel_size, int[] stride) -> Tensor", _max_pool2d_codes,
        _max_pool2d_codes_fake)
+
+
+def _contiguous_codes(q: torch.Tensor) -> torch.Tensor:
+    y = native.to_contiguous(q)
+    return q.contiguous() if y is None else y
+
+
+def _contiguous_codes_fake(q: torch.Tensor) -> torch.Tensor:
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+define("contiguous_codes(Tensor q) -> Tensor", _contiguous_codes, _contiguous_codes_fake)
