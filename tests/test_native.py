@@ -334,6 +334,30 @@ def test_codes_to_channels_last_is_the_torch_copy(threads: int, monkeypatch: pyt
 
 
 @needs_native
+@pytest.mark.parametrize("body", BODIES)
+def test_quantize_stub_takes_channels_last_inputs_in_one_pass(body: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A channels-last image batch goes through the stub's one native pass (elementwise over memory): channels-last
+    codes equal to the contiguous input's (and the torch path's), below and above ``_NATIVE_MIN``; DeQuantize gives
+    the float values ``dequantize`` gives, channels-last too."""
+    from lowbit.nn.quantized import stubs
+    from lowbit.nn.quantized.stubs import DeQuantize, Quantize
+
+    g = torch.Generator().manual_seed(8)
+    for scale, zp, qd in [(0.02, 128, Q.quint8), (0.013, 3, Q.quint8.with_range(0, 127)), (0.05, -4, Q.qint8)]:
+        stub = Quantize(scale, zp, qd)
+        for shape in [(2, 3, 7, 9), (8, 16, 24, 24)]:  # 378 and 73 728 elements: plain codes and a torch quantized one
+            x = (torch.randn(*shape, generator=g) * 4).contiguous(memory_format=torch.channels_last)
+            got, ref, ran = _native_and_torch(body, lambda stub=stub, x=x: stub(x))
+            flat = stub(x.contiguous())
+            assert ran.get("quantize") == 1, (qd, shape)
+            assert got.int_repr().is_contiguous(memory_format=torch.channels_last)
+            assert torch.equal(got.int_repr(), ref.int_repr()) and torch.equal(got.int_repr(), flat.int_repr())
+            y = DeQuantize()(got)
+            assert y.is_contiguous(memory_format=torch.channels_last) and torch.equal(y, flat.dequantize())
+    assert stubs._dense_format(torch.zeros(2, 3, 4, 5)[..., ::2]) is None
+
+
+@needs_native
 @pytest.mark.parametrize("threads", [1, 2])
 def test_codes_to_contiguous_is_the_torch_copy(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Channels-last 8-bit codes into NCHW memory: the values torch's copy gives, channel counts on and off the

@@ -252,9 +252,11 @@ def dequantize(q: torch.Tensor, scale: Number, zero_point: Number, ch_axis: int 
 
 def dequantize_fast(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
     """``dequantize`` of per-tensor codes whose 0-d qparams were already checked (a ``QTensor``'s): on
-    CPU, 8-bit and contiguous, one fused pass with no validation and no per-call dispatch of Python
-    checks; otherwise ``dequantize(..., validate=False)``. Bit-identical to ``dequantize``."""
-    if q.is_cpu and q.dtype in _TORCH_QDTYPE and q.is_contiguous() and scale.dtype == torch.float32:
+    CPU, 8-bit and contiguous (or 4-d channels-last: the float result keeps that layout), one fused pass with no
+    validation and no per-call dispatch of Python checks; otherwise ``dequantize(..., validate=False)``.
+    Bit-identical to ``dequantize``."""
+    if (q.is_cpu and q.dtype in _TORCH_QDTYPE and scale.dtype == torch.float32
+            and (q.is_contiguous() or (q.dim() == 4 and q.is_contiguous(memory_format=torch.channels_last)))):
         y = _dequantize_fused(q, scale.item(), zero_point.item())
         if y is not None:
             return y

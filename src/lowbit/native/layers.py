@@ -117,17 +117,19 @@ def dwconv(q: torch.Tensor, zx: int, taps: torch.Tensor, stride: list[int], padd
 _QUIET = [False]  # torch's one deprecation warning for quantized tensors, kept from users
 
 
-def empty_codes(shape: tuple[int, ...] | torch.Size, zero_point: int, dtype: torch.dtype) -> torch.Tensor:
+def empty_codes(shape: tuple[int, ...] | torch.Size, zero_point: int, dtype: torch.dtype,
+                memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
     """An empty torch quantized tensor (``quint8`` / ``qint8``) on scale 1 and ``zero_point``, for a native pass to fill:
     the form lowbit keeps 8-bit codes in for the fbgemm ops that read them next (a ``QTensor``'s ``tu``)."""
     if dtype not in (torch.quint8, torch.qint8):
         raise ValueError(f"lowbit.native.empty_codes: dtype={dtype!r} must be torch.quint8 or torch.qint8")
     _check_grid("empty_codes", zero_point, *((-128, 127, torch.int8) if dtype == torch.qint8 else (0, 255)))
     if _QUIET[0]:
-        return torch._empty_affine_quantized(shape, scale=1.0, zero_point=zero_point, dtype=dtype)
+        return torch._empty_affine_quantized(shape, scale=1.0, zero_point=zero_point, dtype=dtype,
+                                             memory_format=memory_format)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        t = torch._empty_affine_quantized(shape, scale=1.0, zero_point=zero_point, dtype=dtype)
+        t = torch._empty_affine_quantized(shape, scale=1.0, zero_point=zero_point, dtype=dtype, memory_format=memory_format)
     _QUIET[0] = True
     return t
 

@@ -48,6 +48,16 @@ _NATIVE_MIN = 1 << 16  # elements from which the native quantize writes a torch 
 _PLAIN = {torch.quint8: torch.uint8, torch.qint8: torch.int8}
 
 
+def _dense_format(x: torch.Tensor) -> torch.memory_format | None:
+    """The memory format in which ``x``'s elements are dense in the order of its memory (contiguous, or a 4-d
+    channels-last tensor: an image model's input after ``.to(memory_format=torch.channels_last)``), else ``None``."""
+    if x.is_contiguous():
+        return torch.contiguous_format
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return None
+
+
 class Quantize(CheckedQuantState):
     """Float tensor -> per-tensor ``QTensor`` on the grid ``(scale, zero_point, qdtype)``.
 
@@ -65,13 +75,16 @@ class Quantize(CheckedQuantState):
         if type(x) is torch.Tensor and x.dtype == torch.float32 and x.is_cpu and not tracing():  # (.is_cpu: no device object)
             inv, z, store = self._grid()
             lib = native._lib()
-            if store is not None and lib is not None and x.is_contiguous() and not x.requires_grad:
+            fmt = _dense_format(x)
+            if store is not None and lib is not None and fmt is not None and not x.requires_grad:
                 # the path below (NaN check, v = x · inv, the 7-bit clamp, quantize_per_tensor at scale 1) in one pass:
                 # from _NATIVE_MIN elements into a torch quantized tensor (the _tu fbgemm / oneDNN take as it is), below
-                # it into plain codes (a quantized tensor costs ~3 µs more to make than the pass itself there)
+                # it into plain codes (a quantized tensor costs ~3 µs more to make than the pass itself there); the pass
+                # is elementwise over memory, so a channels-last input gives channels-last codes in the same pass
                 lo, hi, zi, dtype, inv_f = store
                 big = x.numel() >= _NATIVE_MIN
-                t = native.empty_codes(x.shape, zi, dtype) if big else torch.empty(x.shape, dtype=_PLAIN[dtype])
+                t = (native.empty_codes(x.shape, zi, dtype, fmt) if big
+                     else torch.empty(x.shape, dtype=_PLAIN[dtype], memory_format=fmt))
                 if native.rows._quantize(lib, x, inv_f, float(zi), -math.inf if lo is None else lo,
                                          math.inf if hi is None else hi, dtype == torch.qint8, t):
                     bufs = self._buffers
