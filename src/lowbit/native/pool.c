@@ -125,7 +125,9 @@ static void *nhwc_run(void *p) {
     return NULL;
 }
 
-void lb_to_nhwc(const uint8_t *in, int64_t n, int64_t c, int64_t hw, uint8_t *out, int nthreads) {
+/* the (image, 64-pixel block) jobs of a layout copy, split over the threads; run: nhwc_run or nchw_run */
+static void layout_copy(void *(*run)(void *), const uint8_t *in, int64_t n, int64_t c, int64_t hw, uint8_t *out,
+                        int nthreads) {
     const int64_t nblk = (hw + 63) / 64, total = n * nblk;
     nhwc_job jobs[MAX_THREADS];
     int nt = threads_for(nthreads, total);
@@ -133,7 +135,11 @@ void lb_to_nhwc(const uint8_t *in, int64_t n, int64_t c, int64_t hw, uint8_t *ou
         nhwc_job jb = {in, out, c, hw, nblk, total * t / nt, total * (t + 1) / nt};
         jobs[t] = jb;
     }
-    fan_out(nhwc_run, jobs, sizeof(nhwc_job), nt);
+    fan_out(run, jobs, sizeof(nhwc_job), nt);
+}
+
+void lb_to_nhwc(const uint8_t *in, int64_t n, int64_t c, int64_t hw, uint8_t *out, int nthreads) {
+    layout_copy(nhwc_run, in, n, c, hw, out, nthreads);
 }
 
 /* ---- NHWC -> NCHW of 8-bit codes (channels-last memory into a contiguous (n, c, h, w) tensor, e.g. before a
@@ -185,12 +191,5 @@ static void *nchw_run(void *p) {
 }
 
 void lb_to_nchw(const uint8_t *in, int64_t n, int64_t c, int64_t hw, uint8_t *out, int nthreads) {
-    const int64_t nblk = (hw + 63) / 64, total = n * nblk;
-    nhwc_job jobs[MAX_THREADS];
-    int nt = threads_for(nthreads, total);
-    for (int t = 0; t < nt; ++t) {
-        nhwc_job jb = {in, out, c, hw, nblk, total * t / nt, total * (t + 1) / nt};
-        jobs[t] = jb;
-    }
-    fan_out(nchw_run, jobs, sizeof(nhwc_job), nt);
+    layout_copy(nchw_run, in, n, c, hw, out, nthreads);
 }
