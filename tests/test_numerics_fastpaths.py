@@ -45,3 +45,22 @@ def test_blocked_epilogue_equals_whole_tensor_expression(monkeypatch):
     ref = (raw - c[:, None] * wsum) * sx[:, None] + b
     monkeypatch.setattr(dl, "_BLOCK", 30)  # blocks of 2 rows, the last one short
     assert torch.equal(dl._epilogue(raw.clone(), c[:, None], wsum, sx[:, None], b), ref)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7, 9), (4, 16, 12, 12), (9, 8, 11, 13)])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "offset"])
+def test_dequantize_fast_is_dequantize(shape, dtype, layout):
+    """``dequantize_fast`` (one torch dequantize of the codes, above 4096 elements through a view of their memory) gives
+    ``dequantize``'s floats bit for bit, in the codes' layout: contiguous, channels-last, and a view at a storage offset."""
+    from lowbit.functional import dequantize_fast
+    g = torch.Generator().manual_seed(sum(shape))
+    lo, hi = (0, 256) if dtype == torch.uint8 else (-128, 128)
+    q = torch.randint(lo, hi, (shape[0] + 1, *shape[1:]), generator=g, dtype=dtype)
+    q = q[1:] if layout == "offset" else q[:-1].clone()
+    if layout == "channels_last":
+        q = q.contiguous(memory_format=torch.channels_last)
+    for s, z in [(0.0123, 3), (1e-5, -7 if dtype == torch.int8 else 200), (7.5, 0)]:
+        st, zt = torch.tensor(s, dtype=torch.float32), torch.tensor(z)
+        y = dequantize_fast(q, st, zt)
+        assert torch.equal(y, dequantize(q, st, zt)) and y.stride() == q.stride(), (s, z)
