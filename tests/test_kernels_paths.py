@@ -418,7 +418,7 @@ WSPLIT_CONVS = [(2, 8, 16, 3, 1, 1, 1, 1), (2, 16, 16, 3, 16, 2, 1, 1), (2, 12, 
 @pytest.mark.parametrize("zx", [0, 131, 255])
 def test_conv_weight_split_codes_are_the_exact_sum_requantized(monkeypatch: pytest.MonkeyPatch, paths: Counter[str],
                                                                relu: bool, zx: int) -> None:
-    """The weight split (``onednn._wsplit_conv``) on every conv form, saturating weights (127/-128 pairs), codes 0 and
+    """The weight split (``conv_split._wsplit_conv``) on every conv form, saturating weights (127/-128 pairs), codes 0 and
     255, input zero points at both ends and output grids at 0/128/255: the codes are bit for bit the exact
     accumulator's float32 epilogue ``fl(acc) · fl(s_x s_w) + b`` (ReLU) ``· inv + z``, rounded, clamped; float
     outputs are ``fl(acc) · fl(s_x s_w) + b`` bit for bit (sums below 2²⁴ here)."""

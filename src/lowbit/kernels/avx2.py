@@ -13,7 +13,7 @@ store in one pass (``lowbit.qstore``). For at most ``onednn.SMALL_M`` rows the l
 float-output op (``_fbgemm_linear``, split the same way) or, for a u8 output on 7-bit codes or
 saturation-safe weights, one fbgemm call with fused requantization (``_fbgemm_requant``). Static convs
 split their *weights* instead, once (``weight_halves``, ``stack_halves``: ``q_w = 2 (q_w >> 1) + (q_w & 1)``;
-``combine_stacked`` and ``_acc_epilogue`` finish ``onednn._wsplit_conv``'s raw sums). The dispatch between
+``combine_stacked`` and ``_acc_epilogue`` finish ``conv_split._wsplit_conv``'s raw sums). The dispatch between
 these paths lives in ``onednn.linear`` / ``onednn.conv``.
 
 >>> st, c = _halves(torch.tensor([[255, 6]], dtype=torch.uint8), 3)

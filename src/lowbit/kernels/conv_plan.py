@@ -12,8 +12,8 @@ It is the very call ``onednn.conv`` makes where no split is needed (a VNNI CPU, 
 on a CPU without VNNI), so the codes are bit-identical to the generic path's (``tests/test_static_plan.py``);
 the plan drops only re-validation and re-derivation (~30 µs per call on the Zen 4 EPYC, where the oneDNN call
 itself costs ~50 µs at batch 2). The weight is packed for the input it meets (``qconv_prepack`` given the input
-shape and whether ``z_x`` is non-zero; kept per shape, up to ``onednn.SHAPED_PACKS``, by
-``onednn.packed_for_input``): packed without them, oneDNN's layout for the real input can differ, and the call then
+shape and whether ``z_x`` is non-zero; kept per shape, up to ``conv_split.SHAPED_PACKS``, by
+``conv_split.packed_for_input``): packed without them, oneDNN's layout for the real input can differ, and the call then
 reorders the weight on every call (``ONEDNN_VERBOSE``: a generic ``simple:any`` reorder, 1.57 ms of a 1.7 ms call
 for a 64 → 384 1x1 conv at batch 8 with z_x = 0; ~35 reorders in one MobileNetV2 forward). The layout does not
 change the sums, so the codes are the same. NCHW codes (a Quantize stub's output, e.g. an image) go to
@@ -47,6 +47,7 @@ from .. import native
 from ..qscheme import QDtype
 from ..qtensor import QTensor
 from . import onednn
+from .conv_split import packed_for_input
 from .plan import _counts, input_grid_key
 from .spec import ConvSpec, OutGrid
 
@@ -91,7 +92,7 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
         if not q.is_contiguous(memory_format=torch.channels_last):  # oneDNN would copy it so, ~3x slower (an NCHW input)
             cl = native.to_channels_last(q)
             q = q if cl is None else cl
-        packed = onednn.packed_for_input(packs, q, hit[2], pack)
+        packed = packed_for_input(packs, q, hit[2], pack)
         y = torch.ops.onednn.qconv_pointwise(q, hit[1], hit[2], packed, w_scale, w_zp, bias, stride, padding, dilation,
                                              groups, s_out, z_out, torch.uint8, post, scalars, "")
         return out.wrap(y.clamp_(qd.quant_min, qd.quant_max) if clamp else y)

@@ -169,7 +169,7 @@ void lb_row_epilogue(float *raw, int64_t m, int64_t n, int64_t ldr, const float 
     fan_out(epi_run, jobs, sizeof(epi_job), nt);
 }
 
-/* ---- the split-weight conv's epilogue (kernels/onednn._wsplit_conv + avx2._acc_epilogue + qstore.codes) ---- */
+/* ---- the split-weight conv's epilogue (kernels/conv_split._wsplit_conv + avx2._acc_epilogue + qstore.codes) ---- */
 
 typedef struct {
     const float *hi, *lo; int64_t ps, gs, groups, cpg; const float *sc, *bias; float inv, z, vlo, vhi;

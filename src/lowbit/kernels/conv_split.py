@@ -1,0 +1,107 @@
+"""Conv weight packs made for their input, and the weight-split conv of CPUs without VNNI (``onednn.conv``'s helpers).
+
+``packed_for_input``: a conv weight packed by ``onednn::qconv_prepack`` for the input shape and zero point it meets
+(kept per shape), shared by ``conv_plan``, the generic ``onednn.conv`` and the split below. ``_wsplit_conv``: an exact
+8-bit conv without VNNI, the weights split into 7-bit halves so ``vpmaddubsw`` cannot saturate on u8 codes (one
+oneDNN call on the unmodified codes, float32 raw sums, ``avx2._acc_epilogue`` or the native epilogue).
+
+>>> import torch
+>>> from lowbit.kernels.conv_split import packed_for_input
+>>> packed_for_input({}, torch.zeros(1, 2, 3, 3), 0, lambda z, shape: shape)
+[1, 2, 3, 3]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import native
+from ..qtensor import QTensor
+from .avx2 import (_acc_epilogue, _inv_scale, _relu_floor, _scaled, combine_stacked, stack_halves,
+                   weight_halves)
+from .spec import OutGrid
+
+__all__ = ["SHAPED_PACKS", "packed_for_input"]
+
+
+def _pack_wsplit(w: torch.Tensor, geometry: tuple[list[int], list[int], list[int]], groups: int) -> Any:
+    """oneDNN packs of ``avx2.weight_halves(w)`` with unit scales (raw sums come out as float32) and the unit scales
+    and zero points they are called with; ``None`` where the halves' float32 sums could be inexact. Depthwise
+    (one input and one output channel a group): the two halves packed apart, as oneDNN's depthwise kernels take
+    no channel multiplier (stacked, a 96-channel 3×3 ran ~100x slower); otherwise one ``stack_halves`` pack."""
+    halves = weight_halves(w)
+    if halves is None:
+        return None
+    hi, lo = halves
+    dw = groups > 1 and w.shape[0] == groups and w.shape[1] == 1
+    ws = (hi, lo) if dw else (stack_halves(hi, lo, groups),)
+    n = ws[0].shape[0]
+    ones, zeros = torch.ones(n), torch.zeros(n, dtype=torch.int64)
+    shaped: dict[tuple[Any, bool], Any] = {}  # (input shape, z_x != 0) -> the packs for that input (_wsplit_packs)
+    return tuple(torch.ops.onednn.qconv_prepack(t, ones, 1.0, 0, *geometry, groups, None) for t in ws), ones, zeros, ws, shaped
+
+
+SHAPED_PACKS = 8  # input shapes (with a zero / non-zero input zero point) a conv layer keeps weight packs for
+
+
+def packed_for_input(store: dict[tuple[Any, bool], Any], q: torch.Tensor, zx: int,
+                     make: Callable[[int, list[int] | None], Any]) -> Any:
+    """``store[(q.shape, z_x != 0)]``, made by ``make(z_x, shape)`` on a miss (``shape``: ``q``'s as a list for a 2-d
+    conv's 4-d input, else ``None``), keeping the ``SHAPED_PACKS`` newest. A conv weight packed by ``qconv_prepack``
+    for the input it meets: packed without its shape and zero point, oneDNN's layout for the real input can differ and
+    every call reorders the weight (``conv_plan``'s docstring); the layout does not change the sums. Shared by
+    ``conv_plan``, the generic ``conv`` and the weight-split convs (``_wsplit_packs``).
+
+    >>> store = {}
+    >>> packed_for_input(store, torch.zeros(2, 3, 4, 4), 5, lambda z, shape: (z, shape))
+    (5, [2, 3, 4, 4])
+    >>> packed_for_input(store, torch.zeros(2, 3, 4, 4), 7, lambda z, shape: "not made: same shape, z_x != 0 again")
+    (5, [2, 3, 4, 4])
+    """
+    key = (q.shape, zx != 0)
+    packed = store.get(key)
+    if packed is None:
+        if len(store) >= SHAPED_PACKS:
+            store.pop(next(iter(store)))
+        packed = store[key] = make(zx, list(q.shape) if q.dim() == 4 else None)
+    return packed
+
+
+def _wsplit_packs(entry: Any, q: torch.Tensor, zx: int, groups: int,
+                  geometry: tuple[list[int], list[int], list[int]]) -> Any:
+    """The halves packed for this input (``qconv_prepack`` given its shape and whether ``z_x`` is non-zero): packed
+    without them, oneDNN's layout for the real input can differ, and every call then reorders the weights
+    (``ONEDNN_VERBOSE``: two reorders per call, to the plain layout and back with the zero-point compensation, for a
+    1x1 conv reading a non-zero zero point); the layout does not change the sums."""
+    return packed_for_input(entry[4], q, zx, lambda z, shape: tuple(
+        torch.ops.onednn.qconv_prepack(t, entry[1], 1.0, z, *geometry, groups, shape) for t in entry[3]))
+
+
+def _wsplit_conv(entry: Any, q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.Tensor | None,
+                 groups: int, geometry: tuple[list[int], list[int], list[int]], out: OutGrid | None, relu: bool,
+                 cache: dict[str, Any] | None) -> QTensor | torch.Tensor:
+    """Exact 8-bit conv without VNNI, the weights split: oneDNN on the unmodified u8 codes.
+
+    ``acc = Σ (q - z) q_w = 2 Σ (q - z) (q_w >> 1) + Σ (q - z) (q_w & 1)``: the halves (``avx2.weight_halves``,
+    packed once by ``_pack_wsplit``) never saturate ``vpmaddubsw`` with u8 codes; oneDNN returns both sums as
+    float32 (unit scales: exact integers, checked at pack time) from one call on ``2 C_out`` channels (depthwise:
+    two calls), and ``fl(lo + 2·hi) = fl(acc)`` goes through ``avx2._acc_epilogue`` (``· fl(s_x s_w) + bias``, ReLU,
+    requantization). Against the activation split (``_split_run``): no staging of code halves (shift, mask,
+    copies out of channels-last), no doubled batch; the same multiply-adds.
+    """
+    _, ones, zeros = entry[:3]
+    packs = _wsplit_packs(entry, q, zx, groups, geometry) if q.dim() == 4 else entry[0]
+    stride, padding, dilation = geometry
+    ys = [torch.ops.onednn.qconv_pointwise(q, 1.0, zx, p, ones, zeros, None, stride, padding, dilation, groups, 1.0, 0,
+                                           torch.float32, "none", [], "") for p in packs]
+    if out is not None and out.qdtype.storage == torch.uint8:  # the whole epilogue in one native pass (same codes)
+        codes = native.conv_epilogue(ys, groups, _scaled(weight.scale, sx, cache), bias, _inv_scale(out.scale),
+                                     out.zero_point, _relu_floor(out.qdtype.quant_min, out.zero_point, relu),
+                                     out.qdtype.quant_max)
+        if codes is not None:
+            return out.wrap(codes)
+    acc = ys[1].add_(ys[0], alpha=2) if len(ys) == 2 else combine_stacked(ys[0], groups, out is not None)  # (2·hi exact)
+    return _acc_epilogue(acc, weight.scale, sx, bias, out, relu, cache)
