@@ -299,22 +299,28 @@ def _dequantize_fused(q: torch.Tensor, s: float, z: float) -> torch.Tensor | Non
     lo, hi = _TORCH_QDTYPE[q.dtype]
     if not (0 < s < float("inf") and lo <= z <= hi and z == int(z)):
         return None
+    return as_torch_quantized(q, s, int(z)).dequantize()
+
+
+def as_torch_quantized(q: torch.Tensor, scale: float = 1.0, zero_point: int = 0) -> torch.Tensor:
+    """8-bit codes as a torch ``quint8``/``qint8`` per-tensor quantized tensor on ``(scale, zero_point)``, for torch's
+    quantized CPU kernels to read: above 4096 elements a view of the codes' memory (``set_``: torch's maker copies
+    them, ~45 µs of a ~250 µs dequantize of 8 × 64 × 56 × 56 codes, 1 thread), below it the maker's copy (cheaper
+    than the view's set-up there). Torch's once-per-process deprecation warning for quantized tensors is kept
+    from users."""
     if _QUIET[0]:
-        return _as_quantized(q, s, int(z)).dequantize()
+        return _as_quantized(q, scale, zero_point)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        y = _as_quantized(q, s, int(z)).dequantize()
+        t = _as_quantized(q, scale, zero_point)
     _QUIET[0] = True
-    return y
+    return t
 
 
-def _as_quantized(q: torch.Tensor, s: float, z: int) -> torch.Tensor:
-    """8-bit codes as a torch per-tensor quantized tensor: above 4096 elements a view of their memory (``set_``; the
-    maker copies them: ~45 µs of ~250 for 8 × 64 × 56 × 56 codes, 1 thread), below it the maker's copy (cheaper than
-    the view's set-up there)."""
+def _as_quantized(q: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
     if q.numel() <= 4096:
-        return torch._make_per_tensor_quantized_tensor(q, s, z)
-    t = torch._empty_affine_quantized([0], scale=s, zero_point=z, dtype=_QDTYPE_OF[q.dtype])
+        return torch._make_per_tensor_quantized_tensor(q, scale, zero_point)
+    t = torch._empty_affine_quantized([0], scale=scale, zero_point=zero_point, dtype=_QDTYPE_OF[q.dtype])
     return t.set_(q.untyped_storage(), q.storage_offset(), q.shape, q.stride())
 
 

@@ -28,7 +28,6 @@ the next kernel (SmallCNN's ``flatten``: a scalar gather, ~0.6 ms at batch 64).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 
 from .. import native
 from ..compile_state import tracing
+from ..functional import as_torch_quantized
 from . import _INT_OPS, QTensor
 
 __all__ = ["max_pool2d_codes", "as_torch_quantized"]
@@ -99,21 +99,6 @@ def _max_pool(fn: Callable) -> Callable:
                 return x._same_grid(fn(as_torch_quantized(q), *args, **kwargs).int_repr())
         return x._same_grid(fn(q.to(torch.float32), *args, **kwargs).to(q.dtype))
     return op
-
-
-_QUIET = [False]  # torch warns once per process that quantized tensors are deprecated: keep it from users
-
-
-def as_torch_quantized(q: torch.Tensor, scale: float = 1.0, zero_point: int = 0) -> torch.Tensor:
-    """8-bit codes viewed (no copy) as a torch ``quint8``/``qint8`` tensor on the grid ``(scale, zero_point)``,
-    for torch's native quantized CPU kernels."""
-    if _QUIET[0]:
-        return torch._make_per_tensor_quantized_tensor(q, scale, zero_point)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch._make_per_tensor_quantized_tensor(q, scale, zero_point)
-    _QUIET[0] = True
-    return t
 
 
 _INT_OPS.update({
