@@ -339,7 +339,7 @@ def test_quantize_stub_takes_channels_last_inputs_in_one_pass(body: str, monkeyp
     """A channels-last image batch goes through the stub's one native pass (elementwise over memory): channels-last
     codes equal to the contiguous input's (and the torch path's), below and above ``_NATIVE_MIN``; DeQuantize gives
     the float values ``dequantize`` gives, channels-last too."""
-    from lowbit.nn.quantized import stubs
+    from lowbit.functional import dense_format
     from lowbit.nn.quantized.stubs import DeQuantize, Quantize
 
     g = torch.Generator().manual_seed(8)
@@ -354,7 +354,7 @@ def test_quantize_stub_takes_channels_last_inputs_in_one_pass(body: str, monkeyp
             assert torch.equal(got.int_repr(), ref.int_repr()) and torch.equal(got.int_repr(), flat.int_repr())
             y = DeQuantize()(got)
             assert y.is_contiguous(memory_format=torch.channels_last) and torch.equal(y, flat.dequantize())
-    assert stubs._dense_format(torch.zeros(2, 3, 4, 5)[..., ::2]) is None
+    assert dense_format(torch.zeros(2, 3, 4, 5)[..., ::2]) is None
 
 
 @needs_native

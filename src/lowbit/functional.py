@@ -255,12 +255,22 @@ def dequantize_fast(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tens
     CPU, 8-bit and contiguous (or 4-d channels-last: the float result keeps that layout), one fused pass with no
     validation and no per-call dispatch of Python checks; otherwise ``dequantize(..., validate=False)``.
     Bit-identical to ``dequantize``."""
-    if (q.is_cpu and q.dtype in _TORCH_QDTYPE and scale.dtype == torch.float32
-            and (q.is_contiguous() or (q.dim() == 4 and q.is_contiguous(memory_format=torch.channels_last)))):
+    if q.is_cpu and q.dtype in _TORCH_QDTYPE and scale.dtype == torch.float32 and dense_format(q) is not None:
         y = _dequantize_fused(q, scale.item(), zero_point.item())
         if y is not None:
             return y
     return dequantize(q, scale, zero_point, validate=False)
+
+
+def dense_format(x: torch.Tensor) -> torch.memory_format | None:
+    """The memory format in which ``x``'s elements are dense in the order of its memory (contiguous, or a 4-d
+    channels-last tensor: an image batch after ``.to(memory_format=torch.channels_last)``), else ``None``: an
+    elementwise pass over memory (quantize, dequantize) can then take it as it is and keep its layout."""
+    if x.is_contiguous():
+        return torch.contiguous_format
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return None
 
 
 _TORCH_QDTYPE = {torch.uint8: (0, 255), torch.int8: (-128, 127)}

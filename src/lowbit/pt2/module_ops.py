@@ -36,12 +36,11 @@ from typing import Any
 
 import torch
 
-from .. import native
 from ..compile_state import qdtype_from_key, tensor_version
 from ..nn.quantized.dynamic.reduced import forward as _reduced_forward
 from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.weight_only import WeightOnlyLinear
-from ..qtensor import QTensor
+from ..qtensor import QTensor, nchw_copy
 from ..qtensor.pool import max_pool2d_codes
 from .kernel_ops import weight_cache
 from .quant_ops import define, like
@@ -160,13 +159,8 @@ define("max_pool2d_codes(Tensor q, int[] kernel_size, int[] stride) -> Tensor", 
        _max_pool2d_codes_fake)
 
 
-def _contiguous_codes(q: torch.Tensor) -> torch.Tensor:
-    y = native.to_contiguous(q)
-    return q.contiguous() if y is None else y
-
-
 def _contiguous_codes_fake(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
-define("contiguous_codes(Tensor q) -> Tensor", _contiguous_codes, _contiguous_codes_fake)
+define("contiguous_codes(Tensor q) -> Tensor", nchw_copy, _contiguous_codes_fake)

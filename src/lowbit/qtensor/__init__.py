@@ -258,7 +258,7 @@ class QTensor:
         """A reshape-like op: per channel, it stays integer when the channel dim survives intact."""
         q = self._q
         if q.dim() == 4 and self._axis is None and name in ("flatten", "reshape") and _merges_channels_last(q, name, args):
-            q = _contiguous_codes(q)
+            q = contiguous_codes(q)
         q = getattr(q, name)(*args)
         if self._axis is None:
             return self._same_grid(q)
@@ -406,12 +406,16 @@ def _merges_channels_last(q: torch.Tensor, name: str, args: tuple[Any, ...]) -> 
     return start <= 1 <= end and start < end
 
 
-def _contiguous_codes(q: torch.Tensor) -> torch.Tensor:
+def contiguous_codes(q: torch.Tensor) -> torch.Tensor:
     """Channels-last 8-bit codes in NCHW order: one native pass (``native.to_contiguous``: ~2.5x faster than
     torch's uint8 copy for SmallCNN's 64 × 32 × 7 × 7), traced as the opaque ``lowbit::contiguous_codes`` (inlined,
     inductor wrote it as a scalar gather with an integer division per byte: ~2.6x slower than eager's copy)."""
-    if tracing():
-        return torch.ops.lowbit.contiguous_codes(q)
+    return torch.ops.lowbit.contiguous_codes(q) if tracing() else nchw_copy(q)
+
+
+def nchw_copy(q: torch.Tensor) -> torch.Tensor:
+    """``q`` copied into contiguous (NCHW) memory: ``native.to_contiguous`` where it takes ``q``, else torch's copy
+    (also ``lowbit::contiguous_codes``' implementation)."""
     y = native.to_contiguous(q)
     return q.contiguous() if y is None else y
 

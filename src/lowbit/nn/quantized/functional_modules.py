@@ -124,9 +124,9 @@ def _add_numbers(x: QTensor, y: QTensor, scale: torch.Tensor, zero_point: torch.
     ``k = fl32(s_in / s)``, the float32 quotient ``_scaled_sum`` multiplies by, from the scales read as Python
     floats: the double quotient of two float32 values rounded to float32 is the float32 quotient (53 >= 2·24 + 2
     bits: no double-rounding error), at a fraction of two tensor divisions' cost."""
-    s = scale.item()
-    try:
-        ka, kb = _f32(_f32(x.scale.item()) / _f32(s)), _f32(_f32(y.scale.item()) / _f32(s))
+    try:  # (QTensor scales are float32: read exactly; the output scale rounded as .to(torch.float32) rounds it)
+        s = _f32(scale.item())
+        ka, kb = _f32(x.scale.item() / s), _f32(y.scale.item() / s)
     except (OverflowError, ZeroDivisionError):  # a quotient past float32's range, a zero scale
         return None
     if not (0 < ka < float("inf") and 0 < kb < float("inf")):

@@ -25,7 +25,7 @@ from torch import nn
 from ... import native, qstore
 from ...qscheme import QDtype, quint8
 from ...compile_state import tensor_version, tracing
-from ...functional import dequantize_fast, quantize_scaled, scalar_qparams, scalar_tensors
+from ...functional import dense_format, dequantize_fast, quantize_scaled, scalar_qparams, scalar_tensors
 from ...qtensor import QTensor, quantize_per_tensor
 from ._utils import check_no_nan, check_out_grid, output_qparams
 from ._state import CheckedQuantState
@@ -48,16 +48,6 @@ _NATIVE_MIN = 1 << 16  # elements from which the native quantize writes a torch 
 _PLAIN = {torch.quint8: torch.uint8, torch.qint8: torch.int8}
 
 
-def _dense_format(x: torch.Tensor) -> torch.memory_format | None:
-    """The memory format in which ``x``'s elements are dense in the order of its memory (contiguous, or a 4-d
-    channels-last tensor: an image model's input after ``.to(memory_format=torch.channels_last)``), else ``None``."""
-    if x.is_contiguous():
-        return torch.contiguous_format
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    return None
-
-
 class Quantize(CheckedQuantState):
     """Float tensor -> per-tensor ``QTensor`` on the grid ``(scale, zero_point, qdtype)``.
 
@@ -75,7 +65,7 @@ class Quantize(CheckedQuantState):
         if type(x) is torch.Tensor and x.dtype == torch.float32 and x.is_cpu and not tracing():  # (.is_cpu: no device object)
             inv, z, store = self._grid()
             lib = native._lib()
-            fmt = _dense_format(x)
+            fmt = dense_format(x)
             if store is not None and lib is not None and fmt is not None and not x.requires_grad:
                 # the path below (NaN check, v = x · inv, the 7-bit clamp, quantize_per_tensor at scale 1) in one pass:
                 # from _NATIVE_MIN elements into a torch quantized tensor (the _tu fbgemm / oneDNN take as it is), below
