@@ -357,6 +357,24 @@ def test_quantize_stub_takes_channels_last_inputs_in_one_pass(body: str, monkeyp
     assert dense_format(torch.zeros(2, 3, 4, 5)[..., ::2]) is None
 
 
+def test_channels_last_bad_inputs_are_errors_or_torchs_result() -> None:
+    """Channels-last NaN / Inf inputs to the stub: a NaN is the stub's error naming it, +-Inf saturates as torch's
+    quantize does; ``lowbit::contiguous_codes`` given codes it does not cover (NCHW, float) gives torch's copy."""
+    from lowbit.nn.quantized.stubs import Quantize
+
+    stub = Quantize(0.05, 128, Q.quint8)
+    x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    x[1, 2, 3, 4] = float("nan")
+    with pytest.raises(RuntimeError, match="holds 1 NaN values"):
+        stub(x)
+    x[1, 2, 3, 4], x[0, 0, 0, 0] = float("inf"), -float("inf")
+    codes = stub(x).int_repr()
+    assert codes[1, 2, 3, 4] == 255 and codes[0, 0, 0, 0] == 0
+    for t in (torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8), torch.randn(2, 3, 4, 4)):
+        y = torch.ops.lowbit.contiguous_codes(t)
+        assert y.is_contiguous() and torch.equal(y, t)
+
+
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
 def test_codes_to_contiguous_is_the_torch_copy(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
