@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import lowbit as Q
-from lowbit import kernels, native
+from lowbit import functional, kernels, native
 from lowbit.nn.quantized.dynamic import Linear as DLinear
 from lowbit.nn.quantized.dynamic import per_token as pt
 from lowbit.nn.quantized.dynamic import reduced
@@ -29,9 +29,12 @@ from helpers import force
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"lowbit.native not built: {native.reason()}")
 BODIES = ["best", "scalar"]
+STUB_BODIES = ["best", "avx2", "scalar"]  # the stubs' passes: AVX-512 where the CPU has it ("best"), AVX2 pinned too
 
 
 def _body(name: str) -> contextlib.AbstractContextManager[None]:
+    if name == "avx2":
+        return native.force_avx2()
     return native.force_scalar() if name == "scalar" else contextlib.nullcontext()
 
 
@@ -334,18 +337,18 @@ def test_codes_to_channels_last_is_the_torch_copy(threads: int, monkeypatch: pyt
 
 
 @needs_native
-@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("body", STUB_BODIES)
 def test_quantize_stub_takes_channels_last_inputs_in_one_pass(body: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A channels-last image batch goes through the stub's one native pass (elementwise over memory): channels-last
-    codes equal to the contiguous input's (and the torch path's), below and above ``_NATIVE_MIN``; DeQuantize gives
-    the float values ``dequantize`` gives, channels-last too."""
+    codes equal to the contiguous input's (and the torch path's), below and above DeQuantize's native size; DeQuantize
+    gives the float values ``dequantize`` gives, channels-last too (its native pass above ``_NATIVE_DQ_MIN``)."""
     from lowbit.functional import dense_format
     from lowbit.nn.quantized.stubs import DeQuantize, Quantize
 
     g = torch.Generator().manual_seed(8)
     for scale, zp, qd in [(0.02, 128, Q.quint8), (0.013, 3, Q.quint8.with_range(0, 127)), (0.05, -4, Q.qint8)]:
         stub = Quantize(scale, zp, qd)
-        for shape in [(2, 3, 7, 9), (8, 16, 24, 24)]:  # 378 and 73 728 elements: plain codes and a torch quantized one
+        for shape in [(2, 3, 7, 9), (8, 16, 24, 24)]:  # 378 and 73 728 elements: torch's dequantize and the native one
             x = (torch.randn(*shape, generator=g) * 4).contiguous(memory_format=torch.channels_last)
             got, ref, ran = _native_and_torch(body, lambda stub=stub, x=x: stub(x))
             flat = stub(x.contiguous())
@@ -395,18 +398,17 @@ def test_codes_to_contiguous_is_the_torch_copy(threads: int, monkeypatch: pytest
 
 
 @needs_native
-@pytest.mark.parametrize("body", BODIES)
-def test_quantize_stub_is_the_torch_passes(body: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("body", STUB_BODIES)
+def test_quantize_stub_is_the_torch_passes(body: str) -> None:
+    """The stub's one native pass gives the torch path's codes at every size (tails of each vector width, 32 and 16
+    floats, and the scalar rest), on 8-bit, 7-bit and int8 grids, with +Inf saturating; a NaN is the torch path's error."""
     from lowbit.nn.quantized.stubs import Quantize
 
-    from lowbit.nn.quantized import stubs
-
-    monkeypatch.setattr(stubs, "_NATIVE_MIN", 1)  # every size (the stub takes the native pass from 64K elements)
     g = torch.Generator().manual_seed(4)
     grids = [(0.02, 128, Q.quint8), (0.013, 3, Q.quint8.with_range(0, 127)), (0.05, -4, Q.qint8), (0.1, 0, Q.quint8)]
     for scale, zp, qd in grids:
         stub = Quantize(scale, zp, qd)
-        for shape in [(1, 768), (7, 13), (3, 5, 9, 9), (1,), (2, 3, 61, 47)]:
+        for shape in [(1, 768), (7, 13), (3, 5, 9, 9), (1,), (2, 3, 61, 47), (1, 63), (1, 47), (300, 257)]:
             x = torch.randn(*shape, generator=g) * 4
             x.view(-1)[0] = float("inf")  # saturates like torch's quantize
             got, ref, ran = _native_and_torch(body, lambda stub=stub, x=x: stub(x))
@@ -415,6 +417,58 @@ def test_quantize_stub_is_the_torch_passes(body: str, monkeypatch: pytest.Monkey
         x[2, 17] = float("nan")  # NaN: the torch path's error, nothing from the native pass
         with pytest.raises(RuntimeError, match="holds 1 NaN values"):
             stub(x)
+
+
+@needs_native
+@pytest.mark.parametrize("body", STUB_BODIES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dequantize_is_torchs(body: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``native.dequantize``: torch's per-tensor dequantize bit for bit (uint8 and int8 codes, every code, lengths on and
+    off the 32- and 16-code vector steps, channels-last kept); non-dense or non-8-bit codes declined; bad grids raise."""
+    g = torch.Generator().manual_seed(11)
+    with _split_over(threads, monkeypatch), _body(body):
+        for dt, lo, hi in ((torch.uint8, 0, 256), (torch.int8, -128, 128)):
+            for shape in [(256,), (1,), (15,), (31,), (33,), (3, 47), (2, 5, 7, 9), (1000,)]:
+                q = torch.randint(lo, hi, shape, generator=g, dtype=dt)
+                if len(shape) == 4:
+                    q = q.contiguous(memory_format=torch.channels_last)
+                if shape == (256,):
+                    q = torch.arange(lo, hi).to(dt)  # every code
+                for scale, zp in ((0.0123, lo + 3), (1e-30, hi - 1), (3e7, 0)):
+                    y = native.dequantize(q, scale, zp)
+                    want = functional.as_torch_quantized(q.contiguous(), scale, zp).dequantize()
+                    assert y is not None and torch.equal(y, want) and y.stride() == q.stride(), (dt, shape, scale, zp)
+                    assert torch.equal(y, (q.float() - zp) * torch.tensor(scale, dtype=torch.float32))
+    assert native.dequantize(torch.zeros(4, 6, dtype=torch.uint8)[:, ::2], 0.1, 0) is None  # strided
+    assert native.dequantize(torch.zeros(4), 0.1, 0) is None  # not codes
+    for scale in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale="):
+            native.dequantize(torch.zeros(4, dtype=torch.uint8), scale, 0)
+    with pytest.raises(ValueError, match="zero_point=300"):
+        native.dequantize(torch.zeros(4, dtype=torch.uint8), 0.1, 300)
+    with pytest.raises(ValueError, match="zero_point=200"):
+        native.dequantize(torch.zeros(4, dtype=torch.int8), 0.1, 200)
+
+
+@needs_native
+@pytest.mark.parametrize("body", STUB_BODIES)
+def test_dequantize_stub_native_pass_is_torchs(body: str) -> None:
+    """DeQuantize's native pass (plain codes and Quantize's / the split's codes on scale 1, from ``_NATIVE_DQ_MIN``
+    codes; a kernel's own quantized output stays torch's one op) gives what ``QTensor.dequantize`` gives."""
+    from lowbit.nn.quantized import stubs
+
+    g = torch.Generator().manual_seed(12)
+    n = stubs._NATIVE_DQ_MIN
+    for qd, zp in ((Q.quint8, 131), (Q.quint8.with_range(0, 127), 0), (Q.qint8, -7)):
+        for shape in ((n,), (3, n // 2 + 5), (1, n - 1)):
+            codes = torch.randint(qd.quant_min, qd.quant_max + 1, shape, generator=g).to(qd.storage)
+            plain = Q.QTensor(codes, 0.0371, zp, qd)
+            tu = Q.QTensor._trusted(None, plain.scale, plain.zero_point, qd, None, None,
+                                    functional.as_torch_quantized(codes.clone(), 1.0, zp))
+            for qt in (plain, tu):
+                got, ref, ran = _native_and_torch(body, lambda qt=qt: stubs.DeQuantize()(qt))
+                assert torch.equal(got, plain.dequantize()) and torch.equal(ref, got)
+                assert ran.get("dequantize", 0) == (1 if codes.numel() >= n else 0), (qd, shape)
 
 
 def test_prune_removes_only_stale_builds_of_other_versions(tmp_path: Any) -> None:

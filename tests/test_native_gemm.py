@@ -271,3 +271,53 @@ def test_quantize_stub_small_inputs_give_plain_codes_equal_to_the_torch_path(qdt
     x[1, 1] = float("nan")
     with pytest.raises(RuntimeError, match="NaN"):  # (the native pass reports it; the stub's check names it)
         stub(x)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dynamic_vnni_fused_call_is_the_two_call_path(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with AVX-512 VNNI the per-token dynamic Linear of few rows runs as one native call (``native.dyn_linear``:
+    the row grids and codes, then the one-row or the rows plan): the floats of the two-call path (``_grid_codes`` and
+    ``_vnni_native``) bit for bit, for one row (K > 1 and K = 1), 2-32 rows, with and without bias, over row scales from
+    1e-6 to 1e4, constant rows and zero rows; a non-finite row is declined (``None``) and the module gives the generic
+    path's result. Skipped where the VNNI kernels cannot run."""
+    if not native.vnni():
+        pytest.skip("this CPU has no AVX-512 VNNI (or lowbit.native's VNNI kernels are off)")
+    from lowbit.nn.quantized.dynamic import Linear as DLinear
+    from lowbit.nn.quantized.dynamic import per_token
+
+    real = native.dyn_linear
+    g = torch.Generator().manual_seed(21)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
+    try:
+        for k, n, bias in ((48, 40, True), (1, 24, False), (96, 7, False), (768, 64, True)):
+            torch.manual_seed(k + n)
+            mod = DLinear.from_float(nn.Linear(k, n, bias=bias))
+            for m in (1, 2, 5, 16, 32):
+                x = torch.randn(m, k, generator=g) * 10.0 ** (torch.rand(m, 1, generator=g) * 10 - 6)
+                x[0] = 0.0 if m > 1 else x[0]
+                if m > 2:
+                    x[1] = 2.5  # a constant row
+                native.counts.clear()
+                y = mod(x)
+                fused = native.counts["row_grid"] == 1
+                monkeypatch.setattr(native, "dyn_linear", lambda *a: None)
+                want = mod(x)
+                monkeypatch.setattr(native, "dyn_linear", real)
+                assert fused and torch.equal(y, want), (k, n, bias, m, fused)
+        mod = DLinear.from_float(nn.Linear(48, 8))
+        plan = per_token._plan(mod.weight_int8, mod.weight_scale, mod.weight_zero_point, mod.dtype, mod._cache)
+        hit = per_token._vnni_plans(plan, mod.bias)
+        for bad in (float("inf"), float("nan")):
+            x = torch.randn(3, 48, generator=g)
+            x[1, 5] = bad
+            assert native.dyn_linear(x, None, hit[2], plan.scale, plan.sc) is None  # a non-finite row: declined
+            y = mod(x)
+            monkeypatch.setattr(native, "dyn_linear", lambda *a: None)
+            want = mod(x)
+            monkeypatch.setattr(native, "dyn_linear", real)
+            assert torch.allclose(y, want, rtol=0, atol=0, equal_nan=True)  # (the generic path's result)
+    finally:
+        torch.set_num_threads(old)

@@ -19,9 +19,8 @@ for a 64 → 384 1x1 conv at batch 8 with z_x = 0; ~35 reorders in one MobileNet
 change the sums, so the codes are the same. NCHW codes (a Quantize stub's output, e.g. an image) go to
 channels-last memory through ``lowbit.native`` first (MobileNetV2's stem input at batch 8: ~0.3 ms against ~0.8-1.6
 for the copy inside the oneDNN call). An output grid narrower than the u8 storage (a 7-bit grid) is clamped by
-oneDNN's ``hardtanh`` post-op at ``((q_min - z) s, (q_max - z) s)`` (with ReLU: the lower bound at least 0) instead
-of a second pass over the codes: the requantization ``round(y / s + z)`` is monotone in ``y`` and maps the bounds
-to within float rounding of ``q_min`` / ``q_max``, so clamping before it gives the codes clamping after it gives.
+oneDNN's ``hardtanh`` post-op (``OutGrid.onednn_post``: the same codes as a clamp after the call) instead of a second
+pass over the codes.
 ``None`` where the generic dispatcher must run: no oneDNN, a split (the weight-split convs and the native depthwise
 kernel), weights with zero points, a transposed or non-2-d conv, an input grid whose codes are not u8, a float
 output, a non-CPU layer. The caller keys the plan on the layer's buffers and runs it only with no backend pinned and
@@ -69,15 +68,8 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
 
     def pack(zx: int, shape: list[int] | None) -> Any:
         return torch.ops.onednn.qconv_prepack(w, w_scale, 1.0, zx, stride, padding, dilation, groups, shape)
-    s_out, z_out, post = out.scale, out.zero_point, "relu" if relu else "none"
-    qd, scalars, clamp = out.qdtype, [], False
-    if not out.full_range:  # a grid narrower than u8 (7-bit): its clamp as oneDNN's post-op (module docstring)
-        lo, hi = (qd.quant_min - z_out) * s_out, (qd.quant_max - z_out) * s_out
-        lo = max(lo, 0.0) if relu else lo
-        if lo <= hi:
-            post, scalars = "hardtanh", [lo, hi]
-        else:  # (a zero point above the grid's top with ReLU: every code is q_max) the clamp after the call
-            clamp = True
+    s_out, z_out, qd = out.scale, out.zero_point, out.qdtype
+    post, scalars, clamp = out.onednn_post(relu)  # a 7-bit grid's clamp as oneDNN's post-op (module docstring)
     counts, key = _counts(), ("onednn", "conv")
     grid: list[Any] = [None]  # (key of the input grid's tensors, s_x, z_x, the tensors held)
 

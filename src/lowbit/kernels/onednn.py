@@ -205,10 +205,10 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
         split = split_on_avx2(weight.int_repr(), cache)
     if vnni and q.dtype == torch.uint8:  # the common case, straight to the op: one exact call
         s_out, z_out, dt = _epilogue(out)
+        post, scalars, clamp = ("relu" if relu else "none", [], False) if out is None else out.onednn_post(relu)
         y = torch.ops.onednn.qlinear_pointwise(q, x.scale.item(), x.zero_point.item(), packed, weight.scale,
-                                               weight.zero_point, bias, s_out, z_out, dt, "relu" if relu else "none",
-                                               [], "")
-        return _wrap(y, out)
+                                               weight.zero_point, bias, s_out, z_out, dt, post, scalars, "")
+        return _wrap(y, out) if clamp or out is None else out.wrap(y)
     q, sx, zx, seven_bit = _as_u8(x)
     if not vnni and fbgemm_engine() and out is not None and out.qdtype.storage == torch.uint8 and not (split and not seven_bit):
         # a u8 output with no split: fbgemm's requantized codes at every M (lowbit.native's kernels, or fbgemm's op)

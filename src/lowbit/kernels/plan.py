@@ -13,7 +13,8 @@ scales, zero points, bias, output grid) and one activation ``QDtype``, and retur
         rows ≤ SMALL_M, or at any M where small_m.float_route holds (u8 output, an exact split)
                                  →  onednn.native_linear (lowbit.native: the same floats) or
                                     onednn._fbgemm_linear (unit-scale pack; the split if needed)
-    otherwise                    →  one onednn::qlinear_pointwise (clamp)   |   onednn._split_run
+    otherwise                    →  one onednn::qlinear_pointwise (a 7-bit grid's clamp as its hardtanh post-op,
+                                    OutGrid.onednn_post)   |   onednn._split_run
 
 These are the very calls and float32 operations ``onednn.linear`` makes on a CPU without VNNI (the
 same helpers, looked up on ``onednn`` at call time), so the integer codes are bit-identical to the generic
@@ -113,7 +114,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
     vnni_rows = small_m.vnni_rows(k, w.shape[0]) * k  # codes up to which a VNNI CPU takes the routes without VNNI
     s_out, z_out, dt = out.scale, out.zero_point, out.qdtype.storage
     qd, full = out.qdtype, out.full_range
-    post = "relu" if relu else "none"
+    o_post, o_scalars, o_clamp = out.onednn_post(relu)  # oneDNN's one call: a 7-bit grid's clamp as its post-op
     w_scale, w_zp = weight.scale, weight.zero_point
     packs: dict[str, Any] = {}  # made on first use: a layer that only ever sees small M never packs for oneDNN
     fused_ok = dt == torch.uint8 and not split
@@ -185,9 +186,9 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             zx += shift
             tq = None
         if vnni and (not onednn.fbgemm_engine() or q.numel() > vnni_rows):  # oneDNN's one exact call (VNNI / AMX)
-            y = torch.ops.onednn.qlinear_pointwise(q, sx, zx, onednn_pack(), w_scale, w_zp, bias, s_out, z_out, dt, post,
-                                                   [], "")
-            return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
+            y = torch.ops.onednn.qlinear_pointwise(q, sx, zx, onednn_pack(), w_scale, w_zp, bias, s_out, z_out, dt, o_post,
+                                                   o_scalars, "")
+            return out.wrap(y.clamp_(qd.quant_min, qd.quant_max) if o_clamp else y)
         if onednn.fbgemm_engine() and (fused_ok or q.numel() <= onednn.SMALL_M * k
                                        or small_m.float_route(w, split, out, packs, vnni)):
             if fused_ok:  # fbgemm's requantization at every M (lowbit.native's packed kernel from 2 rows, or fbgemm's op)
@@ -208,8 +209,9 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
                 return torch.ops.onednn.qlinear_pointwise(codes, sx, zp, packed, w_scale, w_zp, b, so, zo, d, pst, [], "")
 
             return onednn._split_run(call, q, zx, bias, out, relu, -1)  # type: ignore[no-any-return]
-        y = torch.ops.onednn.qlinear_pointwise(q, sx, zx, packed, w_scale, w_zp, bias, s_out, z_out, dt, post, [], "")
-        return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
+        y = torch.ops.onednn.qlinear_pointwise(q, sx, zx, packed, w_scale, w_zp, bias, s_out, z_out, dt, o_post, o_scalars,
+                                               "")
+        return out.wrap(y.clamp_(qd.quant_min, qd.quant_max) if o_clamp else y)
 
     unit: list[Any] = [None]  # (key, s_x, z_x, the grid's tensors held, the pack for inputs on scale 1 or None,
     #                           the native plan for this grid: _UNMADE, None (declined) or a native.LinearPlan)

@@ -65,6 +65,30 @@ class OutGrid:
         info = torch.iinfo(self.qdtype.storage)
         return (self.qdtype.quant_min, self.qdtype.quant_max) == (info.min, info.max)
 
+    def onednn_post(self, relu: bool) -> tuple[str, list[float], bool]:
+        """oneDNN's post-op for a u8 output on this grid: ``(post, scalars, clamp_after)``. A grid narrower than the u8
+        storage (a 7-bit grid) is clamped by the ``hardtanh`` post-op at ``((q_min - z) s, (q_max - z) s)`` (with ReLU
+        the lower bound at least 0) instead of a second pass over the codes: the requantization ``round(y / s + z)`` is
+        monotone in ``y`` and maps the bounds to within float rounding (≤ 255 · 3 · 2⁻²⁴ ≪ ½) of ``q_min`` / ``q_max``,
+        so clamping before it gives the codes clamping after it gives. ``clamp_after``: the clamp stays a pass after
+        the call (an int8 output, or a zero point above the grid's top with ReLU, where every code is ``q_max``).
+
+        >>> import lowbit as Q
+        >>> OutGrid(0.5, 10, Q.quint8.with_range(0, 127)).onednn_post(False)
+        ('hardtanh', [-5.0, 58.5], False)
+        >>> OutGrid(0.5, 10, Q.quint8).onednn_post(True)
+        ('relu', [], False)
+        """
+        post = "relu" if relu else "none"
+        if self.full_range:
+            return post, [], False
+        if self.qdtype.storage != torch.uint8:
+            return post, [], True
+        qd, s, z = self.qdtype, self.scale, self.zero_point
+        lo, hi = (qd.quant_min - z) * s, (qd.quant_max - z) * s
+        lo = max(lo, 0.0) if relu else lo
+        return ("hardtanh", [lo, hi], False) if lo <= hi else (post, [], True)
+
 
 @dataclass(frozen=True)
 class ConvSpec:

@@ -1,13 +1,15 @@
-"""lowbit's native passes: C files (``rowquant.c``, ``linear.c``, ``pool.c``) doing in one call what torch needs several for.
+"""lowbit's native passes: C files (``rowquant.c``, ``linear.c``, ``pool.c``, ``stubs.c``, ``dynamic.c``) doing in one call
+what torch needs several for.
 
-Every pass does the same float32 operations, in the same order, as the torch ops (or the fbgemm op) it replaces
-(built with ``-ffp-contract=off``, an FMA explicit where torch's ``addcmul_`` fuses; integer sums exact), so its
-results are bit for bit theirs (``tests/test_native.py`` and ``tests/test_native_gemm.py`` check them against each
-other, both C bodies, 1 and 2 threads). ``rows``: the per-token Linear's row grids and epilogue, the quantized add,
-the Quantize stub. ``layers``: the split-weight conv epilogue, a depthwise conv, max pooling of channels-last codes
-(``pool.c``). ``gemm``: the small-M Linears
-without VNNI (``LinearPlan``: lowbit's float epilogue, fbgemm's requantization, the per-token rows; the dynamic
-weight split).
+Every pass does the same float32 operations, in the same order, as the torch ops (or the fbgemm op) it replaces (built
+with ``-ffp-contract=off``, an FMA explicit where torch's ``addcmul_`` fuses; integer sums exact), so its results are
+bit for bit theirs (``tests/test_native.py`` and ``tests/test_native_gemm.py`` check them against each other, both C
+bodies, 1 and 2 threads). ``rows``: the per-token Linear's row grids and epilogue, the quantized add, the Quantize and
+DeQuantize stubs' passes (``stubs.c``: AVX-512 bodies where the CPU has AVX-512F, AVX2 and scalar ones elsewhere, the
+same codes and floats). ``layers``: the split-weight conv epilogue, a depthwise conv, max pooling of channels-last
+codes (``pool.c``). ``gemm``: the small-M Linears without VNNI (``LinearPlan``: lowbit's float epilogue, fbgemm's
+requantization, the per-token rows; the dynamic weight split; ``dyn_linear``: a VNNI CPU's per-token dynamic Linear of
+few rows in one call, ``dynamic.c``).
 
 The C sources are compiled once per machine and source version with the system's C compiler (``cc``, or ``$CC``)
 into ``$LOWBIT_CACHE_DIR`` (default ``~/.cache/lowbit``; a new build removes other versions' builds unused for a
@@ -43,13 +45,14 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dwconv", "dw_weight",
-           "maxpool_codes", "to_channels_last", "to_contiguous", "qlinear", "qlinear_requant", "qlinear_rows",
-           "LinearPlan", "linear_plan", "dyn_wsplit", "empty_codes", "disabled", "force_scalar", "force_avx2", "vnni",
-           "counts"]
+__all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dequantize",
+           "dwconv", "dw_weight", "maxpool_codes", "to_channels_last", "to_contiguous", "qlinear", "qlinear_requant",
+           "qlinear_rows", "LinearPlan", "linear_plan", "dyn_wsplit", "dyn_linear", "empty_codes", "disabled",
+           "force_scalar", "force_avx2", "vnni", "counts"]
 
 _DIR = Path(__file__).parent
-_SRC = [_DIR / "rowquant.c", _DIR / "linear.c", _DIR / "pool.c"]  # compiled together; all include common.h
+# compiled together; all include common.h
+_SRC = [_DIR / "rowquant.c", _DIR / "linear.c", _DIR / "pool.c", _DIR / "stubs.c", _DIR / "dynamic.c"]
 _FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
 _OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds the single-threaded object
 _THREAD_MIN = 1 << 15  # floats a pass must cover before it is split over threads (ATen's grain size)
@@ -107,19 +110,25 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_qadd.restype = None
     dll.lb_quantize.argtypes = [p, i64, f32, f32, f32, f32, i32, p, i32, i32]
     dll.lb_quantize.restype = i32
+    dll.lb_dequantize.argtypes = [p, i64, i32, f32, f32, p, i32, i32]
+    dll.lb_dequantize.restype = None
     dll.lb_dwconv.argtypes = [p, i64, i64, i64, i64, p, i32, i32, i32, i32, i32, i32, i32, i32, i32, i64, i64, p, p,
                               f32, f32, f32, f32, p, i32, i32]
     dll.lb_dwconv.restype = None
     dll.lb_linear_run.argtypes = [p, p, i64, i64, i32, p, p, p, i32, i32]
     dll.lb_linear_run.restype = i32
+    dll.lb_dyn_linear.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, p, p, i32, i32, i32]
+    dll.lb_dyn_linear.restype = i32
     dll.lb_maxpool_codes.argtypes = [p, i32, i64, i64, i64, i64, i64, i64, i64, i64, p, i32, i32]
     dll.lb_maxpool_codes.restype = None
     dll.lb_to_nhwc.argtypes = [p, i64, i64, i64, p, i32]
     dll.lb_to_nhwc.restype = None
     dll.lb_to_nchw.argtypes = [p, i64, i64, i64, p, i32]
     dll.lb_to_nchw.restype = None
-    dll.lb_cpu_avx2.restype = dll.lb_cpu_vnni.restype = dll.lb_openmp.restype = i32
+    dll.lb_cpu_avx2.restype = dll.lb_cpu_vnni.restype = dll.lb_cpu_avx512.restype = dll.lb_openmp.restype = i32
     body = "AVX2 + FMA bodies" if dll.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
+    if dll.lb_cpu_avx512():
+        body += ", AVX-512 stubs"
     if dll.lb_cpu_vnni():
         body += ", AVX-512 VNNI Linears"
     return dll, body + (", OpenMP threads" if dll.lb_openmp() else ", one thread (built without OpenMP)")
@@ -238,5 +247,5 @@ def _channel_vectors(n: int, *vs: torch.Tensor | None) -> bool:
 
 
 from .layers import conv_epilogue, dw_weight, dwconv, empty_codes, maxpool_codes, to_channels_last, to_contiguous  # noqa: E402  (below the helpers)
-from .gemm import LinearPlan, dyn_wsplit, linear_plan, qlinear, qlinear_requant, qlinear_rows  # noqa: E402
-from .rows import qadd, quantize_into, row_epilogue, row_grid  # noqa: E402
+from .gemm import LinearPlan, dyn_linear, dyn_wsplit, linear_plan, qlinear, qlinear_requant, qlinear_rows  # noqa: E402
+from .rows import dequantize, qadd, quantize_into, row_epilogue, row_grid  # noqa: E402

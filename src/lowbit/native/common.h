@@ -55,9 +55,17 @@ static inline int cpu_vnni(void) {
     return known;
 }
 
-/* isa: 0 the scalar bodies, 1 the best this CPU has, 2 the AVX2 bodies even where VNNI is present (tests pin each) */
+/* AVX-512F (the stubs' 512-bit elementwise bodies) */
+static inline int cpu_avx512(void) {
+    static int known = -1;
+    if (known < 0) { __builtin_cpu_init(); known = cpu_avx2() && __builtin_cpu_supports("avx512f"); }
+    return known;
+}
+
+/* isa: 0 the scalar bodies, 1 the best this CPU has, 2 the AVX2 bodies even where AVX-512 is present (tests pin each) */
 static inline int use_avx2(int isa) { return isa == 0 ? 0 : cpu_avx2(); }
 static inline int use_vnni(int isa) { return isa == 1 ? cpu_vnni() : 0; }
+static inline int use_avx512(int isa) { return isa == 1 ? cpu_avx512() : 0; }
 
 __attribute__((target("avx2,fma")))
 static inline int32_t hsum8(__m256i v) {

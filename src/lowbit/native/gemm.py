@@ -34,7 +34,7 @@ from . import _channel_vectors, _check_grid, _lib, _local, _state, _threads, cou
 from .layers import empty_codes
 
 __all__ = ["MAX_ROWS", "BCAST_M", "LinearPlan", "linear_plan", "pack_bcast", "qlinear", "qlinear_requant", "qlinear_rows",
-           "dyn_wsplit"]
+           "dyn_wsplit", "dyn_linear"]
 
 MAX_ROWS = 64  # input rows per row chunk of a call (linear.c's MAX_ROWS; a call takes any number)
 BCAST_M = 2  # rows from which a plan (but "split") runs linear.c's many-row kernels on packed weights (linear.c's BCAST_M)
@@ -80,14 +80,7 @@ class LinearPlan:
         if out.shape != (m, self.n) or not out.is_contiguous():
             return False
         if m >= BCAST_M and self._wp is None and self.mode != "split":
-            if not lib.lb_cpu_avx2():  # (the packed kernels are AVX2 only: no copy of the weights for the scalar body)
-                self._wp = _NO_PACK
-            else:  # groups of 4 for the pairs kernel and the VNNI kernels (any plan), of 2 for the words kernel; the body
-                #     of this first packing call decides (a plan packed for the other body takes its dot products)
-                quad = bool(self._plan.pairs) or vnni()
-                wp = pack_bcast(self._keep[0], quad)  # type: ignore[arg-type]
-                if self._wp is None:  # (set once, with no GIL release between check and set: a racing pack is dropped)
-                    self._wp, self._plan.wp, self._plan.quad = wp, wp.data_ptr(), int(quad)
+            self._pack(lib)
         ra = rs = None
         if self.mode in ("rows", "split"):
             if rows is None or not _channel_vectors(m, *rows):
@@ -98,6 +91,49 @@ class LinearPlan:
             return False
         counts[self.name] += 1
         return True
+
+
+    def _pack(self, lib: ctypes.CDLL) -> None:
+        """The weights packed for the many-row kernels, made by the first call of ``BCAST_M`` rows or more."""
+        if not lib.lb_cpu_avx2():  # (the packed kernels are AVX2 only: no copy of the weights for the scalar body)
+            self._wp = _NO_PACK
+        else:  # groups of 4 for the pairs kernel and the VNNI kernels (any plan), of 2 for the words kernel; the body
+            #     of this first packing call decides (a plan packed for the other body takes its dot products)
+            quad = bool(self._plan.pairs) or vnni()
+            wp = pack_bcast(self._keep[0], quad)  # type: ignore[arg-type]
+            if self._wp is None:  # (set once, with no GIL release between check and set: a racing pack is dropped)
+                self._wp, self._plan.wp, self._plan.quad = wp, wp.data_ptr(), int(quad)
+
+
+def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None, w_scale: torch.Tensor,
+               sc: torch.Tensor) -> torch.Tensor | None:
+    """The per-token dynamic Linear on a VNNI CPU in one native call (``dynamic.c``): float32 ``x`` ``(M, K)`` (unit
+    column stride) → each row's grid on [0, 255] and u8 codes (``row_grid``'s), then ``one`` where given ("float" mode,
+    one row, its scale vector ``sc`` set to ``fl(s_w s_x)``), else ``rows`` ("rows" mode: zero point 128,
+    ``cn = fl(128 - z_x)``):
+    ``per_token._vnni_native``'s floats bit for bit, without its tensors and calls in Python. ``None`` (the caller's
+    path runs) where the plan for this M is missing, the tensors do not fit, a row is not finite or the VNNI kernels do
+    not run here."""
+    lib = _state.get("lib")
+    plan = one if one is not None else rows
+    if (lib is None or plan is None or x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or not x.is_cpu
+            or x.requires_grad or x.shape[1] != plan.k or (one is not None and x.shape[0] != 1) or not vnni()
+            or not _channel_vectors(plan.n, w_scale, sc)):
+        return None
+    m, k = x.shape
+    n = plan.n
+    if m >= BCAST_M and plan._wp is None:
+        plan._pack(lib)
+    y = torch.empty(m, n)
+    codes, grid = torch.empty(m, k, dtype=torch.uint8), torch.empty(3 * m)
+    isa = _local.__dict__.get("isa", 1)
+    if lib.lb_dyn_linear(x.data_ptr(), m, k, x.stride(0), n, one._addr if one is not None else None, sc.data_ptr(),
+                         w_scale.data_ptr(), rows._addr if one is None else None, codes.data_ptr(), grid.data_ptr(),
+                         y.data_ptr(), _threads(m * k), _threads(m * n * k // 16), isa):
+        return None
+    counts["row_grid"] += 1
+    counts[plan.name] += 1
+    return y
 
 
 def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor | None = None, *,

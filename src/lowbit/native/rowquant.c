@@ -129,6 +129,7 @@ static void *epi_run(void *p) { epi_job *j = p; if (j->avx2) epi_avx2(j); else e
 
 int lb_cpu_avx2(void) { return cpu_avx2(); }
 int lb_cpu_vnni(void) { return cpu_vnni(); }
+int lb_cpu_avx512(void) { return cpu_avx512(); }
 
 int lb_openmp(void) {
 #ifdef _OPENMP
@@ -331,79 +332,6 @@ void lb_qadd(const uint8_t *a, int sa, const uint8_t *b, int sb, void *out, int 
         jobs[t] = jb;
     }
     fan_out(add_run, jobs, sizeof(add_job), nt);
-}
-
-/* ---- the Quantize stub's per-tensor quantize (nn/quantized/stubs.Quantize: NaN check, v = x inv, clamp, codes) ---- */
-
-typedef struct { const float *x; void *out; int64_t i0, i1; float inv, z, vlo, vhi, smin, smax; int sgn, avx2, nan; } qt_job;
-
-static void qt_scalar(qt_job *j) {
-    for (int64_t i = j->i0; i < j->i1; ++i) {
-        float x = j->x[i];
-        if (x != x) { j->nan = 1; return; }
-        float v = x * j->inv;
-        v = v < j->vlo ? j->vlo : v;
-        v = v > j->vhi ? j->vhi : v;
-        float r = nearbyintf(v + j->z);
-        r = r < j->smin ? j->smin : r;
-        r = r > j->smax ? j->smax : r;
-        if (j->sgn) ((int8_t *)j->out)[i] = (int8_t)r; else ((uint8_t *)j->out)[i] = (uint8_t)r;
-    }
-}
-
-/* The two clamps as one: with integer z, smin, smax, round(fl(v + z)) is monotone in v and maps smin - z to smin and
- * smax - z to smax, so clamp(round(fl(clamp(t, vlo, vhi) + z)), smin, smax) = round(fl(clamp(t, lo, hi) + z)) with
- * lo = max(vlo, smin - z), hi = min(vhi, smax - z) where those overlap (else every code is the one end both give:
- * lo = hi = smin - z when vhi < smin - z, smax - z when vlo > smax - z). cvtps2dq rounds half to even (the default
- * MXCSR, as nearbyintf) a value already in [smin, smax]; the NaN check is one OR over the chunk, read at its end. */
-__attribute__((target("avx2,fma")))
-static void qt_avx2(qt_job *j) {
-    const float *restrict x = j->x;
-    uint8_t *restrict out = j->out;
-    const int64_t i1 = j->i1;
-    const int sgn = j->sgn;
-    float lo = j->vlo > j->smin - j->z ? j->vlo : j->smin - j->z, hi = j->vhi < j->smax - j->z ? j->vhi : j->smax - j->z;
-    if (lo > hi) lo = hi = j->vhi < j->smin - j->z ? j->smin - j->z : j->smax - j->z;
-    const __m256 inv = _mm256_set1_ps(j->inv), z = _mm256_set1_ps(j->z), vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
-    __m256 nan = _mm256_setzero_ps();
-    int64_t i = j->i0;
-    for (; i + 16 <= i1; i += 16) {
-        const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
-        nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(x0, x0, _CMP_UNORD_Q), _mm256_cmp_ps(x1, x1, _CMP_UNORD_Q)));
-        const __m256 v0 = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x0, inv), vlo), vhi);
-        const __m256 v1 = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x1, inv), vlo), vhi);
-        const __m256i q0 = _mm256_cvtps_epi32(_mm256_add_ps(v0, z)), q1 = _mm256_cvtps_epi32(_mm256_add_ps(v1, z));
-        __m256i p = _mm256_packs_epi32(q0, q1);  /* lanes: q0[0-3] q1[0-3] | q0[4-7] q1[4-7] (int16, exact) */
-        p = _mm256_permute4x64_epi64(p, 0xd8);   /* q0[0-7] q1[0-7] */
-        const __m128i a = _mm256_castsi256_si128(p), b = _mm256_extracti128_si256(p, 1);
-        _mm_storeu_si128((__m128i *)(out + i), sgn ? _mm_packs_epi16(a, b) : _mm_packus_epi16(a, b));
-    }
-    if (_mm256_movemask_ps(nan)) {
-        j->nan = 1;
-        return;
-    }
-    qt_job t = *j;
-    t.i0 = i;
-    qt_scalar(&t);
-    j->nan = t.nan;
-}
-
-static void *qt_run(void *p) { qt_job *j = p; if (j->avx2) qt_avx2(j); else qt_scalar(j); return NULL; }
-
-/* out[i] = clamp(round(fl(clamp(fl(x inv), vlo, vhi) + z)), smin, smax) (int8 if sgn, else uint8) for n floats;
- * returns 1 (out partly written) if some x is NaN. */
-int lb_quantize(const float *x, int64_t n, float inv, float z, float vlo, float vhi, int sgn, void *out, int nthreads,
-                int isa) {
-    qt_job jobs[MAX_THREADS];
-    int nt = threads_for(nthreads, n), nan = 0;
-    for (int t = 0; t < nt; ++t) {
-        qt_job jb = {x, out, n * t / nt, n * (t + 1) / nt, inv, z, vlo, vhi, sgn ? -128.f : 0.f, sgn ? 127.f : 255.f,
-                     sgn, use_avx2(isa), 0};
-        jobs[t] = jb;
-    }
-    fan_out(qt_run, jobs, sizeof(qt_job), nt);
-    for (int t = 0; t < nt; ++t) nan |= jobs[t].nan;
-    return nan;
 }
 
 /* ---- depthwise int8 conv, exact int32 sums and the requantizing epilogue (8-bit codes on any x86 CPU) ---- */

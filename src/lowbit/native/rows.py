@@ -153,3 +153,39 @@ def _quantize(lib: Any, x: torch.Tensor, inv: float, z: float, lo: float, hi: fl
         return False
     counts["quantize"] += 1
     return True
+
+
+def dequantize(q: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor | None:
+    """``fl(fl(q - z) · s)`` as float32 for dense 8-bit CPU codes (uint8 / int8, contiguous or 4-d channels-last: the
+    result keeps the layout), one pass: torch's per-tensor dequantize, bit for bit (``q - z`` is exact in float32),
+    without the quantized tensor it needs. ``None`` where the codes do not fit (dtype, layout, device, no build).
+
+    >>> import torch
+    >>> from lowbit import native
+    >>> y = native.dequantize(torch.tensor([0, 10, 255], dtype=torch.uint8), 0.5, 10)
+    >>> y is None or y.tolist() == [-5.0, 0.0, 122.5]
+    True
+    """
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"lowbit.native.dequantize: scale={scale!r} must be a finite positive number")
+    sgn = q.dtype == torch.int8
+    _check_grid("dequantize", zero_point, -128 if sgn else 0, 127 if sgn else 255, torch.int8 if sgn else torch.uint8)
+    lib = _lib()
+    if lib is None or q.dtype not in _CODES or not q.is_cpu:
+        return None
+    fmt = (torch.contiguous_format if q.is_contiguous()
+           else torch.channels_last if q.dim() == 4 and q.is_contiguous(memory_format=torch.channels_last) else None)
+    if fmt is None:
+        return None
+    return _dequantize(lib, q, sgn, float(scale), float(zero_point), fmt)
+
+
+def _dequantize(lib: Any, q: torch.Tensor, sgn: bool, s: float, z: float, fmt: torch.memory_format) -> torch.Tensor:
+    """``dequantize``'s call once its arguments are checked (the DeQuantize stub reads a checked ``QTensor``'s grid;
+    ``q`` may be a torch quantized tensor, whose storage holds the codes: ``sgn`` says which 8-bit type)."""
+    out = (torch.empty(q.shape, dtype=torch.float32, memory_format=fmt) if q.is_quantized  # (empty_like: ~1 µs less)
+           else torch.empty_like(q, dtype=torch.float32))
+    n = q.numel()
+    lib.lb_dequantize(q.data_ptr(), n, int(sgn), z, s, out.data_ptr(), _threads(n), _local.__dict__.get("isa", 1))
+    counts["dequantize"] += 1
+    return out

@@ -43,9 +43,9 @@ def _store(qdtype: QDtype, z: float) -> tuple[Any, ...] | None:
     return (lo - zi if lo > smin else None), (hi - zi if hi < smax else None), zi, dtype
 
 
-_NATIVE_MIN = 1 << 16  # elements from which the native quantize writes a torch quantized tensor (below: plain codes,
-#                        whose tensor is ~3 µs cheaper to make: session 14)
 _PLAIN = {torch.quint8: torch.uint8, torch.qint8: torch.int8}
+_NATIVE_DQ_MIN = 1 << 13  # codes from which DeQuantize's native pass beats torch's (its per-call cost ~1 µs more: the
+#                           float32 output made in Python, the ctypes call; Zen 4 EPYC, session 20)
 
 
 class Quantize(CheckedQuantState):
@@ -67,19 +67,16 @@ class Quantize(CheckedQuantState):
             lib = native._lib()
             fmt = dense_format(x)
             if store is not None and lib is not None and fmt is not None and not x.requires_grad:
-                # the path below (NaN check, v = x · inv, the 7-bit clamp, quantize_per_tensor at scale 1) in one pass:
-                # from _NATIVE_MIN elements into a torch quantized tensor (the _tu fbgemm / oneDNN take as it is), below
-                # it into plain codes (a quantized tensor costs ~3 µs more to make than the pass itself there); the pass
-                # is elementwise over memory, so a channels-last input gives channels-last codes in the same pass
+                # the path below (NaN check, v = x · inv, the 7-bit clamp, quantize_per_tensor at scale 1) in one pass,
+                # into plain codes at every size (every consumer takes them: oneDNN, lowbit.native's Linears and
+                # DeQuantize; a torch quantized tensor around them costs ~2 µs more to make, and ~2 more to view as
+                # plain codes for oneDNN: session 20); the pass is elementwise over memory, so a channels-last input
+                # gives channels-last codes in the same pass
                 lo, hi, zi, dtype, inv_f = store
-                big = x.numel() >= _NATIVE_MIN
-                t = (native.empty_codes(x.shape, zi, dtype, fmt) if big
-                     else torch.empty(x.shape, dtype=_PLAIN[dtype], memory_format=fmt))
+                t = torch.empty_like(x, dtype=_PLAIN[dtype])  # (dense: its layout; ~1 µs less than torch.empty)
                 if native.rows._quantize(lib, x, inv_f, float(zi), -math.inf if lo is None else lo,
                                          math.inf if hi is None else hi, dtype == torch.qint8, t):
                     bufs = self._buffers
-                    if big:
-                        return QTensor._trusted(None, bufs["scale"], bufs["zero_point"], self.qdtype, None, None, t)
                     return QTensor._trusted(t, bufs["scale"], bufs["zero_point"], self.qdtype)  # type: ignore[arg-type]
             # the eager fast path: one max for the NaN check (torch's max propagates NaN and makes none: no false
             # alarm from ``inf - inf`` as a sum had; about half the sum's instruction-cache misses: its reduction
@@ -159,6 +156,10 @@ class DeQuantize(nn.Module):
         if type(x) is QTensor:
             if x._tq is not None and not tracing():  # a kernel's own quantized output on this grid: one op
                 return x._tq.dequantize()
+            if x._axis is None and not tracing() and x.numel() >= _NATIVE_DQ_MIN:  # Quantize's codes, or plain codes
+                y = _native_dequantize(x)
+                if y is not None:
+                    return y
             if x._tu is not None and not tracing():  # codes on scale 1: (q - z) · 1 is exact, then float32 · s
                 return x._tu.dequantize().mul_(x._scale)
             if x.axis is None and not tracing():
@@ -173,3 +174,22 @@ class DeQuantize(nn.Module):
     def from_float(cls, mod: nn.Module) -> DeQuantize:
         """Build from a ``DeQuantStub`` (it carries no state)."""
         return cls()
+
+
+_SIGNED = {torch.uint8: False, torch.quint8: False, torch.int8: True, torch.qint8: True}
+
+
+def _native_dequantize(x: QTensor) -> torch.Tensor | None:
+    """A per-tensor ``QTensor``'s ``(q - z) · s`` in one native pass (``lowbit.native.dequantize``: torch's dequantize bit
+    for bit) on the codes it holds (the Quantize stub's ``_tu`` on scale 1, or plain codes: torch would need a quantized
+    tensor made around them first, or a second pass for the scale), or ``None`` (no native build, codes it does not
+    take). The grid was checked where the ``QTensor`` was made."""
+    lib = native._lib()
+    t = x._tu if x._tu is not None else x._c
+    if lib is None or t is None or not t.is_cpu or x._scale.dtype != torch.float32:
+        return None
+    sgn = _SIGNED.get(t.dtype)
+    fmt = None if sgn is None else dense_format(t)
+    if fmt is None:
+        return None
+    return native.rows._dequantize(lib, t, sgn, x._scale.item(), x._zero_point.item(), fmt)  # type: ignore[arg-type]

@@ -284,7 +284,15 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     if not onednn.has_vnni():
         return _no_vnni(xf, plan, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
     m, k = xf.shape
-    if m == 1 and k > 1 and native.vnni():  # one native pass for the codes and grid, one for the Linear
+    one_row = m == 1 and k > 1
+    if (one_row or (m <= small_m.VNNI_M and plan.wsum.shape[0] * m <= _BLOCK)) and native.vnni():
+        # the two native passes below (the codes and grids, the Linear) and their tensors in one native call
+        hit = _vnni_plans(plan, bias)
+        y = native.dyn_linear(xf, hit[1] if one_row else None, hit[2], plan.scale, plan.sc)
+        if y is not None:
+            kernels.counts[("int_mm" if one_row else "onednn", "linear")] += 1  # (as the call it replaces)
+            return y
+    if one_row and native.vnni():  # one native pass for the codes and grid, one for the Linear
         codes = _grid_codes(xf)
         if codes is None:
             return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
@@ -340,14 +348,7 @@ def _vnni_native(plan: _Plan, q: torch.Tensor, scale: float | torch.Tensor, zx: 
                                                   y = fl(fl(t + cn · Σ ŵ) · s_x) + b  (the fused row epilogue)
 
     The caller checks ``native.vnni()`` (the VNNI kernels run here). ``None``: not taken (the tensors do not fit)."""
-    bkey = None if bias is None else (bias.data_ptr(), bias.dtype)
-    hit = plan.vnni
-    if hit is None or hit[0] != bkey:
-        w, wsum = plan.weight.int_repr(), plan.wsum_i.to(torch.int32)  # type: ignore[union-attr]  # (|Σ| ≤ 128 K)
-        plan.sc = torch.empty_like(plan.scale, dtype=torch.float32)
-        one = native.linear_plan(w, "float", plan.sc, bias, wsum=wsum, pairs=False)
-        rows = native.linear_plan(w, "rows", plan.scale.float(), bias, wsum=wsum, pairs=False, fw=plan.wsum)
-        hit = plan.vnni = (bkey, one, rows)
+    hit = _vnni_plans(plan, bias)
     m = q.shape[0]
     y = torch.empty(m, plan.wsum.shape[0])
     if cn is None:
@@ -361,6 +362,20 @@ def _vnni_native(plan: _Plan, q: torch.Tensor, scale: float | torch.Tensor, zx: 
         return None
     kernels.counts[("int_mm" if cn is None else "onednn", "linear")] += 1  # (as the call it replaces)
     return y
+
+
+def _vnni_plans(plan: _Plan, bias: torch.Tensor | None) -> tuple[Any, Any, Any]:
+    """``(bias key, one-row plan, rows plan)``: a VNNI CPU's native plans for few rows, kept in ``plan.vnni`` with the
+    bias tensor they hold (made again for another bias tensor); a plan is ``None`` where ``native.linear_plan`` declines."""
+    bkey = None if bias is None else (bias.data_ptr(), bias.dtype)
+    hit = plan.vnni
+    if hit is None or hit[0] != bkey:
+        w, wsum = plan.weight.int_repr(), plan.wsum_i.to(torch.int32)  # type: ignore[union-attr]  # (|Σ| ≤ 128 K)
+        plan.sc = torch.empty_like(plan.scale, dtype=torch.float32)
+        one = native.linear_plan(w, "float", plan.sc, bias, wsum=wsum, pairs=False)
+        rows = native.linear_plan(w, "rows", plan.scale.float(), bias, wsum=wsum, pairs=False, fw=plan.wsum)
+        hit = plan.vnni = (bkey, one, rows)
+    return hit  # type: ignore[no-any-return]
 
 
 def _grid_codes(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
