@@ -154,17 +154,19 @@ class DeQuantize(nn.Module):
 
     def forward(self, x: torch.Tensor | QTensor) -> torch.Tensor:
         if type(x) is QTensor:
-            if x._tq is not None and not tracing():  # a kernel's own quantized output on this grid: one op
-                return x._tq.dequantize()
-            if x._axis is None and not tracing() and x.numel() >= _NATIVE_DQ_MIN:  # Quantize's codes, or plain codes
-                y = _native_dequantize(x)
-                if y is not None:
-                    return y
-            if x._tu is not None and not tracing():  # codes on scale 1: (q - z) · 1 is exact, then float32 · s
-                return x._tu.dequantize().mul_(x._scale)
-            if x.axis is None and not tracing():
-                # a QTensor's grid was checked where it was made: the lean one-pass dequantize, no re-check
-                return dequantize_fast(x.int_repr(), x.scale, x.zero_point)
+            if not tracing():
+                if x._tq is not None:  # a kernel's own quantized output on this grid: one op
+                    return x._tq.dequantize()
+                t = x._tu if x._tu is not None else x._c  # Quantize's codes on scale 1, or plain codes
+                if t is not None and x._axis is None and t.numel() >= _NATIVE_DQ_MIN:
+                    y = _native_dequantize(x, t)
+                    if y is not None:
+                        return y
+                if x._tu is not None:  # codes on scale 1: (q - z) · 1 is exact, then float32 · s
+                    return x._tu.dequantize().mul_(x._scale)
+                if x._axis is None:
+                    # a QTensor's grid was checked where it was made: the lean one-pass dequantize, no re-check
+                    return dequantize_fast(x.int_repr(), x.scale, x.zero_point)
             return x.dequantize()
         if isinstance(x, torch.Tensor):
             return x
@@ -179,14 +181,13 @@ class DeQuantize(nn.Module):
 _SIGNED = {torch.uint8: False, torch.quint8: False, torch.int8: True, torch.qint8: True}
 
 
-def _native_dequantize(x: QTensor) -> torch.Tensor | None:
+def _native_dequantize(x: QTensor, t: torch.Tensor) -> torch.Tensor | None:
     """A per-tensor ``QTensor``'s ``(q - z) · s`` in one native pass (``lowbit.native.dequantize``: torch's dequantize bit
-    for bit) on the codes it holds (the Quantize stub's ``_tu`` on scale 1, or plain codes: torch would need a quantized
+    for bit) on the codes ``t`` it holds (its ``_tu`` on scale 1, or its plain codes: torch would need a quantized
     tensor made around them first, or a second pass for the scale), or ``None`` (no native build, codes it does not
     take). The grid was checked where the ``QTensor`` was made."""
     lib = native._lib()
-    t = x._tu if x._tu is not None else x._c
-    if lib is None or t is None or not t.is_cpu or x._scale.dtype != torch.float32:
+    if lib is None or not t.is_cpu or x._scale.dtype != torch.float32:
         return None
     sgn = _SIGNED.get(t.dtype)
     fmt = None if sgn is None else dense_format(t)
