@@ -121,6 +121,14 @@ static void dq_scalar(const dq_job *j) {
     for (int64_t i = j->i0; i < j->i1; ++i) j->out[i] = ((j->sgn ? (float)s8[i] : (float)u[i]) - j->z) * j->s;
 }
 
+/* the codes a vector body left (i on), scalar */
+static void dq_rest(const dq_job *j, int64_t i) {
+    dq_job t = *j;
+    t.i0 = i;
+    dq_scalar(&t);
+}
+
+/* The same steps 16 (AVX2) or 32 (AVX-512) codes at a time: widened to int32, converted (exact), q - z, times s. */
 __attribute__((target("avx2,fma")))
 static void dq_avx2(const dq_job *j) {
     const uint8_t *restrict q = j->q;
@@ -135,9 +143,7 @@ static void dq_avx2(const dq_job *j) {
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(c0), z), s));
         _mm256_storeu_ps(out + i + 8, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(c1), z), s));
     }
-    dq_job t = *j;
-    t.i0 = i;
-    dq_scalar(&t);
+    dq_rest(j, i);
 }
 
 __attribute__((target("avx512f")))
@@ -153,9 +159,7 @@ static void dq_avx512(const dq_job *j) {
         _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(c0), z), s));
         _mm512_storeu_ps(out + i + 16, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(c1), z), s));
     }
-    dq_job t = *j;
-    t.i0 = i;
-    dq_scalar(&t);
+    dq_rest(j, i);
 }
 
 static void *dq_run(void *p) {
