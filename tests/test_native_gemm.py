@@ -283,6 +283,7 @@ def test_dynamic_vnni_fused_call_is_the_two_call_path(threads: int, monkeypatch:
     path's result. Skipped where the VNNI kernels cannot run."""
     if not native.vnni():
         pytest.skip("this CPU has no AVX-512 VNNI (or lowbit.native's VNNI kernels are off)")
+    from lowbit import kernels
     from lowbit.nn.quantized.dynamic import Linear as DLinear
     from lowbit.nn.quantized.dynamic import per_token
 
@@ -308,6 +309,14 @@ def test_dynamic_vnni_fused_call_is_the_two_call_path(threads: int, monkeypatch:
                 monkeypatch.setattr(native, "dyn_linear", real)
                 assert fused and torch.equal(y, want), (k, n, bias, m, fused)
         mod = DLinear.from_float(nn.Linear(48, 8))
+        x1 = torch.randn(1, 48, generator=g)
+        want = mod(x1)
+        real_plans = per_token._vnni_plans
+        monkeypatch.setattr(per_token, "_vnni_plans", lambda p, b: (real_plans(p, b)[0], None, real_plans(p, b)[2]))
+        kernels.counts.clear()
+        assert torch.equal(mod(x1), want)  # no one-row plan: _int_mm's route (its floats), never the rows plan's
+        assert dict(kernels.counts) == {("int_mm", "linear"): 1}
+        monkeypatch.setattr(per_token, "_vnni_plans", real_plans)
         plan = per_token._plan(mod.weight_int8, mod.weight_scale, mod.weight_zero_point, mod.dtype, mod._cache)
         hit = per_token._vnni_plans(plan, mod.bias)
         x = torch.randn(3, 48, generator=g)

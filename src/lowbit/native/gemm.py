@@ -92,7 +92,6 @@ class LinearPlan:
         counts[self.name] += 1
         return True
 
-
     def _pack(self, lib: ctypes.CDLL) -> None:
         """The weights packed for the many-row kernels, made by the first call of ``BCAST_M`` rows or more."""
         if not lib.lb_cpu_avx2():  # (the packed kernels are AVX2 only: no copy of the weights for the scalar body)
@@ -110,10 +109,9 @@ def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None,
     """The per-token dynamic Linear on a VNNI CPU in one native call (``dynamic.c``): float32 ``x`` ``(M, K)`` (unit
     column stride) → each row's grid on [0, 255] and u8 codes (``row_grid``'s), then ``one`` where given ("float" mode,
     one row, its scale vector ``sc`` set to ``fl(s_w s_x)``), else ``rows`` ("rows" mode: zero point 128,
-    ``cn = fl(128 - z_x)``):
-    ``per_token._vnni_native``'s floats bit for bit, without its tensors and calls in Python. ``None`` (the caller's
-    path runs) where the plan for this M is missing, the tensors do not fit, a row is not finite or the VNNI kernels do
-    not run here."""
+    ``cn = fl(128 - z_x)``): ``per_token._vnni_native``'s floats bit for bit, without its tensors and calls in Python.
+    ``None`` (the caller's path runs) where the plan is missing, the tensors do not fit, a row is not finite or the VNNI
+    kernels do not run here."""
     lib = _state.get("lib")
     plan = one if one is not None else rows
     if (lib is None or plan is None or x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or not x.is_cpu

@@ -288,7 +288,8 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     if (one_row or (m <= small_m.VNNI_M and plan.wsum.shape[0] * m <= _BLOCK)) and native.vnni():
         # the two native passes below (the codes and grids, the Linear) and their tensors in one native call
         hit = _vnni_plans(plan, bias)
-        y = native.dyn_linear(xf, hit[1] if one_row else None, hit[2], plan.scale, plan.sc)
+        y = (None if one_row and hit[1] is None  # (no one-row plan: the routes below, never the rows plan's floats)
+             else native.dyn_linear(xf, hit[1] if one_row else None, hit[2], plan.scale, plan.sc))
         if y is not None:
             kernels.counts[("int_mm" if one_row else "onednn", "linear")] += 1  # (as the call it replaces)
             return y
