@@ -27,7 +27,7 @@ from lowbit import kernels, native
 from lowbit.functional import quantize
 from lowbit.kernels import OutGrid, onednn
 from lowbit.nn.quantized import dynamic as nnqd
-from lowbit.nn.quantized.dynamic import per_token
+from lowbit.nn.quantized.dynamic import no_vnni, per_token
 from lowbit.qparams import calculate_qparams
 
 from helpers import force
@@ -116,7 +116,7 @@ def test_dynamic_no_vnni_route_bit_identical_to_generic(monkeypatch: pytest.Monk
     y = mod(x)
     assert dict(kernels.counts) == {("onednn", "linear"): 1}
     want = per_token.per_token_linear(per_token.quantize_per_token(x), mod.weight(), mod.bias, {})
-    if engine_fbgemm and m <= per_token._WSPLIT_M:
+    if engine_fbgemm and m <= no_vnni._WSPLIT_M:
         assert torch.allclose(y, want, rtol=1e-5, atol=1e-5), float((y - want).abs().max())
     else:
         assert torch.equal(y, want), float((y - want).abs().max())
@@ -128,8 +128,8 @@ def test_dynamic_no_vnni_row_chunks_bit_identical_to_one_call(monkeypatch: pytes
     more than ``SMALL_M`` rows so that every chunk takes the one-call route: the generic path's floats bit for bit,
     counted once. Fails if a chunk is lost, overlaps, or falls to fbgemm's few-row route (another rounding order)."""
     _force_vnni(monkeypatch, False)
-    monkeypatch.setattr(per_token, "_OUT_CHUNK", 24 * 40)  # 40 rows of N = 24 per chunk, at least SMALL_M + 1
-    monkeypatch.setattr(per_token, "_CHUNK_ABOVE", 0)
+    monkeypatch.setattr(no_vnni, "_OUT_CHUNK", 24 * 40)  # 40 rows of N = 24 per chunk, at least SMALL_M + 1
+    monkeypatch.setattr(no_vnni, "_CHUNK_ABOVE", 0)
     mod = _dyn(96, 24, m, seven_bit=False)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 96, generator=g) * torch.rand(m, 1, generator=g) * 4 + torch.rand(m, 1, generator=g)

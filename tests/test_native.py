@@ -22,6 +22,7 @@ from torch import nn
 import lowbit as Q
 from lowbit import functional, kernels, native
 from lowbit.nn.quantized.dynamic import Linear as DLinear
+from lowbit.nn.quantized.dynamic import no_vnni
 from lowbit.nn.quantized.dynamic import per_token as pt
 from lowbit.nn.quantized.dynamic import reduced
 
@@ -158,7 +159,7 @@ def _layer(k: int, n: int, reduce_range: bool) -> DLinear:
 def test_dynamic_linear_routes_are_bit_identical_with_and_without_native(vnni: bool, reduce_range: bool,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     force(monkeypatch, vnni=vnni, fbgemm=True)
-    monkeypatch.setattr(pt, "_CHUNK_ABOVE", 1 << 12)  # the chunked non-VNNI route at small sizes too
+    monkeypatch.setattr(no_vnni, "_CHUNK_ABOVE", 1 << 12)  # the chunked non-VNNI route at small sizes too
     q = _layer(96, 70, reduce_range)
     g = torch.Generator().manual_seed(2)
     for m in (1, 2, 5, 16, 40, 300, 4000):  # one row, the weight split (few rows), chunks, blocked epilogue
@@ -173,11 +174,11 @@ def test_dynamic_linear_routes_are_bit_identical_with_and_without_native(vnni: b
         assert fast >= 1 and torch.equal(y, ref), (m, vnni, reduce_range)
         if reduce_range:
             want = {"row_grid": 1, "qlinear_rows": 1}  # the 7-bit recipe: its codes, then one Linear call
-        elif not vnni and m > pt._WSPLIT_M:
+        elif not vnni and m > no_vnni._WSPLIT_M:
             want = {"row_grid": 1, "qlinear": 1, "row_epilogue": 1}  # past the weight split: codes, native sums, epilogue
         elif vnni and native.vnni() and m <= pt.small_m.VNNI_M and m * 70 <= pt._BLOCK:
             want = {"row_grid": 1, "qlinear" if m == 1 else "qlinear_rows": 1}  # its codes, then the VNNI kernels' call
-        elif vnni and m > 1 or not vnni and m > pt._NATIVE_WSPLIT_M:
+        elif vnni and m > 1 or not vnni and m > no_vnni._NATIVE_WSPLIT_M:
             want = {"row_grid": 1, "row_epilogue": 1}  # (the weight split's few rows: u, then the row epilogue)
         elif vnni:
             want = {}  # one row on a VNNI CPU without lowbit's VNNI kernels: torch._int_mm, the grid read on the host
@@ -557,7 +558,7 @@ def test_dynamic_weight_split_route_is_fbgemms(body: str, k: int, bias: bool, mo
     lin = nn.Linear(k, 45, bias=bias)
     lin.qconfig = Q.get_dynamic_qconfig()
     q = DLinear.from_float(lin)
-    for m in range(1, pt._NATIVE_WSPLIT_M + 1):
+    for m in range(1, no_vnni._NATIVE_WSPLIT_M + 1):
         for x in (torch.randn(m, k) * 3 + 1, torch.rand(m, k) * 5):  # mixed signs; one-signed (z_x at an end)
             got, ref, ran = _native_and_torch(body, lambda q=q, x=x: q(x))
             assert ran.get("dyn_wsplit") == 1 and torch.equal(got, ref), (m, k, bias)

@@ -262,7 +262,7 @@ def qlinear_rows(q: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a: tor
 
 def dyn_wsplit(q: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a: torch.Tensor, wsum: torch.Tensor,
                s: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The 8-bit dynamic Linear's few-row route without VNNI in one call (``per_token._weight_split``'s arithmetic):
+    """The 8-bit dynamic Linear's few-row route without VNNI in one call (``no_vnni._weight_split``'s arithmetic):
     u8 codes ``q`` ``(M, K)`` on zero point 0, int8 weights ``w`` ``(N, K)`` split as ``2 (w >> 1) + (w & 1)``,
     ``t = fl(fl(Σ q (w >> 1)) · 2 s_w) + fl(fl(Σ q (w & 1)) · s_w)`` (fbgemm's two float sums of the split pack, added),
     then ``fl(fl(t + a_m wsum) · s_m) + bias`` (``a`` = -z_x and ``s`` = s_x per row, ``(M, 1)``). The one-shot form of
