@@ -208,7 +208,9 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
         post, scalars, clamp = ("relu" if relu else "none", [], False) if out is None else out.onednn_post(relu)
         y = torch.ops.onednn.qlinear_pointwise(q, x.scale.item(), x.zero_point.item(), packed, weight.scale,
                                                weight.zero_point, bias, s_out, z_out, dt, post, scalars, "")
-        return _wrap(y, out) if clamp or out is None else out.wrap(y)
+        if out is None:
+            return y
+        return out.wrap(y.clamp_(out.qdtype.quant_min, out.qdtype.quant_max) if clamp else y)  # (as the plan's call)
     q, sx, zx, seven_bit = _as_u8(x)
     if not vnni and fbgemm_engine() and out is not None and out.qdtype.storage == torch.uint8 and not (split and not seven_bit):
         # a u8 output with no split: fbgemm's requantized codes at every M (lowbit.native's kernels, or fbgemm's op)

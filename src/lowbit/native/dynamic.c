@@ -1,5 +1,5 @@
 /* The per-token dynamic Linear of a CPU with AVX-512 VNNI in one call (nn/quantized/dynamic/per_token._vnni_native:
- * the row grids, then one Linear pass), where the Python path makes three native calls and four tensors around them. */
+ * the row grids, then one Linear pass), where the Python path makes two native calls and four tensors around them. */
 #include "common.h"
 
 int lb_row_grid(const float *x, int64_t m, int64_t k, int64_t ldx, float levels, float eps, float qmax, int mode,
