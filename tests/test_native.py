@@ -447,6 +447,11 @@ def test_dequantize_is_torchs(body: str, threads: int, monkeypatch: pytest.Monke
             native.dequantize(torch.zeros(4, dtype=torch.uint8), scale, 0)
     with pytest.raises(ValueError, match="zero_point=300"):
         native.dequantize(torch.zeros(4, dtype=torch.uint8), 0.1, 300)
+    for scale, zp, name in ((True, 0, "scale=True"), (0.1, 2.5, "zero_point=2.5"), (0.1, True, "zero_point=True")):
+        with pytest.raises(ValueError, match=name):  # a bool or a fractional zero point is not a grid: never codes of one
+            native.dequantize(torch.zeros(4, dtype=torch.uint8), scale, zp)
+    empty = native.dequantize(torch.zeros(0, 3, dtype=torch.uint8), 0.1, 3)
+    assert empty is None or (empty.shape == (0, 3) and empty.dtype == torch.float32)
     with pytest.raises(ValueError, match="zero_point=200"):
         native.dequantize(torch.zeros(4, dtype=torch.int8), 0.1, 200)
 

@@ -115,7 +115,8 @@ def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None,
     lib = _state.get("lib")
     plan = one if one is not None else rows
     if (lib is None or plan is None or x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or not x.is_cpu
-            or x.requires_grad or x.shape[1] != plan.k or (one is not None and x.shape[0] != 1) or not vnni()
+            or x.requires_grad or x.shape[1] != plan.k or x.shape[0] == 0 or (one is not None and x.shape[0] != 1)
+            or not vnni()
             or not _channel_vectors(plan.n, w_scale, sc)):
         return None
     m, k = x.shape

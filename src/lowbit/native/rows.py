@@ -166,8 +166,10 @@ def dequantize(q: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor |
     >>> y is None or y.tolist() == [-5.0, 0.0, 122.5]
     True
     """
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"lowbit.native.dequantize: scale={scale!r} must be a finite positive number")
+    if isinstance(zero_point, bool) or not isinstance(zero_point, int):
+        raise ValueError(f"lowbit.native.dequantize: zero_point={zero_point!r} must be an integer")
     sgn = q.dtype == torch.int8
     _check_grid("dequantize", zero_point, -128 if sgn else 0, 127 if sgn else 255, torch.int8 if sgn else torch.uint8)
     lib = _lib()
