@@ -45,7 +45,7 @@ import torch
 from .. import native
 from ..qscheme import QDtype
 from ..qtensor import QTensor
-from . import onednn
+from . import conv_small, onednn
 from .conv_split import packed_for_input
 from .plan import _counts, input_grid_key
 from .spec import ConvSpec, OutGrid
@@ -60,6 +60,18 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
             or w.device.type != "cpu" or w.dtype != torch.int8 or out.qdtype.storage != torch.uint8
             or bool(weight.zero_point.any())):
         return None
+    counts, key = _counts(), ("onednn", "conv")
+    if conv_small.takes(weight, spec, out):  # a first conv's small window: onednn.conv's native pass, planned
+        cache: dict[str, Any] = {}
+
+        def run_small(x: QTensor) -> QTensor:
+            q, sx, zx, _ = onednn._as_u8(x)
+            y = conv_small.conv(q, sx, zx, weight, bias, spec, out, relu, cache)  # type: ignore[arg-type]
+            if y is None:  # (declined: the generic path, which declines the same way and runs oneDNN)
+                y = onednn.conv(x, weight, bias, spec, out, relu, cache)
+            counts[key] += 1
+            return y
+        return run_small
     if not (onednn.has_vnni() or onednn.saturation_safe(w)):  # the split routes: the generic path
         return None
     stride, padding, dilation = onednn._geometry(spec)
@@ -70,7 +82,6 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
         return torch.ops.onednn.qconv_prepack(w, w_scale, 1.0, zx, stride, padding, dilation, groups, shape)
     s_out, z_out, qd = out.scale, out.zero_point, out.qdtype
     post, scalars, clamp = out.onednn_post(relu)  # a 7-bit grid's clamp as oneDNN's post-op (module docstring)
-    counts, key = _counts(), ("onednn", "conv")
     grid: list[Any] = [None]  # (key of the input grid's tensors, s_x, z_x, the tensors held)
 
     def run(x: QTensor) -> QTensor:

@@ -48,6 +48,7 @@ from .. import native
 from ..compile_state import tensor_version
 from ..functional import _store
 from ..qtensor import QTensor
+from . import conv_small
 from .avx2 import _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor, _scaled, _split_run
 from .conv_split import SHAPED_PACKS, _pack_wsplit, _wsplit_conv, _wsplit_packs, packed_for_input  # noqa: F401 (tests, conv_plan)
 from .small_m import VNNI_M, float_route, native_linear, native_requant, split_on_avx2, vnni_rows  # noqa: F401 (VNNI_M: tests)
@@ -323,6 +324,10 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
         return NotImplemented
     split = entry[1]
     q, sx, zx, seven_bit = _as_u8(x)
+    if out is not None and conv_small.takes(weight, spec, out):  # a first conv's small window: one native pass
+        small = conv_small.conv(q, sx, zx, weight, bias, spec, out, relu, cache)
+        if small is not None:
+            return small
     if split and not seven_bit and WSPLIT_CONV:
         halves = _packed(cache, "onednn.conv_wsplit", weight, functools.partial(
             _pack_wsplit, geometry=(stride, padding, dilation), groups=spec.groups))

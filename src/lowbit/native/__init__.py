@@ -46,13 +46,14 @@ from typing import Iterator
 import torch
 
 __all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dequantize",
-           "dwconv", "dw_weight", "maxpool_codes", "to_channels_last", "to_contiguous", "qlinear", "qlinear_requant",
+           "dwconv", "dw_weight", "smallconv", "smallconv_weight", "maxpool_codes", "to_channels_last", "to_contiguous", "qlinear", "qlinear_requant",
            "qlinear_rows", "LinearPlan", "linear_plan", "dyn_wsplit", "dyn_linear", "empty_codes", "disabled",
-           "force_scalar", "force_avx2", "vnni", "counts"]
+           "force_scalar", "force_avx2", "avx2", "vnni", "counts"]
 
 _DIR = Path(__file__).parent
 # compiled together; all include common.h
-_SRC = [_DIR / "rowquant.c", _DIR / "linear.c", _DIR / "pool.c", _DIR / "stubs.c", _DIR / "dynamic.c"]
+_SRC = [_DIR / "rowquant.c", _DIR / "linear.c", _DIR / "pool.c", _DIR / "stubs.c", _DIR / "dynamic.c",
+        _DIR / "smallconv.c"]
 _FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
 _OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds the single-threaded object
 _THREAD_MIN = 1 << 15  # floats a pass must cover before it is split over threads (ATen's grain size)
@@ -115,6 +116,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_dwconv.argtypes = [p, i64, i64, i64, i64, p, i32, i32, i32, i32, i32, i32, i32, i32, i32, i64, i64, p, p,
                               f32, f32, f32, f32, p, i32, i32]
     dll.lb_dwconv.restype = None
+    dll.lb_smallconv.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, i64, p, p, p, i64, i64, i32, i32, i32, i32, i32,
+                                 i32, i32, i32, i32, i64, i64, p, p, f32, f32, f32, f32, p, i32, i32]
+    dll.lb_smallconv.restype = i32
     dll.lb_linear_run.argtypes = [p, p, i64, i64, i32, p, p, p, i32, i32]
     dll.lb_linear_run.restype = i32
     dll.lb_dyn_linear.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, p, p, i32, i32, i32]
@@ -215,6 +219,12 @@ def force_avx2() -> contextlib.AbstractContextManager[None]:
     return _pinned(2)
 
 
+def avx2() -> bool:
+    """Whether this CPU runs the native passes' AVX2 bodies (built, AVX2 + FMA; pinning bodies in tests aside)."""
+    lib = _lib()
+    return lib is not None and bool(lib.lb_cpu_avx2())
+
+
 def vnni() -> bool:
     """Whether the Linears' AVX-512 VNNI kernels run in this thread (built, the CPU has them, not pinned away)."""
     lib = _lib()
@@ -249,3 +259,4 @@ def _channel_vectors(n: int, *vs: torch.Tensor | None) -> bool:
 from .layers import conv_epilogue, dw_weight, dwconv, empty_codes, maxpool_codes, to_channels_last, to_contiguous  # noqa: E402  (below the helpers)
 from .gemm import LinearPlan, dyn_linear, dyn_wsplit, linear_plan, qlinear, qlinear_requant, qlinear_rows  # noqa: E402
 from .rows import dequantize, qadd, quantize_into, row_epilogue, row_grid  # noqa: E402
+from .smallconv import smallconv, smallconv_weight  # noqa: E402

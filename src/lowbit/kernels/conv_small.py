@@ -1,0 +1,75 @@
+"""A static int8 conv with a small window (an image model's first conv) as one native pass, where oneDNN is slow.
+
+oneDNN blocks its int8 convolutions over input channels, so a conv reading one to three channels spends most of each
+block on padding: SmallCNN's ``1 → 16`` 3x3 conv at batch 64 took ~530 µs in oneDNN's call on the Zen 4 EPYC (1 thread)
+for 7 M products, against ~220 µs for ``native.smallconv`` (every output pixel's window read as 4-byte quads from a
+zero-point-padded copy of the image, four taps per ``vpdpbusd`` on VNNI, two per ``vpmaddwd`` on AVX2). The pass is
+taken where the window's padded taps ``C_in · kh · roundup(kw, 4)`` are at most ``SMALL_TAPS``: MobileNetV2's 3 → 32
+stem (36 taps) measured 0.92x oneDNN's call at batch 8, so it keeps oneDNN.
+
+The codes are lowbit's conv epilogue of the exact int32 sums (``native.smallconv``): those of the split-weight
+conv and the native depthwise conv on a CPU without VNNI, and oneDNN's but at exact float ties (2 codes in 7.9 M
+measured against oneDNN's depthwise call, where ``fl(y · inv) + z`` lands on a half).
+
+>>> import torch, lowbit as Q
+>>> from lowbit.kernels import ConvSpec, OutGrid, conv_small
+>>> w = Q.quantize_per_channel(torch.ones(16, 1, 3, 3), torch.full((16,), 0.01), torch.zeros(16, dtype=torch.long), 0, Q.qint8)
+>>> conv_small.takes(w, ConvSpec(2, (1, 1), (1, 1), (1, 1), 1), OutGrid(0.1, 0, Q.quint8)) in (True, False)
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import native
+from ..compile_state import tensor_version
+from ..qtensor import QTensor
+from .avx2 import _inv_scale, _relu_floor
+from .spec import ConvSpec, OutGrid
+
+__all__ = ["SMALL_TAPS", "taps", "takes", "conv"]
+
+SMALL_TAPS = 16  # padded taps up to which the native pass runs (module docstring)
+
+
+def taps(shape: tuple[int, ...] | torch.Size) -> int:
+    """``C_in · kh · roundup(kw, 4)`` of a ``(C_out, C_in, kh, kw)`` weight: the taps ``native.smallconv`` reads."""
+    _, cin, kh, kw = shape
+    return int(cin * kh * -(-kw // 4) * 4)
+
+
+def takes(weight: QTensor, spec: ConvSpec, out: OutGrid | None) -> bool:
+    """Whether ``conv`` runs this layer natively: a dense 2-d conv with a window of at most ``SMALL_TAPS`` taps and unit
+    dilation along W, symmetric int8 weights, a u8 output grid, on a CPU with AVX2 and the native build."""
+    w = weight.int_repr()
+    return (out is not None and out.qdtype.storage == torch.uint8 and spec.dim == 2 and not spec.transposed
+            and spec.groups == 1 and spec.dilation[1] == 1 and w.dim() == 4 and w.dtype == torch.int8 and w.is_cpu
+            and taps(w.shape) <= SMALL_TAPS and native.avx2() and not bool(weight.zero_point.any()))
+
+
+def _state(cache: dict[str, Any] | None, weight: QTensor, sx: float) -> tuple[Any, torch.Tensor]:
+    """The packed weight (per weight version) and ``fl(s_x s_w)`` per output channel (per input scale), cached."""
+    w = weight.int_repr()
+    key = (w.data_ptr(), tensor_version(w), weight.scale.data_ptr(), tensor_version(weight.scale), sx)
+    hit = cache.get("conv_small") if cache is not None else None
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    scale = (weight.scale.to(torch.float32) * sx).expand(w.shape[0]).contiguous()
+    state = (native.smallconv_weight(w), scale)
+    if cache is not None:
+        cache["conv_small"] = (key, state)
+    return state
+
+
+def conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec, out: OutGrid,
+         relu: bool, cache: dict[str, Any] | None) -> QTensor | None:
+    """The conv of u8 codes ``q`` (scale ``sx``, zero point ``zx``) on ``out``'s grid as channels-last codes, for a layer
+    ``takes`` accepts; ``None`` where the native pass declines the tensors (the caller's oneDNN route runs)."""
+    packed, scale = _state(cache, weight, sx)
+    codes = native.smallconv(q, zx, packed, list(spec.stride), list(spec.padding), list(spec.dilation), scale, bias,
+                             _inv_scale(out.scale), out.zero_point, _relu_floor(out.qdtype.quant_min, out.zero_point, relu),
+                             out.qdtype.quant_max)
+    return None if codes is None else out.wrap(codes)
