@@ -4,8 +4,12 @@ oneDNN blocks its int8 convolutions over input channels, so a conv reading one t
 block on padding: SmallCNN's ``1 → 16`` 3x3 conv at batch 64 took ~530 µs in oneDNN's call on the Zen 4 EPYC (1 thread)
 for 7 M products, against ~220 µs for ``native.smallconv`` (every output pixel's window read as 4-byte quads from a
 zero-point-padded copy of the image, four taps per ``vpdpbusd`` on VNNI, two per ``vpmaddwd`` on AVX2). The pass is
-taken where the window's padded taps ``C_in · kh · roundup(kw, 4)`` are at most ``SMALL_TAPS``: MobileNetV2's 3 → 32
-stem (36 taps) measured 0.92x oneDNN's call at batch 8, so it keeps oneDNN.
+taken where the window's padded taps ``C_in · kh · roundup(kw, 4)`` are at most ``SMALL_TAPS`` for the body this CPU
+runs: on VNNI (two pixels by 32 channels at a time) every window up to 64 taps measured 1.17-2.65x oneDNN's call
+(1 thread, Zen 4: SmallCNN's 12 taps 2.6x, MobileNetV2's 3 → 32 stride-2 stem at 224², 36 taps, 1.6x at batch 8 and
+1.7x at batch 1, 4 → 64 4x4 at 64 taps 1.28x); the AVX2 body (two taps per ``vpmaddwd``, 16 channels a pixel) is
+1.1x oneDNN's AVX2 kernel at 12 taps (``ONEDNN_MAX_CPU_ISA=AVX2``; 1.3x at 32 channels) but 0.25-0.45x oneDNN's VNNI
+call on wider windows, so without VNNI only windows of at most 16 taps take it.
 
 The codes are lowbit's conv epilogue of the exact int32 sums (``native.smallconv``): those of the split-weight
 conv and the native depthwise conv on a CPU without VNNI, and oneDNN's but at exact float ties (2 codes in 7.9 M
@@ -32,7 +36,8 @@ from .spec import ConvSpec, OutGrid
 
 __all__ = ["SMALL_TAPS", "taps", "takes", "conv"]
 
-SMALL_TAPS = 16  # padded taps up to which the native pass runs (module docstring)
+# padded taps up to which the native pass runs, by the body the CPU runs (module docstring)
+SMALL_TAPS = {"vnni": 64, "avx2": 16}
 
 
 def taps(shape: tuple[int, ...] | torch.Size) -> int:
@@ -47,7 +52,7 @@ def takes(weight: QTensor, spec: ConvSpec, out: OutGrid | None) -> bool:
     w = weight.int_repr()
     return (out is not None and out.qdtype.storage == torch.uint8 and spec.dim == 2 and not spec.transposed
             and spec.groups == 1 and spec.dilation[1] == 1 and w.dim() == 4 and w.dtype == torch.int8 and w.is_cpu
-            and taps(w.shape) <= SMALL_TAPS and native.avx2() and not bool(weight.zero_point.any()))
+            and taps(w.shape) <= SMALL_TAPS.get(native.smallconv_body(), 0) and not bool(weight.zero_point.any()))
 
 
 def _state(cache: dict[str, Any] | None, weight: QTensor, sx: float) -> tuple[Any, torch.Tensor]:

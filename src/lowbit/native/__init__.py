@@ -1,5 +1,5 @@
-"""lowbit's native passes: C files (``rowquant.c``, ``linear.c``, ``pool.c``, ``stubs.c``, ``dynamic.c``) doing in one call
-what torch needs several for.
+"""lowbit's native passes: C files (``rowquant.c``, ``linear.c``, ``pool.c``, ``stubs.c``, ``dynamic.c``, ``smallconv.c``)
+doing in one call what torch (or oneDNN) needs several for, or does slowly.
 
 Every pass does the same float32 operations, in the same order, as the torch ops (or the fbgemm op) it replaces (built
 with ``-ffp-contract=off``, an FMA explicit where torch's ``addcmul_`` fuses; integer sums exact), so its results are
@@ -7,7 +7,8 @@ bit for bit theirs (``tests/test_native.py`` and ``tests/test_native_gemm.py`` c
 bodies, 1 and 2 threads). ``rows``: the per-token Linear's row grids and epilogue, the quantized add, the Quantize and
 DeQuantize stubs' passes (``stubs.c``: AVX-512 bodies where the CPU has AVX-512F, AVX2 and scalar ones elsewhere, the
 same codes and floats). ``layers``: the split-weight conv epilogue, a depthwise conv, max pooling of channels-last
-codes (``pool.c``). ``gemm``: the small-M Linears without VNNI (``LinearPlan``: lowbit's float epilogue, fbgemm's
+codes (``pool.c``). ``smallconv``: a dense conv with a small window (an image model's first conv; VNNI, AVX2 and scalar
+bodies). ``gemm``: the small-M Linears without VNNI (``LinearPlan``: lowbit's float epilogue, fbgemm's
 requantization, the per-token rows; the dynamic weight split; ``dyn_linear``: a VNNI CPU's per-token dynamic Linear of
 few rows in one call, ``dynamic.c``).
 
@@ -46,9 +47,9 @@ from typing import Iterator
 import torch
 
 __all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dequantize",
-           "dwconv", "dw_weight", "smallconv", "smallconv_weight", "maxpool_codes", "to_channels_last", "to_contiguous", "qlinear", "qlinear_requant",
+           "dwconv", "dw_weight", "smallconv", "smallconv_weight", "smallconv_body", "maxpool_codes", "to_channels_last", "to_contiguous", "qlinear", "qlinear_requant",
            "qlinear_rows", "LinearPlan", "linear_plan", "dyn_wsplit", "dyn_linear", "empty_codes", "disabled",
-           "force_scalar", "force_avx2", "avx2", "vnni", "counts"]
+           "force_scalar", "force_avx2", "vnni", "counts"]
 
 _DIR = Path(__file__).parent
 # compiled together; all include common.h
@@ -119,6 +120,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_smallconv.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, i64, p, p, p, i64, i64, i32, i32, i32, i32, i32,
                                  i32, i32, i32, i32, i64, i64, p, p, f32, f32, f32, f32, p, i32, i32]
     dll.lb_smallconv.restype = i32
+    dll.lb_smallconv_body.argtypes = [i32]
+    dll.lb_smallconv_body.restype = i32
     dll.lb_linear_run.argtypes = [p, p, i64, i64, i32, p, p, p, i32, i32]
     dll.lb_linear_run.restype = i32
     dll.lb_dyn_linear.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, p, p, i32, i32, i32]
@@ -219,12 +222,6 @@ def force_avx2() -> contextlib.AbstractContextManager[None]:
     return _pinned(2)
 
 
-def avx2() -> bool:
-    """Whether this CPU runs the native passes' AVX2 bodies (built, AVX2 + FMA; pinning bodies in tests aside)."""
-    lib = _lib()
-    return lib is not None and bool(lib.lb_cpu_avx2())
-
-
 def vnni() -> bool:
     """Whether the Linears' AVX-512 VNNI kernels run in this thread (built, the CPU has them, not pinned away)."""
     lib = _lib()
@@ -259,4 +256,4 @@ def _channel_vectors(n: int, *vs: torch.Tensor | None) -> bool:
 from .layers import conv_epilogue, dw_weight, dwconv, empty_codes, maxpool_codes, to_channels_last, to_contiguous  # noqa: E402  (below the helpers)
 from .gemm import LinearPlan, dyn_linear, dyn_wsplit, linear_plan, qlinear, qlinear_requant, qlinear_rows  # noqa: E402
 from .rows import dequantize, qadd, quantize_into, row_epilogue, row_grid  # noqa: E402
-from .smallconv import smallconv, smallconv_weight  # noqa: E402
+from .smallconv import smallconv, smallconv_body, smallconv_weight  # noqa: E402

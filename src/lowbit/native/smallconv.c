@@ -94,30 +94,83 @@ static void px_avx2(const sc_job *j, const uint8_t *const *q, int64_t np, uint8_
     }
 }
 
-/* four taps per vpdpbusd against the int8 weight quads of 16 channels, held in registers over the row */
-__attribute__((target("avx2,fma,avx512f,avx512vl,avx512vnni")))
+/* AVX-512BW (the VNNI body's masked byte stores; every VNNI CPU so far has it) */
+static int cpu_avx512bw(void) {
+    static int known = -1;
+    if (known < 0) { __builtin_cpu_init(); known = __builtin_cpu_supports("avx512bw"); }
+    return known;
+}
+
+/* n (< 16 allowed) of 16 codes stored, masked */
+__attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni"), always_inline))
+static inline void store16_512(uint8_t *o, __m128i v, int64_t n) {
+    _mm_mask_storeu_epi8(o, n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1), v);
+}
+
+/* the epilogue of 16 sums to 16 codes (AVX-512F) */
+__attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni"), always_inline))
+static inline __m128i epi16_512(__m512i acc, __m512i k, __m512 sc, __m512 bias, __m512 inv, __m512 lo, __m512 hi, __m512 z) {
+    __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, k)), sc), bias);
+    __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(t, inv), lo), hi);
+    v = _mm512_roundscale_ps(_mm512_add_ps(v, z), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_setzero_ps()), _mm512_set1_ps(255.f));
+    return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v));
+}
+
+/* four taps per vpdpbusd against the int8 weight quads of 32 channels (two blocks of 16), held over the row; two
+ * pixels at a time, so four independent sums are in flight */
+__attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")))
 static void px_vnni(const sc_job *j, const uint8_t *const *q, int64_t np, uint8_t *o) {
     const int64_t g4 = j->kp >> 2, stride = j->cp * 4, cout = j->cout, sx = j->sx;
     const __m512 inv = _mm512_set1_ps(j->inv), lo = _mm512_set1_ps(j->vlo), hi = _mm512_set1_ps(j->vhi),
-                 z = _mm512_set1_ps(j->z), top = _mm512_set1_ps(255.f), zero = _mm512_setzero_ps();
-    float zeros[16] = {0};
-    __m512i wv[SC_MAX_TAPS / 4];
-    for (int64_t c = 0; c < cout; c += 16) {
-        for (int64_t g = 0; g < g4; ++g) wv[g] = _mm512_loadu_si512((const void *)(j->w4 + c * 4 + g * stride));
-        const __m512 sc = _mm512_loadu_ps(j->sc + c), bias = _mm512_loadu_ps(j->bias ? j->bias + c : zeros);
-        const __m512i k = _mm512_mullo_epi32(_mm512_set1_epi32(j->zx), _mm512_loadu_si512((const void *)(j->wsum + c)));
-        for (int64_t i = 0; i < np; ++i) {
-            __m512i acc = _mm512_setzero_si512();
+                 z = _mm512_set1_ps(j->z);
+    float zeros[32] = {0};
+    __m512i w0[SC_MAX_TAPS / 4], w1[SC_MAX_TAPS / 4];
+    for (int64_t c = 0; c < cout; c += 32) {
+        const int two = c + 16 < cout;  /* a second block of 16 channels (cp is a multiple of 16: its weights exist) */
+        for (int64_t g = 0; g < g4; ++g) {
+            w0[g] = _mm512_loadu_si512((const void *)(j->w4 + c * 4 + g * stride));
+            w1[g] = two ? _mm512_loadu_si512((const void *)(j->w4 + (c + 16) * 4 + g * stride)) : _mm512_setzero_si512();
+        }
+        const float *bs = j->bias ? j->bias + c : zeros;
+        const __m512 s0 = _mm512_loadu_ps(j->sc + c), b0 = _mm512_loadu_ps(bs);
+        const __m512 s1 = two ? _mm512_loadu_ps(j->sc + c + 16) : s0, b1 = two ? _mm512_loadu_ps(bs + 16) : b0;
+        const __m512i zx = _mm512_set1_epi32(j->zx);
+        const __m512i k0 = _mm512_mullo_epi32(zx, _mm512_loadu_si512((const void *)(j->wsum + c)));
+        const __m512i k1 = two ? _mm512_mullo_epi32(zx, _mm512_loadu_si512((const void *)(j->wsum + c + 16))) : k0;
+        int64_t i = 0;
+        for (; i + 2 <= np; i += 2) {
+            __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00;
             for (int64_t g = 0; g < g4; ++g) {
-                int32_t pv;
-                memcpy(&pv, q[g] + i * sx, 4);
-                acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(pv), wv[g]);
+                int32_t v0, v1;
+                memcpy(&v0, q[g] + i * sx, 4);
+                memcpy(&v1, q[g] + (i + 1) * sx, 4);
+                const __m512i p0 = _mm512_set1_epi32(v0), p1 = _mm512_set1_epi32(v1);
+                a00 = _mm512_dpbusd_epi32(a00, p0, w0[g]);
+                a10 = _mm512_dpbusd_epi32(a10, p1, w0[g]);
+                if (two) {
+                    a01 = _mm512_dpbusd_epi32(a01, p0, w1[g]);
+                    a11 = _mm512_dpbusd_epi32(a11, p1, w1[g]);
+                }
             }
-            __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, k)), sc), bias);
-            __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(t, inv), lo), hi);
-            v = _mm512_roundscale_ps(_mm512_add_ps(v, z), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            store16(o + i * cout + c, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, zero), top))),
-                    cout - c);
+            store16_512(o + i * cout + c, epi16_512(a00, k0, s0, b0, inv, lo, hi, z), cout - c);
+            store16_512(o + (i + 1) * cout + c, epi16_512(a10, k0, s0, b0, inv, lo, hi, z), cout - c);
+            if (two) {
+                store16_512(o + i * cout + c + 16, epi16_512(a01, k1, s1, b1, inv, lo, hi, z), cout - c - 16);
+                store16_512(o + (i + 1) * cout + c + 16, epi16_512(a11, k1, s1, b1, inv, lo, hi, z), cout - c - 16);
+            }
+        }
+        for (; i < np; ++i) {
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+            for (int64_t g = 0; g < g4; ++g) {
+                int32_t v0;
+                memcpy(&v0, q[g] + i * sx, 4);
+                const __m512i p0 = _mm512_set1_epi32(v0);
+                a0 = _mm512_dpbusd_epi32(a0, p0, w0[g]);
+                if (two) a1 = _mm512_dpbusd_epi32(a1, p0, w1[g]);
+            }
+            store16_512(o + i * cout + c, epi16_512(a0, k0, s0, b0, inv, lo, hi, z), cout - c);
+            if (two) store16_512(o + i * cout + c + 16, epi16_512(a1, k1, s1, b1, inv, lo, hi, z), cout - c - 16);
         }
     }
 }
@@ -156,6 +209,9 @@ static void *sc_run(void *arg) {
     return NULL;
 }
 
+/* The body lb_smallconv runs for isa: 2 VNNI, 1 AVX2, 0 scalar. */
+int lb_smallconv_body(int isa) { return use_vnni(isa) && cpu_avx512bw() ? 2 : use_avx2(isa) ? 1 : 0; }
+
 /* Dense conv of u8 codes x (n, c, h, w) at element strides (sn, sc, sh, sw), zero point zx (zero padding: zx), weights
  * packed by layers.smallconv_weight: w4 (kp / 4, cp, 4) int8 and w2 (kp / 2, cp, 2) int16 over the taps (c, i, k) in
  * that order, kp = k rounded up to 4 (zero weights past k), cp = cout rounded up to 16 (zero channels), wsum[o] =
@@ -173,7 +229,7 @@ int lb_smallconv(const uint8_t *x, int64_t n, int64_t c, int64_t h, int64_t w, i
     const int64_t wpad = reach > wide ? reach : wide;
     sc_job jobs[MAX_THREADS];
     const int64_t rows = n * oh;
-    const int nt = threads_for(nthreads, rows), body = use_vnni(isa) ? 2 : use_avx2(isa) ? 1 : 0;
+    const int nt = threads_for(nthreads, rows), body = lb_smallconv_body(isa);
     uint8_t *pads = malloc((size_t)(nt * c * hp * wpad));
     if (!pads) return 2;
     for (int t = 0; t < nt; ++t) {

@@ -24,7 +24,7 @@ import torch
 
 from . import _channel_vectors, _check_grid, _lib, _local, _threads, counts
 
-__all__ = ["MAX_TAPS", "SmallConvWeight", "smallconv_weight", "smallconv"]
+__all__ = ["MAX_TAPS", "SmallConvWeight", "smallconv_weight", "smallconv", "smallconv_body"]
 
 MAX_TAPS = 64  # smallconv.c's SC_MAX_TAPS: C_in kh kw rounded up to 4
 
@@ -58,6 +58,13 @@ def smallconv_weight(w: torch.Tensor) -> SmallConvWeight:
     w2 = flat.to(torch.int16).reshape(cp, kp // 2, 2).transpose(0, 1).contiguous()
     wsum = flat.to(torch.int32).sum(1, dtype=torch.int32).contiguous()
     return SmallConvWeight(w4, w2, wsum, (int(cout), int(cin), int(kh), int(kw)), cp)
+
+
+def smallconv_body() -> str:
+    """The C body ``smallconv`` runs on this CPU (pinning in tests aside): ``"vnni"`` (AVX-512 VNNI and BW),
+    ``"avx2"``, ``"scalar"``, or ``""`` without the native build."""
+    lib = _lib()
+    return "" if lib is None else ("scalar", "avx2", "vnni")[lib.lb_smallconv_body(1)]
 
 
 def _padded(v: torch.Tensor | None, cp: int) -> torch.Tensor | None:
