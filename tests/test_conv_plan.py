@@ -17,7 +17,7 @@ import torch
 import lowbit as Q
 from helpers import force
 from lowbit import kernels as K
-from lowbit.kernels import ConvSpec, OutGrid, onednn
+from lowbit.kernels import ConvSpec, OutGrid, conv_small, onednn
 from lowbit.kernels.conv_plan import conv_plan
 from lowbit.nn.quantized import Conv2d, ConvReLU2d
 
@@ -70,7 +70,9 @@ def test_conv_plan_gives_the_generic_codes(monkeypatch: pytest.MonkeyPatch, vnni
         want = onednn.conv(x, weight, mod.bias, mod._spec, out, relu, {})
         assert torch.equal(y.int_repr(), want.int_repr()), (geo, full, relu, xg, og)
         assert (float(y.scale), int(y.zero_point), y.qdtype) == (float(out.scale_t), og[1], og[2])
-        expect_plan = xg[0].storage == torch.uint8 and (vnni or not full)
+        # a small window takes the native pass on any CPU (exact: no split), planned too (kernels.conv_small)
+        small = conv_small.takes(weight, mod._spec, out)
+        expect_plan = xg[0].storage == torch.uint8 and (vnni or not full or small)
         made = mod._cache["plan"][2]
         assert (made is not None) == expect_plan, (geo, full, xg, vnni)
         planned += made is not None
@@ -85,7 +87,7 @@ def test_conv_plan_packs_per_input_and_takes_nchw_codes(monkeypatch: pytest.Monk
     from lowbit import native
 
     force(monkeypatch, vnni=True, fbgemm=False)
-    mod = _layer((3, 8, 3, 2, 1, 1, 1), False, True, bias=True, out=OUT_GRIDS[0], seed=7)
+    mod = _layer((8, 8, 3, 2, 1, 1, 1), False, True, bias=True, out=OUT_GRIDS[0], seed=7)  # (past conv_small's window)
     packs = []
     real = torch.ops.onednn.qconv_prepack
 
@@ -99,7 +101,7 @@ def test_conv_plan_packs_per_input_and_takes_nchw_codes(monkeypatch: pytest.Monk
     monkeypatch.setattr(torch.ops.onednn, "qconv_prepack", prepack)
     native.counts.clear()
     for batch, zp, last in [(2, 0, False), (2, 0, False), (2, 9, False), (5, 9, True), (5, 9, True), (2, 0, True)]:
-        x = Q.QTensor(_input(3, batch, (Q.quint8, zp), last, seed=batch + zp).int_repr(), torch.tensor(0.02),
+        x = Q.QTensor(_input(8, batch, (Q.quint8, zp), last, seed=batch + zp).int_repr(), torch.tensor(0.02),
                       torch.tensor(zp), Q.quint8)
         recording[0] = True
         y = mod(x)
@@ -107,7 +109,7 @@ def test_conv_plan_packs_per_input_and_takes_nchw_codes(monkeypatch: pytest.Monk
         weight, out = mod._prepared()
         assert mod._cache["plan"][2] is not None
         assert torch.equal(y.int_repr(), onednn.conv(x, weight, mod.bias, mod._spec, out, True, {}).int_repr())
-    assert packs == [(0, (2, 3, 9, 11)), (9, (2, 3, 9, 11)), (9, (5, 3, 9, 11))], packs
+    assert packs == [(0, (2, 8, 9, 11)), (9, (2, 8, 9, 11)), (9, (5, 8, 9, 11))], packs
     assert native.counts.get("to_nhwc", 0) == (3 if native.available() else 0)
 
 

@@ -223,7 +223,7 @@ class _Convs(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Sequential(nn.Conv2d(3, 21, 3, padding=1), nn.ReLU())
+        self.a = nn.Sequential(nn.Conv2d(3, 21, 5, padding=2), nn.ReLU())  # 120 taps: past kernels.conv_small
         self.b = nn.Sequential(nn.Conv2d(21, 42, 3, padding=1, groups=3), nn.ReLU6())
         self.c = nn.Conv2d(42, 42, 3, padding=1, groups=42)
         self.d = nn.Conv2d(42, 13, 1, bias=False)

@@ -158,6 +158,8 @@ def test_small_cnn_first_conv_takes_the_native_pass_in_eager_plan_and_compiled()
     """The first conv (1 → 16, 3x3: 12 taps) runs ``native.smallconv``, counted as a oneDNN-backend conv (no fallback);
     the rest of the convs keep oneDNN. Eager (its plan), the generic dispatcher and the compiled model give one set of
     codes; against oneDNN's own call on the same codes the output may differ only at exact ties."""
+    if native.smallconv_body() not in conv_small.SMALL_TAPS:
+        pytest.skip(f"no AVX2 on this CPU: the native body is {native.smallconv_body()!r}, never routed")
     qm, x = _small_cnn()
     assert conv_small.takes(qm.conv1.weight(), ConvSpec(2, (1, 1), (1, 1), (1, 1), 1), OutGrid(0.1, 0, Q.quint8))
     assert not conv_small.takes(qm.conv2.weight(), ConvSpec(2, (1, 1), (1, 1), (1, 1), 1), OutGrid(0.1, 0, Q.quint8))
@@ -195,3 +197,24 @@ def test_small_window_codes_match_onednn_but_at_ties() -> None:
     got = native.smallconv(q, zx, native.smallconv_weight(wt), [1, 1], [1, 1], [1, 1], sw * sx, bias, inv, z_out, 0, 255)
     d = (got.int() - ref.int()).abs()
     assert int(d.max()) <= 1 and int((d > 0).sum()) <= d.numel() * 1e-5
+
+
+@needs_native
+@pytest.mark.parametrize("body", BODIES)
+def test_small_window_codes_are_the_split_weight_convs(body: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without VNNI (forced) a dense conv's 8-bit codes take oneDNN's weight split and lowbit's epilogue in torch ops
+    (native passes off); the native small-window pass gives the same codes, in each body."""
+    from helpers import force
+
+    force(monkeypatch, vnni=False, fbgemm=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 21, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(21, 8, 1)).eval()
+    qmodel, _ = Q.quantize_ptq(model, [torch.randn(4, 3, 12, 12) for _ in range(3)], recipe="default")
+    x = torch.randn(5, 3, 12, 12)
+    with native.disabled():
+        ref = qmodel(x)
+    before = native.counts["smallconv"]
+    with _body(body):
+        got = qmodel(x)
+    assert native.counts["smallconv"] == before + (native.smallconv_body() == "vnni")  # 36 taps: VNNI's window only
+    assert torch.equal(got, ref)
