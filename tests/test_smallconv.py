@@ -218,3 +218,23 @@ def test_small_window_codes_are_the_split_weight_convs(body: str, monkeypatch: p
         got = qmodel(x)
     assert native.counts["smallconv"] == before + (native.smallconv_body() == "vnni")  # 36 taps: VNNI's window only
     assert torch.equal(got, ref)
+
+
+def test_narrow_or_wide_windows_keep_onednn() -> None:
+    """A window narrower than 3 taps (a 1x1 conv pads each row to a quad: mostly zero products) or past the CPU's tap
+    limit, a grouped or transposed conv, a weight with zero points, a float output: not routed."""
+    grid = OutGrid(0.1, 0, Q.quint8)
+    spec = ConvSpec(2, (1, 1), (0, 0), (1, 1), 1)
+
+    def weight(shape: tuple[int, ...], zp: int = 0) -> Q.QTensor:
+        return Q.QTensor(torch.ones(shape, dtype=torch.int8), torch.full((shape[0],), 0.01),
+                         torch.full((shape[0],), zp, dtype=torch.long), Q.qint8, 0)
+
+    assert not conv_small.takes(weight((96, 16, 1, 1)), spec, grid)      # MobileNetV2's 16 -> 96 expand
+    assert not conv_small.takes(weight((8, 2, 3, 2)), spec, grid)
+    assert not conv_small.takes(weight((8, 8, 3, 3)), spec, grid)        # 96 taps
+    assert not conv_small.takes(weight((8, 1, 3, 3)), ConvSpec(2, (1, 1), (1, 1), (1, 1), 2), grid)
+    assert not conv_small.takes(weight((8, 1, 3, 3), zp=1), spec, grid)
+    assert not conv_small.takes(weight((8, 1, 3, 3)), spec, None)
+    assert not conv_small.takes(weight((8, 1, 3, 3)), ConvSpec(2, (1, 1), (1, 1), (1, 2), 1), grid)  # dilation along W
+    assert conv_small.takes(weight((8, 1, 3, 3)), spec, grid) == (native.smallconv_body() in conv_small.SMALL_TAPS)

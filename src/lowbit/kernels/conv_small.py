@@ -9,7 +9,9 @@ runs: on VNNI (two pixels by 32 channels at a time) every window up to 64 taps m
 (1 thread, Zen 4: SmallCNN's 12 taps 2.6x, MobileNetV2's 3 → 32 stride-2 stem at 224², 36 taps, 1.6x at batch 8 and
 1.7x at batch 1, 4 → 64 4x4 at 64 taps 1.28x); the AVX2 body (two taps per ``vpmaddwd``, 16 channels a pixel) is
 1.1x oneDNN's AVX2 kernel at 12 taps (``ONEDNN_MAX_CPU_ISA=AVX2``; 1.3x at 32 channels) but 0.25-0.45x oneDNN's VNNI
-call on wider windows, so without VNNI only windows of at most 16 taps take it.
+call on wider windows, so without VNNI only windows of at most 16 taps take it. Windows narrower than 3 taps are
+left to oneDNN: a row of one or two taps is padded to a quad, so most of each ``vpdpbusd`` multiplies zero weights
+(MobileNetV2's 16 → 96 1x1 expand at 112², 64 padded taps for 16 real ones, took 3.5 ms against oneDNN's 0.5).
 
 The codes are lowbit's conv epilogue of the exact int32 sums (``native.smallconv``): those of the split-weight
 conv and the native depthwise conv on a CPU without VNNI, and oneDNN's but at exact float ties (2 codes in 7.9 M
@@ -47,12 +49,12 @@ def taps(shape: tuple[int, ...] | torch.Size) -> int:
 
 
 def takes(weight: QTensor, spec: ConvSpec, out: OutGrid | None) -> bool:
-    """Whether ``conv`` runs this layer natively: a dense 2-d conv with a window of at most ``SMALL_TAPS`` taps and unit
-    dilation along W, symmetric int8 weights, a u8 output grid, on a CPU with AVX2 and the native build."""
+    """Whether ``conv`` runs this layer natively: a dense 2-d conv with a window at least 3 wide and at most ``SMALL_TAPS``
+    taps, unit dilation along W, symmetric int8 weights, a u8 output grid, on a CPU with AVX2 and the native build."""
     w = weight.int_repr()
     return (out is not None and out.qdtype.storage == torch.uint8 and spec.dim == 2 and not spec.transposed
-            and spec.groups == 1 and spec.dilation[1] == 1 and w.dim() == 4 and w.dtype == torch.int8 and w.is_cpu
-            and taps(w.shape) <= SMALL_TAPS.get(native.smallconv_body(), 0) and not bool(weight.zero_point.any()))
+            and spec.groups == 1 and spec.dilation[1] == 1 and w.dim() == 4 and w.shape[3] >= 3 and w.dtype == torch.int8
+            and w.is_cpu and taps(w.shape) <= SMALL_TAPS.get(native.smallconv_body(), 0) and not bool(weight.zero_point.any()))
 
 
 def _state(cache: dict[str, Any] | None, weight: QTensor, sx: float) -> tuple[Any, torch.Tensor]:
