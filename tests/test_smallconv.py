@@ -128,6 +128,10 @@ def test_smallconv_bad_values_raise_naming_them() -> None:
     geo = ([1, 1], [1, 1], [1, 1])
     with pytest.raises(ValueError, match="zx=256"):
         native.smallconv(q, 256, packed, *geo, s, None, 1.0, 0, 0, 255)
+    with pytest.raises(ValueError, match="zx=True"):
+        native.smallconv(q, True, packed, *geo, s, None, 1.0, 0, 0, 255)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="zx=2.5"):
+        native.smallconv(q, 2.5, packed, *geo, s, None, 1.0, 0, 0, 255)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="inv=nan"):
         native.smallconv(q, 0, packed, *geo, s, None, float("nan"), 0, 0, 255)
     with pytest.raises(ValueError, match="inv=-1.0"):

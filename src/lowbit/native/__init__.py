@@ -47,7 +47,8 @@ from typing import Iterator
 import torch
 
 __all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dequantize",
-           "dwconv", "dw_weight", "smallconv", "smallconv_weight", "smallconv_body", "maxpool_codes", "to_channels_last", "to_contiguous", "qlinear", "qlinear_requant",
+           "dwconv", "dw_weight", "smallconv", "smallconv_weight", "smallconv_body", "maxpool_codes", "to_channels_last",
+           "to_contiguous", "qlinear", "qlinear_requant",
            "qlinear_rows", "LinearPlan", "linear_plan", "dyn_wsplit", "dyn_linear", "empty_codes", "disabled",
            "force_scalar", "force_avx2", "vnni", "counts"]
 
@@ -246,6 +247,17 @@ def _check_grid(fn: str, zero_point: int, lo: int, hi: int, storage: torch.dtype
         raise ValueError(f"lowbit.native.{fn}: zero_point={zero_point!r} is outside [{smin}, {smax}]")
     if inv is not None and not (math.isfinite(inv) and inv > 0):
         raise ValueError(f"lowbit.native.{fn}: inv={inv!r} must be a finite positive 1 / scale")
+
+
+def _check_conv(fn: str, zx: int, stride: list[int], padding: list[int], dilation: list[int]) -> None:
+    """A native conv's argument values (raise naming the value): the input zero point an int in the u8 range, two
+    strides and dilations of at least 1, two paddings of at least 0."""
+    if isinstance(zx, bool) or not isinstance(zx, int) or not 0 <= zx <= 255:
+        raise ValueError(f"lowbit.native.{fn}: input zero point zx={zx!r} is not an int in [0, 255]")
+    geometry = (list(stride), list(padding), list(dilation))
+    if any(len(g) != 2 for g in geometry) or min(*stride, *dilation) < 1 or min(padding) < 0:
+        raise ValueError(f"lowbit.native.{fn}: stride={stride!r}, padding={padding!r}, dilation={dilation!r} must be "
+                         "two values each, stride and dilation >= 1, padding >= 0")
 
 
 def _channel_vectors(n: int, *vs: torch.Tensor | None) -> bool:

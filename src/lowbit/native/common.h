@@ -67,6 +67,20 @@ static inline int use_avx2(int isa) { return isa == 0 ? 0 : cpu_avx2(); }
 static inline int use_vnni(int isa) { return isa == 1 ? cpu_vnni() : 0; }
 static inline int use_avx512(int isa) { return isa == 1 ? cpu_avx512() : 0; }
 
+/* The integer conv epilogue (lb_dwconv, lb_smallconv; lb_conv_epilogue on float sums): the u8 code of
+ * clamp(round(fl(clamp(fl(fl(fl(acc) sc) + bias) inv, vlo, vhi) + z)), 0, 255), bias NULL for none. */
+static inline uint8_t acc_code(int32_t acc, float sc, const float *bias, int64_t ch, float inv, float z, float vlo,
+                               float vhi) {
+    float t = (float)acc * sc;             /* fl(acc) (exact below 2^24, as the split sums' fl(lo + 2 hi)) · fl(s_x s_w) */
+    if (bias) t = t + bias[ch];
+    float v = t * inv;
+    v = v < vlo ? vlo : v;
+    v = v > vhi ? vhi : v;
+    float r = nearbyintf(v + z);
+    r = r < 0.f ? 0.f : r;
+    return (uint8_t)(r > 255.f ? 255.f : r);
+}
+
 __attribute__((target("avx2,fma")))
 static inline int32_t hsum8(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from . import _channel_vectors, _check_grid, _lib, _local, _threads, counts
+from . import _channel_vectors, _check_conv, _check_grid, _lib, _local, _threads, counts
 
 __all__ = ["conv_epilogue", "dw_weight", "dwconv", "empty_codes", "maxpool_codes", "to_channels_last"]
 
@@ -81,12 +81,7 @@ def dwconv(q: torch.Tensor, zx: int, taps: torch.Tensor, stride: list[int], padd
     ``conv_epilogue``'s codes of ``fl(acc)`` (``scale`` = ``fl(s_x s_w)`` per channel, ``bias``, ``inv`` = 1 / s_out,
     clamp to ``[lo, hi]``) as ``(N, C, OH, OW)`` channels-last uint8; ``None`` where the tensors do not fit."""
     _check_grid("dwconv", zero_point, lo, hi, inv=inv)
-    if not 0 <= zx <= 255:
-        raise ValueError(f"lowbit.native.dwconv: input zero point zx={zx!r} is outside [0, 255]")
-    geometry = (list(stride), list(padding), list(dilation))
-    if any(len(g) != 2 for g in geometry) or min(*stride, *dilation) < 1 or min(padding) < 0:
-        raise ValueError(f"lowbit.native.dwconv: stride={stride!r}, padding={padding!r}, dilation={dilation!r} must be "
-                         "two values each, stride and dilation >= 1, padding >= 0")
+    _check_conv("dwconv", zx, stride, padding, dilation)
     lib = _lib()
     if lib is None or q.dtype != torch.uint8 or q.dim() != 4 or not q.is_cpu:
         return None

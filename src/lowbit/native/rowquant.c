@@ -342,14 +342,7 @@ typedef struct {
 } dw_job;
 
 static uint8_t dw_code(int32_t acc, int64_t ch, const dw_job *j) {
-    float t = (float)acc * j->sc[ch];      /* fl(acc) (exact below 2^24, as the split sums' fl(lo + 2 hi)) · fl(s_x s_w) */
-    if (j->bias) t = t + j->bias[ch];
-    float v = t * j->inv;
-    v = v < j->vlo ? j->vlo : v;
-    v = v > j->vhi ? j->vhi : v;
-    float r = nearbyintf(v + j->z);
-    r = r < 0.f ? 0.f : r;
-    return (uint8_t)(r > 255.f ? 255.f : r);
+    return acc_code(acc, j->sc[ch], j->bias, ch, j->inv, j->z, j->vlo, j->vhi);
 }
 
 #define DW_MAX_TAPS 64

@@ -20,17 +20,6 @@ typedef struct {
     float inv, z, vlo, vhi; uint8_t *out; int64_t r0, r1; int body; uint8_t *pad; int64_t hp, wpad;
 } sc_job;
 
-static uint8_t sc_code(int32_t acc, int64_t o, const sc_job *j) {
-    float t = (float)acc * j->sc[o];       /* fl(acc) · fl(s_x s_w) */
-    if (j->bias) t = t + j->bias[o];
-    float v = t * j->inv;
-    v = v < j->vlo ? j->vlo : v;
-    v = v > j->vhi ? j->vhi : v;
-    float r = nearbyintf(v + j->z);
-    r = r < 0.f ? 0.f : r;
-    return (uint8_t)(r > 255.f ? 255.f : r);
-}
-
 /* Each body turns the np windows at quad pointers q[t] + i sx (i < np; tap 4t + e at q[t][i sx + e]) into np pixels
  * of cout codes at o. */
 static void px_scalar(const sc_job *j, const uint8_t *const *q, int64_t np, uint8_t *o) {
@@ -39,7 +28,7 @@ static void px_scalar(const sc_job *j, const uint8_t *const *q, int64_t np, uint
             int32_t acc = 0;
             for (int64_t t = 0; t < j->kp; ++t)
                 acc += (int32_t)q[t >> 2][i * j->sx + (t & 3)] * j->w2[(t >> 1) * j->cp * 2 + c * 2 + (t & 1)];
-            o[c] = sc_code(acc - j->zx * j->wsum[c], c, j);
+            o[c] = acc_code(acc - j->zx * j->wsum[c], j->sc[c], j->bias, c, j->inv, j->z, j->vlo, j->vhi);
         }
 }
 

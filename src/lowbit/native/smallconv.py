@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _channel_vectors, _check_grid, _lib, _local, _threads, counts
+from . import _channel_vectors, _check_conv, _check_grid, _lib, _local, _threads, counts
 
 __all__ = ["MAX_TAPS", "SmallConvWeight", "smallconv_weight", "smallconv", "smallconv_body"]
 
@@ -78,12 +78,7 @@ def smallconv(q: torch.Tensor, zx: int, packed: SmallConvWeight, stride: list[in
     ``(N, C_out, OH, OW)`` channels-last u8 codes (module docstring; ``scale`` = ``fl(s_x s_w)`` and ``bias`` per output
     channel, ``inv`` = 1 / s_out, codes clamped to ``[lo, hi]``); ``None`` where the tensors do not fit."""
     _check_grid("smallconv", zero_point, lo, hi, inv=inv)
-    if not 0 <= zx <= 255:
-        raise ValueError(f"lowbit.native.smallconv: input zero point zx={zx!r} is outside [0, 255]")
-    geometry = (list(stride), list(padding), list(dilation))
-    if any(len(g) != 2 for g in geometry) or min(*stride, *dilation) < 1 or min(padding) < 0:
-        raise ValueError(f"lowbit.native.smallconv: stride={stride!r}, padding={padding!r}, dilation={dilation!r} must "
-                         "be two values each, stride and dilation >= 1, padding >= 0")
+    _check_conv("smallconv", zx, stride, padding, dilation)
     lib = _lib()
     cout, cin, kh, kw = packed.shape
     if lib is None or q.dtype != torch.uint8 or q.dim() != 4 or not q.is_cpu or q.shape[1] != cin:
