@@ -244,3 +244,26 @@ def test_narrow_or_wide_windows_keep_onednn() -> None:
     assert not conv_small.takes(weight((8, 1, 3, 3)), spec, None)
     assert not conv_small.takes(weight((8, 1, 3, 3)), ConvSpec(2, (1, 1), (1, 1), (1, 2), 1), grid)  # dilation along W
     assert conv_small.takes(weight((8, 1, 3, 3)), spec, grid) == (native.smallconv_body() in conv_small.SMALL_TAPS)
+
+
+@needs_native
+def test_per_tensor_weights_and_signed_inputs_through_the_dispatcher() -> None:
+    """``kernels.conv`` on a per-tensor weight grid (one scale for every channel) and on qint8 activation codes (shifted
+    to u8 by the backend) takes the native pass where routed, with the epilogue of the exact sums."""
+    if native.smallconv_body() not in conv_small.SMALL_TAPS:
+        pytest.skip("no AVX2 on this CPU: the small-window pass is never routed")
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(-128, 128, (20, 1, 3, 3), dtype=torch.int8, generator=g)
+    w = Q.QTensor(codes, torch.tensor(0.004), torch.tensor(0), Q.qint8)
+    bias = torch.randn(20, generator=g)
+    spec, out = ConvSpec(2, (1, 1), (1, 1), (1, 1), 1), OutGrid(0.25, 11, Q.quint8)
+    for qd, zp in ((Q.quint8, 77), (Q.qint8, -5)):
+        xq = Q.QTensor(torch.randint(qd.quant_min, qd.quant_max + 1, (3, 1, 10, 9), generator=g).to(qd.storage),
+                       torch.tensor(0.03), torch.tensor(zp), qd)
+        before = native.counts["smallconv"]
+        y = kernels.conv(xq, w, bias, spec, out, relu=False)
+        assert native.counts["smallconv"] == before + 1
+        u8 = xq.int_repr().to(torch.int16) + (128 if qd is Q.qint8 else 0)  # the backend's u8 shift of int8 codes
+        want = _expected(u8.to(torch.uint8), zp + (128 if qd is Q.qint8 else 0), codes, [1, 1], [1, 1], [1, 1],
+                         torch.full((20,), 0.004) * 0.03, bias, float(torch.tensor(0.25).reciprocal()), 11, 0, 255)
+        assert torch.equal(y.int_repr(), want)
