@@ -1,14 +1,18 @@
-/* A dense int8 conv whose window is small (C_in kh kw <= SC_MAX_TAPS: an image model's first conv, 1 or 3 input
- * channels), with its requantizing epilogue in one pass (common.h: the shared rules; layers.py: the Python side).
+/* A dense int8 conv whose window is small (C_in kh roundup(kw, 4) <= SC_MAX_TAPS padded taps: an image model's first
+ * conv, 1 or 3 input channels), with its requantizing epilogue in one pass (common.h: the shared rules; smallconv.py:
+ * the Python side; kernels/conv_small.py: where it is taken).
  *
- * oneDNN's kernels block over input channels; with one to three of them most of each block is padding (SmallCNN's
- * 1 -> 16 3x3 conv at batch 64: ~800 µs in oneDNN's call for 7 M products on the Zen 4 EPYC). Here each output pixel
- * gathers its K = C_in kh kw input codes once (u8; a tap outside the image reads the zero point), then
+ * oneDNN blocks its int8 convs over input channels; with one to three of them most of each block is padding
+ * (SmallCNN's 1 -> 16 3x3 conv at batch 64: ~530 µs in oneDNN's call for 7 M products on the Zen 4 EPYC, ~220 here).
+ * Each thread copies the images of its output rows into a buffer padded with the input zero point (the conv's zero
+ * padding) and wide enough that every window row reads as whole 4-byte quads (the taps past kw meet zero weights).
+ * Per output row, the quads of each pixel's window at fixed offsets:
  *   acc[o] = sum_k p_k w[o, k] - zx wsum[o]         (exact int32: the zero point's share subtracted once)
- * 16 output channels at a time: four taps per vpdpbusd on a VNNI CPU (u8 x s8 products summed in int32, no
- * saturation), else two taps per vpmaddwd on the codes widened to int16 (exact too), else the scalar body. The
- * epilogue is lb_dwconv's / lb_conv_epilogue's: clamp(round(fl(clamp(fl(fl(fl(acc) sc[o]) + bias[o]) inv, vlo, vhi)
- * + z)), 0, 255), so the codes are the split-weight conv's (and oneDNN's but at exact float ties).
+ * on a VNNI CPU (with AVX-512BW for the masked stores) four taps per vpdpbusd (u8 x s8 summed in int32, no
+ * saturation), the weight quads of 32 channels held in registers over the row, two pixels at a time; else two taps
+ * per vpmaddwd on the codes widened to int16 (exact too), 16 channels a pixel; else the scalar body. The epilogue is
+ * acc_code's (common.h, lb_dwconv's and lb_conv_epilogue's), so the codes are the split-weight conv's, and oneDNN's
+ * but at exact float ties.
  */
 #include "common.h"
 

@@ -1,5 +1,5 @@
-"""A dense int8 conv with a small window (``C_in · kh · kw`` ≤ 64: an image model's first conv) in one native pass
-(``smallconv.c``), with the depthwise conv's requantizing epilogue.
+"""A dense int8 conv with a small window (``C_in · kh · roundup(kw, 4)`` ≤ 64 padded taps: an image model's first conv)
+in one native pass (``smallconv.c``), with the depthwise conv's requantizing epilogue.
 
 ``smallconv_weight`` packs an int8 weight ``(C_out, C_in, kh, kw)`` once; ``smallconv`` runs the conv on u8 codes of
 any strides (an image's NCHW codes as the Quantize stub writes them, or channels-last) and returns channels-last u8
