@@ -71,7 +71,8 @@ def test_conv_plan_gives_the_generic_codes(monkeypatch: pytest.MonkeyPatch, vnni
         assert torch.equal(y.int_repr(), want.int_repr()), (geo, full, relu, xg, og)
         assert (float(y.scale), int(y.zero_point), y.qdtype) == (float(out.scale_t), og[1], og[2])
         # a small window takes the native pass on any CPU (exact: no split), planned too (kernels.conv_small)
-        small = conv_small.takes(weight, mod._spec, out)
+        split = not (vnni or onednn.saturation_safe(weight.int_repr())) and xg[0].quant_max > 127
+        small = conv_small.takes(weight, mod._spec, out, split)
         expect_plan = xg[0].storage == torch.uint8 and (vnni or not full or small)
         made = mod._cache["plan"][2]
         assert (made is not None) == expect_plan, (geo, full, xg, vnni)

@@ -190,8 +190,9 @@ def test_compiled_conv_and_pool_take_the_eager_floor(monkeypatch: pytest.MonkeyP
         hit = Q.pt2.weight_cache(model.conv2.weight_int8).get("pt2.conv_plan")
         if onednn.available():
             weight, out = model.conv2._prepared()  # a small window takes the native pass on any CPU (no split)
-            small = conv_small.takes(weight, model.conv2._spec, out)
-            planned = vnni or onednn.saturation_safe(model.conv2.weight_int8) or small  # (these weights: not safe)
+            safe = onednn.saturation_safe(model.conv2.weight_int8)  # (these weights: not safe)
+            small = conv_small.takes(weight, model.conv2._spec, out, not (vnni or safe))
+            planned = vnni or safe or small
             assert hit is not None and (hit[1] is not None) == planned, f"has_vnni={vnni}: {hit}"
     gm = torch.export.export(model, (x,)).graph_module
     pools = [n for n in gm.graph.nodes if str(n.target) == "lowbit.max_pool2d_codes.default"]

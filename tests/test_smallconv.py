@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import lowbit as Q
 from lowbit import kernels, native
 from lowbit.examples import SmallCNN
-from lowbit.kernels import ConvSpec, OutGrid, conv_small
+from lowbit.kernels import ConvSpec, OutGrid, conv_small, onednn
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"lowbit.native not built: {native.reason()}")
 BODIES = ["best", "avx2", "scalar"]
@@ -185,7 +185,6 @@ def test_small_cnn_first_conv_takes_the_native_pass_in_eager_plan_and_compiled()
 def test_small_window_codes_match_onednn_but_at_ties() -> None:
     """Against oneDNN's call on the same codes and grids (where oneDNN is built; weights oneDNN is exact for on this
     CPU): at most one code apart, and on a vanishing share of the outputs (exact float ties of ``fl(y inv) + z``)."""
-    from lowbit.kernels import onednn
     if not onednn.available():
         pytest.skip("oneDNN is not built into this torch")
     g = torch.Generator().manual_seed(11)
@@ -222,7 +221,9 @@ def test_small_window_codes_are_the_split_weight_convs(body: str, monkeypatch: p
     before = native.counts["smallconv"]
     with _body(body):
         got = qmodel(x)
-    assert native.counts["smallconv"] == before + (native.smallconv_body() == "vnni")  # 36 taps: VNNI's window only
+    # 36 taps: VNNI's window, and AVX2's where the weights would be split (these full-range ones)
+    assert not onednn.saturation_safe(qmodel.get_submodule("0").weight().int_repr())
+    assert native.counts["smallconv"] == before + (native.smallconv_body() in conv_small.SMALL_TAPS)
     assert torch.equal(got, ref)
 
 
@@ -244,6 +245,9 @@ def test_narrow_or_wide_windows_keep_onednn() -> None:
     assert not conv_small.takes(weight((8, 1, 3, 3)), spec, None)
     assert not conv_small.takes(weight((8, 1, 3, 3)), ConvSpec(2, (1, 1), (1, 1), (1, 2), 1), grid)  # dilation along W
     assert conv_small.takes(weight((8, 1, 3, 3)), spec, grid) == (native.smallconv_body() in conv_small.SMALL_TAPS)
+    # 36 taps: on VNNI; without, only where the weights would take the split (two oneDNN calls)
+    assert conv_small.takes(weight((8, 3, 3, 3)), spec, grid) == (native.smallconv_body() == "vnni")
+    assert conv_small.takes(weight((8, 3, 3, 3)), spec, grid, split=True) == (native.smallconv_body() in conv_small.SMALL_TAPS)
 
 
 @needs_native
@@ -267,3 +271,19 @@ def test_per_tensor_weights_and_signed_inputs_through_the_dispatcher() -> None:
         want = _expected(u8.to(torch.uint8), zp + (128 if qd is Q.qint8 else 0), codes, [1, 1], [1, 1], [1, 1],
                          torch.full((20,), 0.004) * 0.03, bias, float(torch.tensor(0.25).reciprocal()), 11, 0, 255)
         assert torch.equal(y.int_repr(), want)
+
+
+@pytest.mark.parametrize("body", ["vnni", "avx2", "scalar", ""])
+def test_route_limits_per_body(body: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route's tap limits for each body a CPU may run, pinned (a VNNI machine and an AVX2-only one take different
+    windows): VNNI up to 64 taps; AVX2 up to 16, or 64 where the weights would be split; scalar or no build never."""
+    monkeypatch.setattr(native, "smallconv_body", lambda: body)
+    grid, spec = OutGrid(0.1, 0, Q.quint8), ConvSpec(2, (1, 1), (1, 1), (1, 1), 1)
+
+    def w(cin: int, k: int) -> Q.QTensor:
+        return Q.QTensor(torch.ones(16, cin, k, k, dtype=torch.int8), torch.full((16,), 0.01),
+                         torch.zeros(16, dtype=torch.long), Q.qint8, 0)
+
+    for cin, k, split, want in [(1, 3, False, {"vnni", "avx2"}), (3, 3, False, {"vnni"}), (3, 3, True, {"vnni", "avx2"}),
+                                (4, 4, True, {"vnni", "avx2"}), (6, 3, True, set()), (1, 5, False, {"vnni"})]:
+        assert conv_small.takes(w(cin, k), spec, grid, split) == (body in want), (cin, k, split, body)

@@ -61,7 +61,9 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
             or bool(weight.zero_point.any())):
         return None
     counts, key = _counts(), ("onednn", "conv")
-    if conv_small.takes(weight, spec, out):  # a first conv's small window: onednn.conv's native pass, planned
+    split = not (onednn.has_vnni() or onednn.saturation_safe(w))  # (this CPU's u8 x s8 pairs could saturate)
+    # a first conv's small window: onednn.conv's native pass, planned (7-bit input codes never take the split)
+    if conv_small.takes(weight, spec, out, split and x_qdtype.quant_max > 127):
         cache: dict[str, Any] = {}
 
         def run_small(x: QTensor) -> QTensor:
@@ -72,7 +74,7 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
             counts[key] += 1
             return y
         return run_small
-    if not (onednn.has_vnni() or onednn.saturation_safe(w)):  # the split routes: the generic path
+    if split:  # the split routes: the generic path
         return None
     stride, padding, dilation = onednn._geometry(spec)
     w_scale, w_zp, groups = weight.scale, weight.zero_point, spec.groups

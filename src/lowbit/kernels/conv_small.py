@@ -7,9 +7,11 @@ zero-point-padded copy of the image, four taps per ``vpdpbusd`` on VNNI, two per
 taken where the window's padded taps ``C_in · kh · roundup(kw, 4)`` are at most ``SMALL_TAPS`` for the body this CPU
 runs: on VNNI (two pixels by 32 channels at a time) every window up to 64 taps measured 1.17-2.65x oneDNN's call
 (1 thread, Zen 4: SmallCNN's 12 taps 2.6x, MobileNetV2's 3 → 32 stride-2 stem at 224², 36 taps, 1.6x at batch 8 and
-1.7x at batch 1, 4 → 64 4x4 at 64 taps 1.28x); the AVX2 body (two taps per ``vpmaddwd``, 16 channels a pixel) is
-1.1x oneDNN's AVX2 kernel at 12 taps (``ONEDNN_MAX_CPU_ISA=AVX2``; 1.3x at 32 channels) but 0.25-0.45x oneDNN's VNNI
-call on wider windows, so without VNNI only windows of at most 16 taps take it. Windows narrower than 3 taps are
+1.7x at batch 1, 4 → 64 4x4 at 64 taps 1.28x); the AVX2 body (two taps per ``vpmaddwd``, 16 channels a pixel) against oneDNN capped to AVX2
+(``ONEDNN_MAX_CPU_ISA=AVX2``, the same codes every time): 1.2x its one call at 12 taps but 0.68x at the 36-tap stem,
+and 1.8-2.8x its weight split (two calls and an epilogue, which full-range weights need there: ``onednn.saturation_safe``)
+at 12 and 36 taps, so without VNNI a window takes it up to 16 taps, or up to 64 where the weights would be split.
+Windows narrower than 3 taps are
 left to oneDNN: a row of one or two taps is padded to a quad, so most of each ``vpdpbusd`` multiplies zero weights
 (MobileNetV2's 16 → 96 1x1 expand at 112², 64 padded taps for 16 real ones, took 3.5 ms against oneDNN's 0.5).
 
@@ -36,10 +38,12 @@ from ..qtensor import QTensor
 from .avx2 import _inv_scale, _relu_floor
 from .spec import ConvSpec, OutGrid
 
-__all__ = ["SMALL_TAPS", "taps", "takes", "conv"]
+__all__ = ["SMALL_TAPS", "SPLIT_TAPS", "taps", "takes", "conv"]
 
-# padded taps up to which the native pass runs, by the body the CPU runs (module docstring)
+# padded taps up to which the native pass runs, by the body the CPU runs (module docstring); SPLIT_TAPS for the AVX2
+# body where the weights would take oneDNN's weight split
 SMALL_TAPS = {"vnni": 64, "avx2": 16}
+SPLIT_TAPS = 64
 
 
 def taps(shape: tuple[int, ...] | torch.Size) -> int:
@@ -48,13 +52,16 @@ def taps(shape: tuple[int, ...] | torch.Size) -> int:
     return int(cin * kh * -(-kw // 4) * 4)
 
 
-def takes(weight: QTensor, spec: ConvSpec, out: OutGrid | None) -> bool:
+def takes(weight: QTensor, spec: ConvSpec, out: OutGrid | None, split: bool = False) -> bool:
     """Whether ``conv`` runs this layer natively: a dense 2-d conv with a window at least 3 wide and at most ``SMALL_TAPS``
-    taps, unit dilation along W, symmetric int8 weights, a u8 output grid, on a CPU with AVX2 and the native build."""
+    taps for the body this CPU runs (``SPLIT_TAPS`` on AVX2 where ``split``: this CPU would split these weights), unit
+    dilation along W, symmetric int8 weights, a u8 output grid, on a CPU with AVX2 and the native build."""
     w = weight.int_repr()
+    body = native.smallconv_body()
+    limit = SPLIT_TAPS if split and body == "avx2" else SMALL_TAPS.get(body, 0)
     return (out is not None and out.qdtype.storage == torch.uint8 and spec.dim == 2 and not spec.transposed
             and spec.groups == 1 and spec.dilation[1] == 1 and w.dim() == 4 and w.shape[3] >= 3 and w.dtype == torch.int8
-            and w.is_cpu and taps(w.shape) <= SMALL_TAPS.get(native.smallconv_body(), 0) and not bool(weight.zero_point.any()))
+            and w.is_cpu and taps(w.shape) <= limit and not bool(weight.zero_point.any()))
 
 
 def _state(cache: dict[str, Any] | None, weight: QTensor, sx: float) -> tuple[Any, torch.Tensor]:

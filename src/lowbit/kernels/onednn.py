@@ -324,7 +324,8 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
         return NotImplemented
     split = entry[1]
     q, sx, zx, seven_bit = _as_u8(x)
-    if out is not None and conv_small.takes(weight, spec, out):  # a first conv's small window: one native pass
+    # a first conv's small window: one native pass (where this CPU would split, the split's route is the bar)
+    if out is not None and conv_small.takes(weight, spec, out, split and not seven_bit):
         small = conv_small.conv(q, sx, zx, weight, bias, spec, out, relu, cache)
         if small is not None:
             return small
