@@ -34,7 +34,7 @@ import torch
 
 from .qscheme import QDtype, as_qdtype
 
-__all__ = ["tensor_version", "tracing", "inline_float_ok", "inline_quantize", "inline_dequantize", "qdtype_key",
+__all__ = ["tensor_version", "tracing", "inline_float_ok", "inline_quantize", "inline_dequantize", "qdtype_key", "conv_config",
            "qdtype_from_key"]
 
 
@@ -98,3 +98,15 @@ def qdtype_from_key(key: str) -> QDtype:
     except (ValueError, TypeError) as e:
         raise ValueError(f"qdtype key {key!r} must be 'name:quant_min:quant_max' with a builtin name") from e
     return base if (lo_i, hi_i) == (base.quant_min, base.quant_max) else base.with_range(lo_i, hi_i)
+
+
+def conv_config(x_qdtype: str, w_qdtype: str, out_qdtype: str, relu: bool, stride: list[int], padding: list[int],
+                dilation: list[int], groups: int, transposed: bool, output_padding: list[int]) -> str:
+    """``qconv``'s non-tensor arguments as ``lowbit::qconv_cfg``'s one string (grids, relu, geometry).
+
+    >>> conv_config("quint8:0:255", "qint8:-128:127", "quint8:0:255", True, [1, 1], [1, 1], [1, 1], 1, False, [0, 0])
+    'quint8:0:255|qint8:-128:127|quint8:0:255|1|1,1|1,1|1,1|1|0|0,0'
+    """
+    ints = (",".join(map(str, v)) for v in (stride, padding, dilation))
+    return "|".join((x_qdtype, w_qdtype, out_qdtype, str(int(relu)), *ints, str(groups), str(int(transposed)),
+                     ",".join(map(str, output_padding))))

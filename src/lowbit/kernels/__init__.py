@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ..compile_state import qdtype_key, tracing
+from ..compile_state import conv_config, qdtype_key, tracing
 from ..qtensor import QTensor
 from . import int_mm, onednn, reference
 from .spec import ConvSpec, OutGrid
@@ -131,7 +131,7 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     if tracing():
         geometry = (list(spec.stride), list(spec.padding), list(spec.dilation), spec.groups, spec.transposed,
                     list(spec.output_padding) or [0] * spec.dim)
-        return _traced("qconv", x, weight, bias, out, relu, *geometry)
+        return _traced("qconv_cfg", x, weight, bias, out, relu, *geometry)
     op = "conv_transpose" if spec.transposed else "conv"
     if x.int_repr().is_cpu and get_backend() is None:  # the automatic CPU chain, without building it
         y = onednn.conv(x, weight, bias, spec, out, relu, cache)
@@ -158,7 +158,12 @@ def _traced(op: str, x: QTensor, weight: QTensor, bias: torch.Tensor | None, out
         z_out = (out.zero_point_t if out.zero_point_t is not None
                  else torch.tensor(out.zero_point, dtype=torch.int64, device=dev))
         key = qdtype_key(out.qdtype)
-    y = getattr(torch.ops.lowbit, op)(x.int_repr(), x.scale, x.zero_point, qdtype_key(x.qdtype), weight.int_repr(),
-                                      weight.scale, weight.zero_point, qdtype_key(weight.qdtype), bias, s_out,
-                                      z_out, key, relu, *geometry)
+    if op == "qconv_cfg":  # one string for the grids and the geometry (compile_state.conv_config)
+        config = conv_config(qdtype_key(x.qdtype), qdtype_key(weight.qdtype), key, relu, *geometry)
+        y = torch.ops.lowbit.qconv_cfg(x.int_repr(), x.scale, x.zero_point, weight.int_repr(), weight.scale,
+                                       weight.zero_point, bias, s_out, z_out, config)
+    else:
+        y = getattr(torch.ops.lowbit, op)(x.int_repr(), x.scale, x.zero_point, qdtype_key(x.qdtype), weight.int_repr(),
+                                          weight.scale, weight.zero_point, qdtype_key(weight.qdtype), bias, s_out,
+                                          z_out, key, relu, *geometry)
     return y if out is None else QTensor(y, s_out, z_out, out.qdtype)

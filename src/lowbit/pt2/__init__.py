@@ -10,6 +10,7 @@ one custom op:
 ``lowbit::quantize``             ``clamp(round(x / s) + z)`` per tensor or per channel
 ``lowbit::dequantize``           ``(q - z) · s``
 ``lowbit::qlinear`` / ``qconv``  int8 GEMM / convolution with the fused epilogue (``lowbit.kernels``)
+``lowbit::qconv_cfg``            ``qconv`` with its grids and geometry in one string (what traces emit)
 ``lowbit::dynamic_linear``       per-token dynamic int8 Linear (float in, float out)
 ``lowbit::weight_only_linear``   group-wise int4/int8 weight-only Linear
 ``lowbit::qfunctional``          ``QFunctional`` add / add_relu / mul / add_scalar / mul_scalar

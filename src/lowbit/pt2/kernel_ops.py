@@ -23,6 +23,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -187,3 +188,45 @@ _GRIDS = ("Tensor x, Tensor x_scale, Tensor x_zero_point, str x_qdtype, Tensor w
 define(f"qlinear({_GRIDS}) -> Tensor", qlinear, _qlinear_fake)
 define(f"qconv({_GRIDS}, int[] stride, int[] padding, int[] dilation, int groups, bool transposed, "
        "int[] output_padding) -> Tensor", qconv, _qconv_fake)
+
+
+@functools.lru_cache(maxsize=512)
+def _parsed(config: str) -> tuple[Any, ...]:
+    """``compile_state.conv_config``'s string back to ``qconv``'s arguments (parsed once per distinct string)."""
+    parts = config.split("|")
+    if len(parts) != 10:
+        raise ValueError(f"lowbit::qconv_cfg: config={config!r} is not conv_config's ten '|'-separated fields")
+    x_qd, w_qd, out_qd, relu, stride, padding, dilation, groups, transposed, output_padding = parts
+
+    def ints(v: str) -> list[int]:
+        return [int(t) for t in v.split(",")] if v else []
+    return (x_qd, w_qd, out_qd, relu == "1", ints(stride), ints(padding), ints(dilation), int(groups), transposed == "1",
+            ints(output_padding))
+
+
+def _cfg_args(config: str) -> tuple[tuple[str, str, str, bool], tuple[Any, ...]]:
+    x_qd, w_qd, out_qd, relu, *geometry = _parsed(config)
+    return (x_qd, w_qd, out_qd, relu), tuple(geometry)
+
+
+def qconv_cfg(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, weight: torch.Tensor,
+              w_scale: torch.Tensor, w_zero_point: torch.Tensor, bias: torch.Tensor | None, out_scale: torch.Tensor | None,
+              out_zero_point: torch.Tensor | None, config: str) -> torch.Tensor:
+    (x_qd, w_qd, out_qd, relu), geometry = _cfg_args(config)
+    return qconv(x, x_scale, x_zero_point, x_qd, weight, w_scale, w_zero_point, w_qd, bias, out_scale, out_zero_point,
+                 out_qd, relu, *geometry)
+
+
+def _qconv_cfg_fake(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, weight: torch.Tensor,
+      w_scale: torch.Tensor, w_zero_point: torch.Tensor, bias: torch.Tensor | None, out_scale: torch.Tensor | None,
+      out_zero_point: torch.Tensor | None, config: str) -> torch.Tensor:
+    (x_qd, w_qd, out_qd, relu), geometry = _cfg_args(config)
+    return _qconv_fake(x, x_scale, x_zero_point, x_qd, weight, w_scale, w_zero_point, w_qd, bias, out_scale,
+                       out_zero_point, out_qd, relu, *geometry)
+
+
+# what traced convs emit since session 21: qconv's 19 arguments boxed by the dispatcher cost ~13 µs per call (a no-op
+# op timed with them, Zen 4 EPYC), these 10 ~5 (the int lists and strings are the costly ones); qconv stays registered
+# for programs exported before
+define("qconv_cfg(Tensor x, Tensor x_scale, Tensor x_zero_point, Tensor weight, Tensor w_scale, Tensor w_zero_point, "
+       "Tensor? bias, Tensor? out_scale, Tensor? out_zero_point, str config) -> Tensor", qconv_cfg, _qconv_cfg_fake)
