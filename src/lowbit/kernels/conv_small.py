@@ -5,14 +5,14 @@ block on padding: SmallCNN's ``1 → 16`` 3x3 conv at batch 64 took ~530 µs in 
 for 7 M products, against ~220 µs for ``native.smallconv`` (every output pixel's window read as 4-byte quads from a
 zero-point-padded copy of the image, four taps per ``vpdpbusd`` on VNNI, two per ``vpmaddwd`` on AVX2). The pass is
 taken where the window's padded taps ``C_in · kh · roundup(kw, 4)`` are at most ``SMALL_TAPS`` for the body this CPU
-runs: on VNNI (two pixels by 32 channels at a time) every window up to 64 taps measured 1.17-2.65x oneDNN's call
-(1 thread, Zen 4: SmallCNN's 12 taps 2.6x, MobileNetV2's 3 → 32 stride-2 stem at 224², 36 taps, 1.6x at batch 8 and
-1.7x at batch 1, 4 → 64 4x4 at 64 taps 1.28x); the AVX2 body (two taps per ``vpmaddwd``, 16 channels a pixel) against oneDNN capped to AVX2
-(``ONEDNN_MAX_CPU_ISA=AVX2``, the same codes every time): 1.2x its one call at 12 taps but 0.68x at the 36-tap stem,
-and 1.8-2.8x its weight split (two calls and an epilogue, which full-range weights need there: ``onednn.saturation_safe``)
-at 12 and 36 taps, so without VNNI a window takes it up to 16 taps, or up to 64 where the weights would be split.
-Windows narrower than 3 taps are
-left to oneDNN: a row of one or two taps is padded to a quad, so most of each ``vpdpbusd`` multiplies zero weights
+runs. On VNNI (two pixels by 32 channels at a time) windows up to 64 taps measured 1.1-2.6x oneDNN's call (1 thread,
+Zen 4, ``benchmarks/smallconv.py``: SmallCNN's 12 taps 2.3-2.6x, MobileNetV2's 3 → 32 stride-2 stem at 224², 36 taps,
+1.3x at batch 8 and 1.5x at batch 1), one wide-output layer (3 → 64 at 112²) at par (0.89-1.04x). The AVX2 body (two
+taps per ``vpmaddwd``, 16 channels a pixel), against oneDNN capped to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``; the same codes
+every time): 1.2x its one call at 12 taps but 0.68x at the 36-tap stem, and 1.8-2.8x its weight split (two calls and
+an epilogue, which full-range weights take there: ``onednn.saturation_safe``), so without VNNI a window takes it up
+to 16 taps, or up to ``SPLIT_TAPS`` where the weights would be split. Windows narrower than 3 taps are left to
+oneDNN: a row of one or two taps is padded to a quad, so most of each ``vpdpbusd`` multiplies zero weights
 (MobileNetV2's 16 → 96 1x1 expand at 112², 64 padded taps for 16 real ones, took 3.5 ms against oneDNN's 0.5).
 
 The codes are lowbit's conv epilogue of the exact int32 sums (``native.smallconv``): those of the split-weight
@@ -21,9 +21,12 @@ measured against oneDNN's depthwise call, where ``fl(y · inv) + z`` lands on a 
 
 >>> import torch, lowbit as Q
 >>> from lowbit.kernels import ConvSpec, OutGrid, conv_small
->>> w = Q.quantize_per_channel(torch.ones(16, 1, 3, 3), torch.full((16,), 0.01), torch.zeros(16, dtype=torch.long), 0, Q.qint8)
->>> conv_small.takes(w, ConvSpec(2, (1, 1), (1, 1), (1, 1), 1), OutGrid(0.1, 0, Q.quint8)) in (True, False)
-True
+>>> conv_small.taps((16, 1, 3, 3)), conv_small.taps((32, 3, 3, 3)), conv_small.taps((96, 16, 1, 1))
+(12, 36, 64)
+>>> w = Q.quantize_per_channel(torch.ones(96, 16, 1, 1), torch.full((96,), 0.01), torch.zeros(96, dtype=torch.long), 0,
+...                            Q.qint8)
+>>> conv_small.takes(w, ConvSpec(2, (1, 1), (0, 0), (1, 1), 1), OutGrid(0.1, 0, Q.quint8))   # a 1x1 conv: oneDNN's
+False
 """
 
 from __future__ import annotations
