@@ -57,7 +57,14 @@ static inline void store16(uint8_t *o, __m128i v, int64_t n) {
     }
 }
 
-/* two taps per vpmaddwd: (p_2g, p_2g+1) widened to int16 against the int16 weight pairs of 16 channels */
+/* (p_2g, p_2g+1) of window i as an int32 of two int16 halves (the codes widened), for vpmaddwd */
+static inline int32_t pair16(const uint8_t *const *q, int64_t g, int64_t off) {
+    const uint8_t *pp = q[g >> 1] + off + 2 * (g & 1);
+    return (int32_t)((uint32_t)pp[0] | (uint32_t)pp[1] << 16);
+}
+
+/* two taps per vpmaddwd against the int16 weight pairs of 16 channels; two pixels at a time (the weights read once
+ * for both, four independent sums) */
 __attribute__((target("avx2,fma")))
 static void px_avx2(const sc_job *j, const uint8_t *const *q, int64_t np, uint8_t *o) {
     const int64_t g2 = j->kp >> 1, stride = j->cp * 2, cout = j->cout, sx = j->sx;
@@ -72,17 +79,30 @@ static void px_avx2(const sc_job *j, const uint8_t *const *q, int64_t np, uint8_
         const __m256i zx = _mm256_set1_epi32(j->zx);
         const __m256i k0 = _mm256_mullo_epi32(zx, _mm256_loadu_si256((const __m256i *)(j->wsum + c)));
         const __m256i k1 = _mm256_mullo_epi32(zx, _mm256_loadu_si256((const __m256i *)(j->wsum + c + 8)));
-        for (int64_t i = 0; i < np; ++i) {
-            __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+        int64_t i = 0;
+        for (; i < np; i += 2) {
+            const int two = i + 1 < np;
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, c0 = a0, c1 = a0;
             for (int64_t g = 0; g < g2; ++g) {
-                const uint8_t *pp = q[g >> 1] + i * sx + 2 * (g & 1);
-                __m256i pv = _mm256_set1_epi32((int32_t)((uint32_t)pp[0] | (uint32_t)pp[1] << 16));
-                a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(pv, _mm256_loadu_si256((const __m256i *)(wb + g * stride))));
-                a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(pv, _mm256_loadu_si256((const __m256i *)(wb + g * stride + 16))));
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + g * stride));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + g * stride + 16));
+                const __m256i p0 = _mm256_set1_epi32(pair16(q, g, i * sx));
+                a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(p0, w0));
+                a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(p0, w1));
+                if (two) {
+                    const __m256i p1 = _mm256_set1_epi32(pair16(q, g, (i + 1) * sx));
+                    c0 = _mm256_add_epi32(c0, _mm256_madd_epi16(p1, w0));
+                    c1 = _mm256_add_epi32(c1, _mm256_madd_epi16(p1, w1));
+                }
             }
             store16(o + i * cout + c, _mm_unpacklo_epi64(epi8_avx2(_mm256_sub_epi32(a0, k0), s0, b0, inv, lo, hi, z),
                                                          epi8_avx2(_mm256_sub_epi32(a1, k1), s1, b1, inv, lo, hi, z)),
                     cout - c);
+            if (two)
+                store16(o + (i + 1) * cout + c,
+                        _mm_unpacklo_epi64(epi8_avx2(_mm256_sub_epi32(c0, k0), s0, b0, inv, lo, hi, z),
+                                           epi8_avx2(_mm256_sub_epi32(c1, k1), s1, b1, inv, lo, hi, z)),
+                        cout - c);
         }
     }
 }
