@@ -287,3 +287,17 @@ def test_route_limits_per_body(body: str, monkeypatch: pytest.MonkeyPatch) -> No
     for cin, k, split, want in [(1, 3, False, {"vnni", "avx2"}), (3, 3, False, {"vnni"}), (3, 3, True, {"vnni", "avx2"}),
                                 (4, 4, True, {"vnni", "avx2"}), (6, 3, True, set()), (1, 5, False, {"vnni"})]:
         assert conv_small.takes(w(cin, k), spec, grid, split) == (body in want), (cin, k, split, body)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_set_weight_bias_rejects_non_finite_biases(bad: float) -> None:
+    """A converted layer's ``set_weight_bias`` refuses a NaN / Inf bias naming how many (``load_state_dict`` and
+    ``from_float`` already did): every kernel, the small-window pass included, would turn it into wrong codes."""
+    qm, _ = _small_cnn(2)
+    for layer in (qm.conv1, qm.fc1):
+        bias = layer.bias.clone()
+        bias[0] = bad
+        before = layer.bias.clone()
+        with pytest.raises(ValueError, match=r"the bias holds 1 NaN/Inf value"):
+            layer.set_weight_bias(layer.weight(), bias)
+        assert torch.equal(layer.bias, before)  # nothing stored

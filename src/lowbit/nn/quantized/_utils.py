@@ -292,6 +292,10 @@ class WeightedQuantModule(CheckedQuantState):
         if (bias is None) != (self.bias is None):
             raise ValueError(f"{where}: bias={'None' if bias is None else 'a tensor'} but the module was built "
                              f"with bias={self.bias is not None}")
+        if bias is not None:
+            bad = int((~torch.isfinite(bias.detach())).sum())
+            if bad:  # (load_state_dict and from_float refuse them too: every kernel would turn them into wrong codes)
+                raise ValueError(f"{where}: the bias holds {bad} NaN/Inf value(s)")
         with torch.no_grad():
             self.weight_int8.copy_(weight.int_repr())
             self.weight_scale.copy_(scale)
