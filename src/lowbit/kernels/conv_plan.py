@@ -61,14 +61,25 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
             or bool(weight.zero_point.any())):
         return None
     counts, key = _counts(), ("onednn", "conv")
+    grid: list[Any] = [None]  # (key of the input grid's tensors, s_x, z_x, the tensors held)
+
+    def input_grid(x: QTensor) -> tuple[Any, float, int, Any]:
+        """The input grid as Python numbers, read once per grid state (no ``item`` per call)."""
+        s, z = x._scale, x._zero_point
+        gkey = input_grid_key(s, z)
+        hit = grid[0]
+        if hit is None or hit[0] != gkey:
+            hit = grid[0] = (gkey, s.item(), int(z.item()), (s, z))
+        return hit  # type: ignore[no-any-return]
+
     split = not (onednn.has_vnni() or onednn.saturation_safe(w))  # (this CPU's u8 x s8 pairs could saturate)
     # a first conv's small window: onednn.conv's native pass, planned (7-bit input codes never take the split)
     if conv_small.takes(weight, spec, out, split and x_qdtype.quant_max > 127):
         cache: dict[str, Any] = {}
 
         def run_small(x: QTensor) -> QTensor:
-            q, sx, zx, _ = onednn._as_u8(x)
-            y = conv_small.conv(q, sx, zx, weight, bias, spec, out, relu, cache)  # type: ignore[arg-type]
+            hit = input_grid(x)  # (u8 codes: the plan's input grid)
+            y = conv_small.conv(x.int_repr(), hit[1], hit[2], weight, bias, spec, out, relu, cache)  # type: ignore[arg-type]
             if y is None:  # (declined: the generic path, which declines the same way and runs oneDNN)
                 y = onednn.conv(x, weight, bias, spec, out, relu, cache)
             counts[key] += 1
@@ -84,14 +95,9 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
         return torch.ops.onednn.qconv_prepack(w, w_scale, 1.0, zx, stride, padding, dilation, groups, shape)
     s_out, z_out, qd = out.scale, out.zero_point, out.qdtype
     post, scalars, clamp = out.onednn_post(relu)  # a 7-bit grid's clamp as oneDNN's post-op (module docstring)
-    grid: list[Any] = [None]  # (key of the input grid's tensors, s_x, z_x, the tensors held)
 
     def run(x: QTensor) -> QTensor:
-        s, z = x._scale, x._zero_point
-        gkey = input_grid_key(s, z)
-        hit = grid[0]
-        if hit is None or hit[0] != gkey:
-            hit = grid[0] = (gkey, s.item(), int(z.item()), (s, z))
+        hit = input_grid(x)
         counts[key] += 1
         q = x.int_repr()
         if not q.is_contiguous(memory_format=torch.channels_last):  # oneDNN would copy it so, ~3x slower (an NCHW input)
