@@ -110,7 +110,7 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None = None, out: O
     """``relu?(x̂ ŵᵀ + b)`` for ``x`` ``(*, K)`` and ``weight`` ``(N, K)``, on ``out`` or float."""
     _check_input(x, weight, "linear")
     if tracing():
-        return _traced("qlinear", x, weight, bias, out, relu)
+        return _traced_linear(x, weight, bias, out, relu)
     if x.int_repr().is_cpu and get_backend() is None:  # the automatic CPU chain, without building it
         y = onednn.linear(x, weight, bias, out, relu, cache)
         if y is not NotImplemented:
@@ -129,9 +129,7 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     """``relu?(conv(x̂, ŵ) + b)`` (or the transposed conv) for ``x`` ``(N, C, *spatial)``."""
     _check_input(x, weight, "conv")
     if tracing():
-        geometry = (list(spec.stride), list(spec.padding), list(spec.dilation), spec.groups, spec.transposed,
-                    list(spec.output_padding) or [0] * spec.dim)
-        return _traced("qconv_cfg", x, weight, bias, out, relu, *geometry)
+        return _traced_conv(x, weight, bias, out, relu, spec)
     op = "conv_transpose" if spec.transposed else "conv"
     if x.int_repr().is_cpu and get_backend() is None:  # the automatic CPU chain, without building it
         y = onednn.conv(x, weight, bias, spec, out, relu, cache)
@@ -146,24 +144,35 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     raise AssertionError("the reference backend never declines")  # pragma: no cover
 
 
-def _traced(op: str, x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
-            *geometry: Any) -> QTensor | torch.Tensor:
-    """The kernel call as one ``torch.ops.lowbit`` custom op (see the module docstring)."""
+def _traced_out(x: QTensor, out: OutGrid | None) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
+    """A traced kernel op's output grid arguments: scale and zero point tensors and the ``qdtype_key`` (float: none)."""
     if out is None:
-        s_out = z_out = None
-        key = ""
-    else:
-        dev = x.device
-        s_out = out.scale_t if out.scale_t is not None else torch.tensor(out.scale, dtype=torch.float32, device=dev)
-        z_out = (out.zero_point_t if out.zero_point_t is not None
-                 else torch.tensor(out.zero_point, dtype=torch.int64, device=dev))
-        key = qdtype_key(out.qdtype)
-    if op == "qconv_cfg":  # one string for the grids and the geometry (compile_state.conv_config)
-        config = conv_config(qdtype_key(x.qdtype), qdtype_key(weight.qdtype), key, relu, *geometry)
-        y = torch.ops.lowbit.qconv_cfg(x.int_repr(), x.scale, x.zero_point, weight.int_repr(), weight.scale,
-                                       weight.zero_point, bias, s_out, z_out, config)
-    else:
-        y = getattr(torch.ops.lowbit, op)(x.int_repr(), x.scale, x.zero_point, qdtype_key(x.qdtype), weight.int_repr(),
-                                          weight.scale, weight.zero_point, qdtype_key(weight.qdtype), bias, s_out,
-                                          z_out, key, relu, *geometry)
+        return None, None, ""
+    dev = x.device
+    s_out = out.scale_t if out.scale_t is not None else torch.tensor(out.scale, dtype=torch.float32, device=dev)
+    z_out = (out.zero_point_t if out.zero_point_t is not None
+             else torch.tensor(out.zero_point, dtype=torch.int64, device=dev))
+    return s_out, z_out, qdtype_key(out.qdtype)
+
+
+def _traced_linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None,
+                   relu: bool) -> QTensor | torch.Tensor:
+    """The Linear as one ``torch.ops.lowbit.qlinear`` (see the module docstring)."""
+    s_out, z_out, key = _traced_out(x, out)
+    y = torch.ops.lowbit.qlinear(x.int_repr(), x.scale, x.zero_point, qdtype_key(x.qdtype), weight.int_repr(),
+                                 weight.scale, weight.zero_point, qdtype_key(weight.qdtype), bias, s_out, z_out, key,
+                                 relu)
+    return y if out is None else QTensor(y, s_out, z_out, out.qdtype)
+
+
+def _traced_conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
+                 spec: ConvSpec) -> QTensor | torch.Tensor:
+    """The conv as one ``torch.ops.lowbit.qconv_cfg``: the grids and geometry in one string
+    (``compile_state.conv_config``; ``lowbit::qconv`` takes them apart, for programs exported before)."""
+    s_out, z_out, key = _traced_out(x, out)
+    config = conv_config(qdtype_key(x.qdtype), qdtype_key(weight.qdtype), key, relu, list(spec.stride),
+                         list(spec.padding), list(spec.dilation), spec.groups, spec.transposed,
+                         list(spec.output_padding) or [0] * spec.dim)
+    y = torch.ops.lowbit.qconv_cfg(x.int_repr(), x.scale, x.zero_point, weight.int_repr(), weight.scale,
+                                   weight.zero_point, bias, s_out, z_out, config)
     return y if out is None else QTensor(y, s_out, z_out, out.qdtype)
