@@ -79,6 +79,21 @@ def test_int_mm_exact_with_weight_zero_points() -> None:
     assert torch.allclose(y.double(), exact_linear(x, w, b), rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 8, 8), (5, 13, 7), (33, 64, 24)])
+def test_cpu_int_mm_without_u8_support_gives_the_same_sums(monkeypatch: pytest.MonkeyPatch, m: int, k: int, n: int) -> None:
+    # torch 2.11's CPU _int_mm rejects uint8 activations (seen on the H200 machine's torch): u8 - 128 as int8, + 128 Σw
+    torch.manual_seed(2)
+    q, w = torch.randint(0, 256, (m, k), dtype=torch.uint8), torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    exact = q.long() @ w.long().t()
+    monkeypatch.setattr(int_mm, "_U8", [False])
+    got = int_mm.cpu_int_mm(q, w.t(), w.to(torch.int32).sum(1))
+    assert got.dtype == torch.int32 and torch.equal(got.long(), exact)
+    x, wq = qinput(m, k, zp=9), qweight(n, k, lo=-128, hi=127, zp=True)
+    shifted = int_mm.linear(x, wq, None, None)
+    monkeypatch.setattr(int_mm, "_U8", [True])
+    assert torch.equal(shifted, int_mm.linear(x, wq, None, None))
+
+
 @settings(max_examples=25, deadline=None)
 @given(m=st.integers(1, 20), k=st.integers(1, 70), n=st.integers(1, 20), zx=st.integers(0, 255),
        seed=st.integers(0, 2**16))

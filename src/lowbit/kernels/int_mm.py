@@ -33,7 +33,7 @@ from ..functional import quantize
 from ..qtensor import QTensor
 from .spec import ConvSpec, OutGrid
 
-__all__ = ["NAME", "STRICT_DEVICES", "linear", "conv"]
+__all__ = ["NAME", "STRICT_DEVICES", "linear", "conv", "cpu_int_mm"]
 
 NAME = "int_mm"
 STRICT_DEVICES = {"cuda"}  # device types whose _int_mm needs s8 A, M > 16 and K, N multiples of 8
@@ -43,6 +43,27 @@ def _onednn_capped() -> bool:
     from .onednn import cpu_has_vnni, isa_capped
 
     return cpu_has_vnni() and isa_capped()
+
+
+_U8: list[bool] = []  # whether this torch's CPU _int_mm takes uint8 activations (probed once)
+
+
+def cpu_int_mm(q: torch.Tensor, w_t: torch.Tensor, w_sum: torch.Tensor) -> torch.Tensor:
+    """``Σ_k q[m, k] w[k, n]`` exact int32 on CPU for int8 or uint8 ``q`` ``(M, K)``; ``w_sum`` is ``Σ_k w[k, n]``.
+
+    torch before 2.12 or so takes only int8 activations there ("Expected self dtype to be of type int8"): then
+    ``u8 - 128`` goes in as int8 and ``128 Σ_k w`` is added back (exact in int32).
+    """
+    if q.dtype == torch.uint8:
+        if not _U8:
+            try:
+                torch._int_mm(torch.zeros(1, 8, dtype=torch.uint8), torch.zeros(8, 1, dtype=torch.int8))
+                _U8.append(True)
+            except RuntimeError:
+                _U8.append(False)
+        if not _U8[0]:
+            return torch._int_mm(q.view(torch.int8).bitwise_xor(-128), w_t).add_(w_sum, alpha=128)
+    return torch._int_mm(q, w_t)
 
 
 def _pad_to(t: torch.Tensor, dim: int, multiple: int, minimum: int = 0) -> torch.Tensor:
@@ -96,7 +117,7 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
         # AVX2 kernel saturates (sums off by up to ~6e5 measured); an int32 matmul is exact
         acc = q.to(torch.int32) @ w_t.to(torch.int32)
     else:
-        acc = torch._int_mm(q, w_t)                                   # (M, N) int32
+        acc = cpu_int_mm(q, w_t, w_sum)                               # (M, N) int32
     acc = acc - zx * w_sum                                            # Σ (q_x - z_x) q_w
     if zw is not None:
         acc = acc - zw * (q.to(torch.int32).sum(1, keepdim=True)[:m] - k * zx)

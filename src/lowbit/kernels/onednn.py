@@ -48,7 +48,7 @@ from .. import native
 from ..compile_state import tensor_version
 from ..functional import _store
 from ..qtensor import QTensor
-from . import conv_small
+from . import conv_small, int_mm
 from .avx2 import _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor, _scaled, _split_run
 from .conv_split import SHAPED_PACKS, _pack_wsplit, _wsplit_conv, _wsplit_packs, packed_for_input  # noqa: F401 (tests, conv_plan)
 from .small_m import VNNI_M, float_route, native_linear, native_requant, split_on_avx2, vnni_rows  # noqa: F401 (VNNI_M: tests)
@@ -265,7 +265,7 @@ def _gemv(q: torch.Tensor, x: QTensor, weight: QTensor, bias: torch.Tensor | Non
         return NotImplemented
     (w_t, w_sum, w_scale), grids = hit[1], hit[2]
     sx, zx = x.scale.item(), x.zero_point.item()
-    acc = torch._int_mm(q if q.dim() == 2 else q.reshape(1, -1), w_t)
+    acc = int_mm.cpu_int_mm(q if q.dim() == 2 else q.reshape(1, -1), w_t, w_sum)
     if out is not None:  # requantized: one folded affine map of the exact int32 sums
         y = _requant_folded(acc, grids, sx, zx, w_sum, w_scale, bias, out, relu)
         return out.wrap(y if q.dim() == 2 else y.reshape(*q.shape[:-1], -1))

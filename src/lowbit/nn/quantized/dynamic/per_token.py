@@ -43,7 +43,7 @@ import torch
 from .... import kernels, native, qstore
 from ....compile_state import tensor_version
 from ....functional import _store, quantize
-from ....kernels import onednn, small_m
+from ....kernels import int_mm, onednn, small_m
 from ....qparams import calculate_qparams
 from ....qscheme import QDtype, QScheme, quint8
 from ....qtensor import QTensor
@@ -305,7 +305,7 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
             return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
         scale, neg_zp, inv = grid
         q = _codes(xf, torch.scalar_tensor(inv), torch.scalar_tensor(neg_zp))
-        acc = torch._int_mm(q, plan.w_t)  # Σ_k q_x q_w, exact int32
+        acc = int_mm.cpu_int_mm(q, plan.w_t, plan.wsum_i)  # Σ_k q_x q_w, exact int32
         kernels.counts[("int_mm", "linear")] += 1
         if neg_zp:
             acc = acc.add_(plan.wsum_i, alpha=int(neg_zp))  # Σ_k (q_x - z_x) q_w: exact
