@@ -31,9 +31,10 @@ import torch
 from ..compile_state import tensor_version
 from ..functional import quantize
 from ..qtensor import QTensor
+from . import cuda_fused
 from .spec import ConvSpec, OutGrid
 
-__all__ = ["NAME", "STRICT_DEVICES", "linear", "conv", "cpu_int_mm"]
+__all__ = ["NAME", "STRICT_DEVICES", "linear", "conv", "cpu_int_mm", "dynamic_linear"]
 
 NAME = "int_mm"
 STRICT_DEVICES = {"cuda"}  # device types whose _int_mm needs s8 A, M > 16 and K, N multiples of 8
@@ -102,22 +103,29 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
     q = x.int_repr()
     lead, k = q.shape[:-1], q.shape[-1]
     q = q.reshape(-1, k)                                              # (M, K)
-    zx = int(x.zero_point)
     m, n = q.shape[0], weight.shape[0]
     if q.device.type in STRICT_DEVICES:
-        if q.dtype == torch.uint8:
-            q, zx = q.view(torch.int8).bitwise_xor(-128), zx - 128    # u8 - 128 as s8
+        u8 = q.dtype == torch.uint8
+        if u8:
+            q = q.view(torch.int8).bitwise_xor(-128)                  # u8 - 128 as s8
         acc = torch._int_mm(_pad_to(_pad_to(q, 1, 8), 0, 1, 17).contiguous(), w_t)[:m, :n]
-    elif k == 1:
-        # torch's CPU _int_mm returns wrong sums for K == 1, N > 1 on AVX-512 VNNI (either weight
-        # layout; every other shape of a 225-shape grid is exact): one int32 product is exact there.
-        acc = q.to(torch.int32) * w_t.to(torch.int32)                 # (M, 1) x (1, N)
-    elif _onednn_capped():
-        # a VNNI CPU with ONEDNN_MAX_CPU_ISA below VNNI: torch still routes _int_mm to oneDNN, whose
-        # AVX2 kernel saturates (sums off by up to ~6e5 measured); an int32 matmul is exact
-        acc = q.to(torch.int32) @ w_t.to(torch.int32)
+        if zw is None and cuda_fused.enabled(q.device):               # one compiled epilogue, no host reads
+            y = _fused_epilogue(acc, x, weight, w_sum, bias, out, relu, u8, cache)
+            if y is not None:
+                return y.reshape(*lead, n) if out is None else out.wrap(y.reshape(*lead, n))
+        zx = int(x.zero_point) - (128 if u8 else 0)
     else:
-        acc = cpu_int_mm(q, w_t, w_sum)                               # (M, N) int32
+        zx = int(x.zero_point)
+        if k == 1:
+            # torch's CPU _int_mm returns wrong sums for K == 1, N > 1 on AVX-512 VNNI (either weight
+            # layout; every other shape of a 225-shape grid is exact): one int32 product is exact there.
+            acc = q.to(torch.int32) * w_t.to(torch.int32)             # (M, 1) x (1, N)
+        elif _onednn_capped():
+            # a VNNI CPU with ONEDNN_MAX_CPU_ISA below VNNI: torch still routes _int_mm to oneDNN, whose
+            # AVX2 kernel saturates (sums off by up to ~6e5 measured); an int32 matmul is exact
+            acc = q.to(torch.int32) @ w_t.to(torch.int32)
+        else:
+            acc = cpu_int_mm(q, w_t, w_sum)                           # (M, N) int32
     acc = acc - zx * w_sum                                            # Σ (q_x - z_x) q_w
     if zw is not None:
         acc = acc - zw * (q.to(torch.int32).sum(1, keepdim=True)[:m] - k * zx)
@@ -130,6 +138,52 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
     if out is None:
         return y
     return out.wrap(quantize(y, out.scale, out.zero_point, out.qdtype, validate=False))  # a module's checked grid
+
+
+def dynamic_linear(xf: torch.Tensor, weight: QTensor, bias: torch.Tensor | None,
+                   cache: dict[str, Any] | None) -> torch.Tensor | None:
+    """A per-token dynamic Linear on CUDA in three kernels: ``cuda_fused.token_codes`` (the ``quint8`` codes of each
+    row, as ``quantize_per_token``, shifted to int8), ``_int_mm``, ``cuda_fused.dynamic_epilogue``; float32 ``(M, N)``
+    for float32 ``xf`` ``(M, K)``. ``None``: not taken (affine weights, or no compiled epilogue)."""
+    if weight.int_repr().dtype != torch.int8 or not cuda_fused.enabled(xf.device):
+        return None
+    w_t, w_sum, zw = _prepare(weight, cache)
+    if zw is not None:
+        return None
+    codes = cuda_fused.token_codes(xf)
+    if codes is None:
+        return None
+    q, sx, neg_zp = codes
+    m, n = xf.shape[0], weight.shape[0]
+    acc = torch._int_mm(_pad_to(_pad_to(q, 1, 8), 0, 1, 17).contiguous(), w_t)[:m, :n]
+    b = bias if bias is not None else _zeros(n, acc.device, cache)
+    return cuda_fused.dynamic_epilogue(acc, neg_zp, sx, w_sum, weight.scale, b)
+
+
+def _fused_epilogue(acc: torch.Tensor, x: QTensor, weight: QTensor, w_sum: torch.Tensor, bias: torch.Tensor | None,
+                    out: OutGrid | None, relu: bool, u8: bool, cache: dict[str, Any] | None) -> torch.Tensor | None:
+    """``cuda_fused``'s static epilogue on ``_int_mm``'s ``acc``: float32 ``(M, N)``, or the output codes."""
+    n = acc.shape[1]
+    zx = x.zero_point - 128 if u8 else x.zero_point
+    scale = x.scale * weight.scale
+    b = bias if bias is not None else _zeros(n, acc.device, cache)
+    if out is None:
+        lo = _zeros(1, acc.device, cache)[0] if relu else _zeros(1, acc.device, cache, float("-inf"))[0]
+        return cuda_fused.static_float(acc, zx, w_sum, scale, b, lo)
+    qd = out.qdtype
+    grid = cuda_fused.grid_tensors(out.scale, out.zero_point, qd.quant_min, qd.quant_max, relu, acc.device)
+    return cuda_fused.static_codes(acc, zx, w_sum, scale, b, grid, qd.storage)
+
+
+def _zeros(n: int, device: torch.device, cache: dict[str, Any] | None, value: float = 0.0) -> torch.Tensor:
+    """A float32 ``(n,)`` tensor of ``value`` on ``device``, kept in the weight's cache (the fused epilogue's no-bias)."""
+    key = ("int_mm.fill", n, device, value)
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        hit = torch.full((n,), value, dtype=torch.float32, device=device)
+        if cache is not None:
+            cache[key] = hit
+    return hit
 
 
 def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec, out: OutGrid | None,

@@ -24,8 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..compile_state import tensor_version
 from ..functional import quantize
 from ..qtensor import QTensor
+from . import cuda_fused
 from .spec import ConvSpec, OutGrid
 
 __all__ = ["NAME", "linear", "conv"]
@@ -37,11 +39,30 @@ _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 def _finish(y: torch.Tensor, out: OutGrid | None, relu: bool) -> QTensor | torch.Tensor:
+    if out is not None and cuda_fused.enabled(y.device):  # one compiled pass (ReLU: the grid's low clamp)
+        qd = out.qdtype
+        codes = cuda_fused.requant(y.float(), cuda_fused.grid_tensors(out.scale, out.zero_point, qd.quant_min,
+                                                                     qd.quant_max, relu, y.device), qd.storage)
+        if codes is not None:
+            return out.wrap(codes)
     if relu:
         y = torch.relu(y)
     if out is None:
         return y
     return out.wrap(quantize(y, out.scale, out.zero_point, out.qdtype, validate=False))  # a module's checked grid
+
+
+def _float_weight(weight: QTensor, cache: dict[str, Any] | None) -> torch.Tensor:
+    """``weight.dequantize()``; on CUDA kept in the module's cache per version of the codes and scales (the float
+    conv's weight is made once, not per call; on CPU this backend is the oracle and keeps no copy)."""
+    if cache is None or weight.int_repr().device.type != "cuda":
+        return weight.dequantize()
+    w, s, z = weight.int_repr(), weight.scale, weight.zero_point
+    key = tuple((t.data_ptr(), tensor_version(t)) for t in (w, s, z))
+    hit = cache.get("reference.float_weight")
+    if hit is None or hit[0] != key:
+        hit = cache["reference.float_weight"] = (key, weight.dequantize(), (w, s, z))  # holds them: no address reuse
+    return hit[1]
 
 
 def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None,
@@ -53,7 +74,7 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
 def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec, out: OutGrid | None,
          relu: bool = False, cache: dict[str, Any] | None = None) -> QTensor | torch.Tensor:
     """``y = conv(x̂, ŵ) + b`` (or the transposed conv) in float32, then requantized onto ``out``."""
-    xf, wf = x.dequantize(), weight.dequantize()
+    xf, wf = x.dequantize(), _float_weight(weight, cache)
     if spec.transposed:
         y = _CONV_T[spec.dim](xf, wf, bias, spec.stride, spec.padding, spec.output_padding, spec.groups,
                               spec.dilation)

@@ -277,6 +277,11 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     """
     xf = x2.detach() if x2.requires_grad else x2  # (a no-grad input needs no detached view: one op less)
     xf = xf if xf.dtype == torch.float32 else xf.float()
+    if xf.is_cuda and kernels.get_backend() is None:  # three CUDA kernels (kernels.cuda_fused), no host reads
+        y = int_mm.dynamic_linear(xf, QTensor._trusted(weight_int8, w_scale, w_zero_point, qdtype, axis=0), bias, cache)
+        if y is not None:
+            kernels.counts[("int_mm", "linear")] += 1
+            return y
     plan = _plan(weight_int8, w_scale, w_zero_point, qdtype, cache) if xf.is_cpu else None
     if plan is None or kernels.get_backend() is not None:
         return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
