@@ -28,7 +28,7 @@ warns once and does the same.
 >>> from lowbit.kernels import cuda_fused
 >>> q, s, nz = cuda_fused.token_codes(torch.tensor([[0.0, 1.0, -1.0]]), compiled=False)
 >>> q.tolist(), round(float(s), 6), float(nz)
-([[0, 127, -128]], 0.007843, -128.0)
+([[-1, 126, -128]], 0.007843, -127.0)
 """
 
 from __future__ import annotations
