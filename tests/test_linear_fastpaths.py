@@ -206,6 +206,12 @@ def test_dynamic_generic_path_for_pins_nonfinite_rows_and_affine_weights(monkeyp
     x[2, 3] = float("nan")
     y = mod(x)
     assert bool(torch.isnan(y[2]).all()) and bool(torch.isfinite(y[[0, 1, 3]]).all())
+    x[2, 3], x[0, 1], x[3, 4] = 0.0, float("inf"), -float("inf")  # ±Inf rows too: NaN out (they were clamped to ~1e37)
+    y = mod(x)
+    assert bool(torch.isnan(y[[0, 3]]).all()) and torch.allclose(y[[1, 2]], mod(x[[1, 2]]), rtol=1e-5, atol=1e-5)
+    xq = per_token.quantize_per_token(x)
+    assert xq.scale[[0, 3]].isnan().all() and xq.zero_point[[0, 3]].tolist() == [0, 0]  # not -2^63
+    x[0, 1] = x[3, 4] = 0.0
     w = mod.weight()  # an affine weight (non-zero zero points): the fast paths decline
     mod.set_weight_bias(Q.QTensor(w.int_repr().clamp(-60, 60), w.scale, torch.full((8,), 2), w.qdtype, axis=0),
                         mod.bias)

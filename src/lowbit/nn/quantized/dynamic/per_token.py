@@ -123,8 +123,13 @@ def quantize_per_token(x: torch.Tensor, qdtype: QDtype = quint8) -> QTensor:
         return QTensor._trusted(q, scale.reshape(-1), zp, qdtype, axis=0)
     lo, hi = xf.amin(1), xf.amax(1)
     scale, zp = calculate_qparams(lo, hi, QScheme.PER_CHANNEL_AFFINE, qdtype, validate=False)
-    # validate=False: a NaN/Inf row has a NaN scale, which carries NaN to that row of the output (as float);
-    # (M,) float32 / int64 qparams on x's device are already QTensor's contract: no re-check per call
+    # validate=False: (M,) float32 / int64 qparams on x's device are already QTensor's contract: no re-check per call.
+    # A row holding NaN or ±Inf gets a NaN scale (and zero point 0), which carries NaN to that row of the output, as
+    # the float Linear's row is not finite either; calculate_qparams alone would clamp an infinite range to a finite
+    # grid (a +Inf row gave finite outputs of ~1e37) or give a -Inf row a zero point of -2^63.
+    bad = torch.isfinite(lo).logical_and_(torch.isfinite(hi)).logical_not_()
+    if bool(bad.any()):
+        scale, zp = scale.masked_fill(bad, float("nan")), zp.masked_fill(bad, 0)
     return QTensor._trusted(quantize(xf, scale, zp, qdtype, ch_axis=0, validate=False), scale, zp, qdtype, axis=0)
 
 
