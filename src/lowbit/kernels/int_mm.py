@@ -171,6 +171,8 @@ def _fused_epilogue(acc: torch.Tensor, x: QTensor, weight: QTensor, w_sum: torch
         lo = _zeros(1, acc.device, cache)[0] if relu else _zeros(1, acc.device, cache, float("-inf"))[0]
         return cuda_fused.static_float(acc, zx, w_sum, scale, b, lo)
     qd = out.qdtype
+    if qd.storage not in (torch.uint8, torch.int8):  # (a 32-bit grid's bounds are not exact in float32)
+        return None
     grid = cuda_fused.grid_tensors(out.scale, out.zero_point, qd.quant_min, qd.quant_max, relu, acc.device)
     return cuda_fused.static_codes(acc, zx, w_sum, scale, b, grid, qd.storage)
 

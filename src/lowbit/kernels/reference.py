@@ -39,7 +39,8 @@ _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 def _finish(y: torch.Tensor, out: OutGrid | None, relu: bool) -> QTensor | torch.Tensor:
-    if out is not None and cuda_fused.enabled(y.device):  # one compiled pass (ReLU: the grid's low clamp)
+    if out is not None and cuda_fused.enabled(y.device) and out.qdtype.storage in (torch.uint8, torch.int8):
+        # one compiled pass (ReLU: the grid's low clamp)
         qd = out.qdtype
         codes = cuda_fused.requant(y.float(), cuda_fused.grid_tensors(out.scale, out.zero_point, qd.quant_min,
                                                                      qd.quant_max, relu, y.device), qd.storage)
