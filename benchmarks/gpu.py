@@ -7,7 +7,8 @@ Writes ``benchmarks/results/gpu.json`` (or ``--out-dir``), with the date and the
 Shapes: M ∈ {1, 16, 512, 2048, 4096} × (K, N) ∈ {4096², 4096×14336, 14336×4096}. Methods:
   bf16 GEMM (``F.linear``, the baseline) | fp16 GEMM | int8 ``_int_mm`` raw (s8 × s8 → s32; CUDA needs
   M > 16, so smaller M is zero-padded to 32 rows — counted in the time) | lowbit static Linear (qint8 in,
-  quint8 out, ``int_mm`` backend + torch epilogue) | lowbit dynamic Linear (per-token, float in/out).
+  quint8 out, ``int_mm`` backend + the compiled epilogue of ``kernels.cuda_fused``) | lowbit dynamic Linear
+  (per-token, float in/out) | both again with ``LOWBIT_CUDA_FUSED=0`` (the torch-op epilogues: the A/B).
 Timing: CUDA events, ``--warmup`` calls then ``--reps`` calls per sample, ``--rounds`` samples
 interleaved across methods (order alternating); the median is reported, the speed-up is the
 median of per-round ratios against bf16, and TOP/s uses 2·M·K·N. Error: relative to fp32.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -48,6 +50,19 @@ def timer(device: torch.device) -> Callable[[Callable[[], Any], int], float]:
             f()
         return (time.perf_counter() - t) / reps
     return run
+
+
+def _unfused(mod: nn.Module, x: Any) -> Any:
+    """``mod(x)`` with ``kernels.cuda_fused`` switched off (``LOWBIT_CUDA_FUSED=0``): the A/B of the fused epilogues."""
+    old = os.environ.get("LOWBIT_CUDA_FUSED")
+    os.environ["LOWBIT_CUDA_FUSED"] = "0"
+    try:
+        return mod(x)
+    finally:
+        if old is None:
+            del os.environ["LOWBIT_CUDA_FUSED"]
+        else:
+            os.environ["LOWBIT_CUDA_FUSED"] = old
 
 
 def methods_for(m: int, k: int, n: int, device: torch.device) -> tuple[dict[str, Callable[[], Any]], dict[str, float]]:
@@ -82,6 +97,8 @@ def methods_for(m: int, k: int, n: int, device: torch.device) -> tuple[dict[str,
         "int8 _int_mm raw": lambda: torch._int_mm(xi, wi_t),
         "lowbit static": lambda: qlin(xq),
         "lowbit dynamic": lambda: dlin(x),
+        "lowbit static, torch-op epilogue": lambda: _unfused(qlin, xq),
+        "lowbit dynamic, torch-op epilogue": lambda: _unfused(dlin, x),
     }
     err: dict[str, float] = {}
     with torch.inference_mode():
