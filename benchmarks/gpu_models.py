@@ -23,7 +23,6 @@ import datetime as dt
 import json
 import statistics
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -33,24 +32,16 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu  # noqa: E402
+
 import lowbit as Q  # noqa: E402
 from lowbit.examples import SmallCNN  # noqa: E402
 
 
 def timer(device: torch.device, f: Callable[[], Any], reps: int) -> float:
-    """Seconds per call over ``reps`` calls (CUDA events on CUDA)."""
-    if device.type == "cuda":
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            f()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3 / reps
-    t = time.perf_counter()
-    for _ in range(reps):
-        f()
-    return (time.perf_counter() - t) / reps
+    """Seconds per call over ``reps`` calls (``gpu.timer``: CUDA events on CUDA)."""
+    return gpu.timer(device)(f, reps)
 
 
 def mlp(d: int, h: int, layers: int) -> nn.Module:
