@@ -21,6 +21,7 @@ import datetime as dt
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 MS = [1, 16, 512, 2048, 4096]
 KN = [(4096, 4096), (4096, 14336), (14336, 4096)]
@@ -134,7 +138,9 @@ def main() -> None:
     res: dict[str, Any] = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
-        "dry_run": a.dry_run, "runs": []}
+        "dry_run": a.dry_run, "runs": [], "host": common.machine()}
+    host = res["host"]
+    print(f"{res['device']} | host {host.get('cpu')} | ISA {host.get('isa')} | torch {torch.__version__}", flush=True)
     for m, k, n in shapes:
         meth, err = methods_for(m, k, n, device)
         times: dict[str, list[float]] = {name: [] for name in meth}

@@ -33,6 +33,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import gpu  # noqa: E402
 
 import lowbit as Q  # noqa: E402
@@ -125,7 +126,10 @@ def main() -> None:
     torch.manual_seed(0)
     res: dict[str, Any] = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                            "torch": torch.__version__, "dry_run": a.dry_run,
-                           "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)", "runs": []}
+                           "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)", "runs": [],
+                           "host": common.machine()}
+    host = res["host"]
+    print(f"{res['device']} | host {host.get('cpu')} | ISA {host.get('isa')} | torch {torch.__version__}", flush=True)
     cnn = SmallCNN().eval()
     x = torch.randn(nb, 1, 28, 28)
     print("[SmallCNN] quantize_ptq on CPU", flush=True)
