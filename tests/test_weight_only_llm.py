@@ -121,6 +121,17 @@ def test_quantize_llm_rejects_bad_arguments():
         Q.quantize_llm("m", tokens(1))
 
 
+def test_a_group_size_dividing_no_layer_falls_back_to_per_channel_with_awq():
+    # 64 features and group_size=7: no g >= 8 divides, so per channel; AWQ's search reshaped by -1 twice and raised
+    # "only one dimension can be inferred" (seen through `lowbit quantize-llm --group-size 7`)
+    m, calib = toy(layers=1), tokens(2)
+    with pytest.warns(UserWarning, match="per channel"):
+        qm = Q.quantize_llm(m, calib, bits=4, group_size=7, progress=False, head=None)
+    lin = qm.model.layers[0].mlp.down_proj
+    assert isinstance(lin, WeightOnlyLinear) and lin.scales.shape[1] == 1
+    assert torch.isfinite(logits(qm, calib[0])).all()
+
+
 # ---- tied head ----
 @pytest.mark.parametrize("bits", [8, 4])
 def test_tied_head_shares_codes_and_survives_a_checkpoint(bits):

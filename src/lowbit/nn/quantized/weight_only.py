@@ -111,8 +111,10 @@ def quantize_groups(w: torch.Tensor, g: int, qdtype: QDtype, symmetric: bool, me
     """Codes ``(N, K)`` int64, scales ``(N, G)``, zero points ``(N, G)`` of a float ``(N, K)`` weight (rtn or mse).
 
     ``col_weight`` ``(K,)`` (mse only) weighs each column's squared error, e.g. by ``diag(XᵀX)``: the
-    clip then minimises ``Σ_k h_k (w_k - ŵ_k)²``, the layer-output error of uncorrelated inputs.
+    clip then minimises ``Σ_k h_k (w_k - ŵ_k)²``, the layer-output error of uncorrelated inputs. ``g = -1`` is one
+    group per row (per channel), as ``fit_group_size`` returns where no group size ≥ 8 divides ``K``.
     """
+    g = w.shape[1] if g == -1 else g
     wg = w.detach().to(torch.float32).reshape(w.shape[0], -1, g)  # (N, G, g)
     cw = 1.0 if col_weight is None else col_weight.detach().to(torch.float32).reshape(1, -1, g)
     s, z = group_qparams(wg, qdtype, symmetric)
