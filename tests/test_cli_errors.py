@@ -119,6 +119,30 @@ def test_bad_arguments_are_one_line_exit_2(workdir, capsys, flag, value, needle)
     assert not (workdir / "factory_ran").exists()
 
 
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--threads", "-1", "argument --threads: -1 must be >= 0"),  # was torch's "set_num_threads expects a positive integer"
+    ("--group-size", "0", "argument --group-size: 0 must be a positive number of input features or -1"),
+    ("--group-size", "g", "argument --group-size: 'g' is not an integer"),
+    ("--speed-tokens", "-3", "argument --speed-tokens: -3 must be >= 0"),  # was a report of "nan" / "nanx"
+    ("--window", "1", "argument --window: 1 must be >= 2"),
+    ("--calib-windows", "0", "argument --calib-windows: 0 must be >= 1"),
+    ("--eval-tokens", "x", "argument --eval-tokens: 'x' is not an integer"),
+])
+def test_quantize_llm_bad_arguments_are_one_line_exit_2(tmp_path, capsys, flag, value, needle):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["quantize-llm", str(tmp_path / "model.gguf"), flag, value, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_quantize_llm_one_speed_token_is_refused_before_loading(tmp_path, capsys):
+    rc = cli.main(["quantize-llm", str(tmp_path / "missing.gguf"), "--speed-tokens", "1", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--speed-tokens 1: the decode timing needs at least 2 new tokens" in err, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_out_is_checked_before_any_work(workdir, capsys):
     (workdir / "taken").write_text("a file")
     rc, err = run([*M, "--out", "taken"], capsys)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import signal
 import sys
 import threading
@@ -27,6 +26,8 @@ from torch import nn
 
 from . import common
 from .common import CLIError, progress, stage
+from .common import count as _count
+from .common import cpus as _cpus
 from .inputs import builtin_data, check_data, check_labels, check_runs, check_spec, load_array, load_model
 from .measure import accuracy, latency_ratios, state_bytes, table
 from .methods import METHODS, QCONFIGS, Job
@@ -40,29 +41,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"lowbit: error: {' '.join(message.split())}\n")
-
-
-def _cpus() -> int:
-    """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _count(minimum: int, maximum: int | None = None) -> Any:
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"{v} must be >= {minimum}" + (" (0: the default)" if minimum == 0 else ""))
-        if maximum is not None and v > maximum:
-            raise argparse.ArgumentTypeError(f"{v} is more than the {maximum} CPUs this process may use")
-        return v
-    parse.__name__ = "count"
-    return parse
 
 
 def _positive_float(text: str) -> float:

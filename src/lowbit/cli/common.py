@@ -15,12 +15,14 @@ ptq failed: ValueError: bad value
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["CLIError", "stage", "progress", "one_line"]
+__all__ = ["CLIError", "stage", "progress", "one_line", "count", "cpus"]
 
 
 class CLIError(Exception):
@@ -61,3 +63,27 @@ def progress(it: Iterable[Any], desc: str, total: int | None, quiet: bool) -> It
         yield from it
         return
     yield from tqdm(it, desc=desc, total=total, leave=False, file=sys.stderr)
+
+
+def cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def count(minimum: int, maximum: int | None = None) -> Any:
+    """An argparse ``type``: an integer ``>= minimum`` (and ``<= maximum``, the CPUs), else a message naming it."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {minimum}" + (" (0: the default)" if minimum == 0 else ""))
+        if maximum is not None and v > maximum:
+            raise argparse.ArgumentTypeError(f"{v} is more than the {maximum} CPUs this process may use")
+        return v
+    parse.__name__ = "count"
+    return parse

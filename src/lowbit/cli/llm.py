@@ -31,13 +31,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from .common import CLIError, progress, stage
+from .common import CLIError, count, cpus, progress, stage
 from .measure import state_bytes
 from .output import OutputFolder
 
 __all__ = ["build_parser_into", "run", "LLM_METHODS"]
 
 LLM_METHODS = ("weight-only", "rtn", "int8", "w8a8")
+
+
+def _group_size(text: str) -> int:
+    """``--group-size``: a positive integer or -1 (per channel), else a message naming the value."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v <= 0 and v != -1:
+        raise argparse.ArgumentTypeError(f"{v} must be a positive number of input features or -1 (per channel)")
+    return v
 
 
 def build_parser_into(sub: Any) -> argparse.ArgumentParser:
@@ -48,15 +59,18 @@ def build_parser_into(sub: Any) -> argparse.ArgumentParser:
                    help="weight-only: GPTQ+AWQ (default); rtn: rounding only; int8: int8 weight-only; w8a8: dynamic "
                         "int8 activations x int8 weights with SmoothQuant")
     q.add_argument("--bits", type=int, default=4, choices=(4, 8))
-    q.add_argument("--group-size", dest="group_size", type=int, default=128)
+    q.add_argument("--group-size", dest="group_size", type=_group_size, default=128,
+                   help="input features per weight group (-1: per channel; default 128)")
     q.add_argument("--no-awq", dest="awq", action="store_false", help="skip the AWQ scale search")
     q.add_argument("--head", default="int8", choices=("int8", "int4", "none"), help="lm_head / tied embedding")
     q.add_argument("--text", help="plain-text file for calibration and perplexity (default: the Lee corpus)")
-    q.add_argument("--eval-tokens", dest="eval_tokens", type=int, default=2048)
-    q.add_argument("--calib-windows", dest="calib_windows", type=int, default=8)
-    q.add_argument("--window", type=int, default=512)
-    q.add_argument("--speed-tokens", dest="speed_tokens", type=int, default=32, help="0: skip the decode timing")
-    q.add_argument("--threads", type=int, default=0)
+    q.add_argument("--eval-tokens", dest="eval_tokens", type=count(2), default=2048)
+    q.add_argument("--calib-windows", dest="calib_windows", type=count(1), default=8)
+    q.add_argument("--window", type=count(2), default=512)
+    q.add_argument("--speed-tokens", dest="speed_tokens", type=count(0), default=32,
+                   help="new tokens timed per decode (0: skip the timing; else at least 2)")
+    q.add_argument("--threads", type=count(0, cpus()), default=0,
+                   help=f"torch threads, at most the {cpus()} CPUs (0: torch's default)")
     q.add_argument("--out", default="lowbit-out")
     q.add_argument("--quiet", action="store_true")
     q.add_argument("--traceback", action="store_true", help="let unexpected errors raise with their traceback")
@@ -125,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
     if args.eval_tokens < args.window or args.window < 2 or args.calib_windows < 1:
         raise CLIError(f"--eval-tokens {args.eval_tokens} must hold one --window {args.window} (>= 2) and "
                        f"--calib-windows {args.calib_windows} must be >= 1")
+    if args.speed_tokens == 1:
+        raise CLIError("--speed-tokens 1: the decode timing needs at least 2 new tokens (0 skips it)")
     with OutputFolder(args.out) as folder:
         tok, fp32 = _load(args.model)
         ids = torch.tensor(tok(_text(args.text)).input_ids)
@@ -164,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
         lines = ["| model | perplexity | Δ vs fp32 | size (MB) | decode tok/s (batch 1) | speed-up |",
                  "|---|---|---|---|---|---|"]
         lines += [f"| {r['model']} | {r['ppl']:.3f} | {100 * r['ppl_vs_fp32']:+.2f} % | {r['size_mb']:.1f} | "
-                  f"{r.get('decode_tok_s', float('nan')):.1f} | {r.get('speedup', float('nan')):.2f}x |" for r in rows]
+                  + (f"{r['decode_tok_s']:.1f} | {r['speedup']:.2f}x |" if "decode_tok_s" in r else "not timed | - |")
+                  for r in rows]
         table = "\n".join(lines)
         print(table)
         report = {"model": args.model, "method": args.method, "bits": args.bits, "group_size": args.group_size,
