@@ -371,6 +371,9 @@ def test_reconstruct_eager_mode_improves_sqnr():
 @pytest.mark.parametrize("kw, err, match", [
     (dict(recipe="fast"), ValueError, "recipe='fast'"),
     (dict(iters=-2), ValueError, "iters=-2"),
+    (dict(iters=True), ValueError, "iters=True"),
+    (dict(batch_size=0), ValueError, "batch_size=0"),  # was accepted: AdaRound steps on empty batches
+    (dict(batch_size=2.5), ValueError, "batch_size=2.5"),
     (dict(blocks="no"), TypeError, "blocks='no'"),
     (dict(learn_grids="off"), TypeError, "learn_grids='off'"),
     (dict(max_float_layers=-1), ValueError, "max_float_layers=-1"),

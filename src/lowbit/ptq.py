@@ -215,8 +215,10 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         raise TypeError(f"quantize_ptq: model must be an nn.Module, got {type(model).__name__}")
     if recipe not in RECIPES:
         raise ValueError(f"quantize_ptq: recipe={recipe!r}; choose one of {list(RECIPES)}")
-    if not isinstance(iters, int) or iters < 0:
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"quantize_ptq: iters={iters!r} must be an int >= 0")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"quantize_ptq: batch_size={batch_size!r} must be an int >= 1 (samples per rounding step)")
     if not isinstance(blocks, bool):
         raise TypeError(f"quantize_ptq: blocks={blocks!r} must be True or False")
     if rounding not in ROUNDINGS:
