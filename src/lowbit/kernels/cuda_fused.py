@@ -65,21 +65,25 @@ def _dynamic_epilogue(acc: torch.Tensor, neg_zp: torch.Tensor, sx: torch.Tensor,
     return exact.to(torch.float32) * (sx * ws) + bias
 
 
-def _static_float(acc: torch.Tensor, zx: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
-                  lo: torch.Tensor) -> torch.Tensor:
-    return torch.maximum((acc - zx * wsum).to(torch.float32) * scale + bias, lo)
-
-
-def _static_codes(acc: torch.Tensor, zx: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
-                  inv_out: torch.Tensor, zp_out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                  dtype: torch.dtype) -> torch.Tensor:
-    y = (acc - zx * wsum).to(torch.float32) * scale + bias
-    return torch.clamp(torch.round(y * inv_out + zp_out), lo, hi).to(dtype)
+def _affine(acc: torch.Tensor, zx: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor,
+            bias: torch.Tensor) -> torch.Tensor:
+    return (acc - zx * wsum).to(torch.float32) * scale + bias
 
 
 def _requant(y: torch.Tensor, inv_out: torch.Tensor, zp_out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
              dtype: torch.dtype) -> torch.Tensor:
     return torch.clamp(torch.round(y * inv_out + zp_out), lo, hi).to(dtype)
+
+
+def _static_float(acc: torch.Tensor, zx: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
+                  lo: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(_affine(acc, zx, wsum, scale, bias), lo)
+
+
+def _static_codes(acc: torch.Tensor, zx: torch.Tensor, wsum: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
+                  inv_out: torch.Tensor, zp_out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    return _requant(_affine(acc, zx, wsum, scale, bias), inv_out, zp_out, lo, hi, dtype)
 
 
 def _run(name: str, fn: Callable[..., Any], compiled: bool, *args: Any) -> Any:

@@ -168,7 +168,7 @@ def _fused_epilogue(acc: torch.Tensor, x: QTensor, weight: QTensor, w_sum: torch
     scale = x.scale * weight.scale
     b = bias if bias is not None else _zeros(n, acc.device, cache)
     if out is None:
-        lo = _zeros(1, acc.device, cache)[0] if relu else _zeros(1, acc.device, cache, float("-inf"))[0]
+        lo = _zeros(1, acc.device, cache, 0.0 if relu else float("-inf"))  # (1,): broadcast by torch.maximum
         return cuda_fused.static_float(acc, zx, w_sum, scale, b, lo)
     qd = out.qdtype
     if qd.storage not in (torch.uint8, torch.int8):  # (a 32-bit grid's bounds are not exact in float32)

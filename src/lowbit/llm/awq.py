@@ -38,9 +38,8 @@ __all__ = ["awq_search", "awq_search_stats", "awq_fold", "scale_source"]
 
 def _rtn(w: torch.Tensor, g: int, qdtype: QDtype, symmetric: bool) -> torch.Tensor:
     q, s, z = quantize_groups(w, g, qdtype, symmetric, "rtn")
-    g = w.shape[1] if g == -1 else g  # per channel (fit_group_size found no group size dividing K)
     N, K = w.shape
-    return ((q.float().reshape(N, -1, g) - z.float()[..., None]) * s[..., None]).reshape(N, K)
+    return ((q.float().reshape(N, s.shape[1], -1) - z.float()[..., None]) * s[..., None]).reshape(N, K)
 
 
 @torch.no_grad()
