@@ -22,6 +22,8 @@ def raises():
     raise ValueError("no weights here\\n(second line)")
 def images():
     return nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
+def no_layers():
+    return nn.Sequential(nn.ReLU(), nn.Flatten())
 """
 
 
@@ -58,6 +60,9 @@ def make_data(workdir: Path) -> None:
     torch.save(torch.tensor([0.5, 1.0] * 8), "y_frac.pt")
     torch.save(torch.randint(0, 3, (15,)), "y_short.pt")
     torch.save(torch.ones(16, 8, dtype=torch.bool), "bool.pt")
+    np.savez("two.npz", a=np.zeros((16, 8), np.float32), b=np.zeros((16, 8), np.float32))
+    torch.save({"a": torch.randn(16, 8), "b": torch.randn(16, 8)}, "two.pt")
+    torch.save({"x": 3}, "x_int.pt")
 
 
 M = ["--model", "usermodel_err:make", "--calib", "calib.pt", "--method", "ptq"]
@@ -79,6 +84,12 @@ M = ["--model", "usermodel_err:make", "--calib", "calib.pt", "--method", "ptq"]
     ([*M[:4], "--method", "qat", "--calib-labels", "y_high.pt"], "--calib-labels y_high.pt: label 3 is outside [0, 3)"),
     ([*M[:4], "--method", "qat"], "--method qat needs --calib-labels"),
     ([*M, "--eval", "calib.pt"], "--eval and --labels go together"),
+    # several arrays and none named for its role: refused, not the first one taken (was: 'a', silently)
+    ([*M[:3], "two.npz"], "--calib two.npz: holds 2 arrays ('a', 'b'), none named 'x'/'inputs'/'data'"),
+    ([*M[:3], "two.pt"], "--calib two.pt: holds 2 arrays ('a', 'b'), none named 'x'/'inputs'/'data'"),
+    ([*M[:3], "x_int.pt"], "--calib x_int.pt: expected a tensor (or a dict with key 'x'/'inputs'/'data'), got int"),
+    ([*M, "--eval", "calib.pt", "--labels", "two.npz"], "--labels two.npz: holds 2 arrays ('a', 'b'), none named "
+                                                         "'y'/'labels'"),
 ])
 def test_bad_data_is_one_line_exit_2(workdir, capsys, args, needle):
     make_data(workdir)
@@ -169,3 +180,30 @@ def test_a_failing_method_is_one_line_and_leaves_nothing(workdir, capsys, monkey
     assert not (workdir / "o").exists() and not list(workdir.glob(".lowbit-*"))
     with pytest.raises(RuntimeError, match="exploded"):       # --traceback: the real exception, for debugging
         cli.main(["quantize", "--quiet", "--traceback", *M, "--out", "o"])
+
+
+def test_one_file_holds_inputs_and_labels_and_no_eval_reads_a_dash(workdir, capsys):
+    """A .pt dict / .npz with x and y serves --calib and --calib-labels (labels read 'y', inputs 'x'); without --eval
+    the accuracy cells read "—" (were "nan" / "+nan"), and report.json holds null."""
+    import json
+
+    torch.save({"x": torch.randn(16, 8), "y": torch.randint(0, 3, (16,))}, "xy.pt")
+    rc = cli.main(["quantize", "--quiet", "--model", "usermodel_err:make", "--calib", "xy.pt", "--calib-labels", "xy.pt",
+                   "--method", "qat", "--qat-epochs", "1", "--threads", "1", "--out", "o"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [line for line in out.splitlines() if line.startswith(("| fp32", "| qat"))]
+    assert len(rows) == 2 and all(line.split("|")[2].strip() == "—" == line.split("|")[3].strip() for line in rows), out
+    assert "nan" not in out
+    assert [r["accuracy"] for r in json.loads((workdir / "o" / "report.json").read_text())["rows"]] == [None, None]
+
+
+def test_a_model_with_no_quantizable_layer_is_said_not_a_failure_at_the_end(workdir, capsys):
+    """Nothing to compare layer by layer: a note, and the run still writes --out (was: an error after all the work,
+    nothing written)."""
+    rc = cli.main(["quantize", "--model", "usermodel_err:no_layers", "--calib", "calib.pt", "--method", "ptq",
+                   "--threads", "1", "--out", "o"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "no layer of the model is one lowbit quantizes statically" in err and "error" not in err
+    assert (workdir / "o" / "model_ptq.pt").exists() and (workdir / "o" / "report.md").exists()

@@ -70,7 +70,10 @@ def _check_rows(rows: Any) -> list[dict[str, Any]]:
 
 
 def _row_cells(r: dict[str, Any]) -> tuple[str, ...]:
-    return (str(r["method"]), f"{r['accuracy']:.2f}", f"{r['delta']:+.2f}", f"{r['size_kib']:.1f}",
+    acc, delta = r["accuracy"], r["delta"]
+    unmeasured = acc is None or acc != acc  # no evaluation data (None or NaN): "—", not "nan"
+    return (str(r["method"]), "—" if unmeasured else f"{acc:.2f}", "—" if unmeasured else f"{delta:+.2f}",
+            f"{r['size_kib']:.1f}",
             f"{r['size_ratio']:.2f}x", f"{r['latency_ms']:.2f}", f"{r['speedup']:.2f}x")
 
 

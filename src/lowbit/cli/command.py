@@ -146,9 +146,9 @@ def _inputs(args: argparse.Namespace, methods: list[str], say: Any) -> tuple[nn.
         out = check_runs(fp32, xte, "--eval data")
         if out.dim() != 2:
             raise CLIError(f"--eval: accuracy needs (batch, classes) model outputs, got shape {tuple(out.shape)}")
-        yte = check_labels(load_array(args.labels, "--labels"), f"--labels {args.labels}", len(xte), out.shape[-1])
+        yte = check_labels(load_array(args.labels, "--labels", labels=True), f"--labels {args.labels}", len(xte), out.shape[-1])
     if needs_labels:
-        calib_labels = check_labels(load_array(args.calib_labels, "--calib-labels"),
+        calib_labels = check_labels(load_array(args.calib_labels, "--calib-labels", labels=True),
                                     f"--calib-labels {args.calib_labels}", len(calib), classes)
     return fp32, calib, calib_labels, xte, yte
 
@@ -189,11 +189,17 @@ def _quantize(args: argparse.Namespace) -> int:
         print(table(rows))
 
         from ..debug import compare
+        from ..debug.compare import _pairs
         from ..report import write_report
 
         prepared_ptq = extras.get("prepared_ptq")
-        with stage("comparing layers"):
-            cmp = compare(fp32, qmodels["ptq"], calib[:256]) if "ptq" in qmodels else None
+        cmp = None
+        if "ptq" in qmodels and not _pairs(fp32, qmodels["ptq"]):
+            say("lowbit: no layer of the model is one lowbit quantizes statically (Linear, Conv, ...): the PTQ model "
+                "only quantizes its input and output, and there is no per-layer table")
+        elif "ptq" in qmodels:
+            with stage("comparing layers"):
+                cmp = compare(fp32, qmodels["ptq"], calib[:256])
         report: dict[str, Any] = {"model": args.model or "lowbit.examples:SmallCNN", "rows": rows,
                                   "torch": torch.__version__, "threads": torch.get_num_threads(),
                                   "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -19,6 +19,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,11 +30,15 @@ from .common import CLIError, one_line
 __all__ = ["load_array", "check_data", "check_labels", "check_spec", "load_model", "check_runs", "builtin_data"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
-_KEYS = ("x", "inputs", "data", "y", "labels")
+_KEYS = ("x", "inputs", "data")   # the array a .pt dict / .npz names for inputs
+_LABEL_KEYS = ("y", "labels")      # ... and for labels
 
 
-def load_array(path: str, what: str) -> torch.Tensor:
-    """The tensor in ``path`` (.pt tensor or dict, .npz, .npy, or a folder of images)."""
+def load_array(path: str, what: str, labels: bool = False) -> torch.Tensor:
+    """The tensor in ``path`` (.pt tensor or dict, .npz, .npy, or a folder of images). A .pt dict or an .npz gives
+    its array named ``x``/``inputs``/``data`` (``labels``: ``y``/``labels``), or its only array; several arrays
+    under none of those names are refused, not guessed between."""
+    keys = _LABEL_KEYS if labels else _KEYS
     p = Path(path)
     if not p.exists():
         raise CLIError(f"{what} file not found: {path}")
@@ -46,21 +51,33 @@ def load_array(path: str, what: str) -> torch.Tensor:
         if suffix == ".pt":
             obj = torch.load(p, map_location="cpu", weights_only=True)
             if isinstance(obj, dict):
-                obj = next((obj[k] for k in _KEYS if k in obj), None)
+                obj = obj[_pick(list(obj), keys, what, path)]
             if not isinstance(obj, torch.Tensor):
-                raise CLIError(f"{what} {path}: expected a tensor (or a dict with key 'x'/'inputs'/'y')")
+                raise CLIError(f"{what} {path}: expected a tensor (or a dict with key {'/'.join(map(repr, keys))}), "
+                               f"got {type(obj).__name__}")
             return obj
         if suffix == ".npz":
             with np.load(p) as z:
-                key = next((k for k in _KEYS if k in z.files), z.files[0] if z.files else None)
-                if key is None:
-                    raise CLIError(f"{what} {path}: the .npz holds no array")
-                return torch.from_numpy(np.array(z[key]))
+                return torch.from_numpy(np.array(z[_pick(list(z.files), keys, what, path)]))
         return torch.from_numpy(np.load(p))
     except CLIError:
         raise
     except Exception as e:  # corrupt file, object arrays, ...: one clear line
         raise CLIError(f"{what} {path}: cannot read ({one_line(e)})") from e
+
+
+def _pick(names: list[Any], keys: tuple[str, ...], what: str, path: str) -> Any:
+    """The entry of a .pt dict / .npz to read: the first of ``keys`` present, else the only entry."""
+    hit = next((k for k in keys if k in names), None)
+    if hit is not None:
+        return hit
+    if len(names) == 1:
+        return names[0]
+    held = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+    if not names:
+        raise CLIError(f"{what} {path}: holds no array")
+    raise CLIError(f"{what} {path}: holds {len(names)} arrays ({held}), none named {'/'.join(map(repr, keys))}; "
+                   "save the one to use under one of those names")
 
 
 def _load_images(folder: Path, what: str) -> torch.Tensor:
