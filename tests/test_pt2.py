@@ -68,13 +68,24 @@ def _dynamic(**recipe: object) -> tuple[nn.Module, torch.Tensor]:
     return Q.quantize_dynamic(_MLP().eval(), spec), torch.randn(5, 7, 32)
 
 
+def _eager_activations() -> tuple[nn.Module, torch.Tensor]:
+    """An unfused ``nn.ReLU`` after a quantized Linear (``QTensor.relu``) and the table activations (Hardswish,
+    Sigmoid, LeakyReLU, ELU): each read its grid into Python, which ``torch.export`` refused (data-dependent guard)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(Q.QuantStub(), nn.Linear(32, 32), nn.ReLU(), nn.Hardswish(), nn.Linear(32, 32), nn.Sigmoid(),
+                      nn.Linear(32, 16), nn.LeakyReLU(0.1), nn.ELU(), Q.DeQuantStub()).eval()
+    p = Q.prepare(m, Q.get_default_qconfig())
+    p(torch.randn(64, 32))
+    return Q.convert(p), torch.randn(5, 32)
+
+
 def _weight_only(bits: int) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return Q.quantize_weight_only(_MLP().eval(), bits=bits, group_size=32 if bits == 4 else -1), torch.randn(5, 32)
 
 
 MODELS = {"eager_convert": _eager_converted, "eager_convert_x86": lambda: _eager_converted("x86"),
-          "convert_fx": _fx_converted, "dynamic": _dynamic,
+          "eager_activations": _eager_activations, "convert_fx": _fx_converted, "dynamic": _dynamic,
           "dynamic_u7_per_token": lambda: _dynamic(reduce_range=True),
           "dynamic_x86_recipe": lambda: _dynamic(backend="x86"),
           "weight_only_int4": lambda: _weight_only(4), "weight_only_int8": lambda: _weight_only(8)}

@@ -219,6 +219,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         raise ValueError(f"quantize_ptq: iters={iters!r} must be an int >= 0")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"quantize_ptq: batch_size={batch_size!r} must be an int >= 1 (samples per rounding step)")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"quantize_ptq: seed={seed!r} must be an int")
     if not isinstance(blocks, bool):
         raise TypeError(f"quantize_ptq: blocks={blocks!r} must be True or False")
     if rounding not in ROUNDINGS:
@@ -269,8 +271,13 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
             summary += f"; {len(eq)} residual streams rescaled (channel range spread {spreads or '-'})"
         report.steps.append(("equalize", summary))
     with torch.no_grad():
-        for b in tqdm(batches, desc="calibrate", disable=not progress):
-            prepared(*b)
+        for i, b in enumerate(tqdm(batches, desc="calibrate", disable=not progress)):
+            try:
+                prepared(*b)
+            except Exception as e:  # a later batch that does not fit the model (batch 0 ran in prepare_fx): name it
+                shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in b]
+                raise ValueError(f"quantize_ptq: calib batch {i} (input shapes {shapes}) failed in the model: "
+                                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     report.steps.append(("calibrate", f"{len(batches)} batches observed"))
     if recipe == "accurate" and refine:
         from .algorithms.grid_search import refine_grids

@@ -172,9 +172,14 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128,
         warnings.warn(f"quantize_weight_only: group_size={group_size} does not divide in_features of "
                       f"{len(changed)} layer(s); using smaller groups: {', '.join(changed[:4])}"
                       + (" ..." if len(changed) > 4 else ""), stacklevel=2)
-    for name, q in built.items():
-        if not name:  # the model itself is a Linear
-            return q
+    if "" in built:  # the model itself is a Linear
+        return built[""]
+    # every place a quantized Linear sits, shared (aliased) ones included (named_modules lists each object once):
+    # one WeightOnlyLinear for all of them, as eager convert does; a place named in skip keeps the float Linear
+    by_id = {id(linears[n]): q for n, q in built.items()}
+    places = [(n, by_id[id(m)]) for n, m in model.named_modules(remove_duplicate=False)
+              if n and id(m) in by_id and not any(n == s or n.endswith("." + s) for s in skip)]
+    for name, q in places:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, q)
     return model

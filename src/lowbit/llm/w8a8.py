@@ -124,7 +124,9 @@ def activation_absmax(model: nn.Module, linears: dict[str, nn.Linear], calib: It
 @torch.no_grad()
 def quantize_w8a8(model: nn.Module, calib: Iterable[Any], alpha: float | None = 0.5, inplace: bool = False) -> nn.Module:
     """Every Linear of the decoder blocks -> ``DynamicInt8Linear``, after SmoothQuant (``alpha=None``: none)."""
-    if alpha is not None and not (isinstance(alpha, (int, float)) and 0 <= alpha <= 1):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_w8a8: model must be an nn.Module, got {type(model).__name__}")
+    if alpha is not None and (isinstance(alpha, bool) or not (isinstance(alpha, (int, float)) and 0 <= alpha <= 1)):
         raise ValueError(f"quantize_w8a8: alpha={alpha!r} must be in [0, 1] or None")
     if not inplace:
         model = copy.deepcopy(model)

@@ -334,6 +334,8 @@ class QTensor:
             zp = self._zero_point.reshape([-1 if i == self._axis else 1 for i in range(self.dim())])
             return QTensor(torch.maximum(self._q, zp.to(self._q.dtype)),
                            self._scale, self._zero_point, self._qdtype, self._axis)
+        if tracing():  # no zero point read into Python (torch.export would guard on it): the same codes as a tensor op
+            return self._same_grid(torch.maximum(self._q, self._zero_point.to(self._q.dtype)))
         return self._same_grid(torch.clamp(self._q, min=int(self._zero_point)))
 
     def clamp(self, min: Any = None, max: Any = None) -> Any:  # noqa: A002 - torch's names

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...compile_state import tracing
 from ...functional import quantize
 from ...qscheme import QDtype, as_qdtype, quint8
 from ...qtensor import QTensor
@@ -60,6 +61,9 @@ class _LUTActivation(CheckedQuantState):
     def lut(self, x: QTensor) -> torch.Tensor:
         """The table ``(qmax_in - qmin_in + 1,)`` of output codes for ``x``'s per-tensor grid."""
         d = x.qdtype
+        if tracing():  # torch.compile / torch.export: the same table from tensor ops, no grid read into Python
+            codes = torch.arange(d.quant_min, d.quant_max + 1, device=x.device, dtype=torch.float32)
+            return self._quantize_out(self._f((codes - x.zero_point.to(torch.float32)) * x.scale.to(torch.float32)))
         key = (float(x.scale), int(x.zero_point), d.quant_min, d.quant_max, x.device,
                float(self.scale), int(self.zero_point), self.qdtype, self._params())
         if key != self._lut_key:

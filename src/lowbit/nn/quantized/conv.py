@@ -94,6 +94,9 @@ class _ConvNd(WeightedQuantModule):
         self._explicit_pad = [v for pair in reversed(lr) for v in pair] if explicit else None
         super().__init__((out_channels, in_channels // groups, *self.kernel_size), out_channels, bool(bias), device)
         self._spec = ConvSpec(d, self.stride, (0,) * d if explicit else self.padding, self.dilation, groups)
+        # the smallest input extent per spatial dim (as given, before any padding) the window fits in, as torch's conv
+        self._min_in = tuple(dl * (k - 1) + 1 - left - right
+                             for dl, k, (left, right) in zip(self.dilation, self.kernel_size, lr))
 
     def _pad(self, qx: QTensor) -> QTensor:
         assert self._explicit_pad is not None
@@ -113,6 +116,11 @@ class _ConvNd(WeightedQuantModule):
         if qx.dim() != self._dim + 2 or qx.shape[1] != self.in_channels:
             raise ValueError(f"{where}: expects input of shape (N, {self.in_channels}, *{self._dim} spatial dims) "
                              f"or unbatched, got {tuple(x.shape)}")
+        # a window larger than the (padded) input: torch's conv raises; the int8 kernels would give an empty output
+        if any(n < m for n, m in zip(qx.shape[2:], getattr(self, "_min_in", ()))):
+            raise ValueError(f"{where}: input spatial size {tuple(qx.shape[2:])} is smaller than the kernel "
+                             f"{self.kernel_size} (dilation {self.dilation}, padding {self.padding}) needs: at least "
+                             f"{tuple(max(m, 1) for m in self._min_in)}")
         if self._explicit_pad is not None:
             qx = self._pad(qx)
         run = self._plan(qx, self._conv_plan)  # the eager floor: one plan per layer state (kernels.conv_plan)
