@@ -219,6 +219,8 @@ def _store(q: torch.Tensor, qdtype: QDtype) -> torch.Tensor:
         # (4x faster at 3M elements); the codes are integers in [0, 255], so both are exact. A 7-bit grid
         # (codes in [0, 127], e.g. torch.ao's reduce_range) casts to int8 in one vector pass, viewed as uint8.
         return q.char().view(torch.uint8) if qdtype.quant_max <= 127 else q.short().byte()
+    if qdtype.storage == torch.int32:  # float32 cannot hold 2**31 - 1 (the clamp gave 2**31, which wrapped to -2**31):
+        return q.to(torch.int64).clamp_(qdtype.quant_min, qdtype.quant_max).to(torch.int32)  # saturate in int64
     cast = _CASTS.get(qdtype.storage)  # .byte()/.char(): ~1 µs; .to(dtype) parses its overloads (~3 µs)
     return cast(q) if cast is not None else q.to(qdtype.storage)
 

@@ -71,6 +71,7 @@ def _as_float_tensor(v: float | torch.Tensor, name: str) -> torch.Tensor:
 
 
 _F32_MAX = torch.finfo(torch.float32).max
+_F32_TINY = 1.401298464324817e-45  # the smallest positive float32: a smaller eps rounds to 0 there
 
 
 def _keep_grid_finite(scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
@@ -101,8 +102,8 @@ def calculate_qparams(
     ``FakeQuantize`` that call this every step on data they already validated.
     """
     qscheme, qdtype = as_qscheme(qscheme), as_qdtype(qdtype)
-    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < float("inf")):
-        raise ValueError(f"calculate_qparams: eps={eps!r} must be a positive float")
+    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and _F32_TINY <= eps <= _F32_MAX):
+        raise ValueError(f"calculate_qparams: eps={eps!r} must be a positive float, finite and > 0 in float32")
     lo, hi = _as_float_tensor(min_val, "min_val"), _as_float_tensor(max_val, "max_val")
     if lo.shape != hi.shape:
         raise ValueError(f"calculate_qparams: min_val shape {tuple(lo.shape)} != max_val shape {tuple(hi.shape)}")
@@ -122,6 +123,9 @@ def calculate_qparams(
     if qscheme.has_float_zero_point:  # torch.ao's formula, eps only guards a constant row
         scale = (hi - lo) / float(qmax - qmin)
         scale = torch.where(scale > eps, scale, torch.ones_like(scale))
+        if validate and scale.numel() > 0 and not bool(torch.isfinite(scale).all()):  # as the other schemes
+            raise ValueError(f"calculate_qparams: the range [{lo.tolist()}, {hi.tolist()}] is too wide for a float32 "
+                             f"scale on the {qmax - qmin + 1}-level grid {qdtype!r}")
         return scale, -lo / scale
     if qscheme.is_symmetric:
         amax = torch.maximum(-min_neg, max_pos)

@@ -97,6 +97,16 @@ class QDtype:
     storage: torch.dtype
 
     def __post_init__(self) -> None:
+        for k in ("bits", "quant_min", "quant_max"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"QDtype {self.name!r}: {k}={v!r} must be an int")
+        if not isinstance(self.storage, torch.dtype) or self.storage.is_floating_point or self.storage.is_complex:
+            raise TypeError(f"QDtype {self.name!r}: storage={self.storage!r} must be an integer torch dtype")
+        info = torch.iinfo(self.storage) if self.storage != torch.bool else None
+        if info is None or self.quant_min < info.min or self.quant_max > info.max:
+            raise ValueError(f"QDtype {self.name!r}: range [{self.quant_min}, {self.quant_max}] does not fit its "
+                             f"storage {self.storage}")
         if self.quant_min >= self.quant_max:
             raise ValueError(
                 f"QDtype {self.name!r}: quant_min={self.quant_min} must be < quant_max={self.quant_max}"
@@ -115,6 +125,9 @@ class QDtype:
 
     def with_range(self, quant_min: int, quant_max: int) -> QDtype:
         """The same storage with a narrower grid, e.g. ``quint8.with_range(0, 127)`` (reduce_range)."""
+        for k, v in (("quant_min", quant_min), ("quant_max", quant_max)):
+            if isinstance(v, bool) or not isinstance(v, int) and not (isinstance(v, float) and v.is_integer()):
+                raise TypeError(f"QDtype.with_range: {k}={v!r} must be an int")
         return QDtype(self.name, self.bits, self.signed, int(quant_min), int(quant_max), self.storage)
 
     @property

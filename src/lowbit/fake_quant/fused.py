@@ -259,6 +259,21 @@ def fused_moving_avg_obs_fake_quant(x: torch.Tensor, observer_on: torch.Tensor, 
         raise TypeError(f"fused_moving_avg_obs_fake_quant: x must be a floating-point tensor, got "
                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
     axis = check_ch_axis(ch_axis, x.dim(), x.shape) if per_row_fake_quant else None
+    # every argument checked before any buffer is written (a bad call must not leave NaN or stale statistics)
+    fn = "fused_moving_avg_obs_fake_quant"
+    if isinstance(averaging_const, bool) or not isinstance(averaging_const, (int, float)) or not 0 < averaging_const <= 1:
+        raise ValueError(f"{fn}: averaging_const={averaging_const!r} must be a number in (0, 1]")
+    for k, v in (("quant_min", quant_min), ("quant_max", quant_max)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{fn}: {k}={v!r} must be an int")
+    if quant_min >= quant_max:
+        raise ValueError(f"{fn}: quant_min={quant_min} must be < quant_max={quant_max}")
+    n = 1 if axis is None else x.shape[axis]
+    for k, t in (("running_min", running_min), ("running_max", running_max), ("scale", scale), ("zero_point", zero_point)):
+        if not isinstance(t, torch.Tensor) or t.numel() != n:
+            raise ValueError(f"{fn}: {k} must be a tensor of {n} value(s) ("
+                             + ("per tensor" if axis is None else f"one per slice along ch_axis={axis}") + "), got "
+                             + (f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
     if bool(observer_on.reshape(-1)[0] == 1) and x.numel():
         xd = x.detach().to(torch.float32)
         if axis is None:

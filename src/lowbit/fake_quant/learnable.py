@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..functional import _show, check_ch_axis, check_quantized_state
+from ..functional import _F32_MAX, _F32_TINY, _show, check_ch_axis, check_quantized_state
 from ..observer.base import ObserverBase
 from ..observer.minmax import MovingAverageMinMaxObserver
 from .base import FakeQuantize
@@ -174,8 +174,8 @@ class LearnableFakeQuantize(FakeQuantize):
                  **observer_kwargs: Any) -> None:
         super().__init__(observer, **observer_kwargs)
         name = type(self).__name__
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-            raise ValueError(f"{name}: scale={scale!r} must be a positive finite number")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not _F32_TINY <= scale <= _F32_MAX:
+            raise ValueError(f"{name}: scale={scale!r} must be a positive finite number (in float32, as it is stored)")
         if zero_point is not None and (isinstance(zero_point, bool) or not isinstance(zero_point, (int, float))
                                        or not math.isfinite(zero_point)):
             raise ValueError(f"{name}: zero_point={zero_point!r} must be a finite number or None")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..functional import check_quantized_state
+from ..functional import _F32_MAX, _F32_TINY, check_quantized_state
 from ..qscheme import QDtype, QScheme, as_qdtype, as_qscheme
 
 __all__ = ["ObserverBase", "AbstractObserverError", "Factory", "finite_aminmax"]
@@ -123,8 +123,8 @@ class ObserverBase(abc.ABC, WithArgs, nn.Module):
         super().__init__()
         self.qscheme = as_qscheme(qscheme)
         self.qdtype = as_qdtype(qdtype)
-        if not (isinstance(eps, (int, float)) and eps > 0):
-            raise ValueError(f"{type(self).__name__}: eps={eps!r} must be a positive float")
+        if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and _F32_TINY <= eps <= _F32_MAX):
+            raise ValueError(f"{type(self).__name__}: eps={eps!r} must be a positive float, finite and > 0 in float32")
         self.eps = float(eps)
         if ch_axis is not None and (not isinstance(ch_axis, int) or isinstance(ch_axis, bool)):
             raise TypeError(f"{type(self).__name__}: ch_axis={ch_axis!r} must be an int or None")
@@ -154,6 +154,14 @@ class ObserverBase(abc.ABC, WithArgs, nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
         errors = check_quantized_state(self, state_dict, prefix)  # NaN ranges, bad histograms / qparams
+        lo, hi = state_dict.get(prefix + "min_val"), state_dict.get(prefix + "max_val")
+        if "min_val" in self._buffers and isinstance(lo, torch.Tensor) and isinstance(hi, torch.Tensor):
+            if lo.shape != hi.shape:
+                errors.append(f"{prefix}min_val shape {tuple(lo.shape)} != {prefix}max_val shape {tuple(hi.shape)} "
+                              f"({type(self).__name__})")
+            elif not self.qscheme.is_per_channel and lo.numel() != 1:
+                errors.append(f"{prefix}min_val: a per-tensor observer keeps one range, got shape {tuple(lo.shape)} "
+                              f"({type(self).__name__}, {self.qscheme.value})")
         if errors:
             error_msgs.extend(errors)
             return

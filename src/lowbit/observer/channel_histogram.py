@@ -137,9 +137,12 @@ class _ClipRangeObserver(ObserverBase):
         if not (torch.equal(new_lo, old_lo) and torch.equal(new_hi, old_hi)):
             hist = _rebin_rows(hist, old_lo, old_hi, new_lo, new_hi)
         width = (new_hi - new_lo).unsqueeze(1)
-        k = torch.where(width > 0, self.bins * _SHRINK / torch.where(width > 0, width, 1.0), 0.0)
         base = torch.where(torch.isfinite(new_lo), new_lo, 0.0).unsqueeze(1)
-        pos = ((torch.where(finite, rows, base) - base) * k).clamp_(0, self.bins - 1).to(torch.int64)
+        vals = torch.where(finite, rows, base)
+        if not bool(torch.isfinite(width).all()):  # a range past float32's max (e.g. ±2e38): place the values in float64
+            width, base, vals = width.double(), base.double(), vals.double()
+        k = torch.where(width > 0, self.bins * _SHRINK / torch.where(width > 0, width, 1.0), 0.0)
+        pos = ((vals - base) * k).clamp_(0, self.bins - 1).to(torch.int64)
         offset = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1) * self.bins
         flat = hist.reshape(-1).clone()
         flat.scatter_add_(0, (pos + offset).reshape(-1), finite.reshape(-1).to(flat.dtype))

@@ -22,10 +22,10 @@ True
 
 from __future__ import annotations
 
-import math
 
 import torch
 
+from ..functional import _F32_MAX, _F32_TINY
 from ..qscheme import QDtype, QScheme, per_tensor_affine, quint8
 from .base import ObserverBase
 
@@ -54,8 +54,8 @@ class FixedQParamsObserver(ObserverBase):
         name = type(self).__name__
         if self.qscheme.is_per_channel:
             raise ValueError(f"{name}: qscheme={self.qscheme.value} is per channel; fixed qparams are per tensor")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"{name}: scale={scale!r} must be a finite positive float")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not _F32_TINY <= scale <= _F32_MAX:
+            raise ValueError(f"{name}: scale={scale!r} must be a finite positive float (in float32, as it is stored)")
         if isinstance(zero_point, bool) or not isinstance(zero_point, int):
             raise TypeError(f"{name}: zero_point={zero_point!r} must be an int")
         if not self.qdtype.quant_min <= zero_point <= self.qdtype.quant_max:

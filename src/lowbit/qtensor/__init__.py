@@ -34,7 +34,7 @@ import torch
 
 from .. import native
 from ..compile_state import tracing
-from ..functional import check_ch_axis, dequantize
+from ..functional import _F32_MAX, _F32_TINY, check_ch_axis, dequantize
 from ..qscheme import QDtype, QScheme, as_qdtype
 from .axis import indexed_axis, reshaped_axis
 
@@ -56,8 +56,10 @@ def _warn_float_fallback(op: str) -> None:
 def _check_python_qparams(scale: Any, zero_point: Any) -> None:
     """Python-number qparams (free to check): a positive finite scale and an integral zero point.
     Tensor qparams are checked where they are made (``quantize``, module ``load_state_dict``)."""
-    if isinstance(scale, (int, float)) and not 0 < scale < float("inf"):
-        raise ValueError(f"QTensor: scale={scale!r} must be a positive finite number")
+    if isinstance(scale, bool) or isinstance(zero_point, bool):
+        raise TypeError(f"QTensor: scale={scale!r} and zero_point={zero_point!r} must be numbers or tensors, not bools")
+    if isinstance(scale, (int, float)) and not _F32_TINY <= scale <= _F32_MAX:
+        raise ValueError(f"QTensor: scale={scale!r} must be a positive finite number (in float32, as it is stored)")
     if isinstance(zero_point, float) and not zero_point.is_integer():
         raise ValueError(f"QTensor: zero_point={zero_point!r} must be an integer")
 
@@ -80,9 +82,18 @@ class QTensor:
         axis: int | None = None,
     ) -> None:
         qdtype = as_qdtype(qdtype)
-        if int_repr.is_floating_point():
+        if not isinstance(int_repr, torch.Tensor):
+            raise TypeError(f"QTensor int_repr must be an integer tensor, got {type(int_repr).__name__}")
+        if int_repr.is_floating_point() or int_repr.is_complex() or int_repr.dtype == torch.bool:
             raise TypeError(f"QTensor int_repr must be an integer tensor, got dtype {int_repr.dtype}")
         _check_python_qparams(scale, zero_point)
+        if isinstance(zero_point, int) and not qdtype.quant_min <= zero_point <= qdtype.quant_max:
+            raise ValueError(f"QTensor: zero_point={zero_point} is outside the {qdtype!r} grid "
+                             f"[{qdtype.quant_min}, {qdtype.quant_max}]")
+        if int_repr.dtype != qdtype.storage and int_repr.numel() and not tracing() and not bool(
+                ((int_repr >= qdtype.quant_min) & (int_repr <= qdtype.quant_max)).all()):  # (only off the storage dtype)
+            raise ValueError(f"QTensor: int_repr ({int_repr.dtype}) holds codes outside the {qdtype!r} grid "
+                             f"[{qdtype.quant_min}, {qdtype.quant_max}]")
         if axis is None and isinstance(zero_point, torch.Tensor) and zero_point.is_floating_point():
             if not bool((zero_point == torch.round(zero_point)).all()):  # never truncated (per channel: kept float)
                 raise ValueError(f"QTensor: zero_point={zero_point.tolist()} must be an integer")
