@@ -22,7 +22,6 @@ True
 
 from __future__ import annotations
 
-
 import torch
 
 from ..functional import _F32_MAX, _F32_TINY
