@@ -76,6 +76,9 @@ def register_fusion_pattern(pattern: tuple[type, ...], fuser: Callable[..., nn.M
 
 def unregister_fusion_pattern(pattern: tuple[type, ...]) -> None:
     """Remove a registered pattern (``KeyError`` naming it if absent)."""
+    if not isinstance(pattern, tuple) or not all(isinstance(t, type) for t in pattern):
+        raise TypeError(f"unregister_fusion_pattern: pattern={pattern!r} must be a tuple of module classes, "
+                        "as registered")
     if pattern not in _PATTERNS:
         raise KeyError(f"unregister_fusion_pattern: {tuple(t.__name__ for t in pattern)} is not registered")
     del _PATTERNS[pattern]

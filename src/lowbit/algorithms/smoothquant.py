@@ -231,6 +231,8 @@ def smooth_quant(model: nn.Module, calib_batches: Any, alpha: float = 0.5, layer
     if layers is None:
         names = [n for n, m in modules.items() if type(m) is nn.Linear and n]
     else:
+        if isinstance(layers, str):  # (a string would be read as its characters)
+            raise TypeError(f"smooth_quant: layers={layers!r} must be an iterable of module names, e.g. [{layers!r}]")
         names = list(layers)
         for n in names:
             if not isinstance(modules.get(n), nn.Linear):

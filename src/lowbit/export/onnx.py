@@ -120,6 +120,9 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
             m.opset = opset_version
     with torch.no_grad():
         n_out = len(_flat_tensors(twin(*inputs)))
+    for what, given in (("input_names", input_names), ("output_names", output_names)):
+        if given is not None and (isinstance(given, str) or not all(isinstance(n, str) for n in given)):
+            raise TypeError(f"to_onnx: {what}={given!r} must be a list of strings")
     input_names = list(input_names) if input_names else (
         ["input"] if len(inputs) == 1 else [f"input_{i}" for i in range(len(inputs))])
     output_names = list(output_names) if output_names else (
@@ -168,6 +171,9 @@ def run_onnx(path: str | os.PathLike[str], *inputs: torch.Tensor, optimized_mode
     if optimized_model_path is not None:
         opts.optimized_model_filepath = str(optimized_model_path)
     sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    bad = [type(t).__name__ for t in inputs if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise TypeError(f"run_onnx: inputs must be tensors, got {', '.join(bad)}")
     names = [i.name for i in sess.get_inputs()]
     if len(names) != len(inputs):
         raise ValueError(f"run_onnx: the model takes {len(names)} inputs ({names}), got {len(inputs)}")

@@ -231,6 +231,9 @@ def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dty
     if twin is not None:
         return twin
     cls = type(mod)
+    if cls.__module__.startswith("lowbit.llm"):  # W8A8's DynamicInt8Linear (torch's _int_mm), a tied int head's table
+        raise TypeError(f"to_onnx: module '{path}' of type {cls.__module__}.{cls.__qualname__} has no ONNX export "
+                        "(quantize_llm(head=None) keeps a tied head float; W8A8 models run in PyTorch)")
     if cls.__module__.startswith("lowbit.nn.quantized") and not isinstance(mod, FloatFunctional):
         raise TypeError(f"to_onnx: module '{path}' of type {cls.__module__}.{cls.__qualname__} has no ONNX QDQ "
                         "export (supported: Quantize, DeQuantize, Linear, Conv/ConvTranspose 1-3d (+ReLU), "

@@ -56,6 +56,10 @@ def awq_search(w: torch.Tensor, x: torch.Tensor, g: int, qdtype: QDtype, symmetr
 def awq_search_stats(w: torch.Tensor, H: torch.Tensor, abs_sum: torch.Tensor, n: int, g: int, qdtype: QDtype,
                      symmetric: bool, n_grid: int = 20) -> tuple[torch.Tensor, float, dict[float, float]]:
     """``awq_search`` from ``H = xᵀx`` ``(K, K)``, ``abs_sum = Σ_t |x_t|`` ``(K,)`` and the token count ``n``."""
+    if isinstance(n_grid, bool) or not isinstance(n_grid, int) or n_grid < 1:
+        raise ValueError(f"awq_search_stats: n_grid={n_grid!r} must be an int >= 1")
+    if isinstance(g, bool) or not isinstance(g, int) or not (g == -1 or (g >= 1 and w.shape[1] % g == 0)):
+        raise ValueError(f"awq_search_stats: g={g!r} must be -1 (per row) or an int >= 1 dividing in_features {w.shape[1]}")
     w, H = w.detach().float(), H.detach().float()
     K = w.shape[1]
     if H.shape != (K, K) or abs_sum.shape != (K,) or n < 1:

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["decoder_layers", "capture_block_inputs", "linear_groups", "run_block", "StopForward"]
+__all__ = ["decoder_layers", "capture_block_inputs", "linear_groups", "run_block", "StopForward", "check_llm_calib",
+           "check_finite_linears"]
 
 _LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers")
 
@@ -50,6 +51,56 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         if isinstance(m, nn.ModuleList) and len(m):
             return m
     raise ValueError(f"lowbit.llm: {type(model).__name__} has no decoder block list at any of {_LAYER_PATHS}")
+
+
+def _check_ids(ids: Any, where: str, vocab: int | None) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{where}: token ids must be an integer tensor, got "
+                        + (f"dtype {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__))
+    if ids.dim() not in (1, 2) or ids.shape[-1] == 0:
+        raise ValueError(f"{where}: token ids must be (batch, tokens) or (tokens,) with at least one token, "
+                         f"got shape {tuple(ids.shape)}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or (vocab is not None and hi >= vocab):
+        raise ValueError(f"{where}: token ids span [{lo}, {hi}], outside the model's vocabulary [0, {vocab})")
+
+
+def check_llm_calib(model: nn.Module, calib: Iterable[Any], fn: str) -> list[Any]:
+    """``calib`` as a list after checking every batch: a token-id tensor (integers, ``(batch, tokens)`` or
+    ``(tokens,)``, at least one token, ids inside the input embedding's vocabulary) or a dict of model inputs whose
+    ``input_ids`` pass the same checks and whose ``inputs_embeds`` are finite; ``ValueError``/``TypeError`` naming
+    the batch. A bare tensor for ``calib`` is refused (it would be iterated row by row)."""
+    if isinstance(calib, torch.Tensor):
+        raise TypeError(f"{fn}: calib must be an iterable of batches (e.g. a list of token-id tensors), got a single "
+                        f"tensor of shape {tuple(calib.shape)}; wrap it: [ids]")
+    try:
+        batches = list(calib)
+    except TypeError as e:
+        raise TypeError(f"{fn}: calib must be an iterable of batches, got {type(calib).__name__}") from e
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None)
+    for i, b in enumerate(batches):
+        where = f"{fn}: calib batch {i}"
+        if isinstance(b, dict):
+            if "input_ids" in b:
+                _check_ids(b["input_ids"], where + " input_ids", vocab)
+            e = b.get("inputs_embeds")
+            if isinstance(e, torch.Tensor) and e.is_floating_point() and not bool(torch.isfinite(e).all()):
+                raise ValueError(f"{where}: inputs_embeds hold {int((~torch.isfinite(e)).sum())} NaN/Inf values")
+        elif isinstance(b, torch.Tensor):
+            _check_ids(b, where, vocab)
+    return batches
+
+
+def check_finite_linears(layers: nn.Module, fn: str) -> None:
+    """``ValueError`` naming the first ``nn.Linear`` of ``layers`` whose weight or bias holds NaN/Inf."""
+    for name, m in layers.named_modules():
+        if isinstance(m, nn.Linear):
+            for what, t in (("weight", m.weight), ("bias", m.bias)):
+                if t is not None and not bool(torch.isfinite(t.detach()).all()):
+                    bad = int((~torch.isfinite(t.detach())).sum())
+                    raise ValueError(f"{fn}: layer {name!r} has {bad} NaN/Inf {what} values (of {t.numel()}); fix the "
+                                     "checkpoint before quantizing")
 
 
 def _call(model: nn.Module, batch: Any) -> None:

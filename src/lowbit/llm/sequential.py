@@ -36,6 +36,7 @@ same codes, so the tie and its single copy in the file are kept.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -46,7 +47,8 @@ from torch import nn
 from ..nn.quantized.weight_only import (WeightOnlyLinear, _check_args, fit_group_size, gptq_quantize, quantize_groups,
                                        weight_qdtype)
 from .awq import awq_fold, awq_search_stats, scale_source
-from .blocks import StopForward, capture_block_inputs, decoder_layers, linear_groups, run_block
+from .blocks import (StopForward, capture_block_inputs, check_finite_linears, check_llm_calib, decoder_layers, linear_groups,
+                     run_block)
 from .dist import broadcast_tensors, ordered_sum, rank_and_world
 from .refine import output_error, refine_scales
 from .tied import quantize_head
@@ -194,7 +196,7 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
     if head not in ("int8", "int4", None):
         raise ValueError(f"quantize_llm: head={head!r} must be 'int8', 'int4' or None")
     damps = (damp,) if isinstance(damp, (int, float)) else tuple(damp)
-    if not damps or any(not isinstance(d, (int, float)) or d <= 0 for d in damps):
+    if not damps or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d < math.inf for d in damps):
         raise ValueError(f"quantize_llm: damp={damp!r} must be a positive float or a tuple of them")
     _check_args(2 * max(group_size, 1), 1, bits, group_size, "quantize_llm")
     if not inplace:
@@ -202,6 +204,8 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
     model.eval()
     rank, world = rank_and_world(group)
     layers = decoder_layers(model)
+    check_finite_linears(layers, "quantize_llm")
+    calib = check_llm_calib(model, calib, "quantize_llm")
     inps = capture_block_inputs(model, layers, calib)
     if not inps:
         raise ValueError("quantize_llm: calib yielded no batches")

@@ -76,6 +76,10 @@ def find_head(model: nn.Module) -> tuple[str, str | None]:
 @torch.no_grad()
 def quantize_head(model: nn.Module, bits: int = 8, group_size: int = 128, symmetric: bool = True) -> nn.Module:
     """``lm_head`` -> ``WeightOnlyLinear`` (``bits=8``: per row; 4: groups), a tied embedding -> ``TiedEmbedding``."""
+    if bits not in (4, 8):
+        raise ValueError(f"quantize_head: bits={bits!r} must be 4 or 8")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not (group_size == -1 or group_size >= 1):
+        raise ValueError(f"quantize_head: group_size={group_size!r} must be an int >= 1, or -1 (one group per row)")
     head_name, emb_name = find_head(model)
     lin = model.get_submodule(head_name)
     g = -1 if bits == 8 else group_size

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .awq import awq_fold, scale_source
-from .blocks import _call, decoder_layers, linear_groups
+from .blocks import _call, check_finite_linears, check_llm_calib, decoder_layers, linear_groups
 
 __all__ = ["DynamicInt8Linear", "quantize_w8a8", "activation_absmax"]
 
@@ -66,6 +66,11 @@ class DynamicInt8Linear(nn.Module):
         """Quantize ``mod.weight`` per output channel; ``input_scale`` ``(K,)``: x is multiplied by it first."""
         if not isinstance(mod, nn.Linear):
             raise TypeError(f"DynamicInt8Linear.from_float expects an nn.Linear, got {type(mod).__name__}")
+        if input_scale is not None and (not isinstance(input_scale, torch.Tensor) or input_scale.shape != (mod.in_features,)
+                                        or not bool(torch.isfinite(input_scale).all())):
+            raise ValueError(f"DynamicInt8Linear.from_float: input_scale must be a finite ({mod.in_features},) tensor, got "
+                             + (f"shape {tuple(input_scale.shape)}" if isinstance(input_scale, torch.Tensor)
+                                else type(input_scale).__name__))
         q = cls(mod.in_features, mod.out_features, mod.bias is not None, input_scale is not None)
         w = mod.weight.detach().float()
         s = w.abs().amax(1).clamp_min(1e-8) / 127
@@ -132,7 +137,8 @@ def quantize_w8a8(model: nn.Module, calib: Iterable[Any], alpha: float | None = 
         model = copy.deepcopy(model)
     model.eval()
     layers = decoder_layers(model)
-    calib = list(calib)
+    check_finite_linears(layers, "quantize_w8a8")
+    calib = check_llm_calib(model, calib, "quantize_w8a8")
     if not calib:
         raise ValueError("quantize_w8a8: calib yielded no batches")
     groups: list[tuple[int, list[str]]] = []
@@ -151,6 +157,10 @@ def quantize_w8a8(model: nn.Module, calib: Iterable[Any], alpha: float | None = 
         groups += [(i, g) for g in linear_groups(block, x, kw)]
     lins = {f"{i}.{n}": layers[i].get_submodule(n) for i, g in groups for n in g}
     amax = activation_absmax(model, lins, calib) if alpha is not None else {}
+    bad = [n for n, a in amax.items() if not bool(torch.isfinite(a).all())]
+    if bad:  # a NaN channel max would fold NaN smoothing scales into the norms: every output NaN, on clean inputs too
+        raise ValueError(f"quantize_w8a8: the calibration activations reaching {len(bad)} layer(s) ({', '.join(bad[:3])}"
+                         f"{', ...' if len(bad) > 3 else ''}) hold NaN/Inf; SmoothQuant needs finite calibration data")
     unfolded: dict[tuple[int, str], torch.Tensor] = {}
     for i, names in groups:  # all migrations first: a later group's producer (up_proj) must still be float
         block = layers[i]

@@ -83,16 +83,19 @@ def load_observer_state_dict(mod: nn.Module, obs_dict: Any) -> None:
         raise TypeError(f"load_observer_state_dict: obs_dict must be a dict of tensors, got {type(obs_dict).__name__}")
     used: set[str] = set()
     missing: list[str] = []
-    for path, obs in _observers(mod).items():
+    subs: list[tuple[nn.Module, dict[str, Any]]] = []
+    for path, obs in _observers(mod).items():  # every key checked before any observer is written
         head = f"{path}." if path else ""
-        sub = {k[len(head):]: v for k, v in obs_dict.items() if k.startswith(head)}
-        sub = {k: v for k, v in sub.items() if k in obs.state_dict()}
+        own = obs.state_dict()
+        sub = {k[len(head):]: v for k, v in obs_dict.items() if k.startswith(head) and k[len(head):] in own}
         used.update(head + k for k in sub)
-        result = obs.load_state_dict(sub, strict=False)
-        missing += [head + k for k in result.missing_keys]
+        missing += [head + k for k in own if k not in sub]
+        subs.append((obs, sub))
     if missing:
-        raise RuntimeError(f"load_observer_state_dict: no saved statistics for observer keys {missing}")
+        raise RuntimeError(f"load_observer_state_dict: no saved statistics for observer keys {missing} (nothing loaded)")
     unexpected = [k for k in obs_dict if k not in used]
     if unexpected:
         raise RuntimeError(f"load_observer_state_dict: keys {unexpected} name no observer of this "
-                           f"{type(mod).__name__} (was it prepared the same way?)")
+                           f"{type(mod).__name__} (was it prepared the same way?); nothing loaded")
+    for obs, sub in subs:
+        obs.load_state_dict(sub, strict=False)

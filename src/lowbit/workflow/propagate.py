@@ -14,6 +14,7 @@ from typing import Any, TypeGuard
 
 from torch import nn
 
+from ..batches import check_module
 from ..mappings import get_default_dynamic_quant_module_mappings
 from ..nn.intrinsic import FusedModule
 from ..qconfig import QConfig, QConfigMapping
@@ -71,6 +72,7 @@ def propagate_qconfig_(model: nn.Module, qconfig: Any = None) -> nn.Module:
     >>> m[0].qconfig is m.qconfig, m[1][0].qconfig
     (True, None)
     """
+    check_module(model, "propagate_qconfig_: model")
     mapping = QConfigMapping() if qconfig is None else QConfigMapping.from_qconfig(qconfig)
     mapping.check_module_names((n for n, _ in model.named_modules()), "propagate_qconfig_")
     exact = mapping.resolution == "exact"  # lucid's legacy mode: attributes ignored, resolve() skips parents
