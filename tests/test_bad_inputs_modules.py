@@ -84,3 +84,9 @@ def test_weight_only_quantizes_a_shared_linear_at_every_place_it_sits():
     assert type(model[2]) is nn.Linear and model[0] is model[2]  # the input model is not changed
     kept = Q.quantize_weight_only(model, bits=4, group_size=16, skip=("2",))
     assert type(kept[0]).__name__ == "WeightOnlyLinear" and type(kept[2]) is nn.Linear  # skip names one place
+
+
+def test_weight_only_gptq_names_a_calibration_batch_that_does_not_fit():
+    m = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    with pytest.raises(ValueError, match="quantize_weight_only: calib batch 1 failed in the model: RuntimeError"):
+        Q.quantize_weight_only(m, bits=4, group_size=16, method="gptq", calib=[torch.randn(2, 16), torch.randn(2, 17)])

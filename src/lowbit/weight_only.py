@@ -79,7 +79,11 @@ def collect_hessians(model: nn.Module, linears: dict[str, nn.Linear], calib: Ite
     batches = 0
     try:
         for batch in calib:
-            _run(model, batch)
+            try:
+                _run(model, batch)
+            except Exception as e:  # a batch that does not fit the model (the hooks run first): name it
+                raise ValueError(f"quantize_weight_only: calib batch {batches} failed in the model: {type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''}") from e
             batches += 1
     finally:
         for h in handles:
