@@ -125,6 +125,8 @@ def _code_bound(x: QTensor, v: Any) -> torch.Tensor | None:
     """``quantize(v)`` on ``x``'s grid, shaped to broadcast against the codes; ``None`` for no bound."""
     if v is None:
         return None
+    if float(v) != float(v):  # a NaN bound has no code (float clamp / pad give NaN): not a finite code
+        raise ValueError(f"QTensor: a clamp bound or pad value of NaN has no code on the grid (got {v!r})")
     per_channel = x.axis is not None
     c = x.scale.numel()
     code = quantize(torch.full((c,), float(v)), x.scale.reshape(c), x.zero_point.reshape(c), x.qdtype,
@@ -144,6 +146,8 @@ def _clamp(x: Any, min: Any = None, max: Any = None) -> Any:  # noqa: A002 - tor
 
 
 def _hardtanh(x: Any, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> Any:
+    if isinstance(x, QTensor) and min_val > max_val:  # as F.hardtanh
+        raise ValueError(f"hardtanh: min_val={min_val!r} cannot be greater than max_val={max_val!r}")
     return _clamp(x, min_val, max_val)
 
 

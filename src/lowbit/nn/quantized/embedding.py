@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...compile_state import tracing
 from ...functional import quantize
 from ...observer.distributed import local_statistics
 from ...qparams import calculate_qparams
@@ -218,6 +219,24 @@ class Embedding(_QuantizedTable):
         return q
 
 
+def _check_offsets(offsets: torch.Tensor, n: int, include_last: bool) -> None:
+    """Bag offsets torch's kernel can take: integers, starting at 0, non-decreasing, none past ``n`` inputs (with
+    ``include_last_offset``: at least two, the last one ``n``). torch reads out of bounds (or crashes) otherwise."""
+    if offsets.is_floating_point() or offsets.is_complex() or offsets.dtype == torch.bool:
+        raise TypeError(f"EmbeddingBag: offsets must be an integer tensor, got dtype {offsets.dtype}")
+    if include_last and offsets.numel() < 2:
+        raise ValueError(f"EmbeddingBag: include_last_offset needs at least 2 offsets (start and end), got {offsets.numel()}")
+    if offsets.numel() == 0:
+        raise ValueError("EmbeddingBag: offsets is empty; give the start of each bag")
+    if tracing():  # (values are symbolic while torch.compile / torch.export trace)
+        return
+    o = offsets.detach().to(torch.int64).cpu()
+    if int(o[0]) != 0 or bool((o[1:] < o[:-1]).any()) or int(o[-1]) > n or (include_last and int(o[-1]) != n):
+        raise ValueError(f"EmbeddingBag: offsets {o.tolist()[:8]}{' ...' if o.numel() > 8 else ''} must start at 0, "
+                         f"never decrease and stay within the {n} inputs" + (" (the last one = the input count, with "
+                                                                              "include_last_offset)" if include_last else ""))
+
+
 class EmbeddingBag(_QuantizedTable):
     """Pooled bags of rows: ``(B, L)`` indices, or ``(n,)`` indices + ``(B,)`` offsets -> ``(B, embedding_dim)``.
 
@@ -241,6 +260,10 @@ class EmbeddingBag(_QuantizedTable):
         if per_sample_weights is not None:
             if self.mode != "sum":
                 raise ValueError(f"EmbeddingBag: per_sample_weights need mode='sum', this bag has mode={self.mode!r}")
+            if not isinstance(per_sample_weights, torch.Tensor) or not per_sample_weights.is_floating_point():
+                raise TypeError("EmbeddingBag: per_sample_weights must be a floating-point tensor, got "
+                                + (f"dtype {per_sample_weights.dtype}" if isinstance(per_sample_weights, torch.Tensor)
+                                   else type(per_sample_weights).__name__))
             if per_sample_weights.shape != input.shape:
                 raise ValueError(f"EmbeddingBag: per_sample_weights shape {tuple(per_sample_weights.shape)} "
                                  f"!= input shape {tuple(input.shape)}")
@@ -250,11 +273,12 @@ class EmbeddingBag(_QuantizedTable):
             if offsets is not None:
                 raise ValueError("EmbeddingBag: offsets must be None for a 2-D input (each row is a bag)")
             bags, length = input.shape
-            offsets = torch.arange(0, bags * length, max(length, 1), device=input.device)[:bags]
+            offsets = torch.arange(bags, device=input.device) * length  # (B, 0): B empty bags, zeros
             include_last = False
         elif input.dim() == 1:
             if offsets is None or not isinstance(offsets, torch.Tensor) or offsets.dim() != 1:
                 raise ValueError("EmbeddingBag: a 1-D input needs 1-D offsets (the start of each bag)")
+            _check_offsets(offsets, input.numel(), include_last)
         else:
             raise ValueError(f"EmbeddingBag: input must be 1-D (with offsets) or 2-D, got shape {tuple(input.shape)}")
         flat = input.reshape(-1)

@@ -30,6 +30,7 @@ the result onto ``(s, z)``.
 from __future__ import annotations
 
 import functools
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -44,7 +45,7 @@ from ...functional import quantize
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
 from ...qtensor.pool import as_torch_quantized
-from ._utils import check_out_grid, output_qparams
+from ._utils import check_no_nan, check_out_grid, output_qparams
 from ._state import CheckedQuantState
 
 __all__ = ["FloatFunctional", "QFunctional"]
@@ -85,10 +86,14 @@ class FloatFunctional(nn.Module):
 
 def _scalar(c: Any, op: str) -> float:
     if isinstance(c, torch.Tensor) and c.numel() == 1 and not (c.is_complex() or c.dtype == torch.bool):
-        return float(c)
-    if isinstance(c, bool) or not isinstance(c, (int, float)):
+        v = float(c)
+    elif isinstance(c, bool) or not isinstance(c, (int, float)):
         raise TypeError(f"{op}: the scalar operand must be a float or int, got {type(c).__name__} {c!r}")
-    return float(c)
+    else:
+        v = float(c)
+    if not math.isfinite(v):  # NaN became the lowest code and 0 · inf code 0: finite garbage where float gives NaN/inf
+        raise ValueError(f"{op}: the scalar operand must be finite, got {v!r}")
+    return v
 
 
 def _centered(x: Any, op: str) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -259,6 +264,7 @@ class QFunctional(CheckedQuantState):
         return QTensor._trusted(q, self.scale, self.zero_point, d)
 
     def _from_float(self, y: torch.Tensor, relu: bool = False) -> QTensor:
+        check_no_nan(y, type(self).__name__)  # a NaN operand would become a finite code (as at Quantize)
         if relu:
             y = torch.relu(y)
         return QTensor(quantize(y, self.scale, self.zero_point, self.qdtype), self.scale, self.zero_point, self.qdtype)

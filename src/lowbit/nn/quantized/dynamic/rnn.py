@@ -138,7 +138,10 @@ class _RNNBase(nn.Module):
             unbatched = input.dim() == 2
             x = input.unsqueeze(1) if unbatched else (input.transpose(0, 1) if self.batch_first else input)
             steps, batch = x.shape[0], x.shape[1]
-            data, batch_sizes, sorted_idx, unsorted_idx = x.reshape(steps * batch, -1), [batch] * steps, None, None
+            if steps == 0:  # as torch's RNNs
+                raise ValueError(f"dynamic {name}: the input sequence is empty (shape {tuple(input.shape)}); "
+                                 "expected a sequence length larger than 0")
+            data, batch_sizes, sorted_idx, unsorted_idx = x.reshape(steps * batch, x.shape[-1]), [batch] * steps, None, None
         if data.shape[-1] != self.input_size:
             raise ValueError(f"dynamic {name}: input feature size {data.shape[-1]} != input_size={self.input_size}")
         data = data.to(torch.float32)
@@ -159,7 +162,7 @@ class _RNNBase(nn.Module):
         if packed:
             output: Any = PackedSequence(out, batch_sizes_t, sorted_idx, unsorted_idx)
         else:
-            output = out.reshape(len(batch_sizes), batch, -1)
+            output = out.reshape(len(batch_sizes), batch, out.shape[-1])  # (batch 0 too: empty outputs, as torch)
             output = output.squeeze(1) if unbatched else (output.transpose(0, 1) if self.batch_first else output)
         return output, self._join_hx(finals)
 
