@@ -17,6 +17,7 @@ import lowbit as Q
 from lowbit import kernels
 from lowbit.examples import SmallCNN
 from lowbit.kernels import conv_small, onednn
+from lowbit.nn.quantized.functional_modules import FloatFunctional
 from helpers import threads
 
 SRC = str(Path(Q.__file__).resolve().parent.parent)
@@ -79,13 +80,37 @@ def _eager_activations() -> tuple[nn.Module, torch.Tensor]:
     return Q.convert(p), torch.randn(5, 32)
 
 
+class _Functional(nn.Module):
+    """Every ``FloatFunctional`` op after convert; ``cat`` compared its inputs' grids with the output's (a data-dependent
+    branch ``torch.export`` refused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant, self.dequant = Q.QuantStub(), Q.DeQuantStub()
+        self.c1, self.c2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(3, 4, 3, padding=1)
+        self.f = FloatFunctional()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.quant(x)
+        a, b = self.c1(x), self.c2(x)
+        return self.dequant(self.f.cat([self.f.mul(a, b), self.f.add_scalar(a, 0.5), self.f.mul_scalar(b, 2.0),
+                                        self.f.add_relu(a, b)], dim=1))
+
+
+def _eager_functional() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    p = Q.prepare(_Functional().eval(), Q.get_default_qconfig())
+    p(torch.randn(16, 3, 8, 8))
+    return Q.convert(p), torch.randn(5, 3, 8, 8)
+
+
 def _weight_only(bits: int) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return Q.quantize_weight_only(_MLP().eval(), bits=bits, group_size=32 if bits == 4 else -1), torch.randn(5, 32)
 
 
 MODELS = {"eager_convert": _eager_converted, "eager_convert_x86": lambda: _eager_converted("x86"),
-          "eager_activations": _eager_activations, "convert_fx": _fx_converted, "dynamic": _dynamic,
+          "eager_activations": _eager_activations, "eager_functional": _eager_functional, "convert_fx": _fx_converted, "dynamic": _dynamic,
           "dynamic_u7_per_token": lambda: _dynamic(reduce_range=True),
           "dynamic_x86_recipe": lambda: _dynamic(backend="x86"),
           "weight_only_int4": lambda: _weight_only(4), "weight_only_int8": lambda: _weight_only(8)}

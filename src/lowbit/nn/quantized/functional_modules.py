@@ -343,7 +343,9 @@ class QFunctional(CheckedQuantState):
             if c is None:
                 return self._from_float(torch.cat([_float(t) for t in x], dim=dim))
             t_: QTensor = t  # type: ignore[assignment]
-            if (t_.qdtype == self.qdtype and torch.equal(t_.scale, self.scale.to(t_.device))
+            # on the output grid already: its codes as they are (while tracing, the requantization below, which gives
+            # those very codes on an equal grid, instead of a data-dependent comparison torch.export cannot take)
+            if (not tracing() and t_.qdtype == self.qdtype and torch.equal(t_.scale, self.scale.to(t_.device))
                     and torch.equal(t_.zero_point, self.zero_point.to(t_.device))):
                 parts.append(t_.int_repr())
             else:
