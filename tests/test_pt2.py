@@ -110,7 +110,8 @@ def _weight_only(bits: int) -> tuple[nn.Module, torch.Tensor]:
 
 
 MODELS = {"eager_convert": _eager_converted, "eager_convert_x86": lambda: _eager_converted("x86"),
-          "eager_activations": _eager_activations, "eager_functional": _eager_functional, "convert_fx": _fx_converted, "dynamic": _dynamic,
+          "eager_activations": _eager_activations, "eager_functional": _eager_functional,
+          "convert_fx": _fx_converted, "dynamic": _dynamic,
           "dynamic_u7_per_token": lambda: _dynamic(reduce_range=True),
           "dynamic_x86_recipe": lambda: _dynamic(backend="x86"),
           "weight_only_int4": lambda: _weight_only(4), "weight_only_int8": lambda: _weight_only(8)}
