@@ -90,3 +90,11 @@ def test_weight_only_gptq_names_a_calibration_batch_that_does_not_fit():
     m = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
     with pytest.raises(ValueError, match="quantize_weight_only: calib batch 1 failed in the model: RuntimeError"):
         Q.quantize_weight_only(m, bits=4, group_size=16, method="gptq", calib=[torch.randn(2, 16), torch.randn(2, 17)])
+
+
+@pytest.mark.parametrize("bits", [4.0, 8.0, "4"])
+def test_bits_must_be_the_int_4_or_8(bits):
+    with pytest.raises(ValueError, match=rf"bits={bits!r} must be"):
+        Q.quantize_weight_only(nn.Sequential(nn.Linear(16, 16)), bits=bits, group_size=16)
+    with pytest.raises(ValueError, match=rf"get_embedding_qconfig: bits={bits!r}"):
+        Q.get_embedding_qconfig(bits=bits)

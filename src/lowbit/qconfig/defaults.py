@@ -209,7 +209,7 @@ def get_dynamic_qconfig(dtype: QDtype | str | torch.dtype = qint8, *, backend: s
 
 
 def _embedding_bits(fn: str, bits: Any) -> QDtype:
-    if bits not in (4, 8) or isinstance(bits, bool):
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):
         raise ValueError(f"{fn}: bits={bits!r} must be 8 or 4")
     return quint8 if bits == 8 else quint4
 

@@ -79,7 +79,7 @@ def _check_args(in_features: Any, out_features: Any, bits: Any, group_size: Any,
     for name, v in (("in_features", in_features), ("out_features", out_features)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{where}: {name}={v!r} must be a positive int")
-    if bits not in (4, 8) or isinstance(bits, bool):
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):  # (4.0 passed "in (4, 8)")
         raise ValueError(f"{where}: bits={bits!r} must be 4 or 8")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or (group_size <= 0 and group_size != -1):
         raise ValueError(f"{where}: group_size={group_size!r} must be a positive int or -1 (per channel)")
