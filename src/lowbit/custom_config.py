@@ -155,7 +155,8 @@ class PrepareCustomConfig(_Config):
             raise ValueError(f"PrepareCustomConfig.from_dict: unsupported keys {sorted(set(d) - known)} "
                              f"(supported: {sorted(known)})")
         cfg = cls()
-        f2o = d.get("float_to_observed_custom_module_class", {})
+        f2o = _mapping_arg(d.get("float_to_observed_custom_module_class", {}),
+                           "PrepareCustomConfig.from_dict: float_to_observed_custom_module_class")
         if f2o and all(isinstance(k, str) for k in f2o):  # {"static": {Float: Observed}}
             for qt, m in f2o.items():
                 for f, o in m.items():
@@ -222,7 +223,8 @@ class ConvertCustomConfig(_Config):
             raise ValueError(f"ConvertCustomConfig.from_dict: unsupported keys {sorted(set(d) - known)} "
                              f"(supported: {sorted(known)})")
         cfg = cls()
-        o2q = d.get("observed_to_quantized_custom_module_class", {})
+        o2q = _mapping_arg(d.get("observed_to_quantized_custom_module_class", {}),
+                           "ConvertCustomConfig.from_dict: observed_to_quantized_custom_module_class")
         if o2q and all(isinstance(k, str) for k in o2q):
             for qt, m in o2q.items():
                 for o, q in m.items():
@@ -284,6 +286,13 @@ def from_observed_adapter(quantized_class: type) -> type:
             "from_float": staticmethod(from_float), "__module__": quantized_class.__module__,
             "__doc__": f"from_observed adapter of {quantized_class.__qualname__}"})
     return _ADAPTERS[quantized_class]
+
+
+def _mapping_arg(m: Any, where: str) -> dict[Any, Any]:
+    """A ``{from: to}`` dict, or one per quantization type (``{"static": {...}}``), checked to be dicts."""
+    if not isinstance(m, dict) or not all(isinstance(v, dict) for k, v in m.items() if isinstance(k, str)):
+        raise TypeError(f"{where} must be a dict {{FloatClass: ObservedClass}} or {{'static': {{...}}}}, got {m!r}")
+    return m
 
 
 def check_module_types(fn: str, arg: str, value: Any) -> set[type]:

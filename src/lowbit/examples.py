@@ -101,8 +101,10 @@ def train(
     >>> _ = train(m, torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,)), epochs=1, batch_size=16)
     """
     _check_xy(x, y)
-    if not epochs > 0:
-        raise ValueError(f"epochs={epochs!r} must be > 0")
+    if len(x) == 0:
+        raise ValueError(f"train: x holds no samples (shape {tuple(x.shape)})")
+    if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not 0 < epochs < float("inf"):
+        raise ValueError(f"epochs={epochs!r} must be a finite number > 0")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive int")
     if on_step is not None and not callable(on_step):

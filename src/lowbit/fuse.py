@@ -178,6 +178,8 @@ def _fuse(model: nn.Module, modules_to_fuse: Any, inplace: bool, is_qat: bool,
         raise TypeError(f"fuse: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(inplace, bool):
         raise TypeError(f"fuse: inplace must be a bool, got {inplace!r}")
+    if not callable(fuser):
+        raise TypeError(f"fuse: fuser_func={fuser!r} must be callable (mods, is_qat) -> list of modules")
     groups = _groups(modules_to_fuse)
     if not inplace:
         model = copy.deepcopy(model)
@@ -185,6 +187,10 @@ def _fuse(model: nn.Module, modules_to_fuse: Any, inplace: bool, is_qat: bool,
         mods = [_get(model, n) for n in group]
         _check_adjacent(model, group)
         new = fuser(mods, is_qat=is_qat)
+        if (not isinstance(new, (list, tuple)) or len(new) != len(group)
+                or not all(isinstance(m, nn.Module) for m in new)):  # zip would drop the rest: a BN applied twice
+            raise TypeError(f"fuse: fuser_func must return {len(group)} nn.Modules for the group {group} (the fused "
+                            f"module, then nn.Identity for each other one), got {new!r}")
         for name, mod in zip(group, new):
             if qconfig is not None and mod is new[0]:
                 mod.qconfig = qconfig

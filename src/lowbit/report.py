@@ -66,6 +66,11 @@ def _check_rows(rows: Any) -> list[dict[str, Any]]:
         missing = [k for k in ROW_KEYS if k not in r]
         if missing:
             raise ValueError(f"write_report: table_rows[{i}] (method={r.get('method')!r}) lacks keys {missing}")
+        bad = [k for k in ROW_KEYS[1:] if not (r[k] is None and k in ("accuracy", "delta"))
+               and (isinstance(r[k], bool) or not isinstance(r[k], (int, float)))]
+        if bad:
+            raise TypeError(f"write_report: table_rows[{i}] (method={r.get('method')!r}) needs numbers for {bad}, got "
+                            + ", ".join(f"{k}={r[k]!r}" for k in bad))
     return list(rows)
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -168,6 +169,26 @@ def _float_twin(mod: nn.Module) -> nn.Module:
     return twin.eval()
 
 
+_GEOMETRY = ("in_features", "out_features", "in_channels", "out_channels", "kernel_size", "stride", "padding",
+             "dilation", "groups")
+
+
+def _check_twin(name: str, qmod: nn.Module, fmod: nn.Module) -> None:
+    """The float module at ``name`` must be the layer ``qmod`` was converted from: a weighted layer of the same geometry
+    (a swap to anything else would change the model's output)."""
+    fw = getattr(fmod, "weight", None)
+    if not isinstance(fw, torch.Tensor):
+        inner = next((m for m in fmod.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)), None)
+        fw = None if inner is None else inner.weight
+        fmod = fmod if inner is None else inner
+    differs = [g for g in _GEOMETRY if hasattr(qmod, g) and hasattr(fmod, g) and getattr(qmod, g) != getattr(fmod, g)]
+    if fw is None or differs:
+        raise ValueError(f"keep_faster: float_model's {name or '<root>'!r} ({type(fmod).__name__}) is not the layer the "
+                         f"quantized {type(qmod).__name__} was converted from"
+                         + (f" ({', '.join(f'{g} {getattr(fmod, g)} != {getattr(qmod, g)}' for g in differs)})"
+                            if differs else " (it has no weight)"))
+
+
 def _default_timer(rounds: int, min_time: float = 0.005) -> Timer:
     def timer(name: str, run_int8: Callable[[], Any], run_float: Callable[[], Any]) -> tuple[float, float]:
         fns = (run_int8, run_float)
@@ -259,6 +280,7 @@ def keep_faster(qmodel: nn.Module, float_model: nn.Module, example_inputs: Any, 
         if name not in floats:
             raise ValueError(f"keep_faster: float_model has no module {name or '<root>'!r} matching the "
                              f"quantized {type(qmod).__name__}")
+        _check_twin(name, qmod, floats[name])
     inputs = _capture_inputs(qmodel, args)
     swaps: dict[str, tuple[nn.Module, nn.Module]] = {}
     for name, qmod in layers:
@@ -269,7 +291,12 @@ def keep_faster(qmodel: nn.Module, float_model: nn.Module, example_inputs: Any, 
         x = inputs[name]
         repl = _replacement(qmod, _float_twin(floats[name]), x)
         with torch.inference_mode():
-            t_int8, t_float = timer(name, functools.partial(qmod, x), functools.partial(repl, x))
+            times = timer(name, functools.partial(qmod, x), functools.partial(repl, x))
+        if (not isinstance(times, (tuple, list)) or len(times) != 2
+                or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < math.inf for t in times)):
+            raise ValueError(f"keep_faster: timer returned {times!r} for {name!r}; it must return two positive finite "
+                             "seconds (int8, float)")
+        t_int8, t_float = times
         ratio = t_float / t_int8
         kept = ratio > margin
         report.decisions.append(Decision(name, kind, tuple(x.shape), t_int8 * 1e3, t_float * 1e3, ratio, kept))

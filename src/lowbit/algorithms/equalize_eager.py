@@ -122,6 +122,8 @@ def _named(model: nn.Module, paired: Any) -> list[tuple[str, str]]:
             if item not in mods:
                 raise ValueError(f"equalize: the model has no module named {item!r}")
             keys.append(item)
+        if len(set(keys)) != len(keys):  # a layer paired with itself: its scales would be applied twice
+            raise ValueError(f"equalize: the group {group!r} names a module more than once")
         pairs += list(zip(keys[:-1], keys[1:]))
     return pairs
 
@@ -205,6 +207,8 @@ def equalize(model: nn.Module, paired_modules_list: Any = None, threshold: float
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"equalize: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(inplace, bool):  # a truthy "no" changed the caller's model
+        raise TypeError(f"equalize: inplace must be a bool, got {inplace!r}")
     if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 <= threshold < math.inf:
         raise ValueError(f"equalize: threshold={threshold!r} must be a finite number >= 0")
     if ranges not in _RANGES:

@@ -43,7 +43,7 @@ from . import convert_dynamic as float_out
 from .convert_dynamic import set_module as _set_module
 from .convert_dynamic import what as _what
 from .patterns import func_activation, is_dropout
-from .prepare import STATE_KEY, is_prepared
+from .prepare import STATE_KEY, check_preservable, is_prepared
 from .report import FxReport
 from .weighted import arg_of, input_of, standin
 
@@ -94,7 +94,10 @@ class _Converter:
             return set()
         args = outputs[0].args[0]
         values = list(args) if isinstance(args, (tuple, list)) else [args]
-        return {values[i] for i in self.output_idxs if i < len(values) and isinstance(values[i], fx.Node)}
+        past = [i for i in self.output_idxs if i >= len(values)]
+        if past:  # (a typo was silently ignored)
+            raise ValueError(f"convert_fx: output_quantized_indexes {past} are past the model's {len(values)} outputs")
+        return {values[i] for i in self.output_idxs if isinstance(values[i], fx.Node)}
 
     def _key(self, node: fx.Node) -> str:
         return f"{self.prefix}.{node.name}" if self.prefix else node.name
@@ -314,12 +317,15 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
     top = model.meta[STATE_KEY] if isinstance(model, fx.GraphModule) else model.__dict__[STATE_KEY]
     if top.get("converted"):
         raise ValueError("convert_fx: this model was already converted")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"convert_fx: inplace must be a bool, got {inplace!r}")
     if top.get("reference"):  # a convert_to_reference_fx model: lower it (same tier; it builds on this module)
         from ..reference.fx import lower_reference_fx
 
+        if convert_custom_config is not None and cfg.to_dict():
+            raise ValueError("convert_fx: a reference model is lowered as it is; convert_custom_config "
+                             f"{cfg.to_dict()} would not be applied (pass it to convert_to_reference_fx)")
         return lower_reference_fx(model, inplace=inplace)
-    if not isinstance(inplace, bool):
-        raise TypeError(f"convert_fx: inplace must be a bool, got {inplace!r}")
     source = model
     if not inplace:
         model = copy.deepcopy(model)
@@ -336,6 +342,7 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
     for name in [*top.get("preserved", []), *cfg.preserved_attributes]:  # a GraphModule copy drops them
         if not hasattr(source, name):
             raise ValueError(f"convert_fx: preserved attribute {name!r} is not an attribute of the prepared model")
+        check_preservable(source, model, name, "convert_fx")
         setattr(model, name, getattr(source, name))
     model.lowbit_report = report
     return model.eval()

@@ -27,6 +27,7 @@ from torch import fx, nn
 
 from ..custom_config import FuseCustomConfig
 from .patterns import fuse_graph
+from .prepare import check_preservable
 from .trace import trace
 
 __all__ = ["fuse_fx"]
@@ -59,5 +60,6 @@ def fuse_fx(model: nn.Module, fuse_custom_config: Any = None) -> fx.GraphModule:
     for name in cfg.preserved_attributes:
         if not hasattr(model, name):
             raise ValueError(f"fuse_fx: preserved attribute {name!r} is not an attribute of {type(model).__name__}")
+        check_preservable(model, gm, name, "fuse_fx")
         setattr(gm, name, getattr(model, name))
     return gm.train(training)

@@ -239,6 +239,9 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
         _prepare_children(sub, ctx, join(prefix, path))
     if top:  # prepare_custom_config's quantized inputs: QTensors after convert, so no input observer
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        past = [i for i in ctx.input_quantized if i >= len(placeholders)]
+        if past:  # (a typo was silently ignored)
+            raise ValueError(f"{ctx.fn}: input_quantized_indexes {past} are past the model's {len(placeholders)} inputs")
         for i in ctx.input_quantized:
             if i < len(placeholders):
                 placeholders[i].meta["lowbit_qinput"] = True
@@ -295,10 +298,20 @@ def _declare_non_traceable(model: nn.Module, ctx: _Ctx, cfg: PrepareCustomConfig
         ctx.report.untraceable[name] = "declared non-traceable (prepare_custom_config): left float"
 
 
+def check_preservable(src: nn.Module, dst: nn.Module, name: str, fn: str) -> None:
+    """A preserved attribute is data the graph does not run: a submodule (the graph holds its own, fused or observed,
+    twin) or a name of the GraphModule itself (``forward``, ``graph``, ...) would be overwritten by the float original."""
+    if isinstance(getattr(src, name, None), nn.Module) or name in getattr(dst, "_modules", {}) or hasattr(type(dst), name):
+        raise ValueError(f"{fn}: preserved attribute {name!r} is a submodule or a method of the model; setting it on "
+                         "the result would replace the graph's own (fused / quantized) module or code. Preserve plain "
+                         "attributes (numbers, strings, tensors, configs) only")
+
+
 def _preserve(src: nn.Module, dst: nn.Module, names: list[str], fn: str) -> None:
     for name in names:
         if not hasattr(src, name):
             raise ValueError(f"{fn}: preserved attribute {name!r} is not an attribute of {type(src).__name__}")
+        check_preservable(src, dst, name, fn)
         setattr(dst, name, getattr(src, name))
 
 

@@ -70,6 +70,10 @@ class MobileNetV2(nn.Module):
     def __init__(self, num_classes: int = 1000, width: float = 1.0, dropout: float = 0.2,
                  quantizable: bool = False) -> None:
         super().__init__()
+        if isinstance(width, bool) or not isinstance(width, (int, float)) or not 0 < width < float("inf"):
+            raise ValueError(f"MobileNetV2: width={width!r} must be a positive finite number")
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+            raise ValueError(f"MobileNetV2: num_classes={num_classes!r} must be a positive int")
         cin, last = _divisible(32 * width), _divisible(1280 * max(1.0, width))
         feats: list[nn.Module] = [_conv_bn_relu6(3, cin, 3, 2)]
         for t, c, n, s in _SETTINGS:

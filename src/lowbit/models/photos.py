@@ -67,8 +67,10 @@ def photo_crops(n: int, seed: int = 0, size: int = 224, norm: str = "imagenet", 
     >>> bool(((x * 128 + 127) == (x * 128 + 127).round()).all())
     True
     """
-    if not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"photo_crops: n={n!r} must be a positive int")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"photo_crops: size={size!r} must be a positive int (pixels)")
     if not isinstance(uint8, bool):
         raise TypeError(f"photo_crops: uint8={uint8!r} must be True or False")
     if norm not in ("imagenet", "lite"):

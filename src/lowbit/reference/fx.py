@@ -139,6 +139,8 @@ def lower_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Module:
     if not is_reference_fx(model):
         raise TypeError(f"lower_reference_fx: expects a model returned by convert_to_reference_fx, got "
                         f"{type(model).__name__}")
+    if not isinstance(inplace, bool):  # a truthy "no" rewrote the caller's model
+        raise TypeError(f"lower_reference_fx: inplace must be a bool, got {inplace!r}")
     if not inplace:
         model = copy.deepcopy(model)
     for gm in _graphs(model):
