@@ -181,7 +181,8 @@ def _check_twin(name: str, qmod: nn.Module, fmod: nn.Module) -> None:
         inner = next((m for m in fmod.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)), None)
         fw = None if inner is None else inner.weight
         fmod = fmod if inner is None else inner
-    differs = [g for g in _GEOMETRY if hasattr(qmod, g) and hasattr(fmod, g) and getattr(qmod, g) != getattr(fmod, g)]
+    differs = [g for g in _GEOMETRY if hasattr(qmod, g) and hasattr(fmod, g) and getattr(qmod, g) != getattr(fmod, g)
+               and not isinstance(getattr(fmod, g), str)]  # (padding="same" is a tuple once quantized)
     if fw is None or differs:
         raise ValueError(f"keep_faster: float_model's {name or '<root>'!r} ({type(fmod).__name__}) is not the layer the "
                          f"quantized {type(qmod).__name__} was converted from"
