@@ -119,3 +119,34 @@ def test_helpers_name_their_bad_arguments():
         Q.PrepareCustomConfig.from_dict({"float_to_observed_custom_module_class": [1, 2]})
     with pytest.raises(TypeError, match="observed_to_quantized_custom_module_class must be a dict"):
         Q.ConvertCustomConfig.from_dict({"observed_to_quantized_custom_module_class": [1]})
+
+
+def test_empty_data_and_a_custom_from_float_that_returns_no_module_are_named():
+    from lowbit.examples import evaluate, predict
+
+    m = SmallCNN(channels=(4, 4), hidden=8)
+    with pytest.raises(ValueError, match="predict: x holds no samples"):
+        predict(m, torch.zeros(0, 1, 28, 28))
+    with pytest.raises(ValueError, match="evaluate: x holds no samples"):
+        evaluate(m, torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.long))
+
+    class Custom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    class Observed(nn.Module):
+        @classmethod
+        def from_float(cls, mod: nn.Module) -> int:
+            return 5
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.custom = nn.Linear(4, 4), Custom()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.custom(self.fc(x))
+
+    cfg = Q.PrepareCustomConfig().set_float_to_observed_mapping(Custom, Observed)
+    with pytest.raises(TypeError, match="Observed.from_float returned int, not an nn.Module"):
+        Q.prepare_fx(Net().eval(), Q.get_default_qconfig_mapping(), (X,), prepare_custom_config=cfg)

@@ -140,6 +140,8 @@ def predict(model: nn.Module, x: torch.Tensor, batch_size: int = 1000) -> torch.
         raise TypeError(f"x must be a float tensor, got {getattr(x, 'dtype', type(x))}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive int")
+    if len(x) == 0:
+        raise ValueError(f"predict: x holds no samples (shape {tuple(x.shape)})")
     return torch.cat([model(x[i : i + batch_size]).argmax(1) for i in range(0, len(x), batch_size)])
 
 
@@ -151,5 +153,7 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
     True
     """
     _check_xy(x, y)
+    if len(x) == 0:
+        raise ValueError(f"evaluate: x holds no samples (shape {tuple(x.shape)})")
     model.eval()
     return 100.0 * (predict(model, x, batch_size) == y).double().mean().item()

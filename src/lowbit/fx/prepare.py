@@ -166,6 +166,9 @@ def _swap_custom(gm: fx.GraphModule, custom: dict[type, type]) -> None:
         qc = getattr(mod, "qconfig", None)
         if type(mod) in custom and qc is not None and not is_dynamic_qconfig(qc):
             new = custom[type(mod)].from_float(mod)
+            if not isinstance(new, nn.Module):  # (as eager prepare checks)
+                raise TypeError(f"prepare_fx: {custom[type(mod)].__name__}.from_float returned "
+                                f"{type(new).__name__}, not an nn.Module, for {node.target!r}")
             new.qconfig = qc
             parent, _, name = node.target.rpartition(".")
             setattr(gm.get_submodule(parent) if parent else gm, name, new)
