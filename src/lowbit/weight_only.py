@@ -36,16 +36,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from .nn.quantized._utils import check_finite_linears
 from .nn.quantized.weight_only import METHODS, WeightOnlyLinear, _check_args, fit_group_size, gptq_quantize
 
 __all__ = ["quantize_weight_only", "collect_hessians"]
 
 
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    """Whether ``name``, or its last name component(s), is in ``skip``."""
+    return any(name == s or name.endswith("." + s) for s in skip)
+
+
 def _targets(model: nn.Module, skip: tuple[str, ...]) -> dict[str, nn.Linear]:
-    """Named ``nn.Linear`` modules (exact type) whose name, or last name component(s), is not in ``skip``."""
-    def skipped(name: str) -> bool:
-        return any(name == s or name.endswith("." + s) for s in skip)
-    return {n: m for n, m in model.named_modules() if type(m) is nn.Linear and not skipped(n)}
+    """Named ``nn.Linear`` modules (exact type) not ``_skipped``."""
+    return {n: m for n, m in model.named_modules() if type(m) is nn.Linear and not _skipped(n, skip)}
 
 
 def _run(model: nn.Module, batch: Any) -> None:
@@ -145,11 +149,7 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128,
     if method == "gptq" and calib is None:
         raise ValueError("quantize_weight_only: method='gptq' needs calib= (an iterable of model inputs)")
     skip = tuple(skip)
-    for name, lin in _targets(model, skip).items():  # before any copy or calibration work
-        bad = int((~torch.isfinite(lin.weight.detach())).sum())
-        if bad:
-            raise ValueError(f"quantize_weight_only: layer {name or '<model>'!r} has {bad} NaN/Inf weight values "
-                             f"(of {lin.weight.numel()}); fix the checkpoint before quantizing")
+    check_finite_linears(_targets(model, skip).items(), "quantize_weight_only", bias=False)  # before any copy or work
     if not inplace:
         model = copy.deepcopy(model)
     model.eval()
@@ -182,7 +182,7 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128,
     # one WeightOnlyLinear for all of them, as eager convert does; a place named in skip keeps the float Linear
     by_id = {id(linears[n]): q for n, q in built.items()}
     places = [(n, by_id[id(m)]) for n, m in model.named_modules(remove_duplicate=False)
-              if n and id(m) in by_id and not any(n == s or n.endswith("." + s) for s in skip)]
+              if n and id(m) in by_id and not _skipped(n, skip)]
     for name, q in places:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, q)

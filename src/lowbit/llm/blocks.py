@@ -31,8 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["decoder_layers", "capture_block_inputs", "linear_groups", "run_block", "StopForward", "check_llm_calib",
-           "check_finite_linears"]
+__all__ = ["decoder_layers", "capture_block_inputs", "linear_groups", "run_block", "StopForward", "check_llm_calib"]
 
 _LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers")
 
@@ -90,17 +89,6 @@ def check_llm_calib(model: nn.Module, calib: Iterable[Any], fn: str) -> list[Any
         elif isinstance(b, torch.Tensor):
             _check_ids(b, where, vocab)
     return batches
-
-
-def check_finite_linears(layers: nn.Module, fn: str) -> None:
-    """``ValueError`` naming the first ``nn.Linear`` of ``layers`` whose weight or bias holds NaN/Inf."""
-    for name, m in layers.named_modules():
-        if isinstance(m, nn.Linear):
-            for what, t in (("weight", m.weight), ("bias", m.bias)):
-                if t is not None and not bool(torch.isfinite(t.detach()).all()):
-                    bad = int((~torch.isfinite(t.detach())).sum())
-                    raise ValueError(f"{fn}: layer {name!r} has {bad} NaN/Inf {what} values (of {t.numel()}); fix the "
-                                     "checkpoint before quantizing")
 
 
 def _call(model: nn.Module, batch: Any) -> None:

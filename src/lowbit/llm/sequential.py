@@ -47,8 +47,8 @@ from torch import nn
 from ..nn.quantized.weight_only import (WeightOnlyLinear, _check_args, fit_group_size, gptq_quantize, quantize_groups,
                                        weight_qdtype)
 from .awq import awq_fold, awq_search_stats, scale_source
-from .blocks import (StopForward, capture_block_inputs, check_finite_linears, check_llm_calib, decoder_layers, linear_groups,
-                     run_block)
+from ..nn.quantized._utils import check_finite_linears
+from .blocks import StopForward, capture_block_inputs, check_llm_calib, decoder_layers, linear_groups, run_block
 from .dist import broadcast_tensors, ordered_sum, rank_and_world
 from .refine import output_error, refine_scales
 from .tied import quantize_head
@@ -204,7 +204,7 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
     model.eval()
     rank, world = rank_and_world(group)
     layers = decoder_layers(model)
-    check_finite_linears(layers, "quantize_llm")
+    check_finite_linears(((n, m) for n, m in layers.named_modules() if isinstance(m, nn.Linear)), "quantize_llm")
     calib = check_llm_calib(model, calib, "quantize_llm")
     inps = capture_block_inputs(model, layers, calib)
     if not inps:

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .awq import awq_fold, scale_source
-from .blocks import _call, check_finite_linears, check_llm_calib, decoder_layers, linear_groups
+from ..nn.quantized._utils import check_finite_linears
+from .blocks import _call, check_llm_calib, decoder_layers, linear_groups
 
 __all__ = ["DynamicInt8Linear", "quantize_w8a8", "activation_absmax"]
 
@@ -137,7 +138,7 @@ def quantize_w8a8(model: nn.Module, calib: Iterable[Any], alpha: float | None = 
         model = copy.deepcopy(model)
     model.eval()
     layers = decoder_layers(model)
-    check_finite_linears(layers, "quantize_w8a8")
+    check_finite_linears(((n, m) for n, m in layers.named_modules() if isinstance(m, nn.Linear)), "quantize_w8a8")
     calib = check_llm_calib(model, calib, "quantize_w8a8")
     if not calib:
         raise ValueError("quantize_w8a8: calib yielded no batches")

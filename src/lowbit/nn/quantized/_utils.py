@@ -22,6 +22,7 @@ lowbit.quint8
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -39,7 +40,8 @@ from ...qtensor import QTensor, quantize_per_channel
 from ._state import CheckedQuantState
 
 __all__ = ["quantize_weight", "weight_qparams", "weight_qscheme", "observer_grid", "output_qparams", "as_qtensor",
-           "float_op", "check_out_grid", "check_no_nan", "check_finite_weight", "WeightedQuantModule", "InputGrid"]
+           "float_op", "check_out_grid", "check_no_nan", "check_finite_weight", "check_finite_linears", "WeightedQuantModule",
+           "InputGrid"]
 
 InputGrid = tuple[float, int, QDtype]
 
@@ -73,6 +75,17 @@ def check_finite_weight(weight: torch.Tensor, where: str = "") -> None:
         raise ValueError(f"{where + ': ' if where else ''}the weight of shape {tuple(weight.shape)} holds "
                          f"{int(bad.sum())} NaN/Inf values (first at index {first}: {float(weight.detach()[first])}); "
                          "integer codes cannot represent them — fix or exclude this layer (qconfig None)")
+
+
+def check_finite_linears(named: Iterable[tuple[str, nn.Module]], fn: str, bias: bool = True) -> None:
+    """``ValueError`` naming the first of the ``(name, Linear)`` pairs whose weight (or, with ``bias``, bias) holds NaN
+    or ±Inf: the whole-model entry points (``quantize_weight_only``, ``quantize_llm``, ``quantize_w8a8``) check every
+    layer before any copy or calibration work."""
+    for name, m in named:
+        for what, t in (("weight", m.weight), ("bias", m.bias if bias else None)):
+            if t is not None and not bool(torch.isfinite(t.detach()).all()):
+                raise ValueError(f"{fn}: layer {name or '<model>'!r} has {int((~torch.isfinite(t.detach())).sum())} NaN/Inf "
+                                 f"{what} values (of {t.numel()}); fix the checkpoint before quantizing")
 
 
 def quantize_weight(weight: torch.Tensor, observer: Any, ch_axis: int) -> QTensor:
