@@ -37,6 +37,7 @@ import torch
 
 from . import blocked, qstore
 from .compile_state import inline_dequantize, inline_quantize, qdtype_key, tracing
+from .qparams import _F32_MAX, _F32_TINY  # the smallest / largest positive float32
 from .qscheme import QDtype, as_qdtype
 
 __all__ = ["quantize", "dequantize", "fake_quantize", "check_ch_axis", "check_quantized_state"]
@@ -54,9 +55,6 @@ def check_ch_axis(ch_axis: int, ndim: int, shape: tuple[int, ...] | torch.Size |
         what = f"shape {tuple(shape)}" if shape is not None else f"{ndim}-d tensor"
         raise ValueError(f"ch_axis={ch_axis} is out of range for a tensor of {what}")
     return ch_axis % ndim
-
-
-_F32_TINY, _F32_MAX = 1.401298464324817e-45, 3.4028234663852886e38  # the smallest / largest positive float32
 
 
 def _check_qparams(fn: str, scale: Number, zero_point: Number, qmin: int | None = None,

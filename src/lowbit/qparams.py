@@ -41,7 +41,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .functional import _F32_MAX, _F32_TINY
 from .qscheme import QDtype, QScheme, as_qdtype, as_qscheme
 
 __all__ = ["QParams", "calculate_qparams"]
@@ -71,6 +70,10 @@ def _as_float_tensor(v: float | torch.Tensor, name: str) -> torch.Tensor:
     raise TypeError(f"calculate_qparams: {name}={v!r} must be a float or a tensor")
 
 
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+_F32_TINY = 1.401298464324817e-45  # the smallest positive float32: a smaller eps or scale rounds to 0 there
 
 
 def _keep_grid_finite(scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
