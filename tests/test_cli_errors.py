@@ -207,3 +207,15 @@ def test_a_model_with_no_quantizable_layer_is_said_not_a_failure_at_the_end(work
     assert rc == 0, err
     assert "no layer of the model is one lowbit quantizes statically" in err and "error" not in err
     assert (workdir / "o" / "model_ptq.pt").exists() and (workdir / "o" / "report.md").exists()
+
+
+def test_quantize_llm_truncated_gguf_is_one_line_naming_the_file(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    bad = tmp_path / "short.gguf"
+    bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + b"\x05\x00")  # a header cut off mid-count
+    rc = cli.main(["quantize-llm", str(bad), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "short.gguf a complete, uncorrupted GGUF file" in err, err
+    assert not (tmp_path / "o").exists()

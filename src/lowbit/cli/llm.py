@@ -90,9 +90,14 @@ def _load(path: str) -> tuple[Any, nn.Module]:
         kw = {}
     else:
         raise CLIError(f"MODEL {path!r} is neither a .gguf file nor a Hugging Face model directory (config.json)")
-    with stage(f"loading {path}"):
-        tok = AutoTokenizer.from_pretrained(str(p), **kw)
-        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32, **kw).eval()
+    try:
+        with stage(f"loading {path}"):
+            tok = AutoTokenizer.from_pretrained(str(p), **kw)
+            model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32, **kw).eval()
+    except CLIError as e:
+        if kw:  # the GGUF reader's own errors (struct / numpy reshape) do not say the file is short or damaged
+            raise CLIError(f"{e} (is {Path(path).name} a complete, uncorrupted GGUF file?)") from e.__cause__
+        raise
     return tok, model
 
 
