@@ -17,7 +17,7 @@ from torch import nn
 
 import lowbit as Q
 from lowbit import kernels
-from lowbit.export import run_onnx, to_onnx
+from lowbit.export import to_onnx
 from lowbit.export.twin import build_twin
 from lowbit.nn.quantized.linear_float_out import LinearFloatOut
 from lowbit.speed_guard import FloatFallback

@@ -162,8 +162,8 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     (LSQ; ``block.learnable_grids``), the learned grids replace their observers (``FixedQParamsObserver``).
     ``rounding`` (layer-by-layer path): ``"adaround"``, ``"quadratic"`` (``lowbit.algorithms.quadratic``: codes
     minimising the layer's output error on all calibration data, every Linear / dense or depthwise conv) or
-    ``"depthwise"`` (those codes on depthwise convs only). Returns one ``LayerChange`` per layer, in order. The model is changed in place (weights, biases,
-    weight grids pinned for ``convert``/``convert_fx``).
+    ``"depthwise"`` (those codes on depthwise convs only). Returns one ``LayerChange`` per layer, in order. The
+    model is changed in place (weights, biases, weight grids pinned for ``convert``/``convert_fx``).
     """
     if rounding not in ROUNDINGS:
         raise ValueError(f"reconstruct: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")

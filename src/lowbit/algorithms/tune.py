@@ -40,7 +40,7 @@ import torch
 from torch import fx, nn
 
 from ..batches import output_tensors
-from .block import LearnedGrid, install_grid, learnable_grids
+from .block import install_grid, learnable_grids
 from .layers import freeze_weight, is_weighted, split, weight_codes
 from .layerwise import batch_tuples, patch_observers
 

@@ -335,7 +335,7 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
             # modules drop their qconfig (else the BN would run as an int8 op of its own on the layer's wide
             # pre-BN output, after a quantize the float layer never asked for)
             if getattr(first, "qconfig", None) is None:
-                for n, m in zip(run[1:], mods[1:]):
+                for n in run[1:]:
                     if n.op == "call_module" and hasattr(modules[n.target], "qconfig"):
                         modules[n.target].qconfig = None
             continue
