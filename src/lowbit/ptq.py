@@ -159,6 +159,21 @@ def _sqnr(ref: Any, out: Any) -> float:
     return 10 * math.log10(signal / noise) if noise > 0 else float("inf")
 
 
+def _mark_rescaled(qmodel: nn.Module, equalized: list[Any]) -> None:
+    """Record in ``qmodel.lowbit_report.rescaled`` which layers equalization rescaled: a pair's first layer and a
+    stream's writers (their output channels: ``"output"``), a pair's second layer and a stream's readers (their
+    input channels: ``"weight"``). ``lowbit.debug.compare`` leaves those cells out instead of scoring a rescale."""
+    report = getattr(qmodel, "lowbit_report", None)
+    if report is None:
+        return
+    for e in equalized:
+        outs, ins = (([e.first], [e.second]) if hasattr(e, "first") else (list(e.writers), list(e.readers)))
+        for name in ins:
+            report.rescaled.setdefault(name, "weight")
+        for name in outs:
+            report.rescaled[name] = "output"
+
+
 def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate", *,
                  qconfig_mapping: QConfigMapping | None = None, iters: int = 500, batch_size: int = 8,
                  equalize: bool | str = "range", streams: float | None = 0.75, blocks: bool = True,
@@ -323,6 +338,7 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
                                                 f"calibration output error x{t.error_after / t.error_before:.3f}"
                                                 f"{'' if t.kept else ' (no gain: not kept)'}"))
     qmodel = convert_fx(prepared)
+    _mark_rescaled(qmodel, report.equalized)
     with torch.no_grad():
         ref = float_model(*batches[0])
         report.sqnr_db = _sqnr(ref, qmodel(*batches[0]))

@@ -18,7 +18,10 @@ folded in. A float model fused beforehand works too (same names; its ``Identity`
 output on). Graph-mode models (``convert_fx``) say in ``lowbit_report.absorbed`` which BN/ReLU each
 fused layer absorbed: the layer is compared with the float output of the last of them (a functional
 ReLU applied to the float output before it) and its weight with the BN folded in, as in eager mode.
-A quantized model built from ``QuantWrapper(float_model)`` matches ``module.<name>``.
+A quantized model built from ``QuantWrapper(float_model)`` matches ``module.<name>``. Layers whose channels
+``quantize_ptq``'s equalization rescaled (``lowbit_report.rescaled``) no longer compute the float model's
+values: their output (and weight) cells, or only the weight cell of a layer whose inputs were rescaled, are
+``None`` (``-`` in the table, "rescaled" in ``compared_with``) rather than a figure that measures the rescale.
 
 >>> import torch, lowbit as Q
 >>> from torch import nn
@@ -116,8 +119,8 @@ class LayerComparison:
     name: str            # module name in the quantized model
     module_type: str     # its class name
     compared_with: str   # float module whose output is the reference (last fused-away module, or name)
-    act_sqnr_db: float
-    act_max_abs_err: float
+    act_sqnr_db: float | None  # None: not comparable (channels rescaled by equalization)
+    act_max_abs_err: float | None
     weight_sqnr_db: float | None = None
     weight_max_abs_err: float | None = None
 
@@ -354,9 +357,16 @@ def compare(float_model: nn.Module, quantized_model: nn.Module, inputs: Any) -> 
             m.training = training
 
     f_named = dict(float_model.named_modules())
+    rescaled = getattr(getattr(quantized_model, "lowbit_report", None), "rescaled", None) or {}
     rows = []
     for p in pairs:
         if act[p.name].count == 0:  # never called in the forward pass (or its float twin was not)
+            continue
+        what = rescaled.get(p.name)
+        if what is not None:  # equalization changed this layer's output or weight: the float model is no reference
+            a_sqnr, a_err = (None, None) if what == "output" else (act[p.name].sqnr_db, act[p.name].max_err)
+            rows.append(LayerComparison(p.name, type(p.qmod).__name__, p.ref + _act_suffix(p) + f" ({what} rescaled)",
+                                        a_sqnr, a_err, None, None))
             continue
         w_sqnr = w_err = None
         w_hat = _quantized_weight(p.qmod)

@@ -68,6 +68,7 @@ from .sensitivity import (
     _quiet_float_fallback,
     _score,
     example_inputs_of,
+    metric_drop,
     sensitivity,
 )
 
@@ -130,7 +131,7 @@ def auto_mixed_precision(model: nn.Module, qconfig_mapping: Any, calib: Any, eva
         table.all_quantized_metric = metric
         steps = tqdm(table.rows, desc="auto_mixed_precision", disable=not progress, leave=False)
         for row in steps:
-            if table.baseline - metric <= limit or len(table.float_layers) >= budget:
+            if metric_drop(table.baseline, metric) <= limit or len(table.float_layers) >= budget:
                 break
             trial = copy.deepcopy(mapping).set_module_name(row.name, None)
             m = measure(trial, f"the model with {[*table.float_layers, row.name]} float")
@@ -314,13 +315,14 @@ def _search(qmodel: nn.Module, swaps: dict[str, list[tuple[str, nn.Module]]],
         undo = _apply(qmodel, sw)
         m = _score(eval_fn, qmodel, f"the model with '{name}' float")
         _apply(qmodel, undo)
-        rows.append(SensitivityRow(name, type(undo[-1][1]).__name__, m, baseline - m))
+        rows.append(SensitivityRow(name, type(undo[-1][1]).__name__, m, metric_drop(baseline, m)))
     rows.sort(key=lambda r: -r.metric)  # not by drop: an infinite baseline (SQNR vs float) makes every drop inf
     table.rows = rows
     budget = len(rows) if max_float_layers is None else max_float_layers
     limit = -math.inf if tolerance is None else tolerance
     for row in tqdm(rows, desc=f"{who}: greedy", disable=not progress, leave=False):
-        if baseline - metric <= limit or len(table.float_layers) >= budget or row.metric <= table.all_quantized_metric:
+        if (metric_drop(baseline, metric) <= limit or len(table.float_layers) >= budget
+                or row.metric <= table.all_quantized_metric):
             break
         undo = _apply(qmodel, swaps[row.name])
         _regrid(twins, {*table.float_layers, row.name})

@@ -96,7 +96,7 @@ class SensitivityTable:
 
     @property
     def final_drop(self) -> float | None:
-        return None if self.final_metric is None else self.baseline - self.final_metric
+        return None if self.final_metric is None else metric_drop(self.baseline, self.final_metric)
 
     @property
     def met_tolerance(self) -> bool | None:
@@ -279,6 +279,18 @@ def _quantize(base: nn.Module, mapping: QConfigMapping, calib: list[Any], method
 # ---------------------------------------------------------------- sensitivity
 
 
+def metric_drop(baseline: float, metric: float) -> float:
+    """``baseline - metric``, and 0 where the two are equal: an SQNR-vs-float metric scores the float model ``inf``,
+    and a model that matches it exactly (every layer float) has lost nothing (``inf - inf`` would be NaN)."""
+    return 0.0 if metric == baseline else baseline - metric
+
+
+def by_drop(row: SensitivityRow) -> tuple[float, float]:
+    """Sort key, worst layer first: the larger drop, and among equal drops (every drop is ``inf`` under an
+    infinite baseline) the lower metric."""
+    return -row.drop, row.metric
+
+
 def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Callable[[nn.Module], Any],
                 tolerance: float | None = None, fuse: Any = None, method: str = "ptq",
                 train_fn: Callable[[nn.Module], Any] | None = None,
@@ -334,13 +346,13 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
         rows = []
         for name, type_name, qc in tqdm(layers, desc="sensitivity (one layer int8 at a time)", leave=False):
             metric = quantized(QConfigMapping().set_module_name(name, qc), f"layer '{name}' quantized alone")
-            rows.append(SensitivityRow(name, type_name, metric, baseline - metric))
-        rows.sort(key=lambda r: -r.drop)
+            rows.append(SensitivityRow(name, type_name, metric, metric_drop(baseline, metric)))
+        rows.sort(key=by_drop)
         table = SensitivityTable(baseline, rows, tolerance)
         if tolerance is not None:
             metric = quantized(user_mapping, "the fully quantized model")
             for row in rows:
-                if baseline - metric <= tolerance:
+                if metric_drop(baseline, metric) <= tolerance:
                     break
                 user_mapping.set_module_name(row.name, None)
                 table.float_layers.append(row.name)

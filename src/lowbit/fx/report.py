@@ -23,6 +23,9 @@ class FxReport:
     ``left_float``: node name -> why it stays float (no integer kernel, qconfig ``None`` ...).
     ``untraceable``: path of every module whose ``forward`` torch.fx could not trace -> how it is
     handled (its children prepared one by one, or left float) and the trace error.
+    ``rescaled``: layer -> ``"output"`` or ``"weight"``, the layers whose channels an equalization rescaled
+    (``quantize_ptq``'s ``equalize`` / ``streams``): their output (and weight) or only their weight no longer
+    equals the original float model's, so ``lowbit.debug.compare`` does not score them against it.
     """
 
     fused: list[str] = field(default_factory=list)
@@ -30,6 +33,7 @@ class FxReport:
     left_float: dict[str, str] = field(default_factory=dict)
     untraceable: dict[str, str] = field(default_factory=dict)
     absorbed: dict[str, list[str]] = field(default_factory=dict)
+    rescaled: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"graph mode: {len(self.fused)} fused, {len(self.converted)} quantized, "
