@@ -117,6 +117,10 @@ def _batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
         out = [b if isinstance(b, tuple) else tuple(b) if isinstance(b, list) else (b,) for b in calib]
     except TypeError as e:
         raise TypeError(f"quantize_ptq: calib must be an iterable of batches, got {type(calib).__name__}") from e
+    for i, b in enumerate(out):
+        if len(b) == 1 and isinstance(b[0], dict):
+            raise TypeError(f"quantize_ptq: calib batch {i} is a dict; graph mode feeds inputs by position: give a "
+                            "tensor or a tuple/list of the forward's arguments")
     if not out:
         raise ValueError("quantize_ptq: calib is empty; pass at least one calibration batch")
     for i, batch in enumerate(out):
@@ -134,7 +138,24 @@ def _batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
 
 
 def _check_model(model: nn.Module) -> None:
-    """A float32 model with finite parameters and buffers, or a ``ValueError``/``TypeError`` naming the tensor."""
+    """A float32 model with finite parameters and buffers, not yet prepared or converted, or a
+    ``ValueError``/``TypeError`` naming the tensor or module."""
+    from .fake_quant import FakeQuantize
+    from .nn.quantized import FloatFunctional
+    from .observer import ObserverBase
+
+    for name, mod in model.named_modules():
+        where = f"module {name!r}" if name else "the model itself"
+        if isinstance(mod, (ObserverBase, FakeQuantize)):
+            raise TypeError(f"quantize_ptq: model is already prepared ({where} is a {type(mod).__name__}); pass the "
+                            "float model, or calibrate this one and call convert / convert_fx")
+        kind = type(mod).__module__
+        if kind.startswith(("lowbit.nn.qat", "lowbit.nn.intrinsic.qat")):
+            raise TypeError(f"quantize_ptq: model is already prepared for QAT ({where} is {kind}.{type(mod).__name__}); "
+                            "pass the float model, or train this one and call convert")
+        if kind.startswith(("lowbit.nn.quantized", "lowbit.llm")) and not isinstance(mod, FloatFunctional):
+            raise TypeError(f"quantize_ptq: model is already quantized ({where} is {kind}.{type(mod).__name__}); "
+                            "pass the float model")
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, t in named:
             if not t.is_floating_point():
@@ -156,7 +177,9 @@ def _sqnr(ref: Any, out: Any) -> float:
         return float("nan")
     signal = sum(float(r.detach().double().pow(2).sum()) for r in refs)
     noise = sum(float((r.detach().double() - o.detach().double()).pow(2).sum()) for r, o in zip(refs, outs))
-    return 10 * math.log10(signal / noise) if noise > 0 else float("inf")
+    if noise == 0:
+        return float("inf")
+    return 10 * math.log10(signal / noise) if signal > 0 else float("-inf")  # a zero output with noise: -inf dB
 
 
 def _mark_rescaled(qmodel: nn.Module, equalized: list[Any]) -> None:

@@ -77,8 +77,19 @@ def _fq(x: torch.Tensor, obs: nn.Module) -> torch.Tensor:
     return fake_quantize(x, scale, zp, obs.quant_min, obs.quant_max, obs.ch_axis)
 
 
-def _rel(y: torch.Tensor, y_hat: torch.Tensor) -> float:
-    return float(((y - y_hat) ** 2).sum() / (y * y).sum().clamp_min(1e-30))
+def _fq_all(xs: list[torch.Tensor], obs: nn.Module) -> list[torch.Tensor]:
+    """``_fq`` over batches that may differ in shape (sequence length, image size): the observer sees every batch,
+    then each is fake-quantized on the one grid it chose."""
+    for x in xs:
+        obs(x)
+    scale, zp = obs.calculate_qparams()
+    return [fake_quantize(x, scale, zp, obs.quant_min, obs.quant_max, obs.ch_axis) for x in xs]
+
+
+def _rel_all(ys: list[torch.Tensor], y_hats: list[torch.Tensor]) -> float:
+    """``Σ (y - ŷ)² / Σ y²`` over every batch."""
+    num = sum(float(((y - h) ** 2).sum()) for y, h in zip(ys, y_hats))
+    return num / max(sum(float((y * y).sum()) for y in ys), 1e-30)
 
 
 def best_of_ranges(model: nn.Module, calib: Any, base: QConfig | None = None,
@@ -134,16 +145,15 @@ def best_of_ranges(model: nn.Module, calib: Any, base: QConfig | None = None,
             xs, ys = seen[name]
             if not xs:
                 continue  # never called during calibration: keeps the global qconfig
-            x, y = torch.cat(xs), torch.cat(ys)
             layer, path = _core(mod)  # type: ignore[misc]
             w = layer.weight.detach()
             w_err, outs = {}, {}
-            for method in weights:
+            for method in weights:  # batch by batch: their sequence lengths / image sizes may differ
                 w_hat = _fq(w, WEIGHT_METHODS[method]())
-                outs[method] = functional_call(mod, {path: w_hat}, (x,))
-                w_err[method] = _rel(y, outs[method])
+                outs[method] = [functional_call(mod, {path: w_hat}, (x,)) for x in xs]
+                w_err[method] = _rel_all(ys, outs[method])
             best_w = min(w_err, key=w_err.__getitem__)
-            a_err = {method: _rel(y, _fq(outs[best_w], ACTIVATION_METHODS[method]())) for method in activations}
+            a_err = {method: _rel_all(ys, _fq_all(outs[best_w], ACTIVATION_METHODS[method]())) for method in activations}
             best_a = min(a_err, key=a_err.__getitem__)
             mapping.set_module_name(name, QConfig(activation=ACTIVATION_METHODS[best_a], weight=WEIGHT_METHODS[best_w]))
             choices.append(LayerChoice(name, best_w, best_a, w_err, a_err))

@@ -69,7 +69,7 @@ from torch import fx, nn
 from ..fake_quant import FakeQuantize
 from ..nn.intrinsic import ClampedReLU
 from ..observer import ObserverBase
-from .layers import is_weighted, split
+from .layers import is_weighted, shared_layers, split
 
 __all__ = ["EqualizedPair", "equalize_prepared"]
 
@@ -122,9 +122,12 @@ def _scale_in(b: nn.Module, s: torch.Tensor) -> None:
 
 def _pairs(gm: fx.GraphModule, relu6: str) -> list[tuple[str, str]]:
     mods = dict(gm.named_modules())
+    shared = shared_layers(gm)
     out = []
     for node in gm.graph.nodes:
         if node.op != "call_module" or not is_weighted(mods[node.target]) or len(node.users) != 1:
+            continue
+        if str(node.target) in shared:
             continue
         (obs,) = node.users
         if obs.op != "call_module" or not isinstance(mods[obs.target], (ObserverBase, FakeQuantize)):
@@ -132,7 +135,7 @@ def _pairs(gm: fx.GraphModule, relu6: str) -> list[tuple[str, str]]:
         if len(obs.users) != 1:
             continue
         (nxt,) = obs.users
-        if nxt.op == "call_module" and is_weighted(mods[nxt.target]) and nxt.args[0] is obs:
+        if nxt.op == "call_module" and is_weighted(mods[nxt.target]) and nxt.args[0] is obs and nxt.target not in shared:
             a, act = split(mods[node.target])
             b, _ = split(mods[nxt.target])
             ok_act = act is None or type(act) is nn.ReLU or (isinstance(act, ClampedReLU) and relu6 != "skip")
@@ -154,6 +157,8 @@ def equalize_prepared(prepared: fx.GraphModule, calib: Iterable[Any] | None = No
         raise TypeError(f"equalize_prepared: expects a prepare_fx model (fx.GraphModule), got {type(prepared).__name__}")
     if relu6 not in ("skip", "replace", "range"):
         raise ValueError(f"equalize_prepared: relu6={relu6!r} must be 'skip', 'replace' or 'range'")
+    if isinstance(sweeps, bool) or not isinstance(sweeps, int) or sweeps < 1:
+        raise ValueError(f"equalize_prepared: sweeps={sweeps!r} must be an int >= 1")
     mods = dict(prepared.named_modules())
     pairs = _pairs(prepared, relu6)
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not headroom >= 1:
@@ -264,7 +269,7 @@ def _stretch(gm: fx.GraphModule, mods: dict[str, nn.Module], pairs: list[tuple[s
 def _float_second(gm: fx.GraphModule, mods: dict[str, nn.Module]) -> list[tuple[str, str]]:
     """Clamp pairs ``A → clamp(0, t) → observer → B`` whose ``B`` is a float (no qconfig) ``Conv2d`` / ``Linear``, as
     mixed precision leaves it: any such ``B`` takes the stretch exactly (no weight grid to absorb it), dense or not."""
-    out = []
+    out, shared = [], shared_layers(gm)
     for node in gm.graph.nodes:
         if node.op != "call_module" or not is_weighted(mods[node.target]) or len(node.users) != 1:
             continue
@@ -278,7 +283,8 @@ def _float_second(gm: fx.GraphModule, mods: dict[str, nn.Module]) -> list[tuple[
         if type(b) not in (nn.Conv2d, nn.Linear) or getattr(b, "qconfig", None) is not None or nxt.args[0] is not obs:
             continue
         r_b = _in_ranges(b)
-        if r_b is not None and r_b.numel() == split(mods[node.target])[0].weight.shape[0]:
+        if r_b is not None and r_b.numel() == split(mods[node.target])[0].weight.shape[0] \
+                and not {str(node.target), str(nxt.target)} & shared:
             out.append((str(node.target), str(nxt.target)))
     return out
 
@@ -291,7 +297,7 @@ def _float_clamp_pairs(gm: fx.GraphModule, mods: dict[str, nn.Module]) -> list[t
     clamp module → observer → int8 depthwise ``B``, each output read once: mixed precision keeps such a layer float
     (``set_module_name(layer, None)``), and its clamp is then a float module the int8 pairs' pattern does not see.
     ``scaled``: the module whose output channels the stretch divides (the BN's affine parameters, else the conv's)."""
-    out = []
+    out, shared = [], shared_layers(gm)
     for node in gm.graph.nodes:
         if node.op != "call_module" or not is_weighted(mods[node.target]) or not _depthwise(mods[node.target]):
             continue
@@ -316,7 +322,8 @@ def _float_clamp_pairs(gm: fx.GraphModule, mods: dict[str, nn.Module]) -> list[t
         layer = mods[str(prod.target)]  # (a BN without affine parameters stays the producer: not a conv, skipped)
         if type(layer) is not nn.Conv2d or getattr(layer, "qconfig", None) is not None:
             continue
-        if mods[scaled].weight.shape[0] == split(mods[node.target])[0].weight.shape[0]:
+        if mods[scaled].weight.shape[0] == split(mods[node.target])[0].weight.shape[0] \
+                and not {str(prod.target), str(node.target)} & shared:
             out.append((str(prod.target), scaled, str(node.target), t))
     return out
 

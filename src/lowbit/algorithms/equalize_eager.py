@@ -80,15 +80,22 @@ def channel_ranges(w: torch.Tensor, axis: int, ranges: str = "minmax") -> torch.
     return flat.abs().amax(1) if ranges == "absmax" else flat.amax(1) - flat.amin(1)
 
 
-def equalize_pair(a: nn.Module, b: nn.Module, ranges: str = "minmax") -> torch.Tensor:
-    """Equalize one pair in place (see the module docstring); return the scales ``s``."""
-    a, b = _layer(a, "the first layer"), _layer(b, "the second layer")
+def _pair(a: nn.Module, b: nn.Module, an: str = "the first layer", bn: str = "the second layer"
+          ) -> tuple[nn.Module, nn.Module, int]:
+    """The weighted ops of a pair and ``b``'s input-channel axis, or the error that pair would raise."""
+    a, b = _layer(a, an), _layer(b, bn)
     dw = _is_depthwise(b)
     in_axis = 0 if dw else 1
     if a.weight.shape[0] != b.weight.shape[in_axis] or (getattr(b, "groups", 1) > 1 and not dw):
         raise ValueError(f"equalize: {type(a).__name__} has {a.weight.shape[0]} output channels but the next "
                          f"{type(b).__name__} (weight {tuple(b.weight.shape)}, groups {getattr(b, 'groups', 1)}) "
                          "does not take them one per input channel")
+    return a, b, in_axis
+
+
+def equalize_pair(a: nn.Module, b: nn.Module, ranges: str = "minmax") -> torch.Tensor:
+    """Equalize one pair in place (see the module docstring); return the scales ``s``."""
+    a, b, in_axis = _pair(a, b)
     r_a, r_b = channel_ranges(a.weight, 0, ranges), channel_ranges(b.weight, in_axis, ranges)
     s = torch.sqrt(r_a / (r_b + 1e-9))
     s = torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))  # dead channels stay as they are
@@ -125,6 +132,11 @@ def _named(model: nn.Module, paired: Any) -> list[tuple[str, str]]:
         if len(set(keys)) != len(keys):  # a layer paired with itself: its scales would be applied twice
             raise ValueError(f"equalize: the group {group!r} names a module more than once")
         pairs += list(zip(keys[:-1], keys[1:]))
+    for an, bn in pairs:  # every pair checked before any is equalized: an error leaves the model as it was
+        try:
+            _pair(mods[an], mods[bn], an, bn)
+        except ValueError as e:
+            raise ValueError(f"{e} (pair {an!r} -> {bn!r})") from None
     return pairs
 
 

@@ -64,7 +64,7 @@ from torch import fx, nn
 from ..fake_quant import FakeQuantize
 from ..observer import ObserverBase
 from .equalize import _run_hooked, _scale_in
-from .layers import is_weighted, split
+from .layers import is_weighted, shared_layers, split
 
 __all__ = ["EqualizedStream", "equalize_streams"]
 
@@ -142,6 +142,7 @@ def _streams(gm: fx.GraphModule, mods: dict[str, nn.Module]) -> list[tuple[list[
     groups: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         groups.setdefault(find(node), []).append(node)
+    shared = shared_layers(gm)
     out = []
     for values in groups.values():
         if not any(_is_add(n) for n in values):
@@ -150,7 +151,7 @@ def _streams(gm: fx.GraphModule, mods: dict[str, nn.Module]) -> list[tuple[list[
         writers = [n for n in values if not _is_add(n) and not _is_obs(n, mods)]
         readers = sorted({u for n in values for u in n.users if not (u in members and (_is_add(u) or _is_obs(u, mods)))},
                          key=lambda u: list(gm.graph.nodes).index(u))
-        ok = all(_writer(w, mods) is not None for w in writers)
+        ok = all(_writer(w, mods) is not None for w in writers) and not {str(n.target) for n in writers + readers} & shared
         for r in readers:
             conv = _conv(r, mods) or _float_conv(r, mods)
             dense = conv is not None and getattr(conv, "groups", 1) == 1

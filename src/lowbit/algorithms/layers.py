@@ -32,7 +32,7 @@ from ..nn.intrinsic import FusedModule
 from ..qconfig import QConfig
 
 __all__ = ["WEIGHTED", "is_weighted", "split", "layer_forward", "weight_codes", "freeze_weight",
-           "FrozenWeightObserver", "layer_sample"]
+           "FrozenWeightObserver", "layer_sample", "shared_layers"]
 
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _FORWARDS = tuple(t.forward for t in WEIGHTED)
@@ -149,3 +149,24 @@ def layer_sample(mod: nn.Module, xq: list[torch.Tensor], target: list[torch.Tens
             return act(y) if act is not None else y
         return run, t[idx, :, r: r + oh, c: c + ow]
     return sample
+
+
+def shared_layers(gm: Any) -> set[str]:
+    """Targets of a graph's weighted modules that a rescale of their channels would change elsewhere too: a module
+    called at more than one node, or one whose weight ``Parameter`` another module also holds (a tied weight).
+    Equalization leaves them alone (it assumes each layer's weight serves that one call)."""
+    calls: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    holders: dict[int, int] = {}
+    for m in gm.modules():
+        for t in m._parameters.values():
+            if t is not None:
+                holders[id(t)] = holders.get(id(t), 0) + 1
+    out = set()
+    for name, mod in gm.named_modules(remove_duplicate=False):
+        if name in calls and is_weighted(mod):
+            if calls[name] > 1 or holders.get(id(split(mod)[0].weight), 0) > 1:
+                out.add(name)
+    return out

@@ -141,13 +141,28 @@ def _quadratic(op: nn.Module, rounding: str) -> bool:
 def batch_tuples(calib: Any, where: str) -> list[tuple[Any, ...]]:
     """``calib`` (``lowbit.batches``' convention: a tensor is one batch, a tuple/list batch holds positional
     inputs) as a list of positional-argument tuples, for the walks that feed graph placeholders in order;
-    errors name ``where``. A dict batch (keywords) has no such order: a ``TypeError``."""
+    errors name ``where``. A dict batch (keywords) has no such order: a ``TypeError``. A NaN/Inf in a float input
+    is refused here, before any weight or bias is changed (it would reach every bias through the correction)."""
     out = []
     for i, b in enumerate(iter_batches(calib, f"{where}: calib")):
         if isinstance(b, dict):
             raise TypeError(f"{where}: calib batch {i} is a dict; give positional inputs (a tensor or a tuple/list)")
         out.append(b if isinstance(b, tuple) else tuple(b) if isinstance(b, list) else (b,))
+        for j, t in enumerate(out[-1]):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{where}: calib batch {i}, input {j} holds {int((~torch.isfinite(t)).sum())} NaN/Inf "
+                                 f"values of {t.numel()}; the layers' targets need finite data")
     return out
+
+
+def _check_steps(where: str, iters: Any, batch_size: Any, seed: Any) -> None:
+    """``iters`` an int >= 0, ``batch_size`` an int >= 1, ``seed`` an int: else an error naming the value."""
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+        raise ValueError(f"{where}: iters={iters!r} must be an int >= 0")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"{where}: batch_size={batch_size!r} must be an int >= 1 (samples per rounding step)")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{where}: seed={seed!r} must be an int")
 
 
 def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True, bias_correction: bool = True,
@@ -167,6 +182,7 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     """
     if rounding not in ROUNDINGS:
         raise ValueError(f"reconstruct: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")
+    _check_steps("reconstruct", iters, batch_size, seed)
     if not isinstance(prepared, fx.GraphModule):
         return reconstruct_eager(prepared, calib, adaround, bias_correction, iters, batch_size, seed, progress)
     from tqdm.auto import tqdm
@@ -373,6 +389,7 @@ def reconstruct_eager(prepared: nn.Module, calib: Iterable[Any], adaround: bool 
 
     from tqdm.auto import tqdm
 
+    _check_steps("reconstruct_eager", iters, batch_size, seed)
     batches, g = batch_tuples(calib, "reconstruct_eager"), torch.Generator().manual_seed(seed)
     names = {m: n for n, m in prepared.named_modules()}
     float_model = copy.deepcopy(prepared)  # before the order hooks, which must not travel with the copy

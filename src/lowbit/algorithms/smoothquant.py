@@ -221,6 +221,8 @@ def smooth_quant(model: nn.Module, calib_batches: Any, alpha: float = 0.5, layer
     ``prepare_fx``, calibrate and convert as usual.
     """
     check_module(model, "smooth_quant: model")
+    if not isinstance(inplace, bool):  # a truthy string would rewrite the caller's model
+        raise TypeError(f"smooth_quant: inplace={inplace!r} must be a bool")
     alpha = _check_alpha(alpha)
     batches = list(iter_batches(calib_batches, "smooth_quant"))
     if not inplace:
@@ -239,10 +241,18 @@ def smooth_quant(model: nn.Module, calib_batches: Any, alpha: float = 0.5, layer
                 raise ValueError(f"smooth_quant: layers names {n!r}, which is not an nn.Linear of the model")
     report = SmoothQuantReport(alpha)
     absmax, producer = _collect(model, batches, names)
+    holders: dict[int, int] = {}  # how many modules hold each parameter (a tied LM head shares the embedding's)
+    for m in model.modules():
+        for t in m._parameters.values():
+            if t is not None:
+                holders[id(t)] = holders.get(id(t), 0) + 1
     groups: dict[str, list[str]] = {}
     for n in names:
         if n not in absmax:
             report.skipped[n] = "never called on a float tensor during calibration"
+            continue
+        if holders.get(id(modules[n].weight), 0) > 1:
+            report.skipped[n] = "its weight is shared with another module (tied): scaling it would change that one"
             continue
         p = producer.get(n)
         prod = modules.get(p) if p else None

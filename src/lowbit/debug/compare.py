@@ -338,7 +338,13 @@ def compare(float_model: nn.Module, quantized_model: nn.Module, inputs: Any) -> 
         float_model.eval()
         quantized_model.eval()
         with torch.no_grad():
-            for batch in iter_batches(inputs, "compare"):
+            for i, batch in enumerate(iter_batches(inputs, "compare")):
+                parts = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) \
+                    else (batch,)
+                empty = [tuple(t.shape) for t in parts if isinstance(t, torch.Tensor) and t.numel() == 0]
+                if empty:  # no sample: every layer would compare nothing (an empty table)
+                    raise ValueError(f"compare: batch {i} holds an empty tensor (shape {empty[0]}); give at least one "
+                                     "sample")
                 run_batch(float_model, batch)
                 run_batch(quantized_model, batch)
                 for p in pairs:

@@ -106,6 +106,8 @@ def auto_mixed_precision(model: nn.Module, qconfig_mapping: Any, calib: Any, eva
         raise ValueError(f"auto_mixed_precision: search={search!r} must be 'exact' or 'fast'")
     if finalize is not None and not callable(finalize):
         raise TypeError(f"auto_mixed_precision: finalize={finalize!r} must be callable (converted model -> None)")
+    if not callable(eval_fn):
+        raise TypeError(f"auto_mixed_precision: eval_fn={eval_fn!r} must be callable (model -> score, higher is better)")
     method = "fx" if mode == "fx" else "ptq"
     batches = list(iter_batches(calib, "auto_mixed_precision: calib"))
     if mode == "fx" and example_inputs is None:

@@ -2,7 +2,8 @@
 
 For each calibrated per-tensor activation observer (``activation_post_process`` of a module, or a
 ``FakeQuantize``'s inner observer after ``prepare_qat``; also ``input_activation_post_process``,
-named ``"<module> (input)"``) this reads
+named ``"<module> (input)"``; in a graph-mode model, each ``activation_post_process_N`` observer named by the
+value it observes: the module's target, a function node's name, ``"<input> (input)"`` for a model input) this reads
 
 - the observed range ``[min_val, max_val]`` and, for a ``HistogramObserver``, its ``histogram``
   (``bins`` equal-width bins over that range),
@@ -26,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from ..fake_quant import FakeQuantize
 from ..observer import ObserverBase
@@ -75,6 +76,18 @@ def activation_ranges(prepared_model: nn.Module) -> list[ActivationRange]:
     """Every calibrated per-tensor activation observer of ``prepared_model``, in module order."""
     check_module(prepared_model, "activation_ranges: prepared_model")
     out = []
+    if isinstance(prepared_model, fx.GraphModule):  # prepare_fx: observers are the root's children, one per value
+        mods = dict(prepared_model.named_modules())
+        for node in prepared_model.graph.nodes:
+            obs = mods.get(str(node.target)) if node.op == "call_module" else None
+            src = node.args[0] if node.args else None
+            if not isinstance(obs, (ObserverBase, FakeQuantize)) or not isinstance(src, fx.Node):
+                continue
+            label = (str(src.target) if src.op == "call_module" else
+                     f"{src.name} (input)" if src.op == "placeholder" else src.name)
+            r = _read(label, obs)
+            if r is not None:
+                out.append(r)
     for name, mod in prepared_model.named_modules():
         if isinstance(mod, (ObserverBase, FakeQuantize)):
             continue
@@ -86,5 +99,5 @@ def activation_ranges(prepared_model: nn.Module) -> list[ActivationRange]:
                 out.append(r)
     if not out:
         raise ValueError(f"activation_ranges: {type(prepared_model).__name__} has no calibrated activation "
-                         "observer; pass a model from prepare()/prepare_qat() after calibration batches")
+                         "observer; pass a model from prepare()/prepare_qat()/prepare_fx() after calibration batches")
     return out

@@ -384,8 +384,20 @@ def layer_sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, inputs
         raise ValueError(f"layer_sensitivity: mode={mode!r} must be 'eager' or 'fx'")
     batches = list(iter_batches(calib, "layer_sensitivity: calib"))
     evals = batches if inputs is None else list(iter_batches(inputs, "layer_sensitivity: inputs"))
-    with torch.no_grad():
-        refs = [[t.double() for t in _flatten(run_batch(model.eval(), b))] for b in evals]
+    for what, bs in (("calib", batches), ("inputs", evals)):
+        for i, b in enumerate(bs):
+            parts = b.values() if isinstance(b, dict) else b if isinstance(b, (tuple, list)) else (b,)
+            for t in parts:
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"layer_sensitivity: {what} batch {i} holds {int((~torch.isfinite(t)).sum())} "
+                                     "NaN/Inf values; the output error needs finite data")
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            refs = [[t.double() for t in _flatten(run_batch(model.eval(), b))] for b in evals]
+    finally:
+        for m, training in modes:  # the caller's model keeps its mode
+            m.training = training
     signal = sum(float((t * t).sum()) for ts in refs for t in ts)
 
     def score(m: nn.Module) -> float:
