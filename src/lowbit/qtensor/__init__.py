@@ -232,8 +232,10 @@ class QTensor:
         (an explicit request for float: no warning)."""
         if "dtype" in kwargs or any(isinstance(a, (torch.dtype, torch.Tensor)) for a in args):
             return self.dequantize().to(*args, **kwargs)
+        fmt, copy = kwargs.pop("memory_format", None), bool(kwargs.pop("copy", False))
         dev = torch.empty(0).to(*args, **kwargs).device
-        return QTensor(self._q.to(dev), self._scale.to(dev), self._zero_point.to(dev), self._qdtype, self._axis)
+        q = self._q.to(dev, copy=copy) if fmt is None else self._q.to(dev, copy=copy, memory_format=fmt)
+        return QTensor(q, self._scale.to(dev), self._zero_point.to(dev), self._qdtype, self._axis)
 
     def cpu(self) -> QTensor:
         return self.to("cpu")
@@ -276,28 +278,41 @@ class QTensor:
         axis = reshaped_axis(self.shape, self._axis, q.shape)
         return self._float_fallback(name, *args) if axis is None else self._regrid(q, axis)
 
-    def view(self, *shape: Any) -> QTensor:
+    def view(self, *shape: Any, **kwargs: Any) -> Any:
+        """A view of another shape; ``view(dtype)`` is torch's reinterpretation of the storage: a quantized tensor
+        gives its codes' bytes as a plain tensor of that dtype (``torch.quantize_per_tensor(...).view(torch.int8)``)."""
+        if "dtype" in kwargs or (len(shape) == 1 and isinstance(shape[0], torch.dtype)):
+            return self._q.view(kwargs.pop("dtype", None) or shape[0])
+        if "size" in kwargs:
+            shape = (kwargs.pop("size"),)
         return self._reshaped("view", *shape)
 
-    def reshape(self, *shape: Any) -> QTensor:
+    def reshape(self, *shape: Any, **kwargs: Any) -> QTensor:
+        if "shape" in kwargs:
+            shape = (kwargs.pop("shape"),)
         return self._reshaped("reshape", *shape)
 
     def flatten(self, start_dim: int = 0, end_dim: int = -1) -> QTensor:
         return self._reshaped("flatten", start_dim, end_dim)
 
-    def squeeze(self, *dim: Any) -> QTensor:
+    def squeeze(self, *dim: Any, **kwargs: Any) -> QTensor:
+        if "dim" in kwargs:
+            dim = (kwargs.pop("dim"),)
         return self._reshaped("squeeze", *dim)
 
     def unsqueeze(self, dim: int) -> QTensor:
         return self._reshaped("unsqueeze", dim)
 
-    def permute(self, *dims: Any) -> QTensor:
+    def permute(self, *dims: Any, **kwargs: Any) -> QTensor:
         """Per channel, the channel axis moves to where ``dims`` puts it."""
+        if "dims" in kwargs:
+            dims = (kwargs.pop("dims"),)
         q = self._q.permute(*dims)
         order = [d % self.dim() for d in (dims[0] if len(dims) == 1 and not isinstance(dims[0], int) else dims)]
         return self._regrid(q, None if self._axis is None else order.index(self._axis))
 
-    def transpose(self, d0: int, d1: int) -> QTensor:
+    def transpose(self, dim0: int, dim1: int) -> QTensor:
+        d0, d1 = dim0, dim1
         q, a = self._q.transpose(d0, d1), self._axis
         if a is not None:  # the channel axis follows the swap
             d0, d1 = d0 % self.dim(), d1 % self.dim()
@@ -329,8 +344,11 @@ class QTensor:
     def chunk(self, chunks: int, dim: int = 0) -> tuple[QTensor, ...]:
         return self._pieces(self._q.chunk(chunks, dim), dim)
 
-    def split(self, split_size_or_sections: Any, dim: int = 0) -> tuple[QTensor, ...]:
-        return self._pieces(self._q.split(split_size_or_sections, dim), dim)
+    def split(self, split_size_or_sections: Any = None, dim: int = 0, *, split_size: Any = None) -> tuple[QTensor, ...]:
+        sizes = split_size if split_size_or_sections is None else split_size_or_sections
+        if sizes is None:
+            raise TypeError("QTensor.split() missing its split_size_or_sections argument")
+        return self._pieces(self._q.split(sizes, dim), dim)
 
     def unbind(self, dim: int = 0) -> tuple[QTensor, ...]:
         """Per channel: unbinding the channel dim gives per-tensor slices (each its channel's grid)."""

@@ -117,6 +117,14 @@ _OPERATORS = ("__abs__", "__and__", "__or__", "__xor__", "__invert__", "__pos__"
 _PY_CONVERSIONS = ("__float__", "__int__", "__bool__", "__complex__", "__array__", "__format__", "__index__")
 
 
+def _iter(self: Any) -> Any:
+    """Rows along dim 0, as ``torch.Tensor``; a 0-d QTensor is not iterable (``__getitem__``'s ``IndexError`` would
+    end the loop silently, giving no element)."""
+    if self.dim() == 0:
+        raise TypeError("iteration over a 0-d tensor")
+    return iter(self.unbind(0))
+
+
 def install(cls: type) -> None:
     """Give ``cls`` (``QTensor``) the fallback: ``__getattr__``, the operators, ``T``/``mT``, ``clone``."""
     cls.__getattr__ = tensor_getattr  # type: ignore[attr-defined]
@@ -127,6 +135,7 @@ def install(cls: type) -> None:
         if name not in cls.__dict__:
             setattr(cls, name, _conversion(name))
     cls.__setitem__ = _setitem  # type: ignore[attr-defined]
+    cls.__iter__ = _iter  # type: ignore[attr-defined]
     cls.__hash__ = object.__hash__  # type: ignore[method-assign]  # identity, as torch.Tensor (== is elementwise)
     cls.__array_priority__ = 1000  # numpy defers `array op qt` to QTensor's reflected operator
     cls.T = property(lambda self: self.permute(*reversed(range(self.dim()))))  # type: ignore[attr-defined]

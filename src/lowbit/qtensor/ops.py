@@ -90,6 +90,12 @@ def _mean(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) 
         return NotImplemented
     dims = list(range(x.dim())) if dim is None or dim == [] or dim == () else (
         [dim] if isinstance(dim, int) else list(dim))
+    n = max(x.dim(), 1)  # torch lets a 0-d tensor take dim 0 / -1
+    for d in dims:  # as torch.mean: an index past the rank or given twice is an error, not wrapped
+        if isinstance(d, bool) or not isinstance(d, int) or not -n <= d < n:
+            raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {d})")
+    if len({d % n for d in dims}) != len(dims):
+        raise RuntimeError(f"dim {dims} names a dimension more than once")
     dims = sorted({d % x.dim() for d in dims}) if x.dim() else []
     if x.axis is not None and x.axis in dims:
         return NotImplemented

@@ -166,7 +166,10 @@ def as_qtensor(x: Any, grid: InputGrid | None, where: str) -> QTensor:
             raise ValueError(f"{where}: expects a per-tensor quantized input, got a per-channel QTensor "
                              f"(axis={x.axis})")
         if x.int_repr().element_size() != 1:
-            raise TypeError(f"{where}: expects 8-bit activation codes, got a {x.qdtype!r} QTensor")
+            if x.qdtype.quant_max - x.qdtype.quant_min > 255:
+                raise TypeError(f"{where}: expects an 8-bit activation grid, got a {x.qdtype!r} QTensor")
+            # an 8-bit grid whose codes are stored wider (QTensor checked they lie on the grid): narrowed, as Linear does
+            return QTensor(x.int_repr().to(x.qdtype.storage), x.scale, x.zero_point, x.qdtype)
         return x
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         what = f"a tensor of dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
@@ -180,10 +183,19 @@ def as_qtensor(x: Any, grid: InputGrid | None, where: str) -> QTensor:
     return QTensor(quantize(x, scale, zp, qdtype), scale, zp, qdtype)
 
 
+def check_not_meta(x: torch.Tensor, where: str) -> None:
+    """A ``RuntimeError`` for a ``meta`` tensor: quantized modules choose grids and codes from the values, which a
+    meta tensor does not have (shape inference runs on the float model)."""
+    if x.is_meta:
+        raise RuntimeError(f"{where}: a meta tensor (shape {tuple(x.shape)}) has no values to quantize; lowbit's "
+                           "quantized modules run on cpu / cuda tensors (infer shapes on the float model)")
+
+
 def check_no_nan(x: torch.Tensor, where: str) -> None:
     """``RuntimeError`` for a float input holding NaN: int8 codes cannot carry it, and quantizing it would
     turn it into a finite code (the float model outputs NaN there). One reduction over ``x``; skipped
     while ``torch.compile`` traces (no data-dependent branch in a graph)."""
+    check_not_meta(x, where)
     if not tracing() and x.numel() and bool(torch.isnan(x).any()):
         raise RuntimeError(f"{where}: the float input of shape {tuple(x.shape)} holds {int(torch.isnan(x).sum())} "
                            "NaN values; int8 codes cannot represent NaN (the float model would output NaN) — "
@@ -394,5 +406,6 @@ class WeightedQuantModule(CheckedQuantState):
         return state
 
     def _grid_repr(self) -> str:
-        return (f"scale={float(self.scale):.6g}, zero_point={int(self.zero_point)}, dtype={self.out_qdtype!r}, "
-                f"qscheme={self.weight_qscheme.value}")
+        grid = ("scale=<meta>, zero_point=<meta>" if self.scale.is_meta else  # moved to meta: still prints
+                f"scale={float(self.scale):.6g}, zero_point={int(self.zero_point)}")
+        return f"{grid}, dtype={self.out_qdtype!r}, qscheme={self.weight_qscheme.value}"

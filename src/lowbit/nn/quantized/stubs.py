@@ -146,6 +146,8 @@ class Quantize(CheckedQuantState):
         return cls(*output_qparams(mod, "Quantize"))
 
     def extra_repr(self) -> str:
+        if self.scale.is_meta:  # a model moved to meta (no values) still prints
+            return f"scale=<meta>, zero_point=<meta>, qdtype={self.qdtype!r}"
         return f"scale={self.scale.item():.6g}, zero_point={self.zero_point.item()}, qdtype={self.qdtype!r}"
 
 

@@ -201,6 +201,12 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, g: int, qdtype: QDtype
     return Q, S, Z
 
 
+
+def _needs_grad(x: torch.Tensor) -> bool:
+    """An input autograd follows: the packed int4 / int8 kernels have no derivative, so such an input takes the
+    dequantized ``F.linear`` path at every batch size (else a model would backpropagate only above 32 rows)."""
+    return x.requires_grad and torch.is_grad_enabled()
+
 class WeightOnlyLinear(nn.Module):
     """``F.linear(x, ŵ, bias)`` with a group-wise quantized weight; see the module docstring."""
 
@@ -291,12 +297,12 @@ class WeightOnlyLinear(nn.Module):
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         return (self.kernel == "auto" and self.bits == 4 and x.device.type == "cpu" and self.out_features % 16 == 0
                 and self._g in _KERNEL_GROUPS and x.dtype in (torch.float32, torch.bfloat16)
-                and x.numel() <= DECODE_MAX_ROWS * self.in_features)
+                and x.numel() <= DECODE_MAX_ROWS * self.in_features and not _needs_grad(x))
 
     def _int8_kernel_applies(self, x: torch.Tensor) -> bool:
         return (self.kernel == "auto" and self.bits == 8 and self._g == self.in_features and self.symmetric
                 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-                and x.numel() <= DECODE_MAX_ROWS * self.in_features)
+                and x.numel() <= DECODE_MAX_ROWS * self.in_features and not _needs_grad(x))
 
     def _int4_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cache is None:

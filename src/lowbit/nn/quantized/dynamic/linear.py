@@ -45,7 +45,7 @@ from ....qparams import calculate_qparams
 from ....nn.intrinsic import LinearReLU as _LinearReLUMarker
 from ....qscheme import QDtype, QScheme, as_qdtype, qint8, quint8
 from ....qtensor import QTensor, quantize_per_channel
-from .._utils import quantize_weight, weight_qparams
+from .._utils import check_not_meta, quantize_weight, weight_qparams
 from .._state import CheckedQuantState
 from . import reduced
 from .per_token import U7, dynamic_linear, per_token_linear, quantize_per_token
@@ -154,6 +154,7 @@ class Linear(CheckedQuantState):
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"dynamic Linear: input shape {tuple(x.shape)} does not end in "
                              f"in_features={self.in_features}")
+        check_not_meta(x, "dynamic Linear")
         if self.dtype == torch.float16:
             return F.linear(x, self.weight_fp16.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         flat = x.dim() == 2  # (M, K): no reshape either way (two dispatches less at M = 1)
