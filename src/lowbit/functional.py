@@ -383,8 +383,10 @@ def fake_quantize(
 
 
 # buffer name -> the module attributes that may hold its grid, first found wins
-_GRIDS = {"zero_point": ("out_qdtype", "qdtype"), "weight_zero_point": ("weight_qdtype", "qdtype"),
-          "input_zero_point": ("input_qdtype",), "weight_int8": ("weight_qdtype",)}
+_GRIDS = {"zero_point": ("out_qdtype", "qdtype"), "weight_zero_point": ("weight_qdtype", "qdtype", "dtype"),
+          "input_zero_point": ("input_qdtype",), "weight_int8": ("weight_qdtype", "dtype"),
+          "zero_points": ("qdtype",), "qweight": ("qdtype",), "weight_q": ("qdtype",)}
+_CODES = ("weight_int8", "qweight", "weight_q")  # code buffers: an 8-bit grid bounds them; packed 4-bit ones, a byte
 
 
 def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str) -> list[str]:
@@ -398,7 +400,7 @@ def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], p
         if buf is None or not isinstance(value, torch.Tensor) or value.numel() == 0:
             continue
         key = prefix + name
-        if name.endswith("scale") and buf.is_floating_point():
+        if name.endswith(("scale", "scales")) and buf.is_floating_point():
             if not value.is_floating_point():
                 errors.append(f"{key}: a scale must be a floating-point tensor, got dtype {value.dtype} ({where})")
                 continue
@@ -413,9 +415,9 @@ def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], p
             v = value.detach()
             if not bool((torch.isfinite(v) & (v >= 0)).all()):
                 errors.append(f"{key}: histogram counts must be finite and >= 0 ({where})")
-        elif name == "bias" and value.is_floating_point():
+        elif name in ("bias", "weight") and value.is_floating_point():  # (a quantized norm's affine weight)
             if not bool(torch.isfinite(value.detach()).all()):
-                errors.append(f"{key}: the bias holds NaN/Inf values ({where})")
+                errors.append(f"{key}: the {name} holds NaN/Inf values ({where})")
         elif name in _GRIDS or name.endswith("zero_point"):
             if value.is_complex() or value.dtype == torch.bool:
                 errors.append(f"{key}: expected integers, got dtype {value.dtype} ({where})")
@@ -427,14 +429,20 @@ def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], p
                 continue
             ok = torch.isfinite(v) & (v == torch.round(v)) if v.is_floating_point() else torch.ones_like(v, dtype=torch.bool)
             qdtype = next((getattr(module, a) for a in _GRIDS.get(name, ()) if hasattr(module, a)), None)
-            if name == "weight_int8" and (qdtype is None or getattr(qdtype, "bits", 8) != 8):
-                qdtype = None  # packed / non-8-bit storage: the dtype itself bounds the codes
             grid = ""
+            if name in _CODES and (qdtype is None or getattr(qdtype, "bits", 8) != 8):
+                qdtype = None  # packed / non-8-bit storage: each element is a byte of codes
+                lo, hi = (-128, 127) if buf.dtype == torch.int8 else (0, 255)
+                ok &= (v >= lo) & (v <= hi)
+                grid = f" in [{lo}, {hi}] (bytes of packed codes)"
             if qdtype is not None and hasattr(qdtype, "quant_min"):
                 ok &= (v >= qdtype.quant_min) & (v <= qdtype.quant_max)
                 grid = f" in [{qdtype.quant_min}, {qdtype.quant_max}] ({qdtype!r})"
+                if name == "zero_points" and getattr(module, "symmetric", False) and qdtype.signed:
+                    ok &= v == 0  # a symmetric signed grid is centred on 0 (an affine checkpoint's zero points are not)
+                    grid = f" equal to 0 (symmetric {qdtype!r})"
             if not bool(ok.all()):
                 bad = v[~ok] if v.dim() else v
-                what = "codes" if name == "weight_int8" else "zero_point"
+                what = "codes" if name in _CODES else "zero_point"
                 errors.append(f"{key}: {what} {_show(bad)} must be integers{grid} ({where})")
     return errors

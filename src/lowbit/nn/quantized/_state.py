@@ -8,7 +8,8 @@ A checkpoint's qparams and codes must describe a valid grid, exactly what ``from
   the module's ``out_qdtype`` / ``qdtype``, ``weight_zero_point`` → ``weight_qdtype``,
   ``input_zero_point`` → ``input_qdtype``); a float one (``per_channel_affine_float_qparams``) finite;
 - ``weight_int8`` codes: inside the weight grid (e.g. ``[-127, 127]`` for a narrowed ``qint8``);
-- a float ``bias``: finite.
+- a float ``bias``: finite;
+- with ``load_state_dict(..., assign=True)`` (the buffers are replaced, not copied into): each buffer's dtype.
 
 Shapes are torch's own check (``size mismatch for <key>``). A failing module loads nothing (it keeps
 its previous state) and ``load_state_dict`` raises ``RuntimeError`` with one line per bad key, naming
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from ...functional import check_quantized_state
@@ -43,6 +45,12 @@ class CheckedQuantState(nn.Module):
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
         errors = check_quantized_state(self, state_dict, prefix)
+        if (local_metadata or {}).get("assign_to_params_buffers"):  # assign=True replaces buffers: no cast to ours
+            for name, buf in self._buffers.items():
+                value = state_dict.get(prefix + name)
+                if buf is not None and isinstance(value, torch.Tensor) and value.dtype != buf.dtype:
+                    errors.append(f"{prefix + name}: expected dtype {buf.dtype}, got {value.dtype} with assign=True "
+                                  f"({type(self).__name__})")
         if errors:
             error_msgs.extend(errors)
             return  # load nothing into this module: it keeps its valid state

@@ -179,12 +179,16 @@ class _QuantizedTable(CheckedQuantState):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
         zp = state_dict.get(prefix + "weight_zero_point")  # a float-qparams table keeps float zero points
+        old = self.weight_zero_point, self.qscheme
         if isinstance(zp, torch.Tensor) and zp.dtype != self.weight_zero_point.dtype:
             self.weight_zero_point = torch.zeros_like(self.weight_zero_point, dtype=zp.dtype)
             self.qscheme = (QScheme.PER_CHANNEL_AFFINE_FLOAT_QPARAMS if zp.is_floating_point()
                             else QScheme.PER_CHANNEL_AFFINE)
+        n = len(error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if len(error_msgs) > n:  # refused: the table keeps its own zero points and scheme, not the swapped ones
+            self.weight_zero_point, self.qscheme = old
 
     def _check_float(self, mod: nn.Module, want: type) -> None:
         if not isinstance(mod, want):

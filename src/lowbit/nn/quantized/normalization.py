@@ -39,14 +39,16 @@ from torch import nn
 from ...functional import quantize
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
+from ._state import CheckedQuantState
 from ._utils import check_out_grid, output_qparams
 
 __all__ = ["LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "Dropout",
            "NORM_MAPPINGS"]
 
 
-class _QuantizedNorm:
-    """Mixin: the output grid buffers and the dequantize → float norm → quantize forward."""
+class _QuantizedNorm(CheckedQuantState):
+    """Mixin: the output grid buffers and the dequantize → float norm → quantize forward; ``load_state_dict``
+    checks the grid and the affine parameters (``CheckedQuantState``)."""
 
     scale: torch.Tensor
     zero_point: torch.Tensor

@@ -56,6 +56,7 @@ from ...compile_state import tracing
 from ...qparams import calculate_qparams
 from ...qscheme import QDtype, per_channel_affine, per_channel_symmetric, qint4, qint8, quint4
 from ...qtensor import QTensor
+from ._state import CheckedQuantState
 from .embedding import _pack4, _unpack4
 
 __all__ = ["WeightOnlyLinear", "CLIP_RATIOS", "METHODS", "group_qparams", "quantize_groups", "gptq_quantize", "fit_group_size"]
@@ -207,7 +208,7 @@ def _needs_grad(x: torch.Tensor) -> bool:
     dequantized ``F.linear`` path at every batch size (else a model would backpropagate only above 32 rows)."""
     return x.requires_grad and torch.is_grad_enabled()
 
-class WeightOnlyLinear(nn.Module):
+class WeightOnlyLinear(CheckedQuantState):
     """``F.linear(x, ŵ, bias)`` with a group-wise quantized weight; see the module docstring."""
 
     qweight: torch.Tensor  # (N, K/2) uint8 (4 bits) or (N, K) int8
