@@ -108,3 +108,16 @@ def test_distributed_helpers_reject_non_modules():
     for bad in (None, {}, [nn.Linear(2, 2)]):
         with pytest.raises(TypeError, match="sync_observers: model must be an nn.Module"):
             Q.sync_observers(bad)
+
+
+def test_16bit_images_keep_their_range(tmp_path):
+    np = pytest.importorskip("numpy")
+    Image = pytest.importorskip("PIL.Image")
+    from lowbit.cli.inputs import _load_images
+
+    a = (np.arange(16).reshape(4, 4) * 4000).astype(np.uint16)  # up to 60000
+    for name in ("a.png", "b.png"):
+        Image.fromarray(a).save(tmp_path / name)
+    x = _load_images(tmp_path, "--calib")
+    assert x.shape == (2, 1, 4, 4)  # were clipped to 1.0 above pixel 255 (convert("L"))
+    assert torch.allclose(x[0, 0], torch.from_numpy(a.astype("float32")) / 65535.0)

@@ -325,3 +325,22 @@ def test_missing_onnx_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "onnx", None)                                     # import onnx -> ImportError
     with pytest.raises(ImportError, match=r"pip install lowbit\[onnx\]"):
         to_onnx(nn.Linear(2, 2), torch.randn(1, 2), tmp_path / "m.onnx")
+
+
+def test_run_onnx_names_a_bad_path_or_input_before_ort_starts(tmp_path):
+    torch.manual_seed(0)
+    p = Q.prepare(nn.Sequential(Q.QuantStub(), nn.Linear(4, 2), Q.DeQuantStub()).eval(), Q.get_default_qconfig())
+    p(torch.randn(8, 4))
+    path = to_onnx(Q.convert(p), torch.randn(2, 4), tmp_path / "m.onnx")
+    x = torch.randn(2, 4)
+    cases = [(dict(optimized_model_path=str(tmp_path / "no_dir" / "o.onnx")), ValueError,
+              "optimized_model_path=.* directory .* does not exist"),  # was ORT's "SystemError : 2"
+             (dict(optimized_model_path=str(tmp_path)), ValueError, "optimized_model_path=.* is a directory")]
+    for kw, err, needle in cases:
+        with pytest.raises(err, match=needle):
+            run_onnx(path, x, **kw)
+    with pytest.raises(TypeError, match="input 0 has dtype torch.bfloat16"):  # was "unsupported ScalarType"
+        run_onnx(path, x.bfloat16())
+    with pytest.raises(FileNotFoundError, match="no ONNX file at"):
+        run_onnx(tmp_path / "missing.onnx", x)
+    assert run_onnx(path, x, optimized_model_path=str(tmp_path / "opt.onnx"))[0].shape == (2, 2)

@@ -109,7 +109,24 @@ def _weight_only(bits: int) -> tuple[nn.Module, torch.Tensor]:
     return Q.quantize_weight_only(_MLP().eval(), bits=bits, group_size=32 if bits == 4 else -1), torch.randn(5, 32)
 
 
-MODELS = {"eager_convert": _eager_converted, "eager_convert_x86": lambda: _eager_converted("x86"),
+class _Tables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.bag = nn.Embedding(20, 8), nn.EmbeddingBag(20, 8, mode="sum")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.emb(ids).flatten(1), self.bag(ids)], 1)  # (no float reduction for inductor to reorder)
+
+
+def _embeddings() -> tuple[nn.Module, torch.Tensor]:
+    """An 8-bit Embedding and a 4-bit EmbeddingBag (their index checks read values: skipped while traced)."""
+    torch.manual_seed(0)
+    m = _Tables().eval()
+    m.emb.qconfig, m.bag.qconfig = Q.get_embedding_qconfig(8), Q.get_embedding_qconfig(4)
+    return Q.convert(Q.prepare(m)), torch.randint(0, 20, (5, 7))
+
+
+MODELS = {"eager_convert": _eager_converted, "embeddings": _embeddings, "eager_convert_x86": lambda: _eager_converted("x86"),
           "eager_activations": _eager_activations, "eager_functional": _eager_functional,
           "convert_fx": _fx_converted, "dynamic": _dynamic,
           "dynamic_u7_per_token": lambda: _dynamic(reduce_range=True),
@@ -147,7 +164,7 @@ def test_export_dynamic_batch_save_load_fresh_process(tmp_path: Path) -> None:
         batch = torch.export.Dim("batch", min=1, max=1024)
         ep = torch.export.export(model, (x[:3],), dynamic_shapes=({0: batch},))
         names = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
-        assert any(n.startswith("lowbit.") for n in names), f"{kind}: {names}"
+        assert kind == "embeddings" or any(n.startswith("lowbit.") for n in names), f"{kind}: {names}"  # (tables: aten)
         with torch.no_grad():
             refs[kind] = model(x)
         assert torch.equal(ep.module()(x), refs[kind]), f"{kind}: the exported program differs from eager"
@@ -266,3 +283,19 @@ def test_traced_convs_emit_the_compact_op_and_the_legacy_op_still_runs() -> None
     assert torch.equal(legacy, compact) and torch.equal(compact, conv(xq).int_repr())
     with pytest.raises(ValueError, match=r"config='quint8:0:255\|1'"):
         torch.ops.lowbit.qconv_cfg(*args, *wargs, conv.bias, out.scale_t, out.zero_point_t, "quint8:0:255|1")
+
+
+def test_compiled_and_exported_static_models_refuse_nan_as_eager_does() -> None:
+    """Eager raises on a NaN input (int8 codes cannot hold it); the traced graph carries the same check as an
+    ``_assert_async`` instead of turning the NaN into finite codes."""
+    model, x = _eager_converted()
+    bad = x.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="holds 1 NaN"):
+        model(bad)
+    torch._dynamo.reset()
+    runners = {"export": torch.export.export(model, (x,)).module(), "compile": torch.compile(model, fullgraph=True)}
+    for name, run in runners.items():
+        assert torch.equal(run(x), model(x)), name
+        with pytest.raises(RuntimeError, match="holds NaN values"):
+            run(bad)

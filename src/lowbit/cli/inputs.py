@@ -92,9 +92,18 @@ def _load_images(folder: Path, what: str) -> torch.Tensor:
     for f in files:
         try:
             with Image.open(f) as im:
-                arrs.append(np.asarray(im.convert("L"), dtype=np.float32) / 255.0)
+                mode, wide = im.mode, None
+                if mode.startswith("I;16") or mode in ("I", "F"):  # convert("L") would clip everything above 255
+                    wide = np.asarray(im, dtype=np.float64)
+                else:
+                    arrs.append(np.asarray(im.convert("L"), dtype=np.float32) / 255.0)
         except Exception as e:  # truncated / not an image despite its suffix
             raise CLIError(f"{what} folder {folder}: cannot read image {f.name} ({one_line(e)})") from e
+        if wide is not None:  # 16-bit grayscale (older Pillow reads 16-bit PNGs as "I"): its own range
+            if mode == "F" or not (wide.size and 0 <= wide.min() and wide.max() <= 65535):
+                raise CLIError(f"{what} folder {folder}: image {f.name} ({mode!r} mode) holds values outside 16-bit "
+                               "pixels; save it as 8- or 16-bit, or pass the tensor as .pt / .npz")
+            arrs.append((wide / 65535.0).astype(np.float32))
     shapes = {a.shape for a in arrs}
     if len(shapes) != 1:
         raise CLIError(f"{what} folder {folder}: images differ in size ({', '.join(map(str, sorted(shapes)))})")

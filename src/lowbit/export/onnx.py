@@ -66,20 +66,21 @@ def _require(name: str, who: str) -> Any:
         raise ImportError(f"lowbit.export.{who} needs the '{name}' package: pip install lowbit[onnx]") from e
 
 
-def _check_path(path: Any) -> Path:
+def _check_path(path: Any, where: str = "to_onnx", name: str = "path") -> Path:
+    """A writable file path, or an error naming ``where``'s argument ``name``."""
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"to_onnx: path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+        raise TypeError(f"{where}: {name} must be a str or os.PathLike, got {type(path).__name__} {path!r}")
     p = Path(path)
     if p.is_dir():
-        raise ValueError(f"to_onnx: path={str(p)!r} is a directory; give a file name such as model.onnx")
+        raise ValueError(f"{where}: {name}={str(p)!r} is a directory; give a file name such as model.onnx")
     if not p.parent.is_dir():
-        raise ValueError(f"to_onnx: cannot write path={str(p)!r}: directory {str(p.parent)!r} does not exist")
+        raise ValueError(f"{where}: cannot write {name}={str(p)!r}: directory {str(p.parent)!r} does not exist")
     existed = p.exists()
     try:
         with open(p, "ab"):
             pass
     except OSError as e:
-        raise ValueError(f"to_onnx: cannot write path={str(p)!r}: {e.strerror or e}") from e
+        raise ValueError(f"{where}: cannot write {name}={str(p)!r}: {e.strerror or e}") from e
     if not existed:
         p.unlink()
     return p
@@ -164,6 +165,17 @@ def run_onnx(path: str | os.PathLike[str], *inputs: torch.Tensor, optimized_mode
     """
     if accuracy_level is not None and (isinstance(accuracy_level, bool) or accuracy_level not in (0, 1, 2, 3, 4)):
         raise ValueError(f"run_onnx: accuracy_level={accuracy_level!r} must be None or an int in 0..4")
+    bad = [type(t).__name__ for t in inputs if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise TypeError(f"run_onnx: inputs must be tensors, got {', '.join(bad)}")
+    for i, t in enumerate(inputs):  # numpy (ORT's Python API) has no bfloat16 / complex32 / quantized dtypes
+        if t.dtype in (torch.bfloat16, torch.complex32) or t.is_quantized or "float8" in str(t.dtype):
+            raise TypeError(f"run_onnx: input {i} has dtype {t.dtype}, which ONNX Runtime's Python API cannot take; "
+                            "convert it first (e.g. .float())")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"run_onnx: no ONNX file at {str(path)!r}")
+    if optimized_model_path is not None:
+        _check_path(optimized_model_path, "run_onnx", "optimized_model_path")
     ort = _require("onnxruntime", "run_onnx")
     opts = ort.SessionOptions()
     if accuracy_level is not None:
@@ -171,9 +183,6 @@ def run_onnx(path: str | os.PathLike[str], *inputs: torch.Tensor, optimized_mode
     if optimized_model_path is not None:
         opts.optimized_model_filepath = str(optimized_model_path)
     sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    bad = [type(t).__name__ for t in inputs if not isinstance(t, torch.Tensor)]
-    if bad:
-        raise TypeError(f"run_onnx: inputs must be tensors, got {', '.join(bad)}")
     names = [i.name for i in sess.get_inputs()]
     if len(names) != len(inputs):
         raise ValueError(f"run_onnx: the model takes {len(names)} inputs ({names}), got {len(inputs)}")

@@ -193,10 +193,15 @@ def check_not_meta(x: torch.Tensor, where: str) -> None:
 
 def check_no_nan(x: torch.Tensor, where: str) -> None:
     """``RuntimeError`` for a float input holding NaN: int8 codes cannot carry it, and quantizing it would
-    turn it into a finite code (the float model outputs NaN there). One reduction over ``x``; skipped
-    while ``torch.compile`` traces (no data-dependent branch in a graph)."""
+    turn it into a finite code (the float model outputs NaN there). One reduction over ``x``; while
+    ``torch.compile`` / ``torch.export`` trace (no data-dependent branch in a graph) the graph gets the same
+    reduction as an ``_assert_async``: the compiled or exported program raises too, instead of finite codes."""
     check_not_meta(x, where)
-    if not tracing() and x.numel() and bool(torch.isnan(x).any()):
+    if tracing():
+        torch._assert_async(torch.logical_not(torch.isnan(x).any()),
+                            f"{where}: the float input holds NaN values; int8 codes cannot represent NaN")
+        return
+    if x.numel() and bool(torch.isnan(x).any()):
         raise RuntimeError(f"{where}: the float input of shape {tuple(x.shape)} holds {int(torch.isnan(x).sum())} "
                            "NaN values; int8 codes cannot represent NaN (the float model would output NaN) — "
                            "check the data, or keep this part of the model float")

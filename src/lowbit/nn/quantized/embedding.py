@@ -169,7 +169,8 @@ class _QuantizedTable(CheckedQuantState):
             raise TypeError(f"{name}: indices must be an integer tensor, got "
                             + (f"dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__))
         idx = idx.to(torch.int64)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_embeddings):
+        # (while torch.compile / torch.export trace, the values are symbolic: index_select bounds-checks at run time)
+        if not tracing() and idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_embeddings):
             bad = idx[(idx < 0) | (idx >= self.num_embeddings)][0].item()
             raise IndexError(f"{name}: index {bad} is out of range for {self.num_embeddings} embeddings")
         codes = self._codes(idx).to(torch.float32)
