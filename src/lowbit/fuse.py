@@ -85,6 +85,11 @@ def fuse_known_modules(mods: Sequence[nn.Module], is_qat: bool = False) -> list[
         types = types[:-1] + (nn.ReLU,)
     first = types[0]
     fused: nn.Module | None = None
+    bn = next((m for m in mods[1:] if isinstance(m, nn.modules.batchnorm._BatchNorm)), None)
+    if registered is None and bn is not None and not bn.track_running_stats:
+        raise ValueError(f"{'fuse_modules_qat' if is_qat else 'fuse_modules'}: {bn} has track_running_stats=False; "
+                         "folding needs its running statistics (build it with track_running_stats=True, or leave "
+                         "it unfused)")
     if registered is not None:
         fused = registered.fuser(is_qat, *mods)
         if not isinstance(fused, nn.Module):
@@ -186,7 +191,10 @@ def _fuse(model: nn.Module, modules_to_fuse: Any, inplace: bool, is_qat: bool,
     for group in groups:
         mods = [_get(model, n) for n in group]
         _check_adjacent(model, group)
-        new = fuser(mods, is_qat=is_qat)
+        try:
+            new = fuser(mods, is_qat=is_qat)
+        except (ValueError, TypeError) as e:  # name the group the user wrote
+            raise type(e)(f"{e} (fusing {group})") from e
         if (not isinstance(new, (list, tuple)) or len(new) != len(group)
                 or not all(isinstance(m, nn.Module) for m in new)):  # zip would drop the rest: a BN applied twice
             raise TypeError(f"fuse: fuser_func must return {len(group)} nn.Modules for the group {group} (the fused "

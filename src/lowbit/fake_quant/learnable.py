@@ -250,6 +250,10 @@ class LearnableFakeQuantize(FakeQuantize):
             with torch.no_grad():
                 self.zero_point.fill_(self.symmetric_zero_point)
         grad_factor = 1.0 / math.sqrt(x.numel() * self.quant_max) if self.use_grad_scaling and x.numel() else 1.0
+        if self.ch_axis is not None and self.scale.dim() == 0:  # per channel, never sized by an observer batch
+            raise ValueError(f"{type(self).__name__}: its per-channel scale/zero_point have no channels yet; run one "
+                             "batch with the observer on before enable_param_learning(), or build it with "
+                             "channel_len=C (e.g. LearnableFakeQuantize.with_args(..., channel_len=C))")
         return fake_quantize_learnable(x, self.scale, self.zero_point, self.quant_min, self.quant_max,
                                        self.ch_axis, grad_factor)
 

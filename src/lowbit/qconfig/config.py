@@ -25,6 +25,11 @@ __all__ = ["QConfig", "qconfig_equals"]
 Factory = Callable[[], nn.Module]
 
 
+_AO_KEYWORDS = {"dtype": "qdtype=lowbit.quint8 (or qint8 ...)", "quant_min": "qdtype=lowbit.quint8.with_range(lo, hi)",
+                "quant_max": "qdtype=lowbit.quint8.with_range(lo, hi)",
+                "reduce_range": "qdtype=lowbit.quint8.with_range(0, 127) (the 7-bit grid)"}
+
+
 def _check_factory(value: Any, field: str) -> None:
     """Raise ``TypeError`` unless ``value`` is a zero-arg callable (not a built module)."""
     if isinstance(value, nn.Module):
@@ -34,6 +39,16 @@ def _check_factory(value: Any, field: str) -> None:
         )
     if not callable(value):
         raise TypeError(f"QConfig {field}={value!r} must be a zero-arg factory (e.g. MinMaxObserver.with_args())")
+    func, keywords = getattr(value, "func", None), getattr(value, "keywords", None)
+    if func is not None and isinstance(keywords, dict):  # a with_args factory: its keywords must fit the class
+        try:
+            inspect.signature(func).bind_partial(*getattr(value, "args", ()), **keywords)
+        except TypeError as err:
+            msg = str(err)
+            hint = next((f"; lowbit writes {v}" for k, v in _AO_KEYWORDS.items() if f"argument '{k}'" in msg), "")
+            raise TypeError(f"QConfig {field}={_factory_repr(value)}: {msg}{hint}") from None
+        except ValueError:  # no signature to check
+            pass
     try:
         sig = inspect.signature(value)
     except (TypeError, ValueError):  # builtins without a signature: nothing to check
@@ -92,6 +107,17 @@ class QConfig(_QConfigFields):
 
     def __repr__(self) -> str:
         return f"QConfig(activation={_factory_repr(self.activation)}, weight={_factory_repr(self.weight)})"
+
+
+def build(qconfig: QConfig, field: str, where: str) -> Any:
+    """``qconfig.activation()`` / ``qconfig.weight()`` (``field``), or its error naming ``where`` (the module) and
+    the field; torch.ao's observer keywords that lowbit spells differently get the lowbit spelling."""
+    try:
+        return getattr(qconfig, field)()
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        hint = next((f"; lowbit writes {v}" for k, v in _AO_KEYWORDS.items() if f"keyword argument '{k}'" in msg), "")
+        raise type(e)(f"{where}: qconfig.{field}() failed: {msg}{hint}") from e
 
 
 def _check_qconfig(qconfig: Any, where: str) -> QConfig | None:

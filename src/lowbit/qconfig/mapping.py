@@ -161,6 +161,26 @@ class QConfigMapping:
             f"qconfig={qconfig!r} must be None, a QConfig, a QConfigMapping or a qconfig dict"
         )
 
+    def to_dict(self) -> dict[str, Any]:
+        """torch.ao's ``QConfigMapping.to_dict()`` layout: ``{"": global, "object_type": [(T, qc)],
+        "module_name_regex": [(pattern, qc)], "module_name": [(name, qc)]}`` (``from_dict`` reads it back)."""
+        return {"": self.global_qconfig, "object_type": list(self.object_type_qconfigs.items()),
+                "module_name_regex": list(self.module_name_regex_qconfigs.items()),
+                "module_name": list(self.module_name_qconfigs.items())}
+
+    @classmethod
+    def from_dict(cls, qconfig_dict: dict[Any, Any]) -> QConfigMapping:
+        """A mapping from torch.ao's ``qconfig_dict`` / ``to_dict()`` layout (or a ``{T or name: qc}`` spec).
+
+        >>> import torch.nn as nn, lowbit as Q
+        >>> m = Q.QConfigMapping().set_global(Q.get_default_qconfig()).set_object_type(nn.Linear, None)
+        >>> Q.QConfigMapping.from_dict(m.to_dict()).object_type_qconfigs
+        {<class 'torch.nn.modules.linear.Linear'>: None}
+        """
+        if not isinstance(qconfig_dict, dict):
+            raise TypeError(f"QConfigMapping.from_dict: expects a dict, got {type(qconfig_dict).__name__}")
+        return cls._from_dict(qconfig_dict)
+
     @classmethod
     def _from_dict(cls, d: dict[Any, Any]) -> QConfigMapping:
         m = cls()

@@ -51,6 +51,17 @@ def _tag(t: Any) -> Any:
     return t
 
 
+def _tagged(t: Any) -> bool:
+    """``t`` carries the tag, or is a view of a tensor that does: ``torch.flatten(x, 1)``, ``x.view(...)``,
+    ``x.permute(...)``, ``x[:, :k]`` keep the codes after ``convert`` (QTensor's integer-preserving ops), so the
+    next layer must not observe them as a float input of its own (the QAT model would fake-quantize them twice, on a
+    grid the converted model never uses)."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    base = t._base
+    return bool(getattr(t, _TAG, False) or (base is not None and getattr(base, _TAG, False)))
+
+
 def _observe_output(module: nn.Module, inputs: Any, output: Any) -> Any:
     """Forward hook ``prepare`` registers: the output goes through ``activation_post_process``."""
     return _tag(module.activation_post_process(output))
@@ -58,14 +69,14 @@ def _observe_output(module: nn.Module, inputs: Any, output: Any) -> Any:
 
 def _pass_tag(module: nn.Module, inputs: Any, output: Any) -> None:
     """Forward hook on QTensor-native modules (ReLU, MaxPool, ...): a quantized input stays quantized."""
-    if inputs and getattr(inputs[0], _TAG, False):
+    if inputs and _tagged(inputs[0]):
         _tag(output)
 
 
 def _observe_float_input(module: nn.Module, inputs: Any) -> Any:
     """Forward pre-hook of weighted modules: observe (QAT: fake-quantize) an input no observed module made."""
     x = inputs[0] if inputs else None
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and not getattr(x, _TAG, False):
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and not _tagged(x):
         return (module.input_activation_post_process(x), *inputs[1:])
     return None
 

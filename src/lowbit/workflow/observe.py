@@ -19,15 +19,20 @@ from ..custom_config import PrepareCustomConfig, check_module_types, swap_float_
 from ..mappings import copy_user_hooks, get_default_qat_module_mappings, get_default_static_quant_module_mappings
 from ..nn.quantized.functional_modules import FloatFunctional
 from ..qconfig import QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
+from ..qconfig.config import build
 from .hooks import (_NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_NATIVE, _is_observer, _is_table_recipe, _is_weighted,
                     _observe_float_input, _observe_input, _observe_output, _pass_tag, _remove_observer_hooks)
-from .propagate import (_check_common, _check_mapping, _dynamic_default, _resolve_user_qconfig, is_dynamic_qconfig,
-                        propagate_qconfig_)
+from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, _resolve_user_qconfig,
+                        is_dynamic_qconfig, propagate_qconfig_)
 
 __all__ = ["prepare", "prepare_qat"]
 
 
-def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type]) -> int:
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type], name: str = "") -> int:
     """Give each observable module an output observer; return how many got one (or will be dynamic)."""
     if _is_observer(mod):
         return 0
@@ -35,13 +40,14 @@ def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type]) -
     if is_dynamic_qconfig(qc):  # quantized per call after convert: nothing to observe
         if type(mod) in dynamic or _is_table_recipe(mod, qc):
             return 1
-        return sum(_insert_observers(c, observed, dynamic) for c in mod.children())
+        return sum(_insert_observers(c, observed, dynamic, _join(name, n)) for n, c in mod.named_children())
     if qc is not None and isinstance(mod, _QTENSOR_NATIVE) and _pass_tag not in mod._forward_hooks.values():
         mod.register_forward_hook(_pass_tag)
     if type(mod) in observed and qc is not None:
         if isinstance(mod, _NO_OUTPUT_OBSERVER):
             return 1
-        mod.activation_post_process = qc.activation()
+        where = f"prepare: module '{_path(name)}' ({type(mod).__name__})"
+        mod.activation_post_process = build(qc, "activation", where)
         if getattr(mod, "_observe_input", False):  # dynamic QAT: memoryless fake-quant of the input
             _remove_observer_hooks(mod)
             mod.register_forward_pre_hook(_observe_input)
@@ -50,10 +56,10 @@ def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type]) -
             _remove_observer_hooks(mod)
             mod.register_forward_hook(_observe_output)
         if _is_weighted(mod):
-            mod.input_activation_post_process = qc.activation()
+            mod.input_activation_post_process = build(qc, "activation", where)
             mod.register_forward_pre_hook(_observe_float_input)
         return 1
-    return sum(_insert_observers(child, observed, dynamic) for child in mod.children())
+    return sum(_insert_observers(child, observed, dynamic, _join(name, n)) for n, child in mod.named_children())
 
 
 def _is_module_mapping(value: Any) -> bool:
@@ -126,15 +132,25 @@ def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
     model, mapping, dynamic = _setup("prepare_qat", model, qconfig, inplace, mapping, dynamic_mapping,
                                      get_default_qat_module_mappings(), get_default_qat_qconfig_mapping())
 
-    def swap(mod: nn.Module) -> nn.Module:
+    plan: list[tuple[nn.Module, str, nn.Module]] = []  # every swap built first: an error leaves the model as it was
+
+    def swap(mod: nn.Module, name: str) -> nn.Module:
         qc = getattr(mod, "qconfig", None)
         if type(mod) in mapping and qc is not None and not is_dynamic_qconfig(qc):
-            return copy_user_hooks(mod, mapping[type(mod)].from_float(mod), _OWN_HOOKS)  # user hooks survive
+            try:
+                new = mapping[type(mod)].from_float(mod)
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise type(e)(f"prepare_qat: module '{_path(name)}' ({type(mod).__name__}): {e}") from e
+            return copy_user_hooks(mod, new, _OWN_HOOKS)  # user hooks survive
         for cname, child in list(mod.named_children()):
-            mod._modules[cname] = swap(child)
+            new = swap(child, _join(name, cname))
+            if new is not child:
+                plan.append((mod, cname, new))
         return mod
 
-    model = swap(model)
+    model = swap(model, "")
+    for parent, cname, new in plan:
+        parent._modules[cname] = new
     observed = set(get_default_static_quant_module_mappings()) | set(mapping.values())
     if _insert_observers(model, observed, set(dynamic)) == 0:
         warnings.warn("prepare_qat(): no quantizable module got a qconfig — convert() will leave this model float",

@@ -26,6 +26,7 @@ from ..nn.intrinsic.qat.modules import BnFoldedBase
 from ..nn.quantized.functional_modules import FloatFunctional
 from ..observer.base import ObserverBase
 from ..observer.distributed import sync_pending
+from ..observer.fixed import PlaceholderObserver
 from ..qconfig import QConfig
 from ..qscheme import as_qdtype
 from ..speed_guard import keep_faster
@@ -41,6 +42,8 @@ logger = logging.getLogger("lowbit")
 
 def _is_calibrated(obs: nn.Module) -> bool:
     sync_pending(obs)  # under torch.distributed: decide on the ranks' union, as calculate_qparams does
+    if hasattr(obs, "_holds_grid"):  # LearnableFakeQuantize: a learned (or loaded) grid counts, observer or not
+        return bool(obs._holds_grid())
     inner = getattr(obs, "activation_post_process", None)  # FakeQuantize wraps an observer
     if isinstance(obs, FakeQuantize) and isinstance(inner, ObserverBase):
         return inner.is_calibrated
@@ -62,6 +65,13 @@ def _strip(mod: nn.Module) -> None:
 
 def _swap(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertReport) -> nn.Module:
     obs = mod._modules.get("activation_post_process")
+    inner = obs.activation_post_process if isinstance(obs, FakeQuantize) else obs
+    if isinstance(inner, PlaceholderObserver):  # (NoopObserver too) a static layer needs a grid it never records
+        raise RuntimeError(
+            f"convert: module '{_path(name)}' ({type(mod).__name__}) has a {type(inner).__name__} activation "
+            "(qconfig.activation), which records no grid: a static int8 layer needs an observer such as "
+            "HistogramObserver or MinMaxObserver; for a layer quantized per call give it a dynamic qconfig "
+            "(get_dynamic_qconfig())")
     if obs is not None and not _is_calibrated(obs) and getattr(report, "_calibrated", False):
         # other observers saw data, this module never ran (torchvision's quantizable style declares a
         # FloatFunctional in every block, residual blocks alone use it): keep it as it is
@@ -133,7 +143,7 @@ def _convert(mod: nn.Module, name: str, mapping: dict[type, type], report: Conve
 def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: bool = False,
             return_report: bool = False, speed_check: Any = None,
             dynamic_mapping: dict[type, type] | None = None, convert_custom_config_dict: Any = None,
-            is_reference: bool = False) -> Any:
+            is_reference: bool = False, *, remove_qconfig: bool = True) -> Any:
     """Swap observed modules for ``lowbit.nn.quantized`` ones; returns the model (eval mode).
 
     ``mapping`` (default ``get_default_static_quant_module_mappings()``): exact type → class with
@@ -149,8 +159,13 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
     ``Quantized.from_observed(mod)``.
     ``is_reference=True``: the reference model instead (``lowbit.reference.to_reference``: float
     modules with explicit quantize → dequantize of weights and activations; ``lower_reference``
-    turns it into this int8 model).
+    turns it into this int8 model). ``remove_qconfig=False`` (keyword, torch.ao's argument): every module
+    keeps the ``.qconfig`` it had (by name), as torch.ao's leaves them; by default they are removed.
     """
+    if not isinstance(remove_qconfig, bool):
+        raise TypeError(f"convert: remove_qconfig must be a bool, got {remove_qconfig!r}")
+    kept = {} if remove_qconfig or not isinstance(model, nn.Module) else {
+        n: m.__dict__["qconfig"] for n, m in model.named_modules() if "qconfig" in m.__dict__}
     if is_reference is not False:
         if is_reference is not True:
             raise TypeError(f"convert: is_reference must be a bool, got {is_reference!r}")
@@ -184,4 +199,7 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
                       "the model stays float", stacklevel=2)
     if report.left_float:
         logger.info("%s", report)
+    for n, m in model.named_modules():
+        if n in kept and "qconfig" not in m.__dict__:
+            m.qconfig = kept[n]
     return (model, report) if return_report else model

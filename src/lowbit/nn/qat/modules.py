@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...qconfig import QConfig
+from ...qconfig.config import build
 
 __all__ = ["Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "EmbeddingBag", "init_weight_fake_quant"]
 
@@ -47,7 +48,7 @@ def init_weight_fake_quant(mod: nn.Module, qconfig: Any) -> None:
     if not isinstance(qconfig, QConfig):
         raise TypeError(f"{owner}: qconfig must be a lowbit QConfig, got {type(qconfig).__name__}")
     mod.qconfig = qconfig
-    mod.weight_fake_quant = qconfig.weight()
+    mod.weight_fake_quant = build(qconfig, "weight", owner)
 
 
 def _check_float(cls: type, mod: nn.Module, float_types: tuple[type, ...]) -> None:

@@ -174,7 +174,9 @@ class BnFoldedBase(nn.Module):
         w_shape = [-1] + [1] * (self.weight.dim() - 1)  # (C, 1, ...)
         y = self._op(x, self.weight_fake_quant(self.weight * s.reshape(w_shape)))  # (N, C, *spatial)
         y_shape = [1, -1] + [1] * (y.dim() - 2)
-        y = y / s.reshape(y_shape)
+        # a channel whose BN gamma is 0 (torchvision's zero_init_residual) has s = 0: its folded weight, and so y, is
+        # 0, and dividing by s would make it NaN (and every running statistic after it): it divides by 1 instead
+        y = y / torch.where(s == 0, torch.ones_like(s), s).reshape(y_shape)
         if self.bias is not None:
             y = y + self.bias.reshape(y_shape)
         y = self.bn(y)
