@@ -256,6 +256,10 @@ class FunctionalTwin(nn.Module):
     def _in(self, op: str, *xs: torch.Tensor) -> list[torch.Tensor]:
         return [self.in_qdq[f"{op}_{i}"](x) if f"{op}_{i}" in self.in_qdq else x for i, x in enumerate(xs)]
 
+    def forward(self, op: str, *args: Any) -> torch.Tensor:
+        """``QFunctional.forward(op, ...)``: how a converted graph calls it."""
+        return getattr(self, op)(*args)
+
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.out_qdq(torch.add(*self._in("add", x, y)))
 

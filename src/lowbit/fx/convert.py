@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import warnings
 from typing import Any
 
 from torch import fx, nn
@@ -147,8 +148,7 @@ class _Converter:
                 method, args = ("add_scalar" if qop == "add_scalar" else "mul_scalar"), (x, c)
             else:
                 method = qop
-            owner = self.graph.get_attr(name)
-            new = self.graph.call_method(method, (owner, *args))
+            new = self.graph.call_module(name, (method, *args))  # QFunctional.forward(op, ...): a leaf when re-traced
         self.report.converted[self._key(node)] = f"{_what(node, self.gm)} -> QFunctional.{method}"
         self._replace(node, new)
         return new
@@ -225,8 +225,9 @@ class _Converter:
             obs = self.gm.get_submodule(node.target)
             src = node.args[0]
             if not _is_calibrated(obs):
-                raise RuntimeError(f"convert_fx: the observer after '{src.name}' ({_what(src, self.gm)}) saw no "
-                                   "data; run calibration batches through the prepared model before convert_fx()")
+                where = f"{self.prefix}: " if self.prefix else ""
+                raise RuntimeError(f"convert_fx: {where}the observer after '{src.name}' ({_what(src, self.gm)}) saw "
+                                   "no data; run calibration batches through the prepared model before convert_fx()")
             if role == "obs_in" and src in self.quantized_inputs:  # arrives as a QTensor: no Quantize
                 node.replace_all_uses_with(src)
                 self.graph.erase_node(node)
@@ -279,6 +280,22 @@ class _Converter:
             if is_dropout(node, mod) or isinstance(mod, (QuantStub, DeQuantStub)):
                 node.replace_all_uses_with(node.args[0])
                 self.graph.erase_node(node)
+
+
+def _observers(gm: fx.GraphModule) -> list[tuple[fx.Node, nn.Module]]:
+    return [(n, gm.get_submodule(n.target)) for n in gm.graph.nodes
+            if n.meta.get("lowbit_kind") in ("obs_out", "obs_in", "obs_w")]
+
+
+def _unobserve(gm: fx.GraphModule) -> None:
+    """A prepared child graph back to its float computation: every observer node bypassed and removed."""
+    for node, _ in _observers(gm):
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    gm.meta[STATE_KEY] = {**gm.meta[STATE_KEY], "converted": True}
 
 
 def _convert_graph(gm: fx.GraphModule, report: FxReport, custom: dict[type, type],
@@ -334,7 +351,18 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
     graphs = [m for m in model.modules() if isinstance(m, fx.GraphModule) and STATE_KEY in m.meta
               and not m.meta[STATE_KEY].get("converted")]
     custom, custom_dynamic = cfg.mapping(), cfg.mapping(dynamic=True)
+    ran = {id(gm): any(_is_calibrated(obs) for n, obs in _observers(gm) if n.meta.get("lowbit_kind") != "obs_w")
+           for gm in graphs}
     for gm in graphs:
+        state = gm.meta[STATE_KEY]
+        if state.get("prefix") and not ran[id(gm)] and any(ran.values()) and not state.get("is_qat"):
+            # a child graph of an untraceable parent that never ran while others did (a branch the calibration
+            # data did not take): float as it was, as eager convert keeps such a module
+            path = state["prefix"]
+            warnings.warn(f"convert_fx: '{path}' never ran during calibration; it is left float", stacklevel=2)
+            report.left_float[path] = "never ran during calibration"
+            _unobserve(gm)
+            continue
         _convert_graph(gm, report, custom, custom_dynamic)
     for m in model.modules():
         m.__dict__.pop("qconfig", None)

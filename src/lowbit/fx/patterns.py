@@ -313,7 +313,10 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
         run, mods = [node], [first]
         if type(first) in bn_of:
             nxt = next(iter(node.users)) if len(node.users) == 1 else None
-            if (nxt is not None and nxt.op == "call_module" and calls[nxt.target] == 1
+            # a Linear's BatchNorm1d normalises its features only on a 2-D output (on (N, L, F) it normalises dim 1,
+            # not the features: no fold); the rank is known when example inputs ran the graph
+            rank_ok = type(first) is not nn.Linear or node.meta.get("lowbit_rank", 2) == 2
+            if (nxt is not None and nxt.op == "call_module" and calls[nxt.target] == 1 and rank_ok
                     and type(modules[nxt.target]) is bn_of[type(first)]):
                 run.append(nxt)
                 mods.append(modules[nxt.target])

@@ -174,20 +174,31 @@ def _swap_custom(gm: fx.GraphModule, custom: dict[type, type]) -> None:
             setattr(gm.get_submodule(parent) if parent else gm, name, new)
 
 
+_MIXED = ("<called with None and with a value for one argument>",)  # _capture_inputs' mark for such a module
+
+
 def _prepare_children(mod: nn.Module, ctx: _Ctx, prefix: str) -> None:
     """Graph-prepare each child of a module whose own ``forward`` cannot be traced (in place)."""
     for name, child in list(mod.named_children()):
-        new = _prepare_module(child, ctx, join(prefix, name), ctx.captured.get(child))
+        captured = ctx.captured.get(child)
+        if captured is _MIXED:  # one graph cannot follow both an `if arg is None` branch and the other one
+            ctx.untraceable(join(prefix, name), child, "it is called both with and without an optional argument "
+                            "(None in one call, a value in another), which one traced graph cannot follow")
+            _prepare_children(child, ctx, join(prefix, name))
+            continue
+        new = _prepare_module(child, ctx, join(prefix, name), captured)
         if new is not child:
             mod._modules[name] = new
 
 
 def _capture_inputs(model: nn.Module, example_inputs: tuple[Any, ...]) -> dict[nn.Module, tuple[Any, ...]]:
-    """Each submodule's first call on ``example_inputs``, as positional arguments (defaults filled in)."""
+    """Each submodule's first call on ``example_inputs``, as positional arguments (defaults filled in); ``_MIXED``
+    for a module called again with ``None`` where a call passed a value, or the other way round (an argument
+    ``None`` in the example is traced as that constant: the other calls would not fit the graph)."""
     calls: dict[nn.Module, tuple[Any, ...]] = {}
 
     def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if mod in calls:
+        if calls.get(mod) is _MIXED:
             return
         try:
             sig = inspect.signature(mod.forward)
@@ -197,7 +208,10 @@ def _capture_inputs(model: nn.Module, example_inputs: tuple[Any, ...]) -> dict[n
         except (TypeError, ValueError):
             return
         bound.apply_defaults()
-        calls[mod] = tuple(bound.arguments.values())
+        values = tuple(bound.arguments.values())
+        first = calls.setdefault(mod, values)
+        if first is not values and any((a is None) != (b is None) for a, b in zip(first, values)):
+            calls[mod] = _MIXED
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]
     modes = {m: m.training for m in model.modules()}

@@ -102,9 +102,13 @@ def trace(model: nn.Module, example_inputs: tuple[Any, ...] | None = None,
     if _LeafTracer(opaque, leaves).is_leaf_module(model, ""):
         model = _LeafRoot(model)
     elif example_inputs is not None:
-        names = list(inspect.signature(model.forward).parameters)
-        concrete = {k: v for k, v in zip(names, example_inputs)
-                    if v is None} or None
+        sig = inspect.signature(model.forward)
+        names = list(sig.parameters)
+        concrete = {k: v for k, v in zip(names, example_inputs) if v is None}
+        for k, p in list(sig.parameters.items())[len(example_inputs):]:  # left out: a None default is that
+            if p.default is None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):  # constant (as the call)
+                concrete[k] = None
+        concrete = concrete or None
     for _ in range(_MAX_RETRIES):
         tracer = _LeafTracer(opaque, leaves)
         try:
@@ -124,8 +128,51 @@ def trace(model: nn.Module, example_inputs: tuple[Any, ...] | None = None,
             for n in graph.nodes:
                 if n.op == "placeholder" and n.target not in names and n.target.rpartition("_")[0] in concrete:
                     n.target = n.target.rpartition("_")[0]
-        return fx.GraphModule(tracer.root, graph, type(model).__name__), order
+        for n in graph.nodes:  # `from __future__ import annotations` leaves string annotations, which fx's code
+            if isinstance(n.type, str):  # generator makes into a global that torch.save / pickle cannot import
+                n.type = None
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        reroute_inplace(gm)
+        return gm, order
     raise ValueError(f"prepare_fx: gave up tracing {type(model).__name__} after {_MAX_RETRIES} untraceable submodules")
+
+
+def _mutates_first_arg(node: fx.Node, mods: dict[str, nn.Module]) -> bool:
+    """An in-place op on ``node.args[0]``: ``x.relu_()``, ``torch.relu_(x)``, ``F.relu(x, inplace=True)``,
+    ``nn.ReLU(inplace=True)(x)`` (each returns the tensor it changed)."""
+    if node.op == "call_method":
+        return isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("_")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return node.kwargs.get("inplace") is True or (name.endswith("_") and not name.startswith("_")
+                                                      and getattr(node.target, "__module__", "") in ("torch",
+                                                                                                      "torch._C._VariableFunctions"))
+    if node.op == "call_module":
+        return getattr(mods.get(str(node.target)), "inplace", False) is True
+    return False
+
+
+def reroute_inplace(gm: fx.GraphModule) -> int:
+    """Make every later reader of a tensor an in-place op changed read the op's result instead (the same tensor
+    in eager mode): ``y.relu_(); return conv(y)`` then quantizes what the model computes. Without this, graph mode
+    quantizes ``conv``'s input before the ReLU and the ReLU's result is dropped (torch.ao has the same flaw).
+    Returns how many inputs it rerouted."""
+    mods = dict(gm.named_modules())
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    moved = 0
+    for node in nodes:
+        src = node.args[0] if node.args else None
+        if not isinstance(src, fx.Node) or not _mutates_first_arg(node, mods):
+            continue
+        for user in list(src.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(src, node)
+                moved += 1
+    if moved:
+        gm.graph.lint()
+        gm.recompile()
+    return moved
 
 
 def record_tensor_kinds(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -> None:
@@ -140,6 +187,8 @@ def record_tensor_kinds(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | No
                 out = super().run_node(n)
                 n.meta["lowbit_ftensor"] = isinstance(out, torch.Tensor) and out.is_floating_point()
                 n.meta["lowbit_scalar"] = isinstance(out, (int, float)) and not isinstance(out, bool)
+                if isinstance(out, torch.Tensor):
+                    n.meta["lowbit_rank"] = out.dim()
                 return out
 
         with torch.no_grad():
@@ -157,12 +206,32 @@ def record_tensor_kinds(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | No
             val = False
         elif n.op == "call_function" and (n.target in (getattr, len) or _is_scalar_math(n, inputs)):
             val = False
+        elif _non_float_result(n):  # comparisons, argmax, masks, integer / bool casts: no activation grid
+            n.meta["lowbit_ftensor"] = n.meta["lowbit_scalar"] = False
+            continue
         elif n.op == "output":
             val = False
         else:
             val = True
         n.meta["lowbit_ftensor"] = val
         n.meta["lowbit_scalar"] = not val and n.op != "output"
+
+
+_NON_FLOAT = {"gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal", "not_equal",
+              "argmax", "argmin", "argsort", "isnan", "isinf", "isfinite", "isclose", "logical_and", "logical_or",
+              "logical_not", "logical_xor", "bool", "long", "int", "byte", "char", "short", "nonzero", "bucketize",
+              "searchsorted", "eq_", "any", "all", "count_nonzero"}
+
+
+def _non_float_result(n: fx.Node) -> bool:
+    """Whether ``n`` (without example inputs to run) yields a bool / integer tensor by its op alone."""
+    if n.op == "call_method":
+        return n.target in _NON_FLOAT or (n.target == "to" and any(a in (torch.bool, torch.long, torch.int)
+                                                                  for a in (*n.args[1:], *n.kwargs.values())))
+    if n.op == "call_function":
+        name = getattr(n.target, "__name__", "")
+        return name in _NON_FLOAT or name in ("not_", "and_", "or_", "invert")
+    return False
 
 
 def _is_scalar_math(n: fx.Node, inputs: list[fx.Node]) -> bool:

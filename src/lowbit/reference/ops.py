@@ -18,6 +18,10 @@ They are ``lowbit.quantize`` / ``lowbit.dequantize`` (bit for bit the int8 modul
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from ..functional import dequantize, quantize
@@ -26,24 +30,40 @@ from ..qscheme import QDtype, as_qdtype
 __all__ = ["quantize_per_tensor", "dequantize_per_tensor", "quantize_per_channel", "dequantize_per_channel"]
 
 
+def _graph_leaf(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as one node when torch.fx traces it (``torch.fx.wrap``'s behaviour, kept by the function itself):
+    unpickling a GraphModule re-traces its code, where the arguments are ``Proxy`` objects, not tensors."""
+    @functools.wraps(fn)
+    def leaf(*args: Any, **kwargs: Any) -> Any:
+        proxy = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.fx.Proxy)), None)
+        if proxy is not None:
+            return proxy.tracer.create_proxy("call_function", leaf, args, kwargs)
+        return fn(*args, **kwargs)
+    return leaf
+
+
 def _grid(quant_min: int, quant_max: int, storage: torch.dtype) -> QDtype:
     base = as_qdtype(storage)  # int8 -> qint8, uint8 -> quint8
     return base if (base.quant_min, base.quant_max) == (quant_min, quant_max) else base.with_range(quant_min, quant_max)
 
 
+@_graph_leaf
 def quantize_per_tensor(x: torch.Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int,
                         storage: torch.dtype) -> torch.Tensor:
     return quantize(x, scale, zero_point, _grid(quant_min, quant_max, storage))
 
 
+@_graph_leaf
 def dequantize_per_tensor(q: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
     return dequantize(q, scale, zero_point)
 
 
+@_graph_leaf
 def quantize_per_channel(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int, quant_min: int,
                          quant_max: int, storage: torch.dtype) -> torch.Tensor:
     return quantize(x, scale, zero_point, _grid(quant_min, quant_max, storage), axis)
 
 
+@_graph_leaf
 def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int) -> torch.Tensor:
     return dequantize(q, scale, zero_point, axis)

@@ -76,7 +76,8 @@ class _LUTActivation(CheckedQuantState):
     def _params(self) -> tuple:
         return ()
 
-    def forward(self, x: torch.Tensor | QTensor) -> QTensor:
+    def forward(self, input: torch.Tensor | QTensor) -> QTensor:
+        x = input  # (torch's argument name: fc(input=t) works)
         if isinstance(x, QTensor):
             d = x.qdtype
             if x.axis is None and d.quant_max - d.quant_min < _MAX_LUT:
@@ -235,7 +236,8 @@ class ReLU6(nn.Module):
         super().__init__()
         self.inplace = inplace  # accepted for torch signature parity; codes are never modified in place
 
-    def forward(self, x: torch.Tensor | QTensor) -> QTensor:
+    def forward(self, input: torch.Tensor | QTensor) -> QTensor:
+        x = input  # (torch's argument name: fc(input=t) works)
         if isinstance(x, torch.Tensor):
             if not x.is_floating_point():
                 raise TypeError(f"ReLU6 expects a QTensor or a float tensor, got dtype {x.dtype}")

@@ -107,7 +107,8 @@ class _ConvNd(WeightedQuantModule):
             q = F.pad(q.to(torch.float32), self._explicit_pad, mode=self.padding_mode).to(q.dtype)
         return QTensor(q, qx.scale, qx.zero_point, qx.qdtype)
 
-    def forward(self, x: QTensor | torch.Tensor) -> QTensor:
+    def forward(self, input: QTensor | torch.Tensor) -> QTensor:
+        x = input  # (torch's argument name: fc(input=t) works)
         where = type(self).__name__
         qx = as_qtensor(x, self.input_grid, where)
         unbatched = qx.dim() == self._dim + 1

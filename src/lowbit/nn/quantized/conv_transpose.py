@@ -60,8 +60,9 @@ class _ConvTransposeNd(WeightedQuantModule):
         super().__init__((in_channels, out_channels // groups, *self.kernel_size), out_channels, bool(bias), device)
         self._spec = ConvSpec(d, self.stride, self.padding, self.dilation, groups, True, self.output_padding)
 
-    def forward(self, x: QTensor | torch.Tensor) -> QTensor:
-        where = type(self).__name__
+    def forward(self, input: QTensor | torch.Tensor, output_size: Any = None) -> QTensor:
+        """``output_size`` (torch's argument): the output padding that reaches it, as ``nn.ConvTranspose*d``."""
+        x, where = input, type(self).__name__
         qx = as_qtensor(x, self.input_grid, where)
         unbatched = qx.dim() == self._dim + 1
         if unbatched:
@@ -70,7 +71,12 @@ class _ConvTransposeNd(WeightedQuantModule):
             raise ValueError(f"{where}: expects input of shape (N, {self.in_channels}, *{self._dim} spatial dims) "
                              f"or unbatched, got {tuple(x.shape)}")
         weight, out = self._prepared()
-        y = kernels.conv(qx, weight, self.bias, self._spec, out, False, self._cache)
+        spec = self._spec
+        if output_size is not None:  # torch's own rule picks the padding (and names a size it cannot reach)
+            pad = nn.ConvTranspose1d._output_padding(self, qx.int_repr(), list(output_size), list(self.stride), list(self.padding),
+                                                     list(self.kernel_size), self._dim, list(self.dilation))
+            spec = ConvSpec(self._dim, self.stride, self.padding, self.dilation, self.groups, True, tuple(pad))
+        y = kernels.conv(qx, weight, self.bias, spec, out, False, self._cache if spec is self._spec else {})
         assert isinstance(y, QTensor)
         return y.reshape(*y.shape[1:]) if unbatched else y
 

@@ -242,6 +242,9 @@ def _float(x: Any) -> torch.Tensor:
     return x.dequantize() if isinstance(x, QTensor) else x.to(torch.float32)
 
 
+_QF_METHODS = ("add", "add_relu", "mul", "cat", "add_scalar", "mul_scalar", "matmul")
+
+
 class QFunctional(CheckedQuantState):
     """The integer twin of ``FloatFunctional``: every method returns a QTensor on ``(scale, zero_point, qdtype)``."""
 
@@ -251,9 +254,13 @@ class QFunctional(CheckedQuantState):
         self.register_buffer("scale", torch.tensor(scale, dtype=torch.float32))
         self.register_buffer("zero_point", torch.tensor(zero_point, dtype=torch.int64))
 
-    def forward(self, x: Any) -> Any:
-        raise RuntimeError("QFunctional is not called directly: use its add/mul/cat/add_relu/"
-                           "add_scalar/mul_scalar/matmul methods")
+    def forward(self, *args: Any) -> Any:
+        """``forward(op, *operands)``: the method ``op`` (how a converted graph calls it: as a module, so
+        torch.fx keeps the call as one node when it re-traces the graph, e.g. unpickling it)."""
+        if not args or not isinstance(args[0], str) or args[0] not in _QF_METHODS:
+            raise RuntimeError("QFunctional is not called directly: use its add/mul/cat/add_relu/"
+                               "add_scalar/mul_scalar/matmul methods")
+        return getattr(self, args[0])(*args[1:])
 
     # ---- requantization onto the output grid ----
     def _out(self, acc: torch.Tensor, relu: bool = False) -> QTensor:

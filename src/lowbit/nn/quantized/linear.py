@@ -55,7 +55,8 @@ class Linear(WeightedQuantModule):
         self.out_features = _positive_int(out_features, "out_features", where)
         super().__init__((out_features, in_features), out_features, bool(bias), device)
 
-    def forward(self, x: QTensor | torch.Tensor) -> QTensor:
+    def forward(self, input: QTensor | torch.Tensor) -> QTensor:
+        x = input  # (torch's argument name: fc(input=t) works)
         if type(x) is QTensor:
             q = x._meta
             if q.dim() and q.shape[-1] == self.in_features:

@@ -43,7 +43,8 @@ class LinearFloatOut(Linear):
 
     float_output = True
 
-    def forward(self, x: QTensor | torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, input: QTensor | torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x = input  # (torch's argument name: fc(input=t) works)
         qx = as_qtensor(x, self.input_grid, type(self).__name__)
         if qx.dim() == 0 or qx.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__}: input of shape {tuple(qx.shape)} does not end in "

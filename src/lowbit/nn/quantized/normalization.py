@@ -62,7 +62,8 @@ class _QuantizedNorm(CheckedQuantState):
     def _float_forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def forward(self, x: Any) -> QTensor:
+    def forward(self, input: Any) -> QTensor:
+        x = input  # (torch's argument name: fc(input=t) works)
         if isinstance(x, QTensor):
             x = x.dequantize()
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -186,7 +187,8 @@ class InstanceNorm3d(_InstanceNorm, nn.InstanceNorm3d):
 class Dropout(nn.Dropout):
     """Inference dropout: the identity on ``QTensor`` (and float) inputs."""
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, input: Any) -> Any:
+        x = input  # (torch's argument name: fc(input=t) works)
         return x
 
     @classmethod

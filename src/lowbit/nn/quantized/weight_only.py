@@ -315,7 +315,8 @@ class WeightOnlyLinear(CheckedQuantState):
             self._cache = packed, sz.to(torch.bfloat16).contiguous()
         return self._cache
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = input  # (torch's argument name: fc(input=t) works)
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"WeightOnlyLinear: input must be a float tensor, got "
                             f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")

@@ -145,7 +145,8 @@ class Linear(CheckedQuantState):
         if bias is not None:
             self.bias = bias.detach().to(torch.float32).reshape(self.out_features).contiguous()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = input  # (torch's argument name: fc(input=t) works)
         if isinstance(x, QTensor):
             x = x.dequantize()
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -223,7 +224,8 @@ class LinearReLU(Linear):
     True
     """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = input  # (torch's argument name: fc(input=t) works)
         return F.relu(super().forward(x))
 
     @classmethod
