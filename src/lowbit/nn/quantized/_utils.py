@@ -37,6 +37,7 @@ from ...observer.distributed import local_statistics
 from ...qparams import calculate_qparams
 from ...qscheme import QDtype, QScheme, as_qdtype, per_tensor_affine, quint8
 from ...qtensor import QTensor, quantize_per_channel
+from ._checks import check_no_nan, check_not_meta  # noqa: F401 (re-exported: modules import them from here)
 from ._state import CheckedQuantState
 
 __all__ = ["quantize_weight", "weight_qparams", "weight_qscheme", "observer_grid", "output_qparams", "as_qtensor",
@@ -181,30 +182,6 @@ def as_qtensor(x: Any, grid: InputGrid | None, where: str) -> QTensor:
         return QTensor(quantize(x, scale, zero_point, quint8), scale, zero_point, quint8)
     scale, zp, qdtype = grid
     return QTensor(quantize(x, scale, zp, qdtype), scale, zp, qdtype)
-
-
-def check_not_meta(x: torch.Tensor, where: str) -> None:
-    """A ``RuntimeError`` for a ``meta`` tensor: quantized modules choose grids and codes from the values, which a
-    meta tensor does not have (shape inference runs on the float model)."""
-    if x.is_meta:
-        raise RuntimeError(f"{where}: a meta tensor (shape {tuple(x.shape)}) has no values to quantize; lowbit's "
-                           "quantized modules run on cpu / cuda tensors (infer shapes on the float model)")
-
-
-def check_no_nan(x: torch.Tensor, where: str) -> None:
-    """``RuntimeError`` for a float input holding NaN: int8 codes cannot carry it, and quantizing it would
-    turn it into a finite code (the float model outputs NaN there). One reduction over ``x``; while
-    ``torch.compile`` / ``torch.export`` trace (no data-dependent branch in a graph) the graph gets the same
-    reduction as an ``_assert_async``: the compiled or exported program raises too, instead of finite codes."""
-    check_not_meta(x, where)
-    if tracing():
-        torch._assert_async(torch.logical_not(torch.isnan(x).any()),
-                            f"{where}: the float input holds NaN values; int8 codes cannot represent NaN")
-        return
-    if x.numel() and bool(torch.isnan(x).any()):
-        raise RuntimeError(f"{where}: the float input of shape {tuple(x.shape)} holds {int(torch.isnan(x).sum())} "
-                           "NaN values; int8 codes cannot represent NaN (the float model would output NaN) — "
-                           "check the data, or keep this part of the model float")
 
 
 def check_out_grid(scale: Any, zero_point: Any, qdtype: Any, where: str) -> tuple[float, int, QDtype]:

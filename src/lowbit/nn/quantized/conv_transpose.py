@@ -73,8 +73,9 @@ class _ConvTransposeNd(WeightedQuantModule):
         weight, out = self._prepared()
         spec = self._spec
         if output_size is not None:  # torch's own rule picks the padding (and names a size it cannot reach)
-            pad = nn.ConvTranspose1d._output_padding(self, qx.int_repr(), list(output_size), list(self.stride), list(self.padding),
-                                                     list(self.kernel_size), self._dim, list(self.dilation))
+            pad = nn.ConvTranspose1d._output_padding(self, qx.int_repr(), list(output_size), list(self.stride),
+                                                     list(self.padding), list(self.kernel_size), self._dim,
+                                                     list(self.dilation))
             spec = ConvSpec(self._dim, self.stride, self.padding, self.dilation, self.groups, True, tuple(pad))
         y = kernels.conv(qx, weight, self.bias, spec, out, False, self._cache if spec is self._spec else {})
         assert isinstance(y, QTensor)
