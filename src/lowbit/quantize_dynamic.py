@@ -126,8 +126,15 @@ def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qi
                           "module names are dotted paths as in named_modules()", stacklevel=2)
     if not inplace:
         model = copy.deepcopy(model)
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     found = [0]
+    plan: list[tuple[nn.Module, str, nn.Module]] = []  # swaps applied once every one is built (an error changes nothing)
+    touched: list[tuple[nn.Module, bool, Any]] = []  # (module, had a qconfig attribute, its value): undone on error
+
+    def set_qconfig(mod: nn.Module, qconfig: Any) -> None:
+        touched.append((mod, "qconfig" in mod.__dict__, mod.__dict__.get("qconfig")))
+        mod.qconfig = qconfig
 
     def setting(mod: nn.Module, name: str, inherited: Any) -> Any:
         """The module's ``None | (dtype, qconfig) | QConfig`` (a mapping's, resolved lazily)."""
@@ -143,7 +150,7 @@ def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qi
             wd, qconfig = _spec_value(d, where) if isinstance(d, QConfig) else d
             if qconfig is not None and wd is None:  # an embedding recipe: weight-only per-row table
                 found[0] += 1
-                mod.qconfig = qconfig
+                set_qconfig(mod, qconfig)
                 return _from_float(_EMBEDDINGS[type(mod)], mod, name, None)
             if isinstance(spec, dict) and (type(mod) in spec or (name and name in spec)):  # asked for by type / name
                 raise ValueError(f"quantize_dynamic: {type(mod).__name__} needs an embedding qconfig "
@@ -156,10 +163,12 @@ def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qi
                 wdtype = _as_dynamic_dtype(getattr(qconfig.weight(), "qdtype", None),
                                            f"quantize_dynamic: module '{name or '<root>'}' ({type(mod).__name__})")
             if qconfig is not None:  # the module's weight observer comes from this qconfig
-                mod.qconfig = qconfig
+                set_qconfig(mod, qconfig)
             return _from_float(mapping[type(mod)], mod, name, wdtype)
         for cname, child in list(mod.named_children()):
-            mod._modules[cname] = walk(child, f"{name}.{cname}" if name else cname, d)
+            new = walk(child, f"{name}.{cname}" if name else cname, d)
+            if new is not child:
+                plan.append((mod, cname, new))
         return mod
 
     def _from_float(qcls: type, mod: nn.Module, name: str, wdtype: Any) -> nn.Module:
@@ -169,7 +178,19 @@ def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qi
         except (ValueError, TypeError, RuntimeError) as err:
             raise type(err)(f"quantize_dynamic: module '{name or '<root>'}' ({type(mod).__name__}): {err}") from err
 
-    model = walk(model, "", spec.global_qconfig if isinstance(spec, QConfigMapping) else spec.get("", None))
+    try:
+        model = walk(model, "", spec.global_qconfig if isinstance(spec, QConfigMapping) else spec.get("", None))
+    except Exception:
+        for m, had, old in touched:  # the caller's model (inplace=True) as it was
+            if had:
+                m.qconfig = old
+            else:
+                m.__dict__.pop("qconfig", None)
+        for m, training in modes:
+            m.training = training
+        raise
+    for parent, cname, new in plan:
+        parent._modules[cname] = new
     if found[0] == 0 and spec:
         warnings.warn("quantize_dynamic(): no module of a targeted type found — the model is returned unchanged",
                       stacklevel=2)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .nn.quantized._utils import check_finite_linears
-from .nn.quantized.weight_only import METHODS, WeightOnlyLinear, _check_args, fit_group_size, gptq_quantize
+from .nn.quantized.weight_only import METHODS, WeightOnlyLinear, check_recipe, fit_group_size, gptq_quantize
 
 __all__ = ["quantize_weight_only", "collect_hessians"]
 
@@ -143,13 +143,18 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128,
         method = "rtn" if calib is None else "gptq"
     if method not in METHODS:
         raise ValueError(f"quantize_weight_only: method={method!r} must be one of {METHODS}")
-    _check_args(2 * max(group_size, 1), 1, bits, group_size, "quantize_weight_only")
+    check_recipe(bits, group_size, "quantize_weight_only", symmetric)
     if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
         raise TypeError(f"quantize_weight_only: skip={skip!r} must be a tuple of module names")
     if method == "gptq" and calib is None:
         raise ValueError("quantize_weight_only: method='gptq' needs calib= (an iterable of model inputs)")
     skip = tuple(skip)
-    check_finite_linears(_targets(model, skip).items(), "quantize_weight_only", bias=False)  # before any copy or work
+    targets = _targets(model, skip)
+    check_finite_linears(targets.items(), "quantize_weight_only", bias=False)  # before any copy or work
+    odd = [n or "<model>" for n, lin in targets.items() if bits == 4 and lin.in_features % 2]
+    if odd:  # (was raised by WeightOnlyLinear after calibration, naming no layer)
+        raise ValueError(f"quantize_weight_only: bits=4 packs two codes per byte, so in_features must be even; layer(s) "
+                         f"{odd} have an odd number: skip them (skip=(..., {odd[0]!r})) or use bits=8")
     if not inplace:
         model = copy.deepcopy(model)
     model.eval()
@@ -166,7 +171,14 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128,
         g = fit_group_size(lins[0].in_features, group_size)
         if g != group_size:
             changed += [f"{n or '<model>'} ({lins[0].in_features} features: group_size={g})" for n in names]
-        if method == "gptq":  # layers fed one input (q/k/v, gate/up) share H: one GPTQ pass over their stacked rows
+        if method == "gptq" and not bool(hessians[names[0]].any()):  # no calibration signal reached these layers
+            warnings.warn(f"quantize_weight_only: no calibration input reached {[n or '<model>' for n in names]} (their "
+                          "XᵀX is 0: never called, or all-zero inputs); GPTQ has nothing to minimise there, so they "
+                          "are rounded to nearest (method='rtn')", stacklevel=2)
+            built.update((n, WeightOnlyLinear.from_float(lin, bits, g, symmetric, "rtn")) for n, lin in zip(names, lins))
+            for n in names:
+                del hessians[n]
+        elif method == "gptq":  # layers fed one input (q/k/v, gate/up) share H: one GPTQ pass over their stacked rows
             built.update(zip(names, _gptq_stacked(lins, hessians[names[0]], bits, g, symmetric, act_order)))
             for n in names:
                 del hessians[n]

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..nn.quantized.weight_only import (WeightOnlyLinear, _check_args, fit_group_size, gptq_quantize, quantize_groups,
+from ..nn.quantized.weight_only import (WeightOnlyLinear, check_recipe, fit_group_size, gptq_quantize, quantize_groups,
                                        weight_qdtype)
 from .awq import awq_fold, awq_search_stats, scale_source
 from ..nn.quantized._utils import check_finite_linears
@@ -198,7 +198,7 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
     damps = (damp,) if isinstance(damp, (int, float)) else tuple(damp)
     if not damps or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d < math.inf for d in damps):
         raise ValueError(f"quantize_llm: damp={damp!r} must be a positive float or a tuple of them")
-    _check_args(2 * max(group_size, 1), 1, bits, group_size, "quantize_llm")
+    check_recipe(bits, group_size, "quantize_llm", symmetric)
     if not inplace:
         model = copy.deepcopy(model)
     model.eval()

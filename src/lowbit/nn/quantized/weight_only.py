@@ -75,15 +75,22 @@ def weight_qdtype(bits: int, symmetric: bool) -> QDtype:
     return qint8 if bits == 8 else (qint4 if symmetric else quint4)
 
 
+def check_recipe(bits: Any, group_size: Any, where: str, symmetric: Any = True) -> None:
+    """``bits`` 4 or 8, ``group_size`` a positive int or -1, ``symmetric`` a bool: else an error naming the value."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):  # (4.0 passed "in (4, 8)")
+        raise ValueError(f"{where}: bits={bits!r} must be 4 or 8")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or (group_size <= 0 and group_size != -1):
+        raise ValueError(f"{where}: group_size={group_size!r} must be a positive int or -1 (per channel)")
+    if not isinstance(symmetric, bool):  # a truthy "no" meant symmetric
+        raise TypeError(f"{where}: symmetric={symmetric!r} must be a bool")
+
+
 def _check_args(in_features: Any, out_features: Any, bits: Any, group_size: Any, where: str) -> int:
     """Validate the shape arguments; return the effective group size (``in_features`` for -1)."""
     for name, v in (("in_features", in_features), ("out_features", out_features)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{where}: {name}={v!r} must be a positive int")
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):  # (4.0 passed "in (4, 8)")
-        raise ValueError(f"{where}: bits={bits!r} must be 4 or 8")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or (group_size <= 0 and group_size != -1):
-        raise ValueError(f"{where}: group_size={group_size!r} must be a positive int or -1 (per channel)")
+    check_recipe(bits, group_size, where)
     g = in_features if group_size == -1 else group_size
     if in_features % g:
         raise ValueError(f"{where}: in_features={in_features} is not divisible by group_size={group_size}")
@@ -301,7 +308,9 @@ class WeightOnlyLinear(CheckedQuantState):
                 and x.numel() <= DECODE_MAX_ROWS * self.in_features and not _needs_grad(x))
 
     def _int8_kernel_applies(self, x: torch.Tensor) -> bool:
+        # (torch's _weight_int8pack_mm reads past the rows, or crashes, when in_features is not a multiple of 8)
         return (self.kernel == "auto" and self.bits == 8 and self._g == self.in_features and self.symmetric
+                and self.in_features % 8 == 0
                 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
                 and x.numel() <= DECODE_MAX_ROWS * self.in_features and not _needs_grad(x))
 

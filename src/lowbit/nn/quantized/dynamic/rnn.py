@@ -144,6 +144,7 @@ class _RNNBase(nn.Module):
             data, batch_sizes, sorted_idx, unsorted_idx = x.reshape(steps * batch, x.shape[-1]), [batch] * steps, None, None
         if data.shape[-1] != self.input_size:
             raise ValueError(f"dynamic {name}: input feature size {data.shape[-1]} != input_size={self.input_size}")
+        dtype = data.dtype  # computed in float32, returned in the input's dtype (as the float RNN and the cells do)
         data = data.to(torch.float32)
         states = self._zero_state(batch, data) if hx is None else self._split_hx(hx)
         expect = (self.num_layers * len(self._suffixes()), self.hidden_size)
@@ -155,6 +156,8 @@ class _RNNBase(nn.Module):
                                  f"{(expect[0], batch, expect[1]) if not unbatched else expect}")
             checked.append(s.to(torch.float32) if sorted_idx is None else s.index_select(1, sorted_idx).float())
         out, finals = self._run(data, batch_sizes, tuple(checked))
+        if dtype != torch.float32:
+            out, finals = out.to(dtype), tuple(f.to(dtype) for f in finals)
         if unsorted_idx is not None:
             finals = tuple(f.index_select(1, unsorted_idx) for f in finals)
         if unbatched:
