@@ -112,6 +112,8 @@ def train(
     gen = torch.Generator().manual_seed(seed)
     n = len(x)
     steps_per_epoch = (n + batch_size - 1) // batch_size
+    if n > batch_size and n % batch_size == 1:  # a last batch of one sample (BatchNorm cannot train on it): merged
+        steps_per_epoch -= 1
     total = max(1, round(epochs * steps_per_epoch))
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, total)
@@ -123,7 +125,8 @@ def train(
             perm = torch.randperm(n, generator=gen)
         if on_step is not None:
             on_step(model, step, total)
-        idx = perm[i : i + batch_size]
+        last = step % steps_per_epoch == steps_per_epoch - 1
+        idx = perm[i:] if last else perm[i : i + batch_size]
         loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()

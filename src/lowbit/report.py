@@ -45,6 +45,12 @@ _HEAD = ("method", "accuracy (%)", "Δ vs fp32 (pts)", "size (KiB)", "size ratio
 _INSTALL = "pip install lowbit[report]"
 
 
+def _head(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """``_HEAD`` with the batch the latency was timed on (a row's ``latency_batch``; 64 when none says)."""
+    batch = next((r["latency_batch"] for r in rows if isinstance(r.get("latency_batch"), int)), 64)
+    return tuple(f"latency (ms, batch {batch})" if h.startswith("latency") else h for h in _HEAD)
+
+
 @dataclass
 class ReportFiles:
     """What ``write_report`` wrote, and the values its figures show (read back from the drawn artists)."""
@@ -84,8 +90,9 @@ def _row_cells(r: dict[str, Any]) -> tuple[str, ...]:
 
 def rows_to_markdown(rows: list[dict[str, Any]]) -> str:
     """The accuracy/size/latency table, cell for cell as ``lowbit quantize`` prints it."""
-    lines = ["| " + " | ".join(_HEAD) + " |", "|" + "---|" * len(_HEAD)]
-    lines += ["| " + " | ".join(_row_cells(r)) + " |" for r in _check_rows(rows)]
+    rows = _check_rows(rows)
+    lines = ["| " + " | ".join(_head(rows)) + " |", "|" + "---|" * len(_HEAD)]
+    lines += ["| " + " | ".join(_row_cells(r)) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -258,7 +265,7 @@ def write_report(out_dir: str | Path, table_rows: list[dict[str, Any]], compare_
 
     sections: list[tuple[str, Path | None, tuple[str, ...], list[tuple[str, ...]], str]] = []
     if rows:
-        sections.append(("Accuracy, size and latency", None, _HEAD, [_row_cells(r) for r in rows], ""))
+        sections.append(("Accuracy, size and latency", None, _head(rows), [_row_cells(r) for r in rows], ""))
     if compare_result is not None:
         sections.append(("Per-layer error: float vs quantized", files.figures.get("sqnr"), CompareResult.columns,
                          compare_result.cells(), "SQNR = 10·log10(Σx² / Σ(x − x̂)²); every 6 dB is about one bit."))

@@ -31,7 +31,7 @@ from .common import cpus as _cpus
 from .inputs import builtin_data, check_data, check_labels, check_runs, check_spec, load_array, load_model
 from .measure import accuracy, latency_ratios, state_bytes, table
 from .methods import METHODS, QCONFIGS, Job
-from .output import OutputFolder, strict_json
+from .output import OutputFolder, check_inputs_outside, strict_json
 
 __all__ = ["main", "build_parser"]
 
@@ -120,6 +120,23 @@ def _check_args(args: argparse.Namespace, methods: list[str]) -> None:
         raise CLIError(f"--method {needs_labels[0]} needs --calib-labels (it fine-tunes on the --calib data)")
 
 
+def _fitting(model: nn.Module, raw: torch.Tensor, what: str, data: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, model output on two of them)``: float32 inputs, or the integers as int64 where the model takes
+    integers and not floats (token ids for an embedding)."""
+    x = check_data(raw, what)
+    try:
+        return x, check_runs(model, x, data)
+    except CLIError:
+        if raw.is_floating_point():
+            raise
+        try:  # token ids: an embedding takes int64 indices
+            ids = raw.long()
+            return ids, check_runs(model, ids, data)
+        except CLIError:
+            pass
+        raise
+
+
 def _inputs(args: argparse.Namespace, methods: list[str], say: Any) -> tuple[nn.Module, torch.Tensor, Any, Any, Any]:
     """(fp32 model, calib, calib labels or None, eval x or None, eval y or None), all checked."""
     from .. import examples
@@ -137,17 +154,21 @@ def _inputs(args: argparse.Namespace, methods: list[str], say: Any) -> tuple[nn.
                            on_step=lambda *_: next(bar))
         return fp32.eval(), xtr[: args.calib_size], ytr[: args.calib_size] if needs_labels else None, xte, yte
     fp32 = load_model(args.model, args.weights)
-    calib = check_data(load_array(args.calib, "--calib"), f"--calib {args.calib}")
-    out = check_runs(fp32, calib, "--calib data")
+    calib, out = _fitting(fp32, load_array(args.calib, "--calib"), f"--calib {args.calib}", "--calib data")
+    calib_out = out
     classes = out.shape[-1] if out.dim() >= 2 else None
     xte = yte = calib_labels = None
     if args.eval is not None:
-        xte = check_data(load_array(args.eval, "--eval"), f"--eval {args.eval}")
-        out = check_runs(fp32, xte, "--eval data")
+        xte, out = _fitting(fp32, load_array(args.eval, "--eval"), f"--eval {args.eval}", "--eval data")
         if out.dim() != 2:
             raise CLIError(f"--eval: accuracy needs (batch, classes) model outputs, got shape {tuple(out.shape)}")
         yte = check_labels(load_array(args.labels, "--labels", labels=True), f"--labels {args.labels}", len(xte), out.shape[-1])
     if needs_labels:
+        if len(calib) < 2:  # a training batch of one: BatchNorm and the loss need more
+            raise CLIError(f"--method qat fine-tunes on --calib: it needs at least 2 samples, got {len(calib)}")
+        if calib_out.dim() != 2:
+            raise CLIError(f"--method qat trains with cross-entropy on (batch, classes) model outputs, got shape "
+                           f"{tuple(calib_out.shape)} on --calib")
         calib_labels = check_labels(load_array(args.calib_labels, "--calib-labels", labels=True),
                                     f"--calib-labels {args.calib_labels}", len(calib), classes)
     return fp32, calib, calib_labels, xte, yte
@@ -164,6 +185,8 @@ def _quantize(args: argparse.Namespace) -> int:
         kernels.set_backend(args.backend)
     methods = list(dict.fromkeys(args.method or _default_methods(args)))
     _check_args(args, methods)
+    check_inputs_outside(args.out, {f"--{f.replace('_', '-')}": getattr(args, f)
+                                    for f in ("weights", "calib", "eval", "labels", "calib_labels")})
     with OutputFolder(args.out) as folder:          # --out is checked (and its staging folder made) first
         fp32, calib, calib_labels, xte, yte = _inputs(args, methods, say)
         qmodels: dict[str, nn.Module] = {}
@@ -176,7 +199,8 @@ def _quantize(args: argparse.Namespace) -> int:
 
         all_models = {"fp32": fp32, **qmodels}
         with stage("measuring"):
-            lat = latency_ratios(all_models, (xte if xte is not None else calib)[:64], quiet=args.quiet)
+            timed = (xte if xte is not None else calib)[:64]
+            lat = latency_ratios(all_models, timed, quiet=args.quiet)
             fp32_size = state_bytes(fp32)
             rows = []
             fp32_acc = accuracy(fp32, xte, yte, args.quiet, "fp32") if xte is not None else float("nan")
@@ -185,7 +209,8 @@ def _quantize(args: argparse.Namespace) -> int:
                                                     else float("nan"))
                 size = state_bytes(m)
                 rows.append({"method": k, "accuracy": acc, "delta": acc - fp32_acc, "size_kib": size / 1024,
-                             "size_ratio": fp32_size / size, "latency_ms": lat[k]["ms"], "speedup": lat[k]["ratio"]})
+                             "size_ratio": fp32_size / size, "latency_ms": lat[k]["ms"], "speedup": lat[k]["ratio"],
+                             "latency_batch": len(timed)})
         print(table(rows))
 
         from ..debug import compare
@@ -214,7 +239,7 @@ def _quantize(args: argparse.Namespace) -> int:
             (d / "report.json").write_text(strict_json(report) + "\n")
             write_report(d, rows, compare_result=cmp, histograms=prepared_ptq, fmt="md",
                          notes=f"Model: `{report['model']}`; torch {torch.__version__}, {report['threads']} threads, "
-                               f"{report['date']}. Latency: batch of 64, median of 7 interleaved rounds; speed-up = "
+                               f"{report['date']}. Latency: batch of {len(timed)}, median of 7 interleaved rounds; speed-up = "
                                "median of per-round fp32/method ratios.")
         written = folder.commit()
     say(f"lowbit: wrote {', '.join(written)} to {args.out}")

@@ -89,25 +89,34 @@ def _load_images(folder: Path, what: str) -> torch.Tensor:
     except ImportError as e:
         raise CLIError("reading an image folder needs Pillow: pip install pillow") from e
     arrs = []
+    with_colour = False
+    for f in files:  # a folder holding any colour image is read as RGB (C = 3), else as grayscale (C = 1)
+        try:
+            with Image.open(f) as im:
+                with_colour = with_colour or im.mode not in ("1", "L", "LA", "I", "F") and not im.mode.startswith("I;16")
+        except Exception:  # named by the read below
+            pass
     for f in files:
         try:
             with Image.open(f) as im:
                 mode, wide = im.mode, None
-                if mode.startswith("I;16") or mode in ("I", "F"):  # convert("L") would clip everything above 255
+                if with_colour:
+                    arrs.append(np.asarray(im.convert("RGB"), dtype=np.float32).transpose(2, 0, 1) / 255.0)
+                elif mode.startswith("I;16") or mode in ("I", "F"):  # convert("L") would clip everything above 255
                     wide = np.asarray(im, dtype=np.float64)
                 else:
-                    arrs.append(np.asarray(im.convert("L"), dtype=np.float32) / 255.0)
+                    arrs.append(np.asarray(im.convert("L"), dtype=np.float32)[None] / 255.0)
         except Exception as e:  # truncated / not an image despite its suffix
             raise CLIError(f"{what} folder {folder}: cannot read image {f.name} ({one_line(e)})") from e
         if wide is not None:  # 16-bit grayscale (older Pillow reads 16-bit PNGs as "I"): its own range
             if mode == "F" or not (wide.size and 0 <= wide.min() and wide.max() <= 65535):
                 raise CLIError(f"{what} folder {folder}: image {f.name} ({mode!r} mode) holds values outside 16-bit "
                                "pixels; save it as 8- or 16-bit, or pass the tensor as .pt / .npz")
-            arrs.append((wide / 65535.0).astype(np.float32))
-    shapes = {a.shape for a in arrs}
+            arrs.append((wide / 65535.0).astype(np.float32)[None])
+    shapes = {a.shape[1:] for a in arrs}
     if len(shapes) != 1:
         raise CLIError(f"{what} folder {folder}: images differ in size ({', '.join(map(str, sorted(shapes)))})")
-    return torch.from_numpy(np.stack(arrs)).unsqueeze(1)
+    return torch.from_numpy(np.stack(arrs))
 
 
 def check_data(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -174,10 +183,35 @@ def load_model(spec: str, weights: str | None) -> nn.Module:
         raise CLIError(f"--model {spec!r}: the factory returned {type(model).__name__}, not an nn.Module")
     if weights is not None:
         try:
-            model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+            sd = torch.load(weights, map_location="cpu", weights_only=True)
+        except Exception as e:
+            if "weights_only" in str(e) or "Unsupported global" in str(e):  # a pickled object, e.g. a whole model
+                raise CLIError(f"--weights {weights}: holds a pickled Python object (a whole model?), not a "
+                               "state_dict; save model.state_dict() instead") from e
+            raise CLIError(f"--weights {weights}: cannot be read ({one_line(e)})") from e
+        sd = _unwrap_state_dict(sd, model)
+        try:
+            model.load_state_dict(sd)
         except Exception as e:
             raise CLIError(f"--weights {weights}: does not load into the model ({one_line(e)})") from e
     return model.eval()
+
+
+def _unwrap_state_dict(sd: Any, model: nn.Module) -> Any:
+    """The common checkpoint wrappers around a state dict: ``{"state_dict": sd}`` / ``{"model": sd}`` (training
+    scripts) and the ``module.`` prefix of ``DataParallel`` / DDP, removed when the model's own keys lack them."""
+    if not isinstance(sd, dict):
+        return sd
+    own = set(model.state_dict())
+    for key in ("state_dict", "model", "model_state_dict"):
+        inner = sd.get(key)
+        if isinstance(inner, dict) and not (set(sd) & own) and inner and all(isinstance(k, str) for k in inner):
+            sd = inner
+            break
+    if sd and all(isinstance(k, str) and k.startswith("module.") for k in sd) and not any(k.startswith("module.")
+                                                                                         for k in own):
+        sd = {k[len("module."):]: v for k, v in sd.items()}
+    return sd
 
 
 def check_runs(model: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:

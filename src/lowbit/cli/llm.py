@@ -20,7 +20,7 @@ windows after them, so the scored text is never seen in calibration. Steps, each
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import statistics
 import sys
 import time
@@ -33,7 +33,7 @@ from torch import nn
 
 from .common import CLIError, count, cpus, progress, stage
 from .measure import state_bytes
-from .output import OutputFolder
+from .output import OutputFolder, check_inputs_outside, strict_json
 
 __all__ = ["build_parser_into", "run", "LLM_METHODS"]
 
@@ -88,6 +88,10 @@ def _load(path: str) -> tuple[Any, nn.Module]:
         p = p.parent
     elif p.is_dir() and (p / "config.json").is_file():
         kw = {}
+        if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                                                "vocab.json", "spiece.model")):
+            raise CLIError(f"MODEL {path!r} holds no tokenizer (tokenizer.json / tokenizer_config.json / "
+                           "tokenizer.model); save one beside the weights (tokenizer.save_pretrained(dir))")
     else:
         raise CLIError(f"MODEL {path!r} is neither a .gguf file nor a Hugging Face model directory (config.json)")
     try:
@@ -119,7 +123,8 @@ def _ppl(model: nn.Module, ids: torch.Tensor, window: int, quiet: bool, desc: st
     for w in progress(ids[: n * window].reshape(n, window), desc, n, quiet):
         logits = model(w[None]).logits[0, :-1].float()
         nll += float(torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum"))
-    return float(torch.tensor(nll / (n * (window - 1))).exp())
+    mean = nll / (n * (window - 1))
+    return math.exp(mean) if mean < 709.0 else math.inf  # float64: float32's exp overflowed above a mean NLL of ~88.7
 
 
 @torch.no_grad()
@@ -146,9 +151,11 @@ def run(args: argparse.Namespace) -> int:
                        f"--calib-windows {args.calib_windows} must be >= 1")
     if args.speed_tokens == 1:
         raise CLIError("--speed-tokens 1: the decode timing needs at least 2 new tokens (0 skips it)")
+    check_inputs_outside(args.out, {"MODEL": args.model, "--text": args.text})
     with OutputFolder(args.out) as folder:
+        text = _text(args.text)  # (a missing --text is named before the model loads)
         tok, fp32 = _load(args.model)
-        ids = torch.tensor(tok(_text(args.text)).input_ids)
+        ids = torch.tensor(tok(text).input_ids)
         need = args.eval_tokens + args.calib_windows * args.window
         if ids.numel() < need:
             raise CLIError(f"the text has {ids.numel()} tokens; --eval-tokens + --calib-windows x --window need {need}")
@@ -157,8 +164,8 @@ def run(args: argparse.Namespace) -> int:
                  for i in range(args.calib_windows)]
         say(f"lowbit: {args.method} on {args.model}: {len(calib)} x {args.window} calibration tokens")
         t0 = time.perf_counter()
-        with stage(f"--method {args.method}"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with stage(f"--method {args.method}"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             head = None if args.head == "none" else args.head
             if args.method == "w8a8":
                 qm = Q.quantize_w8a8(fp32, calib)
@@ -169,6 +176,10 @@ def run(args: argparse.Namespace) -> int:
                 qm = Q.quantize_llm(fp32, calib, bits=args.bits, group_size=args.group_size, awq=args.awq, head=head,
                                     method="gptq" if args.method == "weight-only" else "rtn", progress=not args.quiet)
         quant_s = time.perf_counter() - t0
+        for w in caught:  # what changed the recipe (e.g. a group size that does not divide a layer) is said, once
+            if "group_size" in str(w.message) or "group size" in str(w.message):
+                say(f"lowbit: {w.message}")
+                break
         rows = []
         with stage("measuring"):
             for name, m in (("fp32", fp32), (args.method, qm)):
@@ -189,13 +200,17 @@ def run(args: argparse.Namespace) -> int:
                   for r in rows]
         table = "\n".join(lines)
         print(table)
-        report = {"model": args.model, "method": args.method, "bits": args.bits, "group_size": args.group_size,
-                  "quantize_s": quant_s, "eval_tokens": args.eval_tokens, "window": args.window,
+        groups = sorted({m._g if m._g != m.in_features else -1 for m in qm.modules() if hasattr(m, "_g")})
+        bits = 8 if args.method in ("int8", "w8a8") else args.bits
+        report = {"model": args.model, "method": args.method, "bits": bits,
+                  "group_size": (-1 if args.method in ("int8", "w8a8") else groups[0] if len(groups) == 1 else groups),
+                  "quantize_s": quant_s, "eval_tokens": (args.eval_tokens // args.window) * args.window,
+                  "window": args.window,
                   "threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows}
         with stage(f"writing --out {args.out}"):
             d = folder.staging
             torch.save(qm.state_dict(), d / f"model_{args.method.replace('-', '_')}.pt")
-            (d / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+            (d / "report.json").write_text(strict_json(report) + "\n")
             (d / "report.md").write_text(f"# lowbit quantize-llm\n\n{args.model}, {args.method}\n\n{table}\n")
         written = folder.commit()
     say(f"lowbit: wrote {', '.join(written)} to {args.out}")

@@ -41,11 +41,13 @@ from typing import Any
 
 from .common import CLIError
 
-__all__ = ["OutputFolder", "MARKER", "strict_json"]
+__all__ = ["OutputFolder", "MARKER", "strict_json", "check_inputs_outside"]
 
 MARKER = ".lowbit-out"
-#: files a lowbit run writes (older runs wrote no marker): models, reports, report figures
-_OURS = re.compile(r"(model_\w+\.pt|report(_\w+)?\.(json|md|html|png))")
+#: files a lowbit run writes (older runs wrote no marker): its models by method, reports, report figures; a user's
+#: own model_best.pt is not one of them (a folder holding it was replaced as a whole)
+_OURS = re.compile(r"model_(fp32|ptq|qat|dynamic|weight_only|rtn|int8|w8a8)\.pt|report\.(json|md|html)"
+                   r"|report_(sqnr|activations)\.png")
 
 
 def strict_json(obj: Any) -> str:
@@ -64,6 +66,17 @@ def strict_json(obj: Any) -> str:
         return o
 
     return json.dumps(clean(obj), allow_nan=False)
+
+
+def check_inputs_outside(out: str | Path, inputs: dict[str, Any]) -> None:
+    """``--out`` is replaced as a whole: an input file or folder inside it (``{flag: path or None}``) is refused."""
+    root = Path(out).absolute().resolve()
+    for flag, path in inputs.items():
+        if path is None:
+            continue
+        p = Path(path).absolute().resolve()
+        if p == root or root in p.parents:
+            raise CLIError(f"{flag} {path} lies inside --out {out}, which is replaced as a whole; move it out first")
 
 
 def _check_target(out: Path) -> None:
