@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="quantize a model (no arguments: the built-in example)")
     q.add_argument("--model", help="package.module:factory returning an nn.Module")
     q.add_argument("--weights", help="state_dict (.pt) to load into the model")
-    q.add_argument("--calib", help="calibration inputs: .pt, .npz, .npy or a folder of images")
+    q.add_argument("--calib", help="calibration inputs: .pt, .npz, .npy or a folder of images (pixels / 255, or / 65535 "
+                   "for 16-bit; (N, 3, H, W) when any image has colour, else (N, 1, H, W))")
     q.add_argument("--calib-labels", dest="calib_labels", help="labels of --calib (needed for --method qat)")
     q.add_argument("--eval", help="evaluation inputs (same formats as --calib)")
     q.add_argument("--labels", help="labels of --eval")
