@@ -206,3 +206,40 @@ def test_without_example_inputs_comparisons_and_argmax_are_not_observed():
     m = Masked().eval()
     y, idx = _fx(m, x, example=False)(x)  # was "HistogramObserver observes floating-point tensors, got torch.bool"
     assert idx.dtype == torch.int64 and _sqnr(m(x)[0], y) > 20
+
+
+def test_child_graphs_without_activation_observers_still_convert():
+    """Weight-only (embedding) and dynamic child graphs have no activation observer: they are not 'never ran'."""
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Sequential(nn.Embedding(10, 4))
+            self.dyn, self.fc = nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4))
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            h = self.emb(idx).sum(1)
+            if h.sum() > -1e9:  # the root cannot be traced: its children become graphs of their own
+                h = self.dyn(h)
+            return self.fc(h)
+
+    qm = (Q.get_default_qconfig_mapping().set_object_type(nn.Embedding, Q.get_embedding_qconfig())
+          .set_module_name("dyn", Q.get_dynamic_qconfig()))
+    idx = torch.randint(0, 10, (2, 3))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        p = Q.prepare_fx(M().eval(), qm, (idx,))
+        p(idx)
+        c = Q.convert_fx(p)
+    assert not any("never ran" in str(i.message) for i in w)
+    kinds = {type(m).__module__ for part in (c.emb, c.dyn) for m in part.modules()}
+    assert {"lowbit.nn.quantized.embedding", "lowbit.nn.quantized.dynamic.linear"} <= kinds
+
+
+def test_unbatched_conv_transpose_takes_a_full_output_size():
+    m = nn.Sequential(Q.QuantStub(), nn.ConvTranspose2d(4, 4, 3, stride=2), Q.DeQuantStub())
+    m.qconfig = Q.get_default_qconfig()
+    p = Q.prepare(m)
+    p(torch.randn(2, 4, 8, 8))
+    c = Q.convert(p)
+    assert c[1](c[0](torch.randn(4, 8, 8)), output_size=(4, 18, 18)).shape == (4, 18, 18)  # as nn.ConvTranspose2d
+    assert c[1](c[0](torch.randn(1, 4, 8, 8)), output_size=(18, 18)).shape == (1, 4, 18, 18)

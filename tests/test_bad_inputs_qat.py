@@ -139,3 +139,39 @@ def test_lsq_learning_before_any_observer_batch_says_what_to_do():
     q.apply(enable_param_learning)
     with pytest.raises(ValueError, match="run one batch with the observer on .* or build it with channel_len"):
         q(torch.randn(4, 8))
+
+
+def test_every_view_of_a_quantized_output_stays_quantized_so_no_layer_is_left_without_a_grid():
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x).narrow(1, 0, 4))  # a view QTensor keeps as codes (it fell back to float)
+
+    torch.manual_seed(0)
+    p = Q.prepare(M().eval(), Q.get_default_qconfig())
+    p(torch.randn(64, 8))
+    c = Q.convert(p)
+    x = torch.randn(8, 8)
+    assert torch.equal(c(x)[:1].dequantize(), c(x[:1]).dequantize())  # no per-call grid: a row's output is its own
+    a = Q.quantize_per_tensor(torch.randn(2, 3, 4), 0.05, 10, Q.quint8)
+    for name, args in [("narrow", (1, 0, 2)), ("select", (1, 1)), ("unflatten", (2, (2, 2))), ("movedim", (0, 2)),
+                       ("expand", (2, 2, 3, 4)), ("diagonal", ()), ("unfold", (2, 2, 1))]:
+        r = getattr(a, name)(*args)
+        assert isinstance(r, Q.QTensor) and torch.equal(r.dequantize(), getattr(a.dequantize(), name)(*args)), name
+
+
+def test_a_root_type_rule_applies_when_no_global_is_set():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
+    qc = Q.get_minmax_qconfig()
+    b = Q.propagate_qconfig_(Block(), Q.QConfigMapping().set_object_type(Block, qc))
+    assert b.qconfig is qc and b.fc.qconfig is qc  # torch.ao: {Block: qc} quantizes the block

@@ -351,11 +351,12 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
     graphs = [m for m in model.modules() if isinstance(m, fx.GraphModule) and STATE_KEY in m.meta
               and not m.meta[STATE_KEY].get("converted")]
     custom, custom_dynamic = cfg.mapping(), cfg.mapping(dynamic=True)
-    ran = {id(gm): any(_is_calibrated(obs) for n, obs in _observers(gm) if n.meta.get("lowbit_kind") != "obs_w")
-           for gm in graphs}
+    # per graph: did any activation observer see data (None: it has none, e.g. only weight-only or dynamic layers)
+    acts = {id(gm): [obs for n, obs in _observers(gm) if n.meta.get("lowbit_kind") != "obs_w"] for gm in graphs}
+    ran = {k: (any(_is_calibrated(o) for o in v) if v else None) for k, v in acts.items()}
     for gm in graphs:
         state = gm.meta[STATE_KEY]
-        if state.get("prefix") and not ran[id(gm)] and any(ran.values()) and not state.get("is_qat"):
+        if state.get("prefix") and ran[id(gm)] is False and any(ran.values()) and not state.get("is_qat"):
             # a child graph of an untraceable parent that never ran while others did (a branch the calibration
             # data did not take): float as it was, as eager convert keeps such a module
             path = state["prefix"]

@@ -49,11 +49,32 @@ def _cat(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
     return first._same_grid(torch.cat([t.int_repr() for t in ts], dim))
 
 
+# the other view ops: on a per-tensor QTensor they move or select codes (the grid kept), so every view of a quantized
+# output stays quantized after convert, as prepare assumes (workflow.hooks._tagged); per channel: the float fallback
+_CODE_VIEWS = ("narrow", "select", "unflatten", "t", "movedim", "moveaxis", "swapaxes", "swapdims", "expand",
+               "expand_as", "view_as", "reshape_as", "diagonal", "unfold")
+
+
+def _code_view(name: str) -> Callable:
+    def method(self: QTensor, *args: Any, **kwargs: Any) -> Any:
+        if self.axis is not None:
+            return getattr(self.dequantize(), name)(*args, **kwargs)
+        args = tuple(a.int_repr() if isinstance(a, QTensor) else a for a in args)  # (expand_as / view_as: its shape)
+        return self._same_grid(getattr(self.int_repr(), name)(*args, **kwargs))
+    method.__name__ = name
+    return method
+
+
+for _name in _CODE_VIEWS:
+    if _name not in QTensor.__dict__:
+        setattr(QTensor, _name, _code_view(_name))
+
 _INT_OPS.update({
     torch.relu: _relu,
     F.relu: _relu,
     torch.cat: _cat,
     torch.concat: _cat,
     **{getattr(torch, name): _method(name) for name in (
-        "flatten", "reshape", "permute", "transpose", "squeeze", "unsqueeze", "chunk", "split", "unbind")},
+        "flatten", "reshape", "permute", "transpose", "squeeze", "unsqueeze", "chunk", "split", "unbind",
+        "narrow", "select", "t", "movedim", "moveaxis", "swapaxes", "swapdims", "diagonal")},
 })

@@ -79,8 +79,11 @@ def propagate_qconfig_(model: nn.Module, qconfig: Any = None) -> nn.Module:
 
     def walk(mod: nn.Module, name: str, inherited: QConfig | None) -> None:
         qc = _MISSING if exact else mod.__dict__.get("qconfig", _MISSING)
-        if qc is _MISSING and name == "" and not exact:  # the root: its name "" is the global key (torch.ao's
-            qc = mapping.module_name_qconfigs.get("", mapping.global_qconfig)  # qconfig_dict.get(prefix)): no type rule
+        if qc is _MISSING and name == "" and not exact and (mapping.global_qconfig is not None
+                                                            or "" in mapping.module_name_qconfigs):
+            # the root: its name "" is the global key (torch.ao's qconfig_dict.get(prefix)): a set global beats the
+            # type rule of the root's own class; with no global set, the type rule applies as before
+            qc = mapping.module_name_qconfigs.get("", mapping.global_qconfig)
         if qc is _MISSING:
             qc = mapping.resolve(name, type(mod), inherited)
         elif qc is not None and not isinstance(qc, QConfig):

@@ -73,7 +73,8 @@ class _ConvTransposeNd(WeightedQuantModule):
         weight, out = self._prepared()
         spec = self._spec
         if output_size is not None:  # torch's own rule picks the padding (and names a size it cannot reach)
-            pad = nn.ConvTranspose1d._output_padding(self, qx.int_repr(), list(output_size), list(self.stride),
+            codes = qx.int_repr()[0] if unbatched else qx.int_repr()  # (the rank the caller gave: torch's rule reads it)
+            pad = nn.ConvTranspose1d._output_padding(self, codes, list(output_size), list(self.stride),
                                                      list(self.padding), list(self.kernel_size), self._dim,
                                                      list(self.dilation))
             spec = ConvSpec(self._dim, self.stride, self.padding, self.dilation, self.groups, True, tuple(pad))

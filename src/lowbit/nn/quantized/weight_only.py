@@ -209,11 +209,11 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, g: int, qdtype: QDtype
     return Q, S, Z
 
 
-
 def _needs_grad(x: torch.Tensor) -> bool:
     """An input autograd follows: the packed int4 / int8 kernels have no derivative, so such an input takes the
     dequantized ``F.linear`` path at every batch size (else a model would backpropagate only above 32 rows)."""
     return x.requires_grad and torch.is_grad_enabled()
+
 
 class WeightOnlyLinear(CheckedQuantState):
     """``F.linear(x, ŵ, bias)`` with a group-wise quantized weight; see the module docstring."""
