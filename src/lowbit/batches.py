@@ -22,7 +22,7 @@ from torch import nn
 
 from .qtensor import QTensor
 
-__all__ = ["iter_batches", "run_batch", "check_module", "output_tensors", "flatten_outputs"]
+__all__ = ["iter_batches", "run_batch", "check_module", "output_tensors", "flatten_outputs", "check_finite_batch"]
 
 
 def iter_batches(inputs: Any, where: str) -> Iterator[Any]:
@@ -38,6 +38,18 @@ def iter_batches(inputs: Any, where: str) -> Iterator[Any]:
         yield batch
     if n == 0:
         raise ValueError(f"{where}: inputs is empty; give at least one batch")
+
+
+def check_finite_batch(batch: Any, where: str, label: str, why: str) -> None:
+    """``ValueError`` for a NaN/Inf in any float tensor of ``batch`` (a tensor, tuple/list or dict), naming
+    ``label`` (e.g. ``"calib batch 3"``), the input (position or key, for a batch of several) and ``why``."""
+    items = batch.items() if isinstance(batch, dict) else enumerate(batch) if isinstance(batch, (tuple, list)) \
+        else [(None, batch)]
+    for key, t in items:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            part = "" if key is None else f", input {key}"
+            raise ValueError(f"{where}: {label}{part} holds {int((~torch.isfinite(t)).sum())} NaN/Inf values of "
+                             f"{t.numel()}; {why}")
 
 
 def run_batch(model: nn.Module, batch: Any) -> Any:

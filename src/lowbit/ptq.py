@@ -78,6 +78,7 @@ import torch
 from torch import nn
 
 from .algorithms.layerwise import ROUNDINGS, LayerChange, reconstruct
+from .batches import check_finite_batch
 from .fx import convert_fx, prepare_fx
 from .qconfig import QConfigMapping, get_default_qconfig_mapping
 from .recipes import get_accurate_qconfig
@@ -130,10 +131,7 @@ def _batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
             if t.dim() > 0 and t.shape[0] == 0:
                 raise ValueError(f"quantize_ptq: calib batch {i}, input {j} is empty (shape {tuple(t.shape)}); "
                                  "every calibration batch needs at least one sample")
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                bad = int((~torch.isfinite(t)).sum())
-                raise ValueError(f"quantize_ptq: calib batch {i}, input {j} holds {bad} NaN/Inf values of "
-                                 f"{t.numel()}; calibration ranges need finite data")
+        check_finite_batch(batch, "quantize_ptq", f"calib batch {i}", "calibration ranges need finite data")
     return out
 
 

@@ -32,7 +32,7 @@ from ..nn.intrinsic import FusedModule
 from ..qconfig import QConfig
 
 __all__ = ["WEIGHTED", "is_weighted", "split", "layer_forward", "weight_codes", "freeze_weight",
-           "FrozenWeightObserver", "layer_sample", "shared_layers"]
+           "FrozenWeightObserver", "layer_sample", "shared_layers", "parameter_holders"]
 
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _FORWARDS = tuple(t.forward for t in WEIGHTED)
@@ -151,6 +151,16 @@ def layer_sample(mod: nn.Module, xq: list[torch.Tensor], target: list[torch.Tens
     return sample
 
 
+def parameter_holders(model: nn.Module) -> dict[int, int]:
+    """``{id(parameter): how many modules hold it}``: more than one is a tied weight (an LM head and its embedding)."""
+    holders: dict[int, int] = {}
+    for m in model.modules():
+        for t in m._parameters.values():
+            if t is not None:
+                holders[id(t)] = holders.get(id(t), 0) + 1
+    return holders
+
+
 def shared_layers(gm: Any) -> set[str]:
     """Targets of a graph's weighted modules that a rescale of their channels would change elsewhere too: a module
     called at more than one node, or one whose weight ``Parameter`` another module also holds (a tied weight).
@@ -159,11 +169,7 @@ def shared_layers(gm: Any) -> set[str]:
     for node in gm.graph.nodes:
         if node.op == "call_module":
             calls[str(node.target)] = calls.get(str(node.target), 0) + 1
-    holders: dict[int, int] = {}
-    for m in gm.modules():
-        for t in m._parameters.values():
-            if t is not None:
-                holders[id(t)] = holders.get(id(t), 0) + 1
+    holders = parameter_holders(gm)
     out = set()
     for name, mod in gm.named_modules(remove_duplicate=False):
         if name in calls and is_weighted(mod):

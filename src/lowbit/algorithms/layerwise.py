@@ -32,7 +32,7 @@ import torch
 from torch import fx, nn
 
 from ..fake_quant import FakeQuantize
-from ..batches import iter_batches
+from ..batches import check_finite_batch, iter_batches
 from ..functional import fake_quantize
 from ..observer import ObserverBase
 from .adaround import adaround_codes
@@ -148,10 +148,7 @@ def batch_tuples(calib: Any, where: str) -> list[tuple[Any, ...]]:
         if isinstance(b, dict):
             raise TypeError(f"{where}: calib batch {i} is a dict; give positional inputs (a tensor or a tuple/list)")
         out.append(b if isinstance(b, tuple) else tuple(b) if isinstance(b, list) else (b,))
-        for j, t in enumerate(out[-1]):
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"{where}: calib batch {i}, input {j} holds {int((~torch.isfinite(t)).sum())} NaN/Inf "
-                                 f"values of {t.numel()}; the layers' targets need finite data")
+        check_finite_batch(out[-1], where, f"calib batch {i}", "the layers' targets need finite data")
     return out
 
 

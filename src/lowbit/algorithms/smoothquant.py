@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 
 from ..batches import check_module, iter_batches, run_batch
 from ..batches import flatten_outputs as _flatten
+from .layers import parameter_holders
 
 __all__ = ["InputScale", "SmoothedLinear", "SmoothQuantLayer", "SmoothQuantReport", "smooth_quant",
            "smooth_quant_scales"]
@@ -241,11 +242,7 @@ def smooth_quant(model: nn.Module, calib_batches: Any, alpha: float = 0.5, layer
                 raise ValueError(f"smooth_quant: layers names {n!r}, which is not an nn.Linear of the model")
     report = SmoothQuantReport(alpha)
     absmax, producer = _collect(model, batches, names)
-    holders: dict[int, int] = {}  # how many modules hold each parameter (a tied LM head shares the embedding's)
-    for m in model.modules():
-        for t in m._parameters.values():
-            if t is not None:
-                holders[id(t)] = holders.get(id(t), 0) + 1
+    holders = parameter_holders(model)  # a tied LM head shares the embedding's weight
     groups: dict[str, list[str]] = {}
     for n in names:
         if n not in absmax:

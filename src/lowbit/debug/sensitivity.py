@@ -66,6 +66,7 @@ from ..quantize_dynamic import quantize_dynamic
 from ..stubs import DeQuantStub, QuantStub
 from ..workflow import convert, prepare, prepare_qat, propagate_qconfig_
 from .. import qtensor as _qtensor
+from ..batches import check_finite_batch
 from ..qtensor import QTensor
 from .compare import _flatten, check_module, iter_batches, run_batch
 
@@ -386,11 +387,7 @@ def layer_sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, inputs
     evals = batches if inputs is None else list(iter_batches(inputs, "layer_sensitivity: inputs"))
     for what, bs in (("calib", batches), ("inputs", evals)):
         for i, b in enumerate(bs):
-            parts = b.values() if isinstance(b, dict) else b if isinstance(b, (tuple, list)) else (b,)
-            for t in parts:
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    raise ValueError(f"layer_sensitivity: {what} batch {i} holds {int((~torch.isfinite(t)).sum())} "
-                                     "NaN/Inf values; the output error needs finite data")
+            check_finite_batch(b, "layer_sensitivity", f"{what} batch {i}", "the output error needs finite data")
     modes = [(m, m.training) for m in model.modules()]
     try:
         with torch.no_grad():

@@ -48,6 +48,7 @@ from ..nn.quantized import (
     WeightOnlyLinear,
 )
 from ..nn.quantized._utils import quantize_weight, weight_qparams
+from ..nn.quantized.functional_modules import QF_METHODS
 from ..observer import NoopObserver, ObserverBase, PlaceholderObserver
 from ..qscheme import quint8
 from ..qtensor import QTensor, quantize_per_tensor
@@ -216,7 +217,7 @@ def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dty
     if isinstance(mod, _CONV_T):
         return WeightedTwin(mod, "conv_transpose", grid, weight_dtype)
     if isinstance(mod, QFunctional):
-        return FunctionalTwin(mod, {op: grids[(id(mod), op)] for op in _QFUNCTIONAL_OPS if (id(mod), op) in grids})
+        return FunctionalTwin(mod, {op: grids[(id(mod), op)] for op in QF_METHODS if (id(mod), op) in grids})
     if isinstance(mod, _LUT):
         return ActivationTwin(m._f, (float(m.scale), int(m.zero_point), m.qdtype))
     if isinstance(mod, ReLU6):
@@ -254,7 +255,6 @@ def _swap(parent: nn.Module, prefix: str, make: Any) -> None:
             _swap(child, path, make)
 
 
-_QFUNCTIONAL_OPS = ("add", "add_relu", "mul", "matmul", "add_scalar", "mul_scalar", "cat")
 
 
 def _grid_of(x: Any) -> Grid | None:
@@ -298,7 +298,7 @@ def _record_input_grids(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> d
     handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, _NEEDS_INPUT_GRID)]
     spied = [m for m in model.modules() if isinstance(m, QFunctional)]
     for m in spied:
-        for op in _QFUNCTIONAL_OPS:
+        for op in QF_METHODS:
             spy(m, op)
     try:
         with torch.no_grad():
@@ -307,7 +307,7 @@ def _record_input_grids(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> d
         for h in handles:
             h.remove()
         for m in spied:
-            for op in _QFUNCTIONAL_OPS:
+            for op in QF_METHODS:
                 delattr(m, op)
     return grids
 

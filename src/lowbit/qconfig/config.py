@@ -30,6 +30,11 @@ _AO_KEYWORDS = {"dtype": "qdtype=lowbit.quint8 (or qint8 ...)", "quant_min": "qd
                 "reduce_range": "qdtype=lowbit.quint8.with_range(0, 127) (the 7-bit grid)"}
 
 
+def _ao_hint(msg: str) -> str:
+    """The lowbit spelling of a torch.ao observer keyword an error message names ("" if none)."""
+    return next((f"; lowbit writes {v}" for k, v in _AO_KEYWORDS.items() if f"argument '{k}'" in msg), "")
+
+
 def _check_factory(value: Any, field: str) -> None:
     """Raise ``TypeError`` unless ``value`` is a zero-arg callable (not a built module)."""
     if isinstance(value, nn.Module):
@@ -44,9 +49,7 @@ def _check_factory(value: Any, field: str) -> None:
         try:
             inspect.signature(func).bind_partial(*getattr(value, "args", ()), **keywords)
         except TypeError as err:
-            msg = str(err)
-            hint = next((f"; lowbit writes {v}" for k, v in _AO_KEYWORDS.items() if f"argument '{k}'" in msg), "")
-            raise TypeError(f"QConfig {field}={_factory_repr(value)}: {msg}{hint}") from None
+            raise TypeError(f"QConfig {field}={_factory_repr(value)}: {err}{_ao_hint(str(err))}") from None
         except ValueError:  # no signature to check
             pass
     try:
@@ -115,9 +118,7 @@ def build(qconfig: QConfig, field: str, where: str) -> Any:
     try:
         return getattr(qconfig, field)()
     except (TypeError, ValueError) as e:
-        msg = str(e)
-        hint = next((f"; lowbit writes {v}" for k, v in _AO_KEYWORDS.items() if f"keyword argument '{k}'" in msg), "")
-        raise type(e)(f"{where}: qconfig.{field}() failed: {msg}{hint}") from e
+        raise type(e)(f"{where}: qconfig.{field}() failed: {e}{_ao_hint(str(e))}") from e
 
 
 def _check_qconfig(qconfig: Any, where: str) -> QConfig | None:

@@ -242,7 +242,7 @@ def _float(x: Any) -> torch.Tensor:
     return x.dequantize() if isinstance(x, QTensor) else x.to(torch.float32)
 
 
-_QF_METHODS = ("add", "add_relu", "mul", "cat", "add_scalar", "mul_scalar", "matmul")
+QF_METHODS = ("add", "add_relu", "mul", "matmul", "add_scalar", "mul_scalar", "cat")  # QFunctional's ops
 
 
 class QFunctional(CheckedQuantState):
@@ -257,7 +257,7 @@ class QFunctional(CheckedQuantState):
     def forward(self, *args: Any) -> Any:
         """``forward(op, *operands)``: the method ``op`` (how a converted graph calls it: as a module, so
         torch.fx keeps the call as one node when it re-traces the graph, e.g. unpickling it)."""
-        if not args or not isinstance(args[0], str) or args[0] not in _QF_METHODS:
+        if not args or not isinstance(args[0], str) or args[0] not in QF_METHODS:
             raise RuntimeError("QFunctional is not called directly: use its add/mul/cat/add_relu/"
                                "add_scalar/mul_scalar/matmul methods")
         return getattr(self, args[0])(*args[1:])
