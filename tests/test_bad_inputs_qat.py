@@ -175,3 +175,12 @@ def test_a_root_type_rule_applies_when_no_global_is_set():
     qc = Q.get_minmax_qconfig()
     b = Q.propagate_qconfig_(Block(), Q.QConfigMapping().set_object_type(Block, qc))
     assert b.qconfig is qc and b.fc.qconfig is qc  # torch.ao: {Block: qc} quantizes the block
+
+
+def test_the_new_migration_arguments_refuse_wrong_types():
+    with pytest.raises(TypeError, match="QConfigMapping.from_dict: expects a dict, got list"):
+        Q.QConfigMapping.from_dict([("", Q.get_default_qconfig())])
+    p = Q.prepare(nn.Sequential(Q.QuantStub(), nn.Linear(4, 2), Q.DeQuantStub()).eval(), Q.get_default_qconfig())
+    p(torch.randn(4, 4))
+    with pytest.raises(TypeError, match="convert: remove_qconfig must be a bool, got 'no'"):
+        Q.convert(p, remove_qconfig="no")
