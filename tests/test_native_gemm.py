@@ -111,6 +111,39 @@ def test_float_mode_is_the_exact_sums_scaled_for_both_kernels(body: str) -> None
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_any_code_many_row_kernel_is_exact_at_the_ends_of_both_ranges(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AVX2 many-row kernel for any u8 codes (``blk_bcast_s``: ``|q - 128|`` against ``w`` or ``~w``, where a
+    ``vpmaddubsw`` pair reaches -32768 exactly) at the ends of both ranges: codes 0 / 127 / 128 / 255 against weights
+    -128 / -127 / 127 / 0, mixed with random ones; every ``k`` tail past its groups of 4 and 32, rows past a row
+    chunk, input zero points 0 / 128 / 255. A plan packed under the best body (VNNI where the CPU has it) gives the
+    same sums when the AVX2 body runs it."""
+    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(25)
+    try:
+        for m, k in itertools.product((2, 5, 66), (1, 3, 4, 31, 33, 64, 385)):
+            for qv, wv in itertools.product((0, 127, 128, 255, None), (-128, -127, 127, 0, None)):
+                q = (torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8) if qv is None
+                     else torch.full((m, k), qv, dtype=torch.uint8))
+                w = (torch.randint(-128, 128, (19, k), generator=g, dtype=torch.int8) if wv is None
+                     else torch.full((19, k), wv, dtype=torch.int8))
+                w[::5, ::3] = -128  # (a random and a constant weight alike meet -128 columns)
+                plan = native.linear_plan(w, "float", torch.ones(19), pairs=False)
+                assert plan is not None
+                for zx in (0, 128, 255):
+                    want = ((q.int() - zx) @ w.int().t()).float()
+                    for body in ("best", "avx2"):
+                        y = torch.full((m, 19), float("nan"))
+                        with _body(body) if body == "avx2" else contextlib.nullcontext():
+                            assert plan.run(q, zx, y)
+                        assert torch.equal(y, want), (m, k, qv, wv, zx, body)
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_native
 @pytest.mark.parametrize("body", ["vnni", "avx2"])
 @pytest.mark.parametrize("k", [1024, 4096, 3072])
 def test_row_strides_that_alias_in_l1_give_the_same_sums(body: str, k: int) -> None:

@@ -48,17 +48,18 @@ class _Plan(ctypes.Structure):
                 ("fw", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("k", ctypes.c_int64), ("n", ctypes.c_int64),
                 ("pairs", ctypes.c_int32), ("mode", ctypes.c_int32), ("relu", ctypes.c_int32), ("zo", ctypes.c_int32),
                 ("lo", ctypes.c_int32), ("hi", ctypes.c_int32), ("inv", ctypes.c_float), ("z", ctypes.c_float),
-                ("vlo", ctypes.c_float), ("vhi", ctypes.c_float), ("wp", ctypes.c_void_p), ("quad", ctypes.c_int32)]
+                ("vlo", ctypes.c_float), ("vhi", ctypes.c_float), ("wp", ctypes.c_void_p), ("sw", ctypes.c_void_p)]
 
 
 class LinearPlan:
     """One layer's constants for ``lb_linear_run`` (made by ``linear_plan``); ``run`` is the per-call entry."""
 
-    __slots__ = ("_plan", "_addr", "_keep", "_wp", "k", "n", "mode", "name")
+    __slots__ = ("_plan", "_addr", "_keep", "_wp", "_sw", "k", "n", "mode", "name")
 
     def __init__(self, plan: _Plan, keep: tuple[torch.Tensor | None, ...], k: int, n: int, mode: str) -> None:
         self._plan, self._keep, self.k, self.n, self.mode = plan, keep, k, n, mode
         self._wp: torch.Tensor | None = None  # pack_bcast(w), made by the first call of BCAST_M rows or more
+        self._sw: torch.Tensor | None = None  # 128 Σ w per column for the many-row kernel of a plan without pairs
         self._addr = ctypes.addressof(plan)
         self.name = {"float": "qlinear", "codes": "qlinear", "requant": "qlinear_requant", "rows": "qlinear_rows",
                      "split": "dyn_wsplit"}[mode]
@@ -96,12 +97,17 @@ class LinearPlan:
         """The weights packed for the many-row kernels, made by the first call of ``BCAST_M`` rows or more."""
         if not lib.lb_cpu_avx2():  # (the packed kernels are AVX2 only: no copy of the weights for the scalar body)
             self._wp = _NO_PACK
-        else:  # groups of 4 for the pairs kernel and the VNNI kernels (any plan), of 2 for the words kernel; the body
-            #     of this first packing call decides (a plan packed for the other body takes its dot products)
-            quad = bool(self._plan.pairs) or vnni()
-            wp = pack_bcast(self._keep[0], quad)  # type: ignore[arg-type]
+        else:  # groups of 4 codes for every many-row kernel; a plan without pairs adds linear.c's sw for blk_bcast_s
+            w: torch.Tensor = self._keep[0]  # type: ignore[assignment]
+            wp, sw = pack_bcast(w), None
+            if not self._plan.pairs:
+                n = w.shape[0]
+                sw = torch.zeros(-(-n // 16) * 16, dtype=torch.int32)
+                sw[:n] = w.sum(1, dtype=torch.int32) * 128
             if self._wp is None:  # (set once, with no GIL release between check and set: a racing pack is dropped)
-                self._wp, self._plan.wp, self._plan.quad = wp, wp.data_ptr(), int(quad)
+                if sw is not None:
+                    self._sw, self._plan.sw = sw, sw.data_ptr()
+                self._wp, self._plan.wp = wp, wp.data_ptr()
 
 
 def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None, w_scale: torch.Tensor,
@@ -181,25 +187,23 @@ def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor
     return LinearPlan(plan, (w, wsum, sc, bias, fw, w2), k, n, mode)
 
 
-def pack_bcast(w: torch.Tensor, pairs: bool = True) -> torch.Tensor:
+def pack_bcast(w: torch.Tensor) -> torch.Tensor:
     """int8 weights ``w`` ``(N, K)`` as ``linear.c``'s many-row kernels read them: blocks of 16 columns, each of groups of
-    ``g`` consecutive ``k`` for its 16 columns, ``wp[b, i, c, t] = w[16 b + c, g i + t]`` (zeros past ``N`` and ``K``):
-    groups of 4 for ``pairs`` (``vpmaddubsw``), else of 2 (widened to int16 as they are loaded, for ``vpmaddwd``).
+    4 consecutive ``k`` for its 16 columns, ``wp[b, i, c, t] = w[16 b + c, 4 i + t]`` (zeros past ``N`` and ``K``).
 
     >>> pack_bcast(torch.arange(8, dtype=torch.int8).view(1, 8)).shape
     torch.Size([1, 2, 16, 4])
-    >>> pack_bcast(torch.arange(8, dtype=torch.int8).view(1, 8), pairs=False)[0, :, 0].tolist()
-    [[0, 1], [2, 3], [4, 5], [6, 7]]
+    >>> pack_bcast(torch.arange(8, dtype=torch.int8).view(1, 8))[0, :, 0].tolist()
+    [[0, 1, 2, 3], [4, 5, 6, 7]]
     """
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != torch.int8:
         what = f"{tuple(w.shape)} {w.dtype}" if isinstance(w, torch.Tensor) else type(w).__name__
         raise ValueError(f"lowbit.native.gemm.pack_bcast: w must be a 2-d int8 tensor (N, K), got {what}")
     n, k = w.shape
-    g = 4 if pairs else 2
-    nb, kg = -(-n // 16), -(-k // g)
-    pad = torch.zeros(nb * 16, kg * g, dtype=torch.int8)
+    nb, kg = -(-n // 16), -(-k // 4)
+    pad = torch.zeros(nb * 16, kg * 4, dtype=torch.int8)
     pad[:n, :k] = w
-    return pad.view(nb, 16, kg, g).permute(0, 2, 1, 3).contiguous()
+    return pad.view(nb, 16, kg, 4).permute(0, 2, 1, 3).contiguous()
 
 
 def _one_shot(q: torch.Tensor, zx: int, plan: LinearPlan | None, out: torch.Tensor,

@@ -2,11 +2,12 @@
  * VNNI, and their AVX-512 VNNI twins (vpdpbusd) where the CPU has it.
  *
  * Register-blocked kernels give the exact int32 sums acc[r, c] = Σ_i x[r, i] w[c, i] of u8 codes x and int8 weights
- * w (N, K): vpmaddubsw where the u8 × s8 pairs cannot saturate (codes ≤ 127, or saturation-safe weights: `pairs`),
- * else int16 products through vpmaddwd; both exact. One row (or a plan without packed weights): dot products of NC
- * weight rows × up to 2 input rows in 8 accumulators on the plain weights. From BCAST_M rows: blk_bcast / blk_bcast_w
- * on weights packed once. Rows go in chunks of MAX_ROWS; each thread owns whole blocks of columns, in chunks of CB
- * columns whose sums stay in L1 until the chunk's epilogue turns them into the output:
+ * w (N, K): vpmaddubsw where the u8 × s8 pairs cannot saturate (codes ≤ 127, or saturation-safe weights: `pairs`).
+ * One row (or a plan without packed weights): dot products of NC weight rows × up to 2 input rows in 8 accumulators
+ * on the plain weights, int16 products through vpmaddwd for other codes. From BCAST_M rows: blk_bcast (`pairs`) or
+ * blk_bcast_s (any u8 codes: |q - 128| against sign-adjusted weights, ~0.83x blk_bcast's speed) on weights packed
+ * once. All exact. Rows go in chunks of MAX_ROWS; each thread owns whole blocks of columns, in chunks of CB columns
+ * whose sums stay in L1 until the chunk's epilogue turns them into the output:
  *   a = acc - zx wsum[c]                              (the input zero point, exact in int32)
  *   mode 0  y = fl(fl(a) sc[c]) (+ bias[c])  (relu: 0 where < 0)                  float32, lowbit's epilogue
  *   mode 1  lowbit's codes of that y: clamp(round(fl(clamp(fl(y inv), vlo, vhi) + z)), 0, 255)
@@ -42,6 +43,7 @@ typedef struct {
     const uint8_t *x; int64_t m, k, ldx; int32_t zx; const int16_t *xs; const int8_t *w; const int32_t *wsum;
     int pairs, mode, relu; const float *sc, *bias; float inv, z, vlo, vhi; int32_t zo, lo, hi;
     const float *ra, *rs, *fw; void *out; int64_t ldo, n0, n1; int avx2; const int8_t *w2; const int8_t *wp; int vnni;
+    const uint8_t *xa; const int32_t *xc, *sw;  /* blk_bcast_s's inputs (NULL elsewhere) */
 } lin_job;
 
 static int32_t cvt_rne(float f) {  /* cvtps2dq */
@@ -188,7 +190,7 @@ static void blk_split(const lin_job *j, int64_t r, int64_t c0, int32_t *o, int32
     }
 }
 
-/* Many rows (m ≥ BCAST_M, `pairs` only): weights packed once (lowbit.native.gemm.pack_bcast) as blocks of NB
+/* Many rows (m ≥ BCAST_M, `pairs`; blk_bcast_s below for any codes): weights packed once (lowbit.native.gemm.pack_bcast) as blocks of NB
  * columns, wp[(b kq + g) 64 + 4 c + t] = w[b NB + c, 4 g + t] (kq = ceil(k / 4) groups of 4; zeros past n and k).
  * Each step broadcasts 4 codes of an input row to every lane and multiplies them with one group of 16 columns (two
  * vectors): MB rows × 16 columns of int32 sums in registers, no horizontal sums, each weight block read once per
@@ -235,38 +237,41 @@ static inline void blk_bcast(const lin_job *j, int64_t r0, const int nr, int64_t
     }
 }
 
-/* blk_bcast's twin for any u8 codes (not `pairs`): the weights packed as int8 pairs (gemm.pack_bcast of a words plan:
- * wp[(b kh + g) 32 + 2 c + t] = w[b NB + c, 2 g + t], kh = ceil(k / 2)), widened to int16 as they are loaded, and the
- * codes' int16 copy xs; 2 codes broadcast meet 16 columns through vpmaddwd (int16 products summed in pairs into int32:
- * exact for any u8 code). The widening runs beside vpmaddwd, the bound here: no slower than int16 packs, half the bytes. */
+/* blk_bcast for any u8 codes (not `pairs`) on a CPU without VNNI (session 25: 1.2-1.3x the int16 words kernel it
+ * replaced, ~0.83x the pairs kernel; the xor is the difference). With a = q - 128 in [-128, 127], |a| in [0, 128] and the byte mask
+ * s = 0xFF where a < 0 (else 0), w ^ s is w or ~w = -w - 1, so
+ *   Σ_i q w = Σ_i |a| (w ^ s) + Σ_{i: a < 0} |a| + 128 Σ_i w
+ * and no vpmaddubsw pair of |a| × (w ^ s) can saturate: a ≥ 0 gives |a| ≤ 127 against w in [-128, 127], a < 0 gives
+ * |a| ≤ 128 against ~w in [-128, 127], so a pair sum lies in [-32768, 32512]. The xor runs beside the multiplies (a
+ * sign instruction would share their ports: 77 against 97 GMAC/s peak on Zen 3). sign_codes lays the codes out per
+ * row and group of 4 as |a| then s (8 bytes; zeros past k) with the row's Σ_{a < 0} |a| in xc; the accumulators start
+ * at xc[r] + sw[c] (sw = 128 Σ w per column, zero past n: gemm.LinearPlan._pack). Weights packed as blk_bcast's. */
 __attribute__((target("avx2,fma"), always_inline))
-static inline void blk_bcast_w(const lin_job *j, int64_t r0, const int nr, int64_t b, int32_t *o) {
-    const int64_t kh = (j->k + 1) / 2, kf = j->k / 2;
-    const int8_t *wp = j->wp + b * kh * 32;
-    const int16_t *xr[MB];
+static inline void blk_bcast_s(const lin_job *j, int64_t r0, const int nr, int64_t b, int32_t *o) {
+    const int64_t kq = (j->k + 3) / 4;
+    const int8_t *wp = j->wp + b * kq * 64;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i s0 = _mm256_loadu_si256((const __m256i *)(j->sw + b * NB)),
+                  s1 = _mm256_loadu_si256((const __m256i *)(j->sw + b * NB + 8));
+    const uint8_t *xr[MB];
     __m256i a[MB][2];
 #pragma GCC unroll 6
     for (int r = 0; r < nr; ++r) {
-        xr[r] = j->xs + (r0 + r) * j->k;
-        a[r][0] = a[r][1] = _mm256_setzero_si256();
+        xr[r] = j->xa + (r0 + r) * kq * 8;
+        const __m256i c = _mm256_set1_epi32(j->xc[r0 + r]);
+        a[r][0] = _mm256_add_epi32(s0, c);
+        a[r][1] = _mm256_add_epi32(s1, c);
     }
-    for (int64_t g = 0; g < kh; ++g) {
-        _mm_prefetch((const char *)(wp + kh * 32 + g * 32), _MM_HINT_T0);  /* as blk_bcast */
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wp + g * 32)));
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wp + g * 32 + 16)));
-        if (g == kf) {  /* odd k: the last code alone (its pair meets a zero weight; never read past the row) */
-            for (int r = 0; r < nr; ++r) {
-                const __m256i xb = _mm256_set1_epi32((int32_t)(uint16_t)xr[r][2 * g]);
-                a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(xb, w0));
-                a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(xb, w1));
-            }
-            break;
-        }
+    for (int64_t g = 0; g < kq; ++g) {
+        _mm_prefetch((const char *)(wp + kq * 64 + g * 64), _MM_HINT_T0);  /* as blk_bcast */
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wp + g * 64));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wp + g * 64 + 32));
 #pragma GCC unroll 6
         for (int r = 0; r < nr; ++r) {
-            const __m256i xb = _mm256_set1_epi32(*(const i32u *)(xr[r] + 2 * g));
-            a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(xb, w0));
-            a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(xb, w1));
+            const __m256i xb = _mm256_set1_epi32(*(const i32u *)(xr[r] + 8 * g));
+            const __m256i sb = _mm256_set1_epi32(*(const i32u *)(xr[r] + 8 * g + 4));
+            a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, _mm256_xor_si256(w0, sb)), ones));
+            a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, _mm256_xor_si256(w1, sb)), ones));
         }
     }
 #pragma GCC unroll 6
@@ -384,10 +389,10 @@ static void sums_vnni(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
 /* rows [r0, r0 + nr) against packed block b by the plan's kernel */
 __attribute__((target("avx2,fma"), always_inline))
 static inline void blk_packed(const lin_job *j, int64_t r0, const int nr, int64_t b, int32_t *o) {
-    if (j->pairs)
-        blk_bcast(j, r0, nr, b, o);
+    if (j->xa)
+        blk_bcast_s(j, r0, nr, b, o);
     else
-        blk_bcast_w(j, r0, nr, b, o);
+        blk_bcast(j, r0, nr, b, o);
 }
 
 /* the chunk's sums of columns [cs, ce) (cs a multiple of NB) for every row by blk_packed */
@@ -527,6 +532,8 @@ static void *lin_run(void *p) {
             jr.m = j0->m - r0 < MAX_ROWS ? j0->m - r0 : MAX_ROWS;
             jr.x = j0->x + r0 * j0->ldx;
             jr.xs = j0->xs ? j0->xs + r0 * j0->k : NULL;
+            jr.xa = j0->xa ? j0->xa + r0 * ((j0->k + 3) / 4) * 8 : NULL;
+            jr.xc = j0->xc ? j0->xc + r0 : NULL;
             jr.ra = j0->ra ? j0->ra + r0 : NULL;
             jr.rs = j0->rs ? j0->rs + r0 : NULL;
             jr.out = (char *)j0->out + (size_t)(r0 * j0->ldo) * osz;
@@ -547,15 +554,48 @@ static void *lin_run(void *p) {
     return NULL;
 }
 
+/* blk_bcast_s's codes of u8 x (m, k; row stride ldx), a = q ^ 0x80 = q - 128: per row, each group of 4 codes as |a|
+ * then the mask s = (a < 0 ? 0xFF : 0), 8 bytes per group, zeros past k (rows of 8 kq bytes, kq = ceil(k / 4), in xa),
+ * and xc[r] = Σ_{a < 0} |a| */
+__attribute__((target("avx2,fma")))
+static void sign_codes(const uint8_t *x, int64_t m, int64_t k, int64_t ldx, uint8_t *xa, int32_t *xc) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
+    const int64_t kq = (k + 3) / 4;
+    for (int64_t r = 0; r < m; ++r) {
+        const uint8_t *xr = x + r * ldx;
+        uint8_t *dst = xa + r * kq * 8;
+        __m256i neg = zero;
+        int64_t i = 0;
+        for (; i + 32 <= k; i += 32) {  /* 8 groups: dwords of |a| and s interleaved */
+            const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(xr + i)), flip);
+            const __m256i a = _mm256_abs_epi8(v), s = _mm256_cmpgt_epi8(zero, v);
+            neg = _mm256_add_epi64(neg, _mm256_sad_epu8(_mm256_and_si256(a, s), zero));
+            const __m256i lo = _mm256_unpacklo_epi32(a, s), hi = _mm256_unpackhi_epi32(a, s);
+            _mm256_storeu_si256((__m256i *)(dst + 2 * i), _mm256_permute2x128_si256(lo, hi, 0x20));
+            _mm256_storeu_si256((__m256i *)(dst + 2 * i + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
+        }
+        int64_t c = _mm256_extract_epi64(neg, 0) + _mm256_extract_epi64(neg, 1) + _mm256_extract_epi64(neg, 2) +
+                    _mm256_extract_epi64(neg, 3);
+        memset(dst + 2 * i, 0, (size_t)(8 * kq - 2 * i));
+        for (; i < k; ++i) {
+            const int v = (int)xr[i] - 128;
+            dst[8 * (i / 4) + i % 4] = (uint8_t)(v < 0 ? -v : v);
+            dst[8 * (i / 4) + 4 + i % 4] = v < 0 ? 0xFF : 0;
+            c += v < 0 ? -v : 0;
+        }
+        xc[r] = (int32_t)c;
+    }
+}
+
 /* A layer's constants, made once (lowbit.native.gemm.LinearPlan mirrors this layout): int8 weights w (n, k)
  * contiguous, wsum[c] = Σ_i w[c, i] (read only when a call's zx != 0), the mode's per-column vectors (sc / bias;
  * mode 2: mult / bterm; mode 3: fw too; bias may be NULL) and scalars (inv, z, vlo, vhi: mode 1; zo, lo, hi: mode
  * 2), w2 = w & 1 (mode 4). pairs: every u8 × s8 pair sum fits int16 (codes ≤ 127 or saturation-safe weights).
- * wp: the many-row kernels' packing of w (NULL until a call with BCAST_M rows or more makes it); quad: its groups are of
- * 4 codes (blk_bcast, blk_bcast_vnni: a `pairs` plan, or any plan on a VNNI CPU), else of 2 (blk_bcast_w). */
+ * wp: the many-row kernels' packing of w in groups of 4 codes (NULL until a call with BCAST_M rows or more makes it);
+ * sw: 128 Σ w per column, zeros past n to a whole block, made with wp for a plan without `pairs` (blk_bcast_s). */
 typedef struct {
     const int8_t *w; const int32_t *wsum; const float *sc, *bias, *fw; const int8_t *w2;
-    int64_t k, n; int32_t pairs, mode, relu, zo, lo, hi; float inv, z, vlo, vhi; const int8_t *wp; int32_t quad;
+    int64_t k, n; int32_t pairs, mode, relu, zo, lo, hi; float inv, z, vlo, vhi; const int8_t *wp; const int32_t *sw;
 } lin_plan;
 
 /* out (m, n), row stride n, from u8 codes x (m, k; row stride ldx; zero point zx) through plan p (ra, rs: mode 3's
@@ -564,12 +604,18 @@ typedef struct {
 int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, int zx, const float *ra,
                   const float *rs, void *out, int nthreads, int isa) {
     const int avx2 = use_avx2(isa), vnni = p->mode != 4 && use_vnni(isa);
-    /* the packing each body reads: groups of 4 (quad) for blk_bcast(_vnni), of 2 for blk_bcast_w */
-    const int fits = vnni ? p->quad : p->pairs ? p->quad : !p->quad;
-    const int8_t *wp = avx2 && p->wp && fits && p->mode != 4 && m >= BCAST_M ? p->wp : NULL;
+    /* the many-row kernels: blk_bcast_vnni (any plan), blk_bcast (`pairs`), blk_bcast_s (any other plan) */
+    const int8_t *wp = avx2 && p->wp && p->mode != 4 && m >= BCAST_M && (vnni || p->pairs || p->sw) ? p->wp : NULL;
+    const int sgn = wp && !vnni && !p->pairs;
     const int64_t k = p->k, n = p->n;
     int16_t *xs = NULL;
-    if (avx2 && !vnni && (!p->pairs || p->mode == 4)) {
+    uint8_t *xa = NULL;  /* blk_bcast_s's codes and row sums (sign_codes) */
+    const size_t xa_bytes = (size_t)(m * ((k + 3) / 4) * 8);
+    if (sgn) {
+        xa = malloc(xa_bytes + sizeof(int32_t) * (size_t)m);
+        if (!xa) return 1;
+        sign_codes(x, m, k, ldx, xa, (int32_t *)(xa + xa_bytes));
+    } else if (avx2 && !vnni && (!p->pairs || p->mode == 4)) {  /* blk_words / blk_split's int16 codes */
         xs = malloc(sizeof(int16_t) * (size_t)(m * k > 0 ? m * k : 1));
         if (!xs) return 1;
         for (int64_t r = 0; r < m; ++r)
@@ -583,7 +629,7 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     if (vnni && wp && m >= 4 && 4096 / stride < MBV) {
         const int64_t ldp = (k + 63) / 64 * 64 + 64;
         xp = malloc((size_t)(m * ldp));
-        if (!xp) { free(xs); return 1; }
+        if (!xp) { free(xs); free(xa); return 1; }
         for (int64_t r = 0; r < m; ++r) memcpy(xp + r * ldp, x + r * ldx, (size_t)k);
         x = xp;
         ldx = ldp;
@@ -595,10 +641,16 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
         int64_t n0 = blocks * t / nt * unit, n1 = blocks * (t + 1) / nt * unit;
         lin_job jb = {x, m, k, ldx, zx, xs, p->w, p->wsum, p->pairs, p->mode, p->relu, p->sc, p->bias, p->inv, p->z,
                       p->vlo, p->vhi, p->zo, p->lo, p->hi, ra, rs, p->fw, out, n, n0, n1 < n ? n1 : n, avx2, p->w2, wp, vnni};
+        if (sgn) {
+            jb.xa = xa;
+            jb.xc = (const int32_t *)(xa + xa_bytes);
+            jb.sw = p->sw;
+        }
         jobs[t] = jb;
     }
     fan_out(lin_run, jobs, sizeof(lin_job), nt);
     free(xs);
+    free(xa);
     free(xp);
     return 0;
 }
