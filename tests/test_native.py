@@ -21,6 +21,7 @@ from torch import nn
 
 import lowbit as Q
 from lowbit import functional, kernels, native
+from lowbit.kernels import small_m
 from lowbit.nn.quantized.dynamic import Linear as DLinear
 from lowbit.nn.quantized.dynamic import no_vnni
 from lowbit.nn.quantized.dynamic import per_token as pt
@@ -557,13 +558,15 @@ def test_small_m_linear_is_the_fbgemm_split_route(body: str, k: int, big: bool, 
 @pytest.mark.parametrize("k,bias", [(96, True), (768, False), (3000, True)])
 def test_dynamic_weight_split_route_is_fbgemms(body: str, k: int, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # the 8-bit recipe's few-row route without VNNI: fbgemm's two float sums of the split pack, reproduced (codes up to
-    # 255 against halves in [-64, 63] and {0, 1}; sums past 2^24 at K = 3000 round in float32 the same way)
+    # 255 against halves in [-64, 63] and {0, 1}; sums past 2^24 at K = 3000 round in float32 the same way). It serves
+    # one row, and up to _NATIVE_WSPLIT_M rows where the float route does not hold (K = 3000: 127 Σ|w| past 2^24)
     force(monkeypatch, vnni=False, fbgemm=True)
     torch.manual_seed(k)
     lin = nn.Linear(k, 45, bias=bias)
     lin.qconfig = Q.get_dynamic_qconfig()
     q = DLinear.from_float(lin)
-    for m in range(1, no_vnni._NATIVE_WSPLIT_M + 1):
+    assert small_m.float_route(q.weight().int_repr(), True, None, None) == (k != 3000)
+    for m in range(1, (no_vnni._WSPLIT_M if k != 3000 else no_vnni._NATIVE_WSPLIT_M) + 1):
         for x in (torch.randn(m, k) * 3 + 1, torch.rand(m, k) * 5):  # mixed signs; one-signed (z_x at an end)
             got, ref, ran = _native_and_torch(body, lambda q=q, x=x: q(x))
             assert ran.get("dyn_wsplit") == 1 and torch.equal(got, ref), (m, k, bias)

@@ -81,9 +81,10 @@ _CHUNK_ABOVE = 1 << 22
 
 
 _WSPLIT_MAX = 768 * 3072  # weight elements up to which the split weights (2x the bytes) beat one read at small M
-_WSPLIT_M = 4  # rows up to which the weight split runs; more take the codes and onednn.linear where its float route
+_WSPLIT_M = 1  # rows up to which the weight split runs; more take the codes and onednn.linear where its float route
 #                holds (small_m.float_route: lowbit.native's packed 8-bit kernel, or fbgemm's activation split, the same
-#                floats): 1.35-1.45x at 5-32 rows of 768² / 768×3072 (session 15)
+#                floats): 1.35-1.45x at 5-32 rows of 768² / 768×3072 (session 15); since the any-code many-row kernel
+#                (session 25) also at 2-4 rows: 1.1-2.0x the split there (4×768×3072: 0.40x -> 0.79x torch.ao)
 _NATIVE_WSPLIT_M = 4  # rows up to which lowbit.native runs that route (one blocked pass: 1.0-1.6x fbgemm, session 14)
 
 
