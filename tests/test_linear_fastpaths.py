@@ -126,8 +126,10 @@ def test_dynamic_no_vnni_route_bit_identical_to_generic(monkeypatch: pytest.Monk
 def test_dynamic_no_vnni_row_chunks_bit_identical_to_one_call(monkeypatch: pytest.MonkeyPatch, m: int) -> None:
     """Large outputs without VNNI run in row chunks of ``_OUT_CHUNK`` output floats (above ``_CHUNK_ABOVE``), each of
     more than ``SMALL_M`` rows so that every chunk takes the one-call route: the generic path's floats bit for bit,
-    counted once. Fails if a chunk is lost, overlaps, or falls to fbgemm's few-row route (another rounding order)."""
+    counted once. Fails if a chunk is lost, overlaps, or falls to fbgemm's few-row route (another rounding order).
+    (The chunks serve the oneDNN / fbgemm route, taken where lowbit.native's one call is not: switched off here.)"""
     _force_vnni(monkeypatch, False)
+    monkeypatch.setattr(no_vnni, "_native_rows8", lambda *a: None)
     monkeypatch.setattr(no_vnni, "_OUT_CHUNK", 24 * 40)  # 40 rows of N = 24 per chunk, at least SMALL_M + 1
     monkeypatch.setattr(no_vnni, "_CHUNK_ABOVE", 0)
     mod = _dyn(96, 24, m, seven_bit=False)

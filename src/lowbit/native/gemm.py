@@ -11,6 +11,7 @@ converted per call). The sums are exact for any u8 codes (``vpmaddubsw`` where n
     "codes"    lowbit's store of that y: clamp(round(fl(clamp(fl(y · inv), vlo, vhi) + z)), 0, 255)
     "requant"  fbgemm's ``quantized::linear``: round(fl(fl(fl(a) + bterm_n) · mult_n)) saturated, + z_out, to [lo, hi]
     "rows"     the per-token rows: t = fl(fl(a) · sc_n), y = fl(fl(t + a_m fw_n) · s_m) (+ b_n)
+    "rows_sub" the same rows unfused: y = fl(fl(t - fl(a_m fw_n)) · s_m) (+ b_n)   (the generic per-token epilogue)
 
 ``qlinear``, ``qlinear_requant`` and ``qlinear_rows`` are the one-shot forms; ``dyn_wsplit`` the 8-bit dynamic Linear's
 split-weight route.
@@ -39,7 +40,8 @@ __all__ = ["MAX_ROWS", "BCAST_M", "LinearPlan", "linear_plan", "pack_bcast", "ql
 MAX_ROWS = 64  # input rows per row chunk of a call (linear.c's MAX_ROWS; a call takes any number)
 BCAST_M = 2  # rows from which a plan (but "split") runs linear.c's many-row kernels on packed weights (linear.c's BCAST_M)
 _NO_PACK = torch.empty(0, dtype=torch.int8)  # a plan's "no packed weights on this CPU" (its C pointer stays NULL)
-_MODES = {"float": 0, "codes": 1, "requant": 2, "rows": 3, "split": 4}
+_MODES = {"float": 0, "codes": 1, "requant": 2, "rows": 3, "split": 4, "rows_sub": 5}
+_ROWS = ("rows", "rows_sub", "split")  # the modes with per-row vectors (a, s) in each call
 _U8 = (torch.uint8, torch.quint8)
 
 
@@ -62,12 +64,12 @@ class LinearPlan:
         self._sw: torch.Tensor | None = None  # 128 Σ w per column for the many-row kernel of a plan without pairs
         self._addr = ctypes.addressof(plan)
         self.name = {"float": "qlinear", "codes": "qlinear", "requant": "qlinear_requant", "rows": "qlinear_rows",
-                     "split": "dyn_wsplit"}[mode]
+                     "rows_sub": "qlinear_rows", "split": "dyn_wsplit"}[mode]
 
     def run(self, q: torch.Tensor, zx: int, out: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
-        """``out`` (contiguous ``(M, N)``: float32 for "float" / "rows", an 8-bit tensor, plain or torch quantized,
+        """``out`` (contiguous ``(M, N)``: float32 for "float" / "rows" / "rows_sub", an 8-bit tensor, plain or torch quantized,
         for the codes) from u8 codes ``q`` ``(M, K)`` (unit column stride; a ``quint8`` tensor's codes read as they
-        are) on zero point ``zx``; "rows" and "split": ``(a, s)``, float32 ``(M,)`` each. ``False``
+        are) on zero point ``zx``; "rows", "rows_sub" and "split": ``(a, s)``, float32 ``(M,)`` each. ``False``
         (nothing written) where they do not fit, or the native build is switched off; a ``zx`` outside those raises."""
         if not 0 <= zx <= 255 or (zx and (self.mode == "split" or not self._plan.wsum)):
             raise ValueError(f"lowbit.native.LinearPlan.run: zx={zx!r} must be in [0, 255] (0 in mode {self.mode!r}"
@@ -83,7 +85,7 @@ class LinearPlan:
         if m >= BCAST_M and self._wp is None and self.mode != "split":
             self._pack(lib)
         ra = rs = None
-        if self.mode in ("rows", "split"):
+        if self.mode in _ROWS:
             if rows is None or not _channel_vectors(m, *rows):
                 return False
             ra, rs = rows[0].data_ptr(), rows[1].data_ptr()
@@ -146,10 +148,10 @@ def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor
                 grid: tuple[float, int, int, int] | None = None, codes: tuple[int, int, int] | None = None,
                 fw: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> LinearPlan | None:
     """A ``LinearPlan`` for int8 weights ``w`` ``(N, K)`` (contiguous) in ``mode`` ("float", "codes", "requant",
-    "rows"; the module docstring's math): ``sc`` (``mult`` for "requant") and ``bias`` (``bterm`` for "requant")
+    "rows", "rows_sub"; the module docstring's math): ``sc`` (``mult`` for "requant") and ``bias`` (``bterm`` for "requant")
     float32 ``(N,)``; ``wsum`` int32 ``Σ_k w`` (made here when absent); ``pairs``: every u8 × s8 pair sum fits int16;
     ``grid = (inv, z, lo, hi)`` for "codes" (``lo``/``hi``: the code range, ReLU floor included), ``codes = (z_out, lo,
-    hi)`` for "requant", ``fw`` for "rows" and "split", and ``w2 = w & 1`` (int8, like ``w``) for "split". Wrong argument
+    hi)`` for "requant", ``fw`` for "rows", "rows_sub" and "split", and ``w2 = w & 1`` (int8, like ``w``) for "split". Wrong argument
     values raise ``ValueError``; ``None`` where the tensors do not fit (dtype, shape, layout, device) or there is no
     native build."""
     if mode not in _MODES:
@@ -167,7 +169,7 @@ def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor
         if codes is None:
             raise ValueError("lowbit.native.linear_plan: mode 'requant' needs codes=(z_out, lo, hi)")
         _check_grid("linear_plan", zo, lo, hi)
-    if mode in ("rows", "split") and fw is None:
+    if mode in _ROWS and fw is None:
         raise ValueError(f"lowbit.native.linear_plan: mode {mode!r} needs fw (Σ ŵ per column)")
     if mode == "split" and w2 is None:
         raise ValueError("lowbit.native.linear_plan: mode 'split' needs w2 = w & 1")

@@ -15,6 +15,8 @@
  *           bterm = fl(bias / fl(s_x s_w)), fl(v mult[c]) rounded by cvtps2dq (half to even; INT32_MIN past the
  *           int32 range), saturated to int16, + zo saturated, to [0, 255], then to [lo, hi]
  *   mode 3  the per-token rows: t = fl(fl(a) sc[c]); y = fl(fl(fma(ra[r], fw[c], t)) rs[r]) (+ bias[c])
+ *   mode 5  mode 3 unfused: y = fl(fl(t - fl(ra[r] fw[c])) rs[r]) (+ bias[c])  (the generic per-token epilogue's
+ *           floats: the 8-bit dynamic Linear without VNNI, at zx = 128 and ra = z_x - 128)
  *   mode 4  the 8-bit per-token rows' weight split (fbgemm's float sums of w >> 1 on 2 sc and w & 1 on sc): with
  *           lo = Σ x (w & 1) from the same read of the weights, hi = (acc - lo) / 2 exactly, t = fl(fl(hi) (2 sc[c])) +
  *           fl(fl(lo) sc[c]) rounded once, then mode 3's row epilogue (zx = 0)
@@ -72,6 +74,7 @@ static void store_one(const lin_job *j, int64_t r, int64_t c, int32_t acc, int32
     }
     float t = (float)a * j->sc[c];
     if (j->mode == 3) t = fmaf(j->ra[r], j->fw[c], t) * j->rs[r];
+    if (j->mode == 5) t = (t - j->ra[r] * j->fw[c]) * j->rs[r];  /* (no contraction: -ffp-contract=off) */
     if (j->bias) t = t + j->bias[c];
     if (j->mode != 1) {
         ((float *)j->out)[r * j->ldo + c] = (j->relu && t < 0.f) ? 0.f : t;
@@ -468,6 +471,9 @@ static void epi_avx2(const lin_job *j, int64_t r, int64_t cs, int64_t ce, const 
         __m256 t = _mm256_mul_ps(f, _mm256_loadu_ps(j->sc + c));
         if (j->mode == 3)
             t = _mm256_mul_ps(_mm256_fmadd_ps(_mm256_set1_ps(j->ra[r]), _mm256_loadu_ps(j->fw + c), t), _mm256_set1_ps(j->rs[r]));
+        if (j->mode == 5)
+            t = _mm256_mul_ps(_mm256_sub_ps(t, _mm256_mul_ps(_mm256_set1_ps(j->ra[r]), _mm256_loadu_ps(j->fw + c))),
+                              _mm256_set1_ps(j->rs[r]));
         if (j->bias) t = _mm256_add_ps(t, _mm256_loadu_ps(j->bias + c));
         if (j->mode != 1) {
             _mm256_storeu_ps((float *)j->out + r * j->ldo + c, j->relu ? _mm256_max_ps(zero, t) : t);
@@ -598,7 +604,7 @@ typedef struct {
     int64_t k, n; int32_t pairs, mode, relu, zo, lo, hi; float inv, z, vlo, vhi; const int8_t *wp; const int32_t *sw;
 } lin_plan;
 
-/* out (m, n), row stride n, from u8 codes x (m, k; row stride ldx; zero point zx) through plan p (ra, rs: mode 3's
+/* out (m, n), row stride n, from u8 codes x (m, k; row stride ldx; zero point zx) through plan p (ra, rs: mode 3 and 5's
  * per-row vectors), rows in chunks of MAX_ROWS; the many-row kernel from BCAST_M rows where p->wp is made. Returns 1
  * when out of memory (nothing written). */
 int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, int zx, const float *ra,

@@ -50,6 +50,9 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
     if codes is None:
         return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
     q, scale, neg_zp = codes
+    y = _native_rows8(q, scale, neg_zp, plan, weight_int8, w_scale, bias, cache)
+    if y is not None:
+        return y
     grid = _shared_grid(q.device)
     n = weight_int8.shape[0]
     chunks = max(1, min(-(-m * n // _OUT_CHUNK), m // (onednn.SMALL_M + 1))) if m * n > _CHUNK_ABOVE else 1
@@ -67,6 +70,22 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
     c = torch.sub(_CM128, neg_zp)  # c = z_x - 128, as _generic's
     return raw if native.row_epilogue(raw, c, plan.wsum, scale, bias, False) is not None else _epilogue(
         raw, c, plan.wsum, scale, bias)
+
+
+def _native_rows8(q: torch.Tensor, scale: torch.Tensor, neg_zp: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor,
+                  w_scale: torch.Tensor, bias: torch.Tensor | None, cache: dict[str, Any]) -> torch.Tensor | None:
+    """The route below (codes on the shared grid ``(1, 128)``, ``onednn.linear``'s native float route, the row
+    epilogue) in one ``lowbit.native`` call, its floats bit for bit: "rows_sub" at zero point 128 gives
+    ``y = fl(fl(fl(fl(Σ (q - 128) q_w) · s_w) - fl(c · Σ ŵ)) · s_x) + b`` with ``c = z_x - 128``, the generic
+    epilogue's operations in its order. Taken where that route is the native one: torch's fbgemm engine and the float
+    route (``small_m.float_route``: the split's half sums exact in float32); ``None`` elsewhere."""
+    if not native.available() or not onednn.fbgemm_engine():
+        return None
+    split = small_m.split_on_avx2(weight_int8, cache)
+    if not small_m.float_route(weight_int8, split, None, cache):
+        return None
+    return native_plan_call(plan, "rows8", (q, scale, torch.sub(_CM128, neg_zp)), bias, lambda: native.linear_plan(
+        weight_int8, "rows_sub", w_scale, bias, pairs=not split, fw=plan.wsum), zx=128)
 
 
 # The 8-bit path without VNNI in row chunks of _OUT_CHUNK output floats (4 MiB) per oneDNN call when the output has

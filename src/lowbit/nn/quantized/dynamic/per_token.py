@@ -220,7 +220,7 @@ class _Plan:
     """Per-weight-version constants of the fast paths (a cache, never state)."""
 
     __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "split", "token", "rows", "wsplit", "vnni",
-                 "sc")
+                 "sc", "rows8")
 
     def __init__(self, key: Any, weight: QTensor, cache: dict[str, Any]) -> None:
         w = weight.int_repr()
@@ -233,15 +233,17 @@ class _Plan:
         self.token: Any = None  # the 7-bit recipe's fbgemm pack (reduced.per_token_7bit)
         self.rows: Any = None  # its native plan for few rows, with the bias it holds: (bias key, native.LinearPlan)
         self.wsplit: Any = None  # the 8-bit recipe's native weight-split plan, likewise (_weight_split)
+        self.rows8: Any = None  # its native "rows_sub" plan without VNNI, likewise (no_vnni._native_rows8)
         self.vnni: Any = None  # a VNNI CPU's native plans for few rows: (bias key, one-row plan, rows plan) (_vnni_native)
         self.sc: Any = None  # the one-row plan's per-call column scales fl(s_w · s_x), float32 (N,)
 
 
 def native_plan_call(plan: _Plan, slot: str, codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                     bias: torch.Tensor | None, make: Any) -> torch.Tensor | None:
-    """A few-row dynamic Linear's ``native.LinearPlan`` call on ``native.row_grid``'s ``(q, s_x, -z_x)``: the plan kept in
-    ``plan.<slot>`` with the bias tensor it holds (``make()`` again for another bias tensor; ``None``: no plan), float32
-    ``(M, N)`` out, counted as the fbgemm call it replaces. ``None``: not taken (the caller's route runs)."""
+                     bias: torch.Tensor | None, make: Any, zx: int = 0) -> torch.Tensor | None:
+    """A dynamic Linear's ``native.LinearPlan`` call on ``native.row_grid``'s ``(q, s_x, a)`` (``a``: the plan's per-row
+    vector, ``-z_x`` for "rows" and "split"), the codes on zero point ``zx``: the plan kept in ``plan.<slot>`` with the
+    bias tensor it holds (``make()`` again for another bias tensor; ``None``: no plan), float32 ``(M, N)`` out, counted
+    as the fbgemm call it replaces. ``None``: not taken (the caller's route runs)."""
     bkey = None if bias is None else (bias.data_ptr(), bias.dtype)
     hit = getattr(plan, slot)
     if hit is None or hit[0] != bkey:
@@ -249,7 +251,7 @@ def native_plan_call(plan: _Plan, slot: str, codes: tuple[torch.Tensor, torch.Te
         setattr(plan, slot, hit)
     q, scale, neg_zp = codes
     y = torch.empty(q.shape[0], plan.wsum.shape[0])
-    if hit[1] is None or not hit[1].run(q, 0, y, (neg_zp, scale)):
+    if hit[1] is None or not hit[1].run(q, zx, y, (neg_zp, scale)):
         return None
     kernels.counts[("onednn", "linear")] += 1
     return y
