@@ -151,9 +151,9 @@ def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor
     "rows", "rows_sub"; the module docstring's math): ``sc`` (``mult`` for "requant") and ``bias`` (``bterm`` for "requant")
     float32 ``(N,)``; ``wsum`` int32 ``Σ_k w`` (made here when absent); ``pairs``: every u8 × s8 pair sum fits int16;
     ``grid = (inv, z, lo, hi)`` for "codes" (``lo``/``hi``: the code range, ReLU floor included), ``codes = (z_out, lo,
-    hi)`` for "requant", ``fw`` for "rows", "rows_sub" and "split", and ``w2 = w & 1`` (int8, like ``w``) for "split". Wrong argument
-    values raise ``ValueError``; ``None`` where the tensors do not fit (dtype, shape, layout, device) or there is no
-    native build."""
+    hi)`` for "requant", ``fw`` for "rows", "rows_sub" and "split", and ``w2 = w & 1`` (int8, like ``w``) for "split".
+    Wrong argument values raise ``ValueError``; ``None`` where the tensors do not fit (dtype, shape, layout, device) or
+    there is no native build."""
     if mode not in _MODES:
         raise ValueError(f"lowbit.native.linear_plan: mode={mode!r} is not one of {sorted(_MODES)}")
     inv, z, vlo, vhi = 1.0, 0.0, 0.0, 0.0
