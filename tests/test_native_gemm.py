@@ -111,6 +111,29 @@ def test_float_mode_is_the_exact_sums_scaled_for_both_kernels(body: str) -> None
 
 
 @needs_native
+@pytest.mark.parametrize("body", ["vnni", "avx2", "scalar"])
+def test_rows_sub_mode_is_the_generic_per_token_epilogue(body: str) -> None:
+    """"rows_sub" (the 8-bit dynamic Linear's one call without VNNI): ``fl(fl(fl(fl(Σ (q - zx) w) · sc) - fl(a · fw)) · s)
+    + b`` with the torch ops' float32 roundings in their order, by every body, rows past the many-row kernel's blocks
+    and a row chunk, any u8 codes against any int8 weights."""
+    g = torch.Generator().manual_seed(5)
+    for m, k, n in itertools.product((1, 2, 7, 70), (3, 64, 301), (5, 24)):
+        q = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8)
+        w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        sc, fw, bias = torch.rand(n, generator=g) * 1e-2, torch.randn(n, generator=g), torch.randn(n, generator=g)
+        a, s = torch.randn(m, generator=g) * 50, torch.rand(m, generator=g) * 0.1
+        for b in (None, bias):
+            t = ((q.int() - 128) @ w.int().t()).float() * sc
+            want = t.sub(a[:, None] * fw).mul(s[:, None])
+            want = want if b is None else want + b
+            plan = native.linear_plan(w, "rows_sub", sc, b, fw=fw)
+            y = torch.empty(m, n)
+            with _body(body):
+                assert plan is not None and plan.run(q, 128, y, (a, s))
+            assert torch.equal(y, want), (m, k, n, b is None)
+
+
+@needs_native
 @pytest.mark.parametrize("threads", [1, 2])
 def test_any_code_many_row_kernel_is_exact_at_the_ends_of_both_ranges(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The AVX2 many-row kernel for any u8 codes (``blk_bcast_s``: ``|q - 128|`` against ``w`` or ``~w``, where a
