@@ -4,7 +4,8 @@
 scalars) in the C struct ``lb_linear_run`` reads, checked once where it is made; a call then passes only the codes,
 their zero point and the output (~3 µs of Python and ctypes at M = 1 instead of ~14 with every argument checked and
 converted per call). The sums are exact for any u8 codes (``vpmaddubsw`` where no u8 × s8 pair can saturate:
-``pairs``, else int16 products), so each mode gives its reference's floats or codes bit for bit:
+``pairs``; else, from ``BCAST_M`` rows, ``vpmaddubsw`` on ``|q - 128|`` against sign-adjusted weights, and int16
+products for one row), so each mode gives its reference's floats or codes bit for bit:
 
     a = Σ_k q w - z_x Σ_k w
     "float"    y = fl(fl(a) · sc_n) (+ b_n), ReLU: max(y, 0)           (``_fbgemm_linear`` / fbgemm's float output)
@@ -67,8 +68,8 @@ class LinearPlan:
                      "rows_sub": "qlinear_rows", "split": "dyn_wsplit"}[mode]
 
     def run(self, q: torch.Tensor, zx: int, out: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
-        """``out`` (contiguous ``(M, N)``: float32 for "float" / "rows" / "rows_sub", an 8-bit tensor, plain or torch quantized,
-        for the codes) from u8 codes ``q`` ``(M, K)`` (unit column stride; a ``quint8`` tensor's codes read as they
+        """``out`` (contiguous ``(M, N)``: float32 for "float" / "rows" / "rows_sub", an 8-bit tensor, plain or torch
+        quantized, for the codes) from u8 codes ``q`` ``(M, K)`` (unit column stride; a ``quint8`` tensor's codes read as they
         are) on zero point ``zx``; "rows", "rows_sub" and "split": ``(a, s)``, float32 ``(M,)`` each. ``False``
         (nothing written) where they do not fit, or the native build is switched off; a ``zx`` outside those raises."""
         if not 0 <= zx <= 255 or (zx and (self.mode == "split" or not self._plan.wsum)):
@@ -148,8 +149,8 @@ def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor
                 grid: tuple[float, int, int, int] | None = None, codes: tuple[int, int, int] | None = None,
                 fw: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> LinearPlan | None:
     """A ``LinearPlan`` for int8 weights ``w`` ``(N, K)`` (contiguous) in ``mode`` ("float", "codes", "requant",
-    "rows", "rows_sub"; the module docstring's math): ``sc`` (``mult`` for "requant") and ``bias`` (``bterm`` for "requant")
-    float32 ``(N,)``; ``wsum`` int32 ``Σ_k w`` (made here when absent); ``pairs``: every u8 × s8 pair sum fits int16;
+    "rows", "rows_sub"; the module docstring's math): ``sc`` (``mult`` for "requant") and ``bias`` (``bterm`` for
+    "requant") float32 ``(N,)``; ``wsum`` int32 ``Σ_k w`` (made here when absent); ``pairs``: every u8 × s8 pair sum fits int16;
     ``grid = (inv, z, lo, hi)`` for "codes" (``lo``/``hi``: the code range, ReLU floor included), ``codes = (z_out, lo,
     hi)`` for "requant", ``fw`` for "rows", "rows_sub" and "split", and ``w2 = w & 1`` (int8, like ``w``) for "split".
     Wrong argument values raise ``ValueError``; ``None`` where the tensors do not fit (dtype, shape, layout, device) or

@@ -193,8 +193,9 @@ static void blk_split(const lin_job *j, int64_t r, int64_t c0, int32_t *o, int32
     }
 }
 
-/* Many rows (m ≥ BCAST_M, `pairs`; blk_bcast_s below for any codes): weights packed once (lowbit.native.gemm.pack_bcast) as blocks of NB
- * columns, wp[(b kq + g) 64 + 4 c + t] = w[b NB + c, 4 g + t] (kq = ceil(k / 4) groups of 4; zeros past n and k).
+/* Many rows (m ≥ BCAST_M, `pairs`; blk_bcast_s below for any codes): weights packed once (gemm.pack_bcast) as
+ * blocks of NB columns, wp[(b kq + g) 64 + 4 c + t] = w[b NB + c, 4 g + t] (kq = ceil(k / 4) groups of 4; zeros
+ * past n and k).
  * Each step broadcasts 4 codes of an input row to every lane and multiplies them with one group of 16 columns (two
  * vectors): MB rows × 16 columns of int32 sums in registers, no horizontal sums, each weight block read once per
  * MB rows from L1 / L2 (the dot-product blocks above reread the input rows per 4 columns). Sums of rows
@@ -241,8 +242,8 @@ static inline void blk_bcast(const lin_job *j, int64_t r0, const int nr, int64_t
 }
 
 /* blk_bcast for any u8 codes (not `pairs`) on a CPU without VNNI (session 25: 1.2-1.3x the int16 words kernel it
- * replaced, ~0.83x the pairs kernel; the xor is the difference). With a = q - 128 in [-128, 127], |a| in [0, 128] and the byte mask
- * s = 0xFF where a < 0 (else 0), w ^ s is w or ~w = -w - 1, so
+ * replaced, ~0.83x the pairs kernel; the xor is the difference). With a = q - 128 in [-128, 127], |a| in [0, 128]
+ * and the byte mask s = 0xFF where a < 0 (else 0), w ^ s is w or ~w = -w - 1, so
  *   Σ_i q w = Σ_i |a| (w ^ s) + Σ_{i: a < 0} |a| + 128 Σ_i w
  * and no vpmaddubsw pair of |a| × (w ^ s) can saturate: a ≥ 0 gives |a| ≤ 127 against w in [-128, 127], a < 0 gives
  * |a| ≤ 128 against ~w in [-128, 127], so a pair sum lies in [-32768, 32512]. The xor runs beside the multiplies (a
@@ -604,8 +605,8 @@ typedef struct {
     int64_t k, n; int32_t pairs, mode, relu, zo, lo, hi; float inv, z, vlo, vhi; const int8_t *wp; const int32_t *sw;
 } lin_plan;
 
-/* out (m, n), row stride n, from u8 codes x (m, k; row stride ldx; zero point zx) through plan p (ra, rs: mode 3 and 5's
- * per-row vectors), rows in chunks of MAX_ROWS; the many-row kernel from BCAST_M rows where p->wp is made. Returns 1
+/* out (m, n), row stride n, from u8 codes x (m, k; row stride ldx; zero point zx) through plan p (ra, rs: modes 3
+ * and 5's per-row vectors), rows in chunks of MAX_ROWS; the many-row kernel from BCAST_M rows where p->wp is made. Returns 1
  * when out of memory (nothing written). */
 int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, int zx, const float *ra,
                   const float *rs, void *out, int nthreads, int isa) {
