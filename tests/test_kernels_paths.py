@@ -103,6 +103,15 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
         return y
 
     monkeypatch.setattr(onednn, "_native_dw", dw_spy)
+    real_pw = onednn.pointwise_conv
+
+    def pw_spy(*a: Any, **kw: Any) -> Any:
+        y = real_pw(*a, **kw)
+        if y is not None:
+            ran["pointwise_conv"] += 1
+        return y
+
+    monkeypatch.setattr(onednn, "pointwise_conv", pw_spy)
     real_requant, fbgemm_requant = onednn.native_requant, avx2._fbgemm_requant  # (onednn._fbgemm_requant: a spy)
 
     def requant_spy(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale: torch.Tensor, bias: Any, out: Any,
@@ -360,9 +369,12 @@ def test_onednn_conv_paths(monkeypatch: pytest.MonkeyPatch, paths: Counter[str],
     safe = variant == "avx2-single" or (variant == "vnni-single" and not _REAL_VNNI)
     wrong, unsafe = conv_scan(safe)
     assert not wrong, f"wrong int32 sums: {wrong}"
-    if variant.startswith("avx2-") and variant != "avx2-single":
-        route = "_split_run" if variant == "avx2-split" else "_wsplit_conv"
-        assert paths[route] == unsafe > 0 and set(paths) == {route}
+    if variant == "avx2-split":
+        assert paths["_split_run"] == unsafe > 0 and set(paths) == {"_split_run"}
+    elif variant == "avx2-wsplit":  # 2-d 1x1 convs, stride 1, one group: lowbit.native's any-code Linear instead
+        assert paths["_wsplit_conv"] + paths["pointwise_conv"] == unsafe > 0
+        assert paths["pointwise_conv"] == (3 if native.available() else 0), dict(paths)  # (cin 3, 7, 17; one channel: no split)
+        assert set(paths) <= {"_wsplit_conv", "pointwise_conv"}
     else:
         assert not paths, f"expected the single-call path only, ran {dict(paths)}"
 
@@ -451,10 +463,15 @@ def test_conv_weight_split_codes_are_the_exact_sum_requantized(monkeypatch: pyte
         if not (torch.equal(y.int_repr(), want) and torch.equal(yf, v.relu() if relu else v)):
             wrong.append(WSPLIT_CONVS[i])
     assert not wrong, f"codes differ from the exact sums requantized: {wrong}"
-    # 2-d depthwise convs with a u8 output: lowbit.native's one pass (the same codes, checked above against the exact sums)
+    # 2-d depthwise convs with a u8 output: lowbit.native's one pass; 2-d 1x1 convs (stride 1, no padding, one group),
+    # either output: lowbit.native's any-code Linear on channels-last pixels (the same codes, checked above against the
+    # exact sums)
     dw = sum(c[0] == 2 and c[4] == c[1] == c[2] for c in WSPLIT_CONVS) if native.available() else 0
-    assert paths["_wsplit_conv"] == 2 * len(WSPLIT_CONVS) - dw and paths["_native_dw"] == dw
-    assert set(paths) <= {"_wsplit_conv", "_native_dw"}
+    pw = 2 * sum(c[0] == 2 and c[3] == 1 and c[4] == c[5] == 1 and c[6] == 0 for c in WSPLIT_CONVS) if native.available() else 0
+    assert pw == (2 if native.available() else 0)  # (the list holds one such conv)
+    assert paths["_wsplit_conv"] == 2 * len(WSPLIT_CONVS) - dw - pw and paths["_native_dw"] == dw
+    assert paths["pointwise_conv"] == pw
+    assert set(paths) <= {"_wsplit_conv", "_native_dw", "pointwise_conv"}
 
 
 def test_conv_weight_split_declines_sums_past_float32(monkeypatch: pytest.MonkeyPatch, paths: Counter[str]) -> None:

@@ -243,7 +243,8 @@ def test_split_weight_conv_epilogue_is_the_torch_passes(body: str, monkeypatch: 
     qmodel, _ = Q.quantize_ptq(model, calib, recipe="default")
     x = torch.randn(5, 3, 12, 12)
     y, ref, ran = _native_and_torch(body, lambda: qmodel(x))
-    assert (ran.get("conv_epilogue"), ran.get("dwconv")) == (3, 1) and torch.equal(y, ref), ran  # the depthwise: whole
+    # the depthwise: whole (dwconv); the 1x1: the any-code Linear on channels-last pixels (qlinear)
+    assert (ran.get("conv_epilogue"), ran.get("dwconv"), ran.get("qlinear")) == (2, 1, 1) and torch.equal(y, ref), ran
 
 
 class _Depthwise(nn.Module):

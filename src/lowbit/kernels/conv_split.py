@@ -1,9 +1,11 @@
-"""Conv weight packs made for their input, and the weight-split conv of CPUs without VNNI (``onednn.conv``'s helpers).
+"""Conv weight packs made for their input, and the exact 8-bit convs of CPUs without VNNI (``onednn.conv``'s helpers).
 
 ``packed_for_input``: a conv weight packed by ``onednn::qconv_prepack`` for the input shape and zero point it meets
 (kept per shape), shared by ``conv_plan``, the generic ``onednn.conv`` and the split below. ``_wsplit_conv``: an exact
 8-bit conv without VNNI, the weights split into 7-bit halves so ``vpmaddubsw`` cannot saturate on u8 codes (one
 oneDNN call on the unmodified codes, float32 raw sums, ``avx2._acc_epilogue`` or the native epilogue).
+``pointwise_conv``: a 1x1 conv (stride 1, no padding, one group) as the Linear it is over channels-last pixels,
+``lowbit.native``'s any-code many-row kernel at the split's cost of one pass (the same sums and epilogue).
 
 >>> import torch
 >>> from lowbit.kernels.conv_split import packed_for_input
@@ -22,9 +24,10 @@ from .. import native
 from ..qtensor import QTensor
 from .avx2 import (_acc_epilogue, _inv_scale, _relu_floor, _scaled, combine_stacked, stack_halves,
                    weight_halves)
-from .spec import OutGrid
+from .small_m import _linear_plan, float_route
+from .spec import ConvSpec, OutGrid
 
-__all__ = ["SHAPED_PACKS", "packed_for_input"]
+__all__ = ["SHAPED_PACKS", "packed_for_input", "pointwise_conv"]
 
 
 def _pack_wsplit(w: torch.Tensor, geometry: tuple[list[int], list[int], list[int]], groups: int) -> Any:
@@ -105,3 +108,44 @@ def _wsplit_conv(entry: Any, q: torch.Tensor, sx: float, zx: int, weight: QTenso
             return out.wrap(codes)
     acc = ys[1].add_(ys[0], alpha=2) if len(ys) == 2 else combine_stacked(ys[0], groups, out is not None)  # (2·hi exact)
     return _acc_epilogue(acc, weight.scale, sx, bias, out, relu, cache)
+
+
+def pointwise_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
+                   out: OutGrid | None, relu: bool, cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:
+    """``_wsplit_conv``'s result, the same codes or floats, for a 1x1 conv (stride 1, no padding, one group) on a CPU
+    without VNNI: over channels-last pixels it is the Linear ``(N·H·W, C_in) · (C_out, C_in)ᵀ``, so the codes go to a
+    ``native.qlinear`` plan (``small_m._linear_plan``: its any-code many-row kernel, exact int32 sums ``Σ (q - z_x) q_w``,
+    then ``fl(fl(acc) · fl(s_x s_w)) + b``, ReLU and lowbit's requantization: ``_acc_epilogue``'s operations) instead
+    of oneDNN's call on the weights' two halves (twice the multiply-adds). ``None``: not taken (another geometry, no
+    native build, sums past float32's exact range where the split's float halves would round: ``float_route``).
+
+    >>> import torch, lowbit as Q
+    >>> zeros = torch.zeros(2, dtype=torch.long)
+    >>> w = Q.quantize_per_channel(torch.ones(2, 3, 1, 1), torch.tensor([0.01, 0.02]), zeros, 0, Q.qint8)
+    >>> q = torch.full((1, 3, 2, 2), 200, dtype=torch.uint8)
+    >>> y = pointwise_conv(q, 0.1, 128, w, None, ConvSpec(2, (1, 1), (0, 0), (1, 1), 1), None, False, {})
+    >>> y is None or [round(v, 4) for v in y[0, :, 0, 0].tolist()] == [21.6, 21.6]   # 3 · 72 · 100 · 0.01 · 0.1
+    True
+    """
+    if (spec.dim != 2 or spec.transposed or spec.groups != 1 or tuple(weight.shape[2:]) != (1, 1) or q.dim() != 4
+            or any(s != 1 for s in spec.stride) or any(p != 0 for p in spec.padding) or not native.available()
+            or (out is not None and out.qdtype.storage != torch.uint8)):
+        return None
+    w = weight.int_repr().reshape(weight.shape[0], -1)  # (C_out, C_in): a view of the contiguous codes
+    if not w.is_contiguous() or not float_route(w, True, out, cache):
+        return None
+    if not q.is_contiguous(memory_format=torch.channels_last):
+        q = native.to_channels_last(q)
+        if q is None:
+            return None
+    n, c, h, wd = q.shape
+    o = None if out is None else (_inv_scale(out.scale), out.zero_point,
+                                  _relu_floor(out.qdtype.quant_min, out.zero_point, relu), out.qdtype.quant_max)
+    plan = _linear_plan(w, _scaled(weight.scale, sx, cache), bias, o, relu, True, cache)
+    if plan is None:
+        return None
+    y = torch.empty((n, h, wd, plan.n), dtype=torch.float32 if out is None else torch.uint8)
+    if not plan.run(q.permute(0, 2, 3, 1).reshape(-1, c), zx, y.view(-1, plan.n)):
+        return None
+    y = y.permute(0, 3, 1, 2)  # (N, C_out, H, W) in channels-last memory, as oneDNN's output
+    return y if out is None else out.wrap(y)
