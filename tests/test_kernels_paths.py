@@ -103,15 +103,15 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
         return y
 
     monkeypatch.setattr(onednn, "_native_dw", dw_spy)
-    real_pw = onednn.pointwise_conv
+    real_pw = onednn.gemm_conv
 
     def pw_spy(*a: Any, **kw: Any) -> Any:
         y = real_pw(*a, **kw)
         if y is not None:
-            ran["pointwise_conv"] += 1
+            ran["gemm_conv"] += 1
         return y
 
-    monkeypatch.setattr(onednn, "pointwise_conv", pw_spy)
+    monkeypatch.setattr(onednn, "gemm_conv", pw_spy)
     real_requant, fbgemm_requant = onednn.native_requant, avx2._fbgemm_requant  # (onednn._fbgemm_requant: a spy)
 
     def requant_spy(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale: torch.Tensor, bias: Any, out: Any,
@@ -371,10 +371,10 @@ def test_onednn_conv_paths(monkeypatch: pytest.MonkeyPatch, paths: Counter[str],
     assert not wrong, f"wrong int32 sums: {wrong}"
     if variant == "avx2-split":
         assert paths["_split_run"] == unsafe > 0 and set(paths) == {"_split_run"}
-    elif variant == "avx2-wsplit":  # 2-d 1x1 convs, stride 1, one group: lowbit.native's any-code Linear instead
-        assert paths["_wsplit_conv"] + paths["pointwise_conv"] == unsafe > 0
-        assert paths["pointwise_conv"] == (3 if native.available() else 0), dict(paths)  # (cin 3, 7, 17; one channel: no split)
-        assert set(paths) <= {"_wsplit_conv", "pointwise_conv"}
+    elif variant == "avx2-wsplit":  # 2-d convs of one group: lowbit.native's any-code Linear on their patches instead
+        assert paths["_wsplit_conv"] + paths["gemm_conv"] == unsafe > 0
+        assert paths["gemm_conv"] == (8 if native.available() else 0), dict(paths)  # (cin 1, 3, 7, 17: 3x3/2; 1x1 but cin 1)
+        assert set(paths) <= {"_wsplit_conv", "gemm_conv"}
     else:
         assert not paths, f"expected the single-call path only, ran {dict(paths)}"
 
@@ -397,6 +397,7 @@ def test_split_large_epilogue_is_the_exact_sum_requantized(monkeypatch: pytest.M
     bias, out = torch.randn(cout, generator=g), OutGrid(0.05, 7, Q.quint8)
     ran: list[bool] = []
     route = "_split_run" if kind == "linear" else "_wsplit_conv"  # (convs: the weights' halves)
+    monkeypatch.setattr(onednn, "gemm_conv", lambda *a: None)  # (its one-group 2-d convs: test_conv_weight_split_...)
     real = getattr(onednn, route)
     monkeypatch.setattr(onednn, route, lambda *a: ran.append(True) or real(*a))
     with K.use_backend("onednn"):
@@ -463,15 +464,14 @@ def test_conv_weight_split_codes_are_the_exact_sum_requantized(monkeypatch: pyte
         if not (torch.equal(y.int_repr(), want) and torch.equal(yf, v.relu() if relu else v)):
             wrong.append(WSPLIT_CONVS[i])
     assert not wrong, f"codes differ from the exact sums requantized: {wrong}"
-    # 2-d depthwise convs with a u8 output: lowbit.native's one pass; 2-d 1x1 convs (stride 1, no padding, one group),
-    # either output: lowbit.native's any-code Linear on channels-last pixels (the same codes, checked above against the
-    # exact sums)
+    # 2-d depthwise convs with a u8 output: lowbit.native's one pass; 2-d convs of one group, either output:
+    # lowbit.native's any-code Linear on their patches (the same codes, checked above against the exact sums)
     dw = sum(c[0] == 2 and c[4] == c[1] == c[2] for c in WSPLIT_CONVS) if native.available() else 0
-    pw = 2 * sum(c[0] == 2 and c[3] == 1 and c[4] == c[5] == 1 and c[6] == 0 for c in WSPLIT_CONVS) if native.available() else 0
-    assert pw == (2 if native.available() else 0)  # (the list holds one such conv)
+    pw = 2 * sum(c[0] == 2 and c[4] == 1 for c in WSPLIT_CONVS) if native.available() else 0
+    assert pw == (6 if native.available() else 0)  # (the list holds three: a 3x3, a 1x1, a strided dilated 3x3)
     assert paths["_wsplit_conv"] == 2 * len(WSPLIT_CONVS) - dw - pw and paths["_native_dw"] == dw
-    assert paths["pointwise_conv"] == pw
-    assert set(paths) <= {"_wsplit_conv", "_native_dw", "pointwise_conv"}
+    assert paths["gemm_conv"] == pw
+    assert set(paths) <= {"_wsplit_conv", "_native_dw", "gemm_conv"}
 
 
 def test_conv_weight_split_declines_sums_past_float32(monkeypatch: pytest.MonkeyPatch, paths: Counter[str]) -> None:

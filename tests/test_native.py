@@ -243,8 +243,10 @@ def test_split_weight_conv_epilogue_is_the_torch_passes(body: str, monkeypatch: 
     qmodel, _ = Q.quantize_ptq(model, calib, recipe="default")
     x = torch.randn(5, 3, 12, 12)
     y, ref, ran = _native_and_torch(body, lambda: qmodel(x))
-    # the depthwise: whole (dwconv); the 1x1: the any-code Linear on channels-last pixels (qlinear)
-    assert (ran.get("conv_epilogue"), ran.get("dwconv"), ran.get("qlinear")) == (2, 1, 1) and torch.equal(y, ref), ran
+    # the grouped conv: the split's epilogue; the depthwise: whole (dwconv); the 5x5 and the 1x1 (one group): the
+    # any-code Linear on their patches (qlinear; the 5x5's by im2col)
+    counted = tuple(ran.get(k) for k in ("conv_epilogue", "dwconv", "qlinear", "im2col"))
+    assert counted == (1, 1, 2, 1) and torch.equal(y, ref), ran
 
 
 class _Depthwise(nn.Module):

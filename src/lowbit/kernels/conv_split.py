@@ -4,8 +4,8 @@
 (kept per shape), shared by ``conv_plan``, the generic ``onednn.conv`` and the split below. ``_wsplit_conv``: an exact
 8-bit conv without VNNI, the weights split into 7-bit halves so ``vpmaddubsw`` cannot saturate on u8 codes (one
 oneDNN call on the unmodified codes, float32 raw sums, ``avx2._acc_epilogue`` or the native epilogue).
-``pointwise_conv``: a 1x1 conv (stride 1, no padding, one group) as the Linear it is over channels-last pixels,
-``lowbit.native``'s any-code many-row kernel at the split's cost of one pass (the same sums and epilogue).
+``gemm_conv``: a 2-d conv of one group as the Linear it is over its output pixels (patches by ``native.im2col``),
+``lowbit.native``'s any-code many-row kernel at half the split's multiply-adds (the same sums and epilogue).
 
 >>> import torch
 >>> from lowbit.kernels.conv_split import packed_for_input
@@ -24,10 +24,10 @@ from .. import native
 from ..qtensor import QTensor
 from .avx2 import (_acc_epilogue, _inv_scale, _relu_floor, _scaled, combine_stacked, stack_halves,
                    weight_halves)
-from .small_m import _linear_plan, float_route
+from .small_m import _linear_plan, _per_weight, float_route
 from .spec import ConvSpec, OutGrid
 
-__all__ = ["SHAPED_PACKS", "packed_for_input", "pointwise_conv"]
+__all__ = ["SHAPED_PACKS", "gemm_conv", "packed_for_input"]
 
 
 def _pack_wsplit(w: torch.Tensor, geometry: tuple[list[int], list[int], list[int]], groups: int) -> Any:
@@ -110,42 +110,55 @@ def _wsplit_conv(entry: Any, q: torch.Tensor, sx: float, zx: int, weight: QTenso
     return _acc_epilogue(acc, weight.scale, sx, bias, out, relu, cache)
 
 
-def pointwise_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
-                   out: OutGrid | None, relu: bool, cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:
-    """``_wsplit_conv``'s result, the same codes or floats, for a 1x1 conv (stride 1, no padding, one group) on a CPU
-    without VNNI: over channels-last pixels it is the Linear ``(N·H·W, C_in) · (C_out, C_in)ᵀ``, so the codes go to a
-    ``native.qlinear`` plan (``small_m._linear_plan``: its any-code many-row kernel, exact int32 sums ``Σ (q - z_x) q_w``,
-    then ``fl(fl(acc) · fl(s_x s_w)) + b``, ReLU and lowbit's requantization: ``_acc_epilogue``'s operations) instead
-    of oneDNN's call on the weights' two halves (twice the multiply-adds). ``None``: not taken (another geometry, no
-    native build, sums past float32's exact range where the split's float halves would round: ``float_route``).
+def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
+              out: OutGrid | None, relu: bool, cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:
+    """``_wsplit_conv``'s result, the same codes or floats, for a 2-d conv of one group on a CPU without VNNI, as the
+    Linear it is over its output pixels: ``(N·OH·OW, KH·KW·C_in) · (C_out, KH·KW·C_in)ᵀ`` on the patches
+    (``native.im2col``; a 1x1 conv with stride 1 and no padding reads the channels-last codes as they are), the
+    weights reordered tap by tap once per weight version. The codes go to a ``native.qlinear`` plan
+    (``small_m._linear_plan``: the any-code many-row kernel, exact int32 sums ``Σ (q - z_x) q_w``, padding taps at
+    ``z_x`` adding 0, then ``fl(fl(acc) · fl(s_x s_w)) + b``, ReLU and lowbit's requantization: ``_acc_epilogue``'s
+    operations) instead of oneDNN's call on the weights' two 7-bit halves (twice the multiply-adds). ``None``: not
+    taken (another geometry, no native build, sums past float32's exact range where the split's float halves would
+    round: ``float_route``).
 
     >>> import torch, lowbit as Q
     >>> zeros = torch.zeros(2, dtype=torch.long)
     >>> w = Q.quantize_per_channel(torch.ones(2, 3, 1, 1), torch.tensor([0.01, 0.02]), zeros, 0, Q.qint8)
     >>> q = torch.full((1, 3, 2, 2), 200, dtype=torch.uint8)
-    >>> y = pointwise_conv(q, 0.1, 128, w, None, ConvSpec(2, (1, 1), (0, 0), (1, 1), 1), None, False, {})
+    >>> y = gemm_conv(q, 0.1, 128, w, None, ConvSpec(2, (1, 1), (0, 0), (1, 1), 1), None, False, {})
     >>> y is None or [round(v, 4) for v in y[0, :, 0, 0].tolist()] == [21.6, 21.6]   # 3 · 72 · 100 · 0.01 · 0.1
     True
     """
-    if (spec.dim != 2 or spec.transposed or spec.groups != 1 or tuple(weight.shape[2:]) != (1, 1) or q.dim() != 4
-            or any(s != 1 for s in spec.stride) or any(p != 0 for p in spec.padding) or not native.available()
+    if (spec.dim != 2 or spec.transposed or spec.groups != 1 or q.dim() != 4 or not native.available()
             or (out is not None and out.qdtype.storage != torch.uint8)):
         return None
-    w = weight.int_repr().reshape(weight.shape[0], -1)  # (C_out, C_in): a view of the contiguous codes
-    if not w.is_contiguous() or not float_route(w, True, out, cache):
+    kh, kw = weight.shape[2], weight.shape[3]
+    w = _per_weight(cache, "native.conv_rows", weight.int_repr(),  # (C_out, KH·KW·C_in), tap by tap
+                    lambda t: t.permute(0, 2, 3, 1).reshape(t.shape[0], -1).contiguous())
+    if not float_route(w, True, out, cache):
         return None
     if not q.is_contiguous(memory_format=torch.channels_last):
         q = native.to_channels_last(q)
         if q is None:
             return None
+    stride, padding, dilation = list(spec.stride), list(spec.padding), list(spec.dilation)
     n, c, h, wd = q.shape
+    if (kh, kw) == (1, 1) and stride == [1, 1] and padding == [0, 0]:
+        rows, oh, ow = q.permute(0, 2, 3, 1).reshape(-1, c), h, wd  # (a view: channels-last pixels)
+    else:
+        rows = native.im2col(q, zx, (kh, kw), stride, padding, dilation)
+        if rows is None:
+            return None
+        oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+        ow = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
     o = None if out is None else (_inv_scale(out.scale), out.zero_point,
                                   _relu_floor(out.qdtype.quant_min, out.zero_point, relu), out.qdtype.quant_max)
     plan = _linear_plan(w, _scaled(weight.scale, sx, cache), bias, o, relu, True, cache)
     if plan is None:
         return None
-    y = torch.empty((n, h, wd, plan.n), dtype=torch.float32 if out is None else torch.uint8)
-    if not plan.run(q.permute(0, 2, 3, 1).reshape(-1, c), zx, y.view(-1, plan.n)):
+    y = torch.empty((n, oh, ow, plan.n), dtype=torch.float32 if out is None else torch.uint8)
+    if not plan.run(rows, zx, y.view(-1, plan.n)):
         return None
-    y = y.permute(0, 3, 1, 2)  # (N, C_out, H, W) in channels-last memory, as oneDNN's output
+    y = y.permute(0, 3, 1, 2)  # (N, C_out, OH, OW) in channels-last memory, as oneDNN's output
     return y if out is None else out.wrap(y)

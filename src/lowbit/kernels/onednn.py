@@ -51,7 +51,7 @@ from ..qtensor import QTensor
 from . import conv_small, int_mm
 from .avx2 import _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor, _scaled, _split_run
 from .conv_split import (SHAPED_PACKS, _pack_wsplit, _wsplit_conv, _wsplit_packs, packed_for_input,  # noqa: F401 (tests,
-                         pointwise_conv)  # conv_plan)
+                         gemm_conv)  # conv_plan)
 from .small_m import VNNI_M, float_route, native_linear, native_requant, split_on_avx2, vnni_rows  # noqa: F401 (VNNI_M: tests)
 from .spec import ConvSpec, OutGrid
 
@@ -331,7 +331,7 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
         if small is not None:
             return small
     if split and not seven_bit and WSPLIT_CONV:
-        y = pointwise_conv(q, sx, zx, weight, bias, spec, out, relu, cache)  # (a 1x1 conv: the any-code Linear kernel)
+        y = gemm_conv(q, sx, zx, weight, bias, spec, out, relu, cache)  # (one group: the any-code Linear kernel)
         if y is not None:
             return y
         halves = _packed(cache, "onednn.conv_wsplit", weight, functools.partial(

@@ -48,7 +48,7 @@ import torch
 
 __all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dequantize",
            "dwconv", "dw_weight", "smallconv", "smallconv_weight", "smallconv_body", "maxpool_codes", "to_channels_last",
-           "to_contiguous", "qlinear", "qlinear_requant",
+           "to_contiguous", "im2col", "qlinear", "qlinear_requant",
            "qlinear_rows", "LinearPlan", "linear_plan", "dyn_wsplit", "dyn_linear", "empty_codes", "disabled",
            "force_scalar", "force_avx2", "vnni", "counts"]
 
@@ -131,6 +131,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_maxpool_codes.restype = None
     dll.lb_to_nhwc.argtypes = [p, i64, i64, i64, p, i32]
     dll.lb_to_nhwc.restype = None
+    dll.lb_im2col.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32, i64, i64, p, i32]
+    dll.lb_im2col.restype = None
     dll.lb_to_nchw.argtypes = [p, i64, i64, i64, p, i32]
     dll.lb_to_nchw.restype = None
     dll.lb_cpu_avx2.restype = dll.lb_cpu_vnni.restype = dll.lb_cpu_avx512.restype = dll.lb_openmp.restype = i32
@@ -265,7 +267,8 @@ def _channel_vectors(n: int, *vs: torch.Tensor | None) -> bool:
     return all(v is None or (v.dtype == torch.float32 and v.is_contiguous() and v.numel() == n) for v in vs)
 
 
-from .layers import conv_epilogue, dw_weight, dwconv, empty_codes, maxpool_codes, to_channels_last, to_contiguous  # noqa: E402  (below the helpers)
+from .layers import (conv_epilogue, dw_weight, dwconv, empty_codes, im2col, maxpool_codes,  # noqa: E402  (below the helpers)
+                     to_channels_last, to_contiguous)
 from .gemm import LinearPlan, dyn_linear, dyn_wsplit, linear_plan, qlinear, qlinear_requant, qlinear_rows  # noqa: E402
 from .rows import dequantize, qadd, quantize_into, row_epilogue, row_grid  # noqa: E402
 from .smallconv import smallconv, smallconv_body, smallconv_weight  # noqa: E402

@@ -178,3 +178,34 @@ def to_contiguous(q: torch.Tensor) -> torch.Tensor | None:
     lib.lb_to_nchw(q.data_ptr(), n, c, h * w, out.data_ptr(), _threads(q.numel()))
     counts["to_nchw"] += 1
     return out
+
+
+def im2col(q: torch.Tensor, zx: int, kernel: tuple[int, int], stride: list[int], padding: list[int],
+           dilation: list[int]) -> torch.Tensor | None:
+    """The patches of a 2-d conv over channels-last u8 codes ``q`` ``(N, C, H, W)``: ``(N·OH·OW, KH·KW·C)`` uint8, row
+    ``(n OH + i) OW + j`` holding output pixel ``(n, i, j)``'s window tap by tap (``(di KW + dj) C + c``), padding taps
+    at the input zero point ``zx`` (they add ``(z_x - z_x) w = 0`` to a conv's sums; ``pool.c``'s ``lb_im2col``, one
+    pass over the output rows). ``None`` where ``q`` does not fit or the window does not fit the padded input; wrong
+    geometry values raise ``ValueError``.
+
+    >>> q = torch.arange(4, dtype=torch.uint8).view(1, 1, 2, 2).contiguous(memory_format=torch.channels_last)
+    >>> cols = im2col(q, 9, (2, 2), [1, 1], [1, 1], [1, 1])
+    >>> cols is None or cols.tolist()[0] == [9, 9, 9, 0]
+    True
+    """
+    _check_conv("im2col", zx, stride, padding, dilation)
+    lib = _lib()
+    if (lib is None or q.dtype != torch.uint8 or q.dim() != 4 or not q.is_cpu or q.numel() == 0
+            or not q.is_contiguous(memory_format=torch.channels_last)):
+        return None
+    n, c, h, w = q.shape
+    kh, kw = kernel
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    if kh < 1 or kw < 1 or oh < 1 or ow < 1:
+        return None
+    out = torch.empty(n * oh * ow, kh * kw * c, dtype=torch.uint8)
+    lib.lb_im2col(q.data_ptr(), n, c, h, w, kh, kw, stride[0], stride[1], padding[0], padding[1], dilation[0],
+                  dilation[1], zx, oh, ow, out.data_ptr(), _threads(out.numel()))
+    counts["im2col"] += 1
+    return out

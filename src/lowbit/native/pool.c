@@ -193,3 +193,55 @@ static void *nchw_run(void *p) {
 void lb_to_nchw(const uint8_t *in, int64_t n, int64_t c, int64_t hw, uint8_t *out, int nthreads) {
     layout_copy(nchw_run, in, n, c, hw, out, nthreads);
 }
+
+/* ---- patches of a conv (kernels/conv_split.gemm_conv: the conv as the Linear over its output pixels) ---- */
+
+typedef struct {
+    const uint8_t *x; uint8_t *out; int64_t h, w, c, kh, kw, sy, sx, py, px, dy, dx, oh, ow, r0, r1; int zx;
+} col_job;
+
+static void *col_run(void *p) {
+    const col_job *j = p;
+    const int64_t kc = j->kw * j->c;
+    for (int64_t r = j->r0; r < j->r1; ++r) {
+        const int64_t b = r / (j->oh * j->ow), i = r / j->ow % j->oh, jj = r % j->ow;
+        const int64_t x0 = jj * j->sx - j->px;
+        uint8_t *o = j->out + r * j->kh * kc;
+        for (int64_t di = 0; di < j->kh; ++di, o += kc) {
+            const int64_t y = i * j->sy - j->py + di * j->dy;
+            if (y < 0 || y >= j->h) {
+                memset(o, j->zx, (size_t)kc);
+                continue;
+            }
+            const uint8_t *row = j->x + (b * j->h + y) * j->w * j->c;
+            if (j->dx == 1 && x0 >= 0 && x0 + j->kw <= j->w) {  /* the row's kw taps are one run of kw c bytes */
+                memcpy(o, row + x0 * j->c, (size_t)kc);
+                continue;
+            }
+            for (int64_t dj = 0; dj < j->kw; ++dj) {
+                const int64_t x = x0 + dj * j->dx;
+                if (x < 0 || x >= j->w)
+                    memset(o + dj * j->c, j->zx, (size_t)j->c);
+                else
+                    memcpy(o + dj * j->c, row + x * j->c, (size_t)j->c);
+            }
+        }
+    }
+    return NULL;
+}
+
+/* Channels-last u8 codes x (n, h, w, c) as the rows of a kh x kw conv's patches: out (n oh ow, kh kw c) with
+ * out[(b oh + i) ow + jj, (di kw + dj) c + ch] = x[b, i sy - py + di dy, jj sx - px + dj dx, ch], and zx where that
+ * pixel lies in the padding (a tap at the zero point adds (zx - zx) w = 0 to the sums). */
+void lb_im2col(const uint8_t *x, int64_t n, int64_t c, int64_t h, int64_t w, int64_t kh, int64_t kw, int64_t sy,
+               int64_t sx, int64_t py, int64_t px, int64_t dy, int64_t dx, int zx, int64_t oh, int64_t ow, uint8_t *out,
+               int nthreads) {
+    col_job jobs[MAX_THREADS];
+    const int64_t rows = n * oh * ow;
+    int nt = threads_for(nthreads, rows);
+    for (int t = 0; t < nt; ++t) {
+        col_job jb = {x, out, h, w, c, kh, kw, sy, sx, py, px, dy, dx, oh, ow, rows * t / nt, rows * (t + 1) / nt, zx};
+        jobs[t] = jb;
+    }
+    fan_out(col_run, jobs, sizeof(col_job), nt);
+}
