@@ -41,7 +41,7 @@ import lowbit as Q
 from lowbit import kernels as K
 from lowbit import native
 from helpers import force
-from lowbit.kernels import OutGrid, avx2, int_mm, onednn
+from lowbit.kernels import OutGrid, avx2, conv_split, int_mm, onednn
 
 torch.set_num_threads(1)
 MS = (1, 2, 3, 5, 16, 17, 33, 64)
@@ -366,6 +366,7 @@ def conv_scan(safe: bool) -> tuple[list[str], int]:
 def test_onednn_conv_paths(monkeypatch: pytest.MonkeyPatch, paths: Counter[str], variant: str) -> None:
     force(monkeypatch, vnni=variant == "vnni-single", fbgemm=False)
     monkeypatch.setattr(onednn, "WSPLIT_CONV", variant != "avx2-split")
+    monkeypatch.setattr(conv_split, "GEMM_MIN_COUT", 1)  # (these convs' few channels: gemm_conv on every one-group 2-d)
     safe = variant == "avx2-single" or (variant == "vnni-single" and not _REAL_VNNI)
     wrong, unsafe = conv_scan(safe)
     assert not wrong, f"wrong int32 sums: {wrong}"
@@ -436,6 +437,7 @@ def test_conv_weight_split_codes_are_the_exact_sum_requantized(monkeypatch: pyte
     accumulator's float32 epilogue ``fl(acc) · fl(s_x s_w) + b`` (ReLU) ``· inv + z``, rounded, clamped; float
     outputs are ``fl(acc) · fl(s_x s_w) + b`` bit for bit (sums below 2²⁴ here)."""
     force(monkeypatch, vnni=False, fbgemm=False)
+    monkeypatch.setattr(conv_split, "GEMM_MIN_COUT", 1)  # (gemm_conv on every one-group 2-d conv, whatever its width)
     wrong = []
     for i, (dim, cin, cout, ks, groups, stride, pad, dil) in enumerate(WSPLIT_CONVS):
         g = torch.Generator().manual_seed(100 * i + zx)

@@ -400,3 +400,32 @@ def test_dynamic_vnni_fused_call_is_the_two_call_path(threads: int, monkeypatch:
             assert torch.allclose(y, want, rtol=0, atol=0, equal_nan=True)  # (the generic path's result)
     finally:
         torch.set_num_threads(old)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_im2col_is_torchs_unfold_tap_by_tap(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``native.im2col``: row ``(n OH + i) OW + j`` holds output pixel ``(n, i, j)``'s window tap by tap (``(di KW + dj)
+    C + c``), padding at the input zero point: ``F.unfold`` of ``q - z_x`` (which pads with 0), reordered, for
+    kernels 1-5, strides, paddings and dilations, channels 1-17; an NCHW input or a bad geometry is refused."""
+    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(11)
+    try:
+        for c, (kh, kw), s, p, d, zx in itertools.product((1, 3, 17), ((1, 1), (3, 3), (5, 2)), (1, 2), (0, 1, 2),
+                                                         (1, 2), (0, 200)):
+            q = torch.randint(0, 256, (2, c, 9, 8), generator=g, dtype=torch.uint8)
+            ql = q.contiguous(memory_format=torch.channels_last)
+            cols = native.im2col(ql, zx, (kh, kw), [s, s], [p, p], [d, d])
+            if (9 + 2 * p - d * (kh - 1) - 1) < 0 or (8 + 2 * p - d * (kw - 1) - 1) < 0:
+                assert cols is None
+                continue
+            u = torch.nn.functional.unfold(q.float() - zx, (kh, kw), dilation=d, padding=p, stride=s)  # (n, c kh kw, L)
+            want = u.view(2, c, kh * kw, -1).permute(0, 3, 2, 1).reshape(-1, kh * kw * c)
+            assert cols is not None and torch.equal(cols.float() - zx, want), (c, kh, kw, s, p, d, zx)
+    finally:
+        torch.set_num_threads(old)
+    assert native.im2col(torch.zeros(1, 2, 3, 3, dtype=torch.uint8), 0, (1, 1), [1, 1], [0, 0], [1, 1]) is None  # NCHW
+    with pytest.raises(ValueError, match="stride"):
+        native.im2col(torch.zeros(1, 2, 3, 3, dtype=torch.uint8), 0, (1, 1), [0, 1], [0, 0], [1, 1])

@@ -561,37 +561,59 @@ static void *lin_run(void *p) {
     return NULL;
 }
 
-/* blk_bcast_s's codes of u8 x (m, k; row stride ldx), a = q ^ 0x80 = q - 128: per row, each group of 4 codes as |a|
- * then the mask s = (a < 0 ? 0xFF : 0), 8 bytes per group, zeros past k (rows of 8 kq bytes, kq = ceil(k / 4), in xa),
- * and xc[r] = Σ_{a < 0} |a| */
+/* blk_bcast_s's codes of u8 x (rows [r0, r1) of k codes; row stride ldx), a = q ^ 0x80 = q - 128: per row, each group of
+ * 4 codes as |a| then the mask s = (a < 0 ? 0xFF : 0), 8 bytes per group, zeros past k (rows of 8 kq bytes, kq =
+ * ceil(k / 4), in xa), and xc[r] = Σ_{a < 0} |a| */
+typedef struct { const uint8_t *x; int64_t k, ldx, r0, r1; uint8_t *xa; int32_t *xc; } sign_job;
+
+/* 32 codes v (already q ^ 0x80) as 8 groups of |a| and s at dst (64 bytes); their Σ_{a < 0} |a| added to *neg */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void sign32(const __m256i v, uint8_t *dst, __m256i *neg) {
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i a = _mm256_abs_epi8(v), s = _mm256_cmpgt_epi8(zero, v);
+    *neg = _mm256_add_epi64(*neg, _mm256_sad_epu8(_mm256_and_si256(a, s), zero));
+    const __m256i lo = _mm256_unpacklo_epi32(a, s), hi = _mm256_unpackhi_epi32(a, s);
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permute2x128_si256(lo, hi, 0x20));
+    _mm256_storeu_si256((__m256i *)(dst + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+
 __attribute__((target("avx2,fma")))
-static void sign_codes(const uint8_t *x, int64_t m, int64_t k, int64_t ldx, uint8_t *xa, int32_t *xc) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
-    const int64_t kq = (k + 3) / 4;
-    for (int64_t r = 0; r < m; ++r) {
-        const uint8_t *xr = x + r * ldx;
-        uint8_t *dst = xa + r * kq * 8;
-        __m256i neg = zero;
-        int64_t i = 0;
-        for (; i + 32 <= k; i += 32) {  /* 8 groups: dwords of |a| and s interleaved */
-            const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(xr + i)), flip);
-            const __m256i a = _mm256_abs_epi8(v), s = _mm256_cmpgt_epi8(zero, v);
-            neg = _mm256_add_epi64(neg, _mm256_sad_epu8(_mm256_and_si256(a, s), zero));
-            const __m256i lo = _mm256_unpacklo_epi32(a, s), hi = _mm256_unpackhi_epi32(a, s);
-            _mm256_storeu_si256((__m256i *)(dst + 2 * i), _mm256_permute2x128_si256(lo, hi, 0x20));
-            _mm256_storeu_si256((__m256i *)(dst + 2 * i + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
+static void *sign_codes(void *p) {
+    const sign_job *j = p;
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    const int64_t k = j->k, kq = (k + 3) / 4, k32 = k & ~(int64_t)31;
+    for (int64_t r = j->r0; r < j->r1; ++r) {
+        const uint8_t *xr = j->x + r * j->ldx;
+        uint8_t *dst = j->xa + r * kq * 8;
+        __m256i neg = _mm256_setzero_si256();
+        for (int64_t i = 0; i < k32; i += 32)
+            sign32(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(xr + i)), flip), dst + 2 * i, &neg);
+        if (k32 < k) {  /* the tail through a block of code 128 (a = 0: |a| = 0, s = 0, the groups' zero padding) */
+            uint8_t tail[32], out[64];
+            memset(tail, 0x80, sizeof tail);
+            memcpy(tail, xr + k32, (size_t)(k - k32));
+            sign32(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)tail), flip), out, &neg);
+            memcpy(dst + 2 * k32, out, (size_t)(8 * kq - 2 * k32));
         }
-        int64_t c = _mm256_extract_epi64(neg, 0) + _mm256_extract_epi64(neg, 1) + _mm256_extract_epi64(neg, 2) +
-                    _mm256_extract_epi64(neg, 3);
-        memset(dst + 2 * i, 0, (size_t)(8 * kq - 2 * i));
-        for (; i < k; ++i) {
-            const int v = (int)xr[i] - 128;
-            dst[8 * (i / 4) + i % 4] = (uint8_t)(v < 0 ? -v : v);
-            dst[8 * (i / 4) + 4 + i % 4] = v < 0 ? 0xFF : 0;
-            c += v < 0 ? -v : 0;
-        }
-        xc[r] = (int32_t)c;
+        j->xc[r] = (int32_t)(_mm256_extract_epi64(neg, 0) + _mm256_extract_epi64(neg, 1) + _mm256_extract_epi64(neg, 2) +
+                             _mm256_extract_epi64(neg, 3));
     }
+    return NULL;
+}
+
+/* The calling thread's buffer for sign_codes' output, kept between calls and grown as needed (a fresh malloc of
+ * megabytes per call is a fresh mapping, page-faulted on every write: 2-3 ms of a 4 ms 25088×144 call). Held until
+ * the thread ends; NULL when out of memory. */
+static uint8_t *sign_buffer(size_t bytes) {
+    static __thread uint8_t *buf = NULL;
+    static __thread size_t cap = 0;
+    if (bytes > cap) {
+        uint8_t *grown = realloc(buf, bytes);
+        if (!grown) return NULL;
+        buf = grown;
+        cap = bytes;
+    }
+    return buf;
 }
 
 /* A layer's constants, made once (lowbit.native.gemm.LinearPlan mirrors this layout): int8 weights w (n, k)
@@ -619,9 +641,15 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     uint8_t *xa = NULL;  /* blk_bcast_s's codes and row sums (sign_codes) */
     const size_t xa_bytes = (size_t)(m * ((k + 3) / 4) * 8);
     if (sgn) {
-        xa = malloc(xa_bytes + sizeof(int32_t) * (size_t)m);
+        xa = sign_buffer(xa_bytes + sizeof(int32_t) * (size_t)m);
         if (!xa) return 1;
-        sign_codes(x, m, k, ldx, xa, (int32_t *)(xa + xa_bytes));
+        sign_job sj[MAX_THREADS];  /* (rows split over the threads: the pass reads and writes past the caches) */
+        const int ns = threads_for(nthreads, m * k >= (1 << 16) ? m : 1);
+        for (int t = 0; t < ns; ++t) {
+            sign_job jb = {x, k, ldx, m * t / ns, m * (t + 1) / ns, xa, (int32_t *)(xa + xa_bytes)};
+            sj[t] = jb;
+        }
+        fan_out(sign_codes, sj, sizeof(sign_job), ns);
     } else if (avx2 && !vnni && (!p->pairs || p->mode == 4)) {  /* blk_words / blk_split's int16 codes */
         xs = malloc(sizeof(int16_t) * (size_t)(m * k > 0 ? m * k : 1));
         if (!xs) return 1;
@@ -636,7 +664,7 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     if (vnni && wp && m >= 4 && 4096 / stride < MBV) {
         const int64_t ldp = (k + 63) / 64 * 64 + 64;
         xp = malloc((size_t)(m * ldp));
-        if (!xp) { free(xs); free(xa); return 1; }
+        if (!xp) { free(xs); return 1; }
         for (int64_t r = 0; r < m; ++r) memcpy(xp + r * ldp, x + r * ldx, (size_t)k);
         x = xp;
         ldx = ldp;
@@ -657,7 +685,6 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     }
     fan_out(lin_run, jobs, sizeof(lin_job), nt);
     free(xs);
-    free(xa);
     free(xp);
     return 0;
 }
