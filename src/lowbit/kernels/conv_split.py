@@ -112,7 +112,9 @@ def _wsplit_conv(entry: Any, q: torch.Tensor, sx: float, zx: int, weight: QTenso
 
 # output channels from which gemm_conv runs: below, the codes' per-call sign pass (O(M·K)) and a part-empty block of
 # 16 columns weigh more than the halved multiply-adds (MobileNetV2's 144 -> 24 1x1 at 56², batch 8: 0.89x the split;
-# 24 -> 144: 1.55x; 3x3 16 -> 32 at 14², batch 64: 1.13x; session 25, 1 thread, Zen 3)
+# 24 -> 144: 1.55x). Against the split (session 25, 1 thread, Zen 3): 1x1 convs 1.45-1.60x whatever z_x; k x k convs
+# through the patches 1.13-1.56x on a non-zero input zero point, but 0.93-1.10x (3x3 stride 1) where z_x = 0 (a ReLU's
+# output: oneDNN's call then skips its zero-point compensation), so those keep the split.
 GEMM_MIN_COUT = 32
 
 
@@ -120,7 +122,8 @@ def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.
               out: OutGrid | None, relu: bool, cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:
     """``_wsplit_conv``'s result, the same codes or floats, for a 2-d conv of one group on a CPU without VNNI, as the
     Linear it is over its output pixels: ``(N·OH·OW, KH·KW·C_in) · (C_out, KH·KW·C_in)ᵀ`` on the patches
-    (``native.im2col``; a 1x1 conv with stride 1 and no padding reads the channels-last codes as they are), the
+    (``native.im2col``, for a non-zero input zero point only; a 1x1 conv with stride 1 and no padding reads the
+    channels-last codes as they are), the
     weights reordered tap by tap once per weight version. The codes go to a ``native.qlinear`` plan
     (``small_m._linear_plan``: the any-code many-row kernel, exact int32 sums ``Σ (q - z_x) q_w``, padding taps at
     ``z_x`` adding 0, then ``fl(fl(acc) · fl(s_x s_w)) + b``, ReLU and lowbit's requantization: ``_acc_epilogue``'s
@@ -152,6 +155,8 @@ def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.
     n, c, h, wd = q.shape
     if (kh, kw) == (1, 1) and stride == [1, 1] and padding == [0, 0]:
         rows, oh, ow = q.permute(0, 2, 3, 1).reshape(-1, c), h, wd  # (a view: channels-last pixels)
+    elif zx == 0:  # (the patches' pass costs what the halved multiply-adds save against oneDNN's zero-point-free call)
+        return None
     else:
         rows = native.im2col(q, zx, (kh, kw), stride, padding, dilation)
         if rows is None:
