@@ -123,8 +123,8 @@ def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.
     """``_wsplit_conv``'s result, the same codes or floats, for a 2-d conv of one group on a CPU without VNNI, as the
     Linear it is over its output pixels: ``(N·OH·OW, KH·KW·C_in) · (C_out, KH·KW·C_in)ᵀ`` on the patches
     (``native.im2col``, for a non-zero input zero point only; a 1x1 conv with stride 1 and no padding reads the
-    channels-last codes as they are), the
-    weights reordered tap by tap once per weight version. The codes go to a ``native.qlinear`` plan
+    channels-last codes as they are), the weights reordered tap by tap once per weight version. The codes go to a
+    ``native.qlinear`` plan
     (``small_m._linear_plan``: the any-code many-row kernel, exact int32 sums ``Σ (q - z_x) q_w``, padding taps at
     ``z_x`` adding 0, then ``fl(fl(acc) · fl(s_x s_w)) + b``, ReLU and lowbit's requantization: ``_acc_epilogue``'s
     operations) instead of oneDNN's call on the weights' two 7-bit halves (twice the multiply-adds). ``None``: not
@@ -143,6 +143,10 @@ def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.
             or weight.shape[0] < GEMM_MIN_COUT or (out is not None and out.qdtype.storage != torch.uint8)):
         return None
     kh, kw = weight.shape[2], weight.shape[3]
+    stride, padding, dilation = list(spec.stride), list(spec.padding), list(spec.dilation)
+    pixels = (kh, kw) == (1, 1) and stride == [1, 1] and padding == [0, 0]
+    if not pixels and zx == 0:  # (the patches' pass costs what the halved multiply-adds save: GEMM_MIN_COUT's note)
+        return None
     w = _per_weight(cache, "native.conv_rows", weight.int_repr(),  # (C_out, KH·KW·C_in), tap by tap
                     lambda t: t.permute(0, 2, 3, 1).reshape(t.shape[0], -1).contiguous())
     if not float_route(w, True, out, cache):
@@ -151,12 +155,9 @@ def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.
         q = native.to_channels_last(q)
         if q is None:
             return None
-    stride, padding, dilation = list(spec.stride), list(spec.padding), list(spec.dilation)
     n, c, h, wd = q.shape
-    if (kh, kw) == (1, 1) and stride == [1, 1] and padding == [0, 0]:
+    if pixels:
         rows, oh, ow = q.permute(0, 2, 3, 1).reshape(-1, c), h, wd  # (a view: channels-last pixels)
-    elif zx == 0:  # (the patches' pass costs what the halved multiply-adds save against oneDNN's zero-point-free call)
-        return None
     else:
         rows = native.im2col(q, zx, (kh, kw), stride, padding, dilation)
         if rows is None:
