@@ -85,33 +85,16 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
             return _real(*a, **kw)
 
         monkeypatch.setattr(onednn, name, spy)
-    real_native = onednn.native_linear
+    for name in ("native_linear", "_native_dw", "gemm_conv"):  # counted only where they ran (None: not taken)
+        real_taken = getattr(onednn, name)
 
-    def native_spy(*a: Any, **kw: Any) -> Any:  # counted only where it ran (None: the route was not taken)
-        y = real_native(*a, **kw)
-        if y is not None:
-            ran["native_linear"] += 1
-        return y
+        def taken_spy(*a: Any, _real: Any = real_taken, _name: str = name, **kw: Any) -> Any:
+            y = _real(*a, **kw)
+            if y is not None:
+                ran[_name] += 1
+            return y
 
-    monkeypatch.setattr(onednn, "native_linear", native_spy)
-    real_dw = onednn._native_dw
-
-    def dw_spy(*a: Any, **kw: Any) -> Any:
-        y = real_dw(*a, **kw)
-        if y is not None:
-            ran["_native_dw"] += 1
-        return y
-
-    monkeypatch.setattr(onednn, "_native_dw", dw_spy)
-    real_pw = onednn.gemm_conv
-
-    def pw_spy(*a: Any, **kw: Any) -> Any:
-        y = real_pw(*a, **kw)
-        if y is not None:
-            ran["gemm_conv"] += 1
-        return y
-
-    monkeypatch.setattr(onednn, "gemm_conv", pw_spy)
+        monkeypatch.setattr(onednn, name, taken_spy)
     real_requant, fbgemm_requant = onednn.native_requant, avx2._fbgemm_requant  # (onednn._fbgemm_requant: a spy)
 
     def requant_spy(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale: torch.Tensor, bias: Any, out: Any,
