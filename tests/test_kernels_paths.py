@@ -41,7 +41,7 @@ import lowbit as Q
 from lowbit import kernels as K
 from lowbit import native
 from helpers import force
-from lowbit.kernels import OutGrid, avx2, conv_split, int_mm, onednn
+from lowbit.kernels import OutGrid, avx2, conv_split, int_mm, onednn, small_m
 
 torch.set_num_threads(1)
 MS = (1, 2, 3, 5, 16, 17, 33, 64)
@@ -459,6 +459,28 @@ def test_conv_weight_split_codes_are_the_exact_sum_requantized(monkeypatch: pyte
     assert paths["_wsplit_conv"] == 2 * len(WSPLIT_CONVS) - dw - pw and paths["_native_dw"] == dw
     assert paths["gemm_conv"] == pw
     assert set(paths) <= {"_wsplit_conv", "_native_dw", "gemm_conv"}
+
+
+def test_gemm_conv_leaves_weights_the_split_declines_to_the_activation_split(monkeypatch: pytest.MonkeyPatch,
+                                                                           paths: Counter[str]) -> None:
+    """Weights inside ``float_route``'s bound (``127 Σ|w| < 2²⁴``) that ``weight_halves`` declines (``255 Σ|w >> 1|``:
+    ``-1 >> 1 = -1``) ran the activation split before ``gemm_conv``, whose floats round its half sums: they still do,
+    bit for bit (``gemm_conv`` replaces the weight split only)."""
+    force(monkeypatch, vnni=False, fbgemm=False)
+    monkeypatch.setattr(conv_split, "GEMM_MIN_COUT", 1)
+    cin, cout = 70000, 2
+    codes = torch.full((cout, cin, 1, 1), -1, dtype=torch.int8)
+    codes[:, :2] = -128
+    assert avx2.weight_halves(codes) is None and small_m.float_route(codes.view(cout, -1), True, None, None)
+    q = torch.randint(200, 256, (1, cin, 2, 2), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    x = Q.QTensor(q.contiguous(memory_format=torch.channels_last), 0.03, 3, Q.quint8)
+    w = Q.QTensor(codes, torch.full((cout,), 0.01), torch.zeros(cout, dtype=torch.long), Q.qint8, 0)
+    spec = K.ConvSpec(2, (1, 1), (0, 0), (1, 1), 1)
+    with K.use_backend("onednn"):
+        y = K.conv(x, w, None, spec, None, False, cache={})
+        monkeypatch.setattr(conv_split, "GEMM_MIN_COUT", 1 << 30)
+        ref = K.conv(x, w, None, spec, None, False, cache={})
+    assert paths["_split_run"] == 2 and "gemm_conv" not in paths and torch.equal(y, ref)
 
 
 def test_conv_weight_split_declines_sums_past_float32(monkeypatch: pytest.MonkeyPatch, paths: Counter[str]) -> None:

@@ -179,8 +179,8 @@ def test_dynamic_linear_routes_are_bit_identical_with_and_without_native(vnni: b
             want = {"row_grid": 1, "qlinear_rows": 1}  # past the weight split: codes, then sums and epilogue in one call
         elif vnni and native.vnni() and m <= pt.small_m.VNNI_M and m * 70 <= pt._BLOCK:
             want = {"row_grid": 1, "qlinear" if m == 1 else "qlinear_rows": 1}  # its codes, then the VNNI kernels' call
-        elif vnni and m > 1 or not vnni and m > no_vnni._NATIVE_WSPLIT_M:
-            want = {"row_grid": 1, "row_epilogue": 1}  # (the weight split's few rows: u, then the row epilogue)
+        elif vnni and m > 1:
+            want = {"row_grid": 1, "row_epilogue": 1}  # (a VNNI CPU's oneDNN rows: the codes, then the row epilogue)
         elif vnni:
             want = {}  # one row on a VNNI CPU without lowbit's VNNI kernels: torch._int_mm, the grid read on the host
         else:

@@ -128,8 +128,9 @@ def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.
     (``small_m._linear_plan``: the any-code many-row kernel, exact int32 sums ``Σ (q - z_x) q_w``, padding taps at
     ``z_x`` adding 0, then ``fl(fl(acc) · fl(s_x s_w)) + b``, ReLU and lowbit's requantization: ``_acc_epilogue``'s
     operations) instead of oneDNN's call on the weights' two 7-bit halves (twice the multiply-adds). ``None``: not
-    taken (another geometry, no native build, sums past float32's exact range where the split's float halves would
-    round: ``float_route``).
+    taken (another geometry, no native build, or weights the split does not take: ``avx2.weight_halves`` declines
+    them, or ``float_route`` does, where float32 sums would round; ``onednn.conv``'s activation split then runs, as
+    before).
 
     >>> import torch, lowbit as Q
     >>> zeros = torch.zeros(2, dtype=torch.long)
@@ -147,6 +148,8 @@ def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.
     pixels = (kh, kw) == (1, 1) and stride == [1, 1] and padding == [0, 0]
     if not pixels and zx == 0:  # (the patches' pass costs what the halved multiply-adds save: GEMM_MIN_COUT's note)
         return None
+    if not _per_weight(cache, "native.conv_halves", weight.int_repr(), lambda t: weight_halves(t) is not None):
+        return None  # (no weight split here: the activation split's floats, which rounds its half sums, stay)
     w = _per_weight(cache, "native.conv_rows", weight.int_repr(),  # (C_out, KH·KW·C_in), tap by tap
                     lambda t: t.permute(0, 2, 3, 1).reshape(t.shape[0], -1).contiguous())
     if not float_route(w, True, out, cache):

@@ -56,7 +56,7 @@ _DIR = Path(__file__).parent
 # compiled together; all include common.h
 _SRC = [_DIR / "rowquant.c", _DIR / "linear.c", _DIR / "pool.c", _DIR / "stubs.c", _DIR / "dynamic.c",
         _DIR / "smallconv.c"]
-_FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
+_FLAGS = ["-O2", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno"]
 _OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds the single-threaded object
 _THREAD_MIN = 1 << 15  # floats a pass must cover before it is split over threads (ATen's grain size)
 _state: dict[str, object] = {}

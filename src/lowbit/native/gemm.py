@@ -3,9 +3,10 @@
 ``LinearPlan`` holds one layer's constants (int8 weights ``(N, K)``, ``Σ_k w`` per column, the epilogue's vectors and
 scalars) in the C struct ``lb_linear_run`` reads, checked once where it is made; a call then passes only the codes,
 their zero point and the output (~3 µs of Python and ctypes at M = 1 instead of ~14 with every argument checked and
-converted per call). The sums are exact for any u8 codes (``vpmaddubsw`` where no u8 × s8 pair can saturate:
-``pairs``; else, from ``BCAST_M`` rows, ``vpmaddubsw`` on ``|q - 128|`` against sign-adjusted weights, and int16
-products for one row), so each mode gives its reference's floats or codes bit for bit:
+converted per call). The sums are exact for any u8 codes (without VNNI: ``vpmaddubsw`` where no u8 × s8 pair can
+saturate, ``pairs``; else, from ``BCAST_M`` rows, ``vpmaddubsw`` on ``|q - 128|`` against sign-adjusted weights, and
+int16 products for one row and for "split"; with AVX-512 VNNI ``vpdpbusd`` for every plan), so each mode gives its
+reference's floats or codes bit for bit:
 
     a = Σ_k q w - z_x Σ_k w
     "float"    y = fl(fl(a) · sc_n) (+ b_n), ReLU: max(y, 0)           (``_fbgemm_linear`` / fbgemm's float output)

@@ -22,6 +22,7 @@
  *           fl(fl(lo) sc[c]) rounded once, then mode 3's row epilogue (zx = 0)
  */
 #include "common.h"
+#include <pthread.h>
 
 typedef int32_t __attribute__((may_alias, aligned(1))) i32u;  /* 4 codes read as one int32, anywhere */
 #define NC 4          /* weight rows (output columns) per register block (store4 sums four) */
@@ -601,20 +602,33 @@ static void *sign_codes(void *p) {
     return NULL;
 }
 
-/* The calling thread's buffer for sign_codes' output, kept between calls and grown as needed (a fresh malloc of
- * megabytes per call is a fresh mapping, page-faulted on every write: 2-3 ms of a 4 ms 25088×144 call). Held until
- * the thread ends; NULL when out of memory. */
+/* The calling thread's buffer for sign_codes' output, kept between calls up to SIGN_KEEP bytes (a fresh malloc of
+ * megabytes per call is a fresh mapping, page-faulted on every write) and freed when the thread ends (the key's
+ * destructor); a larger call takes its own malloc, freed by sign_release. NULL when out of memory. */
+#define SIGN_KEEP ((size_t)64 << 20)
+typedef struct { uint8_t *p; size_t cap; } sign_store;
+static pthread_key_t sign_key;
+static pthread_once_t sign_once = PTHREAD_ONCE_INIT;
+static void sign_drop(void *v) { sign_store *st = v; free(st->p); free(st); }
+static void sign_init(void) { pthread_key_create(&sign_key, sign_drop); }
+
 static uint8_t *sign_buffer(size_t bytes) {
-    static __thread uint8_t *buf = NULL;
-    static __thread size_t cap = 0;
-    if (bytes > cap) {
-        uint8_t *grown = realloc(buf, bytes);
-        if (!grown) return NULL;
-        buf = grown;
-        cap = bytes;
+    if (bytes > SIGN_KEEP) return malloc(bytes);
+    pthread_once(&sign_once, sign_init);
+    sign_store *st = pthread_getspecific(sign_key);
+    if (!st) {
+        st = calloc(1, sizeof *st);
+        if (!st || pthread_setspecific(sign_key, st)) { free(st); return NULL; }
     }
-    return buf;
+    if (bytes > st->cap) {
+        free(st->p);  /* (nothing to keep: every call writes the buffer whole) */
+        st->p = malloc(bytes);
+        st->cap = st->p ? bytes : 0;
+    }
+    return st->p;
 }
+
+static void sign_release(uint8_t *buf, size_t bytes) { if (bytes > SIGN_KEEP) free(buf); }
 
 /* A layer's constants, made once (lowbit.native.gemm.LinearPlan mirrors this layout): int8 weights w (n, k)
  * contiguous, wsum[c] = Σ_i w[c, i] (read only when a call's zx != 0), the mode's per-column vectors (sc / bias;
@@ -664,7 +678,7 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     if (vnni && wp && m >= 4 && 4096 / stride < MBV) {
         const int64_t ldp = (k + 63) / 64 * 64 + 64;
         xp = malloc((size_t)(m * ldp));
-        if (!xp) { free(xs); return 1; }
+        if (!xp) { free(xs); if (xa) sign_release(xa, xa_bytes + sizeof(int32_t) * (size_t)m); return 1; }
         for (int64_t r = 0; r < m; ++r) memcpy(xp + r * ldp, x + r * ldx, (size_t)k);
         x = xp;
         ldx = ldp;
@@ -685,6 +699,7 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     }
     fan_out(lin_run, jobs, sizeof(lin_job), nt);
     free(xs);
+    if (xa) sign_release(xa, xa_bytes + sizeof(int32_t) * (size_t)m);
     free(xp);
     return 0;
 }

@@ -38,8 +38,11 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
              cache: dict[str, Any]) -> torch.Tensor:
     """``_generic``'s codes, kernel call and epilogue, bit for bit, without its per-call wrapping: the
     row grids stay ``(M, 1)`` float32 tensors (no int64 zero points, no ``QTensor`` of the codes, no
-    dispatcher) and the codes go straight to the onednn backend on the shared grid (split or not by
-    its rules, fbgemm for few rows); a large output on row chunks of more than ``SMALL_M`` rows (``_OUT_CHUNK``)."""
+    dispatcher); the codes, sums and row epilogue in one native call where the float route holds
+    (``_native_rows8``), else the codes straight to the onednn backend on the shared grid (split or not by
+    its rules, fbgemm for few rows), a large output on row chunks of more than ``SMALL_M`` rows (``_OUT_CHUNK``).
+    The route does not depend on whether ``lowbit.native`` runs (its routes give the same floats), so without the
+    native build 2-4 rows take oneDNN's float route too (6-16 % slower there than the weight split, session 25)."""
     m, k = xf.shape
     if (m <= onednn.SMALL_M and weight_int8.numel() <= _WSPLIT_MAX and onednn.fbgemm_engine()
             and (m <= _WSPLIT_M or not small_m.float_route(weight_int8, True, None, cache))):
