@@ -429,3 +429,6 @@ def test_im2col_is_torchs_unfold_tap_by_tap(threads: int, monkeypatch: pytest.Mo
     assert native.im2col(torch.zeros(1, 2, 3, 3, dtype=torch.uint8), 0, (1, 1), [1, 1], [0, 0], [1, 1]) is None  # NCHW
     with pytest.raises(ValueError, match="stride"):
         native.im2col(torch.zeros(1, 2, 3, 3, dtype=torch.uint8), 0, (1, 1), [0, 1], [0, 0], [1, 1])
+    for kernel in ((0, 3), (3,), (2.0, 2), (True, 1)):
+        with pytest.raises(ValueError, match=r"kernel=.* must be two ints >= 1"):
+            native.im2col(torch.zeros(1, 2, 3, 3, dtype=torch.uint8), 0, kernel, [1, 1], [0, 0], [1, 1])  # type: ignore[arg-type]

@@ -194,6 +194,9 @@ def im2col(q: torch.Tensor, zx: int, kernel: tuple[int, int], stride: list[int],
     True
     """
     _check_conv("im2col", zx, stride, padding, dilation)
+    if (not isinstance(kernel, (tuple, list)) or len(kernel) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in kernel)):
+        raise ValueError(f"lowbit.native.im2col: kernel={kernel!r} must be two ints >= 1")
     lib = _lib()
     if (lib is None or q.dtype != torch.uint8 or q.dim() != 4 or not q.is_cpu or q.numel() == 0
             or not q.is_contiguous(memory_format=torch.channels_last)):
@@ -202,7 +205,7 @@ def im2col(q: torch.Tensor, zx: int, kernel: tuple[int, int], stride: list[int],
     kh, kw = kernel
     oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    if kh < 1 or kw < 1 or oh < 1 or ow < 1:
+    if oh < 1 or ow < 1:
         return None
     out = torch.empty(n * oh * ow, kh * kw * c, dtype=torch.uint8)
     lib.lb_im2col(q.data_ptr(), n, c, h, w, kh, kw, stride[0], stride[1], padding[0], padding[1], dilation[0],
