@@ -193,6 +193,7 @@ def test_plans_decline_what_does_not_fit_and_name_wrong_values() -> None:
                        (lambda: native.linear_plan(w, "codes", one, grid=(float("inf"), 0, 0, 255)), "inv=inf"),
                        (lambda: native.linear_plan(w, "requant", one, codes=(300, 0, 255)), "zero_point=300"),
                        (lambda: native.linear_plan(w, "rows", one), "needs fw"),
+                       (lambda: native.linear_plan(w, "rows_sub", one), "needs fw"),
                        (lambda: native.linear_plan(w, "split", one, fw=one), "needs w2"),
                        (lambda: native.qlinear_requant(torch.zeros(1, 16, dtype=torch.uint8), 0, w, None, one, None, 0, 200,
                                                        100, True), "lo=200, hi=100"),

@@ -24,7 +24,7 @@ from .. import native
 from ..qtensor import QTensor
 from .avx2 import (_acc_epilogue, _inv_scale, _relu_floor, _scaled, combine_stacked, stack_halves,
                    weight_halves)
-from .small_m import _linear_plan, _per_weight, float_route
+from .small_m import _linear_plan, _per_weight, float_route, out_codes
 from .spec import ConvSpec, OutGrid
 
 __all__ = ["GEMM_MIN_COUT", "SHAPED_PACKS", "gemm_conv", "packed_for_input"]
@@ -165,10 +165,8 @@ def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.
         rows = native.im2col(q, zx, (kh, kw), stride, padding, dilation)
         if rows is None:
             return None
-        oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-        ow = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    o = None if out is None else (_inv_scale(out.scale), out.zero_point,
-                                  _relu_floor(out.qdtype.quant_min, out.zero_point, relu), out.qdtype.quant_max)
+        oh, ow = native.conv_out_hw(h, wd, (kh, kw), stride, padding, dilation)
+    o = out_codes(out, relu)
     plan = _linear_plan(w, _scaled(weight.scale, sx, cache), bias, o, relu, True, cache)
     if plan is None:
         return None

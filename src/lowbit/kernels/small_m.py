@@ -165,8 +165,7 @@ def native_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale:
     k = q.shape[-1] if q.dim() else 0
     if not native.available() or k == 0 or q.dtype != torch.uint8 or not float_route(w, split, out, cache, exact):
         return None
-    o = None if out is None else (_inv_scale(out.scale), out.zero_point,
-                                  _relu_floor(out.qdtype.quant_min, out.zero_point, relu), out.qdtype.quant_max)
+    o = out_codes(out, relu)
     q2 = q if q.dim() == 2 else q.reshape(-1, k)
     plan = _linear_plan(w, _scaled(w_scale, sx, cache), bias, o, relu, split, cache)
     if plan is None:
@@ -178,6 +177,13 @@ def native_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale:
     if q.dim() != 2:
         y = y.reshape(*q.shape[:-1], y.shape[-1])
     return y if out is None else out.wrap_store(y)  # (the codes stay a scale-1 torch tensor, as the split's store)
+
+
+def out_codes(out: OutGrid | None, relu: bool) -> tuple[float, int, int, int] | None:
+    """A ``native.qlinear`` plan's "codes" grid for ``out``: ``(inv, z, lo, hi)``, the ReLU as the clamp's floor
+    (``avx2._relu_floor``); ``None`` for a float output."""
+    return None if out is None else (_inv_scale(out.scale), out.zero_point,
+                                     _relu_floor(out.qdtype.quant_min, out.zero_point, relu), out.qdtype.quant_max)
 
 
 def float_route(w: torch.Tensor, split: bool, out: OutGrid | None, cache: dict[str, Any] | None,

@@ -48,7 +48,7 @@ import torch
 
 __all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dequantize",
            "dwconv", "dw_weight", "smallconv", "smallconv_weight", "smallconv_body", "maxpool_codes", "to_channels_last",
-           "to_contiguous", "im2col", "qlinear", "qlinear_requant",
+           "to_contiguous", "im2col", "conv_out_hw", "qlinear", "qlinear_requant",
            "qlinear_rows", "LinearPlan", "linear_plan", "dyn_wsplit", "dyn_linear", "empty_codes", "disabled",
            "force_scalar", "force_avx2", "vnni", "counts"]
 
@@ -260,6 +260,17 @@ def _check_conv(fn: str, zx: int, stride: list[int], padding: list[int], dilatio
     if any(len(g) != 2 for g in geometry) or min(*stride, *dilation) < 1 or min(padding) < 0:
         raise ValueError(f"lowbit.native.{fn}: stride={stride!r}, padding={padding!r}, dilation={dilation!r} must be "
                          "two values each, stride and dilation >= 1, padding >= 0")
+
+
+def conv_out_hw(h: int, w: int, kernel: tuple[int, int], stride: list[int], padding: list[int],
+                dilation: list[int]) -> tuple[int, int]:
+    """A 2-d conv's output height and width: ``(h + 2 p - d (k - 1) - 1) // s + 1`` per axis (≤ 0: no output).
+
+    >>> conv_out_hw(9, 8, (3, 3), [2, 1], [1, 0], [1, 2])
+    (5, 4)
+    """
+    return ((h + 2 * padding[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1,
+            (w + 2 * padding[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1)
 
 
 def _channel_vectors(n: int, *vs: torch.Tensor | None) -> bool:

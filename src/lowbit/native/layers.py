@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from . import _channel_vectors, _check_conv, _check_grid, _lib, _local, _threads, counts
+from . import _channel_vectors, _check_conv, conv_out_hw, _check_grid, _lib, _local, _threads, counts
 
 __all__ = ["conv_epilogue", "dw_weight", "dwconv", "empty_codes", "maxpool_codes", "to_channels_last"]
 
@@ -91,8 +91,7 @@ def dwconv(q: torch.Tensor, zx: int, taps: torch.Tensor, stride: list[int], padd
         return None  # (rowquant.c's DW_MAX_TAPS)
     if not _channel_vectors(c, scale, bias):
         return None
-    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    oh, ow = conv_out_hw(h, w, (kh, kw), stride, padding, dilation)
     if oh <= 0 or ow <= 0 or n == 0 or c == 0:
         return None
     x = q.movedim(1, -1)
@@ -203,8 +202,7 @@ def im2col(q: torch.Tensor, zx: int, kernel: tuple[int, int], stride: list[int],
         return None
     n, c, h, w = q.shape
     kh, kw = kernel
-    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    oh, ow = conv_out_hw(h, w, (kh, kw), stride, padding, dilation)
     if oh < 1 or ow < 1:
         return None
     out = torch.empty(n * oh * ow, kh * kw * c, dtype=torch.uint8)

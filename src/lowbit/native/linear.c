@@ -653,9 +653,9 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     const int64_t k = p->k, n = p->n;
     int16_t *xs = NULL;
     uint8_t *xa = NULL;  /* blk_bcast_s's codes and row sums (sign_codes) */
-    const size_t xa_bytes = (size_t)(m * ((k + 3) / 4) * 8);
+    const size_t xa_bytes = (size_t)(m * ((k + 3) / 4) * 8), xa_all = xa_bytes + sizeof(int32_t) * (size_t)m;
     if (sgn) {
-        xa = sign_buffer(xa_bytes + sizeof(int32_t) * (size_t)m);
+        xa = sign_buffer(xa_all);
         if (!xa) return 1;
         sign_job sj[MAX_THREADS];  /* (rows split over the threads: the pass reads and writes past the caches) */
         const int ns = threads_for(nthreads, m * k >= (1 << 16) ? m : 1);
@@ -678,7 +678,7 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     if (vnni && wp && m >= 4 && 4096 / stride < MBV) {
         const int64_t ldp = (k + 63) / 64 * 64 + 64;
         xp = malloc((size_t)(m * ldp));
-        if (!xp) { free(xs); if (xa) sign_release(xa, xa_bytes + sizeof(int32_t) * (size_t)m); return 1; }
+        if (!xp) { free(xs); if (xa) sign_release(xa, xa_all); return 1; }
         for (int64_t r = 0; r < m; ++r) memcpy(xp + r * ldp, x + r * ldx, (size_t)k);
         x = xp;
         ldx = ldp;
@@ -699,7 +699,7 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     }
     fan_out(lin_run, jobs, sizeof(lin_job), nt);
     free(xs);
-    if (xa) sign_release(xa, xa_bytes + sizeof(int32_t) * (size_t)m);
+    if (xa) sign_release(xa, xa_all);
     free(xp);
     return 0;
 }

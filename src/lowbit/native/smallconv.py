@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _channel_vectors, _check_conv, _check_grid, _lib, _local, _threads, counts
+from . import _channel_vectors, _check_conv, conv_out_hw, _check_grid, _lib, _local, _threads, counts
 
 __all__ = ["MAX_TAPS", "SmallConvWeight", "smallconv_weight", "smallconv", "smallconv_body"]
 
@@ -86,8 +86,7 @@ def smallconv(q: torch.Tensor, zx: int, packed: SmallConvWeight, stride: list[in
     if not _channel_vectors(cout, scale, bias):
         return None
     n, _, h, w = q.shape
-    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    oh, ow = conv_out_hw(h, w, (kh, kw), stride, padding, dilation)
     if oh <= 0 or ow <= 0 or n == 0:
         return None
     sc, b = _padded(scale, packed.cp), _padded(bias, packed.cp)
