@@ -463,15 +463,15 @@ def test_conv_weight_split_codes_are_the_exact_sum_requantized(monkeypatch: pyte
 
 def test_gemm_conv_leaves_weights_the_split_declines_to_the_activation_split(monkeypatch: pytest.MonkeyPatch,
                                                                            paths: Counter[str]) -> None:
-    """Weights inside ``float_route``'s bound (``127 Σ|w| < 2²⁴``) that ``weight_halves`` declines (``255 Σ|w >> 1|``:
-    ``-1 >> 1 = -1``) ran the activation split before ``gemm_conv``, whose floats round its half sums: they still do,
-    bit for bit (``gemm_conv`` replaces the weight split only)."""
+    """Weights inside the split's exact bound (``127 Σ|w| < 2²⁴``, ``small_m.split_exact``) that ``weight_halves``
+    declines (``255 Σ|w >> 1|``: ``-1 >> 1 = -1``) ran the activation split before ``gemm_conv``, whose floats round
+    its half sums: they still do, bit for bit (``gemm_conv`` replaces the weight split only)."""
     force(monkeypatch, vnni=False, fbgemm=False)
     monkeypatch.setattr(conv_split, "GEMM_MIN_COUT", 1)
     cin, cout = 70000, 2
     codes = torch.full((cout, cin, 1, 1), -1, dtype=torch.int8)
     codes[:, :2] = -128
-    assert avx2.weight_halves(codes) is None and small_m.float_route(codes.view(cout, -1), True, None, None)
+    assert avx2.weight_halves(codes) is None and small_m.split_exact(codes.view(cout, -1), None)
     q = torch.randint(200, 256, (1, cin, 2, 2), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     x = Q.QTensor(q.contiguous(memory_format=torch.channels_last), 0.03, 3, Q.quint8)
     w = Q.QTensor(codes, torch.full((cout,), 0.01), torch.zeros(cout, dtype=torch.long), Q.qint8, 0)

@@ -525,55 +525,117 @@ def test_quantize_into_is_its_formula_for_any_clamp_bounds(body: str) -> None:
                 assert not native.quantize_into(y, 1.0, z, lo, hi, out), (n, at)
 
 
+def _big_k(n: int, k: int) -> torch.Tensor:
+    """int8 weights with ``127 · max Σ|w| ≥ 2²⁴``: the 7-bit split's float32 half sums may round on them."""
+    w = torch.where(torch.arange(n)[:, None] % 3 == 0, -128, 127).expand(n, k).to(torch.int8).contiguous()
+    w[:, ::7] = 5
+    assert not small_m.split_exact(w, None) and small_m.int32_exact(w, None)
+    return w
+
+
+def _exact_floats(q: torch.Tensor, zx: int, w: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """``fl(fl(acc) · sc)`` with ``acc = Σ (q - z_x) w`` taken in int64 (an oracle independent of the routes)."""
+    acc = torch.mm(q.reshape(-1, q.shape[-1]).long() - zx, w.long().t())
+    return acc.float().mul_(sc).reshape(*q.shape[:-1], -1)
+
+
 @needs_native
 @pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("k,big", [(37, False), (768, False), (3000, True)])
 def test_small_m_linear_is_the_fbgemm_split_route(body: str, k: int, big: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # 8-bit codes without VNNI, few rows: native.qlinear replaces _fbgemm_linear (the activation split), bit for bit,
-    # for u8 and float outputs, ReLU, no bias, 3-d inputs; not for weights whose split sums could pass 2^24
+    # for u8 and float outputs, ReLU, no bias, 3-d inputs; weights whose split sums could pass 2^24 (big) take it too,
+    # where the build-less route is the exact float64 sums (the split would round them: checked to differ below)
     force(monkeypatch, vnni=False, fbgemm=True)
-    from lowbit.kernels import OutGrid
+    from lowbit.kernels import OutGrid, avx2
 
     g = torch.Generator().manual_seed(k)
     n = 45
-    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    if big:
-        w = torch.where(torch.arange(n)[:, None] % 3 == 0, -128, 127).expand(n, k).to(torch.int8).contiguous()
-        w[:, ::7] = 5  # 127 * max Σ|w| >= 2^24: the split's hi sums may round, the route stays fbgemm's
+    w = _big_k(n, k) if big else torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     wq = Q.QTensor(w, torch.rand(n, generator=g) * 1e-3 + 1e-4, torch.zeros(n, dtype=torch.int64), Q.qint8, axis=0)
+    split_rounds = 0
     for m in (1, 2, 3, 4):
         for lead in ((m,), (1, m)):
             x = Q.quantize_per_tensor(torch.randn(*lead, k, generator=g) * 2, 0.02, 131, Q.quint8)
             if big:  # same-signed codes far from z: the split's hi sums pass 2^24, where fl(hi) rounds
                 codes = torch.randint(200, 256, (*lead, k), generator=g, dtype=torch.uint8)
                 x = Q.QTensor(codes, torch.tensor(0.02), torch.tensor(2), Q.quint8)
+                exact = _exact_floats(codes, 2, w, wq.scale * 0.02)
+                old = avx2._fbgemm_linear(avx2._fbgemm_pack(w), codes, 0.02, 2, True, wq.scale, None, None, False)
+                split_rounds += not torch.equal(old, exact)
+                assert torch.equal(kernels.linear(x, wq, None, None, False), exact), (m, lead)
             for bias in (None, torch.randn(n, generator=g)):
                 for out in (None, OutGrid(0.05 * (k / 37) ** 0.5, 120, Q.quint8)):
                     for relu in (False, True):
                         got, ref, ran = _native_and_torch(body, lambda x=x, b=bias, o=out, r=relu: kernels.linear(x, wq, b, o, r))
                         if out is not None:
                             got, ref = got.int_repr(), ref.int_repr()
-                        ok = ran.get("qlinear", 0) == (0 if big else 1) and torch.equal(got, ref)
+                        ok = ran.get("qlinear", 0) == 1 and torch.equal(got, ref)
                         assert ok, (m, lead, bias is None, out is None, relu)
+    assert split_rounds > 0 if big else True
+
+
+@needs_native
+@pytest.mark.parametrize("body", BODIES)
+def test_big_k_static_linear_sums_are_exact_at_every_m(body: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # past the split's float32 bound, a static Linear without VNNI gives fl(acc) at every M (few rows, past SMALL_M,
+    # through the module's plan), with or without the native build: what a VNNI CPU gives
+    force(monkeypatch, vnni=False, fbgemm=True)
+    from lowbit.nn.quantized import Linear
+
+    g = torch.Generator().manual_seed(4)
+    k, n = 3000, 40
+    w = Q.QTensor(_big_k(n, k), torch.rand(n, generator=g) * 1e-3 + 1e-4, torch.zeros(n, dtype=torch.long), Q.qint8, 0)
+    bias = torch.randn(n, generator=g)
+    mod = Linear(k, n)
+    mod.set_weight_bias(w, bias)
+    mod.set_output_grid(0.3, 0, Q.quint8)
+    for m in (1, 7, 33, 100):
+        codes = torch.randint(200, 256, (m, k), generator=g, dtype=torch.uint8)
+        x = Q.QTensor(codes, 0.02, 2, Q.quint8)
+        got, ref, ran = _native_and_torch(body, lambda x=x: mod(x))
+        want = Q.quantize_per_tensor(_exact_floats(codes, 2, w.int_repr(), w.scale * 0.02) + bias, 0.3, 0, Q.quint8)
+        ok = torch.equal(got.int_repr(), ref.int_repr()) and torch.equal(got.int_repr(), want.int_repr())
+        assert ran.get("qlinear", 0) == 1 and ok, m
+
+
+@needs_native
+def test_sums_past_int32_take_the_exact_float64_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 255 · Σ|w| ≥ 2^31 (K = 66000 weights of -128): int32 accumulators could wrap, so no native plan runs; the
+    # float64 sums are exact (|acc| < 2^53) and give fl(acc)
+    force(monkeypatch, vnni=False, fbgemm=True)
+    k, n = 66000, 2
+    w = torch.full((n, k), -128, dtype=torch.int8)
+    assert not small_m.int32_exact(w, None)
+    wq = Q.QTensor(w, torch.tensor([1e-3, 2e-3]), torch.zeros(n, dtype=torch.long), Q.qint8, 0)
+    codes = torch.full((3, k), 255, dtype=torch.uint8)
+    codes[1] = 0
+    x = Q.QTensor(codes, 0.5, 0, Q.quint8)
+    native.counts.clear()
+    y = kernels.linear(x, wq, None, None, False)
+    assert not native.counts.get("qlinear") and torch.equal(y, _exact_floats(codes, 0, w, wq.scale * 0.5))
+    assert y[0, 0].item() == pytest.approx(-255 * 128 * k * 5e-4, rel=1e-6)  # past 2^31 / 2 in magnitude: no wrap
 
 
 @needs_native
 @pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("k,bias", [(96, True), (768, False), (3000, True)])
 def test_dynamic_weight_split_route_is_fbgemms(body: str, k: int, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the 8-bit recipe's few-row route without VNNI: fbgemm's two float sums of the split pack, reproduced (codes up to
-    # 255 against halves in [-64, 63] and {0, 1}; sums past 2^24 at K = 3000 round in float32 the same way). It serves
-    # one row, and up to _NATIVE_WSPLIT_M rows where the float route does not hold (K = 3000: 127 Σ|w| past 2^24)
+    # the 8-bit recipe's one-row route without VNNI: fbgemm's two float sums of the split pack, reproduced (codes up to
+    # 255 against halves in [-64, 63] and {0, 1}). Where the split's sums could pass 2^24 (K = 3000: 127 Σ|w|) no
+    # weight split runs: at every M the codes, then the exact sums and epilogue in one native call (float64 sums without
+    # the build: the same floats)
     force(monkeypatch, vnni=False, fbgemm=True)
     torch.manual_seed(k)
     lin = nn.Linear(k, 45, bias=bias)
     lin.qconfig = Q.get_dynamic_qconfig()
     q = DLinear.from_float(lin)
-    assert small_m.float_route(q.weight().int_repr(), True, None, None) == (k != 3000)
-    for m in range(1, (no_vnni._WSPLIT_M if k != 3000 else no_vnni._NATIVE_WSPLIT_M) + 1):
+    assert small_m.split_exact(q.weight().int_repr(), None) == (k != 3000)
+    for m in range(1, (no_vnni._WSPLIT_M if k != 3000 else 40) + 1):
         for x in (torch.randn(m, k) * 3 + 1, torch.rand(m, k) * 5):  # mixed signs; one-signed (z_x at an end)
             got, ref, ran = _native_and_torch(body, lambda q=q, x=x: q(x))
-            assert ran.get("dyn_wsplit") == 1 and torch.equal(got, ref), (m, k, bias)
+            want = {"row_grid": 1, "dyn_wsplit": 1} if k != 3000 else {"row_grid": 1, "qlinear_rows": 1}
+            assert {a: v for a, v in ran.items() if v} == want and torch.equal(got, ref), (m, k, bias, ran)
 
 
 def test_bad_arguments_raise_naming_the_value() -> None:

@@ -242,6 +242,23 @@ def _fbgemm_linear(packed: Any, q: torch.Tensor, sx: float, zx: int, split: bool
     return _float_epilogue(y if q.dim() == 2 else y.reshape(*lead, -1), bias, out, relu, -1)
 
 
+def _exact_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
+                  cache: dict[str, Any] | None = None) -> QTensor | torch.Tensor:
+    """``_fbgemm_linear``'s float epilogue on the exact sums ``acc = Σ (q - z) q_w`` taken in float64 (every product
+    and partial sum an exact integer below 2⁵³), rounded once: ``fl(acc)``, what int32 kernels give, at any K. A slow
+    fallback (a float64 GEMM and a float64 copy of the weights per call) for sums that float32 or int32 cannot hold.
+
+    >>> _exact_linear(torch.tensor([[255, 0]], dtype=torch.uint8), 1.0, 0, torch.tensor([[-128, 1]], dtype=torch.int8),
+    ...               torch.tensor([1.0]), None, None, False).tolist()
+    [[-32640.0]]
+    """
+    lead, k = q.shape[:-1], q.shape[-1]
+    acc = torch.matmul(q.reshape(-1, k).double().sub_(zx), w.double().t()).float()
+    y = acc.mul_(_scaled(w_scale, sx, cache))
+    return _float_epilogue(y if q.dim() == 2 else y.reshape(*lead, -1), bias, out, relu, -1)
+
+
 @functools.lru_cache(maxsize=512)
 def _split_consts(z_hi: int, z_lo: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(2, 1, 1)`` operands that make both halves of ``(m, k)`` u8 codes in one broadcast op each: shifts

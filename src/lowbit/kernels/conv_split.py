@@ -24,7 +24,7 @@ from .. import native
 from ..qtensor import QTensor
 from .avx2 import (_acc_epilogue, _inv_scale, _relu_floor, _scaled, combine_stacked, stack_halves,
                    weight_halves)
-from .small_m import _linear_plan, _per_weight, float_route, out_codes
+from .small_m import _linear_plan, _per_weight, out_codes
 from .spec import ConvSpec, OutGrid
 
 __all__ = ["GEMM_MIN_COUT", "SHAPED_PACKS", "gemm_conv", "packed_for_input"]
@@ -129,8 +129,7 @@ def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.
     ``z_x`` adding 0, then ``fl(fl(acc) · fl(s_x s_w)) + b``, ReLU and lowbit's requantization: ``_acc_epilogue``'s
     operations) instead of oneDNN's call on the weights' two 7-bit halves (twice the multiply-adds). ``None``: not
     taken (another geometry, no native build, or weights the split does not take: ``avx2.weight_halves`` declines
-    them, or ``float_route`` does, where float32 sums would round; ``onednn.conv``'s activation split then runs, as
-    before).
+    them where float32 half sums would round; ``onednn.conv``'s activation split then runs, as before).
 
     >>> import torch, lowbit as Q
     >>> zeros = torch.zeros(2, dtype=torch.long)
@@ -152,8 +151,6 @@ def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.
         return None  # (no weight split here: the activation split's floats, which rounds its half sums, stay)
     w = _per_weight(cache, "native.conv_rows", weight.int_repr(),  # (C_out, KH·KW·C_in), tap by tap
                     lambda t: t.permute(0, 2, 3, 1).reshape(t.shape[0], -1).contiguous())
-    if not float_route(w, True, out, cache):
-        return None
     if not q.is_contiguous(memory_format=torch.channels_last):
         q = native.to_channels_last(q)
         if q is None:

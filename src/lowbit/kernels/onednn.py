@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,8 +49,8 @@ from .. import native
 from ..compile_state import tensor_version
 from ..functional import _store
 from ..qtensor import QTensor
-from . import conv_small, int_mm
-from .avx2 import _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor, _scaled, _split_run
+from . import conv_small, int_mm, small_m
+from .avx2 import _exact_linear, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor, _scaled, _split_run
 from .conv_split import (SHAPED_PACKS, _pack_wsplit, _wsplit_conv, _wsplit_packs, packed_for_input,  # noqa: F401 (tests,
                          gemm_conv)  # conv_plan)
 from .small_m import VNNI_M, float_route, native_linear, native_requant, split_on_avx2, vnni_rows  # noqa: F401 (VNNI_M: tests)
@@ -219,15 +220,16 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
         y = native_requant(q, sx, zx, weight.int_repr(), weight.scale, bias, out, relu, cache)
         return y if y is not None else _fbgemm_requant(cache, weight, bias, q, sx, zx, out, relu)
     halves = split and not seven_bit
-    if not vnni and fbgemm_engine() and (q.numel() <= SMALL_M * q.shape[-1]
-                                         or float_route(weight.int_repr(), halves, out, cache, nat_v)):
-        # the float epilogue fl(fl(acc) · fl(s_x s_w)): lowbit.native's one call, else fbgemm's split (the same floats)
-        y = native_linear(q, sx, zx, weight.int_repr(), weight.scale, halves, bias, out, relu, cache, nat_v)
+    if not vnni and fbgemm_engine() and (q.numel() <= SMALL_M * q.shape[-1] or float_route(out)):
+        # the float epilogue fl(fl(acc) · fl(s_x s_w)), acc exact: lowbit.native's one call, else fbgemm's split or
+        # float64 (the same floats)
+        y = native_linear(q, sx, zx, weight.int_repr(), weight.scale, halves, bias, out, relu, cache)
         if y is not None:
             return y
         fb = _packed(cache, "onednn.fbgemm", weight, _fbgemm_pack)
         if fb is not None:
-            return _fbgemm_linear(fb[0], q, sx, zx, halves and split_o, weight.scale, bias, out, relu, cache)
+            return fallback_linear(lambda: fb[0], q, sx, zx, weight.int_repr(), weight.scale, halves and split_o,
+                                   bias, out, relu, cache)
 
     def run(codes: torch.Tensor, zp: int, b: torch.Tensor | None, s_out: float, z_out: int, dt: torch.dtype,
             post: str) -> torch.Tensor:
@@ -238,6 +240,18 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
         return _split_run(run, q, zx, bias, out, relu, -1)
     s_out, z_out, dt = _epilogue(out)
     return _wrap(run(q, zx, bias, s_out, z_out, dt, "relu" if relu else "none"), out)
+
+
+def fallback_linear(pack: Callable[[], Any], q: torch.Tensor, sx: float, zx: int, w: torch.Tensor,
+                    w_scale: torch.Tensor, split: bool, bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
+                    cache: dict[str, Any] | None) -> QTensor | torch.Tensor:
+    """``native_linear``'s codes or floats without it: fbgemm's float-output op (``_fbgemm_linear`` on ``pack()``, the
+    7-bit split where ``split``) while its sums are exact floats, else the exact sums in float64 (``_exact_linear``:
+    slow, for a missing native build or sums past int32). Both are ``fl(acc)``, so every M and both builds give the
+    same floats."""
+    if (split and not small_m.split_exact(w, cache)) or not small_m.int32_exact(w, cache):
+        return _exact_linear(q, sx, zx, w, w_scale, bias, out, relu, cache)
+    return _fbgemm_linear(pack(), q, sx, zx, split, w_scale, bias, out, relu, cache)
 
 
 def _pack_linear(w: torch.Tensor) -> Any:

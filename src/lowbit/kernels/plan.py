@@ -10,9 +10,10 @@ scales, zero points, bias, output grid) and one activation ``QDtype``, and retur
     torch's engine is x86/fbgemm:
         u8 output, no split      →  fbgemm's requantized codes at every M: lowbit.native (small_m.native_requant, the
                                     same codes) or fbgemm quantized::linear(_relu) on the real-scale pack (clamp)
-        rows ≤ SMALL_M, or at any M where small_m.float_route holds (u8 output, an exact split)
+        rows ≤ SMALL_M, or at any M where small_m.float_route holds (a float or u8 output)
                                  →  onednn.native_linear (lowbit.native: the same floats) or
-                                    onednn._fbgemm_linear (unit-scale pack; the split if needed)
+                                    onednn.fallback_linear (fbgemm's unit-scale pack, the split if needed; float64
+                                    where the split's sums would round)
     otherwise                    →  one onednn::qlinear_pointwise (a 7-bit grid's clamp as its hardtanh post-op,
                                     OutGrid.onednn_post)   |   onednn._split_run
 
@@ -189,18 +190,21 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             y = torch.ops.onednn.qlinear_pointwise(q, sx, zx, onednn_pack(), w_scale, w_zp, bias, s_out, z_out, dt, o_post,
                                                    o_scalars, "")
             return out.wrap(y.clamp_(qd.quant_min, qd.quant_max) if o_clamp else y)
-        if onednn.fbgemm_engine() and (fused_ok or q.numel() <= onednn.SMALL_M * k
-                                       or small_m.float_route(w, split, out, packs, vnni)):
+        if onednn.fbgemm_engine() and (fused_ok or q.numel() <= onednn.SMALL_M * k or small_m.float_route(out)):
             if fused_ok:  # fbgemm's requantization at every M (lowbit.native's packed kernel from 2 rows, or fbgemm's op)
                 return fbgemm_requant(q, sx, zx, tq)
-            # the float epilogue fl(fl(acc) · fl(s_x s_w)): lowbit.native, else fbgemm's split (the same floats)
-            y = onednn.native_linear(q, sx, zx, w, w_scale, split, bias, out, relu, packs, vnni)
+            # the float epilogue fl(fl(acc) · fl(s_x s_w)), acc exact: lowbit.native, else fbgemm's split or float64
+            y = onednn.native_linear(q, sx, zx, w, w_scale, split, bias, out, relu, packs)
             if y is not None:
                 return y  # type: ignore[return-value]
-            p = packs.get("fbgemm")
-            if p is None:
-                p = packs["fbgemm"] = onednn._fbgemm_pack(w)
-            y = onednn._fbgemm_linear(p, q, sx, zx, split and not vnni, w_scale, bias, out, relu, packs)
+
+            def fbgemm_pack() -> Any:
+                p = packs.get("fbgemm")
+                if p is None:
+                    p = packs["fbgemm"] = onednn._fbgemm_pack(w)
+                return p
+
+            y = onednn.fallback_linear(fbgemm_pack, q, sx, zx, w, w_scale, split and not vnni, bias, out, relu, packs)
             return y  # type: ignore[no-any-return]
         packed = onednn_pack()
         if split and not vnni:

@@ -10,7 +10,8 @@ wrapping, packed GEMM, output tensor and clamp:
     native_requant   fbgemm's requantized codes, bit for bit (``native.qlinear_requant``): a = Σ q w - z_x Σ w,
                      v = fl(fl(a) + fl(b / fl(s_x s_w))), round(fl(v · fl(fl(s_x s_w) / s_out))), saturated, + z_out,
                      clamped to the output grid (the ReLU floor and a 7-bit grid's top folded in)
-    native_linear    ``_fbgemm_linear``'s codes or floats (``native.qlinear``): fl(a) · fl(s_x s_w) + b, lowbit's store
+    native_linear    ``onednn.fallback_linear``'s codes or floats (``native.qlinear``): fl(a) · fl(s_x s_w) + b, lowbit's store,
+                     a exact at any K (int32 sums; ``onednn.fallback_linear``: fbgemm's split or float64, the same floats)
 
 Each keeps its per-weight constants (``Σ w``, the fbgemm multipliers per input grid) in the layer's cache.
 ``native_requant`` runs at every M: one row by the dot-product kernel (1.1-2.7x fbgemm at M = 1, session 14), from
@@ -39,7 +40,8 @@ from ..qtensor import QTensor
 from .avx2 import _F32_EXACT, _QUIET, _inv_scale, _relu_floor, _scaled
 from .spec import OutGrid
 
-__all__ = ["VNNI_M", "VNNI_WORK", "VNNI_M_MAX", "vnni_rows", "float_route", "native_linear", "native_requant", "requant_plan",
+__all__ = ["VNNI_M", "VNNI_WORK", "VNNI_M_MAX", "vnni_rows", "float_route", "split_exact", "int32_exact",
+           "native_linear", "native_requant", "requant_plan",
            "split_on_avx2"]
 
 # Rows up to which a static Linear on a VNNI CPU (torch's x86/fbgemm engine) takes the routes of a CPU without VNNI,
@@ -55,6 +57,7 @@ VNNI_M = 32
 # 128×768² layers session 16 measured slower natively (37.7M-151M multiply-adds) stay above the bound.
 VNNI_WORK = 1 << 24
 VNNI_M_MAX = 256
+_I32 = 1 << 31
 
 
 def vnni_rows(k: int, n: int) -> int:
@@ -155,15 +158,15 @@ def native_requant(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale
 
 def native_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale: torch.Tensor, split: bool,
                   bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
-                  cache: dict[str, Any] | None, exact: bool = False) -> QTensor | torch.Tensor | None:
-    """``_fbgemm_linear``'s result (the same codes or floats) from a ``native.qlinear`` plan kept per layer state, at every
-    M: the exact sums and the float epilogue in one call (the packed many-row kernels from 2 rows: 8-bit codes against
-    full int8 weights 1.3-1.5x oneDNN's activation split from 64 rows, session 15). ``fl(acc)`` is the split's
-    ``fl(fl(lo) + 2 fl(hi))`` while both half sums are exact floats (``127 · max_n Σ_k |w| < 2²⁴``); past that bound
-    the split rounds its hi sums and the route stays fbgemm's / oneDNN's; ``exact`` (VNNI: no split on any path) lifts
-    that bound. ``None``: not taken."""
+                  cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:
+    """``onednn.fallback_linear``'s result (the same codes or floats) from a ``native.qlinear`` plan kept per layer state, at
+    every M: the exact int32 sums and the float epilogue ``fl(fl(acc) · fl(s_x s_w)) + b`` in one call (the packed
+    many-row kernels from 2 rows: 8-bit codes against full int8 weights 1.3-1.5x oneDNN's activation split from 64
+    rows, session 15; 4096² 1.7-1.9x, session 26). ``None``: not taken (no build, not ``float_route``, or sums that
+    could pass int32: ``int32_exact``)."""
     k = q.shape[-1] if q.dim() else 0
-    if not native.available() or k == 0 or q.dtype != torch.uint8 or not float_route(w, split, out, cache, exact):
+    if (not native.available() or k == 0 or q.dtype != torch.uint8 or not float_route(out)
+            or not int32_exact(w, cache)):
         return None
     o = out_codes(out, relu)
     q2 = q if q.dim() == 2 else q.reshape(-1, k)
@@ -186,15 +189,24 @@ def out_codes(out: OutGrid | None, relu: bool) -> tuple[float, int, int, int] | 
                                      _relu_floor(out.qdtype.quant_min, out.zero_point, relu), out.qdtype.quant_max)
 
 
-def float_route(w: torch.Tensor, split: bool, out: OutGrid | None, cache: dict[str, Any] | None,
-                exact: bool = False) -> bool:
-    """Whether a layer's float-epilogue Linear is ``fl(fl(acc) · fl(s_x s_w)) + b`` at every M without VNNI (torch's
-    fbgemm engine): a float or u8 output, and no split or a split whose half sums are exact floats. Then
-    ``native_linear`` runs it, or fbgemm's split (``_fbgemm_linear``, the same floats) where the native build is off;
-    else oneDNN's split takes more than ``SMALL_M`` rows, as before session 15. ``exact``: the sums are exact on every
-    path (a VNNI CPU), so only the output's storage counts."""
-    return (out is None or out.qdtype.storage == torch.uint8) and (
-        exact or not (split and 127 * _abs_row_max(w, cache) >= _F32_EXACT))
+def float_route(out: OutGrid | None) -> bool:
+    """Whether a Linear without VNNI (torch's fbgemm engine) takes the float epilogue ``fl(fl(acc) · fl(s_x s_w)) + b``
+    at every M: a float or u8 output. ``native_linear`` runs it, else ``onednn.fallback_linear`` (the same floats); other
+    outputs take oneDNN's split above ``SMALL_M`` rows, as before session 15. Its sums are exact at any K since session
+    26: before, weights with ``127 · max Σ|w| ≥ 2²⁴`` took oneDNN's activation split, whose float32 half sums round
+    (0.5x torch.ao at 4096²), where a VNNI CPU gave ``fl(acc)``."""
+    return out is None or out.qdtype.storage == torch.uint8
+
+
+def split_exact(w: torch.Tensor, cache: dict[str, Any] | None) -> bool:
+    """Whether the 7-bit split's float32 half sums are exact for any u8 codes and zero point (``127 · max_n Σ_k |w| <
+    2²⁴``), so that its ``fl(fl(lo) + 2 fl(hi))`` is ``fl(acc)``."""
+    return 127 * _abs_row_max(w, cache) < _F32_EXACT
+
+
+def int32_exact(w: torch.Tensor, cache: dict[str, Any] | None) -> bool:
+    """Whether int32 holds every sum ``Σ_k (q - z) w`` of u8 codes (``255 · max_n Σ_k |w| < 2³¹``)."""
+    return 255 * _abs_row_max(w, cache) < _I32
 
 
 def _linear_plan(w: torch.Tensor, sc: torch.Tensor, bias: torch.Tensor | None, o: tuple[float, int, int, int] | None,

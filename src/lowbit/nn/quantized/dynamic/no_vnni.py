@@ -27,7 +27,7 @@ from .... import kernels, native
 from ....kernels import onednn, small_m
 from ....qscheme import QDtype
 from ....qtensor import QTensor
-from .per_token import (_CM128, _INF, _Plan, _epilogue, _generic, _grid_codes, _one_row_grid, _row_grids, _shared_grid,
+from .per_token import (_CM128, _Plan, _epilogue, _generic, _grid_codes, _one_row_grid, _shared_grid,
                         native_plan_call)
 
 __all__: list[str] = []
@@ -44,8 +44,8 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
     The route does not depend on whether ``lowbit.native`` runs (its routes give the same floats), so without the
     native build 2-4 rows take oneDNN's float route too (6-16 % slower there than the weight split, session 25)."""
     m, k = xf.shape
-    if (m <= onednn.SMALL_M and weight_int8.numel() <= _WSPLIT_MAX and onednn.fbgemm_engine()
-            and (m <= _WSPLIT_M or not small_m.float_route(weight_int8, True, None, cache))):
+    if (m <= _WSPLIT_M and weight_int8.numel() <= _WSPLIT_MAX and onednn.fbgemm_engine()
+            and small_m.split_exact(weight_int8, cache)):
         y = _weight_split(xf, plan, weight_int8, w_scale, bias, cache)
         if y is not None:
             return y
@@ -80,13 +80,11 @@ def _native_rows8(q: torch.Tensor, scale: torch.Tensor, neg_zp: torch.Tensor, pl
     """The route below (codes on the shared grid ``(1, 128)``, ``onednn.linear``'s native float route, the row
     epilogue) in one ``lowbit.native`` call, its floats bit for bit: "rows_sub" at zero point 128 gives
     ``y = fl(fl(fl(fl(Σ (q - 128) q_w) · s_w) - fl(c · Σ ŵ)) · s_x) + b`` with ``c = z_x - 128``, the generic
-    epilogue's operations in its order. Taken where that route is the native one: torch's fbgemm engine and the float
-    route (``small_m.float_route``: the split's half sums exact in float32); ``None`` elsewhere."""
-    if not native.available() or not onednn.fbgemm_engine():
+    epilogue's operations in its order. Taken where that route is the native one: torch's fbgemm engine and sums that
+    int32 holds (``small_m.int32_exact``); ``None`` elsewhere."""
+    if not native.available() or not onednn.fbgemm_engine() or not small_m.int32_exact(weight_int8, cache):
         return None
     split = small_m.split_on_avx2(weight_int8, cache)
-    if not small_m.float_route(weight_int8, split, None, cache):
-        return None
     return native_plan_call(plan, "rows8", (q, scale, torch.sub(_CM128, neg_zp)), bias, lambda: native.linear_plan(
         weight_int8, "rows_sub", w_scale, bias, pairs=not split, fw=plan.wsum), zx=128)
 
@@ -103,16 +101,16 @@ _CHUNK_ABOVE = 1 << 22
 
 
 _WSPLIT_MAX = 768 * 3072  # weight elements up to which the split weights (2x the bytes) beat one read at small M
-_WSPLIT_M = 1  # rows up to which the weight split runs; more take the codes and onednn.linear where its float route
-#                holds (small_m.float_route: lowbit.native's packed 8-bit kernel, or fbgemm's activation split, the same
+_WSPLIT_M = 1  # rows up to which the weight split runs; more take the codes and onednn.linear's float route
+#                (small_m.float_route: lowbit.native's packed 8-bit kernel, or fbgemm's activation split, the same
 #                floats): 1.35-1.45x at 5-32 rows of 768² / 768×3072 (session 15); since the any-code many-row kernel
-#                (session 25) also at 2-4 rows: 1.1-2.0x the split there (4×768×3072: 0.40x -> 0.79x torch.ao)
-_NATIVE_WSPLIT_M = 4  # rows up to which lowbit.native runs that route (one blocked pass: 1.0-1.6x fbgemm, session 14)
+#                (session 25) also at 2-4 rows: 1.1-2.0x the split there (4×768×3072: 0.40x -> 0.79x torch.ao). Weights
+#                whose split sums could round (not small_m.split_exact) take that route at one row too (session 26).
 
 
 def _weight_split(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: torch.Tensor,
                   bias: torch.Tensor | None, cache: dict[str, Any]) -> torch.Tensor | None:
-    """Few rows without VNNI: the same 8-bit codes against the weights split in two 7-bit halves, one fbgemm call.
+    """One row without VNNI: the 8-bit codes against the weights split in two 7-bit halves, one fbgemm call.
 
     ``q_w = 2 (q_w >> 1) + (q_w & 1)``: ``q_w >> 1`` in ``[-64, 63]`` and ``q_w & 1`` in ``{0, 1}`` are stacked into
     one ``(2N, K)`` pack (made once per weight, scales ``2 s_w`` and ``s_w``), which ``vpmaddubsw`` multiplies
@@ -120,46 +118,28 @@ def _weight_split(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_sc
     ``u = x · float32(1/s_x) + z_x`` with scale 1 and zero point 0: ``clamp(round(u), 0, 255)``, exactly the codes
     of ``quantize_per_token`` (the same two float32 ops, round half to even)::
 
-        raw = [2 s_w Σ q (q_w >> 1) | s_w Σ q (q_w & 1)]  (M, 2N)      y = s_x (hi + lo - z_x Σ ŵ) + bias
+        raw = [2 s_w Σ q (q_w >> 1) | s_w Σ q (q_w & 1)]  (1, 2N)      y = s_x (hi + lo - z_x Σ ŵ) + bias
 
     Against the activation split (``kernels/avx2.py``: codes, 7-bit halves staged, two stacked rows per token)
     this is ~15 ops instead of ~65 per call and no staging; it reads twice the weight bytes, so it runs for
-    weights up to ``_WSPLIT_MAX`` elements only. Up to ``_NATIVE_WSPLIT_M`` rows ``lowbit.native`` runs the route in two
-    calls (the codes; the two split sums with fbgemm's float arithmetic ``fl(fl(acc) · scale)`` and the epilogue),
-    the same floats. ``None`` for a non-finite row (the generic path decides).
+    weights up to ``_WSPLIT_MAX`` elements only, and only where the split's sums are exact floats (the caller).
+    ``lowbit.native`` runs the route in two calls (the codes; the two split sums with fbgemm's float arithmetic
+    ``fl(fl(acc) · scale)`` and the epilogue), the same floats. ``None`` for a non-finite row (the generic path
+    decides).
     """
     n = weight_int8.shape[0]
-    if xf.shape[0] <= _NATIVE_WSPLIT_M:  # the codes and then the whole route in two native calls (the same floats)
-        fast = native.row_grid(xf, 255.0, "codes")
-        y = None if fast is None else native_plan_call(plan, "wsplit", fast, bias, lambda: native.linear_plan(
-            weight_int8, "split", w_scale, bias, fw=plan.wsum, w2=weight_int8 & 1, pairs=onednn.saturation_safe(weight_int8)))
-        if y is not None:
-            return y
-    if xf.shape[0] == 1:
-        grid = _one_row_grid(xf)
-        if grid is None:
-            return None
-        s, neg_zp, inv = grid
-        u = torch.mul(xf, torch.scalar_tensor(inv)).sub_(torch.scalar_tensor(neg_zp))
-        raw = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(u, 1.0, 0, _split_pack(plan, w_scale))
-        y = torch.add(raw[:, :n], raw[:, n:]).add_(plan.wsum, alpha=neg_zp).mul_(torch.scalar_tensor(s))
-    else:
-        fast = native.row_grid(xf, 255.0, "u", qmax=_INF)  # u unclamped: fbgemm clamps
-        if fast is not None:
-            u, scale, neg_zp = fast
-        else:
-            grids = _row_grids(xf)
-            if grids is None:
-                return None
-            scale, neg_zp = grids
-            u = torch.mul(xf, torch.reciprocal(scale)).sub_(neg_zp)
-        raw = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(u, 1.0, 0, _split_pack(plan, w_scale))
-        y = torch.add(raw[:, :n], raw[:, n:])
-        kernels.counts[("onednn", "linear")] += 1
-        if native.row_epilogue(y, neg_zp, plan.wsum, scale, bias, True) is not None:
-            return y
-        y = y.addcmul_(neg_zp, plan.wsum).mul_(scale)
-        return y if bias is None else y.add_(bias)
+    fast = native.row_grid(xf, 255.0, "codes")  # the codes and then the whole route in two native calls
+    y = None if fast is None else native_plan_call(plan, "wsplit", fast, bias, lambda: native.linear_plan(
+        weight_int8, "split", w_scale, bias, fw=plan.wsum, w2=weight_int8 & 1, pairs=onednn.saturation_safe(weight_int8)))
+    if y is not None:
+        return y
+    grid = _one_row_grid(xf)
+    if grid is None:
+        return None
+    s, neg_zp, inv = grid
+    u = torch.mul(xf, torch.scalar_tensor(inv)).sub_(torch.scalar_tensor(neg_zp))
+    raw = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(u, 1.0, 0, _split_pack(plan, w_scale))
+    y = torch.add(raw[:, :n], raw[:, n:]).add_(plan.wsum, alpha=neg_zp).mul_(torch.scalar_tensor(s))
     kernels.counts[("onednn", "linear")] += 1
     return y if bias is None else y.add_(bias)
 

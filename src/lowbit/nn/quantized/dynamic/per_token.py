@@ -18,10 +18,10 @@ quantize with no per-call validation, then the fastest exact GEMM for the case, 
   arithmetic, with one fused multiply-add when the output is small: equal up to float32 rounding);
 - a CPU without VNNI (its u8 × s8 pairs saturate: the kernels' split/fbgemm rules apply): the
   generic path's codes, kernel call and epilogue (bit for bit) without its per-call wrapping (on torch's
-  fbgemm/x86 engine: lowbit.native's packed 8-bit kernel at every M, ``kernels.small_m.float_route``); for at
-  most ``_WSPLIT_M`` rows on that engine and weights up to 768×3072 (up to ``SMALL_M`` rows where the float
-  route does not hold), the same codes against the weights split into two 7-bit halves (``no_vnni._weight_split``:
-  one fbgemm call, ~15 ops instead of ~65); those routes live in ``no_vnni``;
+  fbgemm/x86 engine: lowbit.native's packed 8-bit kernel at every M, exact int32 sums at any K); for at
+  most ``_WSPLIT_M`` rows on that engine and weights up to 768×3072 whose split sums are exact floats
+  (``kernels.small_m.split_exact``), the same codes against the weights split into two 7-bit halves
+  (``no_vnni._weight_split``: one fbgemm call, ~15 ops instead of ~65); those routes live in ``no_vnni``;
 - a pinned backend (``kernels.use_backend``), affine weights, non-finite rows or other devices take the
   generic ``per_token_linear``.
 
