@@ -9,6 +9,9 @@ Method (the one of ``shared/reference/perf_cpu.md``):
   ``max_load`` CPUs, measured from ``/proc/stat`` (busy jiffies of the whole machine) minus this
   process's own ``utime + stime`` (``/proc/self/stat``); the load during the round is measured the
   same way and a round is **clean** when it stayed below ``max_load``;
+* before each sample a 64 MiB buffer is rewritten, so that every sample starts from the same cold caches: without
+  it the method that follows fp32 (whose weights flush the last-level cache) starts every other round colder than
+  the rest (1×4096²: lowbit static 713 µs after fp32, 643-656 µs elsewhere, session 26);
 * reported: per method the median time over clean rounds (all rounds when fewer than 3 were clean,
   flagged ``noisy``), and a speed-up as the **median of the per-round paired ratios**
   ``t_base / t_method`` (> 1: the method is faster), which cancels most of a slow drift in load.
@@ -132,6 +135,16 @@ class Timing:
         return out
 
 
+_FLUSH: list[torch.Tensor] = []
+
+
+def _flush() -> None:
+    """Rewrite a 64 MiB buffer (made on first use): past any last-level cache, so the next sample starts cold."""
+    if not _FLUSH:
+        _FLUSH.append(torch.zeros(64 << 20, dtype=torch.uint8))
+    _FLUSH[0].add_(1)
+
+
 def bench(methods: dict[str, Callable[[], Any]], rounds: int = 7, min_time: float = 0.02,
           max_load: float = 0.15, max_wait: float = 3.0, gate: bool = True) -> Timing:
     """Time ``methods`` interleaved for ``rounds`` rounds (see the module docstring)."""
@@ -157,6 +170,7 @@ def bench(methods: dict[str, Callable[[], Any]], rounds: int = 7, min_time: floa
             meter.start()
             for k in names if r % 2 == 0 else names[::-1]:
                 f, n = methods[k], counts[k]
+                _flush()
                 t = time.perf_counter()
                 for _ in range(n):
                     f()
