@@ -163,7 +163,7 @@ def test_dynamic_linear_routes_are_bit_identical_with_and_without_native(vnni: b
     monkeypatch.setattr(no_vnni, "_CHUNK_ABOVE", 1 << 12)  # the chunked non-VNNI route at small sizes too
     q = _layer(96, 70, reduce_range)
     g = torch.Generator().manual_seed(2)
-    for m in (1, 2, 5, 16, 40, 300, 4000):  # one row, the weight split (few rows), chunks, blocked epilogue
+    for m in (1, 2, 5, 16, 40, 300, 4000):  # one row, few rows, chunks, blocked epilogue
         x = torch.randn(m, 96, generator=g) * torch.rand(m, 1, generator=g) * 4 + torch.randn(m, 1, generator=g)
         kernels.counts.clear()
         native.counts.clear()
@@ -175,16 +175,14 @@ def test_dynamic_linear_routes_are_bit_identical_with_and_without_native(vnni: b
         assert fast >= 1 and torch.equal(y, ref), (m, vnni, reduce_range)
         if reduce_range:
             want = {"row_grid": 1, "qlinear_rows": 1}  # the 7-bit recipe: its codes, then one Linear call
-        elif not vnni and m > no_vnni._WSPLIT_M:
-            want = {"row_grid": 1, "qlinear_rows": 1}  # past the weight split: codes, then sums and epilogue in one call
+        elif not vnni:
+            want = {"row_grid": 1, "qlinear_rows": 1}  # the codes, sums and epilogue in one call (native.dyn_linear)
         elif vnni and native.vnni() and m <= pt.small_m.VNNI_M and m * 70 <= pt._BLOCK:
             want = {"row_grid": 1, "qlinear" if m == 1 else "qlinear_rows": 1}  # its codes, then the VNNI kernels' call
         elif vnni and m > 1:
             want = {"row_grid": 1, "row_epilogue": 1}  # (a VNNI CPU's oneDNN rows: the codes, then the row epilogue)
-        elif vnni:
-            want = {}  # one row on a VNNI CPU without lowbit's VNNI kernels: torch._int_mm, the grid read on the host
         else:
-            want = {"row_grid": 1, "dyn_wsplit": 1}  # the weight split's route whole (its codes, then one call)
+            want = {}  # one row on a VNNI CPU without lowbit's VNNI kernels: torch._int_mm, the grid read on the host
         assert ran == want, (m, vnni, reduce_range, ran)
     x[5, 3] = float("nan")  # a non-finite row: the generic path's NaN row (its epilogue rounds the others alike)
     y = q(x)
@@ -620,22 +618,24 @@ def test_sums_past_int32_take_the_exact_float64_route(monkeypatch: pytest.Monkey
 @needs_native
 @pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("k,bias", [(96, True), (768, False), (3000, True)])
-def test_dynamic_weight_split_route_is_fbgemms(body: str, k: int, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the 8-bit recipe's one-row route without VNNI: fbgemm's two float sums of the split pack, reproduced (codes up to
-    # 255 against halves in [-64, 63] and {0, 1}). Where the split's sums could pass 2^24 (K = 3000: 127 Σ|w|) no
-    # weight split runs: at every M the codes, then the exact sums and epilogue in one native call (float64 sums without
-    # the build: the same floats)
+def test_dynamic_8bit_rows_without_vnni_are_one_native_call(body: str, k: int, bias: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # the 8-bit recipe without VNNI at every M, one row included: the codes, the exact sums and the generic epilogue in
+    # one native call (native.dyn_linear on a "rows_sub" plan), the floats of the route without the build (fbgemm's
+    # split or, where its sums could pass 2^24 as at K = 3000, float64 sums) and of the generic per_token_linear; a
+    # row's floats are the same alone and in a batch
     force(monkeypatch, vnni=False, fbgemm=True)
     torch.manual_seed(k)
     lin = nn.Linear(k, 45, bias=bias)
     lin.qconfig = Q.get_dynamic_qconfig()
     q = DLinear.from_float(lin)
     assert small_m.split_exact(q.weight().int_repr(), None) == (k != 3000)
-    for m in range(1, (no_vnni._WSPLIT_M if k != 3000 else 40) + 1):
+    for m in (1, 2, 3, 4, 40):
         for x in (torch.randn(m, k) * 3 + 1, torch.rand(m, k) * 5):  # mixed signs; one-signed (z_x at an end)
             got, ref, ran = _native_and_torch(body, lambda q=q, x=x: q(x))
-            want = {"row_grid": 1, "dyn_wsplit": 1} if k != 3000 else {"row_grid": 1, "qlinear_rows": 1}
-            assert {a: v for a, v in ran.items() if v} == want and torch.equal(got, ref), (m, k, bias, ran)
+            generic = pt.per_token_linear(pt.quantize_per_token(x), q.weight(), q.bias, {})
+            ok = torch.equal(got, ref) and torch.equal(got, generic) and torch.equal(q(x[-1:]), got[-1:])
+            assert {a: v for a, v in ran.items() if v} == {"row_grid": 1, "qlinear_rows": 1} and ok, (m, k, bias, ran)
 
 
 def test_bad_arguments_raise_naming_the_value() -> None:

@@ -136,20 +136,22 @@ def test_rows_sub_mode_is_the_generic_per_token_epilogue(body: str) -> None:
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
 def test_any_code_many_row_kernel_is_exact_at_the_ends_of_both_ranges(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The AVX2 many-row kernel for any u8 codes (``blk_bcast_s``: ``|q - 128|`` against ``w`` or ``~w``, where a
-    ``vpmaddubsw`` pair reaches -32768 exactly) at the ends of both ranges: codes 0 / 127 / 128 / 255 against weights
-    -128 / -127 / 127 / 0, mixed with random ones; every ``k`` tail past its groups of 4 and 32, rows past a row
-    chunk, input zero points 0 / 128 / 255. A plan packed under the best body (VNNI where the CPU has it) gives the
-    same sums when the AVX2 body runs it."""
+    """The AVX2 kernels for any u8 codes (``blk_bcast_s`` from 2 rows on packed weights, ``blk_sgn`` for one row on
+    the plain ones: ``|q - 128|`` against ``w`` or ``~w``, where a ``vpmaddubsw`` pair reaches -32768 exactly) at the
+    ends of both ranges: codes 0 / 127 / 128 / 255 against weights -128 / -127 / 127 / 0, mixed with random ones;
+    every ``k`` tail past its groups of 4 and 32, rows past a row chunk, input zero points 0 / 128 / 255, a one-row
+    view of a wider row. A plan packed under the best body (VNNI where the CPU has it) gives the same sums when the
+    AVX2 body runs it."""
     monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(25)
     try:
-        for m, k in itertools.product((2, 5, 66), (1, 3, 4, 31, 33, 64, 385, 1000)):  # (66 × 1000: the threaded pass)
+        for m, k in itertools.product((1, 2, 5, 66), (1, 3, 4, 31, 33, 64, 385, 1000)):  # (66 × 1000: the threaded pass)
             for qv, wv in itertools.product((0, 127, 128, 255, None), (-128, -127, 127, 0, None)):
-                q = (torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8) if qv is None
-                     else torch.full((m, k), qv, dtype=torch.uint8))
+                q = (torch.randint(0, 256, (m, k + 7), generator=g, dtype=torch.uint8) if qv is None
+                     else torch.full((m, k + 7), qv, dtype=torch.uint8))
+                q = q[:, :k] if m == 1 else q[:, :k].contiguous()  # (one row: its codes in a wider row)
                 w = (torch.randint(-128, 128, (19, k), generator=g, dtype=torch.int8) if wv is None
                      else torch.full((19, k), wv, dtype=torch.int8))
                 w[::5, ::3] = -128  # (a random and a constant weight alike meet -128 columns)
@@ -194,7 +196,7 @@ def test_plans_decline_what_does_not_fit_and_name_wrong_values() -> None:
                        (lambda: native.linear_plan(w, "requant", one, codes=(300, 0, 255)), "zero_point=300"),
                        (lambda: native.linear_plan(w, "rows", one), "needs fw"),
                        (lambda: native.linear_plan(w, "rows_sub", one), "needs fw"),
-                       (lambda: native.linear_plan(w, "split", one, fw=one), "needs w2"),
+                       (lambda: native.linear_plan(w, "split", one, fw=one), "mode='split'"),  # (gone, session 26)
                        (lambda: native.qlinear_requant(torch.zeros(1, 16, dtype=torch.uint8), 0, w, None, one, None, 0, 200,
                                                        100, True), "lo=200, hi=100"),
                        (lambda: native.qlinear_requant(torch.zeros(1, 16, dtype=torch.uint8), -1, w, None, one, None, 0, 0,
@@ -221,7 +223,7 @@ def test_plans_decline_what_does_not_fit_and_name_wrong_values() -> None:
     for bad_w in (w.float(), w[0], 3):  # the packing names what it got
         with pytest.raises(ValueError, match="pack_bcast: w must be a 2-d int8 tensor"):
             pack_bcast(bad_w)  # type: ignore[arg-type]
-    rows = native.linear_plan(w, "rows", one, fw=one)
+    rows = native.linear_plan(w, "rows", one, fw=one, pairs=True)  # (without pairs the plan makes Σ w: blk_sgn reads it)
     assert rows is not None
     with pytest.raises(ValueError, match="zx=3 .*'rows'"):  # per-token rows carry their zero points in (a, s)
         rows.run(torch.zeros(2, 16, dtype=torch.uint8), 3, y[:2], (torch.zeros(2), torch.ones(2)))

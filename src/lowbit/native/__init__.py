@@ -8,9 +8,8 @@ bodies, 1 and 2 threads). ``rows``: the per-token Linear's row grids and epilogu
 DeQuantize stubs' passes (``stubs.c``: AVX-512 bodies where the CPU has AVX-512F, AVX2 and scalar ones elsewhere, the
 same codes and floats). ``layers``: the split-weight conv epilogue, a depthwise conv, max pooling of channels-last
 codes (``pool.c``). ``smallconv``: a dense conv with a small window (an image model's first conv; VNNI, AVX2 and scalar
-bodies). ``gemm``: the small-M Linears without VNNI (``LinearPlan``: lowbit's float epilogue, fbgemm's
-requantization, the per-token rows; the dynamic weight split; ``dyn_linear``: a VNNI CPU's per-token dynamic Linear of
-few rows in one call, ``dynamic.c``).
+bodies). ``gemm``: the int8 Linears (``LinearPlan``: lowbit's float epilogue, fbgemm's requantization, the per-token
+rows; ``dyn_linear``: the per-token dynamic Linear, its row grids and codes included, in one call, ``dynamic.c``).
 
 The C sources are compiled once per machine and source version with the system's C compiler (``cc``, or ``$CC``)
 into ``$LOWBIT_CACHE_DIR`` (default ``~/.cache/lowbit``; a new build removes other versions' builds unused for a
@@ -49,7 +48,7 @@ import torch
 __all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dequantize",
            "dwconv", "dw_weight", "smallconv", "smallconv_weight", "smallconv_body", "maxpool_codes", "to_channels_last",
            "to_contiguous", "im2col", "conv_out_hw", "qlinear", "qlinear_requant",
-           "qlinear_rows", "LinearPlan", "linear_plan", "dyn_wsplit", "dyn_linear", "empty_codes", "disabled",
+           "qlinear_rows", "LinearPlan", "linear_plan", "dyn_linear", "empty_codes", "disabled",
            "force_scalar", "force_avx2", "vnni", "counts"]
 
 _DIR = Path(__file__).parent
@@ -125,7 +124,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_smallconv_body.restype = i32
     dll.lb_linear_run.argtypes = [p, p, i64, i64, i32, p, p, p, i32, i32]
     dll.lb_linear_run.restype = i32
-    dll.lb_dyn_linear.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, p, p, i32, i32, i32]
+    dll.lb_dyn_linear.argtypes = [p, i64, i64, i64, i64, p, p, p, p, i32, p, p, p, i32, i32, i32]
     dll.lb_dyn_linear.restype = i32
     dll.lb_maxpool_codes.argtypes = [p, i32, i64, i64, i64, i64, i64, i64, i64, i64, p, i32, i32]
     dll.lb_maxpool_codes.restype = None
@@ -280,6 +279,6 @@ def _channel_vectors(n: int, *vs: torch.Tensor | None) -> bool:
 
 from .layers import (conv_epilogue, dw_weight, dwconv, empty_codes, im2col, maxpool_codes,  # noqa: E402  (below the helpers)
                      to_channels_last, to_contiguous)
-from .gemm import LinearPlan, dyn_linear, dyn_wsplit, linear_plan, qlinear, qlinear_requant, qlinear_rows  # noqa: E402
+from .gemm import LinearPlan, dyn_linear, linear_plan, qlinear, qlinear_requant, qlinear_rows  # noqa: E402
 from .rows import dequantize, qadd, quantize_into, row_epilogue, row_grid  # noqa: E402
 from .smallconv import smallconv, smallconv_body, smallconv_weight  # noqa: E402

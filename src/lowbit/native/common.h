@@ -81,12 +81,4 @@ static inline uint8_t acc_code(int32_t acc, float sc, const float *bias, int64_t
     return (uint8_t)(r > 255.f ? 255.f : r);
 }
 
-__attribute__((target("avx2,fma")))
-static inline int32_t hsum8(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-
 #endif

@@ -4,8 +4,8 @@
 scalars) in the C struct ``lb_linear_run`` reads, checked once where it is made; a call then passes only the codes,
 their zero point and the output (~3 µs of Python and ctypes at M = 1 instead of ~14 with every argument checked and
 converted per call). The sums are exact for any u8 codes (without VNNI: ``vpmaddubsw`` where no u8 × s8 pair can
-saturate, ``pairs``; else, from ``BCAST_M`` rows, ``vpmaddubsw`` on ``|q - 128|`` against sign-adjusted weights, and
-int16 products for one row and for "split"; with AVX-512 VNNI ``vpdpbusd`` for every plan), so each mode gives its
+saturate, ``pairs``; else ``vpmaddubsw`` on ``|q - 128|`` against sign-adjusted weights, packed from ``BCAST_M``
+rows; with AVX-512 VNNI ``vpdpbusd`` for every plan), so each mode gives its
 reference's floats or codes bit for bit:
 
     a = Σ_k q w - z_x Σ_k w
@@ -15,8 +15,8 @@ reference's floats or codes bit for bit:
     "rows"     the per-token rows: t = fl(fl(a) · sc_n), y = fl(fl(t + a_m fw_n) · s_m) (+ b_n)
     "rows_sub" the same rows unfused: y = fl(fl(t - fl(a_m fw_n)) · s_m) (+ b_n)   (the generic per-token epilogue)
 
-``qlinear``, ``qlinear_requant`` and ``qlinear_rows`` are the one-shot forms; ``dyn_wsplit`` the 8-bit dynamic Linear's
-split-weight route.
+``qlinear``, ``qlinear_requant`` and ``qlinear_rows`` are the one-shot forms; ``dyn_linear`` the per-token dynamic Linear
+in one call, its row grids and codes included.
 
 >>> import torch
 >>> from lowbit import native
@@ -37,19 +37,19 @@ from . import _channel_vectors, _check_grid, _lib, _local, _state, _threads, cou
 from .layers import empty_codes
 
 __all__ = ["MAX_ROWS", "BCAST_M", "LinearPlan", "linear_plan", "pack_bcast", "qlinear", "qlinear_requant", "qlinear_rows",
-           "dyn_wsplit", "dyn_linear"]
+           "dyn_linear"]
 
 MAX_ROWS = 64  # input rows per row chunk of a call (linear.c's MAX_ROWS; a call takes any number)
-BCAST_M = 2  # rows from which a plan (but "split") runs linear.c's many-row kernels on packed weights (linear.c's BCAST_M)
+BCAST_M = 2  # rows from which a plan runs linear.c's many-row kernels on packed weights (linear.c's BCAST_M)
 _NO_PACK = torch.empty(0, dtype=torch.int8)  # a plan's "no packed weights on this CPU" (its C pointer stays NULL)
-_MODES = {"float": 0, "codes": 1, "requant": 2, "rows": 3, "split": 4, "rows_sub": 5}
-_ROWS = ("rows", "rows_sub", "split")  # the modes with per-row vectors (a, s) in each call
+_MODES = {"float": 0, "codes": 1, "requant": 2, "rows": 3, "rows_sub": 5}  # (mode 4, a weight split, went in session 26)
+_ROWS = ("rows", "rows_sub")  # the modes with per-row vectors (a, s) in each call
 _U8 = (torch.uint8, torch.quint8)
 
 
 class _Plan(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("wsum", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("fw", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("k", ctypes.c_int64), ("n", ctypes.c_int64),
+                ("fw", ctypes.c_void_p), ("k", ctypes.c_int64), ("n", ctypes.c_int64),
                 ("pairs", ctypes.c_int32), ("mode", ctypes.c_int32), ("relu", ctypes.c_int32), ("zo", ctypes.c_int32),
                 ("lo", ctypes.c_int32), ("hi", ctypes.c_int32), ("inv", ctypes.c_float), ("z", ctypes.c_float),
                 ("vlo", ctypes.c_float), ("vhi", ctypes.c_float), ("wp", ctypes.c_void_p), ("sw", ctypes.c_void_p)]
@@ -66,16 +66,16 @@ class LinearPlan:
         self._sw: torch.Tensor | None = None  # 128 Σ w per column for the many-row kernel of a plan without pairs
         self._addr = ctypes.addressof(plan)
         self.name = {"float": "qlinear", "codes": "qlinear", "requant": "qlinear_requant", "rows": "qlinear_rows",
-                     "rows_sub": "qlinear_rows", "split": "dyn_wsplit"}[mode]
+                     "rows_sub": "qlinear_rows"}[mode]
 
     def run(self, q: torch.Tensor, zx: int, out: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """``out`` (contiguous ``(M, N)``: float32 for "float" / "rows" / "rows_sub", an 8-bit tensor, plain or torch
         quantized, for the codes) from u8 codes ``q`` ``(M, K)`` (unit column stride; a ``quint8`` tensor's codes read as they
-        are) on zero point ``zx``; "rows", "rows_sub" and "split": ``(a, s)``, float32 ``(M,)`` each. ``False``
+        are) on zero point ``zx``; "rows" and "rows_sub": ``(a, s)``, float32 ``(M,)`` each. ``False``
         (nothing written) where they do not fit, or the native build is switched off; a ``zx`` outside those raises."""
-        if not 0 <= zx <= 255 or (zx and (self.mode == "split" or not self._plan.wsum)):
-            raise ValueError(f"lowbit.native.LinearPlan.run: zx={zx!r} must be in [0, 255] (0 in mode {self.mode!r}"
-                             " and for a plan made without wsum)")
+        if not 0 <= zx <= 255 or (zx and not self._plan.wsum):
+            raise ValueError(f"lowbit.native.LinearPlan.run: zx={zx!r} must be in [0, 255] (0 for a plan made without"
+                             f" wsum, mode {self.mode!r})")
         lib = _state.get("lib")
         shape = q.shape
         if (lib is None or len(shape) != 2 or shape[1] != self.k or not 0 < shape[0] or q.dtype not in _U8
@@ -84,7 +84,7 @@ class LinearPlan:
         m = shape[0]
         if out.shape != (m, self.n) or not out.is_contiguous():
             return False
-        if m >= BCAST_M and self._wp is None and self.mode != "split":
+        if m >= BCAST_M and self._wp is None:
             self._pack(lib)
         ra = rs = None
         if self.mode in _ROWS:
@@ -114,20 +114,22 @@ class LinearPlan:
                 self._wp, self._plan.wp = wp, wp.data_ptr()
 
 
-def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None, w_scale: torch.Tensor,
-               sc: torch.Tensor) -> torch.Tensor | None:
-    """The per-token dynamic Linear on a VNNI CPU in one native call (``dynamic.c``): float32 ``x`` ``(M, K)`` (unit
-    column stride) → each row's grid on [0, 255] and u8 codes (``row_grid``'s), then ``one`` where given ("float" mode,
-    one row, its scale vector ``sc`` set to ``fl(s_w s_x)``), else ``rows`` ("rows" mode: zero point 128,
+def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None, w_scale: torch.Tensor | None = None,
+               sc: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The per-token dynamic Linear in one native call (``dynamic.c``): float32 ``x`` ``(M, K)`` (unit column stride) →
+    each row's grid on [0, 255] and u8 codes (``row_grid``'s), then on a VNNI CPU ``one`` where given ("float" mode, one
+    row, its scale vector ``sc`` set to ``fl(s_w s_x)``), else ``rows`` ("rows" mode: zero point 128,
     ``cn = fl(128 - z_x)``): ``per_token._vnni_native``'s floats bit for bit, without its tensors and calls in Python.
-    ``None`` (the caller's path runs) where the plan is missing, the tensors do not fit, a row is not finite or the VNNI
-    kernels do not run here."""
+    A "rows_sub" plan as ``rows`` (``one`` None) runs on any CPU at zero point 128 with ``c = fl(-128 + z_x)``:
+    ``no_vnni._native_rows8``'s floats. ``None`` (the caller's path runs) where the plan is missing, the tensors do not
+    fit, a row is not finite or the VNNI kernels a "rows" or "float" plan needs do not run here."""
     lib = _state.get("lib")
     plan = one if one is not None else rows
+    sub = one is None and rows is not None and rows.mode == "rows_sub"
     if (lib is None or plan is None or x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or not x.is_cpu
             or x.requires_grad or x.shape[1] != plan.k or x.shape[0] == 0 or (one is not None and x.shape[0] != 1)
-            or not vnni()
-            or not _channel_vectors(plan.n, w_scale, sc)):
+            or not (sub or vnni())
+            or not (sub or (w_scale is not None and sc is not None and _channel_vectors(plan.n, w_scale, sc)))):
         return None
     m, k = x.shape
     n = plan.n
@@ -136,9 +138,10 @@ def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None,
     y = torch.empty(m, n)
     codes, grid = torch.empty(m, k, dtype=torch.uint8), torch.empty(3 * m)
     isa = _local.__dict__.get("isa", 1)
-    if lib.lb_dyn_linear(x.data_ptr(), m, k, x.stride(0), n, one._addr if one is not None else None, sc.data_ptr(),
-                         w_scale.data_ptr(), rows._addr if one is None else None, codes.data_ptr(), grid.data_ptr(),
-                         y.data_ptr(), _threads(m * k), _threads(m * n * k // 16), isa):
+    if lib.lb_dyn_linear(x.data_ptr(), m, k, x.stride(0), n, one._addr if one is not None else None,
+                         None if sc is None else sc.data_ptr(), None if w_scale is None else w_scale.data_ptr(),
+                         rows._addr if one is None else None, int(sub), codes.data_ptr(), grid.data_ptr(), y.data_ptr(),
+                         _threads(m * k), _threads(m * n * k // 16), isa):
         return None
     counts["row_grid"] += 1
     counts[plan.name] += 1
@@ -148,12 +151,12 @@ def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None,
 def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor | None = None, *,
                 wsum: torch.Tensor | None = None, pairs: bool = False, relu: bool = False,
                 grid: tuple[float, int, int, int] | None = None, codes: tuple[int, int, int] | None = None,
-                fw: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> LinearPlan | None:
+                fw: torch.Tensor | None = None) -> LinearPlan | None:
     """A ``LinearPlan`` for int8 weights ``w`` ``(N, K)`` (contiguous) in ``mode`` ("float", "codes", "requant",
     "rows", "rows_sub"; the module docstring's math): ``sc`` (``mult`` for "requant") and ``bias`` (``bterm`` for
     "requant") float32 ``(N,)``; ``wsum`` int32 ``Σ_k w`` (made here when absent); ``pairs``: every u8 × s8 pair sum fits int16;
     ``grid = (inv, z, lo, hi)`` for "codes" (``lo``/``hi``: the code range, ReLU floor included), ``codes = (z_out, lo,
-    hi)`` for "requant", ``fw`` for "rows", "rows_sub" and "split", and ``w2 = w & 1`` (int8, like ``w``) for "split".
+    hi)`` for "requant", ``fw`` for "rows" and "rows_sub".
     Wrong argument values raise ``ValueError``; ``None`` where the tensors do not fit (dtype, shape, layout, device) or
     there is no native build."""
     if mode not in _MODES:
@@ -173,22 +176,20 @@ def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor
         _check_grid("linear_plan", zo, lo, hi)
     if mode in _ROWS and fw is None:
         raise ValueError(f"lowbit.native.linear_plan: mode {mode!r} needs fw (Σ ŵ per column)")
-    if mode == "split" and w2 is None:
-        raise ValueError("lowbit.native.linear_plan: mode 'split' needs w2 = w & 1")
     if _lib() is None or w.dim() != 2 or w.dtype != torch.int8 or not w.is_contiguous() or not w.is_cpu or w.numel() == 0:
         return None
     n, k = w.shape
     if not _channel_vectors(n, sc, bias, fw):
         return None
-    if wsum is None and mode not in ("rows", "split"):  # (read only for a non-zero input zero point, which those lack)
+    if wsum is None and (mode != "rows" or not pairs):
+        # (read for a non-zero input zero point, which "rows" lacks, and by linear.c's few-row kernel for codes
+        # without pairs)
         wsum = w.sum(1, dtype=torch.int32)
     if wsum is not None and (wsum.dtype != torch.int32 or not wsum.is_contiguous() or wsum.numel() != n):
         return None
-    if w2 is not None and (w2.dtype != torch.int8 or w2.shape != w.shape or not w2.is_contiguous() or not w2.is_cpu):
-        return None
-    ptr = [None if t is None else t.data_ptr() for t in (w, wsum, sc, bias, fw, w2)]
+    ptr = [None if t is None else t.data_ptr() for t in (w, wsum, sc, bias, fw)]
     plan = _Plan(*ptr, k, n, int(pairs), _MODES[mode], int(relu), zo, lo, hi, inv, z, vlo, vhi)
-    return LinearPlan(plan, (w, wsum, sc, bias, fw, w2), k, n, mode)
+    return LinearPlan(plan, (w, wsum, sc, bias, fw), k, n, mode)
 
 
 def pack_bcast(w: torch.Tensor) -> torch.Tensor:
@@ -268,14 +269,3 @@ def qlinear_rows(q: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a: tor
     plan = linear_plan(w, "rows", w_scale, bias, pairs=pairs, fw=fw)
     return _one_shot(q, 0, plan, torch.empty(m, n, dtype=torch.float32), (a, s))
 
-
-def dyn_wsplit(q: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, a: torch.Tensor, wsum: torch.Tensor,
-               s: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The 8-bit dynamic Linear's few-row route without VNNI in one call (``no_vnni._weight_split``'s arithmetic):
-    u8 codes ``q`` ``(M, K)`` on zero point 0, int8 weights ``w`` ``(N, K)`` split as ``2 (w >> 1) + (w & 1)``,
-    ``t = fl(fl(Σ q (w >> 1)) · 2 s_w) + fl(fl(Σ q (w & 1)) · s_w)`` (fbgemm's two float sums of the split pack, added),
-    then ``fl(fl(t + a_m wsum) · s_m) + bias`` (``a`` = -z_x and ``s`` = s_x per row, ``(M, 1)``). The one-shot form of
-    ``linear_plan(w, "split", ...)`` (which a layer keeps: ``w & 1`` made once). ``None`` where the tensors do not fit."""
-    m, n = _rows_cols(q, w)
-    plan = None if w.dtype != torch.int8 else linear_plan(w, "split", w_scale, bias, fw=wsum, w2=w & 1)
-    return _one_shot(q, 0, plan, torch.empty(m, n, dtype=torch.float32), (a, s))

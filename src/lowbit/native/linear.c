@@ -4,7 +4,8 @@
  * Register-blocked kernels give the exact int32 sums acc[r, c] = Σ_i x[r, i] w[c, i] of u8 codes x and int8 weights
  * w (N, K): vpmaddubsw where the u8 × s8 pairs cannot saturate (codes ≤ 127, or saturation-safe weights: `pairs`).
  * One row (or a plan without packed weights): dot products of NC weight rows × up to 2 input rows in 8 accumulators
- * on the plain weights, int16 products through vpmaddwd for other codes. From BCAST_M rows: blk_bcast (`pairs`) or
+ * on the plain weights (blk_pairs; blk_sgn for other codes: |q - 128| against sign-adjusted weights, as below). From
+ * BCAST_M rows: blk_bcast (`pairs`) or
  * blk_bcast_s (any u8 codes: |q - 128| against sign-adjusted weights, ~0.83x blk_bcast's speed) on weights packed
  * once. All exact. Rows go in chunks of MAX_ROWS; each thread owns whole blocks of columns, in chunks of CB columns
  * whose sums stay in L1 until the chunk's epilogue turns them into the output:
@@ -17,9 +18,7 @@
  *   mode 3  the per-token rows: t = fl(fl(a) sc[c]); y = fl(fl(fma(ra[r], fw[c], t)) rs[r]) (+ bias[c])
  *   mode 5  mode 3 unfused: y = fl(fl(t - fl(ra[r] fw[c])) rs[r]) (+ bias[c])  (the generic per-token epilogue's
  *           floats: the 8-bit dynamic Linear without VNNI, at zx = 128 and ra = z_x - 128)
- *   mode 4  the 8-bit per-token rows' weight split (fbgemm's float sums of w >> 1 on 2 sc and w & 1 on sc): with
- *           lo = Σ x (w & 1) from the same read of the weights, hi = (acc - lo) / 2 exactly, t = fl(fl(hi) (2 sc[c])) +
- *           fl(fl(lo) sc[c]) rounded once, then mode 3's row epilogue (zx = 0)
+ *   (mode 4, the 8-bit per-token rows' weight split, went in session 26: mode 5 serves those rows at every M)
  */
 #include "common.h"
 #include <pthread.h>
@@ -43,9 +42,9 @@ typedef int32_t __attribute__((may_alias, aligned(1))) i32u;  /* 4 codes read as
 static int64_t pf_bytes(int64_t k) { return NC * k < 4096 ? 4096 : NC * k; }
 
 typedef struct {
-    const uint8_t *x; int64_t m, k, ldx; int32_t zx; const int16_t *xs; const int8_t *w; const int32_t *wsum;
+    const uint8_t *x; int64_t m, k, ldx; int32_t zx; const int8_t *w; const int32_t *wsum;
     int pairs, mode, relu; const float *sc, *bias; float inv, z, vlo, vhi; int32_t zo, lo, hi;
-    const float *ra, *rs, *fw; void *out; int64_t ldo, n0, n1; int avx2; const int8_t *w2; const int8_t *wp; int vnni;
+    const float *ra, *rs, *fw; void *out; int64_t ldo, n0, n1; int avx2; const int8_t *wp; int vnni;
     const uint8_t *xa; const int32_t *xc, *sw;  /* blk_bcast_s's inputs (NULL elsewhere) */
 } lin_job;
 
@@ -56,13 +55,7 @@ static int32_t cvt_rne(float f) {  /* cvtps2dq */
 
 static int32_t sat16(int32_t v) { return v < -32768 ? -32768 : v > 32767 ? 32767 : v; }
 
-static void store_one(const lin_job *j, int64_t r, int64_t c, int32_t acc, int32_t lo_sum) {
-    if (j->mode == 4) {  /* acc - lo = 2 Σ q (w >> 1): exact halving */
-        float t = (float)((acc - lo_sum) / 2) * (2.0f * j->sc[c]) + (float)lo_sum * j->sc[c];
-        t = fmaf(j->ra[r], j->fw[c], t) * j->rs[r];
-        ((float *)j->out)[r * j->ldo + c] = j->bias ? t + j->bias[c] : t;
-        return;
-    }
+static void store_one(const lin_job *j, int64_t r, int64_t c, int32_t acc) {
     int32_t a = j->zx ? acc - j->zx * j->wsum[c] : acc;
     if (j->mode == 2) {
         float f = (float)a;
@@ -137,60 +130,50 @@ static inline void blk_pairs(const lin_job *j, int64_t r0, const int nr, int64_t
         store4(o + r * CB, a[r], j, r0 + r, c0, k32);
 }
 
+/* Any u8 codes, few rows (no packed weights: one row, or a plan below BCAST_M rows), session 26: blk_bcast_s's identity
+ * on the plain weights. With a = q - 128 and the byte mask s = (a < 0 ? 0xFF : 0) (sign_rows: per row, each 32 codes
+ * as 32 |a| then 32 s, rows kq 8 bytes apart as sign_codes' groups; xc[r] = Σ_{a < 0} |a| over [0, k32)):
+ *   Σ_i q w = Σ_{i < k32} |a| (w xor s) + xc[r] + Σ_{i >= k32} (q - 128) w + 128 wsum[c]
+ * (a w = |a| (w xor s) + |a| where a < 0: -w = ~w + 1). No vpmaddubsw pair leaves [-32768, 32512] (|a| ≤ 128); the
+ * xor costs about what the int16 products of the kernel it replaces (blk_words) cost twice. */
 __attribute__((target("avx2,fma"), always_inline))
-static inline void blk_words(const lin_job *j, int64_t r0, const int nr, int64_t c0, int32_t *o) {
-    const int64_t k = j->k, k16 = k & ~(int64_t)15, pf = pf_bytes(k);
+static inline void blk_sgn(const lin_job *j, int64_t r0, const int nr, int64_t c0, int32_t *o) {
+    const int64_t k = j->k, k32 = k & ~(int64_t)31, pf = pf_bytes(k), ld = (k + 3) / 4 * 8;
     const int8_t *w = j->w + c0 * k;
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256i a[MR][NC];
 #pragma GCC unroll 4
     for (int r = 0; r < nr; ++r)
 #pragma GCC unroll 4
         for (int c = 0; c < NC; ++c) a[r][c] = _mm256_setzero_si256();
-    for (int64_t i = 0; i < k16; i += 16) {
+    for (int64_t i = 0; i < k32; i += 32) {
         __m256i wv[NC];
 #pragma GCC unroll 4
         for (int c = 0; c < NC; ++c) {
             if (!(i & 63)) _mm_prefetch((const char *)(w + c * k + i + pf), _MM_HINT_T0);
-            wv[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + c * k + i)));
+            wv[c] = _mm256_loadu_si256((const __m256i *)(w + c * k + i));
         }
 #pragma GCC unroll 4
         for (int r = 0; r < nr; ++r) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(j->xs + (r0 + r) * k + i));
+            const uint8_t *g = j->xa + (r0 + r) * ld + 2 * i;
+            const __m256i av = _mm256_loadu_si256((const __m256i *)g), sv = _mm256_loadu_si256((const __m256i *)(g + 32));
 #pragma GCC unroll 4
-            for (int c = 0; c < NC; ++c)  /* int16 products summed in pairs into int32: exact for any u8 code */
-                a[r][c] = _mm256_add_epi32(a[r][c], _mm256_madd_epi16(xv, wv[c]));
+            for (int c = 0; c < NC; ++c)
+                a[r][c] = _mm256_add_epi32(a[r][c], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_xor_si256(wv[c], sv)),
+                                                                      ones));
         }
     }
-    for (int r = 0; r < nr; ++r)
-        store4(o + r * CB, a[r], j, r0 + r, c0, k16);
-}
-
-/* mode 4's two sums of input row r against weight rows [c0, c0 + NC) from one read of the weights:
- * o[c] = Σ x w and o2[c] = Σ x (w & 1) (int16 products, exact) */
-__attribute__((target("avx2,fma")))
-static void blk_split(const lin_job *j, int64_t r, int64_t c0, int32_t *o, int32_t *o2) {
-    const int64_t k = j->k, k16 = k & ~(int64_t)15, pf = pf_bytes(k);
-    const int8_t *w = j->w + c0 * k;
-    const int16_t *xr = j->xs + r * k;
-    const __m256i one = _mm256_set1_epi16(1);
-    __m256i a[NC], l[NC];
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c) a[c] = l[c] = _mm256_setzero_si256();
-    for (int64_t i = 0; i < k16; i += 16) {
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + i));
-#pragma GCC unroll 4
+    for (int r = 0; r < nr; ++r) {
+        int32_t *orow = o + r * CB;
+        __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a[r][0], a[r][1]), _mm256_hadd_epi32(a[r][2], a[r][3]));
+        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        _mm_storeu_si128((__m128i *)orow, sum);
+        const uint8_t *xr = j->x + (r0 + r) * j->ldx;
         for (int c = 0; c < NC; ++c) {
-            if (!(i & 63)) _mm_prefetch((const char *)(w + c * k + i + pf), _MM_HINT_T0);
-            __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + c * k + i)));
-            a[c] = _mm256_add_epi32(a[c], _mm256_madd_epi16(xv, wv));
-            l[c] = _mm256_add_epi32(l[c], _mm256_madd_epi16(xv, _mm256_and_si256(wv, one)));
+            uint32_t t = (uint32_t)j->xc[r0 + r] + 128u * (uint32_t)j->wsum[c0 + c];  /* (wrapping: the sum is exact) */
+            for (int64_t i = k32; i < k; ++i) t += (uint32_t)(((int32_t)xr[i] - 128) * w[c * k + i]);
+            orow[c] = (int32_t)((uint32_t)orow[c] + t);
         }
-    }
-    for (int c = 0; c < NC; ++c) {
-        int32_t sa = hsum8(a[c]), sl = hsum8(l[c]);
-        for (int64_t i = k16; i < k; ++i) { sa += xr[i] * w[c * k + i]; sl += xr[i] * (w[c * k + i] & 1); }
-        o[c] = sa;
-        o2[c] = sl;
     }
 }
 
@@ -428,34 +411,23 @@ static void sums_avx2(const lin_job *j, int64_t c0, int32_t *o) {
             case 1: blk_pairs(j, r, 1, c0, o + r * CB); break;
         }
     } else {
-        for (; r + MR <= j->m; r += MR) blk_words(j, r, MR, c0, o + r * CB);
+        for (; r + MR <= j->m; r += MR) blk_sgn(j, r, MR, c0, o + r * CB);
         switch (j->m - r) {
-            case 3: blk_words(j, r, 3 < MR ? 3 : MR, c0, o + r * CB); break;
-            case 2: blk_words(j, r, 2 < MR ? 2 : MR, c0, o + r * CB); break;
-            case 1: blk_words(j, r, 1, c0, o + r * CB); break;
+            case 3: blk_sgn(j, r, 3 < MR ? 3 : MR, c0, o + r * CB); break;
+            case 2: blk_sgn(j, r, 2 < MR ? 2 : MR, c0, o + r * CB); break;
+            case 1: blk_sgn(j, r, 1, c0, o + r * CB); break;
         }
     }
 }
 
 /* the chunk's epilogue, columns [cs, ce) of row r from o = sums + r CB - cs */
 __attribute__((target("avx2,fma")))
-static void epi_avx2(const lin_job *j, int64_t r, int64_t cs, int64_t ce, const int32_t *o, const int32_t *o2) {
+static void epi_avx2(const lin_job *j, int64_t r, int64_t cs, int64_t ce, const int32_t *o) {
     const __m256 zero = _mm256_setzero_ps();
     const __m256i vzx = _mm256_set1_epi32(j->zx);
     int64_t c = cs;
     for (; c + 8 <= ce; c += 8) {
         __m256i acc = _mm256_loadu_si256((const __m256i *)(o + c));
-        if (j->mode == 4) {
-            __m256i lo = _mm256_loadu_si256((const __m256i *)(o2 + c));
-            __m256 s = _mm256_loadu_ps(j->sc + c);
-            __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sub_epi32(acc, lo), 1)),
-                                                   _mm256_add_ps(s, s)),
-                                     _mm256_mul_ps(_mm256_cvtepi32_ps(lo), s));
-            t = _mm256_mul_ps(_mm256_fmadd_ps(_mm256_set1_ps(j->ra[r]), _mm256_loadu_ps(j->fw + c), t), _mm256_set1_ps(j->rs[r]));
-            if (j->bias) t = _mm256_add_ps(t, _mm256_loadu_ps(j->bias + c));
-            _mm256_storeu_ps((float *)j->out + r * j->ldo + c, t);
-            continue;
-        }
         if (j->zx) acc = _mm256_sub_epi32(acc, _mm256_mullo_epi32(vzx, _mm256_loadu_si256((const __m256i *)(j->wsum + c))));
         __m256 f = _mm256_cvtepi32_ps(acc);
         if (j->mode == 2) {
@@ -488,7 +460,7 @@ static void epi_avx2(const lin_job *j, int64_t r, int64_t cs, int64_t ce, const 
         __m128i q16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
         _mm_storel_epi64((__m128i *)((uint8_t *)j->out + r * j->ldo + c), _mm_packus_epi16(q16, q16));
     }
-    for (; c < ce; ++c) store_one(j, r, c, o[c], o2 ? o2[c] : 0);
+    for (; c < ce; ++c) store_one(j, r, c, o[c]);
 }
 
 /* the chunk's sums of columns [cs, ce) for every row into buf[r CB + c - cs] */
@@ -511,26 +483,9 @@ static void chunk_sums(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
     }
 }
 
-/* mode 4's chunk: both sums (blk_split where a whole block fits, scalar dots against w and w2 = w & 1 elsewhere) */
-static void chunk_split(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf, int32_t *lo) {
-    lin_job jl = *j;
-    jl.w = j->w2;
-    for (int64_t c0 = cs; c0 < ce; c0 += NC) {
-        if (j->avx2 && c0 + NC <= ce) {
-            for (int64_t r = 0; r < j->m; ++r) blk_split(j, r, c0, buf + r * CB + (c0 - cs), lo + r * CB + (c0 - cs));
-            continue;
-        }
-        for (int64_t c = c0; c < ce && c < c0 + NC; ++c)
-            for (int64_t r = 0; r < j->m; ++r) {
-                buf[r * CB + (c - cs)] = dot_scalar(j, r, c, 0);
-                lo[r * CB + (c - cs)] = dot_scalar(&jl, r, c, 0);
-            }
-    }
-}
-
 static void *lin_run(void *p) {
     const lin_job *j0 = p;
-    int32_t buf[MAX_ROWS * CB], lo[MAX_ROWS * CB];
+    int32_t buf[MAX_ROWS * CB];
     const size_t osz = (j0->mode == 1 || j0->mode == 2) ? 1 : sizeof(float);
     for (int64_t cs = j0->n0; cs < j0->n1; cs += CB) {
         const int64_t ce = cs + CB < j0->n1 ? cs + CB : j0->n1;
@@ -539,23 +494,18 @@ static void *lin_run(void *p) {
             const lin_job *j = &jr;
             jr.m = j0->m - r0 < MAX_ROWS ? j0->m - r0 : MAX_ROWS;
             jr.x = j0->x + r0 * j0->ldx;
-            jr.xs = j0->xs ? j0->xs + r0 * j0->k : NULL;
             jr.xa = j0->xa ? j0->xa + r0 * ((j0->k + 3) / 4) * 8 : NULL;
             jr.xc = j0->xc ? j0->xc + r0 : NULL;
             jr.ra = j0->ra ? j0->ra + r0 : NULL;
             jr.rs = j0->rs ? j0->rs + r0 : NULL;
             jr.out = (char *)j0->out + (size_t)(r0 * j0->ldo) * osz;
-            if (j->mode == 4)
-                chunk_split(j, cs, ce, buf, lo);
-            else
-                chunk_sums(j, cs, ce, buf);
+            chunk_sums(j, cs, ce, buf);
             for (int64_t r = 0; r < j->m; ++r) {
-                const int32_t *o2 = j->mode == 4 ? lo + r * CB - cs : NULL;
                 if (j->avx2) {
-                    epi_avx2(j, r, cs, ce, buf + r * CB - cs, o2);
+                    epi_avx2(j, r, cs, ce, buf + r * CB - cs);
                     continue;
                 }
-                for (int64_t c = cs; c < ce; ++c) store_one(j, r, c, buf[r * CB + (c - cs)], o2 ? o2[c] : 0);
+                for (int64_t c = cs; c < ce; ++c) store_one(j, r, c, buf[r * CB + (c - cs)]);
             }
         }
     }
@@ -602,6 +552,30 @@ static void *sign_codes(void *p) {
     return NULL;
 }
 
+/* blk_sgn's codes: per row, each 32 codes (a = q - 128) as 32 |a| then 32 s, 64 bytes per 32 codes, rows kq 8 bytes apart
+ * (sign_codes' row stride), and xc[r] = Σ_{a < 0} |a| over [0, k32) (the tail stays with the codes) */
+__attribute__((target("avx2,fma")))
+static void *sign_rows(void *p) {
+    const sign_job *j = p;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
+    const int64_t k32 = j->k & ~(int64_t)31, ld = (j->k + 3) / 4 * 8;
+    for (int64_t r = j->r0; r < j->r1; ++r) {
+        const uint8_t *xr = j->x + r * j->ldx;
+        uint8_t *dst = j->xa + r * ld;
+        __m256i neg = zero;
+        for (int64_t i = 0; i < k32; i += 32) {
+            const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(xr + i)), flip);
+            const __m256i a = _mm256_abs_epi8(v), s = _mm256_cmpgt_epi8(zero, v);
+            neg = _mm256_add_epi64(neg, _mm256_sad_epu8(_mm256_and_si256(a, s), zero));
+            _mm256_storeu_si256((__m256i *)(dst + 2 * i), a);
+            _mm256_storeu_si256((__m256i *)(dst + 2 * i + 32), s);
+        }
+        j->xc[r] = (int32_t)(_mm256_extract_epi64(neg, 0) + _mm256_extract_epi64(neg, 1) + _mm256_extract_epi64(neg, 2) +
+                             _mm256_extract_epi64(neg, 3));
+    }
+    return NULL;
+}
+
 /* The calling thread's buffer for sign_codes' output, kept between calls up to SIGN_KEEP bytes (a fresh malloc of
  * megabytes per call is a fresh mapping, page-faulted on every write) and freed when the thread ends (the key's
  * destructor); a larger call takes its own malloc, freed by sign_release. NULL when out of memory. */
@@ -631,13 +605,13 @@ static uint8_t *sign_buffer(size_t bytes) {
 static void sign_release(uint8_t *buf, size_t bytes) { if (bytes > SIGN_KEEP) free(buf); }
 
 /* A layer's constants, made once (lowbit.native.gemm.LinearPlan mirrors this layout): int8 weights w (n, k)
- * contiguous, wsum[c] = Σ_i w[c, i] (read only when a call's zx != 0), the mode's per-column vectors (sc / bias;
- * mode 2: mult / bterm; mode 3: fw too; bias may be NULL) and scalars (inv, z, vlo, vhi: mode 1; zo, lo, hi: mode
- * 2), w2 = w & 1 (mode 4). pairs: every u8 × s8 pair sum fits int16 (codes ≤ 127 or saturation-safe weights).
+ * contiguous, wsum[c] = Σ_i w[c, i] (read when a call's zx != 0, and by blk_sgn), the mode's per-column vectors
+ * (sc / bias; mode 2: mult / bterm; modes 3 and 5: fw too; bias may be NULL) and scalars (inv, z, vlo, vhi: mode 1;
+ * zo, lo, hi: mode 2). pairs: every u8 × s8 pair sum fits int16 (codes ≤ 127 or saturation-safe weights).
  * wp: the many-row kernels' packing of w in groups of 4 codes (NULL until a call with BCAST_M rows or more makes it);
  * sw: 128 Σ w per column, zeros past n to a whole block, made with wp for a plan without `pairs` (blk_bcast_s). */
 typedef struct {
-    const int8_t *w; const int32_t *wsum; const float *sc, *bias, *fw; const int8_t *w2;
+    const int8_t *w; const int32_t *wsum; const float *sc, *bias, *fw;
     int64_t k, n; int32_t pairs, mode, relu, zo, lo, hi; float inv, z, vlo, vhi; const int8_t *wp; const int32_t *sw;
 } lin_plan;
 
@@ -646,15 +620,15 @@ typedef struct {
  * when out of memory (nothing written). */
 int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, int zx, const float *ra,
                   const float *rs, void *out, int nthreads, int isa) {
-    const int avx2 = use_avx2(isa), vnni = p->mode != 4 && use_vnni(isa);
+    const int avx2 = use_avx2(isa), vnni = use_vnni(isa);
     /* the many-row kernels: blk_bcast_vnni (any plan), blk_bcast (`pairs`), blk_bcast_s (any other plan) */
-    const int8_t *wp = avx2 && p->wp && p->mode != 4 && m >= BCAST_M && (vnni || p->pairs || p->sw) ? p->wp : NULL;
+    const int8_t *wp = avx2 && p->wp && m >= BCAST_M && (vnni || p->pairs || p->sw) ? p->wp : NULL;
     const int sgn = wp && !vnni && !p->pairs;
+    const int sgn1 = avx2 && !wp && !vnni && !p->pairs && p->wsum;  /* blk_sgn (few rows) */
     const int64_t k = p->k, n = p->n;
-    int16_t *xs = NULL;
     uint8_t *xa = NULL;  /* blk_bcast_s's codes and row sums (sign_codes) */
     const size_t xa_bytes = (size_t)(m * ((k + 3) / 4) * 8), xa_all = xa_bytes + sizeof(int32_t) * (size_t)m;
-    if (sgn) {
+    if (sgn || sgn1) {
         xa = sign_buffer(xa_all);
         if (!xa) return 1;
         sign_job sj[MAX_THREADS];  /* (rows split over the threads: the pass reads and writes past the caches) */
@@ -663,12 +637,7 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
             sign_job jb = {x, k, ldx, m * t / ns, m * (t + 1) / ns, xa, (int32_t *)(xa + xa_bytes)};
             sj[t] = jb;
         }
-        fan_out(sign_codes, sj, sizeof(sign_job), ns);
-    } else if (avx2 && !vnni && (!p->pairs || p->mode == 4)) {  /* blk_words / blk_split's int16 codes */
-        xs = malloc(sizeof(int16_t) * (size_t)(m * k > 0 ? m * k : 1));
-        if (!xs) return 1;
-        for (int64_t r = 0; r < m; ++r)
-            for (int64_t i = 0; i < k; ++i) xs[r * k + i] = x[r * ldx + i];
+        fan_out(sgn ? sign_codes : sign_rows, sj, sizeof(sign_job), ns);
     }
     uint8_t *xp = NULL;  /* blk_bcast_vnni's MBV rows each read one line per 16 groups: where the row stride maps fewer
                             than MBV of them to distinct L1 sets (4 KiB apart), the codes are copied onto a padded
@@ -678,7 +647,7 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     if (vnni && wp && m >= 4 && 4096 / stride < MBV) {
         const int64_t ldp = (k + 63) / 64 * 64 + 64;
         xp = malloc((size_t)(m * ldp));
-        if (!xp) { free(xs); if (xa) sign_release(xa, xa_all); return 1; }
+        if (!xp) { if (xa) sign_release(xa, xa_all); return 1; }
         for (int64_t r = 0; r < m; ++r) memcpy(xp + r * ldp, x + r * ldx, (size_t)k);
         x = xp;
         ldx = ldp;
@@ -688,9 +657,11 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     int nt = threads_for(nthreads, blocks);
     for (int t = 0; t < nt; ++t) {
         int64_t n0 = blocks * t / nt * unit, n1 = blocks * (t + 1) / nt * unit;
-        lin_job jb = {x, m, k, ldx, zx, xs, p->w, p->wsum, p->pairs, p->mode, p->relu, p->sc, p->bias, p->inv, p->z,
-                      p->vlo, p->vhi, p->zo, p->lo, p->hi, ra, rs, p->fw, out, n, n0, n1 < n ? n1 : n, avx2, p->w2, wp, vnni};
-        if (sgn) {
+        lin_job jb = {x, m, k, ldx, zx, p->w, p->wsum, p->pairs, p->mode, p->relu, p->sc, p->bias, p->inv, p->z,
+                      p->vlo, p->vhi, p->zo, p->lo, p->hi, ra, rs, p->fw, out, n, n0, n1 < n ? n1 : n, avx2, wp, vnni};
+        if (!sgn && !sgn1 && !p->pairs && !vnni)
+            jb.avx2 = 0;  /* (a plan without pairs or wsum: the scalar sums; linear_plan makes wsum for such plans) */
+        if (sgn || sgn1) {
             jb.xa = xa;
             jb.xc = (const int32_t *)(xa + xa_bytes);
             jb.sw = p->sw;
@@ -698,7 +669,6 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
         jobs[t] = jb;
     }
     fan_out(lin_run, jobs, sizeof(lin_job), nt);
-    free(xs);
     if (xa) sign_release(xa, xa_all);
     free(xp);
     return 0;

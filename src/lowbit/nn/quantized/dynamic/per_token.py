@@ -18,10 +18,8 @@ quantize with no per-call validation, then the fastest exact GEMM for the case, 
   arithmetic, with one fused multiply-add when the output is small: equal up to float32 rounding);
 - a CPU without VNNI (its u8 × s8 pairs saturate: the kernels' split/fbgemm rules apply): the
   generic path's codes, kernel call and epilogue (bit for bit) without its per-call wrapping (on torch's
-  fbgemm/x86 engine: lowbit.native's packed 8-bit kernel at every M, exact int32 sums at any K); for at
-  most ``_WSPLIT_M`` rows on that engine and weights up to 768×3072 whose split sums are exact floats
-  (``kernels.small_m.split_exact``), the same codes against the weights split into two 7-bit halves
-  (``no_vnni._weight_split``: one fbgemm call, ~15 ops instead of ~65); those routes live in ``no_vnni``;
+  fbgemm/x86 engine: the codes, lowbit.native's exact int32 sums at any K and the epilogue in one native call
+  at every M); those routes live in ``no_vnni``;
 - a pinned backend (``kernels.use_backend``), affine weights, non-finite rows or other devices take the
   generic ``per_token_linear``.
 
@@ -219,8 +217,7 @@ def _epilogue(raw: torch.Tensor, c: torch.Tensor, wsum: torch.Tensor, sx: torch.
 class _Plan:
     """Per-weight-version constants of the fast paths (a cache, never state)."""
 
-    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "split", "token", "rows", "wsplit", "vnni",
-                 "sc", "rows8")
+    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "token", "rows", "vnni", "sc", "rows8")
 
     def __init__(self, key: Any, weight: QTensor, cache: dict[str, Any]) -> None:
         w = weight.int_repr()
@@ -229,11 +226,9 @@ class _Plan:
         self.wsum_i = w.to(torch.int32).sum(1)  # exact: |Σ| <= 128 K
         self.wsum = _weight_row_sums(weight, cache)
         self.packed: Any = None
-        self.split: Any = None
         self.token: Any = None  # the 7-bit recipe's fbgemm pack (reduced.per_token_7bit)
         self.rows: Any = None  # its native plan for few rows, with the bias it holds: (bias key, native.LinearPlan)
-        self.wsplit: Any = None  # the 8-bit recipe's native weight-split plan, likewise (_weight_split)
-        self.rows8: Any = None  # its native "rows_sub" plan without VNNI, likewise (no_vnni._native_rows8)
+        self.rows8: Any = None  # the 8-bit recipe's native "rows_sub" plan without VNNI, likewise (no_vnni._native_rows8)
         self.vnni: Any = None  # a VNNI CPU's native plans for few rows: (bias key, one-row plan, rows plan) (_vnni_native)
         self.sc: Any = None  # the one-row plan's per-call column scales fl(s_w · s_x), float32 (N,)
 
@@ -241,20 +236,27 @@ class _Plan:
 def native_plan_call(plan: _Plan, slot: str, codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                      bias: torch.Tensor | None, make: Any, zx: int = 0) -> torch.Tensor | None:
     """A dynamic Linear's ``native.LinearPlan`` call on ``native.row_grid``'s ``(q, s_x, a)`` (``a``: the plan's per-row
-    vector, ``-z_x`` for "rows" and "split"), the codes on zero point ``zx``: the plan kept in ``plan.<slot>`` with the
+    vector, ``-z_x`` for "rows"), the codes on zero point ``zx``: the plan kept in ``plan.<slot>`` with the
     bias tensor it holds (``make()`` again for another bias tensor; ``None``: no plan), float32 ``(M, N)`` out, counted
     as the fbgemm call it replaces. ``None``: not taken (the caller's route runs)."""
+    lin = slot_plan(plan, slot, bias, make)
+    q, scale, neg_zp = codes
+    y = torch.empty(q.shape[0], plan.wsum.shape[0])
+    if lin is None or not lin.run(q, zx, y, (neg_zp, scale)):
+        return None
+    kernels.counts[("onednn", "linear")] += 1
+    return y
+
+
+def slot_plan(plan: _Plan, slot: str, bias: torch.Tensor | None, make: Any) -> Any:
+    """The ``native.LinearPlan`` kept in ``plan.<slot>`` with the bias tensor it holds (``make()`` again for another bias
+    tensor); ``None``: no plan."""
     bkey = None if bias is None else (bias.data_ptr(), bias.dtype)
     hit = getattr(plan, slot)
     if hit is None or hit[0] != bkey:
         hit = (bkey, make())
         setattr(plan, slot, hit)
-    q, scale, neg_zp = codes
-    y = torch.empty(q.shape[0], plan.wsum.shape[0])
-    if hit[1] is None or not hit[1].run(q, zx, y, (neg_zp, scale)):
-        return None
-    kernels.counts[("onednn", "linear")] += 1
-    return y
+    return hit[1]
 
 
 def _plan(weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, qdtype: QDtype,
