@@ -111,6 +111,33 @@ def test_float_mode_is_the_exact_sums_scaled_for_both_kernels(body: str) -> None
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("body", ["best", "avx2"])
+def test_many_row_tiles_give_every_row_its_sums(threads: int, body: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows past one L2 tile of the many-row kernels (``linear.c`` ``tile_rows``: 256 KiB of codes, 2 bytes a code for
+    8-bit codes without VNNI), with a part tile and a part row chunk at the end, columns past one chunk, both plan kinds:
+    every row's exact sums, in "codes" mode too (where a lost or repeated tile would leave or overwrite codes)."""
+    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(26)
+    try:
+        for m, k, pairs in ((777, 1000, False), (777, 1000, True), (300, 4100, False)):  # tiles of 128 / 256 / 0 rows
+            q = torch.randint(0, 128 if pairs else 256, (m, k), generator=g, dtype=torch.uint8)
+            w = torch.randint(-128, 128, (70, k), generator=g, dtype=torch.int8)
+            want = ((q.int() - 5) @ w.int().t()).float()
+            plan = native.linear_plan(w, "float", torch.ones(70), pairs=pairs)
+            codes = native.linear_plan(w, "codes", torch.ones(70), pairs=pairs, grid=(1 / 64.0, 100, 0, 255))
+            y, c = torch.full((m, 70), float("nan")), torch.zeros(m, 70, dtype=torch.uint8)
+            with _body(body) if body == "avx2" else contextlib.nullcontext():
+                assert plan is not None and plan.run(q, 5, y) and codes is not None and codes.run(q, 5, c)
+            assert torch.equal(y, want), (m, k, pairs)
+            assert torch.equal(c, (want / 64).round().add(100).clamp(0, 255).to(torch.uint8)), (m, k, pairs)
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_native
 @pytest.mark.parametrize("body", ["vnni", "avx2", "scalar"])
 def test_rows_sub_mode_is_the_generic_per_token_epilogue(body: str) -> None:
     """"rows_sub" (the 8-bit dynamic Linear's one call without VNNI): ``fl(fl(fl(fl(Σ (q - zx) w) · sc) - fl(a · fw)) · s)

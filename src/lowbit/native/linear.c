@@ -483,16 +483,31 @@ static void chunk_sums(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
     }
 }
 
+/* rows per tile of lin_run: as many whole row chunks as keep the many-row kernels' codes (k bytes a row, 2k for
+ * blk_bcast_s's |a| and masks) within TILE_BYTES, so the column chunks after the first read them from L2 rather than
+ * from L3 (4096×384²: the codes are 3 MiB, read once per 64 columns) */
+#ifndef TILE_BYTES
+#define TILE_BYTES (256 << 10)
+#endif
+static int64_t tile_rows(const lin_job *j) {
+    if (!j->wp) return j->m;
+    const int64_t row = j->xa ? 2 * j->k : j->k, r = TILE_BYTES / (row > 0 ? row : 1) / MAX_ROWS * MAX_ROWS;
+    return r < MAX_ROWS ? MAX_ROWS : r;
+}
+
 static void *lin_run(void *p) {
     const lin_job *j0 = p;
     int32_t buf[MAX_ROWS * CB];
     const size_t osz = (j0->mode == 1 || j0->mode == 2) ? 1 : sizeof(float);
+    const int64_t rb = tile_rows(j0);
+    for (int64_t t0 = 0; t0 < j0->m; t0 += rb)  /* row tiles whose codes stay in L2 while every column chunk reads them */
     for (int64_t cs = j0->n0; cs < j0->n1; cs += CB) {
         const int64_t ce = cs + CB < j0->n1 ? cs + CB : j0->n1;
-        for (int64_t r0 = 0; r0 < j0->m; r0 += MAX_ROWS) {  /* rows in chunks of MAX_ROWS: this chunk as a job */
+        const int64_t t1 = t0 + rb < j0->m ? t0 + rb : j0->m;
+        for (int64_t r0 = t0; r0 < t1; r0 += MAX_ROWS) {  /* rows in chunks of MAX_ROWS: this chunk as a job */
             lin_job jr = *j0;
             const lin_job *j = &jr;
-            jr.m = j0->m - r0 < MAX_ROWS ? j0->m - r0 : MAX_ROWS;
+            jr.m = t1 - r0 < MAX_ROWS ? t1 - r0 : MAX_ROWS;
             jr.x = j0->x + r0 * j0->ldx;
             jr.xa = j0->xa ? j0->xa + r0 * ((j0->k + 3) / 4) * 8 : NULL;
             jr.xc = j0->xc ? j0->xc + r0 : NULL;
