@@ -73,21 +73,26 @@ def test_plan_matches_generic_on_every_route(monkeypatch: pytest.MonkeyPatch, ro
                       xqd)
         before, fell = K.counts[("onednn", "linear")], K.counts[("reference", "linear")] + K.counts[("int_mm", "linear")]
         routes.clear()
+        native_before = native.counts["qlinear"]
         y = mod(x)
         assert K.counts[("onednn", "linear")] == before + 1
         assert K.counts[("reference", "linear")] + K.counts[("int_mm", "linear")] == fell
         plan = mod._cache.get("plan")
         assert plan is not None and plan[2] is not None, "the module did not build its plan"
         got_routes = dict(routes)
+        if native.counts["qlinear"] > native_before and not got_routes:  # the plan's own call of native_linear's plan
+            got_routes = {"native_linear (plan)": 1}
         weight, grid = mod._prepared()
         want = onednn.linear(x, weight, mod.bias, grid, relu, cache={})
         seven = xqd.quant_max - xqd.quant_min <= 127
         rows = x.int_repr().numel() // k
         small = fbgemm and rows <= onednn.SMALL_M
         split = full and not seven
-        # (few rows, u8 output: lowbit.native's one call replaces _fbgemm_linear, the same codes: tests/test_native.py)
+        # (few rows, u8 output: lowbit.native's one call replaces _fbgemm_linear, the same codes: tests/test_native.py;
+        # the plan calls native_linear's plan itself, per input grid, since session 26)
         by_native = fbgemm and native.available() and grid.qdtype.storage == torch.uint8  # at every M
-        expect = ({"native_linear": 1} if split and by_native
+        expect = ({"native_linear (plan)": 1} if split and by_native and xqd.storage == torch.uint8
+                  else {"native_linear": 1} if split and by_native
                   else {"_fbgemm_linear": 1} if small and (split or grid.qdtype.storage != torch.uint8)
                   else {} if small else {"_split_run": 1} if split else {})
         seen.add(tuple(sorted(expect)) + (small,))
@@ -96,7 +101,7 @@ def test_plan_matches_generic_on_every_route(monkeypatch: pytest.MonkeyPatch, ro
         if not (y.qdtype == want.qdtype and torch.equal(y.int_repr(), want.int_repr()) and torch.equal(y.scale, want.scale)):
             wrong.append(f"case {i}: x {xqd!r} out {out} full={full} relu={relu} shape={shape}: codes differ")
     assert not wrong, "\n".join(wrong[:20])
-    assert len(seen) == (4 if fbgemm else 2) + 2 * (fbgemm and native.available())  # every route of this setting ran
+    assert len(seen) == (4 if fbgemm else 2) + 4 * (fbgemm and native.available())  # every route of this setting ran
 
 
 def test_plan_follows_state_changes_pins_and_vnni(monkeypatch: pytest.MonkeyPatch) -> None:

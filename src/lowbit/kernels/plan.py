@@ -103,7 +103,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             or w.dtype != torch.int8
             or w.dim() != 2 or x_qdtype.storage not in (torch.uint8, torch.int8) or bool(weight.zero_point.any())):
         return None
-    k = w.shape[1]
+    k, n_out = w.shape[1], w.shape[0]
     # the activation codes as u8 (onednn._as_u8, decided once for this grid)
     if x_qdtype.storage == torch.int8:
         shift = 128 if x_qdtype.quant_max - x_qdtype.quant_min > 127 else -x_qdtype.quant_min
@@ -218,8 +218,14 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         return out.wrap(y.clamp_(qd.quant_min, qd.quant_max) if o_clamp else y)
 
     unit: list[Any] = [None]  # (key, s_x, z_x, the grid's tensors held, the pack for inputs on scale 1 or None,
-    #                           the native plan for this grid: _UNMADE, None (declined) or a native.LinearPlan)
+    #                           the native plans for this grid: _UNMADE, None (declined) or a native.LinearPlan:
+    #                           fbgemm's requantization (no split), then the float route's codes (split_ok))
     native_ok = fused_ok and w.is_contiguous() and native.available()
+    # the 8-bit codes' float route on a u8 output (the split's case): onednn.native_linear's plan for each input grid,
+    # called straight (its checks made once: an int32-exact layer, the u8 output grid, no code shift, no VNNI)
+    split_ok = (split and dt == u8 and not shift and not vnni and w.is_contiguous() and native.available()
+                and small_m.int32_exact(w, packs))
+    o_codes = small_m.out_codes(out, relu)
 
     def run_qt(x: QTensor) -> QTensor:
         """``run`` on a per-tensor ``QTensor`` (the module's entry). For a u8 output with no split, ``lowbit.native``
@@ -244,7 +250,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         ukey = input_grid_key(s, z)
         hit = unit[0]
         if hit is None or hit[0] != ukey:
-            hit = unit[0] = [ukey, s.item(), z.item(), (s, z), None, _UNMADE]
+            hit = unit[0] = [ukey, s.item(), z.item(), (s, z), None, _UNMADE, _UNMADE]
         if fused and native_ok and t.is_contiguous():  # type: ignore[union-attr]  # lowbit.native: fbgemm's codes, one call
             if hit[5] is _UNMADE:  # the native plan for this input grid, made once
                 hit[5] = small_m.requant_plan(w, w_scale, bias, hit[1], out, relu, packs)
@@ -261,6 +267,16 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             if hit[4] is None:
                 hit[4] = fbgemm_pack(s.float() * w_scale.float())
             return fbgemm_out(op(t, hit[4], s_out, z_out), lead)
+        if split_ok and onednn.fbgemm_engine():  # onednn.native_linear's call, its plan kept for this input grid
+            if hit[6] is _UNMADE:
+                hit[6] = small_m._linear_plan(w, avx2._scaled(w_scale, hit[1], packs), bias, o_codes, relu, True, packs)
+            q = x._q
+            if hit[6] is not None and q.dim() >= 1 and q.dtype == u8 and q.numel():
+                q2 = q if q.dim() == 2 else q.reshape(-1, k)
+                y = native.empty_codes((q2.shape[0], n_out), o_codes[1], torch.quint8)  # type: ignore[index]
+                if hit[6].run(q2, hit[2], y):
+                    counts[key] += 1
+                    return out.wrap_store(y if q.dim() == 2 else y.reshape(*q.shape[:-1], n_out))
         return run(x._q, hit[1], hit[2], tq)
 
     run.qt = run_qt  # type: ignore[attr-defined]
