@@ -261,7 +261,8 @@ class _Depthwise(nn.Module):
 @needs_native
 @pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("c,k,stride,dilation,bias,act", [(32, 3, 1, 1, True, nn.ReLU6()), (21, 3, 2, 1, False, nn.ReLU()),
-                                                          (40, 5, 2, 2, True, nn.Identity()), (7, 5, 1, 1, True, nn.ReLU())])
+                                                          (40, 5, 2, 2, True, nn.Identity()), (7, 5, 1, 1, True, nn.ReLU()),
+                                                          (48, 4, 1, 1, True, nn.ReLU())])  # (16 taps: pairs end even)
 def test_native_depthwise_conv_is_the_split_oneDNN_conv(body: str, c: int, k: int, stride: int, dilation: int, bias: bool,
                                                         act: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     force(monkeypatch, vnni=False, fbgemm=False)

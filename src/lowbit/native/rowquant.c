@@ -339,6 +339,7 @@ void lb_qadd(const uint8_t *a, int sa, const uint8_t *b, int sb, void *out, int 
 typedef struct {
     const uint8_t *x; int64_t c, h, w, oh, ow; const int16_t *wt; int kh, kw, sy, sx, py, px, dy, dx; int16_t zx;
     const float *sc, *bias; float inv, z, vlo, vhi; uint8_t *out; int64_t r0, r1; int avx2;
+    const int16_t *wp;  /* dw_pairs' weights (NULL: none) */
 } dw_job;
 
 static uint8_t dw_code(int32_t acc, int64_t ch, const dw_job *j) {
@@ -388,14 +389,30 @@ static void dw_pixel_scalar(const dw_job *j, const uint8_t **src, const int16_t 
     }
 }
 
+/* 16 channels' exact sums (a0: channels c..c+7, a1: c+8..c+15) as the conv epilogue's codes at o + c */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void dw_store16(const dw_job *j, int64_t c, __m256i a0, __m256i a1, uint8_t *o) {
+    const __m256 vinv = _mm256_set1_ps(j->inv), vz = _mm256_set1_ps(j->z), vlo = _mm256_set1_ps(j->vlo),
+                 vhi = _mm256_set1_ps(j->vhi), zero = _mm256_setzero_ps(), top = _mm256_set1_ps(255.f);
+    __m256i qs[2];
+    for (int h = 0; h < 2; ++h) {
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(h ? a1 : a0), _mm256_loadu_ps(j->sc + c + 8 * h));
+        if (j->bias) t = _mm256_add_ps(t, _mm256_loadu_ps(j->bias + c + 8 * h));
+        __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(t, vinv), vlo), vhi);
+        v = _mm256_round_ps(_mm256_add_ps(v, vz), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        qs[h] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, zero), top));
+    }
+    __m128i lo16 = _mm_packus_epi32(_mm256_castsi256_si128(qs[0]), _mm256_extracti128_si256(qs[0], 1));
+    __m128i hi16 = _mm_packus_epi32(_mm256_castsi256_si128(qs[1]), _mm256_extracti128_si256(qs[1], 1));
+    _mm_storeu_si128((__m128i *)(o + c), _mm_packus_epi16(lo16, hi16));
+}
+
 /* one output pixel: 16 channels at a time ((q - z) w in int16, exact: |255 · 128| fits; widened to int32), the rest
  * in the scalar body */
 __attribute__((target("avx2,fma")))
 static void dw_pixel_avx2(const dw_job *j, const uint8_t **src, const int16_t **wts, int nt, int64_t c0, uint8_t *o) {
     const int64_t c16 = c0 + ((j->c - c0) & ~(int64_t)15);
     const __m256i zx = _mm256_set1_epi16(j->zx);
-    const __m256 vinv = _mm256_set1_ps(j->inv), vz = _mm256_set1_ps(j->z), vlo = _mm256_set1_ps(j->vlo),
-                 vhi = _mm256_set1_ps(j->vhi), zero = _mm256_setzero_ps(), top = _mm256_set1_ps(255.f);
     for (int64_t c = c0; c < c16; c += 16) {
         __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
         for (int t = 0; t < nt; ++t) {
@@ -404,19 +421,52 @@ static void dw_pixel_avx2(const dw_job *j, const uint8_t **src, const int16_t **
             a0 = _mm256_add_epi32(a0, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(p)));
             a1 = _mm256_add_epi32(a1, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(p, 1)));
         }
-        __m256i qs[2];
-        for (int h = 0; h < 2; ++h) {
-            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(h ? a1 : a0), _mm256_loadu_ps(j->sc + c + 8 * h));
-            if (j->bias) t = _mm256_add_ps(t, _mm256_loadu_ps(j->bias + c + 8 * h));
-            __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(t, vinv), vlo), vhi);
-            v = _mm256_round_ps(_mm256_add_ps(v, vz), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            qs[h] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, zero), top));
-        }
-        __m128i lo16 = _mm_packus_epi32(_mm256_castsi256_si128(qs[0]), _mm256_extracti128_si256(qs[0], 1));
-        __m128i hi16 = _mm_packus_epi32(_mm256_castsi256_si128(qs[1]), _mm256_extracti128_si256(qs[1], 1));
-        _mm_storeu_si128((__m128i *)(o + c), _mm_packus_epi16(lo16, hi16));
+        dw_store16(j, c, a0, a1, o);
     }
     dw_pixel_scalar(j, src, wts, nt, c16, o);
+}
+
+/* An interior pixel (every tap in bounds), session 26: taps in pairs (t, t + 1) through vpmaddwd, which adds the
+ * pair's two int16 products (q - z) w into an int32 lane exactly (|2 · 255 · 128| < 2^31), against weights laid out
+ * once per call by dw_pair_weights: 12 instructions per 32 multiply-adds where dw_pixel_avx2 takes 18. The epi16
+ * unpacks interleave within 128-bit lanes, so the sums come out as channels [0-3, 8-11] and [4-7, 12-15], put back
+ * in order before the epilogue. An odd last tap pairs with a zero weight (its second codes: a zero vector). */
+__attribute__((target("avx2,fma")))
+static void dw_pixel_pairs(const dw_job *j, const uint8_t *base, const int64_t *toff, uint8_t *o) {
+    const int64_t c16 = j->c & ~(int64_t)15, g16 = j->c / 16;
+    const int nt = j->kh * j->kw, np = (nt + 1) / 2;
+    const __m256i zx = _mm256_set1_epi16(j->zx), zero = _mm256_setzero_si256();
+    for (int64_t c = 0, g = 0; c < c16; c += 16, ++g) {
+        __m256i lo = zero, hi = zero;
+        for (int p = 0; p < np; ++p) {
+            const int t = 2 * p;
+            __m256i d0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(base + toff[t] + c))), zx);
+            __m256i d1 = t + 1 < nt
+                ? _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(base + toff[t + 1] + c))), zx)
+                : zero;
+            const __m256i *w = (const __m256i *)(j->wp + ((int64_t)p * g16 + g) * 32);
+            lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(d0, d1), _mm256_loadu_si256(w)));
+            hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(d0, d1), _mm256_loadu_si256(w + 1)));
+        }
+        dw_store16(j, c, _mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31), o);
+    }
+}
+
+/* dw_pixel_pairs' weights from the taps wt (kh kw, c) int16: per tap pair p and group g of 16 channels, the pair's
+ * two weight vectors interleaved as its codes will be (unpacklo, then unpackhi: 32 int16) */
+__attribute__((target("avx2,fma")))
+static void dw_pair_weights(const int16_t *wt, int ntaps, int64_t c, int16_t *wp) {
+    const int64_t g16 = c / 16;
+    for (int p = 0; p < (ntaps + 1) / 2; ++p)
+        for (int64_t g = 0; g < g16; ++g) {
+            const int t = 2 * p;
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)(wt + (int64_t)t * c + 16 * g));
+            __m256i w1 = t + 1 < ntaps ? _mm256_loadu_si256((const __m256i *)(wt + (int64_t)(t + 1) * c + 16 * g))
+                                       : _mm256_setzero_si256();
+            __m256i *dst = (__m256i *)(wp + ((int64_t)p * g16 + g) * 32);
+            _mm256_storeu_si256(dst, _mm256_unpacklo_epi16(w0, w1));
+            _mm256_storeu_si256(dst + 1, _mm256_unpackhi_epi16(w0, w1));
+        }
 }
 
 static void *dw_run(void *p) {
@@ -427,11 +477,20 @@ static void *dw_run(void *p) {
     const int16_t *wts[DW_MAX_TAPS];
     int64_t toff[DW_MAX_TAPS];
     dw_offsets(j, toff);
+    const int64_t c16 = j->c & ~(int64_t)15;
     for (int64_t r = j->r0; r < j->r1; ++r) {
-        int64_t n = r / j->oh, y = r % j->oh;
+        int64_t n = r / j->oh, y = r % j->oh, y0 = y * j->sy - j->py;
+        const int row_in = y0 >= 0 && y0 + (int64_t)(j->kh - 1) * j->dy < j->h;
         for (int64_t x = 0; x < j->ow; ++x) {
-            int nt = dw_taps(j, n, y, x, toff, src, wts);
-            pixel(j, src, wts, nt, 0, j->out + ((n * j->oh + y) * j->ow + x) * j->c);
+            uint8_t *o = j->out + ((n * j->oh + y) * j->ow + x) * j->c;
+            const int64_t x0 = x * j->sx - j->px;
+            if (j->wp && row_in && x0 >= 0 && x0 + (int64_t)(j->kw - 1) * j->dx < j->w) {  /* interior: every tap */
+                dw_pixel_pairs(j, j->x + ((n * j->h + y0) * j->w + x0) * j->c, toff, o);
+                if (c16 < j->c)
+                    dw_pixel_scalar(j, src, wts, dw_taps(j, n, y, x, toff, src, wts), c16, o);
+                continue;
+            }
+            pixel(j, src, wts, dw_taps(j, n, y, x, toff, src, wts), 0, o);
         }
     }
     return NULL;
@@ -446,10 +505,17 @@ void lb_dwconv(const uint8_t *x, int64_t n, int64_t c, int64_t h, int64_t w, con
     dw_job jobs[MAX_THREADS];
     int64_t rows = n * oh;
     int nt = threads_for(nthreads, rows);
+    const int avx2 = use_avx2(isa), ntaps = kh * kw;
+    int16_t *wp = NULL;  /* dw_pixel_pairs' weights (none for fewer than 16 channels or without memory: dw_pixel_avx2) */
+    if (avx2 && c >= 16) {
+        wp = malloc(sizeof(int16_t) * 32 * (size_t)((ntaps + 1) / 2) * (size_t)(c / 16));
+        if (wp) dw_pair_weights(wt, ntaps, c, wp);
+    }
     for (int t = 0; t < nt; ++t) {
         dw_job jb = {x, c, h, w, oh, ow, wt, kh, kw, sy, sx, py, px, dy, dx, (int16_t)zx, sc, bias, inv, z, vlo, vhi,
-                     out, rows * t / nt, rows * (t + 1) / nt, use_avx2(isa)};
+                     out, rows * t / nt, rows * (t + 1) / nt, avx2, wp};
         jobs[t] = jb;
     }
     fan_out(dw_run, jobs, sizeof(dw_job), nt);
+    free(wp);
 }
