@@ -543,11 +543,54 @@ static inline void sign32(const __m256i v, uint8_t *dst, __m256i *neg) {
     _mm256_storeu_si256((__m256i *)(dst + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
 }
 
+/* sign_codes for dense rows of k % 8 == 0 codes (session 26): there each group of 4 codes maps to 8 bytes whatever
+ * its row, so the rows' codes go through sign32 as one array, 32 at a time, and each 64-bit lane of the negative
+ * sums (8 codes) belongs to one row; only the array's last 8-24 codes take the padded block. Rows with fewer than
+ * 32 codes (an image model's 1x1 convs: k = 16, 24) ran the padded block on every row before: 100352 × 16 codes 2.0
+ * ms of the 8.7 ms Linear. */
+__attribute__((target("avx2,fma")))
+static void sign_flat(const sign_job *j) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
+    const int64_t k = j->k, total = (j->r1 - j->r0) * k;
+    const uint8_t *src = j->x + j->r0 * k;
+    uint8_t *dst = j->xa + j->r0 * 2 * k;  /* (kq 8 = 2 k) */
+    int64_t row = j->r0, left = k, i = 0;
+    int64_t acc = 0;
+    int64_t lanes[4];
+    for (; i < total; i += 32) {
+        __m256i neg = zero;
+        int n8 = 4;
+        if (i + 32 <= total) {
+            sign32(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + i)), flip), dst + 2 * i, &neg);
+        } else {  /* the last 8, 16 or 24 codes through a block of code 128 (|a| = 0, s = 0) */
+            uint8_t tail[32], out[64];
+            memset(tail, 0x80, sizeof tail);
+            memcpy(tail, src + i, (size_t)(total - i));
+            sign32(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)tail), flip), out, &neg);
+            memcpy(dst + 2 * i, out, (size_t)(2 * (total - i)));
+            n8 = (int)((total - i) / 8);
+        }
+        _mm256_storeu_si256((__m256i *)lanes, neg);
+        for (int t = 0; t < n8; ++t) {
+            acc += lanes[t];
+            if ((left -= 8) == 0) {
+                j->xc[row++] = (int32_t)acc;
+                acc = 0;
+                left = k;
+            }
+        }
+    }
+}
+
 __attribute__((target("avx2,fma")))
 static void *sign_codes(void *p) {
     const sign_job *j = p;
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     const int64_t k = j->k, kq = (k + 3) / 4, k32 = k & ~(int64_t)31;
+    if (j->ldx == k && k % 8 == 0) {
+        sign_flat(j);
+        return NULL;
+    }
     for (int64_t r = j->r0; r < j->r1; ++r) {
         const uint8_t *xr = j->x + r * j->ldx;
         uint8_t *dst = j->xa + r * kq * 8;
