@@ -5,10 +5,10 @@
  * w (N, K): vpmaddubsw where the u8 × s8 pairs cannot saturate (codes ≤ 127, or saturation-safe weights: `pairs`).
  * One row (or a plan without packed weights): dot products of NC weight rows × up to 2 input rows in 8 accumulators
  * on the plain weights (blk_pairs; blk_sgn for other codes: |q - 128| against sign-adjusted weights, as below). From
- * BCAST_M rows: blk_bcast (`pairs`) or
- * blk_bcast_s (any u8 codes: |q - 128| against sign-adjusted weights, ~0.83x blk_bcast's speed) on weights packed
- * once. All exact. Rows go in chunks of MAX_ROWS; each thread owns whole blocks of columns, in chunks of CB columns
- * whose sums stay in L1 until the chunk's epilogue turns them into the output:
+ * BCAST_M rows: blk_bcast (`pairs`) or blk_bcast_s (any u8 codes: |q - 128| against sign-adjusted weights, ~0.83x
+ * blk_bcast's speed) on weights packed once. All exact. Rows go in tiles whose codes stay in L2 (tile_rows), each in
+ * chunks of MAX_ROWS; each thread owns whole blocks of columns, in chunks of CB columns whose sums stay in L1 until
+ * the chunk's epilogue turns them into the output:
  *   a = acc - zx wsum[c]                              (the input zero point, exact in int32)
  *   mode 0  y = fl(fl(a) sc[c]) (+ bias[c])  (relu: 0 where < 0)                  float32, lowbit's epilogue
  *   mode 1  lowbit's codes of that y: clamp(round(fl(clamp(fl(y inv), vlo, vhi) + z)), 0, 255)
