@@ -267,3 +267,24 @@ def test_split_output_keeps_its_scale_one_tensor(monkeypatch: pytest.MonkeyPatch
         assert torch.equal(plain.int_repr(), onednn.linear(x, w1, first.bias, g1, False, cache={}).int_repr())
         assert torch.equal(d1, plain.dequantize())
         assert torch.equal(y2.int_repr(), onednn.linear(plain, w2, second.bias, g2, True, cache={}).int_repr())
+
+
+@pytest.mark.skipif(not native.available(), reason="lowbit.native not built")
+@pytest.mark.parametrize("full", [True, False], ids=["split", "no-split"])
+def test_a_grid_first_seen_with_native_off_still_runs_native_afterwards(monkeypatch: pytest.MonkeyPatch,
+                                                                        full: bool) -> None:
+    """The plan's per-input-grid native slots are filled only while ``lowbit.native`` runs: a grid first seen inside
+    ``native.disabled()`` takes the torch route there and the native call afterwards (a plan declined while switched
+    off used to stay declined for that grid), with the same codes either way."""
+    force(monkeypatch, vnni=False, fbgemm=True)
+    mod = _layer(96, 24, full, False, OUT_GRIDS[0], 7)
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 256, (40, 96), generator=g, dtype=torch.uint8)
+    mod(Q.QTensor(codes, 0.02, 131, Q.quint8))  # (the plan is made, native on)
+    x = Q.QTensor(codes, 0.03, 131, Q.quint8)  # a new input grid
+    with native.disabled():
+        off = mod(x)
+    before = native.counts["qlinear"] + native.counts["qlinear_requant"]
+    on = mod(x)
+    assert native.counts["qlinear"] + native.counts["qlinear_requant"] == before + 1
+    assert torch.equal(on.int_repr(), off.int_repr())

@@ -13,7 +13,7 @@ scales, zero points, bias, output grid) and one activation ``QDtype``, and retur
         rows ≤ SMALL_M, or at any M where small_m.float_route holds (a float or u8 output)
                                  →  onednn.native_linear (lowbit.native: the same floats) or
                                     onednn.fallback_linear (fbgemm's unit-scale pack, the split if needed; float64
-                                    where the split's sums would round)
+                                    where the split's sums would round or int32 could overflow)
     otherwise                    →  one onednn::qlinear_pointwise (a 7-bit grid's clamp as its hardtanh post-op,
                                     OutGrid.onednn_post)   |   onednn._split_run
 
@@ -229,7 +229,8 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
 
     def run_qt(x: QTensor) -> QTensor:
         """``run`` on a per-tensor ``QTensor`` (the module's entry). For a u8 output with no split, ``lowbit.native``
-        takes its codes as they are (plain, ``_tq`` or ``_tu``) with the native plan made once per input grid. Else a
+        takes its codes as they are (plain, ``_tq`` or ``_tu``) with the native plan made once per input grid; with the
+        split (8-bit codes, ``split_ok``), ``onednn.native_linear``'s plan for the grid is called straight. Else a
         kernel output (``_tq``) goes into fbgemm as it is; ``Quantize``'s codes on scale 1 (``_tu``) go in with the pack
         made for this input grid, whose weight scales are float32 ``s_x · s_w`` (fbgemm multiplies ``float(s_in) ·
         w_scale`` first: with ``s_in = 1`` the same float32 products, so the same requantization); no scale read as a
@@ -251,7 +252,10 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         hit = unit[0]
         if hit is None or hit[0] != ukey:
             hit = unit[0] = [ukey, s.item(), z.item(), (s, z), None, _UNMADE, _UNMADE]
-        if fused and native_ok and t.is_contiguous():  # type: ignore[union-attr]  # lowbit.native: fbgemm's codes, one call
+        # (the native slots are filled only while lowbit.native runs in this thread: a plan declined inside
+        # native.disabled() would otherwise stay declined for this grid, and in the layer's shared cache)
+        live = native.available()
+        if fused and native_ok and live and t.is_contiguous():  # type: ignore[union-attr]  # lowbit.native: fbgemm's codes
             if hit[5] is _UNMADE:  # the native plan for this input grid, made once
                 hit[5] = small_m.requant_plan(w, w_scale, bias, hit[1], out, relu, packs)
             y = (None if hit[5] is None else  # type: ignore[arg-type]
@@ -267,7 +271,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             if hit[4] is None:
                 hit[4] = fbgemm_pack(s.float() * w_scale.float())
             return fbgemm_out(op(t, hit[4], s_out, z_out), lead)
-        if split_ok and onednn.fbgemm_engine():  # onednn.native_linear's call, its plan kept for this input grid
+        if split_ok and live and onednn.fbgemm_engine():  # onednn.native_linear's call, its plan kept for this grid
             if hit[6] is _UNMADE:
                 hit[6] = small_m._linear_plan(w, avx2._scaled(w_scale, hit[1], packs), bias, o_codes, relu, True, packs)
             q = x._q

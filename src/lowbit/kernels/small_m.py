@@ -11,7 +11,8 @@ wrapping, packed GEMM, output tensor and clamp:
                      v = fl(fl(a) + fl(b / fl(s_x s_w))), round(fl(v · fl(fl(s_x s_w) / s_out))), saturated, + z_out,
                      clamped to the output grid (the ReLU floor and a 7-bit grid's top folded in)
     native_linear    ``onednn.fallback_linear``'s codes or floats (``native.qlinear``): fl(a) · fl(s_x s_w) + b, lowbit's store,
-                     a exact at any K (int32 sums; ``onednn.fallback_linear``: fbgemm's split or float64, the same floats)
+                     a exact (int32 sums while 255 · max Σ|w| < 2³¹, ``int32_exact``; ``onednn.fallback_linear``:
+                     fbgemm's split or float64 sums, the same floats, and float64 past that bound)
 
 Each keeps its per-weight constants (``Σ w``, the fbgemm multipliers per input grid) in the layer's cache.
 ``native_requant`` runs at every M: one row by the dot-product kernel (1.1-2.7x fbgemm at M = 1, session 14), from
@@ -100,7 +101,10 @@ def requant_plan(w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | No
     """``native.linear_plan`` in "requant" mode for this layer state and input scale, kept in ``cache``: fbgemm's float32
     constants ``mult = fl(fl(s_x s_w) / s_out)`` and ``bterm = fl(b / fl(s_x s_w))`` (torch's qlinear:
     ``act_times_w_scale``, ``output_multiplier_float``; fbgemm's requantization divides the float bias), ``Σ w``, and
-    the output codes' range (the ReLU floor and a narrow grid's ends)."""
+    the output codes' range (the ReLU floor and a narrow grid's ends). ``None`` while ``lowbit.native`` is off in this
+    thread, made and kept only while it runs (a plan declined inside ``native.disabled()`` is not kept)."""
+    if not native.available():
+        return None
     qd = out.qdtype
     key = (w.data_ptr(), tensor_version(w), w_scale.data_ptr(), tensor_version(w_scale),
            None if bias is None else (bias.data_ptr(), tensor_version(bias)), sx, out.scale, out.zero_point,
@@ -213,7 +217,10 @@ def _linear_plan(w: torch.Tensor, sc: torch.Tensor, bias: torch.Tensor | None, o
                  relu: bool, split: bool, cache: dict[str, Any] | None) -> native.LinearPlan | None:
     """``native.qlinear``'s plan ("float", or "codes" on ``o``) for this layer state, kept in ``cache``: a call then costs
     the codes' pass only, and the many-row kernel's packed weights are made once (``sc``: ``_scaled``'s kept tensor,
-    held by the entry, so its id stays unique while the entry lives)."""
+    held by the entry, so its id stays unique while the entry lives). ``None`` while ``lowbit.native`` is off in this
+    thread, and nothing kept then."""
+    if not native.available():
+        return None
     key = (w.data_ptr(), tensor_version(w), id(sc), None if bias is None else (bias.data_ptr(), tensor_version(bias)), o,
            relu, split)
     hit = cache.get("native.linear") if cache is not None else None

@@ -45,7 +45,7 @@ typedef struct {
     const uint8_t *x; int64_t m, k, ldx; int32_t zx; const int8_t *w; const int32_t *wsum;
     int pairs, mode, relu; const float *sc, *bias; float inv, z, vlo, vhi; int32_t zo, lo, hi;
     const float *ra, *rs, *fw; void *out; int64_t ldo, n0, n1; int avx2; const int8_t *wp; int vnni;
-    const uint8_t *xa; const int32_t *xc, *sw;  /* blk_bcast_s's inputs (NULL elsewhere) */
+    const uint8_t *xa; const int32_t *xc, *sw;  /* blk_bcast_s's inputs (xa, xc: blk_sgn's too; NULL elsewhere) */
 } lin_job;
 
 static int32_t cvt_rne(float f) {  /* cvtps2dq */
@@ -634,9 +634,9 @@ static void *sign_rows(void *p) {
     return NULL;
 }
 
-/* The calling thread's buffer for sign_codes' output, kept between calls up to SIGN_KEEP bytes (a fresh malloc of
- * megabytes per call is a fresh mapping, page-faulted on every write) and freed when the thread ends (the key's
- * destructor); a larger call takes its own malloc, freed by sign_release. NULL when out of memory. */
+/* The calling thread's buffer for sign_codes' and sign_rows' output, kept between calls up to SIGN_KEEP bytes (a
+ * fresh malloc of megabytes per call is a fresh mapping, page-faulted on every write) and freed when the thread ends
+ * (the key's destructor); a larger call takes its own malloc, freed by sign_release. NULL when out of memory. */
 #define SIGN_KEEP ((size_t)64 << 20)
 typedef struct { uint8_t *p; size_t cap; } sign_store;
 static pthread_key_t sign_key;
@@ -684,7 +684,7 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     const int sgn = wp && !vnni && !p->pairs;
     const int sgn1 = avx2 && !wp && !vnni && !p->pairs && p->wsum;  /* blk_sgn (few rows) */
     const int64_t k = p->k, n = p->n;
-    uint8_t *xa = NULL;  /* blk_bcast_s's codes and row sums (sign_codes) */
+    uint8_t *xa = NULL;  /* blk_bcast_s's / blk_sgn's codes and row sums (sign_codes / sign_rows) */
     const size_t xa_bytes = (size_t)(m * ((k + 3) / 4) * 8), xa_all = xa_bytes + sizeof(int32_t) * (size_t)m;
     if (sgn || sgn1) {
         xa = sign_buffer(xa_all);

@@ -41,7 +41,8 @@ def _no_vnni(xf: torch.Tensor, plan: _Plan, weight_int8: torch.Tensor, w_scale: 
     row grids stay ``(M, 1)`` float32 tensors (no int64 zero points, no ``QTensor`` of the codes, no
     dispatcher); the codes, sums and row epilogue in one native call (``_native_rows8``), else the codes
     straight to the onednn backend on the shared grid (its float route: fbgemm's split, or float64 sums where
-    the split's would round), a large output on row chunks of more than ``SMALL_M`` rows (``_OUT_CHUNK``).
+    the split's would round or int32 could overflow), a large output on row chunks of more than ``SMALL_M`` rows
+    (``_OUT_CHUNK``).
     Both give the same floats, so a row's floats do not depend on whether ``lowbit.native`` runs."""
     m = xf.shape[0]
     y = _native_rows8(xf, plan, weight_int8, w_scale, bias, cache)

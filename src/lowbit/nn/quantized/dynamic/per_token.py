@@ -18,8 +18,8 @@ quantize with no per-call validation, then the fastest exact GEMM for the case, 
   arithmetic, with one fused multiply-add when the output is small: equal up to float32 rounding);
 - a CPU without VNNI (its u8 × s8 pairs saturate: the kernels' split/fbgemm rules apply): the
   generic path's codes, kernel call and epilogue (bit for bit) without its per-call wrapping (on torch's
-  fbgemm/x86 engine: the codes, lowbit.native's exact int32 sums at any K and the epilogue in one native call
-  at every M); those routes live in ``no_vnni``;
+  fbgemm/x86 engine: the codes, lowbit.native's exact int32 sums and the epilogue in one native call at every
+  M, float64 sums where int32 could overflow); those routes live in ``no_vnni``;
 - a pinned backend (``kernels.use_backend``), affine weights, non-finite rows or other devices take the
   generic ``per_token_linear``.
 
