@@ -103,7 +103,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             or w.dtype != torch.int8
             or w.dim() != 2 or x_qdtype.storage not in (torch.uint8, torch.int8) or bool(weight.zero_point.any())):
         return None
-    k, n_out = w.shape[1], w.shape[0]
+    k = w.shape[1]
     # the activation codes as u8 (onednn._as_u8, decided once for this grid)
     if x_qdtype.storage == torch.int8:
         shift = 128 if x_qdtype.quant_max - x_qdtype.quant_min > 127 else -x_qdtype.quant_min
@@ -274,13 +274,11 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         if split_ok and live and onednn.fbgemm_engine():  # onednn.native_linear's call, its plan kept for this grid
             if hit[6] is _UNMADE:
                 hit[6] = small_m._linear_plan(w, avx2._scaled(w_scale, hit[1], packs), bias, o_codes, relu, True, packs)
-            q = x._q
-            if hit[6] is not None and q.dim() >= 1 and q.dtype == u8 and q.numel():
-                q2 = q if q.dim() == 2 else q.reshape(-1, k)
-                y = native.empty_codes((q2.shape[0], n_out), o_codes[1], torch.quint8)  # type: ignore[index]
-                if hit[6].run(q2, hit[2], y):
-                    counts[key] += 1
-                    return out.wrap_store(y if q.dim() == 2 else y.reshape(*q.shape[:-1], n_out))
+            y = (None if hit[6] is None else
+                 small_m.native_linear(x._q, hit[1], hit[2], w, w_scale, True, bias, out, relu, packs, hit[6]))
+            if y is not None:
+                counts[key] += 1
+                return y  # type: ignore[return-value]
         return run(x._q, hit[1], hit[2], tq)
 
     run.qt = run_qt  # type: ignore[attr-defined]

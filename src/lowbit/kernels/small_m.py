@@ -162,21 +162,24 @@ def native_requant(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale
 
 def native_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale: torch.Tensor, split: bool,
                   bias: torch.Tensor | None, out: OutGrid | None, relu: bool,
-                  cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:
+                  cache: dict[str, Any] | None, plan: native.LinearPlan | None = None) -> QTensor | torch.Tensor | None:
     """``onednn.fallback_linear``'s result (the same codes or floats) from a ``native.qlinear`` plan kept per layer state, at
     every M: the exact int32 sums and the float epilogue ``fl(fl(acc) · fl(s_x s_w)) + b`` in one call (the packed
     many-row kernels from 2 rows: 8-bit codes against full int8 weights 1.3-1.5x oneDNN's activation split from 64
     rows, session 15; 4096² 1.7-1.9x, session 26). ``None``: not taken (no build, not ``float_route``, or sums that
-    could pass int32: ``int32_exact``)."""
+    could pass int32: ``int32_exact``). ``plan``: ``_linear_plan``'s plan for this state and ``s_x``, made by the caller
+    with those checks passed (``kernels.plan`` keeps one per input grid), run as it is."""
     k = q.shape[-1] if q.dim() else 0
-    if (not native.available() or k == 0 or q.dtype != torch.uint8 or not float_route(out)
-            or not int32_exact(w, cache)):
+    if k == 0 or q.dtype != torch.uint8:
         return None
     o = out_codes(out, relu)
-    q2 = q if q.dim() == 2 else q.reshape(-1, k)
-    plan = _linear_plan(w, _scaled(w_scale, sx, cache), bias, o, relu, split, cache)
     if plan is None:
-        return None
+        if not native.available() or not float_route(out) or not int32_exact(w, cache):
+            return None
+        plan = _linear_plan(w, _scaled(w_scale, sx, cache), bias, o, relu, split, cache)
+        if plan is None:
+            return None
+    q2 = q if q.dim() == 2 else q.reshape(-1, k)
     m = q2.shape[0]
     y = torch.empty(m, plan.n) if o is None else native.empty_codes((m, plan.n), o[1], torch.quint8)
     if not plan.run(q2, zx, y):

@@ -90,12 +90,17 @@ static int32_t dot_scalar(const lin_job *j, int64_t r, int64_t c, int64_t i0) {
     return s;
 }
 
-/* the four accumulators' sums (one hadd tree instead of four horizontal sums) plus the scalar tails from i0 */
+/* the four accumulators' sums into o[0, 4) (one hadd tree instead of four horizontal sums) */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void hsum4(int32_t *o, const __m256i *a) {
+    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    _mm_storeu_si128((__m128i *)o, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
+/* hsum4 plus the scalar tails from i0 */
 __attribute__((target("avx2,fma"), always_inline))
 static inline void store4(int32_t *o, const __m256i *a, const lin_job *j, int64_t r, int64_t c0, int64_t i0) {
-    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-    _mm_storeu_si128((__m128i *)o, s);
+    hsum4(o, a);
     if (i0 < j->k)
         for (int c = 0; c < NC; ++c) o[c] += dot_scalar(j, r, c0 + c, i0);
 }
@@ -165,9 +170,7 @@ static inline void blk_sgn(const lin_job *j, int64_t r0, const int nr, int64_t c
     }
     for (int r = 0; r < nr; ++r) {
         int32_t *orow = o + r * CB;
-        __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a[r][0], a[r][1]), _mm256_hadd_epi32(a[r][2], a[r][3]));
-        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-        _mm_storeu_si128((__m128i *)orow, sum);
+        hsum4(orow, a[r]);
         const uint8_t *xr = j->x + (r0 + r) * j->ldx;
         for (int c = 0; c < NC; ++c) {
             uint32_t t = (uint32_t)j->xc[r0 + r] + 128u * (uint32_t)j->wsum[c0 + c];  /* (wrapping: the sum is exact) */
