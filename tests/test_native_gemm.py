@@ -138,6 +138,33 @@ def test_many_row_tiles_give_every_row_its_sums(threads: int, body: str, monkeyp
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sign_codes_of_every_row_length_give_the_exact_sums(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AVX2 any-code many-row kernel (``blk_bcast_s``) on each shape of ``sign_codes``' rows: fewer than 32 codes
+    as one array (``sign_flat``, dense) or row by row (strided), whole vectors only, tails of 8 / 16 / 24 codes by vector
+    loads, other tails through the padded block; dense and strided rows; rows past one per-thread tile (session 27:
+    each thread makes its tile's codes). Every row's exact sums, and the 128-crossing codes at both ends."""
+    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(27)
+    try:
+        for k in (8, 16, 24, 32, 40, 56, 64, 100, 136, 144, 152, 301):
+            m = 3300 if k == 40 else 70  # (k = 40: tiles of 3264 rows, so a second, part tile)
+            for wide in (0, 8):
+                q = torch.randint(0, 256, (m, k + wide), generator=g, dtype=torch.uint8)[:, :k]
+                q[0], q[1] = 0, 255
+                w = torch.randint(-128, 128, (24, k), generator=g, dtype=torch.int8)
+                plan = native.linear_plan(w, "float", torch.ones(24), pairs=False)
+                y = torch.full((m, 24), float("nan"))
+                with _body("avx2"):
+                    assert plan is not None and plan.run(q, 3, y)
+                assert torch.equal(y, ((q.int() - 3) @ w.int().t()).float()), (k, wide)
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_native
 @pytest.mark.parametrize("body", ["vnni", "avx2", "scalar"])
 def test_rows_sub_mode_is_the_generic_per_token_epilogue(body: str) -> None:
     """"rows_sub" (the 8-bit dynamic Linear's one call without VNNI): ``fl(fl(fl(fl(Σ (q - zx) w) · sc) - fl(a · fw)) · s)

@@ -8,7 +8,9 @@
  * BCAST_M rows: blk_bcast (`pairs`) or blk_bcast_s (any u8 codes: |q - 128| against sign-adjusted weights, ~0.83x
  * blk_bcast's speed) on weights packed once. All exact. Rows go in tiles whose codes stay in L2 (tile_rows), each in
  * chunks of MAX_ROWS; each thread owns whole blocks of columns, in chunks of CB columns whose sums stay in L1 until
- * the chunk's epilogue turns them into the output:
+ * the chunk's epilogue turns them into the output. blk_bcast_s's sign codes (2 bytes a code) are made per tile by each
+ * thread into its own L2-sized buffer (session 27; before, one pass over the whole input wrote them to memory and every
+ * column chunk read them back: 4096×384×32 0.93 → 0.78 ms with the faster tails below, 1 thread on Zen 3):
  *   a = acc - zx wsum[c]                              (the input zero point, exact in int32)
  *   mode 0  y = fl(fl(a) sc[c]) (+ bias[c])  (relu: 0 where < 0)                  float32, lowbit's epilogue
  *   mode 1  lowbit's codes of that y: clamp(round(fl(clamp(fl(y inv), vlo, vhi) + z)), 0, 255)
@@ -46,6 +48,7 @@ typedef struct {
     int pairs, mode, relu; const float *sc, *bias; float inv, z, vlo, vhi; int32_t zo, lo, hi;
     const float *ra, *rs, *fw; void *out; int64_t ldo, n0, n1; int avx2; const int8_t *wp; int vnni;
     const uint8_t *xa; const int32_t *xc, *sw;  /* blk_bcast_s's inputs (xa, xc: blk_sgn's too; NULL elsewhere) */
+    uint8_t *tile;  /* blk_bcast_s: this thread's buffer for one row tile's sign codes and row sums (lin_run makes them) */
 } lin_job;
 
 static int32_t cvt_rne(float f) {  /* cvtps2dq */
@@ -492,61 +495,78 @@ static void chunk_sums(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
 #ifndef TILE_BYTES
 #define TILE_BYTES (256 << 10)
 #endif
-static int64_t tile_rows(const lin_job *j) {
-    if (!j->wp) return j->m;
-    const int64_t row = j->xa ? 2 * j->k : j->k, r = TILE_BYTES / (row > 0 ? row : 1) / MAX_ROWS * MAX_ROWS;
-    return r < MAX_ROWS ? MAX_ROWS : r;
+static int64_t tile_rows(int64_t m, int64_t k, int packed, int sgn) {
+    if (!packed) return m;
+    const int64_t row = sgn ? 2 * k : k, r = TILE_BYTES / (row > 0 ? row : 1) / MAX_ROWS * MAX_ROWS;
+    return r < MAX_ROWS ? (MAX_ROWS < m ? MAX_ROWS : m) : r < m ? r : m;
 }
+
+/* blk_bcast_s's codes of u8 x (rows [r0, r1) of k codes; row stride ldx), a = q ^ 0x80 = q - 128: per row, each group of
+ * 4 codes as |a| then the mask s = (a < 0 ? 0xFF : 0), 8 bytes per group, zeros past k (rows of 8 kq bytes, kq =
+ * ceil(k / 4), in xa), and xc[r] = Σ_{a < 0} |a| (sign_codes) */
+typedef struct { const uint8_t *x; int64_t k, ldx, r0, r1; uint8_t *xa; int32_t *xc; } sign_job;
+static void *sign_codes(void *p);
 
 static void *lin_run(void *p) {
     const lin_job *j0 = p;
     int32_t buf[MAX_ROWS * CB];
     const size_t osz = (j0->mode == 1 || j0->mode == 2) ? 1 : sizeof(float);
-    const int64_t rb = tile_rows(j0);
-    for (int64_t t0 = 0; t0 < j0->m; t0 += rb)  /* row tiles whose codes stay in L2 while every column chunk reads them */
-    for (int64_t cs = j0->n0; cs < j0->n1; cs += CB) {
-        const int64_t ce = cs + CB < j0->n1 ? cs + CB : j0->n1;
+    const int64_t rb = tile_rows(j0->m, j0->k, j0->wp != NULL, j0->tile != NULL), kq8 = (j0->k + 3) / 4 * 8;
+    int32_t *txc = j0->tile ? (int32_t *)(j0->tile + rb * kq8) : NULL;  /* the tile's row sums, after its codes */
+    for (int64_t t0 = 0; t0 < j0->m; t0 += rb) {  /* row tiles whose codes stay in L2 while every column chunk reads them */
         const int64_t t1 = t0 + rb < j0->m ? t0 + rb : j0->m;
-        for (int64_t r0 = t0; r0 < t1; r0 += MAX_ROWS) {  /* rows in chunks of MAX_ROWS: this chunk as a job */
-            lin_job jr = *j0;
-            const lin_job *j = &jr;
-            jr.m = t1 - r0 < MAX_ROWS ? t1 - r0 : MAX_ROWS;
-            jr.x = j0->x + r0 * j0->ldx;
-            jr.xa = j0->xa ? j0->xa + r0 * ((j0->k + 3) / 4) * 8 : NULL;
-            jr.xc = j0->xc ? j0->xc + r0 : NULL;
-            jr.ra = j0->ra ? j0->ra + r0 : NULL;
-            jr.rs = j0->rs ? j0->rs + r0 : NULL;
-            jr.out = (char *)j0->out + (size_t)(r0 * j0->ldo) * osz;
-            chunk_sums(j, cs, ce, buf);
-            for (int64_t r = 0; r < j->m; ++r) {
-                if (j->avx2) {
-                    epi_avx2(j, r, cs, ce, buf + r * CB - cs);
-                    continue;
+        if (j0->tile) {  /* blk_bcast_s's codes of this tile, made by the thread that reads them (file comment) */
+            sign_job sj = {j0->x + t0 * j0->ldx, j0->k, j0->ldx, 0, t1 - t0, j0->tile, txc};
+            sign_codes(&sj);
+        }
+        for (int64_t cs = j0->n0; cs < j0->n1; cs += CB) {
+            const int64_t ce = cs + CB < j0->n1 ? cs + CB : j0->n1;
+            for (int64_t r0 = t0; r0 < t1; r0 += MAX_ROWS) {  /* rows in chunks of MAX_ROWS: this chunk as a job */
+                lin_job jr = *j0;
+                const lin_job *j = &jr;
+                jr.m = t1 - r0 < MAX_ROWS ? t1 - r0 : MAX_ROWS;
+                jr.x = j0->x + r0 * j0->ldx;
+                jr.xa = j0->tile ? j0->tile + (r0 - t0) * kq8 : j0->xa ? j0->xa + r0 * kq8 : NULL;
+                jr.xc = j0->tile ? txc + (r0 - t0) : j0->xc ? j0->xc + r0 : NULL;
+                jr.ra = j0->ra ? j0->ra + r0 : NULL;
+                jr.rs = j0->rs ? j0->rs + r0 : NULL;
+                jr.out = (char *)j0->out + (size_t)(r0 * j0->ldo) * osz;
+                chunk_sums(j, cs, ce, buf);
+                for (int64_t r = 0; r < j->m; ++r) {
+                    if (j->avx2) {
+                        epi_avx2(j, r, cs, ce, buf + r * CB - cs);
+                        continue;
+                    }
+                    for (int64_t c = cs; c < ce; ++c) store_one(j, r, c, buf[r * CB + (c - cs)]);
                 }
-                for (int64_t c = cs; c < ce; ++c) store_one(j, r, c, buf[r * CB + (c - cs)]);
             }
         }
     }
     return NULL;
 }
 
-/* blk_bcast_s's codes of u8 x (rows [r0, r1) of k codes; row stride ldx), a = q ^ 0x80 = q - 128: per row, each group of
- * 4 codes as |a| then the mask s = (a < 0 ? 0xFF : 0), 8 bytes per group, zeros past k (rows of 8 kq bytes, kq =
- * ceil(k / 4), in xa), and xc[r] = Σ_{a < 0} |a| */
-typedef struct { const uint8_t *x; int64_t k, ldx, r0, r1; uint8_t *xa; int32_t *xc; } sign_job;
-
-/* 32 codes v (already q ^ 0x80) as 8 groups of |a| and s at dst (64 bytes); their Σ_{a < 0} |a| added to *neg */
+/* 32 codes v (already q ^ 0x80) as 8 groups of |a| and s: groups 0-3 in *g03, 4-7 in *g47 (32 bytes each); their
+ * Σ_{a < 0} |a| added to *neg */
 __attribute__((target("avx2,fma"), always_inline))
-static inline void sign32(const __m256i v, uint8_t *dst, __m256i *neg) {
+static inline void sign32v(const __m256i v, __m256i *g03, __m256i *g47, __m256i *neg) {
     const __m256i zero = _mm256_setzero_si256();
     const __m256i a = _mm256_abs_epi8(v), s = _mm256_cmpgt_epi8(zero, v);
     *neg = _mm256_add_epi64(*neg, _mm256_sad_epu8(_mm256_and_si256(a, s), zero));
     const __m256i lo = _mm256_unpacklo_epi32(a, s), hi = _mm256_unpackhi_epi32(a, s);
-    _mm256_storeu_si256((__m256i *)dst, _mm256_permute2x128_si256(lo, hi, 0x20));
-    _mm256_storeu_si256((__m256i *)(dst + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
+    *g03 = _mm256_permute2x128_si256(lo, hi, 0x20);
+    *g47 = _mm256_permute2x128_si256(lo, hi, 0x31);
 }
 
-/* sign_codes for dense rows of k % 8 == 0 codes (session 26): there each group of 4 codes maps to 8 bytes whatever
+/* sign32v's 64 bytes stored at dst */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void sign32(const __m256i v, uint8_t *dst, __m256i *neg) {
+    __m256i g03, g47;
+    sign32v(v, &g03, &g47, neg);
+    _mm256_storeu_si256((__m256i *)dst, g03);
+    _mm256_storeu_si256((__m256i *)(dst + 32), g47);
+}
+
+/* sign_codes for dense rows of fewer than 32 codes, k % 8 == 0 (session 26): there each group of 4 codes maps to 8 bytes whatever
  * its row, so the rows' codes go through sign32 as one array, 32 at a time, and each 64-bit lane of the negative
  * sums (8 codes) belongs to one row; only the array's last 8-24 codes take the padded block. Rows with fewer than
  * 32 codes (an image model's 1x1 convs: k = 16, 24) ran the padded block on every row before: 100352 × 16 codes 2.0
@@ -589,21 +609,41 @@ __attribute__((target("avx2,fma")))
 static void *sign_codes(void *p) {
     const sign_job *j = p;
     const __m256i flip = _mm256_set1_epi8((char)0x80);
-    const int64_t k = j->k, kq = (k + 3) / 4, k32 = k & ~(int64_t)31;
-    if (j->ldx == k && k % 8 == 0) {
+    const int64_t k = j->k, kq = (k + 3) / 4, k32 = k & ~(int64_t)31, t = k - k32;
+    if (j->ldx == k && k % 8 == 0 && k < 32) {
         sign_flat(j);
         return NULL;
     }
+    /* a row's tail of 8, 16 or 24 codes by vector loads, a = 0 past it (the flip only over the tail's bytes): rows of
+     * k % 8 == 0 codes from 32 up went through sign_flat until session 27, whose per-lane bookkeeping (a vector
+     * stored and reread as four int64) cost ~0.16 ns a code, most of the pass; a memcpy'd tail block per row cost
+     * calls */
+    static const uint8_t half[64] = {0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80,
+                                     0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80,
+                                     0x80, 0x80, 0x80, 0x80};
+    const __m256i tflip = _mm256_loadu_si256((const __m256i *)(half + 32 - t % 32));
     for (int64_t r = j->r0; r < j->r1; ++r) {
         const uint8_t *xr = j->x + r * j->ldx;
         uint8_t *dst = j->xa + r * kq * 8;
         __m256i neg = _mm256_setzero_si256();
         for (int64_t i = 0; i < k32; i += 32)
             sign32(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(xr + i)), flip), dst + 2 * i, &neg);
-        if (k32 < k) {  /* the tail through a block of code 128 (a = 0: |a| = 0, s = 0, the groups' zero padding) */
+        if (t && t % 8 == 0) {
+            const uint8_t *xt = xr + k32;
+            const __m128i lo = t >= 16 ? _mm_loadu_si128((const __m128i *)xt) : _mm_loadl_epi64((const __m128i *)xt);
+            const __m128i hi = t == 24 ? _mm_loadl_epi64((const __m128i *)(xt + 16)) : _mm_setzero_si128();
+            __m256i g03, g47;
+            sign32v(_mm256_xor_si256(_mm256_set_m128i(hi, lo), tflip), &g03, &g47, &neg);
+            if (t == 8) {
+                _mm_storeu_si128((__m128i *)(dst + 2 * k32), _mm256_castsi256_si128(g03));
+            } else {
+                _mm256_storeu_si256((__m256i *)(dst + 2 * k32), g03);
+                if (t == 24) _mm_storeu_si128((__m128i *)(dst + 2 * k32 + 32), _mm256_castsi256_si128(g47));
+            }
+        } else if (t) {  /* the tail through a block of code 128 (a = 0: |a| = 0, s = 0, the groups' zero padding) */
             uint8_t tail[32], out[64];
             memset(tail, 0x80, sizeof tail);
-            memcpy(tail, xr + k32, (size_t)(k - k32));
+            memcpy(tail, xr + k32, (size_t)t);
             sign32(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)tail), flip), out, &neg);
             memcpy(dst + 2 * k32, out, (size_t)(8 * kq - 2 * k32));
         }
@@ -687,18 +727,26 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     const int sgn = wp && !vnni && !p->pairs;
     const int sgn1 = avx2 && !wp && !vnni && !p->pairs && p->wsum;  /* blk_sgn (few rows) */
     const int64_t k = p->k, n = p->n;
-    uint8_t *xa = NULL;  /* blk_bcast_s's / blk_sgn's codes and row sums (sign_codes / sign_rows) */
-    const size_t xa_bytes = (size_t)(m * ((k + 3) / 4) * 8), xa_all = xa_bytes + sizeof(int32_t) * (size_t)m;
+    const int64_t unit = wp ? NB : NC, blocks = (n + unit - 1) / unit;  /* threads own whole blocks of columns */
+    const int nt = threads_for(nthreads, blocks);
+    /* blk_bcast_s: each thread's buffer for one row tile's codes and row sums (lin_run makes them); blk_sgn: every
+     * row's, made here (sign_rows) */
+    const int64_t rb = tile_rows(m, k, 1, 1), tile_bytes = rb * ((k + 3) / 4) * 8 + rb * 4;
+    const size_t xa_bytes = (size_t)(m * ((k + 3) / 4) * 8);
+    const size_t xa_all = sgn ? (size_t)(nt * tile_bytes) : xa_bytes + sizeof(int32_t) * (size_t)m;
+    uint8_t *xa = NULL;
     if (sgn || sgn1) {
         xa = sign_buffer(xa_all);
         if (!xa) return 1;
+    }
+    if (sgn1) {
         sign_job sj[MAX_THREADS];  /* (rows split over the threads: the pass reads and writes past the caches) */
         const int ns = threads_for(nthreads, m * k >= (1 << 16) ? m : 1);
         for (int t = 0; t < ns; ++t) {
             sign_job jb = {x, k, ldx, m * t / ns, m * (t + 1) / ns, xa, (int32_t *)(xa + xa_bytes)};
             sj[t] = jb;
         }
-        fan_out(sgn ? sign_codes : sign_rows, sj, sizeof(sign_job), ns);
+        fan_out(sign_rows, sj, sizeof(sign_job), ns);
     }
     uint8_t *xp = NULL;  /* blk_bcast_vnni's MBV rows each read one line per 16 groups: where the row stride maps fewer
                             than MBV of them to distinct L1 sets (4 KiB apart), the codes are copied onto a padded
@@ -713,16 +761,18 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
         x = xp;
         ldx = ldp;
     }
-    const int64_t unit = wp ? NB : NC, blocks = (n + unit - 1) / unit;  /* threads own whole blocks of columns */
     lin_job jobs[MAX_THREADS];
-    int nt = threads_for(nthreads, blocks);
     for (int t = 0; t < nt; ++t) {
         int64_t n0 = blocks * t / nt * unit, n1 = blocks * (t + 1) / nt * unit;
         lin_job jb = {x, m, k, ldx, zx, p->w, p->wsum, p->pairs, p->mode, p->relu, p->sc, p->bias, p->inv, p->z,
-                      p->vlo, p->vhi, p->zo, p->lo, p->hi, ra, rs, p->fw, out, n, n0, n1 < n ? n1 : n, avx2, wp, vnni};
+                      p->vlo, p->vhi, p->zo, p->lo, p->hi, ra, rs, p->fw, out, n, n0, n1 < n ? n1 : n, avx2, wp, vnni,
+                      NULL, NULL, NULL, NULL};
         if (!sgn && !sgn1 && !p->pairs && !vnni)
             jb.avx2 = 0;  /* (a plan without pairs or wsum: the scalar sums; linear_plan makes wsum for such plans) */
-        if (sgn || sgn1) {
+        if (sgn) {
+            jb.tile = xa + t * tile_bytes;
+            jb.sw = p->sw;
+        } else if (sgn1) {
             jb.xa = xa;
             jb.xc = (const int32_t *)(xa + xa_bytes);
             jb.sw = p->sw;
