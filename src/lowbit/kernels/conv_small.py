@@ -9,7 +9,8 @@ runs. On VNNI (two pixels by 32 channels at a time) windows up to 64 taps measur
 Zen 4, ``benchmarks/smallconv.py``: SmallCNN's 12 taps 2.3-2.6x, MobileNetV2's 3 → 32 stride-2 stem at 224², 36 taps,
 1.3x at batch 8 and 1.5x at batch 1), one wide-output layer (3 → 64 at 112²) at par (0.89-1.04x). The AVX2 body (two
 taps per ``vpmaddwd``, 16 channels by two pixels at a time), against oneDNN capped to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``;
-the same codes every time): 1.3x its one call at 12 taps but 0.77x at the 36-tap stem, and 2.1-3.0x its weight split
+the same codes every time): 1.3x its one call at 12 taps but 0.77x at the 36-tap stem (session 27, each tap pair one
+4-byte read of the image widened to int16, on an AVX2-only Zen 3: 1.42x and 0.85x), and 2.1-3.0x its weight split
 (two calls and an epilogue, which full-range weights take there: ``onednn.saturation_safe``), so without VNNI a
 window takes it up to 16 taps, or up to ``SPLIT_TAPS`` where the weights would be split. Windows narrower than 3 taps are left to
 oneDNN: a row of one or two taps is padded to a quad, so most of each ``vpdpbusd`` multiplies zero weights
