@@ -489,3 +489,66 @@ def test_im2col_is_torchs_unfold_tap_by_tap(threads: int, monkeypatch: pytest.Mo
     for kernel in ((0, 3), (3,), (2.0, 2), (True, 1)):
         with pytest.raises(ValueError, match=r"kernel=.* must be two ints >= 1"):
             native.im2col(torch.zeros(1, 2, 3, 3, dtype=torch.uint8), 0, kernel, [1, 1], [0, 0], [1, 1])  # type: ignore[arg-type]
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("body", ["best", "avx2"])
+def test_conv_patches_made_in_the_call_are_im2cols_rows(threads: int, body: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LinearPlan.run_conv`` (``linear.c`` ``lb_conv_gemm``: each thread makes its row tiles' patches where the kernels
+    read them) gives ``run`` on ``native.im2col``'s rows, output for output: windows 1x1 to 5x5, strides, paddings,
+    dilations, zero points 0 and 200, both plan kinds (7-bit codes with ``pairs``; any codes), "float" / "codes" /
+    "requant", rows past one tile (the 3x3 of 40 channels at 2 x 30 x 29: 1740 rows of 360 codes, tiles of 192 rows for
+    any codes, 704 for 7-bit ones)."""
+    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(271)
+    cases = [(3, (1, 1), 2, 0, 1), (5, (3, 3), 1, 1, 1), (40, (3, 3), 1, 1, 1), (7, (5, 2), 2, 2, 1), (4, (3, 3), 1, 2, 2)]
+    try:
+        for (c, (kh, kw), s, p, d), zx, pairs in itertools.product(cases, (0, 200), (False, True)):
+            hw = 30 if c == 40 else 11
+            q = torch.randint(0, 128 if pairs else 256, (2, c, hw, hw - 1), generator=g, dtype=torch.uint8)
+            q = q.contiguous(memory_format=torch.channels_last)
+            w = torch.randint(-128, 128, (19, kh * kw * c), generator=g, dtype=torch.int8)
+            rows = native.im2col(q, zx, (kh, kw), [s, s], [p, p], [d, d])
+            assert rows is not None
+            plans = [native.linear_plan(w, "float", torch.rand(19, generator=g), torch.randn(19, generator=g), pairs=pairs),
+                     native.linear_plan(w, "codes", torch.rand(19, generator=g) * 1e-3, None, pairs=pairs,
+                                        grid=(0.5, 90, 0, 255)),
+                     native.linear_plan(w, "requant", torch.rand(19, generator=g) * 1e-3, None, pairs=pairs,
+                                        codes=(7, 0, 255))]
+            for plan in plans:
+                assert plan is not None
+                dtype = torch.float32 if plan.mode == "float" else torch.uint8
+                want, got = torch.empty(rows.shape[0], 19, dtype=dtype), torch.empty(rows.shape[0], 19, dtype=dtype)
+                with _body(body) if body == "avx2" else contextlib.nullcontext():
+                    assert plan.run(rows, zx, want)
+                    assert plan.run_conv(q, zx, (kh, kw), [s, s], [p, p], [d, d], got)
+                assert torch.equal(got, want), (c, kh, kw, s, p, d, zx, pairs, plan.mode)
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_native
+def test_conv_patches_in_the_call_decline_what_does_not_fit_and_name_wrong_values() -> None:
+    """``run_conv`` returns ``False`` (nothing written) for an NCHW input, a window whose taps are not the plan's K,
+    one output row, a per-token rows plan, a window past the padded input; wrong values raise naming them."""
+    w = torch.randint(-128, 128, (4, 18), dtype=torch.int8)
+    plan = native.linear_plan(w, "float", torch.ones(4))
+    q = torch.zeros(1, 2, 5, 5, dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    out = torch.full((25, 4), 7.0)
+    assert plan is not None and plan.run_conv(q, 0, (3, 3), [1, 1], [1, 1], [1, 1], out)
+    assert not plan.run_conv(q.contiguous(), 0, (3, 3), [1, 1], [1, 1], [1, 1], out)  # NCHW
+    assert not plan.run_conv(q, 0, (3, 2), [1, 1], [1, 1], [1, 1], out)  # 12 taps, not 18
+    assert not plan.run_conv(q, 0, (3, 3), [5, 5], [0, 0], [1, 1], torch.empty(1, 4))  # one output pixel
+    assert not plan.run_conv(q, 0, (3, 3), [1, 1], [0, 0], [3, 3], out)  # the dilated window past the input
+    rows = native.linear_plan(w, "rows_sub", torch.ones(4), fw=torch.ones(4))
+    assert rows is not None and not rows.run_conv(q, 0, (3, 3), [1, 1], [1, 1], [1, 1], out)
+    with pytest.raises(ValueError, match="zx=300"):
+        plan.run_conv(q, 300, (3, 3), [1, 1], [1, 1], [1, 1], out)
+    with pytest.raises(ValueError, match="stride"):
+        plan.run_conv(q, 0, (3, 3), [0, 1], [1, 1], [1, 1], out)
+    for kernel in ((0, 3), (3,), (2.0, 2), (True, 1)):
+        with pytest.raises(ValueError, match=r"kernel=.* must be two ints >= 1"):
+            plan.run_conv(q, 0, kernel, [1, 1], [1, 1], [1, 1], out)  # type: ignore[arg-type]

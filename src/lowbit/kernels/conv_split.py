@@ -156,19 +156,22 @@ def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.
         if q is None:
             return None
     n, c, h, wd = q.shape
-    if pixels:
-        rows, oh, ow = q.permute(0, 2, 3, 1).reshape(-1, c), h, wd  # (a view: channels-last pixels)
-    else:
-        rows = native.im2col(q, zx, (kh, kw), stride, padding, dilation)
-        if rows is None:
-            return None
-        oh, ow = native.conv_out_hw(h, wd, (kh, kw), stride, padding, dilation)
+    oh, ow = (h, wd) if pixels else native.conv_out_hw(h, wd, (kh, kw), stride, padding, dilation)
+    if oh < 1 or ow < 1:
+        return None
     o = out_codes(out, relu)
     plan = _linear_plan(w, _scaled(weight.scale, sx, cache), bias, o, relu, True, cache)
     if plan is None:
         return None
     y = torch.empty((n, oh, ow, plan.n), dtype=torch.float32 if out is None else torch.uint8)
-    if not plan.run(rows, zx, y.view(-1, plan.n)):
+    if pixels:  # (a view: the channels-last pixels are the rows)
+        done = plan.run(q.permute(0, 2, 3, 1).reshape(-1, c), zx, y.view(-1, plan.n))
+    else:  # the patches made tile by tile inside the native call, else in memory first (the same rows)
+        done = plan.run_conv(q, zx, (kh, kw), stride, padding, dilation, y.view(-1, plan.n))
+        if not done:
+            rows = native.im2col(q, zx, (kh, kw), stride, padding, dilation)
+            done = rows is not None and plan.run(rows, zx, y.view(-1, plan.n))
+    if not done:
         return None
     y = y.permute(0, 3, 1, 2)  # (N, C_out, OH, OW) in channels-last memory, as oneDNN's output
     return y if out is None else out.wrap(y)

@@ -124,6 +124,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     dll.lb_smallconv_body.restype = i32
     dll.lb_linear_run.argtypes = [p, p, i64, i64, i32, p, p, p, i32, i32]
     dll.lb_linear_run.restype = i32
+    dll.lb_conv_gemm.argtypes = [p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32, i64, i64, p, i32,
+                                 i32]
+    dll.lb_conv_gemm.restype = i32
     dll.lb_dyn_linear.argtypes = [p, i64, i64, i64, i64, p, p, p, p, i32, p, p, p, i32, i32, i32]
     dll.lb_dyn_linear.restype = i32
     dll.lb_maxpool_codes.argtypes = [p, i32, i64, i64, i64, i64, i64, i64, i64, i64, p, i32, i32]

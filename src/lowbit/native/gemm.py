@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from . import _channel_vectors, _check_grid, _lib, _local, _state, _threads, counts, vnni
+from . import _channel_vectors, _check_conv, _check_grid, _lib, _local, _state, _threads, conv_out_hw, counts, vnni
 from .layers import empty_codes
 
 __all__ = ["MAX_ROWS", "BCAST_M", "LinearPlan", "linear_plan", "pack_bcast", "qlinear", "qlinear_requant", "qlinear_rows",
@@ -95,6 +95,40 @@ class LinearPlan:
                              _threads(m * self.n * self.k // 16), _local.__dict__.get("isa", 1)):
             return False
         counts[self.name] += 1
+        return True
+
+    def run_conv(self, q: torch.Tensor, zx: int, kernel: tuple[int, int], stride: list[int], padding: list[int],
+                 dilation: list[int], out: torch.Tensor) -> bool:
+        """``run`` on the patches of a 2-d conv of one group over channels-last u8 codes ``q`` ``(N, C, H, W)``
+        (``native.im2col``'s rows, padding taps at ``zx``; the plan's weights tap by tap, ``K = KH·KW·C``) without them
+        in memory: each thread makes its row tiles' patches where the many-row kernels read them (``linear.c``
+        ``lb_conv_gemm``). ``out``: contiguous ``(N·OH·OW, N_out)`` as ``run``'s. ``False`` (nothing written) where
+        they do not fit, the native build is off, or the many-row kernels do not run (fewer than ``BCAST_M`` rows, no
+        AVX2, a per-token rows mode): the caller's ``im2col`` and ``run`` then give the same output."""
+        _check_conv("LinearPlan.run_conv", zx, stride, padding, dilation)
+        if (not isinstance(kernel, (tuple, list)) or len(kernel) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in kernel)):
+            raise ValueError(f"lowbit.native.LinearPlan.run_conv: kernel={kernel!r} must be two ints >= 1")
+        if zx and not self._plan.wsum:
+            raise ValueError(f"lowbit.native.LinearPlan.run_conv: zx={zx!r} needs a plan made with wsum")
+        lib = _state.get("lib")
+        if (lib is None or _local.__dict__.get("off", False) or q.dtype not in _U8 or q.dim() != 4 or not q.is_cpu
+                or not q.is_contiguous(memory_format=torch.channels_last) or self.mode in _ROWS):
+            return False
+        n, c, h, w = q.shape
+        kh, kw = kernel
+        oh, ow = conv_out_hw(h, w, (kh, kw), stride, padding, dilation)
+        m = n * oh * ow
+        if kh * kw * c != self.k or oh < 1 or ow < 1 or m < BCAST_M or out.shape != (m, self.n) or not out.is_contiguous():
+            return False
+        if self._wp is None:
+            self._pack(lib)
+        if lib.lb_conv_gemm(self._addr, q.data_ptr(), n, c, h, w, kh, kw, stride[0], stride[1], padding[0], padding[1],
+                            dilation[0], dilation[1], zx, oh, ow, out.data_ptr(), _threads(m * self.n * self.k // 16),
+                            _local.__dict__.get("isa", 1)):
+            return False
+        counts[self.name] += 1
+        counts["conv_gemm"] += 1
         return True
 
     def _pack(self, lib: ctypes.CDLL) -> None:

@@ -49,6 +49,8 @@ typedef struct {
     const float *ra, *rs, *fw; void *out; int64_t ldo, n0, n1; int avx2; const int8_t *wp; int vnni;
     const uint8_t *xa; const int32_t *xc, *sw;  /* blk_bcast_s's inputs (xa, xc: blk_sgn's too; NULL elsewhere) */
     uint8_t *tile;  /* blk_bcast_s: this thread's buffer for one row tile's sign codes and row sums (lin_run makes them) */
+    const conv_src *cv; uint8_t *patch;  /* lb_conv_gemm: the rows are cv's patches, one tile at a time into patch */
+    int64_t rb, r_lo;  /* rows per tile (tile_rows); the job's rows are [r_lo, m) */
 } lin_job;
 
 static int32_t cvt_rne(float f) {  /* cvtps2dq */
@@ -495,9 +497,13 @@ static void chunk_sums(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
 #ifndef TILE_BYTES
 #define TILE_BYTES (256 << 10)
 #endif
-static int64_t tile_rows(int64_t m, int64_t k, int packed, int sgn) {
+#ifndef ROWS_SPLIT_BYTES
+#define ROWS_SPLIT_BYTES (64 << 10)
+#endif
+static int64_t tile_rows(int64_t m, int64_t k, int packed, int sgn, int conv) {
     if (!packed) return m;
-    const int64_t row = sgn ? 2 * k : k, r = TILE_BYTES / (row > 0 ? row : 1) / MAX_ROWS * MAX_ROWS;
+    const int64_t row = k * ((sgn ? 2 : 0) + (conv || !sgn ? 1 : 0));  /* (a conv's patch rows too) */
+    const int64_t r = TILE_BYTES / (row > 0 ? row : 1) / MAX_ROWS * MAX_ROWS;
     return r < MAX_ROWS ? (MAX_ROWS < m ? MAX_ROWS : m) : r < m ? r : m;
 }
 
@@ -511,12 +517,20 @@ static void *lin_run(void *p) {
     const lin_job *j0 = p;
     int32_t buf[MAX_ROWS * CB];
     const size_t osz = (j0->mode == 1 || j0->mode == 2) ? 1 : sizeof(float);
-    const int64_t rb = tile_rows(j0->m, j0->k, j0->wp != NULL, j0->tile != NULL), kq8 = (j0->k + 3) / 4 * 8;
+    const int64_t rb = j0->rb, kq8 = (j0->k + 3) / 4 * 8;
     int32_t *txc = j0->tile ? (int32_t *)(j0->tile + rb * kq8) : NULL;  /* the tile's row sums, after its codes */
-    for (int64_t t0 = 0; t0 < j0->m; t0 += rb) {  /* row tiles whose codes stay in L2 while every column chunk reads them */
+    for (int64_t t0 = j0->r_lo; t0 < j0->m; t0 += rb) {  /* row tiles whose codes stay in L2 while every column chunk reads them */
         const int64_t t1 = t0 + rb < j0->m ? t0 + rb : j0->m;
+        const uint8_t *src = j0->x;  /* row r of the codes at src + (r - base) ld */
+        int64_t base = 0, ld = j0->ldx;
+        if (j0->cv) {  /* a conv's patch rows of this tile, made by the thread that reads them (lb_conv_gemm) */
+            lb_im2col_rows(j0->cv, t0, t1, j0->patch);
+            src = j0->patch;
+            base = t0;
+            ld = j0->k;
+        }
         if (j0->tile) {  /* blk_bcast_s's codes of this tile, made by the thread that reads them (file comment) */
-            sign_job sj = {j0->x + t0 * j0->ldx, j0->k, j0->ldx, 0, t1 - t0, j0->tile, txc};
+            sign_job sj = {src + (t0 - base) * ld, j0->k, ld, 0, t1 - t0, j0->tile, txc};
             sign_codes(&sj);
         }
         for (int64_t cs = j0->n0; cs < j0->n1; cs += CB) {
@@ -525,7 +539,8 @@ static void *lin_run(void *p) {
                 lin_job jr = *j0;
                 const lin_job *j = &jr;
                 jr.m = t1 - r0 < MAX_ROWS ? t1 - r0 : MAX_ROWS;
-                jr.x = j0->x + r0 * j0->ldx;
+                jr.x = src + (r0 - base) * ld;
+                jr.ldx = ld;
                 jr.xa = j0->tile ? j0->tile + (r0 - t0) * kq8 : j0->xa ? j0->xa + r0 * kq8 : NULL;
                 jr.xc = j0->tile ? txc + (r0 - t0) : j0->xc ? j0->xc + r0 : NULL;
                 jr.ra = j0->ra ? j0->ra + r0 : NULL;
@@ -717,25 +732,31 @@ typedef struct {
 } lin_plan;
 
 /* out (m, n), row stride n, from u8 codes x (m, k; row stride ldx; zero point zx) through plan p (ra, rs: modes 3
- * and 5's per-row vectors), rows in chunks of MAX_ROWS; the many-row kernel from BCAST_M rows where p->wp is made. Returns 1
- * when out of memory (nothing written). */
-int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, int zx, const float *ra,
-                  const float *rs, void *out, int nthreads, int isa) {
+ * and 5's per-row vectors), rows in chunks of MAX_ROWS; the many-row kernel from BCAST_M rows where p->wp is made. cv
+ * (lb_conv_gemm; x NULL): the rows are cv's patches, made per tile by the threads. Returns 1 when out of memory
+ * (nothing written). */
+static int run_plan(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, int zx, const float *ra,
+                    const float *rs, void *out, int nthreads, int isa, const conv_src *cv) {
     const int avx2 = use_avx2(isa), vnni = use_vnni(isa);
     /* the many-row kernels: blk_bcast_vnni (any plan), blk_bcast (`pairs`), blk_bcast_s (any other plan) */
     const int8_t *wp = avx2 && p->wp && m >= BCAST_M && (vnni || p->pairs || p->sw) ? p->wp : NULL;
     const int sgn = wp && !vnni && !p->pairs;
     const int sgn1 = avx2 && !wp && !vnni && !p->pairs && p->wsum;  /* blk_sgn (few rows) */
     const int64_t k = p->k, n = p->n;
-    const int64_t unit = wp ? NB : NC, blocks = (n + unit - 1) / unit;  /* threads own whole blocks of columns */
-    const int nt = threads_for(nthreads, blocks);
-    /* blk_bcast_s: each thread's buffer for one row tile's codes and row sums (lin_run makes them); blk_sgn: every
-     * row's, made here (sign_rows) */
-    const int64_t rb = tile_rows(m, k, 1, 1), tile_bytes = rb * ((k + 3) / 4) * 8 + rb * 4;
+    const int64_t unit = wp ? NB : NC, blocks = (n + unit - 1) / unit;
+    /* threads own whole blocks of columns; or, where each thread would make the sign codes or patches of every row for
+     * weights small enough to share (n k <= ROWS_SPLIT_BYTES), whole tiles of rows (session 27: SmallCNN's 32 -> 32 3x3
+     * at 2 threads, patches in the call, 0.95 of im2col first with columns split) */
+    const int by_rows = wp && (sgn || cv) && n * k <= ROWS_SPLIT_BYTES;
+    const int nt = threads_for(nthreads, by_rows ? m : blocks);
+    /* each thread's buffers for one row tile: blk_bcast_s's codes and row sums, a conv's patch rows (lin_run makes
+     * them); blk_sgn: every row's codes, made here (sign_rows) */
+    const int64_t rb = tile_rows(m, k, wp != NULL, sgn, cv != NULL);
+    const int64_t tile_bytes = sgn ? rb * ((k + 3) / 4) * 8 + rb * 4 : 0, per_thread = tile_bytes + (cv ? rb * k : 0);
     const size_t xa_bytes = (size_t)(m * ((k + 3) / 4) * 8);
-    const size_t xa_all = sgn ? (size_t)(nt * tile_bytes) : xa_bytes + sizeof(int32_t) * (size_t)m;
+    const size_t xa_all = sgn || cv ? (size_t)(nt * per_thread) : xa_bytes + sizeof(int32_t) * (size_t)m;
     uint8_t *xa = NULL;
-    if (sgn || sgn1) {
+    if (sgn || sgn1 || cv) {
         xa = sign_buffer(xa_all);
         if (!xa) return 1;
     }
@@ -753,7 +774,7 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
                             stride first (128×4096²: 3x faster than thrashing one set with 16 rows) */
     int64_t stride = 4096, g = ldx % 4096;
     while (g) { int64_t t = stride % g; stride = g; g = t; }
-    if (vnni && wp && m >= 4 && 4096 / stride < MBV) {
+    if (vnni && wp && !cv && m >= 4 && 4096 / stride < MBV) {
         const int64_t ldp = (k + 63) / 64 * 64 + 64;
         xp = malloc((size_t)(m * ldp));
         if (!xp) { if (xa) sign_release(xa, xa_all); return 1; }
@@ -763,14 +784,15 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     }
     lin_job jobs[MAX_THREADS];
     for (int t = 0; t < nt; ++t) {
-        int64_t n0 = blocks * t / nt * unit, n1 = blocks * (t + 1) / nt * unit;
-        lin_job jb = {x, m, k, ldx, zx, p->w, p->wsum, p->pairs, p->mode, p->relu, p->sc, p->bias, p->inv, p->z,
-                      p->vlo, p->vhi, p->zo, p->lo, p->hi, ra, rs, p->fw, out, n, n0, n1 < n ? n1 : n, avx2, wp, vnni,
-                      NULL, NULL, NULL, NULL};
+        int64_t n0 = by_rows ? 0 : blocks * t / nt * unit, n1 = by_rows ? n : blocks * (t + 1) / nt * unit;
+        lin_job jb = {x, by_rows ? m * (t + 1) / nt : m, k, ldx, zx, p->w, p->wsum, p->pairs, p->mode, p->relu, p->sc,
+                      p->bias, p->inv, p->z, p->vlo, p->vhi, p->zo, p->lo, p->hi, ra, rs, p->fw, out, n, n0,
+                      n1 < n ? n1 : n, avx2, wp, vnni, NULL, NULL, NULL, NULL, cv, cv ? xa + t * per_thread + tile_bytes : NULL, rb,
+                      by_rows ? m * t / nt : 0};
         if (!sgn && !sgn1 && !p->pairs && !vnni)
             jb.avx2 = 0;  /* (a plan without pairs or wsum: the scalar sums; linear_plan makes wsum for such plans) */
         if (sgn) {
-            jb.tile = xa + t * tile_bytes;
+            jb.tile = xa + t * per_thread;
             jb.sw = p->sw;
         } else if (sgn1) {
             jb.xa = xa;
@@ -783,4 +805,26 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     if (xa) sign_release(xa, xa_all);
     free(xp);
     return 0;
+}
+
+int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, int zx, const float *ra,
+                  const float *rs, void *out, int nthreads, int isa) {
+    return run_plan(p, x, m, ldx, zx, ra, rs, out, nthreads, isa, NULL);
+}
+
+/* A 2-d conv of one group as plan p's Linear over its output pixels (kernels/conv_split.gemm_conv), without the patches
+ * in memory: channels-last u8 codes x (n, h, w, c) on zero point zx, a kh x kw window (conv_src's geometry; p->k =
+ * kh kw c, the weights tap by tap), out (n oh ow, p->n) as run_plan's; each thread makes its tiles' patch rows
+ * (lb_im2col_rows) where the many-row kernels read them (session 27: the patches of SmallCNN's 32 -> 32 3x3 at batch 64
+ * were 3.6 MB written by lb_im2col and read back, ~0.4 ms of a 2.5 ms conv). 1: out of memory; 3: not taken (fewer
+ * than BCAST_M rows, weights not packed, a per-token rows mode, or p->k is not the window's): nothing written. */
+int lb_conv_gemm(const lin_plan *p, const uint8_t *x, int64_t n, int64_t c, int64_t h, int64_t w, int64_t kh,
+                 int64_t kw, int64_t sy, int64_t sx, int64_t py, int64_t px, int64_t dy, int64_t dx, int zx, int64_t oh,
+                 int64_t ow, void *out, int nthreads, int isa) {
+    const int64_t m = n * oh * ow;
+    if (!use_avx2(isa) || !p->wp || m < BCAST_M || p->mode == 3 || p->mode == 5 || p->k != kh * kw * c
+        || (!use_vnni(isa) && !p->pairs && !p->sw))
+        return 3;
+    const conv_src cv = {x, h, w, c, kh, kw, sy, sx, py, px, dy, dx, oh, ow, zx};
+    return run_plan(p, NULL, m, p->k, zx, NULL, NULL, out, nthreads, isa, &cv);
 }

@@ -196,37 +196,40 @@ void lb_to_nchw(const uint8_t *in, int64_t n, int64_t c, int64_t hw, uint8_t *ou
 
 /* ---- patches of a conv (kernels/conv_split.gemm_conv: the conv as the Linear over its output pixels) ---- */
 
-typedef struct {
-    const uint8_t *x; uint8_t *out; int64_t h, w, c, kh, kw, sy, sx, py, px, dy, dx, oh, ow, r0, r1; int zx;
-} col_job;
-
-static void *col_run(void *p) {
-    const col_job *j = p;
-    const int64_t kc = j->kw * j->c;
-    for (int64_t r = j->r0; r < j->r1; ++r) {
-        const int64_t b = r / (j->oh * j->ow), i = r / j->ow % j->oh, jj = r % j->ow;
-        const int64_t x0 = jj * j->sx - j->px;
-        uint8_t *o = j->out + r * j->kh * kc;
-        for (int64_t di = 0; di < j->kh; ++di, o += kc) {
-            const int64_t y = i * j->sy - j->py + di * j->dy;
-            if (y < 0 || y >= j->h) {
-                memset(o, j->zx, (size_t)kc);
+/* rows [r0, r1) of the patches of s (common.h) into out, row r0 first (k = kh kw c bytes a row) */
+void lb_im2col_rows(const conv_src *s, int64_t r0, int64_t r1, uint8_t *out) {
+    const int64_t kc = s->kw * s->c;
+    uint8_t *o = out;
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t b = r / (s->oh * s->ow), i = r / s->ow % s->oh, jj = r % s->ow;
+        const int64_t x0 = jj * s->sx - s->px;
+        for (int64_t di = 0; di < s->kh; ++di, o += kc) {
+            const int64_t y = i * s->sy - s->py + di * s->dy;
+            if (y < 0 || y >= s->h) {
+                memset(o, s->zx, (size_t)kc);
                 continue;
             }
-            const uint8_t *row = j->x + (b * j->h + y) * j->w * j->c;
-            if (j->dx == 1 && x0 >= 0 && x0 + j->kw <= j->w) {  /* the row's kw taps are one run of kw c bytes */
-                memcpy(o, row + x0 * j->c, (size_t)kc);
+            const uint8_t *row = s->x + (b * s->h + y) * s->w * s->c;
+            if (s->dx == 1 && x0 >= 0 && x0 + s->kw <= s->w) {  /* the row's kw taps are one run of kw c bytes */
+                memcpy(o, row + x0 * s->c, (size_t)kc);
                 continue;
             }
-            for (int64_t dj = 0; dj < j->kw; ++dj) {
-                const int64_t x = x0 + dj * j->dx;
-                if (x < 0 || x >= j->w)
-                    memset(o + dj * j->c, j->zx, (size_t)j->c);
+            for (int64_t dj = 0; dj < s->kw; ++dj) {
+                const int64_t x = x0 + dj * s->dx;
+                if (x < 0 || x >= s->w)
+                    memset(o + dj * s->c, s->zx, (size_t)s->c);
                 else
-                    memcpy(o + dj * j->c, row + x * j->c, (size_t)j->c);
+                    memcpy(o + dj * s->c, row + x * s->c, (size_t)s->c);
             }
         }
     }
+}
+
+typedef struct { const conv_src *s; uint8_t *out; int64_t r0, r1; } col_job;
+
+static void *col_run(void *p) {
+    const col_job *j = p;
+    lb_im2col_rows(j->s, j->r0, j->r1, j->out + j->r0 * j->s->kh * j->s->kw * j->s->c);
     return NULL;
 }
 
@@ -236,11 +239,12 @@ static void *col_run(void *p) {
 void lb_im2col(const uint8_t *x, int64_t n, int64_t c, int64_t h, int64_t w, int64_t kh, int64_t kw, int64_t sy,
                int64_t sx, int64_t py, int64_t px, int64_t dy, int64_t dx, int zx, int64_t oh, int64_t ow, uint8_t *out,
                int nthreads) {
+    const conv_src s = {x, h, w, c, kh, kw, sy, sx, py, px, dy, dx, oh, ow, zx};
     col_job jobs[MAX_THREADS];
     const int64_t rows = n * oh * ow;
     int nt = threads_for(nthreads, rows);
     for (int t = 0; t < nt; ++t) {
-        col_job jb = {x, out, h, w, c, kh, kw, sy, sx, py, px, dy, dx, oh, ow, rows * t / nt, rows * (t + 1) / nt, zx};
+        col_job jb = {&s, out, rows * t / nt, rows * (t + 1) / nt};
         jobs[t] = jb;
     }
     fan_out(col_run, jobs, sizeof(col_job), nt);
