@@ -4,8 +4,9 @@
 (kept per shape), shared by ``conv_plan``, the generic ``onednn.conv`` and the split below. ``_wsplit_conv``: an exact
 8-bit conv without VNNI, the weights split into 7-bit halves so ``vpmaddubsw`` cannot saturate on u8 codes (one
 oneDNN call on the unmodified codes, float32 raw sums, ``avx2._acc_epilogue`` or the native epilogue).
-``gemm_conv``: a 2-d conv of one group as the Linear it is over its output pixels (patches by ``native.im2col``),
-``lowbit.native``'s any-code many-row kernel at half the split's multiply-adds (the same sums and epilogue).
+``gemm_conv``: a 2-d conv of one group as the Linear it is over its output pixels (the patches made tile by tile inside
+the native call, ``LinearPlan.run_conv``; ``native.im2col`` first where that declines), ``lowbit.native``'s any-code
+many-row kernel at half the split's multiply-adds (the same sums and epilogue).
 
 >>> import torch
 >>> from lowbit.kernels.conv_split import packed_for_input
@@ -121,9 +122,10 @@ GEMM_MIN_COUT = 32
 def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
               out: OutGrid | None, relu: bool, cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:
     """``_wsplit_conv``'s result, the same codes or floats, for a 2-d conv of one group on a CPU without VNNI, as the
-    Linear it is over its output pixels: ``(N·OH·OW, KH·KW·C_in) · (C_out, KH·KW·C_in)ᵀ`` on the patches
-    (``native.im2col``, for a non-zero input zero point only; a 1x1 conv with stride 1 and no padding reads the
-    channels-last codes as they are), the weights reordered tap by tap once per weight version. The codes go to a
+    Linear it is over its output pixels: ``(N·OH·OW, KH·KW·C_in) · (C_out, KH·KW·C_in)ᵀ`` on the patches (for a
+    non-zero input zero point only; made tile by tile inside the call, ``LinearPlan.run_conv``, else by
+    ``native.im2col`` first; a 1x1 conv with stride 1 and no padding reads the channels-last codes as they are), the
+    weights reordered tap by tap once per weight version. The codes go to a
     ``native.qlinear`` plan
     (``small_m._linear_plan``: the any-code many-row kernel, exact int32 sums ``Σ (q - z_x) q_w``, padding taps at
     ``z_x`` adding 0, then ``fl(fl(acc) · fl(s_x s_w)) + b``, ReLU and lowbit's requantization: ``_acc_epilogue``'s

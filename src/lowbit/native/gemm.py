@@ -16,7 +16,8 @@ reference's floats or codes bit for bit:
     "rows_sub" the same rows unfused: y = fl(fl(t - fl(a_m fw_n)) · s_m) (+ b_n)   (the generic per-token epilogue)
 
 ``qlinear``, ``qlinear_requant`` and ``qlinear_rows`` are the one-shot forms; ``dyn_linear`` the per-token dynamic Linear
-in one call, its row grids and codes included.
+in one call, its row grids and codes included; ``LinearPlan.run_conv`` a 2-d conv's patches as the rows, made tile by
+tile inside the call (``kernels.conv_split.gemm_conv``).
 
 >>> import torch
 >>> from lowbit import native

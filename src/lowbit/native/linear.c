@@ -21,6 +21,8 @@
  *   mode 5  mode 3 unfused: y = fl(fl(t - fl(ra[r] fw[c])) rs[r]) (+ bias[c])  (the generic per-token epilogue's
  *           floats: the 8-bit dynamic Linear without VNNI, at zx = 128 and ra = z_x - 128)
  *   (mode 4, the 8-bit per-token rows' weight split, went in session 26: mode 5 serves those rows at every M)
+ * lb_conv_gemm runs a plan on a 2-d conv's patch rows (kernels/conv_split.gemm_conv), each thread making its tiles'
+ * patches (pool.c lb_im2col_rows) where the many-row kernels read them.
  */
 #include "common.h"
 #include <pthread.h>
