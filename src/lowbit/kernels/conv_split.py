@@ -112,11 +112,14 @@ def _wsplit_conv(entry: Any, q: torch.Tensor, sx: float, zx: int, weight: QTenso
 
 
 # output channels from which gemm_conv runs: below, the codes' per-call sign pass (O(M·K)) and a part-empty block of
-# 16 columns weigh more than the halved multiply-adds (MobileNetV2's 144 -> 24 1x1 at 56², batch 8: 0.89x the split;
-# 24 -> 144: 1.55x). Against the split (session 25, 1 thread, Zen 3): 1x1 convs 1.45-1.60x whatever z_x; k x k convs
-# through the patches 1.13-1.56x on a non-zero input zero point, but 0.93-1.10x (3x3 stride 1) where z_x = 0 (a ReLU's
+# 16 columns weigh more than the halved multiply-adds. Session 25 set 32 (MobileNetV2's 144 -> 24 1x1 at 56², batch 8:
+# 0.89x the split; 24 -> 144: 1.55x). Session 27's cheaper sign codes (made per row tile, vector tails) moved it to 16
+# (1 / 2 threads, Zen 3, against the split, 1x1 at 56² batch 8: 96 -> 16 1.16 / 1.39x, 144 -> 24 1.19 / 1.21x, 96 -> 12
+# 0.99 / 1.06x, 96 -> 8 0.77 / 0.95x, 96 -> 4 0.83 / 0.84x; in MobileNetV2 b8 its three projections to 16 and 24
+# channels 1.14-1.22x). k x k convs through the patches: 1.13-1.56x the split on a non-zero input zero point, but
+# 0.93-1.10x (3x3 stride 1; session 27 with the patches made in the call: 0.99-1.07x) where z_x = 0 (a ReLU's
 # output: oneDNN's call then skips its zero-point compensation), so those keep the split.
-GEMM_MIN_COUT = 32
+GEMM_MIN_COUT = 16
 
 
 def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
