@@ -504,7 +504,9 @@ def test_conv_patches_made_in_the_call_are_im2cols_rows(threads: int, body: str,
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(271)
-    cases = [(3, (1, 1), 2, 0, 1), (5, (3, 3), 1, 1, 1), (40, (3, 3), 1, 1, 1), (7, (5, 2), 2, 2, 1), (4, (3, 3), 1, 2, 2)]
+    # (the last: 27 codes a row, fewer than 32 and not a multiple of 4)
+    cases = [(3, (1, 1), 2, 0, 1), (5, (3, 3), 1, 1, 1), (40, (3, 3), 1, 1, 1), (7, (5, 2), 2, 2, 1), (4, (3, 3), 1, 2, 2),
+             (3, (3, 3), 1, 1, 1)]
     try:
         for (c, (kh, kw), s, p, d), zx, pairs in itertools.product(cases, (0, 200), (False, True)):
             hw = 30 if c == 40 else 11
@@ -543,6 +545,8 @@ def test_conv_patches_in_the_call_decline_what_does_not_fit_and_name_wrong_value
     assert not plan.run_conv(q, 0, (3, 2), [1, 1], [1, 1], [1, 1], out)  # 12 taps, not 18
     assert not plan.run_conv(q, 0, (3, 3), [5, 5], [0, 0], [1, 1], torch.empty(1, 4))  # one output pixel
     assert not plan.run_conv(q, 0, (3, 3), [1, 1], [0, 0], [3, 3], out)  # the dilated window past the input
+    empty = torch.zeros(1, 2, 0, 3, dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    assert not plan.run_conv(empty, 0, (3, 3), [1, 1], [2, 1], [1, 1], torch.empty(6, 4))  # no pixels (im2col declines)
     rows = native.linear_plan(w, "rows_sub", torch.ones(4), fw=torch.ones(4))
     assert rows is not None and not rows.run_conv(q, 0, (3, 3), [1, 1], [1, 1], [1, 1], out)
     with pytest.raises(ValueError, match="zx=300"):

@@ -114,7 +114,7 @@ class LinearPlan:
             raise ValueError(f"lowbit.native.LinearPlan.run_conv: zx={zx!r} needs a plan made with wsum")
         lib = _state.get("lib")
         if (lib is None or _local.__dict__.get("off", False) or q.dtype not in _U8 or q.dim() != 4 or not q.is_cpu
-                or not q.is_contiguous(memory_format=torch.channels_last) or self.mode in _ROWS):
+                or q.numel() == 0 or not q.is_contiguous(memory_format=torch.channels_last) or self.mode in _ROWS):
             return False
         n, c, h, w = q.shape
         kh, kw = kernel

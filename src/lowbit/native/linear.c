@@ -754,7 +754,9 @@ static int run_plan(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx,
     /* each thread's buffers for one row tile: blk_bcast_s's codes and row sums, a conv's patch rows (lin_run makes
      * them); blk_sgn: every row's codes, made here (sign_rows) */
     const int64_t rb = tile_rows(m, k, wp != NULL, sgn, cv != NULL);
-    const int64_t tile_bytes = sgn ? rb * ((k + 3) / 4) * 8 + rb * 4 : 0, per_thread = tile_bytes + (cv ? rb * k : 0);
+    const int64_t tile_bytes = sgn ? rb * ((k + 3) / 4) * 8 + rb * 4 : 0;
+    /* (each thread's slice on whole cache lines, so its int32 row sums stay aligned after an odd patch size) */
+    const int64_t per_thread = (tile_bytes + (cv ? rb * k : 0) + 63) & ~(int64_t)63;
     const size_t xa_bytes = (size_t)(m * ((k + 3) / 4) * 8);
     const size_t xa_all = sgn || cv ? (size_t)(nt * per_thread) : xa_bytes + sizeof(int32_t) * (size_t)m;
     uint8_t *xa = NULL;
@@ -789,8 +791,8 @@ static int run_plan(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx,
         int64_t n0 = by_rows ? 0 : blocks * t / nt * unit, n1 = by_rows ? n : blocks * (t + 1) / nt * unit;
         lin_job jb = {x, by_rows ? m * (t + 1) / nt : m, k, ldx, zx, p->w, p->wsum, p->pairs, p->mode, p->relu, p->sc,
                       p->bias, p->inv, p->z, p->vlo, p->vhi, p->zo, p->lo, p->hi, ra, rs, p->fw, out, n, n0,
-                      n1 < n ? n1 : n, avx2, wp, vnni, NULL, NULL, NULL, NULL, cv, cv ? xa + t * per_thread + tile_bytes : NULL, rb,
-                      by_rows ? m * t / nt : 0};
+                      n1 < n ? n1 : n, avx2, wp, vnni, NULL, NULL, NULL, NULL, cv,
+                      cv ? xa + t * per_thread + tile_bytes : NULL, rb, by_rows ? m * t / nt : 0};
         if (!sgn && !sgn1 && !p->pairs && !vnni)
             jb.avx2 = 0;  /* (a plan without pairs or wsum: the scalar sums; linear_plan makes wsum for such plans) */
         if (sgn) {

@@ -233,7 +233,7 @@ static void *sc_run(void *arg) {
             const int64_t rw = t / per_row, ci = rw / j->kh, i = rw % j->kh;
             const int64_t off = (ci * hp + y * j->sy + i * j->dy) * wpad + 4 * (t % per_row);
             qp[t] = pad + off;
-            qp16[t] = j->pad16 + off;
+            if (j->body == 1) qp16[t] = j->pad16 + off;
         }
         if (j->body == 1)
             px_avx2(j, qp16, ow, j->out + (n * oh + y) * ow * j->cout);
