@@ -16,9 +16,10 @@
 
 #define MAX_THREADS 64
 
-/* A 2-d conv's input as the rows of its patches (pool.c lb_im2col_rows; linear.c lb_conv_gemm): channels-last u8 codes x
- * (n, h, w, c), a kh x kw window at strides (sy, sx), padding (py, px), dilation (dy, dx), output oh x ow, padding taps
- * at the zero point zx. Row (b oh + i) ow + jj holds output pixel (b, i, jj)'s window tap by tap ((di kw + dj) c + ch). */
+/* A 2-d conv's input as the rows of its patches (pool.c lb_im2col_rows; linear.c lb_conv_gemm): channels-last u8
+ * codes x (n, h, w, c), a kh x kw window at strides (sy, sx), padding (py, px), dilation (dy, dx), output oh x ow,
+ * padding taps at the zero point zx. Row (b oh + i) ow + jj holds output pixel (b, i, jj)'s window tap by tap
+ * ((di kw + dj) c + ch). */
 typedef struct { const uint8_t *x; int64_t h, w, c, kh, kw, sy, sx, py, px, dy, dx, oh, ow; int zx; } conv_src;
 void lb_im2col_rows(const conv_src *s, int64_t r0, int64_t r1, uint8_t *out);
 

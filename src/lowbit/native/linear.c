@@ -50,7 +50,7 @@ typedef struct {
     int pairs, mode, relu; const float *sc, *bias; float inv, z, vlo, vhi; int32_t zo, lo, hi;
     const float *ra, *rs, *fw; void *out; int64_t ldo, n0, n1; int avx2; const int8_t *wp; int vnni;
     const uint8_t *xa; const int32_t *xc, *sw;  /* blk_bcast_s's inputs (xa, xc: blk_sgn's too; NULL elsewhere) */
-    uint8_t *tile;  /* blk_bcast_s: this thread's buffer for one row tile's sign codes and row sums (lin_run makes them) */
+    uint8_t *tile;  /* blk_bcast_s: this thread's buffer for a row tile's sign codes and row sums (lin_run makes them) */
     const conv_src *cv; uint8_t *patch;  /* lb_conv_gemm: the rows are cv's patches, one tile at a time into patch */
     int64_t rb, r_lo;  /* rows per tile (tile_rows); the job's rows are [r_lo, m) */
 } lin_job;
@@ -509,9 +509,9 @@ static int64_t tile_rows(int64_t m, int64_t k, int packed, int sgn, int conv) {
     return r < MAX_ROWS ? (MAX_ROWS < m ? MAX_ROWS : m) : r < m ? r : m;
 }
 
-/* blk_bcast_s's codes of u8 x (rows [r0, r1) of k codes; row stride ldx), a = q ^ 0x80 = q - 128: per row, each group of
- * 4 codes as |a| then the mask s = (a < 0 ? 0xFF : 0), 8 bytes per group, zeros past k (rows of 8 kq bytes, kq =
- * ceil(k / 4), in xa), and xc[r] = Σ_{a < 0} |a| (sign_codes) */
+/* blk_bcast_s's codes of u8 x (rows [r0, r1) of k codes; row stride ldx), a = q ^ 0x80 = q - 128: per row, each
+ * group of 4 codes as |a| then the mask s = (a < 0 ? 0xFF : 0), 8 bytes per group, zeros past k (rows of 8 kq bytes,
+ * kq = ceil(k / 4), in xa), and xc[r] = Σ_{a < 0} |a| (sign_codes) */
 typedef struct { const uint8_t *x; int64_t k, ldx, r0, r1; uint8_t *xa; int32_t *xc; } sign_job;
 static void *sign_codes(void *p);
 
@@ -521,7 +521,8 @@ static void *lin_run(void *p) {
     const size_t osz = (j0->mode == 1 || j0->mode == 2) ? 1 : sizeof(float);
     const int64_t rb = j0->rb, kq8 = (j0->k + 3) / 4 * 8;
     int32_t *txc = j0->tile ? (int32_t *)(j0->tile + rb * kq8) : NULL;  /* the tile's row sums, after its codes */
-    for (int64_t t0 = j0->r_lo; t0 < j0->m; t0 += rb) {  /* row tiles whose codes stay in L2 while every column chunk reads them */
+    /* row tiles whose codes stay in L2 while every column chunk reads them */
+    for (int64_t t0 = j0->r_lo; t0 < j0->m; t0 += rb) {
         const int64_t t1 = t0 + rb < j0->m ? t0 + rb : j0->m;
         const uint8_t *src = j0->x;  /* row r of the codes at src + (r - base) ld */
         int64_t base = 0, ld = j0->ldx;
@@ -583,8 +584,8 @@ static inline void sign32(const __m256i v, uint8_t *dst, __m256i *neg) {
     _mm256_storeu_si256((__m256i *)(dst + 32), g47);
 }
 
-/* sign_codes for dense rows of fewer than 32 codes, k % 8 == 0 (session 26): there each group of 4 codes maps to 8 bytes whatever
- * its row, so the rows' codes go through sign32 as one array, 32 at a time, and each 64-bit lane of the negative
+/* sign_codes for dense rows of fewer than 32 codes, k % 8 == 0 (session 26): there each group of 4 codes maps to 8
+ * bytes whatever its row, so the rows' codes go through sign32 as one array, 32 at a time, and each 64-bit lane of the negative
  * sums (8 codes) belongs to one row; only the array's last 8-24 codes take the padded block. Rows with fewer than
  * 32 codes (an image model's 1x1 convs: k = 16, 24) ran the padded block on every row before: 100352 × 16 codes 2.0
  * ms of the 8.7 ms Linear. */
@@ -747,8 +748,8 @@ static int run_plan(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx,
     const int64_t k = p->k, n = p->n;
     const int64_t unit = wp ? NB : NC, blocks = (n + unit - 1) / unit;
     /* threads own whole blocks of columns; or, where each thread would make the sign codes or patches of every row for
-     * weights small enough to share (n k <= ROWS_SPLIT_BYTES), whole tiles of rows (session 27: SmallCNN's 32 -> 32 3x3
-     * at 2 threads, patches in the call, 0.95 of im2col first with columns split) */
+     * weights small enough to share (n k <= ROWS_SPLIT_BYTES), whole tiles of rows (session 27: with columns split, a
+     * 16 -> 32 3x3 at batch 64 made its patches on both threads and ran at 0.95x im2col first, 2 threads) */
     const int by_rows = wp && (sgn || cv) && n * k <= ROWS_SPLIT_BYTES;
     const int nt = threads_for(nthreads, by_rows ? m : blocks);
     /* each thread's buffers for one row tile: blk_bcast_s's codes and row sums, a conv's patch rows (lin_run makes

@@ -59,7 +59,7 @@ static inline void store16(uint8_t *o, __m128i v, int64_t n) {
 
 /* (p_2g, p_2g+1) of window i as an int32 of two int16 halves, for vpmaddwd: one 4-byte read of the image widened to
  * int16 (sc_run), which the compiler folds into the broadcast (session 27: the pair built from two byte reads, a shift
- * and an or cost ~6 instructions a broadcast; SmallCNN's 1 -> 16 conv at batch 64 went from ~740 to ~450 µs) */
+ * and an or cost ~6 instructions a broadcast; SmallCNN's 1 -> 16 conv at batch 64 went from ~720 to ~540-590 µs) */
 static inline int32_t pair16(const int16_t *const *q, int64_t g, int64_t off) {
     int32_t v;
     memcpy(&v, q[g >> 1] + off + 2 * (g & 1), 4);
