@@ -1,14 +1,16 @@
 """Helpers shared by several test modules (not a test module): a state_dict round trip, thread-count fixtures,
 ``force`` (pin the CPU kernel route: VNNI or not, fbgemm or oneDNN only).
 
-``threads(n)`` makes an autouse fixture: a test module that binds or imports it runs with ``torch.set_num_threads(n)``
-and the previous count comes back afterwards. ``one_thread`` (module scope) is the common one: the 2 shared cores
-are oversubscribed otherwise, ~10x slower; the real-data files bind ``threads(2, ...)``: their floors were
-measured at 2 threads.
+``split_over(threads, monkeypatch)``: a block on ``threads`` torch threads with every ``lowbit.native`` pass split over
+them (1: never split). ``threads(n)`` makes an autouse fixture: a test module that binds or imports it runs with
+``torch.set_num_threads(n)`` and the previous count comes back afterwards. ``one_thread`` (module scope) is the common
+one: the 2 shared cores are oversubscribed otherwise, ~10x slower; the real-data files bind ``threads(2, ...)``: their
+floors were measured at 2 threads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +28,20 @@ def roundtrip(mod: nn.Module) -> dict:
     sd = torch.load(buf, weights_only=True)
     assert all(isinstance(v, torch.Tensor) for v in sd.values())
     return sd
+
+
+@contextlib.contextmanager
+def split_over(threads: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``threads`` torch threads, every native pass split over them (1: never split); the count restored after."""
+    from lowbit import native
+
+    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def threads(n: int, scope: str = "module", name: str = "one_thread") -> Any:

@@ -12,7 +12,7 @@ import re
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,7 +27,7 @@ from lowbit.nn.quantized.dynamic import no_vnni
 from lowbit.nn.quantized.dynamic import per_token as pt
 from lowbit.nn.quantized.dynamic import reduced
 
-from helpers import force
+from helpers import force, split_over
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"lowbit.native not built: {native.reason()}")
 BODIES = ["best", "scalar"]
@@ -38,18 +38,6 @@ def _body(name: str) -> contextlib.AbstractContextManager[None]:
     if name == "avx2":
         return native.force_avx2()
     return native.force_scalar() if name == "scalar" else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _split_over(threads: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """``threads`` torch threads, every native pass split over them (1: never split)."""
-    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _native_and_torch(body: str, f: Callable[[], Any]) -> tuple[Any, Any, dict[str, int]]:
@@ -94,7 +82,7 @@ def _torch_grid(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tenso
 @pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_row_grid_is_the_torch_ops(body: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    with _split_over(threads, monkeypatch), _body(body):
+    with split_over(threads, monkeypatch), _body(body):
         for x in _rows(threads):
             s, nz = _torch_grid(x, 127)
             u = torch.mul(x, torch.reciprocal(s)).sub_(nz).clamp_max_(127)
@@ -131,7 +119,7 @@ def test_non_finite_rows_and_misfits_are_left_to_torch(body: str) -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_row_epilogue_is_addcmul_or_sub(body: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(1)
-    with _split_over(threads, monkeypatch), _body(body):
+    with split_over(threads, monkeypatch), _body(body):
         for m, n in [(1, 1), (3, 7), (5, 8), (17, 45), (64, 129)]:
             raw = torch.randn(m, n, generator=g) * 300
             a = torch.round(torch.randn(m, 1, generator=g) * 100)
@@ -308,7 +296,7 @@ def test_max_pool_of_codes_is_the_window_maximum(body: str, threads: int, monkey
     g = torch.Generator().manual_seed(5)
     cases = [((3, 16, 28, 28), 2, 2, 2, 2), ((2, 37, 9, 11), 3, 3, 2, 2), ((2, 64, 8, 8), 2, 2, 1, 1),
              ((1, 5, 4, 4), 4, 4, 4, 4), ((2, 48, 7, 6), 3, 2, 2, 3), ((1, 33, 5, 5), 1, 1, 2, 2)]
-    with _split_over(threads, monkeypatch), _body(body):
+    with split_over(threads, monkeypatch), _body(body):
         for dt, lo, hi in ((torch.uint8, 0, 256), (torch.int8, -128, 128)):
             for shape, kh, kw, sh, sw in cases:
                 q = torch.randint(lo, hi, shape, generator=g, dtype=dt).contiguous(memory_format=torch.channels_last)
@@ -332,7 +320,7 @@ def test_codes_to_channels_last_is_the_torch_copy(threads: int, monkeypatch: pyt
     """NCHW 8-bit codes into channels-last memory: the values torch's copy gives, three-channel images (their own
     loop) and others, pixel counts off the 64-pixel blocks; other layouts and dtypes are declined."""
     g = torch.Generator().manual_seed(6)
-    with _split_over(threads, monkeypatch):
+    with split_over(threads, monkeypatch):
         for shape in [(4, 3, 30, 31), (2, 1, 5, 5), (3, 37, 9, 7), (1, 64, 16, 16), (2, 3, 1, 1)]:
             for dt, lo, hi in ((torch.uint8, 0, 256), (torch.int8, -128, 128)):
                 q = torch.randint(lo, hi, shape, generator=g, dtype=dt)
@@ -392,7 +380,7 @@ def test_codes_to_contiguous_is_the_torch_copy(threads: int, monkeypatch: pytest
     16-channel tiles, pixel counts on and off the 16-pixel tiles and 64-pixel blocks; other layouts and dtypes are
     declined."""
     g = torch.Generator().manual_seed(7)
-    with _split_over(threads, monkeypatch):
+    with split_over(threads, monkeypatch):
         for shape in [(64, 32, 7, 7), (2, 3, 5, 5), (3, 17, 9, 11), (1, 16, 4, 4), (5, 48, 16, 16), (2, 33, 1, 70),
                       (2, 1, 3, 3), (1, 16, 8, 8)]:
             for dt, lo, hi in ((torch.uint8, 0, 256), (torch.int8, -128, 128)):
@@ -433,7 +421,7 @@ def test_dequantize_is_torchs(body: str, threads: int, monkeypatch: pytest.Monke
     """``native.dequantize``: torch's per-tensor dequantize bit for bit (uint8 and int8 codes, every code, lengths on and
     off the 32- and 16-code vector steps, channels-last kept); non-dense or non-8-bit codes declined; bad grids raise."""
     g = torch.Generator().manual_seed(11)
-    with _split_over(threads, monkeypatch), _body(body):
+    with split_over(threads, monkeypatch), _body(body):
         for dt, lo, hi in ((torch.uint8, 0, 256), (torch.int8, -128, 128)):
             for shape in [(256,), (1,), (15,), (31,), (33,), (3, 47), (2, 5, 7, 9), (1000,)]:
                 q = torch.randint(lo, hi, shape, generator=g, dtype=dt)

@@ -22,7 +22,7 @@ import lowbit as Q
 from lowbit import native
 from lowbit.native.gemm import pack_bcast
 
-from helpers import force
+from helpers import force, split_over
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"lowbit.native not built: {native.reason()}")
 needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="no fbgemm in torch")
@@ -55,12 +55,9 @@ def test_requant_mode_is_fbgemm_quantized_linear(body: str, threads: int, monkey
     """Codes ≤ 127 against any int8 weight and 8-bit codes against saturation-safe weights, M from 1 (the dot
     products) to 133 (the packed kernels' row blocks with every remainder, over three row chunks), K and N with every
     tail, zero points 0 / 57, bias or none, ReLU, output scales that saturate both ends: fbgemm's codes exactly."""
-    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(threads)
     wrong = []
-    try:
+    with split_over(threads, monkeypatch):
         for m, k, n, seven in itertools.product((1, 2, 3, 15, 27, 64, 133), (5, 32, 100, 769), (1, 7, 13, 70),
                                                 (True, False)):
             hi_x, w_lo, w_hi = (127, -128, 127) if seven else (255, -64, 64)
@@ -78,8 +75,6 @@ def test_requant_mode_is_fbgemm_quantized_linear(body: str, threads: int, monkey
                     got = native.qlinear_requant(q, zx, w, None, mult, bterm, zo, zo if relu else 0, 255, True)
                 if got is None or not torch.equal(got, ref):
                     wrong.append((m, k, n, seven, zx, has_bias, relu))
-    finally:
-        torch.set_num_threads(old)
     assert not wrong, wrong[:5]
 
 
@@ -117,11 +112,8 @@ def test_many_row_tiles_give_every_row_its_sums(threads: int, body: str, monkeyp
     """Rows past one L2 tile of the many-row kernels (``linear.c`` ``tile_rows``: 256 KiB of codes, 2 bytes a code for
     8-bit codes without VNNI), with a part tile and a part row chunk at the end, columns past one chunk, both plan kinds:
     every row's exact sums, in "codes" mode too (where a lost or repeated tile would leave or overwrite codes)."""
-    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(26)
-    try:
+    with split_over(threads, monkeypatch):
         for m, k, pairs in ((777, 1000, False), (777, 1000, True), (300, 4100, False)):  # tiles of 128 / 256 / 0 rows
             q = torch.randint(0, 128 if pairs else 256, (m, k), generator=g, dtype=torch.uint8)
             w = torch.randint(-128, 128, (70, k), generator=g, dtype=torch.int8)
@@ -133,8 +125,6 @@ def test_many_row_tiles_give_every_row_its_sums(threads: int, body: str, monkeyp
                 assert plan is not None and plan.run(q, 5, y) and codes is not None and codes.run(q, 5, c)
             assert torch.equal(y, want), (m, k, pairs)
             assert torch.equal(c, (want / 64).round().add(100).clamp(0, 255).to(torch.uint8)), (m, k, pairs)
-    finally:
-        torch.set_num_threads(old)
 
 
 @needs_native
@@ -144,11 +134,8 @@ def test_sign_codes_of_every_row_length_give_the_exact_sums(threads: int, monkey
     as one array (``sign_flat``, dense) or row by row (strided), whole vectors only, tails of 8 / 16 / 24 codes by vector
     loads, other tails through the padded block; dense and strided rows; rows past one per-thread tile (session 27:
     each thread makes its tile's codes). Every row's exact sums, and the 128-crossing codes at both ends."""
-    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(27)
-    try:
+    with split_over(threads, monkeypatch):
         for k in (8, 16, 24, 32, 40, 56, 64, 100, 136, 144, 152, 301):
             m = 3300 if k == 40 else 70  # (k = 40: tiles of 3264 rows, so a second, part tile)
             for wide in (0, 8):
@@ -160,8 +147,6 @@ def test_sign_codes_of_every_row_length_give_the_exact_sums(threads: int, monkey
                 with _body("avx2"):
                     assert plan is not None and plan.run(q, 3, y)
                 assert torch.equal(y, ((q.int() - 3) @ w.int().t()).float()), (k, wide)
-    finally:
-        torch.set_num_threads(old)
 
 
 @needs_native
@@ -196,11 +181,8 @@ def test_any_code_many_row_kernel_is_exact_at_the_ends_of_both_ranges(threads: i
     every ``k`` tail past its groups of 4 and 32, rows past a row chunk, input zero points 0 / 128 / 255, a one-row
     view of a wider row. A plan packed under the best body (VNNI where the CPU has it) gives the same sums when the
     AVX2 body runs it."""
-    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(25)
-    try:
+    with split_over(threads, monkeypatch):
         for m, k in itertools.product((1, 2, 5, 66), (1, 3, 4, 31, 33, 64, 385, 1000)):  # (66 × 1000: the threaded pass)
             for qv, wv in itertools.product((0, 127, 128, 255, None), (-128, -127, 127, 0, None)):
                 q = (torch.randint(0, 256, (m, k + 7), generator=g, dtype=torch.uint8) if qv is None
@@ -218,8 +200,6 @@ def test_any_code_many_row_kernel_is_exact_at_the_ends_of_both_ranges(threads: i
                         with _body(body) if body == "avx2" else contextlib.nullcontext():
                             assert plan.run(q, zx, y)
                         assert torch.equal(y, want), (m, k, qv, wv, zx, body)
-    finally:
-        torch.set_num_threads(old)
 
 
 @needs_native
@@ -411,10 +391,7 @@ def test_dynamic_vnni_fused_call_is_the_two_call_path(threads: int, monkeypatch:
         took.append(y is not None)
         return y
     g = torch.Generator().manual_seed(21)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
-    try:
+    with split_over(threads, monkeypatch):
         for k, n, bias in ((48, 40, True), (1, 24, False), (96, 7, False), (768, 64, True)):
             torch.manual_seed(k + n)
             mod = DLinear.from_float(nn.Linear(k, n, bias=bias))
@@ -455,8 +432,6 @@ def test_dynamic_vnni_fused_call_is_the_two_call_path(threads: int, monkeypatch:
             want = mod(x)
             monkeypatch.setattr(native, "dyn_linear", real)
             assert torch.allclose(y, want, rtol=0, atol=0, equal_nan=True)  # (the generic path's result)
-    finally:
-        torch.set_num_threads(old)
 
 
 @needs_native
@@ -465,11 +440,8 @@ def test_im2col_is_torchs_unfold_tap_by_tap(threads: int, monkeypatch: pytest.Mo
     """``native.im2col``: row ``(n OH + i) OW + j`` holds output pixel ``(n, i, j)``'s window tap by tap (``(di KW + dj)
     C + c``), padding at the input zero point: ``F.unfold`` of ``q - z_x`` (which pads with 0), reordered, for
     kernels 1-5, strides, paddings and dilations, channels 1-17; an NCHW input or a bad geometry is refused."""
-    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(11)
-    try:
+    with split_over(threads, monkeypatch):
         for c, (kh, kw), s, p, d, zx in itertools.product((1, 3, 17), ((1, 1), (3, 3), (5, 2)), (1, 2), (0, 1, 2),
                                                          (1, 2), (0, 200)):
             q = torch.randint(0, 256, (2, c, 9, 8), generator=g, dtype=torch.uint8)
@@ -481,8 +453,6 @@ def test_im2col_is_torchs_unfold_tap_by_tap(threads: int, monkeypatch: pytest.Mo
             u = torch.nn.functional.unfold(q.float() - zx, (kh, kw), dilation=d, padding=p, stride=s)  # (n, c kh kw, L)
             want = u.view(2, c, kh * kw, -1).permute(0, 3, 2, 1).reshape(-1, kh * kw * c)
             assert cols is not None and torch.equal(cols.float() - zx, want), (c, kh, kw, s, p, d, zx)
-    finally:
-        torch.set_num_threads(old)
     assert native.im2col(torch.zeros(1, 2, 3, 3, dtype=torch.uint8), 0, (1, 1), [1, 1], [0, 0], [1, 1]) is None  # NCHW
     with pytest.raises(ValueError, match="stride"):
         native.im2col(torch.zeros(1, 2, 3, 3, dtype=torch.uint8), 0, (1, 1), [0, 1], [0, 0], [1, 1])
@@ -500,14 +470,11 @@ def test_conv_patches_made_in_the_call_are_im2cols_rows(threads: int, body: str,
     dilations, zero points 0 and 200, both plan kinds (7-bit codes with ``pairs``; any codes), "float" / "codes" /
     "requant", rows past one tile (the 3x3 of 40 channels at 2 x 30 x 29: 1740 rows of 360 codes, tiles of 192 rows for
     any codes, 704 for 7-bit ones)."""
-    monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(271)
     # (the last: 27 codes a row, fewer than 32 and not a multiple of 4)
     cases = [(3, (1, 1), 2, 0, 1), (5, (3, 3), 1, 1, 1), (40, (3, 3), 1, 1, 1), (7, (5, 2), 2, 2, 1), (4, (3, 3), 1, 2, 2),
              (3, (3, 3), 1, 1, 1)]
-    try:
+    with split_over(threads, monkeypatch):
         for (c, (kh, kw), s, p, d), zx, pairs in itertools.product(cases, (0, 200), (False, True)):
             hw = 30 if c == 40 else 11
             q = torch.randint(0, 128 if pairs else 256, (2, c, hw, hw - 1), generator=g, dtype=torch.uint8)
@@ -528,8 +495,6 @@ def test_conv_patches_made_in_the_call_are_im2cols_rows(threads: int, body: str,
                     assert plan.run(rows, zx, want)
                     assert plan.run_conv(q, zx, (kh, kw), [s, s], [p, p], [d, d], got)
                 assert torch.equal(got, want), (c, kh, kw, s, p, d, zx, pairs, plan.mode)
-    finally:
-        torch.set_num_threads(old)
 
 
 @needs_native
