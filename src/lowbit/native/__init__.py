@@ -264,6 +264,13 @@ def _check_conv(fn: str, zx: int, stride: list[int], padding: list[int], dilatio
                          "two values each, stride and dilation >= 1, padding >= 0")
 
 
+def _check_kernel(fn: str, kernel: tuple[int, int]) -> None:
+    """A native 2-d conv's window (raise naming the value): two ints of at least 1."""
+    if (not isinstance(kernel, (tuple, list)) or len(kernel) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in kernel)):
+        raise ValueError(f"lowbit.native.{fn}: kernel={kernel!r} must be two ints >= 1")
+
+
 def conv_out_hw(h: int, w: int, kernel: tuple[int, int], stride: list[int], padding: list[int],
                 dilation: list[int]) -> tuple[int, int]:
     """A 2-d conv's output height and width: ``(h + 2 p - d (k - 1) - 1) // s + 1`` per axis (≤ 0: no output).

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from . import _channel_vectors, _check_conv, _check_grid, _lib, _local, _state, _threads, conv_out_hw, counts, vnni
+from . import _channel_vectors, _check_conv, _check_grid, _check_kernel, _lib, _local, _state, _threads, conv_out_hw, counts, vnni
 from .layers import empty_codes
 
 __all__ = ["MAX_ROWS", "BCAST_M", "LinearPlan", "linear_plan", "pack_bcast", "qlinear", "qlinear_requant", "qlinear_rows",
@@ -107,9 +107,7 @@ class LinearPlan:
         they do not fit, the native build is off, or the many-row kernels do not run (fewer than ``BCAST_M`` rows, no
         AVX2, a per-token rows mode): the caller's ``im2col`` and ``run`` then give the same output."""
         _check_conv("LinearPlan.run_conv", zx, stride, padding, dilation)
-        if (not isinstance(kernel, (tuple, list)) or len(kernel) != 2
-                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in kernel)):
-            raise ValueError(f"lowbit.native.LinearPlan.run_conv: kernel={kernel!r} must be two ints >= 1")
+        _check_kernel("LinearPlan.run_conv", kernel)
         if zx and not self._plan.wsum:
             raise ValueError(f"lowbit.native.LinearPlan.run_conv: zx={zx!r} needs a plan made with wsum")
         lib = _state.get("lib")

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from . import _channel_vectors, _check_conv, conv_out_hw, _check_grid, _lib, _local, _threads, counts
+from . import _channel_vectors, _check_conv, _check_kernel, conv_out_hw, _check_grid, _lib, _local, _threads, counts
 
 __all__ = ["conv_epilogue", "dw_weight", "dwconv", "empty_codes", "maxpool_codes", "to_channels_last"]
 
@@ -193,9 +193,7 @@ def im2col(q: torch.Tensor, zx: int, kernel: tuple[int, int], stride: list[int],
     True
     """
     _check_conv("im2col", zx, stride, padding, dilation)
-    if (not isinstance(kernel, (tuple, list)) or len(kernel) != 2
-            or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in kernel)):
-        raise ValueError(f"lowbit.native.im2col: kernel={kernel!r} must be two ints >= 1")
+    _check_kernel("im2col", kernel)
     lib = _lib()
     if (lib is None or q.dtype != torch.uint8 or q.dim() != 4 or not q.is_cpu or q.numel() == 0
             or not q.is_contiguous(memory_format=torch.channels_last)):
