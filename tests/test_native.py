@@ -264,6 +264,71 @@ def test_native_depthwise_conv_is_the_split_oneDNN_conv(body: str, c: int, k: in
     assert ran.get("dwconv") == 1 and torch.equal(y, ref)
 
 
+def _dw_reference(q: torch.Tensor, zx: int, taps: torch.Tensor, stride: list[int], padding: list[int],
+                  dilation: list[int], scale: torch.Tensor, bias: torch.Tensor | None, inv: float, z: int, lo: int,
+                  hi: int) -> torch.Tensor:
+    """``native.dwconv``'s codes spelled out: exact sums of ``(q - zx) w`` over the in-bounds taps (float64 conv of
+    integers), then ``acc_code``'s float32 steps in its order (clamps to ``[lo - z, hi - z]`` only where finite)."""
+    c = q.shape[1]
+    w = taps.permute(2, 0, 1).unsqueeze(1).double()
+    acc = torch.nn.functional.conv2d(q.double() - zx, w, None, stride, padding, dilation, groups=c)
+    t = acc.float() * scale.view(1, c, 1, 1)
+    if bias is not None:
+        t = t + bias.view(1, c, 1, 1)
+    v = t * torch.tensor(inv, dtype=torch.float32)
+    if lo > 0:
+        v = v.clamp(min=float(lo - z))
+    if hi < 255:
+        v = v.clamp(max=float(hi - z))
+    return torch.round(v + float(z)).clamp(0, 255).to(torch.uint8)
+
+
+def _dw_cases() -> list[tuple]:
+    """Geometries for the depthwise bodies: channel counts with and without a 16-channel tail, odd and even taps
+    (1 to 64), strides, dilations, paddings past the kernel (rows of padding only), odd output widths (a last
+    pixel alone), zero points 0 / 128 / 255, clamps finite and not, and scales sending codes far past [0, 255]."""
+    g = torch.Generator().manual_seed(28)
+    out = []
+    fixed = [(16, 3, 3, 1, 1, 1), (33, 3, 3, 2, 1, 1), (48, 5, 5, 1, 2, 2), (17, 1, 1, 1, 0, 1), (32, 8, 8, 1, 3, 1),
+             (64, 2, 3, 2, 4, 1), (5, 3, 3, 1, 1, 1), (96, 3, 3, 2, 1, 1)]
+    for i in range(36):
+        if i < len(fixed):
+            c, kh, kw, s, p, d = fixed[i]
+        else:
+            r = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=g))  # noqa: E731
+            c, kh, kw, s, p, d = r(1, 70), r(1, 5), r(1, 5), r(1, 3), r(0, 4), r(1, 2)
+        zx = (0, 128, 255, int(torch.randint(0, 256, (), generator=g)))[i % 4]
+        z = int(torch.randint(0, 256, (), generator=g))
+        lo, hi = ((0, 255), (z, 255), (max(z - 40, 0), min(z + 40, 255)), (0, z))[i % 4]
+        inv = (0.02, 3e9, 1.0, 1e-3, 3e9)[i % 5]  # 3e9: far past the int32 range, the saturating codes
+        out.append((i, 1 + i % 3, c, kh, kw, [s, s], [p, p], [d, d], zx, z, lo, hi, inv, i % 2 == 0))
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", _dw_cases(), ids=lambda c: f"case{c[0]}")
+def test_native_depthwise_bodies_give_the_exact_codes(case: tuple, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    i, n, c, kh, kw, stride, padding, dilation, zx, z, lo, hi, inv, with_bias = case
+    g = torch.Generator().manual_seed(100 + i)
+    h, w = (kh - 1) * dilation[0] + 3 + i % 7, (kw - 1) * dilation[1] + 2 + i % 5
+    q = torch.randint(0, 256, (n, c, h, w), dtype=torch.uint8, generator=g)
+    q = q.contiguous(memory_format=torch.channels_last) if i % 2 else q
+    weight = torch.randint(-128, 128, (c, 1, kh, kw), dtype=torch.int8, generator=g)
+    weight[0] = -128  # the extreme weights
+    taps = native.dw_weight(weight)
+    scale = torch.rand(c, generator=g) * 1e-3 + 1e-5
+    bias = torch.randn(c, generator=g) if with_bias else None
+    args = (zx, taps, stride, padding, dilation, scale, bias, inv, z, lo, hi)
+    ref = _dw_reference(q, *args)
+    with split_over(threads, monkeypatch):
+        for body in ("scalar", "avx2"):
+            with _body(body):
+                native.counts.clear()
+                got = native.dwconv(q, *args)
+            assert native.counts["dwconv"] == 1 and torch.equal(got, ref), (body, case)
+
+
 @needs_native
 @pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("relu", [False, True])

@@ -338,8 +338,8 @@ void lb_qadd(const uint8_t *a, int sa, const uint8_t *b, int sb, void *out, int 
 
 typedef struct {
     const uint8_t *x; int64_t c, h, w, oh, ow; const int16_t *wt; int kh, kw, sy, sx, py, px, dy, dx; int16_t zx;
-    const float *sc, *bias; float inv, z, vlo, vhi; uint8_t *out; int64_t r0, r1; int avx2;
-    const int16_t *wp;  /* dw_pairs' weights (NULL: none) */
+    const float *sc, *bias; float inv, z, vlo, vhi; uint8_t *out; int64_t r0, r1;
+    const struct dw_layout *lay;  /* the AVX2 body's per-call vectors (NULL: the scalar body) */
 } dw_job;
 
 static uint8_t dw_code(int32_t acc, int64_t ch, const dw_job *j) {
@@ -389,109 +389,168 @@ static void dw_pixel_scalar(const dw_job *j, const uint8_t **src, const int16_t 
     }
 }
 
-/* 16 channels' exact sums (a0: channels c..c+7, a1: c+8..c+15) as the conv epilogue's codes at o + c */
-__attribute__((target("avx2,fma"), always_inline))
-static inline void dw_store16(const dw_job *j, int64_t c, __m256i a0, __m256i a1, uint8_t *o) {
-    const __m256 vinv = _mm256_set1_ps(j->inv), vz = _mm256_set1_ps(j->z), vlo = _mm256_set1_ps(j->vlo),
-                 vhi = _mm256_set1_ps(j->vhi), zero = _mm256_setzero_ps(), top = _mm256_set1_ps(255.f);
-    __m256i qs[2];
-    for (int h = 0; h < 2; ++h) {
-        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(h ? a1 : a0), _mm256_loadu_ps(j->sc + c + 8 * h));
-        if (j->bias) t = _mm256_add_ps(t, _mm256_loadu_ps(j->bias + c + 8 * h));
-        __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(t, vinv), vlo), vhi);
-        v = _mm256_round_ps(_mm256_add_ps(v, vz), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        qs[h] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, zero), top));
-    }
-    __m128i lo16 = _mm_packus_epi32(_mm256_castsi256_si128(qs[0]), _mm256_extracti128_si256(qs[0], 1));
-    __m128i hi16 = _mm_packus_epi32(_mm256_castsi256_si128(qs[1]), _mm256_extracti128_si256(qs[1], 1));
-    _mm_storeu_si128((__m128i *)(o + c), _mm_packus_epi16(lo16, hi16));
-}
+/* The AVX2 body (session 28): every pixel's 16-channel groups in tap pairs through vpmaddwd, two pixels of a row at
+ * a time. vpmaddwd adds a pair's two int16 products q w into an int32 lane exactly (|2 · 255 · 128| < 2^31); the
+ * epi16 unpacks interleave within 128-bit lanes, so a group's sums come out as channels [0-3, 8-11] (lo) and
+ * [4-7, 12-15] (hi), and the per-call vectors below are laid out in that order (DW_LANE). The zero point leaves the
+ * loop: the sums start at -zx Σ_t w_t (cst), and a tap in the zero padding reads a row of zx codes (zrow), adding
+ * zx w_t back, so acc = Σ_t (q_t - zx) w_t over the in-bounds taps, exactly as the scalar body sums it. An odd
+ * last tap pairs with zrow against a zero weight. Before, interior pixels took the pairs with the zero point
+ * subtracted per code, one pixel at a time, and border pixels (27 % of a 14 x 14 map) 16-bit products per tap. */
+static const int DW_LANE[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
 
-/* one output pixel: 16 channels at a time ((q - z) w in int16, exact: |255 · 128| fits; widened to int32), the rest
- * in the scalar body */
-__attribute__((target("avx2,fma")))
-static void dw_pixel_avx2(const dw_job *j, const uint8_t **src, const int16_t **wts, int nt, int64_t c0, uint8_t *o) {
-    const int64_t c16 = c0 + ((j->c - c0) & ~(int64_t)15);
-    const __m256i zx = _mm256_set1_epi16(j->zx);
-    for (int64_t c = c0; c < c16; c += 16) {
-        __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-        for (int t = 0; t < nt; ++t) {
-            __m256i d = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src[t] + c))), zx);
-            __m256i p = _mm256_mullo_epi16(d, _mm256_loadu_si256((const __m256i *)(wts[t] + c)));
-            a0 = _mm256_add_epi32(a0, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(p)));
-            a1 = _mm256_add_epi32(a1, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(p, 1)));
-        }
-        dw_store16(j, c, a0, a1, o);
-    }
-    dw_pixel_scalar(j, src, wts, nt, c16, o);
-}
+/* per-call layout for the AVX2 body: pair weights (group-major: group g, pair p at (g np + p) 32 int16: the pair's
+ * two taps interleaved as the codes' unpacklo, then unpackhi), and per group of 16 channels in DW_LANE order the
+ * sums' start -zx Σ w (int32), the scales and the biases; then c codes of zx */
+typedef struct dw_layout { int16_t *wp; int32_t *cst; float *sc, *bias; uint8_t *zrow; } dw_layout;
 
-/* An interior pixel (every tap in bounds), session 26: taps in pairs (t, t + 1) through vpmaddwd, which adds the
- * pair's two int16 products (q - z) w into an int32 lane exactly (|2 · 255 · 128| < 2^31), against weights laid out
- * once per call by dw_pair_weights: 12 instructions per 32 multiply-adds where dw_pixel_avx2 takes 18. The epi16
- * unpacks interleave within 128-bit lanes, so the sums come out as channels [0-3, 8-11] and [4-7, 12-15], put back
- * in order before the epilogue. An odd last tap pairs with a zero weight (its second codes: a zero vector). */
 __attribute__((target("avx2,fma")))
-static void dw_pixel_pairs(const dw_job *j, const uint8_t *base, const int64_t *toff, uint8_t *o) {
-    const int64_t c16 = j->c & ~(int64_t)15, g16 = j->c / 16;
-    const int nt = j->kh * j->kw, np = (nt + 1) / 2;
-    const __m256i zx = _mm256_set1_epi16(j->zx), zero = _mm256_setzero_si256();
-    for (int64_t c = 0, g = 0; c < c16; c += 16, ++g) {
-        __m256i lo = zero, hi = zero;
-        for (int p = 0; p < np; ++p) {
-            const int t = 2 * p;
-            __m256i d0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(base + toff[t] + c))), zx);
-            __m256i d1 = t + 1 < nt
-                ? _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(base + toff[t + 1] + c))), zx)
-                : zero;
-            const __m256i *w = (const __m256i *)(j->wp + ((int64_t)p * g16 + g) * 32);
-            lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(d0, d1), _mm256_loadu_si256(w)));
-            hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(d0, d1), _mm256_loadu_si256(w + 1)));
-        }
-        dw_store16(j, c, _mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31), o);
-    }
-}
-
-/* dw_pixel_pairs' weights from the taps wt (kh kw, c) int16: per tap pair p and group g of 16 channels, the pair's
- * two weight vectors interleaved as its codes will be (unpacklo, then unpackhi: 32 int16) */
-__attribute__((target("avx2,fma")))
-static void dw_pair_weights(const int16_t *wt, int ntaps, int64_t c, int16_t *wp) {
-    const int64_t g16 = c / 16;
-    for (int p = 0; p < (ntaps + 1) / 2; ++p)
-        for (int64_t g = 0; g < g16; ++g) {
-            const int t = 2 * p;
+static void *dw_lay_out(const int16_t *wt, int ntaps, int64_t c, int zx, const float *sc, const float *bias,
+                        dw_layout *l) {
+    const int64_t g16 = c / 16, np = (ntaps + 1) / 2;
+    const size_t wbytes = sizeof(int16_t) * 32 * (size_t)(np * g16), vbytes = sizeof(float) * 16 * (size_t)g16;
+    uint8_t *mem = malloc(wbytes + 3 * vbytes + (size_t)c + 64);
+    if (!mem) return NULL;
+    l->wp = (int16_t *)mem;
+    l->cst = (int32_t *)(mem + wbytes);
+    l->sc = (float *)(mem + wbytes + vbytes);
+    l->bias = bias ? (float *)(mem + wbytes + 2 * vbytes) : NULL;
+    l->zrow = mem + wbytes + 3 * vbytes;
+    memset(l->zrow, zx, (size_t)c + 64);  /* (+64: the group loads stay inside the block) */
+    for (int64_t g = 0; g < g16; ++g) {
+        for (int64_t p = 0; p < np; ++p) {
+            const int t = 2 * (int)p;
             __m256i w0 = _mm256_loadu_si256((const __m256i *)(wt + (int64_t)t * c + 16 * g));
             __m256i w1 = t + 1 < ntaps ? _mm256_loadu_si256((const __m256i *)(wt + (int64_t)(t + 1) * c + 16 * g))
                                        : _mm256_setzero_si256();
-            __m256i *dst = (__m256i *)(wp + ((int64_t)p * g16 + g) * 32);
+            __m256i *dst = (__m256i *)(l->wp + (g * np + p) * 32);
             _mm256_storeu_si256(dst, _mm256_unpacklo_epi16(w0, w1));
             _mm256_storeu_si256(dst + 1, _mm256_unpackhi_epi16(w0, w1));
         }
+        for (int i = 0; i < 16; ++i) {
+            const int64_t ch = 16 * g + DW_LANE[i];
+            int32_t sw = 0;
+            for (int t = 0; t < ntaps; ++t) sw += wt[(int64_t)t * c + ch];
+            l->cst[16 * g + i] = -zx * sw;
+            l->sc[16 * g + i] = sc[ch];
+            if (bias) l->bias[16 * g + i] = bias[ch];
+        }
+    }
+    return mem;
 }
 
-static void *dw_run(void *p) {
-    dw_job *j = p;
-    void (*pixel)(const dw_job *, const uint8_t **, const int16_t **, int, int64_t, uint8_t *) =
-        j->avx2 ? dw_pixel_avx2 : dw_pixel_scalar;
-    const uint8_t *src[DW_MAX_TAPS];
+/* the epilogue (acc_code's float32 steps, in its order) of one group's sums (lo, hi: DW_LANE order) into o[0, 16).
+ * acc_code's rounding then clamp to [0, 255] is cvtps2dq (round half to even) after a min with 255 (NaN stays NaN:
+ * minps returns its second operand), the packs' unsigned saturation giving the 0 below (negative, -inf, NaN) */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void dw_codes16(const dw_job *j, const dw_layout *l, int64_t g, __m256i lo, __m256i hi, uint8_t *o) {
+    const __m256 vinv = _mm256_set1_ps(j->inv), vz = _mm256_set1_ps(j->z), vlo = _mm256_set1_ps(j->vlo),
+                 vhi = _mm256_set1_ps(j->vhi), top = _mm256_set1_ps(255.f);
+    __m256i q[2];
+    for (int h = 0; h < 2; ++h) {
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(h ? hi : lo), _mm256_loadu_ps(l->sc + 16 * g + 8 * h));
+        if (l->bias) t = _mm256_add_ps(t, _mm256_loadu_ps(l->bias + 16 * g + 8 * h));
+        __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(t, vinv), vlo), vhi);
+        q[h] = _mm256_cvtps_epi32(_mm256_min_ps(top, _mm256_add_ps(v, vz)));
+    }
+    /* per 128-bit lane: lo's channels 0-3 | 8-11 and hi's 4-7 | 12-15 pack to 0-7 | 8-15 */
+    __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]), _mm256_setzero_si256());
+    _mm_storeu_si128((__m128i *)o, _mm256_castsi256_si128(_mm256_permute4x64_epi64(b, 0x08)));
+}
+
+/* one pair of taps (rows a, b at channel c) of one pixel into its sums lo, hi against the pair's weights wl, wh */
+#define DW_PAIR(a, b, lo, hi) do { \
+        __m256i d0_ = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((a) + c))); \
+        __m256i d1_ = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((b) + c))); \
+        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(d0_, d1_), wl)); \
+        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(d0_, d1_), wh)); \
+    } while (0)
+
+/* the 16-channel groups of one output pixel (two = 0) or of two (two = 1: the weights loaded once for both);
+ * s0, s1: the pixels' rows of codes per tap (zrow where the tap is padding, and at index ntaps) */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void dw_groups(const dw_job *j, const dw_layout *l, const uint8_t *const *s0, const uint8_t *const *s1,
+                             const int two, uint8_t *o0, uint8_t *o1) {
+    const int npair = (j->kh * j->kw + 1) / 2;
+    const int64_t g16 = j->c / 16;
+    for (int64_t g = 0; g < g16; ++g) {
+        const int64_t c = 16 * g;
+        __m256i lo0 = _mm256_loadu_si256((const __m256i *)(l->cst + c)),
+                hi0 = _mm256_loadu_si256((const __m256i *)(l->cst + c + 8)), lo1 = lo0, hi1 = hi0;
+        const __m256i *w = (const __m256i *)(l->wp + g * npair * 32);
+        for (int p = 0; p < 2 * npair; p += 2, w += 2) {
+            const __m256i wl = _mm256_loadu_si256(w), wh = _mm256_loadu_si256(w + 1);
+            DW_PAIR(s0[p], s0[p + 1], lo0, hi0);
+            if (two) DW_PAIR(s1[p], s1[p + 1], lo1, hi1);
+        }
+        dw_codes16(j, l, g, lo0, hi0, o0 + c);
+        if (two) dw_codes16(j, l, g, lo1, hi1, o1 + c);
+    }
+}
+
+/* pixel (n, y, x)'s tap rows into s[0, ntaps] (zrow: padding, and the odd pair's second) */
+static inline void dw_rows(const dw_job *j, const dw_layout *l, int64_t n, int64_t y, int64_t x, const int64_t *toff,
+                           const uint8_t **s) {
+    const int ntaps = j->kh * j->kw;
+    const int64_t y0 = y * j->sy - j->py, x0 = x * j->sx - j->px;
+    s[ntaps] = l->zrow;
+    if (y0 >= 0 && x0 >= 0 && y0 + (int64_t)(j->kh - 1) * j->dy < j->h && x0 + (int64_t)(j->kw - 1) * j->dx < j->w) {
+        const uint8_t *base = j->x + ((n * j->h + y0) * j->w + x0) * j->c;
+        for (int t = 0; t < ntaps; ++t) s[t] = base + toff[t];
+        return;
+    }
+    for (int i = 0; i < j->kh; ++i) {
+        const int64_t iy = y0 + (int64_t)i * j->dy;
+        for (int k = 0; k < j->kw; ++k) {
+            const int64_t ix = x0 + (int64_t)k * j->dx;
+            s[i * j->kw + k] = iy < 0 || iy >= j->h || ix < 0 || ix >= j->w
+                ? l->zrow : j->x + ((n * j->h + iy) * j->w + ix) * j->c;
+        }
+    }
+}
+
+__attribute__((target("avx2,fma")))
+static void dw_run_avx2(dw_job *j, const dw_layout *l) {
+    const uint8_t *src[DW_MAX_TAPS], *s0[DW_MAX_TAPS + 2], *s1[DW_MAX_TAPS + 2];
     const int16_t *wts[DW_MAX_TAPS];
     int64_t toff[DW_MAX_TAPS];
     dw_offsets(j, toff);
     const int64_t c16 = j->c & ~(int64_t)15;
     for (int64_t r = j->r0; r < j->r1; ++r) {
-        int64_t n = r / j->oh, y = r % j->oh, y0 = y * j->sy - j->py;
-        const int row_in = y0 >= 0 && y0 + (int64_t)(j->kh - 1) * j->dy < j->h;
-        for (int64_t x = 0; x < j->ow; ++x) {
-            uint8_t *o = j->out + ((n * j->oh + y) * j->ow + x) * j->c;
-            const int64_t x0 = x * j->sx - j->px;
-            if (j->wp && row_in && x0 >= 0 && x0 + (int64_t)(j->kw - 1) * j->dx < j->w) {  /* interior: every tap */
-                dw_pixel_pairs(j, j->x + ((n * j->h + y0) * j->w + x0) * j->c, toff, o);
-                if (c16 < j->c)
-                    dw_pixel_scalar(j, src, wts, dw_taps(j, n, y, x, toff, src, wts), c16, o);
-                continue;
+        const int64_t n = r / j->oh, y = r % j->oh;
+        uint8_t *row = j->out + (n * j->oh + y) * j->ow * j->c;
+        for (int64_t x = 0; x < j->ow; x += 2) {
+            const int np = x + 1 < j->ow ? 2 : 1;
+            uint8_t *o[2] = {row + x * j->c, row + (x + 1) * j->c};
+            dw_rows(j, l, n, y, x, toff, s0);
+            if (np == 2) {
+                dw_rows(j, l, n, y, x + 1, toff, s1);
+                dw_groups(j, l, s0, s1, 1, o[0], o[1]);
+            } else {
+                dw_groups(j, l, s0, s0, 0, o[0], o[0]);
             }
-            pixel(j, src, wts, dw_taps(j, n, y, x, toff, src, wts), 0, o);
+            if (c16 < j->c)
+                for (int q = 0; q < np; ++q)
+                    dw_pixel_scalar(j, src, wts, dw_taps(j, n, y, x + q, toff, src, wts), c16, o[q]);
         }
+    }
+}
+
+static void *dw_run(void *p) {
+    dw_job *j = p;
+    if (j->lay) {
+        dw_run_avx2(j, j->lay);
+        return NULL;
+    }
+    const uint8_t *src[DW_MAX_TAPS];
+    const int16_t *wts[DW_MAX_TAPS];
+    int64_t toff[DW_MAX_TAPS];
+    dw_offsets(j, toff);
+    for (int64_t r = j->r0; r < j->r1; ++r) {
+        const int64_t n = r / j->oh, y = r % j->oh;
+        for (int64_t x = 0; x < j->ow; ++x)
+            dw_pixel_scalar(j, src, wts, dw_taps(j, n, y, x, toff, src, wts), 0,
+                            j->out + ((n * j->oh + y) * j->ow + x) * j->c);
     }
     return NULL;
 }
@@ -505,17 +564,13 @@ void lb_dwconv(const uint8_t *x, int64_t n, int64_t c, int64_t h, int64_t w, con
     dw_job jobs[MAX_THREADS];
     int64_t rows = n * oh;
     int nt = threads_for(nthreads, rows);
-    const int avx2 = use_avx2(isa), ntaps = kh * kw;
-    int16_t *wp = NULL;  /* dw_pixel_pairs' weights (none for fewer than 16 channels or without memory: dw_pixel_avx2) */
-    if (avx2 && c >= 16) {
-        wp = malloc(sizeof(int16_t) * 32 * (size_t)((ntaps + 1) / 2) * (size_t)(c / 16));
-        if (wp) dw_pair_weights(wt, ntaps, c, wp);
-    }
+    dw_layout lay;  /* the AVX2 body's vectors (none for fewer than 16 channels or without memory: the scalar body) */
+    void *mem = use_avx2(isa) && c >= 16 ? dw_lay_out(wt, kh * kw, c, zx, sc, bias, &lay) : NULL;
     for (int t = 0; t < nt; ++t) {
         dw_job jb = {x, c, h, w, oh, ow, wt, kh, kw, sy, sx, py, px, dy, dx, (int16_t)zx, sc, bias, inv, z, vlo, vhi,
-                     out, rows * t / nt, rows * (t + 1) / nt, avx2, wp};
+                     out, rows * t / nt, rows * (t + 1) / nt, mem ? &lay : NULL};
         jobs[t] = jb;
     }
     fan_out(dw_run, jobs, sizeof(dw_job), nt);
-    free(wp);
+    free(mem);
 }
