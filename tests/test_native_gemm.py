@@ -129,6 +129,39 @@ def test_many_row_tiles_give_every_row_its_sums(threads: int, body: str, monkeyp
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("body", ["best", "avx2", "scalar"])
+def test_codes_of_every_column_chunk_are_the_epilogue_steps(threads: int, body: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """"codes" and "float" mode over several 64-column chunks (``linear.c``'s CB; the 32-code steps of the codes
+    epilogue, its 8-code steps and scalar tail): each chunk's ``z_x Σ w`` (made once per chunk), grids clamped and not,
+    output scales sending codes past both ends of [0, 255] and past the int32 range, per-column scales and biases."""
+    g = torch.Generator().manual_seed(28)
+    wrong = []
+    with split_over(threads, monkeypatch):
+        for m, k, n in ((1, 40, 200), (70, 24, 200), (133, 100, 137), (9, 16, 96)):
+            q = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8)
+            w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+            sc = torch.rand(n, generator=g) * 1e-2 + 1e-4
+            bias = torch.randn(n, generator=g) * 3
+            for zx, (inv, z, lo, hi) in itertools.product((0, 1, 128, 255), ((4.0, 100, 0, 255), (0.5, 0, 0, 255),
+                                                                               (3e9, 7, 0, 255), (2.0, 200, 30, 240))):
+                t = ((q.int() - zx) @ w.int().t()).float() * sc + bias
+                v = t * torch.tensor(inv, dtype=torch.float32)
+                v = v.clamp(min=float(lo - z)) if lo > 0 else v
+                v = v.clamp(max=float(hi - z)) if hi < 255 else v
+                want = torch.round(v + float(z)).clamp(0, 255).to(torch.uint8)
+                codes = native.linear_plan(w, "codes", sc, bias, grid=(inv, z, lo, hi))
+                floats = native.linear_plan(w, "float", sc, bias)
+                c, y = torch.zeros(m, n, dtype=torch.uint8), torch.full((m, n), float("nan"))
+                with _body(body):
+                    ok = codes is not None and codes.run(q, zx, c) and floats is not None and floats.run(q, zx, y)
+                if not (ok and torch.equal(c, want) and torch.equal(y, t)):
+                    wrong.append((m, k, n, zx, inv, z, lo, hi))
+    assert not wrong, wrong[:5]
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
 def test_sign_codes_of_every_row_length_give_the_exact_sums(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The AVX2 any-code many-row kernel (``blk_bcast_s``) on each shape of ``sign_codes``' rows: fewer than 32 codes
     as one array (``sign_flat``, dense) or row by row (strided), whole vectors only, tails of 8 / 16 / 24 codes by vector
