@@ -121,8 +121,10 @@ def test_traced_glue_ops_on_codes(built):
     """Traced (export here; torch.compile takes the same path), SmallCNN's glue stays on the 8-bit codes: 2-d max
     pooling is the opaque ``lowbit::max_pool2d_codes`` (no float ``max_pool2d``; opaque since session 17), the
     flatten of channels-last codes the opaque ``lowbit::contiguous_codes`` (no ``aten.clone``: inductor's copy was a
-    scalar gather); the skip add is the opaque ``lowbit::qfunctional`` (eager's native one-pass add) where
-    ``lowbit.native`` is built, else aten float32 ops in eager's order. The program gives eager's codes."""
+    scalar gather); the skip add and the Quantize stub are the opaque ``lowbit::qfunctional`` and
+    ``lowbit::quantize_codes`` (eager's native one-pass add and quantize) where ``lowbit.native`` is built, else
+    aten float32 ops in eager's order. The program gives eager's codes."""
+    from lowbit.nn.quantized import stubs
     from lowbit.examples import SmallCNN
     if built and not native.available():
         pytest.skip(f"lowbit.native not built: {native.reason()}")
@@ -132,15 +134,22 @@ def test_traced_glue_ops_on_codes(built):
     p(torch.randn(16, 1, 28, 28))
     q = Q.convert(p)
     x = torch.randn(3, 1, 28, 28)
-    with contextlib.nullcontext() if built else mock.patch.object(fm, "_native_add", lambda: False):
+    with contextlib.ExitStack() as stack:
+        if not built:
+            stack.enter_context(mock.patch.object(fm, "_native_add", lambda: False))
+            stack.enter_context(mock.patch.object(stubs, "_native_quantize", lambda: False))
         ep = torch.export.export(q, (x,))
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert not any(t.startswith(("aten.max_pool", "aten.clone")) for t in targets), targets
     assert {"lowbit.max_pool2d_codes.default", "lowbit.contiguous_codes.default"} <= targets, targets
     assert any(t.startswith("lowbit.qconv") for t in targets)
     assert ("lowbit.qfunctional.default" in targets) == built, targets
+    assert ("lowbit.quantize_codes.default" in targets) == built, targets
+    assert any(t.startswith("aten.round") for t in targets) != built, targets  # (the inline quantize's rounding)
     with torch.no_grad():
         assert torch.equal(ep.module()(x), q(x))
+        x_cl = x.contiguous(memory_format=torch.channels_last)  # (the stub's codes keep a dense input's layout)
+        assert torch.equal(ep.module()(x_cl), q(x_cl))
 
 
 @pytest.mark.parametrize("layouts", [(True, True), (False, False), (True, False)])

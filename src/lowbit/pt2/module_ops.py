@@ -13,6 +13,9 @@
   reads into the next kernel's index order (a ``flatten`` to NCHW order: a scalar gather with an integer
   division per element, 0.8 ms for SmallCNN's 64 × 32 × 14 × 14 add + pool + flatten on the Zen 4 EPYC);
   realized here, the ``flatten`` is a plain transposing copy;
+- ``lowbit::quantize_codes(x float32, scale, zero_point, qdtype) -> codes``: the ``Quantize`` stub's eager
+  forward on a CPU float32 input (with ``lowbit.native``: its one pass, NaN check included), what a traced stub
+  emits where the native build exists (``stubs._native_quantize``);
 - ``lowbit::contiguous_codes(codes (N, C, H, W) channels-last) -> codes in NCHW order``: the copy a
   ``flatten`` / 2-d ``reshape`` of channels-last QTensor codes needs, as eager makes it (``native.to_contiguous``;
   inlined, inductor's copy was a scalar gather with an integer division per byte, ~105 µs for SmallCNN's
@@ -39,6 +42,7 @@ import torch
 from ..compile_state import qdtype_from_key, tensor_version
 from ..nn.quantized.dynamic.reduced import forward as _reduced_forward
 from ..nn.quantized.functional_modules import QFunctional
+from ..nn.quantized.stubs import Quantize
 from ..nn.quantized.weight_only import WeightOnlyLinear
 from ..qtensor import QTensor, nchw_copy
 from ..qtensor.pool import max_pool2d_codes
@@ -164,3 +168,27 @@ def _contiguous_codes_fake(q: torch.Tensor) -> torch.Tensor:
 
 
 define("contiguous_codes(Tensor q) -> Tensor", nchw_copy, _contiguous_codes_fake)
+
+
+def _quantize_stub(scale: torch.Tensor, zero_point: torch.Tensor, qdtype: str) -> Quantize:
+    """An eager ``Quantize`` holding these very buffers (its grid memo checks their versions), one per scale tensor
+    object, kept as the packed weights are (``weight_cache``)."""
+    cache = weight_cache(scale)
+    hit = cache.get("pt2.quantize")
+    if hit is None or hit[0] is not zero_point or hit[1] != qdtype:
+        mod = Quantize(float(scale), int(zero_point), qdtype_from_key(qdtype))
+        mod._buffers["scale"], mod._buffers["zero_point"] = scale, zero_point
+        hit = cache["pt2.quantize"] = (zero_point, qdtype, mod)
+    return hit[2]
+
+
+def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: str) -> torch.Tensor:
+    return like(_quantize_stub(scale, zero_point, qdtype)(x).int_repr(), x)
+
+
+def _quantize_codes_fake(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: str) -> torch.Tensor:
+    return torch.empty_like(x, dtype=qdtype_from_key(qdtype).storage)
+
+
+define("quantize_codes(Tensor x, Tensor scale, Tensor zero_point, str qdtype) -> Tensor", quantize_codes,
+       _quantize_codes_fake)

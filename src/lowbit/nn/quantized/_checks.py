@@ -32,7 +32,9 @@ def check_no_nan(x: torch.Tensor, where: str) -> None:
     reduction as an ``_assert_async``: the compiled or exported program raises too, instead of finite codes."""
     check_not_meta(x, where)
     if tracing():
-        torch._assert_async(torch.logical_not(torch.isnan(x).any()),
+        # x != x (true exactly at NaN): inductor vectorises the compare, while its isnan went one element at a time
+        # through a scratch buffer on AVX2 (a 8 x 3 x 224^2 Quantize stub: 1.9 -> 0.65 ms compiled, session 28)
+        torch._assert_async(torch.logical_not(torch.ne(x, x).any()),
                             f"{where}: the float input holds NaN values; int8 codes cannot represent NaN")
         return
     if x.numel() and bool(torch.isnan(x).any()):
