@@ -449,13 +449,13 @@ def test_conv_weight_split_codes_are_the_exact_sum_requantized(monkeypatch: pyte
         if not (torch.equal(y.int_repr(), want) and torch.equal(yf, v.relu() if relu else v)):
             wrong.append(WSPLIT_CONVS[i])
     assert not wrong, f"codes differ from the exact sums requantized: {wrong}"
-    # 2-d depthwise convs with a u8 output: lowbit.native's one pass; 2-d convs of one group, either output:
-    # lowbit.native's any-code Linear on their pixels (1x1, stride 1, no padding) or, for a non-zero input zero point,
-    # on their patches (the same codes, checked above against the exact sums)
+    # 2-d depthwise convs with a u8 output: lowbit.native's one pass; 2-d convs of one group, either output, at any
+    # input zero point: lowbit.native's any-code Linear on their pixels (1x1, stride 1, no padding) or on their patches
+    # (the same codes, checked above against the exact sums)
     dw = sum(c[0] == 2 and c[4] == c[1] == c[2] for c in WSPLIT_CONVS) if native.available() else 0
-    one = [c for c in WSPLIT_CONVS if c[0] == 2 and c[4] == 1 and (zx or (c[3], c[5], c[6]) == (1, 1, 0))]
+    one = [c for c in WSPLIT_CONVS if c[0] == 2 and c[4] == 1]
     pw = 2 * len(one) if native.available() else 0
-    assert pw == (2 * (3 if zx else 1) if native.available() else 0)  # (3x3, 1x1, strided dilated 3x3; z_x = 0: the 1x1)
+    assert pw == (2 * 3 if native.available() else 0)  # (3x3, 1x1, strided dilated 3x3)
     assert paths["_wsplit_conv"] == 2 * len(WSPLIT_CONVS) - dw - pw and paths["_native_dw"] == dw
     assert paths["gemm_conv"] == pw
     assert set(paths) <= {"_wsplit_conv", "_native_dw", "gemm_conv"}

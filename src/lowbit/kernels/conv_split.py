@@ -116,17 +116,19 @@ def _wsplit_conv(entry: Any, q: torch.Tensor, sx: float, zx: int, weight: QTenso
 # 0.89x the split; 24 -> 144: 1.55x). Session 27's cheaper sign codes (made per row tile, vector tails) moved it to 16
 # (1 / 2 threads, Zen 3, against the split, 1x1 at 56² batch 8: 96 -> 16 1.16 / 1.39x, 144 -> 24 1.19 / 1.21x, 96 -> 12
 # 0.99 / 1.06x, 96 -> 8 0.77 / 0.95x, 96 -> 4 0.83 / 0.84x; in MobileNetV2 b8 its three projections to 16 and 24
-# channels 1.14-1.22x). k x k convs through the patches: 1.13-1.56x the split on a non-zero input zero point, but
-# 0.93-1.10x (3x3 stride 1; session 27 with the patches made in the call: 0.99-1.07x) where z_x = 0 (a ReLU's
-# output: oneDNN's call then skips its zero-point compensation), so those keep the split.
+# channels 1.14-1.22x). k x k convs through the patches: 1.13-1.56x the split on a non-zero input zero point; where
+# z_x = 0 (a ReLU's output: oneDNN's call then skips its zero-point compensation) 0.93-1.10x until session 27, so
+# those kept the split; with session 28's codes epilogue (32 codes a step) SmallCNN's 16 -> 32 and 32 -> 32 3x3 at
+# 14², batch 64, ran 1.11-1.23x / 1.20-1.29x the split (1 / 2 threads, Zen 3, interleaved), so every zero point
+# takes the patches now.
 GEMM_MIN_COUT = 16
 
 
 def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
               out: OutGrid | None, relu: bool, cache: dict[str, Any] | None) -> QTensor | torch.Tensor | None:
     """``_wsplit_conv``'s result, the same codes or floats, for a 2-d conv of one group on a CPU without VNNI, as the
-    Linear it is over its output pixels: ``(N·OH·OW, KH·KW·C_in) · (C_out, KH·KW·C_in)ᵀ`` on the patches (for a
-    non-zero input zero point only; made tile by tile inside the call, ``LinearPlan.run_conv``, else by
+    Linear it is over its output pixels: ``(N·OH·OW, KH·KW·C_in) · (C_out, KH·KW·C_in)ᵀ`` on the patches (made tile
+    by tile inside the call, ``LinearPlan.run_conv``, else by
     ``native.im2col`` first; a 1x1 conv with stride 1 and no padding reads the channels-last codes as they are), the
     weights reordered tap by tap once per weight version. The codes go to a
     ``native.qlinear`` plan
@@ -150,8 +152,6 @@ def gemm_conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.
     kh, kw = weight.shape[2], weight.shape[3]
     stride, padding, dilation = list(spec.stride), list(spec.padding), list(spec.dilation)
     pixels = (kh, kw) == (1, 1) and stride == [1, 1] and padding == [0, 0]
-    if not pixels and zx == 0:  # (the patches' pass costs what the halved multiply-adds save: GEMM_MIN_COUT's note)
-        return None
     if not _per_weight(cache, "native.conv_halves", weight.int_repr(), lambda t: weight_halves(t) is not None):
         return None  # (no weight split here: the activation split's floats, which rounds its half sums, stay)
     w = _per_weight(cache, "native.conv_rows", weight.int_repr(),  # (C_out, KH·KW·C_in), tap by tap
