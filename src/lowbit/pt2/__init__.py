@@ -9,6 +9,7 @@ one custom op:
 ===============================  ==============================================================
 ``lowbit::quantize``             ``clamp(round(x / s) + z)`` per tensor or per channel
 ``lowbit::dequantize``           ``(q - z) · s``
+``lowbit::quantize_codes``       the ``Quantize`` stub's eager pass on a float32 CPU input (native build)
 ``lowbit::qlinear`` / ``qconv``  int8 GEMM / convolution with the fused epilogue (``lowbit.kernels``)
 ``lowbit::qconv_cfg``            ``qconv`` with its grids and geometry in one string (what traces emit)
 ``lowbit::dynamic_linear``       per-token dynamic int8 Linear (float in, float out)
