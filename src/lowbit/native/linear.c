@@ -245,7 +245,7 @@ static inline void blk_bcast(const lin_job *j, int64_t r0, const int nr, int64_t
  * row and group of 4 as |a| then s (8 bytes; zeros past k) with the row's Σ_{a < 0} |a| in xc; the accumulators start
  * at xc[r] + sw[c] (sw = 128 Σ w per column, zero past n: gemm.LinearPlan._pack). Weights packed as blk_bcast's. */
 __attribute__((target("avx2,fma"), always_inline))
-static inline void blk_bcast_s(const lin_job *j, int64_t r0, const int nr, int64_t b, int32_t *o) {
+static inline void blk_bcast_s(const lin_job *j, int64_t r0, const int nr, int64_t b, int32_t *o, const int half) {
     const int64_t kq = (j->k + 3) / 4;
     const int8_t *wp = j->wp + b * kq * 64;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -263,19 +263,20 @@ static inline void blk_bcast_s(const lin_job *j, int64_t r0, const int nr, int64
     for (int64_t g = 0; g < kq; ++g) {
         _mm_prefetch((const char *)(wp + kq * 64 + g * 64), _MM_HINT_T0);  /* as blk_bcast */
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wp + g * 64));
-        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wp + g * 64 + 32));
+        const __m256i w1 = half ? w0 : _mm256_loadu_si256((const __m256i *)(wp + g * 64 + 32));
 #pragma GCC unroll 6
         for (int r = 0; r < nr; ++r) {
             const __m256i xb = _mm256_set1_epi32(*(const i32u *)(xr[r] + 8 * g));
             const __m256i sb = _mm256_set1_epi32(*(const i32u *)(xr[r] + 8 * g + 4));
             a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, _mm256_xor_si256(w0, sb)), ones));
-            a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, _mm256_xor_si256(w1, sb)), ones));
+            if (!half)
+                a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, _mm256_xor_si256(w1, sb)), ones));
         }
     }
 #pragma GCC unroll 6
     for (int r = 0; r < nr; ++r) {
         _mm256_storeu_si256((__m256i *)(o + r * CB), a[r][0]);
-        _mm256_storeu_si256((__m256i *)(o + r * CB + 8), a[r][1]);
+        if (!half) _mm256_storeu_si256((__m256i *)(o + r * CB + 8), a[r][1]);
     }
 }
 
@@ -384,29 +385,38 @@ static void sums_vnni(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
     }
 }
 
-/* rows [r0, r0 + nr) against packed block b by the plan's kernel */
+/* rows [r0, r0 + nr) against packed block b by the plan's kernel (half: blk_bcast_s's first 8 columns only) */
 __attribute__((target("avx2,fma"), always_inline))
-static inline void blk_packed(const lin_job *j, int64_t r0, const int nr, int64_t b, int32_t *o) {
+static inline void blk_packed(const lin_job *j, int64_t r0, const int nr, int64_t b, int32_t *o, const int half) {
     if (j->xa)
-        blk_bcast_s(j, r0, nr, b, o);
+        blk_bcast_s(j, r0, nr, b, o, half);
     else
         blk_bcast(j, r0, nr, b, o);
 }
 
-/* the chunk's sums of columns [cs, ce) (cs a multiple of NB) for every row by blk_packed */
+/* every row's sums against block b into o (half: the block's last column is below its 9th) */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void rows_bcast(const lin_job *j, int64_t b, int32_t *o, const int half) {
+    int64_t r = 0;
+    for (; r + MB <= j->m; r += MB) blk_packed(j, r, MB, b, o + r * CB, half);
+    switch (j->m - r) {
+        case 5: blk_packed(j, r, 5 < MB ? 5 : MB, b, o + r * CB, half); break;
+        case 4: blk_packed(j, r, 4 < MB ? 4 : MB, b, o + r * CB, half); break;
+        case 3: blk_packed(j, r, 3 < MB ? 3 : MB, b, o + r * CB, half); break;
+        case 2: blk_packed(j, r, 2, b, o + r * CB, half); break;
+        case 1: blk_packed(j, r, 1, b, o + r * CB, half); break;
+    }
+}
+
+/* the chunk's sums of columns [cs, ce) (cs a multiple of NB) for every row by blk_packed; a last block of at most 8
+ * columns takes half of blk_bcast_s (session 28: MobileNetV2's projections to 24 channels multiplied 32) */
 __attribute__((target("avx2,fma")))
 static void sums_bcast(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
     for (int64_t c0 = cs; c0 < ce; c0 += NB) {
-        int32_t *o = buf + (c0 - cs);
-        int64_t r = 0;
-        for (; r + MB <= j->m; r += MB) blk_packed(j, r, MB, c0 / NB, o + r * CB);
-        switch (j->m - r) {
-            case 5: blk_packed(j, r, 5 < MB ? 5 : MB, c0 / NB, o + r * CB); break;
-            case 4: blk_packed(j, r, 4 < MB ? 4 : MB, c0 / NB, o + r * CB); break;
-            case 3: blk_packed(j, r, 3 < MB ? 3 : MB, c0 / NB, o + r * CB); break;
-            case 2: blk_packed(j, r, 2, c0 / NB, o + r * CB); break;
-            case 1: blk_packed(j, r, 1, c0 / NB, o + r * CB); break;
-        }
+        if (ce - c0 <= NB / 2)
+            rows_bcast(j, c0 / NB, buf + (c0 - cs), 1);
+        else
+            rows_bcast(j, c0 / NB, buf + (c0 - cs), 0);
     }
 }
 
