@@ -330,6 +330,34 @@ def test_native_depthwise_bodies_give_the_exact_codes(case: tuple, threads: int,
 
 
 @needs_native
+@pytest.mark.parametrize("lo", [0, 100])
+def test_native_bodies_agree_where_a_scale_product_is_not_finite(lo: int) -> None:
+    """A sum of 0 times an infinite ``fl(s_x s_w)`` is NaN: every body takes it through the clamp's max as the vector
+    instructions do (NaN -> ``lo - z``), so the scalar and AVX2 bodies give one code (``lo``, or 0 without a floor) in
+    the depthwise conv, the split conv's epilogue and the Linear's codes, 32 columns and fewer."""
+    c = 40
+    scale = torch.full((c,), 1e-3)
+    scale[0] = scale[17] = float("inf")
+    q = torch.full((2, c, 5, 5), 7, dtype=torch.uint8)
+    taps = native.dw_weight(torch.ones(c, 1, 3, 3, dtype=torch.int8))
+    w = torch.ones(c, 4, dtype=torch.int8)
+    plan = native.linear_plan(w, "codes", scale, grid=(1.0, 100, lo, 255))
+    x = torch.full((3, 4), 5, dtype=torch.uint8)
+    halves = [torch.zeros(2, c, 3, 3).contiguous(memory_format=torch.channels_last)] * 2
+    got = {}
+    for body in ("scalar", "avx2"):
+        with _body(body):
+            y = torch.zeros(3, c, dtype=torch.uint8)
+            assert plan is not None and plan.run(x, 5, y)
+            got[body] = (native.dwconv(q, 7, taps, [1, 1], [1, 1], [1, 1], scale, None, 1.0, 100, lo, 255), y,
+                         native.conv_epilogue(halves, 1, scale, None, 1.0, 100, lo, 255))
+    for a, b in zip(got["scalar"], got["avx2"]):
+        assert a is not None and torch.equal(a, b)
+    dw, lin, epi = got["avx2"]
+    assert dw[:, 0].eq(lo).all() and lin[:, 0].eq(lo).all() and epi[:, 17].eq(lo).all()
+
+
+@needs_native
 @pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("relu", [False, True])
 def test_quantized_add_is_the_torch_passes(body: str, relu: bool) -> None:

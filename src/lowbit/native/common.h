@@ -81,8 +81,8 @@ static inline uint8_t acc_code(int32_t acc, float sc, const float *bias, int64_t
     float t = (float)acc * sc;             /* fl(acc) (exact below 2^24, as the split sums' fl(lo + 2 hi)) · fl(s_x s_w) */
     if (bias) t = t + bias[ch];
     float v = t * inv;
-    v = v < vlo ? vlo : v;
-    v = v > vhi ? vhi : v;
+    v = v > vlo ? v : vlo;                 /* maxps / minps, as the vector bodies: a NaN (non-finite scales only) */
+    v = v < vhi ? v : vhi;                 /* becomes vlo, never a NaN cast to uint8 */
     float r = nearbyintf(v + z);
     r = r < 0.f ? 0.f : r;
     return (uint8_t)(r > 255.f ? 255.f : r);

@@ -82,8 +82,8 @@ static void store_one(const lin_job *j, int64_t r, int64_t c, int32_t acc) {
         return;
     }
     float v = t * j->inv;
-    v = v < j->vlo ? j->vlo : v;
-    v = v > j->vhi ? j->vhi : v;
+    v = v > j->vlo ? v : j->vlo;  /* maxps / minps as the vector bodies: NaN becomes vlo (common.h acc_code) */
+    v = v < j->vhi ? v : j->vhi;
     float q = nearbyintf(v + j->z);
     q = q < 0.f ? 0.f : q;
     ((uint8_t *)j->out)[r * j->ldo + c] = (uint8_t)(q > 255.f ? 255.f : q);
@@ -442,7 +442,8 @@ static void sums_avx2(const lin_job *j, int64_t c0, int32_t *o) {
 
 /* mode 1's codes of columns [c, c + 8) of row r (o: the chunk's sums as in epi_avx2) as int32 in [INT32_MIN, 255]:
  * store_one's float32 steps in its order; its rounding then clamp to [0, 255] is cvtps2dq (half to even) after a min
- * with 255, the packs' unsigned saturation giving the 0 below (negative, -inf: INT32_MIN) */
+ * with 255, the packs' unsigned saturation giving the 0 below (negative, -inf: INT32_MIN; a NaN became vlo at the
+ * max, as in store_one) */
 __attribute__((target("avx2,fma"), always_inline))
 static inline __m256i codes8(const lin_job *j, int64_t c, const int32_t *o, const int32_t *zw) {
     __m256i acc = _mm256_loadu_si256((const __m256i *)(o + c));

@@ -182,8 +182,8 @@ static uint8_t conv_code(float h, float l, float sc, const float *bias, int64_t 
     t = t * sc;                            /* · fl(s_x s_w) */
     if (bias) t = t + bias[ch];
     float v = t * j->inv;                  /* · float32(1 / s_out) */
-    v = v < j->vlo ? j->vlo : v;           /* qstore's clamp of v (ReLU floor / narrow grid), -inf/inf if none */
-    v = v > j->vhi ? j->vhi : v;
+    v = v > j->vlo ? v : j->vlo;           /* qstore's clamp of v (ReLU floor / narrow grid), -inf/inf if none; */
+    v = v < j->vhi ? v : j->vhi;           /* maxps / minps as the vector body: NaN becomes vlo (acc_code) */
     float r = nearbyintf(v + j->z);        /* round half to even of fl(v + z) */
     r = r < 0.f ? 0.f : r;                 /* the 8-bit storage's saturation */
     return (uint8_t)(r > 255.f ? 255.f : r);
@@ -440,8 +440,9 @@ static void *dw_lay_out(const int16_t *wt, int ntaps, int64_t c, int zx, const f
 }
 
 /* the epilogue (acc_code's float32 steps, in its order) of one group's sums (lo, hi: DW_LANE order) into o[0, 16).
- * acc_code's rounding then clamp to [0, 255] is cvtps2dq (round half to even) after a min with 255 (NaN stays NaN:
- * minps returns its second operand), the packs' unsigned saturation giving the 0 below (negative, -inf, NaN) */
+ * acc_code's rounding then clamp to [0, 255] is cvtps2dq (round half to even) after a min with 255, the packs'
+ * unsigned saturation giving the 0 below (negative, -inf: INT32_MIN); no NaN gets there (the max with vlo, as
+ * acc_code's, turns one into vlo) */
 __attribute__((target("avx2,fma"), always_inline))
 static inline void dw_codes16(const dw_job *j, const dw_layout *l, int64_t g, __m256i lo, __m256i hi, uint8_t *o) {
     const __m256 vinv = _mm256_set1_ps(j->inv), vz = _mm256_set1_ps(j->z), vlo = _mm256_set1_ps(j->vlo),
