@@ -300,3 +300,26 @@ def test_compiled_and_exported_static_models_refuse_nan_as_eager_does() -> None:
         assert torch.equal(run(x), model(x)), name
         with pytest.raises(RuntimeError, match="holds (1 )?NaN values"):
             run(bad)
+
+
+def test_traced_stub_op_keeps_no_grid_alive() -> None:
+    """``lowbit::quantize_codes`` keeps its grid numbers per scale tensor (``weight_cache``) without holding the scale
+    itself: once a model's buffers are gone, so is the entry (a cached module holding them kept every one alive)."""
+    import gc
+    import weakref
+
+    from lowbit.pt2.kernel_ops import _CACHES
+
+    before, refs = len(_CACHES), []
+    for i in range(20):
+        s, z = torch.tensor(0.02 + i / 1000), torch.tensor(128)
+        x = torch.randn(3, 5)
+        got = torch.ops.lowbit.quantize_codes(x, s, z, "quint8:0:255")
+        assert torch.equal(got, Q.quantize_per_tensor(x, s, z, Q.quint8).int_repr())
+        s.mul_(2)  # (an in-place change of the grid: the next call sees it)
+        assert torch.equal(torch.ops.lowbit.quantize_codes(x, s, z, "quint8:0:255"),
+                           Q.quantize_per_tensor(x, s, z, Q.quint8).int_repr())
+        refs.append(weakref.ref(s))
+        del s, z
+    gc.collect()
+    assert not any(r() is not None for r in refs) and len(_CACHES) <= before  # (other tests' entries may go too)

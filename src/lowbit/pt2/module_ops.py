@@ -35,6 +35,7 @@ True
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -42,7 +43,8 @@ import torch
 from ..compile_state import qdtype_from_key, tensor_version
 from ..nn.quantized.dynamic.reduced import forward as _reduced_forward
 from ..nn.quantized.functional_modules import QFunctional
-from ..nn.quantized.stubs import Quantize
+from ..nn.quantized.stubs import Quantize, grid_numbers, quantize_cpu
+from ..qscheme import QDtype
 from ..nn.quantized.weight_only import WeightOnlyLinear
 from ..qtensor import QTensor, nchw_copy
 from ..qtensor.pool import max_pool2d_codes
@@ -170,20 +172,24 @@ def _contiguous_codes_fake(q: torch.Tensor) -> torch.Tensor:
 define("contiguous_codes(Tensor q) -> Tensor", nchw_copy, _contiguous_codes_fake)
 
 
-def _quantize_stub(scale: torch.Tensor, zero_point: torch.Tensor, qdtype: str) -> Quantize:
-    """An eager ``Quantize`` holding these very buffers (its grid memo checks their versions), one per scale tensor
-    object, kept as the packed weights are (``weight_cache``)."""
+def _stub_grid(scale: torch.Tensor, zero_point: torch.Tensor, qdtype: QDtype) -> tuple[Any, ...]:
+    """``stubs.grid_numbers`` of this grid, kept per scale tensor object as packed weights are (``weight_cache``) for
+    the buffers' versions and the zero point's object (held weakly: the entry must not keep its own key alive)."""
     cache = weight_cache(scale)
+    key = (tensor_version(scale), tensor_version(zero_point), qdtype)
     hit = cache.get("pt2.quantize")
-    if hit is None or hit[0] is not zero_point or hit[1] != qdtype:
-        mod = Quantize(float(scale), int(zero_point), qdtype_from_key(qdtype))
-        mod._buffers["scale"], mod._buffers["zero_point"] = scale, zero_point
-        hit = cache["pt2.quantize"] = (zero_point, qdtype, mod)
+    if hit is None or hit[0] != key or hit[1]() is not zero_point:
+        hit = cache["pt2.quantize"] = (key, weakref.ref(zero_point), grid_numbers(scale, zero_point, qdtype))
     return hit[2]
 
 
 def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: str) -> torch.Tensor:
-    return like(_quantize_stub(scale, zero_point, qdtype)(x).int_repr(), x)
+    qd = qdtype_from_key(qdtype)
+    if x.dtype == torch.float32 and x.is_cpu and scale.numel() == 1 and zero_point.numel() == 1:
+        y = quantize_cpu(x, _stub_grid(scale, zero_point, qd), scale, zero_point, qd)
+    else:  # (what a traced stub never sends: the module's general path)
+        y = Quantize(float(scale), int(zero_point), qd)(x)
+    return like(y.int_repr(), x)
 
 
 def _quantize_codes_fake(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: str) -> torch.Tensor:

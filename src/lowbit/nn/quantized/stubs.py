@@ -30,7 +30,7 @@ from ...qtensor import QTensor, quantize_per_tensor
 from ._utils import check_no_nan, check_not_meta, check_out_grid, output_qparams
 from ._state import CheckedQuantState
 
-__all__ = ["Quantize", "DeQuantize"]
+__all__ = ["Quantize", "DeQuantize", "grid_numbers", "quantize_cpu"]
 
 
 def _native_quantize() -> bool:
@@ -56,8 +56,64 @@ def _store(qdtype: QDtype, z: float) -> tuple[Any, ...] | None:
 
 
 _PLAIN = {torch.quint8: torch.uint8, torch.qint8: torch.int8}
+
 _NATIVE_DQ_MIN = 1 << 13  # codes from which DeQuantize's native pass beats torch's (its per-call cost ~1 µs more: the
 #                           float32 output made in Python, the ctypes call; Zen 4 EPYC, session 20)
+
+
+def grid_numbers(scale: torch.Tensor, zero_point: torch.Tensor,
+                 qdtype: QDtype) -> tuple[torch.Tensor, float, tuple[Any, ...] | None]:
+    """``Quantize._grid``'s numbers for this grid (new objects: nothing in them refers to ``scale`` or ``zero_point``)."""
+    inv_z = scalar_qparams(scale, zero_point)
+    if inv_z is None:
+        raise ValueError(f"Quantize: scale={float(scale)!r} has no finite float32 reciprocal")
+    with torch.inference_mode(False):  # (the zero point as a Python number: quantize_scaled's store takes one)
+        store = _store(qdtype, inv_z[1])
+        return scalar_tensors(*inv_z)[0], inv_z[1], None if store is None else (*store, inv_z[0])
+
+
+def quantize_cpu(x: torch.Tensor, grid: tuple[torch.Tensor, float, tuple[Any, ...] | None], scale: torch.Tensor,
+                 zero_point: torch.Tensor, qdtype: QDtype) -> QTensor:
+    """``Quantize``'s eager forward for a float32 CPU tensor ``x`` on the grid ``(scale, zero_point, qdtype)``, whose
+    ``grid_numbers`` are ``grid``: the native one pass where it fits, else one max for the NaN check and one
+    ``quantize_per_tensor`` (the stub's module and the traced ``lowbit::quantize_codes`` both run this)."""
+    inv, z, store = grid
+    lib = native._lib()
+    fmt = dense_format(x)
+    if store is not None and lib is not None and fmt is not None and not x.requires_grad:
+        # the path below (NaN check, v = x · inv, the 7-bit clamp, quantize_per_tensor at scale 1) in one pass,
+        # into plain codes at every size (every consumer takes them: oneDNN, lowbit.native's Linears and
+        # DeQuantize; a torch quantized tensor around them costs ~2 µs more to make, and ~2 more to view as
+        # plain codes for oneDNN: session 20); the pass is elementwise over memory, so a channels-last input
+        # gives channels-last codes in the same pass
+        lo, hi, zi, dtype, inv_f = store
+        t = torch.empty_like(x, dtype=_PLAIN[dtype])  # (dense: its layout; ~1 µs less than torch.empty)
+        if native.rows._quantize(lib, x, inv_f, float(zi), -math.inf if lo is None else lo,
+                                 math.inf if hi is None else hi, dtype == torch.qint8, t):
+            return QTensor._trusted(t, scale, zero_point, qdtype)
+    # the eager fast path: one max for the NaN check (torch's max propagates NaN and makes none: no false
+    # alarm from ``inf - inf`` as a sum had; about half the sum's instruction-cache misses: its reduction
+    # kernel is smaller), check_no_nan's exact check and error only when it is NaN; one fused-by-hand quantize
+    top = x.max().item() if x.numel() else 0.0
+    if top != top:
+        check_no_nan(x, "Quantize")
+    if store is not None and x.is_contiguous() and not x.requires_grad:
+        # quantize_scaled → qstore.codes, their decisions made once (_grid): v = x · inv, the 7-bit clamp of v,
+        # then add, round, clamp and the 8-bit store in one quantize_per_tensor at scale 1. The upper clamp only
+        # where the NaN check's max says v passes it: v ≤ fl(top · inv) (inv > 0, float32 rounding monotone) and
+        # top · inv is exact in double, so top · inv ≤ hi means no v above hi (the clamp would change nothing)
+        lo, hi, zi, dtype, inv_f = store
+        v = torch.mul(x, inv)
+        if hi is not None and top * inv_f <= hi:
+            hi = None
+        if lo is not None or hi is not None:
+            v.clamp_(lo, hi)
+        t = torch.quantize_per_tensor(v, 1.0, zi, dtype) if qstore._QUIET[0] else qstore._qpt(v, zi, dtype)
+        # the codes stay in t (the QTensor's _tu: a Linear's fbgemm call takes it as it is; the plain codes
+        # are made only where something reads them)
+        return QTensor._trusted(None, scale, zero_point, qdtype, None, None, t)
+    codes = quantize_scaled(x, inv, z, qdtype)
+    return QTensor._trusted(codes, scale, zero_point, qdtype)
 
 
 class Quantize(CheckedQuantState):
@@ -80,46 +136,8 @@ class Quantize(CheckedQuantState):
             codes = torch.ops.lowbit.quantize_codes(x, bufs["scale"], bufs["zero_point"], qdtype_key(self.qdtype))
             return QTensor._trusted(codes, bufs["scale"], bufs["zero_point"], self.qdtype)  # type: ignore[arg-type]
         if type(x) is torch.Tensor and x.dtype == torch.float32 and x.is_cpu and not tracing():  # (.is_cpu: no device object)
-            inv, z, store = self._grid()
-            lib = native._lib()
-            fmt = dense_format(x)
-            if store is not None and lib is not None and fmt is not None and not x.requires_grad:
-                # the path below (NaN check, v = x · inv, the 7-bit clamp, quantize_per_tensor at scale 1) in one pass,
-                # into plain codes at every size (every consumer takes them: oneDNN, lowbit.native's Linears and
-                # DeQuantize; a torch quantized tensor around them costs ~2 µs more to make, and ~2 more to view as
-                # plain codes for oneDNN: session 20); the pass is elementwise over memory, so a channels-last input
-                # gives channels-last codes in the same pass
-                lo, hi, zi, dtype, inv_f = store
-                t = torch.empty_like(x, dtype=_PLAIN[dtype])  # (dense: its layout; ~1 µs less than torch.empty)
-                if native.rows._quantize(lib, x, inv_f, float(zi), -math.inf if lo is None else lo,
-                                         math.inf if hi is None else hi, dtype == torch.qint8, t):
-                    bufs = self._buffers
-                    return QTensor._trusted(t, bufs["scale"], bufs["zero_point"], self.qdtype)  # type: ignore[arg-type]
-            # the eager fast path: one max for the NaN check (torch's max propagates NaN and makes none: no false
-            # alarm from ``inf - inf`` as a sum had; about half the sum's instruction-cache misses: its reduction
-            # kernel is smaller), check_no_nan's exact check and error only when it is NaN; one fused-by-hand quantize
-            top = x.max().item() if x.numel() else 0.0
-            if top != top:
-                check_no_nan(x, "Quantize")
             bufs = self._buffers  # (nn.Module.__getattr__ costs ~1 µs per buffer read)
-            scale, zero_point = bufs["scale"], bufs["zero_point"]
-            if store is not None and x.is_contiguous() and not x.requires_grad:
-                # quantize_scaled → qstore.codes, their decisions made once (_grid): v = x · inv, the 7-bit clamp of v,
-                # then add, round, clamp and the 8-bit store in one quantize_per_tensor at scale 1. The upper clamp only
-                # where the NaN check's max says v passes it: v ≤ fl(top · inv) (inv > 0, float32 rounding monotone) and
-                # top · inv is exact in double, so top · inv ≤ hi means no v above hi (the clamp would change nothing)
-                lo, hi, zi, dtype, inv_f = store
-                v = torch.mul(x, inv)
-                if hi is not None and top * inv_f <= hi:
-                    hi = None
-                if lo is not None or hi is not None:
-                    v.clamp_(lo, hi)
-                t = torch.quantize_per_tensor(v, 1.0, zi, dtype) if qstore._QUIET[0] else qstore._qpt(v, zi, dtype)
-                # the codes stay in t (the QTensor's _tu: a Linear's fbgemm call takes it as it is; the plain codes
-                # are made only where something reads them)
-                return QTensor._trusted(None, scale, zero_point, self.qdtype, None, None, t)  # type: ignore[arg-type]
-            codes = quantize_scaled(x, inv, z, self.qdtype)
-            return QTensor._trusted(codes, scale, zero_point, self.qdtype)  # type: ignore[arg-type]
+            return quantize_cpu(x, self._grid(), bufs["scale"], bufs["zero_point"], self.qdtype)  # type: ignore[arg-type]
         if isinstance(x, QTensor):
             if (x.axis is None and x.qdtype == self.qdtype and torch.equal(x.scale, self.scale)
                     and torch.equal(x.zero_point, self.zero_point)):
@@ -147,14 +165,8 @@ class Quantize(CheckedQuantState):
         hit = self.__dict__.get("_grid_cache")
         if (hit is None or hit[0] != key or hit[2] is not scale or hit[3] is not zero_point  # (held: ids stay unique)
                 or hit[4] is not self.qdtype):
-            inv_z = scalar_qparams(self.scale, self.zero_point)
-            if inv_z is None:
-                raise ValueError(f"Quantize: scale={float(self.scale)!r} has no finite float32 reciprocal")
-            with torch.inference_mode(False):  # (the zero point as a Python number: quantize_scaled's store takes one)
-                store = _store(self.qdtype, inv_z[1])
-                hit = self.__dict__["_grid_cache"] = (key, (scalar_tensors(*inv_z)[0], inv_z[1],
-                                                            None if store is None else (*store, inv_z[0])),
-                                                      scale, zero_point, self.qdtype)
+            hit = self.__dict__["_grid_cache"] = (key, grid_numbers(scale, zero_point, self.qdtype), scale, zero_point,
+                                                  self.qdtype)
         return hit[1]
 
     @classmethod
