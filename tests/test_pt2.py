@@ -323,3 +323,23 @@ def test_traced_stub_op_keeps_no_grid_alive() -> None:
         del s, z
     gc.collect()
     assert not any(r() is not None for r in refs) and len(_CACHES) <= before  # (other tests' entries may go too)
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((torch.arange(4), 0.1, 3, "quint8:0:255"), TypeError, "float tensor"),
+    ((torch.randn(4), 0.1, 3, "bogus"), ValueError, "qdtype key 'bogus'"),
+    ((torch.randn(4), 0.0, 3, "quint8:0:255"), ValueError, "scale=0.0"),
+    ((torch.randn(4), float("nan"), 3, "quint8:0:255"), ValueError, "scale=nan"),
+    ((torch.randn(4), -0.1, 3, "quint8:0:255"), ValueError, "must be a positive finite float"),
+    ((torch.randn(4), 0.1, 300, "quint8:0:255"), ValueError, "zero_point=300"),
+    ((torch.randn(4), [0.1, 0.2], 3, "quint8:0:255"), ValueError, r"shapes \(2,\) and \(\)"),
+    ((torch.tensor([1.0, float("nan")]), 0.1, 3, "quint8:0:255"), RuntimeError, "holds 1 NaN"),
+])
+def test_quantize_codes_op_names_bad_values(args: tuple, error: type, match: str) -> None:
+    """``lowbit::quantize_codes`` called by hand (a traced stub never sends these): each wrong value raises naming it,
+    as ``Quantize`` does; an empty input gives empty codes."""
+    x, s, z, key = args
+    with pytest.raises(error, match=match):
+        torch.ops.lowbit.quantize_codes(x, torch.tensor(s), torch.tensor(z), key)
+    empty = torch.ops.lowbit.quantize_codes(torch.randn(0, 3), torch.tensor(0.1), torch.tensor(3), "quint8:0:255")
+    assert empty.shape == (0, 3) and empty.dtype == torch.uint8

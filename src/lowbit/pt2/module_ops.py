@@ -43,6 +43,7 @@ import torch
 from ..compile_state import qdtype_from_key, tensor_version
 from ..nn.quantized.dynamic.reduced import forward as _reduced_forward
 from ..nn.quantized.functional_modules import QFunctional
+from ..nn.quantized._utils import check_out_grid
 from ..nn.quantized.stubs import Quantize, grid_numbers, quantize_cpu
 from ..qscheme import QDtype
 from ..nn.quantized.weight_only import WeightOnlyLinear
@@ -179,13 +180,17 @@ def _stub_grid(scale: torch.Tensor, zero_point: torch.Tensor, qdtype: QDtype) ->
     key = (tensor_version(scale), tensor_version(zero_point), qdtype)
     hit = cache.get("pt2.quantize")
     if hit is None or hit[0] != key or hit[1]() is not zero_point:
+        if scale.numel() != 1 or zero_point.numel() != 1:
+            raise ValueError(f"lowbit::quantize_codes: scale and zero_point must hold one value each, got shapes "
+                             f"{tuple(scale.shape)} and {tuple(zero_point.shape)}")
+        check_out_grid(float(scale), int(zero_point), qdtype, "lowbit::quantize_codes")  # (what Quantize's constructor checks)
         hit = cache["pt2.quantize"] = (key, weakref.ref(zero_point), grid_numbers(scale, zero_point, qdtype))
     return hit[2]
 
 
 def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: str) -> torch.Tensor:
     qd = qdtype_from_key(qdtype)
-    if x.dtype == torch.float32 and x.is_cpu and scale.numel() == 1 and zero_point.numel() == 1:
+    if x.dtype == torch.float32 and x.is_cpu:
         y = quantize_cpu(x, _stub_grid(scale, zero_point, qd), scale, zero_point, qd)
     else:  # (what a traced stub never sends: the module's general path)
         y = Quantize(float(scale), int(zero_point), qd)(x)
