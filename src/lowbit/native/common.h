@@ -88,4 +88,18 @@ static inline uint8_t acc_code(int32_t acc, float sc, const float *bias, int64_t
     return (uint8_t)(r > 255.f ? 255.f : r);
 }
 
+/* acc_code on 8 lanes (its float32 steps in its order): int32 codes in [INT32_MIN, 255] for 8 exact sums, scales sc
+ * and biases bias (NULL: none). acc_code's rounding then clamp to [0, 255] is cvtps2dq (round half to even) after a
+ * min with 255; the caller's unsigned-saturating packs give the 0 below (negative, -inf: INT32_MIN). No NaN reaches
+ * the min: the max with vlo (maxps: its second operand for a NaN, as acc_code's clamp) makes it vlo. */
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256i acc_codes8(__m256i acc, const float *sc, const float *bias, float inv, float z, float vlo,
+                                 float vhi) {
+    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(sc));
+    if (bias) t = _mm256_add_ps(t, _mm256_loadu_ps(bias));
+    __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(t, _mm256_set1_ps(inv)), _mm256_set1_ps(vlo)),
+                             _mm256_set1_ps(vhi));
+    return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_set1_ps(255.f), _mm256_add_ps(v, _mm256_set1_ps(z))));
+}
+
 #endif

@@ -440,19 +440,13 @@ static void sums_avx2(const lin_job *j, int64_t c0, int32_t *o) {
     }
 }
 
-/* mode 1's codes of columns [c, c + 8) of row r (o: the chunk's sums as in epi_avx2) as int32 in [INT32_MIN, 255]:
- * store_one's float32 steps in its order; its rounding then clamp to [0, 255] is cvtps2dq (half to even) after a min
- * with 255, the packs' unsigned saturation giving the 0 below (negative, -inf: INT32_MIN; a NaN became vlo at the
- * max, as in store_one) */
+/* mode 1's codes of columns [c, c + 8) (o: the chunk's sums as in epi_avx2) as int32 in [INT32_MIN, 255]: store_one's
+ * float32 steps in its order (common.h acc_codes8; a NaN became vlo at the max, as in store_one) */
 __attribute__((target("avx2,fma"), always_inline))
 static inline __m256i codes8(const lin_job *j, int64_t c, const int32_t *o, const int32_t *zw) {
     __m256i acc = _mm256_loadu_si256((const __m256i *)(o + c));
     if (zw) acc = _mm256_sub_epi32(acc, _mm256_loadu_si256((const __m256i *)(zw + c)));
-    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(j->sc + c));
-    if (j->bias) t = _mm256_add_ps(t, _mm256_loadu_ps(j->bias + c));
-    __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(t, _mm256_set1_ps(j->inv)), _mm256_set1_ps(j->vlo)),
-                             _mm256_set1_ps(j->vhi));
-    return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_set1_ps(255.f), _mm256_add_ps(v, _mm256_set1_ps(j->z))));
+    return acc_codes8(acc, j->sc + c, j->bias ? j->bias + c : NULL, j->inv, j->z, j->vlo, j->vhi);
 }
 
 /* the chunk's epilogue, columns [cs, ce) of row r from o = sums + r CB - cs; zw (NULL where zx = 0): the chunk's
@@ -471,8 +465,13 @@ static void epi_avx2(const lin_job *j, int64_t r, int64_t cs, int64_t ce, const 
             __m256i b = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(p01, p23), order);
             _mm256_storeu_si256((__m256i *)(dst + c), b);
         }
+        for (; c + 8 <= ce; c += 8) {
+            __m256i q = codes8(j, c, o, zw);
+            __m128i q16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+            _mm_storel_epi64((__m128i *)(dst + c), _mm_packus_epi16(q16, q16));
+        }
     }
-    for (; c + 8 <= ce; c += 8) {
+    for (; c + 8 <= ce; c += 8) {  /* (the other modes) */
         __m256i acc = _mm256_loadu_si256((const __m256i *)(o + c));
         if (zw) acc = _mm256_sub_epi32(acc, _mm256_loadu_si256((const __m256i *)(zw + c)));
         __m256 f = _mm256_cvtepi32_ps(acc);
@@ -495,16 +494,7 @@ static void epi_avx2(const lin_job *j, int64_t r, int64_t cs, int64_t ce, const 
             t = _mm256_mul_ps(_mm256_sub_ps(t, _mm256_mul_ps(_mm256_set1_ps(j->ra[r]), _mm256_loadu_ps(j->fw + c))),
                               _mm256_set1_ps(j->rs[r]));
         if (j->bias) t = _mm256_add_ps(t, _mm256_loadu_ps(j->bias + c));
-        if (j->mode != 1) {
-            _mm256_storeu_ps((float *)j->out + r * j->ldo + c, j->relu ? _mm256_max_ps(zero, t) : t);
-            continue;
-        }
-        __m256 v = _mm256_mul_ps(t, _mm256_set1_ps(j->inv));
-        v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(j->vlo)), _mm256_set1_ps(j->vhi));
-        v = _mm256_round_ps(_mm256_add_ps(v, _mm256_set1_ps(j->z)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, zero), _mm256_set1_ps(255.f)));
-        __m128i q16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-        _mm_storel_epi64((__m128i *)((uint8_t *)j->out + r * j->ldo + c), _mm_packus_epi16(q16, q16));
+        _mm256_storeu_ps((float *)j->out + r * j->ldo + c, j->relu ? _mm256_max_ps(zero, t) : t);
     }
     for (; c < ce; ++c) store_one(j, r, c, o[c]);
 }

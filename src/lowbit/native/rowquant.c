@@ -439,21 +439,13 @@ static void *dw_lay_out(const int16_t *wt, int ntaps, int64_t c, int zx, const f
     return mem;
 }
 
-/* the epilogue (acc_code's float32 steps, in its order) of one group's sums (lo, hi: DW_LANE order) into o[0, 16).
- * acc_code's rounding then clamp to [0, 255] is cvtps2dq (round half to even) after a min with 255, the packs'
- * unsigned saturation giving the 0 below (negative, -inf: INT32_MIN); no NaN gets there (the max with vlo, as
- * acc_code's, turns one into vlo) */
+/* the epilogue (common.h acc_codes8) of one group's sums (lo, hi: DW_LANE order) into o[0, 16) */
 __attribute__((target("avx2,fma"), always_inline))
 static inline void dw_codes16(const dw_job *j, const dw_layout *l, int64_t g, __m256i lo, __m256i hi, uint8_t *o) {
-    const __m256 vinv = _mm256_set1_ps(j->inv), vz = _mm256_set1_ps(j->z), vlo = _mm256_set1_ps(j->vlo),
-                 vhi = _mm256_set1_ps(j->vhi), top = _mm256_set1_ps(255.f);
     __m256i q[2];
-    for (int h = 0; h < 2; ++h) {
-        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(h ? hi : lo), _mm256_loadu_ps(l->sc + 16 * g + 8 * h));
-        if (l->bias) t = _mm256_add_ps(t, _mm256_loadu_ps(l->bias + 16 * g + 8 * h));
-        __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(t, vinv), vlo), vhi);
-        q[h] = _mm256_cvtps_epi32(_mm256_min_ps(top, _mm256_add_ps(v, vz)));
-    }
+    for (int h = 0; h < 2; ++h)
+        q[h] = acc_codes8(h ? hi : lo, l->sc + 16 * g + 8 * h, l->bias ? l->bias + 16 * g + 8 * h : NULL, j->inv,
+                          j->z, j->vlo, j->vhi);
     /* per 128-bit lane: lo's channels 0-3 | 8-11 and hi's 4-7 | 12-15 pack to 0-7 | 8-15 */
     __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]), _mm256_setzero_si256());
     _mm_storeu_si128((__m128i *)o, _mm256_castsi256_si128(_mm256_permute4x64_epi64(b, 0x08)));
@@ -512,9 +504,11 @@ static inline void dw_rows(const dw_job *j, const dw_layout *l, int64_t n, int64
 
 __attribute__((target("avx2,fma")))
 static void dw_run_avx2(dw_job *j, const dw_layout *l) {
-    const uint8_t *src[DW_MAX_TAPS], *s0[DW_MAX_TAPS + 2], *s1[DW_MAX_TAPS + 2];
-    const int16_t *wts[DW_MAX_TAPS];
+    const uint8_t *s0[DW_MAX_TAPS + 2], *s1[DW_MAX_TAPS + 2];
+    const int16_t *wts[DW_MAX_TAPS];  /* every tap's weights, for the channel tail */
     int64_t toff[DW_MAX_TAPS];
+    const int ntaps = j->kh * j->kw;
+    for (int t = 0; t < ntaps; ++t) wts[t] = j->wt + (int64_t)t * j->c;
     dw_offsets(j, toff);
     const int64_t c16 = j->c & ~(int64_t)15;
     for (int64_t r = j->r0; r < j->r1; ++r) {
@@ -530,9 +524,8 @@ static void dw_run_avx2(dw_job *j, const dw_layout *l) {
             } else {
                 dw_groups(j, l, s0, s0, 0, o[0], o[0]);
             }
-            if (c16 < j->c)
-                for (int q = 0; q < np; ++q)
-                    dw_pixel_scalar(j, src, wts, dw_taps(j, n, y, x + q, toff, src, wts), c16, o[q]);
+            if (c16 < j->c)  /* the channel tail on the same tap rows (a padding tap's zrow adds (zx - zx) w = 0) */
+                for (int q = 0; q < np; ++q) dw_pixel_scalar(j, q ? s1 : s0, wts, ntaps, c16, o[q]);
         }
     }
 }
