@@ -30,7 +30,7 @@ from ...qtensor import QTensor, quantize_per_tensor
 from ._utils import check_no_nan, check_not_meta, check_out_grid, output_qparams
 from ._state import CheckedQuantState
 
-__all__ = ["Quantize", "DeQuantize", "grid_numbers", "quantize_cpu"]
+__all__ = ["Quantize", "DeQuantize"]  # (grid_numbers, quantize_cpu: the stub's internals, shared with pt2.module_ops)
 
 
 def _native_quantize() -> bool:
