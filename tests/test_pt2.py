@@ -325,6 +325,49 @@ def test_traced_stub_op_keeps_no_grid_alive() -> None:
     assert not any(r() is not None for r in refs) and len(_CACHES) <= before  # (other tests' entries may go too)
 
 
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_exported_program_frees_its_weights(kind: str) -> None:
+    """Once an exported program and its model are gone, so are their tensors: the ops' caches (plans, packs, a
+    weight-only module) hold a second tensor object on the weight's storage (``cached_weight``), never the weight
+    that keys them; before, ``qlinear``, ``dynamic_linear`` and ``weight_only_linear`` entries kept their own key, and
+    with it every weight, alive for the life of the process."""
+    import gc
+    import weakref
+
+    from lowbit.pt2.kernel_ops import _CACHES
+
+    gc.collect()
+    before = set(_CACHES)
+    model, x = MODELS[kind]()
+    program = torch.export.export(model, (x,)).module()
+    assert torch.equal(program(x), model(x))
+    assert set(_CACHES) - before or kind == "embeddings", "no op cached anything: the test would prove nothing"
+    refs = [weakref.ref(t) for m in (model, program) for t in [*m.buffers(), *m.parameters()]]
+    del model, program
+    for _ in range(3):  # (a weight freed inside a collection drops its cache, whose plan cycle the next one frees)
+        gc.collect()
+    assert [r() for r in refs if r() is not None] == []
+    assert not set(_CACHES) - before
+
+
+def test_op_cache_follows_a_data_swap() -> None:
+    """``weight.data = other`` swaps the storage without a version bump: the op's cached plan is rebuilt on the new
+    codes (``cached_weight`` compares the storage), as a fresh program on them computes."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (4, 16), dtype=torch.uint8)
+    w = torch.randint(-128, 128, (8, 16), dtype=torch.int8)
+    grids = (torch.tensor(0.02), torch.tensor(3), "quint8:0:255")
+
+    def run(weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.lowbit.qlinear(x, *grids, weight, torch.full((8,), 0.01), torch.zeros(8, dtype=torch.int64),
+                                        "qint8:-128:127", None, torch.tensor(0.05), torch.tensor(7), "quint8:0:255",
+                                        False)
+    first = run(w)
+    other = torch.randint(-128, 128, (8, 16), dtype=torch.int8)
+    w.data = other.clone()
+    assert torch.equal(run(w), run(other)) and not torch.equal(run(w), first)
+
+
 @pytest.mark.parametrize("args,error,match", [
     ((torch.arange(4), 0.1, 3, "quint8:0:255"), TypeError, "float tensor"),
     ((torch.randn(4), 0.1, 3, "bogus"), ValueError, "qdtype key 'bogus'"),

@@ -10,7 +10,7 @@ float output)::
 The real implementation calls ``kernels.linear`` / ``kernels.conv`` (backend chosen at run time,
 ``use_backend`` pins honoured, ``counts`` tallied) with the packed weight cached per weight tensor
 object (``weight_cache``: the same buffer object comes back on every call of a compiled or
-exported program); with no backend pinned, a per-tensor CPU ``qlinear`` runs the eager module's own
+exported program; ``cached_weight``: what the cache's entries hold in its place); with no backend pinned, a per-tensor CPU ``qlinear`` runs the eager module's own
 ``kernels.plan.linear_plan`` (the same codes, ~50 µs less per call at small M on the AVX2 EPYC), and ``qconv`` its
 ``kernels.conv_plan`` where it makes one (the same oneDNN call), kept in that cache.
 
@@ -37,7 +37,7 @@ from ..kernels.plan import layer_key, linear_plan
 from ..qtensor import QTensor
 from .quant_ops import define
 
-__all__ = ["weight_cache", "conv_out_shape"]
+__all__ = ["weight_cache", "cached_weight", "conv_out_shape"]
 
 _CACHES: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
 
@@ -56,6 +56,30 @@ def weight_cache(weight: torch.Tensor) -> dict[str, Any]:
     cache: dict[str, Any] = {}
     _CACHES[key] = (weakref.ref(weight, drop), cache)
     return cache
+
+
+def cached_weight(weight: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+    """``weight``'s cache and the tensor its entries (plans, packs, modules) must hold instead of ``weight``:
+    ``weight.detach()``, made once per cache (the same storage and version counter, another Python object).
+
+    The cache lives while ``weight`` does, so an entry that held ``weight`` itself kept its own key alive: until
+    session 29 the Linears (static, dynamic, weight-only) of a compiled or exported program were never freed. A
+    ``.data =`` swap changes the storage without a version bump: the held tensor then no longer starts where
+    ``weight`` does, and the cache starts afresh (~0.5 µs a call; a swap to another view at the same address is not
+    detected).
+
+    >>> import torch
+    >>> w = torch.ones(2, 3, dtype=torch.int8)
+    >>> cache, held = cached_weight(w)
+    >>> held is not w and held.data_ptr() == w.data_ptr() and cached_weight(w)[1] is held
+    True
+    """
+    cache = weight_cache(weight)
+    held = cache.get("weight")
+    if held is None or held.data_ptr() != weight.data_ptr():  # (shape and stride: ~1.2 µs more a call, not compared)
+        cache.clear()
+        held = cache["weight"] = weight.detach()
+    return cache, held
 
 
 def _out_grid(scale: torch.Tensor | None, zero_point: torch.Tensor | None, qdtype: str) -> OutGrid | None:
@@ -106,7 +130,7 @@ def qlinear(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, 
             weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
             bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
             out_qdtype: str, relu: bool) -> torch.Tensor:
-    cache = weight_cache(weight)
+    cache, weight = cached_weight(weight)
     if (out_scale is not None and out_zero_point is not None and x.is_cpu and x.dim() and x.numel()
             and kernels.get_backend() is None and x_scale.numel() == 1):  # the eager module's plan (its floor)
         run = _linear_plan(cache, x_qdtype, weight, w_scale, w_zero_point, w_qdtype, bias, out_scale, out_zero_point,
@@ -157,7 +181,7 @@ def qconv(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_
           out_qdtype: str, relu: bool, stride: list[int], padding: list[int], dilation: list[int], groups: int,
           transposed: bool, output_padding: list[int]) -> torch.Tensor:
     spec = _spec(stride, padding, dilation, groups, transposed, output_padding)
-    cache = weight_cache(weight)
+    cache, weight = cached_weight(weight)
     xq = QTensor._trusted(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
     if (out_scale is not None and out_zero_point is not None and x.is_cpu and x.numel()
             and kernels.get_backend() is None and x_scale.numel() == 1):  # the eager module's plan (its floor)

@@ -49,7 +49,7 @@ from ..qscheme import QDtype
 from ..nn.quantized.weight_only import WeightOnlyLinear
 from ..qtensor import QTensor, nchw_copy
 from ..qtensor.pool import max_pool2d_codes
-from .kernel_ops import weight_cache
+from .kernel_ops import cached_weight, weight_cache
 from .quant_ops import define, like
 
 __all__: list[str] = []
@@ -60,8 +60,9 @@ def dynamic_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
     if x.shape[0] == 0:
         return x.new_zeros(0, weight.shape[0], dtype=torch.float32)
     key, _, act = w_qdtype.partition("|")  # "qint8:-128:127" (per token) or "...|per_token_7bit" (reduced.py)
+    cache, weight = cached_weight(weight)
     return _reduced_forward(act or "per_token", x, weight, w_scale, w_zero_point, qdtype_from_key(key), bias,
-                            weight_cache(weight)).contiguous()
+                            cache).contiguous()
 
 
 def _dynamic_linear_fake(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
@@ -72,7 +73,7 @@ def _dynamic_linear_fake(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.T
 def _weight_only_module(qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
                         bias: torch.Tensor | None, spec: list[int], kernel: str) -> WeightOnlyLinear:
     """A ``WeightOnlyLinear`` viewing these tensors (cached per tensor versions: keeps its int4 pack)."""
-    cache = weight_cache(qweight)
+    cache, qweight = cached_weight(qweight)
     key = (tuple(spec), kernel, tensor_version(qweight), tensor_version(scales), tensor_version(zero_points), id(scales),
            id(zero_points), None if bias is None else (id(bias), tensor_version(bias)))
     hit = cache.get("weight_only.module")
