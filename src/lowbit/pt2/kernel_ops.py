@@ -10,8 +10,9 @@ float output)::
 The real implementation calls ``kernels.linear`` / ``kernels.conv`` (backend chosen at run time,
 ``use_backend`` pins honoured, ``counts`` tallied) with the packed weight cached per weight tensor
 object (``weight_cache``: the same buffer object comes back on every call of a compiled or
-exported program; ``cached_weight``: what the cache's entries hold in its place); with no backend pinned, a per-tensor CPU ``qlinear`` runs the eager module's own
-``kernels.plan.linear_plan`` (the same codes, ~50 µs less per call at small M on the AVX2 EPYC), and ``qconv`` its
+exported program; ``cached_weight``: what the cache's entries hold in its place); with no backend
+pinned, a per-tensor CPU ``qlinear`` runs the eager module's own ``kernels.plan.linear_plan`` (the
+same codes, ~50 µs less per call at small M on the AVX2 EPYC), and ``qconv`` its
 ``kernels.conv_plan`` where it makes one (the same oneDNN call), kept in that cache.
 
 >>> import torch, lowbit as Q
