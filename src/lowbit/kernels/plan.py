@@ -36,6 +36,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -180,7 +181,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
         y = y.reshape(*q.shape[:-1], -1)  # (above 4096 codes no int_repr copy: a scalar loop)
         return out.wrap(y if full else y.clamp_(qd.quant_min, qd.quant_max))
 
-    def run(q: torch.Tensor, sx: float, zx: int, tq: torch.Tensor | None = None) -> QTensor:
+    def run_codes(q: torch.Tensor, sx: float, zx: int, tq: torch.Tensor | None = None) -> QTensor:
         counts[key] += 1
         if shift:
             q = q.view(torch.uint8).bitwise_xor(128) if shift == 128 else torch.sub(q, x_qdtype.quant_min).view(torch.uint8)
@@ -279,8 +280,11 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
             if y is not None:
                 counts[key] += 1
                 return y  # type: ignore[return-value]
-        return run(x._q, hit[1], hit[2], tq)
+        return run_codes(x._q, hit[1], hit[2], tq)
 
+    # run_qt reads run_codes, not the returned object: a function whose attribute refers back to it would be a
+    # reference cycle, and a replaced plan (its packed weights) would wait for the cycle collector
+    run = functools.partial(run_codes)
     run.qt = run_qt  # type: ignore[attr-defined]
     return run
 
