@@ -38,7 +38,7 @@ from ..kernels.plan import layer_key, linear_plan
 from ..qtensor import QTensor
 from .quant_ops import define
 
-__all__ = ["weight_cache", "cached_weight", "conv_out_shape"]
+__all__ = ["weight_cache", "conv_out_shape"]  # (cached_weight: the ops' internal, no argument checks)
 
 _CACHES: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
 
