@@ -13,7 +13,10 @@ rows; ``dyn_linear``: the per-token dynamic Linear, its row grids and codes incl
 
 The C sources are compiled once per machine and source version with the system's C compiler (``cc``, or ``$CC``)
 into ``$LOWBIT_CACHE_DIR`` (default ``~/.cache/lowbit``; a new build removes other versions' builds unused for a
-week) and loaded with ``ctypes`` (no torch headers: ~1 s). It
+week; no torch headers: ~1-12 s once). Where this interpreter's ``Python.h`` is installed the same object is also a
+CPython extension whose fast-call functions are the entry points (``entry``: ~0.3 µs a call); elsewhere, or with
+``LOWBIT_NATIVE_ENTRY=ctypes``, they are called through ``ctypes`` (~3-6 µs a call: the same C calls, the same
+values; ``entry_points()`` says which, ``through_ctypes()`` pins ctypes in tests). It
 takes AVX2 + FMA bodies where the CPU has them, checked at run time, and scalar bodies with the same results
 elsewhere; work is split over ``torch.get_num_threads()`` threads of torch's own OpenMP pool (the object links
 ``libgomp.so.1``, which resolves to the copy torch loaded) for inputs past ATen's grain size. Where there is no
@@ -36,19 +39,23 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 from collections import Counter
 from typing import Iterator
 
 import torch
 
+from . import entry
+
 __all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dequantize",
            "dwconv", "dw_weight", "smallconv", "smallconv_weight", "smallconv_body", "maxpool_codes", "to_channels_last",
            "to_contiguous", "im2col", "conv_out_hw", "qlinear", "qlinear_requant",
-           "qlinear_rows", "LinearPlan", "linear_plan", "dyn_linear", "empty_codes", "disabled",
+           "qlinear_rows", "LinearPlan", "linear_plan", "dyn_linear", "empty_codes", "disabled", "through_ctypes", "entry_points",
            "force_scalar", "force_avx2", "vnni", "counts"]
 
 _DIR = Path(__file__).parent
@@ -69,81 +76,59 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def _build() -> tuple[ctypes.CDLL | None, str]:
+def _build() -> tuple[types.SimpleNamespace | None, types.SimpleNamespace | None, str]:
+    """``(entry points, their ctypes twins, what was built or why nothing was)``: see the module doc."""
     if os.environ.get("LOWBIT_NATIVE", "1") == "0":
-        return None, "LOWBIT_NATIVE=0"
+        return None, None, "LOWBIT_NATIVE=0"
     missing = [str(f) for f in (*_SRC, _DIR / "common.h") if not f.exists()]
     if sys.platform != "linux" or missing:
-        return None, f"{missing[0]} is missing" if missing else f"no native build on {sys.platform}"
+        return None, None, f"{missing[0]} is missing" if missing else f"no native build on {sys.platform}"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        return None, "no C compiler (cc / gcc / $CC) on PATH"
+        return None, None, "no C compiler (cc / gcc / $CC) on PATH"
+    want = os.environ.get("LOWBIT_NATIVE_ENTRY", "cpython")
+    if want not in ("cpython", "ctypes"):
+        raise ValueError(f"LOWBIT_NATIVE_ENTRY={want!r}: set it to 'cpython' (the default) or 'ctypes'")
     src = b"".join(f.read_bytes() for f in (*_SRC, _DIR / "common.h"))
-    tag = hashlib.sha256(src + " ".join([cc, *_FLAGS, _OPENMP]).encode()).hexdigest()[:16]
+    inc = entry.python_include()  # the CPython entry points need Python.h; without it ctypes alone calls the passes
+    ext = entry.wrapper_source() if inc is not None else ""
+    abi = f"{sysconfig.get_config_var('SOABI')} {inc}" if inc is not None else ""
+    tag = hashlib.sha256(src + " ".join([cc, *_FLAGS, _OPENMP, abi]).encode() + ext.encode()).hexdigest()[:16]
     lib = _cache_dir() / f"lowbit-native-{tag}.so"
     if not lib.exists():
         try:
             lib.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # build aside, then one atomic rename
                 out = Path(tmp) / lib.name
-                for extra in ([_OPENMP], []):
+                wrap: list[str] = []
+                if inc is not None:
+                    (Path(tmp) / "pyentry.c").write_text(ext)
+                    wrap = [f"-I{inc}", str(Path(tmp) / "pyentry.c")]
+                # with the entry points and OpenMP, then without OpenMP, then each without the entry points
+                for extra in ([_OPENMP, *wrap], wrap, [_OPENMP], []):
                     done = subprocess.run([cc, *_FLAGS, *extra, "-o", str(out), *map(str, _SRC)], capture_output=True,
                                           text=True, timeout=120)
                     if done.returncode == 0:
                         break
                 else:
-                    return None, f"{cc} failed: {done.stderr.strip()[-300:]}"
+                    return None, None, f"{cc} failed: {done.stderr.strip()[-300:]}"
                 os.replace(out, lib)
             _prune(lib)
         except (OSError, subprocess.SubprocessError) as e:
-            return None, f"native build failed: {e}"
+            return None, None, f"native build failed: {e}"
     try:
         dll = ctypes.CDLL(str(lib))
-    except OSError as e:
-        return None, f"cannot load {lib}: {e}"
-    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    dll.lb_row_grid.argtypes = [p, i64, i64, i64, f32, f32, f32, i32, p, i64, p, p, i32, i32]
-    dll.lb_row_grid.restype = i32
-    dll.lb_row_epilogue.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i32, i32]
-    dll.lb_row_epilogue.restype = None
-    dll.lb_conv_epilogue.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, f32, f32, f32, f32, p, i32, i32]
-    dll.lb_conv_epilogue.restype = None
-    dll.lb_qadd.argtypes = [p, i32, p, i32, p, i32, i64, f32, f32, f32, f32, f32, f32, f32, i32, i32]
-    dll.lb_qadd.restype = None
-    dll.lb_quantize.argtypes = [p, i64, f32, f32, f32, f32, i32, p, i32, i32]
-    dll.lb_quantize.restype = i32
-    dll.lb_dequantize.argtypes = [p, i64, i32, f32, f32, p, i32, i32]
-    dll.lb_dequantize.restype = None
-    dll.lb_dwconv.argtypes = [p, i64, i64, i64, i64, p, i32, i32, i32, i32, i32, i32, i32, i32, i32, i64, i64, p, p,
-                              f32, f32, f32, f32, p, i32, i32]
-    dll.lb_dwconv.restype = None
-    dll.lb_smallconv.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, i64, p, p, p, i64, i64, i32, i32, i32, i32, i32,
-                                 i32, i32, i32, i32, i64, i64, p, p, f32, f32, f32, f32, p, i32, i32]
-    dll.lb_smallconv.restype = i32
-    dll.lb_smallconv_body.argtypes = [i32]
-    dll.lb_smallconv_body.restype = i32
-    dll.lb_linear_run.argtypes = [p, p, i64, i64, i32, p, p, p, i32, i32]
-    dll.lb_linear_run.restype = i32
-    dll.lb_conv_gemm.argtypes = [p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32, i64, i64, p, i32,
-                                 i32]
-    dll.lb_conv_gemm.restype = i32
-    dll.lb_dyn_linear.argtypes = [p, i64, i64, i64, i64, p, p, p, p, i32, p, p, p, i32, i32, i32]
-    dll.lb_dyn_linear.restype = i32
-    dll.lb_maxpool_codes.argtypes = [p, i32, i64, i64, i64, i64, i64, i64, i64, i64, p, i32, i32]
-    dll.lb_maxpool_codes.restype = None
-    dll.lb_to_nhwc.argtypes = [p, i64, i64, i64, p, i32]
-    dll.lb_to_nhwc.restype = None
-    dll.lb_im2col.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i32, i64, i64, p, i32]
-    dll.lb_im2col.restype = None
-    dll.lb_to_nchw.argtypes = [p, i64, i64, i64, p, i32]
-    dll.lb_to_nchw.restype = None
-    dll.lb_cpu_avx2.restype = dll.lb_cpu_vnni.restype = dll.lb_cpu_avx512.restype = dll.lb_openmp.restype = i32
-    body = "AVX2 + FMA bodies" if dll.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
-    if dll.lb_cpu_avx512():
+        fast, slow, ext_loaded = entry.bind(dll, lib, want)
+    except (OSError, AttributeError) as e:
+        return None, None, f"cannot load {lib}: {e}"
+    body = "AVX2 + FMA bodies" if fast.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
+    if fast.lb_cpu_avx512():
         body += ", AVX-512 stubs"
-    if dll.lb_cpu_vnni():
+    if fast.lb_cpu_vnni():
         body += ", AVX-512 VNNI Linears"
-    return dll, body + (", OpenMP threads" if dll.lb_openmp() else ", one thread (built without OpenMP)")
+    body += ", OpenMP threads" if fast.lb_openmp() else ", one thread (built without OpenMP)"
+    why = ("LOWBIT_NATIVE_ENTRY=ctypes" if want == "ctypes" else "built without them" if inc else "no Python.h")
+    return fast, slow, body + (", CPython entry points" if ext_loaded else f", ctypes entry points ({why})")
 
 
 _STALE_S = 7 * 24 * 3600  # builds of other source versions unused this long are removed when a new one is made
@@ -165,11 +150,11 @@ def _prune(keep: Path) -> None:
             pass  # (another process removed it, or it is not ours to remove)
 
 
-def _lib() -> ctypes.CDLL | None:
+def _lib() -> types.SimpleNamespace | None:
     if "lib" not in _state:
         with _lock:
             if "lib" not in _state:
-                _state["lib"], _state["reason"] = _build()
+                _state["lib"], _state["ctypes"], _state["reason"] = _build()
     if _local.__dict__.get("off", False):
         return None
     return _state["lib"]  # type: ignore[return-value]
@@ -198,6 +183,32 @@ class _Disabled:
 
     def __exit__(self, *exc: object) -> None:
         _local.off = self.old
+
+
+@contextlib.contextmanager
+def through_ctypes() -> Iterator[None]:
+    """Every native call inside this block goes through ``ctypes`` even where the CPython entry points were built (the
+    same C calls with the same values, ~3-6 µs more each): tests run both ways of calling on every machine. It swaps
+    the process's entry points (not one thread's: the hot paths read them without a thread-local lookup)."""
+    lib = _lib()
+    slow = _state.get("ctypes")
+    if lib is None or slow is None or slow is lib:
+        yield
+        return
+    with _lock:
+        _state["lib"] = slow
+    try:
+        yield
+    finally:
+        with _lock:
+            _state["lib"] = lib
+
+
+def entry_points() -> str:
+    """How the native passes are called here: ``"cpython"`` (the ``_lowbit_native`` extension), ``"ctypes"``, or
+    ``"none"`` (no native build)."""
+    lib = _lib()
+    return "none" if lib is None else "ctypes" if lib is _state.get("ctypes") else "cpython"
 
 
 def disabled() -> _Disabled:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from typing import Any
 
 import torch
 
@@ -130,7 +131,7 @@ class LinearPlan:
         counts["conv_gemm"] += 1
         return True
 
-    def _pack(self, lib: ctypes.CDLL) -> None:
+    def _pack(self, lib: Any) -> None:
         """The weights packed for the many-row kernels, made by the first call of ``BCAST_M`` rows or more."""
         if not lib.lb_cpu_avx2():  # (the packed kernels are AVX2 only: no copy of the weights for the scalar body)
             self._wp = _NO_PACK
