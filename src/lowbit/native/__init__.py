@@ -55,8 +55,8 @@ from . import entry
 __all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dequantize",
            "dwconv", "dw_weight", "smallconv", "smallconv_weight", "smallconv_body", "maxpool_codes", "to_channels_last",
            "to_contiguous", "im2col", "conv_out_hw", "qlinear", "qlinear_requant",
-           "qlinear_rows", "LinearPlan", "linear_plan", "dyn_linear", "empty_codes", "disabled", "through_ctypes", "entry_points",
-           "force_scalar", "force_avx2", "vnni", "counts"]
+           "qlinear_rows", "LinearPlan", "linear_plan", "dyn_linear", "empty_codes", "disabled", "through_ctypes",
+           "entry_points", "force_scalar", "force_avx2", "vnni", "counts"]
 
 _DIR = Path(__file__).parent
 # compiled together; all include common.h
@@ -105,7 +105,8 @@ def _build() -> tuple[types.SimpleNamespace | None, types.SimpleNamespace | None
                     (Path(tmp) / "pyentry.c").write_text(ext)
                     wrap = [f"-I{inc}", str(Path(tmp) / "pyentry.c")]
                 # with the entry points and OpenMP, then without OpenMP, then each without the entry points
-                for extra in ([_OPENMP, *wrap], wrap, [_OPENMP], []):
+                tries = [[_OPENMP, *wrap], wrap, [_OPENMP], []]
+                for extra in [e for i, e in enumerate(tries) if e not in tries[:i]]:
                     done = subprocess.run([cc, *_FLAGS, *extra, "-o", str(out), *map(str, _SRC)], capture_output=True,
                                           text=True, timeout=120)
                     if done.returncode == 0:
