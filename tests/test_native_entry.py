@@ -128,6 +128,13 @@ from pathlib import Path
 from lowbit import native
 from lowbit.native import entry
 tmp = Path(sys.argv[1])
+# stand-ins for the C files, every entry point a stub (the build's decisions are what is tested; ~1 s, not ~30)
+C = {"p": "void *", "i64": "long long", "i32": "int", "f32": "float"}
+stub = "".join(f"{'void' if res == 'void' else 'int'} {name}({', '.join(C[a] for a in args.split()) or 'void'})"
+               f" {{{'' if res == 'void' else ' return 0;'} }}\\n" for name, (args, res) in entry.SIGNATURES.items())
+(tmp / "stubs.c").write_text(stub)
+(tmp / "common.h").write_text("")
+native._SRC, native._DIR = [tmp / "stubs.c"], tmp
 native._cache_dir = lambda: tmp / "a"
 entry.python_include = lambda: None
 fast, slow, why = native._build()
@@ -148,6 +155,13 @@ def test_the_build_falls_back_to_ctypes_without_a_usable_python_h(tmp_path: Any)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["ctypes entry points (no Python.h) True True",
                                        "ctypes entry points (built without them) True True"]
+    # and with the header the same stubs load through the extension (so the fallbacks above are the header's doing)
+    ok = _FALLBACK.split("entry.python_include = lambda: None")[0].replace('"a"', '"c"')
+    ok += "fast, slow, why = native._build()\nprint(why.split(', ')[-1], fast is slow)\n"
+    out = subprocess.run([sys.executable, "-c", ok, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    want = "CPython entry points False" if entry.python_include() else "ctypes entry points (no Python.h) True"
+    assert out.stdout.strip() == want
 
 
 @needs_native
