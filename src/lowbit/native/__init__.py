@@ -207,7 +207,7 @@ def through_ctypes() -> Iterator[None]:
 
 def entry_points() -> str:
     """How the native passes are called here: ``"cpython"`` (the ``_lowbit_native`` extension), ``"ctypes"``, or
-    ``"none"`` (no native build)."""
+    ``"none"`` (no native build, or ``disabled()`` in this thread)."""
     lib = _lib()
     return "none" if lib is None else "ctypes" if lib is _state.get("ctypes") else "cpython"
 
