@@ -119,7 +119,7 @@ def _build() -> tuple[types.SimpleNamespace | None, types.SimpleNamespace | None
             return None, None, f"native build failed: {e}"
     try:
         dll = ctypes.CDLL(str(lib))
-        fast, slow, ext_loaded = entry.bind(dll, lib, want)
+        fast, slow = entry.bind(dll, lib, want)
     except (OSError, AttributeError) as e:
         return None, None, f"cannot load {lib}: {e}"
     body = "AVX2 + FMA bodies" if fast.lb_cpu_avx2() else "scalar bodies (no AVX2 + FMA on this CPU)"
@@ -129,7 +129,7 @@ def _build() -> tuple[types.SimpleNamespace | None, types.SimpleNamespace | None
         body += ", AVX-512 VNNI Linears"
     body += ", OpenMP threads" if fast.lb_openmp() else ", one thread (built without OpenMP)"
     why = ("LOWBIT_NATIVE_ENTRY=ctypes" if want == "ctypes" else "built without them" if inc else "no Python.h")
-    return fast, slow, body + (", CPython entry points" if ext_loaded else f", ctypes entry points ({why})")
+    return fast, slow, body + (", CPython entry points" if fast is not slow else f", ctypes entry points ({why})")
 
 
 _STALE_S = 7 * 24 * 3600  # builds of other source versions unused this long are removed when a new one is made

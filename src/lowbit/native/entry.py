@@ -167,13 +167,12 @@ def load_ext(path: Path) -> types.ModuleType | None:
     return mod if all(hasattr(mod, name) for name in SIGNATURES) else None
 
 
-def bind(dll: ctypes.CDLL, path: Path, want: str = "cpython") -> tuple[types.SimpleNamespace, types.SimpleNamespace,
-                                                                      bool]:
-    """``(fast, ctypes_only, extension_loaded)``: the entry points as callers use them (the extension's where it was
-    built into ``path`` and ``want`` is ``"cpython"``, else ctypes') and the ctypes ones alone
+def bind(dll: ctypes.CDLL, path: Path, want: str = "cpython") -> tuple[types.SimpleNamespace, types.SimpleNamespace]:
+    """``(fast, ctypes_only)``: the entry points as callers use them (the extension's where it was built into ``path``
+    and ``want`` is ``"cpython"``, else the ctypes ones themselves: ``fast is ctypes_only``) and the ctypes ones alone
     (``native.through_ctypes()`` for tests)."""
     slow = bind_ctypes(dll)
     ext = load_ext(path) if want == "cpython" else None
     if ext is None:
-        return slow, slow, False
-    return types.SimpleNamespace(**{name: getattr(ext, name) for name in SIGNATURES}), slow, True
+        return slow, slow
+    return types.SimpleNamespace(**{name: getattr(ext, name) for name in SIGNATURES}), slow
