@@ -53,12 +53,14 @@ def _fbgemm_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, sw: tor
 @pytest.mark.parametrize("body,threads", [("vnni", 1), ("vnni", 2), ("avx2", 1), ("avx2", 2), ("scalar", 1)])
 def test_requant_mode_is_fbgemm_quantized_linear(body: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Codes ≤ 127 against any int8 weight and 8-bit codes against saturation-safe weights, M from 1 (the dot
-    products) to 133 (the packed kernels' row blocks with every remainder, over three row chunks), K and N with every
-    tail, zero points 0 / 57, bias or none, ReLU, output scales that saturate both ends: fbgemm's codes exactly."""
+    products) to 133 (the packed kernels' row blocks with every remainder, over three row chunks), K with every tail,
+    N over 1-4 blocks of 16 columns in a chunk and past it, zero points 0 / 57, bias or none, ReLU, output scales that
+    saturate both ends: fbgemm's codes exactly."""
     g = torch.Generator().manual_seed(threads)
     wrong = []
     with split_over(threads, monkeypatch):
-        for m, k, n, seven in itertools.product((1, 2, 3, 15, 27, 64, 133), (5, 32, 100, 769), (1, 7, 13, 70),
+        for m, k, n, seven in itertools.product((1, 2, 3, 11, 15, 18, 64, 133), (5, 32, 100, 769),
+                                                (1, 7, 20, 40, 70),
                                                 (True, False)):
             hi_x, w_lo, w_hi = (127, -128, 127) if seven else (255, -64, 64)
             q = torch.randint(0, hi_x + 1, (m, k), generator=g, dtype=torch.uint8)

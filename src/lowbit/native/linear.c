@@ -283,8 +283,11 @@ static inline void blk_bcast_s(const lin_job *j, int64_t r0, const int nr, int64
 /* With AVX-512 VNNI (cpu_vnni): vpdpbusd adds four u8 × s8 products to an int32 lane in one step, exact for any u8
  * codes (no int16 stage to saturate), so every plan takes these two, `pairs` or not. blk_dot_vnni: blk_pairs's dot
  * products (one row, or a plan without the 4-group packing); blk_bcast_vnni: blk_bcast on the same packing, one
- * group of 16 columns × 4 codes as one 512-bit vector, MBV rows (512-bit vpdpbusd: 1.4-1.7x the 256-bit form of
- * blk_bcast's shape on Zen 4, session 16). */
+ * group of 16 columns × 4 codes as one 512-bit vector, RV_R rows × RV_V such vectors in registers. 6 × 4 (24 sums, 4
+ * weight vectors and 6 broadcast codes per 24 vpdpbusd) ran 1.4-1.7x session 16's 16 rows × 1 vector (one broadcast
+ * load per vpdpbusd) at 4-512 rows on a Zen 5 EPYC, 1.0-1.1x fbgemm and oneDNN at 16-128 rows (session 31); 8 × 3,
+ * 4 × 4, 12 × 2 and 14 × 2 were 0-10 % slower, 7 × 3 10-30 %. Every loop over the sums is unrolled (a loop left
+ * rolled puts them on the stack). */
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
 static inline void blk_dot_vnni(const lin_job *j, int64_t r0, const int nr, int64_t c0, int32_t *o) {
     const int64_t k = j->k, k64 = k & ~(int64_t)63, pf = pf_bytes(k);
@@ -317,65 +320,145 @@ static inline void blk_dot_vnni(const lin_job *j, int64_t r0, const int nr, int6
     }
 }
 
-#ifndef MBV
-#define MBV 16        /* input rows per register block of blk_bcast_vnni (one 16-column vector of sums each) */
+#ifndef RV_R
+#define RV_R 6        /* input rows per register block of blk_bcast_vnni */
 #endif
+#ifndef RV_V
+#define RV_V 4        /* 16-column vectors per register block (RV_R × RV_V accumulators, RV_V weight vectors) */
+#endif
+#ifndef RV_PF
+#define RV_PF 0       /* bytes ahead each weight stream is prefetched into L1 (0: none) */
+#endif
+/* rows [r0, r0 + nr) against the nv packed blocks from b (16 nv columns) into o (row stride CB): per group of 4 codes
+ * nv weight vectors and nr broadcast codes feed nr nv vpdpbusd */
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
-static inline void blk_bcast_vnni(const lin_job *j, int64_t r0, const int nr, int64_t b, int32_t *o) {
-    const int64_t kq = (j->k + 3) / 4, kf = j->k / 4;
+static inline void blk_bcast_vnni(const lin_job *j, int64_t r0, const int nr, int64_t b, const int nv, int32_t *o) {
+    const int64_t kq = (j->k + 3) / 4, kf = j->k / 4, ldx = j->ldx;
     const int8_t *wp = j->wp + b * kq * 64;
-    const uint8_t *xr[MBV];
-    __m512i a[MBV];
+    const uint8_t *x = j->x + r0 * ldx;
+    __m512i a[RV_R][RV_V];
 #pragma GCC unroll 16
-    for (int r = 0; r < nr; ++r) {
-        xr[r] = j->x + (r0 + r) * j->ldx;
-        a[r] = _mm512_setzero_si512();
-    }
-    for (int64_t g = 0; g < kq; ++g) {
-        _mm_prefetch((const char *)(wp + kq * 64 + g * 64), _MM_HINT_T0);
-        const __m512i w0 = _mm512_loadu_si512((const void *)(wp + g * 64));
-        if (g == kf) {
-            for (int r = 0; r < nr; ++r) {
-                int32_t v = 0;
-                memcpy(&v, xr[r] + 4 * g, (size_t)(j->k - 4 * kf));
-                a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(v), w0);
-            }
-            break;
+    for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; ++v) a[r][v] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < kf; ++g) {
+        __m512i w[RV_V];
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; ++v) {
+            if (RV_PF) _mm_prefetch((const char *)(wp + v * kq * 64 + g * 64 + RV_PF), _MM_HINT_T0);
+            w[v] = _mm512_loadu_si512((const void *)(wp + v * kq * 64 + g * 64));
         }
 #pragma GCC unroll 16
-        for (int r = 0; r < nr; ++r)
-            a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(*(const i32u *)(xr[r] + 4 * g)), w0);
+        for (int r = 0; r < nr; ++r) {
+            const __m512i xb = _mm512_set1_epi32(*(const i32u *)(x + r * ldx + 4 * g));
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; ++v) a[r][v] = _mm512_dpbusd_epi32(a[r][v], xb, w[v]);
+        }
+    }
+    if (kq > kf) {  /* the last k % 4 codes, zeros past k in the packing */
+#pragma GCC unroll 16
+        for (int r = 0; r < nr; ++r) {
+            int32_t c4 = 0;
+            memcpy(&c4, x + r * ldx + 4 * kf, (size_t)(j->k - 4 * kf));
+            const __m512i xb = _mm512_set1_epi32(c4);
+#pragma GCC unroll 4
+            for (int v = 0; v < nv; ++v)
+                a[r][v] = _mm512_dpbusd_epi32(a[r][v], xb, _mm512_loadu_si512((const void *)(wp + v * kq * 64 + kf * 64)));
+        }
     }
 #pragma GCC unroll 16
-    for (int r = 0; r < nr; ++r) _mm512_storeu_si512((void *)(o + r * CB), a[r]);
+    for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; ++v) _mm512_storeu_si512((void *)(o + r * CB + v * NB), a[r][v]);
+}
+
+/* every row against nv blocks from b: whole blocks of RV_R rows, then the rest (constant shapes: registers) */
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
+static inline void rows_vnni(const lin_job *j, int64_t b, const int nv, int32_t *o) {
+    int64_t r = 0;
+    for (; r + RV_R <= j->m; r += RV_R) blk_bcast_vnni(j, r, RV_R, b, nv, o + r * CB);
+    switch (j->m - r) {
+#if RV_R > 15
+        case 15: blk_bcast_vnni(j, r, 15, b, nv, o + r * CB); break;
+#endif
+#if RV_R > 14
+        case 14: blk_bcast_vnni(j, r, 14, b, nv, o + r * CB); break;
+#endif
+#if RV_R > 13
+        case 13: blk_bcast_vnni(j, r, 13, b, nv, o + r * CB); break;
+#endif
+#if RV_R > 12
+        case 12: blk_bcast_vnni(j, r, 12, b, nv, o + r * CB); break;
+#endif
+#if RV_R > 11
+        case 11: blk_bcast_vnni(j, r, 11, b, nv, o + r * CB); break;
+#endif
+#if RV_R > 10
+        case 10: blk_bcast_vnni(j, r, 10, b, nv, o + r * CB); break;
+#endif
+#if RV_R > 9
+        case 9: blk_bcast_vnni(j, r, 9, b, nv, o + r * CB); break;
+#endif
+#if RV_R > 8
+        case 8: blk_bcast_vnni(j, r, 8, b, nv, o + r * CB); break;
+#endif
+#if RV_R > 7
+        case 7: blk_bcast_vnni(j, r, 7, b, nv, o + r * CB); break;
+#endif
+#if RV_R > 6
+        case 6: blk_bcast_vnni(j, r, 6, b, nv, o + r * CB); break;
+#endif
+#if RV_R > 5
+        case 5: blk_bcast_vnni(j, r, 5, b, nv, o + r * CB); break;
+#endif
+#if RV_R > 4
+        case 4: blk_bcast_vnni(j, r, 4, b, nv, o + r * CB); break;
+#endif
+#if RV_R > 3
+        case 3: blk_bcast_vnni(j, r, 3, b, nv, o + r * CB); break;
+#endif
+#if RV_R > 2
+        case 2: blk_bcast_vnni(j, r, 2, b, nv, o + r * CB); break;
+#endif
+#if RV_R > 1
+        case 1: blk_bcast_vnni(j, r, 1, b, nv, o + r * CB); break;
+#endif
+    }
 }
 
 /* the chunk's sums of columns [cs, ce) for every row by the VNNI kernels (packed from BCAST_M rows where j->wp) */
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
 static void sums_vnni(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
-    const int64_t unit = j->wp ? NB : NC;
-    for (int64_t c0 = cs; c0 < ce; c0 += unit) {
+    if (j->wp) {
+        for (int64_t c0 = cs; c0 < ce;) {
+            const int64_t left = (ce - c0 + NB - 1) / NB;
+            int32_t *o = buf + (c0 - cs);
+            if (left >= RV_V) {
+                rows_vnni(j, c0 / NB, RV_V, o);
+                c0 += RV_V * NB;
+                continue;
+            }
+            switch (left) {
+#if RV_V > 3
+                case 3: rows_vnni(j, c0 / NB, 3, o); break;
+#endif
+#if RV_V > 2
+                case 2: rows_vnni(j, c0 / NB, 2, o); break;
+#endif
+                default: rows_vnni(j, c0 / NB, 1, o); break;
+            }
+            c0 += left * NB;
+        }
+        return;
+    }
+    for (int64_t c0 = cs; c0 < ce; c0 += NC) {
         int32_t *o = buf + (c0 - cs);
-        if (!j->wp && c0 + NC > ce) {  /* the columns past the last whole block: scalar dots */
+        if (c0 + NC > ce) {  /* the columns past the last whole block: scalar dots */
             for (int64_t c = c0; c < ce; ++c)
                 for (int64_t r = 0; r < j->m; ++r) buf[r * CB + (c - cs)] = dot_scalar(j, r, c, 0);
             continue;
         }
         int64_t r = 0;
-        if (j->wp) {
-            for (; r + MBV <= j->m; r += MBV) blk_bcast_vnni(j, r, MBV, c0 / NB, o + r * CB);
-            if (j->m - r >= 8) { blk_bcast_vnni(j, r, 8, c0 / NB, o + r * CB); r += 8; }
-            switch (j->m - r) {
-                case 7: blk_bcast_vnni(j, r, 7, c0 / NB, o + r * CB); break;
-                case 6: blk_bcast_vnni(j, r, 6, c0 / NB, o + r * CB); break;
-                case 5: blk_bcast_vnni(j, r, 5, c0 / NB, o + r * CB); break;
-                case 4: blk_bcast_vnni(j, r, 4, c0 / NB, o + r * CB); break;
-                case 3: blk_bcast_vnni(j, r, 3, c0 / NB, o + r * CB); break;
-                case 2: blk_bcast_vnni(j, r, 2, c0 / NB, o + r * CB); break;
-                case 1: blk_bcast_vnni(j, r, 1, c0 / NB, o + r * CB); break;
-            }
-            continue;
-        }
         for (; r + MR <= j->m; r += MR) blk_dot_vnni(j, r, MR, c0, o + r * CB);
         switch (j->m - r) {
             case 3: blk_dot_vnni(j, r, 3 < MR ? 3 : MR, c0, o + r * CB); break;
@@ -802,12 +885,14 @@ static int run_plan(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx,
         }
         fan_out(sign_rows, sj, sizeof(sign_job), ns);
     }
-    uint8_t *xp = NULL;  /* blk_bcast_vnni's MBV rows each read one line per 16 groups: where the row stride maps fewer
-                            than MBV of them to distinct L1 sets (4 KiB apart), the codes are copied onto a padded
-                            stride first (128×4096²: 3x faster than thrashing one set with 16 rows) */
+    uint8_t *xp = NULL;  /* blk_bcast_vnni's RV_R rows each read one line per 16 groups: where the row stride maps
+                            fewer than RV_R of them to distinct L1 sets (4 KiB apart), the codes are copied onto a padded
+                            stride first (128×4096²: 3x faster than thrashing one set with session 16's 16 rows; with 6
+                            rows no faster or slower on Zen 5's 12-way L1, kept for 8-way ones: 6 rows and 4 weight
+                            streams 64 KiB apart share a set there) */
     int64_t stride = 4096, g = ldx % 4096;
     while (g) { int64_t t = stride % g; stride = g; g = t; }
-    if (vnni && wp && !cv && m >= 4 && 4096 / stride < MBV) {
+    if (vnni && wp && !cv && m >= 4 && 4096 / stride < RV_R) {
         const int64_t ldp = (k + 63) / 64 * 64 + 64;
         xp = malloc((size_t)(m * ldp));
         if (!xp) { if (xa) sign_release(xa, xa_all); return 1; }
