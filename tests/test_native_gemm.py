@@ -81,6 +81,35 @@ def test_requant_mode_is_fbgemm_quantized_linear(body: str, threads: int, monkey
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_vnni_one_row_packed_and_unpacked_give_the_same_sums(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AVX-512 VNNI a plan packs its weights on its first call, one row included, and one row runs the packed
+    kernel (``blk_bcast_vnni``, 1 row × up to 4 column vectors); the dot products (``blk_dot_vnni``) stay for a plan
+    whose weights are not packed. Both give the exact sums, over K and N tails and several 64-column chunks."""
+    _body("vnni")
+    import lowbit.native.gemm as gemm_mod
+
+    g = torch.Generator().manual_seed(31)
+    with split_over(threads, monkeypatch):
+        for k, n in itertools.product((4, 63, 64, 129, 770), (1, 16, 33, 70, 200)):
+            q = torch.randint(0, 256, (1, k), generator=g, dtype=torch.uint8)
+            w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+            want = ((q.int() - 7) @ w.int().t()).float()
+            runs = []
+            for packed in (False, True):
+                plan = native.linear_plan(w, "float", torch.ones(n))
+                assert plan is not None
+                with monkeypatch.context() as m:
+                    if not packed:
+                        m.setattr(gemm_mod, "vnni", lambda: False)  # (the C side still runs its VNNI kernels)
+                    y = torch.full((1, n), float("nan"))
+                    assert plan.run(q, 7, y)
+                assert (plan._wp is not None) == packed, (k, n, packed)
+                runs.append(y)
+            assert torch.equal(runs[0], want) and torch.equal(runs[1], want), (k, n)
+
+
+@needs_native
 @pytest.mark.parametrize("body", ["vnni", "avx2", "scalar"])
 def test_float_mode_is_the_exact_sums_scaled_for_both_kernels(body: str) -> None:
     """"float": ``fl(fl(Σ (q - z) w) · sc) + b`` (ReLU), the same floats from the pair kernel (codes ≤ 127) and the

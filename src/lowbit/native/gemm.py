@@ -64,7 +64,7 @@ class LinearPlan:
 
     def __init__(self, plan: _Plan, keep: tuple[torch.Tensor | None, ...], k: int, n: int, mode: str) -> None:
         self._plan, self._keep, self.k, self.n, self.mode = plan, keep, k, n, mode
-        self._wp: torch.Tensor | None = None  # pack_bcast(w), made by the first call of BCAST_M rows or more
+        self._wp: torch.Tensor | None = None  # pack_bcast(w), made by the first call of BCAST_M rows or more (VNNI: any)
         self._sw: torch.Tensor | None = None  # 128 Σ w per column for the many-row kernel of a plan without pairs
         self._addr = ctypes.addressof(plan)
         self.name = {"float": "qlinear", "codes": "qlinear", "requant": "qlinear_requant", "rows": "qlinear_rows",
@@ -86,7 +86,7 @@ class LinearPlan:
         m = shape[0]
         if out.shape != (m, self.n) or not out.is_contiguous():
             return False
-        if m >= BCAST_M and self._wp is None:
+        if self._wp is None and (m >= BCAST_M or vnni()):  # (with VNNI the packed kernel from one row: linear.c)
             self._pack(lib)
         ra = rs = None
         if self.mode in _ROWS:
@@ -132,7 +132,8 @@ class LinearPlan:
         return True
 
     def _pack(self, lib: Any) -> None:
-        """The weights packed for the many-row kernels, made by the first call of ``BCAST_M`` rows or more."""
+        """The weights packed for the many-row kernels, made by the first call of ``BCAST_M`` rows or more, or by any
+        call where the AVX-512 VNNI kernels run (they read the packing from one row)."""
         if not lib.lb_cpu_avx2():  # (the packed kernels are AVX2 only: no copy of the weights for the scalar body)
             self._wp = _NO_PACK
         else:  # groups of 4 codes for every many-row kernel; a plan without pairs adds linear.c's sw for blk_bcast_s
@@ -167,7 +168,7 @@ def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None,
         return None
     m, k = x.shape
     n = plan.n
-    if m >= BCAST_M and plan._wp is None:
+    if plan._wp is None and (m >= BCAST_M or vnni()):
         plan._pack(lib)
     y = torch.empty(m, n)
     codes, grid = torch.empty(m, k, dtype=torch.uint8), torch.empty(3 * m)

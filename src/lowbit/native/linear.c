@@ -6,7 +6,8 @@
  * One row (or a plan without packed weights): dot products of NC weight rows × up to 2 input rows in 8 accumulators
  * on the plain weights (blk_pairs; blk_sgn for other codes: |q - 128| against sign-adjusted weights, as below). From
  * BCAST_M rows: blk_bcast (`pairs`) or blk_bcast_s (any u8 codes: |q - 128| against sign-adjusted weights, ~0.83x
- * blk_bcast's speed) on weights packed once. All exact. Rows go in tiles whose codes stay in L2 (tile_rows), each in
+ * blk_bcast's speed) on weights packed once; with VNNI, blk_bcast_vnni from one row once the weights are packed. All
+ * exact. Rows go in tiles whose codes stay in L2 (tile_rows), each in
  * chunks of MAX_ROWS; each thread owns whole blocks of columns, in chunks of CB columns whose sums stay in L1 until
  * the chunk's epilogue turns them into the output. blk_bcast_s's sign codes (2 bytes a code) are made per tile by each
  * thread into its own L2-sized buffer (session 27; before, one pass over the whole input wrote them to memory and every
@@ -138,7 +139,8 @@ static inline void blk_pairs(const lin_job *j, int64_t r0, const int nr, int64_t
                 a[r][c] = _mm256_add_epi32(a[r][c], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, wv[c]), ones));
         }
     }
-    for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 4
+    for (int r = 0; r < nr; ++r)  /* (unrolled, as every loop over the sums: a rolled one keeps them on the stack) */
         store4(o + r * CB, a[r], j, r0 + r, c0, k32);
 }
 
@@ -175,6 +177,7 @@ static inline void blk_sgn(const lin_job *j, int64_t r0, const int nr, int64_t c
                                                                       ones));
         }
     }
+#pragma GCC unroll 4
     for (int r = 0; r < nr; ++r) {
         int32_t *orow = o + r * CB;
         hsum4(orow, a[r]);
@@ -212,6 +215,7 @@ static inline void blk_bcast(const lin_job *j, int64_t r0, const int nr, int64_t
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wp + g * 64));
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wp + g * 64 + 32));
         if (g == kf) {  /* the last, partial group: its missing codes meet zero weights (never read past the row) */
+#pragma GCC unroll 6
             for (int r = 0; r < nr; ++r) {
                 int32_t v = 0;
                 memcpy(&v, xr[r] + 4 * g, (size_t)(j->k - 4 * kf));
@@ -311,11 +315,13 @@ static inline void blk_dot_vnni(const lin_job *j, int64_t r0, const int nr, int6
             for (int c = 0; c < NC; ++c) a[r][c] = _mm512_dpbusd_epi32(a[r][c], xv, wv[c]);
         }
     }
-    for (int r = 0; r < nr; ++r) {
+#pragma GCC unroll 4
+    for (int r = 0; r < nr; ++r) {  /* (both halves extracted: a cast of the low half made GCC copy all 8 sums twice
+                                     * per step of the loop above, 16 moves per 8 vpdpbusd) */
         __m256i h[NC];
 #pragma GCC unroll 4
         for (int c = 0; c < NC; ++c)
-            h[c] = _mm256_add_epi32(_mm512_castsi512_si256(a[r][c]), _mm512_extracti64x4_epi64(a[r][c], 1));
+            h[c] = _mm256_add_epi32(_mm512_extracti64x4_epi64(a[r][c], 0), _mm512_extracti64x4_epi64(a[r][c], 1));
         store4(o + r * CB, h, j, r0 + r, c0, k64);
     }
 }
@@ -838,7 +844,8 @@ static void sign_release(uint8_t *buf, size_t bytes) { if (bytes > SIGN_KEEP) fr
  * contiguous, wsum[c] = Σ_i w[c, i] (read when a call's zx != 0, and by blk_sgn), the mode's per-column vectors
  * (sc / bias; mode 2: mult / bterm; modes 3 and 5: fw too; bias may be NULL) and scalars (inv, z, vlo, vhi: mode 1;
  * zo, lo, hi: mode 2). pairs: every u8 × s8 pair sum fits int16 (codes ≤ 127 or saturation-safe weights).
- * wp: the many-row kernels' packing of w in groups of 4 codes (NULL until a call with BCAST_M rows or more makes it);
+ * wp: the many-row kernels' packing of w in groups of 4 codes (NULL until a call with BCAST_M rows or more, or any
+ * call where the VNNI kernels run, makes it);
  * sw: 128 Σ w per column, zeros past n to a whole block, made with wp for a plan without `pairs` (blk_bcast_s). */
 typedef struct {
     const int8_t *w; const int32_t *wsum; const float *sc, *bias, *fw;
@@ -853,7 +860,8 @@ static int run_plan(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx,
                     const float *rs, void *out, int nthreads, int isa, const conv_src *cv) {
     const int avx2 = use_avx2(isa), vnni = use_vnni(isa);
     /* the many-row kernels: blk_bcast_vnni (any plan), blk_bcast (`pairs`), blk_bcast_s (any other plan) */
-    const int8_t *wp = avx2 && p->wp && m >= BCAST_M && (vnni || p->pairs || p->sw) ? p->wp : NULL;
+    /* (with VNNI from one row: blk_bcast_vnni's 1 × 4 block ran 1.2-2x blk_dot_vnni at one row on Zen 5, session 31) */
+    const int8_t *wp = avx2 && p->wp && (m >= BCAST_M || vnni) && (vnni || p->pairs || p->sw) ? p->wp : NULL;
     const int sgn = wp && !vnni && !p->pairs;
     const int sgn1 = avx2 && !wp && !vnni && !p->pairs && p->wsum;  /* blk_sgn (few rows) */
     const int64_t k = p->k, n = p->n;
