@@ -132,9 +132,12 @@ def test_plan_follows_state_changes_pins_and_vnni(monkeypatch: pytest.MonkeyPatc
     run = mod._plan(x, linear_plan)
     assert run is not None
     weight, grid = mod._prepared()
-    for m in (4, onednn.VNNI_M + 8, onednn.vnni_rows(32, 8) + 8):  # few rows and more: the generic path's codes
+    for m in (4, onednn.VNNI_M + 8, onednn.vnni_rows(32, 8), onednn.vnni_rows(32, 8) + 8):  # the generic path's codes
         xm = Q.QTensor(torch.randint(0, 256, (m, 32), dtype=torch.uint8), 0.02, 128, Q.quint8)
+        before = native.counts["qlinear"]
         assert torch.equal(mod(xm).int_repr(), onednn.linear(xm, weight, mod.bias, grid, False, cache={}).int_repr())
+        # up to vnni_rows rows the native float route (the plan's own call), past them oneDNN's one call
+        assert (native.counts["qlinear"] > before) == (native.available() and m <= onednn.vnni_rows(32, 8)), m
 
 
 def test_converted_model_runs_the_plan_not_the_reference() -> None:
