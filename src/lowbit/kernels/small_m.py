@@ -47,15 +47,17 @@ __all__ = ["VNNI_M", "VNNI_WORK", "VNNI_M_MAX", "vnni_rows", "float_route", "spl
 
 # Rows up to which a static Linear on a VNNI CPU (torch's x86/fbgemm engine) takes the routes of a CPU without VNNI,
 # chosen as there (``split_on_avx2``), so it gives their codes and floats: lowbit.native's AVX-512 VNNI kernels where
-# they run, else fbgemm's ops (exact with VNNI, no split needed). 512-bit vpdpbusd blocks are 1.1-1.6x oneDNN's call at
-# 2-32 rows and 1.5-5x at one row (near one 512-bit vpdpbusd per cycle at 16 rows), but 0.73-1.0x oneDNN's call at
-# 64-128 rows and 0.8-0.9x at 512 (Zen 4 EPYC, session 16, 15 interleaved rounds): more rows keep oneDNN's one call,
-# its codes (AMX where the CPU has it). The route depends on the CPU and M only, never on whether lowbit.native is built.
-VNNI_M = 32
-# ... and past 32 rows while the layer is small (M·K·N ≤ VNNI_WORK multiply-adds, at most VNNI_M_MAX rows), where
+# they run, else fbgemm's ops (exact with VNNI, no split needed). Session 16's 16-row × 1-vector blocks were 1.1-1.6x
+# oneDNN's call at 2-32 rows but 0.73-1.0x at 64-128 (Zen 4 EPYC), so the bound was 32; session 31's 6 × 4 blocks run
+# 1.4-1.7x those (Zen 5 EPYC, raw kernels, 1 thread: 0.97-1.04x oneDNN's call at 64-128 rows, 1.0-1.3x at 2 threads,
+# 1.0-1.1x to 256 rows at 2 threads), and the module ratios to torch.ao at 64-128 rows rose from 0.92-1.01 to
+# 1.02-1.20 with the bound at 128. Zen 4 was not re-measured: its 512-bit units are half as wide, which the blocking
+# does not depend on. More rows keep oneDNN's one call, its codes (AMX where the CPU has it). The route depends on the
+# CPU and M only, never on whether lowbit.native is built.
+VNNI_M = 128
+# ... and past VNNI_M rows while the layer is small (M·K·N ≤ VNNI_WORK multiply-adds, at most VNNI_M_MAX rows), where
 # oneDNN's per-call cost (~30 µs: its primitive made on every call) outweighs its faster blocking: SmallCNN's
-# 64×1568×64 Linear 119 → 85 µs, 128 rows 152 → 131 (Zen 4 EPYC, session 18, interleaved); the 64×768×3072 and
-# 128×768² layers session 16 measured slower natively (37.7M-151M multiply-adds) stay above the bound.
+# 64×1568×64 Linear 119 → 85 µs, 128 rows 152 → 131 (Zen 4 EPYC, session 18, interleaved).
 VNNI_WORK = 1 << 24
 VNNI_M_MAX = 256
 _I32 = 1 << 31
@@ -66,7 +68,7 @@ def vnni_rows(k: int, n: int) -> int:
     CPU without VNNI: ``VNNI_M``, or more while ``M·k·n ≤ VNNI_WORK`` (at most ``VNNI_M_MAX``).
 
     >>> vnni_rows(768, 3072), vnni_rows(1568, 64), vnni_rows(64, 10)
-    (32, 167, 256)
+    (128, 167, 256)
     """
     return min(VNNI_M_MAX, max(VNNI_M, VNNI_WORK // max(1, k * n)))
 
