@@ -94,6 +94,59 @@ static void grid_avx2(grid_job *j) {
     }
 }
 
+/* grid_avx2 on 16 lanes (use_avx512; session 31: ~20 GB/s → see benchmarks/README, MiniLM's 512×384 rows on Zen 5):
+ * two min and two max chains, the tail as masked loads (zeros: min(·, 0) and max(·, 0) are unchanged by them), the
+ * codes clamped to [0, qmax] before the conversion rounds half to even (the bounds are integers: the same codes as
+ * grid_avx2's round then clamp) and stored by the saturating u32 → u8 narrowing, the tail masked. */
+__attribute__((target("avx512f")))
+static void grid_avx512(grid_job *j) {
+    const __m512i expo = _mm512_set1_epi32(0x7f800000);
+    const int64_t k = j->k, k32 = k & ~(int64_t)31, k16 = k & ~(int64_t)15;
+    const __mmask16 tail = (__mmask16)((1u << (k - k16)) - 1u);
+    for (int64_t m = j->r0; m < j->r1; ++m) {
+        const float *xr = j->x + m * j->ldx;
+        __m512 lo0 = _mm512_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
+        __mmask16 bad = 0;
+        int64_t i = 0;
+        for (; i < k32; i += 32) {
+            const __m512 a = _mm512_loadu_ps(xr + i), b = _mm512_loadu_ps(xr + i + 16);
+            bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(a), expo), expo)
+                 | _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(b), expo), expo);
+            lo0 = _mm512_min_ps(a, lo0); hi0 = _mm512_max_ps(a, hi0);  /* (a NaN lane keeps the running value) */
+            lo1 = _mm512_min_ps(b, lo1); hi1 = _mm512_max_ps(b, hi1);
+        }
+        for (; i < k; i += 16) {
+            const __m512 a = _mm512_maskz_loadu_ps(i < k16 ? (__mmask16)0xFFFF : tail, xr + i);
+            bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(a), expo), expo);
+            lo0 = _mm512_min_ps(a, lo0); hi0 = _mm512_max_ps(a, hi0);
+        }
+        float s, nz;
+        const float lo = _mm512_reduce_min_ps(_mm512_min_ps(lo0, lo1)), hi = _mm512_reduce_max_ps(_mm512_max_ps(hi0, hi1));
+        if (bad || row_grid(lo, hi, j->levels, j->eps, &s, &nz)) { j->bad = 1; return; }
+        j->scale[m] = s; j->negzp[m] = nz;
+        const float inv = 1.0f / s;
+        const __m512 vinv = _mm512_set1_ps(inv), vnz = _mm512_set1_ps(nz), vq = _mm512_set1_ps(j->qmax);
+        if (j->mode == 0) {
+            float *o = (float *)j->out + m * j->ldo;
+            for (i = 0; i < k; i += 16) {
+                const __mmask16 mk = i < k16 ? (__mmask16)0xFFFF : tail;
+                const __m512 v = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + i), vinv), vnz);
+                _mm512_mask_storeu_ps(o + i, mk, _mm512_min_ps(v, vq));
+            }
+        } else {
+            uint8_t *o = (uint8_t *)j->out + m * j->ldo;
+            const __m512 zero = _mm512_setzero_ps();
+            for (i = 0; i < k; i += 16) {
+                const __mmask16 mk = i < k16 ? (__mmask16)0xFFFF : tail;
+                __m512 v = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + i), vinv), vnz);
+                v = _mm512_min_ps(_mm512_max_ps(v, zero), vq);
+                const __m512i q = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                _mm512_mask_cvtusepi32_storeu_epi8(o + i, mk, q);
+            }
+        }
+    }
+}
+
 static float epi_one(float r, float a, float w, float s, const float *bias, int64_t i, int fused) {
     float t = fused ? fmaf(a, w, r) : r - a * w;
     t = t * s;
@@ -124,8 +177,36 @@ static void epi_avx2(epi_job *j) {
     }
 }
 
-static void *grid_run(void *p) { grid_job *j = p; if (j->avx2) grid_avx2(j); else grid_scalar(j); return NULL; }
-static void *epi_run(void *p) { epi_job *j = p; if (j->avx2) epi_avx2(j); else epi_scalar(j); return NULL; }
+/* epi_avx2 on 16 lanes (use_avx512), the tail masked: the same float32 steps per element */
+__attribute__((target("avx512f")))
+static void epi_avx512(epi_job *j) {
+    const int64_t n16 = j->n & ~(int64_t)15;
+    const __mmask16 tail = (__mmask16)((1u << (j->n - n16)) - 1u);
+    for (int64_t m = j->r0; m < j->r1; ++m) {
+        float *r = j->raw + m * j->ldr;
+        const __m512 va = _mm512_set1_ps(j->a[m]), vs = _mm512_set1_ps(j->s[m]);
+        for (int64_t i = 0; i < j->n; i += 16) {
+            const __mmask16 mk = i < n16 ? (__mmask16)0xFFFF : tail;
+            const __m512 w = _mm512_maskz_loadu_ps(mk, j->w + i), x = _mm512_maskz_loadu_ps(mk, r + i);
+            __m512 t = j->fused ? _mm512_fmadd_ps(va, w, x) : _mm512_sub_ps(x, _mm512_mul_ps(va, w));
+            t = _mm512_mul_ps(t, vs);
+            if (j->bias) t = _mm512_add_ps(t, _mm512_maskz_loadu_ps(mk, j->bias + i));
+            _mm512_mask_storeu_ps(r + i, mk, t);
+        }
+    }
+}
+
+/* body: 2 AVX-512, 1 AVX2, 0 scalar */
+static void *grid_run(void *p) {
+    grid_job *j = p;
+    if (j->avx2 == 2) grid_avx512(j); else if (j->avx2) grid_avx2(j); else grid_scalar(j);
+    return NULL;
+}
+static void *epi_run(void *p) {
+    epi_job *j = p;
+    if (j->avx2 == 2) epi_avx512(j); else if (j->avx2) epi_avx2(j); else epi_scalar(j);
+    return NULL;
+}
 
 int lb_cpu_avx2(void) { return cpu_avx2(); }
 int lb_cpu_vnni(void) { return cpu_vnni(); }
@@ -149,7 +230,7 @@ int lb_row_grid(const float *x, int64_t m, int64_t k, int64_t ldx, float levels,
     int n = threads_for(nthreads, m), bad = 0;
     for (int t = 0; t < n; ++t) {
         grid_job jb = {x, k, ldx, ldo, levels, eps, qmax, mode, out, scale, negzp, m * t / n, m * (t + 1) / n,
-                       use_avx2(isa), 0};
+                       use_avx512(isa) ? 2 : use_avx2(isa), 0};
         jobs[t] = jb;
     }
     fan_out(grid_run, jobs, sizeof(grid_job), n);
@@ -164,7 +245,8 @@ void lb_row_epilogue(float *raw, int64_t m, int64_t n, int64_t ldr, const float 
     epi_job jobs[MAX_THREADS];
     int nt = threads_for(nthreads, m);
     for (int t = 0; t < nt; ++t) {
-        epi_job jb = {raw, n, ldr, a, w, s, bias, fused, m * t / nt, m * (t + 1) / nt, use_avx2(isa)};
+        epi_job jb = {raw, n, ldr, a, w, s, bias, fused, m * t / nt, m * (t + 1) / nt,
+                      use_avx512(isa) ? 2 : use_avx2(isa)};
         jobs[t] = jb;
     }
     fan_out(epi_run, jobs, sizeof(epi_job), nt);
