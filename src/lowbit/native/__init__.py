@@ -5,11 +5,12 @@ Every pass does the same float32 operations, in the same order, as the torch ops
 with ``-ffp-contract=off``, an FMA explicit where torch's ``addcmul_`` fuses; integer sums exact), so its results are
 bit for bit theirs (``tests/test_native.py`` and ``tests/test_native_gemm.py`` check them against each other, both C
 bodies, 1 and 2 threads). ``rows``: the per-token Linear's row grids and epilogue, the quantized add, the Quantize and
-DeQuantize stubs' passes (the stubs, row grids and row epilogue have AVX-512 bodies where the CPU has AVX-512F, AVX2
-and scalar ones elsewhere, the same codes and floats). ``layers``: the split-weight conv epilogue, a depthwise conv, max pooling of channels-last
-codes (``pool.c``). ``smallconv``: a dense conv with a small window (an image model's first conv; VNNI, AVX2 and scalar
-bodies). ``gemm``: the int8 Linears (``LinearPlan``: lowbit's float epilogue, fbgemm's requantization, the per-token
-rows; ``dyn_linear``: the per-token dynamic Linear, its row grids and codes included, in one call, ``dynamic.c``).
+DeQuantize stubs' passes (the stubs, row grids and row epilogue have AVX-512 bodies where the CPU has AVX-512F, AVX2 and
+scalar ones elsewhere, the same codes and floats). ``layers``: the split-weight conv epilogue, a depthwise conv, max
+pooling of channels-last codes (``pool.c``). ``smallconv``: a dense conv with a small window (an image model's first
+conv; VNNI, AVX2 and scalar bodies). ``gemm``: the int8 Linears (``LinearPlan``: lowbit's float epilogue, fbgemm's
+requantization, the per-token rows; ``dyn_linear``: the per-token dynamic Linear, its row grids and codes included, in
+one call, ``dynamic.c``).
 
 The C sources are compiled once per machine and source version with the system's C compiler (``cc``, or ``$CC``)
 into ``$LOWBIT_CACHE_DIR`` (default ``~/.cache/lowbit``; a new build removes other versions' builds unused for a
