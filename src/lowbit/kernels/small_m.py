@@ -51,9 +51,9 @@ __all__ = ["VNNI_M", "VNNI_WORK", "VNNI_M_MAX", "vnni_rows", "float_route", "spl
 # oneDNN's call at 2-32 rows but 0.73-1.0x at 64-128 (Zen 4 EPYC), so the bound was 32; session 31's 6 × 4 blocks run
 # 1.4-1.7x those (Zen 5 EPYC, raw kernels, 1 thread: 0.97-1.04x oneDNN's call at 64-128 rows, 1.0-1.3x at 2 threads,
 # 1.0-1.1x to 256 rows at 2 threads), and the module ratios to torch.ao at 64-128 rows rose from 0.92-1.01 to
-# 1.02-1.20 with the bound at 128. Zen 4 was not re-measured: its 512-bit units are half as wide, which the blocking
-# does not depend on. More rows keep oneDNN's one call, its codes (AMX where the CPU has it). The route depends on the
-# CPU and M only, never on whether lowbit.native is built.
+# 1.02-1.20 with the bound at 128. Zen 4 (512-bit ops on 256-bit units) was not re-measured: the new blocks cut the
+# loads per vpdpbusd, which both cores pay for. More rows keep oneDNN's one call, its codes (AMX where the CPU has it).
+# The route depends on the CPU and M only, never on whether lowbit.native is built.
 VNNI_M = 128
 # ... and past VNNI_M rows while the layer is small (M·K·N ≤ VNNI_WORK multiply-adds, at most VNNI_M_MAX rows), where
 # oneDNN's per-call cost (~30 µs: its primitive made on every call) outweighs its faster blocking: SmallCNN's
