@@ -82,31 +82,31 @@ def test_requant_mode_is_fbgemm_quantized_linear(body: str, threads: int, monkey
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
-def test_vnni_one_row_packed_and_unpacked_give_the_same_sums(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With AVX-512 VNNI a plan packs its weights on its first call, one row included, and one row runs the packed
-    kernel (``blk_bcast_vnni``, 1 row × up to 4 column vectors); the dot products (``blk_dot_vnni``) stay for a plan
-    whose weights are not packed. Both give the exact sums, over K and N tails and several 64-column chunks."""
+def test_vnni_packing_from_one_row_and_the_dot_products_give_the_same_sums(threads: int,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AVX-512 VNNI a plan packs its weights (``pack_vnni``) on its first call, one row included, and every row
+    count runs the packed kernel (``blk_bcast_vnni``: 6 rows × up to 4 column vectors, chunks of 64 columns); a plan
+    packed for the AVX2 kernels (``pack_bcast``, made under ``force_avx2``) runs the VNNI dot products
+    (``blk_dot_vnni``) instead. All give the exact sums, over K tails, N over 1-4 blocks of a chunk and several
+    chunks, and row counts with every remainder of the 6-row blocks."""
     _body("vnni")
-    import lowbit.native.gemm as gemm_mod
-
     g = torch.Generator().manual_seed(31)
     with split_over(threads, monkeypatch):
         for k, n in itertools.product((4, 63, 64, 129, 770), (1, 16, 33, 70, 200)):
-            q = torch.randint(0, 256, (1, k), generator=g, dtype=torch.uint8)
             w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-            want = ((q.int() - 7) @ w.int().t()).float()
-            runs = []
-            for packed in (False, True):
-                plan = native.linear_plan(w, "float", torch.ones(n))
-                assert plan is not None
-                with monkeypatch.context() as m:
-                    if not packed:
-                        m.setattr(gemm_mod, "vnni", lambda: False)  # (the C side still runs its VNNI kernels)
-                    y = torch.full((1, n), float("nan"))
+            for m in (1, 2, 7, 13):
+                q = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8)
+                want = ((q.int() - 7) @ w.int().t()).float()
+                for avx2_first in (False, True):
+                    plan = native.linear_plan(w, "float", torch.ones(n))
+                    assert plan is not None
+                    if avx2_first:
+                        with native.force_avx2():  # (packs for the AVX2 kernels: 2 m >= BCAST_M rows)
+                            assert plan.run(q.repeat(2, 1), 7, torch.empty(2 * m, n))
+                    y = torch.full((m, n), float("nan"))
                     assert plan.run(q, 7, y)
-                assert (plan._wp is not None) == packed, (k, n, packed)
-                runs.append(y)
-            assert torch.equal(runs[0], want) and torch.equal(runs[1], want), (k, n)
+                    assert (plan._wv is not None and plan._wv.numel() > 0) == (not avx2_first), (k, n, m, avx2_first)
+                    assert torch.equal(y, want), (k, n, m, avx2_first)
 
 
 @needs_native

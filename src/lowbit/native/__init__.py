@@ -243,7 +243,12 @@ def force_avx2() -> contextlib.AbstractContextManager[None]:
 def vnni() -> bool:
     """Whether the Linears' AVX-512 VNNI kernels run in this thread (built, the CPU has them, not pinned away)."""
     lib = _lib()
-    return lib is not None and bool(lib.lb_cpu_vnni()) and _local.__dict__.get("isa", 1) == 1
+    if lib is None or _local.__dict__.get("isa", 1) != 1:
+        return False
+    cpu = _state.get("vnni_cpu")
+    if cpu is None:  # (asked once: plans ask on calls that may pack)
+        cpu = _state["vnni_cpu"] = bool(lib.lb_cpu_vnni())
+    return cpu  # type: ignore[return-value]
 
 
 def _threads(work: int) -> int:

@@ -38,8 +38,8 @@ import torch
 from . import _channel_vectors, _check_conv, _check_grid, _check_kernel, _lib, _local, _state, _threads, conv_out_hw, counts, vnni
 from .layers import empty_codes
 
-__all__ = ["MAX_ROWS", "BCAST_M", "LinearPlan", "linear_plan", "pack_bcast", "qlinear", "qlinear_requant", "qlinear_rows",
-           "dyn_linear"]
+__all__ = ["MAX_ROWS", "BCAST_M", "LinearPlan", "linear_plan", "pack_bcast", "pack_vnni", "qlinear", "qlinear_requant",
+           "qlinear_rows", "dyn_linear"]
 
 MAX_ROWS = 64  # input rows per row chunk of a call (linear.c's MAX_ROWS; a call takes any number)
 BCAST_M = 2  # rows from which a plan runs linear.c's many-row kernels on packed weights (linear.c's BCAST_M)
@@ -54,18 +54,20 @@ class _Plan(ctypes.Structure):
                 ("fw", ctypes.c_void_p), ("k", ctypes.c_int64), ("n", ctypes.c_int64),
                 ("pairs", ctypes.c_int32), ("mode", ctypes.c_int32), ("relu", ctypes.c_int32), ("zo", ctypes.c_int32),
                 ("lo", ctypes.c_int32), ("hi", ctypes.c_int32), ("inv", ctypes.c_float), ("z", ctypes.c_float),
-                ("vlo", ctypes.c_float), ("vhi", ctypes.c_float), ("wp", ctypes.c_void_p), ("sw", ctypes.c_void_p)]
+                ("vlo", ctypes.c_float), ("vhi", ctypes.c_float), ("wp", ctypes.c_void_p), ("sw", ctypes.c_void_p),
+                ("wv", ctypes.c_void_p)]
 
 
 class LinearPlan:
     """One layer's constants for ``lb_linear_run`` (made by ``linear_plan``); ``run`` is the per-call entry."""
 
-    __slots__ = ("_plan", "_addr", "_keep", "_wp", "_sw", "k", "n", "mode", "name")
+    __slots__ = ("_plan", "_addr", "_keep", "_wp", "_sw", "_wv", "k", "n", "mode", "name")
 
     def __init__(self, plan: _Plan, keep: tuple[torch.Tensor | None, ...], k: int, n: int, mode: str) -> None:
         self._plan, self._keep, self.k, self.n, self.mode = plan, keep, k, n, mode
-        self._wp: torch.Tensor | None = None  # pack_bcast(w), made by the first call of BCAST_M rows or more (VNNI: any)
+        self._wp: torch.Tensor | None = None  # pack_bcast(w) for the AVX2 kernels, made by a first call of BCAST_M rows or more
         self._sw: torch.Tensor | None = None  # 128 Σ w per column for the many-row kernel of a plan without pairs
+        self._wv: torch.Tensor | None = None  # pack_vnni(w) for the VNNI kernels (any rows); _NO_PACK once wp is made
         self._addr = ctypes.addressof(plan)
         self.name = {"float": "qlinear", "codes": "qlinear", "requant": "qlinear_requant", "rows": "qlinear_rows",
                      "rows_sub": "qlinear_rows"}[mode]
@@ -86,7 +88,7 @@ class LinearPlan:
         m = shape[0]
         if out.shape != (m, self.n) or not out.is_contiguous():
             return False
-        if self._wp is None and (m >= BCAST_M or vnni()):  # (with VNNI the packed kernel from one row: linear.c)
+        if self._wv is None and (m >= BCAST_M or vnni()):  # the first call that packs (VNNI: from one row)
             self._pack(lib)
         ra = rs = None
         if self.mode in _ROWS:
@@ -121,7 +123,7 @@ class LinearPlan:
         m = n * oh * ow
         if kh * kw * c != self.k or oh < 1 or ow < 1 or m < BCAST_M or out.shape != (m, self.n) or not out.is_contiguous():
             return False
-        if self._wp is None:
+        if self._wv is None:
             self._pack(lib)
         if lib.lb_conv_gemm(self._addr, q.data_ptr(), n, c, h, w, kh, kw, stride[0], stride[1], padding[0], padding[1],
                             dilation[0], dilation[1], zx, oh, ow, out.data_ptr(), _threads(m * self.n * self.k // 16),
@@ -132,21 +134,30 @@ class LinearPlan:
         return True
 
     def _pack(self, lib: Any) -> None:
-        """The weights packed for the many-row kernels, made by the first call of ``BCAST_M`` rows or more, or by any
-        call where the AVX-512 VNNI kernels run (they read the packing from one row)."""
+        """The weights packed once, for the kernels this thread runs: ``pack_vnni`` where the AVX-512 VNNI kernels run
+        (they read it from one row), else ``pack_bcast`` for the AVX2 many-row kernels (from ``BCAST_M`` rows). One
+        packing per plan: a plan packed for one kind of kernel runs the other's dot products (the same sums) if the
+        thread's kernels change (``force_avx2`` in tests)."""
+        w: torch.Tensor = self._keep[0]  # type: ignore[assignment]
+        if vnni():
+            wv = pack_vnni(w)
+            if self._wv is None:  # (set once, with no GIL release between check and set: a racing pack is dropped)
+                self._wv, self._plan.wv = wv, wv.data_ptr()
+            return
         if not lib.lb_cpu_avx2():  # (the packed kernels are AVX2 only: no copy of the weights for the scalar body)
-            self._wp = _NO_PACK
-        else:  # groups of 4 codes for every many-row kernel; a plan without pairs adds linear.c's sw for blk_bcast_s
-            w: torch.Tensor = self._keep[0]  # type: ignore[assignment]
-            wp, sw = pack_bcast(w), None
-            if not self._plan.pairs:
-                n = w.shape[0]
-                sw = torch.zeros(-(-n // 16) * 16, dtype=torch.int32)
-                sw[:n] = w.sum(1, dtype=torch.int32) * 128
-            if self._wp is None:  # (set once, with no GIL release between check and set: a racing pack is dropped)
-                if sw is not None:
-                    self._sw, self._plan.sw = sw, sw.data_ptr()
-                self._wp, self._plan.wp = wp, wp.data_ptr()
+            self._wp = self._wv = _NO_PACK
+            return
+        # groups of 4 codes for every many-row kernel; a plan without pairs adds linear.c's sw for blk_bcast_s
+        wp, sw = pack_bcast(w), None
+        if not self._plan.pairs:
+            n = w.shape[0]
+            sw = torch.zeros(-(-n // 16) * 16, dtype=torch.int32)
+            sw[:n] = w.sum(1, dtype=torch.int32) * 128
+        if self._wv is None:  # (as above)
+            if sw is not None:
+                self._sw, self._plan.sw = sw, sw.data_ptr()
+            self._wp, self._plan.wp = wp, wp.data_ptr()
+            self._wv = _NO_PACK
 
 
 def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None, w_scale: torch.Tensor | None = None,
@@ -168,7 +179,7 @@ def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None,
         return None
     m, k = x.shape
     n = plan.n
-    if plan._wp is None and (m >= BCAST_M or vnni()):
+    if plan._wv is None and (m >= BCAST_M or vnni()):
         plan._pack(lib)
     y = torch.empty(m, n)
     codes, grid = torch.empty(m, k, dtype=torch.uint8), torch.empty(3 * m)
@@ -244,6 +255,22 @@ def pack_bcast(w: torch.Tensor) -> torch.Tensor:
     pad = torch.zeros(nb * 16, kg * 4, dtype=torch.int8)
     pad[:n, :k] = w
     return pad.view(nb, 16, kg, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def pack_vnni(w: torch.Tensor) -> torch.Tensor:
+    """int8 weights ``w`` ``(N, K)`` as ``linear.c``'s VNNI kernel reads them: ``pack_bcast``'s blocks of 16 columns in
+    chunks of 4 blocks (64 columns; the last chunk has the blocks left), each chunk's blocks interleaved group by group,
+    ``wv[chunk][i][v][c][t] = w[64 chunk + 16 v + c, 4 i + t]`` (zeros past ``N`` and ``K``), flat: one sequential
+    stream per chunk for the kernel's 4 weight vectors a step.
+
+    >>> pack_vnni(torch.arange(8, dtype=torch.int8).view(1, 8)).view(2, 16, 4)[:, 0].tolist()
+    [[0, 1, 2, 3], [4, 5, 6, 7]]
+    >>> w = torch.randint(-128, 128, (70, 9), dtype=torch.int8)
+    >>> pack_vnni(w).numel(), int(pack_vnni(w).view(-1, 64)[2 * 4 + 1, 5 * 4]) == int(w[16 + 5, 2 * 4])
+    (960, True)
+    """
+    blocks = pack_bcast(w)  # (nb, kq, 16, 4), checks w
+    return torch.cat([blocks[c:c + 4].transpose(0, 1).reshape(-1) for c in range(0, blocks.shape[0], 4)])
 
 
 def _one_shot(q: torch.Tensor, zx: int, plan: LinearPlan | None, out: torch.Tensor,

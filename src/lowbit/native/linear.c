@@ -54,6 +54,7 @@ typedef struct {
     uint8_t *tile;  /* blk_bcast_s: this thread's buffer for a row tile's sign codes and row sums (lin_run makes them) */
     const conv_src *cv; uint8_t *patch;  /* lb_conv_gemm: the rows are cv's patches, one tile at a time into patch */
     int64_t rb, r_lo;  /* rows per tile (tile_rows); the job's rows are [r_lo, m) */
+    const int8_t *wv;  /* blk_bcast_vnni's packing (lin_plan's wv), NULL where the VNNI kernels do not read it */
 } lin_job;
 
 static int32_t cvt_rne(float f) {  /* cvtps2dq */
@@ -333,14 +334,15 @@ static inline void blk_dot_vnni(const lin_job *j, int64_t r0, const int nr, int6
 #define RV_V 4        /* 16-column vectors per register block (RV_R × RV_V accumulators, RV_V weight vectors) */
 #endif
 #ifndef RV_PF
-#define RV_PF 0       /* bytes ahead each weight stream is prefetched into L1 (0: none) */
+#define RV_PF 16384   /* bytes ahead the weight stream is prefetched into L1 */
 #endif
-/* rows [r0, r0 + nr) against the nv packed blocks from b (16 nv columns) into o (row stride CB): per group of 4 codes
- * nv weight vectors and nr broadcast codes feed nr nv vpdpbusd */
+/* rows [r0, r0 + nr) against the nv blocks of chunk ch (16 nv columns) into o (row stride CB): per group of 4 codes,
+ * nv weight vectors (consecutive: gemm.pack_vnni lays each chunk's blocks out group by group, one stream) and nr
+ * broadcast codes feed nr nv vpdpbusd */
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
-static inline void blk_bcast_vnni(const lin_job *j, int64_t r0, const int nr, int64_t b, const int nv, int32_t *o) {
-    const int64_t kq = (j->k + 3) / 4, kf = j->k / 4, ldx = j->ldx;
-    const int8_t *wp = j->wp + b * kq * 64;
+static inline void blk_bcast_vnni(const lin_job *j, int64_t r0, const int nr, int64_t ch, const int nv, int32_t *o) {
+    const int64_t kq = (j->k + 3) / 4, kf = j->k / 4, ldx = j->ldx, gs = nv * 64;
+    const int8_t *wp = j->wv + ch * kq * (RV_V * 64);
     const uint8_t *x = j->x + r0 * ldx;
     __m512i a[RV_R][RV_V];
 #pragma GCC unroll 16
@@ -351,8 +353,8 @@ static inline void blk_bcast_vnni(const lin_job *j, int64_t r0, const int nr, in
         __m512i w[RV_V];
 #pragma GCC unroll 4
         for (int v = 0; v < nv; ++v) {
-            if (RV_PF) _mm_prefetch((const char *)(wp + v * kq * 64 + g * 64 + RV_PF), _MM_HINT_T0);
-            w[v] = _mm512_loadu_si512((const void *)(wp + v * kq * 64 + g * 64));
+            _mm_prefetch((const char *)(wp + g * gs + v * 64 + RV_PF), _MM_HINT_T0);  /* (never faults past the end) */
+            w[v] = _mm512_loadu_si512((const void *)(wp + g * gs + v * 64));
         }
 #pragma GCC unroll 16
         for (int r = 0; r < nr; ++r) {
@@ -369,7 +371,7 @@ static inline void blk_bcast_vnni(const lin_job *j, int64_t r0, const int nr, in
             const __m512i xb = _mm512_set1_epi32(c4);
 #pragma GCC unroll 4
             for (int v = 0; v < nv; ++v)
-                a[r][v] = _mm512_dpbusd_epi32(a[r][v], xb, _mm512_loadu_si512((const void *)(wp + v * kq * 64 + kf * 64)));
+                a[r][v] = _mm512_dpbusd_epi32(a[r][v], xb, _mm512_loadu_si512((const void *)(wp + kf * gs + v * 64)));
         }
     }
 #pragma GCC unroll 16
@@ -378,7 +380,7 @@ static inline void blk_bcast_vnni(const lin_job *j, int64_t r0, const int nr, in
         for (int v = 0; v < nv; ++v) _mm512_storeu_si512((void *)(o + r * CB + v * NB), a[r][v]);
 }
 
-/* every row against nv blocks from b: whole blocks of RV_R rows, then the rest (constant shapes: registers) */
+/* every row against chunk b's nv blocks: whole blocks of RV_R rows, then the rest (constant shapes: registers) */
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
 static inline void rows_vnni(const lin_job *j, int64_t b, const int nv, int32_t *o) {
     int64_t r = 0;
@@ -432,28 +434,24 @@ static inline void rows_vnni(const lin_job *j, int64_t b, const int nv, int32_t 
     }
 }
 
-/* the chunk's sums of columns [cs, ce) for every row by the VNNI kernels (packed from BCAST_M rows where j->wp) */
+/* the chunk's sums of columns [cs, ce) for every row by the VNNI kernels: blk_bcast_vnni on j->wv's chunks of RV_V
+ * blocks (64 columns: the column chunks and the threads' ranges start on them), else the dot products */
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
 static void sums_vnni(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
-    if (j->wp) {
-        for (int64_t c0 = cs; c0 < ce;) {
-            const int64_t left = (ce - c0 + NB - 1) / NB;
+    if (j->wv) {
+        for (int64_t c0 = cs; c0 < ce; c0 += RV_V * NB) {
+            const int64_t left = (j->ldo - c0 + NB - 1) / NB;  /* (the chunk's blocks as packed: ldo is the plan's n) */
             int32_t *o = buf + (c0 - cs);
-            if (left >= RV_V) {
-                rows_vnni(j, c0 / NB, RV_V, o);
-                c0 += RV_V * NB;
-                continue;
-            }
-            switch (left) {
+            switch (left >= RV_V ? RV_V : left) {
 #if RV_V > 3
-                case 3: rows_vnni(j, c0 / NB, 3, o); break;
+                case 3: rows_vnni(j, c0 / (RV_V * NB), 3, o); break;
 #endif
 #if RV_V > 2
-                case 2: rows_vnni(j, c0 / NB, 2, o); break;
+                case 2: rows_vnni(j, c0 / (RV_V * NB), 2, o); break;
 #endif
-                default: rows_vnni(j, c0 / NB, 1, o); break;
+                case 1: rows_vnni(j, c0 / (RV_V * NB), 1, o); break;
+                default: rows_vnni(j, c0 / (RV_V * NB), RV_V, o); break;
             }
-            c0 += left * NB;
         }
         return;
     }
@@ -844,12 +842,15 @@ static void sign_release(uint8_t *buf, size_t bytes) { if (bytes > SIGN_KEEP) fr
  * contiguous, wsum[c] = Σ_i w[c, i] (read when a call's zx != 0, and by blk_sgn), the mode's per-column vectors
  * (sc / bias; mode 2: mult / bterm; modes 3 and 5: fw too; bias may be NULL) and scalars (inv, z, vlo, vhi: mode 1;
  * zo, lo, hi: mode 2). pairs: every u8 × s8 pair sum fits int16 (codes ≤ 127 or saturation-safe weights).
- * wp: the many-row kernels' packing of w in groups of 4 codes (NULL until a call with BCAST_M rows or more, or any
- * call where the VNNI kernels run, makes it);
- * sw: 128 Σ w per column, zeros past n to a whole block, made with wp for a plan without `pairs` (blk_bcast_s). */
+ * wp: the AVX2 many-row kernels' packing of w in groups of 4 codes (NULL until a call with BCAST_M rows or more
+ * makes it);
+ * sw: 128 Σ w per column, zeros past n to a whole block, made with wp for a plan without `pairs` (blk_bcast_s).
+ * wv: blk_bcast_vnni's packing (gemm.pack_vnni: chunks of RV_V blocks, each chunk's blocks group by group), made
+ * instead of wp by a plan's first call where the VNNI kernels run; they read it from one row. */
 typedef struct {
     const int8_t *w; const int32_t *wsum; const float *sc, *bias, *fw;
     int64_t k, n; int32_t pairs, mode, relu, zo, lo, hi; float inv, z, vlo, vhi; const int8_t *wp; const int32_t *sw;
+    const int8_t *wv;
 } lin_plan;
 
 /* out (m, n), row stride n, from u8 codes x (m, k; row stride ldx; zero point zx) through plan p (ra, rs: modes 3
@@ -859,21 +860,22 @@ typedef struct {
 static int run_plan(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, int zx, const float *ra,
                     const float *rs, void *out, int nthreads, int isa, const conv_src *cv) {
     const int avx2 = use_avx2(isa), vnni = use_vnni(isa);
-    /* the many-row kernels: blk_bcast_vnni (any plan), blk_bcast (`pairs`), blk_bcast_s (any other plan) */
-    /* (with VNNI from one row: blk_bcast_vnni's 1 × 4 block ran 1.2-2x blk_dot_vnni at one row on Zen 5, session 31) */
-    const int8_t *wp = avx2 && p->wp && (m >= BCAST_M || vnni) && (vnni || p->pairs || p->sw) ? p->wp : NULL;
-    const int sgn = wp && !vnni && !p->pairs;
+    /* the many-row kernels: blk_bcast_vnni (any plan, from one row: its 1 × 4 block ran 1.2-2x blk_dot_vnni at one
+     * row on Zen 5, session 31), blk_bcast (`pairs`), blk_bcast_s (any other plan) */
+    const int8_t *wv = avx2 && vnni ? p->wv : NULL;
+    const int8_t *wp = avx2 && !vnni && p->wp && m >= BCAST_M && (p->pairs || p->sw) ? p->wp : NULL;
+    const int sgn = wp && !p->pairs;
     const int sgn1 = avx2 && !wp && !vnni && !p->pairs && p->wsum;  /* blk_sgn (few rows) */
     const int64_t k = p->k, n = p->n;
-    const int64_t unit = wp ? NB : NC, blocks = (n + unit - 1) / unit;
+    const int64_t unit = wv ? RV_V * NB : wp ? NB : NC, blocks = (n + unit - 1) / unit;
     /* threads own whole blocks of columns; or, where each thread would make the sign codes or patches of every row for
      * weights small enough to share (n k <= ROWS_SPLIT_BYTES), whole tiles of rows (session 27: with columns split, a
      * 16 -> 32 3x3 at batch 64 made its patches on both threads and ran at 0.95x im2col first, 2 threads) */
-    const int by_rows = wp && (sgn || cv) && n * k <= ROWS_SPLIT_BYTES;
+    const int by_rows = (wp || wv) && (sgn || cv) && n * k <= ROWS_SPLIT_BYTES;
     const int nt = threads_for(nthreads, by_rows ? m : blocks);
     /* each thread's buffers for one row tile: blk_bcast_s's codes and row sums, a conv's patch rows (lin_run makes
      * them); blk_sgn: every row's codes, made here (sign_rows) */
-    const int64_t rb = tile_rows(m, k, wp != NULL, sgn, cv != NULL);
+    const int64_t rb = tile_rows(m, k, wp != NULL || wv != NULL, sgn, cv != NULL);
     const int64_t tile_bytes = sgn ? rb * ((k + 3) / 4) * 8 + rb * 4 : 0;
     /* (each thread's slice on whole cache lines, so its int32 row sums stay aligned after an odd patch size) */
     const int64_t per_thread = (tile_bytes + (cv ? rb * k : 0) + 63) & ~(int64_t)63;
@@ -900,7 +902,7 @@ static int run_plan(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx,
                             streams 64 KiB apart share a set there) */
     int64_t stride = 4096, g = ldx % 4096;
     while (g) { int64_t t = stride % g; stride = g; g = t; }
-    if (vnni && wp && !cv && m >= 4 && 4096 / stride < RV_R) {
+    if (wv && !cv && m >= 4 && 4096 / stride < RV_R) {
         const int64_t ldp = (k + 63) / 64 * 64 + 64;
         xp = malloc((size_t)(m * ldp));
         if (!xp) { if (xa) sign_release(xa, xa_all); return 1; }
@@ -925,6 +927,7 @@ static int run_plan(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx,
             jb.xc = (const int32_t *)(xa + xa_bytes);
             jb.sw = p->sw;
         }
+        jb.wv = wv;
         jobs[t] = jb;
     }
     fan_out(lin_run, jobs, sizeof(lin_job), nt);
@@ -948,8 +951,8 @@ int lb_conv_gemm(const lin_plan *p, const uint8_t *x, int64_t n, int64_t c, int6
                  int64_t kw, int64_t sy, int64_t sx, int64_t py, int64_t px, int64_t dy, int64_t dx, int zx, int64_t oh,
                  int64_t ow, void *out, int nthreads, int isa) {
     const int64_t m = n * oh * ow;
-    if (!use_avx2(isa) || !p->wp || m < BCAST_M || p->mode == 3 || p->mode == 5 || p->k != kh * kw * c
-        || (!use_vnni(isa) && !p->pairs && !p->sw))
+    if (!use_avx2(isa) || !(use_vnni(isa) ? p->wv : p->wp) || m < BCAST_M || p->mode == 3 || p->mode == 5
+        || p->k != kh * kw * c || (!use_vnni(isa) && !p->pairs && !p->sw))
         return 3;
     const conv_src cv = {x, h, w, c, kh, kw, sy, sx, py, px, dy, dx, oh, ow, zx};
     return run_plan(p, NULL, m, p->k, zx, NULL, NULL, out, nthreads, isa, &cv);
