@@ -107,6 +107,10 @@ def test_vnni_packing_from_one_row_and_the_dot_products_give_the_same_sums(threa
                     assert plan.run(q, 7, y)
                     assert (plan._wv is not None and plan._wv.numel() > 0) == (not avx2_first), (k, n, m, avx2_first)
                     assert torch.equal(y, want), (k, n, m, avx2_first)
+                    if not avx2_first:  # packed for VNNI, then the AVX2 bodies: their dot products, the same sums
+                        with native.force_avx2():
+                            y2 = torch.full((m, n), float("nan"))
+                            assert plan.run(q, 7, y2) and torch.equal(y2, want), (k, n, m)
 
 
 @needs_native
