@@ -20,7 +20,7 @@ from torch import nn
 
 import lowbit as Q
 from lowbit import native
-from lowbit.native.gemm import pack_bcast
+from lowbit.native.gemm import pack_bcast, pack_vnni
 
 from helpers import force, split_over
 
@@ -322,9 +322,10 @@ def test_plans_decline_what_does_not_fit_and_name_wrong_values() -> None:
         assert not plan.run(torch.zeros(2, 16, dtype=torch.uint8), 0, y[:2])
     with pytest.raises(ValueError, match="zx=256"):
         plan.run(torch.zeros(2, 16, dtype=torch.uint8), 256, y[:2])
-    for bad_w in (w.float(), w[0], 3):  # the packing names what it got
-        with pytest.raises(ValueError, match="pack_bcast: w must be a 2-d int8 tensor"):
-            pack_bcast(bad_w)  # type: ignore[arg-type]
+    for bad_w in (w.float(), w[0], 3):  # each packing names itself and what it got
+        for pack in (pack_bcast, pack_vnni):
+            with pytest.raises(ValueError, match=f"{pack.__name__}: w must be a 2-d int8 tensor .*got"):
+                pack(bad_w)  # type: ignore[arg-type]
     rows = native.linear_plan(w, "rows", one, fw=one, pairs=True)  # (without pairs the plan makes Σ w: blk_sgn reads it)
     assert rows is not None
     with pytest.raises(ValueError, match="zx=3 .*'rows'"):  # per-token rows carry their zero points in (a, s)

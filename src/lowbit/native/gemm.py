@@ -238,6 +238,13 @@ def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor
     return LinearPlan(plan, (w, wsum, sc, bias, fw), k, n, mode)
 
 
+def _check_weights(fn: str, w: Any) -> None:
+    """A packing's input: a 2-d int8 tensor, else ``ValueError`` naming ``fn`` and what it got."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != torch.int8:
+        what = f"{tuple(w.shape)} {w.dtype}" if isinstance(w, torch.Tensor) else type(w).__name__
+        raise ValueError(f"lowbit.native.gemm.{fn}: w must be a 2-d int8 tensor (N, K), got {what}")
+
+
 def pack_bcast(w: torch.Tensor) -> torch.Tensor:
     """int8 weights ``w`` ``(N, K)`` as ``linear.c``'s many-row kernels read them: blocks of 16 columns, each of groups of
     4 consecutive ``k`` for its 16 columns, ``wp[b, i, c, t] = w[16 b + c, 4 i + t]`` (zeros past ``N`` and ``K``).
@@ -247,9 +254,7 @@ def pack_bcast(w: torch.Tensor) -> torch.Tensor:
     >>> pack_bcast(torch.arange(8, dtype=torch.int8).view(1, 8))[0, :, 0].tolist()
     [[0, 1, 2, 3], [4, 5, 6, 7]]
     """
-    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != torch.int8:
-        what = f"{tuple(w.shape)} {w.dtype}" if isinstance(w, torch.Tensor) else type(w).__name__
-        raise ValueError(f"lowbit.native.gemm.pack_bcast: w must be a 2-d int8 tensor (N, K), got {what}")
+    _check_weights("pack_bcast", w)
     n, k = w.shape
     nb, kg = -(-n // 16), -(-k // 4)
     pad = torch.zeros(nb * 16, kg * 4, dtype=torch.int8)
@@ -269,7 +274,8 @@ def pack_vnni(w: torch.Tensor) -> torch.Tensor:
     >>> pack_vnni(w).numel(), int(pack_vnni(w).view(-1, 64)[2 * 4 + 1, 5 * 4]) == int(w[16 + 5, 2 * 4])
     (960, True)
     """
-    blocks = pack_bcast(w)  # (nb, kq, 16, 4), checks w
+    _check_weights("pack_vnni", w)
+    blocks = pack_bcast(w)  # (nb, kq, 16, 4)
     return torch.cat([blocks[c:c + 4].transpose(0, 1).reshape(-1) for c in range(0, blocks.shape[0], 4)])
 
 
