@@ -73,6 +73,8 @@ static inline int cpu_avx512(void) {
 static inline int use_avx2(int isa) { return isa == 0 ? 0 : cpu_avx2(); }
 static inline int use_vnni(int isa) { return isa == 1 ? cpu_vnni() : 0; }
 static inline int use_avx512(int isa) { return isa == 1 ? cpu_avx512() : 0; }
+/* the elementwise passes' body (stubs.c, rowquant.c's row grids and epilogue): 2 AVX-512F, 1 AVX2 + FMA, 0 scalar */
+static inline int body_of(int isa) { return use_avx512(isa) ? 2 : use_avx2(isa); }
 
 /* The integer conv epilogue (lb_dwconv, lb_smallconv; lb_conv_epilogue on float sums): the u8 code of
  * clamp(round(fl(clamp(fl(fl(fl(acc) sc) + bias) inv, vlo, vhi) + z)), 0, 255), bias NULL for none. */

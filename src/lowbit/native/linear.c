@@ -328,7 +328,10 @@ static inline void blk_dot_vnni(const lin_job *j, int64_t r0, const int nr, int6
 }
 
 #ifndef RV_R
-#define RV_R 6        /* input rows per register block of blk_bcast_vnni */
+#define RV_R 6        /* input rows per register block of blk_bcast_vnni (at most 8: rows_vnni's remainders) */
+#endif
+#if RV_R > 8
+#error "RV_R above 8: rows_vnni's remainder cases stop at 7"
 #endif
 #ifndef RV_V
 #define RV_V 4        /* 16-column vectors per register block (RV_R × RV_V accumulators, RV_V weight vectors) */
@@ -385,53 +388,11 @@ __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"), always_i
 static inline void rows_vnni(const lin_job *j, int64_t b, const int nv, int32_t *o) {
     int64_t r = 0;
     for (; r + RV_R <= j->m; r += RV_R) blk_bcast_vnni(j, r, RV_R, b, nv, o + r * CB);
-    switch (j->m - r) {
-#if RV_R > 15
-        case 15: blk_bcast_vnni(j, r, 15, b, nv, o + r * CB); break;
-#endif
-#if RV_R > 14
-        case 14: blk_bcast_vnni(j, r, 14, b, nv, o + r * CB); break;
-#endif
-#if RV_R > 13
-        case 13: blk_bcast_vnni(j, r, 13, b, nv, o + r * CB); break;
-#endif
-#if RV_R > 12
-        case 12: blk_bcast_vnni(j, r, 12, b, nv, o + r * CB); break;
-#endif
-#if RV_R > 11
-        case 11: blk_bcast_vnni(j, r, 11, b, nv, o + r * CB); break;
-#endif
-#if RV_R > 10
-        case 10: blk_bcast_vnni(j, r, 10, b, nv, o + r * CB); break;
-#endif
-#if RV_R > 9
-        case 9: blk_bcast_vnni(j, r, 9, b, nv, o + r * CB); break;
-#endif
-#if RV_R > 8
-        case 8: blk_bcast_vnni(j, r, 8, b, nv, o + r * CB); break;
-#endif
-#if RV_R > 7
-        case 7: blk_bcast_vnni(j, r, 7, b, nv, o + r * CB); break;
-#endif
-#if RV_R > 6
-        case 6: blk_bcast_vnni(j, r, 6, b, nv, o + r * CB); break;
-#endif
-#if RV_R > 5
-        case 5: blk_bcast_vnni(j, r, 5, b, nv, o + r * CB); break;
-#endif
-#if RV_R > 4
-        case 4: blk_bcast_vnni(j, r, 4, b, nv, o + r * CB); break;
-#endif
-#if RV_R > 3
-        case 3: blk_bcast_vnni(j, r, 3, b, nv, o + r * CB); break;
-#endif
-#if RV_R > 2
-        case 2: blk_bcast_vnni(j, r, 2, b, nv, o + r * CB); break;
-#endif
-#if RV_R > 1
-        case 1: blk_bcast_vnni(j, r, 1, b, nv, o + r * CB); break;
-#endif
+#define RV_REST(n) case n: blk_bcast_vnni(j, r, n < RV_R ? n : RV_R, b, nv, o + r * CB); break;
+    switch (j->m - r) {  /* (each case a constant: n >= RV_R never comes) */
+        RV_REST(7) RV_REST(6) RV_REST(5) RV_REST(4) RV_REST(3) RV_REST(2) RV_REST(1)
     }
+#undef RV_REST
 }
 
 /* the chunk's sums of columns [cs, ce) for every row by the VNNI kernels: blk_bcast_vnni on j->wv's chunks of RV_V

@@ -3,11 +3,11 @@
 
 typedef struct {
     const float *x; int64_t k, ldx, ldo; float levels, eps, qmax; int mode; void *out;
-    float *scale, *negzp; int64_t r0, r1; int avx2, bad;
+    float *scale, *negzp; int64_t r0, r1; int body, bad;  /* body: body_of */
 } grid_job;
 
 typedef struct {
-    float *raw; int64_t n, ldr; const float *a, *w, *s, *bias; int fused; int64_t r0, r1; int avx2;
+    float *raw; int64_t n, ldr; const float *a, *w, *s, *bias; int fused; int64_t r0, r1; int body;  /* body_of */
 } epi_job;
 
 /* (s, -z) of one row from lo = min(x, 0), hi = max(x, 0): _row_grids' float32 arithmetic. 1: not finite. */
@@ -196,15 +196,14 @@ static void epi_avx512(epi_job *j) {
     }
 }
 
-/* body: 2 AVX-512, 1 AVX2, 0 scalar */
 static void *grid_run(void *p) {
     grid_job *j = p;
-    if (j->avx2 == 2) grid_avx512(j); else if (j->avx2) grid_avx2(j); else grid_scalar(j);
+    if (j->body == 2) grid_avx512(j); else if (j->body) grid_avx2(j); else grid_scalar(j);
     return NULL;
 }
 static void *epi_run(void *p) {
     epi_job *j = p;
-    if (j->avx2 == 2) epi_avx512(j); else if (j->avx2) epi_avx2(j); else epi_scalar(j);
+    if (j->body == 2) epi_avx512(j); else if (j->body) epi_avx2(j); else epi_scalar(j);
     return NULL;
 }
 
@@ -230,7 +229,7 @@ int lb_row_grid(const float *x, int64_t m, int64_t k, int64_t ldx, float levels,
     int n = threads_for(nthreads, m), bad = 0;
     for (int t = 0; t < n; ++t) {
         grid_job jb = {x, k, ldx, ldo, levels, eps, qmax, mode, out, scale, negzp, m * t / n, m * (t + 1) / n,
-                       use_avx512(isa) ? 2 : use_avx2(isa), 0};
+                       body_of(isa), 0};
         jobs[t] = jb;
     }
     fan_out(grid_run, jobs, sizeof(grid_job), n);
@@ -246,7 +245,7 @@ void lb_row_epilogue(float *raw, int64_t m, int64_t n, int64_t ldr, const float 
     int nt = threads_for(nthreads, m);
     for (int t = 0; t < nt; ++t) {
         epi_job jb = {raw, n, ldr, a, w, s, bias, fused, m * t / nt, m * (t + 1) / nt,
-                      use_avx512(isa) ? 2 : use_avx2(isa)};
+                      body_of(isa)};
         jobs[t] = jb;
     }
     fan_out(epi_run, jobs, sizeof(epi_job), nt);

@@ -103,7 +103,7 @@ int lb_quantize(const float *x, int64_t n, float inv, float z, float vlo, float 
     int nt = threads_for(nthreads, n), nan = 0;
     for (int t = 0; t < nt; ++t) {
         qt_job jb = {x, out, n * t / nt, n * (t + 1) / nt, inv, z, vlo, vhi, sgn ? -128.f : 0.f, sgn ? 127.f : 255.f,
-                     sgn, use_avx512(isa) ? 2 : use_avx2(isa), 0};
+                     sgn, body_of(isa), 0};
         jobs[t] = jb;
     }
     fan_out(qt_run, jobs, sizeof(qt_job), nt);
@@ -173,7 +173,7 @@ void lb_dequantize(const void *q, int64_t n, int sgn, float z, float s, float *o
     dq_job jobs[MAX_THREADS];
     int nt = threads_for(nthreads, n);
     for (int t = 0; t < nt; ++t) {
-        dq_job jb = {q, out, n * t / nt, n * (t + 1) / nt, z, s, sgn, use_avx512(isa) ? 2 : use_avx2(isa)};
+        dq_job jb = {q, out, n * t / nt, n * (t + 1) / nt, z, s, sgn, body_of(isa)};
         jobs[t] = jb;
     }
     fan_out(dq_run, jobs, sizeof(dq_job), nt);
