@@ -266,6 +266,10 @@ shapes = T.GRID[::3]
 for backend, zp_w in (("onednn", False), ("int_mm", True)):
     wrong = T.scan(backend, safe=False, zp_w=zp_w, shapes=shapes)
     assert not wrong, f"{backend} under the cap: wrong int32 sums {wrong}"
+T.int_mm.STRICT_DEVICES.add("cpu")  # the layout CUDA needs, forced here: its _int_mm call is guarded too
+wrong = T.scan("int_mm", safe=False, zp_w=True, shapes=shapes)
+T.int_mm.STRICT_DEVICES.discard("cpu")
+assert not wrong, f"int_mm's strict layout under the cap: wrong int32 sums {wrong}"
 wrong, _ = T.conv_scan(safe=False)
 assert not wrong, f"onednn conv under the cap: wrong int32 sums {wrong}"
 print("exact", len(shapes))

@@ -67,6 +67,16 @@ def cpu_int_mm(q: torch.Tensor, w_t: torch.Tensor, w_sum: torch.Tensor) -> torch
     return torch._int_mm(q, w_t)
 
 
+def _strict_mm(q: torch.Tensor, w_t: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """``_int_mm`` in the strict layout (int8 ``q`` padded to ``M >= 17`` rows and ``K``, ``N`` multiples of 8), the
+    ``(m, n)`` corner of the sums. On a CPU (a layout tests force there) whose oneDNN is capped below VNNI, torch's
+    ``_int_mm`` saturates, so an int32 matmul gives the exact sums instead."""
+    a = _pad_to(_pad_to(q, 1, 8), 0, 1, 17).contiguous()
+    if a.device.type == "cpu" and _onednn_capped():
+        return (a.to(torch.int32) @ w_t.to(torch.int32))[:m, :n]
+    return torch._int_mm(a, w_t)[:m, :n]
+
+
 def _pad_to(t: torch.Tensor, dim: int, multiple: int, minimum: int = 0) -> torch.Tensor:
     n = t.shape[dim]
     target = max(-(-n // multiple) * multiple, minimum)
@@ -108,7 +118,7 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
         u8 = q.dtype == torch.uint8
         if u8:
             q = q.view(torch.int8).bitwise_xor(-128)                  # u8 - 128 as s8
-        acc = torch._int_mm(_pad_to(_pad_to(q, 1, 8), 0, 1, 17).contiguous(), w_t)[:m, :n]
+        acc = _strict_mm(q, w_t, m, n)
         if zw is None and cuda_fused.enabled(q.device):               # one compiled epilogue, no host reads
             y = _fused_epilogue(acc, x, weight, w_sum, bias, out, relu, u8, cache)
             if y is not None:
@@ -155,7 +165,7 @@ def dynamic_linear(xf: torch.Tensor, weight: QTensor, bias: torch.Tensor | None,
         return None
     q, sx, neg_zp = codes
     m, n = xf.shape[0], weight.shape[0]
-    acc = torch._int_mm(_pad_to(_pad_to(q, 1, 8), 0, 1, 17).contiguous(), w_t)[:m, :n]
+    acc = _strict_mm(q, w_t, m, n)
     b = bias if bias is not None else _zeros(n, acc.device, cache)
     return cuda_fused.dynamic_epilogue(acc, neg_zp, sx, w_sum, weight.scale, b)
 
