@@ -39,10 +39,11 @@ from torch import nn
 
 from ..functional import check_quantized_state, fake_quantize
 from ..observer.base import ObserverBase, WithArgs
+from ..observer.distributed import sync_pending
 from ..observer.minmax import MovingAverageMinMaxObserver, _MinMaxObserverBase
 from ..qparams import calculate_qparams
 
-__all__ = ["FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant"]
+__all__ = ["FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant", "holds_grid"]
 
 
 class FakeQuantize(WithArgs, nn.Module):
@@ -186,6 +187,19 @@ def _fake_quantize_fast(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.
 
 
 # Module-level switches for ``model.apply(...)``: they act on FakeQuantize modules, ignore others.
+def holds_grid(obs: nn.Module) -> bool:
+    """Whether an observer or fake-quant module describes a grid: its observer saw data, or (``LearnableFakeQuantize``)
+    it holds a learned or loaded grid. Under ``torch.distributed`` the ranks' union decides, as in
+    ``calculate_qparams``. A module that keeps no such record counts as holding one."""
+    sync_pending(obs)
+    if hasattr(obs, "_holds_grid"):  # LearnableFakeQuantize: a learned (or loaded) grid counts, observer or not
+        return bool(obs._holds_grid())
+    inner = getattr(obs, "activation_post_process", None)  # FakeQuantize wraps an observer
+    if isinstance(obs, FakeQuantize) and isinstance(inner, ObserverBase):
+        return inner.is_calibrated
+    return bool(getattr(obs, "is_calibrated", True))
+
+
 def enable_observer(mod: nn.Module) -> None:
     """``model.apply(Q.enable_observer)`` turns every FakeQuantize's observer on."""
     if isinstance(mod, FakeQuantize):

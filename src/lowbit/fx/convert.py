@@ -33,11 +33,11 @@ from typing import Any
 from torch import fx, nn
 
 from ..custom_config import ConvertCustomConfig
+from ..fake_quant.base import holds_grid
 from ..mappings import get_default_dynamic_quant_module_mappings, get_default_static_quant_module_mappings
 from ..nn.intrinsic.qat.modules import _BnFolded
 from ..nn.quantized import activation as nnq_act
 from ..nn.quantized._utils import output_qparams
-from ..observer.distributed import sync_pending
 from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.stubs import DeQuantize, Quantize
 from . import convert_dynamic as float_out
@@ -61,14 +61,6 @@ class _Holder(nn.Module):
 
 def _grid(obs: nn.Module, where: str) -> tuple[float, int, Any]:
     return output_qparams(_Holder(obs), where)
-
-
-def _is_calibrated(obs: nn.Module) -> bool:
-    sync_pending(obs)  # under torch.distributed: decide on the ranks' union, as calculate_qparams does
-    inner = getattr(obs, "activation_post_process", None)  # FakeQuantize wraps an observer
-    if inner is not None and hasattr(inner, "is_calibrated"):
-        return bool(inner.is_calibrated)
-    return bool(getattr(obs, "is_calibrated", True))
 
 
 class _Converter:
@@ -224,7 +216,7 @@ class _Converter:
                 continue
             obs = self.gm.get_submodule(node.target)
             src = node.args[0]
-            if not _is_calibrated(obs):
+            if not holds_grid(obs):
                 where = f"{self.prefix}: " if self.prefix else ""
                 raise RuntimeError(f"convert_fx: {where}the observer after '{src.name}' ({_what(src, self.gm)}) saw "
                                    "no data; run calibration batches through the prepared model before convert_fx()")
@@ -353,7 +345,7 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
     custom, custom_dynamic = cfg.mapping(), cfg.mapping(dynamic=True)
     # per graph: did any activation observer see data (None: it has none, e.g. only weight-only or dynamic layers)
     acts = {id(gm): [obs for n, obs in _observers(gm) if n.meta.get("lowbit_kind") != "obs_w"] for gm in graphs}
-    ran = {k: (any(_is_calibrated(o) for o in v) if v else None) for k, v in acts.items()}
+    ran = {k: (any(holds_grid(o) for o in v) if v else None) for k, v in acts.items()}
     for gm in graphs:
         state = gm.meta[STATE_KEY]
         if state.get("prefix") and ran[id(gm)] is False and any(ran.values()) and not state.get("is_qat"):

@@ -50,7 +50,7 @@ from ..qconfig import QConfig
 from ..workflow import convert as _convert_int8
 from ..workflow.hooks import _is_observer, _observe_float_input
 from ..workflow.propagate import _check_common, _path, is_dynamic_qconfig
-from ..workflow.swap import _is_calibrated
+from ..fake_quant.base import holds_grid
 from .modules import REFERENCE_MODULES, FrozenObserver, QuantDeQuant, _WeightQDQ, weight_qparams_of
 
 __all__ = ["to_reference", "lower_reference_eager"]
@@ -98,7 +98,7 @@ def _freeze_observers(mod: nn.Module, name: str) -> None:
         obs = mod._modules.get(attr)
         if not _is_observer(obs):
             continue
-        if _is_calibrated(obs):
+        if holds_grid(obs):
             mod._modules[attr] = QuantDeQuant.from_observer(obs, f"module '{_path(name)}'")
         elif attr == "activation_post_process":
             raise RuntimeError(f"convert(is_reference=True): module '{_path(name)}' ({type(mod).__name__}) has an "

@@ -42,7 +42,7 @@ from torch import fx, nn
 
 from ..fx.convert import convert_fx
 from ..fx.prepare import STATE_KEY, is_prepared
-from ..workflow.swap import _is_calibrated
+from ..fake_quant.base import holds_grid
 from .convert import _frozen_weight_qconfig, _move_state, _weighted_reference
 from .modules import FrozenObserver, QuantDeQuant, _WeightQDQ
 from .ops import dequantize_per_channel, dequantize_per_tensor, quantize_per_channel, quantize_per_tensor
@@ -115,7 +115,7 @@ def convert_to_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Modul
             kind = node.meta.get("lowbit_kind")
             if kind in ("obs_out", "obs_in", "obs_w"):
                 obs = gm.get_submodule(node.target)
-                if not _is_calibrated(obs):
+                if not holds_grid(obs):
                     raise RuntimeError(f"convert_to_reference_fx: the observer '{node.target}' after "
                                        f"'{node.args[0].name}' saw no data; run calibration batches first")
                 _qdq_pair(gm, node, obs)

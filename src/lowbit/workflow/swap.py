@@ -20,12 +20,11 @@ from torch import nn
 
 from ..custom_config import ConvertCustomConfig
 from ..fake_quant import FakeQuantize
+from ..fake_quant.base import holds_grid
 from ..mappings import ConvertReport, copy_user_hooks, get_default_static_quant_module_mappings
 from ..nn.intrinsic import FusedModule
 from ..nn.intrinsic.qat.modules import BnFoldedBase
 from ..nn.quantized.functional_modules import FloatFunctional
-from ..observer.base import ObserverBase
-from ..observer.distributed import sync_pending
 from ..observer.fixed import PlaceholderObserver
 from ..qconfig import QConfig
 from ..qscheme import as_qdtype
@@ -38,16 +37,6 @@ from .propagate import _check_common, _check_mapping, _dynamic_default, _path, i
 __all__ = ["convert"]
 
 logger = logging.getLogger("lowbit")
-
-
-def _is_calibrated(obs: nn.Module) -> bool:
-    sync_pending(obs)  # under torch.distributed: decide on the ranks' union, as calculate_qparams does
-    if hasattr(obs, "_holds_grid"):  # LearnableFakeQuantize: a learned (or loaded) grid counts, observer or not
-        return bool(obs._holds_grid())
-    inner = getattr(obs, "activation_post_process", None)  # FakeQuantize wraps an observer
-    if isinstance(obs, FakeQuantize) and isinstance(inner, ObserverBase):
-        return inner.is_calibrated
-    return bool(getattr(obs, "is_calibrated", True))
 
 
 def _strip(mod: nn.Module) -> None:
@@ -72,7 +61,7 @@ def _swap(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertR
             "(qconfig.activation), which records no grid: a static int8 layer needs an observer such as "
             "HistogramObserver or MinMaxObserver; for a layer quantized per call give it a dynamic qconfig "
             "(get_dynamic_qconfig())")
-    if obs is not None and not _is_calibrated(obs) and getattr(report, "_calibrated", False):
+    if obs is not None and not holds_grid(obs) and getattr(report, "_calibrated", False):
         # other observers saw data, this module never ran (torchvision's quantizable style declares a
         # FloatFunctional in every block, residual blocks alone use it): keep it as it is
         warnings.warn(f"convert: module '{_path(name)}' ({type(mod).__name__}) never ran during calibration; "
@@ -80,7 +69,7 @@ def _swap(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertR
         _strip(mod)
         report.left_float[_path(name)] = f"{type(mod).__name__} (never ran during calibration)"
         return mod
-    if obs is not None and not _is_calibrated(obs):
+    if obs is not None and not holds_grid(obs):
         raise RuntimeError(
             f"convert: module '{_path(name)}' ({type(mod).__name__}) has an observer that saw no data; "
             "run calibration batches through the prepared model before convert()"
@@ -92,7 +81,7 @@ def _swap(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertR
     except (ValueError, TypeError, RuntimeError) as err:
         raise type(err)(f"convert: module '{_path(name)}' ({type(mod).__name__} -> {qcls.__name__}): {err}") from err
     inp = mod._modules.get("input_activation_post_process")
-    if inp is not None and _is_calibrated(inp) and hasattr(new, "input_grid"):  # it saw float inputs
+    if inp is not None and holds_grid(inp) and hasattr(new, "input_grid"):  # it saw float inputs
         scale, zero_point = inp.calculate_qparams()
         new.input_grid = (float(scale), int(zero_point), as_qdtype(inp.qdtype))
     report.converted[_path(name)] = f"{type(mod).__name__} -> {qcls.__module__}.{qcls.__name__}"
@@ -187,7 +176,7 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
     float_twin = copy.deepcopy(model) if speed_check is not None else None
     report = ConvertReport()
     observers = [m for m in model.modules() if _is_observer(m) and not getattr(m, "is_dynamic", False)]
-    report._calibrated = any([_is_calibrated(m) for m in observers])  # type: ignore[attr-defined]
+    report._calibrated = any([holds_grid(m) for m in observers])  # type: ignore[attr-defined]
     model = _convert(model, "", mapping, report, dynamic).eval()
     if float_twin is not None:
         speed = keep_faster(model, float_twin, speed_check)
