@@ -24,6 +24,7 @@ from ..fake_quant.base import holds_grid
 from ..mappings import ConvertReport, copy_user_hooks, get_default_static_quant_module_mappings
 from ..nn.intrinsic import FusedModule
 from ..nn.intrinsic.qat.modules import BnFoldedBase
+from ..nn.quantized._utils import precomputed_weights
 from ..nn.quantized.functional_modules import FloatFunctional
 from ..observer.fixed import PlaceholderObserver
 from ..qconfig import QConfig
@@ -132,7 +133,8 @@ def _convert(mod: nn.Module, name: str, mapping: dict[type, type], report: Conve
 def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: bool = False,
             return_report: bool = False, speed_check: Any = None,
             dynamic_mapping: dict[type, type] | None = None, convert_custom_config_dict: Any = None,
-            is_reference: bool = False, *, remove_qconfig: bool = True) -> Any:
+            is_reference: bool = False, *, remove_qconfig: bool = True,
+            use_precomputed_fake_quant: bool = False) -> Any:
     """Swap observed modules for ``lowbit.nn.quantized`` ones; returns the model (eval mode).
 
     ``mapping`` (default ``get_default_static_quant_module_mappings()``): exact type → class with
@@ -150,9 +152,15 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
     modules with explicit quantize → dequantize of weights and activations; ``lower_reference``
     turns it into this int8 model). ``remove_qconfig=False`` (keyword, torch.ao's argument): every module
     keeps the ``.qconfig`` it had (by name), as torch.ao's leaves them; by default they are removed.
+    ``use_precomputed_fake_quant=True`` (keyword, torch.ao's argument): each QAT layer's weight takes its
+    ``weight_fake_quant`` grid as it stands (by default convert observes the weight once more, which moves a
+    moving-average grid and refits a min/max one to the last optimizer step's weight); a fake-quant
+    that never saw a weight is a ``ValueError`` naming it; a layer without one (post-training) is observed as usual.
     """
     if not isinstance(remove_qconfig, bool):
         raise TypeError(f"convert: remove_qconfig must be a bool, got {remove_qconfig!r}")
+    if not isinstance(use_precomputed_fake_quant, bool):
+        raise TypeError(f"convert: use_precomputed_fake_quant must be a bool, got {use_precomputed_fake_quant!r}")
     kept = {} if remove_qconfig or not isinstance(model, nn.Module) else {
         n: m.__dict__["qconfig"] for n, m in model.named_modules() if "qconfig" in m.__dict__}
     if is_reference is not False:
@@ -164,7 +172,8 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
 
         custom = ConvertCustomConfig.coerce(convert_custom_config_dict, "convert").mapping()  # those stay float
         full = {**(get_default_static_quant_module_mappings() if mapping is None else mapping), **custom}
-        return to_reference(model, mapping=full, inplace=inplace, return_report=return_report)
+        with precomputed_weights(use_precomputed_fake_quant):
+            return to_reference(model, mapping=full, inplace=inplace, return_report=return_report)
     _check_common("convert", model, inplace)
     if not isinstance(return_report, bool):
         raise TypeError(f"convert: return_report must be a bool, got {return_report!r}")
@@ -177,7 +186,11 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
     report = ConvertReport()
     observers = [m for m in model.modules() if _is_observer(m) and not getattr(m, "is_dynamic", False)]
     report._calibrated = any([holds_grid(m) for m in observers])  # type: ignore[attr-defined]
-    model = _convert(model, "", mapping, report, dynamic).eval()
+    with precomputed_weights(use_precomputed_fake_quant) as taken:
+        model = _convert(model, "", mapping, report, dynamic).eval()
+    if use_precomputed_fake_quant and not taken[0] and report.converted:
+        warnings.warn("convert(use_precomputed_fake_quant=True): no converted layer has a weight_fake_quant (a QAT "
+                      "layer's), so every weight was observed at convert as usual", stacklevel=2)
     if float_twin is not None:
         speed = keep_faster(model, float_twin, speed_check)
         report.speed = speed  # type: ignore[attr-defined]

@@ -22,13 +22,16 @@ lowbit.quint8
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...compile_state import tensor_version, tracing
+from ...fake_quant.base import holds_grid
 from ...functional import quantize
 from ... import kernels
 from ...kernels import OutGrid
@@ -47,14 +50,62 @@ __all__ = ["quantize_weight", "weight_qparams", "weight_qscheme", "observer_grid
 InputGrid = tuple[float, int, QDtype]
 
 
-def weight_qparams(weight: torch.Tensor, mod: nn.Module, ch_axis: int, where: str) -> Any:
+_PRECOMPUTED = threading.local()  # .on: convert(use_precomputed_fake_quant=True) runs in this thread; .used: grids taken
+
+
+@contextlib.contextmanager
+def precomputed_weights(on: bool = True) -> Iterator[list[int]]:
+    """Inside this block (this thread) ``weight_qparams`` takes a QAT module's ``weight_fake_quant`` grid as it
+    stands, without observing the weight again: ``convert(use_precomputed_fake_quant=True)``, as in torch.ao.
+    Yields a one-item list that counts the grids so taken."""
+    before = getattr(_PRECOMPUTED, "on", False), getattr(_PRECOMPUTED, "used", None)
+    _PRECOMPUTED.on, _PRECOMPUTED.used = bool(on), [0]
+    try:
+        yield _PRECOMPUTED.used
+    finally:
+        _PRECOMPUTED.on, _PRECOMPUTED.used = before
+
+
+def check_precomputed_flag(flag: Any, where: str) -> bool:
+    """``flag`` as a bool, else ``TypeError`` naming ``where`` and the value; ``True`` also inside
+    ``precomputed_weights()``."""
+    if not isinstance(flag, bool):
+        raise TypeError(f"{where}: use_precomputed_fake_quant must be a bool, got {flag!r}")
+    return flag or bool(getattr(_PRECOMPUTED, "on", False))
+
+
+def precomputed_source(mod: nn.Module, where: str) -> Any:
+    """``mod.weight_fake_quant`` as it stands, for ``use_precomputed_fake_quant``; ``None`` where the module has none
+    (a post-training layer: its weight observer is built at convert, there is no grid to reuse). ``ValueError`` naming
+    ``where`` when it holds no grid (it never saw a weight and learned none: torch.ao would quantize with the
+    observer's default scale 1)."""
+    obs = getattr(mod, "weight_fake_quant", None)
+    if obs is None:
+        return None
+    if not holds_grid(obs):
+        raise ValueError(f"{where}: use_precomputed_fake_quant=True, but the weight_fake_quant of {type(mod).__name__} "
+                         f"({type(obs).__name__}) has seen no weight and holds no grid: run a training or calibration "
+                         "step first, or convert with use_precomputed_fake_quant=False")
+    used = getattr(_PRECOMPUTED, "used", None)
+    if used is not None:
+        used[0] += 1
+    return obs
+
+
+def weight_qparams(weight: torch.Tensor, mod: nn.Module, ch_axis: int, where: str, precomputed: bool = False) -> Any:
     """The weight observer (or fake-quant) for ``mod``, already fed ``weight``.
 
     A QAT module's ``weight_fake_quant`` is used as is (it observes ``weight`` once more only if its
     observer is enabled, as in ``torch.ao``); otherwise ``mod.qconfig.weight()`` builds a fresh
     observer. For a per-channel observer whose ``ch_axis`` is 0 while the weight's channel axis is
     ``ch_axis`` (ConvTranspose: 1), the weight is observed with that axis moved to the front.
+    ``precomputed`` (or inside ``precomputed_weights()``): a ``weight_fake_quant``'s grid as it stands, not fed
+    ``weight`` (``precomputed_source``; a module without one is observed as usual).
     """
+    if precomputed or getattr(_PRECOMPUTED, "on", False):
+        obs = precomputed_source(mod, f"{where}.from_float")
+        if obs is not None:
+            return obs
     obs = getattr(mod, "weight_fake_quant", None)
     if obs is None:
         qconfig = getattr(mod, "qconfig", None)
@@ -263,18 +314,21 @@ class WeightedQuantModule(CheckedQuantState):
         self._input_grid = None if grid is None else (float(grid[0]), int(grid[1]), self.input_qdtype)
 
     @classmethod
-    def from_float(cls, mod: nn.Module) -> Any:
+    def from_float(cls, mod: nn.Module, use_precomputed_fake_quant: bool = False) -> Any:
         """From a prepared float/QAT module (or a fused ``(op, ReLU)`` marker for the ReLU variants).
 
         Reads ``mod.qconfig.weight`` (or ``mod.weight_fake_quant``) for the weight grid, per channel
         along ``_weight_axis``, and ``mod.activation_post_process`` for the output grid.
+        ``use_precomputed_fake_quant=True`` (torch.ao's argument): a QAT module's ``weight_fake_quant`` grid as it
+        stands, the weight not observed again.
         """
+        precomputed = check_precomputed_flag(use_precomputed_fake_quant, f"{cls.__name__}.from_float")
         op: Any = float_op(mod, cls._float_type, cls.__name__, cls._relu)
         owner = mod if hasattr(mod, "qconfig") or hasattr(mod, "weight_fake_quant") else op
         if op.bias is not None and not bool(torch.isfinite(op.bias.detach()).all()):
             raise ValueError(f"{cls.__name__}.from_float: the bias holds NaN/Inf values; the quantized layer "
                              "would turn them into finite output codes — fix or exclude this layer (qconfig None)")
-        obs = weight_qparams(op.weight, owner, cls._weight_axis, cls.__name__)
+        obs = weight_qparams(op.weight, owner, cls._weight_axis, cls.__name__, precomputed)
         weight = quantize_weight(op.weight, obs, cls._weight_axis)
         q = cls.from_reference(op, weight, *output_qparams(mod, cls.__name__))  # type: ignore[attr-defined]
         q.weight_qscheme = weight_qscheme(obs)

@@ -41,7 +41,7 @@ from ...qparams import calculate_qparams
 from ...qscheme import QDtype, QScheme, as_qdtype, as_qscheme, quint8
 from ...qtensor import QTensor
 from ._state import CheckedQuantState
-from ._utils import check_finite_weight
+from ._utils import check_finite_weight, check_precomputed_flag, precomputed_source
 
 __all__ = ["Embedding", "EmbeddingBag"]
 
@@ -65,17 +65,21 @@ def _unpack4(packed: torch.Tensor, dim: int, signed: bool) -> torch.Tensor:
 
 
 def _row_qparams(weight: torch.Tensor, mod: nn.Module | None, qdtype: QDtype | None,
-                 qscheme: QScheme = QScheme.PER_CHANNEL_AFFINE) -> tuple[torch.Tensor, torch.Tensor, QDtype]:
+                 qscheme: QScheme = QScheme.PER_CHANNEL_AFFINE, precomputed: bool = False,
+                 where: str = "") -> tuple[torch.Tensor, torch.Tensor, QDtype]:
     """Per-row ``(scale (N,), zero_point (N,), qdtype)`` for a float table.
 
     Priority: an explicit ``qdtype`` (per-row min/max on ``qscheme``), else the module's QAT
     ``weight_fake_quant``, else its ``qconfig.weight()`` observer, else per-row affine quint8.
     A per-tensor observer's qparams are broadcast to every row. Zero points are int64, or float32
-    for ``per_channel_affine_float_qparams``.
+    for ``per_channel_affine_float_qparams``. ``precomputed``: the ``weight_fake_quant``'s grid as it stands, not fed
+    the table again (``_utils.precomputed_source``, errors naming ``where``).
     """
     w = weight.detach().to(torch.float32)
     source = None
-    if qdtype is None and mod is not None:
+    if qdtype is None and mod is not None and precomputed:
+        source = precomputed_source(mod, where)
+    if qdtype is None and mod is not None and source is None:
         source = getattr(mod, "weight_fake_quant", None)
         qconfig = getattr(mod, "qconfig", None)
         if source is None and qconfig is not None and getattr(qconfig, "weight", None) is not None:
@@ -213,12 +217,15 @@ class Embedding(_QuantizedTable):
         return rows.reshape(*indices.shape, self.embedding_dim)
 
     @classmethod
-    def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype | None = None) -> Embedding:
+    def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype | None = None,
+                   use_precomputed_fake_quant: bool = False) -> Embedding:
         """Quantize ``mod.weight`` per row (``dtype`` overrides the module's qconfig / fake-quant)."""
         if not isinstance(mod, nn.Embedding):
             raise TypeError(f"Embedding.from_float expects an nn.Embedding, got {type(mod).__name__}")
         check_finite_weight(mod.weight, "Embedding.from_float")  # observers skip NaN: a silent wrong row
-        scale, zp, qdtype = _row_qparams(mod.weight, mod, None if dtype is None else as_qdtype(dtype))
+        pre = check_precomputed_flag(use_precomputed_fake_quant, "Embedding.from_float")
+        scale, zp, qdtype = _row_qparams(mod.weight, mod, None if dtype is None else as_qdtype(dtype), precomputed=pre,
+                                         where="Embedding.from_float")
         q = cls(mod.num_embeddings, mod.embedding_dim, mod.padding_idx, qdtype)
         q.set_weight(QTensor(quantize(mod.weight.detach().float(), scale, zp, qdtype, 0), scale, zp, qdtype, 0))
         return q
@@ -299,12 +306,15 @@ class EmbeddingBag(_QuantizedTable):
                                padding_idx=pad)
 
     @classmethod
-    def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype | None = None) -> EmbeddingBag:
+    def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype | None = None,
+                   use_precomputed_fake_quant: bool = False) -> EmbeddingBag:
         """Quantize ``mod.weight`` per row; copies ``mode``, ``padding_idx``, ``include_last_offset``."""
         if not isinstance(mod, nn.EmbeddingBag):
             raise TypeError(f"EmbeddingBag.from_float expects an nn.EmbeddingBag, got {type(mod).__name__}")
         check_finite_weight(mod.weight, "EmbeddingBag.from_float")
-        scale, zp, qdtype = _row_qparams(mod.weight, mod, None if dtype is None else as_qdtype(dtype))
+        pre = check_precomputed_flag(use_precomputed_fake_quant, "EmbeddingBag.from_float")
+        scale, zp, qdtype = _row_qparams(mod.weight, mod, None if dtype is None else as_qdtype(dtype), precomputed=pre,
+                                         where="EmbeddingBag.from_float")
         q = cls(mod.num_embeddings, mod.embedding_dim, mod.mode, mod.padding_idx, mod.include_last_offset, qdtype)
         q.set_weight(QTensor(quantize(mod.weight.detach().float(), scale, zp, qdtype, 0), scale, zp, qdtype, 0))
         return q

@@ -45,7 +45,7 @@ from ....qparams import calculate_qparams
 from ....nn.intrinsic import LinearReLU as _LinearReLUMarker
 from ....qscheme import QDtype, QScheme, as_qdtype, qint8, quint8
 from ....qtensor import QTensor, quantize_per_channel
-from .._utils import check_not_meta, quantize_weight, weight_qparams
+from .._utils import check_not_meta, check_precomputed_flag, quantize_weight, weight_qparams
 from .._state import CheckedQuantState
 from . import reduced
 from .per_token import U7, dynamic_linear, per_token_linear, quantize_per_token
@@ -84,10 +84,12 @@ def activation_of(owner: nn.Module | None, where: str) -> str:
     return "per_token"
 
 
-def quantize_dynamic_weight(weight: torch.Tensor, mod: nn.Module | None, dtype: QDtype, where: str) -> QTensor:
-    """Per-channel (axis 0) int8 weight: ``mod.qconfig.weight()``'s grid if set, else symmetric ``dtype``."""
+def quantize_dynamic_weight(weight: torch.Tensor, mod: nn.Module | None, dtype: QDtype, where: str,
+                            precomputed: bool = False) -> QTensor:
+    """Per-channel (axis 0) int8 weight: ``mod.qconfig.weight()``'s grid if set, else symmetric ``dtype``
+    (``precomputed``: a QAT module's ``weight_fake_quant`` grid as it stands)."""
     if mod is not None and getattr(getattr(mod, "qconfig", None), "weight", None) is not None:
-        return quantize_weight(weight, weight_qparams(weight, mod, 0, where), 0)
+        return quantize_weight(weight, weight_qparams(weight, mod, 0, where, precomputed), 0)
     w = weight.detach().to(torch.float32)
     scale, zp = calculate_qparams(w.amin(1), w.amax(1), QScheme.PER_CHANNEL_SYMMETRIC, dtype)
     return quantize_per_channel(w, scale, zp, 0, dtype)
@@ -177,20 +179,23 @@ class Linear(CheckedQuantState):
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     @classmethod
-    def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype = qint8) -> Linear:
-        """Quantize an ``nn.Linear`` (per-channel symmetric ``dtype``, or its ``qconfig.weight`` grid)."""
+    def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype = qint8,
+                   use_precomputed_fake_quant: bool = False) -> Linear:
+        """Quantize an ``nn.Linear`` (per-channel symmetric ``dtype``, or its ``qconfig.weight`` grid;
+        ``use_precomputed_fake_quant``: a QAT Linear's ``weight_fake_quant`` grid as it stands)."""
         if not isinstance(mod, nn.Linear):
             raise TypeError(f"dynamic Linear.from_float expects an nn.Linear, got {type(mod).__name__}")
-        return cls._build(mod, mod, dtype)
+        return cls._build(mod, mod, dtype, use_precomputed_fake_quant)
 
     @classmethod
-    def _build(cls, lin: nn.Linear, owner: nn.Module, dtype: Any) -> Any:
+    def _build(cls, lin: nn.Linear, owner: nn.Module, dtype: Any, precomputed: Any = False) -> Any:
         """``cls`` holding ``lin``'s weight, on ``owner.qconfig.weight``'s grid when ``owner`` has one."""
+        pre = check_precomputed_flag(precomputed, f"dynamic {cls.__name__}.from_float")
         d = _dtype_arg(dtype, f"dynamic {cls.__name__}.from_float")
         act = "per_token" if d == torch.float16 else activation_of(owner, f"dynamic {cls.__name__}.from_float")
         q = cls(lin.in_features, lin.out_features, lin.bias is not None, d, act)
         w = (lin.weight.detach() if d == torch.float16
-             else quantize_dynamic_weight(lin.weight, owner, d, f"dynamic {cls.__name__}"))  # type: ignore[arg-type]
+             else quantize_dynamic_weight(lin.weight, owner, d, f"dynamic {cls.__name__}", pre))  # type: ignore[arg-type]
         q.set_weight_bias(w, lin.bias)
         return q.to(lin.weight.device)
 
@@ -229,10 +234,12 @@ class LinearReLU(Linear):
         return F.relu(super().forward(x))
 
     @classmethod
-    def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype = qint8) -> LinearReLU:
+    def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype = qint8,
+                   use_precomputed_fake_quant: bool = False) -> LinearReLU:
         """Quantize a fused ``LinearReLU`` marker (its qconfig's weight grid, else per-channel symmetric)."""
         if not isinstance(mod, _LinearReLUMarker):
             raise TypeError(f"dynamic LinearReLU.from_float expects a fused lowbit.nn.intrinsic.LinearReLU, "
                             f"got {type(mod).__name__}")
         lin = mod[0]
-        return cls._build(lin, mod if getattr(mod, "qconfig", None) is not None else lin, dtype)
+        return cls._build(lin, mod if getattr(mod, "qconfig", None) is not None else lin, dtype,
+                          use_precomputed_fake_quant)
