@@ -53,8 +53,46 @@ _METHOD_FUNCS = {"add": torch.add, "mul": torch.mul, "matmul": torch.matmul, "bm
                  "relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
 
 
+def apply_call_order(gm: fx.GraphModule, mapping: QConfigMapping, prefix: str, seen: dict[str, dict[Any, int]],
+                     used: set[tuple[str, Any, int]]) -> None:
+    """torch.ao's ``set_module_name_object_type_order`` on a freshly traced graph (before fusion and QAT swaps), in node
+    order: the ``i``-th ``call_function`` of target ``f`` traced in module ``p``'s ``forward`` has key ``(p, f, i)``;
+    the ``i``-th call of a child module of type ``T`` whose path's parent is ``p`` has ``(p, T, i)``. A matching
+    entry sets that module's ``.qconfig``, or the function node's ``meta["lowbit_order_qconfig"]`` (``_node_qconfig``
+    reads it first). ``seen`` (path → {object: calls so far}) and ``used`` (the keys matched) span one prepare call's
+    graphs; paths are full (``prefix`` joined)."""
+    order = mapping.module_name_object_type_order_qconfigs
+    if not order:
+        return
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            path, obj, mod = join(prefix, node.meta.get("lowbit_scope", "")), node.target, None
+        elif node.op == "call_module":
+            mod = gm.get_submodule(node.target)  # type: ignore[arg-type]
+            path, obj = join(prefix, node.target).rpartition(".")[0], type(mod)  # type: ignore[arg-type]
+        else:
+            continue
+        counts = seen.setdefault(path, {})
+        try:
+            index = counts.get(obj, 0)
+        except TypeError:  # an unhashable call target: no key can name it
+            continue
+        counts[obj] = index + 1
+        key = (path, obj, index)
+        if key not in order:
+            continue
+        used.add(key)
+        if mod is not None:
+            mod.qconfig = order[key]
+        else:
+            node.meta["lowbit_order_qconfig"] = order[key]
+
+
 def _node_qconfig(node: fx.Node, root: nn.Module, mapping: QConfigMapping) -> QConfig | None:
-    """``object_type[function]`` when set, else the qconfig of the enclosing (or own) module."""
+    """The call-order setting when one matched (``apply_call_order``), else ``object_type[function]`` when set, else
+    the qconfig of the enclosing (or own) module."""
+    if "lowbit_order_qconfig" in node.meta:
+        return node.meta["lowbit_order_qconfig"]  # type: ignore[no-any-return]
     target = _METHOD_FUNCS.get(node.target, node.target) if node.op == "call_method" else node.target
     if node.op in ("call_function", "call_method"):
         op = canonical_binary(node.op, node.target)

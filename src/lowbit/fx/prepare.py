@@ -50,7 +50,7 @@ from ..custom_config import PrepareCustomConfig
 from ..mappings import get_default_dynamic_quant_module_mappings, get_default_qat_module_mappings
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..workflow import is_dynamic_qconfig, propagate_qconfig_
-from .classify import classify, int_inputs, join, wants_int
+from .classify import apply_call_order, classify, int_inputs, join, wants_int
 from .patterns import WEIGHT_ONLY_TYPES, fuse_graph, graph_module_types
 from .report import FxReport
 from .trace import RootNotTraceable, record_tensor_kinds, trace
@@ -243,6 +243,7 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
         _prepare_children(mod, ctx, prefix)
         return mod
     _kinds_in_eval(gm, example_inputs)
+    apply_call_order(gm, ctx.mapping, prefix, ctx.order_seen, ctx.order_used)
     absorbed: dict[str, list[str]] = {}
     ctx.report.fused += [join(prefix, f) for f in fuse_graph(gm, ctx.is_qat, absorbed=absorbed)]
     ctx.report.absorbed.update({join(prefix, k): [v if v == "relu" or v.startswith("clamp:") else join(prefix, v) for v in vs]
@@ -284,6 +285,8 @@ class _Ctx:
         self.leaves: tuple[set[int], set[type]] = (set(), set(custom.non_traceable_module_classes) | set(self.custom))
         self.module_types = graph_module_types() | set(self.custom.values())
         self.dynamic_types = set(get_default_dynamic_quant_module_mappings())
+        self.order_seen: dict[str, dict[Any, int]] = {}  # set_module_name_object_type_order: calls counted so far
+        self.order_used: set[tuple[str, Any, int]] = set()
         if is_qat:
             # QAT embeddings stay weight-only nodes (no output observer), as their float forms
             self.module_types |= set(get_default_qat_module_mappings().values()) - WEIGHT_ONLY_TYPES
@@ -346,6 +349,12 @@ def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inp
     if example_inputs is not None:
         ctx.captured = _capture_inputs(model, example_inputs)
     out = _prepare_module(model, ctx, "", example_inputs, top=True)
+    for (name, obj, index) in mapping.module_name_object_type_order_qconfigs.keys() - ctx.order_used:
+        what = getattr(obj, "__name__", repr(obj))
+        calls = ctx.order_seen.get(name, {}).get(obj, 0)
+        warnings.warn(f"{fn}: QConfigMapping.set_module_name_object_type_order({name!r}, {what}, {index}) matches no "
+                      f"call: the traced graph calls {what} {calls} time(s) in {name or '<root>'!r} (indexes count from "
+                      "0; method calls such as x.add(y) do not count)", stacklevel=3)
     prepared = [m for m in out.modules() if isinstance(m, fx.GraphModule) and STATE_KEY in m.meta]
     if not prepared or sum(1 for m in prepared for n in m.graph.nodes if n.meta.get("lowbit_kind", "")
                            .startswith("obs_") or n.meta.get("lowbit_kind") in ("wonly", "dynamic")) == 0:

@@ -7,7 +7,9 @@ For a module named ``name`` of type ``T`` whose parent resolved to ``inherited``
                      = object_type[T]                         (exact type, subclasses not matched)
                      = inherited                              (the parent's; the root inherits the global)
 
-``resolution="exact"`` is lucid's legacy lookup: name, else exact type, else global.
+``resolution="exact"`` is lucid's legacy lookup: name, else exact type, else global. Graph mode adds torch.ao's
+call-order key above all of these (``set_module_name_object_type_order``: the i-th call of a function or module type
+in a module, counted in the traced graph).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .config import QConfig, _check_qconfig, _value_repr
 
 __all__ = ["QConfigMapping"]
 
-_DICT_KEYS = ("", "object_type", "module_name", "module_name_regex")
+_DICT_KEYS = ("", "object_type", "module_name", "module_name_regex", "module_name_object_type_order")
 _RESOLUTIONS = ("hierarchical", "exact")
 
 
@@ -52,6 +54,7 @@ class QConfigMapping:
         self.object_type_qconfigs: dict[type | Callable, QConfig | None] = {}
         self.module_name_regex_qconfigs: dict[str, QConfig | None] = {}
         self.module_name_qconfigs: dict[str, QConfig | None] = {}
+        self.module_name_object_type_order_qconfigs: dict[tuple[str, type | Callable, int], QConfig | None] = {}
         self._regex: dict[str, re.Pattern[str]] = {}
 
     @property
@@ -97,6 +100,25 @@ class QConfigMapping:
         self._regex[pattern] = compiled
         return self
 
+    def set_module_name_object_type_order(self, module_name: str, object_type: type | Callable, index: int,
+                                          qconfig: QConfig | None) -> QConfigMapping:
+        """Graph mode only (torch.ao's call-order key, above every other tier): the ``index``-th call (from 0, in the
+        traced graph's order) of the function ``object_type`` traced in the ``forward`` of the module at
+        ``module_name``, or of a child module of exactly type ``object_type`` called there. Functions count by the
+        traced target (``operator.add`` for ``a + b``, ``torch.add`` for ``torch.add(a, b)``); method calls
+        (``x.add(y)``) do not count. Eager ``prepare`` refuses a mapping with such entries (use ``set_module_name``)."""
+        where = "QConfigMapping.set_module_name_object_type_order"
+        if not isinstance(module_name, str):
+            raise TypeError(f"{where}: module_name={module_name!r} must be a str (a dotted path, '' for the root)")
+        if not isinstance(object_type, (type, types.FunctionType, types.BuiltinFunctionType)):
+            raise TypeError(f"{where}: object_type={object_type!r} must be a module class or a function")
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"{where}: index={index!r} must be an int >= 0 (0: the first call)")
+        if self.resolution == "exact":
+            raise ValueError(f"{where}: cannot be used with resolution='exact' (exact names and types only)")
+        self.module_name_object_type_order_qconfigs[(module_name, object_type, index)] = _check_qconfig(qconfig, where)
+        return self
+
     # ---- lookup ----
     def resolve(self, module_name: str, module_type: type | Callable, inherited: QConfig | None) -> QConfig | None:
         """This module's own explicit setting, else ``inherited`` (its parent's resolved qconfig).
@@ -115,15 +137,18 @@ class QConfigMapping:
         return inherited
 
     def check_module_names(self, names: Iterable[str], where: str, strict: bool = True) -> None:
-        """Raise ``ValueError`` (``strict=False``: warn) for a ``set_module_name`` key that names none of
-        ``names`` (the model's module paths: a typo would otherwise be ignored silently); warn for a
-        regex matching none."""
+        """Raise ``ValueError`` (``strict=False``: warn) for a ``set_module_name`` or
+        ``set_module_name_object_type_order`` module name that names none of ``names`` (the model's module paths: a
+        typo would otherwise be ignored silently); warn for a regex matching none."""
         names = set(names)
-        missing = [n for n in self.module_name_qconfigs if n not in names]
-        if missing:
+        order = dict.fromkeys(k[0] for k in self.module_name_object_type_order_qconfigs)
+        for setter, keys in (("set_module_name", self.module_name_qconfigs), ("set_module_name_object_type_order", order)):
+            missing = [n for n in keys if n not in names]
+            if not missing:
+                continue
             hints = {n: difflib.get_close_matches(n, names, n=3) for n in missing}
             did = "; ".join(f"{n!r}: did you mean {h}?" for n, h in hints.items() if h)
-            msg = (f"{where}: QConfigMapping.set_module_name names no module of this model: {missing}"
+            msg = (f"{where}: QConfigMapping.{setter} names no module of this model: {missing}"
                    + (f" ({did})" if did else "") + "; module names are dotted paths as in named_modules()")
             if strict:
                 raise ValueError(msg)
@@ -163,10 +188,12 @@ class QConfigMapping:
 
     def to_dict(self) -> dict[str, Any]:
         """torch.ao's ``QConfigMapping.to_dict()`` layout: ``{"": global, "object_type": [(T, qc)],
-        "module_name_regex": [(pattern, qc)], "module_name": [(name, qc)]}`` (``from_dict`` reads it back)."""
+        "module_name_regex": [(pattern, qc)], "module_name": [(name, qc)],
+        "module_name_object_type_order": [(name, T, index, qc)]}`` (``from_dict`` reads it back)."""
         return {"": self.global_qconfig, "object_type": list(self.object_type_qconfigs.items()),
                 "module_name_regex": list(self.module_name_regex_qconfigs.items()),
-                "module_name": list(self.module_name_qconfigs.items())}
+                "module_name": list(self.module_name_qconfigs.items()),
+                "module_name_object_type_order": [(*k, v) for k, v in self.module_name_object_type_order_qconfigs.items()]}
 
     @classmethod
     def from_dict(cls, qconfig_dict: dict[Any, Any]) -> QConfigMapping:
@@ -191,10 +218,13 @@ class QConfigMapping:
                 continue
             if key in _DICT_KEYS:
                 setter = {"object_type": m.set_object_type, "module_name": m.set_module_name,
-                          "module_name_regex": m.set_module_name_regex}[key]
+                          "module_name_regex": m.set_module_name_regex,
+                          "module_name_object_type_order": m.set_module_name_object_type_order}[key]
+                size = 4 if key == "module_name_object_type_order" else 2
                 for entry in value:
-                    if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
-                        raise ValueError(f"qconfig dict [{key!r}]: entry {entry!r} must be a (key, qconfig) pair")
+                    if not (isinstance(entry, (tuple, list)) and len(entry) == size):
+                        what = "(module name, object type, index, qconfig)" if size == 4 else "(key, qconfig) pair"
+                        raise ValueError(f"qconfig dict [{key!r}]: entry {entry!r} must be a {what}")
                     setter(*entry)
             elif isinstance(key, str):
                 m.set_module_name(key, value)
@@ -211,5 +241,7 @@ class QConfigMapping:
         for tier, entries in tiers:
             for key, qc in entries.items():
                 lines.append(f"  {tier}[{_value_repr(key) if not isinstance(key, str) else repr(key)}]: {qc!r}")
+        for (name, obj, index), qc in self.module_name_object_type_order_qconfigs.items():
+            lines.append(f"  module_name_object_type_order[{name!r}, {_value_repr(obj)}, {index}]: {qc!r}")
         head = "QConfigMapping(\n" if self.resolution == "hierarchical" else "QConfigMapping(resolution='exact',\n"
         return head + "\n".join(lines) + "\n)"

@@ -84,6 +84,11 @@ def _setup(fn: str, model: Any, qconfig: Any, inplace: Any, mapping: Any, dynami
     mapping = _check_mapping(fn, default_mapping if mapping is None else mapping)
     dynamic = _check_mapping(fn, _dynamic_default(dynamic_mapping))
     qconfig = _resolve_user_qconfig(model, qconfig, default_qconfig)
+    if isinstance(qconfig, (QConfigMapping, dict)) and QConfigMapping.from_qconfig(
+            qconfig).module_name_object_type_order_qconfigs:
+        raise ValueError(f"{fn}: QConfigMapping.set_module_name_object_type_order entries count calls in a traced graph "
+                         "(prepare_fx / prepare_qat_fx); eager mode has no call order: name the module with "
+                         "set_module_name instead")
     if not inplace:
         model = copy.deepcopy(model)
     return propagate_qconfig_(model, qconfig), mapping, dynamic
