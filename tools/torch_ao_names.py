@@ -87,7 +87,8 @@ EQUIV: dict[str, tuple[str | None, str]] = {
     # -- workflows --
     _q("prepare"): ("lowbit.prepare", "`observer_non_leaf_module_list`, `prepare_custom_config_dict` as torch.ao"),
     _q("prepare_qat"): ("lowbit.prepare_qat", "`mapping` as torch.ao"),
-    _q("convert"): ("lowbit.convert", "`mapping`, `convert_custom_config_dict`, `is_reference` as torch.ao"),
+    _q("convert"): ("lowbit.convert", "`mapping`, `convert_custom_config_dict`, `is_reference` as torch.ao; "
+                   "`remove_qconfig`, `use_precomputed_fake_quant` as keywords"),
     _q("quantize"): ("lowbit.quantize_api.quantize", "`lowbit.quantize` is the tensor function"),
     _q("quantize_qat"): ("lowbit.quantize_qat", ""),
     _q("quantize_dynamic"): ("lowbit.quantize_dynamic", ""),
