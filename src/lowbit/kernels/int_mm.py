@@ -49,12 +49,19 @@ def _onednn_capped() -> bool:
 _U8: list[bool] = []  # whether this torch's CPU _int_mm takes uint8 activations (probed once)
 
 
-def cpu_int_mm(q: torch.Tensor, w_t: torch.Tensor, w_sum: torch.Tensor) -> torch.Tensor:
-    """``Σ_k q[m, k] w[k, n]`` exact int32 on CPU for int8 or uint8 ``q`` ``(M, K)``; ``w_sum`` is ``Σ_k w[k, n]``.
+def cpu_int_mm(q: torch.Tensor, w_t: torch.Tensor, w_sum: torch.Tensor | None = None) -> torch.Tensor:
+    """``Σ_k q[m, k] w[k, n]`` exact int32 on CPU for int8 or uint8 ``q`` ``(M, K)``; ``w_sum`` is ``Σ_k w[k, n]``
+    (needed for uint8 ``q`` only).
 
     torch before 2.12 or so takes only int8 activations there ("Expected self dtype to be of type int8"): then
-    ``u8 - 128`` goes in as int8 and ``128 Σ_k w`` is added back (exact in int32).
+    ``u8 - 128`` goes in as int8 and ``128 Σ_k w`` is added back (exact in int32). Where torch's ``_int_mm`` is wrong,
+    an int32 matmul gives the sums: ``K == 1`` with ``N > 1`` (its sums are wrong on AVX-512 VNNI, either weight layout;
+    every other shape of a 225-shape grid is exact), and a VNNI CPU whose oneDNN is capped below VNNI
+    (``ONEDNN_MAX_CPU_ISA``: torch still routes ``_int_mm`` to oneDNN, whose AVX2 kernel saturates; sums off by up to
+    ~6e5 measured).
     """
+    if q.shape[1] == 1 or _onednn_capped():
+        return q.to(torch.int32) @ w_t.to(torch.int32)
     if q.dtype == torch.uint8:
         if not _U8:
             try:
@@ -63,18 +70,17 @@ def cpu_int_mm(q: torch.Tensor, w_t: torch.Tensor, w_sum: torch.Tensor) -> torch
             except RuntimeError:
                 _U8.append(False)
         if not _U8[0]:
+            if w_sum is None:
+                raise ValueError("cpu_int_mm: uint8 codes on this torch need w_sum (Σ_k w[k, n])")
             return torch._int_mm(q.view(torch.int8).bitwise_xor(-128), w_t).add_(w_sum, alpha=128)
     return torch._int_mm(q, w_t)
 
 
 def _strict_mm(q: torch.Tensor, w_t: torch.Tensor, m: int, n: int) -> torch.Tensor:
     """``_int_mm`` in the strict layout (int8 ``q`` padded to ``M >= 17`` rows and ``K``, ``N`` multiples of 8), the
-    ``(m, n)`` corner of the sums. On a CPU (a layout tests force there) whose oneDNN is capped below VNNI, torch's
-    ``_int_mm`` saturates, so an int32 matmul gives the exact sums instead."""
+    ``(m, n)`` corner of the sums; on a CPU (a layout tests force there) through ``cpu_int_mm``'s guards."""
     a = _pad_to(_pad_to(q, 1, 8), 0, 1, 17).contiguous()
-    if a.device.type == "cpu" and _onednn_capped():
-        return (a.to(torch.int32) @ w_t.to(torch.int32))[:m, :n]
-    return torch._int_mm(a, w_t)[:m, :n]
+    return (cpu_int_mm(a, w_t) if a.device.type == "cpu" else torch._int_mm(a, w_t))[:m, :n]
 
 
 def _pad_to(t: torch.Tensor, dim: int, multiple: int, minimum: int = 0) -> torch.Tensor:
@@ -126,16 +132,7 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
         zx = int(x.zero_point) - (128 if u8 else 0)
     else:
         zx = int(x.zero_point)
-        if k == 1:
-            # torch's CPU _int_mm returns wrong sums for K == 1, N > 1 on AVX-512 VNNI (either weight
-            # layout; every other shape of a 225-shape grid is exact): one int32 product is exact there.
-            acc = q.to(torch.int32) * w_t.to(torch.int32)             # (M, 1) x (1, N)
-        elif _onednn_capped():
-            # a VNNI CPU with ONEDNN_MAX_CPU_ISA below VNNI: torch still routes _int_mm to oneDNN, whose
-            # AVX2 kernel saturates (sums off by up to ~6e5 measured); an int32 matmul is exact
-            acc = q.to(torch.int32) @ w_t.to(torch.int32)
-        else:
-            acc = cpu_int_mm(q, w_t, w_sum)                           # (M, N) int32
+        acc = cpu_int_mm(q, w_t, w_sum)                               # (M, N) int32, exact (its guards)
     acc = acc - zx * w_sum                                            # Σ (q_x - z_x) q_w
     if zw is not None:
         acc = acc - zw * (q.to(torch.int32).sum(1, keepdim=True)[:m] - k * zx)

@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .awq import awq_fold, scale_source
+from ..kernels import int_mm
 from ..nn.quantized._utils import check_finite_linears
+from .awq import awq_fold, scale_source
 from .blocks import _call, check_llm_calib, decoder_layers, linear_groups
 
 __all__ = ["DynamicInt8Linear", "quantize_w8a8", "activation_absmax"]
@@ -93,7 +94,7 @@ class DynamicInt8Linear(nn.Module):
         sx = x2.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 127  # (M, 1)
         q = torch.round(x2 / sx).clamp_(-127, 127).to(torch.int8)
         if x.device.type == "cpu" and q.shape[0] > 0:
-            acc = torch._int_mm(q, self.weight.t())  # (M, N) int32
+            acc = int_mm.cpu_int_mm(q, self.weight.t())  # (M, N) int32 (exact where torch's _int_mm is not: K = 1)
         else:  # exact in float32 while |acc| < 2^24 (K < 1040 at full range); CUDA _int_mm needs padding
             acc = F.linear(q.float(), self.weight.float())
         y = acc.float() * (sx * self.weight_scale)
