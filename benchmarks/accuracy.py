@@ -20,6 +20,7 @@ Rows (fp32 model = reference):
 Accuracy does not depend on the ISA except through kernels' exactness, which lowbit guarantees; the
 ISA is printed anyway. Run: ``python benchmarks/accuracy.py`` (``--quick``: fewer samples and
 AdaRound steps; ``--models mnv2,lite0,fmnist,minilm``; ``--calib N`` / ``--eval N`` ImageNet calibration / evaluation crops;
+``--calib-seed S`` another calibration set;
 ``--recipes`` / ``--crops`` the ImageNet rows).
 """
 
@@ -76,7 +77,8 @@ def _ao_fx(model: torch.nn.Module, calib: list[torch.Tensor], engine: str) -> to
 
 
 def imagenet(name: str, model: torch.nn.Module, norm: str, iters: int, n_cal: int, n_eval: int,
-             recipes: tuple[str, ...] = ("default", "balanced", "accurate"), crops: tuple[str, ...] = ("fractional",)) -> None:
+             recipes: tuple[str, ...] = ("default", "balanced", "accurate"), crops: tuple[str, ...] = ("fractional",),
+             calib_seed: int = 0) -> None:
     from lowbit.models import photo_crops
 
     notes = {"accurate": f", AdaRound {iters} steps (residual streams equalized, blocks together, activation steps "
@@ -84,7 +86,7 @@ def imagenet(name: str, model: torch.nn.Module, norm: str, iters: int, n_cal: in
     for kind in crops:
         whole = kind == "whole"
         tag = ", whole-pixel crops" if whole else ""
-        calib = list(photo_crops(n_cal, seed=0, norm=norm, uint8=whole).split(16))
+        calib = list(photo_crops(n_cal, seed=calib_seed, norm=norm, uint8=whole).split(16))
         x = photo_crops(n_eval, seed=1, norm=norm, uint8=whole)
         with torch.no_grad():
             ref = model(x)
@@ -101,7 +103,7 @@ def imagenet(name: str, model: torch.nn.Module, norm: str, iters: int, n_cal: in
             with torch.no_grad():
                 out = q(x)
             _row(name, f"lowbit {recipe}{tag}", *_cls(ref, out), f"{time.perf_counter() - t:.0f} s, {n_cal} calibration "
-                 f"crops{notes.get(recipe, '')}{first96(out)}")
+                 f"crops (seed {calib_seed}){notes.get(recipe, '')}{first96(out)}")
         for engine in ("x86", "onednn"):
             try:
                 q = _ao_fx(model, calib, engine)
@@ -235,7 +237,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=None, help="AdaRound steps per layer (default 500; quick 100)")
     ap.add_argument("--models", default="mnv2,lite0,fmnist,minilm")
-    ap.add_argument("--calib", type=int, default=48, help="ImageNet calibration crops (seed 0)")
+    ap.add_argument("--calib", type=int, default=48, help="ImageNet calibration crops")
+    ap.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration crops (default 0, the tests'; "
+                                                              "another draws another calibration set; not 1)")
     ap.add_argument("--eval", type=int, default=480, help="ImageNet evaluation crops (seed 1, none a calibration "
                                                           "crop; 480 as the tests: one crop of 96 is 0.010 of agreement)")
     ap.add_argument("--recipes", default="default,balanced,accurate", help="lowbit recipes of the ImageNet rows")
@@ -245,6 +249,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.calib < 1:
         raise SystemExit(f"--calib {args.calib}: need at least one calibration crop")
+    if args.calib_seed == 1:
+        raise SystemExit("--calib-seed 1: that seed draws the evaluation crops; choose another")
     if args.eval < 1:
         raise SystemExit(f"--eval {args.eval}: need at least one evaluation crop")
     recipes, crops = tuple(args.recipes.split(",")), tuple(args.crops.split(","))
@@ -262,10 +268,12 @@ def main() -> None:
     with kernels.use_backend("reference"):
         if "mnv2" in want:
             from lowbit.models import load_mobilenet_v2
-            imagenet("MobileNetV2", load_mobilenet_v2(), "imagenet", iters, n_cal, n_eval, recipes, crops)
+            imagenet("MobileNetV2", load_mobilenet_v2(), "imagenet", iters, n_cal, n_eval, recipes, crops,
+                     args.calib_seed)
         if "lite0" in want:
             from lowbit.models import load_efficientnet_lite0
-            imagenet("EfficientNet-Lite0", load_efficientnet_lite0(), "lite", iters, n_cal, n_eval, recipes, crops)
+            imagenet("EfficientNet-Lite0", load_efficientnet_lite0(), "lite", iters, n_cal, n_eval, recipes, crops,
+                     args.calib_seed)
         if "fmnist" in want:
             fmnist(iters, args.quick)
         if "minilm" in want:
@@ -279,7 +287,7 @@ def main() -> None:
     out = Path(__file__).resolve().parent / "results" / (name if name.endswith(".json") else name + ".json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(dict(isa=_isa(), torch=torch.__version__, threads=torch.get_num_threads(), iters=iters,
-                                   calib=n_cal, eval=n_eval, rows=ROWS), indent=1))
+                                   calib=n_cal, calib_seed=args.calib_seed, eval=n_eval, rows=ROWS), indent=1))
 
 
 if __name__ == "__main__":
