@@ -58,6 +58,7 @@ from tqdm.auto import tqdm
 
 from ..qconfig import QConfigMapping
 from ..qtensor import QTensor, quantize_per_tensor
+from ..workflow.propagate import join_name
 from .compare import check_module, iter_batches
 from .sensitivity import (
     SensitivityRow,
@@ -171,10 +172,6 @@ def _set(root: nn.Module, path: str, mod: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, name, mod)
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def _node_of(qmodel: nn.Module, path: str) -> tuple[str, fx.GraphModule, fx.Node] | None:
     """The innermost graph holding the call of module ``path``, and that node."""
     parts = path.split(".")
@@ -207,7 +204,7 @@ def _readers(gm: fx.GraphModule, gpath: str, node: fx.Node) -> tuple[set[str], b
                 or (u.op == "call_method" and u.target in ("size", "dim", "numel")):
             continue
         if mod is not None and not isinstance(mod, (Quantize, DeQuantize)) and callable(getattr(mod, "weight", None)):
-            mods.add(_join(gpath, str(u.target)))
+            mods.add(join_name(gpath, str(u.target)))
         elif u.op != "output" and not isinstance(mod, (Quantize, DeQuantize)) and is_share_op(u, mod):
             todo.extend(u.users)
         else:
@@ -244,7 +241,7 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module
             arg = node.args[0] if node.args else None
             if isinstance(arg, fx.Node) and arg.op == "call_module" and len(arg.users) == 1 and \
                     isinstance(gm.get_submodule(arg.target), Quantize):
-                swaps.append((_join(gpath, str(arg.target)), nn.Identity()))
+                swaps.append((join_name(gpath, str(arg.target)), nn.Identity()))
             float_out = bool(node.users) and all(
                 u.op == "call_module" and isinstance(gm.get_submodule(u.target), DeQuantize) for u in node.users)
             mods, other = _readers(gm, gpath, node)

@@ -35,6 +35,7 @@ from torch import fx, nn
 from ..mappings import get_default_dynamic_quant_module_mappings
 from ..qconfig import QConfig, QConfigMapping
 from ..workflow import _is_table_recipe, is_dynamic_qconfig
+from ..workflow.propagate import join_name as join
 from .patterns import BINARY_FUNCS, WEIGHT_ONLY_TYPES, canonical_binary, func_activation, is_share_op
 from .report import FxReport
 from .weighted import WITH_RELU, input_of, parse
@@ -42,11 +43,6 @@ from .weighted import WITH_RELU, input_of, parse
 __all__ = ["classify", "wants_int", "int_inputs", "join"]
 
 _INT_KINDS = ("module", "functional", "act", "weighted")
-
-
-def join(prefix: str, name: str) -> str:
-    """``prefix.name`` (or ``name`` at the root)."""
-    return f"{prefix}.{name}" if prefix else name
 
 
 _METHOD_FUNCS = {"add": torch.add, "mul": torch.mul, "matmul": torch.matmul, "bmm": torch.bmm, "div": torch.div,

@@ -22,14 +22,10 @@ from ..qconfig import QConfigMapping, get_default_qat_qconfig_mapping, get_defau
 from ..qconfig.config import build
 from .hooks import (_NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_NATIVE, _is_observer, _is_table_recipe, _is_weighted,
                     _observe_float_input, _observe_input, _observe_output, _pass_tag, _remove_observer_hooks)
-from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, _resolve_user_qconfig,
+from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, _resolve_user_qconfig, join_name,
                         is_dynamic_qconfig, propagate_qconfig_)
 
 __all__ = ["prepare", "prepare_qat"]
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type], name: str = "") -> int:
@@ -40,7 +36,7 @@ def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type], n
     if is_dynamic_qconfig(qc):  # quantized per call after convert: nothing to observe
         if type(mod) in dynamic or _is_table_recipe(mod, qc):
             return 1
-        return sum(_insert_observers(c, observed, dynamic, _join(name, n)) for n, c in mod.named_children())
+        return sum(_insert_observers(c, observed, dynamic, join_name(name, n)) for n, c in mod.named_children())
     if qc is not None and isinstance(mod, _QTENSOR_NATIVE) and _pass_tag not in mod._forward_hooks.values():
         mod.register_forward_hook(_pass_tag)
     if type(mod) in observed and qc is not None:
@@ -59,7 +55,7 @@ def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type], n
             mod.input_activation_post_process = build(qc, "activation", where)
             mod.register_forward_pre_hook(_observe_float_input)
         return 1
-    return sum(_insert_observers(child, observed, dynamic, _join(name, n)) for n, child in mod.named_children())
+    return sum(_insert_observers(child, observed, dynamic, join_name(name, n)) for n, child in mod.named_children())
 
 
 def _is_module_mapping(value: Any) -> bool:
@@ -148,7 +144,7 @@ def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
                 raise type(e)(f"prepare_qat: module '{_path(name)}' ({type(mod).__name__}): {e}") from e
             return copy_user_hooks(mod, new, _OWN_HOOKS)  # user hooks survive
         for cname, child in list(mod.named_children()):
-            new = swap(child, _join(name, cname))
+            new = swap(child, join_name(name, cname))
             if new is not child:
                 plan.append((mod, cname, new))
         return mod

@@ -28,6 +28,11 @@ def _path(name: str) -> str:
     return name or "<root>"
 
 
+def join_name(prefix: str, name: str) -> str:
+    """A child's dotted module path: ``prefix.name``, or ``name`` at the root (``prefix == ""``)."""
+    return f"{prefix}.{name}" if prefix else name
+
+
 def _check_common(fn: str, model: Any, inplace: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}: model must be an nn.Module, got {type(model).__name__}")
