@@ -124,7 +124,6 @@ def test_traced_glue_ops_on_codes(built):
     scalar gather); the skip add and the Quantize stub are the opaque ``lowbit::qfunctional`` and
     ``lowbit::quantize_codes`` (eager's native one-pass add and quantize) where ``lowbit.native`` is built, else
     aten float32 ops in eager's order. The program gives eager's codes."""
-    from lowbit.nn.quantized import stubs
     from lowbit.examples import SmallCNN
     if built and not native.available():
         pytest.skip(f"lowbit.native not built: {native.reason()}")
@@ -136,8 +135,7 @@ def test_traced_glue_ops_on_codes(built):
     x = torch.randn(3, 1, 28, 28)
     with contextlib.ExitStack() as stack:
         if not built:
-            stack.enter_context(mock.patch.object(fm, "_native_add", lambda: False))
-            stack.enter_context(mock.patch.object(stubs, "_native_quantize", lambda: False))
+            stack.enter_context(mock.patch.object(native, "traced_available", lambda: False))
         ep = torch.export.export(q, (x,))
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert not any(t.startswith(("aten.max_pool", "aten.clone")) for t in targets), targets

@@ -53,7 +53,8 @@ import torch
 
 from . import entry
 
-__all__ = ["available", "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dequantize",
+__all__ = ["available", "traced_available",
+           "reason", "row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dequantize",
            "dwconv", "dw_weight", "smallconv", "smallconv_weight", "smallconv_body", "maxpool_codes", "to_channels_last",
            "to_contiguous", "im2col", "conv_out_hw", "qlinear", "qlinear_requant",
            "qlinear_rows", "LinearPlan", "linear_plan", "dyn_linear", "empty_codes", "disabled", "through_ctypes",
@@ -165,6 +166,18 @@ def _lib() -> types.SimpleNamespace | None:
 def available() -> bool:
     """Whether the native passes run in this thread (built and loaded, not switched off)."""
     return _lib() is not None
+
+
+def traced_available() -> bool:
+    """``available()`` as traced code reads it: once per trace, as a constant (marked as
+    ``torch.compiler.assume_constant_result`` does, without importing dynamo). Where it is true, the quantize stub
+    and the quantized add emit their opaque ops (``lowbit::quantize_codes``, ``lowbit::qfunctional``), whose eager
+    native one-pass bodies beat inductor's kernels of the same float32 steps (``stubs.Quantize``,
+    ``functional_modules._inductor_exact``); elsewhere they emit aten ops."""
+    return available()
+
+
+traced_available._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def reason() -> str:

@@ -15,7 +15,7 @@
   realized here, the ``flatten`` is a plain transposing copy;
 - ``lowbit::quantize_codes(x float32, scale, zero_point, qdtype) -> codes``: the ``Quantize`` stub's eager
   forward on a CPU float32 input (with ``lowbit.native``: its one pass, NaN check included), what a traced stub
-  emits where the native build exists (``stubs._native_quantize``);
+  emits where the native build exists (``native.traced_available``);
 - ``lowbit::contiguous_codes(codes (N, C, H, W) channels-last) -> codes in NCHW order``: the copy a
   ``flatten`` / 2-d ``reshape`` of channels-last QTensor codes needs, as eager makes it (``native.to_contiguous``;
   inlined, inductor's copy was a scalar gather with an integer division per byte, ~105 µs for SmallCNN's

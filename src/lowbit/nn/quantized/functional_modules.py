@@ -205,22 +205,13 @@ def _fast_add(x: Any, y: Any, scale: torch.Tensor, zero_point: torch.Tensor, qdt
 _ADD_BLOCK = 64 * 1024  # elements per block of a large fast add (two float32 temporaries: 512 KB)
 
 
-def _native_add() -> bool:
-    """Whether ``lowbit.native`` is built (its one-pass add); read once per trace as a constant (as
-    ``compile_state.inline_float_ok``)."""
-    return native.available()
-
-
-_native_add._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
 def _inductor_exact(x: QTensor, y: QTensor) -> bool:
     """Whether a traced ``add`` is plain aten ops: CPU tensors, no contraction (``compile_state.inline_float_ok``)
     and no native build. Otherwise the opaque ``lowbit::qfunctional`` op runs: on CUDA or with contraction on for
     exactness; on CPU with ``lowbit.native`` because its eager one-pass add (``_fast_add``) beats inductor's fused
     kernel of the same float32 steps (SmallCNN's 64 × 32 × 14 × 14 add + ReLU on the Zen 4 EPYC, 1 thread: ~125 µs
     against ~178 µs) and nothing else fuses with it since pooling and the flatten copy are opaque too."""
-    return x.device.type == "cpu" and y.device.type == "cpu" and inline_float_ok() and not _native_add()
+    return x.device.type == "cpu" and y.device.type == "cpu" and inline_float_ok() and not native.traced_available()
 
 
 def _traced_add(x: QTensor, y: QTensor, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: QDtype,

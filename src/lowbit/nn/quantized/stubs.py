@@ -33,18 +33,6 @@ from ._state import CheckedQuantState
 __all__ = ["Quantize", "DeQuantize"]  # (grid_numbers, quantize_cpu: the stub's internals, shared with pt2.module_ops)
 
 
-def _native_quantize() -> bool:
-    """Whether ``lowbit.native`` is built (the stub's one-pass quantize); read once per trace as a constant (as
-    ``functional_modules._native_add``). While tracing, a float32 CPU input then goes through the opaque
-    ``lowbit::quantize_codes`` (this module's eager pass) instead of aten ops: inductor's kernel of the same float32
-    steps took 0.65 ms for an 8 x 3 x 224^2 image against the native pass's 0.19 (AVX2 EPYC, 1 thread, session 28;
-    its uint8 stores go through a scratch buffer there), and at a model's input nothing fuses with it."""
-    return native.available()
-
-
-_native_quantize._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
 def _store(qdtype: QDtype, z: float) -> tuple[Any, ...] | None:
     """``qstore.codes``' one-pass route for codes on ``qdtype`` with zero point ``z`` (see ``Quantize._grid``)."""
     spec = qstore._TORCH_Q.get(qdtype.storage)
@@ -131,7 +119,10 @@ class Quantize(CheckedQuantState):
 
     def forward(self, x: torch.Tensor | QTensor) -> QTensor:
         traced = tracing()  # (read once: two torch.compiler queries, ~1 µs per eager call on a Zen 1 EPYC)
-        if traced and isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.is_cpu and _native_quantize():
+        if traced and isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.is_cpu and native.traced_available():
+            # the opaque op runs this module's eager native pass: inductor's kernel of the same float32 steps took
+            # 0.65 ms for an 8 x 3 x 224^2 image against the native pass's 0.19 (AVX2 EPYC, 1 thread, session 28; its
+            # uint8 stores go through a scratch buffer there), and at a model's input nothing fuses with it
             check_not_meta(x, "Quantize")
             bufs = self._buffers
             codes = torch.ops.lowbit.quantize_codes(x, bufs["scale"], bufs["zero_point"], qdtype_key(self.qdtype))
