@@ -104,7 +104,8 @@ class QConfigMapping:
                                           qconfig: QConfig | None) -> QConfigMapping:
         """Graph mode only (torch.ao's call-order key, above every other tier): the ``index``-th call (from 0, in the
         traced graph's order) of the function ``object_type`` traced in the ``forward`` of the module at
-        ``module_name``, or of a child module of exactly type ``object_type`` called there. Functions count by the
+        ``module_name``, or of the modules of exactly type ``object_type`` whose path's parent is ``module_name`` (as
+        torch.ao counts them: by path, wherever the call is written). Functions count by the
         traced target (``operator.add`` for ``a + b``, ``torch.add`` for ``torch.add(a, b)``); method calls
         (``x.add(y)``) do not count. Eager ``prepare`` refuses a mapping with such entries (use ``set_module_name``)."""
         where = "QConfigMapping.set_module_name_object_type_order"
