@@ -91,7 +91,7 @@ def child(a: argparse.Namespace) -> None:
         m, k, n = (int(v) for v in shape.split("x"))
         x, mods = converted_pair(m, k, n)
         for name in tqdm(a.methods, desc=shape, file=sys.stderr):
-            ev = _per_call(lambda mod=mods[name]: mod(x), a.prefix, a.n1, a.n2)
+            ev = _per_call(lambda mod=mods[name], x=x: mod(x), a.prefix, a.n1, a.n2)
             rows.append({"shape": shape, "method": name, **{e: ev[e] for e in ("Ir", "I1mr", "D1mr") if e in ev}})
     _ctl("-i", "off")
     Path(a.prefix + ".json").write_text(json.dumps(rows))

@@ -206,7 +206,8 @@ def vs_ao(a: argparse.Namespace) -> None:
             load = t.summary()["other_load_median"]
             print(f"| {m}×{k}×{n} | {t.n_clean}/{a.rounds} | {load:.2f} | {us['lowbit static']:.1f} | "
                   f"{us['lowbit static x86']:.1f} | {us['ao static']:.1f} | {st:.2f} ({st_b:.2f}) | {s7:.2f} ({s7_b:.2f}) | "
-                  f"{us['lowbit dynamic']:.1f} | {us['ao dynamic']:.1f} | {dy:.2f} ({dy_b:.2f}) | {d7:.2f} ({d7_b:.2f}) | {dx:.2f} ({dx_b:.2f}) | "
+                  f"{us['lowbit dynamic']:.1f} | {us['ao dynamic']:.1f} | {dy:.2f} ({dy_b:.2f}) | {d7:.2f} ({d7_b:.2f}) | "
+                  f"{dx:.2f} ({dx_b:.2f}) | "
                   f"{us['fp32']:.1f} |",
                   flush=True)
             res["runs"].append({"threads": threads, "M": m, "K": k, "N": n, "us": us, "static_ratio": st,
