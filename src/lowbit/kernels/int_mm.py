@@ -24,6 +24,7 @@ On x86 CPUs without VNNI, torch's CPU ``_int_mm`` is a scalar loop (~30x slower 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -40,7 +41,10 @@ NAME = "int_mm"
 STRICT_DEVICES = {"cuda"}  # device types whose _int_mm needs s8 A, M > 16 and K, N multiples of 8
 
 
+@functools.lru_cache(maxsize=None)
 def _onednn_capped() -> bool:
+    """A VNNI CPU whose oneDNN is capped below VNNI (``ONEDNN_MAX_CPU_ISA``): read once, as oneDNN reads its cap once
+    and ``onednn.has_vnni`` caches it (``cpu_int_mm`` asks on every call)."""
     from .onednn import cpu_has_vnni, isa_capped
 
     return cpu_has_vnni() and isa_capped()
