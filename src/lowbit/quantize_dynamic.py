@@ -115,6 +115,10 @@ def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qi
         raise TypeError(f"quantize_dynamic: mapping must be a dict {{module type: class with from_float}}, "
                         f"got {mapping!r}")
     spec = _normalise_spec(qconfig_spec, _as_dynamic_dtype(dtype, "quantize_dynamic"), mapping)
+    if isinstance(spec, QConfigMapping) and spec.module_name_object_type_order_qconfigs:
+        raise ValueError("quantize_dynamic: QConfigMapping.set_module_name_object_type_order entries count calls in a "
+                         "traced graph (prepare_fx / prepare_qat_fx); quantize_dynamic has no call order: name the "
+                         "module with set_module_name instead")
     names = {n for n, _ in model.named_modules()}
     # a misspelt name would be ignored silently: warn (torch.ao ignores it; what is swapped stays the same)
     if isinstance(spec, QConfigMapping):

@@ -1,0 +1,52 @@
+"""Hostile inputs found by session 33's sweep: a call-order entry ``quantize_dynamic`` ignored, a malformed qconfig
+dict tier failing as a bare "not iterable", float codes ``cpu_int_mm`` truncated on its int32 route, non-finite and
+meta weights ``DynamicInt8Linear`` / dynamic ``from_float`` quantized (or failed on deep inside), the clipping-range
+observers' NaN bin indices on a very narrow range, an observer instance handed to ``FakeQuantize``, ``fuse_modules``
+leaving an ``inplace`` model half fused, junk for ``to_onnx``'s ``dynamic_batch`` and the LLM entry points'
+``inplace``, and ``quantize_w8a8`` / ``quantize_llm`` putting the caller's model in eval mode before refusing its
+calibration data, ``quantize_ptq`` checking ``equalize`` only after tracing the model. Each is now an error naming
+the value before anything is changed."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit as Q
+
+
+def _order_mapping() -> Q.QConfigMapping:
+    return (Q.QConfigMapping().set_global(Q.get_dynamic_qconfig())
+            .set_module_name_object_type_order("", nn.Linear, 0, None))
+
+
+def test_quantize_dynamic_refuses_call_order_entries():
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="quantize_dynamic: QConfigMapping.set_module_name_object_type_order"):
+        Q.quantize_dynamic(m, _order_mapping())
+    # graph mode honours the same entry: the first Linear called in the root stays float
+    ex = (torch.randn(2, 4),)
+    mapping = Q.get_default_qconfig_mapping().set_module_name_object_type_order("", nn.Linear, 0, None)
+    p = Q.prepare_fx(m.eval(), mapping, ex)
+    p(*ex)
+    assert type(Q.convert_fx(p).get_submodule("0")) is nn.Linear
+
+
+@pytest.mark.parametrize("key", ["object_type", "module_name", "module_name_regex", "module_name_object_type_order"])
+@pytest.mark.parametrize("value", [5, None, "ab", {"fc": None}])
+def test_qconfig_dict_tier_must_be_a_list_of_entries(key, value):
+    with pytest.raises(TypeError, match=rf"qconfig dict \[{key!r}\]: value=.* must be a list of"):
+        Q.QConfigMapping.from_dict({key: value})
+    with pytest.raises(TypeError, match=rf"qconfig dict \[{key!r}\]"):
+        Q.prepare_fx(nn.Sequential(nn.Linear(2, 2)).eval(), {key: value}, (torch.randn(1, 2),))
+
+
+def test_qconfig_dict_tier_still_takes_any_iterable_of_entries():
+    qc = Q.get_default_qconfig()
+    m = Q.QConfigMapping.from_dict({"object_type": {nn.Linear: None}.items(),
+                                    "module_name_object_type_order": (("", operator.add, 1, qc),)})
+    assert m.object_type_qconfigs == {nn.Linear: None}
+    assert m.module_name_object_type_order_qconfigs == {("", operator.add, 1): qc}
