@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import lowbit as Q
+from lowbit.kernels.int_mm import cpu_int_mm
 
 
 def _order_mapping() -> Q.QConfigMapping:
@@ -50,3 +51,23 @@ def test_qconfig_dict_tier_still_takes_any_iterable_of_entries():
                                     "module_name_object_type_order": (("", operator.add, 1, qc),)})
     assert m.object_type_qconfigs == {nn.Linear: None}
     assert m.module_name_object_type_order_qconfigs == {("", operator.add, 1): qc}
+
+
+@pytest.mark.parametrize(("q", "w_t", "exc", "match"), [
+    (torch.randn(4, 1), torch.ones(1, 3, dtype=torch.int8), TypeError, "got dtypes torch.float32 and torch.int8"),
+    (torch.ones(4, 1, dtype=torch.int32), torch.ones(1, 3, dtype=torch.int8), TypeError, "torch.int32"),
+    (torch.ones(4, 8, dtype=torch.int8), torch.ones(8, 3, dtype=torch.int32), TypeError, "torch.int32"),
+    (torch.ones(8, dtype=torch.int8), torch.ones(8, 3, dtype=torch.int8), ValueError, r"shapes \(8,\) and \(8, 3\)"),
+    (torch.ones(4, 2, dtype=torch.int8), torch.ones(3, 3, dtype=torch.int8), ValueError, "same K"),
+])
+def test_cpu_int_mm_refuses_operands_it_would_truncate_or_misread(q, w_t, exc, match):
+    with pytest.raises(exc, match=f"cpu_int_mm: .*{match}"):
+        cpu_int_mm(q, w_t)
+
+
+def test_cpu_int_mm_takes_its_operands_as_before():
+    torch.manual_seed(0)
+    for m, k, n in ((4, 1, 3), (0, 8, 3), (5, 16, 7), (3, 0, 2)):
+        a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+        b = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        assert torch.equal(cpu_int_mm(a, b.t()), a.int() @ b.t().int())

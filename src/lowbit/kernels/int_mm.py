@@ -62,8 +62,12 @@ def cpu_int_mm(q: torch.Tensor, w_t: torch.Tensor, w_sum: torch.Tensor | None = 
     an int32 matmul gives the sums: ``K == 1`` with ``N > 1`` (its sums are wrong on AVX-512 VNNI, either weight layout;
     every other shape of a 225-shape grid is exact), and a VNNI CPU whose oneDNN is capped below VNNI
     (``ONEDNN_MAX_CPU_ISA``: torch still routes ``_int_mm`` to oneDNN, whose AVX2 kernel saturates; sums off by up to
-    ~6e5 measured).
+    ~6e5 measured). Other operands (float or int32 codes, not 2-D, ``K`` not matching) are a ``TypeError`` /
+    ``ValueError`` naming them (the int32 route would truncate float codes silently).
     """
+    if (q.dtype not in _CODE_DTYPES or w_t.dtype != torch.int8 or q.dim() != 2 or w_t.dim() != 2
+            or q.shape[1] != w_t.shape[0]):
+        _refuse_operands(q, w_t)
     if q.shape[1] == 1 or _onednn_capped():
         return q.to(torch.int32) @ w_t.to(torch.int32)
     if q.dtype == torch.uint8:
@@ -78,6 +82,18 @@ def cpu_int_mm(q: torch.Tensor, w_t: torch.Tensor, w_sum: torch.Tensor | None = 
                 raise ValueError("cpu_int_mm: uint8 codes on this torch need w_sum (Σ_k w[k, n])")
             return torch._int_mm(q.view(torch.int8).bitwise_xor(-128), w_t).add_(w_sum, alpha=128)
     return torch._int_mm(q, w_t)
+
+
+_CODE_DTYPES = (torch.int8, torch.uint8)
+
+
+def _refuse_operands(q: torch.Tensor, w_t: torch.Tensor) -> None:
+    """The ``TypeError`` / ``ValueError`` for ``cpu_int_mm`` operands it does not take."""
+    if q.dtype not in _CODE_DTYPES or w_t.dtype != torch.int8:
+        raise TypeError(f"cpu_int_mm: q must be int8 or uint8 codes and w_t int8 codes, got dtypes {q.dtype} and "
+                        f"{w_t.dtype}")
+    raise ValueError(f"cpu_int_mm: q (M, K) and w_t (K, N) must be 2-D with the same K, got shapes "
+                     f"{tuple(q.shape)} and {tuple(w_t.shape)}")
 
 
 def _strict_mm(q: torch.Tensor, w_t: torch.Tensor, m: int, n: int) -> torch.Tensor:
