@@ -17,6 +17,8 @@ from torch import nn
 
 import lowbit as Q
 from lowbit.kernels.int_mm import cpu_int_mm
+from lowbit.llm.w8a8 import DynamicInt8Linear
+from lowbit.nn.quantized.dynamic import Linear as DynamicLinear
 
 
 def _order_mapping() -> Q.QConfigMapping:
@@ -71,3 +73,28 @@ def test_cpu_int_mm_takes_its_operands_as_before():
         a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
         b = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         assert torch.equal(cpu_int_mm(a, b.t()), a.int() @ b.t().int())
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_w8a8_linear_refuses_a_non_finite_weight(value):
+    lin = nn.Linear(4, 2)
+    with torch.no_grad():
+        lin.weight[1, 2] = value
+    with pytest.raises(ValueError, match=r"DynamicInt8Linear.from_float: the weight of shape \(2, 4\) holds 1 NaN/Inf"):
+        DynamicInt8Linear.from_float(lin)
+
+
+def test_w8a8_linear_and_dynamic_from_float_refuse_meta_weights():
+    with pytest.raises(RuntimeError, match="DynamicInt8Linear.from_float: a meta tensor"):
+        DynamicInt8Linear.from_float(nn.Linear(2, 2, device="meta"))
+    with pytest.raises(RuntimeError, match="dynamic Linear.from_float: a meta tensor"):
+        DynamicLinear.from_float(nn.Linear(2, 2, device="meta"))
+
+
+def test_dynamic_from_float_names_a_non_finite_weight():
+    m = nn.Sequential(nn.Linear(4, 4))
+    with torch.no_grad():
+        m[0].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"module '0' \(Linear\): dynamic Linear.from_float: the weight of shape "
+                                         r"\(4, 4\) holds 1 NaN/Inf values"):
+        Q.quantize_dynamic(m)

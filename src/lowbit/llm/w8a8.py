@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import int_mm
-from ..nn.quantized._utils import check_finite_linears
+from ..nn.quantized._utils import check_finite_linears, check_finite_weight, check_not_meta
 from .awq import awq_fold, scale_source
 from .blocks import _call, check_llm_calib, decoder_layers, linear_groups
 
@@ -68,6 +68,8 @@ class DynamicInt8Linear(nn.Module):
         """Quantize ``mod.weight`` per output channel; ``input_scale`` ``(K,)``: x is multiplied by it first."""
         if not isinstance(mod, nn.Linear):
             raise TypeError(f"DynamicInt8Linear.from_float expects an nn.Linear, got {type(mod).__name__}")
+        check_not_meta(mod.weight, "DynamicInt8Linear.from_float")
+        check_finite_weight(mod.weight, "DynamicInt8Linear.from_float")  # a NaN row max: NaN scale, every output NaN
         if input_scale is not None and (not isinstance(input_scale, torch.Tensor) or input_scale.shape != (mod.in_features,)
                                         or not bool(torch.isfinite(input_scale).all())):
             raise ValueError(f"DynamicInt8Linear.from_float: input_scale must be a finite ({mod.in_features},) tensor, got "

@@ -45,7 +45,7 @@ from ....qparams import calculate_qparams
 from ....nn.intrinsic import LinearReLU as _LinearReLUMarker
 from ....qscheme import QDtype, QScheme, as_qdtype, qint8, quint8
 from ....qtensor import QTensor, quantize_per_channel
-from .._utils import check_not_meta, check_precomputed_flag, quantize_weight, weight_qparams
+from .._utils import check_finite_weight, check_not_meta, check_precomputed_flag, quantize_weight, weight_qparams
 from .._state import CheckedQuantState
 from . import reduced
 from .per_token import U7, dynamic_linear, per_token_linear, quantize_per_token
@@ -87,7 +87,10 @@ def activation_of(owner: nn.Module | None, where: str) -> str:
 def quantize_dynamic_weight(weight: torch.Tensor, mod: nn.Module | None, dtype: QDtype, where: str,
                             precomputed: bool = False) -> QTensor:
     """Per-channel (axis 0) int8 weight: ``mod.qconfig.weight()``'s grid if set, else symmetric ``dtype``
-    (``precomputed``: a QAT module's ``weight_fake_quant`` grid as it stands)."""
+    (``precomputed``: a QAT module's ``weight_fake_quant`` grid as it stands). A meta or NaN/Inf weight is an error
+    naming ``where``."""
+    check_not_meta(weight, f"{where}.from_float")
+    check_finite_weight(weight, f"{where}.from_float")
     if mod is not None and getattr(getattr(mod, "qconfig", None), "weight", None) is not None:
         return quantize_weight(weight, weight_qparams(weight, mod, 0, where, precomputed), 0)
     w = weight.detach().to(torch.float32)
