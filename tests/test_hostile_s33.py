@@ -9,6 +9,7 @@ the value before anything is changed."""
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import pytest
@@ -98,3 +99,33 @@ def test_dynamic_from_float_names_a_non_finite_weight():
     with pytest.raises(ValueError, match=r"module '0' \(Linear\): dynamic Linear.from_float: the weight of shape "
                                          r"\(4, 4\) holds 1 NaN/Inf values"):
         Q.quantize_dynamic(m)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    torch.manual_seed(0)
+    return Q.llm.toy_llama(layers=1, hidden=32, vocab=64), torch.randint(0, 64, (1, 8))
+
+
+@pytest.mark.parametrize("fn", ["quantize_w8a8", "quantize_llm"])
+def test_llm_entry_points_check_inplace_and_keep_the_mode_on_refusal(toy, fn):
+    m, ids = toy
+    model = copy.deepcopy(m).train()
+    call = getattr(Q, fn)
+    kwargs = {"group_size": 16, "progress": False} if fn == "quantize_llm" else {}
+    with pytest.raises(TypeError, match=rf"{fn}: inplace='no' must be True or False"):
+        call(model, [ids], inplace="no", **kwargs)
+    with pytest.raises(TypeError, match="token ids must be an integer tensor"):
+        call(model, [torch.rand(1, 8)], inplace=True, **kwargs)
+    assert all(mod.training for mod in model.modules())
+    assert all(type(mod) is not DynamicInt8Linear for mod in model.modules())
+
+
+def test_w8a8_nan_activations_refused_in_place_keep_the_mode(toy):
+    m, ids = toy
+    model = copy.deepcopy(m).train()
+    with torch.no_grad():
+        model.model.layers[0].input_layernorm.weight[0] = float("nan")  # finite ids, NaN activations into q/k/v
+    with pytest.raises(ValueError, match="quantize_w8a8: the calibration activations reaching .* hold NaN/Inf"):
+        Q.quantize_w8a8(model, [ids], inplace=True)
+    assert all(mod.training for mod in model.modules())

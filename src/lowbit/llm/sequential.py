@@ -199,13 +199,15 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
     if not damps or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d < math.inf for d in damps):
         raise ValueError(f"quantize_llm: damp={damp!r} must be a positive float or a tuple of them")
     check_recipe(bits, group_size, "quantize_llm", symmetric)
+    if not isinstance(inplace, bool):
+        raise TypeError(f"quantize_llm: inplace={inplace!r} must be True or False")
     if not inplace:
         model = copy.deepcopy(model)
-    model.eval()
     rank, world = rank_and_world(group)
     layers = decoder_layers(model)
     check_finite_linears(((n, m) for n, m in layers.named_modules() if isinstance(m, nn.Linear)), "quantize_llm")
     calib = check_llm_calib(model, calib, "quantize_llm")
+    model.eval()  # after the checks: a refused argument leaves the caller's model (inplace=True) in its mode
     inps = capture_block_inputs(model, layers, calib)
     if not inps:
         raise ValueError("quantize_llm: calib yielded no batches")

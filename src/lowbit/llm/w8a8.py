@@ -137,14 +137,17 @@ def quantize_w8a8(model: nn.Module, calib: Iterable[Any], alpha: float | None = 
         raise TypeError(f"quantize_w8a8: model must be an nn.Module, got {type(model).__name__}")
     if alpha is not None and (isinstance(alpha, bool) or not (isinstance(alpha, (int, float)) and 0 <= alpha <= 1)):
         raise ValueError(f"quantize_w8a8: alpha={alpha!r} must be in [0, 1] or None")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"quantize_w8a8: inplace={inplace!r} must be True or False")
     if not inplace:
         model = copy.deepcopy(model)
-    model.eval()
     layers = decoder_layers(model)
     check_finite_linears(((n, m) for n, m in layers.named_modules() if isinstance(m, nn.Linear)), "quantize_w8a8")
     calib = check_llm_calib(model, calib, "quantize_w8a8")
     if not calib:
         raise ValueError("quantize_w8a8: calib yielded no batches")
+    modes = [(m, m.training) for m in model.modules()]  # put back if the calibration data is refused (inplace=True)
+    model.eval()
     groups: list[tuple[int, list[str]]] = []
     probe: dict[str, Any] = {}
 
@@ -163,6 +166,8 @@ def quantize_w8a8(model: nn.Module, calib: Iterable[Any], alpha: float | None = 
     amax = activation_absmax(model, lins, calib) if alpha is not None else {}
     bad = [n for n, a in amax.items() if not bool(torch.isfinite(a).all())]
     if bad:  # a NaN channel max would fold NaN smoothing scales into the norms: every output NaN, on clean inputs too
+        for m, training in modes:
+            m.training = training
         raise ValueError(f"quantize_w8a8: the calibration activations reaching {len(bad)} layer(s) ({', '.join(bad[:3])}"
                          f"{', ...' if len(bad) > 3 else ''}) hold NaN/Inf; SmoothQuant needs finite calibration data")
     unfolded: dict[tuple[int, str], torch.Tensor] = {}
