@@ -101,6 +101,18 @@ def test_dynamic_from_float_names_a_non_finite_weight():
         Q.quantize_dynamic(m)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: Q.PercentileObserver(), lambda: Q.EntropyObserver(), lambda: Q.MSEObserver(),
+    lambda: Q.MSEObserver(qscheme=Q.per_channel_symmetric, qdtype=Q.qint8, ch_axis=0),
+])
+def test_clip_range_observers_take_a_very_narrow_range(make):
+    obs = make()
+    obs(torch.tensor([[1e-40, 2e-40], [1e-40, 3e-40]]))  # bins / width overflowed float32: NaN bin indices
+    assert float(obs.histogram.sum()) == 4.0
+    scale, _ = obs.calculate_qparams()
+    assert torch.equal(scale, torch.full_like(scale, 1e-8))  # the eps floor, as MinMaxObserver gives
+
+
 @pytest.fixture(scope="module")
 def toy():
     torch.manual_seed(0)

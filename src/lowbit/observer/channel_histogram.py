@@ -139,9 +139,12 @@ class _ClipRangeObserver(ObserverBase):
         width = (new_hi - new_lo).unsqueeze(1)
         base = torch.where(torch.isfinite(new_lo), new_lo, 0.0).unsqueeze(1)
         vals = torch.where(finite, rows, base)
-        if not bool(torch.isfinite(width).all()):  # a range past float32's max (e.g. ±2e38): place the values in float64
-            width, base, vals = width.double(), base.double(), vals.double()
         k = torch.where(width > 0, self.bins * _SHRINK / torch.where(width > 0, width, 1.0), 0.0)
+        if not bool((torch.isfinite(width) & torch.isfinite(k)).all()):
+            # a range past float32's max (e.g. ±2e38), or one so narrow (e.g. 1e-40) that bins / width overflows to
+            # inf (0 * inf = NaN bin indices): place the values in float64
+            width, base, vals = width.double(), base.double(), vals.double()
+            k = torch.where(width > 0, self.bins * _SHRINK / torch.where(width > 0, width, 1.0), 0.0)
         pos = ((vals - base) * k).clamp_(0, self.bins - 1).to(torch.int64)
         offset = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1) * self.bins
         flat = hist.reshape(-1).clone()
