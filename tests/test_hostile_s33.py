@@ -113,6 +113,12 @@ def test_clip_range_observers_take_a_very_narrow_range(make):
     assert torch.equal(scale, torch.full_like(scale, 1e-8))  # the eps floor, as MinMaxObserver gives
 
 
+def test_fake_quantize_refuses_an_observer_instance():
+    for cls in (Q.FakeQuantize, Q.LearnableFakeQuantize, Q.FusedMovingAvgObsFakeQuantize):
+        with pytest.raises(TypeError, match=r"observer=MinMaxObserver\(.*\) is an observer instance; pass its class"):
+            cls(Q.MinMaxObserver())
+
+
 @pytest.fixture(scope="module")
 def toy():
     torch.manual_seed(0)

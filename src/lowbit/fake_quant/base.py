@@ -70,6 +70,10 @@ class FakeQuantize(WithArgs, nn.Module):
         super().__init__()
         if not callable(observer):
             raise TypeError(f"FakeQuantize: observer={observer!r} must be an observer class or factory")
+        if isinstance(observer, nn.Module):  # callable, but calling it would run its forward without an input
+            raise TypeError(f"FakeQuantize: observer={observer!r} is an observer instance; pass its class or a "
+                            f"factory ({type(observer).__name__} or {type(observer).__name__}.with_args(...)), "
+                            "and its settings as keyword arguments")
         obs = observer(**observer_kwargs)
         if not isinstance(obs, ObserverBase):
             raise TypeError(f"FakeQuantize: observer={observer!r} built a {type(obs).__name__}, not a lowbit observer")
