@@ -119,6 +119,23 @@ def test_fake_quantize_refuses_an_observer_instance():
             cls(Q.MinMaxObserver())
 
 
+def _fusable() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU()).eval()
+
+
+@pytest.mark.parametrize(("groups", "match"), [
+    ([["0", "1", "2"], ["3", "9"]], "has no submodule named '9'"),
+    ([["0", "1"], ["1", "2"]], r"cannot fuse \(Identity, ReLU\)"),
+    ([["3", "4"], ["0", "2"]], "sits between them"),
+])
+def test_fuse_modules_inplace_error_leaves_the_model_as_it_was(groups, match):
+    m = _fusable()
+    before = list(m)
+    with pytest.raises((ValueError, TypeError), match=match):
+        Q.fuse_modules(m, groups, inplace=True)
+    assert all(a is b for a, b in zip(m, before, strict=True))
+
+
 @pytest.fixture(scope="module")
 def toy():
     torch.manual_seed(0)

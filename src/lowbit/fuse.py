@@ -188,21 +188,28 @@ def _fuse(model: nn.Module, modules_to_fuse: Any, inplace: bool, is_qat: bool,
     groups = _groups(modules_to_fuse)
     if not inplace:
         model = copy.deepcopy(model)
-    for group in groups:
-        mods = [_get(model, n) for n in group]
-        _check_adjacent(model, group)
-        try:
-            new = fuser(mods, is_qat=is_qat)
-        except (ValueError, TypeError) as e:  # name the group the user wrote
-            raise type(e)(f"{e} (fusing {group})") from e
-        if (not isinstance(new, (list, tuple)) or len(new) != len(group)
-                or not all(isinstance(m, nn.Module) for m in new)):  # zip would drop the rest: a BN applied twice
-            raise TypeError(f"fuse: fuser_func must return {len(group)} nn.Modules for the group {group} (the fused "
-                            f"module, then nn.Identity for each other one), got {new!r}")
-        for name, mod in zip(group, new):
-            if qconfig is not None and mod is new[0]:
-                mod.qconfig = qconfig
-            _set(model, name, mod)
+    swapped: list[tuple[str, nn.Module]] = []  # (name, the module it held): a later group's error puts them back
+    try:
+        for group in groups:
+            mods = [_get(model, n) for n in group]
+            _check_adjacent(model, group)
+            try:
+                new = fuser(mods, is_qat=is_qat)
+            except (ValueError, TypeError) as e:  # name the group the user wrote
+                raise type(e)(f"{e} (fusing {group})") from e
+            if (not isinstance(new, (list, tuple)) or len(new) != len(group)
+                    or not all(isinstance(m, nn.Module) for m in new)):  # zip would drop the rest: a BN applied twice
+                raise TypeError(f"fuse: fuser_func must return {len(group)} nn.Modules for the group {group} (the "
+                                f"fused module, then nn.Identity for each other one), got {new!r}")
+            for name, mod in zip(group, new):
+                if qconfig is not None and mod is new[0]:
+                    mod.qconfig = qconfig
+                swapped.append((name, _get(model, name)))
+                _set(model, name, mod)
+    except Exception:
+        for name, old in reversed(swapped):  # inplace=True: the caller's model as it was
+            _set(model, name, old)
+        raise
     return model
 
 
