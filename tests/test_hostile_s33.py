@@ -136,6 +136,15 @@ def test_fuse_modules_inplace_error_leaves_the_model_as_it_was(groups, match):
     assert all(a is b for a, b in zip(m, before, strict=True))
 
 
+def test_to_onnx_dynamic_batch_must_be_a_bool(tmp_path):
+    pytest.importorskip("onnx")
+    from lowbit.export import to_onnx
+
+    with pytest.raises(TypeError, match="to_onnx: dynamic_batch='no' must be True or False"):
+        to_onnx(nn.Linear(2, 2), (torch.randn(1, 2),), tmp_path / "m.onnx", dynamic_batch="no")
+    assert not (tmp_path / "m.onnx").exists()
+
+
 @pytest.fixture(scope="module")
 def toy():
     torch.manual_seed(0)
@@ -164,3 +173,15 @@ def test_w8a8_nan_activations_refused_in_place_keep_the_mode(toy):
     with pytest.raises(ValueError, match="quantize_w8a8: the calibration activations reaching .* hold NaN/Inf"):
         Q.quantize_w8a8(model, [ids], inplace=True)
     assert all(mod.training for mod in model.modules())
+
+
+def test_quantize_ptq_checks_equalize_before_any_work(monkeypatch):
+    import lowbit.ptq as ptq
+
+    def boom(*_a, **_k):
+        raise AssertionError("prepare_fx ran before equalize was checked")
+
+    monkeypatch.setattr(ptq, "prepare_fx", boom)
+    with pytest.raises(ValueError, match="quantize_ptq: equalize='x' must be True, False or 'range'"):
+        Q.quantize_ptq(nn.Sequential(nn.Linear(2, 2)), [torch.randn(1, 2)], recipe="default", equalize="x",
+                       progress=False)

@@ -275,6 +275,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     if streams is not None and (isinstance(streams, bool) or not isinstance(streams, (int, float))
                                 or not 0 <= streams <= 1):
         raise ValueError(f"quantize_ptq: streams={streams!r} must be None or an alpha in [0, 1]")
+    if equalize not in (True, False, "range"):
+        raise ValueError(f"quantize_ptq: equalize={equalize!r} must be True, False or 'range'")
     from tqdm.auto import tqdm
 
     _check_model(model)
@@ -291,8 +293,6 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     fx_report = getattr(prepared, "lowbit_report", None)
     fused = list(getattr(fx_report, "fused", []) or [])
     report.steps.append(("fuse", f"{len(fused)} runs fused (BN folded, ReLU/ReLU6 into output grids)"))
-    if equalize not in (True, False, "range"):
-        raise ValueError(f"quantize_ptq: equalize={equalize!r} must be True, False or 'range'")
     if recipe == "accurate" and equalize:
         from .algorithms.equalize import equalize_prepared
 

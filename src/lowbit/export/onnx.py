@@ -110,6 +110,8 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     if isinstance(opset_version, bool) or not isinstance(opset_version, int) or not 13 <= opset_version <= 21:
         raise ValueError(f"to_onnx: opset_version={opset_version!r} must be an int in 13..21 (per-channel QDQ; "
                          "21: exported at 20 and relabelled, for INT4/UINT4 embedding tables)")
+    if not isinstance(dynamic_batch, bool):
+        raise TypeError(f"to_onnx: dynamic_batch={dynamic_batch!r} must be True or False")
     inputs = tuple(t.cpu() for t in _check_inputs(example_inputs))
     out_path = _check_path(path)
     twin = build_twin(model, inputs, weight_dtype)
