@@ -185,3 +185,39 @@ def test_quantize_ptq_checks_equalize_before_any_work(monkeypatch):
     with pytest.raises(ValueError, match="quantize_ptq: equalize='x' must be True, False or 'range'"):
         Q.quantize_ptq(nn.Sequential(nn.Linear(2, 2)), [torch.randn(1, 2)], recipe="default", equalize="x",
                        progress=False)
+
+
+def test_a_failed_onnx_export_leaves_the_file_at_path_as_it_was(tmp_path, monkeypatch):
+    pytest.importorskip("onnx")
+    import lowbit.export.onnx as ex
+
+    model = nn.Sequential(Q.QuantStub(), nn.Conv2d(4, 4, 1), Q.DeQuantStub()).eval()
+    model.qconfig = Q.get_default_qconfig()
+    x = torch.randn(2, 4, 3, 3)
+    prepared = Q.prepare(model)
+    prepared(x)
+    qmodel = Q.convert(prepared)
+    path = tmp_path / "model.onnx"
+    path.write_bytes(b"the user's earlier export")
+
+    def refuse(proto):  # a step after torch's exporter wrote its file fails (as the opset-21 relabelling can)
+        raise ValueError("post-processing refused the graph")
+
+    with monkeypatch.context() as m:
+        m.setattr(ex, "constants_to_initializers", refuse)
+        with pytest.raises(ValueError, match="post-processing refused"):
+            ex.to_onnx(qmodel, x, path)
+    assert path.read_bytes() == b"the user's earlier export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]  # no partial file left beside it
+    assert ex.to_onnx(qmodel, x, path) == path  # a successful export replaces it
+    assert path.stat().st_size > 100 and not path.read_bytes().startswith(b"the user's")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
+    assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~_umask())  # an ordinary file, not a private temp
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

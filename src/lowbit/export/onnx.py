@@ -44,6 +44,7 @@ dequantized float values. Batch size (dim 0 of every input and output) stays dyn
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,9 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     ``example_inputs`` (a tensor or a tuple) is run once through ``model`` to trace it and to read
     the grid each quantized layer's input is on. ``weight_dtype`` is ``"auto"``, ``"int8"`` or
     ``"uint8"`` (see ``lowbit.export.qdq``: ``auto`` keeps int8 unless a layer's weights could
-    saturate u8 x s8 kernels on CPUs without VNNI). Needs ``pip install lowbit[onnx]``.
+    saturate u8 x s8 kernels on CPUs without VNNI). Needs ``pip install lowbit[onnx]``. The file is written
+    beside ``path`` under a temporary name and renamed onto it once it passed ONNX's checker: an export that fails
+    leaves an existing file at ``path`` as it was.
     """
     onnx = _require("onnx", "to_onnx")
     if not isinstance(model, nn.Module):
@@ -134,12 +137,27 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
         raise ValueError(f"to_onnx: got {len(input_names)} input names for {len(inputs)} inputs and "
                          f"{len(output_names)} output names for {n_out} outputs")
     axes = {n: {0: "batch"} for n in input_names + output_names} if dynamic_batch else None
+    # written beside ``path`` under a temporary name and renamed over it at the end: a failed export (a graph the
+    # checker refuses, opset 21 with GroupNormalization) leaves an existing file at ``path`` as it was
+    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.{threading.get_ident()}.partial")
+    try:
+        _export(onnx, twin, inputs, tmp, opset_version, input_names, output_names, axes, tables)
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out_path
+
+
+def _export(onnx: Any, twin: nn.Module, inputs: tuple[torch.Tensor, ...], path: Path, opset_version: int,
+            input_names: list[str], output_names: list[str], axes: dict[str, dict[int, str]] | None,
+            tables: list[nn.Module]) -> None:
+    """``to_onnx``'s export of ``twin`` to ``path``, its initializers, the opset-21 relabelling and the checker."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-        torch.onnx.export(twin, inputs, str(out_path), dynamo=False, opset_version=min(opset_version, 20),
+        torch.onnx.export(twin, inputs, str(path), dynamo=False, opset_version=min(opset_version, 20),
                           input_names=input_names, output_names=output_names, dynamic_axes=axes,
                           do_constant_folding=True)
-    proto = onnx.load(str(out_path))
+    proto = onnx.load(str(path))
     constants_to_initializers(proto)
     if opset_version == 21:  # 20 -> 21 only added types (INT4, FLOAT8) and defaulted attributes to the ops used
         if any(n.op_type == "GroupNormalization" for n in proto.graph.node):
@@ -151,8 +169,7 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
         to_blocked(proto)
     proto.producer_name = "lowbit"
     onnx.checker.check_model(proto)
-    onnx.save(proto, str(out_path))
-    return out_path
+    onnx.save(proto, str(path))
 
 
 def run_onnx(path: str | os.PathLike[str], *inputs: torch.Tensor, optimized_model_path: str | None = None,
