@@ -50,10 +50,14 @@ def test_fx_converted_conv_checks_its_window_too():
         Q.convert_fx(p)(torch.randn(1, 3, 2, 2))
 
 
-def test_a_later_calibration_batch_that_does_not_fit_is_named():
+def test_a_calibration_batch_that_does_not_fit_is_named_first_or_later():
     m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
     with pytest.raises(ValueError, match=r"calib batch 2 \(input shapes \[\(3, 9\)\]\) failed in the model: RuntimeError"):
         Q.quantize_ptq(m, [torch.randn(4, 8), torch.randn(5, 8), torch.randn(3, 9)], progress=False)
+    for recipe in ("default", "accurate"):  # the first batch runs inside prepare_fx: named in calib's terms too
+        with pytest.raises(ValueError, match=r"quantize_ptq: calib batch 0 \(input shapes \[\(4, 9\)\]\) failed in the "
+                                             r"model: RuntimeError"):
+            Q.quantize_ptq(m, [torch.randn(4, 9), torch.randn(5, 8)], recipe=recipe, iters=1, progress=False)
     q, _ = Q.quantize_ptq(m, [torch.randn(4, 8), torch.randn(5, 8)], progress=False)  # varying batch sizes are fine
     assert q(torch.randn(2, 8)).shape == (2, 4)
 

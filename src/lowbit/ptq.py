@@ -135,6 +135,13 @@ def _batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
     return out
 
 
+def _batch_failed(i: int, batch: tuple[Any, ...], err: BaseException) -> ValueError:
+    """The error for calibration batch ``i`` failing in the model: its input shapes and the model's first line."""
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch]
+    return ValueError(f"quantize_ptq: calib batch {i} (input shapes {shapes}) failed in the model: "
+                      f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+
+
 def _check_model(model: nn.Module) -> None:
     """A float32 model with finite parameters and buffers, not yet prepared or converted, or a
     ``ValueError``/``TypeError`` naming the tensor or module."""
@@ -289,7 +296,13 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         mapping = QConfigMapping().set_global(get_accurate_qconfig())
     else:  # "default" and "balanced": histogram activations, per-channel weights
         mapping = get_default_qconfig_mapping()
-    prepared = prepare_fx(float_model, mapping, example_inputs=batches[0])
+    try:
+        prepared = prepare_fx(float_model, mapping, example_inputs=batches[0])
+    except ValueError as e:  # prepare_fx ran batch 0 as its example inputs: say so in calib's terms
+        cause = e.__cause__
+        if cause is None or not str(e).startswith("prepare_fx: running the model on example_inputs failed"):
+            raise
+        raise _batch_failed(0, batches[0], cause) from cause
     fx_report = getattr(prepared, "lowbit_report", None)
     fused = list(getattr(fx_report, "fused", []) or [])
     report.steps.append(("fuse", f"{len(fused)} runs fused (BN folded, ReLU/ReLU6 into output grids)"))
@@ -312,9 +325,7 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
             try:
                 prepared(*b)
             except Exception as e:  # a later batch that does not fit the model (batch 0 ran in prepare_fx): name it
-                shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in b]
-                raise ValueError(f"quantize_ptq: calib batch {i} (input shapes {shapes}) failed in the model: "
-                                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+                raise _batch_failed(i, b, e) from e
     report.steps.append(("calibrate", f"{len(batches)} batches observed"))
     if recipe == "accurate" and refine:
         from .algorithms.grid_search import refine_grids
