@@ -40,7 +40,23 @@ __all__ = ["CheckedQuantState", "check_quantized_state"]
 class CheckedQuantState(nn.Module):
     """Mixin for quantized modules: ``_load_from_state_dict`` refuses invalid qparams and codes.
 
-    Put it first among the bases (``class Quantize(CheckedQuantState, nn.Module)``)."""
+    Put it first among the bases (``class Quantize(CheckedQuantState, nn.Module)``).
+
+    ``.half()`` / ``.double()`` / ``.to(dtype)`` move its buffers (device) but keep their dtypes: a grid's
+    float32 scales and float32 bias are part of the int8 contract (a ``float16`` scale is another grid); the
+    module computes in float32 and returns its input's dtype. A class that follows the model's float dtype
+    sets ``_keep_buffer_dtypes = False``."""
+
+    _keep_buffer_dtypes = True
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        before = {n: b for n, b in self._buffers.items() if b is not None} if self._keep_buffer_dtypes else {}
+        out = super()._apply(fn, *args, **kwargs)
+        for name, old in before.items():
+            t = self._buffers.get(name)
+            if t is not None and t.dtype != old.dtype:  # the values as they were (a cast back would keep fp16's rounding)
+                self._buffers[name] = old.to(device=t.device)
+        return out
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:

@@ -423,12 +423,7 @@ class WeightedQuantModule(CheckedQuantState):
     # ---- the cache is never state ----
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         self._cache.clear()
-        out = super()._apply(fn, *args, **kwargs)
-        for name in ("weight_scale", "bias", "scale", "input_scale"):  # .double()/.half() keep the int8 contract
-            t = self._buffers.get(name)
-            if t is not None and t.dtype != torch.float32:
-                self._buffers[name] = t.float()
-        return out
+        return super()._apply(fn, *args, **kwargs)  # (CheckedQuantState: .double()/.half() keep the buffers' dtypes)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._cache.clear()

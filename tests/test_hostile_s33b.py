@@ -1,0 +1,57 @@
+"""Hostile inputs found by session 33's second sweep (graph mode, converted models at run time, the CLI, PT2).
+Each case was silent garbage, a deep traceback or a misleading message; each test failed before its fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit as Q
+
+
+class _Mixed(nn.Module):
+    """Linear, fixed-grid and LUT activations, a quantized add and mul, a second Quantize (after a float op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.hs, self.elu, self.l2 = nn.Linear(8, 8), nn.Hardswish(), nn.ELU(), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.l(x)
+        z = (self.hs(y) + self.elu(y)) * y
+        return self.l2(torch.flatten(z, 1))
+
+
+class _Tables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.e, self.eb, self.lstm, self.cell = nn.Embedding(10, 8), nn.EmbeddingBag(10, 8), nn.LSTM(8, 8), nn.GRUCell(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        a = self.e(ids)
+        return self.lstm(a)[0].sum() + self.eb(ids).sum() + self.cell(a[0]).sum()
+
+
+def _converted_models() -> list[tuple[nn.Module, torch.Tensor]]:
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    p = Q.prepare_fx(_Mixed().eval(), Q.get_default_qconfig_mapping(), example_inputs=(x,))
+    p(x)
+    ids = torch.randint(0, 10, (3, 4))
+    t = Q.quantize_dynamic(_Tables().eval(), {nn.LSTM: Q.get_dynamic_qconfig(), nn.GRUCell: Q.get_dynamic_qconfig()})
+    emb = Q.get_embedding_qconfig()
+    t = Q.convert(Q.prepare(t, Q.QConfigMapping().set_object_type(nn.Embedding, emb).set_object_type(nn.EmbeddingBag, emb)))
+    return [(Q.convert_fx(p), x), (t, ids)]
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double"])
+def test_float_casts_keep_a_converted_models_grids(cast):
+    # was: Quantize / QFunctional / activation scales cast to fp16 (another grid: outputs moved by up to a quantum),
+    # the weighted layers' scales cast there and back (fp16-rounded), Embedding's "weight scales should be dtype Float"
+    for q, x in _converted_models():
+        ref = q(x)
+        dtypes = {k: v.dtype for k, v in q.state_dict().items()}
+        getattr(q, cast)()
+        assert {k: v.dtype for k, v in q.state_dict().items()} == dtypes
+        assert torch.equal(q(x), ref)
