@@ -3,6 +3,8 @@ Each case was silent garbage, a deep traceback or a misleading message; each tes
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -55,3 +57,17 @@ def test_float_casts_keep_a_converted_models_grids(cast):
         getattr(q, cast)()
         assert {k: v.dtype for k, v in q.state_dict().items()} == dtypes
         assert torch.equal(q(x), ref)
+
+
+def test_a_model_moved_to_meta_names_the_device_and_runs_again_once_loaded():
+    # was: "Tensor.item() cannot be called on meta tensors" from deep in Quantize / the kernels
+    (q, x), (t, ids) = _converted_models()
+    dyn = Q.quantize_dynamic(nn.Sequential(nn.Linear(8, 8)))
+    for model, inp, first in ((q, x, "Quantize"), (t, ids, "Embedding"), (dyn, x, "Linear")):
+        ref, sd = model(inp), model.state_dict()
+        meta = copy.deepcopy(model).to("meta")
+        with pytest.raises(RuntimeError, match=rf"^{first}: this module is on the meta device \(moved with .to\('meta'\)\)"):
+            meta(inp)
+        meta.load_state_dict(sd, assign=True)
+        assert torch.equal(meta(inp), ref)
+        assert not any("_meta_hook" in m.__dict__ for m in meta.modules())  # the hook went on the first call

@@ -37,6 +37,20 @@ from ...functional import check_quantized_state
 __all__ = ["CheckedQuantState", "check_quantized_state"]
 
 
+def _on_meta(mod: nn.Module) -> bool:
+    return any(b is not None and b.is_meta for b in mod._buffers.values())
+
+
+def _refuse_meta(mod: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a quantized module moved to ``meta``: a clear error instead of one deep in its kernels."""
+    if not _on_meta(mod):  # given values since (load_state_dict(assign=True), to_empty): the hook goes
+        mod.__dict__.pop("_meta_hook").remove()
+        return
+    raise RuntimeError(f"{type(mod).__name__}: this module is on the meta device (moved with .to('meta')): its grid "
+                       "and codes have no values to compute with; lowbit's quantized modules run on cpu / cuda (infer "
+                       "shapes on the float model)")
+
+
 class CheckedQuantState(nn.Module):
     """Mixin for quantized modules: ``_load_from_state_dict`` refuses invalid qparams and codes.
 
@@ -56,6 +70,8 @@ class CheckedQuantState(nn.Module):
             t = self._buffers.get(name)
             if t is not None and t.dtype != old.dtype:  # the values as they were (a cast back would keep fp16's rounding)
                 self._buffers[name] = old.to(device=t.device)
+        if _on_meta(self) and "_meta_hook" not in self.__dict__:  # (only a model moved to meta pays for it)
+            self.__dict__["_meta_hook"] = self.register_forward_pre_hook(_refuse_meta)
         return out
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
