@@ -24,6 +24,8 @@ def images():
     return nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
 def no_layers():
     return nn.Sequential(nn.ReLU(), nn.Flatten())
+def tokens():
+    return nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(20, 3))
 """
 
 
@@ -219,3 +221,32 @@ def test_quantize_llm_truncated_gguf_is_one_line_naming_the_file(tmp_path, capsy
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "short.gguf a complete, uncorrupted GGUF file" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_sparse_calib_tensor_is_one_line(workdir, capsys):
+    torch.save(torch.randn(16, 8).to_sparse(), "sparse.pt")  # was torch's NotImplementedError traceback (aten::ne)
+    rc, err = run([*M[:3], "sparse.pt", "--out", "o"], capsys)
+    assert_one_line(rc, err, "--calib sparse.pt: expected a dense tensor, got layout torch.sparse_coo")
+
+
+def test_integer_data_that_fits_neither_way_names_both_reasons(workdir, capsys):
+    torch.save(torch.randint(0, 20, (16, 5)), "ids.pt")  # ids past the table: was only the float attempt's dtype error
+    rc, err = run(["--model", "usermodel_err:tokens", "--calib", "ids.pt", "--method", "dynamic", "--out", "o"], capsys)
+    assert_one_line(rc, err, "--calib data of shape (16, 5) does not fit the model, as float32 (RuntimeError: Expected")
+    assert "nor as int64 indices (IndexError: index out of range in self)" in err
+    torch.save(torch.randint(0, 10, (16, 5)), "ids.pt")
+    rc, err = run(["--model", "usermodel_err:tokens", "--calib", "ids.pt", "--method", "dynamic", "--out", "o"], capsys)
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--method", "ptq", "--calib-labels", "y.pt"], "--calib-labels is read by --method qat only, which is not among"),
+    (["--method", "dynamic", "--recipe", "balanced"], "--recipe balanced applies to --method ptq, which is not among"),
+    (["--method", "dynamic", "--qconfig", "minmax"], "--qconfig minmax applies to --method ptq"),
+    (["--method", "ptq", "--epochs", "3"], "--epochs sets up the built-in example; with --model it would be ignored"),
+    (["--method", "ptq", "--calib-size", "8"], "--calib-size sets up the built-in example"),
+])
+def test_flags_no_method_would_read_are_refused_not_ignored(workdir, capsys, extra, needle):
+    rc, err = run(["--model", "usermodel_err:make", "--calib", "calib.pt", *extra, "--out", "o"], capsys)  # was rc 0
+    assert_one_line(rc, err, needle)
+    assert not (workdir / "factory_ran").exists() and not (workdir / "o").exists()

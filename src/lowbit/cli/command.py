@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from . import common
-from .common import CLIError, progress, stage
+from .common import CLIError, one_line, progress, stage
 from .common import count as _count
 from .common import cpus as _cpus
 from .inputs import builtin_data, check_data, check_labels, check_runs, check_spec, load_array, load_model
@@ -51,6 +51,10 @@ def _positive_float(text: str) -> float:
     if not v > 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"{text} must be a positive finite number")
     return v
+
+
+#: the built-in example's own flags and their defaults (with --model, another value would be ignored: refused)
+_EXAMPLE = {"epochs": 2.0, "train_size": 12000, "test_size": 0, "calib_size": 1000}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,13 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--threads", type=_count(0, _cpus()), default=0,
                    help=f"torch threads, at most the {_cpus()} CPUs (0: torch's default)")
-    q.add_argument("--epochs", type=_positive_float, default=2.0, help="built-in example: fp32 training epochs")
+    q.add_argument("--epochs", type=_positive_float, default=_EXAMPLE["epochs"], help="built-in example: fp32 training epochs")
     q.add_argument("--qat-epochs", dest="qat_epochs", type=_positive_float, default=0.5, help="QAT fine-tune epochs")
-    q.add_argument("--train-size", dest="train_size", type=_count(1), default=12000,
+    q.add_argument("--train-size", dest="train_size", type=_count(1), default=_EXAMPLE["train_size"],
                    help="built-in example: train images")
-    q.add_argument("--test-size", dest="test_size", type=_count(0), default=0,
+    q.add_argument("--test-size", dest="test_size", type=_count(0), default=_EXAMPLE["test_size"],
                    help="built-in example: test images (0: all)")
-    q.add_argument("--calib-size", dest="calib_size", type=_count(1), default=1000,
+    q.add_argument("--calib-size", dest="calib_size", type=_count(1), default=_EXAMPLE["calib_size"],
                    help="built-in example: calib images")
     from .llm import build_parser_into as _llm_parser  # `lowbit quantize-llm`: causal LMs (cli/llm.py)
     _llm_parser(sub)
@@ -105,13 +109,22 @@ def _default_methods(args: argparse.Namespace) -> list[str]:
 
 
 def _check_args(args: argparse.Namespace, methods: list[str]) -> None:
-    """Every check that needs no file read: flag combinations and the ``--model`` spec."""
+    """Every check that needs no file read: flag combinations and the ``--model`` spec. A flag that no method asked
+    for would use is refused, not ignored."""
+    for flag, default in (("recipe", "default"), ("qconfig", "default")):
+        if getattr(args, flag) != default and "ptq" not in methods:
+            raise CLIError(f"--{flag} {getattr(args, flag)} applies to --method ptq, which is not among the methods "
+                           f"to run ({', '.join(methods)})")
     if args.model is None:
         for flag in ("weights", "calib", "eval", "labels", "calib_labels"):
             if getattr(args, flag) is not None:
                 raise CLIError(f"--{flag.replace('_', '-')} needs --model (the built-in example brings its own data)")
         return
     check_spec(args.model)
+    for flag, default in _EXAMPLE.items():
+        if getattr(args, flag) != default:
+            raise CLIError(f"--{flag.replace('_', '-')} sets up the built-in example; with --model it would be ignored "
+                           "(the model comes trained, its data is --calib / --eval)")
     if args.calib is None:
         raise CLIError("--model needs --calib (calibration inputs: .pt, .npz, .npy or a folder of images)")
     if (args.eval is None) != (args.labels is None):
@@ -119,6 +132,9 @@ def _check_args(args: argparse.Namespace, methods: list[str]) -> None:
     needs_labels = [m for m in methods if METHODS[m].needs_labels]
     if needs_labels and args.calib_labels is None:
         raise CLIError(f"--method {needs_labels[0]} needs --calib-labels (it fine-tunes on the --calib data)")
+    if args.calib_labels is not None and not needs_labels:
+        raise CLIError(f"--calib-labels is read by --method qat only, which is not among the methods to run "
+                       f"({', '.join(methods)}); accuracy is measured on --eval / --labels")
 
 
 def _fitting(model: nn.Module, raw: torch.Tensor, what: str, data: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,15 +143,19 @@ def _fitting(model: nn.Module, raw: torch.Tensor, what: str, data: str) -> tuple
     x = check_data(raw, what)
     try:
         return x, check_runs(model, x, data)
-    except CLIError:
+    except CLIError as as_float:
         if raw.is_floating_point():
             raise
         try:  # token ids: an embedding takes int64 indices
             ids = raw.long()
             return ids, check_runs(model, ids, data)
-        except CLIError:
-            pass
-        raise
+        except CLIError as as_ids:
+            if as_float.__cause__ is None or as_ids.__cause__ is None:  # it ran, and its output was refused: that one
+                raise (as_float if as_float.__cause__ is None else as_ids) from None
+            # it ran neither way: both reasons (which applies depends on what the model takes)
+            raise CLIError(f"{data} of shape {tuple(raw.shape)} does not fit the model, as float32 "
+                           f"({one_line(as_float.__cause__)}) nor as int64 indices ({one_line(as_ids.__cause__)})"
+                           ) from as_ids
 
 
 def _inputs(args: argparse.Namespace, methods: list[str], say: Any) -> tuple[nn.Module, torch.Tensor, Any, Any, Any]:

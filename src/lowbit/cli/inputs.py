@@ -121,6 +121,8 @@ def _load_images(folder: Path, what: str) -> torch.Tensor:
 
 def check_data(x: torch.Tensor, what: str) -> torch.Tensor:
     """``x`` as float32 after checking it holds samples, numbers, and finite values only."""
+    if x.layout != torch.strided:  # a sparse / nested tensor: torch.isfinite and the models' ops refuse it deep inside
+        raise CLIError(f"{what}: expected a dense tensor, got layout {x.layout} (save x.to_dense())")
     if x.dtype == torch.bool or x.is_complex():
         raise CLIError(f"{what}: expected real numbers, got dtype {x.dtype}")
     if x.dim() == 0 or len(x) == 0 or x.numel() == 0:
