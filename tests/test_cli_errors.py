@@ -250,3 +250,13 @@ def test_flags_no_method_would_read_are_refused_not_ignored(workdir, capsys, ext
     rc, err = run(["--model", "usermodel_err:make", "--calib", "calib.pt", *extra, "--out", "o"], capsys)  # was rc 0
     assert_one_line(rc, err, needle)
     assert not (workdir / "factory_ran").exists() and not (workdir / "o").exists()
+
+
+@pytest.mark.parametrize("method, extra, needle", [
+    ("w8a8", ["--head", "int4"], "--head int4: --method w8a8 does not use it"),
+    ("int8", ["--group-size", "64"], "--group-size 64: --method int8 does not use it"),
+    ("w8a8", ["--group-size", "32", "--head", "none"], "--group-size 32 and --head none: --method w8a8 does not use them"),
+])
+def test_quantize_llm_refuses_flags_its_method_ignores(tmp_path, capsys, method, extra, needle):
+    rc = cli.main(["quantize-llm", str(tmp_path / "missing.gguf"), "--method", method, *extra, "--out", str(tmp_path / "o")])
+    assert_one_line(rc, capsys.readouterr().err, needle)  # was: the model loaded and the flag had no effect

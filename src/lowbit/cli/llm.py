@@ -151,6 +151,13 @@ def run(args: argparse.Namespace) -> int:
                        f"--calib-windows {args.calib_windows} must be >= 1")
     if args.speed_tokens == 1:
         raise CLIError("--speed-tokens 1: the decode timing needs at least 2 new tokens (0 skips it)")
+    # flags the chosen method does not read are refused, not ignored
+    ignored = [f"--group-size {args.group_size}"] * (args.method in ("int8", "w8a8") and args.group_size not in (128, -1))
+    ignored += [f"--head {args.head}"] * (args.method == "w8a8" and args.head != "int8")
+    if ignored:
+        raise CLIError(f"{' and '.join(ignored)}: --method {args.method} does not use "
+                       f"{'them' if len(ignored) > 1 else 'it'} (int8 and w8a8 weights are per "
+                       "channel; w8a8 quantizes the decoder blocks' Linears and leaves the head float)")
     check_inputs_outside(args.out, {"MODEL": args.model, "--text": args.text})
     with OutputFolder(args.out) as folder:
         text = _text(args.text)  # (a missing --text is named before the model loads)
