@@ -71,3 +71,19 @@ def test_a_model_moved_to_meta_names_the_device_and_runs_again_once_loaded():
         meta.load_state_dict(sd, assign=True)
         assert torch.equal(meta(inp), ref)
         assert not any("_meta_hook" in m.__dict__ for m in meta.modules())  # the hook went on the first call
+
+
+def test_eager_prepare_and_convert_name_a_graph_mode_model():
+    # was: convert() warned "no prepared module found (run prepare() or prepare_qat() and calibrate first)" and left
+    # the observed graph float; prepare() said nothing. torch.ao accepts both silently: a warning, not an error
+    x = torch.randn(4, 8)
+    p = Q.prepare_fx(nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval(), None, example_inputs=(x,))
+    p(x)
+    for fn, needle in ((Q.convert, "convert(): this Sequential comes from prepare_fx"),
+                       (lambda m: Q.prepare(m, Q.get_default_qconfig()), "prepare(): this Sequential comes from prepare_fx")):
+        with pytest.warns(UserWarning, match=r"calibrate it and call convert_fx") as caught:
+            fn(p)
+        assert needle in str(caught[0].message) and not any("no prepared module" in str(w.message) for w in caught)
+    q = Q.convert_fx(p)
+    with pytest.warns(UserWarning, match=r"prepare\(\): this \w+ was converted by convert_fx"):
+        Q.prepare(q, Q.get_default_qconfig())

@@ -22,8 +22,8 @@ from ..qconfig import QConfigMapping, get_default_qat_qconfig_mapping, get_defau
 from ..qconfig.config import build
 from .hooks import (_NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_NATIVE, _is_observer, _is_table_recipe, _is_weighted,
                     _observe_float_input, _observe_input, _observe_output, _pass_tag, _remove_observer_hooks)
-from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, _resolve_user_qconfig, join_name,
-                        is_dynamic_qconfig, propagate_qconfig_)
+from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, _resolve_user_qconfig,
+                        warn_graph_mode, is_dynamic_qconfig, join_name, propagate_qconfig_)
 
 __all__ = ["prepare", "prepare_qat"]
 
@@ -77,6 +77,7 @@ def _setup(fn: str, model: Any, qconfig: Any, inplace: Any, mapping: Any, dynami
     elif mapping is None and _is_module_mapping(qconfig):
         qconfig, mapping = None, qconfig
     _check_common(fn, model, inplace)
+    warn_graph_mode(fn, model)
     mapping = _check_mapping(fn, default_mapping if mapping is None else mapping)
     dynamic = _check_mapping(fn, _dynamic_default(dynamic_mapping))
     qconfig = _resolve_user_qconfig(model, qconfig, default_qconfig)

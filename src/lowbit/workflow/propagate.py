@@ -2,7 +2,7 @@
 ``is_dynamic_qconfig``, and the argument checks ``prepare`` / ``convert`` share.
 
 >>> import lowbit as Q
->>> from torch import nn
+>>> from torch import fx, nn
 >>> m = propagate_qconfig_(nn.Sequential(nn.Linear(2, 2)), Q.get_minmax_qconfig())
 >>> m[0].qconfig is m.qconfig
 True
@@ -10,9 +10,10 @@ True
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, TypeGuard
 
-from torch import nn
+from torch import fx, nn
 
 from ..batches import check_module
 from ..mappings import get_default_dynamic_quant_module_mappings
@@ -38,6 +39,22 @@ def _check_common(fn: str, model: Any, inplace: Any) -> None:
         raise TypeError(f"{fn}: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(inplace, bool):
         raise TypeError(f"{fn}: inplace must be a bool, got {inplace!r}")
+
+
+def warn_graph_mode(fn: str, model: nn.Module) -> bool:
+    """Warn (as torch.ao, which accepts it, does not) when ``model`` comes from ``prepare_fx`` / ``convert_fx``: eager
+    ``prepare`` adds observers around its graph's own, eager ``convert`` swaps none of them (they are graph nodes) and
+    leaves it float. Returns whether it warned."""
+    from ..fx.prepare import STATE_KEY, is_prepared  # (fx builds on this tier: imported when called)
+
+    if not is_prepared(model):
+        return False
+    state = model.meta[STATE_KEY] if isinstance(model, fx.GraphModule) else model.__dict__[STATE_KEY]
+    done = "was converted by convert_fx" if state.get("converted") else \
+        "comes from prepare_fx / prepare_qat_fx (graph mode): calibrate it and call convert_fx"
+    warnings.warn(f"{fn}(): this {type(model).__name__} {done}; eager {fn}() does not apply to graph-mode models "
+                  "(its observers are graph nodes)", stacklevel=3)
+    return True
 
 
 def _check_mapping(fn: str, mapping: Any) -> dict[type, type]:

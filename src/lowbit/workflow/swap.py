@@ -33,7 +33,8 @@ from ..speed_guard import keep_faster
 from ..stubs import DeQuantStub, QuantStub
 from .hooks import (_AVERAGING_POOLS, _NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_NATIVE, _dequantize_input,
                     _is_observer, _is_table_recipe, _remove_observer_hooks)
-from .propagate import _check_common, _check_mapping, _dynamic_default, _path, is_dynamic_qconfig
+from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, warn_graph_mode,
+                        is_dynamic_qconfig)
 
 __all__ = ["convert"]
 
@@ -175,6 +176,7 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
         with precomputed_weights(use_precomputed_fake_quant):
             return to_reference(model, mapping=full, inplace=inplace, return_report=return_report)
     _check_common("convert", model, inplace)
+    graph_mode = warn_graph_mode("convert", model)
     if not isinstance(return_report, bool):
         raise TypeError(f"convert: return_report must be a bool, got {return_report!r}")
     mapping = _check_mapping("convert", get_default_static_quant_module_mappings() if mapping is None else mapping)
@@ -196,7 +198,7 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
         report.speed = speed  # type: ignore[attr-defined]
         model = model if speed.model is None else speed.model
         logger.info("%s", speed)
-    if not report.converted:
+    if not report.converted and not graph_mode:
         warnings.warn("convert(): no prepared module found (run prepare() or prepare_qat() and calibrate first); "
                       "the model stays float", stacklevel=2)
     if report.left_float:
