@@ -87,3 +87,15 @@ def test_eager_prepare_and_convert_name_a_graph_mode_model():
     q = Q.convert_fx(p)
     with pytest.warns(UserWarning, match=r"prepare\(\): this \w+ was converted by convert_fx"):
         Q.prepare(q, Q.get_default_qconfig())
+
+
+def test_custom_config_dicts_refuse_an_unknown_quant_type_with_an_empty_mapping():
+    from lowbit.custom_config import ConvertCustomConfig, PrepareCustomConfig
+
+    # was accepted and ignored when its mapping was empty (torch.ao's from_dict refuses the name)
+    with pytest.raises(ValueError, match=r"PrepareCustomConfig.from_dict: quant_type='weird' is not supported"):
+        PrepareCustomConfig.from_dict({"float_to_observed_custom_module_class": {"weird": {}}})
+    with pytest.raises(ValueError, match=r"ConvertCustomConfig.from_dict: quant_type='statc' is not supported"):
+        ConvertCustomConfig.from_dict({"observed_to_quantized_custom_module_class": {"statc": {}}})
+    PrepareCustomConfig.from_dict({"float_to_observed_custom_module_class": {"static": {}}})
+    ConvertCustomConfig.from_dict({"observed_to_quantized_custom_module_class": {"dynamic": {}, "qat": {}}})

@@ -159,6 +159,7 @@ class PrepareCustomConfig(_Config):
                            "PrepareCustomConfig.from_dict: float_to_observed_custom_module_class")
         if f2o and all(isinstance(k, str) for k in f2o):  # {"static": {Float: Observed}}
             for qt, m in f2o.items():
+                _quant_type(qt, "PrepareCustomConfig.from_dict")  # (an empty mapping too: a typo is not ignored)
                 for f, o in m.items():
                     cfg.set_float_to_observed_mapping(f, o, qt)
         else:
@@ -227,6 +228,7 @@ class ConvertCustomConfig(_Config):
                            "ConvertCustomConfig.from_dict: observed_to_quantized_custom_module_class")
         if o2q and all(isinstance(k, str) for k in o2q):
             for qt, m in o2q.items():
+                _quant_type(qt, "ConvertCustomConfig.from_dict", (*_STATIC, "dynamic"))  # (an empty mapping too)
                 for o, q in m.items():
                     cfg.set_observed_to_quantized_mapping(o, q, qt)
         else:
