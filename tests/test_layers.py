@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "lowbit"
 # The layer stack of docs/design.md, bottom first. A module may import its own tier and the tiers
 # below it, never one above. Paths are dotted prefixes under ``lowbit``; the longest prefix wins.
 TIERS: list[tuple[str, ...]] = [
-    ("qscheme",),
+    ("qscheme", "runtime"),             # runtime: process settings (glibc malloc), imports nothing of lowbit
     ("compile_state",),                # tracing(): lower layers emit torch.ops.lowbit.* while traced
     ("qparams",),
     ("blocked", "qstore", "native"),   # cache-blocked exact quantize; one-pass 8-bit codes; C row passes

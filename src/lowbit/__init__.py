@@ -106,6 +106,7 @@ from . import llm
 from .llm import quantize_llm, quantize_w8a8
 from .nn.intrinsic.qat.modules import set_bn_fold_mode
 from .nn.qat.dynamic import get_dynamic_qat_qconfig
+from .runtime import keep_freed_memory
 from . import pt2  # noqa: F401  registers the torch.ops.lowbit custom ops (torch.compile / torch.export)
 
 __version__ = "0.1.0"
@@ -147,4 +148,6 @@ __all__ = [
     "quantize_ptq", "PTQReport",
     # LLMs: block-by-block GPTQ/AWQ, tied quantized heads, W8A8 (lowbit.llm)
     "llm", "quantize_llm", "quantize_w8a8",
+    # process settings for inference speed (glibc malloc: freed memory kept for reuse)
+    "keep_freed_memory",
 ]
