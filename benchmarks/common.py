@@ -21,6 +21,8 @@ Run any benchmark with ``--quick`` for a smoke run; results go to ``benchmarks/r
 
 from __future__ import annotations
 
+import argparse
+
 import datetime as _dt
 import json
 import os
@@ -198,6 +200,8 @@ def machine() -> dict[str, Any]:
     try:  # lowbit's C row passes: built, and which bodies (AVX2 + FMA or scalar), or why not
         from lowbit import native
         info["lowbit_native"] = native.reason()
+        from lowbit import runtime
+        info["heap"] = "kept (keep_freed_memory)" if runtime._state["applied"] else "glibc defaults"
     except ImportError:
         pass
     return info
@@ -223,7 +227,20 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+class _KeepFreedMemory(argparse.Action):
+    """``--keep-freed-memory``: ``lowbit.keep_freed_memory()`` as the arguments are parsed, before anything is timed
+    (process-wide: every method of the run gains alike; ``machine()["heap"]`` records it)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        from lowbit import keep_freed_memory
+
+        setattr(namespace, self.dest, keep_freed_memory())
+
+
 def add_common_args(parser: Any) -> None:
+    parser.add_argument("--keep-freed-memory", action=_KeepFreedMemory, nargs=0, default=False,
+                        help="glibc keeps memory freed by tensors for reuse (lowbit.keep_freed_memory): no page "
+                             "faults on the next call's tensors; every method of the run alike")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--min-time", type=float, default=0.02, help="seconds per sample (calibrated call count)")

@@ -275,7 +275,7 @@ def main() -> None:
         a.rounds = min(a.rounds, 3)
     mach = common.machine()
     print(f"ISA: {mach.get('cpu')} | {', '.join(k for k, v in mach.get('isa', {}).items() if v)} | "
-          f"torch cpu capability {mach['cpu_capability']}", flush=True)
+          f"torch cpu capability {mach['cpu_capability']} | heap: {mach.get('heap')}", flush=True)
     res: dict[str, Any] = {"runs": []}
     todo = cases(a.cases, a.quick)
     for label, build in tqdm(todo, desc="cases", file=sys.stdout):

@@ -186,7 +186,8 @@ def main() -> None:
     if a.quick:
         a.rounds, a.epochs = min(a.rounds, 3), min(a.epochs, 0.3)
     mach = common.machine()
-    print(f"{mach.get('cpu', '?')} | ISA {mach.get('isa')} | torch {mach['torch']} | native: {mach.get('lowbit_native')}")
+    print(f"{mach.get('cpu', '?')} | ISA {mach.get('isa')} | torch {mach['torch']} | native: {mach.get('lowbit_native')} | "
+          f"heap: {mach.get('heap')}")
     res = {"smallcnn": None if a.skip_smallcnn else smallcnn(a), "minilm": None if a.skip_minilm else minilm(a)}
     print(common.write_results(a.out or "e2e", res))
 
