@@ -4,6 +4,7 @@ bit-identical to eager; and the converted forward takes the fast kernels where t
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -300,6 +301,30 @@ def test_compiled_and_exported_static_models_refuse_nan_as_eager_does() -> None:
         assert torch.equal(run(x), model(x)), name
         with pytest.raises(RuntimeError, match="holds (1 )?NaN values"):
             run(bad)
+
+
+def test_compiled_graph_mode_models_raise_their_own_run_time_errors() -> None:
+    """A ``convert_fx`` model compiled with ``fullgraph=True`` raises eager's NaN error, not dynamo's "Attempt to trace
+    generator" from torch.fx's error wrapper (``fx/call.py``), also after ``copy.deepcopy`` and ``fuse_dequantize``'s
+    recompile; the outputs stay eager's, and GraphModules lowbit did not build keep torch.fx's wrapper."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 2)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    p = Q.prepare_fx(m, Q.get_default_qconfig_mapping(), (x,))
+    p(x)
+    q = Q.convert_fx(p)
+    bad = x.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    fused = copy.deepcopy(q)
+    assert Q.fuse_dequantize(fused) == ["3"]  # (in place: the Linear now returns float, recompiled)
+    for name, model in {"convert_fx": q, "deepcopy": copy.deepcopy(q), "fuse_dequantize": fused}.items():
+        torch._dynamo.reset()
+        run = torch.compile(model, fullgraph=True)
+        assert torch.equal(run(x), model(x)), name
+        with pytest.raises(RuntimeError, match="holds 1 NaN values"):
+            run(bad)
+    plain = torch.fx.symbolic_trace(m)
+    assert type(type(plain).__dict__["_wrapped_call"]).__name__ == "_WrappedCall"
 
 
 def test_traced_stub_op_keeps_no_grid_alive() -> None:

@@ -41,6 +41,7 @@ from ..nn.quantized._utils import output_qparams
 from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.stubs import DeQuantize, Quantize
 from . import convert_dynamic as float_out
+from .call import plain_call
 from .convert_dynamic import set_module as _set_module
 from .convert_dynamic import what as _what
 from .patterns import func_activation, is_dropout
@@ -366,4 +367,4 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
         check_preservable(source, model, name, "convert_fx")
         setattr(model, name, getattr(source, name))
     model.lowbit_report = report
-    return model.eval()
+    return plain_call(model).eval()  # (run-time errors reach a compiled model's caller: fx/call.py)
