@@ -5,12 +5,12 @@ kernel as soon as a large block is freed: a block past the (adaptive, at most 32
 unmapped on ``free``, and free space at the top of the heap past the trim threshold is returned with
 ``sbrk``. The next forward's tensors of the same size then touch fresh pages, and every 4 KiB page costs a
 page fault. A transformer's activations are big (MiniLM, batch 32 × 128 tokens: 6 MiB per hidden state,
-25 MiB per FFN activation), so the faults add up: measured on a 2-vCPU AMD EPYC (Zen 5) VM, 1 thread,
-~45,000-53,000 minor faults per MiniLM forward at ~1.3 µs each, 298-305 ms per forward for lowbit's dynamic
-int8 model and 294-305 ms for torch.ao's; with ``keep_freed_memory()`` 0-614 faults, 236-238 ms and
-232-234 ms (1.26x both; same peak RSS, ~800 MB). Both models gain alike: the ratio between them does
-not move. The cost of a fault varies by machine (bare metal is several times cheaper than this VM), so
-the gain does too.
+25 MiB per FFN activation), so the faults add up: measured on a 2-vCPU AMD EPYC (Zen 5) VM, 1 thread, fresh
+processes (``benchmarks/heap.py``), 41,000-48,000 minor faults per MiniLM forward at ~1.3 µs each, 290-301 ms per
+forward for lowbit's dynamic int8 model and 291-292 ms for torch.ao's; with ``keep_freed_memory()`` 0-308 faults,
+227-230 ms and 227-230 ms (1.28-1.31x; 1.35-1.40x at 2 threads; same peak RSS, ~800 MB). Both models gain alike:
+the ratio between them does not move. The cost of a fault varies by machine (bare metal is several times cheaper
+than this VM), so the gain does too.
 
 What. ``keep_freed_memory()`` sets two glibc ``mallopt`` parameters for the whole process:
 
