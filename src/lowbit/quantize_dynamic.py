@@ -39,6 +39,7 @@ from .nn.quantized.embedding import Embedding as QEmbedding
 from .nn.quantized.embedding import EmbeddingBag as QEmbeddingBag
 from .qconfig import QConfig, QConfigMapping
 from .qscheme import QDtype, as_qdtype, qint8
+from .workflow.propagate import refuse_call_order
 
 __all__ = ["quantize_dynamic"]
 
@@ -115,10 +116,8 @@ def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qi
         raise TypeError(f"quantize_dynamic: mapping must be a dict {{module type: class with from_float}}, "
                         f"got {mapping!r}")
     spec = _normalise_spec(qconfig_spec, _as_dynamic_dtype(dtype, "quantize_dynamic"), mapping)
-    if isinstance(spec, QConfigMapping) and spec.module_name_object_type_order_qconfigs:
-        raise ValueError("quantize_dynamic: QConfigMapping.set_module_name_object_type_order entries count calls in a "
-                         "traced graph (prepare_fx / prepare_qat_fx); quantize_dynamic has no call order: name the "
-                         "module with set_module_name instead")
+    if isinstance(spec, QConfigMapping):
+        refuse_call_order("quantize_dynamic", spec, "quantize_dynamic")
     names = {n for n, _ in model.named_modules()}
     # a misspelt name would be ignored silently: warn (torch.ao ignores it; what is swapped stays the same)
     if isinstance(spec, QConfigMapping):

@@ -190,7 +190,6 @@ def _fake_quantize_fast(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.
     return torch.where(torch.isnan(x), x.detach(), y)
 
 
-# Module-level switches for ``model.apply(...)``: they act on FakeQuantize modules, ignore others.
 def holds_grid(obs: nn.Module) -> bool:
     """Whether an observer or fake-quant module describes a grid: its observer saw data, or (``LearnableFakeQuantize``)
     it holds a learned or loaded grid. Under ``torch.distributed`` the ranks' union decides, as in
@@ -204,6 +203,7 @@ def holds_grid(obs: nn.Module) -> bool:
     return bool(getattr(obs, "is_calibrated", True))
 
 
+# Module-level switches for ``model.apply(...)``: they act on FakeQuantize modules, ignore others.
 def enable_observer(mod: nn.Module) -> None:
     """``model.apply(Q.enable_observer)`` turns every FakeQuantize's observer on."""
     if isinstance(mod, FakeQuantize):

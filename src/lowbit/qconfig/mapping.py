@@ -222,13 +222,11 @@ class QConfigMapping:
                           "module_name_regex": m.set_module_name_regex,
                           "module_name_object_type_order": m.set_module_name_object_type_order}[key]
                 size = 4 if key == "module_name_object_type_order" else 2
+                what = "(module name, object type, index, qconfig) tuple" if size == 4 else "(key, qconfig) pair"
                 if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
-                    raise TypeError(f"qconfig dict [{key!r}]: value={value!r} must be a list of "
-                                    + ("(module name, object type, index, qconfig) entries" if size == 4
-                                       else "(key, qconfig) pairs"))
+                    raise TypeError(f"qconfig dict [{key!r}]: value={value!r} must be a list of {what}s")
                 for entry in value:
                     if not (isinstance(entry, (tuple, list)) and len(entry) == size):
-                        what = "(module name, object type, index, qconfig)" if size == 4 else "(key, qconfig) pair"
                         raise ValueError(f"qconfig dict [{key!r}]: entry {entry!r} must be a {what}")
                     setter(*entry)
             elif isinstance(key, str):

@@ -23,7 +23,7 @@ from ..qconfig.config import build
 from .hooks import (_NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_NATIVE, _is_observer, _is_table_recipe, _is_weighted,
                     _observe_float_input, _observe_input, _observe_output, _pass_tag, _remove_observer_hooks)
 from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, _resolve_user_qconfig,
-                        warn_graph_mode, is_dynamic_qconfig, join_name, propagate_qconfig_)
+                        refuse_call_order, warn_graph_mode, is_dynamic_qconfig, join_name, propagate_qconfig_)
 
 __all__ = ["prepare", "prepare_qat"]
 
@@ -81,11 +81,8 @@ def _setup(fn: str, model: Any, qconfig: Any, inplace: Any, mapping: Any, dynami
     mapping = _check_mapping(fn, default_mapping if mapping is None else mapping)
     dynamic = _check_mapping(fn, _dynamic_default(dynamic_mapping))
     qconfig = _resolve_user_qconfig(model, qconfig, default_qconfig)
-    if isinstance(qconfig, (QConfigMapping, dict)) and QConfigMapping.from_qconfig(
-            qconfig).module_name_object_type_order_qconfigs:
-        raise ValueError(f"{fn}: QConfigMapping.set_module_name_object_type_order entries count calls in a traced graph "
-                         "(prepare_fx / prepare_qat_fx); eager mode has no call order: name the module with "
-                         "set_module_name instead")
+    if isinstance(qconfig, (QConfigMapping, dict)):
+        refuse_call_order(fn, QConfigMapping.from_qconfig(qconfig), "eager mode")
     if not inplace:
         model = copy.deepcopy(model)
     return propagate_qconfig_(model, qconfig), mapping, dynamic

@@ -57,6 +57,15 @@ def warn_graph_mode(fn: str, model: nn.Module) -> bool:
     return True
 
 
+def refuse_call_order(fn: str, mapping: QConfigMapping, what: str) -> None:
+    """``ValueError`` naming ``fn`` when ``mapping`` holds ``set_module_name_object_type_order`` entries: they count calls
+    in a traced graph (graph mode), which ``what`` (eager mode, ``quantize_dynamic``) does not have."""
+    if mapping.module_name_object_type_order_qconfigs:
+        raise ValueError(f"{fn}: QConfigMapping.set_module_name_object_type_order entries count calls in a traced graph "
+                         f"(prepare_fx / prepare_qat_fx); {what} has no call order: name the module with "
+                         "set_module_name instead")
+
+
 def _check_mapping(fn: str, mapping: Any) -> dict[type, type]:
     if not isinstance(mapping, dict) or not all(isinstance(k, type) for k in mapping):
         raise TypeError(f"{fn}: mapping must be a dict {{module type: class with from_float}}, got {mapping!r}")
