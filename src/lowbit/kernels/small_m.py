@@ -37,6 +37,7 @@ import torch
 
 from .. import native
 from ..compile_state import tensor_version
+from ..native.layers import _QUIET as _CODES_QUIET  # (set once native.empty_codes has silenced torch's warning)
 from ..qtensor import QTensor
 from .avx2 import _F32_EXACT, _QUIET, _inv_scale, _relu_floor, _scaled
 from .spec import OutGrid
@@ -183,7 +184,11 @@ def native_linear(q: torch.Tensor, sx: float, zx: int, w: torch.Tensor, w_scale:
             return None
     q2 = q if q.dim() == 2 else q.reshape(-1, k)
     m = q2.shape[0]
-    y = torch.empty(m, plan.n) if o is None else native.empty_codes((m, plan.n), o[1], torch.quint8)
+    # (o[1] was checked where the plan was made: once torch's deprecation warning is silenced, the quantized output
+    # is made straight, ~0.4 µs less than empty_codes' checks, session 34)
+    y = (torch.empty(m, plan.n) if o is None
+         else torch._empty_affine_quantized((m, plan.n), scale=1.0, zero_point=o[1], dtype=torch.quint8)
+         if _CODES_QUIET[0] else native.empty_codes((m, plan.n), o[1], torch.quint8))
     if not plan.run(q2, zx, y):
         return None
     if q.dim() != 2:
