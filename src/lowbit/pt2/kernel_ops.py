@@ -40,6 +40,97 @@ from .quant_ops import define
 
 __all__ = ["weight_cache", "conv_out_shape"]  # (cached_weight: the ops' internal, no argument checks)
 
+# The ops' argument checks (session 34). Called by hand, a wrong shape or dtype failed deep in fbgemm / oneDNN (a 1-d
+# weight freed an invalid pointer and took the process down) or gave garbage (int64 / float codes, a short zero point
+# vector). Each op's real and fake implementation run the same checks, so a compiled or exported call raises them at
+# trace time: attribute reads and comparisons only (no tensor is read), static dims only (a dynamic batch adds no
+# guard). The real implementations check the weight side once per weight, grid and bias objects (``checked_weight``,
+# kept in the weight's cache as the plans are) and the input side per call (~0.3 µs).
+
+
+def bad_arg(op: str, text: str, error: type[Exception] = ValueError) -> Exception:
+    """The error an op raises for an argument: ``lowbit::<op>: <text>``."""
+    return error(f"lowbit::{op}: {text}")
+
+
+@functools.lru_cache(maxsize=256)
+def codes_dtype(key: str) -> torch.dtype:
+    """The storage dtype of a ``qdtype_key``'s codes (parsed once per distinct key)."""
+    return qdtype_from_key(key).storage
+
+
+def check_codes(op: str, name: str, codes: torch.Tensor, key: str) -> None:
+    """``codes`` (argument ``name``) are stored in ``key``'s storage dtype, as ``QTensor.int_repr()`` gives them."""
+    if codes.dtype != codes_dtype(key):
+        raise bad_arg(op, f"{name} must hold {codes_dtype(key)} codes of the grid {key!r}, got dtype {codes.dtype}",
+                      TypeError)
+
+
+def check_per_tensor(op: str, name: str, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> None:
+    """A per-tensor grid: one scale and one zero point, both or neither."""
+    if (scale is None) != (zero_point is None):
+        raise bad_arg(op, f"{name}_scale and {name}_zero_point go together, got "
+                          f"{'None' if scale is None else 'a tensor'} and {'None' if zero_point is None else 'a tensor'}")
+    if scale is not None and (scale.numel() != 1 or zero_point.numel() != 1):  # type: ignore[union-attr]
+        raise bad_arg(op, f"{name}_scale and {name}_zero_point must hold one value each ({name} is quantized per "
+                          f"tensor), got shapes {tuple(scale.shape)} and {tuple(zero_point.shape)}")  # type: ignore[union-attr]
+
+
+def grids_ok(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
+             out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None) -> bool:
+    """The per-call side of ``check_codes`` / ``check_per_tensor`` for ``x`` and the output grid, as one expression."""
+    return (x.dtype == codes_dtype(x_qdtype) and x_scale.numel() == 1 and x_zero_point.numel() == 1
+            and (out_scale.numel() == 1 == out_zero_point.numel() if out_scale is not None and out_zero_point is not None
+                 else out_scale is out_zero_point))
+
+
+def check_weight(op: str, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
+                 bias: torch.Tensor | None, dim: int, axis: int = 0, n_out: Any = None) -> None:
+    """An int8 weight of ``dim`` dims with a per-tensor or per-channel grid (1 or ``weight.shape[axis]`` values) and a
+    bias of the output channels (``weight.shape[0]``, or ``n_out`` where that differs: a transposed conv)."""
+    if weight.dtype != torch.int8:
+        raise bad_arg(op, f"weight must hold int8 codes, got dtype {weight.dtype}", TypeError)
+    if weight.dim() != dim:
+        raise bad_arg(op, f"weight must be {dim}-d, got shape {tuple(weight.shape)}")
+    n = weight.shape[axis]
+    for name, t in (("w_scale", w_scale), ("w_zero_point", w_zero_point)):
+        if t.dim() > 1 or (t.numel() != 1 and t.numel() != n):
+            raise bad_arg(op, f"{name} of shape {tuple(t.shape)} must hold 1 value or one per channel of the "
+                              f"weight's dim {axis} ({n}: weight shape {tuple(weight.shape)})")
+    n_out = weight.shape[0] if n_out is None else n_out
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n_out):
+        raise bad_arg(op, f"bias of shape {tuple(bias.shape)} must be ({n_out},), one value per output channel "
+                          f"(weight shape {tuple(weight.shape)})")
+
+
+def checked_weight(op: str, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
+                   bias: torch.Tensor | None, dim: int, axis: int = 0, groups: int = 1) -> tuple[dict[str, Any], torch.Tensor]:
+    """``cached_weight(weight)`` after ``check_weight``, which runs again only for other grid / bias objects, another
+    geometry (``dim``, ``axis``, ``groups``) or a ``.data`` swap of the weight (the cache starts afresh). Its entry holds
+    the grid and bias tensors, as the plans do (never the weight: see ``cached_weight``)."""
+    cache, held = cached_weight(weight)
+    hit = cache.get("pt2.checked")
+    if hit is None or hit[0] is not w_scale or hit[1] is not w_zero_point or hit[2] is not bias or hit[3] != (dim, axis,
+                                                                                                              groups):
+        check_weight(op, weight, w_scale, w_zero_point, bias, dim, axis, weight.shape[1] * groups if axis == 1 else None)
+        cache["pt2.checked"] = (w_scale, w_zero_point, bias, (dim, axis, groups))
+    return cache, held
+
+
+def check_linear(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
+                 weight: torch.Tensor, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None) -> None:
+    """``qlinear``'s input side, its weight checked (``check_weight``): ``x`` ``(*, K)`` codes on a per-tensor grid,
+    a per-tensor output grid or none."""
+    if grids_ok(x, x_scale, x_zero_point, x_qdtype, out_scale, out_zero_point) and x.dim() and x.shape[-1] == weight.shape[1]:
+        return
+    check_codes(op, "x", x, x_qdtype)
+    check_per_tensor(op, "x", x_scale, x_zero_point)
+    check_per_tensor(op, "out", out_scale, out_zero_point)
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise bad_arg(op, f"x of shape {tuple(x.shape)} does not end in the weight's K={weight.shape[1]} "
+                          f"(weight shape {tuple(weight.shape)})")
+
+
 _CACHES: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
 
 
@@ -131,7 +222,8 @@ def qlinear(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, 
             weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
             bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
             out_qdtype: str, relu: bool) -> torch.Tensor:
-    cache, weight = cached_weight(weight)
+    cache, weight = checked_weight("qlinear", weight, w_scale, w_zero_point, bias, 2)
+    check_linear("qlinear", x, x_scale, x_zero_point, x_qdtype, weight, out_scale, out_zero_point)
     if (out_scale is not None and out_zero_point is not None and x.is_cpu and x.dim() and x.numel()
             and kernels.get_backend() is None and x_scale.numel() == 1):  # the eager module's plan (its floor)
         run = _linear_plan(cache, x_qdtype, weight, w_scale, w_zero_point, w_qdtype, bias, out_scale, out_zero_point,
@@ -149,7 +241,40 @@ def _qlinear_fake(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Te
       w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str, bias: torch.Tensor | None,
       out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None, out_qdtype: str,
       relu: bool) -> torch.Tensor:
+    check_weight("qlinear", weight, w_scale, w_zero_point, bias, 2)
+    check_linear("qlinear", x, x_scale, x_zero_point, x_qdtype, weight, out_scale, out_zero_point)
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=_storage(out_qdtype, out_scale is not None))
+
+
+def check_geometry(op: str, spec: ConvSpec) -> None:
+    """One stride, padding, dilation (and output padding, transposed) per spatial dim, positive strides, dilations and
+    groups, non-negative paddings."""
+    d = spec.dim
+    if (d == 0 or len(spec.padding) != d or len(spec.dilation) != d or (spec.transposed and len(spec.output_padding) != d)
+            or spec.groups < 1 or min(*spec.stride, *spec.dilation) < 1 or min(spec.padding) < 0):
+        raise bad_arg(op, f"stride={list(spec.stride)}, padding={list(spec.padding)}, dilation={list(spec.dilation)}"
+                          f"{f', output_padding={list(spec.output_padding)}' if spec.transposed else ''}, "
+                          f"groups={spec.groups}: one value per spatial dim each, strides, dilations and groups >= 1, "
+                          "paddings >= 0")
+
+
+def check_conv(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
+               weight: torch.Tensor, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
+               spec: ConvSpec) -> None:
+    """``qconv``'s input side, its weight (``check_weight``) and geometry (``check_geometry``) checked: ``(N, C,
+    *spatial)`` codes on a per-tensor grid, ``C`` the weight's input channels (times ``groups``)."""
+    c_in = weight.shape[0] if spec.transposed else weight.shape[1] * spec.groups
+    if grids_ok(x, x_scale, x_zero_point, x_qdtype, out_scale, out_zero_point) and x.dim() == spec.dim + 2 \
+            and x.shape[1] == c_in:
+        return
+    check_codes(op, "x", x, x_qdtype)
+    check_per_tensor(op, "x", x_scale, x_zero_point)
+    check_per_tensor(op, "out", out_scale, out_zero_point)
+    if x.dim() != spec.dim + 2:
+        raise bad_arg(op, f"x of shape {tuple(x.shape)} must be {spec.dim + 2}-d (N, C, *spatial) for a {spec.dim}-d "
+                          "convolution")
+    raise bad_arg(op, f"x of shape {tuple(x.shape)} has {x.shape[1]} channels; the weight of shape "
+                      f"{tuple(weight.shape)} with groups={spec.groups} takes {c_in}")
 
 
 def conv_out_shape(x_shape: Any, w_shape: Any, spec: ConvSpec) -> list[Any]:
@@ -176,13 +301,19 @@ def _spec(stride: list[int], padding: list[int], dilation: list[int], groups: in
                     tuple(output_padding))
 
 
-def qconv(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
-          weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
-          bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
-          out_qdtype: str, relu: bool, stride: list[int], padding: list[int], dilation: list[int], groups: int,
-          transposed: bool, output_padding: list[int]) -> torch.Tensor:
+def _qconv(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
+           weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
+           bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
+           out_qdtype: str, relu: bool, stride: list[int], padding: list[int], dilation: list[int], groups: int,
+           transposed: bool, output_padding: list[int], geometry_checked: bool = False) -> torch.Tensor:
+    """``qconv`` / ``qconv_cfg`` (``op``: the name its errors give; ``qconv_cfg`` checks its geometry once per config
+    string)."""
     spec = _spec(stride, padding, dilation, groups, transposed, output_padding)
-    cache, weight = cached_weight(weight)
+    if not geometry_checked:
+        check_geometry(op, spec)
+    cache, weight = checked_weight(op, weight, w_scale, w_zero_point, bias, spec.dim + 2, 1 if transposed else 0,
+                                   groups)
+    check_conv(op, x, x_scale, x_zero_point, x_qdtype, weight, out_scale, out_zero_point, spec)
     xq = QTensor._trusted(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
     if (out_scale is not None and out_zero_point is not None and x.is_cpu and x.numel()
             and kernels.get_backend() is None and x_scale.numel() == 1):  # the eager module's plan (its floor)
@@ -196,15 +327,38 @@ def qconv(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_
     return (y.int_repr() if isinstance(y, QTensor) else y).contiguous(memory_format=_memory_format(spec.dim))
 
 
-def _qconv_fake(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str, weight: torch.Tensor,
-      w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str, bias: torch.Tensor | None,
+def _qconv_fake_op(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
+      weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str, bias: torch.Tensor | None,
       out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None, out_qdtype: str, relu: bool,
       stride: list[int], padding: list[int], dilation: list[int], groups: int, transposed: bool,
       output_padding: list[int]) -> torch.Tensor:
     spec = _spec(stride, padding, dilation, groups, transposed, output_padding)
+    check_geometry(op, spec)
+    check_weight(op, weight, w_scale, w_zero_point, bias, spec.dim + 2, 1 if transposed else 0,
+                 weight.shape[1] * groups if transposed and weight.dim() > 1 else None)
+    check_conv(op, x, x_scale, x_zero_point, x_qdtype, weight, out_scale, out_zero_point, spec)
     shape = conv_out_shape(x.shape, weight.shape, spec)
     dtype = _storage(out_qdtype, out_scale is not None)
     return x.new_empty(shape, dtype=dtype).contiguous(memory_format=_memory_format(spec.dim))
+
+
+def qconv(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
+          weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
+          bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
+          out_qdtype: str, relu: bool, stride: list[int], padding: list[int], dilation: list[int], groups: int,
+          transposed: bool, output_padding: list[int]) -> torch.Tensor:
+    return _qconv("qconv", x, x_scale, x_zero_point, x_qdtype, weight, w_scale, w_zero_point, w_qdtype, bias, out_scale,
+                  out_zero_point, out_qdtype, relu, stride, padding, dilation, groups, transposed, output_padding)
+
+
+def _qconv_fake(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
+                weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
+                bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
+                out_qdtype: str, relu: bool, stride: list[int], padding: list[int], dilation: list[int], groups: int,
+                transposed: bool, output_padding: list[int]) -> torch.Tensor:
+    return _qconv_fake_op("qconv", x, x_scale, x_zero_point, x_qdtype, weight, w_scale, w_zero_point, w_qdtype, bias,
+                          out_scale, out_zero_point, out_qdtype, relu, stride, padding, dilation, groups, transposed,
+                          output_padding)
 
 
 _GRIDS = ("Tensor x, Tensor x_scale, Tensor x_zero_point, str x_qdtype, Tensor weight, Tensor w_scale, "
@@ -225,8 +379,10 @@ def _parsed(config: str) -> tuple[Any, ...]:
 
     def ints(v: str) -> list[int]:
         return [int(t) for t in v.split(",")] if v else []
-    return (x_qd, w_qd, out_qd, relu == "1", ints(stride), ints(padding), ints(dilation), int(groups), transposed == "1",
-            ints(output_padding))
+    args = (x_qd, w_qd, out_qd, relu == "1", ints(stride), ints(padding), ints(dilation), int(groups),
+            transposed == "1", ints(output_padding))
+    check_geometry("qconv_cfg", _spec(*args[4:]))
+    return args
 
 
 def _cfg_args(config: str) -> tuple[tuple[str, str, str, bool], tuple[Any, ...]]:
@@ -238,16 +394,16 @@ def qconv_cfg(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor
               w_scale: torch.Tensor, w_zero_point: torch.Tensor, bias: torch.Tensor | None, out_scale: torch.Tensor | None,
               out_zero_point: torch.Tensor | None, config: str) -> torch.Tensor:
     (x_qd, w_qd, out_qd, relu), geometry = _cfg_args(config)
-    return qconv(x, x_scale, x_zero_point, x_qd, weight, w_scale, w_zero_point, w_qd, bias, out_scale, out_zero_point,
-                 out_qd, relu, *geometry)
+    return _qconv("qconv_cfg", x, x_scale, x_zero_point, x_qd, weight, w_scale, w_zero_point, w_qd, bias, out_scale,
+                  out_zero_point, out_qd, relu, *geometry, geometry_checked=True)
 
 
 def _qconv_cfg_fake(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, weight: torch.Tensor,
       w_scale: torch.Tensor, w_zero_point: torch.Tensor, bias: torch.Tensor | None, out_scale: torch.Tensor | None,
       out_zero_point: torch.Tensor | None, config: str) -> torch.Tensor:
     (x_qd, w_qd, out_qd, relu), geometry = _cfg_args(config)
-    return _qconv_fake(x, x_scale, x_zero_point, x_qd, weight, w_scale, w_zero_point, w_qd, bias, out_scale,
-                       out_zero_point, out_qd, relu, *geometry)
+    return _qconv_fake_op("qconv_cfg", x, x_scale, x_zero_point, x_qd, weight, w_scale, w_zero_point, w_qd, bias,
+                          out_scale, out_zero_point, out_qd, relu, *geometry)
 
 
 # what traced convs emit since session 21: qconv's 19 arguments boxed by the dispatcher cost ~13 µs per call (a no-op
