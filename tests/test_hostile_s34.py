@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lowbit import cli
 from lowbit.compile_state import conv_config
 from lowbit.nn.quantized.dynamic import Linear as DynamicLinear
 
@@ -177,3 +178,47 @@ def test_weight_only_op_names_its_input():
     with pytest.raises(ValueError, match=r"^lowbit::weight_only_linear: bias of shape \(3,\) must be \(8,\)"):
         call(torch.randn(3, 64), torch.zeros(3))
     assert call(torch.randn(3, 64)).shape == (3, 8)
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "s34model.py").write_text("import torch\n\ndef make():\n    return torch.nn.Sequential(torch.nn.Linear(8, 3))\n")
+    torch.save(torch.randn(16, 8), "calib.pt")
+    return tmp_path
+
+
+@pytest.mark.parametrize("extra", [["--method", "ptq"], ["--method", "dynamic", "--method", "ptq"], []])
+def test_quantize_refuses_qat_epochs_without_qat(workdir, capsys, extra):
+    # was rc 0: the value was ignored (with no --method and no --calib-labels, QAT is not among the default methods)
+    rc = cli.main(["quantize", "--quiet", "--model", "s34model:make", "--calib", "calib.pt", *extra, "--qat-epochs", "3",
+                   "--out", "o"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--qat-epochs 3 applies to --method qat, which is not among the methods to run" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (workdir / "o").exists()
+
+
+def test_quantize_without_qat_epochs_still_runs_and_qat_reads_its_default(workdir, capsys):
+    from lowbit.cli.command import QAT_EPOCHS, _check_args, build_parser
+
+    assert cli.main(["quantize", "--quiet", "--model", "s34model:make", "--calib", "calib.pt", "--method", "dynamic",
+                     "--out", "o"]) == 0
+    args = build_parser().parse_args(["quantize", "--model", "s34model:make", "--calib", "calib.pt", "--calib-labels",
+                                      "y.pt", "--method", "qat"])
+    _check_args(args, ["qat"])
+    assert args.qat_epochs == QAT_EPOCHS == 0.5
+
+
+@pytest.mark.parametrize("method", ["int8", "w8a8"])
+def test_quantize_llm_refuses_4_bits_with_an_8_bit_method(tmp_path, capsys, method):
+    # was: the model loaded, the method ran at 8 bits and the report said "bits": 8
+    rc = cli.main(["quantize-llm", str(tmp_path / "missing.gguf"), "--method", method, "--bits", "4", "--out",
+                   str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--bits 4 with --method {method}: its weights are 8-bit" in err, err
+    assert not (tmp_path / "o").exists()
+    # --bits 8 with it is consistent: the run goes on to the model (here missing)
+    rc = cli.main(["quantize-llm", str(tmp_path / "missing.gguf"), "--method", method, "--bits", "8", "--out",
+                   str(tmp_path / "o")])
+    assert rc == 2 and "--bits" not in capsys.readouterr().err

@@ -53,6 +53,9 @@ def _positive_float(text: str) -> float:
     return v
 
 
+#: ``--qat-epochs`` when it is not given (parsed as ``None``, so that a value given without QAT can be refused)
+QAT_EPOCHS = 0.5
+
 #: the built-in example's own flags and their defaults (with --model, another value would be ignored: refused)
 _EXAMPLE = {"epochs": 2.0, "train_size": 12000, "test_size": 0, "calib_size": 1000}
 
@@ -86,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--threads", type=_count(0, _cpus()), default=0,
                    help=f"torch threads, at most the {_cpus()} CPUs (0: torch's default)")
     q.add_argument("--epochs", type=_positive_float, default=_EXAMPLE["epochs"], help="built-in example: fp32 training epochs")
-    q.add_argument("--qat-epochs", dest="qat_epochs", type=_positive_float, default=0.5, help="QAT fine-tune epochs")
+    q.add_argument("--qat-epochs", dest="qat_epochs", type=_positive_float, default=None,
+                   help=f"QAT fine-tune epochs (default {QAT_EPOCHS}; --method qat only)")
     q.add_argument("--train-size", dest="train_size", type=_count(1), default=_EXAMPLE["train_size"],
                    help="built-in example: train images")
     q.add_argument("--test-size", dest="test_size", type=_count(0), default=_EXAMPLE["test_size"],
@@ -110,11 +114,16 @@ def _default_methods(args: argparse.Namespace) -> list[str]:
 
 def _check_args(args: argparse.Namespace, methods: list[str]) -> None:
     """Every check that needs no file read: flag combinations and the ``--model`` spec. A flag that no method asked
-    for would use is refused, not ignored."""
+    for would use is refused, not ignored. Fills in ``--qat-epochs``'s default."""
     for flag, default in (("recipe", "default"), ("qconfig", "default")):
         if getattr(args, flag) != default and "ptq" not in methods:
             raise CLIError(f"--{flag} {getattr(args, flag)} applies to --method ptq, which is not among the methods "
                            f"to run ({', '.join(methods)})")
+    if args.qat_epochs is not None and "qat" not in methods:  # (given: its parsed default is None)
+        raise CLIError(f"--qat-epochs {args.qat_epochs:g} applies to --method qat, which is not among the methods to "
+                       f"run ({', '.join(methods)})")
+    if args.qat_epochs is None:
+        args.qat_epochs = QAT_EPOCHS
     if args.model is None:
         for flag in ("weights", "calib", "eval", "labels", "calib_labels"):
             if getattr(args, flag) is not None:

@@ -58,7 +58,8 @@ def build_parser_into(sub: Any) -> argparse.ArgumentParser:
     q.add_argument("--method", default="weight-only", choices=LLM_METHODS,
                    help="weight-only: GPTQ+AWQ (default); rtn: rounding only; int8: int8 weight-only; w8a8: dynamic "
                         "int8 activations x int8 weights with SmoothQuant")
-    q.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    q.add_argument("--bits", type=int, default=None, choices=(4, 8),
+                   help="weight-only / rtn weight bits (default 4); int8 and w8a8 are 8-bit")
     q.add_argument("--group-size", dest="group_size", type=_group_size, default=128,
                    help="input features per weight group (-1: per channel; default 128)")
     q.add_argument("--no-awq", dest="awq", action="store_false", help="skip the AWQ scale search")
@@ -158,6 +159,11 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"{' and '.join(ignored)}: --method {args.method} does not use "
                        f"{'them' if len(ignored) > 1 else 'it'} (int8 and w8a8 weights are per "
                        "channel; w8a8 quantizes the decoder blocks' Linears and leaves the head float)")
+    if args.bits is not None and args.bits != 8 and args.method in ("int8", "w8a8"):  # (given: its parsed default is None)
+        raise CLIError(f"--bits {args.bits} with --method {args.method}: its weights are 8-bit (for {args.bits}-bit "
+                       "weights use --method weight-only or rtn)")
+    if args.bits is None:
+        args.bits = 4
     check_inputs_outside(args.out, {"MODEL": args.model, "--text": args.text})
     with OutputFolder(args.out) as folder:
         text = _text(args.text)  # (a missing --text is named before the model loads)
