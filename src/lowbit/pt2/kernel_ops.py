@@ -45,7 +45,7 @@ __all__ = ["weight_cache", "conv_out_shape"]  # (cached_weight: the ops' interna
 # vector). Each op's real and fake implementation run the same checks, so a compiled or exported call raises them at
 # trace time: attribute reads and comparisons only (no tensor is read), static dims only (a dynamic batch adds no
 # guard). The real implementations check the weight side once per weight, grid and bias objects (``checked_weight``,
-# kept in the weight's cache as the plans are) and the input side per call (~0.3 µs).
+# kept in the weight's cache as the plans are) and the input side per call: +0.4-1.1 µs on a 13 µs M = 1 qlinear.
 
 
 def bad_arg(op: str, text: str, error: type[Exception] = ValueError) -> Exception:
