@@ -128,6 +128,9 @@ def _batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
         for j, t in enumerate(batch):
             if not isinstance(t, torch.Tensor):
                 continue
+            if t.is_meta:
+                raise ValueError(f"quantize_ptq: calib batch {i}, input {j} is a meta tensor (shape {tuple(t.shape)}, "
+                                 "no data); calibration needs real values")
             if t.dim() > 0 and t.shape[0] == 0:
                 raise ValueError(f"quantize_ptq: calib batch {i}, input {j} is empty (shape {tuple(t.shape)}); "
                                  "every calibration batch needs at least one sample")
@@ -140,6 +143,43 @@ def _batch_failed(i: int, batch: tuple[Any, ...], err: BaseException) -> ValueEr
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch]
     return ValueError(f"quantize_ptq: calib batch {i} (input shapes {shapes}) failed in the model: "
                       f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+
+
+class _Unbatched(Exception):
+    """A weighted layer read an input without a leading sample axis (``_check_sample_axis``)."""
+
+
+def _check_sample_axis(float_model: nn.Module, batch: tuple[Any, ...], recipe: str) -> None:
+    """Run ``batch`` through ``float_model`` (eval, no_grad) and raise ``ValueError`` naming the first Linear / ConvNd
+    whose input has no leading sample axis (a 1-D input to a Linear, an unbatched conv input): the rounding, the
+    bias correction and the grid search slice samples along dim 0 and failed deep inside on such inputs. A batch
+    the model itself refuses is left to ``prepare_fx``, which names it."""
+    from .algorithms.layers import WEIGHTED
+
+    ranks = {nn.Linear: 2, nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5}
+
+    def hook(name: str, need: int, exact: bool):
+        def fn(mod: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and (x.dim() != need if exact else x.dim() < need):
+                raise _Unbatched(f"layer {name!r} ({type(mod).__name__}) reads an input of shape {tuple(x.shape)}")
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(n, ranks[t], t is not nn.Linear))
+               for n, m in float_model.named_modules() for t in (type(m),) if t in WEIGHTED]
+    try:
+        with torch.no_grad():
+            float_model(*batch)
+    except _Unbatched as e:
+        raise ValueError(f"quantize_ptq: recipe={recipe!r} needs calibration batches with a leading sample axis "
+                         f"(samples along dim 0), but {e} (calib batch 0 input shapes "
+                         f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch]}); "
+                         "add the batch dimension (x.unsqueeze(0)) or use recipe='default'") from None
+    except Exception:  # noqa: BLE001 - the model refuses the batch: prepare_fx names it
+        pass
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _check_model(model: nn.Module) -> None:
@@ -163,6 +203,9 @@ def _check_model(model: nn.Module) -> None:
                             "pass the float model")
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, t in named:
+            if t.is_meta:
+                raise ValueError(f"quantize_ptq: model {kind} {name!r} is on the meta device (no data to calibrate or "
+                                 "quantize); load the weights first (e.g. load_state_dict(..., assign=True))")
             if not t.is_floating_point():
                 continue
             if t.dtype != torch.float32:
@@ -282,14 +325,18 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     if streams is not None and (isinstance(streams, bool) or not isinstance(streams, (int, float))
                                 or not 0 <= streams <= 1):
         raise ValueError(f"quantize_ptq: streams={streams!r} must be None or an alpha in [0, 1]")
-    if equalize not in (True, False, "range"):
+    if not (isinstance(equalize, bool) or equalize == "range"):  # 1 == True: an int read as "range" (no weights)
         raise ValueError(f"quantize_ptq: equalize={equalize!r} must be True, False or 'range'")
+    if not isinstance(progress, bool):
+        raise TypeError(f"quantize_ptq: progress={progress!r} must be True or False")
     from tqdm.auto import tqdm
 
     _check_model(model)
     batches = _batches(calib)
     report = PTQReport(recipe)
     float_model = copy.deepcopy(model).eval()
+    if recipe in ("accurate", "balanced"):  # they slice samples along dim 0
+        _check_sample_axis(float_model, batches[0], recipe)
     if qconfig_mapping is not None:
         mapping = qconfig_mapping
     elif recipe == "accurate":  # MSE-searched ranges on both sides (lowbit.recipes)
