@@ -68,6 +68,7 @@ from .sensitivity import (
     _quantize,
     _quiet_float_fallback,
     _score,
+    check_calib,
     example_inputs_of,
     metric_drop,
     sensitivity,
@@ -111,6 +112,7 @@ def auto_mixed_precision(model: nn.Module, qconfig_mapping: Any, calib: Any, eva
         raise TypeError(f"auto_mixed_precision: eval_fn={eval_fn!r} must be callable (model -> score, higher is better)")
     method = "fx" if mode == "fx" else "ptq"
     batches = list(iter_batches(calib, "auto_mixed_precision: calib"))
+    check_calib(batches, "auto_mixed_precision")
     if mode == "fx" and example_inputs is None:
         example_inputs = example_inputs_of(batches[0], "auto_mixed_precision")
     if search == "fast":

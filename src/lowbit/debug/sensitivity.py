@@ -232,6 +232,19 @@ def _dynamic_spec(base: nn.Module, mapping: QConfigMapping) -> dict[str, QConfig
     return {name: qc for name, _, qc in _layers(base, mapping, "dynamic", keep_none=True)}
 
 
+def check_calib(batches: list[Any], where: str) -> None:
+    """Every calibration batch holds finite data and at least one sample, or a ``ValueError`` naming the batch: the
+    observers skip NaN and see nothing in an empty tensor, so such a batch was either silently left out or ended in
+    convert's "observer saw no data; run calibration batches" after the batches had run."""
+    for i, b in enumerate(batches):
+        check_finite_batch(b, where, f"calib batch {i}", "calibration ranges need finite data")
+        parts = b.values() if isinstance(b, dict) else b if isinstance(b, (tuple, list)) else (b,)
+        empty = [tuple(t.shape) for t in parts if isinstance(t, torch.Tensor) and t.numel() == 0]
+        if empty:
+            raise ValueError(f"{where}: calib batch {i} holds an empty tensor (shape {empty[0]}); every calibration "
+                             "batch needs at least one sample")
+
+
 def example_inputs_of(batch: Any, where: str) -> tuple[Any, ...]:
     """A calibration batch as ``prepare_fx``'s ``example_inputs`` (a dict batch needs them explicitly)."""
     if isinstance(batch, torch.Tensor):
@@ -330,6 +343,8 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
     user_mapping = copy.deepcopy(QConfigMapping.from_qconfig(qconfig_mapping, default))
     optional_calib = method in ("qat", "dynamic") and calib is None
     batches = [] if optional_calib else list(iter_batches(calib, "sensitivity: calib"))
+    if method != "dynamic":  # the dynamic method reads no calibration data
+        check_calib(batches, "sensitivity")
     base = _fused(model, fuse, method)
     layers = _layers(base, user_mapping, method)
     if not layers:
