@@ -84,6 +84,13 @@ def _check_inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
     if not isinstance(inputs, (tuple, list)) or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         raise TypeError("to_onnx: example_inputs must be a tensor or a non-empty tuple of tensors, got "
                         f"{type(example_inputs).__name__}")
+    for i, t in enumerate(inputs):
+        if t.is_meta:
+            raise ValueError(f"to_onnx: example_inputs[{i}] (shape {tuple(t.shape)}) is a meta tensor; the export runs "
+                             "the model on it: give real values")
+        if t.is_floating_point() and t.dtype != torch.float32:  # the twin's float32 weights and QDQ nodes
+            raise TypeError(f"to_onnx: example_inputs[{i}] has dtype {t.dtype}; the exported graph takes float32 "
+                            "inputs (QuantizeLinear, float32 weights): pass it as .float()")
     return tuple(inputs)
 
 
