@@ -83,11 +83,16 @@ def check_llm_calib(model: nn.Module, calib: Iterable[Any], fn: str) -> list[Any
         if isinstance(b, dict):
             if "input_ids" in b:
                 _check_ids(b["input_ids"], where + " input_ids", vocab)
+                if b["input_ids"].dim() != 2:  # its other inputs (masks, positions) would need the batch axis too
+                    raise ValueError(f"{where}: input_ids of a dict batch must be (batch, tokens), got shape "
+                                     f"{tuple(b['input_ids'].shape)}")
             e = b.get("inputs_embeds")
             if isinstance(e, torch.Tensor) and e.is_floating_point() and not bool(torch.isfinite(e).all()):
                 raise ValueError(f"{where}: inputs_embeds hold {int((~torch.isfinite(e)).sum())} NaN/Inf values")
         elif isinstance(b, torch.Tensor):
             _check_ids(b, where, vocab)
+            if b.dim() == 1:  # (tokens,): one sequence; the decoders' rotary / mask code needs (1, tokens)
+                batches[i] = b.unsqueeze(0)
     return batches
 
 

@@ -199,8 +199,10 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
     if not damps or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d < math.inf for d in damps):
         raise ValueError(f"quantize_llm: damp={damp!r} must be a positive float or a tuple of them")
     check_recipe(bits, group_size, "quantize_llm", symmetric)
-    if not isinstance(inplace, bool):
-        raise TypeError(f"quantize_llm: inplace={inplace!r} must be True or False")
+    for flag, value in (("inplace", inplace), ("awq", awq), ("act_order", act_order), ("refine", refine),
+                        ("float_target", float_target), ("progress", progress)):
+        if not isinstance(value, bool):  # read by truthiness below: awq="no" ran AWQ
+            raise TypeError(f"quantize_llm: {flag}={value!r} must be True or False")
     if not inplace:
         model = copy.deepcopy(model)
     rank, world = rank_and_world(group)
