@@ -134,9 +134,17 @@ def _named(model: nn.Module, paired: Any) -> list[tuple[str, str]]:
         pairs += list(zip(keys[:-1], keys[1:]))
     for an, bn in pairs:  # every pair checked before any is equalized: an error leaves the model as it was
         try:
-            _pair(mods[an], mods[bn], an, bn)
+            a, b, _ = _pair(mods[an], mods[bn], an, bn)
         except ValueError as e:
             raise ValueError(f"{e} (pair {an!r} -> {bn!r})") from None
+        for name, op in ((an, a), (bn, b)):  # a NaN range kept its channel unscaled and every sweep ran
+            w = op.weight
+            if w.is_meta:
+                raise ValueError(f"equalize: the weight of {name!r} ({type(op).__name__}) is on the meta device; load "
+                                 "the weights first")
+            if not bool(torch.isfinite(w).all()):
+                raise ValueError(f"equalize: the weight of {name!r} ({type(op).__name__}, shape {tuple(w.shape)}) holds "
+                                 f"{int((~torch.isfinite(w)).sum())} NaN/Inf values (pair {an!r} -> {bn!r})")
     return pairs
 
 
@@ -227,6 +235,8 @@ def equalize(model: nn.Module, paired_modules_list: Any = None, threshold: float
         raise ValueError(f"equalize: ranges={ranges!r} must be one of {list(_RANGES)}")
     if isinstance(max_sweeps, bool) or not isinstance(max_sweeps, int) or max_sweeps < 1:
         raise ValueError(f"equalize: max_sweeps={max_sweeps!r} must be an int >= 1")
+    if not isinstance(progress, bool):
+        raise TypeError(f"equalize: progress={progress!r} must be True or False")
     if paired_modules_list is None and example_inputs is None:
         raise ValueError("equalize: give paired_modules_list (module name pairs) or example_inputs to find them")
     pairs = _named(model, paired_modules_list) if paired_modules_list is not None else []
