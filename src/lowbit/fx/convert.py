@@ -40,6 +40,7 @@ from ..nn.quantized import activation as nnq_act
 from ..nn.quantized._utils import output_qparams
 from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.stubs import DeQuantize, Quantize
+from ..observer import PlaceholderObserver
 from . import convert_dynamic as float_out
 from .call import plain_call
 from .convert_dynamic import set_module as _set_module
@@ -219,6 +220,13 @@ class _Converter:
             src = node.args[0]
             if not holds_grid(obs):
                 where = f"{self.prefix}: " if self.prefix else ""
+                inner = getattr(obs, "activation_post_process", obs)
+                if isinstance(inner, PlaceholderObserver):  # (NoopObserver too) "saw no data" after calibration misled
+                    raise RuntimeError(
+                        f"convert_fx: {where}the observer after '{src.name}' ({_what(src, self.gm)}) is a "
+                        f"{type(inner).__name__} (qconfig.activation), which records no grid: a static int8 layer "
+                        "needs an observer such as HistogramObserver or MinMaxObserver; for a layer quantized per call "
+                        "give it a dynamic qconfig (get_dynamic_qconfig())")
                 raise RuntimeError(f"convert_fx: {where}the observer after '{src.name}' ({_what(src, self.gm)}) saw "
                                    "no data; run calibration batches through the prepared model before convert_fx()")
             if role == "obs_in" and src in self.quantized_inputs:  # arrives as a QTensor: no Quantize
