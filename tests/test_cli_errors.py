@@ -255,6 +255,7 @@ def test_flags_no_method_would_read_are_refused_not_ignored(workdir, capsys, ext
 @pytest.mark.parametrize("method, extra, needle", [
     ("w8a8", ["--head", "int4"], "--head int4: --method w8a8 does not use it"),
     ("int8", ["--group-size", "64"], "--group-size 64: --method int8 does not use it"),
+    ("int8", ["--group-size", "128"], "--group-size 128: --method int8 does not use it"),  # the default's value, given
     ("w8a8", ["--group-size", "32", "--head", "none"], "--group-size 32 and --head none: --method w8a8 does not use them"),
 ])
 def test_quantize_llm_refuses_flags_its_method_ignores(tmp_path, capsys, method, extra, needle):

@@ -60,7 +60,7 @@ def build_parser_into(sub: Any) -> argparse.ArgumentParser:
                         "int8 activations x int8 weights with SmoothQuant")
     q.add_argument("--bits", type=int, default=None, choices=(4, 8),
                    help="weight-only / rtn weight bits (default 4); int8 and w8a8 are 8-bit")
-    q.add_argument("--group-size", dest="group_size", type=_group_size, default=128,
+    q.add_argument("--group-size", dest="group_size", type=_group_size, default=None,
                    help="input features per weight group (-1: per channel; default 128)")
     q.add_argument("--no-awq", dest="awq", action="store_false", help="skip the AWQ scale search")
     q.add_argument("--head", default="int8", choices=("int8", "int4", "none"), help="lm_head / tied embedding")
@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
     if args.speed_tokens == 1:
         raise CLIError("--speed-tokens 1: the decode timing needs at least 2 new tokens (0 skips it)")
     # flags the chosen method does not read are refused, not ignored
-    ignored = [f"--group-size {args.group_size}"] * (args.method in ("int8", "w8a8") and args.group_size not in (128, -1))
+    # (--group-size parses to None, so an explicit 128 with int8 / w8a8 is told from the default; -1 is what they do)
+    ignored = [f"--group-size {args.group_size}"] * (args.method in ("int8", "w8a8") and args.group_size not in (None, -1))
     ignored += [f"--head {args.head}"] * (args.method == "w8a8" and args.head != "int8")
     if ignored:
         raise CLIError(f"{' and '.join(ignored)}: --method {args.method} does not use "
@@ -164,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
                        "weights use --method weight-only or rtn)")
     if args.bits is None:
         args.bits = 4
+    if args.group_size is None:
+        args.group_size = 128
     check_inputs_outside(args.out, {"MODEL": args.model, "--text": args.text})
     with OutputFolder(args.out) as folder:
         text = _text(args.text)  # (a missing --text is named before the model loads)
