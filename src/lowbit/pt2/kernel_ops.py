@@ -36,71 +36,10 @@ from ..kernels import ConvSpec, OutGrid
 from ..kernels.conv_plan import conv_plan
 from ..kernels.plan import layer_key, linear_plan
 from ..qtensor import QTensor
+from .checks import check_conv, check_geometry, check_linear, check_weight
 from .quant_ops import define
 
 __all__ = ["weight_cache", "conv_out_shape"]  # (cached_weight: the ops' internal, no argument checks)
-
-# The ops' argument checks (session 34). Called by hand, a wrong shape or dtype failed deep in fbgemm / oneDNN (a 1-d
-# weight freed an invalid pointer and took the process down) or gave garbage (int64 / float codes, a short zero point
-# vector). Each op's real and fake implementation run the same checks, so a compiled or exported call raises them at
-# trace time: attribute reads and comparisons only (no tensor is read), static dims only (a dynamic batch adds no
-# guard). The real implementations check the weight side once per weight, grid and bias objects (``checked_weight``,
-# kept in the weight's cache as the plans are) and the input side per call: +0.4-1.1 µs on a 13 µs M = 1 qlinear.
-
-
-def bad_arg(op: str, text: str, error: type[Exception] = ValueError) -> Exception:
-    """The error an op raises for an argument: ``lowbit::<op>: <text>``."""
-    return error(f"lowbit::{op}: {text}")
-
-
-@functools.lru_cache(maxsize=256)
-def codes_dtype(key: str) -> torch.dtype:
-    """The storage dtype of a ``qdtype_key``'s codes (parsed once per distinct key)."""
-    return qdtype_from_key(key).storage
-
-
-def check_codes(op: str, name: str, codes: torch.Tensor, key: str) -> None:
-    """``codes`` (argument ``name``) are stored in ``key``'s storage dtype, as ``QTensor.int_repr()`` gives them."""
-    if codes.dtype != codes_dtype(key):
-        raise bad_arg(op, f"{name} must hold {codes_dtype(key)} codes of the grid {key!r}, got dtype {codes.dtype}",
-                      TypeError)
-
-
-def check_per_tensor(op: str, name: str, scale: torch.Tensor | None, zero_point: torch.Tensor | None) -> None:
-    """A per-tensor grid: one scale and one zero point, both or neither."""
-    if (scale is None) != (zero_point is None):
-        raise bad_arg(op, f"{name}_scale and {name}_zero_point go together, got "
-                          f"{'None' if scale is None else 'a tensor'} and {'None' if zero_point is None else 'a tensor'}")
-    if scale is not None and (scale.numel() != 1 or zero_point.numel() != 1):  # type: ignore[union-attr]
-        raise bad_arg(op, f"{name}_scale and {name}_zero_point must hold one value each ({name} is quantized per "
-                          f"tensor), got shapes {tuple(scale.shape)} and {tuple(zero_point.shape)}")  # type: ignore[union-attr]
-
-
-def grids_ok(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
-             out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None) -> bool:
-    """The per-call side of ``check_codes`` / ``check_per_tensor`` for ``x`` and the output grid, as one expression."""
-    return (x.dtype == codes_dtype(x_qdtype) and x_scale.numel() == 1 and x_zero_point.numel() == 1
-            and (out_scale.numel() == 1 == out_zero_point.numel() if out_scale is not None and out_zero_point is not None
-                 else out_scale is out_zero_point))
-
-
-def check_weight(op: str, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
-                 bias: torch.Tensor | None, dim: int, axis: int = 0, n_out: Any = None) -> None:
-    """An int8 weight of ``dim`` dims with a per-tensor or per-channel grid (1 or ``weight.shape[axis]`` values) and a
-    bias of the output channels (``weight.shape[0]``, or ``n_out`` where that differs: a transposed conv)."""
-    if weight.dtype != torch.int8:
-        raise bad_arg(op, f"weight must hold int8 codes, got dtype {weight.dtype}", TypeError)
-    if weight.dim() != dim:
-        raise bad_arg(op, f"weight must be {dim}-d, got shape {tuple(weight.shape)}")
-    n = weight.shape[axis]
-    for name, t in (("w_scale", w_scale), ("w_zero_point", w_zero_point)):
-        if t.dim() > 1 or (t.numel() != 1 and t.numel() != n):
-            raise bad_arg(op, f"{name} of shape {tuple(t.shape)} must hold 1 value or one per channel of the "
-                              f"weight's dim {axis} ({n}: weight shape {tuple(weight.shape)})")
-    n_out = weight.shape[0] if n_out is None else n_out
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n_out):
-        raise bad_arg(op, f"bias of shape {tuple(bias.shape)} must be ({n_out},), one value per output channel "
-                          f"(weight shape {tuple(weight.shape)})")
 
 
 def checked_weight(op: str, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
@@ -115,20 +54,6 @@ def checked_weight(op: str, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_
         check_weight(op, weight, w_scale, w_zero_point, bias, dim, axis, weight.shape[1] * groups if axis == 1 else None)
         cache["pt2.checked"] = (w_scale, w_zero_point, bias, (dim, axis, groups))
     return cache, held
-
-
-def check_linear(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
-                 weight: torch.Tensor, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None) -> None:
-    """``qlinear``'s input side, its weight checked (``check_weight``): ``x`` ``(*, K)`` codes on a per-tensor grid,
-    a per-tensor output grid or none."""
-    if grids_ok(x, x_scale, x_zero_point, x_qdtype, out_scale, out_zero_point) and x.dim() and x.shape[-1] == weight.shape[1]:
-        return
-    check_codes(op, "x", x, x_qdtype)
-    check_per_tensor(op, "x", x_scale, x_zero_point)
-    check_per_tensor(op, "out", out_scale, out_zero_point)
-    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
-        raise bad_arg(op, f"x of shape {tuple(x.shape)} does not end in the weight's K={weight.shape[1]} "
-                          f"(weight shape {tuple(weight.shape)})")
 
 
 _CACHES: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
@@ -244,37 +169,6 @@ def _qlinear_fake(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Te
     check_weight("qlinear", weight, w_scale, w_zero_point, bias, 2)
     check_linear("qlinear", x, x_scale, x_zero_point, x_qdtype, weight, out_scale, out_zero_point)
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=_storage(out_qdtype, out_scale is not None))
-
-
-def check_geometry(op: str, spec: ConvSpec) -> None:
-    """One stride, padding, dilation (and output padding, transposed) per spatial dim, positive strides, dilations and
-    groups, non-negative paddings."""
-    d = spec.dim
-    if (d == 0 or len(spec.padding) != d or len(spec.dilation) != d or (spec.transposed and len(spec.output_padding) != d)
-            or spec.groups < 1 or min(*spec.stride, *spec.dilation) < 1 or min(spec.padding) < 0):
-        raise bad_arg(op, f"stride={list(spec.stride)}, padding={list(spec.padding)}, dilation={list(spec.dilation)}"
-                          f"{f', output_padding={list(spec.output_padding)}' if spec.transposed else ''}, "
-                          f"groups={spec.groups}: one value per spatial dim each, strides, dilations and groups >= 1, "
-                          "paddings >= 0")
-
-
-def check_conv(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
-               weight: torch.Tensor, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
-               spec: ConvSpec) -> None:
-    """``qconv``'s input side, its weight (``check_weight``) and geometry (``check_geometry``) checked: ``(N, C,
-    *spatial)`` codes on a per-tensor grid, ``C`` the weight's input channels (times ``groups``)."""
-    c_in = weight.shape[0] if spec.transposed else weight.shape[1] * spec.groups
-    if grids_ok(x, x_scale, x_zero_point, x_qdtype, out_scale, out_zero_point) and x.dim() == spec.dim + 2 \
-            and x.shape[1] == c_in:
-        return
-    check_codes(op, "x", x, x_qdtype)
-    check_per_tensor(op, "x", x_scale, x_zero_point)
-    check_per_tensor(op, "out", out_scale, out_zero_point)
-    if x.dim() != spec.dim + 2:
-        raise bad_arg(op, f"x of shape {tuple(x.shape)} must be {spec.dim + 2}-d (N, C, *spatial) for a {spec.dim}-d "
-                          "convolution")
-    raise bad_arg(op, f"x of shape {tuple(x.shape)} has {x.shape[1]} channels; the weight of shape "
-                      f"{tuple(weight.shape)} with groups={spec.groups} takes {c_in}")
 
 
 def conv_out_shape(x_shape: Any, w_shape: Any, spec: ConvSpec) -> list[Any]:

@@ -49,27 +49,18 @@ from ..qscheme import QDtype
 from ..nn.quantized.weight_only import WeightOnlyLinear
 from ..qtensor import QTensor, nchw_copy
 from ..qtensor.pool import max_pool2d_codes
-from .kernel_ops import (bad_arg, cached_weight, check_codes, check_per_tensor, check_weight, checked_weight,
-                         weight_cache)
+from .checks import (check_dynamic_x, check_qfunctional, check_weight,
+                     check_weight_only, check_weight_only_x)
+from .kernel_ops import cached_weight, checked_weight, weight_cache
 from .quant_ops import define, like
 
 __all__: list[str] = []
 
 
-def _check_dynamic_x(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """``dynamic_linear``'s input, its weight checked (``check_weight``): ``(M, K)`` float."""
-    if x.is_floating_point() and x.dim() == 2 and x.shape[1] == weight.shape[1]:
-        return
-    if not x.is_floating_point():
-        raise bad_arg("dynamic_linear", f"x must be a float tensor, got dtype {x.dtype}", TypeError)
-    raise bad_arg("dynamic_linear", f"x of shape {tuple(x.shape)} must be (M, K) with the weight's K={weight.shape[1]} "
-                                    f"(weight shape {tuple(weight.shape)})")
-
-
 def dynamic_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
                    w_qdtype: str, bias: torch.Tensor | None) -> torch.Tensor:
     cache, weight = checked_weight("dynamic_linear", weight, w_scale, w_zero_point, bias, 2)
-    _check_dynamic_x(x, weight)
+    check_dynamic_x(x, weight)
     if x.shape[0] == 0:
         return x.new_zeros(0, weight.shape[0], dtype=torch.float32)
     key, _, act = w_qdtype.partition("|")  # "qint8:-128:127" (per token) or "...|per_token_7bit" (reduced.py)
@@ -80,7 +71,7 @@ def dynamic_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
 def _dynamic_linear_fake(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
       bias: torch.Tensor | None) -> torch.Tensor:
     check_weight("dynamic_linear", weight, w_scale, w_zero_point, bias, 2)
-    _check_dynamic_x(x, weight)
+    check_dynamic_x(x, weight)
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
@@ -93,7 +84,7 @@ def _weight_only_module(qweight: torch.Tensor, scales: torch.Tensor, zero_points
     hit = cache.get("weight_only.module")
     if hit is not None and hit[0] == key:
         return hit[1]
-    _check_weight_only(qweight, scales, zero_points, bias, spec)  # (once per tensors and spec, as the module is kept)
+    check_weight_only(qweight, scales, zero_points, bias, spec)  # (once per tensors and spec, as the module is kept)
     in_f, out_f, bits, group_size, symmetric, relu = spec
     m = WeightOnlyLinear(in_f, out_f, bias is not None, bits, group_size, bool(symmetric), bool(relu), kernel)
     m.qweight, m.scales, m.zero_points = qweight, scales, zero_points
@@ -103,49 +94,17 @@ def _weight_only_module(qweight: torch.Tensor, scales: torch.Tensor, zero_points
     return m
 
 
-def _check_weight_only_x(x: torch.Tensor, spec: list[int]) -> None:
-    """``weight_only_linear``'s input: ``(*, in_features)`` float (``spec``:
-    ``[in_features, out_features, bits, group_size, symmetric, relu]``)."""
-    if x.is_floating_point() and x.dim() and len(spec) == 6 and x.shape[-1] == spec[0]:
-        return
-    if len(spec) != 6:
-        raise bad_arg("weight_only_linear", f"spec={list(spec)} must be [in_features, out_features, bits, group_size, "
-                                            "symmetric, relu]")
-    if not x.is_floating_point():
-        raise bad_arg("weight_only_linear", f"x must be a float tensor, got dtype {x.dtype}", TypeError)
-    raise bad_arg("weight_only_linear", f"x of shape {tuple(x.shape)} does not end in in_features={spec[0]} "
-                                        f"(spec={list(spec)})")
-
-
-def _check_weight_only(qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
-                       bias: torch.Tensor | None, spec: list[int]) -> None:
-    """``weight_only_linear``'s tensors against ``spec`` (its values are ``WeightOnlyLinear``'s constructor's to check):
-    ``qweight`` ``(out_features, in_features // 2)`` uint8 (4 bits) or ``(out_features, in_features)`` int8, one row
-    of scales and zero points per output feature, bias ``(out_features,)``."""
-    op = "weight_only_linear"
-    k, n, bits = spec[0], spec[1], spec[2]
-    want = (torch.uint8, (n, k // 2)) if bits == 4 else (torch.int8, (n, k))
-    if qweight.dtype != want[0] or tuple(qweight.shape) != want[1]:
-        raise bad_arg(op, f"qweight of dtype {qweight.dtype} and shape {tuple(qweight.shape)} does not hold {bits}-bit "
-                          f"codes of spec={list(spec)} ({want[0]}, {want[1]})")
-    if scales.dim() != 2 or scales.shape[0] != n or zero_points.shape != scales.shape:
-        raise bad_arg(op, f"scales of shape {tuple(scales.shape)} and zero_points of shape {tuple(zero_points.shape)} "
-                          f"must both be ({n}, groups), one row per output feature (spec={list(spec)})")
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
-        raise bad_arg(op, f"bias of shape {tuple(bias.shape)} must be ({n},) (spec={list(spec)})")
-
-
 def weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
                        bias: torch.Tensor | None, spec: list[int], kernel: str) -> torch.Tensor:
     """``spec``: ``[in_features, out_features, bits, group_size, symmetric, relu]``."""
-    _check_weight_only_x(x, spec)
+    check_weight_only_x(x, spec)
     return _weight_only_module(qweight, scales, zero_points, bias, spec, kernel)._eager(x).contiguous()
 
 
 def _weight_only_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
       bias: torch.Tensor | None, spec: list[int], kernel: str) -> torch.Tensor:
-    _check_weight_only_x(x, spec)
-    _check_weight_only(qweight, scales, zero_points, bias, spec)
+    check_weight_only_x(x, spec)
+    check_weight_only(qweight, scales, zero_points, bias, spec)
     return x.new_empty((*x.shape[:-1], spec[1]))
 
 
@@ -170,37 +129,11 @@ def _qtensor(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qdt
     return QTensor(q, scale, zero_point, qdtype_from_key(qdtype))
 
 
-_QF_OPS = {"add": False, "add_relu": False, "mul": False, "add_scalar": True, "mul_scalar": True}  # op: takes c?
-
-
-def _check_qfunctional(op: str, x: torch.Tensor, x_qdtype: str, y: torch.Tensor | None, y_qdtype: str,
-                       out_scale: torch.Tensor, out_zero_point: torch.Tensor) -> None:
-    """``qfunctional``'s arguments: one of its ops, codes in their grids' storage dtypes, ``y`` exactly for the binary
-    ops and broadcastable with ``x``, a per-tensor output grid."""
-    name = "qfunctional"
-    scalar = _QF_OPS.get(op)
-    if scalar is None:
-        raise bad_arg(name, f"op={op!r} is not one of {sorted(_QF_OPS)}")
-    if scalar != (y is None):
-        raise bad_arg(name, f"op={op!r} takes {'the scalar c and y=None' if scalar else 'a tensor y'}, got "
-                            f"{'None' if y is None else 'a tensor'} for y")
-    check_codes(name, "x", x, x_qdtype)
-    check_per_tensor(name, "out", out_scale, out_zero_point)
-    if y is not None:
-        check_codes(name, "y", y, y_qdtype)
-        if y.shape != x.shape:
-            try:
-                torch.broadcast_shapes(x.shape, y.shape)
-            except RuntimeError:
-                raise bad_arg(name, f"x of shape {tuple(x.shape)} and y of shape {tuple(y.shape)} do not "
-                                    "broadcast") from None
-
-
 def qfunctional(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
                 y: torch.Tensor | None, y_scale: torch.Tensor | None, y_zero_point: torch.Tensor | None,
                 y_qdtype: str, c: float, out_scale: torch.Tensor, out_zero_point: torch.Tensor,
                 out_qdtype: str) -> torch.Tensor:
-    _check_qfunctional(op, x, x_qdtype, y, y_qdtype, out_scale, out_zero_point)
+    check_qfunctional(op, x, x_qdtype, y, y_qdtype, out_scale, out_zero_point)
     grid = _Grid(out_scale, out_zero_point, qdtype_from_key(out_qdtype))
     xq = _qtensor(x, x_scale, x_zero_point, x_qdtype)
     other: Any = c if y is None else _qtensor(y, y_scale, y_zero_point, y_qdtype)  # type: ignore[arg-type]
@@ -211,7 +144,7 @@ def qfunctional(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: t
 def _qfunctional_fake(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
       y: torch.Tensor | None, y_scale: torch.Tensor | None, y_zero_point: torch.Tensor | None, y_qdtype: str,
       c: float, out_scale: torch.Tensor, out_zero_point: torch.Tensor, out_qdtype: str) -> torch.Tensor:
-    _check_qfunctional(op, x, x_qdtype, y, y_qdtype, out_scale, out_zero_point)
+    check_qfunctional(op, x, x_qdtype, y, y_qdtype, out_scale, out_zero_point)
     dtype = qdtype_from_key(out_qdtype).storage
     if y is None or y.shape == x.shape:
         return torch.empty_like(x, dtype=dtype)
