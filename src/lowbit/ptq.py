@@ -78,7 +78,7 @@ import torch
 from torch import nn
 
 from .algorithms.layerwise import ROUNDINGS, LayerChange, reconstruct
-from .batches import check_finite_batch
+from .ptq_checks import batch_failed, check_model, check_sample_axis, ptq_batches
 from .fx import convert_fx, prepare_fx
 from .qconfig import QConfigMapping, get_default_qconfig_mapping
 from .recipes import get_accurate_qconfig
@@ -108,112 +108,6 @@ class PTQReport:
             lines += [f"  {c.name:<34} {c.mse_nearest:10.3g} -> {c.mse_after:<10.3g} {c.codes_changed:8.1%}"
                       f"   {c.bias_shift:10.3g}" for c in self.layers]
         return "\n".join(lines)
-
-
-def _batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
-    if isinstance(calib, torch.Tensor):
-        raise TypeError("quantize_ptq: calib must be an iterable of batches (e.g. a list of tensors or a "
-                        "DataLoader), got a single tensor; wrap it: [x]")
-    try:
-        out = [b if isinstance(b, tuple) else tuple(b) if isinstance(b, list) else (b,) for b in calib]
-    except TypeError as e:
-        raise TypeError(f"quantize_ptq: calib must be an iterable of batches, got {type(calib).__name__}") from e
-    for i, b in enumerate(out):
-        if len(b) == 1 and isinstance(b[0], dict):
-            raise TypeError(f"quantize_ptq: calib batch {i} is a dict; graph mode feeds inputs by position: give a "
-                            "tensor or a tuple/list of the forward's arguments")
-    if not out:
-        raise ValueError("quantize_ptq: calib is empty; pass at least one calibration batch")
-    for i, batch in enumerate(out):
-        for j, t in enumerate(batch):
-            if not isinstance(t, torch.Tensor):
-                continue
-            if t.is_meta:
-                raise ValueError(f"quantize_ptq: calib batch {i}, input {j} is a meta tensor (shape {tuple(t.shape)}, "
-                                 "no data); calibration needs real values")
-            if t.dim() > 0 and t.shape[0] == 0:
-                raise ValueError(f"quantize_ptq: calib batch {i}, input {j} is empty (shape {tuple(t.shape)}); "
-                                 "every calibration batch needs at least one sample")
-        check_finite_batch(batch, "quantize_ptq", f"calib batch {i}", "calibration ranges need finite data")
-    return out
-
-
-def _batch_failed(i: int, batch: tuple[Any, ...], err: BaseException) -> ValueError:
-    """The error for calibration batch ``i`` failing in the model: its input shapes and the model's first line."""
-    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch]
-    return ValueError(f"quantize_ptq: calib batch {i} (input shapes {shapes}) failed in the model: "
-                      f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
-
-
-class _Unbatched(Exception):
-    """A weighted layer read an input without a leading sample axis (``_check_sample_axis``)."""
-
-
-def _check_sample_axis(float_model: nn.Module, batch: tuple[Any, ...], recipe: str) -> None:
-    """Run ``batch`` through ``float_model`` (eval, no_grad) and raise ``ValueError`` naming the first Linear / ConvNd
-    whose input has no leading sample axis (a 1-D input to a Linear, an unbatched conv input): the rounding, the
-    bias correction and the grid search slice samples along dim 0 and failed deep inside on such inputs. A batch
-    the model itself refuses is left to ``prepare_fx``, which names it."""
-    from .algorithms.layers import WEIGHTED
-
-    ranks = {nn.Linear: 2, nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5}
-
-    def hook(name: str, need: int, exact: bool):
-        def fn(mod: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0] if args else None
-            if isinstance(x, torch.Tensor) and (x.dim() != need if exact else x.dim() < need):
-                raise _Unbatched(f"layer {name!r} ({type(mod).__name__}) reads an input of shape {tuple(x.shape)}")
-        return fn
-
-    handles = [m.register_forward_pre_hook(hook(n, ranks[t], t is not nn.Linear))
-               for n, m in float_model.named_modules() for t in (type(m),) if t in WEIGHTED]
-    try:
-        with torch.no_grad():
-            float_model(*batch)
-    except _Unbatched as e:
-        raise ValueError(f"quantize_ptq: recipe={recipe!r} needs calibration batches with a leading sample axis "
-                         f"(samples along dim 0), but {e} (calib batch 0 input shapes "
-                         f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch]}); "
-                         "add the batch dimension (x.unsqueeze(0)) or use recipe='default'") from None
-    except Exception:  # noqa: BLE001 - the model refuses the batch: prepare_fx names it
-        pass
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _check_model(model: nn.Module) -> None:
-    """A float32 model with finite parameters and buffers, not yet prepared or converted, or a
-    ``ValueError``/``TypeError`` naming the tensor or module."""
-    from .fake_quant import FakeQuantize
-    from .nn.quantized import FloatFunctional
-    from .observer import ObserverBase
-
-    for name, mod in model.named_modules():
-        where = f"module {name!r}" if name else "the model itself"
-        if isinstance(mod, (ObserverBase, FakeQuantize)):
-            raise TypeError(f"quantize_ptq: model is already prepared ({where} is a {type(mod).__name__}); pass the "
-                            "float model, or calibrate this one and call convert / convert_fx")
-        kind = type(mod).__module__
-        if kind.startswith(("lowbit.nn.qat", "lowbit.nn.intrinsic.qat")):
-            raise TypeError(f"quantize_ptq: model is already prepared for QAT ({where} is {kind}.{type(mod).__name__}); "
-                            "pass the float model, or train this one and call convert")
-        if kind.startswith(("lowbit.nn.quantized", "lowbit.llm")) and not isinstance(mod, FloatFunctional):
-            raise TypeError(f"quantize_ptq: model is already quantized ({where} is {kind}.{type(mod).__name__}); "
-                            "pass the float model")
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in named:
-            if t.is_meta:
-                raise ValueError(f"quantize_ptq: model {kind} {name!r} is on the meta device (no data to calibrate or "
-                                 "quantize); load the weights first (e.g. load_state_dict(..., assign=True))")
-            if not t.is_floating_point():
-                continue
-            if t.dtype != torch.float32:
-                raise TypeError(f"quantize_ptq: model {kind} {name!r} is {t.dtype}; lowbit quantizes float32 "
-                                "models: call model.float() first")
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"quantize_ptq: model {kind} {name!r} holds NaN/Inf values; the int8 model "
-                                 "would not represent them")
 
 
 def _sqnr(ref: Any, out: Any) -> float:
@@ -331,12 +225,12 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         raise TypeError(f"quantize_ptq: progress={progress!r} must be True or False")
     from tqdm.auto import tqdm
 
-    _check_model(model)
-    batches = _batches(calib)
+    check_model(model)
+    batches = ptq_batches(calib)
     report = PTQReport(recipe)
     float_model = copy.deepcopy(model).eval()
     if recipe in ("accurate", "balanced"):  # they slice samples along dim 0
-        _check_sample_axis(float_model, batches[0], recipe)
+        check_sample_axis(float_model, batches[0], recipe)
     if qconfig_mapping is not None:
         mapping = qconfig_mapping
     elif recipe == "accurate":  # MSE-searched ranges on both sides (lowbit.recipes)
@@ -349,7 +243,7 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         cause = e.__cause__
         if cause is None or not str(e).startswith("prepare_fx: running the model on example_inputs failed"):
             raise
-        raise _batch_failed(0, batches[0], cause) from cause
+        raise batch_failed(0, batches[0], cause) from cause
     fx_report = getattr(prepared, "lowbit_report", None)
     fused = list(getattr(fx_report, "fused", []) or [])
     report.steps.append(("fuse", f"{len(fused)} runs fused (BN folded, ReLU/ReLU6 into output grids)"))
@@ -372,7 +266,7 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
             try:
                 prepared(*b)
             except Exception as e:  # a later batch that does not fit the model (batch 0 ran in prepare_fx): name it
-                raise _batch_failed(i, b, e) from e
+                raise batch_failed(i, b, e) from e
     report.steps.append(("calibrate", f"{len(batches)} batches observed"))
     if recipe == "accurate" and refine:
         from .algorithms.grid_search import refine_grids

@@ -1,0 +1,131 @@
+"""``quantize_ptq``'s checks of what it is given, made before anything is traced or changed.
+
+The float model: float32, finite, on a real device, not yet prepared or converted (``check_model``). The calibration
+data: a non-empty iterable of finite, non-empty batches, each a tensor or a tuple / list of model inputs
+(``ptq_batches``); a batch that fails in the model is named by its index (``batch_failed``). The ``"accurate"`` and
+``"balanced"`` recipes slice samples along dim 0, so their first batch must feed every Linear / ConvNd a leading sample
+axis (``check_sample_axis``). Each failure is a ``ValueError`` / ``TypeError`` naming the value.
+
+>>> import torch
+>>> [tuple(t.shape) for t in ptq_batches([torch.zeros(2, 3)])[0]]
+[(2, 3)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .batches import check_finite_batch
+
+__all__ = ["batch_failed", "check_model", "check_sample_axis", "ptq_batches"]
+
+
+def ptq_batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
+    if isinstance(calib, torch.Tensor):
+        raise TypeError("quantize_ptq: calib must be an iterable of batches (e.g. a list of tensors or a "
+                        "DataLoader), got a single tensor; wrap it: [x]")
+    try:
+        out = [b if isinstance(b, tuple) else tuple(b) if isinstance(b, list) else (b,) for b in calib]
+    except TypeError as e:
+        raise TypeError(f"quantize_ptq: calib must be an iterable of batches, got {type(calib).__name__}") from e
+    for i, b in enumerate(out):
+        if len(b) == 1 and isinstance(b[0], dict):
+            raise TypeError(f"quantize_ptq: calib batch {i} is a dict; graph mode feeds inputs by position: give a "
+                            "tensor or a tuple/list of the forward's arguments")
+    if not out:
+        raise ValueError("quantize_ptq: calib is empty; pass at least one calibration batch")
+    for i, batch in enumerate(out):
+        for j, t in enumerate(batch):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.is_meta:
+                raise ValueError(f"quantize_ptq: calib batch {i}, input {j} is a meta tensor (shape {tuple(t.shape)}, "
+                                 "no data); calibration needs real values")
+            if t.dim() > 0 and t.shape[0] == 0:
+                raise ValueError(f"quantize_ptq: calib batch {i}, input {j} is empty (shape {tuple(t.shape)}); "
+                                 "every calibration batch needs at least one sample")
+        check_finite_batch(batch, "quantize_ptq", f"calib batch {i}", "calibration ranges need finite data")
+    return out
+
+
+def batch_failed(i: int, batch: tuple[Any, ...], err: BaseException) -> ValueError:
+    """The error for calibration batch ``i`` failing in the model: its input shapes and the model's first line."""
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch]
+    return ValueError(f"quantize_ptq: calib batch {i} (input shapes {shapes}) failed in the model: "
+                      f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+
+
+class _Unbatched(Exception):
+    """A weighted layer read an input without a leading sample axis (``check_sample_axis``)."""
+
+
+def check_sample_axis(float_model: nn.Module, batch: tuple[Any, ...], recipe: str) -> None:
+    """Run ``batch`` through ``float_model`` (eval, no_grad) and raise ``ValueError`` naming the first Linear / ConvNd
+    whose input has no leading sample axis (a 1-D input to a Linear, an unbatched conv input): the rounding, the
+    bias correction and the grid search slice samples along dim 0 and failed deep inside on such inputs. A batch
+    the model itself refuses is left to ``prepare_fx``, which names it."""
+    from .algorithms.layers import WEIGHTED
+
+    ranks = {nn.Linear: 2, nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5}
+
+    def hook(name: str, need: int, exact: bool):
+        def fn(mod: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and (x.dim() != need if exact else x.dim() < need):
+                raise _Unbatched(f"layer {name!r} ({type(mod).__name__}) reads an input of shape {tuple(x.shape)}")
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(n, ranks[t], t is not nn.Linear))
+               for n, m in float_model.named_modules() for t in (type(m),) if t in WEIGHTED]
+    try:
+        with torch.no_grad():
+            float_model(*batch)
+    except _Unbatched as e:
+        raise ValueError(f"quantize_ptq: recipe={recipe!r} needs calibration batches with a leading sample axis "
+                         f"(samples along dim 0), but {e} (calib batch 0 input shapes "
+                         f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch]}); "
+                         "add the batch dimension (x.unsqueeze(0)) or use recipe='default'") from None
+    except Exception:  # noqa: BLE001 - the model refuses the batch: prepare_fx names it
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def check_model(model: nn.Module) -> None:
+    """A float32 model with finite parameters and buffers, not yet prepared or converted, or a
+    ``ValueError``/``TypeError`` naming the tensor or module."""
+    from .fake_quant import FakeQuantize
+    from .nn.quantized import FloatFunctional
+    from .observer import ObserverBase
+
+    for name, mod in model.named_modules():
+        where = f"module {name!r}" if name else "the model itself"
+        if isinstance(mod, (ObserverBase, FakeQuantize)):
+            raise TypeError(f"quantize_ptq: model is already prepared ({where} is a {type(mod).__name__}); pass the "
+                            "float model, or calibrate this one and call convert / convert_fx")
+        kind = type(mod).__module__
+        if kind.startswith(("lowbit.nn.qat", "lowbit.nn.intrinsic.qat")):
+            raise TypeError(f"quantize_ptq: model is already prepared for QAT ({where} is {kind}.{type(mod).__name__}); "
+                            "pass the float model, or train this one and call convert")
+        if kind.startswith(("lowbit.nn.quantized", "lowbit.llm")) and not isinstance(mod, FloatFunctional):
+            raise TypeError(f"quantize_ptq: model is already quantized ({where} is {kind}.{type(mod).__name__}); "
+                            "pass the float model")
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ValueError(f"quantize_ptq: model {kind} {name!r} is on the meta device (no data to calibrate or "
+                                 "quantize); load the weights first (e.g. load_state_dict(..., assign=True))")
+            if not t.is_floating_point():
+                continue
+            if t.dtype != torch.float32:
+                raise TypeError(f"quantize_ptq: model {kind} {name!r} is {t.dtype}; lowbit quantizes float32 "
+                                "models: call model.float() first")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"quantize_ptq: model {kind} {name!r} holds NaN/Inf values; the int8 model "
+                                 "would not represent them")
+
