@@ -116,11 +116,18 @@ def _interpolate(x: Any, size: Any = None, scale_factor: Any = None, mode: str =
 
 
 def _pad(x: Any, pad: Any, mode: str = "constant", value: float | None = None) -> Any:
-    """Constant padding with ``value`` quantized onto the grid (``0.0`` pads the zero point)."""
+    """Constant padding with ``value`` quantized onto the grid (``0.0`` pads the zero point). A value the grid cannot
+    hold (past its ends: ``nn.ConstantPad2d(1, 3.0)`` after a layer whose grid ends at 1.5) runs on float values
+    (warned), so the next layer quantizes it on the grid it calibrated; its code would have saturated silently."""
     if not isinstance(x, QTensor) or mode != "constant" or _touches_axis(x, len(pad) // 2):
         return NotImplemented
     fill = _code_bound(x, float(value or 0.0))
     assert fill is not None
+    if value:  # 0 is always on the grid (its zero point)
+        s = _channel_shaped(x, x.scale).to(torch.float64)
+        held = (fill - _channel_shaped(x, x.zero_point)).to(torch.float64) * s
+        if bool(((held - float(value)).abs() > 0.5001 * s).any()):
+            return NotImplemented
     if x.axis is None:
         return x._same_grid(F.pad(x.int_repr(), pad, value=int(fill)))
     q = F.pad(x.int_repr().to(torch.int64) - fill, pad) + fill  # pad 0 around q - fill, per channel
