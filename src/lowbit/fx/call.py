@@ -29,6 +29,7 @@ Quantize: the float input of shape (3, 4) holds 1 NaN values
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 from torch import fx, nn
@@ -46,7 +47,15 @@ class _PlainCall:
         return nn.Module.__call__(obj, *args, **kwargs)
 
 
-_PLAIN = _PlainCall()
+def _fresh_plain_call() -> _PlainCall:
+    """A ``_PlainCall`` whose ``__call__`` has a code object of its own. dynamo compiles this frame (it is not
+    torch's) and keeps its compiled graphs per code object, guarded on the module's class, which torch.fx makes per
+    instance: one shared code object collected a cache entry per converted model and, at the 9th model compiled in a
+    process, hit ``recompile_limit`` (``fullgraph=True`` raised ``FailOnRecompileLimitHit``, otherwise the model ran
+    uncompiled). torch.fx's own wrapper has no such frame: dynamo starts at each instance's generated ``forward``."""
+    code = _PlainCall.__call__.__code__
+    fn = types.FunctionType(code.replace(co_name=code.co_name), _PlainCall.__call__.__globals__, "__call__")
+    return type("_PlainCall", (_PlainCall,), {"__slots__": (), "__call__": fn})()
 
 
 def _deepcopy(self: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule:
@@ -57,7 +66,7 @@ def _deepcopy(self: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule:
 
 def _plain(gm: fx.GraphModule) -> None:
     cls = type(gm)  # GraphModule makes one class per instance: this changes no other module
-    cls._wrapped_call = _PLAIN  # type: ignore[attr-defined]
+    cls._wrapped_call = _fresh_plain_call()  # type: ignore[attr-defined]
     cls.__deepcopy__ = _deepcopy  # type: ignore[method-assign]
 
 
