@@ -138,7 +138,20 @@ def qfunctional(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: t
     xq = _qtensor(x, x_scale, x_zero_point, x_qdtype)
     other: Any = c if y is None else _qtensor(y, y_scale, y_zero_point, y_qdtype)  # type: ignore[arg-type]
     out = getattr(grid, f"_eager_{op}")(xq, other).int_repr()
-    return like(out.clone() if out is x or out is y else out, x if y is None or y.shape == x.shape else out)
+    out = out.clone() if out is x or out is y else out
+    ref = _layout_ref(x, y)
+    return like(out, ref) if ref is not None else out.contiguous()
+
+
+def _layout_ref(x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor | None:
+    """The operand whose strides ``qfunctional``'s output has (as ``torch.empty_like``): ``x``, or ``y`` where only
+    ``y`` has the broadcast shape; ``None`` (contiguous) where neither has it. The fake promises the same: a
+    broadcasting ``mul`` (squeeze-excite's gate) of channels-last codes gave channels-last codes while the fake
+    promised contiguous ones, and inductor's stride assertion failed the compiled model."""
+    if y is None or y.shape == x.shape:
+        return x
+    shape = torch.broadcast_shapes(x.shape, y.shape)
+    return x if x.shape == shape else y if y.shape == shape else None
 
 
 def _qfunctional_fake(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
@@ -146,8 +159,10 @@ def _qfunctional_fake(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_po
       c: float, out_scale: torch.Tensor, out_zero_point: torch.Tensor, out_qdtype: str) -> torch.Tensor:
     check_qfunctional(op, x, x_qdtype, y, y_qdtype, out_scale, out_zero_point)
     dtype = qdtype_from_key(out_qdtype).storage
-    if y is None or y.shape == x.shape:
-        return torch.empty_like(x, dtype=dtype)
+    ref = _layout_ref(x, y)
+    if ref is not None:
+        return torch.empty_like(ref, dtype=dtype)
+    assert y is not None
     return x.new_empty(torch.broadcast_shapes(x.shape, y.shape), dtype=dtype)
 
 
