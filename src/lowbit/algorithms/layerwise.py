@@ -116,11 +116,12 @@ def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Ten
         with torch.no_grad():
             w_hat = (q - z) * s
             total, count = torch.zeros(op.weight.shape[0]), 0
+            ch = -1 if isinstance(op, nn.Linear) else 1  # a Linear's channels are last: (N, ..., C); a conv's (N, C, ...)
             for x_f, x_q, t in zip(xf, xq, target):
                 pre_f = t if act is None else layer_forward(mod, x_f, activation=False)
-                d = pre_f - layer_forward(mod, x_q, w_hat, activation=False)  # (N, C, ...)
-                total += d.transpose(0, 1).reshape(d.shape[1], -1).sum(1) if d.dim() > 1 else d
-                count += d.numel() // d.shape[1] if d.dim() > 1 else 1
+                d = pre_f - layer_forward(mod, x_q, w_hat, activation=False)
+                total += d.movedim(ch, 0).reshape(d.shape[ch], -1).sum(1) if d.dim() > 1 else d
+                count += d.numel() // d.shape[ch] if d.dim() > 1 else 1
             delta = total / max(1, count)
             if op.bias is None:
                 op.bias = nn.Parameter(torch.zeros(op.weight.shape[0], dtype=op.weight.dtype))
