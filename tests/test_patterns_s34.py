@@ -7,7 +7,9 @@ each case one that gave silent garbage, a deep crash or a failed compile before 
 - ``lowbit::qfunctional`` on a broadcasting ``mul`` of channels-last codes (squeeze-excite's gate): its fake
   promised contiguous codes, inductor's stride assertion failed the compiled model;
 - ``quantize_ptq(recipe="balanced")`` bias correction of a Linear on ``(N, T, C)`` inputs summed over ``T`` as if it
-  were the channel axis (a crash where ``T != C``, a wrong correction where ``T == C``).
+  were the channel axis (a crash where ``T != C``, a wrong correction where ``T == C``);
+- a conv with asymmetric zero padding (``padding="same"`` with an even kernel) under ``torch.compile`` / ``torch.export``:
+  its explicit pad read the zero point with ``int()``, a data-dependent guard.
 """
 
 from __future__ import annotations
@@ -132,6 +134,33 @@ def test_balanced_bias_correction_on_token_linears():
     x = torch.randn(8, 5, 16) + torch.linspace(-3, 3, 5)[:, None]
     with torch.no_grad():
         assert _sqnr(m(x), q(x)) > 42
+
+
+class _SamePad(nn.Module):
+    """An even kernel with padding="same" (left 1, right 2: padded explicitly, on the input's zero point) and a
+    reflect-padded conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 4, padding="same")
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect")
+
+    def forward(self, x):
+        return self.c2(F.relu(self.c1(x)))
+
+
+def test_asymmetric_zero_padding_compiles_and_exports():
+    """The explicit zero pad read the zero point with int(): a data-dependent guard stopped torch.compile and
+    torch.export; traced, it now pads q - z with zeros (the same codes)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 12, 12)
+    m = _SamePad().eval()
+    q = _fx(m, x)
+    with torch.no_grad():
+        ref = q(x)
+        assert _sqnr(m(x), ref) > 25  # (the eager int8 model: 34 dB)
+        assert torch.equal(torch.compile(q, fullgraph=True)(x), ref)
+        assert torch.equal(torch.export.export(q, (x,)).module()(x), ref)
 
 
 @pytest.mark.xfail(strict=True, raises=AttributeError, reason="quantize_dynamic's Linear has torch.ao's weight() "

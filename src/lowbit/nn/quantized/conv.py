@@ -34,6 +34,7 @@ from ... import kernels
 from ...kernels import ConvSpec
 from ...kernels.conv_plan import conv_plan
 from ...qscheme import QDtype, quint8
+from ...compile_state import tracing
 from ...qtensor import QTensor
 from ._utils import (WeightedQuantModule, as_qtensor)
 
@@ -101,7 +102,12 @@ class _ConvNd(WeightedQuantModule):
     def _pad(self, qx: QTensor) -> QTensor:
         assert self._explicit_pad is not None
         q = qx.int_repr()
-        if self.padding_mode == "zeros":
+        if self.padding_mode == "zeros" and tracing():
+            # the zero point stays a tensor (int() of it is a data-dependent read that stops torch.compile / export):
+            # pad q - z with zeros in int16 (exact for 8-bit codes and zero points) and add z back
+            z = qx.zero_point.to(torch.int16)
+            q = (F.pad(q.to(torch.int16) - z, self._explicit_pad) + z).to(q.dtype)
+        elif self.padding_mode == "zeros":
             q = F.pad(q, self._explicit_pad, value=int(qx.zero_point))
         else:  # copy codes in float32 (exact for 8-bit codes): torch pads integer tensors only with constants
             q = F.pad(q.to(torch.float32), self._explicit_pad, mode=self.padding_mode).to(q.dtype)
