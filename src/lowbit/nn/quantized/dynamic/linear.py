@@ -98,6 +98,55 @@ def quantize_dynamic_weight(weight: torch.Tensor, mod: nn.Module | None, dtype: 
     return quantize_per_channel(w, scale, zp, 0, dtype)
 
 
+class WeightAccessor:
+    """A dynamic ``Linear``'s ``weight`` attribute: call it for the quantized weight (torch.ao's ``weight()``); read
+    ``device`` / ``dtype`` / ``shape`` for the stored weight's (int8 codes, or the float16 tensor).
+
+    torch.ao's ``weight`` is a method, so code written for a float ``nn.Linear`` that reads ``.weight`` as a tensor
+    failed on it: ``nn.TransformerEncoderLayer`` / ``nn.TransformerEncoder`` in eval mode check their fused fast path
+    with ``linear1.weight.device`` ("'function' object has no attribute 'device'", pytorch/pytorch#32764 and
+    #109987). This object is no tensor and says so to torch (``__torch_function__``, declining every function): those
+    fast-path checks then find a tensor-like argument and take the layer's module-by-module path, which calls the
+    quantized Linears.
+
+    >>> import torch, lowbit as Q
+    >>> q = Q.quantize_dynamic(torch.nn.Sequential(torch.nn.Linear(4, 3)))[0]
+    >>> q.weight().qdtype, q.weight.dtype, tuple(q.weight.shape), torch.overrides.has_torch_function((q.weight,))
+    (lowbit.qint8, torch.int8, (3, 4), True)
+    """
+
+    __slots__ = ("_mod",)
+
+    def __init__(self, mod: Linear) -> None:
+        self._mod = mod
+
+    def __call__(self) -> QTensor | torch.Tensor:
+        return self._mod._weight()
+
+    def _stored(self) -> torch.Tensor:
+        m = self._mod
+        return m.weight_fp16 if m.dtype == torch.float16 else m.weight_int8  # type: ignore[return-value]
+
+    @property
+    def device(self) -> torch.device:
+        return self._stored().device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._stored().dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._stored().shape
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return NotImplemented  # (not a tensor: torch functions refuse it with a TypeError naming this type)
+
+    def __repr__(self) -> str:
+        return f"<weight of {self._mod.extra_repr()}: call it for the quantized weight>"
+
+
 class Linear(CheckedQuantState):
     """``y = x Wᵀ + b`` with int8 weights and per-token int8 activations; float in, float out.
 
@@ -123,8 +172,13 @@ class Linear(CheckedQuantState):
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self._cache: dict[str, Any] = {}
 
-    def weight(self) -> QTensor | torch.Tensor:
-        """The per-channel int8 weight as a ``QTensor`` (the float16 tensor for ``dtype=torch.float16``)."""
+    @property
+    def weight(self) -> WeightAccessor:
+        """``weight()``: the per-channel int8 weight as a ``QTensor`` (the float16 tensor for ``dtype=torch.float16``),
+        as torch.ao's method; ``weight.device`` / ``.dtype`` / ``.shape``: the stored weight's (``WeightAccessor``)."""
+        return WeightAccessor(self)
+
+    def _weight(self) -> QTensor | torch.Tensor:
         if self.dtype == torch.float16:
             return self.weight_fp16
         return QTensor(self.weight_int8, self.weight_scale, self.weight_zero_point, self.dtype, axis=0)
