@@ -31,7 +31,7 @@ TIERS: list[tuple[str, ...]] = [
     ("mappings", "examples", "speed_guard", "pt2"),
     ("fuse", "workflow", "quantize_dynamic", "weight_only", "llm", "fx", "quantize_api", "reference"),
     ("export", "algorithms", "debug", "data"),
-    ("report", "ptq", "models"),       # renders debug results; quantize_ptq (fx + algorithms); real CNNs
+    ("report", "ptq", "ptq_checks", "models"),  # debug results rendered; quantize_ptq (fx + algorithms), its checks; CNNs
     ("__init__",),                     # the package root: re-exports the public names of all of the above
     ("cli", "__main__"),
 ]
