@@ -139,7 +139,9 @@ def calculate_qparams(
         scale = torch.where(torch.isfinite(width), width / float(qmax - qmin),
                             max_pos / float(qmax - qmin) - min_neg / float(qmax - qmin))
         scale = torch.maximum(scale, eps_t)
-        zero_point = (qmin - torch.round(min_neg / scale)).clamp(qmin, qmax).to(torch.int64)
+        # the subtraction in int64, as torch.ao's (in float32, qint32's qmin - round(.) lost its low bits);
+        # |min_neg / scale| <= ~(qmax - qmin), so the conversion is exact
+        zero_point = (qmin - torch.round(min_neg / scale).to(torch.int64)).clamp_(qmin, qmax)
     scale = _keep_grid_finite(scale, zero_point, qmin, qmax)
     if validate and scale.numel() > 0 and not bool(torch.isfinite(scale).all()):
         raise ValueError(f"calculate_qparams: the range [{lo.tolist()}, {hi.tolist()}] is too wide for a float32 "
