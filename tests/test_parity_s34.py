@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.ao.quantization as tq
 import torch.ao.quantization.observer as tao
 
 import lowbit as Q
@@ -39,3 +40,24 @@ def test_qint32_zero_point_exact_in_calculate_qparams_per_channel():
     ls, lz = Q.calculate_qparams(lo_v, hi_v, Q.per_channel_affine, Q.qint32, _EPS)
     assert torch.equal(ls, ts)
     assert lz.tolist() == tz.tolist()
+
+
+def test_torch_ao_observer_and_fake_quant_checkpoints_load_with_their_eps():
+    """torch.ao saves an observer's eps as a buffer: its checkpoints failed lowbit's strict load ("Unexpected key(s)
+    in state_dict: 'eps'"); the value is adopted, so the loaded observer gives torch.ao's grid."""
+    torch.manual_seed(0)
+    a = tao.MinMaxObserver()
+    a(torch.randn(10) * 1e-9)  # (a range below eps: the grid is eps's)
+    o = Q.MinMaxObserver()
+    o.load_state_dict(a.state_dict())
+    assert o.eps == float(a.eps)
+    (s, z), (s_ao, z_ao) = o.calculate_qparams(), a.calculate_qparams()
+    assert float(s) == float(s_ao) and int(z) == int(z_ao)
+    f = tq.FakeQuantize()
+    f(torch.randn(4, 8))
+    lf = Q.FakeQuantize()
+    lf.load_state_dict(f.state_dict())
+    assert float(lf.calculate_qparams()[0]) == float(f.calculate_qparams()[0])
+    bad = {**a.state_dict(), "eps": torch.tensor([-1.0])}
+    with pytest.raises(RuntimeError, match="eps: expected one positive finite float32 value"):
+        Q.MinMaxObserver().load_state_dict(bad)

@@ -154,6 +154,14 @@ class ObserverBase(abc.ABC, WithArgs, nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
         errors = check_quantized_state(self, state_dict, prefix)  # NaN ranges, bad histograms / qparams
+        eps = state_dict.pop(prefix + "eps", None)  # torch.ao keeps eps as a buffer, lowbit as a float: adopt it
+        if eps is not None:
+            v = float(eps.reshape(-1)[0]) if isinstance(eps, torch.Tensor) and eps.numel() == 1 else None
+            if v is None or not _F32_TINY <= v <= _F32_MAX:
+                errors.append(f"{prefix}eps: expected one positive finite float32 value (torch.ao's eps buffer), got "
+                              f"{eps!r}")
+            elif not errors:
+                self.eps = v
         lo, hi = state_dict.get(prefix + "min_val"), state_dict.get(prefix + "max_val")
         if "min_val" in self._buffers and isinstance(lo, torch.Tensor) and isinstance(hi, torch.Tensor):
             if lo.shape != hi.shape:
