@@ -131,6 +131,23 @@ class _HalfLinearFn(torch.autograd.Function):
         return y if bias_c is None else g.op("Add", y, _c(g, bias_c))
 
 
+class _NotATensor:
+    """``DynamicLinearTwin.weight``: no tensor, and says so to torch (``__torch_function__`` declines every function).
+
+    ``nn.TransformerEncoderLayer`` reads ``linear1.weight`` / ``.bias`` in eval mode to check its fused fast path;
+    a tensor-like argument makes it take the module-by-module path that calls the twins (as the dynamic
+    ``Linear``'s ``WeightAccessor`` does in eager lowbit)."""
+
+    __slots__ = ("device", "dtype", "shape")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.device, self.dtype, self.shape = t.device, t.dtype, t.shape
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return NotImplemented
+
+
 class DynamicLinearTwin(nn.Module):
     """Twin of a dynamic ``Linear``: eager forward = the module's numerics; ONNX graph in the module doc.
 
@@ -147,6 +164,8 @@ class DynamicLinearTwin(nn.Module):
         self.in_features, self.out_features = mod.in_features, mod.out_features
         self.fp16 = mod.dtype == torch.float16
         self.relu = isinstance(mod, DynamicLinearReLU)
+        stored = mod.weight_fp16 if self.fp16 else mod.weight_int8
+        self.weight = self.bias = _NotATensor(stored)  # type: ignore[assignment] (fast-path checks, see the class)
         bias = None if mod.bias is None else mod.bias.detach().to(torch.float32).cpu()
         self.bias_c = None if bias is None else _Const(bias)
         if self.fp16:

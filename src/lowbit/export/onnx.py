@@ -172,6 +172,14 @@ def _export(onnx: Any, twin: nn.Module, inputs: tuple[torch.Tensor, ...], path: 
     onnx.save(proto, str(path))
 
 
+def _float_weight_layers(onnx: Any, path: str | os.PathLike[str]) -> bool:
+    """Whether a Conv / ConvTranspose / Gemm of the file reads a float32 weight initializer (a float layer)."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    floats = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    return any(n.op_type in ("Conv", "ConvTranspose", "Gemm") and len(n.input) > 1 and n.input[1] in floats
+               for n in graph.node)
+
+
 def run_onnx(path: str | os.PathLike[str], *inputs: torch.Tensor, optimized_model_path: str | None = None,
              accuracy_level: int | None = 1) -> list[torch.Tensor]:
     """Run an ONNX file on ONNX Runtime's CPU provider; outputs as tensors (``pip install lowbit[onnx]``).
@@ -201,7 +209,11 @@ def run_onnx(path: str | os.PathLike[str], *inputs: torch.Tensor, optimized_mode
         opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy_level))
     if optimized_model_path is not None:
         opts.optimized_model_filepath = str(optimized_model_path)
-    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    # ORT >= 1.20's WeightBiasQuantization quantizes the float weight of a Conv / Gemm read from a DequantizeLinear and
+    # written to a QuantizeLinear (per-tensor int8): a float layer kept in an int8 model would silently run int8.
+    # Off only where such a float weight exists (prepared / QAT files rely on it for their float biases' int32 form)
+    off = ["WeightBiasQuantization"] if _float_weight_layers(_require("onnx", "run_onnx"), path) else []
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"], disabled_optimizers=off)
     names = [i.name for i in sess.get_inputs()]
     if len(names) != len(inputs):
         raise ValueError(f"run_onnx: the model takes {len(names)} inputs ({names}), got {len(inputs)}")

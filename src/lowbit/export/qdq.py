@@ -199,7 +199,10 @@ class WeightedTwin(nn.Module):
         self.register_buffer("bias_float", None)
         if mod.bias is not None:
             bias = mod.bias.detach().to(torch.float32).cpu()
-            bscale = (in_grid[0] * mod.weight_scale.detach().cpu().to(torch.float64)) if in_grid else None
+            wscale = mod.weight_scale.detach().cpu().to(torch.float64)
+            if kind == "conv_transpose" and wscale.numel() != bias.numel():  # grouped: (C_in, C_out/groups, *k),
+                wscale = wscale.repeat(mod.groups)                          # output channel o reads s_w[o % (C_out/g)]
+            bscale = (in_grid[0] * wscale) if in_grid else None
             if bscale is not None and bool((bias.double() / bscale).abs().max() < _INT32):
                 codes = torch.round(bias.double() / bscale).to(torch.int32)
                 self.bias_dq = ConstDQ(codes, bscale.to(torch.float32), torch.zeros_like(codes), 0)
