@@ -184,3 +184,31 @@ def test_dynamic_transformer_encoder_layers_run():
     keep = ~mask  # (the float model's nested-tensor fast path zeros padded positions; the module path computes them)
     assert _sqnr(r[keep], o[keep]) > 40  # (51 dB)
     assert q.linear1.weight().qdtype == Q.qint8 and q.linear1.weight.device == x.device
+
+
+class _ViewHead(nn.Module):
+    """A conv whose output the user's code flattens with ``view`` (or ``reshape``) before a Linear."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.c, self.fc = how, nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8 * 8 * 8, 4)
+
+    def forward(self, x):
+        y = F.relu(self.c(x))
+        return self.fc(y.view(y.size(0), -1) if self.how == "view" else y.reshape(y.size(0), -1))
+
+
+def test_view_of_a_quantized_conv_output_is_taken_in_nchw_order():
+    """The conv's codes are channels-last (the int8 kernels' layout); ``y.view(n, -1)`` of them raised "view size is
+    not compatible", where the float model's NCHW output views fine: it now views NCHW codes, as reshape does."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    m = _ViewHead("view").eval()
+    r = _ViewHead("reshape").eval()
+    r.load_state_dict(m.state_dict())
+    qv, qr = _fx(m, x), _fx(r, x)
+    with torch.no_grad():
+        out = qv(x)
+        assert torch.equal(out, qr(x))
+        assert _sqnr(m(x), out) > 15  # (20 dB: a random 3x3 conv and a 512-wide Linear)
+        assert torch.equal(torch.compile(qv, fullgraph=True)(x), out)

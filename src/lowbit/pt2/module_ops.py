@@ -47,7 +47,8 @@ from ..nn.quantized._utils import check_out_grid
 from ..nn.quantized.stubs import Quantize, grid_numbers, quantize_cpu
 from ..qscheme import QDtype
 from ..nn.quantized.weight_only import WeightOnlyLinear
-from ..qtensor import QTensor, nchw_copy
+from ..qtensor import QTensor
+from ..qtensor.layout import nchw_copy
 from ..qtensor.pool import max_pool2d_codes
 from .checks import (check_dynamic_x, check_qfunctional, check_weight,
                      check_weight_only, check_weight_only_x)

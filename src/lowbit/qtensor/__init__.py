@@ -32,11 +32,11 @@ from typing import Any, Callable
 
 import torch
 
-from .. import native
 from ..compile_state import tracing
 from ..functional import _F32_MAX, _F32_TINY, check_ch_axis, dequantize
 from ..qscheme import QDtype, QScheme, as_qdtype
 from .axis import indexed_axis, reshaped_axis
+from .layout import contiguous_codes, merges_channels_last, view_of_channels_last
 
 __all__ = ["QTensor", "quantize_per_tensor", "quantize_per_channel"]
 
@@ -270,7 +270,8 @@ class QTensor:
     def _reshaped(self, name: str, *args: Any) -> Any:
         """A reshape-like op: per channel, it stays integer when the channel dim survives intact."""
         q = self._q
-        if q.dim() == 4 and self._axis is None and name in ("flatten", "reshape") and _merges_channels_last(q, name, args):
+        if q.dim() == 4 and self._axis is None and (name in ("flatten", "reshape") and merges_channels_last(q, name, args)
+                                                    or name == "view" and view_of_channels_last(q, args)):
             q = contiguous_codes(q)
         q = getattr(q, name)(*args)
         if self._axis is None:
@@ -418,37 +419,6 @@ def _tree_dequantize(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _tree_dequantize(v) for k, v in obj.items()}
     return obj
-
-
-def _merges_channels_last(q: torch.Tensor, name: str, args: tuple[Any, ...]) -> bool:
-    """Whether ``q.<name>(*args)`` merges the channel dim of channels-last 8-bit ``(N, C, H, W)`` codes (C > 1,
-    H W > 1) with another dim: then no view exists and torch copies to NCHW order (``flatten(start, end)`` with
-    ``start <= 1 <= end``, ``start < end``; any 2-d ``reshape``)."""
-    if q.element_size() != 1 or q.is_contiguous() or not q.is_contiguous(memory_format=torch.channels_last):
-        return False
-    n, c, h, w = q.shape
-    if c == 1 or h * w == 1:
-        return False
-    if name == "reshape":
-        shape = args[0] if len(args) == 1 and not isinstance(args[0], int) else args
-        return len(shape) == 2
-    start, end = (list(args) + [0, -1][len(args):])[:2]
-    start, end = start % 4, end % 4
-    return start <= 1 <= end and start < end
-
-
-def contiguous_codes(q: torch.Tensor) -> torch.Tensor:
-    """Channels-last 8-bit codes in NCHW order: one native pass (``native.to_contiguous``: ~2.5x faster than
-    torch's uint8 copy for SmallCNN's 64 × 32 × 7 × 7), traced as the opaque ``lowbit::contiguous_codes`` (inlined,
-    inductor wrote it as a scalar gather with an integer division per byte: ~2.6x slower than eager's copy)."""
-    return torch.ops.lowbit.contiguous_codes(q) if tracing() else nchw_copy(q)
-
-
-def nchw_copy(q: torch.Tensor) -> torch.Tensor:
-    """``q`` copied into contiguous (NCHW) memory: ``native.to_contiguous`` where it takes ``q``, else torch's copy
-    (also ``lowbit::contiguous_codes``' implementation)."""
-    y = native.to_contiguous(q)
-    return q.contiguous() if y is None else y
 
 
 _INT_OPS: dict[Callable, Callable] = {}  # torch function -> integer implementation (shape_ops.py, pool.py, ops.py)
