@@ -307,7 +307,9 @@ class QFunctional(CheckedQuantState):
             return getattr(self, f"_eager_{op}")(x, c if y is None else y)
         if op in ("add", "add_relu") and _inductor_exact(x, y):
             return _traced_add(x, y, self.scale, self.zero_point, self.qdtype, op == "add_relu")
-        c = _scalar(c, f"QFunctional.{op}")
+        # (a binary op's ``c`` is the unused default: under ``dynamic=True`` dynamo makes a float default a SymFloat,
+        # and ``math.isfinite`` of it broke the graph; only scalar ops read theirs)
+        c = _scalar(c, f"QFunctional.{op}") if y is None else 0.0
         yq = (None, None, None, "") if y is None else (y.int_repr(), y.scale, y.zero_point, qdtype_key(y.qdtype))
         q = torch.ops.lowbit.qfunctional(op, x.int_repr(), x.scale, x.zero_point, qdtype_key(x.qdtype), *yq, c,
                                          self.scale, self.zero_point, qdtype_key(self.qdtype))
