@@ -45,6 +45,20 @@ def test_grouped_conv_transpose_exports_with_per_output_channel_bias(tmp_path):
     assert any(n.op_type in ("QLinearConvTranspose", "ConvTranspose") for n in graph.node)
 
 
+def test_grouped_conv_transpose_with_a_per_tensor_weight_grid_exports(tmp_path):
+    """The same layer on one weight scale (torch.ao's x86 choice for ConvTranspose; the module keeps it expanded to
+    its ``C_out / groups`` weight channels, so the per-group repetition above applies as it is)."""
+    torch.manual_seed(0)
+    qc = Q.QConfig(activation=Q.HistogramObserver.with_args(qdtype=Q.quint8),
+                   weight=Q.MinMaxObserver.with_args(qdtype=Q.qint8, qscheme=Q.per_tensor_symmetric))
+    model = nn.Sequential(nn.ConvTranspose2d(4, 8, 2, stride=2, groups=2), nn.ReLU())
+    qm = _fx(model, (4, 6, 6), Q.QConfigMapping().set_global(qc))
+    path = to_onnx(qm, torch.randn(2, 4, 6, 6), tmp_path / "ct1.onnx")
+    x = torch.randn(3, 4, 6, 6)
+    (out,), _ = ort_graph(path, (x,), tmp_path)
+    assert within_one_quantum(out, qm(x), float(qm.get_submodule("0").scale)) >= 0.99
+
+
 class _FloatMiddle(nn.Module):
     def __init__(self) -> None:
         super().__init__()
