@@ -186,6 +186,27 @@ def test_dynamic_transformer_encoder_layers_run():
     assert q.linear1.weight().qdtype == Q.qint8 and q.linear1.weight.device == x.device
 
 
+class _ExplicitPad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3)
+
+    def forward(self, x):
+        return self.b(F.pad(F.relu(self.a(x)), (1, 2, 1, 2)))  # TF-"same"-style zero pad between int8 convs
+
+
+def test_an_explicit_zero_pad_of_codes_compiles_and_exports():
+    """The QTensor's own constant pad (graph mode keeps F.pad on the codes) read its fill code with int(): the same
+    data-dependent guard as the conv's padding, fixed where both pads now go (qtensor/ops.py)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 10, 10)
+    q = _fx(_ExplicitPad().eval(), x)
+    with torch.no_grad():
+        ref = q(x)
+        assert torch.equal(torch.compile(q, fullgraph=True)(x), ref)
+        assert torch.equal(torch.export.export(q, (x,)).module()(x), ref)
+
+
 class _ViewHead(nn.Module):
     """A conv whose output the user's code flattens with ``view`` (or ``reshape``) before a Linear."""
 

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..compile_state import tracing
 from ..functional import quantize
 from . import _INT_OPS, QTensor
 
@@ -121,17 +122,22 @@ def _pad(x: Any, pad: Any, mode: str = "constant", value: float | None = None) -
     (warned), so the next layer quantizes it on the grid it calibrated; its code would have saturated silently."""
     if not isinstance(x, QTensor) or mode != "constant" or _touches_axis(x, len(pad) // 2):
         return NotImplemented
-    fill = _code_bound(x, float(value or 0.0))
-    assert fill is not None
-    if value:  # 0 is always on the grid (its zero point)
+    if not value:  # 0 is the zero point's code on every grid: no quantize call
+        z = x.zero_point.to(torch.int64)
+        fill = z.reshape(()) if x.axis is None else _channel_shaped(x, z)
+    else:
+        fill = _code_bound(x, float(value))
+        assert fill is not None
         s = _channel_shaped(x, x.scale).to(torch.float64)
         held = (fill - _channel_shaped(x, x.zero_point)).to(torch.float64) * s
         if bool(((held - float(value)).abs() > 0.5001 * s).any()):
             return NotImplemented
-    if x.axis is None:
+    if x.axis is None and not tracing():
         return x._same_grid(F.pad(x.int_repr(), pad, value=int(fill)))
-    q = F.pad(x.int_repr().to(torch.int64) - fill, pad) + fill  # pad 0 around q - fill, per channel
-    return QTensor(q.to(x.qdtype.storage), x.scale, x.zero_point, x.qdtype, x.axis)
+    # per channel, or while torch.compile / torch.export trace (int() of the fill code is a data-dependent read
+    # there): pad 0 around q - fill, the same codes
+    q = (F.pad(x.int_repr().to(torch.int64) - fill, pad) + fill).to(x.qdtype.storage)
+    return x._same_grid(q) if x.axis is None else QTensor(q, x.scale, x.zero_point, x.qdtype, x.axis)
 
 
 def _code_bound(x: QTensor, v: Any) -> torch.Tensor | None:

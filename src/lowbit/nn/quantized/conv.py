@@ -34,7 +34,6 @@ from ... import kernels
 from ...kernels import ConvSpec
 from ...kernels.conv_plan import conv_plan
 from ...qscheme import QDtype, quint8
-from ...compile_state import tracing
 from ...qtensor import QTensor
 from ._utils import (WeightedQuantModule, as_qtensor)
 
@@ -101,16 +100,10 @@ class _ConvNd(WeightedQuantModule):
 
     def _pad(self, qx: QTensor) -> QTensor:
         assert self._explicit_pad is not None
-        q = qx.int_repr()
-        if self.padding_mode == "zeros" and tracing():
-            # the zero point stays a tensor (int() of it is a data-dependent read that stops torch.compile / export):
-            # pad q - z with zeros in int16 (exact for 8-bit codes and zero points) and add z back
-            z = qx.zero_point.to(torch.int16)
-            q = (F.pad(q.to(torch.int16) - z, self._explicit_pad) + z).to(q.dtype)
-        elif self.padding_mode == "zeros":
-            q = F.pad(q, self._explicit_pad, value=int(qx.zero_point))
-        else:  # copy codes in float32 (exact for 8-bit codes): torch pads integer tensors only with constants
-            q = F.pad(q.to(torch.float32), self._explicit_pad, mode=self.padding_mode).to(q.dtype)
+        if self.padding_mode == "zeros":  # the QTensor's pad: the zero point's code (traceable, qtensor/ops.py)
+            return F.pad(qx, self._explicit_pad)
+        q = qx.int_repr()  # copy codes in float32 (exact for 8-bit codes): torch pads integer tensors only with constants
+        q = F.pad(q.to(torch.float32), self._explicit_pad, mode=self.padding_mode).to(q.dtype)
         return QTensor(q, qx.scale, qx.zero_point, qx.qdtype)
 
     def forward(self, input: QTensor | torch.Tensor) -> QTensor:
