@@ -49,6 +49,7 @@ from ..nn.quantized.dynamic import GRUCell, LSTMCell, RNNCell
 from ..nn.quantized.dynamic import Linear as DynamicLinear
 from ..nn.quantized.dynamic import LinearReLU as DynamicLinearReLU
 from ..nn.quantized.dynamic import per_token_linear, quantize_per_token
+from ..nn.quantized.dynamic.linear import NotATensor
 from ..qtensor import QTensor
 from .qdq import _Const
 
@@ -131,21 +132,14 @@ class _HalfLinearFn(torch.autograd.Function):
         return y if bias_c is None else g.op("Add", y, _c(g, bias_c))
 
 
-class _NotATensor:
-    """``DynamicLinearTwin.weight``: no tensor, and says so to torch (``__torch_function__`` declines every function).
-
-    ``nn.TransformerEncoderLayer`` reads ``linear1.weight`` / ``.bias`` in eval mode to check its fused fast path;
-    a tensor-like argument makes it take the module-by-module path that calls the twins (as the dynamic
-    ``Linear``'s ``WeightAccessor`` does in eager lowbit)."""
+class _NotATensor(NotATensor):
+    """``DynamicLinearTwin.weight`` / ``.bias``: the stored weight's metadata, no tensor (``nn.TransformerEncoderLayer``
+    reads ``linear1.weight`` in eval mode to check its fused fast path; see ``NotATensor``)."""
 
     __slots__ = ("device", "dtype", "shape")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.device, self.dtype, self.shape = t.device, t.dtype, t.shape
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return NotImplemented
 
 
 class DynamicLinearTwin(nn.Module):

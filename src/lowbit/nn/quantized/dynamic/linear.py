@@ -98,7 +98,20 @@ def quantize_dynamic_weight(weight: torch.Tensor, mod: nn.Module | None, dtype: 
     return quantize_per_channel(w, scale, zp, 0, dtype)
 
 
-class WeightAccessor:
+class NotATensor:
+    """A stand-in for a float layer's ``weight`` / ``bias`` tensor that says it is none to torch: its
+    ``__torch_function__`` declines every function, so ``torch.overrides.has_torch_function`` finds it and code that
+    checks that first (the fast paths of ``nn.TransformerEncoderLayer`` / ``nn.TransformerEncoder``) takes its plain
+    module-by-module path."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return NotImplemented  # (not a tensor: torch functions refuse it with a TypeError naming this type)
+
+
+class WeightAccessor(NotATensor):
     """A dynamic ``Linear``'s ``weight`` attribute: call it for the quantized weight (torch.ao's ``weight()``); read
     ``device`` / ``dtype`` / ``shape`` for the stored weight's (int8 codes, or the float16 tensor).
 
@@ -138,10 +151,6 @@ class WeightAccessor:
     @property
     def shape(self) -> torch.Size:
         return self._stored().shape
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return NotImplemented  # (not a tensor: torch functions refuse it with a TypeError naming this type)
 
     def __repr__(self) -> str:
         return f"<weight of {self._mod.extra_repr()}: call it for the quantized weight>"
