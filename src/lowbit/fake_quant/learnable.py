@@ -37,7 +37,8 @@ Departures from ``torch.ao`` (values and gradients are otherwise identical, test
 - ``calculate_qparams()`` raises ``RuntimeError`` (naming the module) while the parameters hold no grid
   — the observer saw no finite data, nothing was learned or loaded — where torch returns the initial
   ``scale=1.0``; ``load_state_dict`` rejects a NaN/Inf/0/negative ``scale`` or a NaN/Inf ``zero_point``
-  naming the key, as for ``FakeQuantize``'s buffers (torch loads them).
+  naming the key, as for ``FakeQuantize``'s buffers (torch loads them); ``state_dict()`` saves ``max(scale, eps)``
+  (what every use computes with), so a checkpoint taken after an optimizer step drove a scale below zero loads back.
 
 >>> import torch, lowbit as Q
 >>> fq = Q.LearnableFakeQuantize(qdtype=Q.quint8)
@@ -262,9 +263,8 @@ class LearnableFakeQuantize(FakeQuantize):
             for p, value in ((self.scale, s), (self.zero_point, z)):
                 value = value.detach().to(device=p.device, dtype=p.dtype)
                 if p.shape != value.shape:        # scalar seed -> (C,): same Parameter object, new storage
-                    p.data = value.clone()
-                else:
-                    p.copy_(value)
+                    _resize_parameter(p, value.shape)
+                p.copy_(value)
 
     def _holds_grid(self) -> bool:
         """Whether ``scale``/``zero_point`` hold a grid: the observer saw finite data (the static phases copy
@@ -302,12 +302,22 @@ class LearnableFakeQuantize(FakeQuantize):
         for name in ("scale", "zero_point"):  # adopt a per-channel (C,) shape from the checkpoint
             saved, p = state_dict.get(prefix + name), getattr(self, name)
             if isinstance(saved, torch.Tensor) and saved.shape != p.shape:
-                p.data = torch.empty(saved.shape, dtype=p.dtype, device=p.device)
+                _resize_parameter(p, saved.shape)
         n_errors = len(error_msgs)
         nn.Module._load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                                         unexpected_keys, error_msgs)
         if len(error_msgs) == n_errors and prefix + "scale" in state_dict:
             self._grid_loaded = True
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        """As ``nn.Module``'s, with ``scale`` saved as ``max(scale, eps)``: an optimizer step can leave a learned
+        scale at or below zero, and every use (the forward, ``calculate_qparams``) clamps it to ``eps`` first, so the
+        checkpoint holds the scale the module computes with, which ``load_state_dict`` accepts. The live
+        parameter is not changed; a NaN scale is saved as is (and refused on load)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        scale = self.scale.detach()
+        if bool((scale < self.eps).any()):
+            destination[prefix + "scale"] = scale.clamp(min=self.eps)
 
     def _check_parameters(self, state_dict: dict[str, Any], prefix: str) -> list[str]:
         """The incoming ``scale`` (floating, finite, > 0) and ``zero_point`` (finite; a learned zero point
@@ -336,6 +346,14 @@ class LearnableFakeQuantize(FakeQuantize):
                 f"learning_enabled={int(self.learning_enabled[0])}, use_grad_scaling={self.use_grad_scaling}, "
                 f"qdtype={self.qdtype!r}, qscheme={self.qscheme.value}{axis}, "
                 f"scale={self.scale.tolist()}, zero_point={self.zero_point.tolist()}")
+
+
+def _resize_parameter(p: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> None:
+    """Give ``p`` new storage of ``shape`` (same Parameter object, so optimizers keep it), a normal tensor even
+    under ``torch.inference_mode()``: an inference tensor could never require grad again (``enable_param_learning``
+    after a first batch run for validation under inference mode)."""
+    with torch.inference_mode(False):
+        p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
 
 
 # Module-level phase switches for ``model.apply(...)``: they act on LearnableFakeQuantize, ignore others.
