@@ -1,10 +1,12 @@
 """QAT workflow sweep (session 35): defects found against torch.ao.quantization, each test failing before its fix."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import lowbit as Q
+import lowbit.nn.intrinsic.qat as nniqat
 from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
 from lowbit.fake_quant import LearnableFakeQuantize, enable_param_learning
 
@@ -55,6 +57,24 @@ def test_lsq_checkpoint_after_an_optimizer_step_drove_a_scale_below_zero_reloads
     fresh.apply(enable_param_learning)
     fresh.load_state_dict(sd)
     assert torch.equal(fresh(x), p(x))  # p's forward clamps its scale to eps, as the checkpoint holds it
+
+
+@pytest.mark.parametrize("make, x, rank", [
+    (lambda qc: nniqat.LinearBn1d(nn.Linear(5, 4), nn.BatchNorm1d(4), qconfig=qc), torch.randn(2, 4, 5), 2),
+    (lambda qc: nniqat.ConvBn1d(nn.Conv1d(3, 4, 1), nn.BatchNorm1d(4), qconfig=qc), torch.randn(3, 4), 3),
+    (lambda qc: nniqat.ConvBnReLU2d(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), qconfig=qc), torch.randn(3, 4, 4), 4),
+])
+@pytest.mark.parametrize("bn_fold", ["batch_stats", "running_stats"])
+def test_conv_linear_bn_qat_refuses_an_input_of_the_wrong_rank(make, x, rank, bn_fold):
+    """LinearBn1d on a 3-d (N, L, in) input and ConvBn1d on an unbatched (C, L) input returned silently wrong values
+    (the BN fold and the BatchNorm acted on the wrong axis); ConvBn2d on an unbatched input failed inside torch."""
+    m = make(Q.get_default_qat_qconfig())
+    m.bn_fold = bn_fold
+    shape = str(tuple(x.shape)).replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(ValueError, match=rf"{type(m).__name__} expects a {rank}-d input .*got shape {shape}"):
+        m(x)
+    batched = torch.randn(4, x.shape[-1]) if rank == 2 else torch.randn(2, *x.shape)
+    assert m(batched).shape[0] == batched.shape[0]
 
 
 def test_lsq_scale_going_negative_in_real_training_round_trips():

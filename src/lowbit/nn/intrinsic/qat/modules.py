@@ -165,6 +165,7 @@ class BnFoldedBase(nn.Module):
         return self.layer._conv_forward(x, w, None)  # type: ignore[operator]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_rank(x)
         if self._bn_fold == "running_stats":  # lucid: the eval-mode fold, live in W, b, gamma, beta
             w, b = fold_bn_weights(self.weight, self.bias, self.bn)  # (C, ...), (C,)
             y = self._op(x, self.weight_fake_quant(w))  # (N, C, *spatial)
@@ -181,6 +182,16 @@ class BnFoldedBase(nn.Module):
             y = y + self.bias.reshape(y_shape)
         y = self.bn(y)
         return F.relu(y) if self._RELU else y
+
+    def _check_rank(self, x: torch.Tensor) -> None:
+        """The BN folds along dim 1 of a batched input, ``(N, C, *spatial)`` or ``(N, features)``, whose rank is the
+        weight's: an unbatched conv input or a 3-d Linear input would put the channels elsewhere (silently wrong
+        values where the sizes happen to broadcast)."""
+        rank = self.weight.dim()
+        if isinstance(x, torch.Tensor) and x.dim() != rank:
+            layout = {2: "(N, in_features)", 3: "(N, C, L)", 4: "(N, C, H, W)"}.get(rank, "(N, C, D, H, W)")
+            raise ValueError(f"{type(self).__name__} expects a {rank}-d input {layout} (batched, the BatchNorm's "
+                             f"channels on dim 1), got shape {tuple(x.shape)}")
 
     def train(self, mode: bool = True) -> BnFoldedBase:
         super().train(mode)
