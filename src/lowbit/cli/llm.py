@@ -63,7 +63,8 @@ def build_parser_into(sub: Any) -> argparse.ArgumentParser:
     q.add_argument("--group-size", dest="group_size", type=_group_size, default=None,
                    help="input features per weight group (-1: per channel; default 128)")
     q.add_argument("--no-awq", dest="awq", action="store_false", help="skip the AWQ scale search")
-    q.add_argument("--head", default="int8", choices=("int8", "int4", "none"), help="lm_head / tied embedding")
+    q.add_argument("--head", default=None, choices=("int8", "int4", "none"),
+                   help="lm_head / tied embedding (default int8; w8a8 leaves it float)")
     q.add_argument("--text", help="plain-text file for calibration and perplexity (default: the Lee corpus)")
     q.add_argument("--eval-tokens", dest="eval_tokens", type=count(2), default=2048)
     q.add_argument("--calib-windows", dest="calib_windows", type=count(1), default=8)
@@ -154,12 +155,18 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--speed-tokens 1: the decode timing needs at least 2 new tokens (0 skips it)")
     # flags the chosen method does not read are refused, not ignored
     # (--group-size parses to None, so an explicit 128 with int8 / w8a8 is told from the default; -1 is what they do)
-    ignored = [f"--group-size {args.group_size}"] * (args.method in ("int8", "w8a8") and args.group_size not in (None, -1))
-    ignored += [f"--head {args.head}"] * (args.method == "w8a8" and args.head != "int8")
+    # (--head parses to None too: w8a8 leaves the head float, so even an explicit --head int8 is refused there)
+    eight = args.method in ("int8", "w8a8")
+    ignored = [f"--group-size {args.group_size}"] * (eight and args.group_size not in (None, -1))
+    ignored += [f"--head {args.head}"] * (args.method == "w8a8" and args.head is not None)
+    ignored += ["--no-awq"] * (eight and not args.awq)  # (their recipes run no AWQ: the flag changed nothing)
     if ignored:
+        why = ["int8 and w8a8 weights are per channel"] * any(f.startswith("--group-size") for f in ignored)
+        why += ["w8a8 quantizes the decoder blocks' Linears and leaves the head float"] * any(
+            f.startswith("--head") for f in ignored)
+        why += ["AWQ runs with --method weight-only and rtn only"] * ("--no-awq" in ignored)
         raise CLIError(f"{' and '.join(ignored)}: --method {args.method} does not use "
-                       f"{'them' if len(ignored) > 1 else 'it'} (int8 and w8a8 weights are per "
-                       "channel; w8a8 quantizes the decoder blocks' Linears and leaves the head float)")
+                       f"{'them' if len(ignored) > 1 else 'it'} ({'; '.join(why)})")
     if args.bits is not None and args.bits != 8 and args.method in ("int8", "w8a8"):  # (given: its parsed default is None)
         raise CLIError(f"--bits {args.bits} with --method {args.method}: its weights are 8-bit (for {args.bits}-bit "
                        "weights use --method weight-only or rtn)")
@@ -167,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
         args.bits = 4
     if args.group_size is None:
         args.group_size = 128
+    if args.head is None:
+        args.head = "int8"
     check_inputs_outside(args.out, {"MODEL": args.model, "--text": args.text})
     with OutputFolder(args.out) as folder:
         text = _text(args.text)  # (a missing --text is named before the model loads)
