@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["decoder_layers", "capture_block_inputs", "linear_groups", "run_block", "StopForward", "check_llm_calib"]
+__all__ = ["decoder_layers", "capture_block_inputs", "linear_groups", "run_block", "StopForward", "check_llm_calib",
+           "check_has_linears"]
 
 _LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers")
 
@@ -52,10 +53,24 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"lowbit.llm: {type(model).__name__} has no decoder block list at any of {_LAYER_PATHS}")
 
 
+def check_has_linears(model: nn.Module, layers: nn.ModuleList, fn: str) -> None:
+    """``ValueError`` when ``layers`` hold no ``nn.Linear`` (GPT-2's ``Conv1D``): the result would be the float model."""
+    if any(type(m) is nn.Linear for m in layers.modules()):
+        return
+    kinds = sorted({type(m).__name__ for m in layers.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
+                    and m.weight.dim() == 2})
+    raise ValueError(f"{fn}: the decoder blocks of {type(model).__name__} hold no nn.Linear to quantize"
+                     + (f" (their matrices are in {', '.join(kinds)})" if kinds else "")
+                     + "; nothing would change")
+
+
 def _check_ids(ids: Any, where: str, vocab: int | None) -> None:
     if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(f"{where}: token ids must be an integer tensor, got "
                         + (f"dtype {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__))
+    if ids.dtype not in (torch.int64, torch.int32):  # uint8 / int16 ids failed inside the embedding's index check
+        raise TypeError(f"{where}: token ids must be int64 or int32 (the index types of an embedding), got dtype "
+                        f"{ids.dtype}; convert them with .long()")
     if ids.dim() not in (1, 2) or ids.shape[-1] == 0:
         raise ValueError(f"{where}: token ids must be (batch, tokens) or (tokens,) with at least one token, "
                          f"got shape {tuple(ids.shape)}")

@@ -48,7 +48,8 @@ from ..nn.quantized.weight_only import (WeightOnlyLinear, check_recipe, fit_grou
                                        weight_qdtype)
 from .awq import awq_fold, awq_search_stats, scale_source
 from ..nn.quantized._utils import check_finite_linears
-from .blocks import StopForward, capture_block_inputs, check_llm_calib, decoder_layers, linear_groups, run_block
+from .blocks import (StopForward, capture_block_inputs, check_has_linears, check_llm_calib, decoder_layers,
+                     linear_groups, run_block)
 from .dist import broadcast_tensors, ordered_sum, rank_and_world
 from .refine import output_error, refine_scales
 from .tied import quantize_head
@@ -207,6 +208,7 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
         model = copy.deepcopy(model)
     rank, world = rank_and_world(group)
     layers = decoder_layers(model)
+    check_has_linears(model, layers, "quantize_llm")
     check_finite_linears(((n, m) for n, m in layers.named_modules() if isinstance(m, nn.Linear)), "quantize_llm")
     calib = check_llm_calib(model, calib, "quantize_llm")
     model.eval()  # after the checks: a refused argument leaves the caller's model (inplace=True) in its mode
@@ -219,7 +221,7 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
     finps = inps  # the float model's block inputs (float_target)
     for block in _progress(layers, "quantize_llm blocks", len(layers), progress and rank == 0):
         groups = linear_groups(block, *inps[0])
-        srcs = {names[0]: scale_source(block, names) for names in groups} if awq else {}
+        srcs = {names[0]: scale_source(block, names, inps[0]) for names in groups} if awq else {}
         if any(srcs.values()):  # the folds leave every group's float input as it was: one pass for all
             n_tok = int(ordered_sum([torch.tensor(float(x.shape[:-1].numel())) for x, _ in inps], group))
             stats = _input_stats(block, [n for n, src in srcs.items() if src], None, inps, world, group, True)

@@ -36,12 +36,19 @@ __all__ = ["TiedEmbedding", "quantize_head", "find_head"]
 class TiedEmbedding(nn.Module):
     """An embedding lookup on the codes of a ``WeightOnlyLinear`` ``head`` ``(V, D)`` (shared, not copied)."""
 
-    def __init__(self, head: WeightOnlyLinear, padding_idx: int | None = None) -> None:
+    def __init__(self, head: WeightOnlyLinear, padding_idx: int | None = None, dtype: torch.dtype = torch.float32
+                 ) -> None:
         super().__init__()
         if not isinstance(head, WeightOnlyLinear):
             raise TypeError(f"TiedEmbedding: head must be a WeightOnlyLinear, got {type(head).__name__}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"TiedEmbedding: dtype={dtype!r} must be a floating-point torch.dtype")
         self.head, self.padding_idx = head, padding_idx
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        # the dtype of the vectors looked up, as nn.Embedding's weight gives it: an empty float buffer, so that
+        # .half() / .to(torch.bfloat16) of the model change it (the lookups were float32 whatever the model's dtype,
+        # and ran the whole residual stream of a half model in float32); not in the state_dict
+        self.register_buffer("_out", torch.empty(0, dtype=dtype), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
@@ -52,7 +59,7 @@ class TiedEmbedding(nn.Module):
         q = _unpack4(rows, h.in_features, h.qdtype.signed) if h.bits == 4 else rows
         s, z = h.scales[flat], h.zero_points[flat].float()  # (T, G)
         e = (q.float().reshape(flat.numel(), -1, h._g) - z[..., None]) * s[..., None]
-        return e.reshape(*ids.shape, h.in_features)
+        return e.reshape(*ids.shape, h.in_features).to(self._out.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tied to a {self.head.bits}-bit head"
@@ -86,8 +93,9 @@ def quantize_head(model: nn.Module, bits: int = 8, group_size: int = 128, symmet
     while g != -1 and lin.in_features % g:
         g //= 2
     q = WeightOnlyLinear.from_float(lin, bits, g, symmetric if bits == 4 else True, "rtn" if bits == 8 else "mse")
-    for name, new in ((head_name, q), *(((emb_name, TiedEmbedding(q, model.get_submodule(emb_name).padding_idx)),)
-                                        if emb_name else ())):
+    emb = model.get_submodule(emb_name) if emb_name else None
+    for name, new in ((head_name, q), *(((emb_name, TiedEmbedding(q, emb.padding_idx, emb.weight.dtype)),)
+                                        if emb is not None else ())):
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     if emb_name and hasattr(model, "config"):  # HF would re-tie a float embedding on save/resize: the tie is ours now

@@ -14,8 +14,9 @@ per input channel ``k`` of each group of Linears reading one tensor::
     s_k = max|x_k|^α / max|W_{:,k}|^(1-α),     x' = x / s,   W' = W · s      (α = 0.5)
 
 ``1 / s`` is folded into the producer (RMSNorm weight, or ``up_proj`` rows for ``down_proj``, see
-``lowbit.llm.awq.scale_source``); where none can absorb it (``o_proj`` under grouped-query
-attention) it stays as ``input_scale`` in the module (one multiply per call).
+``lowbit.llm.awq.scale_source``, checked to leave the float block unchanged); where none can absorb it (``o_proj``
+under grouped-query attention, Gemma's ``1 + weight`` norms, post-norm or parallel blocks) it stays as
+``input_scale`` in the module (one multiply per call).
 
 >>> import torch
 >>> lin = torch.nn.Linear(64, 32)
@@ -38,7 +39,7 @@ from torch import nn
 from ..kernels import int_mm
 from ..nn.quantized._utils import check_finite_linears, check_finite_weight, check_not_meta
 from .awq import awq_fold, scale_source
-from .blocks import _call, check_llm_calib, decoder_layers, linear_groups
+from .blocks import _call, check_has_linears, check_llm_calib, decoder_layers, linear_groups
 
 __all__ = ["DynamicInt8Linear", "quantize_w8a8", "activation_absmax"]
 
@@ -142,6 +143,7 @@ def quantize_w8a8(model: nn.Module, calib: Iterable[Any], alpha: float | None = 
     if not inplace:
         model = copy.deepcopy(model)
     layers = decoder_layers(model)
+    check_has_linears(model, layers, "quantize_w8a8")
     check_finite_linears(((n, m) for n, m in layers.named_modules() if isinstance(m, nn.Linear)), "quantize_w8a8")
     calib = check_llm_calib(model, calib, "quantize_w8a8")
     if not calib:
@@ -150,6 +152,7 @@ def quantize_w8a8(model: nn.Module, calib: Iterable[Any], alpha: float | None = 
     model.eval()
     groups: list[tuple[int, list[str]]] = []
     probe: dict[str, Any] = {}
+    probes: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}  # block i's input: scale_source checks its folds
 
     def grab(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         probe.setdefault("x", (args[0] if args else kwargs["hidden_states"], {k: v for k, v in kwargs.items()
@@ -162,6 +165,7 @@ def quantize_w8a8(model: nn.Module, calib: Iterable[Any], alpha: float | None = 
             h.remove()
         x, kw = probe.pop("x")
         groups += [(i, g) for g in linear_groups(block, x, kw)]
+        probes[i] = (x, kw)
     lins = {f"{i}.{n}": layers[i].get_submodule(n) for i, g in groups for n in g}
     amax = activation_absmax(model, lins, calib) if alpha is not None else {}
     bad = [n for n, a in amax.items() if not bool(torch.isfinite(a).all())]
@@ -176,7 +180,7 @@ def quantize_w8a8(model: nn.Module, calib: Iterable[Any], alpha: float | None = 
         if alpha is not None:
             w_max = torch.stack([block.get_submodule(n).weight.detach().abs().amax(0).float() for n in names]).amax(0)
             s = (amax[f"{i}.{names[0]}"].clamp_min(1e-5).pow(alpha) / w_max.clamp_min(1e-5).pow(1 - alpha)).clamp_min(1e-5)
-            src = scale_source(block, names)
+            src = scale_source(block, names, probes[i])
             if src is not None:
                 awq_fold(block, src, names, s)
             else:  # no producer to absorb 1/s: W' = W s here, x / s in the module
