@@ -149,3 +149,50 @@ def test_flags_the_method_reads_go_on_to_the_model(tmp_path, capsys, method, ext
     rc = cli.main(["quantize-llm", str(tmp_path / "missing.gguf"), "--method", method, *extra, "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert rc == 2 and "is neither a .gguf file" in err, err
+
+
+# ---- options and shapes quantize_llm could not honour, found late or not at all ----
+def test_refine_and_float_target_with_rtn_are_refused():
+    m = Q.llm.toy_llama(layers=1, hidden=32, vocab=64)
+    for kw, needle in [(dict(refine=True), "refine=True with method='rtn'"),
+                       (dict(float_target=True), "float_target=True with method='rtn'"),
+                       (dict(refine=True, float_target=True), "refine=True and float_target=True with method='rtn'")]:
+        with pytest.raises(ValueError, match=needle):  # was: both skipped without a word
+            Q.quantize_llm(m, _ids(1, vocab=64), method="rtn", group_size=16, progress=False, **kw)
+
+
+def _llama(**kw):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+                                      **kw})
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _all_float(m: torch.nn.Module) -> bool:
+    return all(type(x) is torch.nn.Linear for x in decoder_layers(m).modules() if hasattr(x, "in_features"))
+
+
+def test_odd_in_features_at_4_bits_are_refused_before_any_work():
+    m = _llama(intermediate_size=65)  # down_proj reads 65 features
+    with pytest.raises(ValueError, match=r"quantize_llm: 4-bit codes are packed two per byte.*2 layer\(s\) have an odd "
+                                         r"number: model.layers.0.mlp.down_proj \(65\), model.layers.1.mlp.down_proj"):
+        Q.quantize_llm(m, _ids(1, vocab=64), bits=4, group_size=16, progress=False, inplace=True)
+    assert _all_float(m)  # was: raised by WeightOnlyLinear (no layer named) with block 0 already quantized in place
+    assert not _all_float(Q.quantize_llm(m, _ids(1, vocab=64), bits=8, group_size=16, progress=False))
+
+
+def test_a_model_without_lm_head_is_refused_before_any_work():
+    m = _llama()
+    base = m.model
+    with pytest.raises(ValueError, match="no nn.Linear output projection"):
+        Q.quantize_llm(base, _ids(1, vocab=64), bits=8, group_size=16, progress=False, inplace=True)
+    assert _all_float(base)  # was: raised by the head step after every block was quantized in place
+    assert not _all_float(Q.quantize_llm(base, _ids(1, vocab=64), bits=8, group_size=16, progress=False, head=None))
+
+
+def test_int4_head_falls_back_to_per_channel_like_the_blocks():
+    from lowbit.llm import quantize_head
+    m = _llama(hidden_size=36, num_attention_heads=2, num_key_value_heads=1)  # 36 = 4 x 9: no group >= 8 divides it
+    q = quantize_head(m, 4, 128).lm_head
+    assert q.scales.shape == (64, 1)  # was (64, 9): groups of 4, a float scale per 4 codes

@@ -52,7 +52,7 @@ from .blocks import (StopForward, capture_block_inputs, check_has_linears, check
                      linear_groups, run_block)
 from .dist import broadcast_tensors, ordered_sum, rank_and_world
 from .refine import output_error, refine_scales
-from .tied import quantize_head
+from .tied import find_head, quantize_head
 
 __all__ = ["quantize_llm", "METHODS", "CLIPS"]
 
@@ -166,6 +166,23 @@ def _gptq_best(w: torch.Tensor, H: torch.Tensor, g: int, bits: int, symmetric: b
     return best[1]
 
 
+def _check_shapes(model: nn.Module, bits: int, head: str | None) -> None:
+    """Before any work: 4-bit Linears need an even ``in_features``, and ``head`` needs an output projection (both
+    were raised after every block was quantized, leaving the caller's model half done with ``inplace=True``)."""
+    layers = decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    lins = {f"{prefix}.{n}": m for n, m in layers.named_modules() if type(m) is nn.Linear} if bits == 4 else {}
+    if head is not None:
+        name, _ = find_head(model)  # a ValueError naming the model when it has none
+        if head == "int4":
+            lins[name] = model.get_submodule(name)
+    odd = [f"{n} ({m.in_features})" for n, m in lins.items() if m.in_features % 2]
+    if odd:
+        raise ValueError(f"quantize_llm: 4-bit codes are packed two per byte, so in_features must be even; {len(odd)} "
+                         f"layer(s) have an odd number: {', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''} "
+                         f"(use bits=8{', head=int8' if head == 'int4' else ''})")
+
+
 def _replace(block: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(block.get_submodule(parent) if parent else block, child, new)
@@ -204,6 +221,12 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
                         ("float_target", float_target), ("progress", progress)):
         if not isinstance(value, bool):  # read by truthiness below: awq="no" ran AWQ
             raise TypeError(f"quantize_llm: {flag}={value!r} must be True or False")
+    extra = [f for f, on in (("refine", refine), ("float_target", float_target)) if on]
+    if method == "rtn" and extra:  # (were skipped without a word: both work on GPTQ's statistics)
+        raise ValueError(f"quantize_llm: {' and '.join(f'{f}=True' for f in extra)} with method='rtn': "
+                         "GPTQ's calibration statistics, which rounding does not collect, are what "
+                         f"{'they work' if len(extra) > 1 else 'it works'} on; use method='gptq'")
+    _check_shapes(model, bits, head)
     if not inplace:
         model = copy.deepcopy(model)
     rank, world = rank_and_world(group)

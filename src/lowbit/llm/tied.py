@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn.quantized.embedding import _unpack4
-from ..nn.quantized.weight_only import WeightOnlyLinear
+from ..nn.quantized.weight_only import WeightOnlyLinear, fit_group_size
 
 __all__ = ["TiedEmbedding", "quantize_head", "find_head"]
 
@@ -89,9 +89,8 @@ def quantize_head(model: nn.Module, bits: int = 8, group_size: int = 128, symmet
         raise ValueError(f"quantize_head: group_size={group_size!r} must be an int >= 1, or -1 (one group per row)")
     head_name, emb_name = find_head(model)
     lin = model.get_submodule(head_name)
-    g = -1 if bits == 8 else group_size
-    while g != -1 and lin.in_features % g:
-        g //= 2
+    # (a halving loop of its own went down to groups of 2 or 1: a float scale per one or two int4 codes)
+    g = -1 if bits == 8 else fit_group_size(lin.in_features, group_size)
     q = WeightOnlyLinear.from_float(lin, bits, g, symmetric if bits == 4 else True, "rtn" if bits == 8 else "mse")
     emb = model.get_submodule(emb_name) if emb_name else None
     for name, new in ((head_name, q), *(((emb_name, TiedEmbedding(q, emb.padding_idx, emb.weight.dtype)),)
