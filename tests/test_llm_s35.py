@@ -196,3 +196,19 @@ def test_int4_head_falls_back_to_per_channel_like_the_blocks():
     m = _llama(hidden_size=36, num_attention_heads=2, num_key_value_heads=1)  # 36 = 4 x 9: no group >= 8 divides it
     q = quantize_head(m, 4, 128).lm_head
     assert q.scales.shape == (64, 1)  # was (64, 9): groups of 4, a float scale per 4 codes
+
+
+# ---- torch.compile of a W8A8 model (session 35, after the sweep) ----
+def test_w8a8_model_compiles_with_fullgraph():
+    """``cpu_int_mm`` asked ``_onednn_capped`` (an ``lru_cache`` dynamo traces through) on every call, which read
+    ``/proc/cpuinfo`` inside the trace: ``torch.compile(fullgraph=True)`` of any ``quantize_w8a8`` model failed."""
+    m = _llama()
+    ids = _ids(1, 12, vocab=64)[0]
+    q = Q.quantize_w8a8(m, [ids])
+    lin = next(mod for mod in q.modules() if type(mod).__name__ == "DynamicInt8Linear")
+    x = torch.randn(2, 5, lin.in_features)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(lin, fullgraph=True)(x), lin(x))  # the int8 layer: bit for bit
+        ref = q(ids).logits
+        out = torch.compile(q, fullgraph=True)(ids).logits  # inductor's float ops may round differently (ulps)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)

@@ -24,7 +24,6 @@ On x86 CPUs without VNNI, torch's CPU ``_int_mm`` is a scalar loop (~30x slower 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -41,13 +40,23 @@ NAME = "int_mm"
 STRICT_DEVICES = {"cuda"}  # device types whose _int_mm needs s8 A, M > 16 and K, N multiples of 8
 
 
-@functools.lru_cache(maxsize=None)
+_CAPPED: list[bool] = []
+
+
 def _onednn_capped() -> bool:
     """A VNNI CPU whose oneDNN is capped below VNNI (``ONEDNN_MAX_CPU_ISA``): read once, as oneDNN reads its cap once
-    and ``onednn.has_vnni`` caches it (``cpu_int_mm`` asks on every call)."""
-    from .onednn import cpu_has_vnni, isa_capped
+    and ``onednn.has_vnni`` caches it (``cpu_int_mm`` asks on every call). Traced code reads it as a constant (marked
+    as ``torch.compiler.assume_constant_result`` does, without importing dynamo): dynamo traces through an
+    ``lru_cache``, and reading ``/proc/cpuinfo`` inside a trace stopped ``torch.compile(fullgraph=True)`` of every
+    ``quantize_w8a8`` model."""
+    if not _CAPPED:
+        from .onednn import cpu_has_vnni, isa_capped
 
-    return cpu_has_vnni() and isa_capped()
+        _CAPPED.append(cpu_has_vnni() and isa_capped())
+    return _CAPPED[0]
+
+
+_onednn_capped._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 _U8: list[bool] = []  # whether this torch's CPU _int_mm takes uint8 activations (probed once)
