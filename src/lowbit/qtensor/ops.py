@@ -6,7 +6,8 @@ output keeps ``(s, z)``:
 
 - selection ops are exact (code for code): ``F.interpolate(mode="nearest")``, ``F.pad`` (constant;
   the pad value quantized onto the grid, so ``0.0`` pads ``z``), ``F.hardtanh``/``F.relu6``/``torch.clamp``
-  (``clamp(q, quantize(min), quantize(max))``);
+  (``clamp(q, quantize(min), quantize(max))``; a bound past the grid's far end, whose code would saturate, runs on
+  float values);
 - averaging ops round the mean of the centred codes half to even:
   ``q_out = clamp(round(mean_window(q - z)) + z, qmin, qmax)`` for ``F.avg_pool1d/2d/3d``,
   ``F.adaptive_avg_pool1d/2d/3d`` and ``torch.mean``. The mean is exact (float64 where float32 could
@@ -153,13 +154,30 @@ def _code_bound(x: QTensor, v: Any) -> torch.Tensor | None:
     return _channel_shaped(x, code.to(torch.int64)) if per_channel else code.to(torch.int64).reshape(())
 
 
+def _past_far_end(x: QTensor, v: Any, lower: bool) -> bool:
+    """Whether clamp bound ``v`` lies past the grid's far end (a lower bound above its top, an upper bound below its
+    bottom, by more than half a step): every output is then ``v``, which the grid cannot hold (its code saturates).
+    A bound on the zero's side (a lower bound <= 0, an upper bound >= 0: ReLU6, Hardtanh(-1, 1)) never does: an
+    integer zero point lies on the grid, so 0 does. Not checked while traced (no data-dependent read)."""
+    if v is None or (not x.zero_point.is_floating_point() and (v <= 0 if lower else v >= 0)) or tracing():
+        return False
+    s = _channel_shaped(x, x.scale).to(torch.float64)
+    code = x.qdtype.quant_max if lower else x.qdtype.quant_min
+    end = (code - _channel_shaped(x, x.zero_point).to(torch.float64)) * s
+    return bool((float(v) - end > 0.5001 * s).any() if lower else (end - float(v) > 0.5001 * s).any())
+
+
 def _clamp(x: Any, min: Any = None, max: Any = None) -> Any:  # noqa: A002 - torch's names
-    """``clamp(q, quantize(min), quantize(max))``: exact, the grid is unchanged."""
+    """``clamp(q, quantize(min), quantize(max))``: exact, the grid is unchanged. A bound past the grid's far end
+    (``clamp(min=5.0)`` on a grid that ends at 1.27: every output is 5.0) runs on float values (warned), as ``F.pad``
+    with such a value: its code would have saturated silently (torch's quantized clamp gives 1.27 everywhere)."""
     if not isinstance(x, QTensor) or isinstance(min, torch.Tensor) or isinstance(max, torch.Tensor):
         return NotImplemented
     if min is None and max is None:
         raise ValueError("clamp: at least one of min=None and max=None must be a number")
-    lo, hi = _code_bound(x, min), _code_bound(x, max)
+    lo, hi = _code_bound(x, min), _code_bound(x, max)  # (first: a NaN bound is refused)
+    if _past_far_end(x, min, True) or _past_far_end(x, max, False):
+        return NotImplemented
     q = torch.clamp(x.int_repr(), lo, hi).to(x.qdtype.storage)
     return QTensor(q, x.scale, x.zero_point, x.qdtype, x.axis)
 

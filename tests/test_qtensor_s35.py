@@ -1,0 +1,51 @@
+"""QTensor against torch's quantized tensors (session 35 sweep): each test failed before its fix."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lowbit as Q
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions.*:UserWarning")
+
+
+def _pt() -> Q.QTensor:
+    return Q.quantize_per_tensor(torch.linspace(-1, 1, 6), 0.01, 128, Q.quint8)  # grid [-1.28, 1.27]
+
+
+def _pc() -> Q.QTensor:
+    return Q.quantize_per_channel(torch.linspace(-1, 1, 6).reshape(2, 3), torch.tensor([0.01, 0.02]),
+                                  torch.tensor([0, 10]), 0, Q.qint8)  # grids [-1.28, 1.27], [-2.76, 2.34]
+
+
+@pytest.mark.parametrize("op, value", [
+    (lambda a: torch.clamp(a, min=5.0), 5.0),             # was 1.27 everywhere (torch's quantized clamp: the same)
+    (lambda a: torch.clamp(a, max=-5.0), -5.0),           # was -1.28
+    (lambda a: F.hardtanh(a, 2.0, 3.0), 2.0),             # was 1.27
+    (lambda a: a.clamp(min=float("inf")), float("inf")),
+    (lambda a: torch.clip(a, -9.0, -8.0), -8.0),
+])
+@pytest.mark.parametrize("make", [_pt, _pc])
+def test_a_clamp_bound_past_the_grids_far_end_runs_on_float(op, value, make):
+    qt = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y = op(qt)
+    assert not isinstance(y, Q.QTensor)  # the grid cannot hold the result: float values, as F.pad with such a value
+    assert torch.equal(y, torch.full(qt.shape, value))
+
+
+@pytest.mark.parametrize("lo, hi", [(0.0, 6.0), (-1.0, 1.0), (-5.0, 5.0), (0.3, 0.5), (-5.0, None), (None, 5.0),
+                                    (1.27, None), (None, -1.28), (0.5, -0.5)])
+def test_a_clamp_bound_the_grid_can_hold_keeps_torchs_codes(lo, hi):
+    x = torch.linspace(-1, 1, 6)
+    ref = torch.clamp(torch.quantize_per_tensor(x, 0.01, 128, torch.quint8), lo, hi)
+    y = torch.clamp(_pt(), lo, hi)
+    assert isinstance(y, Q.QTensor) and torch.equal(y.int_repr(), ref.int_repr()) and y.q_zero_point() == 128
+    pc = torch.clamp(_pc(), lo, hi)
+    expect = Q.quantize_per_channel(torch.clamp(_pc().dequantize(), lo, hi), _pc().scale, _pc().zero_point, 0, Q.qint8)
+    assert isinstance(pc, Q.QTensor) and torch.equal(pc.int_repr(), expect.int_repr())
