@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import pickle
 import warnings
 
 import pytest
@@ -49,3 +51,37 @@ def test_a_clamp_bound_the_grid_can_hold_keeps_torchs_codes(lo, hi):
     pc = torch.clamp(_pc(), lo, hi)
     expect = Q.quantize_per_channel(torch.clamp(_pc().dequantize(), lo, hi), _pc().scale, _pc().zero_point, 0, Q.qint8)
     assert isinstance(pc, Q.QTensor) and torch.equal(pc.int_repr(), expect.int_repr())
+
+
+def _custom() -> Q.QTensor:
+    return Q.QTensor(torch.tensor([[0, 3], [-7, 7]], dtype=torch.int8), 0.5, -1, Q.qint8.with_range(-7, 7))
+
+
+@pytest.mark.parametrize("make", [
+    _pt, _pc, _custom,
+    lambda: Q.quantize_per_channel(torch.randn(2, 3), torch.tensor([0.1, 0.2]), torch.tensor([1.5, -2.0]), 0, Q.quint8),
+    lambda: Q.quantize_per_tensor(torch.randn(3, 4), 0.001, 7, Q.qint32)[:, ::2],
+    lambda: Q.quantize_per_tensor(torch.randn(2, 3, 4, 4), 0.1, 3, Q.quint8).contiguous(memory_format=torch.channels_last),
+])
+def test_torch_load_reads_a_saved_qtensor_with_its_default_weights_only(make):
+    qt = make()
+    buf = io.BytesIO()
+    torch.save({"x": qt, "w": torch.ones(2)}, buf)
+    buf.seek(0)
+    back = torch.load(buf)["x"]  # weights_only=True: was "Weights only load failed ... Unsupported global"
+    for r in (back, pickle.loads(pickle.dumps(qt))):
+        assert isinstance(r, Q.QTensor) and r.qdtype == qt.qdtype and r.axis == qt.axis
+        assert torch.equal(r.int_repr(), qt.int_repr()) and r.int_repr().stride() == qt.int_repr().stride()
+        assert torch.equal(r.scale, qt.scale) and torch.equal(r.zero_point, qt.zero_point)
+        assert r.zero_point.dtype == qt.zero_point.dtype
+    assert back.qdtype is Q.quint8 or qt.qdtype is not Q.quint8  # a builtin grid comes back as the builtin
+
+
+def test_a_tampered_qtensor_file_is_refused_naming_the_value():
+    qt = _pt()
+    qt._scale = torch.tensor(float("nan"))  # what a hand-edited file could hold
+    buf = io.BytesIO()
+    torch.save(qt, buf)
+    buf.seek(0)
+    with pytest.raises(ValueError, match="scale=nan"):
+        torch.load(buf)

@@ -427,5 +427,7 @@ _INT_OPS: dict[Callable, Callable] = {}  # torch function -> integer implementat
 from . import ops, pool, shape_ops  # noqa: E402,F401  register their integer ops into _INT_OPS
 from .factories import quantize_per_channel, quantize_per_tensor  # noqa: E402
 from .fallback import install as _install_fallback  # noqa: E402
+from .serial import install as _install_pickling  # noqa: E402
 
 _install_fallback(QTensor)  # every other torch.Tensor method / attribute: the float fallback (fallback.py)
+_install_pickling(QTensor)  # torch.save / torch.load (weights_only), deepcopy, pickle as plain parts (serial.py)
