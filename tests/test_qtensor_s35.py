@@ -85,3 +85,24 @@ def test_a_tampered_qtensor_file_is_refused_naming_the_value():
     buf.seek(0)
     with pytest.raises(ValueError, match="scale=nan"):
         torch.load(buf)
+
+
+@pytest.mark.parametrize("fn, args", [(torch.relu_, ()), (F.relu_, ()), (F.hardtanh_, (-0.5, 0.5)),
+                                      (torch.clamp_, (0.0, 0.5)), (F.leaky_relu_, (0.1,)), (torch.sigmoid_, ())])
+def test_torchs_inplace_functions_on_a_qtensor_are_refused_like_its_inplace_methods(fn, args):
+    qt = _pt()
+    before = qt.int_repr().clone()
+    with pytest.raises(TypeError, match="in-place ops are not supported on a QTensor"):
+        fn(qt, *args)  # was: ran on a dequantized copy, returned float, and left qt unchanged (torch changes it)
+    assert torch.equal(qt.int_repr(), before)
+
+
+def test_inplace_argument_names_stay_supported():
+    qt = _pt()
+    assert torch.equal(F.relu(qt, inplace=True).int_repr(), torch.relu(qt).int_repr())  # nn.ReLU(inplace=True)
+    assert torch.equal(F.hardtanh(qt, -0.5, 0.5, inplace=True).int_repr(), F.hardtanh(qt, -0.5, 0.5).int_repr())
+    t = torch.zeros(6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.clamp_(t, min=_pt())  # a QTensor as another argument of a float tensor's in-place op: float values
+    assert torch.equal(t, torch.clamp(torch.zeros(6), min=_pt().dequantize()))

@@ -9,8 +9,9 @@ any public name of ``torch.Tensor`` that ``QTensor`` does not define itself:
 - **explicit conversions** to float or host values (``float()``, ``double()``, ``numpy()``,
   ``tolist()``, ``item()``, ``to(dtype)``, ``float(qt)``) return the dequantized values, silently —
   that is what they ask for;
-- **in-place methods** (``add_``, ``masked_fill_``, ``qt[i] = v`` ...) raise a ``TypeError`` naming the
-  method: they would change a dequantized copy, not the codes, so running them would lose the write;
+- **in-place methods** (``add_``, ``masked_fill_``, ``qt[i] = v`` ...) and torch's in-place functions on a QTensor
+  (``torch.relu_(qt)``, ``F.hardtanh_(qt)``) raise a ``TypeError`` naming the method: they would change a
+  dequantized copy, not the codes, so running them would lose the write;
 - **everything else** (methods such as ``sum``, ``argmax``, ``masked_fill``, ``softmax``; the Python
   operators ``<``, ``**``, ``abs()`` ...) runs on ``dequantize()`` and warns once per name
   (``"lowbit: QTensor.sum has no integer implementation ..."``); the result is a float tensor.
@@ -125,8 +126,38 @@ def _iter(self: Any) -> Any:
     return iter(self.unbind(0))
 
 
+def _refuse_inplace_function(cls: type, name: str) -> Callable:
+    """``torch.<name>_(qt, ...)`` (``torch.relu_``, ``F.hardtanh_``, ``torch.clamp_`` ...): refused as the method is.
+    The float fallback would run it on a dequantized copy and leave ``qt`` unchanged, so a caller that uses ``qt``
+    afterwards (the point of an in-place call) read the old values."""
+    def op(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(x, cls):  # (a QTensor only as another argument: the float fallback)
+            return NotImplemented
+        raise TypeError(f"{name}: in-place ops are not supported on a QTensor (its codes are immutable); use the "
+                        f"out-of-place {name[:-1]}(...) and its result")
+    return op
+
+
+def _inplace_functions(cls: type) -> dict[Callable, Callable]:
+    """Every public in-place function of ``torch`` and ``torch.nn.functional`` (a name ending in one ``_``)."""
+    import torch.nn.functional as F
+
+    out: dict[Callable, Callable] = {}
+    for ns in (torch, F):
+        for name in dir(ns):
+            fn = getattr(ns, name, None)
+            if name.endswith("_") and not name.startswith("_") and callable(fn) and not isinstance(fn, type):
+                out.setdefault(fn, _refuse_inplace_function(cls, name))
+    return out
+
+
 def install(cls: type) -> None:
-    """Give ``cls`` (``QTensor``) the fallback: ``__getattr__``, the operators, ``T``/``mT``, ``clone``."""
+    """Give ``cls`` (``QTensor``) the fallback: ``__getattr__``, the operators, ``T``/``mT``, ``clone``, and the
+    refusal of torch's in-place functions (``torch.relu_(qt)``) as of the in-place methods."""
+    from . import _INT_OPS
+
+    for fn, op in _inplace_functions(cls).items():
+        _INT_OPS.setdefault(fn, op)
     cls.__getattr__ = tensor_getattr  # type: ignore[attr-defined]
     for name in _OPERATORS:
         if name not in cls.__dict__:
