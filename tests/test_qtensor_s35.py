@@ -6,6 +6,7 @@ import io
 import pickle
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,3 +107,22 @@ def test_inplace_argument_names_stay_supported():
         warnings.simplefilter("ignore")
         torch.clamp_(t, min=_pt())  # a QTensor as another argument of a float tensor's in-place op: float values
     assert torch.equal(t, torch.clamp(torch.zeros(6), min=_pt().dequantize()))
+
+
+@pytest.mark.parametrize("scale, zp", [(np.float32(0.1), 3), (0.1, np.int64(3)), (np.float32(0.1), np.int32(3)),
+                                       (np.float16(0.125), np.uint8(3))])
+@pytest.mark.parametrize("dtype", ["quint8", "qint8", "qint32"])
+def test_numpy_scalar_qparams_quantize_as_torchs(scale, zp, dtype):
+    x = torch.randn(5, 4)
+    ref = torch.quantize_per_tensor(x, scale, zp, getattr(torch, dtype))
+    qt = Q.quantize_per_tensor(x, scale, zp, dtype)  # was TypeError "scale=np.float32(0.1) must be a float"
+    assert torch.equal(qt.int_repr(), ref.int_repr())
+    assert qt.q_scale() == pytest.approx(ref.q_scale()) and qt.q_zero_point() == ref.q_zero_point()
+
+
+@pytest.mark.parametrize("scale, zp, match", [(np.float32(-0.1), 3, "scale=-0.1"), (np.float32(np.nan), 0, "scale=nan"),
+                                              (0.1, np.int64(300), "zero_point=300"),
+                                              (np.float32(0.1), np.bool_(True), "zero_point=")])
+def test_bad_numpy_scalar_qparams_are_refused_naming_them(scale, zp, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        Q.quantize_per_tensor(torch.randn(3), scale, zp, Q.quint8)

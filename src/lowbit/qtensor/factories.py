@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..functional import _check_qparams, check_ch_axis, quantize
@@ -20,6 +21,13 @@ from . import QTensor
 
 __all__ = ["quantize_per_tensor", "quantize_per_channel"]
 
+_NP_REAL = (np.floating, np.integer)
+
+
+def _as_number(p: object) -> object:
+    """A NumPy real scalar as the Python number it holds; anything else as it is."""
+    return p.item() if isinstance(p, _NP_REAL) else p
+
 
 def quantize_per_tensor(x: torch.Tensor, scale: float | torch.Tensor, zero_point: int | torch.Tensor,
                         dtype: QDtype | str) -> QTensor:
@@ -27,7 +35,12 @@ def quantize_per_tensor(x: torch.Tensor, scale: float | torch.Tensor, zero_point
 
     ``scale`` must be positive and finite and ``zero_point`` an integer on the grid (``ValueError``)."""
     qdtype = as_qdtype(dtype)
-    _check_qparams("quantize_per_tensor", scale, zero_point, qdtype.quant_min, qdtype.quant_max)
+    try:
+        _check_qparams("quantize_per_tensor", scale, zero_point, qdtype.quant_min, qdtype.quant_max)
+    except TypeError:  # NumPy scalars (np.float32 scale, np.int64 zero point), as torch takes them: Python numbers
+        if not isinstance(scale, _NP_REAL) and not isinstance(zero_point, _NP_REAL):
+            raise
+        return quantize_per_tensor(x, _as_number(scale), _as_number(zero_point), qdtype)
     q = quantize(x, scale, zero_point, qdtype, validate=False)
     if (isinstance(scale, torch.Tensor) and isinstance(zero_point, torch.Tensor) and scale.dim() == 0
             and zero_point.dim() == 0 and scale.dtype == torch.float32 and zero_point.dtype == torch.int64
