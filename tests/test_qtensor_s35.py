@@ -126,3 +126,22 @@ def test_numpy_scalar_qparams_quantize_as_torchs(scale, zp, dtype):
 def test_bad_numpy_scalar_qparams_are_refused_naming_them(scale, zp, match):
     with pytest.raises((ValueError, TypeError), match=match):
         Q.quantize_per_tensor(torch.randn(3), scale, zp, Q.quint8)
+
+
+def _float_zp(dtype=Q.quint8) -> Q.QTensor:  # per_channel_affine_float_qparams, as torch.ao's embeddings
+    x = torch.linspace(-1, 1, 30).reshape(3, 10)
+    zp = torch.tensor([127.3, -3.6, 260.5]) if dtype == Q.quint8 else torch.tensor([-0.4, 5.5, -130.2])
+    return Q.quantize_per_channel(x, torch.tensor([0.01, 0.02, 0.005]), zp, 0, dtype)
+
+
+@pytest.mark.parametrize("dtype", [Q.quint8, Q.qint8])
+def test_relu_and_zero_padding_on_float_zero_points_put_zero_on_its_code(dtype):
+    qt = _float_zp(dtype)
+    expect = Q.quantize_per_channel(torch.relu(qt.dequantize()), qt.scale, qt.zero_point, 0, dtype)
+    r = torch.relu(qt)  # was max(q, z truncated / wrapped to the storage): z = -3.6 gave 5.13 everywhere on quint8
+    assert r.qscheme() == Q.per_channel_affine_float_qparams
+    assert torch.equal(r.int_repr(), expect.int_repr())
+    zero = Q.quantize_per_channel(torch.zeros(3, 1), qt.scale, qt.zero_point, 0, dtype).int_repr()
+    p = F.pad(qt, (2, 1))
+    assert torch.equal(p.int_repr()[:, 2:-1], qt.int_repr())
+    assert torch.equal(p.int_repr()[:, :2], zero.expand(3, 2)) and torch.equal(p.int_repr()[:, -1:], zero)

@@ -359,10 +359,10 @@ class QTensor:
         return tuple(self._regrid(p, None, i) for i, p in enumerate(parts))
 
     def relu(self) -> QTensor:
-        """ReLU on codes: ``max(q, zero_point)`` — exact, the grid is unchanged."""
+        """ReLU on codes: ``max(q, zero_point)`` — exact, the grid is unchanged (float per-channel zero points:
+        ``max(q, round(z))``, 0.0's code; ``ops.zero_codes``)."""
         if self._axis is not None:
-            zp = self._zero_point.reshape([-1 if i == self._axis else 1 for i in range(self.dim())])
-            return QTensor(torch.maximum(self._q, zp.to(self._q.dtype)),
+            return QTensor(torch.maximum(self._q, ops.zero_codes(self).to(self._q.dtype)),
                            self._scale, self._zero_point, self._qdtype, self._axis)
         if tracing():  # no zero point read into Python (torch.export would guard on it): the same codes as a tensor op
             return self._same_grid(torch.maximum(self._q, self._zero_point.to(self._q.dtype)))

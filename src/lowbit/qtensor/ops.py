@@ -38,7 +38,7 @@ from ..compile_state import tracing
 from ..functional import quantize
 from . import _INT_OPS, QTensor
 
-__all__: list[str] = []
+__all__ = ["zero_codes"]
 
 _F32_EXACT = 2**24  # float32 holds every integer up to this exactly
 
@@ -51,6 +51,17 @@ def _channel_shaped(x: QTensor, p: torch.Tensor) -> torch.Tensor:
 def _touches_axis(x: QTensor, trailing: int) -> bool:
     """Whether an op on the last ``trailing`` dims would mix or move the channel axis."""
     return x.axis is not None and x.axis >= x.dim() - trailing
+
+
+def zero_codes(x: QTensor) -> torch.Tensor:
+    """The code of 0.0 on ``x``'s grid (int64, shaped to broadcast against the codes): the zero point; a float
+    per-channel zero point (``per_channel_affine_float_qparams``) has 0.0 between two codes: ``round(z)`` (what
+    ``quantize`` gives 0.0), on the grid. Its truncation to the storage dtype put ReLU / zero padding a step off, and
+    a negative ``z`` wrapped (ReLU of quint8 codes on ``z = -3.6``: every value ``(253 + 3.6) s``)."""
+    z = x.zero_point
+    if z.is_floating_point():
+        z = z.round().clamp(x.qdtype.quant_min, x.qdtype.quant_max)
+    return _channel_shaped(x, z.to(torch.int64))
 
 
 def _centred(x: QTensor, region: int) -> torch.Tensor:
@@ -123,9 +134,8 @@ def _pad(x: Any, pad: Any, mode: str = "constant", value: float | None = None) -
     (warned), so the next layer quantizes it on the grid it calibrated; its code would have saturated silently."""
     if not isinstance(x, QTensor) or mode != "constant" or _touches_axis(x, len(pad) // 2):
         return NotImplemented
-    if not value:  # 0 is the zero point's code on every grid: no quantize call
-        z = x.zero_point.to(torch.int64)
-        fill = z.reshape(()) if x.axis is None else _channel_shaped(x, z)
+    if not value:  # 0 is the zero point's code on every integer grid: no quantize call
+        fill = x.zero_point.to(torch.int64).reshape(()) if x.axis is None else zero_codes(x)
     else:
         fill = _code_bound(x, float(value))
         assert fill is not None
