@@ -145,3 +145,32 @@ def test_relu_and_zero_padding_on_float_zero_points_put_zero_on_its_code(dtype):
     p = F.pad(qt, (2, 1))
     assert torch.equal(p.int_repr()[:, 2:-1], qt.int_repr())
     assert torch.equal(p.int_repr()[:, :2], zero.expand(3, 2)) and torch.equal(p.int_repr()[:, -1:], zero)
+
+
+def test_equal_compares_grid_and_codes_as_torch_does():
+    x = torch.tensor([0.2, 0.4, -0.2])
+    grids = [(0.1, 0, "qint8"), (0.2, 0, "qint8"), (0.1, 10, "quint8"), (0.1, 0, "qint32")]
+    ts = [torch.quantize_per_tensor(x, s, z, getattr(torch, d)) for s, z, d in grids]
+    ls = [Q.quantize_per_tensor(x, s, z, d) for s, z, d in grids]
+    for i in range(len(grids)):
+        for j in range(len(grids)):  # the same values on another grid: False (was True: equal ran on the values)
+            assert torch.equal(ls[i], ls[j]) == torch.equal(ts[i], ts[j]) == ls[i].equal(ls[j]) == (i == j)
+        assert torch.equal(ls[i], x) is torch.equal(ts[i], x) is False  # a float tensor is never equal
+        assert torch.equal(ls[i], Q.quantize_per_tensor(x.clone(), *grids[i]))
+    pc = Q.quantize_per_channel(x.reshape(3, 1), torch.tensor([0.1, 0.2, 0.1]), torch.tensor([0, 0, 1]), 0, Q.qint8)
+    other = Q.QTensor(pc.int_repr(), torch.tensor([0.1, 0.2, 0.2]), pc.zero_point, Q.qint8, 0)  # same codes
+    assert torch.equal(pc, pc.clone()) and not torch.equal(pc, other) and not torch.equal(pc, pc.transpose(0, 1))
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1, 2])
+def test_stack_of_one_grid_stays_quantized_as_torchs(dim):
+    x = torch.randn(2, 3)
+    t = torch.quantize_per_tensor(x, 0.05, 3, torch.qint8)
+    qt = Q.quantize_per_tensor(x, 0.05, 3, Q.qint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # was the float fallback, warned
+        y = torch.stack([qt, qt[1:].expand(2, 3)], dim)
+    ref = torch.stack([t, t[1:].expand(2, 3)], dim)
+    assert isinstance(y, Q.QTensor) and torch.equal(y.int_repr(), ref.int_repr()) and y.q_scale() == pytest.approx(0.05)
+    with pytest.raises(IndexError):
+        torch.stack([qt, qt], 3)

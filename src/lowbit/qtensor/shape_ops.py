@@ -1,7 +1,8 @@
 """Torch functions on ``QTensor`` codes that select or move codes: exact, the grid kept.
 
 ``torch.relu`` / ``F.relu`` (``max(q, z)``; max pooling, also monotone in the codes, is ``pool.py``),
-``torch.cat`` of per-tensor inputs on one grid, and ``torch.flatten``
+``torch.cat`` / ``torch.stack`` of per-tensor inputs on one grid, ``torch.equal`` (grid and codes, as torch), and
+``torch.flatten``
 / ``reshape`` / ``permute`` / ``transpose`` / ``squeeze`` / ``unsqueeze`` / ``chunk`` / ``split`` /
 ``unbind`` as the ``QTensor`` methods of those names. Anything they decline (``NotImplemented``: a
 ``cat`` of different grids) takes the float fallback with its warning.
@@ -37,16 +38,38 @@ def _relu(x: Any, inplace: bool = False) -> Any:
     return x.relu() if isinstance(x, QTensor) else NotImplemented
 
 
+def _one_grid(ts: list[Any]) -> bool:
+    """Whether ``ts`` are per-tensor QTensors on one grid (their codes can be joined as they are)."""
+    if not ts or not all(isinstance(t, QTensor) and t.axis is None for t in ts):
+        return False
+    first = ts[0]
+    return all(t.qdtype == first.qdtype and torch.equal(t.scale, first.scale)
+               and torch.equal(t.zero_point, first.zero_point) for t in ts)
+
+
 def _cat(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
     ts = list(tensors)
-    if kwargs or not all(isinstance(t, QTensor) and t.axis is None for t in ts):
+    if kwargs or not _one_grid(ts):
         return NotImplemented
-    first = ts[0]
-    same = (t.qdtype == first.qdtype and torch.equal(t.scale, first.scale)
-            and torch.equal(t.zero_point, first.zero_point) for t in ts)
-    if not all(same):
+    return ts[0]._same_grid(torch.cat([t.int_repr() for t in ts], dim))
+
+
+def _stack(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
+    """``torch.stack`` of per-tensor QTensors on one grid: the codes stacked (else the float fallback)."""
+    ts = list(tensors)
+    if kwargs or not _one_grid(ts):
         return NotImplemented
-    return first._same_grid(torch.cat([t.int_repr() for t in ts], dim))
+    return ts[0]._same_grid(torch.stack([t.int_repr() for t in ts], dim))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """``torch.equal`` as torch's quantized tensors: the same shape, grid (dtype, scheme, scales, zero points, axis)
+    and codes; a QTensor never equals a float tensor. Not the values: codes 2 on scale 0.1 and 1 on 0.2 differ."""
+    if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
+        return False
+    return (a.shape == b.shape and a.qdtype == b.qdtype and a.axis == b.axis and a.qscheme() == b.qscheme()
+            and torch.equal(a.scale, b.scale) and torch.equal(a.zero_point, b.zero_point)
+            and torch.equal(a.int_repr(), b.int_repr()))
 
 
 # the other view ops: on a per-tensor QTensor they move or select codes (the grid kept), so every view of a quantized
@@ -65,6 +88,7 @@ def _code_view(name: str) -> Callable:
     return method
 
 
+QTensor.equal = _equal  # type: ignore[attr-defined]
 for _name in _CODE_VIEWS:
     if _name not in QTensor.__dict__:
         setattr(QTensor, _name, _code_view(_name))
@@ -74,6 +98,9 @@ _INT_OPS.update({
     F.relu: _relu,
     torch.cat: _cat,
     torch.concat: _cat,
+    torch.stack: _stack,
+    torch.equal: _equal,
+    torch.Tensor.equal: _equal,
     **{getattr(torch, name): _method(name) for name in (
         "flatten", "reshape", "permute", "transpose", "squeeze", "unsqueeze", "chunk", "split", "unbind",
         "narrow", "select", "t", "movedim", "moveaxis", "swapaxes", "swapdims", "diagonal")},
