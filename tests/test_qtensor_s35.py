@@ -174,3 +174,21 @@ def test_stack_of_one_grid_stays_quantized_as_torchs(dim):
     assert isinstance(y, Q.QTensor) and torch.equal(y.int_repr(), ref.int_repr()) and y.q_scale() == pytest.approx(0.05)
     with pytest.raises(IndexError):
         torch.stack([qt, qt], 3)
+
+
+@pytest.mark.parametrize("size, sf", [(None, 2.0), (None, 1.5), ((3, 11), None), ((7, 2), None)])
+def test_nearest_exact_interpolation_stays_quantized_with_torchs_codes(size, sf):
+    x = torch.randn(2, 3, 5, 6)
+    ref = F.interpolate(torch.quantize_per_tensor(x, 0.05, 128, torch.quint8), size, sf, mode="nearest-exact")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # was the float fallback, warned
+        y = F.interpolate(Q.quantize_per_tensor(x, 0.05, 128, Q.quint8), size, sf, mode="nearest-exact")
+    assert isinstance(y, Q.QTensor) and torch.equal(y.int_repr(), ref.int_repr())
+
+
+def test_the_clip_method_stays_quantized_as_torch_clip():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # was the float fallback (torch.clip and .clamp kept the grid), warned
+        y = _pt().clip(-0.3, 0.4)
+    ref = torch.quantize_per_tensor(torch.linspace(-1, 1, 6), 0.01, 128, torch.quint8).clip(-0.3, 0.4)
+    assert isinstance(y, Q.QTensor) and torch.equal(y.int_repr(), ref.int_repr())

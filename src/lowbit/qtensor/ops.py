@@ -4,7 +4,7 @@ Each op here is what ``torch``'s quantized CPU kernels do on a ``torch.quantize_
 (the oracle of ``tests/test_qtensor_ops.py``), applied to the codes ``q`` on the grid ``(s, z)``; the
 output keeps ``(s, z)``:
 
-- selection ops are exact (code for code): ``F.interpolate(mode="nearest")``, ``F.pad`` (constant;
+- selection ops are exact (code for code): ``F.interpolate(mode="nearest" / "nearest-exact")``, ``F.pad`` (constant;
   the pad value quantized onto the grid, so ``0.0`` pads ``z``), ``F.hardtanh``/``F.relu6``/``torch.clamp``
   (``clamp(q, quantize(min), quantize(max))``; a bound past the grid's far end, whose code would saturate, runs on
   float values);
@@ -120,8 +120,8 @@ def _mean(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) 
 
 def _interpolate(x: Any, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
                  *args: Any, **kwargs: Any) -> Any:
-    """Nearest-neighbour resampling selects codes: exact."""
-    if not isinstance(x, QTensor) or mode != "nearest" or _touches_axis(x, x.dim() - 2):
+    """Nearest-neighbour resampling (``nearest``, ``nearest-exact``) selects codes: exact."""
+    if not isinstance(x, QTensor) or mode not in ("nearest", "nearest-exact") or _touches_axis(x, x.dim() - 2):
         return NotImplemented
     wide = torch.float32 if x.qdtype.quant_max - x.qdtype.quant_min < _F32_EXACT else torch.float64
     q = F.interpolate(x.int_repr().to(wide), size, scale_factor, mode, *args, **kwargs)
@@ -201,6 +201,8 @@ def _hardtanh(x: Any, min_val: float = -1.0, max_val: float = 1.0, inplace: bool
 def _relu6(x: Any, inplace: bool = False) -> Any:
     return _clamp(x, 0.0, 6.0)
 
+
+QTensor.clip = QTensor.clamp  # type: ignore[attr-defined]  # (as torch.clip: the method kept the float fallback)
 
 _INT_OPS.update({
     F.avg_pool1d: _avg_pool(F.avg_pool1d, 1),
