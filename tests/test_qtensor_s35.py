@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import lowbit as Q
+from lowbit.qtensor import _warned_ops
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions.*:UserWarning")
 
@@ -192,3 +193,31 @@ def test_the_clip_method_stays_quantized_as_torch_clip():
         y = _pt().clip(-0.3, 0.4)
     ref = torch.quantize_per_tensor(torch.linspace(-1, 1, 6), 0.01, 128, torch.quint8).clip(-0.3, 0.4)
     assert isinstance(y, Q.QTensor) and torch.equal(y.int_repr(), ref.int_repr())
+
+
+@pytest.mark.parametrize("axis", [0, 1, 3])
+@pytest.mark.parametrize("op", [
+    lambda a: a.narrow(0, 1, 1), lambda a: a.narrow(1, 1, 2), lambda a: torch.narrow(a, -1, -3, 2),
+    lambda a: a.select(0, 1), lambda a: a.select(1, -1), lambda a: torch.select(a, 3, 2),
+    lambda a: a.view_as(torch.empty(2, 3, 4, 5)), lambda a: a.reshape_as(torch.empty(2, 3, 4, 5)),
+    lambda a: a.swapaxes(0, 2), lambda a: a.swapdims(-1, 1), lambda a: a[0, 0].t(), lambda a: a[:, :, 0, 0].t(),
+])
+def test_per_channel_narrow_select_and_views_keep_the_grid(op, axis):
+    x = torch.randn(2, 3, 4, 5)
+    n = x.shape[axis]
+    qt = Q.quantize_per_channel(x, torch.linspace(0.01, 0.05, n), torch.arange(n) - 1, axis, Q.qint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # was a float tensor, silently (no fallback warning either)
+        y = op(qt)
+    assert isinstance(y, Q.QTensor) and torch.equal(y.dequantize(), op(qt.dequantize()))
+
+
+def test_per_channel_views_without_an_integer_form_warn_and_bad_ranges_raise_torchs_error():
+    qt = Q.quantize_per_channel(torch.randn(2, 3), torch.tensor([0.1, 0.2]), torch.tensor([0, 1]), 0, Q.qint8)
+    _warned_ops.discard("QTensor.expand on a per-channel QTensor")  # (warned once per process)
+    with pytest.warns(UserWarning, match="QTensor.expand on a per-channel QTensor"):  # was silent
+        assert not isinstance(qt.expand(4, 2, 3), Q.QTensor)
+    with pytest.raises(RuntimeError, match="exceeds dimension size"):
+        qt.narrow(1, 2, 5)
+    with pytest.raises(IndexError):
+        qt.select(2, 0)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from . import _INT_OPS, QTensor
+from . import _INT_OPS, QTensor, _warn_float_fallback
 
 __all__: list[str] = []
 
@@ -78,9 +78,32 @@ _CODE_VIEWS = ("narrow", "select", "unflatten", "t", "movedim", "moveaxis", "swa
                "expand_as", "view_as", "reshape_as", "diagonal", "unfold")
 
 
+def _per_channel_view(x: QTensor, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A view op on a per-channel QTensor through the ops that move its axis (indexing, transpose, reshape), or
+    ``None`` where none applies (then the float fallback, warned)."""
+    a = list(args) + [kwargs[k] for k in ("dim", "start", "length", "index") if k in kwargs]
+    if name in ("narrow", "select") and len(a) == (3 if name == "narrow" else 2) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in a):
+        getattr(x.int_repr(), name)(*args, **kwargs)  # a bad dim / range: torch's own error (a view: no copy)
+        d = a[0] % x.dim()
+        start = a[1] + x.shape[d] if a[1] < 0 else a[1]
+        return x[(slice(None),) * d + ((slice(start, start + a[2]),) if name == "narrow" else (a[1],))]
+    if name == "t" and not args and not kwargs and x.dim() <= 2:
+        return x.transpose(0, 1) if x.dim() == 2 else x
+    if name in ("swapaxes", "swapdims") and len(args) == 2 and not kwargs:
+        return x.transpose(*args)
+    if name in ("view_as", "reshape_as") and len(args) == 1 and not kwargs and hasattr(args[0], "shape"):
+        return getattr(x, name[:-3])(tuple(args[0].shape))
+    return None
+
+
 def _code_view(name: str) -> Callable:
     def method(self: QTensor, *args: Any, **kwargs: Any) -> Any:
         if self.axis is not None:
+            out = _per_channel_view(self, name, args, kwargs)
+            if out is not None:
+                return out
+            _warn_float_fallback(f"QTensor.{name} on a per-channel QTensor")  # (was silent)
             return getattr(self.dequantize(), name)(*args, **kwargs)
         args = tuple(a.int_repr() if isinstance(a, QTensor) else a for a in args)  # (expand_as / view_as: its shape)
         return self._same_grid(getattr(self.int_repr(), name)(*args, **kwargs))
