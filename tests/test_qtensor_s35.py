@@ -221,3 +221,25 @@ def test_per_channel_views_without_an_integer_form_warn_and_bad_ranges_raise_tor
         qt.narrow(1, 2, 5)
     with pytest.raises(IndexError):
         qt.select(2, 0)
+
+
+def test_to_a_quantized_or_integer_dtype_is_torchs_noop_or_a_clear_error():
+    qt = _pt()
+    same = qt.to(torch.quint8)  # was "empty_strided not supported on quantized tensors" from inside torch
+    assert isinstance(same, Q.QTensor) and torch.equal(same.int_repr(), qt.int_repr())
+    assert torch.equal(qt.to(torch.quint8, copy=True).int_repr(), qt.int_repr())
+    assert qt.to(dtype=torch.quint8, copy=True).int_repr().data_ptr() != qt.int_repr().data_ptr()
+    with pytest.raises(TypeError, match=r"dtype=torch.qint8\): a lowbit.quint8 QTensor cannot change"):
+        qt.to(torch.qint8)
+    for d in (torch.uint8, torch.int8, torch.int64, torch.bool):  # was the values truncated, silently
+        with pytest.raises(TypeError, match=rf"dtype={d}\): the values .* int_repr\(\) gives its codes"):
+            qt.to("cpu", d)
+    assert torch.equal(qt.to(torch.float64), qt.dequantize().double())  # float: the values, as documented
+    assert torch.equal(qt.to(torch.empty(0, dtype=torch.half)), qt.dequantize().half())
+
+
+def test_to_without_a_device_keeps_the_qtensors_device():
+    meta = Q.quantize_per_tensor(torch.randn(1, 3, 2, 2), 0.1, 3, Q.qint8).to("meta")  # (stands for CUDA here)
+    for moved in (meta.to(memory_format=torch.channels_last), meta.to(non_blocking=True)):  # was: moved to the CPU
+        assert moved.device.type == "meta"  # ("Cannot copy out of meta tensor"; a CUDA QTensor went to the CPU)
+    assert meta.to(memory_format=torch.channels_last).int_repr().is_contiguous(memory_format=torch.channels_last)

@@ -228,12 +228,13 @@ class QTensor:
         return len(self._meta)
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
-        """Move to a device; with a dtype (or a tensor to match), the dequantized values converted to it
-        (an explicit request for float: no warning)."""
-        if "dtype" in kwargs or any(isinstance(a, (torch.dtype, torch.Tensor)) for a in args):
-            return self.dequantize().to(*args, **kwargs)
-        fmt, copy = kwargs.pop("memory_format", None), bool(kwargs.pop("copy", False))
-        dev = torch.empty(0).to(*args, **kwargs).device
+        """Move to a device (none named: this one); with a float dtype (or a tensor to match), the dequantized values
+        converted to it (an explicit request for float: no warning); other dtypes: ``fallback.to_dtype``."""
+        copy = bool(kwargs.pop("copy", False))
+        dev, dtype, _, fmt = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None:
+            return fallback.to_dtype(self, dtype, args, dict(kwargs, copy=copy))
+        dev = self.device if dev is None else dev  # (was the CPU: qt.to(memory_format=...) moved a CUDA QTensor)
         q = self._q.to(dev, copy=copy) if fmt is None else self._q.to(dev, copy=copy, memory_format=fmt)
         return QTensor(q, self._scale.to(dev), self._zero_point.to(dev), self._qdtype, self._axis)
 
@@ -424,7 +425,7 @@ def _tree_dequantize(obj: Any) -> Any:
 _INT_OPS: dict[Callable, Callable] = {}  # torch function -> integer implementation (shape_ops.py, pool.py, ops.py)
 
 
-from . import ops, pool, shape_ops  # noqa: E402,F401  register their integer ops into _INT_OPS
+from . import fallback, ops, pool, shape_ops  # noqa: E402,F401  register their integer ops into _INT_OPS
 from .factories import quantize_per_channel, quantize_per_tensor  # noqa: E402
 from .fallback import install as _install_fallback  # noqa: E402
 from .serial import install as _install_pickling  # noqa: E402

@@ -103,6 +103,22 @@ def _conversion(name: str) -> Callable:
     return op
 
 
+def to_dtype(qt: Any, dtype: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``qt.to(..., dtype)``: a float (or complex) dtype gives the dequantized values converted to it; the QTensor's own
+    quantized dtype (``torch.qint8`` for ``lowbit.qint8``) is a no-op move, as torch's; any other dtype is refused
+    naming it: an integer cast of the values would truncate them silently (the codes are ``int_repr()``), another
+    quantized dtype needs a new grid (torch refuses both, the latter deep inside its copy kernel)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return qt.dequantize().to(*args, **kwargs)
+    if dtype == qt.qdtype.torch_dtype:
+        return qt.to(*[a for a in args if a is not dtype], **{k: v for k, v in kwargs.items() if k != "dtype"})
+    if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+        raise TypeError(f"QTensor.to(dtype={dtype}): a {qt.qdtype!r} QTensor cannot change its quantized dtype "
+                        "without a new grid; quantize dequantize() onto one (lowbit.quantize_per_tensor)")
+    raise TypeError(f"QTensor.to(dtype={dtype}): the values of a {qt.qdtype!r} QTensor are not integers; "
+                    "int_repr() gives its codes, dequantize().to(...) the values cast")
+
+
 def _setitem(self: Any, key: Any, value: Any) -> None:
     raise TypeError("QTensor.__setitem__: in-place ops are not supported on a QTensor (its codes are immutable); "
                     "dequantize() first, or quantize the edited float tensor again")
