@@ -243,3 +243,17 @@ def test_to_without_a_device_keeps_the_qtensors_device():
     for moved in (meta.to(memory_format=torch.channels_last), meta.to(non_blocking=True)):  # was: moved to the CPU
         assert moved.device.type == "meta"  # ("Cannot copy out of meta tensor"; a CUDA QTensor went to the CPU)
     assert meta.to(memory_format=torch.channels_last).int_repr().is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("op", [lambda a: F.max_pool2d(a, 2), lambda a: F.max_pool2d(a, 2, 1, 1),
+                                lambda a: F.max_pool1d(a[0], 2), lambda a: F.max_pool3d(a[None], (1, 2, 2))])
+def test_max_pooling_of_qint32_codes_past_2_24_is_exact(op):
+    codes = torch.tensor([[16777217, 16777219, 33554433, 33554435], [1, 2, 3, 4],
+                          [2**30 + 1, 2**30 + 3, -(2**31), 6], [7, 8, 2**31 - 1, 2**31 - 2]], dtype=torch.int32)
+    codes = codes.reshape(1, 1, 4, 4)
+    ref = op(torch._make_per_tensor_quantized_tensor(codes, 1e-6, 0)).int_repr()
+    y = op(Q.QTensor(codes, 1e-6, 0, Q.qint32))  # was max over float32 codes: 16777219 -> 16777220, 2**30 + 3 -> 2**30
+    assert isinstance(y, Q.QTensor) and torch.equal(y.int_repr(), ref)
+    assert torch.equal(y.int_repr(), op(codes.double()).to(torch.int32))
+    amp = F.adaptive_max_pool2d(Q.QTensor(codes, 1e-6, 0, Q.qint32), 2)  # (torch has no quantized kernel for it)
+    assert torch.equal(amp.int_repr(), F.adaptive_max_pool2d(codes.double(), 2).to(torch.int32))

@@ -13,7 +13,7 @@ Paths (all give the same codes):
   adjacent halves of one ``2C`` row, so it is two ``maximum`` calls on plain views (SmallCNN, 64×16×28×28:
   ~0.05 ms, where torch's quantized ``max_pool2d`` takes ~0.9 ms at 16 channels);
 - other 2-d uint8 CPU codes: torch's quantized ``max_pool2d`` (one pass);
-- the rest: the float op on codes converted to float32 (exact for 8-bit codes).
+- the rest: the float op on codes converted to float32 (exact for 8- and 16-bit codes; float64 for 32-bit ones).
 
 While ``torch.compile`` / ``torch.export`` trace, the strided-view path runs as one opaque op,
 ``lowbit::max_pool2d_codes`` (``lowbit.pt2``), on the 8-bit codes: inlined, inductor fused the window reads into
@@ -97,7 +97,8 @@ def _max_pool(fn: Callable) -> Callable:
                 return x._same_grid(y)
             if q.dtype == torch.uint8 and q.device.type == "cpu" and not tracing():  # torch pools uint8 as quint8
                 return x._same_grid(fn(as_torch_quantized(q), *args, **kwargs).int_repr())
-        return x._same_grid(fn(q.to(torch.float32), *args, **kwargs).to(q.dtype))
+        wide = torch.float32 if q.element_size() <= 2 else torch.float64  # (float32 rounded qint32 codes past 2**24)
+        return x._same_grid(fn(q.to(wide), *args, **kwargs).to(q.dtype))
     return op
 
 
