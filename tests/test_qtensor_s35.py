@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 import warnings
@@ -257,3 +258,10 @@ def test_max_pooling_of_qint32_codes_past_2_24_is_exact(op):
     assert torch.equal(y.int_repr(), op(codes.double()).to(torch.int32))
     amp = F.adaptive_max_pool2d(Q.QTensor(codes, 1e-6, 0, Q.qint32), 2)  # (torch has no quantized kernel for it)
     assert torch.equal(amp.int_repr(), F.adaptive_max_pool2d(codes.double(), 2).to(torch.int32))
+
+
+def test_a_meta_qtensor_still_deep_copies():
+    for qt in (_pt(), _pc()):
+        meta = qt.to("meta")
+        for c in (copy.deepcopy(meta), pickle.loads(pickle.dumps(meta))):
+            assert c.device.type == "meta" and c.shape == qt.shape and c.axis == qt.axis

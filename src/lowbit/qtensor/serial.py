@@ -34,7 +34,8 @@ def rebuild(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, 
     qdtype = QDtype(name, bits, signed, quant_min, quant_max, storage)
     qdtype = _BUILTIN.get(name) if _BUILTIN.get(name) == qdtype else qdtype
     # a file is where bad qparams are made (QTensor(...) checks Python numbers only; tensors where they are made)
-    _check_qparams("QTensor (unpickled)", scale, zero_point, quant_min, quant_max, float_zp=axis is not None)
+    if scale.device.type != "meta":  # (a meta QTensor's qparams have no values: deepcopy of a meta model)
+        _check_qparams("QTensor (unpickled)", scale, zero_point, quant_min, quant_max, float_zp=axis is not None)
     return QTensor(codes, scale, zero_point, qdtype, axis)
 
 
