@@ -63,8 +63,14 @@ def _tagged(t: Any) -> bool:
 
 
 def _observe_output(module: nn.Module, inputs: Any, output: Any) -> Any:
-    """Forward hook ``prepare`` registers: the output goes through ``activation_post_process``."""
-    return _tag(module.activation_post_process(output))
+    """Forward hook ``prepare`` registers: the output goes through ``activation_post_process``. An output that is
+    one of the module's inputs (``QuantStub`` returns its input, and so does the observer) is tagged as an alias,
+    never the caller's own tensor: a calibration batch tagged by one prepared model read as "already quantized" in
+    every later one, whose first layer then recorded no input grid (float inputs quantized dynamically)."""
+    out = module.activation_post_process(output)
+    if isinstance(out, torch.Tensor) and any(out is i for i in inputs):
+        out = out.view_as(out)
+    return _tag(out)
 
 
 def _pass_tag(module: nn.Module, inputs: Any, output: Any) -> None:
