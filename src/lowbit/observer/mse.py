@@ -3,7 +3,10 @@
 The observed values are kept as a running histogram (``channel_histogram.py``). A candidate range
 ``(cmin, cmax) = (a · min, b · max)`` is mapped to its actual grid by ``calculate_qparams`` (zero
 included, zero point rounded, scale floored at ``eps``), and scored on the histogram, each bin's
-mass standing at ``S`` evenly spaced points inside it (``S = 4`` per tensor, 2 per channel)::
+mass standing at ``S`` evenly spaced points inside it (4 per tensor, 2 per channel, raised up to 8 where
+that leaves fewer than 8 points per step of the grid), except that one unit of mass stands exactly on
+each end of the range (``min`` and ``max`` are observed values, the ones a clipped range moves the
+most)::
 
     err(a, b) = Σ_points  n_point · (x - x̂)²,   x̂ = (clamp(round(x / s) + z, qmin, qmax) - z) · s
 
@@ -62,14 +65,28 @@ class MSEObserver(_ClipRangeObserver):
                  ch_axis: int | None = None, bins: int | None = None, eps: float = 1e-8) -> None:
         super().__init__(qscheme, qdtype, ch_axis, eps, bins)
 
+    def _sub(self, rows: int, bins: int) -> int:
+        """Points per bin: 4 per tensor, 2 per channel, raised (up to 8) where that leaves fewer than 8 points per step
+        of the grid (2 points per step, as 256 bins per channel gave qint8, scored a grid by where its steps fell
+        relative to the points, not by its error: per-channel affine ranges were worse than min/max on average)."""
+        base, steps = (4 if rows == 1 else 2), self.quant_max - self.quant_min
+        return base if steps >= bins * base else min(8, max(base, -(-8 * steps // bins)))
+
     def _errors(self, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                 a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``(C, K)`` squared error of the grids of ``(a_k · lo, b_k · hi)`` (``a``, ``b``: ``(K,)`` or ``(C, K)``)."""
         c, nb = hist.shape
-        sub = 4 if c == 1 else 2
+        sub = self._sub(c, nb)
         frac = (torch.arange(nb * sub, dtype=hist.dtype, device=hist.device) + 0.5) / (nb * sub)
         pts = lo.unsqueeze(1) + (hi - lo).unsqueeze(1) * frac                            # (C, P)
         wts = (hist / sub).repeat_interleave(sub, dim=1)                                  # (C, P)
+        # min and max are observed values: one unit of mass exactly on each end, not spread over the end bins (a
+        # lone outlier modelled inside its bin made clipping it look cheaper than it is)
+        e_lo, e_hi = hist[:, :1].clamp(max=1.0), hist[:, -1:].clamp(max=1.0)              # (C, 1)
+        wts[:, :sub] -= e_lo / sub
+        wts[:, -sub:] -= e_hi / sub
+        pts = torch.cat([pts, lo.unsqueeze(1), hi.unsqueeze(1)], 1)
+        wts = torch.cat([wts, e_lo, e_hi], 1)
         cmin, cmax = a * lo.unsqueeze(1), b * hi.unsqueeze(1)                            # (C, K)
         scale, zp = calculate_qparams(cmin, cmax, self.qscheme, self.qdtype, self.eps, validate=False)
         s, z = scale.to(hist.dtype).unsqueeze(2), zp.to(hist.dtype).unsqueeze(2)          # (C, K, 1)
@@ -81,8 +98,9 @@ class MSEObserver(_ClipRangeObserver):
         """Per row, the ``(a, b)`` of least error (chunks of rows bound the ``(C, K, P)`` temporary)."""
         c = hist.shape[0]
         k = a.shape[-1]
-        chunk = max(1, (1 << 22) // (k * hist.shape[1] * (4 if c == 1 else 2)))
-        best_a, best_b = torch.empty(c, dtype=hist.dtype), torch.empty(c, dtype=hist.dtype)
+        chunk = max(1, (1 << 22) // (k * (hist.shape[1] * self._sub(c, hist.shape[1]) + 2)))
+        best_a = torch.empty(c, dtype=hist.dtype, device=hist.device)
+        best_b = torch.empty_like(best_a)
         for s in range(0, c, chunk):
             aa = a if a.dim() == 1 else a[s:s + chunk]
             bb = b if b.dim() == 1 else b[s:s + chunk]
