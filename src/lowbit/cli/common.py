@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -29,9 +30,12 @@ class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal colour / bold codes some libraries put into messages
+
+
 def one_line(e: BaseException) -> str:
-    """``Type: message`` with the message's lines joined by spaces (a traceback-free summary)."""
-    text = " ".join(str(e).split())
+    """``Type: message`` with the message's lines joined by spaces and terminal escape codes removed."""
+    text = " ".join(_ANSI.sub("", str(e)).split())
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 

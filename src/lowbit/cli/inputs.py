@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,15 +57,40 @@ def load_array(path: str, what: str, labels: bool = False) -> torch.Tensor:
             if not isinstance(obj, torch.Tensor):
                 raise CLIError(f"{what} {path}: expected a tensor (or a dict with key {'/'.join(map(repr, keys))}), "
                                f"got {type(obj).__name__}")
+            if obj.is_quantized:  # torch's quantized dtypes: .float() / .long() raise deep inside torch
+                raise CLIError(f"{what} {path}: holds a torch quantized tensor (dtype {obj.dtype}); save plain "
+                               + ("integer class indices" if labels else "float values (x.dequantize())"))
             return obj
         if suffix == ".npz":
             with np.load(p) as z:
-                return torch.from_numpy(np.array(z[_pick(list(z.files), keys, what, path)]))
-        return torch.from_numpy(np.load(p))
+                return torch.from_numpy(_native(np.array(z[_pick(list(z.files), keys, what, path)])))
+        return torch.from_numpy(_native(np.load(p)))
     except CLIError:
         raise
     except Exception as e:  # corrupt file, object arrays, ...: one clear line
-        raise CLIError(f"{what} {path}: cannot read ({one_line(e)})") from e
+        raise CLIError(f"{what} {path}: {torch_load_problem(e) if suffix == '.pt' else f'cannot read ({one_line(e)})'}"
+                       ) from e
+
+
+def _native(a: np.ndarray) -> np.ndarray:
+    """``a`` in the machine's byte order (a big-endian .npy is valid numpy; torch.from_numpy refuses it)."""
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
+
+
+def torch_load_problem(e: BaseException) -> str:
+    """Why ``torch.load(weights_only=True)`` failed, in a few words: a pickled object (named), or not a torch file.
+
+    torch's own message is a paragraph about the ``weights_only`` default; only its last line says what happened.
+    """
+    text = one_line(e)
+    found = re.search(r"GLOBAL (\S+) was not an allowed global", text)
+    if found:
+        return (f"holds a pickled Python object ({found[1]}), not tensors; torch.load(weights_only=True) does not "
+                "run pickled code: save tensors (model.state_dict(), a tensor or a dict of tensors)")
+    if "Weights only load failed" in text or isinstance(e, pickle.UnpicklingError):
+        detail = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", text)
+        return f"is not a file torch.save wrote ({detail[1].strip() if detail else type(e).__name__})"
+    return f"cannot read ({text})"
 
 
 def _pick(names: list[Any], keys: tuple[str, ...], what: str, path: str) -> Any:
@@ -81,7 +108,7 @@ def _pick(names: list[Any], keys: tuple[str, ...], what: str, path: str) -> Any:
 
 
 def _load_images(folder: Path, what: str) -> torch.Tensor:
-    files = sorted(f for f in folder.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+    files = sorted(f for f in folder.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file())
     if not files:
         raise CLIError(f"{what} folder {folder} holds no .png/.jpg/.bmp images")
     try:
@@ -146,13 +173,15 @@ def check_labels(y: torch.Tensor, what: str, n: int, classes: int | None) -> tor
     if y.is_floating_point():
         if not bool(torch.isfinite(y).all()) or not torch.equal(y, y.round()):
             raise CLIError(f"{what}: expected integer class indices, got non-integer values (dtype {y.dtype})")
-    y = y.long()
-    lo, hi = int(y.min()), int(y.max())
-    if lo < 0 or (classes is not None and hi >= classes):
-        bad = lo if lo < 0 else hi
-        limit = f"[0, {classes}) (the model has {classes} outputs)" if classes is not None else "[0, ∞)"
+    # the range is checked before the int64 cast: 1e30 (float) and 2**63 + 5 (uint64) wrapped to negative labels
+    wide = y.double() if y.is_floating_point() or y.dtype == torch.uint64 else y.long()
+    lo, hi = int(wide.min()), int(wide.max())
+    if lo < 0 or (classes is not None and hi >= classes) or hi > torch.iinfo(torch.int64).max:
+        bad: Any = lo if lo < 0 else hi
+        bad = f"{float(wide.min() if lo < 0 else wide.max()):g}" if y.is_floating_point() else bad
+        limit = f"[0, {classes}) (the model has {classes} outputs)" if classes is not None else "[0, 2**63)"
         raise CLIError(f"{what}: label {bad} is outside {limit}")
-    return y
+    return y.long()
 
 
 def check_spec(spec: str) -> tuple[str, str]:
@@ -187,10 +216,11 @@ def load_model(spec: str, weights: str | None) -> nn.Module:
         try:
             sd = torch.load(weights, map_location="cpu", weights_only=True)
         except Exception as e:
-            if "weights_only" in str(e) or "Unsupported global" in str(e):  # a pickled object, e.g. a whole model
-                raise CLIError(f"--weights {weights}: holds a pickled Python object (a whole model?), not a "
-                               "state_dict; save model.state_dict() instead") from e
-            raise CLIError(f"--weights {weights}: cannot be read ({one_line(e)})") from e
+            found = re.search(r"GLOBAL (\S+) was not an allowed global", one_line(e))
+            if found:  # a pickled object, e.g. a whole model
+                raise CLIError(f"--weights {weights}: holds a pickled Python object (a whole model?), not a state_dict "
+                               f"(it pickles {found[1]}); save model.state_dict() instead") from e
+            raise CLIError(f"--weights {weights}: {torch_load_problem(e)}") from e
         sd = _unwrap_state_dict(sd, model)
         try:
             model.load_state_dict(sd)
