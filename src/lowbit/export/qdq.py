@@ -183,7 +183,10 @@ class WeightedTwin(nn.Module):
 
     ``in_grid`` is the grid of the inputs the converted module saw (``None``: quantized per call).
     The bias becomes int32 codes on ``s_x s_w`` when ``in_grid`` is static and the codes fit;
-    otherwise it stays float and is added after the op.
+    otherwise it stays float and is added after the op. A Linear's float bias is written ``Sub(y, -b)``
+    (the same float32 values): ORT fuses MatMul + Add into a Gemm, and its WeightBiasQuantization then
+    rounds that float bias onto the int32 grid ``s_x s_w`` it did not fit (a tiny input scale, from
+    all-zero or 1e-10 calibration data: the bias was lost, outputs at the grid's end).
     """
 
     def __init__(self, mod: Any, kind: str, in_grid: Grid | None, weight_dtype: str) -> None:
@@ -235,8 +238,8 @@ class WeightedTwin(nn.Module):
             x = F.pad(x, self.pad) if self.pad_mode == "zeros" else F.pad(x, self.pad, mode=self.pad_mode)
         x = self.in_qdq(x)
         y = self._op(x, self.weight(), None if self.bias_dq is None else self.bias_dq())
-        if self.bias_float is not None:
-            y = y + self.bias_float.reshape(-1, *([1] * (y.dim() - 2))) if self.kind != "linear" else y + self.bias_float
+        if self.bias_float is not None:  # (a Linear's as Sub(y, -b), exact: see the class docstring)
+            y = y + self.bias_float.reshape(-1, *([1] * (y.dim() - 2))) if self.kind != "linear" else y - (-self.bias_float)
         if self.relu:
             y = torch.relu(y)
         y = self.out_qdq(y)
