@@ -18,7 +18,7 @@ TIERS: list[tuple[str, ...]] = [
     ("qparams",),
     ("blocked", "qstore", "native"),   # cache-blocked exact quantize; one-pass 8-bit codes; C row passes
     ("functional",),
-    ("qtensor", "batches"),           # batches: the calibration-input convention (iter_batches, run_batch)
+    ("qtensor", "qtensor.convert", "batches"),  # convert: to / type / dtype casts; batches: iter_batches, run_batch
     ("observer",),
     ("fake_quant",),                   # package: base, learnable, fused, fixed
     ("qconfig",),

@@ -12,7 +12,8 @@ crashes at an int8/float boundary.
 Per channel, a shape op moves ``axis`` with the channel dim (``permute``, ``transpose``, a reshape
 that keeps the dim whole, indexing); an int index or ``unbind`` on the channel dim leaves a
 per-tensor slice on that channel's grid; ``chunk``/``split`` along it split the qparams. A reshape
-that merges or splits the channel dim, or advanced indexing, runs on float values (with the warning).
+that merges or splits the channel dim, or advanced indexing, runs on float values (with the warning), unless
+there is one channel: its grid, per tensor (as a squeezed size-1 channel dim). Conversions: ``qtensor/convert.py``.
 
 >>> import torch, lowbit as Q
 >>> qt = Q.quantize_per_channel(torch.tensor([[0.5, -1.0], [2.0, 4.0]]),
@@ -150,7 +151,8 @@ class QTensor:
         return self._q
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize(self._q, self._scale, self._zero_point, self._axis)
+        """``(int_repr - zero_point) * scale`` in float32 (on the meta device: a meta float32 tensor, unchecked)."""
+        return dequantize(self._q, self._scale, self._zero_point, self._axis, validate=self._scale.device.type != "meta")
 
     def qscheme(self) -> QScheme:
         if self._axis is None:
@@ -227,41 +229,23 @@ class QTensor:
     def __len__(self) -> int:
         return len(self._meta)
 
-    def to(self, *args: Any, **kwargs: Any) -> Any:
-        """Move to a device (none named: this one); with a float dtype (or a tensor to match), the dequantized values
-        converted to it (an explicit request for float: no warning); other dtypes: ``fallback.to_dtype``."""
-        copy = bool(kwargs.pop("copy", False))
-        dev, dtype, _, fmt = torch._C._nn._parse_to(*args, **kwargs)
-        if dtype is not None:
-            return fallback.to_dtype(self, dtype, args, dict(kwargs, copy=copy))
-        dev = self.device if dev is None else dev  # (was the CPU: qt.to(memory_format=...) moved a CUDA QTensor)
-        q = self._q.to(dev, copy=copy) if fmt is None else self._q.to(dev, copy=copy, memory_format=fmt)
-        return QTensor(q, self._scale.to(dev), self._zero_point.to(dev), self._qdtype, self._axis)
-
-    def cpu(self) -> QTensor:
-        return self.to("cpu")
-
-    def cuda(self) -> QTensor:
-        return self.to("cuda")
-
     def detach(self) -> QTensor:
         return self
-
-    def __repr__(self) -> str:
-        grid = (f"scale={self.q_scale():.6g}, zero_point={self.q_zero_point()}" if self._axis is None
-                else f"axis={self._axis}, scales={self._scale.tolist()[:4]}{'...' if self._scale.numel() > 4 else ''}")
-        return f"QTensor(shape={tuple(self.shape)}, dtype={self._qdtype!r}, {grid}, device={self.device})"
 
     # ---- integer-preserving ops ----
     def _same_grid(self, q: torch.Tensor) -> QTensor:
         return QTensor._trusted(q, self._scale, self._zero_point, self._qdtype)
 
-    def _regrid(self, q: torch.Tensor, axis: int | None, channels: Any = slice(None)) -> QTensor:
+    def _regrid(self, q: torch.Tensor, axis: int | None, channels: Any = slice(None)) -> Any:
         """Codes ``q`` on this grid; per channel, ``axis`` is where the channel dim now is and
-        ``channels`` selects its qparams (an int selects one channel: the result is per tensor)."""
+        ``channels`` selects its qparams (an int selects one channel: the result is per tensor on its grid, or,
+        for a fractional float zero point no per-tensor grid holds, the float values ``(q - z) * s``, warned)."""
         if self._axis is None:
             return self._same_grid(q)
         s, z = self._scale[channels], self._zero_point[channels]
+        if isinstance(channels, int) and z.is_floating_point() and z.device.type != "meta" and bool(z != torch.round(z)):
+            _warn_float_fallback("selecting one channel of a float-zero-point per-channel QTensor")  # (was a ValueError)
+            return (q.to(torch.float32) - z) * s
         return QTensor(q, s, z, self._qdtype, None if isinstance(channels, int) else axis)
 
     def _float_fallback(self, name: str, *args: Any) -> Any:
@@ -278,6 +262,8 @@ class QTensor:
         if self._axis is None:
             return self._same_grid(q)
         axis = reshaped_axis(self.shape, self._axis, q.shape)
+        if axis is None and self.shape[self._axis] == 1:  # one channel (squeezed, merged): its grid, as torch's
+            return self._regrid(q, None, 0)
         return self._float_fallback(name, *args) if axis is None else self._regrid(q, axis)
 
     def view(self, *shape: Any, **kwargs: Any) -> Any:
@@ -333,32 +319,6 @@ class QTensor:
         where = indexed_axis(idx, self.dim(), self._axis)
         return self._float_fallback("__getitem__", idx) if where is None else self._regrid(q, *where)
 
-    def _pieces(self, parts: tuple[torch.Tensor, ...], dim: int) -> tuple[QTensor, ...]:
-        """Split results along ``dim``: per channel, splitting the channel dim splits the qparams."""
-        dim = dim % self.dim()
-        if self._axis != dim:
-            return tuple(self._regrid(p, self._axis) for p in parts)
-        offsets = [0]
-        for p in parts:
-            offsets.append(offsets[-1] + p.shape[dim])
-        return tuple(self._regrid(p, dim, slice(lo, hi)) for p, lo, hi in zip(parts, offsets, offsets[1:]))
-
-    def chunk(self, chunks: int, dim: int = 0) -> tuple[QTensor, ...]:
-        return self._pieces(self._q.chunk(chunks, dim), dim)
-
-    def split(self, split_size_or_sections: Any = None, dim: int = 0, *, split_size: Any = None) -> tuple[QTensor, ...]:
-        sizes = split_size if split_size_or_sections is None else split_size_or_sections
-        if sizes is None:
-            raise TypeError("QTensor.split() missing its split_size_or_sections argument")
-        return self._pieces(self._q.split(sizes, dim), dim)
-
-    def unbind(self, dim: int = 0) -> tuple[QTensor, ...]:
-        """Per channel: unbinding the channel dim gives per-tensor slices (each its channel's grid)."""
-        parts, dim, a = self._q.unbind(dim), dim % self.dim(), self._axis
-        if a is None or a != dim:
-            return tuple(self._regrid(p, None if a is None else a - (dim < a)) for p in parts)
-        return tuple(self._regrid(p, None, i) for i, p in enumerate(parts))
-
     def relu(self) -> QTensor:
         """ReLU on codes: ``max(q, zero_point)`` — exact, the grid is unchanged (float per-channel zero points:
         ``max(q, round(z))``, 0.0's code; ``ops.zero_codes``)."""
@@ -388,29 +348,6 @@ class QTensor:
         _warn_float_fallback(f"torch.{name}")
         return func(*_tree_dequantize(args), **_tree_dequantize(kwargs))
 
-    def __add__(self, other: Any) -> Any:
-        return torch.add(self, other)
-
-    def __mul__(self, other: Any) -> Any:
-        return torch.mul(self, other)
-
-    def __sub__(self, other: Any) -> Any:
-        return torch.sub(self, other)
-
-    def __rsub__(self, other: Any) -> Any:
-        return torch.sub(other, self)
-
-    def __truediv__(self, other: Any) -> Any:
-        return torch.div(self, other)
-
-    def __matmul__(self, other: Any) -> Any:
-        return torch.matmul(self, other)
-
-    def __neg__(self) -> Any:
-        return torch.neg(self)
-
-    __radd__, __rmul__ = __add__, __mul__
-
 
 def _tree_dequantize(obj: Any) -> Any:
     if isinstance(obj, QTensor):
@@ -425,10 +362,12 @@ def _tree_dequantize(obj: Any) -> Any:
 _INT_OPS: dict[Callable, Callable] = {}  # torch function -> integer implementation (shape_ops.py, pool.py, ops.py)
 
 
-from . import fallback, ops, pool, shape_ops  # noqa: E402,F401  register their integer ops into _INT_OPS
+from . import ops, pool, shape_ops  # noqa: E402,F401  register their integer ops into _INT_OPS
+from .convert import install as _install_conversions  # noqa: E402
 from .factories import quantize_per_channel, quantize_per_tensor  # noqa: E402
 from .fallback import install as _install_fallback  # noqa: E402
 from .serial import install as _install_pickling  # noqa: E402
 
+_install_conversions(QTensor)  # to / type / type_as / int() / float() ..., format, requires_grad_ (convert.py)
 _install_fallback(QTensor)  # every other torch.Tensor method / attribute: the float fallback (fallback.py)
 _install_pickling(QTensor)  # torch.save / torch.load (weights_only), deepcopy, pickle as plain parts (serial.py)

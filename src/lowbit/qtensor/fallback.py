@@ -6,9 +6,9 @@ any public name of ``torch.Tensor`` that ``QTensor`` does not define itself:
 
 - **metadata** (``ndim``, ``is_nested``, ``is_cuda``, ``layout``, ``stride()``, ``requires_grad`` ...)
   is the codes' (no dequantization, no warning); a QTensor holds no gradient (``grad`` is ``None``);
-- **explicit conversions** to float or host values (``float()``, ``double()``, ``numpy()``,
-  ``tolist()``, ``item()``, ``to(dtype)``, ``float(qt)``) return the dequantized values, silently —
-  that is what they ask for;
+- **explicit conversions** to float or host values (``numpy()``, ``tolist()``, ``item()``, ``float(qt)``; and
+  ``float()``, ``half()``, ``to(dtype)``, ``type(dtype)`` with a float dtype, ``convert.py``) return the dequantized
+  values, silently — that is what they ask for; an integer dtype (``int()``, ``to(torch.int64)``) is refused;
 - **in-place methods** (``add_``, ``masked_fill_``, ``qt[i] = v`` ...) and torch's in-place functions on a QTensor
   (``torch.relu_(qt)``, ``F.hardtanh_(qt)``) raise a ``TypeError`` naming the method: they would change a
   dequantized copy, not the codes, so running them would lose the write;
@@ -48,10 +48,10 @@ _METADATA = frozenset({
 _AUTOGRAD = {"requires_grad": False, "grad": None, "grad_fn": None, "is_leaf": True, "retains_grad": False,
              "output_nr": 0, "volatile": False, "grad_dtype": None}
 # explicit requests for float (or host) values: dequantize without a warning
-_CONVERSIONS = frozenset({"float", "double", "half", "bfloat16", "numpy", "tolist", "item", "type_as", "to_dense",
-                          "real"})
+# (float() / half() / to(dtype) / type(dtype) / type_as ...: convert.py, under one rule for every dtype)
+_CONVERSIONS = frozenset({"numpy", "tolist", "item", "to_dense", "real"})
 # names whose in-place form is not a trailing underscore
-_INPLACE = frozenset({"set_", "resize_", "requires_grad_", "retain_grad", "share_memory_", "backward",
+_INPLACE = frozenset({"set_", "resize_", "retain_grad", "backward",
                       "register_hook", "register_post_accumulate_grad_hook"})
 
 
@@ -103,22 +103,6 @@ def _conversion(name: str) -> Callable:
     return op
 
 
-def to_dtype(qt: Any, dtype: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``qt.to(..., dtype)``: a float (or complex) dtype gives the dequantized values converted to it; the QTensor's own
-    quantized dtype (``torch.qint8`` for ``lowbit.qint8``) is a no-op move, as torch's; any other dtype is refused
-    naming it: an integer cast of the values would truncate them silently (the codes are ``int_repr()``), another
-    quantized dtype needs a new grid (torch refuses both, the latter deep inside its copy kernel)."""
-    if dtype.is_floating_point or dtype.is_complex:
-        return qt.dequantize().to(*args, **kwargs)
-    if dtype == qt.qdtype.torch_dtype:
-        return qt.to(*[a for a in args if a is not dtype], **{k: v for k, v in kwargs.items() if k != "dtype"})
-    if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
-        raise TypeError(f"QTensor.to(dtype={dtype}): a {qt.qdtype!r} QTensor cannot change its quantized dtype "
-                        "without a new grid; quantize dequantize() onto one (lowbit.quantize_per_tensor)")
-    raise TypeError(f"QTensor.to(dtype={dtype}): the values of a {qt.qdtype!r} QTensor are not integers; "
-                    "int_repr() gives its codes, dequantize().to(...) the values cast")
-
-
 def _setitem(self: Any, key: Any, value: Any) -> None:
     raise TypeError("QTensor.__setitem__: in-place ops are not supported on a QTensor (its codes are immutable); "
                     "dequantize() first, or quantize the edited float tensor again")
@@ -131,7 +115,16 @@ _OPERATORS = ("__abs__", "__and__", "__or__", "__xor__", "__invert__", "__pos__"
               "__mod__", "__rmod__", "__floordiv__", "__rfloordiv__", "__rtruediv__", "__rmatmul__",
               "__lshift__", "__rshift__", "__rand__", "__ror__", "__rxor__", "__eq__", "__ne__", "__lt__", "__le__",
               "__gt__", "__ge__", "__contains__")  # iteration keeps using __len__/__getitem__: QTensor rows
-_PY_CONVERSIONS = ("__float__", "__int__", "__bool__", "__complex__", "__array__", "__format__", "__index__")
+_PY_CONVERSIONS = ("__float__", "__int__", "__bool__", "__complex__", "__array__", "__index__")  # (format: convert.py)
+# operators with an integer form somewhere (quantized add / mul kernels, ops.py ...): through torch's function, so
+# __torch_function__ picks the integer op where there is one, else the float fallback
+_TORCH_OPERATORS: dict[str, Callable] = {
+    "__add__": lambda self, other: torch.add(self, other), "__radd__": lambda self, other: torch.add(self, other),
+    "__mul__": lambda self, other: torch.mul(self, other), "__rmul__": lambda self, other: torch.mul(self, other),
+    "__sub__": lambda self, other: torch.sub(self, other), "__rsub__": lambda self, other: torch.sub(other, self),
+    "__truediv__": lambda self, other: torch.div(self, other), "__matmul__": lambda self, other: torch.matmul(self, other),
+    "__neg__": lambda self: torch.neg(self),
+}
 
 
 def _iter(self: Any) -> Any:
@@ -175,6 +168,8 @@ def install(cls: type) -> None:
     for fn, op in _inplace_functions(cls).items():
         _INT_OPS.setdefault(fn, op)
     cls.__getattr__ = tensor_getattr  # type: ignore[attr-defined]
+    for name, fn in _TORCH_OPERATORS.items():
+        setattr(cls, name, fn)
     for name in _OPERATORS:
         if name not in cls.__dict__:
             setattr(cls, name, _binary(name))

@@ -1,4 +1,5 @@
-"""Torch functions on ``QTensor`` codes that select or move codes: exact, the grid kept.
+"""Torch functions on ``QTensor`` codes that select or move codes: exact, the grid kept; the ``chunk`` / ``split`` /
+``unbind`` methods (per channel, splitting the channel dim splits the qparams) and the other view methods.
 
 ``torch.relu`` / ``F.relu`` (``max(q, z)``; max pooling, also monotone in the codes, is ``pool.py``),
 ``torch.cat`` / ``torch.stack`` of per-tensor inputs on one grid, ``torch.equal`` (grid and codes, as torch), and
@@ -111,6 +112,37 @@ def _code_view(name: str) -> Callable:
     return method
 
 
+def _pieces(x: QTensor, parts: tuple[torch.Tensor, ...], dim: int) -> tuple[Any, ...]:
+    """Split results along ``dim``: per channel, splitting the channel dim splits the qparams."""
+    dim = dim % x.dim()
+    if x.axis != dim:
+        return tuple(x._regrid(p, x.axis) for p in parts)
+    offsets = [0]
+    for p in parts:
+        offsets.append(offsets[-1] + p.shape[dim])
+    return tuple(x._regrid(p, dim, slice(lo, hi)) for p, lo, hi in zip(parts, offsets, offsets[1:]))
+
+
+def _chunk(self: QTensor, chunks: int, dim: int = 0) -> tuple[Any, ...]:
+    return _pieces(self, self.int_repr().chunk(chunks, dim), dim)
+
+
+def _split(self: QTensor, split_size_or_sections: Any = None, dim: int = 0, *, split_size: Any = None) -> tuple[Any, ...]:
+    sizes = split_size if split_size_or_sections is None else split_size_or_sections
+    if sizes is None:
+        raise TypeError("QTensor.split() missing its split_size_or_sections argument")
+    return _pieces(self, self.int_repr().split(sizes, dim), dim)
+
+
+def _unbind(self: QTensor, dim: int = 0) -> tuple[Any, ...]:
+    """Per channel: unbinding the channel dim gives per-tensor slices (each its channel's grid)."""
+    parts, dim, a = self.int_repr().unbind(dim), dim % self.dim(), self.axis
+    if a is None or a != dim:
+        return tuple(self._regrid(p, None if a is None else a - (dim < a)) for p in parts)
+    return tuple(self._regrid(p, None, i) for i, p in enumerate(parts))
+
+
+QTensor.chunk, QTensor.split, QTensor.unbind = _chunk, _split, _unbind  # type: ignore[attr-defined,method-assign]
 QTensor.equal = _equal  # type: ignore[attr-defined]
 for _name in _CODE_VIEWS:
     if _name not in QTensor.__dict__:
