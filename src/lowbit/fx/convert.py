@@ -46,7 +46,8 @@ from .call import plain_call
 from .convert_dynamic import set_module as _set_module
 from .convert_dynamic import what as _what
 from .patterns import func_activation, is_dropout
-from .prepare import STATE_KEY, check_preservable, is_prepared
+from .custom import check_preservable
+from .prepare import STATE_KEY, is_prepared
 from .report import FxReport
 from .weighted import arg_of, input_of, standin
 
@@ -121,6 +122,9 @@ class _Converter:
         except (ValueError, TypeError, RuntimeError) as err:
             raise type(err)(f"convert_fx: module '{node.target}' ({type(mod).__name__} -> {qcls.__name__}): "
                             f"{err}") from err
+        if not isinstance(new, nn.Module):  # (a custom from_observed returning None failed inside torch.fx)
+            raise TypeError(f"convert_fx: module '{node.target}': {qcls.__name__}.from_float / from_observed returned "
+                            f"{type(new).__name__}, not an nn.Module")
         _set_module(self.gm, node.target, new)
         self.report.converted[self._key(node)] = f"{type(mod).__name__} -> {qcls.__module__}.{qcls.__name__}"
 

@@ -27,7 +27,7 @@ from torch import fx, nn
 
 from ..custom_config import FuseCustomConfig
 from .patterns import fuse_graph
-from .prepare import check_preservable
+from .custom import check_preservable
 from .trace import trace
 
 __all__ = ["fuse_fx"]

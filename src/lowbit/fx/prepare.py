@@ -51,6 +51,7 @@ from ..mappings import get_default_dynamic_quant_module_mappings, get_default_qa
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..workflow import is_dynamic_qconfig, propagate_qconfig_
 from .classify import apply_call_order, classify, int_inputs, join, wants_int
+from .custom import declare_non_traceable, preserve, swap_custom
 from .patterns import WEIGHT_ONLY_TYPES, fuse_graph, graph_module_types
 from .report import FxReport
 from .trace import RootNotTraceable, record_tensor_kinds, trace
@@ -72,6 +73,10 @@ def _check_args(fn: str, model: Any, example_inputs: Any, inplace: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}: model must be an nn.Module, got {type(model).__name__}")
     if is_prepared(model):
+        state = model.meta[STATE_KEY] if isinstance(model, fx.GraphModule) else model.__dict__[STATE_KEY]
+        if state.get("converted") or state.get("reference"):  # (it said "calibrate it and call convert_fx")
+            raise ValueError(f"{fn}: this model was already converted by convert_fx or convert_to_reference_fx; "
+                             "pass the float model")
         raise ValueError(f"{fn}: this model was already prepared by prepare_fx/prepare_qat_fx; "
                          "calibrate it and call convert_fx")
     if example_inputs is not None and not isinstance(example_inputs, tuple):
@@ -157,23 +162,6 @@ def _swap_qat(gm: fx.GraphModule, opaque: set[str]) -> None:
             setattr(gm.get_submodule(parent) if parent else gm, name, qat_map[type(mod)].from_float(mod))
 
 
-def _swap_custom(gm: fx.GraphModule, custom: dict[type, type]) -> None:
-    """Replace custom float modules (``prepare_custom_config``'s float → observed classes) in the graph."""
-    for node in gm.graph.nodes:
-        if node.op != "call_module":
-            continue
-        mod = gm.get_submodule(node.target)
-        qc = getattr(mod, "qconfig", None)
-        if type(mod) in custom and qc is not None and not is_dynamic_qconfig(qc):
-            new = custom[type(mod)].from_float(mod)
-            if not isinstance(new, nn.Module):  # (as eager prepare checks)
-                raise TypeError(f"prepare_fx: {custom[type(mod)].__name__}.from_float returned "
-                                f"{type(new).__name__}, not an nn.Module, for {node.target!r}")
-            new.qconfig = qc
-            parent, _, name = node.target.rpartition(".")
-            setattr(gm.get_submodule(parent) if parent else gm, name, new)
-
-
 _MIXED = ("<called with None and with a value for one argument>",)  # _capture_inputs' mark for such a module
 
 
@@ -250,7 +238,7 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
                                 for k, vs in absorbed.items()})
     if ctx.is_qat:
         _swap_qat(gm, set(opaque))
-    _swap_custom(gm, ctx.custom)
+    swap_custom(gm, ctx.custom)
     for path, cause in opaque.items():
         sub = gm.get_submodule(path)
         ctx.untraceable(join(prefix, path), sub, cause)
@@ -299,42 +287,6 @@ class _Ctx:
                       f"({cause}); {how}", stacklevel=5)
 
 
-def _declare_non_traceable(model: nn.Module, ctx: _Ctx, cfg: PrepareCustomConfig) -> None:
-    """Make the declared non-traceable modules float leaves: no qconfig inside, listed in the report."""
-    found: dict[str, nn.Module] = {}
-    for name in cfg.non_traceable_module_names:
-        try:
-            found[name] = model.get_submodule(name)
-        except AttributeError:
-            raise ValueError(f"{ctx.fn}: prepare_custom_config names non-traceable module {name!r}, which "
-                             f"{type(model).__name__} does not have") from None
-    classes = tuple(cfg.non_traceable_module_classes)
-    if classes:
-        found.update({n: m for n, m in model.named_modules() if isinstance(m, classes) and n})
-    for name, mod in found.items():
-        ctx.leaves[0].add(id(mod))
-        for m in mod.modules():
-            m.qconfig = None
-        ctx.report.untraceable[name] = "declared non-traceable (prepare_custom_config): left float"
-
-
-def check_preservable(src: nn.Module, dst: nn.Module, name: str, fn: str) -> None:
-    """A preserved attribute is data the graph does not run: a submodule (the graph holds its own, fused or observed,
-    twin) or a name of the GraphModule itself (``forward``, ``graph``, ...) would be overwritten by the float original."""
-    if isinstance(getattr(src, name, None), nn.Module) or name in getattr(dst, "_modules", {}) or hasattr(type(dst), name):
-        raise ValueError(f"{fn}: preserved attribute {name!r} is a submodule or a method of the model; setting it on "
-                         "the result would replace the graph's own (fused / quantized) module or code. Preserve plain "
-                         "attributes (numbers, strings, tensors, configs) only")
-
-
-def _preserve(src: nn.Module, dst: nn.Module, names: list[str], fn: str) -> None:
-    for name in names:
-        if not hasattr(src, name):
-            raise ValueError(f"{fn}: preserved attribute {name!r} is not an attribute of {type(src).__name__}")
-        check_preservable(src, dst, name, fn)
-        setattr(dst, name, getattr(src, name))
-
-
 def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inplace: Any,
              is_qat: bool, prepare_custom_config: Any = None) -> nn.Module:
     _check_args(fn, model, example_inputs, inplace)
@@ -345,7 +297,7 @@ def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inp
         model = copy.deepcopy(model)
     propagate_qconfig_(model, mapping)
     ctx = _Ctx(fn, mapping, is_qat, cfg)
-    _declare_non_traceable(model, ctx, cfg)
+    declare_non_traceable(model, ctx, cfg)
     if example_inputs is not None:
         ctx.captured = _capture_inputs(model, example_inputs)
     out = _prepare_module(model, ctx, "", example_inputs, top=True)
@@ -363,7 +315,7 @@ def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inp
     state = {"is_qat": is_qat, "report": ctx.report, "prefix": "", "preserved": list(cfg.preserved_attributes),
              "input_quantized_idxs": list(cfg.input_quantized_indexes),
              "output_quantized_idxs": list(cfg.output_quantized_indexes)}
-    _preserve(model, out, cfg.preserved_attributes, fn)
+    preserve(model, out, cfg.preserved_attributes, fn)
     if isinstance(out, fx.GraphModule):
         out.meta[STATE_KEY] = state
     else:
