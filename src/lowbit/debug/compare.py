@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ..batches import check_module, flatten_outputs, iter_batches, run_batch  # noqa: F401 (re-exported)
+from .checks import check_float_model, model_kind
 from ..nn.intrinsic.fold import fold_bn_weights
 from ..nn.quantized.functional_modules import FloatFunctional, QFunctional
 from ..nn.quantized.stubs import DeQuantize
@@ -322,9 +323,13 @@ def compare(float_model: nn.Module, quantized_model: nn.Module, inputs: Any) -> 
     unpacked into positional arguments, a dict into keywords). Both models run in eval mode under
     ``no_grad`` (their modes are restored afterwards); no model is modified.
     """
-    check_module(float_model, "compare: float_model")
-    check_module(quantized_model, "compare: quantized_model")
+    check_float_model(check_module(float_model, "compare: float_model"), "compare", "float_model")  # (its observers
+    check_module(quantized_model, "compare: quantized_model")  # learned from the inputs, changing its grids in place)
     pairs = _pairs(float_model, quantized_model)
+    found = model_kind(quantized_model)
+    if not pairs and found is not None and found[0] != "quantized":  # (it said "pass the float model")
+        raise TypeError(f"compare: quantized_model is {found[0]} but not converted ({found[1]}); calibrate or train it "
+                        "and call convert / convert_fx first")
     if not pairs:
         raise ValueError(
             f"compare: no quantized module of quantized_model ({type(quantized_model).__name__}) has a float "

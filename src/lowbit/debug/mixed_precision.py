@@ -59,6 +59,7 @@ from tqdm.auto import tqdm
 from ..qconfig import QConfigMapping
 from ..qtensor import QTensor, quantize_per_tensor
 from ..workflow.propagate import join_name
+from .checks import check_float_model
 from .compare import check_module, iter_batches
 from .sensitivity import (
     SensitivityRow,
@@ -92,7 +93,7 @@ def auto_mixed_precision(model: nn.Module, qconfig_mapping: Any, calib: Any, eva
     is ``sensitivity``'s ranking (worst first) with ``float_layers``, ``final_metric`` and, when given,
     ``tolerance``. ``model`` is not modified.
     """
-    check_module(model, "auto_mixed_precision: model")
+    check_float_model(check_module(model, "auto_mixed_precision: model"), "auto_mixed_precision")
     if not isinstance(mode, str) or mode not in _MODES:
         raise ValueError(f"auto_mixed_precision: mode={mode!r} must be 'eager' or 'fx'")
     if tolerance is None and max_float_layers is None:

@@ -68,6 +68,7 @@ from ..workflow import convert, prepare, prepare_qat, propagate_qconfig_
 from .. import qtensor as _qtensor
 from ..batches import check_finite_batch
 from ..qtensor import QTensor
+from .checks import check_float_model
 from .compare import _flatten, check_module, iter_batches, run_batch
 
 __all__ = ["SensitivityRow", "SensitivityTable", "layer_sensitivity", "sensitivity"]
@@ -321,7 +322,7 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
     ``prepare(fused_model, mapping)`` (``prepare_qat`` for QAT, ``quantize_dynamic(model, mapping)``
     for dynamic); ``table`` is a ``SensitivityTable``. ``model`` is not modified.
     """
-    check_module(model, "sensitivity: model")
+    check_float_model(check_module(model, "sensitivity: model"), "sensitivity")
     if not callable(eval_fn):
         raise TypeError(f"sensitivity: eval_fn={eval_fn!r} must be callable (model -> score, higher is better)")
     if tolerance is not None:
@@ -398,6 +399,7 @@ def layer_sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, inputs
     """
     if mode not in ("eager", "fx"):
         raise ValueError(f"layer_sensitivity: mode={mode!r} must be 'eager' or 'fx'")
+    check_float_model(check_module(model, "layer_sensitivity: model"), "layer_sensitivity")
     batches = list(iter_batches(calib, "layer_sensitivity: calib"))
     evals = batches if inputs is None else list(iter_batches(inputs, "layer_sensitivity: inputs"))
     for what, bs in (("calib", batches), ("inputs", evals)):
