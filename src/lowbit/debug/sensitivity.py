@@ -47,7 +47,6 @@ import numbers
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -70,78 +69,9 @@ from ..batches import check_finite_batch
 from ..qtensor import QTensor
 from .checks import check_float_model
 from .compare import _flatten, check_module, iter_batches, run_batch
+from .table import SensitivityRow, SensitivityTable, by_drop, metric_drop
 
 __all__ = ["SensitivityRow", "SensitivityTable", "layer_sensitivity", "sensitivity"]
-
-
-@dataclass(frozen=True)
-class SensitivityRow:
-    """One layer quantized alone: ``metric = eval_fn(model with only this layer int8)``, ``drop = baseline - metric``."""
-
-    name: str
-    module_type: str
-    metric: float
-    drop: float
-
-
-@dataclass
-class SensitivityTable:
-    """``rows`` worst first; with a tolerance, ``float_layers`` kept float and the final metric."""
-
-    baseline: float
-    rows: list[SensitivityRow] = field(default_factory=list)
-    tolerance: float | None = None
-    float_layers: list[str] = field(default_factory=list)
-    final_metric: float | None = None      # everything quantized except float_layers (tolerance only)
-    all_quantized_metric: float | None = None  # everything quantized (auto_mixed_precision)
-    view: str = "alone"  # rows: "alone" = only this layer int8; "float" = only this layer float (search="fast")
-
-    @property
-    def final_drop(self) -> float | None:
-        return None if self.final_metric is None else metric_drop(self.baseline, self.final_metric)
-
-    @property
-    def met_tolerance(self) -> bool | None:
-        d = self.final_drop
-        return None if d is None or self.tolerance is None else d <= self.tolerance
-
-    def _cells(self) -> list[tuple[str, ...]]:
-        return [(r.name, r.module_type, f"{r.metric + 0.0:.4g}", f"{r.drop + 0.0:+.4g}",
-                 "yes" if r.name in self.float_layers else "") for r in self.rows]
-
-    def _footer(self) -> str:
-        text = f"baseline (float) = {self.baseline + 0.0:.4g}"  # + 0.0: no "-0"
-        if self.all_quantized_metric is not None:
-            text += f"; all quantized = {self.all_quantized_metric + 0.0:.4g}"
-        if self.final_metric is not None:
-            assert self.final_drop is not None
-            budget = ("no tolerance" if self.tolerance is None else
-                      f"tolerance {self.tolerance:g}, {'met' if self.met_tolerance else 'NOT met'}")
-            text += (f"; all quantized but {len(self.float_layers)} float layer(s): {self.final_metric + 0.0:.4g} "
-                     f"(drop {self.final_drop:+.4g}, {budget})")
-        return text
-
-    def _metric_head(self) -> str:
-        return "metric (only this layer float)" if self.view == "float" else "metric (only this layer int8)"
-
-    def __str__(self) -> str:
-        head = ("layer", "type", self._metric_head(), "drop", "kept float")
-        table = [head, *self._cells()]
-        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-        lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-                 for row in table]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join([*lines, self._footer()])
-
-    def to_markdown(self) -> str:
-        lines = [f"| layer | type | {self._metric_head()} | drop | kept float |", "|---|---|---:|---:|---|"]
-        lines += ["| " + " | ".join(row) + " |" for row in self._cells()]
-        return "\n".join([*lines, "", self._footer()])
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"baseline": self.baseline, "rows": [asdict(r) for r in self.rows], "tolerance": self.tolerance,
-                "float_layers": list(self.float_layers), "final_metric": self.final_metric,
-                "final_drop": self.final_drop}
 
 
 # ---------------------------------------------------------------- helpers
@@ -292,18 +222,6 @@ def _quantize(base: nn.Module, mapping: QConfigMapping, calib: list[Any], method
 
 
 # ---------------------------------------------------------------- sensitivity
-
-
-def metric_drop(baseline: float, metric: float) -> float:
-    """``baseline - metric``, and 0 where the two are equal: an SQNR-vs-float metric scores the float model ``inf``,
-    and a model that matches it exactly (every layer float) has lost nothing (``inf - inf`` would be NaN)."""
-    return 0.0 if metric == baseline else baseline - metric
-
-
-def by_drop(row: SensitivityRow) -> tuple[float, float]:
-    """Sort key, worst layer first: the larger drop, and among equal drops (every drop is ``inf`` under an
-    infinite baseline) the lower metric."""
-    return -row.drop, row.metric
 
 
 def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Callable[[nn.Module], Any],
