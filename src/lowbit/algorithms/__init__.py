@@ -9,6 +9,7 @@
 """
 
 from .adaround import adaround_codes
-from .layerwise import LayerChange, reconstruct, reconstruct_eager
+from .layerwise import LayerChange, reconstruct
+from .layerwise_eager import reconstruct_eager
 
 __all__ = ["adaround_codes", "reconstruct", "reconstruct_eager", "LayerChange"]

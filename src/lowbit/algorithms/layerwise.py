@@ -40,7 +40,7 @@ from .block import block_codes, find_blocks, install_grid, learnable_grids, span
 from .quadratic import quadratic_codes, supports
 from .layers import freeze_weight, is_weighted, layer_forward, layer_sample, split, weight_codes
 
-__all__ = ["LayerChange", "reconstruct", "reconstruct_eager", "ROUNDINGS"]
+__all__ = ["LayerChange", "patch_observers", "reconstruct", "ROUNDINGS"]
 
 ROUNDINGS = ("adaround", "quadratic", "depthwise")
 
@@ -182,6 +182,8 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
         raise ValueError(f"reconstruct: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")
     _check_steps("reconstruct", iters, batch_size, seed)
     if not isinstance(prepared, fx.GraphModule):
+        from .layerwise_eager import reconstruct_eager  # (it imports this module's per-layer step)
+
         return reconstruct_eager(prepared, calib, adaround, bias_correction, iters, batch_size, seed, progress)
     from tqdm.auto import tqdm
 
@@ -350,10 +352,6 @@ def _block(gm: fx.GraphModule, nodes: list[fx.Node], i: int, j: int, mods: dict[
                     env.pop(n, None)
 
 
-def _run(model: nn.Module, batch: tuple[Any, ...]) -> None:
-    model(*batch)
-
-
 def patch_observers(model: nn.Module, mode: str) -> list[nn.Module]:
     """Make every activation observer the identity (``float``) or a fake-quantizer (``quant``); no statistics."""
     patched = []
@@ -363,58 +361,3 @@ def patch_observers(model: nn.Module, mode: str) -> list[nn.Module]:
             m.forward = fq if fq is not None else (lambda x, *a, **k: x)  # type: ignore[method-assign]
             patched.append(m)
     return patched
-
-
-def _capture(model: nn.Module, mod: nn.Module, batches: list[tuple[Any, ...]]) -> list[torch.Tensor]:
-    got: list[torch.Tensor] = []
-    h = mod.register_forward_pre_hook(lambda _m, args: got.append(args[0].detach()))
-    try:
-        with torch.no_grad():
-            for b in batches:
-                _run(model, b)
-    finally:
-        h.remove()
-    return got
-
-
-def reconstruct_eager(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True, bias_correction: bool = True,
-                      iters: int = 500, batch_size: int = 8, seed: int = 0, progress: bool = True) -> list[LayerChange]:
-    """``reconstruct`` for eager-mode prepared models: per layer, one float and one simulated-int8 model pass.
-
-    The layer order is the order the layers first run on the first batch.
-    """
-    import copy
-
-    from tqdm.auto import tqdm
-
-    _check_steps("reconstruct_eager", iters, batch_size, seed)
-    batches, g = batch_tuples(calib, "reconstruct_eager"), torch.Generator().manual_seed(seed)
-    names = {m: n for n, m in prepared.named_modules()}
-    float_model = copy.deepcopy(prepared)  # before the order hooks, which must not travel with the copy
-    fnames = dict(float_model.named_modules())
-    order: list[nn.Module] = []
-    hooks = [m.register_forward_pre_hook(lambda m, _a: order.append(m) if m not in order else None)
-             for m in prepared.modules() if is_weighted(m)]
-    obs = patch_observers(prepared, "float")
-    try:
-        with torch.no_grad():
-            _run(prepared, batches[0])
-    finally:
-        for h in hooks:
-            h.remove()
-    patch_observers(float_model, "float")
-    changes = []
-    try:
-        for m in obs:
-            del m.forward
-        patch_observers(prepared, "quant")
-        for mod in tqdm(order, desc="adaround" if adaround else "bias correction", disable=not progress):
-            xq = _capture(prepared, mod, batches)
-            xf = _capture(float_model, fnames[names[mod]], batches)
-            with torch.enable_grad():
-                _, rec = _layer(names[mod], mod, xq, xf, adaround, bias_correction, iters, batch_size, g)
-            changes.append(rec)
-    finally:
-        for m in obs:
-            m.__dict__.pop("forward", None)
-    return changes

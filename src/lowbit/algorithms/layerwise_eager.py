@@ -1,0 +1,90 @@
+"""Eager-mode layer-wise reconstruction (``reconstruct_eager``): ``reconstruct``'s per-layer AdaRound and bias
+correction for models prepared with ``prepare`` (no graph to walk).
+
+The layer order is the order the weighted layers first run on the first calibration batch. For each layer ``L`` the
+simulated int8 model (activation observers fake-quantizing on their calibrated grids) gives ``L``'s quantized input
+``x_q`` and a float copy of the model gives its float input ``x_f``; ``L``'s codes are then learned (or rounded to
+nearest) to minimise ``||W_q x_q - W x_f||²`` and its bias corrected by the mean output error, as in graph mode
+(``layerwise._layer``).
+
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> torch.manual_seed(0) and None
+>>> m = nn.Sequential(Q.QuantStub(), nn.Linear(8, 4), Q.DeQuantStub()).eval()
+>>> p = Q.prepare(m, Q.get_default_qconfig())
+>>> x = torch.randn(32, 8)
+>>> _ = p(x)
+>>> [c.name for c in reconstruct_eager(p, [x], iters=5, progress=False)]
+['1']
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .layers import is_weighted
+from .layerwise import LayerChange, _check_steps, _layer, batch_tuples, patch_observers
+
+__all__ = ["reconstruct_eager"]
+
+
+def _run(model: nn.Module, batch: tuple[Any, ...]) -> None:
+    model(*batch)
+
+
+def _capture(model: nn.Module, mod: nn.Module, batches: list[tuple[Any, ...]]) -> list[torch.Tensor]:
+    got: list[torch.Tensor] = []
+    h = mod.register_forward_pre_hook(lambda _m, args: got.append(args[0].detach()))
+    try:
+        with torch.no_grad():
+            for b in batches:
+                _run(model, b)
+    finally:
+        h.remove()
+    return got
+
+
+def reconstruct_eager(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True, bias_correction: bool = True,
+                      iters: int = 500, batch_size: int = 8, seed: int = 0, progress: bool = True) -> list[LayerChange]:
+    """``reconstruct`` for eager-mode prepared models: per layer, one float and one simulated-int8 model pass.
+
+    The layer order is the order the layers first run on the first batch.
+    """
+    from tqdm.auto import tqdm
+
+    _check_steps("reconstruct_eager", iters, batch_size, seed)
+    batches, g = batch_tuples(calib, "reconstruct_eager"), torch.Generator().manual_seed(seed)
+    names = {m: n for n, m in prepared.named_modules()}
+    float_model = copy.deepcopy(prepared)  # before the order hooks, which must not travel with the copy
+    fnames = dict(float_model.named_modules())
+    order: list[nn.Module] = []
+    hooks = [m.register_forward_pre_hook(lambda m, _a: order.append(m) if m not in order else None)
+             for m in prepared.modules() if is_weighted(m)]
+    obs = patch_observers(prepared, "float")
+    try:
+        with torch.no_grad():
+            _run(prepared, batches[0])
+    finally:
+        for h in hooks:
+            h.remove()
+    patch_observers(float_model, "float")
+    changes = []
+    try:
+        for m in obs:
+            del m.forward
+        patch_observers(prepared, "quant")
+        for mod in tqdm(order, desc="adaround" if adaround else "bias correction", disable=not progress):
+            xq = _capture(prepared, mod, batches)
+            xf = _capture(float_model, fnames[names[mod]], batches)
+            with torch.enable_grad():
+                _, rec = _layer(names[mod], mod, xq, xf, adaround, bias_correction, iters, batch_size, g)
+            changes.append(rec)
+    finally:
+        for m in obs:
+            m.__dict__.pop("forward", None)
+    return changes
