@@ -31,6 +31,7 @@ from ...compile_state import tracing
 from ...functional import quantize
 from ...qscheme import QDtype, as_qdtype, quint8
 from ...qtensor import QTensor
+from ._checks import check_no_nan
 from ._utils import check_out_grid, output_qparams
 from ._state import CheckedQuantState
 
@@ -89,6 +90,8 @@ class _LUTActivation(CheckedQuantState):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"{type(self).__name__} expects a QTensor or a float tensor, got "
                             + (f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__))
+        if not isinstance(input, QTensor):  # (a NaN would become a finite code)
+            check_no_nan(x, type(self).__name__)
         return QTensor(self._quantize_out(self._f(x.to(torch.float32))), self.scale, self.zero_point, self.qdtype)
 
     @classmethod
@@ -241,6 +244,7 @@ class ReLU6(nn.Module):
         if isinstance(x, torch.Tensor):
             if not x.is_floating_point():
                 raise TypeError(f"ReLU6 expects a QTensor or a float tensor, got dtype {x.dtype}")
+            check_no_nan(x, "ReLU6")  # (a NaN would become a finite code)
             return QTensor(quantize(F.relu6(x), 6.0 / 255, 0, quint8), 6.0 / 255, 0, quint8)
         if not isinstance(x, QTensor):
             raise TypeError(f"ReLU6 expects a QTensor or a float tensor, got {type(x).__name__}")

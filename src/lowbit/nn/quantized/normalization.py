@@ -39,6 +39,7 @@ from torch import nn
 from ...functional import quantize
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
+from ._checks import check_no_nan
 from ._state import CheckedQuantState
 from ._utils import check_out_grid, output_qparams
 
@@ -69,6 +70,8 @@ class _QuantizedNorm(CheckedQuantState):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             got = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise TypeError(f"quantized {type(self).__name__} expects a QTensor or a float tensor, got {got}")
+        if not isinstance(input, QTensor):  # (a NaN would become a finite code)
+            check_no_nan(x, f"quantized {type(self).__name__}")
         y = self._float_forward(x.to(torch.float32))
         return QTensor(quantize(y, self.scale, self.zero_point, self.qdtype), self.scale, self.zero_point,
                        self.qdtype)
@@ -154,8 +157,24 @@ class _InstanceNorm(_QuantizedNorm):
         _set_affine(self, weight, bias)
         self._init_grid(scale, zero_point, qdtype)
 
+    _spatial = 1  # spatial dims: 1, 2, 3 for InstanceNorm1d/2d/3d
+
     def _float_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.instance_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)  # type: ignore[attr-defined]
+        """``(N, C, *spatial)`` or unbatched ``(C, *spatial)`` as ``nn.InstanceNorm*d`` takes them (an unbatched input
+        normalized as it stands would take C as the batch and its first spatial dim as the channels)."""
+        name, d = f"quantized {type(self).__name__}", self._spatial
+        if x.dim() not in (d + 1, d + 2):
+            raise ValueError(f"{name}: expects a {d + 2}-D (N, C, *{d} spatial) or {d + 1}-D unbatched input, "
+                             f"got shape {tuple(x.shape)}")
+        unbatched = x.dim() == d + 1
+        if unbatched:
+            x = x.unsqueeze(0)
+        c = self.num_features  # type: ignore[attr-defined]
+        if x.shape[1] != c and self.weight is not None:
+            raise ValueError(f"{name}: input of shape {tuple(x.shape[1:] if unbatched else x.shape)} has "
+                             f"{x.shape[1]} channels, the module num_features={c}")
+        y = F.instance_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)  # type: ignore[attr-defined]
+        return y.squeeze(0) if unbatched else y
 
     @classmethod
     def from_float(cls, mod: nn.Module) -> Any:
@@ -175,13 +194,13 @@ class InstanceNorm1d(_InstanceNorm, nn.InstanceNorm1d):
 class InstanceNorm2d(_InstanceNorm, nn.InstanceNorm2d):
     """Instance norm over ``(N, C, H, W)``."""
 
-    _float_type = nn.InstanceNorm2d
+    _float_type, _spatial = nn.InstanceNorm2d, 2
 
 
 class InstanceNorm3d(_InstanceNorm, nn.InstanceNorm3d):
     """Instance norm over ``(N, C, D, H, W)``."""
 
-    _float_type = nn.InstanceNorm3d
+    _float_type, _spatial = nn.InstanceNorm3d, 3
 
 
 class Dropout(nn.Dropout):
