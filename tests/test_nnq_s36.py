@@ -12,9 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
 
 import lowbit as Q
 import lowbit.nn.quantized as nnq
+import lowbit.nn.quantized.dynamic as nnqd
 from lowbit.observer.minmax import MinMaxObserver, PerChannelMinMaxObserver
 from lowbit.qconfig import QConfig
 
@@ -113,6 +115,60 @@ def test_nan_float_input_refused(make) -> None:
     with pytest.raises(RuntimeError, match=type(m).__name__ + r".*NaN"):
         m(x)
     m(torch.randn(2, 5, 3))  # finite float input still works
+
+
+# ---------------------------------------------------------------- dynamic RNNs: integer states and packed data
+
+@pytest.mark.parametrize("cls,fcls", [(nnqd.LSTM, nn.LSTM), (nnqd.GRU, nn.GRU), (nnqd.RNN, nn.RNN)])
+def test_rnn_integer_state_refused(cls, fcls) -> None:
+    """An integer / bool hx was cast to float silently (torch's RNNs and lowbit's cells refuse it)."""
+    q = cls.from_float(fcls(5, 7, num_layers=2))
+    x = torch.randn(3, 4, 5)
+    h = torch.ones(2, 4, 7, dtype=torch.long)
+    hx = (h, torch.zeros(2, 4, 7)) if cls is nnqd.LSTM else h
+    with pytest.raises(TypeError, match=rf"dynamic {cls.__name__}.*hidden state.*torch.int64"):
+        q(x, hx)
+    good = (h.float(), torch.zeros(2, 4, 7)) if cls is nnqd.LSTM else h.float()
+    y, _ = q(x, good)
+    assert y.shape == (3, 4, 7)
+
+
+def test_rnn_packed_integer_data_refused() -> None:
+    q = nnqd.LSTM.from_float(nn.LSTM(2, 3))
+    pk = pack_padded_sequence(torch.arange(24).reshape(3, 4, 2), torch.tensor([3, 2, 1, 1]))
+    with pytest.raises(TypeError, match=r"dynamic LSTM.*PackedSequence.*torch.int64"):
+        q(pk)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_lstm_packed_with_initial_state_matches_float(batch_first, bidirectional) -> None:
+    torch.manual_seed(2)
+    f = nn.LSTM(5, 7, num_layers=2, batch_first=batch_first, bidirectional=bidirectional)
+    q = nnqd.LSTM.from_float(f)
+    dirs = 2 if bidirectional else 1
+    x = torch.randn(3, 4, 5)
+    lens = torch.tensor([4, 2, 3]) if batch_first else torch.tensor([3, 1, 2, 3])
+    batch = 3 if batch_first else 4
+    hx = (torch.randn(2 * dirs, batch, 7), torch.randn(2 * dirs, batch, 7))
+    pk = pack_padded_sequence(x, lens, batch_first=batch_first, enforce_sorted=False)
+    with torch.no_grad():
+        (y, (h, c)), (yr, (hr, cr)) = q(pk, hx), f(pk, hx)
+    assert torch.equal(y.batch_sizes, yr.batch_sizes)
+    assert float((y.data - yr.data).abs().max()) < 0.03
+    assert float((h - hr).abs().max()) < 0.03 and float((c - cr).abs().max()) < 0.05
+
+
+# ---------------------------------------------------------------- ConvTranspose geometry
+
+@pytest.mark.parametrize("kw", [dict(stride=1, output_padding=1), dict(stride=2, output_padding=2),
+                                dict(stride=(2, 1), output_padding=(1, 1))])
+def test_conv_transpose_output_padding_checked_at_construction(kw) -> None:
+    """output_padding >= max(stride, dilation) was accepted and failed at the first forward inside the kernel."""
+    with pytest.raises(ValueError, match=r"ConvTranspose2d: output_padding=.*stride="):
+        nnq.ConvTranspose2d(4, 4, 3, **kw)
+    nnq.ConvTranspose2d(4, 4, 3, stride=2, output_padding=1)
+    nnq.ConvTranspose2d(4, 4, 3, stride=1, dilation=2, output_padding=1)  # smaller than the dilation: valid
 
 
 # ---------------------------------------------------------------- parity sweep (matched before; pinned)

@@ -56,6 +56,10 @@ class _ConvTransposeNd(WeightedQuantModule):
         self.dilation = ntuple(dilation, d, "dilation", where)
         self.padding = ntuple(padding, d, "padding", where, minimum=0)
         self.output_padding = ntuple(output_padding, d, "output_padding", where, minimum=0)
+        for op, st, dl in zip(self.output_padding, self.stride, self.dilation):
+            if op >= max(st, dl):  # (torch's conv_transpose refuses it at the first forward, deep in the kernel)
+                raise ValueError(f"{where}: output_padding={self.output_padding} must be smaller than stride="
+                                 f"{self.stride} or dilation={self.dilation} in each dim")
         self.padding_mode = padding_mode
         super().__init__((in_channels, out_channels // groups, *self.kernel_size), out_channels, bool(bias), device)
         self._spec = ConvSpec(d, self.stride, self.padding, self.dilation, groups, True, self.output_padding)

@@ -126,6 +126,8 @@ class _RNNBase(nn.Module):
         unbatched = False
         if packed:
             data, batch_sizes_t, sorted_idx, unsorted_idx = input
+            if not data.is_floating_point():  # (cast silently before; torch's RNNs refuse it)
+                raise TypeError(f"dynamic {name}: a PackedSequence must hold float data, got dtype {data.dtype}")
             batch_sizes = batch_sizes_t.tolist()
             batch = batch_sizes[0] if batch_sizes else 0
         else:
@@ -151,7 +153,9 @@ class _RNNBase(nn.Module):
         checked = []
         for s in states:
             s = s.unsqueeze(1) if unbatched and s.dim() == 2 else s
-            if not isinstance(s, torch.Tensor) or tuple(s.shape) != (expect[0], batch, expect[1]):
+            if not s.is_floating_point():  # (an integer / bool state was cast silently; the cells refuse it too)
+                raise TypeError(f"dynamic {name}: the hidden state must be a float tensor, got dtype {s.dtype}")
+            if tuple(s.shape) != (expect[0], batch, expect[1]):
                 raise ValueError(f"dynamic {name}: hidden state shape {tuple(s.shape)} != "
                                  f"{(expect[0], batch, expect[1]) if not unbatched else expect}")
             checked.append(s.to(torch.float32) if sorted_idx is None else s.index_select(1, sorted_idx).float())
