@@ -29,7 +29,7 @@ import lowbit as Q
 import lowbit.data as D
 
 D01 = dict(damp=0.01)
-# name -> quantize_llm options (bits=4, group_size=128, head="int8" unless given); "clip" picks each group's
+# name -> quantize_llm options (bits=4, the default group size, head="int8" unless given); "clip" picks each group's
 # range: min/max ("rtn"), or the clipping search weighted by diag(XᵀX) ("hmse", plain mse without GPTQ)
 ROWS: dict[str, dict[str, Any]] = {
     "rtn min/max": dict(method="rtn", clip="rtn", awq=False),
@@ -80,7 +80,7 @@ def main() -> None:
         key = name if name in CALIB_FREE else f"{name} (calib {a.calib_windows}x512)"
         if (a.rows and not any(r in name for r in a.rows)) or (key in rows and not a.redo):
             continue
-        kw = dict(bits=4, group_size=128, head="int8", progress=True, **opts)
+        kw = dict(bits=4, head="int8", progress=True, **opts)  # default group size: 128, 64 for 576 features
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

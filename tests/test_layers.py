@@ -29,7 +29,7 @@ TIERS: list[tuple[str, ...]] = [
     ("nn.intrinsic.qat",),             # QAT ConvBn builds on nn.qat
     ("nn.quantized",),                 # (+ dynamic/) run on kernels
     ("mappings", "examples", "speed_guard", "pt2"),
-    ("fuse", "workflow", "quantize_dynamic", "weight_only", "llm", "fx", "quantize_api", "reference"),
+    ("fuse", "workflow", "quantize_dynamic", "weight_only", "llm", "llm.plan", "fx", "quantize_api", "reference"),
     ("export", "algorithms", "debug", "data"),
     ("report", "ptq", "ptq_checks", "models"),  # debug results rendered; quantize_ptq (fx + algorithms), its checks; CNNs
     ("__init__",),                     # the package root: re-exports the public names of all of the above

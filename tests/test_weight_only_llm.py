@@ -121,12 +121,13 @@ def test_quantize_llm_rejects_bad_arguments():
         Q.quantize_llm("m", tokens(1))
 
 
-def test_a_group_size_dividing_no_layer_falls_back_to_per_channel_with_awq():
-    # 64 features and group_size=7: no g >= 8 divides, so per channel; AWQ's search reshaped by -1 twice and raised
-    # "only one dimension can be inferred" (seen through `lowbit quantize-llm --group-size 7`)
+def test_a_group_size_dividing_no_layer_is_refused_and_per_channel_runs_with_awq():
+    # group_size=7 on 64 features: was per channel with a warning (session 36: a size the caller gave is honoured or
+    # refused); per channel with AWQ: its search reshaped by -1 twice and raised "only one dimension can be inferred"
     m, calib = toy(layers=1), tokens(2)
-    with pytest.warns(UserWarning, match="per channel"):
-        qm = Q.quantize_llm(m, calib, bits=4, group_size=7, progress=False, head=None)
+    with pytest.raises(ValueError, match="group_size=7 does not divide in_features"):
+        Q.quantize_llm(m, calib, bits=4, group_size=7, progress=False, head=None)
+    qm = Q.quantize_llm(m, calib, bits=4, group_size=-1, progress=False, head=None)
     lin = qm.model.layers[0].mlp.down_proj
     assert isinstance(lin, WeightOnlyLinear) and lin.scales.shape[1] == 1
     assert torch.isfinite(logits(qm, calib[0])).all()
@@ -258,7 +259,7 @@ def test_smollm2_slice_block_by_block_gptq_beats_one_pass_gptq_and_rtn(smollm2):
         warnings.simplefilter("ignore")
         e = {"rtn": err(Q.quantize_weight_only(m, bits=4, group_size=128, method="rtn")),
              "one-pass gptq": err(Q.quantize_weight_only(m, bits=4, group_size=128, calib=calib)),
-             "quantize_llm": err(Q.quantize_llm(m, calib, bits=4, group_size=128, head=None, damp=0.01,
+             "quantize_llm": err(Q.quantize_llm(m, calib, bits=4, head=None, damp=0.01,  # 128, 64 for 576 features
                                                 progress=False))}
     print(e)
     assert e["quantize_llm"] < e["one-pass gptq"] < e["rtn"], e

@@ -61,7 +61,8 @@ def build_parser_into(sub: Any) -> argparse.ArgumentParser:
     q.add_argument("--bits", type=int, default=None, choices=(4, 8),
                    help="weight-only / rtn weight bits (default 4); int8 and w8a8 are 8-bit")
     q.add_argument("--group-size", dest="group_size", type=_group_size, default=None,
-                   help="input features per weight group (-1: per channel; default 128)")
+                   help="input features per weight group (-1: per channel); must divide every layer's input features "
+                        "(default: 128, halved for a layer it does not divide, which is said)")
     q.add_argument("--no-awq", dest="awq", action="store_false", help="skip the AWQ scale search")
     q.add_argument("--head", default=None, choices=("int8", "int4", "none"),
                    help="lm_head / tied embedding (default int8; w8a8 leaves it float)")
@@ -172,8 +173,6 @@ def run(args: argparse.Namespace) -> int:
                        "weights use --method weight-only or rtn)")
     if args.bits is None:
         args.bits = 4
-    if args.group_size is None:
-        args.group_size = 128
     if args.head is None:
         args.head = "int8"
     check_inputs_outside(args.out, {"MODEL": args.model, "--text": args.text})

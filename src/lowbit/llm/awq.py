@@ -14,9 +14,11 @@ cost of ``N K²`` per grid point whatever the token count (the AWQ paper searche
 folded into the op that produces ``x`` — an RMSNorm/LayerNorm weight (q/k/v after ``input_layernorm``,
 gate/up after ``post_attention_layernorm``) or the output rows of ``up_proj`` (for ``down_proj``,
 since ``down(act(gate) * up)``) — so the model gains no op. ``o_proj`` is scaled through ``v_proj``
-only without grouped-query attention (``v`` out == ``o`` in). A producer found by these names is used only
-where folding a test scale into it leaves the float block's output unchanged (``fold_keeps_block``); elsewhere
-(Gemma's ``1 + weight`` norms, post-norm or parallel blocks) that group gets no AWQ scaling.
+only without grouped-query attention (``v`` out == ``o`` in). A norm that multiplies by ``1 + weight`` (Gemma,
+Gemma-2/3) takes the fold as ``weight' = (1 + weight) / s - 1`` (``norm_offset`` finds the 1 by probing the norm);
+Gemma-2/3's MLP reads ``pre_feedforward_layernorm``, tried before ``post_attention_layernorm``. A producer found by
+these names is used only where folding a test scale into it leaves the float block's output unchanged
+(``fold_keeps_block``); elsewhere (post-norm or parallel blocks) that group gets no AWQ scaling.
 
 >>> import torch
 >>> from lowbit.qscheme import qint4
@@ -39,7 +41,7 @@ from ..nn.quantized.weight_only import quantize_groups
 from ..qscheme import QDtype
 from .blocks import run_block
 
-__all__ = ["awq_search", "awq_search_stats", "awq_fold", "scale_source", "fold_keeps_block"]
+__all__ = ["awq_search", "awq_search_stats", "awq_fold", "scale_source", "fold_keeps_block", "norm_offset"]
 
 
 def _rtn(w: torch.Tensor, g: int, qdtype: QDtype, symmetric: bool) -> torch.Tensor:
@@ -90,19 +92,22 @@ def scale_source(block: nn.Module, names: list[str], probe: tuple[torch.Tensor, 
                  ) -> str | None:
     """Name of the module in ``block`` whose output feeds the Linears ``names`` and can absorb ``1 / s``.
 
-    The candidate is found by the Llama names; with ``probe`` (a block input ``(x, kwargs)``) it is kept only if
-    ``fold_keeps_block`` confirms that folding into it leaves the float block's output as it was (``None`` else).
+    The candidates are found by the Llama (and Gemma-2/3) names; with ``probe`` (a block input ``(x, kwargs)``) the
+    first one that ``fold_keeps_block`` confirms (folding into it leaves the float block's output as it was) is
+    returned, ``None`` if none is; without ``probe``, the first candidate.
     """
-    src = _named_source(block, names)
-    return src if src is None or probe is None or fold_keeps_block(block, src, names, *probe) else None
+    cands = _named_sources(block, names)
+    if probe is None:
+        return cands[0] if cands else None
+    return next((src for src in cands if fold_keeps_block(block, src, names, *probe)), None)
 
 
 @torch.no_grad()
 def fold_keeps_block(block: nn.Module, src: str, names: list[str], x: torch.Tensor, kw: dict[str, Any]) -> bool:
     """Whether ``awq_fold(block, src, names, s)`` leaves ``block(x, **kw)`` unchanged (checked on a copy).
 
-    The names alone do not say that ``src``'s output is the Linears' input scaled per channel: Gemma's RMSNorm
-    multiplies by ``1 + weight``; Gemma-3 / OLMo-2 apply ``post_attention_layernorm`` to the attention output, not to
+    The names alone do not say that ``src``'s output is the Linears' input scaled per channel: Gemma-3 / OLMo-2
+    apply ``post_attention_layernorm`` to the attention output, not to
     the MLP input; Phi / Cohere feed one norm to attention and MLP in parallel; Nemotron's MLP is ``down(relu²(up))``.
     A fold there changed the float model (8-bit AWQ on a random OLMo-2: 17.7 dB against 31.5 without; W8A8's
     SmoothQuant: 3.5 dB). The test scales are powers of two, exact in every float dtype, so a faithful fold gives
@@ -120,7 +125,8 @@ def fold_keeps_block(block: nn.Module, src: str, names: list[str], x: torch.Tens
     return err <= 1e-3 * scale + 1e-6  # exact but for subnormals and sum order; a wrong fold moves it by O(1)
 
 
-def _named_source(block: nn.Module, names: list[str]) -> str | None:
+def _named_sources(block: nn.Module, names: list[str]) -> list[str]:
+    """The producers the names suggest for the Linears ``names``, the likelier first (``[]``: none)."""
     def has(n: str) -> bool:
         try:
             block.get_submodule(n)
@@ -129,24 +135,56 @@ def _named_source(block: nn.Module, names: list[str]) -> str | None:
             return False
     first = names[0]
     pre, _, leaf = first.rpartition(".")
-    cands = {"q_proj": "input_layernorm", "gate_proj": "post_attention_layernorm", "up_proj": "post_attention_layernorm",
-             "down_proj": pre + ".up_proj" if pre else "up_proj"}
+    mlp = ["pre_feedforward_layernorm", "post_attention_layernorm"]  # Gemma-2/3: the MLP reads the first
+    cands = {"q_proj": ["input_layernorm"], "gate_proj": mlp, "up_proj": mlp,
+             "down_proj": [pre + ".up_proj" if pre else "up_proj"]}
     if leaf == "o_proj" and pre and has(pre + ".v_proj"):
         v, o = block.get_submodule(pre + ".v_proj"), block.get_submodule(first)
-        return pre + ".v_proj" if v.weight.shape[0] == o.weight.shape[1] else None
-    src = cands.get(leaf)
-    return src if src is not None and has(src) else None
+        return [pre + ".v_proj"] if v.weight.shape[0] == o.weight.shape[1] else []
+    return [src for src in cands.get(leaf, []) if has(src)]
+
+
+@torch.no_grad()
+def norm_offset(norm: nn.Module) -> float:
+    """``c`` in a norm's ``y = x̂ · (c + weight) (+ bias)``: 1.0 for Gemma's RMSNorm, 0.0 for Llama's and LayerNorm.
+
+    Probed on a copy: with ``weight = 0`` (and ``bias = 0``) the output is ``c · x̂``; with ``weight = 1`` it is
+    ``(c + 1) · x̂``. A norm that fits neither (or cannot be called on one tensor) gives 0.0, the plain fold, which
+    ``fold_keeps_block`` then judges.
+    """
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1:
+        return 0.0
+    twin = copy.deepcopy(norm)
+    x = torch.randn(2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(device=w.device, dtype=w.dtype)
+    try:
+        if getattr(twin, "bias", None) is not None:
+            twin.bias.zero_()
+        twin.weight.zero_()
+        y0 = twin(x).float()
+        twin.weight.fill_(1.0)
+        y1 = twin(x).float()
+    except Exception:  # noqa: BLE001 (not a per-channel norm of one tensor: the plain fold, judged by the block check)
+        return 0.0
+    if not bool(y0.any()):
+        return 0.0
+    return 1.0 if bool(torch.allclose(y1, 2 * y0, rtol=1e-2, atol=1e-3)) else 0.0
 
 
 @torch.no_grad()
 def awq_fold(block: nn.Module, src: str, names: list[str], s: torch.Tensor) -> None:
-    """Divide ``src``'s output channels by ``s`` and multiply the input columns of ``names`` by it (exact in float)."""
+    """Divide ``src``'s output channels by ``s`` and multiply the input columns of ``names`` by it (exact in float
+    but for the rounding of ``(1 + w) / s - 1`` in a Gemma norm)."""
     prev = block.get_submodule(src)
     s = s.to(device=prev.weight.device)
     if isinstance(prev, nn.Linear):
         prev.weight.div_(s[:, None].to(prev.weight.dtype))
-    else:  # a norm: y = weight * x_hat (+ bias)
-        prev.weight.div_(s.to(prev.weight.dtype))
+    else:  # a norm: y = (c + weight) * x_hat (+ bias), c = 1 for Gemma's: weight' = (c + weight) / s - c
+        c = norm_offset(prev)
+        if c:
+            prev.weight.copy_(((prev.weight.float() + c) / s.float() - c).to(prev.weight.dtype))
+        else:
+            prev.weight.div_(s.to(prev.weight.dtype))
     if getattr(prev, "bias", None) is not None:
         prev.bias.div_(s.to(prev.bias.dtype))
     for n in names:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 __all__ = ["decoder_layers", "capture_block_inputs", "linear_groups", "run_block", "StopForward", "check_llm_calib",
-           "check_has_linears"]
+           "check_has_linears", "token_mask", "real_rows"]
 
 _LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers")
 
@@ -79,10 +79,50 @@ def _check_ids(ids: Any, where: str, vocab: int | None) -> None:
         raise ValueError(f"{where}: token ids span [{lo}, {hi}], outside the model's vocabulary [0, {vocab})")
 
 
+def _check_mask(b: dict[str, Any], where: str) -> None:
+    """A dict batch's ``attention_mask``: 0/1 values of the batch's ``(batch, tokens)`` shape, one real token at least."""
+    m = b.get("attention_mask")
+    if m is None:
+        return
+    ref = b.get("input_ids", b.get("inputs_embeds"))
+    shape = tuple(ref.shape[:2]) if isinstance(ref, torch.Tensor) and ref.dim() >= 2 else None
+    if not isinstance(m, torch.Tensor) or m.dim() != 2 or (shape is not None and tuple(m.shape) != shape):
+        raise ValueError(f"{where}: attention_mask must be a (batch, tokens) tensor"
+                         + (f" of the input's shape {shape}" if shape else "") + ", got "
+                         + (f"shape {tuple(m.shape)}" if isinstance(m, torch.Tensor) else type(m).__name__))
+    if m.is_complex() or not bool(((m == 0) | (m == 1)).all()):
+        raise ValueError(f"{where}: attention_mask must hold 1 (real token) and 0 (padding) only")
+    if not bool(m.any()):
+        raise ValueError(f"{where}: attention_mask is all 0: the batch has no real token to calibrate on")
+
+
+def token_mask(batch: Any) -> torch.Tensor | None:
+    """``(batch, tokens)`` bool, True at real tokens: a dict batch's ``attention_mask`` (``None``: all are real)."""
+    m = batch.get("attention_mask") if isinstance(batch, dict) else None
+    return None if m is None or bool(m.all()) else m.bool()
+
+
+def real_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``(..., K)`` as ``(n, K)`` rows, only those of real tokens where ``mask`` ``(batch, tokens)`` is given.
+
+    Padding is dropped by indexing, not by a 0 weight (a NaN in a padded row would survive ``0 * NaN``). A Linear
+    whose input does not have the batch's ``(batch, tokens)`` leading shape (a routed MoE expert) is a ``ValueError``.
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    if mask is None:
+        return rows
+    if tuple(x.shape[:-1]) != tuple(mask.shape):
+        raise ValueError(f"lowbit.llm: a Linear's input of shape {tuple(x.shape)} does not match the attention_mask "
+                         f"{tuple(mask.shape)}: padding cannot be told from real tokens there; calibrate with "
+                         "unpadded batches")
+    return rows[mask.to(x.device).reshape(-1)]
+
+
 def check_llm_calib(model: nn.Module, calib: Iterable[Any], fn: str) -> list[Any]:
     """``calib`` as a list after checking every batch: a token-id tensor (integers, ``(batch, tokens)`` or
     ``(tokens,)``, at least one token, ids inside the input embedding's vocabulary) or a dict of model inputs whose
-    ``input_ids`` pass the same checks and whose ``inputs_embeds`` are finite; ``ValueError``/``TypeError`` naming
+    ``input_ids`` pass the same checks, whose ``attention_mask`` (if any) is 0/1 of their shape with a real token, and
+    whose ``inputs_embeds`` are finite; ``ValueError``/``TypeError`` naming
     the batch. A bare tensor for ``calib`` is refused (it would be iterated row by row)."""
     if isinstance(calib, torch.Tensor):
         raise TypeError(f"{fn}: calib must be an iterable of batches (e.g. a list of token-id tensors), got a single "
@@ -101,6 +141,7 @@ def check_llm_calib(model: nn.Module, calib: Iterable[Any], fn: str) -> list[Any
                 if b["input_ids"].dim() != 2:  # its other inputs (masks, positions) would need the batch axis too
                     raise ValueError(f"{where}: input_ids of a dict batch must be (batch, tokens), got shape "
                                      f"{tuple(b['input_ids'].shape)}")
+            _check_mask(b, where)
             e = b.get("inputs_embeds")
             if isinstance(e, torch.Tensor) and e.is_floating_point() and not bool(torch.isfinite(e).all()):
                 raise ValueError(f"{where}: inputs_embeds hold {int((~torch.isfinite(e)).sum())} NaN/Inf values")

@@ -37,21 +37,21 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..nn.quantized._utils import check_finite_linears
 from ..nn.quantized.weight_only import (WeightOnlyLinear, check_recipe, fit_group_size, gptq_quantize, quantize_groups,
                                        weight_qdtype)
 from .awq import awq_fold, awq_search_stats, scale_source
-from ..nn.quantized._utils import check_finite_linears
 from .blocks import (StopForward, capture_block_inputs, check_has_linears, check_llm_calib, decoder_layers,
-                     linear_groups, run_block)
+                     linear_groups, real_rows, run_block, token_mask)
 from .dist import broadcast_tensors, ordered_sum, rank_and_world
 from .refine import output_error, refine_scales
+from .plan import check_shapes, resolve_group_size
 from .tied import find_head, quantize_head
 
 __all__ = ["quantize_llm", "METHODS", "CLIPS"]
@@ -87,16 +87,19 @@ class _Terms:
 
 @torch.no_grad()
 def _input_stats(block: nn.Module, firsts: list[str], last: str | None, inps: list[tuple[torch.Tensor, dict[str, Any]]],
-                 world: int, group: Any, abs_sum: bool = False) -> dict[str, tuple[torch.Tensor, ...]]:
-    """Per Linear in ``firsts``: ``(XᵀX,)`` (and ``Σ_t |x_t|`` with ``abs_sum``) of its input over all batches.
+                 masks: list[torch.Tensor | None], world: int, group: Any, abs_sum: bool = False
+                 ) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Per Linear in ``firsts``: ``(XᵀX,)`` (and ``Σ_t |x_t|`` with ``abs_sum``) of its input over all batches,
+    the rows ``x_t`` of real tokens only (``masks[b]``: batch ``b``'s attention mask; ``None``: no padding).
 
     The forward stops after Linear ``last`` (``None``: runs the whole block).
     """
     acc = {n: (_Terms(world), _Terms(world)) for n in firsts}
+    cur: list[torch.Tensor | None] = [None]
 
     def grab(name: str):
         def fn(_m: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            x = real_rows(args[0].detach(), cur[0]).float()
             acc[name][0].add(x.T @ x)
             if abs_sum:
                 acc[name][1].add(x.abs().sum(0))
@@ -109,7 +112,8 @@ def _input_stats(block: nn.Module, firsts: list[str], last: str | None, inps: li
     if last is not None:
         hs.append(block.get_submodule(last).register_forward_hook(stop))
     try:
-        for x, kw in inps:
+        for (x, kw), mask in zip(inps, masks):
+            cur[0] = mask
             run_block(block, x, kw)
     finally:
         for h in hs:
@@ -120,13 +124,14 @@ def _input_stats(block: nn.Module, firsts: list[str], last: str | None, inps: li
 @torch.no_grad()
 def _cross_stats(block: nn.Module, fblock: nn.Module, first: str, last: str,
                  inps: list[tuple[torch.Tensor, dict[str, Any]]], finps: list[tuple[torch.Tensor, dict[str, Any]]],
-                 world: int, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(X_qᵀX_q, X_fᵀX_q)`` of Linear ``first``'s input in ``block`` (quantized stream) and ``fblock`` (float)."""
+                 masks: list[torch.Tensor | None], world: int, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(X_qᵀX_q, X_fᵀX_q)`` of Linear ``first``'s input in ``block`` (quantized stream) and ``fblock`` (float),
+    over the real tokens' rows (``masks``, as in ``_input_stats``)."""
     H, C, cur = _Terms(world), _Terms(world), {}
 
     def grab(key: str):
         def fn(_m: nn.Module, args: tuple[Any, ...]) -> None:
-            cur[key] = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            cur[key] = real_rows(args[0].detach(), cur["mask"]).float()
         return fn
 
     def stop(*_a: Any) -> None:
@@ -136,7 +141,8 @@ def _cross_stats(block: nn.Module, fblock: nn.Module, first: str, last: str,
           fblock.get_submodule(first).register_forward_pre_hook(grab("f")),
           block.get_submodule(last).register_forward_hook(stop), fblock.get_submodule(last).register_forward_hook(stop)]
     try:
-        for (x, kw), (xf, kwf) in zip(inps, finps):
+        for (x, kw), (xf, kwf), mask in zip(inps, finps, masks):
+            cur["mask"] = mask
             run_block(fblock, xf, kwf)
             run_block(block, x, kw)
             H.add(cur["q"].T @ cur["q"])
@@ -166,30 +172,13 @@ def _gptq_best(w: torch.Tensor, H: torch.Tensor, g: int, bits: int, symmetric: b
     return best[1]
 
 
-def _check_shapes(model: nn.Module, bits: int, head: str | None) -> None:
-    """Before any work: 4-bit Linears need an even ``in_features``, and ``head`` needs an output projection (both
-    were raised after every block was quantized, leaving the caller's model half done with ``inplace=True``)."""
-    layers = decoder_layers(model)
-    prefix = next(n for n, m in model.named_modules() if m is layers)
-    lins = {f"{prefix}.{n}": m for n, m in layers.named_modules() if type(m) is nn.Linear} if bits == 4 else {}
-    if head is not None:
-        name, _ = find_head(model)  # a ValueError naming the model when it has none
-        if head == "int4":
-            lins[name] = model.get_submodule(name)
-    odd = [f"{n} ({m.in_features})" for n, m in lins.items() if m.in_features % 2]
-    if odd:
-        raise ValueError(f"quantize_llm: 4-bit codes are packed two per byte, so in_features must be even; {len(odd)} "
-                         f"layer(s) have an odd number: {', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''} "
-                         f"(use bits=8{', head=int8' if head == 'int4' else ''})")
-
-
 def _replace(block: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(block.get_submodule(parent) if parent else block, child, new)
 
 
 @torch.no_grad()
-def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_size: int = 128,
+def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_size: int | None = None,
                  method: str = "gptq", awq: bool = True, clip: str = "hmse", act_order: bool = True,
                  damp: float | Sequence[float] = 0.01, symmetric: bool = False,
                  head: str | None = "int8", refine: bool = False, float_target: bool = False, inplace: bool = False,
@@ -197,8 +186,12 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
                  group: Any = None) -> nn.Module:
     """Quantize every ``nn.Linear`` of a causal LM's decoder blocks, block by block; see the module docstring.
 
-    ``calib``: token-id tensors ``(1, T)`` (or dicts of model inputs); with ``torch.distributed`` each
-    rank passes its shard (``lowbit.llm.shard``; equal counts). ``method``: ``"gptq"`` or ``"rtn"``;
+    ``calib``: token-id tensors ``(1, T)`` (or dicts of model inputs; a dict's ``attention_mask`` zeros mark padding,
+    left out of every statistic); with ``torch.distributed`` each rank passes its shard (``lowbit.llm.shard``; equal
+    counts). ``group_size``: weight columns per scale; a given size (or -1, per channel) must divide every quantized
+    layer's ``in_features`` (else ``ValueError`` before any work); ``None``: 128, halved per layer where it does not
+    divide (to 8, else per channel), the layers it changed named in a warning (``lowbit.llm.plan``).
+    ``method``: ``"gptq"`` or ``"rtn"``;
     ``clip``: group qparams by ``"hmse"`` (clip search weighted by ``diag(XᵀX)``), ``"mse"`` or ``"rtn"``
     (min/max); ``awq``: AWQ scaling first; ``refine``: re-fit the group scales after GPTQ (codes
     fixed); ``float_target``: GPTQ fits the float model's outputs ``X_f Wᵀ`` rather than ``X_q Wᵀ`` (the
@@ -216,7 +209,7 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
     damps = (damp,) if isinstance(damp, (int, float)) else tuple(damp)
     if not damps or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d < math.inf for d in damps):
         raise ValueError(f"quantize_llm: damp={damp!r} must be a positive float or a tuple of them")
-    check_recipe(bits, group_size, "quantize_llm", symmetric)
+    check_recipe(bits, 128 if group_size is None else group_size, "quantize_llm", symmetric)
     for flag, value in (("inplace", inplace), ("awq", awq), ("act_order", act_order), ("refine", refine),
                         ("float_target", float_target), ("progress", progress)):
         if not isinstance(value, bool):  # read by truthiness below: awq="no" ran AWQ
@@ -226,7 +219,8 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
         raise ValueError(f"quantize_llm: {' and '.join(f'{f}=True' for f in extra)} with method='rtn': "
                          "GPTQ's calibration statistics, which rounding does not collect, are what "
                          f"{'they work' if len(extra) > 1 else 'it works'} on; use method='gptq'")
-    _check_shapes(model, bits, head)
+    check_shapes(model, bits, head)
+    group_size = resolve_group_size(model, group_size, bits, head, "quantize_llm")  # refused / adapted with a warning
     if not inplace:
         model = copy.deepcopy(model)
     rank, world = rank_and_world(group)
@@ -238,6 +232,7 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
     inps = capture_block_inputs(model, layers, calib)
     if not inps:
         raise ValueError("quantize_llm: calib yielded no batches")
+    masks = [token_mask(b) for b in calib]  # padding (attention_mask 0) is left out of every statistic
     qd = weight_qdtype(bits, symmetric)
     job = 0
     float_target = float_target and method == "gptq"
@@ -246,8 +241,9 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
         groups = linear_groups(block, *inps[0])
         srcs = {names[0]: scale_source(block, names, inps[0]) for names in groups} if awq else {}
         if any(srcs.values()):  # the folds leave every group's float input as it was: one pass for all
-            n_tok = int(ordered_sum([torch.tensor(float(x.shape[:-1].numel())) for x, _ in inps], group))
-            stats = _input_stats(block, [n for n, src in srcs.items() if src], None, inps, world, group, True)
+            n_tok = int(ordered_sum([torch.tensor(float(x.shape[:-1].numel() if m is None else m.sum()))
+                                     for (x, _), m in zip(inps, masks)], group))
+            stats = _input_stats(block, [n for n, src in srcs.items() if src], None, inps, masks, world, group, True)
             for names in groups:
                 if srcs[names[0]] is None:
                     continue
@@ -259,19 +255,16 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
         for names in groups:
             lins = [block.get_submodule(n) for n in names]
             k = lins[0].in_features
-            g = fit_group_size(k, group_size)
-            if g == -1 and group_size != -1:
-                warnings.warn(f"quantize_llm: {names} ({k} features) have no group size dividing them; per channel",
-                              stacklevel=2)
+            g = fit_group_size(k, group_size)  # group_size itself when the caller gave it (resolve_group_size)
             qs = [WeightOnlyLinear(k, m.out_features, m.bias is not None, bits, g, symmetric) for m in lins]
             w = torch.cat([m.weight.detach().float().cpu() for m in lins])
             n, G = w.shape[0], qs[0].scales.shape[1]
             codes, s, z = torch.zeros(n, k, dtype=torch.int64), torch.zeros(n, G), torch.zeros(n, G, dtype=torch.int64)
             if method == "gptq":
                 if fblock is None:
-                    H = _input_stats(block, names[:1], names[-1], inps, world, group)[names[0]][0]
+                    H = _input_stats(block, names[:1], names[-1], inps, masks, world, group)[names[0]][0]
                 else:
-                    H, C = _cross_stats(block, fblock, names[0], names[-1], inps, finps, world, group)
+                    H, C = _cross_stats(block, fblock, names[0], names[-1], inps, finps, masks, world, group)
                 if job % world == rank:
                     if fblock is not None:
                         w = _float_target(w, H, C, min(damps))
@@ -293,5 +286,6 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
                 finps = [(run_block(fblock, x, kw), kw) for x, kw in finps]
             inps = [(run_block(block, x, kw), kw) for x, kw in inps]
     if head is not None:
-        quantize_head(model, 8 if head == "int8" else 4, group_size, symmetric)
+        k = model.get_submodule(find_head(model)[0]).in_features  # (the default's size for it was said above)
+        quantize_head(model, 8 if head == "int8" else 4, fit_group_size(k, group_size), symmetric)
     return model

@@ -23,6 +23,8 @@ memory, not time).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,16 +83,31 @@ def find_head(model: nn.Module) -> tuple[str, str | None]:
 
 
 @torch.no_grad()
-def quantize_head(model: nn.Module, bits: int = 8, group_size: int = 128, symmetric: bool = True) -> nn.Module:
-    """``lm_head`` -> ``WeightOnlyLinear`` (``bits=8``: per row; 4: groups), a tied embedding -> ``TiedEmbedding``."""
-    if bits not in (4, 8):
+def quantize_head(model: nn.Module, bits: int = 8, group_size: int | None = None, symmetric: bool = True) -> nn.Module:
+    """``lm_head`` -> ``WeightOnlyLinear`` (``bits=8``: per row; 4: groups), a tied embedding -> ``TiedEmbedding``.
+
+    ``group_size`` (4 bits): a given size must divide ``in_features`` (else ``ValueError``); ``None`` is 128, or the
+    largest ``128 / 2^j >= 8`` dividing ``in_features``, or per channel, with a warning when it is not 128."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):  # (4.0 passed "in (4, 8)")
         raise ValueError(f"quantize_head: bits={bits!r} must be 4 or 8")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or not (group_size == -1 or group_size >= 1):
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
+                                   or not (group_size == -1 or group_size >= 1)):
         raise ValueError(f"quantize_head: group_size={group_size!r} must be an int >= 1, or -1 (one group per row)")
     head_name, emb_name = find_head(model)
     lin = model.get_submodule(head_name)
-    # (a halving loop of its own went down to groups of 2 or 1: a float scale per one or two int4 codes)
-    g = -1 if bits == 8 else fit_group_size(lin.in_features, group_size)
+    k = lin.in_features
+    if bits == 8:
+        g = -1
+    elif group_size is None:  # (a halving loop of its own went down to groups of 2 or 1: a scale per 1-2 int4 codes)
+        g = fit_group_size(k, 128)
+        if g != 128:
+            warnings.warn(f"quantize_head: the default group size 128 does not divide {head_name}'s {k} features; "
+                          f"using {'per channel' if g == -1 else f'group size {g}'}", stacklevel=3)
+    elif group_size != -1 and k % group_size:
+        raise ValueError(f"quantize_head: group_size={group_size} does not divide {head_name}'s in_features={k} "
+                         "(pass a divisor, -1 for per channel, or None to adapt 128 with a warning)")
+    else:
+        g = group_size
     q = WeightOnlyLinear.from_float(lin, bits, g, symmetric if bits == 4 else True, "rtn" if bits == 8 else "mse")
     emb = model.get_submodule(emb_name) if emb_name else None
     for name, new in ((head_name, q), *(((emb_name, TiedEmbedding(q, emb.padding_idx, emb.weight.dtype)),)

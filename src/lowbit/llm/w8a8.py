@@ -15,7 +15,7 @@ per input channel ``k`` of each group of Linears reading one tensor::
 
 ``1 / s`` is folded into the producer (RMSNorm weight, or ``up_proj`` rows for ``down_proj``, see
 ``lowbit.llm.awq.scale_source``, checked to leave the float block unchanged); where none can absorb it (``o_proj``
-under grouped-query attention, Gemma's ``1 + weight`` norms, post-norm or parallel blocks) it stays as
+under grouped-query attention, post-norm or parallel blocks) it stays as
 ``input_scale`` in the module (one multiply per call).
 
 >>> import torch
@@ -39,7 +39,7 @@ from torch import nn
 from ..kernels import int_mm
 from ..nn.quantized._utils import check_finite_linears, check_finite_weight, check_not_meta
 from .awq import awq_fold, scale_source
-from .blocks import _call, check_has_linears, check_llm_calib, decoder_layers, linear_groups
+from .blocks import _call, check_has_linears, check_llm_calib, decoder_layers, linear_groups, real_rows, token_mask
 
 __all__ = ["DynamicInt8Linear", "quantize_w8a8", "activation_absmax"]
 
@@ -112,18 +112,21 @@ class DynamicInt8Linear(nn.Module):
 
 @torch.no_grad()
 def activation_absmax(model: nn.Module, linears: dict[str, nn.Linear], calib: Iterable[Any]) -> dict[str, torch.Tensor]:
-    """``{name: max_t |x_t|}`` ``(K,)`` of each Linear's input over ``calib`` (token-id tensors or input dicts)."""
+    """``{name: max_t |x_t|}`` ``(K,)`` of each Linear's input over ``calib`` (token-id tensors or input dicts),
+    over real tokens only (a dict batch's ``attention_mask`` 0 marks padding, left out)."""
     out = {n: torch.zeros(m.in_features) for n, m in linears.items()}
+    cur: list[torch.Tensor | None] = [None]
 
     def hook(name: str):
         def fn(_m: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(0).float().cpu()
+            x = real_rows(args[0].detach(), cur[0]).abs().amax(0).float().cpu()
             torch.maximum(out[name], x, out=out[name])
         return fn
 
     hs = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
     try:
         for b in calib:
+            cur[0] = token_mask(b)
             _call(model, b)
     finally:
         for h in hs:
