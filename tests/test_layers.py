@@ -17,6 +17,7 @@ TIERS: list[tuple[str, ...]] = [
     ("compile_state",),                # tracing(): lower layers emit torch.ops.lowbit.* while traced
     ("qparams",),
     ("blocked", "qstore", "native"),   # cache-blocked exact quantize; one-pass 8-bit codes; C row passes
+    ("state_check",),                  # check_quantized_state: a checkpoint's scales, zero points, codes
     ("functional",),
     ("qtensor", "qtensor.convert", "batches"),  # convert: to / type / dtype casts; batches: iter_batches, run_batch
     ("observer",),

@@ -39,6 +39,7 @@ from . import blocked, qstore
 from .compile_state import inline_dequantize, inline_quantize, qdtype_key, tracing
 from .qparams import _F32_MAX, _F32_TINY  # the smallest / largest positive float32
 from .qscheme import QDtype, as_qdtype
+from .state_check import _show, check_quantized_state  # noqa: F401 (check_quantized_state: re-exported)
 
 __all__ = ["quantize", "dequantize", "fake_quantize", "check_ch_axis", "check_quantized_state"]
 
@@ -116,12 +117,6 @@ def _host_scalar(p: Number) -> Number:
             and p.dtype != torch.bool:
         return p.item()
     return p
-
-
-def _show(t: torch.Tensor) -> str:
-    """A short rendering of a qparam tensor for an error message."""
-    v = t.flatten()[:8].tolist()
-    return f"{v if t.dim() else v[0]}{'...' if t.numel() > 8 else ''}"
 
 
 def _broadcast(p: Number, x: torch.Tensor, ch_axis: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -380,69 +375,3 @@ def fake_quantize(
         _check_qparams("fake_quantize", scale, zero_point, quant_min, quant_max, float_zp=bool(float_zero_point))
     s, z = _broadcast(scale, x, ch_axis, torch.float32), _broadcast(zero_point, x, ch_axis, torch.float32)
     return _FakeQuantizeSTE.apply(x, s.detach(), z.detach(), int(quant_min), int(quant_max), bool(float_zero_point))
-
-
-# buffer name -> the module attributes that may hold its grid, first found wins
-_GRIDS = {"zero_point": ("out_qdtype", "qdtype"), "weight_zero_point": ("weight_qdtype", "qdtype", "dtype"),
-          "input_zero_point": ("input_qdtype",), "weight_int8": ("weight_qdtype", "dtype"),
-          "zero_points": ("qdtype",), "qweight": ("qdtype",), "weight_q": ("qdtype",)}
-_CODES = ("weight_int8", "qweight", "weight_q")  # code buffers: an 8-bit grid bounds them; packed 4-bit ones, a byte
-
-
-def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str) -> list[str]:
-    """The problems of the incoming values of ``module``'s own buffers for ``load_state_dict`` (an empty
-    list: all valid): scales finite and > 0, zero points and codes integers on the module's grid, a
-    float ``bias`` finite, a ``histogram`` finite and >= 0, ``min_val``/``max_val`` not NaN. Used by the
-    quantized modules (``nn/quantized/_state.py``), ``FakeQuantize`` and every observer."""
-    where, errors = type(module).__name__, []
-    for name, buf in module._buffers.items():
-        value = state_dict.get(prefix + name)
-        if buf is None or not isinstance(value, torch.Tensor) or value.numel() == 0:
-            continue
-        key = prefix + name
-        if name.endswith(("scale", "scales")) and buf.is_floating_point():
-            if not value.is_floating_point():
-                errors.append(f"{key}: a scale must be a floating-point tensor, got dtype {value.dtype} ({where})")
-                continue
-            v = value.detach()
-            ok = torch.isfinite(v) & ((v > 0) | (v == 0) if name == "input_scale" else v > 0)
-            if not bool(ok.all()):
-                errors.append(f"{key}: scale={_show(v)} must be finite and > 0 ({where})")
-        elif name in ("min_val", "max_val") and value.is_floating_point():  # ±inf: "nothing observed yet"
-            if bool(torch.isnan(value.detach()).any()):
-                errors.append(f"{key}: the observed range holds NaN ({where})")
-        elif name == "histogram" and value.is_floating_point():
-            v = value.detach()
-            if not bool((torch.isfinite(v) & (v >= 0)).all()):
-                errors.append(f"{key}: histogram counts must be finite and >= 0 ({where})")
-        elif name in ("bias", "weight") and value.is_floating_point():  # (a quantized norm's affine weight)
-            if not bool(torch.isfinite(value.detach()).all()):
-                errors.append(f"{key}: the {name} holds NaN/Inf values ({where})")
-        elif name in _GRIDS or name.endswith("zero_point"):
-            if value.is_complex() or value.dtype == torch.bool:
-                errors.append(f"{key}: expected integers, got dtype {value.dtype} ({where})")
-                continue
-            v = value.detach()
-            if buf.is_floating_point() and v.is_floating_point():  # float zero points (float_qparams rows)
-                if not bool(torch.isfinite(v).all()):
-                    errors.append(f"{key}: zero_point {_show(v[~torch.isfinite(v)])} must be finite ({where})")
-                continue
-            ok = torch.isfinite(v) & (v == torch.round(v)) if v.is_floating_point() else torch.ones_like(v, dtype=torch.bool)
-            qdtype = next((getattr(module, a) for a in _GRIDS.get(name, ()) if hasattr(module, a)), None)
-            grid = ""
-            if name in _CODES and (qdtype is None or getattr(qdtype, "bits", 8) != 8):
-                qdtype = None  # packed / non-8-bit storage: each element is a byte of codes
-                lo, hi = (-128, 127) if buf.dtype == torch.int8 else (0, 255)
-                ok &= (v >= lo) & (v <= hi)
-                grid = f" in [{lo}, {hi}] (bytes of packed codes)"
-            if qdtype is not None and hasattr(qdtype, "quant_min"):
-                ok &= (v >= qdtype.quant_min) & (v <= qdtype.quant_max)
-                grid = f" in [{qdtype.quant_min}, {qdtype.quant_max}] ({qdtype!r})"
-                if name == "zero_points" and getattr(module, "symmetric", False) and qdtype.signed:
-                    ok &= v == 0  # a symmetric signed grid is centred on 0 (an affine checkpoint's zero points are not)
-                    grid = f" equal to 0 (symmetric {qdtype!r})"
-            if not bool(ok.all()):
-                bad = v[~ok] if v.dim() else v
-                what = "codes" if name in _CODES else "zero_point"
-                errors.append(f"{key}: {what} {_show(bad)} must be integers{grid} ({where})")
-    return errors

@@ -1,0 +1,98 @@
+"""Validity of a quantized module's incoming state (``check_quantized_state``, for ``load_state_dict``).
+
+A checkpoint is user input: a scale of 0 or NaN, a zero point off its grid or a code past its storage would load
+silently and compute garbage later. For each of the module's own buffers present in ``state_dict``:
+
+- scales finite and ``> 0`` (``input_scale`` may be 0: "no static input grid");
+- zero points and codes integers inside the module's grid (``qdtype``-like attributes name it; packed 4-bit codes
+  are bytes), a symmetric signed grid's zero points 0; float zero points (``float_qparams`` rows) finite;
+- a float ``bias`` / norm ``weight`` finite, a ``histogram`` finite and ``>= 0``, ``min_val`` / ``max_val`` not NaN
+  (``±inf`` means "nothing observed yet").
+
+>>> import torch
+>>> from torch import nn
+>>> m = nn.Module()
+>>> m.register_buffer("scale", torch.tensor(1.0))
+>>> check_quantized_state(m, {"scale": torch.tensor(0.0)}, "")
+['scale: scale=0.0 must be finite and > 0 (Module)']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["check_quantized_state"]
+
+
+def _show(t: torch.Tensor) -> str:
+    """A short rendering of a qparam tensor for an error message."""
+    v = t.flatten()[:8].tolist()
+    return f"{v if t.dim() else v[0]}{'...' if t.numel() > 8 else ''}"
+
+
+# buffer name -> the module attributes that may hold its grid, first found wins
+_GRIDS = {"zero_point": ("out_qdtype", "qdtype"), "weight_zero_point": ("weight_qdtype", "qdtype", "dtype"),
+          "input_zero_point": ("input_qdtype",), "weight_int8": ("weight_qdtype", "dtype"),
+          "zero_points": ("qdtype",), "qweight": ("qdtype",), "weight_q": ("qdtype",)}
+_CODES = ("weight_int8", "qweight", "weight_q")  # code buffers: an 8-bit grid bounds them; packed 4-bit ones, a byte
+
+
+def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str) -> list[str]:
+    """The problems of the incoming values of ``module``'s own buffers for ``load_state_dict`` (an empty
+    list: all valid): scales finite and > 0, zero points and codes integers on the module's grid, a
+    float ``bias`` finite, a ``histogram`` finite and >= 0, ``min_val``/``max_val`` not NaN. Used by the
+    quantized modules (``nn/quantized/_state.py``), ``FakeQuantize`` and every observer."""
+    where, errors = type(module).__name__, []
+    for name, buf in module._buffers.items():
+        value = state_dict.get(prefix + name)
+        if buf is None or not isinstance(value, torch.Tensor) or value.numel() == 0:
+            continue
+        key = prefix + name
+        if name.endswith(("scale", "scales")) and buf.is_floating_point():
+            if not value.is_floating_point():
+                errors.append(f"{key}: a scale must be a floating-point tensor, got dtype {value.dtype} ({where})")
+                continue
+            v = value.detach()
+            ok = torch.isfinite(v) & ((v > 0) | (v == 0) if name == "input_scale" else v > 0)
+            if not bool(ok.all()):
+                errors.append(f"{key}: scale={_show(v)} must be finite and > 0 ({where})")
+        elif name in ("min_val", "max_val") and value.is_floating_point():  # ±inf: "nothing observed yet"
+            if bool(torch.isnan(value.detach()).any()):
+                errors.append(f"{key}: the observed range holds NaN ({where})")
+        elif name == "histogram" and value.is_floating_point():
+            v = value.detach()
+            if not bool((torch.isfinite(v) & (v >= 0)).all()):
+                errors.append(f"{key}: histogram counts must be finite and >= 0 ({where})")
+        elif name in ("bias", "weight") and value.is_floating_point():  # (a quantized norm's affine weight)
+            if not bool(torch.isfinite(value.detach()).all()):
+                errors.append(f"{key}: the {name} holds NaN/Inf values ({where})")
+        elif name in _GRIDS or name.endswith("zero_point"):
+            if value.is_complex() or value.dtype == torch.bool:
+                errors.append(f"{key}: expected integers, got dtype {value.dtype} ({where})")
+                continue
+            v = value.detach()
+            if buf.is_floating_point() and v.is_floating_point():  # float zero points (float_qparams rows)
+                if not bool(torch.isfinite(v).all()):
+                    errors.append(f"{key}: zero_point {_show(v[~torch.isfinite(v)])} must be finite ({where})")
+                continue
+            ok = torch.isfinite(v) & (v == torch.round(v)) if v.is_floating_point() else torch.ones_like(v, dtype=torch.bool)
+            qdtype = next((getattr(module, a) for a in _GRIDS.get(name, ()) if hasattr(module, a)), None)
+            grid = ""
+            if name in _CODES and (qdtype is None or getattr(qdtype, "bits", 8) != 8):
+                qdtype = None  # packed / non-8-bit storage: each element is a byte of codes
+                lo, hi = (-128, 127) if buf.dtype == torch.int8 else (0, 255)
+                ok &= (v >= lo) & (v <= hi)
+                grid = f" in [{lo}, {hi}] (bytes of packed codes)"
+            if qdtype is not None and hasattr(qdtype, "quant_min"):
+                ok &= (v >= qdtype.quant_min) & (v <= qdtype.quant_max)
+                grid = f" in [{qdtype.quant_min}, {qdtype.quant_max}] ({qdtype!r})"
+                if name == "zero_points" and getattr(module, "symmetric", False) and qdtype.signed:
+                    ok &= v == 0  # a symmetric signed grid is centred on 0 (an affine checkpoint's zero points are not)
+                    grid = f" equal to 0 (symmetric {qdtype!r})"
+            if not bool(ok.all()):
+                bad = v[~ok] if v.dim() else v
+                what = "codes" if name in _CODES else "zero_point"
+                errors.append(f"{key}: {what} {_show(bad)} must be integers{grid} ({where})")
+    return errors
