@@ -164,7 +164,7 @@ def test_search_option_state_dict_repr_with_args_and_errors():
     x = DISTS["student_t3"](torch.Generator().manual_seed(1))
     obs = observed(x, bins=512)
     sd = obs.state_dict()
-    assert set(sd) == {"histogram", "min_val", "max_val"}  # a setting, not state
+    assert set(sd) == {"eps", "histogram", "min_val", "max_val"}  # search is a setting, not state
     fresh_q, fresh_l2 = HistogramObserver(search="quantile"), HistogramObserver()
     fresh_q.load_state_dict(sd)
     fresh_l2.load_state_dict(sd)

@@ -199,10 +199,14 @@ class LearnableFakeQuantize(FakeQuantize):
         self.scale = nn.Parameter(torch.full(shape, float(scale)))
         self.zero_point = nn.Parameter(torch.full(shape, z0))
         self.use_grad_scaling = use_grad_scaling
-        self.eps = self.activation_post_process.eps
         self.register_buffer("learning_enabled", torch.tensor([0], dtype=torch.uint8))
         self._grid_loaded = False  # set by load_state_dict: the parameters came from a checkpoint
         self.toggle_qparam_learning(False)
+
+    @property
+    def eps(self) -> float:
+        """The scale's floor: the observer's ``eps`` (read live, so a loaded checkpoint's value applies)."""
+        return self.activation_post_process.eps
 
     # -- phases (torch.ao names) -------------------------------------------------------------------
     @property

@@ -103,7 +103,18 @@ class ObserverBase(abc.ABC, WithArgs, nn.Module):
     ``ch_axis`` is kept only for per-channel schemes (``None`` otherwise). Subclasses register
     their statistics as buffers; a buffer whose shape changes (scalar seed → ``(C,)``) is adopted
     from a ``state_dict`` on load, so a calibrated checkpoint loads into a fresh observer.
+
+    ``eps`` (the scale's floor, ``scale = max(range / steps, eps)``) is a Python float, saved in
+    ``state_dict`` under torch.ao's key ``eps`` as a ``(1,)`` tensor (``_saves_eps``; observers that
+    derive no scale — fixed, placeholder, recording — save none, as torch.ao's). It is float64, so
+    the float round-trips exactly (torch.ao's buffer is float32; its ``load_state_dict`` casts), and
+    the state carries torch.ao's observer version 3, so torch.ao's loader adopts it rather than
+    resetting it to its default as for a version-1 checkpoint. Loading adopts a saved ``eps``; a
+    checkpoint without one (lowbit's before session 36) keeps the observer's own.
     """
+
+    _saves_eps = True  # class attribute: whether state_dict carries eps (torch.ao's eps buffer)
+    _version = 3  # torch.ao's observer state version: eps saved, per-channel buffers named min_val / max_val
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ObserverBase:
         missing = sorted(getattr(cls, "__abstractmethods__", ()))
@@ -151,6 +162,14 @@ class ObserverBase(abc.ABC, WithArgs, nn.Module):
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scale, zero_point)`` from the statistics."""
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        """As ``nn.Module``'s, with ``eps`` first as torch.ao's observers order it: ``tensor([eps])``."""
+        if self._saves_eps:
+            device = next((b.device for b in self._buffers.values() if b is not None), torch.device("cpu"))
+            dtype = torch.float32 if device.type == "mps" else torch.float64  # (mps has no float64)
+            destination[prefix + "eps"] = torch.tensor([self.eps], dtype=dtype, device=device)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
         errors = check_quantized_state(self, state_dict, prefix)  # NaN ranges, bad histograms / qparams
@@ -160,8 +179,8 @@ class ObserverBase(abc.ABC, WithArgs, nn.Module):
             if v is None or not _F32_TINY <= v <= _F32_MAX:
                 errors.append(f"{prefix}eps: expected one positive finite float32 value (torch.ao's eps buffer), got "
                               f"{eps!r}")
-            elif not errors:
-                self.eps = v
+            elif not errors and v != float(torch.tensor(self.eps, dtype=eps.dtype if eps.is_floating_point() else torch.float64)):
+                self.eps = v  # (a torch.ao float32 eps equal to ours keeps the exact Python float, e.g. 1e-8)
         lo, hi = state_dict.get(prefix + "min_val"), state_dict.get(prefix + "max_val")
         if "min_val" in self._buffers and isinstance(lo, torch.Tensor) and isinstance(hi, torch.Tensor):
             if lo.shape != hi.shape:

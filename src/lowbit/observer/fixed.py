@@ -46,6 +46,7 @@ class FixedQParamsObserver(ObserverBase):
 
     scale: torch.Tensor
     zero_point: torch.Tensor
+    _saves_eps = False  # torch.ao's FixedQParamsObserver saves scale and zero_point only
 
     def __init__(self, scale: float, zero_point: int, qscheme: QScheme | str = per_tensor_affine,
                  qdtype: QDtype | str = quint8, eps: float = 1e-8) -> None:
@@ -97,6 +98,8 @@ class PlaceholderObserver(ObserverBase):
     >>> Q.PlaceholderObserver(qdtype=torch.float16).qdtype
     torch.float16
     """
+
+    _saves_eps = False  # no state at all, as torch.ao's
 
     def __init__(self, qscheme: QScheme | str = per_tensor_affine, qdtype: QDtype | str | torch.dtype = quint8,
                  eps: float = 1e-8, is_dynamic: bool = False, per_token: bool = True) -> None:

@@ -35,6 +35,8 @@ __all__ = ["RecordingObserver", "get_observer_dict"]
 class RecordingObserver(ObserverBase):
     """Identity that records a detached copy of every input in ``tensor_val`` (a list, not state)."""
 
+    _saves_eps = False  # it derives no scale
+
     def __init__(self, qdtype: QDtype | str = quint8) -> None:
         super().__init__(qdtype=qdtype)
         self.tensor_val: list[torch.Tensor] = []
