@@ -3,6 +3,7 @@ chunk / split (each test fails before its fix; torch.ao.quantization is the orac
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -95,3 +96,70 @@ def test_learnable_fake_quant_floor_follows_a_loaded_eps():
     g = Q.LearnableFakeQuantize()
     g.load_state_dict(f.state_dict())
     assert g.eps == pytest.approx(1e-2)
+
+
+# -- 2. the default mappings pin torch.ao's fixed grids for sigmoid / tanh / hardsigmoid / softmax --------------------
+
+def _fixed_entries(mapping) -> dict:
+    """``{object type: (scale, zero_point)}`` for the mapping's fixed-qparams entries (lowbit's or torch.ao's)."""
+    out = {}
+    for op, qc in mapping.to_dict()["object_type"]:
+        if isinstance(op, str) or qc is None:
+            continue  # torch.ao's method names ("sigmoid_"): lowbit resolves a method call through its function
+        obs = qc.activation()
+        obs = getattr(obs, "activation_post_process", obs)
+        if "FixedQParams" in type(obs).__name__:
+            out[op] = (float(obs.scale), int(obs.zero_point))
+    return out
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_default_mappings_have_torch_aos_fixed_qparams_entries(qat):
+    ours = Q.get_default_qat_qconfig_mapping() if qat else Q.get_default_qconfig_mapping()
+    theirs = tq.get_default_qat_qconfig_mapping() if qat else tq.get_default_qconfig_mapping()
+    assert _fixed_entries(ours) == _fixed_entries(theirs)
+    assert _fixed_entries(ours)[torch.tanh] == (2 / 256, 128) and _fixed_entries(ours)[nn.Sigmoid] == (1 / 256, 0)
+    kind = Q.FixedQParamsFakeQuantize if qat else Q.FixedQParamsObserver
+    assert isinstance(ours.object_type_qconfigs[nn.Softmax].activation(), kind)
+
+
+class _Fixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(7))
+        self.sig, self.hs, self.sm = nn.Sigmoid(), nn.Hardsigmoid(), nn.Softmax(-1)
+
+    def forward(self, x):
+        lin = self.lins
+        return (self.sig(lin[0](x)), torch.tanh(lin[1](x)), self.hs(lin[2](x)), lin[3](x).sigmoid(),
+                torch.nn.functional.hardsigmoid(lin[4](x)), lin[6](self.sm(lin[5](x))))
+
+
+def test_prepare_fx_default_mapping_fixed_grids_match_torch_ao():
+    """Before, sigmoid / tanh / hardsigmoid outputs were observed (a histogram grid, e.g. 0.0027 for a sigmoid seen in
+    [0.03, 0.97]) and the Linear after a softmax quantized its input on the observed range; torch.ao pins 1/256 and
+    2/256 grids. With min/max everywhere else, lowbit's int8 outputs are torch.ao's within one step of the grid."""
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    torch.manual_seed(0)
+    model = _Fixed().eval()
+    x = torch.randn(64, 8) * 3
+    tqc = tq.QConfig(activation=tao.MinMaxObserver.with_args(dtype=torch.quint8),
+                     weight=tao.PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tp = prepare_fx(copy.deepcopy(model), tq.get_default_qconfig_mapping().set_global(tqc), (x,))
+        tp(x)
+        ours = Q.prepare_fx(model, Q.get_default_qconfig_mapping().set_global(Q.get_minmax_qconfig()), (x,))
+        ours(x)
+        converted = Q.convert_fx(ours)
+        t_out, l_out = convert_fx(tp)(x), converted(x)
+    steps = [1 / 256, 2 / 256, 1 / 256, 1 / 256, 1 / 256]
+    for i, (t, mine, step) in enumerate(zip(t_out, l_out, steps)):
+        t, mine = t.dequantize(), mine.dequantize() if hasattr(mine, "dequantize") else mine
+        assert torch.equal(torch.round(mine / step) * step, mine), i  # on the fixed grid
+        assert (t - mine).abs().max().item() <= step + 1e-6, i
+    t, mine = t_out[5].dequantize(), l_out[5].dequantize() if hasattr(l_out[5], "dequantize") else l_out[5]
+    assert (t - mine).abs().max().item() <= 1.01 * float(converted.get_submodule("lins.6").scale)
+    sm_obs = [m for m in converted.modules() if type(m).__name__ == "Quantize"]
+    assert any(abs(float(q.scale) - 1 / 256) < 1e-9 and int(q.zero_point) == 0 for q in sm_obs), sm_obs

@@ -89,10 +89,14 @@ def test_other_recipes():
             Q.get_dynamic_qconfig(bad)
 
 
-def test_default_mappings_set_only_the_global_tier():
+def test_default_mappings_set_the_global_tier_and_fixed_grids_only():
     for m, qc in ((Q.get_default_qconfig_mapping(), A), (Q.get_default_qat_qconfig_mapping(), C)):
         assert repr(m.global_qconfig) == repr(qc)
-        assert not (m.object_type_qconfigs or m.module_name_qconfigs or m.module_name_regex_qconfigs)
+        assert not (m.module_name_qconfigs or m.module_name_regex_qconfigs)
+        # torch.ao's fixed-qparams ops (session 36): sigmoid / hardsigmoid / softmax / tanh, nothing else
+        assert all("FixedQParams" in repr(c.activation) for c in m.object_type_qconfigs.values())
+        assert set(m.object_type_qconfigs) == {nn.Sigmoid, torch.sigmoid, nn.Hardsigmoid, torch.nn.functional.hardsigmoid,
+                                               nn.Softmax, nn.Tanh, torch.tanh}
 
 
 # ---- QConfigMapping: precedence, exactly as torch.ao resolves it for full-name matches ----

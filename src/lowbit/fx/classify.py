@@ -33,6 +33,7 @@ import torch
 from torch import fx, nn
 
 from ..mappings import get_default_dynamic_quant_module_mappings
+from ..observer.fixed import FixedQParamsObserver
 from ..qconfig import QConfig, QConfigMapping
 from ..workflow import _is_table_recipe, is_dynamic_qconfig
 from ..workflow.propagate import join_name as join
@@ -40,7 +41,7 @@ from .patterns import BINARY_FUNCS, WEIGHT_ONLY_TYPES, canonical_binary, func_ac
 from .report import FxReport
 from .weighted import WITH_RELU, input_of, parse
 
-__all__ = ["classify", "wants_int", "int_inputs", "join"]
+__all__ = ["classify", "wants_int", "int_inputs", "join", "input_observer_qconfig"]
 
 _INT_KINDS = ("module", "functional", "act", "weighted")
 
@@ -259,6 +260,23 @@ def _demote_float_islands(gm: fx.GraphModule, report: FxReport, prefix: str) -> 
 def wants_int(user: fx.Node) -> bool:
     """Whether ``user`` reads (some of) its inputs as ``QTensor``s after convert."""
     return user.meta.get("lowbit_kind") in _INT_KINDS
+
+
+def _has_fixed_grid(qc: QConfig | None) -> bool:
+    """Whether ``qc``'s activation is a fixed grid (a ``FixedQParamsObserver``, or a fake-quant around one)."""
+    if qc is None or is_dynamic_qconfig(qc):
+        return False
+    obs = qc.activation()
+    return isinstance(obs, FixedQParamsObserver) or isinstance(getattr(obs, "activation_post_process", None),
+                                                               FixedQParamsObserver)
+
+
+def input_observer_qconfig(node: fx.Node, int_users: list[fx.Node]) -> QConfig:
+    """The qconfig of the observer (``Quantize`` after convert) between float ``node`` and the int ops reading it:
+    ``node``'s own when it pins a fixed output grid (a float ``nn.Softmax`` under torch.ao's fixed 1/256 grid, as
+    torch.ao's quantized softmax gives its consumers), else the first int consumer's."""
+    own = node.meta.get("lowbit_qconfig")
+    return own if _has_fixed_grid(own) else int_users[0].meta["lowbit_qconfig"]
 
 
 def int_inputs(user: fx.Node) -> list[fx.Node]:

@@ -50,7 +50,7 @@ from ..custom_config import PrepareCustomConfig
 from ..mappings import get_default_dynamic_quant_module_mappings, get_default_qat_module_mappings
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..workflow import is_dynamic_qconfig, propagate_qconfig_
-from .classify import apply_call_order, classify, int_inputs, join, wants_int
+from .classify import apply_call_order, classify, input_observer_qconfig, int_inputs, join, wants_int
 from .custom import declare_non_traceable, preserve, swap_custom
 from .patterns import WEIGHT_ONLY_TYPES, fuse_graph, graph_module_types
 from .report import FxReport
@@ -142,7 +142,7 @@ def _insert_observers(gm: fx.GraphModule) -> int:
         elif node.meta.get("lowbit_domain") == "float":
             int_users = [u for u in node.users if wants_int(u) and node in int_inputs(u)]
             if int_users:
-                obs = add_observer(node, int_users[0].meta["lowbit_qconfig"], "obs_in")
+                obs = add_observer(node, input_observer_qconfig(node, int_users), "obs_in")
                 for u in int_users:
                     u.replace_input_with(node, obs)
     # weight-only (embedding) and dynamic layers are quantized at convert with no observer: keep the graph

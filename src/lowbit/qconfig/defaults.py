@@ -261,12 +261,46 @@ def get_embedding_qat_qconfig(bits: int = 8, float_qparams: bool = False) -> QCo
     )
 
 
+# torch.ao's fixed-qparams ops (its default mappings' object types; method calls such as ``x.sigmoid()`` resolve as
+# ``torch.sigmoid`` in graph mode), each with its output range [lo, hi]: the grid is quint8 with ``scale = (hi - lo) /
+# 256`` and ``lo`` on code 0 (sigmoid / hardsigmoid / softmax: 1/256, zero point 0; tanh: 2/256, zero point 128)
+_FIXED_QPARAMS_OPS: tuple[tuple[Any, float, float], ...] = (
+    (torch.nn.Hardsigmoid, 0.0, 1.0), (torch.nn.functional.hardsigmoid, 0.0, 1.0),
+    (torch.nn.Sigmoid, 0.0, 1.0), (torch.sigmoid, 0.0, 1.0),
+    (torch.nn.Softmax, 0.0, 1.0),
+    (torch.nn.Tanh, -1.0, 1.0), (torch.tanh, -1.0, 1.0),
+)
+
+
+def _with_fixed_qparams(global_qconfig: QConfig, qat: bool) -> QConfigMapping:
+    """``global_qconfig`` as the global setting, plus torch.ao's fixed output grids for sigmoid / hardsigmoid /
+    softmax / tanh: ``FixedQParamsObserver`` (``FixedQParamsFakeQuantize`` for QAT) with the global weight recipe."""
+    from ..fake_quant import FixedQParamsFakeQuantize
+    from ..observer.fixed import FixedQParamsObserver
+
+    mapping = QConfigMapping().set_global(global_qconfig)
+    for op, lo, hi in _FIXED_QPARAMS_OPS:
+        scale = (hi - lo) / 256
+        obs = FixedQParamsObserver.with_args(scale=scale, zero_point=int(round(-lo / scale)), qdtype=quint8)
+        act = FixedQParamsFakeQuantize.with_args(observer=obs) if qat else obs
+        mapping.set_object_type(op, QConfig(activation=act, weight=global_qconfig.weight))
+    return mapping
+
+
 def get_default_qconfig_mapping(backend: str | None = None, version: int = 0) -> QConfigMapping:
-    """``get_default_qconfig(backend, version)`` as the global setting (nothing else: torch.ao's mapping also
-    pins fixed grids for sigmoid/tanh/softmax outputs, which lowbit's observers measure instead)."""
-    return QConfigMapping().set_global(get_default_qconfig(backend, version))
+    """``get_default_qconfig(backend, version)`` as the global setting, and torch.ao's fixed output grids for
+    ``nn.Sigmoid`` / ``torch.sigmoid``, ``nn.Hardsigmoid`` / ``F.hardsigmoid``, ``nn.Softmax`` (quint8, scale 1/256,
+    zero point 0) and ``nn.Tanh`` / ``torch.tanh`` (scale 2/256, zero point 128), as torch.ao's mapping pins them.
+
+    >>> m = get_default_qconfig_mapping()
+    >>> obs = m.object_type_qconfigs[torch.tanh].activation()
+    >>> type(obs).__name__, obs.scale.item(), obs.zero_point.item()
+    ('FixedQParamsObserver', 0.0078125, 128)
+    """
+    return _with_fixed_qparams(get_default_qconfig(backend, version), qat=False)
 
 
 def get_default_qat_qconfig_mapping(backend: str | None = None, version: int = 1) -> QConfigMapping:
-    """``get_default_qat_qconfig(backend, version)`` as the global setting (nothing else)."""
-    return QConfigMapping().set_global(get_default_qat_qconfig(backend, version))
+    """``get_default_qat_qconfig(backend, version)`` as the global setting, and the fixed output grids of
+    ``get_default_qconfig_mapping`` behind ``FixedQParamsFakeQuantize`` (torch.ao's QAT mapping)."""
+    return _with_fixed_qparams(get_default_qat_qconfig(backend, version), qat=True)
