@@ -218,3 +218,57 @@ def test_entropy_range_of_signed_data_matches_tensorrt():
     mag, amax = magnitude_histogram(obs.histogram.reshape(1, -1), obs.min_val.reshape(1), obs.max_val.reshape(1))
     i = _tensorrt_kl_bins(mag[0], unsigned=False)
     assert float(obs.clip_range()[1]) == pytest.approx(i * float(amax) / 1024, rel=1e-6)
+
+
+# -- 4. prepare_qat keeps a post-training .qconfig (as torch.ao) and now says so ------------------------------------
+
+def _qat_model() -> nn.Module:
+    return nn.Sequential(Q.QuantStub(), nn.Linear(4, 4), nn.ReLU(), Q.DeQuantStub())
+
+
+def test_prepare_qat_warns_about_a_kept_post_training_qconfig():
+    """torch.ao's prepare_qat keeps a PTQ ``.qconfig`` silently: the QAT Linear's weight_fake_quant is then an
+    observer and training never sees the grid. lowbit keeps it too (same modules as torch.ao) and warns naming them."""
+    m = _qat_model()
+    m.qconfig = Q.get_default_qconfig()
+    with pytest.warns(UserWarning, match=r"'1' \(PerChannelMinMaxObserver as weight_fake_quant\).*post-training qconfig"):
+        p = Q.prepare_qat(m)
+    t = nn.Sequential(tq.QuantStub(), nn.Linear(4, 4), nn.ReLU(), tq.DeQuantStub())
+    t.qconfig = tq.get_default_qconfig()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tp = tq.prepare_qat(t.train())
+    assert type(p[1].weight_fake_quant).__name__ == type(tp[1].weight_fake_quant).__name__ == "PerChannelMinMaxObserver"
+
+
+@pytest.mark.parametrize("qconfig", [None, "qat", "x86", "lsq", "dynamic_qat"])
+def test_prepare_qat_with_qat_qconfigs_does_not_warn(qconfig):
+    qc = {None: None, "qat": Q.get_default_qat_qconfig(), "x86": Q.get_default_qat_qconfig("x86"),
+          "lsq": Q.get_lsq_qat_qconfig(), "dynamic_qat": Q.get_dynamic_qat_qconfig()}[qconfig]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Q.prepare_qat(_qat_model(), qc)
+        emb = nn.Sequential(nn.Embedding(10, 4))
+        emb[0].qconfig = Q.get_embedding_qat_qconfig()
+        Q.prepare_qat(emb)
+
+
+# -- 5. a dynamic QAT Linear under convert's default mapping: the warning names the missing entry --------------------
+
+def test_convert_of_dynamic_qat_linear_names_the_missing_mapping_entry():
+    """Before: "no prepared module found (run prepare() ...)" though the model was prepared and trained; the cause is
+    that convert's default (static) mapping has no entry for lowbit.nn.qat.dynamic.Linear (torch.ao's neither)."""
+    from lowbit.nn.qat import dynamic as qatd
+    from lowbit.nn.quantized import dynamic as qd
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    p = Q.prepare_qat(m, Q.get_dynamic_qat_qconfig(), mapping={nn.Linear: qatd.Linear})
+    p(torch.randn(8, 4))
+    with pytest.warns(UserWarning, match=r"no entry in convert's mapping.*lowbit\.nn\.qat\.dynamic\.Linear") as rec:
+        _, report = Q.convert(p.eval(), return_report=True)
+    assert not any("no prepared module found" in str(w.message) for w in rec)
+    assert "pass mapping=" in report.left_float["0"]
+    out = Q.convert(p.eval(), mapping={qatd.Linear: qd.Linear})  # the entry the message names
+    assert isinstance(out[0], qd.Linear) and isinstance(out[2], qd.Linear)
+    with pytest.warns(UserWarning, match="no prepared module found"):  # an unprepared model keeps the old message
+        Q.convert(nn.Sequential(nn.Linear(2, 2)))

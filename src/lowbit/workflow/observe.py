@@ -18,6 +18,8 @@ from torch import nn
 from ..custom_config import PrepareCustomConfig, check_module_types, swap_float_to_observed
 from ..mappings import copy_user_hooks, get_default_qat_module_mappings, get_default_static_quant_module_mappings
 from ..nn.quantized.functional_modules import FloatFunctional
+from ..observer.base import ObserverBase
+from ..observer.fixed import PlaceholderObserver
 from ..qconfig import QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..qconfig.config import build
 from .hooks import (_NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_NATIVE, _is_observer, _is_table_recipe, _is_weighted,
@@ -154,4 +156,19 @@ def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
     if _insert_observers(model, observed, set(dynamic)) == 0:
         warnings.warn("prepare_qat(): no quantizable module got a qconfig — convert() will leave this model float",
                       stacklevel=2)
+    _warn_post_training_qconfigs(model)
     return model.train()
+
+
+def _warn_post_training_qconfigs(model: nn.Module) -> None:
+    """Warn naming the modules whose output observer or ``weight_fake_quant`` is a plain observer: a post-training
+    qconfig (e.g. a ``.qconfig`` attribute set for ``prepare``) that ``prepare_qat`` kept, as torch.ao keeps it
+    (silently). Such a module trains without fake quantization: the float forward never sees its grid."""
+    plain = [f"'{_path(name)}' ({type(obs).__name__} as {attr})" for name, mod in model.named_modules()
+             if not _is_observer(mod) for attr in ("weight_fake_quant", "activation_post_process")
+             if isinstance(obs := mod._modules.get(attr), ObserverBase) and not isinstance(obs, PlaceholderObserver)]
+    if plain:
+        shown = ", ".join(plain[:4]) + (f" and {len(plain) - 4} more" if len(plain) > 4 else "")
+        warnings.warn(f"prepare_qat(): {shown} got a post-training qconfig (an observer, not a fake-quant): those "
+                      "modules train without fake quantization. An existing .qconfig attribute is kept, as in torch.ao; "
+                      "set a QAT qconfig (get_default_qat_qconfig()) or pass qconfig= to prepare_qat", stacklevel=3)

@@ -122,13 +122,28 @@ def _convert(mod: nn.Module, name: str, mapping: dict[type, type], report: Conve
     if qc is not None and isinstance(mod, _AVERAGING_POOLS) and _dequantize_input not in mod._forward_pre_hooks.values():
         mod.register_forward_pre_hook(_dequantize_input)
         return mod
-    leaf = not any(True for _ in mod.children()) or isinstance(mod, FusedModule)
+    # a leaf: no children but fake-quants (a QAT layer's weight_fake_quant stays on a layer left float)
+    leaf = all(_is_observer(c) for c in mod.children()) or isinstance(mod, FusedModule)
     if qc is not None and leaf and not isinstance(mod, (*_QTENSOR_NATIVE, QuantStub, DeQuantStub)):
         why = "not observed (prepared with another mapping?)" if type(mod) in mapping else "no quantized mapping"
+        if observed and type(mod) not in mapping:
+            why = _unmapped(type(mod), dynamic)
         if is_dynamic:
             why = f"dynamic qconfig, but no dynamic module for it (dynamic: {', '.join(t.__name__ for t in dynamic)})"
         report.left_float[_path(name)] = f"{type(mod).__name__} ({why})"
     return mod
+
+
+_UNMAPPED = "prepared, but convert's mapping has no entry for"  # (convert's warning looks for it)
+
+
+def _unmapped(cls: type, dynamic: dict[type, type]) -> str:
+    """Why a prepared module of type ``cls`` stayed float: its type is not a key of convert's mapping."""
+    full = f"{cls.__module__}.{cls.__qualname__}"
+    if cls in dynamic:  # e.g. lowbit.nn.qat.dynamic.Linear (dynamic QAT: torch.ao's convert needs the entry too)
+        to = dynamic[cls]
+        return f"{_UNMAPPED} {full}; pass mapping={{{full}: {to.__module__}.{to.__qualname__}}} to convert"
+    return f"{_UNMAPPED} {full}; pass convert the mapping given to prepare / prepare_qat"
 
 
 def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: bool = False,
@@ -198,7 +213,11 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
         report.speed = speed  # type: ignore[attr-defined]
         model = model if speed.model is None else speed.model
         logger.info("%s", speed)
-    if not report.converted and not graph_mode:
+    unmapped = {k: v for k, v in report.left_float.items() if _UNMAPPED in v}
+    if not report.converted and not graph_mode and unmapped:
+        warnings.warn(f"convert(): nothing converted: {len(unmapped)} prepared module(s) have no entry in convert's "
+                      f"mapping: " + "; ".join(f"'{k}': {v}" for k, v in list(unmapped.items())[:3]), stacklevel=2)
+    elif not report.converted and not graph_mode:
         warnings.warn("convert(): no prepared module found (run prepare() or prepare_qat() and calibrate first); "
                       "the model stays float", stacklevel=2)
     if report.left_float:
