@@ -272,3 +272,82 @@ def test_convert_of_dynamic_qat_linear_names_the_missing_mapping_entry():
     assert isinstance(out[0], qd.Linear) and isinstance(out[2], qd.Linear)
     with pytest.warns(UserWarning, match="no prepared module found"):  # an unprepared model keeps the old message
         Q.convert(nn.Sequential(nn.Linear(2, 2)))
+
+
+# -- 6. graph mode: chunk / split / unbind as torch.ao; star-unpacking or looping over the parts is named -------------
+
+class _Chunks(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(8, 8)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.how == "torch.chunk":
+            u, v = torch.chunk(y, 2, dim=-1)
+        elif self.how == "method":
+            u, v = y.chunk(2, -1)
+        elif self.how == "torch.split":
+            u, v = torch.split(y, [4, 4], dim=-1)
+        elif self.how == "split_size":
+            u, v = torch.split(y, y.size(-1) // 2, -1)
+        else:
+            parts = y.split(4, -1)
+            u, v = parts[0], parts[-1]
+        return self.a(u) + self.b(v)
+
+
+@pytest.mark.parametrize("how", ["torch.chunk", "method", "torch.split", "split_size", "index"])
+def test_chunk_and_split_in_graph_mode_match_torch_ao(how):
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    torch.manual_seed(0)
+    model, x = _Chunks(how).eval(), torch.randn(16, 8)
+    tqc = tq.QConfig(activation=tao.MinMaxObserver.with_args(dtype=torch.quint8),
+                     weight=tao.PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tp = prepare_fx(copy.deepcopy(model), tq.QConfigMapping().set_global(tqc), (x,))
+        tp(x)
+        expected = convert_fx(tp)(x)
+    ours = Q.prepare_fx(model, Q.get_minmax_qconfig(), (x,))
+    assert not ours.lowbit_report.untraceable
+    ours(x)
+    got = Q.convert_fx(ours)(x)
+    got = got.dequantize() if not isinstance(got, torch.Tensor) else got
+    assert (got - expected).abs().max().item() <= 1e-5
+
+
+class _StarUnpack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.a = nn.Linear(8, 8), nn.Linear(2, 4)
+
+    def forward(self, x):
+        first, *rest = self.lin(x).split(2, dim=-1)
+        return self.a(first) + self.a(rest[0])
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.head = _StarUnpack(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+
+@pytest.mark.parametrize("model", [_StarUnpack, _Outer])
+def test_star_unpacking_a_split_names_the_node_and_the_line(model):
+    """torch.fx cannot iterate a traced tensor (torch.ao's prepare_fx raises "Proxy object cannot be iterated"); lowbit
+    prepares the children one by one, and the warning and report now name the split node, the source line and the
+    traceable spellings (before: torch.fx's bare message)."""
+    torch.manual_seed(0)
+    m, x = model().eval(), torch.randn(16, 8)
+    path = "<root>" if model is _StarUnpack else "inner"
+    with pytest.warns(UserWarning, match=r"node 'split', split\) at test_observer_s36\.py:\d+ `first, \*rest = "):
+        p = Q.prepare_fx(m, Q.get_minmax_qconfig(), (x,))
+    assert "unpacked into a fixed number of names" in p.lowbit_report.untraceable[path]
+    p(x)
+    assert (Q.convert_fx(p)(x) - m(x)).abs().max().item() < 0.1  # the children are still quantized

@@ -226,7 +226,7 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
     try:
         gm, opaque = trace(mod, example_inputs, ctx.leaves)
     except RootNotTraceable as err:
-        cause = f"{type(err.__cause__).__name__}: {err.__cause__}".splitlines()[0]
+        cause = err.cause or f"{type(err.__cause__).__name__}: {err.__cause__}".splitlines()[0]
         ctx.untraceable(prefix, mod, cause)
         _prepare_children(mod, ctx, prefix)
         return mod

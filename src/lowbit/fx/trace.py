@@ -25,6 +25,8 @@ Every node records the dotted path of the module whose ``forward`` produced it i
 from __future__ import annotations
 
 import inspect
+import os
+import traceback
 from typing import Any
 
 import torch
@@ -38,7 +40,33 @@ _LOWBIT_LEAVES = ("lowbit.nn.", "lowbit.observer", "lowbit.fake_quant", "lowbit.
 
 
 class RootNotTraceable(ValueError):
-    """The model's own ``forward`` cannot be traced (its children may still be)."""
+    """The model's own ``forward`` cannot be traced (its children may still be); ``cause``: why, in one line."""
+
+    cause = ""
+
+
+_ITERATED = "Proxy object cannot be iterated"  # torch.fx's TraceError for `a, *rest = t.chunk(n)` / `for p in t.split(k)`
+
+
+def describe_trace_error(err: BaseException, graph: fx.Graph | None = None) -> str:
+    """``err`` in one line; for a traced tensor that was iterated (star-unpacking, a ``for`` loop over the parts of
+    ``chunk`` / ``split`` / ``unbind``), also the node that produced it (the last one traced), the user's source line
+    and the traceable spellings."""
+    text = f"{type(err).__name__}: {err}".splitlines()[0]
+    if _ITERATED not in str(err):
+        return text
+    text = f"{type(err).__name__}: {_ITERATED}"
+    last = next((n for n in reversed(graph.nodes) if n.op in ("call_function", "call_method")), None) if graph else None
+    if last is not None:
+        target = last.target if isinstance(last.target, str) else getattr(last.target, "__name__", str(last.target))
+        text += f" (the result of node '{last.name}', {target})"
+    torch_dir = os.path.dirname(torch.__file__)
+    user = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(torch_dir)
+            and "/lowbit/fx/" not in f.filename.replace(os.sep, "/")]
+    if user:
+        text += f" at {os.path.basename(user[-1].filename)}:{user[-1].lineno} `{(user[-1].line or '').strip()}`"
+    return (text + ": a traced tensor's parts must be unpacked into a fixed number of names (`a, b = x.chunk(2)`) or "
+            "indexed (`parts[i]` for i in range(n)), not star-unpacked or looped over")
 
 
 class _LeafRoot(nn.Module):
@@ -115,14 +143,16 @@ def trace(model: nn.Module, example_inputs: tuple[Any, ...] | None = None,
             graph = tracer.trace(model, concrete)
         except Exception as err:
             culprit = getattr(err, "_lowbit_culprit", None)
+            cause = describe_trace_error(err, getattr(tracer, "graph", None))
             if culprit is None or culprit == "" or culprit in opaque:
-                raise RootNotTraceable(
+                root_err = RootNotTraceable(
                     f"prepare_fx: the forward of {type(model).__name__} itself cannot be traced by torch.fx "
-                    f"({type(err).__name__}: {err}); move data-dependent control flow into a submodule "
-                    "(its children are then prepared one by one) or use the eager prepare()/convert()"
-                ) from err
+                    f"({cause}); move data-dependent control flow into a submodule "
+                    "(its children are then prepared one by one) or use the eager prepare()/convert()")
+                root_err.cause = cause
+                raise root_err from err
             opaque.add(culprit)
-            order[culprit] = f"{type(err).__name__}: {err}".splitlines()[0]
+            order[culprit] = cause
             continue
         if concrete:  # fx renames a specialised placeholder (mask -> mask_1): keep the keyword callable
             for n in graph.nodes:
