@@ -351,3 +351,27 @@ def test_star_unpacking_a_split_names_the_node_and_the_line(model):
     assert "unpacked into a fixed number of names" in p.lowbit_report.untraceable[path]
     p(x)
     assert (Q.convert_fx(p)(x) - m(x)).abs().max().item() < 0.1  # the children are still quantized
+
+
+# -- 7. best_of_ranges: max_rows counts samples (leading dimension) and keeps the batch that reaches it whole ---------
+
+def test_best_of_max_rows_is_what_the_docstring_says(monkeypatch):
+    """The docstring said "at most max_rows rows (tokens / pixels)"; the code counts the leading dimension of the
+    layer's input (images / sequences) and keeps whole batches until that count reaches max_rows."""
+    import lowbit.algorithms.best_of as best_of
+
+    kept: list[int] = []
+    real = best_of._rel_all
+
+    def spy(ys, outs):
+        kept.append(sum(y.shape[0] for y in ys))
+        return real(ys, outs)
+
+    monkeypatch.setattr(best_of, "_rel_all", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU()).eval()
+    batches = [torch.randn(3, 2, 8, 8) for _ in range(5)]  # 3 images of 36 output pixels each
+    Q.best_of_ranges(model, batches, activations=["minmax"], weights=["minmax"], max_rows=4, progress=False)
+    assert set(kept) == {6}  # two whole batches: 3 < 4, then 6 >= 4 (not 4 pixels, not 4 images)
+    doc = best_of.__doc__ + best_of.best_of_ranges.__doc__
+    assert "leading dimension" in doc and "rows (tokens / pixels)" not in doc

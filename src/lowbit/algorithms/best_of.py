@@ -13,7 +13,10 @@ what the layer computes, not on the weight error itself, and an output range on 
 against the float one. The result is a ``QConfigMapping``: ``global`` = ``base`` (the ops between
 layers), one ``set_module_name(layer, QConfig(a*, w*))`` per layer; use it with ``prepare`` (on the same,
 already fused, model) or ``prepare_fx``. In graph mode a conv later folded with its BN is judged
-before the fold. ``X`` keeps at most ``max_rows`` rows (tokens / pixels) per layer.
+before the fold. ``X`` (and ``Y``) keep whole calibration batches of the layer's input, in order, while the
+samples already kept (their leading dimension: images, sequences, or rows of a 2-d input; not tokens or
+pixels) number fewer than ``max_rows``: the batch that reaches ``max_rows`` is kept whole, so a layer holds
+``N`` samples with ``max_rows <= N < max_rows + batch size`` (all of them when the calibration set is smaller).
 
 >>> import torch, lowbit as Q
 >>> from torch import nn
@@ -99,8 +102,9 @@ def best_of_ranges(model: nn.Module, calib: Any, base: QConfig | None = None,
     """Pick, per layer, the activation and weight range methods of least output error (module docstring).
 
     ``calib``: a tensor or an iterable of batches (tuple/list batches are unpacked, dicts passed as
-    keywords). ``base``: the global qconfig (default ``get_default_qconfig()``). Returns
-    ``(mapping, choices)``; ``model`` is not modified.
+    keywords). ``base``: the global qconfig (default ``get_default_qconfig()``). ``max_rows``: the samples (leading
+    dimension of a layer's input) at which a layer stops recording batches; the batch reaching it is kept whole
+    (module docstring). Returns ``(mapping, choices)``; ``model`` is not modified.
     """
     check_module(model, "best_of_ranges: model")
     for side, names, table in (("activations", activations, ACTIVATION_METHODS), ("weights", weights, WEIGHT_METHODS)):
