@@ -126,8 +126,32 @@ def _gptq_stacked(lins: list[nn.Linear], hessian: torch.Tensor, bits: int, g: in
     return qs
 
 
+_DEFAULT_SKIP = ("lm_head",)
+
+
+def _check_calib(calib: Any) -> None:
+    """An iterable of batches: a dict or string (one batch, iterated by key / character) or a non-iterable is refused."""
+    if isinstance(calib, (dict, str, bytes)) or not isinstance(calib, Iterable):
+        what = "a dict is one batch (its keys would be iterated)" if isinstance(calib, dict) else "not a sequence of batches"
+        raise TypeError(f"quantize_weight_only: calib={type(calib).__name__} is {what}; pass an iterable of model "
+                        "inputs, e.g. [batch] or a DataLoader")
+
+
+def _warn_unmatched_skip(model: nn.Module, skip: tuple[str, ...]) -> None:
+    """Warn about ``skip`` entries that name no ``nn.Linear`` (a typo, or a parent module: its Linears are still
+    quantized, as only a Linear's own name or its trailing components match)."""
+    if skip == _DEFAULT_SKIP:
+        return
+    names = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    unmatched = [s for s in skip if not any(_skipped(n, (s,)) for n in names)]
+    if unmatched:
+        warnings.warn(f"quantize_weight_only: skip entries {unmatched} name no nn.Linear of this model (a skip entry "
+                      "matches a Linear's dotted name or its last components; a parent module's name does not skip the "
+                      "Linears inside it)", stacklevel=3)
+
+
 def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128, method: str | None = None,
-                         calib: Iterable[Any] | None = None, skip: Iterable[str] = ("lm_head",),
+                         calib: Iterable[Any] | None = None, skip: Iterable[str] = _DEFAULT_SKIP,
                          inplace: bool = False, symmetric: bool = True, act_order: bool = True) -> nn.Module:
     """Replace each ``nn.Linear`` (not named in ``skip``) by a ``WeightOnlyLinear``; return the model.
 
@@ -144,12 +168,21 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128,
     if method not in METHODS:
         raise ValueError(f"quantize_weight_only: method={method!r} must be one of {METHODS}")
     check_recipe(bits, group_size, "quantize_weight_only", symmetric)
+    for arg, v in (("inplace", inplace), ("act_order", act_order)):
+        if not isinstance(v, bool):  # a truthy "no" rewrote the caller's model / reordered the columns
+            raise TypeError(f"quantize_weight_only: {arg}={v!r} must be a bool")
     if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
         raise TypeError(f"quantize_weight_only: skip={skip!r} must be a tuple of module names")
     if method == "gptq" and calib is None:
         raise ValueError("quantize_weight_only: method='gptq' needs calib= (an iterable of model inputs)")
+    if method == "gptq":
+        _check_calib(calib)
     skip = tuple(skip)
+    _warn_unmatched_skip(model, skip)
     targets = _targets(model, skip)
+    if not targets:
+        warnings.warn(f"quantize_weight_only: no nn.Linear to quantize (skip={skip}); the model is returned unchanged",
+                      stacklevel=2)
     check_finite_linears(targets.items(), "quantize_weight_only", bias=False)  # before any copy or work
     odd = [n or "<model>" for n, lin in targets.items() if bits == 4 and lin.in_features % 2]
     if odd:  # (was raised by WeightOnlyLinear after calibration, naming no layer)
@@ -163,7 +196,8 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128,
     for name, h in hessians.items():
         if not bool(torch.isfinite(h).all()):
             raise ValueError(f"quantize_weight_only: the calibration inputs reaching layer {name or '<model>'!r} hold "
-                             "NaN/Inf (their XᵀX is not finite); GPTQ needs finite calibration data")
+                             "NaN/Inf (or values whose squares overflow float32, |x| above ~1e19): their XᵀX is not "
+                             "finite; GPTQ needs finite calibration data")
     changed: list[str] = []
     built: dict[str, WeightOnlyLinear] = {}
     for names in _same_input_runs(list(linears), hessians):

@@ -203,7 +203,7 @@ class _ClipRangeObserver(ObserverBase):
                                    self._reduced_lo.expand(rows), self._reduced_hi.expand(rows), lo_r, hi_r)
             else:
                 base = torch.zeros_like(mine)
-            merged = (all_reduce_sum(mine - base, group) + base).clamp_min_(0)
+            merged = (all_reduce_sum(mine - base, group, type(self).__name__) + base).clamp_min_(0)
             merged = torch.where((lo_r <= hi_r).unsqueeze(1), merged, 0.0).to(torch.float32)
             self._store(lo_r, hi_r, merged)
             self._reduced_histogram = merged.reshape(-1).clone()

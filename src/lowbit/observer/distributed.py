@@ -41,7 +41,7 @@ False
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -81,19 +81,34 @@ def local_statistics() -> Iterator[None]:
         _LOCAL.depth -= 1
 
 
+def _per_rank(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
+    """``values`` of every rank of ``group`` (one small ``all_gather``), indexed by group rank."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    return [p.tolist() for p in parts]
+
+
 def _agree_shape(t: torch.Tensor, owner: str, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Expand a 0-d seed to the ``(C,)`` the other ranks hold; raise on a real mismatch (all ranks)."""
+    """Expand a 0-d seed to the ``(C,)`` the other ranks hold; raise on a real mismatch (on every rank).
+
+    A 0-d statistic is a seed (nothing observed: ``±inf``) or a per-tensor one (finite); only a seed may take
+    the channel count of the ranks holding ``(C,)`` statistics. The error names each rank's shape.
+    """
     if t.dim() > 1:
         raise ValueError(f"{owner}: can only reduce 0-d or (C,) statistics, got shape {tuple(t.shape)}")
     size = t.numel() if t.dim() == 1 else 0                     # 0 = "no channel count yet"
-    big = 2**62
-    sizes = torch.tensor([size, -(size if size else big)], dtype=torch.int64, device=t.device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
-    largest, smallest = int(sizes[0]), -int(sizes[1])
-    if largest == 0:                                            # every rank holds a scalar
+    scalar_data = int(t.dim() == 0 and bool(torch.isfinite(t)))
+    ranks = _per_rank([size, scalar_data], group, t.device)
+    counts = {c for c, _ in ranks if c}
+    if not counts:                                              # every rank holds a scalar
         return t
-    if smallest != largest:
-        raise ValueError(f"{owner}: ranks hold statistics of different channel counts ({smallest} vs {largest})")
+    if len(counts) > 1 or any(d for _, d in ranks):
+        shapes = ", ".join(f"rank {r}: " + (f"{c} channels" if c else "per-tensor" if d else "no data")
+                           for r, (c, d) in enumerate(ranks))
+        raise ValueError(f"{owner}: ranks hold statistics of different shapes ({shapes}); every rank must hold the "
+                         "same observer (per-tensor or per-channel with the same channel count) at this place")
+    largest = counts.pop()
     return t.expand(largest) if size == 0 else t
 
 
@@ -129,10 +144,21 @@ def all_reduce_mean(t: torch.Tensor, group: dist.ProcessGroup | None = None, own
     return torch.where(count > 0, total / count.clamp(min=1), t.to(torch.float64)).to(t.dtype)
 
 
-def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Elementwise sum over the ranks (e.g. histograms already rebinned onto a common range)."""
+def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None, owner: str = "observer") -> torch.Tensor:
+    """Elementwise sum over the ranks (e.g. histograms already rebinned onto a common range).
+
+    The ranks first agree on the shape: tensors of different shapes (histograms of different ``bins``) are a
+    ``ValueError`` on every rank naming each rank's shape (gloo aborted the process on the size mismatch).
+    """
     if not is_distributed(group):
         return t
+    if t.dim() > 4:  # (statistics are 0-d, (C,), (bins,) or (C, bins))
+        raise ValueError(f"{owner}: can only reduce statistics of up to 4 dimensions, got shape {tuple(t.shape)}")
+    ranks = _per_rank([t.dim(), *t.shape, *[0] * (4 - t.dim())], group, t.device)
+    if any(r != ranks[0] for r in ranks):
+        shapes = ", ".join(f"rank {i}: {tuple(r[1:1 + r[0]])}" for i, r in enumerate(ranks))
+        raise ValueError(f"{owner}: ranks hold statistics of different shapes ({shapes}), e.g. histograms of "
+                         "different bins; every rank must hold the same observer at this place")
     out = t.clone().contiguous()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
@@ -153,12 +179,20 @@ def sync_observers(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
     if not isinstance(model, nn.Module):
         raise TypeError(f"sync_observers: model must be an nn.Module, got {type(model).__name__}")
     n = 0
-    for mod in model.modules():
+    for name, mod in model.named_modules():
         sync = getattr(mod, "sync_statistics", None)
         if callable(sync):
-            sync(group)
+            _named(sync, name, group)
             n += 1
     return n
+
+
+def _named(sync: Callable[..., None], name: str, group: dist.ProcessGroup | None) -> None:
+    """``sync(group)``; a ``ValueError`` (raised on every rank alike) gains the observer's module path."""
+    try:
+        sync(group)
+    except ValueError as e:
+        raise ValueError(f"observer {name or '<model>'!r}: {e}") from e
 
 
 def sync_pending(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
@@ -174,6 +208,6 @@ def sync_pending(module: nn.Module, group: dist.ProcessGroup | None = None) -> N
     """
     if not is_distributed(group):
         return
-    for mod in module.modules():
+    for name, mod in module.named_modules():
         if getattr(mod, "_needs_sync", False) and callable(getattr(mod, "sync_statistics", None)):
-            mod.sync_statistics(group)
+            _named(mod.sync_statistics, name, group)

@@ -249,7 +249,7 @@ class HistogramObserver(ObserverBase):
             lo, hi = all_reduce_min_max(self.min_val, self.max_val, group, owner)
             base = _rebin(self._reduced_histogram, self._reduced_range[0], self._reduced_range[1], lo, hi)
             mine = _rebin(self.histogram, self.min_val, self.max_val, lo, hi).to(torch.float64)
-            merged = (all_reduce_sum(mine - base, group) + base).clamp_min_(0)
+            merged = (all_reduce_sum(mine - base, group, owner) + base).clamp_min_(0)
             self.histogram.copy_(torch.where(lo <= hi, merged, 0.0))
             self.min_val.copy_(lo)
             self.max_val.copy_(hi)

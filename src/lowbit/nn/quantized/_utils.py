@@ -134,6 +134,9 @@ def check_finite_linears(named: Iterable[tuple[str, nn.Module]], fn: str, bias: 
     or ±Inf: the whole-model entry points (``quantize_weight_only``, ``quantize_llm``, ``quantize_w8a8``) check every
     layer before any copy or calibration work."""
     for name, m in named:
+        if m.weight.is_meta:  # (isfinite(...).all() of a meta tensor failed in Tensor.item())
+            raise ValueError(f"{fn}: layer {name or '<model>'!r} has its weight on the meta device (no values to "
+                             "quantize); load or materialise the weights first (e.g. model.to_empty + load_state_dict)")
         for what, t in (("weight", m.weight), ("bias", m.bias if bias else None)):
             if t is not None and not bool(torch.isfinite(t.detach()).all()):
                 raise ValueError(f"{fn}: layer {name or '<model>'!r} has {int((~torch.isfinite(t.detach())).sum())} NaN/Inf "

@@ -34,7 +34,7 @@ from torch import nn
 
 from ....qscheme import QDtype, qint8
 from ....qtensor import QTensor
-from .linear import Linear, _dtype_arg, quantize_dynamic_weight
+from .linear import Linear, _dtype_arg, fp16_dynamic_weight, quantize_dynamic_weight
 
 __all__ = ["RNNCell", "LSTMCell", "GRUCell", "rnn_tanh_step", "rnn_relu_step", "lstm_step", "gru_step"]
 
@@ -157,7 +157,8 @@ class _CellBase(nn.Module):
         q = cls(**cls._init_kwargs(mod), dtype=d)
         for kind, lin in (("ih", q.ih), ("hh", q.hh)):
             w = getattr(mod, f"weight_{kind}")
-            wq = w.detach() if d == torch.float16 else quantize_dynamic_weight(w, mod, d, f"dynamic {cls.__name__}")  # type: ignore[arg-type]
+            wq = (fp16_dynamic_weight(w, f"dynamic {cls.__name__}") if d == torch.float16
+                  else quantize_dynamic_weight(w, mod, d, f"dynamic {cls.__name__}"))  # type: ignore[arg-type]
             lin.set_weight_bias(wq, getattr(mod, f"bias_{kind}") if q.bias else None)
         return q.to(next(mod.parameters()).device)
 

@@ -34,6 +34,7 @@ module's qconfig: ``get_dynamic_qconfig(reduce_range=True)`` / ``get_dynamic_qco
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -82,6 +83,24 @@ def activation_of(owner: nn.Module | None, where: str) -> str:
         raise ValueError(f"{where}: per-tensor dynamic activations need the 7-bit grid quint8[0, 127] "
                          f"(get_dynamic_qconfig(backend='x86')), got qdtype={qd!r}")
     return "per_token"
+
+
+FP16_MAX = 65504.0  # torch.finfo(torch.float16).max
+
+
+def fp16_dynamic_weight(weight: torch.Tensor, where: str) -> torch.Tensor:
+    """The float16 copy of a float weight (``dtype=torch.float16``): a meta or NaN/Inf weight is an error naming
+    ``where`` (as for int8); values past ±65504 saturate there with a warning, as torch.ao's fp16 prepack does
+    (``.to(torch.float16)`` made them ±inf: every output reading them was ±inf / NaN)."""
+    check_not_meta(weight, f"{where}.from_float")
+    check_finite_weight(weight, f"{where}.from_float")
+    w = weight.detach()
+    over = int((w.abs() > FP16_MAX).sum())
+    if over:
+        warnings.warn(f"{where}.from_float: {over} weight value(s) exceed float16's range (|w| > {FP16_MAX:g}); "
+                      "saturated to ±65504 (as torch.ao)", stacklevel=3)
+        w = w.clamp(-FP16_MAX, FP16_MAX)
+    return w.to(torch.float16)
 
 
 def quantize_dynamic_weight(weight: torch.Tensor, mod: nn.Module | None, dtype: QDtype, where: str,
@@ -260,7 +279,7 @@ class Linear(CheckedQuantState):
         d = _dtype_arg(dtype, f"dynamic {cls.__name__}.from_float")
         act = "per_token" if d == torch.float16 else activation_of(owner, f"dynamic {cls.__name__}.from_float")
         q = cls(lin.in_features, lin.out_features, lin.bias is not None, d, act)
-        w = (lin.weight.detach() if d == torch.float16
+        w = (fp16_dynamic_weight(lin.weight, f"dynamic {cls.__name__}") if d == torch.float16
              else quantize_dynamic_weight(lin.weight, owner, d, f"dynamic {cls.__name__}", pre))  # type: ignore[arg-type]
         q.set_weight_bias(w, lin.bias)
         return q.to(lin.weight.device)

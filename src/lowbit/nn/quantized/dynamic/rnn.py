@@ -38,7 +38,7 @@ from torch.nn.utils.rnn import PackedSequence
 from ....qscheme import QDtype, qint8
 from ....qtensor import QTensor
 from .cells import _RNN_STEPS, check_size, gru_step, lstm_step, nonlinearity_arg, weight_of
-from .linear import Linear, _dtype_arg, quantize_dynamic_weight
+from .linear import Linear, _dtype_arg, fp16_dynamic_weight, quantize_dynamic_weight
 
 __all__ = ["RNN", "LSTM", "GRU"]
 
@@ -190,7 +190,7 @@ class _RNNBase(nn.Module):
             for kind, table in (("ih", q.ih), ("hh", q.hh)):
                 w = getattr(mod, f"weight_{kind}_{key}")
                 b = getattr(mod, f"bias_{kind}_{key}") if q.bias else None
-                wq = (w.detach() if d == torch.float16
+                wq = (fp16_dynamic_weight(w, f"dynamic {cls.__name__}") if d == torch.float16
                       else quantize_dynamic_weight(w, mod, d, f"dynamic {cls.__name__}"))  # type: ignore[arg-type]
                 table[key].set_weight_bias(wq, b)  # type: ignore[operator]  # a dynamic Linear
         return q.to(next(mod.parameters()).device)
