@@ -16,7 +16,7 @@ from lowbit import speed_guard as SG
 from lowbit.examples import SmallCNN
 from lowbit.kernels import ConvSpec, OutGrid, onednn, reference
 from lowbit.nn.quantized import Linear as QLinear
-from lowbit.nn.quantized._utils import WeightedQuantModule
+from lowbit.nn.quantized._weighted import WeightedQuantModule
 from lowbit.speed_guard import FloatFallback, get_speed_qconfig, keep_faster
 
 torch.set_num_threads(1)

@@ -50,7 +50,7 @@ from torch import nn
 from .fake_quant import FakeQuantize
 from .functional import quantize
 from .kernels import onednn
-from .nn.quantized._utils import WeightedQuantModule
+from .nn.quantized._weighted import WeightedQuantModule
 from .nn.quantized.dynamic.linear import Linear as DynamicLinear
 from .observer.base import ObserverBase
 from .qconfig import QConfig, get_default_qconfig

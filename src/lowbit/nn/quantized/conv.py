@@ -35,7 +35,8 @@ from ...kernels import ConvSpec
 from ...kernels.conv_plan import conv_plan
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
-from ._utils import (WeightedQuantModule, as_qtensor)
+from ._utils import as_qtensor
+from ._weighted import WeightedQuantModule
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "ntuple", "check_channels"]
 

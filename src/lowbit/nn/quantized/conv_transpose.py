@@ -30,7 +30,8 @@ from ... import kernels
 from ...kernels import ConvSpec
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
-from ._utils import (WeightedQuantModule, as_qtensor)
+from ._utils import as_qtensor
+from ._weighted import WeightedQuantModule
 from .conv import check_channels, ntuple
 
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]

@@ -33,7 +33,8 @@ from ... import kernels
 from ...qscheme import QDtype, quint8
 from ...kernels.plan import linear_plan
 from ...qtensor import QTensor
-from ._utils import (WeightedQuantModule, as_qtensor)
+from ._utils import as_qtensor
+from ._weighted import WeightedQuantModule
 
 __all__ = ["Linear", "LinearReLU"]
 
