@@ -22,6 +22,7 @@ True
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,10 +32,11 @@ from torch.nn import functional as F
 from ..nn.intrinsic import FusedModule
 from ..qconfig import QConfig
 
-__all__ = ["WEIGHTED", "is_weighted", "split", "layer_forward", "weight_codes", "freeze_weight",
-           "FrozenWeightObserver", "layer_sample", "shared_layers", "parameter_holders"]
+__all__ = ["WEIGHTED", "TRANSPOSED", "is_weighted", "split", "layer_forward", "weight_codes", "freeze_weight",
+           "FrozenWeightObserver", "layer_sample", "shared_layers", "parameter_holders", "rounded_forward"]
 
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)  # int8 after convert, not rounded here
 _FORWARDS = tuple(t.forward for t in WEIGHTED)
 
 
@@ -61,6 +63,36 @@ def layer_forward(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor | None =
     b = op.bias if bias is None else bias
     y = F.linear(x, w, b) if isinstance(op, nn.Linear) else op._conv_forward(x, w, b)  # type: ignore[operator]
     return act(y) if act is not None and activation else y
+
+
+def rounded_forward(mod: nn.Module) -> Callable[..., Any] | None:
+    """The forward of a layer the rounding passes do not round but ``convert`` runs on int8 weights — a transposed
+    conv with a static qconfig — with its weight replaced by the int8 layer's, round to nearest::
+
+        W_hat = (clamp(round(W / s_c) + z_c, qmin, qmax) - z_c) * s_c      (c along weight axis 1, the output channels)
+
+    computed with the same observer and ``quantize_weight`` call as ``from_float`` (bit for bit the converted
+    layer's weight); the bias stays float, as there. ``None`` for every other module. The simulations of the int8
+    model (``layerwise``'s quantized walk, ``patch_observers(mode="quant")``, ``tune``) run it, so the error they
+    fit and report is the converted model's (with the float weight they optimised against another model)."""
+    qc = getattr(mod, "qconfig", None)
+    if type(mod) not in TRANSPOSED or qc is None or getattr(qc.activation(), "is_dynamic", False):
+        return None
+    from ..nn.quantized._utils import quantize_weight, weight_qparams
+
+    with torch.no_grad():
+        obs = weight_qparams(mod.weight, mod, 1, type(mod).__name__)
+        w_hat = quantize_weight(mod.weight, obs, 1).dequantize().to(mod.weight.dtype)
+    forward = type(mod).forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        saved = mod._parameters["weight"]
+        mod._parameters["weight"] = w_hat  # type: ignore[assignment]
+        try:
+            return forward(mod, *args, **kwargs)
+        finally:
+            mod._parameters["weight"] = saved
+    return run
 
 
 class FrozenWeightObserver(nn.Module):

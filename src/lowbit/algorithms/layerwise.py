@@ -38,7 +38,7 @@ from ..observer import ObserverBase
 from .adaround import adaround_codes
 from .block import block_codes, find_blocks, install_grid, learnable_grids, span_sample
 from .quadratic import quadratic_codes, supports
-from .layers import freeze_weight, is_weighted, layer_forward, layer_sample, split, weight_codes
+from .layers import freeze_weight, is_weighted, layer_forward, layer_sample, rounded_forward, split, weight_codes
 
 __all__ = ["LayerChange", "patch_observers", "reconstruct", "ROUNDINGS"]
 
@@ -199,8 +199,11 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     patched = patch_observers(gm, "float")  # observers inside opaque leaves must not keep observing
     try:
         spans = find_blocks(nodes, mods, learn_grids) if blocks and adaround and iters > 0 else {}
+        # layers convert gives int8 weights that no pass rounds (transposed convs): the quantized walk runs them
+        # on those weights, as the int8 model does
+        rounded = {name: f for name, m in mods.items() if (f := rounded_forward(m)) is not None}
         _walk(gm, nodes, mods, batches, envs_f, envs_q, last_use, changes, bar, adaround, bias_correction, iters,
-              batch_size, g, spans, learn_grids, rounding)
+              batch_size, g, spans, learn_grids, rounding, rounded)
     finally:
         for m in patched:
             m.__dict__.pop("forward", None)
@@ -212,13 +215,13 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
           envs_f: list[dict[fx.Node, Any]], envs_q: list[dict[fx.Node, Any]], last_use: dict[fx.Node, int],
           changes: list[LayerChange], bar: Any, adaround: bool, bias_correction: bool, iters: int, batch_size: int,
           g: torch.Generator, spans: dict[int, int] | None = None, learn_grids: bool = False,
-          rounding: str = "adaround") -> None:
+          rounding: str = "adaround", rounded: dict[str, Any] | None = None) -> None:
     placeholders = [n for n in nodes if n.op == "placeholder"]
     done = -1
 
     def block(i: int) -> int:
         _block(gm, nodes, i, spans[i], mods, envs_f, envs_q, last_use, changes, bar,  # type: ignore[index]
-               bias_correction, iters, batch_size, g, learn_grids)
+               bias_correction, iters, batch_size, g, learn_grids, rounded)
         return spans[i]  # type: ignore[index]
 
     with torch.no_grad():
@@ -253,8 +256,10 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
                 for eq in envs_q:
                     eq[node] = layer_forward(mod, eq[src], w_hat)
             else:
-                for env in (*envs_f, *envs_q):
+                for env in envs_f:
                     _eval(gm, mods, node, env)
+                for env in envs_q:
+                    _eval(gm, mods, node, env, rounded)
             for n in node.all_input_nodes:  # free values nothing later reads
                 if last_use.get(n) == i:
                     for env in (*envs_f, *envs_q):
@@ -263,8 +268,10 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
                 done = block(i)
 
 
-def _eval(gm: fx.GraphModule, mods: dict[str, nn.Module], node: fx.Node, env: dict[fx.Node, Any]) -> None:
-    """Compute ``node`` (not an observer, not a weighted layer) from the values in ``env``."""
+def _eval(gm: fx.GraphModule, mods: dict[str, nn.Module], node: fx.Node, env: dict[fx.Node, Any],
+          rounded: dict[str, Any] | None = None) -> None:
+    """Compute ``node`` (not an observer, not a weighted layer) from the values in ``env``; a module named in
+    ``rounded`` runs that forward instead (``layers.rounded_forward``: its int8 weights, for the quantized walk)."""
     args = fx.node.map_arg(node.args, env.__getitem__)
     kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
     if node.op == "get_attr":
@@ -273,7 +280,8 @@ def _eval(gm: fx.GraphModule, mods: dict[str, nn.Module], node: fx.Node, env: di
             val = getattr(val, part)
         env[node] = val
     elif node.op == "call_module":
-        env[node] = mods[node.target](*args, **kwargs)  # type: ignore[index]
+        run = rounded.get(str(node.target)) if rounded else None
+        env[node] = (run or mods[node.target])(*args, **kwargs)  # type: ignore[index]
     elif node.op == "call_function":
         env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
     else:  # call_method
@@ -283,7 +291,7 @@ def _eval(gm: fx.GraphModule, mods: dict[str, nn.Module], node: fx.Node, env: di
 def _block(gm: fx.GraphModule, nodes: list[fx.Node], i: int, j: int, mods: dict[str, nn.Module],
            envs_f: list[dict[fx.Node, Any]], envs_q: list[dict[fx.Node, Any]], last_use: dict[fx.Node, int],
            changes: list[LayerChange], bar: Any, bias_correction: bool, iters: int, batch_size: int,
-           g: torch.Generator, learn_grids: bool = False) -> None:
+           g: torch.Generator, learn_grids: bool = False, rounded: dict[str, Any] | None = None) -> None:
     """Nodes ``i+1 .. j`` (a residual block): codes (and with ``learn_grids`` activation step sizes) learned
     together on the block output, then layer by layer bias correction with those, as the one-layer path does."""
     span, start, end = nodes[i + 1: j + 1], nodes[i], nodes[j]
@@ -301,7 +309,7 @@ def _block(gm: fx.GraphModule, nodes: list[fx.Node], i: int, j: int, mods: dict[
             fq = learn.get(node, fqs[node]) if w_hats is not None else None
             env[node] = fq(env[node.args[0]]) if fq is not None else env[node.args[0]]
         else:
-            _eval(gm, mods, node, env)
+            _eval(gm, mods, node, env, rounded if w_hats is not None else None)
 
     for ef in envs_f:  # the float block, before any weight or bias changes
         for node in span:
@@ -353,11 +361,17 @@ def _block(gm: fx.GraphModule, nodes: list[fx.Node], i: int, j: int, mods: dict[
 
 
 def patch_observers(model: nn.Module, mode: str) -> list[nn.Module]:
-    """Make every activation observer the identity (``float``) or a fake-quantizer (``quant``); no statistics."""
+    """Make every activation observer the identity (``float``) or a fake-quantizer (``quant``); no statistics.
+    ``quant`` also runs every layer ``convert`` gives int8 weights that no pass rounds (a transposed conv) on those
+    weights (``layers.rounded_forward``), so the model computes what the int8 model does. Undo: pop ``forward``
+    from each returned module's ``__dict__``."""
     patched = []
     for m in model.modules():
         if isinstance(m, (ObserverBase, FakeQuantize)):
             fq = _fq(m) if mode == "quant" else None
             m.forward = fq if fq is not None else (lambda x, *a, **k: x)  # type: ignore[method-assign]
+            patched.append(m)
+        elif mode == "quant" and (run := rounded_forward(m)) is not None:
+            m.forward = run  # type: ignore[method-assign]
             patched.append(m)
     return patched

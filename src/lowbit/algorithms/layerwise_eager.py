@@ -73,11 +73,11 @@ def reconstruct_eager(prepared: nn.Module, calib: Iterable[Any], adaround: bool 
         for h in hooks:
             h.remove()
     patch_observers(float_model, "float")
-    changes = []
+    changes, quant = [], []
     try:
         for m in obs:
             del m.forward
-        patch_observers(prepared, "quant")
+        quant = patch_observers(prepared, "quant")  # (also transposed convs: on their int8 weights)
         for mod in tqdm(order, desc="adaround" if adaround else "bias correction", disable=not progress):
             xq = _capture(prepared, mod, batches)
             xf = _capture(float_model, fnames[names[mod]], batches)
@@ -85,6 +85,6 @@ def reconstruct_eager(prepared: nn.Module, calib: Iterable[Any], adaround: bool 
                 _, rec = _layer(names[mod], mod, xq, xf, adaround, bias_correction, iters, batch_size, g)
             changes.append(rec)
     finally:
-        for m in obs:
+        for m in (*obs, *quant):
             m.__dict__.pop("forward", None)
     return changes
