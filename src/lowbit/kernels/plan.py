@@ -49,6 +49,7 @@ from ..qscheme import QDtype
 from ..qtensor import QTensor
 from . import avx2, onednn, small_m
 from .avx2 import _QUIET
+from .lane import LinearLane
 from .spec import OutGrid
 
 __all__ = ["linear_plan", "layer_key", "input_grid_key"]
@@ -230,6 +231,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
                 and small_m.int32_exact(w, packs))
     o_codes = small_m.out_codes(out, relu)
     o_zp, empty_q = (None if o_codes is None else o_codes[1]), torch._empty_affine_quantized
+    lane = LinearLane(k, vnni, vnni_rows, (s_t, z_t, qd), counts, key)
     one_row: list[torch.Tensor | None] = [None]  # a (1, N) output on scale 1, o_zp: empty_like of it is one row's output
     #                                               (~5 µs less than _empty_affine_quantized's keyword parsing, Zen 1)
 
@@ -268,6 +270,8 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
                  small_m.native_requant(t, hit[1], hit[2], w, w_scale, bias, out, relu, packs, lead, hit[5]))
             if y is not None:
                 counts[key] += 1
+                if lead is None and t.dim() == 2:  # type: ignore[union-attr]  # the next call on this grid: the lane
+                    lane.arm(x, "requant", hit[5], hit[2], (s_out, z_out))
                 return y
         if fused and tq is not None:
             counts[key] += 1
@@ -296,6 +300,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
                         yq = empty_q((q.shape[0], p6.n), scale=1.0, zero_point=o_zp, dtype=torch.quint8)
                     if p6.run(q, hit[2], yq):
                         counts[key] += 1
+                        lane.arm(x, "codes", p6, hit[2], (1.0, o_zp))  # type: ignore[arg-type]
                         return QTensor._trusted(None, s_t, z_t, qd, None, None, yq)
             y = (None if p6 is None else
                  small_m.native_linear(x._q, hit[1], hit[2], w, w_scale, True, bias, out, relu, packs, p6))
@@ -308,6 +313,7 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
     # reference cycle, and a replaced plan (its packed weights) would wait for the cycle collector
     run = functools.partial(run_codes)
     run.qt = run_qt  # type: ignore[attr-defined]
+    run.lane = lane  # type: ignore[attr-defined]  # (armed by run_qt; the module calls it first: kernels.lane)
     return run
 
 

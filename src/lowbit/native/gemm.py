@@ -88,13 +88,20 @@ class LinearPlan:
         m = shape[0]
         if out.shape != (m, self.n) or not out.is_contiguous():
             return False
-        if self._wv is None and (m >= BCAST_M or vnni()):  # the first call that packs (VNNI: from one row)
-            self._pack(lib)
         ra = rs = None
         if self.mode in _ROWS:
             if rows is None or not _channel_vectors(m, *rows):
                 return False
             ra, rs = rows[0].data_ptr(), rows[1].data_ptr()
+        return self.run_checked(lib, q, m, zx, out, ra, rs)
+
+    def run_checked(self, lib: Any, q: torch.Tensor, m: int, zx: int, out: torch.Tensor, ra: int | None = None,
+                    rs: int | None = None) -> bool:
+        """``run``'s native call for arguments its checks passed (the caller's, once per state where they cannot change:
+        ``kernels.lane``): ``lib`` loaded and on in this thread, ``q`` u8 ``(m, k)`` with unit column stride on the CPU,
+        ``0 < m``, ``zx`` valid for this plan, ``out`` contiguous ``(m, n)``. Packs on the first call that needs it."""
+        if self._wv is None and (m >= BCAST_M or vnni()):  # the first call that packs (VNNI: from one row)
+            self._pack(lib)
         if lib.lb_linear_run(self._addr, q.data_ptr(), m, q.stride(0), zx, ra, rs, out.data_ptr(),
                              _threads(m * self.n * self.k // 16), _local.__dict__.get("isa", 1)):
             return False

@@ -187,12 +187,36 @@ class WeightedQuantModule(CheckedQuantState):
         w, ws, wz, bias, s, z = (b["weight_int8"], b["weight_scale"], b["weight_zero_point"], b["bias"], b["scale"],
                                  b["zero_point"])
         key = layer_key(w, ws, wz, bias, s, z)  # type: ignore[arg-type]
-        hit = self._cache.get("plan")
+        cache = self._cache
+        hit = cache.get("plan")
         if hit is None or hit[0] != key or (hit[1] is not x._qdtype and hit[1] != x._qdtype):
             weight, out = self._prepared()
+            cache.pop("lane", None)  # (the old plan's)
             # the buffers ride along: while the plan holds them, their ids cannot be reused
-            hit = self._cache["plan"] = (key, x._qdtype, build(weight, bias, out, self._relu, x._qdtype), (w, ws, wz, bias, s, z))
-        return hit[2]
+            hit = cache["plan"] = (key, x._qdtype, build(weight, bias, out, self._relu, x._qdtype), (w, ws, wz, bias, s, z))
+        run = hit[2]
+        if "lane" not in cache and run is not None and -1 not in key[7:]:  # (inference buffers keep no version)
+            lane = getattr(run, "lane", None)
+            if lane is not None and lane.armed():  # run_qt took a native route: later calls check less (_lane_call)
+                cache["lane"] = (lane, hit[3], key[7:], key[0])
+        return run
+
+    def _lane_call(self, x: QTensor) -> Any:
+        """The plan's fast lane (``kernels.lane``) for ``x``, or ``None``: not armed, the layer's buffers replaced or
+        changed in place since it was armed (identity and version, as ``layer_key``), the CPU's VNNI answer changed,
+        tracing, or a pinned backend; the lane itself returns ``None`` for an input it does not serve."""
+        c = self._cache.get("lane")
+        if c is None or tracing():  # (tracing first: a traced version read is a data-dependent guard)
+            return None
+        lane, (w, ws, wz, bias, s, z), vers, vnni = c
+        b = self._buffers
+        if (b["weight_int8"] is not w or b["weight_scale"] is not ws or b["weight_zero_point"] is not wz
+                or b["bias"] is not bias or b["scale"] is not s or b["zero_point"] is not z
+                or (w._version, ws._version, wz._version, -2 if bias is None else bias._version, s._version,
+                    z._version) != vers
+                or kernels.onednn.has_vnni() is not vnni or kernels.get_backend()):
+            return None
+        return lane(x)
 
     # ---- the cache is never state ----
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:

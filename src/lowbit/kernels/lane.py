@@ -1,0 +1,114 @@
+"""The static Linear's fast lane: the native call ``kernels.plan``'s ``run_qt`` last made, repeated with its checks cut to
+what can change between two calls.
+
+``run_qt`` decides per call which route a per-tensor ``QTensor`` input takes and re-derives what the route needs. For
+a layer fed inputs on one grid (a model's ``Quantize`` stub or the previous layer's output grid), every call after the
+first takes the same route with the same plan: lowbit.native's requantizing kernel (``"requant"``: fbgemm's codes on
+the output grid, ``small_m.native_requant``) or its float-epilogue kernel (``"codes"``: 8-bit codes on scale 1,
+``onednn.native_linear``'s split route). ``run_qt`` *arms* a ``LinearLane`` with that route, its plan and the input
+grid's ``(s_x, z_x)`` after the route ran; the lane then serves an input whose grid tensors are those very tensors at
+the same versions, whose qdtype is the same object, and whose codes are a contiguous 2-d u8 CPU tensor of ``k``
+columns within the route's row limit, while the route's other conditions hold (torch's engine is fbgemm / x86, the
+native build is on in this thread). It calls the plan's native entry (``LinearPlan.run_checked``) into an output
+made by ``empty_like`` of a kept one of the same rows (``_empty_affine_quantized``'s keyword parsing costs ~0.7 µs
+more), and wraps it as ``run_qt`` does: the same codes, the same ``QTensor`` parts, the same ``kernels.counts``.
+Anything else returns ``None`` and the caller takes ``run_qt``. The module checks its own buffers (identity and
+version) before it calls the lane (``WeightedQuantModule._lane_call``).
+
+Measured on the 16×768² static Linear (Zen 5, 1 thread): ~5 µs of ~11 µs of Python per call saved (session 36,
+``benchmarks/README.md``).
+
+>>> import torch, lowbit as Q
+>>> lane = LinearLane(k=2, vnni=False, vnni_rows=0, out=(None, None, Q.quint8), counts={}, key=("onednn", "linear"))
+>>> lane(Q.quantize_per_tensor(torch.zeros(1, 2), 0.1, 0, Q.quint8)) is None  # not armed: the caller's route runs
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import native
+from ..qscheme import QDtype
+from ..qtensor import QTensor
+from . import onednn
+from .small_m import _quantized_out as _quantized  # (torch's deprecation warning silenced as the routes silence it)
+
+__all__ = ["LinearLane"]
+
+_U8 = (torch.uint8, torch.quint8)
+_MAX_TEMPLATES = 8  # row counts whose output template is kept (a model sees a few batch sizes)
+
+
+class LinearLane:
+    """One plan's fast lane (see the module docstring). ``out``: ``(scale_t, zero_point_t, qdtype)`` of the output
+    grid the lane's results carry; ``counts`` / ``key``: the dispatcher's tally and the plan's key in it."""
+
+    __slots__ = ("_k", "_vnni", "_rows", "_s_t", "_z_t", "_qd", "_counts", "_key", "_st", "_tmpl")
+
+    def __init__(self, k: int, vnni: bool, vnni_rows: int, out: tuple[Any, Any, QDtype], counts: Any,
+                 key: tuple[str, str]) -> None:
+        self._k, self._vnni, self._rows = k, vnni, vnni_rows
+        self._s_t, self._z_t, self._qd = out
+        self._counts, self._key = counts, key
+        self._st: tuple[Any, ...] | None = None  # (s, z, s version, z version, qdtype, route, plan, z_x, grid)
+        self._tmpl: dict[int, torch.Tensor] = {}
+
+    def armed(self) -> bool:
+        return self._st is not None
+
+    def arm(self, x: QTensor, route: str, plan: Any, zx: int, grid: tuple[float, int]) -> None:
+        """Serve inputs on ``x``'s grid by ``route`` (``"requant"`` / ``"codes"``) with ``plan`` (a ``LinearPlan`` the
+        route just ran with ``zx``); ``grid``: the output tensors' torch quantizer ``(scale, zero_point)``. Grids held in
+        inference tensors (no version counter) are not armed."""
+        s, z = x._scale, x._zero_point
+        if self._s_t is None or s.is_inference() or z.is_inference():
+            self._st = None
+            return
+        st = self._st
+        if st is not None and st[6] is plan and st[0] is s and st[1] is z and st[2] == s._version and st[3] == z._version:
+            return  # (already serving this grid)
+        if st is None or st[8] != grid:
+            self._tmpl = {}
+        self._st = (s, z, s._version, z._version, x._qdtype, route, plan, zx, grid)
+
+    def __call__(self, x: QTensor) -> QTensor | None:
+        st = self._st
+        if st is None:
+            return None
+        s, z = x._scale, x._zero_point
+        if (s is not st[0] or z is not st[1] or s._version != st[2] or z._version != st[3] or x._qdtype is not st[4]
+                or x._axis is not None):
+            return None
+        requant = st[5] == "requant"
+        if requant:  # run_qt's choice of codes: the kernel's quantized tensor, Quantize's store, or the plain codes
+            t = x._tq if x._tq is not None else x._tu if x._tu is not None else x._q
+            if t.dtype not in _U8:
+                return None
+        else:
+            t = x._q
+            if t.dtype != torch.uint8:
+                return None
+        shape = t.shape
+        if len(shape) != 2 or shape[1] != self._k or not shape[0] or not t.is_contiguous() or not t.is_cpu:
+            return None
+        m = shape[0]
+        if (self._vnni and m * self._k > self._rows) or not onednn.fbgemm_engine():
+            return None
+        lib = native._lib()
+        if lib is None:
+            return None
+        tmpl = self._tmpl.get(m)
+        if tmpl is None:
+            if len(self._tmpl) >= _MAX_TEMPLATES:
+                self._tmpl.clear()
+            tmpl = self._tmpl[m] = _quantized((m, st[6].n), *st[8])
+        y = torch.empty_like(tmpl)
+        if not st[6].run_checked(lib, t, m, st[7], y):
+            return None
+        self._counts[self._key] += 1
+        if requant:
+            return QTensor._trusted(None, self._s_t, self._z_t, self._qd, None, y)
+        return QTensor._trusted(None, self._s_t, self._z_t, self._qd, None, None, y)
