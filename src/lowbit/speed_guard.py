@@ -48,10 +48,10 @@ import torch
 from torch import nn
 
 from .fake_quant import FakeQuantize
-from .functional import quantize
 from .kernels import onednn
 from .nn.quantized._weighted import WeightedQuantModule
 from .nn.quantized.dynamic.linear import Linear as DynamicLinear
+from .nn.quantized.stubs import Quantize
 from .observer.base import ObserverBase
 from .qconfig import QConfig, get_default_qconfig
 from .qscheme import QDtype, quint8
@@ -104,32 +104,47 @@ class SpeedReport:
         return "\n".join(lines)
 
 
+def run_in_own_dtype(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for a float layer inside an int8 model: ``x`` cast to the layer's parameter dtype (a model
+    moved with ``.double()`` / ``.half()`` moves its float layers, while its int8 layers keep computing in
+    float32), the result cast back to ``x``'s dtype (what the int8 layer it stands for would give)."""
+    w = next(module.parameters(), None)
+    if w is None or not w.is_floating_point() or not x.is_floating_point() or w.dtype == x.dtype:
+        return module(x)
+    return module(x.to(w.dtype)).to(x.dtype)
+
+
 class FloatFallback(nn.Module):
     """A float module in an int8 model: ``quantize(float_module(x̂), out grid)`` (or float output).
 
     ``x̂`` is the dequantized input when a ``QTensor`` arrives (a float input is used as is); with
     ``out = (scale, zero_point, qdtype)`` the result is re-quantized onto that grid, so the next
-    int8 layer sees exactly the kind of input the replaced layer produced.
+    int8 layer sees exactly the kind of input the replaced layer produced. The grid is a ``Quantize`` child
+    (``requant``: buffers, so it travels in ``state_dict``); the module runs in its own dtype (``run_in_own_dtype``).
     """
 
     def __init__(self, module: nn.Module, out: tuple[float, int, QDtype] | None, channels_last: bool = False) -> None:
         super().__init__()
         self.module = module
-        self.out = out
+        self.add_module("requant", None if out is None else Quantize(*out))
         self.channels_last = channels_last  # the replaced int8 conv returned channels-last codes: keep that layout
+
+    @property
+    def out(self) -> tuple[float, int, QDtype] | None:
+        """The output grid ``(scale, zero_point, qdtype)``, or None (float output)."""
+        q = self.requant
+        return None if q is None else (float(q.scale), int(q.zero_point), q.qdtype)
 
     def forward(self, x: Any) -> Any:
         xf = x.dequantize() if isinstance(x, QTensor) else x
         if self.channels_last and xf.dim() == 4:
             xf = xf.contiguous(memory_format=torch.channels_last)
-        y = self.module(xf)
-        if self.out is None:
-            return y
-        s, z, qd = self.out
-        return QTensor(quantize(y, s, z, qd), s, z, qd)
+        y = run_in_own_dtype(self.module, xf)
+        return y if self.requant is None else self.requant(y)
 
     def extra_repr(self) -> str:
-        return "float output" if self.out is None else f"out scale={self.out[0]:.4g}, zero_point={self.out[1]}"
+        out = self.out
+        return "float output" if out is None else f"out scale={out[0]:.4g}, zero_point={out[1]}"
 
 
 def get_speed_qconfig(vnni: bool | None = None) -> QConfig:

@@ -57,7 +57,9 @@ from torch import fx, nn
 from tqdm.auto import tqdm
 
 from ..qconfig import QConfigMapping
-from ..qtensor import QTensor, quantize_per_tensor
+from ..nn.quantized.stubs import Quantize
+from ..qtensor import QTensor
+from ..speed_guard import run_in_own_dtype
 from ..workflow.propagate import join_name
 from .checks import check_float_model
 from .compare import check_module, iter_batches
@@ -155,19 +157,31 @@ class _FloatTwin(nn.Module):
     """A quantized layer's float form: float compute on its (dequantized) input, back on the layer's output
     grid when it had one that int8 consumers read (``grid`` None: float output). ``keep`` is cleared while
     every reader of the output is itself kept float (``_regrid``): the model built from the mapping does
-    not round between two float layers."""
+    not round between two float layers.
+
+    The output grid is a ``Quantize`` child (``requant``: scale and zero point are buffers), so it travels in
+    ``state_dict`` like every int8 layer's grid (a Python tuple stayed behind: a loaded checkpoint kept the
+    fresh model's grid). The float layer runs in its own parameters' dtype (a model moved with ``.double()`` /
+    ``.half()``) and gives back its input's dtype, as the int8 layers around it keep float32."""
 
     def __init__(self, float_mod: nn.Module, qmod: nn.Module, float_out: bool) -> None:
         super().__init__()
         self.float_mod = float_mod
         qdtype = getattr(qmod, "out_qdtype", None)
         float_out = float_out or type(qmod).__name__.endswith("FloatOut")
-        self.grid = None if float_out or qdtype is None else (float(qmod.scale), int(qmod.zero_point), qdtype)
+        self.add_module("requant", None if float_out or qdtype is None
+                        else Quantize(float(qmod.scale), int(qmod.zero_point), qdtype))
         self.keep = True
 
+    @property
+    def grid(self) -> tuple[float, int, Any] | None:
+        """The output grid ``(scale, zero_point, qdtype)``, or None (float output)."""
+        q = self.requant
+        return None if q is None else (float(q.scale), int(q.zero_point), q.qdtype)
+
     def forward(self, x: Any) -> Any:
-        y = self.float_mod(x.dequantize() if isinstance(x, QTensor) else x)
-        return y if self.grid is None or not self.keep else quantize_per_tensor(y, *self.grid)
+        y = run_in_own_dtype(self.float_mod, x.dequantize() if isinstance(x, QTensor) else x)
+        return y if self.requant is None or not self.keep else self.requant(y)
 
 
 def _set(root: nn.Module, path: str, mod: nn.Module) -> None:

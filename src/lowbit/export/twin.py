@@ -52,6 +52,7 @@ from ..nn.quantized.functional_modules import QF_METHODS
 from ..observer import NoopObserver, ObserverBase, PlaceholderObserver
 from ..qscheme import quint8
 from ..qtensor import QTensor, quantize_per_tensor
+from ..reference import modules as ref_modules, ops as ref_ops
 from ..speed_guard import FloatFallback
 from .dynamic import dynamic_twin
 from .embedding import EmbeddingBagTwin, EmbeddingTableTwin
@@ -319,11 +320,28 @@ def _record_input_grids(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> d
     return grids
 
 
+def _refuse_reference(model: nn.Module) -> None:
+    """A reference model (``convert_to_reference_fx`` / ``convert(is_reference=True)``) simulates int8 in float with
+    torch's quantized tensors, which TorchScript's ONNX exporter cannot write (``aten::int_repr``, deep in its trace):
+    name the module and the step that makes it exportable."""
+    for name, m in model.named_modules():
+        if isinstance(m, (ref_modules._WeightQDQ, ref_modules.QuantDeQuant)):
+            raise TypeError(f"to_onnx: module '{name or '<root>'}' ({type(m).__name__}) is part of a reference model; "
+                            "lower it first (lowbit.lower_reference(model)) and export the int8 model")
+        graph = getattr(m, "graph", None)
+        for node in getattr(graph, "nodes", ()):
+            if node.op == "call_function" and getattr(node.target, "__module__", None) == ref_ops.__name__:
+                raise TypeError(f"to_onnx: graph '{name or '<root>'}' calls the reference op {node.target.__name__} "
+                                f"(node '{node.name}'): it is a reference model; lower it first "
+                                "(lowbit.lower_reference(model)) and export the int8 model")
+
+
 def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto") -> nn.Module:
     """The float QDQ twin of ``model`` (a copy in eval mode; ``model`` is not changed)."""
     inputs = tuple(t.cpu() for t in _check_inputs(example_inputs))
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"to_onnx: weight_dtype={weight_dtype!r} must be one of {WEIGHT_DTYPES}")
+    _refuse_reference(model)
     twin = copy.deepcopy(model).cpu().eval()  # an ONNX file is device-agnostic: trace on CPU, in inference mode
     holder = nn.Module()  # so that the root itself can be swapped
     holder.root = twin
