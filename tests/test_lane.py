@@ -141,3 +141,17 @@ def test_lane_not_armed_on_inference_tensors() -> None:
         for _ in range(3):
             assert torch.equal(m(x), ref)
     assert "lane" not in m.l._cache
+
+
+def test_lane_large_outputs_are_made_without_a_template(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs above ``_TEMPLATE_CODES`` codes are allocated per call (no large template held): the same codes."""
+    from lowbit.kernels import lane as lane_mod
+
+    monkeypatch.setattr(lane_mod, "_TEMPLATE_CODES", 0)
+    for recipe in sorted(RECIPES):
+        m = _model(RECIPES[recipe])
+        x = torch.randn(16, 96)
+        ref = _reference(m, x)
+        for _ in range(4):
+            assert torch.equal(m(x), ref)
+        assert "lane" in m.l._cache and not m.l._cache["lane"][0]._tmpl

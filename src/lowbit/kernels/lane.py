@@ -40,6 +40,7 @@ __all__ = ["LinearLane"]
 
 _U8 = (torch.uint8, torch.quint8)
 _MAX_TEMPLATES = 8  # row counts whose output template is kept (a model sees a few batch sizes)
+_TEMPLATE_CODES = 1 << 16  # outputs up to this many codes are made from a kept template (at most 8 × 64 KiB held)
 
 
 class LinearLane:
@@ -100,12 +101,16 @@ class LinearLane:
         lib = native._lib()
         if lib is None:
             return None
-        tmpl = self._tmpl.get(m)
-        if tmpl is None:
-            if len(self._tmpl) >= _MAX_TEMPLATES:
-                self._tmpl.clear()
-            tmpl = self._tmpl[m] = _quantized((m, st[6].n), *st[8])
-        y = torch.empty_like(tmpl)
+        n = st[6].n
+        if m * n > _TEMPLATE_CODES:  # (a large output: the keyword parsing is noise, and no big template is held)
+            y = _quantized((m, n), *st[8])
+        else:
+            tmpl = self._tmpl.get(m)
+            if tmpl is None:
+                if len(self._tmpl) >= _MAX_TEMPLATES:
+                    self._tmpl.clear()
+                tmpl = self._tmpl[m] = _quantized((m, n), *st[8])
+            y = torch.empty_like(tmpl)
         if not st[6].run_checked(lib, t, m, st[7], y):
             return None
         self._counts[self._key] += 1
