@@ -215,7 +215,8 @@ def linear(x: QTensor, weight: QTensor, bias: torch.Tensor | None, out: OutGrid 
             return y
         return out.wrap(y.clamp_(out.qdtype.quant_min, out.qdtype.quant_max) if clamp else y)  # (as the plan's call)
     q, sx, zx, seven_bit = _as_u8(x)
-    if not vnni and fbgemm_engine() and out is not None and out.qdtype.storage == torch.uint8 and not (split and not seven_bit):
+    if (not vnni and fbgemm_engine() and out is not None and out.qdtype.storage == torch.uint8 and not (split and not seven_bit)
+            and small_m.requant_fits(weight.int_repr(), weight.scale, bias, sx, out, cache)):
         # a u8 output with no split: fbgemm's requantized codes at every M (lowbit.native's kernels, or fbgemm's op)
         y = native_requant(q, sx, zx, weight.int_repr(), weight.scale, bias, out, relu, cache)
         return y if y is not None else _fbgemm_requant(cache, weight, bias, q, sx, zx, out, relu)

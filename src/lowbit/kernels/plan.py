@@ -194,7 +194,8 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
                                                    o_scalars, "")
             return out.wrap(y.clamp_(qd.quant_min, qd.quant_max) if o_clamp else y)
         if onednn.fbgemm_engine() and (fused_ok or q.numel() <= onednn.SMALL_M * k or small_m.float_route(out)):
-            if fused_ok:  # fbgemm's requantization at every M (lowbit.native's packed kernel from 2 rows, or fbgemm's op)
+            if fused_ok and small_m.requant_fits(w, w_scale, bias, sx, out, packs):
+                # fbgemm's requantization at every M (lowbit.native's packed kernel from 2 rows, or fbgemm's op)
                 return fbgemm_requant(q, sx, zx, tq)
             # the float epilogue fl(fl(acc) · fl(s_x s_w)), acc exact: lowbit.native, else fbgemm's split or float64
             y = onednn.native_linear(q, sx, zx, w, w_scale, split, bias, out, relu, packs)
@@ -222,7 +223,8 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
 
     unit: list[Any] = [None]  # (key, s_x, z_x, the grid's tensors held, the pack for inputs on scale 1 or None,
     #                           the native plans for this grid: _UNMADE, None (declined) or a native.LinearPlan:
-    #                           fbgemm's requantization (no split), then the float route's codes (split_ok))
+    #                           fbgemm's requantization (no split), then the float route's codes (split_ok);
+    #                           whether fbgemm's requantization stays in int32's range: small_m.requant_fits)
     native_ok = fused_ok and w.is_contiguous() and native.available()
     # the 8-bit codes' float route on a u8 output (the split's case): onednn.native_linear's plan for each input grid,
     # called straight (its checks made once: an int32-exact layer, the u8 output grid, no code shift; a VNNI CPU up to
@@ -252,14 +254,16 @@ def linear_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid, relu: 
                 fused = False
             elif t.dim() == 1:  # type: ignore[union-attr]
                 lead, t = (), t.reshape(1, k)  # type: ignore[union-attr]
-        if fused and tq is not None and not native_ok:
-            counts[key] += 1
-            return fbgemm_out(op(t, fbgemm_requant_pack(), s_out, z_out), lead)
         s, z = x._scale, x._zero_point  # the input grid as Python numbers, read once per grid state (no items)
         ukey = input_grid_key(s, z)
         hit = unit[0]
         if hit is None or hit[0] != ukey:
-            hit = unit[0] = [ukey, s.item(), z.item(), (s, z), None, _UNMADE, _UNMADE]
+            hit = unit[0] = [ukey, s.item(), z.item(), (s, z), None, _UNMADE, _UNMADE,
+                             op is not None and small_m.requant_fits(w, w_scale, bias, s.item(), out, packs)]
+        fused = fused and hit[7]  # (fbgemm's requantization out of int32's range: the float epilogue, run_codes)
+        if fused and tq is not None and not native_ok:
+            counts[key] += 1
+            return fbgemm_out(op(t, fbgemm_requant_pack(), s_out, z_out), lead)
         # (the native slots are filled only while lowbit.native runs in this thread: a plan declined inside
         # native.disabled() would otherwise stay declined for this grid, and in the layer's shared cache)
         live = native.available()

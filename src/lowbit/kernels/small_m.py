@@ -43,7 +43,7 @@ from .avx2 import _F32_EXACT, _QUIET, _inv_scale, _relu_floor, _scaled
 from .spec import OutGrid
 
 __all__ = ["VNNI_M", "VNNI_WORK", "VNNI_M_MAX", "vnni_rows", "float_route", "split_exact", "int32_exact",
-           "native_linear", "native_requant", "requant_plan",
+           "native_linear", "native_requant", "requant_plan", "requant_fits",
            "split_on_avx2"]
 
 # Rows up to which a static Linear on a VNNI CPU (torch's x86/fbgemm engine) takes the routes of a CPU without VNNI,
@@ -62,6 +62,7 @@ VNNI_M = 128
 VNNI_WORK = 1 << 24
 VNNI_M_MAX = 256
 _I32 = 1 << 31
+_REQUANT_MAX = float(_I32) * (1 - 2.0 ** -10)  # fbgemm's requantized values stay below this (requant_fits)
 
 
 def vnni_rows(k: int, n: int) -> int:
@@ -123,6 +124,33 @@ def requant_plan(w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | No
     if cache is not None:
         cache["native.requant"] = (key, plan)
     return plan
+
+
+def requant_fits(w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, sx: float, out: OutGrid,
+                 cache: dict[str, Any] | None) -> bool:
+    """Whether fbgemm's requantization (``native_requant``, ``onednn._fbgemm_requant``) is in range for every input of
+    this layer on input scale ``sx``: ``(255 · Σ_k |w[n, k]| + |fl(b / fl(s_x s_w))|) · fl(fl(s_x s_w) / s_out)`` finite
+    and below 2³¹ (with a margin for float32's roundings) for every channel. Past it fbgemm's ``cvtps2dq`` returns
+    ``INT32_MIN`` for a value past int32 (a positive overflow became code 0 / the ReLU floor) and its bias term turns
+    infinite where ``s_x s_w`` underflows: torch.ao's own codes are garbage there, so the caller takes the exact float
+    epilogue instead (``native_linear`` / ``onednn.fallback_linear``, the reference's codes). Kept in ``cache`` per
+    layer state and input scale."""
+    key = (w.data_ptr(), tensor_version(w), w_scale.data_ptr(), tensor_version(w_scale),
+           None if bias is None else (bias.data_ptr(), tensor_version(bias)), sx, out.scale)
+    hit = cache.get("native.requant_fits") if cache is not None else None
+    if hit is not None and hit[0] == key:
+        return hit[1]  # type: ignore[no-any-return]
+    atws = torch.tensor(sx, dtype=torch.float32) * w_scale.detach().float()
+    mult = (atws / torch.tensor(out.scale, dtype=torch.float32)).double()
+    absw = _per_weight(cache, "native.abssum", w, lambda t: t.to(torch.int16).abs().sum(1, dtype=torch.int64))
+    reach = 255 * absw.double()
+    if bias is not None:
+        reach = reach + (bias.detach().float() / atws).double().abs()
+    bound = reach * mult
+    fits = not bound.numel() or bool(torch.isfinite(bound).all()) and float(bound.max()) < _REQUANT_MAX
+    if cache is not None:
+        cache["native.requant_fits"] = (key, fits)
+    return fits
 
 
 def _quantized_out(shape: tuple[int, ...], scale: float, zero_point: int) -> torch.Tensor:
