@@ -54,7 +54,7 @@ from .avx2 import _exact_linear, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, 
 from .conv_split import (SHAPED_PACKS, _pack_wsplit, _wsplit_conv, _wsplit_packs, packed_for_input,  # noqa: F401 (tests,
                          gemm_conv)  # conv_plan)
 from .small_m import VNNI_M, float_route, native_linear, native_requant, split_on_avx2, vnni_rows  # noqa: F401 (VNNI_M: tests)
-from .spec import ConvSpec, OutGrid
+from .spec import ConvSpec, OutGrid, pad_codes, padded_windows, unpadded
 
 __all__ = ["NAME", "SMALL_M", "available", "has_vnni", "cpu_has_vnni", "isa_capped", "saturation_safe", "linear",
            "conv", "fbgemm_engine"]
@@ -328,6 +328,8 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     """N-d int8 convolution through ``onednn::qconv_pointwise`` (channels-last output)."""
     if spec.transposed or x.device.type != "cpu" or x.numel() == 0 or x.int_repr().element_size() != 1:
         return NotImplemented
+    if padded_windows(weight.shape, spec):  # oneDNN's wrong sums there: the zero-point padding made here
+        return conv(pad_codes(x, spec), weight, bias, unpadded(spec), out, relu, cache)
     stride, padding, dilation = _geometry(spec)
 
     def pack(w: torch.Tensor, zx: int, shape: list[int] | None) -> torch.Tensor:

@@ -11,7 +11,7 @@ False
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -101,3 +101,26 @@ class ConvSpec:
     groups: int
     transposed: bool = False
     output_padding: tuple[int, ...] = ()
+
+
+def padded_windows(weight_shape: torch.Size | tuple[int, ...], spec: ConvSpec) -> bool:
+    """Whether oneDNN's int8 conv gives wrong codes for this geometry: one input channel per group, several output
+    channels per group (a depthwise conv with a channel multiplier), and a padding at least the dilated kernel's extent
+    (output pixels whose window lies wholly in the padding). torch's own x86 / onednn engines return run-to-run
+    different codes there (off by up to 200, session 36); fbgemm's and lowbit's native kernels do not."""
+    if spec.transposed or spec.groups <= 1 or weight_shape[1] != 1 or weight_shape[0] == spec.groups:
+        return False
+    return any(p >= d * (k - 1) + 1 for p, d, k in zip(spec.padding, spec.dilation, weight_shape[2:]))
+
+
+def unpadded(spec: ConvSpec) -> ConvSpec:
+    """``spec`` with no padding (its input padded by ``pad_codes``)."""
+    return replace(spec, padding=(0,) * spec.dim)
+
+
+def pad_codes(x: QTensor, spec: ConvSpec) -> QTensor:
+    """A per-tensor ``x`` padded by ``spec.padding`` with its zero point's code: ``(z_x - z_x) w = 0``, the conv's zero
+    padding, so the conv of the result with ``unpadded(spec)`` has the same sums."""
+    pad = [p for p in reversed(spec.padding) for _ in (0, 1)]
+    codes = torch.nn.functional.pad(x.int_repr(), pad, value=int(x.zero_point.item()))
+    return QTensor(codes, x.scale, x.zero_point, x.qdtype)
