@@ -5,12 +5,18 @@
 
 - every activation observer node becomes a pair of call_function nodes
   ``q = quantize_per_tensor(x, s, z, qmin, qmax, storage)`` → ``dequantize_per_tensor(q, s, z)``
-  with the measured grid as literals (graph inputs of int regions included);
+  (graph inputs of int regions included);
 - a weight observer on the weight edge of ``F.linear``/``F.conv*`` becomes
-  ``quantize_per_channel`` → ``dequantize_per_channel`` (scales / zero points as buffers ``<name>_scale``,
-  ``<name>_zero_point``);
+  ``quantize_per_channel`` → ``dequantize_per_channel``;
 - weighted modules (``Linear``/``ConvNd``, fused, QAT, QAT conv-BN folded) and embeddings become
   ``lowbit.reference`` modules (weight quantize → dequantize inside, per call).
+
+Each grid ``(s, z)`` is a pair of root buffers (float32 scale, int64 zero point: 0-d, or ``(C,)`` per
+channel) read by ``get_attr`` nodes, named as torch.ao's ``convert_to_reference_fx`` names them:
+``<scope>_scale_<i>`` / ``<scope>_zero_point_<i>`` for the output of the node at module path ``scope``
+(dots as ``_``; ``_scale_0`` at the top level), ``<scope>_input_scale_<i>`` for an input observer (the scope of
+its first user, an ``F.linear`` preferred). So ``state_dict`` carries every grid: loading it into a freshly
+converted reference model (another calibration) gives the same outputs, and lowering reads the loaded grids.
 
 ``model.code`` then reads as the int8 program in float, the form exporters and backends pattern
 match (torch.ao's reference representation). ``lower_reference_fx(ref)`` (also reached through
@@ -38,6 +44,7 @@ import copy
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
 from ..fx.convert import convert_fx
@@ -45,7 +52,7 @@ from ..fx.prepare import STATE_KEY, is_prepared
 from ..fake_quant.base import holds_grid
 from .convert import _frozen_weight_qconfig, _move_state, _weighted_reference
 from .modules import FrozenObserver, QuantDeQuant, _WeightQDQ
-from .ops import dequantize_per_channel, dequantize_per_tensor, quantize_per_channel, quantize_per_tensor
+from .ops import check_grid_dtype, dequantize_per_channel, dequantize_per_tensor, quantize_per_channel, quantize_per_tensor
 
 __all__ = ["convert_to_reference_fx", "lower_reference_fx", "is_reference_fx"]
 
@@ -70,8 +77,34 @@ def _set_module(gm: fx.GraphModule, path: str, mod: nn.Module) -> None:
     setattr(gm.get_submodule(parent) if parent else gm, name, mod)
 
 
+def _grid_prefix(node: fx.Node) -> str:
+    """torch.ao's name stem for observer ``node``'s grid buffers (``_get_module_path_and_prefix``): the module path
+    of the observed node (a weight: of the layer reading it), or for an input observer that of its first user (an
+    ``F.linear`` first) plus ``_input``."""
+    kind, own = node.meta.get("lowbit_kind"), node.meta.get("lowbit_scope", "")
+    if kind == "obs_out":
+        return own
+    users = list(node.users)
+    user = next((u for u in users if u.op == "call_function" and u.target is F.linear), users[0] if users else None)
+    scope = user.meta.get("lowbit_scope", own) if user is not None else own
+    return scope + "_input" if kind == "obs_in" else scope
+
+
+def _register_grid(gm: fx.GraphModule, prefix: str, scale: torch.Tensor,
+                   zero_point: torch.Tensor) -> tuple[fx.Node, fx.Node]:
+    """Root buffers ``<prefix>_scale_<i>`` / ``<prefix>_zero_point_<i>`` (the first free ``i``) and their get_attr
+    nodes (inserted at the graph's current insert point)."""
+    stem, i = prefix.replace(".", "_"), 0
+    while hasattr(gm, f"{stem}_scale_{i}") or hasattr(gm, f"{stem}_zero_point_{i}"):
+        i += 1
+    names = (f"{stem}_scale_{i}", f"{stem}_zero_point_{i}")
+    gm.register_buffer(names[0], scale.detach().to(torch.float32).clone())
+    gm.register_buffer(names[1], zero_point.detach().clone())
+    return gm.graph.get_attr(names[0]), gm.graph.get_attr(names[1])
+
+
 def _qdq_pair(gm: fx.GraphModule, node: fx.Node, obs: nn.Module) -> fx.Node:
-    """Replace observer ``node`` (reading ``src``) by ``dequantize(quantize(src))`` on ``obs``'s grid."""
+    """Replace observer ``node`` (reading ``src``) by ``dequantize(quantize(src))`` on ``obs``'s grid (buffers)."""
     src, graph = node.args[0], gm.graph
     scale, zero_point = obs.calculate_qparams()
     qdtype = obs.qdtype
@@ -79,19 +112,17 @@ def _qdq_pair(gm: fx.GraphModule, node: fx.Node, obs: nn.Module) -> fx.Node:
     with graph.inserting_before(node):
         if per_channel:
             axis = getattr(obs, "ch_axis", 0)
-            names = (f"{node.target}_scale", f"{node.target}_zero_point")
-            gm.register_buffer(names[0], scale.detach().to(torch.float32).clone())
-            gm.register_buffer(names[1], zero_point.detach().clone())
-            s, z = graph.get_attr(names[0]), graph.get_attr(names[1])
+            s, z = _register_grid(gm, _grid_prefix(node), scale, zero_point)
             q = graph.call_function(quantize_per_channel,
                                     (src, s, z, axis, qdtype.quant_min, qdtype.quant_max, qdtype.storage))
             dq = graph.call_function(dequantize_per_channel, (q, s, z, axis))
             meta = (node.target, obs.qscheme, qdtype, axis)
         else:
-            s_f, z_i = float(scale.reshape(())), int(zero_point.reshape(()))
+            s, z = _register_grid(gm, _grid_prefix(node), scale.reshape(()),
+                                  zero_point.reshape(()).to(torch.int64))
             q = graph.call_function(quantize_per_tensor,
-                                    (src, s_f, z_i, qdtype.quant_min, qdtype.quant_max, qdtype.storage))
-            dq = graph.call_function(dequantize_per_tensor, (q, s_f, z_i))
+                                    (src, s, z, qdtype.quant_min, qdtype.quant_max, qdtype.storage))
+            dq = graph.call_function(dequantize_per_tensor, (q, s, z))
             meta = (node.target, obs.qscheme, qdtype, None)
     q.meta.update(lowbit_kind="ref_quantize", lowbit_domain="other", lowbit_ftensor=False)
     dq.meta.update(node.meta)
@@ -151,10 +182,10 @@ def lower_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Module:
             name, qscheme, qdtype, axis = dq.meta[_REF]
             q = dq.args[0]
             src, s, z = q.args[0], q.args[1], q.args[2]
-            if axis is None:
-                obs = FrozenObserver(torch.tensor(s), torch.tensor(z), qscheme, qdtype)
-            else:
-                obs = FrozenObserver(gm.get_buffer(s.target), gm.get_buffer(z.target), qscheme, qdtype, axis)
+            # the grid as the model holds it now (a loaded state_dict's); literals: a graph written before the buffers
+            grid = [gm.get_buffer(a.target) if isinstance(a, fx.Node) else torch.tensor(a) for a in (s, z)]
+            check_grid_dtype("lower_reference_fx", grid[0])  # a .half() model's grids are not the calibrated ones
+            obs = FrozenObserver(*grid, qscheme, qdtype, *(() if axis is None else (axis,)))
             gm.add_submodule(name, obs)
             with graph.inserting_before(dq):
                 new = graph.call_module(name, (src,))

@@ -44,6 +44,7 @@ from ..observer.base import ObserverBase
 from ..qscheme import QDtype, QScheme, as_qdtype, as_qscheme, per_tensor_affine, quint8
 from ..nn.quantized._utils import observer_grid
 from ..qtensor import QTensor
+from .ops import check_grid_dtype
 
 __all__ = ["QuantDeQuant", "FrozenObserver", "Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d",
            "ConvTranspose2d", "ConvTranspose3d", "Embedding", "EmbeddingBag",
@@ -51,8 +52,10 @@ __all__ = ["QuantDeQuant", "FrozenObserver", "Linear", "Conv1d", "Conv2d", "Conv
 
 
 def _qdq(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: QDtype,
-         axis: int | None) -> torch.Tensor:
-    """``dequantize(quantize(x))`` on the grid, in ``x``'s dtype (float32 arithmetic)."""
+         axis: int | None, where: str) -> torch.Tensor:
+    """``dequantize(quantize(x))`` on the grid, in ``x``'s dtype (float32 arithmetic); a float16 / bfloat16 grid
+    (a module moved with ``.half()``: rounded onto other values) is refused, naming ``where``."""
+    check_grid_dtype(where, scale)
     return dequantize(quantize(x, scale, zero_point, qdtype, axis), scale, zero_point, axis).to(x.dtype)
 
 
@@ -129,7 +132,7 @@ class QuantDeQuant(nn.Module):
         return FrozenObserver(self.scale, self.zero_point, per_tensor_affine, self.qdtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _qdq(x, self.scale, self.zero_point, self.qdtype, None)
+        return _qdq(x, self.scale, self.zero_point, self.qdtype, None, "lowbit.reference.QuantDeQuant")
 
     def extra_repr(self) -> str:
         return f"scale={float(self.scale):.6g}, zero_point={int(self.zero_point)}, qdtype={self.qdtype!r}"
@@ -191,7 +194,8 @@ class _WeightQDQ:
 
     def get_weight(self) -> torch.Tensor:
         """``qdq(W)``: the float weight rounded onto its grid (what the int8 module multiplies by)."""
-        return _qdq(self.weight, self.weight_scale, self.weight_zero_point, self.weight_dtype, self.weight_axis)
+        return _qdq(self.weight, self.weight_scale, self.weight_zero_point, self.weight_dtype, self.weight_axis,
+                    f"lowbit.reference.{type(self).__name__}")
 
     def get_quantized_weight(self) -> QTensor:
         """The weight's codes as a ``QTensor`` (what ``lower_reference`` stores in the int8 module)."""

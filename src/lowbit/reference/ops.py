@@ -1,14 +1,18 @@
 """The quantize / dequantize functions of reference graphs (``convert_to_reference_fx``).
 
 Plain functions of tensors and literals (no ``QDtype`` objects), so a reference graph's code reads
-``quantize_per_tensor(x, 0.0123, 128, 0, 255, torch.uint8)``::
+``quantize_per_tensor(x, conv_scale_0, conv_zero_point_0, 0, 255, torch.uint8)`` (the grid: the graph's buffers,
+as torch.ao's reference graphs; Python numbers work too)::
 
     quantize_per_tensor(x, s, z, qmin, qmax, storage)   = clamp(round(x / s + z), qmin, qmax)   as storage
     dequantize_per_tensor(q, s, z)                      = (q - z) * s                          float32
     quantize_per_channel(x, s, z, axis, qmin, qmax, storage), dequantize_per_channel(q, s, z, axis)
                                                         the same with (C,) qparams along axis
 
-They are ``lowbit.quantize`` / ``lowbit.dequantize`` (bit for bit the int8 modules' rounding).
+They are ``lowbit.quantize`` / ``lowbit.dequantize`` (bit for bit the int8 modules' rounding), in float32
+arithmetic. A float64 scale tensor (a reference model moved with ``.double()``: its float32 grids are exact in
+float64) gives float64 values; a float16 / bfloat16 one (``.half()`` / ``.bfloat16()`` rounded the grid onto other
+values) is refused (``check_grid_dtype``).
 
 >>> import torch
 >>> q = quantize_per_tensor(torch.tensor([-1.0, 0.26, 9.0]), 0.1, 10, 0, 255, torch.uint8)
@@ -27,7 +31,23 @@ import torch
 from ..functional import dequantize, quantize
 from ..qscheme import QDtype, as_qdtype
 
-__all__ = ["quantize_per_tensor", "dequantize_per_tensor", "quantize_per_channel", "dequantize_per_channel"]
+__all__ = ["quantize_per_tensor", "dequantize_per_tensor", "quantize_per_channel", "dequantize_per_channel",
+           "check_grid_dtype"]
+
+Grid = float | int | torch.Tensor
+
+
+def check_grid_dtype(fn: str, scale: Grid) -> torch.dtype:
+    """The float dtype of ``fn``'s values on the grid ``scale``: float64 for a float64 scale tensor (float32 grids
+    are exact in float64), float32 otherwise; ``TypeError`` for a float16 / bfloat16 scale, a grid that a move of the
+    reference model (``.half()``, ``.bfloat16()``, ``.to(dtype)``) rounded onto other values."""
+    dtype = scale.dtype if isinstance(scale, torch.Tensor) else torch.float32
+    if dtype in (torch.float16, torch.bfloat16):
+        raise TypeError(f"{fn}: the grid's scale is {dtype}: the reference model was moved with .half() / "
+                        f".bfloat16() / .to({dtype}), which rounds its float32 grids onto other values. Keep a "
+                        "reference model in float32 (or float64: .double() holds the grids exactly), or lower it "
+                        "(lowbit.lower_reference) and run the int8 model in that dtype")
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _graph_leaf(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -48,22 +68,28 @@ def _grid(quant_min: int, quant_max: int, storage: torch.dtype) -> QDtype:
 
 
 @_graph_leaf
-def quantize_per_tensor(x: torch.Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int,
+def quantize_per_tensor(x: torch.Tensor, scale: Grid, zero_point: Grid, quant_min: int, quant_max: int,
                         storage: torch.dtype) -> torch.Tensor:
+    check_grid_dtype("quantize_per_tensor", scale)
     return quantize(x, scale, zero_point, _grid(quant_min, quant_max, storage))
 
 
 @_graph_leaf
-def dequantize_per_tensor(q: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
-    return dequantize(q, scale, zero_point)
+def dequantize_per_tensor(q: torch.Tensor, scale: Grid, zero_point: Grid) -> torch.Tensor:
+    dtype = check_grid_dtype("dequantize_per_tensor", scale)
+    y = dequantize(q, scale, zero_point)
+    return y if dtype == torch.float32 else y.to(dtype)
 
 
 @_graph_leaf
 def quantize_per_channel(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int, quant_min: int,
                          quant_max: int, storage: torch.dtype) -> torch.Tensor:
+    check_grid_dtype("quantize_per_channel", scale)
     return quantize(x, scale, zero_point, _grid(quant_min, quant_max, storage), axis)
 
 
 @_graph_leaf
 def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int) -> torch.Tensor:
-    return dequantize(q, scale, zero_point, axis)
+    dtype = check_grid_dtype("dequantize_per_channel", scale)
+    y = dequantize(q, scale, zero_point, axis)
+    return y if dtype == torch.float32 else y.to(dtype)
