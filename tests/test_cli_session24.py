@@ -143,9 +143,13 @@ def test_quantize_llm_reports_what_it_did(work, capsys):
     assert rc == 0, capsys.readouterr().err
     r = json.loads((work / "l8" / "report.json").read_text())
     assert (r["bits"], r["group_size"], r["eval_tokens"]) == (8, -1, 64)  # said 4 / 128 / 100
+    capsys.readouterr()
     rc = cli.main(["quantize-llm", "llm", *common, "--eval-tokens", "64", "--method", "rtn", "--group-size", "7",
-                   "--out", "r7"])
-    assert rc == 0 and json.loads((work / "r7" / "report.json").read_text())["group_size"] == -1  # said 7
+                   "--out", "r7"])  # a group size given is honoured or refused (session 36: it fell back to -1)
+    assert rc == 2 and "group_size=7 does not divide" in capsys.readouterr().err
+    rc = cli.main(["quantize-llm", "llm", *common, "--eval-tokens", "64", "--method", "rtn", "--group-size", "16",
+                   "--out", "r16"])
+    assert rc == 0 and json.loads((work / "r16" / "report.json").read_text())["group_size"] == [-1, 16]  # (int8 head)
     _tiny_llm(work / "notok", tokenizer=False)
     capsys.readouterr()
     rc = cli.main(["quantize-llm", "notok", *common, "--eval-tokens", "64", "--out", "nt"])
