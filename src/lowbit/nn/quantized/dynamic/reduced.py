@@ -158,6 +158,8 @@ def per_tensor_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.
         return _dynamic_op()(xf, packed, True)
     scale, zp = ao_qparams(xf)
     dev = xf.device
+    if not math.isfinite(scale):  # a NaN / Inf input: NaN out on every route (the reference backend refused the grid)
+        return torch.full((xf.shape[0], weight_int8.shape[0]), float("nan"), device=dev)
     xq = QTensor._trusted(ao_codes(xf, scale, zp), torch.tensor(scale, dtype=torch.float32, device=dev),
                           torch.tensor(zp, dtype=torch.int64, device=dev), quint8)  # codes ≤ 128: the 8-bit grid
     weight = QTensor._trusted(weight_int8, w_scale, w_zero_point, qdtype, axis=0)
