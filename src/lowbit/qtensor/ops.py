@@ -9,7 +9,7 @@ output keeps ``(s, z)``:
   (``clamp(q, quantize(min), quantize(max))``; a bound past the grid's far end, whose code would saturate, runs on
   float values);
 - averaging ops round the mean of the centred codes half to even:
-  ``q_out = clamp(round(mean_window(q - z)) + z, qmin, qmax)`` for ``F.avg_pool1d/2d/3d``,
+  ``q_out = clamp(round(mean_window(q - z) + z), qmin, qmax)`` (the mean code rounded, as torch) for ``F.avg_pool1d/2d/3d``,
   ``F.adaptive_avg_pool1d/2d/3d`` and ``torch.mean``. The mean is exact (float64 where float32 could
   lose a bit), so this is the correctly rounded average. torch multiplies the integer window sum by a
   float32 ``1 / count`` before rounding, which can land on the other side of a ``.5`` tie: torch's codes

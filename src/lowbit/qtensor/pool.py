@@ -86,25 +86,36 @@ def max_pool2d_codes(q: torch.Tensor, kernel_size: Any, stride: Any = None, padd
     return out
 
 
-def _max_pool(fn: Callable) -> Callable:
+def _max_pool(fn: Callable, spatial: int) -> Callable:
+    """``fn`` (a max pooling of the last ``spatial`` dims) on the codes. A per-channel ``QTensor`` whose channel axis
+    is not pooled keeps its grid too (``s > 0`` per channel: the maximum of the codes is the maximum of the values);
+    until session 36 it fell back to float values (a float ``Tensor`` out, warned)."""
     def op(x: Any, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(x, QTensor) or x.axis is not None or kwargs.get("return_indices"):
+        if (not isinstance(x, QTensor) or kwargs.get("return_indices")
+                or (x.axis is not None and x.axis >= x.dim() - spatial)):
             return NotImplemented
         q = x.int_repr()
         if fn is F.max_pool2d:  # eager, and traced: the compiled kernel then works on the 8-bit codes too
             y = max_pool2d_codes(q, *args, **{k: v for k, v in kwargs.items() if k != "return_indices"})
             if y is not None:
-                return x._same_grid(y)
+                return _keep_grid(x, y)
             if q.dtype == torch.uint8 and q.device.type == "cpu" and not tracing():  # torch pools uint8 as quint8
-                return x._same_grid(fn(as_torch_quantized(q), *args, **kwargs).int_repr())
+                return _keep_grid(x, fn(as_torch_quantized(q), *args, **kwargs).int_repr())
         wide = torch.float32 if q.element_size() <= 2 else torch.float64  # (float32 rounded qint32 codes past 2**24)
-        return x._same_grid(fn(q.to(wide), *args, **kwargs).to(q.dtype))
+        return _keep_grid(x, fn(q.to(wide), *args, **kwargs).to(q.dtype))
     return op
 
 
+def _keep_grid(x: QTensor, q: torch.Tensor) -> QTensor:
+    """Codes ``q`` on ``x``'s grid, per tensor or per channel on the same (unpooled) axis."""
+    if x.axis is None:
+        return x._same_grid(q)
+    return QTensor._trusted(q, x.scale, x.zero_point, x.qdtype, axis=x.axis)
+
+
 _INT_OPS.update({
-    F.max_pool1d: _max_pool(F.max_pool1d),
-    F.max_pool2d: _max_pool(F.max_pool2d),
-    F.max_pool3d: _max_pool(F.max_pool3d),
-    F.adaptive_max_pool2d: _max_pool(F.adaptive_max_pool2d),
+    F.max_pool1d: _max_pool(F.max_pool1d, 1),
+    F.max_pool2d: _max_pool(F.max_pool2d, 2),
+    F.max_pool3d: _max_pool(F.max_pool3d, 3),
+    F.adaptive_max_pool2d: _max_pool(F.adaptive_max_pool2d, 2),
 })
