@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, settings
 
 # helper modules imported by tests (onnx_helpers: by the ONNX tests, which skip without onnx; dist_helpers: by the
 # distributed tests; helpers: roundtrip() and the one_thread fixture); never collected
-collect_ignore = ["onnx_helpers.py", "nets.py", "dist_helpers.py", "helpers.py"]
+collect_ignore = ["onnx_helpers.py", "nets.py", "dist_helpers.py", "helpers.py", "llm_nets.py"]
 
 # Property tests: "ci" (the default) draws the same examples on every run, so CI is reproducible and a
 # red run can be rerun; "explore" draws fresh random examples, many more of them, to hunt for new cases:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import lowbit as Q
+from llm_nets import gemma3 as _gemma3, random_norms as _random_norms
 from lowbit import cli
 from lowbit.llm.awq import scale_source
 from lowbit.llm.blocks import capture_block_inputs, decoder_layers, linear_groups
@@ -23,22 +24,6 @@ torch.set_num_threads(1)
 
 def _sqnr(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.float().pow(2).sum() / (out.float() - ref.float()).pow(2).sum()))
-
-
-def _random_norms(m: torch.nn.Module) -> torch.nn.Module:
-    torch.manual_seed(1)
-    for p in m.parameters():
-        if p.dim() == 1:  # norms start at 0 (Gemma's 1 + w) or 1: make the fold's mistakes visible
-            p.data.add_(torch.randn_like(p) * 0.2)
-    return m.eval().requires_grad_(False)
-
-
-def _gemma3() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                        max_position_embeddings=256, sliding_window=16)
-    return _random_norms(transformers.Gemma3ForCausalLM(cfg))
 
 
 def _olmo2() -> torch.nn.Module:

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowbit as Q
+from llm_nets import gemma3 as _gemma3, random_norms as _random_norms
 from lowbit.llm import awq_search_stats, quantize_head
 from lowbit.llm import blocks as B
 from lowbit.llm.awq import awq_fold, scale_source
@@ -168,27 +169,11 @@ def test_bad_attention_masks_are_named(fn, mask, needle):
 
 
 # ---- 3. AWQ into Gemma's 1 + weight norms ----
-def _random_norms(m: torch.nn.Module) -> torch.nn.Module:
-    torch.manual_seed(1)
-    for p in m.parameters():
-        if p.dim() == 1:
-            p.data.add_(torch.randn_like(p) * 0.2)
-    return m.eval().requires_grad_(False)
-
-
 def _gemma() -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = transformers.GemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
     return _random_norms(transformers.GemmaForCausalLM(cfg))
-
-
-def _gemma3() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                        max_position_embeddings=256, sliding_window=16)
-    return _random_norms(transformers.Gemma3ForCausalLM(cfg))
 
 
 @pytest.mark.parametrize("make, mlp_norm", [(_gemma, "post_attention_layernorm"), (_gemma3, "pre_feedforward_layernorm")])
