@@ -297,3 +297,22 @@ def test_sensitivity_tools_refuse_prepared_and_converted_models(tool):
     assert all(torch.equal(before[k], after[k]) for k in before)
     with pytest.raises(TypeError, match=rf"^{tool}: model is already quantized \(module 'conv' \(ConvReLU2d\)"):
         _run_tool(tool, qmodel, x)
+
+
+@pytest.mark.parametrize("make, kind", [
+    (lambda m: Q.prepare(m, Q.get_default_qconfig()), "prepared"),
+    (lambda m: Q.prepare_qat(m.train(), Q.get_default_qat_qconfig()), "QAT-prepared"),
+    (lambda m: Q.convert(_calibrated(Q.prepare(m, Q.get_default_qconfig()))), "quantized"),
+])
+def test_prepare_fx_refuses_an_eager_prepared_or_converted_model(make, kind):
+    """An eager-prepared, QAT-prepared or converted model went into prepare_fx silently: its observers and int8
+    modules became opaque leaves of the graph (session 36, lead)."""
+    model = make(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval())
+    for fn in (Q.prepare_fx, Q.prepare_qat_fx):
+        with pytest.raises(TypeError, match=f"already {kind} in eager mode"):
+            fn(model, Q.get_default_qconfig_mapping(), example_inputs=(torch.randn(2, 4),))
+
+
+def _calibrated(prepared):
+    prepared(torch.randn(8, 4))
+    return prepared

@@ -14,26 +14,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..fake_quant import FakeQuantize
-from ..nn.quantized import FloatFunctional
-from ..observer import ObserverBase
-from ..reference.modules import FrozenObserver
+from ..workflow.kinds import model_kind
 
 __all__ = ["model_kind", "check_float_model"]
-
-
-def model_kind(model: nn.Module) -> tuple[str, str] | None:
-    """``None`` (float) or ``(kind, "module 'name' (Type)")`` of the first module that is not float."""
-    for name, mod in model.named_modules():
-        where = f"module {name!r} ({type(mod).__name__})" if name else f"the model itself ({type(mod).__name__})"
-        if isinstance(mod, (ObserverBase, FakeQuantize)) and not isinstance(mod, FrozenObserver):
-            return "prepared", where
-        kind = type(mod).__module__
-        if kind.startswith(("lowbit.nn.qat", "lowbit.nn.intrinsic.qat")):
-            return "QAT-prepared", where
-        if kind.startswith("lowbit.nn.quantized") and not isinstance(mod, FloatFunctional):
-            return "quantized", where
-    return None
 
 
 def check_float_model(model: nn.Module, fn: str, arg: str = "model") -> None:

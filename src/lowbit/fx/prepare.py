@@ -50,6 +50,7 @@ from ..custom_config import PrepareCustomConfig
 from ..mappings import get_default_dynamic_quant_module_mappings, get_default_qat_module_mappings
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..workflow import is_dynamic_qconfig, propagate_qconfig_
+from ..workflow.kinds import model_kind
 from .classify import apply_call_order, classify, input_observer_qconfig, int_inputs, join, wants_int
 from .custom import declare_non_traceable, preserve, swap_custom
 from .patterns import WEIGHT_ONLY_TYPES, fuse_graph, graph_module_types
@@ -79,6 +80,10 @@ def _check_args(fn: str, model: Any, example_inputs: Any, inplace: Any) -> None:
                              "pass the float model")
         raise ValueError(f"{fn}: this model was already prepared by prepare_fx/prepare_qat_fx; "
                          "calibrate it and call convert_fx")
+    found = model_kind(model)
+    if found is not None:  # (eager prepare / prepare_qat / convert: graph mode would trace its parts as opaque leaves)
+        raise TypeError(f"{fn}: model is already {found[0]} in eager mode ({found[1]} is not a float module); pass the "
+                        "float model (graph mode inserts its own observers)")
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         raise TypeError(f"{fn}: example_inputs must be a tuple of positional inputs (e.g. (x,)), "
                         f"got {type(example_inputs).__name__}")
