@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from ..compile_state import tracing
 from ..functional import check_ch_axis, fake_quantize
 from ..observer.base import ObserverBase
 from ..observer.minmax import MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
@@ -162,7 +163,9 @@ class FusedMovingAvgObsFakeQuantize(FakeQuantize):
     # -- torch's fused kernel --------------------------------------------------------------------
     def _fits_torch_kernel(self, x: torch.Tensor, observe: bool) -> bool:
         obs = self._observer
-        return (self._use_torch_kernel and x.device.type == "cpu" and x.dtype == torch.float32
+        # not while torch.compile / export traces: torch's kernel refuses the int64 zero point there (its meta
+        # function wants int32 / float, eager takes int64), and the composite traces to the same numbers
+        return (self._use_torch_kernel and not tracing() and x.device.type == "cpu" and x.dtype == torch.float32
                 and self.scale.device.type == "cpu" and self.quant_max - self.quant_min < 1 << 16
                 and (self.ch_axis is None or self.ch_axis % x.dim() == 0)
                 and (observe or obs.is_calibrated))       # torch's kernel fails on a never-seen range
