@@ -43,7 +43,8 @@ from ..observer.distributed import sync_pending
 from ..observer.minmax import MovingAverageMinMaxObserver, _MinMaxObserverBase
 from ..qparams import calculate_qparams
 
-__all__ = ["FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant", "holds_grid"]
+__all__ = ["FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant", "holds_grid",
+           "per_tensor_qparams"]
 
 
 class FakeQuantize(WithArgs, nn.Module):
@@ -145,6 +146,7 @@ class FakeQuantize(WithArgs, nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+        per_tensor_qparams(self, state_dict, prefix)
         errors = check_quantized_state(self, state_dict, prefix)  # a NaN / 0 scale, an off-grid zero point
         if errors:
             error_msgs.extend(errors)
@@ -188,6 +190,17 @@ def _fake_quantize_fast(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.
     y = torch.fake_quantize_per_tensor_affine(x, scale.reshape(()), zero_point.reshape(()).to(torch.int32),
                                               quant_min, quant_max)
     return torch.where(torch.isnan(x), x.detach(), y)
+
+
+def per_tensor_qparams(fq: FakeQuantize, state_dict: dict[str, Any], prefix: str) -> None:
+    """A per-tensor module's ``scale`` / ``zero_point`` as 0-d tensors in ``state_dict`` (in place): torch.ao saves
+    them with shape ``(1,)``, which lowbit kept, so a loaded module held a ``(1,)`` grid where its own is ``()``."""
+    if fq.ch_axis is not None:
+        return
+    for name in ("scale", "zero_point"):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() > 0:
+            state_dict[prefix + name] = value.reshape(())
 
 
 def holds_grid(obs: nn.Module) -> bool:

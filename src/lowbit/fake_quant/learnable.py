@@ -63,7 +63,7 @@ from torch import nn
 from ..functional import _F32_MAX, _F32_TINY, _show, check_ch_axis, check_quantized_state
 from ..observer.base import ObserverBase
 from ..observer.minmax import MovingAverageMinMaxObserver
-from .base import FakeQuantize
+from .base import FakeQuantize, per_tensor_qparams
 
 __all__ = ["LearnableFakeQuantize", "fake_quantize_learnable", "enable_param_learning",
            "enable_static_estimate", "enable_static_observation"]
@@ -256,6 +256,9 @@ class LearnableFakeQuantize(FakeQuantize):
                 self.zero_point.fill_(self.symmetric_zero_point)
         grad_factor = 1.0 / math.sqrt(x.numel() * self.quant_max) if self.use_grad_scaling and x.numel() else 1.0
         if self.ch_axis is not None and self.scale.dim() == 0:  # per channel, never sized by an observer batch
+            if x.numel() == 0:  # an empty batch (the observer skipped it): nothing to quantize, nothing to learn
+                check_ch_axis(self.ch_axis, x.dim(), x.shape)
+                return x
             raise ValueError(f"{type(self).__name__}: its per-channel scale/zero_point have no channels yet; run one "
                              "batch with the observer on before enable_param_learning(), or build it with "
                              "channel_len=C (e.g. LearnableFakeQuantize.with_args(..., channel_len=C))")
@@ -299,7 +302,8 @@ class LearnableFakeQuantize(FakeQuantize):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
-        errors = check_quantized_state(self, state_dict, prefix) + self._check_parameters(state_dict, prefix)
+        errors = self._adopt_torch_ao_keys(state_dict, prefix)
+        errors += check_quantized_state(self, state_dict, prefix) + self._check_parameters(state_dict, prefix)
         if errors:  # a NaN / 0 / negative scale, a NaN zero point: rejected naming the key, state kept
             error_msgs.extend(errors)
             return
@@ -312,6 +316,27 @@ class LearnableFakeQuantize(FakeQuantize):
                                         unexpected_keys, error_msgs)
         if len(error_msgs) == n_errors and prefix + "scale" in state_dict:
             self._grid_loaded = True
+        # the loaded learning_enabled decides whether scale / zero_point require grad, as toggle_qparam_learning
+        # does (a checkpoint of the learning phase loaded into a fresh module left them frozen: no gradient, an
+        # optimizer that never moved them, learning_enabled=1 all along)
+        self.toggle_qparam_learning(bool(self.learning_enabled[0] == 1))
+
+    def _adopt_torch_ao_keys(self, state_dict: dict[str, Any], prefix: str) -> list[str]:
+        """Read a torch.ao ``_LearnableFakeQuantize`` checkpoint (in place): its ``static_enabled`` is lowbit's
+        ``observer_enabled`` (it replaces torch.ao's own, unused ``observer_enabled``); its module-level ``eps``
+        buffer (the scale's floor) is checked and dropped, lowbit's floor being the observer's ``eps`` (saved under
+        ``activation_post_process.eps`` too; torch.ao's two are equal unless set apart by hand); per-tensor
+        parameters of shape ``(1,)`` become 0-d."""
+        static = state_dict.pop(prefix + "static_enabled", None)
+        if static is not None:  # (torch.ao also saves its base class's observer_enabled, which its forward ignores)
+            state_dict[prefix + "observer_enabled"] = static
+        per_tensor_qparams(self, state_dict, prefix)
+        eps = state_dict.pop(prefix + "eps", None)
+        v = float(eps.reshape(-1)[0]) if isinstance(eps, torch.Tensor) and eps.numel() == 1 else None
+        if eps is not None and (v is None or not _F32_TINY <= v <= _F32_MAX):
+            return [f"{prefix}eps: expected one positive finite float32 value (torch.ao's eps buffer), got {eps!r} "
+                    f"({type(self).__name__})"]
+        return []
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
         """As ``nn.Module``'s, with ``scale`` saved as ``max(scale, eps)``: an optimizer step can leave a learned
