@@ -89,11 +89,9 @@ def _row_cells(r: dict[str, Any]) -> tuple[str, ...]:
 
 
 def rows_to_markdown(rows: list[dict[str, Any]]) -> str:
-    """The accuracy/size/latency table, cell for cell as ``lowbit quantize`` prints it."""
+    """The accuracy/size/latency table, cell for cell as ``lowbit quantize`` prints it (cells escaped: ``_md_cell``)."""
     rows = _check_rows(rows)
-    lines = ["| " + " | ".join(_head(rows)) + " |", "|" + "---|" * len(_HEAD)]
-    lines += ["| " + " | ".join(_row_cells(r)) + " |" for r in rows]
-    return "\n".join(lines)
+    return _md_table(_head(rows), [_row_cells(r) for r in rows])
 
 
 def _range_cells(ranges: list[ActivationRange]) -> list[tuple[str, ...]]:
@@ -105,9 +103,18 @@ _RANGE_HEAD = ("activation", "observer", "observed min", "observed max", "clip m
                "zero point")
 
 
+_MD_ESCAPE = str.maketrans({"\\": "\\\\", "|": "\\|", "`": "\\`", "<": "\\<", "\r": " ", "\n": " "})
+
+
+def _md_cell(text: str) -> str:
+    """One table cell as literal text: a line break would end the row and a ``|`` split it; a backslash, a backtick
+    (code span) and ``<`` (raw HTML such as ``<script>``) are backslash-escaped, so the cell renders as written."""
+    return text.translate(_MD_ESCAPE)
+
+
 def _md_table(head: tuple[str, ...], cells: list[tuple[str, ...]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells])
+    return "\n".join(lines + ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in cells])
 
 
 def _html_table(head: tuple[str, ...], cells: list[tuple[str, ...]]) -> str:
@@ -130,12 +137,30 @@ def _figure_class(required: bool) -> Any:
     return Figure
 
 
-def plot_sqnr(result: CompareResult, path: str | Path) -> list[tuple[str, str, float]]:
-    """Bar chart of ``result``'s per-layer SQNR to ``path`` (PNG); returns ``(layer, kind, dB)`` as drawn."""
+_ONE_LINE = str.maketrans({"\t": " ", "\r": " ", "\n": " "})  # a tick label is one line (DejaVu has no tab glyph)
+
+
+def _lowest(rows: list[Any], max_layers: int) -> list[Any]:
+    """The ``max_layers`` rows with the lowest SQNR (NaN first: no number is the worst news), in module order."""
+    def key(r: Any) -> float:
+        vals = [v for v in (r.act_sqnr_db, r.weight_sqnr_db) if v is not None]
+        return -math.inf if any(math.isnan(v) for v in vals) else min(vals, default=math.inf)
+    keep = set(sorted(range(len(rows)), key=lambda i: key(rows[i]))[:max_layers])
+    return [r for i, r in enumerate(rows) if i in keep]
+
+
+def plot_sqnr(result: CompareResult, path: str | Path, max_layers: int = 100) -> list[tuple[str, str, float]]:
+    """Bar chart of ``result``'s per-layer SQNR to ``path`` (PNG); returns ``(layer, kind, dB)`` as drawn.
+
+    More than ``max_layers`` layers: the ``max_layers`` with the lowest SQNR are drawn (the figure is 0.7 inch
+    a layer; 3000 layers made a 210,200-pixel-wide PNG, past what browsers display), the title says how many.
+    A NaN SQNR is a hatched grey bar of height 0 labelled ``nan``."""
     if not isinstance(result, CompareResult):
         raise TypeError(f"plot_sqnr: result must be a CompareResult from lowbit.debug.compare, got {type(result).__name__}")
+    if isinstance(max_layers, bool) or not isinstance(max_layers, int) or max_layers < 1:
+        raise ValueError(f"plot_sqnr: max_layers={max_layers!r} must be a positive int")
     figure = _figure_class(required=True)
-    rows = result.rows
+    rows = result.rows if len(result.rows) <= max_layers else _lowest(result.rows, max_layers)
     finite = [v for r in rows for v in (r.act_sqnr_db, r.weight_sqnr_db) if v is not None and math.isfinite(v)]
     top = (max(finite) if finite else 40.0) + 10.0  # where a +inf bar ends (an exact layer)
     lowest = min([0.0, *finite])
@@ -147,23 +172,28 @@ def plot_sqnr(result: CompareResult, path: str | Path) -> list[tuple[str, str, f
                                   ("weight", "weight_sqnr_db", 0.2, "tab:orange")):
         xs = [i + dx for i, r in enumerate(rows) if getattr(r, attr) is not None]
         vals = [getattr(r, attr) for r in rows if getattr(r, attr) is not None]
-        bars = ax.bar(xs, [(top if v > 0 else bottom) if math.isinf(v) else v for v in vals], width=0.4,
-                      color=color, label=kind)
+        bars = ax.bar(xs, [(top if v > 0 else bottom) if math.isinf(v) else 0.0 if math.isnan(v) else v
+                           for v in vals], width=0.4, color=color, label=kind)
         for bar, v, name in zip(bars, vals, [r.name for r in rows if getattr(r, attr) is not None]):
-            bar.set_gid(f"{kind}\t{name}\t{v if math.isinf(v) else 'finite'}")
-            if math.isinf(v):
+            bar.set_gid(f"{kind}\t{name}\t{v if not math.isfinite(v) else 'finite'}")
+            if not math.isfinite(v):
                 bar.set_hatch("//")
-                ax.annotate(str(v), (bar.get_x() + bar.get_width() / 2, top if v > 0 else bottom), ha="center",
-                            va="bottom" if v > 0 else "top", fontsize=8)
-    ax.set_xticks(range(len(rows)), [r.name or "<root>" for r in rows], rotation=45, ha="right")
+                y = top if v > 0 else 0.0 if math.isnan(v) else bottom
+                if math.isnan(v):
+                    bar.set_edgecolor("grey")
+                ax.annotate(str(v), (bar.get_x() + bar.get_width() / 2, y), ha="center",
+                            va="bottom" if v > 0 or math.isnan(v) else "top", fontsize=8)
+    ax.set_xticks(range(len(rows)), [(r.name or "<root>").translate(_ONE_LINE) for r in rows], rotation=45, ha="right")
     ax.set_ylabel("SQNR (dB)  (higher is better)")
-    ax.set_title("float vs quantized, per layer")
+    ax.set_title("float vs quantized, per layer" if len(rows) == len(result.rows) else
+                 f"float vs quantized: the {len(rows)} lowest-SQNR layers of {len(result.rows)}")
     ax.set_ylim(bottom - (3.0 if bottom < 0 else 0.0), top + 8.0)
     ax.legend(loc="upper left", ncols=2, fontsize=8)
     fig.savefig(path, dpi=100)
     drawn = []
     for patch in ax.patches:  # read back what was drawn: (layer, kind, bar height, or ±inf for a hatched bar)
-        kind, name, tag = (patch.get_gid() or "\t\t").split("\t")
+        kind, _, rest = (patch.get_gid() or "").partition("\t")
+        name, _, tag = rest.rpartition("\t")  # (a layer name may hold a tab)
         if kind:
             drawn.append((name, kind, float(tag) if tag != "finite" else float(patch.get_height())))
     return drawn
@@ -232,7 +262,7 @@ def write_report(out_dir: str | Path, table_rows: list[dict[str, Any]], compare_
     """
     if fmt not in ("md", "html"):
         raise ValueError(f"write_report: fmt={fmt!r} must be 'md' or 'html'")
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name:
+    if not isinstance(name, str) or not name or any(c in name for c in "/\\\0"):
         raise ValueError(f"write_report: name={name!r} must be a plain file stem such as 'report'")
     if plots not in (None, True, False):
         raise TypeError(f"write_report: plots={plots!r} must be None, True or False")
@@ -251,6 +281,10 @@ def write_report(out_dir: str | Path, table_rows: list[dict[str, Any]], compare_
         raise TypeError("write_report: histograms must be a prepared model, a list of ActivationRange or None, "
                         f"got {type(histograms).__name__}")
     out_dir = Path(out_dir)
+    blocker = next((p for p in (out_dir, *out_dir.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise NotADirectoryError(f"write_report: out_dir={str(out_dir)!r} cannot be a folder: {str(blocker)!r} is a "
+                                 "file (give another folder)")
     out_dir.mkdir(parents=True, exist_ok=True)
     files = ReportFiles(out_dir / f"{name}.{fmt}")
     wanted = compare_result is not None or bool(ranges)
@@ -268,7 +302,8 @@ def write_report(out_dir: str | Path, table_rows: list[dict[str, Any]], compare_
         sections.append(("Accuracy, size and latency", None, _head(rows), [_row_cells(r) for r in rows], ""))
     if compare_result is not None:
         sections.append(("Per-layer error: float vs quantized", files.figures.get("sqnr"), CompareResult.columns,
-                         compare_result.cells(), "SQNR = 10·log10(Σx² / Σ(x − x̂)²); every 6 dB is about one bit."))
+                         compare_result.cells(), "SQNR = 10·log10(Σx² / Σ(x − x̂)²); every 6 dB is about one bit."
+                         if compare_result.rows else "No layer was compared: the comparison holds no quantized layer."))
     if ranges:
         sections.append(("Activation ranges (calibration)", files.figures.get("activations"), _RANGE_HEAD,
                          _range_cells(ranges), "clip = [(qmin − zp)·s, (qmax − zp)·s], the representable range."))
