@@ -85,8 +85,12 @@ def keep_freed_memory(dry_run: bool = False) -> bool:
             return False
         if dry_run:
             return True
-        if libc.mallopt(_M_MMAP_MAX, 0) != 1 or libc.mallopt(_M_TRIM_THRESHOLD, _TRIM) != 1:  # 1: success
-            _state["reason"] = "glibc's mallopt refused the settings"
+        if libc.mallopt(_M_MMAP_MAX, 0) != 1:  # 1: success
+            _state["reason"] = "glibc's mallopt refused M_MMAP_MAX=0: nothing changed"
+            return False
+        if libc.mallopt(_M_TRIM_THRESHOLD, _TRIM) != 1:  # the first is in force and cannot be taken back
+            _state["reason"] = ("glibc's mallopt refused M_TRIM_THRESHOLD=2**31-1 after taking M_MMAP_MAX=0: only "
+                                "M_MMAP_MAX=0 is in force (large blocks stay in the heap; its free top is still trimmed)")
             return False
         _state["applied"] = True
         _state["reason"] = "applied: glibc mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2**31-1"

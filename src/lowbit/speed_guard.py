@@ -288,6 +288,10 @@ def keep_faster(qmodel: nn.Module, float_model: nn.Module, example_inputs: Any, 
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if not args:
         raise ValueError("keep_faster: example_inputs is empty")
+    for i, a in enumerate(args):  # a layer timed on no element measures call overhead only: its decision is noise
+        if isinstance(a, torch.Tensor) and a.numel() == 0:
+            raise ValueError(f"keep_faster: example_inputs[{i}] of shape {tuple(a.shape)} holds no element; time the "
+                             "layers on a real batch")
     timer = timer or _default_timer(rounds)
     floats = dict(float_model.named_modules())
     report = SpeedReport(model=qmodel)
@@ -297,6 +301,25 @@ def keep_faster(qmodel: nn.Module, float_model: nn.Module, example_inputs: Any, 
             raise ValueError(f"keep_faster: float_model has no module {name or '<root>'!r} matching the "
                              f"quantized {type(qmod).__name__}")
         _check_twin(name, qmod, floats[name])
+    modes = {m: m.training for m in qmodel.modules()}
+    qmodel.eval()  # the timing runs must not update a float BatchNorm's statistics or draw dropout masks
+    try:
+        return _keep_faster(qmodel, floats, layers, args, margin, timer, report)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def _check_times(times: Any, name: str) -> tuple[float, float]:
+    if (not isinstance(times, (tuple, list)) or len(times) != 2
+            or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < math.inf for t in times)):
+        raise ValueError(f"keep_faster: timer returned {times!r} for {name!r}; it must return two positive finite "
+                         "seconds (int8, float)")
+    return times[0], times[1]
+
+
+def _keep_faster(qmodel: nn.Module, floats: dict[str, nn.Module], layers: list[tuple[str, nn.Module]],
+                 args: tuple[Any, ...], margin: float, timer: Timer, report: SpeedReport) -> SpeedReport:
     inputs = _capture_inputs(qmodel, args)
     swaps: dict[str, tuple[nn.Module, nn.Module]] = {}
     for name, qmod in layers:
@@ -308,11 +331,7 @@ def keep_faster(qmodel: nn.Module, float_model: nn.Module, example_inputs: Any, 
         repl = _replacement(qmod, _float_twin(floats[name]), x)
         with torch.inference_mode():
             times = timer(name, functools.partial(qmod, x), functools.partial(repl, x))
-        if (not isinstance(times, (tuple, list)) or len(times) != 2
-                or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < math.inf for t in times)):
-            raise ValueError(f"keep_faster: timer returned {times!r} for {name!r}; it must return two positive finite "
-                             "seconds (int8, float)")
-        t_int8, t_float = times
+        t_int8, t_float = _check_times(times, name)
         ratio = t_float / t_int8
         kept = ratio > margin
         report.decisions.append(Decision(name, kind, tuple(x.shape), t_int8 * 1e3, t_float * 1e3, ratio, kept))
@@ -330,8 +349,14 @@ def keep_faster(qmodel: nn.Module, float_model: nn.Module, example_inputs: Any, 
         return qmodel(*args)
 
     # layers interact (layouts, requantization between neighbours): the swapped model must win as a whole
-    with torch.inference_mode():
-        t_int8, t_mixed = timer("<model>", functools.partial(run, False), functools.partial(run, True))
+    try:
+        with torch.inference_mode():
+            t_int8, t_mixed = _check_times(timer("<model>", functools.partial(run, False),
+                                                 functools.partial(run, True)), "<model>")
+    except BaseException:
+        for n, (q, _) in swaps.items():  # the timer may have left the swaps in place: the caller's model stays int8
+            _set(qmodel, n, q)
+        raise
     report.model_ms = (t_int8 * 1e3, t_mixed * 1e3)
     if not t_int8 / t_mixed > 1.0:
         for d in report.decisions:
