@@ -76,9 +76,22 @@ def fashion_mnist_available(root: str | os.PathLike[str] | None = None) -> bool:
     return all((d / f).is_file() for split in _FMNIST_FILES.values() for f in split[:2])
 
 
-def _read_idx(path: Path, offset: int) -> np.ndarray:
-    with gzip.open(path, "rb") as f:
-        return np.frombuffer(f.read(), np.uint8, offset=offset)
+def _read_idx(path: Path, dims: tuple[int, ...]) -> np.ndarray:
+    """The uint8 payload of an idx.gz file, checked against its header: magic ``0x08`` (unsigned byte) with
+    ``len(dims)`` dimensions, the sizes ``dims``, and exactly that many bytes after it."""
+    head = 4 + 4 * len(dims)
+    try:
+        with gzip.open(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:  # not gzip, truncated gzip stream, unreadable
+        raise ValueError(f"Fashion-MNIST file {path} cannot be read ({e}); reinstall 'dataset-fashion-mnist'") from e
+    got = tuple(int.from_bytes(raw[i:i + 4], "big") for i in range(0, min(head, len(raw)) // 4 * 4, 4))
+    want = (0x0800 + len(dims), *dims)
+    if got != want or len(raw) != head + int(np.prod(dims)):
+        raise ValueError(f"Fashion-MNIST file {path} is not the expected idx file: header {got}, expected {want} "
+                         f"and {head + int(np.prod(dims))} bytes, got {len(raw)} (a truncated or misnamed file; "
+                         "reinstall 'dataset-fashion-mnist')")
+    return np.frombuffer(raw, np.uint8, offset=head)
 
 
 def load_fashion_mnist(
@@ -100,7 +113,7 @@ def load_fashion_mnist(
     ...     print((5, 28, 28), torch.uint8, [9, 2, 1, 1, 6])
     (5, 28, 28) torch.uint8 [9, 2, 1, 1, 6]
     """
-    if split not in _FMNIST_FILES:
+    if not isinstance(split, str) or split not in _FMNIST_FILES:
         raise ValueError(f"split={split!r} must be 'train' or 'test'")
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise ValueError(f"limit={limit!r} must be a positive int or None")
@@ -111,8 +124,10 @@ def load_fashion_mnist(
             f"Fashion-MNIST {split!r} files not found in {d}: install the Debian package "
             f"'dataset-fashion-mnist' (apt-get install dataset-fashion-mnist) or set LOWBIT_FASHION_MNIST_DIR"
         )
-    x = _read_idx(d / img_file, 16).reshape(n, 28, 28)
-    y = _read_idx(d / lbl_file, 8)
+    x = _read_idx(d / img_file, (n, 28, 28)).reshape(n, 28, 28)
+    y = _read_idx(d / lbl_file, (n,))
+    if int(y.max()) >= len(FASHION_MNIST_CLASSES):
+        raise ValueError(f"Fashion-MNIST file {d / lbl_file} holds label {int(y.max())}; labels are 0..9")
     if limit is not None:
         x, y = x[:limit], y[:limit]
     return torch.from_numpy(x.copy()), torch.from_numpy(y.astype(np.int64))
@@ -124,8 +139,9 @@ def normalize_images(x: torch.Tensor) -> torch.Tensor:
     >>> normalize_images(torch.zeros(2, 28, 28, dtype=torch.uint8)).shape
     torch.Size([2, 1, 28, 28])
     """
-    if x.dtype != torch.uint8:
-        raise TypeError(f"normalize_images expects uint8 images, got dtype {x.dtype}")
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.uint8:
+        raise TypeError(f"normalize_images expects uint8 images, got "
+                        f"{f'dtype {x.dtype}' if isinstance(x, torch.Tensor) else type(x).__name__}")
     if x.dim() != 3:
         raise ValueError(f"normalize_images expects images of shape (N, H, W), got {tuple(x.shape)}")
     return ((x.to(torch.float32) / 255.0 - FASHION_MNIST_MEAN) / FASHION_MNIST_STD).unsqueeze(1)

