@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from ..functional import _F32_MAX, _F32_TINY, _show, check_ch_axis, check_quantized_state
-from ..observer.base import ObserverBase
+from ..observer.base import ObserverBase, saved_eps
 from ..observer.minmax import MovingAverageMinMaxObserver
 from .base import FakeQuantize, per_tensor_qparams
 
@@ -332,11 +332,8 @@ class LearnableFakeQuantize(FakeQuantize):
             state_dict[prefix + "observer_enabled"] = static
         per_tensor_qparams(self, state_dict, prefix)
         eps = state_dict.pop(prefix + "eps", None)
-        v = float(eps.reshape(-1)[0]) if isinstance(eps, torch.Tensor) and eps.numel() == 1 else None
-        if eps is not None and (v is None or not _F32_TINY <= v <= _F32_MAX):
-            return [f"{prefix}eps: expected one positive finite float32 value (torch.ao's eps buffer), got {eps!r} "
-                    f"({type(self).__name__})"]
-        return []
+        problem = "" if eps is None else saved_eps(eps, prefix, type(self).__name__)[1]
+        return [problem] if problem else []
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
         """As ``nn.Module``'s, with ``scale`` saved as ``max(scale, eps)``: an optimizer step can leave a learned

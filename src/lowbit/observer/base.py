@@ -93,6 +93,16 @@ class AbstractObserverError(TypeError, NotImplementedError):
     ``ObserverBase`` raises, and a ``NotImplementedError`` as the seeds document."""
 
 
+def saved_eps(eps: Any, prefix: str, owner: str) -> tuple[float, str]:
+    """A checkpoint's ``eps`` (torch.ao's ``(1,)`` buffer, lowbit's too): ``(value, "")``, or ``(nan, message)``
+    naming the key when it is not one positive finite float32 value."""
+    v = float(eps.reshape(-1)[0]) if isinstance(eps, torch.Tensor) and eps.numel() == 1 else float("nan")
+    if not _F32_TINY <= v <= _F32_MAX:
+        return v, (f"{prefix}eps: expected one positive finite float32 value (torch.ao's eps buffer), got {eps!r} "
+                   f"({owner})")
+    return v, ""
+
+
 class ObserverBase(abc.ABC, WithArgs, nn.Module):
     """Abstract observer: ``forward(x) -> x`` plus ``calculate_qparams() -> (scale, zero_point)``.
 
@@ -175,10 +185,9 @@ class ObserverBase(abc.ABC, WithArgs, nn.Module):
         errors = check_quantized_state(self, state_dict, prefix)  # NaN ranges, bad histograms / qparams
         eps = state_dict.pop(prefix + "eps", None)  # torch.ao keeps eps as a buffer, lowbit as a float: adopt it
         if eps is not None:
-            v = float(eps.reshape(-1)[0]) if isinstance(eps, torch.Tensor) and eps.numel() == 1 else None
-            if v is None or not _F32_TINY <= v <= _F32_MAX:
-                errors.append(f"{prefix}eps: expected one positive finite float32 value (torch.ao's eps buffer), got "
-                              f"{eps!r}")
+            v, problem = saved_eps(eps, prefix, type(self).__name__)
+            if problem:
+                errors.append(problem)
             elif not errors and v != float(torch.tensor(self.eps, dtype=eps.dtype if eps.is_floating_point() else torch.float64)):
                 self.eps = v  # (a torch.ao float32 eps equal to ours keeps the exact Python float, e.g. 1e-8)
         lo, hi = state_dict.get(prefix + "min_val"), state_dict.get(prefix + "max_val")
