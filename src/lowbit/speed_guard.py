@@ -114,6 +114,11 @@ def run_in_own_dtype(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x.to(w.dtype)).to(x.dtype)
 
 
+def requant_grid(requant: Quantize | None) -> tuple[float, int, QDtype] | None:
+    """A float layer's output grid ``(scale, zero_point, qdtype)`` from its ``Quantize`` child (``None``: float out)."""
+    return None if requant is None else (float(requant.scale), int(requant.zero_point), requant.qdtype)
+
+
 class FloatFallback(nn.Module):
     """A float module in an int8 model: ``quantize(float_module(x̂), out grid)`` (or float output).
 
@@ -132,8 +137,7 @@ class FloatFallback(nn.Module):
     @property
     def out(self) -> tuple[float, int, QDtype] | None:
         """The output grid ``(scale, zero_point, qdtype)``, or None (float output)."""
-        q = self.requant
-        return None if q is None else (float(q.scale), int(q.zero_point), q.qdtype)
+        return requant_grid(self.requant)
 
     def forward(self, x: Any) -> Any:
         xf = x.dequantize() if isinstance(x, QTensor) else x

@@ -59,7 +59,7 @@ from tqdm.auto import tqdm
 from ..qconfig import QConfigMapping
 from ..nn.quantized.stubs import Quantize
 from ..qtensor import QTensor
-from ..speed_guard import run_in_own_dtype
+from ..speed_guard import requant_grid, run_in_own_dtype
 from ..workflow.propagate import join_name
 from .checks import check_float_model
 from .compare import check_module, iter_batches
@@ -176,8 +176,7 @@ class _FloatTwin(nn.Module):
     @property
     def grid(self) -> tuple[float, int, Any] | None:
         """The output grid ``(scale, zero_point, qdtype)``, or None (float output)."""
-        q = self.requant
-        return None if q is None else (float(q.scale), int(q.zero_point), q.qdtype)
+        return requant_grid(self.requant)
 
     def forward(self, x: Any) -> Any:
         y = run_in_own_dtype(self.float_mod, x.dequantize() if isinstance(x, QTensor) else x)
