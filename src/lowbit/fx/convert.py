@@ -47,7 +47,7 @@ from .convert_dynamic import set_module as _set_module
 from .convert_dynamic import what as _what
 from .patterns import func_activation, is_dropout
 from .custom import check_preservable
-from .prepare import STATE_KEY, is_prepared
+from .prepare import STATE_KEY, is_prepared, returned_values
 from .report import FxReport
 from .weighted import arg_of, input_of, standin
 
@@ -85,11 +85,9 @@ class _Converter:
 
     def _quantized_outputs(self) -> set[fx.Node]:
         """The values returned as ``QTensor``s (``output_quantized_idxs``), read from the final output node."""
-        outputs = [n for n in self.graph.nodes if n.op == "output"]
-        if not outputs or not self.output_idxs:
+        values = returned_values(self.graph)
+        if not values or not self.output_idxs:
             return set()
-        args = outputs[0].args[0]
-        values = list(args) if isinstance(args, (tuple, list)) else [args]
         past = [i for i in self.output_idxs if i >= len(values)]
         if past:  # (a typo was silently ignored)
             raise ValueError(f"convert_fx: output_quantized_indexes {past} are past the model's {len(values)} outputs")

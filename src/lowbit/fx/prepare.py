@@ -256,6 +256,10 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
         for i in ctx.input_quantized:
             if i < len(placeholders):
                 placeholders[i].meta["lowbit_qinput"] = True
+        outputs = returned_values(gm.graph)
+        past = [i for i in ctx.output_quantized if i >= len(outputs)]
+        if past:  # (refused only at convert_fx before: after the whole QAT run)
+            raise ValueError(f"{ctx.fn}: output_quantized_indexes {past} are past the model's {len(outputs)} outputs")
     classify(gm, mod, ctx.mapping, set(opaque), ctx.module_types, ctx.report, prefix, ctx.dynamic_types)
     if _insert_observers(gm) == 0 and not top:
         return mod  # nothing to quantize here: keep the module as it was
@@ -263,6 +267,16 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
     gm.recompile()
     gm.meta[STATE_KEY] = {"is_qat": ctx.is_qat, "report": ctx.report, "prefix": prefix}
     return gm
+
+
+def returned_values(graph: fx.Graph) -> list[Any]:
+    """What the graph's ``output`` node returns, one entry per ``output_quantized_idxs`` index (a single
+    value, a tuple or a list)."""
+    outputs = [n for n in graph.nodes if n.op == "output"]
+    if not outputs:
+        return []
+    args = outputs[0].args[0]
+    return list(args) if isinstance(args, (tuple, list)) else [args]
 
 
 class _Ctx:
@@ -274,6 +288,7 @@ class _Ctx:
         self.captured: dict[nn.Module, tuple[Any, ...]] = {}
         self.custom = custom.float_to_observed_mapping
         self.input_quantized = list(custom.input_quantized_indexes)
+        self.output_quantized = list(custom.output_quantized_indexes)
         # leaves of the trace: declared non-traceable modules (by id) and classes, custom float classes
         self.leaves: tuple[set[int], set[type]] = (set(), set(custom.non_traceable_module_classes) | set(self.custom))
         self.module_types = graph_module_types() | set(self.custom.values())
