@@ -16,7 +16,9 @@ from typing import Any
 from torch import nn
 
 from ..custom_config import PrepareCustomConfig, check_module_types, swap_float_to_observed
+from ..fake_quant.base import holds_grid
 from ..mappings import copy_user_hooks, get_default_qat_module_mappings, get_default_static_quant_module_mappings
+from ..nn.intrinsic.qat.modules import BnFoldedBase
 from ..nn.quantized.functional_modules import FloatFunctional
 from ..observer.base import ObserverBase
 from ..observer.fixed import PlaceholderObserver
@@ -115,6 +117,7 @@ def prepare(model: nn.Module, qconfig: Any = None, inplace: bool = False,
     model, mapping, dynamic = _setup("prepare", model, qconfig, inplace, mapping, dynamic_mapping,
                                      get_default_static_quant_module_mappings(), get_default_qconfig_mapping())
     model = swap_float_to_observed(model, custom, skip=is_dynamic_qconfig)
+    _warn_recorded_grids("prepare", model)
     if _insert_observers(model, set(mapping) | non_leaf | set(custom.values()), set(dynamic)) == 0:
         warnings.warn("prepare(): no quantizable module got a qconfig — convert() will leave this model float",
                       stacklevel=2)
@@ -143,6 +146,8 @@ def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
             except (ValueError, TypeError, RuntimeError) as e:
                 raise type(e)(f"prepare_qat: module '{_path(name)}' ({type(mod).__name__}): {e}") from e
             return copy_user_hooks(mod, new, _OWN_HOOKS)  # user hooks survive
+        if isinstance(mod, BnFoldedBase):  # one op (built directly, or prepared before): its conv / linear is no layer
+            return mod  # of its own (swapped, it got a second, unused weight_fake_quant: torch.ao stops at fused modules)
         for cname, child in list(mod.named_children()):
             new = swap(child, join_name(name, cname))
             if new is not child:
@@ -152,12 +157,27 @@ def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
     model = swap(model, "")
     for parent, cname, new in plan:
         parent._modules[cname] = new
+    _warn_recorded_grids("prepare_qat", model)
     observed = set(get_default_static_quant_module_mappings()) | set(mapping.values())
     if _insert_observers(model, observed, set(dynamic)) == 0:
         warnings.warn("prepare_qat(): no quantizable module got a qconfig — convert() will leave this model float",
                       stacklevel=2)
     _warn_post_training_qconfigs(model)
     return model.train()
+
+
+def _warn_recorded_grids(fn: str, model: nn.Module) -> None:
+    """Warn naming the modules whose output observer / fake-quant (from an earlier ``prepare`` / ``prepare_qat``) holds
+    a recorded grid: preparing again replaces it with a fresh one (as torch.ao does, silently), so a QAT model given to
+    ``prepare_qat`` a second time (a re-run notebook cell) lost its trained activation grids without a word."""
+    held = [f"'{_path(name)}' ({type(mod).__name__})" for name, mod in model.named_modules()
+            if not _is_observer(mod) and _is_observer(obs := mod._modules.get("activation_post_process"))
+            and holds_grid(obs)]
+    if held:
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        warnings.warn(f"{fn}(): the model was prepared before: the recorded output grids of {shown} are replaced by "
+                      "fresh observers / fake-quants (their statistics are lost); prepare the float model, or keep "
+                      "training / calibrating the prepared one", stacklevel=3)
 
 
 def _warn_post_training_qconfigs(model: nn.Module) -> None:
