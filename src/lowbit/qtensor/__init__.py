@@ -3,9 +3,10 @@
 ``x̂ = (int_repr - zero_point) * scale`` — per tensor with 0-d qparams, per channel with ``(C,)``
 qparams broadcast along ``axis``. A QTensor is a small value object, not a ``torch.Tensor``
 subclass: shape ops that keep the grid (view, reshape, flatten, squeeze/unsqueeze, permute,
-transpose, indexing, chunk/split/unbind, relu, max_pool, cat of equal grids; ``qtensor/shape_ops.py``)
-stay integer, and so do average pooling, ``mean``, nearest interpolation, constant padding and
-clamping (``qtensor/ops.py``);
+transpose, indexing, chunk/split/unbind, relu, max_pool, cat of equal grids, flip / roll / repeat / index_select /
+gather / expand ...; ``qtensor/shape_ops.py``) stay integer, and so do average pooling, ``mean``, nearest
+interpolation, constant padding, clamping, ``masked_fill`` (``qtensor/ops.py``) and sort / topk / max / min
+(``qtensor/order.py``);
 any other torch op runs on the dequantized values and warns once, naming the op, so a model never
 crashes at an int8/float boundary.
 
@@ -36,7 +37,7 @@ import torch
 from ..compile_state import tracing
 from ..functional import _F32_MAX, _F32_TINY, check_ch_axis, dequantize
 from ..qscheme import QDtype, QScheme, as_qdtype
-from .axis import indexed_axis, reshaped_axis
+from .axis import indexed_axis, reshaped_axis, traced
 from .layout import contiguous_codes, merges_channels_last, view_of_channels_last
 
 __all__ = ["QTensor", "quantize_per_tensor", "quantize_per_channel"]
@@ -239,9 +240,13 @@ class QTensor:
     def _regrid(self, q: torch.Tensor, axis: int | None, channels: Any = slice(None)) -> Any:
         """Codes ``q`` on this grid; per channel, ``axis`` is where the channel dim now is and
         ``channels`` selects its qparams (an int selects one channel: the result is per tensor on its grid, or,
-        for a fractional float zero point no per-tensor grid holds, the float values ``(q - z) * s``, warned)."""
+        for a fractional float zero point no per-tensor grid holds, the float values ``(q - z) * s``, warned). A slice
+        or index tensor keeping one channel of several is that channel's per-tensor grid too, as torch's slices
+        (``qt[:, 1:2]``, ``narrow``, ``split`` / ``chunk`` pieces of one channel; they stayed per channel)."""
         if self._axis is None:
             return self._same_grid(q)
+        if not isinstance(channels, int) and self._scale.numel() > 1 and axis is not None and q.shape[axis] == 1:
+            channels = range(self._scale.numel())[channels][0] if isinstance(channels, slice) else int(channels[0])
         s, z = self._scale[channels], self._zero_point[channels]
         if isinstance(channels, int) and z.is_floating_point() and z.device.type != "meta" and bool(z != torch.round(z)):
             _warn_float_fallback("selecting one channel of a float-zero-point per-channel QTensor")  # (was a ValueError)
@@ -296,8 +301,8 @@ class QTensor:
         if "dims" in kwargs:
             dims = (kwargs.pop("dims"),)
         q = self._q.permute(*dims)
-        order = [d % self.dim() for d in (dims[0] if len(dims) == 1 and not isinstance(dims[0], int) else dims)]
-        return self._regrid(q, None if self._axis is None else order.index(self._axis))
+        moved = [d % self.dim() for d in (dims[0] if len(dims) == 1 and not isinstance(dims[0], int) else dims)]
+        return self._regrid(q, None if self._axis is None else moved.index(self._axis))
 
     def transpose(self, dim0: int, dim1: int) -> QTensor:
         d0, d1 = dim0, dim1
@@ -312,12 +317,16 @@ class QTensor:
 
     def __getitem__(self, idx: Any) -> QTensor:
         """Indexing; per channel, basic indices (ints, slices, ``None``, ``...``) keep the grid: an
-        int on the channel dim gives that channel's per-tensor grid, a slice slices the qparams."""
+        int on the channel dim gives that channel's per-tensor grid, a slice slices the qparams; advanced indices
+        (tensors, bools) take the grid ``axis.traced`` finds (float values where the codes mix channels)."""
         q = self._q[idx]
         if self._axis is None:
             return self._same_grid(q)
         where = indexed_axis(idx, self.dim(), self._axis)
-        return self._float_fallback("__getitem__", idx) if where is None else self._regrid(q, *where)
+        if where is not None:
+            return self._regrid(q, *where)
+        out = traced(self, lambda t: t[idx])  # advanced indexing: the grid its channels say, else float values
+        return self._float_fallback("__getitem__", idx) if out is None else out
 
     def relu(self) -> QTensor:
         """ReLU on codes: ``max(q, zero_point)`` — exact, the grid is unchanged (float per-channel zero points:
@@ -362,7 +371,7 @@ def _tree_dequantize(obj: Any) -> Any:
 _INT_OPS: dict[Callable, Callable] = {}  # torch function -> integer implementation (shape_ops.py, pool.py, ops.py)
 
 
-from . import ops, pool, shape_ops  # noqa: E402,F401  register their integer ops into _INT_OPS
+from . import ops, order, pool, shape_ops  # noqa: E402,F401  register their integer ops into _INT_OPS
 from .convert import install as _install_conversions  # noqa: E402
 from .factories import quantize_per_channel, quantize_per_tensor  # noqa: E402
 from .fallback import install as _install_fallback  # noqa: E402
