@@ -197,6 +197,8 @@ def test_methods_equal_the_float_tensor_on_dequantized_values(name, per_channel)
         got = getattr(qt, name)(*ARGS.get(name, ()))
     want = getattr(qt.dequantize(), name)(*ARGS.get(name, ()))
     got = got.dequantize() if isinstance(got, Q.QTensor) else got
+    if isinstance(got, tuple):  # (sort / max ...: values on the grid since session 37, with the float op's indices)
+        got = type(got)([g.dequantize() if isinstance(g, Q.QTensor) else g for g in got])
     if isinstance(want, torch.Tensor):
         assert torch.equal(torch.as_tensor(got), want)
     else:
@@ -210,7 +212,7 @@ def test_attributes_and_operators():
     assert torch.equal(qt.mT.dequantize(), ref.mT) and qt.data is qt
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert torch.equal(qt.masked_fill(ref < 0, 0.0), ref.masked_fill(ref < 0, 0.0))
+        assert torch.equal(qt.masked_fill(ref < 0, 0.0).dequantize(), ref.masked_fill(ref < 0, 0.0))  # (codes: s37)
         assert torch.equal(qt < 0, ref < 0) and torch.equal(abs(qt), ref.abs()) and torch.equal(qt ** 2, ref ** 2)
         assert torch.equal(2.0 / qt, 2.0 / ref) and float(qt[0, 0]) == float(ref[0, 0])
         assert all(isinstance(r, Q.QTensor) for r in qt) and [r.tolist() for r in qt] == ref.tolist()

@@ -201,3 +201,8 @@ def install(cls: type) -> None:
     cls.__format__ = _format  # type: ignore[method-assign]
     cls.requires_grad_ = _requires_grad_  # type: ignore[attr-defined]
     cls.share_memory_ = _share_memory_  # type: ignore[attr-defined]
+    # the DLPack protocol gives the dequantized values (float32): torch.tensor(qt) / torch.as_tensor(qt) /
+    # torch.from_dlpack(qt) read the values as np.asarray(qt) does (torch.tensor(qt) walked the QTensor as a nested
+    # sequence and failed at its 0-d elements: "len() of a 0-d tensor"); a QTensor comes back only from qt.clone()
+    cls.__dlpack__ = lambda self, *args, **kwargs: self.dequantize().__dlpack__(*args, **kwargs)  # type: ignore
+    cls.__dlpack_device__ = lambda self: self.int_repr().__dlpack_device__()  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ any public name of ``torch.Tensor`` that ``QTensor`` does not define itself:
 - **in-place methods** (``add_``, ``masked_fill_``, ``qt[i] = v`` ...) and torch's in-place functions on a QTensor
   (``torch.relu_(qt)``, ``F.hardtanh_(qt)``) raise a ``TypeError`` naming the method: they would change a
   dequantized copy, not the codes, so running them would lose the write;
-- **everything else** (methods such as ``sum``, ``argmax``, ``masked_fill``, ``softmax``; the Python
+- **everything else** (methods such as ``sum``, ``cumsum``, ``softmax``; the Python
   operators ``<``, ``**``, ``abs()`` ...) runs on ``dequantize()`` and warns once per name
   (``"lowbit: QTensor.sum has no integer implementation ..."``); the result is a float tensor.
 

@@ -7,7 +7,8 @@ output keeps ``(s, z)``:
 - selection ops are exact (code for code): ``F.interpolate(mode="nearest" / "nearest-exact")``, ``F.pad`` (constant;
   the pad value quantized onto the grid, so ``0.0`` pads ``z``), ``F.hardtanh``/``F.relu6``/``torch.clamp``
   (``clamp(q, quantize(min), quantize(max))``; a bound past the grid's far end, whose code would saturate, runs on
-  float values);
+  float values); ``masked_fill`` / ``torch.where`` with a number (on the grid, else float values, as ``F.pad``'s
+  value) and ``tril`` / ``triu`` (0.0's code);
 - averaging ops round the mean of the centred codes half to even:
   ``q_out = clamp(round(mean_window(q - z) + z), qmin, qmax)`` (the mean code rounded, as torch) for ``F.avg_pool1d/2d/3d``,
   ``F.adaptive_avg_pool1d/2d/3d`` and ``torch.mean``. The mean is exact (float64 where float32 could
@@ -36,9 +37,9 @@ import torch.nn.functional as F
 
 from ..compile_state import tracing
 from ..functional import quantize
-from . import _INT_OPS, QTensor
+from . import _INT_OPS, QTensor, _warn_float_fallback
 
-__all__ = ["zero_codes"]
+__all__ = ["fill_code", "zero_codes"]
 
 _F32_EXACT = 2**24  # float32 holds every integer up to this exactly
 
@@ -134,21 +135,34 @@ def _pad(x: Any, pad: Any, mode: str = "constant", value: float | None = None) -
     (warned), so the next layer quantizes it on the grid it calibrated; its code would have saturated silently."""
     if not isinstance(x, QTensor) or mode != "constant" or _touches_axis(x, len(pad) // 2):
         return NotImplemented
-    if not value:  # 0 is the zero point's code on every integer grid: no quantize call
-        fill = x.zero_point.to(torch.int64).reshape(()) if x.axis is None else zero_codes(x)
-    else:
-        fill = _code_bound(x, float(value))
-        assert fill is not None
-        s = _channel_shaped(x, x.scale).to(torch.float64)
-        held = (fill - _channel_shaped(x, x.zero_point)).to(torch.float64) * s
-        if bool(((held - float(value)).abs() > 0.5001 * s).any()):
-            return NotImplemented
+    if value is not None and float(value) != float(value):
+        _code_bound(x, value)  # raises: a NaN pad value has no code (masked_fill's NaN: float values instead)
+    fill = fill_code(x, value or 0.0)
+    if fill is None:
+        return NotImplemented
     if x.axis is None and not tracing():
         return x._same_grid(F.pad(x.int_repr(), pad, value=int(fill)))
     # per channel, or while torch.compile / torch.export trace (int() of the fill code is a data-dependent read
     # there): pad 0 around q - fill, the same codes
     q = (F.pad(x.int_repr().to(torch.int64) - fill, pad) + fill).to(x.qdtype.storage)
     return x._same_grid(q) if x.axis is None else QTensor(q, x.scale, x.zero_point, x.qdtype, x.axis)
+
+
+def fill_code(x: QTensor, value: Any) -> torch.Tensor | None:
+    """The code of the fill value ``value`` on ``x``'s grid (int64: 0-d per tensor, channel-shaped per channel), or
+    ``None`` where the grid cannot hold it within half a step on every channel (past its ends, ``-inf`` as an attention
+    mask fills, NaN): the caller then runs on float values (warned) instead of saturating the code silently. ``0.0`` is
+    the zero point (``zero_codes``; no quantize call). ``F.pad``'s value, ``masked_fill``, ``torch.where``."""
+    value = float(value)
+    if value != value:
+        return None
+    if not value:  # 0 is the zero point's code on every integer grid
+        return x.zero_point.to(torch.int64).reshape(()) if x.axis is None else zero_codes(x)
+    fill = _code_bound(x, value)
+    assert fill is not None
+    s = _channel_shaped(x, x.scale).to(torch.float64)
+    held = (fill - _channel_shaped(x, x.zero_point)).to(torch.float64) * s
+    return None if bool(((held - value).abs() > 0.5001 * s).any()) else fill
 
 
 def _code_bound(x: QTensor, v: Any) -> torch.Tensor | None:
@@ -202,6 +216,76 @@ def _relu6(x: Any, inplace: bool = False) -> Any:
     return _clamp(x, 0.0, 6.0)
 
 
+def _fill_value(x: QTensor, value: Any) -> torch.Tensor | None:
+    """``value`` (a Python number or a 0-d float tensor) as its code on ``x``'s grid (``fill_code``), else ``None``."""
+    if isinstance(value, torch.Tensor) and (value.dim() or value.is_complex()):
+        return None
+    if isinstance(value, (QTensor, complex)) or x.scale.device.type == "meta" or (
+            isinstance(value, torch.Tensor) and value.device.type == "meta"):
+        return None
+    return fill_code(x, value.item() if isinstance(value, torch.Tensor) else value)
+
+
+def _masked_fill(self: QTensor, mask: Any, value: Any) -> Any:
+    """``masked_fill`` with ``value`` quantized onto the grid (per channel, each channel's code): exact, the grid kept,
+    as torch's quantized ``masked_fill``. A value the grid cannot hold (``-inf`` as attention masks fill, NaN, a value
+    past its ends that torch saturates) runs on float values (warned), as ``F.pad`` with such a value."""
+    q = self.int_repr()
+    fill = _fill_value(self, value)
+    if fill is None or tracing():
+        _warn_float_fallback("QTensor.masked_fill (a fill value off the grid)" if fill is None else "QTensor.masked_fill")
+        return self.dequantize().masked_fill(mask, value)
+    if self.axis is None:
+        return self._same_grid(q.masked_fill(mask, int(fill)))
+    q.masked_fill(mask, 0)  # (torch's checks: a bool mask that broadcasts to the codes' shape)
+    return QTensor._trusted(torch.where(mask, fill.to(q.dtype), q), self.scale, self.zero_point, self.qdtype, self.axis)
+
+
+def _keep_grid(a: QTensor, b: Any) -> bool:
+    """Whether QTensor ``b`` is on ``a``'s grid (per channel: the same axis, qparams and shape)."""
+    return (isinstance(b, QTensor) and a.qdtype == b.qdtype and a.axis == b.axis
+            and (a.axis is None or a.shape == b.shape) and torch.equal(a.scale, b.scale)
+            and torch.equal(a.zero_point, b.zero_point))
+
+
+def _where(condition: Any, input: Any = None, other: Any = None, *, out: Any = None) -> Any:  # noqa: A002
+    """``torch.where(cond, a, b)`` with QTensors on one grid, or a QTensor and a number the grid holds: the codes
+    selected, exact (torch's quantized tensors have no ``where``). Per channel, when the output keeps the QTensor's
+    shape. Other grids: the float fallback."""
+    if input is None or out is not None or isinstance(condition, QTensor) or tracing():
+        return NotImplemented
+    x = input if isinstance(input, QTensor) else other
+    if x.scale.device.type == "meta":  # (no qparams to compare)
+        return NotImplemented
+    codes = []
+    for v in (input, other):
+        c = v.int_repr() if _keep_grid(x, v) else None if isinstance(v, (QTensor, torch.Tensor)) and v.dim() \
+            else _fill_value(x, v)
+        if c is None:
+            return NotImplemented
+        codes.append(c.to(x.int_repr().dtype))
+    q = torch.where(condition, *codes)
+    if x.axis is None:
+        return x._same_grid(q)
+    return QTensor(q, x.scale, x.zero_point, x.qdtype, x.axis) if q.shape == x.shape else NotImplemented
+
+
+def _triangle(name: str) -> Callable:
+    """``tril`` / ``triu``: the codes kept, the rest 0.0's code (``zero_codes``), exact (torch's quantized tensors
+    have neither)."""
+    def method(self: QTensor, diagonal: int = 0) -> QTensor:
+        q = self.int_repr()
+        keep = getattr(torch.ones(q.shape[-2:] if q.dim() >= 2 else q.shape, dtype=torch.bool, device=q.device),
+                       name)(diagonal)  # (torch's error for fewer than 2 dims)
+        return QTensor(torch.where(keep, q, zero_codes(self).to(q.dtype)), self.scale, self.zero_point, self.qdtype,
+                       self.axis)
+    method.__name__ = name
+    return method
+
+
+QTensor.masked_fill = _masked_fill  # type: ignore[attr-defined]
+QTensor.tril, QTensor.triu = _triangle("tril"), _triangle("triu")  # type: ignore[attr-defined]
+QTensor.where = lambda self, condition, other: torch.where(condition, self, other)  # type: ignore[attr-defined]
 QTensor.clip = QTensor.clamp  # type: ignore[attr-defined]  # (as torch.clip: the method kept the float fallback)
 
 _INT_OPS.update({
@@ -218,4 +302,8 @@ _INT_OPS.update({
     F.relu6: _relu6,
     torch.clamp: _clamp,
     torch.clip: _clamp,
+    torch.where: _where,
+    torch.masked_fill: lambda x, mask, value: _masked_fill(x, mask, value) if isinstance(x, QTensor) else NotImplemented,
+    torch.tril: lambda x, diagonal=0: x.tril(diagonal) if isinstance(x, QTensor) else NotImplemented,
+    torch.triu: lambda x, diagonal=0: x.triu(diagonal) if isinstance(x, QTensor) else NotImplemented,
 })
