@@ -25,6 +25,7 @@ predecessors' (GPTQ paper §"Step 3"; AWQ does the same). The pieces:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 __all__ = ["decoder_layers", "capture_block_inputs", "linear_groups", "run_block", "StopForward", "check_llm_calib",
-           "check_has_linears", "token_mask", "real_rows"]
+           "check_has_linears", "token_mask", "real_rows", "generation_positions"]
 
 _LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers")
 
@@ -106,12 +107,14 @@ def real_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """``x`` ``(..., K)`` as ``(n, K)`` rows, only those of real tokens where ``mask`` ``(batch, tokens)`` is given.
 
     Padding is dropped by indexing, not by a 0 weight (a NaN in a padded row would survive ``0 * NaN``). A Linear
-    whose input does not have the batch's ``(batch, tokens)`` leading shape (a routed MoE expert) is a ``ValueError``.
+    whose input has neither the batch's ``(batch, tokens)`` leading shape nor its ``batch * tokens`` rows flattened
+    (OPT's MLP) is a ``ValueError`` (a routed MoE expert).
     """
     rows = x.reshape(-1, x.shape[-1])
     if mask is None:
         return rows
-    if tuple(x.shape[:-1]) != tuple(mask.shape):
+    # (batch, tokens, K), or its tokens flattened to (batch * tokens, K) (OPT's MLP reads that)
+    if tuple(x.shape[:-1]) != tuple(mask.shape) and tuple(x.shape[:-1]) != (mask.numel(),):
         raise ValueError(f"lowbit.llm: a Linear's input of shape {tuple(x.shape)} does not match the attention_mask "
                          f"{tuple(mask.shape)}: padding cannot be told from real tokens there; calibrate with "
                          "unpadded batches")
@@ -152,9 +155,31 @@ def check_llm_calib(model: nn.Module, calib: Iterable[Any], fn: str) -> list[Any
     return batches
 
 
+def generation_positions(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` with the ``position_ids`` HF's ``generate`` gives a padded batch, where it has a mask and none.
+
+    A model's own forward numbers the tokens ``0..T-1`` whatever the ``attention_mask`` (Llama, GPT-BigCode ...),
+    so with left padding a real token sits at its padded position; ``generate`` (and so deployment) numbers real
+    tokens from the mask: ``cumsum(mask) - 1``, padding at 0. Rotary attention cannot tell (it sees position
+    differences), but learned absolute positions (GPT-BigCode's ``wpe``) gave every statistic other activations than
+    the model's. Left as they are: batches with ``position_ids``, no mask, or a forward with no ``position_ids``.
+    """
+    m = batch.get("attention_mask")
+    if "position_ids" in batch or not isinstance(m, torch.Tensor) or bool(m.all()):
+        return batch
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return batch
+    if "position_ids" not in params or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return batch
+    pos = m.long().cumsum(-1) - 1  # (batch, tokens), as transformers' _prepare_position_ids_for_generation
+    return {**batch, "position_ids": pos.masked_fill(m == 0, 0)}
+
+
 def _call(model: nn.Module, batch: Any) -> None:
     if isinstance(batch, dict):
-        model(**{"use_cache": False, **batch})
+        model(**{"use_cache": False, **generation_positions(model, batch)})
     elif isinstance(batch, torch.Tensor):
         model(batch, use_cache=False)
     else:
