@@ -96,3 +96,35 @@ def test_w8a8_on_a_left_padded_batch_matches_the_unpadded_one():
     ref = Q.quantize_w8a8(m, _seqs())(ev).logits
     got = Q.quantize_w8a8(m, [_pad(_seqs(), 26, left=True)])(ev).logits
     assert torch.allclose(got, ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+
+
+# ---- 2. a quantized tied model saved and loaded ----
+@pytest.mark.parametrize("head", ["int8", "int4"])
+def test_a_quantized_tied_model_round_trips_through_save_pretrained(tmp_path, head):
+    safetensors = pytest.importorskip("safetensors.torch")
+    calib, ev = [torch.randint(0, 64, (1, 16)) for _ in range(2)], torch.randint(0, 64, (1, 16))
+    qm = Q.quantize_llm(_llama(), calib, bits=4, group_size=16, head=head, progress=False)
+    ref = qm(ev).logits
+    qm.save_pretrained(tmp_path)  # was: RuntimeError "The weights trying to be saved contained shared tensors"
+    sd = safetensors.load_file(str(tmp_path / "model.safetensors"))
+    assert not any(k.startswith("model.embed_tokens.") for k in sd)  # the codes once, under lm_head
+    fresh = Q.quantize_llm(_llama(seed=1), calib, bits=4, group_size=16, head=head, method="rtn", awq=False,
+                           progress=False)  # the same structure, other codes
+    fresh.load_state_dict(sd)  # strict
+    assert fresh.model.embed_tokens.head is fresh.lm_head
+    assert torch.equal(fresh(ev).logits, ref)
+    safetensors.save_file(qm.state_dict(), str(tmp_path / "plain.safetensors"))  # was: "tensors share memory"
+
+
+def test_a_checkpoint_with_the_head_under_the_embedding_too_still_loads():
+    """State dicts written before (the head's codes also under ``model.embed_tokens.head.``) load strictly."""
+    calib, ev = [torch.randint(0, 64, (1, 16))], torch.randint(0, 64, (1, 16))
+    qm = Q.quantize_llm(_llama(), calib, bits=4, group_size=16, progress=False)
+    sd = qm.state_dict()
+    old = {**sd, **{f"model.embed_tokens.head.{k[len('lm_head.'):]}": v for k, v in sd.items()
+                    if k.startswith("lm_head.")}}
+    fresh = Q.quantize_llm(_llama(seed=1), calib, bits=4, group_size=16, method="rtn", awq=False, progress=False)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh(ev).logits, qm(ev).logits)
+    emb = fresh.model.embed_tokens.to(torch.bfloat16)  # the embedding alone moves the head it reads
+    assert emb.head.scales.dtype == torch.bfloat16 and emb(ev).dtype == torch.bfloat16

@@ -7,7 +7,7 @@ embedding by a ``TiedEmbedding`` that holds *the same* module, dequantizing only
 
     embed(ids)[t] = (q[ids_t] - z[ids_t]) * s[ids_t]        # row-wise, groups of g columns
 
-so the checkpoint holds one copy (``torch.save`` / ``state_dict`` share the storages) and decoding reads
+so the checkpoint holds one copy (the codes are in the ``state_dict`` once, under the head's name) and decoding reads
 the quantized matrix for the logits. An untied embedding is left float (it is a lookup: it costs
 memory, not time).
 
@@ -24,6 +24,7 @@ memory, not time).
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,11 @@ class TiedEmbedding(nn.Module):
             raise TypeError(f"TiedEmbedding: head must be a WeightOnlyLinear, got {type(head).__name__}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"TiedEmbedding: dtype={dtype!r} must be a floating-point torch.dtype")
-        self.head, self.padding_idx = head, padding_idx
+        # the head is the model's lm_head module, held here as a plain reference, not a submodule: a state dict with
+        # its codes under two names shares storages, which safetensors and HF save_pretrained refuse (the tied
+        # checkpoint could not be saved); it has them once, under the head's own name
+        object.__setattr__(self, "head", head)
+        self.padding_idx = padding_idx
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         # the dtype of the vectors looked up, as nn.Embedding's weight gives it: an empty float buffer, so that
         # .half() / .to(torch.bfloat16) of the model change it (the lookups were float32 whatever the model's dtype,
@@ -63,6 +68,19 @@ class TiedEmbedding(nn.Module):
         e = (q.float().reshape(flat.numel(), -1, h._g) - z[..., None]) * s[..., None]
         return e.reshape(*ids.shape, h.in_features).to(self._out.dtype)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> TiedEmbedding:
+        # .to() / .half() of the embedding alone move the head it reads too (in a model the head gets them as lm_head)
+        if recurse:
+            self.head._apply(fn, recurse)
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # checkpoints written while the head was a submodule hold its codes under "<prefix>head." too: the same
+        # tensors as the head's own keys, which load them; dropped here rather than reported as unexpected
+        for key in [k for k in state_dict if k.startswith(prefix + "head.")]:
+            del state_dict[key]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tied to a {self.head.bits}-bit head"
 
@@ -76,6 +94,9 @@ def find_head(model: nn.Module) -> tuple[str, str | None]:
         out = next((m for n, m in model.named_modules() if n.split(".")[-1] == "lm_head"), None)
     if emb is None:
         emb = next((m for n, m in model.named_modules() if n.split(".")[-1] in ("embed_tokens", "wte")), None)
+    if isinstance(out, WeightOnlyLinear):
+        raise ValueError(f"lowbit.llm: the output projection of {type(model).__name__} is a {out.bits}-bit "
+                         "WeightOnlyLinear: the model is quantized already; pass the float model")
     if not isinstance(out, nn.Linear):
         raise ValueError(f"lowbit.llm: no nn.Linear output projection (lm_head) found in {type(model).__name__}")
     tied = isinstance(emb, nn.Embedding) and emb.weight is out.weight
