@@ -35,7 +35,7 @@ TIERS: list[tuple[str, ...]] = [
     ("export", "algorithms", "debug", "data"),
     ("report", "ptq", "ptq_checks", "models"),  # debug results rendered; quantize_ptq (fx + algorithms), its checks; CNNs
     ("__init__",),                     # the package root: re-exports the public names of all of the above
-    ("cli", "__main__"),
+    ("cli", "cli.gguf_file", "__main__"),  # gguf_file: quantize-llm's check of a .gguf header before transformers
 ]
 RANK = {prefix: i for i, tier in enumerate(TIERS) for prefix in tier}
 OPTIONAL = ("onnx", "onnxruntime", "matplotlib", "transformers", "gensim", "safetensors", "tokenizers")

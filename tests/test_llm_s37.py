@@ -7,10 +7,14 @@ its fix.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import lowbit as Q
+from lowbit import cli
+from lowbit.cli.common import CLIError
+from lowbit.cli.gguf_file import check_gguf
 from lowbit.llm import blocks as B
 from lowbit.llm.blocks import capture_block_inputs, decoder_layers, linear_groups, token_mask
 from lowbit.llm.sequential import _input_stats
@@ -128,3 +132,70 @@ def test_a_checkpoint_with_the_head_under_the_embedding_too_still_loads():
     assert torch.equal(fresh(ev).logits, qm(ev).logits)
     emb = fresh.model.embed_tokens.to(torch.bfloat16)  # the embedding alone moves the head it reads
     assert emb.head.scales.dtype == torch.bfloat16 and emb(ev).dtype == torch.bfloat16
+
+
+# ---- 3. GGUF files: a one-line error naming the file, the tensor and its type ----
+def _gguf(path, q_type: str = "F32") -> None:
+    gguf = pytest.importorskip("gguf")
+    T = gguf.GGMLQuantizationType
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_string("general.note", "x" * 40)
+    w.add_array("general.tags", ["a", "bc"])
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal((32, 64)) * 0.1).astype(np.float32)
+    w.add_tensor("token_embd.weight", a)
+    if q_type == "I8":
+        w.add_tensor("blk.0.attn_q.weight", (a * 100).astype(np.int8), raw_dtype=T.I8)
+    else:
+        d = gguf.quants.quantize(a, T[q_type])
+        w.add_tensor("blk.0.attn_q.weight", d, raw_shape=d.shape, raw_dtype=T[q_type])
+    w.add_tensor("output_norm.weight", a[0])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("q_type", ["F32", "Q8_0", "Q4_1", "BF16"])
+def test_a_sound_gguf_file_passes_and_one_byte_less_is_named(tmp_path, q_type):
+    _gguf(tmp_path / "m.gguf", q_type)
+    check_gguf(tmp_path / "m.gguf")
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:-1])
+    with pytest.raises(CLIError, match=r"cut.gguf is truncated: tensor 'output_norm.weight' \(F32, 256 bytes from "
+                                       rf"byte \d+\) ends at byte {len(data)}, past the file's end"):
+        check_gguf(tmp_path / "cut.gguf")
+
+
+def _cli_error(tmp_path, capsys, name: str) -> str:
+    (tmp_path / "t.txt").write_text("a b c " * 50)
+    rc = cli.main(["quantize-llm", str(tmp_path / name), "--text", str(tmp_path / "t.txt"), "--out", str(tmp_path / "o"),
+                   "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+    return err
+
+
+def test_gguf_faults_are_one_line_naming_the_tensor_and_type(tmp_path, capsys):
+    _gguf(tmp_path / "ok.gguf")
+    data = bytearray((tmp_path / "ok.gguf").read_bytes())
+    (tmp_path / "magic.gguf").write_bytes(b"GGML" + data[4:])
+    assert "MODEL magic.gguf is not a GGUF file: it starts with b'GGML', not the magic b'GGUF'" in _cli_error(
+        tmp_path, capsys, "magic.gguf")
+    (tmp_path / "head.gguf").write_bytes(data[:60])
+    assert "MODEL head.gguf is truncated: its 60 bytes end inside the header (metadata entry" in _cli_error(
+        tmp_path, capsys, "head.gguf")
+    (tmp_path / "data.gguf").write_bytes(data[:-300])  # was: "cannot reshape array of size ... into shape (32,64)"
+    assert "MODEL data.gguf is truncated: tensor 'blk.0.attn_q.weight' (F32, 8192 bytes" in _cli_error(
+        tmp_path, capsys, "data.gguf")
+    _gguf(tmp_path / "i8.gguf", "I8")  # was: "Dequantization for I8 is not yet implemented"
+    err = _cli_error(tmp_path, capsys, "i8.gguf")
+    assert "tensor 'blk.0.attn_q.weight' has GGML type I8, which the installed gguf package cannot dequantize" in err
+    assert "Q4_1" in err  # the types it reads are listed
+    i = bytes(data).index(b"blk.0.attn_q.weight") + len("blk.0.attn_q.weight") + 4 + 2 * 8  # name, n_dims, dims
+    data[i:i + 4] = (99).to_bytes(4, "little")  # was: "np.uint32(99) is not a valid GGMLQuantizationType"
+    (tmp_path / "type.gguf").write_bytes(bytes(data))
+    assert "tensor 'blk.0.attn_q.weight' has GGML type id 99, which the installed gguf package does not know" in (
+        _cli_error(tmp_path, capsys, "type.gguf"))

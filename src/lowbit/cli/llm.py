@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .common import CLIError, count, cpus, progress, stage
+from .gguf_file import check_gguf
 from .measure import state_bytes
 from .output import OutputFolder, check_inputs_outside, strict_json
 
@@ -87,6 +88,7 @@ def _load(path: str) -> tuple[Any, nn.Module]:
         raise CLIError(f"quantize-llm needs transformers: pip install transformers ({e})") from None
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
+        check_gguf(p)  # magic, header, every tensor's type and extent: named here, not by gguf's reshape errors
         kw: dict[str, Any] = {"gguf_file": p.name}
         p = p.parent
     elif p.is_dir() and (p / "config.json").is_file():
