@@ -199,3 +199,16 @@ def test_gguf_faults_are_one_line_naming_the_tensor_and_type(tmp_path, capsys):
     (tmp_path / "type.gguf").write_bytes(bytes(data))
     assert "tensor 'blk.0.attn_q.weight' has GGML type id 99, which the installed gguf package does not know" in (
         _cli_error(tmp_path, capsys, "type.gguf"))
+
+
+# ---- 4. quantize_llm / quantize_w8a8 given their own output ----
+def test_quantizing_a_quantized_model_again_says_so():
+    calib = [torch.randint(0, 64, (1, 16))]
+    qm = Q.quantize_llm(_llama(), calib, bits=4, group_size=16, progress=False)
+    with pytest.raises(ValueError, match="output projection of LlamaForCausalLM is a 8-bit WeightOnlyLinear: the "
+                                         "model is quantized already"):  # was: "no nn.Linear output projection"
+        Q.quantize_llm(qm, calib, bits=4, group_size=16, progress=False)
+    for fn, kw in ((Q.quantize_llm, {"head": None, "group_size": 16, "progress": False}), (Q.quantize_w8a8, {})):
+        with pytest.raises(ValueError, match="decoder blocks of LlamaForCausalLM are quantized already .*"
+                                             "WeightOnlyLinear"):  # was: "hold no nn.Linear to quantize"
+            fn(qm, calib, **kw)

@@ -58,6 +58,11 @@ def check_has_linears(model: nn.Module, layers: nn.ModuleList, fn: str) -> None:
     """``ValueError`` when ``layers`` hold no ``nn.Linear`` (GPT-2's ``Conv1D``): the result would be the float model."""
     if any(type(m) is nn.Linear for m in layers.modules()):
         return
+    done = sorted({type(m).__name__ for m in layers.modules() if type(m).__module__.startswith("lowbit.")
+                   and hasattr(m, "in_features")})
+    if done:  # (a second quantize_llm / quantize_w8a8 on its own output said only "no nn.Linear to quantize")
+        raise ValueError(f"{fn}: the decoder blocks of {type(model).__name__} are quantized already (their Linears "
+                         f"are {', '.join(done)}); pass the float model")
     kinds = sorted({type(m).__name__ for m in layers.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
                     and m.weight.dim() == 2})
     raise ValueError(f"{fn}: the decoder blocks of {type(model).__name__} hold no nn.Linear to quantize"
