@@ -34,7 +34,7 @@ from torch import nn
 
 from ....qscheme import QDtype, qint8
 from ....qtensor import QTensor
-from .linear import Linear, _dtype_arg, fp16_dynamic_weight, quantize_dynamic_weight
+from .linear import Linear, _activation_arg, _dtype_arg, activation_of, fp16_dynamic_weight, quantize_dynamic_weight
 
 __all__ = ["RNNCell", "LSTMCell", "GRUCell", "rnn_tanh_step", "rnn_relu_step", "lstm_step", "gru_step"]
 
@@ -59,12 +59,13 @@ def lstm_step(gx: torch.Tensor, gh: torch.Tensor, state: State) -> State:
 
 
 def gru_step(gx: torch.Tensor, gh: torch.Tensor, state: State) -> State:
-    """``(h',)`` from gates ``(B, 3H)`` ordered r, z, n (torch's layout); ``b_hn`` stays inside ``r ⊙ (·)``."""
+    """``(h',)`` from gates ``(B, 3H)`` ordered r, z, n (torch's layout); ``b_hn`` stays inside ``r ⊙ (·)``.
+    ``h' = (1 - z) n + z h`` is computed in torch's cells' order, ``(h - n) z + n``."""
     xr, xz, xn = gx.chunk(3, 1)
     hr, hz, hn = gh.chunk(3, 1)
     r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
     n = torch.tanh(xn + r * hn)
-    return ((1 - z) * n + z * state[0],)
+    return ((state[0] - n) * z + n,)
 
 
 _RNN_STEPS = {"tanh": rnn_tanh_step, "relu": rnn_relu_step}
@@ -96,14 +97,16 @@ class _CellBase(nn.Module):
     _n_states = 1
 
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True,
-                 dtype: QDtype | str | torch.dtype = qint8) -> None:
+                 dtype: QDtype | str | torch.dtype = qint8, activation: str = "per_token") -> None:
         super().__init__()
         name = type(self).__name__
         check_size(name, input_size=input_size, hidden_size=hidden_size)
         self.input_size, self.hidden_size, self.bias = input_size, hidden_size, bool(bias)
         self.dtype = _dtype_arg(dtype, f"dynamic {name}")
-        self.ih = Linear(input_size, self._gates * hidden_size, bias, self.dtype)   # W_ih (G·H, I)
-        self.hh = Linear(hidden_size, self._gates * hidden_size, bias, self.dtype)  # W_hh (G·H, H)
+        self.activation = _activation_arg(activation, f"dynamic {name}")
+        g = self._gates * hidden_size
+        self.ih = Linear(input_size, g, bias, self.dtype, self.activation)   # W_ih (G·H, I)
+        self.hh = Linear(hidden_size, g, bias, self.dtype, self.activation)  # W_hh (G·H, H)
 
     def _step(self, gx: torch.Tensor, gh: torch.Tensor, state: State) -> State:
         raise NotImplementedError  # pragma: no cover
@@ -149,12 +152,14 @@ class _CellBase(nn.Module):
 
     @classmethod
     def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype = qint8) -> Any:
-        """Quantize ``weight_ih``/``weight_hh`` of the float cell per row (or on ``mod.qconfig.weight``'s grid)."""
+        """Quantize ``weight_ih``/``weight_hh`` of the float cell per row (or on ``mod.qconfig.weight``'s grid, with
+        ``mod.qconfig.activation``'s recipe, as the dynamic ``Linear``)."""
         if not isinstance(mod, cls._float_type):
             raise TypeError(f"dynamic {cls.__name__}.from_float expects an nn.{cls._float_type.__name__}, "
                             f"got {type(mod).__name__}")
         d = _dtype_arg(dtype, f"dynamic {cls.__name__}.from_float")
-        q = cls(**cls._init_kwargs(mod), dtype=d)
+        act = "per_token" if d == torch.float16 else activation_of(mod, f"dynamic {cls.__name__}.from_float")
+        q = cls(**cls._init_kwargs(mod), dtype=d, activation=act)
         for kind, lin in (("ih", q.ih), ("hh", q.hh)):
             w = getattr(mod, f"weight_{kind}")
             wq = (fp16_dynamic_weight(w, f"dynamic {cls.__name__}") if d == torch.float16
@@ -164,7 +169,8 @@ class _CellBase(nn.Module):
 
     def extra_repr(self) -> str:
         s = f"{self.input_size}, {self.hidden_size}" + ("" if self.bias else ", bias=False")
-        return s + f", dtype={self.dtype!r}"
+        s += f", dtype={self.dtype!r}"
+        return s if self.activation == "per_token" else s + f", activation={self.activation}"
 
 
 class RNNCell(_CellBase):
@@ -173,9 +179,9 @@ class RNNCell(_CellBase):
     _float_type = nn.RNNCell
 
     def __init__(self, input_size: int, hidden_size: int, bias: bool = True, nonlinearity: str = "tanh",
-                 dtype: QDtype | str | torch.dtype = qint8) -> None:
+                 dtype: QDtype | str | torch.dtype = qint8, activation: str = "per_token") -> None:
         nonlinearity = nonlinearity_arg(nonlinearity, "dynamic RNNCell")
-        super().__init__(input_size, hidden_size, bias, dtype)
+        super().__init__(input_size, hidden_size, bias, dtype, activation)
         self.nonlinearity = nonlinearity
 
     def _step(self, gx: torch.Tensor, gh: torch.Tensor, state: State) -> State:

@@ -13,7 +13,9 @@ The step functions are ``lowbit.nn.quantized.dynamic.cells``' (a cell looped ove
 the same numbers). ``torch.ao`` has no dynamic ``nn.RNN``; lowbit's follows its LSTM/GRU.
 Gate nonlinearities and the cell state stay float32; the output is float. This quantizes more
 finely than ``torch.ao``'s dynamic RNNs (one 8-bit grid per tensor per GEMM), so it tracks fp32
-more closely. ``PackedSequence`` inputs run natively: at step ``t`` only the first
+more closely. ``from_float`` reads the activation recipe from ``mod.qconfig`` as the dynamic ``Linear`` does
+(``activation=``): ``get_dynamic_qconfig(backend="x86")`` gives torch.ao's dynamic LSTM / GRU, to an ulp.
+``PackedSequence`` inputs run natively: at step ``t`` only the first
 ``batch_sizes[t]`` rows are active, so padded positions cost nothing and never touch the state.
 Dropout between layers is an inference no-op (these are inference modules); ``proj_size`` is not supported.
 
@@ -38,7 +40,7 @@ from torch.nn.utils.rnn import PackedSequence
 from ....qscheme import QDtype, qint8
 from ....qtensor import QTensor
 from .cells import _RNN_STEPS, check_size, gru_step, lstm_step, nonlinearity_arg, weight_of
-from .linear import Linear, _dtype_arg, fp16_dynamic_weight, quantize_dynamic_weight
+from .linear import Linear, _activation_arg, _dtype_arg, activation_of, fp16_dynamic_weight, quantize_dynamic_weight
 
 __all__ = ["RNN", "LSTM", "GRU"]
 
@@ -50,7 +52,7 @@ class _RNNBase(nn.Module):
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
-                 dtype: QDtype | str | torch.dtype = qint8) -> None:
+                 dtype: QDtype | str | torch.dtype = qint8, activation: str = "per_token") -> None:
         super().__init__()
         name = type(self).__name__
         check_size(name, input_size=input_size, hidden_size=hidden_size, num_layers=num_layers)
@@ -60,14 +62,16 @@ class _RNNBase(nn.Module):
         self.bias, self.batch_first, self.dropout = bool(bias), bool(batch_first), float(dropout)
         self.bidirectional = bool(bidirectional)
         self.dtype = _dtype_arg(dtype, f"dynamic {name}")
+        self.activation = _activation_arg(activation, f"dynamic {name}")
         dirs = 2 if bidirectional else 1
         g = self._gates * hidden_size
         self.ih, self.hh = nn.ModuleDict(), nn.ModuleDict()
         for layer in range(num_layers):
             for sfx in self._suffixes():
                 key = f"l{layer}{sfx}"
-                self.ih[key] = Linear(input_size if layer == 0 else hidden_size * dirs, g, bias, self.dtype)
-                self.hh[key] = Linear(hidden_size, g, bias, self.dtype)
+                self.ih[key] = Linear(input_size if layer == 0 else hidden_size * dirs, g, bias, self.dtype,
+                                      self.activation)
+                self.hh[key] = Linear(hidden_size, g, bias, self.dtype, self.activation)
 
     def _suffixes(self) -> tuple[str, ...]:
         return ("", "_reverse") if self.bidirectional else ("",)
@@ -178,14 +182,16 @@ class _RNNBase(nn.Module):
 
     @classmethod
     def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype = qint8) -> Any:
-        """Quantize every ``weight_{ih,hh}_l*`` of a float RNN per row; biases stay float."""
+        """Quantize every ``weight_{ih,hh}_l*`` of a float RNN per row (or on ``mod.qconfig.weight``'s grid, with
+        ``mod.qconfig.activation``'s recipe, as the dynamic ``Linear``); biases stay float."""
         if not isinstance(mod, cls._float_type):
             raise TypeError(f"dynamic {cls.__name__}.from_float expects an nn.{cls._float_type.__name__}, "
                             f"got {type(mod).__name__}")
         if getattr(mod, "proj_size", 0):
             raise ValueError(f"dynamic {cls.__name__}.from_float: proj_size={mod.proj_size} is not supported")
         d = _dtype_arg(dtype, f"dynamic {cls.__name__}.from_float")
-        q = cls(**cls._init_kwargs(mod), dtype=d)
+        act = "per_token" if d == torch.float16 else activation_of(mod, f"dynamic {cls.__name__}.from_float")
+        q = cls(**cls._init_kwargs(mod), dtype=d, activation=act)
         for key in q.ih:
             for kind, table in (("ih", q.ih), ("hh", q.hh)):
                 w = getattr(mod, f"weight_{kind}_{key}")
@@ -205,7 +211,8 @@ class _RNNBase(nn.Module):
         for flag in ("bias", "batch_first", "bidirectional"):
             if getattr(self, flag) != (flag == "bias"):
                 s += f", {flag}={getattr(self, flag)}"
-        return s + f", dtype={self.dtype!r}"
+        s += f", dtype={self.dtype!r}"
+        return s if self.activation == "per_token" else s + f", activation={self.activation}"
 
 
 class LSTM(_RNNBase):
@@ -254,9 +261,10 @@ class RNN(_RNNBase):
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, nonlinearity: str = "tanh",
                  bias: bool = True, batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
-                 dtype: QDtype | str | torch.dtype = qint8) -> None:
+                 dtype: QDtype | str | torch.dtype = qint8, activation: str = "per_token") -> None:
         nonlinearity = nonlinearity_arg(nonlinearity, "dynamic RNN")
-        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, dtype)
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, dtype,
+                         activation)
         self.nonlinearity = nonlinearity
 
     def _cell(self, gx: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
