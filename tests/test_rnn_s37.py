@@ -87,3 +87,36 @@ def test_rnn_reduce_range_qconfig_and_a_module_named_in_the_spec():
     lin.set_weight_bias(q[0].lstm.weight("weight_ih_l0"), m[0].lstm.bias_ih_l0)
     assert torch.equal(ref, lin(x))
     assert ((q(x) - m(x)).norm() / m(x).norm()) < 0.02
+
+
+# ---- the x86 recipe on a NaN / Inf input: NaN out (fbgemm's op gave finite garbage, or raised from deep inside) ----
+@pytest.mark.parametrize("pos", [(0, 0), (1, 2)])
+@pytest.mark.parametrize("v", [float("nan"), float("inf"), float("-inf")])
+def test_x86_recipe_linear_non_finite_input_is_nan(pos, v):
+    """A NaN first in the input raised "In ChooseQuantizationParams, min should be less than or equal to max" from
+    fbgemm; one further on was skipped by its min/max and became a code (finite, wrong outputs); ±Inf gave ±inf."""
+    torch.manual_seed(3)
+    f = nn.Linear(5, 4)
+    q = Q.quantize_dynamic(nn.Sequential(f), {nn.Linear: Q.get_dynamic_qconfig(backend="x86")})
+    x = torch.randn(3, 5)
+    x[pos] = v
+    assert torch.isnan(q(x)).all()
+    x[pos] = 0.5  # a finite input: still torch.ao's op, bit for bit
+    assert torch.equal(q(x), _ao(f)(x))
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_x86_recipe_rnn_nan_input_is_nan_not_a_deep_error(cls):
+    """The recipe's ``W_ih`` GEMM has one grid for all steps and the ``W_hh`` GEMM one for the batch, so a NaN anywhere
+    is NaN everywhere (as a NaN scale); it raised from fbgemm (torch.ao's dynamic LSTM too) or became finite values."""
+    torch.manual_seed(4)
+    f = cls(4, 6).eval()
+    q = Q.quantize_dynamic(nn.Sequential(f), {cls: Q.get_dynamic_qconfig(backend="x86")})[0]
+    x = torch.randn(4, 3, 4)
+    x[1, 0, 2] = float("nan")
+    y, h = q(x)
+    assert torch.isnan(y).all() and torch.isnan(_h(h)).all()
+    hx = torch.zeros(1, 3, 6)
+    hx[0, 0, 0] = float("nan")  # a NaN first in the initial state
+    y, _ = q(torch.randn(4, 3, 4), (hx, torch.zeros(1, 3, 6)) if cls is nn.LSTM else hx)
+    assert torch.isnan(y).all()

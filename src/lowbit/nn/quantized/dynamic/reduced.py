@@ -152,7 +152,9 @@ def per_tensor_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.
     """torch.ao's x86 dynamic Linear (``(M, K)`` float, ``M > 0`` → ``(M, N)`` float32): one grid, 7-bit."""
     xf = x2.detach()
     xf = xf if xf.dtype == torch.float32 else xf.float()
-    if _fast(xf, w_zero_point, cache):
+    # fbgemm's min/max skip a NaN past the first element (finite garbage out) and raise "min should be less than or
+    # equal to max" on a first one: a non-finite input (a non-finite sum: one pass) takes the path below, NaN out
+    if _fast(xf, w_zero_point, cache) and math.isfinite(float(xf.sum())):
         packed = _pack(cache, "reduced.ao", weight_int8, w_scale, bias)
         kernels.counts[("onednn", "linear")] += 1
         return _dynamic_op()(xf, packed, True)
