@@ -85,7 +85,7 @@ def inline_dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
 
 def qdtype_key(qdtype: QDtype) -> str:
     """``"name:quant_min:quant_max"``: a ``QDtype`` as a custom-op string argument."""
-    return f"{qdtype.name}:{qdtype.quant_min}:{qdtype.quant_max}"
+    return qdtype._key  # (made by QDtype itself: a constant string while dynamo traces)
 
 
 @functools.lru_cache(maxsize=None)

@@ -117,6 +117,14 @@ class QDtype:
                 f"QDtype {self.name!r}: range [{self.quant_min}, {self.quant_max}] does not fit "
                 f"{self.bits}-bit {'signed' if self.signed else 'unsigned'} codes [{lo}, {hi}]"
             )
+        # the grid as one string (compile_state.qdtype_key), made here: a traced QTensor input's QDtype ints become
+        # symbolic once dynamo sees them change (its automatic dynamic), and a key formatted from them while tracing
+        # cannot be (``BUILD_STRING``); a string attribute is a constant that dynamo guards by equality
+        object.__setattr__(self, "_key", f"{self.name}:{self.quant_min}:{self.quant_max}")
+
+    def __setstate__(self, state: dict) -> None:  # (unpickling skips __post_init__; a pickle from before has no _key)
+        self.__dict__.update(state)
+        object.__setattr__(self, "_key", f"{self.name}:{self.quant_min}:{self.quant_max}")
 
     @property
     def has_custom_range(self) -> bool:

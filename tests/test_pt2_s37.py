@@ -1,0 +1,112 @@
+"""PyTorch 2 sweep (session 37): models whose forward returns or takes ``QTensor``s under ``torch.export`` (save ->
+load, a fresh process too) and ``torch.compile``, bit-identical to eager."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import lowbit as Q
+
+SRC = str(Path(Q.__file__).resolve().parent.parent)
+
+
+class _Outputs(nn.Module):
+    """A static Linear whose forward returns its ``QTensor`` (alone, in a tuple with float, in a dict) or a per-channel
+    ``QTensor`` made from the float output."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out, self.quant, self.fc, self.dequant = out, Q.QuantStub(), nn.Linear(8, 4), Q.DeQuantStub()
+
+    def forward(self, x: torch.Tensor):
+        y = self.fc(self.quant(x))
+        if self.out == "qtensor":
+            return y
+        if self.out == "tuple":
+            return y, self.dequant(y)
+        if self.out == "dict":
+            return {"q": y, "f": self.dequant(y), "pair": [y.relu(), 2.0 * self.dequant(y)]}
+        return Q.quantize_per_channel(self.dequant(y), torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0, 1, 2, 3]),
+                                      1, Q.qint8.with_range(-100, 100))
+
+
+def _converted(out: str) -> nn.Module:
+    torch.manual_seed(0)
+    p = Q.prepare(_Outputs(out).eval(), Q.get_default_qconfig())
+    p(torch.randn(32, 8))
+    return Q.convert(p)
+
+
+def _same(a, b) -> bool:
+    """Equal nests of tensors and QTensors: codes, scales, zero points, grid and axis."""
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return (isinstance(b, Q.QTensor) and torch.equal(a.int_repr(), b.int_repr()) and torch.equal(a.scale, b.scale)
+            and torch.equal(a.zero_point, b.zero_point) and a.qdtype == b.qdtype and a.axis == b.axis)
+
+
+_LOAD = """
+import sys, torch, lowbit
+for name in sys.argv[2:]:
+    ep = torch.export.load(f"{sys.argv[1]}/{name}.pt2")
+    torch.save(ep.module()(torch.load(f"{sys.argv[1]}/x.pt")), f"{sys.argv[1]}/{name}.y.pt")
+"""
+
+
+def test_export_models_returning_qtensors(tmp_path: Path) -> None:
+    """``QTensor`` was no pytree node, so ``torch.export`` of a model returning one (alone or among float outputs)
+    failed: "Found <class 'lowbit.qtensor.QTensor'> in output, which is not a known type". Now the exported program
+    (dynamic batch; saved and loaded here and in a fresh process) returns eager's QTensors: codes, grid and axis."""
+    x = torch.randn(5, 8)
+    refs = {}
+    for out in ("qtensor", "tuple", "dict", "per_channel"):
+        model = _converted(out)
+        with torch.no_grad():
+            refs[out] = model(x)
+        ep = torch.export.export(model, (x[:3],), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},))
+        assert _same(refs[out], ep.module()(x)), out
+        torch.export.save(ep, tmp_path / f"{out}.pt2")
+        buf = io.BytesIO(tmp_path.joinpath(f"{out}.pt2").read_bytes())
+        assert _same(refs[out], torch.export.load(buf).module()(x)), out
+    torch.save(x, tmp_path / "x.pt")
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", _LOAD, str(tmp_path), *refs], check=True, env=env, timeout=300)
+    for out, ref in refs.items():  # (torch.load's weights_only unpickler rebuilds QTensors: serial.rebuild)
+        assert _same(ref, torch.load(tmp_path / f"{out}.y.pt")), f"{out}: the program loaded in a fresh process"
+
+
+def test_export_quantized_layer_taking_a_qtensor() -> None:
+    """A quantized layer exported on its ``QTensor`` input: the program takes QTensors on other scales and zero points
+    of that grid and gives eager's codes."""
+    layer = _converted("qtensor").fc
+    x = torch.randn(5, 8)
+    ep = torch.export.export(layer, (Q.quantize_per_tensor(x, 0.05, 128, Q.quint8),))
+    for scale, zp in ((0.05, 128), (0.02, 100), (0.1, 0)):
+        qx = Q.quantize_per_tensor(x, scale, zp, Q.quint8)
+        assert _same(layer(qx), ep.module()(qx)), (scale, zp)
+
+
+def test_compile_across_input_grids_with_changing_ranges() -> None:
+    """A compiled quantized layer fed ``QTensor``s whose grid range changes (``quint8``, then ``[0, 127]``, then
+    ``[0, 100]``): dynamo made the grid's ``quant_max`` symbolic after the first change (automatic dynamic), and
+    ``qdtype_key``'s f-string of it stopped ``fullgraph=True`` ("BUILD_STRING type error"). The key is made by
+    ``QDtype`` itself now (a constant string): each grid gives eager's codes."""
+    layer = _converted("qtensor").fc
+    x = torch.randn(5, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")  # (the break is dynamo's: no C++)
+    for qdtype, scale, zp in ((Q.quint8, 0.05, 128), (Q.quint8, 0.02, 100), (Q.quint8.with_range(0, 127), 0.03, 60),
+                              (Q.quint8.with_range(0, 100), 0.03, 60), (Q.quint8.with_range(10, 200), 0.03, 50)):
+        qx = Q.quantize_per_tensor(x, scale, zp, qdtype)
+        assert _same(layer(qx), compiled(qx)), qdtype
