@@ -3,6 +3,7 @@ load, a fresh process too) and ``torch.compile``, bit-identical to eager."""
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import subprocess
@@ -110,3 +111,44 @@ def test_compile_across_input_grids_with_changing_ranges() -> None:
                               (Q.quint8.with_range(0, 100), 0.03, 60), (Q.quint8.with_range(10, 200), 0.03, 50)):
         qx = Q.quantize_per_tensor(x, scale, zp, qdtype)
         assert _same(layer(qx), compiled(qx)), qdtype
+
+
+class _Conv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 6 * 6, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def _in_place_models() -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 6, 6)
+    p = Q.prepare_fx(_Conv().eval(), Q.get_default_qconfig_mapping(), (x,))
+    p(torch.randn(16, 3, 6, 6))
+    mlp = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8)).eval()
+    return {"convert_fx": (Q.convert_fx(p), x), "static_linear": (_converted("tuple"), torch.randn(5, 8)),
+            "dynamic": (Q.quantize_dynamic(mlp), torch.randn(5, 16)),
+            "dynamic_x86": (Q.quantize_dynamic(mlp, {nn.Linear: Q.get_dynamic_qconfig(backend="x86")}),
+                            torch.randn(5, 16)),
+            "weight_only_int4": (Q.quantize_weight_only(mlp, bits=4, group_size=16), torch.randn(5, 16))}
+
+
+def test_compiled_model_sees_in_place_weight_writes() -> None:
+    """The ops cache packs per weight on a ``weight.detach()`` (``pt2.kernel_ops.cached_weight``), keyed on its version;
+    a compiled program runs the ops below autograd's ``ADInplaceOrView`` key, where that detach got a version counter
+    of its own, so an in-place write of the weight codes (``copy_``) left the compiled model on the old packs (the
+    fx conv, the dynamic Linears: silently the old outputs). Now the compiled model gives eager's new outputs."""
+    for kind, (model, x) in _in_place_models().items():
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        with torch.no_grad():
+            before = compiled(x)
+            for t in model.buffers():
+                if t.dtype in (torch.int8, torch.uint8) and t.dim() >= 2:  # (every weight's codes, rows reversed)
+                    t.copy_(torch.flip(t, [0]))
+            got = compiled(x)  # (before eager runs: eager would refresh the entries on its own)
+            want = copy.deepcopy(model)(x)  # (fresh caches)
+        assert not _same(before, want), kind
+        assert _same(got, want), f"{kind}: the compiled model kept the old weights"

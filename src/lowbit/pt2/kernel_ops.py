@@ -83,7 +83,10 @@ def cached_weight(weight: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
     session 29 the Linears (static, dynamic, weight-only) of a compiled or exported program were never freed. A
     ``.data =`` swap changes the storage without a version bump: the held tensor then no longer starts where
     ``weight`` does, and the cache starts afresh (~0.5 µs a call; a swap to another view at the same address is not
-    detected).
+    detected). So it does when ``weight``'s version moved (an in-place write: ``copy_``, ``load_state_dict``): a
+    compiled or exported program runs the ops below autograd's ``ADInplaceOrView`` key, where ``detach()`` makes a
+    tensor with a version counter of its own, so the entries' version keys on the held tensor never moved and a
+    compiled model kept computing with the packs of the old weight codes.
 
     >>> import torch
     >>> w = torch.ones(2, 3, dtype=torch.int8)
@@ -93,9 +96,11 @@ def cached_weight(weight: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
     """
     cache = weight_cache(weight)
     held = cache.get("weight")
-    if held is None or held.data_ptr() != weight.data_ptr():  # (shape and stride: ~1.2 µs more a call, not compared)
-        cache.clear()
+    version = -1 if weight.is_inference() else weight._version
+    if held is None or held.data_ptr() != weight.data_ptr() or cache["version"] != version:  # (shape and stride:
+        cache.clear()                                                              # ~1.2 µs more a call, not compared)
         held = cache["weight"] = weight.detach()
+        cache["version"] = version
     return cache, held
 
 
