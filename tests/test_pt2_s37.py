@@ -152,3 +152,26 @@ def test_compiled_model_sees_in_place_weight_writes() -> None:
             want = copy.deepcopy(model)(x)  # (fresh caches)
         assert not _same(before, want), kind
         assert _same(got, want), f"{kind}: the compiled model kept the old weights"
+
+
+def test_dynamic_batch_program_with_max_pool_takes_an_empty_batch() -> None:
+    """A traced 2-d max pool of codes is one ``lowbit::max_pool2d_codes``; its real implementation refused an empty
+    batch ("... on a torch.uint8 tensor of shape (0, 4, 8, 8) ... is not covered"), which a program with a dynamic
+    batch dim (exported, or compiled with ``dynamic=True``) meets where eager pools it another way. Now eager's empty
+    output, and the same codes at batch 1 and 3."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Q.QuantStub(), nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                          nn.Linear(4 * 4 * 4, 5), Q.DeQuantStub()).eval()
+    p = Q.prepare(Q.fuse_modules(model, [["1", "2"]]), Q.get_default_qconfig())
+    p(torch.randn(16, 3, 8, 8))
+    q = Q.convert(p)
+    x = torch.randn(3, 3, 8, 8)
+    ep = torch.export.export(q, (x,), dynamic_shapes=({0: torch.export.Dim.DYNAMIC},))
+    torch._dynamo.reset()
+    compiled = torch.compile(q, fullgraph=True, dynamic=True, backend="aot_eager")
+    with torch.no_grad():
+        for b in (0, 1, 3):
+            want = q(x[:b])
+            assert want.shape == (b, 5)
+            assert torch.equal(ep.module()(x[:b]), want), f"exported, batch {b}"
+            assert torch.equal(compiled(x[:b]), want), f"compiled, batch {b}"

@@ -182,6 +182,8 @@ def _pool_not_covered(q: torch.Tensor, kernel_size: list[int], stride: list[int]
 
 
 def _max_pool2d_codes(q: torch.Tensor, kernel_size: list[int], stride: list[int]) -> torch.Tensor:
+    if q.numel() == 0 and q.dim() == 4:  # an empty batch of a dynamic-batch program (eager pools it another way)
+        return _max_pool2d_codes_fake(q, kernel_size, stride)
     y = max_pool2d_codes(q, kernel_size, stride)
     if y is None:  # (the caller traced only what max_pool2d_codes takes)
         raise _pool_not_covered(q, kernel_size, stride)
