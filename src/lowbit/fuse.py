@@ -41,6 +41,7 @@ True
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +50,7 @@ from torch import nn
 from .fusion_registry import find_fusion_pattern
 from .nn import intrinsic as nni
 from .nn.intrinsic.fold import fold_bn_weights
+from .qconfig import QConfig
 
 __all__ = ["fuse_modules", "fuse_modules_qat", "fuse_known_modules"]
 
@@ -58,6 +60,8 @@ _BN = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.Batch
 _CONV_RELU = {nn.Conv1d: nni.ConvReLU1d, nn.Conv2d: nni.ConvReLU2d, nn.Conv3d: nni.ConvReLU3d}
 _CONV_BN = {nn.Conv1d: nni.ConvBn1d, nn.Conv2d: nni.ConvBn2d, nn.Conv3d: nni.ConvBn3d}
 _CONV_BN_RELU = {nn.Conv1d: nni.ConvBnReLU1d, nn.Conv2d: nni.ConvBnReLU2d, nn.Conv3d: nni.ConvBnReLU3d}
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                "_forward_hooks_always_called")
 _BN_RELU = {nn.BatchNorm2d: nni.BNReLU2d, nn.BatchNorm3d: nni.BNReLU3d}
 
 
@@ -92,9 +96,10 @@ def fuse_known_modules(mods: Sequence[nn.Module], is_qat: bool = False) -> list[
                          "it unfused)")
     if registered is not None:
         fused = registered.fuser(is_qat, *mods)
-        if not isinstance(fused, nn.Module):
+        want = registered.fused_type or nn.Module  # (the swap tables key on fused_type: another class stays float)
+        if not isinstance(fused, want):
             raise TypeError(f"fuse: the registered fuser for {tuple(t.__name__ for t in types)} returned "
-                            f"{type(fused).__name__}, not an nn.Module")
+                            f"{type(fused).__name__}, not {want.__name__} (its fused_type)")
     elif len(mods) == 2 and types[1] is _BN.get(first):  # layer + bn
         if is_qat:
             fused = _CONV_BN[first](*mods) if first in _CONV_BN else (
@@ -119,18 +124,63 @@ def fuse_known_modules(mods: Sequence[nn.Module], is_qat: bool = False) -> list[
         )
     if hasattr(mods[0], "qconfig"):
         fused.qconfig = mods[0].qconfig
+    _check_part_qconfigs(mods, fused)
     fused.train(mods[0].training)
-    # keep user hooks: pre-hooks of the first module, forward hooks of the last
-    for h in mods[0]._forward_pre_hooks.values():
-        fused.register_forward_pre_hook(h)
-    for h in mods[-1]._forward_hooks.values():
-        fused.register_forward_hook(h)
+    _move_hooks(mods, fused)
     return [fused] + [nn.Identity() for _ in mods[1:]]
+
+
+def _check_part_qconfigs(mods: Sequence[nn.Module], fused: nn.Module) -> None:
+    """Warn when some parts carry ``.qconfig = None`` and others a ``QConfig``: the fused module is one op, quantized
+    or not as a whole by the first part's setting (torch.ao drops the parts' settings without a word)."""
+    own = {i: m.__dict__["qconfig"] for i, m in enumerate(mods) if "qconfig" in m.__dict__}
+    if len({qc is None for qc in own.values()}) < 2:
+        return
+    parts = ", ".join(f"part {i} ({type(mods[i]).__name__}): {'None' if qc is None else 'a QConfig'}"
+                      for i, qc in own.items())
+    gets = ("the first part's None: it stays float" if "qconfig" in mods[0].__dict__ and own[0] is None else
+            "the first part's QConfig" if 0 in own else "no qconfig of its own: it inherits its parent's")
+    warnings.warn(f"fuse: the parts of this {type(fused).__name__} disagree on .qconfig ({parts}); the fused module "
+                  f"is one op and gets {gets}. Set the qconfig on the fused module (or on every part) instead",
+                  stacklevel=4)
+
+
+def _move_hooks(mods: Sequence[nn.Module], fused: nn.Module) -> None:
+    """Move the user's forward pre-hooks of the first module and forward hooks of the last onto ``fused`` (torch.ao's
+    rule), with their ``with_kwargs`` / ``always_call`` flags. Moved, not copied: they are taken off every module
+    inside ``fused`` (the parts themselves, or the copies a BN fold made), so each runs once per call — an
+    output-changing hook was applied twice. Hooks on the other parts cannot keep their place: a warning names them."""
+    first, last = mods[0], mods[-1]
+    pre = {k: (h, k in first._forward_pre_hooks_with_kwargs) for k, h in first._forward_pre_hooks.items()}
+    post = {k: (h, k in last._forward_hooks_with_kwargs, k in last._forward_hooks_always_called)
+            for k, h in last._forward_hooks.items()}
+    for m in fused.modules():
+        for k in pre:
+            m._forward_pre_hooks.pop(k, None)
+            m._forward_pre_hooks_with_kwargs.pop(k, None)
+        for k in post:
+            m._forward_hooks.pop(k, None)
+            m._forward_hooks_with_kwargs.pop(k, None)
+            m._forward_hooks_always_called.pop(k, None)
+    for h, kw in pre.values():
+        fused.register_forward_pre_hook(h, with_kwargs=kw)
+    for h, kw, always in post.values():
+        fused.register_forward_hook(h, with_kwargs=kw, always_call=always)
+    left = [f"{type(m).__name__} (part {i}) {what}" for i, m in enumerate(mods)
+            for what, hooks in (("forward pre-hooks", m._forward_pre_hooks if i else {}),
+                                ("forward hooks", m._forward_hooks if i < len(mods) - 1 else {})) if hooks]
+    if left:
+        warnings.warn(f"fuse: {', '.join(left)} are not moved to the fused {type(fused).__name__}: only the first "
+                      "module's pre-hooks and the last one's forward hooks are (they may no longer run, or see "
+                      "other values)", stacklevel=4)
 
 
 def _get(model: nn.Module, name: str) -> nn.Module:
     if not isinstance(name, str):
         raise TypeError(f"module names to fuse must be str, got {name!r}")
+    if name == "":
+        raise ValueError("fuse: '' names the model itself, which cannot be a part of a fusion (name its submodules, "
+                         "as in named_modules())")
     try:
         return model.get_submodule(name)
     except AttributeError:
@@ -189,10 +239,12 @@ def _fuse(model: nn.Module, modules_to_fuse: Any, inplace: bool, is_qat: bool,
     if not inplace:
         model = copy.deepcopy(model)
     swapped: list[tuple[str, nn.Module]] = []  # (name, the module it held): a later group's error puts them back
+    hooks: list[tuple[nn.Module, dict[str, Any]]] = []  # the parts' hook tables, as the fusion found them
     try:
         for group in groups:
             mods = [_get(model, n) for n in group]
             _check_adjacent(model, group)
+            hooks += [(m, {k: dict(getattr(m, k)) for k in _HOOK_TABLES}) for m in mods]
             try:
                 new = fuser(mods, is_qat=is_qat)
             except (ValueError, TypeError) as e:  # name the group the user wrote
@@ -209,6 +261,10 @@ def _fuse(model: nn.Module, modules_to_fuse: Any, inplace: bool, is_qat: bool,
     except Exception:
         for name, old in reversed(swapped):  # inplace=True: the caller's model as it was
             _set(model, name, old)
+        for m, tables in reversed(hooks):  # (hooks moved off the parts; in place: the users' handles stay valid)
+            for k, v in tables.items():
+                getattr(m, k).clear()
+                getattr(m, k).update(v)
         raise
     return model
 
@@ -232,6 +288,6 @@ def fuse_modules_qat(model: nn.Module, modules_to_fuse: Any, qconfig: Any = None
     ``prepare_qat`` would otherwise resolve for it (the rest of the model still gets the default
     or the ``qconfig`` given to ``prepare_qat``).
     """
-    if qconfig is not None and not (isinstance(qconfig, tuple) and hasattr(qconfig, "activation")):
-        raise TypeError(f"fuse_modules_qat: qconfig must be a QConfig or None, got {type(qconfig).__name__}")
+    if qconfig is not None and not isinstance(qconfig, QConfig):  # (torch.ao's QConfig failed later, in prepare_qat)
+        raise TypeError(f"fuse_modules_qat: qconfig must be a lowbit QConfig or None, got {qconfig!r}")
     return _fuse(model, modules_to_fuse, inplace, True, fuser_func, qconfig)

@@ -64,6 +64,8 @@ def register_fusion_pattern(pattern: tuple[type, ...], fuser: Callable[..., nn.M
         raise TypeError(f"{where}: pattern must be a tuple of 2-4 nn.Module classes, got {pattern!r}")
     if not callable(fuser):
         raise TypeError(f"{where}: fuser must be callable as fuser(is_qat, *modules), got {fuser!r}")
+    if fused_type is not None and not (isinstance(fused_type, type) and issubclass(fused_type, nn.Module)):
+        raise TypeError(f"{where}: fused_type={fused_type!r} must be the nn.Module class fuser returns")
     if (quantized is not None or qat is not None) and fused_type is None:
         raise ValueError(f"{where}: give fused_type (the class fuser returns) with quantized= or qat=")
     for name, cls in (("quantized", quantized), ("qat", qat)):
