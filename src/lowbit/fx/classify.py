@@ -37,9 +37,9 @@ from ..observer.fixed import FixedQParamsObserver
 from ..qconfig import QConfig, QConfigMapping
 from ..workflow import _is_table_recipe, is_dynamic_qconfig
 from ..workflow.propagate import join_name as join
-from .patterns import BINARY_FUNCS, WEIGHT_ONLY_TYPES, canonical_binary, func_activation, is_share_op
+from .patterns import WEIGHT_ONLY_TYPES, canonical_binary, func_activation, is_share_op
 from .report import FxReport
-from .weighted import WITH_RELU, input_of, parse
+from .weighted import input_of, parse
 
 __all__ = ["classify", "wants_int", "int_inputs", "join", "input_observer_qconfig"]
 
@@ -90,19 +90,16 @@ def _node_qconfig(node: fx.Node, root: nn.Module, mapping: QConfigMapping) -> QC
     the qconfig of the enclosing (or own) module."""
     if "lowbit_order_qconfig" in node.meta:
         return node.meta["lowbit_order_qconfig"]  # type: ignore[no-any-return]
-    target = _METHOD_FUNCS.get(node.target, node.target) if node.op == "call_method" else node.target
     if node.op in ("call_function", "call_method"):
-        op = canonical_binary(node.op, node.target)
-        op = "add" if op == "add_relu" else op
-        # `+`, torch.add and a fused add-relu are one op for the mapping (likewise mul, matmul, cat)
-        keys = [target] + ([f for f, name in BINARY_FUNCS.items() if name == op] if op else [])
-        keys += [f for f, fused in WITH_RELU.items() if fused is target]  # linear_relu: F.linear's setting
-        for key in keys:
-            try:
-                if key in mapping.object_type_qconfigs:
-                    return mapping.object_type_qconfigs[key]
-            except TypeError:  # unhashable target
-                pass
+        # the function as traced (torch.ao's key: `a + b` is operator.add, torch.add(a, b) is torch.add, each its own
+        # setting); a node fusion rewrote (add_relu, linear_relu) keeps it in meta; `x.add(y)` counts as torch.add
+        key = node.meta.get("lowbit_target", node.target)
+        key = _METHOD_FUNCS.get(key, key) if node.op == "call_method" else key
+        try:
+            if key in mapping.object_type_qconfigs:
+                return mapping.object_type_qconfigs[key]
+        except TypeError:  # unhashable target
+            pass
     scope = node.meta.get("lowbit_scope", "")
     try:
         mod = root.get_submodule(scope) if scope else root

@@ -368,6 +368,7 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
         if clamp is not None:
             node.kwargs = {**node.kwargs, "relu_max": clamp[1].max_val}
         base, node.target = node.target, WITH_RELU[node.target]
+        node.meta["lowbit_target"] = base  # (the qconfig mapping's object-type key)
         relu.replace_all_uses_with(node)
         gm.graph.erase_node(relu)
         erased.add(relu)
@@ -383,7 +384,7 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
             continue
         with gm.graph.inserting_after(node):
             new_node = gm.graph.call_function(add_relu, tuple(node.args))
-        new_node.meta = dict(node.meta)
+        new_node.meta = {**node.meta, "lowbit_target": node.target}  # (operator.add or torch.add: its own setting)
         relu.replace_all_uses_with(new_node)
         gm.graph.erase_node(relu)
         gm.graph.erase_node(node)
