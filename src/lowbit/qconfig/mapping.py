@@ -230,6 +230,11 @@ class QConfigMapping:
                         raise ValueError(f"qconfig dict [{key!r}]: entry {entry!r} must be a {what}")
                     setter(*entry)
             elif isinstance(key, str):
+                if isinstance(value, (list, tuple, dict)) and not isinstance(value, QConfig):  # a misspelt tier
+                    hint = difflib.get_close_matches(key, _DICT_KEYS[1:], n=1)
+                    raise ValueError(f"qconfig dict key {key!r} is no tier of {_DICT_KEYS}"
+                                     + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                                     + f"; as a module name it would map to a QConfig or None, not {type(value).__name__}")
                 m.set_module_name(key, value)
             elif isinstance(key, type):
                 m.set_object_type(key, value)
