@@ -8,7 +8,8 @@ output keeps ``(s, z)``:
   the pad value quantized onto the grid, so ``0.0`` pads ``z``), ``F.hardtanh``/``F.relu6``/``torch.clamp``
   (``clamp(q, quantize(min), quantize(max))``; a bound past the grid's far end, whose code would saturate, runs on
   float values); ``masked_fill`` / ``torch.where`` with a number (on the grid, else float values, as ``F.pad``'s
-  value) and ``tril`` / ``triu`` (0.0's code);
+  value), ``tril`` / ``triu`` (0.0's code), ``F.threshold`` (the codes above the threshold kept, the rest ``value``'s
+  code) and dropout at inference (``training=False``: the QTensor itself);
 - averaging ops round the mean of the centred codes half to even:
   ``q_out = clamp(round(mean_window(q - z) + z), qmin, qmax)`` (the mean code rounded, as torch) for ``F.avg_pool1d/2d/3d``,
   ``F.adaptive_avg_pool1d/2d/3d`` and ``torch.mean``. The mean is exact (float64 where float32 could
@@ -216,6 +217,38 @@ def _relu6(x: Any, inplace: bool = False) -> Any:
     return _clamp(x, 0.0, 6.0)
 
 
+def _threshold(x: Any, threshold: Any, value: Any, inplace: bool = False) -> Any:
+    """``F.threshold``: the codes of values above ``threshold`` kept (the float comparison of the dequantized values,
+    as the float op makes it), the rest ``value``'s code (``fill_code``; a value the grid cannot hold: float values,
+    warned, as ``masked_fill``). Exact, the grid kept. Until session 37 it ran on float values (warned). torch's
+    quantized ``threshold`` compares codes with ``threshold``'s code instead, so it keeps a value equal to
+    ``threshold`` once rounded onto the grid that the float op (and lowbit) replaces."""
+    if not isinstance(x, QTensor) or isinstance(threshold, torch.Tensor) or isinstance(value, torch.Tensor) or (
+            tracing() and float(value) != 0.0):  # (while traced: 0.0, the zero point, needs no host read of the grid)
+        return NotImplemented
+    if float(threshold) != float(threshold):  # every comparison with NaN is False: all of x would become value
+        raise ValueError(f"threshold: threshold={threshold!r} must be a number, not NaN")
+    fill = _fill_value(x, value)
+    if fill is None:
+        return NotImplemented
+    q = x.int_repr()
+    q = torch.where(x.dequantize() > threshold, q, fill.to(q.dtype))
+    return x._same_grid(q) if x.axis is None else QTensor._trusted(q, x.scale, x.zero_point, x.qdtype, x.axis)
+
+
+def _dropout(x: Any, p: Any = 0.5, training: bool = True, inplace: bool = False, *, train: Any = None) -> Any:
+    """Dropout at inference (``training=False``: ``nn.Dropout*`` in ``eval()`` calls ``F.dropout(x, p, False)``), or
+    with ``p = 0``: the identity, the QTensor itself, as torch's quantized tensors. Until session 37 it dequantized the
+    codes and returned float values (warned); a training-mode dropout still does (torch's quantized tensors refuse
+    it). ``p`` outside ``[0, 1]`` (NaN too) is refused, as ``F.dropout`` refuses it."""
+    if not isinstance(x, QTensor) or isinstance(p, torch.Tensor):
+        return NotImplemented
+    training = training if train is None else train
+    if not 0.0 <= float(p) <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    return NotImplemented if training and float(p) != 0.0 else x
+
+
 def _fill_value(x: QTensor, value: Any) -> torch.Tensor | None:
     """``value`` (a Python number or a 0-d float tensor) as its code on ``x``'s grid (``fill_code``), else ``None``."""
     if isinstance(value, torch.Tensor) and (value.dim() or value.is_complex()):
@@ -299,6 +332,9 @@ _INT_OPS.update({
     F.interpolate: _interpolate,
     F.pad: _pad,
     F.hardtanh: _hardtanh,
+    torch._C._nn.hardtanh: _hardtanh,  # (torch.ao.nn.quantized.functional.hardtanh calls it)
+    F.threshold: _threshold,
+    torch.threshold: _threshold,
     F.relu6: _relu6,
     torch.clamp: _clamp,
     torch.clip: _clamp,
@@ -307,3 +343,6 @@ _INT_OPS.update({
     torch.tril: lambda x, diagonal=0: x.tril(diagonal) if isinstance(x, QTensor) else NotImplemented,
     torch.triu: lambda x, diagonal=0: x.triu(diagonal) if isinstance(x, QTensor) else NotImplemented,
 })
+_INT_OPS.update({fn: _dropout for fn in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                                          F.feature_alpha_dropout, torch.dropout, torch.alpha_dropout,
+                                          torch.feature_dropout, torch.feature_alpha_dropout)})
