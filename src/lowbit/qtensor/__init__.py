@@ -354,8 +354,13 @@ class QTensor:
             if out is not NotImplemented:
                 return out
         name = getattr(func, "__name__", repr(func))
-        _warn_float_fallback(f"torch.{name}")
-        return func(*_tree_dequantize(args), **_tree_dequantize(kwargs))
+        run = torch_ao_kernel(func)  # (fallback.py: a torch.ao quantized kernel that cannot take float values says so)
+        if run is None:
+            _warn_float_fallback(f"torch.{name}")
+            return func(*_tree_dequantize(args), **_tree_dequantize(kwargs))
+        out = run(func, _tree_dequantize(args), _tree_dequantize(kwargs))
+        _warn_float_fallback(f"torch.ops.quantized.{name}")  # (one that can, e.g. linear_dynamic: the usual warning)
+        return out
 
 
 def _tree_dequantize(obj: Any) -> Any:
@@ -374,7 +379,7 @@ _INT_OPS: dict[Callable, Callable] = {}  # torch function -> integer implementat
 from . import ops, order, pool, shape_ops  # noqa: E402,F401  register their integer ops into _INT_OPS
 from .convert import install as _install_conversions  # noqa: E402
 from .factories import quantize_per_channel, quantize_per_tensor  # noqa: E402
-from .fallback import install as _install_fallback  # noqa: E402
+from .fallback import install as _install_fallback, torch_ao_kernel  # noqa: E402
 from .serial import install as _install_pickling  # noqa: E402
 
 _install_conversions(QTensor)  # to / type / type_as / int() / float() ..., format, requires_grad_ (convert.py)

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["install"]
+__all__ = ["install", "torch_ao_kernel"]
 
 # read from the codes: shape / layout / device metadata, no values involved
 _METADATA = frozenset({
@@ -158,6 +158,29 @@ def _inplace_functions(cls: type) -> dict[Callable, Callable]:
             if name.endswith("_") and not name.startswith("_") and callable(fn) and not isinstance(fn, type):
                 out.setdefault(fn, _refuse_inplace_function(cls, name))
     return out
+
+
+def torch_ao_kernel(func: Any) -> Callable | None:
+    """For one of torch.ao's quantized CPU kernels (``torch.ops.quantized.*``, an op packet or overload), the fallback
+    that runs it on the dequantized arguments and turns its failure into a ``TypeError`` saying what to use; else
+    ``None``. On float values those kernels raise torch's "Could not run 'quantized::elu' with arguments from the 'CPU'
+    backend" (``torch.ao.nn.quantized.functional.elu(qt, ...)`` calls one): that reached the user until session 37."""
+    name = getattr(func, "_qualified_op_name", None)  # an OpOverloadPacket
+    if name is None:
+        name = getattr(getattr(func, "_schema", None), "name", None)  # an OpOverload
+    if not (isinstance(name, str) and name.startswith("quantized::")):
+        return None
+
+    def run(op: Callable, args: Any, kwargs: Any) -> Any:
+        try:
+            return op(*args, **kwargs)
+        except NotImplementedError:
+            raise TypeError(
+                f"lowbit: torch.ops.{name.replace('::', '.')} is a torch.ao kernel for torch's own quantized tensors "
+                "(torch.ao.nn.quantized.functional calls it); it cannot take a lowbit QTensor. Use the "
+                "torch.nn.functional op or the lowbit.nn.quantized module (e.g. lowbit.nn.quantized.Hardswish("
+                "scale, zero_point)) on the QTensor") from None
+    return run
 
 
 def install(cls: type) -> None:
