@@ -58,7 +58,7 @@ def build(model: nn.Module, kind: str) -> nn.Module:
         if kind == "int8":
             qm = Q.quantize_weight_only(model, bits=8, group_size=-1, method="rtn")
         else:
-            qm = Q.quantize_weight_only(model, bits=4, group_size=128, method="rtn")
+            qm = Q.quantize_weight_only(model, bits=4, method="rtn")
     return quantize_head(qm, bits=8)
 
 

@@ -12,8 +12,9 @@ Activations stay float; only weights shrink (int4 g128: ~0.53 bytes per weight i
   rows); each weight is then quantized column by column with the rounding error spread by ``H⁻¹``
   (see ``lowbit.nn.quantized.weight_only``).
 
-A Linear whose ``in_features`` is not divisible by ``group_size`` gets the largest ``group_size / 2ᵏ``
-that divides it (576 features with g128 -> g64; warned once, listing the layers).
+Group size (``nn.quantized.group_size``, ``quantize_llm``'s rule): a ``group_size`` given (or -1, per channel)
+must divide every quantized Linear's ``in_features``, else a ``ValueError`` names the layers; the default
+(``None``) is 128, halved per layer where it does not divide (576 features -> 64; warned once, listing the layers).
 
 >>> import torch, lowbit as Q
 >>> model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
@@ -37,7 +38,8 @@ import torch
 from torch import nn
 
 from .nn.quantized._utils import check_finite_linears
-from .nn.quantized.weight_only import METHODS, WeightOnlyLinear, check_recipe, fit_group_size, gptq_quantize
+from .nn.quantized.group_size import DEFAULT_GROUP_SIZE, checked_group_size, fit_group_size
+from .nn.quantized.weight_only import METHODS, WeightOnlyLinear, check_recipe, gptq_quantize
 
 __all__ = ["quantize_weight_only", "collect_hessians"]
 
@@ -150,7 +152,7 @@ def _warn_unmatched_skip(model: nn.Module, skip: tuple[str, ...]) -> None:
                       "Linears inside it)", stacklevel=3)
 
 
-def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128, method: str | None = None,
+def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int | None = None, method: str | None = None,
                          calib: Iterable[Any] | None = None, skip: Iterable[str] = _DEFAULT_SKIP,
                          inplace: bool = False, symmetric: bool = True, act_order: bool = True) -> nn.Module:
     """Replace each ``nn.Linear`` (not named in ``skip``) by a ``WeightOnlyLinear``; return the model.
@@ -158,7 +160,9 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128,
     ``method=None`` picks the most accurate recipe the inputs allow: ``"gptq"`` when ``calib`` is given,
     else ``"rtn"`` (``"mse"`` has the lower weight error but scored worse on SmolLM2).
     ``calib`` (an iterable of model inputs) is required for ``method="gptq"`` and ignored otherwise;
-    ``act_order`` (GPTQ only) quantizes the most active input columns first.
+    ``act_order`` (GPTQ only) quantizes the most active input columns first. ``group_size``: weight columns per
+    scale; a given size (or -1, per channel) must divide every quantized Linear's ``in_features``; ``None``: 128,
+    halved per layer where it does not divide, with a warning.
     The model is deep-copied unless ``inplace``; it is put in eval mode.
     """
     if not isinstance(model, nn.Module):
@@ -167,11 +171,11 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128,
         method = "rtn" if calib is None else "gptq"
     if method not in METHODS:
         raise ValueError(f"quantize_weight_only: method={method!r} must be one of {METHODS}")
-    check_recipe(bits, group_size, "quantize_weight_only", symmetric)
+    check_recipe(bits, DEFAULT_GROUP_SIZE if group_size is None else group_size, "quantize_weight_only", symmetric)
     for arg, v in (("inplace", inplace), ("act_order", act_order)):
         if not isinstance(v, bool):  # a truthy "no" rewrote the caller's model / reordered the columns
             raise TypeError(f"quantize_weight_only: {arg}={v!r} must be a bool")
-    if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
+    if isinstance(skip, str) or not isinstance(skip, Iterable) or not all(isinstance(s, str) for s in skip):
         raise TypeError(f"quantize_weight_only: skip={skip!r} must be a tuple of module names")
     if method == "gptq" and calib is None:
         raise ValueError("quantize_weight_only: method='gptq' needs calib= (an iterable of model inputs)")
@@ -188,6 +192,8 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128,
     if odd:  # (was raised by WeightOnlyLinear after calibration, naming no layer)
         raise ValueError(f"quantize_weight_only: bits=4 packs two codes per byte, so in_features must be even; layer(s) "
                          f"{odd} have an odd number: skip them (skip=(..., {odd[0]!r})) or use bits=8")
+    group_size = checked_group_size({n or "<model>": lin.in_features for n, lin in targets.items()}, group_size,
+                                    "quantize_weight_only")  # a given size refused where it does not divide
     if not inplace:
         model = copy.deepcopy(model)
     model.eval()
@@ -198,13 +204,10 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128,
             raise ValueError(f"quantize_weight_only: the calibration inputs reaching layer {name or '<model>'!r} hold "
                              "NaN/Inf (or values whose squares overflow float32, |x| above ~1e19): their XᵀX is not "
                              "finite; GPTQ needs finite calibration data")
-    changed: list[str] = []
     built: dict[str, WeightOnlyLinear] = {}
     for names in _same_input_runs(list(linears), hessians):
         lins = [linears[n] for n in names]
-        g = fit_group_size(lins[0].in_features, group_size)
-        if g != group_size:
-            changed += [f"{n or '<model>'} ({lins[0].in_features} features: group_size={g})" for n in names]
+        g = fit_group_size(lins[0].in_features, group_size)  # group_size itself when the caller gave it
         if method == "gptq" and not bool(hessians[names[0]].any()):  # no calibration signal reached these layers
             warnings.warn(f"quantize_weight_only: no calibration input reached {[n or '<model>' for n in names]} (their "
                           "XᵀX is 0: never called, or all-zero inputs); GPTQ has nothing to minimise there, so they "
@@ -218,10 +221,6 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int = 128,
                 del hessians[n]
         else:
             built.update((n, WeightOnlyLinear.from_float(lin, bits, g, symmetric, method)) for n, lin in zip(names, lins))
-    if changed:
-        warnings.warn(f"quantize_weight_only: group_size={group_size} does not divide in_features of "
-                      f"{len(changed)} layer(s); using smaller groups: {', '.join(changed[:4])}"
-                      + (" ..." if len(changed) > 4 else ""), stacklevel=2)
     if "" in built:  # the model itself is a Linear
         return built[""]
     # every place a quantized Linear sits, shared (aliased) ones included (named_modules lists each object once):

@@ -24,18 +24,13 @@ f: group_size=64 does not divide in_features of 1 layer(s): model.layers.0 (96);
 
 from __future__ import annotations
 
-import math
-import warnings
-
 from torch import nn
 
-from ..nn.quantized.weight_only import fit_group_size
+from ..nn.quantized.group_size import DEFAULT_GROUP_SIZE, checked_group_size
 from .blocks import decoder_layers
 from .tied import find_head
 
 __all__ = ["DEFAULT_GROUP_SIZE", "check_shapes", "resolve_group_size"]
-
-DEFAULT_GROUP_SIZE = 128
 
 
 def _linears(model: nn.Module, bits: int, head: str | None) -> dict[str, nn.Linear]:
@@ -64,27 +59,7 @@ def check_shapes(model: nn.Module, bits: int, head: str | None, fn: str = "quant
 
 def resolve_group_size(model: nn.Module, group_size: int | None, bits: int, head: str | None, fn: str) -> int:
     """The group size to pass on: ``group_size`` itself once checked to divide every layer, or (``None``)
-    ``DEFAULT_GROUP_SIZE``, with a warning naming each layer ``fit_group_size`` gives another size."""
-    lins = _linears(model, bits, head)
-    if group_size is not None:
-        bad = [f"{n} ({m.in_features})" for n, m in lins.items() if group_size != -1 and m.in_features % group_size]
-        if bad:
-            k = math.gcd(*(m.in_features for m in lins.values()))
-            fits = [g for g in (2 ** j for j in range(12, 2, -1)) if k % g == 0 and g < group_size]
-            raise ValueError(f"{fn}: group_size={group_size} does not divide in_features of {len(bad)} layer(s): "
-                             f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}; sizes dividing every layer: "
-                             + (", ".join(map(str, fits[:3])) + " (or -1: per channel" if fits else "-1 (per channel")
-                             + "; or leave group_size unset: 128 halved per layer where it does not divide, "
-                             "with a warning)")
-        return group_size
-    changed = {}
-    for n, m in lins.items():
-        g = fit_group_size(m.in_features, DEFAULT_GROUP_SIZE)
-        if g != DEFAULT_GROUP_SIZE:
-            changed[n] = (m.in_features, g)
-    if changed:
-        said = [f"{n} ({k} features: {'per channel' if g == -1 else f'group size {g}'})" for n, (k, g) in changed.items()]
-        warnings.warn(f"{fn}: the default group size {DEFAULT_GROUP_SIZE} does not divide {len(changed)} layer(s); "
-                      f"using: {', '.join(said[:4])}{' ...' if len(said) > 4 else ''} (pass group_size= to choose "
-                      "one size for all)", stacklevel=3)
-    return DEFAULT_GROUP_SIZE
+    ``DEFAULT_GROUP_SIZE``, with a warning naming each layer ``fit_group_size`` gives another size
+    (``nn.quantized.group_size.checked_group_size``: ``quantize_weight_only``'s rule too)."""
+    return checked_group_size({n: m.in_features for n, m in _linears(model, bits, head).items()}, group_size, fn,
+                              stacklevel=4)

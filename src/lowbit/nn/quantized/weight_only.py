@@ -58,6 +58,7 @@ from ...qscheme import QDtype, per_channel_affine, per_channel_symmetric, qint4,
 from ...qtensor import QTensor
 from ._state import CheckedQuantState
 from .embedding import _pack4, _unpack4
+from .group_size import fit_group_size
 
 __all__ = ["WeightOnlyLinear", "CLIP_RATIOS", "METHODS", "group_qparams", "quantize_groups", "gptq_quantize", "fit_group_size"]
 
@@ -375,18 +376,3 @@ class WeightOnlyLinear(CheckedQuantState):
         s = (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
              f"bits={self.bits}, group_size={self.group_size}, symmetric={self.symmetric}")
         return s + (", relu=True" if self.relu else "") + (f", kernel={self.kernel!r}" if self.kernel != "auto" else "")
-
-
-def fit_group_size(k: int, group_size: int) -> int:
-    """The group size to use for ``k`` input features: ``group_size`` if it divides ``k`` (or is -1, per
-    channel), else the largest ``group_size / 2^j`` that does, if ≥ 8, else -1 (per channel).
-
-    >>> fit_group_size(768, 128), fit_group_size(576, 128), fit_group_size(20, 128)
-    (128, 64, -1)
-    """
-    if group_size == -1 or k % group_size == 0:
-        return group_size
-    g = group_size
-    while g > 1 and k % g:
-        g //= 2
-    return g if g >= 8 else -1
