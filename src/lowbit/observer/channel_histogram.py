@@ -35,7 +35,7 @@ import torch
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
 from .base import ObserverBase, check_observed
-from .distributed import all_reduce_min_max, all_reduce_sum, is_distributed
+from .distributed import all_reduce_min_max, all_reduce_sum, is_distributed, pending_sync, remember_group
 
 __all__: list[str] = []
 
@@ -192,6 +192,7 @@ class _ClipRangeObserver(ObserverBase):
         The common range is the MIN/MAX of the ranks' ranges; each rank rebins onto it and the
         histograms are summed. What was reduced last time is counted once, not once per rank.
         """
+        remember_group(self, group)  # the group later lazy reductions use
         if is_distributed(group):
             lo, hi = all_reduce_min_max(self.min_val, self.max_val, group, type(self).__name__)
             rows = 1 if lo.dim() == 0 else lo.numel()
@@ -221,8 +222,7 @@ class _ClipRangeObserver(ObserverBase):
 
     def clip_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cmin, cmax)``: the clipping range ``calculate_qparams`` quantizes (``()`` or ``(C,)``)."""
-        if self._needs_sync and is_distributed():
-            self.sync_statistics()
+        pending_sync(self)  # over the group it was last reduced over (WORLD if none)
         name = type(self).__name__
         if self.min_val.numel() == 0 or not bool(torch.isfinite(self.min_val).any()):
             raise RuntimeError(f"{name} has not observed any finite data; run calibration batches before "

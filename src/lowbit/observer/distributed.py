@@ -11,7 +11,9 @@ Policy (one rule, used by every lowbit observer that has statistics):
 
 - Reduction is **automatic**: when ``torch.distributed`` is initialised with more than one rank,
   ``observer.calculate_qparams()`` first calls ``observer.sync_statistics()`` — a collective — if
-  the observer saw data since its last reduction. Nothing is exchanged per batch.
+  the observer saw data since its last reduction. Nothing is exchanged per batch. It reduces over the
+  process group the observer was last reduced over (``sync_observers(model, group)``,
+  ``sync_statistics(group)``), WORLD if none was given (``pending_sync``).
 - A collective needs every rank: call ``calculate_qparams()`` (or ``convert``) on **every** rank,
   in the same module order — or call ``sync_observers(model)`` on every rank first, after which
   ``calculate_qparams()`` is local until the observer sees data again (so ``if rank == 0:
@@ -49,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["is_distributed", "all_reduce_min_max", "all_reduce_mean", "all_reduce_sum", "sync_observers",
-           "local_statistics", "sync_pending"]
+           "local_statistics", "sync_pending", "remember_group", "pending_sync"]
 
 _LOCAL = threading.local()
 
@@ -79,6 +81,43 @@ def local_statistics() -> Iterator[None]:
         yield
     finally:
         _LOCAL.depth -= 1
+
+
+class _Group:
+    """The process group an observer was last reduced over: no state (a ``deepcopy`` shares it, a pickle drops it to
+    WORLD: a group lives in one process)."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _Group:
+        return self
+
+    def __reduce__(self) -> tuple[type, tuple[None]]:
+        return _Group, (None,)
+
+
+def remember_group(observer: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Record ``group`` (``None``: WORLD) as the one ``observer``'s later lazy reductions use (``sync_statistics``
+    calls it)."""
+    observer.__dict__["_sync_group"] = _Group(group)
+
+
+def _group_of(observer: nn.Module) -> dist.ProcessGroup | None:
+    ref = observer.__dict__.get("_sync_group")
+    return None if ref is None else ref.group
+
+
+def pending_sync(observer: nn.Module) -> None:
+    """``calculate_qparams``' lazy reduction: ``observer.sync_statistics(group)`` if it saw data since its last
+    reduction and its group spans more than one rank; the group is the one it was last reduced over
+    (``sync_observers(model, group)``), WORLD if none was given (it was WORLD whatever the caller had given)."""
+    if observer._needs_sync:
+        group = _group_of(observer)
+        if is_distributed(group):
+            observer.sync_statistics(group)
 
 
 def _per_rank(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
@@ -178,6 +217,7 @@ def sync_observers(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"sync_observers: model must be an nn.Module, got {type(model).__name__}")
+    _check_group("sync_observers", group)
     n = 0
     for name, mod in model.named_modules():
         sync = getattr(mod, "sync_statistics", None)
@@ -185,6 +225,13 @@ def sync_observers(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
             _named(sync, name, group)
             n += 1
     return n
+
+
+def _check_group(fn: str, group: object) -> None:
+    """``None`` (WORLD) or a ``ProcessGroup``: anything else was kept and failed deep in a later collective."""
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"{fn}: group={group!r} must be None (the default group) or a torch.distributed ProcessGroup "
+                        "(dist.new_group(...))")
 
 
 def _named(sync: Callable[..., None], name: str, group: dist.ProcessGroup | None) -> None:
@@ -199,15 +246,19 @@ def sync_pending(module: nn.Module, group: dist.ProcessGroup | None = None) -> N
     """Reduce the observers in ``module`` that saw data since their last reduction — exactly the ones
     ``calculate_qparams()`` would reduce, so it is a collective under the same rule (every rank, same
     order) and a no-op where that is local (one process, after ``sync_observers``, in
-    ``local_statistics()``). ``convert`` calls it before asking whether an observer saw any data, so
-    a rank whose shard was empty (or all NaN) adopts the others' statistics instead of raising alone
-    and leaving its peers waiting in the collective.
+    ``local_statistics()``). ``group=None``: each observer's own group, as ``calculate_qparams`` (``pending_sync``).
+    ``convert`` calls it before asking whether an observer saw any data, so a rank whose shard was empty (or
+    all NaN) adopts the others' statistics instead of raising alone and leaving its peers waiting in the
+    collective.
 
     >>> import lowbit as Q
     >>> sync_pending(Q.MinMaxObserver())     # single process: nothing to do
     """
-    if not is_distributed(group):
+    _check_group("sync_pending", group)
+    if not is_distributed():  # (a group spans at most WORLD)
         return
     for name, mod in module.named_modules():
         if getattr(mod, "_needs_sync", False) and callable(getattr(mod, "sync_statistics", None)):
-            _named(mod.sync_statistics, name, group)
+            g = _group_of(mod) if group is None else group
+            if is_distributed(g):
+                _named(mod.sync_statistics, name, g)

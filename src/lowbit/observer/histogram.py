@@ -52,7 +52,7 @@ import torch
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
 from .base import ObserverBase, check_observed, finite_aminmax
-from .distributed import all_reduce_min_max, all_reduce_sum, is_distributed
+from .distributed import all_reduce_min_max, all_reduce_sum, is_distributed, pending_sync, remember_group
 from .histogram_search import _L2Model, _quantile_clip_range, _search_clip_range  # noqa: F401 (_L2Model: tests)
 
 __all__ = ["HistogramObserver"]
@@ -244,6 +244,7 @@ class HistogramObserver(ObserverBase):
         histograms are summed, so every rank then holds the statistics of the union of the data.
         What was already reduced last time is counted once, not once per rank.
         """
+        remember_group(self, group)  # the group later lazy reductions use
         if is_distributed(group):
             owner = type(self).__name__
             lo, hi = all_reduce_min_max(self.min_val, self.max_val, group, owner)
@@ -263,8 +264,7 @@ class HistogramObserver(ObserverBase):
         Under ``torch.distributed`` first merges the ranks' histograms (a collective: call it on every
         rank, or ``sync_observers(model)`` on every rank beforehand).
         """
-        if self._needs_sync and is_distributed():
-            self.sync_statistics()
+        pending_sync(self)  # over the group it was last reduced over (WORLD if none)
         lo, hi = self.min_val.item(), self.max_val.item()
         if not lo <= hi:
             raise RuntimeError(f"{type(self).__name__} has not observed any finite data; run calibration "

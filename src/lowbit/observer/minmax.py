@@ -36,7 +36,7 @@ import torch
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme, per_channel_symmetric, per_tensor_affine, qint8, quint8
 from .base import ObserverBase, check_observed, finite_aminmax
-from .distributed import all_reduce_mean, all_reduce_min_max, is_distributed
+from .distributed import all_reduce_mean, all_reduce_min_max, is_distributed, pending_sync, remember_group
 
 __all__ = [
     "MinMaxObserver",
@@ -145,6 +145,7 @@ class _MinMaxObserverBase(ObserverBase):
         observers take the mean of the ranks that saw data (an approximation of one EMA over the
         union, which depends on batch order).
         """
+        remember_group(self, group)  # the group later lazy reductions use
         if is_distributed(group):
             owner = type(self).__name__
             if self._averaging:
@@ -165,8 +166,7 @@ class _MinMaxObserverBase(ObserverBase):
         Under ``torch.distributed`` first reduces the statistics across ranks (a collective: call
         it on every rank, or ``sync_observers(model)`` on every rank beforehand).
         """
-        if self._needs_sync and is_distributed():
-            self.sync_statistics()
+        pending_sync(self)  # over the group it was last reduced over (WORLD if none)
         if not self.is_calibrated:
             name = type(self).__name__
             if self.min_val.dim() == 1 and bool(torch.isfinite(self.min_val).any()):
