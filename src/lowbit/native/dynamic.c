@@ -27,3 +27,43 @@ int lb_dyn_linear(const float *x, int64_t m, int64_t k, int64_t ldx, int64_t n, 
     for (int64_t i = 0; i < m; ++i) cn[i] = sub ? -128.f - negzp[i] : negzp[i] + 128.f;
     return lb_linear_run(pr, codes, m, k, 128, cn, scale, out, nt_lin, isa) ? 2 : 0;
 }
+
+/* 1 when each of the n floats at x is finite, else 0: the x86 dynamic Linear's NaN / Inf check (torch.ao's fbgemm op
+ * quantizes a NaN to a code: finite outputs). A float is NaN or ±Inf when its bits without the sign, as an int32,
+ * exceed FLT_MAX's 0x7f7fffff: one max over x, two accumulators (AVX2 or AVX-512F bodies). */
+__attribute__((target("avx2")))
+static int finite_avx2(const float *x, int64_t n) {
+    const __m256i mag = _mm256_set1_epi32(0x7fffffff), top = _mm256_set1_epi32(0x7f7fffff);
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        a = _mm256_max_epi32(a, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + j)), mag));
+        b = _mm256_max_epi32(b, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + j + 8)), mag));
+    }
+    __m256i over = _mm256_cmpgt_epi32(_mm256_max_epi32(a, b), top);
+    if (!_mm256_testz_si256(over, over)) return 0;
+    for (; j < n; ++j) if (bad_bits(x[j])) return 0;
+    return 1;
+}
+
+__attribute__((target("avx512f")))
+static int finite_avx512(const float *x, int64_t n) {
+    const __m512i mag = _mm512_set1_epi32(0x7fffffff);
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        a = _mm512_max_epi32(a, _mm512_and_si512(_mm512_loadu_si512(x + j), mag));
+        b = _mm512_max_epi32(b, _mm512_and_si512(_mm512_loadu_si512(x + j + 16), mag));
+    }
+    if (_mm512_cmpgt_epi32_mask(_mm512_max_epi32(a, b), _mm512_set1_epi32(0x7f7fffff))) return 0;
+    for (; j < n; ++j) if (bad_bits(x[j])) return 0;
+    return 1;
+}
+
+/* isa as the other passes: 0 the scalar body, 2 the AVX2 one even where AVX-512F is present */
+int lb_all_finite(const float *x, int64_t n, int isa) {
+    if (use_avx512(isa)) return finite_avx512(x, n);
+    if (use_avx2(isa)) return finite_avx2(x, n);
+    for (int64_t j = 0; j < n; ++j) if (bad_bits(x[j])) return 0;
+    return 1;
+}

@@ -33,7 +33,7 @@ import torch
 
 from . import _check_grid, _lib, _local, _threads, counts
 
-__all__ = ["row_grid", "row_epilogue", "qadd", "quantize_into"]
+__all__ = ["row_grid", "row_epilogue", "qadd", "quantize_into", "all_finite"]
 
 
 def _fits(x: torch.Tensor) -> bool:
@@ -71,6 +71,16 @@ def row_grid(x: torch.Tensor, levels: float, mode: str, out: torch.Tensor | None
         return None
     counts["row_grid"] += 1
     return out, scale, negzp
+
+
+def all_finite(x: torch.Tensor) -> bool | None:
+    """Whether every element of a contiguous float32 CPU ``x`` is finite, in one read of ``x`` (``dynamic.c``); ``None``
+    when the native passes are off or ``x`` is another tensor. (Cheap checks only: ``_fits`` costs more than the pass
+    at 16 × 768 floats.)"""
+    lib = _lib()
+    if lib is None or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
+        return None
+    return bool(lib.lb_all_finite(x.data_ptr(), x.numel(), _local.__dict__.get("isa", 1)))
 
 
 def row_epilogue(raw: torch.Tensor, a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None,

@@ -157,7 +157,7 @@ def per_tensor_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.
     if _fast(xf, w_zero_point, cache) and math.isfinite(float(xf.sum())):
         packed = _pack(cache, "reduced.ao", weight_int8, w_scale, bias)
         kernels.counts[("onednn", "linear")] += 1
-        return _dynamic_op()(xf, packed, True)
+        return _nan_rows(xf, _dynamic_op()(xf, packed, True))
     scale, zp = ao_qparams(xf)
     dev = xf.device
     if not math.isfinite(scale):  # a NaN / Inf input: NaN out on every route (the reference backend refused the grid)
@@ -166,6 +166,16 @@ def per_tensor_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.
                           torch.tensor(zp, dtype=torch.int64, device=dev), quint8)  # codes ≤ 128: the 8-bit grid
     weight = QTensor._trusted(weight_int8, w_scale, w_zero_point, qdtype, axis=0)
     return kernels.linear(xq, weight, bias, None, cache=cache)  # type: ignore[return-value]
+
+
+def _nan_rows(xf: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y`` with NaN in each row whose input row holds a NaN / Inf (in place): torch.ao's fbgemm op quantizes a NaN
+    to a code, so its rows were finite garbage; lowbit propagates NaN, as the float Linear and the per-token recipe.
+    One native read of ``x`` (``native.all_finite``; else one ``sum``, whose overflow only costs the row check)."""
+    ok = native.all_finite(xf)
+    if ok is None:
+        ok = math.isfinite(float(xf.sum()))
+    return y if ok else y.masked_fill_(~torch.isfinite(xf).all(1, keepdim=True), float("nan"))
 
 
 def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
