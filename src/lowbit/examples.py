@@ -93,6 +93,16 @@ def _check_xy(x: torch.Tensor, y: torch.Tensor) -> None:
         raise ValueError(f"y holds the negative label {int(y.min())}; labels are class indices from 0")
 
 
+def _check_labels(y: torch.Tensor, logits: torch.Tensor, fn: str) -> None:
+    """Labels are class indices below the model's output width (``(B, classes)`` logits)."""
+    if logits.dim() != 2:
+        raise ValueError(f"{fn}: the model's outputs must be (batch, classes) logits, got shape {tuple(logits.shape)}")
+    top = int(y.max()) if len(y) else -1
+    if top >= logits.shape[1]:  # evaluate scored such labels 0 % silently; train raised torch's IndexError
+        raise ValueError(f"{fn}: y holds the label {top}, but the model scores {logits.shape[1]} classes "
+                         f"(labels are class indices 0..{logits.shape[1] - 1})")
+
+
 def train(
     model: nn.Module,
     x: torch.Tensor,
@@ -142,7 +152,10 @@ def train(
             on_step(model, step, total)
         last = step % steps_per_epoch == steps_per_epoch - 1
         idx = perm[i:] if last else perm[i : i + batch_size]
-        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+        logits = model(x[idx])
+        if step == 0:
+            _check_labels(y, logits, "train")
+        loss = nn.functional.cross_entropy(logits, y[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -159,7 +172,19 @@ def predict(model: nn.Module, x: torch.Tensor, batch_size: int = 1000) -> torch.
         raise ValueError(f"batch_size={batch_size!r} must be a positive int")
     if len(x) == 0:
         raise ValueError(f"predict: x holds no samples (shape {tuple(x.shape)})")
-    return torch.cat([model(x[i : i + batch_size]).argmax(1) for i in range(0, len(x), batch_size)])
+    return _classes(model, x, batch_size)
+
+
+@torch.no_grad()
+def _classes(model: nn.Module, x: torch.Tensor, batch_size: int, y: torch.Tensor | None = None) -> torch.Tensor:
+    """``predict``'s loop; with labels ``y``, checked against the model's output width on the first batch."""
+    out = []
+    for i in range(0, len(x), batch_size):
+        logits = model(x[i : i + batch_size])
+        if y is not None and i == 0:
+            _check_labels(y, logits, "evaluate")
+        out.append(logits.argmax(1))
+    return torch.cat(out)
 
 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000) -> float:
@@ -172,5 +197,7 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
     _check_xy(x, y)
     if len(x) == 0:
         raise ValueError(f"evaluate: x holds no samples (shape {tuple(x.shape)})")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be a positive int")
     model.eval()
-    return 100.0 * (predict(model, x, batch_size) == y).double().mean().item()
+    return 100.0 * (_classes(model, x, batch_size, y) == y).double().mean().item()

@@ -83,7 +83,9 @@ def keep_freed_memory(dry_run: bool = False) -> bool:
         libc = _glibc()
         if libc is None:
             return False
-        if dry_run:
+        if dry_run:  # (reason() says what a call would do, as it says what one did)
+            _state["reason"] = ("dry run: glibc's mallopt is reachable; keep_freed_memory() would set M_MMAP_MAX=0, "
+                                "M_TRIM_THRESHOLD=2**31-1 (nothing changed)")
             return True
         if libc.mallopt(_M_MMAP_MAX, 0) != 1:  # 1: success
             _state["reason"] = "glibc's mallopt refused M_MMAP_MAX=0: nothing changed"
