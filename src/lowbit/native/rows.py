@@ -78,9 +78,9 @@ def all_finite(x: torch.Tensor) -> bool | None:
     when the native passes are off or ``x`` is another tensor. (Cheap checks only: ``_fits`` costs more than the pass
     at 16 × 768 floats.)"""
     lib = _lib()
-    if lib is None or x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
+    if lib is None or x.dtype is not torch.float32 or not x.is_contiguous() or not x.is_cpu:
         return None
-    return bool(lib.lb_all_finite(x.data_ptr(), x.numel(), _local.__dict__.get("isa", 1)))
+    return lib.lb_all_finite(x.data_ptr(), x.numel(), _local.__dict__.get("isa", 1)) == 1
 
 
 def row_epilogue(raw: torch.Tensor, a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None,
