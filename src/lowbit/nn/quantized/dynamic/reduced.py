@@ -153,11 +153,11 @@ def per_tensor_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.
     xf = x2.detach()
     xf = xf if xf.dtype == torch.float32 else xf.float()
     # fbgemm's min/max skip a NaN past the first element (finite garbage out) and raise "min should be less than or
-    # equal to max" on a first one: a non-finite input (a non-finite sum: one pass) takes the path below, NaN out
-    if _fast(xf, w_zero_point, cache) and math.isfinite(float(xf.sum())):
+    # equal to max" on a first one: a non-finite input takes the path below, whose one grid is NaN: NaN out, every row
+    if _fast(xf, w_zero_point, cache) and _finite(xf):
         packed = _pack(cache, "reduced.ao", weight_int8, w_scale, bias)
         kernels.counts[("onednn", "linear")] += 1
-        return _nan_rows(xf, _dynamic_op()(xf, packed, True))
+        return _dynamic_op()(xf, packed, True)
     scale, zp = ao_qparams(xf)
     dev = xf.device
     if not math.isfinite(scale):  # a NaN / Inf input: NaN out on every route (the reference backend refused the grid)
@@ -168,14 +168,11 @@ def per_tensor_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.
     return kernels.linear(xq, weight, bias, None, cache=cache)  # type: ignore[return-value]
 
 
-def _nan_rows(xf: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``y`` with NaN in each row whose input row holds a NaN / Inf (in place): torch.ao's fbgemm op quantizes a NaN
-    to a code, so its rows were finite garbage; lowbit propagates NaN, as the float Linear and the per-token recipe.
-    One native read of ``x`` (``native.all_finite``; else one ``sum``, whose overflow only costs the row check)."""
+def _finite(xf: torch.Tensor) -> bool:
+    """Whether every element of ``xf`` is finite: one native read (``native.all_finite``), else one ``sum`` (a finite
+    input whose sum overflows only takes the exact path below)."""
     ok = native.all_finite(xf)
-    if ok is None:
-        ok = math.isfinite(float(xf.sum()))
-    return y if ok else y.masked_fill_(~torch.isfinite(xf).all(1, keepdim=True), float("nan"))
+    return math.isfinite(float(xf.sum())) if ok is None else ok
 
 
 def per_token_7bit(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
