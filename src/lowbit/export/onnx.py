@@ -43,9 +43,11 @@ dequantized float values. Batch size (dim 0 of every input and output) stays dyn
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,11 +150,45 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     return out_path
 
 
+_EXPORT_LOCK = threading.Lock()  # the symbolic registry below is process-wide: one export at a time
+
+
+@contextlib.contextmanager
+def _float_dequantize_is_identity(opset: int) -> Iterator[None]:
+    """While exporting, ``aten::dequantize`` of a float tensor is the tensor itself, as in eager mode.
+
+    A model's own ``y.dequantize()`` of a ``QTensor`` runs on the twin's float (QDQ'd) value, and torch's
+    symbolic for it expects a torch quantized tensor: the TorchScript exporter failed deep in its pass
+    ("ONNX symbolic expected the output of ... to be a quantized tensor"). A torch quantized tensor (traced as
+    a tuple) keeps torch's own symbolic; a custom one registered before is put back afterwards.
+    """
+    from torch.onnx._internal.torchscript_exporter import registration, symbolic_helper
+
+    name = "aten::dequantize"
+    group = registration.registry.get_function_group(name)
+    before = group.get(opset) if group is not None else None
+
+    def symbolic(g: Any, x: Any) -> Any:
+        if symbolic_helper._is_tuple_construct(x):  # a torch quantized tensor: torch's (or the user's) symbolic
+            return before(g, x) if before is not None else symbolic_helper.dequantize_helper(g, x)[0]
+        return x
+
+    with _EXPORT_LOCK:
+        torch.onnx.register_custom_op_symbolic(name, symbolic, opset)
+        try:
+            yield
+        finally:
+            torch.onnx.unregister_custom_op_symbolic(name, opset)
+            group = registration.registry.get_function_group(name)
+            if before is not None and group is not None and group.get(opset) is not before:
+                torch.onnx.register_custom_op_symbolic(name, before, opset)  # a user's own override
+
+
 def _export(onnx: Any, twin: nn.Module, inputs: tuple[torch.Tensor, ...], path: Path, opset_version: int,
             input_names: list[str], output_names: list[str], axes: dict[str, dict[int, str]] | None,
             tables: list[nn.Module]) -> None:
     """``to_onnx``'s export of ``twin`` to ``path``, its initializers, the opset-21 relabelling and the checker."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _float_dequantize_is_identity(min(opset_version, 20)):
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         torch.onnx.export(twin, inputs, str(path), dynamo=False, opset_version=min(opset_version, 20),
                           input_names=input_names, output_names=output_names, dynamic_axes=axes,

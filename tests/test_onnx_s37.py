@@ -1,0 +1,56 @@
+"""ONNX export cases a session-37 probe found failing or silently wrong in ONNX Runtime (each failed before its fix)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit as Q
+from lowbit.export import run_onnx, to_onnx
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from onnx_helpers import one_thread  # noqa: E402
+
+_ = one_thread
+
+
+def _convert(model: nn.Module, batches: list[torch.Tensor]) -> nn.Module:
+    model = model.eval()
+    model.qconfig = Q.get_default_qconfig()
+    p = Q.prepare(model)
+    with torch.no_grad():
+        for b in batches:
+            p(b)
+    return Q.convert(p)
+
+
+class _Dequantizes(nn.Module):
+    """Returns the conv's QTensor and its own ``.dequantize()`` of it, scaled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant, self.conv = Q.QuantStub(), nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.conv(self.quant(x))
+        return y, y.dequantize() * 2
+
+
+def test_model_calling_dequantize_on_its_qtensor_exports(tmp_path):
+    # the twin's value is a float tensor there, and torch's aten::dequantize symbolic expects a torch quantized
+    # tensor: to_onnx failed deep in the TorchScript exporter ("expected ... to be a quantized tensor")
+    from torch.onnx._internal.torchscript_exporter import registration, symbolic_opset10
+
+    torch.manual_seed(0)
+    q = _convert(_Dequantizes(), [torch.randn(4, 3, 8, 8) for _ in range(2)])
+    path = to_onnx(q, torch.randn(2, 3, 8, 8), tmp_path / "m.onnx")
+    x = torch.randn(5, 3, 8, 8)
+    with torch.no_grad():
+        y, y2 = q(x)
+    got = run_onnx(path, x)
+    assert torch.equal(got[0], y.dequantize()) and torch.equal(got[1], y2)
+    # the export's override is gone: torch's own symbolic is back for other exports
+    assert registration.registry.get_function_group("aten::dequantize").get(17) is symbolic_opset10.dequantize
