@@ -12,7 +12,7 @@ from lowbit.export import run_onnx, to_onnx
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from onnx_helpers import one_thread  # noqa: E402
+from onnx_helpers import one_thread, within_one_quantum  # noqa: E402
 
 _ = one_thread
 
@@ -54,3 +54,44 @@ def test_model_calling_dequantize_on_its_qtensor_exports(tmp_path):
     assert torch.equal(got[0], y.dequantize()) and torch.equal(got[1], y2)
     # the export's override is gone: torch's own symbolic is back for other exports
     assert registration.registry.get_function_group("aten::dequantize").get(17) is symbolic_opset10.dequantize
+
+
+class _SizedTranspose(nn.Module):
+    def __init__(self, size: list[int]) -> None:
+        super().__init__()
+        self.quant, self.dequant = Q.QuantStub(), Q.DeQuantStub()
+        self.ct, self.size = nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1), size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dequant(self.ct(self.quant(x), output_size=self.size))
+
+
+@pytest.mark.parametrize("size", [[12, 11], [2, 4, 11, 12]])
+def test_conv_transpose_called_with_output_size_exports(tmp_path, size):
+    # lowbit's ConvTranspose takes torch's output_size; its export twin did not (TypeError: unexpected keyword)
+    torch.manual_seed(1)
+    q = _convert(_SizedTranspose(size), [torch.randn(4, 3, 6, 6) for _ in range(2)])
+    x = torch.randn(2, 3, 6, 6)
+    path = to_onnx(q, x, tmp_path / "m.onnx")
+    with torch.no_grad():
+        ref = q(x)
+    got = run_onnx(path, x)[0]
+    assert got.shape == ref.shape == (2, 4, *size[-2:])
+    assert within_one_quantum(got, ref, float(q.ct.scale)) == 1.0
+    assert (got == ref).double().mean() > 0.95
+
+
+@pytest.mark.parametrize("mode", ["circular", "reflect", "replicate"])
+def test_unbatched_padded_conv1d_runs_in_ort(tmp_path, mode):
+    # an unbatched (C, L) input: the twin's explicit circular Pad was exported on a rank-2 tensor with axis-2 Slices,
+    # which ONNX Runtime refused to load ("Unexpected axis value: 2")
+    torch.manual_seed(2)
+    seq = nn.Sequential(Q.QuantStub(), nn.Conv1d(3, 4, 3, padding=2, padding_mode=mode), Q.DeQuantStub())
+    q = _convert(seq, [torch.randn(3, 9) for _ in range(3)])
+    x = torch.randn(3, 9)
+    path = to_onnx(q, x, tmp_path / "m.onnx", dynamic_batch=False)
+    with torch.no_grad():
+        ref = q(x)
+    got = run_onnx(path, x)[0]
+    assert got.shape == ref.shape == (4, 11)
+    assert within_one_quantum(got, ref, float(q[1].scale)) == 1.0

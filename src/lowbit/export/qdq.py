@@ -218,31 +218,48 @@ class WeightedTwin(nn.Module):
                               "padding": mod._spec.padding}
             if kind == "conv_transpose":
                 self.conv_args["output_padding"] = mod.output_padding
+                self.output_padding, self.kernel_size = mod.output_padding, tuple(mod.kernel_size)
             self.dim = mod._dim
         self.pad, self.pad_mode = getattr(mod, "_explicit_pad", None), getattr(mod, "padding_mode", "zeros")
 
-    def _op(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def _op(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv_args: dict[str, Any]) -> torch.Tensor:
         if self.kind == "linear":
             return F.linear(x, w, b)
         fn: Any = {("conv", 1): F.conv1d, ("conv", 2): F.conv2d, ("conv", 3): F.conv3d,
               ("conv_transpose", 1): F.conv_transpose1d, ("conv_transpose", 2): F.conv_transpose2d,
               ("conv_transpose", 3): F.conv_transpose3d}[(self.kind, self.dim)]
-        return fn(x, w, b, **self.conv_args)
+        return fn(x, w, b, **conv_args)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = None
+    def forward(self, x: torch.Tensor, output_size: Any = None) -> torch.Tensor:
+        """``output_size``: a ConvTranspose's torch argument (the output padding that reaches it, fixed in the file)."""
+        if output_size is not None:
+            if self.kind != "conv_transpose":
+                raise TypeError(f"to_onnx: output_size is a ConvTranspose argument, given to a quantized {self.kind}")
+            a = self.conv_args  # torch's own rule (and its error for a size it cannot reach), on the caller's rank
+            pad = nn.ConvTranspose1d._output_padding(self, x, list(output_size), list(a["stride"]),  # type: ignore[arg-type]
+                                                     list(a["padding"]), list(self.kernel_size), self.dim,
+                                                     list(a["dilation"]))
+            return self._forward(x, {**a, "output_padding": tuple(pad)})
+        return self._forward(x, self.conv_args)
+
+    def _forward(self, x: torch.Tensor, conv_args: dict[str, Any]) -> torch.Tensor:
+        lead, unbatched = None, self.kind != "linear" and x.dim() == self.dim + 1
         if self.kind == "linear" and x.dim() != 2:  # Gemm is 2-D: (*, K) -> (M, K) -> (*, N)
             lead = x.shape[:-1]
             x = x.reshape(-1, self.in_features)
+        if unbatched:  # (C, *spatial) as a batch of one, as the module runs it (ONNX's circular Pad needs the batch)
+            x = x.unsqueeze(0)
         if self.pad is not None:  # padding float 0.0 = padding codes with the zero point (before Q, so DQ meets Conv)
             x = F.pad(x, self.pad) if self.pad_mode == "zeros" else F.pad(x, self.pad, mode=self.pad_mode)
         x = self.in_qdq(x)
-        y = self._op(x, self.weight(), None if self.bias_dq is None else self.bias_dq())
+        y = self._op(x, self.weight(), None if self.bias_dq is None else self.bias_dq(), conv_args)
         if self.bias_float is not None:  # (a Linear's as Sub(y, -b), exact: see the class docstring)
             y = y + self.bias_float.reshape(-1, *([1] * (y.dim() - 2))) if self.kind != "linear" else y - (-self.bias_float)
         if self.relu:
             y = torch.relu(y)
         y = self.out_qdq(y)
+        if unbatched:
+            return y.squeeze(0)
         return y.reshape(*lead, y.shape[-1]) if lead is not None else y
 
 
