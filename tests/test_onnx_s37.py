@@ -95,3 +95,27 @@ def test_unbatched_padded_conv1d_runs_in_ort(tmp_path, mode):
     got = run_onnx(path, x)[0]
     assert got.shape == ref.shape == (4, 11)
     assert within_one_quantum(got, ref, float(q[1].scale)) == 1.0
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_dynamic_rnn_runs_a_zero_size_batch_in_ort(tmp_path, cls):
+    # the gate GEMMs' (T·B, G·H) -> (T, B, G·H) Reshape had target (T, 0, G·H): ONNX's default reads that 0 as "copy
+    # the input's dim", so ORT failed on an empty batch ("cannot be reshaped to the requested shape {5,48,48}")
+    torch.manual_seed(3)
+
+    class Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = cls(8, 16, batch_first=True, bidirectional=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.rnn(x)[0]
+
+    q = Q.quantize_dynamic(Seq().eval(), {cls})
+    path = to_onnx(q, torch.randn(2, 5, 8), tmp_path / "m.onnx")
+    for x in (torch.randn(0, 5, 8), torch.randn(3, 5, 8)):
+        with torch.no_grad():
+            ref = q(x)
+        got = run_onnx(path, x)[0]
+        assert got.shape == ref.shape == (x.shape[0], 5, 32)
+        assert torch.allclose(got, ref, atol=1e-5)

@@ -114,6 +114,24 @@ class _PerTokenLinearFn(torch.autograd.Function):
         return y if bias_c is None else g.op("Add", y, _c(g, bias_c))
 
 
+class _LeadReshapeFn(torch.autograd.Function):
+    """``y`` ``(M, N)`` as ``(*x.shape[:-1], N)``; ONNX: Reshape(y, Concat(Shape(x)[:-1], Shape(y)[-1:])) with
+    ``allowzero=1`` from opset 14: under the default a 0 in the target shape means "copy that dim of ``y``", so a
+    zero batch (an RNN's ``(T, 0)`` rows, a ``(B, 0)`` sequence) was read as another shape and ORT's Reshape failed."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def symbolic(g: Any, y: Any, x: Any) -> Any:
+        def part(t: Any, start: int, end: int) -> Any:
+            ends = _c(g, [end], torch.int64)
+            return g.op("Slice", g.op("Shape", t), _c(g, [start], torch.int64), ends, _c(g, [0], torch.int64))
+        shape = g.op("Concat", part(x, 0, -1), part(y, -1, 2**62), axis_i=0)
+        return g.op("Reshape", y, shape, allowzero_i=1) if g.opset >= 14 else g.op("Reshape", y, shape)
+
+
 class _HalfLinearFn(torch.autograd.Function):
     """float16-weight linear in float32; ONNX: MatMul(x, CastLike(FLOAT16 Wᵀ, x)) (+ Add bias).
 
@@ -185,15 +203,14 @@ class DynamicLinearTwin(nn.Module):
             x = x.dequantize()
         lead = None
         if x.dim() != 2:  # (*, K) -> (M, K) -> (*, N): per-token grids are per row of the 2-D view
-            lead = x.shape[:-1]
-            x = x.reshape(-1, self.in_features)
+            lead, x = x, x.reshape(-1, self.in_features)
         x = x.to(torch.float32).detach()  # export-only twin: no autograd through the untraced bodies
         if self.fp16:
             y = _HalfLinearFn.apply(x, self.w_t, self.bias_c)
         else:
             y = _PerTokenLinearFn.apply(x, self.eager, self.w_t, self.w_zp, self.w_sum,
                                         self.w_scale, self.bias_c)
-        y = y.reshape(*lead, self.out_features) if lead is not None else y
+        y = _LeadReshapeFn.apply(y, lead) if lead is not None else y
         return F.relu(y) if self.relu else y
 
     def extra_repr(self) -> str:
