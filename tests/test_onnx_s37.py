@@ -119,3 +119,12 @@ def test_dynamic_rnn_runs_a_zero_size_batch_in_ort(tmp_path, cls):
         got = run_onnx(path, x)[0]
         assert got.shape == ref.shape == (x.shape[0], 5, 32)
         assert torch.allclose(got, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("qconfig", [Q.get_dynamic_qconfig(backend="x86"), Q.get_dynamic_qconfig(reduce_range=True)])
+def test_seven_bit_dynamic_linear_refusal_names_the_layer(tmp_path, qconfig):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4))).eval()
+    q = Q.quantize_dynamic(model, {nn.Linear: qconfig})
+    with pytest.raises(ValueError, match=r"7-bit recipe.*get_dynamic_qconfig\(\).*module '0'"):
+        to_onnx(q, torch.randn(2, 8), tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()

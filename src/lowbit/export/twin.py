@@ -236,7 +236,10 @@ def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dty
         return EmbeddingBagTwin(mod)
     if isinstance(mod, WeightOnlyLinear):
         return WeightOnlyTwin(mod)
-    twin = dynamic_twin(mod, weight_dtype)
+    try:
+        twin = dynamic_twin(mod, weight_dtype)
+    except ValueError as e:  # (a recipe without a twin: name the layer, as the other refusals do)
+        raise ValueError(f"{e} [module '{path}']") from None
     if twin is not None:
         return twin
     cls = type(mod)
