@@ -64,7 +64,7 @@ one_thread = threads(1)
 def force(monkeypatch: pytest.MonkeyPatch, *, vnni: bool, fbgemm: bool, shared: bool = True) -> None:
     """Make the oneDNN backend take its VNNI (or non-VNNI) route, with fbgemm or without, on any CPU; ``shared``: a
     VNNI CPU with AVX-512 VNNI (few rows take the routes without VNNI), else one with AVX-VNNI only."""
-    from lowbit.kernels import onednn
+    from lowbit.kernels import isa, onednn
 
     if not onednn.available():
         pytest.skip("oneDNN int8 ops not available in this torch build")
@@ -79,4 +79,4 @@ def force(monkeypatch: pytest.MonkeyPatch, *, vnni: bool, fbgemm: bool, shared: 
             pytest.skip("no x86/fbgemm quantized engine")
         monkeypatch.setattr(torch.backends.quantized, "engine", "x86")
     else:
-        monkeypatch.setattr(onednn, "_FBGEMM", ())
+        monkeypatch.setattr(isa, "_FBGEMM", ())

@@ -25,7 +25,7 @@ from torch import nn
 import lowbit as Q
 from lowbit import kernels, native
 from lowbit.functional import quantize
-from lowbit.kernels import OutGrid, onednn
+from lowbit.kernels import OutGrid, isa, onednn
 from lowbit.nn.quantized import dynamic as nnqd
 from lowbit.nn.quantized.dynamic import no_vnni, per_token
 from lowbit.qparams import calculate_qparams
@@ -107,7 +107,7 @@ def test_dynamic_no_vnni_route_bit_identical_to_generic(monkeypatch: pytest.Monk
     only up to float32 rounding."""
     _force_vnni(monkeypatch, False)
     if not engine_fbgemm:
-        monkeypatch.setattr(onednn, "_FBGEMM", ())
+        monkeypatch.setattr(isa, "_FBGEMM", ())
     mod = _dyn(96, 24, m, seven_bit=False)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 96, generator=g) * torch.rand(m, 1, generator=g) * 4 + torch.rand(m, 1, generator=g)

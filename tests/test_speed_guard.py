@@ -14,7 +14,7 @@ import lowbit as Q
 from lowbit import native
 from lowbit import speed_guard as SG
 from lowbit.examples import SmallCNN
-from lowbit.kernels import ConvSpec, OutGrid, onednn, reference
+from lowbit.kernels import ConvSpec, OutGrid, isa, onednn, reference
 from lowbit.nn.quantized import Linear as QLinear
 from lowbit.nn.quantized._weighted import WeightedQuantModule
 from lowbit.speed_guard import FloatFallback, get_speed_qconfig, keep_faster
@@ -236,7 +236,7 @@ def test_onednn_linear_seven_bit_activations_single_call_exact(no_vnni_single_ca
     x = Q.QTensor(codes, 0.02, zp, qd)
     cache: dict = {}
     y = onednn.linear(x, w, b, out, out is not None, cache=cache)
-    engine = torch.backends.quantized.engine in onednn._FBGEMM
+    engine = torch.backends.quantized.engine in isa._FBGEMM
     small = x.numel() <= onednn.SMALL_M * 70 and engine
     fused = engine and out is not None and out.qdtype.storage == torch.uint8  # fbgemm's requantized codes, at every M
     by_native = engine and out is None and native.available()  # lowbit.native's float epilogue, at every M
@@ -274,7 +274,7 @@ def test_small_m_fbgemm_split_is_exact_and_engine_gated(monkeypatch: pytest.Monk
     with native.disabled():  # (lowbit.native's one call comes first: tests/test_native.py)
         y = onednn.linear(x, w, b, None, False, cache=cache)
     assert cache["onednn.fbgemm"][1][1] is True and torch.allclose(y.double(), exact(x, w, b), rtol=1e-5, atol=1e-4)
-    monkeypatch.setattr(onednn, "_FBGEMM", ())  # another quantized engine: oneDNN only
+    monkeypatch.setattr(isa, "_FBGEMM", ())  # another quantized engine: oneDNN only
     cache = {}
     y2 = onednn.linear(x, w, b, None, False, cache=cache)
     assert "onednn.fbgemm" not in cache and torch.allclose(y2.double(), exact(x, w, b), rtol=1e-5, atol=1e-4)
@@ -284,7 +284,7 @@ def test_small_m_fused_fbgemm_repacks_after_bias_or_scale_change(monkeypatch: py
     """The fused few-row route (lowbit.native's one call, else fbgemm's requantizing op) follows in-place changes of
     the bias and the weight scales: its kept constants / pack are remade, and both give the same codes."""
     monkeypatch.setattr(onednn, "has_vnni", lambda: False)
-    if torch.backends.quantized.engine not in onednn._FBGEMM:
+    if torch.backends.quantized.engine not in isa._FBGEMM:
         pytest.skip("fbgemm is not the quantized engine")
     torch.manual_seed(7)
     w, b, out = full_weight(12, 20), torch.randn(12), OutGrid(0.05, 90, Q.quint8)

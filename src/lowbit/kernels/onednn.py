@@ -39,7 +39,6 @@ True
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +50,8 @@ from ..functional import _store
 from ..qtensor import QTensor
 from . import conv_small, int_mm, small_m
 from .avx2 import _exact_linear, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor, _scaled, _split_run
+from .isa import (available, cpu_has_vnni, fbgemm_engine, has_vnni, isa_capped,  # noqa: F401 (re-exported)
+                  saturation_safe, shares_routes)
 from .conv_split import (SHAPED_PACKS, _pack_wsplit, _wsplit_conv, _wsplit_packs, packed_for_input,  # noqa: F401 (tests,
                          gemm_conv)  # conv_plan)
 from .small_m import VNNI_M, float_route, native_linear, native_requant, split_on_avx2, vnni_rows  # noqa: F401 (VNNI_M: tests)
@@ -60,78 +61,7 @@ __all__ = ["NAME", "SMALL_M", "available", "has_vnni", "cpu_has_vnni", "isa_capp
            "conv", "fbgemm_engine"]
 
 NAME = "onednn"
-_FBGEMM = ("x86", "fbgemm")  # torch's quantized engines whose fbgemm ops the small-M path may use
-
-
-def fbgemm_engine() -> bool:
-    """Whether torch's quantized engine is one of ``_FBGEMM``: its id read from C++ (~0.1 µs; the
-    ``torch.backends.quantized.engine`` property maps it to a name in Python, ~1.3 µs per call here)."""
-    return torch._C._get_qengine() in _engine_ids(_FBGEMM)
-
-
-@functools.lru_cache(maxsize=8)
-def _engine_ids(names: tuple[str, ...]) -> frozenset[int]:
-    return frozenset(torch.backends.quantized._get_qengine_id(n) for n in names)
-
-
 SMALL_M = 32  # rows up to which fbgemm's int8 GEMM beats oneDNN's on CPUs without VNNI (benchmarks/README.md)
-
-
-@functools.lru_cache(maxsize=None)
-def available() -> bool:
-    """Whether torch was built with the oneDNN quantized ops (x86 builds)."""
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.onednn, "qlinear_pointwise")
-
-
-@functools.lru_cache(maxsize=None)
-def has_vnni() -> bool:
-    """Whether this CPU has a non-saturating u8×s8 dot product (AVX512-VNNI, AVX-VNNI or AMX) that
-    oneDNN may use: ``ONEDNN_MAX_CPU_ISA=AVX2`` (or any cap below VNNI) makes oneDNN run its
-    saturating AVX2 kernels on a VNNI CPU, so the cap counts as no VNNI (``isa_capped``)."""
-    return cpu_has_vnni() and not isa_capped()
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((ln for ln in f if ln.startswith("flags")), "").split())
-    except OSError:
-        return frozenset()
-
-
-def cpu_has_vnni() -> bool:
-    """Whether the CPU itself reports VNNI/AMX int8 (``/proc/cpuinfo`` flags)."""
-    return bool(_cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
-
-
-def shares_routes() -> bool:
-    """Whether a VNNI CPU's few-row Linears take the routes of a CPU without VNNI (``small_m.VNNI_M``): where it has
-    AVX-512 VNNI, which lowbit.native's VNNI kernels use. A CPU with AVX-VNNI only (no AVX-512) keeps oneDNN's call."""
-    return {"avx512_vnni", "avx512vl", "avx512f"} <= _cpu_flags()
-
-
-def isa_capped() -> bool:
-    """Whether ``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA`` keeps oneDNN below any VNNI ISA
-    (``SSE41``, ``AVX``, ``AVX2``, ``AVX512_CORE``, ...); ``ALL``/``DEFAULT``/unset: no cap."""
-    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
-    if cap in ("", "ALL", "DEFAULT"):
-        return False
-    return not ("VNNI" in cap or "AMX" in cap or "BF16" in cap or "FP16" in cap or cap.startswith("AVX10"))
-
-
-def saturation_safe(weight_codes: torch.Tensor) -> bool:
-    """Whether ``vpmaddubsw`` (u8 × s8 pairs into a saturating int16) is exact for these weights.
-
-    For every output channel (dim 0), the two largest positive codes and the two most negative
-    codes must each sum to at most 128 in magnitude: ``255 · 128 = 32640 ≤ 32767``.
-    """
-    w = weight_codes.reshape(weight_codes.shape[0], -1).to(torch.int32)
-    if w.shape[1] < 2:
-        return True
-    pos = w.clamp(min=0).topk(2, dim=1).values.sum(1)
-    neg = (-w).clamp(min=0).topk(2, dim=1).values.sum(1)
-    return bool((pos <= 128).all() and (neg <= 128).all())
 
 
 def _as_u8(x: QTensor) -> tuple[torch.Tensor, float, int, bool]:
