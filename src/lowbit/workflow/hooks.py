@@ -9,9 +9,13 @@ inputs (``input_activation_post_process``), the grid ``convert`` records as ``in
 >>> import torch
 >>> from torch import nn
 >>> relu = nn.ReLU()
->>> _ = relu.register_forward_hook(_pass_tag)
->>> getattr(relu(_tag(torch.ones(2))), _TAG, False), getattr(relu(torch.ones(2)), _TAG, False)
+>>> _ = relu.register_forward_pre_hook(_note_tag), relu.register_forward_hook(_pass_tag)
+>>> _tagged(relu(_tag(torch.ones(2)))), _tagged(relu(torch.ones(2)))
 (True, False)
+>>> y = _tag(torch.ones(2))
+>>> y += 1                                   # written in place: no longer an observed module's output
+>>> _tagged(y)
+False
 """
 
 from __future__ import annotations
@@ -43,11 +47,17 @@ _AVERAGING_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool
 
 
 _TAG = "_lowbit_observed"  # set on tensors an observed module returned: quantized after convert
+_NO_VERSION = -1  # an inference tensor (calibration under torch.inference_mode) has no version counter
+
+
+def _version(t: torch.Tensor) -> int:
+    return _NO_VERSION if t.is_inference() else t._version
 
 
 def _tag(t: Any) -> Any:
+    """Tag ``t`` with its version: an in-place write afterwards (``y += z``) unmarks it."""
     if isinstance(t, torch.Tensor):
-        setattr(t, _TAG, True)
+        setattr(t, _TAG, _version(t))
     return t
 
 
@@ -55,11 +65,16 @@ def _tagged(t: Any) -> bool:
     """``t`` carries the tag, or is a view of a tensor that does: ``torch.flatten(x, 1)``, ``x.view(...)``,
     ``x.permute(...)``, ``x[:, :k]`` keep the codes after ``convert`` (QTensor's integer-preserving ops), so the
     next layer must not observe them as a float input of its own (the QAT model would fake-quantize them twice, on a
-    grid the converted model never uses)."""
+    grid the converted model never uses). A tensor written in place since (``y += z``, a view's ``add_``: views share
+    the version counter) is not: its values left the grid, and after ``convert`` the write made a float tensor (a
+    QTensor's ``+=`` runs on float values), so the next layer observes it as a float input and records its grid."""
     if not isinstance(t, torch.Tensor):
         return False
     base = t._base
-    return bool(getattr(t, _TAG, False) or (base is not None and getattr(base, _TAG, False)))
+    tag = getattr(t, _TAG, None)
+    if tag is None and base is not None:
+        tag = getattr(base, _TAG, None)
+    return tag is not None and tag == _version(t)
 
 
 def _observe_output(module: nn.Module, inputs: Any, output: Any) -> Any:
@@ -73,9 +88,18 @@ def _observe_output(module: nn.Module, inputs: Any, output: Any) -> Any:
     return _tag(out)
 
 
+_IN_TAGGED = "_lowbit_input_tagged"  # what _note_tag saw before the forward, for _pass_tag after it
+
+
+def _note_tag(module: nn.Module, inputs: Any) -> None:
+    """Forward pre-hook on QTensor-native modules: whether the input is tagged, read before the forward (an in-place
+    module, ``nn.ReLU(inplace=True)``, writes its input: its version moves, yet its values stay on the grid)."""
+    module.__dict__[_IN_TAGGED] = bool(inputs) and _tagged(inputs[0])
+
+
 def _pass_tag(module: nn.Module, inputs: Any, output: Any) -> None:
     """Forward hook on QTensor-native modules (ReLU, MaxPool, ...): a quantized input stays quantized."""
-    if inputs and _tagged(inputs[0]):
+    if module.__dict__.pop(_IN_TAGGED, False):
         _tag(output)
 
 
@@ -99,7 +123,7 @@ def _observe_input(module: nn.Module, inputs: Any) -> Any:
     return (module.activation_post_process(inputs[0]), *inputs[1:]) if inputs else None
 
 
-_HOOKS = (_observe_output, _pass_tag, _observe_float_input, _observe_input)
+_HOOKS = (_observe_output, _pass_tag, _note_tag, _observe_float_input, _observe_input)
 _OWN_HOOKS = (*_HOOKS, _dequantize_input)  # everything the workflow registers: never copied as a user's hook
 
 
@@ -107,6 +131,7 @@ def _remove_observer_hooks(mod: nn.Module) -> None:
     for hooks in (mod._forward_hooks, mod._forward_pre_hooks):
         for key in [k for k, h in hooks.items() if h in _HOOKS]:
             del hooks[key]
+    mod.__dict__.pop(_IN_TAGGED, None)
 
 
 def _is_weighted(mod: nn.Module) -> bool:

@@ -25,7 +25,7 @@ from ..observer.fixed import PlaceholderObserver
 from ..qconfig import QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..qconfig.config import build
 from .hooks import (_NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_NATIVE, _is_observer, _is_table_recipe, _is_weighted,
-                    _observe_float_input, _observe_input, _observe_output, _pass_tag, _remove_observer_hooks)
+                    _note_tag, _observe_float_input, _observe_input, _observe_output, _pass_tag, _remove_observer_hooks)
 from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, _resolve_user_qconfig,
                         refuse_call_order, warn_graph_mode, is_dynamic_qconfig, join_name, propagate_qconfig_)
 
@@ -42,6 +42,7 @@ def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type], n
             return 1
         return sum(_insert_observers(c, observed, dynamic, join_name(name, n)) for n, c in mod.named_children())
     if qc is not None and isinstance(mod, _QTENSOR_NATIVE) and _pass_tag not in mod._forward_hooks.values():
+        mod.register_forward_pre_hook(_note_tag)
         mod.register_forward_hook(_pass_tag)
     if type(mod) in observed and qc is not None:
         if isinstance(mod, _NO_OUTPUT_OBSERVER):
@@ -54,7 +55,9 @@ def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type], n
             return 1
         if not isinstance(mod, FloatFunctional):  # its methods call the observer themselves
             _remove_observer_hooks(mod)
-            mod.register_forward_hook(_observe_output)
+            # first, as torch.ao's: the observer sees the module's own output, the one its int8 twin puts on the grid;
+            # a user's forward hook runs after it (on a QTensor after convert), never between module and observer
+            mod.register_forward_hook(_observe_output, prepend=True)
         if _is_weighted(mod):
             mod.input_activation_post_process = build(qc, "activation", where)
             mod.register_forward_pre_hook(_observe_float_input)
