@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from typing import Any
 
 from torch import nn
@@ -50,6 +51,7 @@ from ..qconfig import QConfig
 from ..workflow import convert as _convert_int8
 from ..workflow.hooks import _is_observer, _observe_float_input
 from ..workflow.propagate import _check_common, _path, is_dynamic_qconfig
+from ..workflow.swap import _strip
 from ..fake_quant.base import holds_grid
 from .modules import REFERENCE_MODULES, FrozenObserver, QuantDeQuant, _WeightQDQ, weight_qparams_of
 
@@ -91,6 +93,20 @@ def _move_state(old: nn.Module, new: nn.Module) -> nn.Module:
     if "qconfig" in old.__dict__:
         new.qconfig = old.qconfig
     return new.train(old.training)
+
+
+def _never_ran(mod: nn.Module, name: str, report: ConvertReport) -> bool:
+    """An output observer that saw no data while others did: its module never ran during calibration. Left float with
+    ``convert``'s warning and ``left_float`` entry (``_strip``), so the reference and the int8 model agree (it raised
+    here, where ``convert`` kept the module float)."""
+    obs = mod._modules.get("activation_post_process")
+    if not _is_observer(obs) or holds_grid(obs) or not getattr(report, "_calibrated", False):
+        return False
+    warnings.warn(f"convert(is_reference=True): module '{_path(name)}' ({type(mod).__name__}) never ran during "
+                  "calibration; it is left as it is (float)", stacklevel=5)
+    _strip(mod)
+    report.left_float[_path(name)] = f"{type(mod).__name__} (never ran during calibration)"
+    return True
 
 
 def _freeze_observers(mod: nn.Module, name: str) -> None:
@@ -138,9 +154,13 @@ def to_reference(model: nn.Module, mapping: dict[type, type] | None = None, inpl
     if not inplace:
         model = copy.deepcopy(model)
     report = ConvertReport()
+    report._calibrated = any(holds_grid(m) for m in model.modules()  # type: ignore[attr-defined]
+                             if _is_observer(m) and not getattr(m, "is_dynamic", False))
 
     def walk(mod: nn.Module, name: str) -> nn.Module:
         qc = getattr(mod, "qconfig", None)
+        if _never_ran(mod, name, report):
+            return mod
         observed = _is_observer(mod._modules.get("activation_post_process"))
         table = isinstance(mod, (nn.Embedding, nn.EmbeddingBag))
         if type(mod) in mapping and qc is not None and not is_dynamic_qconfig(qc) and (observed or table):
