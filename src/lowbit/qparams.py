@@ -14,9 +14,11 @@ Symmetric (zero point pinned)::
 Float qparams (``per_channel_affine_float_qparams``, torch.ao's embedding scheme; per row)::
 
     scale = (max - min) / (qmax - qmin), or 1.0 where that is <= eps    # the range is NOT widened to 0
-    zero_point = -min / scale                                           # float32, not rounded
+    zero_point = qmin - min / scale                                     # float32, not rounded
 
-so that ``q = round(x / scale + zero_point) = round((x - min) / scale)`` spans exactly ``[min, max]``.
+so that ``q = round(x / scale + zero_point) = qmin + round((x - min) / scale)`` spans exactly ``[qmin, qmax]``
+(torch.ao's ``-min / scale`` is the same on its unsigned grids, where ``qmin = 0``; on a signed or
+offset grid it clipped the top of every row).
 
 Scalars give per-tensor qparams, ``(C,)`` tensors give per-channel ones: the map is elementwise.
 
@@ -31,8 +33,11 @@ Scalars give per-tensor qparams, ``(C,)`` tensors give per-channel ones: the map
 Deliberate differences from ``torch.ao``: ``eps`` defaults to 1e-8 (torch: float32 machine eps,
 ~1.19e-7, which only matters for ranges narrower than ~3e-5); per-tensor results are 0-d tensors
 (torch: shape ``(1,)``); a custom unsigned symmetric grid takes the rounded-up midpoint
-``(qmin + qmax + 1) // 2`` (torch: rounded down); and non-finite or inverted ranges raise a
-``ValueError`` instead of yielding a NaN scale.
+``(qmin + qmax + 1) // 2`` (torch: rounded down); float qparams offset the zero point by ``qmin``
+(torch.ao: ``-min / scale`` whatever the grid); non-finite or inverted ranges raise a ``ValueError``
+instead of yielding a NaN scale; and a symmetric scheme on a signed grid without 0 (``qint8.with_range(1,
+100)``, whose pinned zero point 0 is off the grid) is a ``ValueError`` (torch.ao refuses every custom
+range without 0; lowbit takes them with an affine scheme, whose zero point is a grid code).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch
 
 from .qscheme import QDtype, QScheme, as_qdtype, as_qscheme
 
-__all__ = ["QParams", "calculate_qparams"]
+__all__ = ["QParams", "calculate_qparams", "symmetric_zero_point"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,18 @@ def _as_float_tensor(v: float | torch.Tensor, name: str) -> torch.Tensor:
     raise TypeError(f"calculate_qparams: {name}={v!r} must be a float or a tensor")
 
 
+
+
+def symmetric_zero_point(qdtype: QDtype, owner: str) -> int:
+    """The zero point a symmetric scheme pins on ``qdtype``: 0 on signed grids, ``(qmin + qmax + 1) // 2`` on
+    unsigned ones; ``ValueError`` naming ``owner`` for a signed grid that does not hold 0 (its codes could not
+    represent 0.0, and every quantize would refuse the zero point)."""
+    if not qdtype.signed:
+        return (qdtype.quant_min + qdtype.quant_max + 1) // 2
+    if not qdtype.quant_min <= 0 <= qdtype.quant_max:
+        raise ValueError(f"{owner}: a symmetric qscheme pins the zero point at 0, which is off the grid {qdtype!r}; "
+                         "use an affine qscheme, or a grid with quant_min <= 0 <= quant_max")
+    return 0
 
 
 _F32_MAX = torch.finfo(torch.float32).max
@@ -128,11 +145,12 @@ def calculate_qparams(
         if validate and scale.numel() > 0 and not bool(torch.isfinite(scale).all()):  # as the other schemes
             raise ValueError(f"calculate_qparams: the range [{lo.tolist()}, {hi.tolist()}] is too wide for a float32 "
                              f"scale on the {qmax - qmin + 1}-level grid {qdtype!r}")
-        return scale, -lo / scale
+        # qmin + round((x - min) / s): torch.ao's -min / s where qmin is 0 (bit for bit: no + 0.0, which turns -0.0 into 0.0)
+        return scale, (-lo / scale if qmin == 0 else qmin - lo / scale)
     if qscheme.is_symmetric:
         amax = torch.maximum(-min_neg, max_pos)
         scale = torch.maximum(amax / (float(qmax - qmin) / 2), eps_t)
-        mid = 0 if qdtype.signed else (qmin + qmax + 1) // 2
+        mid = symmetric_zero_point(qdtype, "calculate_qparams")
         zero_point = torch.full(lo.shape, mid, dtype=torch.int64, device=lo.device)
     else:
         width = max_pos - min_neg  # overflows float32 beyond ±1.7e38: then (max - min) / n term by term

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..qparams import symmetric_zero_point
 from ..qscheme import QDtype, QScheme
 
 
@@ -100,7 +101,7 @@ def _search_clip_range(hist: torch.Tensor, lo: float, hi: float, qscheme: QSchem
     qmin, qmax = qdtype.quant_min, qdtype.quant_max
     steps, s_min = float(qmax - qmin), eps / w
     f64 = dict(dtype=torch.float64, device=hist.device)
-    mid = 0 if qdtype.signed else (qmin + qmax + 1) // 2
+    mid = symmetric_zero_point(qdtype, "HistogramObserver") if qscheme.is_symmetric else 0
 
     def axis(a: float, c: float, k: int) -> torch.Tensor:
         return torch.linspace(a, c, k if c > a else 1, **f64)
