@@ -63,6 +63,7 @@ from torch import nn
 from ..functional import _F32_MAX, _F32_TINY, _show, check_ch_axis, check_quantized_state
 from ..observer.base import ObserverBase, saved_eps
 from ..observer.minmax import MovingAverageMinMaxObserver
+from ..qparams import symmetric_zero_point
 from .base import FakeQuantize, per_tensor_qparams
 
 __all__ = ["LearnableFakeQuantize", "fake_quantize_learnable", "enable_param_learning",
@@ -189,7 +190,7 @@ class LearnableFakeQuantize(FakeQuantize):
                 raise ValueError(f"{name}: channel_len={channel_len} needs a per-channel qscheme, got {self.qscheme.value}")
         self.symmetric_zero_point: int | None = None
         if self.qscheme.is_symmetric:
-            self.symmetric_zero_point = 0 if self.qdtype.signed else (self.quant_min + self.quant_max + 1) // 2
+            self.symmetric_zero_point = symmetric_zero_point(self.qdtype, name)
             if zero_point is not None and zero_point != self.symmetric_zero_point:
                 raise ValueError(f"{name}: zero_point={zero_point!r} conflicts with qscheme={self.qscheme.value}, "
                                  f"whose zero point is pinned at {self.symmetric_zero_point}")
@@ -281,7 +282,8 @@ class LearnableFakeQuantize(FakeQuantize):
         return bool(self.learning_enabled[0] == 1) or loaded or bool(getattr(obs, "is_calibrated", True))
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The learned grid: ``(max(scale, eps), clamp(round(zero_point), qmin, qmax))`` as float32 / int64.
+        """The learned grid: ``(max(scale, eps), clamp(round(zero_point), qmin, qmax))`` as float32 / int64;
+        ``RuntimeError`` naming the parameter when ``scale`` or ``zero_point`` is NaN or infinite.
 
         ``RuntimeError`` naming this module while the parameters hold no grid: its observer saw no
         finite data (no batch, or only NaN/Inf), learning was never enabled and no state was loaded
@@ -293,6 +295,10 @@ class LearnableFakeQuantize(FakeQuantize):
                                f"({type(obs).__name__}) has not observed finite data (in every channel; no batch, "
                                "or only NaN/Inf) and the parameters were neither learned nor loaded; run calibration "
                                "batches with finite values (or enable_param_learning()) before calculate_qparams()")
+        for name, p in (("scale", self.scale), ("zero_point", self.zero_point)):
+            if not bool(torch.isfinite(p).all()):  # training diverged: a NaN scale, a NaN zero point cast to -2**63
+                raise RuntimeError(f"{type(self).__name__}: the learned {name}={_show(p.detach())} is not finite (the "
+                                   "training diverged, or the parameter was set by hand); it holds no grid to convert")
         with torch.no_grad():
             self.scale.clamp_(min=self.eps)
         z = self.zero_point.detach().round().clamp(self.quant_min, self.quant_max)

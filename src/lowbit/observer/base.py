@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..functional import _F32_MAX, _F32_TINY, check_quantized_state
+from ..qparams import symmetric_zero_point
 from ..qscheme import QDtype, QScheme, as_qdtype, as_qscheme
 
 __all__ = ["ObserverBase", "AbstractObserverError", "Factory", "finite_aminmax"]
@@ -144,6 +145,8 @@ class ObserverBase(abc.ABC, WithArgs, nn.Module):
         super().__init__()
         self.qscheme = as_qscheme(qscheme)
         self.qdtype = as_qdtype(qdtype)
+        if self.qscheme.is_symmetric:  # (a signed grid without 0 has no code for the pinned zero point)
+            symmetric_zero_point(self.qdtype, type(self).__name__)
         if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and _F32_TINY <= eps <= _F32_MAX):
             raise ValueError(f"{type(self).__name__}: eps={eps!r} must be a positive float, finite and > 0 in float32")
         self.eps = float(eps)
@@ -192,6 +195,11 @@ class ObserverBase(abc.ABC, WithArgs, nn.Module):
                 self.eps = v  # (a torch.ao float32 eps equal to ours keeps the exact Python float, e.g. 1e-8)
         lo, hi = state_dict.get(prefix + "min_val"), state_dict.get(prefix + "max_val")
         if "min_val" in self._buffers and isinstance(lo, torch.Tensor) and isinstance(hi, torch.Tensor):
+            if self.qscheme.is_per_channel and lo.numel() == 0 and hi.numel() == 0:
+                # torch.ao's per-channel observers start from empty (0,) ranges: "nothing observed", lowbit's ±inf seed
+                # (adopted as (0,), calculate_qparams returned empty qparams and the next batch was refused)
+                state_dict[prefix + "min_val"] = lo = torch.tensor(float("inf"), dtype=lo.dtype)
+                state_dict[prefix + "max_val"] = hi = torch.tensor(float("-inf"), dtype=hi.dtype)
             if lo.shape != hi.shape:
                 errors.append(f"{prefix}min_val shape {tuple(lo.shape)} != {prefix}max_val shape {tuple(hi.shape)} "
                               f"({type(self).__name__})")
@@ -216,13 +224,21 @@ class ObserverBase(abc.ABC, WithArgs, nn.Module):
 _warned_nonfinite: set[str] = set()
 
 
-def check_observed(x: object, owner: str) -> torch.Tensor:
+def check_observed(x: object, owner: str, observer: nn.Module | None = None) -> torch.Tensor:
     """``x`` if it is a floating-point tensor, else ``TypeError`` naming ``owner`` (what every observer's
-    ``forward`` accepts)."""
+    ``forward`` accepts); ``RuntimeError`` for a meta tensor, or an ``observer`` whose statistics are on the
+    meta device (no values to read or fold: torch's error came from deep inside, ``Tensor.item()``)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{owner} observes tensors, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{owner} observes floating-point tensors, got dtype {x.dtype}")
+    if x.is_meta:
+        raise RuntimeError(f"{owner} observes values, got a tensor on the meta device (shape {tuple(x.shape)}, no "
+                           "values); calibrate with real data on cpu / cuda")
+    if observer is not None and any(b is not None and b.is_meta for b in observer._buffers.values()):
+        raise RuntimeError(f"{owner}: its statistics are on the meta device (moved with .to('meta')) and hold no "
+                           "values to fold a batch into; build a fresh observer, or .to_empty(device=...) then "
+                           "reset_min_max_vals()")
     return x
 
 

@@ -119,7 +119,7 @@ class _ClipRangeObserver(ObserverBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Fold ``x`` into the histogram(s), widening the range if needed; return ``x`` unchanged."""
         name = type(self).__name__
-        check_observed(x, name)
+        check_observed(x, name, self)
         if x.numel() == 0:
             return x
         rows = self._rows(x)  # (C, N)

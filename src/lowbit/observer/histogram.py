@@ -182,7 +182,7 @@ class HistogramObserver(ObserverBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Fold ``x`` into the histogram (widening the range if needed) and return ``x`` unchanged."""
-        check_observed(x, "HistogramObserver")
+        check_observed(x, "HistogramObserver", self)
         if x.numel() == 0:
             return x
         if x.device != self.histogram.device:  # the statistics follow the data (first batch, or a moved model)

@@ -31,6 +31,8 @@ to include 0 and the scale floored at ``eps``); an integer tensor is a ``TypeErr
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..qparams import calculate_qparams
@@ -67,9 +69,14 @@ class _MinMaxObserverBase(ObserverBase):
         if self.qscheme.is_per_channel != per_channel:
             other = "PerChannelMinMaxObserver" if self.qscheme.is_per_channel else "MinMaxObserver"
             raise ValueError(f"{name}: qscheme={self.qscheme.value} does not fit this observer; use {other}")
-        if not (isinstance(averaging_constant, (int, float)) and 0 < averaging_constant <= 1):
+        c = averaging_constant
+        if isinstance(c, torch.Tensor) and c.numel() == 1 and c.is_floating_point():  # as torch.ao, which takes one
+            c = float(c)
+        if not isinstance(c, numbers.Real):  # (numbers.Real: NumPy scalars too, which were "not in (0, 1]")
+            raise TypeError(f"{name}: averaging_constant={averaging_constant!r} must be a number in (0, 1]")
+        if not 0 < c <= 1:
             raise ValueError(f"{name}: averaging_constant={averaging_constant!r} must be in (0, 1]")
-        self.averaging_constant = float(averaging_constant)
+        self.averaging_constant = float(c)
         self.register_buffer("min_val", torch.tensor(float("inf")))
         self.register_buffer("max_val", torch.tensor(float("-inf")))
         self._needs_sync = True  # saw data since the last cross-rank reduction
@@ -94,7 +101,7 @@ class _MinMaxObserverBase(ObserverBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Fold ``x``'s range into the statistics and return ``x`` unchanged."""
-        check_observed(x, type(self).__name__)
+        check_observed(x, type(self).__name__, self)
         batch = self._batch_range(x)
         if batch is None:
             return x
