@@ -45,6 +45,19 @@ def test_float_qparams_unsigned_stay_bit_equal_to_torch_ao():
     assert torch.equal(s, ts) and torch.equal(z, tz)
 
 
+@pytest.mark.parametrize("qdtype", [Q.qint8, Q.qint4])
+def test_float_qparams_signed_embedding_is_within_half_a_step(qdtype):
+    # end to end (prepare / convert of an nn.Embedding): rows were up to 128 (qint8) / 8 (qint4) steps off
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8))
+    model[0].qconfig = Q.QConfig(activation=Q.NoopObserver.with_args(), weight=Q.PerChannelMinMaxObserver.with_args(
+        ch_axis=0, qscheme=Q.per_channel_affine_float_qparams, qdtype=qdtype))
+    w = model[0].weight.detach().double()
+    step = (w.amax(1) - w.amin(1)) / (qdtype.quant_max - qdtype.quant_min)
+    err = (Q.convert(Q.prepare(model))(torch.arange(10)).double() - w).abs().amax(1)
+    assert bool((err <= step / 2 + 1e-6).all())
+
+
 # -- symmetric schemes on a signed grid without 0 ----------------------------------------------------------
 @pytest.mark.parametrize("grid", [(1, 100), (-100, -1)])
 def test_symmetric_signed_grid_without_zero_is_refused_where_it_is_built(grid):
