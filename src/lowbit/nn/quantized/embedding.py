@@ -8,7 +8,8 @@ Row ``i`` of the ``(N, D)`` table is stored as codes ``q[i]`` with its own ``(s_
     EmbeddingBag(idx)   = reduce_{j in bag b} psw_j * ŵ[idx_j]     # (B, D) float32; sum / mean / max
 
 With ``per_channel_affine_float_qparams`` (torch.ao's embedding recipe, ``get_embedding_qconfig(
-float_qparams=True)``) ``z_i = -min_i / s_i`` is a float32 and the codes are ``round(w / s_i + z_i)``;
+float_qparams=True)``) ``z_i = qmin - min_i / s_i`` (``-min_i / s_i`` on quint8 / quint4, as torch.ao) is a
+float32 and the codes are ``round(w / s_i + z_i)``;
 the formula for ``ŵ`` is the same.
 
 Only the gathered rows are dequantized (never the whole table). 4-bit rows (``qdtype=quint4`` or
