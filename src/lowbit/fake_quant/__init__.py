@@ -5,6 +5,7 @@ Each module computes ``y = (clamp(round(x / s) + z, qmin, qmax) - z) * s`` with
 
 - ``base.py``       FakeQuantize (the wrapped observer's grid) and the ``model.apply`` switches
 - ``learnable.py``  LearnableFakeQuantize (LSQ/LSQ+: ``s``, ``z`` trained by gradient)
+- ``lsq.py``        fake_quantize_learnable, the LSQ/LSQ+ forward and gradients ``LearnableFakeQuantize`` runs
 - ``fused.py``      FusedMovingAvgObsFakeQuantize (torch's fused observe + fake-quant kernel)
 - ``fixed.py``      FixedQParamsFakeQuantize (a grid fixed at construction, as for sigmoid / tanh outputs)
 
