@@ -248,16 +248,19 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results file name under results/ (default: accuracy[_MODELS].json)")
     args = ap.parse_args()
     if args.calib < 1:
-        raise SystemExit(f"--calib {args.calib}: need at least one calibration crop")
+        ap.error(f"--calib {args.calib}: need at least one calibration crop")
     if args.calib_seed == 1:
-        raise SystemExit("--calib-seed 1: that seed draws the evaluation crops; choose another")
+        ap.error("--calib-seed 1: that seed draws the evaluation crops; choose another")
     if args.eval < 1:
-        raise SystemExit(f"--eval {args.eval}: need at least one evaluation crop")
+        ap.error(f"--eval {args.eval}: need at least one evaluation crop")
     recipes, crops = tuple(args.recipes.split(",")), tuple(args.crops.split(","))
     if not recipes or any(r not in RECIPES for r in recipes):
-        raise SystemExit(f"--recipes {args.recipes}: choose from {','.join(RECIPES)}")
+        ap.error(f"--recipes {args.recipes}: choose from {','.join(RECIPES)}")
     if not crops or any(c not in ("fractional", "whole") for c in crops):
-        raise SystemExit(f"--crops {args.crops}: choose from fractional,whole")
+        ap.error(f"--crops {args.crops}: choose from fractional,whole")
+    models = ("mnv2", "lite0", "fmnist", "minilm")
+    if any(m not in models for m in args.models.split(",")):
+        ap.error(f"--models {args.models}: choose from {','.join(models)}")
     iters = args.iters if args.iters is not None else (100 if args.quick else 500)
     n_cal, n_eval = args.calib, args.eval
     torch.manual_seed(0)
@@ -288,6 +291,7 @@ def main() -> None:
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(dict(isa=_isa(), torch=torch.__version__, threads=torch.get_num_threads(), iters=iters,
                                    calib=n_cal, calib_seed=args.calib_seed, eval=n_eval, rows=ROWS), indent=1))
+    print(out)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ Method (the one of ``shared/reference/perf_cpu.md``):
   flagged ``noisy``), and a speed-up as the **median of the per-round paired ratios**
   ``t_base / t_method`` (> 1: the method is faster), which cancels most of a slow drift in load.
 
-Run any benchmark with ``--quick`` for a smoke run; results go to ``benchmarks/results/<name>.json``.
+Every benchmark prints ``isa_line()`` (or its own ISA line) first. Those built on ``add_common_args`` take
+``--quick`` for a smoke run and ``--out NAME``; results go to ``benchmarks/results/<name>.json``.
 """
 
 from __future__ import annotations
@@ -207,11 +208,66 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def isa_line() -> str:
+    """The one line every benchmark prints first (the team rule): CPU, the int8 ISA flags it has, torch's CPU
+    capability, and whether oneDNN runs VNNI here (``has_vnni``, which honours an ``ONEDNN_MAX_CPU_ISA`` cap)."""
+    mach = machine()
+    flags = " ".join(k for k, v in mach.get("isa", {}).items() if v) or "no AVX2"
+    try:
+        from lowbit.kernels import onednn
+        vnni = f" | VNNI (oneDNN) {onednn.has_vnni()}"
+    except ImportError:
+        vnni = ""
+    return f"ISA: {mach.get('cpu', '?')} | {flags} | torch cpu capability {mach['cpu_capability']}{vnni} | torch {mach['torch']}"
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (thread counts, rounds, sizes), else argparse's error naming the value."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (seconds per sample, a load limit)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
+    return v
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (seconds to wait)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number >= 0")
+    return v
+
+
+def mkn(text: str) -> tuple[int, int, int]:
+    """argparse type: ``"16x768x3072"`` -> ``(16, 768, 3072)``, three integers >= 1."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not MxKxN with positive integers, e.g. 16x768x3072")
+    m, k, n = (int(p) for p in parts)
+    return m, k, n
+
+
 def write_results(name: str, payload: dict[str, Any]) -> Path:
     """Write ``payload`` plus ``machine()`` to ``benchmarks/results/<name>.json`` (``name`` with or without the
-    ``.json`` suffix, as ``--out`` is given); return the path."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    ``.json`` suffix, as ``--out`` is given; an absolute ``name`` is that path, e.g. a scratch file); return the path."""
     path = RESULTS / f"{name.removesuffix('.json')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=1, default=str) + "\n")
     return path
 
@@ -241,11 +297,11 @@ def add_common_args(parser: Any) -> None:
     parser.add_argument("--keep-freed-memory", action=_KeepFreedMemory, nargs=0, default=False,
                         help="glibc keeps memory freed by tensors for reuse (lowbit.keep_freed_memory): no page "
                              "faults on the next call's tensors; every method of the run alike")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--min-time", type=float, default=0.02, help="seconds per sample (calibrated call count)")
-    parser.add_argument("--max-load", type=float, default=0.15, help="other processes' CPUs for a clean round")
-    parser.add_argument("--max-wait", type=float, default=3.0, help="seconds to wait for idleness per round")
+    parser.add_argument("--rounds", type=positive_int, default=7)
+    parser.add_argument("--threads", type=positive_int, nargs="+", default=[1, 2])
+    parser.add_argument("--min-time", type=positive_float, default=0.02, help="seconds per sample (calibrated call count)")
+    parser.add_argument("--max-load", type=positive_float, default=0.15, help="other processes' CPUs for a clean round")
+    parser.add_argument("--max-wait", type=nonnegative_float, default=3.0, help="seconds to wait for idleness per round")
     parser.add_argument("--quick", action="store_true", help="smoke run: few shapes, 3 rounds")
     parser.add_argument("--out", default=None, help="results name (default: the script's)")
 

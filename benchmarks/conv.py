@@ -1,6 +1,6 @@
 """Conv2d 3×3, 64→64, 56×56, pad 1, batch 1 and 8: fp32 / bf16 / torch.ao / lowbit int8, interleaved.
 
-Run: ``python benchmarks/conv.py [--quick] [--threads 1 2]`` (method: ``common.py``). Whole
+Run: ``python benchmarks/conv.py [--quick] [--threads 1 2]`` (method: ``common.py``; prints the ISA first). Whole
 float-in/float-out layers unless named "kernel"; speed-ups vs fp32 NCHW eager. Writes
 ``benchmarks/results/conv.json``.
 
@@ -99,6 +99,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(p)
     a = p.parse_args()
+    print(common.isa_line(), flush=True)
     batches = [1] if a.quick else [1, 8]
     if a.quick:
         a.rounds = min(a.rounds, 3)

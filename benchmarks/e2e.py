@@ -178,7 +178,7 @@ def _native_off(model: nn.Module, enc: Any) -> Any:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(p)
-    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--epochs", type=common.positive_float, default=1.0)
     p.add_argument("--skip-minilm", action="store_true")
     p.add_argument("--skip-smallcnn", action="store_true")
     p.add_argument("--skip-native-ab", action="store_true", help="no columns with lowbit.native switched off")

@@ -78,16 +78,18 @@ def gen_time(model: nn.Module, ids: torch.Tensor, new: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--new", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--kinds", nargs="+", default=["fp32", "int8", "int4"])
+    p.add_argument("--batches", type=common.positive_int, nargs="+", default=[1, 8])
+    p.add_argument("--prompt", type=common.positive_int, default=128)
+    p.add_argument("--new", type=common.positive_int, default=128, help="tokens to decode (>= 2: a step is timed)")
+    p.add_argument("--rounds", type=common.positive_int, default=3)
+    p.add_argument("--threads", type=common.positive_int, default=1)
+    p.add_argument("--kinds", nargs="+", default=["fp32", "int8", "int4"], choices=["fp32", "int8", "int4"])
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--out", default="generate", help="results file name (benchmarks/results/OUT.json)")
     p.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
     a = p.parse_args()
+    if a.new < 2:
+        p.error(f"--new {a.new}: the decode step is (all - prefill) / (new - 1), so at least 2 tokens")
     torch.set_num_threads(a.threads)
     info = common.machine()
     print(f"CPU: {info.get('cpu')}  ISA: {info.get('isa')}  torch cpu capability: {info['cpu_capability']}  "
@@ -95,6 +97,9 @@ def main() -> None:
     tok, base = D.load_smollm2()
     bg, _, _ = D.load_lee_corpus()
     ids = torch.tensor(tok("\n".join(bg)).input_ids)
+    if max(a.batches) * a.prompt > ids.numel():
+        p.error(f"--batches {max(a.batches)} x --prompt {a.prompt}: the prompts take distinct windows of the "
+                f"{ids.numel()}-token lee_background text")
     models = {k: build(base, k) for k in a.kinds}
     modes = [m for m in a.modes if not (a.no_compile and m == "compiled")]
     rows: dict[str, Any] = {}

@@ -122,8 +122,8 @@ def methods_for(m: int, k: int, n: int, device: torch.device) -> tuple[dict[str,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the script only")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rounds", type=common.positive_int, default=5)
+    p.add_argument("--reps", type=common.positive_int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     a = p.parse_args()

@@ -109,8 +109,8 @@ def case(name: str, fp: nn.Module, qm: nn.Module, x: torch.Tensor, device: torch
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny batches: checks the script only")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--rounds", type=common.positive_int, default=5)
+    p.add_argument("--reps", type=common.positive_int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     a = p.parse_args()

@@ -61,13 +61,11 @@ print(json.dumps({"applied": applied, "tokens": list(enc["input_ids"].shape),
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--runs", type=int, default=2, help="fresh processes per setting and thread count")
-    p.add_argument("--forwards", type=int, default=5)
+    p.add_argument("--threads", type=common.positive_int, nargs="+", default=[1, 2])
+    p.add_argument("--runs", type=common.positive_int, default=2, help="fresh processes per setting and thread count")
+    p.add_argument("--forwards", type=common.positive_int, default=5)
     p.add_argument("--out", default=None, help="results name (default: heap)")
     a = p.parse_args()
-    if a.runs < 1 or a.forwards < 1 or any(t < 1 for t in a.threads):
-        raise SystemExit(f"--runs {a.runs}, --forwards {a.forwards}, --threads {a.threads}: each must be >= 1")
     mach = common.machine()
     print(f"{mach.get('cpu', '?')} | ISA {mach.get('isa')} | torch {mach['torch']}", flush=True)
     jobs = [(t, keep) for t in a.threads for _ in range(a.runs) for keep in (False, True)]

@@ -1,8 +1,9 @@
 """lowbit.HistogramObserver vs torch.ao's: observe time, calculate_qparams time, L2 error.
 
-Run: ``python benchmarks/histogram_observer.py [--rounds 9] [--numel 1000000]``.
+Run: ``python benchmarks/histogram_observer.py [--rounds 9] [--numel 1000000] [--threads 1 2] [--accuracy-only]
+[--out PATH]`` (prints the ISA first).
 
-Timing: for each thread count (1, 2) and each round, fresh observers of both libraries see the
+Timing: for each thread count (``--threads``, default 1 and 2) and each round, fresh observers of both libraries see the
 same 1M-element float32 normal batches, interleaved (the order alternates every round); a batch's
 observe time is a round's median, and ``calculate_qparams`` is timed the same way. Reported: medians
 over rounds and the median of the per-round ratios (lowbit / torch.ao; < 1 is faster).
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -27,6 +29,10 @@ from pathlib import Path
 
 import torch
 from torch.ao.quantization.observer import HistogramObserver as AOHistogramObserver
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
 
 import lowbit as Q
 from lowbit.observer.histogram import HistogramObserver
@@ -67,7 +73,7 @@ def l2(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, qdtype: Q.QDtype)
 
 def accuracy(numel: int, n_batches: int = 4) -> list[dict]:
     rows = []
-    for name, make in streams(numel).items():
+    for name, make in tqdm(streams(numel).items(), desc="L2 error", file=sys.stdout, leave=False):
         g = torch.Generator().manual_seed(1234)
         batches = [make(i, g) for i in range(n_batches)]
         x = torch.cat(batches)
@@ -95,7 +101,7 @@ def timing(numel: int, rounds: int, threads: int, batches_per_round: int = 5) ->
     data = [torch.randn(numel, generator=g) for _ in range(batches_per_round + 1)]
     obs_t: dict[str, list[float]] = {"lowbit": [], "torch_ao": []}
     calc_t: dict[str, list[float]] = {"lowbit": [], "torch_ao": []}
-    for r in range(rounds + 1):  # round 0 is a warm-up, discarded
+    for r in tqdm(range(rounds + 1), desc=f"timing, {threads} thread(s)", file=sys.stdout, leave=False):  # round 0: warm-up
         mk = {"lowbit": HistogramObserver, "torch_ao": AOHistogramObserver}
         order = ["lowbit", "torch_ao"] if r % 2 == 0 else ["torch_ao", "lowbit"]
         obs = {k: mk[k]() for k in order}
@@ -116,14 +122,16 @@ def timing(numel: int, rounds: int, threads: int, batches_per_round: int = 5) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--numel", type=int, default=1_000_000)
+    p.add_argument("--rounds", type=common.positive_int, default=9)
+    p.add_argument("--numel", type=common.positive_int, default=1_000_000)
+    p.add_argument("--threads", type=common.positive_int, nargs="+", default=[1, 2], help="thread counts of the timing")
     p.add_argument("--accuracy-only", action="store_true", help="skip the timing part (prints, writes nothing)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "histogram_observer.json")
     args = p.parse_args()
+    print(common.isa_line(), flush=True)
 
     load = os.getloadavg()[0]
-    times = [] if args.accuracy_only else [timing(args.numel, args.rounds, t) for t in (1, 2)]
+    times = [] if args.accuracy_only else [timing(args.numel, args.rounds, t) for t in args.threads]
     print(f"\nTiming, {args.numel:,}-element float32 batches, median of {args.rounds} interleaved rounds "
           f"(load average {load:.1f} at start; the machine is shared)")
     print(f"{'threads':>7} | {'observe lowbit':>14} {'torch.ao':>9} {'ratio':>6} | "
@@ -144,8 +152,8 @@ def main() -> None:
     if args.accuracy_only:
         return
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(numel=args.numel, rounds=args.rounds, torch=torch.__version__, load=load,
-                                        timing=times, l2=acc), indent=2))
+    args.out.write_text(json.dumps(dict(machine=common.machine(), numel=args.numel, rounds=args.rounds,
+                                        torch=torch.__version__, load=load, timing=times, l2=acc), indent=2, default=str))
     print(f"\nwrote {args.out}")
 
 

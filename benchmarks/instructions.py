@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/instructions.py [--shapes 1x768x768 16x768x768] [--methods ...] [--out NAME]``; it starts
 itself again under ``valgrind --tool=callgrind --cache-sim=yes`` (a few minutes: torch runs ~50x slower there) and
-prints, per method, the instructions (``Ir``), L1 instruction-cache misses (``I1mr``) and L1 data-cache read misses
+prints the ISA, then, per method, the instructions (``Ir``), L1 instruction-cache misses (``I1mr``) and L1 data-cache read misses
 (``D1mr``) of one call. Each figure is differential: the events of ``n2`` calls minus those of ``n1`` calls, over
 ``n2 - n1``, so the start-up and the measuring calls themselves cancel; the counts are exact, whatever else runs on
 the machine (other agents' load moves wall-clock timings by ±10-50 % on a shared 2-core box, not these).
@@ -122,6 +122,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import common
 
+    print(common.isa_line() + " | 1 thread | per call, callgrind", flush=True)
     tmp = tempfile.mkdtemp(prefix="lowbit_cg_")
     prefix = os.path.join(tmp, "cg.out")
     cmd = ["valgrind", "-q", "--tool=callgrind", "--cache-sim=yes", "--instr-atstart=no", f"--callgrind-out-file={prefix}",
@@ -133,8 +134,6 @@ def main() -> None:
         sys.exit(f"the callgrind run failed (exit {r.returncode})")
     rows = json.loads(Path(prefix + ".json").read_text())
     shutil.rmtree(tmp, ignore_errors=True)
-    mach = common.machine()
-    print(f"{mach.get('cpu', '?')} | ISA {mach.get('isa')} | torch {mach['torch']} | 1 thread | per call, callgrind")
     print(common.md_table(["M×K×N", "method", "K instructions", "I1 misses", "D1 read misses"],
                           [[r["shape"], r["method"], f"{r['Ir'] / 1e3:.1f}", f"{r.get('I1mr', 0):.0f}",
                             f"{r.get('D1mr', 0):.0f}"] for r in rows]))

@@ -177,12 +177,15 @@ def converted_pair(m: int, k: int, n: int) -> tuple[torch.Tensor, dict[str, nn.M
                "ao dynamic": aoq.quantize_dynamic(nn.Sequential(copy.deepcopy(lin)), {nn.Linear}, dtype=torch.qint8)}
 
 
+def _vs_ao_shapes(a: argparse.Namespace) -> list[tuple[int, int, int]]:
+    """The --vs-ao tables' shapes: ``--quick`` two of them, else every ``--ms`` × ``--kn``."""
+    return [(16, 768, 768), (1, 768, 3072)] if a.quick else [(m, k, n) for k, n in (a.kn or KN_VS_AO) for m in a.ms]
+
+
 def vs_ao(a: argparse.Namespace) -> None:
     """The issue #10 table: lowbit vs torch.ao, static and dynamic, eager, 12 shapes."""
-    mach = common.machine()
-    print(f"{mach.get('cpu', '?')} | ISA {mach.get('isa')} | vnni={onednn.has_vnni()} | torch {mach['torch']}")
     res: dict[str, Any] = {"vnni": onednn.has_vnni(), "runs": []}
-    shapes = [(16, 768, 768), (1, 768, 3072)] if a.quick else [(m, k, n) for k, n in (a.kn or KN_VS_AO) for m in a.ms]
+    shapes = _vs_ao_shapes(a)
     for threads in a.threads:
         torch.set_num_threads(threads)
         print(f"\n{threads} thread(s): median µs of interleaved rounds; ratio = torch.ao time / lowbit time (> 1: lowbit "
@@ -221,8 +224,6 @@ def vs_ao(a: argparse.Namespace) -> None:
 def vs_ao_dynamic(a: argparse.Namespace) -> None:
     """The issue #10 dynamic table alone (``--vs-ao --dynamic-only``): lowbit's three dynamic recipes vs torch.ao's
     dynamic Linear, 12 shapes; ratios are medians of per-round ratios and, in brackets, of the best rounds."""
-    mach = common.machine()
-    print(f"{mach.get('cpu', '?')} | ISA {mach.get('isa')} | vnni={onednn.has_vnni()} | torch {mach['torch']}")
     res: dict[str, Any] = {"vnni": onednn.has_vnni(), "runs": []}
     names = {"default": "lowbit dynamic", "u7": "lowbit dynamic u7", "x86": "lowbit dynamic x86"}
     for threads in a.threads:
@@ -230,7 +231,7 @@ def vs_ao_dynamic(a: argparse.Namespace) -> None:
         print(f"\n{threads} thread(s): ratio = torch.ao dynamic time / lowbit time (> 1: lowbit faster)")
         print(common.md_table(["M×K×N", "clean", "load", "ao dynamic µs", "default µs", "u7 µs", "x86 µs",
                                "ratio default", "ratio u7", "ratio x86", "fp32 µs"], []))
-        for m, k, n in [(m, k, n) for k, n in (a.kn or KN_VS_AO) for m in a.ms]:
+        for m, k, n in _vs_ao_shapes(a):
             x, mods = converted_pair(m, k, n)
             keep = ("fp32", "ao dynamic", *names.values())
             meth = {name: (lambda mod=mods[name], x=x: mod(x)) for name in keep}
@@ -260,12 +261,17 @@ def _kn(text: str) -> tuple[int, int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(p)
-    p.add_argument("--ms", type=int, nargs="+", default=MS, help="the M values to run")
+    p.add_argument("--ms", type=common.positive_int, nargs="+", default=MS, help="the M values to run")
     p.add_argument("--vs-ao", action="store_true", help="the issue #10 lowbit-vs-torch.ao table (12 shapes)")
     p.add_argument("--dynamic-only", action="store_true", help="with --vs-ao: the dynamic recipes only")
     p.add_argument("--kn", type=_kn, nargs="+", default=None, metavar="KxN",
                    help="the K×N weight shapes instead of the built-in ones, e.g. --kn 384x1536 1536x384 (MiniLM)")
     a = p.parse_args()
+    if a.dynamic_only and not a.vs_ao:
+        p.error("--dynamic-only needs --vs-ao")
+    if a.quick:
+        a.rounds = min(a.rounds, 3)
+    print(common.isa_line(), flush=True)
     if a.vs_ao and a.dynamic_only:
         vs_ao_dynamic(a)
         return
@@ -274,7 +280,7 @@ def main() -> None:
         return
     shapes = [(m, k, n) for m in a.ms for k, n in (a.kn or KN)]
     if a.quick:
-        shapes, a.rounds = [(16, 768, 768), (128, 768, 3072)], min(a.rounds, 3)
+        shapes = [(16, 768, 768), (128, 768, 3072)]
     res: dict[str, Any] = {"vnni": onednn.has_vnni(), "runs": []}
     for threads in a.threads:
         torch.set_num_threads(threads)

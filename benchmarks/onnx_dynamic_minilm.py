@@ -1,6 +1,6 @@
 """MiniLM with every encoder Linear dynamic int8, exported to ONNX and run by ONNX Runtime.
 
-Run: ``python benchmarks/onnx_dynamic_minilm.py [--docs 16] [--tokens 128] [--out NAME]``. Prints and writes
+Run: ``python benchmarks/onnx_dynamic_minilm.py [--docs 16] [--tokens 128] [--out NAME]``. Prints the ISA, then prints and writes
 ``benchmarks/results/NAME.json`` (default ``onnx_dynamic_minilm``): sentence-embedding cosine ORT vs lowbit and each vs
 fp32 on the first ``--docs`` ``lee_background`` documents, the ONNX file sizes (int8 vs an fp32
 export of the same model), and ORT's op counts (``MatMulInteger`` vs float ``MatMul``).
@@ -33,10 +33,11 @@ from lowbit.export import run_onnx, to_onnx  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--docs", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--docs", type=common.positive_int, default=16)
+    ap.add_argument("--tokens", type=common.positive_int, default=128)
     ap.add_argument("--out", default="onnx_dynamic_minilm", help="results name (benchmarks/results/OUT.json)")
     args = ap.parse_args()
+    print(common.isa_line(), flush=True)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     import onnx
@@ -66,9 +67,10 @@ def main() -> None:
     print(common.md_table(["cosine", "mean", "worst"], rows))
     print(f"\nONNX file: int8 {sizes['int8']:.1f} MB, fp32 {sizes['fp32']:.1f} MB; "
           f"MatMulInteger {ops['MatMulInteger']}, float MatMul {ops['MatMul']}")
-    common.write_results(args.out, {
+    path = common.write_results(args.out, {
         "docs": args.docs, "tokens": args.tokens, "sizes_MB": sizes, "ops": dict(ops),
         "cosine": {k: {"mean": float(v.mean()), "worst": float(v.min())} for k, v in cos.items()}})
+    print(path)
 
 
 if __name__ == "__main__":

@@ -64,18 +64,17 @@ def methods(m: int, k: int, n: int) -> dict[str, Callable[[], Any]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", nargs="+", default=["1x768x768", "16x768x768"], help="MxKxN")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--min-time", type=float, default=0.05)
-    p.add_argument("--max-wait", type=float, default=2.0)
+    p.add_argument("--shapes", type=common.mkn, nargs="+", default=[(1, 768, 768), (16, 768, 768)], metavar="MxKxN")
+    p.add_argument("--rounds", type=common.positive_int, default=7)
+    p.add_argument("--min-time", type=common.positive_float, default=0.05)
+    p.add_argument("--max-wait", type=common.nonnegative_float, default=2.0)
     p.add_argument("--out", default=None, help="results name (default overhead); use one for scratch runs")
     a = p.parse_args()
     torch.set_num_threads(1)
-    mach = common.machine()
-    print(f"{mach.get('cpu', '?')} | ISA {mach.get('isa')} | torch {mach['torch']} | 1 thread")
+    print(common.isa_line() + " | 1 thread", flush=True)
     res: dict[str, Any] = {"threads": 1, "runs": []}
-    for shape in a.shapes:
-        m, k, n = (int(v) for v in shape.split("x"))
+    for m, k, n in a.shapes:
+        shape = f"{m}x{k}x{n}"
         meth = methods(m, k, n)
         t = common.bench(meth, a.rounds, a.min_time, max_wait=a.max_wait)
         rows = {name: t.median(name) * 1e6 for name in meth}

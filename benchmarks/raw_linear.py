@@ -87,6 +87,8 @@ def main() -> None:
     p.add_argument("--body", choices=("best", "avx2"), default="best", help="native body: the CPU's best, or AVX2 pinned")
     common.add_common_args(p)
     a = p.parse_args()
+    if a.quick:
+        a.rounds = min(a.rounds, 3)
     if not native.available():
         raise SystemExit(f"lowbit.native is not available here: {native.reason()}")
     mach = common.machine()
@@ -101,7 +103,7 @@ def main() -> None:
         shapes = [(16, 768, 3072), (1, 768, 768)] if a.quick else a.shapes
         for m, k, n in tqdm(shapes, desc=f"shapes, {threads} thread(s)", leave=False):
             with native.force_avx2() if a.body == "avx2" else contextlib.nullcontext():  # (this thread's pin)
-                t = common.bench(methods(m, k, n), 3 if a.quick else a.rounds, a.min_time, a.max_load, a.max_wait)
+                t = common.bench(methods(m, k, n), a.rounds, a.min_time, a.max_load, a.max_wait)
             us = {name: t.median(name) * 1e6 for name in t.times}
             fb, od = t.ratio("fbgemm", "native"), t.ratio("onednn", "native")
             tqdm.write(f"| {m}×{k}×{n} | {t.n_clean}/{len(t.loads)} | {us['native']:.1f} | {us['fbgemm']:.1f} | "

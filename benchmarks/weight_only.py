@@ -1,7 +1,7 @@
 """Weight-only int4/int8 Linear: speed of one layer vs fp32, and SmolLM2-135M perplexity / size.
 
-Run: ``python benchmarks/weight_only.py [--quick] [--skip-llm] [--tokens 8192]`` (timing method:
-``common.py``; 1 thread). Writes ``benchmarks/results/weight_only.json``.
+Run: ``python benchmarks/weight_only.py [--quick] [--skip-llm] [--tokens 8192] [--out NAME]`` (timing method:
+``common.py``; 1 thread; prints the ISA first). Writes ``benchmarks/results/weight_only.json`` (or ``NAME.json``).
 
 Speed: ``nn.Linear(768, 2048)`` at M = 1 and 64 tokens, fp32 ``F.linear`` vs ``WeightOnlyLinear``
 int4 g128 (torch's ``_weight_int4pack_mm_for_cpu``, bf16 activations), int4 g128 reference path
@@ -110,17 +110,21 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--skip-llm", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--calib-windows", type=int, default=16, help="GPTQ calibration: this many 512-token windows")
+    p.add_argument("--tokens", type=common.positive_int, default=8192)
+    p.add_argument("--calib-windows", type=common.positive_int, default=16,
+                   help="GPTQ calibration: this many 512-token windows")
     p.add_argument("--only", nargs="*", help="LLM configs whose name contains one of these (e.g. gptq fp32)")
+    p.add_argument("--out", default="weight_only", help="results name (benchmarks/results/OUT.json; rows already "
+                                                        "there are kept, the measured ones replaced)")
     a = p.parse_args()
+    print(common.isa_line() + " | 1 thread", flush=True)
     torch.set_num_threads(1)
     res: dict[str, Any] = {}
     if not a.skip_speed:
         res["speed_1thread"] = speed(a.quick)
     if not a.skip_llm and D.smollm2_available():
         res["smollm2"] = llm(a.tokens, a.only, a.calib_windows)
-    old = common.RESULTS / "weight_only.json"
+    old = common.RESULTS / f"{a.out.removesuffix('.json')}.json"
     if old.is_file():  # a partial run (--only, --skip-*) updates the rows it measured
         prev = json.loads(old.read_text())
         prev.pop("machine", None)
@@ -128,7 +132,7 @@ def main() -> None:
             prev["smollm2"]["rows"].update(res.pop("smollm2")["rows"])
         prev.update(res)
         res = prev
-    print(common.write_results("weight_only", res))
+    print(common.write_results(a.out, res))
 
 
 if __name__ == "__main__":

@@ -53,11 +53,14 @@ CALIB_FREE = ("rtn min/max", "rtn + clip search")  # no activations used: the ca
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", nargs="*", help="run the rows whose name contains one of these")
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--calib-windows", type=int, default=16)
+    p.add_argument("--tokens", type=common.positive_int, default=8192)
+    p.add_argument("--calib-windows", type=common.positive_int, default=16)
     p.add_argument("--redo", action="store_true", help="rerun rows already in the results file")
     p.add_argument("--out", default="weight_only_ablation")
     a = p.parse_args()
+    if a.rows and not any(r in name for name in ROWS for r in a.rows):
+        p.error(f"--rows {' '.join(a.rows)}: no row name contains any of these; rows: {'; '.join(ROWS)}")
+    print(common.isa_line() + " | 1 thread", flush=True)
     torch.set_num_threads(1)
     tok, model = D.load_smollm2()
     bg, _, _ = D.load_lee_corpus()
@@ -67,7 +70,7 @@ def main() -> None:
     if cal.numel() < a.calib_windows * 512:
         raise ValueError(f"--calib-windows {a.calib_windows}: only {cal.numel()} tokens follow the evaluated text")
     calib = [c[None] for c in cal.reshape(a.calib_windows, 512)]
-    path = common.RESULTS / f"{a.out}.json"
+    path = common.RESULTS / f"{a.out.removesuffix('.json')}.json"
     res = json.loads(path.read_text()) if path.is_file() else {}
     res.pop("machine", None)
     res.update({"tokens": a.tokens, "window": 512, "fp32_ppl": res.get("fp32_ppl")})
