@@ -29,6 +29,7 @@ there is one channel: its grid, per tensor (as a squeezed size-1 channel dim). C
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Callable
 
@@ -204,7 +205,10 @@ class QTensor:
     def qdtype(self) -> QDtype:
         return self._qdtype
 
-    dtype = qdtype
+    @property
+    def dtype(self) -> QDtype | torch.dtype:
+        """The grid, ``qdtype``; ``torch.float32`` to torch's float modules' own code (``fallback.seen_dtype``)."""
+        return self._qdtype if torch.compiler.is_compiling() else seen_dtype(self, sys._getframe(1))
 
     @property
     def shape(self) -> torch.Size:
@@ -379,7 +383,7 @@ _INT_OPS: dict[Callable, Callable] = {}  # torch function -> integer implementat
 from . import ops, order, pool, shape_ops  # noqa: E402,F401  register their integer ops into _INT_OPS
 from .convert import install as _install_conversions  # noqa: E402
 from .factories import quantize_per_channel, quantize_per_tensor  # noqa: E402
-from .fallback import install as _install_fallback, torch_ao_kernel  # noqa: E402
+from .fallback import install as _install_fallback, seen_dtype, torch_ao_kernel  # noqa: E402
 from .serial import install as _install_pickling  # noqa: E402
 
 _install_conversions(QTensor)  # to / type / type_as / int() / float() ..., format, requires_grad_ (convert.py)

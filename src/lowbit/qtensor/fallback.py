@@ -5,7 +5,9 @@ A ``QTensor`` is not a ``torch.Tensor``; code written for tensors (``nn.Multihea
 any public name of ``torch.Tensor`` that ``QTensor`` does not define itself:
 
 - **metadata** (``ndim``, ``is_nested``, ``is_cuda``, ``layout``, ``stride()``, ``requires_grad`` ...)
-  is the codes' (no dequantization, no warning); a QTensor holds no gradient (``grad`` is ``None``);
+  is the codes' (no dequantization, no warning); a QTensor holds no gradient (``grad`` is ``None``); ``dtype`` is
+  the grid (``qdtype``), but ``torch.float32`` to code in ``torch.nn.modules`` (``seen_dtype``: torch's float RNNs
+  and attention modules build float tensors from ``input.dtype`` before any torch function runs);
 - **explicit conversions** to float or host values (``numpy()``, ``tolist()``, ``item()``, ``float(qt)``; and
   ``float()``, ``half()``, ``to(dtype)``, ``type(dtype)`` with a float dtype, ``convert.py``) return the dequantized
   values, silently — that is what they ask for; an integer dtype (``int()``, ``to(torch.int64)``) is refused;
@@ -17,7 +19,8 @@ any public name of ``torch.Tensor`` that ``QTensor`` does not define itself:
   (``"lowbit: QTensor.sum has no integer implementation ..."``); the result is a float tensor.
 
 ``clone`` and ``T``/``mT``/``H``/``mH`` stay integer (they keep the grid). Plain Python attribute
-lookup only — no tracing machinery — so a converted model stays simple for ``torch.compile``.
+lookup only — no tracing machinery (``dtype`` looks at its caller's module, not while dynamo traces) — so a converted
+model stays simple for ``torch.compile``.
 
 >>> import torch, warnings, lowbit as Q
 >>> qt = Q.quantize_per_tensor(torch.tensor([[0.5, -1.0], [2.0, 4.0]]), 0.5, 0, Q.qint8)
@@ -35,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["install", "torch_ao_kernel"]
+__all__ = ["install", "seen_dtype", "torch_ao_kernel"]
 
 # read from the codes: shape / layout / device metadata, no values involved
 _METADATA = frozenset({
@@ -181,6 +184,18 @@ def torch_ao_kernel(func: Any) -> Callable | None:
                 "torch.nn.functional op or the lowbit.nn.quantized module (e.g. lowbit.nn.quantized.Hardswish("
                 "scale, zero_point)) on the QTensor") from None
     return run
+
+
+def seen_dtype(qt: Any, caller: Any) -> Any:
+    """``QTensor.dtype`` read from the frame ``caller``: the grid, ``qdtype`` (as ``torch.quint8`` is a torch
+    quantized tensor's dtype), except to torch's float modules. Code in ``torch.nn.modules`` reads ``input.dtype`` to
+    build float tensors *before* it calls a torch function (where the fallback takes over): an RNN's zero hidden state
+    and dtype check, ``nn.MultiheadAttention``'s / ``nn.TransformerEncoder``'s padding-mask conversion. To that code it
+    is ``torch.float32``, the dtype of the values the fallback computes on, so a float module fed a QTensor runs on
+    ``dequantize()`` with the warning (it raised "zeros(): argument 'dtype' must be torch.dtype, not QDtype").
+    While dynamo traces, ``QTensor.dtype`` is the grid without asking (dynamo cannot trace ``sys._getframe``).
+    ~0.3 µs a read; lowbit's own code reads ``qdtype``."""
+    return torch.float32 if caller.f_globals.get("__name__", "").startswith("torch.nn.modules.") else qt.qdtype
 
 
 def install(cls: type) -> None:
