@@ -8,6 +8,9 @@ with the one-time float-fallback warning, or a ``TypeError`` naming the QTensor.
   function runs. ``nn.MultiheadAttention`` / ``nn.TransformerEncoder`` with a padding mask raised the same from
   ``zeros_like`` (the mask is converted to ``query.dtype``). To code in ``torch.nn.modules``, ``QTensor.dtype`` is now
   ``torch.float32`` (the fallback's values); everywhere else it stays the grid.
+- One QTensor passed as several arguments (``mha(x, x, x)``) became several float copies: ``nn.MultiheadAttention``
+  (and ``TransformerEncoderLayer``) left its packed self-attention path (``query is key``) and differed from
+  ``mha(d, d, d)`` in the last bits; the fallback now dequantizes each QTensor object once per call.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import lowbit as Q
@@ -158,3 +162,39 @@ def test_dtype_is_the_grid_while_dynamo_traces():
     torch._dynamo.reset()
     out = torch.compile(f, fullgraph=True, backend="eager")(qt)
     assert torch.equal(out, qt.dequantize() * 2)
+
+
+# ---- the sweep's other float modules and functions: the contract holds (guards) -------------------------------------
+
+def _float_cases() -> dict:
+    torch.manual_seed(0)
+    f, w = torch.randn(2, 8), torch.randn(4, 8)
+    lin, conv, ln = nn.Linear(8, 4), nn.Conv2d(3, 4, 3), nn.LayerNorm(8)
+    tel = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0).eval()
+    mha = nn.MultiheadAttention(8, 2).eval()
+    return {
+        "Linear": (lin, (2, 8)), "Conv2d": (conv, (1, 3, 6, 6)), "LayerNorm": (ln, (2, 8)),
+        "BatchNorm2d-train": (nn.BatchNorm2d(3), (2, 3, 4, 4)), "GroupNorm": (nn.GroupNorm(1, 3), (2, 3, 4)),
+        "GELU": (nn.GELU(), (2, 8)), "Softmax": (nn.Softmax(-1), (2, 8)), "LogSoftmax": (nn.LogSoftmax(-1), (2, 8)),
+        "Upsample-bilinear": (nn.Upsample(scale_factor=2, mode="bilinear"), (1, 2, 3, 3)),
+        "PixelShuffle": (nn.PixelShuffle(2), (1, 8, 2, 2)),
+        "MultiheadAttention": (lambda x: mha(x, x, x), (5, 2, 8)), "TransformerEncoderLayer": (tel, (5, 2, 8)),
+        "F.scaled_dot_product_attention": (lambda x: F.scaled_dot_product_attention(x, x, x), (1, 2, 5, 8)),
+        "torch.einsum": (lambda x: torch.einsum("ij,kj->ik", x, w), (2, 8)),
+        "torch.baddbmm": (lambda x: torch.baddbmm(torch.zeros(2, 3, 3), x, x.transpose(1, 2)), (2, 3, 8)),
+        "torch.addmm": (lambda x: torch.addmm(torch.zeros(4), x, w.t()), (2, 8)),
+        "torch.where": (lambda x: torch.where(f > 0, x, f), (2, 8)),
+        "torch.cat with a float tensor": (lambda x: torch.cat([f, x]), (2, 8)),
+        "torch.stack with a float tensor": (lambda x: torch.stack([x, f]), (2, 8)),
+        "F.linear with a QTensor weight": (lambda q: F.linear(f, q, torch.ones(4)), (4, 8)),
+        "autocast Linear": (lambda x: torch.autocast("cpu", dtype=torch.bfloat16)(lin)(x), (2, 8)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_float_cases()))
+def test_float_modules_and_functions_fed_a_qtensor_give_the_dequantized_result_with_the_warning(name):
+    fn, shape = _float_cases()[name]
+    qt = _qt(*shape)
+    out, warned = _run(fn, qt)
+    _same(out, fn(qt.dequantize()))
+    assert warned

@@ -359,21 +359,30 @@ class QTensor:
                 return out
         name = getattr(func, "__name__", repr(func))
         run = torch_ao_kernel(func)  # (fallback.py: a torch.ao quantized kernel that cannot take float values says so)
+        memo: dict[int, torch.Tensor] = {}
+        args, kwargs = _tree_dequantize(args, memo), _tree_dequantize(kwargs, memo)
         if run is None:
             _warn_float_fallback(f"torch.{name}")
-            return func(*_tree_dequantize(args), **_tree_dequantize(kwargs))
-        out = run(func, _tree_dequantize(args), _tree_dequantize(kwargs))
+            return func(*args, **kwargs)
+        out = run(func, args, kwargs)
         _warn_float_fallback(f"torch.ops.quantized.{name}")  # (one that can, e.g. linear_dynamic: the usual warning)
         return out
 
 
-def _tree_dequantize(obj: Any) -> Any:
+def _tree_dequantize(obj: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """``obj`` with every QTensor dequantized; one float tensor per QTensor object (``memo``: its id -> the values),
+    so arguments that were the same QTensor stay the same tensor (``nn.MultiheadAttention`` takes its packed
+    self-attention path on ``query is key is value``: three copies took the other path, off in the last bits)."""
+    memo = {} if memo is None else memo
     if isinstance(obj, QTensor):
-        return obj.dequantize()
+        t = memo.get(id(obj))
+        if t is None:
+            t = memo[id(obj)] = obj.dequantize()
+        return t
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_tree_dequantize(o) for o in obj)
+        return type(obj)(_tree_dequantize(o, memo) for o in obj)
     if isinstance(obj, dict):
-        return {k: _tree_dequantize(v) for k, v in obj.items()}
+        return {k: _tree_dequantize(v, memo) for k, v in obj.items()}
     return obj
 
 
