@@ -11,6 +11,8 @@ with the one-time float-fallback warning, or a ``TypeError`` naming the QTensor.
 - One QTensor passed as several arguments (``mha(x, x, x)``) became several float copies: ``nn.MultiheadAttention``
   (and ``TransformerEncoderLayer``) left its packed self-attention path (``query is key``) and differed from
   ``mha(d, d, d)`` in the last bits; the fallback now dequantizes each QTensor object once per call.
+- ``nn.Embedding`` / ``EmbeddingBag`` / ``F.one_hot`` given a QTensor of ids said "got torch.FloatTensor"; now a
+  ``TypeError`` naming the QTensor (a QuantStub quantized the ids).
 """
 
 from __future__ import annotations
@@ -162,6 +164,30 @@ def test_dtype_is_the_grid_while_dynamo_traces():
     torch._dynamo.reset()
     out = torch.compile(f, fullgraph=True, backend="eager")(qt)
     assert torch.equal(out, qt.dequantize() * 2)
+
+
+@pytest.mark.parametrize("call", ["Embedding", "EmbeddingBag", "embedding_bag offsets", "one_hot", "one_hot kw"])
+def test_integer_ids_given_as_a_qtensor_are_a_type_error_naming_it(call):
+    torch.manual_seed(0)
+    ids = Q.quantize_per_tensor(torch.tensor([[1.0, 2.0, 3.0]]), 1.0, 0, Q.quint8)
+    fn = {"Embedding": lambda: nn.Embedding(10, 4)(ids),
+          "EmbeddingBag": lambda: nn.EmbeddingBag(10, 4)(ids),
+          "embedding_bag offsets": lambda: F.embedding_bag(torch.tensor([1, 2]), torch.randn(10, 4),
+                                                           offsets=ids.reshape(-1)[:2]),
+          "one_hot": lambda: F.one_hot(ids, 10),
+          "one_hot kw": lambda: F.one_hot(input=ids)}[call]
+    # was torch's "Expected tensor for argument #1 'indices' ... but got torch.FloatTensor" (no FloatTensor was given)
+    with pytest.raises(TypeError, match=r"is a lowbit QTensor .* takes integer ids; .*QuantStub"):
+        fn()
+
+
+def test_a_qtensor_table_still_takes_the_float_fallback():
+    table = Q.quantize_per_tensor(torch.randn(10, 4, generator=torch.Generator().manual_seed(0)), 0.1, 0, Q.qint8)
+    idx = torch.tensor([[1, 2], [3, 3]])
+    out, warned = _run(F.embedding, idx, table)
+    assert torch.equal(out, table.dequantize()[idx]) and warned
+    out, _ = _run(lambda i, t: F.embedding_bag(i, t, mode="sum"), idx, table)
+    assert torch.equal(out, table.dequantize()[idx].sum(1))
 
 
 # ---- the sweep's other float modules and functions: the contract holds (guards) -------------------------------------

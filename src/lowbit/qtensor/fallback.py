@@ -14,6 +14,8 @@ any public name of ``torch.Tensor`` that ``QTensor`` does not define itself:
 - **in-place methods** (``add_``, ``masked_fill_``, ``qt[i] = v`` ...) and torch's in-place functions on a QTensor
   (``torch.relu_(qt)``, ``F.hardtanh_(qt)``) raise a ``TypeError`` naming the method: they would change a
   dequantized copy, not the codes, so running them would lose the write;
+- **integer ids**: ``F.embedding`` / ``F.embedding_bag`` / ``F.one_hot`` given a QTensor as ids (or offsets)
+  raise a ``TypeError`` naming it (a QuantStub quantized the ids);
 - **everything else** (methods such as ``sum``, ``cumsum``, ``softmax``; the Python
   operators ``<``, ``**``, ``abs()`` ...) runs on ``dequantize()`` and warns once per name
   (``"lowbit: QTensor.sum has no integer implementation ..."``); the result is a float tensor.
@@ -163,6 +165,22 @@ def _inplace_functions(cls: type) -> dict[Callable, Callable]:
     return out
 
 
+def _refuse_index_qtensor(cls: type, name: str, params: tuple[str | None, ...]) -> Callable:
+    """``F.embedding`` / ``F.embedding_bag`` / ``F.one_hot`` with a QTensor where they take integer ids: a
+    ``TypeError`` naming it. The float fallback gave them the dequantized floats and torch answered "Expected tensor
+    for argument #1 'indices' to have one of the following scalar types: Long, Int; but got torch.FloatTensor" (the
+    caller passed no FloatTensor). A QTensor holding ids means a ``QuantStub`` / ``QuantWrapper`` quantized them."""
+    def op(*args: Any, **kwargs: Any) -> Any:
+        for i, p in enumerate(params):  # (None: a position that is not ids, e.g. embedding_bag's weight)
+            x = args[i] if i < len(args) else kwargs.get(p) if p else None
+            if p and isinstance(x, cls):
+                raise TypeError(f"{name}: {p} is a lowbit QTensor ({x.qdtype!r} codes of float values), but {name} "
+                                f"takes integer ids; pass the integer tensor itself (a QuantStub or QuantWrapper quantized the "
+                                f"ids: keep them out of the quantized region)")
+        return NotImplemented  # (a QTensor table or another argument: the float fallback)
+    return op
+
+
 def torch_ao_kernel(func: Any) -> Callable | None:
     """For one of torch.ao's quantized CPU kernels (``torch.ops.quantized.*``, an op packet or overload), the fallback
     that runs it on the dequantized arguments and turns its failure into a ``TypeError`` saying what to use; else
@@ -205,6 +223,11 @@ def install(cls: type) -> None:
 
     for fn, op in _inplace_functions(cls).items():
         _INT_OPS.setdefault(fn, op)
+    import torch.nn.functional as F
+
+    for fn, params in ((F.embedding, ("input",)), (F.embedding_bag, ("input", None, "offsets")),
+                       (F.one_hot, ("input",))):
+        _INT_OPS.setdefault(fn, _refuse_index_qtensor(cls, f"torch.nn.functional.{fn.__name__}", params))
     cls.__getattr__ = tensor_getattr  # type: ignore[attr-defined]
     for name, fn in _TORCH_OPERATORS.items():
         setattr(cls, name, fn)
