@@ -40,6 +40,7 @@ from .nn.quantized.embedding import EmbeddingBag as QEmbeddingBag
 from .qconfig import QConfig, QConfigMapping
 from .qscheme import QDtype, as_qdtype, qint8
 from .workflow.propagate import refuse_call_order
+from .state_check import guard_loading
 
 __all__ = ["quantize_dynamic"]
 
@@ -197,4 +198,4 @@ def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qi
     if found[0] == 0 and spec:
         warnings.warn("quantize_dynamic(): no module of a targeted type found — the model is returned unchanged",
                       stacklevel=2)
-    return model
+    return guard_loading(model)  # load_state_dict: all or nothing (state_check)

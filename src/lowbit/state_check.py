@@ -3,11 +3,15 @@
 A checkpoint is user input: a scale of 0 or NaN, a zero point off its grid or a code past its storage would load
 silently and compute garbage later. For each of the module's own buffers present in ``state_dict``:
 
-- scales finite and ``> 0`` (``input_scale`` may be 0: "no static input grid");
+- scales finite and ``> 0`` (``input_scale`` may be 0: "no static input grid"); a grid's ``scale`` / ``input_scale``
+  also has a finite float32 reciprocal (``>= 2**-128``: codes are ``x * (1 / scale)``);
 - zero points and codes integers inside the module's grid (``qdtype``-like attributes name it; packed 4-bit codes
   are bytes), a symmetric signed grid's zero points 0; float zero points (``float_qparams`` rows) finite;
 - a float ``bias`` / norm ``weight`` finite, a ``histogram`` finite and ``>= 0``, ``min_val`` / ``max_val`` not NaN
-  (``±inf`` means "nothing observed yet").
+  (``±inf`` means "nothing observed yet");
+- the grids the tensors do not name (the module's ``QDtype`` attributes: ``out_qdtype``, ``qdtype``, ...), where the
+  checkpoint's metadata records them (``grid_names``, saved by the quantized modules): a ``qint8`` output grid's zero
+  point 14 is another grid on ``quint8``, so a checkpoint of another recipe is refused rather than loaded.
 
 >>> import torch
 >>> from torch import nn
@@ -23,7 +27,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_quantized_state"]
+from .qscheme import QDtype
+
+__all__ = ["check_quantized_state", "grid_names", "guard_loading", "StateDictError"]
+
+GRIDS_KEY = "lowbit_grids"  # a module's entry in a state_dict's ``_metadata``: its grid_names at save
 
 
 def _show(t: torch.Tensor) -> str:
@@ -39,12 +47,26 @@ _GRIDS = {"zero_point": ("out_qdtype", "qdtype"), "weight_zero_point": ("weight_
 _CODES = ("weight_int8", "qweight", "weight_q")  # code buffers: an 8-bit grid bounds them; packed 4-bit ones, a byte
 
 
-def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str) -> list[str]:
+def grid_names(module: torch.nn.Module) -> dict[str, str]:
+    """``module``'s ``QDtype`` attributes as their reprs (``{'out_qdtype': 'lowbit.quint8', ...}``): the grids its
+    zero points and codes are on, which the tensors themselves do not say."""
+    return {k: repr(v) for k, v in vars(module).items() if isinstance(v, QDtype)}
+
+
+def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
+                          metadata: Any = None) -> list[str]:
     """The problems of the incoming values of ``module``'s own buffers for ``load_state_dict`` (an empty
     list: all valid): scales finite and > 0, zero points and codes integers on the module's grid, a
-    float ``bias`` finite, a ``histogram`` finite and >= 0, ``min_val``/``max_val`` not NaN. Used by the
-    quantized modules (``nn/quantized/_state.py``), ``FakeQuantize`` and every observer."""
+    float ``bias`` finite, a ``histogram`` finite and >= 0, ``min_val``/``max_val`` not NaN; with the module's
+    ``metadata`` entry of the checkpoint (``load_state_dict``'s ``local_metadata``), grids as ``grid_names``
+    saved them. Used by the quantized modules (``nn/quantized/_state.py``), ``FakeQuantize`` and every observer."""
     where, errors = type(module).__name__, []
+    saved = metadata.get(GRIDS_KEY) if isinstance(metadata, dict) else None
+    if isinstance(saved, dict):
+        for attr, mine in grid_names(module).items():
+            if saved.get(attr, mine) != mine:
+                errors.append(f"{prefix}{attr}: the checkpoint is on {saved[attr]}, this module on {mine} ({where}): "
+                              "a checkpoint of another recipe (its zero points and codes mean other values here)")
     for name, buf in module._buffers.items():
         value = state_dict.get(prefix + name)
         if buf is None or not isinstance(value, torch.Tensor) or value.numel() == 0:
@@ -58,6 +80,9 @@ def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], p
             ok = torch.isfinite(v) & ((v > 0) | (v == 0) if name == "input_scale" else v > 0)
             if not bool(ok.all()):
                 errors.append(f"{key}: scale={_show(v)} must be finite and > 0 ({where})")
+            elif name in ("scale", "input_scale") and not bool((torch.isfinite(v.float().reciprocal()) | (v == 0)).all()):
+                errors.append(f"{key}: scale={_show(v)} has no finite float32 reciprocal (must be >= 2**-128) "
+                              f"({where})")
         elif name in ("min_val", "max_val") and value.is_floating_point():  # ±inf: "nothing observed yet"
             if bool(torch.isnan(value.detach()).any()):
                 errors.append(f"{key}: the observed range holds NaN ({where})")
@@ -96,3 +121,42 @@ def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], p
                 what = "codes" if name in _CODES else "zero_point"
                 errors.append(f"{key}: {what} {_show(bad)} must be integers{grid} ({where})")
     return errors
+
+
+class StateDictError(ValueError, RuntimeError):
+    """A checkpoint refused by lowbit's checks at ``load_state_dict``: a ``ValueError`` (a bad value, named with its
+    key) that is also the ``RuntimeError`` torch's ``load_state_dict`` raises, so code catching either sees it."""
+
+
+def refuse_state(owner: torch.nn.Module, errors: list[str]) -> None:
+    """Raise ``StateDictError`` listing ``errors`` (one line per bad key) for a load into ``owner``."""
+    raise StateDictError(f"Error(s) in loading state_dict for {type(owner).__name__}:\n\t" + "\n\t".join(errors))
+
+
+def guard_loading(model: torch.nn.Module) -> torch.nn.Module:
+    """Make ``model.load_state_dict`` all-or-nothing for lowbit's checks: a pre-hook on ``model`` (registered once;
+    the workflows call this on the model they return) runs every submodule's ``_state_errors`` (quantized modules,
+    observers, fake-quants) on the whole checkpoint before anything loads, and raises ``StateDictError`` naming each
+    bad key; without it torch loads module by module, so the modules before a refused one had already loaded."""
+    if not any(getattr(h, "hook", None) is _check_all for h in model._load_state_dict_pre_hooks.values()):
+        model.register_load_state_dict_pre_hook(_check_all)
+    return model
+
+
+def _check_all(model: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any,
+               *_: Any) -> None:
+    """``guard_loading``'s pre-hook: each submodule's ``_state_errors`` on the incoming ``state_dict``."""
+    meta = getattr(state_dict, "_metadata", None) or {}
+    assign = bool((local_metadata or {}).get("assign_to_params_buffers"))
+    errors: list[str] = []
+    for name, mod in model.named_modules(remove_duplicate=False):  # (a shared module loads under each of its names)
+        check = getattr(mod, "_state_errors", None)
+        if check is None:
+            continue
+        p = prefix + (name + "." if name else "")
+        md = dict(meta.get(p[:-1], {}))
+        if assign:
+            md["assign_to_params_buffers"] = True
+        errors += check(state_dict, p, md)
+    if errors:
+        refuse_state(model, errors)

@@ -40,6 +40,7 @@ from torch import nn
 from .nn.quantized._utils import check_finite_linears
 from .nn.quantized.group_size import DEFAULT_GROUP_SIZE, checked_group_size, fit_group_size
 from .nn.quantized.weight_only import METHODS, WeightOnlyLinear, check_recipe, gptq_quantize
+from .state_check import guard_loading
 
 __all__ = ["quantize_weight_only", "collect_hessians"]
 
@@ -222,7 +223,7 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int | None
         else:
             built.update((n, WeightOnlyLinear.from_float(lin, bits, g, symmetric, method)) for n, lin in zip(names, lins))
     if "" in built:  # the model itself is a Linear
-        return built[""]
+        return guard_loading(built[""])
     # every place a quantized Linear sits, shared (aliased) ones included (named_modules lists each object once):
     # one WeightOnlyLinear for all of them, as eager convert does; a place named in skip keeps the float Linear
     by_id = {id(linears[n]): q for n, q in built.items()}
@@ -231,4 +232,4 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int | None
     for name, q in places:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, q)
-    return model
+    return guard_loading(model)  # load_state_dict: all or nothing (state_check)

@@ -144,10 +144,14 @@ class FakeQuantize(WithArgs, nn.Module):
         """The observer's ``(scale, zero_point)`` (raises if it has seen no data)."""
         return self.activation_post_process.calculate_qparams()
 
+    def _state_errors(self, state_dict, prefix, local_metadata):  # type: ignore[no-untyped-def]
+        """A NaN / 0 scale, an off-grid zero point (pure: ``state_check.guard_loading`` runs it first)."""
+        return check_quantized_state(self, state_dict, prefix)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
         per_tensor_qparams(self, state_dict, prefix)
-        errors = check_quantized_state(self, state_dict, prefix)  # a NaN / 0 scale, an off-grid zero point
+        errors = self._state_errors(state_dict, prefix, local_metadata)
         if errors:
             error_msgs.extend(errors)
             return

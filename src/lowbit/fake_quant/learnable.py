@@ -217,7 +217,7 @@ class LearnableFakeQuantize(FakeQuantize):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
         errors = self._adopt_torch_ao_keys(state_dict, prefix)
-        errors += check_quantized_state(self, state_dict, prefix) + self._check_parameters(state_dict, prefix)
+        errors += self._state_errors(state_dict, prefix, local_metadata)
         if errors:  # a NaN / 0 / negative scale, a NaN zero point: rejected naming the key, state kept
             error_msgs.extend(errors)
             return
@@ -234,6 +234,14 @@ class LearnableFakeQuantize(FakeQuantize):
         # does (a checkpoint of the learning phase loaded into a fresh module left them frozen: no gradient, an
         # optimizer that never moved them, learning_enabled=1 all along)
         self.toggle_qparam_learning(bool(self.learning_enabled[0] == 1))
+
+    def _state_errors(self, state_dict, prefix, local_metadata):  # type: ignore[no-untyped-def]
+        """The buffers' problems, the ``scale`` / ``zero_point`` parameters' and a torch.ao ``eps``'s while still in
+        ``state_dict`` (pure: ``guard_loading`` runs it first; the load pops ``eps`` in ``_adopt_torch_ao_keys``)."""
+        eps = state_dict.get(prefix + "eps")
+        problem = "" if eps is None else saved_eps(eps, prefix, type(self).__name__)[1]
+        return ([problem] if problem else []) + check_quantized_state(self, state_dict, prefix) \
+            + self._check_parameters(state_dict, prefix)
 
     def _adopt_torch_ao_keys(self, state_dict: dict[str, Any], prefix: str) -> list[str]:
         """Read a torch.ao ``_LearnableFakeQuantize`` checkpoint (in place): its ``static_enabled`` is lowbit's

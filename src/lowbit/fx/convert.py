@@ -50,6 +50,7 @@ from .custom import check_preservable
 from .prepare import STATE_KEY, is_prepared, returned_values
 from .report import FxReport
 from .weighted import arg_of, input_of, standin
+from ..state_check import guard_loading
 
 __all__ = ["convert_fx"]
 
@@ -377,4 +378,4 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
         check_preservable(source, model, name, "convert_fx")
         setattr(model, name, getattr(source, name))
     model.lowbit_report = report
-    return plain_call(model).eval()  # (run-time errors reach a compiled model's caller: fx/call.py)
+    return guard_loading(plain_call(model)).eval()  # (run-time errors reach a compiled model's caller: fx/call.py)

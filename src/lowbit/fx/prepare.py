@@ -57,6 +57,7 @@ from .patterns import WEIGHT_ONLY_TYPES, fuse_graph, graph_module_types
 from .report import FxReport
 from .trace import RootNotTraceable, record_tensor_kinds, trace
 from .weighted import arg_of
+from ..state_check import guard_loading
 
 __all__ = ["prepare_fx", "prepare_qat_fx", "STATE_KEY", "is_prepared"]
 
@@ -341,7 +342,7 @@ def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inp
     else:
         out.__dict__[STATE_KEY] = state
     out.lowbit_report = ctx.report
-    return out.train(is_qat)
+    return guard_loading(out).train(is_qat)  # (load_state_dict: all or nothing)
 
 
 def prepare_fx(model: nn.Module, qconfig_mapping: Any = None, example_inputs: tuple[Any, ...] | None = None,

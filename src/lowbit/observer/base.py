@@ -183,16 +183,13 @@ class ObserverBase(abc.ABC, WithArgs, nn.Module):
             destination[prefix + "eps"] = torch.tensor([self.eps], dtype=dtype, device=device)
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+    def _state_errors(self, state_dict, prefix, local_metadata):  # type: ignore[no-untyped-def]
+        """The problems of the incoming state (pure: ``state_check.guard_loading`` runs it on a whole checkpoint
+        first): NaN ranges, bad histograms / qparams, a bad ``eps``, ranges of mismatched or per-channel shape."""
         errors = check_quantized_state(self, state_dict, prefix)  # NaN ranges, bad histograms / qparams
-        eps = state_dict.pop(prefix + "eps", None)  # torch.ao keeps eps as a buffer, lowbit as a float: adopt it
-        if eps is not None:
-            v, problem = saved_eps(eps, prefix, type(self).__name__)
-            if problem:
-                errors.append(problem)
-            elif not errors and v != float(torch.tensor(self.eps, dtype=eps.dtype if eps.is_floating_point() else torch.float64)):
-                self.eps = v  # (a torch.ao float32 eps equal to ours keeps the exact Python float, e.g. 1e-8)
+        eps = state_dict.get(prefix + "eps")
+        if eps is not None and saved_eps(eps, prefix, type(self).__name__)[1]:
+            errors.append(saved_eps(eps, prefix, type(self).__name__)[1])
         lo, hi = state_dict.get(prefix + "min_val"), state_dict.get(prefix + "max_val")
         if "min_val" in self._buffers and isinstance(lo, torch.Tensor) and isinstance(hi, torch.Tensor):
             if self.qscheme.is_per_channel and lo.numel() == 0 and hi.numel() == 0:
@@ -206,9 +203,19 @@ class ObserverBase(abc.ABC, WithArgs, nn.Module):
             elif not self.qscheme.is_per_channel and lo.numel() != 1:
                 errors.append(f"{prefix}min_val: a per-tensor observer keeps one range, got shape {tuple(lo.shape)} "
                               f"({type(self).__name__}, {self.qscheme.value})")
+        return errors
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+        errors = self._state_errors(state_dict, prefix, local_metadata)
+        eps = state_dict.pop(prefix + "eps", None)  # torch.ao keeps eps as a buffer, lowbit as a float: adopt it
         if errors:
             error_msgs.extend(errors)
             return
+        if eps is not None:
+            v = saved_eps(eps, prefix, type(self).__name__)[0]
+            if v != float(torch.tensor(self.eps, dtype=eps.dtype if eps.is_floating_point() else torch.float64)):
+                self.eps = v  # (a torch.ao float32 eps equal to ours keeps the exact Python float, e.g. 1e-8)
         for name, buf in list(self._buffers.items()):
             saved = state_dict.get(prefix + name)
             if buf is not None and isinstance(saved, torch.Tensor) and saved.shape != buf.shape:

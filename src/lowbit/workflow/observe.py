@@ -28,6 +28,7 @@ from .hooks import (_NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_NATIVE, _is_observ
                     _note_tag, _observe_float_input, _observe_input, _observe_output, _pass_tag, _remove_observer_hooks)
 from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, _resolve_user_qconfig,
                         refuse_call_order, warn_graph_mode, is_dynamic_qconfig, join_name, propagate_qconfig_)
+from ..state_check import guard_loading
 
 __all__ = ["prepare", "prepare_qat"]
 
@@ -124,7 +125,7 @@ def prepare(model: nn.Module, qconfig: Any = None, inplace: bool = False,
     if _insert_observers(model, set(mapping) | non_leaf | set(custom.values()), set(dynamic)) == 0:
         warnings.warn("prepare(): no quantizable module got a qconfig — convert() will leave this model float",
                       stacklevel=2)
-    return model.eval()
+    return guard_loading(model).eval()  # (load_state_dict: all or nothing)
 
 
 def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
@@ -166,7 +167,7 @@ def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
         warnings.warn("prepare_qat(): no quantizable module got a qconfig — convert() will leave this model float",
                       stacklevel=2)
     _warn_post_training_qconfigs(model)
-    return model.train()
+    return guard_loading(model).train()
 
 
 def _warn_recorded_grids(fn: str, model: nn.Module) -> None:

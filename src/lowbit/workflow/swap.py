@@ -35,6 +35,7 @@ from .hooks import (_AVERAGING_POOLS, _NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_
                     _is_observer, _is_table_recipe, _remove_observer_hooks)
 from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, warn_graph_mode,
                         is_dynamic_qconfig)
+from ..state_check import guard_loading
 
 __all__ = ["convert"]
 
@@ -225,4 +226,5 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
     for n, m in model.named_modules():
         if n in kept and "qconfig" not in m.__dict__:
             m.qconfig = kept[n]
+    guard_loading(model)  # load_state_dict: all or nothing (state_check)
     return (model, report) if return_report else model

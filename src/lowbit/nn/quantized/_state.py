@@ -11,16 +11,19 @@ A checkpoint's qparams and codes must describe a valid grid, exactly what ``from
 - a float ``bias``: finite;
 - with ``load_state_dict(..., assign=True)`` (the buffers are replaced, not copied into): each buffer's dtype.
 
-Shapes are torch's own check (``size mismatch for <key>``). A failing module loads nothing (it keeps
-its previous state) and ``load_state_dict`` raises ``RuntimeError`` with one line per bad key, naming
-the key, the bad values and the module type.
+- shapes (``size mismatch for <key>``, torch's words); the grids' dtypes where the checkpoint's metadata names them.
+
+A failing module loads nothing (it keeps its previous state) and ``load_state_dict`` raises
+``state_check.StateDictError`` (a ``ValueError`` and a ``RuntimeError``) with one line per bad key, naming the key,
+the bad values and the module type; a model a workflow returned (``guard_loading``) checks every module first, so a
+refused checkpoint leaves all of it as it was.
 
 >>> import torch, lowbit as Q
 >>> from lowbit.nn.quantized.stubs import Quantize
 >>> q = Quantize(0.1, 0)
 >>> try:
 ...     q.load_state_dict({"scale": torch.tensor(float("nan")), "zero_point": torch.tensor(0)})
-... except RuntimeError as err:
+... except ValueError as err:
 ...     print(str(err).splitlines()[-1].strip())
 scale: scale=nan must be finite and > 0 (Quantize)
 """
@@ -33,6 +36,7 @@ import torch
 from torch import nn
 
 from ...functional import check_quantized_state
+from ...state_check import GRIDS_KEY, grid_names, refuse_state
 
 __all__ = ["CheckedQuantState", "check_quantized_state"]
 
@@ -74,17 +78,33 @@ class CheckedQuantState(nn.Module):
             self.__dict__["_meta_hook"] = self.register_forward_pre_hook(_refuse_meta)
         return out
 
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        meta = getattr(destination, "_metadata", None)  # (torch put this module's entry there just before)
+        if isinstance(meta, dict) and isinstance(meta.get(prefix[:-1]), dict):
+            meta[prefix[:-1]][GRIDS_KEY] = grid_names(self)  # the grids the tensors do not name (qint8 vs quint8)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _state_errors(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> list[str]:
+        """The problems of the incoming values of this module's buffers (``check_quantized_state``; shapes as torch
+        checks them; with ``assign=True`` the dtypes) — pure: ``guard_loading`` runs it on a whole checkpoint first."""
+        errors = check_quantized_state(self, state_dict, prefix, local_metadata)
+        assign = bool((local_metadata or {}).get("assign_to_params_buffers"))
+        for name, buf in self._buffers.items():
+            value = state_dict.get(prefix + name)
+            if buf is None or not isinstance(value, torch.Tensor) or name in self._non_persistent_buffers_set:
+                continue
+            if value.shape != buf.shape and not (buf.dim() == 0 and value.shape == (1,)):  # (torch's 0-d rule)
+                errors.append(f"size mismatch for {prefix + name}: copying a param with shape {tuple(value.shape)} "
+                              f"from checkpoint, the shape in current model is {tuple(buf.shape)} ({type(self).__name__})")
+            elif assign and value.dtype != buf.dtype:  # assign=True replaces buffers: no cast to ours
+                errors.append(f"{prefix + name}: expected dtype {buf.dtype}, got {value.dtype} with assign=True "
+                              f"({type(self).__name__})")
+        return errors
+
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        errors = check_quantized_state(self, state_dict, prefix)
-        if (local_metadata or {}).get("assign_to_params_buffers"):  # assign=True replaces buffers: no cast to ours
-            for name, buf in self._buffers.items():
-                value = state_dict.get(prefix + name)
-                if buf is not None and isinstance(value, torch.Tensor) and value.dtype != buf.dtype:
-                    errors.append(f"{prefix + name}: expected dtype {buf.dtype}, got {value.dtype} with assign=True "
-                                  f"({type(self).__name__})")
-        if errors:
-            error_msgs.extend(errors)
-            return  # load nothing into this module: it keeps its valid state
+        errors = self._state_errors(state_dict, prefix, local_metadata)
+        if errors:  # load nothing into this module: it keeps its valid state
+            refuse_state(self, errors)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)

@@ -247,6 +247,10 @@ def check_out_grid(scale: Any, zero_point: Any, qdtype: Any, where: str) -> tupl
         zero_point = int(zero_point)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
         raise ValueError(f"{where}: scale={scale!r} must be a positive finite float")
+    s32 = torch.tensor(float(scale), dtype=torch.float32)  # (the buffer's value: 1e39 is inf there, 1e-50 is 0)
+    if not 0 < float(s32) < float("inf") or not bool(torch.isfinite(s32.reciprocal())):
+        raise ValueError(f"{where}: scale={scale!r} must be a positive finite float32 with a finite float32 reciprocal "
+                         f"(in [2**-128, 3.4e38])")
     if isinstance(zero_point, bool) or not isinstance(zero_point, int):
         raise TypeError(f"{where}: zero_point={zero_point!r} must be an int")
     if not qdtype.quant_min <= zero_point <= qdtype.quant_max:

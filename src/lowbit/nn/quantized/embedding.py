@@ -31,6 +31,8 @@ torch.Size([2, 4])
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -182,18 +184,35 @@ class _QuantizedTable(CheckedQuantState):
         z = self.weight_zero_point.index_select(0, idx).to(torch.float32)
         return (codes - z[:, None]) * self.weight_scale.index_select(0, idx)[:, None]
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
-        zp = state_dict.get(prefix + "weight_zero_point")  # a float-qparams table keeps float zero points
+    def _adopt_zero_points(self, state_dict: dict[str, Any], prefix: str) -> tuple[torch.Tensor, QScheme]:
+        """Take the checkpoint's zero-point dtype (a float-qparams table keeps float zero points); return what to
+        restore when the load is refused."""
+        zp = state_dict.get(prefix + "weight_zero_point")
         old = self.weight_zero_point, self.qscheme
         if isinstance(zp, torch.Tensor) and zp.dtype != self.weight_zero_point.dtype:
             self.weight_zero_point = torch.zeros_like(self.weight_zero_point, dtype=zp.dtype)
             self.qscheme = (QScheme.PER_CHANNEL_AFFINE_FLOAT_QPARAMS if zp.is_floating_point()
                             else QScheme.PER_CHANNEL_AFFINE)
+        return old
+
+    def _state_errors(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> list[str]:
+        old = self._adopt_zero_points(state_dict, prefix)
+        try:
+            return super()._state_errors(state_dict, prefix, local_metadata)
+        finally:
+            self.weight_zero_point, self.qscheme = old
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
+        old = self._adopt_zero_points(state_dict, prefix)
         n = len(error_msgs)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
-        if len(error_msgs) > n:  # refused: the table keeps its own zero points and scheme, not the swapped ones
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
+        except ValueError:  # refused: the table keeps its own zero points and scheme, not the swapped ones
+            self.weight_zero_point, self.qscheme = old
+            raise
+        if len(error_msgs) > n:
             self.weight_zero_point, self.qscheme = old
 
     def _check_float(self, mod: nn.Module, want: type) -> None:
