@@ -11,7 +11,9 @@ silently and compute garbage later. For each of the module's own buffers present
   (``±inf`` means "nothing observed yet");
 - the grids the tensors do not name (the module's ``QDtype`` attributes: ``out_qdtype``, ``qdtype``, ...), where the
   checkpoint's metadata records them (``grid_names``, saved by the quantized modules): a ``qint8`` output grid's zero
-  point 14 is another grid on ``quint8``, so a checkpoint of another recipe is refused rather than loaded.
+  point 14 is another grid on ``quint8``, so a checkpoint of another recipe is refused rather than loaded. A weight
+  grid (the module's ``_weight_grids``) only needs the same kind (``qint8``, ``quint4``, ...): its codes are saved
+  as they are and checked against the module's range, so 7-bit ``qint8[-64, 63]`` codes load into a ``qint8`` layer.
 
 >>> import torch
 >>> from torch import nn
@@ -63,8 +65,10 @@ def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], p
     where, errors = type(module).__name__, []
     saved = metadata.get(GRIDS_KEY) if isinstance(metadata, dict) else None
     if isinstance(saved, dict):
+        weights = getattr(module, "_weight_grids", ("weight_qdtype",))  # codes saved as they are: only the kind counts
         for attr, mine in grid_names(module).items():
-            if saved.get(attr, mine) != mine:
+            theirs = saved.get(attr, mine)
+            if theirs != mine if attr not in weights else str(theirs).split("[")[0] != mine.split("[")[0]:
                 errors.append(f"{prefix}{attr}: the checkpoint is on {saved[attr]}, this module on {mine} ({where}): "
                               "a checkpoint of another recipe (its zero points and codes mean other values here)")
     for name, buf in module._buffers.items():

@@ -107,6 +107,8 @@ def _row_qparams(weight: torch.Tensor, mod: nn.Module | None, qdtype: QDtype | N
 class _QuantizedTable(CheckedQuantState):
     """The shared table storage: buffers ``weight_q``, ``weight_scale`` (N,), ``weight_zero_point`` (N,)."""
 
+    _weight_grids = ("qdtype",)  # (a checkpoint's metadata: the weight grid's kind must match, its range may be narrower)
+
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None,
                  qdtype: QDtype | str | torch.dtype, qscheme: QScheme | str = QScheme.PER_CHANNEL_AFFINE) -> None:
         super().__init__()

@@ -219,6 +219,8 @@ def _needs_grad(x: torch.Tensor) -> bool:
 class WeightOnlyLinear(CheckedQuantState):
     """``F.linear(x, ŵ, bias)`` with a group-wise quantized weight; see the module docstring."""
 
+    _weight_grids = ("qdtype",)  # (a checkpoint's metadata: the weight grid's kind must match, its range may be narrower)
+
     _keep_buffer_dtypes = False  # .half() / .to(torch.bfloat16) cast its scales and bias with the model, as before
 
     qweight: torch.Tensor  # (N, K/2) uint8 (4 bits) or (N, K) int8

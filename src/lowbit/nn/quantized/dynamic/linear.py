@@ -182,6 +182,8 @@ class Linear(CheckedQuantState):
     (N,) int64, ``bias`` (N,) float32 — or ``weight_fp16`` and ``bias`` for ``dtype=torch.float16``.
     """
 
+    _weight_grids = ("dtype",)  # (a checkpoint's metadata: the weight grid's kind must match, its range may be narrower)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  dtype: QDtype | str | torch.dtype = qint8, activation: str = "per_token") -> None:
         super().__init__()
