@@ -21,12 +21,15 @@ State (``state_dict``, loadable with ``weights_only=True``): ``qweight`` (uint8 
 column ``2i`` in the low nibble; int8 ``(N, K)`` for 8 bits), ``scales`` float32 ``(N, G)``,
 ``zero_points`` int8 ``(N, G)``, ``bias``. Forward: 4-bit weights with ``N % 16 == 0`` and
 ``g ∈ {32, 64, 128, 256}`` run torch's CPU int4 kernel ``_weight_int4pack_mm_for_cpu`` (bf16
-activations and scales, float32 accumulation: error ≤ ~2⁻⁸ |x|·|ŵ|, far below the int4 rounding
-error; its packed layout is a cache the size of ``qweight``, rebuilt after ``load_state_dict`` /
-``.to()``); 8-bit per-channel weights compute ``(x @ qᵀ) * s`` in float32; everything else
+activations and scales, float32 accumulation: error ≤ ~2⁻⁸ |x|·(|ŵ| + |8 - z_u|·s), ``z_u`` the zero point
+on the unsigned grid, since an affine zero point is a second bf16 term ``(8 - z_u)·s``: an all-zero row reads
+~2⁻⁹·7s·|x|, far below the int4 rounding error; scales outside bf16's normal range take the dequantized path;
+its packed layout is a cache the size of ``qweight``, rebuilt after ``load_state_dict`` /
+``.to()``); 8-bit per-channel weights compute ``(x @ qᵀ) * s`` in float32 (bf16; an fp16 input dequantizes:
+``x @ qᵀ`` passes 65504 first); everything else
 dequantizes the weight per call and runs ``F.linear``. ``kernel="reference"`` forces dequantize +
 ``F.linear`` (the oracle). For up to ``DECODE_MAX_ROWS`` input rows (decoding), 8-bit per-channel
-symmetric weights run torch's ``_weight_int8pack_mm`` with bf16 activations and a bf16 product
+symmetric weights with ``K % 16 == 0`` run torch's ``_weight_int8pack_mm`` with bf16 activations and a bf16 product
 (2⁻⁹ relative each; the float32 scales are applied after): 2.6x fp32 at M = 1 on AVX-512. The
 int4 kernel also runs only up to ``DECODE_MAX_ROWS`` rows: for prefill, dequantize + ``F.linear``
 is faster (and exact in float32).
@@ -242,7 +245,7 @@ class WeightOnlyLinear(CheckedQuantState):
         self.register_buffer("scales", torch.ones(out_features, in_features // g))
         self.register_buffer("zero_points", torch.zeros(out_features, in_features // g, dtype=torch.int8))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
-        self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cache: tuple[torch.Tensor, torch.Tensor] | tuple[()] | None = None
 
     # ---- construction ----
     @classmethod
@@ -313,20 +316,26 @@ class WeightOnlyLinear(CheckedQuantState):
                 and x.numel() <= DECODE_MAX_ROWS * self.in_features and not _needs_grad(x))
 
     def _int8_kernel_applies(self, x: torch.Tensor) -> bool:
-        # (torch's _weight_int8pack_mm reads past the rows, or crashes, when in_features is not a multiple of 8)
+        # (torch's _weight_int8pack_mm reads past the rows, or crashes, when in_features is not a multiple of 8; its
+        # AVX-512 body (16 bf16 lanes) also when it is not a multiple of 16: K = 24 crashed the process at 1-32 rows)
         return (self.kernel == "auto" and self.bits == 8 and self._g == self.in_features and self.symmetric
-                and self.in_features % 8 == 0
+                and self.in_features % 16 == 0
                 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
                 and x.numel() <= DECODE_MAX_ROWS * self.in_features and not _needs_grad(x))
 
-    def _int4_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _int4_cache(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
+        """The kernel's packed codes and bf16 ``(scale, zero)`` pairs; ``()`` where a scale is below bfloat16's normal
+        range (a subnormal scale kept 1-7 of its bits there: 8 % off at 1e-40) or a pair overflows it: such a layer
+        takes the dequantized path."""
         if self._cache is None:
             u = self.codes().to(torch.int32) + (8 if self.qdtype.signed else 0)  # unsigned codes 0..15
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 2)
             zp_u = self.zero_points.to(torch.float32) + (8 if self.qdtype.signed else 0)
             # the kernel computes (u - 8) * s + zero, so zero = (8 - z_u) * s
             sz = torch.stack([self.scales, (8 - zp_u) * self.scales], -1).transpose(0, 1)  # (G, N, 2)
-            self._cache = packed, sz.to(torch.bfloat16).contiguous()
+            sz = sz.to(torch.bfloat16).contiguous()
+            ok = bool(torch.isfinite(sz).all()) and bool((sz[..., 0].abs() >= torch.finfo(torch.bfloat16).tiny).all())
+            self._cache = (packed, sz) if ok else ()
         return self._cache
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -346,8 +355,9 @@ class WeightOnlyLinear(CheckedQuantState):
 
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)  # (M, K)
-        if self._kernel_applies(x):
-            packed, sz = self._int4_cache()
+        int4 = self._int4_cache() if self._kernel_applies(x) else ()
+        if int4:
+            packed, sz = int4
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), packed, self._g, sz)
             y = y.to(x.dtype)
         elif self._int8_kernel_applies(x):  # bf16 activations, float32 scales applied after
@@ -355,7 +365,8 @@ class WeightOnlyLinear(CheckedQuantState):
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, ones)
             y = y.to(torch.float32) * self.scales[:, 0]
             y = y.to(x.dtype)
-        elif self.kernel == "auto" and self.bits == 8 and self._g == self.in_features and self.symmetric:
+        elif (self.kernel == "auto" and self.bits == 8 and self._g == self.in_features and self.symmetric
+              and x.dtype != torch.float16):  # (x @ qᵀ overflows half's 65504 where x @ ŵᵀ does not: |q| ≤ 128)
             y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales[:, 0].to(x.dtype)  # (x @ qᵀ) * s
         else:
             y = F.linear(x2, self.dequantize_weight().to(x.dtype))
