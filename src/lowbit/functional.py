@@ -70,6 +70,8 @@ def _check_qparams(fn: str, scale: Number, zero_point: Number, qmin: int | None 
     """
     if tracing():
         return
+    # (asked before _host_scalar: a one-row table's (1,) float zero point is a Python float after it)
+    float_zp = float_zp and isinstance(zero_point, torch.Tensor) and zero_point.is_floating_point()
     scale, zero_point = _host_scalar(scale), _host_scalar(zero_point)
     if isinstance(scale, torch.Tensor):
         if scale.is_complex() or scale.dtype == torch.bool:
@@ -84,13 +86,17 @@ def _check_qparams(fn: str, scale: Number, zero_point: Number, qmin: int | None 
     lo = -float("inf") if qmin is None else qmin
     hi = float("inf") if qmax is None else qmax
     grid = "" if qmin is None else f" in [{qmin}, {qmax}]"
+    if float_zp and not isinstance(zero_point, torch.Tensor):
+        if not abs(zero_point) < float("inf"):
+            raise ValueError(f"{fn}: zero_point={zero_point!r} must be finite")
+        return
     if isinstance(zero_point, torch.Tensor):
         if zero_point.is_complex() or zero_point.dtype == torch.bool:
             raise TypeError(f"{fn}: zero_point must be a real tensor, got dtype {zero_point.dtype}")
         z = zero_point.detach()
         if z.numel() == 0:
             return
-        if float_zp and z.is_floating_point():
+        if float_zp:
             if not _all(z, lambda a: abs(a) < float("inf")):
                 raise ValueError(f"{fn}: zero_point={_show(z)} must be finite")
             return
