@@ -65,7 +65,8 @@ class TiedEmbedding(nn.Module):
         rows = F.embedding(flat, h.qweight)  # (T, D/2) packed or (T, D)
         q = _unpack4(rows, h.in_features, h.qdtype.signed) if h.bits == 4 else rows
         s, z = h.scales[flat], h.zero_points[flat].float()  # (T, G)
-        e = (q.float().reshape(flat.numel(), -1, h._g) - z[..., None]) * s[..., None]
+        # (the group count spelled out: a -1 is ambiguous for no ids, and an empty batch raised in reshape)
+        e = (q.float().reshape(flat.numel(), h.in_features // h._g, h._g) - z[..., None]) * s[..., None]
         return e.reshape(*ids.shape, h.in_features).to(self._out.dtype)
 
     def _apply(self, fn: Any, recurse: bool = True) -> TiedEmbedding:
