@@ -285,6 +285,19 @@ def _fuse_registered(gm: fx.GraphModule, modules: dict[str, nn.Module], calls: d
     return fused
 
 
+def _absorbed_entry(n: fx.Node, act: Any, is_act: bool) -> str:
+    """What ``fuse_graph``'s ``absorbed`` records for node ``n``: a module's target, ``"relu"`` for a functional ReLU,
+    ``"clamp:t"`` for a functional ``[0, t]`` clamp. An activation module whose target reads as one of those markers
+    (``self.relu = nn.ReLU6()``) is recorded as what it computes: its name was taken for ``F.relu`` and compared with
+    ``relu(BN output)``, without the clamp at 6."""
+    name = str(n.target)
+    if n.op == "call_module" and not (is_act and (name == "relu" or name.startswith("clamp:"))):
+        return name
+    if (n.op != "call_module" and is_relu_target(n.op, n.target)) or (n.op == "call_module" and type(act) is nn.ReLU):
+        return "relu"
+    return f"clamp:{float(act.max_val)}"
+
+
 def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
                absorbed: dict[str, list[str]] | None = None) -> list[str]:
     """Fuse module runs and add-relu in place; return descriptions of the fused runs.
@@ -311,6 +324,7 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
         if type(first) not in bn_of and type(first) not in (nn.BatchNorm2d, nn.BatchNorm3d):
             continue
         run, mods = [node], [first]
+        act_node: fx.Node | None = None
         if type(first) in bn_of:
             nxt = next(iter(node.users)) if len(node.users) == 1 else None
             # a Linear's BatchNorm1d normalises its features only on a 2-D output (on (N, L, F) it normalises dim 1,
@@ -330,6 +344,7 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
             if relu is not None and not linear_bn and calls.get(relu.target, 1) == 1:
                 run.append(relu)
                 mods.append(act)
+                act_node = relu
         if len(run) == 1:
             continue
         if require_qconfig and (getattr(first, "qconfig", None) is None or is_dynamic_qconfig(first.qconfig)):
@@ -353,8 +368,7 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
             erased.add(n)
         fused.append(f"{node.target}: {' + '.join(type(m).__name__ for m in mods)} -> {type(new).__name__}")
         if absorbed is not None:
-            absorbed[node.target] = [str(n.target) if n.op == "call_module" else "relu" if
-                                     is_relu_target(n.op, n.target) else f"clamp:{float(act.max_val)}" for n in run[1:]]
+            absorbed[node.target] = [_absorbed_entry(n, act, n is act_node) for n in run[1:]]
     # relu(F.linear(x, self.w, self.b)) -> linear_relu(x, self.w, self.b) (likewise F.conv1d/2d/3d)
     for node in list(gm.graph.nodes):
         if node in erased or node.op != "call_function" or node.target not in WITH_RELU:
