@@ -48,6 +48,7 @@ from torch import nn
 
 from ..batches import check_module, flatten_outputs, iter_batches, run_batch  # noqa: F401 (re-exported)
 from .checks import check_float_model, model_kind
+from .table import md_cell, pad, text_width
 from ..nn.intrinsic.fold import fold_bn_weights
 from ..nn.quantized.functional_modules import FloatFunctional, QFunctional
 from ..nn.quantized.stubs import DeQuantize
@@ -55,6 +56,7 @@ from ..qtensor import QTensor
 
 __all__ = ["CompareResult", "LayerComparison", "compare", "sqnr"]
 
+_ONE_LINE = str.maketrans({"\t": " ", "\r": " ", "\n": " "})  # a text-table row is one line
 _FUNCTIONAL_METHODS = ("add", "add_scalar", "mul", "mul_scalar", "cat", "add_relu", "matmul")
 
 
@@ -76,6 +78,8 @@ def _to_float(t: Any, what: str) -> torch.Tensor:
     if isinstance(t, QTensor):
         return t.dequantize()
     if isinstance(t, torch.Tensor):
+        if t.is_complex():  # (the cast to float dropped the imaginary part, warned, and scored what was left)
+            raise TypeError(f"{what} is a complex tensor ({t.dtype}); SQNR compares real values")
         return t.detach() if t.is_floating_point() else t.detach().double()
     raise TypeError(f"{what} must be a tensor or a QTensor, got {type(t).__name__}")
 
@@ -94,11 +98,12 @@ class _Stats:
             raise ValueError(f"{where}: float output of shape {tuple(x.shape)} vs quantized output of shape "
                              f"{tuple(x_hat.shape)}; the models do not compute the same thing here")
         x, x_hat = x.detach().double(), x_hat.detach().to(x.device).double()
-        err = x - x_hat
+        err = torch.where(x == x_hat, 0.0, x - x_hat)  # equal values are no error, an equal ±inf too (inf - inf: NaN)
         self.signal += float((x * x).sum())
         self.noise += float((err * err).sum())
-        if err.numel():
-            self.max_err = max(self.max_err, float(err.abs().max()))
+        if err.numel():  # a NaN stays (Python's max(0.0, nan) is 0.0: a NaN output read "max abs err 0")
+            m = float(err.abs().max())
+            self.max_err = m if math.isnan(m) or m > self.max_err else self.max_err
         self.count += x.numel()
 
     @property
@@ -158,20 +163,19 @@ class CompareResult:
         rows = [r for r in self.rows if getattr(r, key) is not None]
         if not rows:
             raise ValueError(f"no layer has a {kind} comparison")
-        return min(rows, key=lambda r: getattr(r, key))
+        return min(rows, key=lambda r: (not math.isnan(getattr(r, key)), getattr(r, key)))  # NaN: the worst news
 
     def __str__(self) -> str:
-        table = [self.columns, *self.cells()]
-        widths = [max(len(row[i]) for row in table) for i in range(len(self.columns))]
-        lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-                 for row in table]
+        table = [self.columns, *[tuple(c.translate(_ONE_LINE) for c in row) for row in self.cells()]]
+        widths = [max(text_width(row[i]) for row in table) for i in range(len(self.columns))]
+        lines = ["  ".join(pad(c, w, right=i >= 3) for i, (c, w) in enumerate(zip(row, widths))) for row in table]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(line.rstrip() for line in lines)
 
     def to_markdown(self) -> str:
         """A GitHub Markdown table with the same cells as ``str(result)``."""
         lines = ["| " + " | ".join(self.columns) + " |", "|" + "---|" * 3 + "---:|" * 4]
-        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in self.cells()]
+        lines += ["| " + " | ".join(md_cell(c) for c in row) + " |" for row in self.cells()]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -256,6 +260,21 @@ def _float_weight(fmod: nn.Module, bn: nn.Module | None) -> torch.Tensor | None:
                                transpose=isinstance(core, nn.modules.conv._ConvTransposeNd),
                                groups=getattr(core, "groups", 1))
     return w
+
+
+def _weight_pairs(fmod: nn.Module, qmod: nn.Module, bn: nn.Module | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(float weight, dequantized weight)`` pairs of a layer: one, or for a (dynamic) RNN / RNN cell every
+    ``weight_ih*`` / ``weight_hh*`` by torch's parameter name (their ``weight(name)``: a ``TypeError`` before)."""
+    if isinstance(fmod, (nn.RNNBase, nn.RNNCellBase)) and callable(getattr(qmod, "weight", None)):
+        names = [n for n, _ in fmod.named_parameters(recurse=False) if n.startswith("weight_")]
+        return [(getattr(fmod, n).detach().float(), _dequantized(qmod.weight(n))) for n in names]
+    w_hat = _quantized_weight(qmod)
+    w = _float_weight(fmod, bn) if w_hat is not None else None
+    return [] if w is None or w_hat is None else [(w, w_hat)]
+
+
+def _dequantized(w: Any) -> torch.Tensor:
+    return w.dequantize() if isinstance(w, QTensor) else w.detach().float()
 
 
 def _quantized_weight(qmod: nn.Module) -> torch.Tensor | None:
@@ -380,12 +399,11 @@ def compare(float_model: nn.Module, quantized_model: nn.Module, inputs: Any) -> 
                                         a_sqnr, a_err, None, None))
             continue
         w_sqnr = w_err = None
-        w_hat = _quantized_weight(p.qmod)
-        bn = f_named[p.fused[0]] if p.fused else None
-        w = _float_weight(f_named[p.float_name], bn) if w_hat is not None else None
-        if w is not None and w_hat is not None:
+        pairs_w = _weight_pairs(f_named[p.float_name], p.qmod, f_named[p.fused[0]] if p.fused else None)
+        if pairs_w:
             stats = _Stats()
-            stats.add(w, w_hat, f"compare: weight of '{p.name}'")
+            for w, w_hat in pairs_w:
+                stats.add(w, w_hat, f"compare: weight of '{p.name}'")
             w_sqnr, w_err = stats.sqnr_db, stats.max_err
         rows.append(LayerComparison(p.name, type(p.qmod).__name__, p.ref + _act_suffix(p),
                                     act[p.name].sqnr_db,
