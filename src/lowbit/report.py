@@ -36,6 +36,7 @@ from torch import nn
 
 from .debug.compare import CompareResult
 from .debug.ranges import ActivationRange, activation_ranges
+from .debug.table import md_cell
 
 __all__ = ["ReportFiles", "plot_activation_ranges", "plot_sqnr", "rows_to_markdown", "write_report"]
 
@@ -103,13 +104,7 @@ _RANGE_HEAD = ("activation", "observer", "observed min", "observed max", "clip m
                "zero point")
 
 
-_MD_ESCAPE = str.maketrans({"\\": "\\\\", "|": "\\|", "`": "\\`", "<": "\\<", "\r": " ", "\n": " "})
-
-
-def _md_cell(text: str) -> str:
-    """One table cell as literal text: a line break would end the row and a ``|`` split it; a backslash, a backtick
-    (code span) and ``<`` (raw HTML such as ``<script>``) are backslash-escaped, so the cell renders as written."""
-    return text.translate(_MD_ESCAPE)
+_md_cell = md_cell  # one cell as literal text (lowbit.debug.table.md_cell)
 
 
 def _md_table(head: tuple[str, ...], cells: list[tuple[str, ...]]) -> str:

@@ -9,10 +9,32 @@ metric's ``inf - inf`` is no NaN), and the ``SensitivityTable`` that prints, ren
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["SensitivityRow", "SensitivityTable", "by_drop", "metric_drop"]
+__all__ = ["SensitivityRow", "SensitivityTable", "by_drop", "md_cell", "metric_drop", "text_width"]
+
+_MD_ESCAPE = str.maketrans({"\\": "\\\\", "|": "\\|", "`": "\\`", "<": "\\<", "\r": " ", "\n": " "})
+
+
+def md_cell(text: str) -> str:
+    """One Markdown table cell as literal text: a line break would end the row and a ``|`` split it (a layer named
+    ``"a|b"`` shifted every later cell of its row); a backslash, a backtick (code span) and ``<`` (raw HTML) are
+    backslash-escaped, so the cell renders as written. Shared by the debug tables and ``lowbit.report``."""
+    return text.translate(_MD_ESCAPE)
+
+
+def text_width(text: str) -> int:
+    """Terminal columns of ``text``: East Asian wide / full-width characters take two, combining marks none (a
+    layer named in Hangul or with an emoji pushed the columns of its row out of line)."""
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def pad(text: str, width: int, right: bool = False) -> str:
+    """``text`` padded with spaces to ``width`` columns (``text_width``), on the left when ``right``."""
+    fill = " " * max(0, width - text_width(text))
+    return fill + text if right else text + fill
 
 
 @dataclass(frozen=True)
@@ -67,22 +89,25 @@ class SensitivityTable:
 
     def __str__(self) -> str:
         head = ("layer", "type", self._metric_head(), "drop", "kept float")
-        table = [head, *self._cells()]
-        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-        lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+        table = [head, *[tuple(c.translate(_ONE_LINE) for c in row) for row in self._cells()]]
+        widths = [max(text_width(row[i]) for row in table) for i in range(len(head))]
+        lines = ["  ".join(pad(c, w, right=i >= 2) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
                  for row in table]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join([*lines, self._footer()])
 
     def to_markdown(self) -> str:
         lines = [f"| layer | type | {self._metric_head()} | drop | kept float |", "|---|---|---:|---:|---|"]
-        lines += ["| " + " | ".join(row) + " |" for row in self._cells()]
+        lines += ["| " + " | ".join(md_cell(c) for c in row) + " |" for row in self._cells()]
         return "\n".join([*lines, "", self._footer()])
 
     def to_dict(self) -> dict[str, Any]:
         return {"baseline": self.baseline, "rows": [asdict(r) for r in self.rows], "tolerance": self.tolerance,
                 "float_layers": list(self.float_layers), "final_metric": self.final_metric,
                 "final_drop": self.final_drop}
+
+
+_ONE_LINE = str.maketrans({"\t": " ", "\r": " ", "\n": " "})  # a text-table row is one line
 
 
 def metric_drop(baseline: float, metric: float) -> float:
