@@ -75,6 +75,7 @@ from .sensitivity import (
     example_inputs_of,
     metric_drop,
     sensitivity,
+    warn_if_lower_is_better,
 )
 
 __all__ = ["auto_mixed_precision"]
@@ -332,6 +333,7 @@ def _search(qmodel: nn.Module, swaps: dict[str, list[tuple[str, nn.Module]]],
         _apply(qmodel, undo)
         rows.append(SensitivityRow(name, type(undo[-1][1]).__name__, m, metric_drop(baseline, m)))
     rows.sort(key=lambda r: -r.metric)  # not by drop: an infinite baseline (SQNR vs float) makes every drop inf
+    warn_if_lower_is_better(baseline, [metric, *(r.metric for r in rows)], who)
     table.rows = rows
     budget = len(rows) if max_float_layers is None else max_float_layers
     limit = -math.inf if tolerance is None else tolerance

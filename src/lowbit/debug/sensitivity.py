@@ -90,21 +90,47 @@ def _quiet_float_fallback() -> Iterator[None]:
 
 
 def _dequantize_output(module: nn.Module, inputs: Any, output: Any) -> Any:
-    if isinstance(output, QTensor):
-        return output.dequantize()
-    if isinstance(output, (tuple, list)):
-        return type(output)(_dequantize_output(module, inputs, o) for o in output)
-    return output
+    """Forward hook: every ``QTensor`` in the output dequantized, in tuples, lists, namedtuples and dicts (a dict's
+    values reached ``eval_fn`` as QTensors, a namedtuple raised inside the hook)."""
+    return _dequantized(output)
+
+
+def _dequantized(out: Any) -> Any:
+    if isinstance(out, QTensor):
+        return out.dequantize()
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # a namedtuple takes its fields as arguments
+        return type(out)(*(_dequantized(o) for o in out))
+    if isinstance(out, (tuple, list)):
+        return type(out)(_dequantized(o) for o in out)
+    if isinstance(out, dict):
+        new = copy.copy(out)  # the dict's own type (OrderedDict, a model-output class) with its values replaced
+        for k, v in out.items():
+            new[k] = _dequantized(v)
+        return new
+    return out
 
 
 def _score(eval_fn: Callable[[nn.Module], Any], model: nn.Module, what: str) -> float:
-    value = eval_fn(model)
+    try:
+        value = eval_fn(model)
+    except Exception as err:  # the user's own error, as raised; the note says which of the many candidates it was
+        err.add_note(f"(raised by eval_fn on {what})")
+        raise
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(float(value)):
         raise TypeError(f"sensitivity: eval_fn must return a real number (higher is better), got {value!r} "
                         f"for {what}")
     return float(value)
+
+
+def warn_if_lower_is_better(baseline: float, metrics: list[float], who: str) -> None:
+    """Warn when every quantized candidate (at least two) scored strictly higher than the float model: the mark of
+    a loss passed as ``eval_fn``, which reverses the ranking (the worst layer was ranked last, silently)."""
+    if len(metrics) >= 2 and all(m > baseline for m in metrics):
+        warnings.warn(f"{who}: every quantized candidate scored higher than the float model (baseline "
+                      f"{baseline:.4g}, candidates {min(metrics):.4g} to {max(metrics):.4g}); eval_fn must be higher "
+                      "is better: for a loss pass lambda m: -loss(m), else the ranking is reversed", stacklevel=3)
 
 
 _METHODS = ("ptq", "qat", "dynamic", "fx")
@@ -283,6 +309,7 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
             metric = quantized(QConfigMapping().set_module_name(name, qc), f"layer '{name}' quantized alone")
             rows.append(SensitivityRow(name, type_name, metric, metric_drop(baseline, metric)))
         rows.sort(key=by_drop)
+        warn_if_lower_is_better(baseline, [r.metric for r in rows], "sensitivity")
         table = SensitivityTable(baseline, rows, tolerance)
         if tolerance is not None:
             metric = quantized(user_mapping, "the fully quantized model")
