@@ -243,3 +243,14 @@ def test_an_eval_fn_error_names_the_candidate():
     with pytest.raises(RuntimeError, match="metric broke") as info:
         sensitivity(model, Q.get_default_qconfig(), x, flaky)
     assert info.value.__notes__ == ["(raised by eval_fn on layer '2' quantized alone)"]
+
+
+def test_graph_mode_candidates_do_not_warn_about_a_mapping_the_user_never_wrote():
+    """"Only this layer int8" names the Linear alone; prepare_fx warned, per candidate, that its fused ReLU's
+    qconfig (None) disagreed with it."""
+    model, x = _mlp_with_a_crushed_layer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        table = layer_sensitivity(model, Q.get_default_qconfig(), x, mode="fx")
+    assert [str(w.message) for w in caught if "disagree on .qconfig" in str(w.message)] == []
+    assert table.rows[0].name == "2"

@@ -218,6 +218,9 @@ def _quantize(base: nn.Module, mapping: QConfigMapping, calib: list[Any], method
     if method == "fx":
         with warnings.catch_warnings():  # untraceable children are reported by prepare_fx itself
             warnings.filterwarnings("ignore", message=r".*cannot be traced")
+            # a candidate's mapping names only its layer: the ReLU it fuses with resolves to None, and prepare_fx
+            # warned about the parts' qconfigs on every "only this layer int8" candidate, a mapping the user never wrote
+            warnings.filterwarnings("ignore", message=r"fuse: the parts of this .* disagree on \.qconfig")
             prepared = prepare_fx(copy.deepcopy(base), mapping, example_inputs=example_inputs)
         with torch.no_grad():
             for batch in calib:
