@@ -183,9 +183,6 @@ class CompareResult:
         return {"rows": [asdict(r) for r in self.rows]}
 
 
-# ---------------------------------------------------------------- inputs
-
-
 # ---------------------------------------------------------------- matching
 
 
@@ -281,9 +278,7 @@ def _quantized_weight(qmod: nn.Module) -> torch.Tensor | None:
     w = getattr(qmod, "weight", None)
     if callable(w) and not isinstance(w, (nn.Module, torch.Tensor)):
         w = w()
-    if isinstance(w, QTensor):
-        return w.dequantize()
-    return w.detach().float() if isinstance(w, torch.Tensor) else None
+    return _dequantized(w) if isinstance(w, (QTensor, torch.Tensor)) else None
 
 
 # ---------------------------------------------------------------- recording

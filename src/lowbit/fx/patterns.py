@@ -286,16 +286,14 @@ def _fuse_registered(gm: fx.GraphModule, modules: dict[str, nn.Module], calls: d
 
 
 def _absorbed_entry(n: fx.Node, act: Any, is_act: bool) -> str:
-    """What ``fuse_graph``'s ``absorbed`` records for node ``n``: a module's target, ``"relu"`` for a functional ReLU,
-    ``"clamp:t"`` for a functional ``[0, t]`` clamp. An activation module whose target reads as one of those markers
-    (``self.relu = nn.ReLU6()``) is recorded as what it computes: its name was taken for ``F.relu`` and compared with
-    ``relu(BN output)``, without the clamp at 6."""
+    """``absorbed``'s entry for ``n``: a module's target, ``"relu"`` / ``"clamp:t"`` for a functional ReLU / clamp; an
+    activation module whose target reads as a marker (``self.relu = nn.ReLU6()``) as what it computes (compare took
+    it for ``F.relu``: no clamp at 6)."""
     name = str(n.target)
     if n.op == "call_module" and not (is_act and (name == "relu" or name.startswith("clamp:"))):
         return name
-    if (n.op != "call_module" and is_relu_target(n.op, n.target)) or (n.op == "call_module" and type(act) is nn.ReLU):
-        return "relu"
-    return f"clamp:{float(act.max_val)}"
+    is_relu = type(act) is nn.ReLU if n.op == "call_module" else is_relu_target(n.op, n.target)
+    return "relu" if is_relu else f"clamp:{float(act.max_val)}"
 
 
 def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
