@@ -185,7 +185,8 @@ def find_blocks(nodes: list[fx.Node], mods: dict[str, nn.Module], through_observ
     """``{i: j}``: spans ``nodes[i+1 .. j]`` between consecutive cuts that hold a residual merge and weighted layers.
 
     A cut is a node after which it is the only value still to be read. Every weighted layer in a span
-    must take one positional input and no keywords (as the layer-by-layer pass requires).
+    must take one positional input and no keywords (as the layer-by-layer pass requires), and a span holds no
+    graph input (a model's later forward argument: the span's values must all come from the cut).
     ``through_observer``: a span also takes the observer that reads its last node (the block's output grid).
     """
     index = {n: i for i, n in enumerate(nodes)}
@@ -211,7 +212,9 @@ def find_blocks(nodes: list[fx.Node], mods: dict[str, nn.Module], through_observ
         weighted = [n for n in span if n.op == "call_module" and is_weighted(mods[n.target])]  # type: ignore[index]
         merge = any(sum(1 for a in n.all_input_nodes if a.op != "get_attr") >= 2 for n in span)
         simple = all(len(n.args) == 1 and not n.kwargs for n in weighted)
-        if weighted and merge and simple:
+        # a graph input defined after the cut (a second forward argument) is not computed from the span's input
+        closed = all(n.op != "placeholder" for n in span)
+        if weighted and merge and simple and closed:
             spans[i] = j
     return spans
 
