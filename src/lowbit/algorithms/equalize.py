@@ -70,6 +70,7 @@ from ..fake_quant import FakeQuantize
 from ..nn.intrinsic import ClampedReLU
 from ..observer import ObserverBase
 from .layers import is_weighted, shared_layers, split
+from .layerwise import batch_tuples
 
 __all__ = ["EqualizedPair", "equalize_prepared"]
 
@@ -149,7 +150,8 @@ def equalize_prepared(prepared: fx.GraphModule, calib: Iterable[Any] | None = No
                       weights: bool = True) -> list[EqualizedPair]:
     """Equalize every eligible pair of a graph-mode prepared model (before calibration), in place.
 
-    ``calib`` (batches of the model's inputs) is needed for bias absorption and ``relu6="range"``.
+    ``calib`` (batches of the model's inputs, ``lowbit.batches``' convention: a tensor or a tuple / list of
+    positional inputs per batch; read into a list first) is needed for bias absorption and ``relu6="range"``.
     ``weights=False`` skips the weight-range equalization of ReLU / identity pairs (with
     ``relu6="range"``: only the clamp pairs are stretched). Returns one record per pair, in model order.
     """
@@ -170,6 +172,8 @@ def equalize_prepared(prepared: fx.GraphModule, calib: Iterable[Any] | None = No
         clamped += _float_second(prepared, mods)
     if clamped and calib is None:
         raise ValueError("equalize_prepared: relu6='range' needs calib (the clamp pairs are scaled by activation maxima)")
+    if calib is not None:  # several passes read it (absorb, stretch): a generator would be drained by the first
+        calib = batch_tuples(calib, "equalize_prepared")
     records = {}
     with torch.no_grad():
         for sweep in range(max(1, sweeps)):

@@ -65,6 +65,7 @@ from ..fake_quant import FakeQuantize
 from ..observer import ObserverBase
 from .equalize import _run_hooked, _scale_in
 from .layers import is_weighted, shared_layers, split
+from .layerwise import batch_tuples
 
 __all__ = ["EqualizedStream", "equalize_streams"]
 
@@ -215,7 +216,7 @@ def equalize_streams(prepared: fx.GraphModule, calib: Iterable[Any], alpha: floa
         raise TypeError(f"equalize_streams: expects a prepare_fx model (fx.GraphModule), got {type(prepared).__name__}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
         raise ValueError(f"equalize_streams: alpha={alpha!r} must be a number in [0, 1]")
-    calib = list(calib)
+    calib = batch_tuples(calib, "equalize_streams")  # one pass per stream; a list batch is positional inputs
     mods = dict(prepared.named_modules())
     records = []
     with torch.no_grad():
