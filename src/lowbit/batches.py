@@ -15,6 +15,7 @@ returns (tensor, ``QTensor``, nested tuple/list/dict) into a flat list of float 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,7 +23,8 @@ from torch import nn
 
 from .qtensor import QTensor
 
-__all__ = ["iter_batches", "run_batch", "check_module", "output_tensors", "flatten_outputs", "check_finite_batch"]
+__all__ = ["iter_batches", "run_batch", "check_module", "output_tensors", "flatten_outputs", "check_finite_batch",
+           "eval_mode"]
 
 
 def iter_batches(inputs: Any, where: str) -> Iterator[Any]:
@@ -45,11 +47,12 @@ def check_finite_batch(batch: Any, where: str, label: str, why: str) -> None:
     ``label`` (e.g. ``"calib batch 3"``), the input (position or key, for a batch of several) and ``why``."""
     items = batch.items() if isinstance(batch, dict) else enumerate(batch) if isinstance(batch, (tuple, list)) \
         else [(None, batch)]
-    for key, t in items:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            part = "" if key is None else f", input {key}"
-            raise ValueError(f"{where}: {label}{part} holds {int((~torch.isfinite(t)).sum())} NaN/Inf values of "
-                             f"{t.numel()}; {why}")
+    for key, item in items:
+        for t in output_tensors(item):  # an input that is itself a tuple / list / dict of tensors: each of them
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                part = "" if key is None else f", input {key}"
+                raise ValueError(f"{where}: {label}{part} holds {int((~torch.isfinite(t)).sum())} NaN/Inf values "
+                                 f"of {t.numel()}; {why}")
 
 
 def run_batch(model: nn.Module, batch: Any) -> Any:
@@ -59,6 +62,30 @@ def run_batch(model: nn.Module, batch: Any) -> Any:
     if isinstance(batch, dict):
         return model(**batch)
     return model(batch)
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode (BatchNorm reads its running statistics and does not update them, dropout off) for
+    the block; afterwards every module gets its own earlier mode back, even when the block raised (a training model
+    with frozen BatchNorm layers stays so: ``model.train(was_training)`` would unfreeze them). A module made inside
+    the block takes the root's earlier mode.
+
+    >>> m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)).train(); _ = m[1].eval()
+    >>> with eval_mode(m):
+    ...     m[0].training
+    False
+    >>> m.training, m[1].training
+    (True, False)
+    """
+    modes = {id(m): (m, m.training) for m in model.modules()}
+    root = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m in model.modules():
+            m.training = modes[id(m)][1] if id(m) in modes else root
 
 
 def check_module(model: Any, what: str) -> nn.Module:

@@ -43,7 +43,7 @@ from torch import nn
 from torch.func import functional_call
 from tqdm.auto import tqdm
 
-from ..batches import check_module, iter_batches, run_batch
+from ..batches import check_module, eval_mode, iter_batches, run_batch
 from ..functional import fake_quantize
 from ..qconfig import QConfig, QConfigMapping, get_default_qconfig
 from ..recipes import ACTIVATION_METHODS, WEIGHT_METHODS
@@ -131,16 +131,13 @@ def best_of_ranges(model: nn.Module, calib: Any, base: QConfig | None = None,
         return record
 
     handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
-    was_training = model.training
     try:
-        model.eval()
-        with torch.no_grad():
+        with eval_mode(model), torch.no_grad():  # every module's own mode back afterwards
             for batch in tqdm(batches, desc="best_of_ranges: calibration", disable=not progress, leave=False):
                 run_batch(model, batch)
     finally:
         for h in handles:
             h.remove()
-        model.train(was_training)
     base = base if base is not None else get_default_qconfig()
     mapping = QConfigMapping().set_global(base)
     choices: list[LayerChoice] = []

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..batches import eval_mode
 from ..nn.intrinsic import FusedModule
 from .layers import WEIGHTED
 
@@ -245,7 +246,8 @@ def equalize(model: nn.Module, paired_modules_list: Any = None, threshold: float
     mods = dict(model.named_modules())
     if paired_modules_list is None:
         assert example_inputs is not None
-        pairs = _checked(model, find_pairs(model, example_inputs), example_inputs, ranges)
+        with eval_mode(model):  # a training model's BatchNorm must not update its running statistics here
+            pairs = _checked(model, find_pairs(model, example_inputs), example_inputs, ranges)
     from tqdm.auto import tqdm
 
     names = sorted({n for p in pairs for n in p})

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..batches import check_module, iter_batches, run_batch
+from ..batches import check_module, eval_mode, iter_batches, run_batch
 from ..batches import flatten_outputs as _flatten
 from .layers import parameter_holders
 
@@ -228,8 +228,13 @@ def smooth_quant(model: nn.Module, calib_batches: Any, alpha: float = 0.5, layer
     batches = list(iter_batches(calib_batches, "smooth_quant"))
     if not inplace:
         model = copy.deepcopy(model)
-    was_training = model.training
-    model.eval()
+    with eval_mode(model):  # every module's own mode back afterwards, also when a check below refuses
+        report = _smooth(model, batches, layers, alpha)
+    return model, report
+
+
+def _smooth(model: nn.Module, batches: list[Any], layers: Iterable[str] | None, alpha: float) -> SmoothQuantReport:
+    """``smooth_quant``'s work on ``model`` (in eval mode, changed in place)."""
     modules = dict(model.named_modules())
     if layers is None:
         names = [n for n, m in modules.items() if type(m) is nn.Linear and n]
@@ -279,5 +284,4 @@ def smooth_quant(model: nn.Module, calib_batches: Any, alpha: float = 0.5, layer
                                                       float(s.max()), float(s.min())))
     order = {n: i for i, n in enumerate(names)}
     report.layers.sort(key=lambda r: order[r.name])
-    model.train(was_training)
-    return model, report
+    return report
