@@ -204,6 +204,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         raise ValueError(f"quantize_ptq: batch_size={batch_size!r} must be an int >= 1 (samples per rounding step)")
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"quantize_ptq: seed={seed!r} must be an int")
+    if not -2 ** 63 <= seed < 2 ** 64:  # torch.Generator's range ("Overflow when unpacking long long" deep inside)
+        raise ValueError(f"quantize_ptq: seed={seed!r} must be in [-2**63, 2**64)")
     if not isinstance(blocks, bool):
         raise TypeError(f"quantize_ptq: blocks={blocks!r} must be True or False")
     if rounding not in ROUNDINGS:

@@ -55,8 +55,12 @@ def ptq_batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
 def batch_failed(i: int, batch: tuple[Any, ...], err: BaseException) -> ValueError:
     """The error for calibration batch ``i`` failing in the model: its input shapes and the model's first line."""
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch]
+    hint = ""
+    if isinstance(err, TypeError) and len(batch) > 1 and "positional argument" in str(err):
+        hint = (f"; a tuple / list batch is the forward's positional arguments (these {len(batch)} values went in "
+                "as its inputs): for (inputs, labels) pairs from a labelled DataLoader pass (x for x, _ in loader)")
     return ValueError(f"quantize_ptq: calib batch {i} (input shapes {shapes}) failed in the model: "
-                      f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+                      f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}{hint}")
 
 
 class _Unbatched(Exception):

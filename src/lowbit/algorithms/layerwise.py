@@ -161,6 +161,8 @@ def _check_steps(where: str, iters: Any, batch_size: Any, seed: Any) -> None:
         raise ValueError(f"{where}: batch_size={batch_size!r} must be an int >= 1 (samples per rounding step)")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"{where}: seed={seed!r} must be an int")
+    if not -2 ** 63 <= seed < 2 ** 64:  # torch.Generator's range
+        raise ValueError(f"{where}: seed={seed!r} must be in [-2**63, 2**64)")
 
 
 def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True, bias_correction: bool = True,
@@ -195,7 +197,9 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     envs_f: list[dict[fx.Node, Any]] = [{} for _ in batches]
     envs_q: list[dict[fx.Node, Any]] = [{} for _ in batches]
     changes: list[LayerChange] = []
-    bar = tqdm(total=n_layers, desc="adaround" if adaround else "bias correction", disable=not progress)
+    desc = "bias correction" if not adaround else {"adaround": "adaround", "quadratic": "quadratic rounding",
+                                                    "depthwise": "adaround + quadratic"}[rounding]
+    bar = tqdm(total=n_layers, desc=desc, disable=not progress)
     patched = patch_observers(gm, "float")  # observers inside opaque leaves must not keep observing
     try:
         spans = find_blocks(nodes, mods, learn_grids) if blocks and adaround and iters > 0 else {}
