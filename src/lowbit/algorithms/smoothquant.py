@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 
 from ..batches import check_module, eval_mode, iter_batches, run_batch
 from ..batches import flatten_outputs as _flatten
+from ..fx import padding
 from .layers import parameter_holders
 
 __all__ = ["InputScale", "SmoothedLinear", "SmoothQuantLayer", "SmoothQuantReport", "smooth_quant",
@@ -141,6 +142,10 @@ def _collect(model: nn.Module, batches: Iterable[Any], names: list[str]) -> tupl
             if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
                 return
             x = x.detach()
+            rows = padding.real_rows(x, padding.current())  # tokens whose attention_mask is 0 are left out
+            x = x if rows is None else rows
+            if x.numel() == 0:
+                return
             a = torch.nan_to_num(x.abs().reshape(-1, x.shape[-1]), nan=0.0, posinf=0.0).amax(0).float()
             absmax[name] = torch.maximum(absmax[name], a) if name in absmax else a
             hit = last_output.get(id(inputs[0]))
@@ -154,12 +159,14 @@ def _collect(model: nn.Module, batches: Iterable[Any], names: list[str]) -> tupl
     handles = [m.register_forward_hook(out_hook(n)) for n, m in modules.items()
                if isinstance(m, (nn.LayerNorm, nn.Linear)) and n]
     handles += [modules[n].register_forward_pre_hook(in_hook(n)) for n in names]
+    padding.attach(model)
     try:
         with torch.no_grad():
             for batch in tqdm(batches, desc="smooth_quant: calibration", leave=False):
                 last_output.clear()
                 run_batch(model, batch)
     finally:
+        padding.detach(model)
         for h in handles:
             h.remove()
     return absmax, {n: p for n, p in producer.items() if p is not None}

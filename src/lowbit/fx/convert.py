@@ -43,6 +43,7 @@ from ..nn.quantized.stubs import DeQuantize, Quantize
 from ..observer import PlaceholderObserver
 from . import convert_dynamic as float_out
 from .call import plain_call
+from .padding import detach
 from .convert_dynamic import set_module as _set_module
 from .convert_dynamic import what as _what
 from .patterns import func_activation, is_dropout
@@ -378,4 +379,5 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
         check_preservable(source, model, name, "convert_fx")
         setattr(model, name, getattr(source, name))
     model.lowbit_report = report
+    detach(model)  # prepare_fx's attention_mask hooks: no observer is left to read them
     return guard_loading(plain_call(model)).eval()  # (run-time errors reach a compiled model's caller: fx/call.py)

@@ -53,6 +53,7 @@ from ..workflow import is_dynamic_qconfig, propagate_qconfig_
 from ..workflow.kinds import model_kind
 from .classify import apply_call_order, classify, input_observer_qconfig, int_inputs, join, wants_int
 from .custom import declare_non_traceable, preserve, swap_custom
+from .padding import attach, hook_observers
 from .patterns import WEIGHT_ONLY_TYPES, fuse_graph, graph_module_types
 from .report import FxReport
 from .trace import RootNotTraceable, record_tensor_kinds, trace
@@ -104,6 +105,14 @@ def _kinds_in_eval(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -
     finally:
         for m, mode in modes.items():
             m.training = mode
+
+
+def _half_tensor(model: nn.Module) -> tuple[str, torch.dtype] | None:
+    """The first float16 / bfloat16 parameter or buffer: static grids need a float32 model (the int8 layers return
+    float32, which a half / bfloat16 float op next to them refused deep inside the converted model's forward,
+    ``LayerNorm``'s "mixed dtype (CPU)")."""
+    return next(((n, t.dtype) for n, t in (*model.named_parameters(), *model.named_buffers())
+                 if t.dtype in (torch.float16, torch.bfloat16)), None)
 
 
 def _insert_observers(gm: fx.GraphModule) -> int:
@@ -314,6 +323,13 @@ def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inp
     cfg = PrepareCustomConfig.coerce(prepare_custom_config, fn)
     default = get_default_qat_qconfig_mapping() if is_qat else get_default_qconfig_mapping()
     mapping = QConfigMapping.from_qconfig(qconfig_mapping, default)
+    half = _half_tensor(model)
+    qconfigs = [mapping.global_qconfig, *mapping.object_type_qconfigs.values(), *mapping.module_name_qconfigs.values(),
+                *mapping.module_name_regex_qconfigs.values(), *mapping.module_name_object_type_order_qconfigs.values(),
+                *(m.__dict__.get("qconfig") for m in model.modules())]
+    if half is not None and any(q is not None and not is_dynamic_qconfig(q) for q in qconfigs):
+        raise TypeError(f"{fn}: static int8 needs a float32 model, but {half[0]!r} is {half[1]} (the int8 layers "
+                        "return float32 to the float ops between them); call model.float() before preparing")
     if not inplace:
         model = copy.deepcopy(model)
     propagate_qconfig_(model, mapping)
@@ -342,6 +358,8 @@ def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inp
     else:
         out.__dict__[STATE_KEY] = state
     out.lowbit_report = ctx.report
+    if not is_qat and attach(out):  # calibration skips the tokens whose attention_mask is 0 (fx/padding.py)
+        hook_observers(out)
     return guard_loading(out).train(is_qat)  # (load_state_dict: all or nothing)
 
 
