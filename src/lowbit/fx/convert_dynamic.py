@@ -105,7 +105,7 @@ def dynamic(conv: _Converter) -> None:
 
 def weight_only(conv: _Converter) -> None:
     """Swap embeddings for their quantized tables, unless a node still reads the float table."""
-    read = {n.target for n in conv.graph.nodes if n.op == "get_attr"}
+    read = {n.meta.get("lowbit_attr", n.target) for n in conv.graph.nodes if n.op == "get_attr"}  # (under an alias)
     for node in conv.graph.nodes:
         if node.meta.get("lowbit_kind") != "wonly" or node.target in conv.swapped:
             continue

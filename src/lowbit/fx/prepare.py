@@ -56,7 +56,7 @@ from .custom import declare_non_traceable, preserve, swap_custom
 from .padding import attach, hook_observers
 from .patterns import WEIGHT_ONLY_TYPES, fuse_graph, graph_module_types
 from .report import FxReport
-from .trace import RootNotTraceable, record_tensor_kinds, trace
+from .trace import RootNotTraceable, keep_buffers, record_tensor_kinds, restore_buffers, trace
 from .weighted import arg_of
 from ..state_check import guard_loading
 
@@ -95,7 +95,7 @@ def _check_args(fn: str, model: Any, example_inputs: Any, inplace: Any) -> None:
 
 def _kinds_in_eval(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -> None:
     """``record_tensor_kinds`` with every module in eval mode (no BN statistics or observer updates)."""
-    modes = {m: m.training for m in gm.modules()}
+    modes, kept = {m: m.training for m in gm.modules()}, keep_buffers(gm)
     gm.eval()
     try:
         record_tensor_kinds(gm, example_inputs)
@@ -103,6 +103,7 @@ def _kinds_in_eval(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -
         raise ValueError(f"prepare_fx: running the traced model on example_inputs failed: "
                          f"{type(err).__name__}: {err}") from err
     finally:
+        restore_buffers(kept)  # a forward that updates a buffer (a running mean, a step count) ran once
         for m, mode in modes.items():
             m.training = mode
 
@@ -217,7 +218,7 @@ def _capture_inputs(model: nn.Module, example_inputs: tuple[Any, ...]) -> dict[n
             calls[mod] = _MIXED
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()]
-    modes = {m: m.training for m in model.modules()}
+    modes, kept = {m: m.training for m in model.modules()}, keep_buffers(model)
     try:
         with torch.no_grad():
             model.eval()(*example_inputs)
@@ -225,6 +226,7 @@ def _capture_inputs(model: nn.Module, example_inputs: tuple[Any, ...]) -> dict[n
         raise ValueError(f"prepare_fx: running the model on example_inputs failed: "
                          f"{type(err).__name__}: {err}") from err
     finally:
+        restore_buffers(kept)  # (its buffers as they were: the prepared model starts from the float model's state)
         for h in handles:
             h.remove()
         for m, mode in modes.items():

@@ -8,6 +8,11 @@ children one by one. A failure in the root's own ``forward`` raises ``RootNotTra
 ``ValueError``). A root that is itself a leaf type (a bare ``nn.Linear``) is traced as a
 wrapper's child ``module``.
 
+A forward that changes one of its buffers (``self.n += 1``, ``self.running.mul_(0.9)``) is not traceable either:
+torch.fx runs such an update once, on the real buffer, while tracing, and records neither it nor the reads after it
+(they become frozen constants, or the buffer is dropped from the graph module); the module whose buffer changed
+becomes an opaque leaf the same way (the root: ``RootNotTraceable``) and the buffer is restored.
+
 Every node records the dotted path of the module whose ``forward`` produced it in
 ``node.meta["lowbit_scope"]`` (a leaf module's node records its own path).
 
@@ -32,7 +37,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["trace", "record_tensor_kinds", "RootNotTraceable"]
+__all__ = ["trace", "record_tensor_kinds", "RootNotTraceable", "keep_buffers", "restore_buffers"]
 
 _MAX_RETRIES = 64
 Leaves = tuple[set[int], set[type]]  # (ids of leaf modules, leaf module types)
@@ -48,25 +53,31 @@ class RootNotTraceable(ValueError):
 _ITERATED = "Proxy object cannot be iterated"  # torch.fx's TraceError for `a, *rest = t.chunk(n)` / `for p in t.split(k)`
 
 
+def _user_line(err: BaseException) -> str:
+    """`` at file.py:LINE `code` ``: the last frame of ``err``'s traceback outside torch and lowbit's graph mode (the
+    model's line that failed to trace), or ``""``."""
+    torch_dir = os.path.dirname(torch.__file__)
+    user = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(torch_dir)
+            and "/lowbit/fx/" not in f.filename.replace(os.sep, "/")]
+    if not user:
+        return ""
+    return f" at {os.path.basename(user[-1].filename)}:{user[-1].lineno} `{(user[-1].line or '').strip()}`"
+
+
 def describe_trace_error(err: BaseException, graph: fx.Graph | None = None) -> str:
-    """``err`` in one line; for a traced tensor that was iterated (star-unpacking, a ``for`` loop over the parts of
-    ``chunk`` / ``split`` / ``unbind``), also the node that produced it (the last one traced), the user's source line
-    and the traceable spellings."""
+    """``err`` in one line with the model's source line that raised it (control flow on a traced value names the
+    ``if``); for a traced tensor that was iterated (star-unpacking, a ``for`` loop over the parts of ``chunk`` /
+    ``split`` / ``unbind``), also the node that produced it (the last one traced) and the traceable spellings."""
     text = f"{type(err).__name__}: {err}".splitlines()[0]
     if _ITERATED not in str(err):
-        return text
+        return text + _user_line(err)
     text = f"{type(err).__name__}: {_ITERATED}"
     last = next((n for n in reversed(graph.nodes) if n.op in ("call_function", "call_method")), None) if graph else None
     if last is not None:
         target = last.target if isinstance(last.target, str) else getattr(last.target, "__name__", str(last.target))
         text += f" (the result of node '{last.name}', {target})"
-    torch_dir = os.path.dirname(torch.__file__)
-    user = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(torch_dir)
-            and "/lowbit/fx/" not in f.filename.replace(os.sep, "/")]
-    if user:
-        text += f" at {os.path.basename(user[-1].filename)}:{user[-1].lineno} `{(user[-1].line or '').strip()}`"
-    return (text + ": a traced tensor's parts must be unpacked into a fixed number of names (`a, b = x.chunk(2)`) or "
-            "indexed (`parts[i]` for i in range(n)), not star-unpacked or looped over")
+    return (text + _user_line(err) + ": a traced tensor's parts must be unpacked into a fixed number of names "
+            "(`a, b = x.chunk(2)`) or indexed (`parts[i]` for i in range(n)), not star-unpacked or looped over")
 
 
 class _LeafRoot(nn.Module):
@@ -137,20 +148,27 @@ def trace(model: nn.Module, example_inputs: tuple[Any, ...] | None = None,
             if p.default is None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):  # constant (as the call)
                 concrete[k] = None
         concrete = concrete or None
+    kept = keep_buffers(model)
     for _ in range(_MAX_RETRIES):
         tracer = _LeafTracer(opaque, leaves)
         try:
             graph = tracer.trace(model, concrete)
         except Exception as err:
+            restore_buffers(kept)
             culprit = getattr(err, "_lowbit_culprit", None)
             cause = describe_trace_error(err, getattr(tracer, "graph", None))
             if culprit is None or culprit == "" or culprit in opaque:
-                root_err = RootNotTraceable(
-                    f"prepare_fx: the forward of {type(model).__name__} itself cannot be traced by torch.fx "
-                    f"({cause}); move data-dependent control flow into a submodule "
-                    "(its children are then prepared one by one) or use the eager prepare()/convert()")
-                root_err.cause = cause
-                raise root_err from err
+                raise _root_error(model, cause) from err
+            opaque.add(culprit)
+            order[culprit] = cause
+            continue
+        changed = restore_buffers(kept)
+        if changed:  # (the graph would hold a frozen copy of the buffer, or lose it, and never update it)
+            culprit = _mutating_module(model, changed[0], tracer, opaque)
+            cause = (f"its forward changes buffer {changed[0]!r} (in place or by assignment), which torch.fx runs "
+                     "once while tracing instead of recording it")
+            if culprit == "":
+                raise _root_error(model, cause)
             opaque.add(culprit)
             order[culprit] = cause
             continue
@@ -163,8 +181,87 @@ def trace(model: nn.Module, example_inputs: tuple[Any, ...] | None = None,
                 n.type = None
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         reroute_inplace(gm)
+        pin_attribute_reads(gm)
         return gm, order
     raise ValueError(f"prepare_fx: gave up tracing {type(model).__name__} after {_MAX_RETRIES} untraceable submodules")
+
+
+def _root_error(model: nn.Module, cause: str) -> RootNotTraceable:
+    err = RootNotTraceable(
+        f"prepare_fx: the forward of {type(model).__name__} itself cannot be traced by torch.fx "
+        f"({cause}); move data-dependent control flow into a submodule "
+        "(its children are then prepared one by one) or use the eager prepare()/convert()")
+    err.cause = cause
+    return err
+
+
+Kept = list[tuple[str, nn.Module, str, torch.Tensor, torch.Tensor]]  # (path, owner, name, buffer, its copy)
+
+
+def keep_buffers(model: nn.Module) -> Kept:
+    """Every buffer of ``model`` with a copy, for ``restore_buffers`` after a run that may update them."""
+    return [(f"{path}.{name}" if path else name, mod, name, buf, buf.detach().clone())
+            for path, mod in model.named_modules(remove_duplicate=False)
+            for name, buf in mod._buffers.items() if buf is not None]
+
+
+def restore_buffers(kept: Kept) -> list[str]:
+    """Put back the buffers ``keep_buffers`` saw (object and value); the paths of those that had changed."""
+    changed = []
+    for path, mod, name, buf, copy in kept:
+        now = mod._buffers.get(name)
+        if now is buf and buf.shape == copy.shape and (torch.equal(buf, copy) or (
+                buf.is_floating_point() and torch.equal(buf.isnan(), copy.isnan())
+                and torch.equal(buf.nan_to_num(), copy.nan_to_num()))):
+            continue
+        changed.append(path)
+        mod._buffers[name] = buf
+        with torch.no_grad():
+            if buf.shape == copy.shape:
+                buf.copy_(copy)
+            else:
+                buf.data = copy.clone()
+    return changed
+
+
+def _mutating_module(model: nn.Module, buffer: str, tracer: _LeafTracer, opaque: set[str]) -> str:
+    """The module to make opaque for a buffer changed while tracing: the buffer's owner, or the first traced
+    ancestor (a leaf, such as a BatchNorm changed by its parent's forward, or one already opaque, is not run)."""
+    path = buffer.rpartition(".")[0]
+    while path and (path in opaque or tracer.is_leaf_module(model.get_submodule(path), path)):
+        path = path.rpartition(".")[0]
+    return path
+
+
+def pin_attribute_reads(gm: fx.GraphModule) -> None:
+    """A ``get_attr`` of a parameter / buffer of a module the graph calls (``self.conv.weight.shape``,
+    ``F.linear(h, self.emb.weight)``) reads the same tensor under a root alias (``conv_weight``): prepare may fuse
+    that module (a fused conv has no ``weight``, a BN-folded one another value) and convert swaps it for an int8
+    module whose ``weight`` is a method, so the read failed (in prepare_fx, or when the converted model ran)."""
+    called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    aliases: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        owner, _, attr = str(node.target).rpartition(".")
+        if node.op != "get_attr" or owner not in called:
+            continue
+        if node.target not in aliases:
+            value = getattr(gm.get_submodule(owner), attr)
+            if not isinstance(value, torch.Tensor):
+                continue
+            alias = base = str(node.target).replace(".", "_")
+            i = 0
+            while hasattr(gm, alias):
+                i += 1
+                alias = f"{base}_{i}"
+            if isinstance(value, nn.Parameter):
+                gm.register_parameter(alias, value)
+            else:
+                gm.register_buffer(alias, value)
+            aliases[node.target] = alias
+        node.meta["lowbit_attr"] = node.target  # (what it reads: an embedding whose table is read stays float)
+        node.target = aliases[node.target]
+    if aliases:
+        gm.recompile()
 
 
 def _mutates_first_arg(node: fx.Node, mods: dict[str, nn.Module]) -> bool:
