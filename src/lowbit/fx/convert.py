@@ -47,7 +47,7 @@ from .padding import detach
 from .convert_dynamic import set_module as _set_module
 from .convert_dynamic import what as _what
 from .patterns import func_activation, is_dropout
-from .custom import check_preservable
+from .custom import check_preservable, preserved_value
 from .prepare import STATE_KEY, is_prepared, returned_values
 from .report import FxReport
 from .weighted import arg_of, input_of, standin
@@ -377,7 +377,7 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
         if not hasattr(source, name):
             raise ValueError(f"convert_fx: preserved attribute {name!r} is not an attribute of the prepared model")
         check_preservable(source, model, name, "convert_fx")
-        setattr(model, name, getattr(source, name))
+        setattr(model, name, preserved_value(source, model, name))
     model.lowbit_report = report
     detach(model)  # prepare_fx's attention_mask hooks: no observer is left to read them
     return guard_loading(plain_call(model)).eval()  # (run-time errors reach a compiled model's caller: fx/call.py)

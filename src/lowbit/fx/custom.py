@@ -5,11 +5,14 @@
 - ``declare_non_traceable(model, ctx, cfg)``: the named modules and instances of the named classes become leaves of
   the trace with qconfig ``None`` inside (float), listed in the report.
 - ``preserve(src, dst, names, fn)``: ``setattr(dst, n, getattr(src, n))`` for plain attributes; a submodule or a name
-  the ``GraphModule`` defines itself is refused (``check_preservable``), as it would replace the graph's own.
+  the ``GraphModule`` defines itself is refused (``check_preservable``), as it would replace the graph's own. A method
+  of the model (``predict``) is bound to the result (``preserved_value``): bound to the float model, as torch.ao leaves
+  it, ``prepared.predict(x)`` ran the float layers and calibrated nothing, ``quantized.predict(x)`` ran float.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 from torch import fx, nn
@@ -17,7 +20,7 @@ from torch import fx, nn
 from ..custom_config import PrepareCustomConfig
 from ..workflow import is_dynamic_qconfig
 
-__all__ = ["swap_custom", "declare_non_traceable", "check_preservable", "preserve"]
+__all__ = ["swap_custom", "declare_non_traceable", "check_preservable", "preserved_value", "preserve"]
 
 
 def swap_custom(gm: fx.GraphModule, custom: dict[type, type]) -> None:
@@ -69,10 +72,18 @@ def check_preservable(src: nn.Module, dst: nn.Module, name: str, fn: str) -> Non
                          "attributes (numbers, strings, tensors, configs) only")
 
 
+def preserved_value(src: nn.Module, dst: nn.Module, name: str) -> Any:
+    """``getattr(src, name)`` for ``dst``: a method bound to ``src`` is bound to ``dst`` instead."""
+    value = getattr(src, name)
+    if isinstance(value, types.MethodType) and value.__self__ is src:
+        return types.MethodType(value.__func__, dst)
+    return value
+
+
 def preserve(src: nn.Module, dst: nn.Module, names: list[str], fn: str) -> None:
     for name in names:
         if not hasattr(src, name):
             raise ValueError(f"{fn}: preserved attribute {name!r} is not an attribute of {type(src).__name__}")
         check_preservable(src, dst, name, fn)
-        setattr(dst, name, getattr(src, name))
+        setattr(dst, name, preserved_value(src, dst, name))
 

@@ -27,7 +27,7 @@ from torch import fx, nn
 
 from ..custom_config import FuseCustomConfig
 from .patterns import fuse_graph
-from .custom import check_preservable
+from .custom import check_preservable, preserved_value
 from .trace import trace
 
 __all__ = ["fuse_fx"]
@@ -61,5 +61,5 @@ def fuse_fx(model: nn.Module, fuse_custom_config: Any = None) -> fx.GraphModule:
         if not hasattr(model, name):
             raise ValueError(f"fuse_fx: preserved attribute {name!r} is not an attribute of {type(model).__name__}")
         check_preservable(model, gm, name, "fuse_fx")
-        setattr(gm, name, getattr(model, name))
+        setattr(gm, name, preserved_value(model, gm, name))
     return gm.train(training)

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..fx.convert import convert_fx
+from ..fx.custom import preserved_value
 from ..fx.prepare import STATE_KEY, is_prepared
 from ..fake_quant.base import holds_grid
 from .convert import _frozen_weight_qconfig, _move_state, _weighted_reference
@@ -132,6 +133,16 @@ def _qdq_pair(gm: fx.GraphModule, node: fx.Node, obs: nn.Module) -> fx.Node:
     return dq
 
 
+def _copy(model: nn.Module) -> nn.Module:
+    """A deep copy with the attributes ``prepare_custom_config`` preserved (a GraphModule's copy drops them, and
+    lowering the copy then failed: "preserved attribute ... is not an attribute of the prepared model")."""
+    new = copy.deepcopy(model)
+    for name in _top(model).get("preserved", []):
+        if hasattr(model, name):
+            setattr(new, name, preserved_value(model, new, name))
+    return new
+
+
 def convert_to_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Module:
     """The reference form of a calibrated ``prepare_fx`` / ``prepare_qat_fx`` model (module docstring); eval mode."""
     if not is_prepared(model) or _top(model).get("converted") or _top(model).get("reference"):
@@ -140,7 +151,7 @@ def convert_to_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Modul
     if not isinstance(inplace, bool):
         raise TypeError(f"convert_to_reference_fx: inplace must be a bool, got {inplace!r}")
     if not inplace:
-        model = copy.deepcopy(model)
+        model = _copy(model)
     for gm in _graphs(model):
         for node in list(gm.graph.nodes):
             kind = node.meta.get("lowbit_kind")
@@ -173,7 +184,7 @@ def lower_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Module:
     if not isinstance(inplace, bool):  # a truthy "no" rewrote the caller's model
         raise TypeError(f"lower_reference_fx: inplace must be a bool, got {inplace!r}")
     if not inplace:
-        model = copy.deepcopy(model)
+        model = _copy(model)
     for gm in _graphs(model):
         graph = gm.graph
         for dq in list(graph.nodes):
