@@ -151,6 +151,12 @@ class PrepareCustomConfig(_Config):
                  "input_quantized_idxs", "output_quantized_idxs", "preserved_attributes"}
         if not isinstance(d, dict):
             raise TypeError(f"PrepareCustomConfig.from_dict: expects a dict, got {type(d).__name__}")
+        standalone = sorted(k for k in set(d) - known if k.startswith("standalone_module"))
+        if standalone:  # (torch.ao's; "unsupported keys" said nothing of what to use instead)
+            raise ValueError(f"PrepareCustomConfig.from_dict: {standalone} (torch.ao's standalone modules) are not "
+                             "supported: graph mode quantizes a submodule inside the model's one graph; give it its own "
+                             "qconfigs with QConfigMapping.set_module_name(name, ...) / set_module_name_regex, or keep "
+                             "it float with set_non_traceable_module_names([name])")
         if set(d) - known:
             raise ValueError(f"PrepareCustomConfig.from_dict: unsupported keys {sorted(set(d) - known)} "
                              f"(supported: {sorted(known)})")
