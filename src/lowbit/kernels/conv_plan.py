@@ -48,7 +48,7 @@ from ..qtensor import QTensor
 from . import conv_small, onednn
 from .conv_split import packed_for_input
 from .plan import _counts, input_grid_key
-from .spec import ConvSpec, OutGrid, padded_windows
+from .spec import ConvSpec, OutGrid, odd_windows, padded_windows, strided_column
 
 __all__ = ["conv_plan"]
 
@@ -96,10 +96,21 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
     s_out, z_out, qd = out.scale, out.zero_point, out.qdtype
     post, scalars, clamp = out.onednn_post(relu)  # a 7-bit grid's clamp as oneDNN's post-op (module docstring)
 
+    odd: dict[Any, bool] = {}  # input shape -> oneDNN wrong there: onednn.conv rewrites such inputs (spec.py)
+    generic: dict[str, Any] = {}
+
     def run(x: QTensor) -> QTensor:
+        q = x.int_repr()
+        bad = odd.get(q.shape)
+        if bad is None:
+            if len(odd) >= 16:
+                odd.pop(next(iter(odd)))
+            bad = odd[q.shape] = odd_windows(q.shape, w.shape, spec) or strided_column(q.shape, w.shape, spec)
+        if bad:
+            counts[key] += 1
+            return onednn.conv(x, weight, bias, spec, out, relu, generic)  # type: ignore[no-any-return]
         hit = input_grid(x)
         counts[key] += 1
-        q = x.int_repr()
         if not q.is_contiguous(memory_format=torch.channels_last):  # oneDNN would copy it so, ~3x slower (an NCHW input)
             cl = native.to_channels_last(q)
             q = q if cl is None else cl

@@ -55,7 +55,7 @@ from .isa import (available, cpu_has_vnni, fbgemm_engine, has_vnni, isa_capped, 
 from .conv_split import (SHAPED_PACKS, _pack_wsplit, _wsplit_conv, _wsplit_packs, packed_for_input,  # noqa: F401 (tests,
                          gemm_conv)  # conv_plan)
 from .small_m import VNNI_M, float_route, native_linear, native_requant, split_on_avx2, vnni_rows  # noqa: F401 (VNNI_M: tests)
-from .spec import ConvSpec, OutGrid, pad_codes, padded_windows, unpadded
+from .spec import ConvSpec, OutGrid, odd_windows, one_column, pad_codes, strided_column, unpadded
 
 __all__ = ["NAME", "SMALL_M", "available", "has_vnni", "cpu_has_vnni", "isa_capped", "saturation_safe", "linear",
            "conv", "fbgemm_engine"]
@@ -258,8 +258,11 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     """N-d int8 convolution through ``onednn::qconv_pointwise`` (channels-last output)."""
     if spec.transposed or x.device.type != "cpu" or x.numel() == 0 or x.int_repr().element_size() != 1:
         return NotImplemented
-    if padded_windows(weight.shape, spec):  # oneDNN's wrong sums there: the zero-point padding made here
+    if odd_windows(x.shape, weight.shape, spec):  # oneDNN's crash or wrong sums there: the zero-point padding made here
         return conv(pad_codes(x, spec), weight, bias, unpadded(spec), out, relu, cache)
+    if strided_column(x.shape, weight.shape, spec):  # oneDNN's wrong sums there: the one window read with stride 1
+        xc, spec_c = one_column(x, weight.shape, spec)
+        return conv(xc, weight, bias, spec_c, out, relu, cache)
     stride, padding, dilation = _geometry(spec)
 
     def pack(w: torch.Tensor, zx: int, shape: list[int] | None) -> torch.Tensor:

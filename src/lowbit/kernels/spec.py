@@ -113,6 +113,58 @@ def padded_windows(weight_shape: torch.Size | tuple[int, ...], spec: ConvSpec) -
     return any(p >= d * (k - 1) + 1 for p, d, k in zip(spec.padding, spec.dilation, weight_shape[2:]))
 
 
+def odd_windows(in_shape: torch.Size | tuple[int, ...], weight_shape: torch.Size | tuple[int, ...], spec: ConvSpec) -> bool:
+    """Whether oneDNN's int8 conv reads past its input for an input of ``in_shape`` ``(N, C, *spatial)``: along some
+    spatial axis the padding is at least the input's extent, or an output window's taps all fall in the padding (a
+    padding past the dilated kernel, or dilation gaps around a small input). torch's x86 / onednn engines crash there
+    (SIGSEGV) or return run-to-run different sums (off by up to ~1.5e6 codes), dense, grouped and depthwise, 1-d to 3-d
+    (session 37: 236 of ~10,600 random small geometries, every one inside this rule; the same codes padded with
+    ``z_x`` first were right in all). Includes ``padded_windows``'s geometry at every input size.
+
+    >>> spec = ConvSpec(1, (3,), (4,), (3,), 1)
+    >>> odd_windows((1, 1, 1), (1, 1, 1), spec), odd_windows((1, 1, 9), (1, 1, 1), spec)   # window 0 reads padding only
+    (True, True)
+    >>> odd_windows((1, 8, 5, 5), (8, 8, 3, 3), ConvSpec(2, (1, 1), (1, 1), (1, 1), 1))
+    False
+    """
+    if spec.transposed:
+        return False
+    for n, k, s, d, p in zip(in_shape[2:], weight_shape[2:], spec.stride, spec.dilation, spec.padding):
+        ext = d * (k - 1) + 1
+        if p == 0 or (d <= n and p < min(n, ext)):  # every window's span meets the input, taps ≤ d apart: a tap in it
+            continue
+        if p >= n:
+            return True
+        out = (n + 2 * p - ext) // s + 1
+        first_inner = -(-p // s)  # windows from here to (p + n - ext) // s lie inside the input and meet it
+        border = [*range(min(first_inner, out)), *range(max(first_inner, (p + n - ext) // s + 1), out)]
+        if any(not any(p <= o * s + t * d < p + n for t in range(k)) for o in border):
+            return True
+    return False
+
+
+def strided_column(in_shape: torch.Size | tuple[int, ...], weight_shape: torch.Size | tuple[int, ...],
+                   spec: ConvSpec) -> bool:
+    """Whether oneDNN's 2-d int8 conv gives wrong sums for an input of ``in_shape``: one input channel and several output
+    channels a group (as ``padded_windows``), an output one column wide, read with a stride past 1 along W. torch's
+    x86 / onednn engines return run-to-run different sums there (off by ~10-60 codes; 13 of 100 such random
+    geometries, none of ~1,800 others with padding 0 or 1); the same window read with stride 1 is right (``one_column``)."""
+    if (spec.transposed or spec.dim != 2 or spec.stride[1] == 1 or weight_shape[1] != 1
+            or weight_shape[0] == spec.groups):
+        return False
+    ext = spec.dilation[1] * (weight_shape[3] - 1) + 1
+    return (in_shape[3] + 2 * spec.padding[1] - ext) // spec.stride[1] == 0
+
+
+def one_column(x: QTensor, weight_shape: torch.Size | tuple[int, ...], spec: ConvSpec) -> tuple[QTensor, ConvSpec]:
+    """A one-column-wide 2-d conv (``strided_column``) as the same sums read with stride 1 along W: ``x`` padded with
+    its zero point (``pad_codes``) and cropped to the one window's columns, the spec unpadded with unit W stride."""
+    ext = spec.dilation[1] * (weight_shape[3] - 1) + 1
+    x = pad_codes(x, spec) if any(spec.padding) else x
+    codes = x.int_repr()[..., :ext]
+    return QTensor(codes, x.scale, x.zero_point, x.qdtype), replace(spec, padding=(0, 0), stride=(spec.stride[0], 1))
+
+
 def unpadded(spec: ConvSpec) -> ConvSpec:
     """``spec`` with no padding (its input padded by ``pad_codes``)."""
     return replace(spec, padding=(0,) * spec.dim)
