@@ -322,7 +322,8 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
         if type(first) not in bn_of and type(first) not in (nn.BatchNorm2d, nn.BatchNorm3d):
             continue
         run, mods = [node], [first]
-        act_node: fx.Node | None = None
+        act_node: fx.Node | None = None  # the activation the run absorbed, if any, and its module (act)
+        act: nn.Module | None = None
         if type(first) in bn_of:
             nxt = next(iter(node.users)) if len(node.users) == 1 else None
             # a Linear's BatchNorm1d normalises its features only on a 2-D output (on (N, L, F) it normalises dim 1,
@@ -334,7 +335,7 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
                 mods.append(modules[nxt.target])
         if type(first) in _LAYERS or type(first) in (nn.Linear, nn.BatchNorm2d, nn.BatchNorm3d):
             relu = _relu_user(run[-1], modules)
-            act: nn.Module = modules[relu.target] if relu is not None and relu.op == "call_module" else nn.ReLU()
+            act = modules[relu.target] if relu is not None and relu.op == "call_module" else nn.ReLU()
             clamp = None if relu is not None or is_qat else _clamp_user(run[-1], modules)
             if clamp is not None:  # ReLU6-like: its [0, t] clamp becomes the layer's output grid
                 relu, act = clamp
