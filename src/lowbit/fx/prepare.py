@@ -57,6 +57,7 @@ from .padding import attach, hook_observers
 from .patterns import WEIGHT_ONLY_TYPES, fuse_graph, graph_module_types
 from .report import FxReport
 from .trace import RootNotTraceable, keep_buffers, record_tensor_kinds, restore_buffers, trace
+from .transformer import swap_attention
 from .weighted import arg_of
 from ..state_check import guard_loading
 
@@ -334,9 +335,11 @@ def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inp
                         "return float32 to the float ops between them); call model.float() before preparing")
     if not inplace:
         model = copy.deepcopy(model)
-    propagate_qconfig_(model, mapping)
     ctx = _Ctx(fn, mapping, is_qat, cfg)
     declare_non_traceable(model, ctx, cfg)
+    model = swap_attention(model, mapping, ctx.leaves, fn)  # nn.MultiheadAttention, Transformer*: traceable twins
+    propagate_qconfig_(model, mapping)
+    declare_non_traceable(model, ctx, cfg)  # (again: a legacy "exact" mapping ignores the qconfig None it set)
     if example_inputs is not None:
         ctx.captured = _capture_inputs(model, example_inputs)
     out = _prepare_module(model, ctx, "", example_inputs, top=True)
