@@ -202,9 +202,10 @@ class WeightedQuantModule(CheckedQuantState):
         return run
 
     def _lane_call(self, x: QTensor) -> Any:
-        """The plan's fast lane (``kernels.lane``) for ``x``, or ``None``: not armed, the layer's buffers replaced or
-        changed in place since it was armed (identity and version, as ``layer_key``), the CPU's VNNI answer changed,
-        tracing, or a pinned backend; the lane itself returns ``None`` for an input it does not serve."""
+        """The plan's fast lane (``kernels.lane``) for ``x``, or ``None``: not armed, the layer's buffers replaced,
+        changed in place or the weight codes / bias moved since it was armed (identity, version and address, as
+        ``layer_key``), the CPU's VNNI answer changed, tracing, or a pinned backend; the lane itself returns ``None``
+        for an input it does not serve."""
         c = self._cache.get("lane")
         if c is None or tracing():  # (tracing first: a traced version read is a data-dependent guard)
             return None
@@ -213,7 +214,7 @@ class WeightedQuantModule(CheckedQuantState):
         if (b["weight_int8"] is not w or b["weight_scale"] is not ws or b["weight_zero_point"] is not wz
                 or b["bias"] is not bias or b["scale"] is not s or b["zero_point"] is not z
                 or (w._version, ws._version, wz._version, -2 if bias is None else bias._version, s._version,
-                    z._version) != vers
+                    z._version, w.data_ptr(), None if bias is None else bias.data_ptr()) != vers
                 or kernels.onednn.has_vnni() is not vnni or kernels.get_backend()):
             return None
         return lane(x)
