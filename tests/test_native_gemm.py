@@ -489,13 +489,13 @@ def test_dynamic_vnni_fused_call_is_the_two_call_path(threads: int, monkeypatch:
         hit = per_token._vnni_plans(plan, mod.bias)
         x = torch.randn(3, 48, generator=g)
         for wrong in (x.double(), x[:, :40], x.t().contiguous().t(), x.reshape(1, 3, 48), x[:0]):  # dtype, K, layout, rank, empty
-            assert native.dyn_linear(wrong, None, hit[2], plan.scale, plan.sc) is None
-        assert native.dyn_linear(x[:1], hit[1], hit[2], plan.scale.double(), plan.sc) is None  # scales not float32
-        assert native.dyn_linear(x, hit[1], hit[2], plan.scale, plan.sc) is None  # the one-row plan given 3 rows
+            assert native.dyn_linear(wrong, None, hit[2], plan.scale) is None
+        assert native.dyn_linear(x[:1], hit[1], hit[2], plan.scale.double()) is None  # scales not float32
+        assert native.dyn_linear(x, hit[1], hit[2], plan.scale) is None  # the one-row plan given 3 rows
         for bad in (float("inf"), float("nan")):
             x = torch.randn(3, 48, generator=g)
             x[1, 5] = bad
-            assert native.dyn_linear(x, None, hit[2], plan.scale, plan.sc) is None  # a non-finite row: declined
+            assert native.dyn_linear(x, None, hit[2], plan.scale) is None  # a non-finite row: declined
             y = mod(x)
             monkeypatch.setattr(native, "dyn_linear", lambda *a: None)
             want = mod(x)

@@ -48,7 +48,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "lb_smallconv_body": ("i32", "i32"),
     "lb_linear_run": ("p p i64 i64 i32 p p p i32 i32", "i32"),
     "lb_conv_gemm": ("p p i64 i64 i64 i64 i64 i64 i64 i64 i64 i64 i64 i64 i32 i64 i64 p i32 i32", "i32"),
-    "lb_dyn_linear": ("p i64 i64 i64 i64 p p p p i32 p p p i32 i32 i32", "i32"),
+    "lb_dyn_linear": ("p i64 i64 i64 i64 p p p i32 p p p i32 i32 i32", "i32"),
     "lb_all_finite": ("p i64 i32", "i32"),
     "lb_maxpool_codes": ("p i32 i64 i64 i64 i64 i64 i64 i64 i64 p i32 i32", "void"),
     "lb_to_nhwc": ("p i64 i64 i64 p i32", "void"),

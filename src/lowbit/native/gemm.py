@@ -61,13 +61,14 @@ class _Plan(ctypes.Structure):
 class LinearPlan:
     """One layer's constants for ``lb_linear_run`` (made by ``linear_plan``); ``run`` is the per-call entry."""
 
-    __slots__ = ("_plan", "_addr", "_keep", "_wp", "_sw", "_wv", "k", "n", "mode", "name")
+    __slots__ = ("_plan", "_addr", "_keep", "_wp", "_sw", "_wv", "_first", "k", "n", "mode", "name")
 
     def __init__(self, plan: _Plan, keep: tuple[torch.Tensor | None, ...], k: int, n: int, mode: str) -> None:
         self._plan, self._keep, self.k, self.n, self.mode = plan, keep, k, n, mode
         self._wp: torch.Tensor | None = None  # pack_bcast(w) for the AVX2 kernels, made by a first call of BCAST_M rows or more
         self._sw: torch.Tensor | None = None  # 128 Σ w per column for the many-row kernel of a plan without pairs
         self._wv: torch.Tensor | None = None  # pack_vnni(w) for the VNNI kernels (any rows); _NO_PACK once wp is made
+        self._first: dict[str, Any] = {}  # the packs first published ("wv": wv, "wp": (wp, sw)), held for good
         self._addr = ctypes.addressof(plan)
         self.name = {"float": "qlinear", "codes": "qlinear", "requant": "qlinear_requant", "rows": "qlinear_rows",
                      "rows_sub": "qlinear_rows"}[mode]
@@ -144,12 +145,15 @@ class LinearPlan:
         """The weights packed once, for the kernels this thread runs: ``pack_vnni`` where the AVX-512 VNNI kernels run
         (they read it from one row), else ``pack_bcast`` for the AVX2 many-row kernels (from ``BCAST_M`` rows). One
         packing per plan: a plan packed for one kind of kernel runs the other's dot products (the same sums) if the
-        thread's kernels change (``force_avx2`` in tests)."""
+        thread's kernels change (``force_avx2`` in tests). A plan is shared by the threads calling one model, and once
+        a pack is in the C struct a native call may be reading it with the GIL released: the first pack published
+        (``dict.setdefault``, atomic under the GIL; no lock, which a fork could leave held) is the one every racing
+        thread takes and ``_first`` keeps it for the plan's life, so a later one never replaces (frees) it."""
         w: torch.Tensor = self._keep[0]  # type: ignore[assignment]
         if vnni():
-            wv = pack_vnni(w)
-            if self._wv is None:  # (set once, with no GIL release between check and set: a racing pack is dropped)
-                self._wv, self._plan.wv = wv, wv.data_ptr()
+            wv = self._first.setdefault("wv", pack_vnni(w))  # (atomic: threads racing here all take the first pack)
+            self._plan.wv = wv.data_ptr()
+            self._wv = wv
             return
         if not lib.lb_cpu_avx2():  # (the packed kernels are AVX2 only: no copy of the weights for the scalar body)
             self._wp = self._wv = _NO_PACK
@@ -160,18 +164,18 @@ class LinearPlan:
             n = w.shape[0]
             sw = torch.zeros(-(-n // 16) * 16, dtype=torch.int32)
             sw[:n] = w.sum(1, dtype=torch.int32) * 128
-        if self._wv is None:  # (as above)
-            if sw is not None:
-                self._sw, self._plan.sw = sw, sw.data_ptr()
-            self._wp, self._plan.wp = wp, wp.data_ptr()
-            self._wv = _NO_PACK
+        wp, sw = self._first.setdefault("wp", (wp, sw))  # (as above)
+        if sw is not None:
+            self._sw, self._plan.sw = sw, sw.data_ptr()
+        self._wp, self._plan.wp = wp, wp.data_ptr()
+        self._wv = _NO_PACK
 
-
-def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None, w_scale: torch.Tensor | None = None,
-               sc: torch.Tensor | None = None) -> torch.Tensor | None:
+def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None,
+               w_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """The per-token dynamic Linear in one native call (``dynamic.c``): float32 ``x`` ``(M, K)`` (unit column stride) →
     each row's grid on [0, 255] and u8 codes (``row_grid``'s), then on a VNNI CPU ``one`` where given ("float" mode, one
-    row, its scale vector ``sc`` set to ``fl(s_w s_x)``), else ``rows`` ("rows" mode: zero point 128,
+    row, run with the column scales ``fl(s_w s_x)`` made in the call: the plan's own ``sc`` is never read, so threads
+    share it), else ``rows`` ("rows" mode: zero point 128,
     ``cn = fl(128 - z_x)``): ``per_token._vnni_native``'s floats bit for bit, without its tensors and calls in Python.
     A "rows_sub" plan as ``rows`` (``one`` None) runs on any CPU at zero point 128 with ``c = fl(-128 + z_x)``:
     ``no_vnni._native_rows8``'s floats. ``None`` (the caller's path runs) where the plan is missing, the tensors do not
@@ -181,8 +185,7 @@ def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None,
     sub = one is None and rows is not None and rows.mode == "rows_sub"
     if (lib is None or plan is None or x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or not x.is_cpu
             or x.requires_grad or x.shape[1] != plan.k or x.shape[0] == 0 or (one is not None and x.shape[0] != 1)
-            or not (sub or vnni())
-            or not (sub or (w_scale is not None and sc is not None and _channel_vectors(plan.n, w_scale, sc)))):
+            or not (sub or vnni()) or not (sub or (w_scale is not None and _channel_vectors(plan.n, w_scale)))):
         return None
     m, k = x.shape
     n = plan.n
@@ -192,7 +195,7 @@ def dyn_linear(x: torch.Tensor, one: LinearPlan | None, rows: LinearPlan | None,
     codes, grid = torch.empty(m, k, dtype=torch.uint8), torch.empty(3 * m)
     isa = _local.__dict__.get("isa", 1)
     if lib.lb_dyn_linear(x.data_ptr(), m, k, x.stride(0), n, one._addr if one is not None else None,
-                         None if sc is None else sc.data_ptr(), None if w_scale is None else w_scale.data_ptr(),
+                         None if w_scale is None else w_scale.data_ptr(),
                          rows._addr if one is None else None, int(sub), codes.data_ptr(), grid.data_ptr(), y.data_ptr(),
                          _threads(m * k), _threads(m * n * k // 16), isa):
         return None

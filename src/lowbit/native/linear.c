@@ -902,6 +902,16 @@ int lb_linear_run(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, i
     return run_plan(p, x, m, ldx, zx, ra, rs, out, nthreads, isa, NULL);
 }
 
+/* lb_linear_run of a "float" plan with the column scales sc in place of p->sc, for this call only (a copy of the plan on
+ * the stack): lb_dyn_linear's one row, whose scales fl(s_w s_x) change per call while the plan is shared by every thread
+ * calling the layer (a per-plan buffer written per call gave one thread another's scales, session 37). */
+int lb_linear_run_sc(const lin_plan *p, const float *sc, const uint8_t *x, int64_t m, int64_t ldx, int zx, void *out,
+                     int nthreads, int isa) {
+    lin_plan own = *p;
+    own.sc = sc;
+    return run_plan(&own, x, m, ldx, zx, NULL, NULL, out, nthreads, isa, NULL);
+}
+
 /* A 2-d conv of one group as plan p's Linear over its output pixels (kernels/conv_split.gemm_conv), without the patches
  * in memory: channels-last u8 codes x (n, h, w, c) on zero point zx, a kh x kw window (conv_src's geometry; p->k =
  * kh kw c, the weights tap by tap), out (n oh ow, p->n) as run_plan's; each thread makes its tiles' patch rows

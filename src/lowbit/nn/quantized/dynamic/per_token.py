@@ -128,7 +128,7 @@ def _epilogue(raw: torch.Tensor, c: torch.Tensor, wsum: torch.Tensor, sx: torch.
 class _Plan:
     """Per-weight-version constants of the fast paths (a cache, never state)."""
 
-    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "token", "rows", "vnni", "sc", "rows8")
+    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "token", "rows", "vnni", "rows8")
 
     def __init__(self, key: Any, weight: QTensor, cache: dict[str, Any]) -> None:
         w = weight.int_repr()
@@ -141,7 +141,6 @@ class _Plan:
         self.rows: Any = None  # its native plan for few rows, with the bias it holds: (bias key, native.LinearPlan)
         self.rows8: Any = None  # the 8-bit recipe's native "rows_sub" plan without VNNI, likewise (no_vnni._native_rows8)
         self.vnni: Any = None  # a VNNI CPU's native plans for few rows: (bias key, one-row plan, rows plan) (_vnni_native)
-        self.sc: Any = None  # the one-row plan's per-call column scales fl(s_w · s_x), float32 (N,)
 
 
 def native_plan_call(plan: _Plan, slot: str, codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -213,16 +212,9 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
         # the two native passes below (the codes and grids, the Linear) and their tensors in one native call
         hit = _vnni_plans(plan, bias)
         y = (None if one_row and hit[1] is None  # (no one-row plan: the routes below, never the rows plan's floats)
-             else native.dyn_linear(xf, hit[1] if one_row else None, hit[2], plan.scale, plan.sc))
+             else native.dyn_linear(xf, hit[1] if one_row else None, hit[2], plan.scale))
         if y is not None:
             kernels.counts[("int_mm" if one_row else "onednn", "linear")] += 1  # (as the call it replaces)
-            return y
-    if one_row and native.vnni():  # one native pass for the codes and grid, one for the Linear
-        codes = _grid_codes(xf)
-        if codes is None:
-            return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
-        y = _vnni_native(plan, codes[0], codes[1].reshape(()), -codes[2].item(), None, bias)
-        if y is not None:
             return y
     if m == 1 and k > 1:  # (K = 1: torch's CPU _int_mm sums are wrong for N > 1, see kernels/int_mm.py)
         grid = _one_row_grid(xf)
@@ -263,29 +255,19 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
     return raw if bias is None else raw.add_(bias)
 
 
-def _vnni_native(plan: _Plan, q: torch.Tensor, scale: float | torch.Tensor, zx: int | float, cn: torch.Tensor | None,
+def _vnni_native(plan: _Plan, q: torch.Tensor, scale: torch.Tensor, zx: int, cn: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor | None:
     """A VNNI CPU's dynamic Linear on its u8 codes in one ``lowbit.native`` call (its AVX-512 VNNI kernels, kept per
-    weight and bias), the floats of the oneDNN / ``_int_mm`` route it replaces, bit for bit:
-
-        one row (``cn`` None, grid ``(s_x, z_x)``):  y = fl(fl(Σ (q - z_x) ŵ) · fl(s_w s_x)) + b   (``_int_mm``'s epilogue)
-        rows (zero point 128, ``cn = 128 - z_x``, ``(M, 1)``):  t = fl(fl(Σ (q - 128) ŵ) · s_w) (oneDNN's raw sums),
-                                                  y = fl(fl(t + cn · Σ ŵ) · s_x) + b  (the fused row epilogue)
-
+    weight and bias), the floats of the oneDNN route it replaces, bit for bit (zero point 128, ``cn = 128 - z_x``,
+    ``(M, 1)``): ``t = fl(fl(Σ (q - 128) ŵ) · s_w)`` (oneDNN's raw sums), ``y = fl(fl(t + cn · Σ ŵ) · s_x) + b`` (the
+    fused row epilogue). One row goes through ``native.dyn_linear`` (its column scales ``fl(s_w s_x)`` made per call
+    in C; the ``_int_mm`` route's floats where that declines).
     The caller checks ``native.vnni()`` (the VNNI kernels run here). ``None``: not taken (the tensors do not fit)."""
     hit = _vnni_plans(plan, bias)
-    m = q.shape[0]
-    y = torch.empty(m, plan.wsum.shape[0])
-    if cn is None:
-        if hit[1] is None:
-            return None
-        torch.mul(plan.scale, scale, out=plan.sc)  # (scale: a 0-d float32 tensor)
-        ok = hit[1].run(q, int(zx), y)
-    else:
-        ok = hit[2] is not None and hit[2].run(q, int(zx), y, (cn, scale))  # type: ignore[arg-type]
-    if not ok:
+    y = torch.empty(q.shape[0], plan.wsum.shape[0])
+    if hit[2] is None or not hit[2].run(q, int(zx), y, (cn, scale)):
         return None
-    kernels.counts[("int_mm" if cn is None else "onednn", "linear")] += 1  # (as the call it replaces)
+    kernels.counts[("onednn", "linear")] += 1  # (as the call it replaces)
     return y
 
 
@@ -296,8 +278,8 @@ def _vnni_plans(plan: _Plan, bias: torch.Tensor | None) -> tuple[Any, Any, Any]:
     hit = plan.vnni
     if hit is None or hit[0] != bkey:
         w, wsum = plan.weight.int_repr(), plan.wsum_i.to(torch.int32)  # type: ignore[union-attr]  # (|Σ| ≤ 128 K)
-        plan.sc = torch.empty_like(plan.scale, dtype=torch.float32)
-        one = native.linear_plan(w, "float", plan.sc, bias, wsum=wsum, pairs=False)
+        # (its column scales are native.dyn_linear's, made per call: s_w here is never read, threads share the plan)
+        one = native.linear_plan(w, "float", plan.scale.float(), bias, wsum=wsum, pairs=False)
         rows = native.linear_plan(w, "rows", plan.scale.float(), bias, wsum=wsum, pairs=False, fw=plan.wsum)
         hit = plan.vnni = (bkey, one, rows)
     return hit  # type: ignore[no-any-return]
