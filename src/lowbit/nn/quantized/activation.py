@@ -50,8 +50,9 @@ class _LUTActivation(CheckedQuantState):
         scale, zero_point, self.qdtype = check_out_grid(scale, zero_point, qdtype, type(self).__name__)
         self.register_buffer("scale", torch.tensor(scale, dtype=torch.float32))
         self.register_buffer("zero_point", torch.tensor(zero_point, dtype=torch.int64))
-        self._lut_key: tuple | None = None
-        self._lut: torch.Tensor | None = None
+        # (key, table) as one attribute: threads sharing the module, fed other input grids, must never pair one
+        # grid's key with another's table (two attributes did, for good: a key set after a racing thread's table)
+        self._lut: tuple[tuple, torch.Tensor] | None = None
 
     def _f(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -67,12 +68,11 @@ class _LUTActivation(CheckedQuantState):
             return self._quantize_out(self._f((codes - x.zero_point.to(torch.float32)) * x.scale.to(torch.float32)))
         key = (float(x.scale), int(x.zero_point), d.quant_min, d.quant_max, x.device,
                float(self.scale), int(self.zero_point), self.qdtype, self._params())
-        if key != self._lut_key:
+        hit = self._lut
+        if hit is None or hit[0] != key:
             codes = torch.arange(d.quant_min, d.quant_max + 1, device=x.device, dtype=torch.float32)
-            self._lut = self._quantize_out(self._f((codes - key[1]) * x.scale.to(torch.float32)))
-            self._lut_key = key
-        assert self._lut is not None
-        return self._lut
+            hit = self._lut = (key, self._quantize_out(self._f((codes - key[1]) * x.scale.to(torch.float32))))
+        return hit[1]
 
     def _params(self) -> tuple:
         return ()
