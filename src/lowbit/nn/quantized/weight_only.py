@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...compile_state import tracing
+from ...compile_state import tensor_version, tracing
 from ...qparams import calculate_qparams
 from ...qscheme import QDtype, per_channel_affine, per_channel_symmetric, qint4, qint8, quint4
 from ...qtensor import QTensor
@@ -245,7 +245,7 @@ class WeightOnlyLinear(CheckedQuantState):
         self.register_buffer("scales", torch.ones(out_features, in_features // g))
         self.register_buffer("zero_points", torch.zeros(out_features, in_features // g, dtype=torch.int8))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
-        self._cache: tuple[torch.Tensor, torch.Tensor] | tuple[()] | None = None
+        self._cache: tuple[tuple[int, ...], tuple[torch.Tensor, torch.Tensor] | tuple[()], tuple] | None = None
 
     # ---- construction ----
     @classmethod
@@ -326,17 +326,24 @@ class WeightOnlyLinear(CheckedQuantState):
     def _int4_cache(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
         """The kernel's packed codes and bf16 ``(scale, zero)`` pairs; ``()`` where a scale is below bfloat16's normal
         range (a subnormal scale kept 1-7 of its bits there: 8 % off at 1e-40) or a pair overflows it: such a layer
-        takes the dequantized path."""
-        if self._cache is None:
-            u = self.codes().to(torch.int32) + (8 if self.qdtype.signed else 0)  # unsigned codes 0..15
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 2)
-            zp_u = self.zero_points.to(torch.float32) + (8 if self.qdtype.signed else 0)
+        takes the dequantized path. Kept for the buffers it was made from (identity and version, read before it is
+        made): a ``load_state_dict`` or ``set_codes`` in another thread while a forward makes it cannot leave the old
+        codes' pack in place (clearing the cache alone did: a racing forward stored it after the clear)."""
+        b = self._buffers
+        qw, s, z = b["qweight"], b["scales"], b["zero_points"]
+        key = (id(qw), id(s), id(z), tensor_version(qw), tensor_version(s), tensor_version(z))
+        hit = self._cache
+        if hit is None or hit[0] != key:
+            assert qw is not None and s is not None and z is not None
+            u = _unpack4(qw, self.in_features, self.qdtype.signed).to(torch.int32) + (8 if self.qdtype.signed else 0)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 2)  # (unsigned codes 0..15)
+            zp_u = z.to(torch.float32) + (8 if self.qdtype.signed else 0)
             # the kernel computes (u - 8) * s + zero, so zero = (8 - z_u) * s
-            sz = torch.stack([self.scales, (8 - zp_u) * self.scales], -1).transpose(0, 1)  # (G, N, 2)
+            sz = torch.stack([s, (8 - zp_u) * s], -1).transpose(0, 1)  # (G, N, 2)
             sz = sz.to(torch.bfloat16).contiguous()
             ok = bool(torch.isfinite(sz).all()) and bool((sz[..., 0].abs() >= torch.finfo(torch.bfloat16).tiny).all())
-            self._cache = (packed, sz) if ok else ()
-        return self._cache
+            hit = self._cache = (key, (packed, sz) if ok else (), (qw, s, z))  # (the buffers held: ids stay unique)
+        return hit[1]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = input  # (torch's argument name: fc(input=t) works)
