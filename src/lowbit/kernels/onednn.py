@@ -297,8 +297,9 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     shaped = entry[0]
     if shaped is None:  # first call on this weight version that needs the unsplit pack: packs per input, made on use
         shaped = {}
-        if cache is not None:
-            cache["onednn.conv"] = (cache["onednn.conv"][0], (shaped, split))
+        kept = None if cache is None else cache.get("onednn.conv")
+        if kept is not None and kept[1] is entry:  # (not cleared or replaced since: a load_state_dict in another thread)
+            cache["onednn.conv"] = (kept[0], (shaped, split))
     packed = packed_for_input(shaped, q, zx, lambda z, shape: pack(weight.int_repr(), z, shape))
 
     def run(codes: torch.Tensor, zp: int, b: torch.Tensor | None, s_out: float, z_out: int, dt: torch.dtype,
