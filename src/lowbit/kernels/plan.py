@@ -73,10 +73,10 @@ def layer_key(w: torch.Tensor, ws: torch.Tensor, wz: torch.Tensor, bias: torch.T
               z: torch.Tensor) -> tuple[Any, ...]:
     """The cache key of a layer's plan: the identity and version counter of its weight codes, scales, zero points,
     bias (``None``: ``-2``), output scale and zero point, whether the CPU has VNNI (one helper for the eager
-    module and the ``lowbit::qlinear`` op), and the addresses of the weight codes and bias, which the plan's native
-    calls read in place: a storage moved without a version bump (``share_memory_``, as multiprocessing's pickler
-    does to every tensor it sends to a spawned process or a ``DataLoader`` worker; a ``.data`` swap) would leave
-    them reading freed memory. A cache that keeps the plan must hold the tensors too, so that their
+    module and the ``lowbit::qlinear`` op), and the address of the weight codes, which the plan's native calls read
+    in place (its bias they copy): a storage moved without a version bump (``share_memory_``, as multiprocessing's
+    pickler does to every tensor it sends to a spawned process or a ``DataLoader`` worker; a ``.data`` swap) would
+    leave them reading freed memory. A cache that keeps the plan must hold the tensors too, so that their
     ids cannot be reused. ``_version`` read directly (~1 µs for the whole key instead of ~2 through
     ``compile_state.tensor_version``); inference tensors, which keep no version counter, key as ``-1`` as there
     (asked first: reading their ``_version`` raises, and catching that costs ~8 µs per call).
@@ -93,7 +93,7 @@ def layer_key(w: torch.Tensor, ws: torch.Tensor, wz: torch.Tensor, bias: torch.T
             -1 if wz.is_inference() else wz._version,
             -2 if bias is None else -1 if bias.is_inference() else bias._version,
             -1 if s.is_inference() else s._version, -1 if z.is_inference() else z._version,
-            w.data_ptr(), None if bias is None else bias.data_ptr())
+            w.data_ptr())
 
 
 def input_grid_key(s: torch.Tensor, z: torch.Tensor) -> tuple[int, int, int, int]:

@@ -243,6 +243,8 @@ def linear_plan(w: torch.Tensor, mode: str, sc: torch.Tensor, bias: torch.Tensor
         wsum = w.sum(1, dtype=torch.int32)
     if wsum is not None and (wsum.dtype != torch.int32 or not wsum.is_contiguous() or wsum.numel() != n):
         return None
+    if bias is not None:  # (the plan's own copy: a module's bias moved in memory, as share_memory_ moves it, must not
+        bias = bias.clone()  # leave the plan reading where it was; the weights' address is in the layer's plan key)
     ptr = [None if t is None else t.data_ptr() for t in (w, wsum, sc, bias, fw)]
     plan = _Plan(*ptr, k, n, int(pairs), _MODES[mode], int(relu), zo, lo, hi, inv, z, vlo, vhi)
     return LinearPlan(plan, (w, wsum, sc, bias, fw), k, n, mode)

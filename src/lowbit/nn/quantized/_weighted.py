@@ -203,7 +203,7 @@ class WeightedQuantModule(CheckedQuantState):
 
     def _lane_call(self, x: QTensor) -> Any:
         """The plan's fast lane (``kernels.lane``) for ``x``, or ``None``: not armed, the layer's buffers replaced,
-        changed in place or the weight codes / bias moved since it was armed (identity, version and address, as
+        changed in place or the weight codes moved since it was armed (identity, version and address, as
         ``layer_key``), the CPU's VNNI answer changed, tracing, or a pinned backend; the lane itself returns ``None``
         for an input it does not serve."""
         c = self._cache.get("lane")
@@ -214,7 +214,7 @@ class WeightedQuantModule(CheckedQuantState):
         if (b["weight_int8"] is not w or b["weight_scale"] is not ws or b["weight_zero_point"] is not wz
                 or b["bias"] is not bias or b["scale"] is not s or b["zero_point"] is not z
                 or (w._version, ws._version, wz._version, -2 if bias is None else bias._version, s._version,
-                    z._version, w.data_ptr(), None if bias is None else bias.data_ptr()) != vers
+                    z._version, w.data_ptr()) != vers
                 or kernels.onednn.has_vnni() is not vnni or kernels.get_backend()):
             return None
         return lane(x)
