@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...compile_state import tensor_version, tracing
+from ...compile_state import tracing
 from ...qparams import calculate_qparams
 from ...qscheme import QDtype, per_channel_affine, per_channel_symmetric, qint4, qint8, quint4
 from ...qtensor import QTensor
@@ -71,6 +71,7 @@ _KERNEL_GROUPS = (32, 64, 128, 256)
 # torch's packed CPU kernels win for few rows (decode: 2.5-3x fp32 at M=1) and lose to dequantize + F.linear
 # for many (prefill: ~2x slower at M=512), so they run up to this many rows
 DECODE_MAX_ROWS = 32
+_UNWRITTEN = object()  # WeightOnlyLinear._written until the first write of its codes (an old pickle's too)
 _KERNELS = ("auto", "reference")
 
 
@@ -222,6 +223,8 @@ def _needs_grad(x: torch.Tensor) -> bool:
 class WeightOnlyLinear(CheckedQuantState):
     """``F.linear(x, ŵ, bias)`` with a group-wise quantized weight; see the module docstring."""
 
+    _written: object = _UNWRITTEN  # a new object after each write of the state (set_codes, load_state_dict, .to())
+
     _weight_grids = ("qdtype",)  # (a checkpoint's metadata: the weight grid's kind must match, its range may be narrower)
 
     _keep_buffer_dtypes = False  # .half() / .to(torch.bfloat16) cast its scales and bias with the model, as before
@@ -245,7 +248,7 @@ class WeightOnlyLinear(CheckedQuantState):
         self.register_buffer("scales", torch.ones(out_features, in_features // g))
         self.register_buffer("zero_points", torch.zeros(out_features, in_features // g, dtype=torch.int8))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
-        self._cache: tuple[tuple[int, ...], tuple[torch.Tensor, torch.Tensor] | tuple[()], tuple] | None = None
+        self._cache: tuple[object, tuple[torch.Tensor, torch.Tensor] | tuple[()]] | None = None
 
     # ---- construction ----
     @classmethod
@@ -290,7 +293,7 @@ class WeightOnlyLinear(CheckedQuantState):
         self.qweight = (_pack4(codes) if self.bits == 4 else codes.to(torch.int8)).to(dev).contiguous()
         self.scales = scales.to(dev, torch.float32).contiguous()
         self.zero_points = zero_points.to(dev, torch.int8).contiguous()
-        self._cache = None
+        self._written, self._cache = object(), None
 
     # ---- inspection ----
     def codes(self) -> torch.Tensor:
@@ -326,23 +329,20 @@ class WeightOnlyLinear(CheckedQuantState):
     def _int4_cache(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
         """The kernel's packed codes and bf16 ``(scale, zero)`` pairs; ``()`` where a scale is below bfloat16's normal
         range (a subnormal scale kept 1-7 of its bits there: 8 % off at 1e-40) or a pair overflows it: such a layer
-        takes the dequantized path. Kept for the buffers it was made from (identity and version, read before it is
-        made): a ``load_state_dict`` or ``set_codes`` in another thread while a forward makes it cannot leave the old
-        codes' pack in place (clearing the cache alone did: a racing forward stored it after the clear)."""
-        b = self._buffers
-        qw, s, z = b["qweight"], b["scales"], b["zero_points"]
-        key = (id(qw), id(s), id(z), tensor_version(qw), tensor_version(s), tensor_version(z))
+        takes the dequantized path. Kept with the write token ``_written`` read before the buffers, which a
+        ``load_state_dict`` / ``set_codes`` in another thread replaces after its writes: a pack made meanwhile is made
+        again (a cache cleared before the writes let it stay: the old weights for good). ~40 ns a call."""
+        written = self._written
         hit = self._cache
-        if hit is None or hit[0] != key:
-            assert qw is not None and s is not None and z is not None
-            u = _unpack4(qw, self.in_features, self.qdtype.signed).to(torch.int32) + (8 if self.qdtype.signed else 0)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 2)  # (unsigned codes 0..15)
-            zp_u = z.to(torch.float32) + (8 if self.qdtype.signed else 0)
+        if not hit or hit[0] is not written:  # (an old pickle's cache, a bare (packed, sz) or (), is made again too)
+            u = self.codes().to(torch.int32) + (8 if self.qdtype.signed else 0)  # unsigned codes 0..15
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 2)
+            zp_u = self.zero_points.to(torch.float32) + (8 if self.qdtype.signed else 0)
             # the kernel computes (u - 8) * s + zero, so zero = (8 - z_u) * s
-            sz = torch.stack([s, (8 - zp_u) * s], -1).transpose(0, 1)  # (G, N, 2)
+            sz = torch.stack([self.scales, (8 - zp_u) * self.scales], -1).transpose(0, 1)  # (G, N, 2)
             sz = sz.to(torch.bfloat16).contiguous()
             ok = bool(torch.isfinite(sz).all()) and bool((sz[..., 0].abs() >= torch.finfo(torch.bfloat16).tiny).all())
-            hit = self._cache = (key, (packed, sz) if ok else (), (qw, s, z))  # (the buffers held: ids stay unique)
+            hit = self._cache = (written, (packed, sz) if ok else ())
         return hit[1]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -386,11 +386,14 @@ class WeightOnlyLinear(CheckedQuantState):
     # ---- cache invalidation ----
     def _apply(self, fn: Any, recurse: bool = True) -> WeightOnlyLinear:
         self._cache = None
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        self._written, self._cache = object(), None
+        return out
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         self._cache = None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._written, self._cache = object(), None  # (after the writes: a pack made meanwhile is made again)
 
     def extra_repr(self) -> str:
         s = (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
