@@ -232,26 +232,25 @@ def positive_int(text: str) -> int:
     return v
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0 (seconds per sample, a load limit)."""
+def _finite(text: str, zero_ok: bool) -> float:
+    """A finite number > 0 (``zero_ok``: >= 0), else argparse's error naming the value."""
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
+    if not (0 <= v if zero_ok else 0 < v) or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number {'>=' if zero_ok else '>'} 0")
     return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (seconds per sample, a load limit)."""
+    return _finite(text, False)
 
 
 def nonnegative_float(text: str) -> float:
     """argparse type: a finite number >= 0 (seconds to wait)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number >= 0")
-    return v
+    return _finite(text, True)
 
 
 def mkn(text: str) -> tuple[int, int, int]:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,3 +83,12 @@ def force(monkeypatch: pytest.MonkeyPatch, *, vnni: bool, fbgemm: bool, shared: 
         monkeypatch.setattr(torch.backends.quantized, "engine", "x86")
     else:
         monkeypatch.setattr(isa, "_FBGEMM", ())
+
+
+def run_capped(code: str) -> None:
+    """Run ``code`` (Python; ``sys.argv[1]`` is the tests folder) in a fresh process with oneDNN capped to AVX2 and 1
+    thread (its saturating kernels, lowbit's exact routes without VNNI, on any CPU); it must print ``ok`` last."""
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", OMP_NUM_THREADS="1")
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", code, here], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

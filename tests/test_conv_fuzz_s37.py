@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowbit as Q
-from helpers import force, one_thread  # noqa: F401  (autouse: 1 thread)
+from helpers import force, one_thread, run_capped  # noqa: F401  (autouse: 1 thread)
 from lowbit import kernels as K
 from lowbit import native
 from lowbit.kernels import spec
@@ -316,12 +316,9 @@ def test_conv_geometry_fuzz_without_vnni(route, monkeypatch):
 
 def test_regressions_under_an_isa_cap():
     """The regressions with oneDNN capped to AVX2 (its saturating kernels; lowbit's exact routes without VNNI)."""
-    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", OMP_NUM_THREADS="1")
-    here = Path(__file__).parent
     code = ("import sys; sys.path[:0] = [sys.argv[1]]; import test_conv_fuzz_s37 as t\n"
             "from lowbit.kernels import onednn; assert not onednn.has_vnni()\n"
             "t._crash_cases()\n"
             "for c in t.WRONG_CASES + t.COLUMN_CASES: t.test_odd_geometries_give_the_exact_codes_on_every_route(c)\n"
             "t.test_conv_geometry_fuzz()\nprint('ok')\n")
-    done = subprocess.run([sys.executable, "-c", code, str(here)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+    run_capped(code)

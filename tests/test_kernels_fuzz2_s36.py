@@ -25,12 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import random
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -38,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowbit as Q
-from helpers import one_thread  # noqa: F401  (autouse: 1 thread)
+from helpers import one_thread, run_capped  # noqa: F401  (autouse: 1 thread)
 from lowbit import kernels as K
 from lowbit import native
 from lowbit.nn import quantized as nnq
@@ -206,15 +202,12 @@ def test_x86_recipe_non_finite_input_on_a_pinned_backend_is_nan(backend):
 
 def test_dynamic_recipes_under_an_isa_cap():
     """The per-token recipes' fuzz with oneDNN capped to AVX2 (lowbit's routes without VNNI)."""
-    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", OMP_NUM_THREADS="1")
     code = ("import sys, warnings; sys.path[:0] = [sys.argv[1]]; warnings.simplefilter('ignore')\n"
             "import test_kernels_fuzz2_s36 as t\n"
             "from lowbit.kernels import onednn; assert not onednn.has_vnni()\n"
             "w = t.dynamic_fuzz('default', 20, 365) + t.dynamic_fuzz('u7', 15, 366)\n"
             "assert w == [], w\nprint('ok')\n")
-    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+    run_capped(code)
 
 
 # ---- QFunctional add / add_relu / mul / cat ----

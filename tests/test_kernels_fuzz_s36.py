@@ -19,18 +19,14 @@ Regressions kept:
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import lowbit as Q
-from helpers import one_thread  # noqa: F401  (autouse: 1 thread)
+from helpers import one_thread, run_capped  # noqa: F401  (autouse: 1 thread)
 from lowbit import kernels as K
 from lowbit import native
 from lowbit.kernels import small_m
@@ -245,12 +241,9 @@ def test_conv_fuzz():
 
 def test_regressions_under_an_isa_cap():
     """The regression cases with oneDNN capped to AVX2 (its saturating kernels; lowbit's exact routes without VNNI)."""
-    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", OMP_NUM_THREADS="1")
-    here = Path(__file__).parent
     code = ("import sys; sys.path[:0] = [sys.argv[1]]; import test_kernels_fuzz_s36 as t\n"
             "from lowbit.kernels import onednn; assert not onednn.has_vnni()\n"
             "for c in t.REQUANT_CASES: t.test_fbgemm_requantization_past_int32_takes_the_exact_epilogue(c)\n"
             "for c in t.PAD_CASES: t.test_depthwise_multiplier_padded_past_its_kernel(c)\n"
             "t.test_x86_recipe_module_on_an_input_far_past_its_calibration()\nprint('ok')\n")
-    done = subprocess.run([sys.executable, "-c", code, str(here)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+    run_capped(code)
