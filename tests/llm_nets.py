@@ -24,3 +24,15 @@ def gemma3() -> torch.nn.Module:
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                         max_position_embeddings=256, sliding_window=16)
     return random_norms(transformers.Gemma3ForCausalLM(cfg))
+
+
+def block_input_stats(m: torch.nn.Module, calib: list) -> object:
+    """The first decoder block's Linear input statistics as GPTQ collects them (padding masked by ``token_mask``)."""
+    from lowbit.llm import blocks as B
+    from lowbit.llm.sequential import _input_stats
+
+    layers = B.decoder_layers(m)
+    calib = B.check_llm_calib(m, calib, "t")
+    inps = B.capture_block_inputs(m, layers, calib)
+    names = [g[0] for g in B.linear_groups(layers[0], *inps[0])]
+    return _input_stats(layers[0], names, None, inps, [B.token_mask(b) for b in calib], 1, None, True)

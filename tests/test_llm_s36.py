@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowbit as Q
+from llm_nets import block_input_stats
 from llm_nets import gemma3 as _gemma3, random_norms as _random_norms
 from lowbit.llm import awq_search_stats, quantize_head
 from lowbit.llm import blocks as B
 from lowbit.llm.awq import awq_fold, scale_source
-from lowbit.llm.blocks import capture_block_inputs, decoder_layers, linear_groups, run_block, token_mask
-from lowbit.llm.sequential import _input_stats
+from lowbit.llm.blocks import capture_block_inputs, decoder_layers, linear_groups, run_block
 from lowbit.llm.w8a8 import activation_absmax
 from lowbit.nn.quantized import WeightOnlyLinear
 from lowbit.nn.quantized.weight_only import weight_qdtype
@@ -106,12 +106,7 @@ def _padded(seqs: list[torch.Tensor], width: int, seed: int) -> dict[str, torch.
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _stats(m, calib):
-    layers = decoder_layers(m)
-    calib = B.check_llm_calib(m, calib, "t")
-    inps = capture_block_inputs(m, layers, calib)
-    names = [g[0] for g in linear_groups(layers[0], *inps[0])]
-    return _input_stats(layers[0], names, None, inps, [token_mask(b) for b in calib], 1, None, True)
+_stats = block_input_stats  # (tests/llm_nets.py)
 
 
 @settings(max_examples=6, deadline=None)

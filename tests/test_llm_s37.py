@@ -12,12 +12,11 @@ import pytest
 import torch
 
 import lowbit as Q
+from llm_nets import block_input_stats
 from lowbit import cli
 from lowbit.cli.common import CLIError
 from lowbit.cli.gguf_file import check_gguf
 from lowbit.llm import blocks as B
-from lowbit.llm.blocks import capture_block_inputs, decoder_layers, linear_groups, token_mask
-from lowbit.llm.sequential import _input_stats
 
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
@@ -60,12 +59,7 @@ def _pad(seqs: list[torch.Tensor], width: int, left: bool) -> dict[str, torch.Te
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _stats(m, calib):
-    layers = decoder_layers(m)
-    calib = B.check_llm_calib(m, calib, "t")
-    inps = capture_block_inputs(m, layers, calib)
-    names = [g[0] for g in linear_groups(layers[0], *inps[0])]
-    return _input_stats(layers[0], names, None, inps, [token_mask(b) for b in calib], 1, None, True)
+_stats = block_input_stats  # (tests/llm_nets.py)
 
 
 # ---- 1. padded calibration batches: the positions generate() gives, OPT's flattened rows ----
