@@ -66,7 +66,10 @@ _BN_RELU = {nn.BatchNorm2d: nni.BNReLU2d, nn.BatchNorm3d: nni.BNReLU3d}
 
 
 def _fold(layer: nn.Module, bn: nn.Module) -> nn.Module:
-    """A copy of ``layer`` with ``bn`` (eval, running statistics) folded into weight and bias."""
+    """A copy of ``layer`` with ``bn`` (eval, running statistics) folded into weight and bias.
+
+    The folded parameters keep the layer's ``requires_grad`` (a frozen layer stays frozen, as in torch.ao); a bias
+    the fold creates follows the weight (torch.ao freezes it, so fine-tuning a fused model left it fixed)."""
     if bn.training or layer.training:
         raise ValueError(
             f"fuse_modules folds {type(bn).__name__} with its running statistics, which needs eval mode: "
@@ -76,13 +79,16 @@ def _fold(layer: nn.Module, bn: nn.Module) -> nn.Module:
     w, b = fold_bn_weights(layer.weight.detach(), None if layer.bias is None else layer.bias.detach(), bn,
                            transpose=isinstance(layer, nn.modules.conv._ConvTransposeNd),
                            groups=getattr(layer, "groups", 1))
-    fused.weight, fused.bias = nn.Parameter(w), nn.Parameter(b)
+    grad = layer.weight.requires_grad
+    fused.weight = nn.Parameter(w, grad)
+    fused.bias = nn.Parameter(b, grad if layer.bias is None else layer.bias.requires_grad)
     return fused
 
 
 def fuse_known_modules(mods: Sequence[nn.Module], is_qat: bool = False) -> list[nn.Module]:
     """Fuse one group ``mods`` → ``[fused, Identity, ...]`` (same length); ``ValueError`` if unsupported."""
     types = tuple(type(m) for m in mods)
+    parts = list(mods)  # as given: their hooks and qconfigs (a ReLU6's forward hooks were lost with it)
     registered = find_fusion_pattern(types)  # lowbit.fusion_registry: user patterns first
     if registered is None and not is_qat and len(mods) in (2, 3) and (relu := nni.as_fusable_relu(mods[-1])):
         mods = [*mods[:-1], relu]  # ReLU6 / Hardtanh(0, t): fused as a clamped ReLU (its grid does the clamp)
@@ -90,10 +96,15 @@ def fuse_known_modules(mods: Sequence[nn.Module], is_qat: bool = False) -> list[
     first = types[0]
     fused: nn.Module | None = None
     bn = next((m for m in mods[1:] if isinstance(m, nn.modules.batchnorm._BatchNorm)), None)
+    fn = "fuse_modules_qat" if is_qat else "fuse_modules"
     if registered is None and bn is not None and not bn.track_running_stats:
-        raise ValueError(f"{'fuse_modules_qat' if is_qat else 'fuse_modules'}: {bn} has track_running_stats=False; "
-                         "folding needs its running statistics (build it with track_running_stats=True, or leave "
-                         "it unfused)")
+        raise ValueError(f"{fn}: {bn} has track_running_stats=False; folding needs its running statistics (build it "
+                         "with track_running_stats=True, or leave it unfused)")
+    width = getattr(mods[0], "out_channels", getattr(mods[0], "out_features", None))
+    if registered is None and bn is not None and isinstance(width, int) and bn.num_features != width:
+        # (the QAT markers took it: prepare_qat failed later, naming prepare_qat; torch.ao asserts here)
+        raise ValueError(f"{fn}: {type(bn).__name__}({bn.num_features}) cannot follow {type(mods[0]).__name__} with "
+                         f"{width} output channels (num_features must match)")
     if registered is not None:
         fused = registered.fuser(is_qat, *mods)
         want = registered.fused_type or nn.Module  # (the swap tables key on fused_type: another class stays float)
@@ -116,7 +127,7 @@ def fuse_known_modules(mods: Sequence[nn.Module], is_qat: bool = False) -> list[
         elif first in _BN_RELU:
             fused = _BN_RELU[first](*mods)
     if fused is None:
-        fn, names = "fuse_modules_qat" if is_qat else "fuse_modules", ", ".join(t.__name__ for t in types)
+        names = ", ".join(t.__name__ for t in types)
         raise ValueError(
             f"{fn}: cannot fuse ({names}); "
             "supported: conv+bn(+relu), conv+relu, linear+relu, linear+bn, bn+relu"
@@ -124,9 +135,9 @@ def fuse_known_modules(mods: Sequence[nn.Module], is_qat: bool = False) -> list[
         )
     if hasattr(mods[0], "qconfig"):
         fused.qconfig = mods[0].qconfig
-    _check_part_qconfigs(mods, fused)
+    _check_part_qconfigs(parts, fused)
     fused.train(mods[0].training)
-    _move_hooks(mods, fused)
+    _move_hooks(parts, fused)
     return [fused] + [nn.Identity() for _ in mods[1:]]
 
 

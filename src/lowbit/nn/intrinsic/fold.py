@@ -5,7 +5,9 @@ With ``s = gamma / sqrt(running_var + eps)`` (``gamma = 1`` for a non-affine BN)
     W'[c] = W[c] * s[c]                      # c: the output-channel axis (1 for ConvTranspose)
     b'    = (b - running_mean) * s + beta    # b = 0 when the layer has no bias
 
-so ``bn_eval(layer(x)) == layer'(x)`` exactly up to float rounding.
+so ``bn_eval(layer(x)) == layer'(x)`` exactly up to float rounding. ``W'`` keeps the dtype of ``W`` and ``b'``
+that of ``b`` (of ``W`` when there is none), as torch.ao's ``fuse_conv_bn_weights``: an fp16 layer after which an
+fp32 BN runs stays fp16 (the fused layer's forward refused its fp16 input).
 
 >>> import torch
 >>> from torch import nn
@@ -51,9 +53,9 @@ def fold_bn_weights(
         raise ValueError(f"cannot fold {type(bn).__name__}({s.numel()}) into a layer with {c} output channels")
     b = bias if bias is not None else torch.zeros_like(s)
     beta = bn.bias if bn.bias is not None else torch.zeros_like(s)
-    b_fold = (b - bn.running_mean) * s + beta
+    b_fold = ((b - bn.running_mean) * s + beta).to(weight.dtype if bias is None else bias.dtype)
     if not transpose:
-        return weight * s.reshape([-1] + [1] * (weight.dim() - 1)), b_fold
+        return (weight * s.reshape([-1] + [1] * (weight.dim() - 1))).to(weight.dtype), b_fold
     cin, cout_g, *k = weight.shape
     w = weight.reshape(groups, cin // groups, cout_g, *k) * s.reshape(groups, 1, cout_g, *[1] * len(k))
-    return w.reshape(weight.shape), b_fold
+    return w.reshape(weight.shape).to(weight.dtype), b_fold

@@ -75,10 +75,13 @@ class ClampedReLU(nn.ReLU):
 
 
 def as_fusable_relu(mod: nn.Module) -> nn.Module | None:
-    """``mod`` as a ReLU a marker can hold: ``nn.ReLU`` itself, ReLU6 / Hardtanh(0, t) as ``ClampedReLU``."""
+    """``mod`` as a ReLU a marker can hold: ``nn.ReLU`` itself, ReLU6 / Hardtanh(0, t) as ``ClampedReLU``.
+
+    Exact types only, as for ``nn.ReLU``: a user's ``Hardtanh`` subclass may compute anything in its ``forward``
+    (it was replaced by the plain clamp, silently)."""
     if type(mod) is nn.ReLU or isinstance(mod, ClampedReLU):
         return mod
-    if isinstance(mod, nn.Hardtanh) and float(mod.min_val) == 0.0 and float(mod.max_val) > 0:  # ReLU6 too
+    if type(mod) in (nn.Hardtanh, nn.ReLU6) and float(mod.min_val) == 0.0 and float(mod.max_val) > 0:
         return ClampedReLU(float(mod.max_val))
     return None
 
