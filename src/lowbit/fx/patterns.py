@@ -190,10 +190,11 @@ _BN_OF_TRANSPOSED = {nn.ConvTranspose1d: nn.BatchNorm1d, nn.ConvTranspose2d: nn.
                      nn.ConvTranspose3d: nn.BatchNorm3d}
 
 
-def _single_user_module(node: fx.Node, modules: dict[str, nn.Module]) -> nn.Module | None:
-    if node.op == "call_module" and len(node.users) == 1:
-        return modules[node.target]  # type: ignore[index]
-    return None
+def _hook_free_join(a: nn.Module, b: nn.Module) -> bool:
+    """Whether ``a → b`` may become one fused module: no forward hook on ``a`` and no forward pre-hook on ``b`` (the
+    hooks fusion cannot move: a BN's hook was dropped, a conv's ran on the BN-folded output; wrong numbers). Graph
+    mode fuses on its own, so it leaves such a run unfused where ``fuse_modules`` (asked by the user) warns."""
+    return not a._forward_hooks and not b._forward_pre_hooks
 
 
 def _relu_user(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
@@ -263,7 +264,7 @@ def _fuse_registered(gm: fx.GraphModule, modules: dict[str, nn.Module], calls: d
                 last = run[-1]
                 nxt = next(iter(last.users)) if len(last.users) == 1 else None
                 if (nxt is None or nxt.op != "call_module" or calls.get(nxt.target, 0) != 1 or not nxt.args
-                        or nxt.args[0] is not last):
+                        or nxt.args[0] is not last or not _hook_free_join(modules[last.target], modules[nxt.target])):
                     break
                 run.append(nxt)
             types = tuple(type(modules[n.target]) for n in run)  # type: ignore[index]
@@ -329,8 +330,11 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
             # a Linear's BatchNorm1d normalises its features only on a 2-D output (on (N, L, F) it normalises dim 1,
             # not the features: no fold); the rank is known when example inputs ran the graph
             rank_ok = type(first) is not nn.Linear or node.meta.get("lowbit_rank", 2) == 2
+            # a BN without running statistics normalises with batch statistics even in eval: nothing to fold, it
+            # stays a float op (fuse_modules refuses it; here the whole graph was refused)
             if (nxt is not None and nxt.op == "call_module" and calls[nxt.target] == 1 and rank_ok
-                    and type(modules[nxt.target]) is bn_of[type(first)]):
+                    and type(modules[nxt.target]) is bn_of[type(first)] and modules[nxt.target].track_running_stats
+                    and _hook_free_join(first, modules[nxt.target])):
                 run.append(nxt)
                 mods.append(modules[nxt.target])
         if type(first) in _LAYERS or type(first) in (nn.Linear, nn.BatchNorm2d, nn.BatchNorm3d):
@@ -340,9 +344,11 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
             if clamp is not None:  # ReLU6-like: its [0, t] clamp becomes the layer's output grid
                 relu, act = clamp
             linear_bn = type(first) is nn.Linear and len(run) == 2
-            if relu is not None and not linear_bn and calls.get(relu.target, 1) == 1:
+            relu_mod = modules[relu.target] if relu is not None and relu.op == "call_module" else act
+            if (relu is not None and not linear_bn and calls.get(relu.target, 1) == 1
+                    and _hook_free_join(mods[-1], relu_mod)):
                 run.append(relu)
-                mods.append(act)
+                mods.append(relu_mod)  # (a ReLU6 module itself: fuse_known_modules makes its ClampedReLU, moves its hooks)
                 act_node = relu
         if len(run) == 1:
             continue
