@@ -21,7 +21,8 @@ EmbeddingBag, with ``seg[j]`` the bag of flat entry ``j`` (``n`` entries, ``B`` 
     mean = sum / max(count, 1),  count = ScatterElements(zeros(B+1), seg, 1, add)
     max  = where(count > 0, ScatterElements(-inf, seg, r, max), 0)     (opset >= 18)
 
-so an empty bag gives 0, as in torch. Bag and entry counts stay dynamic.
+so an empty bag gives 0, as in torch. Bag and entry counts stay dynamic. A table with ``max_norm`` scales each
+looked-up row longer than it (``qdq.renorm_rows``: ReduceL1 / L2 / a power sum, Where), as the module does.
 
 >>> import torch
 >>> from lowbit.nn.quantized.embedding import EmbeddingBag
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .qdq import ConstDQ, check_integer_zero_points
+from .qdq import ConstDQ, check_integer_zero_points, renorm_rows
 
 __all__ = ["EmbeddingBagTwin", "EmbeddingTableTwin", "table_dq", "to_int4"]
 
@@ -75,9 +76,10 @@ class EmbeddingTableTwin(nn.Module):
     def __init__(self, mod: Any) -> None:
         super().__init__()
         self.table, self.bits = table_dq(mod), mod.qdtype.bits
+        self.max_norm, self.norm_type = mod.max_norm, mod.norm_type
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        return F.embedding(indices, self.table())
+        return renorm_rows(F.embedding(indices, self.table()), self.max_norm, self.norm_type)
 
 
 class EmbeddingBagTwin(nn.Module):
@@ -87,7 +89,7 @@ class EmbeddingBagTwin(nn.Module):
         super().__init__()
         self.table, self.bits = table_dq(mod), mod.qdtype.bits
         self.mode, self.include_last_offset, self.padding_idx = mod.mode, mod.include_last_offset, mod.padding_idx
-        self.embedding_dim = mod.embedding_dim
+        self.embedding_dim, self.max_norm, self.norm_type = mod.embedding_dim, mod.max_norm, mod.norm_type
 
     def check_opset(self, opset: int, path: str) -> None:
         """Raise ``ValueError`` when ``opset`` lacks the ScatterElements reduction this bag's mode needs."""
@@ -114,7 +116,7 @@ class EmbeddingBagTwin(nn.Module):
             seg = torch.minimum(seg, dummy)  # past the last offset (include_last_offset): the dummy bag
         if self.padding_idx is not None:
             seg = torch.where(flat == self.padding_idx, dummy, seg)
-        rows = F.embedding(flat, self.table())
+        rows = renorm_rows(F.embedding(flat, self.table()), self.max_norm, self.norm_type)
         if per_sample_weights is not None:
             rows = rows * per_sample_weights.reshape(-1, 1).to(torch.float32)
         index = seg.reshape(-1, 1).expand(-1, self.embedding_dim)

@@ -316,6 +316,15 @@ class ActivationTwin(nn.Module):
         return self.out_qdq(self.fn(x))
 
 
+def renorm_rows(rows: torch.Tensor, max_norm: float | None, norm_type: float) -> torch.Tensor:
+    """Looked-up rows (``(..., D)``) longer than ``max_norm`` scaled to ``max_norm / (norm + 1e-7)``, as
+    ``nn.Embedding``'s forward: out of place (``F.embedding(max_norm=)`` renorms in place, which the exporter drops)."""
+    if max_norm is None:
+        return rows
+    norm = rows.norm(p=norm_type, dim=-1, keepdim=True)
+    return rows * torch.where(norm > max_norm, max_norm / (norm + 1e-7), torch.ones_like(norm))
+
+
 def check_integer_zero_points(mod: Any) -> None:
     """Raise unless ``mod``'s table has integer zero points (float ones cannot be a DequantizeLinear's)."""
     if mod.weight_zero_point.is_floating_point():
@@ -331,9 +340,10 @@ class EmbeddingTwin(nn.Module):
         super().__init__()
         check_integer_zero_points(mod)
         self.table = ConstDQ(mod.weight_q, mod.weight_scale, mod.weight_zero_point, 0)
+        self.max_norm, self.norm_type = mod.max_norm, mod.norm_type
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        return F.embedding(indices, self.table())
+        return renorm_rows(F.embedding(indices, self.table()), self.max_norm, self.norm_type)
 
 
 class ConstWeight(nn.Module):

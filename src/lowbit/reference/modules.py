@@ -330,6 +330,12 @@ class ConvTranspose3d(_ConvTransposeNd, nn.ConvTranspose3d):
     _FLOAT, _FN = nn.ConvTranspose3d, F.conv_transpose3d
 
 
+def _table_options(mod: nn.Module) -> dict[str, Any]:
+    """The lookup options of an ``nn.Embedding`` / ``nn.EmbeddingBag`` besides its geometry (``max_norm`` renorms
+    looked-up rows in the forward: dropping it changed the outputs)."""
+    return {a: getattr(mod, a) for a in ("max_norm", "norm_type", "scale_grad_by_freq", "sparse")}
+
+
 class Embedding(_WeightQDQ, nn.Embedding):
     """``qdq(W)[idx]`` per row; as ``torch.ao.nn.quantized.reference.Embedding``."""
 
@@ -347,11 +353,11 @@ class Embedding(_WeightQDQ, nn.Embedding):
         if not isinstance(mod, nn.Embedding):
             raise TypeError(f"lowbit.reference.Embedding.from_float expects an nn.Embedding, got {type(mod).__name__}")
         return cls(mod.num_embeddings, mod.embedding_dim, mod.padding_idx, weight_qparams,
-                   _weight=mod.weight.detach().clone())
+                   _weight=mod.weight.detach().clone(), **_table_options(mod))
 
     def to_float(self) -> nn.Embedding:
         return nn.Embedding(self.num_embeddings, self.embedding_dim, self.padding_idx,
-                            _weight=self.weight.detach().clone())
+                            _weight=self.weight.detach().clone(), **_table_options(self))
 
 
 class EmbeddingBag(_WeightQDQ, nn.EmbeddingBag):
@@ -374,11 +380,13 @@ class EmbeddingBag(_WeightQDQ, nn.EmbeddingBag):
             raise TypeError("lowbit.reference.EmbeddingBag.from_float expects an nn.EmbeddingBag, got "
                             f"{type(mod).__name__}")
         return cls(mod.num_embeddings, mod.embedding_dim, mod.mode, weight_qparams, padding_idx=mod.padding_idx,
-                   include_last_offset=mod.include_last_offset, _weight=mod.weight.detach().clone())
+                   include_last_offset=mod.include_last_offset, _weight=mod.weight.detach().clone(),
+                   **_table_options(mod))
 
     def to_float(self) -> nn.EmbeddingBag:
         return nn.EmbeddingBag(self.num_embeddings, self.embedding_dim, mode=self.mode, padding_idx=self.padding_idx,
-                               include_last_offset=self.include_last_offset, _weight=self.weight.detach().clone())
+                               include_last_offset=self.include_last_offset, _weight=self.weight.detach().clone(),
+                               **_table_options(self))
 
 
 # float type -> reference class (what convert(..., is_reference=True) swaps a weighted module for)

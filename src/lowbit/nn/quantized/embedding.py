@@ -5,6 +5,8 @@ Row ``i`` of the ``(N, D)`` table is stored as codes ``q[i]`` with its own ``(s_
 
     ŵ[i, :] = (q[i, :] - z_i) * s_i                      # q: (N, D) codes, s, z: (N,)
     Embedding(idx)      = ŵ[idx]                         # (*idx, D) float32
+    (with ``max_norm``: each looked-up row r scaled by max_norm / (‖r‖_p + 1e-7) where ‖r‖_p > max_norm, as
+    nn.Embedding's forward, on the copy: the codes are not changed; torch.ao's quantized tables ignore max_norm)
     EmbeddingBag(idx)   = reduce_{j in bag b} psw_j * ŵ[idx_j]     # (B, D) float32; sum / mean / max
 
 With ``per_channel_affine_float_qparams`` (torch.ao's embedding recipe, ``get_embedding_qconfig(
@@ -31,6 +33,7 @@ torch.Size([2, 4])
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -104,15 +107,28 @@ def _row_qparams(weight: torch.Tensor, mod: nn.Module | None, qdtype: QDtype | N
     return scale.to(w.device, torch.float32).contiguous(), zp.to(w.device, zp_dtype).contiguous(), qdtype
 
 
+def _check_max_norm(name: str, max_norm: Any, norm_type: Any) -> tuple[float | None, float]:
+    """``max_norm`` None or a finite number > 0, ``norm_type`` a finite number > 0 (as floats)."""
+    for arg, v in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if v is None and arg == "max_norm":
+            continue
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        if not ok:
+            raise ValueError(f"{name}: {arg}={v!r} must be a finite number > 0" + (" or None" if arg == "max_norm" else ""))
+    return (None if max_norm is None else float(max_norm)), float(norm_type)
+
+
 class _QuantizedTable(CheckedQuantState):
     """The shared table storage: buffers ``weight_q``, ``weight_scale`` (N,), ``weight_zero_point`` (N,)."""
 
     _weight_grids = ("qdtype",)  # (a checkpoint's metadata: the weight grid's kind must match, its range may be narrower)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None,
-                 qdtype: QDtype | str | torch.dtype, qscheme: QScheme | str = QScheme.PER_CHANNEL_AFFINE) -> None:
+                 qdtype: QDtype | str | torch.dtype, qscheme: QScheme | str = QScheme.PER_CHANNEL_AFFINE,
+                 max_norm: float | None = None, norm_type: float = 2.0) -> None:
         super().__init__()
         name = type(self).__name__
+        self.max_norm, self.norm_type = _check_max_norm(name, max_norm, norm_type)
         for arg, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name}: {arg}={v!r} must be a positive int")
@@ -184,7 +200,12 @@ class _QuantizedTable(CheckedQuantState):
             raise IndexError(f"{name}: index {bad} is out of range for {self.num_embeddings} embeddings")
         codes = self._codes(idx).to(torch.float32)
         z = self.weight_zero_point.index_select(0, idx).to(torch.float32)
-        return (codes - z[:, None]) * self.weight_scale.index_select(0, idx)[:, None]
+        rows = (codes - z[:, None]) * self.weight_scale.index_select(0, idx)[:, None]
+        if self.max_norm is not None:  # as nn.Embedding's forward (and the QAT module's, on its fake-quantized table):
+            with torch.no_grad():  # rows longer than max_norm scaled to it, on this copy, not the stored codes
+                torch.embedding_renorm_(rows, torch.arange(rows.shape[0], device=rows.device), self.max_norm,
+                                        self.norm_type)
+        return rows
 
     def _adopt_zero_points(self, state_dict: dict[str, Any], prefix: str) -> tuple[torch.Tensor, QScheme]:
         """Take the checkpoint's zero-point dtype (a float-qparams table keeps float zero points); return what to
@@ -224,15 +245,17 @@ class _QuantizedTable(CheckedQuantState):
     def extra_repr(self) -> str:
         kind = "per_row_float_qparams" if self.qscheme.has_float_zero_point else "per_row_affine"
         s = f"{self.num_embeddings}, {self.embedding_dim}, qdtype={self.qdtype!r}, qscheme={kind}"
-        return s + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+        s += f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return s + (f", max_norm={self.max_norm}, norm_type={self.norm_type}" if self.max_norm is not None else "")
 
 
 class Embedding(_QuantizedTable):
     """``ŵ[indices]``: ``(*)`` int indices -> ``(*, embedding_dim)`` float32 from a per-row quantized table."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 qdtype: QDtype | str | torch.dtype = quint8, qscheme: QScheme | str = QScheme.PER_CHANNEL_AFFINE) -> None:
-        super().__init__(num_embeddings, embedding_dim, padding_idx, qdtype, qscheme)
+                 qdtype: QDtype | str | torch.dtype = quint8, qscheme: QScheme | str = QScheme.PER_CHANNEL_AFFINE,
+                 max_norm: float | None = None, norm_type: float = 2.0) -> None:
+        super().__init__(num_embeddings, embedding_dim, padding_idx, qdtype, qscheme, max_norm, norm_type)
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         rows = self._rows(indices.reshape(-1) if isinstance(indices, torch.Tensor) else indices)
@@ -248,7 +271,8 @@ class Embedding(_QuantizedTable):
         pre = check_precomputed_flag(use_precomputed_fake_quant, "Embedding.from_float")
         scale, zp, qdtype = _row_qparams(mod.weight, mod, None if dtype is None else as_qdtype(dtype), precomputed=pre,
                                          where="Embedding.from_float")
-        q = cls(mod.num_embeddings, mod.embedding_dim, mod.padding_idx, qdtype)
+        q = cls(mod.num_embeddings, mod.embedding_dim, mod.padding_idx, qdtype, max_norm=mod.max_norm,
+                norm_type=mod.norm_type)
         q.set_weight(QTensor(quantize(mod.weight.detach().float(), scale, zp, qdtype, 0), scale, zp, qdtype, 0))
         return q
 
@@ -281,10 +305,11 @@ class EmbeddingBag(_QuantizedTable):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "mean", padding_idx: int | None = None,
                  include_last_offset: bool = False, qdtype: QDtype | str | torch.dtype = quint8,
-                 qscheme: QScheme | str = QScheme.PER_CHANNEL_AFFINE) -> None:
+                 qscheme: QScheme | str = QScheme.PER_CHANNEL_AFFINE, max_norm: float | None = None,
+                 norm_type: float = 2.0) -> None:
         if mode not in _MODES:
             raise ValueError(f"EmbeddingBag: mode={mode!r} must be one of {_MODES}")
-        super().__init__(num_embeddings, embedding_dim, padding_idx, qdtype, qscheme)
+        super().__init__(num_embeddings, embedding_dim, padding_idx, qdtype, qscheme, max_norm, norm_type)
         self.mode, self.include_last_offset = mode, bool(include_last_offset)
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
@@ -330,14 +355,15 @@ class EmbeddingBag(_QuantizedTable):
     @classmethod
     def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype | None = None,
                    use_precomputed_fake_quant: bool = False) -> EmbeddingBag:
-        """Quantize ``mod.weight`` per row; copies ``mode``, ``padding_idx``, ``include_last_offset``."""
+        """Quantize ``mod.weight`` per row; copies ``mode``, ``padding_idx``, ``include_last_offset``, ``max_norm``."""
         if not isinstance(mod, nn.EmbeddingBag):
             raise TypeError(f"EmbeddingBag.from_float expects an nn.EmbeddingBag, got {type(mod).__name__}")
         check_finite_weight(mod.weight, "EmbeddingBag.from_float")
         pre = check_precomputed_flag(use_precomputed_fake_quant, "EmbeddingBag.from_float")
         scale, zp, qdtype = _row_qparams(mod.weight, mod, None if dtype is None else as_qdtype(dtype), precomputed=pre,
                                          where="EmbeddingBag.from_float")
-        q = cls(mod.num_embeddings, mod.embedding_dim, mod.mode, mod.padding_idx, mod.include_last_offset, qdtype)
+        q = cls(mod.num_embeddings, mod.embedding_dim, mod.mode, mod.padding_idx, mod.include_last_offset, qdtype,
+                max_norm=mod.max_norm, norm_type=mod.norm_type)
         q.set_weight(QTensor(quantize(mod.weight.detach().float(), scale, zp, qdtype, 0), scale, zp, qdtype, 0))
         return q
 
