@@ -147,3 +147,47 @@ def test_onnx_export_renorms_like_the_module(tmp_path, bits, opset):
         got = run_onnx(path, *args)[0]
         assert torch.allclose(got, mod(*args), atol=1e-5), name
         assert torch.allclose(got, _float_out(m, name, *args), atol=0.02 if bits == 8 else 0.2), name
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.bag, self.lin = nn.Embedding(16, 8, padding_idx=0), nn.EmbeddingBag(16, 8, mode="sum"), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(x) + self.bag(x)[:, None])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tables_of_a_half_model_return_its_dtype(dtype):
+    """Defect: the quantized tables of a bf16 / fp16 model returned float32, so the next float layer raised
+    "mat1 and mat2 must have the same dtype" (eager, ``quantize_dynamic``, and the convert of a QAT model)."""
+    torch.manual_seed(0)
+    m = _Head().eval().to(dtype)
+    x = torch.randint(0, 16, (3, 4))
+    want = m(x)
+    qc = Q.get_embedding_qconfig()
+    eager = copy.deepcopy(m)
+    eager.emb.qconfig = eager.bag.qconfig = qc
+    qat = copy.deepcopy(m).train()
+    qat.emb.qconfig = qat.bag.qconfig = Q.get_embedding_qat_qconfig()
+    prepared = Q.prepare_qat(qat)
+    prepared(x)
+    routes = {"eager": Q.convert(Q.prepare(eager)),
+              "dynamic": Q.quantize_dynamic(copy.deepcopy(m), {nn.Embedding: qc, nn.EmbeddingBag: qc}),
+              "qat": Q.convert(prepared.eval())}
+    for route, c in routes.items():
+        assert c.emb(x).dtype == dtype and c.bag(x).dtype == dtype, route
+        got = c(x)
+        assert got.dtype == dtype and torch.allclose(got.float(), want.float(), atol=0.05), route
+        assert c.emb.weight_scale.dtype == torch.float32, route  # the grid stays float32 (fp16 scales: another grid)
+    # like the grids, the output dtype is the converted model's: casts afterwards leave it (test_hostile_s33b)
+    c = routes["eager"]
+    assert c.double().emb(x).dtype == dtype and "out_dtype=" in repr(c.emb)
+
+
+def test_float32_tables_still_return_float32_and_state_dict_is_unchanged():
+    q = Embedding.from_float(nn.Embedding(8, 4))
+    assert q(torch.tensor([1])).dtype == torch.float32
+    assert set(q.state_dict()) == {"weight_q", "weight_scale", "weight_zero_point"}
+    assert q.half()(torch.tensor([1])).dtype == torch.float32 and "out_dtype" not in repr(q)

@@ -150,6 +150,10 @@ class _QuantizedTable(CheckedQuantState):
         self.register_buffer("weight_scale", torch.ones(num_embeddings, dtype=torch.float32))
         zp_dtype = torch.float32 if self.qscheme.has_float_zero_point else torch.int64
         self.register_buffer("weight_zero_point", torch.zeros(num_embeddings, dtype=zp_dtype))
+        # the dtype of the vectors looked up: from_float takes the float table's (a bf16 / fp16 model's next layer
+        # refused float32 rows); rows are dequantized and reduced in float32. Like the grid, .half() / .float() of the
+        # converted model leave it as it is (CheckedQuantState); not in the state_dict
+        self.out_dtype = torch.float32
         self.set_weight(torch.zeros(num_embeddings, embedding_dim))
 
     def set_weight(self, weight: torch.Tensor | QTensor) -> None:
@@ -246,7 +250,8 @@ class _QuantizedTable(CheckedQuantState):
         kind = "per_row_float_qparams" if self.qscheme.has_float_zero_point else "per_row_affine"
         s = f"{self.num_embeddings}, {self.embedding_dim}, qdtype={self.qdtype!r}, qscheme={kind}"
         s += f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
-        return s + (f", max_norm={self.max_norm}, norm_type={self.norm_type}" if self.max_norm is not None else "")
+        s += f", max_norm={self.max_norm}, norm_type={self.norm_type}" if self.max_norm is not None else ""
+        return s + (f", out_dtype={self.out_dtype}" if self.out_dtype != torch.float32 else "")
 
 
 class Embedding(_QuantizedTable):
@@ -259,7 +264,7 @@ class Embedding(_QuantizedTable):
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         rows = self._rows(indices.reshape(-1) if isinstance(indices, torch.Tensor) else indices)
-        return rows.reshape(*indices.shape, self.embedding_dim)
+        return rows.reshape(*indices.shape, self.embedding_dim).to(self.out_dtype)
 
     @classmethod
     def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype | None = None,
@@ -274,6 +279,7 @@ class Embedding(_QuantizedTable):
         q = cls(mod.num_embeddings, mod.embedding_dim, mod.padding_idx, qdtype, max_norm=mod.max_norm,
                 norm_type=mod.norm_type)
         q.set_weight(QTensor(quantize(mod.weight.detach().float(), scale, zp, qdtype, 0), scale, zp, qdtype, 0))
+        q.out_dtype = mod.weight.dtype
         return q
 
 
@@ -350,7 +356,7 @@ class EmbeddingBag(_QuantizedTable):
             rows = torch.cat([rows, rows.new_zeros(1, self.embedding_dim)])
         return F.embedding_bag(local, rows, offsets.to(torch.int64), mode=self.mode,
                                per_sample_weights=per_sample_weights, include_last_offset=include_last,
-                               padding_idx=pad)
+                               padding_idx=pad).to(self.out_dtype)
 
     @classmethod
     def from_float(cls, mod: nn.Module, dtype: QDtype | str | torch.dtype | None = None,
@@ -365,6 +371,7 @@ class EmbeddingBag(_QuantizedTable):
         q = cls(mod.num_embeddings, mod.embedding_dim, mod.mode, mod.padding_idx, mod.include_last_offset, qdtype,
                 max_norm=mod.max_norm, norm_type=mod.norm_type)
         q.set_weight(QTensor(quantize(mod.weight.detach().float(), scale, zp, qdtype, 0), scale, zp, qdtype, 0))
+        q.out_dtype = mod.weight.dtype
         return q
 
     def extra_repr(self) -> str:
