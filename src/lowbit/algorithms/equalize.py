@@ -100,6 +100,27 @@ def _in_ranges(b: nn.Module) -> torch.Tensor | None:
     return None
 
 
+def _same_axis(a: nn.Module, b: nn.Module) -> bool:
+    """Whether ``b`` reads ``a``'s output channels as its input channels (both Linear or both the same ConvNd; a
+    Linear after a conv reads its last spatial axis, a conv after a Linear its token axis)."""
+    return type(split(a)[0]) is type(split(b)[0])
+
+
+def _channel_dim(layer: nn.Module, out: torch.Tensor) -> int:
+    """The dim of ``out`` (``layer``'s output) that holds its channels: last for a Linear (``(N, ..., C)``),
+    ``out.dim() - k - 1`` for a ``ConvNd`` with ``k`` spatial dims (1 batched, 0 unbatched), else 1 (a BatchNorm)."""
+    if isinstance(layer, nn.Linear) or out.dim() < 2:
+        return out.dim() - 1
+    k = getattr(layer, "kernel_size", None)
+    return out.dim() - len(k) - 1 if isinstance(k, tuple) else 1
+
+
+def _per_channel(layer: nn.Module, out: torch.Tensor, stat: str) -> torch.Tensor:
+    """``amin`` / ``amax`` of ``layer``'s output ``out`` per channel (every other dim reduced)."""
+    dims = [d for d in range(out.dim()) if d != _channel_dim(layer, out)]
+    return (out.detach().amin(dim=dims) if stat == "amin" else out.detach().amax(dim=dims)) if dims else out.detach()
+
+
 def _depthwise(mod: nn.Module) -> bool:
     b, _ = split(mod)
     return getattr(b, "groups", 1) > 1 and b.weight.shape[1] == 1
@@ -140,7 +161,7 @@ def _pairs(gm: fx.GraphModule, relu6: str) -> list[tuple[str, str]]:
             a, act = split(mods[node.target])
             b, _ = split(mods[nxt.target])
             ok_act = act is None or type(act) is nn.ReLU or (isinstance(act, ClampedReLU) and relu6 != "skip")
-            if ok_act and _in_ranges(b) is not None and a.weight.shape[0] == _in_ranges(b).numel():
+            if ok_act and _same_axis(a, b) and _in_ranges(b) is not None and a.weight.shape[0] == _in_ranges(b).numel():
                 out.append((str(node.target), str(nxt.target)))
     return out
 
@@ -235,9 +256,8 @@ def _measure(gm: fx.GraphModule, layers: dict[str, nn.Module], stat: str, calib:
     got: dict[str, torch.Tensor] = {}
     hooks = []
     for name, m in layers.items():
-        def hook(_m: nn.Module, _args: Any, out: Any, name: str = name) -> None:
-            dims = [d for d in range(out.dim()) if d != 1] if out.dim() > 1 else [0]
-            v = out.detach().amin(dim=dims) if stat == "amin" else out.detach().amax(dim=dims)
+        def hook(m: nn.Module, _args: Any, out: Any, name: str = name) -> None:
+            v = _per_channel(m, out, stat)
             got[name] = v if name not in got else torch.minimum(got[name], v) if stat == "amin" \
                 else torch.maximum(got[name], v)
         hooks.append(m.register_forward_hook(hook))
@@ -284,7 +304,8 @@ def _float_second(gm: fx.GraphModule, mods: dict[str, nn.Module]) -> list[tuple[
             continue
         (nxt,) = obs.users
         b = mods.get(str(nxt.target)) if nxt.op == "call_module" else None
-        if type(b) not in (nn.Conv2d, nn.Linear) or getattr(b, "qconfig", None) is not None or nxt.args[0] is not obs:
+        if type(b) not in (nn.Conv2d, nn.Linear) or getattr(b, "qconfig", None) is not None or nxt.args[0] is not obs \
+                or not _same_axis(mods[node.target], b):
             continue
         r_b = _in_ranges(b)
         if r_b is not None and r_b.numel() == split(mods[node.target])[0].weight.shape[0] \
@@ -372,8 +393,7 @@ def _absorb(gm: fx.GraphModule, mods: dict[str, nn.Module], pairs: list[tuple[st
         def hook(m: nn.Module, args: Any, out: Any, an: str = an) -> None:
             pre = nn.functional.linear(args[0], m.weight, m.bias) if isinstance(m, nn.Linear) else \
                 m._conv_forward(args[0], m.weight, m.bias)  # type: ignore[operator]
-            dims = [d for d in range(pre.dim()) if d != 1] if pre.dim() > 1 else [0]
-            lo = pre.amin(dim=dims)
+            lo = _per_channel(m, pre, "amin")
             lows[an] = torch.minimum(lows[an], lo) if an in lows else lo
         hooks.append(a.register_forward_hook(hook))
     if not hooks:
@@ -390,6 +410,6 @@ def _absorb(gm: fx.GraphModule, mods: dict[str, nn.Module], pairs: list[tuple[st
         a.bias.sub_(c)
         w = b.weight.reshape(b.weight.shape[0], b.weight.shape[1], -1).sum(-1)  # (out, in)
         if b.bias is None:
-            b.bias = nn.Parameter(torch.zeros(b.weight.shape[0]))
+            b.bias = nn.Parameter(torch.zeros(b.weight.shape[0], dtype=b.weight.dtype, device=b.weight.device))
         b.bias.add_(w @ c)
         records[an].absorbed = int((c > 0).sum())
