@@ -12,7 +12,8 @@ where ``f`` is the float prepared model (every observer the identity) on the cal
 ``refine_grids`` first ranks the grids by the output error each causes alone at its calibrated step on a
 few samples (``rank_samples``), then, for each of the ``top`` costliest, tries ``s = m s_0`` for every
 multiplier ``m`` in ``mults`` (at most 1: a clamped layer's grid stays inside its clamp; the zero point
-stays) on the first calibration batch, each grid alone, and keeps the ``m`` of least error. A changed grid
+stays) on the first calibration batch, each grid alone, and keeps the ``m`` of least error (an observer that
+quantizes at several nodes, a reused module's output, is not searched: it is not one value). A changed grid
 replaces its observer by a ``FixedQParamsObserver`` (what the rounding pass and ``convert_fx`` read). Only
 the nodes downstream of grid ``k`` are recomputed per candidate (upstream values are cached), so late
 grids are cheap. Each grid is judged alone and with the weights float, so the choices do not add up
@@ -166,7 +167,13 @@ def refine_grids(gm: fx.GraphModule, batches: Iterable[Any], *, top: int = 8, mu
     if samples:
         first = tuple(torch.cat([r[k] for r in taken])[:samples] for k in range(len(first)))
     mods = dict(gm.named_modules())
-    grids = [n for n in gm.graph.nodes if _eligible(n, mods) and (not only or any(
+    # an observer module called at several nodes (a reused module's output grid, as prepare_fx shares it) is one
+    # grid that the search would judge at one node with the others float, then pin for all: left as calibrated
+    calls: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            calls[str(n.target)] = calls.get(str(n.target), 0) + 1
+    grids = [n for n in gm.graph.nodes if _eligible(n, mods) and calls[str(n.target)] == 1 and (not only or any(
         isinstance(n.args[0], fx.Node) and n.args[0].name.startswith(p) for p in only))]
     if not grids or top == 0:
         return []
