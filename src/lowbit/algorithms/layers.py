@@ -33,7 +33,8 @@ from ..nn.intrinsic import FusedModule
 from ..qconfig import QConfig
 
 __all__ = ["WEIGHTED", "TRANSPOSED", "is_weighted", "split", "layer_forward", "weight_codes", "freeze_weight",
-           "FrozenWeightObserver", "layer_sample", "shared_layers", "parameter_holders", "rounded_forward"]
+           "FrozenWeightObserver", "layer_sample", "shared_layers", "parameter_holders", "rounded_forward",
+           "rounded_before"]
 
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)  # int8 after convert, not rounded here
@@ -181,6 +182,21 @@ def layer_sample(mod: nn.Module, xq: list[torch.Tensor], target: list[torch.Tens
             return act(y) if act is not None else y
         return run, t[idx, :, r: r + oh, c: c + ow]
     return sample
+
+
+def rounded_before(mod: nn.Module, holders: dict[int, nn.Module]) -> bool:
+    """Whether an earlier layer (``holders``: weight id -> the layer that rounded it) rounded ``mod``'s weight: the
+    same module called again, or a tied weight (another module holding the same ``Parameter``). A tied layer then
+    takes that layer's weight grid where both grids have the same integer range, so its codes are the rounded
+    weight's own (its observer would round the rounded weight a second time, onto a grid of its own)."""
+    first = holders.get(id(split(mod)[0].weight))
+    if first is None:
+        return False
+    if first is not mod:
+        q, s, z, lo, hi = weight_codes(first)
+        if weight_codes(mod)[3:] == (lo, hi):
+            freeze_weight(mod, q, s, z)  # (the weight already holds (q - z) s: only the grid is pinned)
+    return True
 
 
 def parameter_holders(model: nn.Module) -> dict[int, int]:

@@ -17,6 +17,9 @@ float output ``y = act(op(x))``:
    error that arrives from upstream layers;
 3. the codes are frozen (``layers.freeze_weight``) so ``convert_fx`` uses exactly them.
 
+A layer called at several nodes, or holding a tied weight, is rounded and bias-corrected once (``layers.rounded_before``),
+every call's target from a float copy of the layer taken before the walk.
+
 The pass is exact to the int8 model up to what the simulation leaves float (averaging pools,
 functional convs on parameters keep float weights here and round to nearest in ``convert_fx``).
 Eager-mode prepared models go through ``reconstruct_eager`` (one model pass per layer).
@@ -24,6 +27,7 @@ Eager-mode prepared models go through ``reconstruct_eager`` (one model pass per 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +42,8 @@ from ..observer import ObserverBase
 from .adaround import adaround_codes
 from .block import block_codes, find_blocks, install_grid, learnable_grids, span_sample
 from .quadratic import quadratic_codes, supports
-from .layers import freeze_weight, is_weighted, layer_forward, layer_sample, rounded_forward, split, weight_codes
+from .layers import (freeze_weight, is_weighted, layer_forward, layer_sample, rounded_before, rounded_forward,
+                     shared_layers, split, weight_codes)
 
 __all__ = ["LayerChange", "patch_observers", "reconstruct", "ROUNDINGS"]
 
@@ -80,17 +85,21 @@ def _fq(obs: nn.Module) -> Any:
 def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Tensor], adaround: bool,
            bias_correction: bool, iters: int, batch_size: int, g: torch.Generator, window: int = 16,
            target: list[torch.Tensor] | None = None, codes: torch.Tensor | None = None,
-           rounding: str = "adaround") -> tuple[torch.Tensor, LayerChange]:
+           rounding: str = "adaround", freeze: bool = True,
+           float_mod: nn.Module | None = None) -> tuple[torch.Tensor, LayerChange]:
     """Round (and bias-correct) one layer; return its simulated weight and the change record.
 
     ``codes``: weight codes learned elsewhere (block reconstruction) to use instead of rounding here.
     ``rounding``: ``"adaround"``, or ``"quadratic"`` / ``"depthwise"`` (``quadratic.quadratic_codes`` on every
-    supported layer / on depthwise convs only; AdaRound on the others)."""
+    supported layer / on depthwise convs only; AdaRound on the others). ``freeze=False``: the codes are not
+    written into the weight nor pinned (a weight another call already rounded). ``float_mod``: the float layer
+    (a copy taken before any rounding) the targets come from, where ``mod``'s own weight may already be rounded."""
     op, act = split(mod)
+    float_mod = mod if float_mod is None else float_mod
     q0, s, z, lo, hi = weight_codes(mod)
     if target is None:
         with torch.no_grad():
-            target = [layer_forward(mod, x) for x in xf]
+            target = [layer_forward(float_mod, x) for x in xf]
 
     def error(w: torch.Tensor) -> float:  # output MSE on the first calibration batch (cost: one batch)
         with torch.no_grad():
@@ -118,7 +127,7 @@ def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Ten
             total, count = torch.zeros(op.weight.shape[0]), 0
             ch = -1 if isinstance(op, nn.Linear) else 1  # a Linear's channels are last: (N, ..., C); a conv's (N, C, ...)
             for x_f, x_q, t in zip(xf, xq, target):
-                pre_f = t if act is None else layer_forward(mod, x_f, activation=False)
+                pre_f = t if act is None else layer_forward(float_mod, x_f, activation=False)
                 d = pre_f - layer_forward(mod, x_q, w_hat, activation=False)
                 total += d.movedim(ch, 0).reshape(d.shape[ch], -1).sum(1) if d.dim() > 1 else d
                 count += d.numel() // d.shape[ch] if d.dim() > 1 else 1
@@ -127,7 +136,8 @@ def _layer(name: str, mod: nn.Module, xq: list[torch.Tensor], xf: list[torch.Ten
                 op.bias = nn.Parameter(torch.zeros(op.weight.shape[0], dtype=op.weight.dtype))
             op.bias.add_(delta.to(op.bias.dtype))
             rec.bias_shift = float(delta.abs().max())
-    freeze_weight(mod, q, s, z)
+    if freeze:
+        freeze_weight(mod, q, s, z)
     rec.mse_after = error((q - z) * s)
     return (q - z) * s, rec
 
@@ -203,11 +213,15 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     patched = patch_observers(gm, "float")  # observers inside opaque leaves must not keep observing
     try:
         spans = find_blocks(nodes, mods, learn_grids) if blocks and adaround and iters > 0 else {}
+        # a layer called at several nodes or holding a tied weight rounds once, never in a block (module doc)
+        shared = shared_layers(gm)
+        twins = {name: copy.deepcopy(mods[name]) for name in shared}
+        spans = {i: j for i, j in spans.items() if not any(str(n.target) in shared for n in nodes[i + 1: j + 1])}
         # layers convert gives int8 weights that no pass rounds (transposed convs): the quantized walk runs them
         # on those weights, as the int8 model does
         rounded = {name: f for name, m in mods.items() if (f := rounded_forward(m)) is not None}
         _walk(gm, nodes, mods, batches, envs_f, envs_q, last_use, changes, bar, adaround, bias_correction, iters,
-              batch_size, g, spans, learn_grids, rounding, rounded)
+              batch_size, g, spans, learn_grids, rounding, rounded, twins)
     finally:
         for m in patched:
             m.__dict__.pop("forward", None)
@@ -219,9 +233,13 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
           envs_f: list[dict[fx.Node, Any]], envs_q: list[dict[fx.Node, Any]], last_use: dict[fx.Node, int],
           changes: list[LayerChange], bar: Any, adaround: bool, bias_correction: bool, iters: int, batch_size: int,
           g: torch.Generator, spans: dict[int, int] | None = None, learn_grids: bool = False,
-          rounding: str = "adaround", rounded: dict[str, Any] | None = None) -> None:
+          rounding: str = "adaround", rounded: dict[str, Any] | None = None,
+          twins: dict[str, nn.Module] | None = None) -> None:
     placeholders = [n for n in nodes if n.op == "placeholder"]
     done = -1
+    twins = twins or {}
+    holders: dict[int, nn.Module] = {}  # weight id -> the layer that rounded it
+    corrected: set[int] = set()  # ids of the biases corrected so far
 
     def block(i: int) -> int:
         _block(gm, nodes, i, spans[i], mods, envs_f, envs_q, last_use, changes, bar,  # type: ignore[index]
@@ -247,13 +265,22 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
                     ef[node] = ef[node.args[0]]
                     eq[node] = fq(eq[node.args[0]]) if fq is not None else eq[node.args[0]]
             elif mod is not None and is_weighted(mod) and len(node.args) == 1 and not node.kwargs:
-                src = node.args[0]
+                src, op, twin = node.args[0], split(mod)[0], twins.get(str(node.target))
                 for ef in envs_f:  # the float layer, before its weight and bias change
-                    ef[node] = layer_forward(mod, ef[src])
+                    ef[node] = layer_forward(twin or mod, ef[src])
+                # a weight / bias an earlier call rounded / corrected keeps its codes / shift (one int8 weight)
+                again = rounded_before(mod, holders)
+                fix = bias_correction and (op.bias is None or id(op.bias) not in corrected)
                 with torch.enable_grad():
                     w_hat, rec = _layer(str(node.target), mod, [e[src] for e in envs_q], [e[src] for e in envs_f],
-                                        adaround, bias_correction, iters, batch_size, g,
-                                        target=[e[node] for e in envs_f], rounding=rounding)
+                                        adaround and not again, fix, iters, batch_size, g,
+                                        target=[e[node] for e in envs_f], rounding=rounding,
+                                        codes=weight_codes(mod)[0] if again else None, freeze=not again,
+                                        float_mod=twin)
+                holders.setdefault(id(op.weight), mod)
+                corrected.update({id(op.bias)} if op.bias is not None and fix else set())
+                if twin is not None:
+                    rec.notes.append("shared: weight rounded once" + ("" if fix else ", bias corrected once"))
                 changes.append(rec)
                 bar.update(1)
                 bar.set_postfix(layer=node.target)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layers import is_weighted
+from .layers import is_weighted, rounded_before, split, weight_codes
 from .layerwise import LayerChange, _check_steps, _layer, batch_tuples, patch_observers
 
 __all__ = ["reconstruct_eager"]
@@ -78,11 +78,20 @@ def reconstruct_eager(prepared: nn.Module, calib: Iterable[Any], adaround: bool 
         for m in obs:
             del m.forward
         quant = patch_observers(prepared, "quant")  # (also transposed convs: on their int8 weights)
+        holders: dict[int, nn.Module] = {}  # a weight tied to an earlier layer's keeps the codes that layer learned
+        corrected: set[int] = set()
         for mod in tqdm(order, desc="adaround" if adaround else "bias correction", disable=not progress):
             xq = _capture(prepared, mod, batches)
-            xf = _capture(float_model, fnames[names[mod]], batches)
+            fmod = fnames[names[mod]]  # the float layer (mod's weight may be tied to one already rounded)
+            xf = _capture(float_model, fmod, batches)
+            op = split(mod)[0]
+            again = rounded_before(mod, holders)
+            fix = bias_correction and (op.bias is None or id(op.bias) not in corrected)
             with torch.enable_grad():
-                _, rec = _layer(names[mod], mod, xq, xf, adaround, bias_correction, iters, batch_size, g)
+                _, rec = _layer(names[mod], mod, xq, xf, adaround and not again, fix, iters, batch_size, g,
+                                codes=weight_codes(mod)[0] if again else None, freeze=not again, float_mod=fmod)
+            holders.setdefault(id(op.weight), mod)
+            corrected.update({id(op.bias)} if op.bias is not None and fix else set())
             changes.append(rec)
     finally:
         for m in (*obs, *quant):
