@@ -55,12 +55,13 @@ __all__ = ["OutGrid", "ConvSpec", "BACKENDS", "counts", "set_backend", "get_back
 BACKENDS: dict[str, ModuleType] = {"onednn": onednn, "int_mm": int_mm, "reference": reference}
 counts: Counter[tuple[str, str]] = Counter()
 
-_pinned: contextvars.ContextVar[str | None] = contextvars.ContextVar("lowbit_kernel_backend", default=None)
+_UNSET = "<unset>"  # no use_backend block in this context: the process pin (set_backend) decides
+_pinned: contextvars.ContextVar[str | None] = contextvars.ContextVar("lowbit_kernel_backend", default=_UNSET)
 _global: list[str | None] = [None]
 
 
 def _check(name: str | None) -> str | None:
-    if name is not None and name not in BACKENDS:
+    if name is not None and (not isinstance(name, str) or name not in BACKENDS):
         raise ValueError(f"unknown kernel backend {name!r}; choose one of {sorted(BACKENDS)} or None (automatic)")
     return name
 
@@ -71,13 +72,16 @@ def set_backend(name: str | None) -> None:
 
 
 def get_backend() -> str | None:
-    """The pinned backend name (innermost ``use_backend`` first), or ``None`` for automatic."""
-    return _pinned.get() or _global[0]
+    """The pinned backend name (innermost ``use_backend`` first, ``use_backend(None)`` included), or ``None`` for
+    automatic."""
+    name = _pinned.get()
+    return _global[0] if name is _UNSET else name
 
 
 @contextlib.contextmanager
 def use_backend(name: str | None) -> Iterator[None]:
-    """Pin a backend inside a ``with`` block (thread/async-task local)."""
+    """Pin a backend inside a ``with`` block (thread/async-task local); ``None``: the automatic choice inside it, even
+    under ``set_backend``."""
     token = _pinned.set(_check(name))
     try:
         yield
