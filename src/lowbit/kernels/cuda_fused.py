@@ -47,7 +47,12 @@ _FAILED: list[str] = []
 
 def enabled(device: torch.device) -> bool:
     """Whether the compiled epilogues serve ``device`` (CUDA, torch.compile usable, not switched off)."""
-    return device.type == "cuda" and not _FAILED and os.environ.get("LOWBIT_CUDA_FUSED", "1") != "0"
+    if device.type != "cuda" or _FAILED:
+        return False
+    switch = os.environ.get("LOWBIT_CUDA_FUSED", "").strip()
+    if switch not in ("", "0", "1"):  # ("off", "false": the compiled epilogues ran on, silently)
+        raise ValueError(f"LOWBIT_CUDA_FUSED={switch!r}: set it to 0 (the torch-op epilogue) or 1 (the default)")
+    return switch != "0"
 
 
 def _token_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

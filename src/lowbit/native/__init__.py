@@ -80,7 +80,10 @@ def _cache_dir() -> Path:
 
 def _build() -> tuple[types.SimpleNamespace | None, types.SimpleNamespace | None, str]:
     """``(entry points, their ctypes twins, what was built or why nothing was)``: see the module doc."""
-    if os.environ.get("LOWBIT_NATIVE", "1") == "0":
+    switch = os.environ.get("LOWBIT_NATIVE", "").strip()
+    if switch not in ("", "0", "1"):  # ("off", "false": the passes ran on, silently)
+        raise ValueError(f"LOWBIT_NATIVE={switch!r}: set it to 0 (no native passes) or 1 (the default)")
+    if switch == "0":
         return None, None, "LOWBIT_NATIVE=0"
     missing = [str(f) for f in (*_SRC, _DIR / "common.h") if not f.exists()]
     if sys.platform != "linux" or missing:
@@ -88,7 +91,7 @@ def _build() -> tuple[types.SimpleNamespace | None, types.SimpleNamespace | None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None, None, "no C compiler (cc / gcc / $CC) on PATH"
-    want = os.environ.get("LOWBIT_NATIVE_ENTRY", "cpython")
+    want = os.environ.get("LOWBIT_NATIVE_ENTRY", "").strip() or "cpython"  # (empty: unset, as $CC, $LOWBIT_CACHE_DIR)
     if want not in ("cpython", "ctypes"):
         raise ValueError(f"LOWBIT_NATIVE_ENTRY={want!r}: set it to 'cpython' (the default) or 'ctypes'")
     src = b"".join(f.read_bytes() for f in (*_SRC, _DIR / "common.h"))
@@ -188,16 +191,19 @@ def reason() -> str:
 
 class _Disabled:
     """``disabled()``'s context manager: a class, not a generator (~0.3 µs instead of ~3 per block, which matters
-    where benchmarks time small calls with the native passes off)."""
+    where benchmarks time small calls with the native passes off). What each enter found is kept on this thread's
+    stack, not on the object: one object may be entered again inside itself (a module-level ``OFF = native.disabled()``)
+    or by several threads, and each exit restores its own thread's state."""
 
-    __slots__ = ("old",)
+    __slots__ = ()
 
     def __enter__(self) -> None:
-        self.old = _local.__dict__.get("off", False)
+        d = _local.__dict__
+        d.setdefault("off_stack", []).append(d.get("off", False))
         _local.off = True
 
     def __exit__(self, *exc: object) -> None:
-        _local.off = self.old
+        _local.off = _local.off_stack.pop()
 
 
 @contextlib.contextmanager
