@@ -202,6 +202,11 @@ def _check_twin(name: str, qmod: nn.Module, fmod: nn.Module) -> None:
         fmod = fmod if inner is None else inner
     differs = [g for g in _GEOMETRY if hasattr(qmod, g) and hasattr(fmod, g) and getattr(qmod, g) != getattr(fmod, g)
                and not isinstance(getattr(fmod, g), str)]  # (padding="same" is a tuple once quantized)
+    qdev = next((t.device for t in (*qmod.parameters(), *qmod.buffers())), None)
+    if fw is not None and (fw.is_meta or (qdev is not None and fw.device != qdev)):  # (timed: it must compute)
+        raise ValueError(f"keep_faster: float_model's {name or '<root>'!r} ({type(fmod).__name__}) is on {fw.device}, "
+                         f"the quantized {type(qmod).__name__} on {qdev}; pass the float model with its weights on "
+                         f"the quantized model's device")
     if fw is None or differs:
         raise ValueError(f"keep_faster: float_model's {name or '<root>'!r} ({type(fmod).__name__}) is not the layer the "
                          f"quantized {type(qmod).__name__} was converted from"
@@ -289,6 +294,9 @@ def keep_faster(qmodel: nn.Module, float_model: nn.Module, example_inputs: Any, 
         raise ValueError(f"keep_faster: margin={margin!r} must be a positive finite number")
     if timer is not None and not callable(timer):
         raise TypeError(f"keep_faster: timer={timer!r} must be callable or None")
+    if isinstance(example_inputs, bool) or example_inputs is None:  # (convert's speed_check=True read as a switch)
+        raise TypeError(f"keep_faster: example_inputs={example_inputs!r}: pass the model's example inputs (a tensor or "
+                        "a tuple of positional arguments)")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if not args:
         raise ValueError("keep_faster: example_inputs is empty")

@@ -191,6 +191,9 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
         full = {**(get_default_static_quant_module_mappings() if mapping is None else mapping), **custom}
         with precomputed_weights(use_precomputed_fake_quant):
             return to_reference(model, mapping=full, inplace=inplace, return_report=return_report)
+    if isinstance(speed_check, bool):  # (read as a switch: it went on to the model as its input)
+        raise TypeError(f"convert: speed_check={speed_check!r} takes the example inputs to time the layers on (a tensor "
+                        "or a tuple of positional arguments), or None (no speed check)")
     _check_common("convert", model, inplace)
     graph_mode = warn_graph_mode("convert", model)
     if not isinstance(return_report, bool):
