@@ -35,7 +35,7 @@ import torch
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
 from .base import ObserverBase, check_observed
-from .distributed import all_reduce_min_max, all_reduce_sum, is_distributed, pending_sync, remember_group
+from .distributed import agree_observer, all_reduce_min_max, all_reduce_sum, is_distributed, pending_sync, remember_group
 
 __all__: list[str] = []
 
@@ -75,6 +75,7 @@ class _ClipRangeObserver(ObserverBase):
     histogram: torch.Tensor
     min_val: torch.Tensor
     max_val: torch.Tensor
+    _sync_settings: tuple[str, ...] = ("bins",)  # compared across ranks (agree_observer)
 
     def __init__(self, qscheme: QScheme | str, qdtype: QDtype | str, ch_axis: int | None, eps: float,
                  bins: int | None) -> None:
@@ -194,6 +195,7 @@ class _ClipRangeObserver(ObserverBase):
         """
         remember_group(self, group)  # the group later lazy reductions use
         if is_distributed(group):
+            agree_observer(self, group)
             lo, hi = all_reduce_min_max(self.min_val, self.max_val, group, type(self).__name__)
             rows = 1 if lo.dim() == 0 else lo.numel()
             lo_r, hi_r = lo.reshape(rows), hi.reshape(rows)

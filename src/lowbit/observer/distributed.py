@@ -28,6 +28,12 @@ Policy (one rule, used by every lowbit observer that has statistics):
   observer it calls ``calculate_qparams()`` each step, i.e. a collective per step in lockstep.
   ``FakeQuantize.calculate_qparams()`` follows the rule above.
 
+Every ``sync_statistics`` starts with ``agree_observer``: the ranks compare a fingerprint of the
+observer's type and settings (one small ``all_gather``), so ranks holding different observers at one
+place (another class, qscheme, qdtype, ``ch_axis``, ``eps``, bins, percentile, ...) get a ``ValueError``
+on every rank naming each rank's observer, instead of reducing unrelated statistics into silently
+different qparams or calling different collectives (a hang until the group's timeout).
+
 The helpers below are no-ops on a single process, return new tensors (inputs are not modified),
 and agree on per-channel shapes first: a rank whose per-channel observer saw no data still holds
 the scalar ``±inf`` seed, which is expanded to the channel count the other ranks report.
@@ -43,6 +49,7 @@ False
 from __future__ import annotations
 
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -51,7 +58,8 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["is_distributed", "all_reduce_min_max", "all_reduce_mean", "all_reduce_sum", "sync_observers",
-           "local_statistics", "sync_pending", "remember_group", "pending_sync"]
+           "local_statistics", "sync_pending", "remember_group", "pending_sync", "agree_observer",
+           "describe_observer"]
 
 _LOCAL = threading.local()
 
@@ -126,6 +134,39 @@ def _per_rank(values: list[int], group: dist.ProcessGroup | None, device: torch.
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine, group=group)
     return [p.tolist() for p in parts]
+
+
+def describe_observer(observer: nn.Module) -> str:
+    """The observer's type and every setting its reduction and qparams depend on (what ``agree_observer`` compares):
+    ``qscheme``, ``qdtype`` (with its range), ``ch_axis``, ``eps`` and the names in its class's ``_sync_settings``."""
+    qd = getattr(observer, "qdtype", None)
+    parts = [f"qscheme={getattr(getattr(observer, 'qscheme', None), 'value', None)}",
+             f"qdtype={qd!r}" + (f" [{qd.quant_min}, {qd.quant_max}]" if qd is not None else ""),
+             f"ch_axis={getattr(observer, 'ch_axis', None)}", f"eps={getattr(observer, 'eps', None)!r}"]
+    parts += [f"{k}={getattr(observer, k, None)!r}" for k in getattr(observer, "_sync_settings", ())]
+    return f"{type(observer).__name__}({', '.join(parts)})"
+
+
+def agree_observer(observer: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Raise ``ValueError`` on every rank unless every rank of ``group`` holds the same observer here (a collective).
+
+    ``sync_statistics`` calls it first: one ``all_gather`` of a fingerprint of ``describe_observer``, the same size
+    whatever the observer, so ranks reach it in step even when their observers differ; on a mismatch a second
+    gather collects the descriptions for the message. Single process: nothing to compare.
+    """
+    if not is_distributed(group):
+        return
+    mine = describe_observer(observer)
+    buf = next(iter(observer.buffers()), None)
+    device = buf.device if buf is not None else torch.device("cpu")
+    codes = _per_rank([zlib.crc32(mine.encode())], group, device)
+    if any(c != codes[0] for c in codes):
+        every: list[object] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        listed = "; ".join(f"rank {r}: {d}" for r, d in enumerate(every))
+        raise ValueError(f"{type(observer).__name__}: ranks hold different observers at this place ({listed}); every "
+                         "rank must build the same observer with the same settings (the same qconfig) to reduce "
+                         "statistics across ranks")
 
 
 def _agree_shape(t: torch.Tensor, owner: str, group: dist.ProcessGroup | None) -> torch.Tensor:

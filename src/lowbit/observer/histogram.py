@@ -52,7 +52,7 @@ import torch
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
 from .base import ObserverBase, check_observed, finite_aminmax
-from .distributed import all_reduce_min_max, all_reduce_sum, is_distributed, pending_sync, remember_group
+from .distributed import agree_observer, all_reduce_min_max, all_reduce_sum, is_distributed, pending_sync, remember_group
 from .histogram_search import _L2Model, _quantile_clip_range, _search_clip_range  # noqa: F401 (_L2Model: tests)
 
 __all__ = ["HistogramObserver"]
@@ -127,6 +127,7 @@ class HistogramObserver(ObserverBase):
     histogram: torch.Tensor
     min_val: torch.Tensor
     max_val: torch.Tensor
+    _sync_settings: tuple[str, ...] = ("bins", "search")  # compared across ranks (agree_observer)
 
     def __init__(
         self,
@@ -246,6 +247,7 @@ class HistogramObserver(ObserverBase):
         """
         remember_group(self, group)  # the group later lazy reductions use
         if is_distributed(group):
+            agree_observer(self, group)
             owner = type(self).__name__
             lo, hi = all_reduce_min_max(self.min_val, self.max_val, group, owner)
             base = _rebin(self._reduced_histogram, self._reduced_range[0], self._reduced_range[1], lo, hi)

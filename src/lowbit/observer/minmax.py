@@ -38,7 +38,7 @@ import torch
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme, per_channel_symmetric, per_tensor_affine, qint8, quint8
 from .base import ObserverBase, check_observed, finite_aminmax
-from .distributed import all_reduce_mean, all_reduce_min_max, is_distributed, pending_sync, remember_group
+from .distributed import agree_observer, all_reduce_mean, all_reduce_min_max, is_distributed, pending_sync, remember_group
 
 __all__ = [
     "MinMaxObserver",
@@ -54,6 +54,7 @@ class _MinMaxObserverBase(ObserverBase):
     min_val: torch.Tensor
     max_val: torch.Tensor
     _averaging = False  # class attribute: cumulative (False) or moving average (True)
+    _sync_settings: tuple[str, ...] = ("averaging_constant",)  # compared across ranks (agree_observer)
 
     def __init__(
         self,
@@ -154,6 +155,7 @@ class _MinMaxObserverBase(ObserverBase):
         """
         remember_group(self, group)  # the group later lazy reductions use
         if is_distributed(group):
+            agree_observer(self, group)
             owner = type(self).__name__
             if self._averaging:
                 lo, hi = all_reduce_mean(self.min_val, group, owner), all_reduce_mean(self.max_val, group, owner)

@@ -61,6 +61,8 @@ class PercentileObserver(_ClipRangeObserver):
     True
     """
 
+    _sync_settings: tuple[str, ...] = ("bins", "percentile")  # compared across ranks (agree_observer)
+
     def __init__(self, percentile: float = 99.99, qscheme: QScheme | str = per_tensor_affine,
                  qdtype: QDtype | str = quint8, ch_axis: int | None = None, bins: int | None = None,
                  eps: float = 1e-8) -> None:
