@@ -185,7 +185,16 @@ class _ClipRangeObserver(ObserverBase):
         self.register_buffer("max_val", torch.tensor(float("-inf"), device=dev))
         self.register_buffer("histogram", torch.zeros((0, self.bins) if self.ch_axis is not None else (self.bins,),
                                                       device=dev))
+        self._mark_reduced()  # nothing reduced yet: the next reduction must not subtract the forgotten union
         self._needs_sync = True
+
+    def _mark_reduced(self) -> None:
+        """Record the current statistics as the ones every rank holds after a reduction (``sync_statistics``, a
+        loaded checkpoint; a reset: nothing), so the next reduction sums only what each rank saw since."""
+        rows = 1 if self.min_val.dim() == 0 else self.min_val.numel()
+        self._reduced_histogram = self.histogram.detach().reshape(-1).clone()
+        self._reduced_lo = self.min_val.detach().reshape(-1).expand(rows).clone()
+        self._reduced_hi = self.max_val.detach().reshape(-1).expand(rows).clone()
 
     def sync_statistics(self, group: torch.distributed.ProcessGroup | None = None) -> None:
         """Merge the ranks' histograms (a collective; no-op on a single process).
@@ -216,7 +225,8 @@ class _ClipRangeObserver(ObserverBase):
     def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         super()._load_from_state_dict(*args, **kwargs)
         self.bins = self.histogram.shape[-1]
-        self._needs_sync = False  # loaded statistics count as already reduced
+        self._mark_reduced()  # loaded statistics count as already reduced: later reductions add only what is new
+        self._needs_sync = False
 
     # -- qparams ---------------------------------------------------------------------------------
     def _clip_range(self, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
