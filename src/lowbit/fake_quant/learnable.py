@@ -51,6 +51,7 @@ from torch import nn
 
 from ..functional import _F32_MAX, _F32_TINY, _show, check_ch_axis, check_quantized_state
 from ..observer.base import ObserverBase, saved_eps
+from ..observer.distributed import is_distributed, sync_pending
 from ..observer.minmax import MovingAverageMinMaxObserver
 from ..qparams import symmetric_zero_point
 from .base import FakeQuantize, per_tensor_qparams
@@ -110,6 +111,7 @@ class LearnableFakeQuantize(FakeQuantize):
         self.use_grad_scaling = use_grad_scaling
         self.register_buffer("learning_enabled", torch.tensor([0], dtype=torch.uint8))
         self._grid_loaded = False  # set by load_state_dict: the parameters came from a checkpoint
+        self._grid_trained = False  # set by a forward with learning enabled: the parameters are being learned
         self.toggle_qparam_learning(False)
 
     @property
@@ -155,9 +157,12 @@ class LearnableFakeQuantize(FakeQuantize):
         if self.observer_enabled[0] == 1:
             self.activation_post_process(x.detach())
             self._set_qparams(*self._step_qparams())
+            self._grid_trained = False  # (a copy of the observer's grid again)
         else:
             with torch.no_grad():
                 self.scale.clamp_(min=self.eps)
+        if self.learning_enabled[0] == 1:
+            self._grid_trained = True
         if self.fake_quant_enabled[0] != 1:
             return x
         if self.symmetric_zero_point is not None:
@@ -189,6 +194,19 @@ class LearnableFakeQuantize(FakeQuantize):
         loaded = getattr(self, "_grid_loaded", False)  # (absent on modules pickled before it existed)
         return bool(self.learning_enabled[0] == 1) or loaded or bool(getattr(obs, "is_calibrated", True))
 
+    def _adopt_reduced_grid(self) -> None:
+        """Under ``torch.distributed``: parameters that only copy the observer's grid (the static phases; never
+        learned, never loaded) take the grid of its statistics reduced across ranks, as a ``FakeQuantize`` does. They
+        held the last local step's grid, different on every rank, or the initial ``scale=1.0`` on a rank whose shard
+        was empty (its observer adopted the others' statistics, so the module counted as holding a grid)."""
+        if (getattr(self, "_grid_trained", False) or getattr(self, "_grid_loaded", False)
+                or self.learning_enabled[0] == 1 or not is_distributed()):
+            return
+        obs = self.activation_post_process
+        sync_pending(obs)  # a collective unless already reduced (sync_observers), like FakeQuantize.calculate_qparams
+        if getattr(obs, "is_calibrated", False):
+            self._set_qparams(*self._step_qparams())
+
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The learned grid: ``(max(scale, eps), clamp(round(zero_point), qmin, qmax))`` as float32 / int64;
         ``RuntimeError`` naming the parameter when ``scale`` or ``zero_point`` is NaN or infinite.
@@ -196,7 +214,10 @@ class LearnableFakeQuantize(FakeQuantize):
         ``RuntimeError`` naming this module while the parameters hold no grid: its observer saw no
         finite data (no batch, or only NaN/Inf), learning was never enabled and no state was loaded
         (torch.ao returns the initial ``scale=1.0`` there; lowbit refuses, as ``FakeQuantize`` does).
+        Under ``torch.distributed`` parameters never learned nor loaded take the grid of the observer's reduced
+        statistics first (``_adopt_reduced_grid``: a collective unless ``sync_observers`` ran).
         """
+        self._adopt_reduced_grid()
         if not self._holds_grid():
             obs = self.activation_post_process
             raise RuntimeError(f"{type(self).__name__}: scale/zero_point hold no grid yet: its observer "
