@@ -15,7 +15,7 @@ tensor([3., 3.])
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..observer.distributed import is_distributed
 
-__all__ = ["shard", "ordered_gather", "ordered_sum", "broadcast_tensors", "rank_and_world"]
+__all__ = ["shard", "ordered_gather", "ordered_sum", "broadcast_tensors", "rank_and_world", "agree_calibration"]
 
 
 def rank_and_world(group: Any = None) -> tuple[int, int]:
@@ -38,6 +38,38 @@ def shard(batches: Sequence[Any], rank: int, world: int) -> list[Any]:
     if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
         raise ValueError(f"lowbit.llm.shard: rank={rank!r} must be in [0, world={world!r})")
     return list(batches)[rank::world]
+
+
+def agree_calibration(fn: str, check: Callable[[], list[Any]], group: Any = None) -> list[Any]:
+    """``check()`` — this rank's validation of its calibration batches, returning them — then, on several ranks, one
+    small ``all_gather`` before any other collective: every rank raises when any rank's batches were refused (that
+    rank its own error), when a rank has none, or when the counts differ. A rank that raised alone left the others
+    waiting in the first statistic's collective until the group's timeout.
+
+    >>> agree_calibration("f", lambda: [1, 2])          # one process: check() as it is
+    [1, 2]
+    """
+    if not is_distributed(group):
+        return check()
+    error: Exception | None = None
+    try:
+        batches = check()
+    except (TypeError, ValueError) as e:
+        error, batches = e, []
+    mine = torch.tensor([len(batches), int(error is not None)], dtype=torch.int64)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    counts, failed = [int(p[0]) for p in parts], [r for r, p in enumerate(parts) if int(p[1])]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"{fn}: the calibration batches of rank(s) {failed} were refused (the error is raised on "
+                         "that rank); every rank stops here")
+    if min(counts) == 0 or len(set(counts)) > 1:
+        listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+        raise ValueError(f"{fn}: every rank needs the same, non-zero number of calibration batches ({listed}); "
+                         "give each rank lowbit.llm.shard(calib, rank, world) of a multiple of world batches")
+    return batches
 
 
 def ordered_gather(local: list[torch.Tensor], group: Any = None) -> list[torch.Tensor]:

@@ -49,7 +49,7 @@ from ..nn.quantized.weight_only import (WeightOnlyLinear, check_recipe, fit_grou
 from .awq import awq_fold, awq_search_stats, scale_source
 from .blocks import (StopForward, capture_block_inputs, check_has_linears, check_llm_calib, decoder_layers,
                      linear_groups, real_rows, run_block, token_mask)
-from .dist import broadcast_tensors, ordered_sum, rank_and_world
+from .dist import agree_calibration, broadcast_tensors, ordered_sum, rank_and_world
 from .refine import output_error, refine_scales
 from .plan import check_shapes, resolve_group_size
 from .tied import find_head, quantize_head
@@ -227,7 +227,7 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
     layers = decoder_layers(model)
     check_has_linears(model, layers, "quantize_llm")
     check_finite_linears(((n, m) for n, m in layers.named_modules() if isinstance(m, nn.Linear)), "quantize_llm")
-    calib = check_llm_calib(model, calib, "quantize_llm")
+    calib = agree_calibration("quantize_llm", lambda: check_llm_calib(model, calib, "quantize_llm"), group)
     model.eval()  # after the checks: a refused argument leaves the caller's model (inplace=True) in its mode
     inps = capture_block_inputs(model, layers, calib)
     if not inps:
