@@ -45,7 +45,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch import nn
+from torch import fx, nn
 
 from .fusion_registry import find_fusion_pattern
 from .nn import intrinsic as nni
@@ -204,11 +204,81 @@ def _set(model: nn.Module, name: str, mod: nn.Module) -> None:
     parent._modules[child] = mod  # in place: keeps Sequential order
 
 
-def _check_adjacent(model: nn.Module, group: list[str]) -> None:
-    """Members of a group that share a parent must be adjacent among its children (``nn.Identity``
-    left by an earlier fusion aside): a module registered between them (``conv1, bn1, relu1`` fused as
-    ``["conv1", "relu1"]``) would be skipped by the fused module, silently changing the function.
-    Members registered in another order, or under other parents, are not judged (no dataflow here)."""
+class _ChildCalls(fx.Tracer):
+    """Traces one module's ``forward`` with every submodule a leaf: the calls of its children, in run order."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+def _child_calls(parent: nn.Module, cache: dict[int, fx.Graph | None]) -> fx.Graph | None:
+    """``parent``'s forward as a graph of its children's calls, or ``None`` where it is ``nn.Sequential``'s own
+    forward (registration order is run order) or torch.fx cannot trace it."""
+    if id(parent) not in cache:
+        graph = None
+        if type(parent).forward is not nn.Sequential.forward:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    graph = _ChildCalls().trace(parent)
+            except Exception:  # data-dependent control flow, a ModuleList / ModuleDict (no forward) ...
+                graph = None
+        cache[id(parent)] = graph
+    return cache[id(parent)]
+
+
+def _skips(node: Any, parent: nn.Module) -> bool:
+    """An ``nn.Identity`` call (left by an earlier fusion): transparent to the run order."""
+    return (isinstance(node, fx.Node) and node.op == "call_module"
+            and isinstance(parent.get_submodule(str(node.target)), nn.Identity))
+
+
+def _readers(node: fx.Node, parent: nn.Module) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    for user in node.users:
+        out += _readers(user, parent) if _skips(user, parent) else [user]
+    return out
+
+
+def _what(node: Any) -> str:
+    if not isinstance(node, fx.Node):
+        return repr(node)
+    return str(node.target) if node.op in ("call_module", "call_method") else getattr(node.target, "__name__", node.name)
+
+
+def _check_dataflow(parent: nn.Module, where: str, group: list[str], children: list[str], graph: fx.Graph) -> bool:
+    """Check in ``parent``'s traced forward that each member reads only the previous member's output and that
+    output feeds only it; ``False`` where a member is not called there (nothing to judge by)."""
+    calls = {c: [n for n in graph.nodes if n.op == "call_module" and n.target == c] for c in children}
+    if not all(calls.values()):
+        return False
+    for c, nodes in calls.items():
+        if len(nodes) > 1:
+            raise ValueError(f"fuse: cannot fuse {group}: {where + c!r} runs {len(nodes)} times in "
+                             f"{type(parent).__name__}.forward, and the fused module would replace every call")
+    for a, b in zip(children, children[1:]):
+        src = calls[b][0].args[0] if calls[b][0].args else None
+        while _skips(src, parent):
+            src = src.args[0]  # type: ignore[union-attr]
+        if src is not calls[a][0]:
+            raise ValueError(f"fuse: cannot fuse {group}: {[where + _what(src)]} sits between them, and the fused "
+                             "module would skip it (fuse only modules that run one after the other)")
+        others = [u for u in _readers(calls[a][0], parent) if u is not calls[b][0]]
+        if others:
+            raise ValueError(f"fuse: cannot fuse {group}: the output of {where + a!r} is also read by "
+                             f"{[where + _what(u) for u in others]}, which would read the fused module's output")
+    return True
+
+
+def _check_adjacent(model: nn.Module, group: list[str], cache: dict[int, fx.Graph | None]) -> None:
+    """Members of a group that share a parent must run one after the other there, each reading only the previous
+    one's output: a module run between them (``conv1, bn1, relu1`` fused as ``["conv1", "relu1"]``) would be skipped
+    by the fused module, a member run twice or an output read elsewhere would change too — silently changing the
+    function. The parent's ``forward`` is traced (children as leaves) to see its run order, so modules registered
+    in another order than they run (torchvision's ``Bottleneck`` registers ``relu1`` last, its
+    ``SqueezeExcitation`` ``fc2`` before ``activation``) fuse as in torch.ao. Where the forward cannot be traced
+    (or is ``nn.Sequential``'s), the members must be adjacent among the parent's children (``nn.Identity`` left by an
+    earlier fusion aside). Members under other parents are not judged."""
     parents: dict[str, list[str]] = {}
     for name in group:
         parent, _, child = name.rpartition(".")
@@ -216,13 +286,17 @@ def _check_adjacent(model: nn.Module, group: list[str]) -> None:
     for parent, children in parents.items():
         if len(children) < 2:
             continue
-        kids = (model.get_submodule(parent) if parent else model)._modules
+        mod = model.get_submodule(parent) if parent else model
+        where = f"{parent}." if parent else ""
+        graph = _child_calls(mod, cache)
+        if graph is not None and _check_dataflow(mod, where, group, children, graph):
+            continue
+        kids = mod._modules
         order = list(kids)
         pos = sorted(order.index(c) for c in children)
         between = [order[i] for i in range(pos[0] + 1, pos[-1])
                    if order[i] not in children and kids[order[i]] is not None and not isinstance(kids[order[i]], nn.Identity)]
         if between:
-            where = f"{parent}." if parent else ""
             raise ValueError(f"fuse: cannot fuse {group}: {[where + b for b in between]} sits between them, and the "
                              "fused module would skip it (fuse only modules that run one after the other)")
 
@@ -249,12 +323,13 @@ def _fuse(model: nn.Module, modules_to_fuse: Any, inplace: bool, is_qat: bool,
     groups = _groups(modules_to_fuse)
     if not inplace:
         model = copy.deepcopy(model)
+    traced: dict[int, fx.Graph | None] = {}  # each parent's forward, traced once per call
     swapped: list[tuple[str, nn.Module]] = []  # (name, the module it held): a later group's error puts them back
     hooks: list[tuple[nn.Module, dict[str, Any]]] = []  # the parts' hook tables, as the fusion found them
     try:
         for group in groups:
             mods = [_get(model, n) for n in group]
-            _check_adjacent(model, group)
+            _check_adjacent(model, group, traced)
             hooks += [(m, {k: dict(getattr(m, k)) for k in _HOOK_TABLES}) for m in mods]
             try:
                 new = fuser(mods, is_qat=is_qat)

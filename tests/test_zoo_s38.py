@@ -1,0 +1,122 @@
+"""Session 38: small local versions of torchvision's architectures through eager and graph mode, as written.
+
+torchvision's quantizable ResNet50 / MobileNetV3 ``fuse_model`` (modules registered in another order than they run),
+ShuffleNetV2's channel shuffle (``torch.transpose``, ``x.chunk(2, dim=1)``), a Bottleneck's shared
+``ReLU(inplace=True)`` in ``quantize_ptq``'s block reconstruction, empty ``nn.Sequential`` branches.
+Oracles: torch.ao's ``fuse_modules`` and the float model (the fused function), the graph-mode reference model
+(``convert_to_reference_fx``: the int8 model within one output quantum), the layer-by-layer recipe.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.ao.quantization as tq
+from torch import nn
+
+import lowbit as Q
+import lowbit.nn.quantized as nnq
+
+
+def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.detach(), out.detach()
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()))
+
+
+def _bn(m: nn.Module) -> nn.Module:
+    g = torch.Generator().manual_seed(1)
+    for b in m.modules():
+        if isinstance(b, nn.BatchNorm2d):
+            b.running_mean.copy_(torch.randn(b.num_features, generator=g) * 0.1)
+            b.running_var.copy_(torch.rand(b.num_features, generator=g) + 0.5)
+    return m.eval()
+
+
+# ---- fuse_modules judges the run order, not the registration order ----
+class _Bottleneck(nn.Module):
+    """torchvision's Bottleneck as its quantizable subclass extends it: relu1 / relu2 registered after downsample."""
+
+    def __init__(self, c: int = 8, w: int = 4) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, w, 1, bias=False), nn.BatchNorm2d(w)
+        self.conv2, self.bn2 = nn.Conv2d(w, w, 3, padding=1, bias=False), nn.BatchNorm2d(w)
+        self.conv3, self.bn3 = nn.Conv2d(w, c, 1, bias=False), nn.BatchNorm2d(c)
+        self.relu, self.downsample = nn.ReLU(inplace=True), None
+        self.skip_add_relu = nnq.FloatFunctional()
+        self.relu1, self.relu2 = nn.ReLU(inplace=False), nn.ReLU(inplace=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu1(self.bn1(self.conv1(x)))
+        out = self.relu2(self.bn2(self.conv2(out)))
+        return self.skip_add_relu.add_relu(self.bn3(self.conv3(out)), x)
+
+
+class _SqueezeExcitation(nn.Module):
+    """torchvision's SqueezeExcitation: fc2 registered before activation, which runs between fc1 and fc2."""
+
+    def __init__(self, c: int = 8, s: int = 4) -> None:
+        super().__init__()
+        self.avgpool, self.fc1, self.fc2 = nn.AdaptiveAvgPool2d(1), nn.Conv2d(c, s, 1), nn.Conv2d(s, c, 1)
+        self.activation, self.scale_activation = nn.ReLU(), nn.Hardsigmoid()
+        self.skip_mul = nnq.FloatFunctional()
+
+    def _scale(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale_activation(self.fc2(self.activation(self.fc1(self.avgpool(x)))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.skip_mul.mul(self._scale(x), x)
+
+
+@pytest.mark.parametrize(("make", "groups"), [
+    (_Bottleneck, [["conv1", "bn1", "relu1"], ["conv2", "bn2", "relu2"], ["conv3", "bn3"]]),
+    (_SqueezeExcitation, [["fc1", "activation"]]),
+])
+def test_torchvision_fuse_model_groups_registered_out_of_run_order_fuse_as_torch_ao(make, groups):
+    torch.manual_seed(0)
+    model, x = _bn(make()), torch.randn(2, 8, 5, 5)
+    ours = Q.fuse_modules(model, groups)  # raised "['conv2', 'bn2', ...] sits between them" / "['fc2'] ..."
+    theirs = tq.fuse_modules(model, groups)
+    assert [type(m).__name__ for m in ours.children()] == [type(m).__name__ for m in theirs.children()]
+    torch.testing.assert_close(ours(x), model(x), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=0)
+
+
+class _PlainBasicBlock(nn.Module):
+    """torchvision's (non-quantizable) BasicBlock: one ReLU module run after bn1 and after the residual add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1, self.relu = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        out += x
+        return self.relu(out)
+
+
+class _ReadTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return self.bn(y) + y
+
+
+def test_fusing_a_module_run_twice_or_an_output_read_twice_is_refused():
+    """torch.ao fuses both silently: the second ReLU call becomes the identity, the skip reads BN(conv(x))."""
+    x = torch.randn(2, 4, 5, 5)
+    block = _bn(_PlainBasicBlock())
+    assert (tq.fuse_modules(block, ["conv1", "bn1", "relu"])(x) - block(x)).abs().max() > 0.1  # (what lowbit did)
+    with pytest.raises(ValueError, match=r"'relu' runs 2 times in _PlainBasicBlock.forward"):
+        Q.fuse_modules(block, ["conv1", "bn1", "relu"])
+    with pytest.raises(ValueError, match=r"the output of 'conv' is also read by \['add'\]"):
+        Q.fuse_modules(_bn(_ReadTwice()), ["conv", "bn"])
+    # the adjacent groups of that block still fuse
+    fused = Q.fuse_modules(block, [["conv2", "bn2"]])
+    torch.testing.assert_close(fused(x), block(x), atol=1e-5, rtol=0)
