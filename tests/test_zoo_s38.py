@@ -120,3 +120,30 @@ def test_fusing_a_module_run_twice_or_an_output_read_twice_is_refused():
     # the adjacent groups of that block still fuse
     fused = Q.fuse_modules(block, [["conv2", "bn2"]])
     torch.testing.assert_close(fused(x), block(x), atol=1e-5, rtol=0)
+
+
+# ---- empty containers are not layers left float ----
+class _EmptyBranches(nn.Module):
+    """ShuffleNetV2's stride-1 unit keeps ``branch1 = nn.Sequential()`` (never called); CIFAR ResNets call an empty
+    ``shortcut = nn.Sequential()`` as the identity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant, self.dequant = Q.QuantStub(), Q.DeQuantStub()
+        self.conv, self.branch1, self.shortcut = nn.Conv2d(3, 4, 3), nn.Sequential(), nn.Sequential()
+        self.extra = nn.ModuleList()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dequant(self.shortcut(self.conv(self.quant(x))))
+
+
+def test_empty_sequential_and_module_list_are_not_reported_as_float_layers():
+    torch.manual_seed(0)
+    model, x = _EmptyBranches().eval(), torch.randn(2, 3, 8, 8)
+    model.qconfig = Q.get_default_qconfig()
+    prepared = Q.prepare(model)
+    prepared(x)
+    q, report = Q.convert(prepared, return_report=True)
+    assert report.left_float == {}  # listed 'branch1', 'shortcut', 'extra' as "(no quantized mapping)"
+    assert sorted(report.converted) == ["conv", "dequant", "quant"]
+    assert _sqnr(model(x), q(x)) > 30

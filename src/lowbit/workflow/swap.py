@@ -42,6 +42,9 @@ __all__ = ["convert"]
 logger = logging.getLogger("lowbit")
 
 
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)  # empty: not a layer, nothing to report
+
+
 def _strip(mod: nn.Module) -> None:
     """Remove what prepare added to a module that stays float."""
     _remove_observer_hooks(mod)
@@ -125,6 +128,8 @@ def _convert(mod: nn.Module, name: str, mapping: dict[type, type], report: Conve
         return mod
     # a leaf: no children but fake-quants (a QAT layer's weight_fake_quant stays on a layer left float)
     leaf = all(_is_observer(c) for c in mod.children()) or isinstance(mod, FusedModule)
+    if isinstance(mod, _CONTAINERS) and not mod._modules:  # an empty Sequential (identity) / ModuleList: no layer
+        return mod
     if qc is not None and leaf and not isinstance(mod, (*_QTENSOR_NATIVE, QuantStub, DeQuantStub)):
         why = "not observed (prepared with another mapping?)" if type(mod) in mapping else "no quantized mapping"
         if observed and type(mod) not in mapping:
