@@ -147,3 +147,46 @@ def test_empty_sequential_and_module_list_are_not_reported_as_float_layers():
     assert report.left_float == {}  # listed 'branch1', 'shortcut', 'extra' as "(no quantized mapping)"
     assert sorted(report.converted) == ["conv", "dequant", "quant"]
     assert _sqnr(model(x), q(x)) > 30
+
+
+# ---- graph mode: the view ops as functions, chunk / split ----
+class _ShuffleUnit(nn.Module):
+    """ShuffleNetV2's stride-1 unit, as torchvision writes it."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        b = c // 2
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.branch2 = nn.Sequential(nn.Conv2d(b, b, 1, bias=False), nn.BatchNorm2d(b), nn.ReLU(),
+                                     nn.Conv2d(b, b, 3, padding=1, groups=b, bias=False), nn.BatchNorm2d(b),
+                                     nn.Conv2d(b, b, 1, bias=False), nn.BatchNorm2d(b), nn.ReLU())
+        self.head = nn.Conv2d(c, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x1, x2 = x.chunk(2, dim=1)
+        out = torch.cat((x1, self.branch2(x2)), dim=1)
+        n, c, h, w = out.size()
+        out = torch.transpose(out.view(n, 2, c // 2, h, w), 1, 2).contiguous().view(n, -1, h, w)
+        out = torch.unsqueeze(torch.permute(out, (0, 2, 3, 1)), 1)           # (N, 1, H, W, C)
+        out = torch.permute(torch.squeeze(out, 1), (0, 3, 1, 2))
+        return self.head(torch.reshape(out, (n, c, h, w)))
+
+
+def test_channel_shuffle_and_chunk_stay_on_the_codes_in_graph_mode():
+    torch.manual_seed(0)
+    model, x = _bn(_ShuffleUnit()), torch.randn(2, 3, 8, 8)
+    p = Q.prepare_fx(copy.deepcopy(model), Q.get_default_qconfig_mapping(), example_inputs=(x,))
+    for _ in range(3):
+        p(torch.randn(2, 3, 8, 8))
+    ref = Q.convert_to_reference_fx(copy.deepcopy(p))
+    q = Q.convert_fx(p)
+    # one Quantize (the input) and one DeQuantize (the output): the chunk was dequantized and each half quantized
+    # again (not reported), torch.transpose / permute / squeeze / unsqueeze / reshape ran float (reported)
+    stubs = [type(q.get_submodule(n.target)).__name__ for n in q.graph.nodes if n.op == "call_module"
+             and isinstance(q.get_submodule(n.target), (nnq.Quantize, nnq.DeQuantize))]
+    assert stubs == ["Quantize", "DeQuantize"]
+    assert q.lowbit_report.left_float == {}
+    y, step = q(x), q.head.scale
+    assert float((y - ref(x)).abs().max()) <= float(step) + 1e-6  # the reference model, within one quantum
+    assert _sqnr(model(x), y) > 30

@@ -220,9 +220,9 @@ def _assign_domains(gm: fx.GraphModule) -> None:
     """``meta["lowbit_domain"]``: ``int`` (a QTensor after convert), ``float`` or ``other`` (no float tensor)."""
     for node in gm.graph.nodes:
         kind = node.meta["lowbit_kind"]
-        if not node.meta.get("lowbit_ftensor", False):
+        if not node.meta.get("lowbit_ftensor", False) and not (kind == "share" and node.meta.get("lowbit_ftuple")):
             domain = "other"
-        elif kind == "share":
+        elif kind == "share":  # (a chunk / split of an int value is a tuple of QTensors: its getitems are int)
             domain = "int" if any(a.meta.get("lowbit_domain") == "int" for a in node.all_input_nodes) else "float"
         else:  # a placeholder declared quantized (input_quantized_idxs) arrives as a QTensor
             domain = "int" if kind in _INT_KINDS or node.meta.get("lowbit_qinput") else "float"

@@ -17,8 +17,10 @@ class          ops                                         after ``convert_fx``
                                                             int indices in, float out
 ``dynamic``    Linear/LSTM/GRU modules, ``F.linear`` on      ``lowbit.nn.quantized.dynamic``
                parameters, under a dynamic qconfig          module, float in/out
-``share``      relu, flatten, view/reshape/permute,         runs on the codes of its input
-               max-pool, dropout, identity, size/shape,     (int stays int, float stays float;
+``share``      relu, flatten, view/reshape/permute/         runs on the codes of its input
+               transpose/(un)squeeze/narrow, chunk/split    (int stays int, float stays float;
+               (only indexed), max-pool, dropout,
+               identity, size/shape,
                zero padding (``F.pad`` value 0,            a zero pad fills the zero point)
                ``nn.ZeroPad*d``, ``nn.ConstantPad*d(0)``)
 ``float``      everything else (softmax, layer_norm, gelu,  float, a ``DeQuantize`` before it
@@ -110,10 +112,15 @@ FUNC_ACTIVATIONS: dict[Any, type[nn.Module]] = {
 _METHOD_ACTIVATIONS = {"sigmoid": nnq_act.Sigmoid, "tanh": nnq_act.Tanh}
 
 # ops that run on QTensor codes (grid-preserving) or produce no tensor
+# (the view ops as functions too: torchvision's channel shuffle is `torch.transpose(x, 1, 2)`)
 _SHARE_FUNCS = {F.relu, torch.relu, torch.flatten, F.max_pool1d, F.max_pool2d, F.max_pool3d,
-                F.adaptive_max_pool2d, F.dropout, torch.dropout, operator.getitem, getattr, len}
+                F.adaptive_max_pool2d, F.dropout, torch.dropout, operator.getitem, getattr, len,
+                torch.reshape, torch.permute, torch.transpose, torch.squeeze, torch.unsqueeze, torch.narrow}
 _SHARE_METHODS = {"relu", "view", "reshape", "flatten", "permute", "transpose", "contiguous", "size",
-                  "dim", "numel", "detach"}
+                  "dim", "numel", "detach", "squeeze", "unsqueeze", "narrow"}
+# ops giving a tuple of views (ShuffleNetV2's `x.chunk(2, dim=1)`): shared when only indexed (`a, b = ...`)
+_SPLIT_FUNCS = {torch.chunk, torch.split, torch.tensor_split}
+_SPLIT_METHODS = {"chunk", "split", "tensor_split"}
 _SHARE_MODULES = (nn.ReLU, nn.Identity, nn.Flatten, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.Dropout,
                   nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d)
 _CONSTANT_PADS = (nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)
@@ -147,6 +154,9 @@ def func_activation(op: str, target: Any) -> type[nn.Module] | None:
 
 def is_share_op(node: fx.Node, mod: nn.Module | None) -> bool:
     """Ops that keep their input's domain: int codes stay int on the same grid, float stays float."""
+    if (node.op == "call_function" and node.target in _SPLIT_FUNCS) or (
+            node.op == "call_method" and node.target in _SPLIT_METHODS):
+        return bool(node.users) and all(u.op == "call_function" and u.target is operator.getitem for u in node.users)
     if node.op == "call_function":
         if node.target is getattr:
             return node.args[1] in ("shape", "device")

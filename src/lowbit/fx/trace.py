@@ -314,6 +314,8 @@ def record_tensor_kinds(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | No
                 out = super().run_node(n)
                 n.meta["lowbit_ftensor"] = isinstance(out, torch.Tensor) and out.is_floating_point()
                 n.meta["lowbit_scalar"] = isinstance(out, (int, float)) and not isinstance(out, bool)
+                n.meta["lowbit_ftuple"] = isinstance(out, (tuple, list)) and len(out) > 0 and all(
+                    isinstance(t, torch.Tensor) and t.is_floating_point() for t in out)  # chunk / split
                 if isinstance(out, torch.Tensor):
                     n.meta["lowbit_rank"] = out.dim()
                 return out
