@@ -184,7 +184,8 @@ def block_codes(weights: list[torch.Tensor], scales: list[torch.Tensor], zeros: 
 def find_blocks(nodes: list[fx.Node], mods: dict[str, nn.Module], through_observer: bool = False) -> dict[int, int]:
     """``{i: j}``: spans ``nodes[i+1 .. j]`` between consecutive cuts that hold a residual merge and weighted layers.
 
-    A cut is a node after which it is the only value still to be read. Every weighted layer in a span
+    A cut is a node after which it is the only value still to be read, a float tensor (``meta["lowbit_ftensor"]``
+    where ``prepare_fx`` recorded it: a block's input is sampled along its batch dim). Every weighted layer in a span
     must take one positional input and no keywords (as the layer-by-layer pass requires), and a span holds no
     graph input (a model's later forward argument: the span's values must all come from the cut).
     ``through_observer``: a span also takes the observer that reads its last node (the block's output grid).
@@ -200,7 +201,8 @@ def find_blocks(nodes: list[fx.Node], mods: dict[str, nn.Module], through_observ
     cuts, live = [], 0
     for i, node in enumerate(nodes):
         live += delta[i]
-        if node.op != "output" and live == 1 and last_use.get(node, -1) > i:
+        # (a cut is a block's input and output: a float tensor; not a tuple such as ShuffleNetV2's `x.chunk(2, 1)`)
+        if node.op != "output" and live == 1 and last_use.get(node, -1) > i and node.meta.get("lowbit_ftensor", True):
             cuts.append(i)
     spans: dict[int, int] = {}
     for i, j in zip(cuts, cuts[1:]):

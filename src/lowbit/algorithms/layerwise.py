@@ -338,7 +338,9 @@ def _block(gm: fx.GraphModule, nodes: list[fx.Node], i: int, j: int, mods: dict[
             env[node] = layer_forward(mods[node.target], env[node.args[0]], w)  # type: ignore[index]
         elif node in fqs:
             fq = learn.get(node, fqs[node]) if w_hats is not None else None
-            env[node] = fq(env[node.args[0]]) if fq is not None else env[node.args[0]]
+            # a copy: an in-place op after the observer (torchvision's shared `ReLU(inplace=True)`) must not
+            # rewrite the layer output kept as the bias correction's target (only the observer reads the layer)
+            env[node] = fq(env[node.args[0]]) if fq is not None else env[node.args[0]].clone()
         else:
             _eval(gm, mods, node, env, rounded if w_hats is not None else None)
 
@@ -358,7 +360,7 @@ def _block(gm: fx.GraphModule, nodes: list[fx.Node], i: int, j: int, mods: dict[
                                   grids=list(learn.values()))
 
         def error(qs: list[torch.Tensor]) -> float:  # block output MSE on the first calibration batch
-            env: dict[fx.Node, Any] = {start: xq[0]}
+            env: dict[fx.Node, Any] = {start: xq[0].clone()}  # (kept for the next runs: in-place ops)
             for node in span:
                 run_node(node, env, [(q - z) * s for q, s, z in zip(qs, scales, zeros)])
             return float((env[end] - target[0]).pow(2).mean())
