@@ -260,6 +260,17 @@ def _set_module(gm: fx.GraphModule, path: str, mod: nn.Module) -> None:
     setattr(gm.get_submodule(parent) if parent else gm, name, mod)
 
 
+def drop_absorbed(gm: fx.GraphModule, targets: list[str]) -> None:
+    """Delete the submodules a fusion absorbed (a fused run's BN / ReLU modules) from ``gm`` when no node reads them
+    any more. The fused module holds the same BN object; left under its old name too, ``model.train()`` reached it
+    there and put a frozen BN (``freeze_bn_stats``) back in training mode, its running statistics updating silently,
+    and ``state_dict`` carried every such BN twice (torch.ao's fusion drops them)."""
+    used = [str(n.target) for n in gm.graph.nodes if n.op in ("call_module", "get_attr")]
+    for name in targets:
+        if not any(u == name or u.startswith(name + ".") for u in used):
+            gm.delete_submodule(name)
+
+
 def _fuse_registered(gm: fx.GraphModule, modules: dict[str, nn.Module], calls: dict[Any, int], is_qat: bool,
                      require_qconfig: bool, erased: set[fx.Node]) -> list[str]:
     """Fuse chains of call_module nodes matching ``lowbit.fusion_registry`` patterns (longest first)."""
@@ -291,6 +302,7 @@ def _fuse_registered(gm: fx.GraphModule, modules: dict[str, nn.Module], calls: d
             for n in reversed(run[1:]):
                 gm.graph.erase_node(n)
                 erased.add(n)
+            drop_absorbed(gm, [str(n.target) for n in run[1:]])
             fused.append(f"{node.target}: {' + '.join(t.__name__ for t in types)} -> {type(new).__name__}")
             break
     return fused
@@ -381,6 +393,7 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
         for n in reversed(run[1:]):
             gm.graph.erase_node(n)
             erased.add(n)
+        drop_absorbed(gm, [str(n.target) for n in run[1:] if n.op == "call_module"])
         fused.append(f"{node.target}: {' + '.join(type(m).__name__ for m in mods)} -> {type(new).__name__}")
         if absorbed is not None:
             absorbed[node.target] = [_absorbed_entry(n, act, n is act_node) for n in run[1:]]
