@@ -14,6 +14,7 @@ from torch.ao.quantization.quantize_fx import prepare_qat_fx as ao_prepare_qat_f
 import lowbit as Q
 import lowbit.nn.intrinsic.qat as nniqat
 from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
+from lowbit.qscheme import per_channel_symmetric, per_tensor_affine, qint8, quint8
 
 
 class _Net(nn.Module):
@@ -75,3 +76,43 @@ def test_frozen_bn_stays_frozen_across_eval_train_and_bn_kept_once(version):
     assert torch.equal(b.c1.bn.running_mean, frozen)  # frozen through every eval() / train()
     for fused in (Q.fuse_fx(copy.deepcopy(m)), Q.prepare_fx(copy.deepcopy(m).eval(), Q.get_minmax_qconfig(), ex)):
         assert not {"b1", "b2"} & {n for n, _ in fused.named_modules(remove_duplicate=False)}
+
+
+def _axis_qconfig(axis: int, qat: bool) -> Q.QConfig:
+    if qat:
+        return Q.QConfig(activation=Q.FakeQuantize.with_args(observer=Q.MovingAverageMinMaxObserver,
+                                                             qscheme=per_tensor_affine, qdtype=quint8),
+                         weight=Q.FakeQuantize.with_args(observer=Q.MovingAveragePerChannelMinMaxObserver, ch_axis=axis,
+                                                         qscheme=per_channel_symmetric, qdtype=qint8))
+    return Q.QConfig(activation=Q.MinMaxObserver.with_args(qscheme=per_tensor_affine, qdtype=quint8),
+                     weight=Q.PerChannelMinMaxObserver.with_args(ch_axis=axis, qscheme=per_channel_symmetric,
+                                                                 qdtype=qint8))
+
+
+@pytest.mark.parametrize("axis", [1, -1])
+def test_weight_grids_off_the_output_channel_axis_are_refused(axis):
+    """A per-channel weight fake-quant along ch_axis 1 / -1 trained the whole QAT run on grids the int8 layer cannot
+    keep; convert_fx then refused a non-square weight, and on a square one (4 in, 4 out) took the input-channel
+    scales for the output channels: the converted model was off by ~3 on outputs of ~5, silently (PTQ alike).
+    prepare_qat / prepare_qat_fx now refuse the qconfig naming the module; convert / convert_fx refuse the observer."""
+    m = nn.Sequential(nn.Conv2d(4, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(36, 4)).train()
+    ex = (torch.randn(2, 4, 5, 5),)
+    with pytest.raises(ValueError, match=rf"prepare_qat_fx: module '0' \(ConvReLU2d\): .*ch_axis={axis}, .*one grid "
+                                         r"per output channel, axis 0 of its weight of shape \(4, 4, 3, 3\)"):
+        Q.prepare_qat_fx(copy.deepcopy(m), _axis_qconfig(axis, True), ex)
+    with pytest.raises(ValueError, match=rf"prepare_qat: module 'module.0' .*ch_axis={axis}"):
+        Q.prepare_qat(Q.QuantWrapper(copy.deepcopy(m)), _axis_qconfig(axis, True))
+    torch.manual_seed(0)
+    for layer, x in ((nn.Conv2d(4, 4, 3), torch.randn(2, 4, 5, 5)), (nn.Linear(4, 4), torch.randn(3, 4))):
+        p = Q.prepare_fx(nn.Sequential(layer).eval(), _axis_qconfig(axis, False), (x,))
+        p(x)
+        with pytest.raises(ValueError, match=rf"convert_fx: module '0' .*ch_axis={axis}, but the quantized weight"):
+            Q.convert_fx(p)
+    # a transposed conv's output channels are its weight's axis 1: ch_axis=1 there is the same grid as 0
+    x, outs = torch.randn(2, 4, 5, 5), []
+    for ax in (0, 1):
+        torch.manual_seed(0)
+        p = Q.prepare_fx(nn.Sequential(nn.ConvTranspose2d(4, 4, 3)).eval(), _axis_qconfig(ax, False), (x,))
+        p(x)
+        outs.append(Q.convert_fx(p)(x))
+    assert torch.equal(outs[0], outs[1])

@@ -176,7 +176,11 @@ def _swap_qat(gm: fx.GraphModule, opaque: set[str]) -> None:
         qc = getattr(mod, "qconfig", None)
         if type(mod) in qat_map and qc is not None and not is_dynamic_qconfig(qc):  # dynamic: trains in float
             parent, _, name = node.target.rpartition(".")
-            setattr(gm.get_submodule(parent) if parent else gm, name, qat_map[type(mod)].from_float(mod))
+            try:
+                new = qat_map[type(mod)].from_float(mod)
+            except (ValueError, TypeError, RuntimeError) as e:  # (as prepare_qat: the error names the module)
+                raise type(e)(f"prepare_qat_fx: module '{node.target}' ({type(mod).__name__}): {e}") from e
+            setattr(gm.get_submodule(parent) if parent else gm, name, new)
 
 
 _MIXED = ("<called with None and with a value for one argument>",)  # _capture_inputs' mark for such a module

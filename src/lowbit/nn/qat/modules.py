@@ -49,6 +49,13 @@ def init_weight_fake_quant(mod: nn.Module, qconfig: Any) -> None:
         raise TypeError(f"{owner}: qconfig must be a lowbit QConfig, got {type(qconfig).__name__}")
     mod.qconfig = qconfig
     mod.weight_fake_quant = build(qconfig, "weight", owner)
+    axis, weight = getattr(mod.weight_fake_quant, "ch_axis", None), getattr(mod, "weight", None)
+    if isinstance(axis, int) and isinstance(weight, torch.Tensor) and weight.dim() and axis not in (0, -weight.dim()):
+        # (the whole QAT run trained on those grids; convert then refused them, or silently took a square weight's
+        # input-channel scales for its output channels)
+        raise ValueError(f"{owner}: the weight fake-quant is per channel along ch_axis={axis}, but the int8 layer "
+                         f"keeps one grid per output channel, axis 0 of its weight of shape {tuple(weight.shape)}: "
+                         "use ch_axis=0 in the qconfig's weight")
 
 
 def _check_float(cls: type, mod: nn.Module, float_types: tuple[type, ...]) -> None:

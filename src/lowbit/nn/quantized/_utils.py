@@ -151,6 +151,13 @@ def quantize_weight(weight: torch.Tensor, observer: Any, ch_axis: int) -> QTenso
     if getattr(observer, "qscheme", None) is QScheme.PER_CHANNEL_AFFINE_FLOAT_QPARAMS:
         raise ValueError(f"{type(observer).__name__} uses per_channel_affine_float_qparams (float zero points), "
                          "which only embeddings support; use per_channel_symmetric or per_channel_affine weights")
+    axis = getattr(observer, "ch_axis", None)
+    if isinstance(axis, int) and scale.numel() > 1 and axis not in (0, ch_axis, ch_axis - weight.dim(), -weight.dim()):
+        # (a square weight's scales along its input channels were taken for its output channels: wrong codes, silently;
+        # axis 0 means the layer's output channels, which weight_qparams moves to the front for a transposed conv)
+        raise ValueError(f"weight observer {type(observer).__name__} is per channel along ch_axis={axis}, but the "
+                         f"quantized weight of shape {tuple(weight.shape)} keeps one grid per output channel (axis "
+                         f"{ch_axis}); use ch_axis=0 in the qconfig's weight")
     c = weight.shape[ch_axis]
     scale = scale.detach().to(torch.float32).reshape(-1)
     zero_point = zero_point.detach().to(torch.int64).reshape(-1)
