@@ -76,6 +76,12 @@ def test_frozen_bn_stays_frozen_across_eval_train_and_bn_kept_once(version):
     assert torch.equal(b.c1.bn.running_mean, frozen)  # frozen through every eval() / train()
     for fused in (Q.fuse_fx(copy.deepcopy(m)), Q.prepare_fx(copy.deepcopy(m).eval(), Q.get_minmax_qconfig(), ex)):
         assert not {"b1", "b2"} & {n for n, _ in fused.named_modules(remove_duplicate=False)}
+    # a checkpoint saved before the fix (each BN under its old name too) still loads strictly, its BNs the fused ones
+    old = {**b.state_dict(), **{"b1." + k[len("c1.bn."):]: v for k, v in b.state_dict().items() if k.startswith("c1.bn.")}}
+    old["b1.running_mean"] = old["c1.bn.running_mean"] = torch.full((8,), 0.5)
+    fresh = Q.prepare_qat_fx(copy.deepcopy(m), Q.get_default_qat_qconfig_mapping("x86", version), ex)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.c1.bn.running_mean, torch.full((8,), 0.5))
 
 
 def _axis_qconfig(axis: int, qat: bool) -> Q.QConfig:

@@ -45,6 +45,7 @@ layer under a dynamic qconfig: there is no fused dynamic module) into one
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
@@ -266,9 +267,20 @@ def drop_absorbed(gm: fx.GraphModule, targets: list[str]) -> None:
     there and put a frozen BN (``freeze_bn_stats``) back in training mode, its running statistics updating silently,
     and ``state_dict`` carried every such BN twice (torch.ao's fusion drops them)."""
     used = [str(n.target) for n in gm.graph.nodes if n.op in ("call_module", "get_attr")]
-    for name in targets:
-        if not any(u == name or u.startswith(name + ".") for u in used):
-            gm.delete_submodule(name)
+    dropped = tuple(name for name in targets if not any(u == name or u.startswith(name + ".") for u in used))
+    for name in dropped:
+        gm.delete_submodule(name)
+    if dropped:  # checkpoints saved before held them: their keys (the fused module's tensors again) are skipped
+        gm.register_load_state_dict_pre_hook(functools.partial(_skip_dropped, dropped))
+
+
+def _skip_dropped(dropped: tuple[str, ...], module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                  *_: Any) -> None:
+    """``drop_absorbed``'s load pre-hook: forget the keys under a dropped name the model does not have again."""
+    present = {n for n, _ in module.named_modules(remove_duplicate=False)}
+    for name in set(dropped) - present:
+        for key in [k for k in state_dict if k.startswith(f"{prefix}{name}.")]:
+            del state_dict[key]
 
 
 def _fuse_registered(gm: fx.GraphModule, modules: dict[str, nn.Module], calls: dict[Any, int], is_qat: bool,
