@@ -45,7 +45,6 @@ layer under a dynamic qconfig: there is no fused dynamic module) into one
 
 from __future__ import annotations
 
-import functools
 import operator
 from typing import Any
 
@@ -60,6 +59,7 @@ from ..mappings import get_default_static_quant_module_mappings
 from ..nn import intrinsic as nni
 from ..nn import qat as nnqat
 from ..nn.quantized import activation as nnq_act
+from .absorbed import drop_absorbed
 from .weighted import WITH_RELU, parse
 
 __all__ = ["BINARY_FUNCS", "WEIGHT_ONLY_TYPES", "canonical_binary", "is_relu_target", "fuse_graph", "add_relu",
@@ -259,28 +259,6 @@ def _clamp_user(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[fx.Node, 
 def _set_module(gm: fx.GraphModule, path: str, mod: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(gm.get_submodule(parent) if parent else gm, name, mod)
-
-
-def drop_absorbed(gm: fx.GraphModule, targets: list[str]) -> None:
-    """Delete the submodules a fusion absorbed (a fused run's BN / ReLU modules) from ``gm`` when no node reads them
-    any more. The fused module holds the same BN object; left under its old name too, ``model.train()`` reached it
-    there and put a frozen BN (``freeze_bn_stats``) back in training mode, its running statistics updating silently,
-    and ``state_dict`` carried every such BN twice (torch.ao's fusion drops them)."""
-    used = [str(n.target) for n in gm.graph.nodes if n.op in ("call_module", "get_attr")]
-    dropped = tuple(name for name in targets if not any(u == name or u.startswith(name + ".") for u in used))
-    for name in dropped:
-        gm.delete_submodule(name)
-    if dropped:  # checkpoints saved before held them: their keys (the fused module's tensors again) are skipped
-        gm.register_load_state_dict_pre_hook(functools.partial(_skip_dropped, dropped))
-
-
-def _skip_dropped(dropped: tuple[str, ...], module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                  *_: Any) -> None:
-    """``drop_absorbed``'s load pre-hook: forget the keys under a dropped name the model does not have again."""
-    present = {n for n, _ in module.named_modules(remove_duplicate=False)}
-    for name in set(dropped) - present:
-        for key in [k for k in state_dict if k.startswith(f"{prefix}{name}.")]:
-            del state_dict[key]
 
 
 def _fuse_registered(gm: fx.GraphModule, modules: dict[str, nn.Module], calls: dict[Any, int], is_qat: bool,
