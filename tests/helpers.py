@@ -92,3 +92,12 @@ def run_capped(code: str) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     done = subprocess.run([sys.executable, "-c", code, here], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def sgd_steps(*pairs: tuple[torch.Tensor, torch.optim.Optimizer]) -> None:
+    """One optimizer step per ``(output, optimizer)`` pair on the loss ``mean(output²)``: the QAT lockstep tests train
+    a torch.ao model and its lowbit twin side by side with it."""
+    for y, opt in pairs:
+        y.square().mean().backward()
+        opt.step()
+        opt.zero_grad()

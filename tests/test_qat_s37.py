@@ -11,7 +11,7 @@ from torch import nn
 
 import lowbit as Q
 import lowbit.nn.intrinsic.qat as nniqat
-from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
+from helpers import one_thread, sgd_steps  # noqa: F401  (one_thread: autouse, this module runs on 1 thread)
 from lowbit.custom_config import PrepareCustomConfig
 
 
@@ -118,10 +118,7 @@ def test_bn_switches_and_toggles_match_torch_ao_step_by_step():
         ya, yb = a(x), b(x)
         assert torch.equal(ya, yb), step
         if a.training:
-            for y, opt in ((ya, oa), (yb, ob)):
-                y.square().mean().backward()
-                opt.step()
-                opt.zero_grad()
+            sgd_steps((ya, oa), (yb, ob))
         for p, q in bns:
             assert torch.equal(p.running_mean, q.running_mean) and torch.equal(p.running_var, q.running_var), step
     a.eval(), b.eval()

@@ -13,7 +13,7 @@ from torch.ao.quantization.quantize_fx import prepare_qat_fx as ao_prepare_qat_f
 
 import lowbit as Q
 import lowbit.nn.intrinsic.qat as nniqat
-from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
+from helpers import one_thread, sgd_steps  # noqa: F401  (one_thread: autouse, this module runs on 1 thread)
 from lowbit.qscheme import per_channel_symmetric, per_tensor_affine, qint8, quint8
 
 
@@ -64,10 +64,7 @@ def test_frozen_bn_stays_frozen_across_eval_train_and_bn_kept_once(version):
         ya, yb = a(x), b(x)
         assert torch.equal(ya, yb), step
         if a.training:
-            for y, opt in ((ya, oa), (yb, ob)):
-                y.square().mean().backward()
-                opt.step()
-                opt.zero_grad()
+            sgd_steps((ya, oa), (yb, ob))
         for p, q in zip(_bns(a), _bns(b), strict=True):
             assert torch.equal(p.running_mean, q.running_mean) and torch.equal(p.running_var, q.running_var), step
             assert p.training == q.training, step
