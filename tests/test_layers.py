@@ -29,9 +29,10 @@ TIERS: list[tuple[str, ...]] = [
     ("nn.intrinsic",),                 # fused float markers and BN folding
     ("nn.qat",),
     ("nn.intrinsic.qat",),             # QAT ConvBn builds on nn.qat
-    ("nn.quantized",),                 # (+ dynamic/) run on kernels
+    ("nn.quantized", "nn.quantized.group_codes"),  # (+ dynamic/) run on kernels; group_codes: weight-only codes
     ("mappings", "examples", "speed_guard", "pt2"),
-    ("fuse", "workflow", "quantize_dynamic", "weight_only", "llm", "llm.plan", "fx", "quantize_api", "reference"),
+    ("fuse", "workflow", "quantize_dynamic", "weight_only", "llm", "llm.plan", "fx", "fx.fusion", "quantize_api",
+     "reference"),  # fx.fusion: fuse_graph, split from fx.patterns
     ("export", "algorithms", "debug", "data"),
     ("report", "ptq", "ptq_checks", "models"),  # debug results rendered; quantize_ptq (fx + algorithms), its checks; CNNs
     ("__init__",),                     # the package root: re-exports the public names of all of the above

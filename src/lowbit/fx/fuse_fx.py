@@ -26,7 +26,7 @@ from typing import Any
 from torch import fx, nn
 
 from ..custom_config import FuseCustomConfig
-from .patterns import fuse_graph
+from .fusion import fuse_graph
 from .custom import check_preservable, preserved_value
 from .trace import trace
 

@@ -7,7 +7,7 @@ children is prepared the same way, as a graph of its own (recursively, down to s
 which become ``Quantize -> layer -> DeQuantize`` graphs); an untraceable root is handled alike
 and returned as itself with prepared children. With ``example_inputs``, one run records every
 submodule's inputs, so these child graphs know their tensors and ``None`` arguments too;
-(3) module runs and add-relu are fused (``lowbit.fx.patterns``); for QAT, modules are swapped for
+(3) module runs and add-relu are fused (``lowbit.fx.fusion``); for QAT, modules are swapped for
 their ``lowbit.nn.qat`` twins; (4) every node is classified (``lowbit.fx.classify``: ``module``,
 ``functional``, ``act``, ``share``, ``float``) and gets its *domain* after convert: ``int`` (a
 ``QTensor``), ``float`` or ``other`` (not a float tensor); an elementwise int op between a float
@@ -54,7 +54,8 @@ from ..workflow.kinds import model_kind
 from .classify import apply_call_order, classify, input_observer_qconfig, int_inputs, join, wants_int
 from .custom import declare_non_traceable, preserve, swap_custom
 from .padding import attach, hook_observers
-from .patterns import WEIGHT_ONLY_TYPES, fuse_graph, graph_module_types
+from .fusion import fuse_graph
+from .patterns import WEIGHT_ONLY_TYPES, graph_module_types
 from .report import FxReport
 from .trace import RootNotTraceable, keep_buffers, record_tensor_kinds, restore_buffers, trace
 from .transformer import swap_attention

@@ -86,7 +86,7 @@ for _fn in (linear_relu, conv1d_relu, conv2d_relu, conv3d_relu):
 WEIGHTED_FUNCS: dict[Any, type[nn.Module]] = {
     F.linear: nn.Linear, F.conv1d: nn.Conv1d, F.conv2d: nn.Conv2d, F.conv3d: nn.Conv3d,
 }
-# functional layer -> its fused-relu form (``lowbit.fx.patterns.fuse_graph`` rewrites ``relu(layer(...))``)
+# functional layer -> its fused-relu form (``lowbit.fx.fusion.fuse_graph`` rewrites ``relu(layer(...))``)
 WITH_RELU: dict[Any, Any] = {F.linear: linear_relu, F.conv1d: conv1d_relu, F.conv2d: conv2d_relu,
                              F.conv3d: conv3d_relu}
 _WITHOUT_RELU = {v: k for k, v in WITH_RELU.items()}
