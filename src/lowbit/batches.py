@@ -2,7 +2,8 @@
 
 ``inputs`` is a tensor (one batch) or an iterable of batches; a batch that is a tuple/list is
 unpacked as positional arguments, a dict as keywords. ``flatten_outputs`` turns whatever a model
-returns (tensor, ``QTensor``, nested tuple/list/dict) into a flat list of float tensors.
+returns (tensor, ``QTensor``, nested tuple/list/dict) into a flat list of float tensors. ``real_rows``
+keeps an activation's rows at a padded batch's real tokens (its ``attention_mask``) for statistics.
 
 >>> import torch
 >>> from lowbit.batches import iter_batches, run_batch, flatten_outputs
@@ -24,7 +25,7 @@ from torch import nn
 from .qtensor import QTensor
 
 __all__ = ["iter_batches", "run_batch", "check_module", "output_tensors", "flatten_outputs", "check_finite_batch",
-           "eval_mode"]
+           "eval_mode", "real_rows"]
 
 
 def iter_batches(inputs: Any, where: str) -> Iterator[Any]:
@@ -112,3 +113,39 @@ def output_tensors(out: Any) -> list[Any]:
 def flatten_outputs(out: Any) -> list[torch.Tensor]:
     """Every tensor in ``out`` as float, in order (QTensors dequantized; clones, so later in-place ops can't alter them)."""
     return [t.dequantize() if isinstance(t, QTensor) else t.detach().float().clone() for t in output_tensors(out)]
+
+
+def real_rows(x: Any, mask: torch.Tensor | None, token_rows: bool = False) -> torch.Tensor | None:
+    """The rows ``(n, C)`` of ``x`` at a padded batch's real tokens, or ``None`` where they cannot be told.
+
+    ``mask`` ``(batch, tokens)`` bool, True at real tokens (a batch's ``attention_mask``; ``None``: no padding to
+    leave out). ``x`` that carries the batch's tokens, as ``(batch, tokens, C)`` or flattened to ``(batch * tokens,
+    C)``, gives its rows at real tokens, in order, as ``(n, C)``. Padding is dropped by indexing, not by a 0 weight (a
+    NaN in a padded row would survive ``0 * NaN``). ``None``: no mask, ``x`` not a tensor, or any other shape (a
+    pooled ``(batch, hidden)``, attention scores ``(batch, heads, tokens, tokens)``, even where ``hidden`` or
+    ``heads`` equals ``tokens``): its padding cannot be told from its shape. With one token per sequence a 2-D ``x``
+    of ``batch`` rows reads both ways: ``None`` unless ``token_rows=True`` says ``x`` holds token rows.
+
+    Graph-mode observers and SmoothQuant's statistics (``lowbit.fx.padding``) leave an ``x`` that gives ``None``
+    unfiltered; a causal LM's block statistics (``lowbit.llm.blocks.linear_rows``, ``token_rows=True``) refuse it.
+
+    >>> mask = torch.tensor([[True, True, False], [True, False, False]])
+    >>> x = torch.arange(12.0).reshape(2, 3, 2)                               # (batch, tokens, C)
+    >>> real_rows(x, mask).tolist()
+    [[0.0, 1.0], [2.0, 3.0], [6.0, 7.0]]
+    >>> torch.equal(real_rows(x.reshape(6, 2), mask), real_rows(x, mask))    # tokens flattened: the same rows
+    True
+    >>> real_rows(torch.zeros(2, 3), mask) is None                            # (batch, hidden), hidden == tokens
+    True
+    >>> one = torch.tensor([[True], [False]])                                 # one token each: (2, C) reads both ways
+    >>> real_rows(torch.ones(2, 4), one) is None, tuple(real_rows(torch.ones(2, 4), one, token_rows=True).shape)
+    (True, (1, 4))
+    """
+    if mask is None or not isinstance(x, torch.Tensor):
+        return None
+    lead = tuple(x.shape[:-1])
+    if lead == tuple(mask.shape):  # (batch, tokens, C)
+        return x[mask.to(x.device)]
+    if lead == (mask.numel(),) and (token_rows or mask.shape[0] != mask.numel()):  # (batch * tokens, C)
+        return x[mask.to(x.device).reshape(-1)]
+    return None

@@ -3,14 +3,15 @@
 A model whose ``forward`` takes an argument named ``attention_mask`` (Hugging Face's convention: a ``(batch,
 tokens)`` tensor, 1 at real tokens, 0 at padding) gets two hooks on its root (``attach``): each call puts its mask
 (read by the forward's signature, positional or keyword) on a thread-local stack for the length of the call.
-While a mask is there, ``real_rows(x, mask)`` keeps the rows of ``x`` at real tokens: ``x`` of shape ``(batch,
-tokens, channels)`` gives ``(1, n, channels)`` (a channel axis keeps its meaning), ``x`` with the tokens flattened,
-``(batch * tokens, channels)``, gives ``(n, channels)``. A tensor of any other shape (a pooled ``(batch, hidden)``,
-attention scores ``(batch, heads, tokens, tokens)``, even where ``hidden`` or ``heads`` equals ``tokens``) is not
-filtered: its padding cannot be told from its shape.
+While a mask is there, ``real_rows(x, mask)`` (``lowbit.batches.real_rows``, re-exported here) keeps the rows of
+``x`` at real tokens: ``x`` of shape ``(batch, tokens, channels)`` or with the tokens flattened, ``(batch * tokens,
+channels)``, gives ``(n, channels)``. A tensor of any other shape (a pooled ``(batch, hidden)``, attention scores
+``(batch, heads, tokens, tokens)``, even where ``hidden`` or ``heads`` equals ``tokens``) is not filtered: its padding
+cannot be told from its shape.
 
 ``prepare_fx`` hooks every activation observer (``hook_observers``): the observer folds only the real tokens into its
-statistics and its output is the full tensor, as before. So a right- or left-padded batch calibrates as its unpadded
+statistics (a ``(batch, tokens, channels)`` input's as ``(1, n, channels)``: a channel axis keeps its meaning) and its
+output is the full tensor, as before. So a right- or left-padded batch calibrates as its unpadded
 sequences do (padding's hidden states are computed like any token's, at positions and with ids the real text never
 has, and they widened the grids). ``convert_fx`` removes the root hooks (``detach``). A mask that is not 2-D or holds
 values other than 0 and 1 (an additive ``-inf`` mask) filters nothing. Rows are dropped by indexing, not by a 0
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..batches import real_rows
 from ..observer import ObserverBase
 
 __all__ = ["attach", "detach", "current", "real_rows", "hook_observers"]
@@ -105,24 +107,14 @@ def detach(model: nn.Module) -> None:
             model._forward_hooks_always_called.pop(key, None)
 
 
-def real_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
-    """``x``'s rows at real tokens (module docstring), or ``None`` when ``mask`` is ``None`` or ``x`` does not carry
-    the batch's tokens in its leading dimension(s)."""
-    if mask is None or not isinstance(x, torch.Tensor):
-        return None
-    if x.dim() == 3 and tuple(x.shape[:2]) == tuple(mask.shape):
-        return x[mask.to(x.device)].unsqueeze(0)
-    if x.dim() == 2 and x.shape[0] == mask.numel() and x.shape[0] != mask.shape[0]:
-        return x[mask.to(x.device).reshape(-1)]
-    return None
-
-
 def _observe_pre(obs: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     mask = current()
     x = args[0] if args else None
-    rows = real_rows(x, mask) if isinstance(x, torch.Tensor) else None
+    rows = real_rows(x, mask)
     if rows is None:
         return None
+    if x.dim() == 3:
+        rows = rows.unsqueeze(0)  # (1, n, channels): a channel axis keeps its meaning
     ch = getattr(obs, "ch_axis", None)
     if getattr(obs, "qscheme", None) is not None and obs.qscheme.is_per_channel and ch is not None:
         lead = 2 if x.dim() == 3 else 1  # dims of x whose meaning the indexing changed

@@ -32,8 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..batches import real_rows
+
 __all__ = ["decoder_layers", "capture_block_inputs", "linear_groups", "run_block", "StopForward", "check_llm_calib",
-           "check_has_linears", "token_mask", "real_rows", "generation_positions"]
+           "check_has_linears", "token_mask", "linear_rows", "generation_positions"]
 
 _LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "layers")
 
@@ -108,22 +110,25 @@ def token_mask(batch: Any) -> torch.Tensor | None:
     return None if m is None or bool(m.all()) else m.bool()
 
 
-def real_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """``x`` ``(..., K)`` as ``(n, K)`` rows, only those of real tokens where ``mask`` ``(batch, tokens)`` is given.
+def linear_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """A Linear's input ``x`` ``(..., K)`` as ``(n, K)`` rows for its statistics: all of them without a ``mask``, those
+    of real tokens (``lowbit.batches.real_rows``, ``x`` known to hold token rows) with a ``(batch, tokens)`` one.
 
-    Padding is dropped by indexing, not by a 0 weight (a NaN in a padded row would survive ``0 * NaN``). A Linear
-    whose input has neither the batch's ``(batch, tokens)`` leading shape nor its ``batch * tokens`` rows flattened
-    (OPT's MLP) is a ``ValueError`` (a routed MoE expert).
+    A Linear whose input has neither the batch's ``(batch, tokens)`` leading shape nor its ``batch * tokens`` rows
+    flattened (OPT's MLP reads those) is a ``ValueError`` (a routed MoE expert): its padding cannot be told.
+
+    >>> mask = torch.tensor([[True, False], [True, True]])
+    >>> linear_rows(torch.ones(2, 2, 3), mask).shape, linear_rows(torch.ones(2, 2, 3), None).shape
+    (torch.Size([3, 3]), torch.Size([4, 3]))
     """
-    rows = x.reshape(-1, x.shape[-1])
     if mask is None:
-        return rows
-    # (batch, tokens, K), or its tokens flattened to (batch * tokens, K) (OPT's MLP reads that)
-    if tuple(x.shape[:-1]) != tuple(mask.shape) and tuple(x.shape[:-1]) != (mask.numel(),):
+        return x.reshape(-1, x.shape[-1])
+    rows = real_rows(x, mask, token_rows=True)
+    if rows is None:
         raise ValueError(f"lowbit.llm: a Linear's input of shape {tuple(x.shape)} does not match the attention_mask "
                          f"{tuple(mask.shape)}: padding cannot be told from real tokens there; calibrate with "
                          "unpadded batches")
-    return rows[mask.to(x.device).reshape(-1)]
+    return rows
 
 
 def check_llm_calib(model: nn.Module, calib: Iterable[Any], fn: str) -> list[Any]:

@@ -48,7 +48,7 @@ from ..nn.quantized.weight_only import (WeightOnlyLinear, check_recipe, fit_grou
                                        weight_qdtype)
 from .awq import awq_fold, awq_search_stats, scale_source
 from .blocks import (StopForward, capture_block_inputs, check_has_linears, check_llm_calib, decoder_layers,
-                     linear_groups, real_rows, run_block, token_mask)
+                     linear_groups, linear_rows, run_block, token_mask)
 from .dist import agree_calibration, broadcast_tensors, ordered_sum, rank_and_world
 from .refine import output_error, refine_scales
 from .plan import check_shapes, resolve_group_size
@@ -99,7 +99,7 @@ def _input_stats(block: nn.Module, firsts: list[str], last: str | None, inps: li
 
     def grab(name: str):
         def fn(_m: nn.Module, args: tuple[Any, ...]) -> None:
-            x = real_rows(args[0].detach(), cur[0]).float()
+            x = linear_rows(args[0].detach(), cur[0]).float()
             acc[name][0].add(x.T @ x)
             if abs_sum:
                 acc[name][1].add(x.abs().sum(0))
@@ -131,7 +131,7 @@ def _cross_stats(block: nn.Module, fblock: nn.Module, first: str, last: str,
 
     def grab(key: str):
         def fn(_m: nn.Module, args: tuple[Any, ...]) -> None:
-            cur[key] = real_rows(args[0].detach(), cur["mask"]).float()
+            cur[key] = linear_rows(args[0].detach(), cur["mask"]).float()
         return fn
 
     def stop(*_a: Any) -> None:

@@ -39,7 +39,7 @@ from torch import nn
 from ..kernels import int_mm
 from ..nn.quantized._utils import check_finite_linears, check_finite_weight, check_not_meta
 from .awq import awq_fold, scale_source
-from .blocks import _call, check_has_linears, check_llm_calib, decoder_layers, linear_groups, real_rows, token_mask
+from .blocks import _call, check_has_linears, check_llm_calib, decoder_layers, linear_groups, linear_rows, token_mask
 
 __all__ = ["DynamicInt8Linear", "quantize_w8a8", "activation_absmax"]
 
@@ -119,7 +119,7 @@ def activation_absmax(model: nn.Module, linears: dict[str, nn.Linear], calib: It
 
     def hook(name: str):
         def fn(_m: nn.Module, args: tuple[Any, ...]) -> None:
-            x = real_rows(args[0].detach(), cur[0]).abs().amax(0).float().cpu()
+            x = linear_rows(args[0].detach(), cur[0]).abs().amax(0).float().cpu()
             torch.maximum(out[name], x, out=out[name])
         return fn
 
