@@ -26,7 +26,7 @@ Patterns a user registered (``lowbit.fusion_registry``) are fused first. ``prepa
 True
 >>> gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU6()).eval())
 >>> fuse_graph(gm, is_qat=False, require_qconfig=False)  # ReLU6 is a [0, 6] clamp: the fused layer's output grid
-['0: Linear + ClampedReLU -> LinearReLU']
+['0: Linear + ReLU6 -> LinearReLU']
 """
 
 from __future__ import annotations
