@@ -43,17 +43,42 @@ __all__ = ["weight_cache", "conv_out_shape"]  # (cached_weight: the ops' interna
 
 
 def checked_weight(op: str, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
-                   bias: torch.Tensor | None, dim: int, axis: int = 0, groups: int = 1) -> tuple[dict[str, Any], torch.Tensor]:
-    """``cached_weight(weight)`` after ``check_weight``, which runs again only for other grid / bias objects, another
-    geometry (``dim``, ``axis``, ``groups``) or a ``.data`` swap of the weight (the cache starts afresh). Its entry holds
-    the grid and bias tensors, as the plans do (never the weight: see ``cached_weight``)."""
+                   bias: torch.Tensor | None, dim: int, axis: int = 0, groups: int = 1
+                   ) -> tuple[dict[str, Any], torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """``cached_weight(weight)`` and the grid ``(w_scale, w_zero_point, bias)`` the op must use, after ``check_weight``,
+    which runs again only for other grid / bias objects, another geometry (``dim``, ``axis``, ``groups``) or a ``.data``
+    swap of the weight (the cache starts afresh). Its entry holds the grid and bias tensors, as the plans do (never the
+    weight: see ``cached_weight``), and copies of them: other objects with their values (``same_values``) give the
+    copies back, so the plans keyed on the grid's identities stay valid. AOTInductor (and inductor's freezing) inline a
+    1-d constant of at most 8 values (a per-channel grid or bias of a layer with <= 8 output channels) as a kernel that
+    fills a fresh buffer on every call: without the copies every such layer built its plan (packed its weight) again
+    on every call of an AOTI-compiled program."""
     cache, held = cached_weight(weight)
+    grid, geometry = (w_scale, w_zero_point, bias), (dim, axis, groups)
     hit = cache.get("pt2.checked")
-    if hit is None or hit[0] is not w_scale or hit[1] is not w_zero_point or hit[2] is not bias or hit[3] != (dim, axis,
-                                                                                                              groups):
+    if hit is None or hit[0] is not w_scale or hit[1] is not w_zero_point or hit[2] is not bias or hit[3] != geometry:
+        if hit is not None and hit[3] == geometry and same_values(hit[4], grid):
+            return cache, held, hit[4]
         check_weight(op, weight, w_scale, w_zero_point, bias, dim, axis, weight.shape[1] * groups if axis == 1 else None)
-        cache["pt2.checked"] = (w_scale, w_zero_point, bias, (dim, axis, groups))
-    return cache, held
+        cache["pt2.checked"] = (w_scale, w_zero_point, bias, geometry, held_copies(grid))
+    return cache, held, grid  # type: ignore[return-value]
+
+
+def held_copies(tensors: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
+    """Copies of ``tensors`` that only a cache holds (nothing writes them: ``same_values`` compares with them)."""
+    return tuple(None if t is None else t.detach().clone() for t in tensors)
+
+
+def same_values(held: tuple[torch.Tensor | None, ...], given: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether ``given`` holds ``held``'s values, tensor for tensor (dtype, shape, device and ``torch.equal``; ``None``
+    only for ``None``).
+
+    >>> same_values((torch.ones(3), None), (torch.ones(3), None)), same_values((torch.ones(3),), (torch.ones(3).long(),))
+    (True, False)
+    """
+    return all((h is None) == (g is None) and (h is None or (h.dtype == g.dtype and h.shape == g.shape  # type: ignore[union-attr]
+                                                          and h.device == g.device and torch.equal(h, g)))  # type: ignore[arg-type]
+               for h, g in zip(held, given, strict=True))
 
 
 _CACHES: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
@@ -153,7 +178,7 @@ def qlinear(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, 
             weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
             bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
             out_qdtype: str, relu: bool) -> torch.Tensor:
-    cache, weight = checked_weight("qlinear", weight, w_scale, w_zero_point, bias, 2)
+    cache, weight, (w_scale, w_zero_point, bias) = checked_weight("qlinear", weight, w_scale, w_zero_point, bias, 2)
     check_linear("qlinear", x, x_scale, x_zero_point, x_qdtype, weight, out_scale, out_zero_point)
     if (out_scale is not None and out_zero_point is not None and x.is_cpu and x.dim() and x.numel()
             and kernels.get_backend() is None and x_scale.numel() == 1):  # the eager module's plan (its floor)
@@ -211,8 +236,8 @@ def _qconv(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.
     spec = _spec(stride, padding, dilation, groups, transposed, output_padding)
     if not geometry_checked:
         check_geometry(op, spec)
-    cache, weight = checked_weight(op, weight, w_scale, w_zero_point, bias, spec.dim + 2, 1 if transposed else 0,
-                                   groups)
+    cache, weight, (w_scale, w_zero_point, bias) = checked_weight(op, weight, w_scale, w_zero_point, bias, spec.dim + 2,
+                                                                  1 if transposed else 0, groups)
     check_conv(op, x, x_scale, x_zero_point, x_qdtype, weight, out_scale, out_zero_point, spec)
     xq = QTensor._trusted(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
     if (out_scale is not None and out_zero_point is not None and x.is_cpu and x.numel()

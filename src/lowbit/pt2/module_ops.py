@@ -52,7 +52,7 @@ from ..qtensor.layout import nchw_copy
 from ..qtensor.pool import max_pool2d_codes
 from .checks import (check_dynamic_x, check_qfunctional, check_weight,
                      check_weight_only, check_weight_only_x)
-from .kernel_ops import cached_weight, checked_weight, weight_cache
+from .kernel_ops import cached_weight, checked_weight, held_copies, same_values, weight_cache
 from .quant_ops import define, like
 
 __all__: list[str] = []
@@ -60,7 +60,8 @@ __all__: list[str] = []
 
 def dynamic_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
                    w_qdtype: str, bias: torch.Tensor | None) -> torch.Tensor:
-    cache, weight = checked_weight("dynamic_linear", weight, w_scale, w_zero_point, bias, 2)
+    cache, weight, (w_scale, w_zero_point, bias) = checked_weight("dynamic_linear", weight, w_scale, w_zero_point, bias,
+                                                                  2)
     check_dynamic_x(x, weight)
     if x.shape[0] == 0:
         return x.new_zeros(0, weight.shape[0], dtype=torch.float32)
@@ -78,20 +79,26 @@ def _dynamic_linear_fake(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.T
 
 def _weight_only_module(qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
                         bias: torch.Tensor | None, spec: list[int], kernel: str) -> WeightOnlyLinear:
-    """A ``WeightOnlyLinear`` viewing these tensors (cached per tensor versions: keeps its int4 pack)."""
+    """A ``WeightOnlyLinear`` viewing these tensors (cached per tensor versions: keeps its int4 pack). Its grid and bias
+    are copies held by the cache: other objects with their values (AOTInductor's inlined constants, a fresh buffer on
+    every call: ``kernel_ops.checked_weight``) reuse the module instead of packing the weight again."""
     cache, qweight = cached_weight(qweight)
     key = (tuple(spec), kernel, tensor_version(qweight), tensor_version(scales), tensor_version(zero_points), id(scales),
            id(zero_points), None if bias is None else (id(bias), tensor_version(bias)))
     hit = cache.get("weight_only.module")
     if hit is not None and hit[0] == key:
         return hit[1]
+    if hit is not None and hit[0][:3] == key[:3] and same_values(hit[2], (scales, zero_points, bias)):
+        return hit[1]
     check_weight_only(qweight, scales, zero_points, bias, spec)  # (once per tensors and spec, as the module is kept)
     in_f, out_f, bits, group_size, symmetric, relu = spec
     m = WeightOnlyLinear(in_f, out_f, bias is not None, bits, group_size, bool(symmetric), bool(relu), kernel)
-    m.qweight, m.scales, m.zero_points = qweight, scales, zero_points
+    grid = held_copies((scales, zero_points, bias))
+    m.qweight, m.scales, m.zero_points = qweight, grid[0], grid[1]
     if bias is not None:
-        m.bias = bias
-    cache["weight_only.module"] = (key, m)
+        m.bias = grid[2]
+    # (the given grid rides along: while the entry holds it, the ids in the key cannot be reused)
+    cache["weight_only.module"] = (key, m, grid, (scales, zero_points, bias))
     return m
 
 
