@@ -24,6 +24,14 @@ give the eager outputs bit for bit. Its fake implementation gives the output sha
 memory format (convolutions: channels-last codes, as oneDNN produces them). Packed weights are a
 cache keyed on the weight tensor object (``weight_cache``), never part of the graph.
 
+AOTInductor (``torch._inductor.aoti_compile_and_package`` of an exported program) compiles the float glue to C++ and
+calls each ``lowbit::`` op through torch's proxy executor, i.e. the dispatcher and these Python implementations: the
+package runs bit-identically to eager in a Python process that imported ``lowbit``; one that did not fails at
+``aoti_load_package`` with torch's ``Could not find schema for lowbit::<op>`` (after a misleading "Loading outdated
+pt2 file" warning), and a C++-only runtime cannot run it (no C++ kernels are registered). AOTI checks no input shape
+or stride unless ``AOTI_RUNTIME_CHECK_INPUTS=1`` (torch's, for every model: a non-contiguous input can give wrong
+numbers).
+
 >>> import torch, lowbit as Q
 >>> q = torch.ops.lowbit.quantize(torch.tensor([0.26, -1.0]), torch.tensor(0.1), torch.tensor(0), "qint8:-128:127", None)
 >>> q.tolist()
