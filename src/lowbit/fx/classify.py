@@ -223,7 +223,11 @@ def _assign_domains(gm: fx.GraphModule) -> None:
         if not node.meta.get("lowbit_ftensor", False) and not (kind == "share" and node.meta.get("lowbit_ftuple")):
             domain = "other"
         elif kind == "share":  # (a chunk / split of an int value is a tuple of QTensors: its getitems are int)
-            domain = "int" if any(a.meta.get("lowbit_domain") == "int" for a in node.all_input_nodes) else "float"
+            # the value the op moves is its first argument: `x.expand_as(y)` of a float x is float, an int y only
+            # gives it a shape (a float share op reads its int inputs through a DeQuantize)
+            src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+            ins = [src] if src is not None else node.all_input_nodes
+            domain = "int" if any(a.meta.get("lowbit_domain") == "int" for a in ins) else "float"
         else:  # a placeholder declared quantized (input_quantized_idxs) arrives as a QTensor
             domain = "int" if kind in _INT_KINDS or node.meta.get("lowbit_qinput") else "float"
         node.meta["lowbit_domain"] = domain

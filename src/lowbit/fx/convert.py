@@ -264,7 +264,9 @@ class _Converter:
         made: dict[fx.Node, fx.Node] = {}
         quantized_outputs = self._quantized_outputs()
         for node in list(self.graph.nodes):
-            if node.meta.get("lowbit_kind") not in ("float", "opaque", "output", "dynamic"):
+            kind = node.meta.get("lowbit_kind")
+            if kind not in ("float", "opaque", "output", "dynamic") and not (
+                    kind == "share" and node.meta.get("lowbit_domain") == "float"):
                 continue
             for src in list(node.all_input_nodes):
                 if src.meta.get("lowbit_domain") != "int":

@@ -20,7 +20,11 @@ class          ops                                         after ``convert_fx``
 ``share``      relu, flatten, view/reshape/permute/         runs on the codes of its input
                transpose/(un)squeeze/narrow, chunk/split    (int stays int, float stays float;
                (only indexed), max-pool, dropout,
-               identity, size/shape,
+               identity, size/shape, nearest
+               interpolation (``F.interpolate`` /
+               ``nn.Upsample`` in ``"nearest"`` /
+               ``"nearest-exact"`` mode), roll, repeat,
+               expand/expand_as,
                zero padding (``F.pad`` value 0,            a zero pad fills the zero point)
                ``nn.ZeroPad*d``, ``nn.ConstantPad*d(0)``)
 ``float``      everything else (softmax, layer_norm, gelu,  float, a ``DeQuantize`` before it
@@ -103,9 +107,15 @@ _METHOD_ACTIVATIONS = {"sigmoid": nnq_act.Sigmoid, "tanh": nnq_act.Tanh}
 # (the view ops as functions too: torchvision's channel shuffle is `torch.transpose(x, 1, 2)`)
 _SHARE_FUNCS = {F.relu, torch.relu, torch.flatten, F.max_pool1d, F.max_pool2d, F.max_pool3d,
                 F.adaptive_max_pool2d, F.dropout, torch.dropout, operator.getitem, getattr, len,
-                torch.reshape, torch.permute, torch.transpose, torch.squeeze, torch.unsqueeze, torch.narrow}
+                torch.reshape, torch.permute, torch.transpose, torch.squeeze, torch.unsqueeze, torch.narrow,
+                torch.roll}
+# (code selections: each output code is an input code, as QTensor runs them; expand_as / repeat as torch.ao's "repeat")
 _SHARE_METHODS = {"relu", "view", "reshape", "flatten", "permute", "transpose", "contiguous", "size",
-                  "dim", "numel", "detach", "squeeze", "unsqueeze", "narrow"}
+                  "dim", "numel", "detach", "squeeze", "unsqueeze", "narrow", "roll", "repeat", "expand", "expand_as"}
+# resampling that selects codes (nearest neighbour, QTensor's exact `F.interpolate`): a UNet's decoder upsampling; the
+# other modes average (bilinear ...) and stay float
+_NEAREST = ("nearest", "nearest-exact")
+_INTERPOLATE_FUNCS = {F.interpolate: 3, F.upsample: 3, F.upsample_nearest: None}  # -> position of `mode`
 # ops giving a tuple of views (ShuffleNetV2's `x.chunk(2, dim=1)`): shared when only indexed (`a, b = ...`)
 _SPLIT_FUNCS = {torch.chunk, torch.split, torch.tensor_split}
 _SPLIT_METHODS = {"chunk", "split", "tensor_split"}
@@ -136,6 +146,20 @@ def is_zero_pad(node: fx.Node, mod: nn.Module | None) -> bool:
     return mode == "constant" and (value is None or (as_number(value) == 0.0))
 
 
+def is_nearest_resample(node: fx.Node, mod: nn.Module | None) -> bool:
+    """``F.interpolate`` / ``F.upsample`` in a nearest mode (the default), ``F.upsample_nearest``, or an ``nn.Upsample``
+    (``nn.UpsamplingNearest2d``) in a nearest mode: each output code is an input code, exact on any grid."""
+    if node.op == "call_module":
+        return type(mod) in (nn.Upsample, nn.UpsamplingNearest2d) and mod.mode in _NEAREST  # type: ignore[union-attr]
+    if node.op != "call_function" or node.target not in _INTERPOLATE_FUNCS:
+        return False
+    at = _INTERPOLATE_FUNCS[node.target]
+    if at is None:
+        return True
+    mode = node.args[at] if len(node.args) > at else node.kwargs.get("mode", "nearest")
+    return mode in _NEAREST
+
+
 def func_activation(op: str, target: Any) -> type[nn.Module] | None:
     """The quantized activation class for a functional/method activation node, or ``None``."""
     if op == "call_function":
@@ -155,14 +179,15 @@ def is_share_op(node: fx.Node, mod: nn.Module | None) -> bool:
             return node.args[1] in ("shape", "device")
         if node.target is F.max_pool2d or node.target is F.max_pool1d or node.target is F.max_pool3d:
             return not node.kwargs.get("return_indices", False)
-        return node.target in _SHARE_FUNCS or is_zero_pad(node, mod)
+        return node.target in _SHARE_FUNCS or is_zero_pad(node, mod) or is_nearest_resample(node, mod)
     if node.op == "call_method":
         return node.target in _SHARE_METHODS
     if node.op == "call_module":
         from ..stubs import DeQuantStub, QuantStub  # identity markers a user may have left in
         if isinstance(mod, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)) and mod.return_indices:
             return False
-        return type(mod) in _SHARE_MODULES or type(mod) in (QuantStub, DeQuantStub) or is_zero_pad(node, mod)
+        return (type(mod) in _SHARE_MODULES or type(mod) in (QuantStub, DeQuantStub) or is_zero_pad(node, mod)
+                or is_nearest_resample(node, mod))
     return False
 
 

@@ -1,0 +1,154 @@
+"""Graph-mode gaps (session 38): grid-preserving ops that stayed float, each behind a DeQuantize + Quantize pair.
+
+Nearest-neighbour resampling (``F.interpolate`` / ``nn.Upsample`` / ``nn.UpsamplingNearest2d`` in ``"nearest"`` /
+``"nearest-exact"`` mode: a UNet's decoder upsampling) and the code selections ``torch.roll`` / ``x.roll``,
+``x.expand`` / ``x.expand_as``, ``x.repeat`` select input codes: after ``convert_fx`` they now run on the QTensor's
+codes (``share``). Oracle: the reference model (``convert_to_reference_fx``), which the int8 model must equal
+exactly where every op is exact; and the graph's Quantize / DeQuantize count.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lowbit as Q
+from helpers import one_thread  # noqa: F401  (autouse: one thread)
+from lowbit import kernels
+from lowbit.nn.quantized.stubs import DeQuantize, Quantize
+from lowbit.reference.fx import convert_to_reference_fx
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+class UNet(nn.Module):
+    """conv → strided conv → upsample → cat with the skip → conv."""
+
+    def __init__(self, up: nn.Module) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, stride=2, padding=1)
+        self.up, self.c3 = up, nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.c1(x)
+        return self.c3(torch.cat([a, self.up(self.c2(a))], 1))
+
+
+class Between(nn.Module):
+    """conv → op → conv."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.c1, self.c2, self.fn = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1), fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.fn(self.c1(x)))
+
+
+def _q_dq(gm: nn.Module) -> tuple[int, int]:
+    mods = dict(gm.named_modules())
+    kinds = [type(mods[n.target]) for n in gm.graph.nodes if n.op == "call_module"]
+    return kinds.count(Quantize), kinds.count(DeQuantize)
+
+
+def _convert_and_check(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """Convert ``model``; assert the int8 model equals the reference model exactly, with no float fallback."""
+    p = Q.prepare_fx(model.eval(), Q.get_default_qconfig_mapping(), example_inputs=(x,))
+    p(x)
+    ref = convert_to_reference_fx(copy.deepcopy(p))
+    q = Q.convert_fx(p)
+    with torch.no_grad(), kernels.use_backend("reference"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a QTensor float fallback warns)
+        got, want = q(x), ref(x)
+    assert torch.equal(got, want)
+    return q
+
+
+UPSAMPLES = {
+    "Upsample-nearest": nn.Upsample(scale_factor=2, mode="nearest"),
+    "Upsample-size-nearest-exact": nn.Upsample(size=(8, 8), mode="nearest-exact"),
+    "UpsamplingNearest2d": nn.UpsamplingNearest2d(scale_factor=2),
+    "F.interpolate": _Fn(lambda t: F.interpolate(t, scale_factor=2)),
+    "F.interpolate-nearest-exact": _Fn(lambda t: F.interpolate(t, None, 2.0, "nearest-exact")),
+    "F.interpolate-size-kw": _Fn(lambda t: F.interpolate(t, size=(8, 8), mode="nearest")),
+    "F.upsample_nearest": _Fn(lambda t: F.upsample_nearest(t, scale_factor=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(UPSAMPLES))
+def test_nearest_upsampling_runs_on_the_codes(name):
+    """A UNet decoder's nearest upsample sat between a DeQuantize and a Quantize (2 of each; torch.ao keeps it
+    quantized); now only the model's input is quantized and its output dequantized."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (F.upsample_nearest is deprecated)
+        q = _convert_and_check(UNet(copy.deepcopy(UPSAMPLES[name])), torch.randn(2, 3, 8, 8))
+    assert _q_dq(q) == (1, 1)
+    assert not q.lowbit_report.left_float
+
+
+@pytest.mark.parametrize("up", [nn.Upsample(scale_factor=2, mode="bilinear"), nn.UpsamplingBilinear2d(scale_factor=2),
+                                _Fn(lambda t: F.interpolate(t, scale_factor=2, mode="bicubic"))],
+                         ids=["Upsample-bilinear", "UpsamplingBilinear2d", "F.interpolate-bicubic"])
+def test_averaging_upsampling_stays_float(up):
+    """Bilinear / bicubic interpolation averages codes (new values, not on the grid): still float and reported."""
+    torch.manual_seed(0)
+    q = _convert_and_check(UNet(up), torch.randn(2, 3, 8, 8))
+    assert _q_dq(q) == (2, 2) and len(q.lowbit_report.left_float) == 1
+
+
+SELECTIONS = {
+    "torch.roll": lambda t: torch.roll(t, 1, 2),
+    "x.roll-dims": lambda t: t.roll((1, -2), (2, 3)),
+    "x.roll-flat": lambda t: t.roll(3),
+    "x.expand": lambda t: t[:, :, :1].expand(-1, -1, 8, -1),
+    "x.expand_as": lambda t: t[:, :, :, :1].expand_as(t),
+    "x.repeat": lambda t: t.repeat(1, 1, 2, 1),
+    "x.repeat-new-dim": lambda t: t.repeat(1, 1, 1, 1, 1).flatten(0, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(SELECTIONS))
+def test_code_selections_run_on_the_codes(name):
+    """roll / expand / expand_as / repeat between two convs were float (a DeQuantize + Quantize pair)."""
+    torch.manual_seed(0)
+    q = _convert_and_check(Between(SELECTIONS[name]), torch.randn(2, 3, 8, 8))
+    assert _q_dq(q) == (1, 1)
+    assert not q.lowbit_report.left_float
+
+
+class FloatExpandAs(nn.Module):
+    """A float value expanded to the shape of an int one: the op moves float values (its int input gives a shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c1(x)
+        return F.gelu(x[:, :1].expand_as(y)) + y
+
+
+def test_float_expand_as_an_int_value_stays_float():
+    """The domain of a share op is its first argument's: ``x.expand_as(y)`` of a float ``x`` is float even where ``y``
+    is int (it reads ``y`` through a DeQuantize), not a QTensor."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, 4)
+    q = _convert_and_check(FloatExpandAs(), x)
+    node = next(n for n in q.graph.nodes if n.target == "expand_as")
+    assert node.meta["lowbit_domain"] == "float"
+    with torch.no_grad(), kernels.use_backend("reference"):
+        y = q.c1(Q.quantize_per_tensor(x, 1.0, 0, Q.quint8)).dequantize()  # (shape only)
+    assert y.shape == (2, 4, 4, 4)
