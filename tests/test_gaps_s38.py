@@ -152,3 +152,60 @@ def test_float_expand_as_an_int_value_stays_float():
     with torch.no_grad(), kernels.use_backend("reference"):
         y = q.c1(Q.quantize_per_tensor(x, 1.0, 0, Q.quint8)).dequantize()  # (shape only)
     assert y.shape == (2, 4, 4, 4)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("dims", [2, 3])
+def test_quantized_batchnorm_matches_torch_ao_code_for_code(dims, relu):
+    """A standalone BatchNorm (DenseNet's pre-activation BN → ReLU) had no int8 module (torch.ao: nnq.BatchNorm2d/3d,
+    nniq.BNReLU2d/3d); ``lowbit.nn.quantized.normalization.BatchNorm2d/3d`` / ``BNReLU2d/3d`` give torch.ao's codes."""
+    import torch.ao.nn.intrinsic.quantized as tnniq
+    import torch.ao.nn.quantized as tnnq
+
+    from lowbit.nn.quantized import normalization as qn
+
+    torch.manual_seed(dims + 2 * relu)
+    C = 5
+    bn = getattr(nn, f"BatchNorm{dims}d")(C).eval()
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.1, 3), bn.weight.uniform_(-2, 2)
+        bn.bias.uniform_(-1, 1)
+    x = torch.randn((3, C) + (6,) * dims) * 2
+    s_in, z_in, s_out, z_out = 0.031, 121, 0.047, 97
+    ref = getattr(tnniq if relu else tnnq, f"{'BNReLU' if relu else 'BatchNorm'}{dims}d")(C)
+    ref.load_state_dict({**bn.state_dict(), "scale": torch.tensor(s_out), "zero_point": torch.tensor(z_out)},
+                        strict=False)
+    if relu:
+        fused = getattr(Q.nn.intrinsic, f"BNReLU{dims}d")(bn, nn.ReLU())
+        fused.activation_post_process = Q.observer.MinMaxObserver()
+    else:
+        fused = copy.deepcopy(bn)
+        fused.activation_post_process = Q.observer.MinMaxObserver()
+    fused.activation_post_process(torch.tensor([(0 - z_out) * s_out, (255 - z_out) * s_out]))
+    mine = getattr(qn, f"{'BNReLU' if relu else 'BatchNorm'}{dims}d").from_float(fused)
+    assert (mine.scale.item(), mine.zero_point.item()) == pytest.approx((s_out, z_out), rel=1e-6)
+    mine.scale.fill_(s_out)
+    with torch.no_grad():
+        want = ref(torch.quantize_per_tensor(x, s_in, z_in, torch.quint8)).int_repr()
+        got = mine(Q.quantize_per_tensor(x, s_in, z_in, Q.quint8))
+    assert torch.equal(got.int_repr(), want)
+    # the float value it stands for: bn(x̂) (relu'd), one output quantum
+    xh = Q.quantize_per_tensor(x, s_in, z_in, Q.quint8).dequantize().double()
+    y = bn.double()(xh).float()
+    y = F.relu(y) if relu else y
+    assert (got.dequantize() - y.clamp((0 - z_out) * s_out, (255 - z_out) * s_out)).abs().max() <= s_out / 2 + 1e-5
+
+
+def test_quantized_batchnorm_refuses_what_it_cannot_run():
+    from lowbit.nn.quantized import normalization as qn
+
+    bn = nn.BatchNorm2d(3, track_running_stats=False)
+    bn.activation_post_process = Q.observer.MinMaxObserver()
+    bn.activation_post_process(torch.tensor([-1.0, 1.0]))
+    with pytest.raises(ValueError, match="running statistics"):
+        qn.BatchNorm2d.from_float(bn)
+    with pytest.raises(TypeError, match="BNReLU2d"):
+        qn.BNReLU2d.from_float(nn.BatchNorm2d(3))  # (a plain BN is not a BN-ReLU)
+    m = qn.BatchNorm2d(3, scale=0.1, zero_point=10)
+    with pytest.raises(ValueError, match=r"3 channels, got shape \(1, 4, 2, 2\)"):
+        m(Q.quantize_per_tensor(torch.zeros(1, 4, 2, 2), 0.1, 10, Q.quint8))

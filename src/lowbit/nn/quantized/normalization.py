@@ -44,7 +44,7 @@ from ._state import CheckedQuantState
 from ._utils import check_out_grid, output_qparams
 
 __all__ = ["LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "Dropout",
-           "NORM_MAPPINGS"]
+           "BatchNorm2d", "BatchNorm3d", "BNReLU2d", "BNReLU3d", "NORM_MAPPINGS"]
 
 
 class _QuantizedNorm(CheckedQuantState):
@@ -203,6 +203,101 @@ class InstanceNorm3d(_InstanceNorm, nn.InstanceNorm3d):
     _float_type, _spatial = nn.InstanceNorm3d, 3
 
 
+class _BatchNorm(_QuantizedNorm):
+    """Inference BatchNorm (running statistics): a per-channel affine map of the codes, as torch.ao's
+    ``quantized::batch_norm2d/3d`` (``_relu``: ``batch_norm*_relu``)::
+
+        alpha_c = weight_c / sqrt(var_c + eps) * s_in / s_out,   beta_c = (bias_c - mean_c weight_c / sqrt(var_c + eps)) / s_out
+        q = clamp(round_half_even((q_in - z_in) alpha_c + beta_c) + z_out, qmin, qmax)     (ReLU: at least z_out)
+
+    ``alpha`` / ``beta`` are rounded to float32 as torch stores them; the map itself runs in float64 (torch's kernel
+    in float32 with fused multiply-adds: its codes can differ by one where the exact value is within float32 error of a
+    ``.5`` tie). A float input is normalized in float and quantized onto the output grid."""
+
+    _relu = False
+    _spatial = 2
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1, scale: float = 1.0,
+                 zero_point: int = 0, qdtype: QDtype | str | torch.dtype = quint8) -> None:
+        self._float_type.__init__(self, num_features, eps, momentum)  # type: ignore[call-arg]
+        _set_affine(self, self.weight, self.bias)
+        self.eval()
+        self._init_grid(scale, zero_point, qdtype)
+
+    def _float_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != self._spatial + 2:
+            raise ValueError(f"quantized {type(self).__name__} expects a {self._spatial + 2}-D input, got {x.dim()}-D")
+        y = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        return F.relu(y) if self._relu else y
+
+    def forward(self, input: Any) -> QTensor:
+        x = input
+        if not isinstance(x, QTensor) or x.axis is not None:
+            return super().forward(x)
+        if x.dim() != self._spatial + 2 or x.shape[1] != self.num_features:
+            raise ValueError(f"quantized {type(self).__name__}({self.num_features}) expects a "
+                             f"{self._spatial + 2}-D input with {self.num_features} channels, got shape {tuple(x.shape)}")
+        f32 = torch.float32
+        inv = (1.0 / torch.sqrt(self.running_var.to(f32) + torch.tensor(self.eps, dtype=f32)).double()).to(f32)
+        w = self.weight if self.weight is not None else torch.ones_like(inv)
+        b = self.bias if self.bias is not None else torch.zeros_like(inv)
+        iw = inv * w.to(f32)  # (float32, as torch's `inv_sigma * weight_v`)
+        s_out = float(self.scale)
+        alpha = (iw.double() * (float(x.q_scale()) / s_out)).to(f32).double()
+        beta = ((b.to(f32) - self.running_mean.to(f32) * iw).double() / s_out).to(f32).double()
+        shape = (1, -1) + (1,) * self._spatial
+        y = (x.int_repr().double() - float(x.q_zero_point())) * alpha.view(shape) + beta.view(shape)
+        q = torch.round(y) + int(self.zero_point)
+        lo = int(self.zero_point) if self._relu else self.qdtype.quant_min
+        q = q.clamp(max(lo, self.qdtype.quant_min), self.qdtype.quant_max).to(self.qdtype.storage)
+        return QTensor(q, self.scale, self.zero_point, self.qdtype)
+
+    @classmethod
+    def from_float(cls, mod: nn.Module) -> Any:
+        fused = cls._relu and type(mod).__name__ == cls.__name__  # an nni.BNReLUNd: its BN is mod[0]
+        bn = mod[0] if fused else mod  # type: ignore[index]
+        if type(bn) is not cls._float_type or cls._relu != fused:
+            raise TypeError(f"quantized {cls.__name__}.from_float expects an nn.{cls._float_type.__name__}"
+                            f"{' (or its fused BN-ReLU)' if cls._relu else ''}, got {type(mod).__name__}")
+        if not bn.track_running_stats or bn.running_mean is None:
+            raise ValueError(f"quantized {cls.__name__}.from_float: the BatchNorm has no running statistics "
+                             "(track_running_stats=False normalizes with batch statistics; it stays float)")
+        s, z, d = output_qparams(mod if hasattr(mod, "activation_post_process") else bn, cls.__name__)
+        new = cls(bn.num_features, bn.eps, bn.momentum or 0.1, s, z, d)
+        _set_affine(new, None if bn.weight is None else bn.weight.detach().float(),
+                    None if bn.bias is None else bn.bias.detach().float())
+        new.running_mean.copy_(bn.running_mean.float())
+        new.running_var.copy_(bn.running_var.float())
+        return new
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, {self._grid_repr()}"
+
+
+class BatchNorm2d(_BatchNorm, nn.BatchNorm2d):
+    """Inference ``BatchNorm2d`` on int8 codes (torch.ao's ``nn.quantized.BatchNorm2d``)."""
+
+    _float_type = nn.BatchNorm2d
+
+
+class BatchNorm3d(_BatchNorm, nn.BatchNorm3d):
+    """Inference ``BatchNorm3d`` on int8 codes (torch.ao's ``nn.quantized.BatchNorm3d``)."""
+
+    _float_type, _spatial = nn.BatchNorm3d, 3
+
+
+class BNReLU2d(BatchNorm2d):
+    """``relu(bn2d(x))`` on int8 codes (torch.ao's ``nn.intrinsic.quantized.BNReLU2d``)."""
+
+    _relu = True
+
+
+class BNReLU3d(BatchNorm3d):
+    """``relu(bn3d(x))`` on int8 codes (torch.ao's ``nn.intrinsic.quantized.BNReLU3d``)."""
+
+    _relu = True
+
+
 class Dropout(nn.Dropout):
     """Inference dropout: the identity on ``QTensor`` (and float) inputs."""
 
@@ -221,4 +316,5 @@ class Dropout(nn.Dropout):
 NORM_MAPPINGS: dict[type[nn.Module], type[nn.Module]] = {
     nn.LayerNorm: LayerNorm, nn.GroupNorm: GroupNorm, nn.InstanceNorm1d: InstanceNorm1d,
     nn.InstanceNorm2d: InstanceNorm2d, nn.InstanceNorm3d: InstanceNorm3d, nn.Dropout: Dropout,
+    nn.BatchNorm2d: BatchNorm2d, nn.BatchNorm3d: BatchNorm3d,
 }
