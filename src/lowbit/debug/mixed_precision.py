@@ -23,7 +23,8 @@ if that improves the metric and stops at the budget or at the first layer whose 
 kept float computes in float from its dequantized input; its output goes back onto the layer's
 calibrated output grid when the quantized layer had one (the grid its int8 consumers read), and stays
 float while every reader of it (through zero pads, flatten, ...) is a layer kept float too, so the search
-sees what ``prepare`` with ``set_module_name(L, None)`` then does, up to that rounding. The ranking sorts
+sees what ``prepare`` with ``set_module_name(L, None)`` then does, up to that rounding (eager mode, with no graph
+to read: a layer whose output the model returns as it is, a classifier head, outputs float). The ranking sorts
 by ``metric_L`` itself (an SQNR-vs-float metric scores the float model ``inf``: every drop is ``inf``). A layer
 alone in its own graph (an untraceable parent's child) is swapped for the float module itself.
 ``finalize(qmodel)`` (e.g. ``lowbit.fuse_dequantize``) runs on every converted model before it is
@@ -123,7 +124,7 @@ def auto_mixed_precision(model: nn.Module, qconfig_mapping: Any, calib: Any, eva
         return _fast(model, qconfig_mapping, batches, eval_fn, tolerance, max_float_layers, method, example_inputs,
                      fuse, progress, finalize)
     mapping, table = sensitivity(model, qconfig_mapping, batches, eval_fn, fuse=fuse, method=method,
-                                 example_inputs=example_inputs)
+                                 example_inputs=example_inputs, progress=progress, who="auto_mixed_precision")
     table.tolerance = tolerance
     base = _fused(model, fuse, method)
     budget = len(table.rows) if max_float_layers is None else max_float_layers
@@ -133,7 +134,7 @@ def auto_mixed_precision(model: nn.Module, qconfig_mapping: Any, calib: Any, eva
         qmodel = _quantize(base, m, batches, method, None, example_inputs)
         if finalize is not None:
             finalize(qmodel)
-        return _score(eval_fn, qmodel, what)
+        return _score(eval_fn, qmodel, what, "auto_mixed_precision")
 
     with _quiet_float_fallback(), torch.no_grad():
         metric = measure(mapping, "the fully quantized model")
@@ -229,7 +230,28 @@ def _readers(gm: fx.GraphModule, gpath: str, node: fx.Node) -> tuple[set[str], b
     return mods, other
 
 
-def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module
+def _returned_layers(qmodel: nn.Module, batch: Any) -> set[str]:
+    """Eager mode (no graph to read): the quantized layers whose output the model returns as it is (a classifier
+    head). Kept float, such a layer gives a float model output, as the model built from the mapping does; its
+    twin requantized it onto the int8 layer's output grid, so the search never saw the gain."""
+    from ..batches import output_tensors, run_batch
+
+    seen: dict[int, Any] = {}
+    handles = [mod.register_forward_hook(lambda _m, _i, out, p=path: seen.__setitem__(id(out), p))
+               for path, mod in qmodel.named_modules()
+               if type(mod).__module__.startswith("lowbit.nn.quantized") and callable(getattr(mod, "weight", None))]
+    handles.append(qmodel.register_forward_hook(  # before _dequantize_output makes new tensors
+        lambda _m, _i, out: seen.__setitem__(-1, {seen[id(o)] for o in output_tensors(out) if id(o) in seen}),
+        prepend=True))
+    try:
+        run_batch(qmodel, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen.get(-1, set())
+
+
+def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, returned: set[str] | None = None
            ) -> tuple[dict[str, list[tuple[str, nn.Module]]], dict[str, tuple[_FloatTwin, set[str]]]]:
     """``{layer name: [(path in qmodel, float replacement), ...]}`` for every quantized weighted layer, and
     ``{layer name: (its float twin, the layers that alone read its output)}`` for ``_regrid``."""
@@ -250,7 +272,7 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module
             continue
         found = _node_of(qmodel, path)
         swaps: list[tuple[str, nn.Module]] = []
-        float_out = False
+        float_out = path in (returned or ())
         mods: set[str] = set()
         other = True
         if found is not None:  # the layer's own input Quantize goes too: a float layer reads float
@@ -297,7 +319,7 @@ def _fast(model: nn.Module, qconfig_mapping: Any, batches: list[Any], eval_fn: C
     mapping = copy.deepcopy(QConfigMapping.from_qconfig(qconfig_mapping, None))
     base = _fused(model, fuse, method)
     with _quiet_float_fallback(), torch.no_grad():
-        baseline = _score(eval_fn, copy.deepcopy(base).eval(), "the float model")
+        baseline = _score(eval_fn, copy.deepcopy(base).eval(), "the float model", "auto_mixed_precision")
         if method == "fx":
             import warnings
             with warnings.catch_warnings():
@@ -311,7 +333,8 @@ def _fast(model: nn.Module, qconfig_mapping: Any, batches: list[Any], eval_fn: C
         qmodel.register_forward_hook(_dequantize_output)
         if finalize is not None:
             finalize(qmodel)
-        swaps, twins = _swaps(base, prepared, qmodel)
+        returned = _returned_layers(qmodel, batches[0]) if method != "fx" else None
+        swaps, twins = _swaps(base, prepared, qmodel, returned)
         if not swaps:
             raise ValueError("auto_mixed_precision: the quantized model has no int8 weighted layer to keep float")
         table = _search(qmodel, swaps, twins, eval_fn, baseline, tolerance, max_float_layers, progress, "auto_mixed_precision")
@@ -325,11 +348,11 @@ def _search(qmodel: nn.Module, swaps: dict[str, list[tuple[str, nn.Module]]],
             tolerance: float | None, max_float_layers: int | None, progress: bool, who: str) -> SensitivityTable:
     """Rank (one layer float each) and walk greedily; ``qmodel`` is left with the chosen layers swapped in."""
     table = SensitivityTable(baseline, tolerance=tolerance, view="float")
-    metric = table.all_quantized_metric = _score(eval_fn, qmodel, "the fully quantized model")
+    metric = table.all_quantized_metric = _score(eval_fn, qmodel, "the fully quantized model", who)
     rows = []
     for name, sw in tqdm(swaps.items(), desc=f"{who}: rank (one layer float)", disable=not progress, leave=False):
         undo = _apply(qmodel, sw)
-        m = _score(eval_fn, qmodel, f"the model with '{name}' float")
+        m = _score(eval_fn, qmodel, f"the model with '{name}' float", who)
         _apply(qmodel, undo)
         rows.append(SensitivityRow(name, type(undo[-1][1]).__name__, m, metric_drop(baseline, m)))
     rows.sort(key=lambda r: -r.metric)  # not by drop: an infinite baseline (SQNR vs float) makes every drop inf
@@ -343,7 +366,7 @@ def _search(qmodel: nn.Module, swaps: dict[str, list[tuple[str, nn.Module]]],
             break
         undo = _apply(qmodel, swaps[row.name])
         _regrid(twins, {*table.float_layers, row.name})
-        m = _score(eval_fn, qmodel, f"the model with {[*table.float_layers, row.name]} float")
+        m = _score(eval_fn, qmodel, f"the model with {[*table.float_layers, row.name]} float", who)
         if m > metric:
             metric = m
             table.float_layers.append(row.name)
@@ -363,7 +386,7 @@ def keep_float_layers(float_model: nn.Module, prepared: nn.Module, qmodel: nn.Mo
     twins), ``float_model`` the float original. Every other layer stays on the int8 kernels.
     """
     with _quiet_float_fallback(), torch.no_grad():
-        baseline = _score(eval_fn, float_model, "the float model")
+        baseline = _score(eval_fn, float_model, "the float model", who)
         swaps, twins = _swaps(float_model, prepared, qmodel)
         if not swaps:
             return SensitivityTable(baseline, view="float")

@@ -110,7 +110,7 @@ def _dequantized(out: Any) -> Any:
     return out
 
 
-def _score(eval_fn: Callable[[nn.Module], Any], model: nn.Module, what: str) -> float:
+def _score(eval_fn: Callable[[nn.Module], Any], model: nn.Module, what: str, who: str = "sensitivity") -> float:
     try:
         value = eval_fn(model)
     except Exception as err:  # the user's own error, as raised; the note says which of the many candidates it was
@@ -119,7 +119,7 @@ def _score(eval_fn: Callable[[nn.Module], Any], model: nn.Module, what: str) -> 
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(float(value)):
-        raise TypeError(f"sensitivity: eval_fn must return a real number (higher is better), got {value!r} "
+        raise TypeError(f"{who}: eval_fn must return a real number (higher is better), got {value!r} "
                         f"for {what}")
     return float(value)
 
@@ -256,7 +256,8 @@ def _quantize(base: nn.Module, mapping: QConfigMapping, calib: list[Any], method
 def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Callable[[nn.Module], Any],
                 tolerance: float | None = None, fuse: Any = None, method: str = "ptq",
                 train_fn: Callable[[nn.Module], Any] | None = None,
-                example_inputs: tuple[Any, ...] | None = None) -> tuple[QConfigMapping, SensitivityTable]:
+                example_inputs: tuple[Any, ...] | None = None, *, progress: bool = True,
+                who: str = "sensitivity") -> tuple[QConfigMapping, SensitivityTable]:
     """Quantize one layer at a time and rank layers by metric drop; optionally keep the worst ones float.
 
     ``qconfig_mapping``: a ``QConfigMapping``, a ``QConfig`` (global), a qconfig dict or ``None``
@@ -267,7 +268,8 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
     Returns ``(mapping, table)``: ``mapping`` is a copy of the user's mapping (with ``tolerance``:
     plus ``set_module_name(layer, None)`` for every layer kept float), usable with
     ``prepare(fused_model, mapping)`` (``prepare_qat`` for QAT, ``quantize_dynamic(model, mapping)``
-    for dynamic); ``table`` is a ``SensitivityTable``. ``model`` is not modified.
+    for dynamic); ``table`` is a ``SensitivityTable``. ``model`` is not modified. ``progress=False`` hides the
+    progress bar; ``who`` names the caller in eval_fn's errors.
     """
     check_float_model(check_module(model, "sensitivity: model"), "sensitivity")
     if not callable(eval_fn):
@@ -303,12 +305,13 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
         example_inputs = example_inputs_of(batches[0], "sensitivity")
 
     def quantized(mapping: QConfigMapping, what: str) -> float:
-        return _score(eval_fn, _quantize(base, mapping, batches, method, train_fn, example_inputs), what)
+        return _score(eval_fn, _quantize(base, mapping, batches, method, train_fn, example_inputs), what, who)
 
     with _quiet_float_fallback(), torch.no_grad():
-        baseline = _score(eval_fn, copy.deepcopy(base).eval(), "the float model")
+        baseline = _score(eval_fn, copy.deepcopy(base).eval(), "the float model", who)
         rows = []
-        for name, type_name, qc in tqdm(layers, desc="sensitivity (one layer int8 at a time)", leave=False):
+        for name, type_name, qc in tqdm(layers, desc=f"{who} (one layer int8 at a time)", leave=False,
+                                        disable=not progress):
             metric = quantized(QConfigMapping().set_module_name(name, qc), f"layer '{name}' quantized alone")
             rows.append(SensitivityRow(name, type_name, metric, metric_drop(baseline, metric)))
         rows.sort(key=by_drop)
