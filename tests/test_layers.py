@@ -25,7 +25,8 @@ TIERS: list[tuple[str, ...]] = [
     ("fake_quant",),                   # package: base, learnable, fused, fixed
     ("qconfig",),
     ("custom_config", "fusion_registry", "recipes"),  # config objects, the user pattern registry, recipes
-    ("stubs", "kernels", "kernels.avx2", "kernels.plan"),  # avx2: exact split / fbgemm without VNNI; plan: eager floor
+    ("stubs", "kernels", "kernels.avx2", "kernels.plan", "kernels.conv_transpose"),  # avx2: exact split / fbgemm without
+    # VNNI; plan: eager floor; conv_transpose: a transposed conv as one ordinary conv
     ("nn.intrinsic",),                 # fused float markers and BN folding
     ("nn.qat",),
     ("nn.intrinsic.qat",),             # QAT ConvBn builds on nn.qat

@@ -48,7 +48,7 @@ from ..qtensor import QTensor
 from . import conv_small, onednn
 from .conv_split import packed_for_input
 from .plan import _counts, input_grid_key
-from .spec import ConvSpec, OutGrid, odd_windows, padded_windows, strided_column
+from .spec import ConvSpec, OutGrid, odd_windows, padded_windows, strided_column, wide_multiplier
 
 __all__ = ["conv_plan"]
 
@@ -58,7 +58,8 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
     w = weight.int_repr()
     if (out is None or spec.transposed or spec.dim != 2 or x_qdtype.storage != torch.uint8 or not onednn.available()
             or w.device.type != "cpu" or w.dtype != torch.int8 or out.qdtype.storage != torch.uint8
-            or bool(weight.zero_point.any()) or padded_windows(weight.shape, spec)):  # (the last: onednn.conv pads)
+            or bool(weight.zero_point.any()) or padded_windows(weight.shape, spec)  # (these two: onednn.conv pads
+            or wide_multiplier(weight.shape, spec)):  # or chunks)
         return None
     counts, key = _counts(), ("onednn", "conv")
     grid: list[Any] = [None]  # (key of the input grid's tensors, s_x, z_x, the tensors held)

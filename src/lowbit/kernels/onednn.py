@@ -11,7 +11,8 @@ repacked only when the weight tensor changes (its ``data_ptr``/``_version``). qi
 are shifted to u8 (``q + 128``, ``z + 128``): oneDNN's s8-source path is its slow reference kernel.
 
 Declines (returns ``NotImplemented``, the dispatcher falls back): non-CPU tensors, weight zero
-points other than 0 (oneDNN ignores them), transposed convs and empty inputs.
+points other than 0 (oneDNN ignores them) and empty inputs. A transposed conv runs as one ordinary conv on the
+same codes (``conv_transpose``: its stride phases stacked as output channels).
 
 Saturation on CPUs **without VNNI/AMX**: they multiply with ``vpmaddubsw``, which adds two u8·s8
 products into a *saturating* int16, so one call is exact only when ``255 · (w_a + w_b)`` fits int16
@@ -48,14 +49,15 @@ from .. import native
 from ..compile_state import tensor_version
 from ..functional import _store
 from ..qtensor import QTensor
-from . import conv_small, int_mm, small_m
+from . import conv_small, conv_transpose, int_mm, small_m
 from .avx2 import _exact_linear, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor, _scaled, _split_run
 from .isa import (available, cpu_has_vnni, fbgemm_engine, has_vnni, isa_capped,  # noqa: F401 (re-exported)
                   saturation_safe, shares_routes)
 from .conv_split import (SHAPED_PACKS, _pack_wsplit, _wsplit_conv, _wsplit_packs, packed_for_input,  # noqa: F401 (tests,
                          gemm_conv)  # conv_plan)
 from .small_m import VNNI_M, float_route, native_linear, native_requant, split_on_avx2, vnni_rows  # noqa: F401 (VNNI_M: tests)
-from .spec import ConvSpec, OutGrid, odd_windows, one_column, pad_codes, strided_column, unpadded
+from .spec import (MULTIPLIER_CHUNK, ConvSpec, OutGrid, odd_windows, one_column, pad_codes, strided_column, unpadded,
+                   wide_multiplier)
 
 __all__ = ["NAME", "SMALL_M", "available", "has_vnni", "cpu_has_vnni", "isa_capped", "saturation_safe", "linear",
            "conv", "fbgemm_engine"]
@@ -256,8 +258,21 @@ def _requant_folded(acc: torch.Tensor, grids: dict[Any, Any], sx: float, zx: int
 def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec, out: OutGrid | None,
          relu: bool = False, cache: dict[str, Any] | None = None) -> Any:
     """N-d int8 convolution through ``onednn::qconv_pointwise`` (channels-last output)."""
-    if spec.transposed or x.device.type != "cpu" or x.numel() == 0 or x.int_repr().element_size() != 1:
+    if x.device.type != "cpu" or x.numel() == 0 or x.int_repr().element_size() != 1:
         return NotImplemented
+    if spec.transposed:  # its stride phases as one ordinary conv on the same codes (conv_transpose's docstring)
+        if bool(weight.zero_point.any()) or not available():
+            return NotImplemented
+        rewritten = conv_transpose.as_conv(x, weight, bias, spec, cache)
+        if rewritten is None:
+            return NotImplemented
+        xc, wc, bc, spec_c, inner, shuffle = rewritten
+        y = conv(xc, wc, bc, spec_c, out, relu, inner)
+        if y is NotImplemented:
+            return NotImplemented
+        return shuffle(y) if out is None else out.wrap(shuffle(y.int_repr()))
+    if wide_multiplier(weight.shape, spec):  # oneDNN's wrong sums there: at most 32 channels a group per call
+        return _chunked(x, weight, bias, spec, out, relu, cache)
     if odd_windows(x.shape, weight.shape, spec):  # oneDNN's crash or wrong sums there: the zero-point padding made here
         return conv(pad_codes(x, spec), weight, bias, unpadded(spec), out, relu, cache)
     if strided_column(x.shape, weight.shape, spec):  # oneDNN's wrong sums there: the one window read with stride 1
@@ -315,6 +330,36 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
     if relu and not fuse:  # quantize is monotone with quantize(0) = z_out, so relu commutes with it
         y = y.relu_() if out is None else y.clamp_(min=out.zero_point)
     return _wrap(y, out)
+
+
+def _chunked(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec, out: OutGrid | None, relu: bool,
+             cache: dict[str, Any] | None) -> Any:
+    """A ``wide_multiplier`` conv as calls on at most ``MULTIPLIER_CHUNK`` output channels a group (each group's
+    channels ``[j, j + 32)``, weights, scales, zero points and bias sliced once per weight version), concatenated back
+    per group: the same sums and epilogue per channel."""
+    w, g = weight.int_repr(), spec.groups
+    m = w.shape[0] // g
+    key = (w.data_ptr(), tensor_version(w), weight.scale.data_ptr(), tensor_version(weight.scale),
+           None if bias is None else (bias.data_ptr(), tensor_version(bias)))
+    hit = None if cache is None else cache.get("onednn.chunks")
+    if hit is None or hit[0] != key:
+        def part(t: torch.Tensor, j: int) -> torch.Tensor:
+            return t.reshape(g, m, *t.shape[1:])[:, j:j + MULTIPLIER_CHUNK].reshape(-1, *t.shape[1:]).contiguous()
+        parts = [(QTensor(part(w, j), part(weight.scale.reshape(-1).expand(w.shape[0]), j),
+                          part(weight.zero_point.reshape(-1).expand(w.shape[0]), j), weight.qdtype, 0),
+                  None if bias is None else part(bias, j), {}) for j in range(0, m, MULTIPLIER_CHUNK)]
+        hit = (key, parts, (weight, bias))  # (holds them: no address reuse)
+        if cache is not None:
+            cache["onednn.chunks"] = hit
+    ys = []
+    for wj, bj, cj in hit[1]:
+        y = conv(x, wj, bj, spec, out, relu, cj)
+        if y is NotImplemented:
+            return NotImplemented
+        y = y if out is None else y.int_repr()
+        ys.append(y.reshape(y.shape[0], g, -1, *y.shape[2:]))
+    y = torch.cat(ys, 2).flatten(1, 2)
+    return y if out is None else out.wrap(y)
 
 
 def _native_dw(q: torch.Tensor, zx: int, sx: float, weight: QTensor, bias: torch.Tensor | None,

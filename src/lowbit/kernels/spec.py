@@ -156,6 +156,24 @@ def strided_column(in_shape: torch.Size | tuple[int, ...], weight_shape: torch.S
     return (in_shape[3] + 2 * spec.padding[1] - ext) // spec.stride[1] == 0
 
 
+MULTIPLIER_CHUNK = 32  # output channels a group per oneDNN call where one input channel a group feeds more
+
+
+def wide_multiplier(weight_shape: torch.Size | tuple[int, ...], spec: ConvSpec) -> bool:
+    """Whether oneDNN's int8 conv gives wrong sums for this weight: several groups, one input channel a group and more
+    than ``MULTIPLIER_CHUNK`` output channels a group (a depthwise conv with a channel multiplier past 32). On an
+    AVX-512 VNNI CPU torch's ``qconv_pointwise`` returned sums off by ~3e4 to ~2e9 (uninitialised reads) for
+    multipliers 33-48 and 65-79 (session 38, 1-d to 3-d; 49-64 and ≤ 32 right; none under ``ONEDNN_MAX_CPU_ISA=AVX2``);
+    such a conv runs in calls of at most ``MULTIPLIER_CHUNK`` channels a group (``onednn.conv``), the same sums.
+
+    >>> wide_multiplier((72, 1, 3, 3), ConvSpec(2, (1, 1), (0, 0), (1, 1), 2)), wide_multiplier((64, 1, 3, 3),
+    ...     ConvSpec(2, (1, 1), (0, 0), (1, 1), 2))
+    (True, False)
+    """
+    return (not spec.transposed and spec.groups > 1 and weight_shape[1] == 1
+            and weight_shape[0] > MULTIPLIER_CHUNK * spec.groups)
+
+
 def one_column(x: QTensor, weight_shape: torch.Size | tuple[int, ...], spec: ConvSpec) -> tuple[QTensor, ConvSpec]:
     """A one-column-wide 2-d conv (``strided_column``) as the same sums read with stride 1 along W: ``x`` padded with
     its zero point (``pad_codes``) and cropped to the one window's columns, the spec unpadded with unit W stride."""
