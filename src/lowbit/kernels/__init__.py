@@ -5,7 +5,7 @@ take a per-tensor ``QTensor`` input and a per-channel int8 ``QTensor`` weight an
 ``QTensor`` on ``out`` (an ``OutGrid``), or float32 when ``out`` is ``None`` (dynamic use).
 
 Backends, tried in order until one accepts the case (a backend returns ``NotImplemented`` to
-decline, e.g. oneDNN for a transposed conv):
+decline, e.g. oneDNN for weights with zero points):
 
 ==============  ===================================================================  ==========
 ``onednn``      prepacked u8×s8 GEMM/conv with fused requantization (x86 CPU)         CPU default

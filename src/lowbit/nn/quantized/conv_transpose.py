@@ -5,9 +5,9 @@ The weight has shape ``(C_in, C_out/groups, *k)`` and is quantized per channel a
     y   = conv_transpose(x̂, ŵ) + bias            # x̂ = (q_x - z_x) s_x, ŵ = (q_w - z_w[j]) s_w[j]
     q_y = clamp(round(y / scale) + zero_point)
 
-The kernel is the float reference on every device (oneDNN's int8 deconvolution is not exposed
-as a prepacked op in torch); the module still stores int8 weights and produces int8 outputs, so a
-converted model stays integer across it. Only integer padding and ``padding_mode='zeros'``.
+On CPU the kernel is one ordinary int8 oneDNN conv on the same codes (``lowbit.kernels.conv_transpose``: the stride
+phases stacked as output channels; counted as ``("onednn", "conv_transpose")``); weights with zero points and other
+devices run the float reference. Only integer padding and ``padding_mode='zeros'``.
 
 >>> import torch, lowbit as Q
 >>> from lowbit.nn.quantized import ConvTranspose1d
