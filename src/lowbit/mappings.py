@@ -29,6 +29,7 @@ from .nn.quantized import activation as nnq_act
 from .nn.quantized import conv as nnq_conv
 from .nn.quantized import conv_transpose as nnq_convt
 from .nn.quantized import dynamic as nnqd
+from .nn.quantized import normalization as nnq_norm
 from .nn.quantized.embedding import Embedding as QEmbedding
 from .nn.quantized.embedding import EmbeddingBag as QEmbeddingBag
 from .nn.quantized.functional_modules import FloatFunctional, QFunctional
@@ -46,7 +47,10 @@ __all__ = [
 
 
 def get_default_static_quant_module_mappings() -> dict[type[nn.Module], type[nn.Module]]:
-    """Float, fused and QAT module types → ``lowbit.nn.quantized`` classes (used by ``prepare``/``convert``)."""
+    """Float, fused and QAT module types → ``lowbit.nn.quantized`` classes (used by ``prepare``/``convert``).
+
+    A standalone ``BatchNorm2d/3d`` / ``BNReLU2d/3d`` is int8 unless it normalizes with batch statistics
+    (``lowbit.nn.quantized.normalization.batchnorm_float_reason``: it stays float, listed in the report)."""
     m: dict[type[nn.Module], type[nn.Module]] = {
         QuantStub: Quantize,
         DeQuantStub: DeQuantize,
@@ -67,6 +71,9 @@ def get_default_static_quant_module_mappings() -> dict[type[nn.Module], type[nn.
         m[getattr(nniqat, "ConvReLU" + d)] = conv_relu
         m[getattr(nniqat, "ConvBnReLU" + d)] = conv_relu
         m[getattr(nn, "ConvTranspose" + d)] = getattr(nnq_convt, "ConvTranspose" + d)
+    for d in ("2d", "3d"):  # a BatchNorm not folded into a conv (torch.ao's default mapping has them too)
+        m[getattr(nn, "BatchNorm" + d)] = getattr(nnq_norm, "BatchNorm" + d)
+        m[getattr(nni, "BNReLU" + d)] = getattr(nnq_norm, "BNReLU" + d)
     m.update(extra_mappings("static"))  # fused types of user patterns (lowbit.fusion_registry)
     return m
 

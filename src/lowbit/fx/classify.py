@@ -33,6 +33,7 @@ import torch
 from torch import fx, nn
 
 from ..mappings import get_default_dynamic_quant_module_mappings
+from ..nn.quantized.normalization import batchnorm_float_reason
 from ..observer.fixed import FixedQParamsObserver
 from ..qconfig import QConfig, QConfigMapping
 from ..workflow import _is_table_recipe, is_dynamic_qconfig
@@ -195,7 +196,8 @@ def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaqu
         elif qc is not None and node.meta.get("lowbit_ftensor", False):
             spec, reason = parse(node, gm)
             if node.op == "call_module" and type(mod) in module_types:
-                kind = "module"
+                # (a BN without running statistics stays float; one in training mode is checked at convert: QAT)
+                kind, why = ("float", bn_why) if (bn_why := batchnorm_float_reason(mod, False)) else ("module", why)
             elif node.op == "call_module" and type(mod) in WEIGHT_ONLY_TYPES:
                 kind = "wonly"
             elif spec is not None:

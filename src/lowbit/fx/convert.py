@@ -35,6 +35,7 @@ from torch import fx, nn
 from ..custom_config import ConvertCustomConfig
 from ..fake_quant.base import holds_grid
 from ..mappings import get_default_dynamic_quant_module_mappings, get_default_static_quant_module_mappings
+from ..nn.quantized.normalization import batchnorm_float_reason
 from ..nn.intrinsic.qat.modules import _BnFolded
 from ..nn.quantized import activation as nnq_act
 from ..nn.quantized._utils import output_qparams
@@ -127,6 +128,18 @@ class _Converter:
                             f"{type(new).__name__}, not an nn.Module")
         _set_module(self.gm, node.target, new)
         self.report.converted[self._key(node)] = f"{type(mod).__name__} -> {qcls.__module__}.{qcls.__name__}"
+
+    def left_float(self, src: fx.Node) -> bool:
+        """Keep float a ``module`` node whose BatchNorm is in training mode at convert (batch statistics; QAT prepared it
+        in training mode): its output observer becomes a ``Quantize`` for the int ops reading it, and ``dequantize``
+        gives it float inputs. Returns whether it did."""
+        why = batchnorm_float_reason(self.gm.get_submodule(src.target))
+        if why is None:
+            return False
+        src.meta.update(lowbit_kind="float", lowbit_domain="float")
+        self.report.left_float[self._key(src)] = f"{_what(src, self.gm)} ({why})"
+        self.report.converted.pop(self._key(src), None)
+        return True
 
     def functional(self, node: fx.Node, obs: nn.Module) -> fx.Node:
         qop = node.meta["lowbit_qop"]
@@ -238,7 +251,7 @@ class _Converter:
                 self.graph.erase_node(node)
                 src.meta["lowbit_domain"] = "int"
                 continue
-            if role == "obs_in":
+            if role == "obs_in" or src.meta["lowbit_kind"] == "module" and self.left_float(src):
                 name = self._new_name("quantize")
                 self.gm.add_submodule(name, Quantize(*_grid(obs, "Quantize")))
                 with self.graph.inserting_before(node):

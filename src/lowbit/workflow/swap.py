@@ -26,6 +26,7 @@ from ..nn.intrinsic import FusedModule
 from ..nn.intrinsic.qat.modules import BnFoldedBase
 from ..nn.quantized._utils import precomputed_weights
 from ..nn.quantized.functional_modules import FloatFunctional
+from ..nn.quantized.normalization import batchnorm_float_reason
 from ..observer.fixed import PlaceholderObserver
 from ..qconfig import QConfig
 from ..qscheme import as_qdtype
@@ -117,7 +118,16 @@ def _convert(mod: nn.Module, name: str, mapping: dict[type, type], report: Conve
     is_dynamic = is_dynamic_qconfig(qc) and not _is_table_recipe(mod, qc)
     observed = _is_observer(mod._modules.get("activation_post_process")) or isinstance(mod, _NO_OUTPUT_OBSERVER)
     if type(mod) in mapping and qc is not None and observed and not is_dynamic:
-        return _swap(mod, name, mapping, report)
+        stays_float = batchnorm_float_reason(mod)
+        if stays_float is None:
+            return _swap(mod, name, mapping, report)
+        # batch statistics: float (with its fused ReLU), reading the int8 layer before it through a dequantize
+        for sub in mod.modules():
+            _strip(sub)
+        if _dequantize_input not in mod._forward_pre_hooks.values():
+            mod.register_forward_pre_hook(_dequantize_input)
+        report.left_float[_path(name)] = f"{type(mod).__name__} ({stays_float})"
+        return mod
     for cname, child in list(mod.named_children()):
         if _is_observer(child):
             continue

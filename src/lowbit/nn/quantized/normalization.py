@@ -13,9 +13,12 @@ A normalization mixes all values of a row or group, so there is no integer-only 
 kernels compute the same float math, and the results agree within one output quantum. A float
 input is normalized as is. ``Dropout`` is the identity (inference): it returns its input unchanged.
 
-These layers are **not** in lowbit's default static mapping: by default a norm stays float and the
-next quantized layer requantizes its output on its calibrated input grid (more accurate on
-transformers; see docs/design.md). Opt in with a mapping entry::
+``LayerNorm``, ``GroupNorm``, ``InstanceNorm*`` and ``Dropout`` are **not** in lowbit's default static mapping: by
+default such a norm stays float and the next quantized layer requantizes its output on its calibrated input grid
+(more accurate on transformers; see docs/design.md). ``BatchNorm2d/3d`` and ``BNReLU2d/3d`` (a BatchNorm not folded
+into a conv: DenseNet's pre-activation BN → ReLU, a BN after a cat or an add) are, as in torch.ao's default mapping;
+a BatchNorm that normalizes with batch statistics (``track_running_stats=False``, or in training mode at convert)
+stays float (``batchnorm_float_reason``). Opt in to the others with a mapping entry::
 
     mapping = {**Q.get_default_static_quant_module_mappings(), **nnq.normalization.NORM_MAPPINGS}
     qmodel = Q.convert(Q.prepare(model, mapping=mapping), mapping=mapping)
@@ -44,7 +47,7 @@ from ._state import CheckedQuantState
 from ._utils import check_out_grid, output_qparams
 
 __all__ = ["LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "Dropout",
-           "BatchNorm2d", "BatchNorm3d", "BNReLU2d", "BNReLU3d", "NORM_MAPPINGS"]
+           "BatchNorm2d", "BatchNorm3d", "BNReLU2d", "BNReLU3d", "NORM_MAPPINGS", "batchnorm_float_reason"]
 
 
 class _QuantizedNorm(CheckedQuantState):
@@ -272,6 +275,22 @@ class _BatchNorm(_QuantizedNorm):
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}, {self._grid_repr()}"
+
+
+def batchnorm_float_reason(mod: nn.Module, at_convert: bool = True) -> str | None:
+    """Why a standalone ``BatchNorm2d/3d`` or fused ``BNReLU2d/3d`` must stay float, or ``None`` (it has an int8 form).
+
+    The int8 form applies the running statistics; a BN without them (``track_running_stats=False``) normalizes with
+    batch statistics even in eval, and one in training mode at convert (``at_convert``; QAT prepares in training mode)
+    was last computing batch statistics: neither is converted. Any other module: ``None``."""
+    bn = mod[0] if type(mod).__name__ in ("BNReLU2d", "BNReLU3d") and isinstance(mod, nn.Sequential) else mod
+    if type(bn) not in (nn.BatchNorm2d, nn.BatchNorm3d):
+        return None
+    if not bn.track_running_stats or bn.running_mean is None or bn.running_var is None:
+        return "BatchNorm without running statistics (track_running_stats=False: batch statistics even in eval)"
+    if at_convert and bn.training:
+        return "BatchNorm in training mode at convert (batch statistics): call model.eval() before convert"
+    return None
 
 
 class BatchNorm2d(_BatchNorm, nn.BatchNorm2d):
