@@ -265,3 +265,21 @@ def test_batchnorm_float_reason():
     assert mapping[nn.BatchNorm3d] is qn.BatchNorm3d and mapping[Q.nn.intrinsic.BNReLU3d] is qn.BNReLU3d
     assert nn.LayerNorm not in mapping and nn.GroupNorm not in mapping and nn.InstanceNorm2d not in mapping
 
+
+def test_int8_batchnorm_exports_to_onnx(tmp_path):
+    """A DenseNet block exported before with a float BN; its int8 BNReLU2d had no QDQ twin (to_onnx refused it):
+    now BatchNormalization (+ Relu) between QDQ nodes, within one output quantum of the int8 model in ONNX Runtime."""
+    pytest.importorskip("onnxruntime")
+    onnx = pytest.importorskip("onnx")
+    from lowbit.export import run_onnx, to_onnx
+    m = Q.fuse_modules(Dense().eval(), FUSE)
+    m.qconfig = Q.get_default_qconfig()
+    p = Q.prepare(m)
+    p(X)
+    q = Q.convert(p)
+    path = tmp_path / "dense.onnx"
+    to_onnx(q, X, path)
+    assert "BatchNormalization" in {n.op_type for n in onnx.load(str(path)).graph.node}
+    got = run_onnx(path, X)
+    got = torch.as_tensor(got[0] if isinstance(got, (list, tuple)) else got)
+    assert (got - q(X)).abs().max() <= float(q.c3.scale) * 1.001

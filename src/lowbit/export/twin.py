@@ -48,6 +48,8 @@ from ..nn.quantized import (
     WeightOnlyLinear,
 )
 from ..nn.quantized._utils import quantize_weight, weight_qparams
+from ..nn.quantized.normalization import BatchNorm2d as QBatchNorm2d
+from ..nn.quantized.normalization import BatchNorm3d as QBatchNorm3d
 from ..nn.quantized.functional_modules import QF_METHODS
 from ..observer import NoopObserver, ObserverBase, PlaceholderObserver
 from ..qscheme import quint8
@@ -230,6 +232,8 @@ def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dty
         return ActivationTwin(m._f, (float(m.scale), int(m.zero_point), m.qdtype))
     if isinstance(mod, ReLU6):
         return ActivationTwin(F.relu6, grids.get(id(mod), _RELU6_FLOAT_GRID))
+    if isinstance(mod, (QBatchNorm2d, QBatchNorm3d)):  # (BNReLU2d/3d too)
+        return ActivationTwin(_float_batchnorm(mod), (float(m.scale), int(m.zero_point), m.qdtype))
     if isinstance(mod, Embedding):
         return EmbeddingTwin(mod) if m.qdtype.bits == 8 else EmbeddingTableTwin(mod)
     if isinstance(mod, EmbeddingBag):
@@ -249,10 +253,21 @@ def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dty
     if cls.__module__.startswith("lowbit.nn.quantized") and not isinstance(mod, FloatFunctional):
         raise TypeError(f"to_onnx: module '{path}' of type {cls.__module__}.{cls.__qualname__} has no ONNX QDQ "
                         "export (supported: Quantize, DeQuantize, Linear, Conv/ConvTranspose 1-3d (+ReLU), "
-                        "QFunctional, quantized activations, 8/4-bit Embedding and EmbeddingBag, "
+                        "BatchNorm2d/3d (+ReLU), QFunctional, quantized activations, 8/4-bit Embedding and EmbeddingBag, "
                         "dynamic Linear/RNN/LSTM/GRU and their cells, WeightOnlyLinear, "
                         "FakeQuantize, observers)")
     return None
+
+
+def _float_batchnorm(mod: Any) -> nn.Module:
+    """The float eval ``BatchNorm2d/3d`` (+ ``ReLU``) of a quantized one: ONNX BatchNormalization (+ Relu) between QDQ nodes."""
+    bn = mod._float_type(mod.num_features, mod.eps).eval()
+    with torch.no_grad():
+        bn.running_mean.copy_(mod.running_mean)
+        bn.running_var.copy_(mod.running_var)
+        bn.weight.copy_(torch.ones(mod.num_features) if mod.weight is None else mod.weight)
+        bn.bias.copy_(torch.zeros(mod.num_features) if mod.bias is None else mod.bias)
+    return nn.Sequential(bn, nn.ReLU()) if mod._relu else bn
 
 
 def _swap(parent: nn.Module, prefix: str, make: Any) -> None:
