@@ -106,6 +106,18 @@ def _aoti(model: nn.Module, x: torch.Tensor, path: Path) -> object:
 
 
 @pytest.mark.slow
+def _bit_exact_without_rebuilds(runner: object, model: nn.Module, x: torch.Tensor,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``runner`` (an AOTI package) gives ``model``'s eager outputs bit for bit at batches ``len(x)`` and 1, and after
+    its second call makes no weight check, plan or weight-only module again."""
+    calls = _counting(monkeypatch)
+    for _ in range(2):
+        assert torch.equal(runner(x), model(x)) and torch.equal(runner(x[:1]), model(x[:1]))
+    calls.clear()
+    assert torch.equal(runner(x), model(x))
+    assert not calls, f"the AOTI program rebuilt {dict(calls)}"
+
+
 def test_aoti_eager_converted_cnn_in_process_and_in_fresh_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Eager-converted SmallCNN (4 and 8 channels: AOTI inlines their grids) through AOTInductor with a dynamic batch
     (traced at 3, run at 5 and 1): the eager codes bit for bit, no conv plan built after the second call; a fresh
@@ -117,12 +129,7 @@ def test_aoti_eager_converted_cnn_in_process_and_in_fresh_processes(tmp_path: Pa
     p(torch.randn(16, 1, 28, 28))
     model, x = Q.convert(p), torch.randn(5, 1, 28, 28)
     runner = _aoti(model, x, tmp_path / "cnn.pt2")
-    calls = _counting(monkeypatch)
-    for _ in range(2):
-        assert torch.equal(runner(x), model(x)) and torch.equal(runner(x[:1]), model(x[:1]))
-    calls.clear()
-    assert torch.equal(runner(x), model(x))
-    assert not calls, f"the AOTI program rebuilt {dict(calls)}"
+    _bit_exact_without_rebuilds(runner, model, x, monkeypatch)
     torch.save((x, model(x)), tmp_path / "ref.pt")
     script = ("import sys, torch\n"
               "if sys.argv[2] == '1':\n    import lowbit\n"
@@ -173,9 +180,4 @@ def test_aoti_graph_converted_dynamic_and_weight_only_match_eager(tmp_path: Path
     model = _Mixed().eval()
     x = torch.randn(5, 3, 8, 8)
     runner = _aoti(model, x, tmp_path / "mixed.pt2")
-    calls = _counting(monkeypatch)
-    for _ in range(2):
-        assert torch.equal(runner(x), model(x)) and torch.equal(runner(x[:1]), model(x[:1]))
-    calls.clear()
-    assert torch.equal(runner(x), model(x))
-    assert not calls, f"the AOTI program rebuilt {dict(calls)}"
+    _bit_exact_without_rebuilds(runner, model, x, monkeypatch)
