@@ -245,14 +245,16 @@ class _BatchNorm(_QuantizedNorm):
         w = self.weight if self.weight is not None else torch.ones_like(inv)
         b = self.bias if self.bias is not None else torch.zeros_like(inv)
         iw = inv * w.to(f32)  # (float32, as torch's `inv_sigma * weight_v`)
-        s_out = float(self.scale)
-        alpha = (iw.double() * (float(x.q_scale()) / s_out)).to(f32).double()
+        # grids as 0-d tensors, never Python numbers: torch.export cannot guard on a buffer's value (same float64 math)
+        f64, s_out = torch.float64, self.scale.to(torch.float64)
+        alpha = (iw.double() * (x.scale.to(f64) / s_out)).to(f32).double()
         beta = ((b.to(f32) - self.running_mean.to(f32) * iw).double() / s_out).to(f32).double()
         shape = (1, -1) + (1,) * self._spatial
-        y = (x.int_repr().double() - float(x.q_zero_point())) * alpha.view(shape) + beta.view(shape)
-        q = torch.round(y) + int(self.zero_point)
-        lo = int(self.zero_point) if self._relu else self.qdtype.quant_min
-        q = q.clamp(max(lo, self.qdtype.quant_min), self.qdtype.quant_max).to(self.qdtype.storage)
+        y = (x.int_repr().double() - x.zero_point.to(f64)) * alpha.view(shape) + beta.view(shape)
+        z_out = self.zero_point.to(f64)
+        q = torch.round(y) + z_out
+        lo = z_out.clamp(min=self.qdtype.quant_min) if self._relu else z_out.new_tensor(float(self.qdtype.quant_min))
+        q = torch.maximum(q, lo).clamp(max=self.qdtype.quant_max).to(self.qdtype.storage)
         return QTensor(q, self.scale, self.zero_point, self.qdtype)
 
     @classmethod
