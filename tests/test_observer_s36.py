@@ -311,12 +311,19 @@ def test_chunk_and_split_in_graph_mode_match_torch_ao(how):
         tp = prepare_fx(copy.deepcopy(model), tq.QConfigMapping().set_global(tqc), (x,))
         tp(x)
         expected = convert_fx(tp)(x)
-    ours = Q.prepare_fx(model, Q.get_minmax_qconfig(), (x,))
+    ours = Q.prepare_fx(copy.deepcopy(model), Q.get_minmax_qconfig(), (x,))
     assert not ours.lowbit_report.untraceable
     ours(x)
+    reference = Q.convert_to_reference_fx(copy.deepcopy(ours))(x)
     got = Q.convert_fx(ours)(x)
     got = got.dequantize() if not isinstance(got, torch.Tensor) else got
-    assert (got - expected).abs().max().item() <= 1e-5
+    # since session 38 the parts keep the codes of `lin`'s output (an indexed chunk / split is a grid-preserving op),
+    # where torch.ao observes each part and quantizes it again: lowbit equals its own reference model, is no further
+    # from float than torch.ao, and differs from it by at most one step of the output grid
+    assert torch.equal(got, reference.dequantize() if not isinstance(reference, torch.Tensor) else reference)
+    f = model(x)
+    assert (got - f).pow(2).mean() <= (expected - f).pow(2).mean()
+    assert (got - expected).abs().max().item() <= 0.0093  # one step of the output grid here (0.00923)
 
 
 class _StarUnpack(nn.Module):
