@@ -101,3 +101,18 @@ def sgd_steps(*pairs: tuple[torch.Tensor, torch.optim.Optimizer]) -> None:
         y.square().mean().backward()
         opt.step()
         opt.zero_grad()
+
+
+class ConvNet(nn.Module):
+    """conv-relu, an add, pooling, flatten and a linear head (3 x 8 x 8 inputs): the graph-mode model of the PyTorch 2
+    tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.conv1(x))
+        b = self.conv2(a) + a
+        return self.fc(torch.flatten(torch.nn.functional.max_pool2d(b, 2), 1))

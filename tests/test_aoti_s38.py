@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import lowbit as Q
+from helpers import ConvNet
 from lowbit.examples import SmallCNN
 from lowbit.nn.quantized import weight_only
 from lowbit.pt2 import kernel_ops
@@ -152,16 +153,7 @@ class _Mixed(nn.Module):
         torch.manual_seed(0)
         x = torch.randn(4, 3, 8, 8)
 
-        class Net(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
-                self.fc = nn.Linear(8 * 4 * 4, 10)
-
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                a = torch.relu(self.conv1(x))
-                return self.fc(torch.flatten(torch.nn.functional.max_pool2d(self.conv2(a) + a, 2), 1))
-        prepared = Q.prepare_fx(Net().eval(), Q.get_default_qconfig_mapping(), (x,))
+        prepared = Q.prepare_fx(ConvNet().eval(), Q.get_default_qconfig_mapping(), (x,))
         prepared(torch.randn(16, 3, 8, 8))
         self.static = Q.convert_fx(prepared)
         self.dynamic = Q.quantize_dynamic(nn.Sequential(nn.Linear(10, 8)).eval())

@@ -19,7 +19,7 @@ from lowbit import kernels
 from lowbit.examples import SmallCNN
 from lowbit.kernels import conv_small, onednn
 from lowbit.nn.quantized.functional_modules import FloatFunctional
-from helpers import threads
+from helpers import ConvNet as _ConvNet, threads
 
 SRC = str(Path(Q.__file__).resolve().parent.parent)
 
@@ -31,20 +31,6 @@ class _MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.relu(self.fc1(x)))
-
-
-class _ConvNet(nn.Module):
-    """conv-relu, an add, pooling, flatten and a linear head: the graph-mode model."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
-        self.fc = nn.Linear(8 * 4 * 4, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = torch.relu(self.conv1(x))
-        b = self.conv2(a) + a
-        return self.fc(torch.flatten(torch.nn.functional.max_pool2d(b, 2), 1))
 
 
 def _eager_converted(backend: str | None = None) -> tuple[nn.Module, torch.Tensor]:
