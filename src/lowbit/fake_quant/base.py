@@ -11,8 +11,9 @@ Each forward, with ``(s, z)`` the grid of the wrapped observer and ``[qmin, qmax
 seeds' framework, like ``torch.ao``); the forward ignores ``self.training``. For the min/max
 observer family the per-step qparams come straight from the observer's buffers (no validation
 round trip, no cross-rank collective); a channel (or tensor) that has seen no finite data yet keeps the
-neutral grid ``(1.0, 0)``. ``calculate_qparams()`` asks the observer (and so reduces across ranks
-under ``torch.distributed``; see ``lowbit.observer.distributed``).
+neutral grid ``(1.0, 0)``; for any other observer (histograms) from its ``calculate_qparams()`` on the
+rank's local statistics, so no step runs a collective. ``calculate_qparams()`` asks the observer (and so
+reduces across ranks under ``torch.distributed``; see ``lowbit.observer.distributed``).
 
 The fake quantization is ``lowbit.fake_quantize`` (NaN-propagating; bit-identical to torch's fused
 kernels on finite inputs). Small per-tensor CPU inputs go through
@@ -39,7 +40,7 @@ from torch import nn
 
 from ..functional import check_quantized_state, fake_quantize
 from ..observer.base import ObserverBase, WithArgs
-from ..observer.distributed import sync_pending
+from ..observer.distributed import local_statistics, sync_pending
 from ..observer.minmax import MovingAverageMinMaxObserver, _MinMaxObserverBase
 from ..qparams import calculate_qparams
 
@@ -120,7 +121,8 @@ class FakeQuantize(WithArgs, nn.Module):
 
     def _step_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The observer's current grid; for the min/max family straight from its buffers (no validation
-        round trip, no collective), for any other observer its ``calculate_qparams()`` once calibrated."""
+        round trip, no collective), for any other observer its ``calculate_qparams()`` once calibrated, on the rank's
+        local statistics (``local_statistics()``: no collective; the cross-rank merge stays pending)."""
         obs = self.activation_post_process
         if isinstance(obs, _MinMaxObserverBase):
             lo, hi = obs.min_val, obs.max_val
@@ -129,7 +131,10 @@ class FakeQuantize(WithArgs, nn.Module):
             neutral_z = min(max(0, self.quant_min), self.quant_max)
             return torch.where(seen, s, 1.0), torch.where(seen, z, neutral_z)
         if obs.is_calibrated:
-            return obs.calculate_qparams()
+            # the rank's own statistics: a reduction per step (a collective) hung ranks with uneven batch counts;
+            # the merge waits for calculate_qparams / convert / sync_observers, which every rank reaches
+            with local_statistics():
+                return obs.calculate_qparams()
         return self.scale, self.zero_point
 
     def _set_qparams(self, s: torch.Tensor, z: torch.Tensor) -> None:

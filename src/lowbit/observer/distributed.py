@@ -59,7 +59,7 @@ from torch import nn
 
 __all__ = ["is_distributed", "all_reduce_min_max", "all_reduce_mean", "all_reduce_sum", "sync_observers",
            "local_statistics", "sync_pending", "remember_group", "pending_sync", "agree_observer",
-           "describe_observer"]
+           "describe_observer", "agree_structure"]
 
 _LOCAL = threading.local()
 
@@ -259,13 +259,41 @@ def sync_observers(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
     if not isinstance(model, nn.Module):
         raise TypeError(f"sync_observers: model must be an nn.Module, got {type(model).__name__}")
     _check_group("sync_observers", group)
-    n = 0
-    for name, mod in model.named_modules():
-        sync = getattr(mod, "sync_statistics", None)
-        if callable(sync):
-            _named(sync, name, group)
-            n += 1
-    return n
+    entries = [(name, mod) for name, mod in model.named_modules() if callable(getattr(mod, "sync_statistics", None))]
+    if is_distributed(group):
+        agree_structure(entries, group)
+    for name, mod in entries:
+        _named(mod.sync_statistics, name, group)
+    return len(entries)
+
+
+def agree_structure(entries: list[tuple[str, nn.Module]], group: dist.ProcessGroup | None = None) -> None:
+    """Raise ``ValueError`` on every rank unless every rank of ``group`` lists the same observers (a collective).
+
+    ``entries`` are ``(module path, observer)`` in the order the ranks will reduce them. The ranks compare a
+    fingerprint of the ordered paths and observer class names (one small ``all_gather``) before any statistics
+    move: observers are paired by position, so ranks whose models differ merged the statistics of unrelated
+    observers silently, or (one observer more on a rank) hung. On a mismatch a second gather collects the lists,
+    and the message names the first position where they differ, with each rank's path and observer there.
+
+    >>> import lowbit as Q
+    >>> agree_structure([("fc", Q.MinMaxObserver())])       # single process: nothing to compare
+    """
+    if not is_distributed(group):
+        return
+    mine = [f"{name!r} ({type(mod).__name__})" for name, mod in entries]
+    buf = next((b for _, mod in entries for b in mod.buffers()), None)
+    device = buf.device if buf is not None else torch.device("cpu")
+    codes = _per_rank([zlib.crc32("\n".join(mine).encode()), len(mine)], group, device)
+    if all(c == codes[0] for c in codes):
+        return
+    every: list[list[str]] = [[] for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(every, mine, group=group)
+    k = next((i for i in range(max(map(len, every))) if len({tuple(e[i:i + 1]) for e in every}) > 1), 0)
+    listed = "; ".join(f"rank {r}: {e[k] if k < len(e) else '<none>'}" for r, e in enumerate(every))
+    raise ValueError(f"ranks hold different observers (their models differ): observer #{k} is {listed}; "
+                     f"observer counts {[len(e) for e in every]}; every rank must hold the same model (the same "
+                     "observers at the same module paths, in the same order) to reduce statistics across ranks")
 
 
 def _check_group(fn: str, group: object) -> None:
@@ -298,8 +326,16 @@ def sync_pending(module: nn.Module, group: dist.ProcessGroup | None = None) -> N
     _check_group("sync_pending", group)
     if not is_distributed():  # (a group spans at most WORLD)
         return
-    for name, mod in module.named_modules():
-        if getattr(mod, "_needs_sync", False) and callable(getattr(mod, "sync_statistics", None)):
-            g = _group_of(mod) if group is None else group
-            if is_distributed(g):
-                _named(mod.sync_statistics, name, g)
+    pending = [(name, mod, _group_of(mod) if group is None else group) for name, mod in module.named_modules()
+               if getattr(mod, "_needs_sync", False) and callable(getattr(mod, "sync_statistics", None))]
+    pending = [(name, mod, g) for name, mod, g in pending if is_distributed(g)]
+    alone = len(pending) == 1 and pending[0][1] in (module, getattr(module, "activation_post_process", None))
+    if not alone:  # (one observer, or a FakeQuantize's: agree_observer compares it, no path to compare)
+        groups: list[dist.ProcessGroup | None] = []
+        for _, _, g in pending:
+            if not any(g is h for h in groups):
+                groups.append(g)
+        for g in groups:  # the paths and kinds first, per group (a collective only where a reduction follows)
+            agree_structure([(name, mod) for name, mod, h in pending if h is g], g)
+    for name, mod, g in pending:
+        _named(mod.sync_statistics, name, g)

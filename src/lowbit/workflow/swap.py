@@ -27,6 +27,7 @@ from ..nn.intrinsic.qat.modules import BnFoldedBase
 from ..nn.quantized._utils import precomputed_weights
 from ..nn.quantized.functional_modules import FloatFunctional
 from ..nn.quantized.normalization import batchnorm_float_reason
+from ..observer.distributed import sync_pending
 from ..observer.fixed import PlaceholderObserver
 from ..qconfig import QConfig
 from ..qscheme import as_qdtype
@@ -220,6 +221,7 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
         model = copy.deepcopy(model)
     float_twin = copy.deepcopy(model) if speed_check is not None else None
     report = ConvertReport()
+    sync_pending(model)  # under torch.distributed: the ranks agree on the observers' paths, then reduce (one pass)
     observers = [m for m in model.modules() if _is_observer(m) and not getattr(m, "is_dynamic", False)]
     report._calibrated = any([holds_grid(m) for m in observers])  # type: ignore[attr-defined]
     with precomputed_weights(use_precomputed_fake_quant) as taken:
