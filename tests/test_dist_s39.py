@@ -208,3 +208,45 @@ def test_same_structure_still_merges(structure):
 
 def test_single_process_structure_check_is_local():
     assert D.sync_observers(named(0, ["a", "b"])) == 2
+
+
+def prepared_fx(rank: int) -> torch.nn.Module:
+    layers = [torch.nn.Linear(6, 4)] + ([torch.nn.ReLU(), torch.nn.Linear(4, 4)] if rank else [])
+    m = Q.prepare_fx(torch.nn.Sequential(*layers).eval(), Q.get_default_qconfig_mapping(), (x(rank, 0),))
+    m(x(rank, 0))
+    return m
+
+
+def fx_structure_worker(rank: int) -> dict[str, object]:
+    warnings.simplefilter("ignore")
+    out: dict[str, object] = {}
+    for key, fn in (("convert_fx", Q.convert_fx), ("reference_fx", Q.convert_to_reference_fx),
+                    ("reference", lambda m: Q.reference.to_reference(m))):
+        make = prepared if key == "reference" else prepared_fx
+        out[key] = error_of(lambda: fn(make(rank)))  # noqa: B023
+        out[f"{key}_in_step"] = in_step()
+    torch.manual_seed(0)
+    same = Q.prepare_fx(torch.nn.Sequential(torch.nn.Linear(6, 4)).eval(), Q.get_default_qconfig_mapping(),
+                        (x(rank, 0),))
+    same(x(rank, 0))
+    q = Q.convert_fx(same)                              # the same structure still merges: one grid on every rank
+    out["same"] = {k: v for k, v in q.state_dict().items() if isinstance(v, torch.Tensor)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def fx_structure() -> list[dict[str, object]]:
+    return run_ranks(fx_structure_worker, world=WORLD, pg_timeout_s=TIMEOUT_S, timeout_s=4 * TIMEOUT_S + 60)
+
+
+@pytest.mark.parametrize("key", ["convert_fx", "reference_fx", "reference"])
+def test_graph_and_reference_converts_check_structure_on_every_rank(fx_structure, key):
+    for r in fx_structure:
+        msg = r[key]
+        assert msg.startswith("ValueError: ") and "different observers" in msg and "rank 0: <none>" in msg, msg
+        assert r[f"{key}_in_step"] == 2.0
+
+
+def test_graph_convert_with_the_same_structure_agrees_across_ranks(fx_structure):
+    a, b = fx_structure[0]["same"], fx_structure[1]["same"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -42,6 +42,7 @@ from ..nn.quantized._utils import output_qparams
 from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.stubs import DeQuantize, Quantize
 from ..observer import PlaceholderObserver
+from ..observer.distributed import sync_pending
 from . import convert_dynamic as float_out
 from .call import plain_call
 from .padding import detach
@@ -368,6 +369,7 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
         model = copy.deepcopy(model)
     top = model.meta[STATE_KEY] if isinstance(model, fx.GraphModule) else model.__dict__[STATE_KEY]
     report: FxReport = top["report"]
+    sync_pending(model)  # under torch.distributed: the ranks agree on the observers' paths, then reduce (one pass)
     graphs = [m for m in model.modules() if isinstance(m, fx.GraphModule) and STATE_KEY in m.meta
               and not m.meta[STATE_KEY].get("converted")]
     custom, custom_dynamic = cfg.mapping(), cfg.mapping(dynamic=True)

@@ -46,6 +46,7 @@ from ..nn.intrinsic import modules as nni
 from ..nn.intrinsic.qat import modules as nniqat
 from ..nn.intrinsic.qat.modules import BnFoldedBase
 from ..nn.quantized._utils import weight_qparams
+from ..observer.distributed import sync_pending
 from ..observer.fixed import NoopObserver
 from ..qconfig import QConfig
 from ..workflow import convert as _convert_int8
@@ -153,6 +154,7 @@ def to_reference(model: nn.Module, mapping: dict[type, type] | None = None, inpl
         raise TypeError(f"convert: mapping must be a dict {{module type: quantized class}}, got {mapping!r}")
     if not inplace:
         model = copy.deepcopy(model)
+    sync_pending(model)  # under torch.distributed: the ranks agree on the observers' paths, then reduce
     report = ConvertReport()
     report._calibrated = any(holds_grid(m) for m in model.modules()  # type: ignore[attr-defined]
                              if _is_observer(m) and not getattr(m, "is_dynamic", False))

@@ -51,6 +51,7 @@ from ..fx.convert import convert_fx
 from ..fx.custom import preserved_value
 from ..fx.prepare import STATE_KEY, is_prepared
 from ..fake_quant.base import holds_grid
+from ..observer.distributed import sync_pending
 from .convert import _frozen_weight_qconfig, _move_state, _weighted_reference
 from .modules import FrozenObserver, QuantDeQuant, _WeightQDQ
 from .ops import check_grid_dtype, dequantize_per_channel, dequantize_per_tensor, quantize_per_channel, quantize_per_tensor
@@ -152,6 +153,7 @@ def convert_to_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Modul
         raise TypeError(f"convert_to_reference_fx: inplace must be a bool, got {inplace!r}")
     if not inplace:
         model = _copy(model)
+    sync_pending(model)  # under torch.distributed: the ranks agree on the observers' paths, then reduce
     for gm in _graphs(model):
         for node in list(gm.graph.nodes):
             kind = node.meta.get("lowbit_kind")
