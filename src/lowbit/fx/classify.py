@@ -196,8 +196,8 @@ def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaqu
         elif qc is not None and node.meta.get("lowbit_ftensor", False):
             spec, reason = parse(node, gm)
             if node.op == "call_module" and type(mod) in module_types:
-                # (a BN without running statistics stays float; one in training mode is checked at convert: QAT)
-                kind, why = ("float", bn_why) if (bn_why := batchnorm_float_reason(mod, False)) else ("module", why)
+                # (a BN without running statistics stays float; one in training mode is int8, as torch.ao)
+                kind, why = ("float", bn_why) if (bn_why := batchnorm_float_reason(mod)) else ("module", why)
             elif node.op == "call_module" and type(mod) in WEIGHT_ONLY_TYPES:
                 kind = "wonly"
             elif spec is not None:

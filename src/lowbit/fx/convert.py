@@ -131,9 +131,9 @@ class _Converter:
         self.report.converted[self._key(node)] = f"{type(mod).__name__} -> {qcls.__module__}.{qcls.__name__}"
 
     def left_float(self, src: fx.Node) -> bool:
-        """Keep float a ``module`` node whose BatchNorm is in training mode at convert (batch statistics; QAT prepared it
-        in training mode): its output observer becomes a ``Quantize`` for the int ops reading it, and ``dequantize``
-        gives it float inputs. Returns whether it did."""
+        """Keep float a ``module`` node whose BatchNorm lost its running statistics after prepare (batch statistics;
+        ``batchnorm_float_reason``): its output observer becomes a ``Quantize`` for the int ops reading it, and
+        ``dequantize`` gives it float inputs. Returns whether it did."""
         why = batchnorm_float_reason(self.gm.get_submodule(src.target))
         if why is None:
             return False

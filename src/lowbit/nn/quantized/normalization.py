@@ -17,8 +17,9 @@ input is normalized as is. ``Dropout`` is the identity (inference): it returns i
 default such a norm stays float and the next quantized layer requantizes its output on its calibrated input grid
 (more accurate on transformers; see docs/design.md). ``BatchNorm2d/3d`` and ``BNReLU2d/3d`` (a BatchNorm not folded
 into a conv: DenseNet's pre-activation BN → ReLU, a BN after a cat or an add) are, as in torch.ao's default mapping;
-a BatchNorm that normalizes with batch statistics (``track_running_stats=False``, or in training mode at convert)
-stays float (``batchnorm_float_reason``). Opt in to the others with a mapping entry::
+a BatchNorm that normalizes with batch statistics (``track_running_stats=False``) stays float
+(``batchnorm_float_reason``); one in training mode at convert is converted on its running statistics, as in torch.ao.
+Opt in to the others with a mapping entry::
 
     mapping = {**Q.get_default_static_quant_module_mappings(), **nnq.normalization.NORM_MAPPINGS}
     qmodel = Q.convert(Q.prepare(model, mapping=mapping), mapping=mapping)
@@ -47,7 +48,8 @@ from ._state import CheckedQuantState
 from ._utils import check_out_grid, output_qparams
 
 __all__ = ["LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "Dropout",
-           "BatchNorm2d", "BatchNorm3d", "BNReLU2d", "BNReLU3d", "NORM_MAPPINGS", "batchnorm_float_reason"]
+           "BatchNorm2d", "BatchNorm3d", "BNReLU2d", "BNReLU3d", "NORM_MAPPINGS", "batchnorm_float_reason",
+           "check_batchnorm_stats"]
 
 
 class _QuantizedNorm(CheckedQuantState):
@@ -220,16 +222,20 @@ class _BatchNorm(_QuantizedNorm):
     _relu = False
     _spatial = 2
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1, scale: float = 1.0,
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, scale: float = 1.0,
                  zero_point: int = 0, qdtype: QDtype | str | torch.dtype = quint8) -> None:
         self._float_type.__init__(self, num_features, eps, momentum)  # type: ignore[call-arg]
         _set_affine(self, self.weight, self.bias)
         self.eval()
         self._init_grid(scale, zero_point, qdtype)
 
+    def _check_shape(self, x: torch.Tensor) -> None:
+        if x.dim() != self._spatial + 2 or x.shape[1] != self.num_features:
+            raise ValueError(f"quantized {type(self).__name__}({self.num_features}) expects a "
+                             f"{self._spatial + 2}-D input with {self.num_features} channels, got shape {tuple(x.shape)}")
+
     def _float_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != self._spatial + 2:
-            raise ValueError(f"quantized {type(self).__name__} expects a {self._spatial + 2}-D input, got {x.dim()}-D")
+        self._check_shape(x)  # (a wrong channel count was torch's RuntimeError "running_mean should contain ...")
         y = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
         return F.relu(y) if self._relu else y
 
@@ -237,9 +243,7 @@ class _BatchNorm(_QuantizedNorm):
         x = input
         if not isinstance(x, QTensor) or x.axis is not None:
             return super().forward(x)
-        if x.dim() != self._spatial + 2 or x.shape[1] != self.num_features:
-            raise ValueError(f"quantized {type(self).__name__}({self.num_features}) expects a "
-                             f"{self._spatial + 2}-D input with {self.num_features} channels, got shape {tuple(x.shape)}")
+        self._check_shape(x)
         f32 = torch.float32
         inv = (1.0 / torch.sqrt(self.running_var.to(f32) + torch.tensor(self.eps, dtype=f32)).double()).to(f32)
         w = self.weight if self.weight is not None else torch.ones_like(inv)
@@ -267,8 +271,9 @@ class _BatchNorm(_QuantizedNorm):
         if not bn.track_running_stats or bn.running_mean is None:
             raise ValueError(f"quantized {cls.__name__}.from_float: the BatchNorm has no running statistics "
                              "(track_running_stats=False normalizes with batch statistics; it stays float)")
+        check_batchnorm_stats(bn, f"quantized {cls.__name__}.from_float")
         s, z, d = output_qparams(mod if hasattr(mod, "activation_post_process") else bn, cls.__name__)
-        new = cls(bn.num_features, bn.eps, bn.momentum or 0.1, s, z, d)
+        new = cls(bn.num_features, bn.eps, bn.momentum, s, z, d)
         _set_affine(new, None if bn.weight is None else bn.weight.detach().float(),
                     None if bn.bias is None else bn.bias.detach().float())
         new.running_mean.copy_(bn.running_mean.float())
@@ -279,19 +284,57 @@ class _BatchNorm(_QuantizedNorm):
         return f"{self.num_features}, eps={self.eps}, {self._grid_repr()}"
 
 
-def batchnorm_float_reason(mod: nn.Module, at_convert: bool = True) -> str | None:
+def check_batchnorm_stats(bn: nn.Module, who: str) -> None:
+    """A ``ValueError`` naming the value where a BatchNorm's inference map has no finite int8 form: ``eps`` below 0 or
+    not finite, a running statistic or affine parameter that is NaN / infinite, or a channel whose
+    ``running_var + eps`` (float32, as the kernel adds them) is not above 0 (``1 / sqrt(var + eps)`` infinite or NaN:
+    the float model's outputs there are too; the codes were clamped garbage).
+
+    >>> from torch import nn
+    >>> bn = nn.BatchNorm2d(2, eps=0.0)
+    >>> bn.running_var[1] = 0.0
+    >>> check_batchnorm_stats(bn, "bn")
+    Traceback (most recent call last):
+        ...
+    ValueError: bn: running_var[1]=0 + eps=0.0 is not above 0 (1/sqrt(running_var + eps) is not finite)
+    """
+    eps = bn.eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        raise ValueError(f"{who}: eps={eps!r} must be a finite number >= 0")
+    for name in ("running_mean", "running_var", "weight", "bias"):
+        t = getattr(bn, name, None)
+        bad = ~torch.isfinite(t.detach()) if isinstance(t, torch.Tensor) else None
+        if bad is not None and bad.any():
+            c = int(bad.nonzero()[0, 0])
+            raise ValueError(f"{who}: {name}[{c}]={t[c].item()} is not finite")
+    f32 = torch.float32
+    denom = bn.running_var.detach().to(f32) + torch.tensor(eps, dtype=f32)
+    bad = ~torch.isfinite(torch.rsqrt(denom)) | (denom <= 0)
+    if bad.any():
+        c = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{who}: running_var[{c}]={bn.running_var[c].item():g} + eps={eps!r} is not above 0 "
+                         "(1/sqrt(running_var + eps) is not finite)")
+
+
+def batchnorm_float_reason(mod: nn.Module) -> str | None:
     """Why a standalone ``BatchNorm2d/3d`` or fused ``BNReLU2d/3d`` must stay float, or ``None`` (it has an int8 form).
 
     The int8 form applies the running statistics; a BN without them (``track_running_stats=False``) normalizes with
-    batch statistics even in eval, and one in training mode at convert (``at_convert``; QAT prepares in training mode)
-    was last computing batch statistics: neither is converted. Any other module: ``None``."""
+    batch statistics even in eval: it is not converted. A BN in training mode at convert (a QAT model converted
+    without ``.eval()``, as torch.ao's ``quantize_qat`` does) is converted, as torch.ao does: the int8 module applies
+    the running statistics (inference semantics). Any other module: ``None``.
+
+    >>> from torch import nn
+    >>> batchnorm_float_reason(nn.BatchNorm2d(3).train()) is None
+    True
+    >>> batchnorm_float_reason(nn.BatchNorm2d(3, track_running_stats=False))[:40]
+    'BatchNorm without running statistics (tr'
+    """
     bn = mod[0] if type(mod).__name__ in ("BNReLU2d", "BNReLU3d") and isinstance(mod, nn.Sequential) else mod
     if type(bn) not in (nn.BatchNorm2d, nn.BatchNorm3d):
         return None
     if not bn.track_running_stats or bn.running_mean is None or bn.running_var is None:
         return "BatchNorm without running statistics (track_running_stats=False: batch statistics even in eval)"
-    if at_convert and bn.training:
-        return "BatchNorm in training mode at convert (batch statistics): call model.eval() before convert"
     return None
 
 
