@@ -8,7 +8,9 @@ name also exists in the float model, ``compare`` reports over all ``inputs``
 for the **activation** (its output, dequantized, against the float module's output) and for the
 **weight** (``weight()`` dequantized against the float weight). ``x`` is the float value, ``x̂``
 the quantized one; the sums run over every element of every batch (float64). An exact match gives
-``inf`` dB. As a rule of thumb 8-bit layers sit at 30-45 dB; every 6 dB lost is one bit.
+``inf`` dB. As a rule of thumb 8-bit layers sit at 30-45 dB; every 6 dB lost is one bit. A layer without an
+int8 weight (an activation, ``QFunctional``, an int8 BatchNorm / LayerNorm / GroupNorm / InstanceNorm, whose
+affine ``weight`` stays float) has ``None`` weight cells (``-`` in the table); its activation is still compared.
 
 Matching is by module name (forward hooks; ``FloatFunctional``/``QFunctional`` by their methods).
 Fused models: a quantized module at ``N`` followed, in its parent, by ``nn.Identity`` siblings
@@ -150,7 +152,12 @@ def _dequantized(w: Any) -> torch.Tensor:
     return w.dequantize() if isinstance(w, QTensor) else w.detach().float()
 
 
+_FLOAT_AFFINE_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+
+
 def _quantized_weight(qmod: nn.Module) -> torch.Tensor | None:
+    if isinstance(qmod, _FLOAT_AFFINE_NORMS):  # an int8 norm's weight is its float γ: no int8 weight ("inf" dB before)
+        return None
     w = getattr(qmod, "weight", None)
     if callable(w) and not isinstance(w, (nn.Module, torch.Tensor)):
         w = w()

@@ -154,8 +154,7 @@ def _layers(model: nn.Module, mapping: QConfigMapping, method: str,
 
     def walk(mod: nn.Module, name: str) -> None:
         qc = getattr(mod, "qconfig", None)
-        if type(mod) in quantizable and (qc is not None or keep_none) and not (
-                method == "fx" and isinstance(mod, nn.modules.batchnorm._BatchNorm)):
+        if type(mod) in quantizable and (qc is not None or keep_none):
             if not isinstance(mod, (QuantStub, DeQuantStub)):
                 out.append((name, type(mod).__name__, qc))
             return
@@ -164,6 +163,16 @@ def _layers(model: nn.Module, mapping: QConfigMapping, method: str,
 
     walk(probe, "")
     return out
+
+
+def _fx_folded(base: nn.Module, mapping: QConfigMapping, example_inputs: tuple[Any, ...]) -> set[str]:
+    """Names of the modules graph mode absorbs into a fused layer (a conv / linear's BN and ReLU, a BN's ReLU:
+    ``lowbit_report.absorbed`` of ``prepare_fx`` under the user's mapping): no layer of their own. A standalone BN
+    (after a ReLU, a cat, an add) absorbs nothing into anything: it is one (int8 in graph mode since session 38)."""
+    with warnings.catch_warnings():  # (the candidates' own prepare_fx warns, once per candidate)
+        warnings.simplefilter("ignore")
+        prepared = prepare_fx(copy.deepcopy(base), mapping, example_inputs=example_inputs)
+    return {n for names in prepared.lowbit_report.absorbed.values() for n in names}
 
 
 def _fused(model: nn.Module, fuse: Any, method: str) -> nn.Module:
@@ -303,6 +312,9 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
 
     if method == "fx" and example_inputs is None:
         example_inputs = example_inputs_of(batches[0], "sensitivity")
+    if method == "fx":  # a BN folded into the conv before it is not a layer (a standalone one was skipped too)
+        folded = _fx_folded(base, user_mapping, example_inputs)
+        layers = [lay for lay in layers if lay[0] not in folded]
 
     def quantized(mapping: QConfigMapping, what: str) -> float:
         return _score(eval_fn, _quantize(base, mapping, batches, method, train_fn, example_inputs), what, who)
