@@ -19,8 +19,8 @@ TIERS: list[tuple[str, ...]] = [
     ("blocked", "qstore", "native"),   # cache-blocked exact quantize; one-pass 8-bit codes; C row passes
     ("state_check",),                  # check_quantized_state: a checkpoint's scales, zero points, codes
     ("functional",),
-    ("qtensor", "qtensor.convert", "qtensor.order", "batches"),  # convert: to / type / dtype casts; order: sort / max
-    # ... on codes; batches: iter_batches, run_batch
+    ("qtensor", "qtensor.convert", "qtensor.order", "qtensor.resample", "batches"),  # convert: to / type / dtype
+    # casts; order: sort / max ... on codes; resample: bilinear on codes; batches: iter_batches, run_batch
     ("observer",),
     ("fake_quant",),                   # package: base, learnable, fused, fixed
     ("qconfig",),

@@ -283,7 +283,7 @@ def test_per_channel_ops_touching_the_axis_fall_back(op, name):
 
 
 @pytest.mark.parametrize("op, name", [
-    (lambda t: F.interpolate(t, scale_factor=2, mode="bilinear"), "interpolate"),
+    (lambda t: F.interpolate(t, scale_factor=2, mode="bilinear", antialias=True), "interpolate"),  # (plain: int8)
     (lambda t: F.pad(t, (1, 1, 1, 1), mode="reflect"), "pad"),
     (lambda t: torch.clamp(t, torch.tensor(0.1)), "clamp"),
     (lambda t: torch.mean(t, dtype=torch.float64), "mean"),

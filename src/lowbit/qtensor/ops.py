@@ -4,7 +4,8 @@ Each op here is what ``torch``'s quantized CPU kernels do on a ``torch.quantize_
 (the oracle of ``tests/test_qtensor_ops.py``), applied to the codes ``q`` on the grid ``(s, z)``; the
 output keeps ``(s, z)``:
 
-- selection ops are exact (code for code): ``F.interpolate(mode="nearest" / "nearest-exact")``, ``F.pad`` (constant;
+- selection ops are exact (code for code): ``F.interpolate(mode="nearest" / "nearest-exact")`` (``"bilinear"``
+  averages: torch's quantized kernel's codes, ``qtensor/resample.py``), ``F.pad`` (constant;
   the pad value quantized onto the grid, so ``0.0`` pads ``z``), ``F.hardtanh``/``F.relu6``/``torch.clamp``
   (``clamp(q, quantize(min), quantize(max))``; a bound past the grid's far end, whose code would saturate, runs on
   float values); ``masked_fill`` / ``torch.where`` with a number (on the grid, else float values, as ``F.pad``'s
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from ..compile_state import tracing
 from ..functional import quantize
 from . import _INT_OPS, QTensor, _warn_float_fallback
+from .resample import interpolate_bilinear
 
 __all__ = ["fill_code", "zero_codes"]
 
@@ -122,7 +124,10 @@ def _mean(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) 
 
 def _interpolate(x: Any, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
                  *args: Any, **kwargs: Any) -> Any:
-    """Nearest-neighbour resampling (``nearest``, ``nearest-exact``) selects codes: exact."""
+    """Nearest-neighbour resampling (``nearest``, ``nearest-exact``) selects codes: exact; ``bilinear``: torch's
+    quantized kernel on the codes (``qtensor/resample.py``)."""
+    if isinstance(x, QTensor) and mode == "bilinear":
+        return interpolate_bilinear(x, size, scale_factor, *args, **kwargs)
     if not isinstance(x, QTensor) or mode not in ("nearest", "nearest-exact") or _touches_axis(x, x.dim() - 2):
         return NotImplemented
     wide = torch.float32 if x.qdtype.quant_max - x.qdtype.quant_min < _F32_EXACT else torch.float64
