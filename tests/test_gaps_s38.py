@@ -99,11 +99,12 @@ def test_nearest_upsampling_runs_on_the_codes(name):
     assert not q.lowbit_report.left_float
 
 
-@pytest.mark.parametrize("up", [nn.Upsample(scale_factor=2, mode="bilinear"), nn.UpsamplingBilinear2d(scale_factor=2),
+@pytest.mark.parametrize("up", [_Fn(lambda t: F.interpolate(t, scale_factor=2, mode="bilinear", antialias=True)),
                                 _Fn(lambda t: F.interpolate(t, scale_factor=2, mode="bicubic"))],
-                         ids=["Upsample-bilinear", "UpsamplingBilinear2d", "F.interpolate-bicubic"])
+                         ids=["F.interpolate-bilinear-antialias", "F.interpolate-bicubic"])
 def test_averaging_upsampling_stays_float(up):
-    """Bilinear / bicubic interpolation averages codes (new values, not on the grid): still float and reported."""
+    """Bicubic and antialiased bilinear interpolation (no quantized kernel, torch's neither): still float and reported
+    (plain bilinear runs on the codes since session 39: tests/test_bilinear_s39.py)."""
     torch.manual_seed(0)
     q = _convert_and_check(UNet(up), torch.randn(2, 3, 8, 8))
     assert _q_dq(q) == (2, 2) and len(q.lowbit_report.left_float) == 1

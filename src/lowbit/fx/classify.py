@@ -38,11 +38,11 @@ from ..observer.fixed import FixedQParamsObserver
 from ..qconfig import QConfig, QConfigMapping
 from ..workflow import _is_table_recipe, is_dynamic_qconfig
 from ..workflow.propagate import join_name as join
-from .patterns import WEIGHT_ONLY_TYPES, canonical_binary, func_activation, is_share_op
+from .patterns import WEIGHT_ONLY_TYPES, canonical_binary, func_activation, is_bilinear_resample, is_share_op
 from .report import FxReport
 from .weighted import input_of, parse
 
-__all__ = ["classify", "wants_int", "int_inputs", "join", "input_observer_qconfig"]
+__all__ = ["classify", "wants_int", "int_inputs", "join", "input_observer_qconfig", "share_bilinear_grids"]
 
 _INT_KINDS = ("module", "functional", "act", "weighted")
 
@@ -287,3 +287,23 @@ def int_inputs(user: fx.Node) -> list[fx.Node]:
     if user.meta.get("lowbit_kind") == "weighted":
         return [input_of(user)]
     return list(user.all_input_nodes)
+
+
+def share_bilinear_grids(gm: fx.GraphModule) -> None:
+    """After each bilinear resample of an int value, its input's observer called again (``obs_share``), as torch.ao's
+    shared observers: the prepared model rounds the averaged values onto the input's grid (fake-quantized in QAT)
+    and calibration sees them; ``convert_fx`` drops the call (the QTensor op keeps the grid)."""
+    modules = dict(gm.named_modules())
+    for node in list(gm.graph.nodes):
+        if node.meta.get("lowbit_kind") != "share" or node.meta.get("lowbit_domain") != "int" or not \
+                is_bilinear_resample(node, modules.get(node.target) if node.op == "call_module" else None):
+            continue
+        src = node.args[0] if node.args else None
+        while isinstance(src, fx.Node) and src.meta.get("lowbit_kind") == "share" and src.args:
+            src = src.args[0]
+        if not isinstance(src, fx.Node) or src.meta.get("lowbit_kind") not in ("obs_out", "obs_in"):
+            continue  # (a quantized graph input: no observer holds its grid)
+        with gm.graph.inserting_after(node):
+            obs = gm.graph.call_module(src.target, (node,))
+        obs.meta.update({**src.meta, "lowbit_kind": "obs_share"})
+        node.replace_all_uses_with(obs, delete_user_cb=lambda u, obs=obs: u is not obs)

@@ -232,6 +232,9 @@ class _Converter:
                          if n.meta.get("lowbit_kind") in ("weighted", "dynamic") and "lowbit_wspec" in n.meta}
         for node in list(self.graph.nodes):
             role = node.meta.get("lowbit_kind")
+            if role == "obs_share":  # a bilinear resample's second call of its input's observer: the QTensor op
+                node.replace_all_uses_with(node.args[0])  # keeps that grid
+                self.graph.erase_node(node)
             if role not in ("obs_out", "obs_in"):  # obs_w: read by the weighted node's conversion
                 continue
             obs = self.gm.get_submodule(node.target)
@@ -310,7 +313,7 @@ def _observers(gm: fx.GraphModule) -> list[tuple[fx.Node, nn.Module]]:
 
 def _unobserve(gm: fx.GraphModule) -> None:
     """A prepared child graph back to its float computation: every observer node bypassed and removed."""
-    for node, _ in _observers(gm):
+    for node in [n for n in gm.graph.nodes if n.meta.get("lowbit_kind") in ("obs_out", "obs_in", "obs_w", "obs_share")]:
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
     gm.graph.lint()

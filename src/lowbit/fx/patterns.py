@@ -20,10 +20,11 @@ class          ops                                         after ``convert_fx``
 ``share``      relu, flatten, view/reshape/permute/         runs on the codes of its input
                transpose/(un)squeeze/narrow, chunk/split    (int stays int, float stays float;
                (only indexed), max-pool, dropout,
-               identity, size/shape, nearest
-               interpolation (``F.interpolate`` /
-               ``nn.Upsample`` in ``"nearest"`` /
-               ``"nearest-exact"`` mode), roll, repeat,
+               identity, size/shape, nearest and
+               bilinear interpolation (``F.interpolate``
+               / ``nn.Upsample`` in ``"nearest"`` /
+               ``"nearest-exact"`` / ``"bilinear"``
+               mode, no antialias), roll, repeat,
                expand/expand_as,
                zero padding (``F.pad`` value 0,            a zero pad fills the zero point)
                ``nn.ZeroPad*d``, ``nn.ConstantPad*d(0)``)
@@ -54,7 +55,8 @@ from ..nn import qat as nnqat
 from ..nn.quantized import activation as nnq_act
 
 __all__ = ["BINARY_FUNCS", "WEIGHT_ONLY_TYPES", "canonical_binary", "is_relu_target", "add_relu", "FUNC_ACTIVATIONS",
-           "func_activation", "is_share_op", "is_zero_pad", "is_dropout", "graph_module_types", "as_number"]
+           "func_activation", "is_share_op", "is_zero_pad", "is_code_resample",
+           "is_bilinear_resample", "is_dropout", "graph_module_types", "as_number"]
 
 # binary ops with a QFunctional twin: target -> method name
 BINARY_FUNCS: dict[Any, str] = {
@@ -112,10 +114,13 @@ _SHARE_FUNCS = {F.relu, torch.relu, torch.flatten, F.max_pool1d, F.max_pool2d, F
 # (code selections: each output code is an input code, as QTensor runs them; expand_as / repeat as torch.ao's "repeat")
 _SHARE_METHODS = {"relu", "view", "reshape", "flatten", "permute", "transpose", "contiguous", "size",
                   "dim", "numel", "detach", "squeeze", "unsqueeze", "narrow", "roll", "repeat", "expand", "expand_as"}
-# resampling that selects codes (nearest neighbour, QTensor's exact `F.interpolate`): a UNet's decoder upsampling; the
-# other modes average (bilinear ...) and stay float
+# resampling on the codes: nearest neighbour selects codes (QTensor's exact `F.interpolate`), bilinear runs torch's
+# quantized kernel on them (qtensor/resample.py): a UNet's / FPN's decoder upsampling; bicubic, linear, trilinear and
+# antialiased bilinear have no quantized kernel (torch.ao's neither) and stay float
 _NEAREST = ("nearest", "nearest-exact")
-_INTERPOLATE_FUNCS = {F.interpolate: 3, F.upsample: 3, F.upsample_nearest: None}  # -> position of `mode`
+_ON_CODES = (*_NEAREST, "bilinear")
+_INTERPOLATE_FUNCS = {F.interpolate: 3, F.upsample: 3, F.upsample_nearest: None,
+                      F.upsample_bilinear: None}  # -> position of `mode`
 # ops giving a tuple of views (ShuffleNetV2's `x.chunk(2, dim=1)`): shared when only indexed (`a, b = ...`)
 _SPLIT_FUNCS = {torch.chunk, torch.split, torch.tensor_split}
 _SPLIT_METHODS = {"chunk", "split", "tensor_split"}
@@ -146,18 +151,35 @@ def is_zero_pad(node: fx.Node, mod: nn.Module | None) -> bool:
     return mode == "constant" and (value is None or (as_number(value) == 0.0))
 
 
-def is_nearest_resample(node: fx.Node, mod: nn.Module | None) -> bool:
-    """``F.interpolate`` / ``F.upsample`` in a nearest mode (the default), ``F.upsample_nearest``, or an ``nn.Upsample``
-    (``nn.UpsamplingNearest2d``) in a nearest mode: each output code is an input code, exact on any grid."""
+def is_code_resample(node: fx.Node, mod: nn.Module | None) -> bool:
+    """``F.interpolate`` / ``F.upsample`` in a nearest mode (the default) or ``"bilinear"`` without ``antialias``,
+    ``F.upsample_nearest`` / ``F.upsample_bilinear``, or an ``nn.Upsample`` (``nn.UpsamplingNearest2d`` /
+    ``nn.UpsamplingBilinear2d``) in such a mode: the op runs on the codes and keeps the input's grid (nearest: each
+    output code is an input code; bilinear: torch's quantized kernel, as torch.ao's converted model runs it)."""
     if node.op == "call_module":
-        return type(mod) in (nn.Upsample, nn.UpsamplingNearest2d) and mod.mode in _NEAREST  # type: ignore[union-attr]
+        return type(mod) in (nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d) and (
+            mod.mode in _ON_CODES)  # type: ignore[union-attr]
     if node.op != "call_function" or node.target not in _INTERPOLATE_FUNCS:
         return False
     at = _INTERPOLATE_FUNCS[node.target]
     if at is None:
         return True
     mode = node.args[at] if len(node.args) > at else node.kwargs.get("mode", "nearest")
-    return mode in _NEAREST
+    antialias = node.args[6] if len(node.args) > 6 else node.kwargs.get("antialias", False)
+    return mode in _NEAREST or (mode == "bilinear" and antialias is False)
+
+
+def is_bilinear_resample(node: fx.Node, mod: nn.Module | None) -> bool:
+    """A ``is_code_resample`` node that averages (bilinear): its float output is off the grid, so the prepared model
+    rounds it onto its input's grid (the input's observer called again, as torch.ao's shared observers)."""
+    if not is_code_resample(node, mod):
+        return False
+    if node.op == "call_module":
+        return mod.mode == "bilinear"  # type: ignore[union-attr]
+    at = _INTERPOLATE_FUNCS[node.target]
+    if at is None:
+        return node.target is F.upsample_bilinear
+    return (node.args[at] if len(node.args) > at else node.kwargs.get("mode", "nearest")) == "bilinear"
 
 
 def func_activation(op: str, target: Any) -> type[nn.Module] | None:
@@ -179,7 +201,7 @@ def is_share_op(node: fx.Node, mod: nn.Module | None) -> bool:
             return node.args[1] in ("shape", "device")
         if node.target is F.max_pool2d or node.target is F.max_pool1d or node.target is F.max_pool3d:
             return not node.kwargs.get("return_indices", False)
-        return node.target in _SHARE_FUNCS or is_zero_pad(node, mod) or is_nearest_resample(node, mod)
+        return node.target in _SHARE_FUNCS or is_zero_pad(node, mod) or is_code_resample(node, mod)
     if node.op == "call_method":
         return node.target in _SHARE_METHODS
     if node.op == "call_module":
@@ -187,7 +209,7 @@ def is_share_op(node: fx.Node, mod: nn.Module | None) -> bool:
         if isinstance(mod, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)) and mod.return_indices:
             return False
         return (type(mod) in _SHARE_MODULES or type(mod) in (QuantStub, DeQuantStub) or is_zero_pad(node, mod)
-                or is_nearest_resample(node, mod))
+                or is_code_resample(node, mod))
     return False
 
 

@@ -51,7 +51,7 @@ from ..mappings import get_default_dynamic_quant_module_mappings, get_default_qa
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..workflow import is_dynamic_qconfig, propagate_qconfig_
 from ..workflow.kinds import model_kind
-from .classify import apply_call_order, classify, input_observer_qconfig, int_inputs, join, wants_int
+from .classify import apply_call_order, classify, input_observer_qconfig, int_inputs, join, share_bilinear_grids, wants_int
 from .custom import declare_non_traceable, preserve, swap_custom
 from .padding import attach, hook_observers
 from .fusion import fuse_graph
@@ -163,6 +163,7 @@ def _insert_observers(gm: fx.GraphModule) -> int:
                 obs = add_observer(node, input_observer_qconfig(node, int_users), "obs_in")
                 for u in int_users:
                     u.replace_input_with(node, obs)
+    share_bilinear_grids(gm)
     # weight-only (embedding) and dynamic layers are quantized at convert with no observer: keep the graph
     return count + sum(1 for n in graph.nodes if n.meta.get("lowbit_kind") in ("wonly", "dynamic"))
 

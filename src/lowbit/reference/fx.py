@@ -157,7 +157,7 @@ def convert_to_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Modul
     for gm in _graphs(model):
         for node in list(gm.graph.nodes):
             kind = node.meta.get("lowbit_kind")
-            if kind in ("obs_out", "obs_in", "obs_w"):
+            if kind in ("obs_out", "obs_in", "obs_w", "obs_share"):
                 obs = gm.get_submodule(node.target)
                 if not holds_grid(obs):
                     raise RuntimeError(f"convert_to_reference_fx: the observer '{node.target}' after "
