@@ -232,9 +232,6 @@ class _Converter:
                          if n.meta.get("lowbit_kind") in ("weighted", "dynamic") and "lowbit_wspec" in n.meta}
         for node in list(self.graph.nodes):
             role = node.meta.get("lowbit_kind")
-            if role == "obs_share":  # a bilinear resample's second call of its input's observer: the QTensor op
-                node.replace_all_uses_with(node.args[0])  # keeps that grid
-                self.graph.erase_node(node)
             if role not in ("obs_out", "obs_in"):  # obs_w: read by the weighted node's conversion
                 continue
             obs = self.gm.get_submodule(node.target)
@@ -297,23 +294,23 @@ class _Converter:
                 node.replace_input_with(src, made[src])
 
     def identities(self) -> None:
-        """Dropout (inference) and leftover stubs become the identity."""
+        """Dropout (inference), leftover stubs and a bilinear resample's second observer call (obs_share) become identities."""
         from ..stubs import DeQuantStub, QuantStub
         for node in list(self.graph.nodes):
             mod = self.gm.get_submodule(node.target) if node.op == "call_module" else None
-            if is_dropout(node, mod) or isinstance(mod, (QuantStub, DeQuantStub)):
+            if is_dropout(node, mod) or isinstance(mod, (QuantStub, DeQuantStub)) or node.meta.get("lowbit_kind") == "obs_share":
                 node.replace_all_uses_with(node.args[0])
                 self.graph.erase_node(node)
 
 
-def _observers(gm: fx.GraphModule) -> list[tuple[fx.Node, nn.Module]]:
-    return [(n, gm.get_submodule(n.target)) for n in gm.graph.nodes
-            if n.meta.get("lowbit_kind") in ("obs_out", "obs_in", "obs_w")]
+def _observers(gm: fx.GraphModule, share: bool = False) -> list[tuple[fx.Node, nn.Module]]:
+    kinds = ("obs_out", "obs_in", "obs_w") + (("obs_share",) if share else ())
+    return [(n, gm.get_submodule(n.target)) for n in gm.graph.nodes if n.meta.get("lowbit_kind") in kinds]
 
 
 def _unobserve(gm: fx.GraphModule) -> None:
     """A prepared child graph back to its float computation: every observer node bypassed and removed."""
-    for node in [n for n in gm.graph.nodes if n.meta.get("lowbit_kind") in ("obs_out", "obs_in", "obs_w", "obs_share")]:
+    for node, _ in _observers(gm, share=True):
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
     gm.graph.lint()

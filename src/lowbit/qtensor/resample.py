@@ -13,17 +13,19 @@ in float32 with each product and sum rounded (no fused multiply-add), for output
 - ``v = h0 (w0 q00 + w1 q01) + h1 (w0 q10 + w1 q11) - z`` and ``q_out = clamp(round_half_even(z + v))`` (fbgemm's
   legacy ``Quantize``: ``v`` is first rounded to float32 around ``-z``, so a near-tie can land on either side).
 
-A channels-last input runs torch's NHWC kernel, which its x86 AVX2 / AVX-512 builds compile with fused multiply-adds:
-the source index is ``fma(r, i + 0.5, -0.5)``, and each ``l0 a + l1 b`` fuses one product (the first in the scalar
-channel loop, the second in the vector loop: the leading ``C // 8 * 8`` channels on AVX2, ``C // 16 * 16`` on
-AVX-512, 8-bit codes only); ``_fma`` reproduces the single rounding. In a 2,900-case random sweep, plain float32
-math missed 313 cases (all channels-last, about a fifth of those) by one step at near-ties, and rounding ``v - z``
-instead of ``z + (v - z)`` missed 907. A contiguous (NCHW) input whose output size equals its own is copied (torch's
-shortcut, even when a scale factor would move the samples); a channels-last one is computed (torch writes a 1x1
-input's channels-last output in the wrong layout, scrambling its channels: lowbit gives the right codes). Per channel QTensors
-(axis 0 or 1: torch has no quantized per-channel bilinear) use each channel's zero point. ``antialias=True``,
-``linear`` (1-d), ``trilinear`` (3-d) and ``bicubic`` have no quantized kernel in torch: they stay float values
-(the QTensor fallback warns).
+lowbit runs this math for every memory format and CPU: one definition. torch's channels-last (NHWC) kernel is
+compiled per instruction set, with fused multiply-adds on its x86 AVX2 / AVX-512 builds (the source index, one
+product of each blend, which one depending on the channel's place in the vector loop), so the same codes in NHWC give
+other codes than in NCHW at near-ties, and other codes on other CPUs: in a 2,900-case random sweep on AVX2 it moved
+313 cases (all channels-last, about a fifth of those) by one step against its own NCHW kernel. lowbit's codes equal
+torch's NCHW kernel's, in either layout, and are within one step of its NHWC kernel's (which torch also runs for
+any input that is channels-last contiguous too: one channel, or 1x1 maps). Rounding ``v - z`` instead of
+``z + (v - z)`` missed 907 of those cases. An input whose output size equals its own is copied (torch's NCHW
+shortcut, even when a scale factor would move the samples; torch's NHWC kernel computes them, and writes a 1x1
+input's channels-last output in the wrong layout, scrambling its channels: lowbit gives the right codes). Per channel
+QTensors (axis 0 or 1: torch has no quantized per-channel bilinear) use each channel's zero point.
+``antialias=True``, ``linear`` (1-d), ``trilinear`` (3-d) and ``bicubic`` have no quantized kernel in torch: they stay
+float values (the QTensor fallback warns).
 
 >>> import torch, torch.nn.functional as F, lowbit as Q
 >>> qt = Q.quantize_per_tensor(torch.tensor([[[[0.0, 0.3], [0.6, 0.9]]]]), 0.1, 1, Q.quint8)
@@ -41,9 +43,6 @@ import torch
 from ..compile_state import tracing
 
 __all__ = ["bilinear_codes", "bilinear_args", "interpolate_bilinear"]
-
-
-_CAPABILITY = torch.backends.cpu.get_cpu_capability()  # (read once: torch.compile cannot trace the call)
 
 
 def _f32(v: float, device: torch.device) -> torch.Tensor:
@@ -64,59 +63,19 @@ def bilinear_args(shape: Sequence[int], size: Any, scale_factor: Any,
     return out, ([None, None] if recompute_scale_factor else [float(f) for f in sf])
 
 
-def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``a b + c`` rounded once to float32 (a fused multiply-add): the product is exact in float64, the sum rounded
-    to odd there (TwoSum's error term), so the final rounding to float32 is the correct one."""
-    p = a.double() * b.double()
-    c = c.double()
-    s = p + c
-    bb = s - p
-    err = (p - (s - bb)) + (c - bb)
-    fix = (err != 0) & ((s.view(torch.int64) & 1) == 0)
-    s = torch.where(fix, torch.nextafter(s, torch.where(err > 0, math.inf, -math.inf).double()), s)
-    return s.float()
-
-
-def _vector_channels(channels: int, code_bits: int) -> int:
-    """How many leading channels torch's channels-last kernel runs in its vector loop (the rest: scalar)."""
-    width = {"AVX2": 8, "AVX512": 16}.get(_CAPABILITY, 0) if code_bits == 8 else 0
-    return channels // width * width if width else 0
-
-
-def _fused() -> bool:
-    """Whether torch's channels-last kernel was compiled with fused multiply-adds (its x86 AVX2 / AVX-512 builds)."""
-    return _CAPABILITY in ("AVX2", "AVX512")
-
-
-def _axis(n: int, m: int, align_corners: bool, scale: float | None, device: torch.device,
-          fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(i0, i1, λ0, λ1)`` of one axis: torch's ``area_pixel_compute_scale`` / ``_source_index`` in float32
-    (``fused``: ``r (i + 0.5) - 0.5`` as one fused multiply-add)."""
+def _axis(n: int, m: int, align_corners: bool, scale: float | None,
+          device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(i0, i1, λ0, λ1)`` of one axis: torch's ``area_pixel_compute_scale`` / ``_source_index`` in float32."""
     if align_corners:  # (float32 divisions of the sizes, as torch's; 1 / scale in float64, then rounded)
         r = _f32(n - 1, device) / _f32(m - 1, device) if m > 1 else _f32(0.0, device)
     else:
         r = _f32(1.0 / scale, device) if scale is not None and scale > 0 else _f32(n, device) / _f32(m, device)
     d = torch.arange(m, dtype=torch.float32, device=device)
-    if align_corners:
-        t = d * r
-    elif fused:
-        t = _fma(r.expand_as(d), d + 0.5, torch.full_like(d, -0.5)).clamp_min(0.0)
-    else:
-        t = ((d + 0.5) * r - 0.5).clamp_min(0.0)
+    t = d * r if align_corners else ((d + 0.5) * r - 0.5).clamp_min(0.0)
     i0 = t.to(torch.int64)
     i1 = i0 + (i0 < n - 1).to(torch.int64)
     l1 = t - i0.to(torch.float32)
     return i0, i1, 1.0 - l1, l1
-
-
-def _blend(a: torch.Tensor, b: torch.Tensor, l0: torch.Tensor, l1: torch.Tensor, how: str) -> torch.Tensor:
-    """``l0 a + l1 b`` in float32: two rounded products and a sum (``plain``), or one product fused into the sum,
-    the first (``fma0``: torch's scalar channels-last loop) or the second (``fma1``: its vector loop)."""
-    if how == "plain":
-        return a * l0 + b * l1
-    if how == "fma0":
-        return _fma(l0.expand_as(a), a, b * l1)
-    return _fma(l1.expand_as(b), b, a * l0)
 
 
 def bilinear_codes(q: torch.Tensor, zero_point: torch.Tensor, quant_min: int, quant_max: int,
@@ -127,26 +86,16 @@ def bilinear_codes(q: torch.Tensor, zero_point: torch.Tensor, quant_min: int, qu
     memory format as ``q``."""
     (h, w), (oh, ow) = q.shape[-2:], out_size
     channels_last = q.is_contiguous(memory_format=torch.channels_last)
-    if (oh, ow) == (h, w) and not channels_last:
-        return q.clone()
-    fused = channels_last and _fused()
-    h0, h1, hl0, hl1 = _axis(h, oh, align_corners, scales[0], q.device, fused)
-    w0, w1, wl0, wl1 = _axis(w, ow, align_corners, scales[1], q.device, fused)
+    if (oh, ow) == (h, w):
+        return q.clone(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    h0, h1, hl0, hl1 = _axis(h, oh, align_corners, scales[0], q.device)
+    w0, w1, wl0, wl1 = _axis(w, ow, align_corners, scales[1], q.device)
     hl0, hl1 = hl0[:, None], hl1[:, None]
     p = q.to(torch.float32)
     top, bottom = p.index_select(-2, h0), p.index_select(-2, h1)
-    corners = (top.index_select(-1, w0), top.index_select(-1, w1), bottom.index_select(-1, w0),
-               bottom.index_select(-1, w1))
-
-    def run(how: str, c: slice) -> torch.Tensor:
-        a, b, e, f = (t[:, c] for t in corners)
-        return _blend(_blend(a, b, wl0, wl1, how), _blend(e, f, wl0, wl1, how), hl0, hl1, how)
-
-    if not fused:
-        v = run("plain", slice(None))
-    else:
-        split = _vector_channels(q.shape[1], q.element_size() * 8)
-        v = torch.cat([run("fma1", slice(0, split)), run("fma0", slice(split, None))], 1)
+    a, b, c, d = (top.index_select(-1, w0), top.index_select(-1, w1), bottom.index_select(-1, w0),
+                  bottom.index_select(-1, w1))
+    v = (a * wl0 + b * wl1) * hl0 + (c * wl0 + d * wl1) * hl1  # (each product and sum rounded: no FMA)
     z = zero_point.to(torch.float32)
     # fbgemm's Quantize (torch's quantize_val): nearbyint(z + (v - z)), the difference rounded to float32 first
     out = ((v - z) + z).round_().clamp_(quant_min, quant_max).to(q.dtype)
