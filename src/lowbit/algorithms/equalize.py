@@ -69,8 +69,11 @@ from torch import fx, nn
 from ..fake_quant import FakeQuantize
 from ..nn.intrinsic import ClampedReLU
 from ..observer import ObserverBase
-from .layers import is_weighted, shared_layers, split
-from .layerwise import batch_tuples
+# pair discovery and the channel maps (``equalize_pairs``), importable from here as before
+from .equalize_pairs import _depthwise, _float_clamp_pairs, _float_second, _in_ranges, _pairs, _scale_in, _spread
+from .equalize_pairs import _same_axis as _same_axis
+from .layers import split
+from .layerwise_step import batch_tuples
 
 __all__ = ["EqualizedPair", "equalize_prepared"]
 
@@ -89,23 +92,6 @@ class EqualizedPair:
     stretched: int = 0  # relu6="range": channels stretched to fill the clamp's range
 
 
-def _in_ranges(b: nn.Module) -> torch.Tensor | None:
-    """``r_B[i]``: max |weight| per input channel (for depthwise, per own channel); None if grouped otherwise."""
-    w = b.weight.detach()
-    groups = getattr(b, "groups", 1)
-    if groups == 1:
-        return w.abs().transpose(0, 1).reshape(w.shape[1], -1).amax(1)
-    if groups == w.shape[0] and w.shape[1] == 1:  # depthwise
-        return w.abs().reshape(w.shape[0], -1).amax(1)
-    return None
-
-
-def _same_axis(a: nn.Module, b: nn.Module) -> bool:
-    """Whether ``b`` reads ``a``'s output channels as its input channels (both Linear or both the same ConvNd; a
-    Linear after a conv reads its last spatial axis, a conv after a Linear its token axis)."""
-    return type(split(a)[0]) is type(split(b)[0])
-
-
 def _channel_dim(layer: nn.Module, out: torch.Tensor) -> int:
     """The dim of ``out`` (``layer``'s output) that holds its channels: last for a Linear (``(N, ..., C)``),
     ``out.dim() - k - 1`` for a ``ConvNd`` with ``k`` spatial dims (1 batched, 0 unbatched), else 1 (a BatchNorm)."""
@@ -119,51 +105,6 @@ def _per_channel(layer: nn.Module, out: torch.Tensor, stat: str) -> torch.Tensor
     """``amin`` / ``amax`` of ``layer``'s output ``out`` per channel (every other dim reduced)."""
     dims = [d for d in range(out.dim()) if d != _channel_dim(layer, out)]
     return (out.detach().amin(dim=dims) if stat == "amin" else out.detach().amax(dim=dims)) if dims else out.detach()
-
-
-def _depthwise(mod: nn.Module) -> bool:
-    b, _ = split(mod)
-    return getattr(b, "groups", 1) > 1 and b.weight.shape[1] == 1
-
-
-def _spread(r_a: torch.Tensor, r_b: torch.Tensor) -> float:
-    ok = (r_a > 0) & (r_b > 0)
-    ratio = r_a[ok] / r_b[ok]
-    return float(ratio.max() / ratio.min()) if ratio.numel() else 1.0
-
-
-def _scale_in(b: nn.Module, s: torch.Tensor) -> None:
-    w = b.weight
-    shape = [1] * w.dim()
-    if getattr(b, "groups", 1) == 1:
-        shape[1] = -1
-    else:
-        shape[0] = -1
-    w.mul_(s.view(shape))
-
-
-def _pairs(gm: fx.GraphModule, relu6: str) -> list[tuple[str, str]]:
-    mods = dict(gm.named_modules())
-    shared = shared_layers(gm)
-    out = []
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or not is_weighted(mods[node.target]) or len(node.users) != 1:
-            continue
-        if str(node.target) in shared:
-            continue
-        (obs,) = node.users
-        if obs.op != "call_module" or not isinstance(mods[obs.target], (ObserverBase, FakeQuantize)):
-            continue
-        if len(obs.users) != 1:
-            continue
-        (nxt,) = obs.users
-        if nxt.op == "call_module" and is_weighted(mods[nxt.target]) and nxt.args[0] is obs and nxt.target not in shared:
-            a, act = split(mods[node.target])
-            b, _ = split(mods[nxt.target])
-            ok_act = act is None or type(act) is nn.ReLU or (isinstance(act, ClampedReLU) and relu6 != "skip")
-            if ok_act and _same_axis(a, b) and _in_ranges(b) is not None and a.weight.shape[0] == _in_ranges(b).numel():
-                out.append((str(node.target), str(nxt.target)))
-    return out
 
 
 def equalize_prepared(prepared: fx.GraphModule, calib: Iterable[Any] | None = None, sweeps: int = 2,
@@ -288,69 +229,6 @@ def _stretch(gm: fx.GraphModule, mods: dict[str, nn.Module], pairs: list[tuple[s
             rec.stretched = int(ok.sum())
         rec.ratio_after = _spread(a.weight.abs().reshape(a.weight.shape[0], -1).amax(1), _in_ranges(b))  # type: ignore[arg-type]
         records[an] = rec
-
-
-def _float_second(gm: fx.GraphModule, mods: dict[str, nn.Module]) -> list[tuple[str, str]]:
-    """Clamp pairs ``A → clamp(0, t) → observer → B`` whose ``B`` is a float (no qconfig) ``Conv2d`` / ``Linear``, as
-    mixed precision leaves it: any such ``B`` takes the stretch exactly (no weight grid to absorb it), dense or not."""
-    out, shared = [], shared_layers(gm)
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or not is_weighted(mods[node.target]) or len(node.users) != 1:
-            continue
-        if not isinstance(split(mods[node.target])[1], ClampedReLU):
-            continue
-        (obs,) = node.users
-        if obs.op != "call_module" or not isinstance(mods[obs.target], (ObserverBase, FakeQuantize)) or len(obs.users) != 1:
-            continue
-        (nxt,) = obs.users
-        b = mods.get(str(nxt.target)) if nxt.op == "call_module" else None
-        if type(b) not in (nn.Conv2d, nn.Linear) or getattr(b, "qconfig", None) is not None or nxt.args[0] is not obs \
-                or not _same_axis(mods[node.target], b):
-            continue
-        r_b = _in_ranges(b)
-        if r_b is not None and r_b.numel() == split(mods[node.target])[0].weight.shape[0] \
-                and not {str(node.target), str(nxt.target)} & shared:
-            out.append((str(node.target), str(nxt.target)))
-    return out
-
-
-_CLAMPS = (nn.ReLU6, nn.Hardtanh, ClampedReLU)
-
-
-def _float_clamp_pairs(gm: fx.GraphModule, mods: dict[str, nn.Module]) -> list[tuple[str, str, str, float]]:
-    """``(layer, scaled, B, t)`` for every float (no qconfig) conv ``layer`` → [float ``BatchNorm2d``] → ``[0, t]``
-    clamp module → observer → int8 depthwise ``B``, each output read once: mixed precision keeps such a layer float
-    (``set_module_name(layer, None)``), and its clamp is then a float module the int8 pairs' pattern does not see.
-    ``scaled``: the module whose output channels the stretch divides (the BN's affine parameters, else the conv's)."""
-    out, shared = [], shared_layers(gm)
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or not is_weighted(mods[node.target]) or not _depthwise(mods[node.target]):
-            continue
-        obs = node.args[0] if node.args else None
-        if not (isinstance(obs, fx.Node) and obs.op == "call_module" and len(obs.users) == 1
-                and isinstance(mods[obs.target], (ObserverBase, FakeQuantize))):
-            continue
-        clamp = obs.args[0]
-        if not (isinstance(clamp, fx.Node) and clamp.op == "call_module" and len(clamp.users) == 1):
-            continue
-        c = mods[clamp.target]
-        lo = 0.0 if isinstance(c, (nn.ReLU6, ClampedReLU)) else getattr(c, "min_val", None)
-        t = float(c.max_val) if isinstance(c, _CLAMPS) else 0.0
-        prod = clamp.args[0]
-        if lo != 0 or not t > 0 or not (isinstance(prod, fx.Node) and prod.op == "call_module" and len(prod.users) == 1):
-            continue
-        scaled = str(prod.target)
-        if type(mods[scaled]) is nn.BatchNorm2d and mods[scaled].affine:
-            prod = prod.args[0]
-            if not (isinstance(prod, fx.Node) and prod.op == "call_module" and len(prod.users) == 1):
-                continue
-        layer = mods[str(prod.target)]  # (a BN without affine parameters stays the producer: not a conv, skipped)
-        if type(layer) is not nn.Conv2d or getattr(layer, "qconfig", None) is not None:
-            continue
-        if mods[scaled].weight.shape[0] == split(mods[node.target])[0].weight.shape[0] \
-                and not {str(prod.target), str(node.target)} & shared:
-            out.append((str(prod.target), scaled, str(node.target), t))
-    return out
 
 
 def _stretch_float(gm: fx.GraphModule, mods: dict[str, nn.Module], records: dict[str, EqualizedPair],

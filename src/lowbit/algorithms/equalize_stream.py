@@ -63,9 +63,10 @@ from torch import fx, nn
 
 from ..fake_quant import FakeQuantize
 from ..observer import ObserverBase
-from .equalize import _run_hooked, _scale_in
+from .equalize import _run_hooked
+from .equalize_pairs import _scale_in
 from .layers import is_weighted, shared_layers, split
-from .layerwise import batch_tuples
+from .layerwise_step import batch_tuples
 
 __all__ = ["EqualizedStream", "equalize_streams"]
 

@@ -5,7 +5,7 @@ The layer order is the order the weighted layers first run on the first calibrat
 simulated int8 model (activation observers fake-quantizing on their calibrated grids) gives ``L``'s quantized input
 ``x_q`` and a float copy of the model gives its float input ``x_f``; ``L``'s codes are then learned (or rounded to
 nearest) to minimise ``||W_q x_q - W x_f||²`` and its bias corrected by the mean output error, as in graph mode
-(``layerwise._layer``).
+(``layerwise_step._layer``).
 
 >>> import torch, lowbit as Q
 >>> from torch import nn
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .layers import is_weighted, rounded_before, split, weight_codes
-from .layerwise import LayerChange, _check_steps, _layer, batch_tuples, patch_observers
+from .layerwise_step import LayerChange, _check_steps, _layer, batch_tuples, patch_observers
 
 __all__ = ["reconstruct_eager"]
 

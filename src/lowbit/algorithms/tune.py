@@ -42,7 +42,7 @@ from torch import fx, nn
 from ..batches import output_tensors
 from .block import install_grid, learnable_grids
 from .layers import freeze_weight, is_weighted, split, weight_codes
-from .layerwise import batch_tuples, patch_observers
+from .layerwise_step import batch_tuples, patch_observers
 
 __all__ = ["tune_biases", "TuneResult"]
 
