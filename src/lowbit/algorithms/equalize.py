@@ -8,7 +8,10 @@ the identity, ReLU or a ``[0, t]`` clamp (ReLU6), output channel ``i`` of ``A`` 
 
 with ``r_A[i] = max|W_A[i]|`` and ``r_B[i] = max|W_B[:, i]|`` (for a depthwise ``B``, its own channel
 ``i``), which makes both ranges ``sqrt(r_A r_B)``. ``sweeps`` passes over all pairs let chains
-(expand -> depthwise -> project) settle.
+(expand -> depthwise -> project) settle. Grouped convs on either side (``lowbit.algorithms.equalize_pairs``):
+``A``'s rows are independent whatever its groups; a grouped ``B`` (ResNeXt) reads input channel ``i`` at column
+``i % (in / g)`` of group ``i // (in / g)``'s filters, a depthwise ``B`` with channel multiplier ``k`` in its ``k``
+filters of channel ``i``, and ``W_B[:, i]`` stands for those weights.
 
 ReLU6 is not scale-equivariant: ``clamp(x / s, 0, 6) != clamp(x, 0, 6) / s``. The bound would have
 to become ``6 / s_i`` per channel, which a per-tensor output grid cannot clamp. ``relu6="skip"``
@@ -25,11 +28,12 @@ largest pre-activation of ``A``'s channel ``i`` on the calibration data and ``t`
 ``x <= h m_i`` — everywhere on the calibration data, with room for later inputs up to ``h`` times the
 calibrated maximum. Every channel that does not reach the clamp is stretched to fill ``[0, t / h]``,
 so the per-tensor output grid spends its codes on all channels alike (MobileNetV2's first conv:
-channels peaking at 0.05 and at 6 share one grid). Done only when ``B`` is depthwise: its per-channel
-weight grid absorbs ``s_i`` exactly (no weight error changes). For a dense ``B`` the stretch would
-come back as weight error — the column ``W_B[:, i] s_i`` meets an input ``x_i / s_i`` on a row grid
-set by the other columns (measured on MobileNetV2: weights-only SQNR 16.0 → 10.2 dB) — so such pairs
-are left alone. Channels that clip (``h m_i >= t``) or never fire keep ``s_i = 1``. Needs ``calib``.
+channels peaking at 0.05 and at 6 share one grid). Done only when ``B`` is depthwise (with or without a
+channel multiplier: each filter reads one input channel): its per-channel weight grid absorbs ``s_i``
+exactly. For a dense (or grouped) ``B`` the stretch would come back as weight error — the column
+``W_B[:, i] s_i`` meets an input ``x_i / s_i`` on a row grid set by the other columns (measured on
+MobileNetV2: weights-only SQNR 16.0 → 10.2 dB) — so such pairs are left alone.
+Channels that clip (``h m_i >= t``) or never fire keep ``s_i = 1``. Needs ``calib``.
 ReLU / identity pairs still get the weight-range equalization above. On MobileNetV2 (48 crops,
 activations-only simulation): 13.5 → 15.4 dB logit SQNR; float function kept to 39.9 dB on other crops.
 Mixed precision (a layer with no qconfig) keeps the stretch. A float ``A`` (a float conv, an optional
@@ -39,8 +43,9 @@ in the BN's ``γ, β``, or in the conv's rows. An int8 ``A`` feeding a float ``C
 
 Bias absorption (``absorb=True``): when ``A``'s pre-activation output is at least ``c_i > 0`` on all
 calibration data, ``relu(y_i - c_i) = relu(y_i) - c_i`` there, so ``b_A[i] -= c_i`` and ``B`` gets
-``b_B += sum_k W_B[:, i, k] c_i``. It shrinks ``A``'s output range without changing the function
-on the calibration data; done only when ``B`` has no zero padding (the sum would be wrong at borders)
+``b_B += sum_k W_B[:, i, k] c_i`` (a grouped ``B``: each filter sums over its own group's inputs). It
+shrinks ``A``'s output range without changing the function on the calibration data;
+done only when ``B`` has no zero padding (the sum would be wrong at borders)
 and ``act`` is a plain ReLU (after equalization).
 
 >>> import torch, lowbit as Q
@@ -70,7 +75,8 @@ from ..fake_quant import FakeQuantize
 from ..nn.intrinsic import ClampedReLU
 from ..observer import ObserverBase
 # pair discovery and the channel maps (``equalize_pairs``), importable from here as before
-from .equalize_pairs import _depthwise, _float_clamp_pairs, _float_second, _in_ranges, _pairs, _scale_in, _spread
+from .equalize_pairs import (_depthwise, _float_clamp_pairs, _float_second, _in_ranges, _pairs, _scale_in, _spread,
+                             groups_of)
 from .equalize_pairs import _same_axis as _same_axis
 from .layers import split
 from .layerwise_step import batch_tuples
@@ -264,8 +270,7 @@ def _absorb(gm: fx.GraphModule, mods: dict[str, nn.Module], pairs: list[tuple[st
     for an, bn in pairs:
         a, act = split(mods[an])
         b, _ = split(mods[bn])
-        if type(act) is not nn.ReLU or a.bias is None or any(p != 0 for p in getattr(b, "padding", (0,))) \
-                or getattr(b, "groups", 1) != 1:
+        if type(act) is not nn.ReLU or a.bias is None or any(p != 0 for p in getattr(b, "padding", (0,))):
             continue
 
         def hook(m: nn.Module, args: Any, out: Any, an: str = an) -> None:
@@ -286,8 +291,9 @@ def _absorb(gm: fx.GraphModule, mods: dict[str, nn.Module], pairs: list[tuple[st
         if not bool((c > 0).any()):
             continue
         a.bias.sub_(c)
-        w = b.weight.reshape(b.weight.shape[0], b.weight.shape[1], -1).sum(-1)  # (out, in)
+        w = b.weight.reshape(b.weight.shape[0], b.weight.shape[1], -1).sum(-1)  # (out, in / groups)
         if b.bias is None:
             b.bias = nn.Parameter(torch.zeros(b.weight.shape[0], dtype=b.weight.dtype, device=b.weight.device))
-        b.bias.add_(w @ c)
+        g = groups_of(b)  # filter o of group j reads inputs j·(in/g) .. (j+1)·(in/g) - 1
+        b.bias.add_(w @ c if g == 1 else torch.bmm(w.view(g, -1, w.shape[1]), c.view(g, -1, 1)).reshape(-1))
         records[an].absorbed = int((c > 0).sum())

@@ -10,8 +10,12 @@ output / ``B``'s input (Nagel et al. 2019, "Data-Free Quantization")::
 so that both ranges become ``sqrt(r_A r_B)``; the float function is unchanged. ``ranges="minmax"``
 (default, torch.ao's ``channel_range``): ``r = max - min`` of the channel's weights; ``"absmax"``:
 ``r = max |w|`` (the range a symmetric per-channel grid sees; what graph mode's
-``lowbit.algorithms.equalize.equalize_prepared`` uses). A depthwise ``B`` (``groups == channels``)
-scales its own channel ``i`` (torch.ao rejects it). Sweeps over all pairs repeat until the summed
+``lowbit.algorithms.equalize.equalize_prepared`` uses). A grouped ``B`` scales the weights that read
+input channel ``i`` (``lowbit.algorithms.equalize_pairs``; torch.ao rejects every grouped ``B``): a depthwise
+``B`` its own channel ``i``, a depthwise ``B`` with channel multiplier ``k`` its ``k`` filters of channel ``i``,
+a ResNeXt-style ``B`` column ``i % (in / g)`` of group ``i // (in / g)``'s filters; ``r_B[i]`` is taken over
+those weights. Any ``A`` is scaled by rows (its output channels are independent whatever its groups).
+Sweeps over all pairs repeat until the summed
 norm of every weight's change in one sweep is below ``threshold`` (torch.ao's ``converged``), at most
 ``max_sweeps`` times.
 
@@ -48,6 +52,7 @@ from torch import nn
 
 from ..batches import eval_mode
 from ..nn.intrinsic import FusedModule
+from .equalize_pairs import groups_of, input_channels, input_multiplier, input_weights
 from .layers import WEIGHTED
 
 __all__ = ["equalize", "find_pairs", "equalize_pair", "channel_ranges"]
@@ -68,11 +73,6 @@ def _layer(mod: nn.Module, where: str) -> nn.Module:
     return op
 
 
-def _is_depthwise(b: nn.Module) -> bool:
-    g = getattr(b, "groups", 1)
-    return g > 1 and g == b.weight.shape[0] and b.weight.shape[1] == 1
-
-
 def channel_ranges(w: torch.Tensor, axis: int, ranges: str = "minmax") -> torch.Tensor:
     """Per-channel range of ``w`` along ``axis``: ``max - min`` (``"minmax"``) or ``max |w|`` (``"absmax"``)."""
     if ranges not in _RANGES:
@@ -83,30 +83,26 @@ def channel_ranges(w: torch.Tensor, axis: int, ranges: str = "minmax") -> torch.
 
 def _pair(a: nn.Module, b: nn.Module, an: str = "the first layer", bn: str = "the second layer"
           ) -> tuple[nn.Module, nn.Module, int]:
-    """The weighted ops of a pair and ``b``'s input-channel axis, or the error that pair would raise."""
+    """The weighted ops of a pair and ``b``'s groups, or the error that pair would raise."""
     a, b = _layer(a, an), _layer(b, bn)
-    dw = _is_depthwise(b)
-    in_axis = 0 if dw else 1
-    if a.weight.shape[0] != b.weight.shape[in_axis] or (getattr(b, "groups", 1) > 1 and not dw):
+    if a.weight.shape[0] != input_channels(b):
         raise ValueError(f"equalize: {type(a).__name__} has {a.weight.shape[0]} output channels but the next "
-                         f"{type(b).__name__} (weight {tuple(b.weight.shape)}, groups {getattr(b, 'groups', 1)}) "
-                         "does not take them one per input channel")
-    return a, b, in_axis
+                         f"{type(b).__name__} (weight {tuple(b.weight.shape)}, groups {groups_of(b)}) reads "
+                         f"{input_channels(b)} input channels: it does not take them one per input channel")
+    return a, b, groups_of(b)
 
 
 def equalize_pair(a: nn.Module, b: nn.Module, ranges: str = "minmax") -> torch.Tensor:
     """Equalize one pair in place (see the module docstring); return the scales ``s``."""
-    a, b, in_axis = _pair(a, b)
-    r_a, r_b = channel_ranges(a.weight, 0, ranges), channel_ranges(b.weight, in_axis, ranges)
+    a, b, groups = _pair(a, b)
+    r_a, r_b = channel_ranges(a.weight, 0, ranges), channel_ranges(input_weights(b.weight, groups), 0, ranges)
     s = torch.sqrt(r_a / (r_b + 1e-9))
     s = torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))  # dead channels stay as they are
     with torch.no_grad():
         a.weight.mul_(s.reciprocal().view(-1, *[1] * (a.weight.dim() - 1)))
         if a.bias is not None:
             a.bias.mul_(s.reciprocal())
-        shape = [1] * b.weight.dim()
-        shape[in_axis] = -1
-        b.weight.mul_(s.view(shape))
+        b.weight.mul_(input_multiplier(b.weight, groups, s))
     return s
 
 

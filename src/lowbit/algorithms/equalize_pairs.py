@@ -2,8 +2,19 @@
 
 A pair ``A -> act -> B`` of a prepared graph: ``A``'s output goes through one observer to ``B`` only, ``act`` is
 the identity, ReLU or (``relu6`` not ``"skip"``) a ``[0, t]`` clamp, and ``B`` reads ``A``'s channels on the same
-axis. ``_in_ranges(B)`` is ``r_B[i] = max |W_B[:, i]|`` over the weights that read input channel ``i`` (a depthwise
-``B``: its own channel ``i``); ``_scale_in(B, s)`` multiplies those weights by ``s_i``.
+axis. ``A``'s output channels are independent whatever its ``groups`` (row ``i`` of ``W_A`` and ``b_A[i]`` make
+channel ``i``), so any ``A`` is scaled by rows. ``B`` with ``g`` groups (weight ``(out, in / g, k...)``) reads input
+channel ``i`` in group ``i // (in / g)``, at weight column ``i % (in / g)``, in that group's ``out / g`` filters::
+
+    W_B viewed as (g, out / g, in / g, K):   input channel i = (j, c)  <->  W_B[j, :, c, :]
+
+``input_weights(W_B, g)`` lays those out as one row per input channel: ``(in, out / g · K)``. A dense ``B``
+(``g = 1``) reads channel ``i`` in column ``i`` of every filter, a depthwise one (``g = in = out``) in its own
+filter ``i``, a depthwise one with channel multiplier ``k`` (``out = k · in``, ``g = in``) in its ``k`` filters
+``k i .. k i + k - 1``, a grouped one (ResNeXt) in column ``i % (in / g)`` of group ``i // (in / g)``'s filters.
+``_in_ranges(B)`` is ``r_B[i] = max |W_B[.., i, ..]|`` over that row; ``_scale_in(B, s)`` multiplies it by ``s_i``
+(``input_multiplier``). Scaling ``A``'s channel ``i`` by ``1 / s_i`` and that row by ``s_i`` keeps the function
+through a positively homogeneous ``act`` (Nagel et al. 2019).
 
 >>> import torch
 >>> from torch import nn
@@ -14,6 +25,10 @@ axis. ``_in_ranges(B)`` is ``r_B[i] = max |W_B[:, i]|`` over the weights that re
 >>> with torch.no_grad(): _scale_in(b, torch.tensor([1., 2., 1., 1.]))
 >>> b.weight[:, 1].flatten().tolist()
 [2.0, 10.0]
+>>> g = nn.Conv2d(4, 4, 1, groups=2, bias=False)  # out / g = 2 filters per group, in / g = 2 columns
+>>> with torch.no_grad(): _ = g.weight.copy_(torch.arange(8.).view(4, 2, 1, 1))
+>>> input_weights(g.weight, 2).tolist()  # input 0: column 0 of filters 0, 1; input 2: column 0 of filters 2, 3
+[[0.0, 2.0], [1.0, 3.0], [4.0, 6.0], [5.0, 7.0]]
 """
 
 from __future__ import annotations
@@ -27,15 +42,32 @@ from ..observer import ObserverBase
 from .layers import is_weighted, shared_layers, split
 
 
-def _in_ranges(b: nn.Module) -> torch.Tensor | None:
-    """``r_B[i]``: max |weight| per input channel (for depthwise, per own channel); None if grouped otherwise."""
-    w = b.weight.detach()
-    groups = getattr(b, "groups", 1)
-    if groups == 1:
-        return w.abs().transpose(0, 1).reshape(w.shape[1], -1).amax(1)
-    if groups == w.shape[0] and w.shape[1] == 1:  # depthwise
-        return w.abs().reshape(w.shape[0], -1).amax(1)
-    return None
+def groups_of(b: nn.Module) -> int:
+    """``b``'s ``groups`` (1 for a Linear)."""
+    return int(getattr(b, "groups", 1))
+
+
+def input_channels(b: nn.Module) -> int:
+    """How many input channels ``b`` reads: ``(in / g) · g`` (a Linear: ``in_features``)."""
+    return b.weight.shape[1] * groups_of(b)
+
+
+def input_weights(w: torch.Tensor, groups: int) -> torch.Tensor:
+    """The weights that read each input channel, one row per channel: ``(in, out / groups · K)`` (module docstring)."""
+    g, out, ipg = groups, w.shape[0], w.shape[1]
+    return w.reshape(g, out // g, ipg, -1).transpose(1, 2).reshape(g * ipg, -1)
+
+
+def input_multiplier(w: torch.Tensor, groups: int, s: torch.Tensor) -> torch.Tensor:
+    """``s`` (one factor per input channel) laid out to multiply ``w``: ``(out, in / groups, 1, ...)``."""
+    g, out, ipg = groups, w.shape[0], w.shape[1]
+    m = s.reshape(g, 1, ipg).expand(g, out // g, ipg).reshape(out, ipg)
+    return m.view(out, ipg, *[1] * (w.dim() - 2))
+
+
+def _in_ranges(b: nn.Module) -> torch.Tensor:
+    """``r_B[i]``: max |weight| over the weights that read input channel ``i`` (``input_weights``)."""
+    return input_weights(b.weight.detach(), groups_of(b)).abs().amax(1)
 
 
 def _same_axis(a: nn.Module, b: nn.Module) -> bool:
@@ -56,13 +88,8 @@ def _spread(r_a: torch.Tensor, r_b: torch.Tensor) -> float:
 
 
 def _scale_in(b: nn.Module, s: torch.Tensor) -> None:
-    w = b.weight
-    shape = [1] * w.dim()
-    if getattr(b, "groups", 1) == 1:
-        shape[1] = -1
-    else:
-        shape[0] = -1
-    w.mul_(s.view(shape))
+    """Multiply the weights that read input channel ``i`` of ``b`` by ``s_i``, in place."""
+    b.weight.mul_(input_multiplier(b.weight, groups_of(b), s))
 
 
 def _pairs(gm: fx.GraphModule, relu6: str) -> list[tuple[str, str]]:
@@ -84,7 +111,7 @@ def _pairs(gm: fx.GraphModule, relu6: str) -> list[tuple[str, str]]:
             a, act = split(mods[node.target])
             b, _ = split(mods[nxt.target])
             ok_act = act is None or type(act) is nn.ReLU or (isinstance(act, ClampedReLU) and relu6 != "skip")
-            if ok_act and _same_axis(a, b) and _in_ranges(b) is not None and a.weight.shape[0] == _in_ranges(b).numel():
+            if ok_act and _same_axis(a, b) and a.weight.shape[0] == input_channels(b):
                 out.append((str(node.target), str(nxt.target)))
     return out
 
@@ -106,8 +133,7 @@ def _float_second(gm: fx.GraphModule, mods: dict[str, nn.Module]) -> list[tuple[
         if type(b) not in (nn.Conv2d, nn.Linear) or getattr(b, "qconfig", None) is not None or nxt.args[0] is not obs \
                 or not _same_axis(mods[node.target], b):
             continue
-        r_b = _in_ranges(b)
-        if r_b is not None and r_b.numel() == split(mods[node.target])[0].weight.shape[0] \
+        if input_channels(b) == split(mods[node.target])[0].weight.shape[0] \
                 and not {str(node.target), str(nxt.target)} & shared:
             out.append((str(node.target), str(nxt.target)))
     return out
@@ -146,7 +172,7 @@ def _float_clamp_pairs(gm: fx.GraphModule, mods: dict[str, nn.Module]) -> list[t
         layer = mods[str(prod.target)]  # (a BN without affine parameters stays the producer: not a conv, skipped)
         if type(layer) is not nn.Conv2d or getattr(layer, "qconfig", None) is not None:
             continue
-        if mods[scaled].weight.shape[0] == split(mods[node.target])[0].weight.shape[0] \
+        if mods[scaled].weight.shape[0] == input_channels(split(mods[node.target])[0]) \
                 and not {str(prod.target), str(node.target)} & shared:
             out.append((str(prod.target), scaled, str(node.target), t))
     return out
