@@ -91,7 +91,7 @@ def weight_qparams(weight: torch.Tensor, mod: nn.Module, ch_axis: int, where: st
 
     A QAT module's ``weight_fake_quant`` is used as is (it observes ``weight`` once more only if its
     observer is enabled, as in ``torch.ao``); otherwise ``mod.qconfig.weight()`` builds a fresh
-    observer. For a per-channel observer whose ``ch_axis`` is 0 while the weight's channel axis is
+    observer. For a per-channel observer whose ``ch_axis`` is 0 (or ``-weight.dim()``) while the weight's channel axis is
     ``ch_axis`` (ConvTranspose: 1), the weight is observed with that axis moved to the front.
     ``precomputed`` (or inside ``precomputed_weights()``): a ``weight_fake_quant``'s grid as it stands, not fed
     ``weight`` (``precomputed_source``; a module without one is observed as usual).
@@ -108,7 +108,9 @@ def weight_qparams(weight: torch.Tensor, mod: nn.Module, ch_axis: int, where: st
         obs = qconfig.weight()
     with torch.no_grad():
         axis = getattr(obs, "ch_axis", None)
-        obs(weight.detach().movedim(ch_axis, 0) if axis == 0 and ch_axis != 0 else weight.detach())
+        # (ch_axis=-dim is axis 0 too: observed unmoved, a square transposed weight got input-channel grids, silently)
+        front = isinstance(axis, int) and axis in (0, -weight.dim()) and ch_axis != 0
+        obs(weight.detach().movedim(ch_axis, 0) if front else weight.detach())
     return obs
 
 
