@@ -1,6 +1,7 @@
 """QAT module family (``import lowbit.nn.qat as nnqat``).
 
-Weight fake-quant is inside each module; the output fake-quant is added by ``prepare_qat``.
+Weight fake-quant is inside each module (``ConvTranspose*d``: along the output channels, its weight's
+axis 1); the output fake-quant is added by ``prepare_qat``.
 
 ``LinearReLU`` and ``ConvReLU1d/2d/3d`` live in ``lowbit.nn.intrinsic.qat`` (torch.ao's home for
 them) and are also reachable here, where the seeds list them.
@@ -12,9 +13,11 @@ True
 
 from typing import Any
 
+from .conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from .modules import Conv1d, Conv2d, Conv3d, Embedding, EmbeddingBag, Linear
 
-__all__ = ["Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "EmbeddingBag",
+__all__ = ["Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+           "Embedding", "EmbeddingBag",
            "LinearReLU", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d"]
 
 _FUSED = ("LinearReLU", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d")

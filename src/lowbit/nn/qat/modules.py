@@ -40,8 +40,12 @@ from ...qconfig.config import build
 __all__ = ["Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "EmbeddingBag", "init_weight_fake_quant"]
 
 
-def init_weight_fake_quant(mod: nn.Module, qconfig: Any) -> None:
-    """Validate ``qconfig`` and give ``mod`` its ``qconfig`` and ``weight_fake_quant = qconfig.weight()``."""
+def init_weight_fake_quant(mod: nn.Module, qconfig: Any, transposed: bool = False) -> None:
+    """Validate ``qconfig`` and give ``mod`` its ``qconfig`` and ``weight_fake_quant = qconfig.weight()``.
+
+    A per-channel weight fake-quant must lie along the output channels: ``ch_axis`` 0 (or ``-W.dim()``); for a
+    transposed conv (``transposed``, weight ``(C_in, C_out/groups, *k)``) also 1 (or ``1 - W.dim()``), 0 there meaning
+    the weight with axis 1 moved to the front (``lowbit.nn.qat.conv_transpose``), as ``convert`` observes it."""
     owner = f"lowbit.nn.qat.{type(mod).__name__}"
     if qconfig is None:
         raise ValueError(f"{owner} needs a qconfig (got None): pass qconfig= or set mod.qconfig before from_float")
@@ -50,7 +54,15 @@ def init_weight_fake_quant(mod: nn.Module, qconfig: Any) -> None:
     mod.qconfig = qconfig
     mod.weight_fake_quant = build(qconfig, "weight", owner)
     axis, weight = getattr(mod.weight_fake_quant, "ch_axis", None), getattr(mod, "weight", None)
-    if isinstance(axis, int) and isinstance(weight, torch.Tensor) and weight.dim() and axis not in (0, -weight.dim()):
+    if not isinstance(axis, int) or not isinstance(weight, torch.Tensor) or not weight.dim():
+        return
+    n = weight.dim()
+    if transposed and axis not in (0, -n, 1, 1 - n):
+        raise ValueError(f"{owner}: the weight fake-quant is per channel along ch_axis={axis}, but the int8 transposed "
+                         f"conv keeps one grid per output channel, axis 1 of its weight of shape {tuple(weight.shape)} "
+                         "(in, out/groups, *kernel): use ch_axis=0 (the weight is fake-quantized with axis 1 moved to "
+                         "the front, as convert observes it) or ch_axis=1 in the qconfig's weight")
+    if not transposed and axis not in (0, -n):
         # (the whole QAT run trained on those grids; convert then refused them, or silently took a square weight's
         # input-channel scales for its output channels)
         raise ValueError(f"{owner}: the weight fake-quant is per channel along ch_axis={axis}, but the int8 layer "
