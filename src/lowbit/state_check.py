@@ -59,7 +59,8 @@ def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], p
                           metadata: Any = None) -> list[str]:
     """The problems of the incoming values of ``module``'s own buffers for ``load_state_dict`` (an empty
     list: all valid): scales finite and > 0, zero points and codes integers on the module's grid, a
-    float ``bias`` finite, a ``histogram`` finite and >= 0, ``min_val``/``max_val`` not NaN; with the module's
+    float ``bias`` finite, a BatchNorm's ``running_mean`` finite and ``running_var`` finite and >= 0, a ``histogram``
+    finite and >= 0, ``min_val``/``max_val`` not NaN; with the module's
     ``metadata`` entry of the checkpoint (``load_state_dict``'s ``local_metadata``), grids as ``grid_names``
     saved them. Used by the quantized modules (``nn/quantized/_state.py``), ``FakeQuantize`` and every observer."""
     where, errors = type(module).__name__, []
@@ -94,6 +95,12 @@ def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], p
             v = value.detach()
             if not bool((torch.isfinite(v) & (v >= 0)).all()):
                 errors.append(f"{key}: histogram counts must be finite and >= 0 ({where})")
+        elif name in ("running_mean", "running_var") and value.is_floating_point():  # (a quantized BatchNorm)
+            v = value.detach()
+            ok = torch.isfinite(v) & (v >= 0) if name == "running_var" else torch.isfinite(v)
+            if not bool(ok.all()):
+                errors.append(f"{key}: {_show(v[~ok])} must be finite{' and >= 0' if name == 'running_var' else ''} "
+                              f"({where}: every code would come out NaN, then clamped)")
         elif name in ("bias", "weight") and value.is_floating_point():  # (a quantized norm's affine weight)
             if not bool(torch.isfinite(value.detach()).all()):
                 errors.append(f"{key}: the {name} holds NaN/Inf values ({where})")

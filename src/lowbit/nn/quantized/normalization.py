@@ -224,6 +224,8 @@ class _BatchNorm(_QuantizedNorm):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, scale: float = 1.0,
                  zero_point: int = 0, qdtype: QDtype | str | torch.dtype = quint8) -> None:
+        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 0:
+            raise ValueError(f"quantized {type(self).__name__}: num_features={num_features!r} must be an int >= 0")
         self._float_type.__init__(self, num_features, eps, momentum)  # type: ignore[call-arg]
         _set_affine(self, self.weight, self.bias)
         self.eval()
