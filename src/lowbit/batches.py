@@ -25,7 +25,7 @@ from torch import nn
 from .qtensor import QTensor
 
 __all__ = ["iter_batches", "run_batch", "check_module", "output_tensors", "flatten_outputs", "check_finite_batch",
-           "eval_mode", "real_rows"]
+           "eval_mode", "real_rows", "bool_mask"]
 
 
 def iter_batches(inputs: Any, where: str) -> Iterator[Any]:
@@ -115,16 +115,34 @@ def flatten_outputs(out: Any) -> list[torch.Tensor]:
     return [t.dequantize() if isinstance(t, QTensor) else t.detach().float().clone() for t in output_tensors(out)]
 
 
+def bool_mask(mask: Any) -> torch.Tensor:
+    """``mask`` as a bool tensor: a bool one as it is, a 0/1 one of another dtype (a tokenizer's ``attention_mask`` is
+    int64) compared with 0; any other value is a ``ValueError`` (indexing with an integer mask gathers rows by number).
+
+    >>> bool_mask(torch.tensor([[1, 0]])).tolist()
+    [[True, False]]
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"real_rows: mask must be a (batch, tokens) tensor, got {type(mask).__name__}")
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+        bad = mask[(mask != 0) & (mask != 1)].flatten()[:4].tolist() if not mask.is_complex() else "complex"
+        raise ValueError(f"real_rows: mask of dtype {mask.dtype} holds {bad}: a real-token mask is bool or 0/1")
+    return mask != 0
+
+
 def real_rows(x: Any, mask: torch.Tensor | None, token_rows: bool = False) -> torch.Tensor | None:
     """The rows ``(n, C)`` of ``x`` at a padded batch's real tokens, or ``None`` where they cannot be told.
 
-    ``mask`` ``(batch, tokens)`` bool, True at real tokens (a batch's ``attention_mask``; ``None``: no padding to
-    leave out). ``x`` that carries the batch's tokens, as ``(batch, tokens, C)`` or flattened to ``(batch * tokens,
-    C)``, gives its rows at real tokens, in order, as ``(n, C)``. Padding is dropped by indexing, not by a 0 weight (a
-    NaN in a padded row would survive ``0 * NaN``). ``None``: no mask, ``x`` not a tensor, or any other shape (a
-    pooled ``(batch, hidden)``, attention scores ``(batch, heads, tokens, tokens)``, even where ``hidden`` or
-    ``heads`` equals ``tokens``): its padding cannot be told from its shape. With one token per sequence a 2-D ``x``
-    of ``batch`` rows reads both ways: ``None`` unless ``token_rows=True`` says ``x`` holds token rows.
+    ``mask`` ``(batch, tokens)`` bool, True at real tokens (a batch's ``attention_mask``, also as 0/1 of another
+    dtype: ``bool_mask``; ``None``: no padding to leave out). ``x`` that carries the batch's tokens, as ``(batch,
+    tokens, C)`` or flattened to ``(batch * tokens, C)``, gives its rows at real tokens, in order, as ``(n, C)``.
+    Padding is dropped by indexing, not by a 0 weight (a NaN in a padded row would survive ``0 * NaN``). ``None``:
+    no mask, ``x`` not a tensor, or any other shape (a pooled ``(batch, hidden)``, attention scores ``(batch, heads,
+    tokens, tokens)``, even where ``hidden`` or ``heads`` equals ``tokens``): its padding cannot be told from its
+    shape. With one token per sequence a 2-D ``x`` of ``batch`` rows reads both ways: ``None`` unless
+    ``token_rows=True`` says ``x`` holds token rows.
 
     Graph-mode observers and SmoothQuant's statistics (``lowbit.fx.padding``) leave an ``x`` that gives ``None``
     unfiltered; a causal LM's block statistics (``lowbit.llm.blocks.linear_rows``, ``token_rows=True``) refuse it.
@@ -143,6 +161,7 @@ def real_rows(x: Any, mask: torch.Tensor | None, token_rows: bool = False) -> to
     """
     if mask is None or not isinstance(x, torch.Tensor):
         return None
+    mask = bool_mask(mask)
     lead = tuple(x.shape[:-1])
     if lead == tuple(mask.shape):  # (batch, tokens, C)
         return x[mask.to(x.device)]
