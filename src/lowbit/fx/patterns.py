@@ -195,7 +195,8 @@ def is_share_op(node: fx.Node, mod: nn.Module | None) -> bool:
     """Ops that keep their input's domain: int codes stay int on the same grid, float stays float."""
     if (node.op == "call_function" and node.target in _SPLIT_FUNCS) or (
             node.op == "call_method" and node.target in _SPLIT_METHODS):
-        return bool(node.users) and all(u.op == "call_function" and u.target is operator.getitem for u in node.users)
+        return bool(node.users) and all(u.op == "call_function" and u.target is operator.getitem
+                                        and isinstance(u.args[1], int) for u in node.users)  # (a slice: a tuple)
     if node.op == "call_function":
         if node.target is getattr:
             return node.args[1] in ("shape", "device")
