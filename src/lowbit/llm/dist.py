@@ -35,7 +35,8 @@ def rank_and_world(group: Any = None) -> tuple[int, int]:
 
 def shard(batches: Sequence[Any], rank: int, world: int) -> list[Any]:
     """The strided shard ``batches[rank::world]`` that rank ``rank`` of ``world`` calibrates on."""
-    if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
+    if isinstance(rank, bool) or isinstance(world, bool) or not (
+            isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
         raise ValueError(f"lowbit.llm.shard: rank={rank!r} must be in [0, world={world!r})")
     return list(batches)[rank::world]
 

@@ -78,6 +78,13 @@ class _ConvTransposeNd(WeightedQuantModule):
         weight, out = self._prepared()
         spec = self._spec
         if output_size is not None:  # torch's own rule picks the padding (and names a size it cannot reach)
+            sizes = list(output_size) if isinstance(output_size, (list, tuple, torch.Size)) else None
+            lead = 1 if unbatched else 2  # (integer-like: traced shapes are SymInts)
+            if sizes is None or len(sizes) not in (self._dim, self._dim + lead) or not all(
+                    hasattr(type(v), "__index__") and not isinstance(v, bool) and not (isinstance(v, int) and v < 0)
+                    for v in sizes):
+                raise ValueError(f"{where}: output_size={output_size!r} must be a list of {self._dim} (or "
+                                 f"{self._dim + lead}, with the leading dims) sizes >= 0")
             codes = qx.int_repr()[0] if unbatched else qx.int_repr()  # (the rank the caller gave: torch's rule reads it)
             pad = nn.ConvTranspose1d._output_padding(self, codes, list(output_size), list(self.stride),
                                                      list(self.padding), list(self.kernel_size), self._dim,

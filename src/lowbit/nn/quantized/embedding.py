@@ -108,13 +108,16 @@ def _row_qparams(weight: torch.Tensor, mod: nn.Module | None, qdtype: QDtype | N
 
 
 def _check_max_norm(name: str, max_norm: Any, norm_type: Any) -> tuple[float | None, float]:
-    """``max_norm`` None or a finite number > 0, ``norm_type`` a finite number > 0 (as floats)."""
+    """``max_norm`` None or a finite number > 0, ``norm_type`` a number > 0, ``inf`` included (the max norm, as
+    ``nn.Embedding`` takes it) (as floats)."""
     for arg, v in (("max_norm", max_norm), ("norm_type", norm_type)):
         if v is None and arg == "max_norm":
             continue
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+              and (math.isfinite(v) or (arg == "norm_type" and v == math.inf)))
         if not ok:
-            raise ValueError(f"{name}: {arg}={v!r} must be a finite number > 0" + (" or None" if arg == "max_norm" else ""))
+            raise ValueError(f"{name}: {arg}={v!r} must be " + ("a finite number > 0 or None" if arg == "max_norm"
+                                                                  else "a number > 0 (inf: the max norm)"))
     return (None if max_norm is None else float(max_norm)), float(norm_type)
 
 
