@@ -1,0 +1,316 @@
+"""``search="fast"``'s machinery: int8 layers of one converted model swapped back to float, as the model built with
+``set_module_name(L, None)`` computes them (split from ``mixed_precision.py``).
+
+A candidate is every int8 module of the converted model that the user's model names: weighted layers, and (since
+session 39) standalone BatchNorm / BNReLU, quantized activations (Hardswish, ELU, Sigmoid, ...) and eager
+``QFunctional`` (a ``FloatFunctional``'s adds). Graph mode's adds (``x + y``, ``ff.add``) become generated
+``qfunctional_N`` modules that no name of the user's model reaches, so no mapping could keep them float: they are
+not candidates (the exact search cannot name them either).
+
+Eager mode (``eager_twins``): the model built from the mapping runs a float layer ``L`` on its (dequantized) input
+and hands on float ``y = L(x̂)``; whatever reads it (a flatten, a view, an add, ``L`` itself called again, the
+model's return) sees ``y`` unrounded, and an int8 weighted layer ``M`` reading it quantizes it on the grid its input
+observer recorded *in that model*: ``q(y') = clamp(round(y' / s_M) + z_M)`` with ``(s_M, z_M)`` from ``M``'s input
+over calibration. The all-int8 model read ``M``'s input as a ``QTensor`` (no grid recorded), so the one calibration
+also records, per weighted layer, its input where it was a quantized one (``record_tagged_inputs``); that grid is
+given to every int8 layer with none (``give_input_grids``: the all-int8 model never uses it, its inputs are
+``QTensor``). Prepared modules compute the same float values whichever layers are float, so the grid is the one the
+built model records, exactly for a layer called once (a layer called several times, only some calls reading a float
+layer, records the union of its calls: an approximation). A float twin's output is then always float.
+
+Graph mode reads the graph instead (``_readers``): a float layer's output goes back onto its calibrated grid where
+an int8 consumer reads it, and stays float while every reader is a float layer too.
+
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> model = nn.Sequential(nn.Linear(4, 8), nn.Flatten(), nn.Linear(8, 2)).eval()
+>>> prepared = Q.prepare(model, Q.get_minmax_qconfig())
+>>> observers, handles = record_tagged_inputs(prepared)
+>>> _ = prepared(torch.randn(16, 4))
+>>> for h in handles:
+...     h.remove()
+>>> qmodel = Q.convert(prepared)
+>>> qmodel[2].input_grid is None                      # it reads layer 0's QTensor: no grid recorded
+True
+>>> give_input_grids(qmodel, observers)
+>>> qmodel[2].input_grid[0] == float(qmodel[0].scale)  # the grid it records when layer 0 is float
+True
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx, nn
+from tqdm.auto import tqdm
+
+from ..fake_quant.base import holds_grid
+from ..nn.quantized.functional_modules import QF_METHODS, FloatFunctional, QFunctional
+from ..nn.quantized.stubs import DeQuantize, Quantize
+from ..qscheme import as_qdtype
+from ..qtensor import QTensor
+from ..speed_guard import requant_grid, run_in_own_dtype
+from ..workflow.hooks import _tagged
+from ..workflow.propagate import join_name
+from .sensitivity import SensitivityRow, SensitivityTable, _quiet_float_fallback, _score, metric_drop
+from .sensitivity import warn_if_lower_is_better
+
+__all__ = ["keep_float_layers", "record_tagged_inputs", "give_input_grids"]
+
+
+def _dq(x: Any) -> Any:
+    return x.dequantize() if isinstance(x, QTensor) else x
+
+
+class _FloatTwin(nn.Module):
+    """A quantized layer's float form: float compute on its (dequantized) input, back on the layer's output
+    grid when it had one that int8 consumers read (``grid`` None: float output). ``keep`` is cleared while
+    every reader of the output is itself kept float (``_regrid``): the model built from the mapping does
+    not round between two float layers.
+
+    The output grid is a ``Quantize`` child (``requant``: scale and zero point are buffers), so it travels in
+    ``state_dict`` like every int8 layer's grid (a Python tuple stayed behind: a loaded checkpoint kept the
+    fresh model's grid). The float layer runs in its own parameters' dtype (a model moved with ``.double()`` /
+    ``.half()``) and gives back its input's dtype, as the int8 layers around it keep float32."""
+
+    def __init__(self, float_mod: nn.Module, qmod: nn.Module, float_out: bool) -> None:
+        super().__init__()
+        self.float_mod = float_mod
+        qdtype = getattr(qmod, "out_qdtype", None) or getattr(qmod, "qdtype", None)  # (BN, activations: qdtype)
+        float_out = float_out or type(qmod).__name__.endswith("FloatOut")
+        self.add_module("requant", None if float_out or qdtype is None or not hasattr(qmod, "scale")
+                        else Quantize(float(qmod.scale), int(qmod.zero_point), qdtype))
+        self.keep = True
+
+    @property
+    def grid(self) -> tuple[float, int, Any] | None:
+        """The output grid ``(scale, zero_point, qdtype)``, or None (float output)."""
+        return requant_grid(self.requant)
+
+    def forward(self, x: Any) -> Any:
+        y = run_in_own_dtype(self.float_mod, _dq(x))
+        return y if self.requant is None or not self.keep else self.requant(y)
+
+
+class _FunctionalTwin(nn.Module):
+    """An eager ``QFunctional`` kept float: the ``FloatFunctional`` method on dequantized operands, float out (what
+    the model built from the mapping runs: its ``FloatFunctional`` given ``QTensor`` operands)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.float_mod = FloatFunctional()
+
+    def forward(self, op: str, *args: Any) -> Any:
+        return getattr(self, op)(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in QF_METHODS:
+            method = getattr(self._modules["float_mod"], name)
+            return lambda *args: method(*(type(a)(_dq(t) for t in a) if isinstance(a, (list, tuple)) else _dq(a)
+                                          for a in args))
+        return super().__getattr__(name)
+
+
+def record_tagged_inputs(prepared: nn.Module) -> tuple[dict[str, nn.Module], list[Any]]:
+    """Eager mode: a fresh copy of every weighted layer's input observer, observing the calls whose input *is*
+    quantized (tagged) in ``prepared`` (the ones its own observer skips). ``({path: observer}, hook handles)``."""
+    found: dict[str, nn.Module] = {}
+    handles = []
+    for path, mod in prepared.named_modules():
+        inp = mod._modules.get("input_activation_post_process")
+        if inp is None:
+            continue
+        obs = found[path] = copy.deepcopy(inp)
+
+        def hook(_m: nn.Module, inputs: Any, obs: nn.Module = obs) -> None:
+            x = inputs[0] if inputs else None
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and _tagged(x):
+                obs(x.detach())
+        handles.append(mod.register_forward_pre_hook(hook, prepend=True))
+    return found, handles
+
+
+def give_input_grids(qmodel: nn.Module, observers: dict[str, nn.Module]) -> None:
+    """Every int8 layer of ``qmodel`` with no recorded input grid gets the one ``record_tagged_inputs`` saw."""
+    for path, obs in observers.items():
+        try:
+            q = qmodel.get_submodule(path)
+        except AttributeError:
+            continue
+        if hasattr(q, "input_grid") and q.input_grid is None and holds_grid(obs):
+            scale, zero_point = obs.calculate_qparams()
+            q.input_grid = (float(scale), int(zero_point), as_qdtype(obs.qdtype))
+
+
+def _set(root: nn.Module, path: str, mod: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, mod)
+
+
+def _node_of(qmodel: nn.Module, path: str) -> tuple[str, fx.GraphModule, list[fx.Node]] | None:
+    """The innermost graph holding the calls of module ``path``, and those nodes (a reused module: several)."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        gpath = ".".join(parts[:i])
+        gm = qmodel.get_submodule(gpath) if gpath else qmodel
+        if isinstance(gm, fx.GraphModule):
+            rel = ".".join(parts[i:])
+            nodes = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == rel]
+            return (gpath, gm, nodes) if nodes else None
+    return None
+
+
+def _readers(gm: fx.GraphModule, gpath: str, node: fx.Node, names: set[str]) -> tuple[set[str], bool]:
+    """The candidate modules (paths in ``names``) that read ``node``'s value through grid-sharing ops (zero pads,
+    flatten, ...), and whether anything else reads it (``x.shape`` reads do not count)."""
+    from ..fx.patterns import is_share_op
+
+    mods, other, todo, seen = set(), False, list(node.users), set()
+    while todo:
+        u = todo.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        mod = gm.get_submodule(str(u.target)) if u.op == "call_module" else None
+        if (u.op == "call_function" and (u.target is len or (u.target is getattr and u.args[1] in ("shape", "device")))) \
+                or (u.op == "call_method" and u.target in ("size", "dim", "numel")):
+            continue
+        if mod is not None and join_name(gpath, str(u.target)) in names:
+            mods.add(join_name(gpath, str(u.target)))
+        elif u.op != "output" and not isinstance(mod, (Quantize, DeQuantize)) and is_share_op(u, mod):
+            todo.extend(u.users)
+        else:
+            other = True
+    return mods, other
+
+
+def _candidates(base_mods: dict[str, nn.Module], prep_mods: dict[str, nn.Module], qmodel: nn.Module) -> list[str]:
+    """Paths of ``qmodel``'s int8 modules a mapping can keep float: weighted layers, and the other int8 modules the
+    user's model names (BN, activations, eager ``QFunctional``); stubs, dynamic layers and graph mode's generated
+    ``qfunctional_N`` are not."""
+    out = []
+    for path, qmod in qmodel.named_modules():
+        mod_name = type(qmod).__module__
+        if not mod_name.startswith("lowbit.nn.quantized") or ".dynamic" in mod_name or path not in prep_mods:
+            continue
+        if isinstance(qmod, (Quantize, DeQuantize, FloatFunctional)) or isinstance(qmod, fx.GraphModule):
+            continue
+        if callable(getattr(qmod, "weight", None)) or path in base_mods:
+            out.append(path)
+    return out
+
+
+def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool = False
+           ) -> tuple[dict[str, list[tuple[str, nn.Module]]], dict[str, tuple[_FloatTwin, set[str]]]]:
+    """``{layer name: [(path in qmodel, float replacement), ...]}`` for every candidate (``_candidates``), and
+    ``{layer name: (its float twin, the layers that alone read its output)}`` for ``_regrid``. ``eager``: float twins
+    output float (``give_input_grids`` gives their int8 readers the grid the built model records)."""
+    out: dict[str, list[tuple[str, nn.Module]]] = {}
+    readers: dict[str, tuple[_FloatTwin, set[str], bool]] = {}
+    base_mods = dict(base.named_modules())
+    prep_mods = dict(prepared.named_modules())
+    paths = _candidates(base_mods, prep_mods, qmodel)
+    names = set(paths)
+    for path in paths:
+        qmod = qmodel.get_submodule(path)
+        parent, _, last = path.rpartition(".")
+        if last == "module" and parent in base_mods and type(base_mods[parent]) is type(prep_mods[path]):
+            out[parent] = [(parent, copy.deepcopy(base_mods[parent]))]  # a one-layer graph: the float module
+            continue
+        if isinstance(qmod, QFunctional):
+            if eager:  # (graph mode's QFunctional are generated: never a candidate)
+                out[path] = [(path, _FunctionalTwin())]
+            continue
+        found = None if eager else _node_of(qmodel, path)
+        swaps: list[tuple[str, nn.Module]] = []
+        float_out = eager
+        mods: set[str] = set()
+        other = True
+        if found is not None:  # the layer's own input Quantize goes too: a float layer reads float
+            gpath, gm, nodes = found
+            float_out, other = True, False
+            for node in nodes:  # (a reused module: its twin serves every call)
+                arg = node.args[0] if node.args else None
+                if isinstance(arg, fx.Node) and arg.op == "call_module" and len(arg.users) == 1 and \
+                        isinstance(gm.get_submodule(arg.target), Quantize):
+                    swaps.append((join_name(gpath, str(arg.target)), nn.Identity()))
+                float_out = float_out and bool(node.users) and all(
+                    u.op == "call_module" and isinstance(gm.get_submodule(u.target), DeQuantize) for u in node.users)
+                m, o = _readers(gm, gpath, node, names)
+                mods, other = mods | m, other or o
+        twin = _FloatTwin(copy.deepcopy(prep_mods[path]), qmod, float_out)
+        swaps.append((path, twin))
+        out[path] = swaps
+        readers[path] = (twin, mods, other)
+    # a twin may drop its grid only when every reader is a layer that has a float twin too
+    twins = {name: (twin, mods) for name, (twin, mods, other) in readers.items()
+             if not other and mods and all(m in readers for m in mods)}
+    return out, twins
+
+
+def _regrid(twins: dict[str, tuple[_FloatTwin, set[str]]], floats: set[str]) -> None:
+    """A float layer whose every reader is float too outputs float (no rounding between float layers)."""
+    for name, (twin, mods) in twins.items():
+        twin.keep = not (name in floats and mods <= floats)
+
+
+def _apply(qmodel: nn.Module, swaps: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Put the replacements in; return what to put back."""
+    undo = [(path, qmodel.get_submodule(path)) for path, _ in swaps]
+    for path, mod in swaps:
+        _set(qmodel, path, mod)
+    return undo
+
+
+def _search(qmodel: nn.Module, swaps: dict[str, list[tuple[str, nn.Module]]],
+            twins: dict[str, tuple[_FloatTwin, set[str]]], eval_fn: Callable[[nn.Module], Any], baseline: float,
+            tolerance: float | None, max_float_layers: int | None, progress: bool, who: str) -> SensitivityTable:
+    """Rank (one layer float each) and walk greedily; ``qmodel`` is left with the chosen layers swapped in."""
+    table = SensitivityTable(baseline, tolerance=tolerance, view="float")
+    metric = table.all_quantized_metric = _score(eval_fn, qmodel, "the fully quantized model", who)
+    rows = []
+    for name, sw in tqdm(swaps.items(), desc=f"{who}: rank (one layer float)", disable=not progress, leave=False):
+        undo = _apply(qmodel, sw)
+        m = _score(eval_fn, qmodel, f"the model with '{name}' float", who)
+        _apply(qmodel, undo)
+        rows.append(SensitivityRow(name, type(undo[-1][1]).__name__, m, metric_drop(baseline, m)))
+    rows.sort(key=lambda r: -r.metric)  # not by drop: an infinite baseline (SQNR vs float) makes every drop inf
+    warn_if_lower_is_better(baseline, [metric, *(r.metric for r in rows)], who)
+    table.rows = rows
+    budget = len(rows) if max_float_layers is None else max_float_layers
+    limit = -math.inf if tolerance is None else tolerance
+    for row in tqdm(rows, desc=f"{who}: greedy", disable=not progress, leave=False):
+        if (metric_drop(baseline, metric) <= limit or len(table.float_layers) >= budget
+                or row.metric <= table.all_quantized_metric):
+            break
+        undo = _apply(qmodel, swaps[row.name])
+        _regrid(twins, {*table.float_layers, row.name})
+        m = _score(eval_fn, qmodel, f"the model with {[*table.float_layers, row.name]} float", who)
+        if m > metric:
+            metric = m
+            table.float_layers.append(row.name)
+        else:
+            _apply(qmodel, undo)
+            _regrid(twins, set(table.float_layers))
+    table.final_metric = metric
+    return table
+
+
+def keep_float_layers(float_model: nn.Module, prepared: nn.Module, qmodel: nn.Module,
+                      eval_fn: Callable[[nn.Module], Any], max_float_layers: int, *, progress: bool = True,
+                      who: str = "keep_float_layers") -> SensitivityTable:
+    """Swap up to ``max_float_layers`` int8 layers of the converted ``qmodel`` back to float, in place, picked as
+    ``search="fast"`` picks them (ranked by ``eval_fn`` with only that layer float, then greedily while the
+    metric improves). ``prepared`` is the calibrated model ``qmodel`` came from (its modules give the float
+    twins), ``float_model`` the float original. Every other layer stays on the int8 kernels.
+    """
+    with _quiet_float_fallback(), torch.no_grad():
+        baseline = _score(eval_fn, float_model, "the float model", who)
+        swaps, twins = _swaps(float_model, prepared, qmodel)
+        if not swaps:
+            return SensitivityTable(baseline, view="float")
+        return _search(qmodel, swaps, twins, eval_fn, baseline, None, max_float_layers, progress, who)
