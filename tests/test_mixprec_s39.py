@@ -8,6 +8,7 @@ head), and the non-weighted int8 layers (standalone BN, activations, eager ``QFu
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -149,3 +150,76 @@ def test_fast_search_considers_standalone_bn_activations_and_qfunctional(mode):
     assert fast.float_layers == ["bn"] or mode == "fx"  # the exact search's "only this int8" ranking picks 'c'
     assert fast.final_metric == pytest.approx(_built_score(model, fast.float_layers, x, score, mode), rel=1e-6)
     assert fast.final_metric >= exact.final_metric
+
+
+# ---------------------------------------------------------------- a BN folded with a broken running_var
+
+
+def _conv_bn(var: float, eps: float) -> nn.Module:
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, eps=eps), nn.ReLU()).eval()
+    m[1].running_var[2] = var
+    return m
+
+
+@pytest.mark.parametrize("var, eps, shown", [(float("nan"), 1e-5, "nan"), (0.0, 0.0, "inf")])
+def test_a_bn_fold_names_running_var_channel(var, eps, shown):
+    """Before: convert / convert_fx refused "ConvReLU2d.from_float: the bias holds NaN/Inf values" of the fused conv
+    (and quantize_ptq, zero variance with eps=0: "MSEObserver: channels [2] never held a finite value")."""
+    x = torch.randn(2, 3, 6, 6)
+    msg = rf"running_var\[2\] = {var} makes 1/sqrt\(running_var \+ eps\) = {shown}"
+    with pytest.raises(ValueError, match=msg):
+        Q.fuse_modules(_conv_bn(var, eps), [["0", "1", "2"]])
+    with pytest.raises(ValueError, match=msg):
+        Q.prepare_fx(_conv_bn(var, eps), Q.get_minmax_qconfig(), example_inputs=(x,))
+    if var == 0.0:  # (a NaN buffer is named by quantize_ptq's own check of the model, first)
+        with pytest.raises(ValueError, match=msg):
+            Q.quantize_ptq(_conv_bn(var, eps), [x], progress=False)
+    with pytest.raises(ValueError, match=msg):  # QAT conv-BN folded at convert
+        p = Q.prepare_qat(Q.fuse_modules_qat(_conv_bn(1.0, eps).train(), [["0", "1", "2"]]), Q.get_default_qat_qconfig())
+        p.eval()
+        p(x)
+        with torch.no_grad():
+            p[0].bn.running_var[2] = var
+        Q.convert(p)
+
+
+# ---------------------------------------------------------------- hostile inputs
+
+
+def _mlp():
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    x = torch.randn(16, 4)
+    return m, x, _case(m, x)
+
+
+@pytest.mark.parametrize("search", ["exact", "fast"])
+def test_hostile_mixed_precision_inputs(search):
+    m, x, score = _mlp()
+
+    def amp(calib=x, fn=score, model=m, **kw):
+        return auto_mixed_precision(model, Q.get_minmax_qconfig(), calib, fn, progress=False, search=search, **kw)
+
+    assert amp(max_float_layers=0)[1].float_layers == []
+    _, table = amp(max_float_layers=99)  # more than there are layers: every helpful one, no error
+    assert sorted(table.float_layers) == ["0", "2"]
+    for bad in (-1, float("nan"), 1.5, True):
+        with pytest.raises(ValueError, match=rf"max_float_layers={bad!r} must be an int >= 0"):
+            amp(max_float_layers=bad)
+    for bad in (float("nan"), -1.0, math.inf):
+        with pytest.raises(ValueError, match=rf"tolerance={bad!r} must be a finite number >= 0"):
+            amp(tolerance=bad)
+    with pytest.raises(TypeError, match=r"^auto_mixed_precision: eval_fn must return a real number .*got a tensor "
+                                        r"of shape \(16, 2\) for the float model$"):
+        amp(max_float_layers=1, fn=lambda q: q(x))  # (was the tensor's values: a multi-line message)
+    assert amp(max_float_layers=1, fn=lambda q: torch.tensor(score(q)))[1].float_layers == ["0"]
+    with pytest.raises(ZeroDivisionError) as err:  # the user's own error, with a note naming the candidate
+        amp(max_float_layers=1, fn=lambda q: 1 / 0)
+    assert "raised by eval_fn on the float model" in "".join(getattr(err.value, "__notes__", []))
+    with pytest.raises(ValueError, match=r"^auto_mixed_precision: calib: inputs is empty"):
+        amp(calib=[], max_float_layers=1)
+    with pytest.raises(ValueError, match=r"^auto_mixed_precision: calib batch 0 holds an empty tensor"):
+        amp(calib=[x[:0]], max_float_layers=1)
+    with pytest.raises(ValueError, match=r"^auto_mixed_precision: .*quantizes? no"):  # (exact: said "sensitivity:")
+        amp(model=nn.Sequential(nn.ReLU()).eval(), fn=lambda q: 0.0, max_float_layers=1)
+    with pytest.warns(UserWarning, match=r"eval_fn must be higher is better"):  # a loss: lower is better
+        amp(fn=lambda q: -score(q), max_float_layers=1)

@@ -119,8 +119,9 @@ def _score(eval_fn: Callable[[nn.Module], Any], model: nn.Module, what: str, who
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(float(value)):
-        raise TypeError(f"{who}: eval_fn must return a real number (higher is better), got {value!r} "
-                        f"for {what}")
+        got = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)  # (not its values: one line)
+               else repr(value) if len(repr(value)) <= 80 else f"a {type(value).__name__}")
+        raise TypeError(f"{who}: eval_fn must return a real number (higher is better), got {got} for {what}")
     return float(value)
 
 
@@ -307,7 +308,7 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
     base = _fused(model, fuse, method)
     layers = _layers(base, user_mapping, method)
     if not layers:
-        raise ValueError(f"sensitivity: qconfig_mapping quantizes no layer of the model for method={method!r} "
+        raise ValueError(f"{who}: qconfig_mapping quantizes no layer of the model for method={method!r} "
                          "(every quantizable module resolves to None)")
 
     if method == "fx" and example_inputs is None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["fold_bn_weights", "bn_scale"]
+__all__ = ["fold_bn_weights", "bn_scale", "check_bn_statistics"]
 
 
 def bn_scale(bn: nn.modules.batchnorm._BatchNorm) -> torch.Tensor:
@@ -38,16 +38,37 @@ def bn_scale(bn: nn.modules.batchnorm._BatchNorm) -> torch.Tensor:
     return (bn.weight if bn.weight is not None else torch.ones_like(std)) / std
 
 
+def check_bn_statistics(bn: nn.modules.batchnorm._BatchNorm, s: torch.Tensor) -> None:
+    """``ValueError`` naming the first channel whose fold is not finite: ``running_var[c]`` (NaN / Inf, or
+    ``running_var[c] + eps <= 0``: a zero variance with ``eps=0`` divides by zero), else ``running_mean[c]``, the
+    BN's ``weight[c]`` / ``bias[c]``. (Before, the fold went through and convert refused "the bias holds NaN/Inf
+    values" of the fused conv, a parameter the user never wrote.)"""
+    checks = [("running_var", bn.running_var, s)]
+    checks += [(name, t, t) for name, t in (("running_mean", bn.running_mean), ("weight", bn.weight),
+                                             ("bias", bn.bias)) if t is not None]
+    for name, t, v in checks:
+        bad = ~torch.isfinite(v.detach())
+        if bool(bad.any()):
+            c = int(bad.nonzero()[0, 0])
+            raise ValueError(f"cannot fold {type(bn).__name__}({s.numel()}, eps={bn.eps}) into the layer before it: "
+                             f"{name}[{c}] = {float(t[c])}"
+                             + (f" makes 1/sqrt(running_var + eps) = {float(v[c])}" if t is not v else " is not finite")
+                             + "; fix its statistics (recalibrate) or leave the BN unfused")
+
+
 def fold_bn_weights(
     weight: torch.Tensor, bias: torch.Tensor | None, bn: nn.modules.batchnorm._BatchNorm, transpose: bool = False,
-    groups: int = 1,
+    groups: int = 1, check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(W', b')`` of the layer ``bn(layer(x))`` with ``bn`` in eval mode (see module doc).
 
     ``weight``: ``(C_out, ...)``, or ``(C_in, C_out/groups, ...)`` with ``transpose=True``, where
-    output channel ``g*(C_out/groups) + j`` owns the rows of group ``g`` at column ``j``.
+    output channel ``g*(C_out/groups) + j`` owns the rows of group ``g`` at column ``j``. ``check``: a non-finite
+    fold raises ``check_bn_statistics``'s error (``False``: a QAT step's live fold, unchecked).
     """
     s = bn_scale(bn)  # (C_out,)
+    if check:
+        check_bn_statistics(bn, s)
     c = weight.shape[1] * groups if transpose else weight.shape[0]
     if s.numel() != c:
         raise ValueError(f"cannot fold {type(bn).__name__}({s.numel()}) into a layer with {c} output channels")

@@ -167,7 +167,7 @@ class BnFoldedBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_rank(x)
         if self._bn_fold == "running_stats":  # lucid: the eval-mode fold, live in W, b, gamma, beta
-            w, b = fold_bn_weights(self.weight, self.bias, self.bn)  # (C, ...), (C,)
+            w, b = fold_bn_weights(self.weight, self.bias, self.bn, check=False)  # (C, ...), (C,)
             y = self._op(x, self.weight_fake_quant(w))  # (N, C, *spatial)
             y = y + b.reshape([1, -1] + [1] * (y.dim() - 2))
             return F.relu(y) if self._RELU else y
