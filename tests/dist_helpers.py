@@ -84,3 +84,13 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, pg_timeout_s: 
                     p.kill()
                     p.join()
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def error_of(fn: Callable[[], Any]) -> str:
+    """``"ExcType: message"`` of the ``ValueError`` / ``RuntimeError`` ``fn()`` raises, or ``"no error"`` (a rank's
+    outcome, picklable back to the test)."""
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -116,3 +116,41 @@ class ConvNet(nn.Module):
         a = torch.relu(self.conv1(x))
         b = self.conv2(a) + a
         return self.fc(torch.flatten(torch.nn.functional.max_pool2d(b, 2), 1))
+
+
+def ao_x86(fn: Any) -> Any:
+    """``fn()`` on torch.ao's x86 engine with its deprecation notices silenced; the previous engine comes back."""
+    import warnings
+
+    prev = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "x86"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao's deprecation notices
+            return fn()
+    finally:
+        torch.backends.quantized.engine = prev
+
+
+class Fn(nn.Module):
+    """A function as a module (a graph-mode op between layers)."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+class UNet(nn.Module):
+    """conv → strided conv → ``up`` (an upsample) → cat with the skip → conv, ``width`` channels inside."""
+
+    def __init__(self, up: nn.Module, width: int = 4) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, width, 3, padding=1), nn.Conv2d(width, width, 3, stride=2, padding=1)
+        self.up, self.c3 = up, nn.Conv2d(2 * width, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.c1(x)
+        return self.c3(torch.cat([a, self.up(self.c2(a))], 1))

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowbit as Q
-from helpers import one_thread  # noqa: F401  (autouse: one thread)
+import helpers
+from helpers import Fn, one_thread  # noqa: F401  (autouse: one thread)
 from lowbit.nn.quantized.stubs import DeQuantize, Quantize
 from lowbit.qtensor.resample import bilinear_codes
 from lowbit.reference.fx import convert_to_reference_fx
@@ -141,26 +142,8 @@ def test_antialias_bicubic_stay_float_and_bad_arguments_are_torchs_errors():
         F.interpolate(qt, size=(3,), mode="bilinear")
 
 
-class _Fn(nn.Module):
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(x)
-
-
-class UNet(nn.Module):
-    """conv → strided conv → bilinear upsample → cat with the skip → conv."""
-
-    def __init__(self, up: nn.Module) -> None:
-        super().__init__()
-        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, stride=2, padding=1)
-        self.up, self.c3 = up, nn.Conv2d(16, 4, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.c1(x)
-        return self.c3(torch.cat([a, self.up(self.c2(a))], 1))
+def UNet(up: nn.Module) -> nn.Module:
+    return helpers.UNet(up, width=8)
 
 
 def _q_dq(gm: nn.Module) -> tuple[int, int]:
@@ -191,9 +174,9 @@ def _lowbit_convert(model: nn.Module, x: torch.Tensor) -> tuple[nn.Module, nn.Mo
 
 
 UPS = {
-    "F.interpolate": _Fn(lambda t: F.interpolate(t, scale_factor=2, mode="bilinear")),
-    "F.interpolate-size-align": _Fn(lambda t: F.interpolate(t, size=(12, 12), mode="bilinear", align_corners=True)),
-    "F.upsample_bilinear": _Fn(lambda t: F.upsample_bilinear(t, scale_factor=2)),
+    "F.interpolate": Fn(lambda t: F.interpolate(t, scale_factor=2, mode="bilinear")),
+    "F.interpolate-size-align": Fn(lambda t: F.interpolate(t, size=(12, 12), mode="bilinear", align_corners=True)),
+    "F.upsample_bilinear": Fn(lambda t: F.upsample_bilinear(t, scale_factor=2)),
     "Upsample": nn.Upsample(scale_factor=2, mode="bilinear"),
     "UpsamplingBilinear2d": nn.UpsamplingBilinear2d(scale_factor=2),
 }

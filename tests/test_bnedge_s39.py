@@ -16,14 +16,13 @@ Oracles: torch.ao's ``convert`` / ``convert_fx`` (x86 engine, 7-bit activations)
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import lowbit as Q
-from helpers import one_thread  # noqa: F401  (autouse: one thread)
+from helpers import ao_x86, one_thread  # noqa: F401  (autouse: one thread)
 from lowbit import kernels
 from lowbit.debug import compare, layer_sensitivity
 from lowbit.nn.quantized import normalization as qn
@@ -34,15 +33,7 @@ tqfx = pytest.importorskip("torch.ao.quantization.quantize_fx")
 X = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
 
 
-def _ao(fn):
-    prev = torch.backends.quantized.engine
-    torch.backends.quantized.engine = "x86"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.ao's deprecation notices
-            return fn()
-    finally:
-        torch.backends.quantized.engine = prev
+_ao = ao_x86
 
 
 def _ao_qat():

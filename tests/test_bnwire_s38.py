@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import lowbit as Q
-from helpers import one_thread  # noqa: F401  (autouse: one thread)
+from helpers import ao_x86, one_thread  # noqa: F401  (autouse: one thread)
 from lowbit import kernels
 from lowbit.nn.quantized import normalization as qn
 from lowbit.nn.quantized.functional_modules import FloatFunctional
@@ -88,15 +88,7 @@ def _qconfig() -> Q.QConfig:  # lowbit's twin of _ao_qconfig
                      weight=Q.PerChannelMinMaxObserver.with_args(qdtype=Q.qint8, qscheme="per_channel_symmetric"))
 
 
-def _ao(fn):
-    prev = torch.backends.quantized.engine
-    torch.backends.quantized.engine = "x86"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.ao's deprecation notices
-            return fn()
-    finally:
-        torch.backends.quantized.engine = prev
+_ao = ao_x86
 
 
 def _q_dq(gm: nn.Module) -> tuple[int, int]:

@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import needs_gloo, run_ranks
+from dist_helpers import error_of, needs_gloo, run_ranks
 
 import lowbit as Q
 from lowbit.observer import distributed as D
@@ -150,14 +150,6 @@ def prepared(rank: int) -> torch.nn.Module:
     m = Q.prepare(Q.QuantWrapper(torch.nn.Sequential(*layers)).eval(), Q.get_default_qconfig())
     m(x(rank, 0))
     return m
-
-
-def error_of(fn) -> str:  # type: ignore[no-untyped-def]
-    try:
-        fn()
-    except (ValueError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def structure_worker(rank: int) -> dict[str, object]:

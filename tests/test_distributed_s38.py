@@ -19,7 +19,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import needs_gloo, run_ranks
+from dist_helpers import error_of, needs_gloo, run_ranks
 
 import lowbit as Q
 
@@ -30,14 +30,6 @@ TIMEOUT_S = 20
 
 def x(rank: int, i: int) -> torch.Tensor:
     return torch.randn(16, 6, generator=torch.Generator().manual_seed(10 * rank + i)) * (1 + rank) + 0.3 * rank
-
-
-def error_of(fn) -> str:  # type: ignore[no-untyped-def]
-    try:
-        fn()
-    except (ValueError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 MISMATCHED = {  # reduced into silently different (or unrelated) statistics

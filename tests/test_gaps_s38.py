@@ -18,32 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowbit as Q
-from helpers import one_thread  # noqa: F401  (autouse: one thread)
+from helpers import Fn, UNet, one_thread  # noqa: F401  (autouse: one thread)
 from lowbit import kernels
 from lowbit.nn.quantized.stubs import DeQuantize, Quantize
 from lowbit.reference.fx import convert_to_reference_fx
-
-
-class _Fn(nn.Module):
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(x)
-
-
-class UNet(nn.Module):
-    """conv → strided conv → upsample → cat with the skip → conv."""
-
-    def __init__(self, up: nn.Module) -> None:
-        super().__init__()
-        self.c1, self.c2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, stride=2, padding=1)
-        self.up, self.c3 = up, nn.Conv2d(8, 4, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.c1(x)
-        return self.c3(torch.cat([a, self.up(self.c2(a))], 1))
 
 
 class Between(nn.Module):
@@ -80,10 +58,10 @@ UPSAMPLES = {
     "Upsample-nearest": nn.Upsample(scale_factor=2, mode="nearest"),
     "Upsample-size-nearest-exact": nn.Upsample(size=(8, 8), mode="nearest-exact"),
     "UpsamplingNearest2d": nn.UpsamplingNearest2d(scale_factor=2),
-    "F.interpolate": _Fn(lambda t: F.interpolate(t, scale_factor=2)),
-    "F.interpolate-nearest-exact": _Fn(lambda t: F.interpolate(t, None, 2.0, "nearest-exact")),
-    "F.interpolate-size-kw": _Fn(lambda t: F.interpolate(t, size=(8, 8), mode="nearest")),
-    "F.upsample_nearest": _Fn(lambda t: F.upsample_nearest(t, scale_factor=2)),
+    "F.interpolate": Fn(lambda t: F.interpolate(t, scale_factor=2)),
+    "F.interpolate-nearest-exact": Fn(lambda t: F.interpolate(t, None, 2.0, "nearest-exact")),
+    "F.interpolate-size-kw": Fn(lambda t: F.interpolate(t, size=(8, 8), mode="nearest")),
+    "F.upsample_nearest": Fn(lambda t: F.upsample_nearest(t, scale_factor=2)),
 }
 
 
@@ -99,8 +77,8 @@ def test_nearest_upsampling_runs_on_the_codes(name):
     assert not q.lowbit_report.left_float
 
 
-@pytest.mark.parametrize("up", [_Fn(lambda t: F.interpolate(t, scale_factor=2, mode="bilinear", antialias=True)),
-                                _Fn(lambda t: F.interpolate(t, scale_factor=2, mode="bicubic"))],
+@pytest.mark.parametrize("up", [Fn(lambda t: F.interpolate(t, scale_factor=2, mode="bilinear", antialias=True)),
+                                Fn(lambda t: F.interpolate(t, scale_factor=2, mode="bicubic"))],
                          ids=["F.interpolate-bilinear-antialias", "F.interpolate-bicubic"])
 def test_averaging_upsampling_stays_float(up):
     """Bicubic and antialiased bilinear interpolation (no quantized kernel, torch's neither): still float and reported
