@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -67,16 +68,22 @@ def _case(model, x):
     return score
 
 
-def test_eager_fast_scores_equal_the_models_built_with_the_layer_float():
-    """Before: 'b' (read through an add) -2.61e-5 against -1.47e-5 built, 'r' (reused) -2.13e-5 / -1.61e-5, 'head'
-    (its output averaged) -3.50e-5 / -2.45e-5; the search kept ['r', 'a'] (-1.83e-5, the built model -1.23e-5) where
-    the exact search keeps ['r', 'b'] (-3.49e-6)."""
+def _read_through_case() -> tuple[nn.Module, torch.Tensor, Any]:
+    """``_ReadThroughOps`` with one outlier input and one wide filter of ``b`` (so its rounding costs), its inputs and
+    its score."""
     model = _ReadThroughOps().eval()
     x = torch.randn(32, 3, 4, 4)
     x[0, 0, 0, 0] = 30.0
     with torch.no_grad():
         model.b.weight[0] *= 10
-    score = _case(model, x)
+    return model, x, _case(model, x)
+
+
+def test_eager_fast_scores_equal_the_models_built_with_the_layer_float():
+    """Before: 'b' (read through an add) -2.61e-5 against -1.47e-5 built, 'r' (reused) -2.13e-5 / -1.61e-5, 'head'
+    (its output averaged) -3.50e-5 / -2.45e-5; the search kept ['r', 'a'] (-1.83e-5, the built model -1.23e-5) where
+    the exact search keeps ['r', 'b'] (-3.49e-6)."""
+    model, x, score = _read_through_case()
     with kernels.use_backend("reference"):
         mapping, fast = auto_mixed_precision(model, Q.get_minmax_qconfig(), x, score, max_float_layers=2,
                                              search="fast", progress=False)
@@ -100,12 +107,7 @@ def test_graph_fast_final_metric_is_the_built_models_with_a_reused_layer():
     """Graph mode, same model: the reused 'r' had only its first call's input Quantize removed; the walk kept
     ['a', 'r'] reporting -1.22e-5 where the model built from the mapping scores -7.13e-6. Now the reported final
     metric is the built model's (a reused layer's own ranking score remains approximate: one twin serves both calls)."""
-    model = _ReadThroughOps().eval()
-    x = torch.randn(32, 3, 4, 4)
-    x[0, 0, 0, 0] = 30.0
-    with torch.no_grad():
-        model.b.weight[0] *= 10
-    score = _case(model, x)
+    model, x, score = _read_through_case()
     with kernels.use_backend("reference"):
         _, fast = auto_mixed_precision(model, Q.get_minmax_qconfig(), x, score, max_float_layers=2, mode="fx",
                                        search="fast", progress=False)
