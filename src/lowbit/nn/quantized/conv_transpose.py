@@ -37,6 +37,18 @@ from .conv import check_channels, ntuple
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
 
 
+def _concrete(v: Any, bound: int) -> int:
+    """An output padding ``0 <= v < bound`` as a Python int. Traced with a dynamic spatial size (``torch.compile``
+    after a second image size or ``dynamic=True``, ``torch.export`` with a spatial ``Dim``), torch's rule gives a
+    ``SymInt`` (``output_size`` minus a function of the input's size), which the conv's op cannot take (its geometry
+    is a string): compared with each candidate, the value it equals becomes a guard (compile: one graph per value;
+    export: the program checks it, or refuses a ``Dim`` range with several values, as for any specialisation)."""
+    for i in range(bound):  # (not isinstance(v, int): dynamo answers True for a SymInt)
+        if v == i:
+            return i
+    raise ValueError(f"output padding {v} must lie in [0, {bound})")  # (torch's rule checked the range before)
+
+
 class _ConvTransposeNd(WeightedQuantModule):
     _dim = 2
     _float_type: type[nn.Module] = nn.ConvTranspose2d
@@ -89,6 +101,7 @@ class _ConvTransposeNd(WeightedQuantModule):
             pad = nn.ConvTranspose1d._output_padding(self, codes, list(output_size), list(self.stride),
                                                      list(self.padding), list(self.kernel_size), self._dim,
                                                      list(self.dilation))
+            pad = [_concrete(v, max(st, dl)) for v, st, dl in zip(pad, self.stride, self.dilation)]
             spec = ConvSpec(self._dim, self.stride, self.padding, self.dilation, self.groups, True, tuple(pad))
         y = kernels.conv(qx, weight, self.bias, spec, out, False, self._cache if spec is self._spec else {})
         assert isinstance(y, QTensor)
