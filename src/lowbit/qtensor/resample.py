@@ -46,8 +46,9 @@ __all__ = ["bilinear_codes", "bilinear_args", "interpolate_bilinear"]
 
 
 def _f32(v: float, device: torch.device) -> torch.Tensor:
-    """``v`` rounded to float32, as a 0-d tensor (no host read: torch.compile traces it as a constant)."""
-    return torch.tensor(v, dtype=torch.float32, device=device)
+    """``v`` rounded to float32, as a 0-d tensor (no host read: torch.compile traces it as a constant; a traced size,
+    a ``SymInt``, stays symbolic where ``torch.tensor`` would specialise it)."""
+    return torch.full((), v, dtype=torch.float32, device=device)
 
 
 def bilinear_args(shape: Sequence[int], size: Any, scale_factor: Any,
@@ -57,19 +58,30 @@ def bilinear_args(shape: Sequence[int], size: Any, scale_factor: Any,
     spatial = list(shape[2:])
     if size is not None:
         out = list(size) if isinstance(size, (list, tuple)) else [size] * 2
-        return [int(o) for o in out], [None, None]
+        return [o if isinstance(o, torch.SymInt) else int(o) for o in out], [None, None]
     sf = list(scale_factor) if isinstance(scale_factor, (list, tuple)) else [scale_factor] * 2
-    out = [math.floor(float(n) * float(f)) for n, f in zip(spatial, sf)]
+    # (n * f, not float(n) * f: the same double for an int n; a traced SymInt n stays symbolic, float() specialises it)
+    out = [math.floor(n * float(f)) for n, f in zip(spatial, sf)]
     return out, ([None, None] if recompute_scale_factor else [float(f) for f in sf])
 
 
-def _axis(n: int, m: int, align_corners: bool, scale: float | None,
-          device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(i0, i1, λ0, λ1)`` of one axis: torch's ``area_pixel_compute_scale`` / ``_source_index`` in float32."""
+def _axis(n: int, m: int, align_corners: bool, scale: float | None, device: torch.device,
+          same: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(i0, i1, λ0, λ1)`` of one axis: torch's ``area_pixel_compute_scale`` / ``_source_index`` in float32.
+
+    ``same`` (traced symbolic sizes: a 0-d bool tensor, "the output size equals the input's on both axes"): torch's
+    copy shortcut as the ratio 1, which samples every code exactly (``t = i``, ``λ1 = 0``), instead of a Python
+    comparison of the sizes, which ``torch.export`` would turn into a guard on a dynamic dim."""
     if align_corners:  # (float32 divisions of the sizes, as torch's; 1 / scale in float64, then rounded)
-        r = _f32(n - 1, device) / _f32(m - 1, device) if m > 1 else _f32(0.0, device)
+        if same is None:
+            r = _f32(n - 1, device) / _f32(m - 1, device) if m > 1 else _f32(0.0, device)
+        else:  # (m > 1 as a tensor: no guard; the 0 / 0 of m = 1 is not selected)
+            mt = _f32(m, device)
+            r = torch.where(mt > 1, _f32(n - 1, device) / (mt - 1), _f32(0.0, device))
     else:
         r = _f32(1.0 / scale, device) if scale is not None and scale > 0 else _f32(n, device) / _f32(m, device)
+        if same is not None and scale is not None:
+            r = torch.where(same, _f32(1.0, device), r)
     d = torch.arange(m, dtype=torch.float32, device=device)
     t = d * r if align_corners else ((d + 0.5) * r - 0.5).clamp_min(0.0)
     i0 = t.to(torch.int64)
@@ -86,10 +98,13 @@ def bilinear_codes(q: torch.Tensor, zero_point: torch.Tensor, quant_min: int, qu
     memory format as ``q``."""
     (h, w), (oh, ow) = q.shape[-2:], out_size
     channels_last = q.is_contiguous(memory_format=torch.channels_last)
-    if (oh, ow) == (h, w):
+    same = None
+    if any(isinstance(v, torch.SymInt) for v in (h, w, oh, ow)):  # (torch.export: dynamic spatial dims)
+        same = (_f32(h, q.device) == _f32(oh, q.device)) & (_f32(w, q.device) == _f32(ow, q.device))
+    elif (oh, ow) == (h, w):
         return q.clone(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    h0, h1, hl0, hl1 = _axis(h, oh, align_corners, scales[0], q.device)
-    w0, w1, wl0, wl1 = _axis(w, ow, align_corners, scales[1], q.device)
+    h0, h1, hl0, hl1 = _axis(h, oh, align_corners, scales[0], q.device, same)
+    w0, w1, wl0, wl1 = _axis(w, ow, align_corners, scales[1], q.device, same)
     hl0, hl1 = hl0[:, None], hl1[:, None]
     p = q.to(torch.float32)
     top, bottom = p.index_select(-2, h0), p.index_select(-2, h1)
