@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fake_quant import LearnableFakeQuantize
 from ..functional import fake_quantize
 from ..kernels.onednn import saturation_safe
 from ..qscheme import QDtype
@@ -47,7 +46,6 @@ __all__ = [
     "ConstWeight",
     "DynamicQDQ",
     "EmbeddingTwin",
-    "FrozenWeightTwin",
     "FunctionalTwin",
     "Grid",
     "WeightedTwin",
@@ -356,45 +354,3 @@ class ConstWeight(nn.Module):
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         assert self.dq is not None
         return _ConstDQFn.apply(w, self.dq.codes, self.dq.scale, self.dq.zero_point, self.dq.axis)
-
-
-def fake_quant_grid(fq: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(scale, zero_point)`` a ``FakeQuantize``'s forward applies: the buffers, or for LSQ the
-    learned grid (scale clamped to eps, zero point rounded), which its parameters only approximate."""
-    if isinstance(fq, LearnableFakeQuantize):
-        return fq.calculate_qparams()
-    return fq.scale.detach(), fq.zero_point.detach()
-
-
-class FrozenWeightTwin(ConstWeight):
-    """Twin of a QAT ``weight_fake_quant``: the first weight it sees is frozen into integer codes.
-
-    The input is ignored afterwards (in the ONNX graph the float weight and its fake-quant vanish;
-    only the codes and a DequantizeLinear remain).
-    """
-
-    def __init__(self, fq: Any, weight_dtype: str) -> None:
-        super().__init__()
-        scale, zero_point = fake_quant_grid(fq)
-        if getattr(getattr(fq, "qscheme", None), "has_float_zero_point", False):
-            raise ValueError("to_onnx: a QAT weight fake-quant with float zero points (per_channel_affine_float_qparams) "
-                             "cannot become an ONNX DequantizeLinear; train with get_embedding_qat_qconfig() "
-                             "(integer zero points) to export")
-        self.scale, self.zero_point = scale.clone(), zero_point.clone()
-        self.axis, self.qdtype, self.weight_dtype = fq.ch_axis, fq.qdtype, weight_dtype
-
-    def forward(self, w: torch.Tensor) -> torch.Tensor:
-        if self.dq is None:
-            axis = 0 if self.axis is None else self.axis
-            n = w.shape[axis]
-            s, z = self.scale.reshape(-1).expand(n).cpu(), self.zero_point.reshape(-1).expand(n).cpu()
-            shape = [-1 if i == axis else 1 for i in range(w.dim())]
-            d = self.qdtype
-            v = fake_quantize(w.detach().cpu().float(), s, z, d.quant_min, d.quant_max, axis)  # as the QAT forward
-            q = torch.round(v / s.reshape(shape)) + z.reshape(shape)
-            storage = _storage(self.qdtype, "weight_fake_quant")
-            if storage == torch.int8:
-                self.dq = weight_dq(q.to(torch.int8), s, z, axis, self.weight_dtype)
-            else:
-                self.dq = ConstDQ(q.to(torch.uint8), s, z, axis)
-        return super().forward(w)

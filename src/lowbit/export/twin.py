@@ -51,7 +51,7 @@ from ..nn.quantized._utils import quantize_weight, weight_qparams
 from ..nn.quantized.normalization import BatchNorm2d as QBatchNorm2d
 from ..nn.quantized.normalization import BatchNorm3d as QBatchNorm3d
 from ..nn.quantized.functional_modules import QF_METHODS
-from ..observer import NoopObserver, ObserverBase, PlaceholderObserver
+from ..observer import ObserverBase
 from ..qscheme import quint8
 from ..qtensor import QTensor, quantize_per_tensor
 from ..reference import modules as ref_modules, ops as ref_ops
@@ -64,13 +64,12 @@ from .qdq import (
     ActivationTwin,
     ConstWeight,
     EmbeddingTwin,
-    FrozenWeightTwin,
     FunctionalTwin,
     Grid,
     WeightedTwin,
-    fake_quant_grid,
     weight_dq,
 )
+from .qat import activation_twin
 from .weight_only import WeightOnlyTwin
 
 __all__ = ["build_twin"]
@@ -176,40 +175,6 @@ def _float_layer(mod: nn.Module, path: str) -> nn.Module | None:
     if mp is not None and isinstance(mod, mp._FloatTwin):
         return FloatLayerTwin(mod.float_mod, mod.grid if mod.keep else None, path)
     return None
-
-
-class _Uncalibrated(nn.Module):
-    """Stands in for an observer without data: harmless until the traced forward reaches it."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__()
-        self.message = message
-
-    def forward(self, x: Any) -> Any:
-        raise RuntimeError(self.message)
-
-
-def _activation_twin(mod: nn.Module, path: str, name: str, weight_dtype: str) -> nn.Module | None:
-    """Twin of an observer or FakeQuantize (prepared / QAT models), or None for other modules."""
-    if isinstance(mod, FakeQuantize):
-        if int(mod.fake_quant_enabled[0]) == 0:
-            return nn.Identity()
-        if name == "weight_fake_quant":
-            return FrozenWeightTwin(mod, weight_dtype)
-        scale, zero_point = fake_quant_grid(mod)
-    elif isinstance(mod, ObserverBase):
-        if isinstance(mod, (PlaceholderObserver, NoopObserver)):
-            return nn.Identity()
-        if not getattr(mod, "is_calibrated", True):  # fine while unused (e.g. an input observer of a layer fed int8)
-            return _Uncalibrated(f"to_onnx: observer '{path}' ({type(mod).__name__}) saw no calibration data but "
-                                 "the exported forward uses it; calibrate the model before exporting")
-        scale, zero_point = mod.calculate_qparams()
-    else:
-        return None
-    if scale.numel() != 1:
-        raise ValueError(f"to_onnx: '{path}' ({type(mod).__name__}) is per-channel on an activation "
-                         f"(scale shape {tuple(scale.shape)}); only weights may be per-channel in ONNX QDQ")
-    return QDQ(float(scale.reshape(())), int(zero_point.reshape(())), mod.qdtype)
 
 
 def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dtype: str) -> nn.Module | None:
@@ -370,7 +335,7 @@ def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto"
     _swap(holder, "", lambda m, p, n: _float_layer(m, rel(p)))  # first: later passes leave float layers alone
     _swap(holder, "", lambda m, p, n: m if isinstance(m, FloatLayerTwin) else _bn_folded(m))
     _quantize_observed_weights(holder.root, weight_dtype)
-    _swap(holder, "", lambda m, p, n: m if isinstance(m, FloatLayerTwin) else _activation_twin(m, rel(p), n,
+    _swap(holder, "", lambda m, p, n: m if isinstance(m, FloatLayerTwin) else activation_twin(m, rel(p), n,
                                                                                                weight_dtype))
     grids = _record_input_grids(holder.root, inputs)
     for m in holder.root.modules():
