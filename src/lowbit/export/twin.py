@@ -69,6 +69,7 @@ from .qdq import (
     WeightedTwin,
     weight_dq,
 )
+from .codes import ResampleOnCodes, install
 from .qat import activation_twin
 from .weight_only import WeightOnlyTwin
 
@@ -256,7 +257,8 @@ def _record_input_grids(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> d
     """Run ``model`` once and note the grid of each quantized layer's inputs.
 
     Keys: ``id(layer)`` -> its input grid (``None``: float input quantized per call);
-    ``(id(qfunctional), method)`` -> one grid (or ``None`` for float) per tensor input.
+    ``(id(qfunctional), method)`` -> one grid (or ``None`` for float) per tensor input; ``"bilinear"`` -> the output
+    grid of each ``F.interpolate`` call in run order (``None``: not a bilinear resample of a QTensor; ``codes.py``).
     """
     grids: dict[Any, Any] = {}
     names = {id(m): n or type(m).__name__ for n, m in model.named_modules()}
@@ -292,8 +294,9 @@ def _record_input_grids(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> d
         for op in QF_METHODS:
             spy(m, op)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), ResampleOnCodes() as resample:
             model(*inputs)
+        grids["bilinear"] = resample.grids
     finally:
         for h in handles:
             h.remove()
@@ -343,4 +346,6 @@ def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto"
             m.recording = False
     _swap(holder, "", lambda m, p, n: m if isinstance(m, FloatLayerTwin) else _quantized_twin(m, rel(p), grids,
                                                                                               weight_dtype))
+    if any(g is not None for g in grids["bilinear"]):  # bilinear F.interpolate of QTensors: on the codes (codes.py)
+        install(holder.root, grids["bilinear"])
     return holder.root
