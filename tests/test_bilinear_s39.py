@@ -273,3 +273,23 @@ def test_compile_and_export_of_a_converted_upsample():
     ep = torch.export.export(q, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=8)},))
     assert torch.equal(ep.module()(x), want)
     assert torch.equal(ep.module()(x[:1]), q(x[:1]))
+
+
+def test_lsq_qat_trains_through_the_shared_grid_call():
+    """The prepared graph calls the upsample input's fake-quant a second time (``obs_share``); with LSQ
+    (``LearnableFakeQuantize``) that call moved the scale in place while the first call's backward still held it:
+    "modified by an inplace operation" at the first ``backward()``. Its updates now go through ``.data``, as torch.ao's."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 12, 12)
+    p = Q.prepare_qat_fx(UNet(UPS["F.interpolate"]).train(), Q.QConfigMapping().set_global(Q.get_lsq_qat_qconfig()),
+                         (x,))
+    assert any(n.meta.get("lowbit_kind") == "obs_share" for n in p.graph.nodes)
+    opt = torch.optim.SGD(p.parameters(), lr=1e-3)
+    for step in range(4):
+        if step == 2:
+            p.apply(lambda m: m.enable_param_learning() if hasattr(m, "enable_param_learning") else None)
+        opt.zero_grad()
+        p(x).square().mean().backward()
+        opt.step()
+    q = Q.convert_fx(p.eval())
+    assert _q_dq(q) == (1, 1) and torch.isfinite(q(x)).all()

@@ -158,16 +158,15 @@ class LearnableFakeQuantize(FakeQuantize):
             self.activation_post_process(x.detach())
             self._set_qparams(*self._step_qparams())
             self._grid_trained = False  # (a copy of the observer's grid again)
-        else:
-            with torch.no_grad():
-                self.scale.clamp_(min=self.eps)
+        else:  # (.data, as torch.ao: no version bump, so a second call in one forward (a graph-mode shared grid, a
+            # reused module) leaves what the first call saved for backward usable)
+            self.scale.data.clamp_(min=self.eps)
         if self.learning_enabled[0] == 1:
             self._grid_trained = True
         if self.fake_quant_enabled[0] != 1:
             return x
         if self.symmetric_zero_point is not None:
-            with torch.no_grad():
-                self.zero_point.fill_(self.symmetric_zero_point)
+            self.zero_point.data.fill_(self.symmetric_zero_point)
         grad_factor = 1.0 / math.sqrt(x.numel() * self.quant_max) if self.use_grad_scaling and x.numel() else 1.0
         if self.ch_axis is not None and self.scale.dim() == 0:  # per channel, never sized by an observer batch
             if x.numel() == 0:  # an empty batch (the observer skipped it): nothing to quantize, nothing to learn
@@ -185,7 +184,7 @@ class LearnableFakeQuantize(FakeQuantize):
                 value = value.detach().to(device=p.device, dtype=p.dtype)
                 if p.shape != value.shape:        # scalar seed -> (C,): same Parameter object, new storage
                     _resize_parameter(p, value.shape)
-                p.copy_(value)
+                p.data.copy_(value)  # (.data: no version bump, as torch.ao's copy; see forward)
 
     def _holds_grid(self) -> bool:
         """Whether ``scale``/``zero_point`` hold a grid: the observer saw finite data (the static phases copy
