@@ -129,10 +129,11 @@ def _shards():
 def test_distributed_mismatches_raise_on_every_rank_naming_ranks_and_observer():
     res = run_ranks(_mismatch_worker, pg_timeout_s=30, timeout_s=240)
     for r in res:  # bins: gloo aborted the process; per-tensor vs per-channel: rank 0 got per-channel qparams
-        # (since session 38 the observers' settings are compared first: observer.distributed.agree_observer)
+        # (since session 38 the observers' settings are compared first: observer.distributed.agree_observer; since
+        # session 39 their paths and classes before that: agree_structure, which names the class only)
         assert "observer 'act'" in r["bins"] and "bins=64" in r["bins"] and "bins=128" in r["bins"]
-        assert "rank 0: MinMaxObserver(" in r["per_tensor_vs_channel"]
-        assert "rank 1: PerChannelMinMaxObserver(" in r["per_tensor_vs_channel"]
+        assert "rank 0: 'act' (MinMaxObserver)" in r["per_tensor_vs_channel"]
+        assert "rank 1: 'act' (PerChannelMinMaxObserver)" in r["per_tensor_vs_channel"]
         assert "rank 0: 3 channels, rank 1: 4 channels" in r["channels"]
 
 
