@@ -322,8 +322,9 @@ def _refuse_reference(model: nn.Module) -> None:
                                 "(lowbit.lower_reference(model)) and export the int8 model")
 
 
-def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto") -> nn.Module:
-    """The float QDQ twin of ``model`` (a copy in eval mode; ``model`` is not changed)."""
+def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto", codes: bool = True) -> nn.Module:
+    """The float QDQ twin of ``model`` (a copy in eval mode; ``model`` is not changed); ``codes=False``: bilinear
+    resampling of quantized values as a float ``Resize`` (not replayed on the codes, ``codes.py``)."""
     inputs = tuple(t.cpu() for t in _check_inputs(example_inputs))
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"to_onnx: weight_dtype={weight_dtype!r} must be one of {WEIGHT_DTYPES}")
@@ -346,6 +347,7 @@ def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto"
             m.recording = False
     _swap(holder, "", lambda m, p, n: m if isinstance(m, FloatLayerTwin) else _quantized_twin(m, rel(p), grids,
                                                                                               weight_dtype))
-    if any(g is not None for g in grids["bilinear"]):  # bilinear F.interpolate of QTensors: on the codes (codes.py)
-        install(holder.root, grids["bilinear"])
+    if codes and any(g is not None for g in grids["bilinear"]):  # bilinear F.interpolate of QTensors: on the codes
+        install(holder.root, grids["bilinear"])                    # (codes.py)
+        holder.root.__dict__["_lowbit_codes_replay"] = True
     return holder.root
