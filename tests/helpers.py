@@ -154,3 +154,25 @@ class UNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.c1(x)
         return self.c3(torch.cat([a, self.up(self.c2(a))], 1))
+
+
+def randomize_bn(model: nn.Module) -> nn.Module:
+    """Seeded running statistics and affine parameters in every ``BatchNorm2d/3d`` of ``model`` (a fresh BN is the
+    identity map, which hides folding and int8-BN errors); returns ``model``."""
+    g = torch.Generator().manual_seed(1)
+    for bn in model.modules():
+        if isinstance(bn, (nn.BatchNorm2d, nn.BatchNorm3d)):
+            c = bn.num_features
+            bn.running_mean.copy_(torch.rand(c, generator=g) * 2 - 1)
+            bn.running_var.copy_(torch.rand(c, generator=g) * 1.5 + 0.5)
+            bn.weight.data.copy_(torch.rand(c, generator=g) + 0.5)
+            bn.bias.data.copy_(torch.rand(c, generator=g) - 0.5)
+    return model
+
+
+def fresh_python(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``script`` run by a fresh interpreter (``sys.argv[1:]`` = ``args``) that imports this checkout's lowbit, on 1
+    thread: what a deployment target loading a saved program sees."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=300)

@@ -6,9 +6,6 @@ The two AOTI tests compile C++ (~10-30 s each on one thread): marked ``slow`` (`
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -17,12 +14,11 @@ import torch
 from torch import nn
 
 import lowbit as Q
-from helpers import ConvNet
+from helpers import ConvNet, fresh_python
 from lowbit.examples import SmallCNN
 from lowbit.nn.quantized import weight_only
 from lowbit.pt2 import kernel_ops
 
-SRC = str(Path(Q.__file__).resolve().parent.parent)
 U8, I8 = "quint8:0:255", "qint8:-128:127"
 
 
@@ -137,9 +133,7 @@ def test_aoti_eager_converted_cnn_in_process_and_in_fresh_processes(tmp_path: Pa
               "x, ref = torch.load(sys.argv[1] + '/ref.pt')\n"
               "try:\n    r = torch._inductor.aoti_load_package(sys.argv[1] + '/cnn.pt2')\n"
               "except RuntimeError as e:\n    print('ERROR', e)\nelse:\n    print('EQUAL', torch.equal(r(x), ref))\n")
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    out = {flag: subprocess.run([sys.executable, "-c", script, str(tmp_path), flag], capture_output=True, text=True,
-                                env=env, timeout=300) for flag in ("1", "0")}
+    out = {flag: fresh_python(script, str(tmp_path), flag) for flag in ("1", "0")}
     assert out["1"].stdout.strip() == "EQUAL True", out["1"].stdout + out["1"].stderr
     assert out["0"].stdout.startswith("ERROR") and "lowbit::" in out["0"].stdout, out["0"].stdout + out["0"].stderr
 

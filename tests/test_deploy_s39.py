@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import pickle
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -31,25 +28,15 @@ from torch import nn
 from torch.export import Dim
 
 import lowbit as Q
-from helpers import one_thread, roundtrip  # noqa: F401  (autouse: one thread)
+from helpers import fresh_python, one_thread, randomize_bn, roundtrip  # noqa: F401  (autouse: one thread)
 from lowbit.nn.quantized import conv_transpose as qct
 from lowbit.nn.quantized import normalization as qn
 from lowbit.nn.quantized.stubs import DeQuantize, Quantize
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-SRC = str(Path(Q.__file__).resolve().parent.parent)
 
 
-def _init_bn(model: nn.Module) -> nn.Module:
-    g = torch.Generator().manual_seed(1)
-    for bn in model.modules():
-        if isinstance(bn, (nn.BatchNorm2d, nn.BatchNorm3d)):
-            c = bn.num_features
-            bn.running_mean.copy_(torch.rand(c, generator=g) * 2 - 1)
-            bn.running_var.copy_(torch.rand(c, generator=g) * 1.5 + 0.5)
-            bn.weight.data.copy_(torch.rand(c, generator=g) + 0.5)
-            bn.bias.data.copy_(torch.rand(c, generator=g) - 0.5)
-    return model
+_init_bn = randomize_bn
 
 
 class UNet(nn.Module):
@@ -271,9 +258,7 @@ def test_export_dynamic_batch_save_load_in_a_fresh_process(tmp_path: Path) -> No
               "for name, pairs in refs.items():\n"
               "    m = torch.export.load(sys.argv[1] + '/' + name + '.pt2').module()\n"
               "    print(name, all(torch.equal(m(x), y) for x, y in pairs))\n")
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    done = fresh_python(script, str(tmp_path))
     assert done.stdout.split() == [w for name in PRODUCTS for w in (name, "True")], done.stdout + done.stderr[-3000:]
 
 

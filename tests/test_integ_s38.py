@@ -18,23 +18,14 @@ from torch import nn
 from torch.export import Dim
 
 import lowbit as Q
-from helpers import one_thread  # noqa: F401  (autouse: one thread)
+from helpers import one_thread, randomize_bn  # noqa: F401  (autouse: one thread)
 from lowbit import kernels
 from lowbit.nn.quantized import normalization as qn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def _init(model: nn.Module) -> nn.Module:
-    g = torch.Generator().manual_seed(1)
-    for bn in model.modules():
-        if isinstance(bn, nn.BatchNorm2d):
-            c = bn.num_features
-            bn.running_mean.copy_(torch.rand(c, generator=g) * 2 - 1)
-            bn.running_var.copy_(torch.rand(c, generator=g) * 1.5 + 0.5)
-            bn.weight.data.copy_(torch.rand(c, generator=g) + 0.5)
-            bn.bias.data.copy_(torch.rand(c, generator=g) - 0.5)
-    return model
+_init = randomize_bn
 
 
 class Dense(nn.Module):
