@@ -102,7 +102,6 @@ def _aoti(model: nn.Module, x: torch.Tensor, path: Path) -> object:
     return torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(ep, package_path=str(path)))
 
 
-@pytest.mark.slow
 def _bit_exact_without_rebuilds(runner: object, model: nn.Module, x: torch.Tensor,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """``runner`` (an AOTI package) gives ``model``'s eager outputs bit for bit at batches ``len(x)`` and 1, and after
@@ -115,6 +114,7 @@ def _bit_exact_without_rebuilds(runner: object, model: nn.Module, x: torch.Tenso
     assert not calls, f"the AOTI program rebuilt {dict(calls)}"
 
 
+@pytest.mark.slow
 def test_aoti_eager_converted_cnn_in_process_and_in_fresh_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Eager-converted SmallCNN (4 and 8 channels: AOTI inlines their grids) through AOTInductor with a dynamic batch
     (traced at 3, run at 5 and 1): the eager codes bit for bit, no conv plan built after the second call; a fresh
