@@ -308,6 +308,13 @@ def keep_float_layers(float_model: nn.Module, prepared: nn.Module, qmodel: nn.Mo
     metric improves). ``prepared`` is the calibrated model ``qmodel`` came from (its modules give the float
     twins), ``float_model`` the float original. Every other layer stays on the int8 kernels.
     """
+    for what, m in (("float_model", float_model), ("prepared", prepared), ("qmodel", qmodel)):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"{who}: {what} must be an nn.Module, got {type(m).__name__}")
+    if isinstance(max_float_layers, bool) or not isinstance(max_float_layers, int) or max_float_layers < 0:
+        raise ValueError(f"{who}: max_float_layers={max_float_layers!r} must be an int >= 0")
+    if not callable(eval_fn):
+        raise TypeError(f"{who}: eval_fn={eval_fn!r} must be callable (model -> score, higher is better)")
     with _quiet_float_fallback(), torch.no_grad():
         baseline = _score(eval_fn, float_model, "the float model", who)
         swaps, twins = _swaps(float_model, prepared, qmodel)

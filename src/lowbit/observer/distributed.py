@@ -298,6 +298,12 @@ def agree_structure(entries: list[tuple[str, nn.Module]], group: dist.ProcessGro
     >>> import lowbit as Q
     >>> agree_structure([("fc", Q.MinMaxObserver())])       # single process: nothing to compare
     """
+    _check_group("agree_structure", group)
+    if not isinstance(entries, (list, tuple)) or not all(
+            isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], nn.Module)
+            for e in entries):
+        raise TypeError(f"agree_structure: entries must be a list of (module path, observer module) pairs, got "
+                        f"{type(entries).__name__} {str(entries)[:60]}")
     if not is_distributed(group):
         return
     mine = [f"{name!r} ({type(mod).__name__})" for name, mod in entries]
@@ -343,6 +349,8 @@ def sync_pending(module: nn.Module, group: dist.ProcessGroup | None = None) -> N
     >>> sync_pending(Q.MinMaxObserver())     # single process: nothing to do
     """
     _check_group("sync_pending", group)
+    if not isinstance(module, nn.Module):  # (one process returned here silently; several failed in named_modules)
+        raise TypeError(f"sync_pending: module must be an nn.Module, got {type(module).__name__}")
     if not is_distributed():  # (a group spans at most WORLD)
         return
     pending = [(name, mod, _group_of(mod) if group is None else group) for name, mod in module.named_modules()

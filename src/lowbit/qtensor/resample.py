@@ -36,13 +36,14 @@ float values (the QTensor fallback warns).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Sequence
 
 import torch
 
 from ..compile_state import tracing
 
-__all__ = ["bilinear_codes", "bilinear_args", "interpolate_bilinear"]
+__all__ = ["bilinear_codes", "bilinear_args", "check_resample_args", "check_resample_sizes", "interpolate_bilinear"]
 
 
 def _f32(v: float, device: torch.device) -> torch.Tensor:
@@ -63,6 +64,41 @@ def bilinear_args(shape: Sequence[int], size: Any, scale_factor: Any,
     # (n * f, not float(n) * f: the same double for an int n; a traced SymInt n stays symbolic, float() specialises it)
     out = [math.floor(n * float(f)) for n, f in zip(spatial, sf)]
     return out, ([None, None] if recompute_scale_factor else [float(f) for f in sf])
+
+
+def check_resample_args(shape: Sequence[int], size: Any, scale_factor: Any) -> None:
+    """A ``ValueError`` naming ``size`` / ``scale_factor`` where a value is a number but not finite and above 0 (torch's
+    meta path, which ``interpolate_bilinear`` asks for the output size, fails on them deep inside: a
+    ``ZeroDivisionError`` for a size of 0, "upper bound and lower bound inconsistent with step sign" for a negative one,
+    "cannot convert float NaN to integer"); other kinds of value are left to torch's own checks.
+
+    >>> check_resample_args((1, 1, 4, 4), None, (2.0, float("nan")))
+    Traceback (most recent call last):
+        ...
+    ValueError: interpolate (bilinear, QTensor input of shape (1, 1, 4, 4)): scale_factor=(2.0, nan) must hold finite numbers > 0
+    """
+    for name, v in (("size", size), ("scale_factor", scale_factor)):
+        for e in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(e, numbers.Real) and not isinstance(e, bool) and not (math.isfinite(e) and e > 0):
+                raise ValueError(f"interpolate (bilinear, QTensor input of shape {tuple(shape)}): {name}={v!r} must "
+                                 "hold finite numbers > 0")
+
+
+def check_resample_sizes(shape: Sequence[int], out: Sequence[int]) -> None:
+    """A ``ValueError`` where torch's bilinear kernels refuse the sizes (float and quantized alike: "Input and output
+    sizes should be greater than 0", "Non-empty 4D data tensor expected") and its meta path does not: no channels, an
+    empty spatial input, or an output size that rounds down to 0 (``scale_factor=0.15`` of 5 rows). A batch of 0 is
+    fine (an empty output, as torch).
+
+    >>> check_resample_sizes((2, 3, 5, 7), [0, 1])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+        ...
+    ValueError: interpolate (bilinear, QTensor): ... got input (C: 3, H: 5, W: 7) and output (H: 0, W: 1)
+    """
+    c, h, w = shape[1:]
+    if c <= 0 or h <= 0 or w <= 0 or min(out) <= 0:
+        raise ValueError(f"interpolate (bilinear, QTensor): input and output sizes must be greater than 0, got input "
+                         f"(C: {c}, H: {h}, W: {w}) and output (H: {out[0]}, W: {out[1]})")
 
 
 def _axis(n: int, m: int, align_corners: bool, scale: float | None, device: torch.device,
@@ -126,12 +162,15 @@ def interpolate_bilinear(x: Any, size: Any = None, scale_factor: Any = None, ali
     if x.dim() != 4 or antialias or (x.axis is not None and x.axis >= 2):
         return NotImplemented
     align = bool(align_corners) if align_corners is not None else False
-    out, scales = bilinear_args(x.shape, size, scale_factor, recompute_scale_factor)
+    want = None
     if not tracing():  # torch's own checks of the arguments, and its output size, on a meta tensor
-        want = torch.nn.functional.interpolate(torch.empty(x.shape, device="meta"), size, scale_factor, "bilinear",
-                                               align_corners, recompute_scale_factor)
-        if list(want.shape[2:]) != out:
-            raise AssertionError(f"bilinear output size {out} differs from torch's {list(want.shape[2:])}")
+        check_resample_args(x.shape, size, scale_factor)
+        want = list(torch.nn.functional.interpolate(torch.empty(x.shape, device="meta"), size, scale_factor,
+                                                    "bilinear", align_corners, recompute_scale_factor).shape[2:])
+        check_resample_sizes(x.shape, want)
+    out, scales = bilinear_args(x.shape, size, scale_factor, recompute_scale_factor)
+    if want is not None and want != out:
+        raise AssertionError(f"bilinear output size {out} differs from torch's {want}")
     qd = x.qdtype
     z = x.zero_point if x.axis is None else x.zero_point.reshape([-1 if i == x.axis else 1 for i in range(4)])
     codes = bilinear_codes(x.int_repr(), z, qd.quant_min, qd.quant_max, out, align, scales)

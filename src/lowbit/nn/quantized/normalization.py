@@ -300,6 +300,12 @@ def check_batchnorm_stats(bn: nn.Module, who: str) -> None:
         ...
     ValueError: bn: running_var[1]=0 + eps=0.0 is not above 0 (1/sqrt(running_var + eps) is not finite)
     """
+    stats = [getattr(bn, k, None) for k in ("running_mean", "running_var")]
+    if not all(isinstance(t, torch.Tensor) for t in stats):  # (track_running_stats=False, or not a BatchNorm)
+        raise TypeError(f"{who}: expects a BatchNorm with running statistics, got {type(bn).__name__} whose "
+                        f"running_mean / running_var are {[type(t).__name__ for t in stats]}")
+    if any(t.is_meta for t in stats):
+        raise ValueError(f"{who}: the BatchNorm's running statistics are on the meta device (no values); load them")
     eps = bn.eps
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
         raise ValueError(f"{who}: eps={eps!r} must be a finite number >= 0")
