@@ -269,4 +269,4 @@ def test_bilinear_resample_of_codes_exports_on_the_codes(tmp_path, mode, kind, c
     # and with a conv first its own near-tie codes in ORT's kernel
     assert exact == 1.0 if not conv and kind != "size" else exact > 0.98, exact
     ops = {n.op_type for n in onnx.load(str(path)).graph.node}
-    assert {"Resize", "Round", "Cast"} <= ops
+    assert {"Gather", "Round", "Cast"} <= ops and "Resize" not in ops  # (session 40: lowbit's blend, not a Resize)

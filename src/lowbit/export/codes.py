@@ -29,13 +29,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
 from ..qtensor import QTensor
-from .qdq import Grid, _storage
+from ..qtensor.resample import bilinear_args, bilinear_blend
+from .qdq import QDQ, Grid, _storage, untraced
 
-__all__ = ["ResampleOnCodes", "install", "to_codes_and_back"]
+__all__ = ["ResampleOnCodes", "SharedGridBilinear", "bilinear_on_codes", "install", "share_grid_bilinear",
+           "to_codes_and_back"]
 
 _ONNX_FLOAT = 1  # TensorProto.FLOAT
 _ONNX_TYPE = {torch.uint8: 2, torch.int8: 3}  # TensorProto.UINT8 / INT8
@@ -48,7 +50,8 @@ class _ToCodes(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scale: float, zp: int, qmin: int, qmax: int,  # type: ignore[override]
                 storage: torch.dtype) -> torch.Tensor:
-        return torch.clamp(torch.round(x / torch.tensor(scale, dtype=torch.float32)) + zp, qmin, qmax)
+        with untraced():  # (the symbolic is the graph; a traced body broke TorchScript's peephole: ``untraced``)
+            return torch.clamp(torch.round(x / torch.tensor(scale, dtype=torch.float32)) + zp, qmin, qmax)
 
     @staticmethod
     def symbolic(g: Any, x: Any, scale: float, zp: int, qmin: int, qmax: int, storage: torch.dtype) -> Any:
@@ -69,7 +72,8 @@ class _FromCodes(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, c: torch.Tensor, scale: float, zp: int, qmin: int, qmax: int,  # type: ignore[override]
                 storage: torch.dtype) -> torch.Tensor:
-        return (torch.clamp(torch.round(c), qmin, qmax) - zp) * torch.tensor(scale, dtype=torch.float32)
+        with untraced():
+            return (torch.clamp(torch.round(c), qmin, qmax) - zp) * torch.tensor(scale, dtype=torch.float32)
 
     @staticmethod
     def symbolic(g: Any, c: Any, scale: float, zp: int, qmin: int, qmax: int, storage: torch.dtype) -> Any:
@@ -84,7 +88,9 @@ def to_codes_and_back(x: torch.Tensor, grid: Grid, op: Callable[[torch.Tensor], 
     """``op`` on the codes of ``x`` on ``grid``, its result rounded onto ``grid`` and dequantized (module doc)."""
     s, z, d = grid
     args = (float(s), int(z), d.quant_min, d.quant_max, _storage(d, "to_onnx (bilinear on codes)"))
-    return _FromCodes.apply(op(_ToCodes.apply(x, *args)), *args)
+    # (detached: an untraced body's output must not require grad, as a QAT model's activations do; the file has no
+    # gradient)
+    return _FromCodes.apply(op(_ToCodes.apply(x.detach(), *args)), *args)
 
 
 class ResampleOnCodes(TorchFunctionMode):
@@ -113,8 +119,74 @@ class ResampleOnCodes(TorchFunctionMode):
         self.calls += 1
         if grid is None:
             return func(*args, **kwargs)
-        rest = {k: v for k, v in bound.arguments.items() if k != "input"}
-        return to_codes_and_back(x, grid, lambda c: func(c, **rest))
+        a = bound.arguments
+        return bilinear_on_codes(x, grid, a.get("size"), a.get("scale_factor"), a.get("align_corners"),
+                                 a.get("recompute_scale_factor"))
+
+
+def bilinear_on_codes(x: torch.Tensor, grid: Grid, size: Any, scale_factor: Any, align_corners: Any,
+                      recompute_scale_factor: Any) -> torch.Tensor:
+    """``F.interpolate(..., mode="bilinear")`` of ``x`` (on ``grid``) as lowbit's int8 model runs it: on the codes,
+    lowbit's float32 blend (``qtensor/resample.py``, op for op: ONNX Gather / Mul / Add; ORT's ``Resize`` blends in
+    another float order and moved near-ties) and its rounding of ``z + (v - z)``, onto ``grid``."""
+    out, scales = bilinear_args(x.shape, size, scale_factor, recompute_scale_factor)
+    z = float(grid[1])
+    return to_codes_and_back(x, grid, lambda c: (bilinear_blend(c, out, bool(align_corners), scales) - z) + z)
+
+
+class SharedGridBilinear(nn.Module):
+    """A prepared / QAT graph's bilinear upsample between two calls of one fake-quant (``qdq``, its export twin: the
+    shared grid ``convert`` keeps the codes on) as the converted model runs it (``bilinear_on_codes``)."""
+
+    def __init__(self, qdq: QDQ, size: Any, scale_factor: Any, align_corners: Any, recompute_scale_factor: Any) -> None:
+        super().__init__()
+        self.qdq = [qdq]  # (a list: the fake-quant stays the graph's own submodule)
+        self.args = (size, scale_factor, align_corners, recompute_scale_factor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return bilinear_on_codes(x, self.qdq[0].grid, *self.args)
+
+
+def _bilinear_args(gm: fx.GraphModule, node: fx.Node) -> tuple[Any, ...] | None:
+    """``(input, size, scale_factor, align_corners, recompute_scale_factor)`` of a 4-d-capable bilinear upsample
+    node (``F.interpolate`` / ``nn.Upsample`` / ``nn.UpsamplingBilinear2d``), or None."""
+    if node.op == "call_function" and node.target is F.interpolate:
+        a = _INTERPOLATE.bind(*node.args, **node.kwargs).arguments
+        if a.get("mode", "nearest") != "bilinear" or a.get("antialias"):
+            return None
+        return a["input"], a.get("size"), a.get("scale_factor"), a.get("align_corners"), a.get(
+            "recompute_scale_factor")
+    if node.op == "call_module" and len(node.args) == 1 and not node.kwargs:
+        m = gm.get_submodule(str(node.target))
+        if isinstance(m, nn.Upsample) and m.mode == "bilinear":  # (UpsamplingBilinear2d too: align_corners=True)
+            return node.args[0], m.size, m.scale_factor, m.align_corners, m.recompute_scale_factor
+    return None
+
+
+def share_grid_bilinear(model: nn.Module) -> int:
+    """In every ``fx.GraphModule`` of the export twin ``model``, each bilinear upsample read from a ``QDQ`` call and
+    read only by calls of that same ``QDQ`` (graph-mode prepare's shared grid) becomes a ``SharedGridBilinear``;
+    returns how many."""
+    done = 0
+    for gm in [m for m in model.modules() if isinstance(m, fx.GraphModule)]:
+        for node in list(gm.graph.nodes):
+            found = _bilinear_args(gm, node)
+            if found is None or not isinstance(found[0], fx.Node) or found[0].op != "call_module":
+                continue
+            target = found[0].target
+            qdq = gm.get_submodule(str(target))
+            if not isinstance(qdq, QDQ) or not node.users or any(
+                    u.op != "call_module" or u.target != target for u in node.users):
+                continue
+            name = f"_lowbit_bilinear_on_codes_{done}"
+            gm.add_submodule(name, SharedGridBilinear(qdq, *found[1:]))
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_module(name, (found[0],))
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            done += 1
+        gm.recompile()
+    return done
 
 
 def install(model: nn.Module, grids: list[Grid | None]) -> None:

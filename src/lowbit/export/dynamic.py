@@ -33,8 +33,6 @@ True
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -52,6 +50,7 @@ from ..nn.quantized.dynamic import per_token_linear, quantize_per_token
 from ..nn.quantized.dynamic.linear import NotATensor
 from ..qtensor import QTensor
 from .qdq import _Const
+from .qdq import untraced as _untraced
 
 __all__ = ["DynamicLinearTwin", "DynamicRNNTwin", "DynamicCellTwin", "dynamic_twin"]
 
@@ -63,17 +62,6 @@ class _Eager:
 
     def __init__(self, weight: QTensor, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias
-
-
-@contextlib.contextmanager
-def _untraced() -> Iterator[None]:
-    """Suspend the TorchScript tracer (the ``symbolic`` describes the op; its eager body is not traced)."""
-    state = torch._C._get_tracing_state()
-    torch._C._set_tracing_state(None)  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        torch._C._set_tracing_state(state)  # type: ignore[attr-defined]
 
 
 def _c(g: Any, value: Any, dtype: torch.dtype = torch.float32) -> Any:

@@ -119,7 +119,7 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
         raise TypeError(f"to_onnx: dynamic_batch={dynamic_batch!r} must be True or False")
     inputs = tuple(t.cpu() for t in _check_inputs(example_inputs))
     out_path = _check_path(path)
-    twin, tables = _twin(model, inputs, weight_dtype, opset_version, codes=True)
+    twin, tables = _twin(model, inputs, weight_dtype, opset_version)
     with torch.no_grad():
         n_out = len(_flat_tensors(twin(*inputs)))
     for what, given in (("input_names", input_names), ("output_names", output_names)):
@@ -137,16 +137,7 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     # checker refuses, opset 21 with GroupNormalization) leaves an existing file at ``path`` as it was
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     try:
-        try:
-            _export(onnx, twin, inputs, tmp, opset_version, input_names, output_names, axes, tables)
-        except IndexError as e:  # TorchScript's peephole pass on some graphs with bilinear replayed on the codes
-            if "not in the map" not in str(e) or not twin.__dict__.get("_lowbit_codes_replay"):
-                raise
-            warnings.warn("to_onnx: TorchScript's exporter could not trace the bilinear resampling on the codes "
-                          f"({e}); it is written as a float Resize between Q/DQ pairs instead (within about one "
-                          "output step of the int8 model at near-ties)", stacklevel=2)
-            twin, tables = _twin(model, inputs, weight_dtype, opset_version, codes=False)
-            _export(onnx, twin, inputs, tmp, opset_version, input_names, output_names, axes, tables)
+        _export(onnx, twin, inputs, tmp, opset_version, input_names, output_names, axes, tables)
         os.replace(tmp, out_path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -187,10 +178,10 @@ def _float_dequantize_is_identity(opset: int) -> Iterator[None]:
                 torch.onnx.register_custom_op_symbolic(name, before, opset)  # a user's own override
 
 
-def _twin(model: nn.Module, inputs: tuple[torch.Tensor, ...], weight_dtype: str, opset_version: int,
-          codes: bool) -> tuple[nn.Module, list[nn.Module]]:
+def _twin(model: nn.Module, inputs: tuple[torch.Tensor, ...], weight_dtype: str,
+          opset_version: int) -> tuple[nn.Module, list[nn.Module]]:
     """``build_twin`` plus the opset its embedding / weight-only twins write, and the tables among them."""
-    twin = build_twin(model, inputs, weight_dtype, codes)
+    twin = build_twin(model, inputs, weight_dtype)
     for name, m in twin.named_modules():
         if isinstance(m, EmbeddingBagTwin):
             m.check_opset(opset_version, name)

@@ -27,7 +27,8 @@ uint8 for the others, so the file gives lowbit's results on every CPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ __all__ = [
     "FunctionalTwin",
     "Grid",
     "WeightedTwin",
+    "untraced",
     "weight_dq",
 ]
 
@@ -68,6 +70,21 @@ def _storage(qdtype: QDtype, where: str) -> torch.dtype:
     if qdtype.storage not in (torch.int8, torch.uint8):
         raise ValueError(f"{where}: a {qdtype!r} grid has no ONNX QuantizeLinear form (8-bit or narrower only)")
     return qdtype.storage
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """Suspend the TorchScript tracer inside an ``autograd.Function``'s ``forward``: its ``symbolic`` describes the op,
+    and its eager body is not traced into a subgraph. A traced body becomes a block of the ``prim::PythonOp`` that
+    TorchScript's alias analysis never registers; its alias-sensitive peephole pass still visits it and, on an identity
+    ``x + 0`` / ``x - 0`` / ``x * 1`` / ``x / 1`` of a graph tensor and a constant, asks that analysis about the block's
+    values: ``IndexError: Argument passed to at() was not in the map`` (``codes.py`` on a zero point of 0)."""
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        torch._C._set_tracing_state(state)  # type: ignore[attr-defined]
 
 
 class _QDQFn(torch.autograd.Function):

@@ -69,7 +69,7 @@ from .qdq import (
     WeightedTwin,
     weight_dq,
 )
-from .codes import ResampleOnCodes, install
+from .codes import ResampleOnCodes, install, share_grid_bilinear
 from .qat import activation_twin
 from .weight_only import WeightOnlyTwin
 
@@ -322,9 +322,8 @@ def _refuse_reference(model: nn.Module) -> None:
                                 "(lowbit.lower_reference(model)) and export the int8 model")
 
 
-def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto", codes: bool = True) -> nn.Module:
-    """The float QDQ twin of ``model`` (a copy in eval mode; ``model`` is not changed); ``codes=False``: bilinear
-    resampling of quantized values as a float ``Resize`` (not replayed on the codes, ``codes.py``)."""
+def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto") -> nn.Module:
+    """The float QDQ twin of ``model`` (a copy in eval mode; ``model`` is not changed)."""
     inputs = tuple(t.cpu() for t in _check_inputs(example_inputs))
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"to_onnx: weight_dtype={weight_dtype!r} must be one of {WEIGHT_DTYPES}")
@@ -341,13 +340,13 @@ def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto"
     _quantize_observed_weights(holder.root, weight_dtype)
     _swap(holder, "", lambda m, p, n: m if isinstance(m, FloatLayerTwin) else activation_twin(m, rel(p), n,
                                                                                                weight_dtype))
+    share_grid_bilinear(holder.root)  # prepared / QAT graphs: a shared-grid bilinear upsample on the codes (codes.py)
     grids = _record_input_grids(holder.root, inputs)
     for m in holder.root.modules():
         if isinstance(m, FloatLayerTwin):
             m.recording = False
     _swap(holder, "", lambda m, p, n: m if isinstance(m, FloatLayerTwin) else _quantized_twin(m, rel(p), grids,
                                                                                               weight_dtype))
-    if codes and any(g is not None for g in grids["bilinear"]):  # bilinear F.interpolate of QTensors: on the codes
-        install(holder.root, grids["bilinear"])                    # (codes.py)
-        holder.root.__dict__["_lowbit_codes_replay"] = True
+    if any(g is not None for g in grids["bilinear"]):  # bilinear F.interpolate of QTensors: on the codes (codes.py)
+        install(holder.root, grids["bilinear"])
     return holder.root

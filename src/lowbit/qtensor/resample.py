@@ -43,7 +43,8 @@ import torch
 
 from ..compile_state import tracing
 
-__all__ = ["bilinear_codes", "bilinear_args", "check_resample_args", "check_resample_sizes", "interpolate_bilinear"]
+__all__ = ["bilinear_args", "bilinear_blend", "bilinear_codes", "check_resample_args", "check_resample_sizes",
+           "interpolate_bilinear"]
 
 
 def _f32(v: float, device: torch.device) -> torch.Tensor:
@@ -126,27 +127,37 @@ def _axis(n: int, m: int, align_corners: bool, scale: float | None, device: torc
     return i0, i1, 1.0 - l1, l1
 
 
+def bilinear_blend(p: torch.Tensor, out_size: Sequence[int], align_corners: bool,
+                   scales: Sequence[float | None] = (None, None)) -> torch.Tensor:
+    """The float32 blend ``v`` of codes ``p`` (``(N, C, H, W)``, float32) onto ``out_size``, before rounding (module
+    docstring): ``h0 (w0 q00 + w1 q01) + h1 (w0 q10 + w1 q11)``, each product and sum rounded. ``p`` itself when the
+    (static) output size equals the input's (torch's copy shortcut); ``lowbit.export.codes`` writes these ops into
+    ONNX files, which then give lowbit's codes."""
+    (h, w), (oh, ow) = p.shape[-2:], out_size
+    same = None
+    if any(isinstance(v, torch.SymInt) for v in (h, w, oh, ow)):  # (torch.export: dynamic spatial dims)
+        same = (_f32(h, p.device) == _f32(oh, p.device)) & (_f32(w, p.device) == _f32(ow, p.device))
+    elif (oh, ow) == (h, w):
+        return p
+    h0, h1, hl0, hl1 = _axis(h, oh, align_corners, scales[0], p.device, same)
+    w0, w1, wl0, wl1 = _axis(w, ow, align_corners, scales[1], p.device, same)
+    hl0, hl1 = hl0[:, None], hl1[:, None]
+    top, bottom = p.index_select(-2, h0), p.index_select(-2, h1)
+    a, b, c, d = (top.index_select(-1, w0), top.index_select(-1, w1), bottom.index_select(-1, w0),
+                  bottom.index_select(-1, w1))
+    return (a * wl0 + b * wl1) * hl0 + (c * wl0 + d * wl1) * hl1  # (each product and sum rounded: no FMA)
+
+
 def bilinear_codes(q: torch.Tensor, zero_point: torch.Tensor, quant_min: int, quant_max: int,
                    out_size: Sequence[int], align_corners: bool,
                    scales: Sequence[float | None] = (None, None)) -> torch.Tensor:
     """Codes ``q`` (``(N, C, H, W)``, integer dtype) resampled bilinearly onto ``out_size`` on their own grid
     (module docstring); ``zero_point``: 0-d, or shaped to broadcast against ``q`` (per channel). Same dtype and
     memory format as ``q``."""
-    (h, w), (oh, ow) = q.shape[-2:], out_size
     channels_last = q.is_contiguous(memory_format=torch.channels_last)
-    same = None
-    if any(isinstance(v, torch.SymInt) for v in (h, w, oh, ow)):  # (torch.export: dynamic spatial dims)
-        same = (_f32(h, q.device) == _f32(oh, q.device)) & (_f32(w, q.device) == _f32(ow, q.device))
-    elif (oh, ow) == (h, w):
+    if not any(isinstance(v, torch.SymInt) for v in (*q.shape[-2:], *out_size)) and tuple(out_size) == q.shape[-2:]:
         return q.clone(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    h0, h1, hl0, hl1 = _axis(h, oh, align_corners, scales[0], q.device, same)
-    w0, w1, wl0, wl1 = _axis(w, ow, align_corners, scales[1], q.device, same)
-    hl0, hl1 = hl0[:, None], hl1[:, None]
-    p = q.to(torch.float32)
-    top, bottom = p.index_select(-2, h0), p.index_select(-2, h1)
-    a, b, c, d = (top.index_select(-1, w0), top.index_select(-1, w1), bottom.index_select(-1, w0),
-                  bottom.index_select(-1, w1))
-    v = (a * wl0 + b * wl1) * hl0 + (c * wl0 + d * wl1) * hl1  # (each product and sum rounded: no FMA)
+    v = bilinear_blend(q.to(torch.float32), out_size, align_corners, scales)
     z = zero_point.to(torch.float32)
     # fbgemm's Quantize (torch's quantize_val): nearbyint(z + (v - z)), the difference rounded to float32 first
     out = ((v - z) + z).round_().clamp_(quant_min, quant_max).to(q.dtype)
