@@ -200,3 +200,63 @@ def test_graph_qat_bilinear_exports_on_the_codes_of_convert(tmp_path, kind) -> N
     assert "Resize" not in {n.op_type for n in onnx.load(str(tmp_path / "q.onnx")).graph.node}
     s2 = float(converted.c2.scale)
     assert ((y - ref_y).abs() / s2).max() <= 1.001
+
+
+# ---- 3. averages and max pooling of QTensors --------------------------------------------------------------------------
+AVERAGES = {
+    "mean_hw": lambda h: torch.mean(h, (2, 3), keepdim=True),
+    "mean_all": lambda h: torch.mean(h).reshape(1, 1, 1, 1).expand(h.shape[0], 1, 1, 1),
+    "tensor_mean": lambda h: h.mean(dim=-1, keepdim=True),
+    "avg_pool2d": lambda h: F.avg_pool2d(h, 2),
+    "avg_pool2d_pad": lambda h: F.avg_pool2d(h, 3, stride=2, padding=1),
+    "avg_pool2d_ceil": lambda h: F.avg_pool2d(h, 3, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
+    "avg_pool1d": lambda h: F.avg_pool1d(h.flatten(2), 4).unsqueeze(-1),
+    "adaptive_3x2": lambda h: F.adaptive_avg_pool2d(h, (3, 2)),
+    "adaptive_1": lambda h: F.adaptive_avg_pool2d(h, 1),
+    "max_pool2d": lambda h: F.max_pool2d(h, 3, stride=2, padding=1),
+}
+
+
+class _Pool(nn.Module):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.quant, self.dequant, self.name = Q.QuantStub(), Q.DeQuantStub(), name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dequant(AVERAGES[self.name](self.quant(x)))
+
+
+@pytest.mark.parametrize("name", AVERAGES)
+def test_eager_averages_of_qtensors_export_on_the_codes(tmp_path, name) -> None:
+    # An eager int8 model averages QTensor codes (round(mean(q - z) + z), qtensor/ops.py); the twin averaged float
+    # values and kept them off the grid (up to 0.5 step: every exact tie; the next layer then rounded them at ties
+    # either way, up to 3 steps at its output). Few levels: many exact ties (windows of 4, 6, 9, 12, 72 codes).
+    # Now Q -> Cast -> Sub z -> AveragePool / ReduceSum + Div -> Add z -> Round -> Clip -> DQ: every code.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 4, (16, 3, 9, 8), generator=g).float() * 0.3 - 0.45
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qm = _int8(_Pool(name), "eager", x)
+    assert _export_quietly(qm, x[:2], tmp_path / "p.onnx") == []
+    s, z = float(qm.quant.scale), int(qm.quant.zero_point)
+    with torch.no_grad():
+        want = _codes(qm(x), s, z)
+    got = run_onnx(tmp_path / "p.onnx", x)[0]
+    assert torch.equal(_codes(got, s, z), want)
+    assert ((got / s - torch.round(got / s)).abs() < 1e-3).all()  # on the grid
+
+
+@pytest.mark.parametrize("name", ["mean_hw", "avg_pool2d_ceil", "adaptive_3x2", "max_pool2d"])
+def test_graph_mode_averages_stay_float_ops_like_the_converted_model(tmp_path, name) -> None:
+    # Graph mode gives an average its own output grid (DeQuantize -> float op -> Quantize, as torch.ao's reference
+    # graphs): the file writes the same float op then Q/DQ, within float rounding of lowbit's (max pooling selects
+    # codes: exact).
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 4, (16, 3, 9, 8), generator=g).float() * 0.3 - 0.45
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qm = _int8(_Pool(name), "fx", x)
+    assert _export_quietly(qm, x[:2], tmp_path / "p.onnx") == []
+    with torch.no_grad():
+        ref = qm(x)
+    assert torch.allclose(run_onnx(tmp_path / "p.onnx", x)[0], ref, atol=1e-6, rtol=0)

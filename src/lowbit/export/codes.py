@@ -1,17 +1,25 @@
-"""Bilinear ``F.interpolate`` of a ``QTensor`` in the export twin: resampled on the codes, rounded onto the input grid.
+"""Ops a converted model runs on ``QTensor`` codes, in the export twin: on the codes, rounded onto the grid.
 
-A converted model runs bilinear resampling of a ``QTensor`` on its codes and rounds the result onto the input's grid
-``(s, z)`` (``qtensor/resample.py``: ``q_out = clamp(round_half_even(bilinear(q)))``). The float twin resampled the
-dequantized values and kept them off the grid: a model output up to 1.06 steps from lowbit's, and 6 % of the codes a
-next layer read one step off at the exact ties of a 2x upsample (``(3a + b) / 4``-type blends land on ``k + 1/2``), as
-ORT's float ``Resize`` of ``(q - z) s`` puts them on either side. The twin now writes::
+A converted model resamples bilinearly (``qtensor/resample.py``) and averages (``F.avg_pool*``,
+``F.adaptive_avg_pool*``, ``torch.mean``: ``round(mean(q - z) + z)``, ``qtensor/ops.py``) on the codes, output on the
+input's grid ``(s, z)``. The float twin computed them on dequantized values and kept them off the grid (up to half a
+step: the exact ties of a 2x blend or of an even window, which the next layer's QuantizeLinear then rounded either
+way). The twin now writes::
 
-    QuantizeLinear(x, s, z) -> Cast(float) -> Resize(linear) -> Round -> Clip(qmin, qmax) -> Cast -> DequantizeLinear(s, z)
+    QuantizeLinear(x, s, z) -> Cast(float) -> op on the codes -> Round -> Clip(qmin, qmax) -> Cast -> DequantizeLinear
 
-which computes the same blend of integer codes (exact for dyadic weights, so ties round half to even as lowbit does).
-``ResampleOnCodes`` is a ``TorchFunctionMode``: with ``grids=None`` it notes, for each ``F.interpolate`` call of the
-converted model's run, the output grid of a bilinear resample of a ``QTensor`` (``None`` for any other call); given
-those grids it replays them on the twin's calls in the same order (``install`` keeps it on around every forward).
+with lowbit's own float32 arithmetic as the op: the bilinear blend as Gather / Mul / Add in its order, then
+``z + (v - z)`` (ORT's ``Resize`` on the codes blended in another order: 0.2-1.1 % of non-dyadic resizes' codes one
+step off), an average as ``AveragePool(c - z) + z`` or ``ReduceSum(c - z) / n + z`` (torch's CPU mean divides the
+sum). ``ResampleOnCodes`` is a ``TorchFunctionMode``: with ``records=None`` it notes, per op family and call, the output
+grid of each such op on a per-tensor ``QTensor`` in the converted model's run (``None`` for any other call); given
+those records it replays them on the twin's calls in the same order (``install`` keeps it on around every forward).
+``share_grid_bilinear`` does the same for prepared / QAT graphs, whose bilinear upsample reads and writes one shared
+fake-quant: ``convert`` runs it on the codes.
+
+The two ``autograd.Function`` s below describe ONNX through their ``symbolic``; their bodies are not traced
+(``qdq.untraced``): a traced ``round(x / s) + 0`` (a zero point of 0) made TorchScript's peephole pass fail with
+"Argument passed to at() was not in the map".
 
 >>> import torch, lowbit as Q
 >>> x = torch.tensor([[[[0.0, 0.3], [0.6, 0.9]]]])
@@ -24,6 +32,7 @@ those grids it replays them on the twin's calls in the same order (``install`` k
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -36,8 +45,8 @@ from ..qtensor import QTensor
 from ..qtensor.resample import bilinear_args, bilinear_blend
 from .qdq import QDQ, Grid, _storage, untraced
 
-__all__ = ["ResampleOnCodes", "SharedGridBilinear", "bilinear_on_codes", "install", "share_grid_bilinear",
-           "to_codes_and_back"]
+__all__ = ["ResampleOnCodes", "SharedGridBilinear", "average_on_codes", "bilinear_on_codes", "install",
+           "share_grid_bilinear", "to_codes_and_back"]
 
 _ONNX_FLOAT = 1  # TensorProto.FLOAT
 _ONNX_TYPE = {torch.uint8: 2, torch.int8: 3}  # TensorProto.UINT8 / INT8
@@ -93,35 +102,83 @@ def to_codes_and_back(x: torch.Tensor, grid: Grid, op: Callable[[torch.Tensor], 
     return _FromCodes.apply(op(_ToCodes.apply(x.detach(), *args)), *args)
 
 
-class ResampleOnCodes(TorchFunctionMode):
-    """Records (``grids=None``) or replays the grids of the bilinear ``F.interpolate`` calls on ``QTensor`` codes."""
+_AVERAGES = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
+             F.adaptive_avg_pool3d)
+_MEANS = (torch.mean, torch.Tensor.mean)
+Record = tuple[Grid, tuple[int, ...]]  # the grid of a call on codes, and its input's shape
 
-    def __init__(self, grids: list[Grid | None] | None = None) -> None:
+
+def _family(func: Any) -> Any:
+    """Which calls are matched up between the converted run and the twin's (each family in its own order)."""
+    return "mean" if func in _MEANS else func if func is F.interpolate or func in _AVERAGES else None
+
+
+def _mean_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    return dim, bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+
+
+class ResampleOnCodes(TorchFunctionMode):
+    """Records (``records=None``) or replays the grids of the ops a converted model runs on ``QTensor`` codes: bilinear
+    ``F.interpolate``, average pooling (``F.avg_pool*``, ``F.adaptive_avg_pool*``) and ``torch.mean`` /
+    ``Tensor.mean``. Each family is matched by call order; a replayed call runs on the codes only where its input has
+    the recorded shape (the float op otherwise, as for any call the converted run did not run on codes)."""
+
+    def __init__(self, records: dict[Any, list[Record | None]] | None = None) -> None:
         super().__init__()
-        self.recording = grids is None
-        self.grids: list[Grid | None] = [] if grids is None else grids
-        self.calls = 0
+        self.recording = records is None
+        self.records: dict[Any, list[Record | None]] = {} if records is None else records
+        self.calls: dict[Any, int] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is not F.interpolate:
+        family = _family(func)
+        if family is None or not args:
             return func(*args, **kwargs)
-        bound = _INTERPOLATE.bind(*args, **kwargs)
-        x, mode = bound.arguments.get("input"), bound.arguments.get("mode", "nearest")
+        x = args[0]
         if self.recording:
             out = func(*args, **kwargs)
-            grid = None
-            if mode == "bilinear" and isinstance(x, QTensor) and isinstance(out, QTensor) and out.axis is None:
-                grid = (float(out.scale), int(out.zero_point), out.qdtype)
-            self.grids.append(grid)
+            rec = None
+            if (isinstance(x, QTensor) and isinstance(out, QTensor) and x.axis is None and out.axis is None
+                    and (family is not F.interpolate or _INTERPOLATE.bind(*args, **kwargs).arguments.get(
+                        "mode", "nearest") == "bilinear")):
+                rec = ((float(out.scale), int(out.zero_point), out.qdtype), tuple(x.shape))
+            self.records.setdefault(family, []).append(rec)
             return out
-        grid = self.grids[self.calls] if self.calls < len(self.grids) else None
-        self.calls += 1
-        if grid is None:
+        n = self.calls.get(family, 0)
+        self.calls[family] = n + 1
+        recs = self.records.get(family, [])
+        rec = recs[n] if n < len(recs) else None
+        if rec is None or not isinstance(x, torch.Tensor) or tuple(x.shape) != rec[1]:
             return func(*args, **kwargs)
-        a = bound.arguments
-        return bilinear_on_codes(x, grid, a.get("size"), a.get("scale_factor"), a.get("align_corners"),
-                                 a.get("recompute_scale_factor"))
+        grid = rec[0]
+        if family is F.interpolate:
+            a = _INTERPOLATE.bind(*args, **kwargs).arguments
+            return bilinear_on_codes(x, grid, a.get("size"), a.get("scale_factor"), a.get("align_corners"),
+                                     a.get("recompute_scale_factor"))
+        if family == "mean":
+            dim, keepdim = _mean_args(args, kwargs)
+            dims = list(range(x.dim())) if dim is None or dim in ([], ()) else [dim] if isinstance(dim, int) else dim
+            dims = sorted({d % x.dim() for d in dims})
+            count = math.prod(x.shape[d] for d in dims)
+            # torch's CPU mean is sum / count: ReduceSum, Div in the file (ORT's ReduceMean need not divide)
+            return average_on_codes(x, grid, count, lambda c: torch.sum(c, dims, keepdim=keepdim) / count)
+        spatial = int(func.__name__[-2])  # avg_pool2d / adaptive_avg_pool2d: 2
+        return average_on_codes(x, grid, math.prod(x.shape[-spatial:]), lambda c: func(c, *args[1:], **kwargs))
+
+
+def average_on_codes(x: torch.Tensor, grid: Grid, region: int, op: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> torch.Tensor:
+    """An average ``op`` of ``x`` (on ``grid``) as lowbit's int8 model runs it (``qtensor/ops.py``): of the centred
+    codes, in float32 (float64 where a sum over ``region`` codes could pass 2**24), ``round(op(q - z) + z)``."""
+    z, d = float(grid[1]), grid[2]
+    wide = (d.quant_max - d.quant_min) * max(region, 1) >= 2**24
+
+    def centred(c: torch.Tensor) -> torch.Tensor:
+        y = op(c.to(torch.float64) - z if wide else c - z) + z
+        return torch.round(y).to(torch.float32) if wide else y
+
+    return to_codes_and_back(x, grid, centred)
 
 
 def bilinear_on_codes(x: torch.Tensor, grid: Grid, size: Any, scale_factor: Any, align_corners: Any,
@@ -189,12 +246,12 @@ def share_grid_bilinear(model: nn.Module) -> int:
     return done
 
 
-def install(model: nn.Module, grids: list[Grid | None]) -> None:
-    """Keep a replaying ``ResampleOnCodes(grids)`` on around every forward of ``model`` (the twin's root)."""
-    mode = ResampleOnCodes(grids)
+def install(model: nn.Module, records: dict[Any, list[Record | None]]) -> None:
+    """Keep a replaying ``ResampleOnCodes(records)`` on around every forward of ``model`` (the twin's root)."""
+    mode = ResampleOnCodes(records)
 
     def enter(mod: nn.Module, args: Any) -> None:
-        mode.calls = 0
+        mode.calls = {}
         mode.__enter__()
 
     def leave(mod: nn.Module, args: Any, out: Any) -> None:

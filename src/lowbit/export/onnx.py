@@ -12,6 +12,9 @@ constants become initializers, and ``onnx.checker`` validates the result. What e
       model (``quantize_ptq(max_float_layers=...)``, ``keep_faster``), or nothing when its output is float
     QFunctional.add/mul/cat/...   Q/DQ(input grids) -> float op -> Q/DQ(output grid)
     Hardswish, ELU, Sigmoid, ...  float op -> Q/DQ(output grid)    ReLU6: relu6 -> Q/DQ(input grid)
+    bilinear interpolate, avg /   on the codes of the input grid, lowbit's float32 math, rounded back onto it
+      adaptive pools, mean of a     (``lowbit.export.codes``; prepared / QAT graphs: a bilinear upsample between
+      QTensor                       two calls of one fake-quant)
     Embedding (8-bit)             Gather(DQ(int8 table, axis=0))
     Embedding (4-bit), EmbeddingBag   Gather(DQ(codes, axis=0)) (-> ScatterElements bag reduction), 4-bit codes
                                   as INT4/UINT4 at opset 21, else one per byte (``lowbit.export.embedding``)

@@ -296,7 +296,7 @@ def _record_input_grids(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> d
     try:
         with torch.no_grad(), ResampleOnCodes() as resample:
             model(*inputs)
-        grids["bilinear"] = resample.grids
+        grids["on_codes"] = resample.records
     finally:
         for h in handles:
             h.remove()
@@ -347,6 +347,6 @@ def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto"
             m.recording = False
     _swap(holder, "", lambda m, p, n: m if isinstance(m, FloatLayerTwin) else _quantized_twin(m, rel(p), grids,
                                                                                               weight_dtype))
-    if any(g is not None for g in grids["bilinear"]):  # bilinear F.interpolate of QTensors: on the codes (codes.py)
-        install(holder.root, grids["bilinear"])
+    if any(r is not None for rs in grids["on_codes"].values() for r in rs):  # bilinear, averages of QTensors:
+        install(holder.root, grids["on_codes"])                                # on the codes (codes.py)
     return holder.root
