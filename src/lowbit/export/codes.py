@@ -105,7 +105,7 @@ def to_codes_and_back(x: torch.Tensor, grid: Grid, op: Callable[[torch.Tensor], 
 _AVERAGES = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
              F.adaptive_avg_pool3d)
 _MEANS = (torch.mean, torch.Tensor.mean)
-Record = tuple[Grid, tuple[int, ...]]  # the grid of a call on codes, and its input's shape
+Record = tuple[Grid, tuple[int, ...]]  # the grid of a call on codes, and its input's shape past the batch dim
 
 
 def _family(func: Any) -> Any:
@@ -122,7 +122,8 @@ class ResampleOnCodes(TorchFunctionMode):
     """Records (``records=None``) or replays the grids of the ops a converted model runs on ``QTensor`` codes: bilinear
     ``F.interpolate``, average pooling (``F.avg_pool*``, ``F.adaptive_avg_pool*``) and ``torch.mean`` /
     ``Tensor.mean``. Each family is matched by call order; a replayed call runs on the codes only where its input has
-    the recorded shape (the float op otherwise, as for any call the converted run did not run on codes)."""
+    the recorded shape past the batch dim (the float op otherwise, as for any call the converted run did not run on
+    codes)."""
 
     def __init__(self, records: dict[Any, list[Record | None]] | None = None) -> None:
         super().__init__()
@@ -142,14 +143,14 @@ class ResampleOnCodes(TorchFunctionMode):
             if (isinstance(x, QTensor) and isinstance(out, QTensor) and x.axis is None and out.axis is None
                     and (family is not F.interpolate or _INTERPOLATE.bind(*args, **kwargs).arguments.get(
                         "mode", "nearest") == "bilinear")):
-                rec = ((float(out.scale), int(out.zero_point), out.qdtype), tuple(x.shape))
+                rec = ((float(out.scale), int(out.zero_point), out.qdtype), tuple(x.shape[1:]))
             self.records.setdefault(family, []).append(rec)
             return out
         n = self.calls.get(family, 0)
         self.calls[family] = n + 1
         recs = self.records.get(family, [])
         rec = recs[n] if n < len(recs) else None
-        if rec is None or not isinstance(x, torch.Tensor) or tuple(x.shape) != rec[1]:
+        if rec is None or not isinstance(x, torch.Tensor) or tuple(x.shape[1:]) != rec[1]:
             return func(*args, **kwargs)
         grid = rec[0]
         if family is F.interpolate:
@@ -161,8 +162,11 @@ class ResampleOnCodes(TorchFunctionMode):
             dims = list(range(x.dim())) if dim is None or dim in ([], ()) else [dim] if isinstance(dim, int) else dim
             dims = sorted({d % x.dim() for d in dims})
             count = math.prod(x.shape[d] for d in dims)
-            # torch's CPU mean is sum / count: ReduceSum, Div in the file (ORT's ReduceMean need not divide)
-            return average_on_codes(x, grid, count, lambda c: torch.sum(c, dims, keepdim=keepdim) / count)
+
+            def mean(c: torch.Tensor) -> torch.Tensor:  # torch's CPU mean is sum / count: ReduceSum, Div in the file
+                n = torch.ones_like(c).sum(dims, keepdim=keepdim) if 0 in dims else count  # (a dynamic batch)
+                return torch.sum(c, dims, keepdim=keepdim) / n
+            return average_on_codes(x, grid, count, mean)
         spatial = int(func.__name__[-2])  # avg_pool2d / adaptive_avg_pool2d: 2
         return average_on_codes(x, grid, math.prod(x.shape[-spatial:]), lambda c: func(c, *args[1:], **kwargs))
 
