@@ -18,7 +18,7 @@ given to every int8 layer with none (``give_input_grids``: the all-int8 model ne
 built model records, exactly for a layer called once (a layer called several times, only some calls reading a float
 layer, records the union of its calls: an approximation). A float twin's output is then always float.
 
-Graph mode reads the graph instead (``_readers``): a float layer's output goes back onto its calibrated grid where
+Graph mode reads the graph instead (``graph_swap.readers``): a float layer's output goes back onto its calibrated grid where
 an int8 consumer reads it, and stays float while every reader is a float layer too.
 
 >>> import torch, lowbit as Q
@@ -42,6 +42,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,7 +56,8 @@ from ..qscheme import as_qdtype
 from ..qtensor import QTensor
 from ..speed_guard import requant_grid, run_in_own_dtype
 from ..workflow.hooks import _tagged
-from ..workflow.propagate import join_name
+from .graph_swap import call_grid, float_only_readers, input_quantizes, make_op_twin, node_of, op_candidates, readers
+from .graph_swap import insert_gates, sources, split_calls
 from .sensitivity import SensitivityRow, SensitivityTable, _quiet_float_fallback, _score, metric_drop
 from .sensitivity import warn_if_lower_is_better
 
@@ -77,13 +79,15 @@ class _FloatTwin(nn.Module):
     fresh model's grid). The float layer runs in its own parameters' dtype (a model moved with ``.double()`` /
     ``.half()``) and gives back its input's dtype, as the int8 layers around it keep float32."""
 
-    def __init__(self, float_mod: nn.Module, qmod: nn.Module, float_out: bool) -> None:
+    def __init__(self, float_mod: nn.Module, qmod: nn.Module, float_out: bool,
+                 grid: tuple[float, int, Any] | None = None) -> None:
         super().__init__()
         self.float_mod = float_mod
         qdtype = getattr(qmod, "out_qdtype", None) or getattr(qmod, "qdtype", None)  # (BN, activations: qdtype)
         float_out = float_out or type(qmod).__name__.endswith("FloatOut")
-        self.add_module("requant", None if float_out or qdtype is None or not hasattr(qmod, "scale")
-                        else Quantize(float(qmod.scale), int(qmod.zero_point), qdtype))
+        if grid is None and qdtype is not None and hasattr(qmod, "scale"):
+            grid = (float(qmod.scale), int(qmod.zero_point), qdtype)  # (``grid``: one call of a reused layer's)
+        self.add_module("requant", None if float_out or grid is None else Quantize(*grid))
         self.keep = True
 
     @property
@@ -151,43 +155,6 @@ def _set(root: nn.Module, path: str, mod: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, name, mod)
 
 
-def _node_of(qmodel: nn.Module, path: str) -> tuple[str, fx.GraphModule, list[fx.Node]] | None:
-    """The innermost graph holding the calls of module ``path``, and those nodes (a reused module: several)."""
-    parts = path.split(".")
-    for i in range(len(parts) - 1, -1, -1):
-        gpath = ".".join(parts[:i])
-        gm = qmodel.get_submodule(gpath) if gpath else qmodel
-        if isinstance(gm, fx.GraphModule):
-            rel = ".".join(parts[i:])
-            nodes = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == rel]
-            return (gpath, gm, nodes) if nodes else None
-    return None
-
-
-def _readers(gm: fx.GraphModule, gpath: str, node: fx.Node, names: set[str]) -> tuple[set[str], bool]:
-    """The candidate modules (paths in ``names``) that read ``node``'s value through grid-sharing ops (zero pads,
-    flatten, ...), and whether anything else reads it (``x.shape`` reads do not count)."""
-    from ..fx.patterns import is_share_op
-
-    mods, other, todo, seen = set(), False, list(node.users), set()
-    while todo:
-        u = todo.pop()
-        if u in seen:
-            continue
-        seen.add(u)
-        mod = gm.get_submodule(str(u.target)) if u.op == "call_module" else None
-        if (u.op == "call_function" and (u.target is len or (u.target is getattr and u.args[1] in ("shape", "device")))) \
-                or (u.op == "call_method" and u.target in ("size", "dim", "numel")):
-            continue
-        if mod is not None and join_name(gpath, str(u.target)) in names:
-            mods.add(join_name(gpath, str(u.target)))
-        elif u.op != "output" and not isinstance(mod, (Quantize, DeQuantize)) and is_share_op(u, mod):
-            todo.extend(u.users)
-        else:
-            other = True
-    return mods, other
-
-
 def _candidates(base_mods: dict[str, nn.Module], prep_mods: dict[str, nn.Module], qmodel: nn.Module) -> list[str]:
     """Paths of ``qmodel``'s int8 modules a mapping can keep float: weighted layers, and the other int8 modules the
     user's model names (BN, activations, eager ``QFunctional``); stubs, dynamic layers and graph mode's generated
@@ -204,28 +171,67 @@ def _candidates(base_mods: dict[str, nn.Module], prep_mods: dict[str, nn.Module]
     return out
 
 
-def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool = False
-           ) -> tuple[dict[str, list[tuple[str, nn.Module]]], dict[str, tuple[_FloatTwin, set[str]]]]:
-    """``{layer name: [(path in qmodel, float replacement), ...]}`` for every candidate (``_candidates``), and
-    ``{layer name: (its float twin, the layers that alone read its output)}`` for ``_regrid``. ``eager``: float twins
-    output float (``give_input_grids`` gives their int8 readers the grid the built model records)."""
+Twins = list[tuple[str, nn.Module, set[str]]]
+
+
+@dataclass
+class _Plan:
+    """What ``search="fast"`` swaps: ``swaps`` ``{name: [(path in qmodel, float replacement), ...]}`` per candidate,
+    ``twins`` ``[(name, a float twin, the candidates that alone read its output)]`` (``_regrid``), ``op_keys`` ``{op
+    name: call-order key}`` and ``islands`` ``{op name: (reader names, an int8 non-candidate reads it, source names,
+    it reads a float value)}``: an int8 op that nothing int8 reads any more and that reads a float value is kept float
+    by ``prepare_fx`` (a float island), whether the mapping names it or not (``_islands``)."""
+
+    swaps: dict[str, list[tuple[str, nn.Module]]]
+    twins: Twins = field(default_factory=list)
+    op_keys: dict[str, tuple[str, Any, int]] = field(default_factory=dict)
+    islands: dict[str, tuple[set[str], bool, set[str], bool]] = field(default_factory=dict)
+    op_kinds: dict[str, str] = field(default_factory=dict)  # op name -> "add", "add_relu", "cat", ... (the type column)
+    gates: list[tuple[nn.Module, str, set[str], bool]] = field(default_factory=list)  # (gate, producer, readers, int)
+
+
+def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool = False, ops: bool = False,
+           call_outputs: dict[str, list[nn.Module]] | None = None) -> _Plan:
+    """The float replacements of every candidate (``_candidates``). ``eager``: float twins output float
+    (``give_input_grids`` gives their int8 readers the grid the built model records). Graph mode: ``ops`` adds the int8
+    ops a call-order key reaches (``graph_swap.op_candidates``); ``call_outputs`` (``record_call_outputs``) gives each
+    call of a reused layer its own twin and grid (``split_calls``: the converted graph's later calls get their own
+    attribute)."""
     out: dict[str, list[tuple[str, nn.Module]]] = {}
-    readers: dict[str, tuple[_FloatTwin, set[str], bool]] = {}
+    entries: list[tuple[str, nn.Module, set[str], bool]] = []
     base_mods = dict(base.named_modules())
     prep_mods = dict(prepared.named_modules())
     paths = _candidates(base_mods, prep_mods, qmodel)
-    names = set(paths)
-    for path in paths:
+    name_of = {p: p for p in paths}
+    calls = {p: (p, 0) for p in paths}
+    if call_outputs is not None and not eager:
+        aliases = split_calls(qmodel, [p for p in paths if p in call_outputs])
+        name_of.update({a: p for a, (p, _) in aliases.items()})
+        calls.update(aliases)
+    gated = ops and not eager  # (graph mode, exact: _Gate on every edge instead of one grid per twin)
+    opc = op_candidates(qmodel) if gated else {}
+    name_of.update({p: name for p, (name, _, _) in opc.items()})
+    islands = {}
+    sites: list[tuple[str, nn.Module, fx.GraphModule, str, fx.Node]] = []  # (ops: a gate on each edge of each)
+    for path, (name, _, _) in opc.items():
+        swaps, twin, gm, gpath, node = make_op_twin(qmodel, path)
+        sites.append((name, twin, gm, gpath, node))
+        out[name] = swaps
+        m, o, int_other = readers(gm, gpath, node, set(name_of))
+        src, float_in = sources(gm, gpath, node, set(name_of))
+        entries.append((name, twin, m, o))
+        islands[name] = ({name_of[p] for p in m}, int_other, {name_of[p] for p in src}, float_in)
+    for path, (name, k) in calls.items():
         qmod = qmodel.get_submodule(path)
         parent, _, last = path.rpartition(".")
         if last == "module" and parent in base_mods and type(base_mods[parent]) is type(prep_mods[path]):
             out[parent] = [(parent, copy.deepcopy(base_mods[parent]))]  # a one-layer graph: the float module
             continue
         if isinstance(qmod, QFunctional):
-            if eager:  # (graph mode's QFunctional are generated: never a candidate)
+            if eager:  # (graph mode's QFunctional are generated: op_candidates)
                 out[path] = [(path, _FunctionalTwin())]
             continue
-        found = None if eager else _node_of(qmodel, path)
+        found = None if eager else node_of(qmodel, path)
         swaps: list[tuple[str, nn.Module]] = []
         float_out = eager
         mods: set[str] = set()
@@ -233,28 +239,49 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool 
         if found is not None:  # the layer's own input Quantize goes too: a float layer reads float
             gpath, gm, nodes = found
             float_out, other = True, False
-            for node in nodes:  # (a reused module: its twin serves every call)
-                arg = node.args[0] if node.args else None
-                if isinstance(arg, fx.Node) and arg.op == "call_module" and len(arg.users) == 1 and \
-                        isinstance(gm.get_submodule(arg.target), Quantize):
-                    swaps.append((join_name(gpath, str(arg.target)), nn.Identity()))
-                float_out = float_out and bool(node.users) and all(
-                    u.op == "call_module" and isinstance(gm.get_submodule(u.target), DeQuantize) for u in node.users)
-                m, o = _readers(gm, gpath, node, names)
+            for node in nodes:  # (a reused module not split: its twin serves every call)
+                swaps += [(q, nn.Identity()) for q in input_quantizes(gm, gpath, node, first=True)]
+                float_out = float_out and float_only_readers(gm, node)
+                m, o, _ = readers(gm, gpath, node, set(name_of))
                 mods, other = mods | m, other or o
-        twin = _FloatTwin(copy.deepcopy(prep_mods[path]), qmod, float_out)
+        twin = _FloatTwin(copy.deepcopy(prep_mods[name]), qmod, float_out and not gated,
+                          call_grid((call_outputs or {}).get(name), k) if found is not None else None)
+        if found is not None:
+            sites += [(name, twin, found[1], found[0], node) for node in found[2]]
         swaps.append((path, twin))
-        out[path] = swaps
-        readers[path] = (twin, mods, other)
+        out.setdefault(name, []).extend(swaps)
+        entries.append((name, twin, mods, other))
     # a twin may drop its grid only when every reader is a layer that has a float twin too
-    twins = {name: (twin, mods) for name, (twin, mods, other) in readers.items()
-             if not other and mods and all(m in readers for m in mods)}
-    return out, twins
+    has_twin = {name for name, *_ in entries}
+    twins = [(name, twin, {name_of[m] for m in mods}) for name, twin, mods, other in entries
+             if not other and mods and all(name_of[m] in has_twin for m in mods)]
+    gates = []
+    if gated:  # every twin outputs float, a gate on each of its edges rounds where an int8 op reads it
+        twins = []
+        for name, twin, gm, gpath, node in sites:
+            twin.keep = False
+            gates += [(g, name, {name_of[m] for m in mods}, int_other)
+                      for g, mods, int_other in insert_gates(gm, gpath, node, twin.grid, set(name_of))]
+    return _Plan(out, twins, {name: key for name, key, _ in opc.values()}, islands,
+                 {name: op for name, _, op in opc.values()}, gates)
 
 
-def _regrid(twins: dict[str, tuple[_FloatTwin, set[str]]], floats: set[str]) -> None:
+def _islands(plan: _Plan, floats: set[str]) -> set[str]:
+    """``floats`` and the int8 ops ``prepare_fx`` then keeps float as islands (``fx.classify``'s rule: no int op reads
+    the op's value, and it reads a float one), to a fixed point."""
+    out, changed = set(floats), True
+    while changed:
+        changed = False
+        for op, (mods, int_other, src, float_in) in plan.islands.items():
+            if op not in out and not int_other and mods <= out and (float_in or src & out):
+                out.add(op)
+                changed = True
+    return out
+
+
+def _regrid(twins: Twins, floats: set[str]) -> None:
     """A float layer whose every reader is float too outputs float (no rounding between float layers)."""
-    for name, (twin, mods) in twins.items():
+    for name, twin, mods in twins:
         twin.keep = not (name in floats and mods <= floats)
 
 
@@ -266,18 +293,36 @@ def _apply(qmodel: nn.Module, swaps: list[tuple[str, nn.Module]]) -> list[tuple[
     return undo
 
 
-def _search(qmodel: nn.Module, swaps: dict[str, list[tuple[str, nn.Module]]],
-            twins: dict[str, tuple[_FloatTwin, set[str]]], eval_fn: Callable[[nn.Module], Any], baseline: float,
+class _State:
+    """``qmodel`` with exactly a given set of candidates float (and the islands that follows from it)."""
+
+    def __init__(self, qmodel: nn.Module, plan: _Plan) -> None:
+        self.qmodel, self.plan, self.undo = qmodel, plan, {}
+
+    def set(self, floats: set[str]) -> None:
+        want = _islands(self.plan, floats)
+        for name in [n for n in self.undo if n not in want]:
+            _apply(self.qmodel, self.undo.pop(name))
+        for name in sorted(want - set(self.undo)):
+            self.undo[name] = _apply(self.qmodel, self.plan.swaps[name])
+        _regrid(self.plan.twins, want)
+        for gate, producer, mods, int_other in self.plan.gates:
+            gate.active = producer in want and (int_other or not mods <= want)
+
+
+def _search(qmodel: nn.Module, plan: _Plan, eval_fn: Callable[[nn.Module], Any], baseline: float,
             tolerance: float | None, max_float_layers: int | None, progress: bool, who: str) -> SensitivityTable:
     """Rank (one layer float each) and walk greedily; ``qmodel`` is left with the chosen layers swapped in."""
-    table = SensitivityTable(baseline, tolerance=tolerance, view="float")
+    table = SensitivityTable(baseline, tolerance=tolerance, view="float", op_keys=plan.op_keys)
     metric = table.all_quantized_metric = _score(eval_fn, qmodel, "the fully quantized model", who)
+    state = _State(qmodel, plan)
     rows = []
-    for name, sw in tqdm(swaps.items(), desc=f"{who}: rank (one layer float)", disable=not progress, leave=False):
-        undo = _apply(qmodel, sw)
+    for name in tqdm(plan.swaps, desc=f"{who}: rank (one layer float)", disable=not progress, leave=False):
+        state.set({name})
         m = _score(eval_fn, qmodel, f"the model with '{name}' float", who)
-        _apply(qmodel, undo)
-        rows.append(SensitivityRow(name, type(undo[-1][1]).__name__, m, metric_drop(baseline, m)))
+        kind = plan.op_kinds.get(name) or type(state.undo[name][-1][1]).__name__
+        state.set(set())
+        rows.append(SensitivityRow(name, kind, m, metric_drop(baseline, m)))
     rows.sort(key=lambda r: -r.metric)  # not by drop: an infinite baseline (SQNR vs float) makes every drop inf
     warn_if_lower_is_better(baseline, [metric, *(r.metric for r in rows)], who)
     table.rows = rows
@@ -287,15 +332,13 @@ def _search(qmodel: nn.Module, swaps: dict[str, list[tuple[str, nn.Module]]],
         if (metric_drop(baseline, metric) <= limit or len(table.float_layers) >= budget
                 or row.metric <= table.all_quantized_metric):
             break
-        undo = _apply(qmodel, swaps[row.name])
-        _regrid(twins, {*table.float_layers, row.name})
+        state.set({*table.float_layers, row.name})
         m = _score(eval_fn, qmodel, f"the model with {[*table.float_layers, row.name]} float", who)
         if m > metric:
             metric = m
             table.float_layers.append(row.name)
         else:
-            _apply(qmodel, undo)
-            _regrid(twins, set(table.float_layers))
+            state.set(set(table.float_layers))
     table.final_metric = metric
     return table
 
@@ -317,7 +360,7 @@ def keep_float_layers(float_model: nn.Module, prepared: nn.Module, qmodel: nn.Mo
         raise TypeError(f"{who}: eval_fn={eval_fn!r} must be callable (model -> score, higher is better)")
     with _quiet_float_fallback(), torch.no_grad():
         baseline = _score(eval_fn, float_model, "the float model", who)
-        swaps, twins = _swaps(float_model, prepared, qmodel)
-        if not swaps:
+        plan = _swaps(float_model, prepared, qmodel)
+        if not plan.swaps:
             return SensitivityTable(baseline, view="float")
-        return _search(qmodel, swaps, twins, eval_fn, baseline, None, max_float_layers, progress, who)
+        return _search(qmodel, plan, eval_fn, baseline, None, max_float_layers, progress, who)

@@ -66,6 +66,7 @@ from ..qconfig import QConfigMapping
 from .checks import check_float_model
 from .compare import check_module, iter_batches
 from .float_swap import _FloatTwin, _search, _swaps, give_input_grids, keep_float_layers, record_tagged_inputs
+from .graph_swap import record_call_outputs
 from .sensitivity import (
     SensitivityTable,
     _dequantize_output,
@@ -78,6 +79,7 @@ from .sensitivity import (
     metric_drop,
     sensitivity,
 )
+from .table import keep_float
 
 __all__ = ["auto_mixed_precision", "keep_float_layers"]
 _REEXPORTED = (_FloatTwin,)  # export.twin finds it here (no import of lowbit.debug), ptq imports keep_float_layers
@@ -144,7 +146,7 @@ def auto_mixed_precision(model: nn.Module, qconfig_mapping: Any, calib: Any, eva
         for row in steps:
             if metric_drop(table.baseline, metric) <= limit or len(table.float_layers) >= budget:
                 break
-            trial = copy.deepcopy(mapping).set_module_name(row.name, None)
+            trial = keep_float(copy.deepcopy(mapping), row.name, table.op_keys)
             m = measure(trial, f"the model with {[*table.float_layers, row.name]} float")
             if m > metric:
                 mapping, metric = trial, m
@@ -176,6 +178,8 @@ def _fast(model: nn.Module, qconfig_mapping: Any, batches: list[Any], eval_fn: C
         else:
             prepared = prepare(base, mapping)
         observers, handles = record_tagged_inputs(prepared) if method != "fx" else ({}, [])
+        calls, call_handles = record_call_outputs(prepared) if method == "fx" else ({}, [])
+        handles += call_handles
         try:
             for b in tqdm(batches, desc="auto_mixed_precision: calibrate", disable=not progress, leave=False):
                 run_batch(prepared, b)
@@ -187,13 +191,13 @@ def _fast(model: nn.Module, qconfig_mapping: Any, batches: list[Any], eval_fn: C
         qmodel.register_forward_hook(_dequantize_output)
         if finalize is not None:
             finalize(qmodel)
-        swaps, twins = _swaps(base, prepared, qmodel, eager=method != "fx")
-        if not swaps:
+        plan = _swaps(base, prepared, qmodel, eager=method != "fx", ops=True, call_outputs=calls)
+        if not plan.swaps:
             raise ValueError("auto_mixed_precision: the quantized model has no int8 layer to keep float "
                              "(the mapping quantizes none of its modules)")
-        table = _search(qmodel, swaps, twins, eval_fn, baseline, tolerance, max_float_layers, progress, "auto_mixed_precision")
+        table = _search(qmodel, plan, eval_fn, baseline, tolerance, max_float_layers, progress, "auto_mixed_precision")
         for name in table.float_layers:
-            mapping.set_module_name(name, None)
+            keep_float(mapping, name, plan.op_keys)
     return mapping, table
 
 

@@ -69,7 +69,8 @@ from ..batches import check_finite_batch
 from ..qtensor import QTensor
 from .checks import check_float_model
 from .compare import _flatten, check_module, iter_batches, run_batch
-from .table import SensitivityRow, SensitivityTable, by_drop, metric_drop
+from .graph_swap import prepared_ops
+from .table import SensitivityRow, SensitivityTable, by_drop, keep_float, metric_drop
 
 __all__ = ["SensitivityRow", "SensitivityTable", "layer_sensitivity", "sensitivity"]
 
@@ -166,14 +167,15 @@ def _layers(model: nn.Module, mapping: QConfigMapping, method: str,
     return out
 
 
-def _fx_folded(base: nn.Module, mapping: QConfigMapping, example_inputs: tuple[Any, ...]) -> set[str]:
+def _fx_folded(base: nn.Module, mapping: QConfigMapping, example_inputs: tuple[Any, ...]) -> tuple[set[str], list]:
     """Names of the modules graph mode absorbs into a fused layer (a conv / linear's BN and ReLU, a BN's ReLU:
     ``lowbit_report.absorbed`` of ``prepare_fx`` under the user's mapping): no layer of their own. A standalone BN
-    (after a ReLU, a cat, an add) absorbs nothing into anything: it is one (int8 in graph mode since session 38)."""
+    (after a ReLU, a cat, an add) absorbs nothing into anything: it is one (int8 in graph mode since session 38).
+    And the int8 ops a call-order key reaches (``graph_swap.prepared_ops``: adds, mul, cat)."""
     with warnings.catch_warnings():  # (the candidates' own prepare_fx warns, once per candidate)
         warnings.simplefilter("ignore")
         prepared = prepare_fx(copy.deepcopy(base), mapping, example_inputs=example_inputs)
-    return {n for names in prepared.lowbit_report.absorbed.values() for n in names}
+    return {n for names in prepared.lowbit_report.absorbed.values() for n in names}, prepared_ops(prepared)
 
 
 def _fused(model: nn.Module, fuse: Any, method: str) -> nn.Module:
@@ -231,6 +233,7 @@ def _quantize(base: nn.Module, mapping: QConfigMapping, calib: list[Any], method
             # a candidate's mapping names only its layer: the ReLU it fuses with resolves to None, and prepare_fx
             # warned about the parts' qconfigs on every "only this layer int8" candidate, a mapping the user never wrote
             warnings.filterwarnings("ignore", message=r"fuse: the parts of this .* disagree on \.qconfig")
+            warnings.filterwarnings("ignore", message=r"prepare_fx\(\): no quantizable op")  # an add alone: float
             prepared = prepare_fx(copy.deepcopy(base), mapping, example_inputs=example_inputs)
         with torch.no_grad():
             for batch in calib:
@@ -313,9 +316,11 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
 
     if method == "fx" and example_inputs is None:
         example_inputs = example_inputs_of(batches[0], "sensitivity")
+    op_keys: dict[str, tuple[str, Any, int]] = {}
     if method == "fx":  # a BN folded into the conv before it is not a layer (a standalone one was skipped too)
-        folded = _fx_folded(base, user_mapping, example_inputs)
-        layers = [lay for lay in layers if lay[0] not in folded]
+        folded, ops = _fx_folded(base, user_mapping, example_inputs)
+        layers = [lay for lay in layers if lay[0] not in folded] + [(name, op, qc) for name, op, qc, _ in ops]
+        op_keys = {name: key for name, _, _, key in ops}  # graph mode's adds / muls / cats, by call-order key
 
     def quantized(mapping: QConfigMapping, what: str) -> float:
         return _score(eval_fn, _quantize(base, mapping, batches, method, train_fn, example_inputs), what, who)
@@ -325,17 +330,19 @@ def sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, eval_fn: Cal
         rows = []
         for name, type_name, qc in tqdm(layers, desc=f"{who} (one layer int8 at a time)", leave=False,
                                         disable=not progress):
-            metric = quantized(QConfigMapping().set_module_name(name, qc), f"layer '{name}' quantized alone")
+            alone = (QConfigMapping().set_module_name_object_type_order(*op_keys[name], qc) if name in op_keys
+                     else QConfigMapping().set_module_name(name, qc))
+            metric = quantized(alone, f"layer '{name}' quantized alone")
             rows.append(SensitivityRow(name, type_name, metric, metric_drop(baseline, metric)))
         rows.sort(key=by_drop)
         warn_if_lower_is_better(baseline, [r.metric for r in rows], "sensitivity")
-        table = SensitivityTable(baseline, rows, tolerance)
+        table = SensitivityTable(baseline, rows, tolerance, op_keys=op_keys)
         if tolerance is not None:
             metric = quantized(user_mapping, "the fully quantized model")
             for row in rows:
                 if metric_drop(baseline, metric) <= tolerance:
                     break
-                user_mapping.set_module_name(row.name, None)
+                keep_float(user_mapping, row.name, op_keys)
                 table.float_layers.append(row.name)
                 metric = quantized(user_mapping, f"the model with {table.float_layers} float")
             table.final_metric = metric

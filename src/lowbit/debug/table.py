@@ -13,7 +13,8 @@ import unicodedata
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["SensitivityRow", "SensitivityTable", "by_drop", "md_cell", "metric_drop", "text_width"]
+__all__ = ["SensitivityRow", "SensitivityTable", "by_drop", "call_order_name", "keep_float", "md_cell", "metric_drop",
+           "text_width"]
 
 _MD_ESCAPE = str.maketrans({"\\": "\\\\", "|": "\\|", "`": "\\`", "<": "\\<", "\r": " ", "\n": " "})
 
@@ -37,6 +38,41 @@ def pad(text: str, width: int, right: bool = False) -> str:
     return fill + text if right else text + fill
 
 
+def _function_name(obj: Any) -> str:
+    """``operator.add``, ``torch.cat``, ... (the module the function is reached from, then its name)."""
+    import operator
+
+    import torch
+
+    name = getattr(obj, "__name__", repr(obj))
+    for mod in (operator, torch):
+        if getattr(mod, name, None) is obj:
+            return f"{mod.__name__}.{name}"
+    return f"{getattr(obj, '__module__', None) or '?'}.{name}"
+
+
+def call_order_name(key: tuple[str, Any, int]) -> str:
+    """The row name of a graph-mode op (an add, a ``mul``, a ``cat``) that a mapping reaches only through its call-order
+    key ``(module_name, function, index)`` (``set_module_name_object_type_order``): ``"module_name:function#index"``,
+    ``"function#index"`` at the root. ``SensitivityTable.op_keys`` maps the name back to the key.
+
+    >>> import operator, torch
+    >>> call_order_name(("features.3", operator.add, 0)), call_order_name(("", torch.cat, 1))
+    ('features.3:operator.add#0', 'torch.cat#1')
+    """
+    module_name, obj, index = key
+    fn = f"{_function_name(obj)}#{index}"
+    return f"{module_name}:{fn}" if module_name else fn
+
+
+def keep_float(mapping: Any, name: str, op_keys: dict[str, tuple[str, Any, int]]) -> Any:
+    """``mapping`` with the layer or op ``name`` kept float: ``set_module_name(name, None)``, or for a graph-mode op
+    ``set_module_name_object_type_order(*op_keys[name], None)``; returns ``mapping``."""
+    if name in op_keys:
+        return mapping.set_module_name_object_type_order(*op_keys[name], None)
+    return mapping.set_module_name(name, None)
+
+
 @dataclass(frozen=True)
 class SensitivityRow:
     """One layer quantized alone: ``metric = eval_fn(model with only this layer int8)``, ``drop = baseline - metric``."""
@@ -58,6 +94,9 @@ class SensitivityTable:
     final_metric: float | None = None      # everything quantized except float_layers (tolerance only)
     all_quantized_metric: float | None = None  # everything quantized (auto_mixed_precision)
     view: str = "alone"  # rows: "alone" = only this layer int8; "float" = only this layer float (search="fast")
+    # graph mode's ops (adds, mul, cat): row name (call_order_name) -> (module_name, function, index), the key that
+    # keeps the op float: mapping.set_module_name_object_type_order(*op_keys[name], None)
+    op_keys: dict[str, tuple[str, Any, int]] = field(default_factory=dict)
 
     @property
     def final_drop(self) -> float | None:
@@ -104,7 +143,8 @@ class SensitivityTable:
     def to_dict(self) -> dict[str, Any]:
         return {"baseline": self.baseline, "rows": [asdict(r) for r in self.rows], "tolerance": self.tolerance,
                 "float_layers": list(self.float_layers), "final_metric": self.final_metric,
-                "final_drop": self.final_drop}
+                "final_drop": self.final_drop,
+                "op_keys": {n: [m, _function_name(f), i] for n, (m, f, i) in self.op_keys.items()}}
 
 
 _ONE_LINE = str.maketrans({"\t": " ", "\r": " ", "\n": " "})  # a text-table row is one line

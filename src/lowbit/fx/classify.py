@@ -58,10 +58,9 @@ def apply_call_order(gm: fx.GraphModule, mapping: QConfigMapping, prefix: str, s
     the ``i``-th call of a child module of type ``T`` whose path's parent is ``p`` has ``(p, T, i)``. A matching
     entry sets that module's ``.qconfig``, or the function node's ``meta["lowbit_order_qconfig"]`` (``_node_qconfig``
     reads it first). ``seen`` (path → {object: calls so far}) and ``used`` (the keys matched) span one prepare call's
-    graphs; paths are full (``prefix`` joined)."""
+    graphs; paths are full (``prefix`` joined). Every function node records its key in ``meta["lowbit_call_order"]``
+    (carried onto the ``qfunctional_N`` node ``convert_fx`` makes of it: the mixed-precision search names it by it)."""
     order = mapping.module_name_object_type_order_qconfigs
-    if not order:
-        return
     for node in gm.graph.nodes:
         if node.op == "call_function":
             path, obj, mod = join(prefix, node.meta.get("lowbit_scope", "")), node.target, None
@@ -77,6 +76,8 @@ def apply_call_order(gm: fx.GraphModule, mapping: QConfigMapping, prefix: str, s
             continue
         counts[obj] = index + 1
         key = (path, obj, index)
+        if mod is None:
+            node.meta["lowbit_call_order"] = key
         if key not in order:
             continue
         used.add(key)

@@ -1,0 +1,287 @@
+"""Graph mode's part of ``search="fast"`` (split from ``float_swap.py``): where a converted graph calls a layer, who
+reads its output, graph-mode ops kept float, and a reused layer's calls one by one.
+
+**Ops.** ``convert_fx`` turns an int8 add / mul / cat (``x + y``, ``torch.add``, ``ff.add``) into a generated
+``qfunctional_N`` module that no name of the user's model reaches; the mapping reaches the op through its call-order
+key ``(module_name, function, index)`` (``set_module_name_object_type_order``: the ``index``-th call of ``function``
+traced in ``module_name``'s ``forward``), which ``prepare_fx`` records on the node (``meta["lowbit_call_order"]``) and
+``convert_fx`` carries onto the ``qfunctional_N`` call. The model built with that key set to ``None`` computes the op
+in float on its dequantized operands (their ``Quantize`` gone where the op was their only reader) and its int8
+readers quantize the float result on the grid their input observer recorded: the values the op's own output observer
+saw, so ``_OpTwin`` rounds onto the op's calibrated grid, and stays float while every reader is kept float too
+(``_regrid``). A method call (``x.add(y)``) has no call-order key (torch.ao counts functions only): not a candidate.
+
+**A reused layer** (one module, several call nodes): one observer sees every call in the prepared model, so the int8
+layer has one output grid; the model built with the layer float rounds each call's output on the grid its own int8
+readers record, i.e. over that call's outputs only, and keeps a call's output float where only float layers read it.
+``record_call_outputs`` observes each call separately during the one calibration; ``split_calls`` gives each later
+call node of the converted graph its own attribute (the same module object: the int8 model is unchanged), so each call
+gets its own float twin with its own grid and its own readers.
+
+>>> import operator
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> class Res(nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+...     def forward(self, x):
+...         h = self.a(x)
+...         return self.b(h + x)
+>>> x = torch.randn(8, 4)
+>>> p = Q.prepare_fx(Res().eval(), Q.get_minmax_qconfig(), example_inputs=(x,))
+>>> _ = p(x)
+>>> q = Q.convert_fx(p)
+>>> [(path, name, key[1] is operator.add) for path, (name, key, op) in op_candidates(q).items()]
+[('qfunctional_2', 'operator.add#0', True)]
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..fake_quant.base import holds_grid
+from ..nn.quantized.functional_modules import FloatFunctional, QFunctional
+from ..nn.quantized.stubs import DeQuantize, Quantize
+from ..qscheme import as_qdtype
+from ..qtensor import QTensor
+from ..speed_guard import requant_grid
+from ..workflow.propagate import join_name
+from .table import call_order_name
+
+__all__ = ["node_of", "readers", "op_candidates", "prepared_ops", "record_call_outputs", "split_calls"]
+
+
+def _dq(x: Any) -> Any:
+    return x.dequantize() if isinstance(x, QTensor) else x
+
+
+def node_of(qmodel: nn.Module, path: str) -> tuple[str, fx.GraphModule, list[fx.Node]] | None:
+    """The innermost graph holding the calls of module ``path``, and those nodes (a reused module: several)."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        gpath = ".".join(parts[:i])
+        gm = qmodel.get_submodule(gpath) if gpath else qmodel
+        if isinstance(gm, fx.GraphModule):
+            rel = ".".join(parts[i:])
+            nodes = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == rel]
+            return (gpath, gm, nodes) if nodes else None
+    return None
+
+
+def readers(gm: fx.GraphModule, gpath: str, node: fx.Node, names: set[str],
+            users: list[fx.Node] | None = None) -> tuple[set[str], bool, bool]:
+    """The candidate modules (paths in ``names``) that read ``node``'s value (``users``: through these of its users
+    only) through grid-sharing ops (zero pads, flatten, ...), whether anything else reads it (``x.shape`` reads do not
+    count), and whether an int8 op that is no candidate does (anything but a ``DeQuantize`` or the output)."""
+    from ..fx.patterns import is_share_op
+
+    mods, other, int_other, todo, seen = set(), False, False, list(node.users if users is None else users), set()
+    while todo:
+        u = todo.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        mod = gm.get_submodule(str(u.target)) if u.op == "call_module" else None
+        if (u.op == "call_function" and (u.target is len or (u.target is getattr and u.args[1] in ("shape", "device")))) \
+                or (u.op == "call_method" and u.target in ("size", "dim", "numel")):
+            continue
+        if mod is not None and join_name(gpath, str(u.target)) in names:
+            mods.add(join_name(gpath, str(u.target)))
+        elif u.op != "output" and not isinstance(mod, (Quantize, DeQuantize)) and is_share_op(u, mod):
+            todo.extend(u.users)
+        else:
+            other, int_other = True, int_other or (u.op != "output" and not isinstance(mod, DeQuantize))
+    return mods, other, int_other
+
+
+def sources(gm: fx.GraphModule, gpath: str, node: fx.Node, names: set[str]) -> tuple[set[str], bool]:
+    """The candidates (paths in ``names``) whose values an op reads (back through grid-sharing ops), and whether it
+    reads a float value (through a ``Quantize``: a float op's, the model input's)."""
+    from ..fx.patterns import is_share_op
+
+    found, float_in = set(), False
+    todo = [a for arg in node.args for a in (arg if isinstance(arg, (list, tuple)) else (arg,)) if isinstance(a, fx.Node)]
+    while todo:
+        a = todo.pop()
+        mod = gm.get_submodule(str(a.target)) if a.op == "call_module" else None
+        if mod is not None and join_name(gpath, str(a.target)) in names:
+            found.add(join_name(gpath, str(a.target)))
+        elif isinstance(mod, Quantize):
+            float_in = True
+        elif a.op != "placeholder" and a.args and isinstance(a.args[0], fx.Node) and is_share_op(a, mod):
+            todo.append(a.args[0])
+    return found, float_in
+
+
+def input_quantizes(gm: fx.GraphModule, gpath: str, node: fx.Node, first: bool = False) -> list[str]:
+    """Paths of the ``Quantize`` modules whose only reader is ``node`` (a float layer or op reads float: they go);
+    ``first``: of its first argument only (a layer's input)."""
+    args = [a for arg in (node.args[:1] if first else node.args)
+            for a in (arg if isinstance(arg, (list, tuple)) else (arg,))]
+    return [join_name(gpath, str(a.target)) for a in args
+            if isinstance(a, fx.Node) and a.op == "call_module" and len(a.users) == 1
+            and isinstance(gm.get_submodule(str(a.target)), Quantize)]
+
+
+def float_only_readers(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` is read only through ``DeQuantize`` (float ops, the model's output): no grid to round onto."""
+    return bool(node.users) and all(u.op == "call_module" and isinstance(gm.get_submodule(str(u.target)), DeQuantize)
+                                    for u in node.users)
+
+
+class _OpTwin(nn.Module):
+    """A graph-mode ``QFunctional`` kept float: the ``FloatFunctional`` method on dequantized operands, then back on the
+    op's calibrated output grid (``requant``) while ``keep`` (an int8 reader reads it); float otherwise."""
+
+    def __init__(self, qop: QFunctional, float_out: bool) -> None:
+        super().__init__()
+        self.float_mod = FloatFunctional()
+        self.add_module("requant", None if float_out else Quantize(float(qop.scale), int(qop.zero_point), qop.qdtype))
+        self.keep = True
+
+    @property
+    def grid(self) -> tuple[float, int, Any] | None:
+        """The output grid ``(scale, zero_point, qdtype)``, or None (float output)."""
+        return requant_grid(self.requant)
+
+    def forward(self, op: str, *args: Any) -> Any:
+        args = tuple(type(a)(_dq(t) for t in a) if isinstance(a, (list, tuple)) else _dq(a) for a in args)
+        y = getattr(self.float_mod, op)(*args)
+        return y if self.requant is None or not self.keep else self.requant(y)
+
+
+def op_candidates(qmodel: nn.Module) -> dict[str, tuple[str, tuple[str, Any, int], str]]:
+    """``{path of a qfunctional_N: (row name, call-order key, op)}`` for every graph-mode int8 op a mapping can keep
+    float (its node carries ``meta["lowbit_call_order"]``)."""
+    out = {}
+    for path, mod in qmodel.named_modules():
+        if not isinstance(mod, QFunctional):
+            continue
+        found = node_of(qmodel, path)
+        if found is None or len(found[2]) != 1:
+            continue
+        node = found[2][0]
+        key = node.meta.get("lowbit_call_order")
+        if key is not None:
+            out[path] = (call_order_name(key), key, str(node.args[0]))
+    return out
+
+
+def prepared_ops(prepared: nn.Module) -> list[tuple[str, str, Any, tuple[str, Any, int]]]:
+    """``(row name, op, qconfig, call-order key)`` of every int8 op (add, mul, cat, ...) of a model ``prepare_fx``
+    prepared that a call-order key reaches: the exact search's op candidates, in graph order."""
+    return [(call_order_name(n.meta["lowbit_call_order"]), str(n.meta["lowbit_qop"]), n.meta["lowbit_qconfig"],
+             n.meta["lowbit_call_order"])
+            for gm in prepared.modules() if isinstance(gm, fx.GraphModule) for n in gm.graph.nodes
+            if n.meta.get("lowbit_kind") == "functional" and n.meta.get("lowbit_qconfig") is not None
+            and "lowbit_call_order" in n.meta]
+
+
+def make_op_twin(qmodel: nn.Module, path: str) -> tuple[list[tuple[str, nn.Module]], _OpTwin, fx.GraphModule,
+                                                        str, fx.Node]:
+    """The swaps that keep the op at ``path`` float (its twin, its own input ``Quantize`` modules gone)."""
+    found = node_of(qmodel, path)
+    assert found is not None
+    gpath, gm, (node,) = found
+    twin = _OpTwin(qmodel.get_submodule(path), float_only_readers(gm, node))
+    return [*((q, nn.Identity()) for q in input_quantizes(gm, gpath, node)), (path, twin)], twin, gm, gpath, node
+
+
+def record_call_outputs(prepared: nn.Module) -> tuple[dict[str, list[nn.Module]], list[Any]]:
+    """Graph mode: for every module a prepared graph calls more than once, a fresh copy of its (shared) output observer
+    per call, observing that call's outputs only. ``({path: [observer per call]}, hook handles)``."""
+    found: dict[str, list[nn.Module]] = {}
+    handles = []
+    for gpath, gm in prepared.named_modules():
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        calls: dict[str, list[fx.Node]] = {}
+        for n in gm.graph.nodes:
+            if n.op == "call_module":
+                calls.setdefault(str(n.target), []).append(n)
+        counts: dict[str, int] = {}
+        for target, nodes in calls.items():
+            obs_nodes = [u for u in nodes[0].users if u.meta.get("lowbit_kind") == "obs_out"]
+            if len(nodes) < 2 or not obs_nodes:
+                continue
+            shared = gm.get_submodule(str(obs_nodes[0].target))
+            observers = found[join_name(gpath, target)] = [copy.deepcopy(shared) for _ in nodes]  # (fresh: no batch yet)
+            counts[target] = 0
+
+            def hook(_m: nn.Module, _i: Any, out: Any, target: str = target, observers: list = observers,
+                     counts: dict = counts) -> None:
+                k = counts[target]
+                counts[target] = k + 1
+                if k < len(observers) and isinstance(out, torch.Tensor) and out.is_floating_point():
+                    observers[k](out.detach())
+            handles.append(gm.get_submodule(target).register_forward_hook(hook))
+        if counts:
+            handles.append(gm.register_forward_pre_hook(lambda *_, counts=counts: counts.update(dict.fromkeys(counts, 0))))
+    return found, handles
+
+
+def call_grid(observers: list[nn.Module] | None, k: int) -> tuple[float, int, Any] | None:
+    """The grid call ``k`` alone recorded, or None (not reused, or it saw nothing)."""
+    if not observers or k >= len(observers) or not holds_grid(observers[k]):
+        return None
+    scale, zero_point = observers[k].calculate_qparams()
+    return float(scale), int(zero_point), as_qdtype(observers[k].qdtype)
+
+
+def split_calls(qmodel: nn.Module, paths: list[str]) -> dict[str, tuple[str, int]]:
+    """Every later call of a module called several times in a converted graph gets its own attribute holding the same
+    module (``{attribute path: (module path, call index)}``): the int8 model computes what it did, and each call can
+    be swapped on its own."""
+    aliases: dict[str, tuple[str, int]] = {}
+    for path in paths:
+        found = node_of(qmodel, path)
+        if found is None or len(found[2]) < 2:
+            continue
+        gpath, gm, nodes = found
+        for k, node in enumerate(nodes[1:], 1):
+            alias = f"{str(node.target).replace('.', '_')}__call{k}"
+            gm.add_module(alias, gm.get_submodule(str(node.target)))
+            node.target = alias
+            aliases[join_name(gpath, alias)] = (path, k)
+        gm.recompile()
+    return aliases
+
+
+class _Gate(nn.Module):
+    """One edge from a candidate to its readers: passes its input on, or (``active``: the candidate is float and an
+    int8 op reads this edge) rounds it onto ``grid``, as the built model's ``Quantize`` in front of that reader."""
+
+    def __init__(self, grid: tuple[float, int, Any] | None) -> None:
+        super().__init__()
+        self.add_module("requant", None if grid is None else Quantize(*grid))
+        self.active = False
+
+    def forward(self, x: Any) -> Any:
+        return self.requant(x) if self.active and self.requant is not None and not isinstance(x, QTensor) else x
+
+
+def insert_gates(gm: fx.GraphModule, gpath: str, node: fx.Node, grid: tuple[float, int, Any] | None,
+                 names: set[str]) -> list[tuple[_Gate, set[str], bool]]:
+    """A ``_Gate`` on every edge from ``node`` to a user (``x.shape`` reads aside), with what reads through it
+    (``readers``: candidate paths, whether an int8 non-candidate does)."""
+    out = []
+    for u in list(node.users):
+        mods, _, int_other = readers(gm, gpath, node, names, [u])
+        if not mods and not int_other and not (u.op == "output" or isinstance(
+                gm.get_submodule(str(u.target)) if u.op == "call_module" else None, DeQuantize)):
+            continue  # a shape read
+        gate = _Gate(grid)
+        name = f"_lowbit_gate_{len([m for m in gm.children() if isinstance(m, _Gate)])}"
+        gm.add_module(name, gate)
+        with gm.graph.inserting_after(node):
+            g = gm.graph.call_module(name, (node,))
+        u.replace_input_with(node, g)
+        out.append((gate, mods, int_other))
+    gm.recompile()
+    return out
+
