@@ -3,9 +3,9 @@
 
 A candidate is every int8 module of the converted model that the user's model names: weighted layers, and (since
 session 39) standalone BatchNorm / BNReLU, quantized activations (Hardswish, ELU, Sigmoid, ...) and eager
-``QFunctional`` (a ``FloatFunctional``'s adds). Graph mode's adds (``x + y``, ``ff.add``) become generated
-``qfunctional_N`` modules that no name of the user's model reaches, so no mapping could keep them float: they are
-not candidates (the exact search cannot name them either).
+``QFunctional`` (a ``FloatFunctional``'s adds). Graph mode's adds / muls / cats (``x + y``, ``torch.add``, ``ff.add``)
+become generated ``qfunctional_N`` modules: ``auto_mixed_precision`` names them by their call-order key (session 40,
+``graph_swap.py``; ``SensitivityTable.op_keys``), ``keep_float_layers`` leaves them out.
 
 Eager mode (``eager_twins``): the model built from the mapping runs a float layer ``L`` on its (dequantized) input
 and hands on float ``y = L(x̂)``; whatever reads it (a flatten, a view, an add, ``L`` itself called again, the
@@ -18,8 +18,11 @@ given to every int8 layer with none (``give_input_grids``: the all-int8 model ne
 built model records, exactly for a layer called once (a layer called several times, only some calls reading a float
 layer, records the union of its calls: an approximation). A float twin's output is then always float.
 
-Graph mode reads the graph instead (``graph_swap.readers``): a float layer's output goes back onto its calibrated grid where
-an int8 consumer reads it, and stays float while every reader is a float layer too.
+Graph mode reads the graph instead (``graph_swap.readers``). ``keep_float_layers``: a float layer's output goes back onto
+its calibrated grid where an int8 consumer reads it, and stays float while every reader is a float layer too.
+``auto_mixed_precision`` (``ops=True``): every twin outputs float and a ``_Gate`` on each edge out of it rounds onto its
+grid only where an int8 op reads that edge; a reused layer gets one twin per call, on that call's own grid; the int8
+ops ``prepare_fx`` then keeps float as islands are swapped too (``_islands``): every row is the built model's score.
 
 >>> import torch, lowbit as Q
 >>> from torch import nn

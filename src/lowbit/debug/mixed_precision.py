@@ -21,11 +21,13 @@ ranking plus one per greedy step (``search="exact"``, the default).
 if that improves the metric and stops at the budget or at the first layer whose own gain
 ``metric_L - metric_all`` is not positive. ``L + 1`` evaluations plus a few, one calibration. The
 candidates are the converted model's int8 modules the user's model names: weighted layers, standalone
-BatchNorm / BNReLU, quantized activations and (eager) ``QFunctional`` (``float_swap.py``). A layer
-kept float computes in float from its dequantized input. Graph mode: its output goes back onto the layer's
-calibrated output grid when the quantized layer had one (the grid its int8 consumers read), and stays
-float while every reader of it (through zero pads, flatten, ...) is a layer kept float too, so the search
-sees what ``prepare_fx`` with ``set_module_name(L, None)`` then does, up to that rounding. Eager mode: its
+BatchNorm / BNReLU, quantized activations and (eager) ``QFunctional`` (``float_swap.py``); in graph mode (either
+search) also the int8 adds / muls / cats a call-order key reaches, named ``"module:function#index"``
+(``"features.3:operator.add#0"``, ``"torch.cat#0"`` at the root; ``table.op_keys`` holds the key, the mapping gets
+``set_module_name_object_type_order(module, function, index, None)``). A layer kept float computes in float from its
+dequantized input. Graph mode: its output stays float, rounded onto the layer's calibrated grid only on the edges an
+int8 op reads (a reused layer: per call, on the grid of that call's own outputs), and the int8 ops ``prepare_fx`` then
+leaves float as islands are float too: each score is the one of the model ``prepare_fx`` builds. Eager mode: its
 output is float, and every int8 weighted layer that reads it (directly, through ``flatten`` / ``view`` / an add,
 or a reused layer) quantizes it on the input grid the calibration recorded for that case, so the score is the
 one of the model ``prepare`` builds with ``L`` float, code for code (a layer called several times with only some
