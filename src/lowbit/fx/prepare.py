@@ -47,6 +47,7 @@ import torch
 from torch import fx, nn
 
 from ..custom_config import PrepareCustomConfig
+from ..observer.ddp import keep_statistics_local
 from ..mappings import get_default_dynamic_quant_module_mappings, get_default_qat_module_mappings
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..workflow import is_dynamic_qconfig, propagate_qconfig_
@@ -371,6 +372,7 @@ def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inp
     out.lowbit_report = ctx.report
     if not is_qat and attach(out):  # calibration skips the tokens whose attention_mask is 0 (fx/padding.py)
         hook_observers(out)
+    keep_statistics_local(out)  # DDP(broadcast_buffers=True) must not overwrite the ranks' statistics (observer.ddp)
     return guard_loading(out).train(is_qat)  # (load_state_dict: all or nothing)
 
 

@@ -35,7 +35,9 @@ import torch
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
 from .base import ObserverBase, check_observed
-from .distributed import agree_observer, all_reduce_min_max, all_reduce_sum, is_distributed, pending_sync, remember_group
+from .ddp import forget, note_forward, warn_overwritten
+from .distributed import (agree_observer, all_reduce_min_max, all_reduce_sum, broadcast_first, is_distributed,
+                          pending_sync, remember_group)
 
 __all__: list[str] = []
 
@@ -133,6 +135,7 @@ class _ClipRangeObserver(ObserverBase):
             warnings.warn(f"{name}: observed data contains NaN or Inf; those values are ignored", stacklevel=2)
         lo = torch.where(finite, rows, float("inf")).amin(1) if not all_finite else rows.amin(1)
         hi = torch.where(finite, rows, float("-inf")).amax(1) if not all_finite else rows.amax(1)
+        note_forward(self, before=True)  # under torch.distributed: were the statistics overwritten (DDP)?
         old_lo, old_hi, hist = self._state(rows.shape[0])
         new_lo, new_hi = torch.minimum(old_lo, lo), torch.maximum(old_hi, hi)
         if not (torch.equal(new_lo, old_lo) and torch.equal(new_hi, old_hi)):
@@ -151,6 +154,7 @@ class _ClipRangeObserver(ObserverBase):
         flat = hist.reshape(-1).clone()
         flat.scatter_add_(0, (pos + offset).reshape(-1), finite.reshape(-1).to(flat.dtype))
         self._store(new_lo, new_hi, flat.view_as(hist))
+        note_forward(self, before=False)
         self._needs_sync = True
         return x
 
@@ -186,6 +190,7 @@ class _ClipRangeObserver(ObserverBase):
         self.register_buffer("histogram", torch.zeros((0, self.bins) if self.ch_axis is not None else (self.bins,),
                                                       device=dev))
         self._mark_reduced()  # nothing reduced yet: the next reduction must not subtract the forgotten union
+        forget(self)
         self._needs_sync = True
 
     def _mark_reduced(self) -> None:
@@ -200,15 +205,26 @@ class _ClipRangeObserver(ObserverBase):
         """Merge the ranks' histograms (a collective; no-op on a single process).
 
         The common range is the MIN/MAX of the ranks' ranges; each rank rebins onto it and the
-        histograms are summed. What was reduced last time is counted once, not once per rank.
+        histograms are summed. What was reduced last time is counted once, not once per rank. Statistics
+        overwritten between forwards on some rank (DDP's buffer broadcast, ``observer.ddp``): rank 0's, with a warning.
         """
         remember_group(self, group)  # the group later lazy reductions use
         if is_distributed(group):
-            agree_observer(self, group)
+            marked = agree_observer(self, group)
             lo, hi = all_reduce_min_max(self.min_val, self.max_val, group, type(self).__name__)
             rows = 1 if lo.dim() == 0 else lo.numel()
             lo_r, hi_r = lo.reshape(rows), hi.reshape(rows)
             old_lo, old_hi, mine = self._state(rows)
+            if marked:
+                warn_overwritten(self, marked, adopted=True)
+                first = broadcast_first(torch.cat([old_lo.unsqueeze(1), old_hi.unsqueeze(1), mine], 1), group)
+                lo_r, hi_r, merged = first[:, 0].contiguous(), first[:, 1].contiguous(), first[:, 2:]
+                self._store(lo_r, hi_r, merged)
+                self._reduced_histogram = merged.reshape(-1).clone()
+                self._reduced_lo, self._reduced_hi = lo_r.clone(), hi_r.clone()
+                forget(self)
+                self._needs_sync = False
+                return
             mine = _rebin_rows(mine.to(torch.float64), old_lo, old_hi, lo_r, hi_r)
             if self._reduced_histogram.numel() == rows * self.bins:
                 base = _rebin_rows(self._reduced_histogram.reshape(rows, self.bins).to(torch.float64),
@@ -220,12 +236,14 @@ class _ClipRangeObserver(ObserverBase):
             self._store(lo_r, hi_r, merged)
             self._reduced_histogram = merged.reshape(-1).clone()
             self._reduced_lo, self._reduced_hi = lo_r.clone(), hi_r.clone()
+        forget(self)
         self._needs_sync = False
 
     def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         super()._load_from_state_dict(*args, **kwargs)
         self.bins = self.histogram.shape[-1]
         self._mark_reduced()  # loaded statistics count as already reduced: later reductions add only what is new
+        forget(self)
         self._needs_sync = False
 
     # -- qparams ---------------------------------------------------------------------------------

@@ -28,9 +28,10 @@ Policy (one rule, used by every lowbit observer that has statistics):
   (histograms) it takes ``calculate_qparams()`` of the rank's local statistics (``local_statistics()``),
   leaving the merge pending for ``calculate_qparams()`` / ``convert`` / ``sync_observers``, which every
   rank reaches; the result is then the observer-calibration path's (until then each rank fake-quantizes
-  on its own grid). Under DDP with ``broadcast_buffers`` the statistics buffers follow rank 0 like every
-  buffer (each forward overwrites the other ranks' histograms with rank 0's, so rank 0's data dominates
-  the final merge); with ``broadcast_buffers=False`` the merge holds every rank's data once.
+  on its own grid). DDP's buffer broadcast (``broadcast_buffers=True``) leaves the statistics of a prepared
+  model alone (``observer.ddp``: the prepare functions list them in DDP's ignore list), so the merge holds every
+  rank's data once; where DDP wraps another module, the overwrite is detected and the merge takes rank 0's
+  statistics with a warning.
   ``FakeQuantize.calculate_qparams()`` follows the rule above.
 - ``sync_observers`` and ``sync_pending`` over a model (``convert`` calls it) first compare the ordered
   module paths and observer kinds (``agree_structure``, one ``all_gather``): observers are paired by
@@ -76,9 +77,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .ddp import overwritten
+
 __all__ = ["is_distributed", "all_reduce_min_max", "all_reduce_mean", "all_reduce_sum", "sync_observers",
            "local_statistics", "sync_pending", "remember_group", "pending_sync", "agree_observer",
-           "describe_observer", "agree_structure"]
+           "describe_observer", "agree_structure", "broadcast_first"]
 
 _LOCAL = threading.local()
 
@@ -166,26 +169,37 @@ def describe_observer(observer: nn.Module) -> str:
     return f"{type(observer).__name__}({', '.join(parts)})"
 
 
-def agree_observer(observer: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Raise ``ValueError`` on every rank unless every rank of ``group`` holds the same observer here (a collective).
+def agree_observer(observer: nn.Module, group: dist.ProcessGroup | None = None) -> list[int]:
+    """Raise ``ValueError`` on every rank unless every rank of ``group`` holds the same observer here (a collective);
+    return the group ranks whose statistics were overwritten between forwards (``observer.ddp.overwritten``: DDP's
+    buffer broadcast), the same list on every rank.
 
-    ``sync_statistics`` calls it first: one ``all_gather`` of a fingerprint of ``describe_observer``, the same size
-    whatever the observer, so ranks reach it in step even when their observers differ; on a mismatch a second
-    gather collects the descriptions for the message. Single process: nothing to compare.
+    ``sync_statistics`` calls it first: one ``all_gather`` of a fingerprint of ``describe_observer`` (and the
+    overwrite mark), the same size whatever the observer, so ranks reach it in step even when their observers differ;
+    on a mismatch a second gather collects the descriptions for the message. Single process: nothing to compare.
     """
     if not is_distributed(group):
-        return
+        return []
     mine = describe_observer(observer)
     buf = next(iter(observer.buffers()), None)
     device = buf.device if buf is not None else torch.device("cpu")
-    codes = _per_rank([zlib.crc32(mine.encode())], group, device)
-    if any(c != codes[0] for c in codes):
+    codes = _per_rank([zlib.crc32(mine.encode()), int(overwritten(observer))], group, device)
+    if any(c[0] != codes[0][0] for c in codes):
         every: list[object] = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, mine, group=group)
         listed = "; ".join(f"rank {r}: {d}" for r, d in enumerate(every))
         raise ValueError(f"{type(observer).__name__}: ranks hold different observers at this place ({listed}); every "
                          "rank must build the same observer with the same settings (the same qconfig) to reduce "
                          "statistics across ranks")
+    return [r for r, c in enumerate(codes) if c[1]]
+
+
+def broadcast_first(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``t`` of the group's rank 0 on every rank (a collective; a copy; every rank passes the same shape)."""
+    out = t.clone().contiguous()
+    if is_distributed(group):
+        dist.broadcast(out, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return out
 
 
 def _agree_shape(t: torch.Tensor, owner: str, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -286,7 +300,8 @@ def sync_observers(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
     return len(entries)
 
 
-def agree_structure(entries: list[tuple[str, nn.Module]], group: dist.ProcessGroup | None = None) -> None:
+def agree_structure(entries: list[tuple[str, nn.Module]], group: dist.ProcessGroup | None = None,
+                    pending: list[bool] | None = None) -> list[bool] | None:
     """Raise ``ValueError`` on every rank unless every rank of ``group`` lists the same observers (a collective).
 
     ``entries`` are ``(module path, observer)`` in the order the ranks will reduce them. The ranks compare a
@@ -294,9 +309,13 @@ def agree_structure(entries: list[tuple[str, nn.Module]], group: dist.ProcessGro
     move: observers are paired by position, so ranks whose models differ merged the statistics of unrelated
     observers silently, or (one observer more on a rank) hung. On a mismatch a second gather collects the lists,
     and the message names the first position where they differ, with each rank's path and observer there.
+    ``pending`` (one flag per entry: this rank's observer saw data since its last reduction): returns the flags
+    OR-ed over the ranks (one more small collective), the observers some rank must reduce; ``None`` without it.
 
     >>> import lowbit as Q
     >>> agree_structure([("fc", Q.MinMaxObserver())])       # single process: nothing to compare
+    >>> agree_structure([("fc", Q.MinMaxObserver())], pending=[True])
+    [True]
     """
     _check_group("agree_structure", group)
     if not isinstance(entries, (list, tuple)) or not all(
@@ -305,13 +324,17 @@ def agree_structure(entries: list[tuple[str, nn.Module]], group: dist.ProcessGro
         raise TypeError(f"agree_structure: entries must be a list of (module path, observer module) pairs, got "
                         f"{type(entries).__name__} {str(entries)[:60]}")
     if not is_distributed(group):
-        return
+        return None if pending is None else list(pending)
     mine = [f"{name!r} ({type(mod).__name__})" for name, mod in entries]
     buf = next((b for _, mod in entries for b in mod.buffers()), None)
     device = buf.device if buf is not None else torch.device("cpu")
     codes = _per_rank([zlib.crc32("\n".join(mine).encode()), len(mine)], group, device)
     if all(c == codes[0] for c in codes):
-        return
+        if pending is None or not entries:
+            return None if pending is None else []
+        union = torch.tensor([int(p) for p in pending], dtype=torch.int64, device=device)
+        dist.all_reduce(union, op=dist.ReduceOp.MAX, group=group)
+        return [bool(v) for v in union.tolist()]
     every: list[list[str]] = [[] for _ in range(dist.get_world_size(group))]
     dist.all_gather_object(every, mine, group=group)
     k = next((i for i in range(max(map(len, every))) if len({tuple(e[i:i + 1]) for e in every}) > 1), 0)
@@ -337,10 +360,18 @@ def _named(sync: Callable[..., None], name: str, group: dist.ProcessGroup | None
 
 
 def sync_pending(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Reduce the observers in ``module`` that saw data since their last reduction — exactly the ones
-    ``calculate_qparams()`` would reduce, so it is a collective under the same rule (every rank, same
-    order) and a no-op where that is local (one process, after ``sync_observers``, in
-    ``local_statistics()``). ``group=None``: each observer's own group, as ``calculate_qparams`` (``pending_sync``).
+    """Reduce the observers in ``module`` that saw data since their last reduction on **any** rank — a collective
+    under the same rule as ``calculate_qparams()`` (every rank, same order) and a no-op where that is local (one
+    process, after ``sync_observers``, in ``local_statistics()``). ``group=None``: each observer's own group, as
+    ``calculate_qparams`` (``pending_sync``).
+
+    Over a model (more than one observer) the ranks first agree on every observer's path and kind and OR their
+    pending flags (``agree_structure``), so an observer that saw data on some ranks only (a mixture-of-experts
+    expert) is reduced on every rank, the others contributing what they hold (nothing new), instead of one rank
+    waiting alone in its collective. A rank with **nothing** pending runs no collective (so rank 0 may convert
+    alone after ``sync_observers``): when it converts with its peers, a peer whose observers saw data since the
+    last ``sync_observers`` / ``load_state_dict`` waits for it in vain; call ``sync_observers(model)`` on every rank
+    there (it reduces every observer, pending or not).
     ``convert`` calls it before asking whether an observer saw any data, so a rank whose shard was empty (or
     all NaN) adopts the others' statistics instead of raising alone and leaving its peers waiting in the
     collective.
@@ -353,16 +384,24 @@ def sync_pending(module: nn.Module, group: dist.ProcessGroup | None = None) -> N
         raise TypeError(f"sync_pending: module must be an nn.Module, got {type(module).__name__}")
     if not is_distributed():  # (a group spans at most WORLD)
         return
-    pending = [(name, mod, _group_of(mod) if group is None else group) for name, mod in module.named_modules()
-               if getattr(mod, "_needs_sync", False) and callable(getattr(mod, "sync_statistics", None))]
-    pending = [(name, mod, g) for name, mod, g in pending if is_distributed(g)]
-    alone = len(pending) == 1 and pending[0][1] in (module, getattr(module, "activation_post_process", None))
-    if not alone:  # (one observer, or a FakeQuantize's: agree_observer compares it, no path to compare)
-        groups: list[dist.ProcessGroup | None] = []
-        for _, _, g in pending:
-            if not any(g is h for h in groups):
-                groups.append(g)
-        for g in groups:  # the paths and kinds first, per group (a collective only where a reduction follows)
-            agree_structure([(name, mod) for name, mod, h in pending if h is g], g)
-    for name, mod, g in pending:
+    entries = [(name, mod, _group_of(mod) if group is None else group) for name, mod in module.named_modules()
+               if hasattr(mod, "_needs_sync") and callable(getattr(mod, "sync_statistics", None))]
+    entries = [(name, mod, g) for name, mod, g in entries if is_distributed(g)]
+    if not any(mod._needs_sync for _, mod, _ in entries):
+        return
+    if len(entries) == 1 and entries[0][1] in (module, getattr(module, "activation_post_process", None)):
+        name, mod, g = entries[0]  # one observer, or a FakeQuantize's: agree_observer compares it, no path to compare
         _named(mod.sync_statistics, name, g)
+        return
+    groups: list[dist.ProcessGroup | None] = []
+    for _, _, g in entries:
+        if not any(g is h for h in groups):
+            groups.append(g)
+    todo: set[int] = set()
+    for g in groups:  # the paths, kinds and pending flags first, per group
+        mine = [(i, name, mod) for i, (name, mod, h) in enumerate(entries) if h is g]
+        union = agree_structure([(name, mod) for _, name, mod in mine], g, [bool(mod._needs_sync) for *_, mod in mine])
+        todo.update(i for (i, _, _), p in zip(mine, union or []) if p)
+    for i, (name, mod, g) in enumerate(entries):
+        if i in todo:
+            _named(mod.sync_statistics, name, g)

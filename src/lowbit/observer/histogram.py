@@ -52,7 +52,9 @@ import torch
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
 from .base import ObserverBase, check_observed, finite_aminmax
-from .distributed import agree_observer, all_reduce_min_max, all_reduce_sum, is_distributed, pending_sync, remember_group
+from .ddp import forget, note_forward, warn_overwritten
+from .distributed import (agree_observer, all_reduce_min_max, all_reduce_sum, broadcast_first, is_distributed,
+                          pending_sync, remember_group)
 from .histogram_search import _L2Model, _quantile_clip_range, _search_clip_range  # noqa: F401 (_L2Model: tests)
 
 __all__ = ["HistogramObserver"]
@@ -179,6 +181,7 @@ class HistogramObserver(ObserverBase):
                            (self.nonfinite_count, 0), (self._reduced_histogram, 0)):
             buf.fill_(value)
         self._reduced_range.copy_(torch.tensor([float("inf"), float("-inf")]))
+        forget(self)
         self._needs_sync = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,7 +193,9 @@ class HistogramObserver(ObserverBase):
             self.to(x.device)
         sync_free = self.sync_free if self.sync_free is not None else x.device.type != "cpu"
         xs = x.detach().reshape(-1).to(torch.float32)
+        note_forward(self, before=True)  # under torch.distributed: were the statistics overwritten (DDP)?
         (self._observe_sync_free if sync_free else self._observe_host)(xs)
+        note_forward(self, before=False)
         self._needs_sync = True
         return x
 
@@ -243,21 +248,29 @@ class HistogramObserver(ObserverBase):
 
         The common range is the MIN/MAX of the ranks' ranges; each rank rebins onto it and the
         histograms are summed, so every rank then holds the statistics of the union of the data.
-        What was already reduced last time is counted once, not once per rank.
+        What was already reduced last time is counted once, not once per rank. Statistics overwritten between
+        forwards on some rank (``DistributedDataParallel(broadcast_buffers=True)``, see ``observer.ddp``): every rank
+        adopts rank 0's (a warning), which summing would count once per rank.
         """
         remember_group(self, group)  # the group later lazy reductions use
         if is_distributed(group):
-            agree_observer(self, group)
+            marked = agree_observer(self, group)
             owner = type(self).__name__
             lo, hi = all_reduce_min_max(self.min_val, self.max_val, group, owner)
-            base = _rebin(self._reduced_histogram, self._reduced_range[0], self._reduced_range[1], lo, hi)
-            mine = _rebin(self.histogram, self.min_val, self.max_val, lo, hi).to(torch.float64)
-            merged = (all_reduce_sum(mine - base, group, owner) + base).clamp_min_(0)
+            if marked:
+                warn_overwritten(self, marked, adopted=True)
+                first = broadcast_first(torch.cat([torch.stack([self.min_val, self.max_val]), self.histogram]), group)
+                lo, hi, merged = first[0], first[1], first[2:]
+            else:
+                base = _rebin(self._reduced_histogram, self._reduced_range[0], self._reduced_range[1], lo, hi)
+                mine = _rebin(self.histogram, self.min_val, self.max_val, lo, hi).to(torch.float64)
+                merged = (all_reduce_sum(mine - base, group, owner) + base).clamp_min_(0)
             self.histogram.copy_(torch.where(lo <= hi, merged, 0.0))
             self.min_val.copy_(lo)
             self.max_val.copy_(hi)
             self._reduced_histogram.copy_(self.histogram)
             self._reduced_range.copy_(torch.stack([lo, hi]))
+        forget(self)
         self._needs_sync = False
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,6 +308,7 @@ class HistogramObserver(ObserverBase):
         # loaded statistics count as already reduced across ranks
         self._reduced_histogram = self.histogram.detach().clone()
         self._reduced_range = torch.stack([self.min_val, self.max_val]).detach().clone()
+        forget(self)
         self._needs_sync = False
 
     def extra_repr(self) -> str:

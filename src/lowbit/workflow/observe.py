@@ -21,6 +21,7 @@ from ..mappings import copy_user_hooks, get_default_qat_module_mappings, get_def
 from ..nn.intrinsic.qat.modules import BnFoldedBase
 from ..nn.quantized.functional_modules import FloatFunctional
 from ..observer.base import ObserverBase
+from ..observer.ddp import keep_statistics_local
 from ..observer.fixed import PlaceholderObserver
 from ..qconfig import QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..qconfig.config import build
@@ -125,6 +126,7 @@ def prepare(model: nn.Module, qconfig: Any = None, inplace: bool = False,
     if _insert_observers(model, set(mapping) | non_leaf | set(custom.values()), set(dynamic)) == 0:
         warnings.warn("prepare(): no quantizable module got a qconfig — convert() will leave this model float",
                       stacklevel=2)
+    keep_statistics_local(model)  # DDP(broadcast_buffers=True) must not overwrite the ranks' statistics (observer.ddp)
     return guard_loading(model).eval()  # (load_state_dict: all or nothing)
 
 
@@ -167,6 +169,7 @@ def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
         warnings.warn("prepare_qat(): no quantizable module got a qconfig — convert() will leave this model float",
                       stacklevel=2)
     _warn_post_training_qconfigs(model)
+    keep_statistics_local(model)  # DDP(broadcast_buffers=True) must not overwrite the ranks' statistics (observer.ddp)
     return guard_loading(model).train()
 
 

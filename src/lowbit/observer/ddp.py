@@ -1,0 +1,108 @@
+"""Observers under ``DistributedDataParallel``: the statistics stay each rank's own until the merge (DESIGN §5).
+
+``DistributedDataParallel(broadcast_buffers=True)`` (DDP's default) copies rank 0's buffers onto every rank
+before each forward. For an observer's statistics that is wrong: rank ``r``'s batches are overwritten at its next
+step (only its last batch survives), and the merge at ``convert`` sums what every rank holds, so a histogram
+counts rank 0's data once per rank::
+
+    hist_r = hist_0(steps 1 .. n-1) + own batch n           # every rank r, after n DDP steps
+    merged = SUM_r hist_r = W * hist_0(1 .. n-1) + SUM_r own_r(n)
+
+Two measures:
+
+- ``keep_statistics_local(model)`` (``prepare`` / ``prepare_qat`` / ``prepare_fx`` / ``prepare_qat_fx`` call it on
+  the model they return) lists every observer statistics buffer in the model's ``_ddp_params_and_buffers_to_ignore``
+  (DDP's own opt-out list, read when DDP wraps that model), so DDP leaves them alone and the merge holds every
+  rank's data once. ``FakeQuantize`` ``scale`` / ``zero_point`` are still broadcast (a frozen grid follows rank 0).
+- Elsewhere (DDP around a parent of the prepared model, or ``prepare(..., inplace=True)`` on a submodule), the
+  overwrite is detected: ``note_forward`` keeps a private fingerprint (not a buffer: DDP cannot see it) of the
+  statistics as the observer's last forward left them, and a mismatch at the next forward marks the observer. At the
+  merge the marks travel in ``agree_observer``'s gather (no extra collective); histogram observers then adopt rank
+  0's statistics (rank 0's data once, not ``W`` times: the statistics DDP made every rank follow), min/max
+  observers reduce as usual, and every rank warns naming ``broadcast_buffers``.
+
+Nothing here runs on a single process (``note_forward`` returns at once).
+
+>>> import torch, lowbit as Q
+>>> m = Q.prepare(Q.QuantWrapper(torch.nn.Linear(2, 2)), Q.get_default_qconfig())
+>>> sorted(n for n in m._ddp_params_and_buffers_to_ignore if n.startswith("quant."))[:3]
+['quant.activation_post_process._reduced_histogram', 'quant.activation_post_process._reduced_range', \
+'quant.activation_post_process.histogram']
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["keep_statistics_local", "note_forward", "overwritten", "forget", "warn_overwritten"]
+
+_IGNORE = "_ddp_params_and_buffers_to_ignore"  # DDP's attribute (DistributedDataParallel.__init__ reads it)
+
+
+def keep_statistics_local(model: nn.Module) -> nn.Module:
+    """Add the statistics buffers of every cross-rank observer in ``model`` (modules with ``sync_statistics``) to
+    ``model._ddp_params_and_buffers_to_ignore``, keeping names already there; returns ``model``."""
+    names = [f"{path}.{b}" if path else b for path, mod in model.named_modules()
+             if callable(getattr(mod, "sync_statistics", None)) for b, _ in mod.named_buffers(recurse=False)]
+    if names:
+        old = list(getattr(model, _IGNORE, None) or [])
+        setattr(model, _IGNORE, old + [n for n in names if n not in old])
+    return model
+
+
+def _fingerprint(observer: nn.Module) -> torch.Tensor:
+    parts = [observer.min_val.reshape(-1), observer.max_val.reshape(-1)]
+    hist = getattr(observer, "histogram", None)
+    if hist is not None and hist.numel():
+        hist = hist.reshape(-1, hist.shape[-1]).double()
+        parts += [hist.sum(1), (hist * torch.arange(hist.shape[-1], device=hist.device)).sum(1)]
+    return torch.cat([p.double() for p in parts])
+
+
+def note_forward(observer: nn.Module, before: bool) -> None:
+    """Call at the start (``before=True``) and end of an observer's ``forward`` under ``torch.distributed``: at the
+    start compare the statistics with the fingerprint the last forward left (a mismatch marks the observer: someone,
+    e.g. DDP's buffer broadcast, overwrote them), at the end record the fingerprint. Device ops only."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    d = observer.__dict__
+    if not before:
+        d["_ddp_left"] = _fingerprint(observer)
+        return
+    left = d.get("_ddp_left")
+    if left is None:
+        return
+    now = _fingerprint(observer)
+    if now.shape == left.shape and now.device == left.device:
+        changed = (now != left).any()
+    else:  # a resize (per-channel seed -> (C,)) or a move between forwards
+        changed = torch.tensor(now.shape != left.shape, device=now.device)
+    mark = d.get("_ddp_overwritten")
+    d["_ddp_overwritten"] = changed if mark is None else mark.to(changed.device) | changed
+
+
+def overwritten(observer: nn.Module) -> bool:
+    """Whether ``note_forward`` saw the statistics overwritten between two forwards (a host read)."""
+    mark = observer.__dict__.get("_ddp_overwritten")
+    return bool(mark) if mark is not None else False
+
+
+def forget(observer: nn.Module) -> None:
+    """Drop the fingerprint and the mark (after a merge, a reset or a load: the statistics were set on purpose)."""
+    observer.__dict__.pop("_ddp_left", None)
+    observer.__dict__.pop("_ddp_overwritten", None)
+
+
+def warn_overwritten(observer: nn.Module, ranks: list[int], adopted: bool) -> None:
+    """The warning every rank gives when ``ranks`` saw the observer's statistics overwritten between forwards."""
+    what = ("the merged statistics are rank 0's alone (summing would count rank 0's data once per rank)" if adopted
+            else "the other ranks' earlier batches are lost from the merged range")
+    warnings.warn(f"{type(observer).__name__}: its statistics were overwritten between forwards on rank(s) {ranks}: "
+                  "DistributedDataParallel(broadcast_buffers=True) copies rank 0's buffers to every rank at each "
+                  f"forward; {what}. Wrap the model that prepare / prepare_qat / prepare_fx returned (its observer "
+                  "statistics are kept out of DDP's broadcast) or pass broadcast_buffers=False to merge every rank's "
+                  "data", stacklevel=3)
