@@ -216,7 +216,7 @@ class _ClipRangeObserver(ObserverBase):
             lo_r, hi_r = lo.reshape(rows), hi.reshape(rows)
             old_lo, old_hi, mine = self._state(rows)
             if marked:
-                warn_overwritten(self, marked, adopted=True)
+                warn_overwritten(self, marked)
                 first = broadcast_first(torch.cat([old_lo.unsqueeze(1), old_hi.unsqueeze(1), mine], 1), group)
                 lo_r, hi_r, merged = first[:, 0].contiguous(), first[:, 1].contiguous(), first[:, 2:]
                 self._store(lo_r, hi_r, merged)

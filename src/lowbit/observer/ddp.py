@@ -11,15 +11,18 @@ counts rank 0's data once per rank::
 Two measures:
 
 - ``keep_statistics_local(model)`` (``prepare`` / ``prepare_qat`` / ``prepare_fx`` / ``prepare_qat_fx`` call it on
-  the model they return) lists every observer statistics buffer in the model's ``_ddp_params_and_buffers_to_ignore``
-  (DDP's own opt-out list, read when DDP wraps that model), so DDP leaves them alone and the merge holds every
-  rank's data once. ``FakeQuantize`` ``scale`` / ``zero_point`` are still broadcast (a frozen grid follows rank 0).
+  the model they return) lists the statistics buffers of every histogram observer (Histogram, Percentile, MSE,
+  Entropy: the merges that sum) in the model's ``_ddp_params_and_buffers_to_ignore`` (DDP's own opt-out list, read
+  when DDP wraps that model), so DDP leaves them alone and the merge holds every rank's data once (until then each
+  rank fake-quantizes on its own histogram's grid). ``FakeQuantize`` ``scale`` / ``zero_point`` are still
+  broadcast (a frozen grid follows rank 0), and so are the min/max family's statistics: their merge (MIN / MAX,
+  mean) counts nothing twice, and following rank 0 is torch.ao's behaviour under DDP.
 - Elsewhere (DDP around a parent of the prepared model, or ``prepare(..., inplace=True)`` on a submodule), the
   overwrite is detected: ``note_forward`` keeps a private fingerprint (not a buffer: DDP cannot see it) of the
   statistics as the observer's last forward left them, and a mismatch at the next forward marks the observer. At the
   merge the marks travel in ``agree_observer``'s gather (no extra collective); histogram observers then adopt rank
-  0's statistics (rank 0's data once, not ``W`` times: the statistics DDP made every rank follow), min/max
-  observers reduce as usual, and every rank warns naming ``broadcast_buffers``.
+  0's statistics (rank 0's data once, not ``W`` times: the statistics DDP made every rank follow) and every rank
+  warns naming ``broadcast_buffers``.
 
 Nothing here runs on a single process (``note_forward`` returns at once).
 
@@ -43,11 +46,16 @@ __all__ = ["keep_statistics_local", "note_forward", "overwritten", "forget", "wa
 _IGNORE = "_ddp_params_and_buffers_to_ignore"  # DDP's attribute (DistributedDataParallel.__init__ reads it)
 
 
+def _summed(mod: nn.Module) -> bool:
+    """A cross-rank observer whose merge sums (a histogram): the ones DDP's broadcast makes count rank 0 W times."""
+    return callable(getattr(mod, "sync_statistics", None)) and isinstance(getattr(mod, "histogram", None), torch.Tensor)
+
+
 def keep_statistics_local(model: nn.Module) -> nn.Module:
-    """Add the statistics buffers of every cross-rank observer in ``model`` (modules with ``sync_statistics``) to
-    ``model._ddp_params_and_buffers_to_ignore``, keeping names already there; returns ``model``."""
-    names = [f"{path}.{b}" if path else b for path, mod in model.named_modules()
-             if callable(getattr(mod, "sync_statistics", None)) for b, _ in mod.named_buffers(recurse=False)]
+    """Add the statistics buffers of every histogram observer in ``model`` (cross-rank observers whose merge sums)
+    to ``model._ddp_params_and_buffers_to_ignore``, keeping names already there; returns ``model``."""
+    names = [f"{path}.{b}" if path else b for path, mod in model.named_modules() if _summed(mod)
+             for b, _ in mod.named_buffers(recurse=False)]
     if names:
         old = list(getattr(model, _IGNORE, None) or [])
         setattr(model, _IGNORE, old + [n for n in names if n not in old])
@@ -55,16 +63,17 @@ def keep_statistics_local(model: nn.Module) -> nn.Module:
 
 
 def _fingerprint(observer: nn.Module) -> torch.Tensor:
+    """The range and, per histogram row, the total and first moment of the counts (float64)."""
     parts = [observer.min_val.reshape(-1), observer.max_val.reshape(-1)]
-    hist = getattr(observer, "histogram", None)
-    if hist is not None and hist.numel():
+    hist = observer.histogram
+    if hist.numel():
         hist = hist.reshape(-1, hist.shape[-1]).double()
         parts += [hist.sum(1), (hist * torch.arange(hist.shape[-1], device=hist.device)).sum(1)]
     return torch.cat([p.double() for p in parts])
 
 
 def note_forward(observer: nn.Module, before: bool) -> None:
-    """Call at the start (``before=True``) and end of an observer's ``forward`` under ``torch.distributed``: at the
+    """Call at the start (``before=True``) and end of a histogram observer's ``forward`` under ``torch.distributed``: at the
     start compare the statistics with the fingerprint the last forward left (a mismatch marks the observer: someone,
     e.g. DDP's buffer broadcast, overwrote them), at the end record the fingerprint. Device ops only."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -97,12 +106,11 @@ def forget(observer: nn.Module) -> None:
     observer.__dict__.pop("_ddp_overwritten", None)
 
 
-def warn_overwritten(observer: nn.Module, ranks: list[int], adopted: bool) -> None:
+def warn_overwritten(observer: nn.Module, ranks: list[int]) -> None:
     """The warning every rank gives when ``ranks`` saw the observer's statistics overwritten between forwards."""
-    what = ("the merged statistics are rank 0's alone (summing would count rank 0's data once per rank)" if adopted
-            else "the other ranks' earlier batches are lost from the merged range")
+    what = "the merged statistics are rank 0's alone (summing would count rank 0's data once per rank)"
     warnings.warn(f"{type(observer).__name__}: its statistics were overwritten between forwards on rank(s) {ranks}: "
                   "DistributedDataParallel(broadcast_buffers=True) copies rank 0's buffers to every rank at each "
-                  f"forward; {what}. Wrap the model that prepare / prepare_qat / prepare_fx returned (its observer "
-                  "statistics are kept out of DDP's broadcast) or pass broadcast_buffers=False to merge every rank's "
-                  "data", stacklevel=3)
+                  f"forward; {what}. Wrap the model that prepare / prepare_qat / prepare_fx returned (its histogram "
+                  "statistics are kept out of DDP's broadcast) or pass broadcast_buffers=False "
+                  "(forward_sync_buffers=False does not stop the first copy) to merge every rank's data", stacklevel=3)

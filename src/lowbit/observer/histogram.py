@@ -258,7 +258,7 @@ class HistogramObserver(ObserverBase):
             owner = type(self).__name__
             lo, hi = all_reduce_min_max(self.min_val, self.max_val, group, owner)
             if marked:
-                warn_overwritten(self, marked, adopted=True)
+                warn_overwritten(self, marked)
                 first = broadcast_first(torch.cat([torch.stack([self.min_val, self.max_val]), self.histogram]), group)
                 lo, hi, merged = first[0], first[1], first[2:]
             else:

@@ -38,7 +38,6 @@ import torch
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme, per_channel_symmetric, per_tensor_affine, qint8, quint8
 from .base import ObserverBase, check_observed, finite_aminmax
-from .ddp import forget, note_forward, warn_overwritten
 from .distributed import agree_observer, all_reduce_mean, all_reduce_min_max, is_distributed, pending_sync, remember_group
 
 __all__ = [
@@ -108,7 +107,6 @@ class _MinMaxObserverBase(ObserverBase):
         if batch is None:
             return x
         lo, hi = batch
-        note_forward(self, before=True)  # under torch.distributed: were the statistics overwritten (DDP)?
         old_lo, old_hi = self.min_val.to(lo.device), self.max_val.to(hi.device)
         if self._averaging:
             c = self.averaging_constant
@@ -120,7 +118,6 @@ class _MinMaxObserverBase(ObserverBase):
         else:
             new_lo, new_hi = torch.minimum(old_lo, lo), torch.maximum(old_hi, hi)
         self._store(new_lo, new_hi)
-        note_forward(self, before=False)
         self._needs_sync = True
         return x
 
@@ -147,7 +144,6 @@ class _MinMaxObserverBase(ObserverBase):
         device = self.min_val.device
         self.register_buffer("min_val", torch.tensor(float("inf"), device=device))
         self.register_buffer("max_val", torch.tensor(float("-inf"), device=device))
-        forget(self)
         self._needs_sync = True
 
     def sync_statistics(self, group: torch.distributed.ProcessGroup | None = None) -> None:
@@ -159,21 +155,17 @@ class _MinMaxObserverBase(ObserverBase):
         """
         remember_group(self, group)  # the group later lazy reductions use
         if is_distributed(group):
-            marked = agree_observer(self, group)  # (overwritten by DDP: only a warning, MIN / MAX stay right)
-            if marked:
-                warn_overwritten(self, marked, adopted=False)
+            agree_observer(self, group)
             owner = type(self).__name__
             if self._averaging:
                 lo, hi = all_reduce_mean(self.min_val, group, owner), all_reduce_mean(self.max_val, group, owner)
             else:
                 lo, hi = all_reduce_min_max(self.min_val, self.max_val, group, owner)
             self._store(lo, hi)
-        forget(self)
         self._needs_sync = False
 
     def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         super()._load_from_state_dict(*args, **kwargs)
-        forget(self)
         self._needs_sync = False  # loaded statistics count as already reduced
 
     # -- qparams -------------------------------------------------------------------------------
