@@ -18,8 +18,8 @@ Two measures:
   broadcast (a frozen grid follows rank 0), and so are the min/max family's statistics: their merge (MIN / MAX,
   mean) counts nothing twice, and following rank 0 is torch.ao's behaviour under DDP.
 - Elsewhere (DDP around a parent of the prepared model, or ``prepare(..., inplace=True)`` on a submodule), the
-  overwrite is detected: ``note_forward`` keeps a private fingerprint (not a buffer: DDP cannot see it) of the
-  statistics as the observer's last forward left them, and a mismatch at the next forward marks the observer. At the
+  overwrite is detected: ``note_forward`` keeps a private copy (not a buffer: DDP cannot see it) of the histogram
+  as the observer's last forward left it, and a mismatch at the next forward marks the observer. At the
   merge the marks travel in ``agree_observer``'s gather (no extra collective); histogram observers then adopt rank
   0's statistics (rank 0's data once, not ``W`` times: the statistics DDP made every rank follow) and every rank
   warns naming ``broadcast_buffers``.
@@ -62,34 +62,25 @@ def keep_statistics_local(model: nn.Module) -> nn.Module:
     return model
 
 
-def _fingerprint(observer: nn.Module) -> torch.Tensor:
-    """The range and, per histogram row, the total and first moment of the counts (float64)."""
-    parts = [observer.min_val.reshape(-1), observer.max_val.reshape(-1)]
-    hist = observer.histogram
-    if hist.numel():
-        hist = hist.reshape(-1, hist.shape[-1]).double()
-        parts += [hist.sum(1), (hist * torch.arange(hist.shape[-1], device=hist.device)).sum(1)]
-    return torch.cat([p.double() for p in parts])
-
-
 def note_forward(observer: nn.Module, before: bool) -> None:
-    """Call at the start (``before=True``) and end of a histogram observer's ``forward`` under ``torch.distributed``: at the
-    start compare the statistics with the fingerprint the last forward left (a mismatch marks the observer: someone,
-    e.g. DDP's buffer broadcast, overwrote them), at the end record the fingerprint. Device ops only."""
+    """Call at the start (``before=True``) and end of a histogram observer's ``forward`` under ``torch.distributed``:
+    at the start compare the histogram with the copy the last forward left (a difference marks the observer: someone,
+    e.g. DDP's buffer broadcast, overwrote it; a moved range rebins it), at the end keep a copy. Device ops only (no
+    host read); a bins-sized copy and comparison per forward (``(C, bins)`` per channel)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     d = observer.__dict__
+    hist = observer.histogram.detach()
     if not before:
-        d["_ddp_left"] = _fingerprint(observer)
+        d["_ddp_left"] = hist.clone()
         return
     left = d.get("_ddp_left")
     if left is None:
         return
-    now = _fingerprint(observer)
-    if now.shape == left.shape and now.device == left.device:
-        changed = (now != left).any()
+    if left.shape == hist.shape and left.device == hist.device:
+        changed = (hist != left).any()
     else:  # a resize (per-channel seed -> (C,)) or a move between forwards
-        changed = torch.tensor(now.shape != left.shape, device=now.device)
+        changed = torch.tensor(True, device=hist.device)
     mark = d.get("_ddp_overwritten")
     d["_ddp_overwritten"] = changed if mark is None else mark.to(changed.device) | changed
 
@@ -101,7 +92,7 @@ def overwritten(observer: nn.Module) -> bool:
 
 
 def forget(observer: nn.Module) -> None:
-    """Drop the fingerprint and the mark (after a merge, a reset or a load: the statistics were set on purpose)."""
+    """Drop the copy and the mark (after a merge, a reset or a load: the statistics were set on purpose)."""
     observer.__dict__.pop("_ddp_left", None)
     observer.__dict__.pop("_ddp_overwritten", None)
 

@@ -36,8 +36,9 @@ Policy (one rule, used by every lowbit observer that has statistics):
 - ``sync_observers`` and ``sync_pending`` over a model (``convert`` calls it) first compare the ordered
   module paths and observer kinds (``agree_structure``, one ``all_gather``): observers are paired by
   position, so ranks whose models differ get a ``ValueError`` on every rank naming the first differing
-  path, before any statistics move. The lazy path (``calculate_qparams()`` of one observer) knows no
-  path and compares the observer only.
+  path, before any statistics move; ``sync_pending`` also ORs the ranks' pending flags, so an observer
+  that saw data on some ranks only is reduced on all. The lazy path (``calculate_qparams()`` of one
+  observer) knows no path and compares the observer only.
 
 Every ``sync_statistics`` starts with ``agree_observer``: the ranks compare a fingerprint of the
 observer's type and settings (one small ``all_gather``), so ranks holding different observers at one
