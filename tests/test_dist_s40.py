@@ -3,7 +3,7 @@
 1. ``DistributedDataParallel(broadcast_buffers=True)`` (DDP's default) copied rank 0's observer statistics onto every
    rank before each forward: the merge at convert counted rank 0's histogram once per rank and kept only the last batch
    of the others (uneven data: scale 0.0793 / zero point 125 where one process on all the data gives 0.0896 / 111).
-   The prepared model now lists its observer statistics in DDP's ``_ddp_params_and_buffers_to_ignore``, so the merge
+   The prepared model now lists its histogram observers' statistics in DDP's ``_ddp_params_and_buffers_to_ignore``, so the merge
    equals ``broadcast_buffers=False``; DDP around a parent of the prepared model is detected (the statistics changed
    between forwards) and the merge adopts rank 0's statistics with a warning naming ``broadcast_buffers``.
 2. An observer that saw data since the last ``sync_observers`` on some ranks only (a mixture-of-experts expert) made
