@@ -154,6 +154,13 @@ class QDQ(nn.Module):
         s, z, d = self.grid
         return _QDQFn.apply(x, s, z, d.quant_min, d.quant_max, self._storage)
 
+    def resample_on_codes(self, x: torch.Tensor, op: Any) -> torch.Tensor:
+        """``op`` (a bilinear resample) on the codes of ``x`` on this grid, rounded back onto it (``codes.py``): the
+        workflow's shared-grid mode calls it in a prepared eager model's twin, where the QAT model takes the int8
+        kernel's codes (``bilinear_on_grid``)."""
+        from .codes import to_codes_and_back  # (codes.py imports this module)
+        return to_codes_and_back(x, self.grid, op)
+
     def extra_repr(self) -> str:
         return f"scale={self.grid[0]:.6g}, zero_point={self.grid[1]}, qdtype={self.grid[2]!r}"
 

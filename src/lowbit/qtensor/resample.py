@@ -43,8 +43,8 @@ import torch
 
 from ..compile_state import tracing
 
-__all__ = ["bilinear_args", "bilinear_blend", "bilinear_codes", "check_resample_args", "check_resample_sizes",
-           "interpolate_bilinear"]
+__all__ = ["bilinear_args", "bilinear_blend", "bilinear_codes", "bilinear_on_grid", "check_resample_args",
+           "check_resample_sizes", "interpolate_bilinear"]
 
 
 def _f32(v: float, device: torch.device) -> torch.Tensor:
@@ -186,3 +186,35 @@ def interpolate_bilinear(x: Any, size: Any = None, scale_factor: Any = None, ali
     z = x.zero_point if x.axis is None else x.zero_point.reshape([-1 if i == x.axis else 1 for i in range(4)])
     codes = bilinear_codes(x.int_repr(), z, qd.quant_min, qd.quant_max, out, align, scales)
     return QTensor(codes, x.scale, x.zero_point, qd, x.axis)
+
+
+def bilinear_on_grid(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+                     quant_min: int, quant_max: int, axis: int | None, size: Any = None, scale_factor: Any = None,
+                     align_corners: Any = None, recompute_scale_factor: Any = None) -> torch.Tensor:
+    """The bilinear resample of ``x`` (float values on the grid ``(scale, zero_point)``, ``(N, C, H, W)``) as the
+    int8 model computes it, in float: ``(bilinear_codes(q) - z) s`` with ``q = clamp(round(x / s) + z)`` the codes
+    of ``x``; ``y`` (the float op's output fake-quantized on that grid, same shape) gives the gradient
+    (``y + (exact - y).detach()``). Rounding ``F.interpolate``'s float output instead (``y``) moves the kernel's
+    near-ties by one step (2x upsampling: its exact ties, when ``z`` is odd). ``axis``: a per-channel grid's axis
+    (0 or 1), else ``None``.
+
+    >>> import torch, torch.nn.functional as F
+    >>> x = torch.tensor([[[[1.0, 1.1], [1.2, 1.4]]]])           # codes 10, 11, 12, 14 on (0.1, 0)
+    >>> y = F.interpolate(x, scale_factor=2, mode="bilinear")
+    >>> out = bilinear_on_grid(x, y, torch.tensor(0.1), torch.tensor(0), 0, 255, None, scale_factor=2)
+    >>> (out / 0.1).round().int()[0, 0, 0].tolist()
+    [10, 10, 11, 11]
+    """
+    if axis is None:
+        s, z = scale.detach().reshape(()), zero_point.detach().reshape(())
+    else:
+        shape = [-1 if i == axis else 1 for i in range(4)]
+        s, z = scale.detach().reshape(shape), zero_point.detach().reshape(shape)
+    with torch.no_grad():
+        s32, z32 = s.to(torch.float32), z.to(torch.float32)
+        q = (x.detach().to(torch.float32) / s32).round_().add_(z32).clamp_(quant_min, quant_max).to(torch.int32)
+        out, scales = bilinear_args(x.shape, size, scale_factor, recompute_scale_factor)
+        codes = bilinear_codes(q, z.to(torch.int32), quant_min, quant_max, out,
+                               bool(align_corners) if align_corners is not None else False, scales)
+        exact = ((codes.to(torch.float32) - z32) * s32).to(y.dtype)
+    return y + (exact - y).detach()
