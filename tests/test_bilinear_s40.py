@@ -3,9 +3,10 @@
 eager prepared / QAT model resampled float values and the next layer observed (QAT: fake-quantized) them on its own
 input grid: QAT vs converted within 2 output steps, 59 % exact. Nearest upsampling and functional max pooling (codes
 selected, grid kept after convert) had the same gap (one step, ~88-91 % exact). Now the prepared root runs a
-``TorchFunctionMode`` (``workflow/hooks.py``): those functionals keep the input's grid and bilinear outputs take the
-int8 kernel's codes (``qtensor.resample.bilinear_on_grid``). Oracle: the converted model (lowbit's bilinear codes
-equal torch's quantized kernel, ``tests/test_bilinear_s39.py``).
+``TorchFunctionMode`` (``workflow/shared_grids.py``, installed where the model can call these functionals): those
+functionals keep the input's grid and bilinear outputs take the int8 kernel's codes
+(``qtensor.resample.bilinear_on_grid``). Oracle: the converted model (lowbit's bilinear codes equal torch's
+quantized kernel, ``tests/test_bilinear_s39.py``).
 """
 
 from __future__ import annotations
@@ -236,3 +237,37 @@ def test_onnx_of_eager_qat_resamples_the_codes(tmp_path):
     assert _steps(up, want_up, float(p.quant.activation_post_process.scale)) == (1.0, 0.0)  # (DequantizeLinear: ulps)
     step = float(p.c2.activation_post_process.scale)
     assert _steps(head, want_head, step)[1] <= 1.001  # (ORT's float conv at near-ties)
+
+
+def _resize(t: torch.Tensor) -> torch.Tensor:  # a module-level helper a forward calls (the mode must be installed)
+    return F.interpolate(t, scale_factor=2, mode="bilinear")
+
+
+class ViaHelper(nn.Module):
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return _resize(t)
+
+
+@pytest.mark.parametrize("prep", ["prepare", "prepare_qat"])
+def test_the_mode_is_installed_only_where_the_model_can_resample(prep: str) -> None:
+    from lowbit.workflow.hooks import _enter_shared_grids
+    from lowbit.workflow.shared_grids import calls_resampling
+
+    def hooked(m: nn.Module) -> bool:
+        return _enter_shared_grids in m._forward_pre_hooks.values()
+
+    qc = Q.get_default_qat_qconfig() if prep == "prepare_qat" else Q.get_default_qconfig()
+    fn = getattr(Q, prep)
+    plain = nn.Sequential(Q.QuantStub(), nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), Q.DeQuantStub())
+    assert not calls_resampling(plain) and not hooked(fn(copy.deepcopy(plain).train(prep == "prepare_qat"), qc))
+    for up in (ViaHelper(), nn.Upsample(scale_factor=2), UPS["F.max_pool2d"]()):
+        model = Net(up).train(prep == "prepare_qat")
+        assert calls_resampling(model) and hooked(fn(model, qc)), type(up).__name__
+    # through a module-level helper the QAT model still equals its converted model, code for code
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 6, 5)
+    q = _qat(Net(ViaHelper()), x) if prep == "prepare_qat" else None
+    if q is not None:
+        head, _ = q(x)
+        qhead, _ = Q.convert(copy.deepcopy(q))(x)
+        assert _steps(head, qhead, float(Q.convert(copy.deepcopy(q)).c2.scale)) == (1.0, 0.0)

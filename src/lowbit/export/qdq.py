@@ -154,12 +154,13 @@ class QDQ(nn.Module):
         s, z, d = self.grid
         return _QDQFn.apply(x, s, z, d.quant_min, d.quant_max, self._storage)
 
-    def resample_on_codes(self, x: torch.Tensor, op: Any) -> torch.Tensor:
-        """``op`` (a bilinear resample) on the codes of ``x`` on this grid, rounded back onto it (``codes.py``): the
-        workflow's shared-grid mode calls it in a prepared eager model's twin, where the QAT model takes the int8
-        kernel's codes (``bilinear_on_grid``)."""
-        from .codes import to_codes_and_back  # (codes.py imports this module)
-        return to_codes_and_back(x, self.grid, op)
+    def resample_on_codes(self, x: torch.Tensor, size: Any, scale_factor: Any, align_corners: Any,
+                          recompute_scale_factor: Any) -> torch.Tensor:
+        """A bilinear resample of ``x`` on the codes of this grid, as the int8 model runs it (``codes.py``): the
+        shared-grid mode (``workflow/shared_grids.py``) calls it in a prepared eager model's twin, where the QAT
+        model takes the int8 kernel's codes (``bilinear_on_grid``)."""
+        from .codes import bilinear_on_codes  # (codes.py imports this module)
+        return bilinear_on_codes(x, self.grid, size, scale_factor, align_corners, recompute_scale_factor)
 
     def extra_repr(self) -> str:
         return f"scale={self.grid[0]:.6g}, zero_point={self.grid[1]}, qdtype={self.grid[2]!r}"

@@ -20,23 +20,19 @@ False
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from ..fake_quant import FakeQuantize, LearnableFakeQuantize
+from ..fake_quant import FakeQuantize
 from ..nn.intrinsic import FusedModule
 from ..nn.intrinsic.qat.modules import BnFoldedBase
 from ..observer.base import ObserverBase
 from ..qconfig import QConfig
 from ..qscheme import per_channel_affine_float_qparams, quint4, quint8
 from ..qtensor import QTensor
-from ..qtensor.resample import bilinear_on_grid
 from ..stubs import DeQuantStub
 
 # outputs that stay float after convert: no output observer
@@ -146,83 +142,15 @@ def _observe_input(module: nn.Module, inputs: Any) -> Any:
     return (module.activation_post_process(inputs[0]), *inputs[1:]) if inputs else None
 
 
-# ---- functionals the int8 model runs on the codes: the simulation keeps the input's grid too ---------------------
-_INTERPOLATE = inspect.signature(F.interpolate)
-_MAX_POOLS = (F.max_pool1d, F.max_pool2d, F.max_pool3d)
-_MODES = "_lowbit_shared_grid_modes"  # the root's active modes (one per nested call)
-
-
-def _rounding_grid(obs: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int, int | None] | None:
-    """``(scale, zero_point, quant_min, quant_max, axis)`` of the grid ``obs``'s forward rounds onto: an enabled
-    ``FakeQuantize`` (LSQ: its learned grid), or a reference model's ``QuantDeQuant``; ``None`` for an observer (its
-    forward returns its input), a disabled fake-quant or a float zero point."""
-    if isinstance(obs, FakeQuantize):
-        if obs.fake_quant_enabled[0] != 1 or obs.qscheme.has_float_zero_point:
-            return None
-        s, z = obs.scale.detach(), obs.zero_point.detach()
-        if isinstance(obs, LearnableFakeQuantize):  # (its calculate_qparams clamps the scale in place: no version bump
-            s, z = s.clamp(min=obs.eps), z.round().clamp(obs.quant_min, obs.quant_max)  # under autograd here)
-            if obs.symmetric_zero_point is not None:
-                z = torch.full_like(z, obs.symmetric_zero_point)
-        return s, z, obs.quant_min, obs.quant_max, obs.ch_axis
-    if isinstance(obs, ObserverBase) or not isinstance(getattr(obs, "scale", None), torch.Tensor):
-        return None
-    qdtype = getattr(obs, "qdtype", None)
-    if qdtype is None or not isinstance(getattr(obs, "zero_point", None), torch.Tensor):
-        return None
-    return obs.scale, obs.zero_point, qdtype.quant_min, qdtype.quant_max, None
-
-
-def _share_interpolate(args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
-    """``F.interpolate`` of a tagged tensor (an observed module's output): nearest modes select its values (tagged,
-    as the int8 model's codes); bilinear goes through the input's observer again (graph mode's ``obs_share``: the
-    calibration sees it, QAT fake-quantizes it on the input's grid) and takes the int8 kernel's codes
-    (``bilinear_on_grid``). Anything the int8 model runs in float (antialias, bicubic, a per-channel grid along a
-    resampled axis) is left alone."""
-    a = _INTERPOLATE.bind(*args, **kwargs).arguments
-    x, mode = a["input"], a.get("mode", "nearest")
-    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or not _tagged(x):
-        return out
-    obs = _grid_module(x)
-    if mode in ("nearest", "nearest-exact"):
-        return _tag(out, obs)
-    if mode != "bilinear" or a.get("antialias", False) or x.dim() != 4 or obs is None:
-        return out
-    axis = getattr(obs, "ch_axis", None)
-    if axis is not None and axis % 4 >= 2:
-        return out
-    on_codes = getattr(obs, "resample_on_codes", None)
-    if on_codes is not None:  # an export twin's QDQ: a Resize of the codes in the file (lowbit.export.codes)
-        rest = {k: v for k, v in a.items() if k != "input"}
-        return _tag(on_codes(x, lambda c: F.interpolate(c, **rest)), obs)
-    y = obs(out)
-    grid = _rounding_grid(obs)
-    if grid is not None:
-        s, z, qmin, qmax, ch = grid
-        y = bilinear_on_grid(x, y, s, z, qmin, qmax, None if ch is None else ch % 4, a.get("size"),
-                             a.get("scale_factor"), a.get("align_corners"), a.get("recompute_scale_factor"))
-    return _tag(y, obs)
-
-
-class _SharedGrids(TorchFunctionMode):
-    """Active while a prepared eager model runs (its root's hooks): ``F.interpolate`` (``nn.Upsample``,
-    ``F.upsample*``) and functional max pooling of an observed module's output keep its grid, as the int8 model's
-    QTensor ops do; the next weighted layer then reads them as quantized (no input observer of its own)."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func is F.interpolate and args:
-            return _share_interpolate(args, kwargs, out)
-        if func in _MAX_POOLS and args and isinstance(out, torch.Tensor) and _tagged(args[0]):
-            return _tag(out, _grid_module(args[0]))
-        return out
+_MODES = "_lowbit_shared_grid_modes"  # the root's active shared-grid modes (one per nested call; shared_grids.py)
 
 
 def _enter_shared_grids(module: nn.Module, args: Any) -> None:
     """Forward pre-hook ``prepare`` / ``prepare_qat`` put on the root: the shared-grid mode on (``torch.compile``
     traces it: a compiled QAT model gives the eager one's values)."""
-    mode = _SharedGrids()
+    from .shared_grids import SharedGrids  # (it imports this module)
+
+    mode = SharedGrids()
     mode.__enter__()
     module.__dict__.setdefault(_MODES, []).append(mode)
 
@@ -232,12 +160,6 @@ def _exit_shared_grids(module: nn.Module, args: Any, output: Any) -> None:
     modes = module.__dict__.get(_MODES)
     if modes:
         modes.pop().__exit__(None, None, None)
-
-
-def _install_shared_grids(root: nn.Module) -> None:
-    if _enter_shared_grids not in root._forward_pre_hooks.values():
-        root.register_forward_pre_hook(_enter_shared_grids)
-        root.register_forward_hook(_exit_shared_grids, always_call=True)
 
 
 _HOOKS = (_observe_output, _pass_tag, _note_tag, _observe_float_input, _observe_input, _enter_shared_grids,

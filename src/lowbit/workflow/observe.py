@@ -25,8 +25,9 @@ from ..observer.ddp import keep_statistics_local
 from ..observer.fixed import PlaceholderObserver
 from ..qconfig import QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..qconfig.config import build
+from . import shared_grids
 from .hooks import (_NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_NATIVE, _is_observer, _is_table_recipe, _is_weighted,
-                    _note_tag, _install_shared_grids, _observe_float_input, _observe_input, _observe_output, _pass_tag,
+                    _note_tag, _observe_float_input, _observe_input, _observe_output, _pass_tag,
                     _remove_observer_hooks)
 from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, _resolve_user_qconfig,
                         refuse_call_order, warn_graph_mode, is_dynamic_qconfig, join_name, propagate_qconfig_)
@@ -128,7 +129,7 @@ def prepare(model: nn.Module, qconfig: Any = None, inplace: bool = False,
         warnings.warn("prepare(): no quantizable module got a qconfig — convert() will leave this model float",
                       stacklevel=2)
     keep_statistics_local(model)  # DDP(broadcast_buffers=True) must not overwrite the ranks' statistics (observer.ddp)
-    _install_shared_grids(model)
+    shared_grids.install(model)
     return guard_loading(model).eval()  # (load_state_dict: all or nothing)
 
 
@@ -170,7 +171,7 @@ def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
     if _insert_observers(model, observed, set(dynamic)) == 0:
         warnings.warn("prepare_qat(): no quantizable module got a qconfig — convert() will leave this model float",
                       stacklevel=2)
-    _install_shared_grids(model)
+    shared_grids.install(model)
     _warn_post_training_qconfigs(model)
     keep_statistics_local(model)  # DDP(broadcast_buffers=True) must not overwrite the ranks' statistics (observer.ddp)
     return guard_loading(model).train()
