@@ -149,8 +149,10 @@ def test_fuse_qat_keeps_markers(d):
     torch.testing.assert_close(f(x), m(x))  # markers compute the unfused float function
     lb = fuse_modules_qat(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), ["0", "1"])
     assert type(lb[0]) is nni.LinearBn1d
+    ct = fuse_modules_qat(nn.Sequential(nn.ConvTranspose2d(3, 3, 3), nn.BatchNorm2d(3)), ["0", "1"])
+    assert type(ct[0]) is nni.ConvTransposeBn2d  # (session 40: trained by nniqat.ConvTransposeBn2d)
     with pytest.raises(ValueError, match="fuse_modules_qat: cannot fuse"):
-        fuse_modules_qat(nn.Sequential(nn.ConvTranspose2d(3, 3, 3), nn.BatchNorm2d(3)), ["0", "1"])
+        fuse_modules_qat(nn.Sequential(nn.ConvTranspose2d(3, 3, 3), nn.BatchNorm2d(3), nn.ReLU()), ["0", "1", "2"])
     with pytest.raises(TypeError, match="qconfig"):
         fuse_modules_qat(m, ["0", "1"], qconfig="x")
 

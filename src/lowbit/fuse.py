@@ -15,7 +15,7 @@ group                      ``fuse_modules`` (eval)      ``fuse_modules_qat``
 ConvNd, BatchNormNd        folded ConvNd                ``nni.ConvBnNd``
 ConvNd, BatchNormNd, ReLU  ``nni.ConvReLUNd`` (folded)  ``nni.ConvBnReLUNd``
 ConvNd, ReLU               ``nni.ConvReLUNd``           ``nni.ConvReLUNd``
-ConvTransposeNd, BNNd      folded ConvTransposeNd       (not supported)
+ConvTransposeNd, BNNd      folded ConvTransposeNd       ``nni.ConvTransposeBnNd``
 Linear, ReLU               ``nni.LinearReLU``           ``nni.LinearReLU``
 Linear, BatchNorm1d        folded Linear                ``nni.LinearBn1d``
 BatchNorm2d/3d, ReLU       ``nni.BNReLU2d/3d``          ``nni.BNReLU2d/3d``
@@ -59,6 +59,8 @@ _BN = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.Batch
        nn.Linear: nn.BatchNorm1d}
 _CONV_RELU = {nn.Conv1d: nni.ConvReLU1d, nn.Conv2d: nni.ConvReLU2d, nn.Conv3d: nni.ConvReLU3d}
 _CONV_BN = {nn.Conv1d: nni.ConvBn1d, nn.Conv2d: nni.ConvBn2d, nn.Conv3d: nni.ConvBn3d}
+_CONVT_BN = {nn.ConvTranspose1d: nni.ConvTransposeBn1d, nn.ConvTranspose2d: nni.ConvTransposeBn2d,
+             nn.ConvTranspose3d: nni.ConvTransposeBn3d}
 _CONV_BN_RELU = {nn.Conv1d: nni.ConvBnReLU1d, nn.Conv2d: nni.ConvBnReLU2d, nn.Conv3d: nni.ConvBnReLU3d}
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
                 "_forward_hooks_always_called")
@@ -113,8 +115,7 @@ def fuse_known_modules(mods: Sequence[nn.Module], is_qat: bool = False) -> list[
                             f"{type(fused).__name__}, not {want.__name__} (its fused_type)")
     elif len(mods) == 2 and types[1] is _BN.get(first):  # layer + bn
         if is_qat:
-            fused = _CONV_BN[first](*mods) if first in _CONV_BN else (
-                nni.LinearBn1d(*mods) if first is nn.Linear else None)
+            fused = {**_CONV_BN, **_CONVT_BN, nn.Linear: nni.LinearBn1d}[first](*mods)
         else:
             fused = _fold(*mods)
     elif len(mods) == 3 and first in _CONV_BN and types[1:] == (_BN[first], nn.ReLU):
@@ -130,8 +131,7 @@ def fuse_known_modules(mods: Sequence[nn.Module], is_qat: bool = False) -> list[
         names = ", ".join(t.__name__ for t in types)
         raise ValueError(
             f"{fn}: cannot fuse ({names}); "
-            "supported: conv+bn(+relu), conv+relu, linear+relu, linear+bn, bn+relu"
-            + ("" if is_qat else ", convtranspose+bn")
+            "supported: conv+bn(+relu), conv+relu, linear+relu, linear+bn, bn+relu, convtranspose+bn"
         )
     if hasattr(mods[0], "qconfig"):
         fused.qconfig = mods[0].qconfig

@@ -72,6 +72,7 @@ def get_default_static_quant_module_mappings() -> dict[type[nn.Module], type[nn.
         m[getattr(nniqat, "ConvBnReLU" + d)] = conv_relu
         m[getattr(nn, "ConvTranspose" + d)] = getattr(nnq_convt, "ConvTranspose" + d)
         m[getattr(nnqat, "ConvTranspose" + d)] = getattr(nnq_convt, "ConvTranspose" + d)
+        m[getattr(nniqat, "ConvTransposeBn" + d)] = getattr(nnq_convt, "ConvTranspose" + d)  # the BN folded
     for d in ("2d", "3d"):  # a BatchNorm not folded into a conv (torch.ao's default mapping has them too)
         m[getattr(nn, "BatchNorm" + d)] = getattr(nnq_norm, "BatchNorm" + d)
         m[getattr(nni, "BNReLU" + d)] = getattr(nnq_norm, "BNReLU" + d)
@@ -88,6 +89,7 @@ def get_default_qat_module_mappings() -> dict[type[nn.Module], type[nn.Module]]:
     for d in ("1d", "2d", "3d"):
         m[getattr(nn, "Conv" + d)] = getattr(nnqat, "Conv" + d)
         m[getattr(nn, "ConvTranspose" + d)] = getattr(nnqat, "ConvTranspose" + d)  # weight grid along axis 1
+        m[getattr(nni, "ConvTransposeBn" + d)] = getattr(nniqat, "ConvTransposeBn" + d)
         for name in ("ConvReLU", "ConvBn", "ConvBnReLU"):
             m[getattr(nni, name + d)] = getattr(nniqat, name + d)
     m.update(extra_mappings("qat"))

@@ -1,7 +1,7 @@
 """Graph-mode fusion: ``fuse_graph`` folds runs of float ops into the single modules / nodes that quantize as one.
 
 ``fuse_graph`` folds the runs ``conv-bn(-relu)``, ``conv-relu``, ``linear-relu``, ``linear-bn``,
-``bn-relu`` and (not for QAT) ``convtranspose-bn`` (relu as ``nn.ReLU``, ``F.relu``, ``torch.relu``
+``bn-relu`` and ``convtranspose-bn`` (relu as ``nn.ReLU``, ``F.relu``, ``torch.relu``
 or ``.relu()``; not for QAT also a ``[0, t]`` clamp — ``ReLU6``, ``F.relu6``, ``Hardtanh(0, t)``,
 ``clamp(x, 0, t)`` — as ``nni.ClampedReLU(t)``, whose clamp the output grid then performs; not a
 layer under a dynamic qconfig: there is no fused dynamic module) into one
@@ -49,7 +49,7 @@ __all__ = ["fuse_graph", "clamp_relu"]
 
 _LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BN_OF = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d, nn.Linear: nn.BatchNorm1d}
-# folded exactly for inference only (there is no QAT transposed conv-BN module)
+# folded for inference, nni.ConvTransposeBnNd (trained by nniqat.ConvTransposeBnNd) for QAT; no ReLU variant
 _BN_OF_TRANSPOSED = {nn.ConvTranspose1d: nn.BatchNorm1d, nn.ConvTranspose2d: nn.BatchNorm2d,
                      nn.ConvTranspose3d: nn.BatchNorm3d}
 
@@ -169,7 +169,7 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
     for ``lowbit.debug.compare``.
     """
     modules = dict(gm.named_modules())
-    bn_of = _BN_OF if is_qat else {**_BN_OF, **_BN_OF_TRANSPOSED}
+    bn_of = {**_BN_OF, **_BN_OF_TRANSPOSED}
     fused: list[str] = []
     erased: set[fx.Node] = set()
     calls: dict[Any, int] = {}

@@ -19,6 +19,9 @@ from .modules import (
     ConvReLU1d,
     ConvReLU2d,
     ConvReLU3d,
+    ConvTransposeBn1d,
+    ConvTransposeBn2d,
+    ConvTransposeBn3d,
     FusedModule,
     LinearBn1d,
     LinearReLU,
@@ -29,5 +32,5 @@ __all__ = [
     "FusedModule", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "LinearReLU",
     "ConvBn1d", "ConvBn2d", "ConvBn3d", "ConvBnReLU1d", "ConvBnReLU2d", "ConvBnReLU3d",
     "LinearBn1d", "BNReLU2d", "BNReLU3d", "fold_bn_weights", "bn_scale",
-    "ClampedReLU", "as_fusable_relu",
+    "ClampedReLU", "as_fusable_relu", "ConvTransposeBn1d", "ConvTransposeBn2d", "ConvTransposeBn3d",
 ]

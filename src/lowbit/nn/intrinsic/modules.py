@@ -26,6 +26,7 @@ __all__ = [
     "FusedModule", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "LinearReLU",
     "ConvBn1d", "ConvBn2d", "ConvBn3d", "ConvBnReLU1d", "ConvBnReLU2d", "ConvBnReLU3d",
     "LinearBn1d", "BNReLU2d", "BNReLU3d", "ClampedReLU", "as_fusable_relu",
+    "ConvTransposeBn1d", "ConvTransposeBn2d", "ConvTransposeBn3d",
 ]
 
 
@@ -101,5 +102,11 @@ ConvBnReLU1d = _marker("ConvBnReLU1d", (nn.Conv1d, nn.BatchNorm1d, nn.ReLU), "``
 ConvBnReLU2d = _marker("ConvBnReLU2d", (nn.Conv2d, nn.BatchNorm2d, nn.ReLU), "``relu(bn(conv2d(x)))``.")
 ConvBnReLU3d = _marker("ConvBnReLU3d", (nn.Conv3d, nn.BatchNorm3d, nn.ReLU), "``relu(bn(conv3d(x)))``.")
 LinearBn1d = _marker("LinearBn1d", (nn.Linear, nn.BatchNorm1d), "``bn(linear(x))`` (kept unfolded for QAT).")
+ConvTransposeBn1d = _marker("ConvTransposeBn1d", (nn.ConvTranspose1d, nn.BatchNorm1d),
+                            "``bn(conv_transpose1d(x))`` (kept unfolded for QAT).")
+ConvTransposeBn2d = _marker("ConvTransposeBn2d", (nn.ConvTranspose2d, nn.BatchNorm2d),
+                            "``bn(conv_transpose2d(x))`` (kept unfolded for QAT).")
+ConvTransposeBn3d = _marker("ConvTransposeBn3d", (nn.ConvTranspose3d, nn.BatchNorm3d),
+                            "``bn(conv_transpose3d(x))`` (kept unfolded for QAT).")
 BNReLU2d = _marker("BNReLU2d", (nn.BatchNorm2d, nn.ReLU), "``relu(bn2d(x))``.")
 BNReLU3d = _marker("BNReLU3d", (nn.BatchNorm3d, nn.ReLU), "``relu(bn3d(x))``.")

@@ -12,8 +12,8 @@ the trained grid is the converted grid::
 Grouped (``groups = G``): grid ``j`` of axis 1 serves output channel ``j`` of every group (``o = g·C_out/G + j``),
 as the int8 layer stores it. Any other ``ch_axis`` is refused when the module is built (``prepare_qat`` /
 ``prepare_qat_fx`` name the module). The output fake-quant is attached by ``prepare_qat``, as for the other QAT layers.
-There is no QAT ConvTranspose-BN module: ``fuse_modules`` / ``prepare_fx`` fold a BN into a transposed conv for
-inference only, and under QAT the BN trains as a float layer.
+A transposed conv followed by a BatchNorm trains as ``lowbit.nn.intrinsic.qat.ConvTransposeBn*d`` (``fuse_modules_qat``,
+``prepare_qat_fx``), which folds the BN along this axis.
 
 >>> import torch, lowbit as Q
 >>> from torch import nn

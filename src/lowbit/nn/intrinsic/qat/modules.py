@@ -120,6 +120,7 @@ class BnFoldedBase(nn.Module):
     _RELU = False
     _FOLDED: type[nn.Module] = nn.Module  # the QAT module fold() returns
     _layer_name = "conv"
+    _TRANSPOSED = False  # a transposed conv: output channels on the weight's axis 1 (conv_transpose_bn.py)
     _bn_fold = "batch_stats"  # (modules pickled before the option existed)
 
     def __init__(self, layer: nn.Module, bn: nn.Module, qconfig: Any = None, freeze_bn: bool = False,
@@ -134,7 +135,7 @@ class BnFoldedBase(nn.Module):
                              "(num_features must match and track_running_stats must be True)")
         self.add_module(self._layer_name, layer)
         self.bn = bn
-        init_weight_fake_quant(self, qconfig)
+        init_weight_fake_quant(self, qconfig, transposed=self._TRANSPOSED)
         self.freeze_bn = bool(freeze_bn)
         self.bn_fold = bn_fold
         self.train(layer.training)
@@ -164,16 +165,30 @@ class BnFoldedBase(nn.Module):
     def _op(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self.layer._conv_forward(x, w, None)  # type: ignore[operator]
 
+    def _fold_weights(self, w: torch.Tensor, b: torch.Tensor | None, check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fold_bn_weights`` of this layer's kind (a transposed conv's output channels are its weight's axis 1)."""
+        return fold_bn_weights(w, b, self.bn, check=check)
+
+    def _scale_weight(self, s: torch.Tensor) -> torch.Tensor:
+        """``W * s`` along the output channels (axis 0)."""
+        return self.weight * s.reshape([-1] + [1] * (self.weight.dim() - 1))  # (C, 1, ...)
+
+    def _fake_quant(self, w: torch.Tensor) -> torch.Tensor:
+        return self.weight_fake_quant(w)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x, self._op)
+
+    def _forward(self, x: torch.Tensor, op: Any) -> torch.Tensor:
+        """The forward of the module docstring with ``op(x, w)`` the layer's op (bias-free)."""
         self._check_rank(x)
         if self._bn_fold == "running_stats":  # lucid: the eval-mode fold, live in W, b, gamma, beta
-            w, b = fold_bn_weights(self.weight, self.bias, self.bn, check=False)  # (C, ...), (C,)
-            y = self._op(x, self.weight_fake_quant(w))  # (N, C, *spatial)
+            w, b = self._fold_weights(self.weight, self.bias, check=False)  # (C, ...), (C,)
+            y = op(x, self._fake_quant(w))  # (N, C, *spatial)
             y = y + b.reshape([1, -1] + [1] * (y.dim() - 2))
             return F.relu(y) if self._RELU else y
         s = bn_scale(self.bn)  # (C,)
-        w_shape = [-1] + [1] * (self.weight.dim() - 1)  # (C, 1, ...)
-        y = self._op(x, self.weight_fake_quant(self.weight * s.reshape(w_shape)))  # (N, C, *spatial)
+        y = op(x, self._fake_quant(self._scale_weight(s)))  # (N, C, *spatial)
         y_shape = [1, -1] + [1] * (y.dim() - 2)
         # a channel whose BN gamma is 0 (torchvision's zero_init_residual) has s = 0: its folded weight, and so y, is
         # 0, and dividing by s would make it NaN (and every running statistic after it): it divides by 1 instead
@@ -226,13 +241,13 @@ class BnFoldedBase(nn.Module):
         It shares ``qconfig``, ``weight_fake_quant`` and ``activation_post_process`` (if any), so
         ``lowbit.nn.quantized`` ``from_float`` builds the inference module from it.
         """
-        w, b = fold_bn_weights(self.weight.detach(), None if self.bias is None else self.bias.detach(), self.bn)
+        w, b = self._fold_weights(self.weight.detach(), None if self.bias is None else self.bias.detach(), check=True)
         layer = self.layer
         if isinstance(layer, nn.Linear):
             out = self._FOLDED(layer.in_features, layer.out_features, True, qconfig=self.qconfig,
                                device=w.device, dtype=w.dtype)
         else:
-            kw = _QConv2d.conv_kwargs(layer)
+            kw = self._FOLDED.conv_kwargs(layer)  # type: ignore[attr-defined]
             kw["bias"] = True
             out = self._FOLDED(**kw, qconfig=self.qconfig)
         out.weight, out.bias = nn.Parameter(w), nn.Parameter(b.detach())
@@ -305,12 +320,22 @@ def set_bn_fold_mode(model: nn.Module, mode: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"set_bn_fold_mode: model must be an nn.Module, got {type(model).__name__}")
     _check_bn_fold("set_bn_fold_mode", mode)
-    markers = tuple(cls._MARKER for cls in _BN_CLASSES)
+    markers = tuple(cls._MARKER for cls in _bn_classes())
     for mod in model.modules():
         if isinstance(mod, BnFoldedBase) or type(mod) in markers:
             mod.bn_fold = mode
     return model
 
 
-_BN_CLASSES = (ConvBn1d, ConvBn2d, ConvBn3d, ConvBnReLU1d, ConvBnReLU2d, ConvBnReLU3d, LinearBn1d)
+def _bn_classes() -> list[type[BnFoldedBase]]:
+    """Every subclass of ``BnFoldedBase`` that names a float marker (``ConvTransposeBn*d`` live in another module)."""
+    out, todo = [], list(BnFoldedBase.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls._MARKER is not nn.Module:
+            out.append(cls)
+    return out
+
+
 _BnFolded = BnFoldedBase  # earlier private name, still imported by lowbit.fx.convert
