@@ -49,7 +49,7 @@ from torch import fx, nn
 
 from .fusion_registry import find_fusion_pattern
 from .nn import intrinsic as nni
-from .nn.intrinsic.fold import fold_bn_weights
+from .nn.intrinsic.fold import check_linear_bn_input, fold_bn_weights
 from .qconfig import QConfig
 
 __all__ = ["fuse_modules", "fuse_modules_qat", "fuse_known_modules"]
@@ -84,6 +84,8 @@ def _fold(layer: nn.Module, bn: nn.Module) -> nn.Module:
     grad = layer.weight.requires_grad
     fused.weight = nn.Parameter(w, grad)
     fused.bias = nn.Parameter(b, grad if layer.bias is None else layer.bias.requires_grad)
+    if isinstance(layer, nn.Linear):  # the fold is exact on (N, F) only (it was silently wrong on (N, L, F))
+        fused.register_forward_pre_hook(check_linear_bn_input)
     return fused
 
 

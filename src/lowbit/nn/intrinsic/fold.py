@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["fold_bn_weights", "bn_scale", "check_bn_statistics"]
+__all__ = ["fold_bn_weights", "bn_scale", "check_bn_statistics", "check_linear_bn_input"]
 
 
 def bn_scale(bn: nn.modules.batchnorm._BatchNorm) -> torch.Tensor:
@@ -80,3 +80,29 @@ def fold_bn_weights(
     cin, cout_g, *k = weight.shape
     w = weight.reshape(groups, cin // groups, cout_g, *k) * s.reshape(groups, 1, cout_g, *[1] * len(k))
     return w.reshape(weight.shape).to(weight.dtype), b_fold
+
+
+def check_linear_bn_input(linear: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a ``Linear`` with a ``BatchNorm1d`` folded in: refuse an input that is not ``(N, F_in)``.
+
+    The fold scales output feature ``f`` by ``s[f]``; ``BatchNorm1d`` normalises dim 1 of its input, which is the
+    features only on the 2-d output of a 2-d input. On ``(N, L, F_in)`` (``L == F_out``, else the BN refused it) it
+    normalised ``L``, so the folded layer computed another function, silently (torch.ao's fused Linear too).
+
+    >>> import torch
+    >>> lin = torch.nn.Linear(3, 4); _ = lin.register_forward_pre_hook(check_linear_bn_input)
+    >>> lin(torch.randn(2, 3)).shape
+    torch.Size([2, 4])
+    >>> lin(torch.randn(2, 4, 3))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: Linear(3, 4) with a BatchNorm1d folded in takes a 2-d input (N, 3), got shape (2, 4, 3): ...
+    """
+    shape = getattr(args[0], "shape", None) if args else None  # a tensor, or a QTensor once converted
+    if shape is not None and len(shape) != 2:
+        shape = tuple(shape)
+        what = f"dim 1 of the unfused output ({shape[1]} entries)" if len(shape) > 2 else "no batch (it refuses 1-d input)"
+        raise ValueError(f"Linear({linear.in_features}, {linear.out_features}) with a BatchNorm1d folded in takes a "
+                         f"2-d input (N, {linear.in_features}), got shape {shape}: BatchNorm1d normalised {what}, not "
+                         f"the {linear.out_features} features the fold scales; leave this Linear and BatchNorm1d "
+                         "unfused")
