@@ -51,7 +51,8 @@ def test_frozen_bn_stays_frozen_across_eval_train_and_bn_kept_once(version):
     b = Q.prepare_qat_fx(copy.deepcopy(m), Q.get_default_qat_qconfig_mapping("x86", version), ex)
     conv_layout = {"c1.conv.weight": "c1.weight", "c1.conv.bias": "c1.bias", "c2.conv.weight": "c2.weight",
                    "c2.conv.bias": "c2.bias"}  # (lowbit's ConvBn keeps its conv as a child: another layout)
-    assert sorted(conv_layout.get(k, k) for k in b.state_dict()) == sorted(a.state_dict())
+    # (lowbit's QAT conv-BN modules also save freeze_bn / bn_fold as `_extra_state`, session 40; torch.ao's lose them)
+    assert sorted(conv_layout.get(k, k) for k in b.state_dict() if not k.endswith("_extra_state")) == sorted(a.state_dict())
     oa, ob = torch.optim.SGD(a.parameters(), lr=0.05, momentum=0.9), torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9)
     steps = {1: (lambda k: k.apply(tnniqat.freeze_bn_stats), lambda k: k.apply(nniqat.freeze_bn_stats)),
              2: (lambda k: k.eval(),) * 2, 3: (lambda k: k.train(),) * 2,

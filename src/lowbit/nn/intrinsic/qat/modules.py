@@ -214,6 +214,30 @@ class BnFoldedBase(nn.Module):
             self.bn.train(False)
         return self
 
+    def get_extra_state(self) -> torch.Tensor:
+        """``[freeze_bn, bn_fold index]`` (uint8): a checkpoint resumes with frozen BN statistics and its fold mode
+        (torch.ao's ``freeze_bn`` is lost on a reload: the resumed run updated the statistics again)."""
+        return torch.tensor([int(self.freeze_bn), _BN_FOLD_MODES.index(self._bn_fold)], dtype=torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        ok = isinstance(state, torch.Tensor) and state.shape == (2,) and not state.is_floating_point()
+        if not ok or int(state[0]) not in (0, 1) or int(state[1]) not in range(len(_BN_FOLD_MODES)):
+            raise ValueError(f"{type(self).__name__}: _extra_state={state!r} is not [freeze_bn (0 / 1), bn_fold index "
+                             f"into {_BN_FOLD_MODES}] (an integer tensor of 2 entries)")
+        self.bn_fold = _BN_FOLD_MODES[int(state[1])]
+        if int(state[0]):
+            self.freeze_bn_stats()
+        else:
+            self.update_bn_stats()
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + "_extra_state"
+        if key not in state_dict and key in missing_keys:  # a checkpoint from before it was saved: keep the state
+            missing_keys.remove(key)
+
     def freeze_bn_stats(self) -> BnFoldedBase:
         """Use (and stop updating) the BN running statistics, as inference will."""
         self.freeze_bn = True
