@@ -21,7 +21,9 @@ Linear, BatchNorm1d        folded Linear                ``nni.LinearBn1d``
 BatchNorm2d/3d, ReLU       ``nni.BNReLU2d/3d``          ``nni.BNReLU2d/3d``
 =========================  ===========================  ==========================
 
-Patterns registered with ``lowbit.fusion_registry.register_fusion_pattern`` are tried first.
+A folded Linear + BatchNorm1d refuses an input that is not ``(N, F)``: BatchNorm1d normalises dim 1, the features
+only there (``lowbit.nn.intrinsic.fold.check_linear_bn_input``). There is no ConvTranspose-BN-ReLU fusion (torch.ao
+neither). Patterns registered with ``lowbit.fusion_registry.register_fusion_pattern`` are tried first.
 In ``fuse_modules`` the ReLU may also be ``ReLU6`` or ``Hardtanh(0, t)``: it becomes
 ``nni.ClampedReLU(t)`` inside the ReLU marker, and the quantized layer's output grid does the clamp.
 
