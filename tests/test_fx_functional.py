@@ -335,8 +335,8 @@ def test_fx_convtranspose_bn_folds_and_converts():
     q = convert_fx(prepared)
     assert type(q.up) is QConvTranspose2d and not any(isinstance(m, nn.BatchNorm2d) for m in q.modules())
     assert sqnr(model(x).detach(), q(x)) >= 30
-    qat = prepare_qat_fx(UpBlock(), example_inputs=(x,))  # no QAT transposed conv-BN: the BN keeps training
-    assert qat.lowbit_report.fused == ["bn: BatchNorm2d + ReLU -> BNReLU2d"]
+    qat = prepare_qat_fx(UpBlock(), example_inputs=(x,))  # session 40: the QAT transposed conv-BN, as prepare_fx fuses
+    assert qat.lowbit_report.fused == ["up: ConvTranspose2d + BatchNorm2d -> ConvTransposeBn2d"]
 
 
 def test_fx_convtranspose_bn_train_mode_raises():
