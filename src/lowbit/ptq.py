@@ -99,6 +99,7 @@ class PTQReport:
     sqnr_db: float = float("nan")
     float_layers: list[str] = field(default_factory=list)
     float_output: list[str] = field(default_factory=list)
+    op_keys: dict[str, tuple[str, Any, int]] = field(default_factory=dict)  # float ops: name -> call-order key
 
     def __str__(self) -> str:
         lines = [f"quantize_ptq(recipe={self.recipe!r}): output SQNR vs float {self.sqnr_db:.2f} dB"]
@@ -176,12 +177,18 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     100 AdaRound steps, 1440 evaluation crops): 96 calibration crops 0.897 / 20.08 dB with neither, 0.896 / 20.85
     with both; 192 calibration crops 0.892 / 20.34 with neither, 0.902 / 21.02 with ``refine=8``, **0.905 / 21.14**
     with both (``docs/design.md``).
-    ``max_float_layers`` (either recipe, default 0): after convert, keep up to that many
-    weighted layers float, picked label-free on the first calibration batch by the output SQNR against the
-    float model (``lowbit.debug.auto_mixed_precision``'s ``search="fast"`` walk on this converted model: each
-    layer ranked by the SQNR with only it float, then greedily while the SQNR improves); a float layer reads
-    its input dequantized and its output goes back onto its calibrated grid where an int8 layer reads it,
-    every other layer stays on the int8 kernels; ``report.float_layers`` names them. Under ``"accurate"`` it
+    ``max_float_layers`` (any recipe, default 0): after convert, keep up to that many
+    layers or ops float, picked label-free on the first calibration batch by the output SQNR against the
+    float model (``lowbit.debug.auto_mixed_precision``'s ``search="fast"`` walk on this converted model, on its
+    candidates: weighted layers, BN, activations, and the adds / muls / cats a call-order key reaches, each
+    ranked by the SQNR with only it float, then greedily while the SQNR improves); a float layer or op reads
+    its input dequantized and its output is rounded onto its calibrated grid only where an int8 op reads it
+    (a reused layer: one float copy per call, on the grid of that call's outputs), the int8 ops ``prepare_fx``
+    would then keep float as islands are float too, every other layer stays on the int8 kernels: with the
+    default recipe the returned model is, output for output, the one ``prepare_fx`` builds with
+    ``set_module_name(L, None)`` / ``set_module_name_object_type_order(*report.op_keys[op], None)``.
+    ``report.float_layers`` names them as ``auto_mixed_precision`` does (an op: ``"module:function#index"``,
+    ``report.op_keys`` its key). Under ``"accurate"`` it
     buys little (EfficientNet-Lite0 23.59 -> 23.89 dB with 2 float layers): the rounding fits that batch and
     the downstream corrections keep compensating the error a float layer no longer makes; pick the layers
     before rounding instead (``auto_mixed_precision(..., search="fast")`` on ``get_accurate_qconfig()``, then
@@ -265,12 +272,22 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
             spreads = ", ".join(f"{e.spread_before:.3g}->{e.spread_after:.3g}" for e in eq)
             summary += f"; {len(eq)} residual streams rescaled (channel range spread {spreads or '-'})"
         report.steps.append(("equalize", summary))
-    with torch.no_grad():
-        for i, b in enumerate(tqdm(batches, desc="calibrate", disable=not progress)):
-            try:
-                prepared(*b)
-            except Exception as e:  # a later batch that does not fit the model (batch 0 ran in prepare_fx): name it
-                raise batch_failed(i, b, e) from e
+    calls: dict[str, list[nn.Module]] = {}
+    handles: list[Any] = []
+    if max_float_layers:  # each call of a reused layer observed on its own (its own grid when kept float)
+        from .debug.graph_swap import record_call_outputs
+
+        calls, handles = record_call_outputs(prepared)
+    try:
+        with torch.no_grad():
+            for i, b in enumerate(tqdm(batches, desc="calibrate", disable=not progress)):
+                try:
+                    prepared(*b)
+                except Exception as e:  # a later batch that does not fit the model (batch 0 ran in prepare_fx)
+                    raise batch_failed(i, b, e) from e
+    finally:
+        for h in handles:
+            h.remove()
     report.steps.append(("calibrate", f"{len(batches)} batches observed"))
     if recipe == "accurate" and refine:
         from .algorithms.grid_search import refine_grids
@@ -331,11 +348,14 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
 
         before = report.sqnr_db
         table = keep_float_layers(float_model, calibrated, qmodel, score, max_float_layers, progress=progress,
-                                  who="quantize_ptq: float layers")
+                                  who="quantize_ptq: float layers", call_outputs=calls)
         report.float_layers = list(table.float_layers)
+        report.op_keys = {n: table.op_keys[n] for n in report.float_layers if n in table.op_keys}
         report.sqnr_db = table.final_metric if table.final_metric is not None else before
-        report.steps.append(("float layers", f"{len(report.float_layers)} of {len(table.rows)} weighted layers kept "
-                                             f"float (budget {max_float_layers}): first-batch SQNR {before:.2f} -> "
+        n_ops = len(table.op_keys)
+        report.steps.append(("float layers", f"{len(report.float_layers)} of {len(table.rows)} candidates "
+                                             f"({len(table.rows) - n_ops} layers, {n_ops} ops) kept float "
+                                             f"(budget {max_float_layers}): first-batch SQNR {before:.2f} -> "
                                              f"{report.sqnr_db:.2f} dB"))
     if recipe == "accurate" and float_output:
         from .algorithms.float_output import fuse_dequantize

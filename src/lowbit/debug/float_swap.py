@@ -4,8 +4,8 @@
 A candidate is every int8 module of the converted model that the user's model names: weighted layers, and (since
 session 39) standalone BatchNorm / BNReLU, quantized activations (Hardswish, ELU, Sigmoid, ...) and eager
 ``QFunctional`` (a ``FloatFunctional``'s adds). Graph mode's adds / muls / cats (``x + y``, ``torch.add``, ``ff.add``)
-become generated ``qfunctional_N`` modules: ``auto_mixed_precision`` names them by their call-order key (session 40,
-``graph_swap.py``; ``SensitivityTable.op_keys``), ``keep_float_layers`` leaves them out.
+become generated ``qfunctional_N`` modules: ``auto_mixed_precision`` and ``keep_float_layers`` (``quantize_ptq``) name
+them by their call-order key (session 40, ``graph_swap.py``; ``SensitivityTable.op_keys``).
 
 Eager mode (``eager_twins``): the model built from the mapping runs a float layer ``L`` on its (dequantized) input
 and hands on float ``y = L(x̂)``; whatever reads it (a flatten, a view, an add, ``L`` itself called again, the
@@ -18,11 +18,12 @@ given to every int8 layer with none (``give_input_grids``: the all-int8 model ne
 built model records, exactly for a layer called once (a layer called several times, only some calls reading a float
 layer, records the union of its calls: an approximation). A float twin's output is then always float.
 
-Graph mode reads the graph instead (``graph_swap.readers``). ``keep_float_layers``: a float layer's output goes back onto
-its calibrated grid where an int8 consumer reads it, and stays float while every reader is a float layer too.
-``auto_mixed_precision`` (``ops=True``): every twin outputs float and a ``_Gate`` on each edge out of it rounds onto its
-grid only where an int8 op reads that edge; a reused layer gets one twin per call, on that call's own grid; the int8
-ops ``prepare_fx`` then keeps float as islands are swapped too (``_islands``): every row is the built model's score.
+Graph mode reads the graph instead (``graph_swap.readers``): ``auto_mixed_precision`` and ``keep_float_layers``
+(``ops=True``): every twin outputs float and a ``_Gate`` on each edge out of it rounds onto its grid only where an int8
+op reads that edge; a reused layer gets one twin per call, on that call's own grid; the int8 ops ``prepare_fx`` then
+keeps float as islands are swapped too (``_islands``): every row is the built model's score. ``keep_float_layers``
+then fixes the gates into plain ``Quantize`` modules (``graph_swap.settle``). Eager ``keep_float_layers``: a float
+layer's output goes back onto its calibrated grid, and stays float while every reader is a float layer too.
 
 >>> import torch, lowbit as Q
 >>> from torch import nn
@@ -60,7 +61,7 @@ from ..qtensor import QTensor
 from ..speed_guard import requant_grid, run_in_own_dtype
 from ..workflow.hooks import _tagged
 from .graph_swap import call_grid, float_only_readers, input_quantizes, make_op_twin, node_of, op_candidates, readers
-from .graph_swap import insert_gates, sources, split_calls
+from .graph_swap import insert_gates, settle, sources, split_calls
 from .sensitivity import SensitivityRow, SensitivityTable, _quiet_float_fallback, _score, metric_drop
 from .sensitivity import warn_if_lower_is_better
 
@@ -348,11 +349,15 @@ def _search(qmodel: nn.Module, plan: _Plan, eval_fn: Callable[[nn.Module], Any],
 
 def keep_float_layers(float_model: nn.Module, prepared: nn.Module, qmodel: nn.Module,
                       eval_fn: Callable[[nn.Module], Any], max_float_layers: int, *, progress: bool = True,
-                      who: str = "keep_float_layers") -> SensitivityTable:
-    """Swap up to ``max_float_layers`` int8 layers of the converted ``qmodel`` back to float, in place, picked as
-    ``search="fast"`` picks them (ranked by ``eval_fn`` with only that layer float, then greedily while the
-    metric improves). ``prepared`` is the calibrated model ``qmodel`` came from (its modules give the float
-    twins), ``float_model`` the float original. Every other layer stays on the int8 kernels.
+                      who: str = "keep_float_layers",
+                      call_outputs: dict[str, list[nn.Module]] | None = None) -> SensitivityTable:
+    """Swap up to ``max_float_layers`` int8 layers (graph mode: and ops) of the converted ``qmodel`` back to float, in
+    place, picked as ``auto_mixed_precision(search="fast")`` picks them (ranked by ``eval_fn`` with only that candidate
+    float, then greedily while the metric improves), on the same candidates and rows: graph mode's adds / muls / cats
+    named ``"module:function#index"`` (``table.op_keys``), and with ``call_outputs`` (``graph_swap.record_call_outputs``
+    run during the calibration of ``prepared``) one float twin per call of a reused layer on that call's own grid.
+    ``prepared`` is the calibrated model ``qmodel`` came from (its modules give the float twins), ``float_model`` the
+    float original. Every other layer stays on the int8 kernels; graph mode's gates are then fixed (``settle``).
     """
     for what, m in (("float_model", float_model), ("prepared", prepared), ("qmodel", qmodel)):
         if not isinstance(m, nn.Module):
@@ -361,9 +366,15 @@ def keep_float_layers(float_model: nn.Module, prepared: nn.Module, qmodel: nn.Mo
         raise ValueError(f"{who}: max_float_layers={max_float_layers!r} must be an int >= 0")
     if not callable(eval_fn):
         raise TypeError(f"{who}: eval_fn={eval_fn!r} must be callable (model -> score, higher is better)")
+    if call_outputs is not None and not isinstance(call_outputs, dict):
+        raise TypeError(f"{who}: call_outputs={type(call_outputs).__name__} must be None or the dict "
+                        "record_call_outputs returns")
     with _quiet_float_fallback(), torch.no_grad():
         baseline = _score(eval_fn, float_model, "the float model", who)
-        plan = _swaps(float_model, prepared, qmodel)
+        graph = any(isinstance(m, fx.GraphModule) for m in qmodel.modules())  # (eager: the twins of before)
+        plan = _swaps(float_model, prepared, qmodel, ops=graph, call_outputs=call_outputs or {})
         if not plan.swaps:
             return SensitivityTable(baseline, view="float")
-        return _search(qmodel, plan, eval_fn, baseline, None, max_float_layers, progress, who)
+        table = _search(qmodel, plan, eval_fn, baseline, None, max_float_layers, progress, who)
+        settle(qmodel)
+        return table

@@ -53,7 +53,7 @@ from ..speed_guard import requant_grid
 from ..workflow.propagate import join_name
 from .table import call_order_name
 
-__all__ = ["node_of", "readers", "op_candidates", "prepared_ops", "record_call_outputs", "split_calls"]
+__all__ = ["node_of", "readers", "op_candidates", "prepared_ops", "record_call_outputs", "settle", "split_calls"]
 
 
 def _dq(x: Any) -> Any:
@@ -285,3 +285,49 @@ def insert_gates(gm: fx.GraphModule, gpath: str, node: fx.Node, grid: tuple[floa
     gm.recompile()
     return out
 
+
+
+def settle(qmodel: nn.Module) -> None:
+    """Fix the search's final state into plain modules (``keep_float_layers``' returned model): an active ``_Gate``
+    becomes its ``Quantize`` (the built model's own ``Quantize`` in front of an int8 reader), an idle one leaves the
+    graph, and a reused layer's call alias (``split_calls``) that still holds the int8 layer is pointed back at it
+    (one module, one set of ``state_dict`` keys); an alias holding a float twin stays: that call's own grid.
+
+    >>> import torch, lowbit as Q
+    >>> from torch import nn
+    >>> x = torch.randn(8, 4)
+    >>> p = Q.prepare_fx(nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval(), Q.get_minmax_qconfig(), example_inputs=(x,))
+    >>> _ = p(x)
+    >>> q = Q.convert_fx(p)
+    >>> gm, (node,) = q, [n for n in q.graph.nodes if n.target == "0"]
+    >>> [(g.active, mods) for g, mods, _ in insert_gates(gm, "", node, (0.1, 0, Q.quint8), {"0"})]
+    [(False, set())]
+    >>> settle(q)                                         # an idle gate leaves the graph
+    >>> [n.target for n in q.graph.nodes if n.op == "call_module"]
+    ['quantize_1', '0', 'dequantize']
+    """
+    for gm in [m for m in qmodel.modules() if isinstance(m, fx.GraphModule)]:
+        first: dict[int, str] = {}
+        for name, mod in gm.named_modules(remove_duplicate=False):  # (an alias is registered after its module)
+            first.setdefault(id(mod), name)
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.op != "call_module":
+                continue
+            target = str(node.target)
+            mod = gm.get_submodule(target)
+            if isinstance(mod, _Gate):
+                if mod.active and mod.requant is not None:
+                    gm.add_module(target, mod.requant)
+                else:
+                    node.replace_all_uses_with(node.args[0])
+                    gm.graph.erase_node(node)
+                    delattr(gm, target)
+                changed = True
+            elif "__call" in target and "." not in target and first.get(id(mod), target) != target:
+                node.target = first[id(mod)]
+                delattr(gm, target)
+                changed = True
+        if changed:
+            gm.graph.lint()
+            gm.recompile()
