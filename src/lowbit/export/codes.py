@@ -168,7 +168,45 @@ class ResampleOnCodes(TorchFunctionMode):
                 return torch.sum(c, dims, keepdim=keepdim) / n
             return average_on_codes(x, grid, count, mean)
         spatial = int(func.__name__[-2])  # avg_pool2d / adaptive_avg_pool2d: 2
-        return average_on_codes(x, grid, math.prod(x.shape[-spatial:]), lambda c: func(c, *args[1:], **kwargs))
+        op = _divided_sum_pool(spatial, args[1:], kwargs) or (lambda c: func(c, *args[1:], **kwargs))
+        return average_on_codes(x, grid, math.prod(x.shape[-spatial:]), op)
+
+
+def _pool_args(spatial: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """``[kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override]`` of an ``F.avg_pool2d``
+    / ``avg_pool3d`` call (its arguments past the input)."""
+    names = ["kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"]
+    got = [None, None, 0, False, True, None]
+    for i, v in enumerate(args[:6]):
+        got[i] = v
+    return [kwargs.get(n, got[i]) for i, n in enumerate(names)]
+
+
+def _divided_sum_pool(spatial: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``F.avg_pool2d`` / ``avg_pool3d`` with a ``divisor_override`` ``d`` as ``sum(window) / d`` (a depthwise
+    convolution with a kernel of ones, the window past a ``ceil_mode`` edge zero-padded as torch pads it): torch's
+    ONNX exporter drops ``divisor_override`` (``AveragePool`` divided by the window: 327 of 360 codes off, up to 56
+    steps). ``None`` for any other call."""
+    if spatial == 1 or _pool_args(spatial, args, kwargs)[5] is None:
+        return None
+    k, s, p, ceil, _, d = _pool_args(spatial, args, kwargs)
+    k, p = [list(v) if isinstance(v, (list, tuple)) else [v] * spatial for v in (k, p)]
+    s = k if s is None or s == [] or s == () else list(s) if isinstance(s, (list, tuple)) else [s] * spatial
+    k, s, p = ([v[0]] * spatial if len(v) == 1 else v for v in (k, s, p))
+
+    def op(c: torch.Tensor) -> torch.Tensor:
+        size = c.shape[-spatial:]
+        pads: list[int] = []
+        for n, ki, si, pi in reversed(list(zip(size, k, s, p))):  # F.pad: last dim first
+            out = (n + 2 * pi - ki + (si - 1 if ceil else 0)) // si + 1
+            out -= 1 if ceil and (out - 1) * si >= n + pi else 0  # torch's rule: a window starts inside
+            pads += [pi, pi + max((out - 1) * si + ki - (n + 2 * pi), 0)]
+        flat = F.pad(c.reshape(-1, 1, *size), pads)
+        conv = (F.conv2d, F.conv3d)[spatial - 2]
+        total = conv(flat, torch.ones(1, 1, *k, dtype=c.dtype), stride=s)
+        return total.reshape(*c.shape[:-spatial], *total.shape[-spatial:]) / d
+    return op
 
 
 def average_on_codes(x: torch.Tensor, grid: Grid, region: int, op: Callable[[torch.Tensor], torch.Tensor]

@@ -345,8 +345,8 @@ class QTensor:
     def clamp(self, min: Any = None, max: Any = None) -> Any:  # noqa: A002 - torch's names
         return torch.clamp(self, min, max)
 
-    def mean(self, dim: Any = None, keepdim: bool = False) -> Any:
-        return torch.mean(self, dim, keepdim) if dim is not None else torch.mean(self)
+    def mean(self, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:  # dtype=: a float mean
+        return torch.mean(self, *(() if dim is None else (dim, keepdim)), **({} if dtype is None else {"dtype": dtype}))
 
     # ---- everything else: float fallback ----
     @classmethod
