@@ -87,7 +87,7 @@ def _fold(layer: nn.Module, bn: nn.Module) -> nn.Module:
     fused.weight = nn.Parameter(w, grad)
     fused.bias = nn.Parameter(b, grad if layer.bias is None else layer.bias.requires_grad)
     if isinstance(layer, nn.Linear):  # the fold is exact on (N, F) only (it was silently wrong on (N, L, F))
-        fused.register_forward_pre_hook(check_linear_bn_input)
+        fused.register_forward_pre_hook(check_linear_bn_input, with_kwargs=True)
     return fused
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from .fusion_registry import extra_mappings
 from .nn import intrinsic as nni
 from .nn import qat as nnqat
+from .nn.intrinsic.fold import carry_linear_bn_check
 from .nn.intrinsic import qat as nniqat
 from .nn.qat import dynamic as nnqatd
 from .nn.quantized import activation as nnq_act
@@ -134,4 +135,4 @@ def copy_user_hooks(old: nn.Module, new: nn.Module, skip: tuple = ()) -> nn.Modu
         if hook not in skip:
             new.register_forward_hook(hook, with_kwargs=key in old._forward_hooks_with_kwargs,
                                       always_call=key in old._forward_hooks_always_called)
-    return new
+    return carry_linear_bn_check(old, new)  # a QAT LinearBn1d's int8 Linear refuses (N, L, F) as the QAT module did

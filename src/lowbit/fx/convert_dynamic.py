@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..nn.intrinsic import FusedModule
+from ..nn.intrinsic.fold import carry_linear_bn_check
 from .weighted import arg_of, input_of
 
 if TYPE_CHECKING:
@@ -42,9 +43,12 @@ __all__ = ["set_module", "what", "custom_dynamic", "dynamic", "weight_only"]
 
 
 def set_module(gm: fx.GraphModule, path: str, mod: nn.Module) -> None:
-    """Put ``mod`` at the dotted ``path`` of ``gm``."""
+    """Put ``mod`` at the dotted ``path`` of ``gm`` (a Linear replacing one with a BatchNorm1d folded in keeps its
+    2-d input check: ``carry_linear_bn_check``)."""
     parent, _, name = path.rpartition(".")
-    setattr(gm.get_submodule(parent) if parent else gm, name, mod)
+    owner = gm.get_submodule(parent) if parent else gm
+    old = getattr(owner, name, None)
+    setattr(owner, name, carry_linear_bn_check(old, mod) if isinstance(old, nn.Module) else mod)
 
 
 def what(node: fx.Node, gm: fx.GraphModule) -> str:

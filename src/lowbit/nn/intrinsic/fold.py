@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["fold_bn_weights", "bn_scale", "check_bn_statistics", "check_linear_bn_input"]
+__all__ = ["fold_bn_weights", "bn_scale", "carry_linear_bn_check", "check_bn_statistics", "check_linear_bn_input"]
 
 
 def bn_scale(bn: nn.modules.batchnorm._BatchNorm) -> torch.Tensor:
@@ -82,8 +82,9 @@ def fold_bn_weights(
     return w.reshape(weight.shape).to(weight.dtype), b_fold
 
 
-def check_linear_bn_input(linear: nn.Module, args: tuple) -> None:
-    """Forward pre-hook of a ``Linear`` with a ``BatchNorm1d`` folded in: refuse an input that is not ``(N, F_in)``.
+def check_linear_bn_input(linear: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
+    """Forward pre-hook of a ``Linear`` with a ``BatchNorm1d`` folded in: refuse an input that is not ``(N, F_in)``
+    (positional, or ``input=`` where it is registered ``with_kwargs=True``, as ``fuse_modules`` does).
 
     The fold scales output feature ``f`` by ``s[f]``; ``BatchNorm1d`` normalises dim 1 of its input, which is the
     features only on the 2-d output of a 2-d input. On ``(N, L, F_in)`` (``L == F_out``, else the BN refused it) it
@@ -98,7 +99,8 @@ def check_linear_bn_input(linear: nn.Module, args: tuple) -> None:
     ...
     ValueError: Linear(3, 4) with a BatchNorm1d folded in takes a 2-d input (N, 3), got shape (2, 4, 3): ...
     """
-    shape = getattr(args[0], "shape", None) if args else None  # a tensor, or a QTensor once converted
+    x = args[0] if args else (kwargs or {}).get("input")
+    shape = getattr(x, "shape", None)  # a tensor, or a QTensor once converted
     if shape is not None and len(shape) != 2:
         shape = tuple(shape)
         what = f"dim 1 of the unfused output ({shape[1]} entries)" if len(shape) > 2 else "no batch (it refuses 1-d input)"
@@ -106,3 +108,23 @@ def check_linear_bn_input(linear: nn.Module, args: tuple) -> None:
                          f"2-d input (N, {linear.in_features}), got shape {shape}: BatchNorm1d normalised {what}, not "
                          f"the {linear.out_features} features the fold scales; leave this Linear and BatchNorm1d "
                          "unfused")
+
+
+def carry_linear_bn_check(old: nn.Module, new: nn.Module) -> nn.Module:
+    """Put ``check_linear_bn_input`` on ``new``, the module that replaces ``old`` (``convert``, ``convert_fx``), where
+    ``old`` is a Linear with a BatchNorm1d folded in: it holds the check, or is a QAT ``LinearBn1d`` (a ``linear``
+    layer and a ``BatchNorm1d`` ``bn``). Before, the int8 Linear of a QAT / graph-mode fold took an ``(N, L, F)``
+    input silently (0.89 off the float model's output). Returns ``new``.
+
+    >>> import torch
+    >>> old = torch.nn.Linear(3, 4); _ = old.register_forward_pre_hook(check_linear_bn_input)
+    >>> new = carry_linear_bn_check(old, torch.nn.Linear(3, 4))
+    >>> check_linear_bn_input in new._forward_pre_hooks.values()
+    True
+    """
+    layer, bn = getattr(old, "layer", None), getattr(old, "bn", None)
+    folded = isinstance(layer, nn.Linear) and isinstance(bn, nn.BatchNorm1d)
+    if new is not old and (folded or check_linear_bn_input in old._forward_pre_hooks.values()) \
+            and check_linear_bn_input not in new._forward_pre_hooks.values():
+        new.register_forward_pre_hook(check_linear_bn_input, with_kwargs=True)
+    return new
