@@ -70,6 +70,9 @@ def keep_float(mapping: Any, name: str, op_keys: dict[str, tuple[str, Any, int]]
     ``set_module_name_object_type_order(*op_keys[name], None)``; returns ``mapping``."""
     if name in op_keys:
         return mapping.set_module_name_object_type_order(*op_keys[name], None)
+    if "#" in name:  # an op's row name: set_module_name would match no module and keep the op int8, silently
+        raise ValueError(f"keep_float: {name!r} names a graph-mode op ('module:function#index') that op_keys does not "
+                         f"hold ({sorted(op_keys)[:4]}); pass the table's op_keys (SensitivityTable.op_keys)")
     return mapping.set_module_name(name, None)
 
 

@@ -220,7 +220,8 @@ class BnFoldedBase(nn.Module):
         return torch.tensor([int(self.freeze_bn), _BN_FOLD_MODES.index(self._bn_fold)], dtype=torch.uint8)
 
     def set_extra_state(self, state: Any) -> None:
-        ok = isinstance(state, torch.Tensor) and state.shape == (2,) and not state.is_floating_point()
+        ok = isinstance(state, torch.Tensor) and state.shape == (2,) and not state.is_floating_point() \
+            and not state.is_complex() and state.device.type != "meta"  # (meta: no values to read)
         if not ok or int(state[0]) not in (0, 1) or int(state[1]) not in range(len(_BN_FOLD_MODES)):
             raise ValueError(f"{type(self).__name__}: _extra_state={state!r} is not [freeze_bn (0 / 1), bn_fold index "
                              f"into {_BN_FOLD_MODES}] (an integer tensor of 2 entries)")
