@@ -20,6 +20,7 @@ False
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -143,6 +144,7 @@ def _observe_input(module: nn.Module, inputs: Any) -> Any:
 
 
 _MODES = "_lowbit_shared_grid_modes"  # the root's active shared-grid modes (one per nested call; shared_grids.py)
+_FRAMES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # mode -> the frame of its forward
 
 
 def _enter_shared_grids(module: nn.Module, args: Any) -> None:
@@ -150,16 +152,36 @@ def _enter_shared_grids(module: nn.Module, args: Any) -> None:
     traces it: a compiled QAT model gives the eager one's values)."""
     from .shared_grids import SharedGrids  # (it imports this module)
 
-    mode = SharedGrids()
+    modes, mode, eager = module.__dict__.setdefault(_MODES, []), SharedGrids(), not torch.compiler.is_compiling()
+    if modes and eager:
+        _drop_abandoned(modes)
+    if eager:
+        _FRAMES[mode] = sys._getframe(1)  # the root's _call_impl, on the call stack until its forward returns / raises
     mode.__enter__()
-    module.__dict__.setdefault(_MODES, []).append(mode)
+    modes.append(mode)
+
+
+def _drop_abandoned(modes: list[Any]) -> None:
+    """Turn off the modes of forwards a ``BaseException`` ended (a ``KeyboardInterrupt``: torch runs always-called
+    hooks after an ``Exception`` only; the mode stayed on for every later torch call of the process): those on top of
+    this thread's mode stack whose forward's frame is no longer on this thread's call stack."""
+    live, f = [], sys._getframe(2)
+    while f is not None:
+        live.append(f)
+        f = f.f_back
+    stack = torch.overrides._get_current_function_mode_stack()
+    while modes and stack and stack[-1] is modes[-1] and not any(f is _FRAMES.get(modes[-1]) for f in live):
+        modes.pop().__exit__(None, None, None)
+        stack.pop()
 
 
 def _exit_shared_grids(module: nn.Module, args: Any, output: Any) -> None:
     """Its forward hook (``always_call``: after an exception too): the mode off."""
     modes = module.__dict__.get(_MODES)
     if modes:
-        modes.pop().__exit__(None, None, None)
+        mode = modes.pop()
+        _FRAMES.pop(mode, None)
+        mode.__exit__(None, None, None)
 
 
 _HOOKS = (_observe_output, _pass_tag, _note_tag, _observe_float_input, _observe_input, _enter_shared_grids,
