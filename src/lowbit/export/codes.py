@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
+from ..fx.classify import drop_grid_blends
 from ..qtensor import QTensor
 from ..qtensor.resample import bilinear_args, bilinear_blend
 from .qdq import QDQ, Grid, _storage, untraced
@@ -268,6 +269,7 @@ def share_grid_bilinear(model: nn.Module) -> int:
     returns how many."""
     done = 0
     for gm in [m for m in model.modules() if isinstance(m, fx.GraphModule)]:
+        drop_grid_blends(gm)  # (prepare's float form of the kernel's codes: the blend below replaces it)
         for node in list(gm.graph.nodes):
             found = _bilinear_args(gm, node)
             if found is None or not isinstance(found[0], fx.Node) or found[0].op != "call_module":

@@ -38,11 +38,14 @@ from ..observer.fixed import FixedQParamsObserver
 from ..qconfig import QConfig, QConfigMapping
 from ..workflow import _is_table_recipe, is_dynamic_qconfig
 from ..workflow.propagate import join_name as join
-from .patterns import WEIGHT_ONLY_TYPES, canonical_binary, func_activation, is_bilinear_resample, is_share_op
+from ..workflow.shared_grids import bilinear_on_shared_grid
+from .patterns import (WEIGHT_ONLY_TYPES, bilinear_call_args, canonical_binary, func_activation, is_bilinear_resample,
+                       is_share_op)
 from .report import FxReport
 from .weighted import input_of, parse
 
-__all__ = ["classify", "wants_int", "int_inputs", "join", "input_observer_qconfig", "share_bilinear_grids"]
+__all__ = ["classify", "wants_int", "int_inputs", "join", "input_observer_qconfig", "share_bilinear_grids",
+           "drop_grid_blends"]
 
 _INT_KINDS = ("module", "functional", "act", "weighted")
 
@@ -292,19 +295,45 @@ def int_inputs(user: fx.Node) -> list[fx.Node]:
 
 def share_bilinear_grids(gm: fx.GraphModule) -> None:
     """After each bilinear resample of an int value, its input's observer called again (``obs_share``), as torch.ao's
-    shared observers: the prepared model rounds the averaged values onto the input's grid (fake-quantized in QAT)
-    and calibration sees them; ``convert_fx`` drops the call (the QTensor op keeps the grid)."""
+    shared observers: calibration sees the averaged values; then a ``grid_blend`` node,
+    ``bilinear_on_shared_grid(x, obs_share, <get_attr of that observer>, size, scale_factor, align_corners,
+    recompute_scale_factor)``, which in QAT (an enabled fake-quant) gives the int8 kernel's codes on that grid rather
+    than the rounded float blend (one step apart at the kernel's near-ties) and otherwise passes ``obs_share`` on.
+    ``convert_fx`` drops both (the QTensor op keeps the grid and runs the kernel); ``convert_to_reference_fx`` makes
+    the blend a ``bilinear_on_grid`` call on the reference grid."""
     modules = dict(gm.named_modules())
     for node in list(gm.graph.nodes):
+        mod = modules.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
         if node.meta.get("lowbit_kind") != "share" or node.meta.get("lowbit_domain") != "int" or not \
-                is_bilinear_resample(node, modules.get(node.target) if node.op == "call_module" else None):
+                is_bilinear_resample(node, mod):
             continue
         src = node.args[0] if node.args else None
-        while isinstance(src, fx.Node) and src.meta.get("lowbit_kind") == "share" and src.args:
-            src = src.args[0]
-        if not isinstance(src, fx.Node) or src.meta.get("lowbit_kind") not in ("obs_out", "obs_in"):
+        while isinstance(src, fx.Node) and src.meta.get("lowbit_kind") in ("share", "grid_blend") and src.args:
+            src = src.args[1 if src.meta["lowbit_kind"] == "grid_blend" else 0]  # (an upsample of an upsample)
+        if not isinstance(src, fx.Node) or src.meta.get("lowbit_kind") not in ("obs_out", "obs_in", "obs_share"):
             continue  # (a quantized graph input: no observer holds its grid)
         with gm.graph.inserting_after(node):
             obs = gm.graph.call_module(src.target, (node,))
-        obs.meta.update({**src.meta, "lowbit_kind": "obs_share"})
-        node.replace_all_uses_with(obs, delete_user_cb=lambda u, obs=obs: u is not obs)
+        with gm.graph.inserting_after(obs):
+            attr = gm.graph.get_attr(src.target)  # type: ignore[arg-type]
+        with gm.graph.inserting_after(attr):
+            x, *args = bilinear_call_args(node, mod)
+            blend = gm.graph.call_function(bilinear_on_shared_grid, (x, obs, attr, *args))
+        obs.meta.update({**src.meta, "lowbit_kind": "obs_share"})  # (src: the first observer node, for the names)
+        attr.meta.update(lowbit_kind="grid_attr", lowbit_domain="other", lowbit_ftensor=False, lowbit_scalar=False)
+        blend.meta.update({**src.meta, "lowbit_kind": "grid_blend"})
+        node.replace_all_uses_with(blend, delete_user_cb=lambda u, obs=obs: u is not obs)
+
+
+def drop_grid_blends(gm: fx.GraphModule) -> None:
+    """Each ``grid_blend`` node (``share_bilinear_grids``) replaced by the value it refines (its second argument), and
+    the ``get_attr`` nodes only it read removed: ``convert_fx`` runs the upsample on the codes itself."""
+    for node in list(gm.graph.nodes):
+        if node.meta.get("lowbit_kind") != "grid_blend":
+            continue
+        attrs = [a for a in node.all_input_nodes if a.op == "get_attr"]
+        node.replace_all_uses_with(node.args[1])  # type: ignore[arg-type]
+        gm.graph.erase_node(node)
+        for a in attrs:
+            if not a.users:
+                gm.graph.erase_node(a)

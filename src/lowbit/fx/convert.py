@@ -45,6 +45,7 @@ from ..observer import PlaceholderObserver
 from ..observer.distributed import sync_pending
 from . import convert_dynamic as float_out
 from .call import plain_call
+from .classify import drop_grid_blends
 from .padding import detach
 from .convert_dynamic import set_module as _set_module
 from .convert_dynamic import what as _what
@@ -310,6 +311,7 @@ def _observers(gm: fx.GraphModule, share: bool = False) -> list[tuple[fx.Node, n
 
 def _unobserve(gm: fx.GraphModule) -> None:
     """A prepared child graph back to its float computation: every observer node bypassed and removed."""
+    drop_grid_blends(gm)
     for node, _ in _observers(gm, share=True):
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
@@ -321,6 +323,7 @@ def _unobserve(gm: fx.GraphModule) -> None:
 
 def _convert_graph(gm: fx.GraphModule, report: FxReport, custom: dict[type, type],
                    custom_dynamic: dict[type, type]) -> None:
+    drop_grid_blends(gm)  # (the QTensor upsample runs the kernel on the codes)
     conv = _Converter(gm, report, gm.meta[STATE_KEY].get("prefix", ""), custom)
     float_out.custom_dynamic(conv, custom_dynamic)
     conv.observers()

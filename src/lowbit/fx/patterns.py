@@ -56,7 +56,7 @@ from ..nn.quantized import activation as nnq_act
 
 __all__ = ["BINARY_FUNCS", "WEIGHT_ONLY_TYPES", "canonical_binary", "is_relu_target", "add_relu", "FUNC_ACTIVATIONS",
            "func_activation", "is_share_op", "is_zero_pad", "is_code_resample",
-           "is_bilinear_resample", "is_dropout", "graph_module_types", "as_number"]
+           "is_bilinear_resample", "bilinear_call_args", "is_dropout", "graph_module_types", "as_number"]
 
 # binary ops with a QFunctional twin: target -> method name
 BINARY_FUNCS: dict[Any, str] = {
@@ -180,6 +180,21 @@ def is_bilinear_resample(node: fx.Node, mod: nn.Module | None) -> bool:
     if at is None:
         return node.target is F.upsample_bilinear
     return (node.args[at] if len(node.args) > at else node.kwargs.get("mode", "nearest")) == "bilinear"
+
+
+_INTERPOLATE_PARAMS = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias")
+
+
+def bilinear_call_args(node: fx.Node, mod: nn.Module | None) -> tuple[Any, Any, Any, Any, Any]:
+    """``(input, size, scale_factor, align_corners, recompute_scale_factor)`` of an ``is_bilinear_resample`` node as
+    ``F.interpolate`` receives them (``F.upsample_bilinear``: ``align_corners=True``; a module: its attributes)."""
+    if node.op == "call_module":
+        x = node.args[0] if node.args else node.kwargs["input"]
+        return (x, mod.size, mod.scale_factor, mod.align_corners,  # type: ignore[union-attr]
+                mod.recompute_scale_factor)  # type: ignore[union-attr]
+    a = {**dict(zip(_INTERPOLATE_PARAMS, node.args)), **node.kwargs}  # (F.upsample's first five are interpolate's)
+    align = True if node.target is F.upsample_bilinear else a.get("align_corners")
+    return a["input"], a.get("size"), a.get("scale_factor"), align, a.get("recompute_scale_factor")
 
 
 def func_activation(op: str, target: Any) -> type[nn.Module] | None:

@@ -51,10 +51,12 @@ from ..fx.convert import convert_fx
 from ..fx.custom import preserved_value
 from ..fx.prepare import STATE_KEY, is_prepared
 from ..fake_quant.base import holds_grid
+from ..fx.classify import drop_grid_blends
 from ..observer.distributed import sync_pending
 from .convert import _frozen_weight_qconfig, _move_state, _weighted_reference
 from .modules import FrozenObserver, QuantDeQuant, _WeightQDQ
-from .ops import check_grid_dtype, dequantize_per_channel, dequantize_per_tensor, quantize_per_channel, quantize_per_tensor
+from .ops import (bilinear_per_tensor, check_grid_dtype, dequantize_per_channel, dequantize_per_tensor,
+                  quantize_per_channel, quantize_per_tensor)
 
 __all__ = ["convert_to_reference_fx", "lower_reference_fx", "is_reference_fx"]
 
@@ -134,6 +136,22 @@ def _qdq_pair(gm: fx.GraphModule, node: fx.Node, obs: nn.Module) -> fx.Node:
     return dq
 
 
+def _blend_on_grid(gm: fx.GraphModule, node: fx.Node) -> None:
+    """A shared-grid bilinear upsample's ``grid_blend`` node (``bilinear_on_shared_grid(x, y, observer, ...)``, its
+    ``y`` already the reference pair ``dequantize(quantize(upsample, s, z, qmin, qmax))``) as
+    ``bilinear_per_tensor(x, y, s, z, qmin, qmax, ...)`` on that pair's grid buffers: the int8 kernel's codes, not
+    the rounded float blend."""
+    x, dq, attr, *args = node.args
+    s, z, qmin, qmax = dq.args[0].args[1:5]  # type: ignore[union-attr]
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(bilinear_per_tensor, (x, dq, s, z, qmin, qmax, *args))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    if isinstance(attr, fx.Node) and not attr.users:
+        gm.graph.erase_node(attr)
+
+
 def _copy(model: nn.Module) -> nn.Module:
     """A deep copy with the attributes ``prepare_custom_config`` preserved (a GraphModule's copy drops them, and
     lowering the copy then failed: "preserved attribute ... is not an attribute of the prepared model")."""
@@ -163,6 +181,8 @@ def convert_to_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Modul
                     raise RuntimeError(f"convert_to_reference_fx: the observer '{node.target}' after "
                                        f"'{node.args[0].name}' saw no data; run calibration batches first")
                 _qdq_pair(gm, node, obs)
+            elif kind == "grid_blend":
+                _blend_on_grid(gm, node)
             elif kind in ("module", "wonly") and node.op == "call_module":
                 mod = gm.get_submodule(node.target)
                 if getattr(mod, "qconfig", None) is None or isinstance(mod, _WeightQDQ):
@@ -189,6 +209,7 @@ def lower_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Module:
         model = _copy(model)
     for gm in _graphs(model):
         graph = gm.graph
+        drop_grid_blends(gm)  # (convert_fx runs the upsample on the codes)
         for dq in list(graph.nodes):
             if _REF not in dq.meta:
                 continue

@@ -8,6 +8,8 @@ as torch.ao's reference graphs; Python numbers work too)::
     dequantize_per_tensor(q, s, z)                      = (q - z) * s                          float32
     quantize_per_channel(x, s, z, axis, qmin, qmax, storage), dequantize_per_channel(q, s, z, axis)
                                                         the same with (C,) qparams along axis
+    bilinear_per_tensor(x, y, s, z, qmin, qmax, size, scale_factor, align_corners, recompute_scale_factor)
+                                                        (bilinear_codes(quantize(x)) - z) * s (the int8 kernel)
 
 They are ``lowbit.quantize`` / ``lowbit.dequantize`` (bit for bit the int8 modules' rounding), in float32
 arithmetic. A float64 scale tensor (a reference model moved with ``.double()``: its float32 grids are exact in
@@ -30,9 +32,10 @@ import torch
 
 from ..functional import dequantize, quantize
 from ..qscheme import QDtype, as_qdtype
+from ..qtensor.resample import bilinear_on_grid
 
 __all__ = ["quantize_per_tensor", "dequantize_per_tensor", "quantize_per_channel", "dequantize_per_channel",
-           "check_grid_dtype"]
+           "bilinear_per_tensor", "check_grid_dtype"]
 
 Grid = float | int | torch.Tensor
 
@@ -93,3 +96,27 @@ def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor, zero_point: tor
     dtype = check_grid_dtype("dequantize_per_channel", scale)
     y = dequantize(q, scale, zero_point, axis)
     return y if dtype == torch.float32 else y.to(dtype)
+
+
+@_graph_leaf
+def bilinear_per_tensor(x: torch.Tensor, y: torch.Tensor, scale: Grid, zero_point: Grid, quant_min: int,
+                        quant_max: int, size: Any = None, scale_factor: Any = None, align_corners: Any = None,
+                        recompute_scale_factor: Any = None) -> torch.Tensor:
+    """``F.interpolate(x, ..., mode="bilinear")`` as the int8 model runs it on the codes of ``x`` (values on the grid
+    ``(scale, zero_point)``): ``(bilinear_codes(quantize(x)) - z) * s`` (``qtensor.resample.bilinear_on_grid``); ``y``,
+    the float op's output quantized and dequantized on that grid, gives the dtype and the gradient. A reference graph
+    calls it after a shared-grid bilinear upsample: rounding the float op's output (``y``) moves the kernel's
+    near-ties by one step.
+
+    >>> x = torch.tensor([[[[1.0, 1.2]]]])                        # codes 11, 13 on (0.1, 1)
+    >>> up = torch.nn.functional.interpolate(x, scale_factor=2, mode="bilinear")
+    >>> y = dequantize_per_tensor(quantize_per_tensor(up, 0.1, 1, 0, 255, torch.uint8), 0.1, 1)
+    >>> out = bilinear_per_tensor(x, y, 0.1, 1, 0, 255, None, 2)
+    >>> quantize_per_tensor(out, 0.1, 1, 0, 255, torch.uint8)[0, 0, 0].tolist()  # (12.5: to even, around -z)
+    [11, 12, 12, 13]
+    >>> quantize_per_tensor(y, 0.1, 1, 0, 255, torch.uint8)[0, 0, 0].tolist()
+    [11, 12, 13, 13]
+    """
+    check_grid_dtype("bilinear_per_tensor", scale)
+    return bilinear_on_grid(x, y, torch.as_tensor(scale), torch.as_tensor(zero_point), quant_min, quant_max, None, size,
+                            scale_factor, align_corners, recompute_scale_factor)

@@ -42,7 +42,7 @@ from ..observer.base import ObserverBase
 from ..qtensor.resample import bilinear_on_grid
 from .hooks import _enter_shared_grids, _exit_shared_grids, _grid_module, _tag, _tagged
 
-__all__ = ["SharedGrids", "calls_resampling", "install"]
+__all__ = ["SharedGrids", "bilinear_on_shared_grid", "calls_resampling", "install"]
 
 # ---- functionals the int8 model runs on the codes: the simulation keeps the input's grid too ---------------------
 _INTERPOLATE = inspect.signature(F.interpolate)
@@ -99,6 +99,38 @@ def _share_interpolate(args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) 
         y = bilinear_on_grid(x, y, s, z, qmin, qmax, None if ch is None else ch % 4, a.get("size"),
                              a.get("scale_factor"), a.get("align_corners"), a.get("recompute_scale_factor"))
     return _tag(y, obs)
+
+
+def bilinear_on_shared_grid(x: torch.Tensor, y: torch.Tensor, obs: nn.Module, size: Any = None,
+                            scale_factor: Any = None, align_corners: Any = None,
+                            recompute_scale_factor: Any = None) -> torch.Tensor:
+    """Graph mode's shared-grid bilinear upsample (``fx.classify.share_bilinear_grids``: a node after the input's
+    observer ``obs`` called again on ``y = obs(F.interpolate(x, ...))``): the int8 kernel's codes where ``obs``
+    rounds (an enabled fake-quant: ``bilinear_on_grid``, ``(bilinear_codes(round(x / s) + z) - z) s`` with ``y``'s
+    gradient), else ``y`` itself (an observer: calibration; a disabled fake-quant; an export twin's ``QDQ``, whose
+    upsample ``lowbit.export.codes`` already runs on the codes). ``convert_fx`` drops the node.
+
+    >>> import torch, torch.nn.functional as F, lowbit as Q
+    >>> fq = Q.get_default_qat_qconfig().activation()
+    >>> x = fq(torch.tensor([[[[0.0, 0.3], [0.6, 0.9]]]]))
+    >>> y = fq(F.interpolate(x, scale_factor=2, mode="bilinear"))
+    >>> out = bilinear_on_shared_grid(x, y, fq, None, 2)
+    >>> torch.equal(out, y), round(float((out - y).abs().max() / fq.scale), 3)  # (a tie: the kernel rounds to even)
+    (False, 1.0)
+    >>> torch.equal(bilinear_on_shared_grid(x, y, Q.MinMaxObserver(), None, 2), y)
+    True
+    """
+    if isinstance(x, torch.fx.Proxy):  # (one node when fx traces it: unpickling a GraphModule re-traces its code)
+        return x.tracer.create_proxy("call_function", bilinear_on_shared_grid, (x, y, obs, size, scale_factor,
+                                                                                align_corners, recompute_scale_factor), {})
+    grid = _rounding_grid(obs)
+    if grid is None or x.dim() != 4:
+        return y
+    s, z, qmin, qmax, ch = grid
+    if ch is not None and ch % 4 >= 2:  # (a grid per row / column: the int8 model resamples it in float)
+        return y
+    return bilinear_on_grid(x, y, s, z, qmin, qmax, None if ch is None else ch % 4, size, scale_factor,
+                            align_corners, recompute_scale_factor)
 
 
 class SharedGrids(TorchFunctionMode):
