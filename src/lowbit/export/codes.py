@@ -265,8 +265,8 @@ def _bilinear_args(gm: fx.GraphModule, node: fx.Node) -> tuple[Any, ...] | None:
 
 def share_grid_bilinear(model: nn.Module) -> int:
     """In every ``fx.GraphModule`` of the export twin ``model``, each bilinear upsample read from a ``QDQ`` call and
-    read only by calls of that same ``QDQ`` (graph-mode prepare's shared grid) becomes a ``SharedGridBilinear``;
-    returns how many."""
+    read only by calls of that same ``QDQ`` (graph-mode prepare's shared grid) becomes a ``SharedGridBilinear``
+    (prepare's ``grid_blend`` nodes, the kernel's codes in float, dropped first); returns how many."""
     done = 0
     for gm in [m for m in model.modules() if isinstance(m, fx.GraphModule)]:
         drop_grid_blends(gm)  # (prepare's float form of the kernel's codes: the blend below replaces it)

@@ -8,6 +8,9 @@
   (graph inputs of int regions included);
 - a weight observer on the weight edge of ``F.linear``/``F.conv*`` becomes
   ``quantize_per_channel`` → ``dequantize_per_channel``;
+- a bilinear upsample of an int value (its output on its input's grid) is followed by
+  ``bilinear_per_tensor(x, dq, s, z, qmin, qmax, size, ...)``: the int8 kernel's codes of ``x`` on that grid, not the
+  rounded float op (one step apart at the kernel's near-ties); lowering drops it (the QTensor op runs the kernel);
 - weighted modules (``Linear``/``ConvNd``, fused, QAT, QAT conv-BN folded) and embeddings become
   ``lowbit.reference`` modules (weight quantize → dequantize inside, per call).
 
