@@ -289,13 +289,13 @@ def test_compile_and_export_of_the_converted_qat_model():
 def test_onnx_of_graph_qat_equals_qat_and_converted(tmp_path):
     """The export twin drops the node (its upsample already runs on the codes, ``export/codes.py``): ORT's resampled
     values are the kernel's codes of its own input, as the QAT model's are (they were within one step); an upsample
-    of an upsample is written on the codes as well."""
+    of an upsample is written on the codes as well, and so are ``F.upsample`` / ``F.upsample_bilinear``."""
     pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")
     from lowbit.export import run_onnx, to_onnx
     torch.manual_seed(8)
     x = torch.randn(8, 3, 6, 5)
-    for form in ("interpolate-scale", "bilinear-of-bilinear"):
+    for form in ("interpolate-scale", "bilinear-of-bilinear", "upsample", "upsample_bilinear"):
         p = _qat(Net(FORMS[form]()), x)
         q = _convert(p)
         with warnings.catch_warnings():

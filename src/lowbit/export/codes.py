@@ -42,6 +42,7 @@ from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 
 from ..fx.classify import drop_grid_blends
+from ..fx.patterns import bilinear_call_args, is_bilinear_resample
 from ..qtensor import QTensor
 from ..qtensor.resample import bilinear_args, bilinear_blend
 from .qdq import QDQ, Grid, _storage, untraced
@@ -248,19 +249,13 @@ class SharedGridBilinear(nn.Module):
 
 
 def _bilinear_args(gm: fx.GraphModule, node: fx.Node) -> tuple[Any, ...] | None:
-    """``(input, size, scale_factor, align_corners, recompute_scale_factor)`` of a 4-d-capable bilinear upsample
-    node (``F.interpolate`` / ``nn.Upsample`` / ``nn.UpsamplingBilinear2d``), or None."""
-    if node.op == "call_function" and node.target is F.interpolate:
-        a = _INTERPOLATE.bind(*node.args, **node.kwargs).arguments
-        if a.get("mode", "nearest") != "bilinear" or a.get("antialias"):
-            return None
-        return a["input"], a.get("size"), a.get("scale_factor"), a.get("align_corners"), a.get(
-            "recompute_scale_factor")
-    if node.op == "call_module" and len(node.args) == 1 and not node.kwargs:
-        m = gm.get_submodule(str(node.target))
-        if isinstance(m, nn.Upsample) and m.mode == "bilinear":  # (UpsamplingBilinear2d too: align_corners=True)
-            return node.args[0], m.size, m.scale_factor, m.align_corners, m.recompute_scale_factor
-    return None
+    """``(input, size, scale_factor, align_corners, recompute_scale_factor)`` of a bilinear upsample node (graph mode's
+    own test: ``F.interpolate`` / ``F.upsample`` / ``F.upsample_bilinear`` / ``nn.Upsample`` / ``nn.UpsamplingBilinear2d``,
+    no antialias), or None."""
+    if node.op not in ("call_function", "call_module"):
+        return None
+    mod = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+    return bilinear_call_args(node, mod) if is_bilinear_resample(node, mod) else None
 
 
 def share_grid_bilinear(model: nn.Module) -> int:
