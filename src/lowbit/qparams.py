@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .compile_state import tracing
 from .qscheme import QDtype, QScheme, as_qdtype, as_qscheme
 
 __all__ = ["QParams", "calculate_qparams", "symmetric_zero_point"]
@@ -99,7 +100,7 @@ def _keep_grid_finite(scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, 
     by less than one step instead of dequantizing to ±inf. Every other scale is returned unchanged."""
     steps = torch.maximum(zero_point - qmin, qmax - zero_point).to(torch.float64)  # >= 1 (qmin < qmax)
     over = steps * scale.to(torch.float64) > _F32_MAX
-    if not bool(over.any()):
+    if not (tracing() or over.is_meta) and not bool(over.any()):  # (traced / meta: always the torch.where form)
         return scale
     safe = (_F32_MAX / steps).to(torch.float32)
     safe = torch.where(steps.to(torch.float32) * safe > _F32_MAX, torch.nextafter(safe, torch.zeros_like(safe)), safe)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compile_state import tracing
 from ..functional import check_quantized_state, fake_quantize
 from ..observer.base import ObserverBase, WithArgs
 from ..observer.distributed import local_statistics, sync_pending
@@ -88,17 +89,51 @@ class FakeQuantize(WithArgs, nn.Module):
         self.register_buffer("zero_point", torch.tensor(0, dtype=zp_dtype))
         self.register_buffer("fake_quant_enabled", torch.tensor([1], dtype=torch.uint8))
         self.register_buffer("observer_enabled", torch.tensor([1], dtype=torch.uint8))
+        self._switch_mirror: dict[str, bool] = {"fake_quant_enabled": True, "observer_enabled": True}
 
     # -- switches --------------------------------------------------------------------------------
+    def _set_switch(self, name: str, enabled: bool) -> None:
+        """Write switch ``name`` (a ``uint8`` buffer of shape ``(1,)``) and its Python mirror."""
+        self._buffers[name][0] = 1 if enabled else 0  # type: ignore[index]
+        self._mirror()[name] = bool(enabled)
+
+    def _mirror(self) -> dict[str, bool]:
+        mirror = getattr(self, "_switch_mirror", None)
+        if mirror is None:  # a module pickled before the mirror existed
+            mirror = self._switch_mirror = {}
+        return mirror
+
+    def _switch(self, name: str) -> bool:
+        """Whether switch ``name`` is on (``buffer[0] == 1``).
+
+        Eager, on real tensors, the buffer decides (so a write in place, ``fq.observer_enabled[0] = 0``, is
+        seen) and its Python mirror is refreshed. While ``torch.compile`` / ``torch.export`` trace, or with the
+        buffers on the meta device, the mirror decides: reading the buffer there is a data-dependent branch
+        (a graph break, an export error) or ``Tensor.item()`` on a meta tensor. dynamo guards on the mirror,
+        so flipping a switch recompiles. The mirror is kept by the switch methods (``enable_observer``, ...,
+        ``model.apply(Q.disable_observer)``), ``load_state_dict`` and every eager forward; a write in place to
+        the buffer reaches a compiled or exported program only after one of those ran."""
+        buf = self._buffers[name]
+        mirror = self._mirror()
+        if tracing() or buf is None or buf.is_meta:
+            on = mirror.get(name)
+            if on is None:  # (no eager forward, switch or load since unpickling: the buffer is all there is)
+                raise RuntimeError(f"{type(self).__name__}: switch {name} has no Python mirror to trace with; run "
+                                   "one eager forward, or set it with its method (e.g. enable_observer()), first")
+            return on
+        on = bool(buf[0] == 1)
+        mirror[name] = on
+        return on
+
     def enable_observer(self, enabled: bool = True) -> FakeQuantize:
-        self.observer_enabled[0] = 1 if enabled else 0
+        self._set_switch("observer_enabled", enabled)
         return self
 
     def disable_observer(self) -> FakeQuantize:
         return self.enable_observer(False)
 
     def enable_fake_quant(self, enabled: bool = True) -> FakeQuantize:
-        self.fake_quant_enabled[0] = 1 if enabled else 0
+        self._set_switch("fake_quant_enabled", enabled)
         return self
 
     def disable_fake_quant(self) -> FakeQuantize:
@@ -109,10 +144,10 @@ class FakeQuantize(WithArgs, nn.Module):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
             raise TypeError(f"FakeQuantize expects a floating-point tensor, got {got}")
-        if self.observer_enabled[0] == 1:
+        if self._switch("observer_enabled") and not x.is_meta:  # (meta: no values to observe, shapes only)
             self.activation_post_process(x.detach())
             self._set_qparams(*self._step_qparams())
-        if self.fake_quant_enabled[0] == 1:
+        if self._switch("fake_quant_enabled"):
             if self.qscheme.has_float_zero_point:
                 return fake_quantize(x, self.scale, self.zero_point, self.quant_min, self.quant_max, self.ch_axis,
                                      float_zero_point=True)
@@ -166,6 +201,14 @@ class FakeQuantize(WithArgs, nn.Module):
                 getattr(self, name).resize_(saved.shape)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        self._sync_mirror()
+
+    def _sync_mirror(self) -> None:
+        """The Python mirror of every switch from its buffer (after a load; buffers on meta keep the mirror)."""
+        for name in list(self._mirror()) + ["fake_quant_enabled", "observer_enabled"]:
+            buf = self._buffers.get(name)
+            if buf is not None and not buf.is_meta:
+                self._mirror()[name] = bool(buf[0] == 1)
 
     def extra_repr(self) -> str:
         axis = f", ch_axis={self.ch_axis}" if self.ch_axis is not None else ""
@@ -191,11 +234,14 @@ def _fake_quantize_fast(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.
     it maps NaN to ``qmin``, so NaN is put back (lowbit propagates it). The per-channel kernel is not
     used: it wraps ±inf and huge values (|x / s| >= 2**63) to ``qmin`` instead of saturating.
     """
-    fits = (ch_axis is None and x.dtype == torch.float32 and scale.device == x.device and scale.numel() == 1
+    fits = (not tracing() and ch_axis is None and x.dtype == torch.float32 and scale.device == x.device
+            and scale.numel() == 1
             and quant_max - quant_min < 1 << 16 and x.device.type == "cpu" and x.numel() <= _FUSED_MAX_NUMEL_CPU)
     if not fits:
         # the qparams come from the observer (or a checked state dict): no host read on accelerators
-        return fake_quantize(x, scale, zero_point, quant_min, quant_max, ch_axis, validate=x.device.type == "cpu")
+        # (traced or meta: no values to check; torch's kernel has no fake implementation for export's int32 zero point)
+        return fake_quantize(x, scale, zero_point, quant_min, quant_max, ch_axis,
+                             validate=x.device.type == "cpu" and not tracing())
     y = torch.fake_quantize_per_tensor_affine(x, scale.reshape(()), zero_point.reshape(()).to(torch.int32),
                                               quant_min, quant_max)
     return torch.where(torch.isnan(x), x.detach(), y)

@@ -90,7 +90,7 @@ def choose_qparams_fbgemm(min_val: torch.Tensor, max_val: torch.Tensor, quant_mi
     s32 = scale.to(f32)
     scale = torch.where((s32 == 0) | torch.isinf(torch.reciprocal(s32)), torch.full_like(scale, 0.1), scale)
     small = scale < _SMALL_SCALE
-    if bool(small.any()):
+    if tracing() or small.is_meta or bool(small.any()):  # (traced / meta: always the torch.where form)
         thr = torch.tensor(_SMALL_SCALE, dtype=f32, device=lo.device)
         amplifier = thr / scale.to(f32)                                   # float32, as in C++
         new_hi = torch.where(lo == 0, thr * span, torch.where(hi == 0, hi, hi * amplifier))
@@ -145,7 +145,8 @@ class FusedMovingAvgObsFakeQuantize(FakeQuantize):
             raise TypeError(f"FusedMovingAvgObsFakeQuantize expects a floating-point tensor, got {got}")
         if x.numel() == 0:
             return x
-        observe, quant = self.observer_enabled.item() == 1, self.fake_quant_enabled.item() == 1
+        observe, quant = self._switch("observer_enabled"), self._switch("fake_quant_enabled")
+        observe = observe and not x.is_meta  # (meta: no values to observe, shapes only)
         if self.ch_axis is not None:
             self._size_channels(x)
         if self._fits_torch_kernel(x, observe):
@@ -158,7 +159,7 @@ class FusedMovingAvgObsFakeQuantize(FakeQuantize):
             return x
         self._set_qparams(*self._fused_qparams())
         return fake_quantize(x, self.scale, self.zero_point, self.quant_min, self.quant_max, self.ch_axis,
-                             validate=x.device.type == "cpu")
+                             validate=x.device.type == "cpu" and not tracing())
 
     # -- torch's fused kernel --------------------------------------------------------------------
     def _fits_torch_kernel(self, x: torch.Tensor, observe: bool) -> bool:

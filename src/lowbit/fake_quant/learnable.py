@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compile_state import tracing
 from ..functional import _F32_MAX, _F32_TINY, _show, check_ch_axis, check_quantized_state
 from ..observer.base import ObserverBase, saved_eps
 from ..observer.distributed import is_distributed, sync_pending
@@ -126,7 +127,7 @@ class LearnableFakeQuantize(FakeQuantize):
         return self.observer_enabled
 
     def toggle_qparam_learning(self, enabled: bool = True) -> LearnableFakeQuantize:
-        self.learning_enabled[0] = 1 if enabled else 0
+        self._set_switch("learning_enabled", enabled)
         self.scale.requires_grad_(bool(enabled))
         self.zero_point.requires_grad_(bool(enabled) and self.symmetric_zero_point is None)
         return self
@@ -154,18 +155,24 @@ class LearnableFakeQuantize(FakeQuantize):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
             raise TypeError(f"{type(self).__name__} expects a floating-point tensor, got {got}")
-        if self.observer_enabled[0] == 1:
+        scale, zero_point, traced = self.scale, self.zero_point, tracing()
+        if self._switch("observer_enabled") and not x.is_meta:  # (meta: no values to observe, shapes only)
             self.activation_post_process(x.detach())
             self._set_qparams(*self._step_qparams())
             self._grid_trained = False  # (a copy of the observer's grid again)
+        elif traced:  # the clamped value, the gradient straight to the parameter, which is left as it is: torch.export
+            # lifts a write through .data as a constant (the eager form's saved-for-backward value, no version bump)
+            scale = scale + (scale.clamp(min=self.eps) - scale).detach()
         else:  # (.data, as torch.ao: no version bump, so a second call in one forward (a graph-mode shared grid, a
             # reused module) leaves what the first call saved for backward usable)
             self.scale.data.clamp_(min=self.eps)
-        if self.learning_enabled[0] == 1:
+        if self._switch("learning_enabled"):
             self._grid_trained = True
-        if self.fake_quant_enabled[0] != 1:
+        if not self._switch("fake_quant_enabled"):
             return x
-        if self.symmetric_zero_point is not None:
+        if self.symmetric_zero_point is not None and traced:  # (never trained: requires no grad)
+            zero_point = torch.full_like(zero_point.detach(), self.symmetric_zero_point)
+        elif self.symmetric_zero_point is not None:
             self.zero_point.data.fill_(self.symmetric_zero_point)
         grad_factor = 1.0 / math.sqrt(x.numel() * self.quant_max) if self.use_grad_scaling and x.numel() else 1.0
         if self.ch_axis is not None and self.scale.dim() == 0:  # per channel, never sized by an observer batch
@@ -175,8 +182,7 @@ class LearnableFakeQuantize(FakeQuantize):
             raise ValueError(f"{type(self).__name__}: its per-channel scale/zero_point have no channels yet; run one "
                              "batch with the observer on before enable_param_learning(), or build it with "
                              "channel_len=C (e.g. LearnableFakeQuantize.with_args(..., channel_len=C))")
-        return fake_quantize_learnable(x, self.scale, self.zero_point, self.quant_min, self.quant_max,
-                                       self.ch_axis, grad_factor)
+        return fake_quantize_learnable(x, scale, zero_point, self.quant_min, self.quant_max, self.ch_axis, grad_factor)
 
     def _set_qparams(self, s: torch.Tensor, z: torch.Tensor) -> None:
         with torch.no_grad():
@@ -254,6 +260,7 @@ class LearnableFakeQuantize(FakeQuantize):
         # does (a checkpoint of the learning phase loaded into a fresh module left them frozen: no gradient, an
         # optimizer that never moved them, learning_enabled=1 all along)
         self.toggle_qparam_learning(bool(self.learning_enabled[0] == 1))
+        self._sync_mirror()
 
     def _state_errors(self, state_dict, prefix, local_metadata):  # type: ignore[no-untyped-def]
         """The buffers' problems, the ``scale`` / ``zero_point`` parameters' and a torch.ao ``eps``'s while still in

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compile_state import tracing
 from ..functional import _F32_MAX, _F32_TINY, check_quantized_state
 from ..qparams import symmetric_zero_point
 from ..qscheme import QDtype, QScheme, as_qdtype, as_qscheme
@@ -267,6 +268,10 @@ def finite_aminmax(x: torch.Tensor, owner: str, dim: int | None = None) -> tuple
             shape = tuple(x.shape[:d]) + tuple(x.shape[d + 1:])
         return (torch.full(shape, float("inf"), device=x.device), torch.full(shape, float("-inf"), device=x.device))
     x = x.to(torch.float32)
+    if tracing():  # the masked form, no data-dependent branch (the same values on finite data; no warning)
+        finite = torch.isfinite(x)
+        lo, hi = torch.where(finite, x, float("inf")), torch.where(finite, x, float("-inf"))
+        return (lo.amin(), hi.amax()) if dim is None else (lo.amin(dim), hi.amax(dim))
     # amin + amax: torch.aminmax(dim=...) is ~20x slower on CPU (measured at 2048x1536)
     mn, mx = torch.aminmax(x) if dim is None else (x.amin(dim), x.amax(dim))
     if bool(torch.isfinite(mn).all() & torch.isfinite(mx).all()):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compile_state import tracing
 from ..fake_quant import FakeQuantize
 from ..nn.intrinsic import FusedModule
 from ..nn.intrinsic.qat.modules import BnFoldedBase
@@ -54,6 +55,8 @@ _NO_VERSION = -1  # an inference tensor (calibration under torch.inference_mode)
 
 
 def _version(t: torch.Tensor) -> int:
+    if tracing():  # dynamo cannot trace is_inference(), and reads _version as a data-dependent symbol: a traced
+        return 0   # program does not see an in-place write to a tagged tensor (``y += z``) unmark it
     return _NO_VERSION if t.is_inference() else t._version
 
 
