@@ -168,6 +168,7 @@ def test_fake_quant_modules_compile_export_meta(make):
     # meta: shapes only, no values observed
     m = copy.deepcopy(fq).to("meta")
     assert m(torch.empty(4, 3, device="meta")).shape == (4, 3)
+    assert "scale=<meta>" in repr(m) and "observer_enabled=1" in repr(m).replace("static_enabled", "observer_enabled")
     # compile (observers on, then off), fullgraph
     torch._dynamo.reset()
     a, b = copy.deepcopy(fq), copy.deepcopy(fq)
@@ -192,12 +193,16 @@ def test_fake_quant_modules_compile_export_meta(make):
 def test_switch_mirror_follows_buffers_and_state_dict():
     """The Python mirror the traced forward reads follows the switch methods, ``load_state_dict`` and writes in
     place seen by an eager forward; the state dict keeps torch.ao's keys and values."""
+    import torch.ao.quantization as tq
+
     fq = FakeQuantize()
-    assert list(fq.state_dict()) == ["fake_quant_enabled", "observer_enabled", "scale", "zero_point",
-                                     "activation_post_process.eps", "activation_post_process.min_val",
-                                     "activation_post_process.max_val"] or "observer_enabled" in fq.state_dict()
-    fq(torch.tensor([-1.0, 2.0]))
-    fq.disable_observer()
+    ref = tq.FakeQuantize()
+    assert set(fq.state_dict()) == set(ref.state_dict())  # the switches stay buffers, as torch.ao's
+    for m in (fq, ref):
+        m(torch.tensor([-1.0, 2.0]))
+        m.disable_observer()
+    for name in ("observer_enabled", "fake_quant_enabled"):
+        assert torch.equal(fq.state_dict()[name], ref.state_dict()[name])
     assert fq._switch_mirror["observer_enabled"] is False and int(fq.observer_enabled[0]) == 0
     other = FakeQuantize()
     other.load_state_dict(fq.state_dict())
@@ -211,3 +216,37 @@ def test_switch_mirror_follows_buffers_and_state_dict():
     fqs = [m for m in model.modules() if isinstance(m, FakeQuantize)]
     assert fqs and all(m._switch_mirror["observer_enabled"] for m in fqs)
     assert all(m._switch_mirror["learning_enabled"] is False for m in fqs)
+
+
+def test_prepare_qat_fx_model_compiles_exports_and_runs_on_meta():
+    """A graph-mode QAT model (prepare_qat_fx, Conv + BN + ReLU folded, BN statistics frozen): compiled steps equal
+    eager's (observers on, then off), the eval model exports and equals eager, the meta forward gives shapes."""
+    from lowbit.fx.prepare import prepare_qat_fx
+
+    class G(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.fc = nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(F.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = prepare_qat_fx(G().train(), Q.get_default_qat_qconfig_mapping(), (_x(0),))
+    model(_x(0))
+    model.apply(freeze_bn_stats)
+    eager, traced = copy.deepcopy(model), copy.deepcopy(model)
+    compiled = torch.compile(traced, fullgraph=True, backend="aot_eager")
+    for step in range(3):
+        if step == 2:
+            eager.apply(disable_observer)
+            traced.apply(disable_observer)
+        assert torch.equal(_step(eager, _x(step + 1)), _step(compiled, _x(step + 1)))
+        for p, q in zip(eager.parameters(), traced.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        _same_state(eager, traced)
+    eager.eval()
+    ep = torch.export.export(eager, (_x(4),))
+    assert torch.equal(ep.module()(_x(4)), eager(_x(4)))
+    assert copy.deepcopy(eager).to("meta")(torch.empty(3, 1, 6, 6, device="meta")).shape == (3, 3)

@@ -21,6 +21,12 @@ kernels on finite inputs). Small per-tensor CPU inputs go through
 and gives the same bits; from ~16k elements on, lowbit's vectorised composite is as fast or faster.
 (CUDA stays on the composite until the fused CUDA kernel's bit-equality is verified on a GPU.)
 
+PyTorch 2 and meta: the switches keep their ``uint8`` buffers (torch.ao's state dict) and a Python mirror of each.
+While ``torch.compile`` / ``torch.export`` trace, and with the module on the meta device, the forward branches on
+the mirror (dynamo guards on it: flipping a switch recompiles), and traced code has no data-dependent step (the
+observers' NaN check, the grid-overflow check and torch's fused kernel give way to their ``torch.where`` / composite
+forms, the same values). A module on meta with a meta input observes nothing and returns the shape.
+
 >>> import torch, lowbit as Q
 >>> fq = Q.FakeQuantize()                               # MovingAverageMinMaxObserver, quint8
 >>> y = fq(torch.tensor([-1.0, 0.0, 0.5, 3.0]))
@@ -144,7 +150,7 @@ class FakeQuantize(WithArgs, nn.Module):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
             raise TypeError(f"FakeQuantize expects a floating-point tensor, got {got}")
-        if self._switch("observer_enabled") and not x.is_meta:  # (meta: no values to observe, shapes only)
+        if self._switch("observer_enabled") and not self._meta_run(x):
             self.activation_post_process(x.detach())
             self._set_qparams(*self._step_qparams())
         if self._switch("fake_quant_enabled"):
@@ -153,6 +159,11 @@ class FakeQuantize(WithArgs, nn.Module):
                                      float_zero_point=True)
             return _fake_quantize_fast(x, self.scale, self.zero_point, self.quant_min, self.quant_max, self.ch_axis)
         return x
+
+    def _meta_run(self, x: torch.Tensor) -> bool:
+        """A forward of a module on the meta device (``.to("meta")``) with a meta input: shapes only, nothing observed
+        (a meta input to a module holding values still reaches the observer, which names the problem)."""
+        return x.is_meta and self.scale.is_meta
 
     def _step_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The observer's current grid; for the min/max family straight from its buffers (no validation
@@ -212,10 +223,14 @@ class FakeQuantize(WithArgs, nn.Module):
 
     def extra_repr(self) -> str:
         axis = f", ch_axis={self.ch_axis}" if self.ch_axis is not None else ""
-        return (f"fake_quant_enabled={int(self.fake_quant_enabled[0])}, "
-                f"observer_enabled={int(self.observer_enabled[0])}, "
-                f"qdtype={self.qdtype!r}, qscheme={self.qscheme.value}{axis}, "
-                f"scale={self.scale.tolist()}, zero_point={self.zero_point.tolist()}")
+        return (f"fake_quant_enabled={int(self._switch('fake_quant_enabled'))}, "
+                f"observer_enabled={int(self._switch('observer_enabled'))}, "
+                f"qdtype={self.qdtype!r}, qscheme={self.qscheme.value}{axis}, {self._grid_repr()}")
+
+    def _grid_repr(self) -> str:
+        if self.scale.is_meta:  # moved to meta: still prints
+            return "scale=<meta>, zero_point=<meta>"
+        return f"scale={self.scale.tolist()}, zero_point={self.zero_point.tolist()}"
 
 
 # torch's fused kernel (+ NaN restore) beats lowbit's composite only where per-op overhead dominates:

@@ -146,7 +146,7 @@ class FusedMovingAvgObsFakeQuantize(FakeQuantize):
         if x.numel() == 0:
             return x
         observe, quant = self._switch("observer_enabled"), self._switch("fake_quant_enabled")
-        observe = observe and not x.is_meta  # (meta: no values to observe, shapes only)
+        observe = observe and not self._meta_run(x)
         if self.ch_axis is not None:
             self._size_channels(x)
         if self._fits_torch_kernel(x, observe):

@@ -156,7 +156,7 @@ class LearnableFakeQuantize(FakeQuantize):
             got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
             raise TypeError(f"{type(self).__name__} expects a floating-point tensor, got {got}")
         scale, zero_point, traced = self.scale, self.zero_point, tracing()
-        if self._switch("observer_enabled") and not x.is_meta:  # (meta: no values to observe, shapes only)
+        if self._switch("observer_enabled") and not self._meta_run(x):
             self.activation_post_process(x.detach())
             self._set_qparams(*self._step_qparams())
             self._grid_trained = False  # (a copy of the observer's grid again)
@@ -316,11 +316,10 @@ class LearnableFakeQuantize(FakeQuantize):
 
     def extra_repr(self) -> str:
         axis = f", ch_axis={self.ch_axis}" if self.ch_axis is not None else ""
-        return (f"fake_quant_enabled={int(self.fake_quant_enabled[0])}, "
-                f"static_enabled={int(self.observer_enabled[0])}, "
-                f"learning_enabled={int(self.learning_enabled[0])}, use_grad_scaling={self.use_grad_scaling}, "
-                f"qdtype={self.qdtype!r}, qscheme={self.qscheme.value}{axis}, "
-                f"scale={self.scale.tolist()}, zero_point={self.zero_point.tolist()}")
+        return (f"fake_quant_enabled={int(self._switch('fake_quant_enabled'))}, "
+                f"static_enabled={int(self._switch('observer_enabled'))}, "
+                f"learning_enabled={int(self._switch('learning_enabled'))}, use_grad_scaling={self.use_grad_scaling}, "
+                f"qdtype={self.qdtype!r}, qscheme={self.qscheme.value}{axis}, {self._grid_repr()}")
 
 
 def _resize_parameter(p: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> None:

@@ -78,6 +78,8 @@ class FixedQParamsObserver(ObserverBase):
         """Nothing to reset: the qparams are constants."""
 
     def extra_repr(self) -> str:
+        if self.scale.is_meta:  # moved to meta: still prints
+            return f"{super().extra_repr()}, scale=<meta>, zero_point=<meta>"
         return f"{super().extra_repr()}, scale={self.scale.item()}, zero_point={self.zero_point.item()}"
 
 

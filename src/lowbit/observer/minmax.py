@@ -188,6 +188,8 @@ class _MinMaxObserverBase(ObserverBase):
 
     def extra_repr(self) -> str:
         avg = f", averaging_constant={self.averaging_constant}" if self._averaging else ""
+        if self.min_val.is_meta:  # moved to meta: still prints
+            return f"{super().extra_repr()}{avg}, min_val=<meta>, max_val=<meta>"
         return f"{super().extra_repr()}{avg}, min_val={self.min_val.tolist()}, max_val={self.max_val.tolist()}"
 
 
