@@ -15,6 +15,10 @@ silently and compute garbage later. For each of the module's own buffers present
   grid (the module's ``_weight_grids``) only needs the same kind (``qint8``, ``quint4``, ...): its codes are saved
   as they are and checked against the module's range, so 7-bit ``qint8[-64, 63]`` codes load into a ``qint8`` layer.
 
+A value on the ``meta`` device (a meta checkpoint, ``load_state_dict(meta_sd, assign=True)`` into a model built on
+meta) has no values: its value checks are skipped (shapes, and dtypes with ``assign=True``, are still checked by the
+modules); torch then assigns it, or refuses to copy it into a real buffer ("Cannot copy out of meta tensor").
+
 >>> import torch
 >>> from torch import nn
 >>> m = nn.Module()
@@ -74,8 +78,8 @@ def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], p
                               "a checkpoint of another recipe (its zero points and codes mean other values here)")
     for name, buf in module._buffers.items():
         value = state_dict.get(prefix + name)
-        if buf is None or not isinstance(value, torch.Tensor) or value.numel() == 0:
-            continue
+        if buf is None or not isinstance(value, torch.Tensor) or value.numel() == 0 or value.is_meta:
+            continue  # (a meta value has no values to check: a meta checkpoint loads as torch loads it)
         key = prefix + name
         if name.endswith(("scale", "scales")) and buf.is_floating_point():
             if not value.is_floating_point():

@@ -189,7 +189,7 @@ class ObserverBase(abc.ABC, WithArgs, nn.Module):
         first): NaN ranges, bad histograms / qparams, a bad ``eps``, ranges of mismatched or per-channel shape."""
         errors = check_quantized_state(self, state_dict, prefix)  # NaN ranges, bad histograms / qparams
         eps = state_dict.get(prefix + "eps")
-        if eps is not None and saved_eps(eps, prefix, type(self).__name__)[1]:
+        if eps is not None and not getattr(eps, "is_meta", False) and saved_eps(eps, prefix, type(self).__name__)[1]:
             errors.append(saved_eps(eps, prefix, type(self).__name__)[1])
         lo, hi = state_dict.get(prefix + "min_val"), state_dict.get(prefix + "max_val")
         if "min_val" in self._buffers and isinstance(lo, torch.Tensor) and isinstance(hi, torch.Tensor):
@@ -213,7 +213,7 @@ class ObserverBase(abc.ABC, WithArgs, nn.Module):
         if errors:
             error_msgs.extend(errors)
             return
-        if eps is not None:
+        if eps is not None and not getattr(eps, "is_meta", False):  # (a meta eps has no value: ours stays)
             v = saved_eps(eps, prefix, type(self).__name__)[0]
             if v != float(torch.tensor(self.eps, dtype=eps.dtype if eps.is_floating_point() else torch.float64)):
                 self.eps = v  # (a torch.ao float32 eps equal to ours keeps the exact Python float, e.g. 1e-8)

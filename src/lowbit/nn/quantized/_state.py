@@ -108,3 +108,5 @@ class CheckedQuantState(nn.Module):
             refuse_state(self, errors)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        if _on_meta(self) and "_meta_hook" not in self.__dict__:  # meta values assigned: forward refuses clearly
+            self.__dict__["_meta_hook"] = self.register_forward_pre_hook(_refuse_meta)

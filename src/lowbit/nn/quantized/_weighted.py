@@ -227,7 +227,7 @@ class WeightedQuantModule(CheckedQuantState):
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._cache.clear()
         super()._load_from_state_dict(*args, **kwargs)
-        scale = float(self.input_scale)
+        scale = 0.0 if self.input_scale.is_meta else float(self.input_scale)  # (meta, assign=True: no values yet)
         self._input_grid = (scale, int(self.input_zero_point), self.input_qdtype) if scale > 0 else None
 
     def __getstate__(self) -> dict[str, Any]:
