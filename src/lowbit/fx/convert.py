@@ -42,6 +42,7 @@ from ..nn.quantized._utils import output_qparams
 from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.stubs import DeQuantize, Quantize
 from ..observer import PlaceholderObserver
+from ..observer.ddp import drop_removed
 from ..observer.distributed import sync_pending
 from . import convert_dynamic as float_out
 from .call import plain_call
@@ -400,4 +401,5 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
         setattr(model, name, preserved_value(source, model, name))
     model.lowbit_report = report
     detach(model)  # prepare_fx's attention_mask hooks: no observer is left to read them
+    drop_removed(model, source)  # DDP's ignore list (a GraphModule copy lost it): the user's names, no observer's
     return guard_loading(plain_call(model)).eval()  # (run-time errors reach a compiled model's caller: fx/call.py)

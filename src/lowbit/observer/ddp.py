@@ -14,9 +14,10 @@ Two measures:
   the model they return) lists the statistics buffers of every histogram observer (Histogram, Percentile, MSE,
   Entropy: the merges that sum) in the model's ``_ddp_params_and_buffers_to_ignore`` (DDP's own opt-out list, read
   when DDP wraps that model), so DDP leaves them alone and the merge holds every rank's data once (until then each
-  rank fake-quantizes on its own histogram's grid). ``FakeQuantize`` ``scale`` / ``zero_point`` are still
-  broadcast (a frozen grid follows rank 0), and so are the min/max family's statistics: their merge (MIN / MAX,
-  mean) counts nothing twice, and following rank 0 is torch.ao's behaviour under DDP.
+  rank fake-quantizes on its own histogram's grid). A str there is one name; ``convert`` / ``convert_fx`` drop the
+  names it added (``drop_removed``: the observers are gone) and keep the user's. ``FakeQuantize`` ``scale`` /
+  ``zero_point`` are still broadcast (a frozen grid follows rank 0), and so are the min/max family's statistics:
+  their merge (MIN / MAX, mean) counts nothing twice, and following rank 0 is torch.ao's behaviour under DDP.
 - Elsewhere (DDP around a parent of the prepared model, or ``prepare(..., inplace=True)`` on a submodule), the
   overwrite is detected: ``note_forward`` keeps a private copy (not a buffer: DDP cannot see it) of the histogram
   as the observer's last forward left it, and a mismatch at the next forward marks the observer. At the
@@ -41,9 +42,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["keep_statistics_local", "note_forward", "overwritten", "forget", "warn_overwritten"]
+__all__ = ["drop_removed", "keep_statistics_local", "note_forward", "overwritten", "forget", "warn_overwritten"]
 
 _IGNORE = "_ddp_params_and_buffers_to_ignore"  # DDP's attribute (DistributedDataParallel.__init__ reads it)
+_ADDED = "_lowbit_ddp_ignored"  # the names keep_statistics_local added (drop_removed drops them once gone)
 
 
 def _summed(mod: nn.Module) -> bool:
@@ -51,14 +53,66 @@ def _summed(mod: nn.Module) -> bool:
     return callable(getattr(mod, "sync_statistics", None)) and isinstance(getattr(mod, "histogram", None), torch.Tensor)
 
 
+def _user_list(model: nn.Module, where: str) -> list[str]:
+    """``model._ddp_params_and_buffers_to_ignore`` as a list of names: a str is one name (DDP's ``set(...)`` of it
+    would be its characters), None / absent an empty list; anything else but an iterable of str is a TypeError."""
+    old = getattr(model, _IGNORE, None)
+    if old is None:
+        return []
+    if isinstance(old, str):
+        return [old]
+    try:
+        names = list(old)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{where}: {type(model).__name__}.{_IGNORE} must be a str or an iterable of str (parameter / "
+                        f"buffer names), got {old!r}")
+    return names
+
+
 def keep_statistics_local(model: nn.Module) -> nn.Module:
     """Add the statistics buffers of every histogram observer in ``model`` (cross-rank observers whose merge sums)
-    to ``model._ddp_params_and_buffers_to_ignore``, keeping names already there; returns ``model``."""
+    to ``model._ddp_params_and_buffers_to_ignore``, keeping names already there (a str there is one name);
+    returns ``model``. The names added are noted (``_lowbit_ddp_ignored``) for ``drop_removed``.
+
+    >>> m = torch.nn.Linear(2, 2)
+    >>> m._ddp_params_and_buffers_to_ignore = "bias"  # one name, not the characters b, i, a, s
+    >>> keep_statistics_local(m)._ddp_params_and_buffers_to_ignore
+    ['bias']
+    """
+    old = _user_list(model, "keep_statistics_local")
     names = [f"{path}.{b}" if path else b for path, mod in model.named_modules() if _summed(mod)
              for b, _ in mod.named_buffers(recurse=False)]
-    if names:
-        old = list(getattr(model, _IGNORE, None) or [])
+    if names or isinstance(getattr(model, _IGNORE, None), str):
         setattr(model, _IGNORE, old + [n for n in names if n not in old])
+    if names:
+        added = set(model.__dict__.get(_ADDED, ())) | {n for n in names if n not in old}
+        model.__dict__[_ADDED] = sorted(added)
+    return model
+
+
+def drop_removed(model: nn.Module, source: nn.Module | None = None) -> nn.Module:
+    """After ``convert``: ``model``'s ``_ddp_params_and_buffers_to_ignore`` (``source``'s where given: a copy that
+    lost it, as a ``GraphModule`` copy does) without the names ``keep_statistics_local`` added whose buffer is gone
+    (the observers ``convert`` removed); the user's own names stay. Returns ``model``.
+
+    >>> import lowbit as Q
+    >>> p = Q.prepare(Q.QuantWrapper(torch.nn.Linear(2, 2)), Q.get_default_qconfig())
+    >>> p._ddp_params_and_buffers_to_ignore.append("module.bias")
+    >>> _ = p(torch.randn(4, 2))
+    >>> Q.convert(p)._ddp_params_and_buffers_to_ignore
+    ['module.bias']
+    """
+    src = model if source is None else source
+    if getattr(src, _IGNORE, None) is None:
+        return model
+    names = _user_list(src, "convert")
+    added = set(src.__dict__.get(_ADDED, ()))
+    alive = {n for n, _ in model.named_buffers(remove_duplicate=False)} | {
+        n for n, _ in model.named_parameters(remove_duplicate=False)}
+    setattr(model, _IGNORE, [n for n in names if n not in added or n in alive])
+    model.__dict__[_ADDED] = sorted(added & alive)
     return model
 
 

@@ -27,6 +27,7 @@ from ..nn.intrinsic.qat.modules import BnFoldedBase
 from ..nn.quantized._utils import precomputed_weights
 from ..nn.quantized.functional_modules import FloatFunctional
 from ..nn.quantized.normalization import batchnorm_float_reason
+from ..observer.ddp import drop_removed
 from ..observer.distributed import sync_pending
 from ..observer.fixed import PlaceholderObserver
 from ..qconfig import QConfig
@@ -246,5 +247,6 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
     for n, m in model.named_modules():
         if n in kept and "qconfig" not in m.__dict__:
             m.qconfig = kept[n]
+    drop_removed(model)  # DDP's ignore list: the removed observers' statistics buffers are gone (observer.ddp)
     guard_loading(model)  # load_state_dict: all or nothing (state_check)
     return (model, report) if return_report else model
