@@ -3,13 +3,17 @@ export of per-channel QTensors through averages and bilinear upsampling."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import lowbit as Q
 import lowbit.nn.quantized as nnq
-from lowbit.qtensor.factories import quantize_per_tensor
+from lowbit.qtensor import QTensor
+from lowbit.qtensor.factories import quantize_per_channel, quantize_per_tensor
 
 IGNORE = "_ddp_params_and_buffers_to_ignore"
 
@@ -133,3 +137,55 @@ def test_convert_fx_drops_removed_observer_buffers():
     c = Q.convert_fx(p)
     alive = {n for n, _ in c.named_buffers()} | {n for n, _ in c.named_parameters()}
     assert getattr(c, IGNORE) == ["0.bias"] and not set(added) & alive
+
+
+# ---- 1. ONNX: per-channel QTensors through averages and bilinear upsampling ---------------------------------------
+
+S = torch.tensor([0.01, 0.05, 0.1, 0.3])
+Z = torch.tensor([3, 128, 100, 7])
+OPS = {"avg_pool2d": lambda x: F.avg_pool2d(x, 2), "avg_pool2d_ceil": lambda x: F.avg_pool2d(x, 3, 2, 1, True),
+       "adaptive": lambda x: F.adaptive_avg_pool2d(x, 2), "global": lambda x: F.adaptive_avg_pool2d(x, 1),
+       "mean": lambda x: torch.mean(x, (2, 3)), "mean_keep": lambda x: x.mean(2, keepdim=True),
+       "bilinear": lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"),
+       "bilinear_ac": lambda x: F.interpolate(x, scale_factor=1.7, mode="bilinear", align_corners=True)}
+
+
+class Mixed(nn.Module):
+    """A user's per-channel QTensor (``quantize_per_channel`` in forward, axis 1) through ``op``, then the converted
+    model's per-tensor QTensor through ``op`` (straight from its Quantize: a conv before it would add the conv twin's
+    float accumulation, one step off on a few codes): the second call's record must still line up."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.op, self.quant, self.dequant = op, Q.QuantStub(), Q.DeQuantStub()
+
+    def forward(self, x):
+        pc = self.op(quantize_per_channel(x, S, Z, 1, Q.quint8))
+        return pc.int_repr(), self.dequant(self.op(self.quant(x)))
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_onnx_per_channel_qtensor_average_and_bilinear_every_code(name, tmp_path):
+    """lowbit's int8 model runs these ops on a per-channel QTensor's codes (axis not among the averaged / resampled
+    dims: each channel's zero point, no float fallback); the export traces that same QTensor op (the twin keeps the
+    user's QTensor), so ORT gives every code, for both the per-channel and the per-tensor call of one model."""
+    pytest.importorskip("onnxruntime")
+    from lowbit.export import run_onnx, to_onnx
+    torch.manual_seed(0)
+    m = Mixed(OPS[name])
+    m.qconfig = Q.get_default_qconfig()
+    x = torch.randn(16, 4, 8, 8) * (S * 40).view(1, 4, 1, 1)
+    p = Q.prepare(m)
+    p(x)
+    c = Q.convert(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no float fallback warning from the QTensor op
+        pc = OPS[name](quantize_per_channel(x, S, Z, 1, Q.quint8))
+    assert isinstance(pc, QTensor) and pc.q_per_channel_axis() == 1
+    codes, y = c(x)
+    path = tmp_path / "m.onnx"
+    to_onnx(c, x, path)
+    got_codes, got_y = run_onnx(path, x)
+    s, z = float(c.quant.scale), int(c.quant.zero_point)
+    assert torch.equal(got_codes.to(torch.int64), codes.to(torch.int64))
+    assert torch.equal(torch.round(got_y / s) + z, torch.round(y / s) + z)

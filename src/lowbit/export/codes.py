@@ -14,6 +14,15 @@ step off), an average as ``AveragePool(c - z) + z`` or ``ReduceSum(c - z) / n + 
 sum). ``ResampleOnCodes`` is a ``TorchFunctionMode``: with ``records=None`` it notes, per op family and call, the output
 grid of each such op on a per-tensor ``QTensor`` in the converted model's run (``None`` for any other call); given
 those records it replays them on the twin's calls in the same order (``install`` keeps it on around every forward).
+Per-channel ``QTensor`` s need no record (``None``): lowbit's int8 model runs these ops on their codes with each
+channel's zero point where the channel axis is not averaged / resampled (``qtensor/ops.py``, ``resample.py``; the float
+op otherwise, warned), and a converted model never makes one (``Quantize`` refuses a per-channel activation observer,
+the twin's layers a per-channel input), so one comes only from the user's own code (``quantize_per_channel`` in a
+forward), which the twin runs unchanged: the ``QTensor`` stays one and its op on the codes is traced op for op
+(``Mul`` / ``Round`` / ``Clip`` of lowbit's quantize, ``Sub`` / ``AveragePool`` / ``ReduceMean`` / the blend, ``Add`` /
+``Round`` / ``Clip``; not ``QuantizeLinear(axis=)``, which rounds ``x / s``, lowbit ``x * (1 / s)``): every code of
+avg / adaptive / global pools, means and bilinear (0 of 1,024-9,216 per op, tests/test_edge_s40.py), its call still
+counted so the per-tensor calls after it replay their records.
 ``share_grid_bilinear`` does the same for prepared / QAT graphs, whose bilinear upsample reads and writes one shared
 fake-quant: ``convert`` runs it on the codes.
 
