@@ -21,8 +21,8 @@ the twin's layers a per-channel input), so one comes only from the user's own co
 forward), which the twin runs unchanged: the ``QTensor`` stays one and its op on the codes is traced op for op
 (``Mul`` / ``Round`` / ``Clip`` of lowbit's quantize, ``Sub`` / ``AveragePool`` / ``ReduceMean`` / the blend, ``Add`` /
 ``Round`` / ``Clip``; not ``QuantizeLinear(axis=)``, which rounds ``x / s``, lowbit ``x * (1 / s)``): every code of
-avg / adaptive / global pools, means and bilinear (0 of 1,024-9,216 per op, tests/test_edge_s40.py), its call still
-counted so the per-tensor calls after it replay their records.
+avg / adaptive / global pools, means and bilinear (0 codes off in each, 64-16,384 codes per op:
+tests/test_edge_s40.py), its call still counted so the per-tensor calls after it replay their records.
 ``share_grid_bilinear`` does the same for prepared / QAT graphs, whose bilinear upsample reads and writes one shared
 fake-quant: ``convert`` runs it on the codes.
 
