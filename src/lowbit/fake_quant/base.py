@@ -52,7 +52,7 @@ from ..observer.minmax import MovingAverageMinMaxObserver, _MinMaxObserverBase
 from ..qparams import calculate_qparams
 
 __all__ = ["FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant", "holds_grid",
-           "per_tensor_qparams"]
+           "per_tensor_qparams", "switch_errors"]
 
 
 class FakeQuantize(WithArgs, nn.Module):
@@ -102,6 +102,16 @@ class FakeQuantize(WithArgs, nn.Module):
         """Write switch ``name`` (a ``uint8`` buffer of shape ``(1,)``) and its Python mirror."""
         self._buffers[name][0] = 1 if enabled else 0  # type: ignore[index]
         self._mirror()[name] = bool(enabled)
+
+    _SWITCHES: tuple[str, ...] = ("fake_quant_enabled", "observer_enabled")  # uint8 (1,) buffers with a mirror
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling: a module pickled before the mirror existed gets one from its buffers (it was compiled, exported
+        or moved to meta before any eager forward: "no Python mirror to trace with")."""
+        super().__setstate__(state)
+        if "_switch_mirror" not in self.__dict__:
+            self._switch_mirror = {}
+            self._sync_mirror()
 
     def _mirror(self) -> dict[str, bool]:
         mirror = getattr(self, "_switch_mirror", None)
@@ -196,8 +206,9 @@ class FakeQuantize(WithArgs, nn.Module):
         return self.activation_post_process.calculate_qparams()
 
     def _state_errors(self, state_dict, prefix, local_metadata):  # type: ignore[no-untyped-def]
-        """A NaN / 0 scale, an off-grid zero point (pure: ``state_check.guard_loading`` runs it first)."""
-        return check_quantized_state(self, state_dict, prefix)
+        """A NaN / 0 scale, an off-grid zero point, a switch other than 0 / 1 (pure: ``state_check.guard_loading`` runs
+        it first)."""
+        return switch_errors(self, state_dict, prefix) + check_quantized_state(self, state_dict, prefix)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
@@ -216,9 +227,9 @@ class FakeQuantize(WithArgs, nn.Module):
 
     def _sync_mirror(self) -> None:
         """The Python mirror of every switch from its buffer (after a load; buffers on meta keep the mirror)."""
-        for name in list(self._mirror()) + ["fake_quant_enabled", "observer_enabled"]:
+        for name in dict.fromkeys([*self._mirror(), *self._SWITCHES]):
             buf = self._buffers.get(name)
-            if buf is not None and not buf.is_meta:
+            if buf is not None and not buf.is_meta and buf.numel():
                 self._mirror()[name] = bool(buf[0] == 1)
 
     def extra_repr(self) -> str:
@@ -260,6 +271,28 @@ def _fake_quantize_fast(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.
     y = torch.fake_quantize_per_tensor_affine(x, scale.reshape(()), zero_point.reshape(()).to(torch.int32),
                                               quant_min, quant_max)
     return torch.where(torch.isnan(x), x.detach(), y)
+
+
+def switch_errors(fq: FakeQuantize, state_dict: dict[str, Any], prefix: str) -> list[str]:
+    """The saved switches (``fq._SWITCHES``) that are not 0 or 1: the forward tests ``== 1`` (torch.ao's
+    ``FakeQuantize``) where torch's fused kernel tests ``!= 0``, and a float ``0.5`` was cast to an off ``uint8``, so
+    such a value loaded as a switch that was on in one path and off in another (eager vs compiled). A wrong shape is
+    left to ``load_state_dict``'s size check.
+
+    >>> import torch, lowbit as Q
+    >>> switch_errors(Q.FakeQuantize(), {"observer_enabled": torch.tensor([2], dtype=torch.uint8)}, "")
+    ['observer_enabled=2 (torch.uint8) is not a switch: expected 0 (off) or 1 (on)']
+    """
+    errors = []
+    for name in fq._SWITCHES:
+        value = state_dict.get(prefix + name)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_meta:
+            continue
+        v = value.detach().reshape(()).cpu()
+        ok = not v.is_complex() and bool(((v == 0) | (v == 1)).item())
+        if not ok:
+            errors.append(f"{prefix}{name}={v.item()!r} ({value.dtype}) is not a switch: expected 0 (off) or 1 (on)")
+    return errors
 
 
 def per_tensor_qparams(fq: FakeQuantize, state_dict: dict[str, Any], prefix: str) -> None:

@@ -182,7 +182,7 @@ class FusedMovingAvgObsFakeQuantize(FakeQuantize):
             saved = (lo.clone(), hi.clone()) if per_channel else (lo.item(), hi.item())
         try:
             y = torch.fused_moving_avg_obs_fake_quant(
-                x, self.observer_enabled, self.fake_quant_enabled, lo, hi, self.scale.view(-1),
+                x, _SWITCH[observe], _SWITCH[quant], lo, hi, self.scale.view(-1),
                 self.zero_point.view(-1), obs.averaging_constant, self.quant_min, self.quant_max, 0, per_channel,
                 self.is_symmetric_quant)
             if not observe:
@@ -237,6 +237,11 @@ class FusedMovingAvgObsFakeQuantize(FakeQuantize):
         obs.calculate_qparams()  # validation, and the cross-rank reduction under torch.distributed
         return choose_qparams_fbgemm(obs.min_val, obs.max_val, self.quant_min, self.quant_max,
                                      self.is_symmetric_quant)
+
+
+# the switches as torch's kernel reads them (any non-zero is on), from the module's own reading (== 1): a buffer written
+# to 2 in place was on in the kernel, off on the composite path and when compiled
+_SWITCH = {False: torch.tensor([0], dtype=torch.uint8), True: torch.tensor([1], dtype=torch.uint8)}
 
 
 def fused_moving_avg_obs_fake_quant(x: torch.Tensor, observer_on: torch.Tensor, fake_quant_on: torch.Tensor,

@@ -55,7 +55,7 @@ from ..observer.base import ObserverBase, saved_eps
 from ..observer.distributed import is_distributed, sync_pending
 from ..observer.minmax import MovingAverageMinMaxObserver
 from ..qparams import symmetric_zero_point
-from .base import FakeQuantize, per_tensor_qparams
+from .base import FakeQuantize, per_tensor_qparams, switch_errors
 from .lsq import fake_quantize_learnable
 
 __all__ = ["LearnableFakeQuantize", "fake_quantize_learnable", "enable_param_learning",
@@ -115,6 +115,8 @@ class LearnableFakeQuantize(FakeQuantize):
         self._grid_trained = False  # set by a forward with learning enabled: the parameters are being learned
         self.toggle_qparam_learning(False)
 
+    _SWITCHES = ("fake_quant_enabled", "observer_enabled", "learning_enabled")
+
     @property
     def eps(self) -> float:
         """The scale's floor: the observer's ``eps`` (read live, so a loaded checkpoint's value applies)."""
@@ -157,6 +159,10 @@ class LearnableFakeQuantize(FakeQuantize):
             raise TypeError(f"{type(self).__name__} expects a floating-point tensor, got {got}")
         scale, zero_point, traced = self.scale, self.zero_point, tracing()
         if self._switch("observer_enabled") and not self._meta_run(x):
+            if torch.compiler.is_exporting():  # (the observer's grid would be written into the parameters)
+                raise RuntimeError(f"{type(self).__name__}: torch.export with the observer on (static_enabled=1) would "
+                                   "write the observer's grid into the scale / zero_point parameters, which an exported "
+                                   "program cannot mutate; call disable_observer() or enable_param_learning() first")
             self.activation_post_process(x.detach())
             self._set_qparams(*self._step_qparams())
             self._grid_trained = False  # (a copy of the observer's grid again)
@@ -267,8 +273,8 @@ class LearnableFakeQuantize(FakeQuantize):
         ``state_dict`` (pure: ``guard_loading`` runs it first; the load pops ``eps`` in ``_adopt_torch_ao_keys``)."""
         eps = state_dict.get(prefix + "eps")
         problem = "" if eps is None else saved_eps(eps, prefix, type(self).__name__)[1]
-        return ([problem] if problem else []) + check_quantized_state(self, state_dict, prefix) \
-            + self._check_parameters(state_dict, prefix)
+        return ([problem] if problem else []) + switch_errors(self, state_dict, prefix) \
+            + check_quantized_state(self, state_dict, prefix) + self._check_parameters(state_dict, prefix)
 
     def _adopt_torch_ao_keys(self, state_dict: dict[str, Any], prefix: str) -> list[str]:
         """Read a torch.ao ``_LearnableFakeQuantize`` checkpoint (in place): its ``static_enabled`` is lowbit's

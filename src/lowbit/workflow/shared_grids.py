@@ -54,7 +54,7 @@ def _rounding_grid(obs: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int
     ``FakeQuantize`` (LSQ: its learned grid), or a reference model's ``QuantDeQuant``; ``None`` for an observer (its
     forward returns its input), a disabled fake-quant or a float zero point."""
     if isinstance(obs, FakeQuantize):
-        if obs.fake_quant_enabled[0] != 1 or obs.qscheme.has_float_zero_point:
+        if not obs._switch("fake_quant_enabled") or obs.qscheme.has_float_zero_point:  # (the mirror when traced)
             return None
         s, z = obs.scale.detach(), obs.zero_point.detach()
         if isinstance(obs, LearnableFakeQuantize):  # (its calculate_qparams clamps the scale in place: no version bump
