@@ -163,3 +163,23 @@ def test_qat_graph_with_shared_grid_upsample_runs_on_meta():
     x = torch.randn(2, 3, 6, 7)
     p = _qat_up(x).to("meta")
     assert p(x.to("meta")).shape == (2, 4, 12, 14)
+
+
+@pytest.mark.parametrize("scale, zero_point, match", [
+    (0.0, 0, r"scale=0.0 must be a positive finite number"),
+    (float("nan"), 0, r"scale=nan must be a positive finite number"),
+    (-0.1, 0, r"scale=-0.1 must be a positive finite number"),
+    (0.1, 300, r"zero_point=300 must be an integer in \[0, 255\]"),
+    (0.1, 0.5, r"zero_point=0.5 must be an integer in \[0, 255\]"),
+    (torch.tensor([0.1, 0.2]), 0, r"scale of shape \(2,\) is not per tensor"),
+    (0.1, torch.tensor([0, 0]), r"zero_point of shape \(2,\) is not per tensor"),
+])
+def test_bilinear_per_tensor_refuses_a_bad_grid_as_quantize_per_tensor_does(scale, zero_point, match):
+    """Before: scale 0 / -0.1 gave all zeros, NaN gave NaN, zero points 300 / 0.5 values off the grid (silently), a
+    (2,) grid 'shape [] is invalid for input of size 2'; quantize_per_tensor refuses each, naming the value."""
+    from lowbit.reference.ops import bilinear_per_tensor
+
+    x = torch.rand(1, 2, 3, 3)
+    y = F.interpolate(x, scale_factor=2, mode="bilinear")
+    with pytest.raises(ValueError, match=match):
+        bilinear_per_tensor(x, y, scale, zero_point, 0, 255, None, 2)

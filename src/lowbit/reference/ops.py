@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..functional import dequantize, quantize
+from ..functional import _check_qparams, dequantize, quantize
 from ..qscheme import QDtype, as_qdtype
 from ..qtensor.resample import bilinear_on_grid
 
@@ -118,5 +118,9 @@ def bilinear_per_tensor(x: torch.Tensor, y: torch.Tensor, scale: Grid, zero_poin
     [11, 12, 13, 13]
     """
     check_grid_dtype("bilinear_per_tensor", scale)
+    for name, p in (("scale", scale), ("zero_point", zero_point)):  # (the blend reshapes them to 0-d)
+        if isinstance(p, torch.Tensor) and p.numel() != 1:
+            raise ValueError(f"bilinear_per_tensor: {name} of shape {tuple(p.shape)} is not per tensor (one element)")
+    _check_qparams("bilinear_per_tensor", scale, zero_point, quant_min, quant_max)  # (as quantize_per_tensor)
     return bilinear_on_grid(x, y, torch.as_tensor(scale), torch.as_tensor(zero_point), quant_min, quant_max, None, size,
                             scale_factor, align_corners, recompute_scale_factor)
