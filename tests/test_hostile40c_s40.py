@@ -183,3 +183,26 @@ def test_bilinear_per_tensor_refuses_a_bad_grid_as_quantize_per_tensor_does(scal
     y = F.interpolate(x, scale_factor=2, mode="bilinear")
     with pytest.raises(ValueError, match=match):
         bilinear_per_tensor(x, y, scale, zero_point, 0, 255, None, 2)
+
+
+class _EagerUp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 5, 3, padding=1), nn.Conv2d(5, 4, 1)
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.up(self.c1(x)))
+
+
+def test_eager_qat_shared_grid_upsample_exports_and_runs_on_meta():
+    """The eager shared-grid mode reads the same switch: before, torch.export raised GuardOnDataDependentSymNode
+    (Eq(u0, 1)) and a meta forward 'Tensor.item() cannot be called on meta tensors'."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 7)
+    m = _EagerUp().train()
+    m.qconfig = Q.get_default_qat_qconfig()
+    p = Q.prepare_qat(m)
+    p(x)
+    assert torch.equal(torch.export.export(copy.deepcopy(p), (x,)).module()(x), copy.deepcopy(p)(x))
+    assert copy.deepcopy(p).to("meta")(x.to("meta")).shape == (2, 4, 12, 14)
