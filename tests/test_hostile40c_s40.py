@@ -206,3 +206,20 @@ def test_eager_qat_shared_grid_upsample_exports_and_runs_on_meta():
     p(x)
     assert torch.equal(torch.export.export(copy.deepcopy(p), (x,)).module()(x), copy.deepcopy(p)(x))
     assert copy.deepcopy(p).to("meta")(x.to("meta")).shape == (2, 4, 12, 14)
+
+
+def test_convert_fx_of_a_pickled_prepared_graph_says_what_was_lost():
+    """Before: 'expects a model returned by prepare_fx or prepare_qat_fx, got GraphModule' for the model prepare_fx
+    returned, pickled (the GraphModule is rebuilt from its code); now the message names the cause and the way out,
+    and that way out converts to the same model."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = Q.prepare_fx(_Up().eval(), Q.get_default_qconfig_mapping(), example_inputs=(x,))
+        p(x)
+        with pytest.raises(TypeError, match=r"got GraphModule: a GraphModule with observers but no prepare state"):
+            Q.convert_fx(pickle.loads(pickle.dumps(p)))
+        fresh = Q.prepare_fx(_Up().eval(), Q.get_default_qconfig_mapping(), example_inputs=(x,))
+        fresh.load_state_dict(pickle.loads(pickle.dumps(p)).state_dict())
+        assert torch.equal(Q.convert_fx(fresh)(x), Q.convert_fx(copy.deepcopy(p))(x))

@@ -48,11 +48,11 @@ from . import convert_dynamic as float_out
 from .call import plain_call
 from .classify import drop_grid_blends
 from .padding import detach
-from .convert_dynamic import set_module as _set_module
-from .convert_dynamic import what as _what
+from .convert_dynamic import set_module as _set_module, what as _what
 from .patterns import func_activation, is_dropout
 from .custom import check_preservable, preserved_value
-from .prepare import STATE_KEY, is_prepared, returned_values
+from .prepare import returned_values
+from .state import STATE_KEY, check_prepared
 from .report import FxReport
 from .weighted import arg_of, input_of, standin
 from ..state_check import guard_loading
@@ -353,9 +353,7 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
     (``lowbit.reference.lower_reference_fx``).
     """
     cfg = ConvertCustomConfig.coerce(convert_custom_config, "convert_fx")
-    if not is_prepared(model):
-        raise TypeError(f"convert_fx: expects a model returned by prepare_fx or prepare_qat_fx, got "
-                        f"{type(model).__name__}" + ("" if isinstance(model, nn.Module) else " (not an nn.Module)"))
+    check_prepared(model, "convert_fx")
     top = model.meta[STATE_KEY] if isinstance(model, fx.GraphModule) else model.__dict__[STATE_KEY]
     if top.get("converted"):
         raise ValueError("convert_fx: this model was already converted")

@@ -58,21 +58,13 @@ from .padding import attach, hook_observers
 from .fusion import fuse_graph
 from .patterns import WEIGHT_ONLY_TYPES, graph_module_types
 from .report import FxReport
+from .state import STATE_KEY, is_prepared
 from .trace import RootNotTraceable, keep_buffers, record_tensor_kinds, restore_buffers, trace
 from .transformer import swap_attention
 from .weighted import arg_of
 from ..state_check import guard_loading
 
 __all__ = ["prepare_fx", "prepare_qat_fx", "STATE_KEY", "is_prepared"]
-
-STATE_KEY = "lowbit_fx"  # gm.meta key marking a graph prepared by prepare_fx / prepare_qat_fx
-
-
-def is_prepared(model: Any) -> bool:
-    """Whether ``model`` came from ``prepare_fx`` / ``prepare_qat_fx`` (a GraphModule or a container)."""
-    if isinstance(model, fx.GraphModule):
-        return STATE_KEY in model.meta
-    return isinstance(model, nn.Module) and STATE_KEY in model.__dict__
 
 
 def _check_args(fn: str, model: Any, example_inputs: Any, inplace: Any) -> None:
