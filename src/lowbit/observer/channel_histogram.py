@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..compile_state import tracing
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
 from .base import ObserverBase, check_observed
@@ -128,28 +129,45 @@ class _ClipRangeObserver(ObserverBase):
         rows = self._rows(x)  # (C, N)
         if rows.device != self.histogram.device:
             self.to(rows.device)
+        traced = tracing()
+        if traced and self.ch_axis is not None and self.min_val.dim() == 0:  # the (C,) buffers do not exist yet
+            if torch.compiler.is_exporting():
+                raise RuntimeError(f"{name} (per channel, ch_axis={self.ch_axis}): the first batch sizes its (C,) "
+                                   "statistics, which torch.export cannot trace (a buffer resize); observe one "
+                                   "batch eagerly before exporting")
+            _seed_channels(self, rows.shape[0])  # torch.compile: one graph break, at the first batch only
         finite = torch.isfinite(rows)
-        all_finite = bool(finite.all())
-        if not all_finite and name not in _warned:
-            _warned.add(name)
-            warnings.warn(f"{name}: observed data contains NaN or Inf; those values are ignored", stacklevel=2)
-        lo = torch.where(finite, rows, float("inf")).amin(1) if not all_finite else rows.amin(1)
-        hi = torch.where(finite, rows, float("-inf")).amax(1) if not all_finite else rows.amax(1)
+        if traced:  # no data-dependent branch: the masked reductions (the same values), no warning
+            lo = torch.where(finite, rows, float("inf")).amin(1)
+            hi = torch.where(finite, rows, float("-inf")).amax(1)
+        else:
+            all_finite = bool(finite.all())
+            if not all_finite and name not in _warned:
+                _warned.add(name)
+                warnings.warn(f"{name}: observed data contains NaN or Inf; those values are ignored", stacklevel=2)
+            lo = torch.where(finite, rows, float("inf")).amin(1) if not all_finite else rows.amin(1)
+            hi = torch.where(finite, rows, float("-inf")).amax(1) if not all_finite else rows.amax(1)
         note_forward(self, before=True)  # under torch.distributed: were the statistics overwritten (DDP)?
         old_lo, old_hi, hist = self._state(rows.shape[0])
         new_lo, new_hi = torch.minimum(old_lo, lo), torch.maximum(old_hi, hi)
-        if not (torch.equal(new_lo, old_lo) and torch.equal(new_hi, old_hi)):
+        if traced:  # rebinned rows kept only where the range moved (bit for bit what eager keeps)
+            moved = ((new_lo != old_lo) | (new_hi != old_hi)).unsqueeze(1)
+            hist = torch.where(moved, _rebin_rows(hist, old_lo, old_hi, new_lo, new_hi), hist)
+        elif not (torch.equal(new_lo, old_lo) and torch.equal(new_hi, old_hi)):
             hist = _rebin_rows(hist, old_lo, old_hi, new_lo, new_hi)
         width = (new_hi - new_lo).unsqueeze(1)
         base = torch.where(torch.isfinite(new_lo), new_lo, 0.0).unsqueeze(1)
         vals = torch.where(finite, rows, base)
         k = torch.where(width > 0, self.bins * _SHRINK / torch.where(width > 0, width, 1.0), 0.0)
-        if not bool((torch.isfinite(width) & torch.isfinite(k)).all()):
-            # a range past float32's max (e.g. ±2e38), or one so narrow (e.g. 1e-40) that bins / width overflows to
-            # inf (0 * inf = NaN bin indices): place the values in float64
-            width, base, vals = width.double(), base.double(), vals.double()
-            k = torch.where(width > 0, self.bins * _SHRINK / torch.where(width > 0, width, 1.0), 0.0)
-        pos = ((vals - base) * k).clamp_(0, self.bins - 1).to(torch.int64)
+        wide = ~(torch.isfinite(width) & torch.isfinite(k)).all()
+        # a range past float32's max (e.g. ±2e38), or one so narrow (e.g. 1e-40) that bins / width overflows to
+        # inf (0 * inf = NaN bin indices): the values are placed in float64 (traced: both computed, one kept)
+        if traced:
+            pos = torch.where(wide, self._positions(vals.double(), base.double(), width.double()),
+                              self._positions(vals, base, width))
+        else:
+            pos = self._positions(*(t.double() for t in (vals, base, width)) if bool(wide)
+                                  else (vals, base, width))
         offset = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1) * self.bins
         flat = hist.reshape(-1).clone()
         flat.scatter_add_(0, (pos + offset).reshape(-1), finite.reshape(-1).to(flat.dtype))
@@ -157,6 +175,11 @@ class _ClipRangeObserver(ObserverBase):
         note_forward(self, before=False)
         self._needs_sync = True
         return x
+
+    def _positions(self, vals: torch.Tensor, base: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+        """Bin numbers ``clamp(floor((v - base) * bins * (1 - 2⁻²⁰) / width), 0, bins - 1)`` (int64; width 0: bin 0)."""
+        k = torch.where(width > 0, self.bins * _SHRINK / torch.where(width > 0, width, 1.0), 0.0)
+        return ((vals - base) * k).clamp_(0, self.bins - 1).to(torch.int64)
 
     def _state(self, channels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(lo (C,), hi (C,), hist (C, B))`` views of the buffers, seeded for ``channels`` rows."""
@@ -296,6 +319,18 @@ class _ClipRangeObserver(ObserverBase):
 
     def extra_repr(self) -> str:
         return f"bins={self.bins}, {super().extra_repr()}"
+
+
+def _seed_rows(obs: _ClipRangeObserver, channels: int) -> None:
+    """Size a per-channel observer's buffers for ``channels`` rows of "nothing seen" (``+inf`` / ``-inf`` / zeros)."""
+    dev = obs.histogram.device
+    obs.register_buffer("min_val", torch.full((channels,), float("inf"), device=dev))
+    obs.register_buffer("max_val", torch.full((channels,), float("-inf"), device=dev))
+    obs.register_buffer("histogram", torch.zeros(channels, obs.bins, device=dev))
+
+
+_seed_channels = torch.compiler.disable(_seed_rows, reason="lowbit: a per-channel histogram observer sizes its (C,) "
+                                        "buffers at its first batch; observe one batch eagerly before compiling")
 
 
 def _same_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:

@@ -28,12 +28,15 @@ first increase, and ignores the zero-point rounding.
 (``_quantile_clip_range``): six quantile pairs of bin *centres*, scored with lucid's own error model.
 
 Counting: on CPU, one ``aminmax`` read on the host, then integer bin indices and ``scatter_add_``
-(several times faster than ``torch.histc``). On accelerators (or with ``sync_free = True``) nothing
-is read on the host per batch: min/max stay tensors, the rebinning always runs (an identity when
-the range did not move), and NaN/Inf get weight 0 in the ``scatter_add_`` (counted; a warning comes
-at ``calculate_qparams``). Under ``torch.distributed``, ``calculate_qparams`` (or
-``sync_observers``) first merges the ranks' histograms onto their common range and sums them
-(``sync_statistics``), so every rank gets the qparams of the union of the data.
+(several times faster than ``torch.histc``). On accelerators (or with ``sync_free = True``, or while
+``torch.compile`` / ``torch.export`` trace) nothing is read on the host per batch: min/max stay
+tensors, the rebinning always runs (its result kept only where the range moved), and NaN/Inf get
+weight 0 in the ``scatter_add_`` (counted; a warning comes at ``calculate_qparams``). Traced,
+``forward`` thus has no data-dependent branch: a calibrating model compiles with ``fullgraph=True``
+and exports, its histogram bit-equal to eager's on finite data. ``calculate_qparams`` (the range
+search, run at ``convert``) reads the histogram on the host: eager only. Under ``torch.distributed``,
+``calculate_qparams`` (or ``sync_observers``) first merges the ranks' histograms onto their common
+range and sums them (``sync_statistics``), so every rank gets the qparams of the union of the data.
 
 >>> import torch, lowbit as Q
 >>> obs = Q.HistogramObserver(bins=256)
@@ -49,6 +52,7 @@ import warnings
 
 import torch
 
+from ..compile_state import tracing
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
 from .base import ObserverBase, check_observed, finite_aminmax
@@ -191,7 +195,8 @@ class HistogramObserver(ObserverBase):
             return x
         if x.device != self.histogram.device:  # the statistics follow the data (first batch, or a moved model)
             self.to(x.device)
-        sync_free = self.sync_free if self.sync_free is not None else x.device.type != "cpu"
+        # traced (torch.compile / torch.export): the tensor-only path, bit-equal to the host one on finite data
+        sync_free = tracing() or (self.sync_free if self.sync_free is not None else x.device.type != "cpu")
         xs = x.detach().reshape(-1).to(torch.float32)
         note_forward(self, before=True)  # under torch.distributed: were the statistics overwritten (DDP)?
         (self._observe_sync_free if sync_free else self._observe_host)(xs)
@@ -238,8 +243,11 @@ class HistogramObserver(ObserverBase):
         self.histogram.scatter_add_(0, idx, finite.to(self.histogram.dtype))
 
     def _set_range(self, new_lo: torch.Tensor, new_hi: torch.Tensor) -> None:
-        """Widen the range to ``[new_lo, new_hi]``, rebinning the histogram onto it (tensor ops only)."""
-        self.histogram.copy_(_rebin(self.histogram, self.min_val, self.max_val, new_lo, new_hi))
+        """Widen the range to ``[new_lo, new_hi]``, rebinning the histogram onto it (tensor ops only; the
+        histogram is kept as is, bit for bit, where the range did not move)."""
+        moved = (new_lo != self.min_val) | (new_hi != self.max_val)
+        rebinned = _rebin(self.histogram, self.min_val, self.max_val, new_lo, new_hi)
+        self.histogram.copy_(torch.where(moved, rebinned, self.histogram))
         self.min_val.copy_(new_lo)
         self.max_val.copy_(new_hi)
 
