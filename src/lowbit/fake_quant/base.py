@@ -25,7 +25,10 @@ PyTorch 2 and meta: the switches keep their ``uint8`` buffers (torch.ao's state 
 While ``torch.compile`` / ``torch.export`` trace, and with the module on the meta device, the forward branches on
 the mirror (dynamo guards on it: flipping a switch recompiles), and traced code has no data-dependent step (the
 observers' NaN check, the grid-overflow check and torch's fused kernel give way to their ``torch.where`` / composite
-forms, the same values). A module on meta with a meta input observes nothing and returns the shape.
+forms, the same values). A module on meta with a meta input observes nothing and returns the shape. A histogram-type observer
+observes inside the graph too, but its per-step ``calculate_qparams()`` (a range search on the host) is a
+``torch.compiler.disable``d call: one graph break per step under ``torch.compile``, an error naming the observer
+under ``torch.export`` (export with observers off, after eager calibration / training).
 
 >>> import torch, lowbit as Q
 >>> fq = Q.FakeQuantize()                               # MovingAverageMinMaxObserver, quint8
@@ -47,7 +50,9 @@ from torch import nn
 from ..compile_state import tracing
 from ..functional import check_quantized_state, fake_quantize
 from ..observer.base import ObserverBase, WithArgs
+from ..observer.channel_histogram import _ClipRangeObserver
 from ..observer.distributed import local_statistics, sync_pending
+from ..observer.histogram import HistogramObserver
 from ..observer.minmax import MovingAverageMinMaxObserver, _MinMaxObserverBase
 from ..qparams import calculate_qparams
 
@@ -186,12 +191,15 @@ class FakeQuantize(WithArgs, nn.Module):
             seen = torch.isfinite(lo) & torch.isfinite(hi)          # () or (C,)
             neutral_z = min(max(0, self.quant_min), self.quant_max)
             return torch.where(seen, s, 1.0), torch.where(seen, z, neutral_z)
-        if obs.is_calibrated:
-            # the rank's own statistics: a reduction per step (a collective) hung ranks with uneven batch counts;
-            # the merge waits for calculate_qparams / convert / sync_observers, which every rank reaches
-            with local_statistics():
-                return obs.calculate_qparams()
-        return self.scale, self.zero_point
+        if not isinstance(obs, (HistogramObserver, _ClipRangeObserver)):  # (fixed, custom: traced as they are)
+            return _eager_searched_qparams(self, obs)
+        if torch.compiler.is_exporting():  # the histogram's range search reads its statistics on the host
+            raise RuntimeError(
+                f"{type(self).__name__} with {type(obs).__name__}: its per-step qparams come from the observer's "
+                "calculate_qparams() (a range search over the statistics, eager only), which torch.export cannot "
+                "trace; calibrate / train eagerly, then export with observers off (model.apply(Q.disable_observer)), "
+                "or observe with a min/max observer (MovingAverageMinMaxObserver)")
+        return _searched_qparams(self, obs)  # torch.compile: one graph break per step, after the observation
 
     def _set_qparams(self, s: torch.Tensor, z: torch.Tensor) -> None:
         # in place (keeps buffer identity for DDP); resize on the scalar -> (C,) change
@@ -249,6 +257,22 @@ class FakeQuantize(WithArgs, nn.Module):
 # 1k elements, even at 16k-64k, 9.7 vs 6.9 ms at 256k. On CUDA it would replace ~10 kernels, but its
 # bit-equality there is unverified (no GPU in this session), so CUDA uses the composite.
 _FUSED_MAX_NUMEL_CPU = 1 << 14
+
+
+def _eager_searched_qparams(fq: FakeQuantize, obs: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``obs.calculate_qparams()`` on the rank's local statistics once it is calibrated, else ``fq``'s current grid
+    (``_searched_qparams``: the same, outside any compiled graph, for the histogram observers)."""
+    if obs.is_calibrated:
+        # the rank's own statistics: a reduction per step (a collective) hung ranks with uneven batch counts;
+        # the merge waits for calculate_qparams / convert / sync_observers, which every rank reaches
+        with local_statistics():
+            return obs.calculate_qparams()
+    return fq.scale, fq.zero_point
+
+
+_searched_qparams = torch.compiler.disable(
+    _eager_searched_qparams, reason="lowbit: a histogram-type observer's calculate_qparams (its range search) runs "
+    "eagerly; compile without fullgraph, or calibrate eagerly and compile with observers disabled")
 
 
 def _fake_quantize_fast(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, quant_min: int,
