@@ -220,8 +220,14 @@ class BnFoldedBase(nn.Module):
         return torch.tensor([int(self.freeze_bn), _BN_FOLD_MODES.index(self._bn_fold)], dtype=torch.uint8)
 
     def set_extra_state(self, state: Any) -> None:
+        """Apply ``[freeze_bn, bn_fold index]``. A meta tensor has no values to read: under
+        ``load_state_dict(meta_sd, assign=True)`` (a meta checkpoint's shapes) it is checked for shape and dtype and
+        the module keeps its settings; elsewhere it is refused."""
         ok = isinstance(state, torch.Tensor) and state.shape == (2,) and not state.is_floating_point() \
-            and not state.is_complex() and state.device.type != "meta"  # (meta: no values to read)
+            and not state.is_complex()
+        if ok and state.is_meta and self.__dict__.get("_loading_assign", False):
+            return
+        ok = ok and not state.is_meta
         if not ok or int(state[0]) not in (0, 1) or int(state[1]) not in range(len(_BN_FOLD_MODES)):
             raise ValueError(f"{type(self).__name__}: _extra_state={state!r} is not [freeze_bn (0 / 1), bn_fold index "
                              f"into {_BN_FOLD_MODES}] (an integer tensor of 2 entries)")
@@ -233,8 +239,12 @@ class BnFoldedBase(nn.Module):
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        self.__dict__["_loading_assign"] = bool(local_metadata.get("assign_to_params_buffers", False))
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        finally:
+            self.__dict__.pop("_loading_assign", None)
         key = prefix + "_extra_state"
         if key not in state_dict and key in missing_keys:  # a checkpoint from before it was saved: keep the state
             missing_keys.remove(key)
