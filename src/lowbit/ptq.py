@@ -331,8 +331,9 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
             t = tune_biases(prepared, float_model, batches, iters=tune, batch_size=16, lr=1e-4, grids=learn_grids,
                             grid_lr=1e-4, seed=seed, progress=progress)
             what = f"{t.n_biases} layers' biases" + (f" and {t.n_grids} grids" if t.n_grids else "")
+            ratio = f"x{t.error_after / t.error_before:.3f}" if t.error_before else f"{t.error_after:.3g} (was 0)"
             report.steps.append(("tune biases", f"{what} tuned on the model output ({tune} steps): "
-                                                f"calibration output error x{t.error_after / t.error_before:.3f}"
+                                                f"calibration output error {ratio}"
                                                 f"{'' if t.kept else ' (no gain: not kept)'}"))
     qmodel = convert_fx(prepared)
     _mark_rescaled(qmodel, report.equalized)

@@ -136,15 +136,18 @@ def tune_biases(prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any
         for b in biases:
             b.requires_grad_(True)
         before = total()
-        groups = [{"params": biases, "lr": lr}]
+        groups = [{"params": biases, "lr": lr}] if biases else []
         if learn:
             groups.append({"params": [gr.t for gr in learn.values()], "lr": grid_lr})
-        opt = torch.optim.Adam(groups)
+        # nothing to tune (a model without weighted layers or learnable grids: no bias reaches the output)
+        opt = torch.optim.Adam(groups) if groups else None
         scale = None
-        for _ in tqdm(range(iters), desc="tune biases", disable=not progress):
+        for _ in tqdm(range(iters if opt is not None else 0), desc="tune biases", disable=not progress):
             k = int(torch.randint(len(batches), (1,), generator=g))
             args, target = _subsample(batches[k], targets[k], batch_size, g)
             loss = _error(prepared(*args), target)
+            if not loss.requires_grad:  # the output does not depend on what is tuned (e.g. only float ops)
+                break
             if scale is None:
                 scale = float(loss.detach()) + 1e-12
             opt.zero_grad()
