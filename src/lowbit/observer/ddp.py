@@ -81,15 +81,24 @@ def keep_statistics_local(model: nn.Module) -> nn.Module:
     >>> keep_statistics_local(m)._ddp_params_and_buffers_to_ignore
     ['bias']
     """
+    _check_module(model, "keep_statistics_local")
     old = _user_list(model, "keep_statistics_local")
     names = [f"{path}.{b}" if path else b for path, mod in model.named_modules() if _summed(mod)
              for b, _ in mod.named_buffers(recurse=False)]
-    if names or isinstance(getattr(model, _IGNORE, None), str):
+    stale = set(model.__dict__.get(_ADDED, ())) - set(names)  # added by an earlier call, gone (moved, renamed)
+    if stale:
+        old = [n for n in old if n not in stale]
+    if names or stale or isinstance(getattr(model, _IGNORE, None), str):
         setattr(model, _IGNORE, old + [n for n in names if n not in old])
-    if names:
-        added = set(model.__dict__.get(_ADDED, ())) | {n for n in names if n not in old}
+    if names or stale:
+        added = (set(model.__dict__.get(_ADDED, ())) - stale) | {n for n in names if n not in old}
         model.__dict__[_ADDED] = sorted(added)
     return model
+
+
+def _check_module(model: object, where: str, what: str = "model") -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where}: {what} must be an nn.Module, got {type(model).__name__}")
 
 
 def drop_removed(model: nn.Module, source: nn.Module | None = None) -> nn.Module:
@@ -104,6 +113,9 @@ def drop_removed(model: nn.Module, source: nn.Module | None = None) -> nn.Module
     >>> Q.convert(p)._ddp_params_and_buffers_to_ignore
     ['module.bias']
     """
+    _check_module(model, "drop_removed")
+    if source is not None:
+        _check_module(source, "drop_removed", "source")
     src = model if source is None else source
     if getattr(src, _IGNORE, None) is None:
         return model
