@@ -158,6 +158,8 @@ class _OpTwin(nn.Module):
 def op_candidates(qmodel: nn.Module) -> dict[str, tuple[str, tuple[str, Any, int], str]]:
     """``{path of a qfunctional_N: (row name, call-order key, op)}`` for every graph-mode int8 op a mapping can keep
     float (its node carries ``meta["lowbit_call_order"]``)."""
+    if not isinstance(qmodel, nn.Module):
+        raise TypeError(f"op_candidates: qmodel must be an nn.Module (a convert_fx model), got {type(qmodel).__name__}")
     out = {}
     for path, mod in qmodel.named_modules():
         if not isinstance(mod, QFunctional):

@@ -67,7 +67,20 @@ def call_order_name(key: tuple[str, Any, int]) -> str:
 
 def keep_float(mapping: Any, name: str, op_keys: dict[str, tuple[str, Any, int]]) -> Any:
     """``mapping`` with the layer or op ``name`` kept float: ``set_module_name(name, None)``, or for a graph-mode op
-    ``set_module_name_object_type_order(*op_keys[name], None)``; returns ``mapping``."""
+    ``set_module_name_object_type_order(*op_keys[name], None)``; returns ``mapping``.
+
+    >>> import operator, lowbit as Q
+    >>> m = keep_float(Q.QConfigMapping(), "add#0", {"add#0": ("", operator.add, 0)})
+    >>> m.module_name_object_type_order_qconfigs
+    {('', <built-in function add>, 0): None}
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"keep_float: name={name!r} must be a str (a module path or a 'module:function#index' row name)")
+    if not isinstance(op_keys, dict):
+        raise TypeError(f"keep_float: op_keys={type(op_keys).__name__} must be a dict (SensitivityTable.op_keys)")
+    key = op_keys.get(name)
+    if key is not None and not (isinstance(key, tuple) and len(key) == 3):
+        raise ValueError(f"keep_float: op_keys[{name!r}]={key!r} must be a (module_name, function, index) key")
     if name in op_keys:
         return mapping.set_module_name_object_type_order(*op_keys[name], None)
     if "#" in name:  # an op's row name: set_module_name would match no module and keep the op int8, silently
