@@ -154,3 +154,17 @@ def test_meta_extra_state_without_assign_still_refused():
         m.load_state_dict(sd)
     m.set_extra_state(torch.tensor([1, 1], dtype=torch.uint8))  # a direct call: values as ever
     assert m.freeze_bn and m.bn_fold == "running_stats"
+
+
+def test_convert_cleans_a_prepared_submodules_ignore_list():
+    torch.manual_seed(0)
+    part = Q.prepare(Q.QuantWrapper(nn.Linear(4, 4)), Q.get_default_qconfig())  # a part prepared on its own
+    part._ddp_params_and_buffers_to_ignore.append("module.bias")
+    whole = nn.Sequential(part, nn.ReLU())
+    x = torch.randn(16, 4)
+    whole(x)
+    c = Q.convert(whole)
+    # the part's list kept its 18 observer names (module.activation_post_process.histogram, ...) before
+    assert c[0]._ddp_params_and_buffers_to_ignore == ["module.bias"]
+    assert c[0]._lowbit_ddp_ignored == []
+    assert not hasattr(c, "_ddp_params_and_buffers_to_ignore")

@@ -104,7 +104,9 @@ def _check_module(model: object, where: str, what: str = "model") -> None:
 def drop_removed(model: nn.Module, source: nn.Module | None = None) -> nn.Module:
     """After ``convert``: ``model``'s ``_ddp_params_and_buffers_to_ignore`` (``source``'s where given: a copy that
     lost it, as a ``GraphModule`` copy does) without the names ``keep_statistics_local`` added whose buffer is gone
-    (the observers ``convert`` removed); the user's own names stay. Returns ``model``.
+    (the observers ``convert`` removed); the user's own names stay. The lists ``keep_statistics_local`` put on
+    submodules (a part prepared on its own, the ``module`` of a ``DistributedDataParallel`` converted whole) are
+    cleaned the same way, each on its own names. Returns ``model``.
 
     >>> import lowbit as Q
     >>> p = Q.prepare(Q.QuantWrapper(torch.nn.Linear(2, 2)), Q.get_default_qconfig())
@@ -117,15 +119,22 @@ def drop_removed(model: nn.Module, source: nn.Module | None = None) -> nn.Module
     if source is not None:
         _check_module(source, "drop_removed", "source")
     src = model if source is None else source
-    if getattr(src, _IGNORE, None) is None:
-        return model
+    if getattr(src, _IGNORE, None) is not None:
+        _drop(model, src)
+    for mod in model.modules():
+        if mod is not model and mod.__dict__.get(_ADDED) and getattr(mod, _IGNORE, None) is not None:
+            _drop(mod, mod)
+    return model
+
+
+def _drop(model: nn.Module, src: nn.Module) -> None:
+    """``drop_removed`` for one list: ``src``'s names on ``model`` without the added ones whose buffer is gone."""
     names = _user_list(src, "convert")
     added = set(src.__dict__.get(_ADDED, ()))
     alive = {n for n, _ in model.named_buffers(remove_duplicate=False)} | {
         n for n, _ in model.named_parameters(remove_duplicate=False)}
     setattr(model, _IGNORE, [n for n in names if n not in added or n in alive])
     model.__dict__[_ADDED] = sorted(added & alive)
-    return model
 
 
 def note_forward(observer: nn.Module, before: bool) -> None:
