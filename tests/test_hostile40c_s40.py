@@ -218,8 +218,11 @@ def test_convert_fx_of_a_pickled_prepared_graph_says_what_was_lost():
         warnings.simplefilter("ignore")
         p = Q.prepare_fx(_Up().eval(), Q.get_default_qconfig_mapping(), example_inputs=(x,))
         p(x)
+        old = copy.deepcopy(p)  # (session 41: a pickle carries the prepare state; one from before did not)
+        from lowbit.fx.state import uncarry
+        uncarry(old)
         with pytest.raises(TypeError, match=r"got GraphModule: a GraphModule with observers but no prepare state"):
-            Q.convert_fx(pickle.loads(pickle.dumps(p)))
+            Q.convert_fx(pickle.loads(pickle.dumps(old)))
         fresh = Q.prepare_fx(_Up().eval(), Q.get_default_qconfig_mapping(), example_inputs=(x,))
         fresh.load_state_dict(pickle.loads(pickle.dumps(p)).state_dict())
         assert torch.equal(Q.convert_fx(fresh)(x), Q.convert_fx(copy.deepcopy(p))(x))

@@ -39,5 +39,6 @@ from .convert import convert_fx
 from .fuse_fx import fuse_fx
 from .prepare import prepare_fx, prepare_qat_fx
 from .report import FxReport
+from .state import restore
 
-__all__ = ["prepare_fx", "prepare_qat_fx", "convert_fx", "fuse_fx", "FxReport"]
+__all__ = ["prepare_fx", "prepare_qat_fx", "convert_fx", "fuse_fx", "FxReport", "restore"]

@@ -52,7 +52,7 @@ from .convert_dynamic import set_module as _set_module, what as _what
 from .patterns import func_activation, is_dropout
 from .custom import check_preservable, preserved_value
 from .prepare import returned_values
-from .state import STATE_KEY, check_prepared
+from .state import STATE_KEY, check_prepared, uncarry
 from .report import FxReport
 from .weighted import arg_of, input_of, standin
 from ..state_check import guard_loading
@@ -391,6 +391,7 @@ def convert_fx(model: nn.Module, inplace: bool = False, convert_custom_config: A
         _convert_graph(gm, report, custom, custom_dynamic)
     for m in model.modules():
         m.__dict__.pop("qconfig", None)
+        uncarry(m)  # (a converted graph pickles as it is)
     top["converted"] = True
     for name in [*top.get("preserved", []), *cfg.preserved_attributes]:  # a GraphModule copy drops them
         if not hasattr(source, name):

@@ -58,7 +58,7 @@ from .padding import attach, hook_observers
 from .fusion import fuse_graph
 from .patterns import WEIGHT_ONLY_TYPES, graph_module_types
 from .report import FxReport
-from .state import STATE_KEY, is_prepared
+from .state import STATE_KEY, carry, is_prepared
 from .trace import RootNotTraceable, keep_buffers, record_tensor_kinds, restore_buffers, trace
 from .transformer import swap_attention
 from .weighted import arg_of
@@ -362,6 +362,8 @@ def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inp
     else:
         out.__dict__[STATE_KEY] = state
     out.lowbit_report = ctx.report
+    for m in prepared:  # (pickle keeps what the Carry snapshots: fx/state.py)
+        carry(m)
     if not is_qat and attach(out):  # calibration skips the tokens whose attention_mask is 0 (fx/padding.py)
         hook_observers(out)
     keep_statistics_local(out)  # DDP(broadcast_buffers=True) must not overwrite the ranks' statistics (observer.ddp)
