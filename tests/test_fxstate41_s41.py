@@ -185,3 +185,38 @@ def test_a_loaded_attention_mask_model_calibrates_without_its_padding_or_is_refu
     with pytest.raises(TypeError, match=r"got GraphModule: it was calibrated after loading, before its attention_mask "
                                         r"hooks were put back .*lowbit\.fx\.restore\(model\)"):
         Q.convert_fx(late)
+
+
+_IGNORE = "_ddp_params_and_buffers_to_ignore"
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_reference_converts_keep_the_users_ddp_names_and_drop_the_observers(inplace):
+    """As convert_fx: the user's names stay, the names prepare added for the histogram observers go with them.
+    Before: the reference model (a GraphModule copy) had no list (the user's 'fc.bias' lost), in place it kept the
+    24 names of the removed observers' buffers, and its lowering had no list either."""
+    x = torch.randn(4, 6)
+    p = _prepared(_Lin, False, x)
+    assert len(getattr(p, _IGNORE)) == 24
+    getattr(p, _IGNORE).append("fc.bias")
+    assert getattr(Q.convert_fx(p), _IGNORE) == ["fc.bias"]
+    ref = Q.convert_to_reference_fx(p, inplace=inplace)
+    assert getattr(ref, _IGNORE) == ["fc.bias"] and ref.__dict__["_lowbit_ddp_ignored"] == []
+    assert getattr(Q.convert_fx(ref), _IGNORE) == ["fc.bias"]
+    assert getattr(Q.lower_reference(ref), _IGNORE) == ["fc.bias"]
+
+
+def test_eager_to_reference_drops_the_observers_ddp_names():
+    """Before: to_reference kept the 18 names of the histogram observers' statistics (frozen, the buffers gone)."""
+    from lowbit.reference import lower_reference_eager, to_reference
+
+    torch.manual_seed(0)
+    m = Q.QuantWrapper(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    m.qconfig = Q.get_default_qconfig()
+    p = Q.prepare(m)
+    p(torch.randn(8, 4))
+    getattr(p, _IGNORE).append("module.0.bias")
+    assert len(getattr(p, _IGNORE)) == 19
+    ref = to_reference(p)
+    assert getattr(ref, _IGNORE) == ["module.0.bias"]
+    assert getattr(lower_reference_eager(ref), _IGNORE) == ["module.0.bias"]

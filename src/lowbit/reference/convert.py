@@ -46,6 +46,7 @@ from ..nn.intrinsic import modules as nni
 from ..nn.intrinsic.qat import modules as nniqat
 from ..nn.intrinsic.qat.modules import BnFoldedBase
 from ..nn.quantized._utils import weight_qparams
+from ..observer.ddp import drop_removed
 from ..observer.distributed import sync_pending
 from ..observer.fixed import NoopObserver
 from ..qconfig import QConfig
@@ -180,7 +181,7 @@ def to_reference(model: nn.Module, mapping: dict[type, type] | None = None, inpl
         _freeze_observers(mod, name)  # e.g. a QAT module's output fake-quant on a module not in mapping
         return mod
 
-    model = walk(model, "").eval()
+    model = drop_removed(walk(model, "").eval())  # DDP's ignore list: the frozen observers' statistics are gone
     return (model, report) if return_report else model
 
 

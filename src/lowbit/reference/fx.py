@@ -55,6 +55,7 @@ from ..fx.custom import preserved_value
 from ..fx.prepare import STATE_KEY, is_prepared
 from ..fake_quant.base import holds_grid
 from ..fx.classify import drop_grid_blends
+from ..observer.ddp import drop_removed
 from ..observer.distributed import sync_pending
 from .convert import _frozen_weight_qconfig, _move_state, _weighted_reference
 from .modules import FrozenObserver, QuantDeQuant, _WeightQDQ
@@ -172,6 +173,7 @@ def convert_to_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Modul
                         f"(not converted yet), got {type(model).__name__}")
     if not isinstance(inplace, bool):
         raise TypeError(f"convert_to_reference_fx: inplace must be a bool, got {inplace!r}")
+    source = model
     if not inplace:
         model = _copy(model)
     sync_pending(model)  # under torch.distributed: the ranks agree on the observers' paths, then reduce
@@ -198,6 +200,7 @@ def convert_to_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Modul
         gm.recompile()
         gm.meta[STATE_KEY] = {**gm.meta[STATE_KEY], "reference": True}
     _top(model)["reference"] = True
+    drop_removed(model, source)  # DDP's ignore list (a GraphModule copy lost it): the user's names, no observer's
     return model.eval()
 
 
@@ -208,6 +211,7 @@ def lower_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Module:
                         f"{type(model).__name__}")
     if not isinstance(inplace, bool):  # a truthy "no" rewrote the caller's model
         raise TypeError(f"lower_reference_fx: inplace must be a bool, got {inplace!r}")
+    source = model
     if not inplace:
         model = _copy(model)
     for gm in _graphs(model):
@@ -251,4 +255,4 @@ def lower_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Module:
         gm.recompile()
         gm.meta[STATE_KEY] = {k: v for k, v in gm.meta[STATE_KEY].items() if k != "reference"}
     _top(model).pop("reference", None)
-    return convert_fx(model, inplace=True)
+    return drop_removed(convert_fx(model, inplace=True), source)  # (the copy lost DDP's ignore list)
