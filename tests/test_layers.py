@@ -21,7 +21,7 @@ TIERS: list[tuple[str, ...]] = [
     ("functional",),
     ("qtensor", "qtensor.convert", "qtensor.order", "qtensor.resample", "batches"),  # convert: to / type / dtype
     # casts; order: sort / max ... on codes; resample: bilinear on codes; batches: iter_batches, run_batch
-    ("observer",),
+    ("observer", "observer.collectives"),  # collectives: the tensor reductions and handshake (from observer.distributed)
     ("fake_quant",),                   # package: base, learnable, fused, fixed
     ("qconfig",),
     ("custom_config", "fusion_registry", "recipes"),  # config objects, the user pattern registry, recipes
@@ -32,8 +32,8 @@ TIERS: list[tuple[str, ...]] = [
     ("nn.intrinsic.qat",),             # QAT ConvBn builds on nn.qat
     ("nn.quantized", "nn.quantized.group_codes"),  # (+ dynamic/) run on kernels; group_codes: weight-only codes
     ("mappings", "examples", "speed_guard", "pt2"),
-    ("fuse", "workflow", "quantize_dynamic", "weight_only", "llm", "llm.plan", "fx", "fx.fusion", "quantize_api",
-     "reference"),  # fx.fusion: fuse_graph, split from fx.patterns
+    ("fuse", "workflow", "quantize_dynamic", "weight_only", "llm", "llm.plan", "fx", "fx.fusion", "fx.converter",
+     "quantize_api", "reference"),  # fx.fusion: fuse_graph, split from fx.patterns; fx.converter: from fx.convert
     ("export", "algorithms", "algorithms.layerwise_step", "algorithms.equalize_pairs", "debug", "debug.float_swap",
      "debug.graph_swap", "data"),  # layerwise_step:
     # one layer's rounding step; equalize_pairs: CLE's pairs and channel maps (split from layerwise / equalize);

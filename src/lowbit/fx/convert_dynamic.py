@@ -37,7 +37,7 @@ from ..nn.intrinsic.fold import carry_linear_bn_check
 from .weighted import arg_of, input_of
 
 if TYPE_CHECKING:
-    from .convert import _Converter
+    from .converter import _Converter
 
 __all__ = ["set_module", "what", "custom_dynamic", "dynamic", "weight_only"]
 

@@ -1,0 +1,278 @@
+"""``convert_fx``'s per-graph converter (split from ``convert.py``, whose docstring describes what each observer node
+becomes): ``_Converter`` walks one prepared graph's observer nodes and swaps modules (``module``), builds
+``QFunctional`` calls (``functional``), quantized activations (``act``) and quantized ``Linear`` / ``ConvNd`` modules
+from ``F.linear`` / ``F.conv*`` on parameters (``weighted``), inserts ``Quantize`` (input observers) and shared
+``DeQuantize`` nodes (``dequantize``: after every int value a float op or the output reads), and drops dropout,
+leftover stubs and a bilinear resample's second observer call (``identities``). Each quantized node's grid is its
+observer's: ``scale, zero_point = observer.calculate_qparams()``, ``q = clamp(round(x / scale) + zero_point)``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from torch import fx, nn
+
+from ..fake_quant.base import holds_grid
+from ..mappings import get_default_dynamic_quant_module_mappings, get_default_static_quant_module_mappings
+from ..nn.quantized.normalization import batchnorm_float_reason
+from ..nn.intrinsic.qat.modules import _BnFolded
+from ..nn.quantized import activation as nnq_act
+from ..nn.quantized._utils import output_qparams
+from ..nn.quantized.functional_modules import QFunctional
+from ..nn.quantized.stubs import DeQuantize, Quantize
+from ..observer import PlaceholderObserver
+from .convert_dynamic import set_module as _set_module, what as _what
+from .patterns import func_activation, is_dropout
+from .prepare import returned_values
+from .state import STATE_KEY
+from .report import FxReport
+from .weighted import arg_of, input_of, standin
+
+__all__: list[str] = []
+
+
+class _Holder(nn.Module):
+    """Carries an observer as ``activation_post_process`` for ``output_qparams``."""
+
+    def __init__(self, obs: nn.Module) -> None:
+        super().__init__()
+        self.activation_post_process = obs
+
+
+def _grid(obs: nn.Module, where: str) -> tuple[float, int, Any]:
+    return output_qparams(_Holder(obs), where)
+
+
+class _Converter:
+    def __init__(self, gm: fx.GraphModule, report: FxReport, prefix: str, custom: dict[type, type]) -> None:
+        self.gm, self.graph, self.report, self.prefix = gm, gm.graph, report, prefix
+        self.mapping = {**get_default_static_quant_module_mappings(), **custom}
+        self.dynamic_mapping = get_default_dynamic_quant_module_mappings()
+        self.count = 0
+        self.swapped: set[Any] = set()
+        self.dropped: set[str] = set()  # get_attr targets whose nodes were erased
+        self.standins: dict[fx.Node, nn.Module] = {}  # weighted node -> its float nn.Linear / nn.ConvNd
+        # prepare_custom_config's quantized input/output indexes (top-level graph only)
+        state = gm.meta[STATE_KEY]
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        top = not prefix
+        self.quantized_inputs = {placeholders[i] for i in state.get("input_quantized_idxs", [])
+                                 if top and i < len(placeholders)}
+        self.output_idxs: list[int] = list(state.get("output_quantized_idxs", [])) if top else []
+
+    def _quantized_outputs(self) -> set[fx.Node]:
+        """The values returned as ``QTensor``s (``output_quantized_idxs``), read from the final output node."""
+        values = returned_values(self.graph)
+        if not values or not self.output_idxs:
+            return set()
+        past = [i for i in self.output_idxs if i >= len(values)]
+        if past:  # (a typo was silently ignored)
+            raise ValueError(f"convert_fx: output_quantized_indexes {past} are past the model's {len(values)} outputs")
+        return {values[i] for i in self.output_idxs if isinstance(values[i], fx.Node)}
+
+    def _key(self, node: fx.Node) -> str:
+        return f"{self.prefix}.{node.name}" if self.prefix else node.name
+
+    def _new_name(self, prefix: str) -> str:
+        self.count += 1
+        return f"{prefix}_{self.count}"
+
+    def _replace(self, old: fx.Node, new: fx.Node) -> None:
+        new.meta.update({k: v for k, v in old.meta.items() if k.startswith("lowbit_")})
+        old.replace_all_uses_with(new)
+        self.graph.erase_node(old)
+
+    def module(self, node: fx.Node, obs: nn.Module | None) -> None:
+        mod = self.gm.get_submodule(node.target)
+        qcls = self.mapping.get(type(mod))
+        if qcls is None:
+            raise ValueError(f"convert_fx: module '{node.target}' ({type(mod).__name__}) has no quantized class; "
+                             "for an observed custom module pass convert_custom_config="
+                             "ConvertCustomConfig().set_observed_to_quantized_mapping(Observed, Quantized)")
+        src = mod.fold() if isinstance(mod, _BnFolded) else mod
+        if obs is not None:  # weight-only modules (embeddings) have no output observer
+            src.activation_post_process = obs
+        try:
+            new = qcls.from_float(src)
+        except (ValueError, TypeError, RuntimeError) as err:
+            raise type(err)(f"convert_fx: module '{node.target}' ({type(mod).__name__} -> {qcls.__name__}): "
+                            f"{err}") from err
+        if not isinstance(new, nn.Module):  # (a custom from_observed returning None failed inside torch.fx)
+            raise TypeError(f"convert_fx: module '{node.target}': {qcls.__name__}.from_float / from_observed returned "
+                            f"{type(new).__name__}, not an nn.Module")
+        _set_module(self.gm, node.target, new)
+        self.report.converted[self._key(node)] = f"{type(mod).__name__} -> {qcls.__module__}.{qcls.__name__}"
+
+    def left_float(self, src: fx.Node) -> bool:
+        """Keep float a ``module`` node whose BatchNorm lost its running statistics after prepare (batch statistics;
+        ``batchnorm_float_reason``): its output observer becomes a ``Quantize`` for the int ops reading it, and
+        ``dequantize`` gives it float inputs. Returns whether it did."""
+        why = batchnorm_float_reason(self.gm.get_submodule(src.target))
+        if why is None:
+            return False
+        src.meta.update(lowbit_kind="float", lowbit_domain="float")
+        self.report.left_float[self._key(src)] = f"{_what(src, self.gm)} ({why})"
+        self.report.converted.pop(self._key(src), None)
+        return True
+
+    def functional(self, node: fx.Node, obs: nn.Module) -> fx.Node:
+        qop = node.meta["lowbit_qop"]
+        name = self._new_name("qfunctional")
+        self.gm.add_submodule(name, QFunctional(*_grid(obs, "QFunctional")))
+        args: tuple[Any, ...] = tuple(node.args)
+        with self.graph.inserting_before(node):
+            if qop == "cat":
+                tensors = args[0] if args else node.kwargs["tensors"]
+                dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
+                method, args = "cat", (tensors, dim)
+            elif qop.endswith("_scalar"):
+                x, c = args if isinstance(args[0], fx.Node) and args[0].meta.get("lowbit_ftensor") else args[::-1]
+                if qop == "div_scalar":
+                    c = (self.graph.call_function(operator.truediv, (1.0, c)) if isinstance(c, fx.Node)
+                         else 1.0 / c)
+                method, args = ("add_scalar" if qop == "add_scalar" else "mul_scalar"), (x, c)
+            else:
+                method = qop
+            new = self.graph.call_module(name, (method, *args))  # QFunctional.forward(op, ...): a leaf when re-traced
+        self.report.converted[self._key(node)] = f"{_what(node, self.gm)} -> QFunctional.{method}"
+        self._replace(node, new)
+        return new
+
+    def act(self, node: fx.Node, obs: nn.Module) -> fx.Node:
+        cls = func_activation(node.op, node.target)
+        assert cls is not None
+        name = self._new_name("quantized_act")
+        if cls is nnq_act.ReLU6:
+            mod: nn.Module = cls()
+        else:
+            grid = _grid(obs, cls.__name__)
+            extra = node.kwargs.get("negative_slope", node.kwargs.get("alpha"))
+            if extra is None and len(node.args) > 1 and not isinstance(node.args[1], bool):
+                extra = node.args[1]
+            if cls is nnq_act.LeakyReLU:
+                mod = cls(grid[0], grid[1], 0.01 if extra is None else extra, grid[2])
+            elif cls is nnq_act.ELU:
+                mod = cls(grid[0], grid[1], 1.0 if extra is None else extra, grid[2])
+            else:
+                mod = cls(*grid)
+        self.gm.add_submodule(name, mod)
+        with self.graph.inserting_before(node):
+            new = self.graph.call_module(name, (node.args[0],))
+        qname = f"{type(mod).__module__}.{type(mod).__name__}"
+        self.report.converted[self._key(node)] = f"{_what(node, self.gm)} -> {qname}"
+        self._replace(node, new)
+        return new
+
+    def weighted(self, node: fx.Node, obs: nn.Module) -> fx.Node:
+        wobs, bias = arg_of(node, "weight"), arg_of(node, "bias")  # weight_post_process(get_attr), get_attr
+        assert wobs.meta.get("lowbit_kind") == "obs_w", wobs
+        src = self.standins[node]
+        src.weight_fake_quant = self.gm.get_submodule(wobs.target)  # type: ignore[arg-type]
+        src.activation_post_process = obs
+        qcls = self.mapping[type(src)]
+        what = _what(node, self.gm)
+        try:
+            mod = qcls.from_float(src)
+        except (ValueError, TypeError, RuntimeError) as err:
+            raise type(err)(f"convert_fx: '{node.name}' ({what} -> {qcls.__name__}): {err}") from err
+        name = self._new_name(f"quantized_{what}")
+        self.gm.add_submodule(name, mod)
+        with self.graph.inserting_before(node):
+            new = self.graph.call_module(name, (input_of(node),))
+        self.report.converted[self._key(node)] = f"{what} -> {qcls.__module__}.{qcls.__name__}"
+        self._replace(node, new)
+        for attr in (wobs, wobs.args[0], bias):  # the observer, then the float weight / bias reads
+            if attr is not None and not attr.users:
+                if attr.op == "get_attr":
+                    self.dropped.add(attr.target)
+                self.graph.erase_node(attr)
+        return new
+
+    def drop_float_attrs(self) -> None:
+        """Delete float weights/biases whose only readers were converted (kept if a node or a module
+        forward still reads them)."""
+        read = {n.target for n in self.graph.nodes if n.op == "get_attr"}
+        called = {n.target for n in self.graph.nodes if n.op == "call_module"}
+        for target in self.dropped - read:
+            owner, _, name = target.rpartition(".")
+            if any(owner == c or owner.startswith(f"{c}.") for c in called):  # a leaf's forward reads it
+                continue
+            delattr(self.gm.get_submodule(owner) if owner else self.gm, name)
+
+    def observers(self) -> None:
+        # float stand-ins first: a weight may belong to a module that is swapped below (fc.weight)
+        self.standins = {n: standin(n.meta["lowbit_wspec"], self.gm) for n in self.graph.nodes
+                         if n.meta.get("lowbit_kind") in ("weighted", "dynamic") and "lowbit_wspec" in n.meta}
+        for node in list(self.graph.nodes):
+            role = node.meta.get("lowbit_kind")
+            if role not in ("obs_out", "obs_in"):  # obs_w: read by the weighted node's conversion
+                continue
+            obs = self.gm.get_submodule(node.target)
+            src = node.args[0]
+            if not holds_grid(obs):
+                where = f"{self.prefix}: " if self.prefix else ""
+                inner = getattr(obs, "activation_post_process", obs)
+                if isinstance(inner, PlaceholderObserver):  # (NoopObserver too) "saw no data" after calibration misled
+                    raise RuntimeError(
+                        f"convert_fx: {where}the observer after '{src.name}' ({_what(src, self.gm)}) is a "
+                        f"{type(inner).__name__} (qconfig.activation), which records no grid: a static int8 layer "
+                        "needs an observer such as HistogramObserver or MinMaxObserver; for a layer quantized per call "
+                        "give it a dynamic qconfig (get_dynamic_qconfig())")
+                raise RuntimeError(f"convert_fx: {where}the observer after '{src.name}' ({_what(src, self.gm)}) saw "
+                                   "no data; run calibration batches through the prepared model before convert_fx()")
+            if role == "obs_in" and src in self.quantized_inputs:  # arrives as a QTensor: no Quantize
+                node.replace_all_uses_with(src)
+                self.graph.erase_node(node)
+                src.meta["lowbit_domain"] = "int"
+                continue
+            if role == "obs_in" or src.meta["lowbit_kind"] == "module" and self.left_float(src):
+                name = self._new_name("quantize")
+                self.gm.add_submodule(name, Quantize(*_grid(obs, "Quantize")))
+                with self.graph.inserting_before(node):
+                    new = self.graph.call_module(name, (src,))
+                self._replace(node, new)
+                new.meta["lowbit_kind"] = "quantize"
+                continue
+            kind = src.meta["lowbit_kind"]
+            if kind == "module":
+                if src.target not in self.swapped:  # a module called at several sites is swapped once
+                    self.module(src, obs)
+                    self.swapped.add(src.target)
+                produced = src
+            elif kind == "weighted":
+                produced = self.weighted(src, obs)
+            else:
+                produced = self.functional(src, obs) if kind == "functional" else self.act(src, obs)
+            node.replace_all_uses_with(produced)
+            self.graph.erase_node(node)
+
+    def dequantize(self) -> None:
+        self.gm.add_submodule("dequantize", DeQuantize())
+        made: dict[fx.Node, fx.Node] = {}
+        quantized_outputs = self._quantized_outputs()
+        for node in list(self.graph.nodes):
+            kind = node.meta.get("lowbit_kind")
+            if kind not in ("float", "opaque", "output", "dynamic") and not (
+                    kind == "share" and node.meta.get("lowbit_domain") == "float"):
+                continue
+            for src in list(node.all_input_nodes):
+                if src.meta.get("lowbit_domain") != "int":
+                    continue
+                if node.op == "output" and src in quantized_outputs:  # returned as a QTensor
+                    continue
+                if src not in made:
+                    with self.graph.inserting_after(src):
+                        made[src] = self.graph.call_module("dequantize", (src,))
+                    made[src].meta.update(lowbit_kind="dequantize", lowbit_domain="float", lowbit_ftensor=True)
+                node.replace_input_with(src, made[src])
+
+    def identities(self) -> None:
+        """Dropout (inference), leftover stubs and a bilinear resample's second observer call (obs_share) become identities."""
+        from ..stubs import DeQuantStub, QuantStub
+        for node in list(self.graph.nodes):
+            mod = self.gm.get_submodule(node.target) if node.op == "call_module" else None
+            if is_dropout(node, mod) or isinstance(mod, (QuantStub, DeQuantStub)) or node.meta.get("lowbit_kind") == "obs_share":
+                node.replace_all_uses_with(node.args[0])
+                self.graph.erase_node(node)
