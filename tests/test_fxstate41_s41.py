@@ -220,3 +220,35 @@ def test_eager_to_reference_drops_the_observers_ddp_names():
     ref = to_reference(p)
     assert getattr(ref, _IGNORE) == ["module.0.bias"]
     assert getattr(lower_reference_eager(ref), _IGNORE) == ["module.0.bias"]
+
+
+class _Branchy(nn.Module):
+    """A root torch.fx cannot trace (data-dependent branch): returned as itself, its children prepared graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()), nn.Sequential(nn.Conv2d(4, 4, 1), nn.Upsample(
+            scale_factor=2, mode="bilinear"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        return self.b(y) if bool(y.sum() > 0) else y
+
+
+@pytest.mark.parametrize("load", [_pickle, _torch_save], ids=["pickle", "torch_save"])
+def test_a_saved_container_with_prepared_children_converts_bit_identically(load):
+    """The root keeps its mark through pickle (a plain module's __dict__); its child graphs take theirs back."""
+    x = torch.randn(2, 3, 8, 8).abs()
+    p = _prepared(_Branchy, False, x)
+    assert not isinstance(p, torch.fx.GraphModule) and isinstance(p.a, torch.fx.GraphModule)
+    loaded = load(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = Q.convert_fx(loaded), Q.convert_fx(p)
+    assert a.a.code == b.a.code and a.b.code == b.b.code and str(a) == str(b)
+    assert torch.equal(a(x), b(x))
+    broken = load(p)
+    broken.b.__dict__[CARRY_KEY].saved["nodes"].pop(0)  # a child graph that cannot take its state back
+    with pytest.raises(TypeError, match=r"convert_fx: a graph of this pickled prepared model lost its prepare state: "
+                                        r"the re-traced graph's nodes do not match"):
+        Q.convert_fx(broken)
