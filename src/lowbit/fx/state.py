@@ -4,12 +4,17 @@ the refusal of one that does not (split from ``prepare.py`` / ``convert.py``).
 ``prepare_fx`` marks the graph it returns with ``gm.meta[STATE_KEY]`` (a container of prepared children: its
 ``__dict__``); each node's role is in its ``node.meta`` (``lowbit_kind``, ``lowbit_domain``, ``lowbit_qconfig`` ...).
 ``pickle`` / ``torch.save`` rebuild a ``GraphModule`` from its code: ``meta``, every node's ``meta`` and the root's
-hooks are dropped, the rest of ``__dict__`` is kept. So each prepared graph holds a ``Carry`` there (``carry``): when
-pickled it takes a snapshot of the mark, of the nodes' ``lowbit_*`` metadata and of the root's hooks (lowbit's
-``load_state_dict`` pre-hooks, the ``attention_mask`` hooks); ``is_prepared`` puts them back on the rebuilt graph
-(``restore``: node ``i`` of the snapshot onto the ``i``-th re-traced node of the same op and target, every node
-matched or none), so a loaded prepared model converts exactly as the one saved. A graph that cannot be matched (or a
-pickle from before the carry) holds observers but no mark: ``check_prepared`` names that and the way out.
+hooks are dropped, the rest of ``__dict__`` is kept (a deep copy keeps only what the graph reads). So each prepared
+graph holds a ``Carry`` there (``carry``; its deep copies get theirs from a deepcopy hook): when pickled it takes a
+snapshot of the mark, of the nodes' ``lowbit_*`` metadata and of the root's hooks (lowbit's ``load_state_dict``
+pre-hooks, the ``attention_mask`` hooks). Nothing runs at load: ``is_prepared`` (so ``convert_fx``,
+``convert_to_reference_fx``, ``prepare_fx``'s checks) or ``lowbit.fx.restore(model)`` puts them back on the rebuilt
+graphs: the ``i``-th saved node of an ``(op, target)`` onto the ``i``-th re-traced one, every node matched or none
+(re-tracing reads a tensor attribute once per use: those reads are merged first), so a loaded prepared model converts
+exactly as the one saved (code, codes, grids and outputs). A graph that cannot be matched, an ``attention_mask`` model
+calibrated after loading but before ``restore`` (its padding went into the statistics: the observers' bytes differ
+from the snapshot's), or a pickle from before the carry is refused by ``check_prepared``, naming the cause and the
+way out.
 
 >>> import torch
 >>> from torch import fx
