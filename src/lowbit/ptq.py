@@ -43,7 +43,9 @@ step sizes learned too (``learn_grids``) 0.896 / 18.17 dB, and with the residual
 with 96; with the grid refinement and float logits (the recipe since session 17) and 192 crops 0.904 / 21.24 and
 0.896 / 21.15, on 1440 evaluation crops 0.905 / 21.14 and 0.897 / 21.09: short of a robust 0.90, ``docs/design.md``).
 The whole-model check in the report (``sqnr_db`` on the first calibration batch) compares the float
-and the int8 model's outputs.
+and the int8 model's outputs. A model in which the mapping quantizes nothing (no layer or op gets a qconfig:
+``nn.Sequential(nn.Flatten())``, a mapping of ``None`` everywhere) is refused with a ``ValueError`` naming it and
+its module types (before, the float model came back as the "int8" one, scored ``inf`` dB).
 
 >>> import torch, lowbit as Q
 >>> from torch import nn
@@ -78,7 +80,7 @@ import torch
 from torch import nn
 
 from .algorithms.layerwise import ROUNDINGS, LayerChange, reconstruct
-from .ptq_checks import batch_failed, check_model, check_sample_axis, ptq_batches
+from .ptq_checks import batch_failed, check_model, check_quantizes_something, check_sample_axis, ptq_batches
 from .fx import convert_fx, prepare_fx
 from .qconfig import QConfigMapping, get_default_qconfig_mapping
 from .recipes import get_accurate_qconfig
@@ -255,6 +257,7 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         if cause is None or not str(e).startswith("prepare_fx: running the model on example_inputs failed"):
             raise
         raise batch_failed(0, batches[0], cause) from cause
+    check_quantizes_something(prepared, model)
     fx_report = getattr(prepared, "lowbit_report", None)
     fused = list(getattr(fx_report, "fused", []) or [])
     report.steps.append(("fuse", f"{len(fused)} runs fused (BN folded, ReLU/ReLU6 into output grids)"))
@@ -273,11 +276,14 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
             summary += f"; {len(eq)} residual streams rescaled (channel range spread {spreads or '-'})"
         report.steps.append(("equalize", summary))
     calls: dict[str, list[nn.Module]] = {}
+    ends: dict[tuple[str, str], nn.Module] = {}
     handles: list[Any] = []
     if max_float_layers:  # each call of a reused layer observed on its own (its own grid when kept float)
-        from .debug.graph_swap import record_call_outputs
+        from .debug.graph_swap import record_call_outputs, record_share_ends
 
         calls, handles = record_call_outputs(prepared)
+        ends, end_handles = record_share_ends(prepared)  # (where a float layer's readers observe past a max pool)
+        handles += end_handles
     try:
         with torch.no_grad():
             for i, b in enumerate(tqdm(batches, desc="calibrate", disable=not progress)):
@@ -349,7 +355,7 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
 
         before = report.sqnr_db
         table = keep_float_layers(float_model, calibrated, qmodel, score, max_float_layers, progress=progress,
-                                  who="quantize_ptq: float layers", call_outputs=calls)
+                                  who="quantize_ptq: float layers", call_outputs=calls, share_ends=ends)
         report.float_layers = list(table.float_layers)
         report.op_keys = {n: table.op_keys[n] for n in report.float_layers if n in table.op_keys}
         report.sqnr_db = table.final_metric if table.final_metric is not None else before

@@ -133,3 +133,31 @@ def check_model(model: nn.Module) -> None:
                 raise ValueError(f"quantize_ptq: model {kind} {name!r} holds NaN/Inf values; the int8 model "
                                  "would not represent them")
 
+
+
+def check_quantizes_something(prepared: nn.Module, model: nn.Module) -> None:
+    """Refuse a ``prepare_fx``-prepared model in which nothing got a qconfig (no observer, no weight-only or dynamic
+    layer): ``convert_fx`` would hand back the float model and the report an output SQNR of ``inf`` dB, as if the
+    int8 model were exact. The error names the model and its module types.
+
+    >>> import torch, lowbit as Q
+    >>> from torch import nn
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")
+    ...     p = Q.prepare_fx(nn.Sequential(nn.Flatten()), Q.get_default_qconfig_mapping(), example_inputs=(torch.ones(2, 3),))
+    >>> check_quantizes_something(p, nn.Sequential(nn.Flatten()))
+    Traceback (most recent call last):
+    ...
+    ValueError: quantize_ptq: nothing to quantize in Sequential (modules: Flatten): no layer or op got a qconfig ...
+    """
+    from torch import fx
+
+    graphs = [m for m in prepared.modules() if isinstance(m, fx.GraphModule)]
+    if any(str(n.meta.get("lowbit_kind", "")).startswith("obs_") or n.meta.get("lowbit_kind") in ("wonly", "dynamic")
+           for gm in graphs for n in gm.graph.nodes):
+        return
+    types = sorted({type(m).__name__ for m in model.modules() if m is not model}) or ["none"]
+    raise ValueError(f"quantize_ptq: nothing to quantize in {type(model).__name__} (modules: {', '.join(types)}): "
+                     "no layer or op got a qconfig (the mapping quantizes none of them, or the model has no Linear, "
+                     "conv, add, ... that runs in int8); the result would be the float model itself, scored inf dB")

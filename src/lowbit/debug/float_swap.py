@@ -154,6 +154,17 @@ def give_input_grids(qmodel: nn.Module, observers: dict[str, nn.Module]) -> None
             q.input_grid = (float(scale), int(zero_point), as_qdtype(obs.qdtype))
 
 
+def _plain_copy(prepared_mod: nn.Module) -> nn.Module:
+    """A float copy of a prepared module without what ``prepare`` added (eager mode: the observers and their hooks,
+    which a float twin kept: the returned model carried the calibration histograms and updated them on every forward)."""
+    from ..workflow.swap import _strip
+
+    mod = copy.deepcopy(prepared_mod)
+    for m in list(mod.modules()):
+        _strip(m)
+    return mod
+
+
 def _set(root: nn.Module, path: str, mod: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, name, mod)
@@ -195,12 +206,14 @@ class _Plan:
 
 
 def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool = False, ops: bool = False,
-           call_outputs: dict[str, list[nn.Module]] | None = None) -> _Plan:
+           call_outputs: dict[str, list[nn.Module]] | None = None,
+           share_ends: dict[tuple[str, str], nn.Module] | None = None) -> _Plan:
     """The float replacements of every candidate (``_candidates``). ``eager``: float twins output float
     (``give_input_grids`` gives their int8 readers the grid the built model records). Graph mode: ``ops`` adds the int8
     ops a call-order key reaches (``graph_swap.op_candidates``); ``call_outputs`` (``record_call_outputs``) gives each
     call of a reused layer its own twin and grid (``split_calls``: the converted graph's later calls get their own
-    attribute)."""
+    attribute); ``share_ends`` (``record_share_ends``) the grids where ``prepare_fx`` observes a float layer's value
+    after max pooling, flatten, ... (its gates sit there)."""
     out: dict[str, list[tuple[str, nn.Module]]] = {}
     entries: list[tuple[str, nn.Module, set[str], bool]] = []
     base_mods = dict(base.named_modules())
@@ -248,7 +261,7 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool 
                 float_out = float_out and float_only_readers(gm, node)
                 m, o, _ = readers(gm, gpath, node, set(name_of))
                 mods, other = mods | m, other or o
-        twin = _FloatTwin(copy.deepcopy(prep_mods[name]), qmod, float_out and not gated,
+        twin = _FloatTwin(_plain_copy(prep_mods[name]), qmod, float_out and not gated,
                           call_grid((call_outputs or {}).get(name), k) if found is not None else None)
         if found is not None:
             sites += [(name, twin, found[1], found[0], node) for node in found[2]]
@@ -265,7 +278,7 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool 
         for name, twin, gm, gpath, node in sites:
             twin.keep = False
             gates += [(g, name, {name_of[m] for m in mods}, int_other)
-                      for g, mods, int_other in insert_gates(gm, gpath, node, twin.grid, set(name_of))]
+                      for g, mods, int_other in insert_gates(gm, gpath, node, twin.grid, set(name_of), share_ends)]
     return _Plan(out, twins, {name: key for name, key, _ in opc.values()}, islands,
                  {name: op for name, _, op in opc.values()}, gates)
 
@@ -350,12 +363,15 @@ def _search(qmodel: nn.Module, plan: _Plan, eval_fn: Callable[[nn.Module], Any],
 def keep_float_layers(float_model: nn.Module, prepared: nn.Module, qmodel: nn.Module,
                       eval_fn: Callable[[nn.Module], Any], max_float_layers: int, *, progress: bool = True,
                       who: str = "keep_float_layers",
-                      call_outputs: dict[str, list[nn.Module]] | None = None) -> SensitivityTable:
+                      call_outputs: dict[str, list[nn.Module]] | None = None,
+                      share_ends: dict[tuple[str, str], nn.Module] | None = None) -> SensitivityTable:
     """Swap up to ``max_float_layers`` int8 layers (graph mode: and ops) of the converted ``qmodel`` back to float, in
     place, picked as ``auto_mixed_precision(search="fast")`` picks them (ranked by ``eval_fn`` with only that candidate
     float, then greedily while the metric improves), on the same candidates and rows: graph mode's adds / muls / cats
     named ``"module:function#index"`` (``table.op_keys``), and with ``call_outputs`` (``graph_swap.record_call_outputs``
-    run during the calibration of ``prepared``) one float twin per call of a reused layer on that call's own grid.
+    run during the calibration of ``prepared``) one float twin per call of a reused layer on that call's own grid, and
+    with ``share_ends`` (``graph_swap.record_share_ends``, same calibration) a float layer read through max pooling /
+    flatten / ... is rounded after them, on the grid ``prepare_fx`` records there (exact with histogram observers).
     ``prepared`` is the calibrated model ``qmodel`` came from (its modules give the float twins), ``float_model`` the
     float original. Every other layer stays on the int8 kernels; graph mode's gates are then fixed (``settle``).
     """
@@ -366,13 +382,17 @@ def keep_float_layers(float_model: nn.Module, prepared: nn.Module, qmodel: nn.Mo
         raise ValueError(f"{who}: max_float_layers={max_float_layers!r} must be an int >= 0")
     if not callable(eval_fn):
         raise TypeError(f"{who}: eval_fn={eval_fn!r} must be callable (model -> score, higher is better)")
+    if share_ends is not None and not isinstance(share_ends, dict):
+        raise TypeError(f"{who}: share_ends={type(share_ends).__name__} must be None or the dict "
+                        "record_share_ends returns")
     if call_outputs is not None and not isinstance(call_outputs, dict):
         raise TypeError(f"{who}: call_outputs={type(call_outputs).__name__} must be None or the dict "
                         "record_call_outputs returns")
     with _quiet_float_fallback(), torch.no_grad():
         baseline = _score(eval_fn, float_model, "the float model", who)
         graph = any(isinstance(m, fx.GraphModule) for m in qmodel.modules())  # (eager: the twins of before)
-        plan = _swaps(float_model, prepared, qmodel, ops=graph, call_outputs=call_outputs or {})
+        plan = _swaps(float_model, prepared, qmodel, ops=graph, call_outputs=call_outputs or {},
+                      share_ends=share_ends)
         if not plan.swaps:
             return SensitivityTable(baseline, view="float")
         table = _search(qmodel, plan, eval_fn, baseline, None, max_float_layers, progress, who)

@@ -53,7 +53,8 @@ from ..speed_guard import requant_grid
 from ..workflow.propagate import join_name
 from .table import call_order_name
 
-__all__ = ["node_of", "readers", "op_candidates", "prepared_ops", "record_call_outputs", "settle", "split_calls"]
+__all__ = ["node_of", "readers", "op_candidates", "prepared_ops", "record_call_outputs", "record_share_ends", "settle",
+           "split_calls"]
 
 
 def _dq(x: Any) -> Any:
@@ -227,6 +228,79 @@ def record_call_outputs(prepared: nn.Module) -> tuple[dict[str, list[nn.Module]]
     return found, handles
 
 
+def _shape_read(u: fx.Node) -> bool:
+    return (u.op == "call_function" and (u.target is len or (u.target is getattr and u.args[1] in ("shape", "device")))) \
+        or (u.op == "call_method" and u.target in ("size", "dim", "numel"))
+
+
+class _Removal:
+    """Takes the recording nodes ``record_share_ends`` put in a graph out again (a hook handle's ``remove``)."""
+
+    def __init__(self, gm: fx.GraphModule, nodes: list[fx.Node], names: list[str]) -> None:
+        self.gm, self.nodes, self.names = gm, nodes, names
+
+    def remove(self) -> None:
+        for node in self.nodes:
+            node.replace_all_uses_with(node.args[0])
+            self.gm.graph.erase_node(node)
+        for name in self.names:
+            delattr(self.gm, name)
+        self.nodes, self.names = [], []
+        self.gm.recompile()
+
+
+def record_share_ends(prepared: nn.Module) -> tuple[dict[tuple[str, str], nn.Module], list[Any]]:
+    """Graph mode: a fresh observer on the value at the end of every run of grid-sharing ops (max pool, flatten, ReLU,
+    zero pad, ...) after an int8 layer's or op's output: where ``prepare_fx`` puts the input observer of the int8
+    readers once the layer is float (the share ops then run in float). A histogram's range search on ``pool(y)``
+    differs from the one on ``y``. ``({(graph path, node name): observer}, handles)``; the handles take the recording
+    nodes out of ``prepared`` again (``remove()``) after calibration."""
+    found: dict[tuple[str, str], nn.Module] = {}
+    handles: list[Any] = []
+    for gpath, gm in list(prepared.named_modules()):
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        ends: dict[fx.Node, Any] = {}
+        for obs in [n for n in gm.graph.nodes if n.meta.get("lowbit_kind") == "obs_out"]:
+            todo, seen = [u for u in obs.users if u.meta.get("lowbit_kind") == "share"], set()
+            while todo:
+                s = todo.pop()
+                if s in seen:
+                    continue
+                seen.add(s)
+                users = [u for u in s.users if not _shape_read(u)]
+                todo += [u for u in users if u.meta.get("lowbit_kind") == "share"]
+                reader = next((u for u in users if u.meta.get("lowbit_kind") != "share"), None)
+                if reader is not None and s.meta.get("lowbit_ftensor", True):
+                    qconfig = reader.meta.get("lowbit_qconfig") or obs.meta.get("lowbit_qconfig")
+                    if qconfig is not None and getattr(qconfig, "activation", None) is not None:
+                        ends[s] = qconfig
+        nodes, names = [], []
+        for s, qconfig in ends.items():
+            name = f"_lowbit_share_end_{len(names)}"
+            found[(gpath, s.name)] = observer = qconfig.activation()
+            gm.add_module(name, observer)
+            names.append(name)
+            with gm.graph.inserting_after(s):
+                rec = gm.graph.call_module(name, (s,))
+            s.replace_all_uses_with(rec, delete_user_cb=lambda u, rec=rec: u is not rec)
+            nodes.append(rec)
+        if nodes:
+            gm.recompile()
+            handles.append(_Removal(gm, nodes, names))
+    return found, handles
+
+
+def share_end_grid(ends: dict[tuple[str, str], nn.Module] | None, gpath: str,
+                   node: fx.Node) -> tuple[float, int, Any] | None:
+    """The grid ``record_share_ends`` recorded at ``node`` (the end of a run of share ops), or None."""
+    obs = (ends or {}).get((gpath, node.name))
+    if obs is None or not holds_grid(obs):
+        return None
+    scale, zero_point = obs.calculate_qparams()
+    return float(scale), int(zero_point), as_qdtype(obs.qdtype)
+
+
 def call_grid(observers: list[nn.Module] | None, k: int) -> tuple[float, int, Any] | None:
     """The grid call ``k`` alone recorded, or None (not reused, or it saw nothing)."""
     if not observers or k >= len(observers) or not holds_grid(observers[k]):
@@ -268,25 +342,38 @@ class _Gate(nn.Module):
 
 
 def insert_gates(gm: fx.GraphModule, gpath: str, node: fx.Node, grid: tuple[float, int, Any] | None,
-                 names: set[str]) -> list[tuple[_Gate, set[str], bool]]:
-    """A ``_Gate`` on every edge from ``node`` to a user (``x.shape`` reads aside), with what reads through it
-    (``readers``: candidate paths, whether an int8 non-candidate does)."""
-    out = []
-    for u in list(node.users):
-        mods, _, int_other = readers(gm, gpath, node, names, [u])
-        if not mods and not int_other and not (u.op == "output" or isinstance(
-                gm.get_submodule(str(u.target)) if u.op == "call_module" else None, DeQuantize)):
-            continue  # a shape read
-        gate = _Gate(grid)
-        name = f"_lowbit_gate_{len([m for m in gm.children() if isinstance(m, _Gate)])}"
-        gm.add_module(name, gate)
-        with gm.graph.inserting_after(node):
-            g = gm.graph.call_module(name, (node,))
-        u.replace_input_with(node, g)
-        out.append((gate, mods, int_other))
+                 names: set[str], ends: dict[tuple[str, str], nn.Module] | None = None
+                 ) -> list[tuple[_Gate, set[str], bool]]:
+    """A ``_Gate`` on every edge into a reader of ``node``'s value: past the grid-sharing ops (max pool, flatten, ...)
+    that follow ``node``, which then run in float as in the model built with it float, on the grid ``prepare_fx``'s
+    observer records there (``ends``: ``record_share_ends``; else ``grid``). With what reads through each gate
+    (``readers``: candidate paths, whether an int8 non-candidate does); ``x.shape`` reads get none."""
+    from ..fx.patterns import is_share_op
+
+    out, todo, seen = [], [node], set()
+    while todo:
+        s = todo.pop(0)
+        if s in seen:
+            continue
+        seen.add(s)
+        for u in list(s.users):
+            if _shape_read(u):
+                continue
+            mod = gm.get_submodule(str(u.target)) if u.op == "call_module" else None
+            if u.op != "output" and not isinstance(mod, (Quantize, DeQuantize, _Gate)) \
+                    and join_name(gpath, str(u.target)) not in names and is_share_op(u, mod):
+                todo.append(u)  # (runs in float on the float layer's value)
+                continue
+            mods, _, int_other = readers(gm, gpath, s, names, [u])
+            gate = _Gate((share_end_grid(ends, gpath, s) or grid) if s is not node else grid)
+            name = f"_lowbit_gate_{len([m for m in gm.children() if isinstance(m, _Gate)])}"
+            gm.add_module(name, gate)
+            with gm.graph.inserting_after(s):
+                g = gm.graph.call_module(name, (s,))
+            u.replace_input_with(s, g)
+            out.append((gate, mods, int_other))
     gm.recompile()
     return out
-
 
 
 def settle(qmodel: nn.Module) -> None:

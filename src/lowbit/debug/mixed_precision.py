@@ -68,7 +68,7 @@ from ..qconfig import QConfigMapping
 from .checks import check_float_model
 from .compare import check_module, iter_batches
 from .float_swap import _FloatTwin, _search, _swaps, give_input_grids, keep_float_layers, record_tagged_inputs
-from .graph_swap import record_call_outputs
+from .graph_swap import record_call_outputs, record_share_ends
 from .sensitivity import (
     SensitivityTable,
     _dequantize_output,
@@ -181,7 +181,8 @@ def _fast(model: nn.Module, qconfig_mapping: Any, batches: list[Any], eval_fn: C
             prepared = prepare(base, mapping)
         observers, handles = record_tagged_inputs(prepared) if method != "fx" else ({}, [])
         calls, call_handles = record_call_outputs(prepared) if method == "fx" else ({}, [])
-        handles += call_handles
+        ends, end_handles = record_share_ends(prepared) if method == "fx" else ({}, [])
+        handles += call_handles + end_handles
         try:
             for b in tqdm(batches, desc="auto_mixed_precision: calibrate", disable=not progress, leave=False):
                 run_batch(prepared, b)
@@ -193,7 +194,7 @@ def _fast(model: nn.Module, qconfig_mapping: Any, batches: list[Any], eval_fn: C
         qmodel.register_forward_hook(_dequantize_output)
         if finalize is not None:
             finalize(qmodel)
-        plan = _swaps(base, prepared, qmodel, eager=method != "fx", ops=True, call_outputs=calls)
+        plan = _swaps(base, prepared, qmodel, eager=method != "fx", ops=True, call_outputs=calls, share_ends=ends)
         if not plan.swaps:
             raise ValueError("auto_mixed_precision: the quantized model has no int8 layer to keep float "
                              "(the mapping quantizes none of its modules)")
