@@ -61,7 +61,7 @@ from ..qtensor import QTensor
 from ..speed_guard import requant_grid, run_in_own_dtype
 from ..workflow.hooks import _tagged
 from .graph_swap import call_grid, float_only_readers, input_quantizes, make_op_twin, node_of, op_candidates, readers
-from .graph_swap import insert_gates, settle, sources, split_calls
+from .graph_swap import insert_gates, insert_picks, settle, sources, split_calls
 from .sensitivity import SensitivityRow, SensitivityTable, _quiet_float_fallback, _score, metric_drop
 from .sensitivity import warn_if_lower_is_better
 
@@ -203,6 +203,7 @@ class _Plan:
     islands: dict[str, tuple[set[str], bool, set[str], bool]] = field(default_factory=dict)
     op_kinds: dict[str, str] = field(default_factory=dict)  # op name -> "add", "add_relu", "cat", ... (the type column)
     gates: list[tuple[nn.Module, str, set[str], bool]] = field(default_factory=list)  # (gate, producer, readers, int)
+    picks: list[tuple[nn.Module, str]] = field(default_factory=list)  # (a _Pick, the candidate it feeds)
 
 
 def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool = False, ops: bool = False,
@@ -230,8 +231,10 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool 
     name_of.update({p: name for p, (name, _, _) in opc.items()})
     islands = {}
     sites: list[tuple[str, nn.Module, fx.GraphModule, str, fx.Node]] = []  # (ops: a gate on each edge of each)
+    picks: list[tuple[nn.Module, str]] = []
     for path, (name, _, _) in opc.items():
-        swaps, twin, gm, gpath, node = make_op_twin(qmodel, path)
+        swaps, twin, gm, gpath, node, op_picks = make_op_twin(qmodel, path)
+        picks += [(p, name) for p in op_picks]
         sites.append((name, twin, gm, gpath, node))
         out[name] = swaps
         m, o, int_other = readers(gm, gpath, node, set(name_of))
@@ -257,6 +260,8 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool 
             gpath, gm, nodes = found
             float_out, other = True, False
             for node in nodes:  # (a reused module not split: its twin serves every call)
+                if gated:
+                    picks += [(p, name) for p in insert_picks(gm, node, first=True)]
                 swaps += [(q, nn.Identity()) for q in input_quantizes(gm, gpath, node, first=True)]
                 float_out = float_out and float_only_readers(gm, node)
                 m, o, _ = readers(gm, gpath, node, set(name_of))
@@ -280,7 +285,7 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool 
             gates += [(g, name, {name_of[m] for m in mods}, int_other)
                       for g, mods, int_other in insert_gates(gm, gpath, node, twin.grid, set(name_of), share_ends)]
     return _Plan(out, twins, {name: key for name, key, _ in opc.values()}, islands,
-                 {name: op for name, _, op in opc.values()}, gates)
+                 {name: op for name, _, op in opc.values()}, gates, picks)
 
 
 def _islands(plan: _Plan, floats: set[str]) -> set[str]:
@@ -325,6 +330,8 @@ class _State:
         _regrid(self.plan.twins, want)
         for gate, producer, mods, int_other in self.plan.gates:
             gate.active = producer in want and (int_other or not mods <= want)
+        for pick, reader in self.plan.picks:
+            pick.active = reader in want
 
 
 def _search(qmodel: nn.Module, plan: _Plan, eval_fn: Callable[[nn.Module], Any], baseline: float,

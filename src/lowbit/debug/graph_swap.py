@@ -112,7 +112,7 @@ def sources(gm: fx.GraphModule, gpath: str, node: fx.Node, names: set[str]) -> t
         mod = gm.get_submodule(str(a.target)) if a.op == "call_module" else None
         if mod is not None and join_name(gpath, str(a.target)) in names:
             found.add(join_name(gpath, str(a.target)))
-        elif isinstance(mod, Quantize):
+        elif isinstance(mod, (Quantize, _Pick)):
             float_in = True
         elif a.op != "placeholder" and a.args and isinstance(a.args[0], fx.Node) and is_share_op(a, mod):
             todo.append(a.args[0])
@@ -127,6 +127,38 @@ def input_quantizes(gm: fx.GraphModule, gpath: str, node: fx.Node, first: bool =
     return [join_name(gpath, str(a.target)) for a in args
             if isinstance(a, fx.Node) and a.op == "call_module" and len(a.users) == 1
             and isinstance(gm.get_submodule(str(a.target)), Quantize)]
+
+
+class _Pick(nn.Module):
+    """An edge from a ``Quantize`` that several ops read into one candidate: the ``Quantize``'s output while the
+    candidate is int8, the float value it quantizes while ``active`` (the candidate kept float: the model built with it
+    float hands it that value unrounded, as it does to a float layer whose ``Quantize`` has no other reader)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+
+    def forward(self, quantized: Any, value: Any) -> Any:
+        return value if self.active else quantized
+
+
+def insert_picks(gm: fx.GraphModule, node: fx.Node, first: bool = False) -> list[_Pick]:
+    """A ``_Pick`` on every edge into ``node`` (``first``: its first argument only) from a ``Quantize`` that other
+    ops read too (one read by ``node`` alone goes with the candidate's swaps: ``input_quantizes``)."""
+    out = []
+    args = [a for arg in (node.args[:1] if first else node.args) for a in (arg if isinstance(arg, (list, tuple)) else (arg,))]
+    for a in dict.fromkeys(a for a in args if isinstance(a, fx.Node)):
+        if a.op == "call_module" and len(a.users) > 1 and isinstance(gm.get_submodule(str(a.target)), Quantize):
+            pick = _Pick()
+            name = f"_lowbit_pick_{len([m for m in gm.children() if isinstance(m, _Pick)])}"
+            gm.add_module(name, pick)
+            with gm.graph.inserting_before(node):
+                p = gm.graph.call_module(name, (a, a.args[0]))
+            node.replace_input_with(a, p)
+            out.append(pick)
+    if out:
+        gm.recompile()
+    return out
 
 
 def float_only_readers(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -186,13 +218,15 @@ def prepared_ops(prepared: nn.Module) -> list[tuple[str, str, Any, tuple[str, An
 
 
 def make_op_twin(qmodel: nn.Module, path: str) -> tuple[list[tuple[str, nn.Module]], _OpTwin, fx.GraphModule,
-                                                        str, fx.Node]:
-    """The swaps that keep the op at ``path`` float (its twin, its own input ``Quantize`` modules gone)."""
+                                                        str, fx.Node, list[_Pick]]:
+    """The swaps that keep the op at ``path`` float (its twin, its own input ``Quantize`` modules gone), and the picks
+    on its edges from shared ``Quantize`` modules (``insert_picks``)."""
     found = node_of(qmodel, path)
     assert found is not None
     gpath, gm, (node,) = found
+    picks = insert_picks(gm, node)
     twin = _OpTwin(qmodel.get_submodule(path), float_only_readers(gm, node))
-    return [*((q, nn.Identity()) for q in input_quantizes(gm, gpath, node)), (path, twin)], twin, gm, gpath, node
+    return [*((q, nn.Identity()) for q in input_quantizes(gm, gpath, node)), (path, twin)], twin, gm, gpath, node, picks
 
 
 def record_call_outputs(prepared: nn.Module) -> tuple[dict[str, list[nn.Module]], list[Any]]:
@@ -377,8 +411,9 @@ def insert_gates(gm: fx.GraphModule, gpath: str, node: fx.Node, grid: tuple[floa
 
 
 def settle(qmodel: nn.Module) -> None:
-    """Fix the search's final state into plain modules (``keep_float_layers``' returned model): an active ``_Gate``
-    becomes its ``Quantize`` (the built model's own ``Quantize`` in front of an int8 reader), an idle one leaves the
+    """Fix the search's final state into plain modules (``keep_float_layers``' returned model): a ``_Pick`` leaves the
+    graph (a float reader reads the float value, an int8 one the ``Quantize``; a ``Quantize`` no one reads goes), an
+    active ``_Gate`` becomes its ``Quantize`` (the built model's own ``Quantize`` in front of an int8 reader), an idle one leaves the
     graph, and a reused layer's call alias (``split_calls``) that still holds the int8 layer is pointed back at it
     (one module, one set of ``state_dict`` keys); an alias holding a float twin stays: that call's own grid.
 
@@ -405,7 +440,17 @@ def settle(qmodel: nn.Module) -> None:
                 continue
             target = str(node.target)
             mod = gm.get_submodule(target)
-            if isinstance(mod, _Gate):
+            if isinstance(mod, _Pick):
+                node.replace_all_uses_with(node.args[1] if mod.active else node.args[0])
+                quantize = node.args[0]
+                gm.graph.erase_node(node)
+                delattr(gm, target)
+                if not quantize.users:  # (every reader float: the input stays float)
+                    gm.graph.erase_node(quantize)
+                    if all(n.target != quantize.target for n in gm.graph.nodes if n.op == "call_module"):
+                        delattr(gm, str(quantize.target))
+                changed = True
+            elif isinstance(mod, _Gate):
                 if mod.active and mod.requant is not None:
                     gm.add_module(target, mod.requant)
                 else:
