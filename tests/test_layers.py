@@ -35,10 +35,11 @@ TIERS: list[tuple[str, ...]] = [
     ("fuse", "workflow", "quantize_dynamic", "weight_only", "llm", "llm.plan", "fx", "fx.fusion", "fx.converter",
      "quantize_api", "reference"),  # fx.fusion: fuse_graph, split from fx.patterns; fx.converter: from fx.convert
     ("export", "algorithms", "algorithms.layerwise_step", "algorithms.equalize_pairs", "debug", "debug.float_swap",
-     "debug.graph_swap", "data"),  # layerwise_step:
+     "debug.graph_swap", "debug.swap_edges", "data"),  # layerwise_step:
     # one layer's rounding step; equalize_pairs: CLE's pairs and channel maps (split from layerwise / equalize);
     # debug.float_swap: the fast mixed-precision search's float twins (split from debug.mixed_precision);
     # debug.graph_swap: its graph-mode part (ops by call-order key, a reused layer's calls, gates; from float_swap)
+    # debug.swap_edges: share-op ends, shared-Quantize picks, plain float copies (split from graph_swap)
     ("report", "ptq", "ptq_checks", "models"),  # debug results rendered; quantize_ptq (fx + algorithms), its checks; CNNs
     ("__init__",),                     # the package root: re-exports the public names of all of the above
     ("cli", "cli.gguf_file", "__main__"),  # gguf_file: quantize-llm's check of a .gguf header before transformers

@@ -3,7 +3,7 @@
 1. Histogram observers (the default qconfig): a layer or op kept float whose value reaches an int8 reader through max
    pooling / flatten (``prepare_fx`` then observes *after* the pool, in float) was scored on the layer's own output
    grid: rows off the built model's by up to 0.34 dB, and a useful add never kept. The gates now sit past the share
-   ops, on the grid recorded there during the one calibration (``graph_swap.record_share_ends``).
+   ops, on the grid recorded there during the one calibration (``swap_edges.record_share_ends``).
 2. Eager ``keep_float_layers``: a float twin was a copy of the *prepared* module, observers and hooks included: the
    returned model carried the calibration histograms and updated them on every forward.
 3. ``quantize_ptq`` on a model in which nothing gets a qconfig returned the float model scored ``inf`` dB.
@@ -105,7 +105,7 @@ def test_quantize_ptq_report_is_the_returned_and_built_model_with_histograms(n):
 
 
 def test_record_share_ends_leaves_the_prepared_graph_as_it_was():
-    from lowbit.debug.graph_swap import record_share_ends
+    from lowbit.debug.swap_edges import record_share_ends
 
     model, x, _ = _case()
     p = Q.prepare_fx(model, Q.get_default_qconfig_mapping(), example_inputs=(x,))

@@ -279,7 +279,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     ends: dict[tuple[str, str], nn.Module] = {}
     handles: list[Any] = []
     if max_float_layers:  # each call of a reused layer observed on its own (its own grid when kept float)
-        from .debug.graph_swap import record_call_outputs, record_share_ends
+        from .debug.graph_swap import record_call_outputs
+        from .debug.swap_edges import record_share_ends
 
         calls, handles = record_call_outputs(prepared)
         ends, end_handles = record_share_ends(prepared)  # (where a float layer's readers observe past a max pool)

@@ -61,7 +61,8 @@ from ..qtensor import QTensor
 from ..speed_guard import requant_grid, run_in_own_dtype
 from ..workflow.hooks import _tagged
 from .graph_swap import call_grid, float_only_readers, input_quantizes, make_op_twin, node_of, op_candidates, readers
-from .graph_swap import insert_gates, insert_picks, settle, sources, split_calls
+from .graph_swap import insert_gates, settle, sources, split_calls
+from .swap_edges import _plain_copy, insert_picks
 from .sensitivity import SensitivityRow, SensitivityTable, _quiet_float_fallback, _score, metric_drop
 from .sensitivity import warn_if_lower_is_better
 
@@ -152,17 +153,6 @@ def give_input_grids(qmodel: nn.Module, observers: dict[str, nn.Module]) -> None
         if hasattr(q, "input_grid") and q.input_grid is None and holds_grid(obs):
             scale, zero_point = obs.calculate_qparams()
             q.input_grid = (float(scale), int(zero_point), as_qdtype(obs.qdtype))
-
-
-def _plain_copy(prepared_mod: nn.Module) -> nn.Module:
-    """A float copy of a prepared module without what ``prepare`` added (eager mode: the observers and their hooks,
-    which a float twin kept: the returned model carried the calibration histograms and updated them on every forward)."""
-    from ..workflow.swap import _strip
-
-    mod = copy.deepcopy(prepared_mod)
-    for m in list(mod.modules()):
-        _strip(m)
-    return mod
 
 
 def _set(root: nn.Module, path: str, mod: nn.Module) -> None:
@@ -377,7 +367,7 @@ def keep_float_layers(float_model: nn.Module, prepared: nn.Module, qmodel: nn.Mo
     float, then greedily while the metric improves), on the same candidates and rows: graph mode's adds / muls / cats
     named ``"module:function#index"`` (``table.op_keys``), and with ``call_outputs`` (``graph_swap.record_call_outputs``
     run during the calibration of ``prepared``) one float twin per call of a reused layer on that call's own grid, and
-    with ``share_ends`` (``graph_swap.record_share_ends``, same calibration) a float layer read through max pooling /
+    with ``share_ends`` (``swap_edges.record_share_ends``, same calibration) a float layer read through max pooling /
     flatten / ... is rounded after them, on the grid ``prepare_fx`` records there (exact with histogram observers).
     ``prepared`` is the calibrated model ``qmodel`` came from (its modules give the float twins), ``float_model`` the
     float original. Every other layer stays on the int8 kernels; graph mode's gates are then fixed (``settle``).

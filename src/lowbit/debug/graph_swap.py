@@ -51,10 +51,10 @@ from ..qscheme import as_qdtype
 from ..qtensor import QTensor
 from ..speed_guard import requant_grid
 from ..workflow.propagate import join_name
+from .swap_edges import _Pick, _shape_read, insert_picks, share_end_grid
 from .table import call_order_name
 
-__all__ = ["node_of", "readers", "op_candidates", "prepared_ops", "record_call_outputs", "record_share_ends", "settle",
-           "split_calls"]
+__all__ = ["node_of", "readers", "op_candidates", "prepared_ops", "record_call_outputs", "settle", "split_calls"]
 
 
 def _dq(x: Any) -> Any:
@@ -127,38 +127,6 @@ def input_quantizes(gm: fx.GraphModule, gpath: str, node: fx.Node, first: bool =
     return [join_name(gpath, str(a.target)) for a in args
             if isinstance(a, fx.Node) and a.op == "call_module" and len(a.users) == 1
             and isinstance(gm.get_submodule(str(a.target)), Quantize)]
-
-
-class _Pick(nn.Module):
-    """An edge from a ``Quantize`` that several ops read into one candidate: the ``Quantize``'s output while the
-    candidate is int8, the float value it quantizes while ``active`` (the candidate kept float: the model built with it
-    float hands it that value unrounded, as it does to a float layer whose ``Quantize`` has no other reader)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.active = False
-
-    def forward(self, quantized: Any, value: Any) -> Any:
-        return value if self.active else quantized
-
-
-def insert_picks(gm: fx.GraphModule, node: fx.Node, first: bool = False) -> list[_Pick]:
-    """A ``_Pick`` on every edge into ``node`` (``first``: its first argument only) from a ``Quantize`` that other
-    ops read too (one read by ``node`` alone goes with the candidate's swaps: ``input_quantizes``)."""
-    out = []
-    args = [a for arg in (node.args[:1] if first else node.args) for a in (arg if isinstance(arg, (list, tuple)) else (arg,))]
-    for a in dict.fromkeys(a for a in args if isinstance(a, fx.Node)):
-        if a.op == "call_module" and len(a.users) > 1 and isinstance(gm.get_submodule(str(a.target)), Quantize):
-            pick = _Pick()
-            name = f"_lowbit_pick_{len([m for m in gm.children() if isinstance(m, _Pick)])}"
-            gm.add_module(name, pick)
-            with gm.graph.inserting_before(node):
-                p = gm.graph.call_module(name, (a, a.args[0]))
-            node.replace_input_with(a, p)
-            out.append(pick)
-    if out:
-        gm.recompile()
-    return out
 
 
 def float_only_readers(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -262,79 +230,6 @@ def record_call_outputs(prepared: nn.Module) -> tuple[dict[str, list[nn.Module]]
     return found, handles
 
 
-def _shape_read(u: fx.Node) -> bool:
-    return (u.op == "call_function" and (u.target is len or (u.target is getattr and u.args[1] in ("shape", "device")))) \
-        or (u.op == "call_method" and u.target in ("size", "dim", "numel"))
-
-
-class _Removal:
-    """Takes the recording nodes ``record_share_ends`` put in a graph out again (a hook handle's ``remove``)."""
-
-    def __init__(self, gm: fx.GraphModule, nodes: list[fx.Node], names: list[str]) -> None:
-        self.gm, self.nodes, self.names = gm, nodes, names
-
-    def remove(self) -> None:
-        for node in self.nodes:
-            node.replace_all_uses_with(node.args[0])
-            self.gm.graph.erase_node(node)
-        for name in self.names:
-            delattr(self.gm, name)
-        self.nodes, self.names = [], []
-        self.gm.recompile()
-
-
-def record_share_ends(prepared: nn.Module) -> tuple[dict[tuple[str, str], nn.Module], list[Any]]:
-    """Graph mode: a fresh observer on the value at the end of every run of grid-sharing ops (max pool, flatten, ReLU,
-    zero pad, ...) after an int8 layer's or op's output: where ``prepare_fx`` puts the input observer of the int8
-    readers once the layer is float (the share ops then run in float). A histogram's range search on ``pool(y)``
-    differs from the one on ``y``. ``({(graph path, node name): observer}, handles)``; the handles take the recording
-    nodes out of ``prepared`` again (``remove()``) after calibration."""
-    found: dict[tuple[str, str], nn.Module] = {}
-    handles: list[Any] = []
-    for gpath, gm in list(prepared.named_modules()):
-        if not isinstance(gm, fx.GraphModule):
-            continue
-        ends: dict[fx.Node, Any] = {}
-        for obs in [n for n in gm.graph.nodes if n.meta.get("lowbit_kind") == "obs_out"]:
-            todo, seen = [u for u in obs.users if u.meta.get("lowbit_kind") == "share"], set()
-            while todo:
-                s = todo.pop()
-                if s in seen:
-                    continue
-                seen.add(s)
-                users = [u for u in s.users if not _shape_read(u)]
-                todo += [u for u in users if u.meta.get("lowbit_kind") == "share"]
-                reader = next((u for u in users if u.meta.get("lowbit_kind") != "share"), None)
-                if reader is not None and s.meta.get("lowbit_ftensor", True):
-                    qconfig = reader.meta.get("lowbit_qconfig") or obs.meta.get("lowbit_qconfig")
-                    if qconfig is not None and getattr(qconfig, "activation", None) is not None:
-                        ends[s] = qconfig
-        nodes, names = [], []
-        for s, qconfig in ends.items():
-            name = f"_lowbit_share_end_{len(names)}"
-            found[(gpath, s.name)] = observer = qconfig.activation()
-            gm.add_module(name, observer)
-            names.append(name)
-            with gm.graph.inserting_after(s):
-                rec = gm.graph.call_module(name, (s,))
-            s.replace_all_uses_with(rec, delete_user_cb=lambda u, rec=rec: u is not rec)
-            nodes.append(rec)
-        if nodes:
-            gm.recompile()
-            handles.append(_Removal(gm, nodes, names))
-    return found, handles
-
-
-def share_end_grid(ends: dict[tuple[str, str], nn.Module] | None, gpath: str,
-                   node: fx.Node) -> tuple[float, int, Any] | None:
-    """The grid ``record_share_ends`` recorded at ``node`` (the end of a run of share ops), or None."""
-    obs = (ends or {}).get((gpath, node.name))
-    if obs is None or not holds_grid(obs):
-        return None
-    scale, zero_point = obs.calculate_qparams()
-    return float(scale), int(zero_point), as_qdtype(obs.qdtype)
-
-
 def call_grid(observers: list[nn.Module] | None, k: int) -> tuple[float, int, Any] | None:
     """The grid call ``k`` alone recorded, or None (not reused, or it saw nothing)."""
     if not observers or k >= len(observers) or not holds_grid(observers[k]):
@@ -413,8 +308,8 @@ def insert_gates(gm: fx.GraphModule, gpath: str, node: fx.Node, grid: tuple[floa
 def settle(qmodel: nn.Module) -> None:
     """Fix the search's final state into plain modules (``keep_float_layers``' returned model): a ``_Pick`` leaves the
     graph (a float reader reads the float value, an int8 one the ``Quantize``; a ``Quantize`` no one reads goes), an
-    active ``_Gate`` becomes its ``Quantize`` (the built model's own ``Quantize`` in front of an int8 reader), an idle one leaves the
-    graph, and a reused layer's call alias (``split_calls``) that still holds the int8 layer is pointed back at it
+    active ``_Gate`` becomes its ``Quantize`` (the built model's own ``Quantize`` in front of an int8 reader), an idle
+    one leaves the graph, and a reused layer's call alias (``split_calls``) that still holds the int8 layer is pointed back at it
     (one module, one set of ``state_dict`` keys); an alias holding a float twin stays: that call's own grid.
 
     >>> import torch, lowbit as Q

@@ -68,7 +68,8 @@ from ..qconfig import QConfigMapping
 from .checks import check_float_model
 from .compare import check_module, iter_batches
 from .float_swap import _FloatTwin, _search, _swaps, give_input_grids, keep_float_layers, record_tagged_inputs
-from .graph_swap import record_call_outputs, record_share_ends
+from .graph_swap import record_call_outputs
+from .swap_edges import record_share_ends
 from .sensitivity import (
     SensitivityTable,
     _dequantize_output,
