@@ -24,6 +24,12 @@ any input that is channels-last contiguous too: one channel, or 1x1 maps). Round
 shortcut, even when a scale factor would move the samples; torch's NHWC kernel computes them, and writes a 1x1
 input's channels-last output in the wrong layout, scrambling its channels: lowbit gives the right codes). Per channel
 QTensors (axis 0 or 1: torch has no quantized per-channel bilinear) use each channel's zero point.
+
+Eager calls (``bilinear_codes``, ``bilinear_on_grid``) take the same values faster: each axis' indices and weights
+are made once per sizes / ``align_corners`` / scale factors / device (``_plan``, an LRU cache), and the blend is
+separable (``_blend_planned``: the column blend of each input row once, then the row blend), the same float32 products
+and sums on the same operands. Traced calls (``torch.compile`` / ``torch.export``, symbolic sizes, ONNX through
+``lowbit.export.codes``) record ``bilinear_blend``.
 ``antialias=True``, ``linear`` (1-d), ``trilinear`` (3-d) and ``bicubic`` have no quantized kernel in torch: they stay
 float values (the QTensor fallback warns).
 
@@ -35,6 +41,7 @@ float values (the QTensor fallback warns).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any, Sequence
@@ -148,6 +155,54 @@ def bilinear_blend(p: torch.Tensor, out_size: Sequence[int], align_corners: bool
     return (a * wl0 + b * wl1) * hl0 + (c * wl0 + d * wl1) * hl1  # (each product and sum rounded: no FMA)
 
 
+@functools.lru_cache(maxsize=64)
+def _plan(h: int, w: int, oh: int, ow: int, align_corners: bool, scales: tuple[float | None, float | None],
+          device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``bilinear_blend``'s indices and weights (``_axis``, the same float32 values) for one resample, made once per
+    sizes / ``align_corners`` / scale factors / device: the input rows the blend reads (``None``: all of them), the
+    pairs of output rows as positions in those rows ``[h0 | h1]``, their weights ``[λ0 | λ1]`` (a column), the
+    column pairs ``[w0 | w1]`` and their weights."""
+    cpu = torch.device("cpu")  # (made on the CPU, whose float32 steps the kernel's are, then moved: meta too)
+    h0, h1, hl0, hl1 = _axis(h, oh, align_corners, scales[0], cpu)
+    w0, w1, wl0, wl1 = _axis(w, ow, align_corners, scales[1], cpu)
+    hh = torch.cat([h0, h1])
+    rows = torch.unique(hh)  # (sorted; a downsample reads only these rows)
+    if rows.numel() == h:
+        keep = None
+    else:
+        pos = torch.zeros(h, dtype=torch.int64)
+        pos[rows] = torch.arange(rows.numel())
+        keep, hh = rows.to(device), pos[hh]
+    return (keep, hh.to(device), torch.cat([hl0, hl1])[:, None].to(device), torch.cat([w0, w1]).to(device),
+            torch.cat([wl0, wl1]).to(device))
+
+
+def _eager_plan(q: torch.Tensor, out_size: Sequence[int], align_corners: bool,
+                scales: Sequence[float | None]) -> tuple[Any, ...] | None:
+    """``_plan`` for an eager call on static sizes, else ``None`` (traced: ``bilinear_blend``, whose ops
+    ``torch.compile`` / ``torch.export`` record)."""
+    if tracing() or any(isinstance(v, torch.SymInt) for v in (*q.shape, *out_size)):
+        return None
+    (h, w), (oh, ow) = q.shape[-2:], out_size
+    with torch.inference_mode(False), torch.no_grad():  # (cached: plain tensors, whatever mode the first call ran in)
+        return _plan(int(h), int(w), int(oh), int(ow), bool(align_corners), (scales[0], scales[1]), q.device)
+
+
+def _blend_planned(p: torch.Tensor, plan: tuple[Any, ...]) -> torch.Tensor:
+    """``bilinear_blend(p, ...)`` value for value, separably: each input row's column blend ``w0 q0 + w1 q1`` once
+    (upsampling 2x: half the products), then the row blend of those; each product and sum rounded as there (the
+    same float32 operations on the same operands). Gathers with cached indices (``_plan``), products in place."""
+    keep, hh, hl, ww, wl = plan
+    if keep is not None:
+        p = p.index_select(-2, keep)
+    n, c, h, _ = p.shape
+    ow, oh = ww.numel() // 2, hh.numel() // 2
+    cols = torch.gather(p, 3, ww.expand(n, c, h, 2 * ow)).mul_(wl)  # [w0 q(., w0) | w1 q(., w1)]
+    r = cols[..., :ow] + cols[..., ow:]
+    rows = r.index_select(2, hh).mul_(hl)  # [h0 r(h0, .) ; h1 r(h1, .)]
+    return rows[:, :, :oh] + rows[:, :, oh:]
+
+
 def bilinear_codes(q: torch.Tensor, zero_point: torch.Tensor, quant_min: int, quant_max: int,
                    out_size: Sequence[int], align_corners: bool,
                    scales: Sequence[float | None] = (None, None)) -> torch.Tensor:
@@ -157,7 +212,9 @@ def bilinear_codes(q: torch.Tensor, zero_point: torch.Tensor, quant_min: int, qu
     channels_last = q.is_contiguous(memory_format=torch.channels_last)
     if not any(isinstance(v, torch.SymInt) for v in (*q.shape[-2:], *out_size)) and tuple(out_size) == q.shape[-2:]:
         return q.clone(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    v = bilinear_blend(q.to(torch.float32), out_size, align_corners, scales)
+    fast = _eager_plan(q, out_size, align_corners, scales)
+    v = (bilinear_blend(q.to(torch.float32), out_size, align_corners, scales) if fast is None
+         else _blend_planned(q.to(torch.float32), fast))
     z = zero_point.to(torch.float32)
     # fbgemm's Quantize (torch's quantize_val): nearbyint(z + (v - z)), the difference rounded to float32 first
     out = ((v - z) + z).round_().clamp_(quant_min, quant_max).to(q.dtype)
@@ -196,7 +253,8 @@ def bilinear_on_grid(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, zero
     of ``x``; ``y`` (the float op's output fake-quantized on that grid, same shape) gives the gradient
     (``y + (exact - y).detach()``). Rounding ``F.interpolate``'s float output instead (``y``) moves the kernel's
     near-ties by one step (2x upsampling: its exact ties, when ``z`` is odd). ``axis``: a per-channel grid's axis
-    (0 or 1), else ``None``.
+    (0 or 1), else ``None``. Eager: ``bilinear_codes``' steps in place on float32 codes with a cached plan (module
+    docstring), bit for bit as ``bilinear_codes``; the backward is ``y``'s alone.
 
     >>> import torch, torch.nn.functional as F
     >>> x = torch.tensor([[[[1.0, 1.1], [1.2, 1.4]]]])           # codes 10, 11, 12, 14 on (0.1, 0)
@@ -214,7 +272,18 @@ def bilinear_on_grid(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, zero
         s32, z32 = s.to(torch.float32), z.to(torch.float32)
         q = (x.detach().to(torch.float32) / s32).round_().add_(z32).clamp_(quant_min, quant_max).to(torch.int32)
         out, scales = bilinear_args(x.shape, size, scale_factor, recompute_scale_factor)
-        codes = bilinear_codes(q, z.to(torch.int32), quant_min, quant_max, out,
-                               bool(align_corners) if align_corners is not None else False, scales)
-        exact = ((codes.to(torch.float32) - z32) * s32).to(y.dtype)
-    return y + (exact - y).detach()
+        align = bool(align_corners) if align_corners is not None else False
+        plan = None if tuple(out) == tuple(q.shape[-2:]) else _eager_plan(q, out, align, scales)
+        if plan is None:  # (traced, or torch's copy shortcut)
+            codes = bilinear_codes(q, z.to(torch.int32), quant_min, quant_max, out, align, scales)
+            exact = ((codes.to(torch.float32) - z32) * s32).to(y.dtype)
+        else:  # bilinear_codes' steps in place, on float32 codes (int32 only where float32 cannot hold them all)
+            zi = z.to(torch.int32).to(torch.float32)
+            c = _blend_planned(q.to(torch.float32), plan).sub_(zi).add_(zi).round_().clamp_(quant_min, quant_max)
+            if quant_min < -(1 << 24) or quant_max > 1 << 24:
+                c = c.to(torch.int32).to(torch.float32)
+            if q.is_contiguous(memory_format=torch.channels_last):
+                c = c.contiguous(memory_format=torch.channels_last)
+            exact = c.sub_(z32).mul_(s32).to(y.dtype)
+        delta = exact.sub_(y.detach()) if exact.shape == y.shape else exact - y
+    return y + delta
