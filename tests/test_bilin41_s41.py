@@ -173,14 +173,16 @@ def test_on_grid_random_sweep_is_bit_identical(grid):
 
 @pytest.mark.parametrize("axis", [0, 1])
 def test_on_grid_per_channel_grids(axis):
-    """A per-channel grid (axis 0 or 1: each channel's scale and zero point)."""
+    """A per-channel grid (axis 0 or 1: each channel's scale and zero point), both layouts."""
     rng, g = random.Random(axis), torch.Generator().manual_seed(axis)
-    for _ in range(20):
+    for i in range(20):
         shape, kw = _case(rng)
         k = shape[axis]
         s = torch.rand(k, generator=g) * 0.05 + 0.001
         z = torch.randint(0, 256, (k,), generator=g)
         x = _x_on_grid(shape, s, z, 0, 255, g, axis)
+        if i % 2:
+            x = x.contiguous(memory_format=torch.channels_last)
         y = F.interpolate(x, mode="bilinear", **kw)
         _same(*_both(x, y, s, z, 0, 255, axis, **kw))
 

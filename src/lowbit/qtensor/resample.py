@@ -191,15 +191,23 @@ def _eager_plan(q: torch.Tensor, out_size: Sequence[int], align_corners: bool,
 def _blend_planned(p: torch.Tensor, plan: tuple[Any, ...]) -> torch.Tensor:
     """``bilinear_blend(p, ...)`` value for value, separably: each input row's column blend ``w0 q0 + w1 q1`` once
     (upsampling 2x: half the products), then the row blend of those; each product and sum rounded as there (the
-    same float32 operations on the same operands). Gathers with cached indices (``_plan``), products in place."""
+    same float32 operations on the same operands). Gathers with cached indices (``_plan``), products in place; a
+    channels-last ``p`` is blended as its ``(N, H, W, C)`` view (whole pixels gathered; the output channels-last)."""
     keep, hh, hl, ww, wl = plan
+    cl = not p.is_contiguous() and p.is_contiguous(memory_format=torch.channels_last)
+    t, hd = (p.permute(0, 2, 3, 1), 1) if cl else (p, 2)
     if keep is not None:
-        p = p.index_select(-2, keep)
-    n, c, h, _ = p.shape
+        t = t.index_select(hd, keep)
     ow, oh = ww.numel() // 2, hh.numel() // 2
-    cols = torch.gather(p, 3, ww.expand(n, c, h, 2 * ow)).mul_(wl)  # [w0 q(., w0) | w1 q(., w1)]
+    if cl:  # [w0 q(., w0) | w1 q(., w1)] along W
+        cols = t.index_select(2, ww).mul_(wl[:, None])
+        r = cols[:, :, :ow] + cols[:, :, ow:]
+        rows = r.index_select(1, hh).mul_(hl[:, :, None])  # [h0 r(h0, .) ; h1 r(h1, .)]
+        return (rows[:, :oh] + rows[:, oh:]).permute(0, 3, 1, 2)
+    n, c, h, _ = t.shape
+    cols = torch.gather(t, 3, ww.expand(n, c, h, 2 * ow)).mul_(wl)
     r = cols[..., :ow] + cols[..., ow:]
-    rows = r.index_select(2, hh).mul_(hl)  # [h0 r(h0, .) ; h1 r(h1, .)]
+    rows = r.index_select(2, hh).mul_(hl)
     return rows[:, :, :oh] + rows[:, :, oh:]
 
 
