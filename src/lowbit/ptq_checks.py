@@ -149,7 +149,7 @@ def check_quantizes_something(prepared: nn.Module, model: nn.Module) -> None:
     >>> check_quantizes_something(p, nn.Sequential(nn.Flatten()))
     Traceback (most recent call last):
     ...
-    ValueError: quantize_ptq: nothing to quantize in Sequential (modules: Flatten): no layer or op got a qconfig ...
+    ValueError: quantize_ptq: nothing to quantize in Sequential (modules: Flatten): no layer or op runs in int8 ...
     """
     from torch import fx
 
@@ -158,6 +158,10 @@ def check_quantizes_something(prepared: nn.Module, model: nn.Module) -> None:
            for gm in graphs for n in gm.graph.nodes):
         return
     types = sorted({type(m).__name__ for m in model.modules() if m is not model}) or ["none"]
+    left = dict(getattr(getattr(prepared, "lowbit_report", None), "left_float", None) or {})
+    kept = "; ".join(f"{k}: {v}" for k, v in list(left.items())[:4]) + (" ..." if len(left) > 4 else "")
     raise ValueError(f"quantize_ptq: nothing to quantize in {type(model).__name__} (modules: {', '.join(types)}): "
-                     "no layer or op got a qconfig (the mapping quantizes none of them, or the model has no Linear, "
-                     "conv, add, ... that runs in int8); the result would be the float model itself, scored inf dB")
+                     "no layer or op runs in int8 (the mapping quantizes none of them, or the model has no Linear, "
+                     "conv, add, ... that runs in int8"
+                     + (f"; kept float by prepare_fx: {kept}" if kept else "")
+                     + "); the result would be the float model itself, scored inf dB")

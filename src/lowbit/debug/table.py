@@ -74,6 +74,8 @@ def keep_float(mapping: Any, name: str, op_keys: dict[str, tuple[str, Any, int]]
     >>> m.module_name_object_type_order_qconfigs
     {('', <built-in function add>, 0): None}
     """
+    if not callable(getattr(mapping, "set_module_name", None)):
+        raise TypeError(f"keep_float: mapping={type(mapping).__name__} must be a QConfigMapping")
     if not isinstance(name, str):
         raise TypeError(f"keep_float: name={name!r} must be a str (a module path or a 'module:function#index' row name)")
     if not isinstance(op_keys, dict):
