@@ -5,7 +5,8 @@ the refusal of one that does not (split from ``prepare.py`` / ``convert.py``).
 ``__dict__``); each node's role is in its ``node.meta`` (``lowbit_kind``, ``lowbit_domain``, ``lowbit_qconfig`` ...).
 ``pickle`` / ``torch.save`` rebuild a ``GraphModule`` from its code: ``meta``, every node's ``meta`` and the root's
 hooks are dropped, the rest of ``__dict__`` is kept (a deep copy keeps only what the graph reads). So each prepared
-graph holds a ``Carry`` there (``carry``; its deep copies get theirs from a deepcopy hook): when pickled it takes a
+graph holds a ``Carry`` there (``carry``; its deep copies get theirs from a deepcopy hook, a loaded graph's copy
+the snapshot from the ``Carry`` itself: a loaded graph has no hook): when pickled it takes a
 snapshot of the mark, of the nodes' ``lowbit_*`` metadata and of the root's hooks (lowbit's ``load_state_dict``
 pre-hooks, the ``attention_mask`` hooks). Nothing runs at load: ``is_prepared`` (so ``convert_fx``,
 ``convert_to_reference_fx``, ``prepare_fx``'s checks) or ``lowbit.fx.restore(model)`` puts them back on the rebuilt
@@ -109,7 +110,21 @@ class Carry:
         gm = None if self._gm is None else self._gm()
         new = Carry(None if gm is None else memo.get(id(gm)), copy.deepcopy(self.saved, memo))
         new.lost = self.lost
+        if gm is None and self.saved is not None:  # a loaded graph not yet restored: no deepcopy hook (module doc)
+            into = _copy_in_progress(memo)
+            if into is not None:
+                into.__dict__[CARRY_KEY] = new  # (GraphModule.__init__ keeps it; restored on the copy as on the loaded)
         return new
+
+
+def _copy_in_progress(memo: dict[int, Any]) -> fx.GraphModule | None:
+    """The ``GraphModule`` whose ``__dict__`` is being deep-copied: ``GraphModule.__deepcopy__`` puts its copy,
+    made by ``__new__``, in ``memo`` and initialises it only after the ``__dict__``; the latest such copy not yet
+    initialised (no ``_modules``: the graphs inside it were copied, and initialised, before)."""
+    for v in reversed(list(memo.values())):
+        if isinstance(v, fx.GraphModule) and "_modules" not in v.__dict__:
+            return v
+    return None
 
 
 def carry(gm: fx.GraphModule) -> None:
@@ -187,8 +202,8 @@ def restore(model: M) -> M:
     >>> from lowbit.fx import prepare_fx
     >>> p = prepare_fx(torch.nn.Sequential(torch.nn.Linear(2, 2)), example_inputs=(torch.randn(1, 2),))
     >>> q = pickle.loads(pickle.dumps(p))
-    >>> STATE_KEY in q.meta, STATE_KEY in restore(q).meta
-    (False, True)
+    >>> STATE_KEY in q.meta, STATE_KEY in restore(copy.deepcopy(q)).meta, STATE_KEY in restore(q).meta
+    (False, True, True)
     """
     for m in model.modules():
         c = m.__dict__.get(CARRY_KEY) if isinstance(m, fx.GraphModule) else None
