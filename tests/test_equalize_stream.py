@@ -103,7 +103,7 @@ class BnResNet(ResNet):
 @pytest.mark.parametrize("float_layer, writer, reader", [
     ("b1.project", "b1.project", None),           # a float writer conv
     ("b2.expand.0", None, "b2.expand.0"),         # a float reader conv
-    ("b1.project.0", "b1.project.1", None),       # a float conv + BatchNorm: the BN's affine takes the scale
+    ("b1.project.0", "b1.project.0", None),       # a float conv + BatchNorm: folded (as torch.ao), the conv's rows
 ])
 def test_streams_take_layers_mixed_precision_keeps_float(float_layer, writer, reader):
     """A layer left float (``set_module_name(name, None)``) no longer keeps its stream from equalizing: it is scaled

@@ -82,7 +82,7 @@ def _fold(layer: nn.Module, bn: nn.Module) -> nn.Module:
     fused = copy.deepcopy(layer)
     w, b = fold_bn_weights(layer.weight.detach(), None if layer.bias is None else layer.bias.detach(), bn,
                            transpose=isinstance(layer, nn.modules.conv._ConvTransposeNd),
-                           groups=getattr(layer, "groups", 1))
+                           groups=getattr(layer, "groups", 1), rsqrt=True)
     grad = layer.weight.requires_grad
     fused.weight = nn.Parameter(w, grad)
     fused.bias = nn.Parameter(b, grad if layer.bias is None else layer.bias.requires_grad)

@@ -133,7 +133,7 @@ def _float_weight(fmod: nn.Module, bn: nn.Module | None) -> torch.Tensor | None:
         b = getattr(core, "bias", None)
         w, _ = fold_bn_weights(w, None if b is None else b.detach().float(), bn,
                                transpose=isinstance(core, nn.modules.conv._ConvTransposeNd),
-                               groups=getattr(core, "groups", 1))
+                               groups=getattr(core, "groups", 1), rsqrt=True)
     return w
 
 

@@ -183,6 +183,11 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
         first = modules[node.target]
         if type(first) not in bn_of and type(first) not in (nn.BatchNorm2d, nn.BatchNorm3d):
             continue
+        qc = getattr(first, "qconfig", None)
+        # a layer kept float (no qconfig) still fuses, as torch.ao fuses it: eval folds its BN (the float fused module
+        # is what search="fast"'s float copy of the layer computes), QAT keeps the float nni.ConvBn*d; only the clamps
+        # torch.ao does not fuse (ReLU6-like) stay modules of their own, and a standalone BN stays one too
+        excluded = require_qconfig and qc is None
         run, mods = [node], [first]
         act_node: fx.Node | None = None  # the activation the run absorbed, if any, and its module (act)
         act: nn.Module | None = None
@@ -202,6 +207,10 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
             relu = _relu_user(run[-1], modules)
             act = modules[relu.target] if relu is not None and relu.op == "call_module" else nn.ReLU()
             clamp = None if relu is not None or is_qat else _clamp_user(run[-1], modules)
+            if clamp is not None and excluded:  # (float: no grid to clamp on; it stays a float module, as in torch.ao)
+                if clamp[0].op == "call_module" and hasattr(modules[clamp[0].target], "qconfig"):
+                    modules[clamp[0].target].qconfig = None
+                clamp = None
             if clamp is not None:  # ReLU6-like: its [0, t] clamp becomes the layer's output grid
                 relu, act = clamp
             linear_bn = type(first) is nn.Linear and len(run) == 2
@@ -213,15 +222,14 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
                 act_node = relu
         if len(run) == 1:
             continue
-        if require_qconfig and (getattr(first, "qconfig", None) is None or is_dynamic_qconfig(first.qconfig)):
-            # excluded layers keep their float form; dynamic ones have no fused dynamic twin. An excluded layer's
-            # run stays float as a whole, as torch.ao's fused module under the layer's qconfig does: its BN / ReLU
-            # modules drop their qconfig (else the BN would run as an int8 op of its own on the layer's wide
-            # pre-BN output, after a quantize the float layer never asked for)
-            if getattr(first, "qconfig", None) is None:
-                for n in run[1:]:
-                    if n.op == "call_module" and hasattr(modules[n.target], "qconfig"):
-                        modules[n.target].qconfig = None
+        if require_qconfig and qc is not None and is_dynamic_qconfig(qc):
+            continue  # dynamic layers have no fused dynamic twin
+        if excluded and type(first) in (nn.BatchNorm2d, nn.BatchNorm3d):
+            # a standalone BN kept float stays a BN (the float clamp / stream equalizations read it); its ReLU stays
+            # float with it (else an int8 ReLU of its own after a quantize the float BN never asked for)
+            for n in run[1:]:
+                if n.op == "call_module" and hasattr(modules[n.target], "qconfig"):
+                    modules[n.target].qconfig = None
             continue
         new = fuse_known_modules(mods, is_qat=is_qat)[0]
         if hasattr(first, "qconfig"):

@@ -58,13 +58,16 @@ def check_bn_statistics(bn: nn.modules.batchnorm._BatchNorm, s: torch.Tensor) ->
 
 def fold_bn_weights(
     weight: torch.Tensor, bias: torch.Tensor | None, bn: nn.modules.batchnorm._BatchNorm, transpose: bool = False,
-    groups: int = 1, check: bool = True,
+    groups: int = 1, check: bool = True, rsqrt: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(W', b')`` of the layer ``bn(layer(x))`` with ``bn`` in eval mode (see module doc).
 
     ``weight``: ``(C_out, ...)``, or ``(C_in, C_out/groups, ...)`` with ``transpose=True``, where
     output channel ``g*(C_out/groups) + j`` owns the rows of group ``g`` at column ``j``. ``check``: a non-finite
-    fold raises ``check_bn_statistics``'s error (``False``: a QAT step's live fold, unchecked).
+    fold raises ``check_bn_statistics``'s error (``False``: a QAT step's live fold, unchecked). ``rsqrt``: ``s = gamma
+    * rsqrt(running_var + eps)`` and the bias in torch.ao's order (``fuse_conv_bn_eval`` / ``fuse_linear_bn_eval``:
+    the eval-mode fusions of ``fuse_modules`` and graph mode, bit for bit torch.ao's); else the QAT modules'
+    ``gamma / sqrt(running_var + eps)``, so a QAT model in eval and its converted fold agree exactly.
     """
     s = bn_scale(bn)  # (C_out,)
     if check:
@@ -74,7 +77,15 @@ def fold_bn_weights(
         raise ValueError(f"cannot fold {type(bn).__name__}({s.numel()}) into a layer with {c} output channels")
     b = bias if bias is not None else torch.zeros_like(s)
     beta = bn.bias if bn.bias is not None else torch.zeros_like(s)
-    b_fold = ((b - bn.running_mean) * s + beta).to(weight.dtype if bias is None else bias.dtype)
+    if rsqrt:  # torch.ao's fuse_conv_bn_weights / fuse_linear_bn_weights, operation for operation
+        rs = torch.rsqrt(bn.running_var + bn.eps)
+        gamma = bn.weight if bn.weight is not None else torch.ones_like(rs)
+        s = gamma * rs
+        centred = b - bn.running_mean
+        b_fold = (centred * s if weight.dim() == 2 and not transpose else centred * rs * gamma) + beta
+    else:
+        b_fold = (b - bn.running_mean) * s + beta
+    b_fold = b_fold.to(weight.dtype if bias is None else bias.dtype)
     if not transpose:
         return (weight * s.reshape([-1] + [1] * (weight.dim() - 1))).to(weight.dtype), b_fold
     cin, cout_g, *k = weight.shape
