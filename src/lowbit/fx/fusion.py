@@ -162,8 +162,11 @@ def fuse_graph(gm: fx.GraphModule, is_qat: bool, require_qconfig: bool = True,
                absorbed: dict[str, list[str]] | None = None) -> list[str]:
     """Fuse module runs and add-relu in place; return descriptions of the fused runs.
 
-    User patterns (``lowbit.fusion_registry``) are fused first. ``require_qconfig=False``
-    (``fuse_fx``) also fuses layers that have no qconfig. ``absorbed`` (if given) receives, for each
+    User patterns (``lowbit.fusion_registry``) are fused first. ``require_qconfig=True`` (``prepare_fx``): a
+    conv / linear / ConvTranspose run whose layer has no qconfig (kept float) fuses too, as in torch.ao — eval folds
+    its BN (a float ``nni.ConvReLU2d`` / the plain layer), QAT keeps the float ``nni.ConvBn*d`` — but a ReLU6-like
+    clamp after it stays a float module and a standalone BN a BN; a user pattern, or a layer under a dynamic qconfig,
+    needs a (static) qconfig. ``require_qconfig=False`` (``fuse_fx``) fuses everything. ``absorbed`` (if given) receives, for each
     fused conv/linear-BN-ReLU run, ``{layer target: [targets of the modules it absorbed, in order]}``
     (``"relu"`` for a functional ReLU, ``"clamp:t"`` for a functional ``[0, t]`` clamp such as ``F.relu6``),
     for ``lowbit.debug.compare``.
