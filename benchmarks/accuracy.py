@@ -78,11 +78,12 @@ def _ao_fx(model: torch.nn.Module, calib: list[torch.Tensor], engine: str) -> to
 
 def imagenet(name: str, model: torch.nn.Module, norm: str, iters: int, n_cal: int, n_eval: int,
              recipes: tuple[str, ...] = ("default", "balanced", "accurate"), crops: tuple[str, ...] = ("fractional",),
-             calib_seed: int = 0) -> None:
+             calib_seed: int = 0, distill: int = 0) -> None:
     from lowbit.models import photo_crops
 
     notes = {"accurate": f", AdaRound {iters} steps (residual streams equalized, blocks together, activation steps "
-                         "learned)", "balanced": ", default grids, quadratic codes, bias correction"}
+                         f"learned{f'; {distill} distillation steps' if distill else ''})",
+             "balanced": ", default grids, quadratic codes, bias correction"}
     for kind in crops:
         whole = kind == "whole"
         tag = ", whole-pixel crops" if whole else ""
@@ -99,7 +100,7 @@ def imagenet(name: str, model: torch.nn.Module, norm: str, iters: int, n_cal: in
 
         for recipe in recipes:
             t = time.perf_counter()
-            q, _ = Q.quantize_ptq(model, calib, recipe=recipe, iters=iters)
+            q, _ = Q.quantize_ptq(model, calib, recipe=recipe, iters=iters, distill=distill if recipe == "accurate" else 0)
             with torch.no_grad():
                 out = q(x)
             _row(name, f"lowbit {recipe}{tag}", *_cls(ref, out), f"{time.perf_counter() - t:.0f} s, {n_cal} calibration "
@@ -236,6 +237,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=None, help="AdaRound steps per layer (default 500; quick 100)")
+    ap.add_argument("--distill", type=int, default=0, help="accurate recipe: end-to-end distillation steps after "
+                    "rounding (quantize_ptq(distill=N); default 0: off)")
     ap.add_argument("--models", default="mnv2,lite0,fmnist,minilm")
     ap.add_argument("--calib", type=int, default=48, help="ImageNet calibration crops")
     ap.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration crops (default 0, the tests'; "
@@ -272,11 +275,11 @@ def main() -> None:
         if "mnv2" in want:
             from lowbit.models import load_mobilenet_v2
             imagenet("MobileNetV2", load_mobilenet_v2(), "imagenet", iters, n_cal, n_eval, recipes, crops,
-                     args.calib_seed)
+                     args.calib_seed, args.distill)
         if "lite0" in want:
             from lowbit.models import load_efficientnet_lite0
             imagenet("EfficientNet-Lite0", load_efficientnet_lite0(), "lite", iters, n_cal, n_eval, recipes, crops,
-                     args.calib_seed)
+                     args.calib_seed, args.distill)
         if "fmnist" in want:
             fmnist(iters, args.quick)
         if "minilm" in want:
@@ -290,7 +293,8 @@ def main() -> None:
     out = Path(__file__).resolve().parent / "results" / (name if name.endswith(".json") else name + ".json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(dict(isa=_isa(), torch=torch.__version__, threads=torch.get_num_threads(), iters=iters,
-                                   calib=n_cal, calib_seed=args.calib_seed, eval=n_eval, rows=ROWS), indent=1))
+                                   distill=args.distill, calib=n_cal, calib_seed=args.calib_seed, eval=n_eval,
+                                   rows=ROWS), indent=1))
     print(out)
 
 

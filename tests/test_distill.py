@@ -139,3 +139,29 @@ def test_quantize_ptq_distill_step_and_bad_input():
         distill(p, "model", calib)
     with pytest.raises(ValueError, match="distill: calib: inputs is empty"):
         distill(p, model, [])
+
+
+def test_cli_distill_flag(tmp_path, monkeypatch, capsys):
+    """``lowbit quantize --recipe accurate --distill N`` runs the step (the report says so); the flag is refused
+    by name with another recipe or a bad value."""
+    from lowbit import cli
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    torch.save(torch.randn(32, 3, 6, 6), "x.pt")
+    (tmp_path / "net41.py").write_text("import torch\nfrom torch import nn\n"
+                                       "def net():\n    torch.manual_seed(0)\n"
+                                       "    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), "
+                                       "nn.Linear(128, 4))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = ["quantize", "--quiet", "--model", "net41:net", "--calib", "x.pt", "--method", "ptq"]
+    assert cli.main([*base, "--recipe", "accurate", "--distill", "4", "--out", "o1"]) == 0
+    report = "\n".join(p.read_text() for p in (tmp_path / "o1").rglob("*") if p.suffix in (".md", ".txt", ".json"))
+    assert "distill" in report and "4 steps" in report
+    capsys.readouterr()
+    assert cli.main([*base, "--distill", "4", "--out", "o2"]) == 2
+    assert "--distill 4 applies to --recipe accurate, not --recipe default" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main([*base, "--recipe", "accurate", "--distill", "-1", "--out", "o3"])
+    assert e.value.code == 2 and "-1 must be >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()

@@ -65,6 +65,17 @@ def _seed(text: str) -> int:
     return v
 
 
+def _steps(text: str) -> int:
+    """``--distill``: a number of optimisation steps, an integer >= 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
+
+
 #: ``--qat-epochs`` when it is not given (parsed as ``None``, so that a value given without QAT can be refused)
 QAT_EPOCHS = 0.5
 
@@ -93,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ptq recipe: default (eager prepare/convert), accurate (quantize_ptq: graph mode, "
                         "AdaRound + bias correction; slowest) or balanced (quantize_ptq: graph mode, default "
                         "grids, quadratic rounding + bias correction; minutes)")
+    q.add_argument("--distill", type=_steps, default=0,
+                   help="--recipe accurate: that many steps of end-to-end distillation after rounding (weight codes, "
+                        "biases and activation steps learned on the model output; default 0: off)")
     q.add_argument("--backend", default="auto", choices=["auto", "reference", "onednn", "int_mm"])
     q.add_argument("--out", default="lowbit-out", help="output folder, replaced as a whole (default: lowbit-out)")
     q.add_argument("--quiet", action="store_true", help="no progress bars or messages")
@@ -131,6 +145,8 @@ def _check_args(args: argparse.Namespace, methods: list[str]) -> None:
         if getattr(args, flag) != default and "ptq" not in methods:
             raise CLIError(f"--{flag} {getattr(args, flag)} applies to --method ptq, which is not among the methods "
                            f"to run ({', '.join(methods)})")
+    if args.distill and args.recipe != "accurate":
+        raise CLIError(f"--distill {args.distill} applies to --recipe accurate, not --recipe {args.recipe}")
     if args.qat_epochs is not None and "qat" not in methods:  # (given: its parsed default is None)
         raise CLIError(f"--qat-epochs {args.qat_epochs:g} applies to --method qat, which is not among the methods to "
                        f"run ({', '.join(methods)})")
@@ -266,6 +282,10 @@ def _quantize(args: argparse.Namespace) -> int:
         report: dict[str, Any] = {"model": args.model or "lowbit.examples:SmallCNN", "rows": rows,
                                   "torch": torch.__version__, "threads": torch.get_num_threads(),
                                   "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        recipe = extras.get("ptq_report")  # quantize_ptq's steps (--recipe accurate / balanced): what each changed
+        if recipe is not None:
+            report["ptq_recipe"] = recipe
+            say(f"lowbit: {recipe}")
         if cmp is not None:
             report["layers"] = cmp.to_dict()["rows"]
             say(f"lowbit: per-layer SQNR of the PTQ model vs fp32\n{cmp}")
@@ -278,7 +298,8 @@ def _quantize(args: argparse.Namespace) -> int:
             write_report(d, rows, compare_result=cmp, histograms=prepared_ptq, fmt="md",
                          notes=f"Model: `{report['model']}`; torch {torch.__version__}, {report['threads']} threads, "
                                f"{report['date']}. Latency: batch of {len(timed)}, median of 7 interleaved rounds; speed-up = "
-                               "median of per-round fp32/method ratios.")
+                               "median of per-round fp32/method ratios."
+                               + (f"\n\nPTQ recipe (`--recipe {args.recipe}`):\n\n```\n{recipe}\n```" if recipe else ""))
         written = folder.commit()
     say(f"lowbit: wrote {', '.join(written)} to {args.out}")
     return 0

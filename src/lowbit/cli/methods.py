@@ -113,7 +113,8 @@ def _ptq(job: Job, batch: int = 256) -> nn.Module:
         name = getattr(job.args, "qconfig", "default")
         mapping = None if name == "default" else Q.QConfigMapping().set_global(qconfig_for(name))
         qmodel, report = Q.quantize_ptq(job.fp32.eval(), list(job.calib.split(batch)), recipe=recipe,
-                                        qconfig_mapping=mapping, progress=not job.quiet)
+                                        qconfig_mapping=mapping, progress=not job.quiet,
+                                        distill=getattr(job.args, "distill", 0))
         job.extras["ptq_report"] = str(report)
         return qmodel
 
