@@ -102,13 +102,16 @@ def _flat_tensors(out: Any) -> list[torch.Tensor]:
 
 def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str], *, opset_version: int = 17,
             input_names: list[str] | None = None, output_names: list[str] | None = None,
-            dynamic_batch: bool = True, weight_dtype: str = "auto") -> Path:
+            dynamic_batch: bool = True, weight_dtype: str = "auto", exact: bool = False) -> Path:
     """Export a converted (or prepared / QAT) lowbit model to a QDQ ONNX file at ``path``; return the path.
 
     ``example_inputs`` (a tensor or a tuple) is run once through ``model`` to trace it and to read
     the grid each quantized layer's input is on. ``weight_dtype`` is ``"auto"``, ``"int8"`` or
     ``"uint8"`` (see ``lowbit.export.qdq``: ``auto`` keeps int8 unless a layer's weights could
-    saturate u8 x s8 kernels on CPUs without VNNI). Needs ``pip install lowbit[onnx]``. The file is written
+    saturate u8 x s8 kernels on CPUs without VNNI). ``exact=True`` writes each quantized Conv / Linear as
+    ``ConvInteger`` / ``MatMulInteger`` and lowbit's own float32 requantization (``lowbit.export.exact``), so ONNX
+    Runtime's codes equal lowbit's bit for bit; the QDQ default lets ORT fuse ``QLinearConv``, whose int32 bias and
+    folded multiplier move near-tie codes by one step. Needs ``pip install lowbit[onnx]``. The file is written
     beside ``path`` under a temporary name and renamed onto it once it passed ONNX's checker: an export that fails
     leaves an existing file at ``path`` as it was.
     """
@@ -122,7 +125,9 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
         raise TypeError(f"to_onnx: dynamic_batch={dynamic_batch!r} must be True or False")
     inputs = tuple(t.cpu() for t in _check_inputs(example_inputs))
     out_path = _check_path(path)
-    twin, tables = _twin(model, inputs, weight_dtype, opset_version)
+    if not isinstance(exact, bool):
+        raise TypeError(f"to_onnx: exact={exact!r} must be True or False")
+    twin, tables = _twin(model, inputs, weight_dtype, opset_version, exact)
     with torch.no_grad():
         n_out = len(_flat_tensors(twin(*inputs)))
     for what, given in (("input_names", input_names), ("output_names", output_names)):
@@ -182,9 +187,9 @@ def _float_dequantize_is_identity(opset: int) -> Iterator[None]:
 
 
 def _twin(model: nn.Module, inputs: tuple[torch.Tensor, ...], weight_dtype: str,
-          opset_version: int) -> tuple[nn.Module, list[nn.Module]]:
+          opset_version: int, exact: bool = False) -> tuple[nn.Module, list[nn.Module]]:
     """``build_twin`` plus the opset its embedding / weight-only twins write, and the tables among them."""
-    twin = build_twin(model, inputs, weight_dtype)
+    twin = build_twin(model, inputs, weight_dtype, exact)
     for name, m in twin.named_modules():
         if isinstance(m, EmbeddingBagTwin):
             m.check_opset(opset_version, name)

@@ -265,6 +265,16 @@ class WeightedTwin(nn.Module):
             return self._forward(x, {**a, "output_padding": tuple(pad)})
         return self._forward(x, self.conv_args)
 
+    def _core(self, x: torch.Tensor, conv_args: dict[str, Any]) -> torch.Tensor:
+        """Q/DQ(input) -> the float op -> (bias, ReLU) -> Q/DQ(output) (``exact.ExactWeightedTwin``: the integer form)."""
+        x = self.in_qdq(x)
+        y = self._op(x, self.weight(), None if self.bias_dq is None else self.bias_dq(), conv_args)
+        if self.bias_float is not None:  # (a Linear's as Sub(y, -b), exact: see the class docstring)
+            y = y + self.bias_float.reshape(-1, *([1] * (y.dim() - 2))) if self.kind != "linear" else y - (-self.bias_float)
+        if self.relu:
+            y = torch.relu(y)
+        return self.out_qdq(y)
+
     def _forward(self, x: torch.Tensor, conv_args: dict[str, Any]) -> torch.Tensor:
         lead, unbatched = None, self.kind != "linear" and x.dim() == self.dim + 1
         if self.kind == "linear" and x.dim() != 2:  # Gemm is 2-D: (*, K) -> (M, K) -> (*, N)
@@ -274,13 +284,7 @@ class WeightedTwin(nn.Module):
             x = x.unsqueeze(0)
         if self.pad is not None:  # padding float 0.0 = padding codes with the zero point (before Q, so DQ meets Conv)
             x = F.pad(x, self.pad) if self.pad_mode == "zeros" else F.pad(x, self.pad, mode=self.pad_mode)
-        x = self.in_qdq(x)
-        y = self._op(x, self.weight(), None if self.bias_dq is None else self.bias_dq(), conv_args)
-        if self.bias_float is not None:  # (a Linear's as Sub(y, -b), exact: see the class docstring)
-            y = y + self.bias_float.reshape(-1, *([1] * (y.dim() - 2))) if self.kind != "linear" else y - (-self.bias_float)
-        if self.relu:
-            y = torch.relu(y)
-        y = self.out_qdq(y)
+        y = self._core(x, conv_args)
         if unbatched:
             return y.squeeze(0)
         return y.reshape(*lead, y.shape[-1]) if lead is not None else y

@@ -58,6 +58,7 @@ from ..reference import modules as ref_modules, ops as ref_ops
 from ..speed_guard import FloatFallback
 from .dynamic import dynamic_twin
 from .embedding import EmbeddingBagTwin, EmbeddingTableTwin
+from .exact import ExactFunctionalTwin, ExactQDQ, exact_twin
 from .qdq import (
     QDQ,
     WEIGHT_DTYPES,
@@ -178,22 +179,26 @@ def _float_layer(mod: nn.Module, path: str) -> nn.Module | None:
     return None
 
 
-def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dtype: str) -> nn.Module | None:
-    """Twin of a converted lowbit module, or None for modules that stay as they are."""
+def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dtype: str,
+                    exact: bool = False) -> nn.Module | None:
+    """Twin of a converted lowbit module, or None for modules that stay as they are (``exact``: integer Conv / Linear
+    forms with lowbit's own requantization, ``lowbit.export.exact``)."""
+    weighted = exact_twin if exact else WeightedTwin
     m: Any = mod
     grid = grids.get(id(mod), getattr(mod, "input_grid", None))
     if isinstance(mod, Quantize):
-        return QDQ(float(m.scale), int(m.zero_point), m.qdtype)
+        return (ExactQDQ if exact else QDQ)(float(m.scale), int(m.zero_point), m.qdtype)
     if isinstance(mod, DeQuantize):
         return nn.Identity()
     if isinstance(mod, Linear):
-        return WeightedTwin(mod, "linear", grid, weight_dtype)
+        return weighted(mod, "linear", grid, weight_dtype)
     if isinstance(mod, _CONV):
-        return WeightedTwin(mod, "conv", grid, weight_dtype)
+        return weighted(mod, "conv", grid, weight_dtype)
     if isinstance(mod, _CONV_T):
-        return WeightedTwin(mod, "conv_transpose", grid, weight_dtype)
+        return weighted(mod, "conv_transpose", grid, weight_dtype)
     if isinstance(mod, QFunctional):
-        return FunctionalTwin(mod, {op: grids[(id(mod), op)] for op in QF_METHODS if (id(mod), op) in grids})
+        return (ExactFunctionalTwin if exact else FunctionalTwin)(
+            mod, {op: grids[(id(mod), op)] for op in QF_METHODS if (id(mod), op) in grids})
     if isinstance(mod, _LUT):
         return ActivationTwin(m._f, (float(m.scale), int(m.zero_point), m.qdtype))
     if isinstance(mod, ReLU6):
@@ -322,11 +327,13 @@ def _refuse_reference(model: nn.Module) -> None:
                                 "(lowbit.lower_reference(model)) and export the int8 model")
 
 
-def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto") -> nn.Module:
-    """The float QDQ twin of ``model`` (a copy in eval mode; ``model`` is not changed)."""
+def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto", exact: bool = False) -> nn.Module:
+    """The float QDQ twin of ``model`` (a copy in eval mode; ``model`` is not changed); ``exact``: see ``to_onnx``."""
     inputs = tuple(t.cpu() for t in _check_inputs(example_inputs))
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"to_onnx: weight_dtype={weight_dtype!r} must be one of {WEIGHT_DTYPES}")
+    if not isinstance(exact, bool):
+        raise TypeError(f"to_onnx: exact={exact!r} must be True or False")
     _refuse_reference(model)
     twin = copy.deepcopy(model).cpu().eval()  # an ONNX file is device-agnostic: trace on CPU, in inference mode
     holder = nn.Module()  # so that the root itself can be swapped
@@ -346,7 +353,7 @@ def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto"
         if isinstance(m, FloatLayerTwin):
             m.recording = False
     _swap(holder, "", lambda m, p, n: m if isinstance(m, FloatLayerTwin) else _quantized_twin(m, rel(p), grids,
-                                                                                              weight_dtype))
+                                                                                              weight_dtype, exact))
     if any(r is not None for rs in grids["on_codes"].values() for r in rs):  # bilinear, averages of QTensors:
         install(holder.root, grids["on_codes"])                                # on the codes (codes.py)
     return holder.root

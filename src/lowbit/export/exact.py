@@ -1,0 +1,292 @@
+"""``to_onnx(..., exact=True)``: quantized Conv / Linear layers whose ONNX Runtime codes equal lowbit's, bit for bit.
+
+The QDQ form (``qdq.WeightedTwin``) stores the bias as int32 codes ``round(b / (s_x s_w))`` and ORT fuses
+``DQ -> Conv -> Q`` into ``QLinearConv`` (``QGemm`` / ``QLinearMatMul`` for a Linear), which computes::
+
+    q_y = clamp(round(fl(fl(acc + round(b / (s_x s_w))) * fl(s_x s_w / s_y))) + z_y)          # ORT (MLAS)
+
+while lowbit's int8 kernels keep the float32 bias and requantize (``kernels.avx2._float_epilogue``)::
+
+    q_y = clamp(round(fl(fl(fl(fl(acc) * fl(s_x s_w)) + b) * fl(1 / s_y)) + z_y), lo, qmax)   # lowbit
+
+(``lo = max(qmin, z_y)`` with a fused ReLU). The bias rounding moves ``y`` by up to ``s_x s_w / 2``, and near-tie codes
+by one step (74 of 147,456 codes of a random 3x3 conv, 120 of a depthwise one); the folded multiplier moves a few more.
+Here each such layer is written as::
+
+    QuantizeLinear(x, s_x, z_x) -> ConvInteger / MatMulInteger(., q_w, z_x[, 128]) -> Cast(float)
+      -> Mul(fl(s_x s_w)) -> Add(b) -> Mul(fl(1 / s_y)) -> Add(z_y) -> Round -> Clip(lo, qmax) -> Cast
+      -> DequantizeLinear(s_y, z_y)
+
+``acc = Σ (q_x - z_x) q_w`` is exact int32 in ONNX Runtime; ``Round`` is half to even, as ``torch.round``; every float
+op is one IEEE float32 operation in lowbit's order, so the codes equal lowbit's wherever its kernel uses this
+epilogue (every static Conv / Linear route measured on AVX2: split, unsplit oneDNN, depthwise, reduce-range grids).
+Weights that ``vpmaddubsw`` could saturate are stored as ``q_w + 128`` (u8, zero point 128), as ``weight_dtype`` says
+(``qdq``). Layers kept in the QDQ form: a ConvTranspose (ONNX has no integer form), a per-call (dynamic) input grid,
+weights with non-zero zero points, a float-output Linear is written with the same chain minus the requantization.
+
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> m = nn.Sequential(Q.QuantStub(), nn.Conv2d(2, 3, 3), Q.DeQuantStub()).eval()
+>>> m.qconfig = Q.get_default_qconfig()
+>>> m = Q.prepare(m); _ = m(torch.randn(4, 2, 6, 6)); m = Q.convert(m)
+>>> twin = exact_twin(m[1], "conv", (float(m[0].scale), int(m[0].zero_point), m[0].qdtype), "auto")
+>>> x = m[0](torch.randn(1, 2, 6, 6))
+>>> y = twin(x.dequantize())
+>>> bool(((y / m[1].scale).round() + m[1].zero_point == m[1](x).int_repr()).all())
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.onednn import saturation_safe
+from .qdq import QDQ, FunctionalTwin, Grid, WeightedTwin, _Const, _storage, untraced
+
+__all__ = ["EXACT_KINDS", "ExactFunctionalTwin", "ExactQDQ", "ExactWeightedTwin", "exact_twin"]
+
+EXACT_KINDS = ("linear", "conv", "conv_transpose")
+_ONNX = {torch.uint8: 2, torch.int8: 3, torch.float32: 1}  # TensorProto types
+
+
+def _epilogue(acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out: tuple[float, int, int, int] | None
+              ) -> torch.Tensor:
+    """lowbit's float32 epilogue of exact sums ``acc`` (module doc): codes on ``out = (inv, z, lo, hi)`` as float32,
+    or the float result where ``out`` is ``None``."""
+    y = acc.to(torch.float32) * scale
+    if bias is not None:
+        y = y + bias
+    if out is None:
+        return y
+    inv, z, lo, hi = out
+    return torch.clamp(torch.round(y * torch.tensor(inv, dtype=torch.float32) + float(z)), lo, hi)
+
+
+def _codes(x: torch.Tensor, s: float, z: int, qmin: int, qmax: int) -> torch.Tensor:
+    """lowbit's quantize (``functional.quantize``): ``clamp(round(fl(fl(x · fl(1 / s)) + z)))``, as float32."""
+    inv = torch.tensor(s, dtype=torch.float32).reciprocal()
+    return torch.clamp(torch.round(x.detach().to(torch.float32) * inv + float(z)), qmin, qmax)
+
+
+def _codes_symbolic(g: Any, x: Any, s: float, z: int, qmin: int, qmax: int, storage: torch.dtype) -> Any:
+    """``_codes`` in ONNX: Mul(fl(1 / s)) -> Add(z) -> Round -> Clip -> Cast (``QuantizeLinear`` divides by ``s``:
+    another code at near-ties of a float input, 1 of 73,728 random inputs)."""
+    def const(v: float) -> Any:
+        return g.op("Constant", value_t=torch.tensor(v, dtype=torch.float32))
+
+    inv = float(torch.tensor(s, dtype=torch.float32).reciprocal())
+    y = g.op("Round", g.op("Add", g.op("Mul", x, const(inv)), const(float(z))))
+    return g.op("Cast", g.op("Clip", y, const(float(qmin)), const(float(qmax))), to_i=_ONNX[storage])
+
+
+class _LowbitQDQFn(torch.autograd.Function):
+    """lowbit's quantize onto a per-tensor grid, dequantized; ONNX: ``_codes_symbolic`` -> DequantizeLinear."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, s: float, z: int, qmin: int, qmax: int,  # type: ignore[override]
+                storage: torch.dtype) -> torch.Tensor:
+        with untraced():
+            return (_codes(x, s, z, qmin, qmax) - z) * torch.tensor(s, dtype=torch.float32)
+
+    @staticmethod
+    def symbolic(g: Any, x: Any, s: float, z: int, qmin: int, qmax: int, storage: torch.dtype) -> Any:
+        q = _codes_symbolic(g, x, s, z, qmin, qmax, storage)
+        return g.op("DequantizeLinear", q, g.op("Constant", value_t=torch.tensor(s, dtype=torch.float32)),
+                    g.op("Constant", value_t=torch.tensor(z, dtype=storage)))
+
+
+class ExactQDQ(QDQ):
+    """A ``Quantize`` (float -> grid) as lowbit rounds it, ``x · fl(1 / s)``, not ``QuantizeLinear``'s ``x / s``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, z, d = self.grid
+        return _LowbitQDQFn.apply(x.detach(), s, z, d.quant_min, d.quant_max, self._storage)
+
+
+class _IntegerLayerFn(torch.autograd.Function):
+    """Quantize ``x``, exact integer Conv / MatMul, lowbit's epilogue, dequantize (module doc)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layer: Any, out_pad: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
+        with untraced():
+            s, z, qmin, qmax = layer.in_grid
+            c = (_codes(x, s, z, qmin, qmax) - z).to(torch.float64)
+            w = layer.w.t.to(torch.float64) - layer.w_zp
+            if layer.kind == "linear":
+                acc = c @ w
+            elif layer.kind == "conv_transpose":
+                conv_t = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[layer.dim - 1]
+                acc = conv_t(c, w, None, stride=layer.stride, padding=layer.padding, output_padding=out_pad,
+                             groups=layer.groups, dilation=layer.dilation)
+            else:
+                conv = (F.conv1d, F.conv2d, F.conv3d)[layer.dim - 1]
+                acc = conv(c, w, None, stride=layer.stride, padding=layer.padding, dilation=layer.dilation,
+                           groups=layer.groups)
+            y = _epilogue(acc, layer.scale.t, None if layer.bias is None else layer.bias.t, layer.out)
+            if layer.out is None:
+                return y
+            return (y - layer.out[1]) * torch.tensor(layer.out_scale, dtype=torch.float32)
+
+    @staticmethod
+    def symbolic(g: Any, x: Any, layer: Any, out_pad: tuple[int, ...]) -> Any:
+        def const(t: torch.Tensor) -> Any:
+            return g.op("Constant", value_t=t)
+
+        s, z, qmin, qmax = layer.in_grid
+        st = layer.storage
+        zx = const(torch.tensor(z, dtype=st))
+        q = _codes_symbolic(g, x, s, z, qmin, qmax, st)  # (lowbit's rounding: a float input's codes too)
+        w = const(layer.w.t)
+        ins = [q, w, zx] + ([const(torch.tensor(layer.w_zp, dtype=torch.uint8))] if layer.w_zp else [])
+        if layer.kind == "linear":
+            acc = g.op("MatMulInteger", *ins)
+        elif layer.kind == "conv_transpose":  # no integer ConvTranspose in ONNX: float32 sums of integers below 2**24
+            centred = g.op("Sub", g.op("Cast", q, to_i=_ONNX[torch.float32]), const(torch.tensor(float(z))))
+            acc = g.op("ConvTranspose", centred, const(layer.w.t.to(torch.float32)), strides_i=list(layer.stride),
+                       pads_i=list(layer.padding) * 2, dilations_i=list(layer.dilation), group_i=layer.groups,
+                       output_padding_i=list(out_pad), kernel_shape_i=list(layer.w.t.shape[2:]))
+        else:
+            acc = g.op("ConvInteger", *ins, strides_i=list(layer.stride), pads_i=list(layer.padding) * 2,
+                       dilations_i=list(layer.dilation), group_i=layer.groups,
+                       kernel_shape_i=list(layer.w.t.shape[2:]))
+        y = g.op("Mul", g.op("Cast", acc, to_i=_ONNX[torch.float32]), const(layer.scale.t))
+        if layer.bias is not None:
+            y = g.op("Add", y, const(layer.bias.t))
+        if layer.out is None:
+            return y
+        inv, zo, lo, hi = layer.out
+        y = g.op("Add", g.op("Mul", y, const(torch.tensor(inv, dtype=torch.float32))),
+                 const(torch.tensor(float(zo), dtype=torch.float32)))
+        y = g.op("Clip", g.op("Round", y), const(torch.tensor(float(lo))), const(torch.tensor(float(hi))))
+        ot = layer.out_storage
+        return g.op("DequantizeLinear", g.op("Cast", y, to_i=_ONNX[ot]),
+                    const(torch.tensor(layer.out_scale, dtype=torch.float32)), const(torch.tensor(zo, dtype=ot)))
+
+
+class _Layer:
+    """The constants of one exact layer, handed to ``_IntegerLayerFn`` as one Python object (not traced)."""
+
+
+class ExactWeightedTwin(WeightedTwin):
+    """A ``WeightedTwin`` (its padding, unbatched and N-d Linear handling) whose Q/DQ + float op + Q/DQ core is the
+    exact integer chain of the module doc."""
+
+    def __init__(self, mod: Any, kind: str, in_grid: Grid, weight_dtype: str) -> None:
+        super().__init__(mod, kind, in_grid, weight_dtype)
+        s, z, d = in_grid
+        L = self.layer = _Layer()
+        L.kind, L.in_grid, L.storage = kind, (float(s), int(z), d.quant_min, d.quant_max), _storage(d, "to_onnx")
+        codes = mod.weight_int8.detach().cpu()
+        shift = kind != "conv_transpose" and (weight_dtype == "uint8" or (weight_dtype == "auto"
+                                                                           and not saturation_safe(codes)))
+        w = (codes.to(torch.int16) + 128).to(torch.uint8) if shift else codes.to(torch.int8)
+        L.w, L.w_zp = _Const(w.t() if kind == "linear" else w), 128 if shift else 0
+        sw = mod.weight_scale.detach().cpu().to(torch.float32)
+        if kind == "conv_transpose" and mod.bias is not None and sw.numel() != mod.bias.numel():
+            sw = sw.repeat(mod.groups)  # grouped: output channel o reads s_w[o % (C_out / groups)] (qdq.WeightedTwin)
+        scale = sw * torch.tensor(float(s), dtype=torch.float32)  # fl(s_x s_w), as kernels.avx2._scaled
+        chan = (-1,) if kind == "linear" else (-1,) + (1,) * self.dim
+        L.scale = _Const(scale.reshape(chan))
+        L.bias = None if mod.bias is None else _Const(mod.bias.detach().cpu().to(torch.float32).reshape(chan))
+        if kind != "linear":
+            L.dim = self.dim
+            L.stride, L.padding, L.dilation, L.groups = (tuple(self.conv_args[k]) if k != "groups" else
+                                                         self.conv_args[k] for k in ("stride", "padding", "dilation",
+                                                                                     "groups"))
+        if getattr(mod, "float_output", False):
+            L.out = None
+        else:
+            so, zo, qd = float(mod.scale), int(mod.zero_point), mod.out_qdtype
+            inv = float(torch.tensor(so, dtype=torch.float32).reciprocal())  # fl(1 / s_y), kernels.avx2._inv_scale
+            lo = max(qd.quant_min, zo) if self.relu else qd.quant_min  # the ReLU as the clamp (avx2._relu_floor)
+            L.out, L.out_scale, L.out_storage = (inv, zo, lo, qd.quant_max), so, _storage(qd, "to_onnx")
+
+    def _core(self, x: torch.Tensor, conv_args: dict[str, Any]) -> torch.Tensor:
+        out_pad = tuple(conv_args.get("output_padding", ()))
+        return _IntegerLayerFn.apply(x.detach(), self.layer, out_pad)  # (detached: see codes.to_codes_and_back)
+
+
+class _AddFn(torch.autograd.Function):
+    """``QFunctional.add`` (``add_relu``) on the codes, as lowbit runs it (``functional_modules._scaled_sum``,
+    ``_out``): ``clamp(round(fl(fl((q_a - z_a) k_a) + fl((q_b - z_b) k_b))) + z, lo, qmax)``, ``k = fl(s_in / s)``;
+    dequantized. ONNX: lowbit's codes of each input, Cast / Sub / Mul / Add / Round / Add / Clip / Cast / DQ."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, grids: Any) -> torch.Tensor:  # type: ignore[override]
+        with untraced():
+            (ga, gb), (s, z, lo, hi, _) = grids
+            acc = None
+            for x, (sx, zx, qmin, qmax, _) in ((a, ga), (b, gb)):
+                k = torch.tensor(sx, dtype=torch.float32) / torch.tensor(s, dtype=torch.float32)
+                t = (_codes(x, sx, zx, qmin, qmax) - float(zx)) * k
+                acc = t if acc is None else acc + t
+            assert acc is not None
+            return (torch.clamp(torch.round(acc) + float(z), lo, hi) - z) * torch.tensor(s, dtype=torch.float32)
+
+    @staticmethod
+    def symbolic(g: Any, a: Any, b: Any, grids: Any) -> Any:
+        def const(v: float) -> Any:
+            return g.op("Constant", value_t=torch.tensor(v, dtype=torch.float32))
+
+        (ga, gb), (s, z, lo, hi, st) = grids
+        acc = None
+        for x, (sx, zx, qmin, qmax, sti) in ((a, ga), (b, gb)):
+            k = float(torch.tensor(sx, dtype=torch.float32) / torch.tensor(s, dtype=torch.float32))
+            c = g.op("Cast", _codes_symbolic(g, x, sx, zx, qmin, qmax, sti), to_i=_ONNX[torch.float32])
+            t = g.op("Mul", g.op("Sub", c, const(float(zx))), const(k))
+            acc = t if acc is None else g.op("Add", acc, t)
+        q = g.op("Clip", g.op("Add", g.op("Round", acc), const(float(z))), const(float(lo)), const(float(hi)))
+        return g.op("DequantizeLinear", g.op("Cast", q, to_i=_ONNX[st]),
+                    g.op("Constant", value_t=torch.tensor(s, dtype=torch.float32)),
+                    g.op("Constant", value_t=torch.tensor(z, dtype=st)))
+
+
+class ExactFunctionalTwin(FunctionalTwin):
+    """``FunctionalTwin`` whose ``add`` / ``add_relu`` of two quantized inputs run lowbit's code arithmetic
+    (``_AddFn``); its other ops, and an add with a float input, stay float ops between Q/DQ."""
+
+    def __init__(self, mod: Any, in_grids: dict[str, list[Grid | None]]) -> None:
+        super().__init__(mod, in_grids)
+        s, z, d = float(mod.scale), int(mod.zero_point), mod.qdtype
+        out = (s, z, d.quant_min, d.quant_max, _storage(d, "to_onnx"))
+        self.grids: dict[str, Any] = {}
+        for op in ("add", "add_relu"):
+            gs = in_grids.get(op)
+            if gs and len(gs) == 2 and all(gr is not None for gr in gs):
+                ins = tuple((float(gr[0]), int(gr[1]), gr[2].quant_min, gr[2].quant_max, _storage(gr[2], "to_onnx"))
+                            for gr in gs if gr is not None)
+                lo = max(d.quant_min, z) if op == "add_relu" else d.quant_min
+                self.grids[op] = (ins, out[:2] + (lo,) + out[3:])
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if "add" in self.grids:
+            return _AddFn.apply(x.detach(), y.detach(), self.grids["add"])
+        return super().add(x, y)
+
+    def add_relu(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if "add_relu" in self.grids:
+            return _AddFn.apply(x.detach(), y.detach(), self.grids["add_relu"])
+        return super().add_relu(x, y)
+
+
+def _float_sums_exact(w: torch.Tensor, groups: int) -> bool:
+    """Whether every float32 partial sum of a transposed conv of 8-bit centred codes (``|q - z| <= 255``) with the
+    int8 weights ``w`` ``(C_in, C_out / groups, *k)`` is an integer below 2**24, so exact in any order."""
+    per_out = w.detach().abs().to(torch.int64).reshape(groups, w.shape[0] // groups, w.shape[1], -1).sum((1, 3))
+    return bool(255 * int(per_out.max()) < 2**24) if per_out.numel() else True
+
+
+def exact_twin(mod: Any, kind: str, in_grid: Grid | None, weight_dtype: str) -> WeightedTwin:
+    """``ExactWeightedTwin`` where the layer has an integer ONNX form (a Linear / Conv on a static input grid with
+    symmetric weights), else the QDQ ``WeightedTwin``."""
+    if kind in EXACT_KINDS and in_grid is not None and not bool(mod.weight_zero_point.any()) and (
+            kind != "conv_transpose" or _float_sums_exact(mod.weight_int8, mod.groups)):
+        return ExactWeightedTwin(mod, kind, in_grid, weight_dtype)
+    return WeightedTwin(mod, kind, in_grid, weight_dtype)
+
+
+_ = nn  # (nn: the twins are modules)
