@@ -126,7 +126,11 @@ class _IntegerLayerFn(torch.autograd.Function):
                 conv = (F.conv1d, F.conv2d, F.conv3d)[layer.dim - 1]
                 acc = conv(c, w, None, stride=layer.stride, padding=layer.padding, dilation=layer.dilation,
                            groups=layer.groups)
-            y = _epilogue(acc, layer.scale.t, None if layer.bias is None else layer.bias.t, layer.out)
+            if layer.fbgemm:
+                v = acc.to(torch.float32) if layer.bterm is None else acc.to(torch.float32) + layer.bterm.t
+                y = torch.clamp(torch.round(v * layer.mult.t) + float(layer.out[1]), layer.out[2], layer.out[3])
+            else:
+                y = _epilogue(acc, layer.scale.t, None if layer.bias is None else layer.bias.t, layer.out)
             if layer.out is None:
                 return y
             return (y - layer.out[1]) * torch.tensor(layer.out_scale, dtype=torch.float32)
@@ -144,16 +148,30 @@ class _IntegerLayerFn(torch.autograd.Function):
         ins = [q, w, zx] + ([const(torch.tensor(layer.w_zp, dtype=torch.uint8))] if layer.w_zp else [])
         if layer.kind == "linear":
             acc = g.op("MatMulInteger", *ins)
-        elif layer.kind == "conv_transpose":  # no integer ConvTranspose in ONNX: float32 sums of integers below 2**24
+        elif layer.float_sums:  # float32 sums of integers below 2**24 (exact in any order; ORT's float kernels)
             centred = g.op("Sub", g.op("Cast", q, to_i=_ONNX[torch.float32]), const(torch.tensor(float(z))))
-            acc = g.op("ConvTranspose", centred, const(layer.w.t.to(torch.float32)), strides_i=list(layer.stride),
-                       pads_i=list(layer.padding) * 2, dilations_i=list(layer.dilation), group_i=layer.groups,
-                       output_padding_i=list(out_pad), kernel_shape_i=list(layer.w.t.shape[2:]))
+            wf = const(layer.w.t.to(torch.float32) - layer.w_zp)
+            geometry = {"strides_i": list(layer.stride), "pads_i": list(layer.padding) * 2,
+                        "dilations_i": list(layer.dilation), "group_i": layer.groups,
+                        "kernel_shape_i": list(layer.w.t.shape[2:])}
+            if layer.kind == "conv_transpose":
+                geometry["output_padding_i"] = list(out_pad)
+            return_op = "ConvTranspose" if layer.kind == "conv_transpose" else "Conv"
+            # through int32 and back (the same values): ORT's ConvMulFusion / ConvAddFusion would fold the Mul / Add
+            # below into the weights and bias, whose float products then round (1 of 147,456 codes off)
+            acc = g.op("Cast", g.op(return_op, centred, wf, **geometry), to_i=6)
         else:
             acc = g.op("ConvInteger", *ins, strides_i=list(layer.stride), pads_i=list(layer.padding) * 2,
                        dilations_i=list(layer.dilation), group_i=layer.groups,
                        kernel_shape_i=list(layer.w.t.shape[2:]))
-        y = g.op("Mul", g.op("Cast", acc, to_i=_ONNX[torch.float32]), const(layer.scale.t))
+        acc = g.op("Cast", acc, to_i=_ONNX[torch.float32])
+        if layer.fbgemm:  # fbgemm's requantization (module doc)
+            if layer.bterm is not None:
+                acc = g.op("Add", acc, const(layer.bterm.t))
+            inv, zo, lo, hi = layer.out
+            y = g.op("Add", g.op("Round", g.op("Mul", acc, const(layer.mult.t))), const(torch.tensor(float(zo))))
+            return _dq(g, y, layer, const)
+        y = g.op("Mul", acc, const(layer.scale.t))
         if layer.bias is not None:
             y = g.op("Add", y, const(layer.bias.t))
         if layer.out is None:
@@ -161,10 +179,16 @@ class _IntegerLayerFn(torch.autograd.Function):
         inv, zo, lo, hi = layer.out
         y = g.op("Add", g.op("Mul", y, const(torch.tensor(inv, dtype=torch.float32))),
                  const(torch.tensor(float(zo), dtype=torch.float32)))
-        y = g.op("Clip", g.op("Round", y), const(torch.tensor(float(lo))), const(torch.tensor(float(hi))))
-        ot = layer.out_storage
-        return g.op("DequantizeLinear", g.op("Cast", y, to_i=_ONNX[ot]),
-                    const(torch.tensor(layer.out_scale, dtype=torch.float32)), const(torch.tensor(zo, dtype=ot)))
+        return _dq(g, g.op("Round", y), layer, const)
+
+
+def _dq(g: Any, y: Any, layer: Any, const: Any) -> Any:
+    """Clip(lo, qmax) -> Cast -> DequantizeLinear onto the layer's output grid."""
+    _, zo, lo, hi = layer.out
+    y = g.op("Clip", y, const(torch.tensor(float(lo))), const(torch.tensor(float(hi))))
+    ot = layer.out_storage
+    return g.op("DequantizeLinear", g.op("Cast", y, to_i=_ONNX[ot]),
+                const(torch.tensor(layer.out_scale, dtype=torch.float32)), const(torch.tensor(zo, dtype=ot)))
 
 
 class _Layer:
@@ -185,6 +209,7 @@ class ExactWeightedTwin(WeightedTwin):
                                                                            and not saturation_safe(codes)))
         w = (codes.to(torch.int16) + 128).to(torch.uint8) if shift else codes.to(torch.int8)
         L.w, L.w_zp = _Const(w.t() if kind == "linear" else w), 128 if shift else 0
+        L.float_sums = kind != "linear" and _float_sums_exact(codes, mod.groups, kind == "conv_transpose")
         sw = mod.weight_scale.detach().cpu().to(torch.float32)
         if kind == "conv_transpose" and mod.bias is not None and sw.numel() != mod.bias.numel():
             sw = sw.repeat(mod.groups)  # grouped: output channel o reads s_w[o % (C_out / groups)] (qdq.WeightedTwin)
@@ -197,6 +222,7 @@ class ExactWeightedTwin(WeightedTwin):
             L.stride, L.padding, L.dilation, L.groups = (tuple(self.conv_args[k]) if k != "groups" else
                                                          self.conv_args[k] for k in ("stride", "padding", "dilation",
                                                                                      "groups"))
+        L.fbgemm = False
         if getattr(mod, "float_output", False):
             L.out = None
         else:
@@ -204,6 +230,12 @@ class ExactWeightedTwin(WeightedTwin):
             inv = float(torch.tensor(so, dtype=torch.float32).reciprocal())  # fl(1 / s_y), kernels.avx2._inv_scale
             lo = max(qd.quant_min, zo) if self.relu else qd.quant_min  # the ReLU as the clamp (avx2._relu_floor)
             L.out, L.out_scale, L.out_storage = (inv, zo, lo, qd.quant_max), so, _storage(qd, "to_onnx")
+            # a Linear with a u8 output and no split takes fbgemm's requantized codes (kernels.plan.linear_plan)
+            shift = (128 if d.quant_max - d.quant_min > 127 else -d.quant_min) if d.storage == torch.int8 else 0
+            L.fbgemm = (kind == "linear" and qd.storage == torch.uint8
+                        and (d.quant_max + shift <= 127 or saturation_safe(codes)))
+            L.mult = _Const((scale / torch.tensor(so, dtype=torch.float32)).reshape(chan))  # fl(fl(s_x s_w) / s_y)
+            L.bterm = None if mod.bias is None else _Const(mod.bias.detach().cpu().float().reshape(chan) / scale.reshape(chan))
 
     def _core(self, x: torch.Tensor, conv_args: dict[str, Any]) -> torch.Tensor:
         out_pad = tuple(conv_args.get("output_padding", ()))
@@ -273,10 +305,13 @@ class ExactFunctionalTwin(FunctionalTwin):
         return super().add_relu(x, y)
 
 
-def _float_sums_exact(w: torch.Tensor, groups: int) -> bool:
-    """Whether every float32 partial sum of a transposed conv of 8-bit centred codes (``|q - z| <= 255``) with the
-    int8 weights ``w`` ``(C_in, C_out / groups, *k)`` is an integer below 2**24, so exact in any order."""
-    per_out = w.detach().abs().to(torch.int64).reshape(groups, w.shape[0] // groups, w.shape[1], -1).sum((1, 3))
+def _float_sums_exact(w: torch.Tensor, groups: int, transposed: bool) -> bool:
+    """Whether every float32 partial sum of a (transposed) conv of 8-bit centred codes (``|q - z| <= 255``) with the
+    int8 weights ``w`` (``(C_out, C_in / groups, *k)``; transposed ``(C_in, C_out / groups, *k)``) is an integer below
+    2**24, so exact in any summation order."""
+    w = w.detach().abs().to(torch.int64)
+    per_out = (w.reshape(groups, w.shape[0] // groups, w.shape[1], -1).sum((1, 3)) if transposed
+               else w.reshape(w.shape[0], -1).sum(1))
     return bool(255 * int(per_out.max()) < 2**24) if per_out.numel() else True
 
 
@@ -284,7 +319,7 @@ def exact_twin(mod: Any, kind: str, in_grid: Grid | None, weight_dtype: str) -> 
     """``ExactWeightedTwin`` where the layer has an integer ONNX form (a Linear / Conv on a static input grid with
     symmetric weights), else the QDQ ``WeightedTwin``."""
     if kind in EXACT_KINDS and in_grid is not None and not bool(mod.weight_zero_point.any()) and (
-            kind != "conv_transpose" or _float_sums_exact(mod.weight_int8, mod.groups)):
+            kind != "conv_transpose" or _float_sums_exact(mod.weight_int8, mod.groups, True)):
         return ExactWeightedTwin(mod, kind, in_grid, weight_dtype)
     return WeightedTwin(mod, kind, in_grid, weight_dtype)
 
