@@ -13,20 +13,30 @@ while lowbit's int8 kernels keep the float32 bias and requantize (``kernels.avx2
 by one step (74 of 147,456 codes of a random 3x3 conv, 120 of a depthwise one); the folded multiplier moves a few more.
 Here each such layer is written as::
 
-    QuantizeLinear(x, s_x, z_x) -> ConvInteger / MatMulInteger(., q_w, z_x[, 128]) -> Cast(float)
-      -> Mul(fl(s_x s_w)) -> Add(b) -> Mul(fl(1 / s_y)) -> Add(z_y) -> Round -> Clip(lo, qmax) -> Cast
-      -> DequantizeLinear(s_y, z_y)
+    lowbit's codes of x -> exact sums acc (below) -> Cast(float) -> Mul(fl(s_x s_w)) -> Add(b) -> Mul(fl(1 / s_y))
+      -> Add(z_y) -> Round -> Clip(lo, qmax) -> Cast -> DequantizeLinear(s_y, z_y)
 
-``acc = Σ (q_x - z_x) q_w`` is exact int32 in ONNX Runtime; ``Round`` is half to even, as ``torch.round``; every float
-op is one IEEE float32 operation in lowbit's order, so the codes equal lowbit's wherever its kernel uses this
-epilogue (every static Conv / Linear route measured on AVX2: split, unsplit oneDNN, depthwise, reduce-range grids).
-Weights that ``vpmaddubsw`` could saturate are stored as ``q_w + 128`` (u8, zero point 128), as ``weight_dtype`` says
-(``qdq``). Layers kept in the QDQ form: a ConvTranspose (ONNX has no integer form), a per-call (dynamic) input grid,
-weights with non-zero zero points, a float-output Linear is written with the same chain minus the requantization.
+``acc = Σ (q_x - z_x) q_w`` is exact: ``MatMulInteger`` for a Linear; for a Conv / ConvTranspose a float32 ``Conv`` /
+``ConvTranspose`` of the centred codes and the weight codes, exact in any summation order while every partial sum is an
+integer below 2**24 (``255 · Σ|q_w|`` per output channel; ``ConvInteger`` past that, and ConvTranspose stays QDQ), then
+``Cast`` to int32 and back (ORT's ConvMulFusion folded the ``Mul`` into the weights otherwise). ``Round`` is half to
+even, as ``torch.round``; every float op is one IEEE float32 operation in lowbit's order. A Linear with a u8 output
+and no activation split (7-bit input grid or ``saturation_safe`` weights: ``kernels.plan.linear_plan``) takes fbgemm's
+requantized codes in lowbit, so it is written as fbgemm computes them::
+
+    q_y = clamp(round(fl(fl(acc + fl(b / fl(s_x s_w))) · fl(fl(s_x s_w) / s_y))) + z_y, lo, qmax)
+
+The model's ``Quantize`` and each layer's input codes are lowbit's ``round(fl(x · fl(1 / s)) + z)`` (Mul, Add, Round,
+Clip, Cast), not ``QuantizeLinear``'s ``x / s`` (1 of 73,728 random input codes differed); ``QFunctional.add`` /
+``add_relu`` of two quantized inputs is lowbit's code arithmetic (``ExactFunctionalTwin``). The codes equal lowbit's
+routes on CPUs without VNNI (and a VNNI CPU's rows up to ``small_m.VNNI_M``, which take the same routes); oneDNN's
+one call past them may round a tie the other way (DESIGN §4: within one quantum). ``ConvInteger`` / ``MatMulInteger``
+weights that ``vpmaddubsw`` could saturate are stored as ``q_w + 128`` (u8, zero point 128), as ``weight_dtype`` says
+(``qdq``). Kept in the QDQ form: a per-call (dynamic) input grid, weights with non-zero zero points; other ops
+(BatchNorm, cat, mul, activations) are as in the QDQ export. A float-output Linear ends at ``fl(acc) fl(s_x s_w) + b``.
 
 >>> import torch, lowbit as Q
->>> from torch import nn
->>> m = nn.Sequential(Q.QuantStub(), nn.Conv2d(2, 3, 3), Q.DeQuantStub()).eval()
+>>> >>> m = nn.Sequential(Q.QuantStub(), nn.Conv2d(2, 3, 3), Q.DeQuantStub()).eval()
 >>> m.qconfig = Q.get_default_qconfig()
 >>> m = Q.prepare(m); _ = m(torch.randn(4, 2, 6, 6)); m = Q.convert(m)
 >>> twin = exact_twin(m[1], "conv", (float(m[0].scale), int(m[0].zero_point), m[0].qdtype), "auto")
@@ -42,7 +52,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..kernels.onednn import saturation_safe
 from .qdq import QDQ, FunctionalTwin, Grid, WeightedTwin, _Const, _storage, untraced
@@ -323,5 +332,3 @@ def exact_twin(mod: Any, kind: str, in_grid: Grid | None, weight_dtype: str) -> 
         return ExactWeightedTwin(mod, kind, in_grid, weight_dtype)
     return WeightedTwin(mod, kind, in_grid, weight_dtype)
 
-
-_ = nn  # (nn: the twins are modules)
