@@ -36,7 +36,8 @@ weights that ``vpmaddubsw`` could saturate are stored as ``q_w + 128`` (u8, zero
 (BatchNorm, cat, mul, activations) are as in the QDQ export. A float-output Linear ends at ``fl(acc) fl(s_x s_w) + b``.
 
 >>> import torch, lowbit as Q
->>> >>> m = nn.Sequential(Q.QuantStub(), nn.Conv2d(2, 3, 3), Q.DeQuantStub()).eval()
+>>> from torch import nn
+>>> m = nn.Sequential(Q.QuantStub(), nn.Conv2d(2, 3, 3), Q.DeQuantStub()).eval()
 >>> m.qconfig = Q.get_default_qconfig()
 >>> m = Q.prepare(m); _ = m(torch.randn(4, 2, 6, 6)); m = Q.convert(m)
 >>> twin = exact_twin(m[1], "conv", (float(m[0].scale), int(m[0].zero_point), m[0].qdtype), "auto")
