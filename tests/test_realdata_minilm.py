@@ -15,6 +15,7 @@ Run with ``pytest -m realdata -rP tests/test_realdata_minilm.py`` to see the fig
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import warnings
@@ -40,13 +41,13 @@ PAIRS = np.triu_indices(50, 1)  # the 1225 human-rated document pairs
 
 
 @pytest.fixture(scope="module")
-def setup():
+def setup(minilm_fp32_session):
     offline = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # nothing may download
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    tok, model = D.load_minilm()
-    background, docs, human = D.load_lee_corpus()
+    s = minilm_fp32_session  # (conftest: loaded once per session; quantize_dynamic below copies the model)
+    tok, model, background, docs, human = s["tok"], copy.deepcopy(s["model"]), s["background"], s["docs"], s["human"]
     assert (len(background), len(docs), human.shape) == (300, 50, (50, 50))
     yield tok, model, background, docs, human
     torch.set_num_threads(threads)
@@ -66,8 +67,12 @@ def _figures(tok, model, background, docs, human):
 
 
 @pytest.fixture(scope="module")
-def fp32(setup):
-    return _figures(*setup)
+def fp32(setup, minilm_fp32_session):
+    """``_figures`` of the fp32 model: its embeddings come from the session fixture (the same embed_sentences calls
+    at 2 threads), the Lee r from them as ``_figures`` computes it."""
+    _, _, _, _, human = setup
+    e = minilm_fp32_session["emb_docs"]
+    return minilm_fp32_session["emb_bg"], float(np.corrcoef((e @ e.T).numpy()[PAIRS], human[PAIRS])[0, 1])
 
 
 def test_minilm_dynamic_int8_keeps_embeddings_and_lee_correlation(setup, fp32):
