@@ -115,7 +115,9 @@ def test_efficientnet_lite0_default_and_balanced_recipes(lite0):
     # input grid is capped near 23.6 dB against these crops; on whole-pixel crops (photo_crops(uint8=True)) it is
     # exact. Activation grids alone (weights float, whole-pixel crops) 23.10 dB: the 30 dB bar is not an all-int8
     # figure on these crops (docs/design.md, Lite0's error budget).
-    assert agree >= 0.64 and sqnr >= 10.5, (agree, sqnr)
+    # Session 41 (BN folded in torch.ao's rsqrt order, one float32 ulp: other codes at ties, another draw on these 96
+    # crops, standard error ~0.03): 0.656 / 11.46 dB at 2 threads
+    assert agree >= 0.62 and sqnr >= 10.5, (agree, sqnr)
     agree, sqnr = _run(lite0, "balanced")
     # default grids + quadratic codes + bias correction: measured 0.948 / 24.19 dB at this test's 2 threads and at 1
     # (480 crops: 0.923 / 24.27; quantize_ptq 2122 s at load 5-7 on 2 cores). It replaces the
@@ -123,4 +125,6 @@ def test_efficientnet_lite0_default_and_balanced_recipes(lite0):
     # together: 0.938 / 23.74 dB at 1 thread); the path that run alone covered, a residual block rounded together
     # across a zero pad, is tests/test_block.py's test_blocks_span_zero_pads_and_convert_exactly, and the accurate
     # recipe on real data is MobileNetV2's test
-    assert agree >= 0.91 and sqnr >= 23.5, (agree, sqnr)
+    # session 41 (the BN fold in torch.ao's order, above): 0.917 / 24.07 dB at 2 threads; the SQNR moved 0.1 dB, the
+    # agreement by one 96-crop draw, so the agreement floor sits a standard error below it
+    assert agree >= 0.89 and sqnr >= 23.5, (agree, sqnr)
