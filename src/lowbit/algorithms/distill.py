@@ -48,10 +48,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..fake_quant.base import holds_grid
 from .block import install_grid, learnable_grids
 from .layers import freeze_weight, is_weighted, split, weight_codes
 from .layerwise_step import batch_tuples, patch_observers
-from .tune import _error, _subsample, _tensors
+from .tune import _error, _subsample, _tensors, check_outputs
 
 __all__ = ["distill", "DistillResult"]
 
@@ -98,6 +99,44 @@ def _layers(prepared: fx.GraphModule) -> list[nn.Module]:
     return out
 
 
+def _check_calibrated(prepared: fx.GraphModule) -> None:
+    """``ValueError`` naming the first activation observer that saw no data (``convert_fx`` refuses the model then;
+    distilling it would fit observers that run as the identity)."""
+    for node in prepared.graph.nodes:
+        if node.op == "call_module" and node.meta.get("lowbit_kind") in ("obs_out", "obs_in"):
+            obs = prepared.get_submodule(node.target)  # type: ignore[arg-type]
+            if not holds_grid(obs) and getattr(getattr(obs, "activation_post_process", obs), "is_calibrated", True) \
+                    is False:
+                raise ValueError(f"distill: the observer after '{node.args[0]}' ({node.target}) saw no data; run "
+                                 "calibration batches through the prepared model first")
+
+
+def _targets(float_model: nn.Module, batches: list[tuple[Any, ...]]) -> list[list[torch.Tensor]]:
+    """``float_model``'s float output tensors on every batch, in eval mode (its modes restored); a batch with no
+    samples or one the model fails on is refused naming it."""
+    for i, b in enumerate(batches):
+        if any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == 0 for t in b):
+            raise ValueError(f"distill: calib batch {i} has no samples (input shapes "
+                             f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in b]})")
+    modes = [(m, m.training) for m in float_model.modules()]
+    float_model.eval()
+    out = []
+    try:
+        with torch.no_grad():
+            for i, b in enumerate(batches):
+                try:
+                    y = float_model(*b)
+                except Exception as e:
+                    raise ValueError(f"distill: float_model failed on calib batch {i} (input shapes "
+                                     f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in b]}"
+                                     f"): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+                out.append([t.detach() for t in _tensors(y)])
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    return out
+
+
 def distill(prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any], iters: int = 200,
             batch_size: int = 16, lr: float = 1e-2, bias_lr: float = 1e-4, grids: bool = True,
             grid_lr: float = 1e-4, seed: int = 0, progress: bool = True) -> DistillResult:
@@ -105,6 +144,8 @@ def distill(prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any], i
     (``lr`` in grid steps per Adam step), biases (``bias_lr``) and, with ``grids``, the per-tensor activation steps
     (``grid_lr``) learn for ``iters`` steps of ``batch_size`` random samples of one calibration batch; see the module
     docstring. ``prepared`` is changed in place when the error over all of ``calib`` goes down, else left as it was.
+    The targets are ``float_model``'s outputs in eval mode (a model in training mode is switched to eval for them and
+    back: no batch-norm statistics updated, no dropout); its outputs must match ``prepared``'s, tensor for tensor.
     """
     if not isinstance(prepared, fx.GraphModule):
         raise TypeError(f"distill: prepared must be a graph-mode prepared model (prepare_fx), "
@@ -112,18 +153,25 @@ def distill(prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any], i
     if not isinstance(float_model, nn.Module):
         raise TypeError(f"distill: float_model must be an nn.Module, got {type(float_model).__name__}")
     for name, v in (("iters", iters), ("batch_size", batch_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "iters" else 1):
-            raise ValueError(f"distill: {name}={v!r} must be an int >= {0 if name == 'iters' else 1}")
+        if isinstance(v, bool) or not isinstance(v, int) or not (0 if name == "iters" else 1) <= v < 2 ** 63:
+            raise ValueError(f"distill: {name}={v!r} must be an int in [{0 if name == 'iters' else 1}, 2**63)")
     for name, v in (("lr", lr), ("bias_lr", bias_lr), ("grid_lr", grid_lr)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise ValueError(f"distill: {name}={v!r} must be a finite number >= 0")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"distill: seed={seed!r} must be an int")
+    if not -2 ** 63 <= seed < 2 ** 64:  # torch.Generator's range
+        raise ValueError(f"distill: seed={seed!r} must be in [-2**63, 2**64)")
+    for name, v in (("grids", grids), ("progress", progress)):
+        if not isinstance(v, bool):
+            raise TypeError(f"distill: {name}={v!r} must be True or False")
+    _check_calibrated(prepared)
     from tqdm.auto import tqdm
     from torch.nn.utils import parametrize
 
     batches, g = batch_tuples(calib, "distill"), torch.Generator().manual_seed(seed)
     mods = dict(prepared.named_modules())
-    with torch.no_grad():
-        targets = [[t.detach() for t in _tensors(float_model(*b))] for b in batches]
+    targets = _targets(float_model, batches)
     layers = _layers(prepared)
     saved = {k: v.detach().clone() for k, v in prepared.state_dict().items()}
     qconfigs = [(m, m.qconfig, split(m)[0].qconfig if split(m)[0] is not m else None) for m in layers]
@@ -150,7 +198,10 @@ def distill(prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any], i
 
     def total() -> float:
         with torch.no_grad():
-            return sum(float(_error(prepared(*b), t)) for b, t in zip(batches, targets))
+            outs = [(prepared(*b), t) for b, t in zip(batches, targets)]
+        for i, (o, t) in enumerate(outs):
+            check_outputs(o, t, "distill", i)
+        return sum(float(_error(o, t)) for o, t in outs)
 
     moved, kept = 0, False
     try:

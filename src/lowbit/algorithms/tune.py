@@ -73,6 +73,17 @@ def _error(out: Any, target: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def check_outputs(out: Any, target: list[torch.Tensor], where: str, i: int) -> None:
+    """``ValueError`` unless the prepared model's output ``out`` on calibration batch ``i`` holds as many
+    floating-point tensors as the float model's (``target``), each of the same shape: a float model of another output
+    structure was compared element by element (``zip`` stopped at the shorter, a ``(N, 1)`` target broadcast)."""
+    got = _tensors(out)
+    if len(got) != len(target) or any(o.shape != t.shape for o, t in zip(got, target)):
+        raise ValueError(f"{where}: on calib batch {i} the prepared model returned float tensors of shapes "
+                         f"{[tuple(o.shape) for o in got]}, float_model {[tuple(t.shape) for t in target]}; "
+                         "float_model must be the model that was prepared (the same outputs)")
+
+
 def _subsample(batch: tuple[Any, ...], target: list[torch.Tensor], batch_size: int,
                g: torch.Generator) -> tuple[tuple[Any, ...], list[torch.Tensor]]:
     """``batch_size`` random samples of a batch and its targets (the whole batch where the inputs and
@@ -128,7 +139,10 @@ def tune_biases(prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any
 
     def total() -> float:
         with torch.no_grad():
-            return sum(float(_error(prepared(*b), t)) for b, t in zip(batches, targets))
+            outs = [(prepared(*b), t) for b, t in zip(batches, targets)]
+        for i, (o, t) in enumerate(outs):
+            check_outputs(o, t, "tune_biases", i)
+        return sum(float(_error(o, t)) for o, t in outs)
 
     try:
         for p in prepared.parameters():
