@@ -264,6 +264,11 @@ def main() -> None:
     models = ("mnv2", "lite0", "fmnist", "minilm")
     if any(m not in models for m in args.models.split(",")):
         ap.error(f"--models {args.models}: choose from {','.join(models)}")
+    if args.distill < 0:
+        ap.error(f"--distill {args.distill}: must be >= 0 (end-to-end distillation steps; 0: off)")
+    if args.distill and ("accurate" not in recipes or not {"mnv2", "lite0"} & set(args.models.split(","))):
+        ap.error(f"--distill {args.distill} applies to the accurate recipe's ImageNet rows (--recipes with accurate, "
+                 f"--models with mnv2 or lite0); here --recipes {args.recipes} --models {args.models}")
     iters = args.iters if args.iters is not None else (100 if args.quick else 500)
     n_cal, n_eval = args.calib, args.eval
     torch.manual_seed(0)

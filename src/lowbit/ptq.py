@@ -225,8 +225,9 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         raise ValueError(f"quantize_ptq: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")
     if not isinstance(learn_grids, bool):
         raise TypeError(f"quantize_ptq: learn_grids={learn_grids!r} must be True or False")
-    if isinstance(distill, bool) or not isinstance(distill, int) or distill < 0:
-        raise ValueError(f"quantize_ptq: distill={distill!r} must be an int >= 0 (steps of end-to-end distillation)")
+    if isinstance(distill, bool) or not isinstance(distill, int) or not 0 <= distill < 2 ** 63:
+        raise ValueError(f"quantize_ptq: distill={distill!r} must be an int in [0, 2**63) (steps of end-to-end "
+                         "distillation)")
     if isinstance(tune, bool) or not isinstance(tune, int) or tune < 0:
         raise ValueError(f"quantize_ptq: tune={tune!r} must be an int >= 0 (steps of end-to-end bias tuning)")
     if not isinstance(float_output, bool):

@@ -73,6 +73,8 @@ def _steps(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if v < 0:
         raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    if v > 2 ** 63 - 1:  # (refused by quantize_ptq too, after the model and data loaded)
+        raise argparse.ArgumentTypeError(f"{v} must be <= 2**63 - 1")
     return v
 
 
