@@ -27,13 +27,13 @@ requantized codes in lowbit, so it is written as fbgemm computes them::
     q_y = clamp(round(fl(fl(acc + fl(b / fl(s_x s_w))) · fl(fl(s_x s_w) / s_y))) + z_y, lo, qmax)
 
 The model's ``Quantize`` and each layer's input codes are lowbit's ``round(fl(x · fl(1 / s)) + z)`` (Mul, Add, Round,
-Clip, Cast), not ``QuantizeLinear``'s ``x / s`` (1 of 73,728 random input codes differed); ``QFunctional.add`` /
-``add_relu`` of two quantized inputs is lowbit's code arithmetic (``ExactFunctionalTwin``). The codes equal lowbit's
+Clip, Cast), not ``QuantizeLinear``'s ``x / s`` (1 of 73,728 random input codes differed); ``QFunctional`` add /
+add_relu / mul / cat and quantized BatchNorm are lowbit's code arithmetic (``exact_ops``). The codes equal lowbit's
 routes on CPUs without VNNI (and a VNNI CPU's rows up to ``small_m.VNNI_M``, which take the same routes); oneDNN's
 one call past them may round a tie the other way (DESIGN §4: within one quantum). ``ConvInteger`` / ``MatMulInteger``
 weights that ``vpmaddubsw`` could saturate are stored as ``q_w + 128`` (u8, zero point 128), as ``weight_dtype`` says
 (``qdq``). Kept in the QDQ form: a per-call (dynamic) input grid, weights with non-zero zero points; other ops
-(BatchNorm, cat, mul, activations) are as in the QDQ export. A float-output Linear ends at ``fl(acc) fl(s_x s_w) + b``.
+(matmul, activations) are as in the QDQ export. A float-output Linear ends at ``fl(acc) fl(s_x s_w) + b``.
 
 >>> import torch, lowbit as Q
 >>> from torch import nn
@@ -55,9 +55,9 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.onednn import saturation_safe
-from .qdq import QDQ, FunctionalTwin, Grid, WeightedTwin, _Const, _storage, untraced
+from .qdq import QDQ, Grid, WeightedTwin, _Const, _storage, out_channel_weight_scale, stored_codes, untraced
 
-__all__ = ["EXACT_KINDS", "ExactFunctionalTwin", "ExactQDQ", "ExactWeightedTwin", "exact_twin"]
+__all__ = ["EXACT_KINDS", "ExactQDQ", "ExactWeightedTwin", "const_f32", "dq_symbolic", "exact_twin"]
 
 EXACT_KINDS = ("linear", "conv", "conv_transpose")
 _ONNX = {torch.uint8: 2, torch.int8: 3, torch.float32: 1}  # TensorProto types
@@ -82,15 +82,29 @@ def _codes(x: torch.Tensor, s: float, z: int, qmin: int, qmax: int) -> torch.Ten
     return torch.clamp(torch.round(x.detach().to(torch.float32) * inv + float(z)), qmin, qmax)
 
 
-def _codes_symbolic(g: Any, x: Any, s: float, z: int, qmin: int, qmax: int, storage: torch.dtype) -> Any:
-    """``_codes`` in ONNX: Mul(fl(1 / s)) -> Add(z) -> Round -> Clip -> Cast (``QuantizeLinear`` divides by ``s``:
-    another code at near-ties of a float input, 1 of 73,728 random inputs)."""
-    def const(v: float) -> Any:
-        return g.op("Constant", value_t=torch.tensor(v, dtype=torch.float32))
+def const_f32(g: Any, v: float) -> Any:
+    """A float32 scalar ONNX constant."""
+    return g.op("Constant", value_t=torch.tensor(v, dtype=torch.float32))
 
+
+def dq_symbolic(g: Any, q: Any, s: float, z: int, storage: torch.dtype) -> Any:
+    """Float32 codes ``q`` (integers in the grid's range) -> Cast -> DequantizeLinear(s, z): ``(q - z) · s``. int8 codes
+    leave as ``q + 128`` (uint8, zero point ``z + 128``: the same values): ORT fused an int8 ``DequantizeLinear`` into
+    the next ``QLinearMatMul`` as a u8 x s8 product, whose int16 pair sums saturate without VNNI (448 of 1,024 codes
+    off, up to 98 steps, on a full-range int8 input), where its QDQ form first shifts the codes to uint8."""
+    if storage == torch.int8:
+        q, z, storage = g.op("Add", q, const_f32(g, 128.0)), z + 128, torch.uint8
+    return g.op("DequantizeLinear", g.op("Cast", q, to_i=_ONNX[storage]), const_f32(g, s),
+                g.op("Constant", value_t=torch.tensor(z, dtype=storage)))
+
+
+def _codes_symbolic(g: Any, x: Any, s: float, z: int, qmin: int, qmax: int, storage: torch.dtype | None) -> Any:
+    """``_codes`` in ONNX: Mul(fl(1 / s)) -> Add(z) -> Round -> Clip (-> Cast to ``storage``; ``None``: float32 codes)
+    (``QuantizeLinear`` divides by ``s``: another code at near-ties of a float input, 1 of 73,728 random inputs)."""
     inv = float(torch.tensor(s, dtype=torch.float32).reciprocal())
-    y = g.op("Round", g.op("Add", g.op("Mul", x, const(inv)), const(float(z))))
-    return g.op("Cast", g.op("Clip", y, const(float(qmin)), const(float(qmax))), to_i=_ONNX[storage])
+    y = g.op("Round", g.op("Add", g.op("Mul", x, const_f32(g, inv)), const_f32(g, float(z))))
+    y = g.op("Clip", y, const_f32(g, float(qmin)), const_f32(g, float(qmax)))
+    return y if storage is None else g.op("Cast", y, to_i=_ONNX[storage])
 
 
 class _LowbitQDQFn(torch.autograd.Function):
@@ -104,9 +118,7 @@ class _LowbitQDQFn(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g: Any, x: Any, s: float, z: int, qmin: int, qmax: int, storage: torch.dtype) -> Any:
-        q = _codes_symbolic(g, x, s, z, qmin, qmax, storage)
-        return g.op("DequantizeLinear", q, g.op("Constant", value_t=torch.tensor(s, dtype=torch.float32)),
-                    g.op("Constant", value_t=torch.tensor(z, dtype=storage)))
+        return dq_symbolic(g, _codes_symbolic(g, x, s, z, qmin, qmax, None), s, z, storage)
 
 
 class ExactQDQ(QDQ):
@@ -196,9 +208,7 @@ def _dq(g: Any, y: Any, layer: Any, const: Any) -> Any:
     """Clip(lo, qmax) -> Cast -> DequantizeLinear onto the layer's output grid."""
     _, zo, lo, hi = layer.out
     y = g.op("Clip", y, const(torch.tensor(float(lo))), const(torch.tensor(float(hi))))
-    ot = layer.out_storage
-    return g.op("DequantizeLinear", g.op("Cast", y, to_i=_ONNX[ot]),
-                const(torch.tensor(layer.out_scale, dtype=torch.float32)), const(torch.tensor(zo, dtype=ot)))
+    return dq_symbolic(g, y, layer.out_scale, zo, layer.out_storage)
 
 
 class _Layer:
@@ -215,14 +225,11 @@ class ExactWeightedTwin(WeightedTwin):
         L = self.layer = _Layer()
         L.kind, L.in_grid, L.storage = kind, (float(s), int(z), d.quant_min, d.quant_max), _storage(d, "to_onnx")
         codes = mod.weight_int8.detach().cpu()
-        shift = kind != "conv_transpose" and (weight_dtype == "uint8" or (weight_dtype == "auto"
-                                                                           and not saturation_safe(codes)))
-        w = (codes.to(torch.int16) + 128).to(torch.uint8) if shift else codes.to(torch.int8)
-        L.w, L.w_zp = _Const(w.t() if kind == "linear" else w), 128 if shift else 0
+        # (a ConvTranspose's float sums take the int8 codes: no ConvInteger form, no u8 x s8 kernel)
+        w, L.w_zp = stored_codes(codes, 0, "int8" if kind == "conv_transpose" else weight_dtype)
+        L.w = _Const(w.t() if kind == "linear" else w)
         L.float_sums = kind != "linear" and _float_sums_exact(codes, mod.groups, kind == "conv_transpose")
-        sw = mod.weight_scale.detach().cpu().to(torch.float32)
-        if kind == "conv_transpose" and mod.bias is not None and sw.numel() != mod.bias.numel():
-            sw = sw.repeat(mod.groups)  # grouped: output channel o reads s_w[o % (C_out / groups)] (qdq.WeightedTwin)
+        sw = out_channel_weight_scale(mod, kind)
         scale = sw * torch.tensor(float(s), dtype=torch.float32)  # fl(s_x s_w), as kernels.avx2._scaled
         chan = (-1,) if kind == "linear" else (-1,) + (1,) * self.dim
         L.scale = _Const(scale.reshape(chan))
@@ -250,69 +257,6 @@ class ExactWeightedTwin(WeightedTwin):
     def _core(self, x: torch.Tensor, conv_args: dict[str, Any]) -> torch.Tensor:
         out_pad = tuple(conv_args.get("output_padding", ()))
         return _IntegerLayerFn.apply(x.detach(), self.layer, out_pad)  # (detached: see codes.to_codes_and_back)
-
-
-class _AddFn(torch.autograd.Function):
-    """``QFunctional.add`` (``add_relu``) on the codes, as lowbit runs it (``functional_modules._scaled_sum``,
-    ``_out``): ``clamp(round(fl(fl((q_a - z_a) k_a) + fl((q_b - z_b) k_b))) + z, lo, qmax)``, ``k = fl(s_in / s)``;
-    dequantized. ONNX: lowbit's codes of each input, Cast / Sub / Mul / Add / Round / Add / Clip / Cast / DQ."""
-
-    @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, grids: Any) -> torch.Tensor:  # type: ignore[override]
-        with untraced():
-            (ga, gb), (s, z, lo, hi, _) = grids
-            acc = None
-            for x, (sx, zx, qmin, qmax, _) in ((a, ga), (b, gb)):
-                k = torch.tensor(sx, dtype=torch.float32) / torch.tensor(s, dtype=torch.float32)
-                t = (_codes(x, sx, zx, qmin, qmax) - float(zx)) * k
-                acc = t if acc is None else acc + t
-            assert acc is not None
-            return (torch.clamp(torch.round(acc) + float(z), lo, hi) - z) * torch.tensor(s, dtype=torch.float32)
-
-    @staticmethod
-    def symbolic(g: Any, a: Any, b: Any, grids: Any) -> Any:
-        def const(v: float) -> Any:
-            return g.op("Constant", value_t=torch.tensor(v, dtype=torch.float32))
-
-        (ga, gb), (s, z, lo, hi, st) = grids
-        acc = None
-        for x, (sx, zx, qmin, qmax, sti) in ((a, ga), (b, gb)):
-            k = float(torch.tensor(sx, dtype=torch.float32) / torch.tensor(s, dtype=torch.float32))
-            c = g.op("Cast", _codes_symbolic(g, x, sx, zx, qmin, qmax, sti), to_i=_ONNX[torch.float32])
-            t = g.op("Mul", g.op("Sub", c, const(float(zx))), const(k))
-            acc = t if acc is None else g.op("Add", acc, t)
-        q = g.op("Clip", g.op("Add", g.op("Round", acc), const(float(z))), const(float(lo)), const(float(hi)))
-        return g.op("DequantizeLinear", g.op("Cast", q, to_i=_ONNX[st]),
-                    g.op("Constant", value_t=torch.tensor(s, dtype=torch.float32)),
-                    g.op("Constant", value_t=torch.tensor(z, dtype=st)))
-
-
-class ExactFunctionalTwin(FunctionalTwin):
-    """``FunctionalTwin`` whose ``add`` / ``add_relu`` of two quantized inputs run lowbit's code arithmetic
-    (``_AddFn``); its other ops, and an add with a float input, stay float ops between Q/DQ."""
-
-    def __init__(self, mod: Any, in_grids: dict[str, list[Grid | None]]) -> None:
-        super().__init__(mod, in_grids)
-        s, z, d = float(mod.scale), int(mod.zero_point), mod.qdtype
-        out = (s, z, d.quant_min, d.quant_max, _storage(d, "to_onnx"))
-        self.grids: dict[str, Any] = {}
-        for op in ("add", "add_relu"):
-            gs = in_grids.get(op)
-            if gs and len(gs) == 2 and all(gr is not None for gr in gs):
-                ins = tuple((float(gr[0]), int(gr[1]), gr[2].quant_min, gr[2].quant_max, _storage(gr[2], "to_onnx"))
-                            for gr in gs if gr is not None)
-                lo = max(d.quant_min, z) if op == "add_relu" else d.quant_min
-                self.grids[op] = (ins, out[:2] + (lo,) + out[3:])
-
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if "add" in self.grids:
-            return _AddFn.apply(x.detach(), y.detach(), self.grids["add"])
-        return super().add(x, y)
-
-    def add_relu(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if "add_relu" in self.grids:
-            return _AddFn.apply(x.detach(), y.detach(), self.grids["add_relu"])
-        return super().add_relu(x, y)
 
 
 def _float_sums_exact(w: torch.Tensor, groups: int, transposed: bool) -> bool:

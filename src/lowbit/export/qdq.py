@@ -50,6 +50,8 @@ __all__ = [
     "FunctionalTwin",
     "Grid",
     "WeightedTwin",
+    "out_channel_weight_scale",
+    "stored_codes",
     "untraced",
     "weight_dq",
 ]
@@ -190,15 +192,29 @@ class ConstDQ(nn.Module):
         return _ConstDQFn.apply(self.anchor, self.codes, self.scale, self.zero_point, self.axis)
 
 
+def stored_codes(codes: torch.Tensor, axis: int, weight_dtype: str) -> tuple[torch.Tensor, int]:
+    """int8 weight codes as the file stores them and the shift of their zero point: ``(q + 128, 128)`` as uint8 when
+    ``weight_dtype`` asks (see module doc), else ``(q, 0)`` as int8."""
+    codes = codes.detach().cpu()
+    if weight_dtype == "uint8" or (weight_dtype == "auto" and not saturation_safe(codes.movedim(axis, 0))):
+        return (codes.to(torch.int16) + 128).to(torch.uint8), 128
+    return codes.to(torch.int8), 0
+
+
+def out_channel_weight_scale(mod: Any, kind: str) -> torch.Tensor:
+    """The weight scale of each output channel (float32): a grouped ConvTranspose's ``(C_in, C_out / groups, *k)``
+    weight has one per ``C_out / groups``, and output channel ``o`` reads ``s_w[o % (C_out / groups)]``."""
+    sw = mod.weight_scale.detach().cpu().to(torch.float32)
+    if kind == "conv_transpose" and mod.bias is not None and sw.numel() != mod.bias.numel():
+        sw = sw.repeat(mod.groups)
+    return sw
+
+
 def weight_dq(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int,
               weight_dtype: str) -> ConstDQ:
-    """``ConstDQ`` of int8 weight codes, shifted to uint8 when ``weight_dtype`` asks (see module doc)."""
-    codes = codes.detach().cpu()
-    zero_point = zero_point.detach().cpu().to(torch.int64)
-    shift = weight_dtype == "uint8" or (weight_dtype == "auto" and not saturation_safe(codes.movedim(axis, 0)))
-    if shift:
-        return ConstDQ((codes.to(torch.int16) + 128).to(torch.uint8), scale, zero_point + 128, axis)
-    return ConstDQ(codes.to(torch.int8), scale, zero_point, axis)
+    """``ConstDQ`` of int8 weight codes, shifted to uint8 when ``weight_dtype`` asks (``stored_codes``)."""
+    stored, shift = stored_codes(codes, axis, weight_dtype)
+    return ConstDQ(stored, scale, zero_point.detach().cpu().to(torch.int64) + shift, axis)
 
 
 class WeightedTwin(nn.Module):
@@ -225,9 +241,7 @@ class WeightedTwin(nn.Module):
         self.register_buffer("bias_float", None)
         if mod.bias is not None:
             bias = mod.bias.detach().to(torch.float32).cpu()
-            wscale = mod.weight_scale.detach().cpu().to(torch.float64)
-            if kind == "conv_transpose" and wscale.numel() != bias.numel():  # grouped: (C_in, C_out/groups, *k),
-                wscale = wscale.repeat(mod.groups)                          # output channel o reads s_w[o % (C_out/g)]
+            wscale = out_channel_weight_scale(mod, kind).to(torch.float64)
             bscale = (in_grid[0] * wscale) if in_grid else None
             if bscale is not None and bool((bias.double() / bscale).abs().max() < _INT32):
                 codes = torch.round(bias.double() / bscale).to(torch.int32)

@@ -58,7 +58,8 @@ from ..reference import modules as ref_modules, ops as ref_ops
 from ..speed_guard import FloatFallback
 from .dynamic import dynamic_twin
 from .embedding import EmbeddingBagTwin, EmbeddingTableTwin
-from .exact import ExactFunctionalTwin, ExactQDQ, exact_twin
+from .exact import ExactQDQ, exact_twin
+from .exact_ops import ExactBatchNormTwin, ExactFunctionalTwin
 from .qdq import (
     QDQ,
     WEIGHT_DTYPES,
@@ -79,7 +80,9 @@ __all__ = ["build_twin"]
 _CONV = (Conv1d, Conv2d, Conv3d)
 _CONV_T = (ConvTranspose1d, ConvTranspose2d, ConvTranspose3d)
 _LUT = (ELU, Hardswish, Hardsigmoid, LeakyReLU, Sigmoid, Tanh)
-_NEEDS_INPUT_GRID = (Linear, *_CONV, *_CONV_T, ReLU6)
+_QBN = (QBatchNorm2d, QBatchNorm3d)
+_NEEDS_INPUT_GRID = (Linear, *_CONV, *_CONV_T, ReLU6, *_QBN)
+_MIXED = "mixed"  # a quantized BatchNorm's input grid where its call sites differ (exported as QDQ)
 _RELU6_FLOAT_GRID: Grid = (6.0 / 255, 0, quint8)
 
 
@@ -203,7 +206,9 @@ def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dty
         return ActivationTwin(m._f, (float(m.scale), int(m.zero_point), m.qdtype))
     if isinstance(mod, ReLU6):
         return ActivationTwin(F.relu6, grids.get(id(mod), _RELU6_FLOAT_GRID))
-    if isinstance(mod, (QBatchNorm2d, QBatchNorm3d)):  # (BNReLU2d/3d too)
+    if isinstance(mod, _QBN):  # (BNReLU2d/3d too)
+        if exact and isinstance(grid, tuple):  # (not None: a float input; not _MIXED: call sites on other grids)
+            return ExactBatchNormTwin(mod, grid)
         return ActivationTwin(_float_batchnorm(mod), (float(m.scale), int(m.zero_point), m.qdtype))
     if isinstance(mod, Embedding):
         return EmbeddingTwin(mod) if m.qdtype.bits == 8 else EmbeddingTableTwin(mod)
@@ -269,7 +274,9 @@ def _record_input_grids(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> d
     names = {id(m): n or type(m).__name__ for n, m in model.named_modules()}
 
     def note(key: Any, mod: nn.Module, grid: Any) -> None:
-        if key in grids and grids[key] != grid:
+        if key in grids and grids[key] != grid and isinstance(mod, _QBN):  # (only exact=True reads it)
+            grid = _MIXED
+        elif key in grids and grids[key] != grid:
             raise ValueError(f"to_onnx: '{names[id(mod)]}' ({type(mod).__name__}) is called on inputs with different "
                              f"grids ({grids[key]} and {grid}); give each call site its own module")
         grids[key] = grid

@@ -246,15 +246,8 @@ class _BatchNorm(_QuantizedNorm):
         if not isinstance(x, QTensor) or x.axis is not None:
             return super().forward(x)
         self._check_shape(x)
-        f32 = torch.float32
-        inv = (1.0 / torch.sqrt(self.running_var.to(f32) + torch.tensor(self.eps, dtype=f32)).double()).to(f32)
-        w = self.weight if self.weight is not None else torch.ones_like(inv)
-        b = self.bias if self.bias is not None else torch.zeros_like(inv)
-        iw = inv * w.to(f32)  # (float32, as torch's `inv_sigma * weight_v`)
-        # grids as 0-d tensors, never Python numbers: torch.export cannot guard on a buffer's value (same float64 math)
-        f64, s_out = torch.float64, self.scale.to(torch.float64)
-        alpha = (iw.double() * (x.scale.to(f64) / s_out)).to(f32).double()
-        beta = ((b.to(f32) - self.running_mean.to(f32) * iw).double() / s_out).to(f32).double()
+        f64 = torch.float64
+        alpha, beta = self.code_map(x.scale)
         shape = (1, -1) + (1,) * self._spatial
         y = (x.int_repr().double() - x.zero_point.to(f64)) * alpha.view(shape) + beta.view(shape)
         z_out = self.zero_point.to(f64)
@@ -262,6 +255,19 @@ class _BatchNorm(_QuantizedNorm):
         lo = z_out.clamp(min=self.qdtype.quant_min) if self._relu else z_out.new_tensor(float(self.qdtype.quant_min))
         q = torch.maximum(q, lo).clamp(max=self.qdtype.quant_max).to(self.qdtype.storage)
         return QTensor(q, self.scale, self.zero_point, self.qdtype)
+
+    def code_map(self, in_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(alpha, beta)`` of the class doc for inputs on scale ``in_scale`` (float32 values, as float64 tensors)."""
+        f32, f64 = torch.float32, torch.float64
+        inv = (1.0 / torch.sqrt(self.running_var.to(f32) + torch.tensor(self.eps, dtype=f32)).double()).to(f32)
+        w = self.weight if self.weight is not None else torch.ones_like(inv)
+        b = self.bias if self.bias is not None else torch.zeros_like(inv)
+        iw = inv * w.to(f32)  # (float32, as torch's `inv_sigma * weight_v`)
+        # grids as 0-d tensors, never Python numbers: torch.export cannot guard on a buffer's value (same float64 math)
+        s_out = self.scale.to(f64)
+        alpha = (iw.double() * (in_scale.to(f64) / s_out)).to(f32).double()
+        beta = ((b.to(f32) - self.running_mean.to(f32) * iw).double() / s_out).to(f32).double()
+        return alpha, beta
 
     @classmethod
     def from_float(cls, mod: nn.Module) -> Any:
