@@ -14,8 +14,9 @@ from helpers import threads
 one_thread = threads(1, "function")  # importing it into a test module runs every test there on one torch thread
 
 
-def quantized(model: nn.Module, batches: list[torch.Tensor], groups: list[list[str]] | None = None) -> nn.Module:
-    """(fuse ->) prepare -> calibrate -> convert, in eval mode."""
+def quantized(model: nn.Module, batches: list[torch.Tensor] | list[tuple[torch.Tensor, ...]],
+              groups: list[list[str]] | None = None) -> nn.Module:
+    """(fuse ->) prepare -> calibrate -> convert, in eval mode (a tuple batch: the model's several inputs)."""
     model = model.eval()
     if groups:
         model = Q.fuse_modules(model, groups)
@@ -23,7 +24,7 @@ def quantized(model: nn.Module, batches: list[torch.Tensor], groups: list[list[s
     prepared = Q.prepare(model)
     with torch.no_grad():
         for b in batches:
-            prepared(b)
+            prepared(*b) if isinstance(b, tuple) else prepared(b)
     return Q.convert(prepared)
 
 

@@ -25,7 +25,7 @@ from lowbit.nn.quantized import FloatFunctional, Quantize
 
 pytest.importorskip("onnxruntime")
 
-from onnx_helpers import one_thread  # noqa: E402
+from onnx_helpers import one_thread, quantized  # noqa: E402
 
 _ = one_thread
 FUSED = {"QLinearMul", "QLinearConcat", "QLinearAdd", "QLinearMatMul", "BatchNormalization"}
@@ -58,14 +58,7 @@ class BN(nn.Module):
 
 
 def _convert(m: nn.Module, ins: tuple[torch.Tensor, ...], fuse: list[list[str]] | None = None) -> nn.Module:
-    m = m.eval()
-    if fuse:
-        m = Q.fuse_modules(m, fuse)
-    m.qconfig = Q.get_default_qconfig()
-    p = Q.prepare(m)
-    with torch.no_grad():
-        p(*ins)
-    return Q.convert(p)
+    return quantized(m, [ins], fuse)
 
 
 def _set(mod: nn.Module, s: float, z: int) -> None:
