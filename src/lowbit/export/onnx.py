@@ -112,9 +112,9 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     ``ConvInteger`` / ``MatMulInteger`` and lowbit's own float32 requantization (``lowbit.export.exact``), and
     quantized add / mul / cat / BatchNorm as lowbit's code arithmetic (``lowbit.export.exact_ops``), so ONNX
     Runtime's codes equal lowbit's bit for bit; the QDQ default lets ORT fuse ``QLinearConv`` / ``QLinearAdd`` / ...,
-    whose int32 bias and folded multipliers move near-tie codes by one step. Needs ``pip install lowbit[onnx]``. The file is written
-    beside ``path`` under a temporary name and renamed onto it once it passed ONNX's checker: an export that fails
-    leaves an existing file at ``path`` as it was.
+    whose int32 bias and folded multipliers move near-tie codes by one step. Needs ``pip install lowbit[onnx]``.
+    The file is written beside ``path`` under a temporary name and renamed onto it once it passed ONNX's checker: an
+    export that fails leaves an existing file at ``path`` as it was.
     """
     onnx = _require("onnx", "to_onnx")
     if not isinstance(model, nn.Module):
