@@ -11,7 +11,8 @@ order. With ``c = q - z`` an input's centred codes (lowbit's ``round(fl(x · fl(
     mul:             acc = fl(fl(c_a c_b) k)                      (c_a c_b exact)
     q = clamp(round(acc) + z, lo, qmax)                           (lo = max(qmin, z) after a ReLU, else qmin)
     cat:             each part clamp(round(fl(c_i k_i)) + z, qmin, qmax), or its codes where its grid is (s, z)
-    BatchNorm:       q = clamp(round(f64(f64(c alpha) + beta)) + z, lo, qmax)    (alpha, beta: ``code_map``, float64)
+    BatchNorm:       q = clamp(round(f64(f64(c alpha) + beta)) + z, lo, qmax)    (alpha, beta: ``code_map``, float64;
+                     float32 ops where they round every input code of every channel the same, checked at export)
 
 ``Round`` is half to even, as ``torch.round``. The results leave as ``Cast -> DequantizeLinear`` and the next op reads
 its codes back with ``Mul`` / ``Add`` / ``Round`` (never ``QuantizeLinear``), so ORT finds no ``DQ -> op -> Q`` to fuse.
@@ -202,7 +203,7 @@ class ExactBatchNormTwin(nn.Module):
         shape = (1, -1) + (1,) * mod._spatial
         self.alpha, self.beta = alpha.detach().cpu().reshape(shape), beta.detach().cpu().reshape(shape)
         # every input code of every channel: float32's fl(fl(c alpha) + beta) (alpha, beta are float32 values) rounds to
-        # lowbit's codes almost always (a tie within float32 error sends a channel to float64; ~5x slower in ORT)
+        # lowbit's codes almost always (a tie within float32 error in any channel sends the layer to float64 ops)
         c = (torch.arange(self.in_grid[2], self.in_grid[3] + 1, dtype=torch.float64) - self.in_grid[1])[:, None]
         a64, b64 = alpha.detach().cpu().reshape(1, -1), beta.detach().cpu().reshape(1, -1)
         lo, hi = self.out[2] - z, self.out[3] - z
