@@ -39,10 +39,37 @@ def keep_threads():
     torch.set_num_threads(n)
 
 
-def _run(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+# The file's smoke runs of whole scripts, each a fresh interpreter at 1 thread: (script, arguments, ``--out`` name)
+ISA_RUNS = [
+    ("conv.py", ["--quick", *FAST]),  # was: no ISA line at all
+    ("overhead.py", ["--shapes", "1x32x32", "--rounds", "1", "--min-time", "0.001", "--max-wait", "0"]),
+    ("histogram_observer.py", ["--threads", "1", "--rounds", "1", "--numel", "2000"]),  # was: no ISA, no --threads
+]
+LINEAR_QUICK = ("linear.py", ["--vs-ao", "--dynamic-only", "--quick", *FAST])
+_OUT = {"histogram_observer.py": "res.json"}  # (the others take a stem and write <stem>.json)
+
+
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """``{script: (its finished run, its scratch folder)}`` for ``ISA_RUNS`` and ``LINEAR_QUICK``: the same commands
+    each test ran one after the other, started together (the pytest process only waits on them, so they overlap on
+    the cores it leaves idle; each is still a fresh interpreter with its own ``--out`` folder)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, check=False)
+    started = {}
+    try:
+        for script, args in [*ISA_RUNS, LINEAR_QUICK]:
+            folder = tmp_path_factory.mktemp(script.replace(".", "_"))
+            cmd = [sys.executable, str(BENCH / script), *args, "--out", str(folder / _OUT.get(script, "res"))]
+            started[script] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                env=env), folder)
+        done = {}
+        for script, (proc, folder) in started.items():
+            out, err = proc.communicate(timeout=300)
+            done[script] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, err), folder)
+        return done
+    finally:
+        for proc, _ in started.values():
+            proc.kill()
 
 
 @pytest.mark.parametrize("argv, bad", [(["--threads", "0"], "'0'"), (["--threads", "1", "-2"], "'-2'"),
@@ -127,27 +154,23 @@ def test_linear_dynamic_only_needs_vs_ao(monkeypatch, capsys):
     assert e.value.code == 2 and "--dynamic-only needs --vs-ao" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("script, args", [
-    ("conv.py", ["--quick", *FAST]),  # was: no ISA line at all
-    ("overhead.py", ["--shapes", "1x32x32", "--rounds", "1", "--min-time", "0.001", "--max-wait", "0"]),
-    ("histogram_observer.py", ["--threads", "1", "--rounds", "1", "--numel", "2000"]),  # was: no ISA, no --threads
-])
-def test_isa_line_first_and_out_written(script, args, tmp_path):
-    out = tmp_path / "res.json" if script == "histogram_observer.py" else tmp_path / "res"
-    r = _run(script, *args, "--out", str(out))
+@pytest.mark.parametrize("script, args", ISA_RUNS)
+def test_isa_line_first_and_out_written(script, args, script_runs):
+    r, folder = script_runs[script]  # (script with args, --out folder / "res.json" or "res")
+    assert r.args[2:] == [*args, "--out", str(folder / _OUT.get(script, "res"))], r.args
     assert r.returncode == 0, r.stderr[-2000:]
     first = r.stdout.splitlines()[0]
     assert first.startswith("ISA: ") and "torch cpu capability" in first, first
-    d = json.loads((tmp_path / "res.json").read_text())
+    d = json.loads((folder / "res.json").read_text())
     assert d["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
-def test_linear_dynamic_only_quick(tmp_path):
+def test_linear_dynamic_only_quick(script_runs):
     # was: --quick ignored with --vs-ao --dynamic-only (all 12 shapes, up to 512x4096x4096, minutes)
-    r = _run("linear.py", "--vs-ao", "--dynamic-only", "--quick", *FAST, "--out", str(tmp_path / "lin"), timeout=150)
+    r, folder = script_runs["linear.py"]  # (linear.py --vs-ao --dynamic-only --quick ... --out folder / "res")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines()[0].startswith("ISA: ")
-    runs = json.loads((tmp_path / "lin.json").read_text())["runs"]
+    runs = json.loads((folder / "res.json").read_text())["runs"]
     assert [(x["M"], x["K"], x["N"]) for x in runs] == [(16, 768, 768), (1, 768, 3072)]
 
 
