@@ -85,6 +85,17 @@ def force(monkeypatch: pytest.MonkeyPatch, *, vnni: bool, fbgemm: bool, shared: 
         monkeypatch.setattr(isa, "_FBGEMM", ())
 
 
+def cap_changes_nothing() -> bool:
+    """Whether ``ONEDNN_MAX_CPU_ISA=AVX2`` is this CPU's own ISA: ``/proc/cpuinfo`` lists no AVX-512, AMX or ``avx_*``
+    (AVX-VNNI and kin) flag, so oneDNN runs its AVX2 kernels capped or not (Zen 3: ``ONEDNN_VERBOSE`` prints ``isa:Intel
+    AVX2`` and the same primitives both ways) and lowbit takes the same routes (``onednn.has_vnni()`` is false and
+    ``isa_capped`` only counts on a VNNI CPU). There a capped child computes exactly what this process does."""
+    from lowbit.kernels import isa
+
+    flags = isa._cpu_flags()
+    return "avx2" in flags and not any(f.startswith(("avx512", "amx", "avx_")) for f in flags)
+
+
 def run_capped(code: str) -> None:
     """Run ``code`` (Python; ``sys.argv[1]`` is the tests folder) in a fresh process with oneDNN capped to AVX2 and 1
     thread (its saturating kernels, lowbit's exact routes without VNNI, on any CPU); it must print ``ok`` last."""
