@@ -16,7 +16,8 @@ TIERS: list[tuple[str, ...]] = [
     ("qscheme", "runtime"),             # runtime: process settings (glibc malloc), imports nothing of lowbit
     ("compile_state",),                # tracing(): lower layers emit torch.ops.lowbit.* while traced
     ("qparams",),
-    ("blocked", "qstore", "native"),   # cache-blocked exact quantize; one-pass 8-bit codes; C row passes
+    ("blocked", "qstore", "native", "rounding"),  # cache-blocked exact quantize; one-pass 8-bit codes; C row passes;
+    # rounding: quantize's code formula round(x · fl(1/s) + z), shared with the rounding algorithms
     ("state_check",),                  # check_quantized_state: a checkpoint's scales, zero points, codes
     ("functional",),
     ("qtensor", "qtensor.convert", "qtensor.order", "qtensor.resample", "batches"),  # convert: to / type / dtype

@@ -39,6 +39,7 @@ from . import blocked, qstore
 from .compile_state import inline_dequantize, inline_quantize, qdtype_key, tracing
 from .qparams import _F32_MAX, _F32_TINY  # the smallest / largest positive float32
 from .qscheme import QDtype, as_qdtype
+from .rounding import grid_position, round_codes
 from .state_check import _show, check_quantized_state  # noqa: F401 (check_quantized_state: re-exported)
 
 __all__ = ["quantize", "dequantize", "fake_quantize", "check_ch_axis", "check_quantized_state"]
@@ -173,8 +174,7 @@ def quantize(x: torch.Tensor, scale: Number, zero_point: Number, qdtype: QDtype 
     if inv_z is not None:  # per tensor on CPU: Python-float operands, no qparam tensors to build
         return quantize_scaled(x, inv_z[0], inv_z[1], qdtype)
     s, z = _broadcast(scale, x, ch_axis, torch.float32), _broadcast(zero_point, x, ch_axis, torch.float32)
-    q = torch.mul(x.detach().to(torch.float32), torch.reciprocal(s)).add_(z).round_()
-    return _store(q.clamp_(qdtype.quant_min, qdtype.quant_max), qdtype)
+    return _store(round_codes(x, s, z, qdtype.quant_min, qdtype.quant_max), qdtype)  # convert's weights: this formula
 
 
 def quantize_scaled(x: torch.Tensor, inv_scale: float | torch.Tensor, zero_point: float | torch.Tensor,
@@ -343,7 +343,7 @@ class _FakeQuantizeSTE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scale, zero_point, quant_min, quant_max, float_zero_point=False):  # type: ignore[override]
         if float_zero_point:  # round(x / s + z), as torch's float-zero-point kernels (z is not an integer)
-            q = torch.round(x.to(torch.float32) * torch.reciprocal(scale) + zero_point)
+            q = grid_position(x, scale, zero_point).round_()
         else:
             q = _codes(x, scale, zero_point)
         mask = (q >= quant_min) & (q <= quant_max)

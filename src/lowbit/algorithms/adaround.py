@@ -1,7 +1,9 @@
 """AdaRound: learn whether each weight rounds up or down (Nagel et al. 2020, "Up or Down?").
 
 For one layer with weight grid ``(s, z)`` (per output channel) the weight is
-``W_hat(V) = s * (clamp(floor(W / s) + h(V) + z, qmin, qmax) - z)`` with the rectified sigmoid
+``W_hat(V) = s * (clamp(floor(v) + h(V), qmin, qmax) - z)``, ``v = W · fl(1 / s) + z`` in float32 (``convert``'s
+unrounded code, ``lowbit.rounding.grid_position``: round to nearest here is the converted model's code), with the
+rectified sigmoid
 ``h(V) = clamp(sigmoid(V) * (zeta - gamma) + gamma, 0, 1)``, ``zeta = 1.1``, ``gamma = -0.1``.
 ``V`` starts where ``h(V)`` equals the fractional part (round-to-nearest's neighbourhood) and minimises::
 
@@ -15,11 +17,14 @@ round-to-nearest scores better on the whole calibration objective (short runs ca
 Cost: ``iters`` forward/backward passes of the layer on ``batch_size`` samples.
 
 >>> import torch
+
+from ..rounding import grid_position
 >>> from torch import nn
 >>> _ = torch.manual_seed(0); lin = nn.Linear(16, 8)
 >>> x = torch.randn(256, 16); y = lin(x)
 >>> w = lin.weight.detach(); s = w.abs().amax(1, keepdim=True) / 8; z = torch.zeros_like(s)   # a coarse 4-bit grid
->>> q_near = torch.clamp(torch.round(w / s), -8, 7)
+>>> from lowbit.rounding import round_codes
+>>> q_near = round_codes(w, s, z, -8, 7)                 # round to nearest, as convert rounds
 >>> def sample():                                         # a random mini-batch of 64 rows
 ...     i = torch.randint(256, (64,))
 ...     return (lambda w_: nn.functional.linear(x[i], w_, lin.bias)), y[i]
@@ -34,6 +39,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from ..rounding import grid_position
 
 __all__ = ["adaround_codes", "rectified_sigmoid"]
 
@@ -66,9 +73,9 @@ def adaround_codes(weight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin:
     if not isinstance(iters, int) or iters < 0:
         raise ValueError(f"adaround_codes: iters={iters!r} must be an int >= 0")
     w = weight.detach().to(torch.float32)
-    w_s = w / s
-    w_floor = torch.floor(w_s)
-    rest = (w_s - w_floor).clamp(0.0, 1.0)
+    v_pos = grid_position(w, s, z)  # convert's unrounded codes (z included): its rounding is round_codes'
+    w_floor = torch.floor(v_pos)
+    rest = (v_pos - w_floor).clamp(0.0, 1.0)
     # h(V0) = rest:  sigmoid(V0) = (rest - gamma) / (zeta - gamma)
     p = ((rest - GAMMA) / (ZETA - GAMMA)).clamp(1e-4, 1 - 1e-4)
     v = torch.log(p / (1 - p)).requires_grad_(True)
@@ -78,13 +85,13 @@ def adaround_codes(weight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin:
     for it in range(iters):
         run, target = sample()
         h = rectified_sigmoid(v)
-        w_hat = (torch.clamp(w_floor + h + z, qmin, qmax) - z) * s
+        w_hat = (torch.clamp(w_floor + h, qmin, qmax) - z) * s
         d = (run(w_hat) - target.detach()).pow(2)
         loss = d.sum(1).mean() if d.dim() > 1 else d.mean()
         if normalize:  # reconstruction relative to round-to-nearest's, regulariser averaged over weights
             if scale is None:
                 with torch.no_grad():
-                    e = (run((torch.clamp(torch.round(w_s) + z, qmin, qmax) - z) * s) - target).pow(2)
+                    e = (run((torch.clamp(torch.round(v_pos), qmin, qmax) - z) * s) - target).pow(2)
                     scale = float(e.sum(1).mean() if e.dim() > 1 else e.mean()) + 1e-12
             loss = loss / scale
         if it >= start:
@@ -96,9 +103,9 @@ def adaround_codes(weight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, qmin:
         opt.step()
     with torch.no_grad():
         up = (rectified_sigmoid(v) >= 0.5).to(torch.float32)
-        learned = torch.clamp(w_floor + up + z, qmin, qmax)
+        learned = torch.clamp(w_floor + up, qmin, qmax)
         if error is None:
             return learned
-        nearest = torch.clamp(torch.round(w_s) + z, qmin, qmax)
+        nearest = torch.clamp(torch.round(v_pos), qmin, qmax)  # = round_codes(w, s, z, qmin, qmax)
         # a short run can end worse than round-to-nearest on the whole objective: keep the better
         return learned if error((learned - z) * s) <= error((nearest - z) * s) else nearest

@@ -77,7 +77,9 @@ def _core(mod: nn.Module) -> tuple[nn.Module, str] | None:
 def _fq(x: torch.Tensor, obs: nn.Module) -> torch.Tensor:
     obs(x)
     scale, zp = obs.calculate_qparams()
-    return fake_quantize(x, scale, zp, obs.quant_min, obs.quant_max, obs.ch_axis)
+    # round(x · fl(1/s) + z) (float_zero_point: z added before rounding), convert's codes (lowbit.rounding), not
+    # torch.ao's fake-quant round(x · fl(1/s)) + z, which sends a tie the other way where z is odd
+    return fake_quantize(x, scale, zp, obs.quant_min, obs.quant_max, obs.ch_axis, float_zero_point=True)
 
 
 def _fq_all(xs: list[torch.Tensor], obs: nn.Module) -> list[torch.Tensor]:
@@ -86,7 +88,7 @@ def _fq_all(xs: list[torch.Tensor], obs: nn.Module) -> list[torch.Tensor]:
     for x in xs:
         obs(x)
     scale, zp = obs.calculate_qparams()
-    return [fake_quantize(x, scale, zp, obs.quant_min, obs.quant_max, obs.ch_axis) for x in xs]
+    return [fake_quantize(x, scale, zp, obs.quant_min, obs.quant_max, obs.ch_axis, float_zero_point=True) for x in xs]
 
 
 def _rel_all(ys: list[torch.Tensor], y_hats: list[torch.Tensor]) -> float:

@@ -28,7 +28,7 @@ instead when that gives the lower block-output error on the first calibration ba
 ...     return (lambda ws: x[i] + torch.relu(x[i] @ ws[0].T) @ ws[1].T), y[i]
 >>> q = block_codes(w, s, z, -8, 7, sample, iters=200)
 >>> err = lambda qs: float((x + torch.relu(x @ ((qs[0] - z[0]) * s[0]).T) @ ((qs[1] - z[1]) * s[1]).T - y).pow(2).mean())
->>> err(q) < err([torch.round(t / g) for t, g in zip(w, s)])
+>>> err(q) < err([torch.round(grid_position(t, g, 0 * g)) for t, g in zip(w, s)])  # round to nearest, as convert
 True
 """
 
@@ -44,6 +44,7 @@ from ..fake_quant import FakeQuantize
 from ..nn.intrinsic import ClampedReLU
 from ..observer import ObserverBase
 from ..observer.fixed import FixedQParamsObserver
+from ..rounding import grid_position
 from .adaround import GAMMA, ZETA, rectified_sigmoid
 from .layers import is_weighted, split
 
@@ -145,11 +146,12 @@ def block_codes(weights: list[torch.Tensor], scales: list[torch.Tensor], zeros: 
     if not (len(weights) == len(scales) == len(zeros)) or not weights:
         raise ValueError(f"block_codes: got {len(weights)} weights, {len(scales)} scales, {len(zeros)} zero points; "
                          "pass one grid per weight, at least one weight")
-    floors, vs = [], []
-    for w, s in zip(weights, scales):
-        w_s = w.detach().to(torch.float32) / s
-        fl = torch.floor(w_s)
-        p = (((w_s - fl).clamp(0.0, 1.0) - GAMMA) / (ZETA - GAMMA)).clamp(1e-4, 1 - 1e-4)
+    floors, vs, pos = [], [], []
+    for w, s, z in zip(weights, scales, zeros):
+        v_pos = grid_position(w, s, z)  # convert's unrounded codes (z included), as adaround_codes
+        fl = torch.floor(v_pos)
+        p = (((v_pos - fl).clamp(0.0, 1.0) - GAMMA) / (ZETA - GAMMA)).clamp(1e-4, 1 - 1e-4)
+        pos.append(v_pos)
         floors.append(fl)
         vs.append(torch.log(p / (1 - p)).requires_grad_(True))
     groups = [{"params": vs, "lr": lr}]
@@ -160,13 +162,13 @@ def block_codes(weights: list[torch.Tensor], scales: list[torch.Tensor], zeros: 
     for it in range(iters):
         run, target = sample()
         hs = [rectified_sigmoid(v) for v in vs]
-        w_hats = [(torch.clamp(fl + h + z, qmin, qmax) - z) * s for fl, h, z, s in zip(floors, hs, zeros, scales)]
+        w_hats = [(torch.clamp(fl + h, qmin, qmax) - z) * s for fl, h, z, s in zip(floors, hs, zeros, scales)]
         d = (run(w_hats) - target.detach()).pow(2)
         loss = d.sum(1).mean() if d.dim() > 1 else d.mean()
         if scale is None:  # round-to-nearest's reconstruction error on the first mini-batch (initial grids)
             with torch.no_grad():
-                near = [(torch.clamp(torch.round(w.detach().to(torch.float32) / s) + z, qmin, qmax) - z) * s
-                        for w, s, z in zip(weights, scales, zeros)]
+                near = [(torch.clamp(torch.round(v_pos), qmin, qmax) - z) * s  # convert's round to nearest
+                        for v_pos, s, z in zip(pos, scales, zeros)]
                 e = (run(near) - target).pow(2)
                 scale = float(e.sum(1).mean() if e.dim() > 1 else e.mean()) + 1e-12
         loss = loss / scale
@@ -177,8 +179,8 @@ def block_codes(weights: list[torch.Tensor], scales: list[torch.Tensor], zeros: 
         loss.backward()
         opt.step()
     with torch.no_grad():
-        return [torch.clamp(fl + (rectified_sigmoid(v) >= 0.5).to(torch.float32) + z, qmin, qmax)
-                for fl, v, z in zip(floors, vs, zeros)]
+        return [torch.clamp(fl + (rectified_sigmoid(v) >= 0.5).to(torch.float32), qmin, qmax)
+                for fl, v in zip(floors, vs)]
 
 
 def find_blocks(nodes: list[fx.Node], mods: dict[str, nn.Module], through_observer: bool = False) -> dict[int, int]:

@@ -50,6 +50,7 @@ from torch import fx, nn
 
 from ..fake_quant.base import holds_grid
 from .block import install_grid, learnable_grids
+from ..rounding import round_codes
 from .layers import freeze_weight, is_weighted, split, weight_codes
 from .layerwise_step import batch_tuples, patch_observers
 from .tune import _error, _subsample, _tensors, check_outputs
@@ -183,7 +184,7 @@ def distill(prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any], i
         off = _Offset(q, s, z, qmin, qmax)
         order = list(op._parameters)
         parametrize.register_parametrization(op, "weight", off, unsafe=True)
-        starts.append((m, op, q, s, z, order))
+        starts.append((m, op, q, s, z, order, qmin, qmax))
         offsets.append(off.u)
         if op.bias is None:
             op.bias = nn.Parameter(torch.zeros(q.shape[0], dtype=torch.float32))
@@ -236,12 +237,12 @@ def distill(prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any], i
         for m in patched:
             m.__dict__.pop("forward", None)
         with torch.no_grad():
-            for m, op, q, s, z, order in starts:
+            for m, op, q, s, z, order, qmin, qmax in starts:
                 parametrize.remove_parametrizations(op, "weight", leave_parametrized=True)
                 params = op._parameters  # the weight back in its place (state_dict order as before)
                 op._parameters = type(params)((k, params[k]) for k in [*order, *params] if k in params)
                 if kept:
-                    q2 = torch.round(op.weight.detach() / s) + z
+                    q2 = round_codes(op.weight, s, z, qmin, qmax)  # the codes convert reads off the weight
                     moved += int((q2 != q).sum())
                     freeze_weight(m, q2, s, z)
         for p, f in flags.items():

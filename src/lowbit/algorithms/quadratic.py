@@ -35,7 +35,8 @@ correction) 33.4 dB logit SQNR, with these codes 37.3 dB (AdaRound, 100 steps on
 >>> x = torch.rand(8, 4, 10, 10) * 6                                      # a positive input (ReLU6)
 >>> w = conv.weight.detach(); s = w.abs().amax((1, 2, 3), keepdim=True) / 7; z = torch.zeros_like(s)
 >>> q = quadratic_codes(conv, w, s, z, -8, 7, [x], [x], center=False)
->>> near = torch.clamp(torch.round(w / s), -8, 7)
+>>> from lowbit.rounding import round_codes
+>>> near = round_codes(w, s, z, -8, 7)                                     # round to nearest, as convert
 >>> y = conv(x).detach()
 >>> err = lambda q_: float((conv._conv_forward(x, (q_ - z) * s, None) - y).pow(2).sum())
 >>> err(q) < err(near)
@@ -47,6 +48,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from ..rounding import grid_position
 
 __all__ = ["quadratic_codes", "supports"]
 
@@ -231,10 +234,11 @@ def quadratic_codes(op: nn.Module, weight: torch.Tensor, s: torch.Tensor, z: tor
     sc, zc = s.double().reshape(rows, 1), z.double().reshape(rows, 1)
     with torch.no_grad():
         a, b = _moments(op, act_range, xq, xf, w, bias, center)
-        ws = (weight.detach().to(torch.float32) / s.to(torch.float32)).reshape(rows, -1).double()  # as weight_codes
-        floor = torch.floor(ws)
-        q = torch.clamp(torch.round(ws) + zc, qmin, qmax)
-        down, up = torch.clamp(floor + zc, qmin, qmax), torch.clamp(floor + 1 + zc, qmin, qmax)
+        # convert's unrounded codes (z included, float32): round to nearest is weight_codes' / convert's code
+        pos = grid_position(weight, s, z).reshape(rows, -1).double()
+        floor = torch.floor(pos)
+        q = torch.clamp(torch.round(pos), qmin, qmax)
+        down, up = torch.clamp(floor, qmin, qmax), torch.clamp(floor + 1, qmin, qmax)
         dw = a.dim() == 3
         r = (torch.einsum("ckj,cj->ck", a, (q - zc) * sc) if dw else ((q - zc) * sc) @ a) - b  # A ŵ - A_qf w
         _descend(q, down, up, sc[:, 0], a, r, sweeps)
