@@ -158,7 +158,7 @@ def test_reused_layer_bias_is_corrected_once_at_its_first_call():
     s, z = p.activation_post_process_0.calculate_qparams()
     w = model.a.weight.detach()
     ws = w.abs().amax(1, keepdim=True) / 7.5
-    w_hat = torch.clamp(torch.round(w / ws), -8, 7) * ws
+    w_hat = torch.clamp(torch.round(w * torch.reciprocal(ws)), -8, 7) * ws  # convert's codes (ties42: not w / ws)
     xq = [torch.clamp(torch.round(x / s + z), 0, 127).sub(z).mul(s) for x in calib]
     expect = torch.cat([x @ w.T - xq_ @ w_hat.T for x, xq_ in zip(calib, xq)]).mean(0)
     changes = reconstruct(p, calib, adaround=False, bias_correction=True, progress=False)

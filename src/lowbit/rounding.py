@@ -14,11 +14,11 @@ nearest" is the converted model's code for code.
 
 >>> import torch
 >>> s = torch.tensor([1.0 / 3.0]); z = torch.tensor([1.0])
->>> x = torch.tensor([0.5 / 3.0, -1.5 / 3.0, 100.0])
->>> round_codes(x, s, z, -128, 127).tolist()    # ties to even after adding z; 301 clamps to 127
-[2.0, 0.0, 127.0]
+>>> x = torch.tensor([0.5 / 3.0, 1.5 / 3.0, 100.0])
+>>> round_codes(x, s, z, -128, 127).tolist()    # 1.5 and 2.5: ties to even after adding z; 301 clamps to 127
+[2.0, 2.0, 127.0]
 >>> (torch.round(x / s) + z).tolist()[:2]       # rounding before adding z: the other way at both ties
-[1.0, -1.0]
+[1.0, 3.0]
 """
 
 from __future__ import annotations
