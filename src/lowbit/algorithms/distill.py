@@ -24,14 +24,9 @@ good: MobileNetV2 after the accurate recipe (100 AdaRound steps, 192 calibration
 thread, 1440 evaluation crops): 0.899 / 21.30 dB -> 0.913 / 22.42 dB top-1 agreement / logit SQNR
 (``docs/design.md``).
 
->>> import copy, torch, lowbit as Q
->>> from torch import nn
->>> _ = torch.manual_seed(0)
->>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
->>> calib = [torch.randn(32, 8) + 2 for _ in range(2)]
->>> p = Q.prepare_fx(model, Q.get_default_qconfig_mapping(), example_inputs=(calib[0],))
->>> for b in calib: _ = p(b)
->>> err = lambda m: sum(float((m(b) - model(b)).pow(2).sum().detach()) for b in calib)
+>>> import copy, lowbit as Q
+>>> from lowbit.algorithms.end_to_end import example
+>>> model, calib, p, err = example()             # a calibrated MLP; err: its output error against the float model
 >>> before = err(Q.convert_fx(copy.deepcopy(p)))
 >>> r = distill(p, model, calib, iters=60, batch_size=16, progress=False)
 >>> r.kept and err(Q.convert_fx(p)) < before
@@ -40,7 +35,6 @@ True
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -49,11 +43,9 @@ import torch
 from torch import fx, nn
 
 from ..fake_quant.base import holds_grid
-from .block import install_grid, learnable_grids
 from ..rounding import round_codes
-from .layers import freeze_weight, is_weighted, split, weight_codes
-from .layerwise_step import batch_tuples, patch_observers
-from .tune import _error, _subsample, _tensors, check_outputs
+from .end_to_end import EndToEnd, check_args
+from .layers import freeze_weight
 
 __all__ = ["distill", "DistillResult"]
 
@@ -89,17 +81,6 @@ class _Offset(nn.Module):
         return torch.minimum(torch.maximum(v + (torch.round(v) - v).detach(), self.lo), self.hi) * self.s
 
 
-def _layers(prepared: fx.GraphModule) -> list[nn.Module]:
-    """The weighted layers the graph calls, each once, in graph order."""
-    mods = dict(prepared.named_modules())
-    out: list[nn.Module] = []
-    for node in prepared.graph.nodes:
-        m = mods.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
-        if m is not None and is_weighted(m) and all(m is not k for k in out):
-            out.append(m)
-    return out
-
-
 def _check_calibrated(prepared: fx.GraphModule) -> None:
     """``ValueError`` naming the first activation observer that saw no data (``convert_fx`` refuses the model then;
     distilling it would fit observers that run as the identity)."""
@@ -112,32 +93,6 @@ def _check_calibrated(prepared: fx.GraphModule) -> None:
                                  "calibration batches through the prepared model first")
 
 
-def _targets(float_model: nn.Module, batches: list[tuple[Any, ...]]) -> list[list[torch.Tensor]]:
-    """``float_model``'s float output tensors on every batch, in eval mode (its modes restored); a batch with no
-    samples or one the model fails on is refused naming it."""
-    for i, b in enumerate(batches):
-        if any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == 0 for t in b):
-            raise ValueError(f"distill: calib batch {i} has no samples (input shapes "
-                             f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in b]})")
-    modes = [(m, m.training) for m in float_model.modules()]
-    float_model.eval()
-    out = []
-    try:
-        with torch.no_grad():
-            for i, b in enumerate(batches):
-                try:
-                    y = float_model(*b)
-                except Exception as e:
-                    raise ValueError(f"distill: float_model failed on calib batch {i} (input shapes "
-                                     f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in b]}"
-                                     f"): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-                out.append([t.detach() for t in _tensors(y)])
-    finally:
-        for m, mode in modes:
-            m.training = mode
-    return out
-
-
 def distill(prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any], iters: int = 200,
             batch_size: int = 16, lr: float = 1e-2, bias_lr: float = 1e-4, grids: bool = True,
             grid_lr: float = 1e-4, seed: int = 0, progress: bool = True) -> DistillResult:
@@ -148,94 +103,27 @@ def distill(prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any], i
     The targets are ``float_model``'s outputs in eval mode (a model in training mode is switched to eval for them and
     back: no batch-norm statistics updated, no dropout); its outputs must match ``prepared``'s, tensor for tensor.
     """
-    if not isinstance(prepared, fx.GraphModule):
-        raise TypeError(f"distill: prepared must be a graph-mode prepared model (prepare_fx), "
-                        f"got {type(prepared).__name__}")
-    if not isinstance(float_model, nn.Module):
-        raise TypeError(f"distill: float_model must be an nn.Module, got {type(float_model).__name__}")
-    for name, v in (("iters", iters), ("batch_size", batch_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or not (0 if name == "iters" else 1) <= v < 2 ** 63:
-            raise ValueError(f"distill: {name}={v!r} must be an int in [{0 if name == 'iters' else 1}, 2**63)")
-    for name, v in (("lr", lr), ("bias_lr", bias_lr), ("grid_lr", grid_lr)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"distill: {name}={v!r} must be a finite number >= 0")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"distill: seed={seed!r} must be an int")
-    if not -2 ** 63 <= seed < 2 ** 64:  # torch.Generator's range
-        raise ValueError(f"distill: seed={seed!r} must be in [-2**63, 2**64)")
-    for name, v in (("grids", grids), ("progress", progress)):
-        if not isinstance(v, bool):
-            raise TypeError(f"distill: {name}={v!r} must be True or False")
+    check_args("distill", prepared, float_model, iters, batch_size, seed, {"grids": grids, "progress": progress},
+               {"lr": lr, "bias_lr": bias_lr, "grid_lr": grid_lr})
     _check_calibrated(prepared)
-    from tqdm.auto import tqdm
     from torch.nn.utils import parametrize
 
-    batches, g = batch_tuples(calib, "distill"), torch.Generator().manual_seed(seed)
-    mods = dict(prepared.named_modules())
-    targets = _targets(float_model, batches)
-    layers = _layers(prepared)
-    saved = {k: v.detach().clone() for k, v in prepared.state_dict().items()}
-    qconfigs = [(m, m.qconfig, split(m)[0].qconfig if split(m)[0] is not m else None) for m in layers]
-    starts, offsets, biases, added = [], [], [], []
-    for m in layers:
-        q, s, z, qmin, qmax = weight_codes(m)
-        freeze_weight(m, q, s, z)  # pin the codes (a no-op on layers the rounding pass froze)
-        op = split(m)[0]
-        off = _Offset(q, s, z, qmin, qmax)
-        order = list(op._parameters)
-        parametrize.register_parametrization(op, "weight", off, unsafe=True)
-        starts.append((m, op, q, s, z, order, qmin, qmax))
-        offsets.append(off.u)
-        if op.bias is None:
-            op.bias = nn.Parameter(torch.zeros(q.shape[0], dtype=torch.float32))
-            added.append(op)
-        if all(op.bias is not b for b in biases):
-            biases.append(op.bias)
-    learn = learnable_grids(list(prepared.graph.nodes), mods) if grids else {}
-    flags = {p: p.requires_grad for p in prepared.parameters()}
-    patched = patch_observers(prepared, "quant")
-    for node, gr in learn.items():
-        mods[node.target].forward = gr  # type: ignore[index]
-
-    def total() -> float:
-        with torch.no_grad():
-            outs = [(prepared(*b), t) for b, t in zip(batches, targets)]
-        for i, (o, t) in enumerate(outs):
-            check_outputs(o, t, "distill", i)
-        return sum(float(_error(o, t)) for o, t in outs)
-
+    e = EndToEnd(prepared, float_model, calib, "distill", seed)
+    starts, offsets = [], []
     moved, kept = 0, False
     try:
-        for p in prepared.parameters():
-            p.requires_grad_(False)
-        tuned = offsets + biases + [gr.t for gr in learn.values()]
-        for p in tuned:
-            p.requires_grad_(True)
-        before = after = total()
-        if tuned and iters:
-            groups = [{"params": offsets, "lr": lr}, {"params": biases, "lr": bias_lr}]
-            if learn:
-                groups.append({"params": [gr.t for gr in learn.values()], "lr": grid_lr})
-            opt = torch.optim.Adam([gr for gr in groups if gr["params"]])
-            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, iters)
-            scale = None
-            for _ in tqdm(range(iters), desc="distill", disable=not progress):
-                k = int(torch.randint(len(batches), (1,), generator=g))
-                args, target = _subsample(batches[k], targets[k], batch_size, g)
-                loss = _error(prepared(*args), target)
-                if not loss.requires_grad:  # nothing learnable reaches the output
-                    break
-                if scale is None:
-                    scale = float(loss.detach()) + 1e-12
-                opt.zero_grad()
-                (loss / scale).backward()
-                opt.step()
-                sched.step()
-            after = total()
+        for m, op, q, s, z, qmin, qmax in e.freeze(grids):
+            off = _Offset(q, s, z, qmin, qmax)
+            order = list(op._parameters)
+            parametrize.register_parametrization(op, "weight", off, unsafe=True)
+            starts.append((m, op, q, s, z, order, qmin, qmax))
+            offsets.append(off.u)
+        groups = [{"params": offsets, "lr": lr}, {"params": e.biases(), "lr": bias_lr}]
+        if e.learn:
+            groups.append({"params": [gr.t for gr in e.learn.values()], "lr": grid_lr})
+        before, after = e.fit(groups, iters, batch_size, cosine=True, desc="distill", progress=progress)
         kept = after < before
     finally:
-        for m in patched:
-            m.__dict__.pop("forward", None)
         with torch.no_grad():
             for m, op, q, s, z, order, qmin, qmax in starts:
                 parametrize.remove_parametrizations(op, "weight", leave_parametrized=True)
@@ -245,23 +133,6 @@ def distill(prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any], i
                     q2 = round_codes(op.weight, s, z, qmin, qmax)  # the codes convert reads off the weight
                     moved += int((q2 != q).sum())
                     freeze_weight(m, q2, s, z)
-        for p, f in flags.items():
-            p.requires_grad_(f)
-            p.grad = None
-        if not kept:  # the weights, biases and qconfigs as they were (biases it added removed)
-            for op in added:
-                op.bias = None
-            for m, qc, opqc in qconfigs:
-                m.qconfig = qc
-                if opqc is not None:
-                    split(m)[0].qconfig = opqc
-            with torch.no_grad():
-                state = prepared.state_dict()
-                for k, v in saved.items():
-                    state[k].copy_(v)
-    if kept:
-        with torch.no_grad():
-            for node, gr in learn.items():
-                install_grid(prepared, mods, node, gr)
-    return DistillResult(before, after, kept, len(layers), sum(int(st[2].numel()) for st in starts), moved,
-                         len(learn) if kept else 0)
+        e.finish(kept)
+    return DistillResult(before, after, kept, len(e.layers), sum(int(st[2].numel()) for st in starts), moved,
+                         len(e.learn) if kept else 0)

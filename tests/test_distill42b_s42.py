@@ -1,0 +1,95 @@
+"""Session 42 follow-ups of the distillation / bias-tuning sweep (branch distill42b).
+
+- ``distill`` / ``tune_biases`` on a ``prepare_qat_fx`` model were silent no-ops (n_layers=0, kept=False): refused by
+  name now;
+- ``tune_biases`` not kept left the zero biases it gave bias-less layers (state_dict keys changed) and their weights
+  frozen: restored byte for byte now (``end_to_end.EndToEnd.finish``, shared with ``distill``);
+- ``quantize_ptq(recipe="default" / "balanced", distill=N or tune=N)`` silently skipped the step: refused;
+- ``to_onnx(exact=True)`` kept a ConvTranspose whose integer sums pass 2**24 as QDQ without a word (1 of 8,192 codes
+  off in ORT): one warning names every layer that stays QDQ.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit as Q
+from lowbit import kernels
+from lowbit.algorithms import reconstruct
+from lowbit.algorithms.distill import distill
+from lowbit.algorithms.tune import tune_biases
+
+
+@pytest.fixture(autouse=True)
+def _pin():
+    with kernels.use_backend("reference"):
+        yield
+
+
+def _net(bias: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, bias=bias),
+                         nn.Flatten(), nn.Linear(8 * 36, 5, bias=bias)).eval()
+
+
+def _calib(n: int = 2) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    return [torch.randn(12, 3, 6, 6) for _ in range(n)]
+
+
+def _prepared(model: nn.Module, calib: list[torch.Tensor], rounded: bool = True) -> nn.Module:
+    p = Q.prepare_fx(copy.deepcopy(model), Q.get_default_qconfig_mapping(), example_inputs=(calib[0],))
+    with torch.no_grad():
+        for b in calib:
+            p(b)
+    if rounded:
+        reconstruct(p, calib, adaround=False, bias_correction=False, progress=False)
+    return p
+
+
+@pytest.mark.parametrize("who", ["distill", "tune_biases"])
+def test_a_qat_prepared_model_is_refused_by_name(who):
+    model, calib = _net(), _calib()
+    qat = Q.prepare_qat_fx(copy.deepcopy(model).train(), Q.get_default_qat_qconfig_mapping(),
+                           example_inputs=(calib[0],))
+    for b in calib:
+        qat(b)
+    keys = {k: v.clone() for k, v in qat.state_dict().items()}
+    run = distill if who == "distill" else tune_biases
+    with pytest.raises(ValueError, match=rf"{who}: prepared comes from prepare_qat_fx \(layer '0' is a QAT "
+                                         r"ConvReLU2d that fake-quantizes its own weight\)"):
+        run(qat, model, calib, iters=3, progress=False)
+    assert list(qat.state_dict()) == list(keys) and all(torch.equal(v, keys[k]) for k, v in qat.state_dict().items())
+
+
+@pytest.mark.parametrize("rounded", [True, False])
+@pytest.mark.parametrize("who", ["distill", "tune_biases"])
+def test_not_kept_leaves_the_model_byte_identical_keys_included(who, rounded):
+    model, calib = _net(bias=False), _calib()
+    p = _prepared(model, calib, rounded)
+    ref = copy.deepcopy(p)
+    run = distill if who == "distill" else tune_biases
+    lrs = dict(lr=0.0, grid_lr=0.0, **({"bias_lr": 0.0} if who == "distill" else {}))
+    r = run(p, model, calib, iters=4, batch_size=4, grids=True, progress=False, **lrs)  # lr 0: no gain, not kept
+    assert not r.kept, r
+    assert list(p.state_dict()) == list(ref.state_dict())  # tune_biases left '2.bias' and '4.bias' (zeros)
+    assert all(torch.equal(a, b) for a, b in zip(p.state_dict().values(), ref.state_dict().values()))
+    assert all(op.bias is None for op in (p.get_submodule("2"), p.get_submodule("4")))
+    assert [type(m.qconfig.weight()).__name__ for m in (p.get_submodule("2"), p.get_submodule("4"))] == \
+        [type(m.qconfig.weight()).__name__ for m in (ref.get_submodule("2"), ref.get_submodule("4"))]
+    x = calib[0]
+    assert torch.equal(Q.convert_fx(p)(x), Q.convert_fx(ref)(x))
+
+
+def test_kept_tuning_still_adds_the_bias_it_learned():
+    model, calib = _net(bias=False), _calib()
+    p = _prepared(model, calib)
+    with torch.no_grad():  # an error to undo: a constant offset on the last layer's output
+        model[4].bias = nn.Parameter(torch.linspace(-0.3, 0.3, 5))
+    r = tune_biases(p, model, calib, iters=40, batch_size=8, lr=1e-2, progress=False)
+    assert r.kept and r.error_after < 0.5 * r.error_before, r
+    assert "4.bias" in p.state_dict() and float(p.get_submodule("4").bias.detach().abs().sum()) > 0
