@@ -125,8 +125,9 @@ def test_quantize_ptq_distill_step_and_bad_input():
     for bad in (-1, True, 2.5):
         with pytest.raises(ValueError, match=f"distill={bad!r}"):
             Q.quantize_ptq(model, calib, distill=bad, progress=False)
-    q2, rep2 = Q.quantize_ptq(model, calib, "balanced", distill=10, progress=False)  # accurate only: not run
-    assert "distill" not in dict(rep2.steps)
+    for recipe in ("balanced", "default"):  # accurate only: refused, not silently skipped (session 42)
+        with pytest.raises(ValueError, match=f"distill=10 applies to recipe='accurate' only, not recipe='{recipe}'"):
+            Q.quantize_ptq(model, calib, recipe, distill=10, progress=False)
     p = _rounded(model, calib)
     for kw, msg in ((dict(iters=-3), "iters=-3"), (dict(batch_size=0), "batch_size=0"),
                     (dict(lr=float("nan")), "lr=nan"), (dict(grid_lr=-1.0), "grid_lr=-1.0"),

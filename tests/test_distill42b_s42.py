@@ -93,3 +93,14 @@ def test_kept_tuning_still_adds_the_bias_it_learned():
     r = tune_biases(p, model, calib, iters=40, batch_size=8, lr=1e-2, progress=False)
     assert r.kept and r.error_after < 0.5 * r.error_before, r
     assert "4.bias" in p.state_dict() and float(p.get_submodule("4").bias.detach().abs().sum()) > 0
+
+
+@pytest.mark.parametrize("recipe", ["default", "balanced"])
+@pytest.mark.parametrize("opt", ["distill", "tune"])
+def test_quantize_ptq_refuses_accurate_only_steps_with_other_recipes(recipe, opt):
+    model, calib = _net(), _calib()
+    with pytest.raises(ValueError, match=rf"quantize_ptq: {opt}=7 applies to recipe='accurate' only, not "
+                                         rf"recipe='{recipe}' \(it would be ignored\); pass {opt}=0"):
+        Q.quantize_ptq(model, calib, recipe, progress=False, **{opt: 7})
+    q, rep = Q.quantize_ptq(model, calib, recipe, progress=False, **{opt: 0})  # 0 (off) is fine
+    assert rep.recipe == recipe

@@ -25,7 +25,8 @@ the real int8 kernels and a ``PTQReport`` saying what every step changed. Recipe
                  search: the same codes); the 8-bit input grid alone caps these
                  fractional-pixel crops near 23.6 dB, so 30 dB is not an all-int8 figure there (``docs/design.md``).
                  The ``"accurate"``-only options (``iters``, ``blocks``, ``equalize``, ``streams``,
-                 ``learn_grids``, ``rounding``, ``tune``, ``distill``) do not apply.
+                 ``learn_grids``, ``rounding``, ``tune``, ``distill``) do not apply; ``tune`` or ``distill`` > 0
+                 (steps only ``"accurate"`` runs, off by default) is refused with a ``ValueError``.
 
 Per-channel weights already give every output channel its own grid, so weight-range equalization
 buys little; what per-tensor activation grids need is channels of alike range. ``equalize="range"``
@@ -71,7 +72,6 @@ from __future__ import annotations
 
 import copy
 import math
-import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,16 +79,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .algorithms.layerwise import ROUNDINGS, LayerChange, reconstruct
-from .ptq_checks import batch_failed, check_model, check_quantizes_something, check_sample_axis, ptq_batches
+from .algorithms.layerwise import LayerChange, reconstruct
+from .ptq_checks import (RECIPES, batch_failed, check_model, check_options, check_quantizes_something,
+                         check_sample_axis, ptq_batches)
 from .fx import convert_fx, prepare_fx
 from .qconfig import QConfigMapping, get_default_qconfig_mapping
 from .recipes import get_accurate_qconfig
 
 __all__ = ["quantize_ptq", "PTQReport", "RECIPES"]
-
-RECIPES = ("default", "accurate", "balanced")
-
 
 @dataclass
 class PTQReport:
@@ -209,40 +207,9 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_ptq: model must be an nn.Module, got {type(model).__name__}")
-    if recipe not in RECIPES:
-        raise ValueError(f"quantize_ptq: recipe={recipe!r}; choose one of {list(RECIPES)}")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
-        raise ValueError(f"quantize_ptq: iters={iters!r} must be an int >= 0")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"quantize_ptq: batch_size={batch_size!r} must be an int >= 1 (samples per rounding step)")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"quantize_ptq: seed={seed!r} must be an int")
-    if not -2 ** 63 <= seed < 2 ** 64:  # torch.Generator's range ("Overflow when unpacking long long" deep inside)
-        raise ValueError(f"quantize_ptq: seed={seed!r} must be in [-2**63, 2**64)")
-    if not isinstance(blocks, bool):
-        raise TypeError(f"quantize_ptq: blocks={blocks!r} must be True or False")
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"quantize_ptq: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")
-    if not isinstance(learn_grids, bool):
-        raise TypeError(f"quantize_ptq: learn_grids={learn_grids!r} must be True or False")
-    if isinstance(distill, bool) or not isinstance(distill, int) or not 0 <= distill < 2 ** 63:
-        raise ValueError(f"quantize_ptq: distill={distill!r} must be an int in [0, 2**63) (steps of end-to-end "
-                         "distillation)")
-    if isinstance(tune, bool) or not isinstance(tune, int) or tune < 0:
-        raise ValueError(f"quantize_ptq: tune={tune!r} must be an int >= 0 (steps of end-to-end bias tuning)")
-    if not isinstance(float_output, bool):
-        raise TypeError(f"quantize_ptq: float_output={float_output!r} must be True or False")
-    if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
-        raise ValueError(f"quantize_ptq: refine={refine!r} must be an int >= 0 (activation grids searched on the output)")
-    if isinstance(max_float_layers, bool) or not isinstance(max_float_layers, int) or max_float_layers < 0:
-        raise ValueError(f"quantize_ptq: max_float_layers={max_float_layers!r} must be an int >= 0")
-    if streams is not None and (isinstance(streams, bool) or not isinstance(streams, (int, float))
-                                or not 0 <= streams <= 1):
-        raise ValueError(f"quantize_ptq: streams={streams!r} must be None or an alpha in [0, 1]")
-    if not (isinstance(equalize, bool) or equalize == "range"):  # 1 == True: an int read as "range" (no weights)
-        raise ValueError(f"quantize_ptq: equalize={equalize!r} must be True, False or 'range'")
-    if not isinstance(progress, bool):
-        raise TypeError(f"quantize_ptq: progress={progress!r} must be True or False")
+    check_options(recipe, iters=iters, batch_size=batch_size, seed=seed, blocks=blocks, rounding=rounding,
+                  learn_grids=learn_grids, distill=distill, tune=tune, float_output=float_output, refine=refine,
+                  max_float_layers=max_float_layers, streams=streams, equalize=equalize, progress=progress)
     from tqdm.auto import tqdm
 
     check_model(model)

@@ -13,15 +13,71 @@ axis (``check_sample_axis``). Each failure is a ``ValueError`` / ``TypeError`` n
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from .algorithms.layerwise import ROUNDINGS
 from .batches import check_finite_batch
 
-__all__ = ["batch_failed", "check_model", "check_sample_axis", "ptq_batches"]
+__all__ = ["RECIPES", "batch_failed", "check_model", "check_options", "check_sample_axis", "ptq_batches"]
+
+RECIPES = ("default", "accurate", "balanced")
+
+
+def check_options(recipe: Any, *, iters: Any, batch_size: Any, seed: Any, blocks: Any, rounding: Any,
+                  learn_grids: Any, distill: Any, tune: Any, float_output: Any, refine: Any, max_float_layers: Any,
+                  streams: Any, equalize: Any, progress: Any) -> None:
+    """``quantize_ptq``'s options, each of its type and range, else an error naming the value; ``tune`` /
+    ``distill`` > 0 (steps only ``"accurate"`` runs) with another recipe is a ``ValueError`` naming both.
+
+    >>> check_options("balanced", iters=0, batch_size=8, seed=0, blocks=True, rounding="adaround", learn_grids=True,
+    ...               distill=5, tune=0, float_output=True, refine=8, max_float_layers=0, streams=None,
+    ...               equalize=False, progress=False)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: quantize_ptq: distill=5 applies to recipe='accurate' only, not recipe='balanced' (it would be ...
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"quantize_ptq: recipe={recipe!r}; choose one of {list(RECIPES)}")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+        raise ValueError(f"quantize_ptq: iters={iters!r} must be an int >= 0")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"quantize_ptq: batch_size={batch_size!r} must be an int >= 1 (samples per rounding step)")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"quantize_ptq: seed={seed!r} must be an int")
+    if not -2 ** 63 <= seed < 2 ** 64:  # torch.Generator's range ("Overflow when unpacking long long" deep inside)
+        raise ValueError(f"quantize_ptq: seed={seed!r} must be in [-2**63, 2**64)")
+    if not isinstance(blocks, bool):
+        raise TypeError(f"quantize_ptq: blocks={blocks!r} must be True or False")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"quantize_ptq: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")
+    if not isinstance(learn_grids, bool):
+        raise TypeError(f"quantize_ptq: learn_grids={learn_grids!r} must be True or False")
+    if isinstance(distill, bool) or not isinstance(distill, int) or not 0 <= distill < 2 ** 63:
+        raise ValueError(f"quantize_ptq: distill={distill!r} must be an int in [0, 2**63) (steps of end-to-end "
+                         "distillation)")
+    if isinstance(tune, bool) or not isinstance(tune, int) or tune < 0:
+        raise ValueError(f"quantize_ptq: tune={tune!r} must be an int >= 0 (steps of end-to-end bias tuning)")
+    if not isinstance(float_output, bool):
+        raise TypeError(f"quantize_ptq: float_output={float_output!r} must be True or False")
+    if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
+        raise ValueError(f"quantize_ptq: refine={refine!r} must be an int >= 0 (activation grids searched on the output)")
+    if isinstance(max_float_layers, bool) or not isinstance(max_float_layers, int) or max_float_layers < 0:
+        raise ValueError(f"quantize_ptq: max_float_layers={max_float_layers!r} must be an int >= 0")
+    if streams is not None and (isinstance(streams, bool) or not isinstance(streams, (int, float))
+                                or not 0 <= streams <= 1):
+        raise ValueError(f"quantize_ptq: streams={streams!r} must be None or an alpha in [0, 1]")
+    if not (isinstance(equalize, bool) or equalize == "range"):  # 1 == True: an int read as "range" (no weights)
+        raise ValueError(f"quantize_ptq: equalize={equalize!r} must be True, False or 'range'")
+    if not isinstance(progress, bool):
+        raise TypeError(f"quantize_ptq: progress={progress!r} must be True or False")
+    for name, v in (("tune", tune), ("distill", distill)):
+        if v and recipe != "accurate":
+            raise ValueError(f"quantize_ptq: {name}={v!r} applies to recipe='accurate' only, not recipe={recipe!r} "
+                             f"(it would be ignored); pass {name}=0 or recipe='accurate'")
 
 
 def ptq_batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
