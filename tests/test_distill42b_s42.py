@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from lowbit import kernels
 from lowbit.algorithms import reconstruct
 from lowbit.algorithms.distill import distill
 from lowbit.algorithms.tune import tune_biases
+from lowbit.export import to_onnx
 
 
 @pytest.fixture(autouse=True)
@@ -104,3 +106,40 @@ def test_quantize_ptq_refuses_accurate_only_steps_with_other_recipes(recipe, opt
         Q.quantize_ptq(model, calib, recipe, progress=False, **{opt: 7})
     q, rep = Q.quantize_ptq(model, calib, recipe, progress=False, **{opt: 0})  # 0 (off) is fine
     assert rep.recipe == recipe
+
+
+def _conv_transpose(c_in: int) -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(Q.QuantStub(), nn.ConvTranspose2d(c_in, 2, 3), Q.DeQuantStub()).eval()
+    with torch.no_grad():
+        m[1].weight.copy_(torch.randn_like(m[1].weight).sign())  # every code at +-127
+    m.qconfig = Q.get_default_qconfig()
+    m = Q.prepare(m)
+    m(torch.randn(4, c_in, 4, 4))
+    return Q.convert(m)
+
+
+def test_exact_onnx_warns_naming_a_conv_transpose_past_2_24(tmp_path):
+    pytest.importorskip("onnx")
+    big = _conv_transpose(64)  # 255 * 64 * 9 * 127 = 18.7e6 > 2**24: stays QDQ
+    with pytest.warns(UserWarning, match=r"to_onnx\(exact=True\): 1 quantized layer\(s\) stay QDQ.*'1' "
+                                         r"\(ConvTranspose2d: its integer sums can pass 2\*\*24"):
+        to_onnx(big, torch.randn(1, 64, 4, 4), tmp_path / "big.onnx", exact=True)
+    small = _conv_transpose(8)  # 2.3e6: exact, no warning; nor without exact=True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        to_onnx(small, torch.randn(1, 8, 4, 4), tmp_path / "small.onnx", exact=True)
+        to_onnx(big, torch.randn(1, 64, 4, 4), tmp_path / "big_qdq.onnx")
+
+
+def test_exact_onnx_warns_naming_an_asymmetric_weight_layer(tmp_path):
+    pytest.importorskip("onnx")
+    torch.manual_seed(0)
+    m = nn.Sequential(Q.QuantStub(), nn.Linear(4, 3), Q.DeQuantStub()).eval()
+    m.qconfig = Q.QConfig(activation=Q.get_default_qconfig().activation,
+                          weight=Q.MinMaxObserver.with_args(qdtype=Q.qint8, qscheme=Q.per_tensor_affine))
+    m = Q.prepare(m)
+    m(torch.randn(8, 4))
+    m = Q.convert(m)
+    with pytest.warns(UserWarning, match=r"'1' \(Linear: its weights have non-zero zero points\)"):
+        to_onnx(m, torch.randn(1, 4), tmp_path / "asym.onnx", exact=True)

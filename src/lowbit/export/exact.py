@@ -32,8 +32,9 @@ add_relu / mul / cat and quantized BatchNorm are lowbit's code arithmetic (``exa
 routes on CPUs without VNNI (and a VNNI CPU's rows up to ``small_m.VNNI_M``, which take the same routes); oneDNN's
 one call past them may round a tie the other way (DESIGN §4: within one quantum). ``ConvInteger`` / ``MatMulInteger``
 weights that ``vpmaddubsw`` could saturate are stored as ``q_w + 128`` (u8, zero point 128), as ``weight_dtype`` says
-(``qdq``). Kept in the QDQ form: a per-call (dynamic) input grid, weights with non-zero zero points; other ops
-(matmul, activations) are as in the QDQ export. A float-output Linear ends at ``fl(acc) fl(s_x s_w) + b``.
+(``qdq``). Kept in the QDQ form (``qdq_reason``; ``to_onnx`` warns naming each such layer): a per-call (dynamic)
+input grid, weights with non-zero zero points, a ConvTranspose past 2**24; other ops (matmul, activations) are as in
+the QDQ export. A float-output Linear ends at ``fl(acc) fl(s_x s_w) + b``.
 
 >>> import torch, lowbit as Q
 >>> from torch import nn
@@ -57,7 +58,7 @@ import torch.nn.functional as F
 from ..kernels.onednn import saturation_safe
 from .qdq import QDQ, Grid, WeightedTwin, _Const, _storage, out_channel_weight_scale, stored_codes, untraced
 
-__all__ = ["EXACT_KINDS", "ExactQDQ", "ExactWeightedTwin", "const_f32", "dq_symbolic", "exact_twin"]
+__all__ = ["EXACT_KINDS", "ExactQDQ", "ExactWeightedTwin", "const_f32", "dq_symbolic", "exact_twin", "qdq_reason"]
 
 EXACT_KINDS = ("linear", "conv", "conv_transpose")
 _ONNX = {torch.uint8: 2, torch.int8: 3, torch.float32: 1}  # TensorProto types
@@ -269,11 +270,25 @@ def _float_sums_exact(w: torch.Tensor, groups: int, transposed: bool) -> bool:
     return bool(255 * int(per_out.max()) < 2**24) if per_out.numel() else True
 
 
+def qdq_reason(mod: Any, kind: str, in_grid: Grid | None) -> str | None:
+    """Why a quantized layer has no integer ONNX form and stays QDQ (ORT may then round codes its own way), or
+    ``None`` where it has one (a Linear / Conv / ConvTranspose on a static input grid with symmetric weights, a
+    ConvTranspose's float32 sums exact)."""
+    if kind not in EXACT_KINDS:
+        return f"no integer form for {kind}"
+    if in_grid is None:
+        return "its input has no static grid (a float or per-call input)"
+    if bool(mod.weight_zero_point.any()):
+        return "its weights have non-zero zero points"
+    if kind == "conv_transpose" and not _float_sums_exact(mod.weight_int8, mod.groups, True):
+        return "its integer sums can pass 2**24 (255 * sum|q_w| per output channel), past float32's exact integers"
+    return None
+
+
 def exact_twin(mod: Any, kind: str, in_grid: Grid | None, weight_dtype: str) -> WeightedTwin:
-    """``ExactWeightedTwin`` where the layer has an integer ONNX form (a Linear / Conv on a static input grid with
-    symmetric weights), else the QDQ ``WeightedTwin``."""
-    if kind in EXACT_KINDS and in_grid is not None and not bool(mod.weight_zero_point.any()) and (
-            kind != "conv_transpose" or _float_sums_exact(mod.weight_int8, mod.groups, True)):
+    """``ExactWeightedTwin`` where the layer has an integer ONNX form (``qdq_reason`` is ``None``), else the QDQ
+    ``WeightedTwin``."""
+    if qdq_reason(mod, kind, in_grid) is None:
         return ExactWeightedTwin(mod, kind, in_grid, weight_dtype)
     return WeightedTwin(mod, kind, in_grid, weight_dtype)
 

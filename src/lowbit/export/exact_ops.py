@@ -134,6 +134,7 @@ class ExactFunctionalTwin(FunctionalTwin):
 
     def __init__(self, mod: Any, in_grids: dict[str, list[Grid | None]]) -> None:
         super().__init__(mod, in_grids)
+        self.in_grids = in_grids
         s, z, qmin, qmax, st = _grid((float(mod.scale), int(mod.zero_point), mod.qdtype))
         self.ins: dict[str, list[Any]] = {}
         self.outs: dict[str, tuple[float, int, int, int, torch.dtype]] = {}
@@ -142,6 +143,10 @@ class ExactFunctionalTwin(FunctionalTwin):
             if gs and (len(gs) == 2 or op == "cat") and all(gr is not None for gr in gs):
                 self.ins[op] = [_grid(gr) for gr in gs if gr is not None]
                 self.outs[op] = (s, z, max(qmin, z) if op == "add_relu" else qmin, qmax, st)
+
+    def qdq_ops(self) -> list[str]:
+        """The add / add_relu / mul / cat calls that stay QDQ: ones with a float (or per-channel) input."""
+        return [op for op in EXACT_OPS if self.in_grids.get(op) and op not in self.ins]
 
     def _exact(self, op: str, xs: tuple[torch.Tensor, ...], dim: int = 0) -> torch.Tensor:
         return _CodesOpFn.apply(_Spec(op, self.ins[op], self.outs[op], dim), *(x.detach() for x in xs))

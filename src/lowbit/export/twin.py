@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -58,7 +59,7 @@ from ..reference import modules as ref_modules, ops as ref_ops
 from ..speed_guard import FloatFallback
 from .dynamic import dynamic_twin
 from .embedding import EmbeddingBagTwin, EmbeddingTableTwin
-from .exact import ExactQDQ, exact_twin
+from .exact import ExactQDQ, exact_twin, qdq_reason
 from .exact_ops import ExactBatchNormTwin, ExactFunctionalTwin
 from .qdq import (
     QDQ,
@@ -183,12 +184,18 @@ def _float_layer(mod: nn.Module, path: str) -> nn.Module | None:
 
 
 def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dtype: str,
-                    exact: bool = False) -> nn.Module | None:
+                    exact: bool = False, qdq: list[str] | None = None) -> nn.Module | None:
     """Twin of a converted lowbit module, or None for modules that stay as they are (``exact``: integer Conv / Linear
-    forms with lowbit's own requantization, ``lowbit.export.exact``)."""
-    weighted = exact_twin if exact else WeightedTwin
+    forms with lowbit's own requantization, ``lowbit.export.exact``; ``qdq`` collects the layers that stay QDQ)."""
     m: Any = mod
     grid = grids.get(id(mod), getattr(mod, "input_grid", None))
+    qdq = [] if qdq is None else qdq
+
+    def weighted(mod: Any, kind: str, grid: Any, weight_dtype: str) -> nn.Module:
+        why = qdq_reason(mod, kind, grid) if exact else None
+        if why is not None:
+            qdq.append(f"'{path}' ({type(mod).__name__}: {why})")
+        return (exact_twin if exact else WeightedTwin)(mod, kind, grid, weight_dtype)
     if isinstance(mod, Quantize):
         return (ExactQDQ if exact else QDQ)(float(m.scale), int(m.zero_point), m.qdtype)
     if isinstance(mod, DeQuantize):
@@ -200,8 +207,10 @@ def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dty
     if isinstance(mod, _CONV_T):
         return weighted(mod, "conv_transpose", grid, weight_dtype)
     if isinstance(mod, QFunctional):
-        return (ExactFunctionalTwin if exact else FunctionalTwin)(
+        ft = (ExactFunctionalTwin if exact else FunctionalTwin)(
             mod, {op: grids[(id(mod), op)] for op in QF_METHODS if (id(mod), op) in grids})
+        qdq += [f"'{path}' (QFunctional.{op}: a float or per-channel input)" for op in getattr(ft, "qdq_ops", list)()]
+        return ft
     if isinstance(mod, _LUT):
         return ActivationTwin(m._f, (float(m.scale), int(m.zero_point), m.qdtype))
     if isinstance(mod, ReLU6):
@@ -209,6 +218,9 @@ def _quantized_twin(mod: nn.Module, path: str, grids: dict[Any, Any], weight_dty
     if isinstance(mod, _QBN):  # (BNReLU2d/3d too)
         if exact and isinstance(grid, tuple):  # (not None: a float input; not _MIXED: call sites on other grids)
             return ExactBatchNormTwin(mod, grid)
+        if exact:
+            qdq.append(f"'{path}' ({type(mod).__name__}: " + ("a float input)" if grid is None else
+                                                              "its call sites see different input grids)"))
         return ActivationTwin(_float_batchnorm(mod), (float(m.scale), int(m.zero_point), m.qdtype))
     if isinstance(mod, Embedding):
         return EmbeddingTwin(mod) if m.qdtype.bits == 8 else EmbeddingTableTwin(mod)
@@ -359,8 +371,12 @@ def build_twin(model: nn.Module, example_inputs: Any, weight_dtype: str = "auto"
     for m in holder.root.modules():
         if isinstance(m, FloatLayerTwin):
             m.recording = False
+    qdq: list[str] = []
     _swap(holder, "", lambda m, p, n: m if isinstance(m, FloatLayerTwin) else _quantized_twin(m, rel(p), grids,
-                                                                                              weight_dtype, exact))
+                                                                                              weight_dtype, exact, qdq))
+    if qdq:  # one warning per export, naming every layer exact=True could not write as lowbit computes it
+        warnings.warn(f"to_onnx(exact=True): {len(qdq)} quantized layer(s) stay QDQ, where ONNX Runtime may round "
+                      f"codes differently from lowbit: {'; '.join(qdq)}", stacklevel=2)
     if any(r is not None for rs in grids["on_codes"].values() for r in rs):  # bilinear, averages of QTensors:
         install(holder.root, grids["on_codes"])                                # on the codes (codes.py)
     return holder.root
