@@ -383,6 +383,10 @@ def layer_sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, inputs
     finally:
         for m, training in modes:  # the caller's model keeps its mode
             m.training = training
+    bad = [i for i, ts in enumerate(refs) if not all(bool(torch.isfinite(t).all()) for t in ts)]
+    if bad:  # (it said "eval_fn must return a real number", and layer_sensitivity takes no eval_fn)
+        raise ValueError(f"layer_sensitivity: the float model's output on {'calib' if inputs is None else 'inputs'} "
+                         f"batch {bad[0]} holds NaN/Inf; the output error needs a finite float reference")
     signal = sum(float((t * t).sum()) for ts in refs for t in ts)
 
     def score(m: nn.Module) -> float:

@@ -221,7 +221,8 @@ class _Converter:
                         "needs an observer such as HistogramObserver or MinMaxObserver; for a layer quantized per call "
                         "give it a dynamic qconfig (get_dynamic_qconfig())")
                 raise RuntimeError(f"convert_fx: {where}the observer after '{src.name}' ({_what(src, self.gm)}) saw "
-                                   "no data; run calibration batches through the prepared model before convert_fx()")
+                                   "no data (or only NaN/Inf values, which observers ignore); run calibration batches "
+                                   "through the prepared model before convert_fx()")
             if role == "obs_in" and src in self.quantized_inputs:  # arrives as a QTensor: no Quantize
                 node.replace_all_uses_with(src)
                 self.graph.erase_node(node)

@@ -120,7 +120,8 @@ def _freeze_observers(mod: nn.Module, name: str) -> None:
             mod._modules[attr] = QuantDeQuant.from_observer(obs, f"module '{_path(name)}'")
         elif attr == "activation_post_process":
             raise RuntimeError(f"convert(is_reference=True): module '{_path(name)}' ({type(mod).__name__}) has an "
-                               "observer that saw no data; run calibration batches before convert()")
+                               "observer that saw no data (or only NaN/Inf values, which observers ignore); run "
+                               "calibration batches before convert()")
         else:  # it never saw a float input: nothing to round
             del mod._modules[attr]
             for key in [k for k, h in mod._forward_pre_hooks.items() if h is _observe_float_input]:

@@ -184,7 +184,8 @@ def convert_to_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Modul
                 obs = gm.get_submodule(node.target)
                 if not holds_grid(obs):
                     raise RuntimeError(f"convert_to_reference_fx: the observer '{node.target}' after "
-                                       f"'{node.args[0].name}' saw no data; run calibration batches first")
+                                       f"'{node.args[0].name}' saw no data (or only NaN/Inf values, which "
+                                       "observers ignore); run calibration batches first")
                 _qdq_pair(gm, node, obs)
             elif kind == "grid_blend":
                 _blend_on_grid(gm, node)

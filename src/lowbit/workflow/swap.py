@@ -80,8 +80,8 @@ def _swap(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertR
         return mod
     if obs is not None and not holds_grid(obs):
         raise RuntimeError(
-            f"convert: module '{_path(name)}' ({type(mod).__name__}) has an observer that saw no data; "
-            "run calibration batches through the prepared model before convert()"
+            f"convert: module '{_path(name)}' ({type(mod).__name__}) has an observer that saw no data (or only NaN/Inf "
+            "values, which observers ignore); run calibration batches through the prepared model before convert()"
         )
     qcls = mapping[type(mod)]
     src = mod.fold() if isinstance(mod, BnFoldedBase) else mod

@@ -26,6 +26,8 @@ True
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...qparams import calculate_qparams
@@ -96,8 +98,16 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, g: int, qdtype: QDtype
     """
     if group_method not in ("rtn", "mse", "hmse"):
         raise ValueError(f"gptq_quantize: group_method={group_method!r} must be 'rtn', 'mse' or 'hmse'")
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 <= damp < math.inf:
+        raise ValueError(f"gptq_quantize: damp={damp!r} must be a finite number >= 0 (a fraction of mean diag(XᵀX))")
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ValueError(f"gptq_quantize: w must be a 2-D (out_features, in_features) tensor, got "
+                         f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
     W = w.detach().to(torch.float32).clone()  # (N, K)
     N, K = W.shape
+    g = K if g == -1 and not isinstance(g, bool) else g  # -1: per channel, as quantize_groups
+    if isinstance(g, bool) or not isinstance(g, int) or g <= 0 or K % g:
+        raise ValueError(f"gptq_quantize: g={g!r} must be a positive int dividing in_features={K} (or -1: per channel)")
     H = hessian.detach().to(torch.float64).clone()  # float64 keeps the Cholesky stable at K=1536
     if H.shape != (K, K):
         raise ValueError(f"gptq_quantize: hessian of shape {tuple(H.shape)} does not match in_features={K}")
@@ -106,9 +116,18 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, g: int, qdtype: QDtype
     if not bool(torch.isfinite(H).all()):
         raise ValueError("gptq_quantize: the hessian XᵀX holds NaN/Inf: the calibration inputs reaching this layer "
                          "(or their squares) are not finite")
-    dead = torch.diag(H) == 0  # inputs that never fired: their weights cannot matter
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
+    diag = torch.diag(H).clone()
+    if bool((diag < 0).any()):
+        raise ValueError(f"gptq_quantize: the hessian has negative diagonal entries (min {float(diag.min()):.3g}); "
+                         "XᵀX of real inputs is positive semi-definite")
+    if N == 0:
+        return torch.zeros(0, K, dtype=torch.int64), torch.zeros(0, K // g), torch.zeros(0, K // g, dtype=torch.int64)
+    # inputs that never fired in calibration (a ReLU's dead channel on few samples): XᵀX says nothing about their
+    # weights, which are kept and rounded to nearest (they were zeroed, as GPTQ's reference code does: a 2-layer ReLU
+    # MLP calibrated on 1 row then gave 55x the output error of RTN on other inputs); their diagonal gets the mean of the
+    # live ones so the damping stays relative to the data
+    dead = diag == 0
+    H[dead, dead] = float(diag[~dead].mean()) if bool((~dead).any()) else 1.0
     G = K // g
     S, Z = torch.zeros(N, G), torch.zeros(N, G, dtype=torch.int64)
     perm = torch.arange(K)
@@ -120,7 +139,14 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, g: int, qdtype: QDtype
         cols = perm // g  # (K,): the group of each permuted column
         Sc, Ic, Zc = S[:, cols], torch.reciprocal(S)[:, cols], Z.float()[:, cols]  # (N, K) per-column qparams
     H += damp * torch.mean(torch.diag(H)) * torch.eye(K, dtype=H.dtype)
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()  # (K, K) upper
+    L, info = torch.linalg.cholesky_ex(H)
+    if int(info) == 0:
+        Hinv, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+    if int(info) != 0:
+        raise ValueError(f"gptq_quantize: the damped hessian (damp={damp!r}) is not positive definite (Cholesky failed "
+                         f"at column {int(info) - 1}): XᵀX must be symmetric positive semi-definite; raise damp for a "
+                         "singular one (few calibration rows, constant or repeated columns)")
+    Hinv = Hinv.float()  # (K, K) upper
     Q = torch.zeros(N, K, dtype=torch.int64)
     for i1 in range(0, K, block):
         i2 = min(i1 + block, K)
