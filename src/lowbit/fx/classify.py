@@ -97,14 +97,16 @@ def _node_qconfig(node: fx.Node, root: nn.Module, mapping: QConfigMapping) -> QC
         return node.meta["lowbit_order_qconfig"]  # type: ignore[no-any-return]
     if node.op in ("call_function", "call_method"):
         # the function as traced (torch.ao's key: `a + b` is operator.add, torch.add(a, b) is torch.add, each its own
-        # setting); a node fusion rewrote (add_relu, linear_relu) keeps it in meta; `x.add(y)` counts as torch.add
+        # setting); a node fusion rewrote (add_relu, linear_relu) keeps it in meta; `x.add(y)` has torch.ao's key,
+        # the method name "add" (also after fusion made it an add_relu), and failing that counts as torch.add
         key = node.meta.get("lowbit_target", node.target)
-        key = _METHOD_FUNCS.get(key, key) if node.op == "call_method" else key
-        try:
-            if key in mapping.object_type_qconfigs:
-                return mapping.object_type_qconfigs[key]
-        except TypeError:  # unhashable target
-            pass
+        keys = [key, _METHOD_FUNCS[key]] if isinstance(key, str) and key in _METHOD_FUNCS else [key]
+        for key in keys:
+            try:
+                if key in mapping.object_type_qconfigs:
+                    return mapping.object_type_qconfigs[key]
+            except TypeError:  # unhashable target
+                pass
     scope = node.meta.get("lowbit_scope", "")
     try:
         mod = root.get_submodule(scope) if scope else root

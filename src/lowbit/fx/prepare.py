@@ -38,7 +38,6 @@ whose ``forward`` it was traced in.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import warnings
 from typing import Any
@@ -56,6 +55,7 @@ from .classify import apply_call_order, classify, input_observer_qconfig, int_in
 from .custom import declare_non_traceable, preserve, swap_custom
 from .padding import attach, hook_observers
 from .fusion import fuse_graph
+from .legacy import baked_copy, warn_user_hooks
 from .patterns import WEIGHT_ONLY_TYPES, graph_module_types
 from .report import FxReport
 from .state import STATE_KEY, carry, is_prepared
@@ -332,13 +332,13 @@ def _prepare(fn: str, model: Any, qconfig_mapping: Any, example_inputs: Any, inp
     if half is not None and any(q is not None and not is_dynamic_qconfig(q) for q in qconfigs):
         raise TypeError(f"{fn}: static int8 needs a float32 model, but {half[0]!r} is {half[1]} (the int8 layers "
                         "return float32 to the float ops between them); call model.float() before preparing")
-    if not inplace:
-        model = copy.deepcopy(model)
+    model = baked_copy(model, fn, is_qat, inplace)  # (legacy weight / spectral norm hooks baked: fx/legacy.py)
     ctx = _Ctx(fn, mapping, is_qat, cfg)
     declare_non_traceable(model, ctx, cfg)
     model = swap_attention(model, mapping, ctx.leaves, fn)  # nn.MultiheadAttention, Transformer*: traceable twins
     propagate_qconfig_(model, mapping)
     declare_non_traceable(model, ctx, cfg)  # (again: a legacy "exact" mapping ignores the qconfig None it set)
+    warn_user_hooks(model, fn, ctx.leaves[0], ctx.module_types)
     if example_inputs is not None:
         ctx.captured = _capture_inputs(model, example_inputs)
     out = _prepare_module(model, ctx, "", example_inputs, top=True)

@@ -21,6 +21,8 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+
 from .config import QConfig, _check_qconfig, _value_repr
 
 __all__ = ["QConfigMapping"]
@@ -68,12 +70,20 @@ class QConfigMapping:
         self.global_qconfig = _check_qconfig(qconfig, "QConfigMapping.set_global")
         return self
 
-    def set_object_type(self, object_type: type | Callable, qconfig: QConfig | None) -> QConfigMapping:
-        """Modules of exactly ``object_type`` (a class; functions such as ``F.relu`` for graph mode)."""
-        if not isinstance(object_type, (type, types.FunctionType, types.BuiltinFunctionType)):
+    def set_object_type(self, object_type: type | Callable | str, qconfig: QConfig | None) -> QConfigMapping:
+        """Modules of exactly ``object_type`` (a class; functions such as ``F.relu`` for graph mode; for graph mode
+        also a ``torch.Tensor`` method name, torch.ao's key of a method call: ``"add"`` sets ``x.add(y)``, which
+        otherwise follows ``torch.add``'s setting, ``"add_"`` sets ``x.add_(y)``)."""
+        if isinstance(object_type, str):
+            if object_type.startswith("_") or not callable(getattr(torch.Tensor, object_type, None)):
+                raise TypeError(
+                    f"QConfigMapping.set_object_type: object_type={object_type!r} is no torch.Tensor method name "
+                    "(a string keys a method call such as x.add(y) in graph mode; modules are keyed by class, "
+                    "e.g. nn.Linear)")
+        elif not isinstance(object_type, (type, types.FunctionType, types.BuiltinFunctionType)):
             raise TypeError(
                 f"QConfigMapping.set_object_type: object_type={object_type!r} must be a module class "
-                "(e.g. nn.Linear) or a function"
+                "(e.g. nn.Linear), a function or a torch.Tensor method name"
             )
         self.object_type_qconfigs[object_type] = _check_qconfig(qconfig, "QConfigMapping.set_object_type")
         return self
