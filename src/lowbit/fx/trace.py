@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from .inplace import reroute_inplace
+
 __all__ = ["trace", "record_tensor_kinds", "RootNotTraceable", "keep_buffers", "restore_buffers"]
 
 _MAX_RETRIES = 64
@@ -262,44 +264,6 @@ def pin_attribute_reads(gm: fx.GraphModule) -> None:
         node.target = aliases[node.target]
     if aliases:
         gm.recompile()
-
-
-def _mutates_first_arg(node: fx.Node, mods: dict[str, nn.Module]) -> bool:
-    """An in-place op on ``node.args[0]``: ``x.relu_()``, ``torch.relu_(x)``, ``F.relu(x, inplace=True)``,
-    ``nn.ReLU(inplace=True)(x)`` (each returns the tensor it changed)."""
-    if node.op == "call_method":
-        return isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("_")
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
-        return node.kwargs.get("inplace") is True or (name.endswith("_") and not name.startswith("_")
-                                                      and getattr(node.target, "__module__", "") in ("torch",
-                                                                                                      "torch._C._VariableFunctions"))
-    if node.op == "call_module":
-        return getattr(mods.get(str(node.target)), "inplace", False) is True
-    return False
-
-
-def reroute_inplace(gm: fx.GraphModule) -> int:
-    """Make every later reader of a tensor an in-place op changed read the op's result instead (the same tensor
-    in eager mode): ``y.relu_(); return conv(y)`` then quantizes what the model computes. Without this, graph mode
-    quantizes ``conv``'s input before the ReLU and the ReLU's result is dropped (torch.ao has the same flaw).
-    Returns how many inputs it rerouted."""
-    mods = dict(gm.named_modules())
-    nodes = list(gm.graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
-    moved = 0
-    for node in nodes:
-        src = node.args[0] if node.args else None
-        if not isinstance(src, fx.Node) or not _mutates_first_arg(node, mods):
-            continue
-        for user in list(src.users):
-            if user is not node and order[user] > order[node]:
-                user.replace_input_with(src, node)
-                moved += 1
-    if moved:
-        gm.graph.lint()
-        gm.recompile()
-    return moved
 
 
 def record_tensor_kinds(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -> None:
