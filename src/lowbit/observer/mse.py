@@ -37,6 +37,8 @@ from .channel_histogram import _ClipRangeObserver
 
 __all__ = ["MSEObserver"]
 
+_BLOCK = 1 << 17  # float64 elements per block of the error evaluation (1 MiB: stays in cache)
+
 
 def _multipliers(k: int, device: torch.device) -> torch.Tensor:
     """``k`` values in ``[0.05, 1]``, denser near 1 (``1 - 0.95 t²``), 1 included."""
@@ -89,25 +91,43 @@ class MSEObserver(_ClipRangeObserver):
         wts = torch.cat([wts, e_lo, e_hi], 1)
         cmin, cmax = a * lo.unsqueeze(1), b * hi.unsqueeze(1)                            # (C, K)
         scale, zp = calculate_qparams(cmin, cmax, self.qscheme, self.qdtype, self.eps, validate=False)
-        s, z = scale.to(hist.dtype).unsqueeze(2), zp.to(hist.dtype).unsqueeze(2)          # (C, K, 1)
-        q = torch.clamp(torch.round(pts.unsqueeze(1) / s) + z, self.quant_min, self.quant_max)
-        return (((q - z) * s - pts.unsqueeze(1)) ** 2 * wts.unsqueeze(1)).sum(2)         # (C, K)
+        s, z = scale.to(hist.dtype), zp.to(hist.dtype)                                    # (C, K)
+        if c == 1 and s.shape[1] > 1:  # candidates on the same grid (a ReLU's lo = 0: every a) score the same bits
+            grids, inverse = torch.unique(torch.stack([s[0], z[0]]), dim=1, return_inverse=True)
+            return self._grid_errors(pts, wts, grids[:1], grids[1:])[:, inverse]
+        return self._grid_errors(pts, wts, s, z)
+
+    def _grid_errors(self, pts: torch.Tensor, wts: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``(C, K)`` ``Σ_p wts · ((clamp(round(pts / s) + z, qmin, qmax) - z) · s - pts)²`` of the grids ``(s, z)``.
+
+        The same elementwise operations, in the same order, as one ``(C, K, P)`` expression, and each ``(c, k)``
+        row summed whole by ``sum`` (so the same bits), but in cache-sized blocks of ``(c, k)`` rows written in place
+        into one reused buffer (a fresh ``(C, K, P)`` temporary per operation cost 20x more).
+        """
+        c, p = pts.shape
+        k = s.shape[1]
+        out = torch.empty(c, k, dtype=pts.dtype, device=pts.device)
+        kc = min(k, max(2, _BLOCK // p))  # rows of candidates per block (at least 2: one output row per block
+        rc = min(c, max(1, _BLOCK // (kc * p)))  # would let a threaded sum split a long row)
+        buf = torch.empty(rc, kc, p, dtype=pts.dtype, device=pts.device)
+        qmin, qmax = self.quant_min, self.quant_max
+        for r in range(0, c, rc):
+            x = pts[r:r + rc].unsqueeze(1)                                                # (rc, 1, P)
+            w = wts[r:r + rc].unsqueeze(1)
+            for j in range(0, k, kc):
+                ss, zz = s[r:r + rc, j:j + kc].unsqueeze(2), z[r:r + rc, j:j + kc].unsqueeze(2)  # (rc, kc, 1)
+                t = buf[:ss.shape[0], :ss.shape[1]]
+                torch.div(x, ss, out=t)
+                t.round_().add_(zz).clamp_(qmin, qmax).sub_(zz).mul_(ss).sub_(x).pow_(2).mul_(w)
+                torch.sum(t, 2, out=out[r:r + rc, j:j + kc])
+        return out
 
     def _best(self, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, a: torch.Tensor,
               b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row, the ``(a, b)`` of least error (chunks of rows bound the ``(C, K, P)`` temporary)."""
-        c = hist.shape[0]
-        k = a.shape[-1]
-        chunk = max(1, (1 << 22) // (k * (hist.shape[1] * self._sub(c, hist.shape[1]) + 2)))
-        best_a = torch.empty(c, dtype=hist.dtype, device=hist.device)
-        best_b = torch.empty_like(best_a)
-        for s in range(0, c, chunk):
-            aa = a if a.dim() == 1 else a[s:s + chunk]
-            bb = b if b.dim() == 1 else b[s:s + chunk]
-            idx = self._errors(hist[s:s + chunk], lo[s:s + chunk], hi[s:s + chunk], aa, bb).argmin(1, keepdim=True)
-            best_a[s:s + chunk] = aa.expand(idx.shape[0], -1).gather(1, idx).squeeze(1)
-            best_b[s:s + chunk] = bb.expand(idx.shape[0], -1).gather(1, idx).squeeze(1)
-        return best_a, best_b
+        """Per row, the ``(a, b)`` of least error (the first, on ties)."""
+        idx = self._errors(hist, lo, hi, a, b).argmin(1, keepdim=True)
+        rows = hist.shape[0]
+        return a.expand(rows, -1).gather(1, idx).squeeze(1), b.expand(rows, -1).gather(1, idx).squeeze(1)
 
     def _clip_range(self, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dev = hist.device
