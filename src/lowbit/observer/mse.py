@@ -93,8 +93,12 @@ class MSEObserver(_ClipRangeObserver):
         scale, zp = calculate_qparams(cmin, cmax, self.qscheme, self.qdtype, self.eps, validate=False)
         s, z = scale.to(hist.dtype), zp.to(hist.dtype)                                    # (C, K)
         if c == 1 and s.shape[1] > 1:  # candidates on the same grid (a ReLU's lo = 0: every a) score the same bits
-            grids, inverse = torch.unique(torch.stack([s[0], z[0]]), dim=1, return_inverse=True)
-            return self._grid_errors(pts, wts, grids[:1], grids[1:])[:, inverse]
+            first: dict[tuple[float, float], int] = {}
+            inverse = [first.setdefault(g, len(first)) for g in zip(s[0].tolist(), z[0].tolist())]
+            if len(first) < len(inverse):
+                keep = torch.tensor([inverse.index(i) for i in range(len(first))], device=s.device)
+                errs = self._grid_errors(pts, wts, s[:, keep], z[:, keep])
+                return errs[:, torch.tensor(inverse, device=s.device)]
         return self._grid_errors(pts, wts, s, z)
 
     def _grid_errors(self, pts: torch.Tensor, wts: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -111,6 +115,7 @@ class MSEObserver(_ClipRangeObserver):
         rc = min(c, max(1, _BLOCK // (kc * p)))  # would let a threaded sum split a long row)
         buf = torch.empty(rc, kc, p, dtype=pts.dtype, device=pts.device)
         qmin, qmax = self.quant_min, self.quant_max
+        zero = bool((z == 0).all())  # symmetric grids: + 0 and - 0 change no bit of the squared error (only a 0's sign)
         for r in range(0, c, rc):
             x = pts[r:r + rc].unsqueeze(1)                                                # (rc, 1, P)
             w = wts[r:r + rc].unsqueeze(1)
@@ -118,7 +123,10 @@ class MSEObserver(_ClipRangeObserver):
                 ss, zz = s[r:r + rc, j:j + kc].unsqueeze(2), z[r:r + rc, j:j + kc].unsqueeze(2)  # (rc, kc, 1)
                 t = buf[:ss.shape[0], :ss.shape[1]]
                 torch.div(x, ss, out=t)
-                t.round_().add_(zz).clamp_(qmin, qmax).sub_(zz).mul_(ss).sub_(x).pow_(2).mul_(w)
+                if zero:
+                    t.round_().clamp_(qmin, qmax).mul_(ss).sub_(x).pow_(2).mul_(w)
+                else:
+                    t.round_().add_(zz).clamp_(qmin, qmax).sub_(zz).mul_(ss).sub_(x).pow_(2).mul_(w)
                 torch.sum(t, 2, out=out[r:r + rc, j:j + kc])
         return out
 
