@@ -187,3 +187,29 @@ def test_search_builds_no_large_temporary(qscheme, qdtype) -> None:  # type: ign
         obs.calculate_qparams()
     biggest = max((e.self_cpu_memory_usage for e in prof.events()), default=0)
     assert 0 < biggest <= 4 << 20, biggest
+
+
+@pytest.mark.parametrize("qscheme,qdtype", [(Q.per_tensor_affine, Q.quint8), (Q.per_channel_symmetric, Q.qint8)],
+                         ids=["per_tensor", "per_channel"])
+def test_pruned_candidates_are_only_ones_that_lose(qscheme, qdtype) -> None:  # type: ignore[no-untyped-def]
+    """The lower bound prunes (some +inf), every kept error is the full error bit for bit, and each row's first
+    least error is the same as scoring every candidate."""
+    ch = 0 if qscheme.is_per_channel else None
+    obs = Q.MSEObserver(qscheme=qscheme, qdtype=qdtype, ch_axis=ch)
+    g = torch.Generator().manual_seed(7)
+    obs(torch.randn(32, 400, generator=g) ** 3)
+    rows = obs.min_val.numel()
+    lo, hi = obs.min_val.reshape(rows).double(), obs.max_val.reshape(rows).double()
+    sub = obs._sub(rows, obs.bins)
+    frac = (torch.arange(obs.bins * sub, dtype=torch.float64) + 0.5) / (obs.bins * sub)
+    pts = torch.cat([lo.unsqueeze(1) + (hi - lo).unsqueeze(1) * frac, lo.unsqueeze(1), hi.unsqueeze(1)], 1)
+    wts = torch.rand(pts.shape, generator=g, dtype=torch.float64)
+    m = 1 - 0.95 * torch.linspace(0, 1, 24, dtype=torch.float64) ** 2
+    s, z = calculate_qparams(m * lo.unsqueeze(1), m * hi.unsqueeze(1), qscheme, qdtype, validate=False)
+    s, z = s.double(), z.double()
+    full = obs._grid_errors(pts, wts, s, z)
+    pruned = obs._pruned_errors(pts, wts, s, z)
+    kept = torch.isfinite(pruned)
+    assert (~kept).sum() > 0.25 * kept.numel()  # the bound does prune
+    assert torch.equal(pruned[kept], full[kept])
+    assert torch.equal(pruned.argmin(1), full.argmin(1))
