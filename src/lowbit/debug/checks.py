@@ -12,8 +12,12 @@ QTensor``).
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
+from ..batches import check_finite_batch
 from ..workflow.kinds import model_kind
 
 __all__ = ["model_kind", "check_float_model"]
@@ -26,3 +30,26 @@ def check_float_model(model: nn.Module, fn: str, arg: str = "model") -> None:
         kind, where = found
         raise TypeError(f"{fn}: {arg} is already {kind} ({where} is not a float module); pass the float model "
                         f"it was {'prepared' if kind != 'quantized' else 'quantized'} from")
+
+
+def check_calib(batches: list[Any], where: str) -> None:
+    """Every calibration batch holds finite data and at least one sample, or a ``ValueError`` naming the batch: the
+    observers skip NaN and see nothing in an empty tensor, so such a batch was either silently left out or ended in
+    convert's "observer saw no data; run calibration batches" after the batches had run."""
+    for i, b in enumerate(batches):
+        check_finite_batch(b, where, f"calib batch {i}", "calibration ranges need finite data")
+        parts = b.values() if isinstance(b, dict) else b if isinstance(b, (tuple, list)) else (b,)
+        empty = [tuple(t.shape) for t in parts if isinstance(t, torch.Tensor) and t.numel() == 0]
+        if empty:
+            raise ValueError(f"{where}: calib batch {i} holds an empty tensor (shape {empty[0]}); every calibration "
+                             "batch needs at least one sample")
+
+
+def example_inputs_of(batch: Any, where: str) -> tuple[Any, ...]:
+    """A calibration batch as ``prepare_fx``'s ``example_inputs`` (a dict batch needs them explicitly)."""
+    if isinstance(batch, torch.Tensor):
+        return (batch,)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch)
+    raise ValueError(f"{where}: graph mode needs example_inputs (a tuple of positional arguments) for batches "
+                     f"of type {type(batch).__name__}")

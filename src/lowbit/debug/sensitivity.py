@@ -67,7 +67,7 @@ from ..workflow import convert, prepare, prepare_qat, propagate_qconfig_
 from .. import qtensor as _qtensor
 from ..batches import check_finite_batch
 from ..qtensor import QTensor
-from .checks import check_float_model
+from .checks import check_calib, check_float_model, example_inputs_of  # noqa: F401 (re-exported)
 from .compare import _flatten, check_module, iter_batches, run_batch
 from .graph_swap import prepared_ops
 from .table import SensitivityRow, SensitivityTable, by_drop, keep_float, metric_drop
@@ -199,29 +199,6 @@ def _fused(model: nn.Module, fuse: Any, method: str) -> nn.Module:
 def _dynamic_spec(base: nn.Module, mapping: QConfigMapping) -> dict[str, QConfig | None]:
     """The mapping as a ``quantize_dynamic`` spec: every targeted module by name (``None``: stays float)."""
     return {name: qc for name, _, qc in _layers(base, mapping, "dynamic", keep_none=True)}
-
-
-def check_calib(batches: list[Any], where: str) -> None:
-    """Every calibration batch holds finite data and at least one sample, or a ``ValueError`` naming the batch: the
-    observers skip NaN and see nothing in an empty tensor, so such a batch was either silently left out or ended in
-    convert's "observer saw no data; run calibration batches" after the batches had run."""
-    for i, b in enumerate(batches):
-        check_finite_batch(b, where, f"calib batch {i}", "calibration ranges need finite data")
-        parts = b.values() if isinstance(b, dict) else b if isinstance(b, (tuple, list)) else (b,)
-        empty = [tuple(t.shape) for t in parts if isinstance(t, torch.Tensor) and t.numel() == 0]
-        if empty:
-            raise ValueError(f"{where}: calib batch {i} holds an empty tensor (shape {empty[0]}); every calibration "
-                             "batch needs at least one sample")
-
-
-def example_inputs_of(batch: Any, where: str) -> tuple[Any, ...]:
-    """A calibration batch as ``prepare_fx``'s ``example_inputs`` (a dict batch needs them explicitly)."""
-    if isinstance(batch, torch.Tensor):
-        return (batch,)
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch)
-    raise ValueError(f"{where}: graph mode needs example_inputs (a tuple of positional arguments) for batches "
-                     f"of type {type(batch).__name__}")
 
 
 def _quantize(base: nn.Module, mapping: QConfigMapping, calib: list[Any], method: str,
