@@ -18,6 +18,10 @@ in eager and the codes are eager's. Callers also require CPU tensors (GPU code g
 ``inline_quantize`` / ``inline_dequantize`` are the per-tensor ``functional.quantize`` / ``dequantize`` written
 so (the Quantize / DeQuantize stubs then fuse with the float glue around them).
 
+``compiler_disabled(fn, reason)`` is ``torch.compiler.disable(fn, reason=reason)`` without importing dynamo at
+``import lowbit`` (~1.5 s of a 2.6 s import): dynamo graph-breaks at a call to it (reason in the break), and the
+genuine ``torch.compiler.disable`` wrapper, made at its first call once dynamo is loaded, runs ``fn``.
+
 >>> import lowbit as Q
 >>> from lowbit.compile_state import qdtype_key, qdtype_from_key, tracing
 >>> qdtype_key(Q.quint8.with_range(0, 127)), qdtype_from_key("quint8:0:127") == Q.quint8.with_range(0, 127)
@@ -29,12 +33,16 @@ False
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from .qscheme import QDtype, as_qdtype
 
-__all__ = ["tensor_version", "tracing", "inline_float_ok", "inline_quantize", "inline_dequantize", "qdtype_key", "conv_config",
+__all__ = ["tensor_version", "tracing", "compiler_disabled", "inline_float_ok", "inline_quantize", "inline_dequantize",
+           "qdtype_key", "conv_config",
            "qdtype_from_key"]
 
 
@@ -51,6 +59,62 @@ def tensor_version(t: torch.Tensor) -> int:
 def tracing() -> bool:
     """True while ``torch.compile`` (dynamo) or ``torch.export`` traces the calling code."""
     return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def compiler_disabled(fn: _F, reason: str) -> _F:
+    """``torch.compiler.disable(fn, reason=reason)``, the wrapper made at the first call after dynamo is imported.
+
+    Under ``torch.compile`` the returned function is a graph break (dynamo skips inlining a function marked
+    ``_torchdynamo_disable``; ``reason`` is in ``break_reasons``, and ``fullgraph=True`` raises it), and its own
+    frame is never compiled (a skipped code object), so ``fn`` runs through ``torch.compiler.disable``'s wrapper:
+    eagerly, nothing it calls compiled, as with a module-level ``torch.compiler.disable``. Before dynamo is imported
+    no frame can be compiling, and ``fn`` is called as it is (the wrapper would change nothing).
+
+    >>> import sys
+    >>> double = compiler_disabled(lambda x: 2 * x, reason="eager only")
+    >>> double(21), double._torchdynamo_disable_msg
+    (42, 'eager only')
+    """
+    disabled: list[Callable[..., Any]] = []
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            prior = _set_eval_frame(None)  # (made under a compiled caller: dynamo would convert disable's frames)
+            try:
+                disabled.append(torch.compiler.disable(fn, reason=reason))
+            finally:
+                _set_eval_frame(prior)
+        return disabled[0](*args, **kwargs)
+
+    functools.update_wrapper(call, fn)
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]
+    call._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
+    return call  # type: ignore[return-value]
+
+
+_set_eval_frame: Callable[[Any], Any]  # torch._C's (dynamo's frame callback: None while a disabled function runs)
+
+
+def _skip_frames_of(make: Callable[..., Any]) -> None:
+    """Never compile the frames of the functions ``make`` returns (dynamo's ``skip_code``, through ``torch._C``).
+    Where that private API is missing, ``compiler_disabled`` applies ``torch.compiler.disable`` at once (the
+    import then loads dynamo, as before)."""
+    global compiler_disabled, _set_eval_frame
+    code = next(c for c in make.__code__.co_consts if getattr(c, "co_name", None) == "call")
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy, set_eval_frame
+        set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+        _set_eval_frame = set_eval_frame
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - another torch: the eager import
+        compiler_disabled = lambda fn, reason: torch.compiler.disable(fn, reason=reason)  # noqa: E731
+
+
+_skip_frames_of(compiler_disabled)
 
 
 def inline_float_ok() -> bool:

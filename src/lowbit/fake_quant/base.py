@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compile_state import tracing
+from ..compile_state import compiler_disabled, tracing
 from ..functional import check_quantized_state, fake_quantize
 from ..observer.base import ObserverBase, WithArgs
 from ..observer.channel_histogram import _ClipRangeObserver
@@ -270,7 +270,7 @@ def _eager_searched_qparams(fq: FakeQuantize, obs: nn.Module) -> tuple[torch.Ten
     return fq.scale, fq.zero_point
 
 
-_searched_qparams = torch.compiler.disable(
+_searched_qparams = compiler_disabled(
     _eager_searched_qparams, reason="lowbit: a histogram-type observer's calculate_qparams (its range search) runs "
     "eagerly; compile without fullgraph, or calibrate eagerly and compile with observers disabled")
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..compile_state import tracing
+from ..compile_state import compiler_disabled, tracing
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
 from .base import ObserverBase, check_observed
@@ -329,8 +329,8 @@ def _seed_rows(obs: _ClipRangeObserver, channels: int) -> None:
     obs.register_buffer("histogram", torch.zeros(channels, obs.bins, device=dev))
 
 
-_seed_channels = torch.compiler.disable(_seed_rows, reason="lowbit: a per-channel histogram observer sizes its (C,) "
-                                        "buffers at its first batch; observe one batch eagerly before compiling")
+_seed_channels = compiler_disabled(_seed_rows, reason="lowbit: a per-channel histogram observer sizes its (C,) "
+                                  "buffers at its first batch; observe one batch eagerly before compiling")
 
 
 def _same_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
