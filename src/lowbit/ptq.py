@@ -284,7 +284,7 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     # learned codes into them and bias correction shifts their biases
     calibrated = copy.deepcopy(prepared) if max_float_layers else None
     if recipe == "balanced":  # quadratic codes on every layer it supports, no AdaRound, no blocks
-        iters, blocks, learn_grids, rounding, tune, distill = 0, False, False, "quadratic", 0, 0
+        iters, blocks, learn_grids, rounding = 0, False, False, "quadratic"  # (tune / distill: 0, checked)
     if recipe in ("accurate", "balanced"):  # rounding and bias correction run together, layer by layer, in one pass
         report.layers = reconstruct(prepared, batches, adaround=iters > 0 or rounding != "adaround",
                                     bias_correction=True, iters=iters,
