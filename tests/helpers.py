@@ -187,3 +187,16 @@ def fresh_python(script: str, *args: str) -> subprocess.CompletedProcess:
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def bn_depthwise_net(linear_bias: bool = True) -> nn.Module:
+    """The end-to-end tuning tests' toy (test_tune, test_distill, test_ties42_s42): conv + BN + ReLU6, a depthwise
+    conv whose channels span two decades of weight scale, ReLU, flatten, Linear(288, 5) on 6x6 inputs; seed 0, eval."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU6(),
+                          nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 36, 5, bias=linear_bias))
+    with torch.no_grad():
+        model[3].weight.mul_(torch.logspace(-1, 1, 8).view(8, 1, 1, 1))
+        model[1].running_mean.uniform_(-0.5, 0.5)
+    return model.eval()

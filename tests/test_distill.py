@@ -21,6 +21,7 @@ from lowbit.algorithms import reconstruct
 from lowbit.algorithms.distill import distill
 from lowbit.algorithms.layers import is_weighted, weight_codes
 from lowbit.observer.fixed import FixedQParamsObserver
+from helpers import bn_depthwise_net
 
 
 @pytest.fixture(autouse=True)
@@ -30,14 +31,7 @@ def _pin():
 
 
 def _net() -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU6(),
-                          nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 5,
-                                                                                                     bias=False))
-    with torch.no_grad():
-        model[3].weight.mul_(torch.logspace(-1, 1, 8).view(8, 1, 1, 1))
-        model[1].running_mean.uniform_(-0.5, 0.5)
-    return model.eval()
+    return bn_depthwise_net(linear_bias=False)
 
 
 def _rounded(model: nn.Module, calib: list[torch.Tensor], rounded: bool = True) -> nn.Module:

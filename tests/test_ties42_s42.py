@@ -30,6 +30,7 @@ from lowbit.algorithms.distill import distill
 from lowbit.algorithms.layers import freeze_weight, is_weighted, split, weight_codes
 from lowbit.observer import MinMaxObserver, PerChannelMinMaxObserver
 from lowbit.qconfig import QConfig
+from helpers import bn_depthwise_net
 
 
 @pytest.fixture(autouse=True)
@@ -150,13 +151,7 @@ def test_adaround_falls_back_to_convert_round_to_nearest():
 
 
 def _distill_net() -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU6(),
-                          nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 5))
-    with torch.no_grad():
-        model[3].weight.mul_(torch.logspace(-1, 1, 8).view(8, 1, 1, 1))
-        model[1].running_mean.uniform_(-0.5, 0.5)
-    return model.eval()
+    return bn_depthwise_net()
 
 
 def test_distill_on_an_unrounded_model_starts_from_the_converted_model():

@@ -19,6 +19,7 @@ from lowbit import kernels
 from lowbit.algorithms import reconstruct
 from lowbit.algorithms.tune import tune_biases
 from lowbit.observer.fixed import FixedQParamsObserver
+from helpers import bn_depthwise_net
 
 
 @pytest.fixture(autouse=True)
@@ -28,13 +29,7 @@ def _pin():
 
 
 def _net() -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU6(),
-                          nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 5))
-    with torch.no_grad():
-        model[3].weight.mul_(torch.logspace(-1, 1, 8).view(8, 1, 1, 1))
-        model[1].running_mean.uniform_(-0.5, 0.5)
-    return model.eval()
+    return bn_depthwise_net()
 
 
 def _rounded(model: nn.Module, calib: list[torch.Tensor], offset: float = 0.0) -> nn.Module:
