@@ -65,8 +65,11 @@ def apply_call_order(gm: fx.GraphModule, mapping: QConfigMapping, prefix: str, s
     (carried onto the ``qfunctional_N`` node ``convert_fx`` makes of it: the mixed-precision search names it by it)."""
     order = mapping.module_name_object_type_order_qconfigs
     for node in gm.graph.nodes:
-        if node.op == "call_function":
-            path, obj, mod = join(prefix, node.meta.get("lowbit_scope", "")), node.target, None
+        if node.meta.get("lowbit_inserted"):  # (a node graph mode added: fx/inplace.py's copies and replayed views)
+            continue
+        if node.op == "call_function":  # (`torch.relu_(x)` made out of place counts as torch.relu_, as traced)
+            path, obj, mod = join(prefix, node.meta.get("lowbit_scope", "")), node.meta.get("lowbit_target",
+                                                                                             node.target), None
         elif node.op == "call_module":
             mod = gm.get_submodule(node.target)  # type: ignore[arg-type]
             path, obj = join(prefix, node.target).rpartition(".")[0], type(mod)  # type: ignore[arg-type]
@@ -193,6 +196,8 @@ def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaqu
             kind = "output"
         elif node.op == "call_module" and node.target in opaque:
             kind = "opaque"
+        elif node.meta.get("lowbit_writes_part"):  # (it must write into its float argument: fx/inplace.py)
+            why = "writes into a part of a tensor, replayed on a float copy"
         elif is_share_op(node, mod):
             kind = "share"
         elif node.op == "call_module" and type(mod) in WEIGHT_ONLY_TYPES and _is_table_recipe(mod, qc):
