@@ -121,6 +121,10 @@ class QConfigMapping:
         where = "QConfigMapping.set_module_name_object_type_order"
         if not isinstance(module_name, str):
             raise TypeError(f"{where}: module_name={module_name!r} must be a str (a dotted path, '' for the root)")
+        if isinstance(object_type, str) and callable(getattr(torch.Tensor, object_type, None)):
+            raise TypeError(f"{where}: object_type={object_type!r} is a method call, which graph mode does not count "
+                            f"(nor does torch.ao's: such an entry never matched); key it by set_object_type("
+                            f"{object_type!r}, ...) or write the call as a function (torch.{object_type}(x, ...))")
         if not isinstance(object_type, (type, types.FunctionType, types.BuiltinFunctionType)):
             raise TypeError(f"{where}: object_type={object_type!r} must be a module class or a function")
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
