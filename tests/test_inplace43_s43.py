@@ -61,12 +61,17 @@ def _prepared(model: nn.Module, x: torch.Tensor, qat: bool = False) -> nn.Module
         return Q.prepare_fx(model, Q.get_default_qconfig_mapping(), example_inputs=(x.clone(),))
 
 
-def _converted(p: nn.Module, x: torch.Tensor) -> nn.Module:
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+def _calibrated(p: nn.Module, x: torch.Tensor) -> nn.Module:
+    with torch.no_grad():
         for i in range(3):
             p(x.clone() + 0.05 * i)
-        return Q.convert_fx(p)
+    return p
+
+
+def _converted(p: nn.Module, x: torch.Tensor) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Q.convert_fx(_calibrated(p, x))
 
 
 def _part(write):
@@ -164,6 +169,50 @@ def test_views_and_bases_read_after_a_write(fn, before):
         ref = model(x.clone())
         q = _converted(_prepared(copy.deepcopy(model), x), x)
         assert _sqnr(ref, q(x.clone())) > 30  # `before` dB before
+
+
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(8, 8, 1)
+
+    def forward(self, a):
+        a[:, :4].mul_(2)  # writes into its caller's tensor
+        return self.c(a)
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.inner, self.c3 = nn.Conv2d(4, 8, 3, padding=1), _Inner(), nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        a = self.c1(x)
+        return self.c3(a) + self.inner(a)
+
+
+class _Lstm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.fc = nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 8)
+
+    def forward(self, x):
+        out, (h, _) = self.lstm(x)
+        out[:, :, :4].mul_(2)  # a part of a tuple's item (h, another item, is left as it was)
+        return self.fc(out) + self.fc(h[0]).unsqueeze(1)
+
+
+@pytest.mark.parametrize("model, shape, before", [(_Outer, (2, 4, 8, 8), 8.2), (_Lstm, (2, 5, 8), 16.3)])
+def test_a_write_in_a_traced_submodule_or_to_an_lstm_output(model, shape, before):
+    torch.manual_seed(1)
+    m, x = model().eval(), torch.randn(*shape)
+    with torch.no_grad():
+        ref = m(x.clone())
+        p = _prepared(copy.deepcopy(m), x)
+        for convert in (Q.convert_fx, Q.convert_to_reference_fx):
+            q = _converted(copy.deepcopy(p), x) if convert is Q.convert_fx else Q.convert_to_reference_fx(
+                _calibrated(copy.deepcopy(p), x))
+            assert _sqnr(ref, q(x.clone())) > 30  # `before` dB before (convert_fx)
 
 
 def test_disjoint_items_need_no_copy():
