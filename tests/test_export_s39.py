@@ -153,15 +153,21 @@ def test_weight_fake_quant_that_never_observed_is_refused_naming_it(tmp_path):
     # activations trained, the weight fake-quants' observers off from the start: the weight grid is the initial
     # scale 1.0 (every weight code 0 or +-1); before: exported silently, now refused like convert
     qat = _prepared("eager", Q.get_default_qat_qconfig())
-    for name, m in qat.named_modules():
-        if name.endswith("weight_fake_quant"):
-            m.disable_observer()
+    weight_fqs = [m for name, m in qat.named_modules() if name.endswith("weight_fake_quant")]
+    for m in weight_fqs:
+        m.disable_observer()
     with torch.no_grad():
+        with pytest.raises(RuntimeError, match="observer is off and has seen no data"):
+            qat(torch.randn(8, 3, 8, 8))  # (session 43: the QAT forward on that placeholder grid is refused itself)
+        for m in weight_fqs:
+            m.disable_fake_quant()
         qat(torch.randn(8, 3, 8, 8))
+        for m in weight_fqs:
+            m.enable_fake_quant()
     qat.eval()
     with pytest.raises(RuntimeError, match=r"weight fake-quant 'conv1\.weight_fake_quant' \(FakeQuantize\) holds no"):
         to_onnx(qat, torch.randn(2, 3, 8, 8), tmp_path / "m.onnx")
-    with pytest.raises(RuntimeError, match="has not observed any finite data"):
+    with pytest.raises(RuntimeError, match=r"module 'conv1' .*observer is off and has seen no data"):
         _converted(qat)  # (convert refuses it too)
 
 

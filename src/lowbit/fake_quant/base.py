@@ -11,8 +11,9 @@ Each forward, with ``(s, z)`` the grid of the wrapped observer and ``[qmin, qmax
 seeds' framework, like ``torch.ao``); the forward ignores ``self.training``. For the min/max
 observer family the per-step qparams come straight from the observer's buffers (no validation
 round trip, no cross-rank collective); a channel (or tensor) that has seen no finite data yet keeps the
-neutral grid ``(1.0, 0)``; for any other observer (histograms) from its ``calculate_qparams()`` on the
-rank's local statistics, so no step runs a collective. ``calculate_qparams()`` asks the observer (and so
+neutral grid ``(1.0, 0)`` (fake-quantizing on it with the observer off is a ``RuntimeError``); for any other
+observer (histograms) from its ``calculate_qparams()`` on the rank's local statistics, so no step runs a
+collective. ``calculate_qparams()`` asks the observer (and so
 reduces across ranks under ``torch.distributed``; see ``lowbit.observer.distributed``).
 
 The fake quantization is ``lowbit.fake_quantize`` (NaN-propagating; bit-identical to torch's fused
@@ -51,7 +52,7 @@ from ..compile_state import compiler_disabled, tracing
 from ..functional import check_quantized_state, fake_quantize
 from ..observer.base import ObserverBase, WithArgs
 from ..observer.channel_histogram import _ClipRangeObserver
-from ..observer.distributed import local_statistics, sync_pending
+from ..observer.distributed import is_distributed, local_statistics, sync_pending
 from ..observer.histogram import HistogramObserver
 from ..observer.minmax import MovingAverageMinMaxObserver, _MinMaxObserverBase
 from ..qparams import calculate_qparams
@@ -165,15 +166,40 @@ class FakeQuantize(WithArgs, nn.Module):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
             raise TypeError(f"FakeQuantize expects a floating-point tensor, got {got}")
-        if self._switch("observer_enabled") and not self._meta_run(x):
+        observe = self._switch("observer_enabled")
+        if observe and not self._meta_run(x):
             self.activation_post_process(x.detach())
             self._set_qparams(*self._step_qparams())
         if self._switch("fake_quant_enabled"):
+            if not observe:
+                self._check_grid(x)
             if self.qscheme.has_float_zero_point:
                 return fake_quantize(x, self.scale, self.zero_point, self.quant_min, self.quant_max, self.ch_axis,
                                      float_zero_point=True)
             return _fake_quantize_fast(x, self.scale, self.zero_point, self.quant_min, self.quant_max, self.ch_axis)
         return x
+
+    def _check_grid(self, x: torch.Tensor) -> None:
+        """Refuse to fake-quantize on the placeholder grid: fake quantization on, the observer off, and no grid
+        recorded or set (``_has_grid``). ``model.apply(disable_observer)`` before the first step trained every layer on
+        ``scale=1.0`` (values rounded to integers: constant outputs, silently, as in torch.ao) until ``convert``
+        refused the model. Eager only (not traced, on meta or under ``torch.distributed``, where one rank's empty
+        shard proves nothing); once a grid is found the check is not repeated (``load_state_dict`` resets it)."""
+        if tracing() or self.__dict__.get("_grid_seen", False) or not x.numel() or self.scale.is_meta \
+                or is_distributed():
+            return
+        if self._has_grid():
+            self.__dict__["_grid_seen"] = True
+            return
+        raise RuntimeError(f"{type(self).__name__}: fake quantization is on but the observer is off and has seen no data, "
+                           f"so the grid is the placeholder scale={self.scale.tolist()}, zero_point="
+                           f"{self.zero_point.tolist()}; run batches with the observer on first (disable_observer "
+                           "after the first steps, not before) or load a trained checkpoint")
+
+    def _has_grid(self) -> bool:
+        """Whether the observer recorded a grid (saw finite data; observers without that record count as holding one)
+        or ``scale`` was set to anything but the placeholder 1.0 (by hand, or by loading one)."""
+        return bool(getattr(self.activation_post_process, "is_calibrated", True)) or bool((self.scale != 1.0).any())
 
     def _meta_run(self, x: torch.Tensor) -> bool:
         """A forward of a module on the meta device (``.to("meta")``) with a meta input: shapes only, nothing observed
@@ -221,6 +247,7 @@ class FakeQuantize(WithArgs, nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]
         per_tensor_qparams(self, state_dict, prefix)
+        self.__dict__.pop("_grid_seen", None)  # (the loaded state decides again)
         errors = self._state_errors(state_dict, prefix, local_metadata)
         if errors:
             error_msgs.extend(errors)

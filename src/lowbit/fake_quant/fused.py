@@ -147,6 +147,8 @@ class FusedMovingAvgObsFakeQuantize(FakeQuantize):
             return x
         observe, quant = self._switch("observer_enabled"), self._switch("fake_quant_enabled")
         observe = observe and not self._meta_run(x)
+        if quant and not self._switch("observer_enabled"):
+            self._check_grid(x)
         if self.ch_axis is not None:
             self._size_channels(x)
         if self._fits_torch_kernel(x, observe):

@@ -176,6 +176,8 @@ class LearnableFakeQuantize(FakeQuantize):
             self._grid_trained = True
         if not self._switch("fake_quant_enabled"):
             return x
+        if not self._switch("observer_enabled") and not self._switch("learning_enabled"):
+            self._check_grid(x)
         if self.symmetric_zero_point is not None and traced:  # (never trained: requires no grad)
             zero_point = torch.full_like(zero_point.detach(), self.symmetric_zero_point)
         elif self.symmetric_zero_point is not None:
@@ -197,6 +199,9 @@ class LearnableFakeQuantize(FakeQuantize):
                 if p.shape != value.shape:        # scalar seed -> (C,): same Parameter object, new storage
                     _resize_parameter(p, value.shape)
                 p.data.copy_(value)  # (.data: no version bump, as torch.ao's copy; see forward)
+
+    def _has_grid(self) -> bool:  # (FakeQuantize._check_grid: a learned, loaded or set grid counts)
+        return self._holds_grid() or bool((self.scale.detach() != 1.0).any())
 
     def _holds_grid(self) -> bool:
         """Whether ``scale``/``zero_point`` hold a grid: the observer saw finite data (the static phases copy
