@@ -8,6 +8,7 @@ import torch.ao.quantization as tq
 from torch import nn
 
 import lowbit as Q
+import lowbit.nn.intrinsic.qat as nniqat
 from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
 from lowbit.fake_quant import LearnableFakeQuantize, enable_param_learning
 
@@ -148,3 +149,27 @@ def _ao_name(key: str) -> str:
     """torch.ao's name of a lowbit QAT state entry: its fused conv / linear + BN modules are the layer itself."""
     return key.replace(".conv.", ".").replace(".linear.", ".")
 
+
+@pytest.mark.parametrize("make, bad, good", [
+    (lambda qc: nniqat.LinearBn1d(nn.Linear(5, 4), nn.BatchNorm1d(4, momentum=None), qconfig=qc), (1, 5), (3, 5)),
+    (lambda qc: nniqat.ConvBnReLU2d(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), qconfig=qc), (1, 3, 3, 3), (2, 3, 5, 5)),
+    (lambda qc: nniqat.ConvBn1d(nn.Conv1d(3, 4, 3, padding=1, padding_mode="circular"), nn.BatchNorm1d(4), qconfig=qc),
+     (1, 3, 1), (2, 3, 4)),
+    (lambda qc: nniqat.ConvTransposeBn2d(nn.ConvTranspose2d(3, 4, 1), nn.BatchNorm2d(4), qconfig=qc), (1, 3, 1, 1),
+     (2, 3, 2, 2)),
+])
+def test_a_bn_batch_of_one_value_per_channel_is_refused_before_anything_changes(make, bad, good):
+    """torch's 'Expected more than 1 value per channel when training' came after the weight fake-quant had observed
+    (its grid moved) and the BN had counted the batch (num_batches_tracked, the weight of every later batch with
+    momentum=None): a training loop that skips such a batch still changed the model. torch.ao does the same."""
+    m = make(Q.get_default_qat_qconfig("x86"))
+    m(torch.randn(good))
+    before = copy.deepcopy(m.state_dict())
+    shape = str(bad).replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(ValueError, match=rf"{type(m).__name__}: BatchNorm in training mode needs more than 1 value "
+                                         rf"per channel, got an input of shape {shape}"):
+        m(torch.randn(bad))
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    assert m.eval()(torch.randn(bad)).shape[0] == 1  # running statistics: a batch of one is fine
+    m.train().freeze_bn_stats()
+    assert m(torch.randn(bad)).shape[0] == 1

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ....compile_state import tracing
 from ...qat.modules import Conv1d as _QConv1d
 from ...qat.modules import Conv2d as _QConv2d
 from ...qat.modules import Conv3d as _QConv3d
@@ -187,6 +188,7 @@ class BnFoldedBase(nn.Module):
             y = op(x, self._fake_quant(w))  # (N, C, *spatial)
             y = y + b.reshape([1, -1] + [1] * (y.dim() - 2))
             return F.relu(y) if self._RELU else y
+        self._check_bn_batch(x, op)
         s = bn_scale(self.bn)  # (C,)
         y = op(x, self._fake_quant(self._scale_weight(s)))  # (N, C, *spatial)
         y_shape = [1, -1] + [1] * (y.dim() - 2)
@@ -197,6 +199,18 @@ class BnFoldedBase(nn.Module):
             y = y + self.bias.reshape(y_shape)
         y = self.bn(y)
         return F.relu(y) if self._RELU else y
+
+    def _check_bn_batch(self, x: torch.Tensor, op: Any) -> None:
+        """A BatchNorm in training needs more than one value per channel (``N * prod(output spatial) > 1``); torch's
+        error came after the weight fake-quant had observed (its grid moved) and the BN had counted the batch
+        (``num_batches_tracked``), so a skipped batch of one still changed the model. Refused before any of that."""
+        if not (self.bn.training and isinstance(x, torch.Tensor) and x.shape[0] == 1) or tracing():
+            return
+        out = op(torch.empty_like(x, device="meta"), torch.empty_like(self.weight, device="meta")).shape
+        if out[0] * (out[2:].numel() if len(out) > 2 else 1) == 1:
+            raise ValueError(f"{type(self).__name__}: BatchNorm in training mode needs more than 1 value per channel, "
+                             f"got an input of shape {tuple(x.shape)} (output {tuple(out)}); train on batches of 2 "
+                             "or more, or use the running statistics (freeze_bn_stats() or eval())")
 
     def _check_rank(self, x: torch.Tensor) -> None:
         """The BN folds along dim 1 of a batched input, ``(N, C, *spatial)`` or ``(N, features)``, whose rank is the
