@@ -40,7 +40,6 @@ import torch
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme, per_tensor_affine, quint8
 from .channel_histogram import _ClipRangeObserver
-from .mse_packed import bounded_errors, packed_points
 
 __all__ = ["MSEObserver"]
 
@@ -96,6 +95,24 @@ class MSEObserver(_ClipRangeObserver):
         wts[:, -sub:] -= e_hi / sub
         return torch.cat([pts, lo.unsqueeze(1), hi.unsqueeze(1)], 1), torch.cat([wts, e_lo, e_hi], 1)
 
+    @staticmethod
+    def _packed_points(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, sub: int,
+                       bins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The points and weights of ``_points`` in the bins ``bins`` (``(C, n)``) and the two ends, the same bits."""
+        c, nb = hist.shape
+        frac = (torch.arange(nb * sub, dtype=hist.dtype, device=hist.device) + 0.5) / (nb * sub)
+        idx = (bins.unsqueeze(2) * sub + torch.arange(sub, device=hist.device)).reshape(c, -1)  # (C, n · sub)
+        e_lo, e_hi = hist[:, :1].clamp(max=1.0), hist[:, -1:].clamp(max=1.0)              # (C, 1)
+        per_bin = hist / sub
+        per_bin[:, :1] -= e_lo / sub
+        per_bin[:, -1:] -= e_hi / sub
+        pts = torch.empty(c, idx.shape[1] + 2, dtype=hist.dtype, device=hist.device)
+        wts = torch.empty_like(pts)
+        torch.add(lo.unsqueeze(1), (hi - lo).unsqueeze(1) * frac[idx], out=pts[:, :-2])
+        torch.gather(per_bin, 1, bins.repeat_interleave(sub, dim=1), out=wts[:, :-2])
+        pts[:, -2], pts[:, -1], wts[:, -2:-1], wts[:, -1:] = lo, hi, e_lo, e_hi
+        return pts, wts
+
     def _errors(self, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                 a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``(C, K)`` squared error of the grids of ``(a_k · lo, b_k · hi)`` (``a``, ``b``: ``(K,)`` or ``(C, K)``);
@@ -122,21 +139,21 @@ class MSEObserver(_ClipRangeObserver):
         """``(C, K)`` whose row-wise first ``argmin`` is ``_grid_errors``'s, scoring only the bins that hold mass.
 
         A point of an empty bin has weight 0 and adds a term ``+0`` (all finite: the row is checked), so a row's
-        error ``E`` and the sum ``E'`` over the points of its non-empty bins and its two ends (``mse_packed``: the
-        same ``d`` per term, summed in another order) are within ``(P + 2) u < 4e-12`` of the exact sum of the
-        terms. ``E'`` is found by ``bounded_errors`` on the packed points (rows of like counts padded with their own
-        empty bins; ``+inf`` for candidates whose sub-sums already exceed a complete one); a candidate whose ``E'``
-        exceeds the least ``E'`` of the row by ``2e-10`` relative has ``E`` above that candidate's ``E``. Entries:
-        ``+inf`` for those; where one candidate is left (or several on one grid ``(s, z)``, as candidates clamped
-        to ``a = 1``: the same bits), the first one's ``E'``; where several grids are left (near-ties), their ``E``
-        (``_grid_errors``), bit for bit. A depthwise 3x3 channel (9 values) packs 2,050 points into at most 74.
-        Rows with a non-finite or negative count, a non-finite end, a grid ``s <= 0``, or a least ``E'`` under
-        ``1e-280``, and rows of ``P >= 16384`` points, are scored whole (``_pruned_errors``).
+        error ``E`` and the sum ``E'`` over the points of its non-empty bins and its two ends (the same bits per
+        term, summed in another order) are float sums of the same numbers ``>= 0``: each within ``(P - 1) u < 2e-12``
+        of the exact sum. ``E'`` is found for every candidate by ``_pruned_errors`` on the packed points (rows of like
+        counts padded with their own empty bins); a candidate whose ``E'`` exceeds the least ``E'`` of the row by
+        ``2e-10`` relative has ``E`` above that candidate's ``E``. Entries: ``+inf`` for those; where one candidate is
+        left (or several on one grid ``(s, z)``, as candidates clamped to ``a = 1``: the same bits), the first one's
+        ``E'``; where several grids are left (near-ties), their ``E``, bit for bit. A depthwise 3x3 channel (9
+        values) packs 2,050 points into at most 74. Rows with a non-finite or negative count, a non-finite end, a
+        grid ``s <= 0``, or a least ``E'`` under ``1e-280``, and rows of ``P >= 16384`` points, are scored whole
+        (``_pruned_errors``), as are all rows where 3/4 of the bins or more hold mass (packing would save little).
         """
         c, nb = hist.shape
         nz = hist > 0
         counts = nz.sum(1)
-        if nb * sub + 2 >= 16384:
+        if nb * sub + 2 >= 16384 or int(counts.sum()) > 0.75 * c * nb:  # packing would save little
             return self._pruned_errors(*self._points(hist, lo, hi, sub), s, z)
         safe = ((torch.isfinite(hist) & (hist >= 0)).all(1) & torch.isfinite(lo) & torch.isfinite(hi)
                 & (torch.isfinite(s) & (s > 0) & torch.isfinite(z)).all(1))
@@ -154,8 +171,8 @@ class MSEObserver(_ClipRangeObserver):
                 pts, wts = self._points(hist[rows], lo[rows], hi[rows], sub)
             else:
                 bins = torch.argsort((~nz[rows]).to(torch.int8), dim=1, stable=True)[:, :max(sizes[e - 1], 1)]
-                pts, wts = packed_points(hist[rows], lo[rows], hi[rows], sub, bins)
-            approx[rows] = bounded_errors(pts, wts, s[rows], z[rows], self.quant_min, self.quant_max)
+                pts, wts = self._packed_points(hist[rows], lo[rows], hi[rows], sub, bins)
+            approx[rows] = self._pruned_errors(pts, wts, s[rows], z[rows])
             g = e
         least = approx.min(1, keepdim=True).values                                        # (C, 1)
         sure = safe & torch.isfinite(least).squeeze(1) & (least.squeeze(1) > 1e-280)
