@@ -20,7 +20,9 @@ Evaluation (session 42: the same chosen ranges bit for bit as the one ``(C, K, P
 20-100x faster per tensor): candidates on the same grid ``(s, z)`` are scored once; the terms are computed by the
 same operations in cache-sized in-place blocks, each ``(c, k)`` row summed whole; a candidate whose sum over every
 8th point (a lower bound: the terms are ``>= 0``) exceeds, by ``1e-9`` relative, the full error of the candidate
-of least bound is not scored (its error is larger, so it is neither the first least nor tied with it).
+of least bound is not scored (its error is larger, so it is neither the first least nor tied with it). Per channel
+(session 43, ``_channel_errors``): only the bins that hold mass are scored (a point of an empty bin adds ``+0``), and a
+row is decided without its full error unless two grids are within ``2e-10`` relative (then those are scored whole).
 
 >>> import torch, lowbit as Q
 >>> torch.manual_seed(0) and None
