@@ -28,8 +28,12 @@ def _weight(kind: str, g: torch.Generator) -> torch.Tensor:
         return torch.randn(48, 24, 1, 1, generator=g) * 0.1
     if kind == "conv3x3":
         return torch.randn(16, 8, 3, 3, generator=g) * 0.05
-    if kind == "dense":  # 3/4 of the bins or more hold mass: scored as before
+    if kind == "dense":  # 60 % of the bins or more hold mass: scored as before
         return torch.randn(8, 4096, generator=g)
+    if kind == "mixed":  # sparse rows packed, dense ones (80 % of the bins or more) scored on their full rows
+        w = torch.randn(20, 2000, generator=g)
+        w[:16, 9:] = 0.0
+        return w
     if kind == "laplace":
         u = torch.rand(40, 200, generator=g) - 0.5
         return -u.sign() * torch.log1p(-2 * u.abs()) * 0.02
@@ -48,7 +52,7 @@ def _weight(kind: str, g: torch.Generator) -> torch.Tensor:
     raise AssertionError(kind)
 
 
-KINDS = ["depthwise", "conv1x1", "conv3x3", "dense", "laplace", "special"]
+KINDS = ["depthwise", "conv1x1", "conv3x3", "dense", "mixed", "laplace", "special"]
 
 
 def _same(w: torch.Tensor, qscheme, qdtype, bins: int | None = None) -> None:  # type: ignore[no-untyped-def]

@@ -150,12 +150,12 @@ class MSEObserver(_ClipRangeObserver):
         ``E'``; where several grids are left (near-ties), their ``E``, bit for bit. A depthwise 3x3 channel (9
         values) packs 2,050 points into at most 74. Rows with a non-finite or negative count, a non-finite end, a
         grid ``s <= 0``, or a least ``E'`` under ``1e-280``, and rows of ``P >= 16384`` points, are scored whole
-        (``_pruned_errors``), as are all rows where 3/4 of the bins or more hold mass (packing would save little).
+        (``_pruned_errors``), as are all rows where 60 % of the bins or more hold mass (packing would save little).
         """
         c, nb = hist.shape
         nz = hist > 0
         counts = nz.sum(1)
-        if nb * sub + 2 >= 16384 or int(counts.sum()) > 0.75 * c * nb:  # packing would save little
+        if nb * sub + 2 >= 16384 or int(counts.sum()) > 0.6 * c * nb:  # packing would save little
             return self._pruned_errors(*self._points(hist, lo, hi, sub), s, z)
         safe = ((torch.isfinite(hist) & (hist >= 0)).all(1) & torch.isfinite(lo) & torch.isfinite(hi)
                 & (torch.isfinite(s) & (s > 0) & torch.isfinite(z)).all(1))
