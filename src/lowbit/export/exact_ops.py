@@ -9,6 +9,8 @@ order. With ``c = q - z`` an input's centred codes (lowbit's ``round(fl(x · fl(
 
     add (add_relu):  acc = fl(fl(c_a k_a) + fl(c_b k_b))
     mul:             acc = fl(fl(c_a c_b) k)                      (c_a c_b exact)
+    add_scalar(v):   acc = fl(fl(c_a k_a) + fl(v / s))
+    mul_scalar(v):   acc = fl(c_a fl(fl(s_a v) / s))
     q = clamp(round(acc) + z, lo, qmax)                           (lo = max(qmin, z) after a ReLU, else qmin)
     cat:             each part clamp(round(fl(c_i k_i)) + z, qmin, qmax), or its codes where its grid is (s, z)
     BatchNorm:       q = clamp(round(f64(f64(c alpha) + beta)) + z, lo, qmax)    (alpha, beta: ``code_map``, float64;
@@ -16,10 +18,11 @@ order. With ``c = q - z`` an input's centred codes (lowbit's ``round(fl(x · fl(
 
 ``Round`` is half to even, as ``torch.round``. The results leave as ``Cast -> DequantizeLinear`` and the next op reads
 its codes back with ``Mul`` / ``Add`` / ``Round`` (never ``QuantizeLinear``), so ORT finds no ``DQ -> op -> Q`` to fuse.
-Kept as QDQ: ``matmul``, whose ``QLinearMatMul`` is lowbit's formula already (exact int32 sums times
-``fl(fl(s_a s_b) / s)``, rounded half to even; lowbit's float32 sums are exact while ``K · max|c_a| · max|c_b| < 2**24``;
-0 of 32,768 codes off, u8 x s8 full range included), the scalar ops, a call with a float or per-channel input, and a
-BatchNorm whose input is float or whose call sites see different grids.
+A call with a float (or per-channel, so dequantized) input runs the float op on the float values, as lowbit does, and
+lowbit's quantize of the result (``exact.ExactQDQ``). Kept as QDQ: ``matmul``, whose ``QLinearMatMul`` is lowbit's
+formula already (exact int32 sums times ``fl(fl(s_a s_b) / s)``, rounded half to even; lowbit's float32 sums are exact
+while ``K · max|c_a| · max|c_b| < 2**24``; 0 of 32,768 codes off, u8 x s8 full range included), a matmul with a float
+input (float sums in ORT's order), and a BatchNorm whose input is float or whose call sites see different grids.
 
 >>> import torch, lowbit as Q
 >>> qa = Q.quantize_per_tensor(torch.tensor([0.5, -1.0]), 0.01, 128, Q.quint8)
@@ -38,12 +41,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .exact import _ONNX, _codes, _codes_symbolic, const_f32, dq_symbolic
+from .exact import _ONNX, ExactQDQ, _codes, _codes_symbolic, const_f32, dq_symbolic
 from .qdq import FunctionalTwin, Grid, _storage, untraced
 
 __all__ = ["EXACT_OPS", "ExactBatchNormTwin", "ExactFunctionalTwin"]
 
-EXACT_OPS = ("add", "add_relu", "mul", "cat")
+EXACT_OPS = ("add", "add_relu", "mul", "cat", "add_scalar", "mul_scalar")
 _F32 = torch.float32
 
 
@@ -64,11 +67,16 @@ class _Spec:
     """One op's constants, handed to ``_CodesOpFn`` as a Python object (not traced): ``op``, the input grids ``ins``
     (``_grid``), the output ``(s, z, lo, hi, storage)``, the multipliers ``ks`` and cat's ``dim``."""
 
-    def __init__(self, op: str, ins: list[Any], out: tuple[float, int, int, int, torch.dtype], dim: int = 0) -> None:
+    def __init__(self, op: str, ins: list[Any], out: tuple[float, int, int, int, torch.dtype], dim: int = 0,
+                 c: float = 0.0) -> None:
         self.op, self.ins, self.out, self.dim = op, ins, out, dim
         s = out[0]
         if op == "mul":
             self.ks = [_k(ins[0][0], ins[1][0], s=s)]
+        elif op == "mul_scalar":  # QFunctional._eager_mul_scalar: x.scale * c / s on float32 tensors
+            self.ks = [float(torch.tensor(ins[0][0], dtype=_F32) * c / torch.tensor(s, dtype=_F32))]
+        elif op == "add_scalar":  # QFunctional._eager_add_scalar: (x.scale / s), then c / s
+            self.ks = [_k(ins[0][0], s=s), float(c / torch.tensor(s, dtype=_F32))]
         else:
             self.ks = [_k(g[0], s=s) for g in ins]
 
@@ -85,6 +93,10 @@ def _eval(spec: _Spec, xs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     k = [torch.tensor(v, dtype=_F32) for v in spec.ks]
     if spec.op in ("add", "add_relu"):
         acc = cs[0] * k[0] + cs[1] * k[1]
+    elif spec.op == "add_scalar":
+        acc = cs[0] * k[0] + k[1]
+    elif spec.op == "mul_scalar":
+        acc = cs[0] * k[0]
     else:
         acc = (cs[0] * cs[1]) * k[0]
     return torch.clamp(torch.round(acc) + float(z), lo, hi)
@@ -107,6 +119,10 @@ def _symbolic(g: Any, spec: _Spec, xs: tuple[Any, ...]) -> Any:
     cs = [g.op("Sub", q, const_f32(g, float(gr[1]))) for q, gr in zip(codes, spec.ins)]
     if spec.op in ("add", "add_relu"):
         acc = g.op("Add", g.op("Mul", cs[0], const_f32(g, spec.ks[0])), g.op("Mul", cs[1], const_f32(g, spec.ks[1])))
+    elif spec.op == "add_scalar":
+        acc = g.op("Add", g.op("Mul", cs[0], const_f32(g, spec.ks[0])), const_f32(g, spec.ks[1]))
+    elif spec.op == "mul_scalar":
+        acc = g.op("Mul", cs[0], const_f32(g, spec.ks[0]))
     else:
         acc = g.op("Mul", g.op("Mul", cs[0], cs[1]), const_f32(g, spec.ks[0]))
     return requant(acc)
@@ -128,28 +144,33 @@ class _CodesOpFn(torch.autograd.Function):
 
 
 class ExactFunctionalTwin(FunctionalTwin):
-    """``FunctionalTwin`` whose ``add`` / ``add_relu`` / ``mul`` / ``cat`` of quantized inputs run
-    lowbit's code arithmetic (``_CodesOpFn``); the scalar ops and calls with a float input stay float ops between
-    Q/DQ nodes."""
+    """``FunctionalTwin`` whose ``add`` / ``add_relu`` / ``mul`` / ``cat`` / ``add_scalar`` / ``mul_scalar`` of
+    quantized inputs run lowbit's code arithmetic (``_CodesOpFn``); a call with a float input runs the float op and
+    lowbit's quantize (``ExactQDQ``); ``matmul`` stays QDQ."""
 
     def __init__(self, mod: Any, in_grids: dict[str, list[Grid | None]]) -> None:
         super().__init__(mod, in_grids)
         self.in_grids = in_grids
         s, z, qmin, qmax, st = _grid((float(mod.scale), int(mod.zero_point), mod.qdtype))
+        # a float-input call's result as lowbit's _from_float quantizes it; matmul keeps QuantizeLinear, so that ORT
+        # fuses its QLinearMatMul (lowbit's formula)
+        self.matmul_qdq, self.out_qdq = self.out_qdq, ExactQDQ(float(mod.scale), int(mod.zero_point), mod.qdtype)
         self.ins: dict[str, list[Any]] = {}
         self.outs: dict[str, tuple[float, int, int, int, torch.dtype]] = {}
         for op in EXACT_OPS:
             gs = in_grids.get(op)
-            if gs and (len(gs) == 2 or op == "cat") and all(gr is not None for gr in gs):
+            if gs and all(gr is not None for gr in gs):
                 self.ins[op] = [_grid(gr) for gr in gs if gr is not None]
                 self.outs[op] = (s, z, max(qmin, z) if op == "add_relu" else qmin, qmax, st)
 
     def qdq_ops(self) -> list[str]:
-        """The add / add_relu / mul / cat calls that stay QDQ: ones with a float (or per-channel) input."""
-        return [op for op in EXACT_OPS if self.in_grids.get(op) and op not in self.ins]
+        """The calls whose codes ORT may round its own way: a matmul with a float (or per-channel) input (its float
+        sums run in ORT's order)."""
+        gs = self.in_grids.get("matmul")
+        return ["matmul"] if gs and not all(gr is not None for gr in gs) else []
 
-    def _exact(self, op: str, xs: tuple[torch.Tensor, ...], dim: int = 0) -> torch.Tensor:
-        return _CodesOpFn.apply(_Spec(op, self.ins[op], self.outs[op], dim), *(x.detach() for x in xs))
+    def _exact(self, op: str, xs: tuple[torch.Tensor, ...], dim: int = 0, c: float = 0.0) -> torch.Tensor:
+        return _CodesOpFn.apply(_Spec(op, self.ins[op], self.outs[op], dim, c), *(x.detach() for x in xs))
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self._exact("add", (x, y)) if "add" in self.ins else super().add(x, y)
@@ -159,6 +180,15 @@ class ExactFunctionalTwin(FunctionalTwin):
 
     def mul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self._exact("mul", (x, y)) if "mul" in self.ins else super().mul(x, y)
+
+    def add_scalar(self, x: torch.Tensor, c: float) -> torch.Tensor:
+        return self._exact("add_scalar", (x,), c=float(c)) if "add_scalar" in self.ins else super().add_scalar(x, c)
+
+    def mul_scalar(self, x: torch.Tensor, c: float) -> torch.Tensor:
+        return self._exact("mul_scalar", (x,), c=float(c)) if "mul_scalar" in self.ins else super().mul_scalar(x, c)
+
+    def matmul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.matmul_qdq(torch.matmul(*self._in("matmul", x, y)))
 
     def cat(self, xs: Any, dim: int = 0) -> torch.Tensor:
         xs = tuple(xs)
