@@ -164,3 +164,63 @@ def test_float_input_ops_codes_equal_lowbit(tmp_path, op) -> None:
     a, b = torch.randn(512, 1024, generator=g), torch.randn(512, 1024, generator=g)
     q = quantized(Mixed(op), [(a[:8], b[:8])])
     assert _codes_off(q, (a, b), float(q.ff.scale), int(q.ff.zero_point), tmp_path / "m.onnx") == 0
+
+
+# ---- exact mode: each reader takes its producer's codes (export/share_codes.py) ----
+
+def _ops(path) -> list[str]:
+    import onnx
+
+    return [n.op_type for n in onnx.load(str(path)).graph.node]
+
+
+def _small_cnn(qdtype: Q.QDtype = Q.quint8) -> tuple[nn.Module, torch.Tensor]:
+    from lowbit.examples import SmallCNN
+
+    torch.manual_seed(0)
+    m = SmallCNN().eval()
+    m = Q.fuse_modules(m, [["conv1", "bn1", "relu1"], ["conv2", "bn2", "relu2"], ["conv3", "bn3"], ["fc1", "relu_fc"]])
+    m.qconfig = Q.QConfig(Q.MinMaxObserver.with_args(qdtype=qdtype), Q.get_default_qconfig().weight)
+    p = Q.prepare(m)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        p(torch.randn(16, 1, 28, 28, generator=g))
+    return Q.convert(p), torch.randn(64, 1, 28, 28, generator=g) * 1.3
+
+
+@pytest.mark.parametrize("qdtype", [Q.quint8, Q.qint8])
+def test_exact_readers_take_producer_codes(tmp_path, qdtype) -> None:
+    # README's Fashion-MNIST CNN: 7 quantized producers (Quantize, 3 convs, add_relu, 2 Linears), read through MaxPool
+    # and Flatten too. Before, each reader re-quantized its producer's dequantized floats (Mul, Add, Round, Clip):
+    # 14 Round and 7 DequantizeLinear nodes; now one Round per producer and one DequantizeLinear (the output)
+    q, x = _small_cnn(qdtype)
+    path = tmp_path / "cnn.onnx"
+    assert _codes_off(q, (x,), float(q.fc2.scale), int(q.fc2.zero_point), path) == 0
+    ops = _ops(path)
+    assert (ops.count("Round"), ops.count("DequantizeLinear")) == (7, 1)
+
+
+class TwoGrids(nn.Module):
+    """A conv's result dequantized and quantized again on another grid: that reader keeps its read-back chain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q1, self.q2, self.dq = Q.QuantStub(), Q.QuantStub(), Q.DeQuantStub()
+        self.c1, self.c2 = nn.Conv2d(2, 4, 3), nn.Conv2d(4, 3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dq(self.c2(self.q2(self.dq(self.c1(self.q1(x))))))
+
+
+def test_exact_reader_on_another_grid_keeps_its_chain(tmp_path) -> None:
+    g = torch.Generator().manual_seed(2)
+    q = quantized(TwoGrids(), [torch.randn(8, 2, 9, 9, generator=g)])
+    _set(q.q2, float(q.c1.scale) * 1.37, int(q.c1.zero_point) - 3)
+    x = torch.randn(64, 2, 9, 9, generator=g) * 1.5
+    path = tmp_path / "two.onnx"
+    assert _codes_off(q, (x,), float(q.c2.scale), int(q.c2.zero_point), path) == 0
+    assert _ops(path).count("Round") == 4  # q1, c1, q2's read-back of c1's floats, c2
+    _set(q.q2, float(q.c1.scale), int(q.c1.zero_point))  # the same grid: q2 reads c1's codes
+    assert _codes_off(q, (x,), float(q.c2.scale), int(q.c2.zero_point), path) == 0
+    assert _ops(path).count("Round") == 3

@@ -59,6 +59,7 @@ from torch import nn
 
 from .embedding import EmbeddingBagTwin, EmbeddingTableTwin, to_int4
 from .proto import constants_to_initializers
+from .share_codes import share_codes
 from .twin import _check_inputs, build_twin
 from .weight_only import WeightOnlyTwin, to_blocked
 
@@ -146,7 +147,7 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     # checker refuses, opset 21 with GroupNormalization) leaves an existing file at ``path`` as it was
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     try:
-        _export(onnx, twin, inputs, tmp, opset_version, input_names, output_names, axes, tables)
+        _export(onnx, twin, inputs, tmp, opset_version, input_names, output_names, axes, tables, exact)
         os.replace(tmp, out_path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -201,8 +202,9 @@ def _twin(model: nn.Module, inputs: tuple[torch.Tensor, ...], weight_dtype: str,
 
 def _export(onnx: Any, twin: nn.Module, inputs: tuple[torch.Tensor, ...], path: Path, opset_version: int,
             input_names: list[str], output_names: list[str], axes: dict[str, dict[int, str]] | None,
-            tables: list[nn.Module]) -> None:
-    """``to_onnx``'s export of ``twin`` to ``path``, its initializers, the opset-21 relabelling and the checker."""
+            tables: list[nn.Module], exact: bool = False) -> None:
+    """``to_onnx``'s export of ``twin`` to ``path``, its initializers, the opset-21 relabelling and the checker
+    (``exact``: readers take their producers' codes, ``share_codes``)."""
     with warnings.catch_warnings(), _float_dequantize_is_identity(min(opset_version, 20)):
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         torch.onnx.export(twin, inputs, str(path), dynamo=False, opset_version=min(opset_version, 20),
@@ -210,6 +212,8 @@ def _export(onnx: Any, twin: nn.Module, inputs: tuple[torch.Tensor, ...], path: 
                           do_constant_folding=True)
     proto = onnx.load(str(path))
     constants_to_initializers(proto)
+    if exact:
+        share_codes(proto.graph)
     if opset_version == 21:  # 20 -> 21 only added types (INT4, FLOAT8) and defaulted attributes to the ops used
         if any(n.op_type == "GroupNormalization" for n in proto.graph.node):
             raise ValueError("to_onnx: opset_version=21 cannot relabel a GroupNormalization graph; use <= 20")
