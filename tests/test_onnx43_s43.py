@@ -10,6 +10,8 @@ failed before its fix.
 
 from __future__ import annotations
 
+import os
+import re
 import warnings
 
 import pytest
@@ -224,3 +226,56 @@ def test_exact_reader_on_another_grid_keeps_its_chain(tmp_path) -> None:
     _set(q.q2, float(q.c1.scale), int(q.c1.zero_point))  # the same grid: q2 reads c1's codes
     assert _codes_off(q, (x,), float(q.c2.scale), int(q.c2.zero_point), path) == 0
     assert _ops(path).count("Round") == 3
+
+
+# ---- hostile sweep of to_onnx ----
+
+def _lin() -> nn.Module:
+    return quantized(nn.Sequential(Q.QuantStub(), nn.Linear(6, 4), Q.DeQuantStub()), [torch.randn(16, 6)])
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_path_that_is_not_a_regular_file_is_refused(tmp_path) -> None:
+    # before: to_onnx opened the path to check it was writable (a FIFO blocks there until a reader comes), then renamed
+    # its finished file onto it: a device such as /dev/null became a regular file (seen in the sweep, as root)
+    import stat
+    import threading
+
+    fifo = tmp_path / "pipe.onnx"
+    os.mkfifo(fifo)
+    m, out = _lin(), []
+
+    def export() -> None:
+        try:
+            to_onnx(m, torch.randn(2, 6), fifo)
+        except ValueError as e:
+            out.append(str(e))
+
+    t = threading.Thread(target=export, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "to_onnx blocked on the FIFO"
+    assert out and re.search(r"path='.*pipe\.onnx' exists and is not a regular file", out[0])
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_path_name_too_long_is_a_clear_error(tmp_path) -> None:
+    # before: OSError [Errno 36] from pathlib's is_dir, deep in _check_path
+    with pytest.raises(ValueError, match=r"to_onnx: cannot write path='.*aaaa.*': File name too long"):
+        to_onnx(_lin(), torch.randn(2, 6), tmp_path / ("a" * 300 + ".onnx"))
+
+
+def test_model_without_outputs_is_refused(tmp_path) -> None:
+    # before: the file was written and ONNX Runtime failed loading it ("OrtValue indexes should have been populated")
+    class NoOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _lin()
+
+        def forward(self, x: torch.Tensor) -> tuple[()]:
+            self.inner(x)
+            return ()
+
+    with pytest.raises(ValueError, match="to_onnx: the model returns no tensors"):
+        to_onnx(NoOut(), torch.randn(2, 6), tmp_path / "none.onnx")
+    assert not (tmp_path / "none.onnx").exists()

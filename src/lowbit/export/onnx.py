@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import threading
 import warnings
 from collections.abc import Iterator
@@ -78,11 +79,21 @@ def _check_path(path: Any, where: str = "to_onnx", name: str = "path") -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{where}: {name} must be a str or os.PathLike, got {type(path).__name__} {path!r}")
     p = Path(path)
-    if p.is_dir():
+    try:
+        mode = p.stat().st_mode if p.exists() else None
+        parent_ok = p.parent.is_dir()
+    except OSError as e:  # (a name past the file system's limit: ENAMETOOLONG)
+        raise ValueError(f"{where}: cannot write {name}={str(p)!r}: {e.strerror or e}") from None
+    if mode is not None and stat.S_ISDIR(mode):
         raise ValueError(f"{where}: {name}={str(p)!r} is a directory; give a file name such as model.onnx")
-    if not p.parent.is_dir():
+    if mode is not None and not stat.S_ISREG(mode):
+        # (to_onnx renames its finished file onto ``path``: a device such as /dev/null, or a FIFO, would be replaced
+        # by a regular file; and opening a FIFO to check it blocks until a reader comes)
+        raise ValueError(f"{where}: {name}={str(p)!r} exists and is not a regular file; give a file name such as "
+                         "model.onnx")
+    if not parent_ok:
         raise ValueError(f"{where}: cannot write {name}={str(p)!r}: directory {str(p.parent)!r} does not exist")
-    existed = p.exists()
+    existed = mode is not None
     try:
         with open(p, "ab"):
             pass
@@ -132,6 +143,9 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     twin, tables = _twin(model, inputs, weight_dtype, opset_version, exact)
     with torch.no_grad():
         n_out = len(_flat_tensors(twin(*inputs)))
+    if n_out == 0:  # (ONNX Runtime refused such a file at load, deep in its session setup)
+        raise ValueError("to_onnx: the model returns no tensors (an empty tuple or list); an ONNX graph needs at "
+                         "least one output")
     for what, given in (("input_names", input_names), ("output_names", output_names)):
         if given is not None and (isinstance(given, str) or not all(isinstance(n, str) for n in given)):
             raise TypeError(f"to_onnx: {what}={given!r} must be a list of strings")
