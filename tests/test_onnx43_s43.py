@@ -279,3 +279,37 @@ def test_model_without_outputs_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="to_onnx: the model returns no tensors"):
         to_onnx(NoOut(), torch.randn(2, 6), tmp_path / "none.onnx")
     assert not (tmp_path / "none.onnx").exists()
+
+
+class ShapeScalars(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return torch.cat([y * y.shape[0], y + y.shape[0], y / x.shape[0]], 1)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_scalar_from_the_batch_size_is_computed_per_call(tmp_path, exact) -> None:
+    # graph mode's y * y.shape[0] is QFunctional.mul_scalar(y, <traced size>); the twins took float(c), so the file
+    # froze the example's batch size (2) under a dynamic batch: here up to 4 output steps off at batch 9 (the sweep's
+    # y * y.shape[0] + 1.0: 3.6 at batch 5)
+    x = torch.randn(64, 6)
+    p = prepare_fx(ShapeScalars().eval(), Q.get_default_qconfig_mapping(), example_inputs=(x,))
+    with torch.no_grad():
+        p(x)
+    q = convert_fx(p)
+    cat = [m for m in q.modules() if type(m).__name__ == "QFunctional"][-1]
+    for b in (5, 9):
+        xb = torch.randn(b, 6, generator=torch.Generator().manual_seed(b)) * 0.3
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            to_onnx(q, torch.randn(2, 6), tmp_path / "shape.onnx", exact=exact)
+            with torch.no_grad():
+                want = q(xb)
+        got = run_onnx(tmp_path / "shape.onnx", xb)[0]
+        steps = ((got - want).abs() / float(cat.scale)).round()
+        assert int(steps.max()) <= (0 if exact else 1)

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .exact import _ONNX, ExactQDQ, _codes, _codes_symbolic, const_f32, dq_symbolic
-from .qdq import FunctionalTwin, Grid, _storage, untraced
+from .qdq import FunctionalTwin, Grid, _storage, traced_scalar, untraced
 
 __all__ = ["EXACT_OPS", "ExactBatchNormTwin", "ExactFunctionalTwin"]
 
@@ -68,11 +68,14 @@ class _Spec:
     (``_grid``), the output ``(s, z, lo, hi, storage)``, the multipliers ``ks`` and cat's ``dim``."""
 
     def __init__(self, op: str, ins: list[Any], out: tuple[float, int, int, int, torch.dtype], dim: int = 0,
-                 c: float = 0.0) -> None:
+                 c: Any = 0.0) -> None:
         self.op, self.ins, self.out, self.dim = op, ins, out, dim
+        self.traced = isinstance(c, torch.Tensor)  # (the scalar is the op's last input, a float32 0-dim tensor)
         s = out[0]
         if op == "mul":
             self.ks = [_k(ins[0][0], ins[1][0], s=s)]
+        elif op in ("add_scalar", "mul_scalar") and isinstance(c, torch.Tensor):  # traced (a shape): per call
+            self.ks = [_k(ins[0][0], s=s)]
         elif op == "mul_scalar":  # QFunctional._eager_mul_scalar: x.scale * c / s on float32 tensors
             self.ks = [float(torch.tensor(ins[0][0], dtype=_F32) * c / torch.tensor(s, dtype=_F32))]
         elif op == "add_scalar":  # QFunctional._eager_add_scalar: (x.scale / s), then c / s
@@ -83,6 +86,10 @@ class _Spec:
 
 def _eval(spec: _Spec, xs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """lowbit's output codes (float32) of ``spec`` on the float inputs ``xs`` (module doc)."""
+    if spec.traced:  # the scalar, per call: fl(fl(s_a v) / s) or fl(v / s), as lowbit's float32 tensors
+        xs, v = xs[:-1], xs[-1].to(_F32)
+        s_a, s = torch.tensor(spec.ins[0][0], dtype=_F32), torch.tensor(spec.out[0], dtype=_F32)
+        ks = [s_a * v / s] if spec.op == "mul_scalar" else [torch.tensor(spec.ks[0], dtype=_F32), v / s]
     cs = [_codes(x, *g[:4]) - float(g[1]) for x, g in zip(xs, spec.ins)]
     s, z, lo, hi, _ = spec.out
     if spec.op == "cat":
@@ -90,7 +97,7 @@ def _eval(spec: _Spec, xs: tuple[torch.Tensor, ...]) -> torch.Tensor:
                  torch.clamp(torch.round(c * torch.tensor(k, dtype=_F32)) + float(z), lo, hi)
                  for c, g, k in zip(cs, spec.ins, spec.ks)]
         return torch.clamp(torch.cat(parts, spec.dim), lo, hi)
-    k = [torch.tensor(v, dtype=_F32) for v in spec.ks]
+    k = ks if spec.traced else [torch.tensor(v, dtype=_F32) for v in spec.ks]
     if spec.op in ("add", "add_relu"):
         acc = cs[0] * k[0] + cs[1] * k[1]
     elif spec.op == "add_scalar":
@@ -110,6 +117,11 @@ def _symbolic(g: Any, spec: _Spec, xs: tuple[Any, ...]) -> Any:
         return g.op("Clip", g.op("Add", g.op("Round", acc), const_f32(g, float(z))), const_f32(g, float(lo)),
                     const_f32(g, float(hi)))
 
+    ks: list[Any] = [const_f32(g, k) for k in spec.ks]
+    if spec.traced:  # the scalar, per call (as _eval)
+        xs, v = xs[:-1], g.op("Cast", xs[-1], to_i=_ONNX[_F32])
+        s_a, s_out = const_f32(g, spec.ins[0][0]), const_f32(g, s)
+        ks = [g.op("Div", g.op("Mul", s_a, v), s_out)] if spec.op == "mul_scalar" else [ks[0], g.op("Div", v, s_out)]
     codes = [_codes_symbolic(g, x, *gr[:4], None) for x, gr in zip(xs, spec.ins)]
     if spec.op == "cat":
         parts = [q if (gr[0], gr[1]) == (s, z) else
@@ -120,9 +132,9 @@ def _symbolic(g: Any, spec: _Spec, xs: tuple[Any, ...]) -> Any:
     if spec.op in ("add", "add_relu"):
         acc = g.op("Add", g.op("Mul", cs[0], const_f32(g, spec.ks[0])), g.op("Mul", cs[1], const_f32(g, spec.ks[1])))
     elif spec.op == "add_scalar":
-        acc = g.op("Add", g.op("Mul", cs[0], const_f32(g, spec.ks[0])), const_f32(g, spec.ks[1]))
+        acc = g.op("Add", g.op("Mul", cs[0], ks[0]), ks[1])
     elif spec.op == "mul_scalar":
-        acc = g.op("Mul", cs[0], const_f32(g, spec.ks[0]))
+        acc = g.op("Mul", cs[0], ks[0])
     else:
         acc = g.op("Mul", g.op("Mul", cs[0], cs[1]), const_f32(g, spec.ks[0]))
     return requant(acc)
@@ -169,7 +181,9 @@ class ExactFunctionalTwin(FunctionalTwin):
         gs = self.in_grids.get("matmul")
         return ["matmul"] if gs and not all(gr is not None for gr in gs) else []
 
-    def _exact(self, op: str, xs: tuple[torch.Tensor, ...], dim: int = 0, c: float = 0.0) -> torch.Tensor:
+    def _exact(self, op: str, xs: tuple[torch.Tensor, ...], dim: int = 0, c: Any = 0.0) -> torch.Tensor:
+        if isinstance(c, torch.Tensor):  # (a traced scalar: the op's last input)
+            xs = (*xs, c)
         return _CodesOpFn.apply(_Spec(op, self.ins[op], self.outs[op], dim, c), *(x.detach() for x in xs))
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -182,10 +196,12 @@ class ExactFunctionalTwin(FunctionalTwin):
         return self._exact("mul", (x, y)) if "mul" in self.ins else super().mul(x, y)
 
     def add_scalar(self, x: torch.Tensor, c: float) -> torch.Tensor:
-        return self._exact("add_scalar", (x,), c=float(c)) if "add_scalar" in self.ins else super().add_scalar(x, c)
+        c = traced_scalar(c)
+        return self._exact("add_scalar", (x,), c=c) if "add_scalar" in self.ins else super().add_scalar(x, c)
 
     def mul_scalar(self, x: torch.Tensor, c: float) -> torch.Tensor:
-        return self._exact("mul_scalar", (x,), c=float(c)) if "mul_scalar" in self.ins else super().mul_scalar(x, c)
+        c = traced_scalar(c)
+        return self._exact("mul_scalar", (x,), c=c) if "mul_scalar" in self.ins else super().mul_scalar(x, c)
 
     def matmul(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.matmul_qdq(torch.matmul(*self._in("matmul", x, y)))

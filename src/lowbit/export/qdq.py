@@ -52,6 +52,7 @@ __all__ = [
     "WeightedTwin",
     "out_channel_weight_scale",
     "stored_codes",
+    "traced_scalar",
     "untraced",
     "weight_dq",
 ]
@@ -304,6 +305,12 @@ class WeightedTwin(nn.Module):
         return y.reshape(*lead, y.shape[-1]) if lead is not None else y
 
 
+def traced_scalar(c: Any) -> Any:
+    """A scalar operand as a float, or, where the exporter traced it (a graph-mode ``y * y.shape[0]``: a 0-dim
+    tensor), as a float32 tensor, so the file computes it per call (``float(c)`` froze the example's batch size)."""
+    return c.to(torch.float32) if isinstance(c, torch.Tensor) and torch.jit.is_tracing() else float(c)
+
+
 class FunctionalTwin(nn.Module):
     """Twin of ``QFunctional``: Q/DQ on each quantized input's grid, the float op, Q/DQ onto the output grid.
 
@@ -337,10 +344,10 @@ class FunctionalTwin(nn.Module):
         return self.out_qdq(torch.matmul(*self._in("matmul", x, y)))
 
     def add_scalar(self, x: torch.Tensor, c: float) -> torch.Tensor:
-        return self.out_qdq(self._in("add_scalar", x)[0] + float(c))
+        return self.out_qdq(self._in("add_scalar", x)[0] + traced_scalar(c))
 
     def mul_scalar(self, x: torch.Tensor, c: float) -> torch.Tensor:
-        return self.out_qdq(self._in("mul_scalar", x)[0] * float(c))
+        return self.out_qdq(self._in("mul_scalar", x)[0] * traced_scalar(c))
 
     def cat(self, xs: Any, dim: int = 0) -> torch.Tensor:
         return self.out_qdq(torch.cat(self._in("cat", *xs), dim=dim))
