@@ -313,3 +313,28 @@ def test_scalar_from_the_batch_size_is_computed_per_call(tmp_path, exact) -> Non
         got = run_onnx(tmp_path / "shape.onnx", xb)[0]
         steps = ((got - want).abs() / float(cat.scale)).round()
         assert int(steps.max()) <= (0 if exact else 1)
+
+
+class UnusedInput(nn.Module):
+    def __init__(self, unused_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.unused_first = unused_first
+        self.q, self.lin, self.dq = Q.QuantStub(), nn.Linear(6, 4), Q.DeQuantStub()
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.dq(self.lin(self.q(b if self.unused_first else a)))
+
+
+@pytest.mark.parametrize("unused_first", [False, True])
+def test_unused_input_stays_an_input(tmp_path, unused_first) -> None:
+    # the exporter drops an input no op reads: the file took 1 input where the model takes 2, and run_onnx(path, a, b)
+    # was refused ("the model takes 1 inputs (['input_1']), got 2"); the names given no longer lined up with the data
+    q = quantized(UnusedInput(unused_first), [(torch.randn(16, 6), torch.randn(16, 6))])
+    a, b = torch.randn(3, 6), torch.randn(3, 6)
+    to_onnx(q, (a[:2], b[:2]), tmp_path / "u.onnx", input_names=["a", "b"])
+    import onnx
+
+    assert [i.name for i in onnx.load(str(tmp_path / "u.onnx")).graph.input] == ["a", "b"]
+    with torch.no_grad():
+        assert torch.equal(run_onnx(tmp_path / "u.onnx", a, b)[0], q(a, b))

@@ -225,6 +225,7 @@ def _export(onnx: Any, twin: nn.Module, inputs: tuple[torch.Tensor, ...], path: 
                           input_names=input_names, output_names=output_names, dynamic_axes=axes,
                           do_constant_folding=True)
     proto = onnx.load(str(path))
+    _keep_unused_inputs(onnx, proto, inputs, input_names, axes)
     constants_to_initializers(proto)
     if exact:
         share_codes(proto.graph)
@@ -239,6 +240,28 @@ def _export(onnx: Any, twin: nn.Module, inputs: tuple[torch.Tensor, ...], path: 
     proto.producer_name = "lowbit"
     onnx.checker.check_model(proto)
     onnx.save(proto, str(path))
+
+
+def _keep_unused_inputs(onnx: Any, proto: Any, inputs: tuple[torch.Tensor, ...], names: list[str],
+                        axes: dict[str, dict[int, str]] | None) -> None:
+    """Put back the inputs the exporter dropped because no op reads them, in the model's order, so the file takes
+    the model's arguments (``run_onnx(path, x, unused)`` was refused: "the model takes 1 inputs")."""
+    present = {i.name: i for i in proto.graph.input}
+    if all(n in present for n in names):
+        return
+    kept = []
+    for n, t in zip(names, inputs):
+        if n in present:
+            kept.append(present[n])
+            continue
+        dims: list[Any] = list(t.shape)
+        if axes is not None and dims:
+            dims[0] = axes.get(n, {}).get(0, dims[0])
+        kept.append(onnx.helper.make_tensor_value_info(
+            n, onnx.helper.np_dtype_to_tensor_dtype(torch.empty(0, dtype=t.dtype).numpy().dtype), dims))
+    extra = [i for i in proto.graph.input if i.name not in set(names)]  # (initializers kept as inputs, if any)
+    del proto.graph.input[:]
+    proto.graph.input.extend(kept + extra)
 
 
 def _float_weight_layers(onnx: Any, path: str | os.PathLike[str]) -> bool:
