@@ -17,7 +17,8 @@ order. With ``c = q - z`` an input's centred codes (lowbit's ``round(fl(x · fl(
                      float32 ops where they round every input code of every channel the same, checked at export)
 
 ``Round`` is half to even, as ``torch.round``. The results leave as ``Cast -> DequantizeLinear`` and the next op reads
-its codes back with ``Mul`` / ``Add`` / ``Round`` (never ``QuantizeLinear``), so ORT finds no ``DQ -> op -> Q`` to fuse.
+its codes back with ``Mul`` / ``Add`` / ``Round`` (never ``QuantizeLinear``), so ORT finds no ``DQ -> op -> Q`` to fuse
+(``share_codes`` then hands a reader on the producer's grid the codes themselves).
 A call with a float (or per-channel, so dequantized) input runs the float op on the float values, as lowbit does, and
 lowbit's quantize of the result (``exact.ExactQDQ``). Kept as QDQ: ``matmul``, whose ``QLinearMatMul`` is lowbit's
 formula already (exact int32 sums times ``fl(fl(s_a s_b) / s)``, rounded half to even; lowbit's float32 sums are exact
