@@ -338,3 +338,23 @@ def test_unused_input_stays_an_input(tmp_path, unused_first) -> None:
     assert [i.name for i in onnx.load(str(tmp_path / "u.onnx")).graph.input] == ["a", "b"]
     with torch.no_grad():
         assert torch.equal(run_onnx(tmp_path / "u.onnx", a, b)[0], q(a, b))
+
+
+@pytest.mark.parametrize("names", [dict(input_names=["x"], output_names=["x"]), dict(output_names=["p", "p"]),
+                                   dict(input_names=[""])])
+def test_colliding_or_empty_names_are_refused(tmp_path, names) -> None:
+    # before: the exporter silently renamed them: input "x" with output "x" gave input 'x.4'; outputs "p", "p" gave
+    # 'p.1', 'p'; an empty input name gave 'onnx::QuantizeLinear_0' (feeds by the names asked for failed in ORT)
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _lin()
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = self.inner(x)
+            return y, y * 2
+
+    m = Two() if "output_names" in names and len(names["output_names"]) == 2 else _lin()
+    with pytest.raises(ValueError, match=r"to_onnx: input and output names must be non-empty and distinct; "
+                                         r"'(x|p|)' is (empty|given more than once)"):
+        to_onnx(m, torch.randn(2, 6), tmp_path / "n.onnx", **names)

@@ -154,6 +154,12 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
         ["input"] if len(inputs) == 1 else [f"input_{i}" for i in range(len(inputs))])
     output_names = list(output_names) if output_names else (
         ["output"] if n_out == 1 else [f"output_{i}" for i in range(n_out)])
+    every = input_names + output_names
+    bad = [n for n in every if not n] + sorted({n for n in every if n and every.count(n) > 1})
+    if bad:  # (ONNX names each value once: the exporter renamed one side, or the checker failed deep)
+        raise ValueError(f"to_onnx: input and output names must be non-empty and distinct; {bad[0]!r} is "
+                         f"{'empty' if not bad[0] else 'given more than once'} (input_names={input_names}, "
+                         f"output_names={output_names})")
     if len(input_names) != len(inputs) or len(output_names) != n_out:
         raise ValueError(f"to_onnx: got {len(input_names)} input names for {len(inputs)} inputs and "
                          f"{len(output_names)} output names for {n_out} outputs")
@@ -248,7 +254,7 @@ def _keep_unused_inputs(onnx: Any, proto: Any, inputs: tuple[torch.Tensor, ...],
     """Put back the inputs the exporter dropped because no op reads them, in the model's order, so the file takes
     the model's arguments (``run_onnx(path, x, unused)`` was refused: "the model takes 1 inputs")."""
     present = {i.name: i for i in proto.graph.input}
-    if all(n in present for n in names):
+    if len(present) >= len(names) or not set(present) <= set(names):  # (none dropped, or renamed: left as written)
         return
     kept = []
     for n, t in zip(names, inputs):
