@@ -81,7 +81,7 @@ from torch import nn
 
 from .algorithms.layerwise import LayerChange, reconstruct
 from .ptq_checks import (RECIPES, batch_failed, check_model, check_options, check_quantizes_something,
-                         check_sample_axis, ptq_batches)
+                         check_sample_axis, ptq_batches, whole_graph_skip)
 from .fx import convert_fx, prepare_fx
 from .qconfig import QConfigMapping, get_default_qconfig_mapping
 from .recipes import get_accurate_qconfig
@@ -204,6 +204,9 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     ``equalize=False, blocks=False, rounding="quadratic"``: 0.948 / 23.99 dB (AdaRound with those grids, the Lite0
     test's settings until session 9: 0.938 / 23.74; MobileNetV2 the same way 0.833 / 16.25 dB); the accurate grids
     and equalization with ``blocks=False, iters=0, rounding="quadratic"``: 0.938 / 24.45 dB. ``model`` itself is not changed.
+    A model whose own ``forward`` torch.fx cannot trace (control flow on a shape or on data) has its children
+    prepared one by one; ``"accurate"`` then skips equalization and the grid refinement (the report says why) and
+    refuses ``tune`` / ``distill`` > 0 (``lowbit.ptq_checks.whole_graph_skip``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_ptq: model must be an nn.Module, got {type(model).__name__}")
@@ -232,10 +235,13 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
             raise
         raise batch_failed(0, batches[0], cause) from cause
     check_quantizes_something(prepared, model)
+    untraced = whole_graph_skip(prepared, model, tune=tune, distill=distill) if recipe == "accurate" else None
     fx_report = getattr(prepared, "lowbit_report", None)
     fused = list(getattr(fx_report, "fused", []) or [])
     report.steps.append(("fuse", f"{len(fused)} runs fused (BN folded, ReLU/ReLU6 into output grids)"))
-    if recipe == "accurate" and equalize:
+    if untraced and equalize:
+        report.steps.append(("equalize", f"skipped: {untraced}"))
+    elif recipe == "accurate" and equalize:
         from .algorithms.equalize import equalize_prepared
 
         report.equalized = equalize_prepared(prepared, batches, relu6="range", weights=equalize is True)
@@ -270,7 +276,9 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         for h in handles:
             h.remove()
     report.steps.append(("calibrate", f"{len(batches)} batches observed"))
-    if recipe == "accurate" and refine:
+    if untraced and refine:
+        report.steps.append(("refine grids", f"skipped: {untraced}"))
+    elif recipe == "accurate" and refine:
         from .algorithms.grid_search import refine_grids
 
         grids = refine_grids(prepared, batches, top=refine, progress=progress)
