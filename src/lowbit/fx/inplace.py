@@ -23,7 +23,9 @@ before the write read ``a`` as it was (a graph input is no longer changed for th
 
 ``x.relu_()`` / ``torch.relu_(x)`` / ``x.squeeze_()`` / ``x.unsqueeze_(d)`` / ``x.detach_()`` on a whole tensor that
 is not a graph input or attribute become their out-of-place twins once their readers are rerouted (torch.ao runs
-them on the quantized tensor; ``meta["lowbit_target"]`` keeps the in-place target for the qconfig mapping's keys).
+them on the quantized tensor; ``meta["lowbit_target"]`` keeps the in-place target for the qconfig mapping's keys);
+so do ``y.add_(x)`` / ``mul_`` / ``sub_`` / ``div_`` / ``clamp_`` / ``sigmoid_`` / ``tanh_`` / ``torch.clamp_`` /
+``F.hardtanh_`` / ``F.leaky_relu_`` / ``F.elu_``, which graph mode then runs in int8 (left float as in-place ops).
 
 >>> import torch
 >>> from torch import fx
@@ -45,6 +47,7 @@ import operator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
 from ..qtensor import QTensor
@@ -62,8 +65,12 @@ _PART_VIEW_FUNCS = {operator.getitem, torch.narrow, torch.select, torch.transpos
                     torch.split, torch.tensor_split, torch.unbind, torch.detach, torch.view_as_real}
 _VIEW_ATTRS = {"T", "mT", "H", "mH", "real", "imag", "data"}
 _F_MODULES = ("torch", "torch._C._VariableFunctions", "torch._C._nn", "torch.nn.functional")  # F.hardtanh_: _C._nn
-_METHOD_TWINS = {"relu_": "relu", "squeeze_": "squeeze", "unsqueeze_": "unsqueeze", "detach_": "detach"}
-_FUNC_TWINS = {torch.relu_: torch.relu}
+_METHOD_TWINS = {"relu_": "relu", "squeeze_": "squeeze", "unsqueeze_": "unsqueeze", "detach_": "detach",
+                 # old-style elementwise writes with an int8 twin (session 43 zoo: y.add_(x), z.clamp_(0, 6))
+                 "add_": "add", "mul_": "mul", "sub_": "sub", "div_": "div", "clamp_": "clamp",
+                 "clamp_min_": "clamp_min", "clamp_max_": "clamp_max", "sigmoid_": "sigmoid", "tanh_": "tanh"}
+_FUNC_TWINS = {torch.relu_: torch.relu, torch.sigmoid_: torch.sigmoid, torch.tanh_: torch.tanh,
+               torch.clamp_: torch.clamp, F.hardtanh_: F.hardtanh, F.leaky_relu_: F.leaky_relu, F.elu_: F.elu}
 
 
 def writable_copy(x: Any) -> Any:
