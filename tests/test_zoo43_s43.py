@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import lowbit as Q
@@ -65,3 +66,108 @@ def test_tune_and_distill_on_an_untraceable_forward_are_refused_by_name(opt):
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match=rf"quantize_ptq: {opt}=2 .*_ShapeBranch.forward cannot be traced"):
             Q.quantize_ptq(model, calib, recipe="accurate", iters=2, progress=False, **{opt: 2})
+
+
+# ---- old-style in-place ops in graph mode ----
+class _OldStyle(nn.Module):
+    """``.relu_()``, ``y.add_(x)``, ``torch.relu_``, ``.sigmoid_()``, ``F.hardtanh_`` (or their out-of-place forms)."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.inplace = inplace
+        self.c1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c3, self.c4 = nn.Conv2d(8, 8, 1), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inplace:
+            x = self.bn1(self.c1(x)).relu_()
+            y = self.bn2(self.c2(x))
+            y.add_(x)
+            y = torch.relu_(y)
+            z = F.hardtanh_(self.c3(y), 0.0, 6.0)
+            return self.c4(z).sigmoid_()
+        x = self.bn1(self.c1(x)).relu()
+        y = self.bn2(self.c2(x))
+        y = y + x
+        y = torch.relu(y)
+        z = F.hardtanh(self.c3(y), 0.0, 6.0)
+        return self.c4(z).sigmoid()
+
+
+def test_in_place_ops_are_quantized_as_their_out_of_place_forms():
+    # before: add_ / relu_ / sigmoid_ / hardtanh_ were left float ("add_ (no integer implementation in graph mode)"),
+    # each a DeQuantize + float op + Quantize, and the outputs differed from the out-of-place model's
+    g = torch.Generator().manual_seed(0)
+    calib = [torch.randn(2, 3, 8, 8, generator=g) for _ in range(3)]
+    torch.manual_seed(0)
+    state = _OldStyle(False).state_dict()
+    outs, reports = [], []
+    for inplace in (False, True):
+        model = _OldStyle(inplace)
+        model.load_state_dict(state)
+        p = Q.prepare_fx(model.eval(), Q.get_default_qconfig_mapping(), example_inputs=(calib[0],))
+        for c in calib:
+            p(c)
+        q = Q.convert_fx(p)
+        outs.append(q(calib[0]))
+        reports.append(q.lowbit_report)
+    assert reports[1].left_float == reports[0].left_float == {}
+    assert len(reports[1].converted) == len(reports[0].converted)
+    assert torch.equal(outs[1], outs[0])
+
+
+class _ViewBefore(nn.Module):
+    """a view taken before the in-place op sees its change in eager mode: the op stays in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c(x)
+        v = y.view(y.size(0), -1)
+        y.relu_()
+        return v + 1
+
+
+def test_an_in_place_op_on_a_tensor_with_an_earlier_view_stays_in_place():
+    x = torch.randn(2, 3, 4, 4)
+    model = _ViewBefore().eval()
+    p = Q.prepare_fx(model, Q.get_default_qconfig_mapping(), example_inputs=(x,))
+    assert torch.equal(p(x), model(x))  # observers are the identity: the prepared graph computes the float model
+    assert "relu_" in [n.target for n in p.graph.nodes]
+
+
+# ---- eager QuantWrapper around a model that returns several outputs ----
+class _TwoHeads(nn.Module):
+    """a detector's tuple / a multi-task dict of heads."""
+
+    def __init__(self, as_dict: bool) -> None:
+        super().__init__()
+        self.as_dict = as_dict
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.box, self.cls = nn.Conv2d(8, 4, 1), nn.Conv2d(8, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> object:
+        f = self.body(x)
+        return {"box": self.box(f), "cls": self.cls(f)} if self.as_dict else (self.box(f), self.cls(f))
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_quant_wrapper_around_a_model_with_tuple_or_dict_outputs(as_dict):
+    # before: TypeError "DeQuantize expects a QTensor or a tensor, got dict" (tuple) on the first converted run
+    torch.manual_seed(0)
+    model = _TwoHeads(as_dict).eval()
+    calib = [torch.randn(2, 3, 8, 8) for _ in range(3)]
+    w = Q.QuantWrapper(model)
+    w.qconfig = Q.get_default_qconfig()
+    p = Q.prepare(w)
+    for c in calib:
+        p(c)
+    q = Q.convert(p)
+    out, ref = q(calib[0]), model(calib[0])
+    assert type(out) is type(ref)
+    items = zip(out.values(), ref.values()) if as_dict else zip(out, ref)
+    for o, r in items:
+        assert type(o) is torch.Tensor and o.shape == r.shape and _sqnr(r, o) > 30

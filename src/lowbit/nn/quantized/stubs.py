@@ -173,9 +173,23 @@ class Quantize(CheckedQuantState):
 
 
 class DeQuantize(nn.Module):
-    """``QTensor`` -> float32 ``(q - zero_point) * scale``; a float tensor passes through unchanged."""
+    """``QTensor`` -> float32 ``(q - zero_point) * scale``; a float tensor passes through unchanged. A tuple / list /
+    dict (a detector's ``(boxes, scores)``, a multi-head ``{"cls": ..., "aux": ...}``, a namedtuple) is dequantized
+    item by item, as ``QuantWrapper`` around such a model needs (``None`` items kept).
 
-    def forward(self, x: torch.Tensor | QTensor) -> torch.Tensor:
+    >>> import torch, lowbit as Q
+    >>> qx = Q.quantize_per_tensor(torch.tensor([0.5, 1.0]), 0.5, 0, Q.quint8)
+    >>> out = DeQuantize()({"cls": qx, "aux": (qx, None)})
+    >>> out["cls"].tolist(), out["aux"][0].tolist(), out["aux"][1]
+    ([0.5, 1.0], [0.5, 1.0], None)
+    """
+
+    def forward(self, x: Any) -> Any:
+        if isinstance(x, (tuple, list, dict)) and type(x) is not QTensor:
+            return _map_items(self, x)
+        return self._one(x)
+
+    def _one(self, x: torch.Tensor | QTensor) -> torch.Tensor:
         if type(x) is QTensor:
             if not tracing():
                 if x._tq is not None:  # a kernel's own quantized output on this grid: one op
@@ -199,6 +213,16 @@ class DeQuantize(nn.Module):
     def from_float(cls, mod: nn.Module) -> DeQuantize:
         """Build from a ``DeQuantStub`` (it carries no state)."""
         return cls()
+
+
+def _map_items(dq: DeQuantize, x: Any) -> Any:
+    """``x`` (a tuple / list / dict, nested) with every QTensor / tensor item dequantized and ``None`` kept."""
+    if isinstance(x, dict):
+        return type(x)((k, _map_items(dq, v)) for k, v in x.items())
+    if isinstance(x, (tuple, list)):
+        items = [_map_items(dq, v) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    return None if x is None else dq._one(x)
 
 
 _SIGNED = {torch.uint8: False, torch.quint8: False, torch.int8: True, torch.qint8: True}
