@@ -171,3 +171,22 @@ def test_quant_wrapper_around_a_model_with_tuple_or_dict_outputs(as_dict):
     items = zip(out.values(), ref.values()) if as_dict else zip(out, ref)
     for o, r in items:
         assert type(o) is torch.Tensor and o.shape == r.shape and _sqnr(r, o) > 30
+
+
+class _Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(20, 8), nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(ids).mean(1))
+
+
+def test_quant_wrapper_around_a_token_model_names_the_stub():
+    # before: TypeError "HistogramObserver observes floating-point tensors, got dtype torch.int64", naming no module
+    w = Q.QuantWrapper(_Tokens().eval())
+    w.qconfig = Q.get_default_qconfig()
+    p = Q.prepare(w)
+    with pytest.raises(TypeError, match=r"module 'quant' \(QuantStub\) gives a torch.int64 tensor of shape \(2, 5\) "
+                                        r"to its HistogramObserver.*after the Embedding"):
+        p(torch.randint(0, 20, (2, 5)))

@@ -101,8 +101,18 @@ def _observe_output(module: nn.Module, inputs: Any, output: Any) -> Any:
     """Forward hook ``prepare`` registers: the output goes through ``activation_post_process``. An output that is
     one of the module's inputs (``QuantStub`` returns its input, and so does the observer) is tagged as an alias,
     never the caller's own tensor: a calibration batch tagged by one prepared model read as "already quantized" in
-    every later one, whose first layer then recorded no input grid (float inputs quantized dynamically)."""
-    out = module.activation_post_process(output)
+    every later one, whose first layer then recorded no input grid (float inputs quantized dynamically). An integer
+    output (token ids through ``QuantWrapper``'s ``QuantStub``) is refused naming the module, not only the observer."""
+    try:
+        out = module.activation_post_process(output)
+    except TypeError as e:
+        if "observes floating-point tensors" not in str(e) or not isinstance(output, torch.Tensor):
+            raise
+        where = module.__dict__.get("_lowbit_where", f"a {type(module).__name__}")
+        raise TypeError(f"{where} gives a {output.dtype} tensor of shape {tuple(output.shape)} to its "
+                        f"{type(module.activation_post_process).__name__}, which observes float activations only: "
+                        "token ids / indices are not quantized (put the QuantStub after the Embedding, or give this "
+                        "module qconfig=None)") from None
     if isinstance(out, torch.Tensor) and any(out is i for i in inputs):
         out = out.view_as(out)
     return _tag(out, module.activation_post_process)

@@ -62,6 +62,7 @@ def _insert_observers(mod: nn.Module, observed: set[type], dynamic: set[type], n
             # first, as torch.ao's: the observer sees the module's own output, the one its int8 twin puts on the grid;
             # a user's forward hook runs after it (on a QTensor after convert), never between module and observer
             mod.register_forward_hook(_observe_output, prepend=True)
+            mod.__dict__["_lowbit_where"] = f"module '{_path(name)}' ({type(mod).__name__})"  # its errors name it
         if _is_weighted(mod):
             mod.input_activation_post_process = build(qc, "activation", where)
             mod.register_forward_pre_hook(_observe_float_input)
