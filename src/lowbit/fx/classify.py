@@ -102,8 +102,10 @@ def _node_qconfig(node: fx.Node, root: nn.Module, mapping: QConfigMapping) -> QC
         # the function as traced (torch.ao's key: `a + b` is operator.add, torch.add(a, b) is torch.add, each its own
         # setting); a node fusion rewrote (add_relu, linear_relu) keeps it in meta; `x.add(y)` has torch.ao's key,
         # the method name "add" (also after fusion made it an add_relu), and failing that counts as torch.add
-        key = node.meta.get("lowbit_target", node.target)
-        keys = [key, _METHOD_FUNCS[key]] if isinstance(key, str) and key in _METHOD_FUNCS else [key]
+        # (an in-place op made out of place, `x.sigmoid_()`, falls back to its twin's setting: the fixed sigmoid grid)
+        traced = node.meta.get("lowbit_target", node.target)
+        keys = [k for k in (traced, node.target) if k is traced or k != traced]
+        keys += [_METHOD_FUNCS[k] for k in keys if isinstance(k, str) and k in _METHOD_FUNCS]
         for key in keys:
             try:
                 if key in mapping.object_type_qconfigs:
