@@ -265,7 +265,7 @@ def test_torch_c_nn_inplace_functions_are_followed(write, before):
 
 
 TWINS = {  # torch.ao runs relu_ / squeeze_ / unsqueeze_ / detach_ on the quantized tensor (its share-qparams ops),
-    "relu_": lambda b: b.relu_(),  # add_ / mul_ / clamp_ in float (DeQuantize before them)
+    "relu_": lambda b: b.relu_(),  # add_ / mul_ / clamp_: not share ops in either (lowbit runs them as int8 ops)
     "torch.relu_": lambda b: torch.relu_(b),
     "squeeze_": lambda b: b.unsqueeze_(0).squeeze_(0),
     "detach_": lambda b: (b + 0).detach_(),
