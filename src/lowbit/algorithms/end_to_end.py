@@ -42,7 +42,7 @@ from ..fx.state import STATE_KEY
 from ..qconfig import get_default_qconfig_mapping
 from .block import install_grid, learnable_grids
 from .layers import freeze_weight, is_weighted, split, weight_codes
-from .layerwise_step import batch_tuples, patch_observers
+from .layerwise_step import batch_tuples, check_seed, patch_observers
 
 __all__ = ["EndToEnd", "check_args", "check_outputs", "example"]
 
@@ -153,10 +153,7 @@ def check_args(where: str, prepared: Any, float_model: Any, iters: Any, batch_si
     for name, v in rates.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise ValueError(f"{where}: {name}={v!r} must be a finite number >= 0")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"{where}: seed={seed!r} must be an int")
-    if not -2 ** 63 <= seed < 2 ** 64:  # torch.Generator's range
-        raise ValueError(f"{where}: seed={seed!r} must be in [-2**63, 2**64)")
+    check_seed(where, seed)  # the one rule (layerwise_step.check_seed): quantize_ptq's and reconstruct's
     for name, v in flags.items():
         if not isinstance(v, bool):
             raise TypeError(f"{where}: {name}={v!r} must be True or False")
@@ -168,7 +165,7 @@ class EndToEnd:
     def __init__(self, prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any], where: str,
                  seed: int) -> None:
         self.prepared, self.where = prepared, where
-        self.batches, self.g = batch_tuples(calib, where), torch.Generator().manual_seed(seed)
+        self.batches, self.g = batch_tuples(calib, where), torch.Generator().manual_seed(check_seed(where, seed))
         self.mods = dict(prepared.named_modules())
         self.targets = _targets(float_model, self.batches, where)
         self.layers = self._layers()

@@ -67,7 +67,7 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     """
     if rounding not in ROUNDINGS:
         raise ValueError(f"reconstruct: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")
-    _check_steps("reconstruct", iters, batch_size, seed)
+    seed = _check_steps("reconstruct", iters, batch_size, seed)  # a NumPy / torch integer: a Python int
     if not isinstance(prepared, fx.GraphModule):
         return reconstruct_eager(prepared, calib, adaround, bias_correction, iters, batch_size, seed, progress)
     from tqdm.auto import tqdm

@@ -57,7 +57,7 @@ def reconstruct_eager(prepared: nn.Module, calib: Iterable[Any], adaround: bool 
     """
     from tqdm.auto import tqdm
 
-    _check_steps("reconstruct_eager", iters, batch_size, seed)
+    seed = _check_steps("reconstruct_eager", iters, batch_size, seed)  # a NumPy / torch integer: a Python int
     batches, g = batch_tuples(calib, "reconstruct_eager"), torch.Generator().manual_seed(seed)
     names = {m: n for n, m in prepared.named_modules()}
     float_model = copy.deepcopy(prepared)  # before the order hooks, which must not travel with the copy

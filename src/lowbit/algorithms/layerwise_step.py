@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,7 @@ from .adaround import adaround_codes
 from .layers import freeze_weight, layer_forward, layer_sample, rounded_forward, split, weight_codes
 from .quadratic import quadratic_codes, supports
 
-__all__ = ["LayerChange", "batch_tuples", "patch_observers"]
+__all__ = ["LayerChange", "batch_tuples", "check_seed", "patch_observers"]
 
 
 @dataclass
@@ -148,16 +149,38 @@ def batch_tuples(calib: Any, where: str) -> list[tuple[Any, ...]]:
     return out
 
 
-def _check_steps(where: str, iters: Any, batch_size: Any, seed: Any) -> None:
-    """``iters`` an int >= 0, ``batch_size`` an int >= 1, ``seed`` an int: else an error naming the value."""
+def check_seed(where: str, seed: Any) -> int:
+    """The one seed rule (``quantize_ptq``, ``reconstruct``, ``tune_biases``, ``distill``): an integer, Python's, NumPy's
+    (any ``numbers.Integral``) or a 0-d integer tensor, not a bool, in ``[-2**63, 2**64)`` (``torch.Generator``'s
+    range, else "Overflow when unpacking long long" deep inside); returned as a Python ``int``, else a ``TypeError`` /
+    ``ValueError`` naming the value.
+
+    >>> import numpy as np, torch
+    >>> check_seed("demo", np.int64(3)), check_seed("demo", torch.tensor(3))
+    (3, 3)
+    >>> check_seed("demo", True)
+    Traceback (most recent call last):
+    TypeError: demo: seed=True must be an int (Python, NumPy or a 0-d integer tensor), not a bool or a float
+    """
+    tensor_int = (isinstance(seed, torch.Tensor) and seed.dim() == 0 and seed.dtype != torch.bool
+                  and not seed.is_floating_point() and not seed.is_complex())
+    if isinstance(seed, bool) or not (isinstance(seed, numbers.Integral) or tensor_int):
+        raise TypeError(f"{where}: seed={seed!r} must be an int (Python, NumPy or a 0-d integer tensor), not a bool or "
+                        "a float")
+    v = int(seed)
+    if not -2 ** 63 <= v < 2 ** 64:  # torch.Generator's range
+        raise ValueError(f"{where}: seed={seed!r} must be in [-2**63, 2**64)")
+    return v
+
+
+def _check_steps(where: str, iters: Any, batch_size: Any, seed: Any) -> int:
+    """``iters`` an int >= 0, ``batch_size`` an int >= 1, ``seed`` an int (``check_seed``; returned as a Python int):
+    else an error naming the value."""
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"{where}: iters={iters!r} must be an int >= 0")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"{where}: batch_size={batch_size!r} must be an int >= 1 (samples per rounding step)")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"{where}: seed={seed!r} must be an int")
-    if not -2 ** 63 <= seed < 2 ** 64:  # torch.Generator's range
-        raise ValueError(f"{where}: seed={seed!r} must be in [-2**63, 2**64)")
+    return check_seed(where, seed)
 
 
 def patch_observers(model: nn.Module, mode: str) -> list[nn.Module]:
