@@ -100,7 +100,8 @@ def imagenet(name: str, model: torch.nn.Module, norm: str, iters: int, n_cal: in
 
         for recipe in recipes:
             t = time.perf_counter()
-            q, _ = Q.quantize_ptq(model, calib, recipe=recipe, iters=iters, distill=distill if recipe == "accurate" else 0)
+            kw = dict(iters=iters, distill=distill) if recipe == "accurate" else {}  # (accurate-only: refused elsewhere)
+            q, _ = Q.quantize_ptq(model, calib, recipe=recipe, **kw)
             with torch.no_grad():
                 out = q(x)
             _row(name, f"lowbit {recipe}{tag}", *_cls(ref, out), f"{time.perf_counter() - t:.0f} s, {n_cal} calibration "
@@ -132,7 +133,8 @@ def fmnist(iters: int, quick: bool) -> None:
     _row("Fashion-MNIST CNN", "fp32", f"accuracy {evaluate(model, xte, yte):.2f}", "")
     calib = list(xtr[:1000].split(250))
     for recipe in ("default", "balanced", "accurate"):
-        q, _ = Q.quantize_ptq(model, calib, recipe=recipe, iters=iters, progress=False)
+        q, _ = Q.quantize_ptq(model, calib, recipe=recipe, progress=False,
+                              **(dict(iters=iters) if recipe == "accurate" else {}))  # (accurate-only: refused elsewhere)
         with torch.no_grad():
             out = q(xte)
         _row("Fashion-MNIST CNN", f"lowbit {recipe}", f"accuracy {evaluate(q, xte, yte):.2f}",

@@ -193,10 +193,15 @@ def test_quantize_ptq_balanced_is_default_grids_plus_quadratic_codes_and_bias_co
     assert [s for s, _ in rb.steps] == ["fuse", "calibrate", "round", "correct bias", "convert"]
     assert [c.notes.count("quadratic") for c in rb.layers] == [1, 1, 1, 1]
     assert "AdaRound alone" not in dict(rb.steps)["round"] and "to nearest" in dict(rb.steps)["round"]
-    # the accurate-only knobs do not apply: the same model whatever they say
+    # the accurate-only knobs do not apply: given another value than their default, refused (session 43; they
+    # were silently ignored), the defaults passed explicitly give the same model
+    with pytest.raises(ValueError, match=r"quantize_ptq: iters=5, equalize=True apply to recipe='accurate' only, "
+                                         r"not recipe='balanced'"):
+        Q.quantize_ptq(model, calib, recipe="balanced", iters=5, blocks=True, rounding="adaround", equalize=True,
+                       progress=False)
     with kernels.use_backend("reference"), torch.no_grad():
-        q2, _ = Q.quantize_ptq(model, calib, recipe="balanced", iters=5, blocks=True, rounding="adaround",
-                               equalize=True, progress=False)
+        q2, _ = Q.quantize_ptq(model, calib, recipe="balanced", iters=500, blocks=True, rounding="adaround",
+                               equalize="range", progress=False)
         torch.testing.assert_close(q2(x), out, rtol=0, atol=0)
     assert all(type(m).__module__.startswith("lowbit.nn.quantized") for n, m in qb.named_modules()
                if n in ("stem.0", "dw.0", "pw.0", "fc"))

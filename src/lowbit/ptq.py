@@ -24,9 +24,11 @@ the real int8 kernels and a ``PTQReport`` saying what every step changed. Recipe
                  EPYC at load 2-3 (435 s at load 3-4 before session 10's exact speed-ups of the quadratic
                  search: the same codes); the 8-bit input grid alone caps these
                  fractional-pixel crops near 23.6 dB, so 30 dB is not an all-int8 figure there (``docs/design.md``).
-                 The ``"accurate"``-only options (``iters``, ``blocks``, ``equalize``, ``streams``,
-                 ``learn_grids``, ``rounding``, ``tune``, ``distill``) do not apply; ``tune`` or ``distill`` > 0
-                 (steps only ``"accurate"`` runs, off by default) is refused with a ``ValueError``.
+                 The ``"accurate"``-only options (``ptq_checks.ACCURATE_ONLY``: ``iters``, ``batch_size``,
+                 ``seed``, ``blocks``, ``learn_grids``, ``rounding``, ``equalize``, ``streams``, ``refine``,
+                 ``float_output``, ``tune``, ``distill``) do not apply to ``"balanced"`` nor ``"default"``: given
+                 another value than their default there, they are refused with a ``ValueError`` naming option,
+                 value and recipe (they were silently ignored; the default passed explicitly is fine).
 
 Per-channel weights already give every output channel its own grid, so weight-range equalization
 buys little; what per-tensor activation grids need is channels of alike range. ``equalize="range"``
@@ -292,7 +294,7 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     # learned codes into them and bias correction shifts their biases
     calibrated = copy.deepcopy(prepared) if max_float_layers else None
     if recipe == "balanced":  # quadratic codes on every layer it supports, no AdaRound, no blocks
-        iters, blocks, learn_grids, rounding = 0, False, False, "quadratic"  # (tune / distill: 0, checked)
+        iters, blocks, learn_grids, rounding = 0, False, False, "quadratic"  # (the caller's: defaults, checked)
     if recipe in ("accurate", "balanced"):  # rounding and bias correction run together, layer by layer, in one pass
         report.layers = reconstruct(prepared, batches, adaround=iters > 0 or rounding != "adaround",
                                     bias_correction=True, iters=iters,

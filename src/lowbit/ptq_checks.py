@@ -4,7 +4,10 @@ The float model: float32, finite, on a real device, not yet prepared or converte
 data: a non-empty iterable of finite, non-empty batches, each a tensor or a tuple / list of model inputs
 (``ptq_batches``); a batch that fails in the model is named by its index (``batch_failed``). The ``"accurate"`` and
 ``"balanced"`` recipes slice samples along dim 0, so their first batch must feed every Linear / ConvNd a leading sample
-axis (``check_sample_axis``). Each failure is a ``ValueError`` / ``TypeError`` naming the value.
+axis (``check_sample_axis``). Each failure is a ``ValueError`` / ``TypeError`` naming the value. The options only
+``"accurate"`` reads (``ACCURATE_ONLY``: AdaRound's, equalization's, the grid search's, ...) given another value than
+their default with another recipe are refused, naming option, value and recipe (``ignored_options``): they were
+silently ignored.
 
 >>> import torch
 >>> [tuple(t.shape) for t in ptq_batches([torch.zeros(2, 3)])[0]]
@@ -13,7 +16,6 @@ axis (``check_sample_axis``). Each failure is a ``ValueError`` / ``TypeError`` n
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,22 +23,47 @@ import torch
 from torch import nn
 
 from .algorithms.layerwise import ROUNDINGS
+from .algorithms.layerwise_step import check_seed
 from .batches import check_finite_batch
 
-__all__ = ["RECIPES", "batch_failed", "check_model", "check_options", "check_sample_axis", "ptq_batches"]
+__all__ = ["RECIPES", "ACCURATE_ONLY", "batch_failed", "check_model", "check_options", "check_sample_axis",
+           "ignored_options", "ptq_batches"]
 
 RECIPES = ("default", "accurate", "balanced")
+
+#: ``quantize_ptq``'s options that only ``recipe="accurate"`` reads, with their defaults (the signature's: a test holds
+#: them equal). ``"default"`` runs prepare / calibrate / convert; ``"balanced"`` sets its own rounding (quadratic codes,
+#: no AdaRound, no blocks, so no steps, samples or seed), no equalization, no grid search, no float output.
+#: ``qconfig_mapping``, ``max_float_layers`` and ``progress`` apply to every recipe.
+ACCURATE_ONLY: dict[str, Any] = {"iters": 500, "batch_size": 8, "equalize": "range", "streams": 0.75, "blocks": True,
+                                 "learn_grids": True, "tune": 0, "seed": 0, "rounding": "adaround", "refine": 8,
+                                 "float_output": True, "distill": 0}
+
+
+def ignored_options(recipe: str, options: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(name, value, default)`` of each option in ``options`` that ``recipe`` does not read and that differs from its
+    default (an explicit default is fine; the values are already of their option's type, ``check_options``).
+
+    >>> ignored_options("balanced", {"iters": 3, "seed": 0, "streams": None})
+    [('iters', 3, 500), ('streams', None, 0.75)]
+    >>> ignored_options("accurate", {"iters": 3})
+    []
+    """
+    if recipe == "accurate":
+        return []
+    return [(k, v, ACCURATE_ONLY[k]) for k, v in options.items() if k in ACCURATE_ONLY and not v == ACCURATE_ONLY[k]]
 
 
 def check_options(recipe: Any, *, iters: Any, batch_size: Any, seed: Any, blocks: Any, rounding: Any,
                   learn_grids: Any, distill: Any, tune: Any, float_output: Any, refine: Any, max_float_layers: Any,
                   streams: Any, equalize: Any, progress: Any) -> None:
-    """``quantize_ptq``'s options, each of its type and range, else an error naming the value; ``tune`` /
-    ``distill`` > 0 (steps only ``"accurate"`` runs) with another recipe is a ``ValueError`` naming both.
+    """``quantize_ptq``'s options, each of its type and range, else an error naming the value; an option only
+    ``"accurate"`` reads (``ACCURATE_ONLY``) given another value than its default with another recipe is a
+    ``ValueError`` naming option, value and recipe (it would be ignored).
 
-    >>> check_options("balanced", iters=0, batch_size=8, seed=0, blocks=True, rounding="adaround", learn_grids=True,
-    ...               distill=5, tune=0, float_output=True, refine=8, max_float_layers=0, streams=None,
-    ...               equalize=False, progress=False)  # doctest: +ELLIPSIS
+    >>> check_options("balanced", iters=500, batch_size=8, seed=0, blocks=True, rounding="adaround", learn_grids=True,
+    ...               distill=5, tune=0, float_output=True, refine=8, max_float_layers=0, streams=0.75,
+    ...               equalize="range", progress=False)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ValueError: quantize_ptq: distill=5 applies to recipe='accurate' only, not recipe='balanced' (it would be ...
     """
@@ -46,10 +73,7 @@ def check_options(recipe: Any, *, iters: Any, batch_size: Any, seed: Any, blocks
         raise ValueError(f"quantize_ptq: iters={iters!r} must be an int >= 0")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"quantize_ptq: batch_size={batch_size!r} must be an int >= 1 (samples per rounding step)")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"quantize_ptq: seed={seed!r} must be an int")
-    if not -2 ** 63 <= seed < 2 ** 64:  # torch.Generator's range ("Overflow when unpacking long long" deep inside)
-        raise ValueError(f"quantize_ptq: seed={seed!r} must be in [-2**63, 2**64)")
+    check_seed("quantize_ptq", seed)
     if not isinstance(blocks, bool):
         raise TypeError(f"quantize_ptq: blocks={blocks!r} must be True or False")
     if rounding not in ROUNDINGS:
@@ -74,10 +98,16 @@ def check_options(recipe: Any, *, iters: Any, batch_size: Any, seed: Any, blocks
         raise ValueError(f"quantize_ptq: equalize={equalize!r} must be True, False or 'range'")
     if not isinstance(progress, bool):
         raise TypeError(f"quantize_ptq: progress={progress!r} must be True or False")
-    for name, v in (("tune", tune), ("distill", distill)):
-        if v and recipe != "accurate":
-            raise ValueError(f"quantize_ptq: {name}={v!r} applies to recipe='accurate' only, not recipe={recipe!r} "
-                             f"(it would be ignored); pass {name}=0 or recipe='accurate'")
+    ignored = ignored_options(recipe, dict(iters=iters, batch_size=batch_size, equalize=equalize, streams=streams,
+                                           blocks=blocks, learn_grids=learn_grids, tune=tune, seed=seed,
+                                           rounding=rounding, refine=refine, float_output=float_output, distill=distill))
+    if ignored:
+        one = len(ignored) == 1
+        given = ", ".join(f"{k}={v!r}" for k, v, _ in ignored)
+        dflt = ", ".join(f"{k}={d!r}" for k, _, d in ignored)
+        raise ValueError(f"quantize_ptq: {given} appl{'ies' if one else 'y'} to recipe='accurate' only, not "
+                         f"recipe={recipe!r} (it would be ignored); pass {dflt} (the default{'' if one else 's'}) or "
+                         f"leave {'it' if one else 'them'} out, or use recipe='accurate'")
 
 
 def ptq_batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:

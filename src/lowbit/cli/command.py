@@ -81,6 +81,10 @@ def _steps(text: str) -> int:
 #: ``--qat-epochs`` when it is not given (parsed as ``None``, so that a value given without QAT can be refused)
 QAT_EPOCHS = 0.5
 
+#: the flags passed to ``quantize_ptq`` as options only ``--recipe accurate`` reads (argparse dest -> option; their
+#: defaults are ``ptq_checks.ACCURATE_ONLY``'s): another value with another recipe is refused (``_check_args``)
+RECIPE_FLAGS = {"distill": "distill"}
+
 #: the built-in example's own flags and their defaults (with --model, another value would be ignored: refused)
 _EXAMPLE = {"epochs": 2.0, "train_size": 12000, "test_size": 0, "calib_size": 1000}
 
@@ -113,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", default="lowbit-out", help="output folder, replaced as a whole (default: lowbit-out)")
     q.add_argument("--quiet", action="store_true", help="no progress bars or messages")
     q.add_argument("--traceback", action="store_true", help="let unexpected errors raise with their traceback")
-    q.add_argument("--seed", type=_seed, default=0)
+    q.add_argument("--seed", type=_seed, default=0, help="the built-in example's data and training, and --recipe "
+                   "accurate's AdaRound sampling (default 0)")
     q.add_argument("--threads", type=_count(0, _cpus()), default=0,
                    help=f"torch threads, at most the {_cpus()} CPUs (0: torch's default)")
     q.add_argument("--epochs", type=_positive_float, default=_EXAMPLE["epochs"], help="built-in example: fp32 training epochs")
@@ -147,8 +152,11 @@ def _check_args(args: argparse.Namespace, methods: list[str]) -> None:
         if getattr(args, flag) != default and "ptq" not in methods:
             raise CLIError(f"--{flag} {getattr(args, flag)} applies to --method ptq, which is not among the methods "
                            f"to run ({', '.join(methods)})")
-    if args.distill and args.recipe != "accurate":
-        raise CLIError(f"--distill {args.distill} applies to --recipe accurate, not --recipe {args.recipe}")
+    from ..ptq_checks import ignored_options  # quantize_ptq's own rule: the options only the accurate recipe reads
+
+    for opt, v, d in ignored_options(args.recipe, {opt: getattr(args, dest) for dest, opt in RECIPE_FLAGS.items()}):
+        raise CLIError(f"--{opt.replace('_', '-')} {v} applies to --recipe accurate, not --recipe {args.recipe} (it "
+                       f"would be ignored); leave it out (default {d})")
     if args.qat_epochs is not None and "qat" not in methods:  # (given: its parsed default is None)
         raise CLIError(f"--qat-epochs {args.qat_epochs:g} applies to --method qat, which is not among the methods to "
                        f"run ({', '.join(methods)})")

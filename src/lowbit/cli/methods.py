@@ -112,9 +112,11 @@ def _ptq(job: Job, batch: int = 256) -> nn.Module:
         # a named --qconfig overrides them
         name = getattr(job.args, "qconfig", "default")
         mapping = None if name == "default" else Q.QConfigMapping().set_global(qconfig_for(name))
+        # --seed seeds AdaRound's sampling too (accurate: the only recipe that reads a seed; it was always 0)
+        extra = dict(distill=getattr(job.args, "distill", 0), seed=getattr(job.args, "seed", 0)) \
+            if recipe == "accurate" else {}
         qmodel, report = Q.quantize_ptq(job.fp32.eval(), list(job.calib.split(batch)), recipe=recipe,
-                                        qconfig_mapping=mapping, progress=not job.quiet,
-                                        distill=getattr(job.args, "distill", 0))
+                                        qconfig_mapping=mapping, progress=not job.quiet, **extra)
         job.extras["ptq_report"] = str(report)
         return qmodel
 
