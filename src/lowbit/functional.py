@@ -174,7 +174,8 @@ def quantize(x: torch.Tensor, scale: Number, zero_point: Number, qdtype: QDtype 
     if inv_z is not None:  # per tensor on CPU: Python-float operands, no qparam tensors to build
         return quantize_scaled(x, inv_z[0], inv_z[1], qdtype)
     s, z = _broadcast(scale, x, ch_axis, torch.float32), _broadcast(zero_point, x, ch_axis, torch.float32)
-    return _store(round_codes(x, s, z, qdtype.quant_min, qdtype.quant_max), qdtype)  # convert's weights: this formula
+    return _store(round_codes(x, s, z, qdtype.quant_min, qdtype.quant_max, check=False),  # (checked above)
+                  qdtype)  # convert's weights: this formula
 
 
 def quantize_scaled(x: torch.Tensor, inv_scale: float | torch.Tensor, zero_point: float | torch.Tensor,
@@ -343,7 +344,7 @@ class _FakeQuantizeSTE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scale, zero_point, quant_min, quant_max, float_zero_point=False):  # type: ignore[override]
         if float_zero_point:  # round(x / s + z), as torch's float-zero-point kernels (z is not an integer)
-            q = grid_position(x, scale, zero_point).round_()
+            q = grid_position(x, scale, zero_point, check=False).round_()  # (fake_quantize's own check)
         else:
             q = _codes(x, scale, zero_point)
         mask = (q >= quant_min) & (q <= quant_max)
