@@ -76,7 +76,8 @@ def test_the_default_group_size_adapts_per_layer_and_says_so():
     assert sizes["model.layers.0.mlp.down_proj"] == 32 and sizes["model.layers.0.self_attn.q_proj"] == 32
     assert qm.lm_head._g == 32
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # 128 divides every layer: nothing to say
+        warnings.filterwarnings("error", message=".*group size")  # 128 divides every layer: nothing to say (24 rows
+        # for 128 / 256 features: GPTQ's fewer-rows warning, session 43, is not this test's subject)
         Q.quantize_llm(_llama(hidden_size=128, intermediate_size=256), _ids(1), bits=4, progress=False)
 
 

@@ -39,6 +39,7 @@ from torch import nn
 
 from .nn.quantized._utils import check_finite_linears
 from .nn.quantized.group_size import DEFAULT_GROUP_SIZE, checked_group_size, fit_group_size
+from .nn.quantized.group_codes import warn_few_rows
 from .nn.quantized.weight_only import METHODS, WeightOnlyLinear, check_recipe, gptq_quantize
 from .state_check import guard_loading
 
@@ -208,11 +209,7 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int | None
     hessians = collect_hessians(model, linears, calib, tokens) if method == "gptq" else {}  # type: ignore[arg-type]
     few = {n or "<model>": (tokens[n], lin.in_features) for n, lin in linears.items()
            if n in hessians and 0 < tokens[n] < lin.in_features and bool(hessians[n].any())}
-    if few:  # XᵀX of rank < K: GPTQ fits those rows and spreads the error where they have no component
-        warnings.warn(f"quantize_weight_only: GPTQ saw fewer calibration rows than input features at {len(few)} "
-                      f"layer(s) ((rows, in_features): {dict(list(few.items())[:4])}{' ...' if len(few) > 4 else ''}); it "
-                      "over-fits those rows (on a 2-layer MLP, 16 rows for 32 features gave ~2.4x RTN's output error): "
-                      "calibrate with more tokens, or use method='rtn' / 'mse'", stacklevel=2)
+    warn_few_rows("quantize_weight_only", few, "method='rtn' / 'mse'", stacklevel=2)  # XᵀX of rank < K
     for name, h in hessians.items():
         if not bool(torch.isfinite(h).all()):
             raise ValueError(f"quantize_weight_only: the calibration inputs reaching layer {name or '<model>'!r} hold "

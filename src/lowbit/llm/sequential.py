@@ -27,7 +27,7 @@ same codes, so the tie and its single copy in the file are kept.
 >>> import torch, lowbit as Q
 >>> from lowbit.llm.blocks import decoder_layers
 >>> model = Q.llm.toy_llama()                          # a 2-block Llama with random weights (tests/docs)
->>> calib = [torch.randint(0, 128, (1, 32)) for _ in range(2)]
+>>> calib = [torch.randint(0, 128, (1, 96)) for _ in range(2)]   # 192 tokens: more rows than down_proj's 160 inputs
 >>> qm = Q.quantize_llm(model, calib, bits=4, group_size=32, progress=False)
 >>> type(decoder_layers(qm)[0].mlp.down_proj).__name__, type(qm.model.embed_tokens).__name__
 ('WeightOnlyLinear', 'TiedEmbedding')
@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from ..nn.quantized._utils import check_finite_linears
+from ..nn.quantized.group_codes import warn_few_rows
 from ..nn.quantized.weight_only import (WeightOnlyLinear, check_recipe, fit_group_size, gptq_quantize, quantize_groups,
                                        weight_qdtype)
 from .awq import awq_fold, awq_search_stats, scale_source
@@ -177,6 +178,18 @@ def _replace(block: nn.Module, name: str, new: nn.Module) -> None:
     setattr(block.get_submodule(parent) if parent else block, child, new)
 
 
+def _warn_few_rows(model: nn.Module, layers: nn.ModuleList, inps: list[tuple[torch.Tensor, Any]],
+                   masks: list[torch.Tensor | None], group: Any) -> None:
+    """``quantize_weight_only``'s warning (``warn_few_rows``) for the block Linears whose ``in_features`` exceed the
+    calibration's real tokens (all ranks together): GPTQ's ``H`` there has rank below ``K``."""
+    rows = int(ordered_sum([torch.tensor(float(x.shape[:-1].numel() if m is None else m.sum()))
+                            for (x, _), m in zip(inps, masks)], group))
+    inside = {id(m) for m in layers.modules()}
+    few = {n: (rows, m.in_features) for n, m in model.named_modules()
+           if isinstance(m, nn.Linear) and id(m) in inside and rows < m.in_features}
+    warn_few_rows("quantize_llm", few, "method='rtn'", stacklevel=4)  # _warn_few_rows, quantize_llm, no_grad, caller
+
+
 @torch.no_grad()
 def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_size: int | None = None,
                  method: str = "gptq", awq: bool = True, clip: str = "hmse", act_order: bool = True,
@@ -233,6 +246,8 @@ def quantize_llm(model: nn.Module, calib: Iterable[Any], bits: int = 4, group_si
     if not inps:
         raise ValueError("quantize_llm: calib yielded no batches")
     masks = [token_mask(b) for b in calib]  # padding (attention_mask 0) is left out of every statistic
+    if method == "gptq":  # every block Linear reads every real token: fewer rows than in_features over-fit
+        _warn_few_rows(model, layers, inps, masks, group)
     qd = weight_qdtype(bits, symmetric)
     job = 0
     float_target = float_target and method == "gptq"
