@@ -1,0 +1,75 @@
+"""Session 43 PT2 sweep (``pt2_43``): a 1-d conv's traced codes in eager's layout, and a switch buffer written in place
+or reassigned after tracing refused by the compiled / exported program (it ran the stale branch silently)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit as Q
+from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
+
+torch._dynamo.config.cache_size_limit = 64
+
+
+class _Conv1dMean(nn.Module):
+    """A quantized Conv1d / ConvTranspose1d, then float reductions of its dequantized output (they add in memory
+    order: a layout change moves their last bits)."""
+
+    def __init__(self, transposed: bool) -> None:
+        super().__init__()
+        self.quant, self.dequant = Q.QuantStub(), Q.DeQuantStub()
+        conv = nn.ConvTranspose1d if transposed else nn.Conv1d
+        self.conv = conv(4, 6, 3, padding=1, groups=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.dequant(self.conv(self.quant(x)))
+        return torch.stack([a.mean(), a.sum(), a.std()])
+
+
+def _conv1d(transposed: bool) -> nn.Module:
+    torch.manual_seed(0)
+    p = Q.prepare(_Conv1dMean(transposed).eval(), Q.get_default_qconfig())
+    for _ in range(3):
+        p(torch.randn(8, 4, 10))
+    return Q.convert(p)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv1d", "conv_transpose1d"])
+def test_traced_conv1d_codes_keep_the_eager_layout(transposed: bool) -> None:
+    """Eager 1-d convs give ``(N, C, L)`` codes with strides ``(L·C, 1, C)`` (oneDNN runs them as channels-last 2-d
+    convs); ``lowbit::qconv_cfg`` made them contiguous, so a compiled / exported model's float reductions after the
+    dequantize added in another order: a session-43 probe's ``mean`` was 3e-8 off eager. Now the op and its fake give
+    eager's strides, and the outputs are eager's bit for bit."""
+    model = _conv1d(transposed)
+    torch.manual_seed(5)
+    x = torch.randn(5, 4, 10)
+    with torch.no_grad():
+        codes = model.conv(model.quant(x))
+        ref = model(x)
+    conv, q = model.conv, model.quant(x)
+    from lowbit.compile_state import conv_config, qdtype_key
+
+    spec = conv._spec
+    weight, out = conv._prepared()
+    cfg = conv_config(qdtype_key(q.qdtype), qdtype_key(weight.qdtype), qdtype_key(out.qdtype), False,
+                      list(spec.stride), list(spec.padding), list(spec.dilation), spec.groups, spec.transposed,
+                      list(spec.output_padding))
+    args = (q.int_repr(), q.scale, q.zero_point, weight.int_repr(), weight.scale, weight.zero_point, conv.bias,
+            out.scale_t, out.zero_point_t, cfg)
+    got = torch.ops.lowbit.qconv_cfg(*args)
+    assert torch.equal(got, codes.int_repr()) and got.stride() == codes.int_repr().stride() == (60, 1, 6)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.ops.lowbit.qconv_cfg(*args)
+    assert fake.stride() == got.stride()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    batch = torch.export.Dim("batch", min=1, max=64)
+    exported = torch.export.export(model, (x[:3],), dynamic_shapes=({0: batch},)).module()
+    with torch.no_grad():
+        assert torch.equal(compiled(x), ref), (compiled(x) - ref).abs().max()
+        assert torch.equal(exported(x), ref), (exported(x) - ref).abs().max()
+
