@@ -3,6 +3,8 @@ or reassigned after tracing refused by the compiled / exported program (it ran t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -73,3 +75,70 @@ def test_traced_conv1d_codes_keep_the_eager_layout(transposed: bool) -> None:
         assert torch.equal(compiled(x), ref), (compiled(x) - ref).abs().max()
         assert torch.equal(exported(x), ref), (exported(x) - ref).abs().max()
 
+
+_FQS = {"fake_quantize": lambda: Q.FakeQuantize(), "fused": lambda: Q.FusedMovingAvgObsFakeQuantize(),
+        "learnable": lambda: Q.LearnableFakeQuantize()}
+
+
+def _write(fq: nn.Module, name: str, how: str) -> None:
+    if how == "in_place":  # (DDP's buffer broadcast writes this way)
+        getattr(fq, name)[0] = 0
+    else:
+        setattr(fq, name, torch.tensor([0], dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("how", ["in_place", "reassigned"])
+@pytest.mark.parametrize("name", ["fake_quant_enabled", "observer_enabled"])
+@pytest.mark.parametrize("kind", sorted(_FQS))
+def test_compiled_fake_quant_refuses_a_switch_written_behind_its_back(kind: str, name: str, how: str) -> None:
+    """A switch buffer written in place or reassigned after ``torch.compile`` traced the module: dynamo guards on the
+    Python mirror (no tensor value, and ``_version`` is read as a constant), so the compiled program ran the branch
+    it was traced with, silently (fake quantization or observation still on; 9 of 9 probes of session 43). Now the
+    traced graph checks the buffer against the branch and raises naming the switch and the way out, leaving the state
+    as it was; after the switch method the compiled module equals eager again."""
+    torch.manual_seed(0)
+    fq, x = _FQS[kind](), torch.randn(64) * 3
+    fq(x)
+    ref = copy.deepcopy(fq)
+    torch._dynamo.reset()
+    compiled = torch.compile(fq, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), ref(x))
+    _write(fq, name, how)
+    before = {k: v.clone() for k, v in fq.state_dict().items()}
+    x2 = torch.randn(64) * 5
+    with pytest.raises(RuntimeError, match=rf"{type(fq).__name__}: switch {name} was traced on \(1\) but its buffer "
+                                           r"now reads otherwise.*set it with enable_"):
+        compiled(x2)
+    assert all(torch.equal(v, fq.state_dict()[k]) for k, v in before.items())
+    method = "enable_fake_quant" if name == "fake_quant_enabled" else "enable_observer"
+    getattr(fq, method)(False)
+    getattr(ref, method)(False)
+    assert torch.equal(compiled(x2), ref(x2)) and torch.equal(fq.scale, ref.scale)
+
+
+def test_exported_qat_model_refuses_a_switch_written_after_export() -> None:
+    """An exported eval QAT model (observers off) whose fake-quant switch is then written in place: the program was
+    traced with fake quantization on and kept applying it (silently the output of another model); now it raises. A
+    model written in place *before* export, without an eager forward, is refused the same way (the mirror it traced
+    with was stale); the untouched program runs as before."""
+    torch.manual_seed(0)
+    m = nn.Sequential(Q.QuantStub(), nn.Linear(8, 4), Q.DeQuantStub())
+    m.qconfig = Q.get_default_qat_qconfig()
+    p = Q.prepare_qat(m.train())
+    x = torch.randn(16, 8)
+    p(x)
+    p.eval().apply(Q.disable_observer)
+    program = torch.export.export(p, (x,)).module()
+    assert torch.equal(program(x), p(x))
+    fq = p[1].weight_fake_quant
+    fq.fake_quant_enabled[0] = 0
+    program_state = dict(program.named_buffers())
+    if program_state["1.weight_fake_quant.fake_quant_enabled"].data_ptr() != fq.fake_quant_enabled.data_ptr():
+        program_state["1.weight_fake_quant.fake_quant_enabled"][0] = 0  # (export held a copy: write it there)
+    with pytest.raises(RuntimeError, match="switch fake_quant_enabled was traced on"):
+        program(x)
+    stale = torch.export.export(p, (x,)).module()  # (traced on the mirror: no eager forward since the write)
+    with pytest.raises(RuntimeError, match="switch fake_quant_enabled was traced on"):
+        stale(x)
+    p(x)  # one eager forward refreshes the mirror
+    assert torch.equal(torch.export.export(p, (x,)).module()(x), p(x))

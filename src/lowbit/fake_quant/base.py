@@ -133,8 +133,11 @@ class FakeQuantize(WithArgs, nn.Module):
         buffers on the meta device, the mirror decides: reading the buffer there is a data-dependent branch
         (a graph break, an export error) or ``Tensor.item()`` on a meta tensor. dynamo guards on the mirror,
         so flipping a switch recompiles. The mirror is kept by the switch methods (``enable_observer``, ...,
-        ``model.apply(Q.disable_observer)``), ``load_state_dict`` and every eager forward; a write in place to
-        the buffer reaches a compiled or exported program only after one of those ran."""
+        ``model.apply(Q.disable_observer)``), ``load_state_dict`` and every eager forward. A write in place to
+        the buffer (DDP's buffer broadcast) or a reassigned buffer cannot reach a program already traced (dynamo
+        guards on no tensor value, and reads ``_version`` as a constant), so the traced graph checks
+        ``(buffer[0] == 1) == traced`` (an ``_assert_async``): such a program raises naming the switch and the way
+        out, where it ran the stale branch silently before."""
         buf = self._buffers[name]
         mirror = self._mirror()
         if tracing() or buf is None or buf.is_meta:
@@ -142,6 +145,8 @@ class FakeQuantize(WithArgs, nn.Module):
             if on is None:  # (no eager forward, switch or load since unpickling: the buffer is all there is)
                 raise RuntimeError(f"{type(self).__name__}: switch {name} has no Python mirror to trace with; run "
                                    "one eager forward, or set it with its method (e.g. enable_observer()), first")
+            if buf is not None and not buf.is_meta and tracing():
+                _assert_switch(self, name, buf, on)
             return on
         on = bool(buf[0] == 1)
         mirror[name] = on
@@ -277,6 +282,22 @@ class FakeQuantize(WithArgs, nn.Module):
         if self.scale.is_meta:  # moved to meta: still prints
             return "scale=<meta>, zero_point=<meta>"
         return f"scale={self.scale.tolist()}, zero_point={self.zero_point.tolist()}"
+
+
+_SWITCH_METHODS = {"observer_enabled": "enable_observer(...)", "fake_quant_enabled": "enable_fake_quant(...)",
+                   "learning_enabled": "toggle_qparam_learning(...)"}
+
+
+def _assert_switch(fq: nn.Module, name: str, buf: torch.Tensor, on: bool) -> None:
+    """Traced only: the graph raises when switch ``name`` no longer reads as it was traced (``on``), i.e. its buffer
+    was written in place or reassigned after tracing without the switch methods, a load or an eager forward."""
+    same = torch.eq(buf[0], 1) if on else torch.ne(buf[0], 1)
+    method = _SWITCH_METHODS.get(name, "its method")
+    torch._assert_async(same, f"{type(fq).__name__}: switch {name} was traced {'on (1)' if on else 'off (0)'} but its "
+                        "buffer now reads otherwise: a write in place or a reassignment after torch.compile / "
+                        f"torch.export traced it does not reach the traced program; set it with {method} (or "
+                        "model.apply(Q.enable_observer / Q.disable_observer / ...), load_state_dict, or one eager "
+                        "forward), then call the compiled model again (an exported program: export it again)")
 
 
 # torch's fused kernel (+ NaN restore) beats lowbit's composite only where per-op overhead dominates:
