@@ -43,7 +43,8 @@ def test_traced_conv1d_codes_keep_the_eager_layout(transposed: bool) -> None:
     """Eager 1-d convs give ``(N, C, L)`` codes with strides ``(L·C, 1, C)`` (oneDNN runs them as channels-last 2-d
     convs); ``lowbit::qconv_cfg`` made them contiguous, so a compiled / exported model's float reductions after the
     dequantize added in another order: a session-43 probe's ``mean`` was 3e-8 off eager. Now the op and its fake give
-    eager's strides, and the outputs are eager's bit for bit."""
+    eager's strides for a 1-d config string marked ``nlc`` (what traces emit), and the outputs are eager's bit for
+    bit; an unmarked string (programs and AOTInductor packages traced before) keeps the contiguous codes."""
     model = _conv1d(transposed)
     torch.manual_seed(5)
     x = torch.randn(5, 4, 10)
@@ -66,7 +67,11 @@ def test_traced_conv1d_codes_keep_the_eager_layout(transposed: bool) -> None:
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake = torch.ops.lowbit.qconv_cfg(*args)
-    assert fake.stride() == got.stride()
+    assert fake.stride() == got.stride() and cfg.endswith("|nlc")
+    legacy = torch.ops.lowbit.qconv_cfg(*args[:-1], cfg.removesuffix("|nlc"))  # (traced before: contiguous, as built)
+    assert torch.equal(legacy, got) and legacy.is_contiguous()
+    with pytest.raises(ValueError, match=r"config='.*\|nlc' is not conv_config's ten"):
+        torch.ops.lowbit.qconv_cfg(*args[:-1], cfg.replace("|1|", "|1,1|", 1))  # (nlc on a 2-d geometry)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     batch = torch.export.Dim("batch", min=1, max=64)

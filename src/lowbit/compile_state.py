@@ -168,9 +168,15 @@ def conv_config(x_qdtype: str, w_qdtype: str, out_qdtype: str, relu: bool, strid
                 dilation: list[int], groups: int, transposed: bool, output_padding: list[int]) -> str:
     """``qconv``'s non-tensor arguments as ``lowbit::qconv_cfg``'s one string (grids, relu, geometry).
 
+    A 1-d conv's string ends in an 11th field, ``nlc``: the op gives its codes in eager's ``(N, C, L)`` layout with
+    strides ``(L·C, 1, C)``; a ten-field 1-d string (programs traced before session 43, their AOTInductor packages
+    and inductor caches) keeps the contiguous codes they were compiled against.
+
     >>> conv_config("quint8:0:255", "qint8:-128:127", "quint8:0:255", True, [1, 1], [1, 1], [1, 1], 1, False, [0, 0])
     'quint8:0:255|qint8:-128:127|quint8:0:255|1|1,1|1,1|1,1|1|0|0,0'
+    >>> conv_config("quint8:0:255", "qint8:-128:127", "quint8:0:255", False, [1], [0], [1], 1, False, [0])
+    'quint8:0:255|qint8:-128:127|quint8:0:255|0|1|0|1|1|0|0|nlc'
     """
     ints = (",".join(map(str, v)) for v in (stride, padding, dilation))
     return "|".join((x_qdtype, w_qdtype, out_qdtype, str(int(relu)), *ints, str(groups), str(int(transposed)),
-                     ",".join(map(str, output_padding))))
+                     ",".join(map(str, output_padding)), *(("nlc",) if len(stride) == 1 else ())))

@@ -216,13 +216,15 @@ def conv_out_shape(x_shape: Any, w_shape: Any, spec: ConvSpec) -> list[Any]:
     return [x_shape[0], c_out, *spatial]
 
 
-def _conv_layout(t: torch.Tensor, dim: int) -> torch.Tensor:
+def _conv_layout(t: torch.Tensor, dim: int, nlc: bool) -> torch.Tensor:
     """``t`` (a conv's output, real or fake) in the layout the eager oneDNN route gives: channels-last for 2-d and 3-d,
-    ``(N, C, L)`` with strides ``(L·C, 1, C)`` for 1-d (a 1-d conv runs as a channels-last 2-d one). The layout is no
-    detail: float reductions after the dequantize (``mean``, ``sum``) add in memory order, so contiguous 1-d codes
-    gave a compiled ``mean`` 3e-8 off eager's."""
+    ``(N, C, L)`` with strides ``(L·C, 1, C)`` for 1-d with ``nlc`` (a 1-d conv runs as a channels-last 2-d one). The
+    layout is no detail: float reductions after the dequantize (``mean``, ``sum``) add in memory order, so contiguous
+    1-d codes gave a compiled ``mean`` 3e-8 off eager's. Without ``nlc`` (the legacy ``qconv`` op, a ten-field
+    ``qconv_cfg`` string: programs traced before) 1-d codes stay contiguous, the strides those programs' compiled
+    kernels (AOTInductor, inductor's caches) were built to read."""
     if dim == 1:
-        return t.transpose(1, 2).contiguous().transpose(1, 2)
+        return t.transpose(1, 2).contiguous().transpose(1, 2) if nlc else t.contiguous()
     return t.contiguous(memory_format=torch.channels_last if dim == 2 else torch.channels_last_3d)
 
 
@@ -236,7 +238,7 @@ def _qconv(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.
            weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
            bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
            out_qdtype: str, relu: bool, stride: list[int], padding: list[int], dilation: list[int], groups: int,
-           transposed: bool, output_padding: list[int], geometry_checked: bool = False) -> torch.Tensor:
+           transposed: bool, output_padding: list[int], geometry_checked: bool = False, nlc: bool = False) -> torch.Tensor:
     """``qconv`` / ``qconv_cfg`` (``op``: the name its errors give; ``qconv_cfg`` checks its geometry once per config
     string)."""
     spec = _spec(stride, padding, dilation, groups, transposed, output_padding)
@@ -251,18 +253,18 @@ def _qconv(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.
         run = _conv_plan(cache, x_qdtype, weight, w_scale, w_zero_point, w_qdtype, bias, out_scale, out_zero_point,
                          out_qdtype, relu, spec)
         if run is not None:
-            return _conv_layout(run(xq).int_repr(), spec.dim)
+            return _conv_layout(run(xq).int_repr(), spec.dim, nlc)
     wq = QTensor._trusted(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=1 if transposed else 0)
     out = _out_grid(out_scale, out_zero_point, out_qdtype)
     y = kernels.conv(xq, wq, bias, spec, out, relu, cache)
-    return _conv_layout(y.int_repr() if isinstance(y, QTensor) else y, spec.dim)
+    return _conv_layout(y.int_repr() if isinstance(y, QTensor) else y, spec.dim, nlc)
 
 
 def _qconv_fake_op(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
       weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str, bias: torch.Tensor | None,
       out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None, out_qdtype: str, relu: bool,
       stride: list[int], padding: list[int], dilation: list[int], groups: int, transposed: bool,
-      output_padding: list[int]) -> torch.Tensor:
+      output_padding: list[int], nlc: bool = False) -> torch.Tensor:
     spec = _spec(stride, padding, dilation, groups, transposed, output_padding)
     check_geometry(op, spec)
     check_weight(op, weight, w_scale, w_zero_point, bias, spec.dim + 2, 1 if transposed else 0,
@@ -270,7 +272,7 @@ def _qconv_fake_op(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point
     check_conv(op, x, x_scale, x_zero_point, x_qdtype, weight, out_scale, out_zero_point, spec)
     shape = conv_out_shape(x.shape, weight.shape, spec)
     dtype = _storage(out_qdtype, out_scale is not None)
-    return _conv_layout(x.new_empty(shape, dtype=dtype), spec.dim)
+    return _conv_layout(x.new_empty(shape, dtype=dtype), spec.dim, nlc)
 
 
 def qconv(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, x_qdtype: str,
@@ -304,37 +306,39 @@ define(f"qconv({_GRIDS}, int[] stride, int[] padding, int[] dilation, int groups
 def _parsed(config: str) -> tuple[Any, ...]:
     """``compile_state.conv_config``'s string back to ``qconv``'s arguments (parsed once per distinct string)."""
     parts = config.split("|")
-    if len(parts) != 10:
-        raise ValueError(f"lowbit::qconv_cfg: config={config!r} is not conv_config's ten '|'-separated fields")
-    x_qd, w_qd, out_qd, relu, stride, padding, dilation, groups, transposed, output_padding = parts
+    nlc = len(parts) == 11 and parts[10] == "nlc" and "," not in parts[4]  # (a 1-d conv traced since session 43)
+    if len(parts) != 10 and not nlc:
+        raise ValueError(f"lowbit::qconv_cfg: config={config!r} is not conv_config's ten '|'-separated fields "
+                         "(eleven for a 1-d conv: 'nlc' last)")
+    x_qd, w_qd, out_qd, relu, stride, padding, dilation, groups, transposed, output_padding = parts[:10]
 
     def ints(v: str) -> list[int]:
         return [int(t) for t in v.split(",")] if v else []
     args = (x_qd, w_qd, out_qd, relu == "1", ints(stride), ints(padding), ints(dilation), int(groups),
             transposed == "1", ints(output_padding))
     check_geometry("qconv_cfg", _spec(*args[4:]))
-    return args
+    return (*args, nlc)
 
 
-def _cfg_args(config: str) -> tuple[tuple[str, str, str, bool], tuple[Any, ...]]:
-    x_qd, w_qd, out_qd, relu, *geometry = _parsed(config)
-    return (x_qd, w_qd, out_qd, relu), tuple(geometry)
+def _cfg_args(config: str) -> tuple[tuple[str, str, str, bool], tuple[Any, ...], bool]:
+    x_qd, w_qd, out_qd, relu, *geometry, nlc = _parsed(config)
+    return (x_qd, w_qd, out_qd, relu), tuple(geometry), nlc
 
 
 def qconv_cfg(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, weight: torch.Tensor,
               w_scale: torch.Tensor, w_zero_point: torch.Tensor, bias: torch.Tensor | None, out_scale: torch.Tensor | None,
               out_zero_point: torch.Tensor | None, config: str) -> torch.Tensor:
-    (x_qd, w_qd, out_qd, relu), geometry = _cfg_args(config)
+    (x_qd, w_qd, out_qd, relu), geometry, nlc = _cfg_args(config)
     return _qconv("qconv_cfg", x, x_scale, x_zero_point, x_qd, weight, w_scale, w_zero_point, w_qd, bias, out_scale,
-                  out_zero_point, out_qd, relu, *geometry, geometry_checked=True)
+                  out_zero_point, out_qd, relu, *geometry, geometry_checked=True, nlc=nlc)
 
 
 def _qconv_cfg_fake(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, weight: torch.Tensor,
       w_scale: torch.Tensor, w_zero_point: torch.Tensor, bias: torch.Tensor | None, out_scale: torch.Tensor | None,
       out_zero_point: torch.Tensor | None, config: str) -> torch.Tensor:
-    (x_qd, w_qd, out_qd, relu), geometry = _cfg_args(config)
+    (x_qd, w_qd, out_qd, relu), geometry, nlc = _cfg_args(config)
     return _qconv_fake_op("qconv_cfg", x, x_scale, x_zero_point, x_qd, weight, w_scale, w_zero_point, w_qd, bias,
-                          out_scale, out_zero_point, out_qd, relu, *geometry)
+                          out_scale, out_zero_point, out_qd, relu, *geometry, nlc=nlc)
 
 
 # what traced convs emit since session 21: qconv's 19 arguments boxed by the dispatcher cost ~13 µs per call (a no-op
