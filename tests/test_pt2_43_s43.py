@@ -147,3 +147,38 @@ def test_exported_qat_model_refuses_a_switch_written_after_export() -> None:
         stale(x)
     p(x)  # one eager forward refreshes the mirror
     assert torch.equal(torch.export.export(p, (x,)).module()(x), p(x))
+
+
+class _FloatInside(nn.Module):
+    """An eager-mode model whose middle conv has no qconfig: it receives a QTensor and runs on its dequantized floats
+    (lowbit warns once per op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant, self.dequant = Q.QuantStub(), Q.DeQuantStub()
+        self.c1, self.c2, self.c3 = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 1), nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dequant(self.c3(self.quant(self.c2(self.c1(self.quant(x))))))
+
+
+def test_float_fallback_warning_does_not_break_a_fullgraph_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float-fallback warning (``warnings.warn``) inside the traced forward: dynamo cannot trace it, so
+    ``torch.compile(fullgraph=True)`` of an eager model with a float layer in its quantized region raised
+    "Attempted to call function marked as skipped" (``_warnings.warn``) when it compiled before any eager call had
+    warned. Now the compiled model gives eager's output, and the first eager call still warns."""
+    from lowbit import qtensor
+
+    torch.manual_seed(0)
+    m = _FloatInside().eval()
+    m.qconfig, m.c2.qconfig = Q.get_default_qconfig(), None
+    p = Q.prepare(m)
+    p(torch.randn(8, 3, 6, 6))
+    q = Q.convert(p)
+    x = torch.randn(5, 3, 6, 6)
+    monkeypatch.setattr(qtensor, "_warned_ops", set())
+    torch._dynamo.reset()
+    got = torch.compile(q, fullgraph=True, backend="aot_eager")(x)
+    with pytest.warns(UserWarning, match="torch.conv2d has no integer implementation for QTensor inputs"):
+        ref = q(x)
+    assert torch.equal(got, ref)

@@ -47,7 +47,10 @@ _warned_ops: set[str] = set()
 
 
 def _warn_float_fallback(op: str) -> None:
-    if op not in _warned_ops:
+    """Warn once per op that ``op`` ran on dequantized floats. Not while dynamo traces: it cannot trace
+    ``warnings.warn`` (a graph break, so ``fullgraph=True`` failed on a float layer inside the quantized region);
+    the op stays unwarned until an eager call (or a non-strict ``torch.export``, which runs Python) reaches it."""
+    if op not in _warned_ops and not torch.compiler.is_dynamo_compiling():
         _warned_ops.add(op)
         warnings.warn(
             f"lowbit: {op} has no integer implementation for QTensor inputs; it ran on dequantized "
