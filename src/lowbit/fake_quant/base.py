@@ -24,7 +24,8 @@ and gives the same bits; from ~16k elements on, lowbit's vectorised composite is
 
 PyTorch 2 and meta: the switches keep their ``uint8`` buffers (torch.ao's state dict) and a Python mirror of each.
 While ``torch.compile`` / ``torch.export`` trace, and with the module on the meta device, the forward branches on
-the mirror (dynamo guards on it: flipping a switch recompiles), and traced code has no data-dependent step (the
+the mirror (dynamo guards on it: flipping a switch recompiles; a buffer written in place or reassigned after tracing
+makes the traced program raise, naming the switch), and traced code has no data-dependent step (the
 observers' NaN check, the grid-overflow check and torch's fused kernel give way to their ``torch.where`` / composite
 forms, the same values). A module on meta with a meta input observes nothing and returns the shape. A histogram-type observer
 observes inside the graph too, but its per-step ``calculate_qparams()`` (a range search on the host) is a
