@@ -8,6 +8,7 @@ Each module computes ``y = (clamp(round(x / s) + z, qmin, qmax) - z) * s`` with
 - ``lsq.py``        fake_quantize_learnable, the LSQ/LSQ+ forward and gradients ``LearnableFakeQuantize`` runs
 - ``fused.py``      FusedMovingAvgObsFakeQuantize (torch's fused observe + fake-quant kernel)
 - ``fixed.py``      FixedQParamsFakeQuantize (a grid fixed at construction, as for sigmoid / tanh outputs)
+- ``switches.py``   the switches' and saved grid's load checks, and the traced switch assertion
 
 ``from lowbit.fake_quant import FakeQuantize`` and ``lowbit.FakeQuantize`` name the same class.
 

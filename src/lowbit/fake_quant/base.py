@@ -57,9 +57,10 @@ from ..observer.distributed import is_distributed, local_statistics, sync_pendin
 from ..observer.histogram import HistogramObserver
 from ..observer.minmax import MovingAverageMinMaxObserver, _MinMaxObserverBase
 from ..qparams import calculate_qparams
+from .switches import _assert_switch, per_tensor_qparams, switch_errors
 
 __all__ = ["FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant", "holds_grid",
-           "per_tensor_qparams", "switch_errors"]
+           "per_tensor_qparams", "switch_errors"]  # (the last two from .switches)
 
 
 class FakeQuantize(WithArgs, nn.Module):
@@ -285,22 +286,6 @@ class FakeQuantize(WithArgs, nn.Module):
         return f"scale={self.scale.tolist()}, zero_point={self.zero_point.tolist()}"
 
 
-_SWITCH_METHODS = {"observer_enabled": "enable_observer(...)", "fake_quant_enabled": "enable_fake_quant(...)",
-                   "learning_enabled": "toggle_qparam_learning(...)"}
-
-
-def _assert_switch(fq: nn.Module, name: str, buf: torch.Tensor, on: bool) -> None:
-    """Traced only: the graph raises when switch ``name`` no longer reads as it was traced (``on``), i.e. its buffer
-    was written in place or reassigned after tracing without the switch methods, a load or an eager forward."""
-    same = torch.eq(buf[0], 1) if on else torch.ne(buf[0], 1)
-    method = _SWITCH_METHODS.get(name, "its method")
-    torch._assert_async(same, f"{type(fq).__name__}: switch {name} was traced {'on (1)' if on else 'off (0)'} but its "
-                        "buffer now reads otherwise: a write in place or a reassignment after torch.compile / "
-                        f"torch.export traced it does not reach the traced program; set it with {method} (or "
-                        "model.apply(Q.enable_observer / Q.disable_observer / ...), load_state_dict, or one eager "
-                        "forward), then call the compiled model again (an exported program: export it again)")
-
-
 # torch's fused kernel (+ NaN restore) beats lowbit's composite only where per-op overhead dominates:
 # measured on the 2-core CPU (1 thread, fwd+bwd, medians of 41 interleaved rounds) 0.12 vs 0.16 ms at
 # 1k elements, even at 16k-64k, 9.7 vs 6.9 ms at 256k. On CUDA it would replace ~10 kernels, but its
@@ -344,39 +329,6 @@ def _fake_quantize_fast(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.
     y = torch.fake_quantize_per_tensor_affine(x, scale.reshape(()), zero_point.reshape(()).to(torch.int32),
                                               quant_min, quant_max)
     return torch.where(torch.isnan(x), x.detach(), y)
-
-
-def switch_errors(fq: FakeQuantize, state_dict: dict[str, Any], prefix: str) -> list[str]:
-    """The saved switches (``fq._SWITCHES``) that are not 0 or 1: the forward tests ``== 1`` (torch.ao's
-    ``FakeQuantize``) where torch's fused kernel tests ``!= 0``, and a float ``0.5`` was cast to an off ``uint8``, so
-    such a value loaded as a switch that was on in one path and off in another (eager vs compiled). A wrong shape is
-    left to ``load_state_dict``'s size check.
-
-    >>> import torch, lowbit as Q
-    >>> switch_errors(Q.FakeQuantize(), {"observer_enabled": torch.tensor([2], dtype=torch.uint8)}, "")
-    ['observer_enabled=2 (torch.uint8) is not a switch: expected 0 (off) or 1 (on)']
-    """
-    errors = []
-    for name in fq._SWITCHES:
-        value = state_dict.get(prefix + name)
-        if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_meta:
-            continue
-        v = value.detach().reshape(()).cpu()
-        ok = not v.is_complex() and bool(((v == 0) | (v == 1)).item())
-        if not ok:
-            errors.append(f"{prefix}{name}={v.item()!r} ({value.dtype}) is not a switch: expected 0 (off) or 1 (on)")
-    return errors
-
-
-def per_tensor_qparams(fq: FakeQuantize, state_dict: dict[str, Any], prefix: str) -> None:
-    """A per-tensor module's ``scale`` / ``zero_point`` as 0-d tensors in ``state_dict`` (in place): torch.ao saves
-    them with shape ``(1,)``, which lowbit kept, so a loaded module held a ``(1,)`` grid where its own is ``()``."""
-    if fq.ch_axis is not None:
-        return
-    for name in ("scale", "zero_point"):
-        value = state_dict.get(prefix + name)
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() > 0:
-            state_dict[prefix + name] = value.reshape(())
 
 
 def holds_grid(obs: nn.Module) -> bool:

@@ -55,7 +55,8 @@ from ..observer.base import ObserverBase, saved_eps
 from ..observer.distributed import is_distributed, sync_pending
 from ..observer.minmax import MovingAverageMinMaxObserver
 from ..qparams import symmetric_zero_point
-from .base import FakeQuantize, per_tensor_qparams, switch_errors
+from .base import FakeQuantize
+from .switches import per_tensor_qparams, switch_errors
 from .lsq import fake_quantize_learnable
 
 __all__ = ["LearnableFakeQuantize", "fake_quantize_learnable", "enable_param_learning",

@@ -1,0 +1,70 @@
+"""A ``FakeQuantize``'s on / off switches and saved grid: the checks ``load_state_dict`` runs on them
+(``switch_errors``, ``per_tensor_qparams``) and the assertion a traced switch read leaves in a compiled or exported
+graph (``_assert_switch``). Split from ``base.py`` (session 43) to keep it under ~400 lines.
+
+A switch is a one-value ``uint8`` buffer read as ``== 1`` (torch.ao's ``FakeQuantize``); a saved switch must be 0 or
+1, and a per-tensor module's saved ``(1,)`` grid (torch.ao's shape) loads as 0-d.
+
+>>> import torch
+>>> sd = {"scale": torch.tensor([0.5]), "zero_point": torch.tensor([3])}
+>>> per_tensor_qparams(type("M", (), {"ch_axis": None})(), sd, "")
+>>> sd["scale"].shape, sd["zero_point"].shape
+(torch.Size([]), torch.Size([]))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["per_tensor_qparams", "switch_errors"]
+
+_SWITCH_METHODS = {"observer_enabled": "enable_observer(...)", "fake_quant_enabled": "enable_fake_quant(...)",
+                   "learning_enabled": "toggle_qparam_learning(...)"}
+
+
+def _assert_switch(fq: nn.Module, name: str, buf: torch.Tensor, on: bool) -> None:
+    """Traced only: the graph raises when switch ``name`` no longer reads as it was traced (``on``), i.e. its buffer
+    was written in place or reassigned after tracing without the switch methods, a load or an eager forward."""
+    same = torch.eq(buf[0], 1) if on else torch.ne(buf[0], 1)
+    method = _SWITCH_METHODS.get(name, "its method")
+    torch._assert_async(same, f"{type(fq).__name__}: switch {name} was traced {'on (1)' if on else 'off (0)'} but its "
+                        "buffer now reads otherwise: a write in place or a reassignment after torch.compile / "
+                        f"torch.export traced it does not reach the traced program; set it with {method} (or "
+                        "model.apply(Q.enable_observer / Q.disable_observer / ...), load_state_dict, or one eager "
+                        "forward), then call the compiled model again (an exported program: export it again)")
+
+
+def switch_errors(fq: nn.Module, state_dict: dict[str, Any], prefix: str) -> list[str]:
+    """The saved switches (``fq._SWITCHES``) that are not 0 or 1: the forward tests ``== 1`` (torch.ao's
+    ``FakeQuantize``) where torch's fused kernel tests ``!= 0``, and a float ``0.5`` was cast to an off ``uint8``, so
+    such a value loaded as a switch that was on in one path and off in another (eager vs compiled). A wrong shape is
+    left to ``load_state_dict``'s size check.
+
+    >>> import torch, lowbit as Q
+    >>> switch_errors(Q.FakeQuantize(), {"observer_enabled": torch.tensor([2], dtype=torch.uint8)}, "")
+    ['observer_enabled=2 (torch.uint8) is not a switch: expected 0 (off) or 1 (on)']
+    """
+    errors = []
+    for name in fq._SWITCHES:
+        value = state_dict.get(prefix + name)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_meta:
+            continue
+        v = value.detach().reshape(()).cpu()
+        ok = not v.is_complex() and bool(((v == 0) | (v == 1)).item())
+        if not ok:
+            errors.append(f"{prefix}{name}={v.item()!r} ({value.dtype}) is not a switch: expected 0 (off) or 1 (on)")
+    return errors
+
+
+def per_tensor_qparams(fq: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+    """A per-tensor module's ``scale`` / ``zero_point`` as 0-d tensors in ``state_dict`` (in place): torch.ao saves
+    them with shape ``(1,)``, which lowbit kept, so a loaded module held a ``(1,)`` grid where its own is ``()``."""
+    if fq.ch_axis is not None:
+        return
+    for name in ("scale", "zero_point"):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() > 0:
+            state_dict[prefix + name] = value.reshape(())
