@@ -18,8 +18,12 @@ Here each such layer is written as::
 
 ``acc = Σ (q_x - z_x) q_w`` is exact: ``MatMulInteger`` for a Linear; for a Conv / ConvTranspose a float32 ``Conv`` /
 ``ConvTranspose`` of the centred codes and the weight codes, exact in any summation order while every partial sum is an
-integer below 2**24 (``255 · Σ|q_w|`` per output channel; ``ConvInteger`` past that, and ConvTranspose stays QDQ), then
-``Cast`` to int32 and back (ORT's ConvMulFusion folded the ``Mul`` into the weights otherwise). ``Round`` is half to
+integer below 2**24 (``255 · Σ|q_w|`` per output channel; ``ConvInteger`` past that, and ConvTranspose stays QDQ).
+A code input with ``z_x = 0`` is not centred; an unpadded Conv reads the codes as they are with the bias
+``-z_x Σ q_w`` (``Σ q w - z Σ w``: every partial sum, bias included, an integer below ``(|z_x| + 255) Σ|q_w| < 2**24``,
+else the ``Sub`` stays; a padded one keeps it: the Conv pads with 0, lowbit with ``z_x``). The scale is the ``Mul``'s
+first input: ORT's ConvMulFusion folds ``Mul(conv, constant)`` into the weights (1 of 147,456 codes off), not the
+commuted product (NCHWc then runs that ``Mul`` as a 1x1 depthwise conv: one product each). ``Round`` is half to
 even, as ``torch.round``; every float op is one IEEE float32 operation in lowbit's order. A Linear with a u8 output
 and no activation split (7-bit input grid or ``saturation_safe`` weights: ``kernels.plan.linear_plan``) takes fbgemm's
 requantized codes in lowbit, so it is written as fbgemm computes them::
@@ -172,7 +176,7 @@ class _IntegerLayerFn(torch.autograd.Function):
         if layer.kind == "linear":
             acc = g.op("MatMulInteger", *ins)
         elif layer.float_sums:  # float32 sums of integers below 2**24 (exact in any order; ORT's float kernels)
-            centred = g.op("Sub", g.op("Cast", q, to_i=_ONNX[torch.float32]), const(torch.tensor(float(z))))
+            qf = g.op("Cast", q, to_i=_ONNX[torch.float32])
             wf = const(layer.w.t.to(torch.float32) - layer.w_zp)
             geometry = {"strides_i": list(layer.stride), "pads_i": list(layer.padding) * 2,
                         "dilations_i": list(layer.dilation), "group_i": layer.groups,
@@ -180,9 +184,15 @@ class _IntegerLayerFn(torch.autograd.Function):
             if layer.kind == "conv_transpose":
                 geometry["output_padding_i"] = list(out_pad)
             return_op = "ConvTranspose" if layer.kind == "conv_transpose" else "Conv"
-            # through int32 and back (the same values): ORT's ConvMulFusion / ConvAddFusion would fold the Mul / Add
-            # below into the weights and bias, whose float products then round (1 of 147,456 codes off)
-            acc = g.op("Cast", g.op(return_op, centred, wf, **geometry), to_i=6)
+            if layer.zfold is not None:  # Σ (q - z) w = Σ q w - z Σ w: the zero point in the bias (_zero_point_bias)
+                conv = g.op(return_op, qf, wf, const(layer.zfold), **geometry)
+            else:  # centred codes (a zero-padded border is the zero point's code)
+                conv = g.op(return_op, qf if z == 0 else g.op("Sub", qf, const(torch.tensor(float(z)))), wf,
+                            **geometry)
+            # the scale as the Mul's first input: ORT's ConvMulFusion folds a Conv's ``Mul(y, constant)`` into its
+            # weights and bias, whose float products then round (1 of 147,456 codes off); the product commutes
+            y = g.op("Mul", const(layer.scale.t), conv)
+            return _requantize(g, y, layer, const)
         else:
             acc = g.op("ConvInteger", *ins, strides_i=list(layer.stride), pads_i=list(layer.padding) * 2,
                        dilations_i=list(layer.dilation), group_i=layer.groups,
@@ -194,15 +204,20 @@ class _IntegerLayerFn(torch.autograd.Function):
             inv, zo, lo, hi = layer.out
             y = g.op("Add", g.op("Round", g.op("Mul", acc, const(layer.mult.t))), const(torch.tensor(float(zo))))
             return _dq(g, y, layer, const)
-        y = g.op("Mul", acc, const(layer.scale.t))
-        if layer.bias is not None:
-            y = g.op("Add", y, const(layer.bias.t))
-        if layer.out is None:
-            return y
-        inv, zo, lo, hi = layer.out
-        y = g.op("Add", g.op("Mul", y, const(torch.tensor(inv, dtype=torch.float32))),
-                 const(torch.tensor(float(zo), dtype=torch.float32)))
-        return _dq(g, g.op("Round", y), layer, const)
+        return _requantize(g, g.op("Mul", acc, const(layer.scale.t)), layer, const)
+
+
+def _requantize(g: Any, y: Any, layer: Any, const: Any) -> Any:
+    """``fl(acc) fl(s_x s_w)`` -> Add(b) -> Mul(fl(1 / s_y)) -> Add(z_y) -> Round -> ``_dq`` (the float result where
+    the layer has no output grid)."""
+    if layer.bias is not None:
+        y = g.op("Add", y, const(layer.bias.t))
+    if layer.out is None:
+        return y
+    inv, zo, lo, hi = layer.out
+    y = g.op("Add", g.op("Mul", y, const(torch.tensor(inv, dtype=torch.float32))),
+             const(torch.tensor(float(zo), dtype=torch.float32)))
+    return _dq(g, g.op("Round", y), layer, const)
 
 
 def _dq(g: Any, y: Any, layer: Any, const: Any) -> Any:
@@ -240,6 +255,7 @@ class ExactWeightedTwin(WeightedTwin):
             L.stride, L.padding, L.dilation, L.groups = (tuple(self.conv_args[k]) if k != "groups" else
                                                          self.conv_args[k] for k in ("stride", "padding", "dilation",
                                                                                      "groups"))
+        L.zfold = _zero_point_bias(codes, int(z), L.padding) if kind == "conv" and L.float_sums else None
         L.fbgemm = False
         if getattr(mod, "float_output", False):
             L.out = None
@@ -268,6 +284,23 @@ def _float_sums_exact(w: torch.Tensor, groups: int, transposed: bool) -> bool:
     per_out = (w.reshape(groups, w.shape[0] // groups, w.shape[1], -1).sum((1, 3)) if transposed
                else w.reshape(w.shape[0], -1).sum(1))
     return bool(255 * int(per_out.max()) < 2**24) if per_out.numel() else True
+
+
+def _zero_point_bias(w: torch.Tensor, z: int, padding: tuple[int, ...]) -> torch.Tensor | None:
+    """The float32 Conv bias ``-z Σ_k w[c, k]`` (per output channel) that turns ``Σ q w`` of uncentred codes into the
+    exact sums ``Σ (q - z) w``, or ``None`` where that is not exact or saves nothing: ``z = 0`` (no correction); a
+    padded conv (the Conv pads with 0, the codes with ``z``); or a partial sum ``bias + Σ' q w`` (any order, ``|q| <=
+    255``) that could reach 2**24: ``(|z| + 255) · Σ|w| >= 2**24``.
+
+    >>> _zero_point_bias(torch.tensor([[[1, -2]], [[3, 3]]], dtype=torch.int8), 5, (0,)).flatten().tolist()
+    [5.0, -30.0]
+    """
+    if z == 0 or any(padding):
+        return None
+    w = w.detach().to(torch.int64).reshape(w.shape[0], -1)
+    if (abs(z) + 255) * int(w.abs().sum(1).max()) >= 2**24:
+        return None
+    return (-z * w.sum(1)).to(torch.float32)
 
 
 def qdq_reason(mod: Any, kind: str, in_grid: Grid | None) -> str | None:
