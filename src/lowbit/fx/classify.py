@@ -26,7 +26,9 @@ Domains (what a value is after ``convert_fx``): ``int`` (a ``QTensor``) for
 
 from __future__ import annotations
 
+import math
 import numbers
+import operator
 from typing import Any
 
 import torch
@@ -39,8 +41,8 @@ from ..qconfig import QConfig, QConfigMapping
 from ..workflow import _is_table_recipe, is_dynamic_qconfig
 from ..workflow.propagate import join_name as join
 from ..workflow.shared_grids import bilinear_on_shared_grid
-from .patterns import (WEIGHT_ONLY_TYPES, bilinear_call_args, canonical_binary, func_activation, is_bilinear_resample,
-                       is_share_op)
+from .patterns import (WEIGHT_ONLY_TYPES, as_number, bilinear_call_args, canonical_binary, func_activation,
+                       is_bilinear_resample, is_share_op)
 from .report import FxReport
 from .weighted import input_of, parse
 
@@ -130,10 +132,37 @@ def _ftensor(arg: Any) -> bool:
     return isinstance(arg, fx.Node) and bool(arg.meta.get("lowbit_ftensor", False))
 
 
+_SUB = {("call_function", operator.sub), ("call_function", torch.sub), ("call_function", torch.subtract),
+        ("call_method", "sub"), ("call_method", "subtract")}
+_ALPHA = {("call_function", torch.add), ("call_method", "add")} | _SUB  # (operator.add / sub take no alpha)
+
+
+def _alpha(node: fx.Node) -> tuple[float | None, str]:
+    """The factor ``c`` of the second operand of an add / sub of two tensors (``a + c · b``: ``torch.add(a, b,
+    alpha=k)`` has ``c = k``, ``torch.sub(a, b, alpha=k)`` / ``a - b`` ``c = -k``), with ``(None, why)`` for an
+    alpha that is not a finite nonzero number, ``(None, "")`` for any other node."""
+    if (node.op, node.target) not in _ALPHA or len(node.args) != 2 or set(node.kwargs) - {"alpha"}:
+        return None, ""
+    raw = node.kwargs.get("alpha", 1)
+    k = as_number(raw)
+    if k is None or not math.isfinite(k) or k == 0.0:
+        return None, f"alpha={raw!r} is not a finite nonzero number"
+    return (-k if (node.op, node.target) in _SUB else k), ""
+
+
 def _functional_op(node: fx.Node) -> str | None:
-    """The QFunctional method for a binary node (``add``, ``add_scalar``, ``cat`` ...), or ``None``."""
+    """The QFunctional method for a binary node (``add``, ``add_scalar``, ``cat`` ...), or ``None``. An add / sub of
+    two tensors with an ``alpha`` (``_alpha``) is an ``add`` whose second operand ``convert_fx`` scales on its codes
+    (``scaled_operand``): its factor is in ``meta["lowbit_alpha"]``."""
+    if not node.meta.get("lowbit_ftensor", False):
+        return None
+    c, _ = _alpha(node)
+    if c is not None and all(_ftensor(a) for a in node.args):
+        if c != 1.0:
+            node.meta["lowbit_alpha"] = c
+        return "add"
     op = canonical_binary(node.op, node.target)
-    if op is None or not node.meta.get("lowbit_ftensor", False):
+    if op is None:
         return None
     args, kwargs = node.args, dict(node.kwargs)
     if op == "cat":
@@ -220,6 +249,8 @@ def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaqu
                 why = reason
             elif (qop := _functional_op(node)) is not None:
                 kind = "functional"
+            elif _alpha(node)[1]:
+                why = _alpha(node)[1]
             elif func_activation(node.op, node.target) is not None and _act_ok(node):
                 kind = "act"
         node.meta.update(lowbit_kind=kind, lowbit_qop=qop, lowbit_qconfig=qc)

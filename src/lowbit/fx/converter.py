@@ -20,7 +20,7 @@ from ..nn.quantized.normalization import batchnorm_float_reason
 from ..nn.intrinsic.qat.modules import _BnFolded
 from ..nn.quantized import activation as nnq_act
 from ..nn.quantized._utils import output_qparams
-from ..nn.quantized.functional_modules import QFunctional
+from ..nn.quantized.functional_modules import QFunctional, scaled_operand
 from ..nn.quantized.stubs import DeQuantize, Quantize
 from ..observer import PlaceholderObserver
 from .convert_dynamic import set_module as _set_module, what as _what
@@ -135,8 +135,13 @@ class _Converter:
                 method, args = ("add_scalar" if qop == "add_scalar" else "mul_scalar"), (x, c)
             else:
                 method = qop
+                if "lowbit_alpha" in node.meta:  # (a + c · b: b's grid scaled by |c|, its codes mirrored for c < 0)
+                    scaled = self.graph.call_function(scaled_operand, (args[1], node.meta["lowbit_alpha"]))
+                    scaled.meta.update(lowbit_kind="share", lowbit_domain="int", lowbit_ftensor=True)
+                    args = (args[0], scaled)
             new = self.graph.call_module(name, (method, *args))  # QFunctional.forward(op, ...): a leaf when re-traced
-        self.report.converted[self._key(node)] = f"{_what(node, self.gm)} -> QFunctional.{method}"
+        alpha = f" (second operand times {node.meta['lowbit_alpha']!r})" if "lowbit_alpha" in node.meta else ""
+        self.report.converted[self._key(node)] = f"{_what(node, self.gm)} -> QFunctional.{method}{alpha}"
         self._replace(node, new)
         return new
 
