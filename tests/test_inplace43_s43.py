@@ -309,6 +309,8 @@ def test_inplace_ops_run_on_codes_where_torch_ao_runs_them(name):
     if name == "torch.relu_":  # deliberate: torch.ao's share list has the method "relu_" and F.relu, not torch.relu /
         theirs["relu_"] = not theirs["relu_"]  # torch.relu_ (float there; its second reader read b before the ReLU:
         # 6.3 dB); lowbit runs torch.relu_ on the codes as it runs torch.relu (exact: max(q, zero point))
+    if name == "clamp_":  # deliberate (session 43, ops43): torch.ao shares "clamp", not "clamp_"; lowbit runs the
+        theirs["clamp_"] = not theirs["clamp_"]  # out-of-place twin on the codes as torch.ao runs x.clamp (exact)
     assert ours and ours == {k: theirs[k] for k in ours}  # relu_ / squeeze_ / detach_: float before (True in torch.ao)
     with torch.no_grad():
         assert _sqnr(model(x.clone()), _converted(p, x)(x.clone())) > 30

@@ -10,6 +10,8 @@ class          ops                                         after ``convert_fx``
                ReLU6, Hardswish, Sigmoid, ...)
 ``functional`` ``+``/``torch.add``/``operator.add``, mul,   a ``QFunctional`` method on the
                cat, matmul/bmm, add-relu, scalar add/mul/div observed output grid, int in/out
+               add/sub of two tensors with ``alpha``, ``-``
+               (an add; ``classify._alpha``)
 ``act``        ``F.hardswish``, ``torch.sigmoid``, ...      the quantized activation module
 ``weighted``   ``F.linear``/``F.conv1d/2d/3d`` whose weight   quantized ``Linear``/``ConvNd``
                and bias are model parameters/buffers        (``lowbit.fx.weighted``), int in/out
@@ -25,11 +27,13 @@ class          ops                                         after ``convert_fx``
                / ``nn.Upsample`` in ``"nearest"`` /
                ``"nearest-exact"`` / ``"bilinear"``
                mode, no antialias), roll, repeat,
-               expand/expand_as,
+               expand/expand_as, clamp/clip/hardtanh with
+               constant bounds (``is_constant_clamp``),
+               ``nn.Hardtanh``,
                zero padding (``F.pad`` value 0,            a zero pad fills the zero point)
                ``nn.ZeroPad*d``, ``nn.ConstantPad*d(0)``)
 ``float``      everything else (softmax, layer_norm, gelu,  float, a ``DeQuantize`` before it
-               sub, avg-pool, unknown modules ...)
+               avg-pool, unknown modules ...)
 =============  ==========================================  ====================================
 
 Fusion (conv-bn-relu runs, add-relu, ``relu(F.linear(...))``) is ``lowbit.fx.fusion``, which builds on these tables.
@@ -55,7 +59,7 @@ from ..nn import qat as nnqat
 from ..nn.quantized import activation as nnq_act
 
 __all__ = ["BINARY_FUNCS", "WEIGHT_ONLY_TYPES", "canonical_binary", "is_relu_target", "add_relu", "FUNC_ACTIVATIONS",
-           "func_activation", "is_share_op", "is_zero_pad", "is_code_resample",
+           "func_activation", "is_share_op", "is_constant_clamp", "is_zero_pad", "is_code_resample",
            "is_bilinear_resample", "bilinear_call_args", "is_dropout", "graph_module_types", "as_number"]
 
 # binary ops with a QFunctional twin: target -> method name
@@ -197,6 +201,32 @@ def bilinear_call_args(node: fx.Node, mod: nn.Module | None) -> tuple[Any, Any, 
     return a["input"], a.get("size"), a.get("scale_factor"), align, a.get("recompute_scale_factor")
 
 
+_CLAMP_FUNCS = {torch.clamp: ("min", "max"), torch.clip: ("min", "max"), F.hardtanh: ("min_val", "max_val")}
+
+
+def is_constant_clamp(node: fx.Node) -> bool:
+    """``torch.clamp`` / ``torch.clip`` / ``x.clamp`` / ``x.clip`` / ``F.hardtanh`` of a tensor with constant number
+    bounds (``None`` for one clamp bound; hardtanh ``min_val <= max_val``, not in place): ``clamp(q, code(min),
+    code(max))`` on the input's grid, exact (``qtensor/ops.py``), as torch.ao runs them on the quantized tensor."""
+    if node.op == "call_function" and node.target in _CLAMP_FUNCS:
+        names = _CLAMP_FUNCS[node.target]
+    elif node.op == "call_method" and node.target in ("clamp", "clip"):
+        names = ("min", "max")
+    else:
+        return False
+    hard = names[0] == "min_val"
+    params = (*names, "inplace") if hard else names
+    if len(node.args) > len(params) + 1 or set(node.kwargs) - set(params):
+        return False
+    vals: dict[str, Any] = dict(zip(params, (-1.0, 1.0, False) if hard else (None, None)))
+    vals.update(zip(params, node.args[1:]))
+    vals.update(node.kwargs)
+    lo, hi = vals[names[0]], vals[names[1]]
+    if vals.get("inplace", False) is not False or any(v is not None and (as_number(v) is None or v != v) for v in (lo, hi)):
+        return False
+    return (lo, hi) != (None, None) and not (hard and lo > hi)
+
+
 def func_activation(op: str, target: Any) -> type[nn.Module] | None:
     """The quantized activation class for a functional/method activation node, or ``None``."""
     if op == "call_function":
@@ -217,15 +247,16 @@ def is_share_op(node: fx.Node, mod: nn.Module | None) -> bool:
             return node.args[1] in ("shape", "device")
         if node.target is F.max_pool2d or node.target is F.max_pool1d or node.target is F.max_pool3d:
             return not node.kwargs.get("return_indices", False)
-        return node.target in _SHARE_FUNCS or is_zero_pad(node, mod) or is_code_resample(node, mod)
+        return (node.target in _SHARE_FUNCS or is_zero_pad(node, mod) or is_code_resample(node, mod)
+                or is_constant_clamp(node))
     if node.op == "call_method":
-        return node.target in _SHARE_METHODS
+        return node.target in _SHARE_METHODS or is_constant_clamp(node)
     if node.op == "call_module":
         from ..stubs import DeQuantStub, QuantStub  # identity markers a user may have left in
         if isinstance(mod, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)) and mod.return_indices:
             return False
         return (type(mod) in _SHARE_MODULES or type(mod) in (QuantStub, DeQuantStub) or is_zero_pad(node, mod)
-                or is_code_resample(node, mod))
+                or is_code_resample(node, mod) or (type(mod) is nn.Hardtanh and not mod.inplace))
     return False
 
 
