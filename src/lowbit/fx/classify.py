@@ -42,7 +42,7 @@ from ..workflow import _is_table_recipe, is_dynamic_qconfig
 from ..workflow.propagate import join_name as join
 from ..workflow.shared_grids import bilinear_on_shared_grid
 from .patterns import (WEIGHT_ONLY_TYPES, as_number, bilinear_call_args, canonical_binary, func_activation,
-                       is_bilinear_resample, is_share_op)
+                       is_bilinear_resample, is_constant_clamp, is_share_op)
 from .report import FxReport
 from .weighted import input_of, parse
 
@@ -340,12 +340,16 @@ def share_bilinear_grids(gm: fx.GraphModule) -> None:
     recompute_scale_factor)``, which in QAT (an enabled fake-quant) gives the int8 kernel's codes on that grid rather
     than the rounded float blend (one step apart at the kernel's near-ties) and otherwise passes ``obs_share`` on.
     ``convert_fx`` drops both (the QTensor op keeps the grid and runs the kernel); ``convert_to_reference_fx`` makes
-    the blend a ``bilinear_on_grid`` call on the reference grid."""
+    the blend a ``bilinear_on_grid`` call on the reference grid. After a constant clamp of an int value
+    (``is_constant_clamp``, ``nn.Hardtanh``) only ``obs_share``: the prepared model's clamp bounds land on the grid
+    as the int8 clamp of the codes puts them (the simulation and the reference equal the int8 model)."""
     modules = dict(gm.named_modules())
     for node in list(gm.graph.nodes):
         mod = modules.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
-        if node.meta.get("lowbit_kind") != "share" or node.meta.get("lowbit_domain") != "int" or not \
-                is_bilinear_resample(node, mod):
+        if node.meta.get("lowbit_kind") != "share" or node.meta.get("lowbit_domain") != "int":
+            continue
+        bilinear = is_bilinear_resample(node, mod)
+        if not (bilinear or is_constant_clamp(node) or type(mod) is nn.Hardtanh):
             continue
         src = node.args[0] if node.args else None
         while isinstance(src, fx.Node) and src.meta.get("lowbit_kind") in ("share", "grid_blend") and src.args:
@@ -354,12 +358,15 @@ def share_bilinear_grids(gm: fx.GraphModule) -> None:
             continue  # (a quantized graph input: no observer holds its grid)
         with gm.graph.inserting_after(node):
             obs = gm.graph.call_module(src.target, (node,))
+        obs.meta.update({**src.meta, "lowbit_kind": "obs_share"})  # (src: the first observer node, for the names)
+        if not bilinear:  # a clamp's bound rounded onto the grid, as its int8 clamp of the codes rounds it
+            node.replace_all_uses_with(obs, delete_user_cb=lambda u, obs=obs: u is not obs)
+            continue
         with gm.graph.inserting_after(obs):
             attr = gm.graph.get_attr(src.target)  # type: ignore[arg-type]
         with gm.graph.inserting_after(attr):
             x, *args = bilinear_call_args(node, mod)
             blend = gm.graph.call_function(bilinear_on_shared_grid, (x, obs, attr, *args))
-        obs.meta.update({**src.meta, "lowbit_kind": "obs_share"})  # (src: the first observer node, for the names)
         attr.meta.update(lowbit_kind="grid_attr", lowbit_domain="other", lowbit_ftensor=False, lowbit_scalar=False)
         blend.meta.update({**src.meta, "lowbit_kind": "grid_blend"})
         node.replace_all_uses_with(blend, delete_user_cb=lambda u, obs=obs: u is not obs)
