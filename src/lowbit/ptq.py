@@ -209,6 +209,9 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     A model whose own ``forward`` torch.fx cannot trace (control flow on a shape or on data) has its children
     prepared one by one; ``"accurate"`` then skips equalization and the grid refinement (the report says why) and
     refuses ``tune`` / ``distill`` > 0 (``lowbit.ptq_checks.whole_graph_skip``).
+    Within ``"accurate"``, an option the others leave unread is refused when given another value than its default
+    (``lowbit.ptq_checks.unread_options``): ``streams`` with ``equalize=False`` (``None`` passes), ``batch_size``
+    with ``iters=0``, ``seed`` with ``iters=0, tune=0, distill=0``; the error names both options.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_ptq: model must be an nn.Module, got {type(model).__name__}")

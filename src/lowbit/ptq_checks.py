@@ -7,7 +7,9 @@ data: a non-empty iterable of finite, non-empty batches, each a tensor or a tupl
 axis (``check_sample_axis``). Each failure is a ``ValueError`` / ``TypeError`` naming the value. The options only
 ``"accurate"`` reads (``ACCURATE_ONLY``: AdaRound's, equalization's, the grid search's, ...) given another value than
 their default with another recipe are refused, naming option, value and recipe (``ignored_options``): they were
-silently ignored.
+silently ignored. Within ``"accurate"``, an option the others leave unread (``streams`` with ``equalize=False``,
+``batch_size`` with ``iters=0``, ``seed`` with ``iters=0, tune=0, distill=0``) is refused the same way, naming both
+(``unread_options``).
 
 >>> import torch
 >>> [tuple(t.shape) for t in ptq_batches([torch.zeros(2, 3)])[0]]
@@ -27,7 +29,7 @@ from .algorithms.layerwise_step import check_seed
 from .batches import check_finite_batch
 
 __all__ = ["RECIPES", "ACCURATE_ONLY", "batch_failed", "check_model", "check_options", "check_sample_axis",
-           "ignored_options", "ptq_batches"]
+           "ignored_options", "ptq_batches", "unread_options"]
 
 RECIPES = ("default", "accurate", "balanced")
 
@@ -54,12 +56,47 @@ def ignored_options(recipe: str, options: dict[str, Any]) -> list[tuple[str, Any
     return [(k, v, ACCURATE_ONLY[k]) for k, v in options.items() if k in ACCURATE_ONLY and not v == ACCURATE_ONLY[k]]
 
 
+#: within ``"accurate"``: options a combination of the others leaves unread, as ``(option, read, with, why, fix)``:
+#: ``option`` is read only where ``read(options)`` holds; its default, or ``streams=None`` (off: asking for nothing
+#: the combination would do), passes silently; another value is refused (``unread_options``).
+UNREAD: tuple[tuple[str, Any, str, str, str], ...] = (
+    ("streams", lambda o: o["equalize"] is not False, "equalize=False",
+     "no equalization runs, residual streams included", "set equalize='range' or True"),
+    ("batch_size", lambda o: o["iters"] > 0, "iters=0",
+     "AdaRound's samples per step: no AdaRound step runs; tune / distill take 16 samples a step", "set iters > 0"),
+    ("seed", lambda o: o["iters"] > 0 or o["tune"] > 0 or o["distill"] > 0, "iters=0, tune=0 and distill=0",
+     "it draws the samples of AdaRound's, tune's and distill's steps: none runs", "set iters, tune or distill > 0"),
+)
+
+
+def unread_options(recipe: str, options: dict[str, Any]) -> list[tuple[str, Any, Any, str]]:
+    """``(name, value, default, message)`` of each ``"accurate"`` option in ``options`` that the others leave unread
+    (``UNREAD``) and that is neither its default nor its off value (``streams=None`` with ``equalize=False`` asks for
+    what happens). ``blocks=False`` / ``learn_grids=False`` are their off values: never refused (with ``iters=0`` no
+    block is rounded, and no grid is learned without ``blocks`` nor ``tune`` / ``distill``, as they ask). Other
+    recipes: ``ignored_options``.
+
+    >>> opts = dict(iters=0, batch_size=16, seed=0, tune=0, distill=0, equalize="range", streams=0.75)
+    >>> [(k, v) for k, v, *_ in unread_options("accurate", opts)]
+    [('batch_size', 16)]
+    >>> unread_options("accurate", dict(opts, iters=5, equalize=False, streams=None))
+    []
+    """
+    if recipe != "accurate":
+        return []
+    return [(k, v, d, f"quantize_ptq: {k}={v!r} is ignored with {given} ({why}); pass {k}={d!r} (the default)"
+             f"{' or streams=None' if k == 'streams' else ''}, or leave it out, or {fix}")
+            for k, read, given, why, fix in UNREAD
+            for v, d in [(options[k], ACCURATE_ONLY[k])] if not (v == d or (k == "streams" and v is None) or read(options))]
+
+
 def check_options(recipe: Any, *, iters: Any, batch_size: Any, seed: Any, blocks: Any, rounding: Any,
                   learn_grids: Any, distill: Any, tune: Any, float_output: Any, refine: Any, max_float_layers: Any,
                   streams: Any, equalize: Any, progress: Any) -> None:
     """``quantize_ptq``'s options, each of its type and range, else an error naming the value; an option only
     ``"accurate"`` reads (``ACCURATE_ONLY``) given another value than its default with another recipe is a
-    ``ValueError`` naming option, value and recipe (it would be ignored).
+    ``ValueError`` naming option, value and recipe (it would be ignored); within ``"accurate"``, so is an option the
+    others leave unread (``unread_options``), naming both.
 
     >>> check_options("balanced", iters=500, batch_size=8, seed=0, blocks=True, rounding="adaround", learn_grids=True,
     ...               distill=5, tune=0, float_output=True, refine=8, max_float_layers=0, streams=0.75,
@@ -108,6 +145,9 @@ def check_options(recipe: Any, *, iters: Any, batch_size: Any, seed: Any, blocks
         raise ValueError(f"quantize_ptq: {given} appl{'ies' if one else 'y'} to recipe='accurate' only, not "
                          f"recipe={recipe!r} (it would be ignored); pass {dflt} (the default{'' if one else 's'}) or "
                          f"leave {'it' if one else 'them'} out, or use recipe='accurate'")
+    for *_, message in unread_options(recipe, dict(iters=iters, batch_size=batch_size, seed=seed, tune=tune,
+                                                   distill=distill, equalize=equalize, streams=streams)):
+        raise ValueError(message)  # the first one: the options ``"accurate"`` reads only with others (``UNREAD``)
 
 
 def ptq_batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
