@@ -27,7 +27,9 @@ on the unsigned grid, since an affine zero point is a second bf16 term ``(8 - z_
 ~2⁻⁹·7s·|x|, far below the int4 rounding error; scales outside bf16's normal range take the dequantized path;
 its packed layout is a cache the size of ``qweight``, rebuilt after ``load_state_dict`` /
 ``.to()``); 8-bit per-channel weights compute ``(x @ qᵀ) * s`` in float32 (bf16; an fp16 input dequantizes:
-``x @ qᵀ`` passes 65504 first); everything else
+``x @ qᵀ`` passes 65504 first; a result whose sum is not finite, from ``x @ qᵀ`` past float32's 3.4e38 where
+``x @ ŵᵀ`` is not (|x| ≳ 2.7e36 / K) or from the input, is computed again dequantized: one sum a call);
+everything else
 dequantizes the weight per call and runs ``F.linear``. ``kernel="reference"`` forces dequantize +
 ``F.linear`` (the oracle). For up to ``DECODE_MAX_ROWS`` input rows (decoding), 8-bit per-channel
 symmetric weights with ``K % 16 == 0`` run torch's ``_weight_int8pack_mm`` with bf16 activations and a bf16 product
@@ -50,6 +52,7 @@ True
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -253,6 +256,7 @@ class WeightOnlyLinear(CheckedQuantState):
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
         lead, x2 = x.shape[:-1], x.reshape(-1, self.in_features)  # (M, K)
         int4 = self._int4_cache() if self._kernel_applies(x) else ()
+        y: torch.Tensor | None = None
         if int4:
             packed, sz = int4
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), packed, self._g, sz)
@@ -265,7 +269,11 @@ class WeightOnlyLinear(CheckedQuantState):
         elif (self.kernel == "auto" and self.bits == 8 and self._g == self.in_features and self.symmetric
               and x.dtype != torch.float16):  # (x @ qᵀ overflows half's 65504 where x @ ŵᵀ does not: |q| ≤ 128)
             y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales[:, 0].to(x.dtype)  # (x @ qᵀ) * s
-        else:
+        if y is not None and not int4 and not math.isfinite(float(y.sum())):  # (~2.5 us; torch.isfinite(y).all(): 30)
+            # x @ qᵀ overflowed (past float32's 3.4e38, where x @ ŵᵀ need not: |q| ≤ 128), or the input holds NaN/Inf,
+            # or finite outputs sum past 3.4e38: the dequantized product, as the float layer computes it
+            y = None
+        if y is None:
             y = F.linear(x2, self.dequantize_weight().to(x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
