@@ -28,7 +28,7 @@ on the unsigned grid, since an affine zero point is a second bf16 term ``(8 - z_
 its packed layout is a cache the size of ``qweight``, rebuilt after ``load_state_dict`` /
 ``.to()``); 8-bit per-channel weights compute ``(x @ qᵀ) * s`` in float32 (bf16; an fp16 input dequantizes:
 ``x @ qᵀ`` passes 65504 first; a result whose sum is not finite, from ``x @ qᵀ`` past float32's 3.4e38 where
-``x @ ŵᵀ`` is not (|x| ≳ 2.7e36 / K) or from the input, is computed again dequantized: one sum a call);
+``x @ ŵᵀ`` is not (|x| ≳ 2.7e36 / K) or from the input, is computed again dequantized on CPU: one sum a call);
 everything else
 dequantizes the weight per call and runs ``F.linear``. ``kernel="reference"`` forces dequantize +
 ``F.linear`` (the oracle). For up to ``DECODE_MAX_ROWS`` input rows (decoding), 8-bit per-channel
@@ -269,7 +269,8 @@ class WeightOnlyLinear(CheckedQuantState):
         elif (self.kernel == "auto" and self.bits == 8 and self._g == self.in_features and self.symmetric
               and x.dtype != torch.float16):  # (x @ qᵀ overflows half's 65504 where x @ ŵᵀ does not: |q| ≤ 128)
             y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales[:, 0].to(x.dtype)  # (x @ qᵀ) * s
-        if y is not None and not int4 and not math.isfinite(float(y.sum())):  # (~2.5 us; torch.isfinite(y).all(): 30)
+        if y is not None and not int4 and y.device.type == "cpu" and not math.isfinite(float(y.sum())):
+            # (~2.5 us; torch.isfinite(y).all(): 30 us; CPU only: on a GPU the read would synchronize every call)
             # x @ qᵀ overflowed (past float32's 3.4e38, where x @ ŵᵀ need not: |q| ≤ 128), or the input holds NaN/Inf,
             # or finite outputs sum past 3.4e38: the dequantized product, as the float layer computes it
             y = None
