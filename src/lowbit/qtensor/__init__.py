@@ -47,16 +47,12 @@ _warned_ops: set[str] = set()
 
 
 def _warn_float_fallback(op: str) -> None:
-    """Warn once per op that ``op`` ran on dequantized floats. Not while dynamo traces: it cannot trace
-    ``warnings.warn`` (a graph break, so ``fullgraph=True`` failed on a float layer inside the quantized region);
-    the op stays unwarned until an eager call (or a non-strict ``torch.export``, which runs Python) reaches it."""
+    # once per op; not while dynamo traces (``warnings.warn`` is a graph break: ``fullgraph=True`` failed on it)
     if op not in _warned_ops and not torch.compiler.is_dynamo_compiling():
         _warned_ops.add(op)
-        warnings.warn(
-            f"lowbit: {op} has no integer implementation for QTensor inputs; it ran on dequantized "
-            "float values (the output is float). Quantize it or move it outside the quantized region.",
-            stacklevel=3,
-        )
+        warnings.warn(f"lowbit: {op} has no integer implementation for QTensor inputs; it ran on dequantized "
+                      "float values (the output is float). Quantize it or move it outside the quantized region.",
+                      stacklevel=3)
 
 
 def _check_python_qparams(scale: Any, zero_point: Any) -> None:
