@@ -135,9 +135,10 @@ def check_options(recipe: Any, *, iters: Any, batch_size: Any, seed: Any, blocks
         raise ValueError(f"quantize_ptq: equalize={equalize!r} must be True, False or 'range'")
     if not isinstance(progress, bool):
         raise TypeError(f"quantize_ptq: progress={progress!r} must be True or False")
-    ignored = ignored_options(recipe, dict(iters=iters, batch_size=batch_size, equalize=equalize, streams=streams,
-                                           blocks=blocks, learn_grids=learn_grids, tune=tune, seed=seed,
-                                           rounding=rounding, refine=refine, float_output=float_output, distill=distill))
+    options = dict(iters=iters, batch_size=batch_size, equalize=equalize, streams=streams, blocks=blocks,
+                   learn_grids=learn_grids, tune=tune, seed=seed, rounding=rounding, refine=refine,
+                   float_output=float_output, distill=distill)
+    ignored = ignored_options(recipe, options)
     if ignored:
         one = len(ignored) == 1
         given = ", ".join(f"{k}={v!r}" for k, v, _ in ignored)
@@ -145,9 +146,9 @@ def check_options(recipe: Any, *, iters: Any, batch_size: Any, seed: Any, blocks
         raise ValueError(f"quantize_ptq: {given} appl{'ies' if one else 'y'} to recipe='accurate' only, not "
                          f"recipe={recipe!r} (it would be ignored); pass {dflt} (the default{'' if one else 's'}) or "
                          f"leave {'it' if one else 'them'} out, or use recipe='accurate'")
-    for *_, message in unread_options(recipe, dict(iters=iters, batch_size=batch_size, seed=seed, tune=tune,
-                                                   distill=distill, equalize=equalize, streams=streams)):
-        raise ValueError(message)  # the first one: the options ``"accurate"`` reads only with others (``UNREAD``)
+    unread = unread_options(recipe, options)  # the options ``"accurate"`` reads only with others (``UNREAD``)
+    if unread:
+        raise ValueError(unread[0][3])
 
 
 def ptq_batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
