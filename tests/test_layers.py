@@ -35,8 +35,10 @@ TIERS: list[tuple[str, ...]] = [
     ("mappings", "examples", "speed_guard", "pt2"),
     ("fuse", "workflow", "quantize_dynamic", "weight_only", "llm", "llm.plan", "fx", "fx.fusion", "fx.converter",
      "quantize_api", "reference"),  # fx.fusion: fuse_graph, split from fx.patterns; fx.converter: from fx.convert
-    ("export", "algorithms", "algorithms.layerwise_step", "algorithms.equalize_pairs", "algorithms.end_to_end", "debug",
-     "debug.float_swap", "debug.graph_swap", "debug.swap_edges", "data"),  # end_to_end: the loop tune / distill share;
+    ("export", "export.weighted", "algorithms", "algorithms.layerwise_step", "algorithms.equalize_pairs",
+     "algorithms.end_to_end", "debug", "debug.float_swap", "debug.graph_swap", "debug.swap_edges", "data"),
+    # export.weighted: the QDQ twin of a quantized Linear / Conv (split from export.qdq);
+    # end_to_end: the loop tune / distill share;
     # layerwise_step:
     # one layer's rounding step; equalize_pairs: CLE's pairs and channel maps (split from layerwise / equalize);
     # debug.float_swap: the fast mixed-precision search's float twins (split from debug.mixed_precision);

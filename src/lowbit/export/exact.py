@@ -1,6 +1,6 @@
 """``to_onnx(..., exact=True)``: quantized Conv / Linear layers whose ONNX Runtime codes equal lowbit's, bit for bit.
 
-The QDQ form (``qdq.WeightedTwin``) stores the bias as int32 codes ``round(b / (s_x s_w))`` and ORT fuses
+The QDQ form (``weighted.WeightedTwin``) stores the bias as int32 codes ``round(b / (s_x s_w))`` and ORT fuses
 ``DQ -> Conv -> Q`` into ``QLinearConv`` (``QGemm`` / ``QLinearMatMul`` for a Linear), which computes::
 
     q_y = clamp(round(fl(fl(acc + round(b / (s_x s_w))) * fl(s_x s_w / s_y))) + z_y)          # ORT (MLAS)
@@ -60,7 +60,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.onednn import saturation_safe
-from .qdq import QDQ, Grid, WeightedTwin, _Const, _storage, out_channel_weight_scale, stored_codes, untraced
+from .qdq import QDQ, Grid, _Const, _storage, out_channel_weight_scale, stored_codes, untraced
+from .weighted import WeightedTwin
 
 __all__ = ["EXACT_KINDS", "ExactQDQ", "ExactWeightedTwin", "const_f32", "dq_symbolic", "exact_twin", "qdq_reason"]
 

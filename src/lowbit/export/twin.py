@@ -69,9 +69,9 @@ from .qdq import (
     EmbeddingTwin,
     FunctionalTwin,
     Grid,
-    WeightedTwin,
     weight_dq,
 )
+from .weighted import WeightedTwin
 from .codes import ResampleOnCodes, install, share_grid_bilinear
 from .qat import activation_twin
 from .weight_only import WeightOnlyTwin
