@@ -35,9 +35,10 @@ TIERS: list[tuple[str, ...]] = [
     ("mappings", "examples", "speed_guard", "pt2"),
     ("fuse", "workflow", "quantize_dynamic", "weight_only", "llm", "llm.plan", "fx", "fx.fusion", "fx.converter",
      "quantize_api", "reference"),  # fx.fusion: fuse_graph, split from fx.patterns; fx.converter: from fx.convert
-    ("export", "export.weighted", "algorithms", "algorithms.layerwise_step", "algorithms.equalize_pairs",
+    ("export", "export.weighted", "export.conv_epilogue", "algorithms", "algorithms.layerwise_step", "algorithms.equalize_pairs",
      "algorithms.end_to_end", "debug", "debug.float_swap", "debug.graph_swap", "debug.swap_edges", "data"),
-    # export.weighted: the QDQ twin of a quantized Linear / Conv (split from export.qdq);
+    # export.weighted: the QDQ twin of a quantized Linear / Conv (split from export.qdq); export.conv_epilogue: exact
+    # Conv epilogues as depthwise 1x1 Convs (ORT's NCHWc keeps them);
     # end_to_end: the loop tune / distill share;
     # layerwise_step:
     # one layer's rounding step; equalize_pairs: CLE's pairs and channel maps (split from layerwise / equalize);

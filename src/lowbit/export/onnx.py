@@ -60,6 +60,7 @@ from torch import nn
 
 from .embedding import EmbeddingBagTwin, EmbeddingTableTwin, to_int4
 from .proto import constants_to_initializers
+from .conv_epilogue import depthwise_epilogues
 from .share_codes import share_codes
 from .twin import _check_inputs, build_twin
 from .weight_only import WeightOnlyTwin, to_blocked
@@ -225,7 +226,8 @@ def _export(onnx: Any, twin: nn.Module, inputs: tuple[torch.Tensor, ...], path: 
             input_names: list[str], output_names: list[str], axes: dict[str, dict[int, str]] | None,
             tables: list[nn.Module], exact: bool = False) -> None:
     """``to_onnx``'s export of ``twin`` to ``path``, its initializers, the opset-21 relabelling and the checker
-    (``exact``: readers take their producers' codes, ``share_codes``)."""
+    (``exact``: readers take their producers' codes, ``share_codes``; Conv epilogues as depthwise Convs,
+    ``conv_epilogue``)."""
     with warnings.catch_warnings(), _float_dequantize_is_identity(min(opset_version, 20)):
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         torch.onnx.export(twin, inputs, str(path), dynamo=False, opset_version=min(opset_version, 20),
@@ -236,6 +238,7 @@ def _export(onnx: Any, twin: nn.Module, inputs: tuple[torch.Tensor, ...], path: 
     constants_to_initializers(proto)
     if exact:
         share_codes(proto.graph)
+        depthwise_epilogues(proto.graph)  # (after share_codes, which reads the Round -> Clip ends)
     if opset_version == 21:  # 20 -> 21 only added types (INT4, FLOAT8) and defaulted attributes to the ops used
         if any(n.op_type == "GroupNormalization" for n in proto.graph.node):
             raise ValueError("to_onnx: opset_version=21 cannot relabel a GroupNormalization graph; use <= 20")
