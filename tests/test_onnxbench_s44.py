@@ -176,6 +176,10 @@ def test_depthwise_pass_leaves_other_chains() -> None:
     graph.output.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, None))  # Round read twice
     assert depthwise_epilogues(graph) == 0
     graph = _chain_graph(16, True, 5.0)
+    b = next(t for t in graph.initializer if t.name == "b")
+    b.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(b).reshape(16), "b"))  # (C,): broadcast along W
+    assert depthwise_epilogues(graph) == 0
+    graph = _chain_graph(16, True, 5.0)
     graph.node[0].op_type = "ConvTranspose"  # (no NCHWc form: left alone)
     assert depthwise_epilogues(graph) == 0
     assert [n.op_type for n in graph.node].count("Round") == 1

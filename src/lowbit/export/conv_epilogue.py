@@ -55,7 +55,8 @@ def _chain(clip: Any, producer: dict[str, Any], consts: dict[str, np.ndarray],
         n = producer.get(name)
         return n if n is not None and n.op_type == op and uses.get(name, 0) == 1 else None
 
-    if len(clip.input) != 3 or any(const(n) is None or const(n).size != 1 for n in clip.input[1:]):
+    if len(clip.input) != 3 or any(const(n) is None or const(n).size != 1 or not abs(float(const(n))) < 2**22
+                                   for n in clip.input[1:]):  # (the rounding's range argument, module doc)
         return None
     rnd = step(clip.input[0], "Round")
     if rnd is None:
@@ -82,14 +83,18 @@ def _chain(clip: Any, producer: dict[str, Any], consts: dict[str, np.ndarray],
         cur = producer.get(cur.input[0])
     if cur is None or cur.op_type != "Mul" or uses.get(cur.output[0], 0) != 1:
         return None
-    scale = const(cur.input[0])
-    conv = producer.get(cur.input[1])
-    if scale is None or scale.ndim != 3 or scale.shape[1:] != (1, 1) or conv is None or conv.op_type != "Conv":
+    scale, conv = const(cur.input[0]), producer.get(cur.input[1])
+    weight = None if conv is None or conv.op_type != "Conv" or len(conv.input) < 2 else const(conv.input[1])
+    if scale is None or weight is None or weight.ndim != 4:  # a 2-D Conv with constant weights (C, C_in / g, kh, kw)
         return None
-    if bias is not None and bias.size not in (1, scale.shape[0]):
+    channels = weight.shape[0]
+
+    def per_channel(v: np.ndarray) -> bool:  # a scalar, or (C, 1, 1): one value per channel of (N, C, H, W)
+        return v.size == 1 and v.ndim <= 3 or v.shape == (channels, 1, 1)
+    if not per_channel(scale) or (bias is not None and not per_channel(bias)):
         return None
     removed.append(cur)
-    return removed, conv, scale.reshape(-1), bias, inv, z
+    return removed, conv, np.broadcast_to(scale.reshape(-1), (channels,)), bias, inv, z
 
 
 def depthwise_epilogues(graph: Any) -> int:
@@ -141,7 +146,7 @@ def depthwise_epilogues(graph: Any) -> int:
             new.append(helper.make_node("Conv", [x, wn, bn], [out], group=channels, kernel_shape=[1, 1]))
             return out
 
-        y = dw(conv.output[0], scale, 0.0 if bias is None else bias.reshape(-1))
+        y = dw(conv.output[0], scale, 0.0 if bias is None else bias.reshape(-1))  # (a bias of size 1 broadcasts)
         y = dw(y, inv, MAGIC) if z == 0.0 else dw(dw(y, inv, z), 1.0, MAGIC)
         y = dw(y, 1.0, -MAGIC)
         new.append(helper.make_node("Clip", [y, clip.input[1], clip.input[2]], [clip.output[0]]))

@@ -124,7 +124,9 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     saturate u8 x s8 kernels on CPUs without VNNI). ``exact=True`` writes each quantized Conv / Linear as
     ``ConvInteger`` / ``MatMulInteger`` and lowbit's own float32 requantization (``lowbit.export.exact``), and
     quantized add / mul / cat / scalar ops / BatchNorm as lowbit's code arithmetic (``lowbit.export.exact_ops``), each
-    reader on its producer's grid taking the producer's codes (``lowbit.export.share_codes``), so ONNX Runtime's
+    reader on its producer's grid taking the producer's codes (``lowbit.export.share_codes``) and each Conv's
+    requantization written as depthwise 1x1 Convs that ORT's NCHWc layout keeps (``lowbit.export.conv_epilogue``),
+    so ONNX Runtime's
     codes equal lowbit's bit for bit; the QDQ default lets ORT fuse ``QLinearConv`` / ``QLinearAdd`` / ..., whose
     int32 bias and folded multipliers move near-tie codes by one step. Needs ``pip install lowbit[onnx]``.
     The file is written beside ``path`` under a temporary name and renamed onto it once it passed ONNX's checker: an
