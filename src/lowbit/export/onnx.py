@@ -126,9 +126,9 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     quantized add / mul / cat / scalar ops / BatchNorm as lowbit's code arithmetic (``lowbit.export.exact_ops``), each
     reader on its producer's grid taking the producer's codes (``lowbit.export.share_codes``) and each Conv's
     requantization written as depthwise 1x1 Convs that ORT's NCHWc layout keeps (``lowbit.export.conv_epilogue``),
-    so ONNX Runtime's
-    codes equal lowbit's bit for bit; the QDQ default lets ORT fuse ``QLinearConv`` / ``QLinearAdd`` / ..., whose
-    int32 bias and folded multipliers move near-tie codes by one step. Needs ``pip install lowbit[onnx]``.
+    so ONNX Runtime's codes equal lowbit's bit for bit; the QDQ default lets ORT fuse ``QLinearConv`` /
+    ``QLinearAdd`` / ..., whose int32 bias and folded multipliers move near-tie codes by one step. Needs
+    ``pip install lowbit[onnx]``.
     The file is written beside ``path`` under a temporary name and renamed onto it once it passed ONNX's checker: an
     export that fails leaves an existing file at ``path`` as it was.
     """
