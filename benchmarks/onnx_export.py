@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results[name] = run_model(name.split()[0], build(), a, Path(d))
     print()
     print(table(results))
+    print("clean rounds / other processes' load (CPUs, median): " + ", ".join(
+        f"{k} {r['clean_rounds']}/{r['rounds']} {r['other_load_median']:.2f}" for k, r in results.items()))
     path = common.write_results(a.out, {"threads": a.threads, "clock": a.clock, "onnxruntime": onnxruntime.__version__,
                                         "results": results})
     print(path)
