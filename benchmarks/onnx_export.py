@@ -10,7 +10,8 @@ inputs:
 * MLP 256 -> 512 -> 512 -> 10 with ReLUs, eager workflow, batch 64.
 
 Methods: ``fp32 torch``; ``fp32 ORT`` (``torch.onnx.export`` of the float model); ``lowbit int8`` (eager);
-``exact ORT`` (``to_onnx(exact=True)``: ORT's codes are lowbit's) and ``QDQ ORT`` (``to_onnx``: ORT's fused
+``exact ORT`` (``to_onnx(exact=True)``: ORT's codes are lowbit's), ``exact x86 ORT`` (``exact="x86"``: the same
+codes on x86 ORT, Conv requantization kept in ORT's NCHWc layout) and ``QDQ ORT`` (``to_onnx``: ORT's fused
 QLinear kernels); ``torch.ao x86`` (torch.ao's eager / FX workflow on the x86 engine, default qconfig), where it runs.
 Every ORT session runs ``--threads`` intra-op threads, ORT's full optimization level. Timing is ``common.bench``
 (interleaved rounds, order reversed every other round, medians; the speed-up is the median of per-round ratios
@@ -41,7 +42,7 @@ from lowbit.examples import SmallCNN  # noqa: E402
 from lowbit.export import to_onnx  # noqa: E402
 from lowbit.models import mobilenet_v2  # noqa: E402
 
-METHODS = ("fp32 torch", "fp32 ORT", "lowbit int8", "exact ORT", "QDQ ORT", "torch.ao x86")
+METHODS = ("fp32 torch", "fp32 ORT", "lowbit int8", "exact ORT", "exact x86 ORT", "QDQ ORT", "torch.ao x86")
 MODELS = ("SmallCNN", "MobileNetV2 x0.5", "MLP")
 
 
@@ -144,12 +145,14 @@ def run_model(name: str, built: tuple[nn.Module, nn.Module, Callable[[], nn.Modu
     with torch.inference_mode():
         ref = qm(x)
     files = {"fp32 ORT": folder / f"{name}_fp32.onnx", "exact ORT": folder / f"{name}_exact.onnx",
+             "exact x86 ORT": folder / f"{name}_exact_x86.onnx",
              "QDQ ORT": folder / f"{name}_qdq.onnx"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (x[:2],), str(files["fp32 ORT"]), dynamo=False, input_names=["x"],
                           dynamic_axes={"x": {0: "batch"}})
         to_onnx(qm, x[:2], files["exact ORT"], exact=True)
+        to_onnx(qm, x[:2], files["exact x86 ORT"], exact="x86")
         to_onnx(qm, x[:2], files["QDQ ORT"])
     xn = x.numpy()
     for k, path in files.items():

@@ -1,4 +1,5 @@
-"""Session 44: exact ONNX Conv epilogues as depthwise 1x1 Convs (``export/conv_epilogue.py``), and the ONNX benchmark.
+"""Session 44: exact ONNX Conv epilogues as depthwise 1x1 Convs (``to_onnx(exact="x86")``, ``conv_epilogue.py``),
+and the ONNX benchmark.
 
 Before, every exact Conv's requantization (``Mul(S) -> Add(b) -> Mul(inv) -> Add(z) -> Round -> Clip``) ran outside
 ONNX Runtime's NCHWc layout: a ``ReorderOutput`` / ``ReorderInput`` pair and four or five elementwise passes per Conv.
@@ -86,17 +87,18 @@ def _inputs(ties: bool) -> torch.Tensor:
     return torch.cat([x, torch.full((1, 3, 10, 10), 1e3), torch.full((1, 3, 10, 10), -1e3)])
 
 
-def _export(q: nn.Module, x: torch.Tensor, path: Path) -> None:
+def _export(q: nn.Module, x: torch.Tensor, path: Path, exact: bool | str = "x86") -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        to_onnx(q, x[:2], path, exact=True)
+        to_onnx(q, x[:2], path, exact=exact)
 
 
+@pytest.mark.parametrize("exact", [True, "x86"])
 @pytest.mark.parametrize("qdtype", [Q.quint8, Q.qint8])
 @pytest.mark.parametrize("ties", [False, True])
-def test_conv_epilogues_codes_equal_lowbit(tmp_path, qdtype, ties) -> None:
+def test_conv_epilogues_codes_equal_lowbit(tmp_path, qdtype, ties, exact) -> None:
     q, x = _net(qdtype, ties), _inputs(ties)
-    _export(q, x, tmp_path / "n.onnx")
+    _export(q, x, tmp_path / "n.onnx", exact)
     got = run_onnx(tmp_path / "n.onnx", x)
     with torch.no_grad():
         want = q(x)
@@ -117,6 +119,22 @@ def test_conv_epilogues_stay_in_nchwc(tmp_path) -> None:
     assert ops.count("ReorderOutput") == 4, ops  # each result leaves NCHWc once, as a model output
     written = [n.op_type for n in onnx.load(str(tmp_path / "n.onnx")).graph.node]
     assert written.count("Round") == 1  # the model's Quantize only
+
+
+def test_portable_exact_keeps_elementwise_epilogues(tmp_path) -> None:
+    # exact=True stays exact on any ORT build (ARM's NEON NCHWc depthwise kernel fuses the bias into its multiply-add,
+    # so the depthwise form is opt-in as exact="x86")
+    q, x = _net(Q.quint8, False), _inputs(False)
+    _export(q, x, tmp_path / "n.onnx", True)
+    written = [n.op_type for n in onnx.load(str(tmp_path / "n.onnx")).graph.node]
+    assert written.count("Round") == 1 + len(LAYERS)
+
+
+@pytest.mark.parametrize("bad", ["arm", "X86", 1, None])
+def test_exact_refuses_other_values(tmp_path, bad) -> None:
+    q, x = _net(Q.quint8, False), _inputs(False)
+    with pytest.raises(TypeError, match=f"exact={bad!r}"):
+        to_onnx(q, x[:2], tmp_path / "n.onnx", exact=bad)
 
 
 def _chain_graph(channels: int, bias: bool, z: float) -> onnx.GraphProto:
@@ -211,8 +229,8 @@ def test_benchmark_smoke(tmp_path) -> None:
     assert lines[0].startswith("ISA:")
     rows = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| model")]
     for model in ("SmallCNN", "MobileNetV2 x0.5", "MLP"):
-        for method in ("fp32 torch", "fp32 ORT", "lowbit int8", "exact ORT", "QDQ ORT", "torch.ao x86"):
+        for method in ("fp32 torch", "fp32 ORT", "lowbit int8", "exact ORT", "exact x86 ORT", "QDQ ORT", "torch.ao x86"):
             assert any(r.startswith(f"| {model} (b") and f"| {method} |" in r for r in rows), (model, method)
-    exact = [r for r in rows if "| exact ORT |" in r]
-    assert len(exact) == 3 and all(r.rstrip(" |").endswith("| 0") for r in exact)  # ORT's outputs are lowbit's
+    exact = [r for r in rows if "| exact ORT |" in r or "| exact x86 ORT |" in r]
+    assert len(exact) == 6 and all(r.rstrip(" |").endswith("| 0") for r in exact)  # ORT's outputs are lowbit's
     assert (tmp_path / "res.json").exists()

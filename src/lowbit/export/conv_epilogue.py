@@ -1,4 +1,4 @@
-"""``to_onnx(exact=True)``'s last graph pass: each exact Conv's requantization as depthwise 1x1 Convs.
+"""``to_onnx(exact="x86")``'s last graph pass: each exact Conv's requantization as depthwise 1x1 Convs.
 
 An exact float-sum Conv (``lowbit.export.exact``) ends on lowbit's float32 epilogue, elementwise ops::
 
@@ -19,6 +19,9 @@ result is past the same end of ``[lo, hi]`` and the ``Clip`` gives what ``Clip(R
 (``Add`` absent) the rounding's ``+M`` is the second Conv's bias: ``fl(fl(y · inv) + M)``. A zero code may come out
 as ``+0`` where ``Round`` gave ``-0``: the same code. ORT fuses the ``Clip`` into the last Conv. Matched only on 2-D
 ``Conv`` outputs with float32 constants in the exporter's operand order; anything else is left as it is.
+Opt-in (``exact="x86"``), not ``exact=True``'s default: x86 MLAS (AVX2, AVX-512) starts a depthwise Conv's sum at
+zero and adds the bias after it, but ARM's NEON NCHWc kernel starts the sum at the bias and fuses the multiply-add
+(``fl(w · x + b)``, one rounding), so the file is not exact there; the elementwise chain rounds each op on every build.
 
 >>> import numpy as np
 >>> from onnx import helper, numpy_helper

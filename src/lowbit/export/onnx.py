@@ -115,7 +115,7 @@ def _flat_tensors(out: Any) -> list[torch.Tensor]:
 
 def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str], *, opset_version: int = 17,
             input_names: list[str] | None = None, output_names: list[str] | None = None,
-            dynamic_batch: bool = True, weight_dtype: str = "auto", exact: bool = False) -> Path:
+            dynamic_batch: bool = True, weight_dtype: str = "auto", exact: bool | str = False) -> Path:
     """Export a converted (or prepared / QAT) lowbit model to a QDQ ONNX file at ``path``; return the path.
 
     ``example_inputs`` (a tensor or a tuple) is run once through ``model`` to trace it and to read
@@ -124,11 +124,13 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     saturate u8 x s8 kernels on CPUs without VNNI). ``exact=True`` writes each quantized Conv / Linear as
     ``ConvInteger`` / ``MatMulInteger`` and lowbit's own float32 requantization (``lowbit.export.exact``), and
     quantized add / mul / cat / scalar ops / BatchNorm as lowbit's code arithmetic (``lowbit.export.exact_ops``), each
-    reader on its producer's grid taking the producer's codes (``lowbit.export.share_codes``) and each Conv's
-    requantization written as depthwise 1x1 Convs that ORT's NCHWc layout keeps (``lowbit.export.conv_epilogue``),
-    so ONNX Runtime's codes equal lowbit's bit for bit; the QDQ default lets ORT fuse ``QLinearConv`` /
-    ``QLinearAdd`` / ..., whose int32 bias and folded multipliers move near-tie codes by one step. Needs
-    ``pip install lowbit[onnx]``.
+    reader on its producer's grid taking the producer's codes (``lowbit.export.share_codes``), so ONNX Runtime's
+    codes equal lowbit's bit for bit on any ORT build (each op rounds once, as ONNX specifies); the QDQ default lets
+    ORT fuse ``QLinearConv`` / ``QLinearAdd`` / ..., whose int32 bias and folded multipliers move near-tie codes by
+    one step. ``exact="x86"`` also writes each Conv's requantization as depthwise 1x1 Convs that ORT's NCHWc layout
+    keeps (``lowbit.export.conv_epilogue``; MobileNetV2 x0.5 ~1.25x faster in ORT): exact where ORT adds a
+    depthwise Conv's bias after the product, as x86 MLAS does (AVX2 / AVX-512); ARM's NEON NCHWc kernel starts the
+    sum at the bias and fuses the multiply-add, so that file is not exact there. Needs ``pip install lowbit[onnx]``.
     The file is written beside ``path`` under a temporary name and renamed onto it once it passed ONNX's checker: an
     export that fails leaves an existing file at ``path`` as it was.
     """
@@ -142,9 +144,10 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
         raise TypeError(f"to_onnx: dynamic_batch={dynamic_batch!r} must be True or False")
     inputs = tuple(t.cpu() for t in _check_inputs(example_inputs))
     out_path = _check_path(path)
-    if not isinstance(exact, bool):
-        raise TypeError(f"to_onnx: exact={exact!r} must be True or False")
-    twin, tables = _twin(model, inputs, weight_dtype, opset_version, exact)
+    if not (isinstance(exact, bool) or (isinstance(exact, str) and exact == "x86")):
+        raise TypeError(f"to_onnx: exact={exact!r} must be True, False or 'x86' (exact on x86 ONNX Runtime, with "
+                        "Conv requantization ORT keeps in its NCHWc layout)")
+    twin, tables = _twin(model, inputs, weight_dtype, opset_version, bool(exact))
     with torch.no_grad():
         n_out = len(_flat_tensors(twin(*inputs)))
     if n_out == 0:  # (ONNX Runtime refused such a file at load, deep in its session setup)
@@ -226,10 +229,10 @@ def _twin(model: nn.Module, inputs: tuple[torch.Tensor, ...], weight_dtype: str,
 
 def _export(onnx: Any, twin: nn.Module, inputs: tuple[torch.Tensor, ...], path: Path, opset_version: int,
             input_names: list[str], output_names: list[str], axes: dict[str, dict[int, str]] | None,
-            tables: list[nn.Module], exact: bool = False) -> None:
+            tables: list[nn.Module], exact: bool | str = False) -> None:
     """``to_onnx``'s export of ``twin`` to ``path``, its initializers, the opset-21 relabelling and the checker
-    (``exact``: readers take their producers' codes, ``share_codes``; Conv epilogues as depthwise Convs,
-    ``conv_epilogue``)."""
+    (``exact``: readers take their producers' codes, ``share_codes``; ``exact="x86"``: Conv epilogues as
+    depthwise Convs, ``conv_epilogue``)."""
     with warnings.catch_warnings(), _float_dequantize_is_identity(min(opset_version, 20)):
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         torch.onnx.export(twin, inputs, str(path), dynamo=False, opset_version=min(opset_version, 20),
@@ -240,7 +243,8 @@ def _export(onnx: Any, twin: nn.Module, inputs: tuple[torch.Tensor, ...], path: 
     constants_to_initializers(proto)
     if exact:
         share_codes(proto.graph)
-        depthwise_epilogues(proto.graph)  # (after share_codes, which reads the Round -> Clip ends)
+        if exact == "x86":
+            depthwise_epilogues(proto.graph)  # (after share_codes, which reads the Round -> Clip ends)
     if opset_version == 21:  # 20 -> 21 only added types (INT4, FLOAT8) and defaulted attributes to the ops used
         if any(n.op_type == "GroupNormalization" for n in proto.graph.node):
             raise ValueError("to_onnx: opset_version=21 cannot relabel a GroupNormalization graph; use <= 20")
