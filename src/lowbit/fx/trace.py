@@ -30,6 +30,7 @@ Every node records the dotted path of the module whose ``forward`` produced it i
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 import traceback
 from typing import Any
@@ -93,6 +94,22 @@ class _LeafRoot(nn.Module):
         return self.module(x)
 
 
+class _Proxy(fx.Proxy):
+    """A traced value whose item assignment, ``x[i] = v``, is recorded as an ``operator.setitem(x, i, v)`` node
+    (torch.fx's ``Proxy`` has no ``__setitem__``: the statement raised ``TypeError`` and the module, or the whole
+    model, was not traced); ``fx/inplace.py`` then replays the write on a float copy for the later readers of ``x``."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+    def __getattr__(self, k: str) -> Any:  # (``x.T[0] = v``: an attribute's proxy takes item assignment too)
+        return _Attribute(self, k)
+
+
+class _Attribute(fx.proxy.Attribute, _Proxy):
+    pass
+
+
 class _LeafTracer(fx.Tracer):
     """``torch.nn`` / ``lowbit`` modules (and classes with ``_lowbit_fx_leaf = True``) and the given
     ``opaque`` paths are leaves."""
@@ -111,6 +128,9 @@ class _LeafTracer(fx.Tracer):
         if type(m).__module__.startswith(_LOWBIT_LEAVES) or getattr(type(m), "_lowbit_fx_leaf", False):
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
