@@ -72,6 +72,7 @@ def stays_integer(out, expected_float):
     lambda t: t.permute(0, 2, 3, 1), lambda t: t.transpose(1, 2), lambda t: t[:, 1:], lambda t: t.contiguous(),
     lambda t: t.relu(), lambda t: torch.relu(t), lambda t: F.relu(t),
     lambda t: F.max_pool2d(t, 2), lambda t: F.adaptive_max_pool2d(t, 1), lambda t: torch.cat([t, t], 1),
+    lambda t: -t, lambda t: torch.neg(t), lambda t: t.neg(),  # (graphops44: the mirrored codes, exact)
 ])
 def test_shape_ops_stay_integer(op):
     qt, ref = pair()
@@ -97,7 +98,8 @@ def test_cat_of_different_grids_falls_back_to_float():
 # ---- float fallback: warns once naming the op, gives dequantized-result values ----
 @pytest.mark.parametrize("op, name", [
     (lambda t: t + 1.0, "torch.add"), (lambda t: torch.sigmoid(t), "torch.sigmoid"),
-    (lambda t: t * t, "torch.mul"), (lambda t: F.gelu(t), "gelu"), (lambda t: -t, "torch.neg"),
+    (lambda t: t * t, "torch.mul"), (lambda t: F.gelu(t), "gelu"),
+    (lambda t: torch.abs(t), "torch.abs"),
 ])
 def test_float_op_warns_once_and_runs_on_dequantized_values(op, name):
     qt, _ = pair()

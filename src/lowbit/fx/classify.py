@@ -44,6 +44,7 @@ from ..workflow.shared_grids import bilinear_on_shared_grid
 from .patterns import (WEIGHT_ONLY_TYPES, as_number, bilinear_call_args, canonical_binary, func_activation,
                        is_bilinear_resample, is_constant_clamp, is_share_op)
 from .report import FxReport
+from .scalar_ops import scalar_op
 from .weighted import input_of, parse
 
 __all__ = ["classify", "wants_int", "int_inputs", "join", "input_observer_qconfig", "share_bilinear_grids",
@@ -122,12 +123,6 @@ def _node_qconfig(node: fx.Node, root: nn.Module, mapping: QConfigMapping) -> QC
     return getattr(mod, "qconfig", None)
 
 
-def _is_scalar(arg: Any) -> bool:
-    if isinstance(arg, fx.Node):
-        return bool(arg.meta.get("lowbit_scalar", False))
-    return isinstance(arg, numbers.Real) and not isinstance(arg, bool)
-
-
 def _ftensor(arg: Any) -> bool:
     return isinstance(arg, fx.Node) and bool(arg.meta.get("lowbit_ftensor", False))
 
@@ -161,6 +156,9 @@ def _functional_op(node: fx.Node) -> str | None:
         if c != 1.0:
             node.meta["lowbit_alpha"] = c
         return "add"
+    qop, _ = scalar_op(node)  # (x ± c, c - x, x · c, x / c: fx/scalar_ops.py)
+    if qop is not None:
+        return qop
     op = canonical_binary(node.op, node.target)
     if op is None:
         return None
@@ -177,10 +175,6 @@ def _functional_op(node: fx.Node) -> str | None:
         return op if _ftensor(a) and _ftensor(b) else None
     if _ftensor(a) and _ftensor(b):
         return op if op != "div" else None
-    if op in ("add", "mul") and (_ftensor(a) and _is_scalar(b) or _ftensor(b) and _is_scalar(a)):
-        return op + "_scalar"
-    if op == "div" and _ftensor(a) and _is_scalar(b):
-        return "div_scalar"
     return None
 
 
@@ -249,8 +243,8 @@ def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaqu
                 why = reason
             elif (qop := _functional_op(node)) is not None:
                 kind = "functional"
-            elif _alpha(node)[1]:
-                why = _alpha(node)[1]
+            elif _alpha(node)[1] or scalar_op(node)[1]:
+                why = _alpha(node)[1] or scalar_op(node)[1]
             elif func_activation(node.op, node.target) is not None and _act_ok(node):
                 kind = "act"
         node.meta.update(lowbit_kind=kind, lowbit_qop=qop, lowbit_qconfig=qc)

@@ -6,7 +6,8 @@ For each observer node of the prepared graph (``lowbit.fx.prepare``):
   ``convert`` path: the observer is its ``activation_post_process``; a QAT conv-BN is folded first);
 - after a ``functional`` node: the op becomes a method call on a new ``QFunctional`` holding the
   observed grid (``qfunctional_<i>.add(a, b)``, ``add_relu``, ``mul``, ``matmul``, ``cat``,
-  ``add_scalar``, ``mul_scalar``; ``x / c`` is ``mul_scalar(x, 1 / c)``);
+  ``add_scalar``, ``mul_scalar``: ``x - c`` is ``add_scalar(x, -c)``, ``c - x`` ``add_scalar`` of the mirrored codes,
+  ``x / c`` ``mul_scalar(x, 1 / c)``, see ``lowbit.fx.scalar_ops``);
 - after an ``act`` node (``F.hardswish`` ...): a quantized activation module on the observed grid;
 - after a ``weighted`` node (``F.linear``/``F.conv*`` on model parameters): a quantized
   ``Linear``/``ConvNd`` module built from a float stand-in (``lowbit.fx.weighted``), its weight

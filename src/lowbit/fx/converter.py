@@ -9,7 +9,6 @@ observer's: ``scale, zero_point = observer.calculate_qparams()``, ``q = clamp(ro
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 from torch import fx, nn
@@ -28,6 +27,7 @@ from .patterns import func_activation, is_dropout
 from .prepare import returned_values
 from .state import STATE_KEY
 from .report import FxReport
+from .scalar_ops import scalar_call
 from .weighted import arg_of, input_of, standin
 
 __all__: list[str] = []
@@ -127,12 +127,8 @@ class _Converter:
                 tensors = args[0] if args else node.kwargs["tensors"]
                 dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
                 method, args = "cat", (tensors, dim)
-            elif qop.endswith("_scalar"):
-                x, c = args if isinstance(args[0], fx.Node) and args[0].meta.get("lowbit_ftensor") else args[::-1]
-                if qop == "div_scalar":
-                    c = (self.graph.call_function(operator.truediv, (1.0, c)) if isinstance(c, fx.Node)
-                         else 1.0 / c)
-                method, args = ("add_scalar" if qop == "add_scalar" else "mul_scalar"), (x, c)
+            elif qop.endswith("_scalar"):  # (x ± c, c - x on the mirrored codes, x · c, x / c: fx/scalar_ops.py)
+                method, args = scalar_call(self.graph, node)
             else:
                 method = qop
                 if "lowbit_alpha" in node.meta:  # (a + c · b: b's grid scaled by |c|, its codes mirrored for c < 0)

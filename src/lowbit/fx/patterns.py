@@ -114,10 +114,11 @@ _METHOD_ACTIVATIONS = {"sigmoid": nnq_act.Sigmoid, "tanh": nnq_act.Tanh}
 _SHARE_FUNCS = {F.relu, torch.relu, torch.flatten, F.max_pool1d, F.max_pool2d, F.max_pool3d,
                 F.adaptive_max_pool2d, F.dropout, torch.dropout, operator.getitem, getattr, len,
                 torch.reshape, torch.permute, torch.transpose, torch.squeeze, torch.unsqueeze, torch.narrow,
-                torch.roll}
+                torch.roll, operator.neg, torch.neg, torch.negative}  # (-x: the codes mirrored, QTensor's torch.neg)
 # (code selections: each output code is an input code, as QTensor runs them; expand_as / repeat as torch.ao's "repeat")
 _SHARE_METHODS = {"relu", "view", "reshape", "flatten", "permute", "transpose", "contiguous", "size",
-                  "dim", "numel", "detach", "squeeze", "unsqueeze", "narrow", "roll", "repeat", "expand", "expand_as"}
+                  "dim", "numel", "detach", "squeeze", "unsqueeze", "narrow", "roll", "repeat", "expand", "expand_as",
+                  "neg", "negative"}
 # resampling on the codes: nearest neighbour selects codes (QTensor's exact `F.interpolate`), bilinear runs torch's
 # quantized kernel on them (qtensor/resample.py): a UNet's / FPN's decoder upsampling; bicubic, linear, trilinear and
 # antialiased bilinear have no quantized kernel (torch.ao's neither) and stay float

@@ -4,6 +4,7 @@ Each op here is what ``torch``'s quantized CPU kernels do on a ``torch.quantize_
 (the oracle of ``tests/test_qtensor_ops.py``), applied to the codes ``q`` on the grid ``(s, z)``; the
 output keeps ``(s, z)``:
 
+- ``torch.neg`` / ``-x`` mirror the codes onto the mirrored grid (exact: ``q' = qmin + qmax - q``, ``z' = qmin + qmax - z``);
 - selection ops are exact (code for code): ``F.interpolate(mode="nearest" / "nearest-exact")`` (``"bilinear"``
   averages: torch's quantized kernel's codes, ``qtensor/resample.py``), ``F.pad`` (constant;
   the pad value quantized onto the grid, so ``0.0`` pads ``z``), ``F.hardtanh``/``F.relu6``/``torch.clamp``
@@ -321,6 +322,16 @@ def _triangle(name: str) -> Callable:
     return method
 
 
+def _neg(x: Any) -> Any:
+    """``-x`` on the codes: ``q' = qmin + qmax - q`` on the grid ``(s, qmin + qmax - z)``, so ``s·(q' - z') = -s·(q - z)``
+    exactly (float zero points: the float fallback)."""
+    if not isinstance(x, QTensor) or x.zero_point.is_floating_point():
+        return NotImplemented
+    q, m = x.int_repr(), x.qdtype.quant_min + x.qdtype.quant_max
+    return QTensor._trusted((m - q.to(torch.int16)).to(q.dtype), x.scale, m - x.zero_point, x.qdtype, x.axis)
+
+
+QTensor.neg = QTensor.negative = lambda self: torch.neg(self)  # type: ignore[attr-defined]
 QTensor.masked_fill = _masked_fill  # type: ignore[attr-defined]
 QTensor.tril, QTensor.triu = _triangle("tril"), _triangle("triu")  # type: ignore[attr-defined]
 QTensor.where = lambda self, condition, other: torch.where(condition, self, other)  # type: ignore[attr-defined]
@@ -344,6 +355,8 @@ _INT_OPS.update({
     torch.clamp: _clamp,
     torch.clip: _clamp,
     torch.where: _where,
+    torch.neg: _neg,
+    torch.negative: _neg,
     torch.masked_fill: lambda x, mask, value: _masked_fill(x, mask, value) if isinstance(x, QTensor) else NotImplemented,
     torch.tril: lambda x, diagonal=0: x.tril(diagonal) if isinstance(x, QTensor) else NotImplemented,
     torch.triu: lambda x, diagonal=0: x.triu(diagonal) if isinstance(x, QTensor) else NotImplemented,
