@@ -102,11 +102,13 @@ def _observe_output(module: nn.Module, inputs: Any, output: Any) -> Any:
     one of the module's inputs (``QuantStub`` returns its input, and so does the observer) is tagged as an alias,
     never the caller's own tensor: a calibration batch tagged by one prepared model read as "already quantized" in
     every later one, whose first layer then recorded no input grid (float inputs quantized dynamically). An integer
-    output (token ids through ``QuantWrapper``'s ``QuantStub``) is refused naming the module, not only the observer."""
+    output (token ids, a bool mask through ``QuantWrapper``'s ``QuantStub``) that its observer / fake-quant refuses
+    with a ``TypeError`` is refused naming the module, not only the observer (decided on the output's dtype, never on
+    the observer's wording: a ``FakeQuantize`` words it otherwise); an observer that takes integers keeps them."""
     try:
         out = module.activation_post_process(output)
-    except TypeError as e:
-        if "observes floating-point tensors" not in str(e) or not isinstance(output, torch.Tensor):
+    except TypeError:
+        if not isinstance(output, torch.Tensor) or output.is_floating_point():
             raise
         where = module.__dict__.get("_lowbit_where", f"a {type(module).__name__}")
         raise TypeError(f"{where} gives a {output.dtype} tensor of shape {tuple(output.shape)} to its "
