@@ -47,6 +47,7 @@ from ...qtensor import QTensor
 from ...qtensor.pool import as_torch_quantized
 from ._utils import check_no_nan, check_out_grid, output_qparams
 from ._state import CheckedQuantState
+from .add_alpha import scaled_operand  # (re-exported: the converter's graphs name it here)
 
 __all__ = ["FloatFunctional", "QFunctional", "scaled_operand"]
 
@@ -140,31 +141,6 @@ def _add_numbers(x: QTensor, y: QTensor, scale: torch.Tensor, zero_point: torch.
     return ka, kb, int(x.zero_point), int(y.zero_point), z, (z if relu else qdtype.quant_min), qdtype.quant_max
 
 
-def scaled_operand(x: Any, alpha: float) -> Any:
-    """``alpha · x``, the second operand of ``torch.add(a, b, alpha=alpha)`` (``torch.sub``: ``-alpha``), on the codes:
-    the same codes on the grid ``(|alpha| · s, z)``; for ``alpha < 0`` the codes mirrored, ``q' = qmin + qmax - q``,
-    ``z' = qmin + qmax - z`` (``s · (q' - z') = -s · (q - z)``). Exact but for the float32 rounding of
-    ``|alpha| · s``; a float tensor (or a scale that overflows / underflows float32) is multiplied in float.
-
-    >>> import torch, lowbit as Q
-    >>> qb = Q.quantize_per_tensor(torch.tensor([0.5, -0.25]), 0.25, 2, Q.quint8)
-    >>> y = scaled_operand(qb, -2.0)
-    >>> y.int_repr().tolist(), float(y.scale), int(y.zero_point), y.dequantize().tolist()
-    ([251, 254], 0.5, 253, [-1.0, 0.5])
-    """
-    if not isinstance(x, QTensor):
-        return x * alpha
-    scale = x.scale * abs(alpha)
-    if not tracing() and not bool(torch.isfinite(scale).all() and (scale > 0).all()):
-        return x.dequantize() * alpha
-    q, z = x.int_repr(), x.zero_point
-    if alpha < 0:
-        m = x.qdtype.quant_min + x.qdtype.quant_max
-        q, z = (m - q.to(torch.int16)).to(q.dtype), m - z
-    return QTensor._trusted(q, scale, z, x.qdtype, x.axis)
-
-
-torch.fx.wrap("scaled_operand")
 
 _MISS = object()
 

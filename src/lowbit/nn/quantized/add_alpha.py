@@ -1,0 +1,76 @@
+"""``scaled_operand``: the second operand of an add with ``alpha`` (``torch.add(a, b, alpha=c)``, ``a.add(b,
+alpha=c)``) or of a sub (``torch.sub(a, b[, alpha=c])``, ``a - b``: ``-c``) on its codes, ``c · b`` as ``b``'s codes
+on the grid ``(|c| · s_b, z_b)`` (mirrored for ``c < 0``), which ``convert_fx`` feeds to ``QFunctional.add``; split
+from ``functional_modules``.
+
+Its scaled grid is made once per state of ``b``'s grid and ``c`` (``_scaled_grid``), so every call hands
+``QFunctional.add`` the same scale / zero-point tensors and its memo of the requantization constants
+(``functional_modules._fast_add``) hits, as for an add without alpha.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...compile_state import tracing
+from ...kernels.plan import input_grid_key
+from ...qtensor import QTensor
+
+__all__ = ["scaled_operand"]
+
+
+def scaled_operand(x: Any, alpha: float) -> Any:
+    """``alpha · x``, the second operand of ``torch.add(a, b, alpha=alpha)`` (``torch.sub``: ``-alpha``), on the codes:
+    the same codes on the grid ``(|alpha| · s, z)``; for ``alpha < 0`` the codes mirrored, ``q' = qmin + qmax - q``,
+    ``z' = qmin + qmax - z`` (``s · (q' - z') = -s · (q - z)``). Exact but for the float32 rounding of
+    ``|alpha| · s``; a float tensor (or a scale that overflows / underflows float32) is multiplied in float. The
+    scaled grid is made once per state of ``x``'s grid and ``alpha`` (``_scaled_grid``): the same tensors each call,
+    so ``QFunctional.add``'s memo of its requantization constants hits.
+
+    >>> import torch, lowbit as Q
+    >>> qb = Q.quantize_per_tensor(torch.tensor([0.5, -0.25]), 0.25, 2, Q.quint8)
+    >>> y = scaled_operand(qb, -2.0)
+    >>> y.int_repr().tolist(), float(y.scale), int(y.zero_point), y.dequantize().tolist()
+    ([251, 254], 0.5, 253, [-1.0, 0.5])
+    >>> scaled_operand(qb, -2.0).scale is y.scale
+    True
+    """
+    if not isinstance(x, QTensor):
+        return x * alpha
+    scale, z, ok = _scaled_grid(x, alpha)
+    if not ok:
+        return x.dequantize() * alpha
+    q = x.int_repr()
+    if alpha < 0:  # (a full 8-bit range's m - q is ~q: 255 - q in uint8, -1 - q in int8; one pass, not three)
+        m = x.qdtype.quant_min + x.qdtype.quant_max
+        full = (q.dtype, m) in ((torch.uint8, 255), (torch.int8, -1))
+        q = torch.bitwise_not(q) if full else (m - q.to(torch.int16)).to(q.dtype)
+    return QTensor._trusted(q, scale, z, x.qdtype, x.axis)
+
+
+_SCALED: dict[Any, Any] = {}  # scaled_operand's grids: (x's grid key, alpha) -> (scale, zero point, ok, kept)
+
+
+def _scaled_grid(x: QTensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(|alpha| · s, z or qmin + qmax - z, ok)``, ``ok``: the scale finite and positive; read once per state of
+    ``x``'s grid and ``alpha`` (a Python number) while nobody traces (held, so the ids in the key stay)."""
+    key = None
+    if not tracing() and type(alpha) in (int, float):
+        key = input_grid_key(x._scale, x._zero_point) + (type(alpha), alpha, x.qdtype)
+        hit = _SCALED.get(key)
+        if hit is not None and input_grid_key(hit[0], hit[1]) == hit[3]:  # (unless written in place since)
+            return hit[0], hit[1], hit[2]
+    scale, z = x.scale * abs(alpha), x.zero_point
+    ok = tracing() or bool(torch.isfinite(scale).all() and (scale > 0).all())
+    if alpha < 0:
+        z = x.qdtype.quant_min + x.qdtype.quant_max - z
+    if key is not None:
+        if len(_SCALED) >= 64:
+            _SCALED.clear()
+        _SCALED[key] = (scale, z, ok, input_grid_key(scale, z), x._scale, x._zero_point)
+    return scale, z, ok
+
+
+torch.fx.wrap("scaled_operand")
