@@ -4,6 +4,7 @@
 unpacked as positional arguments, a dict as keywords. ``flatten_outputs`` turns whatever a model
 returns (tensor, ``QTensor``, nested tuple/list/dict) into a flat list of float tensors. ``real_rows``
 keeps an activation's rows at a padded batch's real tokens (its ``attention_mask``) for statistics.
+``check_seed`` is the one seed rule of every step that draws samples (here, below the algorithms and examples).
 
 >>> import torch
 >>> from lowbit.batches import iter_batches, run_batch, flatten_outputs
@@ -15,6 +16,7 @@ keeps an activation's rows at a padded batch's real tokens (its ``attention_mask
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,7 +27,7 @@ from torch import nn
 from .qtensor import QTensor
 
 __all__ = ["iter_batches", "run_batch", "check_module", "output_tensors", "flatten_outputs", "check_finite_batch",
-           "eval_mode", "real_rows", "bool_mask"]
+           "eval_mode", "real_rows", "bool_mask", "check_seed"]
 
 
 def iter_batches(inputs: Any, where: str) -> Iterator[Any]:
@@ -168,3 +170,27 @@ def real_rows(x: Any, mask: torch.Tensor | None, token_rows: bool = False) -> to
     if lead == (mask.numel(),) and (token_rows or mask.shape[0] != mask.numel()):  # (batch * tokens, C)
         return x[mask.to(x.device).reshape(-1)]
     return None
+
+
+def check_seed(where: str, seed: Any) -> int:
+    """The one seed rule (``quantize_ptq``, ``reconstruct``, ``tune_biases``, ``distill``, ``examples.train``,
+    ``models.photo_crops``): an integer, Python's, NumPy's (any ``numbers.Integral``) or a 0-d integer tensor, not a
+    bool, in ``[-2**63, 2**64)`` (``torch.Generator``'s range, else "Overflow when unpacking long long" deep inside;
+    a negative seed is in it); returned as a Python ``int``, else a ``TypeError`` / ``ValueError`` naming the value.
+
+    >>> import numpy as np, torch
+    >>> check_seed("demo", np.int64(3)), check_seed("demo", torch.tensor(3))
+    (3, 3)
+    >>> check_seed("demo", True)
+    Traceback (most recent call last):
+    TypeError: demo: seed=True must be an int (Python, NumPy or a 0-d integer tensor), not a bool or a float
+    """
+    tensor_int = (isinstance(seed, torch.Tensor) and seed.dim() == 0 and seed.dtype != torch.bool
+                  and not seed.is_floating_point() and not seed.is_complex())
+    if isinstance(seed, bool) or not (isinstance(seed, numbers.Integral) or tensor_int):
+        raise TypeError(f"{where}: seed={seed!r} must be an int (Python, NumPy or a 0-d integer tensor), not a bool or "
+                        "a float")
+    v = int(seed)
+    if not -2 ** 63 <= v < 2 ** 64:  # torch.Generator's range
+        raise ValueError(f"{where}: seed={seed!r} must be in [-2**63, 2**64)")
+    return v

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .batches import check_seed
 from .nn.quantized.functional_modules import FloatFunctional
 from .stubs import DeQuantStub, QuantStub
 
@@ -130,8 +131,7 @@ def train(
         raise ValueError(f"epochs={epochs!r} must be a finite number > 0")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be a positive int")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
-        raise ValueError(f"seed={seed!r} must be an int in [-2**63, 2**64) (torch.Generator's seed)")
+    seed = check_seed("train", seed)  # (the one rule: numpy / 0-d tensor ints taken, bools and floats refused)
     if on_step is not None and not callable(on_step):
         raise TypeError(f"on_step={on_step!r} must be callable or None")
     gen = torch.Generator().manual_seed(seed)

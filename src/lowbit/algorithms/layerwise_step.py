@@ -18,14 +18,13 @@
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..batches import check_finite_batch, iter_batches
+from ..batches import check_finite_batch, check_seed, iter_batches  # (check_seed re-exported: its old home)
 from ..fake_quant import FakeQuantize
 from ..functional import fake_quantize
 from ..observer import ObserverBase
@@ -147,30 +146,6 @@ def batch_tuples(calib: Any, where: str) -> list[tuple[Any, ...]]:
         out.append(b if isinstance(b, tuple) else tuple(b) if isinstance(b, list) else (b,))
         check_finite_batch(out[-1], where, f"calib batch {i}", "the layers' targets need finite data")
     return out
-
-
-def check_seed(where: str, seed: Any) -> int:
-    """The one seed rule (``quantize_ptq``, ``reconstruct``, ``tune_biases``, ``distill``): an integer, Python's, NumPy's
-    (any ``numbers.Integral``) or a 0-d integer tensor, not a bool, in ``[-2**63, 2**64)`` (``torch.Generator``'s
-    range, else "Overflow when unpacking long long" deep inside); returned as a Python ``int``, else a ``TypeError`` /
-    ``ValueError`` naming the value.
-
-    >>> import numpy as np, torch
-    >>> check_seed("demo", np.int64(3)), check_seed("demo", torch.tensor(3))
-    (3, 3)
-    >>> check_seed("demo", True)
-    Traceback (most recent call last):
-    TypeError: demo: seed=True must be an int (Python, NumPy or a 0-d integer tensor), not a bool or a float
-    """
-    tensor_int = (isinstance(seed, torch.Tensor) and seed.dim() == 0 and seed.dtype != torch.bool
-                  and not seed.is_floating_point() and not seed.is_complex())
-    if isinstance(seed, bool) or not (isinstance(seed, numbers.Integral) or tensor_int):
-        raise TypeError(f"{where}: seed={seed!r} must be an int (Python, NumPy or a 0-d integer tensor), not a bool or "
-                        "a float")
-    v = int(seed)
-    if not -2 ** 63 <= v < 2 ** 64:  # torch.Generator's range
-        raise ValueError(f"{where}: seed={seed!r} must be in [-2**63, 2**64)")
-    return v
 
 
 def _check_steps(where: str, iters: Any, batch_size: Any, seed: Any) -> int:

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from ..batches import check_seed
+
 __all__ = ["PHOTOS", "photos_available", "photo_crops", "IMAGENET_MEAN", "IMAGENET_STD"]
 
 PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png", "motorcycle_right.png",
@@ -81,8 +83,7 @@ def photo_crops(n: int, seed: int = 0, size: int = 224, norm: str = "imagenet", 
         raise ValueError(f"photo_crops: size={size!r} must be a positive int (pixels)")
     if not isinstance(uint8, bool):
         raise TypeError(f"photo_crops: uint8={uint8!r} must be True or False")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
-        raise ValueError(f"photo_crops: seed={seed!r} must be an int in [-2**63, 2**64) (torch.Generator's seed)")
+    seed = check_seed("photo_crops", seed)
     if norm not in ("imagenet", "lite"):
         raise ValueError(f"photo_crops: norm={norm!r} must be 'imagenet' or 'lite'")
     d = _photo_dir()
