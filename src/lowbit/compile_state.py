@@ -41,7 +41,8 @@ import torch
 
 from .qscheme import QDtype, as_qdtype
 
-__all__ = ["tensor_version", "tracing", "compiler_disabled", "inline_float_ok", "inline_quantize", "inline_dequantize",
+__all__ = ["tensor_version", "tracing", "deferring", "refuse",
+           "compiler_disabled", "inline_float_ok", "inline_quantize", "inline_dequantize",
            "qdtype_key", "conv_config",
            "qdtype_from_key"]
 
@@ -59,6 +60,30 @@ def tensor_version(t: torch.Tensor) -> int:
 def tracing() -> bool:
     """True while ``torch.compile`` (dynamo) or ``torch.export`` traces the calling code."""
     return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+def refuse(error: type[Exception], message: str, like: torch.Tensor, refused: torch.Tensor) -> torch.Tensor:
+    """Raise ``error(message)`` (lowbit's refusal of the input ``refused``; ``{shape}`` in ``message`` stands for its
+    shape), or, while ``torch.compile`` traces (not ``torch.export``), return ``torch.ops.lowbit.failed(like,
+    refused, ...)``: an opaque step standing for the refused one's result (``like``'s shape and dtype) that raises
+    the same error when the compiled program runs, after the steps that made ``refused``. Raised during the trace,
+    a refusal reached a ``fullgraph=True`` caller as dynamo's ``Unsupported: Observed exception``; and a message
+    formatted there from a dynamic shape could not be traced at all (``str`` of a ``SymInt``).
+
+    >>> import torch
+    >>> refuse(ValueError, "demo: got {shape}", torch.empty(0), torch.zeros(2, 3))
+    Traceback (most recent call last):
+    ValueError: demo: got (2, 3)
+    """
+    if not deferring():
+        raise error(message.format(shape=tuple(refused.shape)))
+    return torch.ops.lowbit.failed(like, refused, error.__name__, message)
+
+
+def deferring() -> bool:
+    """Whether ``refuse`` defers (``torch.compile`` traces, ``torch.export`` does not): a caller builds ``like``
+    only then."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

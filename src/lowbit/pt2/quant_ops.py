@@ -1,4 +1,5 @@
-"""``lowbit::quantize`` / ``lowbit::dequantize``: ``lowbit.functional`` as opaque custom ops.
+"""``lowbit::quantize`` / ``lowbit::dequantize``: ``lowbit.functional`` as opaque custom ops; ``lowbit::failed``:
+a refusal ``torch.compile`` traced (``compile_state.refuse``), raised by the compiled program when it runs.
 
 ``quantize(x, s, z, qdtype, ch_axis) = clamp(round_half_even(x / s) + z, qmin, qmax)`` in
 ``qdtype``'s storage; ``dequantize(q, s, z, ch_axis) = (q - z) · s`` in float32. Opaque ops keep the
@@ -65,3 +66,20 @@ define("quantize(Tensor x, Tensor scale, Tensor zero_point, str qdtype, int? ch_
        _quantize_fake)
 define("dequantize(Tensor q, Tensor scale, Tensor zero_point, int? ch_axis) -> Tensor", dequantize_op,
        _dequantize_fake)
+
+
+_ERRORS = {"TypeError": TypeError, "ValueError": ValueError}  # what ``refuse`` defers; anything else: RuntimeError
+
+
+def failed_op(like: torch.Tensor, refused: torch.Tensor, kind: str, message: str) -> torch.Tensor:
+    """Raise lowbit's own refusal, ``kind(message)`` with ``{shape}`` the refused input's shape, where the program
+    runs (never returns). ``refused`` also orders it after the steps that made that input (a refusal among them
+    raises first, and stays in the program: a layer after a refused one computes on a stand-in, not on its output)."""
+    raise _ERRORS.get(kind, RuntimeError)(message.format(shape=tuple(refused.shape)))
+
+
+def _failed_fake(like: torch.Tensor, refused: torch.Tensor, kind: str, message: str) -> torch.Tensor:
+    return torch.empty_like(like)  # (what the refused step would have returned, for the rest of the trace)
+
+
+define("failed(Tensor like, Tensor refused, str kind, str message) -> Tensor", failed_op, _failed_fake)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...compile_state import refuse
 from ...fake_quant.base import holds_grid
 from ...functional import quantize
 from ...observer.distributed import local_statistics
@@ -39,7 +40,8 @@ from ...qtensor import QTensor, quantize_per_channel
 from ._checks import check_no_nan, check_not_meta  # noqa: F401 (re-exported: modules import them from here)
 
 __all__ = ["quantize_weight", "weight_qparams", "weight_qscheme", "observer_grid", "output_qparams", "as_qtensor",
-           "float_op", "check_out_grid", "check_no_nan", "check_finite_weight", "check_finite_linears", "InputGrid"]
+           "float_op", "check_out_grid", "check_no_nan", "check_finite_weight", "check_finite_linears", "InputGrid",
+           "refused_result"]
 
 InputGrid = tuple[float, int, QDtype]
 
@@ -266,3 +268,15 @@ def check_out_grid(scale: Any, zero_point: Any, qdtype: Any, where: str) -> tupl
         raise ValueError(f"{where}: zero_point={zero_point} is outside the {qdtype!r} grid "
                          f"[{qdtype.quant_min}, {qdtype.quant_max}]")
     return float(scale), int(zero_point), qdtype
+
+
+def refused_result(module: nn.Module, error: type[Exception], message: str, qx: QTensor, shape: tuple[int, ...],
+                   shown: torch.Tensor) -> Any:
+    """While ``torch.compile`` traces a refused input (``compile_state.deferring()``): ``module``'s result on a
+    stand-in (zero codes on ``qx``'s grid, of a ``shape`` it takes) as ``lowbit::failed``, which raises
+    ``error(message)`` when the compiled program runs, as eager raises it (``{shape}``: ``shown``'s shape;
+    ``compile_state.refuse``)."""
+    y = module(QTensor._trusted(qx.int_repr().new_zeros(shape), qx.scale, qx.zero_point, qx.qdtype))
+    if isinstance(y, QTensor):
+        return QTensor._trusted(refuse(error, message, y.int_repr(), shown), y.scale, y.zero_point, y.qdtype)
+    return refuse(error, message, y, shown)

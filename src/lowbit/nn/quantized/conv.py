@@ -33,9 +33,10 @@ from torch import nn
 from ... import kernels
 from ...kernels import ConvSpec
 from ...kernels.conv_plan import conv_plan
+from ...compile_state import deferring
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
-from ._utils import as_qtensor
+from ._utils import as_qtensor, refused_result
 from ._weighted import WeightedQuantModule
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "ntuple", "check_channels"]
@@ -115,8 +116,13 @@ class _ConvNd(WeightedQuantModule):
         if unbatched:
             qx = qx.reshape(1, *qx.shape)
         if qx.dim() != self._dim + 2 or qx.shape[1] != self.in_channels:
-            raise ValueError(f"{where}: expects input of shape (N, {self.in_channels}, *{self._dim} spatial dims) "
-                             f"or unbatched, got {tuple(x.shape)}")
+            bad = (f"{where}: expects input of shape (N, {self.in_channels}, *{self._dim} spatial dims) or unbatched, "
+                   "got {shape}")
+            if qx.dim() == self._dim + 2 and deferring():  # torch.compile, a wrong channel count: raised on run
+                shown = qx.int_repr()[0] if unbatched else qx.int_repr()
+                y = refused_result(self, ValueError, bad, qx, (qx.shape[0], self.in_channels, *qx.shape[2:]), shown)
+                return y.reshape(*y.shape[1:]) if unbatched else y
+            raise ValueError(bad.format(shape=tuple(x.shape)))
         # a window larger than the (padded) input: torch's conv raises; the int8 kernels would give an empty output
         if any(n < m for n, m in zip(qx.shape[2:], getattr(self, "_min_in", ()))):
             raise ValueError(f"{where}: input spatial size {tuple(qx.shape[2:])} is smaller than the kernel "

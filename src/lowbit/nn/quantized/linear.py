@@ -32,8 +32,9 @@ from torch import nn
 from ... import kernels
 from ...qscheme import QDtype, quint8
 from ...kernels.plan import linear_plan
+from ...compile_state import deferring
 from ...qtensor import QTensor
-from ._utils import as_qtensor
+from ._utils import as_qtensor, refused_result
 from ._weighted import WeightedQuantModule
 
 __all__ = ["Linear", "LinearReLU"]
@@ -69,8 +70,10 @@ class Linear(WeightedQuantModule):
                     return run.qt(x)  # type: ignore[no-any-return]
         qx = as_qtensor(x, self.input_grid, type(self).__name__)
         if qx.dim() == 0 or qx.shape[-1] != self.in_features:
-            raise ValueError(f"{type(self).__name__}: input of shape {tuple(qx.shape)} does not end in "
-                             f"in_features={self.in_features}")
+            bad = f"{type(self).__name__}: input of shape {{shape}} does not end in in_features={self.in_features}"
+            if deferring():  # torch.compile: raised by the compiled program (lowbit::failed), not while tracing
+                return refused_result(self, ValueError, bad, qx, (*qx.shape[:-1], self.in_features), qx.int_repr())
+            raise ValueError(bad.format(shape=tuple(qx.shape)))
         weight, out = self._prepared()
         return kernels.linear(qx, weight, self._buffers["bias"], out, self._relu, self._cache)  # type: ignore[return-value]
 

@@ -27,8 +27,9 @@ import copy
 import torch
 
 from ... import kernels
+from ...compile_state import deferring
 from ...qtensor import QTensor
-from ._utils import as_qtensor
+from ._utils import as_qtensor, refused_result
 from .linear import Linear
 
 __all__ = ["LinearFloatOut"]
@@ -47,8 +48,10 @@ class LinearFloatOut(Linear):
         x = input  # (torch's argument name: fc(input=t) works)
         qx = as_qtensor(x, self.input_grid, type(self).__name__)
         if qx.dim() == 0 or qx.shape[-1] != self.in_features:
-            raise ValueError(f"{type(self).__name__}: input of shape {tuple(qx.shape)} does not end in "
-                             f"in_features={self.in_features}")
+            bad = f"{type(self).__name__}: input of shape {{shape}} does not end in in_features={self.in_features}"
+            if deferring():  # torch.compile: raised by the compiled program (lowbit::failed), not while tracing
+                return refused_result(self, ValueError, bad, qx, (*qx.shape[:-1], self.in_features), qx.int_repr())
+            raise ValueError(bad.format(shape=tuple(qx.shape)))
         weight, _ = self._prepared()
         return kernels.linear(qx, weight, self.bias, None, self._relu, self._cache)  # type: ignore[return-value]
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from ... import native, qstore
 from ...qscheme import QDtype, quint8
-from ...compile_state import qdtype_key, tensor_version, tracing
+from ...compile_state import qdtype_key, refuse, tensor_version, tracing
 from ...functional import dense_format, dequantize_fast, quantize_scaled, scalar_qparams, scalar_tensors
 from ...qtensor import QTensor, quantize_per_tensor
 from ._utils import check_no_nan, check_not_meta, check_out_grid, output_qparams
@@ -136,8 +136,13 @@ class Quantize(CheckedQuantState):
                 return x
             x = x.dequantize()
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"Quantize expects a float tensor or a QTensor, got {type(x).__name__}"
-                            + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
+            bad = (f"Quantize expects a float tensor or a QTensor, got {type(x).__name__}"
+                   + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(bad)
+            # (torch.compile: raised by the compiled program, as eager raises it, not dynamo's "Observed exception")
+            codes = refuse(TypeError, bad, torch.empty_like(x, dtype=self.qdtype.storage), x)
+            return QTensor._trusted(codes, self.scale, self.zero_point, self.qdtype)
         check_no_nan(x, "Quantize")
         if x.device.type == "cpu" and not traced:
             inv, z, _ = self._grid()
