@@ -7,7 +7,10 @@
   the same grid and alpha, so ``QFunctional.add``'s memo of its requantization constants hits (it missed on every
   call: a new scale tensor each time); codes bit-identical to the old per-call formula;
 - ``examples.train`` and ``models.photo_crops`` use the one seed rule (``batches.check_seed``): ``np.int64(3)``
-  was refused by both, ``True`` / ``1.5`` / ``"3"`` were ``ValueError`` there and ``TypeError`` everywhere else.
+  was refused by both, ``True`` / ``1.5`` / ``"3"`` were ``ValueError`` there and ``TypeError`` everywhere else;
+- under ``torch.compile(fullgraph=True)`` a wrong dtype at the ``Quantize`` stub, a wrong channel count at a conv and
+  a wrong feature count at a Linear raise lowbit's own error when the compiled program runs (``lowbit::failed``),
+  not dynamo's ``Unsupported: Observed exception`` at compile time; ``torch.export`` still refuses while tracing.
 """
 
 from __future__ import annotations
@@ -222,3 +225,71 @@ def test_check_seed_lives_below_the_examples_and_keeps_its_old_import_path():
     from lowbit.batches import check_seed as low_home
 
     assert low_home is check_seed
+
+
+# ---------------------------------------------------------------- 4. refusals under torch.compile(fullgraph=True)
+
+def _converted() -> tuple[nn.Module, torch.Tensor]:
+    import copy
+    import warnings
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).eval()
+    x = torch.randn(8, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = Q.prepare_fx(copy.deepcopy(m), Q.get_default_qconfig_mapping(), example_inputs=(x,))
+        p(x)
+        return Q.convert_fx(p), x
+
+
+BAD_INPUTS = {  # what eager raises; before, fullgraph=True gave torch._dynamo.exc.Unsupported: Observed exception
+    "int64": (lambda x: x.long(), TypeError, "Quantize expects a float tensor or a QTensor, got Tensor of dtype "
+                                             "torch.int64"),
+    "uint8": (lambda x: x.to(torch.uint8), TypeError, "got Tensor of dtype torch.uint8"),
+    "channels": (lambda x: torch.randn(2, 5, 8, 8), ValueError, r"ConvReLU2d: expects input of shape \(N, 3, \*2 "
+                                                                r"spatial dims\) or unbatched, got \(2, 5, 8, 8\)"),
+    "channels, unbatched": (lambda x: torch.randn(5, 8, 8), ValueError, r"or unbatched, got \(5, 8, 8\)"),
+    "features": (lambda x: x[0], ValueError, r"Linear: input of shape \(4, 36\) does not end in in_features=144"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_INPUTS))
+def test_fullgraph_compiled_model_raises_lowbits_own_refusal(bad):  # failed before: dynamo's Unsupported
+    qm, x = _converted()
+    make, exc, msg = BAD_INPUTS[bad]
+    with pytest.raises(exc, match=msg):  # eager: the oracle
+        qm(make(x))
+    torch._dynamo.reset()
+    cm = torch.compile(qm, fullgraph=True, backend="eager")
+    assert torch.equal(cm(x), qm(x))
+    with pytest.raises(exc, match=msg):
+        cm(make(x))
+    assert torch.equal(cm(x), qm(x))  # a good input after it: the same codes
+
+
+def test_inductor_keeps_the_first_refusal():
+    """A refused conv's stand-in result feeds the next layer, which refuses too (its input is not the shape it takes):
+    the first refusal raises, not the later one (``lowbit::failed`` reads the refused input: ordered, never dropped)."""
+    qm, x = _converted()
+    torch._dynamo.reset()
+    cm = torch.compile(qm, fullgraph=True)
+    with pytest.raises(ValueError, match=r"ConvReLU2d: .* got \(5, 8, 8\)"):
+        cm(torch.randn(5, 8, 8))
+
+
+def test_export_still_refuses_while_tracing():
+    qm, x = _converted()
+    with pytest.raises(TypeError, match="Quantize expects a float tensor or a QTensor, got FakeTensor of dtype "
+                                        "torch.int64"):
+        torch.export.export(qm, (x.long(),))
+    with pytest.raises(ValueError, match=r"ConvReLU2d: .* got \(2, 5, 8, 8\)"):
+        torch.export.export(qm, (torch.randn(2, 5, 8, 8),))
+
+
+def test_a_wrong_rank_still_stops_the_trace():
+    """Left: a rank no layer takes has no stand-in shape; dynamo reports it (quoting lowbit's message)."""
+    qm, x = _converted()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="Observed exception"):
+        torch.compile(qm, fullgraph=True, backend="eager")(torch.randn(1, 2, 3, 8, 8))
