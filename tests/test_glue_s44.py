@@ -293,3 +293,46 @@ def test_a_wrong_rank_still_stops_the_trace():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="Observed exception"):
         torch.compile(qm, fullgraph=True, backend="eager")(torch.randn(1, 2, 3, 8, 8))
+
+
+# ---------------------------------------------------------------- 5. compiler_disabled without torch's private API
+
+_FALLBACK_SCRIPT = """
+import json, torch
+import torch._dynamo  # (the fallback imports it with lowbit: loaded first, its own set-up untouched)
+import torch._C._dynamo.eval_frame as ef
+kept = ef.set_code_exec_strategy
+def gone(*args):
+    raise TypeError("a torch without set_code_exec_strategy")
+ef.set_code_exec_strategy = gone  # (what compile_state reads at import)
+from lowbit import compile_state
+ef.set_code_exec_strategy = kept
+seen = []
+def inner(x):
+    seen.append(torch.compiler.is_compiling())
+    return x.sin() + 1
+disabled = compile_state.compiler_disabled(inner, reason="lowbit s44: eager only")
+f = lambda x: disabled(x.cos()) * 2
+x = torch.linspace(-1, 1, 5)
+out = torch.compile(f, backend="eager")(x)
+explained = torch._dynamo.explain(f)(x)
+print(json.dumps({"fallback": compile_state.compiler_disabled.__name__ == "<lambda>", "same": bool(torch.equal(out, f(x))),
+                  "compiled_inside": any(seen), "breaks": explained.graph_break_count,
+                  "reason": str(explained.break_reasons[0].reason)}))
+"""
+
+
+def test_compiler_disabled_falls_back_to_the_public_decorator():
+    """torch 2.13 has no public way to mark a function's frames skipped without importing dynamo (``import lowbit``
+    would pay ~1.5 s): ``torch.compiler.disable`` and ``set_stance`` both ``import torch._dynamo``. Without the
+    private ``set_code_exec_strategy`` ``compiler_disabled`` is ``torch.compiler.disable`` itself; held here, eager
+    and compiled."""
+    import json
+
+    from helpers import fresh_python
+
+    done = fresh_python(_FALLBACK_SCRIPT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["fallback"] and got["same"] and not got["compiled_inside"] and got["breaks"] == 1
+    assert "lowbit s44: eager only" in got["reason"]
