@@ -45,7 +45,8 @@ TIERS: list[tuple[str, ...]] = [
     # debug.float_swap: the fast mixed-precision search's float twins (split from debug.mixed_precision);
     # debug.graph_swap: its graph-mode part (ops by call-order key, a reused layer's calls, gates; from float_swap)
     # debug.swap_edges: share-op ends, shared-Quantize picks, plain float copies (split from graph_swap)
-    ("report", "ptq", "ptq_checks", "models"),  # debug results rendered; quantize_ptq (fx + algorithms), its checks; CNNs
+    ("report", "ptq", "ptq_checks", "ptq_steps", "models"),  # debug results rendered; quantize_ptq (fx + algorithms),
+    # its checks, its equalize / refine steps (ptq_steps: the model's graph and its child graphs); CNNs
     ("__init__",),                     # the package root: re-exports the public names of all of the above
     ("cli", "cli.gguf_file", "__main__"),  # gguf_file: quantize-llm's check of a .gguf header before transformers
 ]

@@ -84,6 +84,7 @@ from torch import nn
 from .algorithms.layerwise import LayerChange, reconstruct
 from .ptq_checks import (RECIPES, batch_failed, check_model, check_options, check_quantizes_something,
                          check_sample_axis, ptq_batches, whole_graph_skip)
+from .ptq_steps import equalize_step, refine_step, round_children
 from .fx import convert_fx, prepare_fx
 from .qconfig import QConfigMapping, get_default_qconfig_mapping
 from .recipes import get_accurate_qconfig
@@ -102,6 +103,7 @@ class PTQReport:
     float_layers: list[str] = field(default_factory=list)
     float_output: list[str] = field(default_factory=list)
     op_keys: dict[str, tuple[str, Any, int]] = field(default_factory=dict)  # float ops: name -> call-order key
+    children: dict[str, list[str]] = field(default_factory=dict)  # child graph (untraceable forward) -> what ran
 
     def __str__(self) -> str:
         lines = [f"quantize_ptq(recipe={self.recipe!r}): output SQNR vs float {self.sqnr_db:.2f} dB"]
@@ -110,6 +112,9 @@ class PTQReport:
             lines.append("  layer                              out-MSE nearest -> after   codes changed   |bias shift|")
             lines += [f"  {c.name:<34} {c.mse_nearest:10.3g} -> {c.mse_after:<10.3g} {c.codes_changed:8.1%}"
                       f"   {c.bias_shift:10.3g}" for c in self.layers]
+        if self.children:
+            lines.append("  child graph (an untraceable forward's children, prepared one by one)")
+            lines += [f"  {p:<34} {'; '.join(what)}" for p, what in self.children.items()]
         return "\n".join(lines)
 
 
@@ -207,8 +212,11 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     test's settings until session 9: 0.938 / 23.74; MobileNetV2 the same way 0.833 / 16.25 dB); the accurate grids
     and equalization with ``blocks=False, iters=0, rounding="quadratic"``: 0.938 / 24.45 dB. ``model`` itself is not changed.
     A model whose own ``forward`` torch.fx cannot trace (control flow on a shape or on data) has its children
-    prepared one by one; ``"accurate"`` then skips equalization and the grid refinement (the report says why) and
-    refuses ``tune`` / ``distill`` > 0 (``lowbit.ptq_checks.whole_graph_skip``).
+    prepared one by one as graphs of their own, as has an untraceable submodule's; ``"accurate"`` then equalizes,
+    refines grids and rounds (``rounding``, ``blocks``, ``learn_grids``, ``iters``, ``seed``) each child graph on its
+    inputs in the whole model (``lowbit.ptq_steps``, ``lowbit.algorithms.children``; a grid judged on its child's
+    output, pairs spanning two children not equalized), ``report.children`` saying per child what ran or why not,
+    and refuses ``tune`` / ``distill`` > 0 for an untraceable root (``lowbit.ptq_checks.whole_graph_skip``).
     Within ``"accurate"``, an option the others leave unread is refused when given another value than its default
     (``lowbit.ptq_checks.unread_options``): ``streams`` with ``equalize=False`` (``None`` passes), ``batch_size``
     with ``iters=0``, ``seed`` with ``iters=0, tune=0, distill=0``; the error names both options.
@@ -244,22 +252,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     fx_report = getattr(prepared, "lowbit_report", None)
     fused = list(getattr(fx_report, "fused", []) or [])
     report.steps.append(("fuse", f"{len(fused)} runs fused (BN folded, ReLU/ReLU6 into output grids)"))
-    if untraced and equalize:
-        report.steps.append(("equalize", f"skipped: {untraced}"))
-    elif recipe == "accurate" and equalize:
-        from .algorithms.equalize import equalize_prepared
-
-        report.equalized = equalize_prepared(prepared, batches, relu6="range", weights=equalize is True)
-        stretched = sum(e.stretched for e in report.equalized)
-        summary = f"{len(report.equalized)} layer pairs equalized ({stretched} channels stretched to fill their clamp)"
-        if streams is not None:
-            from .algorithms.equalize_stream import equalize_streams
-
-            eq = equalize_streams(prepared, batches, alpha=float(streams))
-            report.equalized += eq
-            spreads = ", ".join(f"{e.spread_before:.3g}->{e.spread_after:.3g}" for e in eq)
-            summary += f"; {len(eq)} residual streams rescaled (channel range spread {spreads or '-'})"
-        report.steps.append(("equalize", summary))
+    if recipe == "accurate" and equalize:
+        equalize_step(prepared, batches, report, equalize=equalize, streams=streams, untraced=untraced)
     calls: dict[str, list[nn.Module]] = {}
     ends: dict[tuple[str, str], nn.Module] = {}
     handles: list[Any] = []
@@ -281,18 +275,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
         for h in handles:
             h.remove()
     report.steps.append(("calibrate", f"{len(batches)} batches observed"))
-    if untraced and refine:
-        report.steps.append(("refine grids", f"skipped: {untraced}"))
-    elif recipe == "accurate" and refine:
-        from .algorithms.grid_search import refine_grids
-
-        grids = refine_grids(prepared, batches, top=refine, progress=progress)
-        moved = [g for g in grids if g.scale_after != g.scale_before]
-        gain = sum(g.error_before for g in grids) / max(1e-30, sum(g.error_after for g in grids))
-        report.steps.append(("refine grids", f"{len(grids)} activation grids searched on the model output, "
-                                             f"{len(moved)} steps shrunk (" + ", ".join(
-                                                 f"{g.source} x{g.scale_after / g.scale_before:.2f}" for g in moved)
-                                             + f"); their summed output error /{gain:.2f}"))
+    if recipe == "accurate" and refine:
+        refine_step(prepared, batches, report, refine=refine, progress=progress, untraced=untraced)
     # the float twins of the layers kept float (max_float_layers): float weights, before rounding writes the
     # learned codes into them and bias correction shifts their biases
     calibrated = copy.deepcopy(prepared) if max_float_layers else None
@@ -313,7 +297,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
                                       f"{' (activation steps learned)' if learn_grids and blocks else ''}, "
                                       + (f"{rest} by AdaRound alone ({iters} steps each)" if iters else
                                          f"{rest} to nearest")
-                                      + f"; {changed:.1%} of weight codes moved from round-to-nearest"))
+                                      + f"; {changed:.1%} of weight codes moved from round-to-nearest"
+                                      + round_children(prepared, report, iters=iters, untraced=untraced)))
         shift = max((c.bias_shift for c in report.layers), default=0.0)
         gain = sum(c.mse_nearest > 0 and c.mse_after < c.mse_nearest for c in report.layers)
         report.steps.append(("correct bias", f"biases corrected on {len(report.layers)} layers (max |shift| "

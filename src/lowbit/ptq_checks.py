@@ -300,8 +300,8 @@ def whole_graph_skip(prepared: nn.Module, model: nn.Module, *, tune: int, distil
     Equalization, the residual streams, the grid refinement, ``tune`` and ``distill`` read and rewrite one traced
     graph of the whole model. A model whose own ``forward`` torch.fx cannot trace (control flow on a shape or on data:
     ``if x.shape[1] == 1``, an early exit) comes back from ``prepare_fx`` as itself with its children prepared one by
-    one: then equalization and the refinement are skipped (the returned reason goes into the report) and the rest
-    of the recipe runs per prepared child; ``tune`` / ``distill`` > 0, asked for by name, are refused with a
+    one: then equalization, the refinement and the rounding run per child graph (``lowbit.ptq_steps``; the returned
+    reason goes into the report); ``tune`` / ``distill`` > 0, asked for by name, are refused with a
     ``ValueError`` naming the model and the trace error.
 
     >>> import torch

@@ -39,6 +39,7 @@ from ..fake_quant import FakeQuantize
 from ..observer import ObserverBase
 from .block import block_codes, find_blocks, install_grid, learnable_grids, span_sample
 from .layers import is_weighted, layer_forward, rounded_before, rounded_forward, shared_layers, split, weight_codes
+from .children import child_graphs, observers_as, reconstruct_children
 from .layerwise_eager import reconstruct_eager
 # the per-layer step and the shared helpers (``layerwise_step``), importable from here as before; ``_walk`` and
 # ``_block`` look ``_layer`` up in this module
@@ -52,7 +53,8 @@ ROUNDINGS = ("adaround", "quadratic", "depthwise")
 
 def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True, bias_correction: bool = True,
                 iters: int = 500, batch_size: int = 8, seed: int = 0, progress: bool = True,
-                blocks: bool = False, learn_grids: bool = False, rounding: str = "adaround") -> list[LayerChange]:
+                blocks: bool = False, learn_grids: bool = False, rounding: str = "adaround",
+                float_calib: Iterable[Any] | None = None) -> list[LayerChange]:
     """Learned rounding and/or bias correction for every weighted layer of a calibrated ``prepared`` model.
 
     Graph-mode models (``prepare_fx``) get the one-pass lockstep walk; others ``reconstruct_eager``.
@@ -64,15 +66,34 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     minimising the layer's output error on all calibration data, every Linear / dense or depthwise conv) or
     ``"depthwise"`` (those codes on depthwise convs only). Returns one ``LayerChange`` per layer, in order. The
     model is changed in place (weights, biases, weight grids pinned for ``convert``/``convert_fx``).
+    A model ``prepare_fx`` prepared child by child (an untraceable ``forward``: the model itself, or an opaque leaf
+    of its graph) gets the same walk on each child graph, with every option (``lowbit.algorithms.children``);
+    ``reconstruct_eager`` takes eager-mode (``prepare``) models. ``float_calib`` (graph mode): the float walk's
+    inputs, batch for batch with ``calib`` (default: ``calib`` itself), as ``children`` feeds a child graph.
     """
     if rounding not in ROUNDINGS:
         raise ValueError(f"reconstruct: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")
     seed = _check_steps("reconstruct", iters, batch_size, seed)  # a NumPy / torch integer: a Python int
+    opts = dict(adaround=adaround, bias_correction=bias_correction, iters=iters, batch_size=batch_size, seed=seed,
+                progress=progress, blocks=blocks, learn_grids=learn_grids, rounding=rounding)
     if not isinstance(prepared, fx.GraphModule):
+        if child_graphs(prepared):  # prepare_fx on an untraceable forward: its children's graphs
+            return reconstruct_children(prepared, calib, **opts)  # type: ignore[arg-type]
         return reconstruct_eager(prepared, calib, adaround, bias_correction, iters, batch_size, seed, progress)
+    return _reconstruct_graph(prepared, calib, float_calib, **opts)  # type: ignore[arg-type]
+
+
+def _reconstruct_graph(prepared: fx.GraphModule, calib: Iterable[Any], float_calib: Iterable[Any] | None, *,
+                       adaround: bool, bias_correction: bool, iters: int, batch_size: int, seed: int, progress: bool,
+                       blocks: bool, learn_grids: bool, rounding: str) -> list[LayerChange]:
+    """``reconstruct``'s one-pass lockstep walk of one graph (its opaque leaves run as they are, float)."""
     from tqdm.auto import tqdm
 
     gm, batches, g = prepared, batch_tuples(calib, "reconstruct"), torch.Generator().manual_seed(seed)
+    batches_f = batches if float_calib is None else batch_tuples(float_calib, "reconstruct")
+    if len(batches_f) != len(batches):
+        raise ValueError(f"reconstruct: float_calib has {len(batches_f)} batches, calib {len(batches)}; give one "
+                         "float batch per calibration batch")
     mods = dict(gm.named_modules())
     nodes = list(gm.graph.nodes)
     last_use = {n: i for i, node in enumerate(nodes) for n in node.all_input_nodes}
@@ -83,7 +104,8 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     desc = "bias correction" if not adaround else {"adaround": "adaround", "quadratic": "quadratic rounding",
                                                     "depthwise": "adaround + quadratic"}[rounding]
     bar = tqdm(total=n_layers, desc=desc, disable=not progress)
-    patched = patch_observers(gm, "float")  # observers inside opaque leaves must not keep observing
+    patched = observers_as(gm, "float")  # observers inside opaque leaves must not keep observing
+    patched.__enter__()
     try:
         spans = find_blocks(nodes, mods, learn_grids) if blocks and adaround and iters > 0 else {}
         # a layer called at several nodes or holding a tied weight rounds once, never in a block (module doc)
@@ -93,11 +115,14 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
         # layers convert gives int8 weights that no pass rounds (transposed convs): the quantized walk runs them
         # on those weights, as the int8 model does
         rounded = {name: f for name, m in mods.items() if (f := rounded_forward(m)) is not None}
+        # opaque leaves holding child graphs (an untraceable submodule): their children are rounded when the walk
+        # reaches them, on the walk's inputs; the float walk runs a copy taken now (observers the identity)
+        opaque = {str(n.target): copy.deepcopy(mods[n.target]) for n in nodes  # type: ignore[index]
+                  if n.op == "call_module" and child_graphs(mods[n.target])}  # type: ignore[index]
         _walk(gm, nodes, mods, batches, envs_f, envs_q, last_use, changes, bar, adaround, bias_correction, iters,
-              batch_size, g, spans, learn_grids, rounding, rounded, twins)
+              batch_size, g, spans, learn_grids, rounding, rounded, twins, batches_f, opaque, seed, progress, blocks)
     finally:
-        for m in patched:
-            m.__dict__.pop("forward", None)
+        patched.__exit__(None, None, None)
         bar.close()
     return changes
 
@@ -107,7 +132,9 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
           changes: list[LayerChange], bar: Any, adaround: bool, bias_correction: bool, iters: int, batch_size: int,
           g: torch.Generator, spans: dict[int, int] | None = None, learn_grids: bool = False,
           rounding: str = "adaround", rounded: dict[str, Any] | None = None,
-          twins: dict[str, nn.Module] | None = None) -> None:
+          twins: dict[str, nn.Module] | None = None, batches_f: list[tuple[Any, ...]] | None = None,
+          opaque: dict[str, nn.Module] | None = None, seed: int = 0, progress: bool = False,
+          blocks: bool = False) -> None:
     placeholders = [n for n in nodes if n.op == "placeholder"]
     done = -1
     twins = twins or {}
@@ -130,8 +157,10 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
             mod = mods.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
             if node.op == "placeholder":
                 k = placeholders.index(node)
-                for ef, eq, b in zip(envs_f, envs_q, batches):
-                    ef[node] = eq[node] = b[k] if k < len(b) else node.args[0] if node.args else None
+                for ef, eq, b, bf in zip(envs_f, envs_q, batches, batches_f or batches):
+                    dflt = node.args[0] if node.args else None
+                    eq[node] = b[k] if k < len(b) else dflt
+                    ef[node] = bf[k] if k < len(bf) else dflt
             elif mod is not None and isinstance(mod, (ObserverBase, FakeQuantize)):
                 fq = _fq(mod)
                 for ef, eq in zip(envs_f, envs_q):
@@ -159,6 +188,9 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
                 bar.set_postfix(layer=node.target)
                 for eq in envs_q:
                     eq[node] = layer_forward(mod, eq[src], w_hat)
+            elif mod is not None and opaque and str(node.target) in opaque:
+                _opaque(node, mod, opaque[str(node.target)], envs_f, envs_q, changes, adaround, bias_correction,
+                        iters, batch_size, seed, progress, blocks, learn_grids, rounding)
             else:
                 for env in envs_f:
                     _eval(gm, mods, node, env)
@@ -170,6 +202,31 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
                         env.pop(n, None)
             if spans and i in spans:
                 done = block(i)
+
+
+def _opaque(node: fx.Node, mod: nn.Module, twin: nn.Module, envs_f: list[dict[fx.Node, Any]],
+            envs_q: list[dict[fx.Node, Any]], changes: list[LayerChange], adaround: bool, bias_correction: bool,
+            iters: int, batch_size: int, seed: int, progress: bool, blocks: bool, learn_grids: bool,
+            rounding: str) -> None:
+    """An opaque leaf holding child graphs: round its children on its inputs in the walk (quantized and float), then
+    run it as the int8 model (``x_q``) and its float copy (``x_f``)."""
+    def calls(envs: list[dict[fx.Node, Any]]) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+        return [(fx.node.map_arg(node.args, e.__getitem__), fx.node.map_arg(node.kwargs, e.__getitem__))
+                for e in envs]  # type: ignore[misc]
+
+    cq, cf = calls(envs_q), calls(envs_f)
+    with torch.enable_grad():
+        recs = reconstruct_children(mod, cq, adaround, bias_correction, iters, batch_size, seed, progress, blocks,
+                                    learn_grids, rounding, float_model=twin, float_calib=cf)
+    for rec in recs:
+        rec.name = f"{node.target}.{rec.name}"
+        rec.notes[-1] = f"child {node.target}.{rec.notes[-1][len('child '):]}"
+    changes += recs
+    with observers_as(mod, "quant"):
+        for eq, (a, k) in zip(envs_q, cq):
+            eq[node] = mod(*a, **k)
+    for ef, (a, k) in zip(envs_f, cf):
+        ef[node] = twin(*a, **k)
 
 
 def _eval(gm: fx.GraphModule, mods: dict[str, nn.Module], node: fx.Node, env: dict[fx.Node, Any],
