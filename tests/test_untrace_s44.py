@@ -228,3 +228,17 @@ def test_a_child_no_batch_runs_is_named_in_the_report():
     x = -calib[0]  # the other branch still runs in int8, on its calibrated (here: untouched) grids
     with torch.no_grad():
         assert torch.isfinite(q(x)).all()
+
+
+# ---- tune / distill: the whole model, eagerly, with every child graph's layers ----
+@pytest.mark.parametrize("cls", [_Branch, _Child])
+@pytest.mark.parametrize("opt", ["tune", "distill"])
+def test_tune_and_distill_learn_every_childs_layers(cls, opt):
+    # before (_Branch): ValueError "quantize_ptq: tune=20 trains on one traced graph of the whole model, but
+    # _Branch.forward cannot be traced"; (_Child): "3 layers' biases tuned" (gate.body's 3 layers left out)
+    calib = _calib()
+    q, r = _ptq(_model(cls), calib, iters=2, refine=0, **{opt: 20})
+    step = dict(r.steps)["tune biases" if opt == "tune" else "distill"]
+    assert step.startswith("6 layers'"), step
+    with torch.no_grad():  # kept or not, the report's SQNR is the returned model's
+        assert r.sqnr_db == pytest.approx(_sqnr(_model(cls)(calib[0]), q(calib[0])), abs=1e-9)

@@ -215,8 +215,8 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     prepared one by one as graphs of their own, as has an untraceable submodule's; ``"accurate"`` then equalizes,
     refines grids and rounds (``rounding``, ``blocks``, ``learn_grids``, ``iters``, ``seed``) each child graph on its
     inputs in the whole model (``lowbit.ptq_steps``, ``lowbit.algorithms.children``; a grid judged on its child's
-    output, pairs spanning two children not equalized), ``report.children`` saying per child what ran or why not,
-    and refuses ``tune`` / ``distill`` > 0 for an untraceable root (``lowbit.ptq_checks.whole_graph_skip``).
+    output, pairs spanning two children not equalized), ``report.children`` saying per child what ran or why not;
+    ``tune`` / ``distill`` run on the whole model (eagerly: its control flow included) with every child's layers.
     Within ``"accurate"``, an option the others leave unread is refused when given another value than its default
     (``lowbit.ptq_checks.unread_options``): ``streams`` with ``equalize=False`` (``None`` passes), ``batch_size``
     with ``iters=0``, ``seed`` with ``iters=0, tune=0, distill=0``; the error names both options.
@@ -248,7 +248,7 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
             raise
         raise batch_failed(0, batches[0], cause) from cause
     check_quantizes_something(prepared, model)
-    untraced = whole_graph_skip(prepared, model, tune=tune, distill=distill) if recipe == "accurate" else None
+    untraced = whole_graph_skip(prepared, model) if recipe == "accurate" else None
     fx_report = getattr(prepared, "lowbit_report", None)
     fused = list(getattr(fx_report, "fused", []) or [])
     report.steps.append(("fuse", f"{len(fused)} runs fused (BN folded, ReLU/ReLU6 into output grids)"))

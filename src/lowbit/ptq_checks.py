@@ -294,19 +294,18 @@ def check_quantizes_something(prepared: nn.Module, model: nn.Module) -> None:
                      + "); the result would be the float model itself, scored inf dB")
 
 
-def whole_graph_skip(prepared: nn.Module, model: nn.Module, *, tune: int, distill: int) -> str | None:
-    """Why ``"accurate"``'s whole-model steps cannot run on ``prepared`` (``None``: they can).
+def whole_graph_skip(prepared: nn.Module, model: nn.Module) -> str | None:
+    """Why ``prepared`` is not one traced graph of the whole model (``None``: it is), for the report.
 
-    Equalization, the residual streams, the grid refinement, ``tune`` and ``distill`` read and rewrite one traced
-    graph of the whole model. A model whose own ``forward`` torch.fx cannot trace (control flow on a shape or on data:
-    ``if x.shape[1] == 1``, an early exit) comes back from ``prepare_fx`` as itself with its children prepared one by
-    one: then equalization, the refinement and the rounding run per child graph (``lowbit.ptq_steps``; the returned
-    reason goes into the report); ``tune`` / ``distill`` > 0, asked for by name, are refused with a
-    ``ValueError`` naming the model and the trace error.
+    A model whose own ``forward`` torch.fx cannot trace (control flow on a shape or on data: ``if x.shape[1] == 1``,
+    an early exit) comes back from ``prepare_fx`` as itself with its children prepared one by one: ``"accurate"``'s
+    equalization, grid refinement and rounding then run per child graph (``lowbit.ptq_steps``,
+    ``lowbit.algorithms.children``), ``tune`` / ``distill`` on the whole model run eagerly with every child graph's
+    layers (``algorithms.end_to_end``); the returned reason names the model and the trace error.
 
     >>> import torch
     >>> from torch import nn, fx
-    >>> whole_graph_skip(fx.symbolic_trace(nn.Linear(2, 2)), nn.Linear(2, 2), tune=0, distill=0) is None
+    >>> whole_graph_skip(fx.symbolic_trace(nn.Linear(2, 2)), nn.Linear(2, 2)) is None
     True
     """
     from torch import fx
@@ -315,10 +314,4 @@ def whole_graph_skip(prepared: nn.Module, model: nn.Module, *, tune: int, distil
         return None
     cause = str(getattr(getattr(prepared, "lowbit_report", None), "untraceable", {}).get("<root>", ""))
     cause = cause.split("torch.fx could not trace its forward: ", 1)[-1].strip().splitlines()[0][:200] if cause else ""
-    why = f"{type(model).__name__}.forward cannot be traced by torch.fx" + (f" ({cause})" if cause else "")
-    for name, steps in (("tune", tune), ("distill", distill)):
-        if steps:
-            raise ValueError(f"quantize_ptq: {name}={steps} trains on one traced graph of the whole model, but {why}; "
-                             f"set {name}=0 (its children are still quantized and rounded one by one) or make the "
-                             "forward traceable (no Python control flow on tensor shapes or values)")
-    return why
+    return f"{type(model).__name__}.forward cannot be traced by torch.fx" + (f" ({cause})" if cause else "")

@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from ..fake_quant.base import holds_grid
 from ..rounding import round_codes
-from .end_to_end import EndToEnd, check_args
+from .end_to_end import EndToEnd, check_args, graphs
 from .layers import freeze_weight
 
 __all__ = ["distill", "DistillResult"]
@@ -81,16 +81,18 @@ class _Offset(nn.Module):
         return torch.minimum(torch.maximum(v + (torch.round(v) - v).detach(), self.lo), self.hi) * self.s
 
 
-def _check_calibrated(prepared: fx.GraphModule) -> None:
+def _check_calibrated(prepared: nn.Module) -> None:
     """``ValueError`` naming the first activation observer that saw no data (``convert_fx`` refuses the model then;
-    distilling it would fit observers that run as the identity)."""
-    for node in prepared.graph.nodes:
-        if node.op == "call_module" and node.meta.get("lowbit_kind") in ("obs_out", "obs_in"):
-            obs = prepared.get_submodule(node.target)  # type: ignore[arg-type]
-            if not holds_grid(obs) and getattr(getattr(obs, "activation_post_process", obs), "is_calibrated", True) \
-                    is False:
-                raise ValueError(f"distill: the observer after '{node.args[0]}' ({node.target}) saw no data; run "
-                                 "calibration batches through the prepared model first")
+    distilling it would fit observers that run as the identity). A child graph of an untraceable forward whose
+    observers all saw nothing (a branch no calibration batch takes) is left as it is, as ``convert_fx`` does."""
+    for gm in graphs(prepared):  # the model's graph and its child graphs (an untraceable forward)
+        observers = [(node, gm.get_submodule(node.target)) for node in gm.graph.nodes  # type: ignore[arg-type]
+                     if node.op == "call_module" and node.meta.get("lowbit_kind") in ("obs_out", "obs_in")]
+        idle = [node for node, obs in observers if not holds_grid(obs) and getattr(
+            getattr(obs, "activation_post_process", obs), "is_calibrated", True) is False]
+        if idle and not (gm is not prepared and len(idle) == len(observers)):
+            raise ValueError(f"distill: the observer after '{idle[0].args[0]}' ({idle[0].target}) saw no data; run "
+                             "calibration batches through the prepared model first")
 
 
 def distill(prepared: nn.Module, float_model: nn.Module, calib: Iterable[Any], iters: int = 200,

@@ -2,7 +2,9 @@
 whole model's output against the float model's, with the prepared model run as the int8 model runs.
 
 ``check_args`` refuses bad arguments naming them, and a ``prepare_qat_fx`` model (its layers fake-quantize their
-own weights: nothing here would learn). ``EndToEnd(prepared, float_model, calib, where, seed)`` takes the float
+own weights: nothing here would learn). A model ``prepare_fx`` prepared child by child (an untraceable ``forward``,
+the model's own or a submodule's) runs eagerly, its control flow included; the layers and grids of every child graph
+learn with the model graph's (``graphs``). ``EndToEnd(prepared, float_model, calib, where, seed)`` takes the float
 model's outputs ``M(x)`` on every calibration batch (in eval mode) and a copy of ``prepared``'s state.
 ``freeze(grids)`` pins every weighted layer's codes (``layers.freeze_weight``), gives a layer without a bias a zero
 one (removed again when nothing is kept) and builds the learnable activation grids (``block.LearnedGrid``). ``fit``
@@ -41,10 +43,11 @@ from ..fx import prepare_fx
 from ..fx.state import STATE_KEY
 from ..qconfig import get_default_qconfig_mapping
 from .block import install_grid, learnable_grids
+from .children import child_graphs
 from .layers import freeze_weight, is_weighted, split, weight_codes
 from .layerwise_step import batch_tuples, check_seed, patch_observers
 
-__all__ = ["EndToEnd", "check_args", "check_outputs", "example"]
+__all__ = ["EndToEnd", "check_args", "check_outputs", "example", "graphs"]
 
 
 def example() -> tuple[nn.Module, list[torch.Tensor], fx.GraphModule, Callable[[nn.Module], float]]:
@@ -127,14 +130,19 @@ def _targets(float_model: nn.Module, batches: list[tuple[Any, ...]], where: str)
     return out
 
 
+def graphs(prepared: nn.Module) -> list[fx.GraphModule]:
+    """``prepared``'s own graph (if it is one) and its child graphs (``children.child_graphs``)."""
+    return ([prepared] if isinstance(prepared, fx.GraphModule) else []) + list(child_graphs(prepared).values())
+
+
 def _check_prepared(prepared: Any, where: str) -> None:
     """A graph-mode model from ``prepare_fx``; one from ``prepare_qat_fx`` is refused naming its first QAT layer (its
     layers fake-quantize their own weights: no layer here would learn, the pass would end as a silent no-op)."""
-    if not isinstance(prepared, fx.GraphModule):
+    if not isinstance(prepared, fx.GraphModule) and not (isinstance(prepared, nn.Module) and child_graphs(prepared)):
         raise TypeError(f"{where}: prepared must be a graph-mode prepared model (prepare_fx), "
                         f"got {type(prepared).__name__}")
     qat = next(((n, m) for n, m in prepared.named_modules() if hasattr(m, "weight_fake_quant")), None)
-    if qat is not None or (prepared.meta.get(STATE_KEY) or {}).get("is_qat"):
+    if qat is not None or any((g.meta.get(STATE_KEY) or {}).get("is_qat") for g in graphs(prepared)):
         layer = f" (layer '{qat[0]}' is a QAT {type(qat[1]).__name__} that fake-quantizes its own weight)" if qat else ""
         raise ValueError(f"{where}: prepared comes from prepare_qat_fx{layer}; give a prepare_fx model, "
                          "or fine-tune the QAT model itself")
@@ -166,7 +174,10 @@ class EndToEnd:
                  seed: int) -> None:
         self.prepared, self.where = prepared, where
         self.batches, self.g = batch_tuples(calib, where), torch.Generator().manual_seed(check_seed(where, seed))
-        self.mods = dict(prepared.named_modules())
+        # the model's graph and the child graphs of an untraceable forward (its own or a submodule's), each with its
+        # modules: every layer and grid in them learns (the model itself runs eagerly, its control flow included)
+        self.graphs = [(gm, dict(gm.named_modules())) for gm in graphs(prepared)]
+        self.owner: dict[fx.Node, tuple[fx.GraphModule, dict[str, nn.Module]]] = {}
         self.targets = _targets(float_model, self.batches, where)
         self.layers = self._layers()
         self.saved = {k: v.detach().clone() for k, v in prepared.state_dict().items()}
@@ -175,12 +186,13 @@ class EndToEnd:
         self.learn: dict[fx.Node, Any] = {}
 
     def _layers(self) -> list[nn.Module]:
-        """The weighted layers the graph calls, each once, in graph order."""
+        """The weighted layers the graphs call, each once, in graph order (the model's graph first)."""
         out: list[nn.Module] = []
-        for node in self.prepared.graph.nodes:
-            m = self.mods.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
-            if m is not None and is_weighted(m) and all(m is not k for k in out):
-                out.append(m)
+        for gm, mods in self.graphs:
+            for node in gm.graph.nodes:
+                m = mods.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
+                if m is not None and is_weighted(m) and all(m is not k for k in out):
+                    out.append(m)
         return out
 
     def freeze(self, grids: bool) -> list[tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -196,7 +208,11 @@ class EndToEnd:
                 op.bias = nn.Parameter(torch.zeros(q.shape[0], dtype=op.weight.dtype))
                 self.added.append(op)
             out.append((m, op, q, s, z, qmin, qmax))
-        self.learn = learnable_grids(list(self.prepared.graph.nodes), self.mods) if grids else {}
+        self.learn, self.owner = {}, {}
+        for gm, mods in self.graphs if grids else []:
+            learn = learnable_grids(list(gm.graph.nodes), mods)
+            self.learn.update(learn)
+            self.owner.update({node: (gm, mods) for node in learn})
         return out
 
     def biases(self) -> list[nn.Parameter]:
@@ -228,7 +244,7 @@ class EndToEnd:
         flags = {p: p.requires_grad for p in prepared.parameters()}
         patched = patch_observers(prepared, "quant")
         for node, gr in self.learn.items():
-            self.mods[node.target].forward = gr  # type: ignore[index]
+            self.owner[node][1][node.target].forward = gr  # type: ignore[index]
         try:
             for p in prepared.parameters():
                 p.requires_grad_(False)
@@ -268,7 +284,7 @@ class EndToEnd:
         with torch.no_grad():
             if kept:
                 for node, gr in self.learn.items():
-                    install_grid(self.prepared, self.mods, node, gr)
+                    install_grid(*self.owner[node], node, gr)
                 return
             for op in self.added:
                 op.bias = None
