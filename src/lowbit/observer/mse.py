@@ -42,6 +42,7 @@ import torch
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme, per_tensor_affine, quint8
 from .channel_histogram import _ClipRangeObserver
+from .mse_cells import cell_bounds
 
 __all__ = ["MSEObserver"]
 
@@ -138,7 +139,37 @@ class MSEObserver(_ClipRangeObserver):
 
     def _channel_errors(self, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, sub: int, s: torch.Tensor,
                         z: torch.Tensor) -> torch.Tensor:
-        """``(C, K)`` whose row-wise first ``argmin`` is ``_grid_errors``'s, scoring only the bins that hold mass.
+        """``(C, K)`` whose row-wise first ``argmin`` is ``_grid_errors``'s (other entries may be ``+inf``).
+
+        Rows of integer counts whose non-empty bins hold at least as many points as the grid has cells are scored per
+        code cell (``mse_cells.cell_bounds``: ``A`` within ``B`` of the float error ``E``, ``B / A`` about ``1e-10`` to
+        ``4e-9``); a candidate with ``A - B`` above the row's least ``A + B`` has ``E`` above that candidate's. The
+        other rows (and those ``cell_bounds`` does not vouch for) are scored on their points (``_packed_errors``).
+        Either way ``_settle`` keeps the candidates not provably worse and scores near-ties whole.
+        """
+        c, nb = hist.shape
+        cells = self.quant_max - self.quant_min
+        out = torch.full_like(s, float("inf"))
+        rest = torch.ones(c, dtype=torch.bool, device=hist.device)
+        dense = ((hist > 0).sum(1) * sub >= cells).nonzero().squeeze(1)  # else the packed points are fewer
+        if dense.numel():
+            h, lo_d, hi_d, s_d, z_d = hist[dense], lo[dense], hi[dense], s[dense], z[dense]
+            a, b, ok = cell_bounds(h, lo_d, hi_d, sub, s_d, z_d, self.quant_min, self.quant_max)
+            if bool(ok.any()):
+                rows = ok.nonzero().squeeze(1)
+                out[dense[rows]] = self._settle(h[rows], lo_d[rows], hi_d[rows], sub, s_d[rows], z_d[rows],
+                                                a[rows], a[rows] - b[rows], a[rows] + b[rows],
+                                                torch.ones_like(rows, dtype=torch.bool))
+                rest[dense[rows]] = False
+        if bool(rest.any()):
+            rows = rest.nonzero().squeeze(1)
+            out[rows] = self._packed_errors(hist[rows], lo[rows], hi[rows], sub, s[rows], z[rows])
+        return out
+
+    def _packed_errors(self, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, sub: int, s: torch.Tensor,
+                       z: torch.Tensor) -> torch.Tensor:
+        """``_channel_errors`` on the points: ``(C, K)`` whose row-wise first ``argmin`` is ``_grid_errors``'s, scoring
+        only the bins that hold mass.
 
         A point of an empty bin has weight 0 and adds a term ``+0`` (all finite: the row is checked), so a row's
         error ``E`` and the sum ``E'`` over the points of its non-empty bins and its two ends (the same bits per
@@ -178,7 +209,15 @@ class MSEObserver(_ClipRangeObserver):
             g = e
         least = approx.min(1, keepdim=True).values                                        # (C, 1)
         sure = safe & torch.isfinite(least).squeeze(1) & (least.squeeze(1) > 1e-280)
-        near = ~(approx * (1 - 1e-10) > least * (1 + 1e-10)) & sure.unsqueeze(1)         # not provably worse
+        return self._settle(hist, lo, hi, sub, s, z, approx, approx * (1 - 1e-10), approx * (1 + 1e-10), sure)
+
+    def _settle(self, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, sub: int, s: torch.Tensor,
+                z: torch.Tensor, approx: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
+                sure: torch.Tensor) -> torch.Tensor:
+        """``(C, K)``: ``+inf`` for the candidates provably worse (``low`` above the row's least ``high``, where
+        ``low <= E <= high``), ``approx`` for the first one if one grid ``(s, z)`` is left, else the full errors
+        ``_grid_errors`` of those left; rows not ``sure`` are scored whole (``_pruned_errors``)."""
+        near = ~(low > high.min(1, keepdim=True).values) & sure.unsqueeze(1)              # not provably worse
         first = near.to(torch.int8).argmax(1, keepdim=True)                               # (C, 1)
         one_grid = ((s == s.gather(1, first)) & (z == z.gather(1, first)) | ~near).all(1, keepdim=True)
         near &= ~one_grid | (torch.arange(s.shape[1], device=s.device) == first)  # one grid left (clamped): the first
