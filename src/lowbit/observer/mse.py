@@ -23,6 +23,9 @@ same operations in cache-sized in-place blocks, each ``(c, k)`` row summed whole
 of least bound is not scored (its error is larger, so it is neither the first least nor tied with it). Per channel
 (session 43, ``_channel_errors``): only the bins that hold mass are scored (a point of an empty bin adds ``+0``), and a
 row is decided without its full error unless two grids are within ``2e-10`` relative (then those are scored whole).
+Session 44: where the counts are integers (a weight, observed once) and fill more points than the grid has cells, a
+candidate is scored per code cell (``mse_cells.py``: exact integer prefix sums, ``A`` within a proven ``B`` of the
+float error), not per point; only grids whose ``[A - B, A + B]`` overlap the least one's are scored whole.
 
 >>> import torch, lowbit as Q
 >>> torch.manual_seed(0) and None
@@ -127,6 +130,10 @@ class MSEObserver(_ClipRangeObserver):
         s, z = scale.to(hist.dtype), zp.to(hist.dtype)                                    # (C, K)
         if c > 1:
             return self._channel_errors(hist, lo, hi, sub, s, z)
+        if int((hist > 0).sum()) * sub >= self.quant_max - self.quant_min:  # per code cell, as _channel_errors
+            a, b, ok = cell_bounds(hist, lo, hi, sub, s, z, self.quant_min, self.quant_max)
+            if bool(ok.all()):
+                return self._settle(hist, lo, hi, sub, s, z, a, a - b, a + b, ok)
         pts, wts = self._points(hist, lo, hi, sub)
         if s.shape[1] > 1:  # candidates on the same grid (a ReLU's lo = 0: every a) score the same bits
             first: dict[tuple[float, float], int] = {}
@@ -245,7 +252,7 @@ class MSEObserver(_ClipRangeObserver):
         of the exact one. With ``e0`` the full error of the candidate of least bound, a candidate whose bound exceeds
         ``e0`` by ``1e-9`` relative has a full error ``> e0``: it is neither the least nor tied with it. Rows with a
         non-finite bound or error, or an error under ``1e-280`` (subnormal sums), and long rows (``P >= 16384``, where
-        a threaded sum of one row may be split) are scored whole.
+        a threaded sum of one row may be split) are scored whole. ``k0`` is scored once (``e0``).
         """
         c, p = pts.shape
         k = s.shape[1]
@@ -255,19 +262,20 @@ class MSEObserver(_ClipRangeObserver):
         k0 = lb.argmin(1, keepdim=True)
         e0 = self._grid_errors(pts, wts, s.gather(1, k0), z.gather(1, k0))                 # (C, 1)
         sure = torch.isfinite(lb).all(1, keepdim=True) & torch.isfinite(e0) & (e0 > 1e-280)
-        alive = ~(lb * (1 - 1e-9) > e0) | ~sure                                           # k0 always alive
+        alive = ~(lb * (1 - 1e-9) > e0) | ~sure
+        alive.scatter_(1, k0, False)  # k0's error is e0 already (each row summed whole: the same bits)
         counts = alive.sum(1)
-        if int(counts.max()) == k:
-            return self._grid_errors(pts, wts, s, z)
         out = torch.full_like(lb, float("inf"))
         rows_by_count = torch.argsort(counts)  # rows with alike survivor counts share a block
         for g in range(0, c, 64):
             rows = rows_by_count[g:g + 64]
             n = int(counts[rows].max())
+            if n == 0:
+                continue
             cols = torch.argsort((~alive[rows]).to(torch.int8), dim=1, stable=True)[:, :n]  # survivors first, in order
             errs = self._grid_errors(pts[rows], wts[rows], s[rows].gather(1, cols), z[rows].gather(1, cols))
             out[rows] = out[rows].scatter_(1, cols, torch.where(alive[rows].gather(1, cols), errs, float("inf")))
-        return out
+        return out.scatter_(1, k0, e0)
 
     def _grid_errors(self, pts: torch.Tensor, wts: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """``(C, K)`` ``Σ_p wts · ((clamp(round(pts / s) + z, qmin, qmax) - z) · s - pts)²`` of the grids ``(s, z)``.

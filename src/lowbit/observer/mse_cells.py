@@ -23,14 +23,16 @@ most ``2 η s``), the float terms' own rounding (``2 u |x̂| |d| + 12 u d²`` ea
 (``(P - 1) u E``). Rows where the counts are not integers, a range or grid is not finite, a zero point is not an
 integer, or the magnitudes leave that regime are marked not ``ok``: the caller scores them point by point.
 
->>> import torch
+>>> import torch, lowbit as Q
 >>> from lowbit.observer.mse_cells import cell_bounds
->>> hist = torch.tensor([[3.0, 0, 1, 0, 0, 0, 0, 2]], dtype=torch.float64)
+>>> obs = Q.MSEObserver(qscheme=Q.per_channel_symmetric, qdtype=Q.qint4, ch_axis=0, bins=8)
+>>> hist = torch.tensor([[3.0, 0, 1, 5, 7, 0, 0, 2]], dtype=torch.float64)     # counts of 8 bins over [-1, 1]
 >>> lo, hi = torch.tensor([-1.0], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64)
->>> s, z = torch.tensor([[0.5, 0.2]], dtype=torch.float64), torch.zeros(1, 2, dtype=torch.float64)
->>> a, b, ok = cell_bounds(hist, lo, hi, 2, s, z, -2, 2)
->>> bool(ok[0]), bool((b < 1e-12 * a).all())
-(True, True)
+>>> s, z = torch.tensor([[0.13, 0.1, 0.05]], dtype=torch.float64), torch.zeros(1, 3, dtype=torch.float64)
+>>> a, b, ok = cell_bounds(hist, lo, hi, 2, s, z, -8, 7)
+>>> e = obs._grid_errors(*obs._points(hist, lo, hi, 2), s, z)                   # point by point
+>>> bool(ok[0]), bool(((e - a).abs() <= b).all()), bool((b < 1e-9 * e).all())
+(True, True, True)
 """
 
 from __future__ import annotations
