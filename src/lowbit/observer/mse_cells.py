@@ -92,7 +92,7 @@ def cell_bounds(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, sub: int
     wq = 2 * qs + 1
     base = m0 + 0.5 * sig + 0.5  # β_q = ceil(μ_q + σ/2) as round(μ_q + σ/2 + 0.5): another at a tie (equal error)
     s0, s0w, s1 = (torch.empty(c, k, dtype=dt, device=dev) for _ in range(3))
-    rc = max(1, _CHUNK // max(1, k * cells))
+    rc = max(1, min(_CHUNK // max(1, k * cells), _CHUNK // (n + 1)))  # rows per block
     rise = r * first.unsqueeze(1) + r * (r - 1) / 2                                        # Σ_{t<r} (first + t)
     bounds = torch.empty(min(rc, c), k, cells, dtype=dt, device=dev)                      # reused blocks
     picked = torch.empty(min(rc, c), k * cells, dtype=dt, device=dev)
