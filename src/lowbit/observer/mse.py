@@ -252,7 +252,7 @@ class MSEObserver(_ClipRangeObserver):
         of the exact one. With ``e0`` the full error of the candidate of least bound, a candidate whose bound exceeds
         ``e0`` by ``1e-9`` relative has a full error ``> e0``: it is neither the least nor tied with it. Rows with a
         non-finite bound or error, or an error under ``1e-280`` (subnormal sums), and long rows (``P >= 16384``, where
-        a threaded sum of one row may be split) are scored whole. ``k0`` is scored once (``e0``).
+        a threaded sum of one row may be split) are scored whole. Among survivors ``k0`` is not scored again (``e0``).
         """
         c, p = pts.shape
         k = s.shape[1]
@@ -262,9 +262,12 @@ class MSEObserver(_ClipRangeObserver):
         k0 = lb.argmin(1, keepdim=True)
         e0 = self._grid_errors(pts, wts, s.gather(1, k0), z.gather(1, k0))                 # (C, 1)
         sure = torch.isfinite(lb).all(1, keepdim=True) & torch.isfinite(e0) & (e0 > 1e-280)
-        alive = ~(lb * (1 - 1e-9) > e0) | ~sure
-        alive.scatter_(1, k0, False)  # k0's error is e0 already (each row summed whole: the same bits)
+        alive = ~(lb * (1 - 1e-9) > e0) | ~sure                                           # k0 always alive
         counts = alive.sum(1)
+        if int(counts.max()) == k:
+            return self._grid_errors(pts, wts, s, z)
+        alive.scatter_(1, k0, False)  # k0's error is e0 already (each row summed whole: the same bits)
+        counts -= 1
         out = torch.full_like(lb, float("inf"))
         rows_by_count = torch.argsort(counts)  # rows with alike survivor counts share a block
         for g in range(0, c, 64):

@@ -42,7 +42,7 @@ import torch
 __all__ = ["cell_bounds"]
 
 _U = 2.0**-53
-_CHUNK = 1 << 16  # cell bounds (rows x candidates x codes) per block
+_CHUNK = 1 << 17  # cell bounds (rows x candidates x codes) per block
 _BITS_2_52 = 0x4330000000000000  # 2.0**52's bits: (x + 2^52).view(int64) - this = round(x), 0 <= x < 2^51
 
 
@@ -96,13 +96,14 @@ def cell_bounds(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, sub: int
     rise = r * first.unsqueeze(1) + r * (r - 1) / 2                                        # Σ_{t<r} (first + t)
     bounds = torch.empty(min(rc, c), k, cells, dtype=dt, device=dev)                      # reused blocks
     picked = torch.empty(min(rc, c), k * cells, dtype=dt, device=dev)
-    p0, p1 = (torch.empty(min(rc, c), nb, sub, dtype=dt, device=dev) for _ in range(2))
+    p0, p1 = (torch.empty(min(rc, c), n + 1, dtype=dt, device=dev) for _ in range(2))
     for g in range(0, c, rc):
         rows = slice(g, g + rc)
         nr, pb = per_bin[rows].shape[0], per_bin[rows].unsqueeze(2)
-        t0p = torch.cat([torch.mul(pb, r, out=p0[:nr]).add_(pb0[rows, :-1].unsqueeze(2)).view(nr, -1), t0[rows]], 1)
-        t1p = torch.cat([torch.mul(pb, rise, out=p1[:nr]).add_(pb1[rows, :-1].unsqueeze(2)).view(nr, -1), t1[rows]],
-                        1)                                                                 # P0, P1 (rc, N + 1)
+        t0p, t1p = p0[:nr], p1[:nr]                                                       # P0, P1 (rc, N + 1)
+        torch.mul(pb, r, out=t0p[:, :n].view(nr, nb, sub)).add_(pb0[rows, :-1].unsqueeze(2))
+        torch.mul(pb, rise, out=t1p[:, :n].view(nr, nb, sub)).add_(pb1[rows, :-1].unsqueeze(2))
+        t0p[:, n:], t1p[:, n:] = t0[rows], t1[rows]
         b = torch.mul(sig[rows].unsqueeze(2), qs, out=bounds[:nr]).add_(base[rows].unsqueeze(2))
         ib = b.clamp_(0, n).add_(2.0**52).view(torch.int64).sub_(_BITS_2_52).view(nr, -1)  # β, rounded, int64
         g0 = torch.gather(t0p, 1, ib, out=picked[:nr]).view(-1, cells)                    # exact: integer sums
