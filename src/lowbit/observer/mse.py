@@ -149,8 +149,8 @@ class MSEObserver(_ClipRangeObserver):
         """``(C, K)`` whose row-wise first ``argmin`` is ``_grid_errors``'s (other entries may be ``+inf``).
 
         Rows of integer counts whose non-empty bins hold at least as many points as the grid has cells are scored per
-        code cell (``mse_cells.cell_bounds``: ``A`` within ``B`` of the float error ``E``, ``B / A`` about ``1e-10`` to
-        ``4e-9``); a candidate with ``A - B`` above the row's least ``A + B`` has ``E`` above that candidate's. The
+        code cell (``mse_cells.cell_bounds``: ``A`` within ``B`` of the float error ``E``, ``B / A`` typically ``1e-10`` to
+        ``1e-8``); a candidate with ``A - B`` above the row's least ``A + B`` has ``E`` above that candidate's. The
         other rows (and those ``cell_bounds`` does not vouch for) are scored on their points (``_packed_errors``).
         Either way ``_settle`` keeps the candidates not provably worse and scores near-ties whole.
         """
