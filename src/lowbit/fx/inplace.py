@@ -59,10 +59,14 @@ _WHOLE_VIEW_FUNCS = {torch.reshape, torch.flatten, torch.squeeze, torch.unsqueez
 # every other op whose result may share the tensor's memory (a copy where torch copies: replayed as written)
 _PART_VIEWS = {"narrow", "select", "t", "transpose", "permute", "diagonal", "expand", "expand_as", "unfold",
                "as_strided", "movedim", "moveaxis", "swapaxes", "swapdims", "contiguous", "detach", "unbind", "chunk",
-               "split", "tensor_split", "split_with_sizes", "view_as_real", "view_as_complex"}
+               "split", "tensor_split", "split_with_sizes", "view_as_real", "view_as_complex",
+               # the tensor itself when nothing changes (a float32 CPU tensor's .float() / .to(torch.float32)), a
+               # view of a contiguous one (ravel): replayed, so a copy stays a copy and self stays self
+               "float", "to", "type", "type_as", "cpu", "ravel"}
 _PART_VIEW_FUNCS = {operator.getitem, torch.narrow, torch.select, torch.transpose, torch.permute, torch.t,
                     torch.diagonal, torch.movedim, torch.moveaxis, torch.swapaxes, torch.swapdims, torch.chunk,
-                    torch.split, torch.tensor_split, torch.unbind, torch.detach, torch.view_as_real}
+                    torch.split, torch.tensor_split, torch.unbind, torch.detach, torch.view_as_real, torch.ravel,
+                    torch.atleast_1d, torch.atleast_2d, torch.atleast_3d}
 _VIEW_ATTRS = {"T", "mT", "H", "mH", "real", "imag", "data"}
 _F_MODULES = ("torch", "torch._C._VariableFunctions", "torch._C._nn", "torch.nn.functional")  # F.hardtanh_: _C._nn
 _METHOD_TWINS = {"relu_": "relu", "squeeze_": "squeeze", "unsqueeze_": "unsqueeze", "detach_": "detach",
