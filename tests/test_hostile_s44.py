@@ -13,9 +13,11 @@ with ``alpha`` and standalone clamps in graph mode, ``DeQuantize`` on containers
 
 from __future__ import annotations
 
+import collections
 import copy
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.ao.quantization as tq
@@ -155,3 +157,142 @@ def test_round_codes_on_meta_checks_shapes_only():
     m = torch.device("meta")
     out = round_codes(torch.empty(2, 3, device=m), torch.empty((), device=m), torch.empty((), device=m), -128, 127)
     assert out.shape == (2, 3) and out.is_meta
+
+
+# ---- quantize_ptq's option checks: NumPy arrays ----
+_OPTS = dict(iters=500, batch_size=8, seed=0, blocks=True, rounding="adaround", learn_grids=True, distill=0, tune=0,
+             float_output=True, refine=8, max_float_layers=0, streams=0.75, equalize="range", progress=False)
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("rounding", np.array(["adaround", "quadratic"]), r"rounding=array\(\['adaround', 'quadratic'\].*choose one of"),
+    ("equalize", np.array([1, 2]), r"equalize=array\(\[1, 2\]\) must be True, False or 'range'"),
+    ("recipe", np.array(["accurate", "default"]), r"recipe=array\(\['accurate', 'default'\].*choose one of"),
+    ("recipe", np.array("accurate"), r"recipe=array\('accurate'.*choose one of"),
+])
+def test_quantize_ptq_names_an_array_option(option, value, match):
+    # before: "The truth value of an array with more than one element is ambiguous" from `in` / `==` (the 0-d array
+    # recipe passed, to be compared with == further on)
+    from lowbit.ptq_checks import check_options
+    opts = dict(_OPTS, recipe="accurate")
+    opts[option] = value
+    recipe = opts.pop("recipe")
+    with pytest.raises(ValueError, match=match):
+        check_options(recipe, **opts)
+    if option != "recipe":
+        with pytest.raises(ValueError, match=match):
+            Q.quantize_ptq(nn.Sequential(nn.Linear(4, 2)).eval(), [torch.randn(4, 4)], progress=False, **{option: value})
+
+
+def test_reconstruct_names_an_array_rounding():
+    from lowbit.algorithms.layerwise import reconstruct
+    with pytest.raises(ValueError, match=r"reconstruct: rounding=array"):
+        reconstruct(nn.Linear(2, 2), [torch.randn(2, 2)], rounding=np.array(["adaround", "quadratic"]))
+
+
+# ---- eager DeQuantize / QuantWrapper on containers ----
+class _Heads(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.h1, self.h2 = nn.Conv2d(8, 4, 1), nn.Conv2d(8, 2, 1)
+        self.kind = kind
+
+    def forward(self, x):
+        f = self.body(x)
+        a, b = self.h1(f), self.h2(f)
+        if self.kind == "defaultdict":
+            out = collections.defaultdict(list)
+            out["a"], out["b"] = a, b
+            return out
+        if self.kind == "label":
+            return a, "boxes", 3, 0.5
+        return b, a.shape
+
+
+@pytest.mark.parametrize("kind", ["defaultdict", "label", "shape"])
+def test_quant_wrapper_keeps_a_defaultdict_and_plain_items(kind):
+    # before: defaultdict -> TypeError "first argument must be callable or None" (from _map_items' type(x)(items));
+    # a str / int / float / torch.Size item -> "DeQuantize expects a QTensor or a tensor, got str" (the float model
+    # returns them)
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 8, 8)
+    model = _Heads(kind).eval()
+    w = Q.QuantWrapper(copy.deepcopy(model))
+    w.qconfig = Q.get_default_qconfig()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = Q.prepare(w)
+        with torch.no_grad():
+            p(x)
+        c = Q.convert(p)
+    with torch.no_grad():
+        ref, out = model(x), c(x)
+    assert type(out) is type(ref)
+    if kind == "defaultdict":
+        assert out.default_factory is list and list(out) == ["a", "b"]
+        assert all(type(out[k]) is torch.Tensor and _sqnr(ref[k], out[k]) > 25 for k in "ab")
+    elif kind == "label":
+        assert out[1:] == ("boxes", 3, 0.5) and _sqnr(ref[0], out[0]) > 25
+    else:
+        assert out[1] == ref[1] == torch.Size([4, 4, 8, 8]) and _sqnr(ref[0], out[0]) > 25
+
+
+def test_dequantize_still_refuses_what_it_cannot_dequantize():
+    from lowbit.nn.quantized import DeQuantize
+    with pytest.raises(TypeError, match="DeQuantize expects a QTensor or a tensor, got str"):
+        DeQuantize()("boxes")
+    with pytest.raises(TypeError, match="got set"):
+        DeQuantize()(({1, 2},))
+
+
+# ---- to_onnx: empty and NUL paths ----
+@pytest.mark.parametrize("path, match", [("", r"path='' is empty"), ("m\0.onnx", r"path='m\\x00\.onnx' is not a file name")])
+def test_to_onnx_names_an_empty_or_nul_path(path, match, tmp_path):
+    # before: '' said "path='.' is a directory"; a NUL raised "embedded null byte" from open()
+    pytest.importorskip("onnx")
+    from lowbit.export.onnx import to_onnx
+    with pytest.raises(ValueError, match=match):
+        to_onnx(nn.Linear(2, 2), (torch.randn(1, 2),), path)
+
+
+# ---- QAT: fake quantization on the placeholder grid, traced ----
+_FQS = ["FakeQuantize", "FusedMovingAvgObsFakeQuantize", "LearnableFakeQuantize"]
+
+
+def _traced(m: nn.Module, x: torch.Tensor, how: str):
+    torch._dynamo.reset()
+    if how == "compile":
+        return torch.compile(m, backend="aot_eager")
+    return torch.export.export(m, (x,)).module()
+
+
+@pytest.mark.parametrize("how", ["compile", "export"])
+@pytest.mark.parametrize("kind", _FQS)
+def test_a_traced_fake_quant_with_the_observer_off_refuses_the_placeholder_grid(kind, how):
+    # before: eager raised (session 43) but a compiled / exported module ran scale=1.0 silently: 64 inputs of
+    # magnitude ~0.1 all gave 0.0 (1 unique value)
+    fq = getattr(Q, kind)()
+    fq.disable_observer()
+    m = nn.Sequential(fq)
+    x = torch.randn(64) * 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f = _traced(m, x, how)
+        with pytest.raises(RuntimeError, match=rf"{kind} \(traced\): fake quantization is on but the observer is off "
+                                               r"and has seen no data, so the grid is the placeholder scale=1\.0"):
+            f(x)
+
+
+@pytest.mark.parametrize("how", ["compile", "export"])
+@pytest.mark.parametrize("kind", _FQS)
+def test_a_traced_fake_quant_with_a_recorded_grid_runs_as_eager(kind, how):
+    fq = getattr(Q, kind)()
+    x = torch.randn(64)
+    fq(x)                      # the observer records a grid
+    fq.disable_observer()
+    m = nn.Sequential(fq)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = _traced(m, x, how)(x)
+    assert torch.equal(out, m(x)) and out.unique().numel() > 20

@@ -104,7 +104,7 @@ def check_options(recipe: Any, *, iters: Any, batch_size: Any, seed: Any, blocks
     Traceback (most recent call last):
     ValueError: quantize_ptq: distill=5 applies to recipe='accurate' only, not recipe='balanced' (it would be ...
     """
-    if recipe not in RECIPES:
+    if not isinstance(recipe, str) or recipe not in RECIPES:  # (an array's == is elementwise: `in` raised)
         raise ValueError(f"quantize_ptq: recipe={recipe!r}; choose one of {list(RECIPES)}")
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"quantize_ptq: iters={iters!r} must be an int >= 0")
@@ -113,7 +113,7 @@ def check_options(recipe: Any, *, iters: Any, batch_size: Any, seed: Any, blocks
     check_seed("quantize_ptq", seed)
     if not isinstance(blocks, bool):
         raise TypeError(f"quantize_ptq: blocks={blocks!r} must be True or False")
-    if rounding not in ROUNDINGS:
+    if not isinstance(rounding, str) or rounding not in ROUNDINGS:
         raise ValueError(f"quantize_ptq: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")
     if not isinstance(learn_grids, bool):
         raise TypeError(f"quantize_ptq: learn_grids={learn_grids!r} must be True or False")
@@ -131,7 +131,7 @@ def check_options(recipe: Any, *, iters: Any, batch_size: Any, seed: Any, blocks
     if streams is not None and (isinstance(streams, bool) or not isinstance(streams, (int, float))
                                 or not 0 <= streams <= 1):
         raise ValueError(f"quantize_ptq: streams={streams!r} must be None or an alpha in [0, 1]")
-    if not (isinstance(equalize, bool) or equalize == "range"):  # 1 == True: an int read as "range" (no weights)
+    if not (isinstance(equalize, bool) or (isinstance(equalize, str) and equalize == "range")):  # (1 == True)
         raise ValueError(f"quantize_ptq: equalize={equalize!r} must be True, False or 'range'")
     if not isinstance(progress, bool):
         raise TypeError(f"quantize_ptq: progress={progress!r} must be True or False")

@@ -71,7 +71,7 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     ``reconstruct_eager`` takes eager-mode (``prepare``) models. ``float_calib`` (graph mode): the float walk's
     inputs, batch for batch with ``calib`` (default: ``calib`` itself), as ``children`` feeds a child graph.
     """
-    if rounding not in ROUNDINGS:
+    if not isinstance(rounding, str) or rounding not in ROUNDINGS:  # (an array: `in` is elementwise)
         raise ValueError(f"reconstruct: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")
     seed = _check_steps("reconstruct", iters, batch_size, seed)  # a NumPy / torch integer: a Python int
     opts = dict(adaround=adaround, bias_correction=bias_correction, iters=iters, batch_size=batch_size, seed=seed,

@@ -79,6 +79,10 @@ def _check_path(path: Any, where: str = "to_onnx", name: str = "path") -> Path:
     """A writable file path, or an error naming ``where``'s argument ``name``."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{where}: {name} must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+    text = os.fspath(path)
+    if not text or "\0" in str(text):  # ('' was read as '.', "a directory"; a NUL raised "embedded null byte")
+        raise ValueError(f"{where}: {name}={text!r} is {'empty' if not text else 'not a file name (it holds a NUL)'}; "
+                         "give a file name such as model.onnx")
     p = Path(path)
     try:
         mode = p.stat().st_mode if p.exists() else None

@@ -57,7 +57,11 @@ from ..observer.distributed import is_distributed, local_statistics, sync_pendin
 from ..observer.histogram import HistogramObserver
 from ..observer.minmax import MovingAverageMinMaxObserver, _MinMaxObserverBase
 from ..qparams import calculate_qparams
-from .switches import _assert_switch, per_tensor_qparams, switch_errors
+from .switches import _assert_switch, assert_grid, per_tensor_qparams, switch_errors
+
+_PLACEHOLDER = ("fake quantization is on but the observer is off and has seen no data, so the grid is the placeholder "
+                "scale={scale}, zero_point={zero_point}; run batches with the observer on first (disable_observer "
+                "after the first steps, not before) or load a trained checkpoint")
 
 __all__ = ["FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant", "holds_grid",
            "per_tensor_qparams", "switch_errors"]  # (the last two from .switches)
@@ -190,18 +194,22 @@ class FakeQuantize(WithArgs, nn.Module):
         """Refuse to fake-quantize on the placeholder grid: fake quantization on, the observer off, and no grid
         recorded or set (``_has_grid``). ``model.apply(disable_observer)`` before the first step trained every layer on
         ``scale=1.0`` (values rounded to integers: constant outputs, silently, as in torch.ao) until ``convert``
-        refused the model. Eager only (not traced, on meta or under ``torch.distributed``, where one rank's empty
-        shard proves nothing); once a grid is found the check is not repeated (``load_state_dict`` resets it)."""
-        if tracing() or self.__dict__.get("_grid_seen", False) or not x.numel() or self.scale.is_meta \
-                or is_distributed():
+        refused the model. Not on meta or under ``torch.distributed``, where one rank's empty shard proves nothing;
+        once a grid is found the check is not repeated (``load_state_dict`` resets it). Traced (``torch.compile`` /
+        ``torch.export``) before a grid was found, the program asserts the same on the buffers
+        (``switches.assert_grid``): it ran the placeholder grid silently."""
+        if self.__dict__.get("_grid_seen", False) or self.scale.is_meta or is_distributed():
+            return
+        if tracing():
+            assert_grid(self, _PLACEHOLDER)
+            return
+        if not x.numel():
             return
         if self._has_grid():
             self.__dict__["_grid_seen"] = True
             return
-        raise RuntimeError(f"{type(self).__name__}: fake quantization is on but the observer is off and has seen no data, "
-                           f"so the grid is the placeholder scale={self.scale.tolist()}, zero_point="
-                           f"{self.zero_point.tolist()}; run batches with the observer on first (disable_observer "
-                           "after the first steps, not before) or load a trained checkpoint")
+        grid = _PLACEHOLDER.format(scale=self.scale.tolist(), zero_point=self.zero_point.tolist())
+        raise RuntimeError(f"{type(self).__name__}: {grid}")
 
     def _has_grid(self) -> bool:
         """Whether the observer recorded a grid (saw finite data; observers without that record count as holding one)

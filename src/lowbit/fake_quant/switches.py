@@ -1,6 +1,7 @@
 """A ``FakeQuantize``'s on / off switches and saved grid: the checks ``load_state_dict`` runs on them
-(``switch_errors``, ``per_tensor_qparams``) and the assertion a traced switch read leaves in a compiled or exported
-graph (``_assert_switch``). Split from ``base.py`` (session 43) to keep it under ~400 lines.
+(``switch_errors``, ``per_tensor_qparams``) and the assertions a traced switch read (``_assert_switch``) and a traced
+fake quantization with the observer off (``assert_grid``) leave in a compiled or exported graph. Split from
+``base.py`` (session 43) to keep it under ~400 lines.
 
 A switch is a one-value ``uint8`` buffer read as ``== 1`` (torch.ao's ``FakeQuantize``); a saved switch must be 0 or
 1, and a per-tensor module's saved ``(1,)`` grid (torch.ao's shape) loads as 0-d.
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["per_tensor_qparams", "switch_errors"]
+__all__ = ["assert_grid", "per_tensor_qparams", "switch_errors"]
 
 _SWITCH_METHODS = {"observer_enabled": "enable_observer(...)", "fake_quant_enabled": "enable_fake_quant(...)",
                    "learning_enabled": "toggle_qparam_learning(...)"}
@@ -35,6 +36,21 @@ def _assert_switch(fq: nn.Module, name: str, buf: torch.Tensor, on: bool) -> Non
                         f"torch.export traced it does not reach the traced program; set it with {method} (or "
                         "model.apply(Q.enable_observer / Q.disable_observer / ...), load_state_dict, or one eager "
                         "forward), then call the compiled model again (an exported program: export it again)")
+
+
+def assert_grid(fq: nn.Module, message: str) -> None:
+    """Traced only: the graph raises ``message`` when ``fq`` fake-quantizes on the placeholder grid, i.e. its
+    ``scale`` is all 1.0 and its observer's ``min_val`` / ``max_val`` hold no finite range (``FakeQuantize._has_grid``
+    on tensors). Nothing is added for a loaded grid, a learning ``LearnableFakeQuantize`` or an observer that keeps no
+    range (those count as holding a grid, as in eager)."""
+    if getattr(fq, "_grid_loaded", False) or ("learning_enabled" in fq._SWITCHES and fq._switch("learning_enabled")):
+        return
+    obs = fq.activation_post_process
+    lo, hi = getattr(obs, "min_val", None), getattr(obs, "max_val", None)
+    if not (isinstance(lo, torch.Tensor) and isinstance(hi, torch.Tensor)) or lo.is_meta:
+        return
+    seen = (torch.isfinite(lo).all() & torch.isfinite(hi).all()) | (fq.scale.detach() != 1.0).any()
+    torch._assert_async(seen, f"{type(fq).__name__} (traced): " + message.format(scale="1.0", zero_point="its seed"))
 
 
 def switch_errors(fq: nn.Module, state_dict: dict[str, Any], prefix: str) -> list[str]:

@@ -16,7 +16,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -180,7 +182,8 @@ class Quantize(CheckedQuantState):
 class DeQuantize(nn.Module):
     """``QTensor`` -> float32 ``(q - zero_point) * scale``; a float tensor passes through unchanged. A tuple / list /
     dict (a detector's ``(boxes, scores)``, a multi-head ``{"cls": ..., "aux": ...}``, a namedtuple) is dequantized
-    item by item, as ``QuantWrapper`` around such a model needs (``None`` items kept).
+    item by item, as ``QuantWrapper`` around such a model needs (``None``, strings, numbers and ``torch.Size`` items
+    kept; a dict subclass keeps its type).
 
     >>> import torch, lowbit as Q
     >>> qx = Q.quantize_per_tensor(torch.tensor([0.5, 1.0]), 0.5, 0, Q.quint8)
@@ -220,14 +223,29 @@ class DeQuantize(nn.Module):
         return cls()
 
 
+#: items of a returned container that hold no tensor: kept as they are (a ``(logits, "label")`` or ``(y, y.shape)``
+#: output raised "DeQuantize expects a QTensor or a tensor, got int")
+_KEPT_ITEMS = (str, bytes, numbers.Number, torch.Size, torch.dtype, torch.device, type(None))
+
+
 def _map_items(dq: DeQuantize, x: Any) -> Any:
-    """``x`` (a tuple / list / dict, nested) with every QTensor / tensor item dequantized and ``None`` kept."""
+    """``x`` (a tuple / list / dict, nested) with every QTensor / tensor item dequantized; ``None``, strings, numbers,
+    ``torch.Size`` / dtype / device items kept. A dict subclass keeps its type and state (a ``defaultdict``'s
+    factory: ``type(x)(items)`` raised "first argument must be callable or None")."""
     if isinstance(x, dict):
-        return type(x)((k, _map_items(dq, v)) for k, v in x.items())
+        items = [(k, _map_items(dq, v)) for k, v in x.items()]
+        if type(x) is dict:
+            return dict(items)
+        out = copy.copy(x)
+        for k, v in items:
+            out[k] = v
+        return out
+    if isinstance(x, _KEPT_ITEMS):
+        return x
     if isinstance(x, (tuple, list)):
         items = [_map_items(dq, v) for v in x]
         return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-    return None if x is None else dq._one(x)
+    return dq._one(x)
 
 
 _SIGNED = {torch.uint8: False, torch.quint8: False, torch.int8: True, torch.qint8: True}
