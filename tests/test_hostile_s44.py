@@ -296,3 +296,29 @@ def test_a_traced_fake_quant_with_a_recorded_grid_runs_as_eager(kind, how):
         warnings.simplefilter("ignore")
         out = _traced(m, x, how)(x)
     assert torch.equal(out, m(x)) and out.unique().numel() > 20
+
+
+def _grid_asserts(m: nn.Module, x: torch.Tensor) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = torch.export.export(m, (x,)).graph
+    return sum(1 for n in g.nodes if any(isinstance(a, str) and "(traced): fake quantization" in a for a in n.args))
+
+
+def test_a_grid_recorded_before_the_observer_is_switched_off_adds_no_traced_check():
+    # the check costs ~0.6 ms a call for 7 fake-quants under aot_eager: only programs traced without a recorded grid
+    # carry it (a grid seen when disable_observer() runs is noted; a loaded one is checked by the program)
+    x = torch.randn(64)
+    fresh = Q.FakeQuantize()
+    fresh.disable_observer()
+    assert _grid_asserts(nn.Sequential(fresh), x) == 1
+    seen = Q.FakeQuantize()
+    seen(torch.randn(64))
+    seen.disable_observer()
+    assert _grid_asserts(nn.Sequential(seen), x) == 0
+    loaded = Q.FakeQuantize()
+    loaded.disable_observer()
+    loaded.load_state_dict(seen.state_dict())
+    assert _grid_asserts(nn.Sequential(loaded), x) == 1
+    loaded.disable_observer()  # (the switch method notes the loaded grid)
+    assert _grid_asserts(nn.Sequential(loaded), x) == 0

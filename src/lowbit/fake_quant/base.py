@@ -160,7 +160,16 @@ class FakeQuantize(WithArgs, nn.Module):
 
     def enable_observer(self, enabled: bool = True) -> FakeQuantize:
         self._set_switch("observer_enabled", enabled)
+        if not enabled:
+            self._note_grid()
         return self
+
+    def _note_grid(self) -> None:
+        """Record (``_grid_seen``) a grid held when the observer is switched off, so that a program traced later
+        carries no ``switches.assert_grid`` (7 fake-quants, ``aot_eager``: +0.6 ms a call). Not on a load: the
+        observer's own state loads after this module's."""
+        if not tracing() and not self.scale.is_meta and not is_distributed() and self._has_grid():
+            self.__dict__["_grid_seen"] = True
 
     def disable_observer(self) -> FakeQuantize:
         return self.enable_observer(False)
