@@ -9,6 +9,15 @@ with ``alpha`` and standalone clamps in graph mode, ``DeQuantize`` on containers
 - ``round_codes`` / ``grid_position`` took a positive step whose float32 reciprocal overflows (a float32 subnormal
   ``1e-45`` or ``2e-39``, a float64 ``1e-300``) and gave NaN codes for ``x = 0``; a float64 step or zero point past
   float32's range became inf; ``quant_min=-2**70`` raised ``OverflowError: int too big to convert``;
+- ``quantize_ptq(rounding=np.array([...]))`` / ``equalize=`` / ``recipe=`` raised NumPy's "truth value of an array
+  ... is ambiguous" from the option check itself (a 0-d array recipe passed);
+- eager ``DeQuantize`` (``QuantWrapper``'s) rebuilt a ``defaultdict`` with ``type(x)(items)`` ("first argument must
+  be callable or None") and refused a string / number / ``torch.Size`` item of a returned tuple that the float
+  model returns ("DeQuantize expects a QTensor or a tensor, got str");
+- ``to_onnx(path="")`` said "path='.' is a directory", ``path`` with a NUL raised "embedded null byte";
+- a ``FakeQuantize`` / fused / LSQ module with its observer switched off before any data refused the placeholder grid
+  in eager mode only (session 43): compiled (``aot_eager``) or exported it fake-quantized on ``scale=1.0`` silently
+  (64 inputs of magnitude ~0.1 gave one output value, 0.0); the traced program now asserts a recorded grid.
 """
 
 from __future__ import annotations
