@@ -36,13 +36,14 @@ from torch import fx, nn
 
 from ..mappings import get_default_dynamic_quant_module_mappings
 from ..nn.quantized.normalization import batchnorm_float_reason
-from ..observer.fixed import FixedQParamsObserver
-from ..qconfig import QConfig, QConfigMapping
+from ..observer.fixed import FixedQParamsObserver, NoopObserver, PlaceholderObserver
+from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig, get_default_qconfig
 from ..workflow import _is_table_recipe, is_dynamic_qconfig
 from ..workflow.propagate import join_name as join
 from ..workflow.shared_grids import bilinear_on_shared_grid
 from .patterns import (WEIGHT_ONLY_TYPES, as_number, bilinear_call_args, canonical_binary, func_activation,
                        is_bilinear_resample, is_constant_clamp, is_share_op)
+from .islands import INT_KINDS, demote_float_islands, wants_int
 from .report import FxReport
 from .scalar_ops import scalar_op
 from .weighted import input_of, parse
@@ -50,7 +51,6 @@ from .weighted import input_of, parse
 __all__ = ["classify", "wants_int", "int_inputs", "join", "input_observer_qconfig", "share_bilinear_grids",
            "drop_grid_blends"]
 
-_INT_KINDS = ("module", "functional", "act", "weighted")
 
 
 _METHOD_FUNCS = {"add": torch.add, "mul": torch.mul, "matmul": torch.matmul, "bmm": torch.bmm, "div": torch.div,
@@ -252,7 +252,7 @@ def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaqu
             what = type(mod).__name__ if mod is not None else getattr(node.target, "__name__", str(node.target))
             report.left_float[join(prefix, node.name)] = f"{what} ({why})"
     _assign_domains(gm)
-    while _demote_float_islands(gm, report, prefix):
+    while demote_float_islands(gm, report, prefix):
         _assign_domains(gm)
 
 
@@ -269,38 +269,8 @@ def _assign_domains(gm: fx.GraphModule) -> None:
             ins = [src] if src is not None else node.all_input_nodes
             domain = "int" if any(a.meta.get("lowbit_domain") == "int" for a in ins) else "float"
         else:  # a placeholder declared quantized (input_quantized_idxs) arrives as a QTensor
-            domain = "int" if kind in _INT_KINDS or node.meta.get("lowbit_qinput") else "float"
+            domain = "int" if kind in INT_KINDS or node.meta.get("lowbit_qinput") else "float"
         node.meta["lowbit_domain"] = domain
-
-
-def _feeds_int(node: fx.Node) -> bool:
-    """Whether an int op reads ``node``'s value (directly or through grid-preserving ops)."""
-    return any(wants_int(u) or (u.meta.get("lowbit_kind") == "share" and _feeds_int(u)) for u in node.users)
-
-
-def _demote_float_islands(gm: fx.GraphModule, report: FxReport, prefix: str) -> bool:
-    """Keep float an elementwise int op that would sit alone between Quantize and DeQuantize.
-
-    A ``functional``/``act`` node none of whose results reaches an int op, with a float-domain
-    input, would only add two roundings (no integer kernel is saved by it): e.g. the residual
-    ``LayerNorm(dense(x) + x)`` of a BERT layer. Returns whether a node changed.
-    """
-    changed = False
-    for node in reversed(gm.graph.nodes):
-        if node.meta.get("lowbit_kind") not in ("functional", "act") or _feeds_int(node):
-            continue
-        if all(a.meta.get("lowbit_domain") != "float" for a in node.all_input_nodes):
-            continue
-        node.meta.update(lowbit_kind="float", lowbit_qop=None)
-        what = getattr(node.target, "__name__", str(node.target))
-        report.left_float[join(prefix, node.name)] = f"{what} (kept float: float input, only float consumers)"
-        changed = True
-    return changed
-
-
-def wants_int(user: fx.Node) -> bool:
-    """Whether ``user`` reads (some of) its inputs as ``QTensor``s after convert."""
-    return user.meta.get("lowbit_kind") in _INT_KINDS
 
 
 def _has_fixed_grid(qc: QConfig | None) -> bool:
@@ -312,12 +282,27 @@ def _has_fixed_grid(qc: QConfig | None) -> bool:
                                                                FixedQParamsObserver)
 
 
+def _observes_range(qc: QConfig | None) -> bool:
+    """Whether ``qc``'s activation calibrates a range (not fixed, dynamic, a no-op or a placeholder)."""
+    return (qc is not None and not is_dynamic_qconfig(qc) and not _has_fixed_grid(qc)
+            and not isinstance(qc.activation(), (NoopObserver, PlaceholderObserver)))
+
+
 def input_observer_qconfig(node: fx.Node, int_users: list[fx.Node]) -> QConfig:
     """The qconfig of the observer (``Quantize`` after convert) between float ``node`` and the int ops reading it:
     ``node``'s own when it pins a fixed output grid (a float ``nn.Softmax`` under torch.ao's fixed 1/256 grid, as
-    torch.ao's quantized softmax gives its consumers), else the first int consumer's."""
+    torch.ao's quantized softmax gives its consumers), else the first int consumer's that calibrates a range, else
+    ``node``'s own, else the default static / QAT recipe: a consumer's fixed grid (tanh's ``[-1, 1)``) is its
+    output's, never its input's (torch.ao puts it there: a LayerNorm's ``±3`` clipped to ``[-1, 1)``)."""
     own = node.meta.get("lowbit_qconfig")
-    return own if _has_fixed_grid(own) else int_users[0].meta["lowbit_qconfig"]
+    if _has_fixed_grid(own):
+        return own
+    qcs = [u.meta["lowbit_qconfig"] for u in int_users]
+    for qc in (*qcs, own):
+        if _observes_range(qc):
+            return qc
+    qat = hasattr(qcs[0].activation(), "activation_post_process")  # (a FixedQParamsFakeQuantize)
+    return get_default_qat_qconfig() if qat else get_default_qconfig()
 
 
 def int_inputs(user: fx.Node) -> list[fx.Node]:
