@@ -45,14 +45,22 @@ def iter_batches(inputs: Any, where: str) -> Iterator[Any]:
         raise ValueError(f"{where}: inputs is empty; give at least one batch")
 
 
-def check_finite_batch(batch: Any, where: str, label: str, why: str) -> None:
+def check_finite_batch(batch: Any, where: str, label: str, why: str, masks: bool = False) -> None:
     """``ValueError`` for a NaN/Inf in any float tensor of ``batch`` (a tensor, tuple/list or dict), naming
-    ``label`` (e.g. ``"calib batch 3"``), the input (position or key, for a batch of several) and ``why``."""
-    items = batch.items() if isinstance(batch, dict) else enumerate(batch) if isinstance(batch, (tuple, list)) \
-        else [(None, batch)]
+    ``label`` (e.g. ``"calib batch 3"``), the input (position or key, for a batch of several) and ``why``.
+    ``masks`` (model inputs): in a batch of several inputs, a tensor whose only non-finite values are ``-inf`` is an
+    additive attention mask (``nn.Transformer.generate_square_subsequent_mask``), accepted (observers ignore them).
+
+    >>> mask = torch.triu(torch.full((3, 3), float("-inf")), 1)
+    >>> check_finite_batch((torch.ones(2, 3, 4), mask), "demo", "calib batch 0", "", masks=True)
+    """
+    items = list(batch.items() if isinstance(batch, dict) else enumerate(batch) if isinstance(batch, (tuple, list))
+                 else [(None, batch)])
+    masks = masks and len(items) > 1
     for key, item in items:
         for t in output_tensors(item):  # an input that is itself a tuple / list / dict of tensors: each of them
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()) and \
+                    not (masks and bool((torch.isfinite(t) | (t == float("-inf"))).all())):
                 part = "" if key is None else f", input {key}"
                 raise ValueError(f"{where}: {label}{part} holds {int((~torch.isfinite(t)).sum())} NaN/Inf values "
                                  f"of {t.numel()}; {why}")

@@ -175,7 +175,7 @@ def ptq_batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
             if t.dim() > 0 and t.shape[0] == 0:
                 raise ValueError(f"quantize_ptq: calib batch {i}, input {j} is empty (shape {tuple(t.shape)}); "
                                  "every calibration batch needs at least one sample")
-        check_finite_batch(batch, "quantize_ptq", f"calib batch {i}", "calibration ranges need finite data")
+        check_finite_batch(batch, "quantize_ptq", f"calib batch {i}", "calibration ranges need finite data", masks=True)
     return out
 
 

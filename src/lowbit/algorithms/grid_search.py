@@ -126,6 +126,12 @@ class _Runner:
         return sum(float((o.double() - r.double()).pow(2).sum()) for o, r in zip(self._outputs(get), self.ref))
 
 
+def _batched(batch: tuple[Any, ...]) -> bool:
+    """Whether the tensor inputs of ``batch`` share one leading (sample) size: a batch with an attention mask
+    ``(L, S)`` beside ``(N, L, E)`` inputs is not sliced by samples (the whole batch; it was, and the mask broke)."""
+    return len({t.shape[0] for t in batch if isinstance(t, torch.Tensor) and t.dim() > 0}) <= 1
+
+
 def _fq(x: torch.Tensor, s: float, z: int, qmin: int, qmax: int) -> torch.Tensor:
     return fake_quantize(x, torch.tensor([s]), torch.tensor([float(z)]), qmin, qmax, None, float_zero_point=True)
 
@@ -164,7 +170,7 @@ def refine_grids(gm: fx.GraphModule, batches: Iterable[Any], *, top: int = 8, mu
     if not taken:
         raise ValueError("refine_grids: batches is empty; pass the calibration batches")
     first = taken[0]
-    if samples:
+    if samples and all(_batched(r) and all(isinstance(t, torch.Tensor) and t.dim() for t in r) for r in taken):
         first = tuple(torch.cat([r[k] for r in taken])[:samples] for k in range(len(first)))
     mods = dict(gm.named_modules())
     # an observer module called at several nodes (a reused module's output grid, as prepare_fx shares it) is one
@@ -179,7 +185,8 @@ def refine_grids(gm: fx.GraphModule, batches: Iterable[Any], *, top: int = 8, mu
         return []
     qp = {n: mods[n.target].calculate_qparams() for n in grids}  # type: ignore[index]
     qp = {n: (float(s), int(z)) for n, (s, z) in qp.items()}
-    few = tuple(t[:rank_samples] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in first)
+    few = tuple(t[:rank_samples] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in first) \
+        if _batched(first) else first
     with torch.no_grad():
         runner = _Runner(gm, mods, few)
         cost = {}

@@ -144,7 +144,8 @@ def batch_tuples(calib: Any, where: str) -> list[tuple[Any, ...]]:
         if isinstance(b, dict):
             raise TypeError(f"{where}: calib batch {i} is a dict; give positional inputs (a tensor or a tuple/list)")
         out.append(b if isinstance(b, tuple) else tuple(b) if isinstance(b, list) else (b,))
-        check_finite_batch(out[-1], where, f"calib batch {i}", "the layers' targets need finite data")
+        check_finite_batch(out[-1], where, f"calib batch {i}", "the layers' targets need finite data",
+                           masks=True)
     return out
 
 

@@ -37,7 +37,7 @@ def check_calib(batches: list[Any], where: str) -> None:
     observers skip NaN and see nothing in an empty tensor, so such a batch was either silently left out or ended in
     convert's "observer saw no data; run calibration batches" after the batches had run."""
     for i, b in enumerate(batches):
-        check_finite_batch(b, where, f"calib batch {i}", "calibration ranges need finite data")
+        check_finite_batch(b, where, f"calib batch {i}", "calibration ranges need finite data", masks=True)
         parts = b.values() if isinstance(b, dict) else b if isinstance(b, (tuple, list)) else (b,)
         empty = [tuple(t.shape) for t in parts if isinstance(t, torch.Tensor) and t.numel() == 0]
         if empty:

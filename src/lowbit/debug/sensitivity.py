@@ -352,7 +352,8 @@ def layer_sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, inputs
     evals = batches if inputs is None else list(iter_batches(inputs, "layer_sensitivity: inputs"))
     for what, bs in (("calib", batches), ("inputs", evals)):
         for i, b in enumerate(bs):
-            check_finite_batch(b, "layer_sensitivity", f"{what} batch {i}", "the output error needs finite data")
+            check_finite_batch(b, "layer_sensitivity", f"{what} batch {i}", "the output error needs finite data",
+                               masks=True)
     modes = [(m, m.training) for m in model.modules()]
     try:
         with torch.no_grad():
