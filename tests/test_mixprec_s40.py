@@ -93,7 +93,9 @@ def test_graph_mode_ops_are_fast_search_candidates_scored_as_built():
     """Before: the adds and the mul were no candidates (rows: the 7 convs only), 'head' scored -4.69e-3 where the model
     built with it float scores -1.98e-3 (prepare_fx then keeps the returned add float too: a float island, float input
     and only the output reads it), and the walk kept ['stem', 'features.0.a'] (-4.44e-3). Now it keeps ['head',
-    'operator.mul#0'] (-1.09e-3; the exact search ['head', 'stem'], -1.67e-3)."""
+    'operator.mul#0'] (-1.09e-3; the exact search ['head', 'stem'], -1.67e-3). Session 44: with 'head' float the mul
+    that only it reads is float too (a float reader, ``fx.islands``): 'head' alone scores -1.09e-3, and both searches
+    keep ['head', 'stem'] (-8.28e-4)."""
     model, x, score = _case()
     with kernels.use_backend("reference"):
         mapping, fast = auto_mixed_precision(model, Q.get_minmax_qconfig(), x, score, max_float_layers=2, mode="fx",
@@ -114,9 +116,9 @@ def test_graph_mode_ops_are_fast_search_candidates_scored_as_built():
             assert score(Q.convert_fx(p)) == pytest.approx(fast.final_metric, rel=1e-9)
         _, exact = auto_mixed_precision(model, Q.get_minmax_qconfig(), x, score, max_float_layers=2, mode="fx",
                                         progress=False)
-    assert fast.float_layers == ["head", "operator.mul#0"] and exact.float_layers == ["head", "stem"]
-    assert fast.final_metric > 1.4 * exact.final_metric
-    assert mapping.module_name_object_type_order_qconfigs == {("", operator.mul, 0): None}
+    assert fast.float_layers == ["head", "stem"] and exact.float_layers == ["head", "stem"]
+    assert fast.final_metric == pytest.approx(exact.final_metric, rel=1e-9)
+    assert mapping.module_name_object_type_order_qconfigs == {}  # (the mul follows 'head')
     # the mul and the returned add run in float in the built model, the blocks' adds stay QFunctional
     floats = [n.target for gm in q.modules() if isinstance(gm, torch.fx.GraphModule) for n in gm.graph.nodes
               if n.op == "call_function" and n.target in (operator.mul, torch.add, operator.add)]
@@ -141,7 +143,8 @@ def test_graph_mode_ops_are_exact_search_candidates():
 def test_graph_reused_layer_row_is_the_built_models():
     """A layer called twice ('r'): one float twin on the layer's one (shared-observer) grid served both calls. Its row
     was -2.07e-5 where the model built with 'r' float scores -1.49e-5 (the first call's output stays float, the
-    second rounds on the grid of its own outputs); the walk then kept ['a'] (-1.49e-5), now ['a', 'r'] (-7.13e-6)."""
+    second rounds on the grid of its own outputs); the walk then kept ['a'] (-1.49e-5), now ['a', 'r'] (-7.13e-6);
+    session 44 (an add read by a float layer is float too) ['r', 'b'] (-3.06e-6)."""
     model, x, score = _read_through_case()
     with kernels.use_backend("reference"):
         _, fast = auto_mixed_precision(model, Q.get_minmax_qconfig(), x, score, max_float_layers=2, mode="fx",
@@ -153,7 +156,7 @@ def test_graph_reused_layer_row_is_the_built_models():
         # 'a' and 'r' float: prepare_fx keeps the add between them float too (float input, float reader only),
         # and 'a''s output is rounded for the int8 'b' only
         built, _ = _built(model, x, score, fast.float_layers, fast.op_keys)
-    assert sorted(fast.float_layers) == ["a", "r"]
+    assert sorted(fast.float_layers) == ["b", "r"]
     assert fast.final_metric == pytest.approx(built, rel=1e-9)
 
 

@@ -62,7 +62,7 @@ from ..speed_guard import requant_grid, run_in_own_dtype
 from ..workflow.hooks import _tagged
 from .graph_swap import call_grid, float_only_readers, input_quantizes, make_op_twin, node_of, op_candidates, readers
 from .graph_swap import insert_gates, settle, sources, split_calls
-from .swap_edges import _plain_copy, insert_picks
+from .swap_edges import _plain_copy, float_read, insert_picks, island_ops
 from .sensitivity import SensitivityRow, SensitivityTable, _quiet_float_fallback, _score, metric_drop
 from .sensitivity import warn_if_lower_is_better
 
@@ -184,13 +184,13 @@ class _Plan:
     """What ``search="fast"`` swaps: ``swaps`` ``{name: [(path in qmodel, float replacement), ...]}`` per candidate,
     ``twins`` ``[(name, a float twin, the candidates that alone read its output)]`` (``_regrid``), ``op_keys`` ``{op
     name: call-order key}`` and ``islands`` ``{op name: (reader names, an int8 non-candidate reads it, source names,
-    it reads a float value)}``: an int8 op that nothing int8 reads any more and that reads a float value is kept float
-    by ``prepare_fx`` (a float island), whether the mapping names it or not (``_islands``)."""
+    it reads a float value, a float op reads it)}``: the int8 ops ``prepare_fx`` keeps float once nothing int8 reads
+    them (``fx.islands``), whether the mapping names them or not (``_islands``)."""
 
     swaps: dict[str, list[tuple[str, nn.Module]]]
     twins: Twins = field(default_factory=list)
     op_keys: dict[str, tuple[str, Any, int]] = field(default_factory=dict)
-    islands: dict[str, tuple[set[str], bool, set[str], bool]] = field(default_factory=dict)
+    islands: dict[str, tuple[set[str], bool, set[str], bool, bool]] = field(default_factory=dict)
     op_kinds: dict[str, str] = field(default_factory=dict)  # op name -> "add", "add_relu", "cat", ... (the type column)
     gates: list[tuple[nn.Module, str, set[str], bool]] = field(default_factory=list)  # (gate, producer, readers, int)
     picks: list[tuple[nn.Module, str]] = field(default_factory=list)  # (a _Pick, the candidate it feeds)
@@ -230,7 +230,7 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool 
         m, o, int_other = readers(gm, gpath, node, set(name_of))
         src, float_in = sources(gm, gpath, node, set(name_of))
         entries.append((name, twin, m, o))
-        islands[name] = ({name_of[p] for p in m}, int_other, {name_of[p] for p in src}, float_in)
+        islands[name] = ({name_of[p] for p in m}, int_other, {name_of[p] for p in src}, float_in, float_read(gm, node))
     for path, (name, k) in calls.items():
         qmod = qmodel.get_submodule(path)
         parent, _, last = path.rpartition(".")
@@ -279,16 +279,8 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool 
 
 
 def _islands(plan: _Plan, floats: set[str]) -> set[str]:
-    """``floats`` and the int8 ops ``prepare_fx`` then keeps float as islands (``fx.classify``'s rule: no int op reads
-    the op's value, and it reads a float one), to a fixed point."""
-    out, changed = set(floats), True
-    while changed:
-        changed = False
-        for op, (mods, int_other, src, float_in) in plan.islands.items():
-            if op not in out and not int_other and mods <= out and (float_in or src & out):
-                out.add(op)
-                changed = True
-    return out
+    """``floats`` and the int8 ops ``prepare_fx`` then keeps float as islands (``graph_swap.island_ops``)."""
+    return island_ops(plan.islands, floats)
 
 
 def _regrid(twins: Twins, floats: set[str]) -> None:

@@ -10,6 +10,10 @@ it back for the gate ``graph_swap.insert_gates`` puts there.
 layers) stays while one of them is int8; a float reader in the built model reads the float value itself:
 ``insert_picks`` puts a ``_Pick`` on each such edge into a candidate (``active``: the float value).
 
+**Islands** (graph mode, ``island_ops``). Once layers are float, ``prepare_fx`` keeps float the int8 adds / muls /
+cats that no int8 op reads any more, by ``fx.islands``' group rule (a float input, or a float op reading one):
+``float_read`` tells the last from the converted graph (a ``DeQuantize`` feeding more than the output).
+
 **Plain float copies** (``_plain_copy``). A float twin is a copy of the prepared module without what ``prepare``
 added (eager: observers and their hooks).
 
@@ -34,10 +38,10 @@ from typing import Any
 from torch import fx, nn
 
 from ..fake_quant.base import holds_grid
-from ..nn.quantized.stubs import Quantize
+from ..nn.quantized.stubs import DeQuantize, Quantize
 from ..qscheme import as_qdtype
 
-__all__ = ["record_share_ends", "share_end_grid", "insert_picks"]
+__all__ = ["record_share_ends", "share_end_grid", "insert_picks", "float_read", "island_ops"]
 
 
 def _shape_read(u: fx.Node) -> bool:
@@ -154,3 +158,47 @@ def _plain_copy(prepared_mod: nn.Module) -> nn.Module:
     for m in list(mod.modules()):
         _strip(m)
     return mod
+
+
+def float_read(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether a float op reads ``node``'s value: a ``DeQuantize`` of it (through grid-sharing ops) that feeds more
+    than the graph's output (``fx.islands``: such an int8 op is kept float once no int8 op reads it)."""
+    from ..fx.patterns import is_share_op
+
+    todo, seen = list(node.users), set()
+    while todo:
+        u = todo.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        mod = gm.get_submodule(str(u.target)) if u.op == "call_module" else None
+        if isinstance(mod, DeQuantize) and any(r.op != "output" for r in u.users):
+            return True
+        if u.op != "output" and not isinstance(mod, (Quantize, DeQuantize)) and is_share_op(u, mod):
+            todo.extend(u.users)
+    return False
+
+
+def island_ops(islands: dict[str, tuple[set[str], bool, set[str], bool, bool]], floats: set[str]) -> set[str]:
+    """``floats`` and the int8 ops ``prepare_fx`` then keeps float (``fx.islands``' rule on the converted graph): the
+    ops no int8 non-candidate reads (``islands[op]``: candidate readers, an int8 non-candidate reads it, candidate
+    sources, it reads a float value, a float op reads it) whose candidate readers are float or such ops too, kept
+    float by connected groups where one reads a float value (a float source) or a float op or layer reads one."""
+    out = set(floats)
+    cand = {op for op, (_, int_other, *_rest) in islands.items() if op not in out and not int_other}
+    while drop := {op for op in cand if not islands[op][0] <= out | cand}:
+        cand -= drop
+    seen: set[str] = set()
+    for start in sorted(cand):
+        if start in seen:
+            continue
+        group, todo = set(), [start]
+        while todo:
+            op = todo.pop()
+            if op not in group:
+                group.add(op)
+                todo += [o for o in (*islands[op][0], *islands[op][2]) if o in cand]
+        seen |= group
+        if any(islands[op][3] or islands[op][2] & out or islands[op][0] & out or islands[op][4] for op in group):
+            out |= group
+    return out
