@@ -183,7 +183,7 @@ def island_ops(islands: dict[str, tuple[set[str], bool, set[str], bool, bool]], 
     """``floats`` and the int8 ops ``prepare_fx`` then keeps float (``fx.islands``' rule on the converted graph): the
     ops no int8 non-candidate reads (``islands[op]``: candidate readers, an int8 non-candidate reads it, candidate
     sources, it reads a float value, a float op reads it) whose candidate readers are float or such ops too, kept
-    float by connected groups where one reads a float value (a float source) or a float op or layer reads one."""
+    float by connected groups where each reads a float value (a float source) or a float op or layer reads one."""
     out = set(floats)
     cand = {op for op, (_, int_other, *_rest) in islands.items() if op not in out and not int_other}
     while drop := {op for op in cand if not islands[op][0] <= out | cand}:
@@ -199,6 +199,7 @@ def island_ops(islands: dict[str, tuple[set[str], bool, set[str], bool, bool]], 
                 group.add(op)
                 todo += [o for o in (*islands[op][0], *islands[op][2]) if o in cand]
         seen |= group
-        if any(islands[op][3] or islands[op][2] & out or islands[op][0] & out or islands[op][4] for op in group):
+        if any(islands[op][0] & out or islands[op][4] for op in group) or \
+                all(islands[op][3] or islands[op][2] & out for op in group):
             out |= group
     return out

@@ -6,11 +6,12 @@ keeps them float, by groups (split from ``lowbit.fx.classify``, session 44):
 
 - the candidates are the ``functional`` / ``act`` nodes; an int ``matmul`` (a kernel) only with a float input;
 - a candidate read by an int op that is not a candidate is dropped, until none is (reads through shape ops count);
-- a connected group of the rest is kept float when one of them has a float-domain input (the residual
+- a connected group of the rest is kept float when each of them has a float-domain input (the residual
   ``LayerNorm(dense(x) + x)`` of a BERT layer: int8 would quantize ``x`` first) or a float op reads one of them (a
   pre-norm transformer's residual stream, whose adds only LayerNorms and the next add read: int8 from add to add, a
   ViT's class-token row, 50x smaller than the patch rows, kept ~7 codes of the stream's grid: 14.2 dB -> 24.9 dB);
-- a group read only by the graph's output stays int8 (``return a(x) + b(x)``, as torch.ao).
+- a group read only by the graph's output stays int8 (``return a(x) + b(x)``, ``torch.cat([x, x], 1) + 1``: as
+  torch.ao).
 
 >>> import operator
 >>> from torch import fx
@@ -86,7 +87,7 @@ def demote_float_islands(gm: fx.GraphModule, report: FxReport, prefix: str) -> b
         group = _group(start, cand)
         seen |= group
         reader = any(r.meta.get("lowbit_kind") == "float" for n in group for r in _readers(n))
-        if not reader and not any(_float_in(n) for n in group):
+        if not reader and not all(_float_in(n) for n in group):
             continue
         for n in [m for m in gm.graph.nodes if m in group]:  # (graph order: a stable report)
             n.meta.update(lowbit_kind="float", lowbit_qop=None)
