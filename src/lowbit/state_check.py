@@ -29,14 +29,18 @@ modules); torch then assigns it, or refuses to copy it into a real buffer ("Cann
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
 from .qscheme import QDtype
 
-__all__ = ["check_quantized_state", "grid_names", "guard_loading", "StateDictError"]
+__all__ = ["check_quantized_state", "grid_names", "guard_loading", "key_errors", "own_keys", "StateDictError"]
 
+# convert's "saw no data" errors: the way to build the model a converted checkpoint loads into
+LOAD_HINT = ("to build a model only to load a saved state_dict into, one batch of any data of the input's shape is "
+             "enough: load_state_dict replaces every grid and code")
 GRIDS_KEY = "lowbit_grids"  # a module's entry in a state_dict's ``_metadata``: its grid_names at save
 
 
@@ -138,6 +142,53 @@ def check_quantized_state(module: torch.nn.Module, state_dict: dict[str, Any], p
     return errors
 
 
+def own_keys(module: torch.nn.Module) -> list[str]:
+    """The names ``module`` saves its own tensors under in a ``state_dict`` (parameters and persistent buffers that
+    are not ``None``; children excluded), in registration order."""
+    names = [n for n, p in module._parameters.items() if p is not None]
+    return names + [n for n, b in module._buffers.items() if b is not None and n not in module._non_persistent_buffers_set]
+
+
+def key_errors(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, strict: bool = False) -> list[str]:
+    """The key problems of a checkpoint for a quantized ``module`` whose tensors (codes, their scales and zero points,
+    the grids they are read on) only mean something together, so they load together or not at all:
+
+    - a float ``weight`` where the module holds codes (the checkpoint of the float model: with ``strict=False`` torch
+      skipped it and loaded the float ``bias`` next to the old codes);
+    - some of the module's keys but not all (``strict=False`` loaded them next to the other state's grid);
+    - with ``strict``: none of its keys (missing), or a key of its own level it does not have (unexpected); torch
+      reports those after it has loaded every other module, so ``guard_loading`` raises them before.
+
+    >>> import torch
+    >>> m = torch.nn.Module()
+    >>> m.register_buffer("weight_int8", torch.zeros(2, 2, dtype=torch.int8))
+    >>> m.register_buffer("weight_scale", torch.ones(2))
+    >>> print(key_errors(m, {"fc.weight_int8": torch.zeros(2, 2, dtype=torch.int8)}, "fc.")[0][:63])
+    fc: the checkpoint holds fc.weight_int8 but not fc.weight_scale
+    """
+    own, where = own_keys(module), type(module).__name__
+    present = [k for k in own if prefix + k in state_dict]
+    weight = state_dict.get(prefix + "weight")
+    if "weight" not in own and isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        codes = ", ".join(prefix + k for k in own if "weight" in k or k in ("scales", "zero_points"))
+        return [f"{prefix}weight: a float weight of shape {tuple(weight.shape)} where this quantized {where} holds "
+                f"{codes}: the checkpoint of a float model (load it into the float model, then quantize)"]
+    if present and len(present) < len(own):
+        return [f"{prefix[:-1] or '<model>'}: the checkpoint holds {', '.join(prefix + k for k in present)} but not "
+                f"{', '.join(prefix + k for k in own if k not in present)} ({where}): a quantized module loads its codes "
+                "and grids together"]
+    if not strict:
+        return []
+    errors = [] if present or not own else [f"Missing key(s) in state_dict: {', '.join(repr(prefix + k) for k in own)} "
+                                            f"({where})"]
+    children = set(module._modules)
+    extra = [k for k in state_dict if k.startswith(prefix) and "." not in k[len(prefix):]
+             and k[len(prefix):] not in own and k[len(prefix):] not in children and k[len(prefix):] != "_extra_state"]
+    if extra:
+        errors.append(f"Unexpected key(s) in state_dict: {', '.join(map(repr, extra))} ({where})")
+    return errors
+
+
 class StateDictError(ValueError, RuntimeError):
     """A checkpoint refused by lowbit's checks at ``load_state_dict``: a ``ValueError`` (a bad value, named with its
     key) that is also the ``RuntimeError`` torch's ``load_state_dict`` raises, so code catching either sees it."""
@@ -158,12 +209,27 @@ def guard_loading(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _load_is_strict() -> bool:
+    """The ``strict`` of the ``nn.Module.load_state_dict`` call running this hook: torch hands its hooks
+    ``strict=True`` always and applies the caller's only after every module has loaded, so it is read from that call's
+    frame (``False`` when no such frame is found: ``_load_from_state_dict`` called directly, no early key errors)."""
+    frame, code = sys._getframe(1), torch.nn.Module.load_state_dict.__code__
+    for _ in range(256):  # (each nesting level of the model adds two frames: load and _load_from_state_dict)
+        if frame is None:
+            break
+        if frame.f_code is code:
+            return bool(frame.f_locals.get("strict", True))
+        frame = frame.f_back
+    return False
+
+
 def _check_all(model: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any,
                *_: Any) -> None:
     """``guard_loading``'s pre-hook: each submodule's ``_state_errors`` on the incoming ``state_dict``."""
     meta = getattr(state_dict, "_metadata", None) or {}
     assign = bool((local_metadata or {}).get("assign_to_params_buffers"))
     errors: list[str] = []
+    strict = _load_is_strict()
     for name, mod in model.named_modules(remove_duplicate=False):  # (a shared module loads under each of its names)
         check = getattr(mod, "_state_errors", None)
         if check is None:
@@ -173,5 +239,14 @@ def _check_all(model: torch.nn.Module, state_dict: dict[str, Any], prefix: str, 
         if assign:
             md["assign_to_params_buffers"] = True
         errors += check(state_dict, p, md)
+        if strict and getattr(mod, "_keys_load_together", False):  # (the rest of key_errors: in _state_errors)
+            errors += [e for e in key_errors(mod, state_dict, p, strict=True) if e.startswith(("Missing", "Unexp"))]
+    if strict and any(e.startswith("Missing") for e in errors):  # (torch's message would list these too)
+        known = {prefix + (n + "." if n else "") + k for n, m in model.named_modules(remove_duplicate=False)
+                 for k in own_keys(m) + ["_extra_state"]}
+        extra = [k for k in state_dict if k.startswith(prefix) and k not in known and not any(k in e for e in errors)]
+        if extra:
+            errors.append(f"Unexpected key(s) in state_dict: {', '.join(map(repr, extra[:10]))}"
+                          f"{f' (and {len(extra) - 10} more)' if len(extra) > 10 else ''}")
     if errors:
         refuse_state(model, errors)

@@ -22,6 +22,7 @@ from ..nn.quantized._utils import output_qparams
 from ..nn.quantized.functional_modules import QFunctional, scaled_operand
 from ..nn.quantized.stubs import DeQuantize, Quantize
 from ..observer import PlaceholderObserver
+from ..state_check import LOAD_HINT
 from .convert_dynamic import set_module as _set_module, what as _what
 from .patterns import func_activation, is_dropout
 from .prepare import returned_values
@@ -223,7 +224,7 @@ class _Converter:
                         "give it a dynamic qconfig (get_dynamic_qconfig())")
                 raise RuntimeError(f"convert_fx: {where}the observer after '{src.name}' ({_what(src, self.gm)}) saw "
                                    "no data (or only NaN/Inf values, which observers ignore); run calibration batches "
-                                   "through the prepared model before convert_fx()")
+                                   f"through the prepared model before convert_fx() ({LOAD_HINT})")
             if role == "obs_in" and src in self.quantized_inputs:  # arrives as a QTensor: no Quantize
                 node.replace_all_uses_with(src)
                 self.graph.erase_node(node)

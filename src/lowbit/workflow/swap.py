@@ -38,7 +38,7 @@ from .hooks import (_AVERAGING_POOLS, _NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_
                     _is_observer, _is_table_recipe, _remove_observer_hooks)
 from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, warn_graph_mode,
                         is_dynamic_qconfig)
-from ..state_check import guard_loading
+from ..state_check import LOAD_HINT, guard_loading
 
 __all__ = ["convert"]
 
@@ -81,7 +81,8 @@ def _swap(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertR
     if obs is not None and not holds_grid(obs):
         raise RuntimeError(
             f"convert: module '{_path(name)}' ({type(mod).__name__}) has an observer that saw no data (or only NaN/Inf "
-            "values, which observers ignore); run calibration batches through the prepared model before convert()"
+            "values, which observers ignore); run calibration batches through the prepared model before convert() "
+            f"({LOAD_HINT})"
         )
     qcls = mapping[type(mod)]
     src = mod.fold() if isinstance(mod, BnFoldedBase) else mod

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ...functional import check_quantized_state
-from ...state_check import GRIDS_KEY, grid_names, refuse_state
+from ...state_check import GRIDS_KEY, grid_names, key_errors, refuse_state
 
 __all__ = ["CheckedQuantState", "check_quantized_state"]
 
@@ -66,6 +66,7 @@ class CheckedQuantState(nn.Module):
     sets ``_keep_buffer_dtypes = False``."""
 
     _keep_buffer_dtypes = True
+    _keys_load_together = True  # (state_check.key_errors: codes and grids load together or not at all)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         before = {n: b for n, b in self._buffers.items() if b is not None} if self._keep_buffer_dtypes else {}
@@ -87,7 +88,7 @@ class CheckedQuantState(nn.Module):
     def _state_errors(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> list[str]:
         """The problems of the incoming values of this module's buffers (``check_quantized_state``; shapes as torch
         checks them; with ``assign=True`` the dtypes) — pure: ``guard_loading`` runs it on a whole checkpoint first."""
-        errors = check_quantized_state(self, state_dict, prefix, local_metadata)
+        errors = key_errors(self, state_dict, prefix) + check_quantized_state(self, state_dict, prefix, local_metadata)
         assign = bool((local_metadata or {}).get("assign_to_params_buffers"))
         for name, buf in self._buffers.items():
             value = state_dict.get(prefix + name)
