@@ -149,8 +149,7 @@ def test_whole_model_pickles_load_in_a_fresh_process_and_weights_only_refuses_th
             torch.save({"x": x, "ref": q(x)}, tmp_path / f"{k}.io")
         torch.save(q, tmp_path / f"{k}.pt")
     code = f"""
-import sys, pickle, torch, warnings
-sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+import pickle, torch, warnings
 import lowbit  # noqa: F401
 warnings.simplefilter("ignore")
 for k in {kinds!r}:
