@@ -270,3 +270,29 @@ def test_a_loaded_deep_copy_and_pickle_keep_all_or_nothing_loading():
         with pytest.raises(RuntimeError, match=r"fc2: the checkpoint holds .* but not fc2[.]scale"):
             q.load_state_dict(sd)
         assert _same(_snapshot(q), before)
+
+
+@pytest.mark.parametrize("target,loaded", [("per_tensor_symmetric", "per_channel_symmetric"),
+                                           ("per_tensor_symmetric", "per_channel_affine"),
+                                           ("per_channel_symmetric", "per_channel_affine")])
+def test_a_loaded_weight_grid_of_another_scheme_runs_as_its_source_and_relabels_the_layer(target, loaded):
+    """A per-tensor weight grid is stored as (C,) equal rows, so a per-channel checkpoint loads into a per-tensor
+    layer (and a symmetric one takes an affine checkpoint) and runs bit for bit as its source; before, the layer kept
+    saying ``qscheme=per_tensor_symmetric`` over 4 different channel scales."""
+    def build(seed: int, scheme: str) -> nn.Module:
+        m = _net(seed)
+        obs = Q.MinMaxObserver if scheme.startswith("per_tensor") else Q.PerChannelMinMaxObserver
+        m.qconfig = Q.QConfig(activation=Q.MinMaxObserver,
+                              weight=obs.with_args(qdtype=Q.qint8, qscheme=getattr(Q, scheme)))
+        p = Q.prepare(m)
+        for x in _data(seed):
+            p(x)
+        return Q.convert(p)
+    src, q = build(0, loaded), build(1, target)
+    assert q.conv.weight_qscheme.value == target and src.conv.weight_qscheme.value == loaded
+    q.load_state_dict(_rt(src.state_dict()))
+    with torch.no_grad():
+        assert torch.equal(q(X), src(X))
+    for name in ("conv", "fc", "fc2"):
+        assert getattr(q, name).weight_qscheme.value == loaded, name
+        assert f"qscheme={loaded}" in repr(getattr(q, name))

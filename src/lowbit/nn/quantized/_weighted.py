@@ -229,6 +229,12 @@ class WeightedQuantModule(CheckedQuantState):
         super()._load_from_state_dict(*args, **kwargs)
         scale = 0.0 if self.input_scale.is_meta else float(self.input_scale)  # (meta, assign=True: no values yet)
         self._input_grid = (scale, int(self.input_zero_point), self.input_qdtype) if scale > 0 else None
+        ws, wz = self.weight_scale, self.weight_zero_point
+        if not ws.is_meta and ws.numel():  # the label follows the loaded grid: a per-channel checkpoint in a per-tensor layer
+            per_channel = self.weight_qscheme.is_per_channel or bool((ws != ws[0]).any() or (wz != wz[0]).any())
+            symmetric = self.weight_qscheme.is_symmetric and not bool(wz.any())
+            self.weight_qscheme = QScheme(f"per_{'channel' if per_channel else 'tensor'}_"
+                                          f"{'symmetric' if symmetric else 'affine'}")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
