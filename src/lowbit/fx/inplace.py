@@ -67,6 +67,7 @@ _PART_VIEW_FUNCS = {operator.getitem, torch.narrow, torch.select, torch.transpos
                     torch.diagonal, torch.movedim, torch.moveaxis, torch.swapaxes, torch.swapdims, torch.chunk,
                     torch.split, torch.tensor_split, torch.unbind, torch.detach, torch.view_as_real, torch.ravel,
                     torch.atleast_1d, torch.atleast_2d, torch.atleast_3d}
+_LAYOUT_READS = {"stride", "storage_offset"}  # (a QTensor's: its codes' layout; re-read on the float copy)
 _VIEW_ATTRS = {"T", "mT", "H", "mH", "real", "imag", "data"}
 _F_MODULES = ("torch", "torch._C._VariableFunctions", "torch._C._nn", "torch.nn.functional")  # F.hardtanh_: _C._nn
 _METHOD_TWINS = {"relu_": "relu", "squeeze_": "squeeze", "unsqueeze_": "unsqueeze", "detach_": "detach",
@@ -225,15 +226,39 @@ def _write_on_copy(gm: fx.GraphModule, write: fx.Node, target: fx.Node, order: d
             base = parent[node]
             new = replay(base, rep)
             if _step_base(node) is base:  # (an earlier in-place write aliases what it wrote into)
-                new = graph.node_copy(node, lambda a: new if a is base else a)
+                new = graph.node_copy(node, lambda a: new if a is base else layout(a, rep))
                 new.meta["lowbit_inserted"] = True
             rep[node] = new
         return rep[node]
 
+    def layout(arg: fx.Node, rep: dict[fx.Node, fx.Node]) -> fx.Node:
+        """``arg`` read again on the copy when it is a layout read of ``root`` or a view of it (``a.stride()``,
+        ``a.stride(1)``, ``a.stride()[2]``, ``a.storage_offset()``): a QTensor's strides are its codes' (channels-last
+        after an int8 conv), the copy's are row-major as the float model's tensor; the view must be taken with the
+        copy's (``a.as_strided(a.size(), a.stride())[:, :4].mul_(2)`` wrote the wrong elements: 7.7 dB)."""
+        if arg.op == "call_function" and arg.target is operator.getitem and isinstance(arg.args[0], fx.Node):
+            inner = layout(arg.args[0], rep)
+            if inner is arg.args[0]:
+                return arg
+            item = graph.call_function(operator.getitem, (inner, *arg.args[1:]))
+            item.meta["lowbit_inserted"] = True
+            return item
+        src = arg.args[0] if arg.op == "call_method" and arg.target in _LAYOUT_READS and arg.args else None
+        if not isinstance(src, fx.Node) or (src is not root and src not in parent):
+            return arg
+        key = (id(rep), arg)
+        if key not in reads:
+            reads[key] = graph.call_method(str(arg.target), (replay(src, rep), *arg.args[1:]), dict(arg.kwargs))
+            reads[key].meta["lowbit_inserted"] = True
+        return reads[key]
+
+    reads: dict[tuple[int, fx.Node], fx.Node] = {}
+
     scope = write.meta.get("lowbit_scope", "")
     with graph.inserting_before(write):
         copy = graph.call_function(writable_copy, (root,))
-        part = replay(target, {root: copy})
+        before = {root: copy}  # (held: ``reads`` is keyed by its id)
+        part = replay(target, before)
         new = graph.node_copy(write, lambda a: part if a is target else a)
         done = graph.call_function(written, (copy, new))
         after = {root: done}
