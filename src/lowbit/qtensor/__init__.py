@@ -39,6 +39,7 @@ from ..compile_state import tracing
 from ..functional import _F32_MAX, _F32_TINY, check_ch_axis, dequantize
 from ..qscheme import QDtype, QScheme, as_qdtype
 from .axis import indexed_axis, reshaped_axis, traced
+from .dtype_view import dtype_view
 from .layout import contiguous_codes, merges_channels_last, view_of_channels_last
 
 __all__ = ["QTensor", "quantize_per_tensor", "quantize_per_channel"]
@@ -275,10 +276,10 @@ class QTensor:
         return self._float_fallback(name, *args) if axis is None else self._regrid(q, axis)
 
     def view(self, *shape: Any, **kwargs: Any) -> Any:
-        """A view of another shape; ``view(dtype)`` is torch's reinterpretation of the storage: a quantized tensor
-        gives its codes' bytes as a plain tensor of that dtype (``torch.quantize_per_tensor(...).view(torch.int8)``)."""
-        if "dtype" in kwargs or (len(shape) == 1 and isinstance(shape[0], torch.dtype)):
-            return self._q.view(kwargs.pop("dtype", None) or shape[0])
+        """A view of another shape; ``view(dtype)`` (``dtype_view``): ``torch.float32`` the same tensor, a 1-byte dtype
+        its codes' bytes as a plain tensor (``torch.quantize_per_tensor(...).view(torch.int8)``), else a clear error."""
+        if "dtype" in kwargs or (len(shape) == 1 and isinstance(shape[0], (torch.dtype, QDtype))):
+            return dtype_view(self, kwargs.pop("dtype", None) or shape[0])
         if "size" in kwargs:
             shape = (kwargs.pop("size"),)
         return self._reshaped("view", *shape)
