@@ -76,34 +76,43 @@ def _require(name: str, who: str) -> Any:
 
 
 def _check_path(path: Any, where: str = "to_onnx", name: str = "path") -> Path:
-    """A writable file path, or an error naming ``where``'s argument ``name``."""
+    """A writable file path, or an error naming ``where``'s argument ``name``. A symbolic link (to a file, or
+    dangling) is written through, as ``open(path, "w")`` does: the file it names is checked and returned, and the link
+    stays (``os.replace`` onto the link replaced it by a regular file; a dangling link's check also left an empty file
+    at its target). A name ending in a separator, ``.`` or ``..`` (``'x.onnx/'``, a directory's name) is refused (``Path``
+    dropped the slash: it wrote ``x.onnx``)."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{where}: {name} must be a str or os.PathLike, got {type(path).__name__} {path!r}")
     text = os.fspath(path)
     if not text or "\0" in str(text):  # ('' was read as '.', "a directory"; a NUL raised "embedded null byte")
         raise ValueError(f"{where}: {name}={text!r} is {'empty' if not text else 'not a file name (it holds a NUL)'}; "
                          "give a file name such as model.onnx")
-    p = Path(path)
+    if os.fsdecode(os.path.basename(text)) in ("", ".", ".."):  # ('x.onnx/', 'x.onnx/.')
+        raise ValueError(f"{where}: {name}={text!r} names a directory (it ends with a path separator, '.' or '..'); "
+                         "give a file name such as model.onnx")
+    p, link = Path(path), os.path.islink(text)
+    shown = repr(str(p)) + (f" (a symbolic link to {os.path.realpath(text)!r})" if link else "")
+    p = Path(os.path.realpath(text)) if link else p
     try:
         mode = p.stat().st_mode if p.exists() else None
         parent_ok = p.parent.is_dir()
     except OSError as e:  # (a name past the file system's limit: ENAMETOOLONG)
-        raise ValueError(f"{where}: cannot write {name}={str(p)!r}: {e.strerror or e}") from None
+        raise ValueError(f"{where}: cannot write {name}={shown}: {e.strerror or e}") from None
     if mode is not None and stat.S_ISDIR(mode):
-        raise ValueError(f"{where}: {name}={str(p)!r} is a directory; give a file name such as model.onnx")
+        raise ValueError(f"{where}: {name}={shown} is a directory; give a file name such as model.onnx")
     if mode is not None and not stat.S_ISREG(mode):
         # (to_onnx renames its finished file onto ``path``: a device such as /dev/null, or a FIFO, would be replaced
         # by a regular file; and opening a FIFO to check it blocks until a reader comes)
-        raise ValueError(f"{where}: {name}={str(p)!r} exists and is not a regular file; give a file name such as "
+        raise ValueError(f"{where}: {name}={shown} exists and is not a regular file; give a file name such as "
                          "model.onnx")
     if not parent_ok:
-        raise ValueError(f"{where}: cannot write {name}={str(p)!r}: directory {str(p.parent)!r} does not exist")
+        raise ValueError(f"{where}: cannot write {name}={shown}: directory {str(p.parent)!r} does not exist")
     existed = mode is not None
     try:
         with open(p, "ab"):
             pass
     except OSError as e:
-        raise ValueError(f"{where}: cannot write {name}={str(p)!r}: {e.strerror or e}") from e
+        raise ValueError(f"{where}: cannot write {name}={shown}: {e.strerror or e}") from e
     if not existed:
         p.unlink()
     return p
@@ -147,7 +156,7 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     if not isinstance(dynamic_batch, bool):
         raise TypeError(f"to_onnx: dynamic_batch={dynamic_batch!r} must be True or False")
     inputs = tuple(t.cpu() for t in _check_inputs(example_inputs))
-    out_path = _check_path(path)
+    out_path = _check_path(path)  # (a symbolic link's target: written through, the link kept)
     if not (isinstance(exact, bool) or (isinstance(exact, str) and exact == "x86")):
         raise TypeError(f"to_onnx: exact={exact!r} must be True, False or 'x86' (exact on x86 ONNX Runtime, with "
                         "Conv requantization ORT keeps in its NCHWc layout)")
@@ -182,7 +191,7 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
         os.replace(tmp, out_path)
     finally:
         tmp.unlink(missing_ok=True)
-    return out_path
+    return Path(path)
 
 
 _EXPORT_LOCK = threading.Lock()  # the symbolic registry below is process-wide: one export at a time
