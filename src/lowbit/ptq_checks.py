@@ -106,10 +106,13 @@ def check_options(recipe: Any, *, iters: Any, batch_size: Any, seed: Any, blocks
     """
     if not isinstance(recipe, str) or recipe not in RECIPES:  # (an array's == is elementwise: `in` raised)
         raise ValueError(f"quantize_ptq: recipe={recipe!r}; choose one of {list(RECIPES)}")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
-        raise ValueError(f"quantize_ptq: iters={iters!r} must be an int >= 0")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"quantize_ptq: batch_size={batch_size!r} must be an int >= 1 (samples per rounding step)")
+    # step and sample counts are int64 where torch reads them (tune_biases / distill check the same bounds): past
+    # 2**63 one overflowed deep in torch or ran forever (iters=2**70)
+    if isinstance(iters, bool) or not isinstance(iters, int) or not 0 <= iters < 2 ** 63:
+        raise ValueError(f"quantize_ptq: iters={iters!r} must be an int in [0, 2**63) (AdaRound steps per layer)")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size < 2 ** 63:
+        raise ValueError(f"quantize_ptq: batch_size={batch_size!r} must be an int in [1, 2**63) (samples per rounding "
+                         "step)")
     check_seed("quantize_ptq", seed)
     if not isinstance(blocks, bool):
         raise TypeError(f"quantize_ptq: blocks={blocks!r} must be True or False")
@@ -120,12 +123,13 @@ def check_options(recipe: Any, *, iters: Any, batch_size: Any, seed: Any, blocks
     if isinstance(distill, bool) or not isinstance(distill, int) or not 0 <= distill < 2 ** 63:
         raise ValueError(f"quantize_ptq: distill={distill!r} must be an int in [0, 2**63) (steps of end-to-end "
                          "distillation)")
-    if isinstance(tune, bool) or not isinstance(tune, int) or tune < 0:
-        raise ValueError(f"quantize_ptq: tune={tune!r} must be an int >= 0 (steps of end-to-end bias tuning)")
+    if isinstance(tune, bool) or not isinstance(tune, int) or not 0 <= tune < 2 ** 63:
+        raise ValueError(f"quantize_ptq: tune={tune!r} must be an int in [0, 2**63) (steps of end-to-end bias tuning)")
     if not isinstance(float_output, bool):
         raise TypeError(f"quantize_ptq: float_output={float_output!r} must be True or False")
-    if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
-        raise ValueError(f"quantize_ptq: refine={refine!r} must be an int >= 0 (activation grids searched on the output)")
+    if isinstance(refine, bool) or not isinstance(refine, int) or not 0 <= refine < 2 ** 63:
+        raise ValueError(f"quantize_ptq: refine={refine!r} must be an int in [0, 2**63) (activation grids searched on "
+                         "the output)")
     if isinstance(max_float_layers, bool) or not isinstance(max_float_layers, int) or max_float_layers < 0:
         raise ValueError(f"quantize_ptq: max_float_layers={max_float_layers!r} must be an int >= 0")
     if streams is not None and (isinstance(streams, bool) or not isinstance(streams, (int, float))
