@@ -83,3 +83,20 @@ def _failed_fake(like: torch.Tensor, refused: torch.Tensor, kind: str, message: 
 
 
 define("failed(Tensor like, Tensor refused, str kind, str message) -> Tensor", failed_op, _failed_fake)
+
+
+def checked_ids_op(idx: torch.Tensor, n: int, where: str) -> torch.Tensor:
+    """``idx`` as int64 (a copy), or ``IndexError`` naming the first id outside ``[0, n)``: the eager embedding's own
+    refusal, made where a compiled program runs (the ids' values are unknown while ``torch.compile`` traces)."""
+    ids = idx.to(torch.int64, copy=True)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        bad = ids[(ids < 0) | (ids >= n)][0].item()
+        raise IndexError(f"{where}: index {bad} is out of range for {n} embeddings")
+    return ids
+
+
+def _checked_ids_fake(idx: torch.Tensor, n: int, where: str) -> torch.Tensor:
+    return torch.empty_like(idx, dtype=torch.int64)
+
+
+define("checked_ids(Tensor idx, int n, str where) -> Tensor", checked_ids_op, _checked_ids_fake)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ from ._checks import check_no_nan, check_not_meta  # noqa: F401 (re-exported: mo
 
 __all__ = ["quantize_weight", "weight_qparams", "weight_qscheme", "observer_grid", "output_qparams", "as_qtensor",
            "float_op", "check_out_grid", "check_no_nan", "check_finite_weight", "check_finite_linears", "InputGrid",
-           "refused_result"]
+           "refused_result", "refused_call"]
 
 InputGrid = tuple[float, int, QDtype]
 
@@ -270,13 +270,20 @@ def check_out_grid(scale: Any, zero_point: Any, qdtype: Any, where: str) -> tupl
     return float(scale), int(zero_point), qdtype
 
 
-def refused_result(module: nn.Module, error: type[Exception], message: str, qx: QTensor, shape: tuple[int, ...],
-                   shown: torch.Tensor) -> Any:
-    """While ``torch.compile`` traces a refused input (``compile_state.deferring()``): ``module``'s result on a
-    stand-in (zero codes on ``qx``'s grid, of a ``shape`` it takes) as ``lowbit::failed``, which raises
-    ``error(message)`` when the compiled program runs, as eager raises it (``{shape}``: ``shown``'s shape;
-    ``compile_state.refuse``)."""
-    y = module(QTensor._trusted(qx.int_repr().new_zeros(shape), qx.scale, qx.zero_point, qx.qdtype))
+def refused_call(call: Callable[[Any], Any], error: type[Exception], message: str, stand_in: Any,
+                 shown: torch.Tensor) -> Any:
+    """While ``torch.compile`` traces a refused input (``compile_state.deferring()``): ``call(stand_in)`` (the
+    refusing layer on an input it takes) as ``lowbit::failed``, which raises ``error(message)`` when the compiled
+    program runs, as eager raises it there (``{shape}`` in ``message``: ``shown``'s shape; ``compile_state.refuse``).
+    A QTensor result keeps its grid; its codes are the op's."""
+    y = call(stand_in)
     if isinstance(y, QTensor):
         return QTensor._trusted(refuse(error, message, y.int_repr(), shown), y.scale, y.zero_point, y.qdtype)
     return refuse(error, message, y, shown)
+
+
+def refused_result(module: nn.Module, error: type[Exception], message: str, qx: QTensor, shape: tuple[int, ...],
+                   shown: torch.Tensor) -> Any:
+    """``refused_call`` of ``module`` on zero codes of a ``shape`` it takes, on ``qx``'s grid."""
+    return refused_call(module, error, message,
+                        QTensor._trusted(qx.int_repr().new_zeros(shape), qx.scale, qx.zero_point, qx.qdtype), shown)

@@ -39,7 +39,8 @@ from ...qtensor import QTensor
 from ._utils import as_qtensor, refused_result
 from ._weighted import WeightedQuantModule
 
-__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "ntuple", "check_channels"]
+__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "ntuple", "check_channels",
+           "refused_conv"]
 
 _PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
@@ -60,6 +61,19 @@ def check_channels(in_channels: Any, out_channels: Any, groups: Any, where: str)
     if in_channels % groups or out_channels % groups:
         raise ValueError(f"{where}: groups={groups} must divide in_channels={in_channels} "
                          f"and out_channels={out_channels}")
+
+
+def refused_conv(conv: nn.Module, bad: str, qx: QTensor, shown: torch.Tensor, unbatched: bool) -> QTensor:
+    """Under ``torch.compile``: ``conv`` (a quantized conv or transposed conv of ``d`` spatial dims) on zero codes of
+    a shape it takes, ``(N, C_in, *spatial)`` (``qx``'s batch and spatial sizes where its rank is ``d + 2``, each
+    raised to the kernel's minimum; one sample of the minimum otherwise), as ``lowbit::failed``, which raises
+    ``ValueError(bad)`` when the compiled program runs (``{shape}``: ``shown``'s shape)."""
+    d = conv._dim
+    fits = qx.dim() == d + 2
+    least = [max(m, 1) for m in getattr(conv, "_min_in", (1,) * d)]
+    spatial = [max(n, m) for n, m in zip(qx.shape[2:], least)] if fits else least
+    y = refused_result(conv, ValueError, bad, qx, (qx.shape[0] if fits else 1, conv.in_channels, *spatial), shown)
+    return y.reshape(*y.shape[1:]) if unbatched else y  # type: ignore[no-any-return]
 
 
 class _ConvNd(WeightedQuantModule):
@@ -118,16 +132,16 @@ class _ConvNd(WeightedQuantModule):
         if qx.dim() != self._dim + 2 or qx.shape[1] != self.in_channels:
             bad = (f"{where}: expects input of shape (N, {self.in_channels}, *{self._dim} spatial dims) or unbatched, "
                    "got {shape}")
-            if qx.dim() == self._dim + 2 and deferring():  # torch.compile, a wrong channel count: raised on run
-                shown = qx.int_repr()[0] if unbatched else qx.int_repr()
-                y = refused_result(self, ValueError, bad, qx, (qx.shape[0], self.in_channels, *qx.shape[2:]), shown)
-                return y.reshape(*y.shape[1:]) if unbatched else y
+            if deferring():  # torch.compile: raised by the compiled program (lowbit::failed), not while tracing
+                return refused_conv(self, bad, qx, qx.int_repr()[0] if unbatched else qx.int_repr(), unbatched)
             raise ValueError(bad.format(shape=tuple(x.shape)))
         # a window larger than the (padded) input: torch's conv raises; the int8 kernels would give an empty output
         if any(n < m for n, m in zip(qx.shape[2:], getattr(self, "_min_in", ()))):
-            raise ValueError(f"{where}: input spatial size {tuple(qx.shape[2:])} is smaller than the kernel "
-                             f"{self.kernel_size} (dilation {self.dilation}, padding {self.padding}) needs: at least "
-                             f"{tuple(max(m, 1) for m in self._min_in)}")
+            bad = (f"{where}: input spatial size {{shape}} is smaller than the kernel {self.kernel_size} (dilation "
+                   f"{self.dilation}, padding {self.padding}) needs: at least {tuple(max(m, 1) for m in self._min_in)}")
+            if deferring():  # (the shown codes: one per spatial position, read from the refused input)
+                return refused_conv(self, bad, qx, qx.int_repr().sum((0, 1)), unbatched)
+            raise ValueError(bad.format(shape=tuple(qx.shape[2:])))
         if self._explicit_pad is not None:
             qx = self._pad(qx)
         run = self._plan(qx, self._conv_plan)  # the eager floor: one plan per layer state (kernels.conv_plan)

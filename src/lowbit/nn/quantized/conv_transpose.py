@@ -27,12 +27,13 @@ import torch
 from torch import nn
 
 from ... import kernels
+from ...compile_state import deferring
 from ...kernels import ConvSpec
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
 from ._utils import as_qtensor
 from ._weighted import WeightedQuantModule
-from .conv import check_channels, ntuple
+from .conv import check_channels, ntuple, refused_conv
 
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
 
@@ -85,8 +86,11 @@ class _ConvTransposeNd(WeightedQuantModule):
         if unbatched:
             qx = qx.reshape(1, *qx.shape)
         if qx.dim() != self._dim + 2 or qx.shape[1] != self.in_channels:
-            raise ValueError(f"{where}: expects input of shape (N, {self.in_channels}, *{self._dim} spatial dims) "
-                             f"or unbatched, got {tuple(x.shape)}")
+            bad = (f"{where}: expects input of shape (N, {self.in_channels}, *{self._dim} spatial dims) or unbatched, "
+                   "got {shape}")
+            if deferring():  # torch.compile: raised by the compiled program (lowbit::failed), not while tracing
+                return refused_conv(self, bad, qx, qx.int_repr()[0] if unbatched else qx.int_repr(), unbatched)
+            raise ValueError(bad.format(shape=tuple(x.shape)))
         weight, out = self._prepared()
         spec = self._spec
         if output_size is not None:  # torch's own rule picks the padding (and names a size it cannot reach)

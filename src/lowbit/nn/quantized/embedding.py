@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...compile_state import tracing
+from ...compile_state import deferring, refuse, tracing
 from ...functional import quantize
 from ...observer.distributed import local_statistics
 from ...qparams import calculate_qparams
@@ -198,10 +198,15 @@ class _QuantizedTable(CheckedQuantState):
         """Dequantized rows ``(n, D)`` float32 for a flat index tensor ``idx`` (n,)."""
         name = type(self).__name__
         if not isinstance(idx, torch.Tensor) or idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
-            raise TypeError(f"{name}: indices must be an integer tensor, got "
-                            + (f"dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__))
-        idx = idx.to(torch.int64)
-        # (while torch.compile / torch.export trace, the values are symbolic: index_select bounds-checks at run time)
+            bad = f"{name}: indices must be an integer tensor, got " + (
+                f"dtype {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__)
+            if isinstance(idx, torch.Tensor) and deferring():  # torch.compile: raised by the compiled program
+                return refuse(TypeError, bad, self._rows(torch.zeros(idx.shape, dtype=torch.int64, device=idx.device)),
+                              idx)
+            raise TypeError(bad)
+        # (while torch.compile / torch.export trace, the values are symbolic: under torch.compile the program checks
+        # them (lowbit::checked_ids, eager's IndexError); an exported program's index_select bounds-checks at run time)
+        idx = torch.ops.lowbit.checked_ids(idx, self.num_embeddings, name) if deferring() else idx.to(torch.int64)
         if not tracing() and idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_embeddings):
             bad = idx[(idx < 0) | (idx >= self.num_embeddings)][0].item()
             raise IndexError(f"{name}: index {bad} is out of range for {self.num_embeddings} embeddings")

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ... import native
-from ...compile_state import inline_float_ok, qdtype_key, tracing
+from ...compile_state import deferring, inline_float_ok, qdtype_key, refuse, tracing
 from ...kernels.plan import input_grid_key
 from ...functional import quantize
 from ...qscheme import QDtype, quint8
@@ -231,6 +231,17 @@ def _traced_add(x: QTensor, y: QTensor, scale: torch.Tensor, zero_point: torch.T
     return QTensor(q.to(qdtype.storage), scale, zero_point, qdtype)
 
 
+def _operands(op: str, *xs: Any) -> list[Any]:
+    """Under ``torch.compile``: each integer / bool / complex tensor operand ``_centered`` refuses becomes a float32
+    stand-in of its shape as ``lowbit::failed``, which raises that ``TypeError`` when the compiled program runs
+    (the first refused operand's, as eager); eager (and export): ``xs`` as they are."""
+    if not deferring():
+        return list(xs)
+    bad = [isinstance(t, torch.Tensor) and not isinstance(t, QTensor) and not t.is_floating_point() for t in xs]
+    return [refuse(TypeError, f"QFunctional.{op} expects QTensors or float tensors, got {type(t).__name__} of dtype "
+                   f"{t.dtype}", torch.zeros(t.shape, device=t.device), t) if b else t for t, b in zip(xs, bad)]
+
+
 def _float(x: Any) -> torch.Tensor:
     return x.dequantize() if isinstance(x, QTensor) else x.to(torch.float32)
 
@@ -270,6 +281,7 @@ class QFunctional(CheckedQuantState):
         return QTensor(quantize(y, self.scale, self.zero_point, self.qdtype), self.scale, self.zero_point, self.qdtype)
 
     def _binary(self, x: Any, y: Any, op: str, int_op: Callable, float_op: Callable, relu: bool = False) -> QTensor:
+        x, y = _operands(op, x, y)
         cx, cy = _centered(x, op), _centered(y, op)
         if cx is None or cy is None:
             return self._from_float(float_op(_float(x), _float(y)), relu)
@@ -323,6 +335,7 @@ class QFunctional(CheckedQuantState):
 
     def _eager_add_scalar(self, x: QTensor, y: float) -> QTensor:
         c = _scalar(y, "QFunctional.add_scalar")
+        x = _operands("add_scalar", x)[0]
         cx = _centered(x, "add_scalar")
         if cx is None:
             return self._from_float(_float(x) + c)
@@ -331,6 +344,7 @@ class QFunctional(CheckedQuantState):
 
     def _eager_mul_scalar(self, x: QTensor, y: float) -> QTensor:
         c = _scalar(y, "QFunctional.mul_scalar")
+        x = _operands("mul_scalar", x)[0]
         cx = _centered(x, "mul_scalar")
         if cx is None:
             return self._from_float(_float(x) * c)
@@ -339,7 +353,7 @@ class QFunctional(CheckedQuantState):
     def cat(self, x: Sequence[QTensor], dim: int = 0) -> QTensor:
         if isinstance(x, (QTensor, torch.Tensor)) or not isinstance(x, Sequence) or len(x) == 0:
             raise TypeError(f"QFunctional.cat expects a non-empty list of QTensors, got {type(x).__name__}")
-        parts = []
+        parts, x = [], _operands("cat", *x)
         for t in x:
             c = _centered(t, "cat")
             if c is None:

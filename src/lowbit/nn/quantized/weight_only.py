@@ -59,10 +59,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...compile_state import tracing
+from ...compile_state import deferring, tracing
 from ...qscheme import QDtype, qint4, qint8, quint4
 from ...qtensor import QTensor
 from ._state import CheckedQuantState
+from ._utils import refused_call
 from .embedding import _pack4, _unpack4
 from .group_codes import CLIP_RATIOS, group_qparams, gptq_quantize, quantize_groups
 from .group_size import fit_group_size
@@ -241,11 +242,16 @@ class WeightOnlyLinear(CheckedQuantState):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = input  # (torch's argument name: fc(input=t) works)
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"WeightOnlyLinear: input must be a float tensor, got "
-                            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+            bad = "WeightOnlyLinear: input must be a float tensor, got " + (
+                str(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__)
+            if isinstance(x, torch.Tensor) and deferring():  # torch.compile: raised by the compiled program
+                return refused_call(self, TypeError, bad, x.new_zeros(*x.shape[:-1], self.in_features, dtype=torch.float32), x)  # type: ignore[no-any-return]
+            raise TypeError(bad)
         if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"WeightOnlyLinear: input of shape {tuple(x.shape)} does not end in "
-                             f"in_features={self.in_features}")
+            bad = f"WeightOnlyLinear: input of shape {{shape}} does not end in in_features={self.in_features}"
+            if deferring():  # torch.compile: raised by the compiled program (lowbit::failed), not while tracing
+                return refused_call(self, ValueError, bad, x.new_zeros(*x.shape[:-1], self.in_features), x)  # type: ignore[no-any-return]
+            raise ValueError(bad.format(shape=tuple(x.shape)))
         if tracing():  # one opaque op (lowbit.pt2): compiled/exported programs compute the eager numbers
             spec = [self.in_features, self.out_features, self.bits, self.group_size, int(self.symmetric),
                     int(self.relu)]

@@ -41,12 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ....compile_state import qdtype_key, tracing
+from ....compile_state import deferring, qdtype_key, tracing
 from ....qparams import calculate_qparams
 from ....nn.intrinsic import LinearReLU as _LinearReLUMarker
 from ....qscheme import QDtype, QScheme, as_qdtype, qint8, quint8
 from ....qtensor import QTensor, quantize_per_channel
-from .._utils import check_finite_weight, check_not_meta, check_precomputed_flag, quantize_weight, weight_qparams
+from .._utils import (check_finite_weight, check_not_meta, check_precomputed_flag, quantize_weight, refused_call,
+                      weight_qparams)
 from .._state import CheckedQuantState
 from . import reduced
 from .per_token import U7, dynamic_linear, per_token_linear, quantize_per_token
@@ -239,11 +240,16 @@ class Linear(CheckedQuantState):
         if isinstance(x, QTensor):
             x = x.dequantize()
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError("dynamic Linear expects a floating-point tensor, got "
-                            + (f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__))
+            bad = "dynamic Linear expects a floating-point tensor, got " + (
+                f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__)
+            if isinstance(x, torch.Tensor) and deferring():  # torch.compile: raised by the compiled program
+                return refused_call(self, TypeError, bad, x.new_zeros(*x.shape[:-1], self.in_features, dtype=torch.float32), x)
+            raise TypeError(bad)
         if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"dynamic Linear: input shape {tuple(x.shape)} does not end in "
-                             f"in_features={self.in_features}")
+            bad = f"dynamic Linear: input shape {{shape}} does not end in in_features={self.in_features}"
+            if deferring():  # torch.compile: raised by the compiled program (lowbit::failed), not while tracing
+                return refused_call(self, ValueError, bad, x.new_zeros(*x.shape[:-1], self.in_features), x)
+            raise ValueError(bad.format(shape=tuple(x.shape)))
         check_not_meta(x, "dynamic Linear")
         if self.dtype == torch.float16:
             return F.linear(x, self.weight_fp16.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
