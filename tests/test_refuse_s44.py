@@ -2,10 +2,10 @@
 when the compiled program runs, as eager does (``compile_state.refuse`` / ``lowbit::failed``; the embedding's id
 range through ``lowbit::checked_ids``), and a good input afterwards gives eager's exact outputs.
 
-Before (each case marked "failed before"): dynamo's ``Unsupported: Observed exception`` at compile time for a
-ConvTranspose channel count, any wrong rank, a spatial size below a conv's kernel, dynamic Linear / WeightOnlyLinear
-feature counts and dtypes, QFunctional integer operands and embedding float ids; an out-of-range embedding id gave
-torch's ``IndexError: index out of range in self``. ``torch.export`` still refuses while tracing.
+Before (every compiled case here failed; the export ones passed): dynamo's ``Unsupported: Observed exception`` at compile
+time for a ConvTranspose channel count, any wrong rank, a spatial size below a conv's kernel, dynamic Linear / WeightOnlyLinear
+feature counts and dtypes, QFunctional integer operands, embedding float ids and a 3-d EmbeddingBag input; an
+out-of-range embedding id gave torch's ``IndexError: index out of range in self``. ``torch.export`` still refuses while tracing.
 """
 
 from __future__ import annotations
@@ -104,6 +104,8 @@ CASES = {
                          r"^Embedding: index 10 is out of range for 10 embeddings$"),
     "bag float ids": ("bag", (_IDS,), (_IDS.float(),), TypeError,
                       r"^EmbeddingBag: indices must be an integer tensor, got dtype torch.float32$"),
+    "bag rank 3": ("bag", (_IDS,), (_IDS[None],), ValueError,
+                   r"^EmbeddingBag: input must be 1-D \(with offsets\) or 2-D, got shape \(1, 2, 3\)$"),
     "bag negative id": ("bag", (_IDS,), (_IDS - 2,), IndexError,
                         r"^EmbeddingBag: index -1 is out of range for 10 embeddings$"),
     **{f"QFunctional.{op} int operand": (op, _F23, (_F23[0], _I23), TypeError,

@@ -353,7 +353,10 @@ class EmbeddingBag(_QuantizedTable):
                 raise ValueError("EmbeddingBag: a 1-D input needs 1-D offsets (the start of each bag)")
             _check_offsets(offsets, input.numel(), include_last)
         else:
-            raise ValueError(f"EmbeddingBag: input must be 1-D (with offsets) or 2-D, got shape {tuple(input.shape)}")
+            bad = "EmbeddingBag: input must be 1-D (with offsets) or 2-D, got shape {shape}"
+            if deferring():  # torch.compile: raised by the compiled program (lowbit::failed), on one bag's stand-in
+                return refuse(ValueError, bad, self(torch.zeros(1, 1, dtype=torch.int64, device=input.device)), input)
+            raise ValueError(bad.format(shape=tuple(input.shape)))
         flat = input.reshape(-1)
         rows = self._rows(flat)  # (n, D): only the gathered rows are dequantized
         local = torch.arange(flat.numel(), device=flat.device)
