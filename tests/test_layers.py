@@ -34,8 +34,9 @@ TIERS: list[tuple[str, ...]] = [
     ("nn.quantized", "nn.quantized.group_codes"),  # (+ dynamic/) run on kernels; group_codes: weight-only codes
     ("mappings", "examples", "speed_guard", "pt2"),
     ("fuse", "workflow", "quantize_dynamic", "weight_only", "llm", "llm.plan", "fx", "fx.fusion", "fx.converter",
-     "fx.islands", "quantize_api", "reference"),  # fx.fusion: fuse_graph, split from fx.patterns; fx.converter: from
-    # fx.convert; fx.islands: the elementwise int ops kept float (from fx.classify)
+     "fx.islands", "fx.masks", "quantize_api", "reference"),  # fx.fusion: fuse_graph, split from fx.patterns;
+    # fx.converter: from fx.convert; fx.islands: the elementwise int ops kept float (from fx.classify); fx.masks:
+    # attention masks and the sums they enter kept float
     ("export", "export.weighted", "export.conv_epilogue", "algorithms", "algorithms.layerwise_step", "algorithms.equalize_pairs",
      "algorithms.end_to_end", "debug", "debug.float_swap", "debug.graph_swap", "debug.swap_edges", "data"),
     # export.weighted: the QDQ twin of a quantized Linear / Conv (split from export.qdq); export.conv_epilogue: exact

@@ -44,6 +44,7 @@ from ..workflow.shared_grids import bilinear_on_shared_grid
 from .patterns import (WEIGHT_ONLY_TYPES, as_number, bilinear_call_args, canonical_binary, func_activation,
                        is_bilinear_resample, is_constant_clamp, is_share_op)
 from .islands import INT_KINDS, demote_float_islands, wants_int
+from .masks import keep_masks_float
 from .report import FxReport
 from .scalar_ops import scalar_op
 from .weighted import input_of, parse
@@ -251,6 +252,7 @@ def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaqu
         if kind == "float" and qc is not None and node.meta.get("lowbit_ftensor", False):
             what = type(mod).__name__ if mod is not None else getattr(node.target, "__name__", str(node.target))
             report.left_float[join(prefix, node.name)] = f"{what} ({why})"
+    keep_masks_float(gm, report, prefix)  # (attention masks and the sums they enter: float, fx/masks.py)
     _assign_domains(gm)
     while demote_float_islands(gm, report, prefix):
         _assign_domains(gm)

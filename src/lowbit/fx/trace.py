@@ -39,6 +39,7 @@ import torch
 from torch import fx, nn
 
 from .inplace import reroute_inplace
+from .masks import is_additive_mask
 
 __all__ = ["trace", "record_tensor_kinds", "RootNotTraceable", "keep_buffers", "restore_buffers"]
 
@@ -302,6 +303,9 @@ def record_tensor_kinds(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | No
                     isinstance(t, torch.Tensor) and t.is_floating_point() for t in out)  # chunk / split
                 if isinstance(out, torch.Tensor):
                     n.meta["lowbit_rank"] = out.dim()
+                    n.meta["lowbit_mask"] = is_additive_mask(out)  # (fx/masks.py: 0 / -1e4 values stay float)
+                elif n.meta["lowbit_scalar"]:
+                    n.meta["lowbit_number"] = float(out)
                 return out
 
         with torch.no_grad():
