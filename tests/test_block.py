@@ -92,9 +92,15 @@ def test_find_blocks_through_observer_takes_the_output_grid():
     nodes, mods = list(prepared.graph.nodes), dict(prepared.named_modules())
     plain, through = find_blocks(nodes, mods), find_blocks(nodes, mods, through_observer=True)
     assert list(plain) == list(through)
-    for i, j in plain.items():  # one node further: the add's observer
-        assert through[i] == j + 1 and nodes[j + 1].args == (nodes[j],)
-        assert isinstance(mods[nodes[j + 1].target], Q.ObserverBase)
+    observed = 0
+    for i, j in plain.items():  # one node further: the add's observer (since session 44 the last add, read only by
+        # the float average pool, stays float (fx.islands) and has none: the span ends at the add itself)
+        if nodes[j + 1].op == "call_module" and isinstance(mods.get(nodes[j + 1].target), Q.ObserverBase):
+            assert through[i] == j + 1 and nodes[j + 1].args == (nodes[j],)
+            observed += 1
+        else:
+            assert through[i] == j
+    assert observed == 1
 
 
 def test_learned_grid_is_lsq_and_checks_its_grid():
@@ -123,9 +129,9 @@ def test_learn_grids_pins_learned_scales_and_converts_exactly():
     reconstruct(prepared, [(b,) for b in calib], iters=100, blocks=True, learn_grids=True, progress=False)
     fixed = {n: m for n, m in prepared.named_modules() if isinstance(m, FixedQParamsObserver)}
     # a block keeps its learned codes and grids (expand, depthwise, project outputs and the add's) together,
-    # where they beat round-to-nearest on the calibrated grids (on this seed: both blocks since the simulated
-    # grids round as the int8 model does; one of the two before)
-    assert len(fixed) in (4, 8), sorted(fixed)
+    # where they beat round-to-nearest on the calibrated grids (the second block's add, read only by the float
+    # pool, stays float since session 44 (fx.islands): 3 grids there, 4 in the first block)
+    assert len(fixed) in (3, 4, 7), sorted(fixed)
     assert any(float(m.scale) != float(before[n][0]) for n, m in fixed.items())
     for n, m in fixed.items():
         assert int(m.zero_point) == int(before[n][1])  # zero points stay where calibration put them

@@ -36,7 +36,7 @@ from torch import fx, nn
 
 from ..mappings import get_default_dynamic_quant_module_mappings
 from ..nn.quantized.normalization import batchnorm_float_reason
-from ..observer.fixed import FixedQParamsObserver, NoopObserver, PlaceholderObserver
+from ..observer.fixed import FixedQParamsObserver
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig, get_default_qconfig
 from ..workflow import _is_table_recipe, is_dynamic_qconfig
 from ..workflow.propagate import join_name as join
@@ -284,24 +284,24 @@ def _has_fixed_grid(qc: QConfig | None) -> bool:
                                                                FixedQParamsObserver)
 
 
-def _observes_range(qc: QConfig | None) -> bool:
-    """Whether ``qc``'s activation calibrates a range (not fixed, dynamic, a no-op or a placeholder)."""
-    return (qc is not None and not is_dynamic_qconfig(qc) and not _has_fixed_grid(qc)
-            and not isinstance(qc.activation(), (NoopObserver, PlaceholderObserver)))
+def _input_grid_source(qc: QConfig | None) -> bool:
+    """Whether ``qc``'s activation may give a float value's input observer: static and not a fixed grid (a
+    ``NoopObserver`` / ``PlaceholderObserver`` a user set is kept, so ``convert_fx`` names it)."""
+    return qc is not None and not is_dynamic_qconfig(qc) and not _has_fixed_grid(qc)
 
 
 def input_observer_qconfig(node: fx.Node, int_users: list[fx.Node]) -> QConfig:
     """The qconfig of the observer (``Quantize`` after convert) between float ``node`` and the int ops reading it:
     ``node``'s own when it pins a fixed output grid (a float ``nn.Softmax`` under torch.ao's fixed 1/256 grid, as
-    torch.ao's quantized softmax gives its consumers), else the first int consumer's that calibrates a range, else
-    ``node``'s own, else the default static / QAT recipe: a consumer's fixed grid (tanh's ``[-1, 1)``) is its
+    torch.ao's quantized softmax gives its consumers), else the first static int consumer's without a fixed grid,
+    else ``node``'s own, else the default static / QAT recipe: a consumer's fixed grid (tanh's ``[-1, 1)``) is its
     output's, never its input's (torch.ao puts it there: a LayerNorm's ``±3`` clipped to ``[-1, 1)``)."""
     own = node.meta.get("lowbit_qconfig")
     if _has_fixed_grid(own):
         return own
     qcs = [u.meta["lowbit_qconfig"] for u in int_users]
     for qc in (*qcs, own):
-        if _observes_range(qc):
+        if _input_grid_source(qc):
             return qc
     qat = hasattr(qcs[0].activation(), "activation_post_process")  # (a FixedQParamsFakeQuantize)
     return get_default_qat_qconfig() if qat else get_default_qconfig()
