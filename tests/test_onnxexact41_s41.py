@@ -175,5 +175,5 @@ def test_exact_graph_has_no_fused_qlinear_ops(tmp_path) -> None:
 
 @pytest.mark.parametrize("bad", ["yes", 1, None, 0.0])
 def test_exact_rejects_non_bool(tmp_path, bad) -> None:
-    with pytest.raises(TypeError, match=rf"to_onnx: exact={bad!r} must be True or False"):
+    with pytest.raises(TypeError, match=rf"to_onnx: exact={bad!r} must be True, False or 'x86'"):
         to_onnx(_cnn(), torch.randn(2, 3, 12, 12), tmp_path / "m.onnx", exact=bad)

@@ -15,6 +15,7 @@ import io
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,14 +143,25 @@ def test_whole_model_pickles_load_in_a_fresh_process_and_weights_only_refuses_th
     ``weights_only=True`` refuses a pickled model (torch's rule for every ``nn.Module``: its pickle names classes and,
     for graph models, code) with torch's ``UnpicklingError``; a state_dict is the checkpoint that loads safely."""
     kinds = ["static", "fx", "qat", "dynamic", "weight_only4", "ptq_accurate"]
-    for k in kinds:
-        build, x = KINDS[k]
-        q = build(0)
-        with torch.no_grad():
-            torch.save({"x": x, "ref": q(x)}, tmp_path / f"{k}.io")
-        torch.save(q, tmp_path / f"{k}.pt")
+    # built and run in a fresh process too: this test process's earlier tests may have changed process-wide state
+    # (a CI run once saw weight_only4 differ from a fresh process there, not in a process of its own)
+    build = f"""
+import sys, torch, warnings
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+warnings.simplefilter("ignore")
+from test_state_s44 import KINDS
+for k in {kinds!r}:
+    make, x = KINDS[k]
+    q = make(0)
+    with torch.no_grad():
+        torch.save({{"x": x, "ref": q(x)}}, {str(tmp_path)!r} + f"/{{k}}.io")
+    torch.save(q, {str(tmp_path)!r} + f"/{{k}}.pt")
+"""
+    made = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stderr[-2000:]
     code = f"""
-import pickle, torch, warnings
+import pickle, sys, torch, warnings
+sys.path.insert(0, {str(Path(__file__).parent)!r})  # (the models' classes are this file's, as the builder's were)
 import lowbit  # noqa: F401
 warnings.simplefilter("ignore")
 for k in {kinds!r}:
