@@ -43,7 +43,7 @@ from ..workflow.propagate import join_name as join
 from ..workflow.shared_grids import bilinear_on_shared_grid
 from .patterns import (WEIGHT_ONLY_TYPES, as_number, bilinear_call_args, canonical_binary, func_activation,
                        is_bilinear_resample, is_constant_clamp, is_share_op)
-from .islands import INT_KINDS, demote_float_islands, wants_int
+from .islands import assign_domains, demote_float_islands, wants_int
 from .masks import keep_masks_float
 from .report import FxReport
 from .scalar_ops import scalar_op
@@ -72,8 +72,8 @@ def apply_call_order(gm: fx.GraphModule, mapping: QConfigMapping, prefix: str, s
         if node.meta.get("lowbit_inserted"):  # (a node graph mode added: fx/inplace.py's copies and replayed views)
             continue
         if node.op == "call_function":  # (`torch.relu_(x)` made out of place counts as torch.relu_, as traced)
-            path, obj, mod = join(prefix, node.meta.get("lowbit_scope", "")), node.meta.get("lowbit_target",
-                                                                                             node.target), None
+            scope = node.meta.get("lowbit_scope", "")  # (a child graph's own forward: the child's path, no "attn.")
+            path, obj, mod = join(prefix, scope) if scope else prefix, node.meta.get("lowbit_target", node.target), None
         elif node.op == "call_module":
             mod = gm.get_submodule(node.target)  # type: ignore[arg-type]
             path, obj = join(prefix, node.target).rpartition(".")[0], type(mod)  # type: ignore[arg-type]
@@ -253,26 +253,9 @@ def classify(gm: fx.GraphModule, root: nn.Module, mapping: QConfigMapping, opaqu
             what = type(mod).__name__ if mod is not None else getattr(node.target, "__name__", str(node.target))
             report.left_float[join(prefix, node.name)] = f"{what} ({why})"
     keep_masks_float(gm, report, prefix)  # (attention masks and the sums they enter: float, fx/masks.py)
-    _assign_domains(gm)
+    assign_domains(gm)
     while demote_float_islands(gm, report, prefix):
-        _assign_domains(gm)
-
-
-def _assign_domains(gm: fx.GraphModule) -> None:
-    """``meta["lowbit_domain"]``: ``int`` (a QTensor after convert), ``float`` or ``other`` (no float tensor)."""
-    for node in gm.graph.nodes:
-        kind = node.meta["lowbit_kind"]
-        if not node.meta.get("lowbit_ftensor", False) and not (kind == "share" and node.meta.get("lowbit_ftuple")):
-            domain = "other"
-        elif kind == "share":  # (a chunk / split of an int value is a tuple of QTensors: its getitems are int)
-            # the value the op moves is its first argument: `x.expand_as(y)` of a float x is float, an int y only
-            # gives it a shape (a float share op reads its int inputs through a DeQuantize)
-            src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-            ins = [src] if src is not None else node.all_input_nodes
-            domain = "int" if any(a.meta.get("lowbit_domain") == "int" for a in ins) else "float"
-        else:  # a placeholder declared quantized (input_quantized_idxs) arrives as a QTensor
-            domain = "int" if kind in INT_KINDS or node.meta.get("lowbit_qinput") else "float"
-        node.meta["lowbit_domain"] = domain
+        assign_domains(gm)
 
 
 def _has_fixed_grid(qc: QConfig | None) -> bool:
