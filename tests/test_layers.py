@@ -38,7 +38,8 @@ TIERS: list[tuple[str, ...]] = [
     # fx.converter: from fx.convert; fx.islands: the elementwise int ops kept float (from fx.classify); fx.masks:
     # attention masks and the sums they enter kept float
     ("export", "export.weighted", "export.conv_epilogue", "algorithms", "algorithms.layerwise_step", "algorithms.equalize_pairs",
-     "algorithms.end_to_end", "debug", "debug.float_swap", "debug.graph_swap", "debug.swap_edges", "data"),
+     "algorithms.end_to_end", "debug", "debug.float_swap", "debug.graph_swap", "debug.swap_edges", "debug.swap_islands",
+     "data"),
     # export.weighted: the QDQ twin of a quantized Linear / Conv (split from export.qdq); export.conv_epilogue: exact
     # Conv epilogues as depthwise 1x1 Convs (ORT's NCHWc keeps them);
     # end_to_end: the loop tune / distill share;
@@ -47,6 +48,7 @@ TIERS: list[tuple[str, ...]] = [
     # debug.float_swap: the fast mixed-precision search's float twins (split from debug.mixed_precision);
     # debug.graph_swap: its graph-mode part (ops by call-order key, a reused layer's calls, gates; from float_swap)
     # debug.swap_edges: share-op ends, shared-Quantize picks, plain float copies (split from graph_swap)
+    # debug.swap_islands: fx.islands' rule on the prepared graphs for the fast search, function activations it keeps float
     ("report", "ptq", "ptq_checks", "ptq_steps", "models"),  # debug results rendered; quantize_ptq (fx + algorithms),
     # its checks, its equalize / refine steps (ptq_steps: the model's graph and its child graphs); CNNs
     ("__init__",),                     # the package root: re-exports the public names of all of the above

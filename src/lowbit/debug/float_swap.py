@@ -61,8 +61,9 @@ from ..qtensor import QTensor
 from ..speed_guard import requant_grid, run_in_own_dtype
 from ..workflow.hooks import _tagged
 from .graph_swap import call_grid, float_only_readers, input_quantizes, make_op_twin, node_of, op_candidates, readers
-from .graph_swap import insert_gates, settle, sources, split_calls
-from .swap_edges import _plain_copy, float_read, insert_picks, island_ops
+from .graph_swap import insert_gates, settle, split_calls
+from .swap_edges import _plain_copy, insert_picks
+from .swap_islands import IslandRule, act_twins
 from .sensitivity import SensitivityRow, SensitivityTable, _quiet_float_fallback, _score, metric_drop
 from .sensitivity import warn_if_lower_is_better
 
@@ -183,14 +184,15 @@ Twins = list[tuple[str, nn.Module, set[str]]]
 class _Plan:
     """What ``search="fast"`` swaps: ``swaps`` ``{name: [(path in qmodel, float replacement), ...]}`` per candidate,
     ``twins`` ``[(name, a float twin, the candidates that alone read its output)]`` (``_regrid``), ``op_keys`` ``{op
-    name: call-order key}`` and ``islands`` ``{op name: (reader names, an int8 non-candidate reads it, source names,
-    it reads a float value, a float op reads it)}``: the int8 ops ``prepare_fx`` keeps float once nothing int8 reads
-    them (``fx.islands``), whether the mapping names them or not (``_islands``)."""
+    name: call-order key}``, ``rule`` (graph mode: ``swap_islands.IslandRule``) the int8 ops ``prepare_fx`` keeps float
+    with a set of candidates (``fx.islands``), whether the mapping names them or not (``_islands``), and ``follow``
+    the swaps of the function activations it may keep float that are no candidate (``swap_islands.act_twins``)."""
 
     swaps: dict[str, list[tuple[str, nn.Module]]]
     twins: Twins = field(default_factory=list)
     op_keys: dict[str, tuple[str, Any, int]] = field(default_factory=dict)
-    islands: dict[str, tuple[set[str], bool, set[str], bool, bool]] = field(default_factory=dict)
+    rule: Callable[[set[str]], set[str]] | None = None
+    follow: dict[str, list[tuple[str, nn.Module]]] = field(default_factory=dict)
     op_kinds: dict[str, str] = field(default_factory=dict)  # op name -> "add", "add_relu", "cat", ... (the type column)
     gates: list[tuple[nn.Module, str, set[str], bool]] = field(default_factory=list)  # (gate, producer, readers, int)
     picks: list[tuple[nn.Module, str]] = field(default_factory=list)  # (a _Pick, the candidate it feeds)
@@ -219,7 +221,9 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool 
     gated = ops and not eager  # (graph mode, exact: _Gate on every edge instead of one grid per twin)
     opc = op_candidates(qmodel) if gated else {}
     name_of.update({p: name for p, (name, _, _) in opc.items()})
-    islands = {}
+    acts = act_twins(qmodel) if gated else {}
+    name_of.update({p: name for p, (name, _) in acts.items()})
+    follow = {}
     sites: list[tuple[str, nn.Module, fx.GraphModule, str, fx.Node]] = []  # (ops: a gate on each edge of each)
     picks: list[tuple[nn.Module, str]] = []
     for path, (name, _, _) in opc.items():
@@ -227,10 +231,15 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool 
         picks += [(p, name) for p in op_picks]
         sites.append((name, twin, gm, gpath, node))
         out[name] = swaps
-        m, o, int_other = readers(gm, gpath, node, set(name_of))
-        src, float_in = sources(gm, gpath, node, set(name_of))
+        m, o, _ = readers(gm, gpath, node, set(name_of))
         entries.append((name, twin, m, o))
-        islands[name] = ({name_of[p] for p in m}, int_other, {name_of[p] for p in src}, float_in, float_read(gm, node))
+    for path, (name, act) in acts.items():  # (no row: swapped when the island rule keeps it float)
+        if (found := node_of(qmodel, path)) is None or len(found[2]) != 1:
+            continue
+        gpath, gm, (node,) = found
+        picks += [(p, name) for p in insert_picks(gm, node, first=True)]
+        follow[name] = [*((q, nn.Identity()) for q in input_quantizes(gm, gpath, node, first=True)), (path, act)]
+        sites.append((name, act, gm, gpath, node))
     for path, (name, k) in calls.items():
         qmod = qmodel.get_submodule(path)
         parent, _, last = path.rpartition(".")
@@ -274,13 +283,14 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool 
             twin.keep = False
             gates += [(g, name, {name_of[m] for m in mods}, int_other)
                       for g, mods, int_other in insert_gates(gm, gpath, node, twin.grid, set(name_of), share_ends)]
-    return _Plan(out, twins, {name: key for name, key, _ in opc.values()}, islands,
-                 {name: op for name, _, op in opc.values()}, gates, picks)
+    return _Plan(out, twins, {name: key for name, key, _ in opc.values()}, IslandRule(prepared) if gated else None,
+                 follow, {name: op for name, _, op in opc.values()}, gates, picks)
 
 
 def _islands(plan: _Plan, floats: set[str]) -> set[str]:
-    """``floats`` and the int8 ops ``prepare_fx`` then keeps float as islands (``graph_swap.island_ops``)."""
-    return island_ops(plan.islands, floats)
+    """``floats`` and the int8 ops ``prepare_fx`` then keeps float as islands that the plan can swap (``plan.rule``)."""
+    want = set(floats) if plan.rule is None else plan.rule(set(floats))
+    return {n for n in want if n in floats or n in plan.swaps or n in plan.follow}
 
 
 def _regrid(twins: Twins, floats: set[str]) -> None:
@@ -308,7 +318,7 @@ class _State:
         for name in [n for n in self.undo if n not in want]:
             _apply(self.qmodel, self.undo.pop(name))
         for name in sorted(want - set(self.undo)):
-            self.undo[name] = _apply(self.qmodel, self.plan.swaps[name])
+            self.undo[name] = _apply(self.qmodel, self.plan.swaps.get(name) or self.plan.follow[name])
         _regrid(self.plan.twins, want)
         for gate, producer, mods, int_other in self.plan.gates:
             gate.active = producer in want and (int_other or not mods <= want)

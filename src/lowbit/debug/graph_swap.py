@@ -39,6 +39,7 @@ gets its own float twin with its own grid and its own readers.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ from ..qscheme import as_qdtype
 from ..qtensor import QTensor
 from ..speed_guard import requant_grid
 from ..workflow.propagate import join_name
-from .swap_edges import _Pick, _shape_read, insert_picks, share_end_grid
+from .swap_edges import _Pick, insert_picks, share_edges, share_end_grid
 from .table import call_order_name
 
 __all__ = ["node_of", "readers", "op_candidates", "prepared_ops", "record_call_outputs", "settle", "split_calls"]
@@ -74,49 +75,31 @@ def node_of(qmodel: nn.Module, path: str) -> tuple[str, fx.GraphModule, list[fx.
     return None
 
 
+def _passes(gm: fx.GraphModule, gpath: str, names: set[str]) -> Callable[[fx.Node], bool]:
+    """Whether the reader walk (``swap_edges.share_edges``) goes on through ``u``: a grid-sharing op (zero pad, flatten,
+    max pool, ...) that is no candidate (paths in ``names``), no ``Quantize`` / ``DeQuantize`` / gate, not the output."""
+    from ..fx.patterns import is_share_op
+
+    def passes(u: fx.Node) -> bool:
+        mod = gm.get_submodule(str(u.target)) if u.op == "call_module" else None
+        return u.op != "output" and not isinstance(mod, (Quantize, DeQuantize, _Gate)) \
+            and join_name(gpath, str(u.target)) not in names and is_share_op(u, mod)
+    return passes
+
+
 def readers(gm: fx.GraphModule, gpath: str, node: fx.Node, names: set[str],
             users: list[fx.Node] | None = None) -> tuple[set[str], bool, bool]:
     """The candidate modules (paths in ``names``) that read ``node``'s value (``users``: through these of its users
     only) through grid-sharing ops (zero pads, flatten, ...), whether anything else reads it (``x.shape`` reads do not
     count), and whether an int8 op that is no candidate does (anything but a ``DeQuantize`` or the output)."""
-    from ..fx.patterns import is_share_op
-
-    mods, other, int_other, todo, seen = set(), False, False, list(node.users if users is None else users), set()
-    while todo:
-        u = todo.pop()
-        if u in seen:
-            continue
-        seen.add(u)
+    mods, other, int_other = set(), False, False
+    for _, u in share_edges(node, _passes(gm, gpath, names), users):
         mod = gm.get_submodule(str(u.target)) if u.op == "call_module" else None
-        if (u.op == "call_function" and (u.target is len or (u.target is getattr and u.args[1] in ("shape", "device")))) \
-                or (u.op == "call_method" and u.target in ("size", "dim", "numel")):
-            continue
         if mod is not None and join_name(gpath, str(u.target)) in names:
             mods.add(join_name(gpath, str(u.target)))
-        elif u.op != "output" and not isinstance(mod, (Quantize, DeQuantize)) and is_share_op(u, mod):
-            todo.extend(u.users)
         else:
             other, int_other = True, int_other or (u.op != "output" and not isinstance(mod, DeQuantize))
     return mods, other, int_other
-
-
-def sources(gm: fx.GraphModule, gpath: str, node: fx.Node, names: set[str]) -> tuple[set[str], bool]:
-    """The candidates (paths in ``names``) whose values an op reads (back through grid-sharing ops), and whether it
-    reads a float value (through a ``Quantize``: a float op's, the model input's)."""
-    from ..fx.patterns import is_share_op
-
-    found, float_in = set(), False
-    todo = [a for arg in node.args for a in (arg if isinstance(arg, (list, tuple)) else (arg,)) if isinstance(a, fx.Node)]
-    while todo:
-        a = todo.pop()
-        mod = gm.get_submodule(str(a.target)) if a.op == "call_module" else None
-        if mod is not None and join_name(gpath, str(a.target)) in names:
-            found.add(join_name(gpath, str(a.target)))
-        elif isinstance(mod, (Quantize, _Pick)):
-            float_in = True
-        elif a.op != "placeholder" and a.args and isinstance(a.args[0], fx.Node) and is_share_op(a, mod):
-            todo.append(a.args[0])
-    return found, float_in
 
 
 def input_quantizes(gm: fx.GraphModule, gpath: str, node: fx.Node, first: bool = False) -> list[str]:
@@ -277,30 +260,16 @@ def insert_gates(gm: fx.GraphModule, gpath: str, node: fx.Node, grid: tuple[floa
     that follow ``node``, which then run in float as in the model built with it float, on the grid ``prepare_fx``'s
     observer records there (``ends``: ``record_share_ends``; else ``grid``). With what reads through each gate
     (``readers``: candidate paths, whether an int8 non-candidate does); ``x.shape`` reads get none."""
-    from ..fx.patterns import is_share_op
-
-    out, todo, seen = [], [node], set()
-    while todo:
-        s = todo.pop(0)
-        if s in seen:
-            continue
-        seen.add(s)
-        for u in list(s.users):
-            if _shape_read(u):
-                continue
-            mod = gm.get_submodule(str(u.target)) if u.op == "call_module" else None
-            if u.op != "output" and not isinstance(mod, (Quantize, DeQuantize, _Gate)) \
-                    and join_name(gpath, str(u.target)) not in names and is_share_op(u, mod):
-                todo.append(u)  # (runs in float on the float layer's value)
-                continue
-            mods, _, int_other = readers(gm, gpath, s, names, [u])
-            gate = _Gate((share_end_grid(ends, gpath, s) or grid) if s is not node else grid)
-            name = f"_lowbit_gate_{len([m for m in gm.children() if isinstance(m, _Gate)])}"
-            gm.add_module(name, gate)
-            with gm.graph.inserting_after(s):
-                g = gm.graph.call_module(name, (s,))
-            u.replace_input_with(s, g)
-            out.append((gate, mods, int_other))
+    out = []
+    for s, u in list(share_edges(node, _passes(gm, gpath, names))):  # (the share ops run in float on the float value)
+        mods, _, int_other = readers(gm, gpath, s, names, [u])
+        gate = _Gate((share_end_grid(ends, gpath, s) or grid) if s is not node else grid)
+        name = f"_lowbit_gate_{len([m for m in gm.children() if isinstance(m, _Gate)])}"
+        gm.add_module(name, gate)
+        with gm.graph.inserting_after(s):
+            g = gm.graph.call_module(name, (s,))
+        u.replace_input_with(s, g)
+        out.append((gate, mods, int_other))
     gm.recompile()
     return out
 

@@ -10,9 +10,9 @@ it back for the gate ``graph_swap.insert_gates`` puts there.
 layers) stays while one of them is int8; a float reader in the built model reads the float value itself:
 ``insert_picks`` puts a ``_Pick`` on each such edge into a candidate (``active``: the float value).
 
-**Islands** (graph mode, ``island_ops``). Once layers are float, ``prepare_fx`` keeps float the int8 adds / muls /
-cats that no int8 op reads any more, by ``fx.islands``' group rule (a float input, or a float op reading one):
-``float_read`` tells the last from the converted graph (a ``DeQuantize`` feeding more than the output).
+**Readers past the share ops** (``share_edges``): the one walk from a value through the grid-sharing ops after it to
+the ops that read it, shared by ``record_share_ends`` (on the prepared graph) and ``graph_swap``'s ``readers`` /
+``insert_gates`` (on the converted one).
 
 **Plain float copies** (``_plain_copy``). A float twin is a copy of the prepared module without what ``prepare``
 added (eager: observers and their hooks).
@@ -33,20 +33,46 @@ added (eager: observers and their hooks).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import fx, nn
 
 from ..fake_quant.base import holds_grid
-from ..nn.quantized.stubs import DeQuantize, Quantize
+from ..nn.quantized.stubs import Quantize
 from ..qscheme import as_qdtype
 
-__all__ = ["record_share_ends", "share_end_grid", "insert_picks", "float_read", "island_ops"]
+__all__ = ["record_share_ends", "share_end_grid", "insert_picks", "share_edges"]
 
 
 def _shape_read(u: fx.Node) -> bool:
     return (u.op == "call_function" and (u.target is len or (u.target is getattr and u.args[1] in ("shape", "device")))) \
         or (u.op == "call_method" and u.target in ("size", "dim", "numel"))
+
+
+def share_edges(node: fx.Node, passes: Callable[[fx.Node], bool],
+                users: list[fx.Node] | None = None) -> Iterator[tuple[fx.Node, fx.Node]]:
+    """Every edge ``(s, u)`` from ``node`` (``users``: through these of its users only) or a grid-sharing op after it
+    to an op ``u`` that reads the value, in breadth-first order: the walk goes on (once) through each reader for which
+    ``passes(u)`` holds (a share op) and skips shape reads (``x.shape``, ``x.size()``: no value read).
+
+    >>> import torch
+    >>> from torch import fx, nn
+    >>> gm = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.Flatten(), nn.Linear(2, 2)))
+    >>> lin = next(n for n in gm.graph.nodes if n.target == "0")
+    >>> [(s.name, u.name) for s, u in share_edges(lin, lambda u: u.target == "1")]
+    [('_1', '_2')]
+    """
+    todo, seen = [(node, u) for u in (node.users if users is None else users)], set()
+    while todo:
+        s, u = todo.pop(0)
+        if _shape_read(u):
+            continue
+        if not passes(u):
+            yield s, u  # (every edge: an op reading two values of the run gets both)
+        elif u not in seen:
+            seen.add(u)
+            todo += [(u, r) for r in u.users]
 
 
 class _Removal:
@@ -78,16 +104,8 @@ def record_share_ends(prepared: nn.Module) -> tuple[dict[tuple[str, str], nn.Mod
             continue
         ends: dict[fx.Node, Any] = {}
         for obs in [n for n in gm.graph.nodes if n.meta.get("lowbit_kind") == "obs_out"]:
-            todo, seen = [u for u in obs.users if u.meta.get("lowbit_kind") == "share"], set()
-            while todo:
-                s = todo.pop()
-                if s in seen:
-                    continue
-                seen.add(s)
-                users = [u for u in s.users if not _shape_read(u)]
-                todo += [u for u in users if u.meta.get("lowbit_kind") == "share"]
-                reader = next((u for u in users if u.meta.get("lowbit_kind") != "share"), None)
-                if reader is not None and s.meta.get("lowbit_ftensor", True):
+            for s, reader in share_edges(obs, lambda u: u.meta.get("lowbit_kind") == "share"):
+                if s is not obs and s not in ends and s.meta.get("lowbit_ftensor", True):
                     qconfig = reader.meta.get("lowbit_qconfig") or obs.meta.get("lowbit_qconfig")
                     if qconfig is not None and getattr(qconfig, "activation", None) is not None:
                         ends[s] = qconfig
@@ -158,48 +176,3 @@ def _plain_copy(prepared_mod: nn.Module) -> nn.Module:
     for m in list(mod.modules()):
         _strip(m)
     return mod
-
-
-def float_read(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether a float op reads ``node``'s value: a ``DeQuantize`` of it (through grid-sharing ops) that feeds more
-    than the graph's output (``fx.islands``: such an int8 op is kept float once no int8 op reads it)."""
-    from ..fx.patterns import is_share_op
-
-    todo, seen = list(node.users), set()
-    while todo:
-        u = todo.pop()
-        if u in seen:
-            continue
-        seen.add(u)
-        mod = gm.get_submodule(str(u.target)) if u.op == "call_module" else None
-        if isinstance(mod, DeQuantize) and any(r.op != "output" for r in u.users):
-            return True
-        if u.op != "output" and not isinstance(mod, (Quantize, DeQuantize)) and is_share_op(u, mod):
-            todo.extend(u.users)
-    return False
-
-
-def island_ops(islands: dict[str, tuple[set[str], bool, set[str], bool, bool]], floats: set[str]) -> set[str]:
-    """``floats`` and the int8 ops ``prepare_fx`` then keeps float (``fx.islands``' rule on the converted graph): the
-    ops no int8 non-candidate reads (``islands[op]``: candidate readers, an int8 non-candidate reads it, candidate
-    sources, it reads a float value, a float op reads it) whose candidate readers are float or such ops too, kept
-    float by connected groups where each reads a float value (a float source) or a float op or layer reads one."""
-    out = set(floats)
-    cand = {op for op, (_, int_other, *_rest) in islands.items() if op not in out and not int_other}
-    while drop := {op for op in cand if not islands[op][0] <= out | cand}:
-        cand -= drop
-    seen: set[str] = set()
-    for start in sorted(cand):
-        if start in seen:
-            continue
-        group, todo = set(), [start]
-        while todo:
-            op = todo.pop()
-            if op not in group:
-                group.add(op)
-                todo += [o for o in (*islands[op][0], *islands[op][2]) if o in cand]
-        seen |= group
-        if any(islands[op][0] & out or islands[op][4] for op in group) or \
-                all(islands[op][3] or islands[op][2] & out for op in group):
-            out |= group
-    return out

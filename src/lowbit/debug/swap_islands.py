@@ -1,0 +1,111 @@
+"""The float islands of ``search="fast"``: convert's own rule, and the activations it keeps float with them.
+
+Once some layers or ops are float, ``prepare_fx`` keeps float the int8 adds / muls / cats / matmuls / activations that
+no int8 op reads any more (``fx.islands``; attention masks and the sums they enter are float whatever the qconfigs,
+``fx.masks``). The fast search swaps layers of one converted model instead of preparing again, so it asks the same
+rule: ``IslandRule`` runs ``fx.islands.islands_under`` on the prepared graphs with the candidates' nodes float and
+names what it demotes by call-order key (``"module:function#index"``, the rows of the ops). An int8 activation called
+as a function (``torch.sigmoid(g)``, ``F.hardswish``) is no row, but the rule may keep it float with its group: its
+``_ActTwin`` (``act_twins``) then runs it in float, as the built model does.
+
+>>> import torch, lowbit as Q
+>>> from torch import nn
+>>> class Res(nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.a, self.b, self.ln = nn.Linear(4, 4), nn.Linear(4, 4), nn.LayerNorm(4)
+...     def forward(self, x):
+...         h = torch.sigmoid(self.a(x)) + x
+...         return self.b(h), self.ln(h)
+>>> p = Q.prepare_fx(Res().eval(), Q.get_minmax_qconfig(), example_inputs=(torch.randn(2, 4),))
+>>> rule = IslandRule(p)
+>>> sorted(rule(set())), sorted(rule({"b"}))                # b float: nothing int8 reads the add and the sigmoid
+([], ['b', 'operator.add#0', 'torch.sigmoid#0'])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ..fx.islands import INT_KINDS, islands_under
+from ..nn.quantized.stubs import Quantize
+from ..qtensor import QTensor
+from ..speed_guard import requant_grid
+from ..workflow.propagate import join_name
+from .table import call_order_name
+
+__all__ = ["IslandRule", "act_twins"]
+
+
+class IslandRule:
+    """``rule(floats)``: ``floats`` (candidate names: layer paths, op rows) and the names of the int ops the model
+    ``prepare_fx`` builds with them float keeps float too (``fx.islands.islands_under`` on each graph of the prepared
+    model ``prepared``, which is not changed). Answers are cached per graph and set of float nodes."""
+
+    def __init__(self, prepared: nn.Module) -> None:
+        self.graphs: list[tuple[fx.GraphModule, dict[fx.Node, str]]] = []
+        for gpath, gm in prepared.named_modules():
+            if not isinstance(gm, fx.GraphModule):
+                continue
+            names = {}
+            for n in gm.graph.nodes:
+                if n.meta.get("lowbit_kind") not in (*INT_KINDS, "float"):
+                    continue
+                if n.op == "call_module":
+                    names[n] = join_name(gpath, str(n.target))
+                elif "lowbit_call_order" in n.meta:
+                    names[n] = call_order_name(n.meta["lowbit_call_order"])
+            if names:
+                self.graphs.append((gm, names))
+        self._cache: dict[tuple[int, frozenset[fx.Node]], set[fx.Node]] = {}
+
+    def __call__(self, floats: set[str]) -> set[str]:
+        out = set(floats)
+        for gm, names in self.graphs:
+            nodes = frozenset(n for n, name in names.items() if name in floats)
+            if not nodes:  # (the model prepared as it is: its islands are float in the converted model already)
+                continue
+            key = (id(gm), nodes)
+            if key not in self._cache:
+                self._cache[key] = islands_under(gm, nodes)
+            out |= {names[n] for n in self._cache[key] if n in names}
+        return out
+
+
+class _ActTwin(nn.Module):
+    """An int8 activation module ``convert_fx`` made of a function call (``quantized_act_N``) kept float: its float
+    function on the dequantized input, float out (``grid``: the int8 module's output grid, for the gates)."""
+
+    def __init__(self, qact: nn.Module) -> None:
+        super().__init__()
+        self.fn = getattr(qact, "_f", F.relu6)  # (ReLU6 clamps the codes: no ``_f``)
+        grid = (float(qact.scale), int(qact.zero_point), qact.qdtype) if hasattr(qact, "scale") else None
+        self.add_module("requant", None if grid is None else Quantize(*grid))
+
+    @property
+    def grid(self) -> tuple[float, int, Any] | None:
+        """The int8 activation's output grid ``(scale, zero_point, qdtype)``, or None (it keeps its input's)."""
+        return requant_grid(self.requant)
+
+    def forward(self, x: Any) -> torch.Tensor:
+        return self.fn(x.dequantize() if isinstance(x, QTensor) else x)
+
+
+def act_twins(qmodel: nn.Module) -> dict[str, tuple[str, _ActTwin]]:
+    """``{path of a quantized_act_N: (name by call-order key, its float twin)}`` for every int8 activation of a
+    ``convert_fx`` model that was a function call (its node carries ``meta["lowbit_call_order"]``)."""
+    out = {}
+    for gpath, gm in qmodel.named_modules():
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        for n in gm.graph.nodes:
+            if n.op == "call_module" and n.meta.get("lowbit_kind") == "act" and "lowbit_call_order" in n.meta:
+                qact = gm.get_submodule(str(n.target))
+                if hasattr(qact, "_f") or isinstance(qact, nn.Module) and type(qact).__name__ == "ReLU6":
+                    out[join_name(gpath, str(n.target))] = (call_order_name(n.meta["lowbit_call_order"]),
+                                                            _ActTwin(qact))
+    return out
