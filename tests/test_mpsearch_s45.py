@@ -17,11 +17,13 @@ the activations it demotes (``_ActTwin``).
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
 import lowbit as Q
@@ -92,15 +94,16 @@ class PreNorm(nn.Module):
 class Gated(nn.Module):
     """A pre-norm residual stream with a sigmoid-gated branch; the head reads the stream itself."""
 
-    def __init__(self) -> None:
+    def __init__(self, act=torch.sigmoid) -> None:
         super().__init__()
         self.emb, self.ln1, self.gate, self.fc1 = nn.Linear(D, D), nn.LayerNorm(D), nn.Linear(D, D), nn.Linear(D, D)
         self.ln2, self.fc2, self.head = nn.LayerNorm(D), nn.Linear(D, D), nn.Linear(D, 4)
+        self.act = act
 
     def forward(self, x):
         h = self.emb(x)
         a = self.ln1(h)
-        h = h + torch.sigmoid(self.gate(a)) * self.fc1(a)
+        h = h + self.act(self.gate(a)) * self.fc1(a)
         h = h + self.fc2(self.ln2(h))
         return self.head(h)
 
@@ -186,6 +189,29 @@ def test_the_predicted_float_ops_are_the_ones_convert_keeps_float(name):
         predicted = _islands(plan, {cand}) & ops
         int8 = {n for n, _, _ in op_candidates(_built(model, inp, [cand], plan.op_keys)).values()}
         assert predicted == ops - int8, cand
+
+
+ACTS = {"hardswish": (F.hardswish, "torch.nn.functional.hardswish#0"),
+        "elu": (functools.partial(F.elu, alpha=0.5), None), "leaky_relu": (lambda x: F.leaky_relu(x, 0.2), None),
+        "tanh": (torch.tanh, "torch.tanh#0")}
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+def test_each_function_activation_kept_float_scores_as_built(act):
+    """The 'head' row (the gated branch's activation then float with its group) is the built model's score."""
+    fn, row = ACTS[act]
+    model = Gated(fn).eval()
+    inp = _inputs(False)
+    ref = model(*inp).detach()
+    plan = _plan(model, inp)
+    assert len(plan.follow) == 1 and (row is None or row in plan.follow)
+    with kernels.use_backend("reference"):
+        _, table = auto_mixed_precision(model, Q.get_default_qconfig_mapping(), [inp], lambda m: _sqnr(ref, m(*inp)),
+                                        max_float_layers=1, mode="fx", search="fast", progress=False,
+                                        example_inputs=inp)
+        head = next(r.metric for r in table.rows if r.name == "head")
+        with torch.no_grad():
+            assert head == pytest.approx(_sqnr(ref, _built(model, inp, ["head"], table.op_keys)(*inp)), abs=1e-6)
 
 
 def test_a_gate_activation_is_swapped_with_its_island():

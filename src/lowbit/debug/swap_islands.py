@@ -28,10 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 
 from ..fx.islands import INT_KINDS, islands_under
+from ..nn.quantized import activation as nnq_act
 from ..nn.quantized.stubs import Quantize
 from ..qtensor import QTensor
 from ..speed_guard import requant_grid
@@ -77,12 +77,13 @@ class IslandRule:
 
 
 class _ActTwin(nn.Module):
-    """An int8 activation module ``convert_fx`` made of a function call (``quantized_act_N``) kept float: its float
-    function on the dequantized input, float out (``grid``: the int8 module's output grid, for the gates)."""
+    """An int8 activation module ``convert_fx`` made of a function call (``quantized_act_N``) kept float: the float
+    activation (``float_mod``: ``nn.Sigmoid``, ``nn.ELU(alpha)``, ...) on the dequantized input, float out (``grid``:
+    the int8 module's output grid, for the gates)."""
 
     def __init__(self, qact: nn.Module) -> None:
         super().__init__()
-        self.fn = getattr(qact, "_f", F.relu6)  # (ReLU6 clamps the codes: no ``_f``)
+        self.float_mod = _float_act(qact)
         grid = (float(qact.scale), int(qact.zero_point), qact.qdtype) if hasattr(qact, "scale") else None
         self.add_module("requant", None if grid is None else Quantize(*grid))
 
@@ -92,7 +93,19 @@ class _ActTwin(nn.Module):
         return requant_grid(self.requant)
 
     def forward(self, x: Any) -> torch.Tensor:
-        return self.fn(x.dequantize() if isinstance(x, QTensor) else x)
+        return self.float_mod(x.dequantize() if isinstance(x, QTensor) else x)
+
+
+def _float_act(qact: nn.Module) -> nn.Module | None:
+    """The float module of an int8 activation (its ``_float_type`` with its parameters), or None (no such type)."""
+    cls = getattr(qact, "_float_type", None)
+    if isinstance(qact, nnq_act.ReLU6):
+        return nn.ReLU6()
+    if cls is nn.ELU:
+        return nn.ELU(qact.alpha)
+    if cls is nn.LeakyReLU:
+        return nn.LeakyReLU(qact.negative_slope)
+    return cls() if cls in (nn.Sigmoid, nn.Tanh, nn.Hardsigmoid, nn.Hardswish) else None
 
 
 def act_twins(qmodel: nn.Module) -> dict[str, tuple[str, _ActTwin]]:
@@ -103,9 +116,7 @@ def act_twins(qmodel: nn.Module) -> dict[str, tuple[str, _ActTwin]]:
         if not isinstance(gm, fx.GraphModule):
             continue
         for n in gm.graph.nodes:
-            if n.op == "call_module" and n.meta.get("lowbit_kind") == "act" and "lowbit_call_order" in n.meta:
-                qact = gm.get_submodule(str(n.target))
-                if hasattr(qact, "_f") or isinstance(qact, nn.Module) and type(qact).__name__ == "ReLU6":
-                    out[join_name(gpath, str(n.target))] = (call_order_name(n.meta["lowbit_call_order"]),
-                                                            _ActTwin(qact))
+            if n.op == "call_module" and n.meta.get("lowbit_kind") == "act" and "lowbit_call_order" in n.meta \
+                    and _float_act(qact := gm.get_submodule(str(n.target))) is not None:
+                out[join_name(gpath, str(n.target))] = (call_order_name(n.meta["lowbit_call_order"]), _ActTwin(qact))
     return out
