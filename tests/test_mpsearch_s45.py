@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import operator
 import warnings
 
 import pytest
@@ -267,3 +268,18 @@ def test_share_edges_gives_every_edge_into_a_reader_of_the_run():
     edges = [(s.name, u.name) for s, u in share_edges(fc, lambda u: u.target in share)]
     assert sorted(edges) == [("fc", "add_1"), ("reshape", "add")]
     assert [(s.name, u.name) for s, u in share_edges(fc, lambda u: False)] == [("fc", "view"), ("fc", "add_1")]
+
+
+def test_a_call_order_entry_reaches_an_op_of_a_child_graph():
+    """The root does not trace ('attn' is prepared on its own): ``set_module_name_object_type_order('attn', matmul, 0,
+    None)`` keeps ``q @ k^T`` float. Before: the child graph's keys named module 'attn.', the entry matched nothing and
+    the matmul stayed int8 (and the search's own rows, named 'attn.:operator.matmul#0', gave a refused mapping)."""
+    model, inp, _ = _case("split")
+    mapping = Q.get_default_qconfig_mapping().set_module_name_object_type_order("attn", operator.matmul, 0, None)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        p = Q.prepare_fx(copy.deepcopy(model), mapping, example_inputs=inp)
+    keys = [n.meta["lowbit_call_order"] for n in p.attn.graph.nodes if n.target is operator.matmul]
+    assert keys == [("attn", operator.matmul, 0), ("attn", operator.matmul, 1)]
+    kinds = [n.meta["lowbit_kind"] for n in p.attn.graph.nodes if n.target is operator.matmul]
+    assert kinds == ["float", "functional"]  # (the second matmul reads the float softmax: an int8 kernel still)
