@@ -83,7 +83,7 @@ from torch import nn
 
 from .algorithms.layerwise import LayerChange, reconstruct
 from .ptq_checks import (RECIPES, batch_failed, check_model, check_options, check_quantizes_something,
-                         check_sample_axis, ptq_batches, whole_graph_skip)
+                         check_sample_axis, first_failing_batch, ptq_batches, whole_graph_skip)
 from .ptq_steps import equalize_step, refine_step, round_children
 from .fx import convert_fx, prepare_fx
 from .qconfig import QConfigMapping, get_default_qconfig_mapping
@@ -253,7 +253,13 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     fused = list(getattr(fx_report, "fused", []) or [])
     report.steps.append(("fuse", f"{len(fused)} runs fused (BN folded, ReLU/ReLU6 into output grids)"))
     if recipe == "accurate" and equalize:
-        equalize_step(prepared, batches, report, equalize=equalize, streams=streams, untraced=untraced)
+        try:
+            equalize_step(prepared, batches, report, equalize=equalize, streams=streams, untraced=untraced)
+        except Exception as e:  # (it runs every batch before calibration does: name a batch the model cannot run)
+            named = first_failing_batch(float_model, batches)
+            if named is None:
+                raise
+            raise named from e
     calls: dict[str, list[nn.Module]] = {}
     ends: dict[tuple[str, str], nn.Module] = {}
     handles: list[Any] = []

@@ -29,7 +29,7 @@ from .algorithms.layerwise_step import check_seed
 from .batches import check_finite_batch
 
 __all__ = ["RECIPES", "ACCURATE_ONLY", "batch_failed", "check_model", "check_options", "check_sample_axis",
-           "ignored_options", "ptq_batches", "unread_options"]
+           "first_failing_batch", "ignored_options", "ptq_batches", "unread_options"]
 
 RECIPES = ("default", "accurate", "balanced")
 
@@ -192,6 +192,22 @@ def batch_failed(i: int, batch: tuple[Any, ...], err: BaseException) -> ValueErr
                 "as its inputs): for (inputs, labels) pairs from a labelled DataLoader pass (x for x, _ in loader)")
     return ValueError(f"quantize_ptq: calib batch {i} (input shapes {shapes}) failed in the model: "
                       f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}{hint}")
+
+
+def first_failing_batch(float_model: nn.Module, batches: list[tuple[Any, ...]]) -> ValueError | None:
+    """``batch_failed`` for the first of ``batches`` that ``float_model`` cannot run (eval, no_grad), else ``None``:
+    a step before calibration (equalization runs every batch first) failed, and this says whether the data did it.
+
+    >>> first_failing_batch(nn.Linear(2, 1).eval(), [(torch.zeros(1, 2),), (torch.zeros(1, 3),)]).args[0][:51]
+    'quantize_ptq: calib batch 1 (input shapes [(1, 3)])'
+    """
+    with torch.no_grad():
+        for i, b in enumerate(batches):
+            try:
+                float_model(*b)
+            except Exception as e:  # (any error of the user's model on this batch)
+                return batch_failed(i, b, e)
+    return None
 
 
 class _Unbatched(Exception):

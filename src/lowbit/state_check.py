@@ -235,7 +235,12 @@ def _check_all(model: torch.nn.Module, state_dict: dict[str, Any], prefix: str, 
         if check is None:
             continue
         p = prefix + (name + "." if name else "")
-        md = dict(meta.get(p[:-1], {}))
+        entry = meta.get(p[:-1], {}) if isinstance(meta, dict) else {}
+        if not isinstance(entry, dict):  # (torch's load reads it as a dict too, deeper down)
+            errors.append(f"{p[:-1] or '<model>'}: the checkpoint's _metadata entry must be a dict (torch's per-module "
+                          f"metadata: version, lowbit_grids), got {type(entry).__name__} {entry!r}"[:300])
+            continue
+        md = dict(entry)
         if assign:
             md["assign_to_params_buffers"] = True
         errors += check(state_dict, p, md)

@@ -12,6 +12,11 @@ An additive attention mask ``m`` holds ``0`` and one huge negative ``v`` (BERT's
 - an ``add`` / ``sub`` of two tensors where one operand is a mask node (through shape ops): ``scores + ext`` is computed
   in float, as ``softmax`` reads it (an int8 reader still quantizes the sum at its input, as any float value).
 
+In a child graph (prepared on its own because its parent does not trace) a float input that is all zeros on the
+example counts as a mask node too: a padding-free batch's ``ext``, whose chain ``(1 - mask) · -1e4`` lies in the
+untraced parent (an int8 ``scores + ext`` there got a grid of scale ~40 from the padded calibration batches: 25.3 dB).
+An add reading such an input is float; nothing else changes (the input itself is no op).
+
 It needs ``meta["lowbit_rank"]`` / ``["lowbit_mask"]`` from a run on example inputs (``record_tensor_kinds``);
 without them no node is a mask node.
 
@@ -59,15 +64,16 @@ def _huge(n: fx.Node) -> bool:
     return any(isinstance(c, (int, float)) and not isinstance(c, bool) and abs(c) >= HUGE for c in nums)
 
 
-def _additive_masks(gm: fx.GraphModule) -> set[fx.Node]:
+def _additive_masks(gm: fx.GraphModule, child: bool = False) -> set[fx.Node]:
     """The mask nodes (module doc) that are additive masks or compute one: those whose value on the example is one,
     and those computed from integer / bool tensors with a number ``|c| ≥ 1e3`` on the way, with their mask inputs
-    (a ``uint8`` image's ``x.float() / 255`` is no such node: CNNs keep their int8 arithmetic)."""
+    (a ``uint8`` image's ``x.float() / 255`` is no such node: CNNs keep their int8 arithmetic); in a ``child`` graph
+    also its float inputs that are all zeros on the example (module doc)."""
     masks: dict[fx.Node, bool] = {}  # mask node -> additive
     for n in gm.graph.nodes:
         if not n.meta.get("lowbit_ftensor", False):
             continue
-        if n.meta.get("lowbit_mask"):
+        if n.meta.get("lowbit_mask") or (child and n.op == "placeholder" and n.meta.get("lowbit_zeros")):
             masks[n] = True
             continue
         if n.op not in ("call_function", "call_method"):
@@ -94,8 +100,8 @@ def _source(arg: Any) -> Any:
 
 def keep_masks_float(gm: fx.GraphModule, report: FxReport, prefix: str) -> None:
     """Set the mask nodes and the adds reading one (module doc) that classify made int ops to ``float``, each
-    named in ``report.left_float``."""
-    masks = _additive_masks(gm)
+    named in ``report.left_float``; ``prefix``: the graph's path in the model (not empty: a child graph)."""
+    masks = _additive_masks(gm, child=bool(prefix))
     for n in gm.graph.nodes:
         if n.meta.get("lowbit_kind") not in ("functional", "act"):
             continue
@@ -105,6 +111,9 @@ def keep_masks_float(gm: fx.GraphModule, report: FxReport, prefix: str) -> None:
         elif n.meta.get("lowbit_qop") == "add" and (m := next(
                 (_source(a) for a in n.args if _source(a) in masks), None)) is not None:
             why = f"adds the mask {m.name!r}: one int8 grid over the sum would span the mask's range"
+            if m.op == "placeholder" and not m.meta.get("lowbit_mask"):
+                why = (f"adds {m.name!r}, an input of this child graph that is all zeros on the example: an attention "
+                       "mask without padding, whose int8 grid over the sum would span the mask's range")
         else:
             continue
         n.meta.update(lowbit_kind="float", lowbit_qop=None)

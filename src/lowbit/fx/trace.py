@@ -304,6 +304,8 @@ def record_tensor_kinds(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | No
                 if isinstance(out, torch.Tensor):
                     n.meta["lowbit_rank"] = out.dim()
                     n.meta["lowbit_mask"] = is_additive_mask(out)  # (fx/masks.py: 0 / -1e4 values stay float)
+                    if n.op == "placeholder":  # (a padding-free example of a child graph's mask input: all zeros)
+                        n.meta["lowbit_zeros"] = out.is_floating_point() and out.numel() > 1 and not bool(out.any())
                 elif n.meta["lowbit_scalar"]:
                     n.meta["lowbit_number"] = float(out)
                 return out

@@ -10,6 +10,7 @@ Its scaled grid is made once per state of ``b``'s grid and ``c`` (``_scaled_grid
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -19,6 +20,8 @@ from ...kernels.plan import input_grid_key
 from ...qtensor import QTensor
 
 __all__ = ["scaled_operand"]
+
+_REAL = (numbers.Real, torch.SymInt, torch.SymFloat)  # alpha's types (a traced shape's arithmetic under compile)
 
 
 def scaled_operand(x: Any, alpha: float) -> Any:
@@ -37,6 +40,9 @@ def scaled_operand(x: Any, alpha: float) -> Any:
     >>> scaled_operand(qb, -2.0).scale is y.scale
     True
     """
+    if not isinstance(alpha, _REAL) and not (isinstance(alpha, torch.Tensor) and alpha.numel() == 1):
+        raise TypeError(f"scaled_operand: alpha must be a real number (torch.add / torch.sub's alpha), got "
+                        f"{type(alpha).__name__} {alpha!r}")
     if not isinstance(x, QTensor):
         return x * alpha
     scale, z, ok = _scaled_grid(x, alpha)
