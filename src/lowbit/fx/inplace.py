@@ -7,6 +7,9 @@ tensor read the in-place op's result instead (the same tensor in eager mode), fo
 
 - ``x.relu_()``, ``torch.relu_(x)``, ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)(x)``, ``F.hardtanh_(x)``:
   ``x`` changed; ``torch.add(a, b, out=a)``: the ``out`` tensor changed (its readers read the result);
+- ``h += c``, ``h *= c``, ``h -= t`` ... (``operator.iadd`` / ``imul`` / ``isub`` ... as ``fx/trace.py`` records
+  them): ``h`` changed, so ``g = h`` before it reads the sum as in eager; then ``operator.add`` / ``mul`` ... (torch.ao's
+  key: it traces ``h = h + c``) unless ``h`` is a graph input; on a number, size or tuple just the out-of-place op;
 - an in-place op on a view of the whole tensor, ``a.view(n, c, -1).mul_(3)``, ``a.flatten(1).add_(1)``
   (``view`` / ``reshape`` / ``flatten`` / ``unflatten`` / ``squeeze`` / ``unsqueeze`` / ``view_as`` /
   ``reshape_as``, chained): the base's later readers read ``result.reshape(base.size())``.
@@ -52,7 +55,7 @@ from torch import fx, nn
 
 from ..qtensor import QTensor
 
-__all__ = ["reroute_inplace", "writable_copy", "written"]
+__all__ = ["AUGMENTED_OPS", "reroute_inplace", "writable_copy", "written"]
 
 _WHOLE_VIEWS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"}
 _WHOLE_VIEW_FUNCS = {torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze}
@@ -74,7 +77,12 @@ _METHOD_TWINS = {"relu_": "relu", "squeeze_": "squeeze", "unsqueeze_": "unsqueez
                  # old-style elementwise writes with an int8 twin (session 43 zoo: y.add_(x), z.clamp_(0, 6))
                  "add_": "add", "mul_": "mul", "sub_": "sub", "div_": "div", "clamp_": "clamp",
                  "clamp_min_": "clamp_min", "clamp_max_": "clamp_max", "sigmoid_": "sigmoid", "tanh_": "tanh"}
-_FUNC_TWINS = {torch.relu_: torch.relu, torch.sigmoid_: torch.sigmoid, torch.tanh_: torch.tanh,
+# ``h += c`` ... (fx/trace.py records them): in place on a tensor, a new value on a number / tuple (``n += 1``)
+AUGMENTED_OPS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+                 operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.imod: operator.mod,
+                 operator.ipow: operator.pow, operator.iand: operator.and_, operator.ior: operator.or_,
+                 operator.ixor: operator.xor, operator.ilshift: operator.lshift, operator.irshift: operator.rshift}
+_FUNC_TWINS = {**AUGMENTED_OPS, torch.relu_: torch.relu, torch.sigmoid_: torch.sigmoid, torch.tanh_: torch.tanh,
                torch.clamp_: torch.clamp, F.hardtanh_: F.hardtanh, F.leaky_relu_: F.leaky_relu, F.elu_: F.elu}
 
 
@@ -110,12 +118,36 @@ def _mutates_first_arg(node: fx.Node, mods: dict[str, nn.Module]) -> bool:
     if node.op == "call_method":
         return isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("_")
     if node.op == "call_function":
+        if node.target in AUGMENTED_OPS:
+            return True
         name = getattr(node.target, "__name__", "")
         return node.kwargs.get("inplace") is True or (name.endswith("_") and not name.startswith("_")
                                                       and getattr(node.target, "__module__", "") in _F_MODULES)
     if node.op == "call_module":
         return getattr(mods.get(str(node.target)), "inplace", False) is True
     return False
+
+
+_NUMBER_METHODS = {"size", "dim", "numel", "nelement", "item", "tolist", "stride", "storage_offset", "element_size",
+                   "__len__"}
+
+
+def _number_like(arg: Any) -> bool:
+    """Whether ``arg`` holds a number, ``torch.Size`` or tuple rather than a tensor, by how it was made (sizes,
+    ``x.shape``, ``len``, arithmetic on those; a placeholder annotated ``int`` / ``float`` / ``bool``): ``n += 1`` on
+    it makes a new value, as in Python, and changes nothing another name holds."""
+    if not isinstance(arg, fx.Node):
+        return True
+    if arg.op == "placeholder":
+        return arg.type in (int, float, bool)
+    if arg.op == "call_method":
+        return arg.target in _NUMBER_METHODS
+    if arg.op != "call_function":
+        return False
+    if arg.target in (getattr, len):
+        return arg.target is len or arg.args[1] in ("shape", "ndim", "dtype", "device", "is_cuda")
+    inputs = arg.all_input_nodes
+    return getattr(arg.target, "__module__", None) == "_operator" and bool(inputs) and all(map(_number_like, inputs))
 
 
 def _changed(node: fx.Node, mods: dict[str, nn.Module]) -> fx.Node | None:
@@ -320,6 +352,10 @@ def reroute_inplace(gm: fx.GraphModule) -> int:
     moved = 0
     for node in list(gm.graph.nodes):
         if node.graph is not gm.graph or getattr(node, "_erased", False):
+            continue
+        if node.op == "call_function" and node.target in AUGMENTED_OPS and _number_like(node.args[0]):
+            node.target = AUGMENTED_OPS[node.target]  # (``n += 1`` on ``x.size(0)``: a new number, nothing changed)
+            moved += 1
             continue
         target = _changed(node, mods)
         if target is None:

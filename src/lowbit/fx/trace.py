@@ -38,10 +38,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .inplace import reroute_inplace
+from .inplace import AUGMENTED_OPS, reroute_inplace
 from .masks import is_additive_mask
 
-__all__ = ["trace", "record_tensor_kinds", "RootNotTraceable", "keep_buffers", "restore_buffers"]
+__all__ = ["trace", "record_tensor_kinds", "float_layout", "RootNotTraceable", "keep_buffers", "restore_buffers"]
 
 _MAX_RETRIES = 64
 Leaves = tuple[set[int], set[type]]  # (ids of leaf modules, leaf module types)
@@ -105,6 +105,21 @@ class _Proxy(fx.Proxy):
 
     def __getattr__(self, k: str) -> Any:  # (``x.T[0] = v``: an attribute's proxy takes item assignment too)
         return _Attribute(self, k)
+
+
+def _augmented(op: Any) -> Any:
+    def method(self: _Proxy, other: Any) -> Any:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+    method.__name__ = f"__{op.__name__}__"
+    return method
+
+
+# ``h += c`` is recorded as ``operator.iadd(h, c)`` (torch.fx's Proxy has no ``__iadd__``: Python fell back to
+# ``h = h + c``, so a second name for ``h``, ``g = h``, kept the old values where eager sees the write);
+# fx/inplace.py reroutes the later readers of ``h`` and makes the node ``operator.add`` (``h @= w`` rebinds: no
+# ``Tensor.__imatmul__``)
+for _op in AUGMENTED_OPS:
+    setattr(_Proxy, f"__{_op.__name__}__", _augmented(_op))
 
 
 class _Attribute(fx.proxy.Attribute, _Proxy):
@@ -287,6 +302,19 @@ def pin_attribute_reads(gm: fx.GraphModule) -> None:
         gm.recompile()
 
 
+def float_layout(t: torch.Tensor) -> str | None:
+    """The name of the ``torch`` memory format ``t`` is dense in (row-major first; ``None``: a strided view): what a
+    layout read (``as_strided``, ``stride()``) of the float model's value assumes, where an int8 kernel's codes may be
+    channels-last (``meta["lowbit_layout"]``, a name: ``torch.save`` pickles no ``torch.memory_format``; read by
+    ``convert_fx``'s ``dequantize`` step).
+
+    >>> float_layout(torch.ones(2, 3, 4, 4)), float_layout(torch.ones(2, 3, 4, 4).permute(0, 2, 3, 1))
+    ('contiguous_format', None)
+    """
+    names = ["contiguous_format"] + ["channels_last"] * (t.dim() == 4) + ["channels_last_3d"] * (t.dim() == 5)
+    return next((f for f in names if t.is_contiguous(memory_format=getattr(torch, f))), None)
+
+
 def record_tensor_kinds(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -> None:
     """Set ``node.meta["lowbit_ftensor"]`` (the value is a floating-point tensor) and ``["lowbit_scalar"]``.
 
@@ -303,6 +331,7 @@ def record_tensor_kinds(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | No
                     isinstance(t, torch.Tensor) and t.is_floating_point() for t in out)  # chunk / split
                 if isinstance(out, torch.Tensor):
                     n.meta["lowbit_rank"] = out.dim()
+                    n.meta["lowbit_layout"] = float_layout(out)
                     n.meta["lowbit_mask"] = is_additive_mask(out)  # (fx/masks.py: 0 / -1e4 values stay float)
                     if n.op == "placeholder":  # (a padding-free example of a child graph's mask input: all zeros)
                         n.meta["lowbit_zeros"] = out.is_floating_point() and out.numel() > 1 and not bool(out.any())
