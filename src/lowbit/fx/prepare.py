@@ -59,6 +59,7 @@ from .legacy import baked_copy, warn_user_hooks
 from .patterns import WEIGHT_ONLY_TYPES, graph_module_types
 from .report import FxReport
 from .state import STATE_KEY, carry, is_prepared
+from .child_reads import keep_child_reads
 from .trace import RootNotTraceable, keep_buffers, record_tensor_kinds, restore_buffers, trace
 from .transformer import swap_attention
 from .weighted import arg_of
@@ -192,6 +193,7 @@ def _prepare_children(mod: nn.Module, ctx: _Ctx, prefix: str) -> None:
             continue
         new = _prepare_module(child, ctx, join(prefix, name), captured)
         if new is not child:
+            keep_child_reads(mod, name, new)  # (``self.proj.weight`` in ``mod``'s own forward)
             mod._modules[name] = new
 
 

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import fx, nn
+from torch.fx.graph_module import _USER_PRESERVED_ATTRIBUTES_KEY
 
 __all__ = ["STATE_KEY", "Carry", "carry", "check_prepared", "is_prepared", "restore", "uncarry"]
 
@@ -185,6 +186,8 @@ def _restore_one(gm: fx.GraphModule, c: Carry) -> None:
                   "calibrating")
         return
     gm.meta[STATE_KEY] = saved["state"]
+    if saved["state"].get("kept_reads"):  # (fx/child_reads.py: a parent's reads of plain attributes, for deepcopy)
+        gm.meta.setdefault(_USER_PRESERVED_ATTRIBUTES_KEY, {}).update(saved["state"]["kept_reads"])
     carry(gm)
     for hook in saved.get("load_hooks", []):  # (the load guard, absorbed BN keys skipped: fx/absorbed.py)
         gm.register_load_state_dict_pre_hook(hook)
