@@ -29,6 +29,7 @@ attribute.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 import torch
@@ -55,7 +56,14 @@ def read_attributes(cls: type, name: str) -> set[str] | None:
     >>> read_attributes(M, "fc") is None
     True
     """
-    found: set[str] = set()
+    reads = _class_reads(cls)
+    return None if reads is None else set(reads.get(name, ()))
+
+
+@functools.lru_cache(maxsize=256)
+def _class_reads(cls: type) -> dict[str, frozenset[str]] | None:
+    """``{child name: the attributes read of it}`` over the methods of ``cls``; ``None`` without a source."""
+    found: dict[str, set[str]] = {}
     for base in cls.__mro__:
         if base in (nn.Module, object) or not issubclass(base, nn.Module) or base.__module__.startswith("torch."):
             continue
@@ -69,10 +77,9 @@ def read_attributes(cls: type, name: str) -> set[str] | None:
             me = fn.args.args[0].arg
             for node in ast.walk(fn):
                 inner = node.value if isinstance(node, ast.Attribute) else None
-                if (isinstance(inner, ast.Attribute) and inner.attr == name and isinstance(inner.value, ast.Name)
-                        and inner.value.id == me):
-                    found.add(node.attr)  # type: ignore[union-attr]
-    return found
+                if isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id == me:
+                    found.setdefault(inner.attr, set()).add(node.attr)  # type: ignore[union-attr]
+    return {k: frozenset(v) for k, v in found.items()}
 
 
 def keep_child_reads(parent: nn.Module, name: str, new: nn.Module) -> list[str]:
