@@ -451,3 +451,36 @@ def test_qat_trains_the_weight_the_parent_reads():
         warnings.simplefilter("ignore")
         converted = Q.convert_fx(p.eval())
     assert _sqnr(p(_X), converted(_X)) > 25
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x).relu()
+
+
+class _DeepReader(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.block = nn.Linear(8, 8), _Block()
+
+    def forward(self, x):
+        h = self.pre(x)
+        if h.sum() > -1e9:
+            h = h + 0
+        return self.block(h) + F.linear(h, self.block.fc.weight * 0.5)
+
+
+def test_a_read_of_a_grandchilds_weight_is_named_in_a_warning():
+    """``self.block.fc.weight``: the prepared ``block`` fuses ``fc`` with its ReLU (``'LinearReLU' object has no
+    attribute 'weight'`` on the first call, with no hint): prepare_fx names the read and the ways out."""
+    with pytest.warns(UserWarning, match=r"reads self\.block\.fc\.weight, which graph mode cannot keep.*declare "
+                                         r"'block' non-traceable"):
+        Q.prepare_fx(_DeepReader().eval(), Q.get_default_qconfig_mapping(), example_inputs=(_X,))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        Q.prepare_fx(_Outer("scaled").eval(), Q.get_default_qconfig_mapping(), example_inputs=(_X,))
+    assert not [w for w in seen if "cannot keep" in str(w.message)]

@@ -32,6 +32,7 @@ import ast
 import functools
 import inspect
 import textwrap
+import warnings
 import torch
 from torch import fx, nn
 from torch.fx.graph_module import _USER_PRESERVED_ATTRIBUTES_KEY
@@ -62,7 +63,8 @@ def read_attributes(cls: type, name: str) -> set[str] | None:
 
 @functools.lru_cache(maxsize=256)
 def _class_reads(cls: type) -> dict[str, frozenset[str]] | None:
-    """``{child name: the attributes read of it}`` over the methods of ``cls``; ``None`` without a source."""
+    """``{child name: the attributes read of it}`` over the methods of ``cls`` (``"child.sub"``: of its submodule
+    ``sub``, ``self.child.sub.attr``); ``None`` without a source."""
     found: dict[str, set[str]] = {}
     for base in cls.__mro__:
         if base in (nn.Module, object) or not issubclass(base, nn.Module) or base.__module__.startswith("torch."):
@@ -79,16 +81,21 @@ def _class_reads(cls: type) -> dict[str, frozenset[str]] | None:
                 inner = node.value if isinstance(node, ast.Attribute) else None
                 if isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id == me:
                     found.setdefault(inner.attr, set()).add(node.attr)  # type: ignore[union-attr]
+                outer = inner.value if isinstance(inner, ast.Attribute) else None
+                if isinstance(outer, ast.Attribute) and isinstance(outer.value, ast.Name) and outer.value.id == me:
+                    found.setdefault(f"{outer.attr}.{inner.attr}", set()).add(node.attr)  # type: ignore[union-attr]
     return {k: frozenset(v) for k, v in found.items()}
 
 
-def keep_child_reads(parent: nn.Module, name: str, new: nn.Module) -> list[str]:
+def keep_child_reads(parent: nn.Module, name: str, new: nn.Module, where: str = "prepare_fx") -> list[str]:
     """Give ``new``, the prepared graph of ``parent``'s child ``name`` (``parent``'s forward is not traced; called
     before ``new`` replaces the child), the attributes of the child the parent's class reads that ``new`` lacks
-    (module doc); their names, sorted."""
+    (module doc); their names, sorted. A read of a tensor of the child's own submodule, ``self.block.fc.weight``,
+    cannot be kept (the graph fuses, observes and converts ``fc``): warned, naming it (``where``: who prepares)."""
     child = parent._modules[name]
     if not isinstance(new, fx.GraphModule) or new is child or child is None:
         return []
+    _warn_deep_reads(parent, name, child, where)
     wanted = read_attributes(type(parent), name)
     if wanted is None:
         wanted = {*child._parameters, *child._buffers, *(k for k, v in vars(child).items()
@@ -127,3 +134,16 @@ def _has(gm: nn.Module, attr: str) -> bool:
     return attr in gm._modules or attr in gm._parameters or attr in gm._buffers or attr in vars(gm) or hasattr(
         type(gm), attr)
 
+
+def _warn_deep_reads(parent: nn.Module, name: str, child: nn.Module, where: str) -> None:
+    cls = type(parent).__name__
+    for key, attrs in sorted((_class_reads(type(parent)) or {}).items()):
+        head, _, sub = key.partition(".")
+        inner = child._modules.get(sub) if head == name and sub else None
+        for attr in sorted(attrs):
+            if inner is not None and isinstance(getattr(inner, attr, None), torch.Tensor):
+                warnings.warn(f"{where}: the forward of {cls} (not traced) reads self.{name}.{sub}.{attr}, which "
+                              f"graph mode cannot keep: the prepared '{name}' fuses, observes and converts '{sub}' "
+                              f"(the read fails or meets the int8 module's method); read it from a child of {cls} "
+                              f"itself, make {cls}'s forward traceable, or declare '{name}' non-traceable",
+                              stacklevel=7)

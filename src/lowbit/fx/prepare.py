@@ -193,7 +193,7 @@ def _prepare_children(mod: nn.Module, ctx: _Ctx, prefix: str) -> None:
             continue
         new = _prepare_module(child, ctx, join(prefix, name), captured)
         if new is not child:
-            keep_child_reads(mod, name, new)  # (``self.proj.weight`` in ``mod``'s own forward)
+            keep_child_reads(mod, name, new, f"{ctx.fn}: '{join(prefix, name)}'")  # (self.proj.weight in mod's forward)
             mod._modules[name] = new
 
 
