@@ -130,12 +130,12 @@ def test_add_with_alpha_codes_are_bit_identical_to_the_per_call_formula(qd, alph
                 want = QFunctional(so, zo, qdtype).add(qa, _old_scaled_operand(qb, alpha))
             except RuntimeError as e:  # |alpha| · s past float32: float alpha · b, inf · 0 = NaN, refused alike
                 with pytest.raises(RuntimeError, match=re.escape(str(e))):
-                    qf.add(qa, scaled_operand(qb, alpha))
+                    qf.add(qa, scaled_operand(qb, alpha, qf))
                 continue
-            got = qf.add(qa, scaled_operand(qb, alpha))
+            got = qf.add(qa, scaled_operand(qb, alpha, qf))  # (the grid kept on qf, as a converted graph passes it)
             assert torch.equal(got.int_repr(), want.int_repr())
             assert torch.equal(got.scale, want.scale) and torch.equal(got.zero_point, want.zero_point)
-            y, y_old = scaled_operand(qb, alpha), _old_scaled_operand(qb, alpha)
+            y, y_old = scaled_operand(qb, alpha, qf), _old_scaled_operand(qb, alpha)
             assert type(y) is type(y_old)
             if isinstance(y, QTensor):
                 assert torch.equal(y.int_repr(), y_old.int_repr()) and torch.equal(y.scale, y_old.scale)
@@ -149,20 +149,21 @@ def test_add_with_alpha_reads_its_requantization_constants_once(alpha):  # faile
     qa = Q.quantize_per_tensor(torch.randn(2, 4, 6, 6), 0.02, 128, Q.quint8)
     qb = Q.quantize_per_tensor(torch.randn(2, 4, 6, 6), 0.03, 120, Q.quint8)
     qf = QFunctional(0.05, 125)
-    first = scaled_operand(qb, alpha)
-    outs = [qf.add(qa, scaled_operand(qb, alpha)) for _ in range(5)]
-    assert scaled_operand(qb, alpha).scale is first.scale and scaled_operand(qb, alpha).zero_point is first.zero_point
+    first = scaled_operand(qb, alpha, qf)  # (procstate45: the grid memo is qf's, the converted graph's third argument)
+    outs = [qf.add(qa, scaled_operand(qb, alpha, qf)) for _ in range(5)]
+    assert scaled_operand(qb, alpha, qf).scale is first.scale
+    assert scaled_operand(qb, alpha, qf).zero_point is first.zero_point
     assert len(qf._memo) == 1
     assert all(torch.equal(o.int_repr(), outs[0].int_repr()) for o in outs)
 
 
 def test_scaled_grid_follows_in_place_writes():
-    qb = Q.quantize_per_tensor(torch.randn(8), 0.03, 120, Q.quint8)
-    y = scaled_operand(qb, -0.5)
+    qb, qf = Q.quantize_per_tensor(torch.randn(8), 0.03, 120, Q.quint8), QFunctional(0.05, 125)
+    y = scaled_operand(qb, -0.5, qf)
     y.scale.mul_(4)  # the handed-out grid written: made again
-    assert float(scaled_operand(qb, -0.5).scale) == pytest.approx(0.015)
+    assert float(scaled_operand(qb, -0.5, qf).scale) == pytest.approx(0.015)
     qb.scale.mul_(2)  # the input grid written: made again
-    y2 = scaled_operand(qb, -0.5)
+    y2 = scaled_operand(qb, -0.5, qf)
     assert float(y2.scale) == pytest.approx(0.03) and int(y2.zero_point) == 255 - 120
     assert torch.equal(y2.dequantize(), -0.5 * qb.dequantize())
 

@@ -138,11 +138,13 @@ class _Converter:
                 dim = args[1] if len(args) > 1 else node.kwargs.get("dim", 0)
                 method, args = "cat", (tensors, dim)
             elif qop.endswith("_scalar"):  # (x ± c, c - x on the mirrored codes, x · c, x / c: fx/scalar_ops.py)
-                method, args = scalar_call(self.graph, node)
+                method, args = scalar_call(self.graph, node, name)
             else:
                 method = qop
-                if "lowbit_alpha" in node.meta:  # (a + c · b: b's grid scaled by |c|, its codes mirrored for c < 0)
-                    scaled = self.graph.call_function(scaled_operand, (args[1], node.meta["lowbit_alpha"]))
+                if "lowbit_alpha" in node.meta:  # (a + c · b: b's grid scaled by |c|, its codes mirrored for c < 0;
+                    # the scaled grid kept on the QFunctional that adds it: scaled_operand's third argument)
+                    scaled = self.graph.call_function(scaled_operand, (args[1], node.meta["lowbit_alpha"],
+                                                                       self.graph.get_attr(name)))
                     scaled.meta.update(lowbit_kind="share", lowbit_domain="int", lowbit_ftensor=True)
                     args = (args[0], scaled)
             new = self.graph.call_module(name, (method, *args))  # QFunctional.forward(op, ...): a leaf when re-traced

@@ -120,9 +120,10 @@ def scalar_op(node: fx.Node) -> tuple[str | None, str]:
     return "add_scalar", ""
 
 
-def scalar_call(graph: fx.Graph, node: fx.Node) -> tuple[str, tuple[Any, ...]]:
+def scalar_call(graph: fx.Graph, node: fx.Node, owner: str) -> tuple[str, tuple[Any, ...]]:
     """``(QFunctional method, its operands)`` for a node ``scalar_op`` accepted, inserting the nodes it needs (a
-    mirrored operand, ``1 / c`` or ``-c`` of a traced number) where the graph inserts."""
+    mirrored operand, ``1 / c`` or ``-c`` of a traced number) where the graph inserts; ``owner``: the target of the
+    ``QFunctional`` called, which keeps a mirrored operand's grid (``scaled_operand``)."""
     ix, ic, mirror, factor = node.meta["lowbit_scalar_op"]
     x, c = node.args[ix], node.args[ic]
     qop = node.meta["lowbit_qop"]
@@ -136,6 +137,6 @@ def scalar_call(graph: fx.Graph, node: fx.Node) -> tuple[str, tuple[Any, ...]]:
     elif factor != 1.0:
         c = _exact_product(c, factor)  # (a number: scalar_op checked it)
     if mirror:
-        x = graph.call_function(scaled_operand, (x, -1.0))
+        x = graph.call_function(scaled_operand, (x, -1.0, graph.get_attr(owner)))  # (its grid kept on owner)
         x.meta.update(lowbit_kind="share", lowbit_domain="int", lowbit_ftensor=True)
     return "add_scalar", (x, c)

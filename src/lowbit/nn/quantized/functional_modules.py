@@ -258,6 +258,15 @@ class QFunctional(CheckedQuantState):
         self.register_buffer("scale", torch.tensor(scale, dtype=torch.float32))
         self.register_buffer("zero_point", torch.tensor(zero_point, dtype=torch.int64))
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles and deep copies leave out the eager memos (``_memo``: requantization constants, ``_scaled``: an
+        operand's scaled grid, ``add_alpha``): keyed on the identities of the tensors they were read from, a copy
+        could never hit them, and they would carry the copied tensors along."""
+        state = self.__dict__.copy()
+        state.pop("_memo", None)
+        state.pop("_scaled", None)
+        return state
+
     def forward(self, *args: Any) -> Any:
         """``forward(op, *operands)``: the method ``op`` (how a converted graph calls it: as a module, so
         torch.fx keeps the call as one node when it re-traces the graph, e.g. unpickling it)."""
