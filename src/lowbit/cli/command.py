@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -323,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "quantize-llm":
             from .llm import run as _run_llm
-            return _run_llm(args)
+            with _settings_restored():  # (its --threads outlived main() before: the caller's process at that count)
+                return _run_llm(args)
         return _quantize_restoring(args)
     except CLIError as e:
         print(f"lowbit: error: {' '.join(str(e).split())}", file=sys.stderr)
@@ -336,18 +338,26 @@ def main(argv: list[str] | None = None) -> int:
         _on_sigterm(previous)
 
 
+@contextlib.contextmanager
+def _settings_restored() -> Iterator[None]:
+    """The process settings a command changes (``--threads``, the global RNG seeded by ``--seed``) put back after it:
+    a second ``main()`` in the same process starts from the caller's settings."""
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+
+
 def _quantize_restoring(args: argparse.Namespace) -> int:
     """``_quantize`` with the process settings it changes (``--threads``, ``--backend``, the global RNG seeded by
     ``--seed``) put back afterwards: a second ``main()`` in the same process starts from the caller's settings."""
     from .. import kernels
 
-    threads, rng = torch.get_num_threads(), torch.get_rng_state()
-    try:  # --backend pins this run only (main() used set_backend: the pin outlived it)
+    with _settings_restored():  # --backend pins this run only (main() used set_backend: the pin outlived it)
         with kernels.use_backend(args.backend) if args.backend != "auto" else contextlib.nullcontext():
             return _quantize(args)
-    finally:
-        torch.set_num_threads(threads)
-        torch.set_rng_state(rng)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
