@@ -29,8 +29,11 @@ DTYPES = [Q.qint8, torch.float16]
 
 @pytest.fixture(autouse=True)
 def _threads():
+    before = torch.get_num_threads()  # (restored after the test: tests/conftest.py's state guard)
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    yield
+    torch.set_num_threads(before)
 
 
 # ---- models ----

@@ -17,8 +17,11 @@ from lowbit.algorithms.equalize_eager import channel_ranges, equalize, find_pair
 
 @pytest.fixture(autouse=True)
 def _seed():
-    torch.manual_seed(0)
+    before = torch.get_num_threads()  # (restored after the test: tests/conftest.py's state guard)
     torch.set_num_threads(1)
+    torch.manual_seed(0)
+    yield
+    torch.set_num_threads(before)
 
 
 class Net(nn.Module):

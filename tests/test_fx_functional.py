@@ -23,8 +23,11 @@ from lowbit.observer import MinMaxObserver, PerChannelMinMaxObserver, Placeholde
 
 @pytest.fixture(autouse=True)
 def _threads():
+    before = torch.get_num_threads()  # (restored after the test: tests/conftest.py's state guard)
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    yield
+    torch.set_num_threads(before)
 
 
 def sqnr(ref: torch.Tensor, y: torch.Tensor) -> float:

@@ -21,8 +21,11 @@ from lowbit import kernels
 
 @pytest.fixture(autouse=True)
 def _threads():
+    before = torch.get_num_threads()  # (restored after the test: tests/conftest.py's state guard)
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    yield
+    torch.set_num_threads(before)
 
 
 class PadNet(nn.Module):

@@ -136,8 +136,12 @@ def dynamic_fuzz(recipe: str, cases: int, seed: int) -> list:
         elif recipe == "x86":
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                torch.backends.quantized.engine = "x86"
-                want = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8)(x)
+                engine, torch.backends.quantized.engine = torch.backends.quantized.engine, "x86"
+                try:  # (the previous engine comes back: tests/conftest.py's state guard)
+                    want = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {nn.Linear},
+                                                                  dtype=torch.qint8)(x)
+                finally:
+                    torch.backends.quantized.engine = engine
             want, mag = want.double(), None
         else:
             wq = qm[0].weight()

@@ -25,8 +25,11 @@ from lowbit.nn.quantized.functional_modules import FloatFunctional
 
 @pytest.fixture(autouse=True)
 def _seed():
-    torch.manual_seed(0)
+    before = torch.get_num_threads()  # (restored after the test: tests/conftest.py's state guard)
     torch.set_num_threads(1)
+    torch.manual_seed(0)
+    yield
+    torch.set_num_threads(before)
 
 
 class _ReadThroughOps(nn.Module):

@@ -31,8 +31,11 @@ from test_mixprec_s39 import _read_through_case  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _seed():
-    torch.manual_seed(0)
+    before = torch.get_num_threads()  # (restored after the test: tests/conftest.py's state guard)
     torch.set_num_threads(1)
+    torch.manual_seed(0)
+    yield
+    torch.set_num_threads(before)
 
 
 class _Block(nn.Module):

@@ -34,8 +34,11 @@ from lowbit.ptq import _sqnr
 
 @pytest.fixture(autouse=True)
 def _seed():
-    torch.manual_seed(0)
+    before = torch.get_num_threads()  # (restored after the test: tests/conftest.py's state guard)
     torch.set_num_threads(1)
+    torch.manual_seed(0)
+    yield
+    torch.set_num_threads(before)
 
 
 def _random_bn(model: nn.Module) -> nn.Module:

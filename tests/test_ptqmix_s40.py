@@ -35,8 +35,11 @@ from test_mixprec_s40 import _case  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _seed():
-    torch.manual_seed(0)
+    before = torch.get_num_threads()  # (restored after the test: tests/conftest.py's state guard)
     torch.set_num_threads(1)
+    torch.manual_seed(0)
+    yield
+    torch.set_num_threads(before)
 
 
 def _ptq(model, x, n):

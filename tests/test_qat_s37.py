@@ -84,12 +84,12 @@ def test_preparing_a_prepared_model_again_warns_that_its_grids_are_replaced():
     assert p[5].activation_post_process.activation_post_process.is_calibrated  # (a deep copy: p keeps its grids)
 
 
-def test_bn_switches_and_toggles_match_torch_ao_step_by_step():
+def test_bn_switches_and_toggles_match_torch_ao_step_by_step(monkeypatch):
     """train -> eval -> train, freeze_bn / update_bn, observer and fake-quant switches mid-training, BN momentum=None,
     grouped conv, LinearBn1d: outputs, BN statistics and converted weight codes equal torch.ao's. Departure:
     lowbit's `freeze_bn_stats` / `update_bn_stats` (model.apply) also act on LinearBn1d, which torch.ao's module-level
     functions skip (its `LinearBn1d.freeze_bn_stats()` method is called directly here)."""
-    torch.backends.quantized.engine = "x86"
+    monkeypatch.setattr(torch.backends.quantized, "engine", "x86")  # (the previous engine comes back)
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, groups=2),
                       nn.BatchNorm2d(8, momentum=None), nn.Flatten(), nn.Linear(8 * 9, 6), nn.BatchNorm1d(6)).train()

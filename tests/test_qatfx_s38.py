@@ -39,12 +39,12 @@ def _bns(model: nn.Module) -> list[nn.Module]:
 
 
 @pytest.mark.parametrize("version", [0, 1])
-def test_frozen_bn_stays_frozen_across_eval_train_and_bn_kept_once(version):
+def test_frozen_bn_stays_frozen_across_eval_train_and_bn_kept_once(version, monkeypatch):
     """prepare_qat_fx / prepare_fx / fuse_fx left each fused-away BN (and ReLU) attached under its old name too: the
     usual epoch loop `model.eval()` ... `model.train()` after `freeze_bn_stats` put the BN back in training mode
     through that alias, so its running statistics kept updating silently (torch.ao: frozen), and state_dict carried
     every BN twice (`b1.*` and `c1.bn.*`)."""
-    torch.backends.quantized.engine = "x86"
+    monkeypatch.setattr(torch.backends.quantized, "engine", "x86")  # (the previous engine comes back)
     torch.manual_seed(0)
     m, ex = _Net().train(), (torch.randn(4, 3, 8, 8),)
     a = ao_prepare_qat_fx(copy.deepcopy(m), tq.get_default_qat_qconfig_mapping("x86", version), ex)
