@@ -8,7 +8,7 @@ Its scaled grid is made once per state of ``b``'s grid and ``c`` (``_scaled_grid
 of the requantization constants ``owner._memo``), so every call hands ``QFunctional.add`` the same scale /
 zero-point tensors and that memo (``functional_modules._fast_add``) hits, as for an add without alpha. The memo
 lives and dies with its model (a process-wide cache kept up to 64 deleted models' grids alive); without an owner
-(a graph pickled before, a direct call) the grid is made per call, the same codes.
+(a direct call, a graph converted before session 45) the grid is made per call, the same codes.
 """
 
 from __future__ import annotations
