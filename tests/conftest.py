@@ -24,12 +24,13 @@ settings.load_profile(os.environ.get("LOWBIT_HYPOTHESIS", "ci"))
 # machine's count, and a fresh process a test starts at the machine's count too. torch's float32 GEMM (MKL) rounds
 # differently at 1 and 2+ threads for some shapes (5 x 16 @ 16 x 24: 1 ulp), so a float output computed in the test
 # process and in a fresh one differed (weight_only4's dequantized path in test_state_s44: 4.5e-8). A file that wants
-# more threads binds helpers.threads(n); fresh processes inherit OMP_NUM_THREADS (unless the caller set it).
+# more threads binds helpers.threads(n); fresh processes inherit OMP_NUM_THREADS=SUITE_THREADS (set here, whatever
+# the caller's environment said: a test comparing with a fresh process then compares like with like).
 SUITE_THREADS = 1
 
 
 def pytest_configure(config):
-    os.environ.setdefault("OMP_NUM_THREADS", str(SUITE_THREADS))
+    os.environ["OMP_NUM_THREADS"] = str(SUITE_THREADS)
     torch.set_num_threads(SUITE_THREADS)
 
 
