@@ -138,6 +138,11 @@ def test_aoti_eager_converted_cnn_in_process_and_in_fresh_processes(tmp_path: Pa
               "    try:\n        r = torch._inductor.aoti_load_package(sys.argv[1] + '/cnn.pt2')\n"
               "    except RuntimeError as e:\n        print(step, 'ERROR', repr(str(e)))\n"
               "    else:\n        print(step, 'EQUAL', torch.equal(r(x), ref))\n")
+    # torch's package loader extracts into $TMPDIR/aotinductor_XXXXXX and removes that folder when the loader is
+    # destroyed, but the load without lowbit throws inside its constructor: the folder stayed behind in /tmp (one per
+    # run, ~1.8 MB). The fresh process's TMPDIR is this test's tmp_path, which pytest cleans up.
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     done = fresh_python(script, str(tmp_path))
     out = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
     assert out.keys() == {"0", "1"}, done.stdout + done.stderr
