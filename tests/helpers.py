@@ -47,6 +47,18 @@ def split_over(threads: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """A block on ``n`` torch threads, the previous count restored after (e.g. a test's references, whose results do
+    not depend on the thread count, computed on 1 thread: on 2 shared cores torch's pool mostly waits)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def threads(n: int, scope: str = "module", name: str = "one_thread") -> Any:
     """An autouse fixture (bound to a name in a test module, or imported there) that runs that module's tests on
     ``n`` torch threads and restores the previous count after the module (``scope="module"``) or each test."""

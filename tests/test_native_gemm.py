@@ -22,7 +22,7 @@ import lowbit as Q
 from lowbit import native
 from lowbit.native.gemm import pack_bcast, pack_vnni
 
-from helpers import force, split_over
+from helpers import force, num_threads, split_over
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"lowbit.native not built: {native.reason()}")
 needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="no fbgemm in torch")
@@ -56,9 +56,13 @@ def test_requant_mode_is_fbgemm_quantized_linear(body: str, threads: int, monkey
     products) to 133 (the packed kernels' row blocks with every remainder, over three row chunks), K with every tail,
     N over 1-4 blocks of 16 columns in a chunk and past it, zero points 0 / 57, bias or none, ReLU, output scales that
     saturate both ends: fbgemm's codes exactly."""
+    _body(body)  # (skips now where the CPU lacks this body, before any reference is computed)
     g = torch.Generator().manual_seed(threads)
-    wrong = []
-    with split_over(threads, monkeypatch):
+    wrong, cases = [], []
+    # fbgemm's codes first, on 1 thread (exact integer codes, the same at any thread count; at 2 threads on 2 shared
+    # cores each of these 2560 small calls waited on torch's pool: [avx2-2] 87 s, [avx2-1] 4 s), then lowbit's, split
+    # over ``threads``; the same inputs in the same order as when both ran in one loop
+    with num_threads(1):
         for m, k, n, seven in itertools.product((1, 2, 3, 11, 15, 18, 64, 133), (5, 32, 100, 769),
                                                 (1, 7, 20, 40, 70),
                                                 (True, False)):
@@ -73,11 +77,14 @@ def test_requant_mode_is_fbgemm_quantized_linear(body: str, threads: int, monkey
                 atws = torch.tensor(sx, dtype=torch.float32) * sw
                 mult = atws / torch.tensor(so, dtype=torch.float32)
                 bterm = None if bias is None else bias / atws
-                with _body(body):
-                    got = native.qlinear_requant(q, zx, w, None, mult, bterm, zo, zo if relu else 0, 255, True)
-                if got is None or not torch.equal(got, ref):
-                    wrong.append((m, k, n, seven, zx, has_bias, relu))
-    assert not wrong, wrong[:5]
+                cases.append(((m, k, n, seven, zx, has_bias, relu), q, zx, w, mult, bterm, zo, relu, ref))
+    with split_over(threads, monkeypatch):
+        for case, q, zx, w, mult, bterm, zo, relu, ref in cases:
+            with _body(body):
+                got = native.qlinear_requant(q, zx, w, None, mult, bterm, zo, zo if relu else 0, 255, True)
+            if got is None or not torch.equal(got, ref):
+                wrong.append(case)
+    assert len(cases) == 2560 and not wrong, wrong[:5]
 
 
 @needs_native
