@@ -139,11 +139,13 @@ def test_aoti_eager_converted_cnn_in_process_and_in_fresh_processes(tmp_path: Pa
               "    except RuntimeError as e:\n        print(step, 'ERROR', repr(str(e)))\n"
               "    else:\n        print(step, 'EQUAL', torch.equal(r(x), ref))\n")
     # torch's package loader extracts into $TMPDIR/aotinductor_XXXXXX and removes that folder when the loader is
-    # destroyed, but the load without lowbit throws inside its constructor: the folder stayed behind in /tmp (one per
-    # run, ~1.8 MB). The fresh process's TMPDIR is this test's tmp_path, which pytest cleans up.
+    # destroyed, but the load without lowbit throws inside its constructor and the second loader is never destroyed
+    # at interpreter exit: both folders stayed behind in /tmp (~1.8 MB each, every run). The fresh process's TMPDIR is
+    # this test's tmp_path, which pytest cleans up.
     (tmp_path / "tmp").mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
-    done = fresh_python(script, str(tmp_path))
+    with monkeypatch.context() as env:  # (only the child's environment: this process's TMPDIR is back right after)
+        env.setenv("TMPDIR", str(tmp_path / "tmp"))
+        done = fresh_python(script, str(tmp_path))
     out = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
     assert out.keys() == {"0", "1"}, done.stdout + done.stderr
     assert out["1"] == "EQUAL True", done.stdout + done.stderr
