@@ -39,12 +39,8 @@ def split_over(threads: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     from lowbit import native
 
     monkeypatch.setattr(native, "_THREAD_MIN", 1 if threads > 1 else 1 << 30)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         yield
-    finally:
-        torch.set_num_threads(old)
 
 
 @contextlib.contextmanager
