@@ -38,6 +38,11 @@ from .algorithms.children import child_graphs, equalize_children, observers_as, 
 
 __all__ = ["equalize_step", "note_children", "refine_step", "round_children"]
 
+# the grid search's held-out check (``refine_grids(held=)``): a shrunk step is kept only if it also lowers the output
+# error on the calibration batches after the first, up to this many samples (session 45: one 4-sample batch let
+# overfitted steps through on an nn.MultiheadAttention wrapper, 12 samples did not)
+HELD = 64
+
 
 def note_children(report: Any, step: str, done: dict[str, str]) -> None:
     """Add ``"<step>: <what>"`` to ``report.children[path]`` for each child graph in ``done``."""
@@ -82,6 +87,14 @@ def equalize_step(prepared: nn.Module, batches: list[tuple[Any, ...]], report: A
     report.steps.append(("equalize", "; ".join(parts)))
 
 
+def _kept(grids: list[Any]) -> str:
+    """The report's note on the steps the held-out check turned down (``refine_grids(held=)``)."""
+    back = [g for g in grids if g.held_after is not None and g.scale_after == g.scale_before]
+    return (f"; {len(back)} kept at the calibrated step (the search batch's step raised the held-out batches' "
+            f"error: " + ", ".join(f"{g.source} x{g.held_after / max(1e-30, g.held_before):.2f}" for g in back) + ")"
+            if back else "")
+
+
 def refine_step(prepared: nn.Module, batches: list[tuple[Any, ...]], report: Any, *, refine: int, progress: bool,
                 untraced: str | None) -> None:
     """Search the costliest activation grids (after calibration): on the model's output where it is one graph, on
@@ -94,19 +107,20 @@ def refine_step(prepared: nn.Module, batches: list[tuple[Any, ...]], report: Any
         with ExitStack() as stack:  # the child graphs' observers inert (they would record the search's runs)
             for inner in nested.values():
                 stack.enter_context(observers_as(inner, "float"))
-            grids = refine_grids(prepared, batches, top=refine, progress=progress)
+            grids = refine_grids(prepared, batches, top=refine, progress=progress, held=HELD)
         moved = [g for g in grids if g.scale_after != g.scale_before]
         gain = sum(g.error_before for g in grids) / max(1e-30, sum(g.error_after for g in grids))
         parts.append(f"{len(grids)} activation grids searched on the model output, {len(moved)} steps shrunk ("
                      + ", ".join(f"{g.source} x{g.scale_after / g.scale_before:.2f}" for g in moved)
-                     + f"); their summed output error /{gain:.2f}")
+                     + f"); their summed output error /{gain:.2f}" + _kept(grids))
     if nested:
-        found, done = refine_children(prepared, batches, top=refine, progress=progress)
+        found, done = refine_children(prepared, batches, top=refine, progress=progress, held=HELD)
         note_children(report, "refine grids", done)
         moved2 = [(p, g) for p, g in found if g.scale_after != g.scale_before]
         parts.append(f"{_children_summary(done, untraced)}, up to {refine} grids each searched on its own output: "
                      f"{len(found)} searched, {len(moved2)} steps shrunk ("
-                     + ", ".join(f"{p}.{g.source} x{g.scale_after / g.scale_before:.2f}" for p, g in moved2) + ")")
+                     + ", ".join(f"{p}.{g.source} x{g.scale_after / g.scale_before:.2f}" for p, g in moved2) + ")"
+                     + _kept([g for _, g in found]))
     report.steps.append(("refine grids", "; ".join(parts)))
 
 

@@ -231,10 +231,11 @@ def equalize_children(model: nn.Module, batches: list[tuple[Any, ...]], *, weigh
 
 
 def refine_children(model: nn.Module, batches: list[tuple[Any, ...]], *, top: int,
-                    progress: bool) -> tuple[list[tuple[str, Any]], dict[str, str]]:
-    """``grid_search.refine_grids(top=top)`` on every child graph of a calibrated ``model``, each on the first of its
-    float inputs in the whole model and on its own output error (the observers of graphs nested in its opaque
-    leaves kept inert). Returns ``(path, GridChange)`` per searched grid and a summary per child graph."""
+                    progress: bool, held: int = 0) -> tuple[list[tuple[str, Any]], dict[str, str]]:
+    """``grid_search.refine_grids(top=top, held=held)`` on every child graph of a calibrated ``model``, each on the
+    first of its float inputs in the whole model (its later inputs the held-out ones) and on its own output error
+    (the observers of graphs nested in its opaque leaves kept inert). Returns ``(path, GridChange)`` per searched
+    grid and a summary per child graph."""
     from contextlib import ExitStack
 
     from .grid_search import refine_grids
@@ -248,7 +249,7 @@ def refine_children(model: nn.Module, batches: list[tuple[Any, ...]], *, top: in
         with ExitStack() as stack:
             for inner in child_graphs(gm).values():
                 stack.enter_context(observers_as(inner, "float"))
-            grids = refine_grids(gm, calls[path], top=top, progress=progress)
+            grids = refine_grids(gm, calls[path], top=top, progress=progress, held=held)
         found += [(path, g) for g in grids]
         done[path] = f"{len(grids)} grids searched, {sum(g.scale_after != g.scale_before for g in grids)} shrunk"
     return found, done
