@@ -181,7 +181,9 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     steps, 1 thread, 1440 evaluation crops): 0.899 / 21.30 dB -> 0.913 / 22.42 dB. ``refine`` (``accurate``
     only, default 8; 0: off): after calibration, the step of that many activation grids (the costliest on the
     model's output, each alone) is searched on the model's output error on the first calibration batch
-    (``lowbit.algorithms.grid_search``; the output prefers more clipping than the tensor's MSE range).
+    (``lowbit.algorithms.grid_search``; the output prefers more clipping than the tensor's MSE range); a shrunk
+    step is kept only if it also lowers that error on the next calibration batches (up to 64 samples; none left
+    with a single batch: the search's step stands).
     ``float_output`` (``accurate`` only, default True): after convert, every int8 Linear read only by dequantize
     nodes returns its float result (``lowbit.algorithms.float_output.fuse_dequantize``: the same int8 kernel, one
     8-bit rounding and clip of the output less; ``report.float_output`` names them). MobileNetV2 (1 thread,
