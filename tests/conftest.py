@@ -1,4 +1,5 @@
 import os
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import pytest
@@ -195,3 +196,14 @@ def minilm_fp32_session():
         torch.set_num_threads(threads)
     return dict(tok=tok, model=model, background=background, docs=docs, human=human, emb_bg=emb_bg,
                 emb_docs=emb_docs)
+
+
+@pytest.fixture
+def mha_slow_path() -> Iterator[None]:
+    """``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` on torch's module-by-module path, restored after (the
+    fused fast path differs from it in the last bits and the encoder's nested-tensor path zeros padded positions, and
+    a prepared model's modules must run); a test module binds it with ``pytest.mark.usefixtures("mha_slow_path")``."""
+    was = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    yield
+    torch.backends.mha.set_fastpath_enabled(was)

@@ -72,6 +72,32 @@ def threads(n: int, scope: str = "module", name: str = "one_thread") -> Any:
 one_thread = threads(1)
 
 
+def observer_output_error(p: nn.Module, x: torch.Tensor, name: str, scale: float, zero_point: int) -> float:
+    """Oracle for the grid search: the whole prepared model ``p`` run with only observer ``name`` fake-quantizing on
+    ``(scale, zero_point)``, every other observer passing values through; the summed squared error against all float."""
+    import lowbit as Q
+    from lowbit.functional import fake_quantize
+
+    mods = dict(p.named_modules())
+    obs = [m for m in mods.values() if isinstance(m, Q.ObserverBase)]
+    target = mods[name]
+    try:
+        for m in obs:
+            m.forward = (lambda v, m=m: fake_quantize(v, torch.tensor([scale]), torch.tensor([float(zero_point)]),
+                                                      m.quant_min, m.quant_max, None, float_zero_point=True)) \
+                if m is target else (lambda v: v)
+        with torch.no_grad():
+            out = p(x)
+        for m in obs:
+            m.forward = lambda v: v
+        with torch.no_grad():
+            ref = p(x)
+    finally:
+        for m in obs:
+            m.__dict__.pop("forward", None)
+    return float((out.double() - ref.double()).pow(2).sum())
+
+
 def force(monkeypatch: pytest.MonkeyPatch, *, vnni: bool, fbgemm: bool, shared: bool = True) -> None:
     """Make the oneDNN backend take its VNNI (or non-VNNI) route, with fbgemm or without, on any CPU; ``shared``: a
     VNNI CPU with AVX-512 VNNI (few rows take the routes without VNNI), else one with AVX-VNNI only."""

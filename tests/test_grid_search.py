@@ -8,8 +8,9 @@ from torch import nn
 
 import lowbit as Q
 from lowbit.algorithms.grid_search import refine_grids
-from lowbit.functional import fake_quantize
 from lowbit.observer.fixed import FixedQParamsObserver
+
+from helpers import observer_output_error
 
 
 class Net(nn.Module):
@@ -42,28 +43,6 @@ def _prepared(seed: int = 0):
     return model, p, x
 
 
-def _output_error(p, x, name: str, scale: float, zero_point: int) -> float:
-    """The oracle: the whole prepared model run with only observer ``name`` fake-quantizing, against float."""
-    mods = dict(p.named_modules())
-    obs = [m for m in mods.values() if isinstance(m, Q.ObserverBase)]
-    target = mods[name]
-    try:
-        for m in obs:
-            m.forward = (lambda v, m=m: fake_quantize(v, torch.tensor([scale]), torch.tensor([float(zero_point)]),
-                                                      m.quant_min, m.quant_max, None, float_zero_point=True)) \
-                if m is target else (lambda v: v)
-        with torch.no_grad():
-            out = p(x)
-        for m in obs:
-            m.forward = lambda v: v
-        with torch.no_grad():
-            ref = p(x)
-    finally:
-        for m in obs:
-            m.__dict__.pop("forward", None)
-    return float((out.double() - ref.double()).pow(2).sum())
-
-
 def test_searched_errors_match_the_whole_model_and_the_grids_are_pinned():
     _, p, x = _prepared()
     qparams = {n: tuple(float(v) for v in m.calculate_qparams()) for n, m in p.named_modules()
@@ -75,8 +54,8 @@ def test_searched_errors_match_the_whole_model_and_the_grids_are_pinned():
         s0, z = qparams[c.name]
         assert c.scale_before == pytest.approx(s0)
         # the suffix reruns agree with the whole model run with only this grid quantizing
-        assert c.error_before == pytest.approx(_output_error(p, x, c.name, s0, int(z)), rel=1e-6)
-        assert c.error_after == pytest.approx(_output_error(p, x, c.name, c.scale_after, int(z)), rel=1e-6)
+        assert c.error_before == pytest.approx(observer_output_error(p, x, c.name, s0, int(z)), rel=1e-6)
+        assert c.error_after == pytest.approx(observer_output_error(p, x, c.name, c.scale_after, int(z)), rel=1e-6)
         assert c.error_after <= c.error_before
         if c.scale_after != c.scale_before:
             obs = mods[c.name]
@@ -96,7 +75,7 @@ def test_samples_span_batches_and_only_restricts_the_grids():
     for c in changes:
         assert c.scale_before == pytest.approx(scales[c.name])
         z = int(dict(p.named_modules())[c.name].calculate_qparams()[1])
-        assert c.error_after == pytest.approx(_output_error(p, x[:12], c.name, c.scale_after, z), rel=1e-6)
+        assert c.error_after == pytest.approx(observer_output_error(p, x[:12], c.name, c.scale_after, z), rel=1e-6)
 
 
 def test_quantize_ptq_refine_runs_the_step_and_converts():

@@ -31,14 +31,7 @@ def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
     return (10 * torch.log10(ref.double().pow(2).sum() / (ref.double() - out.double()).pow(2).sum())).item()
 
 
-@pytest.fixture(autouse=True)
-def _slow_path():
-    """The float reference runs torch's module-by-module path (the fused fast path differs in the last bits, and the
-    encoder's nested-tensor path zeros padded positions)."""
-    was = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    yield
-    torch.backends.mha.set_fastpath_enabled(was)
+pytestmark = pytest.mark.usefixtures("mha_slow_path")  # (tests/conftest.py: torch's module-by-module path)
 
 
 class Attn(nn.Module):

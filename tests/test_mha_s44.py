@@ -43,12 +43,7 @@ def _fx(model: nn.Module, calib: list, qat: bool = False) -> nn.Module:
     return convert_fx(p.eval())
 
 
-@pytest.fixture(autouse=True)
-def _slow_path():
-    was = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    yield
-    torch.backends.mha.set_fastpath_enabled(was)
+pytestmark = pytest.mark.usefixtures("mha_slow_path")
 
 
 # --- fixed output grids are not input grids -------------------------------------------------------------------

@@ -19,16 +19,12 @@ from torch import nn
 import lowbit as Q
 from lowbit import kernels
 from lowbit.algorithms.grid_search import refine_grids
-from lowbit.functional import fake_quantize
 from lowbit.observer.fixed import FixedQParamsObserver
 
+from helpers import observer_output_error
 
-@pytest.fixture(autouse=True)
-def _slow_path():
-    was = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    yield
-    torch.backends.mha.set_fastpath_enabled(was)
+
+pytestmark = pytest.mark.usefixtures("mha_slow_path")
 
 
 def _sqnr(model, q, batches) -> float:
@@ -109,27 +105,6 @@ def _prepared():
     return p, small, large
 
 
-def _output_error(p, x, name: str, scale: float, zero_point: int) -> float:
-    """Oracle: the whole prepared model with only observer ``name`` fake-quantizing, against all float."""
-    obs = [m for m in p.modules() if isinstance(m, Q.ObserverBase)]
-    target = dict(p.named_modules())[name]
-    try:
-        for m in obs:
-            m.forward = (lambda v, m=m: fake_quantize(v, torch.tensor([scale]), torch.tensor([float(zero_point)]),
-                                                      m.quant_min, m.quant_max, None, float_zero_point=True)) \
-                if m is target else (lambda v: v)
-        with torch.no_grad():
-            out = p(x)
-        for m in obs:
-            m.forward = lambda v: v
-        with torch.no_grad():
-            ref = p(x)
-    finally:
-        for m in obs:
-            m.__dict__.pop("forward", None)
-    return float((out.double() - ref.double()).pow(2).sum())
-
-
 def test_held_out_batches_turn_down_a_step_that_fits_the_search_batch_only():
     p0, small, large = _prepared()
     without = refine_grids(copy.deepcopy(p0), [small, large], top=3, progress=False)  # held=0: as before
@@ -146,8 +121,8 @@ def test_held_out_batches_turn_down_a_step_that_fits_the_search_batch_only():
             continue
         z = int(mods[c.name].calculate_qparams()[1])
         # the held-out errors are the whole model's on the held-out batch (oracle), at both steps
-        assert c.held_before == pytest.approx(_output_error(p0, large, c.name, w.scale_before, z), rel=1e-6)
-        assert c.held_after == pytest.approx(_output_error(p0, large, c.name, w.scale_after, z), rel=1e-6)
+        assert c.held_before == pytest.approx(observer_output_error(p0, large, c.name, w.scale_before, z), rel=1e-6)
+        assert c.held_after == pytest.approx(observer_output_error(p0, large, c.name, w.scale_after, z), rel=1e-6)
         kept = c.held_after < c.held_before
         assert c.scale_after == (w.scale_after if kept else c.scale_before)
         assert isinstance(dict(p.named_modules())[c.name], FixedQParamsObserver) == kept
