@@ -42,7 +42,7 @@ import torch
 from .qscheme import QDtype, as_qdtype
 
 __all__ = ["tensor_version", "tracing", "deferring", "refuse",
-           "compiler_disabled", "inline_float_ok", "inline_quantize", "inline_dequantize",
+           "compiler_disabled", "graph_leaf", "inline_float_ok", "inline_quantize", "inline_dequantize",
            "qdtype_key", "conv_config",
            "qdtype_from_key"]
 
@@ -120,6 +120,46 @@ def compiler_disabled(fn: _F, reason: str) -> _F:
     call._torchdynamo_disable = True  # type: ignore[attr-defined]
     call._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]
+
+
+def _proxy_in(values: Any) -> Any:
+    """The first ``torch.fx.Proxy`` among ``values``, looking into tuples, lists and dicts; ``None`` if none."""
+    for v in values:
+        if isinstance(v, torch.fx.Proxy):
+            return v
+        if isinstance(v, (tuple, list, dict)) and v:
+            found = _proxy_in(v.values() if isinstance(v, dict) else v)
+            if found is not None:
+                return found
+    return None
+
+
+def graph_leaf(fn: _F) -> _F:
+    """``fn`` as one ``call_function`` node of itself whenever torch.fx traces it (an argument, or an item of a
+    tuple / list / dict argument, is a ``Proxy``); called on values, ``fn(*args, **kwargs)``.
+
+    ``torch.fx.wrap`` does this only for calls in the module that registered it, while a trace runs: a node a pass
+    inserted (``graph.call_function(fn, ...)``) is in the generated code as a call from the GraphModule's own
+    module, and ``pickle`` / ``torch.save`` rebuild a GraphModule by re-tracing that code, which ran ``fn``'s body on
+    proxies (``scaled_operand(b, -0.5)`` came back as ``b * -0.5``). A function that checks for proxies itself stays
+    one node of the same function through any re-trace.
+
+    >>> import torch
+    >>> from torch import fx
+    >>> @graph_leaf
+    ... def twice(x):
+    ...     return x + x
+    >>> gm = fx.symbolic_trace(lambda x: twice(x) - 1)
+    >>> [n.target for n in gm.graph.nodes if n.op == "call_function"][0] is twice, gm(torch.ones(1)).tolist()
+    (True, [1.0])
+    """
+    @functools.wraps(fn)
+    def leaf(*args: Any, **kwargs: Any) -> Any:
+        proxy = _proxy_in(args) if not kwargs else _proxy_in((*args, *kwargs.values()))
+        if proxy is not None:
+            return proxy.tracer.create_proxy("call_function", leaf, args, kwargs)
+        return fn(*args, **kwargs)
+    return leaf  # type: ignore[return-value]
 
 
 _set_eval_frame: Callable[[Any], Any]  # torch._C's (dynamo's frame callback: None while a disabled function runs)

@@ -6,7 +6,7 @@ the same weights: ``linear_Q`` / ``linear_K`` / ``linear_V`` (the rows of ``in_p
 ``k_proj_weight`` / ``v_proj_weight`` when ``kdim`` / ``vdim`` differ; ``in_proj_bias`` split in three) and
 ``out_proj`` are plain ``nn.Linear`` modules, quantized like any Linear; the rest is the module's own slow path
 (``F.multi_head_attention_forward`` with ``need_weights=True``) in three float functions that the trace keeps whole
-(``torch.fx.wrap``): ``attention_probs`` (heads, ``bias_k``, zero attention, masks bool or float, softmax),
+(``graph_leaf``, also through pickling): ``attention_probs`` (heads, ``bias_k``, zero attention, masks bool or float, softmax),
 ``attention_context`` (``bias_v``, zero attention, probabilities times values) and ``attention_weights`` (the
 returned weights, averaged over heads or not). Attention dropout is the child ``attn_dropout``. Batch first or not,
 unbatched inputs, ``add_bias_kv``, ``add_zero_attn``, bias or not are all kept; the names follow torch.ao's eager
@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, fx, nn
+from torch import Tensor, nn
+
+from ..compile_state import graph_leaf
 
 __all__ = ["TracedMultiheadAttention", "attention_probs", "attention_context", "attention_weights"]
 
@@ -66,7 +68,7 @@ def _check_mask(attn_mask: Tensor, tgt_len: int, src_len: int, rows: int) -> Ten
     raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
 
 
-@fx.wrap
+@graph_leaf
 def attention_probs(q: Tensor, k: Tensor, bias_k: Tensor | None, key_padding_mask: Tensor | None,
                     attn_mask: Tensor | None, num_heads: int, batch_first: bool, add_zero_attn: bool,
                     is_causal: bool) -> Tensor:
@@ -111,7 +113,7 @@ def attention_probs(q: Tensor, k: Tensor, bias_k: Tensor | None, key_padding_mas
     return F.softmax(scores, dim=-1)
 
 
-@fx.wrap
+@graph_leaf
 def attention_context(probs: Tensor, v: Tensor, bias_v: Tensor | None, num_heads: int, batch_first: bool,
                       add_zero_attn: bool, batched_like: Tensor) -> Tensor:
     """``probs @ values`` with the heads merged back, in the input layout (``batched_like``: the query)."""
@@ -129,7 +131,7 @@ def attention_context(probs: Tensor, v: Tensor, bias_v: Tensor | None, num_heads
     return out.transpose(0, 1) if batch_first else out
 
 
-@fx.wrap
+@graph_leaf
 def attention_weights(probs: Tensor, need_weights: bool, num_heads: int, average: bool,
                       batched_like: Tensor) -> Tensor | None:
     """The weights ``nn.MultiheadAttention`` returns: ``(N, heads, L, S)``, or averaged over the heads; ``None``

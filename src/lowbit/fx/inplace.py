@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ..compile_state import graph_leaf
 from ..qtensor import QTensor
 
 __all__ = ["AUGMENTED_OPS", "reroute_inplace", "writable_copy", "written"]
@@ -86,6 +87,7 @@ _FUNC_TWINS = {**AUGMENTED_OPS, torch.relu_: torch.relu, torch.sigmoid_: torch.s
                torch.clamp_: torch.clamp, F.hardtanh_: F.hardtanh, F.leaky_relu_: F.leaky_relu, F.elu_: F.elu}
 
 
+@graph_leaf
 def writable_copy(x: Any) -> Any:
     """A float copy of ``x`` to write into: ``x.clone()`` in row-major order (a ``QTensor`` dequantized first), a
     tuple / list item by item.
@@ -229,6 +231,7 @@ def _needs_copy(write: fx.Node, target: fx.Node, order: dict[fx.Node, int], mods
                for n in (root, *parent))
 
 
+@graph_leaf
 def written(x: Any, *writes: Any) -> Any:
     """``x`` itself, once ``writes`` ran (a graph node after an in-place write into ``x``: the later readers read it,
     so the observers between them and ``x`` see the written values).

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ..compile_state import graph_leaf
 from ..mappings import get_default_static_quant_module_mappings
 from ..nn import qat as nnqat
 from ..nn.quantized import activation as nnq_act
@@ -81,12 +82,12 @@ def canonical_binary(op: str, target: Any) -> str | None:
     return None
 
 
+@graph_leaf
 def add_relu(a: Any, b: Any) -> Any:
     """``relu(a + b)``: the float form of a fused add-relu node in a prepared graph."""
     return torch.relu(a + b)
 
 
-torch.fx.wrap("add_relu")
 BINARY_FUNCS[add_relu] = "add_relu"
 
 _RELU_FUNCS = {F.relu, torch.relu, torch.relu_}

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ..compile_state import graph_leaf
 from ..nn import intrinsic as nni
 
 __all__ = ["WEIGHTED_FUNCS", "WITH_RELU", "WeightedSpec", "parse", "standin", "fetch", "arg_of", "input_of",
@@ -56,31 +57,32 @@ def _relu(y: Any, relu_max: float | None) -> Any:
     return F.relu(y) if relu_max is None else torch.clamp(y, 0.0, relu_max)
 
 
+@graph_leaf
 def linear_relu(input: Any, weight: Any, bias: Any = None, relu_max: float | None = None) -> Any:
     """``relu(F.linear(...))`` (``clamp(., 0, relu_max)`` when given): a fused functional linear-relu node."""
     return _relu(F.linear(input, weight, bias), relu_max)
 
 
+@graph_leaf
 def conv1d_relu(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
                 groups: int = 1, relu_max: float | None = None) -> Any:
     """``relu(F.conv1d(...))`` (``clamp(., 0, relu_max)`` when given): a fused functional conv-relu node."""
     return _relu(F.conv1d(input, weight, bias, stride, padding, dilation, groups), relu_max)
 
 
+@graph_leaf
 def conv2d_relu(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
                 groups: int = 1, relu_max: float | None = None) -> Any:
     """``relu(F.conv2d(...))`` (``clamp(., 0, relu_max)`` when given): a fused functional conv-relu node."""
     return _relu(F.conv2d(input, weight, bias, stride, padding, dilation, groups), relu_max)
 
 
+@graph_leaf
 def conv3d_relu(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
                 groups: int = 1, relu_max: float | None = None) -> Any:
     """``relu(F.conv3d(...))`` (``clamp(., 0, relu_max)`` when given): a fused functional conv-relu node."""
     return _relu(F.conv3d(input, weight, bias, stride, padding, dilation, groups), relu_max)
 
-
-for _fn in (linear_relu, conv1d_relu, conv2d_relu, conv3d_relu):
-    torch.fx.wrap(_fn.__name__)
 
 # functional layer -> the float module it is equivalent to
 WEIGHTED_FUNCS: dict[Any, type[nn.Module]] = {

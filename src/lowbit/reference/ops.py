@@ -24,12 +24,11 @@ values) is refused (``check_grid_dtype``).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..compile_state import graph_leaf
 from ..functional import _check_qparams, dequantize, quantize
 from ..qscheme import QDtype, as_qdtype
 from ..qtensor.resample import bilinear_on_grid
@@ -53,52 +52,40 @@ def check_grid_dtype(fn: str, scale: Grid) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _graph_leaf(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as one node when torch.fx traces it (``torch.fx.wrap``'s behaviour, kept by the function itself):
-    unpickling a GraphModule re-traces its code, where the arguments are ``Proxy`` objects, not tensors."""
-    @functools.wraps(fn)
-    def leaf(*args: Any, **kwargs: Any) -> Any:
-        proxy = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.fx.Proxy)), None)
-        if proxy is not None:
-            return proxy.tracer.create_proxy("call_function", leaf, args, kwargs)
-        return fn(*args, **kwargs)
-    return leaf
-
-
 def _grid(quant_min: int, quant_max: int, storage: torch.dtype) -> QDtype:
     base = as_qdtype(storage)  # int8 -> qint8, uint8 -> quint8
     return base if (base.quant_min, base.quant_max) == (quant_min, quant_max) else base.with_range(quant_min, quant_max)
 
 
-@_graph_leaf
+@graph_leaf
 def quantize_per_tensor(x: torch.Tensor, scale: Grid, zero_point: Grid, quant_min: int, quant_max: int,
                         storage: torch.dtype) -> torch.Tensor:
     check_grid_dtype("quantize_per_tensor", scale)
     return quantize(x, scale, zero_point, _grid(quant_min, quant_max, storage))
 
 
-@_graph_leaf
+@graph_leaf
 def dequantize_per_tensor(q: torch.Tensor, scale: Grid, zero_point: Grid) -> torch.Tensor:
     dtype = check_grid_dtype("dequantize_per_tensor", scale)
     y = dequantize(q, scale, zero_point)
     return y if dtype == torch.float32 else y.to(dtype)
 
 
-@_graph_leaf
+@graph_leaf
 def quantize_per_channel(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int, quant_min: int,
                          quant_max: int, storage: torch.dtype) -> torch.Tensor:
     check_grid_dtype("quantize_per_channel", scale)
     return quantize(x, scale, zero_point, _grid(quant_min, quant_max, storage), axis)
 
 
-@_graph_leaf
+@graph_leaf
 def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int) -> torch.Tensor:
     dtype = check_grid_dtype("dequantize_per_channel", scale)
     y = dequantize(q, scale, zero_point, axis)
     return y if dtype == torch.float32 else y.to(dtype)
 
 
-@_graph_leaf
+@graph_leaf
 def bilinear_per_tensor(x: torch.Tensor, y: torch.Tensor, scale: Grid, zero_point: Grid, quant_min: int,
                         quant_max: int, size: Any = None, scale_factor: Any = None, align_corners: Any = None,
                         recompute_scale_factor: Any = None) -> torch.Tensor:

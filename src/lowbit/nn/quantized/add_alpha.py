@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ...compile_state import tracing
+from ...compile_state import graph_leaf, tracing
 from ...kernels.plan import input_grid_key
 from ...qtensor import QTensor
 
@@ -27,6 +27,7 @@ __all__ = ["scaled_operand"]
 _REAL = (numbers.Real, torch.SymInt, torch.SymFloat)  # alpha's types (a traced shape's arithmetic under compile)
 
 
+@graph_leaf  # (one node when torch.fx traces it, re-tracing a pickled GraphModule's code included)
 def scaled_operand(x: Any, alpha: float, owner: Any = None) -> Any:
     """``alpha · x``, the second operand of ``torch.add(a, b, alpha=alpha)`` (``torch.sub``: ``-alpha``), on the codes:
     the same codes on the grid ``(|alpha| · s, z)``; for ``alpha < 0`` the codes mirrored, ``q' = qmin + qmax - q``,
@@ -86,6 +87,3 @@ def _scaled_grid(x: QTensor, alpha: float, owner: Any) -> tuple[torch.Tensor, to
             memo.clear()
         memo[key] = (scale, z, ok, input_grid_key(scale, z), x._scale, x._zero_point)
     return scale, z, ok
-
-
-torch.fx.wrap("scaled_operand")
