@@ -34,10 +34,12 @@ TIERS: list[tuple[str, ...]] = [
     ("nn.quantized", "nn.quantized.group_codes"),  # (+ dynamic/) run on kernels; group_codes: weight-only codes
     ("mappings", "examples", "speed_guard", "pt2"),
     ("fuse", "workflow", "quantize_dynamic", "weight_only", "llm", "llm.plan", "fx", "fx.fusion", "fx.converter",
-     "fx.islands", "fx.masks", "fx.child_reads", "quantize_api", "reference"),  # fx.fusion: fuse_graph, split from
-    # fx.patterns; fx.converter: from fx.convert; fx.islands: the elementwise int ops kept float (from fx.classify);
-    # fx.masks: attention masks and the sums they enter kept float; fx.child_reads: an untraceable forward's reads of
-    # its children's attributes kept on their prepared graphs
+     "fx.islands", "fx.masks", "fx.child_reads", "fx.observed_rules", "quantize_api", "reference"),
+    # fx.fusion: fuse_graph, split from fx.patterns; fx.converter: from fx.convert; fx.islands: the elementwise int
+    # ops kept float (from fx.classify); fx.masks: attention masks and the sums they enter kept float; fx.child_reads:
+    # an untraceable forward's reads of its children's attributes kept on their prepared graphs; fx.observed_rules:
+    # convert_fx's decisions from the calibration ranges (a scalar product's collapsed grid, a child graph's mask
+    # without example inputs)
     ("export", "export.weighted", "export.conv_epilogue", "algorithms", "algorithms.layerwise_step", "algorithms.equalize_pairs",
      "algorithms.end_to_end", "debug", "debug.float_swap", "debug.graph_swap", "debug.swap_edges", "debug.swap_islands",
      "data"),

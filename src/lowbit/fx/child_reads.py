@@ -10,7 +10,13 @@ parent's class reads, ``self.<child>.<attr>`` in its source (every tensor and pl
 cannot be read): a parameter / buffer as the same tensor (the parent reads the float parameter, the child's own
 call is quantized; ``convert_fx`` leaves it float), read by a ``get_attr`` node no value depends on so that
 ``deepcopy`` and ``pickle`` (which keep what the graph reads) keep it; a number, string or tuple as a preserved
-attribute.
+attribute. The source scan reads ``self.proj``, ``getattr(self, "proj")`` and ``self._modules["proj"]`` alike.
+
+A read of a tensor of the child's own submodule, ``self.block.fc.weight`` (``block`` prepared as a graph that calls
+``fc``), met a fused ``LinearReLU`` (no ``weight``) and after ``convert_fx`` the int8 module's method: the graph's
+calls of ``fc`` now call ``fc.module`` (the fused / observed / converted module moved there) and ``fc`` holds the
+float tensors read, as above. State-dict keys move with it (``block.fc.module.0.weight`` beside the kept
+``block.fc.weight``); where the graph also reads ``fc``'s tensors itself (``get_attr``) the read is only warned.
 
 >>> import torch
 >>> from torch import fx, nn
@@ -78,29 +84,50 @@ def _class_reads(cls: type) -> dict[str, frozenset[str]] | None:
                 continue
             me = fn.args.args[0].arg
             for node in ast.walk(fn):
-                inner = node.value if isinstance(node, ast.Attribute) else None
-                if isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id == me:
-                    found.setdefault(inner.attr, set()).add(node.attr)  # type: ignore[union-attr]
-                outer = inner.value if isinstance(inner, ast.Attribute) else None
-                if isinstance(outer, ast.Attribute) and isinstance(outer.value, ast.Name) and outer.value.id == me:
-                    found.setdefault(f"{outer.attr}.{inner.attr}", set()).add(node.attr)  # type: ignore[union-attr]
+                path = _path(node, me)
+                if path is not None and len(path) >= 2:
+                    found.setdefault(path[0], set()).add(path[1])
+                if path is not None and len(path) >= 3:
+                    found.setdefault(f"{path[0]}.{path[1]}", set()).add(path[2])
     return {k: frozenset(v) for k, v in found.items()}
+
+
+_TABLES = ("_modules", "_parameters", "_buffers")
+
+
+def _path(node: ast.AST, me: str) -> list[str] | None:
+    """The names an expression reads from ``me`` (``self``): ``self.a.b`` -> ``['a', 'b']``, spelled also
+    ``getattr(self, "a")`` (a constant name) or ``self._modules["a"]`` (``_parameters`` / ``_buffers``); ``None``
+    for any other expression."""
+    if isinstance(node, ast.Name):
+        return [] if node.id == me else None
+    if isinstance(node, ast.Attribute):
+        head, name = node.value, node.attr
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+          and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+        head, name = node.args[0], node.args[1].value
+    elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr in _TABLES
+          and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):
+        head, name = node.value.value, node.slice.value
+    else:
+        return None
+    path = _path(head, me)
+    return None if path is None else [*path, name]
 
 
 def keep_child_reads(parent: nn.Module, name: str, new: nn.Module, where: str = "prepare_fx") -> list[str]:
     """Give ``new``, the prepared graph of ``parent``'s child ``name`` (``parent``'s forward is not traced; called
     before ``new`` replaces the child), the attributes of the child the parent's class reads that ``new`` lacks
-    (module doc); their names, sorted. A read of a tensor of the child's own submodule, ``self.block.fc.weight``,
-    cannot be kept (the graph fuses, observes and converts ``fc``): warned, naming it (``where``: who prepares)."""
+    (module doc); their names, sorted (``"fc.weight"``: a grandchild's, held by ``fc``; ``where``: who prepares, for
+    the warning of a grandchild read that cannot be kept)."""
     child = parent._modules[name]
     if not isinstance(new, fx.GraphModule) or new is child or child is None:
         return []
-    _warn_deep_reads(parent, name, child, where)
+    kept = _keep_deep_reads(parent, name, child, new, where)
     wanted = read_attributes(type(parent), name)
     if wanted is None:
         wanted = {*child._parameters, *child._buffers, *(k for k, v in vars(child).items()
                                                          if not k.startswith("_") and isinstance(v, _PLAIN))}
-    kept = []
     for attr in sorted(wanted):
         if attr.startswith("__") or _has(new, attr):
             continue
@@ -108,10 +135,9 @@ def keep_child_reads(parent: nn.Module, name: str, new: nn.Module, where: str = 
             value = getattr(child, attr)
         except AttributeError:
             continue
-        if isinstance(value, nn.Parameter):
-            new.register_parameter(attr, value)
-        elif isinstance(value, torch.Tensor) and attr in child._buffers:
-            new.register_buffer(attr, value, persistent=attr not in child._non_persistent_buffers_set)
+        if isinstance(value, nn.Parameter) or isinstance(value, torch.Tensor) and attr in child._buffers:
+            _keep_tensor(new, attr, new, attr, value, isinstance(value, nn.Parameter),
+                         attr not in child._non_persistent_buffers_set)
         elif isinstance(value, _PLAIN) and attr in vars(child):
             setattr(new, attr, value)  # (deepcopy sets the preserved ones again; a pickled prepared graph's are put
             new.meta.setdefault(_USER_PRESERVED_ATTRIBUTES_KEY, {})[attr] = value  # back from its state by restore)
@@ -120,14 +146,10 @@ def keep_child_reads(parent: nn.Module, name: str, new: nn.Module, where: str = 
             continue
         else:
             continue
-        first = next((n for n in new.graph.nodes if n.op != "placeholder"), None)
-        with new.graph.inserting_before(first):
-            node = new.graph.get_attr(attr)
-        node.meta.update(lowbit_inserted=True, lowbit_kind="float", lowbit_domain="float", lowbit_kept_read=True)
         kept.append(attr)
     if kept:
         new.recompile()
-    return kept
+    return sorted(kept)
 
 
 def _has(gm: nn.Module, attr: str) -> bool:
@@ -135,15 +157,51 @@ def _has(gm: nn.Module, attr: str) -> bool:
         type(gm), attr)
 
 
-def _warn_deep_reads(parent: nn.Module, name: str, child: nn.Module, where: str) -> None:
-    cls = type(parent).__name__
+def _keep_deep_reads(parent: nn.Module, name: str, child: nn.Module, new: fx.GraphModule, where: str) -> list[str]:
+    """The parent's reads of a tensor of the child's own submodule, ``self.block.fc.weight`` (module doc): the graph
+    calls ``fc`` (fused, observed, converted to an int8 module whose ``weight`` is a method), so the called module
+    moves to ``fc.module`` and ``fc`` becomes a holder of the float tensors read (``_keep_tensor``). Kept only where
+    the graph uses ``fc`` by calls alone (no ``get_attr`` of its tensors); else warned, naming the read."""
+    kept, cls = [], type(parent).__name__
     for key, attrs in sorted((_class_reads(type(parent)) or {}).items()):
         head, _, sub = key.partition(".")
         inner = child._modules.get(sub) if head == name and sub else None
-        for attr in sorted(attrs):
-            if inner is not None and isinstance(getattr(inner, attr, None), torch.Tensor):
+        tensors = sorted(a for a in attrs if inner is not None and (a in inner._parameters or a in inner._buffers)
+                         and isinstance(getattr(inner, a), torch.Tensor))
+        if not tensors:
+            continue
+        uses = [n for n in new.graph.nodes if n.op in ("call_module", "get_attr")
+                and (n.target == sub or str(n.target).startswith(f"{sub}."))]
+        called = new._modules.get(sub)
+        if called is None or not uses or any(n.op != "call_module" or n.target != sub for n in uses):
+            for attr in tensors:
                 warnings.warn(f"{where}: the forward of {cls} (not traced) reads self.{name}.{sub}.{attr}, which "
                               f"graph mode cannot keep: the prepared '{name}' fuses, observes and converts '{sub}' "
                               f"(the read fails or meets the int8 module's method); read it from a child of {cls} "
                               f"itself, make {cls}'s forward traceable, or declare '{name}' non-traceable",
-                              stacklevel=7)
+                              stacklevel=6)
+            continue
+        holder = nn.Module()
+        holder.add_module("module", called)
+        new._modules[sub] = holder
+        for n in uses:
+            n.target = f"{sub}.module"
+        for attr in tensors:
+            _keep_tensor(new, f"{sub}.{attr}", holder, attr, getattr(inner, attr), attr in inner._parameters,
+                         attr not in inner._non_persistent_buffers_set)
+            kept.append(f"{sub}.{attr}")
+    return kept
+
+
+def _keep_tensor(new: fx.GraphModule, target: str, owner: nn.Module, attr: str, value: torch.Tensor, param: bool,
+                 persistent: bool) -> None:
+    """``owner.<attr> = value`` (a parameter or buffer), read by a ``get_attr`` node of ``new`` that no value depends
+    on (so ``deepcopy`` and ``pickle`` keep it; ``convert_fx`` leaves it float)."""
+    if param:
+        owner.register_parameter(attr, value)  # type: ignore[arg-type]
+    else:
+        owner.register_buffer(attr, value, persistent=persistent)
+    first = next((n for n in new.graph.nodes if n.op != "placeholder"), None)
+    with new.graph.inserting_before(first):
+        node = new.graph.get_attr(target)
+    node.meta.update(lowbit_inserted=True, lowbit_kind="float", lowbit_domain="float", lowbit_kept_read=True)

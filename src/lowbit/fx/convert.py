@@ -40,6 +40,7 @@ from . import convert_dynamic as float_out
 from .call import plain_call
 from .classify import drop_grid_blends
 from .converter import _Converter
+from .observed_rules import apply_observed_rules
 from .padding import detach
 from .custom import check_preservable, preserved_value
 from .state import STATE_KEY, check_prepared, uncarry
@@ -71,6 +72,7 @@ def _convert_graph(gm: fx.GraphModule, report: FxReport, custom: dict[type, type
     drop_grid_blends(gm)  # (the QTensor upsample runs the kernel on the codes)
     conv = _Converter(gm, report, gm.meta[STATE_KEY].get("prefix", ""), custom)
     float_out.custom_dynamic(conv, custom_dynamic)
+    apply_observed_rules(conv)  # (a scalar product's collapsed range, a child's mask without example: observed_rules)
     conv.observers()
     float_out.dynamic(conv)
     float_out.weight_only(conv)

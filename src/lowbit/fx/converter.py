@@ -130,7 +130,8 @@ class _Converter:
     def functional(self, node: fx.Node, obs: nn.Module) -> fx.Node:
         qop = node.meta["lowbit_qop"]
         name = self._new_name("qfunctional")
-        self.gm.add_submodule(name, QFunctional(*_grid(obs, "QFunctional")))
+        grid = node.meta.get("lowbit_grid") or _grid(obs, "QFunctional")  # (lowbit_grid: the input's, observed_rules)
+        self.gm.add_submodule(name, QFunctional(*grid))
         args: tuple[Any, ...] = tuple(node.args)
         with self.graph.inserting_before(node):
             if qop == "cat":

@@ -39,7 +39,7 @@ import torch
 from torch import fx, nn
 
 from .inplace import AUGMENTED_OPS, reroute_inplace
-from .masks import is_additive_mask
+from .masks import mask_facts
 
 __all__ = ["trace", "record_tensor_kinds", "float_layout", "RootNotTraceable", "keep_buffers", "restore_buffers"]
 
@@ -332,9 +332,7 @@ def record_tensor_kinds(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | No
                 if isinstance(out, torch.Tensor):
                     n.meta["lowbit_rank"] = out.dim()
                     n.meta["lowbit_layout"] = float_layout(out)
-                    n.meta["lowbit_mask"] = is_additive_mask(out)  # (fx/masks.py: 0 / -1e4 values stay float)
-                    if n.op == "placeholder":  # (a padding-free example of a child graph's mask input: all zeros)
-                        n.meta["lowbit_zeros"] = out.is_floating_point() and out.numel() > 1 and not bool(out.any())
+                    n.meta.update(mask_facts(out))  # (fx/masks.py: 0 / -1e4 values, a 0 / c operand, zeros)
                 elif n.meta["lowbit_scalar"]:
                     n.meta["lowbit_number"] = float(out)
                 return out
