@@ -474,13 +474,31 @@ class _DeepReader(nn.Module):
         return self.block(h) + F.linear(h, self.block.fc.weight * 0.5)
 
 
-def test_a_read_of_a_grandchilds_weight_is_named_in_a_warning():
-    """``self.block.fc.weight``: the prepared ``block`` fuses ``fc`` with its ReLU (``'LinearReLU' object has no
-    attribute 'weight'`` on the first call, with no hint): prepare_fx names the read and the ways out."""
-    with pytest.warns(UserWarning, match=r"reads self\.block\.fc\.weight, which graph mode cannot keep.*declare "
-                                         r"'block' non-traceable"):
-        Q.prepare_fx(_DeepReader().eval(), Q.get_default_qconfig_mapping(), example_inputs=(_X,))
+class _WeightBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.linear(x, self.fc.weight, self.fc.bias).relu()  # (the graph reads fc's tensors itself)
+
+
+def test_a_read_of_a_grandchilds_weight_reads_the_float_parameter():
+    """``self.block.fc.weight``: the prepared ``block`` fused ``fc`` with its ReLU (``'LinearReLU' object has no
+    attribute 'weight'`` on the first call); session 46 (acc46) keeps the float parameter (``fc`` holds it, the fused
+    module is called as ``fc.module``). A block whose graph reads ``fc.weight`` itself is still only warned."""
+    model = _DeepReader().eval()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        Q.prepare_fx(_Outer("scaled").eval(), Q.get_default_qconfig_mapping(), example_inputs=(_X,))
+        p = Q.prepare_fx(copy.deepcopy(model), Q.get_default_qconfig_mapping(), example_inputs=(_X,))
     assert not [w for w in seen if "cannot keep" in str(w.message)]
+    assert p.block.fc.weight is p.block.fc.module[0].weight
+    p(_X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted = Q.convert_fx(p)
+    assert _sqnr(model(_X), converted(_X)) > 30
+    model.block = _WeightBlock()
+    with pytest.warns(UserWarning, match=r"reads self\.block\.fc\.weight, which graph mode cannot keep.*declare "
+                                         r"'block' non-traceable"):
+        Q.prepare_fx(model, Q.get_default_qconfig_mapping(), example_inputs=(_X,))
