@@ -41,6 +41,11 @@ import torch
 
 from .qscheme import QDtype, as_qdtype
 
+try:  # (torch.fx's trace flag, for graph_leaf)
+    from torch.fx import _symbolic_trace as _fx_trace
+except ImportError:  # pragma: no cover - another torch
+    _fx_trace = None  # type: ignore[assignment]
+
 __all__ = ["tensor_version", "tracing", "deferring", "refuse",
            "compiler_disabled", "graph_leaf", "inline_float_ok", "inline_quantize", "inline_dequantize",
            "qdtype_key", "conv_config",
@@ -134,6 +139,9 @@ def _proxy_in(values: Any) -> Any:
     return None
 
 
+_NO_FX_FLAG = not hasattr(_fx_trace, "_is_fx_tracing_flag")  # (a torch without it: look for proxies on every call)
+
+
 def graph_leaf(fn: _F) -> _F:
     """``fn`` as one ``call_function`` node of itself whenever torch.fx traces it (an argument, or an item of a
     tuple / list / dict argument, is a ``Proxy``); called on values, ``fn(*args, **kwargs)``.
@@ -143,6 +151,10 @@ def graph_leaf(fn: _F) -> _F:
     module, and ``pickle`` / ``torch.save`` rebuild a GraphModule by re-tracing that code, which ran ``fn``'s body on
     proxies (``scaled_operand(b, -0.5)`` came back as ``b * -0.5``). A function that checks for proxies itself stays
     one node of the same function through any re-trace.
+
+    Proxies are looked for only while a ``torch.fx.Tracer.trace`` runs (torch.fx's ``_is_fx_tracing_flag``, one
+    attribute read): an eager call costs ~0.1 µs over ``fn`` instead of the ~0.7 µs walk of every argument. As with
+    ``torch.fx.wrap``, a proxy built by hand outside a trace (``GraphAppendingTracer``) runs ``fn``'s body.
 
     >>> import torch
     >>> from torch import fx
@@ -155,9 +167,10 @@ def graph_leaf(fn: _F) -> _F:
     """
     @functools.wraps(fn)
     def leaf(*args: Any, **kwargs: Any) -> Any:
-        proxy = _proxy_in(args) if not kwargs else _proxy_in((*args, *kwargs.values()))
-        if proxy is not None:
-            return proxy.tracer.create_proxy("call_function", leaf, args, kwargs)
+        if _NO_FX_FLAG or _fx_trace._is_fx_tracing_flag:  # (a trace runs: look for proxies)
+            proxy = _proxy_in(args) if not kwargs else _proxy_in((*args, *kwargs.values()))
+            if proxy is not None:
+                return proxy.tracer.create_proxy("call_function", leaf, args, kwargs)
         return fn(*args, **kwargs)
     return leaf  # type: ignore[return-value]
 
