@@ -41,8 +41,8 @@ import textwrap
 import warnings
 import torch
 from torch import fx, nn
-from torch.fx.graph_module import _USER_PRESERVED_ATTRIBUTES_KEY
 
+from .state import PRESERVED_KEY as _USER_PRESERVED_ATTRIBUTES_KEY  # (torch's private key, guarded in fx/state.py)
 from .state import STATE_KEY
 
 __all__ = ["keep_child_reads", "read_attributes"]

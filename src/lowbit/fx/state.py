@@ -37,9 +37,13 @@ from typing import Any, TypeVar
 
 import torch
 from torch import fx, nn
-from torch.fx.graph_module import _USER_PRESERVED_ATTRIBUTES_KEY
 
-__all__ = ["STATE_KEY", "Carry", "carry", "check_prepared", "is_prepared", "restore", "uncarry"]
+try:  # torch.fx's (private) meta key of the attributes GraphModule.__deepcopy__ sets again (fx/child_reads.py)
+    from torch.fx.graph_module import _USER_PRESERVED_ATTRIBUTES_KEY as PRESERVED_KEY
+except ImportError:  # pragma: no cover - a torch without the name: its value in torch 2.1-2.13
+    PRESERVED_KEY = "_user_preserved_attributes"
+
+__all__ = ["STATE_KEY", "PRESERVED_KEY", "Carry", "carry", "check_prepared", "is_prepared", "restore", "uncarry"]
 
 STATE_KEY = "lowbit_fx"  # gm.meta key marking a graph prepared by prepare_fx / prepare_qat_fx
 M = TypeVar("M", bound=nn.Module)
@@ -187,7 +191,7 @@ def _restore_one(gm: fx.GraphModule, c: Carry) -> None:
         return
     gm.meta[STATE_KEY] = saved["state"]
     if saved["state"].get("kept_reads"):  # (fx/child_reads.py: a parent's reads of plain attributes, for deepcopy)
-        gm.meta.setdefault(_USER_PRESERVED_ATTRIBUTES_KEY, {}).update(saved["state"]["kept_reads"])
+        gm.meta.setdefault(PRESERVED_KEY, {}).update(saved["state"]["kept_reads"])
     carry(gm)
     for hook in saved.get("load_hooks", []):  # (the load guard, absorbed BN keys skipped: fx/absorbed.py)
         gm.register_load_state_dict_pre_hook(hook)
