@@ -41,14 +41,15 @@ TIERS: list[tuple[str, ...]] = [
     # convert_fx's decisions from the calibration ranges (a scalar product's collapsed grid, a child graph's mask
     # without example inputs)
     ("export", "export.weighted", "export.conv_epilogue", "algorithms", "algorithms.layerwise_step", "algorithms.equalize_pairs",
-     "algorithms.end_to_end", "debug", "debug.float_swap", "debug.graph_swap", "debug.swap_edges", "debug.swap_islands",
-     "data"),
+     "algorithms.end_to_end", "debug", "debug.float_swap", "debug.float_twins", "debug.graph_swap", "debug.swap_edges",
+     "debug.swap_islands", "data"),
     # export.weighted: the QDQ twin of a quantized Linear / Conv (split from export.qdq); export.conv_epilogue: exact
     # Conv epilogues as depthwise 1x1 Convs (ORT's NCHWc keeps them);
     # end_to_end: the loop tune / distill share;
     # layerwise_step:
     # one layer's rounding step; equalize_pairs: CLE's pairs and channel maps (split from layerwise / equalize);
     # debug.float_swap: the fast mixed-precision search's float twins (split from debug.mixed_precision);
+    # debug.float_twins: the float twins themselves and eager mode's input grids (split from debug.float_swap);
     # debug.graph_swap: its graph-mode part (ops by call-order key, a reused layer's calls, gates; from float_swap)
     # debug.swap_edges: share-op ends, shared-Quantize picks, plain float copies (split from graph_swap)
     # debug.swap_islands: fx.islands' rule on the prepared graphs for the fast search, function activations it keeps float

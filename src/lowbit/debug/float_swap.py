@@ -7,16 +7,7 @@ session 39) standalone BatchNorm / BNReLU, quantized activations (Hardswish, ELU
 become generated ``qfunctional_N`` modules: ``auto_mixed_precision`` and ``keep_float_layers`` (``quantize_ptq``) name
 them by their call-order key (session 40, ``graph_swap.py``; ``SensitivityTable.op_keys``).
 
-Eager mode (``eager_twins``): the model built from the mapping runs a float layer ``L`` on its (dequantized) input
-and hands on float ``y = L(x̂)``; whatever reads it (a flatten, a view, an add, ``L`` itself called again, the
-model's return) sees ``y`` unrounded, and an int8 weighted layer ``M`` reading it quantizes it on the grid its input
-observer recorded *in that model*: ``q(y') = clamp(round(y' / s_M) + z_M)`` with ``(s_M, z_M)`` from ``M``'s input
-over calibration. The all-int8 model read ``M``'s input as a ``QTensor`` (no grid recorded), so the one calibration
-also records, per weighted layer, its input where it was a quantized one (``record_tagged_inputs``); that grid is
-given to every int8 layer with none (``give_input_grids``: the all-int8 model never uses it, its inputs are
-``QTensor``). Prepared modules compute the same float values whichever layers are float, so the grid is the one the
-built model records, exactly for a layer called once (a layer called several times, only some calls reading a float
-layer, records the union of its calls: an approximation). A float twin's output is then always float.
+Eager mode: the float twins and the input grids of ``float_twins.py``.
 
 Graph mode reads the graph instead (``graph_swap.readers``): ``auto_mixed_precision`` and ``keep_float_layers``
 (``ops=True``): every twin outputs float and a ``_Gate`` on each edge out of it rounds onto its grid only where an int8
@@ -24,21 +15,6 @@ op reads that edge; a reused layer gets one twin per call, on that call's own gr
 keeps float as islands are swapped too (``_islands``): every row is the built model's score. ``keep_float_layers``
 then fixes the gates into plain ``Quantize`` modules (``graph_swap.settle``). Eager ``keep_float_layers``: a float
 layer's output goes back onto its calibrated grid, and stays float while every reader is a float layer too.
-
->>> import torch, lowbit as Q
->>> from torch import nn
->>> model = nn.Sequential(nn.Linear(4, 8), nn.Flatten(), nn.Linear(8, 2)).eval()
->>> prepared = Q.prepare(model, Q.get_minmax_qconfig())
->>> observers, handles = record_tagged_inputs(prepared)
->>> _ = prepared(torch.randn(16, 4))
->>> for h in handles:
-...     h.remove()
->>> qmodel = Q.convert(prepared)
->>> qmodel[2].input_grid is None                      # it reads layer 0's QTensor: no grid recorded
-True
->>> give_input_grids(qmodel, observers)
->>> qmodel[2].input_grid[0] == float(qmodel[0].scale)  # the grid it records when layer 0 is float
-True
 """
 
 from __future__ import annotations
@@ -53,13 +29,9 @@ import torch
 from torch import fx, nn
 from tqdm.auto import tqdm
 
-from ..fake_quant.base import holds_grid
-from ..nn.quantized.functional_modules import QF_METHODS, FloatFunctional, QFunctional
+from ..nn.quantized.functional_modules import FloatFunctional, QFunctional
 from ..nn.quantized.stubs import DeQuantize, Quantize
-from ..qscheme import as_qdtype
-from ..qtensor import QTensor
-from ..speed_guard import requant_grid, run_in_own_dtype
-from ..workflow.hooks import _tagged
+from .float_twins import _FloatTwin, _FunctionalTwin, give_input_grids, record_tagged_inputs
 from .graph_swap import call_grid, float_only_readers, input_quantizes, make_op_twin, node_of, op_candidates, readers
 from .graph_swap import insert_gates, settle, split_calls
 from .swap_edges import _plain_copy, insert_picks
@@ -68,92 +40,6 @@ from .sensitivity import SensitivityRow, SensitivityTable, _quiet_float_fallback
 from .sensitivity import warn_if_lower_is_better
 
 __all__ = ["keep_float_layers", "record_tagged_inputs", "give_input_grids"]
-
-
-def _dq(x: Any) -> Any:
-    return x.dequantize() if isinstance(x, QTensor) else x
-
-
-class _FloatTwin(nn.Module):
-    """A quantized layer's float form: float compute on its (dequantized) input, back on the layer's output
-    grid when it had one that int8 consumers read (``grid`` None: float output). ``keep`` is cleared while
-    every reader of the output is itself kept float (``_regrid``): the model built from the mapping does
-    not round between two float layers.
-
-    The output grid is a ``Quantize`` child (``requant``: scale and zero point are buffers), so it travels in
-    ``state_dict`` like every int8 layer's grid (a Python tuple stayed behind: a loaded checkpoint kept the
-    fresh model's grid). The float layer runs in its own parameters' dtype (a model moved with ``.double()`` /
-    ``.half()``) and gives back its input's dtype, as the int8 layers around it keep float32."""
-
-    def __init__(self, float_mod: nn.Module, qmod: nn.Module, float_out: bool,
-                 grid: tuple[float, int, Any] | None = None) -> None:
-        super().__init__()
-        self.float_mod = float_mod
-        qdtype = getattr(qmod, "out_qdtype", None) or getattr(qmod, "qdtype", None)  # (BN, activations: qdtype)
-        float_out = float_out or type(qmod).__name__.endswith("FloatOut")
-        if grid is None and qdtype is not None and hasattr(qmod, "scale"):
-            grid = (float(qmod.scale), int(qmod.zero_point), qdtype)  # (``grid``: one call of a reused layer's)
-        self.add_module("requant", None if float_out or grid is None else Quantize(*grid))
-        self.keep = True
-
-    @property
-    def grid(self) -> tuple[float, int, Any] | None:
-        """The output grid ``(scale, zero_point, qdtype)``, or None (float output)."""
-        return requant_grid(self.requant)
-
-    def forward(self, x: Any) -> Any:
-        y = run_in_own_dtype(self.float_mod, _dq(x))
-        return y if self.requant is None or not self.keep else self.requant(y)
-
-
-class _FunctionalTwin(nn.Module):
-    """An eager ``QFunctional`` kept float: the ``FloatFunctional`` method on dequantized operands, float out (what
-    the model built from the mapping runs: its ``FloatFunctional`` given ``QTensor`` operands)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.float_mod = FloatFunctional()
-
-    def forward(self, op: str, *args: Any) -> Any:
-        return getattr(self, op)(*args)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in QF_METHODS:
-            method = getattr(self._modules["float_mod"], name)
-            return lambda *args: method(*(type(a)(_dq(t) for t in a) if isinstance(a, (list, tuple)) else _dq(a)
-                                          for a in args))
-        return super().__getattr__(name)
-
-
-def record_tagged_inputs(prepared: nn.Module) -> tuple[dict[str, nn.Module], list[Any]]:
-    """Eager mode: a fresh copy of every weighted layer's input observer, observing the calls whose input *is*
-    quantized (tagged) in ``prepared`` (the ones its own observer skips). ``({path: observer}, hook handles)``."""
-    found: dict[str, nn.Module] = {}
-    handles = []
-    for path, mod in prepared.named_modules():
-        inp = mod._modules.get("input_activation_post_process")
-        if inp is None:
-            continue
-        obs = found[path] = copy.deepcopy(inp)
-
-        def hook(_m: nn.Module, inputs: Any, obs: nn.Module = obs) -> None:
-            x = inputs[0] if inputs else None
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and _tagged(x):
-                obs(x.detach())
-        handles.append(mod.register_forward_pre_hook(hook, prepend=True))
-    return found, handles
-
-
-def give_input_grids(qmodel: nn.Module, observers: dict[str, nn.Module]) -> None:
-    """Every int8 layer of ``qmodel`` with no recorded input grid gets the one ``record_tagged_inputs`` saw."""
-    for path, obs in observers.items():
-        try:
-            q = qmodel.get_submodule(path)
-        except AttributeError:
-            continue
-        if hasattr(q, "input_grid") and q.input_grid is None and holds_grid(obs):
-            scale, zero_point = obs.calculate_qparams()
-            q.input_grid = (float(scale), int(zero_point), as_qdtype(obs.qdtype))
 
 
 def _set(root: nn.Module, path: str, mod: nn.Module) -> None:

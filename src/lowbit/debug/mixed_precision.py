@@ -67,7 +67,8 @@ from tqdm.auto import tqdm
 from ..qconfig import QConfigMapping
 from .checks import check_float_model
 from .compare import check_module, iter_batches
-from .float_swap import _FloatTwin, _search, _swaps, give_input_grids, keep_float_layers, record_tagged_inputs
+from .float_swap import _search, _swaps, keep_float_layers
+from .float_twins import _FloatTwin, give_input_grids, record_tagged_inputs
 from .graph_swap import record_call_outputs
 from .swap_edges import record_share_ends
 from .sensitivity import (
