@@ -35,7 +35,7 @@ from .float_twins import _FloatTwin, _FunctionalTwin, give_input_grids, record_t
 from .graph_swap import call_grid, float_only_readers, input_quantizes, make_op_twin, node_of, op_candidates, readers
 from .graph_swap import insert_gates, settle, split_calls
 from .swap_edges import _plain_copy, insert_picks
-from .swap_islands import IslandRule, act_twins
+from .swap_islands import IslandRule, act_twins, method_ops
 from .sensitivity import SensitivityRow, SensitivityTable, _quiet_float_fallback, _score, metric_drop
 from .sensitivity import warn_if_lower_is_better
 
@@ -72,7 +72,8 @@ class _Plan:
     ``twins`` ``[(name, a float twin, the candidates that alone read its output)]`` (``_regrid``), ``op_keys`` ``{op
     name: call-order key}``, ``rule`` (graph mode: ``swap_islands.IslandRule``) the int8 ops ``prepare_fx`` keeps float
     with a set of candidates (``fx.islands``), whether the mapping names them or not (``_islands``), and ``follow``
-    the swaps of the function activations it may keep float that are no candidate (``swap_islands.act_twins``)."""
+    the swaps of the function activations and method-call ops it may keep float that are no candidate
+    (``swap_islands.act_twins`` / ``method_ops``)."""
 
     swaps: dict[str, list[tuple[str, nn.Module]]]
     twins: Twins = field(default_factory=list)
@@ -109,6 +110,8 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool 
     name_of.update({p: name for p, (name, _, _) in opc.items()})
     acts = act_twins(qmodel) if gated else {}
     name_of.update({p: name for p, (name, _) in acts.items()})
+    methods = method_ops(qmodel) if gated else {}
+    name_of.update(methods)
     follow = {}
     sites: list[tuple[str, nn.Module, fx.GraphModule, str, fx.Node]] = []  # (ops: a gate on each edge of each)
     picks: list[tuple[nn.Module, str]] = []
@@ -119,6 +122,11 @@ def _swaps(base: nn.Module, prepared: nn.Module, qmodel: nn.Module, eager: bool 
         out[name] = swaps
         m, o, _ = readers(gm, gpath, node, set(name_of))
         entries.append((name, twin, m, o))
+    for path, name in methods.items():  # (x.add(y): no row, swapped when the island rule keeps it float)
+        swaps, twin, gm, gpath, node, op_picks = make_op_twin(qmodel, path)
+        picks += [(p, name) for p in op_picks]
+        sites.append((name, twin, gm, gpath, node))
+        follow[name] = swaps
     for path, (name, act) in acts.items():  # (no row: swapped when the island rule keeps it float)
         if (found := node_of(qmodel, path)) is None or len(found[2]) != 1:
             continue

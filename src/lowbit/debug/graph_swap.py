@@ -9,7 +9,8 @@ traced in ``module_name``'s ``forward``), which ``prepare_fx`` records on the no
 in float on its dequantized operands (their ``Quantize`` gone where the op was their only reader) and its int8
 readers quantize the float result on the grid their input observer recorded: the values the op's own output observer
 saw, so ``_OpTwin`` rounds onto the op's calibrated grid, and stays float while every reader is kept float too
-(``_regrid``). A method call (``x.add(y)``) has no call-order key (torch.ao counts functions only): not a candidate.
+(``_regrid``). A method call (``x.add(y)``) has no call-order key (torch.ao counts functions only): not a candidate,
+but swapped float when the island rule keeps it float (``swap_islands.method_ops``).
 
 **A reused layer** (one module, several call nodes): one observer sees every call in the prepared model, so the int8
 layer has one output grid; the model built with the layer float rounds each call's output on the grid its own int8

@@ -6,7 +6,9 @@ no int8 op reads any more (``fx.islands``; attention masks and the sums they ent
 rule: ``IslandRule`` runs ``fx.islands.islands_under`` on the prepared graphs with the candidates' nodes float and
 names what it demotes by call-order key (``"module:function#index"``, the rows of the ops). An int8 activation called
 as a function (``torch.sigmoid(g)``, ``F.hardswish``) is no row, but the rule may keep it float with its group: its
-``_ActTwin`` (``act_twins``) then runs it in float, as the built model does.
+``_ActTwin`` (``act_twins``) then runs it in float, as the built model does. An op made of a method call
+(``h.add(y)``: no call-order key, no row) is named ``"module:Tensor.add#i"`` (``island_name``) and followed the same
+way (``method_ops``: an ``_OpTwin``).
 
 >>> import torch, lowbit as Q
 >>> from torch import nn
@@ -32,13 +34,14 @@ from torch import fx, nn
 
 from ..fx.islands import INT_KINDS, islands_under
 from ..nn.quantized import activation as nnq_act
+from ..nn.quantized.functional_modules import QFunctional
 from ..nn.quantized.stubs import Quantize
 from ..qtensor import QTensor
 from ..speed_guard import requant_grid
 from ..workflow.propagate import join_name
 from .table import call_order_name
 
-__all__ = ["IslandRule", "act_twins"]
+__all__ = ["IslandRule", "act_twins", "island_name", "method_ops"]
 
 
 class IslandRule:
@@ -57,8 +60,8 @@ class IslandRule:
                     continue
                 if n.op == "call_module":
                     names[n] = join_name(gpath, str(n.target))
-                elif "lowbit_call_order" in n.meta:
-                    names[n] = call_order_name(n.meta["lowbit_call_order"])
+                elif (name := island_name(n.meta)) is not None:
+                    names[n] = name
             if names:
                 self.graphs.append((gm, names))
         self._cache: dict[tuple[int, frozenset[fx.Node]], set[fx.Node]] = {}
@@ -116,7 +119,38 @@ def act_twins(qmodel: nn.Module) -> dict[str, tuple[str, _ActTwin]]:
         if not isinstance(gm, fx.GraphModule):
             continue
         for n in gm.graph.nodes:
-            if n.op == "call_module" and n.meta.get("lowbit_kind") == "act" and "lowbit_call_order" in n.meta \
+            if n.op == "call_module" and n.meta.get("lowbit_kind") == "act" and island_name(n.meta) is not None \
                     and _float_act(qact := gm.get_submodule(str(n.target))) is not None:
-                out[join_name(gpath, str(n.target))] = (call_order_name(n.meta["lowbit_call_order"]), _ActTwin(qact))
+                out[join_name(gpath, str(n.target))] = (island_name(n.meta), _ActTwin(qact))
+    return out
+
+
+def island_name(meta: dict[str, Any]) -> str | None:
+    """The name the search gives an int op node: its row name (``call_order_name`` of its call-order key), or for a
+    method call (``x.add(y)``: no torch.ao key, no row) ``"module:Tensor.add#i"`` from ``meta["lowbit_method_order"]``
+    (``fx.classify.apply_call_order``); None for neither.
+
+    >>> island_name({"lowbit_method_order": ("block", "Tensor.add", 1)}), island_name({})
+    ('block:Tensor.add#1', None)
+    """
+    if "lowbit_call_order" in meta:
+        return call_order_name(meta["lowbit_call_order"])
+    if "lowbit_method_order" not in meta:
+        return None
+    path, method, index = meta["lowbit_method_order"]
+    return f"{path}:{method}#{index}" if path else f"{method}#{index}"
+
+
+def method_ops(qmodel: nn.Module) -> dict[str, str]:
+    """``{path of a qfunctional_N: its name}`` for every graph-mode int8 op of a ``convert_fx`` model made of a method
+    call (``x.add(y)``, ``x.mul(y)``): no row (a mapping cannot name it), but the island rule may keep it float."""
+    out = {}
+    for gpath, gm in qmodel.named_modules():
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+        for n in gm.graph.nodes:
+            if n.op == "call_module" and "lowbit_call_order" not in n.meta and "lowbit_method_order" in n.meta \
+                    and isinstance(gm.get_submodule(str(n.target)), QFunctional) and targets.count(str(n.target)) == 1:
+                out[join_name(gpath, str(n.target))] = island_name(n.meta)
     return out

@@ -66,7 +66,9 @@ def apply_call_order(gm: fx.GraphModule, mapping: QConfigMapping, prefix: str, s
     entry sets that module's ``.qconfig``, or the function node's ``meta["lowbit_order_qconfig"]`` (``_node_qconfig``
     reads it first). ``seen`` (path → {object: calls so far}) and ``used`` (the keys matched) span one prepare call's
     graphs; paths are full (``prefix`` joined). Every function node records its key in ``meta["lowbit_call_order"]``
-    (carried onto the ``qfunctional_N`` node ``convert_fx`` makes of it: the mixed-precision search names it by it)."""
+    (carried onto the ``qfunctional_N`` node ``convert_fx`` makes of it: the mixed-precision search names it by it);
+    a method call (``x.add(y)``, no torch.ao key) records ``(p, "Tensor.add", i)`` in ``meta["lowbit_method_order"]``,
+    the ``i``-th call of that method in ``p`` (the fast search follows it when the island rule keeps it float)."""
     order = mapping.module_name_object_type_order_qconfigs
     for node in gm.graph.nodes:
         if node.meta.get("lowbit_inserted"):  # (a node graph mode added: fx/inplace.py's copies and replayed views)
@@ -77,6 +79,14 @@ def apply_call_order(gm: fx.GraphModule, mapping: QConfigMapping, prefix: str, s
         elif node.op == "call_module":
             mod = gm.get_submodule(node.target)  # type: ignore[arg-type]
             path, obj = join(prefix, node.target).rpartition(".")[0], type(mod)  # type: ignore[arg-type]
+        elif node.op == "call_method":  # (no torch.ao key; lowbit's own, for the fast search: `Tensor.add#0`)
+            scope = node.meta.get("lowbit_scope", "")
+            path = join(prefix, scope) if scope else prefix
+            counts = seen.setdefault(path, {})
+            index = counts.get(("method", node.target), 0)
+            counts[("method", node.target)] = index + 1
+            node.meta["lowbit_method_order"] = (path, f"Tensor.{node.target}", index)
+            continue
         else:
             continue
         counts = seen.setdefault(path, {})
