@@ -76,11 +76,40 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     seed = _check_steps("reconstruct", iters, batch_size, seed)  # a NumPy / torch integer: a Python int
     opts = dict(adaround=adaround, bias_correction=bias_correction, iters=iters, batch_size=batch_size, seed=seed,
                 progress=progress, blocks=blocks, learn_grids=learn_grids, rounding=rounding)
-    if not isinstance(prepared, fx.GraphModule):
-        if child_graphs(prepared):  # prepare_fx on an untraceable forward: its children's graphs
-            return reconstruct_children(prepared, calib, **opts)  # type: ignore[arg-type]
-        return reconstruct_eager(prepared, calib, adaround, bias_correction, iters, batch_size, seed, progress)
-    return _reconstruct_graph(prepared, calib, float_calib, **opts)  # type: ignore[arg-type]
+    calib = batch_tuples(calib, "reconstruct")  # (once: a generator is read here, and again below on a failure)
+    try:
+        if not isinstance(prepared, fx.GraphModule) and child_graphs(prepared):  # prepare_fx on an untraceable
+            return reconstruct_children(prepared, calib, **opts)  # type: ignore[arg-type]  forward: its children
+        if not isinstance(prepared, fx.GraphModule):
+            return reconstruct_eager(prepared, calib, adaround, bias_correction, iters, batch_size, seed, progress)
+        return _reconstruct_graph(prepared, calib, float_calib, **opts)  # type: ignore[arg-type]
+    except Exception as err:
+        bad = failing_batch(prepared, calib, "reconstruct")
+        if bad is None:  # (not the data: the error as it was)
+            raise
+        raise bad from err
+
+
+def failing_batch(model: nn.Module, batches: list[tuple[Any, ...]], where: str) -> ValueError | None:
+    """A ``ValueError`` naming the first of ``batches`` that ``model`` cannot run (its observers the identity, no
+    statistics, no_grad): its index, input shapes and the model's first error line; ``None`` if every batch runs. Run
+    only after a walk failed (a later batch of another shape raised torch's bare ``mat1 and mat2 shapes cannot be
+    multiplied`` from inside the walk).
+
+    >>> import torch
+    >>> failing_batch(torch.nn.Linear(2, 1), [(torch.zeros(1, 2),), (torch.zeros(1, 3),)], "demo").args[0][:40]
+    'demo: calib batch 1 (input shapes [(1, 3)'
+    """
+    with observers_as(model, "float"), torch.no_grad():
+        for i, b in enumerate(batches):
+            try:
+                model(*b)
+            except Exception as e:  # (any error of the user's model on this batch)
+                shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in b]
+                line = str(e).splitlines()[0] if str(e) else ""
+                return ValueError(f"{where}: calib batch {i} (input shapes {shapes}) failed in the model: "
+                                  f"{type(e).__name__}: {line}")
+    return None
 
 
 def _reconstruct_graph(prepared: fx.GraphModule, calib: Iterable[Any], float_calib: Iterable[Any] | None, *,
