@@ -97,7 +97,7 @@ def failing_batch(model: nn.Module, batches: list[tuple[Any, ...]], where: str) 
     multiplied`` from inside the walk).
 
     >>> import torch
-    >>> failing_batch(torch.nn.Linear(2, 1), [(torch.zeros(1, 2),), (torch.zeros(1, 3),)], "demo").args[0][:40]
+    >>> failing_batch(torch.nn.Linear(2, 1), [(torch.zeros(1, 2),), (torch.zeros(1, 3),)], "demo").args[0][:41]
     'demo: calib batch 1 (input shapes [(1, 3)'
     """
     with observers_as(model, "float"), torch.no_grad():
