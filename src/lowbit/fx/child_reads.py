@@ -7,10 +7,12 @@ tied weights ``x @ self.emb.weight.t()``, ``self.proj.weight.shape[0]`` or ``sel
 prepared model first ran (``AttributeError: '_LeafRoot' object has no attribute 'weight'``), and after ``convert_fx``
 the child's ``weight`` would be the int8 module's method. ``keep_child_reads`` gives the graph the attributes the
 parent's class reads, ``self.<child>.<attr>`` in its source (every tensor and plain attribute when the source
-cannot be read): a parameter / buffer as the same tensor (the parent reads the float parameter, the child's own
-call is quantized; ``convert_fx`` leaves it float), read by a ``get_attr`` node no value depends on so that
-``deepcopy`` and ``pickle`` (which keep what the graph reads) keep it; a number, string or tuple as a preserved
-attribute. The source scan reads ``self.proj``, ``getattr(self, "proj")`` and ``self._modules["proj"]`` alike.
+cannot be read, or when a method other than ``__init__`` reaches the child another way: ``self._modules["proj"]``,
+``p = self.proj; p.weight``, ``helper(self.proj)``): a parameter / buffer as the same tensor (the parent reads the
+float parameter, the child's own call is quantized; ``convert_fx`` leaves it float), read by a ``get_attr`` node no
+value depends on so that ``deepcopy`` and ``pickle`` (which keep what the graph reads) keep it; a number, string or
+tuple as a preserved attribute (a ``None`` parameter, ``bias=False``, as ``None``). The source scan reads
+``self.proj``, ``getattr(self, "proj")`` and ``self._modules["proj"]`` alike.
 
 A read of a tensor of the child's own submodule, ``self.block.fc.weight`` (``block`` prepared as a graph that calls
 ``fc``), met a fused ``LinearReLU`` (no ``weight``) and after ``convert_fx`` the int8 module's method: the graph's
@@ -115,6 +117,66 @@ def _path(node: ast.AST, me: str) -> list[str] | None:
     return None if path is None else [*path, name]
 
 
+_ALL_CHILDREN = {"_modules", "get_submodule"}  # (not ``self.modules()`` loops: weight init, not a forward's read)
+_NOT_ESCAPING = {"isinstance", "type", "id"}  # (calls that read the child object without its attributes)
+
+
+@functools.lru_cache(maxsize=256)
+def _escaping(cls: type) -> frozenset[str]:
+    """The children that methods of ``cls`` other than ``__init__`` reach some way ``_class_reads`` cannot follow
+    (``"*"``: any child): ``self.<name>`` not read as ``self.<name>.<attr>`` nor called, e.g. ``p = self.proj`` then
+    ``p.weight``, ``helper(self.proj)``, ``getattr(self.proj, "weight")``; ``self._modules["proj"]`` /
+    ``get_submodule("proj")`` name it; ``self._modules[k]`` reaches every child. Such a child keeps every
+    attribute, as a class without source does.
+
+    >>> class M(nn.Module):  # (a doctest's class has no source: nothing to scan)
+    ...     pass
+    >>> _escaping(M)
+    frozenset()
+    """
+    found: set[str] = set()
+    for base in cls.__mro__:
+        if base in (nn.Module, object) or not issubclass(base, nn.Module) or base.__module__.startswith("torch."):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+        except (OSError, TypeError, SyntaxError):
+            return frozenset()
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args or fn.name == "__init__":
+                continue
+            me = fn.args.args[0].arg
+            parents = {id(c): p for p in ast.walk(fn) for c in ast.iter_child_nodes(p)}
+            for node in ast.walk(fn):
+                if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == me
+                        and isinstance(node.ctx, ast.Load)):
+                    continue
+                up = parents.get(id(node))
+                if node.attr in _ALL_CHILDREN:
+                    key = _constant_key(parents.get(id(up)) if isinstance(up, ast.Attribute) and up.attr == "get"
+                                        else up, up if isinstance(up, ast.Attribute) else node)
+                    found.add(key if key is not None else "*")
+                elif isinstance(up, ast.Attribute) or (isinstance(up, ast.Call) and up.func is node):
+                    continue
+                elif isinstance(up, ast.Call) and isinstance(up.func, ast.Name) and up.func.id in _NOT_ESCAPING:
+                    continue
+                elif isinstance(up, ast.Compare):  # (``self.proj is None``)
+                    continue
+                else:
+                    found.add(node.attr)
+    return frozenset(found)
+
+
+def _constant_key(up: ast.AST | None, node: ast.AST) -> str | None:
+    """The child named by ``self._modules["proj"]`` / ``self._modules.get("proj")`` / ``self.get_submodule("proj")``
+    (``up``: the subscript or call, ``node``: what it subscripts or calls), else ``None``."""
+    if isinstance(up, ast.Subscript) and isinstance(up.slice, ast.Constant) and isinstance(up.slice.value, str):
+        return up.slice.value
+    if isinstance(up, ast.Call) and up.func is node and up.args and isinstance(up.args[0], ast.Constant):
+        return up.args[0].value if isinstance(up.args[0].value, str) and "." not in up.args[0].value else None
+    return None
+
+
 def keep_child_reads(parent: nn.Module, name: str, new: nn.Module, where: str = "prepare_fx") -> list[str]:
     """Give ``new``, the prepared graph of ``parent``'s child ``name`` (``parent``'s forward is not traced; called
     before ``new`` replaces the child), the attributes of the child the parent's class reads that ``new`` lacks
@@ -125,9 +187,9 @@ def keep_child_reads(parent: nn.Module, name: str, new: nn.Module, where: str = 
         return []
     kept = _keep_deep_reads(parent, name, child, new, where)
     wanted = read_attributes(type(parent), name)
-    if wanted is None:
-        wanted = {*child._parameters, *child._buffers, *(k for k, v in vars(child).items()
-                                                         if not k.startswith("_") and isinstance(v, _PLAIN))}
+    if wanted is None or name in _escaping(type(parent)) or "*" in _escaping(type(parent)):
+        wanted = {*(wanted or ()), *child._parameters, *child._buffers,
+                  *(k for k, v in vars(child).items() if not k.startswith("_") and isinstance(v, _PLAIN))}
     for attr in sorted(wanted):
         if attr.startswith("__") or _has(new, attr):
             continue
@@ -138,7 +200,7 @@ def keep_child_reads(parent: nn.Module, name: str, new: nn.Module, where: str = 
         if isinstance(value, nn.Parameter) or isinstance(value, torch.Tensor) and attr in child._buffers:
             _keep_tensor(new, attr, new, attr, value, isinstance(value, nn.Parameter),
                          attr not in child._non_persistent_buffers_set)
-        elif isinstance(value, _PLAIN) and attr in vars(child):
+        elif isinstance(value, _PLAIN) and (attr in vars(child) or value is None):  # (``bias=False``: a None entry)
             setattr(new, attr, value)  # (deepcopy sets the preserved ones again; a pickled prepared graph's are put
             new.meta.setdefault(_USER_PRESERVED_ATTRIBUTES_KEY, {})[attr] = value  # back from its state by restore)
             new.meta.get(STATE_KEY, {}).setdefault("kept_reads", {})[attr] = value
