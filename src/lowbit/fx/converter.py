@@ -43,6 +43,20 @@ def _reads_layout(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is torch.as_strided
 
 
+def _reads_codes(node: fx.Node, deqs: set[fx.Node], limit: int = 256) -> bool:
+    """Whether float ``node`` is computed (through float nodes, up to ``limit`` of them) from one of ``deqs``, the
+    dequantized int8 values."""
+    seen, todo = {node}, [node]
+    while todo and len(seen) < limit:
+        for src in todo.pop().all_input_nodes:
+            if src in deqs:
+                return True
+            if src not in seen and src.meta.get("lowbit_domain") != "int":
+                seen.add(src)
+                todo.append(src)
+    return False
+
+
 class _Holder(nn.Module):
     """Carries an observer as ``activation_post_process`` for ``output_qparams``."""
 
@@ -282,12 +296,20 @@ class _Converter:
                         made[src] = self.graph.call_module("dequantize", (src,))
                     made[src].meta.update(lowbit_kind="dequantize", lowbit_domain="float", lowbit_ftensor=True)
                 node.replace_input_with(src, self._float_layout(src, made[src]) if _reads_layout(node) else made[src])
+        deqs = set(made.values())
+        for node in list(self.graph.nodes):  # a float value made from dequantized codes (torch.cat of two int8 convs:
+            arg = node.args[0] if _reads_layout(node) and node.args else None  # channels-last as its inputs)
+            if isinstance(arg, fx.Node) and arg.meta.get("lowbit_domain") != "int" and isinstance(
+                    arg.meta.get("lowbit_layout"), str) and _reads_codes(arg, deqs):
+                node.replace_input_with(arg, self._float_layout(arg, arg))
 
     def _float_layout(self, src: fx.Node, deq: fx.Node) -> fx.Node:
-        """``deq`` (``src`` dequantized) laid out as the float model's value (``meta["lowbit_layout"]``, recorded on
-        the example inputs; row-major when not recorded), for a reader of its memory layout: an int8 conv's codes are
-        channels-last, so ``y.as_strided((n, 4, 36), (144, 36, 1))`` written for the float model's row-major ``y``
-        read the wrong elements (-2.5 dB)."""
+        """``deq`` (``src`` dequantized, or a float ``src`` itself) laid out as the float model's value
+        (``meta["lowbit_layout"]``, recorded on the example inputs; row-major when not recorded), for a reader of its
+        memory layout: an int8 conv's codes are channels-last, so ``y.as_strided((n, 4, 36), (144, 36, 1))`` written
+        for the float model's row-major ``y`` read the wrong elements (-2.5 dB); ``torch.cat`` of two such values (in
+        float) is channels-last too (-2.7 dB). ``contiguous(memory_format=...)`` returns a tensor already so laid
+        out as it is."""
         name = src.meta.get("lowbit_layout", "contiguous_format")
         if name is None:  # (a strided view in the float model: as it was)
             return deq
