@@ -142,6 +142,32 @@ def _batched(batch: tuple[Any, ...]) -> bool:
     return len({t.shape[0] for t in batch if isinstance(t, torch.Tensor) and t.dim() > 0}) <= 1
 
 
+def _positional(i: int, b: Any) -> tuple[Any, ...]:
+    """Batch ``i`` as the forward's positional arguments (a tuple / list of them, or one input), as
+    ``quantize_ptq`` reads calibration batches; a dict is a ``TypeError``, an empty batch a ``ValueError``."""
+    b = b if isinstance(b, tuple) else tuple(b) if isinstance(b, list) else (b,)
+    if len(b) == 1 and isinstance(b[0], dict):
+        raise TypeError(f"refine_grids: batch {i} is a dict; graph mode feeds inputs by position: give a tensor or a "
+                        "tuple/list of the forward's arguments")
+    if any(isinstance(t, torch.Tensor) and t.dim() and not t.shape[0] for t in b):
+        raise ValueError(f"refine_grids: batch {i} has no samples (input shapes {_shapes(b)}); every batch needs one")
+    return b
+
+
+def _shapes(b: tuple[Any, ...]) -> list[Any]:
+    return [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in b]
+
+
+def _run(gm: fx.GraphModule, mods: dict[str, nn.Module], b: tuple[Any, ...], i: int) -> _Runner:
+    """``_Runner`` on batch ``i``; the model's error on it names the batch."""
+    try:
+        return _Runner(gm, mods, b)
+    except Exception as e:  # (any error of the user's model on this batch)
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(f"refine_grids: batch {i} (input shapes {_shapes(b)}) failed in the model: "
+                         f"{type(e).__name__}: {first}") from e
+
+
 def _fq(x: torch.Tensor, s: float, z: int, qmin: int, qmax: int) -> torch.Tensor:
     return fake_quantize(x, torch.tensor([s]), torch.tensor([float(z)]), qmin, qmax, None, float_zero_point=True)
 
@@ -177,9 +203,9 @@ def refine_grids(gm: fx.GraphModule, batches: Iterable[Any], *, top: int = 8, mu
         raise TypeError(f"refine_grids: only={only!r} must be a sequence of node-name prefixes, e.g. ('features_14',)")
     taken, got = [], 0  # only the batches the search reads: one, or enough for ``samples`` (a generator is not drained)
     rest, got_held = [], 0  # then the held-out batches, enough for ``held`` samples
-    for b in batches:
-        b = b if isinstance(b, tuple) else (b,)
-        k = b[0].shape[0] if isinstance(b[0], torch.Tensor) and b[0].dim() else 1
+    for i, b in enumerate(batches):
+        b = _positional(i, b)
+        k = b[0].shape[0] if b and isinstance(b[0], torch.Tensor) and b[0].dim() else 1
         if not taken or got < samples:
             taken.append(b)
             got += k
@@ -209,13 +235,13 @@ def refine_grids(gm: fx.GraphModule, batches: Iterable[Any], *, top: int = 8, mu
     few = tuple(t[:rank_samples] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in first) \
         if _batched(first) else first
     with torch.no_grad():
-        runner = _Runner(gm, mods, few)
+        runner = _run(gm, mods, few, 0)
         cost = {}
         for n in tqdm(grids, desc="rank grids", disable=not progress):
             o = mods[n.target]  # type: ignore[index]
             cost[n] = runner.error(n, _fq(runner.env[n], *qp[n], o.quant_min, o.quant_max))
         chosen = sorted(sorted(grids, key=lambda n: -cost[n])[:top], key=lambda n: runner.index[n])
-        runner = _Runner(gm, mods, first)
+        runner = _run(gm, mods, first, 0)
         found = {}
         for n in tqdm(chosen, desc="search grids", disable=not progress):
             o = mods[n.target]  # type: ignore[index]
@@ -225,8 +251,8 @@ def refine_grids(gm: fx.GraphModule, batches: Iterable[Any], *, top: int = 8, mu
             best = min(errs, key=lambda m: (errs[m], abs(1 - m)))
             found[n] = (best, errs[1.0], errs[best])
         check = {n: [0.0, 0.0] for n, f in found.items() if f[0] != 1.0}  # held-out error at m = 1 and at the best m
-        for b in (rest if held and check else []):
-            runner = _Runner(gm, mods, b)
+        for i, b in enumerate(rest if held and check else [], len(taken)):
+            runner = _run(gm, mods, b, i)
             for n, e in check.items():
                 o, (s0, z), m = mods[n.target], qp[n], found[n][0]  # type: ignore[index]
                 e[0] += runner.error(n, _fq(runner.env[n], s0, z, o.quant_min, o.quant_max))
