@@ -227,6 +227,10 @@ def _check_all(model: torch.nn.Module, state_dict: dict[str, Any], prefix: str, 
                *_: Any) -> None:
     """``guard_loading``'s pre-hook: each submodule's ``_state_errors`` on the incoming ``state_dict``."""
     meta = getattr(state_dict, "_metadata", None) or {}
+    if not isinstance(meta, dict) or not isinstance(local_metadata or {}, dict):  # (torch's load: 'int' object has
+        bad, what = (meta, "_metadata") if not isinstance(meta, dict) else (local_metadata, "_metadata entry")
+        refuse_state(model, [f"{prefix[:-1] or '<model>'}: the checkpoint's {what} must be a dict (torch's "  # no
+                             f"per-module metadata), got {type(bad).__name__} {bad!r}"[:300]])  # attribute 'get')
     assign = bool((local_metadata or {}).get("assign_to_params_buffers"))
     errors: list[str] = []
     strict = _load_is_strict()

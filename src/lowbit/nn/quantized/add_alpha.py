@@ -50,6 +50,8 @@ def scaled_operand(x: Any, alpha: float, owner: Any = None) -> Any:
     if not isinstance(alpha, _REAL) and not (isinstance(alpha, torch.Tensor) and alpha.numel() == 1):
         raise TypeError(f"scaled_operand: alpha must be a real number (torch.add / torch.sub's alpha), got "
                         f"{type(alpha).__name__} {alpha!r}")
+    if isinstance(alpha, numbers.Real) and not isinstance(alpha, (int, float)):
+        alpha = float(alpha)  # (Fraction(1, 2), numpy.float32: torch multiplies a scale tensor by neither / rounds)
     if not isinstance(x, QTensor):
         return x * alpha
     scale, z, ok = _scaled_grid(x, alpha, owner)
