@@ -14,7 +14,8 @@
   made every shrunk step lose to ``0 < 0``, and a held-out batch the model cannot run raised torch's bare error;
 - a checkpoint whose root ``_metadata`` entry is not a dict: ``AttributeError: 'int' object has no attribute
   'get'`` from lowbit's load pre-check;
-- ``scaled_operand(q, Fraction(1, 2))``: ``unsupported operand type(s) for *: 'Tensor' and 'Fraction'``.
+- ``scaled_operand(q, Fraction(1, 2))``: ``unsupported operand type(s) for *: 'Tensor' and 'Fraction'``;
+- a calibration batch whose error message starts with a newline was named as ``RuntimeError: `` (its empty line).
 """
 
 from __future__ import annotations
@@ -227,3 +228,16 @@ def test_scaled_operand_takes_any_real_alpha():
     for alpha in (Fraction(1, 2), Fraction(-3, 2)):
         got = scaled_operand(q, alpha)
         assert torch.equal(got.dequantize(), scaled_operand(q, float(alpha)).dequantize())
+
+
+def test_a_failing_batch_names_the_first_line_with_text():
+    """An error whose message starts with a newline (torch's dispatcher and dynamo write such) was named by its
+    empty first line: ``... failed in the model: RuntimeError: ``."""
+    from lowbit.ptq_checks import first_failing_batch
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("\n\nthe real reason")
+
+    err = first_failing_batch(Fails(), [(torch.zeros(1),)])
+    assert str(err).endswith("failed in the model: RuntimeError: the real reason")

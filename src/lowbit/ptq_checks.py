@@ -191,7 +191,7 @@ def batch_failed(i: int, batch: tuple[Any, ...], err: BaseException) -> ValueErr
         hint = (f"; a tuple / list batch is the forward's positional arguments (these {len(batch)} values went in "
                 "as its inputs): for (inputs, labels) pairs from a labelled DataLoader pass (x for x, _ in loader)")
     return ValueError(f"quantize_ptq: calib batch {i} (input shapes {shapes}) failed in the model: "
-                      f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}{hint}")
+                      f"{type(err).__name__}: {next((ln for ln in str(err).splitlines() if ln.strip()), '')}{hint}")
 
 
 def first_failing_batch(float_model: nn.Module, batches: list[tuple[Any, ...]]) -> ValueError | None:

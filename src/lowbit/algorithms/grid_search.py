@@ -163,7 +163,7 @@ def _run(gm: fx.GraphModule, mods: dict[str, nn.Module], b: tuple[Any, ...], i: 
     try:
         return _Runner(gm, mods, b)
     except Exception as e:  # (any error of the user's model on this batch)
-        first = str(e).splitlines()[0] if str(e) else ""
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
         raise ValueError(f"refine_grids: batch {i} (input shapes {_shapes(b)}) failed in the model: "
                          f"{type(e).__name__}: {first}") from e
 
