@@ -9,6 +9,8 @@
 - a layout read (``as_strided`` / ``stride()``) of a float value computed from int8 conv codes, ``torch.cat([conv(x),
   conv(x)], 1)`` or ``conv(x).exp()``: the codes are channels-last and so was the float result, where the float
   model's is row-major (-2.7 / 3.3 / 0.1 dB against fp32; torch.ao -2.7 / 3.3); now 39.5 / 44.2 / 39.5;
+- an untraceable parent reading the layout of a child graph's conv output (``y.view(n, -1)``: torch's "view size is
+  not compatible"; ``y.stride(1)``, ``y.as_strided(...)``: 0.1 / -3.2 dB), now laid out as the float child's;
 - ``refine_grids`` called directly: a list batch ``[x, y]`` (``quantize_ptq``'s own convention) was passed as one
   argument, a dict batch reached ``F.linear`` (``argument 'input' must be Tensor, not dict``), an empty held-out batch
   made every shrunk step lose to ``0 < 0``, and a held-out batch the model cannot run raised torch's bare error;
@@ -153,6 +155,56 @@ def test_a_layout_read_of_the_float_input_is_unchanged():
     torch.manual_seed(0)
     _, converted = _lowbit(M().eval(), _XI)
     assert not [n for n in converted.graph.nodes if n.target == "contiguous"]
+
+
+class _ChildLayout(nn.Module):
+    """``forward`` is not traceable: the conv is a child graph whose float output the parent reads eagerly."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.c, self.fc, self.form = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(256, 8), form
+
+    def forward(self, x):
+        y = self.c(x)
+        if y.sum() > -1e9:
+            y = y + 0
+        if self.form == "view":
+            return self.fc(y.view(y.size(0), -1))
+        if self.form == "stride":
+            return y.flatten(1) * (y.stride(1) / 64)
+        return y.as_strided((y.shape[0], 4, 64), (256, 64, 1))
+
+
+class _NoLayout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(256, 8)
+
+    def forward(self, x):
+        y = self.c(x)
+        if y.sum() > -1e9:
+            y = y + 0
+        return self.fc(y.flatten(1))
+
+
+@pytest.mark.parametrize("form", ["view", "stride", "as_strided"])
+def test_an_untraceable_parent_reads_its_child_graphs_output_layout(form):
+    """The child's int8 conv returned channels-last floats: ``view`` raised torch's "view size is not compatible
+    with input tensor's size and stride", ``stride(1)`` / ``as_strided`` read other values (0.1 / -3.2 dB)."""
+    torch.manual_seed(0)
+    model = _ChildLayout(form).eval()
+    ref = model(_XI)
+    _, converted = _lowbit(model, _XI)
+    assert _sqnr(ref, converted(_XI)) > 35
+    assert converted.c(_XI).is_contiguous()
+
+
+def test_a_parent_reading_no_layout_gets_no_copy():
+    """A parent whose source reads no layout keeps the child's channels-last output (a copy per output cost +25 %
+    on a per-child CNN)."""
+    torch.manual_seed(0)
+    _, converted = _lowbit(_NoLayout().eval(), _XI)
+    assert not [n for n in converted.c.graph.nodes if n.target == "contiguous"]
 
 
 # ---------------------------------------------------------------- 3. refine_grids' batches

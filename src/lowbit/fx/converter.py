@@ -302,6 +302,19 @@ class _Converter:
             if isinstance(arg, fx.Node) and arg.meta.get("lowbit_domain") != "int" and isinstance(
                     arg.meta.get("lowbit_layout"), str) and _reads_codes(arg, deqs):
                 node.replace_input_with(arg, self._float_layout(arg, arg))
+        if self.prefix and self.gm.meta.get(STATE_KEY, {}).get("layout_reads"):  # a child graph whose parent's
+            self._outputs_in_float_layout(made)  # eager code may read its outputs' layout (fx/child_reads.reads_layout)
+
+    def _outputs_in_float_layout(self, made: dict[fx.Node, fx.Node]) -> None:
+        """A child graph's float outputs made from int8 codes laid out as the float child's (``y.view(n, -1)``,
+        ``y.stride()``, ``y.as_strided(...)`` in the parent read a conv's channels-last codes otherwise)."""
+        out = next(n for n in self.graph.nodes if n.op == "output")
+        src_of = {d: s for s, d in made.items()}
+        for v in out.all_input_nodes:
+            src = src_of.get(v, v)
+            if v.meta.get("lowbit_domain") != "int" and isinstance(src.meta.get("lowbit_layout"), str) and (
+                    v in src_of or _reads_codes(v, set(src_of))):
+                out.replace_input_with(v, self._float_layout(src, v))
 
     def _float_layout(self, src: fx.Node, deq: fx.Node) -> fx.Node:
         """``deq`` (``src`` dequantized, or a float ``src`` itself) laid out as the float model's value
