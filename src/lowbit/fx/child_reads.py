@@ -167,16 +167,18 @@ def _escaping(cls: type) -> frozenset[str]:
     return frozenset(found)
 
 
-_LAYOUT = {"view", "stride", "as_strided", "is_contiguous", "storage_offset", "data_ptr", "untyped_storage"}
+_LAYOUT = {"stride", "as_strided", "is_contiguous", "storage_offset", "data_ptr", "untyped_storage"}
 
 
 @functools.lru_cache(maxsize=256)
 def reads_layout(cls: type) -> bool:
-    """Whether a method of ``cls`` other than ``__init__`` may read a tensor's memory layout (``.view``,
-    ``.stride``, ``.as_strided``, ``.is_contiguous``, ``.storage_offset``, ``.data_ptr``; ``True`` without a
-    source): ``convert_fx`` then lays the float outputs of ``cls``'s child graphs out as the float children's (an
-    int8 conv's are channels-last, so ``y.view(n, -1)`` failed and ``y.stride()`` read other values), a copy per
-    output that a parent which reads no layout does not pay (+25 % on a per-child CNN).
+    """Whether a method of ``cls`` other than ``__init__`` may read a tensor's memory layout (``.stride``,
+    ``.as_strided``, ``.is_contiguous``, ``.storage_offset``, ``.data_ptr``; ``True`` without a source):
+    ``convert_fx`` then lays the float outputs of ``cls``'s child graphs out as the float children's (an int8
+    conv's are channels-last, so ``y.stride(1)`` / ``y.as_strided(...)`` read other values), a copy per output
+    that a parent which reads no layout does not pay (+25 % on a per-child CNN). ``.view`` is not such a read:
+    where the layout stops it torch raises ("view size is not compatible ... Use .reshape"), and a classifier's
+    ``x.view(n, -1)`` after pooling to 1x1 works in either layout.
 
     >>> class M(nn.Module):
     ...     pass

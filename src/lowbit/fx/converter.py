@@ -306,8 +306,8 @@ class _Converter:
             self._outputs_in_float_layout(made)  # eager code may read its outputs' layout (fx/child_reads.reads_layout)
 
     def _outputs_in_float_layout(self, made: dict[fx.Node, fx.Node]) -> None:
-        """A child graph's float outputs made from int8 codes laid out as the float child's (``y.view(n, -1)``,
-        ``y.stride()``, ``y.as_strided(...)`` in the parent read a conv's channels-last codes otherwise)."""
+        """A child graph's float outputs made from int8 codes laid out as the float child's (``y.stride()``,
+        ``y.is_contiguous()``, ``y.as_strided(...)`` in the parent read a conv's channels-last codes otherwise)."""
         out = next(n for n in self.graph.nodes if n.op == "output")
         src_of = {d: s for s, d in made.items()}
         for v in out.all_input_nodes:
