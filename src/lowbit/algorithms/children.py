@@ -204,8 +204,8 @@ def _float_calls(model: nn.Module, graphs: dict[str, fx.GraphModule],
 
 
 def equalize_children(model: nn.Module, batches: list[tuple[Any, ...]], *, weights: bool,
-                      streams: float | None) -> tuple[list[Any], dict[str, str]]:
-    """``equalize_prepared(relu6="range", weights=weights)`` and (``streams`` not None) ``equalize_streams`` on
+                      streams: float | None, dense: float = 0.0) -> tuple[list[Any], dict[str, str]]:
+    """``equalize_prepared(relu6="range", weights=weights, dense=dense)`` and (``streams`` not None) ``equalize_streams`` on
     every child graph of a prepared, not yet calibrated ``model``, each on its float inputs in the whole model
     (the children keep their functions, so one float run feeds them all). Returns the records (layer names as paths
     in ``model``) and, per child graph that ran, a summary; a child no batch reaches is named as skipped."""
@@ -220,7 +220,7 @@ def equalize_children(model: nn.Module, batches: list[tuple[Any, ...]], *, weigh
     done: dict[str, str] = {p: "skipped: no calibration batch runs it" for p in graphs if p not in calls}
     for path in order:
         gm, xs = graphs[path], calls[path]
-        pairs = equalize_prepared(gm, xs, relu6="range", weights=weights)
+        pairs = equalize_prepared(gm, xs, relu6="range", weights=weights, dense=dense)
         eq = equalize_streams(gm, xs, alpha=float(streams)) if streams is not None else []
         records += [replace(e, first=f"{path}.{e.first}", second=f"{path}.{e.second}") for e in pairs]
         records += [replace(e, writers=[f"{path}.{w}" for w in e.writers], readers=[f"{path}.{r}" for r in e.readers])
