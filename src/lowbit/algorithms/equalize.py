@@ -37,7 +37,8 @@ Channels that clip (``h m_i >= t``) or never fire keep ``s_i = 1``. Needs ``cali
 ``dense=α`` (``0 < α <= 1``; default 0: left alone) stretches the dense-``B`` clamp pairs part of the way,
 the pair's ``s_i`` becomes ``(h m_i / t)^α``: channel ``i`` then fills ``t (h m_i / t)^(1-α)`` of the clamp
 (the full stretch: ``t``) and ``B``'s column ``i`` shrinks by ``(h m_i / t)^α``, the range disparity split between
-``A``'s per-tensor output grid and ``B``'s row grids as SmoothQuant splits it. The float function is kept as above. MobileNetV2's 17 depthwise → projection pairs at α = 0.5 (the
+``A``'s per-tensor output grid and ``B``'s row grids as SmoothQuant splits it.
+The float function is kept as above. MobileNetV2's 17 depthwise → projection pairs at α = 0.5 (the
 accurate recipe, 192 calibration crops, 1 thread, two disjoint sets of 480 evaluation crops): logit SQNR
 21.59 / 21.52 → 21.87 / 21.85 dB; α = 0.75: 21.53 / 21.35 (``docs/design.md``).
 ReLU / identity pairs still get the weight-range equalization above. On MobileNetV2 (48 crops,
