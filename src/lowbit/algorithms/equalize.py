@@ -40,7 +40,7 @@ the pair's ``s_i`` becomes ``(h m_i / t)^α``: channel ``i`` then fills ``t (h m
 ``A``'s per-tensor output grid and ``B``'s row grids as SmoothQuant splits it.
 The float function is kept as above. MobileNetV2's 17 depthwise → projection pairs at α = 0.5 (the
 accurate recipe, 192 calibration crops, 1 thread, two disjoint sets of 480 evaluation crops): logit SQNR
-21.59 / 21.52 → 21.87 / 21.85 dB; α = 0.75: 21.53 / 21.35 (``docs/design.md``).
+21.59 / 21.52 → 21.87 / 21.85 dB; α = 0.25: 21.88 / 21.87, α = 0.75: 21.53 / 21.35 (``docs/design.md``).
 ReLU / identity pairs still get the weight-range equalization above. On MobileNetV2 (48 crops,
 activations-only simulation): 13.5 → 15.4 dB logit SQNR; float function kept to 39.9 dB on other crops.
 Mixed precision (a layer with no qconfig) keeps the stretch. A float ``A`` (a float conv, an optional
