@@ -234,3 +234,23 @@ def bn_depthwise_net(linear_bias: bool = True) -> nn.Module:
         model[3].weight.mul_(torch.logspace(-1, 1, 8).view(8, 1, 1, 1))
         model[1].running_mean.uniform_(-0.5, 0.5)
     return model.eval()
+
+
+def built_with_float(model: nn.Module, inp: tuple, names: list[str], op_keys: dict) -> nn.Module:
+    """The model ``prepare_fx`` / ``convert_fx`` build (default qconfig mapping, calibrated on ``inp``) with the
+    layers / ops ``names`` kept float (``op_keys``: a mixed-precision table's op names to mapping keys): the oracle
+    the fast mixed-precision search's rows are checked against."""
+    import copy
+    import warnings
+
+    import lowbit as Q
+    from lowbit.debug.table import keep_float
+
+    mapping = Q.get_default_qconfig_mapping()
+    for n in names:
+        keep_float(mapping, n, op_keys)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        p = Q.prepare_fx(copy.deepcopy(model), mapping, example_inputs=inp)
+        p(*inp)
+        return Q.convert_fx(p)

@@ -28,6 +28,8 @@ import pytest
 import torch
 from torch import fx, nn
 
+from helpers import built_with_float
+
 import lowbit as Q
 from lowbit import compile_state, kernels
 from lowbit.algorithms.layerwise import reconstruct
@@ -35,7 +37,6 @@ from lowbit.debug import auto_mixed_precision
 from lowbit.debug.float_swap import _islands, _swaps, keep_float_layers
 from lowbit.debug.graph_swap import op_candidates, record_call_outputs
 from lowbit.debug.swap_edges import record_share_ends
-from lowbit.debug.table import keep_float
 from lowbit.fx.patterns import add_relu
 from lowbit.nn.quantized.add_alpha import scaled_operand
 from lowbit.ptq import _sqnr
@@ -181,16 +182,6 @@ def _x():
     return (torch.randn(4, 8, D, generator=torch.Generator().manual_seed(1)),)
 
 
-def _built(model, inp, names, op_keys):
-    mapping = Q.get_default_qconfig_mapping()
-    for n in names:
-        keep_float(mapping, n, op_keys)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        p = Q.prepare_fx(copy.deepcopy(model), mapping, example_inputs=inp)
-        p(*inp)
-        return Q.convert_fx(p)
-
 
 @pytest.mark.parametrize("method_act", [False, True])
 def test_fast_search_follows_method_call_ops_into_their_island(method_act):
@@ -205,10 +196,10 @@ def test_fast_search_follows_method_call_ops_into_their_island(method_act):
         assert {r.name for r in table.rows} == {"emb", "gate", "fc1", "fc2", "head"}  # (method ops: no rows)
         for row in table.rows:
             with torch.no_grad():
-                built = _sqnr(ref, _built(model, inp, [row.name], table.op_keys)(*inp))
+                built = _sqnr(ref, built_with_float(model, inp, [row.name], table.op_keys)(*inp))
             assert row.metric == pytest.approx(built, abs=1e-6), row.name
         with torch.no_grad():
-            built = _sqnr(ref, _built(model, inp, table.float_layers, table.op_keys)(*inp))
+            built = _sqnr(ref, built_with_float(model, inp, table.float_layers, table.op_keys)(*inp))
         assert table.final_metric == pytest.approx(built, abs=1e-6), table.float_layers
 
 
@@ -231,7 +222,7 @@ def test_method_ops_are_named_and_predicted_float_as_convert_keeps_them():
     assert {"Tensor.add#0", "Tensor.add#1", "Tensor.mul#0", "torch.sigmoid#0"} <= set(plan.follow)
     assert _islands(plan, {"head"}) >= {"Tensor.add#1"}  # nothing int8 reads the last add once 'head' is float
     assert "Tensor.add#1" not in _islands(plan, {"fc1"})
-    built = _built(model, inp, ["head"], {})
+    built = built_with_float(model, inp, ["head"], {})
     assert not method_ops(built) or "Tensor.add#1" not in method_ops(built).values()
 
 

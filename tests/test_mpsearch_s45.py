@@ -27,13 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from helpers import built_with_float
+
 import lowbit as Q
 from lowbit import kernels
 from lowbit.debug import auto_mixed_precision
 from lowbit.debug.float_swap import _islands, _swaps
 from lowbit.debug.graph_swap import op_candidates, record_call_outputs
 from lowbit.debug.swap_edges import record_share_ends, share_edges
-from lowbit.debug.table import keep_float
 from lowbit.fx.islands import islands_under
 from lowbit.ptq import _sqnr
 
@@ -131,17 +132,6 @@ def _case(name):
     return model, inp, model(*inp).detach()
 
 
-def _built(model, inp, names, op_keys):
-    """The converted model prepare_fx / convert_fx build (default qconfig) with ``names`` float."""
-    mapping = Q.get_default_qconfig_mapping()
-    for n in names:
-        keep_float(mapping, n, op_keys)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        p = Q.prepare_fx(copy.deepcopy(model), mapping, example_inputs=inp)
-        p(*inp)
-        return Q.convert_fx(p)
-
 
 def _plan(model, inp):
     with torch.no_grad():
@@ -166,10 +156,10 @@ def test_fast_rows_and_result_are_the_built_models(name):
         assert len(table.rows) >= 6
         for row in table.rows:
             with torch.no_grad():
-                built = _sqnr(ref, _built(model, inp, [row.name], table.op_keys)(*inp))
+                built = _sqnr(ref, built_with_float(model, inp, [row.name], table.op_keys)(*inp))
             assert row.metric == pytest.approx(built, abs=1e-6), row.name
         with torch.no_grad():
-            built = _sqnr(ref, _built(model, inp, table.float_layers, table.op_keys)(*inp))
+            built = _sqnr(ref, built_with_float(model, inp, table.float_layers, table.op_keys)(*inp))
         assert table.final_metric == pytest.approx(built, abs=1e-6), table.float_layers
 
 
@@ -188,7 +178,7 @@ def test_the_predicted_float_ops_are_the_ones_convert_keeps_float(name):
         assert "attn:operator.matmul#0" in plan.op_keys
     for cand in plan.swaps:
         predicted = _islands(plan, {cand}) & ops
-        int8 = {n for n, _, _ in op_candidates(_built(model, inp, [cand], plan.op_keys)).values()}
+        int8 = {n for n, _, _ in op_candidates(built_with_float(model, inp, [cand], plan.op_keys)).values()}
         assert predicted == ops - int8, cand
 
 
@@ -198,7 +188,7 @@ ACTS = {"hardswish": (F.hardswish, "torch.nn.functional.hardswish#0"),
 
 
 @pytest.mark.parametrize("act", list(ACTS))
-def test_each_function_activation_kept_float_scores_as_built(act):
+def test_each_function_activation_kept_float_scores_asbuilt_with_float(act):
     """The 'head' row (the gated branch's activation then float with its group) is the built model's score."""
     fn, row = ACTS[act]
     model = Gated(fn).eval()
@@ -212,7 +202,7 @@ def test_each_function_activation_kept_float_scores_as_built(act):
                                         example_inputs=inp)
         head = next(r.metric for r in table.rows if r.name == "head")
         with torch.no_grad():
-            assert head == pytest.approx(_sqnr(ref, _built(model, inp, ["head"], table.op_keys)(*inp)), abs=1e-6)
+            assert head == pytest.approx(_sqnr(ref, built_with_float(model, inp, ["head"], table.op_keys)(*inp)), abs=1e-6)
 
 
 def test_a_gate_activation_is_swapped_with_its_island():
@@ -222,7 +212,7 @@ def test_a_gate_activation_is_swapped_with_its_island():
     assert "torch.sigmoid#0" in plan.follow and "torch.sigmoid#0" not in plan.swaps
     assert "torch.sigmoid#0" in _islands(plan, {"head"})
     assert "torch.sigmoid#0" not in _islands(plan, {"fc1"})
-    built = _built(model, inp, ["head"], plan.op_keys)
+    built = built_with_float(model, inp, ["head"], plan.op_keys)
     assert not any(type(m).__name__ == "Sigmoid" for m in built.modules())  # (the float sigmoid: a function node)
     assert any(n.target is torch.sigmoid for n in built.graph.nodes)
 

@@ -73,7 +73,27 @@ def read_attributes(cls: type, name: str) -> set[str] | None:
 def _class_reads(cls: type) -> dict[str, frozenset[str]] | None:
     """``{child name: the attributes read of it}`` over the methods of ``cls`` (``"child.sub"``: of its submodule
     ``sub``, ``self.child.sub.attr``); ``None`` without a source."""
+    methods = _methods(cls)
+    if methods is None:
+        return None
     found: dict[str, set[str]] = {}
+    for fn in methods:
+        me = fn.args.args[0].arg
+        for node in ast.walk(fn):
+            path = _path(node, me)
+            if path is not None and len(path) >= 2:
+                found.setdefault(path[0], set()).add(path[1])
+            if path is not None and len(path) >= 3:
+                found.setdefault(f"{path[0]}.{path[1]}", set()).add(path[2])
+    return {k: frozenset(v) for k, v in found.items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _methods(cls: type) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef, ...] | None:
+    """The functions with a first argument defined in the source of ``cls`` and of its ``nn.Module`` bases outside
+    torch (methods and the functions nested in them), or ``None`` where one of those classes has no source (a class
+    typed in a REPL or a doctest)."""
+    found = []
     for base in cls.__mro__:
         if base in (nn.Module, object) or not issubclass(base, nn.Module) or base.__module__.startswith("torch."):
             continue
@@ -81,17 +101,8 @@ def _class_reads(cls: type) -> dict[str, frozenset[str]] | None:
             tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
         except (OSError, TypeError, SyntaxError):
             return None
-        for fn in ast.walk(tree):
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args:
-                continue
-            me = fn.args.args[0].arg
-            for node in ast.walk(fn):
-                path = _path(node, me)
-                if path is not None and len(path) >= 2:
-                    found.setdefault(path[0], set()).add(path[1])
-                if path is not None and len(path) >= 3:
-                    found.setdefault(f"{path[0]}.{path[1]}", set()).add(path[2])
-    return {k: frozenset(v) for k, v in found.items()}
+        found += [fn for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.args.args]
+    return tuple(found)
 
 
 _TABLES = ("_modules", "_parameters", "_buffers")
@@ -135,35 +146,28 @@ def _escaping(cls: type) -> frozenset[str]:
     frozenset()
     """
     found: set[str] = set()
-    for base in cls.__mro__:
-        if base in (nn.Module, object) or not issubclass(base, nn.Module) or base.__module__.startswith("torch."):
+    for fn in _methods(cls) or ():
+        if fn.name == "__init__":
             continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
-        except (OSError, TypeError, SyntaxError):
-            return frozenset()
-        for fn in ast.walk(tree):
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args or fn.name == "__init__":
+        me = fn.args.args[0].arg
+        parents = {id(c): p for p in ast.walk(fn) for c in ast.iter_child_nodes(p)}
+        for node in ast.walk(fn):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == me
+                    and isinstance(node.ctx, ast.Load)):
                 continue
-            me = fn.args.args[0].arg
-            parents = {id(c): p for p in ast.walk(fn) for c in ast.iter_child_nodes(p)}
-            for node in ast.walk(fn):
-                if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == me
-                        and isinstance(node.ctx, ast.Load)):
-                    continue
-                up = parents.get(id(node))
-                if node.attr in _ALL_CHILDREN:
-                    key = _constant_key(parents.get(id(up)) if isinstance(up, ast.Attribute) and up.attr == "get"
-                                        else up, up if isinstance(up, ast.Attribute) else node)
-                    found.add(key if key is not None else "*")
-                elif isinstance(up, ast.Attribute) or (isinstance(up, ast.Call) and up.func is node):
-                    continue
-                elif isinstance(up, ast.Call) and isinstance(up.func, ast.Name) and up.func.id in _NOT_ESCAPING:
-                    continue
-                elif isinstance(up, ast.Compare):  # (``self.proj is None``)
-                    continue
-                else:
-                    found.add(node.attr)
+            up = parents.get(id(node))
+            if node.attr in _ALL_CHILDREN:
+                key = _constant_key(parents.get(id(up)) if isinstance(up, ast.Attribute) and up.attr == "get"
+                                    else up, up if isinstance(up, ast.Attribute) else node)
+                found.add(key if key is not None else "*")
+            elif isinstance(up, ast.Attribute) or (isinstance(up, ast.Call) and up.func is node):
+                continue
+            elif isinstance(up, ast.Call) and isinstance(up.func, ast.Name) and up.func.id in _NOT_ESCAPING:
+                continue
+            elif isinstance(up, ast.Compare):  # (``self.proj is None``)
+                continue
+            else:
+                found.add(node.attr)
     return frozenset(found)
 
 
@@ -185,18 +189,9 @@ def reads_layout(cls: type) -> bool:
     >>> reads_layout(M)  # (no source in a doctest)
     True
     """
-    for base in cls.__mro__:
-        if base in (nn.Module, object) or not issubclass(base, nn.Module) or base.__module__.startswith("torch."):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
-        except (OSError, TypeError, SyntaxError):
-            return True
-        for fn in ast.walk(tree):
-            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name != "__init__" and any(
-                    isinstance(n, ast.Attribute) and n.attr in _LAYOUT for n in ast.walk(fn)):
-                return True
-    return False
+    methods = _methods(cls)
+    return methods is None or any(fn.name != "__init__" and any(isinstance(n, ast.Attribute) and n.attr in _LAYOUT
+                                                                for n in ast.walk(fn)) for fn in methods)
 
 
 def _constant_key(up: ast.AST | None, node: ast.AST) -> str | None:
