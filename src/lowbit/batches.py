@@ -27,7 +27,7 @@ from torch import nn
 from .qtensor import QTensor
 
 __all__ = ["iter_batches", "run_batch", "check_module", "output_tensors", "flatten_outputs", "check_finite_batch",
-           "eval_mode", "real_rows", "bool_mask", "check_seed"]
+           "eval_mode", "real_rows", "bool_mask", "check_seed", "input_shapes", "batch_failed"]
 
 
 def iter_batches(inputs: Any, where: str) -> Iterator[Any]:
@@ -64,6 +64,23 @@ def check_finite_batch(batch: Any, where: str, label: str, why: str, masks: bool
                 part = "" if key is None else f", input {key}"
                 raise ValueError(f"{where}: {label}{part} holds {int((~torch.isfinite(t)).sum())} NaN/Inf values "
                                  f"of {t.numel()}; {why}")
+
+
+def input_shapes(batch: tuple[Any, ...]) -> list[Any]:
+    """The shapes of a batch's tensors (the type name of anything else), for error messages."""
+    return [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch]
+
+
+def batch_failed(where: str, label: str, batch: tuple[Any, ...], err: BaseException, hint: str = "") -> ValueError:
+    """The error for a calibration batch the model cannot run: ``label`` (``"calib batch 1"``), its input shapes and
+    the first line of the model's error that has text.
+
+    >>> batch_failed("demo", "calib batch 1", (torch.zeros(1, 3),), RuntimeError("\\nbad shape")).args[0]
+    'demo: calib batch 1 (input shapes [(1, 3)]) failed in the model: RuntimeError: bad shape'
+    """
+    first = next((ln for ln in str(err).splitlines() if ln.strip()), "")
+    return ValueError(f"{where}: {label} (input shapes {input_shapes(batch)}) failed in the model: "
+                      f"{type(err).__name__}: {first}{hint}")
 
 
 def run_batch(model: nn.Module, batch: Any) -> Any:

@@ -26,7 +26,8 @@ from torch import nn
 
 from .algorithms.layerwise import ROUNDINGS
 from .algorithms.layerwise_step import check_seed
-from .batches import check_finite_batch
+from .batches import batch_failed as _batch_failed
+from .batches import check_finite_batch, input_shapes
 
 __all__ = ["RECIPES", "ACCURATE_ONLY", "batch_failed", "check_model", "check_options", "check_sample_axis",
            "first_failing_batch", "ignored_options", "ptq_batches", "unread_options"]
@@ -185,13 +186,11 @@ def ptq_batches(calib: Iterable[Any]) -> list[tuple[Any, ...]]:
 
 def batch_failed(i: int, batch: tuple[Any, ...], err: BaseException) -> ValueError:
     """The error for calibration batch ``i`` failing in the model: its input shapes and the model's first line."""
-    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch]
     hint = ""
     if isinstance(err, TypeError) and len(batch) > 1 and "positional argument" in str(err):
         hint = (f"; a tuple / list batch is the forward's positional arguments (these {len(batch)} values went in "
                 "as its inputs): for (inputs, labels) pairs from a labelled DataLoader pass (x for x, _ in loader)")
-    return ValueError(f"quantize_ptq: calib batch {i} (input shapes {shapes}) failed in the model: "
-                      f"{type(err).__name__}: {next((ln for ln in str(err).splitlines() if ln.strip()), '')}{hint}")
+    return _batch_failed("quantize_ptq", f"calib batch {i}", batch, err, hint)
 
 
 def first_failing_batch(float_model: nn.Module, batches: list[tuple[Any, ...]]) -> ValueError | None:
@@ -238,7 +237,7 @@ def check_sample_axis(float_model: nn.Module, batch: tuple[Any, ...], recipe: st
     except _Unbatched as e:
         raise ValueError(f"quantize_ptq: recipe={recipe!r} needs calibration batches with a leading sample axis "
                          f"(samples along dim 0), but {e} (calib batch 0 input shapes "
-                         f"{[tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch]}); "
+                         f"{input_shapes(batch)}); "
                          "add the batch dimension (x.unsqueeze(0)) or use recipe='default'") from None
     except Exception:  # noqa: BLE001 - the model refuses the batch: prepare_fx names it
         pass

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..batches import output_tensors
+from ..batches import input_shapes, output_tensors
 from ..fx import prepare_fx
 from ..fx.state import STATE_KEY
 from ..qconfig import get_default_qconfig_mapping
@@ -102,16 +102,12 @@ def _subsample(batch: tuple[Any, ...], target: list[torch.Tensor], batch_size: i
     return tuple(a[idx] if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in batch), [t[idx] for t in target]
 
 
-def _shapes(b: tuple[Any, ...]) -> list[Any]:
-    return [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in b]
-
-
 def _targets(float_model: nn.Module, batches: list[tuple[Any, ...]], where: str) -> list[list[torch.Tensor]]:
     """``float_model``'s float output tensors on every batch, in eval mode (its modes restored); a batch with no
     samples or one the model fails on is refused naming it."""
     for i, b in enumerate(batches):
         if any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == 0 for t in b):
-            raise ValueError(f"{where}: calib batch {i} has no samples (input shapes {_shapes(b)})")
+            raise ValueError(f"{where}: calib batch {i} has no samples (input shapes {input_shapes(b)})")
     modes = [(m, m.training) for m in float_model.modules()]
     float_model.eval()
     out = []
@@ -121,7 +117,7 @@ def _targets(float_model: nn.Module, batches: list[tuple[Any, ...]], where: str)
                 try:
                     y = float_model(*b)
                 except Exception as e:
-                    raise ValueError(f"{where}: float_model failed on calib batch {i} (input shapes {_shapes(b)}): "
+                    raise ValueError(f"{where}: float_model failed on calib batch {i} (input shapes {input_shapes(b)}): "
                                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
                 out.append([t.detach() for t in _tensors(y)])
     finally:

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..batches import batch_failed, input_shapes
 from ..fake_quant import FakeQuantize
 from ..functional import fake_quantize
 from ..observer import ObserverBase
@@ -150,12 +151,8 @@ def _positional(i: int, b: Any) -> tuple[Any, ...]:
         raise TypeError(f"refine_grids: batch {i} is a dict; graph mode feeds inputs by position: give a tensor or a "
                         "tuple/list of the forward's arguments")
     if any(isinstance(t, torch.Tensor) and t.dim() and not t.shape[0] for t in b):
-        raise ValueError(f"refine_grids: batch {i} has no samples (input shapes {_shapes(b)}); every batch needs one")
+        raise ValueError(f"refine_grids: batch {i} has no samples (input shapes {input_shapes(b)}); every batch needs one")
     return b
-
-
-def _shapes(b: tuple[Any, ...]) -> list[Any]:
-    return [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in b]
 
 
 def _run(gm: fx.GraphModule, mods: dict[str, nn.Module], b: tuple[Any, ...], i: int) -> _Runner:
@@ -163,9 +160,7 @@ def _run(gm: fx.GraphModule, mods: dict[str, nn.Module], b: tuple[Any, ...], i: 
     try:
         return _Runner(gm, mods, b)
     except Exception as e:  # (any error of the user's model on this batch)
-        first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
-        raise ValueError(f"refine_grids: batch {i} (input shapes {_shapes(b)}) failed in the model: "
-                         f"{type(e).__name__}: {first}") from e
+        raise batch_failed("refine_grids", f"batch {i}", b, e) from e
 
 
 def _fq(x: torch.Tensor, s: float, z: int, qmin: int, qmax: int) -> torch.Tensor:

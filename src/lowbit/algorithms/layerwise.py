@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..batches import batch_failed
 from ..fake_quant import FakeQuantize
 from ..observer import ObserverBase
 from .block import block_codes, find_blocks, install_grid, learnable_grids, span_sample
@@ -105,10 +106,7 @@ def failing_batch(model: nn.Module, batches: list[tuple[Any, ...]], where: str) 
             try:
                 model(*b)
             except Exception as e:  # (any error of the user's model on this batch)
-                shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in b]
-                line = str(e).splitlines()[0] if str(e) else ""
-                return ValueError(f"{where}: calib batch {i} (input shapes {shapes}) failed in the model: "
-                                  f"{type(e).__name__}: {line}")
+                return batch_failed(where, f"calib batch {i}", b, e)
     return None
 
 
