@@ -172,14 +172,17 @@ def test_torch_ao_keeps_these_float_and_lowbit_matches_its_float_island(name):
 
 
 def test_torch_ao_garbles_a_negative_factor_and_an_alpha_lowbit_does_not():
+    """torch.ao's quantized.add drops alpha on every CPU (-4.6 dB). Its ``y * -0.5`` is CPU-dependent: 2.3 dB on the
+    AMD EPYCs (sessions 44-46), 36.2 dB on an Intel AMX Xeon (session 47), so only lowbit's side is asserted there."""
     torch.manual_seed(0)
     x = torch.randn(8, 3, 16, 16)
-    for fn, worst in ((KEPT["y * -0.5"], 10), (NEW["torch.add(y, c, alpha=-1)"], 0)):
+    for fn, worst in ((KEPT["y * -0.5"], None), (NEW["torch.add(y, c, alpha=-1)"], 0)):
         model = _Net(fn).eval()
         with torch.no_grad():
             ref = model(x)
-            assert _sqnr(ref, _ao(model, x)(x)) < worst  # (2.3 dB; -4.6 dB: torch.ao's quantized.add drops alpha)
-            assert _sqnr(ref, _lowbit(model, x)[1](x)) > 35
+            ours, theirs = _sqnr(ref, _lowbit(model, x)[1](x)), _sqnr(ref, _ao(model, x)(x))
+            assert ours > 35 and ours >= theirs - 0.5
+            assert worst is None or theirs < worst
 
 
 @pytest.mark.parametrize("fn, why", [
