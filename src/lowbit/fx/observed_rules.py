@@ -13,7 +13,10 @@
   so ``mul_scalar`` keeps the input's codes (``q' = q``; mirrored for ``c < 0``). Where ``s_x · |c|`` is no float32
   grid (below ``2**-128``: ``y * 1e-40``), where ``c`` is a traced number or the input grid's dtype differs, the
   node is kept float (``x̂ · c`` on the dequantized input), warned. A range of ``r ≥ eps · (qmax - qmin)`` (any
-  ordinary constant: ``x * 0.5``, ``x / 3``) keeps the observed grid: codes unchanged.
+  ordinary constant: ``x * 0.5``, ``x / 3``) keeps the observed grid: codes unchanged. A scalar op reading such a
+  product (``a * 2.0``) starts from the product's grid, not its observer's. Any other int op whose output range
+  collapsed (``a + a``, ``torch.cat([a, a * 2])``, ``a * a``), or that reads a collapsed value without such a grid
+  (``(a + a) * 1e30``), is kept float, warned (0.0 → 38-39 dB; torch.ao 0.0).
 - **A child graph's attention mask without ``example_inputs``.** ``fx.masks`` needs an example run; a child graph
   prepared without one made ``scores + ext`` int8, its grid spanning the mask (scale ~40: 25.3 dB on
   ``tests/test_graphacc_s46.py``'s encoder, 43.9 with an example). Here an int8 add / sub of a child graph one of
@@ -133,7 +136,7 @@ def _scalar_rule(conv: Any, node: fx.Node) -> None:
         why = f"{seen}, and the multiplier is no number known at convert"
         warnings.warn(f"{where}: {why}; kept float", stacklevel=4)
         return _demote(conv, node, why)
-    s_x, z_x, qdtype = observer_grid(in_obs, f"{where}: the input's observer")
+    s_x, z_x, qdtype = _input_grid(conv, node.args[ix], in_obs, where)
     factor = abs(c) if node.meta["lowbit_qop"] == "mul_scalar" else 1.0 / abs(c)
     scale, zp = s_x * factor, z_x if c > 0 else qdtype.quant_min + qdtype.quant_max - z_x
     try:
@@ -144,6 +147,41 @@ def _scalar_rule(conv: Any, node: fx.Node) -> None:
         why = f"{seen}, and the input's grid times {c!r} is no int8 grid ({err})"
         warnings.warn(f"{where}: {why}; kept float", stacklevel=4)
         _demote(conv, node, why)
+
+
+def _input_grid(conv: Any, arg: Any, in_obs: nn.Module, where: str) -> tuple[float, int, Any]:
+    """The grid the codes of ``arg`` are on: a producer's grid set by the scalar rule (``y * 1e-30`` read by ``* 2.0``:
+    its codes are on ``s_x · 1e-30``, not on its observer's collapsed grid), else its observer's."""
+    _, _, origin = _observer(conv.gm, arg)
+    grid = origin.meta.get("lowbit_grid") if origin is not None else None
+    return grid if grid is not None else observer_grid(in_obs, f"{where}: the input's observer")
+
+
+def _collapsed_rule(conv: Any, node: fx.Node, scalar: bool) -> bool:
+    """Make ``node`` float (``True``) where an int8 grid would lose its values (module doc): it reads a value whose
+    observer collapsed and whose producer has no grid from the scalar rule, or (not a scalar op) its own output
+    range collapsed."""
+    def steps(obs: nn.Module) -> int:
+        dtype = getattr(_inner(obs), "qdtype", None)
+        return getattr(dtype, "quant_max", 255) - getattr(dtype, "quant_min", 0)
+
+    for arg in node.all_input_nodes:
+        _, obs, origin = _observer(conv.gm, arg)
+        if obs is not None and collapsed(obs, steps(obs)) and (origin is None or "lowbit_grid" not in origin.meta):
+            lo, hi = _range(obs) or (0.0, 0.0)
+            why = (f"it reads '{origin.name if origin is not None else arg.name}', whose range [{lo:.3g}, {hi:.3g}] "
+                   "is below the observer's scale floor (eps): int8 codes would put it on the zero point")
+            break
+    else:
+        out = next((u for u in node.users if u.meta.get("lowbit_kind") == "obs_out"), None)
+        obs = conv.gm.get_submodule(out.target) if out is not None and not scalar else None
+        if obs is None or not collapsed(obs, steps(obs)):
+            return False
+        lo, hi = _range(obs) or (0.0, 0.0)
+        why = f"its output range [{lo:.3g}, {hi:.3g}] is below the observer's scale floor (eps)"
+    warnings.warn(f"convert_fx: '{conv._key(node)}': {why}; kept float", stacklevel=4)
+    _demote(conv, node, why)
+    return True
 
 
 def _mask_rule(conv: Any, node: fx.Node) -> None:
@@ -171,6 +209,8 @@ def apply_observed_rules(conv: Any) -> None:
         if node.meta.get("lowbit_kind") != "functional":
             continue
         qop = node.meta.get("lowbit_qop")
+        if _collapsed_rule(conv, node, qop in ("mul_scalar", "div_scalar")):
+            continue
         if qop in ("mul_scalar", "div_scalar"):
             _scalar_rule(conv, node)
         elif qop == "add" and child_without_example:

@@ -156,6 +156,14 @@ class _LeafTracer(fx.Tracer):
                 err._lowbit_culprit = self.path_of_module(m)  # type: ignore[attr-defined]
             raise
 
+    def create_arg(self, a: Any) -> Any:
+        # a NumPy scalar (``scores / np.sqrt(d)``: ``np.float64``) as the Python number it holds: torch.fx writes
+        # its repr, ``np.float64(8.0)``, into the generated code, where ``np`` is no name (``NameError`` on the
+        # first call)
+        if type(a).__module__ == "numpy" and getattr(a, "shape", None) == () and hasattr(a, "item"):
+            a = a.item()
+        return super().create_arg(a)
+
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
                     type_expr: Any = None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)

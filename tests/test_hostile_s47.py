@@ -1,0 +1,118 @@
+"""Session 47 (review47): hostile inputs on session 46's code. Each group failed before its fix:
+
+- int8 ops after a scalar product that collapsed under the observer's floor (``a = y * 1e-30``): ``a * 2.0`` read
+  ``a``'s codes on its observer's collapsed grid (not the input grid x c the scalar rule gave ``a``), and an add /
+  cat / tensor product of such values, or any int op reading one, put every value on the zero point: 0.0 dB (torch.ao
+  0.0). Now a scalar op reads its producer's rule grid, and an op whose output or input range collapsed (without such
+  a grid) is kept float, warned: 38-39 dB;
+- a NumPy scalar constant (``y * np.float64(0.5)``, ``scores / np.sqrt(d)``): torch.fx wrote ``np.float64(0.5)``
+  into the prepared model's code, ``NameError: name 'np' is not defined`` on its first call;
+- an untraceable forward reading ``self.get_submodule("block.fc").weight`` or a great-grandchild
+  ``self.deep.inner.fc.weight``: ``'LinearReLU' object has no attribute 'weight'`` / ``'method' * float``; one
+  testing ``isinstance(self.proj, nn.Linear)`` took the other branch after prepare, silently (now warned); one
+  reading its child's layout as ``getattr(y, "stride")(1)`` was not seen as a layout reader (0.1 dB, now 39.5);
+- ``refine_grids``: ``batches=None`` / ``only=None`` (``'NoneType' object is not iterable``), ``mults=("a",)``
+  (``'<' not supported``), a generator of mults (drained by the check: the search had no steps), ``rank_samples``
+  0 / -1 (accepted; -1 sliced off a sample), first batches of other feature sizes joined by ``samples=``
+  (``torch.cat``'s bare error), a NaN / Inf batch (the search ran on NaN errors and changed nothing, silently);
+- ``equalize_prepared(dense=np.float32(0.5))`` / ``Fraction(1, 2)`` was "must be a number";
+- ``batch_failed`` of an error with no text named ``RuntimeError: `` and of an exception whose ``str`` fails raised
+  that failure instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import lowbit as Q
+from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
+
+
+def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.detach().double(), out.detach().double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum().clamp_min(1e-300)))
+
+
+_X = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+
+
+def _convert(model: nn.Module, x: torch.Tensor = _X) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = Q.prepare_fx(copy.deepcopy(model), Q.get_default_qconfig_mapping(), example_inputs=(x,))
+        with torch.no_grad():
+            p(x)
+        return Q.convert_fx(p)
+
+
+# ---------------------------------------------------------------- 1. after a collapsed scalar product
+class _Tiny(nn.Module):
+    def __init__(self, form: str, c: float = 1e-30) -> None:
+        super().__init__()
+        self.fc, self.fc2, self.form, self.c = nn.Linear(8, 8), nn.Linear(8, 8), form, c
+
+    def forward(self, x):
+        y = self.fc(x)
+        a = y * 1e-30
+        if self.form == "mul_mul":
+            return (a * 2.0) * 1e30
+        if self.form == "mul_div":
+            return (a / 3.0) * 1e30
+        if self.form == "add":
+            return (a + a * 2.0) * 1e30
+        if self.form == "add_linear":
+            return self.fc2((a + a) * 1e30)
+        if self.form == "cat":
+            return torch.cat([a, a * 2.0], 1) * 1e30
+        if self.form == "two_products":
+            return (self.fc2(x) * 1e-30 + a) * 1e30
+        if self.form == "numpy":
+            return y * self.c
+        return (y * 1e-15) * (y * 1e-15) * 1e30  # "tensor_mul"
+
+
+@pytest.mark.parametrize("form", ["mul_mul", "mul_div", "add", "add_linear", "cat", "two_products", "tensor_mul"])
+def test_int8_ops_after_a_collapsed_scalar_product(form):
+    torch.manual_seed(0)
+    model = _Tiny(form).eval()
+    db = _sqnr(model(_X), _convert(model)(_X))
+    assert db > 35.0, f"{db:.1f} dB"  # 0.0 before (torch.ao 0.0): every value on the zero point
+
+
+def test_an_op_reading_a_collapsed_value_is_kept_float_and_named():
+    torch.manual_seed(0)
+    model = _Tiny("add").eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = Q.prepare_fx(copy.deepcopy(model), Q.get_default_qconfig_mapping(), example_inputs=(_X,))
+        p(_X)
+    with pytest.warns(UserWarning, match=r"'add'.*below the observer's scale floor.*kept float"):
+        q = Q.convert_fx(p)
+    assert any("scale floor" in v for k, v in q.lowbit_report.left_float.items() if k.startswith("add")), \
+        q.lowbit_report.left_float
+
+
+def test_ordinary_scalar_products_keep_their_bits():
+    """``x * 0.5`` / ``x / 3``: no collapsed range, the rule does not touch them (the same codes as a plain int8
+    scalar op on its observed grid)."""
+    torch.manual_seed(0)
+    model = _Tiny("numpy", 0.5).eval()
+    q = _convert(model)
+    assert not q.lowbit_report.left_float
+    assert "QFunctional" in str([type(m).__name__ for m in q.modules()])
+
+
+# ---------------------------------------------------------------- 2. NumPy scalar constants
+@pytest.mark.parametrize("c", [np.float64(0.5), np.float64(1e-30), np.sqrt(np.float64(8.0)), np.float32(0.25)],
+                         ids=["f64", "f64_tiny", "sqrt", "f32"])
+def test_a_numpy_scalar_constant(c):
+    torch.manual_seed(0)
+    model = _Tiny("numpy", c).eval()
+    db = _sqnr(model(_X), _convert(model)(_X))  # NameError: name 'np' is not defined before (f64)
+    assert db > 35.0, f"{db:.1f} dB"
