@@ -28,6 +28,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import lowbit as Q
@@ -116,3 +117,120 @@ def test_a_numpy_scalar_constant(c):
     model = _Tiny("numpy", c).eval()
     db = _sqnr(model(_X), _convert(model)(_X))  # NameError: name 'np' is not defined before (f64)
     assert db > 35.0, f"{db:.1f} dB"
+
+
+# ---------------------------------------------------------------- 3. reads by a dotted get_submodule, deeper down
+class _DeepBase(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.block = nn.Sequential()
+        self.block.fc, self.block.relu = nn.Linear(8, 8), nn.ReLU()
+        self.deep = nn.Sequential()
+        self.deep.inner = nn.Sequential()
+        self.deep.inner.fc = nn.Linear(8, 8)
+
+    def gate(self, x):
+        h = self.pre(x)
+        if h.sum() > -1e9:  # (data-dependent: the children are prepared one by one)
+            h = h + 0
+        return h
+
+
+class _Dotted(_DeepBase):
+    def forward(self, x):
+        h = self.gate(x)
+        return self.block(h) + F.linear(h, self.get_submodule("block.fc").weight * 0.5)
+
+
+class _GreatGrandchild(_DeepBase):
+    def forward(self, x):
+        h = self.gate(x)
+        return self.deep(h) + F.linear(h, self.deep.inner.fc.weight * 0.5)
+
+
+class _Grandchild(_DeepBase):
+    def forward(self, x):  # (session 46's holder: fc.module)
+        h = self.gate(x)
+        return self.block(h) + F.linear(h, self.block.fc.weight * 0.5)
+
+
+_DEEP = {"dotted": _Dotted, "great_grandchild": _GreatGrandchild, "grandchild": _Grandchild}
+
+
+@pytest.mark.parametrize("form", ["dotted", "great_grandchild"])
+def test_reads_of_a_deeper_submodule(form):
+    torch.manual_seed(0)
+    model = _DEEP[form]().eval()
+    q = _convert(model, _X)  # AttributeError: 'LinearReLU' ... 'weight' / TypeError: 'method' * float before
+    assert _sqnr(model(_X), q(_X)) > 35.0
+    assert torch.equal(copy.deepcopy(q)(_X), q(_X))
+    read = q.block.fc.weight if form == "dotted" else q.deep.inner.fc.weight
+    assert isinstance(read, nn.Parameter) and torch.equal(read, model.get_submodule(
+        "block.fc" if form == "dotted" else "deep.inner.fc").weight)
+
+
+class _TypeTest(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.proj = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.pre(x)
+        if h.sum() > -1e9:
+            h = h + 0
+        return self.proj(h) * (1.0 if isinstance(self.proj, nn.Linear) else 2.0)
+
+
+def test_a_type_test_of_a_prepared_child_is_warned():
+    """The prepared child is a GraphModule: the forward's ``isinstance(self.proj, nn.Linear)`` turns False and the
+    output doubles (0 dB against the float model). Named at prepare (it was silent)."""
+    with pytest.warns(UserWarning, match=r"prepare_fx: 'proj': the forward of _TypeTest \(not traced\) tests the type "
+                                         r"of self.proj .*not a Linear"):
+        Q.prepare_fx(_TypeTest().eval(), Q.get_default_qconfig_mapping(), example_inputs=(_X,))
+
+
+class _GetattrStride(nn.Module):
+    """An untraceable parent reading its conv child's layout as ``getattr(y, "stride")``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.c(x)
+        if y.sum() > -1e9:
+            y = y + 0
+        return y.flatten(1) * (getattr(y, "stride")(1) / 64)  # noqa: B009
+
+
+def test_a_layout_read_spelled_by_getattr():
+    """``reads_layout`` saw only ``y.stride``: the child's channels-last int8 output gave stride(1) = 1, 0.1 dB."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    model = _GetattrStride().eval()
+    db = _sqnr(model(x), _convert(model, x)(x))
+    assert db > 35.0, f"{db:.1f} dB"  # 0.1 before
+
+
+# ---------------------------------------------------------------- 6. ONNX export of a grandchild-read holder (a pin)
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("form", ["grandchild", "great_grandchild"])
+def test_onnx_export_of_the_grandchild_read_holder(tmp_path, form, exact):
+    """``self.block.fc.weight`` read by an untraceable forward: ``fc`` holds the float weight and calls ``fc.module``
+    (keys ``block.fc.module.*``); the exported file runs in ONNX Runtime as the converted model (already so: a pin;
+    the great-grandchild's holder ``deep.inner.fc`` is new)."""
+    ort = pytest.importorskip("onnxruntime")
+    from lowbit.export import to_onnx
+
+    torch.manual_seed(0)
+    model = _DEEP[form]().eval()
+    q = _convert(model)
+    holder = "block.fc" if form == "grandchild" else "deep.inner.fc"
+    assert any(k.startswith(f"{holder}.module.") for k in q.state_dict()) and f"{holder}.weight" in q.state_dict()
+    path = to_onnx(q, (_X[:8],), tmp_path / "m.onnx", exact=exact)
+    sess = ort.InferenceSession(str(path))
+    got = sess.run(None, {sess.get_inputs()[0].name: _X[:5].numpy()})[0]
+    want = q(_X[:5]).detach().numpy()
+    assert np.abs(got - want).max() <= (1e-6 if exact else 1e-2) * np.abs(want).max()  # (exact: the float reads
+    # of the holder are float matmuls, rounded as ORT sums)

@@ -12,7 +12,8 @@ cannot be read, or when a method other than ``__init__`` reaches the child anoth
 float parameter, the child's own call is quantized; ``convert_fx`` leaves it float), read by a ``get_attr`` node no
 value depends on so that ``deepcopy`` and ``pickle`` (which keep what the graph reads) keep it; a number, string or
 tuple as a preserved attribute (a ``None`` parameter, ``bias=False``, as ``None``). The source scan reads
-``self.proj``, ``getattr(self, "proj")`` and ``self._modules["proj"]`` alike.
+``self.proj``, ``getattr(self, "proj")``, ``self._modules["proj"]`` and ``self.get_submodule("proj")`` alike
+(``self.get_submodule("block.fc")``: ``self.block.fc``).
 
 A read of a tensor of the child's own submodule, ``self.block.fc.weight`` (``block`` prepared as a graph that calls
 ``fc``), met a fused ``LinearReLU`` (no ``weight``) and after ``convert_fx`` the int8 module's method: the graph's
@@ -72,7 +73,7 @@ def read_attributes(cls: type, name: str) -> set[str] | None:
 @functools.lru_cache(maxsize=256)
 def _class_reads(cls: type) -> dict[str, frozenset[str]] | None:
     """``{child name: the attributes read of it}`` over the methods of ``cls`` (``"child.sub"``: of its submodule
-    ``sub``, ``self.child.sub.attr``); ``None`` without a source."""
+    ``sub``, ``self.child.sub.attr``, and so on down); ``None`` without a source."""
     methods = _methods(cls)
     if methods is None:
         return None
@@ -81,10 +82,8 @@ def _class_reads(cls: type) -> dict[str, frozenset[str]] | None:
         me = fn.args.args[0].arg
         for node in ast.walk(fn):
             path = _path(node, me)
-            if path is not None and len(path) >= 2:
-                found.setdefault(path[0], set()).add(path[1])
-            if path is not None and len(path) >= 3:
-                found.setdefault(f"{path[0]}.{path[1]}", set()).add(path[2])
+            for k in range(1, len(path or ())):  # (``self.a.b.c``: ``a`` reads ``b``, ``a.b`` reads ``c``)
+                found.setdefault(".".join(path[:k]), set()).add(path[k])
     return {k: frozenset(v) for k, v in found.items()}
 
 
@@ -110,8 +109,8 @@ _TABLES = ("_modules", "_parameters", "_buffers")
 
 def _path(node: ast.AST, me: str) -> list[str] | None:
     """The names an expression reads from ``me`` (``self``): ``self.a.b`` -> ``['a', 'b']``, spelled also
-    ``getattr(self, "a")`` (a constant name) or ``self._modules["a"]`` (``_parameters`` / ``_buffers``); ``None``
-    for any other expression."""
+    ``getattr(self, "a")`` (a constant name), ``self._modules["a"]`` (``_parameters`` / ``_buffers``) or
+    ``self.get_submodule("a.b")``; ``None`` for any other expression."""
     if isinstance(node, ast.Name):
         return [] if node.id == me else None
     if isinstance(node, ast.Attribute):
@@ -122,10 +121,14 @@ def _path(node: ast.AST, me: str) -> list[str] | None:
     elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr in _TABLES
           and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):
         head, name = node.value.value, node.slice.value
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get_submodule"
+          and len(node.args) == 1 and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+          and node.args[0].value):  # (``self.get_submodule("block.fc")``: a dotted path reads down the tree)
+        head, name = node.func.value, node.args[0].value
     else:
         return None
     path = _path(head, me)
-    return None if path is None else [*path, name]
+    return None if path is None else [*path, *name.split(".")]
 
 
 _ALL_CHILDREN = {"_modules", "get_submodule"}  # (not ``self.modules()`` loops: weight init, not a forward's read)
@@ -171,13 +174,33 @@ def _escaping(cls: type) -> frozenset[str]:
     return frozenset(found)
 
 
+@functools.lru_cache(maxsize=256)
+def _type_tests(cls: type) -> frozenset[str]:
+    """The children whose type methods of ``cls`` other than ``__init__`` test: ``isinstance(self.proj, ...)``,
+    ``issubclass(type(self.proj), ...)``, ``type(self.proj)`` (after ``prepare_fx`` the child is a ``GraphModule``:
+    such a test sees another type and the forward may take another branch)."""
+    found: set[str] = set()
+    for fn in _methods(cls) or ():
+        if fn.name == "__init__":
+            continue
+        me = fn.args.args[0].arg
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                    "isinstance", "type") and node.args:
+                path = _path(node.args[0], me)
+                if path is not None and len(path) == 1:
+                    found.add(path[0])
+    return frozenset(found)
+
+
 _LAYOUT = {"stride", "as_strided", "is_contiguous", "storage_offset", "data_ptr", "untyped_storage"}
 
 
 @functools.lru_cache(maxsize=256)
 def reads_layout(cls: type) -> bool:
     """Whether a method of ``cls`` other than ``__init__`` may read a tensor's memory layout (``.stride``,
-    ``.as_strided``, ``.is_contiguous``, ``.storage_offset``, ``.data_ptr``; ``True`` without a source):
+    ``.as_strided``, ``.is_contiguous``, ``.storage_offset``, ``.data_ptr``, also by ``getattr(y, "stride")``;
+    ``True`` without a source):
     ``convert_fx`` then lays the float outputs of ``cls``'s child graphs out as the float children's (an int8
     conv's are channels-last, so ``y.stride(1)`` / ``y.as_strided(...)`` read other values), a copy per output
     that a parent which reads no layout does not pay (+25 % on a per-child CNN). ``.view`` is not such a read:
@@ -190,8 +213,15 @@ def reads_layout(cls: type) -> bool:
     True
     """
     methods = _methods(cls)
-    return methods is None or any(fn.name != "__init__" and any(isinstance(n, ast.Attribute) and n.attr in _LAYOUT
-                                                                for n in ast.walk(fn)) for fn in methods)
+    return methods is None or any(fn.name != "__init__" and any(_layout_name(n) for n in ast.walk(fn)) for fn in methods)
+
+
+def _layout_name(node: ast.AST) -> bool:
+    """``y.stride`` (``_LAYOUT``), also spelled ``getattr(y, "stride")``."""
+    if isinstance(node, ast.Attribute):
+        return node.attr in _LAYOUT
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+            and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in _LAYOUT)
 
 
 def _constant_key(up: ast.AST | None, node: ast.AST) -> str | None:
@@ -212,6 +242,11 @@ def keep_child_reads(parent: nn.Module, name: str, new: nn.Module, where: str = 
     child = parent._modules[name]
     if not isinstance(new, fx.GraphModule) or new is child or child is None:
         return []
+    if name in _type_tests(type(parent)):
+        warnings.warn(f"{where}: the forward of {type(parent).__name__} (not traced) tests the type of self.{name} "
+                      f"(isinstance / type), which is now a prepared GraphModule, not a {type(child).__name__}: a test "
+                      f"for {type(child).__name__} now fails; test an attribute instead, or make the forward "
+                      f"traceable", stacklevel=5)
     kept = _keep_deep_reads(parent, name, child, new, where)
     if STATE_KEY in new.meta:
         new.meta[STATE_KEY]["layout_reads"] = reads_layout(type(parent))
@@ -255,15 +290,15 @@ def _keep_deep_reads(parent: nn.Module, name: str, child: nn.Module, new: fx.Gra
     the graph uses ``fc`` by calls alone (no ``get_attr`` of its tensors); else warned, naming the read."""
     kept, cls = [], type(parent).__name__
     for key, attrs in sorted((_class_reads(type(parent)) or {}).items()):
-        head, _, sub = key.partition(".")
-        inner = child._modules.get(sub) if head == name and sub else None
+        head, _, sub = key.partition(".")  # (``sub``: ``fc``, or deeper, ``inner.fc``)
+        inner = _submodule(child, sub) if head == name and sub else None
         tensors = sorted(a for a in attrs if inner is not None and (a in inner._parameters or a in inner._buffers)
                          and isinstance(getattr(inner, a), torch.Tensor))
         if not tensors:
             continue
         uses = [n for n in new.graph.nodes if n.op in ("call_module", "get_attr")
                 and (n.target == sub or str(n.target).startswith(f"{sub}."))]
-        called = new._modules.get(sub)
+        called = _submodule(new, sub)
         if called is None or not uses or any(n.op != "call_module" or n.target != sub for n in uses):
             for attr in tensors:
                 warnings.warn(f"{where}: the forward of {cls} (not traced) reads self.{name}.{sub}.{attr}, which "
@@ -274,7 +309,8 @@ def _keep_deep_reads(parent: nn.Module, name: str, child: nn.Module, new: fx.Gra
             continue
         holder = nn.Module()
         holder.add_module("module", called)
-        new._modules[sub] = holder
+        owner, _, last = sub.rpartition(".")
+        new.get_submodule(owner)._modules[last] = holder
         for n in uses:
             n.target = f"{sub}.module"
         for attr in tensors:
@@ -282,6 +318,13 @@ def _keep_deep_reads(parent: nn.Module, name: str, child: nn.Module, new: fx.Gra
                          attr not in inner._non_persistent_buffers_set)
             kept.append(f"{sub}.{attr}")
     return kept
+
+
+def _submodule(mod: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return mod.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _keep_tensor(new: fx.GraphModule, target: str, owner: nn.Module, attr: str, value: torch.Tensor, param: bool,
