@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -32,6 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowbit as Q
+from lowbit.algorithms.equalize import equalize_prepared
+from lowbit.algorithms.grid_search import refine_grids
+from lowbit.batches import batch_failed
 from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
 
 
@@ -211,6 +215,95 @@ def test_a_layout_read_spelled_by_getattr():
     model = _GetattrStride().eval()
     db = _sqnr(model(x), _convert(model, x)(x))
     assert db > 35.0, f"{db:.1f} dB"  # 0.1 before
+
+
+# ---------------------------------------------------------------- 4. refine_grids' arguments
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+_G = torch.Generator().manual_seed(0)
+_ONES = [(torch.randn(4, 8, generator=_G) * (1 + i),) for i in range(4)]
+
+
+def _calibrated():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = Q.prepare_fx(_Net().eval(), Q.get_default_qconfig_mapping(), example_inputs=_ONES[0])
+        with torch.no_grad():
+            for b in _ONES:
+                p(*b)
+    return p
+
+
+_NAN = (torch.full((4, 8), float("nan")),)
+
+
+@pytest.mark.parametrize("batches, kw, error, match", [
+    (None, {}, TypeError, r"refine_grids: batches must be an iterable of calibration batches, got NoneType"),
+    (_ONES, {"only": None}, TypeError, r"refine_grids: only=None must be a sequence"),
+    (_ONES, {"mults": ("a",)}, ValueError, r"refine_grids: mults=\('a',\) must be multipliers in \(0, 1\]"),
+    (_ONES, {"rank_samples": -1}, ValueError, r"refine_grids: rank_samples=-1 must be an int >= 1"),
+    (_ONES, {"rank_samples": 0}, ValueError, r"refine_grids: rank_samples=0 must be an int >= 1"),
+    ([_ONES[0], (torch.randn(4, 5),)], {"samples": 8}, ValueError,
+     r"refine_grids: samples=8 joins the first batches, whose input shapes differ .*\[\[\(4, 8\)\], \[\(4, 5\)\]\]"),
+    ([_NAN], {}, ValueError, r"refine_grids: batch 0, input 0 holds 32 NaN/Inf values"),
+    ([_ONES[0], _NAN], {"held": 4}, ValueError, r"refine_grids: batch 1, input 0 holds 32 NaN/Inf values"),
+], ids=["batches_none", "only_none", "mults_str", "rank_samples_neg", "rank_samples_0", "mismatched_join", "nan",
+        "nan_held"])
+def test_refine_grids_names_a_bad_argument(batches, kw, error, match):
+    with pytest.raises(error, match=match):
+        refine_grids(_calibrated(), batches, progress=False, **kw)
+
+
+def test_refine_grids_reads_a_generator_of_mults_once():
+    want = [(g.source, g.scale_after) for g in refine_grids(_calibrated(), _ONES, progress=False, mults=(0.5, 0.8))]
+    got = [(g.source, g.scale_after) for g in refine_grids(_calibrated(), _ONES, progress=False,
+                                                           mults=(m for m in (0.5, 0.8)))]
+    assert got == want and any(s != b for (_, s), (_, b) in zip(got, [(g.source, g.scale_before) for g in
+                                                                     refine_grids(_calibrated(), _ONES, progress=False,
+                                                                                  top=8, mults=(1.0,))]))
+
+
+# ---------------------------------------------------------------- 5. dense= any real number; batch_failed
+class _DW(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.r, self.b = nn.Conv2d(4, 4, 3, padding=1, groups=4), nn.ReLU6(), nn.Conv2d(4, 8, 1)
+
+    def forward(self, x):
+        return self.b(self.r(self.a(x)))
+
+
+@pytest.mark.parametrize("dense", [np.float32(0.5), Fraction(1, 2)], ids=["np_float32", "fraction"])
+def test_equalize_dense_takes_any_real(dense):
+    x = torch.randn(8, 4, 8, 8, generator=torch.Generator().manual_seed(0)) * 3
+    outs = []
+    for d in (0.5, dense):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            p = Q.prepare_fx(_DW().eval(), Q.get_default_qconfig_mapping(), example_inputs=(x,))
+            equalize_prepared(p, [(x,)], relu6="range", dense=d)  # "must be a number in [0, 1]" before
+        outs.append(p(x))
+    assert torch.equal(*outs)
+
+
+class _BadStr(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("str fails")
+
+
+@pytest.mark.parametrize("err, tail", [(RuntimeError(""), "RuntimeError: (no message)"),
+                                       (_BadStr(), "_BadStr: (no message)")], ids=["empty", "str_fails"])
+def test_batch_failed_without_a_message(err, tail):
+    assert str(batch_failed("demo", "calib batch 1", (torch.zeros(1, 3),), err)).endswith(tail)
 
 
 # ---------------------------------------------------------------- 6. ONNX export of a grandchild-read holder (a pin)

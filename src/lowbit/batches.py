@@ -78,7 +78,11 @@ def batch_failed(where: str, label: str, batch: tuple[Any, ...], err: BaseExcept
     >>> batch_failed("demo", "calib batch 1", (torch.zeros(1, 3),), RuntimeError("\\nbad shape")).args[0]
     'demo: calib batch 1 (input shapes [(1, 3)]) failed in the model: RuntimeError: bad shape'
     """
-    first = next((ln for ln in str(err).splitlines() if ln.strip()), "")
+    try:
+        text = str(err)
+    except Exception:  # (an exception class whose __str__ fails: its name still says what was raised)
+        text = ""
+    first = next((ln for ln in text.splitlines() if ln.strip()), "(no message)")
     return ValueError(f"{where}: {label} (input shapes {input_shapes(batch)}) failed in the model: "
                       f"{type(err).__name__}: {first}{hint}")
 

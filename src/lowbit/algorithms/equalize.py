@@ -71,6 +71,7 @@ True
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -145,7 +146,7 @@ def equalize_prepared(prepared: fx.GraphModule, calib: Iterable[Any] | None = No
         raise ValueError(f"equalize_prepared: headroom={headroom!r} must be a number >= 1")
     clamped = [(an, bn) for an, bn in pairs if isinstance(split(mods[an])[1], ClampedReLU)] if relu6 == "range" else []
     pairs = [pr for pr in pairs if pr not in clamped and weights]
-    if isinstance(dense, bool) or not isinstance(dense, (int, float)) or not 0 <= dense <= 1:
+    if isinstance(dense, bool) or not isinstance(dense, numbers.Real) or not 0 <= dense <= 1:  # (NumPy, Fraction)
         raise ValueError(f"equalize_prepared: dense={dense!r} must be a number in [0, 1] (the stretch's exponent "
                          "for a dense second layer; 0: none)")
     if dense and relu6 != "range":

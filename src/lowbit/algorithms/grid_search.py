@@ -40,6 +40,7 @@ True
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..batches import batch_failed, input_shapes
+from ..batches import batch_failed, check_finite_batch, input_shapes
 from ..fake_quant import FakeQuantize
 from ..functional import fake_quantize
 from ..observer import ObserverBase
@@ -188,13 +189,18 @@ def refine_grids(gm: fx.GraphModule, batches: Iterable[Any], *, top: int = 8, mu
         raise TypeError(f"refine_grids: needs a graph-mode prepared model (prepare_fx), got {type(gm).__name__}")
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
         raise ValueError(f"refine_grids: top={top!r} must be an int >= 0")
-    if not mults or any(not 0 < m <= 1 for m in mults):
+    mults = tuple(mults) if isinstance(mults, Iterable) and not isinstance(mults, (str, bytes)) else (mults,)
+    if not mults or any(isinstance(m, bool) or not isinstance(m, numbers.Real) or not 0 < m <= 1 for m in mults):
         raise ValueError(f"refine_grids: mults={tuple(mults)!r} must be multipliers in (0, 1]")
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
         raise ValueError(f"refine_grids: samples={samples!r} must be an int >= 0 (0: the first batch)")
     if isinstance(held, bool) or not isinstance(held, int) or held < 0:
         raise ValueError(f"refine_grids: held={held!r} must be an int >= 0 (0: no held-out check)")
-    if isinstance(only, str) or not all(isinstance(p, str) for p in only):
+    if isinstance(rank_samples, bool) or not isinstance(rank_samples, int) or rank_samples < 1:
+        raise ValueError(f"refine_grids: rank_samples={rank_samples!r} must be an int >= 1")
+    if isinstance(batches, (str, bytes, dict)) or not isinstance(batches, Iterable):
+        raise TypeError(f"refine_grids: batches must be an iterable of calibration batches, got {type(batches).__name__}")
+    if isinstance(only, str) or not isinstance(only, Iterable) or not all(isinstance(p, str) for p in only):
         raise TypeError(f"refine_grids: only={only!r} must be a sequence of node-name prefixes, e.g. ('features_14',)")
     taken, got = [], 0  # only the batches the search reads: one, or enough for ``samples`` (a generator is not drained)
     rest, got_held = [], 0  # then the held-out batches, enough for ``held`` samples
@@ -212,7 +218,12 @@ def refine_grids(gm: fx.GraphModule, batches: Iterable[Any], *, top: int = 8, mu
     if not taken:
         raise ValueError("refine_grids: batches is empty; pass the calibration batches")
     first = taken[0]
+    for i, b in enumerate([*taken, *rest]):
+        check_finite_batch(b, "refine_grids", f"batch {i}", "the search compares output errors on it", masks=True)
     if samples and all(_batched(r) and all(isinstance(t, torch.Tensor) and t.dim() for t in r) for r in taken):
+        if any(tuple(t.shape[1:]) != tuple(f.shape[1:]) for r in taken for t, f in zip(r, first)):
+            raise ValueError(f"refine_grids: samples={samples} joins the first batches, whose input shapes differ "
+                             f"beyond the batch dimension: {[input_shapes(r) for r in taken]}")
         first = tuple(torch.cat([r[k] for r in taken])[:samples] for k in range(len(first)))
     mods = dict(gm.named_modules())
     # an observer module called at several nodes (a reused module's output grid, as prepare_fx shares it) is one
