@@ -145,15 +145,23 @@ def odd_windows(in_shape: torch.Size | tuple[int, ...], weight_shape: torch.Size
 
 def strided_column(in_shape: torch.Size | tuple[int, ...], weight_shape: torch.Size | tuple[int, ...],
                    spec: ConvSpec) -> bool:
-    """Whether oneDNN's 2-d int8 conv gives wrong sums for an input of ``in_shape``: one input channel and several output
-    channels a group (as ``padded_windows``), an output one column wide, read with a stride past 1 along W. torch's
-    x86 / onednn engines return run-to-run different sums there (off by ~10-60 codes; 13 of 100 such random
-    geometries, none of ~1,800 others with padding 0 or 1); the same window read with stride 1 is right (``one_column``)."""
-    if (spec.transposed or spec.dim != 2 or spec.stride[1] == 1 or weight_shape[1] != 1
-            or weight_shape[0] == spec.groups):
+    """Whether oneDNN's int8 conv may give wrong sums for an input of ``in_shape``: an output one element wide along the
+    last spatial axis (W), read with a stride past 1 there. Session 37 found it for one input channel and several output
+    channels a group (torch's x86 / onednn engines: run-to-run different sums, off by ~10-60 codes, 13 of 100 such
+    random 2-d geometries); on an AMX Xeon (oneDNN's ``brg_conv_fwd:avx10_1_512_amx``, session 47) dense, grouped and
+    depthwise convs, 1-d to 3-d, fail too (18 of 480 random one-wide strided geometries, off by up to 255 codes; none
+    of 625 others). The same window read with stride 1 (``one_column``) was right in all, so every such geometry
+    takes it, on every CPU (a one-wide output: a copy of at most the window's columns).
+
+    >>> strided_column((1, 8, 9, 5), (8, 8, 4, 4), ConvSpec(2, (1, 2), (0, 0), (1, 1), 1))   # (5 - 4) // 2 == 0
+    True
+    >>> strided_column((1, 8, 9, 6), (8, 8, 4, 4), ConvSpec(2, (1, 2), (0, 0), (1, 1), 1))   # two columns
+    False
+    """
+    if spec.transposed or spec.stride[-1] == 1:
         return False
-    ext = spec.dilation[1] * (weight_shape[3] - 1) + 1
-    return (in_shape[3] + 2 * spec.padding[1] - ext) // spec.stride[1] == 0
+    ext = spec.dilation[-1] * (weight_shape[-1] - 1) + 1
+    return (in_shape[-1] + 2 * spec.padding[-1] - ext) // spec.stride[-1] == 0
 
 
 MULTIPLIER_CHUNK = 32  # output channels a group per oneDNN call where one input channel a group feeds more
@@ -175,12 +183,14 @@ def wide_multiplier(weight_shape: torch.Size | tuple[int, ...], spec: ConvSpec) 
 
 
 def one_column(x: QTensor, weight_shape: torch.Size | tuple[int, ...], spec: ConvSpec) -> tuple[QTensor, ConvSpec]:
-    """A one-column-wide 2-d conv (``strided_column``) as the same sums read with stride 1 along W: ``x`` padded with
-    its zero point (``pad_codes``) and cropped to the one window's columns, the spec unpadded with unit W stride."""
-    ext = spec.dilation[1] * (weight_shape[3] - 1) + 1
+    """A conv one output wide along the last axis (``strided_column``) as the same sums read with stride 1 there: ``x``
+    padded with its zero point (``pad_codes``) and cropped to the one window's extent along the last axis, the spec
+    unpadded with a unit last stride."""
+    ext = spec.dilation[-1] * (weight_shape[-1] - 1) + 1
     x = pad_codes(x, spec) if any(spec.padding) else x
     codes = x.int_repr()[..., :ext]
-    return QTensor(codes, x.scale, x.zero_point, x.qdtype), replace(spec, padding=(0, 0), stride=(spec.stride[0], 1))
+    return (QTensor(codes, x.scale, x.zero_point, x.qdtype),
+            replace(spec, padding=(0,) * spec.dim, stride=(*spec.stride[:-1], 1)))
 
 
 def unpadded(spec: ConvSpec) -> ConvSpec:
