@@ -6,6 +6,11 @@ axis, read with a stride past 1 there: session 37's ``strided_column`` rule (one
 covers every such geometry (``spec.one_column`` reads the one window with stride 1: the same sums). The geometries
 below are the fuzz's wrong cases on this CPU; on CPUs whose oneDNN is right there they pin the rewrite's sums.
 
+Found here too: grouped convs with several input channels a group and more than 32 outputs a group (40, 48, 72, 200)
+gave wrong sums (off by up to 234) on the AMX kernels, as session 38's channel multipliers did on AVX-512 VNNI: where
+``isa.has_amx()``, ``spec.wide_multiplier`` sends them to the 32-channel chunks too (the s36 transposed-conv fuzz failed
+on this CPU through its phase-stacked grouped convs).
+
 Pins of behaviour that already held (the exactness sweep of this session on the AMX Xeon): every static Linear route at
 the M / K / N edges (1-513 rows, K up to 3072) and the conv routes on codes whose u8 × s8 pairs overflow int16
 (``vpmaddubsw``'s trap), against the exact integer oracle, and no reference-kernel fallback in a converted SmallCNN.
@@ -141,6 +146,79 @@ def test_one_wide_strided_conv_is_exact_on_every_path(case):
     assert S.strided_column(x.shape, mod.weight_int8.shape, mod._spec)
     want = fitted(mod, x, _conv_range)
     assert off_by(mod, x, want) == {}
+
+
+# ---- oneDNN's AMX grouped convs past 32 outputs a group ----
+
+def test_wide_groups_rule_keys_on_amx():
+    g2 = ConvSpec(2, (1, 1), (0, 0), (1, 1), 2)
+    assert S.wide_multiplier((80, 2, 3, 3), g2, amx=True)                   # 40 outputs a group, 2 inputs a group
+    assert not S.wide_multiplier((80, 2, 3, 3), g2)                          # without AMX: right (sessions 36-38)
+    assert S.wide_multiplier((80, 1, 3, 3), g2)                              # session 38's multiplier: on any CPU
+    assert not S.wide_multiplier((64, 2, 3, 3), g2, amx=True)                # 32 a group
+    assert not S.wide_multiplier((80, 4, 3, 3), ConvSpec(2, (1, 1), (0, 0), (1, 1), 1), amx=True)  # ungrouped
+
+
+def test_has_amx_reads_the_flag_and_the_onednn_cap(monkeypatch):
+    from lowbit.kernels import isa
+    monkeypatch.setattr(isa, "_cpu_flags", lambda: frozenset({"avx2", "avx512_vnni", "amx_int8"}))
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    try:
+        for cap, want in (("", True), ("ALL", True), ("AVX512_CORE_AMX", True), ("AVX512_CORE_VNNI", False),
+                          ("AVX2", False)):
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+            isa.has_amx.cache_clear()
+            assert isa.has_amx() is want, cap
+        monkeypatch.setattr(isa, "_cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+        isa.has_amx.cache_clear()
+        assert isa.has_amx() is False
+    finally:
+        isa.has_amx.cache_clear()
+
+
+# (dim, groups, C_in a group, C_out a group, kernel, spatial, batch, channels-last): the grouped probe's wrong cases
+AMX_GROUPED = [
+    (2, 3, 2, 200, (3, 2), (5, 5), 2, True),
+    (2, 2, 3, 48, (1, 3), (5, 7), 2, False),
+    (2, 3, 2, 40, (3, 2), (3, 8), 1, False),
+    (2, 3, 2, 72, (3, 3), (7, 8), 1, False),
+    (1, 3, 16, 40, (2,), (2,), 2, False),       # a transposed conv's phase-stacked conv (s36 fuzz case 83)
+]
+
+
+def _grouped_case(case: tuple) -> tuple[torch.nn.Module, Q.QTensor]:
+    dim, groups, cpg, opg, ks, hw, n, cl = case
+    g = torch.Generator().manual_seed(groups * 1000 + cpg * 10 + opg)
+    cin, cout = groups * cpg, groups * opg
+    mod = _MOD[dim](cin, cout, ks, 1, 0, 1, groups)
+    w = Q.QTensor(torch.randint(-128, 128, tuple(mod.weight_int8.shape), generator=g).to(torch.int8),
+                  torch.rand(cout, generator=g) * 0.01 + 1e-4, torch.zeros(cout, dtype=torch.int64), S8, 0)
+    mod.set_weight_bias(w, torch.randn(cout, generator=g))
+    q = torch.randint(0, 256, (n, cin, *hw), generator=g).to(torch.uint8)
+    return mod, Q.QTensor(q.contiguous(memory_format=torch.channels_last) if cl else q, 0.02, 128, U8)
+
+
+@pytest.mark.parametrize("case", AMX_GROUPED)
+def test_wide_grouped_conv_is_exact_on_every_path(case):
+    mod, x = _grouped_case(case)
+    want = fitted(mod, x, _conv_range)
+    assert off_by(mod, x, want) == {}
+
+
+@pytest.mark.parametrize("case", AMX_GROUPED[:2])
+def test_wide_grouped_conv_chunked_where_amx_is_pinned(case, monkeypatch):
+    """The AMX route pinned on any CPU: the conv runs in chunks of 32 outputs a group (no plan), the same codes."""
+    from lowbit.kernels import conv_plan, onednn
+    monkeypatch.setattr(onednn, "has_amx", lambda: True)
+    mod, x = _grouped_case(case)
+    want = fitted(mod, x, _conv_range)
+    assert conv_plan.conv_plan(mod.weight(), mod.bias, K.OutGrid(float(mod.scale), int(mod.zero_point), U8), False,
+                               U8, mod._spec) is None
+    calls = []
+    real = onednn._chunked
+    monkeypatch.setattr(onednn, "_chunked", lambda *a: calls.append(1) or real(*a))
+    assert off_by(mod, x, want) == {} and calls
 
 
 # ---- pins: saturating codes (u8 255 x s8 -128 pairs overflow int16) on every route ----

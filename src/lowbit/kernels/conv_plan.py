@@ -59,7 +59,7 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
     if (out is None or spec.transposed or spec.dim != 2 or x_qdtype.storage != torch.uint8 or not onednn.available()
             or w.device.type != "cpu" or w.dtype != torch.int8 or out.qdtype.storage != torch.uint8
             or bool(weight.zero_point.any()) or padded_windows(weight.shape, spec)  # (these two: onednn.conv pads
-            or wide_multiplier(weight.shape, spec)):  # or chunks)
+            or wide_multiplier(weight.shape, spec, onednn.has_amx())):  # or chunks)
         return None
     counts, key = _counts(), ("onednn", "conv")
     grid: list[Any] = [None]  # (key of the input grid's tensors, s_x, z_x, the tensors held)

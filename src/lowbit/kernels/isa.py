@@ -16,7 +16,8 @@ import os
 
 import torch
 
-__all__ = ["available", "has_vnni", "cpu_has_vnni", "shares_routes", "isa_capped", "saturation_safe", "fbgemm_engine"]
+__all__ = ["available", "has_vnni", "cpu_has_vnni", "has_amx", "shares_routes", "isa_capped", "saturation_safe",
+           "fbgemm_engine"]
 
 _FBGEMM = ("x86", "fbgemm")  # torch's quantized engines whose fbgemm ops the small-M path may use
 
@@ -58,6 +59,17 @@ def _cpu_flags() -> frozenset[str]:
 def cpu_has_vnni() -> bool:
     """Whether the CPU itself reports VNNI/AMX int8 (``/proc/cpuinfo`` flags)."""
     return bool(_cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+@functools.lru_cache(maxsize=None)
+def has_amx() -> bool:
+    """Whether oneDNN may run its AMX int8 kernels here: the CPU reports ``amx_int8`` and ``ONEDNN_MAX_CPU_ISA`` /
+    ``DNNL_MAX_CPU_ISA`` is unset, ``ALL``/``DEFAULT`` or an AMX / AVX10 ISA. Geometries oneDNN gets wrong only with
+    those kernels (``spec.wide_multiplier``'s several input channels a group) key on it."""
+    if "amx_int8" not in _cpu_flags():
+        return False
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    return cap in ("", "ALL", "DEFAULT") or "AMX" in cap or cap.startswith("AVX10")
 
 
 def shares_routes() -> bool:

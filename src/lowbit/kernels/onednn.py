@@ -51,7 +51,7 @@ from ..functional import _store
 from ..qtensor import QTensor
 from . import conv_small, conv_transpose, int_mm, small_m
 from .avx2 import _exact_linear, _fbgemm_linear, _fbgemm_pack, _fbgemm_requant, _inv_scale, _relu_floor, _scaled, _split_run
-from .isa import (available, cpu_has_vnni, fbgemm_engine, has_vnni, isa_capped,  # noqa: F401 (re-exported)
+from .isa import (available, cpu_has_vnni, fbgemm_engine, has_amx, has_vnni, isa_capped,  # noqa: F401 (re-exported)
                   saturation_safe, shares_routes)
 from .conv_split import (SHAPED_PACKS, _pack_wsplit, _wsplit_conv, _wsplit_packs, packed_for_input,  # noqa: F401 (tests,
                          gemm_conv)  # conv_plan)
@@ -271,7 +271,7 @@ def conv(x: QTensor, weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec,
         if y is NotImplemented:
             return NotImplemented
         return shuffle(y) if out is None else out.wrap(shuffle(y.int_repr()))
-    if wide_multiplier(weight.shape, spec):  # oneDNN's wrong sums there: at most 32 channels a group per call
+    if wide_multiplier(weight.shape, spec, has_amx()):  # oneDNN's wrong sums there: at most 32 channels a group a call
         return _chunked(x, weight, bias, spec, out, relu, cache)
     if odd_windows(x.shape, weight.shape, spec):  # oneDNN's crash or wrong sums there: the zero-point padding made here
         return conv(pad_codes(x, spec), weight, bias, unpadded(spec), out, relu, cache)

@@ -167,18 +167,25 @@ def strided_column(in_shape: torch.Size | tuple[int, ...], weight_shape: torch.S
 MULTIPLIER_CHUNK = 32  # output channels a group per oneDNN call where one input channel a group feeds more
 
 
-def wide_multiplier(weight_shape: torch.Size | tuple[int, ...], spec: ConvSpec) -> bool:
-    """Whether oneDNN's int8 conv gives wrong sums for this weight: several groups, one input channel a group and more
-    than ``MULTIPLIER_CHUNK`` output channels a group (a depthwise conv with a channel multiplier past 32). On an
-    AVX-512 VNNI CPU torch's ``qconv_pointwise`` returned sums off by ~3e4 to ~2e9 (uninitialised reads) for
-    multipliers 33-48 and 65-79 (session 38, 1-d to 3-d; 49-64 and ≤ 32 right; none under ``ONEDNN_MAX_CPU_ISA=AVX2``);
-    such a conv runs in calls of at most ``MULTIPLIER_CHUNK`` channels a group (``onednn.conv``), the same sums.
+def wide_multiplier(weight_shape: torch.Size | tuple[int, ...], spec: ConvSpec, amx: bool = False) -> bool:
+    """Whether oneDNN's int8 conv gives wrong sums for this weight: several groups and more than ``MULTIPLIER_CHUNK``
+    output channels a group, with one input channel a group (a depthwise conv with a channel multiplier past 32) or,
+    where oneDNN runs its AMX kernels (``amx``: ``isa.has_amx()``), any number. On an AVX-512 VNNI CPU torch's
+    ``qconv_pointwise`` returned sums off by ~3e4 to ~2e9 (uninitialised reads) for multipliers 33-48 and 65-79
+    (session 38, 1-d to 3-d; 49-64 and ≤ 32 right; none under ``ONEDNN_MAX_CPU_ISA=AVX2``). On an AMX Xeon (session
+    47) grouped convs with 2-16 input channels a group were wrong too (codes off by up to 234) at 40, 48, 72 and 200
+    outputs a group (22 of 600 random grouped geometries; none at ≤ 32, 64 or 128, none ungrouped); the transposed
+    convs' phase-stacked convs (``conv_transpose``) meet it. Such a conv runs in calls of at most ``MULTIPLIER_CHUNK``
+    channels a group (``onednn.conv``), the same sums.
 
     >>> wide_multiplier((72, 1, 3, 3), ConvSpec(2, (1, 1), (0, 0), (1, 1), 2)), wide_multiplier((64, 1, 3, 3),
     ...     ConvSpec(2, (1, 1), (0, 0), (1, 1), 2))
     (True, False)
+    >>> wide_multiplier((80, 2, 3, 3), ConvSpec(2, (1, 1), (0, 0), (1, 1), 2), amx=True), wide_multiplier(
+    ...     (80, 2, 3, 3), ConvSpec(2, (1, 1), (0, 0), (1, 1), 2))
+    (True, False)
     """
-    return (not spec.transposed and spec.groups > 1 and weight_shape[1] == 1
+    return (not spec.transposed and spec.groups > 1 and (weight_shape[1] == 1 or amx)
             and weight_shape[0] > MULTIPLIER_CHUNK * spec.groups)
 
 
