@@ -293,3 +293,31 @@ def test_converted_small_cnn_runs_no_reference_kernel():
         qm(torch.randn(4, 1, 28, 28))
     assert K.counts[("onednn", "conv")] == 3 and K.counts[("onednn", "linear")] == 2
     assert not [key for key in K.counts if key[0] == "reference"]
+
+
+# ---- weight-only: a NaN row stays in its row (torch's bf16 F.linear on AMX spread it into the next) ----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_only_nan_rows_stay_apart_under_a_leaky_matmul(dtype, monkeypatch):
+    """torch's bf16 ``F.linear`` on this AMX Xeon put row 1's NaN into row 0 too (96 × 34 × 5, oneDNN's brg_matmul). The
+    leak is simulated here on every CPU: the module computes the non-finite rows apart, the others stay finite."""
+    from lowbit.nn.quantized import weight_only as wo
+
+    torch.manual_seed(47)
+    m = wo.WeightOnlyLinear.from_float(torch.nn.Linear(34, 5), bits=4, group_size=-1)
+    real = F.linear
+
+    def leaky(x, w, b=None):  # a NaN anywhere in a batch of rows reaches every row (the worst leak)
+        y = real(x, w, b)
+        return y + (x.sum() * 0) if x.dim() == 2 and x.shape[0] > 1 else y
+
+    monkeypatch.setattr(wo.F, "linear", leaky)
+    x = torch.randn(96, 34)
+    x[1, 3], x[2, 5], x[3, 0] = float("nan"), float("inf"), -float("inf")
+    with torch.no_grad():
+        y = m(x.to(dtype))
+    want = torch.isfinite(x).all(1)
+    assert torch.equal(torch.isfinite(y).all(1), want)
+    with torch.no_grad():
+        clean = m(torch.where(want[:, None], x, 0).to(dtype))
+    assert torch.equal(y[want], clean[want])  # the finite rows as without the bad ones

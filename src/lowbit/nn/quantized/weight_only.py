@@ -281,7 +281,10 @@ class WeightOnlyLinear(CheckedQuantState):
             # or finite outputs sum past 3.4e38: the dequantized product, as the float layer computes it
             y = None
         if y is None:
-            y = F.linear(x2, self.dequantize_weight().to(x.dtype))
+            w = self.dequantize_weight().to(x.dtype)
+            y = F.linear(x2, w)
+            if y.device.type == "cpu" and x2.shape[0] > 1 and not math.isfinite(float(y.sum())):
+                y = _rows_apart(x2, w, y)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         if self.relu:
@@ -304,3 +307,17 @@ class WeightOnlyLinear(CheckedQuantState):
         s = (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
              f"bits={self.bits}, group_size={self.group_size}, symmetric={self.symmetric}")
         return s + (", relu=True" if self.relu else "") + (f", kernel={self.kernel!r}" if self.kernel != "auto" else "")
+
+
+def _rows_apart(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x2, w)`` with each row holding NaN / Inf computed alone, so a non-finite input reaches exactly its own
+    output row, as in float64. torch's bf16 ``F.linear`` on an AMX CPU (oneDNN's ``brg_matmul``) spread a NaN of row 1
+    into row 0 at 96 × 34 × 5 (session 47; not with its AVX-512 BF16 kernels). ``y``: the product as computed, kept
+    where every input row is finite (finite products past the dtype's range: the float layer's own result)."""
+    bad = ~torch.isfinite(x2).all(1)
+    if not bool(bad.any()):
+        return y
+    y = F.linear(x2.masked_fill(bad[:, None], 0), w)
+    for i in bad.nonzero().flatten().tolist():
+        y[i] = F.linear(x2[i:i + 1], w)[0]
+    return y
