@@ -128,14 +128,21 @@ def compiler_disabled(fn: _F, reason: str) -> _F:
 
 
 def _proxy_in(values: Any) -> Any:
-    """The first ``torch.fx.Proxy`` among ``values``, looking into tuples, lists and dicts; ``None`` if none."""
+    """The first ``torch.fx.Proxy`` among ``values``, looking into tuples, lists, sets and frozensets, dicts (keys and
+    values) and ``slice`` bounds; ``None`` if none."""
     for v in values:
         if isinstance(v, torch.fx.Proxy):
             return v
-        if isinstance(v, (tuple, list, dict)) and v:
-            found = _proxy_in(v.values() if isinstance(v, dict) else v)
-            if found is not None:
-                return found
+        if isinstance(v, (tuple, list, set, frozenset)) and v:
+            found = _proxy_in(v)
+        elif isinstance(v, dict) and v:
+            found = _proxy_in((*v.keys(), *v.values()))
+        elif isinstance(v, slice):
+            found = _proxy_in((v.start, v.stop, v.step))
+        else:
+            continue
+        if found is not None:
+            return found
     return None
 
 
@@ -144,13 +151,15 @@ _NO_FX_FLAG = not hasattr(_fx_trace, "_is_fx_tracing_flag")  # (a torch without 
 
 def graph_leaf(fn: _F) -> _F:
     """``fn`` as one ``call_function`` node of itself whenever torch.fx traces it (an argument, or an item of a
-    tuple / list / dict argument, is a ``Proxy``); called on values, ``fn(*args, **kwargs)``.
+    tuple / list / set / dict argument (key or value) or a ``slice``'s bound, is a ``Proxy``); called on values,
+    ``fn(*args, **kwargs)``.
 
     ``torch.fx.wrap`` does this only for calls in the module that registered it, while a trace runs: a node a pass
     inserted (``graph.call_function(fn, ...)``) is in the generated code as a call from the GraphModule's own
     module, and ``pickle`` / ``torch.save`` rebuild a GraphModule by re-tracing that code, which ran ``fn``'s body on
     proxies (``scaled_operand(b, -0.5)`` came back as ``b * -0.5``). A function that checks for proxies itself stays
-    one node of the same function through any re-trace.
+    one node of the same function through any re-trace. torch.fx cannot record a set argument or a dict key that
+    holds a proxy: such a call is a ``TypeError`` naming ``fn`` (the body used to run on proxies).
 
     Proxies are looked for only while a ``torch.fx.Tracer.trace`` runs (torch.fx's ``_is_fx_tracing_flag``, one
     attribute read): an eager call costs ~0.1 µs over ``fn`` instead of the ~0.7 µs walk of every argument. As with
@@ -170,7 +179,11 @@ def graph_leaf(fn: _F) -> _F:
         if _NO_FX_FLAG or _fx_trace._is_fx_tracing_flag:  # (a trace runs: look for proxies)
             proxy = _proxy_in(args) if not kwargs else _proxy_in((*args, *kwargs.values()))
             if proxy is not None:
-                return proxy.tracer.create_proxy("call_function", leaf, args, kwargs)
+                try:
+                    return proxy.tracer.create_proxy("call_function", leaf, args, kwargs)
+                except (NotImplementedError, RuntimeError) as e:  # torch.fx records no set, no Node as a dict key
+                    raise TypeError(f"{fn.__qualname__}: a traced value inside a set or used as a dict key cannot be "
+                                    f"an argument of a torch.fx node (pass a tuple, or dict values): {e}") from e
         return fn(*args, **kwargs)
     return leaf  # type: ignore[return-value]
 
