@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .fx_leaves import FxLeaf
+
 __all__ = ["QuantStub", "DeQuantStub", "QuantWrapper"]
 
 
@@ -30,7 +32,7 @@ def _check_qconfig(owner: str, qconfig: Any) -> None:
         raise TypeError(f"{owner}: qconfig must be a QConfig or None, got {type(qconfig).__name__}")
 
 
-class QuantStub(nn.Module):
+class QuantStub(FxLeaf, nn.Module):
     """Identity marker before the first quantized op; ``qconfig`` (optional) is set as ``.qconfig``."""
 
     def __init__(self, qconfig: Any = None) -> None:
@@ -43,7 +45,7 @@ class QuantStub(nn.Module):
         return x
 
 
-class DeQuantStub(nn.Module):
+class DeQuantStub(FxLeaf, nn.Module):
     """Identity marker after the last quantized op; becomes ``DeQuantize`` (QTensor → float)."""
 
     def __init__(self, qconfig: Any = None) -> None:
@@ -56,7 +58,7 @@ class DeQuantStub(nn.Module):
         return x
 
 
-class QuantWrapper(nn.Module):
+class QuantWrapper(FxLeaf, nn.Module):
     """``dequant(module(quant(x)))``: makes a whole float module one quantized region.
 
     The wrapper inherits ``module.qconfig`` when the module has one, so ``prepare(QuantWrapper(m))``

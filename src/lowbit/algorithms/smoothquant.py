@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..fx_leaves import FxLeaf
 from ..batches import check_module, eval_mode, iter_batches, run_batch
 from ..batches import flatten_outputs as _flatten
 from ..fx import padding
@@ -55,7 +56,7 @@ __all__ = ["InputScale", "SmoothedLinear", "SmoothQuantLayer", "SmoothQuantRepor
            "smooth_quant_scales"]
 
 
-class InputScale(nn.Module):
+class InputScale(FxLeaf, nn.Module):
     """``x * inv_scale`` over the last dimension (``inv_scale``: buffer ``(C,)``).
 
     A graph-mode leaf (``_lowbit_fx_leaf``): it stays one float op, never an int8 ``mul`` whose

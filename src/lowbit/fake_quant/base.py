@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from ..compile_state import compiler_disabled, tracing
+from ..fx_leaves import FxLeaf
 from ..functional import check_quantized_state, fake_quantize
 from ..observer.base import ObserverBase, WithArgs
 from ..observer.channel_histogram import _ClipRangeObserver
@@ -67,7 +68,7 @@ __all__ = ["FakeQuantize", "enable_observer", "disable_observer", "enable_fake_q
            "per_tensor_qparams", "switch_errors"]  # (the last two from .switches)
 
 
-class FakeQuantize(WithArgs, nn.Module):
+class FakeQuantize(FxLeaf, WithArgs, nn.Module):
     """Observe (optionally) and fake-quantize (optionally) with a straight-through gradient.
 
     Builds ``activation_post_process = observer(**observer_kwargs)`` and mirrors its ``qdtype``,

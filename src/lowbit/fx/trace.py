@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ..fx_leaves import LOWBIT_LEAVES
 from .inplace import AUGMENTED_OPS, reroute_inplace
 from .masks import mask_facts
 
@@ -45,7 +46,7 @@ __all__ = ["trace", "record_tensor_kinds", "float_layout", "RootNotTraceable", "
 
 _MAX_RETRIES = 64
 Leaves = tuple[set[int], set[type]]  # (ids of leaf modules, leaf module types)
-_LOWBIT_LEAVES = ("lowbit.nn.", "lowbit.observer", "lowbit.fake_quant", "lowbit.stubs")
+_LOWBIT_LEAVES = LOWBIT_LEAVES  # (the classes compile_state.FxLeaf keeps whole in any torch.fx trace)
 
 
 class RootNotTraceable(ValueError):

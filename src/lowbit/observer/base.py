@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..compile_state import tracing
+from ..fx_leaves import FxLeaf
 from ..functional import _F32_MAX, _F32_TINY, check_quantized_state
 from ..qparams import symmetric_zero_point
 from ..qscheme import QDtype, QScheme, as_qdtype, as_qscheme
@@ -105,7 +106,7 @@ def saved_eps(eps: Any, prefix: str, owner: str) -> tuple[float, str]:
     return v, ""
 
 
-class ObserverBase(abc.ABC, WithArgs, nn.Module):
+class ObserverBase(FxLeaf, abc.ABC, WithArgs, nn.Module):
     """Abstract observer: ``forward(x) -> x`` plus ``calculate_qparams() -> (scale, zero_point)``.
 
     Abstract as in torch.ao: ``ObserverBase()`` itself (or a subclass missing either method) raises

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fx_leaves import FxLeaf
 from ..functional import dequantize, quantize
 from ..observer.base import ObserverBase
 from ..qscheme import QDtype, QScheme, as_qdtype, as_qscheme, per_tensor_affine, quint8
@@ -67,6 +68,8 @@ class FrozenObserver(ObserverBase):
     grids the reference model recorded.
     """
 
+    _lowbit_fx_leaf = True  # (one node in any torch.fx trace, as torch.ao's reference modules: FxLeaf)
+
     scale: torch.Tensor
     zero_point: torch.Tensor
 
@@ -94,7 +97,7 @@ class FrozenObserver(ObserverBase):
         return self.scale.clone(), self.zero_point.clone()
 
 
-class QuantDeQuant(nn.Module):
+class QuantDeQuant(FxLeaf, nn.Module):
     """``qdq(x; s, z)``: a float value rounded onto a recorded per-tensor activation grid (float in, float out).
 
     Buffers ``scale`` (0-d float32) and ``zero_point`` (0-d int64); ``qdtype`` the grid's dtype.
@@ -106,6 +109,8 @@ class QuantDeQuant(nn.Module):
     >>> qdq(torch.tensor([-1.2, 0.3, 200.0])).tolist()
     [-1.0, 0.5, 126.5]
     """
+
+    _lowbit_fx_leaf = True
 
     scale: torch.Tensor
     zero_point: torch.Tensor
@@ -154,8 +159,10 @@ def _copy_weight_bias(dst: nn.Module, src: nn.Module) -> nn.Module:
     return dst
 
 
-class _WeightQDQ:
+class _WeightQDQ(FxLeaf):
     """Mixin: the weight grid (buffers ``weight_scale``, ``weight_zero_point``) and ``get_weight()``."""
+
+    _lowbit_fx_leaf = True
 
     weight: nn.Parameter
     weight_scale: torch.Tensor

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...fx_leaves import FxLeaf
+
 __all__ = [
     "FusedModule", "ConvReLU1d", "ConvReLU2d", "ConvReLU3d", "LinearReLU",
     "ConvBn1d", "ConvBn2d", "ConvBn3d", "ConvBnReLU1d", "ConvBnReLU2d", "ConvBnReLU3d",
@@ -30,7 +32,7 @@ __all__ = [
 ]
 
 
-class FusedModule(nn.Sequential):
+class FusedModule(FxLeaf, nn.Sequential):
     """Base of every fused marker; ``_types`` lists the exact child types, in order."""
 
     _types: tuple[type[nn.Module], ...] = ()
@@ -50,7 +52,7 @@ class FusedModule(nn.Sequential):
         return x
 
 
-class ClampedReLU(nn.ReLU):
+class ClampedReLU(FxLeaf, nn.ReLU):
     """``clamp(x, 0, max_val)``: ReLU6 / ``Hardtanh(0, max_val)`` / ``clamp(x, 0, max_val)`` as a fusable ReLU.
 
     It is an ``nn.ReLU`` so the ReLU markers accept it. Fused after a conv/linear, the marker's output

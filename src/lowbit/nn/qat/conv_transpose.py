@@ -34,13 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...fx_leaves import FxLeaf
 from ...qconfig import QConfig
 from .modules import init_weight_fake_quant
 
 __all__ = ["ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
 
 
-class _ConvTransposeNd:
+class _ConvTransposeNd(FxLeaf):
     """Mixin over ``nn.ConvTransposeNd``: ``conv_transposeNd(x, Ŵ, b)`` (module docstring)."""
 
     _FLOAT: type[nn.Module] = nn.Module

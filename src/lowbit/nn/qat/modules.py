@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...fx_leaves import FxLeaf
 from ...qconfig import QConfig
 from ...qconfig.config import build
 
@@ -76,7 +77,7 @@ def _check_float(cls: type, mod: nn.Module, float_types: tuple[type, ...]) -> No
         raise TypeError(f"{cls.__name__}.from_float expects {want}, got {type(mod).__name__}")
 
 
-class Linear(nn.Linear):
+class Linear(FxLeaf, nn.Linear):
     """``y = x @ wfq(W).T + b``; same constructor as ``nn.Linear`` plus ``qconfig`` (required)."""
 
     _FLOAT_TYPES: tuple[type, ...] = (nn.Linear,)
@@ -113,7 +114,7 @@ class Linear(nn.Linear):
         return lin.train(self.training)
 
 
-class _ConvNd:
+class _ConvNd(FxLeaf):
     """Mixin over ``nn.ConvNd``: ``convNd(x, wfq(W), b)`` with the float conv's padding rules."""
 
     _FLOAT_TYPES: tuple[type, ...] = ()
@@ -173,7 +174,7 @@ class Conv3d(_ConvNd, nn.Conv3d):
     _FLOAT_CONV = nn.Conv3d
 
 
-class _Table:
+class _Table(FxLeaf):
     """Mixin over ``nn.Embedding`` / ``nn.EmbeddingBag``: ``from_float`` shares the float table,
     ``to_float`` copies it back; ``_FLOAT`` is the float class, ``_ATTRS`` its constructor options."""
 

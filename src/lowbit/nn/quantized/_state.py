@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...fx_leaves import FxLeaf
 from ...functional import check_quantized_state
 from ...state_check import GRIDS_KEY, grid_names, key_errors, refuse_state
 
@@ -55,7 +56,7 @@ def _refuse_meta(mod: nn.Module, args: Any) -> None:
                        "shapes on the float model)")
 
 
-class CheckedQuantState(nn.Module):
+class CheckedQuantState(FxLeaf, nn.Module):
     """Mixin for quantized modules: ``_load_from_state_dict`` refuses invalid qparams and codes.
 
     Put it first among the bases (``class Quantize(CheckedQuantState, nn.Module)``).

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...compile_state import tracing
+from ...fx_leaves import FxLeaf
 from ...functional import quantize
 from ...qscheme import QDtype, as_qdtype, quint8
 from ...qtensor import QTensor
@@ -229,7 +230,7 @@ class Tanh(_FixedGridActivation):
         return torch.tanh(x)
 
 
-class ReLU6(nn.Module):
+class ReLU6(FxLeaf, nn.Module):
     """``min(max(x, 0), 6)`` on the input's grid: ``q_out = clamp(q, z, q(6))``, exact, no requantization.
 
     A float input is quantized onto the quint8 grid ``(6/255, 0)``, which spans [0, 6] exactly.

@@ -40,6 +40,7 @@ from torch import nn
 
 from ... import native
 from ...compile_state import deferring, inline_float_ok, qdtype_key, refuse, tracing
+from ...fx_leaves import FxLeaf, leaf_method
 from ...kernels.plan import input_grid_key
 from ...functional import quantize
 from ...qscheme import QDtype, quint8
@@ -52,7 +53,7 @@ from .add_alpha import scaled_operand  # (re-exported: the converter's graphs na
 __all__ = ["FloatFunctional", "QFunctional", "scaled_operand"]
 
 
-class FloatFunctional(nn.Module):
+class FloatFunctional(FxLeaf, nn.Module):
     """Float ``add/mul/cat/add_relu/add_scalar/mul_scalar/matmul`` whose result passes ``activation_post_process``."""
 
     def __init__(self) -> None:
@@ -267,13 +268,14 @@ class QFunctional(CheckedQuantState):
         state.pop("_scaled", None)
         return state
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``forward(op, *operands)``: the method ``op`` (how a converted graph calls it: as a module, so
-        torch.fx keeps the call as one node when it re-traces the graph, e.g. unpickling it)."""
+        torch.fx keeps the call as one node when it re-traces the graph, e.g. unpickling it; and how a method call
+        is recorded when torch.fx traces an eager-converted model: ``leaf_method``)."""
         if not args or not isinstance(args[0], str) or args[0] not in QF_METHODS:
             raise RuntimeError("QFunctional is not called directly: use its add/mul/cat/add_relu/"
                                "add_scalar/mul_scalar/matmul methods")
-        return getattr(self, args[0])(*args[1:])
+        return getattr(self, args[0])(*args[1:], **kwargs)
 
     # ---- requantization onto the output grid ----
     def _out(self, acc: torch.Tensor, relu: bool = False) -> QTensor:
@@ -308,18 +310,23 @@ class QFunctional(CheckedQuantState):
         return self._binary(x, y, "mul", lambda a, b, s: (a[0] * b[0]) * (a[1] * b[1] / s), torch.mul)
 
     # ---- public methods: eager arithmetic, or one lowbit::qfunctional op while tracing ----
+    @leaf_method
     def add(self, x: QTensor, y: QTensor) -> QTensor:
         return self._traced("add", x, y) if tracing() else self._eager_add(x, y)
 
+    @leaf_method
     def add_relu(self, x: QTensor, y: QTensor) -> QTensor:
         return self._traced("add_relu", x, y) if tracing() else self._eager_add_relu(x, y)
 
+    @leaf_method
     def mul(self, x: QTensor, y: QTensor) -> QTensor:
         return self._traced("mul", x, y) if tracing() else self._eager_mul(x, y)
 
+    @leaf_method
     def add_scalar(self, x: QTensor, y: float) -> QTensor:
         return self._traced("add_scalar", x, None, y) if tracing() else self._eager_add_scalar(x, y)
 
+    @leaf_method
     def mul_scalar(self, x: QTensor, y: float) -> QTensor:
         return self._traced("mul_scalar", x, None, y) if tracing() else self._eager_mul_scalar(x, y)
 
@@ -338,6 +345,7 @@ class QFunctional(CheckedQuantState):
                                          self.scale, self.zero_point, qdtype_key(self.qdtype))
         return QTensor(q, self.scale, self.zero_point, self.qdtype)
 
+    @leaf_method
     def matmul(self, x: QTensor, y: QTensor) -> QTensor:
         return self._binary(x, y, "matmul", lambda a, b, s: torch.matmul(a[0], b[0]) * (a[1] * b[1] / s),
                             torch.matmul)
@@ -359,6 +367,7 @@ class QFunctional(CheckedQuantState):
             return self._from_float(_float(x) * c)
         return self._out(cx[0] * (cx[1] * c / self.scale.to(cx[0].device)))
 
+    @leaf_method
     def cat(self, x: Sequence[QTensor], dim: int = 0) -> QTensor:
         if isinstance(x, (QTensor, torch.Tensor)) or not isinstance(x, Sequence) or len(x) == 0:
             raise TypeError(f"QFunctional.cat expects a non-empty list of QTensors, got {type(x).__name__}")

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...fx_leaves import FxLeaf
 from ...functional import quantize
 from ...qscheme import QDtype, quint8
 from ...qtensor import QTensor
@@ -376,7 +377,7 @@ class BNReLU3d(BatchNorm3d):
     _relu = True
 
 
-class Dropout(nn.Dropout):
+class Dropout(FxLeaf, nn.Dropout):
     """Inference dropout: the identity on ``QTensor`` (and float) inputs."""
 
     def forward(self, input: Any) -> Any:

@@ -27,6 +27,7 @@ from torch import nn
 from ... import native, qstore
 from ...qscheme import QDtype, quint8
 from ...compile_state import qdtype_key, refuse, tensor_version, tracing
+from ...fx_leaves import FxLeaf
 from ...functional import dense_format, dequantize_fast, quantize_scaled, scalar_qparams, scalar_tensors
 from ...qtensor import QTensor, quantize_per_tensor
 from ._utils import check_no_nan, check_not_meta, check_out_grid, output_qparams
@@ -179,7 +180,7 @@ class Quantize(CheckedQuantState):
         return f"scale={self.scale.item():.6g}, zero_point={self.zero_point.item()}, qdtype={self.qdtype!r}"
 
 
-class DeQuantize(nn.Module):
+class DeQuantize(FxLeaf, nn.Module):
     """``QTensor`` -> float32 ``(q - zero_point) * scale``; a float tensor passes through unchanged. A tuple / list /
     dict (a detector's ``(boxes, scores)``, a multi-head ``{"cls": ..., "aux": ...}``, a namedtuple) is dequantized
     item by item, as ``QuantWrapper`` around such a model needs (``None``, strings, numbers and ``torch.Size`` items

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ....compile_state import tracing
+from ....fx_leaves import FxLeaf
 from ...qat.modules import Conv1d as _QConv1d
 from ...qat.modules import Conv2d as _QConv2d
 from ...qat.modules import Conv3d as _QConv3d
@@ -106,7 +107,7 @@ class LinearReLU(_QLinear):
         return F.relu(super().forward(x))
 
 
-class BnFoldedBase(nn.Module):
+class BnFoldedBase(FxLeaf, nn.Module):
     """``(op, bn)`` with the fold-aware fake-quant forward of the module docstring.
 
     Children: ``conv`` (or ``linear``) — the float layer, whose parameters are trained; ``bn``;

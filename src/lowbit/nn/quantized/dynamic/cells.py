@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ....fx_leaves import FxLeaf
 from ....qscheme import QDtype, qint8
 from ....qtensor import QTensor
 from .linear import Linear, _activation_arg, _dtype_arg, activation_of, fp16_dynamic_weight, quantize_dynamic_weight
@@ -91,7 +92,7 @@ def weight_of(tables: dict[str, Linear], name: Any, where: str) -> QTensor | tor
     return tables[name].weight()
 
 
-class _CellBase(nn.Module):
+class _CellBase(FxLeaf, nn.Module):
     _float_type: type[nn.Module] = nn.RNNCellBase
     _gates = 1
     _n_states = 1

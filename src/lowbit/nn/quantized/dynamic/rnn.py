@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from ....fx_leaves import FxLeaf
 from ....qscheme import QDtype, qint8
 from ....qtensor import QTensor
 from .cells import _RNN_STEPS, check_size, gru_step, lstm_step, nonlinearity_arg, weight_of
@@ -45,7 +46,7 @@ from .linear import Linear, _activation_arg, _dtype_arg, activation_of, fp16_dyn
 __all__ = ["RNN", "LSTM", "GRU"]
 
 
-class _RNNBase(nn.Module):
+class _RNNBase(FxLeaf, nn.Module):
     _float_type: type[nn.Module] = nn.RNNBase
     _gates = 1
     _n_states = 1
