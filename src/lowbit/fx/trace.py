@@ -46,7 +46,7 @@ __all__ = ["trace", "record_tensor_kinds", "float_layout", "RootNotTraceable", "
 
 _MAX_RETRIES = 64
 Leaves = tuple[set[int], set[type]]  # (ids of leaf modules, leaf module types)
-_LOWBIT_LEAVES = LOWBIT_LEAVES  # (the classes compile_state.FxLeaf keeps whole in any torch.fx trace)
+_LOWBIT_LEAVES = LOWBIT_LEAVES  # (the classes fx_leaves.FxLeaf keeps whole in any torch.fx trace)
 
 
 class RootNotTraceable(ValueError):
