@@ -206,8 +206,10 @@ class WeightedQuantModule(CheckedQuantState):
         changed in place or the weight codes moved since it was armed (identity, version and address, as
         ``layer_key``), the CPU's VNNI answer changed, tracing, or a pinned backend; the lane itself returns ``None``
         for an input it does not serve."""
+        if tracing():  # (first: a traced read of the cache is a guard on its keys, and a traced version read a
+            return None  # data-dependent one; an eager call that armed the lane then recompiled the program)
         c = self._cache.get("lane")
-        if c is None or tracing():  # (tracing first: a traced version read is a data-dependent guard)
+        if c is None:
             return None
         lane, (w, ws, wz, bias, s, z), vers, vnni = c
         b = self._buffers
