@@ -128,6 +128,38 @@ for _name in ("_out", "_from_float", "_binary", "_eager_add", "_eager_add_relu",
     setattr(_Grid, _name, getattr(QFunctional, _name))
 
 
+class _WeakMemo(dict):  # type: ignore[type-arg]
+    """``_fast_add``'s memo holding its grid tensors weakly: an entry serves while the six tensors whose ids key it
+    live (so those ids are theirs), and holds none of them (an exported program's buffers die with it)."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, (value[0], tuple(weakref.ref(t) for t in value[1])))
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        hit = super().get(key, default)
+        if hit is not default and any(r() is None for r in hit[1]):
+            del self[key]
+            return default
+        return hit
+
+
+_MEMOS: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, _WeakMemo]] = {}
+_MAX_MEMOS = 64  # output grids whose memo is kept (a model has a few adds; past this all start afresh)
+
+
+def _memo(scale: torch.Tensor, zero_point: torch.Tensor) -> _WeakMemo:
+    """The ``_memo`` ``QFunctional``'s fast add keeps on its module (the three grids' numbers, read once per state of
+    the grids: ~20 µs a call otherwise), one per output grid's tensor objects, as the op makes its ``_Grid`` afresh
+    on every call. Weak throughout: nothing here keeps a tensor alive."""
+    key = (id(scale), id(zero_point))
+    hit = _MEMOS.get(key)
+    if hit is None or hit[0]() is not scale or hit[1]() is not zero_point:
+        if len(_MEMOS) >= _MAX_MEMOS:
+            _MEMOS.clear()
+        hit = _MEMOS[key] = (weakref.ref(scale), weakref.ref(zero_point), _WeakMemo())
+    return hit[2]
+
+
 def _qtensor(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qdtype: str) -> QTensor:
     """A per-tensor QTensor of an op's arguments; grids traced from QTensors (0-d float32 / int64 on the codes'
     device) are taken as they are, others checked by ``QTensor``."""
@@ -143,6 +175,7 @@ def qfunctional(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: t
                 out_qdtype: str) -> torch.Tensor:
     check_qfunctional(op, x, x_qdtype, y, y_qdtype, out_scale, out_zero_point)
     grid = _Grid(out_scale, out_zero_point, qdtype_from_key(out_qdtype))
+    grid._memo = _memo(out_scale, out_zero_point)
     xq = _qtensor(x, x_scale, x_zero_point, x_qdtype)
     other: Any = c if y is None else _qtensor(y, y_scale, y_zero_point, y_qdtype)  # type: ignore[arg-type]
     out = getattr(grid, f"_eager_{op}")(xq, other).int_repr()
