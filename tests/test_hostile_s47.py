@@ -37,6 +37,7 @@ from lowbit.algorithms.equalize import equalize_prepared
 from lowbit.algorithms.grid_search import refine_grids
 from lowbit.batches import batch_failed
 from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
+from test_hostile_s46 import _calibrated as _calibrated46
 
 
 def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -232,14 +233,7 @@ _ONES = [(torch.randn(4, 8, generator=_G) * (1 + i),) for i in range(4)]
 
 
 def _calibrated():
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        p = Q.prepare_fx(_Net().eval(), Q.get_default_qconfig_mapping(), example_inputs=_ONES[0])
-        with torch.no_grad():
-            for b in _ONES:
-                p(*b)
-    return p
+    return _calibrated46(_Net, _ONES)
 
 
 _NAN = (torch.full((4, 8), float("nan")),)

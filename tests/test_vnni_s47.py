@@ -20,7 +20,6 @@ AVX2 routes run on this CPU too; nothing here depends on the CPU's ISA.
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -29,21 +28,15 @@ import torch.nn.functional as F
 import lowbit as Q
 from helpers import one_thread  # noqa: F401  (autouse: 1 thread)
 from lowbit import kernels as K
-from lowbit import native
 from lowbit.kernels import spec as S
 from lowbit.kernels.spec import ConvSpec
 from lowbit.nn import quantized as nnq
+from test_conv_fuzz_s37 import PATHS as FUZZ_PATHS
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions:UserWarning")
 
 U8, U7, S8 = Q.quint8, Q.quint8.with_range(0, 127), Q.qint8
-PATHS = {
-    "auto": contextlib.nullcontext,
-    "avx2": native.force_avx2,
-    "scalar": native.force_scalar,
-    "nonative": native.disabled,
-    "onednn": lambda: K.use_backend("onednn"),
-}
+PATHS = {k: v for k, v in FUZZ_PATHS.items() if k != "reference"}  # every route but the oracle's own
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _MOD = {1: nnq.Conv1d, 2: nnq.Conv2d, 3: nnq.Conv3d}
 
