@@ -14,7 +14,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "lowbit"
 # below it, never one above. Paths are dotted prefixes under ``lowbit``; the longest prefix wins.
 TIERS: list[tuple[str, ...]] = [
     ("qscheme", "runtime"),             # runtime: process settings (glibc malloc), imports nothing of lowbit
-    ("compile_state",),                # tracing(): lower layers emit torch.ops.lowbit.* while traced
+    ("compile_state", "fx_leaves"),   # tracing(): lower layers emit torch.ops.lowbit.* while traced; fx_leaves:
+    # lowbit modules as one call_module node in any torch.fx trace (FxLeaf)
     ("qparams",),
     ("blocked", "qstore", "native", "rounding"),  # cache-blocked exact quantize; one-pass 8-bit codes; C row passes;
     # rounding: quantize's code formula round(x · fl(1/s) + z), shared with the rounding algorithms
