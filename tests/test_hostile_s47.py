@@ -37,6 +37,7 @@ from lowbit.algorithms.equalize import equalize_prepared
 from lowbit.algorithms.grid_search import refine_grids
 from lowbit.batches import batch_failed
 from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
+from test_hostile_s46 import _Net
 from test_hostile_s46 import _calibrated as _calibrated46
 
 
@@ -219,15 +220,6 @@ def test_a_layout_read_spelled_by_getattr():
 
 
 # ---------------------------------------------------------------- 4. refine_grids' arguments
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.b(F.relu(self.a(x)))
-
-
 _G = torch.Generator().manual_seed(0)
 _ONES = [(torch.randn(4, 8, generator=_G) * (1 + i),) for i in range(4)]
 

@@ -68,8 +68,13 @@ def has_amx() -> bool:
     those kernels (``spec.wide_multiplier``'s several input channels a group) key on it."""
     if "amx_int8" not in _cpu_flags():
         return False
-    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    cap = _cap()
     return cap in ("", "ALL", "DEFAULT") or "AMX" in cap or cap.startswith("AVX10")
+
+
+def _cap() -> str:
+    """oneDNN's ISA cap as set (``ONEDNN_MAX_CPU_ISA``, else ``DNNL_MAX_CPU_ISA``), upper case; ``""`` when unset."""
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
 
 
 def shares_routes() -> bool:
@@ -81,7 +86,7 @@ def shares_routes() -> bool:
 def isa_capped() -> bool:
     """Whether ``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA`` keeps oneDNN below any VNNI ISA
     (``SSE41``, ``AVX``, ``AVX2``, ``AVX512_CORE``, ...); ``ALL``/``DEFAULT``/unset: no cap."""
-    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    cap = _cap()
     if cap in ("", "ALL", "DEFAULT"):
         return False
     return not ("VNNI" in cap or "AMX" in cap or "BF16" in cap or "FP16" in cap or cap.startswith("AVX10"))
