@@ -47,6 +47,7 @@ from ..qscheme import QDtype
 from ..qtensor import QTensor
 from . import conv_small, onednn
 from .conv_split import packed_for_input
+from .lane import ConvLane
 from .plan import _counts, input_grid_key
 from .spec import ConvSpec, OutGrid, odd_windows, padded_windows, strided_column, wide_multiplier
 
@@ -100,6 +101,12 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
     odd: dict[Any, bool] = {}  # input shape -> oneDNN wrong there: onednn.conv rewrites such inputs (spec.py)
     generic: dict[str, Any] = {}
 
+    def call(q: torch.Tensor, sx: float, zx: int, packed: Any) -> QTensor:
+        y = torch.ops.onednn.qconv_pointwise(q, sx, zx, packed, w_scale, w_zp, bias, stride, padding, dilation,
+                                             groups, s_out, z_out, torch.uint8, post, scalars, "")
+        return out.wrap(y.clamp_(qd.quant_min, qd.quant_max) if clamp else y)
+    lane = ConvLane(call, counts, key)
+
     def run(x: QTensor) -> QTensor:
         q = x.int_repr()
         bad = odd.get(q.shape)
@@ -112,13 +119,16 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
             return onednn.conv(x, weight, bias, spec, out, relu, generic)  # type: ignore[no-any-return]
         hit = input_grid(x)
         counts[key] += 1
+        shape = q.shape
         if not q.is_contiguous(memory_format=torch.channels_last):  # oneDNN would copy it so, ~3x slower (an NCHW input)
             cl = native.to_channels_last(q)
             q = q if cl is None else cl
         packed = packed_for_input(packs, q, hit[2], pack)
-        y = torch.ops.onednn.qconv_pointwise(q, hit[1], hit[2], packed, w_scale, w_zp, bias, stride, padding, dilation,
-                                             groups, s_out, z_out, torch.uint8, post, scalars, "")
-        return out.wrap(y.clamp_(qd.quant_min, qd.quant_max) if clamp else y)
+        y = call(q, hit[1], hit[2], packed)
+        if q.dtype == torch.uint8 and q.is_cpu and x._axis is None:  # the next call on this grid and shape: the lane
+            lane.arm(x, shape, packed, hit[1], hit[2])
+        return y
 
+    run.lane = lane  # type: ignore[attr-defined]  # (armed by run; the module calls it first: kernels.lane)
     return run
 

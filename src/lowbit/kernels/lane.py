@@ -1,5 +1,5 @@
-"""The static Linear's fast lane: the native call ``kernels.plan``'s ``run_qt`` last made, repeated with its checks cut to
-what can change between two calls.
+"""The static Linear's and Conv2d's fast lanes: the native call ``kernels.plan``'s ``run_qt`` (``kernels.conv_plan``'s
+``run``) last made, repeated with its checks cut to what can change between two calls.
 
 ``run_qt`` decides per call which route a per-tensor ``QTensor`` input takes and re-derives what the route needs. For
 a layer fed inputs on one grid (a model's ``Quantize`` stub or the previous layer's output grid), every call after the
@@ -17,6 +17,16 @@ version) before it calls the lane (``WeightedQuantModule._lane_call``).
 
 Measured on the 16×768² static Linear (Zen 5, 1 thread): ~5 µs of ~11 µs of Python per call saved (session 36,
 ``benchmarks/README.md``).
+
+``ConvLane`` is the conv plan's: ``run`` arms it after its oneDNN call (the main route: not the rewritten odd windows
+or strided columns, not the small first-conv pass) with the input grid's tensors, versions (``-1`` for inference
+tensors, which the plan's ``input_grid_key`` keys the same way) and Python numbers, the qdtype object, the codes' shape
+and the weight packed for that shape and ``z_x``; it then serves an input whose grid tensors are those very tensors
+at the same versions, whose qdtype is the same object, per tensor, and whose codes (``x.int_repr()``, as ``run``
+reads them) are u8 CPU codes of that very shape: every check ``run`` and the module's forward make depends only on
+these (the shape checks, the odd-window test, the pack's key), so the lane repeats ``run``'s layout step (NCHW codes
+to channels-last memory) and its call, with the same tally. The module calls it only without explicit padding (its
+input is then the plan's input) and after its own buffer checks (``WeightedQuantModule._lane_call``).
 
 >>> import torch, lowbit as Q
 >>> lane = LinearLane(k=2, vnni=False, vnni_rows=0, out=(None, None, Q.quint8), counts={}, key=("onednn", "linear"))
@@ -36,7 +46,7 @@ from ..qtensor import QTensor
 from . import onednn
 from .small_m import _quantized_out as _quantized  # (torch's deprecation warning silenced as the routes silence it)
 
-__all__ = ["LinearLane"]
+__all__ = ["LinearLane", "ConvLane"]
 
 _U8 = (torch.uint8, torch.quint8)
 _MAX_TEMPLATES = 8  # row counts whose output template is kept (a model sees a few batch sizes)
@@ -117,3 +127,50 @@ class LinearLane:
         if requant:
             return QTensor._trusted(None, self._s_t, self._z_t, self._qd, None, y)
         return QTensor._trusted(None, self._s_t, self._z_t, self._qd, None, None, y)
+
+
+class ConvLane:
+    """``conv_plan``'s lane (module docstring): ``call(q, s_x, z_x, packed)`` is the plan's oneDNN call and output wrap
+    on channels-last u8 codes ``q``; ``counts`` / ``key``: the dispatcher's tally and the plan's key in it.
+
+    >>> import torch, lowbit as Q
+    >>> lane = ConvLane(lambda q, sx, zx, packed: None, counts={}, key=("onednn", "conv"))
+    >>> lane(Q.quantize_per_tensor(torch.zeros(1, 1, 2, 2), 0.1, 0, Q.quint8)) is None  # not armed: run serves
+    True
+    """
+
+    __slots__ = ("_call", "_counts", "_key", "_st")
+
+    def __init__(self, call: Any, counts: Any, key: tuple[str, str]) -> None:
+        self._call, self._counts, self._key = call, counts, key
+        self._st: tuple[Any, ...] | None = None  # (s, z, s version, z version, qdtype, shape, packed, s_x, z_x)
+
+    def armed(self) -> bool:
+        return self._st is not None
+
+    def arm(self, x: QTensor, shape: torch.Size, packed: Any, sx: float, zx: int) -> None:
+        """Serve inputs on ``x``'s grid (read as ``s_x``, ``z_x``) whose codes have ``shape``, with ``packed``."""
+        s, z = x._scale, x._zero_point
+        st = self._st
+        if st is not None and st[0] is s and st[1] is z and st[5] == shape and st[6] is packed and st[4] is x._qdtype:
+            if (st[2] == -1 or st[2] == s._version) and (st[3] == -1 or st[3] == z._version):
+                return  # (already serving it)
+        self._st = (s, z, -1 if s.is_inference() else s._version, -1 if z.is_inference() else z._version,
+                    x._qdtype, shape, packed, sx, zx)
+
+    def __call__(self, x: QTensor) -> QTensor | None:
+        st = self._st
+        if st is None:
+            return None
+        s, z = x._scale, x._zero_point
+        if (s is not st[0] or z is not st[1] or x._qdtype is not st[4] or x._axis is not None
+                or (st[2] != -1 and s._version != st[2]) or (st[3] != -1 and z._version != st[3])):
+            return None
+        q = x._q  # (run's x.int_repr(): a native tensor's codes made here as there)
+        if q.shape != st[5] or q.dtype != torch.uint8 or not q.is_cpu:
+            return None
+        if not q.is_contiguous(memory_format=torch.channels_last):  # (run's layout step)
+            cl = native.to_channels_last(q)
+            q = q if cl is None else cl
+        self._counts[self._key] += 1
+        return self._call(q, st[7], st[8], st[6])  # type: ignore[no-any-return]
