@@ -342,3 +342,41 @@ def test_lane_in_a_converted_cnn_gives_the_full_paths_outputs() -> None:
     assert {k: c1.get(k, 0) - c0.get(k, 0) for k in keys} == {k: c2.get(k, 0) - c1.get(k, 0) for k in keys}
     # (without VNNI this model's full int8 weights take the split: no plan, no lane)
     assert sum(_laned(mod) for mod in m.modules() if isinstance(mod, Conv2d)) >= (3 if onednn.has_vnni() else 0)
+
+
+# (groups, in a group, out a group, kernel, stride, padding, H×W, batch, z_x): one call on 64 or 128 outputs a group
+# gave codes off by 190-245 on the AMX Xeon (session 48's sweep: 17 of 79 random 64-wide and 13 of 48 128-wide grouped
+# geometries wrong, 0 of 243 in 32-wide chunks)
+WIDE_64_128 = [(8, 2, 64, (3, 3), 1, 1, (5, 11), 1, 128), (3, 2, 64, (3, 3), 1, 1, (6, 19), 8, 128),
+               (3, 2, 128, (3, 3), 1, 1, (19, 11), 2, 128), (4, 5, 128, (3, 3), 2, 1, (18, 14), 5, 128)]
+
+
+@pytest.mark.parametrize("case", WIDE_64_128)
+def test_amx_chunks_of_64_or_128_outputs_a_group_stay_32_wide(case: tuple[Any, ...],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pin (right on main): on the AMX route (pinned, any CPU) these grouped convs run in calls of at most 32 outputs a
+    group and give the integer oracle's codes; with 64-wide calls (``MULTIPLIER_CHUNK = 64``) the AMX Xeon's codes were
+    off by up to 245."""
+    _routes()
+    g, cpg, opg, k, st, pad, hw, n, zx = case
+    monkeypatch.setattr(onednn, "has_amx", lambda: True)
+    widths: list[int] = []
+    real = onednn.conv
+
+    def conv(x: Q.QTensor, weight: Q.QTensor, *a: Any) -> Any:
+        widths.append(weight.shape[0] // g)
+        return real(x, weight, *a)
+    monkeypatch.setattr(onednn, "conv", conv)
+    gen = torch.Generator().manual_seed(sum(hw) * opg)
+    q = torch.randint(0, 256, (n, g * cpg, *hw), generator=gen, dtype=torch.uint8)
+    wc = torch.randint(-128 if onednn.has_vnni() else -64, 128 if onednn.has_vnni() else 64,
+                       (g * opg, cpg, *k), generator=gen, dtype=torch.int8)
+    ref = torch.nn.functional.conv2d(q.double() - zx, wc.double(), None, st, pad, 1, g)
+    s_y = float(ref.std()) / 30
+    mod = Conv2d(g * cpg, g * opg, k, st, pad, 1, g, bias=False)
+    mod.set_weight_bias(Q.QTensor(wc, torch.ones(g * opg), torch.zeros(g * opg, dtype=torch.long), Q.qint8, 0), None)
+    mod.set_output_grid(s_y, 128, Q.quint8)
+    y = mod(Q.QTensor(q.contiguous(memory_format=torch.channels_last), 1.0, zx, Q.quint8)).int_repr().double()
+    want = (torch.round(ref / s_y) + 128).clamp(0, 255)
+    assert float((y - want).abs().max()) <= 1  # (float32 epilogue against float64: ties may round apart)
+    assert len(widths) > 1 and max(widths[1:]) <= 32  # (the first: the whole layer, which chunks)
