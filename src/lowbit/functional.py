@@ -374,6 +374,10 @@ def fake_quantize(
     ``quantize`` unless ``validate=False``. ``float_zero_point=True`` (``per_channel_affine_float_qparams``)
     rounds ``x / s + z`` instead of adding ``z`` after rounding (``z`` then need not be an integer).
     """
+    if validate:  # (before the comparison: a str / float bound raised a bare "'>=' not supported", or passed)
+        for name, q in (("quant_min", quant_min), ("quant_max", quant_max)):
+            if isinstance(q, bool) or not isinstance(q, (int, np.integer)):
+                raise TypeError(f"fake_quantize: {name}={q!r} must be an int")
     if quant_min >= quant_max:
         raise ValueError(f"fake_quantize: quant_min={quant_min} must be < quant_max={quant_max}")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():

@@ -65,6 +65,35 @@ class QParams:
     qdtype: QDtype
     ch_axis: int | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse a record no quantize would take (it was kept as given: a NaN scale, an off-grid zero point, a
+        per-channel scheme without ``ch_axis``): ``TypeError`` / ``ValueError`` naming the field."""
+        if not isinstance(self.qscheme, QScheme) or not isinstance(self.qdtype, QDtype):
+            raise TypeError(f"QParams: qscheme={self.qscheme!r} and qdtype={self.qdtype!r} must be a lowbit QScheme "
+                            "and QDtype (e.g. lowbit.per_tensor_affine, lowbit.quint8)")
+        s, z = self.scale, self.zero_point
+        if not isinstance(s, torch.Tensor) or not isinstance(z, torch.Tensor) or s.is_complex() or z.is_complex():
+            raise TypeError(f"QParams: scale={s!r} and zero_point={z!r} must be real tensors")
+        per_channel = self.qscheme.is_per_channel
+        if per_channel != (self.ch_axis is not None) or isinstance(self.ch_axis, bool) \
+                or not isinstance(self.ch_axis, (int, type(None))):
+            raise ValueError(f"QParams: ch_axis={self.ch_axis!r} does not fit qscheme={self.qscheme.value} (an int "
+                             "per channel, None per tensor)")
+        if s.shape != z.shape or (s.numel() != 1 if not per_channel else s.dim() != 1):
+            raise ValueError(f"QParams: scale {tuple(s.shape)} / zero_point {tuple(z.shape)} must be "
+                             + ("(C,) vectors of one length" if per_channel else "single values"))
+        if s.device.type == "meta" or s.numel() == 0:
+            return
+        sf = s.detach().to(torch.float32)
+        if not bool(((sf > 0) & torch.isfinite(sf)).all()):
+            raise ValueError(f"QParams: scale={s.tolist()} must be positive and finite")
+        zd = z.detach().double()
+        lo, hi = self.qdtype.quant_min, self.qdtype.quant_max
+        ok = torch.isfinite(zd) if self.qscheme.has_float_zero_point else (zd == zd.round()) & (zd >= lo) & (zd <= hi)
+        if not bool(ok.all()):
+            raise ValueError(f"QParams: zero_point={z.tolist()} must be "
+                             + ("finite" if self.qscheme.has_float_zero_point else f"integers in [{lo}, {hi}]"))
+
 
 def _as_float_tensor(v: float | torch.Tensor, name: str) -> torch.Tensor:
     if isinstance(v, torch.Tensor):

@@ -22,14 +22,17 @@ import torch
 from torch import nn
 
 from .fx_leaves import FxLeaf
+from .qconfig import QConfig
 
 __all__ = ["QuantStub", "DeQuantStub", "QuantWrapper"]
 
 
 def _check_qconfig(owner: str, qconfig: Any) -> None:
-    # A QConfig is a NamedTuple (activation, weight); anything else is a user error.
-    if qconfig is not None and not (isinstance(qconfig, tuple) and hasattr(qconfig, "activation")):
-        raise TypeError(f"{owner}: qconfig must be a QConfig or None, got {type(qconfig).__name__}")
+    # lowbit's QConfig (as prepare takes it); torch.ao's, a NamedTuple with the same fields, was taken here and
+    # refused only by prepare ("expected a lowbit QConfig")
+    if qconfig is not None and not isinstance(qconfig, QConfig):
+        raise TypeError(f"{owner}: qconfig must be a lowbit QConfig or None, got {type(qconfig).__module__}."
+                        f"{type(qconfig).__name__}")
 
 
 class QuantStub(FxLeaf, nn.Module):

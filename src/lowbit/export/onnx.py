@@ -295,10 +295,31 @@ def _keep_unused_inputs(onnx: Any, proto: Any, inputs: tuple[torch.Tensor, ...],
 
 def _float_weight_layers(onnx: Any, path: str | os.PathLike[str]) -> bool:
     """Whether a Conv / ConvTranspose / Gemm of the file reads a float32 weight initializer (a float layer)."""
-    graph = onnx.load(str(path), load_external_data=False).graph
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception as err:  # (protobuf's DecodeError "Wire format was corrupt", naming no file)
+        raise ValueError(f"run_onnx: {str(path)!r} is not an ONNX model ({type(err).__name__}: {err})") from None
     floats = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
     return any(n.op_type in ("Conv", "ConvTranspose", "Gemm") and len(n.input) > 1 and n.input[1] in floats
                for n in graph.node)
+
+
+_ORT_TYPES = {"tensor(float)": torch.float32, "tensor(double)": torch.float64, "tensor(float16)": torch.float16,
+              "tensor(int64)": torch.int64, "tensor(int32)": torch.int32, "tensor(int8)": torch.int8,
+              "tensor(uint8)": torch.uint8, "tensor(bool)": torch.bool}
+
+
+def _check_feeds(metas: Any, inputs: tuple[torch.Tensor, ...]) -> None:
+    """Each input's dtype and fixed dimensions against the session's inputs (ORT's own error names neither the
+    tensor's shape nor which of its dimensions is symbolic)."""
+    for i, (meta, t) in enumerate(zip(metas, inputs)):
+        want = _ORT_TYPES.get(meta.type)
+        shape = list(meta.shape) if meta.shape is not None else None
+        fits = shape is None or (len(shape) == t.dim() and all(not isinstance(d, int) or d == n
+                                                                 for d, n in zip(shape, t.shape)))
+        if (want is not None and t.dtype != want) or not fits:
+            raise ValueError(f"run_onnx: input {i} ({meta.name!r}) is a {t.dtype} tensor of shape {tuple(t.shape)}; "
+                             f"the model takes {meta.type} of shape {shape} (names: dimensions of any size)")
 
 
 def run_onnx(path: str | os.PathLike[str], *inputs: torch.Tensor, optimized_model_path: str | None = None,
@@ -338,5 +359,6 @@ def run_onnx(path: str | os.PathLike[str], *inputs: torch.Tensor, optimized_mode
     names = [i.name for i in sess.get_inputs()]
     if len(names) != len(inputs):
         raise ValueError(f"run_onnx: the model takes {len(names)} inputs ({names}), got {len(inputs)}")
+    _check_feeds(sess.get_inputs(), inputs)
     feeds = {n: t.detach().cpu().numpy() for n, t in zip(names, inputs)}
     return [torch.from_numpy(o) for o in sess.run(None, feeds)]

@@ -46,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -58,11 +59,19 @@ from ..observer.distributed import is_distributed, local_statistics, sync_pendin
 from ..observer.histogram import HistogramObserver
 from ..observer.minmax import MovingAverageMinMaxObserver, _MinMaxObserverBase
 from ..qparams import calculate_qparams
-from .switches import _assert_switch, assert_grid, per_tensor_qparams, switch_errors
+from .switches import _assert_switch, assert_grid, grid_shape_errors, per_tensor_qparams, switch_errors
 
 _PLACEHOLDER = ("fake quantization is on but the observer is off and has seen no data, so the grid is the placeholder "
                 "scale={scale}, zero_point={zero_point}; run batches with the observer on first (disable_observer "
                 "after the first steps, not before) or load a trained checkpoint")
+
+
+def _is_switch_value(v: Any) -> bool:
+    """0 / 1 as an int, a NumPy scalar or a one-value tensor (what a switch method takes besides a bool)."""
+    if isinstance(v, torch.Tensor):
+        return v.numel() == 1 and not v.is_complex() and v.item() in (0, 1)
+    return isinstance(v, (int, np.integer, np.bool_)) and v in (0, 1)
+
 
 __all__ = ["FakeQuantize", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant", "holds_grid",
            "per_tensor_qparams", "switch_errors"]  # (the last two from .switches)
@@ -112,7 +121,10 @@ class FakeQuantize(FxLeaf, WithArgs, nn.Module):
 
     # -- switches --------------------------------------------------------------------------------
     def _set_switch(self, name: str, enabled: bool) -> None:
-        """Write switch ``name`` (a ``uint8`` buffer of shape ``(1,)``) and its Python mirror."""
+        """Write switch ``name`` (a ``uint8`` buffer of shape ``(1,)``) and its Python mirror. ``enabled``: a bool
+        (or 0 / 1); anything else (``"no"``, ``2``) raises ``TypeError`` rather than being read as truthy."""
+        if enabled is not True and enabled is not False and not _is_switch_value(enabled):
+            raise TypeError(f"{type(self).__name__}: enabled={enabled!r} (switch {name}) must be True or False (or 0 / 1)")
         self._buffers[name][0] = 1 if enabled else 0  # type: ignore[index]
         self._mirror()[name] = bool(enabled)
 
@@ -267,7 +279,8 @@ class FakeQuantize(FxLeaf, WithArgs, nn.Module):
     def _state_errors(self, state_dict, prefix, local_metadata):  # type: ignore[no-untyped-def]
         """A NaN / 0 scale, an off-grid zero point, a switch other than 0 / 1 (pure: ``state_check.guard_loading`` runs
         it first)."""
-        return switch_errors(self, state_dict, prefix) + check_quantized_state(self, state_dict, prefix)
+        return switch_errors(self, state_dict, prefix) + grid_shape_errors(self, state_dict, prefix) \
+            + check_quantized_state(self, state_dict, prefix)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):  # type: ignore[no-untyped-def]

@@ -56,7 +56,7 @@ from ..observer.distributed import is_distributed, sync_pending
 from ..observer.minmax import MovingAverageMinMaxObserver
 from ..qparams import symmetric_zero_point
 from .base import FakeQuantize
-from .switches import per_tensor_qparams, switch_errors
+from .switches import grid_shape_errors, per_tensor_qparams, switch_errors
 from .lsq import fake_quantize_learnable
 
 __all__ = ["LearnableFakeQuantize", "fake_quantize_learnable", "enable_param_learning",
@@ -99,6 +99,9 @@ class LearnableFakeQuantize(FakeQuantize):
                 raise ValueError(f"{name}: channel_len={channel_len!r} must be a positive int or None")
             if self.ch_axis is None:
                 raise ValueError(f"{name}: channel_len={channel_len} needs a per-channel qscheme, got {self.qscheme.value}")
+        if zero_point is not None and not self.quant_min <= zero_point <= self.quant_max:
+            raise ValueError(f"{name}: zero_point={zero_point!r} is outside the {self.qdtype!r} grid "
+                             f"[{self.quant_min}, {self.quant_max}]")
         self.symmetric_zero_point: int | None = None
         if self.qscheme.is_symmetric:
             self.symmetric_zero_point = symmetric_zero_point(self.qdtype, name)
@@ -164,6 +167,10 @@ class LearnableFakeQuantize(FakeQuantize):
                 raise RuntimeError(f"{type(self).__name__}: torch.export with the observer on (static_enabled=1) would "
                                    "write the observer's grid into the scale / zero_point parameters, which an exported "
                                    "program cannot mutate; call disable_observer() or enable_param_learning() first")
+            if scale.dim() == 1 and x.dim() > self.ch_axis >= -x.dim() and x.shape[self.ch_axis] != scale.shape[0]:
+                raise ValueError(f"{type(self).__name__}: its per-channel scale / zero_point hold {scale.shape[0]} "
+                                 f"channels (channel_len, or a loaded checkpoint) but the batch of shape "
+                                 f"{tuple(x.shape)} has {x.shape[self.ch_axis]} along ch_axis={self.ch_axis}")
             self.activation_post_process(x.detach())
             self._set_qparams(*self._step_qparams())
             self._grid_trained = False  # (a copy of the observer's grid again)
@@ -280,6 +287,7 @@ class LearnableFakeQuantize(FakeQuantize):
         eps = state_dict.get(prefix + "eps")
         problem = "" if eps is None else saved_eps(eps, prefix, type(self).__name__)[1]
         return ([problem] if problem else []) + switch_errors(self, state_dict, prefix) \
+            + grid_shape_errors(self, state_dict, prefix) \
             + check_quantized_state(self, state_dict, prefix) + self._check_parameters(state_dict, prefix)
 
     def _adopt_torch_ao_keys(self, state_dict: dict[str, Any], prefix: str) -> list[str]:

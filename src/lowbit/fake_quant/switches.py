@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["assert_grid", "per_tensor_qparams", "switch_errors"]
+__all__ = ["assert_grid", "grid_shape_errors", "per_tensor_qparams", "switch_errors"]
 
 _SWITCH_METHODS = {"observer_enabled": "enable_observer(...)", "fake_quant_enabled": "enable_fake_quant(...)",
                    "learning_enabled": "toggle_qparam_learning(...)"}
@@ -84,3 +84,33 @@ def per_tensor_qparams(fq: nn.Module, state_dict: dict[str, Any], prefix: str) -
         value = state_dict.get(prefix + name)
         if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() > 0:
             state_dict[prefix + name] = value.reshape(())
+
+
+def grid_shape_errors(fq: nn.Module, state_dict: dict[str, Any], prefix: str) -> list[str]:
+    """The saved ``scale`` / ``zero_point`` whose shape does not fit the module: a per-tensor one (``ch_axis`` None)
+    keeps one value (0-d, or torch.ao's ``(1,)``), a per-channel one a ``(C,)`` vector (or the unsized 0-d seed), the
+    two of one length. Such a grid was adopted by the load's resize and failed only on the next forward, deep in
+    the fake quantization ("per-tensor qparams must be scalars").
+
+    >>> import torch, lowbit as Q
+    >>> grid_shape_errors(Q.FakeQuantize(), {"scale": torch.ones(3), "zero_point": torch.zeros(3)}, "")
+    ['scale: a per-tensor FakeQuantize keeps one value, got shape (3,)', \
+'zero_point: a per-tensor FakeQuantize keeps one value, got shape (3,)']
+    """
+    errors, shapes = [], {}
+    for name in ("scale", "zero_point"):
+        value = state_dict.get(prefix + name)
+        if not isinstance(value, torch.Tensor):
+            continue
+        shapes[name] = tuple(value.shape)
+        if fq.ch_axis is None and value.numel() != 1:
+            errors.append(f"{prefix}{name}: a per-tensor {type(fq).__name__} keeps one value, got shape "
+                          f"{tuple(value.shape)}")
+        elif fq.ch_axis is not None and value.dim() > 1:
+            errors.append(f"{prefix}{name}: a per-channel {type(fq).__name__} keeps a (C,) vector, got shape "
+                          f"{tuple(value.shape)}")
+    if not errors and fq.ch_axis is not None and len(shapes) == 2 and len(set(shapes.values())) == 2 \
+            and all(len(v) == 1 for v in shapes.values()):
+        errors.append(f"{prefix}scale shape {shapes['scale']} != {prefix}zero_point shape {shapes['zero_point']} "
+                      f"({type(fq).__name__})")
+    return errors

@@ -205,6 +205,9 @@ class ObserverBase(FxLeaf, abc.ABC, WithArgs, nn.Module):
             elif not self.qscheme.is_per_channel and lo.numel() != 1:
                 errors.append(f"{prefix}min_val: a per-tensor observer keeps one range, got shape {tuple(lo.shape)} "
                               f"({type(self).__name__}, {self.qscheme.value})")
+            elif self.qscheme.is_per_channel and lo.dim() > 1:  # (a (C,) range per channel, or the unsized 0-d seed)
+                errors.append(f"{prefix}min_val: a per-channel observer keeps a (C,) range, got shape "
+                              f"{tuple(lo.shape)} ({type(self).__name__}, {self.qscheme.value})")
         return errors
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,

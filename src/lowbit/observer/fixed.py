@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..functional import _F32_MAX, _F32_TINY
+from ..qparams import symmetric_zero_point
 from ..qscheme import QDtype, QScheme, per_tensor_affine, quint8
 from .base import ObserverBase
 
@@ -63,6 +64,10 @@ class FixedQParamsObserver(ObserverBase):
                 f"{name}: zero_point={zero_point} is outside the {self.qdtype!r} grid "
                 f"[{self.qdtype.quant_min}, {self.qdtype.quant_max}]"
             )
+        if self.qscheme.is_symmetric and zero_point != symmetric_zero_point(self.qdtype, name):
+            raise ValueError(f"{name}: zero_point={zero_point} conflicts with qscheme={self.qscheme.value}, whose zero "
+                             f"point is pinned at {symmetric_zero_point(self.qdtype, name)} on {self.qdtype!r}; use "
+                             "that zero point or an affine qscheme")
         self.register_buffer("scale", torch.tensor(float(scale), dtype=torch.float32))
         self.register_buffer("zero_point", torch.tensor(zero_point, dtype=torch.int64))
 

@@ -208,9 +208,11 @@ def get_dynamic_qconfig(dtype: QDtype | str | torch.dtype = qint8, *, backend: s
     )
 
 
-def _embedding_bits(fn: str, bits: Any) -> QDtype:
+def _embedding_bits(fn: str, bits: Any, float_qparams: Any = False) -> QDtype:
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):
         raise ValueError(f"{fn}: bits={bits!r} must be 8 or 4")
+    if not isinstance(float_qparams, bool):  # ('no' was truthy: torch.ao's float-qparams recipe, not the one asked)
+        raise TypeError(f"{fn}: float_qparams={float_qparams!r} must be True or False")
     return quint8 if bits == 8 else quint4
 
 
@@ -230,7 +232,7 @@ def get_embedding_qconfig(bits: int = 8, float_qparams: bool = False) -> QConfig
     >>> Q.convert(Q.prepare(emb))[0]
     Embedding(10, 8, qdtype=lowbit.quint4, qscheme=per_row_affine)
     """
-    qdtype = _embedding_bits("get_embedding_qconfig", bits)
+    qdtype = _embedding_bits("get_embedding_qconfig", bits, float_qparams)
     qscheme = per_channel_affine_float_qparams if float_qparams else per_channel_affine
     return QConfig(
         activation=NoopObserver.with_args(),
@@ -252,7 +254,7 @@ def get_embedding_qat_qconfig(bits: int = 8, float_qparams: bool = False) -> QCo
     """
     from ..observer.minmax import MovingAveragePerChannelMinMaxObserver
 
-    qdtype = _embedding_bits("get_embedding_qat_qconfig", bits)
+    qdtype = _embedding_bits("get_embedding_qat_qconfig", bits, float_qparams)
     qscheme = per_channel_affine_float_qparams if float_qparams else per_channel_affine
     return QConfig(
         activation=NoopObserver.with_args(),

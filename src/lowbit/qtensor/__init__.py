@@ -76,14 +76,8 @@ class QTensor:
     # native tensor holds them: made on first use (_q), a copy up to 4096 codes (the natives then dropped) else a view
     __slots__ = ("_c", "_scale", "_zero_point", "_qdtype", "_axis", "_tq", "_tu")
 
-    def __init__(
-        self,
-        int_repr: torch.Tensor,
-        scale: torch.Tensor | float,
-        zero_point: torch.Tensor | int,
-        qdtype: QDtype | str,
-        axis: int | None = None,
-    ) -> None:
+    def __init__(self, int_repr: torch.Tensor, scale: torch.Tensor | float, zero_point: torch.Tensor | int,
+                 qdtype: QDtype | str, axis: int | None = None) -> None:
         qdtype = as_qdtype(qdtype)
         if not isinstance(int_repr, torch.Tensor):
             raise TypeError(f"QTensor int_repr must be an integer tensor, got {type(int_repr).__name__}")
@@ -100,11 +94,12 @@ class QTensor:
         if axis is None and isinstance(zero_point, torch.Tensor) and zero_point.is_floating_point():
             if not bool((zero_point == torch.round(zero_point)).all()):  # never truncated (per channel: kept float)
                 raise ValueError(f"QTensor: zero_point={zero_point.tolist()} must be an integer")
-        scale = torch.as_tensor(scale, dtype=torch.float32, device=int_repr.device)
-        # a float per-channel zero point is kept (per_channel_affine_float_qparams, torch.ao's embeddings)
         float_zp = axis is not None and isinstance(zero_point, torch.Tensor) and zero_point.is_floating_point()
-        zero_point = torch.as_tensor(zero_point, dtype=torch.float32 if float_zp else torch.int64,
-                                     device=int_repr.device)
+        try:  # a float per-channel zero point is kept (per_channel_affine_float_qparams, torch.ao's embeddings)
+            scale, zero_point = torch.as_tensor(scale, dtype=torch.float32, device=int_repr.device), torch.as_tensor(
+                zero_point, dtype=torch.float32 if float_zp else torch.int64, device=int_repr.device)
+        except (TypeError, ValueError, RuntimeError):  # (torch's error for a str named no value)
+            raise TypeError(f"QTensor: scale={scale!r} and zero_point={zero_point!r} must be numbers or tensors") from None
         if axis is not None:
             axis = check_ch_axis(axis, int_repr.dim(), int_repr.shape)
             n = int_repr.shape[axis]
