@@ -155,3 +155,23 @@ def test_stubs_refuse_torch_ao_qconfig():
         with pytest.raises(TypeError, match="qconfig must be a lowbit QConfig or None, got torch.ao"):
             stub(qconfig=tq.default_qconfig)
     assert Q.QuantStub(qconfig=Q.get_minmax_qconfig()).qconfig is not None
+
+
+def test_qtensor_to_a_lowbit_grid():
+    qt = Q.quantize_per_tensor(torch.randn(3), 0.1, 128, Q.quint8)
+    for call in (lambda: qt.to(Q.qint8), lambda: qt.to(dtype=Q.qint8), lambda: qt.to("cpu", Q.qint4)):
+        with pytest.raises(TypeError, match=r"QTensor.to\(lowbit.qint[48]\): a lowbit.quint8 QTensor cannot change"):
+            call()
+    with pytest.raises(TypeError, match=r"QTensor.type\(lowbit.qint8\)"):
+        qt.type(Q.qint8)
+    for same in (qt.to(Q.quint8), qt.to("cpu", dtype=Q.quint8), qt.type(Q.quint8)):  # its own grid: a no-op, as torch
+        assert same.qdtype == Q.quint8 and torch.equal(same.int_repr(), qt.int_repr())
+
+
+def test_averaging_constant_and_object_type_refuse_look_alikes():
+    with pytest.raises(TypeError, match="averaging_constant=True must be a number"):
+        Q.MovingAverageMinMaxObserver(averaging_constant=True)
+    for cls in (int, torch.Tensor):
+        with pytest.raises(TypeError, match="must be a module class"):
+            Q.QConfigMapping().set_object_type(cls, Q.get_minmax_qconfig())
+    assert nn.Linear in Q.QConfigMapping().set_object_type(nn.Linear, None).object_type_qconfigs

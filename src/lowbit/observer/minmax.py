@@ -73,7 +73,7 @@ class _MinMaxObserverBase(ObserverBase):
         c = averaging_constant
         if isinstance(c, torch.Tensor) and c.numel() == 1 and c.is_floating_point():  # as torch.ao, which takes one
             c = float(c)
-        if not isinstance(c, numbers.Real):  # (numbers.Real: NumPy scalars too, which were "not in (0, 1]")
+        if not isinstance(c, numbers.Real) or isinstance(c, bool):  # (NumPy scalars too; True read as 1.0)
             raise TypeError(f"{name}: averaging_constant={averaging_constant!r} must be a number in (0, 1]")
         if not 0 < c <= 1:
             raise ValueError(f"{name}: averaging_constant={averaging_constant!r} must be in (0, 1]")

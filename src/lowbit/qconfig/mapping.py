@@ -80,7 +80,8 @@ class QConfigMapping:
                     f"QConfigMapping.set_object_type: object_type={object_type!r} is no torch.Tensor method name "
                     "(a string keys a method call such as x.add(y) in graph mode; modules are keyed by class, "
                     "e.g. nn.Linear)")
-        elif not isinstance(object_type, (type, types.FunctionType, types.BuiltinFunctionType)):
+        elif not isinstance(object_type, (type, types.FunctionType, types.BuiltinFunctionType)) or (
+                isinstance(object_type, type) and not issubclass(object_type, torch.nn.Module)):  # (int: matched nothing)
             raise TypeError(
                 f"QConfigMapping.set_object_type: object_type={object_type!r} must be a module class "
                 "(e.g. nn.Linear), a function or a torch.Tensor method name"

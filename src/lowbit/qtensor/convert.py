@@ -33,6 +33,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..qscheme import QDtype
+
 __all__ = ["install", "to_dtype", "type_string"]
 
 _TORCH_QDTYPES = (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4)
@@ -74,9 +76,14 @@ def type_string(qt: Any) -> str:
 
 
 def _named_dtype(qt: Any, dtype: Any) -> torch.dtype | None:
-    """The dtype that ``type(dtype)`` names (``None``: the QTensor's own type string)."""
+    """The dtype that ``type(dtype)`` names (``None``: the QTensor's own type string, or its own lowbit grid)."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if isinstance(dtype, QDtype):
+        if dtype == qt.qdtype:
+            return None
+        raise TypeError(f"QTensor.type({dtype!r}): a {qt.qdtype!r} QTensor cannot change its quantized dtype without "
+                        "a new grid")
     if isinstance(dtype, str):
         if dtype == type_string(qt):
             return None
@@ -139,7 +146,18 @@ def _to(self: Any, *args: Any, **kwargs: Any) -> Any:
     """Move to a device (none named: this one); with a float dtype (or a tensor to match), the dequantized values
     converted to it (an explicit request for float: no warning); other dtypes: ``to_dtype``."""
     copy = bool(kwargs.pop("copy", False))
-    dev, dtype, _, fmt = torch._C._nn._parse_to(*args, **kwargs)
+    try:
+        dev, dtype, _, fmt = torch._C._nn._parse_to(*args, **kwargs)
+    except TypeError:  # lowbit's name of a grid, which torch's parser refuses ("invalid combination of arguments")
+        grid = kwargs.get("dtype") if isinstance(kwargs.get("dtype"), QDtype) else next(
+            (a for a in args if isinstance(a, QDtype)), None)
+        if grid is None:
+            raise
+        if grid != self.qdtype:
+            raise TypeError(f"QTensor.to({grid!r}): a {self.qdtype!r} QTensor cannot change its quantized dtype "
+                            "without a new grid; quantize dequantize() onto one (lowbit.quantize_per_tensor)") from None
+        return self.to(*(a for a in args if a is not grid), copy=copy,
+                       **{k: v for k, v in kwargs.items() if k != "dtype"})
     if dtype is not None:
         return to_dtype(self, dtype, args, dict(kwargs, copy=copy))
     dev = self.device if dev is None else dev  # (was the CPU: qt.to(memory_format=...) moved a CUDA QTensor)
