@@ -5,8 +5,10 @@ Silent before: a switch method read ``"no"`` / ``2`` as on, ``get_embedding_qcon
 torch.ao's float-qparams recipe, a per-tensor FakeQuantize adopted a ``(3,)`` grid from a checkpoint (failing on the next
 forward, deep), a per-channel observer adopted a 2-d range, a symmetric ``FixedQParamsObserver`` kept an affine zero
 point, ``LearnableFakeQuantize`` kept an off-grid zero point and resized past its ``channel_len``, ``QParams`` held a
-NaN scale, ``QuantStub`` took torch.ao's QConfig (refused only by ``prepare``). Deep before: ``fake_quantize`` with a
-``str`` bound, ``QTensor`` with a ``str`` scale, ``run_onnx`` on a corrupt file or a misfit input.
+NaN scale, ``QuantStub`` took torch.ao's QConfig (refused only by ``prepare``), ``averaging_constant=True`` read as 1.0,
+``set_object_type(int)`` matched nothing, a lowbit ``QConfig`` of torch.ao observers (or ``nn.Identity``) prepared and
+converted to a float model. Deep before: ``fake_quantize`` with a ``str`` bound, ``QTensor`` with a ``str`` scale,
+``run_onnx`` on a corrupt file or a misfit input, ``qt.to(Q.qint8)`` (torch's argument parser).
 """
 
 from __future__ import annotations
@@ -175,3 +177,23 @@ def test_averaging_constant_and_object_type_refuse_look_alikes():
         with pytest.raises(TypeError, match="must be a module class"):
             Q.QConfigMapping().set_object_type(cls, Q.get_minmax_qconfig())
     assert nn.Linear in Q.QConfigMapping().set_object_type(nn.Linear, None).object_type_qconfigs
+
+
+def test_qconfig_factories_must_build_lowbit_observers():
+    import torch.ao.quantization as tq
+
+    def prepared(qconfig):
+        return Q.prepare(nn.Sequential(Q.QuantStub(), nn.Linear(4, 2), Q.DeQuantStub()).eval(), qconfig)
+
+    with pytest.raises(TypeError, match=r"qconfig.activation\(\) built a torch.ao.quantization.observer.MinMaxObserver, "
+                                        r"not a lowbit observer.*lowbit.MinMaxObserver"):
+        prepared(Q.QConfig(activation=tq.MinMaxObserver, weight=tq.default_weight_observer))  # (was a float model)
+    with pytest.raises(TypeError, match=r"built a torch.nn.modules.linear.Identity"):
+        prepared(Q.QConfig(activation=lambda: nn.Identity(), weight=Q.PerChannelMinMaxObserver))
+    p = prepared(Q.QConfig(activation=Q.MinMaxObserver, weight=lambda: 3))
+    p(torch.randn(3, 4))
+    with pytest.raises(TypeError, match=r"module '1'.*qconfig.weight\(\) built a builtins.int"):
+        Q.convert(p)
+    with pytest.raises(TypeError, match=r"qconfig.weight\(\) built a torch.ao.quantization.fake_quantize.FakeQuantize"):
+        Q.prepare_qat(nn.Sequential(Q.QuantStub(), nn.Linear(4, 2), Q.DeQuantStub()).train(),
+                      Q.QConfig(activation=Q.FakeQuantize, weight=tq.default_weight_fake_quant))

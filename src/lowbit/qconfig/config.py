@@ -20,6 +20,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ..fake_quant import FakeQuantize
+from ..observer.base import ObserverBase
+
 __all__ = ["QConfig", "qconfig_equals"]
 
 Factory = Callable[[], nn.Module]
@@ -116,9 +119,19 @@ def build(qconfig: QConfig, field: str, where: str) -> Any:
     """``qconfig.activation()`` / ``qconfig.weight()`` (``field``), or its error naming ``where`` (the module) and
     the field; torch.ao's observer keywords that lowbit spells differently get the lowbit spelling."""
     try:
-        return getattr(qconfig, field)()
+        built = getattr(qconfig, field)()
     except (TypeError, ValueError) as e:
         raise type(e)(f"{where}: qconfig.{field}() failed: {e}{_ao_hint(str(e))}") from e
+    kind = f"{type(built).__module__}.{type(built).__qualname__}"
+    # refused: torch's classes (torch.ao's MinMaxObserver, an nn.Identity: prepare put it in, convert found no lowbit
+    # grid and left the layer float, silently) and anything without calculate_qparams (a weight of 3: "'int' object is
+    # not callable" at convert); a user's (or lowbit.algorithms') own observer module with calculate_qparams is kept
+    if not isinstance(built, (ObserverBase, FakeQuantize)) and (
+            kind.startswith("torch.") or not callable(getattr(built, "calculate_qparams", None))):
+        raise TypeError(f"{where}: qconfig.{field}() built a {kind}, not a lowbit observer or FakeQuantize"
+                        + ("; torch.ao's observers do not fit lowbit's workflows: use lowbit's of the same name "
+                           f"(lowbit.{type(built).__name__})" if kind.startswith("torch.ao.") else ""))
+    return built
 
 
 def _check_qconfig(qconfig: Any, where: str) -> QConfig | None:

@@ -34,6 +34,7 @@ from ...compile_state import refuse
 from ...fake_quant.base import holds_grid
 from ...functional import quantize
 from ...observer.distributed import local_statistics
+from ...qconfig.config import build
 from ...qparams import calculate_qparams
 from ...qscheme import QDtype, QScheme, as_qdtype, per_tensor_affine, quint8
 from ...qtensor import QTensor, quantize_per_channel
@@ -107,7 +108,7 @@ def weight_qparams(weight: torch.Tensor, mod: nn.Module, ch_axis: int, where: st
         qconfig = getattr(mod, "qconfig", None)
         if qconfig is None:
             raise ValueError(f"{where}.from_float: {type(mod).__name__} has no qconfig (run prepare first)")
-        obs = qconfig.weight()
+        obs = build(qconfig, "weight", f"{where}.from_float")
     with torch.no_grad():
         axis = getattr(obs, "ch_axis", None)
         # (ch_axis=-dim is axis 0 too: observed unmoved, a square transposed weight got input-channel grids, silently)
