@@ -374,7 +374,8 @@ def fake_quantize(
     ``quantize`` unless ``validate=False``. ``float_zero_point=True`` (``per_channel_affine_float_qparams``)
     rounds ``x / s + z`` instead of adding ``z`` after rounding (``z`` then need not be an integer).
     """
-    if validate:  # (before the comparison: a str / float bound raised a bare "'>=' not supported", or passed)
+    # (before the comparison: a str bound raised a bare "'>=' not supported", a float one passed; type() is the fast path)
+    if validate and not (type(quant_min) is int and type(quant_max) is int):  # noqa: E721
         for name, q in (("quant_min", quant_min), ("quant_max", quant_max)):
             if isinstance(q, bool) or not isinstance(q, (int, np.integer)):
                 raise TypeError(f"fake_quantize: {name}={q!r} must be an int")
