@@ -1,8 +1,9 @@
 """Eager vs ``torch.compile``: lowbit eager | lowbit compiled | torch.ao | fp32 | fp32 compiled, interleaved.
 
 Run: ``python benchmarks/compiled.py [--quick] [--threads 1 2] [--cases linear conv smallcnn smallcnn-x86 minilm
-mobilenetv2 mobilenetv2-x86] [--cosine]`` (``--cosine``: MiniLM's embedding cosine to fp32 per recipe, eager and
-compiled, as ``e2e.py`` measures it)
+mobilenetv2 mobilenetv2-x86] [--cosine] [--kernels]`` (``--cosine``: MiniLM's embedding cosine to fp32 per recipe, eager
+and compiled, as ``e2e.py`` measures it; ``--kernels``: SmallCNN's and MiniLM's kernel-level int8 : fp32 ratio,
+``int8_advantage.py``, the bar for ``compiled / fp32 compiled``)
 (method: ``common.py``; prints the ISA first). Writes ``benchmarks/results/compiled.json``.
 
 Every method is a whole float-in/float-out model built by the public workflows:
@@ -270,6 +271,7 @@ def main() -> None:
     common.add_common_args(p)
     p.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES, help="none: only --cosine")
     p.add_argument("--cosine", action="store_true", help="MiniLM recipes' embedding cosine to fp32, eager and compiled")
+    p.add_argument("--kernels", action="store_true", help="kernel-level int8 : fp32 ratio of SmallCNN and MiniLM")
     a = p.parse_args()
     if a.quick:
         a.rounds = min(a.rounds, 3)
@@ -295,6 +297,9 @@ def main() -> None:
                        + " ".join(f"{k}={v:.2f}x" for k, v in ratios.items()), file=sys.stdout)
     if a.cosine and D.minilm_available():
         res["minilm_cosine"] = minilm_cosine()
+    if a.kernels:
+        import int8_advantage
+        res["int8_advantage"] = int8_advantage.report(["smallcnn", "minilm"], a.rounds)
     print(common.write_results(a.out or "compiled", res))
 
 
