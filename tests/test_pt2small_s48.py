@@ -17,6 +17,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import lowbit as Q
+from lowbit import native
 from lowbit.examples import SmallCNN
 from lowbit.kernels import ConvSpec
 from lowbit.pt2 import kernel_ops
@@ -64,6 +65,8 @@ def _compiled(model: torch.nn.Module) -> torch.nn.Module:
     return torch.compile(model, fullgraph=True, dynamic=False)
 
 
+@pytest.mark.skipif(not native.available(), reason="without lowbit.native the stub and the add are other programs "
+                    "(lowbit::quantize, inductor's integer kernels)")
 def test_compiled_smallcnn_runs_only_its_ops_and_the_dequantize(smallcnn: tuple[torch.nn.Module, torch.Tensor]) -> None:
     """(pin) The inductor program of SmallCNN: the lowbit ops, inductor's one float kernel (the final dequantize), and
     nothing between them: no copy, clone, ``contiguous``, dtype conversion or other aten fallback."""
