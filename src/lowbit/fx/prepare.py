@@ -250,6 +250,9 @@ def _prepare_module(mod: nn.Module, ctx: _Ctx, prefix: str, example_inputs: tupl
         _prepare_children(mod, ctx, prefix)
         return mod
     _kinds_in_eval(gm, example_inputs)
+    for n in gm.graph.nodes:  # a number a parent's code passes to its child, not the user (fx/scalar_ops.py)
+        if n.op == "placeholder" and not top:
+            n.meta["lowbit_child_input"] = True
     apply_call_order(gm, ctx.mapping, prefix, ctx.order_seen, ctx.order_used)
     absorbed: dict[str, list[str]] = {}
     ctx.report.fused += [join(prefix, f) for f in fuse_graph(gm, ctx.is_qat, absorbed=absorbed)]

@@ -76,6 +76,25 @@ def _exact_product(c: float, k: float) -> float | None:
     return p if _f32(p) == p else None
 
 
+def _argument_number(c: Any) -> str | None:
+    """The name of the forward argument (not a tensor) that the number ``c`` is computed from, if any: a
+    ``forward(x, scale=1.0)`` calibrated with one ``scale`` and run with another put ``x * scale`` on the first one's
+    grid (10.7 dB at ``scale=2.0``, silently). Not an input of a child graph (an untraceable parent's call of its child,
+    ``self.inner(x, scale=2.0)``: the parent's code gives that number, not the user)."""
+    seen, todo = set(), [c] if isinstance(c, fx.Node) else []
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        tensor = n.meta.get("lowbit_rank") is not None or n.meta.get("lowbit_ftensor", False)
+        if n.op == "placeholder" and not tensor and not n.meta.get("lowbit_child_input", False):
+            return str(n.target).lstrip("*")  # (a number, or a dict / list holding one: ``kw.get("k", 1.0)``)
+        if not tensor:  # (a number read from a tensor, ``x.shape[-1]``, is the tensor's: not followed further)
+            todo.extend(n.all_input_nodes)
+    return None
+
+
 def scalar_op(node: fx.Node) -> tuple[str | None, str]:
     """``(qop, why)`` for ``node`` (module doc); sets ``node.meta["lowbit_scalar_op"]`` when ``qop`` is not ``None``."""
     try:
@@ -96,6 +115,10 @@ def scalar_op(node: fx.Node) -> tuple[str | None, str]:
     if kwargs:  # (rounding_mode, out=: no integer form)
         return None, ""
     c = node.args[1 - ix]
+    arg = _argument_number(c)
+    if arg is not None:
+        return None, (f"its number comes from the forward's argument {arg!r}, and an int8 output grid holds only "
+                      "the values calibration gave it")
     cv = as_number(c)
     if cv is not None and not math.isfinite(cv):
         return None, f"the number {c!r} is not finite"
