@@ -27,7 +27,6 @@ to an embedding ``QConfig`` (``{nn.Embedding: get_embedding_qconfig(float_qparam
 
 from __future__ import annotations
 
-import copy
 import warnings
 from typing import Any
 
@@ -39,7 +38,7 @@ from .nn.quantized.embedding import Embedding as QEmbedding
 from .nn.quantized.embedding import EmbeddingBag as QEmbeddingBag
 from .qconfig import QConfig, QConfigMapping
 from .qscheme import QDtype, as_qdtype, qint8
-from .workflow.propagate import refuse_call_order
+from .workflow.propagate import refuse_call_order, refuse_lazy
 from .state_check import guard_loading
 
 __all__ = ["quantize_dynamic"]
@@ -111,6 +110,7 @@ def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qi
         raise TypeError(f"quantize_dynamic: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(inplace, bool):
         raise TypeError(f"quantize_dynamic: inplace must be a bool, got {inplace!r}")
+    refuse_lazy("quantize_dynamic", model)
     mapping = get_default_dynamic_quant_module_mappings() if mapping is None else mapping
     if not isinstance(mapping, dict) or not all(isinstance(k, type) and hasattr(v, "from_float")
                                                 for k, v in mapping.items()):
@@ -128,8 +128,9 @@ def quantize_dynamic(model: nn.Module, qconfig_spec: Any = None, dtype: Any = qi
         if typos:
             warnings.warn(f"quantize_dynamic: qconfig_spec names no module of this model: {typos}; "
                           "module names are dotted paths as in named_modules()", stacklevel=2)
-    if not inplace:
-        model = copy.deepcopy(model)
+    from .fx.legacy import baked_copy  # (here: lowbit.fx's package imports the workflows)
+
+    model = baked_copy(model, "quantize_dynamic", False, inplace)  # (legacy norm hooks: deepcopy refused their weights)
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     found = [0]

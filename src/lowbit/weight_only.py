@@ -29,7 +29,6 @@ torch.Size([2, 16])
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -42,6 +41,7 @@ from .nn.quantized.group_size import DEFAULT_GROUP_SIZE, checked_group_size, fit
 from .nn.quantized.group_codes import warn_few_rows
 from .nn.quantized.weight_only import METHODS, WeightOnlyLinear, check_recipe, gptq_quantize
 from .state_check import guard_loading
+from .workflow.propagate import refuse_lazy
 
 __all__ = ["quantize_weight_only", "collect_hessians"]
 
@@ -189,6 +189,7 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int | None
     if method == "gptq":
         _check_calib(calib)
     skip = tuple(skip)
+    refuse_lazy("quantize_weight_only", model)  # (a copy would make its own random weights on its first call)
     _warn_unmatched_skip(model, skip)
     targets = _targets(model, skip)
     if not targets:
@@ -201,8 +202,9 @@ def quantize_weight_only(model: nn.Module, bits: int = 4, group_size: int | None
                          f"{odd} have an odd number: skip them (skip=(..., {odd[0]!r})) or use bits=8")
     group_size = checked_group_size({n or "<model>": lin.in_features for n, lin in targets.items()}, group_size,
                                     "quantize_weight_only")  # a given size refused where it does not divide
-    if not inplace:
-        model = copy.deepcopy(model)
+    from .fx.legacy import baked_copy  # (here: lowbit.fx's package imports the workflows)
+
+    model = baked_copy(model, "quantize_weight_only", False, inplace)  # (legacy norm hooks: deepcopy refused their weights)
     model.eval()
     linears = _targets(model, skip)
     tokens: dict[str, int] = {}

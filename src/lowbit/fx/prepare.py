@@ -51,6 +51,7 @@ from ..mappings import get_default_dynamic_quant_module_mappings, get_default_qa
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..workflow import is_dynamic_qconfig, propagate_qconfig_
 from ..workflow.kinds import model_kind
+from ..workflow.propagate import refuse_lazy
 from .classify import apply_call_order, classify, input_observer_qconfig, int_inputs, join, share_bilinear_grids, wants_int
 from .custom import declare_non_traceable, preserve, swap_custom
 from .padding import attach, hook_observers
@@ -87,6 +88,7 @@ def _check_args(fn: str, model: Any, example_inputs: Any, inplace: Any) -> None:
                         f"got {type(example_inputs).__name__}")
     if not isinstance(inplace, bool):
         raise TypeError(f"{fn}: inplace must be a bool, got {inplace!r}")
+    refuse_lazy(fn, model)
 
 
 def _kinds_in_eval(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -> None:

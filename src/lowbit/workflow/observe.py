@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import copy
 import warnings
 from typing import Any
 
@@ -29,7 +28,7 @@ from . import shared_grids
 from .hooks import (_NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_NATIVE, _is_observer, _is_table_recipe, _is_weighted,
                     _note_tag, _observe_float_input, _observe_input, _observe_output, _pass_tag,
                     _remove_observer_hooks)
-from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, _resolve_user_qconfig,
+from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, _resolve_user_qconfig, refuse_half_static,
                         refuse_call_order, warn_graph_mode, is_dynamic_qconfig, join_name, propagate_qconfig_)
 from ..state_check import guard_loading
 
@@ -95,8 +94,12 @@ def _setup(fn: str, model: Any, qconfig: Any, inplace: Any, mapping: Any, dynami
     qconfig = _resolve_user_qconfig(model, qconfig, default_qconfig)
     if isinstance(qconfig, (QConfigMapping, dict)):
         refuse_call_order(fn, QConfigMapping.from_qconfig(qconfig), "eager mode")
-    if not inplace:
-        model = copy.deepcopy(model)
+    refuse_half_static(fn, model, qconfig)
+    # the copy, and legacy weight / spectral norm hooks baked into plain weights (as prepare_fx does): the hook went
+    # with the module to its quantized class, whose forward then failed on 'weight_g' / 'weight_orig'
+    from ..fx.legacy import baked_copy  # (here: lowbit.fx's package imports this one)
+
+    model = baked_copy(model, fn, fn == "prepare_qat", inplace)
     return propagate_qconfig_(model, qconfig), mapping, dynamic
 
 

@@ -13,11 +13,14 @@ from __future__ import annotations
 import warnings
 from typing import Any, TypeGuard
 
+import torch
 from torch import fx, nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from ..batches import check_module
 from ..mappings import get_default_dynamic_quant_module_mappings
 from ..nn.intrinsic import FusedModule
+from ..observer import NoopObserver
 from ..qconfig import QConfig, QConfigMapping
 
 __all__ = ["propagate_qconfig_", "is_dynamic_qconfig"]
@@ -39,6 +42,23 @@ def _check_common(fn: str, model: Any, inplace: Any) -> None:
         raise TypeError(f"{fn}: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(inplace, bool):
         raise TypeError(f"{fn}: inplace must be a bool, got {inplace!r}")
+    refuse_lazy(fn, model)
+
+
+def refuse_lazy(fn: str, model: nn.Module) -> None:
+    """``ValueError`` naming the first lazy module (``nn.LazyLinear``, ``nn.LazyConv2d`` ...) whose parameters are
+    not made yet: the (copied) model would make its own random weights on its first calibration call, other than the
+    float model's (−2 dB against it, silently), and ``quantize_dynamic`` skipped the unconverted class.
+
+    >>> refuse_lazy("prepare", nn.Sequential(nn.LazyLinear(2)))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: prepare: module '0' (LazyLinear) has uninitialized parameters (a lazy module makes them on its ...
+    """
+    for name, mod in model.named_modules():
+        if isinstance(mod, LazyModuleMixin) and mod.has_uninitialized_params():
+            raise ValueError(f"{fn}: module {name or '<model>'!r} ({type(mod).__name__}) has uninitialized parameters "
+                             "(a lazy module makes them on its first call); run the float model once on an example "
+                             "input before quantizing, so that the quantized model starts from its weights")
 
 
 def warn_graph_mode(fn: str, model: nn.Module) -> bool:
@@ -83,6 +103,33 @@ def is_dynamic_qconfig(qconfig: Any) -> TypeGuard[QConfig]:
     (True, False)
     """
     return isinstance(qconfig, QConfig) and getattr(qconfig.activation(), "is_dynamic", False) is True
+
+
+def refuse_half_static(fn: str, model: nn.Module, qconfig: Any) -> None:
+    """``TypeError`` for a float16 / bfloat16 model that a static or QAT qconfig applies to (not a dynamic one, nor a
+    weight-only embedding one; ``qconfig``: the resolved one, ``None`` for the modules' own ``.qconfig`` only), as
+    ``prepare_fx`` refuses it: the int8 layers return float32, and the half float op after them failed deep in the
+    converted model (``LayerNorm``'s "mixed dtype (CPU)"), or the output came back float32.
+
+    >>> from lowbit import get_default_qconfig, get_dynamic_qconfig
+    >>> refuse_half_static("prepare", nn.Linear(2, 2).half(), get_dynamic_qconfig())  # (dynamic: float activations)
+    >>> refuse_half_static("prepare", nn.Linear(2, 2).half(), get_default_qconfig())  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    TypeError: prepare: static int8 needs a float32 model, but 'weight' is torch.float16 (the int8 layers return ...
+    """
+    half = next(((n, t.dtype) for n, t in (*model.named_parameters(), *model.named_buffers())
+                 if t.dtype in (torch.float16, torch.bfloat16)), None)
+    if half is None:
+        return
+    qconfigs = [m.__dict__.get("qconfig") for m in model.modules()]
+    if qconfig is not None:
+        mp = QConfigMapping.from_qconfig(qconfig)
+        qconfigs += [mp.global_qconfig, *mp.object_type_qconfigs.values(), *mp.module_name_qconfigs.values(),
+                     *mp.module_name_regex_qconfigs.values(), *mp.module_name_object_type_order_qconfigs.values()]
+    if any(q is not None and not is_dynamic_qconfig(q) and not isinstance(q.activation(), NoopObserver)
+           for q in qconfigs):  # (NoopObserver: a weight-only table recipe, whose rows return the model's dtype)
+        raise TypeError(f"{fn}: static int8 needs a float32 model, but {half[0]!r} is {half[1]} (the int8 layers "
+                        "return float32 to the float ops between them); call model.float() before preparing")
 
 
 def _dynamic_default(dynamic_mapping: Any) -> Any:
