@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx._symbolic_trace import _assert_is_none
 
 from ..fx_leaves import LOWBIT_LEAVES
 from .inplace import AUGMENTED_OPS, reroute_inplace
+from .none_args import name_specialised
 from .masks import mask_facts
 
 __all__ = ["trace", "record_tensor_kinds", "float_layout", "RootNotTraceable", "keep_buffers", "restore_buffers"]
@@ -224,7 +224,7 @@ def trace(model: nn.Module, example_inputs: tuple[Any, ...] | None = None,
             for n in graph.nodes:
                 if n.op == "placeholder" and n.target not in names and n.target.rpartition("_")[0] in concrete:
                     n.target = n.target.rpartition("_")[0]
-            _name_specialised(graph, type(model).__name__)
+            name_specialised(graph, type(model).__name__)
         for n in graph.nodes:  # `from __future__ import annotations` leaves string annotations, which fx's code
             if isinstance(n.type, str):  # generator makes into a global that torch.save / pickle cannot import
                 n.type = None
@@ -233,40 +233,6 @@ def trace(model: nn.Module, example_inputs: tuple[Any, ...] | None = None,
         pin_attribute_reads(gm)
         return gm, order
     raise ValueError(f"prepare_fx: gave up tracing {type(model).__name__} after {_MAX_RETRIES} untraceable submodules")
-
-
-@fx.node.has_side_effect  # (kept by dead-code elimination, as torch.fx's own check)
-def none_only(value: Any, msg: str) -> None:
-    """``ValueError(msg)`` when ``value`` is not ``None``: the check of an argument traced as ``None``.
-
-    It stands for torch.fx's ``_assert_is_none``, whose ``wrap`` registration the generated code re-runs with a dotted
-    name when a GraphModule is unpickled (``torch.load``): that load failed (``KeyError:
-    'torch.fx._symbolic_trace._assert_is_none'``) and every torch.fx trace after it in the process failed the same way
-    (``prepare_fx`` then left whole models float). On a ``Proxy`` (a re-trace, the unpickling) it is recorded, not run.
-
-    >>> none_only(None, "no")
-    """
-    if value is None:  # (first: the call of every forward, as cheap as torch.fx's check)
-        return
-    if isinstance(value, fx.Proxy):
-        value.tracer.create_proxy("call_function", none_only, (value, msg), {})
-        return
-    raise ValueError(msg)
-
-
-def _name_specialised(graph: fx.Graph, owner: str) -> None:
-    """Replace torch.fx's check of an argument traced as ``None`` (``concrete_args``) by ``none_only``, with a message
-    saying what happened and what to do: torch.fx's, "mask has been specialized to have value None but got another
-    value", was all a call with ``mask=tensor`` got, from deep in the generated forward."""
-    for n in graph.nodes:
-        if n.op == "call_function" and n.target is _assert_is_none and len(n.args) == 2:
-            arg = n.args[0].target if isinstance(n.args[0], fx.Node) else "argument"
-            arg = arg.rpartition("_")[0] if arg.rpartition("_")[2].isdigit() else arg
-            n.target = none_only
-            n.meta.pop("is_wrapped", None)
-            n.args = (n.args[0], f"{owner} was prepared with {arg}=None (traced as that constant, so `if {arg} is "
-                      f"None` branches follow it), and this model takes {arg}=None only; to quantize the path with a "
-                      f"{arg}, give prepare_fx example_inputs that pass one")
 
 
 def _root_error(model: nn.Module, cause: str) -> RootNotTraceable:
