@@ -44,6 +44,15 @@ def _prepare_fx(m):
     return Q.prepare_fx(m, Q.get_default_qconfig_mapping(), example_inputs=(_X,))
 
 
+def _ptq_fx(m):
+    """(prepared, converted) of ``m`` after one calibration batch, warnings silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = _prepare_fx(m)
+        p(_X)
+        return p, Q.convert_fx(p)
+
+
 def _prepare(m):
     m = nn.Sequential(Q.QuantStub(), m, Q.DeQuantStub())
     m.qconfig = Q.get_default_qconfig()
@@ -69,11 +78,7 @@ def test_a_lazy_module_run_once_is_quantized():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.LazyLinear(4)).eval()
     model(_X)  # (materialised: now an nn.Linear)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        p = _prepare_fx(copy.deepcopy(model))
-        p(_X)
-        q = Q.convert_fx(p)
+    p, q = _ptq_fx(copy.deepcopy(model))
     assert _sqnr(model(_X), q(_X)) > 30.0
 
 
@@ -131,11 +136,7 @@ class _Masked(nn.Module):
 def test_an_argument_traced_as_none_says_so_when_given():
     torch.manual_seed(0)
     model = _Masked().eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        p = _prepare_fx(model)
-        p(_X)
-        q = Q.convert_fx(p)
+    p, q = _ptq_fx(model)
     assert _sqnr(model(_X), q(_X)) > 30.0
     for m in (p, q):
         with pytest.raises(ValueError, match=r"_Masked was prepared with mask=None .*example_inputs that pass one"):
@@ -196,11 +197,7 @@ class _Scaled(nn.Module):
 def test_an_op_on_a_number_passed_to_forward_is_kept_float(form, scale):
     torch.manual_seed(0)
     model = _Scaled(form).eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        p = _prepare_fx(model)
-        p(_X)
-        q = Q.convert_fx(p)
+    p, q = _ptq_fx(model)
     assert _sqnr(model(_X, scale), q(_X, scale)) > 35.0  # before: 10.7 dB at mul 2.0 (the grid of scale=1.0)
     assert any("forward's argument 'scale'" in v for v in q.lowbit_report.left_float.values()), \
         q.lowbit_report.left_float
@@ -216,11 +213,7 @@ def test_a_number_from_the_input_shape_keeps_its_int8_op():
         def forward(self, x):
             return self.fc(x) * (x.shape[-1] / 8)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        p = _prepare_fx(M().eval())
-        p(_X)
-        q = Q.convert_fx(p)
+    p, q = _ptq_fx(M().eval())
     assert not q.lowbit_report.left_float
     assert "QFunctional" in str([type(m).__name__ for m in q.modules()])
 
@@ -260,10 +253,6 @@ def test_a_forward_with_var_keywords_is_prepared_and_its_number_kept_float():
 
     torch.manual_seed(0)
     model = M().eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        p = _prepare_fx(model)
-        p(_X)
-        q = Q.convert_fx(p)
+    p, q = _ptq_fx(model)
     assert _sqnr(model(_X), q(_X)) > 35.0 and _sqnr(model(_X, k=3.0), q(_X, k=3.0)) > 35.0
     assert "argument 'kw'" in str(q.lowbit_report.left_float)
