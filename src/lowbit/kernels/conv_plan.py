@@ -15,8 +15,9 @@ itself costs ~50 µs at batch 2). The weight is packed for the input it meets (`
 shape and whether ``z_x`` is non-zero; kept per shape, up to ``conv_split.SHAPED_PACKS``, by
 ``conv_split.packed_for_input``): packed without them, oneDNN's layout for the real input can differ, and the call then
 reorders the weight on every call (``ONEDNN_VERBOSE``: a generic ``simple:any`` reorder, 1.57 ms of a 1.7 ms call
-for a 64 → 384 1x1 conv at batch 8 with z_x = 0; ~35 reorders in one MobileNetV2 forward). The layout does not
-change the sums, so the codes are the same. NCHW codes (a Quantize stub's output, e.g. an image) go to
+for a 64 → 384 1x1 conv at batch 8 with z_x = 0; ~35 reorders in one MobileNetV2 forward), made on a new thread
+(``conv_split.in_fresh_thread``: a thread's ideep cache hands a same-shaped layer the other zero point's layout). The
+layout does not change the sums, so the codes are the same. NCHW codes (a Quantize stub's output, e.g. an image) go to
 channels-last memory through ``lowbit.native`` first (MobileNetV2's stem input at batch 8: ~0.3 ms against ~0.8-1.6
 for the copy inside the oneDNN call). An output grid narrower than the u8 storage (a 7-bit grid) is clamped by
 oneDNN's ``hardtanh`` post-op (``OutGrid.onednn_post``: the same codes as a clamp after the call) instead of a second

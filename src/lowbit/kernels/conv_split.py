@@ -16,6 +16,7 @@ many-row kernel at half the split's multiply-adds (the same sums and epilogue).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +58,8 @@ def packed_for_input(store: dict[tuple[Any, bool], Any], q: torch.Tensor, zx: in
     conv's 4-d input, else ``None``), keeping the ``SHAPED_PACKS`` newest. A conv weight packed by ``qconv_prepack``
     for the input it meets: packed without its shape and zero point, oneDNN's layout for the real input can differ and
     every call reorders the weight (``conv_plan``'s docstring); the layout does not change the sums. Shared by
-    ``conv_plan``, the generic ``conv`` and the weight-split convs (``_wsplit_packs``).
+    ``conv_plan``, the generic ``conv`` and the weight-split convs (``_wsplit_packs``). ``make`` runs on a new thread
+    (``in_fresh_thread``: a thread's ideep cache can hand out the other zero point's layout).
 
     >>> store = {}
     >>> packed_for_input(store, torch.zeros(2, 3, 4, 4), 5, lambda z, shape: (z, shape))
@@ -70,8 +72,40 @@ def packed_for_input(store: dict[tuple[Any, bool], Any], q: torch.Tensor, zx: in
     if packed is None:
         if len(store) >= SHAPED_PACKS:
             store.pop(next(iter(store)))
-        packed = store[key] = make(zx, list(q.shape) if q.dim() == 4 else None)
+        packed = store[key] = in_fresh_thread(make, zx, list(q.shape) if q.dim() == 4 else None)
     return packed
+
+
+def in_fresh_thread(make: Callable[[int, list[int] | None], Any], zx: int, shape: list[int] | None) -> Any:
+    """``make(zx, shape)`` run on a new thread (with the caller's ``torch.get_num_threads()``), its error re-raised.
+
+    ``qconv_prepack`` asks ideep for the weight layout through a per-thread cache of primitive descriptors whose key
+    leaves out the input zero point, so in a thread that packed the same geometry and input shape with the other kind
+    of ``z_x`` (zero / non-zero) it gets that pack's layout: a weight with zero-point compensation (``f8:zpm1``) for a
+    ``z_x = 0`` input or one without for ``z_x != 0``, and oneDNN reorders it on every call (``ONEDNN_VERBOSE``;
+    MobileNetV2's three 960-channel depthwise convs, the first fed ``z_x = 0``, the other two ``z_x != 0``). A new
+    thread starts with an empty cache (~80 µs, once per layer, input shape and kind of ``z_x``); the layout does not
+    change the sums.
+
+    >>> in_fresh_thread(lambda z, shape: (z, shape, threading.current_thread() is threading.main_thread()), 3, None)
+    (3, None, False)
+    """
+    n, box = torch.get_num_threads(), []
+
+    def work() -> None:
+        try:
+            if torch.get_num_threads() != n:  # (the layout query, like the call, sees the caller's thread count)
+                torch.set_num_threads(n)
+            box.append((True, make(zx, shape)))
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+            box.append((False, e))
+    t = threading.Thread(target=work, name="lowbit-qconv-prepack", daemon=True)
+    t.start()
+    t.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _wsplit_packs(entry: Any, q: torch.Tensor, zx: int, groups: int,
