@@ -26,7 +26,8 @@ at the same versions, whose qdtype is the same object, per tensor, and whose cod
 reads them) are u8 CPU codes of that very shape: every check ``run`` and the module's forward make depends only on
 these (the shape checks, the odd-window test, the pack's key), so the lane repeats ``run``'s layout step (NCHW codes
 to channels-last memory) and its call, with the same tally. The module calls it only without explicit padding (its
-input is then the plan's input) and after its own buffer checks (``WeightedQuantModule._lane_call``).
+input is then the plan's input) and after its own buffer checks (``WeightedQuantModule._lane_call``); the compiled
+``lowbit::qconv`` / ``qconv_cfg`` after ``checked_weight`` and its input checks (``pt2.kernel_ops``).
 
 >>> import torch, lowbit as Q
 >>> lane = LinearLane(k=2, vnni=False, vnni_rows=0, out=(None, None, Q.quint8), counts={}, key=("onednn", "linear"))

@@ -13,7 +13,8 @@ object (``weight_cache``: the same buffer object comes back on every call of a c
 exported program; ``cached_weight``: what the cache's entries hold in its place); with no backend
 pinned, a per-tensor CPU ``qlinear`` runs the eager module's own ``kernels.plan.linear_plan`` (the
 same codes, ~50 µs less per call at small M on the AVX2 EPYC), and ``qconv`` its
-``kernels.conv_plan`` where it makes one (the same oneDNN call), kept in that cache.
+``kernels.conv_plan`` where it makes one (the same oneDNN call), kept in that cache; both enter their plan's lane
+first (``kernels.lane``: the eager module's route, only what can change between calls checked).
 
 >>> import torch, lowbit as Q
 >>> from lowbit.pt2 import weight_cache
@@ -263,13 +264,17 @@ def _qconv(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.
     cache, weight, (w_scale, w_zero_point, bias) = checked_weight(op, weight, w_scale, w_zero_point, bias, spec.dim + 2,
                                                                   1 if transposed else 0, groups)
     check_conv(op, x, x_scale, x_zero_point, x_qdtype, weight, out_scale, out_zero_point, spec)
-    xq = QTensor._trusted(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
+    xq = QTensor._trusted(x, x_scale, x_zero_point, _qdtype(x_qdtype))  # (one QDtype object per key: the lane's)
     if (out_scale is not None and out_zero_point is not None and x.is_cpu and x.numel()
             and kernels.get_backend() is None and x_scale.numel() == 1):  # the eager module's plan (its floor)
         run = _conv_plan(cache, x_qdtype, weight, w_scale, w_zero_point, w_qdtype, bias, out_scale, out_zero_point,
                          out_qdtype, relu, spec)
         if run is not None:
-            return _conv_layout(run(xq).int_repr(), spec.dim, nlc)
+            # the eager module's route: the plan's lane first (armed by run's last call on this input grid and shape:
+            # the same oneDNN call on the same pack, only what can change between calls checked), then run
+            lane = getattr(run, "lane", None)  # (conv_small's planned pass has none)
+            y = None if lane is None else lane(xq)
+            return _conv_layout((run(xq) if y is None else y).int_repr(), spec.dim, nlc)
     wq = QTensor._trusted(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=1 if transposed else 0)
     out = _out_grid(out_scale, out_zero_point, out_qdtype)
     y = kernels.conv(xq, wq, bias, spec, out, relu, cache)
