@@ -46,7 +46,11 @@ def _pack_wsplit(w: torch.Tensor, geometry: tuple[list[int], list[int], list[int
     n = ws[0].shape[0]
     ones, zeros = torch.ones(n), torch.zeros(n, dtype=torch.int64)
     shaped: dict[tuple[Any, bool], Any] = {}  # (input shape, z_x != 0) -> the packs for that input (_wsplit_packs)
-    return tuple(torch.ops.onednn.qconv_prepack(t, ones, 1.0, 0, *geometry, groups, None) for t in ws), ones, zeros, ws, shaped
+    # (on a new thread, as packed_for_input's: packed after a same-geometry z_x != 0 pack in the calling thread, ideep's
+    # cache gave these the other layout, and a 3-d conv's every call reordered its weight: tests/test_pt2lane_s48.py)
+    packs = in_fresh_thread(lambda z, shape: tuple(torch.ops.onednn.qconv_prepack(t, ones, 1.0, z, *geometry, groups,
+                                                                                  shape) for t in ws), 0, None)
+    return packs, ones, zeros, ws, shaped
 
 
 SHAPED_PACKS = 8  # input shapes (with a zero / non-zero input zero point) a conv layer keeps weight packs for
@@ -131,7 +135,8 @@ def _wsplit_conv(entry: Any, q: torch.Tensor, sx: float, zx: int, weight: QTenso
     copies out of channels-last), no doubled batch; the same multiply-adds.
     """
     _, ones, zeros = entry[:3]
-    packs = _wsplit_packs(entry, q, zx, groups, geometry) if q.dim() == 4 else entry[0]
+    # (a 3-d conv's z_x != 0 too: packed for z_x = 0, its every call reordered the weights, 1 reorder a call)
+    packs = _wsplit_packs(entry, q, zx, groups, geometry) if q.dim() == 4 or zx != 0 else entry[0]
     stride, padding, dilation = geometry
     ys = [torch.ops.onednn.qconv_pointwise(q, 1.0, zx, p, ones, zeros, None, stride, padding, dilation, groups, 1.0, 0,
                                            torch.float32, "none", [], "") for p in packs]
