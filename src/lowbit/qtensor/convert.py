@@ -75,15 +75,21 @@ def type_string(qt: Any) -> str:
     return f"{root}.quantized.{name}Tensor" if dev == "cpu" else f"{root}.{dev}.quantized.{name}Tensor"
 
 
+def _own_grid(qt: Any, grid: QDtype, call: str) -> None:
+    """``None`` for the QTensor's own lowbit grid (``qt.to(Q.quint8)`` / ``qt.type(...)``: a no-op, as torch's own
+    dtype); another grid is a ``TypeError`` naming both (new codes need a new grid, not a cast)."""
+    if grid != qt.qdtype:
+        raise TypeError(f"QTensor.{call}({grid!r}): a {qt.qdtype!r} QTensor cannot change its quantized dtype without "
+                        "a new grid; quantize dequantize() onto one (lowbit.quantize_per_tensor)")
+    return None
+
+
 def _named_dtype(qt: Any, dtype: Any) -> torch.dtype | None:
     """The dtype that ``type(dtype)`` names (``None``: the QTensor's own type string, or its own lowbit grid)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, QDtype):
-        if dtype == qt.qdtype:
-            return None
-        raise TypeError(f"QTensor.type({dtype!r}): a {qt.qdtype!r} QTensor cannot change its quantized dtype without "
-                        "a new grid")
+        return _own_grid(qt, dtype, "type")
     if isinstance(dtype, str):
         if dtype == type_string(qt):
             return None
@@ -148,14 +154,14 @@ def _to(self: Any, *args: Any, **kwargs: Any) -> Any:
     copy = bool(kwargs.pop("copy", False))
     try:
         dev, dtype, _, fmt = torch._C._nn._parse_to(*args, **kwargs)
+        grid = None
     except TypeError:  # lowbit's name of a grid, which torch's parser refuses ("invalid combination of arguments")
         grid = kwargs.get("dtype") if isinstance(kwargs.get("dtype"), QDtype) else next(
             (a for a in args if isinstance(a, QDtype)), None)
         if grid is None:
             raise
-        if grid != self.qdtype:
-            raise TypeError(f"QTensor.to({grid!r}): a {self.qdtype!r} QTensor cannot change its quantized dtype "
-                            "without a new grid; quantize dequantize() onto one (lowbit.quantize_per_tensor)") from None
+    if grid is not None:  # (checked outside the handler: the error is not chained to the parser's refusal)
+        _own_grid(self, grid, "to")
         return self.to(*(a for a in args if a is not grid), copy=copy,
                        **{k: v for k, v in kwargs.items() if k != "dtype"})
     if dtype is not None:
