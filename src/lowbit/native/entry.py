@@ -47,6 +47,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
                      " f32 f32 f32 f32 p i32 i32", "i32"),
     "lb_smallconv_body": ("i32", "i32"),
     "lb_linear_run": ("p p i64 i64 i32 p p p i32 i32", "i32"),
+    "lb_linear_split": ("p i64 i32 i32 i32", "i32"),
     "lb_conv_gemm": ("p p i64 i64 i64 i64 i64 i64 i64 i64 i64 i64 i64 i64 i32 i64 i64 p i32 i32", "i32"),
     "lb_dyn_linear": ("p i64 i64 i64 i64 p p p i32 p p p i32 i32 i32", "i32"),
     "lb_all_finite": ("p i64 i32", "i32"),

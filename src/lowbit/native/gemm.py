@@ -109,6 +109,20 @@ class LinearPlan:
         counts[self.name] += 1
         return True
 
+    def split(self, m: int, threads: int | None = None, conv: bool = False) -> tuple[int, bool] | None:
+        """How a call of ``m`` rows (``conv``: ``run_conv``'s patch rows) on ``threads`` threads (default: what
+        ``run`` passes, ``torch.get_num_threads()`` past ATen's grain size) splits: ``(threads used, by rows)``, else
+        by whole 64-column blocks (16 without VNNI); with the kernels this plan has packed so far (a first call
+        packs). ``None`` without the native build."""
+        lib = _state.get("lib")
+        if lib is None:
+            return None
+        nt = _threads(m * self.n * self.k // 16) if threads is None else threads
+        if m < 0 or nt < 1:
+            raise ValueError(f"lowbit.native.LinearPlan.split: m={m!r} must be >= 0 and threads={threads!r} >= 1")
+        v = lib.lb_linear_split(self._addr, m, nt, _local.__dict__.get("isa", 1), int(conv))
+        return v // 2, bool(v % 2)
+
     def run_conv(self, q: torch.Tensor, zx: int, kernel: tuple[int, int], stride: list[int], padding: list[int],
                  dilation: list[int], out: torch.Tensor) -> bool:
         """``run`` on the patches of a 2-d conv of one group over channels-last u8 codes ``q`` ``(N, C, H, W)``

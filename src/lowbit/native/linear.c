@@ -814,6 +814,38 @@ typedef struct {
     const int8_t *wv;
 } lin_plan;
 
+/* How run_plan splits a call of m rows over nthreads threads: the kernels it takes and the threads' shares. */
+typedef struct { const int8_t *wv, *wp; int sgn, by_rows, nt; int64_t unit, blocks; } lin_split;
+
+static lin_split plan_split(const lin_plan *p, int64_t m, int nthreads, int isa, int conv) {
+    lin_split sp;
+    const int avx2 = use_avx2(isa), vnni = use_vnni(isa);
+    /* the many-row kernels: blk_bcast_vnni (any plan, from one row: its 1 × 4 block ran 1.2-2x blk_dot_vnni at one
+     * row on Zen 5, session 31), blk_bcast (`pairs`), blk_bcast_s (any other plan) */
+    sp.wv = avx2 && vnni ? p->wv : NULL;
+    sp.wp = avx2 && !vnni && p->wp && m >= BCAST_M && (p->pairs || p->sw) ? p->wp : NULL;
+    sp.sgn = sp.wp && !p->pairs;
+    sp.unit = sp.wv ? RV_V * NB : sp.wp ? NB : NC;
+    sp.blocks = (p->n + sp.unit - 1) / sp.unit;
+    /* threads own whole blocks of columns; or, where each thread would make the sign codes or patches of every row for
+     * weights small enough to share (n k <= ROWS_SPLIT_BYTES), whole tiles of rows (session 27: with columns split, a
+     * 16 -> 32 3x3 at batch 64 made its patches on both threads and ran at 0.95x im2col first, 2 threads); or where
+     * there are fewer column blocks than threads the rows would keep busy (a 64-column layer at 64 rows, SmallCNN's
+     * fc1 64x1568->64: one block, so one thread, session 49), whole tiles of rows too: every (row, column) sum and
+     * its epilogue are the same operations whichever thread makes them, so the output is the same bit for bit */
+    sp.by_rows = (sp.wp || sp.wv) && (((sp.sgn || conv) && p->n * p->k <= ROWS_SPLIT_BYTES)
+                                       || sp.blocks < threads_for(nthreads, m));
+    sp.nt = threads_for(nthreads, sp.by_rows ? m : sp.blocks);
+    return sp;
+}
+
+/* plan_split's choice for a call of m rows (conv: lb_conv_gemm's, else lb_linear_run's): threads * 2 + by_rows (tests,
+ * benchmarks) */
+int lb_linear_split(const lin_plan *p, int64_t m, int nthreads, int isa, int conv) {
+    const lin_split sp = plan_split(p, m, nthreads, isa, conv);
+    return sp.nt * 2 + sp.by_rows;
+}
+
 /* out (m, n), row stride n, from u8 codes x (m, k; row stride ldx; zero point zx) through plan p (ra, rs: modes 3
  * and 5's per-row vectors), rows in chunks of MAX_ROWS; the many-row kernel from BCAST_M rows where p->wp is made. cv
  * (lb_conv_gemm; x NULL): the rows are cv's patches, made per tile by the threads. Returns 1 when out of memory
@@ -821,19 +853,11 @@ typedef struct {
 static int run_plan(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx, int zx, const float *ra,
                     const float *rs, void *out, int nthreads, int isa, const conv_src *cv) {
     const int avx2 = use_avx2(isa), vnni = use_vnni(isa);
-    /* the many-row kernels: blk_bcast_vnni (any plan, from one row: its 1 × 4 block ran 1.2-2x blk_dot_vnni at one
-     * row on Zen 5, session 31), blk_bcast (`pairs`), blk_bcast_s (any other plan) */
-    const int8_t *wv = avx2 && vnni ? p->wv : NULL;
-    const int8_t *wp = avx2 && !vnni && p->wp && m >= BCAST_M && (p->pairs || p->sw) ? p->wp : NULL;
-    const int sgn = wp && !p->pairs;
+    const lin_split sp = plan_split(p, m, nthreads, isa, cv != NULL);
+    const int8_t *wv = sp.wv, *wp = sp.wp;
+    const int sgn = sp.sgn, by_rows = sp.by_rows, nt = sp.nt;
     const int sgn1 = avx2 && !wp && !vnni && !p->pairs && p->wsum;  /* blk_sgn (few rows) */
-    const int64_t k = p->k, n = p->n;
-    const int64_t unit = wv ? RV_V * NB : wp ? NB : NC, blocks = (n + unit - 1) / unit;
-    /* threads own whole blocks of columns; or, where each thread would make the sign codes or patches of every row for
-     * weights small enough to share (n k <= ROWS_SPLIT_BYTES), whole tiles of rows (session 27: with columns split, a
-     * 16 -> 32 3x3 at batch 64 made its patches on both threads and ran at 0.95x im2col first, 2 threads) */
-    const int by_rows = (wp || wv) && (sgn || cv) && n * k <= ROWS_SPLIT_BYTES;
-    const int nt = threads_for(nthreads, by_rows ? m : blocks);
+    const int64_t k = p->k, n = p->n, unit = sp.unit, blocks = sp.blocks;
     /* each thread's buffers for one row tile: blk_bcast_s's codes and row sums, a conv's patch rows (lin_run makes
      * them); blk_sgn: every row's codes, made here (sign_rows) */
     const int64_t rb = tile_rows(m, k, wp != NULL || wv != NULL, sgn, cv != NULL);
