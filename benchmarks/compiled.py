@@ -299,7 +299,7 @@ def main() -> None:
         res["minilm_cosine"] = minilm_cosine()
     if a.kernels:
         import int8_advantage
-        res["int8_advantage"] = int8_advantage.report(["smallcnn", "minilm"], a.rounds)
+        res["int8_advantage"] = int8_advantage.report(["smallcnn", "minilm"], a.rounds, tuple(a.threads))
     print(common.write_results(a.out or "compiled", res))
 
 

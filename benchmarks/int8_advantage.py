@@ -1,8 +1,12 @@
 """The hardware's int8 advantage for a model, measured at the kernel: every Conv / Linear layer's raw int8 call
 against the raw float32 call of the same shape, summed per model.
 
-Run: ``python benchmarks/int8_advantage.py [--models smallcnn minilm] [--rounds 15]`` (1 thread; prints the ISA).
-Also ``python benchmarks/compiled.py --kernels``.
+Run: ``python benchmarks/int8_advantage.py [--models smallcnn minilm] [--rounds 15] [--threads 1 2] [--compiled]``
+(prints the ISA and the load average). Also ``python benchmarks/compiled.py --kernels`` (at its ``--threads``).
+``--threads``: every count in every round (``torch.set_num_threads``), a table per count; the clock is this thread's
+CPU time at 1 thread and wall time past it (see ``advantage``), so on a shared machine trust the paired ratios only and
+rerun quietly. ``--compiled``: lowbit's model compiled (``compiled.py``'s fullgraph) timed in the same rounds, its
+``compiled / fp32 compiled`` ratio printed next to the advantage (the median of the per-round ratios).
 
 Per layer, with its input shape recorded from the float model on the benchmark's batch (SmallCNN b64 on
 28 × 28, MiniLM b32 on ``compiled.py``'s 32 sentences):
@@ -25,13 +29,15 @@ in float32 (Amdahl): a ceiling for MiniLM, whose rest (attention, LayerNorm, GEL
 whose rest (pooling, ReLU, the residual add) runs on 1-byte codes in the int8 model and is faster there too.
 
 Measured (session 48, Xeon AVX-512 VNNI + AMX, shared 2 vCPUs, 1 thread): SmallCNN b64 2.60-2.82x at the kernels;
-MiniLM b32 4.12-4.17x at the kernels, model bound 3.08x.
+MiniLM b32 4.12-4.17x at the kernels, model bound 3.08x. At 2 threads (session 49) see benchmarks/README.md: taken
+with 3-5 other processes on the 2 vCPUs, so only a quiet rerun gives the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -109,98 +115,170 @@ def _pair(layer: nn.Module, shape: torch.Size, codes_out: bool) -> tuple[Callabl
             lambda: F.linear(x, w, bias))
 
 
+def _set_threads(n: int) -> None:
+    torch.set_num_threads(n)
+
+
 def advantage(layers: list[tuple[str, nn.Module, torch.Size]], codes_out: bool, rounds: int,
               lowbit: dict[str, tuple[nn.Module, Any]] | None = None, whole: Callable[[], Any] | None = None,
-              min_time: float = 0.002) -> dict[str, Any]:
-    """Per layer and summed: median thread-time µs of the int8 and float32 calls (and of lowbit's converted layer,
-    where ``lowbit`` has it), interleaved; ``whole``: the float32 model's call, timed in the same rounds (the model
-    bound)."""
+              min_time: float = 0.002, threads: tuple[int, ...] = (1,),
+              compiled: Callable[[], Any] | None = None) -> dict[int, dict[str, Any]]:
+    """Per thread count, per layer and summed: median µs of the int8 and float32 calls (and of lowbit's converted
+    layer, where ``lowbit`` has it), interleaved; ``whole``: the float32 model's call, timed in the same rounds (the
+    model bound); ``compiled``: lowbit's model compiled, timed in the same rounds (``compiled / fp32 compiled``, the
+    median of the per-round ratios).
+
+    Each round runs every thread count in turn (``torch.set_num_threads``), so the counts share the machine's load.
+    Clock: this thread's CPU time (``time.thread_time_ns``) at 1 thread, as before; wall time past 1 (the other
+    threads' work is not this thread's CPU time), so on a shared machine the figures past 1 thread carry the other
+    processes' load (``other_load``: their CPUs, median over the rounds) and only the paired ratios are to be trusted.
+    ``wall_us`` (every count) gives the scaling: ``int8_scaling`` / ``fp32_scaling`` = the 1-thread wall sum over
+    this count's."""
     calls = [(n, shape, *_pair(m, shape, codes_out)) for n, m, shape in layers]
     if whole is not None:  # (a pseudo-layer: its "int8" and "fp32" both the float32 model)
         calls.append(("<model>", torch.Size(), whole, whole))
     own = {n: (lambda m=m, q=q: m(q)) for n, (m, q) in (lowbit or {}).items()}
-    reps = []
+    if compiled is not None:
+        own["<model>"] = compiled
+    reps: list[int] = []
+    t: dict[tuple[int, str, str], list[float]] = {}  # (threads, layer, kind): thread-time µs (1 thread) / wall µs
+    wall: dict[tuple[int, str, str], list[float]] = {}
+    loads: dict[int, list[float]] = {n: [] for n in threads}
+    meter = common.LoadMeter()
     with torch.inference_mode():
-        for _, _, i8, f32 in calls:  # warm-up (first-call primitive creation) and a repeat count per layer
-            for f in (i8, f32, i8, f32):
-                f()
+        for nt in threads:  # warm-up at every count (oneDNN makes its primitives per thread count)
+            _set_threads(nt)
+            for name, _, i8, f32 in calls:
+                for f in (i8, f32, i8, f32) + ((own[name], own[name]) if name in own else ()):
+                    f()
+        _set_threads(threads[0])
+        for _, _, _, f32 in calls:  # a repeat count per layer, at the first count
             t0 = time.perf_counter()
             f32()
             reps.append(max(1, int(min_time / max(time.perf_counter() - t0, 1e-7))))
-        t: dict[tuple[str, str], list[float]] = {}
         for r in range(rounds):
-            for (name, _, i8, f32), n in zip(calls, reps, strict=True):
-                kinds = [("int8", i8), ("fp32", f32)] + ([("lowbit", own[name])] if name in own else [])
-                for kind, f in kinds if r % 2 == 0 else kinds[::-1]:
-                    t0 = time.thread_time_ns()
-                    for _ in range(n):
-                        f()
-                    t.setdefault((name, kind), []).append((time.thread_time_ns() - t0) / n / 1e3)
+            for nt in threads if r % 2 == 0 else threads[::-1]:
+                _set_threads(nt)
+                meter.start()
+                for (name, _, i8, f32), n in zip(calls, reps, strict=True):
+                    kinds = [("int8", i8), ("fp32", f32)] + ([("lowbit", own[name])] if name in own else [])
+                    for kind, f in kinds if r % 2 == 0 else kinds[::-1]:
+                        c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+                        for _ in range(n):
+                            f()
+                        w1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+                        wall.setdefault((nt, name, kind), []).append((w1 - w0) / n / 1e3)
+                        t.setdefault((nt, name, kind), []).append(((c1 - c0) if nt == 1 else (w1 - w0)) / n / 1e3)
+                loads[nt].append(meter.stop())
+    _set_threads(threads[0])
+    return {nt: _summary(t, wall, nt, threads[0], calls[:len(layers)], own, whole is not None, compiled is not None,
+                         loads[nt]) for nt in threads}
+
+
+def _summary(t: dict[tuple[int, str, str], list[float]], wall: dict[tuple[int, str, str], list[float]], nt: int,
+             base: int, calls: list[Any], own: dict[str, Any], has_model: bool, has_compiled: bool,
+             loads: list[float]) -> dict[str, Any]:
+    med = statistics.median
     rows = []
-    model = statistics.median(t.pop(("<model>", "int8")) + t.pop(("<model>", "fp32"))) if whole is not None else None
-    for name, shape, _, _ in calls[:len(layers)]:
-        dnn, f32 = statistics.median(t[(name, "int8")]), statistics.median(t[(name, "fp32")])
-        lb = statistics.median(t[(name, "lowbit")]) if name in own else None
+    for name, shape, _, _ in calls:
+        dnn, f32 = med(t[(nt, name, "int8")]), med(t[(nt, name, "fp32")])
+        lb = med(t[(nt, name, "lowbit")]) if name in own else None
         i8 = dnn if lb is None else min(dnn, lb)
         rows.append({"layer": name, "input": list(shape), "onednn_us": dnn, "lowbit_layer_us": lb, "int8_us": i8,
                      "fp32_us": f32, "ratio": f32 / i8})
     s8, s32 = sum(r["int8_us"] for r in rows), sum(r["fp32_us"] for r in rows)
-    out = {"layers": rows, "int8_us": s8, "fp32_us": s32, "ratio": s32 / s8}
-    if model is not None:
+    out: dict[str, Any] = {"threads": nt, "clock": "thread time" if nt == 1 else "wall", "layers": rows,
+                           "int8_us": s8, "fp32_us": s32, "ratio": s32 / s8,
+                           "other_load": med(loads) if loads else None}
+
+    def wall_sum(n: int, kind: str) -> float:  # the int8 sum takes the faster of oneDNN and lowbit's layer, as above
+        total = 0.0
+        for name, *_ in calls:
+            v = med(wall[(n, name, "int8")]) if kind == "int8" else med(wall[(n, name, "fp32")])
+            if kind == "int8" and name in own:
+                v = min(v, med(wall[(n, name, "lowbit")]))
+            total += v
+        return total
+    out["wall_int8_us"], out["wall_fp32_us"] = wall_sum(nt, "int8"), wall_sum(nt, "fp32")
+    if nt != base:
+        out["int8_scaling"] = wall_sum(base, "int8") / out["wall_int8_us"]
+        out["fp32_scaling"] = wall_sum(base, "fp32") / out["wall_fp32_us"]
+    if has_model:
+        model = med(t[(nt, "<model>", "int8")] + t[(nt, "<model>", "fp32")])
         out.update(fp32_compiled_model_us=model, model_bound=model / (model - s32 + s8))
+        if has_compiled:
+            mine = t[(nt, "<model>", "lowbit")]
+            pair = [(a + b) / 2 / c for a, b, c in zip(t[(nt, "<model>", "int8")], t[(nt, "<model>", "fp32")], mine,
+                                                       strict=True)]
+            out.update(lowbit_compiled_model_us=med(mine), compiled_ratio=med(pair))
     return out
 
 
-def _smallcnn_lowbit(fp: nn.Module, x: torch.Tensor) -> dict[str, tuple[nn.Module, Any]]:
+def _smallcnn_lowbit(fp: nn.Module) -> nn.Module:
     """SmallCNN converted as ``compiled.py`` converts it (fused, default qconfig, two random calibration batches)."""
     lb = Q.prepare(Q.fuse_modules(copy.deepcopy(fp).eval(), SmallCNN.fusion_groups()), Q.get_default_qconfig())
     with torch.inference_mode():
         for _ in range(2):
             lb(torch.randn(128, 1, 28, 28))
-    return quantized_inputs(Q.convert(lb), x)
+    return Q.convert(lb)
 
 
-def _compiled_call(model: nn.Module, *args: Any, **kwargs: Any) -> Callable[[], Any]:
-    c = torch.compile(model, dynamic=False)
+def _compiled_call(model: nn.Module, *args: Any, fullgraph: bool = False, **kwargs: Any) -> Callable[[], Any]:
+    c = torch.compile(model, dynamic=False, fullgraph=fullgraph)
     with torch.inference_mode():
         c(*args, **kwargs)
     return lambda: c(*args, **kwargs)
 
 
-Model = tuple[list[tuple[str, nn.Module, torch.Size]], bool, Any, Callable[[], Any]]
+# (layers with input shapes, static, lowbit's converted layers or None, the float32 model compiled, a builder of the
+# lowbit model compiled as compiled.py compiles it)
+Model = tuple[list[tuple[str, nn.Module, torch.Size]], bool, Any, Callable[[], Any], Callable[[], Callable[[], Any]]]
 
 
 def models(names: list[str]) -> dict[str, Model]:
-    """``{label: (layers with input shapes, static, lowbit's converted layers or None, the float32 model compiled)}``
-    of the benchmark's models."""
+    """``{label: Model}`` of the benchmark's models (see ``Model``)."""
     out: dict[str, Model] = {}
     if "smallcnn" in names:
         torch.manual_seed(0)
         fp, x = SmallCNN().eval(), torch.randn(64, 1, 28, 28)
-        out["SmallCNN b64 static"] = (layer_inputs(fp, x), True, _smallcnn_lowbit(fp, x), _compiled_call(fp, x))
+        lb = _smallcnn_lowbit(fp)
+        out["SmallCNN b64 static"] = (layer_inputs(fp, x), True, quantized_inputs(lb, x), _compiled_call(fp, x),
+                                      lambda: _compiled_call(lb, x, fullgraph=True))
     if "minilm" in names and D.minilm_available():
         tok, model = D.load_minilm()
         docs = [f"sentence number {i} about the quantization of neural networks on CPUs" for i in range(32)]
         enc = tok(docs, padding=True, truncation=True, max_length=128, return_tensors="pt")
         kw = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-        out["MiniLM b32 dynamic"] = (layer_inputs(model.eval(), **kw), False, None, _compiled_call(model, **kw))
+        out["MiniLM b32 dynamic"] = (layer_inputs(model.eval(), **kw), False, None, _compiled_call(model, **kw),
+                                     lambda: _compiled_call(Q.quantize_dynamic(copy.deepcopy(model)), fullgraph=True,
+                                                            **kw))
     return out
 
 
-def report(names: list[str], rounds: int) -> dict[str, Any]:
-    """Measure and print each model's kernel-level int8 : float32 ratio (1 thread)."""
-    torch.set_num_threads(1)
-    res = {}
-    for label, (layers, static, own, whole) in models(names).items():
-        r = res[label] = advantage(layers, static, rounds, own, whole)
-        print(f"{label}: {len(layers)} layers, int8 kernels {r['int8_us']:.0f} us, fp32 kernels {r['fp32_us']:.0f} us "
-              f"-> kernel-level int8 advantage {r['ratio']:.2f}x (1 thread); fp32 compiled model "
-              f"{r['fp32_compiled_model_us']:.0f} us -> model bound {r['model_bound']:.2f}x")
-        for row in r["layers"]:
-            lb = "" if row["lowbit_layer_us"] is None else f" (oneDNN {row['onednn_us']:.1f}, lowbit layer " \
-                                                            f"{row['lowbit_layer_us']:.1f})"
-            print(f"    {row['layer']:40s} {str(tuple(row['input'])):22s} int8 {row['int8_us']:8.1f} us  "
-                  f"fp32 {row['fp32_us']:8.1f} us  {row['ratio']:.2f}x{lb}")
+def report(names: list[str], rounds: int, threads: tuple[int, ...] = (1,), compiled: bool = False) -> dict[str, Any]:
+    """Measure and print each model's kernel-level int8 : float32 ratio at each thread count (``compiled``: also
+    lowbit's model compiled against the float32 model compiled, in the same rounds)."""
+    res: dict[str, Any] = {}
+    for label, (layers, static, own, whole, build) in models(names).items():
+        per = advantage(layers, static, rounds, own, whole, threads=threads, compiled=build() if compiled else None)
+        res[label] = {str(nt): r for nt, r in per.items()}
+        for nt, r in per.items():
+            scale = "" if "int8_scaling" not in r else \
+                f"; {threads[0]} -> {nt} threads (wall): int8 kernels {r['int8_scaling']:.2f}x, fp32 kernels " \
+                f"{r['fp32_scaling']:.2f}x"
+            comp = "" if "compiled_ratio" not in r else \
+                f"; lowbit compiled {r['lowbit_compiled_model_us']:.0f} us -> compiled / fp32 compiled " \
+                f"{r['compiled_ratio']:.2f}x"
+            print(f"{label}, {nt} thread(s) ({r['clock']}, other load {r['other_load']:.2f} CPUs): {len(layers)} layers, "
+                  f"int8 kernels {r['int8_us']:.0f} us, fp32 kernels {r['fp32_us']:.0f} us -> kernel-level int8 advantage "
+                  f"{r['ratio']:.2f}x; fp32 compiled model {r['fp32_compiled_model_us']:.0f} us -> model bound "
+                  f"{r['model_bound']:.2f}x{comp}{scale}")
+        for row in zip(*(per[nt]["layers"] for nt in threads), strict=True):
+            cells = []
+            for nt, c in zip(threads, row, strict=True):
+                lb = "" if c["lowbit_layer_us"] is None else f" (oneDNN {c['onednn_us']:.1f}, lowbit {c['lowbit_layer_us']:.1f})"
+                cells.append(f"t{nt}: int8 {c['int8_us']:7.1f} fp32 {c['fp32_us']:7.1f} {c['ratio']:.2f}x{lb}")
+            print(f"    {row[0]['layer']:32s} {str(tuple(row[0]['input'])):20s} " + " | ".join(cells))
     return res
 
 
@@ -208,9 +286,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="*", default=["smallcnn", "minilm"], choices=["smallcnn", "minilm"])
     p.add_argument("--rounds", type=common.positive_int, default=15)
+    p.add_argument("--threads", type=common.positive_int, nargs="+", default=[1],
+                   help="thread counts, each timed in every round (1: thread time; more: wall time)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time lowbit's model compiled (compiled.py's fullgraph) in the same rounds")
+    p.add_argument("--out", default="int8_advantage", help="results name")
     a = p.parse_args()
-    print(common.isa_line(), flush=True)
-    print(common.write_results("int8_advantage", report(a.models, a.rounds)))
+    print(common.isa_line(), f"| threads {a.threads} | load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(common.write_results(a.out, report(a.models, a.rounds, tuple(a.threads), a.compiled)))
 
 
 if __name__ == "__main__":
