@@ -1,7 +1,8 @@
 """The hardware's int8 advantage for a model, measured at the kernel: every Conv / Linear layer's raw int8 call
 against the raw float32 call of the same shape, summed per model.
 
-Run: ``python benchmarks/int8_advantage.py [--models smallcnn minilm] [--rounds 15] [--threads 1 2] [--compiled]``
+Run: ``python benchmarks/int8_advantage.py [--models smallcnn minilm] [--rounds 15] [--threads 1 2] [--compiled]
+[--caller-cpu]``
 (prints the ISA and the load average). Also ``python benchmarks/compiled.py --kernels`` (at its ``--threads``).
 ``--threads``: every count in every round (``torch.set_num_threads``), a table per count; the clock is this thread's
 CPU time at 1 thread and wall time past it (see ``advantage``), so on a shared machine trust the paired ratios only and
@@ -122,7 +123,7 @@ def _set_threads(n: int) -> None:
 def advantage(layers: list[tuple[str, nn.Module, torch.Size]], codes_out: bool, rounds: int,
               lowbit: dict[str, tuple[nn.Module, Any]] | None = None, whole: Callable[[], Any] | None = None,
               min_time: float = 0.002, threads: tuple[int, ...] = (1,),
-              compiled: Callable[[], Any] | None = None) -> dict[int, dict[str, Any]]:
+              compiled: Callable[[], Any] | None = None, caller_cpu: bool = False) -> dict[int, dict[str, Any]]:
     """Per thread count, per layer and summed: median µs of the int8 and float32 calls (and of lowbit's converted
     layer, where ``lowbit`` has it), interleaved; ``whole``: the float32 model's call, timed in the same rounds (the
     model bound); ``compiled``: lowbit's model compiled, timed in the same rounds (``compiled / fp32 compiled``, the
@@ -132,6 +133,9 @@ def advantage(layers: list[tuple[str, nn.Module, torch.Size]], codes_out: bool, 
     Clock: this thread's CPU time (``time.thread_time_ns``) at 1 thread, as before; wall time past 1 (the other
     threads' work is not this thread's CPU time), so on a shared machine the figures past 1 thread carry the other
     processes' load (``other_load``: their CPUs, median over the rounds) and only the paired ratios are to be trusted.
+    ``caller_cpu``: this thread's CPU time at every count, a proxy for a quiet machine's wall time that the other
+    processes barely move, meaningful with ``OMP_WAIT_POLICY=PASSIVE`` (else the pool's spin-waits count): a step
+    split evenly over 2 threads shows about half its 1-thread time, one run on the calling thread all of it.
     ``wall_us`` (every count) gives the scaling: ``int8_scaling`` / ``fp32_scaling`` = the 1-thread wall sum over
     this count's."""
     calls = [(n, shape, *_pair(m, shape, codes_out)) for n, m, shape in layers]
@@ -159,6 +163,8 @@ def advantage(layers: list[tuple[str, nn.Module, torch.Size]], codes_out: bool, 
         for r in range(rounds):
             for nt in threads if r % 2 == 0 else threads[::-1]:
                 _set_threads(nt)
+                for f in calls[0][2:]:  # (untimed: the first parallel region after a switch of the count costs up to
+                    f()                 # ~1 ms on a loaded machine, which would land on the first layer)
                 meter.start()
                 for (name, _, i8, f32), n in zip(calls, reps, strict=True):
                     kinds = [("int8", i8), ("fp32", f32)] + ([("lowbit", own[name])] if name in own else [])
@@ -168,16 +174,17 @@ def advantage(layers: list[tuple[str, nn.Module, torch.Size]], codes_out: bool, 
                             f()
                         w1, c1 = time.perf_counter_ns(), time.thread_time_ns()
                         wall.setdefault((nt, name, kind), []).append((w1 - w0) / n / 1e3)
-                        t.setdefault((nt, name, kind), []).append(((c1 - c0) if nt == 1 else (w1 - w0)) / n / 1e3)
+                        t.setdefault((nt, name, kind), []).append(((c1 - c0) if nt == 1 or caller_cpu else (w1 - w0))
+                                                                  / n / 1e3)
                 loads[nt].append(meter.stop())
     _set_threads(threads[0])
     return {nt: _summary(t, wall, nt, threads[0], calls[:len(layers)], own, whole is not None, compiled is not None,
-                         loads[nt]) for nt in threads}
+                         loads[nt], caller_cpu) for nt in threads}
 
 
 def _summary(t: dict[tuple[int, str, str], list[float]], wall: dict[tuple[int, str, str], list[float]], nt: int,
              base: int, calls: list[Any], own: dict[str, Any], has_model: bool, has_compiled: bool,
-             loads: list[float]) -> dict[str, Any]:
+             loads: list[float], caller_cpu: bool = False) -> dict[str, Any]:
     med = statistics.median
     rows = []
     for name, shape, _, _ in calls:
@@ -187,7 +194,8 @@ def _summary(t: dict[tuple[int, str, str], list[float]], wall: dict[tuple[int, s
         rows.append({"layer": name, "input": list(shape), "onednn_us": dnn, "lowbit_layer_us": lb, "int8_us": i8,
                      "fp32_us": f32, "ratio": f32 / i8})
     s8, s32 = sum(r["int8_us"] for r in rows), sum(r["fp32_us"] for r in rows)
-    out: dict[str, Any] = {"threads": nt, "clock": "thread time" if nt == 1 else "wall", "layers": rows,
+    clock = "thread time" if nt == 1 else "caller's CPU time" if caller_cpu else "wall"
+    out: dict[str, Any] = {"threads": nt, "clock": clock, "layers": rows,
                            "int8_us": s8, "fp32_us": s32, "ratio": s32 / s8,
                            "other_load": med(loads) if loads else None}
 
@@ -255,12 +263,14 @@ def models(names: list[str]) -> dict[str, Model]:
     return out
 
 
-def report(names: list[str], rounds: int, threads: tuple[int, ...] = (1,), compiled: bool = False) -> dict[str, Any]:
+def report(names: list[str], rounds: int, threads: tuple[int, ...] = (1,), compiled: bool = False,
+           caller_cpu: bool = False) -> dict[str, Any]:
     """Measure and print each model's kernel-level int8 : float32 ratio at each thread count (``compiled``: also
     lowbit's model compiled against the float32 model compiled, in the same rounds)."""
     res: dict[str, Any] = {}
     for label, (layers, static, own, whole, build) in models(names).items():
-        per = advantage(layers, static, rounds, own, whole, threads=threads, compiled=build() if compiled else None)
+        per = advantage(layers, static, rounds, own, whole, threads=threads, compiled=build() if compiled else None,
+                        caller_cpu=caller_cpu)
         res[label] = {str(nt): r for nt, r in per.items()}
         for nt, r in per.items():
             scale = "" if "int8_scaling" not in r else \
@@ -290,10 +300,13 @@ def main() -> None:
                    help="thread counts, each timed in every round (1: thread time; more: wall time)")
     p.add_argument("--compiled", action="store_true",
                    help="also time lowbit's model compiled (compiled.py's fullgraph) in the same rounds")
+    p.add_argument("--caller-cpu", action="store_true",
+                   help="the calling thread's CPU time at every count (run with OMP_WAIT_POLICY=PASSIVE): a proxy for "
+                        "quiet wall time on a loaded machine")
     p.add_argument("--out", default="int8_advantage", help="results name")
     a = p.parse_args()
     print(common.isa_line(), f"| threads {a.threads} | load average {os.getloadavg()[0]:.2f}", flush=True)
-    print(common.write_results(a.out, report(a.models, a.rounds, tuple(a.threads), a.compiled)))
+    print(common.write_results(a.out, report(a.models, a.rounds, tuple(a.threads), a.compiled, a.caller_cpu)))
 
 
 if __name__ == "__main__":
