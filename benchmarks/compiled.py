@@ -22,7 +22,9 @@ Every method is a whole float-in/float-out model built by the public workflows:
 torch.ao twins use the x86 engine and its default qconfigs (reduce_range 7-bit activations) on the
 same float weights; ``lowbit compiled`` is ``torch.compile(model, fullgraph=True)`` (the int8 steps
 are ``torch.ops.lowbit`` custom ops, bit-identical to eager; float glue such as MiniLM's attention is
-fused by inductor and may differ in the last bits: checked before timing, printed).
+fused by inductor and may differ in the last bits: checked before timing, printed). Each case is built and compiled
+at each ``--threads`` count before it is timed there: inductor's C++ kernels keep the count they were compiled at
+(compiled at 1 they have no parallel region, compiled at 2 they run 2 threads at any count), for lowbit and fp32 alike.
 """
 
 from __future__ import annotations
@@ -281,9 +283,12 @@ def main() -> None:
     res: dict[str, Any] = {"runs": []}
     todo = cases(a.cases, a.quick)
     for label, build in tqdm(todo, desc="cases", file=sys.stdout):
-        meth = build()
         for threads in a.threads:
+            # built and compiled at the count it is timed at: inductor's C++ kernels keep the count they were compiled
+            # at (compiled at 1 they have no parallel region; at 2 they run 2 threads at any count), the lowbit and
+            # the fp32 model alike (session 49)
             torch.set_num_threads(threads)
+            meth = build()
             t = common.bench(meth, a.rounds, a.min_time, a.max_load, a.max_wait)
             s = t.summary("fp32")
             ratios = {}

@@ -120,14 +120,23 @@ def _set_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+PerCount = Callable[[], Any] | dict[int, Callable[[], Any]]
+
+
+def _at_count(f: PerCount) -> Callable[[], Any]:
+    """``f``, or of a ``{thread count: call}`` the call of the current count."""
+    return (lambda: f[torch.get_num_threads()]()) if isinstance(f, dict) else f
+
+
 def advantage(layers: list[tuple[str, nn.Module, torch.Size]], codes_out: bool, rounds: int,
-              lowbit: dict[str, tuple[nn.Module, Any]] | None = None, whole: Callable[[], Any] | None = None,
+              lowbit: dict[str, tuple[nn.Module, Any]] | None = None, whole: PerCount | None = None,
               min_time: float = 0.002, threads: tuple[int, ...] = (1,),
-              compiled: Callable[[], Any] | None = None, caller_cpu: bool = False) -> dict[int, dict[str, Any]]:
+              compiled: PerCount | None = None, caller_cpu: bool = False) -> dict[int, dict[str, Any]]:
     """Per thread count, per layer and summed: median µs of the int8 and float32 calls (and of lowbit's converted
     layer, where ``lowbit`` has it), interleaved; ``whole``: the float32 model's call, timed in the same rounds (the
     model bound); ``compiled``: lowbit's model compiled, timed in the same rounds (``compiled / fp32 compiled``, the
-    median of the per-round ratios).
+    median of the per-round ratios). Either may be ``{thread count: call}``: each count's call then runs at its count
+    (a model compiled at that count: inductor's C++ kernels take the count they are compiled at).
 
     Each round runs every thread count in turn (``torch.set_num_threads``), so the counts share the machine's load.
     Clock: this thread's CPU time (``time.thread_time_ns``) at 1 thread, as before; wall time past 1 (the other
@@ -140,10 +149,10 @@ def advantage(layers: list[tuple[str, nn.Module, torch.Size]], codes_out: bool, 
     this count's."""
     calls = [(n, shape, *_pair(m, shape, codes_out)) for n, m, shape in layers]
     if whole is not None:  # (a pseudo-layer: its "int8" and "fp32" both the float32 model)
-        calls.append(("<model>", torch.Size(), whole, whole))
+        calls.append(("<model>", torch.Size(), _at_count(whole), _at_count(whole)))
     own = {n: (lambda m=m, q=q: m(q)) for n, (m, q) in (lowbit or {}).items()}
     if compiled is not None:
-        own["<model>"] = compiled
+        own["<model>"] = _at_count(compiled)
     reps: list[int] = []
     t: dict[tuple[int, str, str], list[float]] = {}  # (threads, layer, kind): thread-time µs (1 thread) / wall µs
     wall: dict[tuple[int, str, str], list[float]] = {}
@@ -232,15 +241,18 @@ def _smallcnn_lowbit(fp: nn.Module) -> nn.Module:
 
 
 def _compiled_call(model: nn.Module, *args: Any, fullgraph: bool = False, **kwargs: Any) -> Callable[[], Any]:
-    c = torch.compile(model, dynamic=False, fullgraph=fullgraph)
+    """A copy of ``model`` compiled at the current thread count (a copy: dynamo does not guard on the count, so the
+    same module compiled again would reuse its first code) and warmed up."""
+    c = torch.compile(copy.deepcopy(model), dynamic=False, fullgraph=fullgraph)
     with torch.inference_mode():
         c(*args, **kwargs)
     return lambda: c(*args, **kwargs)
 
 
-# (layers with input shapes, static, lowbit's converted layers or None, the float32 model compiled, a builder of the
-# lowbit model compiled as compiled.py compiles it)
-Model = tuple[list[tuple[str, nn.Module, torch.Size]], bool, Any, Callable[[], Any], Callable[[], Callable[[], Any]]]
+# (layers with input shapes, static, lowbit's converted layers or None, builders of the float32 model compiled and of
+# the lowbit model compiled as compiled.py compiles it: each compiles at the current thread count)
+Model = tuple[list[tuple[str, nn.Module, torch.Size]], bool, Any, Callable[[], Callable[[], Any]],
+              Callable[[], Callable[[], Any]]]
 
 
 def models(names: list[str]) -> dict[str, Model]:
@@ -250,16 +262,16 @@ def models(names: list[str]) -> dict[str, Model]:
         torch.manual_seed(0)
         fp, x = SmallCNN().eval(), torch.randn(64, 1, 28, 28)
         lb = _smallcnn_lowbit(fp)
-        out["SmallCNN b64 static"] = (layer_inputs(fp, x), True, quantized_inputs(lb, x), _compiled_call(fp, x),
+        out["SmallCNN b64 static"] = (layer_inputs(fp, x), True, quantized_inputs(lb, x), lambda: _compiled_call(fp, x),
                                       lambda: _compiled_call(lb, x, fullgraph=True))
     if "minilm" in names and D.minilm_available():
         tok, model = D.load_minilm()
         docs = [f"sentence number {i} about the quantization of neural networks on CPUs" for i in range(32)]
         enc = tok(docs, padding=True, truncation=True, max_length=128, return_tensors="pt")
         kw = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-        out["MiniLM b32 dynamic"] = (layer_inputs(model.eval(), **kw), False, None, _compiled_call(model, **kw),
-                                     lambda: _compiled_call(Q.quantize_dynamic(copy.deepcopy(model)), fullgraph=True,
-                                                            **kw))
+        qm = Q.quantize_dynamic(copy.deepcopy(model))
+        out["MiniLM b32 dynamic"] = (layer_inputs(model.eval(), **kw), False, None, lambda: _compiled_call(model, **kw),
+                                     lambda: _compiled_call(qm, fullgraph=True, **kw))
     return out
 
 
@@ -268,8 +280,15 @@ def report(names: list[str], rounds: int, threads: tuple[int, ...] = (1,), compi
     """Measure and print each model's kernel-level int8 : float32 ratio at each thread count (``compiled``: also
     lowbit's model compiled against the float32 model compiled, in the same rounds)."""
     res: dict[str, Any] = {}
-    for label, (layers, static, own, whole, build) in models(names).items():
-        per = advantage(layers, static, rounds, own, whole, threads=threads, compiled=build() if compiled else None,
+    for label, (layers, static, own, fp32_build, build) in models(names).items():
+        whole, mine = {}, {}
+        for nt in threads:  # each compiled at the count it runs at
+            _set_threads(nt)
+            whole[nt] = fp32_build()
+            if compiled:
+                mine[nt] = build()
+        _set_threads(threads[0])
+        per = advantage(layers, static, rounds, own, whole, threads=threads, compiled=mine if compiled else None,
                         caller_cpu=caller_cpu)
         res[label] = {str(nt): r for nt, r in per.items()}
         for nt, r in per.items():

@@ -105,9 +105,11 @@ def labelled(probe: Probe) -> Iterator[None]:
             setattr(owner, name, fn)
 
 
-def breakdown(call: Callable[[], Any], rounds: int, calls: int, threads: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+def breakdown(call: IA.PerCount, rounds: int, calls: int, threads: tuple[int, ...]) -> dict[int, dict[str, Any]]:
     """Per thread count: ``{label: (caller cpu µs, all threads' cpu µs, wall µs, calls)}`` per model call (medians
-    over rounds), ``whole`` the model call and ``rest`` whole - Σ labels, and the other processes' load."""
+    over rounds), ``whole`` the model call and ``rest`` whole - Σ labels, and the other processes' load. ``call``:
+    one, or one per count."""
+    call = IA._at_count(call)
     probe = Probe()
     per: dict[int, dict[str, list[tuple[float, ...]]]] = {n: defaultdict(list) for n in threads}
     loads: dict[int, list[float]] = {n: [] for n in threads}
@@ -158,9 +160,10 @@ def show(label: str, res: dict[int, dict[str, Any]], threads: tuple[int, ...]) -
         print(f"    {k:30s} {steps[k][3]:5.0f} {cells} |        {rat}")
 
 
-def fp32_profile(call: Callable[[], Any], threads: tuple[int, ...], calls: int, rounds: int) -> None:
+def fp32_profile(call: IA.PerCount, threads: tuple[int, ...], calls: int, rounds: int) -> None:
     """The float32 model compiled, ``torch.profiler``'s self wall time per op on the calling thread (top 8), per count."""
     from torch.profiler import profile
+    call = IA._at_count(call)
     tot: dict[int, dict[str, list[float]]] = {n: defaultdict(list) for n in threads}
     with torch.inference_mode():
         for r in range(rounds):
@@ -188,16 +191,23 @@ def main() -> None:
     p.add_argument("--threads", type=common.positive_int, nargs="+", default=[1, 2])
     p.add_argument("--fp32", action="store_true", help="also profile the float32 model compiled per op")
     p.add_argument("--compile-threads", type=common.positive_int, default=None,
-                   help="torch.get_num_threads() while the models compile (inductor's C++ kernels take the count "
-                        "then); default: the largest of --threads")
+                   help="compile once, at this count (inductor's C++ kernels keep the count they are compiled at: "
+                        "at 1 they are serial at any count); default: each count's own compiled models")
     a = p.parse_args()
     threads = tuple(a.threads)
-    torch.set_num_threads(a.compile_threads or max(threads))
     print(common.isa_line(), f"| threads {threads} | load average {os.getloadavg()[0]:.2f} | OMP_WAIT_POLICY "
           f"{os.environ.get('OMP_WAIT_POLICY', '(unset: waiting threads spin)')} | compiled at "
-          f"{torch.get_num_threads()} threads", flush=True)
-    for label, (_, _, _, fp32_call, build) in IA.models(a.models).items():
-        show(f"{label} lowbit compiled", breakdown(build(), a.rounds, a.calls, threads), threads)
+          f"{a.compile_threads or 'each count'}", flush=True)
+    for label, (_, _, _, fp32_build, build) in IA.models(a.models).items():
+        mine: dict[int, Callable[[], Any]] = {}
+        fp32_call: dict[int, Callable[[], Any]] = {}
+        for n in (a.compile_threads,) if a.compile_threads else threads:
+            torch.set_num_threads(n)
+            mine[n], fp32_call[n] = build(), fp32_build()
+        if a.compile_threads:
+            mine = {n: mine[a.compile_threads] for n in threads}
+            fp32_call = {n: fp32_call[a.compile_threads] for n in threads}
+        show(f"{label} lowbit compiled", breakdown(mine, a.rounds, a.calls, threads), threads)
         show(f"{label} fp32 compiled (no labels: whole)", breakdown(fp32_call, a.rounds, a.calls, threads), threads)
         if a.fp32:
             print(f"{label} fp32 compiled, profiler self wall µs per call:")
