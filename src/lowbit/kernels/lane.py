@@ -50,6 +50,7 @@ from .small_m import _quantized_out as _quantized  # (torch's deprecation warnin
 __all__ = ["LinearLane", "ConvLane"]
 
 _U8 = (torch.uint8, torch.quint8)
+_UINT8, _CL = torch.uint8, torch.channels_last
 _MAX_TEMPLATES = 8  # row counts whose output template is kept (a model sees a few batch sizes)
 _TEMPLATE_CODES = 1 << 16  # outputs up to this many codes are made from a kept template (at most 8 × 64 KiB held)
 
@@ -167,10 +168,12 @@ class ConvLane:
         if (s is not st[0] or z is not st[1] or x._qdtype is not st[4] or x._axis is not None
                 or (st[2] != -1 and s._version != st[2]) or (st[3] != -1 and z._version != st[3])):
             return None
-        q = x._q  # (run's x.int_repr(): a native tensor's codes made here as there)
-        if q.shape != st[5] or q.dtype != torch.uint8 or not q.is_cpu:
+        q = x._c  # (run's x.int_repr(): a native tensor's codes made here as there)
+        if q is None:
+            q = x._q
+        if q.shape != st[5] or q.dtype is not _UINT8 or not q.is_cpu:
             return None
-        if not q.is_contiguous(memory_format=torch.channels_last):  # (run's layout step)
+        if not q.is_contiguous(memory_format=_CL):  # (run's layout step)
             cl = native.to_channels_last(q)
             q = q if cl is None else cl
         self._counts[self._key] += 1

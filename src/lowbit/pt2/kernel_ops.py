@@ -254,13 +254,15 @@ def _qconv(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.
            bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
            out_qdtype: str, relu: bool, stride: list[int], padding: list[int], dilation: list[int], groups: int,
            transposed: bool, output_padding: list[int], checked_spec: ConvSpec | None = None,
-           nlc: bool = False) -> torch.Tensor:
+           nlc: bool = False, config: str | None = None) -> torch.Tensor:
     """``qconv`` / ``qconv_cfg`` (``op``: the name its errors give; ``qconv_cfg`` gives ``checked_spec``, the geometry's
-    ``ConvSpec`` made and checked once per config string: ~2 µs a call less than making it here)."""
+    ``ConvSpec`` made and checked once per config string: ~2 µs a call less than making it here, and its ``config``,
+    under which a call the plan's lane served keeps the fast entry ``qconv_cfg`` tries first: ``_arm_fast``)."""
     spec = checked_spec
     if spec is None:
         spec = _spec(stride, padding, dilation, groups, transposed, output_padding)
         check_geometry(op, spec)
+    given = (weight, w_scale, w_zero_point, bias)
     cache, weight, (w_scale, w_zero_point, bias) = checked_weight(op, weight, w_scale, w_zero_point, bias, spec.dim + 2,
                                                                   1 if transposed else 0, groups)
     check_conv(op, x, x_scale, x_zero_point, x_qdtype, weight, out_scale, out_zero_point, spec)
@@ -274,7 +276,12 @@ def _qconv(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.
             # the same oneDNN call on the same pack, only what can change between calls checked), then run
             lane = getattr(run, "lane", None)  # (conv_small's planned pass has none)
             y = None if lane is None else lane(xq)
-            return _conv_layout((run(xq) if y is None else y).int_repr(), spec.dim, nlc)
+            if y is None:
+                y = run(xq)
+            elif config is not None:  # (a stale entry replaced: the plan may be another since)
+                _arm_fast(cache, config, lane, xq._qdtype, given, (w_scale, w_zero_point, bias, out_scale,
+                                                                   out_zero_point), spec.dim, nlc)
+            return _conv_layout(y.int_repr(), spec.dim, nlc)
     wq = QTensor._trusted(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=1 if transposed else 0)
     out = _out_grid(out_scale, out_zero_point, out_qdtype)
     y = kernels.conv(xq, wq, bias, spec, out, relu, cache)
@@ -349,12 +356,49 @@ def _cfg_args(config: str) -> tuple[tuple[str, str, str, bool], tuple[Any, ...],
     return (x_qd, w_qd, out_qd, relu), tuple(geometry), nlc, spec
 
 
+_STILL = torch.zeros(0)  # (never written: its version stands for a tensor without one in a fast entry's key)
+
+
+def _still(t: torch.Tensor | None) -> torch.Tensor:
+    return _STILL if t is None or t.is_inference() else t
+
+
+def _arm_fast(cache: dict[str, Any], config: str, lane: Any, x_qdtype: Any, given: tuple[Any, ...],
+              grids: tuple[Any, ...], dim: int, nlc: bool) -> None:
+    """Keep ``qconv_cfg``'s fast entry for ``config`` in the weight's ``cache`` (which ``cached_weight`` empties when
+    the weight's version or address moves): after a call the conv plan's lane served, everything the op's checks
+    (``checked_weight``, ``check_conv``) and its plan key (``layer_key``) read of the weight and the grids is fixed by
+    the identities and versions of ``weight``, ``w_scale``, ``w_zero_point``, ``bias``, ``out_scale``,
+    ``out_zero_point``, the weight's address, the CPU's VNNI answer and no pinned backend; the input's (its shape,
+    dtype, device, grid) the lane checks itself, so a call whose lane declines takes the full path, errors included.
+    Not kept where ``checked_weight`` put held copies in place of the given grid (AOTInductor's per-call constants:
+    other objects every call)."""
+    weight, *wgrid = given
+    if any(a is not b for a, b in zip(wgrid, grids[:3], strict=True)):
+        return
+    tensors = tuple(map(_still, grids))  # (never the weight itself: see cached_weight)
+    w_inf = weight.is_inference()
+    cache[config] = (grids, tensors, tuple(t._version for t in tensors), w_inf, -1 if w_inf else weight._version,
+                     weight.data_ptr(), kernels.onednn.has_vnni(), lane, x_qdtype, dim, nlc)
+
+
 def qconv_cfg(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, weight: torch.Tensor,
               w_scale: torch.Tensor, w_zero_point: torch.Tensor, bias: torch.Tensor | None, out_scale: torch.Tensor | None,
               out_zero_point: torch.Tensor | None, config: str) -> torch.Tensor:
+    hit = _CACHES.get(id(weight))  # the fast entry (_arm_fast): the lane's call after identity and version checks
+    f = None if hit is None or hit[0]() is not weight else hit[1].get(config)
+    if f is not None:
+        g, (ts, tz, tb, tos, toz) = f[0], f[1]
+        if (g[0] is w_scale and g[1] is w_zero_point and g[2] is bias and g[3] is out_scale and g[4] is out_zero_point
+                and (ts._version, tz._version, tb._version, tos._version, toz._version) == f[2]
+                and (f[3] or weight._version == f[4]) and weight.data_ptr() == f[5]
+                and kernels.onednn.has_vnni() is f[6] and kernels.get_backend() is None):
+            y = f[7](QTensor._trusted(x, x_scale, x_zero_point, f[8]))
+            if y is not None:
+                return _conv_layout(y.int_repr(), f[9], f[10])
     (x_qd, w_qd, out_qd, relu), geometry, nlc, spec = _cfg_args(config)
     return _qconv("qconv_cfg", x, x_scale, x_zero_point, x_qd, weight, w_scale, w_zero_point, w_qd, bias, out_scale,
-                  out_zero_point, out_qd, relu, *geometry, checked_spec=spec, nlc=nlc)
+                  out_zero_point, out_qd, relu, *geometry, checked_spec=spec, nlc=nlc, config=config)
 
 
 def _qconv_cfg_fake(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, weight: torch.Tensor,
