@@ -1,7 +1,7 @@
 """The compiled conv op's fast entry (``pt2.kernel_ops._arm_fast``): its body against the full one, and compiled SmallCNN.
 
-Run: ``python benchmarks/qconv_fast.py [batch]`` (default 1; prints the ISA first). For SmallCNN's two planned convs
-(conv2, conv3; converted, default recipe), interleaved, medians of 21 rounds of thread CPU time, 1 thread: the eager
+Run: ``python benchmarks/qconv_fast.py [batch [rounds]]`` (defaults 1, 21; prints the ISA first). For SmallCNN's two planned convs
+(conv2, conv3; converted, default recipe), interleaved, medians of the rounds of thread CPU time, 1 thread: the eager
 module, ``kernel_ops.qconv_cfg`` (the op body as the dispatcher calls it: the fast entry after arming) and the full
 body (``_qconv`` with no config: the body before session 49), the paired saving; then the whole SmallCNN eager,
 compiled, and compiled with the fast entries dropped before every round (``_arm_fast`` a no-op: each conv call then
@@ -78,7 +78,7 @@ def measure(meths, rounds, reps=200):
                 f()
             res[k].append((time.thread_time_ns() - t0) / reps / 1e3)
     return res
-R = 21
+R = int(sys.argv[2]) if len(sys.argv) > 2 else 21
 with torch.inference_mode():
     for name, meths in calls.items():
         res = measure(meths, R)
