@@ -164,6 +164,20 @@ def test_errors_after_arming_are_a_cold_calls(monkeypatch: pytest.MonkeyPatch) -
     assert torch.equal(kernel_ops.qconv_cfg(*args, cfg), want)
 
 
+@pytest.mark.parametrize("which", [1, 2, 7, 8])
+def test_grid_data_swap_after_arming_raises_the_cold_error(monkeypatch: pytest.MonkeyPatch, which: int) -> None:
+    """A ``.data`` swap of an input or output grid tensor to two values (no version bump, same object) raises the full
+    body's per-tensor error, as every call did before the fast entry (without its numel checks it served)."""
+    mod, args, cfg, want, spy = _armed(monkeypatch)
+    with torch.no_grad():
+        args[which].data = args[which].reshape(1).repeat(2)
+    with pytest.raises((ValueError, TypeError)) as cold:
+        _full(args, cfg)
+    with pytest.raises(cold.type) as got:
+        kernel_ops.qconv_cfg(*args, cfg)
+    assert str(got.value) == str(cold.value)
+
+
 def test_fast_entry_with_inference_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pin: a layer converted under ``inference_mode`` (tensors without version counters) is served too, with the
     full body's codes."""

@@ -392,7 +392,9 @@ def qconv_cfg(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor
         if (g[0] is w_scale and g[1] is w_zero_point and g[2] is bias and g[3] is out_scale and g[4] is out_zero_point
                 and (ts._version, tz._version, tb._version, tos._version, toz._version) == f[2]
                 and (f[3] or weight._version == f[4]) and weight.data_ptr() == f[5]
-                and kernels.onednn.has_vnni() is f[6] and kernels.get_backend() is None):
+                and kernels.onednn.has_vnni() is f[6] and kernels.get_backend() is None
+                and x_scale.numel() == 1 == x_zero_point.numel() == out_scale.numel() == out_zero_point.numel()):
+            # (the numels: check_conv's per-call grid checks, which a .data swap would change without a version bump)
             y = f[7](QTensor._trusted(x, x_scale, x_zero_point, f[8]))
             if y is not None:
                 return _conv_layout(y.int_repr(), f[9], f[10])
