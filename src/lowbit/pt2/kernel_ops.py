@@ -38,6 +38,7 @@ from ..kernels.conv_plan import conv_plan
 from ..kernels.plan import layer_key, linear_plan
 from ..qtensor import QTensor
 from .checks import check_conv, check_geometry, check_linear, check_weight
+from .conv_fast import arm as _arm_fast, call as _fast_call
 from .quant_ops import define
 
 __all__ = ["weight_cache", "conv_out_shape"]  # (cached_weight: the ops' internal, no argument checks)
@@ -356,48 +357,15 @@ def _cfg_args(config: str) -> tuple[tuple[str, str, str, bool], tuple[Any, ...],
     return (x_qd, w_qd, out_qd, relu), tuple(geometry), nlc, spec
 
 
-_STILL = torch.zeros(0)  # (never written: its version stands for a tensor without one in a fast entry's key)
-
-
-def _still(t: torch.Tensor | None) -> torch.Tensor:
-    return _STILL if t is None or t.is_inference() else t
-
-
-def _arm_fast(cache: dict[str, Any], config: str, lane: Any, x_qdtype: Any, given: tuple[Any, ...],
-              grids: tuple[Any, ...], dim: int, nlc: bool) -> None:
-    """Keep ``qconv_cfg``'s fast entry for ``config`` in the weight's ``cache`` (which ``cached_weight`` empties when
-    the weight's version or address moves): after a call the conv plan's lane served, everything the op's checks
-    (``checked_weight``, ``check_conv``) and its plan key (``layer_key``) read of the weight and the grids is fixed by
-    the identities and versions of ``weight``, ``w_scale``, ``w_zero_point``, ``bias``, ``out_scale``,
-    ``out_zero_point``, the weight's address, the CPU's VNNI answer and no pinned backend; the input's (its shape,
-    dtype, device, grid) the lane checks itself, so a call whose lane declines takes the full path, errors included.
-    Not kept where ``checked_weight`` put held copies in place of the given grid (AOTInductor's per-call constants:
-    other objects every call)."""
-    weight, *wgrid = given
-    if any(a is not b for a, b in zip(wgrid, grids[:3], strict=True)):
-        return
-    tensors = tuple(map(_still, grids))  # (never the weight itself: see cached_weight)
-    w_inf = weight.is_inference()
-    cache[config] = (grids, tensors, tuple(t._version for t in tensors), w_inf, -1 if w_inf else weight._version,
-                     weight.data_ptr(), kernels.onednn.has_vnni(), lane, x_qdtype, dim, nlc)
-
-
 def qconv_cfg(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, weight: torch.Tensor,
               w_scale: torch.Tensor, w_zero_point: torch.Tensor, bias: torch.Tensor | None, out_scale: torch.Tensor | None,
               out_zero_point: torch.Tensor | None, config: str) -> torch.Tensor:
-    hit = _CACHES.get(id(weight))  # the fast entry (_arm_fast): the lane's call after identity and version checks
-    f = None if hit is None or hit[0]() is not weight else hit[1].get(config)
-    if f is not None:
-        g, (ts, tz, tb, tos, toz) = f[0], f[1]
-        if (g[0] is w_scale and g[1] is w_zero_point and g[2] is bias and g[3] is out_scale and g[4] is out_zero_point
-                and (ts._version, tz._version, tb._version, tos._version, toz._version) == f[2]
-                and (f[3] or weight._version == f[4]) and weight.data_ptr() == f[5]
-                and kernels.onednn.has_vnni() is f[6] and kernels.get_backend() is None
-                and x_scale.numel() == 1 == x_zero_point.numel() == out_scale.numel() == out_zero_point.numel()):
-            # (the numels: check_conv's per-call grid checks, which a .data swap would change without a version bump)
-            y = f[7](QTensor._trusted(x, x_scale, x_zero_point, f[8]))
-            if y is not None:
-                return _conv_layout(y.int_repr(), f[9], f[10])
+    hit = _CACHES.get(id(weight))  # the fast entry (conv_fast): the lane's call after identity and version checks
+    fast = _fast_call(None if hit is None or hit[0]() is not weight else hit[1].get(config), x, x_scale, x_zero_point,
+                      weight, w_scale, w_zero_point, bias, out_scale, out_zero_point)
+    if fast is not None:
+        y, dim, nlc = fast
+        return _conv_layout(y.int_repr(), dim, nlc)
     (x_qd, w_qd, out_qd, relu), geometry, nlc, spec = _cfg_args(config)
     return _qconv("qconv_cfg", x, x_scale, x_zero_point, x_qd, weight, w_scale, w_zero_point, w_qd, bias, out_scale,
                   out_zero_point, out_qd, relu, *geometry, checked_spec=spec, nlc=nlc, config=config)
