@@ -43,7 +43,7 @@ def fuse_dequantize(model: nn.Module) -> list[str]:
     """Swap, in place, every quantized Linear whose only users are ``DeQuantize`` nodes; return their names.
 
     ``model``: a graph-mode converted model (or a model holding such graphs). Eager-mode modules
-    (no graph) are left as they are.
+    (no graph) are left as they are, and so are the Linears of a float64 model (its ``DeQuantize`` returns float64).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fuse_dequantize: model must be an nn.Module, got {type(model).__name__}")
@@ -65,6 +65,8 @@ def fuse_dequantize(model: nn.Module) -> list[str]:
                 continue
             if sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target == node.target) > 1:
                 continue  # a module called at several sites: leave it
+            if any(gm.get_submodule(u.target).out_dtype is not None for u in users):
+                continue  # a float64 model's DeQuantize (float64 out; LinearFloatOut returns float32): leave it
             _set(gm, node.target, LinearFloatOut.from_linear(mod))
             for u in users:
                 u.replace_all_uses_with(node)

@@ -21,7 +21,7 @@ from ..nn.intrinsic.qat.modules import _BnFolded
 from ..nn.quantized import activation as nnq_act
 from ..nn.quantized._utils import output_qparams
 from ..nn.quantized.functional_modules import QFunctional, scaled_operand
-from ..nn.quantized.stubs import DeQuantize, Quantize
+from ..nn.quantized.stubs import DeQuantize, Quantize, region_dtype
 from ..observer import PlaceholderObserver
 from ..state_check import LOAD_HINT
 from .convert_dynamic import set_module as _set_module, what as _what
@@ -78,6 +78,7 @@ class _Converter:
         self.swapped: set[Any] = set()
         self.dropped: set[str] = set()  # get_attr targets whose nodes were erased
         self.standins: dict[fx.Node, nn.Module] = {}  # weighted node -> its float nn.Linear / nn.ConvNd
+        self.dtype = region_dtype(gm)  # (read before the swaps: float64 model -> float64 out of the int8 region)
         # prepare_custom_config's quantized input/output indexes (top-level graph only)
         state = gm.meta[STATE_KEY]
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
@@ -278,7 +279,7 @@ class _Converter:
             self.graph.erase_node(node)
 
     def dequantize(self) -> None:
-        self.gm.add_submodule("dequantize", DeQuantize())
+        self.gm.add_submodule("dequantize", DeQuantize(self.dtype))
         made: dict[fx.Node, fx.Node] = {}
         quantized_outputs = self._quantized_outputs()
         for node in list(self.graph.nodes):

@@ -56,6 +56,7 @@ from ..fx.prepare import STATE_KEY, is_prepared
 from ..fake_quant.base import holds_grid
 from ..fx.classify import drop_grid_blends
 from ..observer.ddp import drop_removed
+from ..nn.quantized.stubs import region_dtype
 from ..observer.distributed import sync_pending
 from .convert import _frozen_weight_qconfig, _move_state, _weighted_reference
 from .modules import FrozenObserver, QuantDeQuant, _WeightQDQ
@@ -99,19 +100,20 @@ def _grid_prefix(node: fx.Node) -> str:
 
 
 def _register_grid(gm: fx.GraphModule, prefix: str, scale: torch.Tensor,
-                   zero_point: torch.Tensor) -> tuple[fx.Node, fx.Node]:
+                   zero_point: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[fx.Node, fx.Node]:
     """Root buffers ``<prefix>_scale_<i>`` / ``<prefix>_zero_point_<i>`` (the first free ``i``) and their get_attr
-    nodes (inserted at the graph's current insert point)."""
+    nodes (inserted at the graph's current insert point). ``dtype``: the scale's (float64 for a float64 model: its
+    float32 grid exactly, and its dequantized values float64, as the float ops after them take)."""
     stem, i = prefix.replace(".", "_"), 0
     while hasattr(gm, f"{stem}_scale_{i}") or hasattr(gm, f"{stem}_zero_point_{i}"):
         i += 1
     names = (f"{stem}_scale_{i}", f"{stem}_zero_point_{i}")
-    gm.register_buffer(names[0], scale.detach().to(torch.float32).clone())
+    gm.register_buffer(names[0], scale.detach().to(torch.float32).to(dtype, copy=True))
     gm.register_buffer(names[1], zero_point.detach().clone())
     return gm.graph.get_attr(names[0]), gm.graph.get_attr(names[1])
 
 
-def _qdq_pair(gm: fx.GraphModule, node: fx.Node, obs: nn.Module) -> fx.Node:
+def _qdq_pair(gm: fx.GraphModule, node: fx.Node, obs: nn.Module, dtype: torch.dtype = torch.float32) -> fx.Node:
     """Replace observer ``node`` (reading ``src``) by ``dequantize(quantize(src))`` on ``obs``'s grid (buffers)."""
     src, graph = node.args[0], gm.graph
     scale, zero_point = obs.calculate_qparams()
@@ -120,14 +122,14 @@ def _qdq_pair(gm: fx.GraphModule, node: fx.Node, obs: nn.Module) -> fx.Node:
     with graph.inserting_before(node):
         if per_channel:
             axis = getattr(obs, "ch_axis", 0)
-            s, z = _register_grid(gm, _grid_prefix(node), scale, zero_point)
+            s, z = _register_grid(gm, _grid_prefix(node), scale, zero_point, dtype)
             q = graph.call_function(quantize_per_channel,
                                     (src, s, z, axis, qdtype.quant_min, qdtype.quant_max, qdtype.storage))
             dq = graph.call_function(dequantize_per_channel, (q, s, z, axis))
             meta = (node.target, obs.qscheme, qdtype, axis)
         else:
             s, z = _register_grid(gm, _grid_prefix(node), scale.reshape(()),
-                                  zero_point.reshape(()).to(torch.int64))
+                                  zero_point.reshape(()).to(torch.int64), dtype)
             q = graph.call_function(quantize_per_tensor,
                                     (src, s, z, qdtype.quant_min, qdtype.quant_max, qdtype.storage))
             dq = graph.call_function(dequantize_per_tensor, (q, s, z))
@@ -177,6 +179,7 @@ def convert_to_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Modul
     if not inplace:
         model = _copy(model)
     sync_pending(model)  # under torch.distributed: the ranks agree on the observers' paths, then reduce
+    dtype = region_dtype(model) or torch.float32  # (a float64 model: float64 out of every dequantize)
     for gm in _graphs(model):
         for node in list(gm.graph.nodes):
             kind = node.meta.get("lowbit_kind")
@@ -186,7 +189,7 @@ def convert_to_reference_fx(model: nn.Module, inplace: bool = False) -> nn.Modul
                     raise RuntimeError(f"convert_to_reference_fx: the observer '{node.target}' after "
                                        f"'{node.args[0].name}' saw no data (or only NaN/Inf values, which "
                                        "observers ignore); run calibration batches first")
-                _qdq_pair(gm, node, obs)
+                _qdq_pair(gm, node, obs, dtype)
             elif kind == "grid_blend":
                 _blend_on_grid(gm, node)
             elif kind in ("module", "wonly") and node.op == "call_module":

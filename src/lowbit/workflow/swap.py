@@ -27,6 +27,7 @@ from ..nn.intrinsic.qat.modules import BnFoldedBase
 from ..nn.quantized._utils import precomputed_weights
 from ..nn.quantized.functional_modules import FloatFunctional
 from ..nn.quantized.normalization import batchnorm_float_reason
+from ..nn.quantized.stubs import region_dtype, set_region_dtype
 from ..observer.ddp import drop_removed
 from ..observer.distributed import sync_pending
 from ..observer.fixed import PlaceholderObserver
@@ -226,8 +227,10 @@ def convert(model: nn.Module, mapping: dict[type, type] | None = None, inplace: 
     sync_pending(model)  # under torch.distributed: the ranks agree on the observers' paths, then reduce (one pass)
     observers = [m for m in model.modules() if _is_observer(m) and not getattr(m, "is_dynamic", False)]
     report._calibrated = any([holds_grid(m) for m in observers])  # type: ignore[attr-defined]
+    dtype = region_dtype(model)  # (before the swaps: a float64 model's DeQuantize returns float64)
     with precomputed_weights(use_precomputed_fake_quant) as taken:
         model = _convert(model, "", mapping, report, dynamic).eval()
+    set_region_dtype(model, dtype)
     if use_precomputed_fake_quant and not taken[0] and report.converted:
         warnings.warn("convert(use_precomputed_fake_quant=True): no converted layer has a weight_fake_quant (a QAT "
                       "layer's), so every weight was observed at convert as usual", stacklevel=2)

@@ -181,7 +181,8 @@ class Quantize(CheckedQuantState):
 
 
 class DeQuantize(FxLeaf, nn.Module):
-    """``QTensor`` -> float32 ``(q - zero_point) * scale``; a float tensor passes through unchanged. A tuple / list /
+    """``QTensor`` -> float32 ``(q - zero_point) * scale`` (``dtype=torch.float64``: those values as float64, what
+    ``convert`` / ``convert_fx`` give a float64 model's int8 region); a float tensor passes through unchanged. A tuple / list /
     dict (a detector's ``(boxes, scores)``, a multi-head ``{"cls": ..., "aux": ...}``, a namedtuple) is dequantized
     item by item, as ``QuantWrapper`` around such a model needs (``None``, strings, numbers and ``torch.Size`` items
     kept; a dict subclass keeps its type).
@@ -193,6 +194,18 @@ class DeQuantize(FxLeaf, nn.Module):
     ([0.5, 1.0], [0.5, 1.0], None)
     """
 
+    #: the float dtype a ``QTensor`` comes back as when not float32: convert sets ``torch.float64`` for a float64
+    #: model (``region_dtype``), whose float ops after the int8 region then get the dtype the region was entered
+    #: with (float32 made a float64 ``LayerNorm`` after it fail with "mixed dtype"); ``None``: float32
+    out_dtype: torch.dtype | None = None
+
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if dtype is not None and dtype is not torch.float32:
+            if dtype is not torch.float64:
+                raise TypeError(f"DeQuantize: dtype={dtype!r} must be None, torch.float32 or torch.float64")
+            self.out_dtype = dtype
+
     def forward(self, x: Any) -> Any:
         if isinstance(x, (tuple, list, dict)) and type(x) is not QTensor:
             return _map_items(self, x)
@@ -200,6 +213,8 @@ class DeQuantize(FxLeaf, nn.Module):
 
     def _one(self, x: torch.Tensor | QTensor) -> torch.Tensor:
         if type(x) is QTensor:
+            if self.out_dtype is not None:  # (float64 model: its float32 values, exactly; the lean paths are float32)
+                return x.dequantize().to(self.out_dtype)
             if not tracing():
                 if x._tq is not None:  # a kernel's own quantized output on this grid: one op
                     return x._tq.dequantize()
@@ -222,6 +237,28 @@ class DeQuantize(FxLeaf, nn.Module):
     def from_float(cls, mod: nn.Module) -> DeQuantize:
         """Build from a ``DeQuantStub`` (it carries no state)."""
         return cls()
+
+    def extra_repr(self) -> str:
+        return "" if self.out_dtype is None else f"dtype={self.out_dtype}"
+
+
+def region_dtype(model: nn.Module) -> torch.dtype | None:
+    """``torch.float64`` when every floating parameter of ``model`` is float64 (its int8 region is entered with
+    float64 values, and its float ops after it take float64 only), else ``None`` (float32: ``DeQuantize``'s default).
+
+    >>> region_dtype(nn.Linear(2, 2).double()), region_dtype(nn.Linear(2, 2))
+    (torch.float64, None)
+    """
+    dtypes = {t.dtype for t in model.parameters() if t.is_floating_point()}
+    return torch.float64 if dtypes == {torch.float64} else None
+
+
+def set_region_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Give every ``DeQuantize`` of ``model`` the output dtype ``dtype`` (``region_dtype`` of the float model)."""
+    if dtype is not None:
+        for m in model.modules():
+            if isinstance(m, DeQuantize):
+                m.out_dtype = dtype
 
 
 #: items of a returned container that hold no tensor: kept as they are (a ``(logits, "label")`` or ``(y, y.shape)``
