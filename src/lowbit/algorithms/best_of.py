@@ -43,7 +43,7 @@ from torch import nn
 from torch.func import functional_call
 from tqdm.auto import tqdm
 
-from ..batches import check_module, eval_mode, iter_batches, run_batch
+from ..batches import check_finite_batch, check_module, eval_mode, iter_batches, run_batch
 from ..functional import fake_quantize
 from ..qconfig import QConfig, QConfigMapping, get_default_qconfig
 from ..recipes import ACTIVATION_METHODS, WEIGHT_METHODS
@@ -115,6 +115,8 @@ def best_of_ranges(model: nn.Module, calib: Any, base: QConfig | None = None,
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
         raise ValueError(f"best_of_ranges: max_rows={max_rows!r} must be a positive int")
     batches = list(iter_batches(calib, "best_of_ranges: calib"))
+    for i, b in enumerate(batches):  # (a NaN batch reached the histogram's "observed no finite data", naming no batch)
+        check_finite_batch(b, "best_of_ranges", f"calib batch {i}", "calibration ranges need finite data", masks=True)
     layers: dict[str, nn.Module] = {}
     for n, m in model.named_modules():
         if _core(m) is not None and not any(n.startswith(f"{p}.") for p in layers):  # not a fused marker's child

@@ -187,11 +187,22 @@ def generation_positions(model: nn.Module, batch: dict[str, Any]) -> dict[str, A
     return {**batch, "position_ids": pos.masked_fill(m == 0, 0)}
 
 
+def _takes_use_cache(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``use_cache`` (by name or ``**kwargs``): a forward of one's own without it
+    raised "forward() got an unexpected keyword argument 'use_cache'" from inside the capture."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == "use_cache" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def _call(model: nn.Module, batch: Any) -> None:
+    cache = {"use_cache": False} if _takes_use_cache(model) else {}
     if isinstance(batch, dict):
-        model(**{"use_cache": False, **generation_positions(model, batch)})
+        model(**{**cache, **generation_positions(model, batch)})
     elif isinstance(batch, torch.Tensor):
-        model(batch, use_cache=False)
+        model(batch, **cache)
     else:
         raise TypeError(f"lowbit.llm: a calibration batch must be a token-id tensor or a dict of model inputs, "
                         f"got {type(batch).__name__}")
