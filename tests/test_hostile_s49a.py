@@ -2,7 +2,8 @@
 
 - a float64 model (graph and eager mode) returned float32 from its int8 region, and a float64 op after it (a
   ``LayerNorm``) failed deep with "mixed dtype (CPU)"; now ``DeQuantize`` returns the dtype the region was entered
-  with (convert reads it from the float model's parameters: ``stubs.region_dtype``), as the float model does;
+  with (convert reads it from the float model's parameters: ``stubs.region_dtype``), as the float model does; the
+  reference graph's Linear failed ("mat1 and mat2 must have the same dtype"): its grids are float64 for such a model;
 - ``best_of_ranges`` on a calibration batch holding NaN/Inf failed deep in the histogram observer ("has not observed
   any finite data"); now a ``ValueError`` naming the batch, as ``quantize_ptq`` does;
 - ``lowbit.llm`` (``quantize_llm``, ``quantize_w8a8``) on a model whose ``forward`` takes no ``use_cache`` raised
@@ -67,6 +68,22 @@ def test_float64_graph_model_returns_float64_through_a_float_op() -> None:
     assert _sqnr(m(_X), out) > 30
     for again in (copy.deepcopy(q), pickle.loads(pickle.dumps(q))):
         assert torch.equal(again(_X), out)
+
+
+def test_float64_reference_graph_and_fuse_dequantize() -> None:
+    """The reference graph's dequantize gives float64 too (its Linear failed: "mat1 and mat2 must have the same
+    dtype"); ``fuse_dequantize`` leaves a float64 model's Linears (their float output would be float32)."""
+    m = _float64(_LnAfter)
+    p = Q.prepare_fx(m, Q.get_default_qconfig_mapping(), example_inputs=(_X,))
+    p(_X)
+    ref = Q.convert_to_reference_fx(copy.deepcopy(p))
+    out = ref(_X)
+    assert out.dtype == torch.float64 and _sqnr(m(_X), out) > 30
+    lowered = Q.lower_reference(ref)
+    assert lowered(_X).dtype == torch.float64
+    q = Q.convert_fx(p)
+    assert Q.fuse_dequantize(q) == []
+    assert q(_X).dtype == torch.float64
 
 
 def test_float64_eager_model_returns_float64_through_a_float_op() -> None:
@@ -143,3 +160,19 @@ def test_llm_forward_without_use_cache(how: str) -> None:
     t = torch.randint(0, 32, (2, 12), generator=g)
     with torch.no_grad():
         assert _sqnr(m(t), q(t)) > 20
+
+
+@pytest.mark.parametrize("which", ["float", "converted"])
+def test_reconstruct_refuses_a_model_without_observers(which: str) -> None:
+    """``reconstruct`` on a float or converted model returned ``[]`` (nothing rounded, no word)."""
+    from lowbit.algorithms import reconstruct
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    x = torch.randn(8, 16)
+    if which == "converted":
+        p = Q.prepare_fx(m, Q.get_default_qconfig_mapping(), example_inputs=(x,))
+        p(x)
+        m = Q.convert_fx(p)
+    with pytest.raises(TypeError, match=r"reconstruct: needs a calibrated prepared model .* with no observer"):
+        reconstruct(m, [x], iters=2, progress=False)

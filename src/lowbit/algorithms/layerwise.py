@@ -75,6 +75,11 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     if not isinstance(rounding, str) or rounding not in ROUNDINGS:  # (an array: `in` is elementwise)
         raise ValueError(f"reconstruct: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")
     seed = _check_steps("reconstruct", iters, batch_size, seed)  # a NumPy / torch integer: a Python int
+    if not isinstance(prepared, nn.Module):
+        raise TypeError(f"reconstruct: prepared must be an nn.Module, got {type(prepared).__name__}")
+    if not any(isinstance(m, (ObserverBase, FakeQuantize)) for m in prepared.modules()):  # (returned [], silently)
+        raise TypeError(f"reconstruct: needs a calibrated prepared model (prepare_fx / prepare), got "
+                        f"{type(prepared).__name__} with no observer (a float or converted model: nothing to round)")
     opts = dict(adaround=adaround, bias_correction=bias_correction, iters=iters, batch_size=batch_size, seed=seed,
                 progress=progress, blocks=blocks, learn_grids=learn_grids, rounding=rounding)
     calib = batch_tuples(calib, "reconstruct")  # (once: a generator is read here, and again below on a failure)
