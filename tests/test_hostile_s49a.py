@@ -176,3 +176,16 @@ def test_reconstruct_refuses_a_model_without_observers(which: str) -> None:
         m = Q.convert_fx(p)
     with pytest.raises(TypeError, match=r"reconstruct: needs a calibrated prepared model .* with no observer"):
         reconstruct(m, [x], iters=2, progress=False)
+
+
+def test_a_torch_ao_qconfig_mapping_is_named_in_one_line() -> None:
+    """torch.ao's QConfigMapping as ``qconfig_mapping``: the error was its repr (dozens of lines) before the reason."""
+    tq = pytest.importorskip("torch.ao.quantization")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 8)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ao = tq.get_default_qconfig_mapping()
+    with pytest.raises(TypeError, match=r"^qconfig is torch.ao's QConfigMapping; lowbit takes its own") as e:
+        Q.quantize_ptq(m, [torch.randn(8, 16)], "default", qconfig_mapping=ao, progress=False)
+    assert "\n" not in str(e.value)

@@ -198,6 +198,10 @@ class QConfigMapping:
             return cls().set_global(qconfig)
         if isinstance(qconfig, dict):
             return cls._from_dict(qconfig)
+        if type(qconfig).__module__.startswith("torch.ao."):  # (its repr ran to dozens of lines before the reason)
+            raise TypeError(f"qconfig is torch.ao's {type(qconfig).__name__}; lowbit takes its own: "
+                            f"lowbit.{type(qconfig).__name__} / lowbit.get_default_qconfig_mapping() (None, a QConfig, "
+                            "a QConfigMapping or a qconfig dict)")
         raise TypeError(
             f"qconfig={qconfig!r} must be None, a QConfig, a QConfigMapping or a qconfig dict"
         )
