@@ -164,7 +164,8 @@ def test_llm_forward_without_use_cache(how: str) -> None:
 
 @pytest.mark.parametrize("which", ["float", "converted"])
 def test_reconstruct_refuses_a_model_without_observers(which: str) -> None:
-    """``reconstruct`` on a float or converted model returned ``[]`` (nothing rounded, no word)."""
+    """``reconstruct`` on a float or converted model, ``refine_grids`` on a converted one, returned ``[]`` (nothing
+    rounded or searched, no word)."""
     from lowbit.algorithms import reconstruct
 
     torch.manual_seed(0)
@@ -176,6 +177,11 @@ def test_reconstruct_refuses_a_model_without_observers(which: str) -> None:
         m = Q.convert_fx(p)
     with pytest.raises(TypeError, match=r"reconstruct: needs a calibrated prepared model .* with no observer"):
         reconstruct(m, [x], iters=2, progress=False)
+    if which == "converted":  # refine_grids took it too: []
+        from lowbit.algorithms.grid_search import refine_grids
+
+        with pytest.raises(TypeError, match=r"refine_grids: .* got a converted one"):
+            refine_grids(m, [x], progress=False)
 
 
 def test_a_torch_ao_qconfig_mapping_is_named_in_one_line() -> None:

@@ -53,6 +53,7 @@ from ..fake_quant import FakeQuantize
 from ..functional import fake_quantize
 from ..observer import ObserverBase
 from ..observer.fixed import FixedQParamsObserver
+from ..fx.state import STATE_KEY
 
 __all__ = ["GridChange", "refine_grids"]
 
@@ -187,6 +188,9 @@ def refine_grids(gm: fx.GraphModule, batches: Iterable[Any], *, top: int = 8, mu
 
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"refine_grids: needs a graph-mode prepared model (prepare_fx), got {type(gm).__name__}")
+    if gm.meta.get(STATE_KEY, {}).get("converted"):  # (it returned [], silently: no observer left to search)
+        raise TypeError("refine_grids: needs a calibrated prepared model (prepare_fx), got a converted one (no "
+                        "observer: no grid to search); run it before convert_fx")
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
         raise ValueError(f"refine_grids: top={top!r} must be an int >= 0")
     mults = tuple(mults) if isinstance(mults, Iterable) and not isinstance(mults, (str, bytes)) else (mults,)
