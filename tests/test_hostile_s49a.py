@@ -8,7 +8,10 @@
   any finite data"); now a ``ValueError`` naming the batch, as ``quantize_ptq`` does;
 - ``lowbit.llm`` (``quantize_llm``, ``quantize_w8a8``) on a model whose ``forward`` takes no ``use_cache`` raised
   torch's "forward() got an unexpected keyword argument 'use_cache'" from inside the capture; now the keyword goes
-  only to a forward that takes it.
+  only to a forward that takes it;
+- ``reconstruct`` on a float or converted model and ``refine_grids`` on a converted one returned ``[]`` (nothing
+  rounded or searched, no word); now a ``TypeError`` saying a calibrated prepared model is needed;
+- torch.ao's ``QConfigMapping`` given as lowbit's: the error opened with its repr (dozens of lines); now one line.
 """
 
 from __future__ import annotations
