@@ -250,7 +250,8 @@ def _export(onnx: Any, twin: nn.Module, inputs: tuple[torch.Tensor, ...], path: 
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         torch.onnx.export(twin, inputs, str(path), dynamo=False, opset_version=min(opset_version, 20),
                           input_names=input_names, output_names=output_names, dynamic_axes=axes,
-                          do_constant_folding=True)
+                          do_constant_folding=True, autograd_inlining=False)  # (every twin Function has
+        # its symbolic; inlining their forwards failed with "unordered_map::at" on a layer called twice)
     proto = onnx.load(str(path))
     _keep_unused_inputs(onnx, proto, inputs, input_names, axes)
     constants_to_initializers(proto)
