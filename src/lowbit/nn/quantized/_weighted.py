@@ -152,7 +152,13 @@ class WeightedQuantModule(CheckedQuantState):
         self._cache.clear()
 
     def weight(self) -> QTensor:
-        """The int8 weight as a per-channel ``QTensor``."""
+        """The int8 weight as a per-channel ``QTensor`` of copies, as torch.ao's unpacked weight: writing to its
+        ``int_repr()`` or grid leaves the layer as it is (``set_weight_bias`` changes it)."""
+        return QTensor(self.weight_int8.clone(), self.weight_scale.clone(), self.weight_zero_point.clone(),
+                       self.weight_qdtype, self._weight_axis)
+
+    def _weight_view(self) -> QTensor:
+        """The weight ``QTensor`` viewing the buffers (the forward's: no copy)."""
         return QTensor(self.weight_int8, self.weight_scale, self.weight_zero_point, self.weight_qdtype,
                        self._weight_axis)
 
@@ -164,12 +170,12 @@ class WeightedQuantModule(CheckedQuantState):
         scale, zero_point = buffers["scale"], buffers["zero_point"]
         assert scale is not None and zero_point is not None
         if tracing():  # the traced kernels read the grid from the buffers (no Python float: export-safe)
-            return self.weight(), OutGrid(float("nan"), 0, self.out_qdtype, scale, zero_point)
+            return self._weight_view(), OutGrid(float("nan"), 0, self.out_qdtype, scale, zero_point)
         key = (tensor_version(scale), tensor_version(zero_point))
         hit = self._cache.get("prepared")
         if hit is None or hit[0] != key:
             out = OutGrid(float(scale), int(zero_point), self.out_qdtype, scale.clone(), zero_point.clone())
-            hit = (key, (self.weight(), out))
+            hit = (key, (self._weight_view(), out))
             self._cache["prepared"] = hit
         return hit[1]
 

@@ -191,8 +191,11 @@ class _QuantizedTable(CheckedQuantState):
         return packed
 
     def weight(self) -> QTensor:
-        """The table as a per-row (axis 0) QTensor of unpacked codes."""
-        return QTensor(self._codes(), self.weight_scale, self.weight_zero_point, self.qdtype, axis=0)
+        """The table as a per-row (axis 0) QTensor of unpacked codes: copies, as torch.ao's unpacked weight (writing
+        to them leaves the table as it is)."""
+        codes = self._codes()
+        return QTensor(codes.clone() if self.qdtype.bits != 4 else codes, self.weight_scale.clone(),
+                       self.weight_zero_point.clone(), self.qdtype, axis=0)
 
     def _rows(self, idx: torch.Tensor) -> torch.Tensor:
         """Dequantized rows ``(n, D)`` float32 for a flat index tensor ``idx`` (n,)."""

@@ -201,10 +201,13 @@ class WeightOnlyLinear(CheckedQuantState):
             self.out_features, self.in_features)
 
     def weight(self) -> QTensor | torch.Tensor:
-        """Per channel: the weight as an axis-0 ``QTensor``; group-wise: the dequantized float32 weight."""
+        """Per channel: the weight as an axis-0 ``QTensor``; group-wise: the dequantized float32 weight. Copies, as
+        torch.ao's unpacked weight: writing to them leaves the layer as it is."""
         if self._g != self.in_features:
             return self.dequantize_weight()
-        return QTensor(self.codes(), self.scales[:, 0], self.zero_points[:, 0].to(torch.int64), self.qdtype, axis=0)
+        codes = self.codes()
+        return QTensor(codes.clone() if self.bits != 4 else codes, self.scales[:, 0].clone(),
+                       self.zero_points[:, 0].to(torch.int64), self.qdtype, axis=0)
 
     # ---- forward ----
     def _kernel_applies(self, x: torch.Tensor) -> bool:

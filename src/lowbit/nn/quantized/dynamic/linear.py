@@ -210,9 +210,10 @@ class Linear(CheckedQuantState):
         return WeightAccessor(self)
 
     def _weight(self) -> QTensor | torch.Tensor:
-        if self.dtype == torch.float16:
-            return self.weight_fp16
-        return QTensor(self.weight_int8, self.weight_scale, self.weight_zero_point, self.dtype, axis=0)
+        if self.dtype == torch.float16:  # (copies, as torch.ao's unpacked weight: writes leave the layer as it is)
+            return self.weight_fp16.clone()
+        return QTensor(self.weight_int8.clone(), self.weight_scale.clone(), self.weight_zero_point.clone(), self.dtype,
+                       axis=0)
 
     def set_weight_bias(self, weight: QTensor | torch.Tensor, bias: torch.Tensor | None) -> None:
         """Store a per-channel int8 ``QTensor`` (or, for float16, a float tensor) and a float bias."""
