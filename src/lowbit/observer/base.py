@@ -236,6 +236,20 @@ class ObserverBase(FxLeaf, abc.ABC, WithArgs, nn.Module):
 _warned_nonfinite: set[str] = set()
 
 
+MAX_BINS = 2**24
+
+
+def check_bins(bins: object, owner: str, least: int) -> int:
+    """``bins`` of a histogram observer: an int in ``[least, 2**24]`` (its buffers are allocated at once and its
+    range search holds ~30 copies: a huge count exhausted memory at the first batch, not here), else a clear error."""
+    if isinstance(bins, bool) or not isinstance(bins, int):
+        raise TypeError(f"{owner}: bins={bins!r} must be an int >= {least}")
+    if not least <= bins <= MAX_BINS:
+        big = f"; memory grows ~128 bytes a bin: ~{128 * bins / 2**30:.3g} GiB here" if bins > MAX_BINS else ""
+        raise ValueError(f"{owner}: bins={bins!r} must be an int >= {least} and <= 2**24{big}")
+    return bins
+
+
 def check_observed(x: object, owner: str, observer: nn.Module | None = None) -> torch.Tensor:
     """``x`` if it is a floating-point tensor, else ``TypeError`` naming ``owner`` (what every observer's
     ``forward`` accepts); ``RuntimeError`` for a meta tensor, or an ``observer`` whose statistics are on the

@@ -35,7 +35,7 @@ import torch
 from ..compile_state import compiler_disabled, tracing
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
-from .base import ObserverBase, check_observed
+from .base import ObserverBase, check_bins, check_observed
 from .ddp import forget, note_forward, warn_overwritten
 from .distributed import (agree_observer, all_reduce_min_max, all_reduce_sum, broadcast_first, is_distributed,
                           pending_sync, remember_group)
@@ -92,11 +92,7 @@ class _ClipRangeObserver(ObserverBase):
                              "use a per_channel_* qscheme")
         if bins is None:
             bins = 256 if self.qscheme.is_per_channel else 2048  # per channel: (C, bins) floats per observer
-        if isinstance(bins, bool) or not isinstance(bins, int):
-            raise TypeError(f"{name}: bins={bins!r} must be an int >= 8")
-        if bins < 8:
-            raise ValueError(f"{name}: bins={bins!r} must be an int >= 8")
-        self.bins = bins
+        self.bins = check_bins(bins, name, 8)
         per_channel = self.ch_axis is not None
         self.register_buffer("histogram", torch.zeros((0, bins) if per_channel else (bins,)))
         self.register_buffer("min_val", torch.tensor(float("inf")))

@@ -55,7 +55,7 @@ import torch
 from ..compile_state import tracing
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
-from .base import ObserverBase, check_observed, finite_aminmax
+from .base import ObserverBase, check_bins, check_observed, finite_aminmax
 from .ddp import forget, note_forward, warn_overwritten
 from .distributed import (agree_observer, all_reduce_min_max, all_reduce_sum, broadcast_first, is_distributed,
                           pending_sync, remember_group)
@@ -109,7 +109,7 @@ class HistogramObserver(ObserverBase):
     """Running histogram of the observed values; qparams from the L2-optimal clipping range.
 
     Args:
-        bins: number of equal-width bins over the running ``[min_val, max_val]`` (int ≥ 2).
+        bins: number of equal-width bins over the running ``[min_val, max_val]`` (an int in ``[2, 2**24]``).
         qscheme: ``per_tensor_affine`` (default) or ``per_tensor_symmetric``.
         qdtype: the target grid (default ``quint8``).
         eps: floor of the scale.
@@ -145,10 +145,7 @@ class HistogramObserver(ObserverBase):
     ) -> None:
         super().__init__(qscheme, qdtype, None, eps)
         self.search = search
-        if isinstance(bins, bool) or not isinstance(bins, int):
-            raise TypeError(f"HistogramObserver: bins={bins!r} must be an int >= 2")
-        if bins < 2:
-            raise ValueError(f"HistogramObserver: bins={bins!r} must be an int >= 2")
+        check_bins(bins, "HistogramObserver", 2)
         if self.qscheme.is_per_channel:
             raise ValueError(f"HistogramObserver: qscheme={self.qscheme.value} is not supported; use "
                              "per_tensor_affine or per_tensor_symmetric (per channel: PerChannelMinMaxObserver)")
