@@ -157,6 +157,10 @@ def calculate_qparams(
     if lo.shape != hi.shape:
         raise ValueError(f"calculate_qparams: min_val shape {tuple(lo.shape)} != max_val shape {tuple(hi.shape)}")
     if validate and lo.numel() > 0:
+        if lo.is_meta or hi.is_meta:  # (the check below reads values: torch's bare "item() on meta tensors")
+            raise ValueError(f"calculate_qparams: min_val / max_val on devices {lo.device.type} / {hi.device.type}: "
+                             "a meta tensor holds no range to check; calibrate on real data, or pass "
+                             "validate=False for shape-only (meta) qparams")
         finite = bool(torch.isfinite(lo).all() & torch.isfinite(hi).all())
         if not finite:
             raise ValueError(
