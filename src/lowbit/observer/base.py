@@ -241,7 +241,12 @@ MAX_BINS = 2**24
 
 def check_bins(bins: object, owner: str, least: int) -> int:
     """``bins`` of a histogram observer: an int in ``[least, 2**24]`` (its buffers are allocated at once and its
-    range search holds ~30 copies: a huge count exhausted memory at the first batch, not here), else a clear error."""
+    range search holds ~30 copies: a huge count exhausted memory at the first batch, not here), else a clear error.
+
+    >>> from lowbit.observer.base import check_bins
+    >>> check_bins(2048, "HistogramObserver", 2)
+    2048
+    """
     if isinstance(bins, bool) or not isinstance(bins, int):
         raise TypeError(f"{owner}: bins={bins!r} must be an int >= {least}")
     if not least <= bins <= MAX_BINS:
