@@ -187,6 +187,14 @@ def qlinear(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, 
             weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
             bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
             out_qdtype: str, relu: bool) -> torch.Tensor:
+    hit = _CACHES.get(id(weight))  # the fast entry (conv_fast, as qconv_cfg's): the lane's call after identity checks
+    if (hit is not None and hit[0]() is weight and x_scale.dim() == 0 == x_zero_point.dim()
+            and x_scale.dtype == torch.float32 and x_zero_point.dtype == torch.int64):  # (the full body's lane terms)
+        fast = _fast_call(hit[1].get((x_qdtype, w_qdtype, out_qdtype, relu)), x, x_scale, x_zero_point, weight,
+                          w_scale, w_zero_point, bias, out_scale, out_zero_point)
+        if fast is not None:
+            return fast[0].int_repr().contiguous()
+    given = (weight, w_scale, w_zero_point, bias)
     cache, weight, (w_scale, w_zero_point, bias) = checked_weight("qlinear", weight, w_scale, w_zero_point, bias, 2)
     check_linear("qlinear", x, x_scale, x_zero_point, x_qdtype, weight, out_scale, out_zero_point)
     if (out_scale is not None and out_zero_point is not None and x.is_cpu and x.dim() and x.numel()
@@ -200,7 +208,12 @@ def qlinear(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, 
                 # first call on this input grid only what can change between calls is checked (kernels.lane)
                 xq = QTensor._trusted(x, x_scale, x_zero_point, _qdtype(x_qdtype))
                 y = run.lane(xq)
-                return (run.qt(xq) if y is None else y).int_repr().contiguous()
+                if y is None:
+                    y = run.qt(xq)
+                else:  # (keyed by the grid strings and relu: the rest of the plan's key is the entry's own)
+                    _arm_fast(cache, (x_qdtype, w_qdtype, out_qdtype, relu), run.lane, xq._qdtype, given,
+                              (w_scale, w_zero_point, bias, out_scale, out_zero_point), None)
+                return y.int_repr().contiguous()
             return run(x, x_scale.item(), int(x_zero_point.item())).int_repr().contiguous()
     xq = QTensor._trusted(x, x_scale, x_zero_point, qdtype_from_key(x_qdtype))
     wq = QTensor._trusted(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=0)
@@ -281,7 +294,7 @@ def _qconv(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.
                 y = run(xq)
             elif config is not None:  # (a stale entry replaced: the plan may be another since)
                 _arm_fast(cache, config, lane, xq._qdtype, given, (w_scale, w_zero_point, bias, out_scale,
-                                                                   out_zero_point), spec.dim, nlc)
+                                                                   out_zero_point), (spec.dim, nlc))
             return _conv_layout(y.int_repr(), spec.dim, nlc)
     wq = QTensor._trusted(weight, w_scale, w_zero_point, qdtype_from_key(w_qdtype), axis=1 if transposed else 0)
     out = _out_grid(out_scale, out_zero_point, out_qdtype)
@@ -364,7 +377,7 @@ def qconv_cfg(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor
     fast = _fast_call(None if hit is None or hit[0]() is not weight else hit[1].get(config), x, x_scale, x_zero_point,
                       weight, w_scale, w_zero_point, bias, out_scale, out_zero_point)
     if fast is not None:
-        y, dim, nlc = fast
+        y, (dim, nlc) = fast
         return _conv_layout(y.int_repr(), dim, nlc)
     (x_qd, w_qd, out_qd, relu), geometry, nlc, spec = _cfg_args(config)
     return _qconv("qconv_cfg", x, x_scale, x_zero_point, x_qd, weight, w_scale, w_zero_point, w_qd, bias, out_scale,
