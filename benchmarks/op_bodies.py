@@ -4,8 +4,8 @@ Run: ``python benchmarks/op_bodies.py [smallcnn1 smallcnn64 minilm] [--rounds 11
 1 thread, interleaved, medians of the rounds of thread CPU time: every lowbit op call of one compiled call (its
 Python impl called with the very arguments the compiled program passed, recorded by ``sys.setprofile``), every lowbit
 leaf module call of one eager call (``Quantize``, the convs, Linears, ``DeQuantize``: the twins), the whole model
-eager and compiled, and compiled with ``qlinear``'s fast entries dropped before every call (``_arm_fast`` no-op for
-them: the body before session 49's pt2py49; the paired difference is printed).
+eager and compiled; then, in a loop of their own (3 × rounds), compiled with ``qlinear``'s fast entries and with them
+dropped before every call (``_arm_fast`` a no-op for them: the body before pt2py49), and the paired saving.
 """
 
 from __future__ import annotations
@@ -68,7 +68,6 @@ def _op_calls(c: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> list[tuple[Any,
 def run(case: str, rounds: int) -> None:
     m, a, kw = build(case)
     c = torch.compile(m, fullgraph=True, dynamic=False)
-    real = K._arm_fast
     with torch.inference_mode():
         for _ in range(3):
             c(*a, **kw)
@@ -80,23 +79,12 @@ def run(case: str, rounds: int) -> None:
     for h in hooks:
         h.remove()
 
-    def no_linear_entry() -> Any:
-        K._arm_fast = lambda cache, config, *r: None if isinstance(config, tuple) else real(cache, config, *r)
-        for _, cache in list(K._CACHES.values()):
-            for k in [k for k in cache if isinstance(k, tuple)]:
-                del cache[k]
-        try:
-            return c(*a, **kw)
-        finally:
-            K._arm_fast = real
     fns = {f"op {i:02d} {f.__name__}": (lambda f=f, x=x: f(*x)) for i, (f, x) in enumerate(calls)}
     fns.update({f"eager {i:02d} {type(mod).__name__}": (lambda mod=mod, x=x: mod(*x)) for i, (mod, x) in enumerate(leaves)})
-    fns.update({"whole eager": lambda: m(*a, **kw), "whole compiled": lambda: c(*a, **kw),
-                "whole compiled, no qlinear entry": no_linear_entry})
+    fns.update({"whole eager": lambda: m(*a, **kw), "whole compiled": lambda: c(*a, **kw)})
     res: dict[str, list[float]] = {k: [] for k in fns}
     keys = list(fns)
     with torch.inference_mode():
-        no_linear_entry(), c(*a, **kw)
         for r in range(rounds):
             for k in (keys if r % 2 == 0 else keys[::-1]):
                 reps = 3 if k.startswith("whole") else 20
@@ -107,8 +95,39 @@ def run(case: str, rounds: int) -> None:
     print(f"== {case} (us, median of {rounds} rounds)")
     for k, v in res.items():
         print(f"{statistics.median(v):10.1f}  {k}")
-    d = [x - y for x, y in zip(res["whole compiled, no qlinear entry"], res["whole compiled"], strict=True)]
-    print(f"{statistics.median(d):10.1f}  paired: no qlinear entry - compiled")
+    if any(f is K.qlinear for f, _ in calls):
+        on, off = _entry_ab(c, a, kw, rounds)
+        d = statistics.median([x - y for x, y in zip(off, on, strict=True)])
+        print(f"compiled with / without qlinear's fast entry: {statistics.median(on):.1f} / {statistics.median(off):.1f}"
+              f" us, paired saving {d:.1f} us")
+
+
+def _entry_ab(c: Any, a: tuple[Any, ...], kw: dict[str, Any], rounds: int) -> tuple[list[float], list[float]]:
+    """The compiled call with ``qlinear``'s fast entries and without (dropped before every call, ``_arm_fast`` a no-op
+    for them: the body before pt2py49), interleaved on their own (the op-body loop above evicts the caches); each
+    variant is set and called twice before its timed calls."""
+    real = K._arm_fast
+
+    def set_variant(on: bool) -> None:
+        K._arm_fast = real if on else (lambda cache, config, *r: None if isinstance(config, tuple)
+                                       else real(cache, config, *r))
+        for _, cache in list(K._CACHES.values()):
+            for k in [k for k in cache if isinstance(k, tuple) and not on]:
+                del cache[k]
+    res: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        with torch.inference_mode():
+            for r in range(3 * rounds):
+                for on in ((True, False) if r % 2 == 0 else (False, True)):
+                    set_variant(on), c(*a, **kw), c(*a, **kw)
+                    t0 = time.thread_time_ns()
+                    for _ in range(5):
+                        set_variant(on)
+                        c(*a, **kw)
+                    res[on].append((time.thread_time_ns() - t0) / 5 / 1e3)
+    finally:
+        K._arm_fast = real
+    return res[True], res[False]
 
 
 def main() -> None:
