@@ -1,5 +1,5 @@
 """Session 49 (b1conv49): the compiled ``lowbit::qconv_cfg`` keeps a fast entry per config string in the weight's
-cache (``pt2.conv_fast.arm``, called as ``kernel_ops._arm_fast``): after a call the conv plan's lane served, the next
+cache (``pt2.fast_entry.arm``, called as ``kernel_ops._arm_fast``): after a call the conv plan's lane served, the next
 calls check the identities and versions of the layer's tensors and hand the input to the lane, skipping
 ``checked_weight``, ``check_conv`` and the plan key. Every change that made the full body take another route or
 raise still does.

@@ -1,4 +1,4 @@
-"""Session 49 (pt2py49): the compiled ``lowbit::qlinear`` takes the fast entry ``qconv_cfg`` has (``pt2.conv_fast``,
+"""Session 49 (pt2py49): the compiled ``lowbit::qlinear`` takes the fast entry ``qconv_cfg`` has (``pt2.fast_entry``,
 shared): after a call the Linear plan's lane served, the next calls with the same grid strings and ``relu`` check the
 identities and versions of the layer's tensors and hand the input to the lane, skipping ``checked_weight``,
 ``check_linear`` and the plan key. Every change that made the full body take another route or raise still does.

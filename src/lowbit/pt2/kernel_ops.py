@@ -38,7 +38,7 @@ from ..kernels.conv_plan import conv_plan
 from ..kernels.plan import layer_key, linear_plan
 from ..qtensor import QTensor
 from .checks import check_conv, check_geometry, check_linear, check_weight
-from .conv_fast import arm as _arm_fast, call as _fast_call
+from .fast_entry import arm as _arm_fast, call as _fast_call
 from .quant_ops import define
 
 __all__ = ["weight_cache", "conv_out_shape"]  # (cached_weight: the ops' internal, no argument checks)
@@ -187,7 +187,7 @@ def qlinear(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, 
             weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
             bias: torch.Tensor | None, out_scale: torch.Tensor | None, out_zero_point: torch.Tensor | None,
             out_qdtype: str, relu: bool) -> torch.Tensor:
-    hit = _CACHES.get(id(weight))  # the fast entry (conv_fast, as qconv_cfg's): the lane's call after identity checks
+    hit = _CACHES.get(id(weight))  # the fast entry (fast_entry, as qconv_cfg's): the lane's call after identity checks
     if (hit is not None and hit[0]() is weight and x_scale.dim() == 0 == x_zero_point.dim()
             and x_scale.dtype == torch.float32 and x_zero_point.dtype == torch.int64):  # (the full body's lane terms)
         fast = _fast_call(hit[1].get((x_qdtype, w_qdtype, out_qdtype, relu)), x, x_scale, x_zero_point, weight,
@@ -373,7 +373,7 @@ def _cfg_args(config: str) -> tuple[tuple[str, str, str, bool], tuple[Any, ...],
 def qconv_cfg(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.Tensor, weight: torch.Tensor,
               w_scale: torch.Tensor, w_zero_point: torch.Tensor, bias: torch.Tensor | None, out_scale: torch.Tensor | None,
               out_zero_point: torch.Tensor | None, config: str) -> torch.Tensor:
-    hit = _CACHES.get(id(weight))  # the fast entry (conv_fast): the lane's call after identity and version checks
+    hit = _CACHES.get(id(weight))  # the fast entry (fast_entry): the lane's call after identity and version checks
     fast = _fast_call(None if hit is None or hit[0]() is not weight else hit[1].get(config), x, x_scale, x_zero_point,
                       weight, w_scale, w_zero_point, bias, out_scale, out_zero_point)
     if fast is not None:

@@ -20,7 +20,7 @@ other objects every call). Saves ~7-15 µs a conv call at batch 1 on the Xeon (`
 µs a Linear call (``benchmarks/op_bodies.py``).
 
 >>> import torch
->>> from lowbit.pt2.conv_fast import call
+>>> from lowbit.pt2.fast_entry import call
 >>> call(None, *([torch.zeros(1)] * 9)) is None   # no entry: the full body runs
 True
 """
