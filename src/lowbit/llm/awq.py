@@ -10,7 +10,8 @@ moves rounding error away from the channels that carry large activations. AWQ se
 ``α = 0`` is plain rounding, so the result never scores worse than RTN on the sample. The error is
 computed from the statistics ``H = xᵀx`` and ``m`` (``awq_search_stats``), not from ``x`` itself:
 ``||x Dᵀ||² = tr(D H Dᵀ)`` with ``D = Q(W s) diag(1/s) - W``, so every calibration token counts at a
-cost of ``N K²`` per grid point whatever the token count (the AWQ paper searches on a sample of ``x``). ``1 / s`` is
+cost of ``N K²`` per grid point whatever the token count (the AWQ paper searches on a sample of ``x``). ``H`` may
+weigh the tokens (``Σ_t w_t x_t x_tᵀ``: ``quantize_llm`` divides by each token's residual power). ``1 / s`` is
 folded into the op that produces ``x`` — an RMSNorm/LayerNorm weight (q/k/v after ``input_layernorm``,
 gate/up after ``post_attention_layernorm``) or the output rows of ``up_proj`` (for ``down_proj``,
 since ``down(act(gate) * up)``) — so the model gains no op. ``o_proj`` is scaled through ``v_proj``
