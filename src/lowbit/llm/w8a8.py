@@ -11,7 +11,8 @@ with ``q_w`` int8 per output channel (symmetric, ``s_w = max|w[n]| / 127``) and 
 ``quantize_w8a8`` first migrates activation outliers into the weights (SmoothQuant, Xiao et al. 2022):
 per input channel ``k`` of each group of Linears reading one tensor::
 
-    s_k = max|x_k|^α / max|W_{:,k}|^(1-α),     x' = x / s,   W' = W · s      (α = 0.5)
+    s_k = a_k^α / max|W_{:,k}|^(1-α),     x' = x / s,   W' = W · s      (α = 0.5)
+    a_k = max(max_t |x_tk|, 0.05 · max_j max_t |x_tj|)    (a channel silent on the calibration tokens is not blown up)
 
 ``1 / s`` is folded into the producer (RMSNorm weight, or ``up_proj`` rows for ``down_proj``, see
 ``lowbit.llm.awq.scale_source``, checked to leave the float block unchanged); where none can absorb it (``o_proj``
@@ -182,7 +183,12 @@ def quantize_w8a8(model: nn.Module, calib: Iterable[Any], alpha: float | None = 
         block = layers[i]
         if alpha is not None:
             w_max = torch.stack([block.get_submodule(n).weight.detach().abs().amax(0).float() for n in names]).amax(0)
-            s = (amax[f"{i}.{names[0]}"].clamp_min(1e-5).pow(alpha) / w_max.clamp_min(1e-5).pow(1 - alpha)).clamp_min(1e-5)
+            a = amax[f"{i}.{names[0]}"]
+            # a channel quiet on every calibration token (a ReLU unit that never fired on a few tokens: max 0) got
+            # s ~ 1e-3, and the first token that fires there swamped the per-token scale (10-18 dB from under 16
+            # tokens, 49 dB from 16): its max is floored at 5% of the layer's loudest channel (43-46 dB from 1-8)
+            a = a.clamp_min(max(1e-5, 0.05 * float(a.max())))
+            s = (a.pow(alpha) / w_max.clamp_min(1e-5).pow(1 - alpha)).clamp_min(1e-5)
             src = scale_source(block, names, probes[i])
             if src is not None:
                 awq_fold(block, src, names, s)
