@@ -1,6 +1,6 @@
 """Custom ops for the float-in/float-out quantized modules and ``QFunctional``'s integer arithmetic.
 
-- ``lowbit::dynamic_linear(x (M, K), int8 weight (N, K), ...) -> (M, N) float32``: per-token
+- ``lowbit::dynamic_linear(x (M, K), int8 weight (N, K), ...) -> (M, N)`` in ``x``'s dtype: per-token
   dynamic quantization, the int8 GEMM and the per-row epilogue of ``nn.quantized.dynamic.Linear``
   (``w_qdtype`` ``"<weight grid>|<activation>"`` for its 7-bit recipes, ``reduced.py``);
 - ``lowbit::weight_only_linear(x (M, K), qweight, scales, zero_points, bias, ...) -> (M, N)``:
@@ -64,17 +64,18 @@ def dynamic_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
                                                                   2)
     check_dynamic_x(x, weight)
     if x.shape[0] == 0:
-        return x.new_zeros(0, weight.shape[0], dtype=torch.float32)
+        return x.new_zeros(0, weight.shape[0])
     key, _, act = w_qdtype.partition("|")  # "qint8:-128:127" (per token) or "...|per_token_7bit" (reduced.py)
-    return _reduced_forward(act or "per_token", x, weight, w_scale, w_zero_point, qdtype_from_key(key), bias,
-                            cache).contiguous()
+    y = _reduced_forward(act or "per_token", x, weight, w_scale, w_zero_point, qdtype_from_key(key), bias, cache)
+    # x's dtype, as the eager module returns: a program exported on float32 and fed float16 gave float32
+    return (y if x.dtype == torch.float32 else y.to(x.dtype)).contiguous()
 
 
 def _dynamic_linear_fake(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,
       bias: torch.Tensor | None) -> torch.Tensor:
     check_weight("dynamic_linear", weight, w_scale, w_zero_point, bias, 2)
     check_dynamic_x(x, weight)
-    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def _weight_only_module(qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor,
