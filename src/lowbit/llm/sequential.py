@@ -131,7 +131,8 @@ def _input_stats(block: nn.Module, firsts: list[str], last: str | None, inps: li
 @torch.no_grad()
 def _residual_weights(block: nn.Module, inps: list[tuple[torch.Tensor, dict[str, Any]]],
                       masks: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    """Per batch, ``w_t = 1 / mean_c(y_tc²)`` over the real tokens ``t`` of the float block's output ``y``.
+    """Per batch, ``w_t = 1 / mean_c(y_tc²)`` over the real tokens ``t`` of the float block's output ``y`` (the
+    denominator floored at 1% of the batch's median).
 
     The next norm divides each token's residual stream by its RMS, so an error ``e_t`` added there costs
     ``||e_t||² w_t`` downstream. AWQ's search weighs its output error so: with plain MSE, the tokens whose residual
@@ -140,8 +141,9 @@ def _residual_weights(block: nn.Module, inps: list[tuple[torch.Tensor, dict[str,
     """
     out = []
     for (x, kw), mask in zip(inps, masks):
-        y = linear_rows(run_block(block, x, kw).detach(), mask).float()
-        out.append(1.0 / y.pow(2).mean(-1).clamp_min(1e-12))
+        ms = linear_rows(run_block(block, x, kw).detach(), mask).float().pow(2).mean(-1)
+        # a token whose output is near 0 weighs at most 100x a typical one (it alone would set the scales)
+        out.append(1.0 / ms.clamp_min(max(1e-2 * float(ms.median()) if ms.numel() else 0.0, 1e-12)))
     return out
 
 
