@@ -208,25 +208,3 @@ def test_layer_after_dequantstub_without_qconfig_and_new_region_pins() -> None:
     torch.manual_seed(0)
     plain = _eager(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)))
     assert isinstance(plain(torch.randn(2, 8)), QTensor)
-
-
-class _Inner(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.q, self.fc, self.dq = Q.QuantStub(), nn.Linear(4, 4), Q.DeQuantStub()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dq(self.fc(self.q(x)))
-
-
-def test_a_stub_submodule_run_alone_does_not_mark_another_models_layers() -> None:
-    """Lead's mend: a prepared model's submodule holding a DeQuantStub, called on its own (per-block calibration), set
-    the thread's "after DeQuantStub" flag past its root's close; a stub-less model calibrated next in the thread had
-    its layers marked and refused float input after convert. The flag now names the model it belongs to."""
-    outer = nn.Sequential(_Inner()).eval()
-    prepared = Q.prepare(outer, Q.get_default_qconfig())
-    prepared[0](torch.randn(8, 4))  # the DeQuantStub runs; the root's closing hook does not
-    plain = Q.prepare(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval(), Q.get_default_qconfig())
-    plain(torch.randn(8, 4))
-    y = Q.convert(plain)(torch.randn(2, 4))  # a stub-less model's layers read float, as before: no refusal
-    assert isinstance(y, QTensor)

@@ -20,7 +20,6 @@ False
 
 from __future__ import annotations
 
-import itertools
 import sys
 import threading
 import weakref
@@ -146,35 +145,30 @@ def _observe_float_input(module: nn.Module, inputs: Any) -> Any:
     (``_AFTER_DQ``): ``convert`` makes its int8 twin refuse float input (``_refuse_float_after_dequant``)."""
     x = inputs[0] if inputs else None
     if isinstance(x, torch.Tensor) and x.is_floating_point() and not _tagged(x):
-        out = getattr(_REGION, "out", None)
-        if out is not None and module.__dict__.get(_MODEL) == out:
+        if getattr(_REGION, "out", False):
             module.__dict__[_AFTER_DQ] = True
         return (module.input_activation_post_process(x), *inputs[1:])
     return None
 
 
 _AFTER_DQ = "_lowbit_after_dequant"  # a weighted module that read a float tensor outside the stubs' region
-_REGION = threading.local()  # .out: the model whose DeQuantStub ran in this forward, no QuantStub after it (or None)
-_MODEL = "_lowbit_stub_model"  # the token mark_regions gives every module of one prepared model
-_TOKENS = itertools.count()
+_REGION = threading.local()  # .out: a DeQuantStub ran in this forward and no QuantStub after it
 
 
 def _region_start(module: nn.Module, args: Any) -> None:
     """Forward pre-hook of the prepared root and its ``QuantStub`` s: the int8 region (re)starts."""
-    _REGION.out = None
+    _REGION.out = False
 
 
 def _region_end(module: nn.Module, args: Any, output: Any) -> None:
-    """Forward hook of a prepared ``DeQuantStub``: what runs next (until a ``QuantStub``) is float, in this model only
-    (its token: a stub's submodule called on its own leaves the flag set past the root's close, and another model's
-    layers must not read it)."""
-    _REGION.out = module.__dict__.get(_MODEL)
+    """Forward hook of a prepared ``DeQuantStub``: what runs next (until a ``QuantStub``) is float."""
+    _REGION.out = True
 
 
 def _region_close(module: nn.Module, args: Any, output: Any) -> None:
     """Always-called forward hook of the prepared root: the flag never outlives the forward (another model run later
     in this thread, without stubs, would read it)."""
-    _REGION.out = None
+    _REGION.out = False
 
 
 def mark_regions(root: nn.Module) -> None:
@@ -182,9 +176,6 @@ def mark_regions(root: nn.Module) -> None:
     stubs = [m for m in root.modules() if isinstance(m, (QuantStub, DeQuantStub))]
     if not any(isinstance(m, DeQuantStub) for m in stubs):
         return
-    token = next(_TOKENS)
-    for m in root.modules():
-        m.__dict__[_MODEL] = token
     if _region_close not in root._forward_hooks.values():
         root.register_forward_hook(_region_close, always_call=True)
     for m in [root, *(m for m in stubs if isinstance(m, QuantStub))]:
@@ -274,7 +265,6 @@ def _remove_observer_hooks(mod: nn.Module) -> None:
     mod.__dict__.pop(_IN_TAGGED, None)
     mod.__dict__.pop(_MODES, None)
     mod.__dict__.pop(_AFTER_DQ, None)
-    mod.__dict__.pop(_MODEL, None)
 
 
 def _is_weighted(mod: nn.Module) -> bool:
