@@ -21,7 +21,6 @@ False
 from __future__ import annotations
 
 import sys
-import threading
 import weakref
 from typing import Any
 
@@ -36,7 +35,7 @@ from ..observer.base import ObserverBase
 from ..qconfig import QConfig
 from ..qscheme import per_channel_affine_float_qparams, quint4, quint8
 from ..qtensor import QTensor
-from ..stubs import DeQuantStub, QuantStub
+from ..stubs import DeQuantStub
 
 # outputs that stay float after convert: no output observer
 _NO_OUTPUT_OBSERVER = (DeQuantStub, nn.Embedding, nn.EmbeddingBag)  # (QAT embeddings subclass these)
@@ -140,62 +139,11 @@ def _pass_tag(module: nn.Module, inputs: Any, output: Any) -> None:
 
 
 def _observe_float_input(module: nn.Module, inputs: Any) -> Any:
-    """Forward pre-hook of weighted modules: observe (QAT: fake-quantize) an input no observed module made. Read
-    after a ``DeQuantStub`` ran (and no ``QuantStub`` since) in the same forward, the module is marked
-    (``_AFTER_DQ``): ``convert`` makes its int8 twin refuse float input (``_refuse_float_after_dequant``)."""
+    """Forward pre-hook of weighted modules: observe (QAT: fake-quantize) an input no observed module made."""
     x = inputs[0] if inputs else None
     if isinstance(x, torch.Tensor) and x.is_floating_point() and not _tagged(x):
-        if getattr(_REGION, "out", False):
-            module.__dict__[_AFTER_DQ] = True
         return (module.input_activation_post_process(x), *inputs[1:])
     return None
-
-
-_AFTER_DQ = "_lowbit_after_dequant"  # a weighted module that read a float tensor outside the stubs' region
-_REGION = threading.local()  # .out: a DeQuantStub ran in this forward and no QuantStub after it
-
-
-def _region_start(module: nn.Module, args: Any) -> None:
-    """Forward pre-hook of the prepared root and its ``QuantStub`` s: the int8 region (re)starts."""
-    _REGION.out = False
-
-
-def _region_end(module: nn.Module, args: Any, output: Any) -> None:
-    """Forward hook of a prepared ``DeQuantStub``: what runs next (until a ``QuantStub``) is float."""
-    _REGION.out = True
-
-
-def _region_close(module: nn.Module, args: Any, output: Any) -> None:
-    """Always-called forward hook of the prepared root: the flag never outlives the forward (another model run later
-    in this thread, without stubs, would read it)."""
-    _REGION.out = False
-
-
-def mark_regions(root: nn.Module) -> None:
-    """Let calibration mark the weighted layers that read float after a ``DeQuantStub`` (a model without one: none)."""
-    stubs = [m for m in root.modules() if isinstance(m, (QuantStub, DeQuantStub))]
-    if not any(isinstance(m, DeQuantStub) for m in stubs):
-        return
-    if _region_close not in root._forward_hooks.values():
-        root.register_forward_hook(_region_close, always_call=True)
-    for m in [root, *(m for m in stubs if isinstance(m, QuantStub))]:
-        if _region_start not in m._forward_pre_hooks.values():
-            m.register_forward_pre_hook(_region_start)
-    for m in stubs:
-        if isinstance(m, DeQuantStub) and _region_end not in m._forward_hooks.values():
-            m.register_forward_hook(_region_end)
-
-
-def _refuse_float_after_dequant(module: nn.Module, inputs: Any) -> None:
-    """Forward pre-hook ``convert`` puts on an int8 layer that calibration saw reading float after a
-    ``DeQuantStub``: a float input is refused, as torch.ao refuses it (lowbit's layer quantized it on the recorded
-    grid and returned a ``QTensor`` into the float part of the model)."""
-    x = inputs[0] if inputs else None
-    if isinstance(x, torch.Tensor) and not isinstance(x, QTensor) and x.is_floating_point():
-        where = module.__dict__.get(_AFTER_DQ, f"a {type(module).__name__}")
-        raise TypeError(f"{where} is quantized but reads a float tensor after the model's DeQuantStub: its int8 "
-                        "output would be a QTensor in the float part of the model. Give it qconfig=None (it stays "
-                        "float) or put a QuantStub before it")
 
 
 def _dequantize_input(module: nn.Module, inputs: Any) -> Any:
@@ -252,9 +200,8 @@ def _exit_shared_grids(module: nn.Module, args: Any, output: Any) -> None:
 
 
 _HOOKS = (_observe_output, _pass_tag, _note_tag, _observe_float_input, _observe_input, _enter_shared_grids,
-          _exit_shared_grids, _region_start, _region_end, _region_close)
-# everything the workflow registers: never copied as a user's hook
-_OWN_HOOKS = (*_HOOKS, _dequantize_input, _refuse_float_after_dequant)
+          _exit_shared_grids)
+_OWN_HOOKS = (*_HOOKS, _dequantize_input)  # everything the workflow registers: never copied as a user's hook
 
 
 def _remove_observer_hooks(mod: nn.Module) -> None:
@@ -264,7 +211,6 @@ def _remove_observer_hooks(mod: nn.Module) -> None:
             mod._forward_hooks_always_called.pop(key, None)
     mod.__dict__.pop(_IN_TAGGED, None)
     mod.__dict__.pop(_MODES, None)
-    mod.__dict__.pop(_AFTER_DQ, None)
 
 
 def _is_weighted(mod: nn.Module) -> bool:

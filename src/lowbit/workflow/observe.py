@@ -27,7 +27,7 @@ from ..qconfig.config import build
 from . import shared_grids
 from .hooks import (_NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_NATIVE, _is_observer, _is_table_recipe, _is_weighted,
                     _note_tag, _observe_float_input, _observe_input, _observe_output, _pass_tag,
-                    _remove_observer_hooks, mark_regions)
+                    _remove_observer_hooks)
 from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, _resolve_user_qconfig, refuse_half_static,
                         refuse_call_order, warn_graph_mode, is_dynamic_qconfig, join_name, propagate_qconfig_)
 from ..state_check import guard_loading
@@ -134,7 +134,6 @@ def prepare(model: nn.Module, qconfig: Any = None, inplace: bool = False,
                       stacklevel=2)
     keep_statistics_local(model)  # DDP(broadcast_buffers=True) must not overwrite the ranks' statistics (observer.ddp)
     shared_grids.install(model)
-    mark_regions(model)
     return guard_loading(model).eval()  # (load_state_dict: all or nothing)
 
 
@@ -177,7 +176,6 @@ def prepare_qat(model: nn.Module, qconfig: Any = None, inplace: bool = False,
         warnings.warn("prepare_qat(): no quantizable module got a qconfig — convert() will leave this model float",
                       stacklevel=2)
     shared_grids.install(model)
-    mark_regions(model)
     _warn_post_training_qconfigs(model)
     keep_statistics_local(model)  # DDP(broadcast_buffers=True) must not overwrite the ranks' statistics (observer.ddp)
     return guard_loading(model).train()

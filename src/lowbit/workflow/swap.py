@@ -35,8 +35,8 @@ from ..qconfig import QConfig
 from ..qscheme import as_qdtype
 from ..speed_guard import keep_faster
 from ..stubs import DeQuantStub, QuantStub
-from .hooks import (_AFTER_DQ, _AVERAGING_POOLS, _NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_NATIVE, _dequantize_input,
-                    _is_observer, _is_table_recipe, _refuse_float_after_dequant, _remove_observer_hooks)
+from .hooks import (_AVERAGING_POOLS, _NO_OUTPUT_OBSERVER, _OWN_HOOKS, _QTENSOR_NATIVE, _dequantize_input,
+                    _is_observer, _is_table_recipe, _remove_observer_hooks)
 from .propagate import (_check_common, _check_mapping, _dynamic_default, _path, warn_graph_mode,
                         is_dynamic_qconfig)
 from ..state_check import LOAD_HINT, guard_loading
@@ -95,9 +95,6 @@ def _swap(mod: nn.Module, name: str, mapping: dict[type, type], report: ConvertR
     if inp is not None and holds_grid(inp) and hasattr(new, "input_grid"):  # it saw float inputs
         scale, zero_point = inp.calculate_qparams()
         new.input_grid = (float(scale), int(zero_point), as_qdtype(inp.qdtype))
-    if mod.__dict__.get(_AFTER_DQ):  # calibration fed it float after a DeQuantStub: torch.ao's error at the call
-        new.__dict__[_AFTER_DQ] = f"module '{_path(name)}' ({type(mod).__name__})"
-        new.register_forward_pre_hook(_refuse_float_after_dequant)
     report.converted[_path(name)] = f"{type(mod).__name__} -> {qcls.__module__}.{qcls.__name__}"
     return copy_user_hooks(mod, new, _OWN_HOOKS)  # the user's hooks survive (torch.ao's swap_module keeps them)
 
