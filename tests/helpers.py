@@ -254,3 +254,49 @@ def built_with_float(model: nn.Module, inp: tuple, names: list[str], op_keys: di
         p = Q.prepare_fx(copy.deepcopy(model), mapping, example_inputs=inp)
         p(*inp)
         return Q.convert_fx(p)
+
+
+# the changes a compiled op's fast entry must see (``lowbit.pt2.fast_entry``), shared by the conv and Linear entries
+STEP_ASIDE_EDITS = ("weight_int8", "weight_data", "weight_scale", "bias", "scale", "zero_point", "x_scale",
+                    "x_zero_point", "other_w_scale", "other_out_scale", "backend", "vnni")
+
+
+@contextlib.contextmanager
+def stepped_aside(args: list, edit: str | None, at: dict[str, int], monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Make one of ``STEP_ASIDE_EDITS`` to an op's argument list (in place, as a user's write would) and hold it for
+    the block: ``at`` names the positions of ``weight``, ``w_scale``, ``bias``, ``scale`` and ``zero_point`` (the
+    input's scale and zero point are at 1 and 2 in both ops). Writes bump versions; ``weight_data`` is a ``.data``
+    swap (no version bump, another address); ``other_*`` put another object in the slot; ``backend`` pins the
+    reference kernels and ``vnni`` flips the VNNI answer for the block; ``None`` changes nothing."""
+    from lowbit import kernels
+    from lowbit.kernels import onednn
+
+    w, ws, b, s, zp = (at[k] for k in ("weight", "w_scale", "bias", "scale", "zero_point"))
+    with torch.no_grad():
+        if edit == "weight_int8":
+            args[w].neg_()
+        elif edit == "weight_data":
+            args[w].data = args[w].flip(0).clone()
+        elif edit == "weight_scale":
+            args[ws].mul_(1.7)
+        elif edit == "bias":
+            args[b].add_(0.5)
+        elif edit == "scale":
+            args[s].mul_(2.0)
+        elif edit == "zero_point":
+            args[zp].sub_(7)
+        elif edit == "x_scale":
+            args[1].mul_(1.5)
+        elif edit == "x_zero_point":
+            args[2].sub_(3)
+        elif edit == "other_w_scale":
+            args[ws] = args[ws].clone()
+        elif edit == "other_out_scale":
+            args[s] = args[s].clone()
+        elif edit not in ("backend", "vnni", None):
+            raise ValueError(f"unknown edit {edit!r}")
+    if edit == "vnni":
+        flipped = not onednn.has_vnni()
+        monkeypatch.setattr(onednn, "has_vnni", lambda: flipped)
+    with kernels.use_backend("reference") if edit == "backend" else contextlib.nullcontext():
+        yield

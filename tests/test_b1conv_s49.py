@@ -19,8 +19,12 @@ from lowbit.kernels import onednn
 from lowbit.nn.quantized import Conv2d, ConvReLU2d
 from lowbit.pt2 import kernel_ops
 
+from helpers import STEP_ASIDE_EDITS, stepped_aside
+
 torch.set_num_threads(1)
 KEY = ("onednn", "conv")
+# where the op takes the layer's tensors (helpers.stepped_aside)
+CONV_AT = {"weight": 3, "w_scale": 4, "bias": 6, "scale": 7, "zero_point": 8}
 
 
 def _routes() -> None:
@@ -95,50 +99,18 @@ def test_fast_entry_serves_without_the_full_body(monkeypatch: pytest.MonkeyPatch
     assert torch.equal(mod(x).int_repr(), want)
 
 
-@pytest.mark.parametrize("edit", ["weight_int8", "weight_data", "weight_scale", "bias", "scale", "zero_point",
-                                  "x_scale", "x_zero_point", "other_w_scale", "other_out_scale", "backend", "vnni"])
+@pytest.mark.parametrize("edit", STEP_ASIDE_EDITS)
 def test_fast_entry_steps_aside_for_every_change(monkeypatch: pytest.MonkeyPatch, edit: str) -> None:
     """Pins (the full body ran on every call before): each change the full body would see is seen, the codes are a
     cold call's, and the entry re-arms for the new state."""
     mod, args, cfg, want, spy = _armed(monkeypatch)
-    with torch.no_grad():
-        if edit == "weight_int8":
-            args[3].neg_()
-        elif edit == "weight_data":  # (a .data swap: no version bump, another address)
-            args[3].data = args[3].flip(0).clone()
-        elif edit == "weight_scale":
-            args[4].mul_(1.7)
-        elif edit == "bias":
-            args[6].add_(0.5)
-        elif edit == "scale":
-            args[7].mul_(2.0)
-        elif edit == "zero_point":
-            args[8].sub_(7)
-        elif edit == "x_scale":
-            args[1].mul_(1.5)
-        elif edit == "x_zero_point":
-            args[2].sub_(3)
-        elif edit == "other_w_scale":
-            args[4] = args[4].clone()  # (another object: checked_weight's held copies serve it)
-        elif edit == "other_out_scale":
-            args[7] = args[7].clone()
-    ctx: Any = None
-    if edit == "backend":
-        ctx = K.use_backend("reference")
-        ctx.__enter__()
-    if edit == "vnni":
-        flipped = not onednn.has_vnni()
-        monkeypatch.setattr(onednn, "has_vnni", lambda: flipped)
-    try:
+    with stepped_aside(args, edit, CONV_AT, monkeypatch):
         cold = _full(args, cfg)
         y = kernel_ops.qconv_cfg(*args, cfg)
         assert spy.n == 1, (edit, spy.n)  # the full body ran
         assert torch.equal(y, cold), edit
         for _ in range(3):
             assert torch.equal(kernel_ops.qconv_cfg(*args, cfg), cold)
-    finally:
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
     if edit in ("x_scale", "x_zero_point"):  # (the layer's entry stands: run re-arms the lane, which it then calls)
         assert spy.n == 1, (edit, spy.n)
     elif edit not in ("backend", "vnni", "other_w_scale"):

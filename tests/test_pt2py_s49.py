@@ -12,14 +12,16 @@ import pytest
 import torch
 
 import lowbit as Q
-from lowbit import kernels as K
 from lowbit.compile_state import qdtype_key
-from lowbit.kernels import onednn
 from lowbit.nn.quantized import Linear, LinearReLU
 from lowbit.pt2 import kernel_ops
 
+from helpers import STEP_ASIDE_EDITS, stepped_aside
+
 torch.set_num_threads(1)
 XQ = qdtype_key(Q.quint8)
+# where the op takes the layer's tensors (helpers.stepped_aside)
+LINEAR_AT = {"weight": 4, "w_scale": 5, "bias": 8, "scale": 9, "zero_point": 10}
 
 
 def _layer(relu: bool = True, seed: int = 3) -> Linear:
@@ -88,35 +90,13 @@ def test_fast_entry_serves_without_the_full_body(monkeypatch: pytest.MonkeyPatch
     assert torch.equal(mod(x).int_repr(), want)
 
 
-@pytest.mark.parametrize("edit", ["weight_int8", "weight_data", "weight_scale", "bias", "scale", "zero_point",
-                                  "x_scale", "x_zero_point", "other_w_scale", "other_out_scale", "backend", "vnni",
-                                  "x_qdtype", "relu", "x_scale_f64", "x_scale_1d"])
+@pytest.mark.parametrize("edit", STEP_ASIDE_EDITS + ("x_qdtype", "relu", "x_scale_f64", "x_scale_1d"))
 def test_fast_entry_steps_aside_for_every_change(monkeypatch: pytest.MonkeyPatch, edit: str) -> None:
     """Each change the full body would see is seen (the full body runs) and the codes are a cold call's. Pins of
     behaviour int49 already had, as its full body ran on every call; they fail if the entry skips a check."""
     mod, args, want, spy = _armed(monkeypatch)
     with torch.no_grad():
-        if edit == "weight_int8":
-            args[4].neg_()
-        elif edit == "weight_data":  # (a .data swap: no version bump, another address)
-            args[4].data = args[4].flip(0).clone()
-        elif edit == "weight_scale":
-            args[5].mul_(1.7)
-        elif edit == "bias":
-            args[8].add_(0.5)
-        elif edit == "scale":
-            args[9].mul_(2.0)
-        elif edit == "zero_point":
-            args[10].sub_(7)
-        elif edit == "x_scale":
-            args[1].mul_(1.5)
-        elif edit == "x_zero_point":
-            args[2].sub_(3)
-        elif edit == "other_w_scale":
-            args[5] = args[5].clone()  # (another object: checked_weight's held copies serve it)
-        elif edit == "other_out_scale":
-            args[9] = args[9].clone()
-        elif edit == "x_qdtype":
+        if edit == "x_qdtype":
             args[3] = qdtype_key(Q.quint8.with_range(0, 127))
             args[0] = args[0] // 2
         elif edit == "relu":
@@ -125,23 +105,13 @@ def test_fast_entry_steps_aside_for_every_change(monkeypatch: pytest.MonkeyPatch
             args[1].data = args[1].double()
         elif edit == "x_scale_1d":
             args[1].data = args[1].reshape(1).clone()
-    ctx: Any = None
-    if edit == "backend":
-        ctx = K.use_backend("reference")
-        ctx.__enter__()
-    if edit == "vnni":
-        flipped = not onednn.has_vnni()
-        monkeypatch.setattr(onednn, "has_vnni", lambda: flipped)
-    try:
+    with stepped_aside(args, edit if edit in STEP_ASIDE_EDITS else None, LINEAR_AT, monkeypatch):
         cold = _full(args)
         y = kernel_ops.qlinear(*args)
         assert spy.n == 1, (edit, spy.n)  # the full body ran
         assert torch.equal(y, cold), edit
         for _ in range(3):
             assert torch.equal(kernel_ops.qlinear(*args), cold)
-    finally:
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
 
 
 def test_errors_after_arming_are_a_cold_calls(monkeypatch: pytest.MonkeyPatch) -> None:
