@@ -69,7 +69,12 @@ def strict_json(obj: Any) -> str:
 
 
 def check_inputs_outside(out: str | Path, inputs: dict[str, Any]) -> None:
-    """``--out`` is replaced as a whole: an input file or folder inside it (``{flag: path or None}``) is refused."""
+    """``--out`` is replaced as a whole: an input file or folder inside it (``{flag: path or None}``) is refused.
+    A path holding a NUL character names no file: refused here, first (``Path.resolve`` raised "embedded null
+    byte" with a traceback)."""
+    for flag, path in {"--out": out, **inputs}.items():
+        if isinstance(path, str) and "\x00" in path:
+            raise CLIError(f"{flag} {path!r} holds a NUL character, which no file name can hold")
     root = Path(out).absolute().resolve()
     for flag, path in inputs.items():
         if path is None:

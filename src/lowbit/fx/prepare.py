@@ -48,6 +48,7 @@ from torch import fx, nn
 from ..custom_config import PrepareCustomConfig
 from ..observer.ddp import keep_statistics_local
 from ..mappings import get_default_dynamic_quant_module_mappings, get_default_qat_module_mappings
+from ..qconfig.config import build
 from ..qconfig import QConfig, QConfigMapping, get_default_qat_qconfig_mapping, get_default_qconfig_mapping
 from ..workflow import is_dynamic_qconfig, propagate_qconfig_
 from ..workflow.kinds import model_kind
@@ -127,7 +128,7 @@ def _insert_observers(gm: fx.GraphModule) -> int:
         if name is None:
             name = f"activation_post_process_{count}"
             count += 1
-            gm.add_submodule(name, qconfig.activation())
+            gm.add_submodule(name, build(qconfig, "activation", f"prepare_fx: node {node.name!r}"))
             if shared:
                 per_module[node.target] = name  # type: ignore[index]
         with graph.inserting_after(node):

@@ -273,6 +273,16 @@ def check_observed(x: object, owner: str, observer: nn.Module | None = None) -> 
     return x
 
 
+def refuse_meta(observer: nn.Module) -> None:
+    """``RuntimeError`` naming ``observer`` when its statistics were moved to the meta device (``.to("meta")``):
+    ``is_calibrated`` / ``calculate_qparams`` read their values, and torch answered "Tensor.item() cannot be called on
+    meta tensors" from inside the observer."""
+    if any(b is not None and b.is_meta for b in observer._buffers.values()):
+        raise RuntimeError(f"{type(observer).__name__}: its statistics are on the meta device (moved with "
+                           ".to('meta')) and hold no values to compute a grid from; calibrate a fresh observer on "
+                           "cpu / cuda, or load_state_dict real statistics after .to_empty(device=...)")
+
+
 def finite_aminmax(x: torch.Tensor, owner: str, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``aminmax`` of ``x`` ignoring NaN and ±Inf (warning once per observer type).
 

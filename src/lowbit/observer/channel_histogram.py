@@ -35,7 +35,7 @@ import torch
 from ..compile_state import compiler_disabled, tracing
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
-from .base import ObserverBase, check_bins, check_observed
+from .base import ObserverBase, check_bins, check_observed, refuse_meta
 from .ddp import forget, note_forward, warn_overwritten
 from .distributed import (agree_observer, all_reduce_min_max, all_reduce_sum, broadcast_first, is_distributed,
                           pending_sync, remember_group)
@@ -199,6 +199,8 @@ class _ClipRangeObserver(ObserverBase):
     # -- state -----------------------------------------------------------------------------------
     @property
     def is_calibrated(self) -> bool:
+        if self.min_val.is_meta:
+            refuse_meta(self)
         return bool((self.min_val <= self.max_val).all()) and self.min_val.numel() > 0
 
     def reset_min_max_vals(self) -> None:
@@ -271,6 +273,8 @@ class _ClipRangeObserver(ObserverBase):
 
     def clip_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cmin, cmax)``: the clipping range ``calculate_qparams`` quantizes (``()`` or ``(C,)``)."""
+        if self.min_val.is_meta:
+            refuse_meta(self)
         pending_sync(self)  # over the group it was last reduced over (WORLD if none)
         name = type(self).__name__
         if self.min_val.numel() == 0 or not bool(torch.isfinite(self.min_val).any()):

@@ -55,7 +55,7 @@ import torch
 from ..compile_state import tracing
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme
-from .base import ObserverBase, check_bins, check_observed, finite_aminmax
+from .base import ObserverBase, check_bins, check_observed, finite_aminmax, refuse_meta
 from .ddp import forget, note_forward, warn_overwritten
 from .distributed import (agree_observer, all_reduce_min_max, all_reduce_sum, broadcast_first, is_distributed,
                           pending_sync, remember_group)
@@ -174,6 +174,8 @@ class HistogramObserver(ObserverBase):
 
     @property
     def is_calibrated(self) -> bool:
+        if self.min_val.is_meta:
+            refuse_meta(self)
         return bool(self.min_val <= self.max_val)
 
     def reset_min_max_vals(self) -> None:
@@ -284,6 +286,8 @@ class HistogramObserver(ObserverBase):
         Under ``torch.distributed`` first merges the ranks' histograms (a collective: call it on every
         rank, or ``sync_observers(model)`` on every rank beforehand).
         """
+        if self.min_val.is_meta:
+            refuse_meta(self)
         pending_sync(self)  # over the group it was last reduced over (WORLD if none)
         lo, hi = self.min_val.item(), self.max_val.item()
         if not lo <= hi:

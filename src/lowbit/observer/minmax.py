@@ -37,7 +37,7 @@ import torch
 
 from ..qparams import calculate_qparams
 from ..qscheme import QDtype, QScheme, per_channel_symmetric, per_tensor_affine, qint8, quint8
-from .base import ObserverBase, check_observed, finite_aminmax
+from .base import ObserverBase, check_observed, finite_aminmax, refuse_meta
 from .distributed import agree_observer, all_reduce_mean, all_reduce_min_max, is_distributed, pending_sync, remember_group
 
 __all__ = [
@@ -137,6 +137,8 @@ class _MinMaxObserverBase(ObserverBase):
     @property
     def is_calibrated(self) -> bool:
         """True once every statistic (every channel) holds a finite range."""
+        if self.min_val.is_meta:
+            refuse_meta(self)
         return bool(torch.isfinite(self.min_val).all() & torch.isfinite(self.max_val).all())
 
     def reset_min_max_vals(self) -> None:

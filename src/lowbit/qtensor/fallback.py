@@ -92,11 +92,27 @@ def tensor_getattr(self: Any, name: str) -> Any:
     return method
 
 
+_F64 = -1  # a key of ``_tree_dequantize``'s memo no object id takes: present, dequantize to float64
+
+
+def _holds_float64(obj: Any) -> bool:
+    """Whether ``obj`` (an argument tuple / list / dict, one level of nesting) holds a float64 ``torch.Tensor``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.dtype is torch.float64
+    if isinstance(obj, (list, tuple)):
+        return any(isinstance(o, torch.Tensor) and o.dtype is torch.float64 or isinstance(o, (list, tuple))
+                   and _holds_float64(o) for o in obj)
+    if isinstance(obj, dict):
+        return any(_holds_float64(o) for o in obj.values())
+    return False
+
+
 def _binary(name: str) -> Callable:
     def op(self: Any, *args: Any) -> Any:
         from . import _tree_dequantize, _warn_float_fallback
         _warn_float_fallback(f"QTensor.{name}")
-        return getattr(self.dequantize(), name)(*_tree_dequantize(args))
+        memo = {_F64: True} if _holds_float64(args) else {}  # (qt < float64 tensor: float64 values, as torch.lt)
+        return getattr(_tree_dequantize(self, memo), name)(*_tree_dequantize(args, memo))
     op.__name__ = name
     return op
 

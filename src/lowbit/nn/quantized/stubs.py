@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import warnings
 from typing import Any
 
 import torch
@@ -230,6 +231,8 @@ class DeQuantize(FxLeaf, nn.Module):
                     return dequantize_fast(x.int_repr(), x.scale, x.zero_point)
             return x.dequantize()
         if isinstance(x, torch.Tensor):
+            if self.out_dtype is not None and x.dtype is torch.float32:  # a float op's fallback result in the region
+                return x.to(self.out_dtype)  # (float32 out of a float64 model, silently: session 49's leftover)
             return x
         raise TypeError(f"DeQuantize expects a QTensor or a tensor, got {type(x).__name__}")
 
@@ -245,12 +248,21 @@ class DeQuantize(FxLeaf, nn.Module):
 def region_dtype(model: nn.Module) -> torch.dtype | None:
     """``torch.float64`` when every floating parameter of ``model`` is float64 (its int8 region is entered with
     float64 values, and its float ops after it take float64 only), else ``None`` (float32: ``DeQuantize``'s default).
+    A model mixing float64 with other float parameters keeps float32 (which of its dequantizes feed float64 layers
+    is not known from the parameters) and is warned once here, at convert: cast it to one dtype first.
 
     >>> region_dtype(nn.Linear(2, 2).double()), region_dtype(nn.Linear(2, 2))
     (torch.float64, None)
     """
     dtypes = {t.dtype for t in model.parameters() if t.is_floating_point()}
-    return torch.float64 if dtypes == {torch.float64} else None
+    if dtypes == {torch.float64}:
+        return torch.float64
+    if torch.float64 in dtypes:
+        others = ", ".join(sorted(str(d) for d in dtypes - {torch.float64}))
+        warnings.warn(f"lowbit: the model mixes float64 and {others} parameters; its int8 region "
+                      "returns float32 (float64 only for a model whose every floating parameter is float64): cast "
+                      "the model to one dtype (model.double() / model.float()) before prepare", stacklevel=3)
+    return None
 
 
 def set_region_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
