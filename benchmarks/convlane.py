@@ -6,7 +6,8 @@ the lane (``kernels.lane.ConvLane``), a twin that never takes it (``_lane_call``
 call), and torch.ao's x86 ``Conv2d`` / ``ConvReLU2d`` (depthwise: its fbgemm kernel). Per call: thread CPU time
 (``time.thread_time_ns``), 1 thread, the methods interleaved in rounds (order reversed every other round), medians;
 ratios are medians of the per-round paired ``t_ao / t_method`` (> 1: faster than torch.ao). ``--mobilenet``: the
-whole converted MobileNetV2 (``compiled.MobileNetV2``, lowbit default recipe and torch.ao's x86 eager twin) at batch 1.
+whole converted MobileNetV2 (``compiled.MobileNetV2``, lowbit default recipe and torch.ao's x86 eager twin) at the
+``--mobilenet-batches`` (default 1).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def report(name: str, res: dict[str, list[float]]) -> None:
           flush=True)
 
 
-def mobilenet(rounds: int) -> None:
+def mobilenet(rounds: int, batches: list[int]) -> None:
     import compiled as C
 
     torch.manual_seed(0)
@@ -114,11 +115,13 @@ def mobilenet(rounds: int) -> None:
     ao_fp.load_state_dict(fp.state_dict())
     lb, ao = C._static_pair(fp, ao_fp, [torch.randn(4, 3, 224, 224) for _ in range(2)], fp.fusion_groups())
     off = _no_lane(copy.deepcopy(lb))
-    x = torch.randn(1, 3, 224, 224)
-    with torch.no_grad():
-        assert torch.equal(lb(x), off(x))
-        report("MobileNetV2 b1 224² (whole model)",
-               measure({"lane": lambda: lb(x), "full path": lambda: off(x), "torch.ao": lambda: ao(x)}, rounds, 3e8))
+    for b in batches:
+        x = torch.randn(b, 3, 224, 224)
+        with torch.no_grad():
+            assert torch.equal(lb(x), off(x))
+            report(f"MobileNetV2 b{b} 224² (whole model)",
+                   measure({"lane": lambda x=x: lb(x), "full path": lambda x=x: off(x), "torch.ao": lambda x=x: ao(x)},
+                           rounds, 3e8))
 
 
 def main() -> None:
@@ -126,6 +129,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--mobilenet", action="store_true")
+    p.add_argument("--mobilenet-batches", type=int, nargs="+", default=[1])
     a = p.parse_args()
     print(common.isa_line())
     torch.set_num_threads(1)
@@ -133,7 +137,7 @@ def main() -> None:
         for name, cfg in LAYERS.items():
             report(f"b{b} {name}", measure(layer(*cfg, b), a.rounds))
     if a.mobilenet:
-        mobilenet(max(5, a.rounds // 2))
+        mobilenet(max(5, a.rounds // 2), a.mobilenet_batches)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,14 @@ channels-last memory through ``lowbit.native`` first (MobileNetV2's stem input a
 for the copy inside the oneDNN call). An output grid narrower than the u8 storage (a 7-bit grid) is clamped by
 oneDNN's ``hardtanh`` post-op (``OutGrid.onednn_post``: the same codes as a clamp after the call) instead of a second
 pass over the codes.
+At small sizes (at most ``AO_MACS`` multiply-adds, batch included) the call goes through torch.ao's x86
+``quantized::conv2d(_relu)`` on a pack the plan keeps (``_ao_route``): the same oneDNN convolution, but its primitive
+is cached in the pack where ``qconv_pointwise`` rebuilds its descriptor per call (~10-25 µs a call less at batch 1 on
+the AMX Xeon, session 50). The input codes are viewed, not copied, as a quantized tensor; the output ``QTensor`` holds
+torch's result as its ``tq``. Only where a rule allows it (``_ao_geometry``, ``_ao_fits``): dense or grouped with
+several channels a group (torch.ao's depthwise path, fbgemm's, saturates), groups <= 100 (torch.ao packs those for
+fbgemm), no dilation, no 7-bit clamp, an AVX-512 VNNI CPU with oneDNN uncapped, each input side at least the kernel's.
+Codes bit-identical to the ``qconv_pointwise`` call's (400 random geometries, session 50).
 ``None`` where the generic dispatcher must run: no oneDNN, a split (the weight-split convs and the native depthwise
 kernel), weights with zero points, a transposed or non-2-d conv, an input grid whose codes are not u8, a float
 output, a non-CPU layer. The caller keys the plan on the layer's buffers and runs it only with no backend pinned and
@@ -38,6 +46,7 @@ True
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -46,10 +55,11 @@ import torch
 from .. import native
 from ..qscheme import QDtype
 from ..qtensor import QTensor
-from . import conv_small, onednn
+from . import conv_small, isa, onednn
 from .conv_split import packed_for_input
 from .lane import ConvLane
 from .plan import _counts, input_grid_key
+from .small_m import _quantized_out
 from .spec import ConvSpec, OutGrid, odd_windows, padded_windows, strided_column, wide_multiplier
 
 __all__ = ["conv_plan"]
@@ -64,6 +74,49 @@ def _op_entry(packet: Any) -> Any:
 
 
 _qconv_op = _op_entry(torch.ops.onednn.qconv_pointwise) if onednn.available() else None
+_ao_ops = ((torch.ops.quantized.conv2d.new._op, torch.ops.quantized.conv2d_relu.new._op)
+           if onednn.available() else None)
+AO_MACS = 32_000_000  # multiply-adds (batch included) up to which a call takes torch.ao's cached primitive (_ao_route)
+_AO_SHAPES = 16  # input shapes whose route choice a plan keeps
+
+
+def _ao_pack(w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec) -> Any:
+    """torch.ao's x86 packed weight for ``w`` (its oneDNN ``PackedConvWeightsOnednn``: an AVX-512 VNNI CPU, weight
+    zero points 0, groups <= 100), prepacked under the x86 engine whatever the thread's engine is."""
+    engine = torch.backends.quantized.engine
+    try:
+        with warnings.catch_warnings():  # (torch's deprecation warning on quantized tensors, silenced as the routes do)
+            warnings.simplefilter("ignore")
+            qw = torch._make_per_channel_quantized_tensor(w, w_scale.double(), torch.zeros_like(w_scale, dtype=torch.long), 0)
+        torch.backends.quantized.engine = "x86"
+        return torch.ops.quantized.conv2d_prepack(qw, bias, list(spec.stride), list(spec.padding), [1, 1], spec.groups)
+    finally:
+        torch.backends.quantized.engine = engine
+
+
+def _ao_geometry(weight_shape: torch.Size, spec: ConvSpec, relu: bool, post: str, clamp: bool) -> bool:
+    """Whether the layer's geometry may take torch.ao's cached primitive (``_ao_route``): a dense or grouped (not
+    depthwise, groups <= 100: torch.ao's x86 engine then packs for oneDNN) conv without dilation, its post-op none or
+    ReLU, on an AVX-512 VNNI CPU whose oneDNN ISA is not capped. The input-size rule is ``_ao_fits``."""
+    cout, cin_g = weight_shape[0], weight_shape[1]
+    return (_ao_ops is not None and onednn.has_vnni() and "avx512_vnni" in isa._cpu_flags()
+            and "x86" in torch.backends.quantized.supported_engines and cin_g > 1 and spec.groups <= 100
+            and cout // spec.groups > 1 and all(d == 1 for d in spec.dilation) and not clamp
+            and post == ("relu" if relu else "none"))
+
+
+def _ao_fits(shape: torch.Size, weight_shape: torch.Size, spec: ConvSpec) -> bool:
+    """Whether an input of ``shape`` (N, C, H, W) takes the cached primitive: each spatial size at least the kernel's
+    (torch.ao's op crashed on a width-1 input under a 1x1 dilated kernel, session 49), and at most ``AO_MACS``
+    multiply-adds (above it the call's fixed cost is noise and torch.ao's primitive, packed without the input's
+    shape, was measured slower)."""
+    n, _, h, w_ = shape
+    kh, kw = weight_shape[2], weight_shape[3]
+    if h < kh or w_ < kw:
+        return False
+    (sh, sw), (ph, pw) = spec.stride, spec.padding
+    ho, wo = (h + 2 * ph - kh) // sh + 1, (w_ + 2 * pw - kw) // sw + 1
+    return ho > 0 and wo > 0 and n * ho * wo * weight_shape[0] * weight_shape[1] * kh * kw <= AO_MACS
 
 def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, relu: bool, x_qdtype: QDtype,
               spec: ConvSpec) -> Callable[[QTensor], QTensor] | None:
@@ -117,12 +170,35 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
     # out.wrap's own choice for CPU codes, made once: the grid's tensors kept where they are on the CPU (~0.5 µs a call)
     trusted = s_t is not None and z_t is not None and s_t.device.type == "cpu"
 
+    ao = trusted and _ao_geometry(w.shape, spec, relu, post, clamp)
+    ao_st: list[Any] = [None, None, {}]  # (torch.ao's pack, (s_x, z_x, empty quantized input on that grid), shape -> fits)
+
     def call(q: torch.Tensor, sx: float, zx: int, packed: Any) -> QTensor:
+        if ao:
+            fits = ao_st[2].get(q.shape)
+            if fits is None:
+                if len(ao_st[2]) >= _AO_SHAPES:
+                    ao_st[2].clear()
+                fits = ao_st[2][q.shape] = _ao_fits(q.shape, w.shape, spec)
+            if fits and q.is_contiguous(memory_format=torch.channels_last):
+                return _ao_route(q, sx, zx)
         y = _qconv_op(q, sx, zx, packed, w_scale, w_zp, bias, stride, padding, dilation, groups, s_out, z_out,
                       torch.uint8, post, scalars, "")
         if clamp:
             y = y.clamp_(qd.quant_min, qd.quant_max)
         return QTensor._trusted(y, s_t, z_t, qd) if trusted else out.wrap(y)  # type: ignore[arg-type]
+
+    def _ao_route(q: torch.Tensor, sx: float, zx: int) -> QTensor:
+        """torch.ao's ``quantized::conv2d(_relu)`` on the codes (viewed, not copied, as a quantized tensor on the input
+        grid): the same oneDNN convolution, its primitive cached in the pack (~13-25 µs a call less at batch 1)."""
+        if ao_st[0] is None:
+            ao_st[0] = _ao_pack(w, w_scale, bias, spec)
+        g = ao_st[1]
+        if g is None or g[0] != sx or g[1] != zx:
+            g = ao_st[1] = (sx, zx, _quantized_out((0,), sx, zx))
+        t = torch.empty_like(g[2]).set_(q.untyped_storage(), q.storage_offset(), q.shape, q.stride())
+        y = _ao_ops[relu](t, ao_st[0], s_out, z_out)  # type: ignore[index]
+        return QTensor._trusted(None, s_t, z_t, qd, None, y)  # type: ignore[arg-type]
     lane = ConvLane(call, counts, key)
 
     def run(x: QTensor) -> QTensor:
