@@ -1,4 +1,5 @@
-"""Session 50 (b1conv50): a static int8 conv's planned oneDNN call at small sizes goes through torch.ao's
+"""Session 50 (b1conv50), with the route turned on (off by default): a static int8 conv's planned oneDNN call at
+small sizes goes through torch.ao's
 ``quantized::conv2d(_relu)`` on a pack the plan keeps (``conv_plan._ao_route``: its primitive cached, ~10-25 µs a call
 less at batch 1), only where a rule allows it (``_ao_geometry``: dense or grouped, not depthwise, no dilation, no 7-bit
 clamp, an AVX-512 VNNI CPU, oneDNN not capped; ``_ao_fits``: the input at least the kernel's size and at most
@@ -22,6 +23,12 @@ from lowbit.kernels import isa, onednn
 from lowbit.nn.quantized import Conv2d, ConvReLU2d
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _ao_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route is off by default (``AO_MACS`` 0: slower in a whole model); these tests turn it on at 32M."""
+    monkeypatch.setattr(CP, "AO_MACS", 32_000_000, raising=False)
 
 
 def _routes() -> None:
@@ -285,3 +292,15 @@ def test_compiled_qconv_cfg_is_served_the_same_way(monkeypatch: pytest.MonkeyPat
     for _ in range(4):  # (run, the lane, then the fast entry into the lane)
         assert torch.equal(kernel_ops.qconv_cfg(*args, cfg), want)
     assert spy.n == 4
+
+
+def test_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pin: with the default ``AO_MACS`` (0) the plan keeps the qconv_pointwise route."""
+    _routes()
+    monkeypatch.undo()
+    assert getattr(CP, "AO_MACS", 0) == 0
+    mod, x = _layer(16, 24, 1), _x((1, 16, 8, 8))
+    spy = _Count(monkeypatch)
+    for _ in range(3):
+        assert mod(x)._tq is None
+    assert spy.n == 0

@@ -22,7 +22,8 @@ channels-last memory through ``lowbit.native`` first (MobileNetV2's stem input a
 for the copy inside the oneDNN call). An output grid narrower than the u8 storage (a 7-bit grid) is clamped by
 oneDNN's ``hardtanh`` post-op (``OutGrid.onednn_post``: the same codes as a clamp after the call) instead of a second
 pass over the codes.
-At small sizes (at most ``AO_MACS`` multiply-adds, batch included) the call goes through torch.ao's x86
+Off by default (``AO_MACS`` 0: measured slower in a whole model, see there): at small sizes (at most ``AO_MACS``
+multiply-adds, batch included) the call can go through torch.ao's x86
 ``quantized::conv2d(_relu)`` on a pack the plan keeps (``_ao_route``): the same oneDNN convolution, but its primitive
 is cached in the pack where ``qconv_pointwise`` rebuilds its descriptor per call (~10-25 µs a call less at batch 1 on
 the AMX Xeon, session 50). The input codes are viewed, not copied, as a quantized tensor; the output ``QTensor`` holds
@@ -76,7 +77,11 @@ def _op_entry(packet: Any) -> Any:
 _qconv_op = _op_entry(torch.ops.onednn.qconv_pointwise) if onednn.available() else None
 _ao_ops = ((torch.ops.quantized.conv2d.new._op, torch.ops.quantized.conv2d_relu.new._op)
            if onednn.available() else None)
-AO_MACS = 32_000_000  # multiply-adds (batch included) up to which a call takes torch.ao's cached primitive (_ao_route)
+# multiply-adds (batch included) up to which a call takes torch.ao's cached primitive (_ao_route). 0: off (the default).
+# Each layer alone is 1.02-1.25x faster on it up to 32M (session 50), but the whole MobileNetV2 at batch 1 was 0.93-0.94x
+# (1.01x once) of the qconv_pointwise route in paired runs: the conv reading torch.ao's output next was 20-85 µs slower a
+# call (cause not found). Set it (e.g. 32_000_000) to measure it again.
+AO_MACS = 0
 _AO_SHAPES = 16  # input shapes whose route choice a plan keeps
 
 
@@ -170,7 +175,7 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
     # out.wrap's own choice for CPU codes, made once: the grid's tensors kept where they are on the CPU (~0.5 µs a call)
     trusted = s_t is not None and z_t is not None and s_t.device.type == "cpu"
 
-    ao = trusted and _ao_geometry(w.shape, spec, relu, post, clamp)
+    ao = AO_MACS > 0 and trusted and _ao_geometry(w.shape, spec, relu, post, clamp)
     ao_st: list[Any] = [None, None, {}]  # (torch.ao's pack, (s_x, z_x, empty quantized input on that grid), shape -> fits)
 
     def call(q: torch.Tensor, sx: float, zx: int, packed: Any) -> QTensor:
