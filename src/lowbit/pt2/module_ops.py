@@ -52,7 +52,9 @@ from ..qtensor.layout import nchw_copy
 from ..qtensor.pool import max_pool2d_codes
 from .checks import (check_dynamic_x, check_qfunctional, check_weight,
                      check_weight_only, check_weight_only_x)
-from .kernel_ops import cached_weight, checked_weight, held_copies, same_values, weight_cache
+from ..nn.quantized.dynamic import per_token as _per_token
+from .fast_entry import _still
+from .kernel_ops import _CACHES, cached_weight, checked_weight, held_copies, same_values, weight_cache
 from .quant_ops import define, like
 
 __all__: list[str] = []
@@ -60,6 +62,12 @@ __all__: list[str] = []
 
 def dynamic_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
                    w_qdtype: str, bias: torch.Tensor | None) -> torch.Tensor:
+    hit = _CACHES.get(id(weight))  # the fast entry (_dyn_fast): the oneDNN route after identity and version checks
+    if hit is not None and hit[0]() is weight:
+        y = _dyn_fast(hit[1].get(("pt2.dyn_fast", w_qdtype)), x, weight, w_scale, w_zero_point, bias)
+        if y is not None:
+            return y
+    given = (w_scale, w_zero_point, bias)
     cache, weight, (w_scale, w_zero_point, bias) = checked_weight("dynamic_linear", weight, w_scale, w_zero_point, bias,
                                                                   2)
     check_dynamic_x(x, weight)
@@ -67,8 +75,46 @@ def dynamic_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
         return x.new_zeros(0, weight.shape[0])
     key, _, act = w_qdtype.partition("|")  # "qint8:-128:127" (per token) or "...|per_token_7bit" (reduced.py)
     y = _reduced_forward(act or "per_token", x, weight, w_scale, w_zero_point, qdtype_from_key(key), bias, cache)
+    if not act and x.dtype == torch.float32 and x.is_cpu and not x.requires_grad:
+        _arm_dyn(cache, w_qdtype, x, given, (w_scale, w_zero_point, bias))
     # x's dtype, as the eager module returns: a program exported on float32 and fed float16 gave float32
     return (y if x.dtype == torch.float32 else y.to(x.dtype)).contiguous()
+
+
+def _arm_dyn(cache: dict[Any, Any], w_qdtype: str, x: torch.Tensor, given: tuple[Any, ...], used: tuple[Any, ...]
+             ) -> None:
+    """Keep ``dynamic_linear``'s fast entry for ``w_qdtype`` in the weight's cache after a per-token call that took the
+    oneDNN route (``per_token.onednn_route``): the plan with what its key and ``checked_weight`` read of the layer, the
+    given grid and bias objects (not where ``checked_weight`` gave held copies back: AOTInductor's per-call constants),
+    their versions and addresses, the weight's version and address."""
+    plan, weight = cache.get("per_token.plan"), cache.get("weight")
+    if (plan is None or plan.weight is None or weight is None or any(a is not b for a, b in zip(given, used, strict=True))
+            or not _per_token.onednn_route(plan, x)):
+        return
+    ts = tuple(_still(t) for t in given)
+    cache[("pt2.dyn_fast", w_qdtype)] = (given, ts, tuple(t._version for t in ts),
+                                         tuple(-1 if t is None else t.data_ptr() for t in given),
+                                         -1 if weight.is_inference() else weight._version, weight.data_ptr(), plan)
+
+
+def _dyn_fast(entry: Any, x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``dynamic_linear``'s later calls of a layer ``_arm_dyn`` armed: ``_grid_codes`` and ``onednn_rows`` (the full
+    body's route and floats) once the given grid and bias are the armed objects at their versions and addresses, the
+    weight at its version and address (``cached_weight``'s checks), and ``x`` a float32 CPU ``(M, K)`` the route takes
+    (``onednn_route``: VNNI, no pinned backend, rows). ``None``: the full body runs (a non-finite row, errors)."""
+    if entry is None:
+        return None
+    g, (ts, tz, tb), plan = entry[0], entry[1], entry[6]
+    if not (g[0] is w_scale and g[1] is w_zero_point and g[2] is bias
+            and (ts._version, tz._version, tb._version) == entry[2]
+            and (w_scale.data_ptr(), w_zero_point.data_ptr(), -1 if bias is None else bias.data_ptr()) == entry[3]
+            and (-1 if weight.is_inference() else weight._version) == entry[4] and weight.data_ptr() == entry[5]
+            and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == plan.w_t.shape[0] and x.is_cpu
+            and not x.requires_grad and _per_token.onednn_route(plan, x)):
+        return None
+    codes = _per_token._grid_codes(x)
+    return None if codes is None else _per_token.onednn_rows(plan, *codes, w_scale, w_zero_point, bias)
 
 
 def _dynamic_linear_fake(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor, w_qdtype: str,

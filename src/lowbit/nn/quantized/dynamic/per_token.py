@@ -241,6 +241,22 @@ def dynamic_linear(x2: torch.Tensor, weight_int8: torch.Tensor, w_scale: torch.T
         if entry is None:
             return _generic(xf, weight_int8, w_scale, w_zero_point, qdtype, bias, cache)
         plan.packed = entry[0]
+    return onednn_rows(plan, q, scale, neg_zp, w_scale, w_zero_point, bias)
+
+
+def onednn_route(plan: _Plan, xf: torch.Tensor) -> bool:
+    """Whether ``dynamic_linear`` runs a float32 CPU ``xf`` ``(M, K)`` (no grad) with this plan (symmetric weights, its
+    oneDNN pack made) through ``_grid_codes`` and ``onednn_rows`` on this call: a VNNI CPU, no pinned backend, more
+    than one row and too many for the native few-rows call (the compiled op's fast entry, ``pt2.module_ops``)."""
+    m = xf.shape[0]
+    return (plan.packed is not None and m > 1 and kernels.get_backend() is None and onednn.has_vnni()
+            and not (m <= small_m.VNNI_M and plan.wsum.shape[0] * m <= _BLOCK and native.vnni()))
+
+
+def onednn_rows(plan: _Plan, q: torch.Tensor, scale: torch.Tensor, neg_zp: torch.Tensor, w_scale: torch.Tensor,
+                w_zero_point: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``dynamic_linear``'s oneDNN route on ``_grid_codes``' ``(q, s_x, -z_x)`` (``neg_zp`` is overwritten): one
+    ``qlinear_pointwise`` call on the shared grid (scale 1, zero point 128), then the row epilogue in place."""
     raw = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, plan.packed, w_scale, w_zero_point, None, 1.0, 0,
                                              torch.float32, "none", [], "")  # Σ (q_x - 128) ŵ, float32
     kernels.counts[("onednn", "linear")] += 1
