@@ -136,6 +136,8 @@ def test_compiled_dynamic_model_fullgraph_equals_eager(monkeypatch: pytest.Monke
     for gelu in (False, True):
         mods = [nn.Linear(100, 150)] + ([nn.GELU()] if gelu else []) + [nn.Linear(150, 70, bias=False)]
         qm = Q.quantize_dynamic(nn.Sequential(*mods).eval())
+        with torch.no_grad():  # (a weight written once, as a loaded model's: the entry keys the given weight's version)
+            qm[0].weight_int8.add_(0), qm[-1].weight_int8.add_(0)
         c = torch.compile(qm, fullgraph=True, dynamic=False)
         with torch.inference_mode():
             want = qm(x)

@@ -67,7 +67,7 @@ def dynamic_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
         y = _dyn_fast(hit[1].get(("pt2.dyn_fast", w_qdtype)), x, weight, w_scale, w_zero_point, bias)
         if y is not None:
             return y
-    given = (w_scale, w_zero_point, bias)
+    given, w_given = (w_scale, w_zero_point, bias), weight
     cache, weight, (w_scale, w_zero_point, bias) = checked_weight("dynamic_linear", weight, w_scale, w_zero_point, bias,
                                                                   2)
     check_dynamic_x(x, weight)
@@ -76,19 +76,20 @@ def dynamic_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
     key, _, act = w_qdtype.partition("|")  # "qint8:-128:127" (per token) or "...|per_token_7bit" (reduced.py)
     y = _reduced_forward(act or "per_token", x, weight, w_scale, w_zero_point, qdtype_from_key(key), bias, cache)
     if not act and x.dtype == torch.float32 and x.is_cpu and not x.requires_grad:
-        _arm_dyn(cache, w_qdtype, x, given, (w_scale, w_zero_point, bias))
+        _arm_dyn(cache, w_qdtype, x, w_given, given, (w_scale, w_zero_point, bias))
     # x's dtype, as the eager module returns: a program exported on float32 and fed float16 gave float32
     return (y if x.dtype == torch.float32 else y.to(x.dtype)).contiguous()
 
 
-def _arm_dyn(cache: dict[Any, Any], w_qdtype: str, x: torch.Tensor, given: tuple[Any, ...], used: tuple[Any, ...]
-             ) -> None:
+def _arm_dyn(cache: dict[Any, Any], w_qdtype: str, x: torch.Tensor, weight: torch.Tensor, given: tuple[Any, ...],
+             used: tuple[Any, ...]) -> None:
     """Keep ``dynamic_linear``'s fast entry for ``w_qdtype`` in the weight's cache after a per-token call that took the
     oneDNN route (``per_token.onednn_route``): the plan with what its key and ``checked_weight`` read of the layer, the
     given grid and bias objects (not where ``checked_weight`` gave held copies back: AOTInductor's per-call constants),
-    their versions and addresses, the weight's version and address."""
-    plan, weight = cache.get("per_token.plan"), cache.get("weight")
-    if (plan is None or plan.weight is None or weight is None or any(a is not b for a, b in zip(given, used, strict=True))
+    their versions and addresses, the given weight's version and address (``cached_weight``'s key: the tensor it holds
+    has a version counter of its own inside a compiled program)."""
+    plan = cache.get("per_token.plan")
+    if (plan is None or plan.weight is None or any(a is not b for a, b in zip(given, used, strict=True))
             or not _per_token.onednn_route(plan, x)):
         return
     ts = tuple(_still(t) for t in given)
