@@ -151,19 +151,21 @@ def test_compiled_dynamic_model_fullgraph_equals_eager(monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize("k", [1, 15, 63, 64, 65, 100, 128, 191, 384, 1536, 1537])
 @pytest.mark.parametrize("rows", [1, 3, 130])
-def test_row_grid_codes_equal_across_bodies(k: int, rows: int) -> None:
+@pytest.mark.parametrize("levels", [255.0, 127.0])
+def test_row_grid_codes_equal_across_bodies(k: int, rows: int, levels: float) -> None:
     """The row grid's u8 codes and grids from the best body (AVX-512BW's 64-code blocks where the CPU has them) equal
-    the scalar and AVX2 bodies', contiguous and row-strided. Pin (the narrowing stores before gave them too)."""
+    the scalar and AVX2 bodies', contiguous and row-strided, 8-bit and 7-bit
+    (``per_token_7bit``). Pin (the narrowing stores before gave them too)."""
     if not native.available():
         pytest.skip(native.reason())
     torch.manual_seed(k * 7 + rows)
     x = torch.randn(rows, k + 5) * torch.rand(rows, 1) * 8
     x[:, ::3] = torch.round(x[:, ::3] * 4) / 4
     for xs in (x[:, :k], x[:, :k].contiguous()):
-        best = native.row_grid(xs, 255.0, "codes")
+        best = native.row_grid(xs, levels, "codes")
         with native.force_scalar():
-            scalar = native.row_grid(xs, 255.0, "codes")
+            scalar = native.row_grid(xs, levels, "codes")
         with native.force_avx2():
-            avx2 = native.row_grid(xs, 255.0, "codes")
+            avx2 = native.row_grid(xs, levels, "codes")
         for other in (scalar, avx2):
             assert all(torch.equal(a, b) for a, b in zip(best, other, strict=True))
