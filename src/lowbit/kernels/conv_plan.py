@@ -22,8 +22,8 @@ channels-last memory through ``lowbit.native`` first (MobileNetV2's stem input a
 for the copy inside the oneDNN call). An output grid narrower than the u8 storage (a 7-bit grid) is clamped by
 oneDNN's ``hardtanh`` post-op (``OutGrid.onednn_post``: the same codes as a clamp after the call) instead of a second
 pass over the codes.
-Off by default (``AO_MACS`` 0: measured slower in a whole model, see there): at small sizes (at most ``AO_MACS``
-multiply-adds, batch included) the call can go through torch.ao's x86
+Off by default (``AO_MACS`` 0: slower in a whole model, the next conv's call path then cold; see there): at small
+sizes (at most ``AO_MACS`` multiply-adds, batch included) the call can go through torch.ao's x86
 ``quantized::conv2d(_relu)`` on a pack the plan keeps (``_ao_route``): the same oneDNN convolution, but its primitive
 is cached in the pack where ``qconv_pointwise`` rebuilds its descriptor per call (~10-25 µs a call less at batch 1 on
 the AMX Xeon, session 50). The input codes are viewed, not copied, as a quantized tensor; the output ``QTensor`` holds
@@ -78,9 +78,12 @@ _qconv_op = _op_entry(torch.ops.onednn.qconv_pointwise) if onednn.available() el
 _ao_ops = ((torch.ops.quantized.conv2d.new._op, torch.ops.quantized.conv2d_relu.new._op)
            if onednn.available() else None)
 # multiply-adds (batch included) up to which a call takes torch.ao's cached primitive (_ao_route). 0: off (the default).
-# Each layer alone is 1.02-1.25x faster on it up to 32M (session 50), but the whole MobileNetV2 at batch 1 was 0.93-0.94x
-# (1.01x once) of the qconv_pointwise route in paired runs: the conv reading torch.ao's output next was 20-85 µs slower a
-# call (cause not found). Set it (e.g. 32_000_000) to measure it again.
+# Each layer alone is 1.02-1.25x faster on it up to 32M (session 50), but the whole MobileNetV2 at batch 1 was 0.93-0.95x
+# of the qconv_pointwise route: a call costs ~10-25 µs more when the conv call before it took the other path (the host
+# code around the kernel runs cold; the kernel's own time, the data and the CPU state are the same), so each depthwise
+# conv after a routed one pays back the saving. Sending every conv through torch.ao's cache (depthwise ones by an
+# onednn-engine pack) removes that, but the model was then 1.00-1.02x (b8 0.98x): no gain to ship.
+# benchmarks/conv_route_warmth.py measures both. Set it (e.g. 32_000_000) to measure it again.
 AO_MACS = 0
 _AO_SHAPES = 16  # input shapes whose route choice a plan keeps
 
