@@ -45,6 +45,9 @@ HELD = 64
 # the clamp stretch into a dense reader (``equalize_prepared(dense=)``): s_i^0.5, half the range disparity moved into
 # the reader's weight rows (session 46, MobileNetV2's depthwise -> projection pairs: +0.2-0.3 dB logit SQNR)
 DENSE = 0.5
+# QDrop in the residual blocks' rounding (``reconstruct(drop=)``): each activation element inside a block stays float
+# with this probability while the block learns (session 50, MobileNetV2: agreement up on two disjoint 480-crop sets)
+QDROP = 0.5
 
 
 def note_children(report: Any, step: str, done: dict[str, str]) -> None:

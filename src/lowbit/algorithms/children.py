@@ -151,7 +151,8 @@ def _pair(q: list[list[tuple[Any, ...]]], f: list[list[tuple[Any, ...]]]) -> tup
 def reconstruct_children(model: nn.Module, calib: Iterable[Any], adaround: bool = True, bias_correction: bool = True,
                          iters: int = 500, batch_size: int = 8, seed: int = 0, progress: bool = True,
                          blocks: bool = False, learn_grids: bool = False, rounding: str = "adaround", *,
-                         float_model: nn.Module | None = None, float_calib: list[Call] | None = None) -> list[LayerChange]:
+                         float_model: nn.Module | None = None, float_calib: list[Call] | None = None,
+                         drop: float = 0.0) -> list[LayerChange]:
     """``layerwise.reconstruct``'s walk on every outermost child graph of a calibrated ``model`` (module doc), in the
     order they first run; returns their ``LayerChange`` records, each named by its path in ``model`` (a
     ``"child <path>"`` note on each); a child that never ran on ``calib`` gets none. ``float_model`` (default: a copy
@@ -185,7 +186,7 @@ def reconstruct_children(model: nn.Module, calib: Iterable[Any], adaround: bool 
             continue
         recs = _reconstruct_graph(gm, xq, xf, adaround=adaround, bias_correction=bias_correction, iters=iters,
                                   batch_size=batch_size, seed=seed, progress=progress, blocks=blocks,
-                                  learn_grids=learn_grids, rounding=rounding)
+                                  learn_grids=learn_grids, rounding=rounding, drop=drop)
         for rec in recs:  # (a record of a graph nested in this one's opaque leaves already names its child)
             rec.name = f"{path}.{rec.name}"
             if rec.notes and rec.notes[-1].startswith("child "):

@@ -55,7 +55,7 @@ ROUNDINGS = ("adaround", "quadratic", "depthwise")
 def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True, bias_correction: bool = True,
                 iters: int = 500, batch_size: int = 8, seed: int = 0, progress: bool = True,
                 blocks: bool = False, learn_grids: bool = False, rounding: str = "adaround",
-                float_calib: Iterable[Any] | None = None) -> list[LayerChange]:
+                float_calib: Iterable[Any] | None = None, drop: float = 0.0) -> list[LayerChange]:
     """Learned rounding and/or bias correction for every weighted layer of a calibrated ``prepared`` model.
 
     Graph-mode models (``prepare_fx``) get the one-pass lockstep walk; others ``reconstruct_eager``.
@@ -63,6 +63,9 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     the block's output (``lowbit.algorithms.block``, BRECQ), the others layer by layer; ``learn_grids``: a
     block's output grid joins the block and the step sizes of its activation grids learn with the rounding
     (LSQ; ``block.learnable_grids``), the learned grids replace their observers (``FixedQParamsObserver``).
+    ``drop`` (with ``blocks``; QDrop, Wei et al. 2022): while a block learns its codes, each element of each
+    activation grid's output inside the block is its float input instead with probability ``drop`` (a fresh draw
+    per step; the keep-if-better check and bias correction run every grid). 0 (default): every grid quantizes.
     ``rounding`` (layer-by-layer path): ``"adaround"``, ``"quadratic"`` (``lowbit.algorithms.quadratic``: codes
     minimising the layer's output error on all calibration data, every Linear / dense or depthwise conv) or
     ``"depthwise"`` (those codes on depthwise convs only). Returns one ``LayerChange`` per layer, in order. The
@@ -75,13 +78,16 @@ def reconstruct(prepared: nn.Module, calib: Iterable[Any], adaround: bool = True
     if not isinstance(rounding, str) or rounding not in ROUNDINGS:  # (an array: `in` is elementwise)
         raise ValueError(f"reconstruct: rounding={rounding!r}; choose one of {list(ROUNDINGS)}")
     seed = _check_steps("reconstruct", iters, batch_size, seed)  # a NumPy / torch integer: a Python int
+    if isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0.0 <= drop < 1.0:
+        raise ValueError(f"reconstruct: drop={drop!r} must be a number in [0, 1) (the probability that an "
+                         "activation element stays float while a block learns its rounding)")
     if not isinstance(prepared, nn.Module):
         raise TypeError(f"reconstruct: prepared must be an nn.Module, got {type(prepared).__name__}")
     if not any(isinstance(m, (ObserverBase, FakeQuantize)) for m in prepared.modules()):  # (returned [], silently)
         raise TypeError(f"reconstruct: needs a calibrated prepared model (prepare_fx / prepare), got "
                         f"{type(prepared).__name__} with no observer (a float or converted model: nothing to round)")
     opts = dict(adaround=adaround, bias_correction=bias_correction, iters=iters, batch_size=batch_size, seed=seed,
-                progress=progress, blocks=blocks, learn_grids=learn_grids, rounding=rounding)
+                progress=progress, blocks=blocks, learn_grids=learn_grids, rounding=rounding, drop=float(drop))
     calib = batch_tuples(calib, "reconstruct")  # (once: a generator is read here, and again below on a failure)
     try:
         if not isinstance(prepared, fx.GraphModule) and child_graphs(prepared):  # prepare_fx on an untraceable
@@ -117,7 +123,7 @@ def failing_batch(model: nn.Module, batches: list[tuple[Any, ...]], where: str) 
 
 def _reconstruct_graph(prepared: fx.GraphModule, calib: Iterable[Any], float_calib: Iterable[Any] | None, *,
                        adaround: bool, bias_correction: bool, iters: int, batch_size: int, seed: int, progress: bool,
-                       blocks: bool, learn_grids: bool, rounding: str) -> list[LayerChange]:
+                       blocks: bool, learn_grids: bool, rounding: str, drop: float = 0.0) -> list[LayerChange]:
     """``reconstruct``'s one-pass lockstep walk of one graph (its opaque leaves run as they are, float)."""
     from tqdm.auto import tqdm
 
@@ -152,7 +158,8 @@ def _reconstruct_graph(prepared: fx.GraphModule, calib: Iterable[Any], float_cal
         opaque = {str(n.target): copy.deepcopy(mods[n.target]) for n in nodes  # type: ignore[index]
                   if n.op == "call_module" and child_graphs(mods[n.target])}  # type: ignore[index]
         _walk(gm, nodes, mods, batches, envs_f, envs_q, last_use, changes, bar, adaround, bias_correction, iters,
-              batch_size, g, spans, learn_grids, rounding, rounded, twins, batches_f, opaque, seed, progress, blocks)
+              batch_size, g, spans, learn_grids, rounding, rounded, twins, batches_f, opaque, seed, progress, blocks,
+              drop)
     finally:
         patched.__exit__(None, None, None)
         bar.close()
@@ -166,7 +173,7 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
           rounding: str = "adaround", rounded: dict[str, Any] | None = None,
           twins: dict[str, nn.Module] | None = None, batches_f: list[tuple[Any, ...]] | None = None,
           opaque: dict[str, nn.Module] | None = None, seed: int = 0, progress: bool = False,
-          blocks: bool = False) -> None:
+          blocks: bool = False, drop: float = 0.0) -> None:
     placeholders = [n for n in nodes if n.op == "placeholder"]
     done = -1
     twins = twins or {}
@@ -175,7 +182,7 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
 
     def block(i: int) -> int:
         _block(gm, nodes, i, spans[i], mods, envs_f, envs_q, last_use, changes, bar,  # type: ignore[index]
-               bias_correction, iters, batch_size, g, learn_grids, rounded)
+               bias_correction, iters, batch_size, g, learn_grids, rounded, drop)
         return spans[i]  # type: ignore[index]
 
     with torch.no_grad():
@@ -222,7 +229,7 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
                     eq[node] = layer_forward(mod, eq[src], w_hat)
             elif mod is not None and opaque and str(node.target) in opaque:
                 _opaque(node, mod, opaque[str(node.target)], envs_f, envs_q, changes, adaround, bias_correction,
-                        iters, batch_size, seed, progress, blocks, learn_grids, rounding)
+                        iters, batch_size, seed, progress, blocks, learn_grids, rounding, drop)
             else:
                 for env in envs_f:
                     _eval(gm, mods, node, env)
@@ -239,7 +246,7 @@ def _walk(gm: fx.GraphModule, nodes: list[fx.Node], mods: dict[str, nn.Module], 
 def _opaque(node: fx.Node, mod: nn.Module, twin: nn.Module, envs_f: list[dict[fx.Node, Any]],
             envs_q: list[dict[fx.Node, Any]], changes: list[LayerChange], adaround: bool, bias_correction: bool,
             iters: int, batch_size: int, seed: int, progress: bool, blocks: bool, learn_grids: bool,
-            rounding: str) -> None:
+            rounding: str, drop: float = 0.0) -> None:
     """An opaque leaf holding child graphs: round its children on its inputs in the walk (quantized and float), then
     run it as the int8 model (``x_q``) and its float copy (``x_f``)."""
     def calls(envs: list[dict[fx.Node, Any]]) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
@@ -249,7 +256,7 @@ def _opaque(node: fx.Node, mod: nn.Module, twin: nn.Module, envs_f: list[dict[fx
     cq, cf = calls(envs_q), calls(envs_f)
     with torch.enable_grad():
         recs = reconstruct_children(mod, cq, adaround, bias_correction, iters, batch_size, seed, progress, blocks,
-                                    learn_grids, rounding, float_model=twin, float_calib=cf)
+                                    learn_grids, rounding, float_model=twin, float_calib=cf, drop=drop)
     for rec in recs:
         rec.name = f"{node.target}.{rec.name}"
         rec.notes[-1] = f"child {node.target}.{rec.notes[-1][len('child '):]}"
@@ -284,7 +291,8 @@ def _eval(gm: fx.GraphModule, mods: dict[str, nn.Module], node: fx.Node, env: di
 def _block(gm: fx.GraphModule, nodes: list[fx.Node], i: int, j: int, mods: dict[str, nn.Module],
            envs_f: list[dict[fx.Node, Any]], envs_q: list[dict[fx.Node, Any]], last_use: dict[fx.Node, int],
            changes: list[LayerChange], bar: Any, bias_correction: bool, iters: int, batch_size: int,
-           g: torch.Generator, learn_grids: bool = False, rounded: dict[str, Any] | None = None) -> None:
+           g: torch.Generator, learn_grids: bool = False, rounded: dict[str, Any] | None = None,
+           drop: float = 0.0) -> None:
     """Nodes ``i+1 .. j`` (a residual block): codes (and with ``learn_grids`` activation step sizes) learned
     together on the block output, then layer by layer bias correction with those, as the one-layer path does."""
     span, start, end = nodes[i + 1: j + 1], nodes[i], nodes[j]
@@ -293,6 +301,7 @@ def _block(gm: fx.GraphModule, nodes: list[fx.Node], i: int, j: int, mods: dict[
     fqs = {n: _fq(mods[n.target]) for n in span if n.op == "call_module"  # type: ignore[index]
            and isinstance(mods[n.target], (ObserverBase, FakeQuantize))}  # type: ignore[index]
     learn = learnable_grids(span, mods) if learn_grids else {}
+    dropping = [False]  # on only inside block_codes's steps (QDrop)
 
     def run_node(node: fx.Node, env: dict[fx.Node, Any], w_hats: list[torch.Tensor] | None) -> None:
         if node in pos:  # w_hats None: the float layer
@@ -303,6 +312,9 @@ def _block(gm: fx.GraphModule, nodes: list[fx.Node], i: int, j: int, mods: dict[
             # a copy: an in-place op after the observer (torchvision's shared `ReLU(inplace=True)`) must not
             # rewrite the layer output kept as the bias correction's target (only the observer reads the layer)
             env[node] = fq(env[node.args[0]]) if fq is not None else env[node.args[0]].clone()
+            if fq is not None and dropping[0]:  # QDrop: these elements stay float this step
+                x = env[node.args[0]]
+                env[node] = torch.where(torch.rand(x.shape, generator=g) < drop, x, env[node])
         else:
             _eval(gm, mods, node, env, rounded if w_hats is not None else None)
 
@@ -316,9 +328,11 @@ def _block(gm: fx.GraphModule, nodes: list[fx.Node], i: int, j: int, mods: dict[
         scales, zeros = [gr[1] for gr in grids], [gr[2] for gr in grids]
         xq, target = [e[start] for e in envs_q], [e[end] for e in envs_f]
         bar.set_postfix(block=f"{start.name} -> {end.name}, {len(weighted)} layers")
+        sample = span_sample(span, start, end, run_node, xq, target, batch_size, g)
+        if drop:
+            sample = _dropping(sample, dropping)
         with torch.enable_grad():
-            learned = block_codes(weights, scales, zeros, grids[0][3], grids[0][4],
-                                  span_sample(span, start, end, run_node, xq, target, batch_size, g), iters=iters,
+            learned = block_codes(weights, scales, zeros, grids[0][3], grids[0][4], sample, iters=iters,
                                   grids=list(learn.values()))
 
         def error(qs: list[torch.Tensor]) -> float:  # block output MSE on the first calibration batch
@@ -353,3 +367,18 @@ def _block(gm: fx.GraphModule, nodes: list[fx.Node], i: int, j: int, mods: dict[
             if last_use.get(n, -1) <= p and n is not end:
                 for env in (*envs_f, *envs_q):
                     env.pop(n, None)
+
+
+def _dropping(sample: Any, flag: list[bool]) -> Any:
+    """``sample`` whose runs set ``flag[0]`` while they run (``_block``'s QDrop switch)."""
+    def wrapped() -> tuple[Any, torch.Tensor]:
+        run, target = sample()
+
+        def run_dropping(w_hats: list[torch.Tensor]) -> torch.Tensor:
+            flag[0] = True
+            try:
+                return run(w_hats)
+            finally:
+                flag[0] = False
+        return run_dropping, target
+    return wrapped
