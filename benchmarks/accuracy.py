@@ -81,8 +81,8 @@ def imagenet(name: str, model: torch.nn.Module, norm: str, iters: int, n_cal: in
              calib_seed: int = 0, distill: int = 0) -> None:
     from lowbit.models import photo_crops
 
-    notes = {"accurate": f", AdaRound {iters} steps (residual streams equalized, blocks together, activation steps "
-                         f"learned{f'; {distill} distillation steps' if distill else ''})",
+    notes = {"accurate": f", AdaRound {iters} steps (residual streams equalized, blocks together with QDrop 0.5, "
+                         f"activation steps learned{f'; {distill} distillation steps' if distill else ''})",
              "balanced": ", default grids, quadratic codes, bias correction"}
     for kind in crops:
         whole = kind == "whole"

@@ -168,7 +168,9 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
     readers (``lowbit.algorithms.equalize_stream``) with this ``alpha`` (activation ranges vs the readers'
     weight ranges), ``None`` skips it. ``blocks`` (``accurate`` only):
     the layers of every residual block learn their rounding together on the block's output (BRECQ,
-    ``lowbit.algorithms.block``); ``False``: every layer on its own output. ``learn_grids`` (with ``blocks``):
+    ``lowbit.algorithms.block``), with QDrop (``ptq_steps.QDROP``: while a block learns, each activation element
+    inside it stays float with probability 0.5, ``reconstruct(drop=)``); ``False``: every layer on its own output.
+    ``learn_grids`` (with ``blocks``):
     the block's output grid joins the block and the step sizes of its activation grids learn with the
     rounding (LSQ; zero points fixed, a ReLU6 grid kept inside its clamp); the learned grids are what
     ``convert_fx`` uses. ``tune`` (``accurate`` only, default 0: off): after rounding and bias correction, that
