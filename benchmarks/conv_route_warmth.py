@@ -44,13 +44,7 @@ warnings.filterwarnings("ignore")
 
 def _pack_onednn(w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec) -> Any:
     """``conv_plan._ao_pack`` under torch.ao's ``onednn`` engine (x86 packs depthwise convs for fbgemm)."""
-    engine = torch.backends.quantized.engine
-    try:
-        qw = torch._make_per_channel_quantized_tensor(w, w_scale.double(), torch.zeros_like(w_scale, dtype=torch.long), 0)
-        torch.backends.quantized.engine = "onednn"
-        return torch.ops.quantized.conv2d_prepack(qw, bias, list(spec.stride), list(spec.padding), [1, 1], spec.groups)
-    finally:
-        torch.backends.quantized.engine = engine
+    return CP._ao_pack(w, w_scale, bias, spec, "onednn")
 
 
 def _any_geometry(weight_shape: torch.Size, spec: ConvSpec, relu: bool, post: str, clamp: bool) -> bool:

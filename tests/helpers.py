@@ -300,3 +300,34 @@ def stepped_aside(args: list, edit: str | None, at: dict[str, int], monkeypatch:
         monkeypatch.setattr(onednn, "has_vnni", lambda: flipped)
     with kernels.use_backend("reference") if edit == "backend" else contextlib.nullcontext():
         yield
+
+
+class Inverted(nn.Module):
+    """MobileNetV2's inverted residual: expand 1x1 + ReLU6, depthwise 3x3 + ReLU6, project 1x1, + input."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.expand = nn.Sequential(nn.Conv2d(c, 4 * c, 1), nn.ReLU6())
+        self.dw = nn.Sequential(nn.Conv2d(4 * c, 4 * c, 3, padding=1, groups=4 * c), nn.ReLU6())
+        self.project = nn.Conv2d(4 * c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.project(self.dw(self.expand(x)))
+
+
+def inverted_net() -> nn.Module:
+    """A small MobileNetV2-like net (seeded): stem, two inverted residuals, pooling, a classifier; takes (N, 3, H, W)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU6(), Inverted(8), nn.Conv2d(8, 12, 1), Inverted(12),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(12, 5)).eval()
+
+
+class LnAfter(nn.Module):
+    """Linear -> LayerNorm -> Linear (8 -> 8 -> 4): a float op right after the int8 region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.ln, self.fc2 = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.ln(self.fc(x)))

@@ -15,32 +15,13 @@ from lowbit.algorithms.layerwise import reconstruct
 from lowbit.nn.intrinsic import ClampedReLU
 from lowbit.observer.fixed import FixedQParamsObserver
 
-from helpers import one_thread  # noqa: F401  (autouse: which blocks keep learned grids depends on the summation order)
+from helpers import Inverted, inverted_net, one_thread  # noqa: F401  (autouse: which blocks keep learned grids depends on the summation order)
 
 
 @pytest.fixture(autouse=True)
 def _pin():
     with kernels.use_backend("reference"):
         yield
-
-
-class Inverted(nn.Module):
-    """MobileNetV2's inverted residual: expand 1x1 + ReLU6, depthwise 3x3 + ReLU6, project 1x1, + input."""
-
-    def __init__(self, c: int):
-        super().__init__()
-        self.expand = nn.Sequential(nn.Conv2d(c, 4 * c, 1), nn.ReLU6())
-        self.dw = nn.Sequential(nn.Conv2d(4 * c, 4 * c, 3, padding=1, groups=4 * c), nn.ReLU6())
-        self.project = nn.Conv2d(4 * c, c, 1)
-
-    def forward(self, x):
-        return x + self.project(self.dw(self.expand(x)))
-
-
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU6(), Inverted(8), nn.Conv2d(8, 12, 1), Inverted(12),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(12, 5)).eval()
 
 
 def _sqnr(ref, out):
@@ -50,7 +31,7 @@ def _sqnr(ref, out):
 
 
 def test_find_blocks_returns_the_residual_spans():
-    model = _net()
+    model = inverted_net()
     prepared = Q.prepare_fx(model, Q.get_default_qconfig(), example_inputs=(torch.randn(2, 3, 8, 8),))
     nodes, mods = list(prepared.graph.nodes), dict(prepared.named_modules())
     spans = find_blocks(nodes, mods)
@@ -61,7 +42,7 @@ def test_find_blocks_returns_the_residual_spans():
 
 
 def test_quantize_ptq_blocks_learns_codes_per_block_and_converts_exactly():
-    model = _net()
+    model = inverted_net()
     calib = [torch.randn(8, 3, 10, 10) for _ in range(4)]
     x = torch.randn(32, 3, 10, 10)
     with torch.no_grad():
@@ -88,7 +69,7 @@ def test_block_codes_bad_input():
 
 
 def test_find_blocks_through_observer_takes_the_output_grid():
-    prepared = Q.prepare_fx(_net(), Q.get_default_qconfig(), example_inputs=(torch.randn(2, 3, 8, 8),))
+    prepared = Q.prepare_fx(inverted_net(), Q.get_default_qconfig(), example_inputs=(torch.randn(2, 3, 8, 8),))
     nodes, mods = list(prepared.graph.nodes), dict(prepared.named_modules())
     plain, through = find_blocks(nodes, mods), find_blocks(nodes, mods, through_observer=True)
     assert list(plain) == list(through)
@@ -118,7 +99,7 @@ def test_learned_grid_is_lsq_and_checks_its_grid():
 
 
 def test_learn_grids_pins_learned_scales_and_converts_exactly():
-    model = _net()
+    model = inverted_net()
     torch.manual_seed(1)
     calib = [torch.randn(8, 3, 10, 10) for _ in range(4)]
     prepared = Q.prepare_fx(model, Q.get_default_qconfig(), example_inputs=(calib[0],))

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import lowbit as Q
-from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
+from helpers import LnAfter, one_thread  # noqa: F401  (one_thread: autouse fixture, this module runs on 1 thread)
 
 
 def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -34,15 +34,6 @@ def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 
 _X = torch.randn(16, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-
-
-class _LnAfter(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc, self.ln, self.fc2 = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.ln(self.fc(x)))
 
 
 class _Eager(nn.Module):
@@ -60,7 +51,7 @@ def _float64(cls: type) -> nn.Module:
 
 
 def test_float64_graph_model_returns_float64_through_a_float_op() -> None:
-    m = _float64(_LnAfter)
+    m = _float64(LnAfter)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         p = Q.prepare_fx(m, Q.get_default_qconfig_mapping(), example_inputs=(_X,))
@@ -76,7 +67,7 @@ def test_float64_graph_model_returns_float64_through_a_float_op() -> None:
 def test_float64_reference_graph_and_fuse_dequantize() -> None:
     """The reference graph's dequantize gives float64 too (its Linear failed: "mat1 and mat2 must have the same
     dtype"); ``fuse_dequantize`` leaves a float64 model's Linears (their float output would be float32)."""
-    m = _float64(_LnAfter)
+    m = _float64(LnAfter)
     p = Q.prepare_fx(m, Q.get_default_qconfig_mapping(), example_inputs=(_X,))
     p(_X)
     ref = Q.convert_to_reference_fx(copy.deepcopy(p))
@@ -103,7 +94,7 @@ def test_float64_eager_model_returns_float64_through_a_float_op() -> None:
 def test_float32_models_keep_float32_dequantize() -> None:
     """Pin (right before): a float32 model's DeQuantize gets no dtype; an explicit one is checked."""
     torch.manual_seed(0)
-    m = _LnAfter().eval()
+    m = LnAfter().eval()
     x = _X.float()
     p = Q.prepare_fx(m, Q.get_default_qconfig_mapping(), example_inputs=(x,))
     p(x)

@@ -24,16 +24,7 @@ import torch
 from torch import nn
 
 import lowbit as Q
-from helpers import one_thread  # noqa: F401  (autouse fixture: this module runs on 1 thread)
-
-
-class _LnAfter(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc, self.ln, self.fc2 = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.ln(self.fc(x)))
+from helpers import LnAfter, one_thread  # noqa: F401  (one_thread: autouse fixture, this module runs on 1 thread)
 
 
 class _Soft(nn.Module):
@@ -72,9 +63,9 @@ def _wrapped_f64(cls: type, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
             return model(x), q(x)
 
 
-@pytest.mark.parametrize("cls", [_LnAfter, _Soft, _Cat])
+@pytest.mark.parametrize("cls", [LnAfter, _Soft, _Cat])
 def test_float64_model_float_ops_on_qtensors_keep_float64(cls: type) -> None:
-    """Before: ``_LnAfter`` raised "mixed dtype (CPU)", ``_Soft`` / ``_Cat`` returned float32."""
+    """Before: ``LnAfter`` raised "mixed dtype (CPU)", ``_Soft`` / ``_Cat`` returned float32."""
     x = torch.randn(16, 8, dtype=torch.float64)
     ref, out = _wrapped_f64(cls, x)
     assert out.dtype == torch.float64
@@ -98,7 +89,7 @@ def test_fallback_float64_only_where_an_operand_is_float64() -> None:
 
 def test_mixed_float32_float64_model_is_warned_at_convert() -> None:
     torch.manual_seed(0)
-    model = _LnAfter().eval()
+    model = LnAfter().eval()
     model.fc2.double()
 
     class Mixed(nn.Module):

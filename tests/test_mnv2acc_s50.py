@@ -13,30 +13,13 @@ import lowbit.ptq as ptq
 from lowbit import kernels
 from lowbit.algorithms.layerwise import reconstruct
 
-from helpers import one_thread  # noqa: F401  (autouse: learned codes depend on the summation order)
+from helpers import inverted_net, one_thread  # noqa: F401  (autouse: learned codes depend on the summation order)
 
 
 @pytest.fixture(autouse=True)
 def _pin():
     with kernels.use_backend("reference"):
         yield
-
-
-class Inverted(nn.Module):
-    def __init__(self, c: int):
-        super().__init__()
-        self.expand = nn.Sequential(nn.Conv2d(c, 4 * c, 1), nn.ReLU6())
-        self.dw = nn.Sequential(nn.Conv2d(4 * c, 4 * c, 3, padding=1, groups=4 * c), nn.ReLU6())
-        self.project = nn.Conv2d(4 * c, c, 1)
-
-    def forward(self, x):
-        return x + self.project(self.dw(self.expand(x)))
-
-
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU6(), Inverted(8), nn.Conv2d(8, 12, 1), Inverted(12),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(12, 5)).eval()
 
 
 def _calibrated(model, calib):
@@ -53,7 +36,7 @@ def _weights(prepared):
 
 @pytest.mark.parametrize("bad", [1.0, -0.1, True, "0.5", float("nan"), None])
 def test_reconstruct_refuses_a_bad_drop(bad):
-    model = _net()
+    model = inverted_net()
     calib = [torch.randn(4, 3, 8, 8) for _ in range(2)]
     prepared = _calibrated(model, calib)
     with pytest.raises(ValueError, match=r"drop=") as e:
@@ -62,7 +45,7 @@ def test_reconstruct_refuses_a_bad_drop(bad):
 
 
 def test_drop_moves_the_blocks_codes_and_converts_exactly():
-    model = _net()
+    model = inverted_net()
     torch.manual_seed(1)
     calib = [torch.randn(8, 3, 10, 10) for _ in range(4)]
     runs = {}
@@ -86,7 +69,7 @@ def test_drop_moves_the_blocks_codes_and_converts_exactly():
 
 
 def test_accurate_recipe_learns_its_blocks_with_qdrop(monkeypatch):
-    model = _net()
+    model = inverted_net()
     torch.manual_seed(2)
     calib = [torch.randn(8, 3, 10, 10) for _ in range(3)]
     x = torch.randn(8, 3, 10, 10)

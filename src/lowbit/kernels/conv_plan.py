@@ -88,15 +88,17 @@ AO_MACS = 0
 _AO_SHAPES = 16  # input shapes whose route choice a plan keeps
 
 
-def _ao_pack(w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec) -> Any:
+def _ao_pack(w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec,
+             engine_name: str = "x86") -> Any:
     """torch.ao's x86 packed weight for ``w`` (its oneDNN ``PackedConvWeightsOnednn``: an AVX-512 VNNI CPU, weight
-    zero points 0, groups <= 100), prepacked under the x86 engine whatever the thread's engine is."""
+    zero points 0, groups <= 100), prepacked under the x86 engine (or ``engine_name``: ``"onednn"`` packs depthwise
+    convs for oneDNN too, ``benchmarks/conv_route_warmth.py``) whatever the thread's engine is."""
     engine = torch.backends.quantized.engine
     try:
         with warnings.catch_warnings():  # (torch's deprecation warning on quantized tensors, silenced as the routes do)
             warnings.simplefilter("ignore")
             qw = torch._make_per_channel_quantized_tensor(w, w_scale.double(), torch.zeros_like(w_scale, dtype=torch.long), 0)
-        torch.backends.quantized.engine = "x86"
+        torch.backends.quantized.engine = engine_name
         return torch.ops.quantized.conv2d_prepack(qw, bias, list(spec.stride), list(spec.padding), [1, 1], spec.groups)
     finally:
         torch.backends.quantized.engine = engine
