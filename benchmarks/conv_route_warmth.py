@@ -42,9 +42,12 @@ from lowbit.nn.quantized import ConvReLU2d
 warnings.filterwarnings("ignore")
 
 
+_AO_PACK = CP._ao_pack  # (the plan's own, kept: the every-conv variant patches CP._ao_pack with _pack_onednn)
+
+
 def _pack_onednn(w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec) -> Any:
     """``conv_plan._ao_pack`` under torch.ao's ``onednn`` engine (x86 packs depthwise convs for fbgemm)."""
-    return CP._ao_pack(w, w_scale, bias, spec, "onednn")
+    return _AO_PACK(w, w_scale, bias, spec, "onednn")
 
 
 def _any_geometry(weight_shape: torch.Size, spec: ConvSpec, relu: bool, post: str, clamp: bool) -> bool:
