@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import lowbit as Q
-import lowbit.ptq as ptq
+import lowbit.ptq_steps as ptq_steps
 from lowbit import kernels
 from lowbit.algorithms.layerwise import reconstruct
 
@@ -73,15 +73,15 @@ def test_accurate_recipe_learns_its_blocks_with_qdrop(monkeypatch):
     torch.manual_seed(2)
     calib = [torch.randn(8, 3, 10, 10) for _ in range(3)]
     x = torch.randn(8, 3, 10, 10)
-    assert ptq.QDROP == 0.5
+    assert ptq_steps.QDROP == 0.5
     q1, _ = Q.quantize_ptq(model, calib, iters=40, progress=False)
-    monkeypatch.setattr(ptq, "QDROP", 0.0)
+    monkeypatch.setattr(ptq_steps, "QDROP", 0.0)
     q0, _ = Q.quantize_ptq(model, calib, iters=40, progress=False)
     with torch.no_grad():
         assert not torch.equal(q1(x), q0(x))
     # the default / balanced recipes learn no blocks: unchanged by QDROP
     d1, _ = Q.quantize_ptq(model, calib, recipe="balanced", progress=False)
-    monkeypatch.setattr(ptq, "QDROP", 0.5)
+    monkeypatch.setattr(ptq_steps, "QDROP", 0.5)
     d2, _ = Q.quantize_ptq(model, calib, recipe="balanced", progress=False)
     with torch.no_grad():
         assert torch.equal(d1(x), d2(x))

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import lowbit as Q
+import lowbit.ptq_steps as ptq_steps
 from lowbit.observer.fixed import FixedQParamsObserver
 
 
@@ -145,11 +146,16 @@ def test_quadratic_rounding_moves_codes_in_every_child_as_the_report_says(cls):
 
 
 # ---- blocks, learned grids, AdaRound, seed: bit-equal to the traceable twin in the first child ----
+@pytest.mark.parametrize("qdrop", [0.0, ptq_steps.QDROP])
 @pytest.mark.parametrize("cls, seed", [(_Branch, 3), (_Child, 0)])
-def test_adaround_blocks_and_learned_grids_match_the_traceable_model(cls, seed):
+def test_adaround_blocks_and_learned_grids_match_the_traceable_model(cls, seed, qdrop, monkeypatch):
     # before: no "block" note and other codes in the residual block (the eager walk rounded layer by layer without
     # learned grids), _Child's gate.body not rounded at all. (refine=0: a grid is searched on its child's output,
-    # not on the model's, so the refinement may pick other grids than the traceable model's.)
+    # not on the model's, so the refinement may pick other grids than the traceable model's.) Session 50: with the
+    # recipe's QDrop the draws come from the walk's seeded generator in the same order on both; on _Branch seed 3
+    # the keep-if-better check keeps both block layers' nearest codes then (codes_changed 0), so that every block
+    # layer changed codes is asserted without QDrop; with it, _Child's block still learns and the codes stay equal.
+    monkeypatch.setattr(ptq_steps, "QDROP", qdrop)
     calib = _calib(4)
     kw = dict(iters=100, seed=seed, refine=0)
     qa, ra = _ptq(_model(cls), calib, **kw)
@@ -157,7 +163,8 @@ def test_adaround_blocks_and_learned_grids_match_the_traceable_model(cls, seed):
     prefix = "gate.body" if cls is _Child else "body"
     first = [c for c in ra.layers if c.name.startswith(prefix + ".")]
     block = [c for c in first if any(n.startswith("block ") for n in c.notes)]
-    assert len(first) == 3 and len(block) == 2 and all(c.codes_changed > 0 for c in block)
+    changed = [c.codes_changed > 0 for c in block]
+    assert len(first) == 3 and len(block) == 2 and (all(changed) if not qdrop else cls is _Branch or any(changed))
     assert all(f"child {prefix}" in c.notes for c in first)
     for c in first:
         assert torch.equal(_codes(qa, c.name), _codes(qb, c.name)), c.name

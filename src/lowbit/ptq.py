@@ -86,7 +86,8 @@ from torch import nn
 from .algorithms.layerwise import LayerChange, reconstruct
 from .ptq_checks import (RECIPES, batch_failed, check_model, check_options, check_quantizes_something,
                          check_sample_axis, first_failing_batch, ptq_batches, whole_graph_skip)
-from .ptq_steps import QDROP, equalize_step, refine_step, round_children
+from . import ptq_steps
+from .ptq_steps import equalize_step, refine_step, round_children
 from .fx import convert_fx, prepare_fx
 from .qconfig import QConfigMapping, get_default_qconfig_mapping
 from .recipes import get_accurate_qconfig
@@ -299,7 +300,7 @@ def quantize_ptq(model: nn.Module, calib: Iterable[Any], recipe: str = "accurate
                                     bias_correction=True, iters=iters,
                                     batch_size=batch_size, seed=seed, progress=progress, blocks=blocks,
                                     learn_grids=learn_grids, rounding=rounding,
-                                    drop=QDROP if recipe == "accurate" and blocks else 0.0)
+                                    drop=ptq_steps.QDROP if recipe == "accurate" and blocks else 0.0)
         n = max(1, len(report.layers))
         changed = sum(c.codes_changed for c in report.layers) / n
         in_blocks = sum(any(n.startswith("block ") for n in c.notes) for c in report.layers)
