@@ -354,8 +354,9 @@ class QTensor:
                 return out
         name = getattr(func, "__name__", repr(func))
         run = torch_ao_kernel(func)  # (fallback.py: a torch.ao quantized kernel that cannot take float values says so)
-        memo: dict[int, Any] = {_F64: True} if _holds_float64(args) or _holds_float64(kwargs) else {}
-        args, kwargs = _tree_dequantize(args, memo), _tree_dequantize(kwargs, memo)
+        memo: dict[int, torch.Tensor] = {}
+        dtype = fallback_dtype(args, kwargs)
+        args, kwargs = _tree_dequantize(args, memo, dtype), _tree_dequantize(kwargs, memo, dtype)
         if run is None:
             _warn_float_fallback(f"torch.{name}")
             return func(*args, **kwargs)
@@ -364,24 +365,24 @@ class QTensor:
         return out
 
 
-def _tree_dequantize(obj: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
+def _tree_dequantize(obj: Any, memo: dict[int, torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> Any:
     """``obj`` with every QTensor dequantized; one float tensor per QTensor object (``memo``: its id -> the values),
     so arguments that were the same QTensor stay the same tensor (``nn.MultiheadAttention`` takes its packed
     self-attention path on ``query is key is value``: three copies took the other path, off in the last bits).
-    ``memo[_F64]``: as float64 (a float64 operand beside them: a float64 LayerNorm failed with "mixed dtype")."""
+    ``dtype``: the values' dtype where not the QTensor's own (``fallback.fallback_dtype``)."""
     memo = {} if memo is None else memo
     if isinstance(obj, QTensor):
         t = memo.get(id(obj))
         if t is None:
             t = obj.dequantize()
-            if _F64 in memo:
-                t = t.to(torch.float64)
+            if dtype is not None:
+                t = t.to(dtype)
             memo[id(obj)] = t
         return t
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_tree_dequantize(o, memo) for o in obj)
+        return type(obj)(_tree_dequantize(o, memo, dtype) for o in obj)
     if isinstance(obj, dict):
-        return {k: _tree_dequantize(v, memo) for k, v in obj.items()}
+        return {k: _tree_dequantize(v, memo, dtype) for k, v in obj.items()}
     return obj
 
 
@@ -391,7 +392,7 @@ _INT_OPS: dict[Callable, Callable] = {}  # torch function -> integer implementat
 from . import ops, order, pool, shape_ops  # noqa: E402,F401  register their integer ops into _INT_OPS
 from .convert import install as _install_conversions  # noqa: E402
 from .factories import quantize_per_channel, quantize_per_tensor  # noqa: E402
-from .fallback import _F64, _holds_float64, install as _install_fallback, seen_dtype, torch_ao_kernel  # noqa: E402
+from .fallback import fallback_dtype, install as _install_fallback, seen_dtype, torch_ao_kernel  # noqa: E402
 from .serial import install as _install_pickling  # noqa: E402
 
 _install_conversions(QTensor)  # to / type / type_as / int() / float() ..., format, requires_grad_ (convert.py)

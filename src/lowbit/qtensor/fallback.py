@@ -92,27 +92,31 @@ def tensor_getattr(self: Any, name: str) -> Any:
     return method
 
 
-_F64 = -1  # a key of ``_tree_dequantize``'s memo no object id takes: present, dequantize to float64
-
-
 def _holds_float64(obj: Any) -> bool:
-    """Whether ``obj`` (an argument tuple / list / dict, one level of nesting) holds a float64 ``torch.Tensor``."""
+    """Whether ``obj`` (an argument tuple / list / dict, nested) holds a float64 ``torch.Tensor``."""
     if isinstance(obj, torch.Tensor):
         return obj.dtype is torch.float64
     if isinstance(obj, (list, tuple)):
-        return any(isinstance(o, torch.Tensor) and o.dtype is torch.float64 or isinstance(o, (list, tuple))
-                   and _holds_float64(o) for o in obj)
+        return any(_holds_float64(o) for o in obj)
     if isinstance(obj, dict):
         return any(_holds_float64(o) for o in obj.values())
     return False
+
+
+def fallback_dtype(*trees: Any) -> torch.dtype | None:
+    """The dtype a float fallback dequantizes its QTensors to: float64 beside a float64 operand (``qt < float64
+    tensor`` gives float64 values, as ``torch.lt``; a float64 LayerNorm failed with "mixed dtype"), else ``None``
+    (the QTensor's own float dtype)."""
+    return torch.float64 if any(_holds_float64(t) for t in trees) else None
 
 
 def _binary(name: str) -> Callable:
     def op(self: Any, *args: Any) -> Any:
         from . import _tree_dequantize, _warn_float_fallback
         _warn_float_fallback(f"QTensor.{name}")
-        memo = {_F64: True} if _holds_float64(args) else {}  # (qt < float64 tensor: float64 values, as torch.lt)
-        return getattr(_tree_dequantize(self, memo), name)(*_tree_dequantize(args, memo))
+        memo: dict[int, torch.Tensor] = {}
+        dtype = fallback_dtype(args)
+        return getattr(_tree_dequantize(self, memo, dtype), name)(*_tree_dequantize(args, memo, dtype))
     op.__name__ = name
     return op
 
