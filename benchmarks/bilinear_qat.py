@@ -68,7 +68,7 @@ def _time(methods: dict[str, Callable[[], Any]], rounds: int, min_time: float) -
         f()
         counts[k] = max(1, int(min_time / max(time.perf_counter() - t, 1e-9)))
     names, times, loads, meter = list(methods), {k: [] for k in methods}, [], common.LoadMeter()
-    for r in range(rounds):
+    for r in common.round_bar(rounds, "bilinear QAT rounds"):
         common.wait_idle(0.15, 3.0)
         meter.start()
         for k in names if r % 2 == 0 else names[::-1]:

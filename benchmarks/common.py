@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 _TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -141,6 +143,17 @@ class Timing:
 _FLUSH: list[torch.Tensor] = []
 
 
+def round_bar(n: int, desc: str = "rounds") -> Any:
+    """``range(n)`` with a progress bar on stderr (every timing loop a user waits on shows where it is; stdout keeps
+    the tables). ``LOWBIT_BENCH_QUIET=1`` turns the bars off.
+
+    >>> list(round_bar(3, "demo"))
+    [0, 1, 2]
+    """
+    quiet = os.environ.get("LOWBIT_BENCH_QUIET", "").strip() not in ("", "0")
+    return tqdm(range(n), desc=desc, file=sys.stderr, leave=False, mininterval=0.5, disable=quiet)
+
+
 def _flush() -> None:
     """Rewrite a 64 MiB buffer (made on first use): past any last-level cache, so the next sample starts cold."""
     if not _FLUSH:
@@ -169,7 +182,7 @@ def bench(methods: dict[str, Callable[[], Any]], rounds: int = 7, min_time: floa
         times: dict[str, list[float]] = {k: [] for k in names}
         loads: list[float] = []
         meter = LoadMeter()
-        for r in range(rounds):
+        for r in round_bar(rounds, f"bench {'/'.join(names)[:40]}"):
             if gate:
                 wait_idle(max_load, max_wait)
             meter.start()

@@ -69,7 +69,7 @@ def _median_us(fns: dict[str, Callable[[], Any]], rounds: int, spent: list[int],
     """Medians over ``rounds`` interleaved samples of ``reps`` calls each (order reversed every other round); with
     ``graph``: the compiled program's share of the ``compiled`` samples (``spent``, filled by its timing wrapper)."""
     t: dict[str, list[float]] = {k: [] for k in (*fns, "graph")}
-    for r in range(rounds):
+    for r in common.round_bar(rounds, "overhead rounds"):
         for k, f in list(fns.items())[:: 1 if r % 2 == 0 else -1]:
             spent[0] = 0
             t0 = time.thread_time_ns()

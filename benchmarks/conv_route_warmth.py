@@ -90,7 +90,7 @@ def _interleaved(meths: dict[str, Callable[[], float]], calls: int) -> dict[str,
     """Median µs of each method, the methods called in a new shuffled order each cycle."""
     res: dict[str, list[float]] = {k: [] for k in meths}
     keys, rng = list(meths), random.Random(0)
-    for _ in range(calls):
+    for _ in common.round_bar(calls, "warmth cycles"):
         rng.shuffle(keys)
         for k in keys:
             res[k].append(meths[k]())

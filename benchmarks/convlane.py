@@ -88,7 +88,7 @@ def measure(meths: dict[str, Callable[[], Any]], rounds: int, sample_ns: float =
         n[k] = max(2, int(sample_ns / max(1, time.thread_time_ns() - t0)))
     res: dict[str, list[float]] = {k: [] for k in meths}
     keys = list(meths)
-    for r in range(rounds):
+    for r in common.round_bar(rounds, "convlane rounds"):
         for k in keys if r % 2 == 0 else keys[::-1]:
             f, t0 = meths[k], time.thread_time_ns()
             for _ in range(n[k]):

@@ -57,7 +57,7 @@ def timed(fns: dict[str, Callable[[], Any]], rounds: int, unit: float = 1e3,
     """Median thread time of each function, interleaved in ``rounds`` rounds (``unit``: ns per printed unit);
     ``prepare[k]`` runs untimed before each call of ``fns[k]``."""
     t: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
+    for _ in common.round_bar(rounds, "breakdown rounds"):
         for k, f in fns.items():
             if prepare and k in prepare:
                 prepare[k]()

@@ -130,7 +130,7 @@ def measure(calls: dict[str, Callable[[], Any]], modules: list[Any], rounds: int
     with torch.inference_mode(), labelled(probe, modules):
         for f in calls.values():
             f(), f()
-        for r in range(rounds):
+        for r in common.round_bar(rounds, "dyncomp rounds"):
             for name, f in (list(calls.items()) if r % 2 == 0 else list(calls.items())[::-1]):
                 f()
                 probe.reset()
@@ -170,7 +170,7 @@ def entry_ab(calls: dict[str, Callable[[], Any]], rounds: int, reps: int) -> Non
     fast, t = MO._dyn_fast, defaultdict(list)
     arms = {"entry": fast, "no entry": lambda *a: None}
     with torch.inference_mode():
-        for r in range(rounds):
+        for r in common.round_bar(rounds, "dyncomp rounds"):
             order = list(arms) if r % 2 == 0 else list(arms)[::-1]
             for name in order + ["fp32"]:
                 if name in arms:

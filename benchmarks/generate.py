@@ -128,7 +128,7 @@ def main() -> None:
                         del runs[k]
                         continue
                     compile_s[k] = time.perf_counter() - t
-                for r in range(a.rounds):
+                for r in common.round_bar(a.rounds, "generate rounds"):
                     for k in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
                         times[k]["prefill"].append(gen_time(runs[k], prompt, 1))
                         times[k]["all"].append(gen_time(runs[k], prompt, a.new))

@@ -149,7 +149,7 @@ def main() -> None:
                 for _ in range(a.warmup):
                     f()
             names = list(meth)
-            for r in range(a.rounds):
+            for r in common.round_bar(a.rounds, "gpu rounds"):
                 for name in names if r % 2 == 0 else names[::-1]:
                     times[name].append(run(meth[name], a.reps))
         row: dict[str, Any] = {"M": m, "K": k, "N": n, "methods": {}}

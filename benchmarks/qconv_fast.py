@@ -71,7 +71,7 @@ for name, (mod, xq) in got.items():
 def measure(meths, rounds, reps=200):
     res = {k: [] for k in meths}
     keys = list(meths)
-    for r in range(rounds):
+    for r in common.round_bar(rounds, "qconv_fast rounds"):
         for k in (keys if r % 2 == 0 else keys[::-1]):
             f, t0 = meths[k], time.thread_time_ns()
             for _ in range(reps):

@@ -118,7 +118,7 @@ def breakdown(call: IA.PerCount, rounds: int, calls: int, threads: tuple[int, ..
         for n in threads:
             torch.set_num_threads(n)
             call(), call()
-        for r in range(rounds):
+        for r in common.round_bar(rounds, "thread breakdown rounds"):
             for n in threads if r % 2 == 0 else threads[::-1]:
                 torch.set_num_threads(n)
                 call()
@@ -166,7 +166,7 @@ def fp32_profile(call: IA.PerCount, threads: tuple[int, ...], calls: int, rounds
     call = IA._at_count(call)
     tot: dict[int, dict[str, list[float]]] = {n: defaultdict(list) for n in threads}
     with torch.inference_mode():
-        for r in range(rounds):
+        for r in common.round_bar(rounds, "thread breakdown rounds"):
             for n in threads if r % 2 == 0 else threads[::-1]:
                 torch.set_num_threads(n)
                 call()
