@@ -208,6 +208,8 @@ class ObserverBase(FxLeaf, abc.ABC, WithArgs, nn.Module):
             elif self.qscheme.is_per_channel and lo.dim() > 1:  # (a (C,) range per channel, or the unsized 0-d seed)
                 errors.append(f"{prefix}min_val: a per-channel observer keeps a (C,) range, got shape "
                               f"{tuple(lo.shape)} ({type(self).__name__}, {self.qscheme.value})")
+            elif not errors:
+                errors += _range_errors(self, lo, hi, prefix)
         return errors
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -231,6 +233,27 @@ class ObserverBase(FxLeaf, abc.ABC, WithArgs, nn.Module):
     def extra_repr(self) -> str:
         axis = f", ch_axis={self.ch_axis}" if self.ch_axis is not None else ""
         return f"qscheme={self.qscheme.value}, qdtype={self.qdtype!r}{axis}"
+
+
+def _range_errors(observer: nn.Module, lo: torch.Tensor, hi: torch.Tensor, prefix: str) -> list[str]:
+    """A saved range no observer writes (hostile51): a finite ``min_val > max_val`` (the min/max fake quants' step
+    read it as a grid: a loaded ``(5, 1)`` fake-quantized every later batch onto ``[0, ~1]``), or a per-channel
+    observer given one finite range (a per-tensor checkpoint: its ``()`` range was taken as the unsized seed and
+    the per-channel model converted with one grid for every channel). Seeds (``+inf`` / ``-inf``) pass."""
+    if lo.is_meta or hi.is_meta or lo.numel() == 0:
+        return []
+    name = f"{type(observer).__name__}, {observer.qscheme.value}"
+    lo_d, hi_d = lo.detach(), hi.detach()
+    if observer.qscheme.is_per_channel and lo.dim() == 0 and bool(torch.isfinite(lo_d).item()):
+        return [f"{prefix}min_val={lo_d.item():.6g}: a per-channel observer keeps a (C,) range, got one finite "
+                f"range of shape () (a per-tensor checkpoint?) ({name})"]
+    bad = torch.isfinite(lo_d) & torch.isfinite(hi_d) & (lo_d > hi_d)
+    if bool(bad.any().item()):
+        i = int(bad.reshape(-1).nonzero()[0].item())
+        where = "" if lo.dim() == 0 else f" (channel {i})"
+        return [f"{prefix}min_val={lo_d.reshape(-1)[i].item():.6g} exceeds {prefix}max_val="
+                f"{hi_d.reshape(-1)[i].item():.6g}{where}: no observed range ({name})"]
+    return []
 
 
 _warned_nonfinite: set[str] = set()
