@@ -76,9 +76,18 @@ class _Group:
         return _Group, (None,)
 
 
+def _check_group(fn: str, group: object) -> None:
+    """``None`` (WORLD) or a ``ProcessGroup``: anything else was kept and failed deep in a later collective."""
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"{fn}: group={group!r} must be None (the default group) or a torch.distributed ProcessGroup "
+                        "(dist.new_group(...))")
+
+
 def remember_group(observer: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Record ``group`` (``None``: WORLD) as the one ``observer``'s later lazy reductions use (``sync_statistics``
-    calls it)."""
+    calls it). Anything but ``None`` or a ``ProcessGroup`` is refused (hostile51: ``sync_statistics(group="x")``
+    was kept on one process and failed in the first collective of a distributed run)."""
+    _check_group(f"{type(observer).__name__}.sync_statistics", group)
     observer.__dict__["_sync_group"] = _Group(group)
 
 

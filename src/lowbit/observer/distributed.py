@@ -78,7 +78,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import _LOCAL  # noqa: F401  (re-exported: local_statistics' depth, read by tests)
-from .collectives import (_group_of, _per_rank, agree_observer, all_reduce_mean, all_reduce_min_max,
+from .collectives import (_check_group, _group_of, _per_rank, agree_observer, all_reduce_mean, all_reduce_min_max,
                           all_reduce_sum, broadcast_first, describe_observer, is_distributed, local_statistics,
                           pending_sync, remember_group)
 
@@ -152,13 +152,6 @@ def agree_structure(entries: list[tuple[str, nn.Module]], group: dist.ProcessGro
     raise ValueError(f"ranks hold different observers (their models differ): observer #{k} is {listed}; "
                      f"observer counts {[len(e) for e in every]}; every rank must hold the same model (the same "
                      "observers at the same module paths, in the same order) to reduce statistics across ranks")
-
-
-def _check_group(fn: str, group: object) -> None:
-    """``None`` (WORLD) or a ``ProcessGroup``: anything else was kept and failed deep in a later collective."""
-    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-        raise TypeError(f"{fn}: group={group!r} must be None (the default group) or a torch.distributed ProcessGroup "
-                        "(dist.new_group(...))")
 
 
 def _named(sync: Callable[..., None], name: str, group: dist.ProcessGroup | None) -> None:
