@@ -160,6 +160,7 @@ def to_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str],
     if not (isinstance(exact, bool) or (isinstance(exact, str) and exact == "x86")):
         raise TypeError(f"to_onnx: exact={exact!r} must be True, False or 'x86' (exact on x86 ONNX Runtime, with "
                         "Conv requantization ORT keeps in its NCHWc layout)")
+    _refuse_meta(model)
     twin, tables = _twin(model, inputs, weight_dtype, opset_version, bool(exact))
     with torch.no_grad():
         n_out = len(_flat_tensors(twin(*inputs)))
@@ -248,10 +249,16 @@ def _export(onnx: Any, twin: nn.Module, inputs: tuple[torch.Tensor, ...], path: 
     depthwise Convs, ``conv_epilogue``)."""
     with warnings.catch_warnings(), _float_dequantize_is_identity(min(opset_version, 20)):
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-        torch.onnx.export(twin, inputs, str(path), dynamo=False, opset_version=min(opset_version, 20),
-                          input_names=input_names, output_names=output_names, dynamic_axes=axes,
-                          do_constant_folding=True, autograd_inlining=False)  # (every twin Function has
-        # its symbolic; inlining their forwards failed with "unordered_map::at" on a layer called twice)
+        try:
+            torch.onnx.export(twin, inputs, str(path), dynamo=False, opset_version=min(opset_version, 20),
+                              input_names=input_names, output_names=output_names, dynamic_axes=axes,
+                              do_constant_folding=True, autograd_inlining=False)  # (every twin Function has
+            # its symbolic; inlining their forwards failed with "unordered_map::at" on a layer called twice)
+        except torch.onnx.errors.UnsupportedOperatorError as e:  # (its message goes on with the whole TorchScript
+            # graph, hundreds of lines: the op and the opset are its first line)
+            raise NotImplementedError(f"to_onnx: {str(e).splitlines()[0].strip()} (a float op of the model that "
+                                      "ONNX cannot express at this opset: another opset_version in 13..21, or "
+                                      "keep the op out of the exported model)") from None
     proto = onnx.load(str(path))
     _keep_unused_inputs(onnx, proto, inputs, input_names, axes)
     constants_to_initializers(proto)
@@ -270,6 +277,16 @@ def _export(onnx: Any, twin: nn.Module, inputs: tuple[torch.Tensor, ...], path: 
     proto.producer_name = "lowbit"
     onnx.checker.check_model(proto)
     onnx.save(proto, str(path))
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    """A model moved with ``.to("meta")`` has no values to write (its copy failed deep in ``deepcopy``: "Cannot copy
+    out of meta tensor")."""
+    for kind, named in (("parameter", model.named_parameters), ("buffer", model.named_buffers)):
+        name = next((n for n, t in named() if t.is_meta), None)
+        if name is not None:
+            raise RuntimeError(f"to_onnx: {kind} '{name}' is on the meta device (moved with .to('meta')): it has no "
+                               "values to write; export the model on cpu (or cuda)")
 
 
 def _keep_unused_inputs(onnx: Any, proto: Any, inputs: tuple[torch.Tensor, ...], names: list[str],
