@@ -27,7 +27,7 @@ from torch import nn
 from .qtensor import QTensor
 
 __all__ = ["iter_batches", "run_batch", "check_module", "output_tensors", "flatten_outputs", "check_finite_batch",
-           "eval_mode", "real_rows", "bool_mask", "check_seed", "input_shapes", "batch_failed"]
+           "eval_mode", "real_rows", "bool_mask", "check_seed", "input_shapes", "batch_failed", "first_failing"]
 
 
 def iter_batches(inputs: Any, where: str) -> Iterator[Any]:
@@ -85,6 +85,23 @@ def batch_failed(where: str, label: str, batch: tuple[Any, ...], err: BaseExcept
     first = next((ln for ln in text.splitlines() if ln.strip()), "(no message)")
     return ValueError(f"{where}: {label} (input shapes {input_shapes(batch)}) failed in the model: "
                       f"{type(err).__name__}: {first}{hint}")
+
+
+def first_failing(where: str, what: str, model: nn.Module, batches: list[Any]) -> ValueError | None:
+    """``batch_failed`` for the first of ``batches`` the float ``model`` cannot run (eval, no_grad; the modes are
+    restored), else ``None``: run only after a step on those batches failed, to say whether the data did it.
+
+    >>> first_failing("demo", "calib", nn.Linear(2, 1), [torch.zeros(1, 2), torch.zeros(1, 3)]).args[0][:45]
+    'demo: calib batch 1 (input shapes [(1, 3)]) f'
+    """
+    with eval_mode(model), torch.no_grad():
+        for i, b in enumerate(batches):
+            try:
+                run_batch(model, b)
+            except Exception as e:  # (any error of the user's model on this batch)
+                parts = tuple(b.values()) if isinstance(b, dict) else tuple(b) if isinstance(b, (tuple, list)) else (b,)
+                return batch_failed(where, f"{what} batch {i}", parts, e)
+    return None
 
 
 def run_batch(model: nn.Module, batch: Any) -> Any:

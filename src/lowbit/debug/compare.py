@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batches import check_module, flatten_outputs, iter_batches, run_batch  # noqa: F401 (re-exported)
+from ..batches import batch_failed, check_module, flatten_outputs, iter_batches, run_batch  # noqa: F401 (re-exported)
 from .checks import check_float_model, model_kind
 from .result import CompareResult, LayerComparison, _Stats, sqnr
 from ..nn.intrinsic.fold import fold_bn_weights
@@ -247,7 +247,10 @@ def compare(float_model: nn.Module, quantized_model: nn.Module, inputs: Any) -> 
                 if empty:  # no sample: every layer would compare nothing (an empty table)
                     raise ValueError(f"compare: batch {i} holds an empty tensor (shape {empty[0]}); give at least one "
                                      "sample")
-                run_batch(float_model, batch)
+                try:
+                    run_batch(float_model, batch)
+                except Exception as e:  # (the float model's bare error, e.g. "mat1 and mat2 shapes cannot be ...")
+                    raise batch_failed("compare (float_model)", f"inputs batch {i}", tuple(parts), e) from e
                 run_batch(quantized_model, batch)
                 for p in pairs:
                     calls_f, calls_q = rec_f.outputs.get(p.ref, []), rec_q.outputs.get(p.name, [])

@@ -65,7 +65,7 @@ from ..quantize_dynamic import quantize_dynamic
 from ..stubs import DeQuantStub, QuantStub
 from ..workflow import convert, prepare, prepare_qat, propagate_qconfig_
 from .. import qtensor as _qtensor
-from ..batches import check_finite_batch
+from ..batches import check_finite_batch, first_failing
 from ..qtensor import QTensor
 from .checks import check_calib, check_float_model, example_inputs_of  # noqa: F401 (re-exported)
 from .compare import _flatten, check_module, iter_batches, run_batch
@@ -358,6 +358,11 @@ def layer_sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, inputs
     try:
         with torch.no_grad():
             refs = [[t.double() for t in _flatten(run_batch(model.eval(), b))] for b in evals]
+    except Exception as e:  # (the float model's bare error, e.g. "mat1 and mat2 shapes cannot be multiplied")
+        failed = first_failing("layer_sensitivity", "calib" if inputs is None else "inputs", model, evals)
+        if failed is None:
+            raise
+        raise failed from e
     finally:
         for m, training in modes:  # the caller's model keeps its mode
             m.training = training
@@ -374,8 +379,14 @@ def layer_sensitivity(model: nn.Module, qconfig_mapping: Any, calib: Any, inputs
                 noise += float(((t - t_hat.double()) ** 2).sum())
         return -noise / max(signal, 1e-30)
 
-    _, table = sensitivity(model, qconfig_mapping, batches, score, fuse=fuse,
-                           method="fx" if mode == "fx" else "ptq", example_inputs=example_inputs)
+    try:
+        _, table = sensitivity(model, qconfig_mapping, batches, score, fuse=fuse,
+                               method="fx" if mode == "fx" else "ptq", example_inputs=example_inputs)
+    except Exception as e:  # a calib batch the float model cannot run: named (it was the model's bare error)
+        failed = first_failing("layer_sensitivity", "calib", model, batches) if inputs is not None else None
+        if failed is None:
+            raise
+        raise failed from e
     return table
 
 
