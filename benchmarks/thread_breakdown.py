@@ -39,6 +39,7 @@ import common
 import int8_advantage as IA
 
 from lowbit import native
+from lowbit.kernels import conv_plan
 from lowbit.native import gemm, rows
 
 NATIVE = ("row_grid", "row_epilogue", "conv_epilogue", "qadd", "quantize_into", "dequantize", "dwconv", "smallconv",
@@ -98,6 +99,8 @@ def labelled(probe: Probe) -> Iterator[None]:
         patch(rows, name, f"native.{name[1:]}")
     for name in ONEDNN:
         patch(torch.ops.onednn, name, f"onednn.{name}")
+    if getattr(conv_plan, "_qconv_op", None) is not None:  # (the conv plan's own entry: OpOverload._op, bypassing the
+        patch(conv_plan, "_qconv_op", "onednn.qconv_pointwise")  # packet patched above)
     try:
         yield
     finally:

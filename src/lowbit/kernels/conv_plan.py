@@ -154,13 +154,29 @@ def conv_plan(weight: QTensor, bias: torch.Tensor | None, out: OutGrid | None, r
     if conv_small.takes(weight, spec, out, split and x_qdtype.quant_max > 127):
         cache: dict[str, Any] = {}
 
+        # its lane (kernels.lane, without the layout step: the pass reads any strides): the same pass, its arguments
+        # converted once per input grid (conv_small.prepared), on an input of the grid and shape it last took; the
+        # compiled qconv_cfg's fast entry then serves it too (pt2.fast_entry)
+        small_lane = ConvLane(lambda q, sx, zx, run: run(q), counts, key, channels_last=False)
+        ready: list[Any] = [None]  # ((s_x, z_x), conv_small.prepared's run)
+
         def run_small(x: QTensor) -> QTensor:
             hit = input_grid(x)  # (u8 codes: the plan's input grid)
-            y = conv_small.conv(x.int_repr(), hit[1], hit[2], weight, bias, spec, out, relu, cache)  # type: ignore[arg-type]
+            q = x.int_repr()
+            y = conv_small.conv(q, hit[1], hit[2], weight, bias, spec, out, relu, cache)  # type: ignore[arg-type]
             if y is None:  # (declined: the generic path, which declines the same way and runs oneDNN)
                 y = onednn.conv(x, weight, bias, spec, out, relu, cache)
+            elif q.dtype == torch.uint8 and q.is_cpu and x._axis is None:  # the next call on this grid and shape
+                grid_numbers = (hit[1], hit[2])
+                if ready[0] is None or ready[0][0] != grid_numbers:
+                    ready[0] = (grid_numbers, conv_small.prepared(weight, bias, spec, out, relu, cache,  # type: ignore[arg-type]
+                                                                  hit[1], hit[2]))
+                if ready[0][1] is not None:
+                    small_lane.arm(x, q.shape, ready[0][1], hit[1], hit[2])
             counts[key] += 1
             return y
+        run_small.lane = small_lane  # type: ignore[attr-defined]
+        run_small.small = True  # type: ignore[attr-defined]  # (its lane serves the native pass, not oneDNN's call)
         return run_small
     if split:  # the split routes: the generic path
         return None

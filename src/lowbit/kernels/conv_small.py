@@ -42,7 +42,7 @@ from ..qtensor import QTensor
 from .avx2 import _inv_scale, _relu_floor
 from .spec import ConvSpec, OutGrid
 
-__all__ = ["SMALL_TAPS", "SPLIT_TAPS", "taps", "takes", "conv"]
+__all__ = ["SMALL_TAPS", "SPLIT_TAPS", "taps", "takes", "conv", "prepared"]
 
 # padded taps up to which the native pass runs, by the body the CPU runs (module docstring); SPLIT_TAPS for the AVX2
 # body where the weights would take oneDNN's weight split
@@ -91,3 +91,21 @@ def conv(q: torch.Tensor, sx: float, zx: int, weight: QTensor, bias: torch.Tenso
                              _inv_scale(out.scale), out.zero_point, _relu_floor(out.qdtype.quant_min, out.zero_point, relu),
                              out.qdtype.quant_max)
     return None if codes is None else out.wrap(codes)
+
+
+def prepared(weight: QTensor, bias: torch.Tensor | None, spec: ConvSpec, out: OutGrid, relu: bool,
+             cache: dict[str, Any] | None, sx: float, zx: int) -> Any:
+    """``run(q)``: ``conv(q, sx, zx, weight, bias, spec, out, relu, cache)`` for u8 codes ``q`` with the input grid
+    ``(sx, zx)`` and everything else fixed (``native.smallconv_prepared``: the same pass and codes, its arguments
+    converted once), ``None`` where the pass declines ``q``; or ``None`` (no ``run``) where it would decline any."""
+    packed, scale = _state(cache, weight, sx)
+    call = native.smallconv_prepared(zx, packed, list(spec.stride), list(spec.padding), list(spec.dilation), scale, bias,
+                                     _inv_scale(out.scale), out.zero_point,
+                                     _relu_floor(out.qdtype.quant_min, out.zero_point, relu), out.qdtype.quant_max)
+    if call is None:
+        return None
+
+    def run(q: torch.Tensor) -> QTensor | None:
+        codes = call(q)
+        return None if codes is None else out.wrap(codes)
+    return run

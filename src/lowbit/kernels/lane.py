@@ -141,10 +141,10 @@ class ConvLane:
     True
     """
 
-    __slots__ = ("_call", "_counts", "_key", "_st")
+    __slots__ = ("_call", "_counts", "_key", "_st", "_cl")
 
-    def __init__(self, call: Any, counts: Any, key: tuple[str, str]) -> None:
-        self._call, self._counts, self._key = call, counts, key
+    def __init__(self, call: Any, counts: Any, key: tuple[str, str], channels_last: bool = True) -> None:
+        self._call, self._counts, self._key, self._cl = call, counts, key, channels_last
         self._st: tuple[Any, ...] | None = None  # (s, z, s version, z version, qdtype, shape, packed, s_x, z_x)
 
     def armed(self) -> bool:
@@ -173,8 +173,10 @@ class ConvLane:
             q = x._q
         if q.shape != st[5] or q.dtype is not _UINT8 or not q.is_cpu:
             return None
-        if not q.is_contiguous(memory_format=_CL):  # (run's layout step)
+        if self._cl and not q.is_contiguous(memory_format=_CL):  # (run's layout step; the small conv reads any strides)
             cl = native.to_channels_last(q)
             q = q if cl is None else cl
-        self._counts[self._key] += 1
-        return self._call(q, st[7], st[8], st[6])  # type: ignore[no-any-return]
+        y = self._call(q, st[7], st[8], st[6])
+        if y is not None:  # (None: the call declined, run serves and tallies)
+            self._counts[self._key] += 1
+        return y  # type: ignore[no-any-return]

@@ -55,8 +55,8 @@ from . import entry
 
 __all__ = ["available", "traced_available",
            "reason", "row_grid", "row_epilogue", "all_finite", "conv_epilogue", "qadd", "quantize_into", "dequantize",
-           "dwconv", "dw_weight", "smallconv", "smallconv_weight", "smallconv_body", "maxpool_codes", "to_channels_last",
-           "to_contiguous", "im2col", "conv_out_hw", "qlinear", "qlinear_requant",
+           "dwconv", "dw_weight", "smallconv", "smallconv_prepared", "smallconv_weight", "smallconv_body", "maxpool_codes",
+           "to_channels_last", "to_contiguous", "im2col", "conv_out_hw", "qlinear", "qlinear_requant",
            "qlinear_rows", "LinearPlan", "linear_plan", "dyn_linear", "empty_codes", "disabled", "through_ctypes",
            "entry_points", "force_scalar", "force_avx2", "vnni", "counts"]
 
@@ -328,4 +328,4 @@ from .layers import (conv_epilogue, dw_weight, dwconv, empty_codes, im2col, maxp
                      to_channels_last, to_contiguous)
 from .gemm import LinearPlan, dyn_linear, linear_plan, qlinear, qlinear_requant, qlinear_rows  # noqa: E402
 from .rows import all_finite, dequantize, qadd, quantize_into, row_epilogue, row_grid  # noqa: E402
-from .smallconv import smallconv, smallconv_body, smallconv_weight  # noqa: E402
+from .smallconv import smallconv, smallconv_body, smallconv_prepared, smallconv_weight  # noqa: E402

@@ -1,0 +1,217 @@
+"""Session 51 (#10 at 2 threads, serial per-call work): the small first conv's lane.
+
+A first conv that ``kernels.conv_small`` runs natively (``native.smallconv``: SmallCNN's ``1 → 16`` 3x3) had no lane, so
+its eager module ran the plan on every call and the compiled ``lowbit::qconv_cfg`` ran its full body (``checked_weight``,
+``check_conv``, the plan key, ``conv_small.conv``, ``native.smallconv``'s argument checks) on every call: the fast entry
+arms only after a lane-served call. Now the plan arms a ``ConvLane`` without the layout step whose call is the same pass
+with its arguments converted once per input grid (``native.smallconv_prepared``). Pinned here: the codes (eager with and
+without the lane, compiled, exported and reloaded: bit-identical), the lane and the fast entry serving, the tallies, and
+the per-call switches (a pinned backend, ``native.disabled()``) still taken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+
+import lowbit as Q
+from lowbit import kernels, native
+from lowbit.examples import SmallCNN
+from lowbit.kernels import conv_small, onednn
+from lowbit.nn.quantized import Conv2d, ConvReLU2d
+from lowbit.pt2 import kernel_ops
+
+
+def _routes() -> None:
+    if not onednn.available() or not native.available() or not native.smallconv_body():
+        pytest.skip("oneDNN int8 ops or lowbit.native's small conv not available here")
+
+
+def _layer(c_in: int, c_out: int, k: int, stride: int, pad: int, relu: bool, seed: int, out_zp: int = 100) -> Conv2d:
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-128, 127) if onednn.has_vnni() else (-64, 63)
+    codes = torch.randint(lo, hi + 1, (c_out, c_in, k, k), generator=g, dtype=torch.int8)
+    w = Q.QTensor(codes, torch.rand(c_out, generator=g) / 50 + 1e-3, torch.zeros(c_out, dtype=torch.long), Q.qint8, 0)
+    mod = (ConvReLU2d if relu else Conv2d)(c_in, c_out, k, stride, pad, bias=True)
+    mod.set_weight_bias(w, torch.randn(c_out, generator=g))
+    mod.set_output_grid(0.05, out_zp, Q.quint8)
+    return mod
+
+
+def _input(c_in: int, batch: int, zp: int, seed: int, hw: tuple[int, int] = (12, 13), cl: bool = False) -> Q.QTensor:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (batch, c_in, *hw), generator=g).to(torch.uint8)
+    if cl:
+        codes = codes.contiguous(memory_format=torch.channels_last)
+    return Q.QTensor(codes, torch.tensor(0.02), torch.tensor(zp), Q.quint8)
+
+
+def _twin(mod: Conv2d) -> Conv2d:
+    """``mod``'s copy that never takes the lane: the plan's run on every call (the path before this session)."""
+    twin = copy.deepcopy(mod)
+    twin._lane_call = lambda x: None  # type: ignore[method-assign]
+    return twin
+
+
+GEOMETRIES = [(1, 16, 3, 1, 1, True, 0), (1, 16, 3, 2, 0, False, 131), (1, 8, 3, 1, 1, False, 255),
+              (1, 24, 3, 1, 0, True, 7)]
+
+
+@pytest.mark.parametrize("geo", GEOMETRIES, ids=lambda g: f"{g[0]}-{g[1]}k{g[2]}s{g[3]}p{g[4]}")
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "cl"])
+def test_small_conv_lane_serves_with_the_full_paths_codes(geo: tuple[Any, ...], cl: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first call the lane serves (``conv_small.conv`` no longer runs), with the full path's codes, layout,
+    grid and tallies. Failed before: no lane, ``conv_small.conv`` ran on every call."""
+    _routes()
+    c_in, c_out, k, stride, pad, relu, zx = geo
+    mod = _layer(c_in, c_out, k, stride, pad, relu, seed=c_out + zx)
+    twin = _twin(mod)
+    x = _input(c_in, 3, zx, seed=zx, cl=cl)
+    runs: list[int] = []
+    real = conv_small.conv
+    monkeypatch.setattr(conv_small, "conv", lambda *a, **kw: runs.append(1) or real(*a, **kw))
+    for _ in range(4):
+        want = twin(x)
+        before_k, before_n = kernels.counts[("onednn", "conv")], native.counts["smallconv"]
+        y = mod(x)
+        assert torch.equal(y.int_repr(), want.int_repr()) and y.int_repr().stride() == want.int_repr().stride()
+        assert y.scale == want.scale and y.zero_point == want.zero_point and y.dtype == want.dtype
+        assert kernels.counts[("onednn", "conv")] - before_k == 1 and native.counts["smallconv"] - before_n == 1
+    # the small pass's route: the module's first two calls (the second installs the armed lane, as for oneDNN's) and the
+    # twin's four; the lane served calls 3 and 4 (before: 8)
+    assert len(runs) == 2 + 4
+
+
+def test_small_conv_lane_steps_aside_for_another_grid_shape_or_weight() -> None:
+    """Another input grid object, another shape, a weight written in place: the full path serves, with its codes (a
+    pin of the lane's terms for the small conv: they are the oneDNN lane's)."""
+    _routes()
+    mod = _layer(1, 16, 3, 1, 1, True, seed=1)
+    x = _input(1, 2, 3, seed=2)
+    for _ in range(2):
+        mod(x)
+    lane = mod._cache["lane"][0]
+    served: list[bool] = []
+
+    def spy(x: Q.QTensor) -> Any:
+        y = lane(x)
+        served.append(y is not None)
+        return y
+    mod._cache["lane"] = (spy, *mod._cache["lane"][1:])
+    other = [Q.QTensor(x.int_repr(), torch.tensor(0.02), torch.tensor(3), Q.quint8), _input(1, 2, 3, seed=3, hw=(9, 9)),
+             _input(1, 5, 3, seed=4)]
+    for xi in other:
+        assert torch.equal(mod(xi).int_repr(), _twin(mod)(xi).int_repr())
+    assert served == [False, False, False]
+    with torch.no_grad():
+        mod.weight_int8.neg_()
+    assert torch.equal(mod(x).int_repr(), _twin(mod)(x).int_repr())
+
+
+def test_prepared_smallconv_is_smallconv() -> None:
+    """``native.smallconv_prepared``'s run gives ``native.smallconv``'s codes on every body, any strides, and declines
+    what it declines (new; failed before: no such function)."""
+    _routes()
+    g = torch.Generator().manual_seed(5)
+    w = torch.randint(-128, 128, (24, 1, 3, 3), generator=g, dtype=torch.int8)
+    packed = native.smallconv_weight(w)
+    scale, bias = torch.rand(24, generator=g) / 100 + 1e-4, torch.randn(24, generator=g)
+    args = ([2, 1], [1, 0], [1, 1], scale, bias, 9.5, 100, 100, 255)
+    run = native.smallconv_prepared(17, packed, *args)
+    q = torch.randint(0, 256, (3, 1, 11, 10), generator=g).to(torch.uint8)
+    for body in (native.force_scalar, native.force_avx2, None):
+        with body() if body is not None else contextlib.nullcontext():
+            for xq in (q, q.contiguous(memory_format=torch.channels_last), q[:, :, 1:, :]):
+                want = native.smallconv(xq, 17, packed, *args)
+                assert want is not None and torch.equal(run(xq), want) and run(xq).stride() == want.stride()
+    assert run(q.to(torch.int8)) is None and run(torch.zeros(2, 2, 5, 5, dtype=torch.uint8)) is None
+    with native.disabled():
+        assert run(q) is None
+    with pytest.raises(ValueError, match="zero point zx=300"):
+        native.smallconv_prepared(300, packed, *args)
+    assert native.smallconv_prepared(17, packed, [1, 1], [0, 0], [1, 1], scale[:8], None, 9.5, 0, 0, 255) is None
+
+
+@pytest.fixture(scope="module")
+def smallcnn() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    m = Q.fuse_modules(SmallCNN().eval(), SmallCNN.fusion_groups())
+    p = Q.prepare(m, Q.get_default_qconfig())
+    with torch.inference_mode():
+        for _ in range(2):
+            p(torch.randn(32, 1, 28, 28))
+    return Q.convert(p), torch.randn(16, 1, 28, 28)
+
+
+def test_compiled_smallcnn_first_conv_takes_the_fast_entry(smallcnn: tuple[torch.nn.Module, torch.Tensor],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled SmallCNN's first conv (the small native pass) is served by ``qconv_cfg``'s fast entry after its
+    warm-up calls: its full body no longer runs; outputs bit-identical to eager, tallies as eager's. Failed before: the
+    full body ran on every call (no lane, so no entry)."""
+    _routes()
+    m, x = smallcnn
+    torch._dynamo.reset()
+    c = torch.compile(copy.deepcopy(m), fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        want = m(x)
+        for _ in range(3):
+            c(x)
+        full: list[str] = []
+        real = kernel_ops._qconv
+        # (the first conv's full body: its weight reads one input channel; the others may run theirs where this CPU
+        # takes no oneDNN lane for them: the split routes without VNNI)
+        monkeypatch.setattr(kernel_ops, "_qconv",
+                            lambda op, *a, **kw: full.extend([op] if a[4].shape[1] == 1 else []) or real(op, *a, **kw))
+        for _ in range(3):
+            before_k, before_n = kernels.counts[("onednn", "conv")], native.counts["smallconv"]
+            assert torch.equal(c(x), want)
+            assert kernels.counts[("onednn", "conv")] - before_k == 3 and native.counts["smallconv"] - before_n == 1
+    assert full == []
+
+
+def test_compiled_smallcnn_pinned_backend_and_native_switch_still_taken(
+        smallcnn: tuple[torch.nn.Module, torch.Tensor]) -> None:
+    """A pinned backend (``kernels.use_backend``) and ``native.disabled()`` are read per call past the armed entry:
+    the reference backend's tally, and the oneDNN route without the small pass, each with eager's outputs under the
+    same switch (a pin: the fast entry checks the backend, the prepared pass the native switch)."""
+    _routes()
+    m, x = smallcnn
+    torch._dynamo.reset()
+    c = torch.compile(copy.deepcopy(m), fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        for _ in range(3):
+            c(x)
+        with kernels.use_backend("reference"):
+            want = m(x)
+            before = kernels.counts[("reference", "conv")]
+            assert torch.equal(c(x), want) and kernels.counts[("reference", "conv")] - before == 3  # (the three convs)
+        with native.disabled():
+            want = m(x)
+            before = native.counts["smallconv"]
+            assert torch.equal(c(x), want) and native.counts["smallconv"] == before
+        assert torch.equal(c(x), m(x))
+
+
+def test_exported_smallcnn_saved_and_loaded_is_eager(smallcnn: tuple[torch.nn.Module, torch.Tensor]) -> None:
+    """``torch.export`` (dynamic batch) -> save -> load: eager's outputs, also after the loaded program's lanes armed
+    (a pin: no op schema changed)."""
+    _routes()
+    m, x = smallcnn
+    with torch.inference_mode():
+        want = m(x)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    ep = torch.export.export(copy.deepcopy(m), (x,), dynamic_shapes=({0: batch},))
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    buf.seek(0)
+    loaded = torch.export.load(buf).module()
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(loaded(x), want)
+        assert torch.equal(loaded(x[:5]), m(x[:5]))
