@@ -16,7 +16,8 @@ Reading it: the caller's CPU time of a step split over 2 threads falls to about 
 a step that runs on one thread keeps its 1-thread time (``t2/t1`` ≈ 1). Wall times at 2 threads carry the other
 processes' load on a shared machine (printed); the caller's CPU time does not, so ``t2/t1`` of the CPU column is
 the figure to read there. ``--fp32`` also profiles the float32 model compiled (``torch.profiler``, per-op wall on the
-calling thread) at both counts: the same split for the float side.
+calling thread) at both counts: the same split for the float side. ``--ops``: each lowbit op's total (its Python,
+dispatch and the steps inside) and the frame (the whole call less the ops: dynamo's wrapper and guards).
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def labelled(probe: Probe) -> Iterator[None]:
         setattr(owner, name, probe.wrap(label, fn))
     for name in NATIVE:
         patch(native, name, f"native.{name}")
+    lib = native._lib()  # (the small first conv's lane calls the C entry itself: native.smallconv_prepared)
+    if lib is not None:
+        patch(lib, "lb_smallconv", "native.smallconv")
     patch(gemm.LinearPlan, "run", "native.LinearPlan.run")
     patch(gemm.LinearPlan, "run_conv", "native.LinearPlan.run_conv")
     patch(gemm.LinearPlan, "run_checked", "native.LinearPlan.run")  # (the lane's entry: kernels/lane.py)
@@ -186,6 +190,46 @@ def fp32_profile(call: IA.PerCount, threads: tuple[int, ...], calls: int, rounds
               + f"  t{threads[-1]}/t{threads[0]} {med[threads[-1]].get(k, float('nan')) / med[threads[0]][k]:.2f}")
 
 
+def op_totals(call: IA.PerCount, rounds: int, calls: int, threads: tuple[int, ...]) -> None:
+    """Per lowbit custom op of the compiled call (``torch.ops.lowbit.<op>.default``, which inductor's wrapper looks up
+    per call: patched here), its calls' caller CPU time per model call (the op's Python, dispatch and native work),
+    and ``frame``: the whole call less the ops (dynamo's wrapper, guards, the graph's own kernels). Medians over rounds.
+    With the labelled table: an op's Python = its total - the labelled steps inside it."""
+    call = IA._at_count(call)
+    probe = Probe()
+    saved = []
+    for name in [n for n in dir(torch.ops.lowbit) if not n.startswith("_")]:
+        pk = getattr(torch.ops.lowbit, name, None)
+        ov = getattr(pk, "default", None)
+        if ov is not None:
+            saved.append((pk, ov))
+            pk.default = probe.wrap(f"op.{name}", ov)
+    acc: dict[int, dict[str, list[float]]] = {n: defaultdict(list) for n in threads}
+    try:
+        with torch.inference_mode():
+            for r in range(rounds):
+                for n in threads if r % 2 == 0 else threads[::-1]:
+                    torch.set_num_threads(n)
+                    call()
+                    probe.reset()
+                    c0 = time.thread_time_ns()
+                    for _ in range(calls):
+                        call()
+                    whole = (time.thread_time_ns() - c0) / calls / 1e3
+                    ops = {k: v / calls / 1e3 for k, v in probe.cpu.items()}
+                    for k, v in ops.items():
+                        acc[n][k].append(v)
+                    acc[n]["frame (whole - ops)"].append(whole - sum(ops.values()))
+                    acc[n]["whole"].append(whole)
+    finally:
+        for pk, ov in saved:
+            pk.default = ov
+        torch.set_num_threads(threads[0])
+    med = statistics.median
+    for k in sorted(acc[threads[0]], key=lambda k: (k == "whole", k.startswith("frame"), k)):
+        print(f"    {k:30s} " + " ".join(f"cpu t{n} {med(acc[n][k]):8.0f}" for n in threads if acc[n].get(k)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="*", default=["smallcnn", "minilm"], choices=["smallcnn", "minilm"])
@@ -193,6 +237,7 @@ def main() -> None:
     p.add_argument("--calls", type=common.positive_int, default=3, help="model calls per sample")
     p.add_argument("--threads", type=common.positive_int, nargs="+", default=[1, 2])
     p.add_argument("--fp32", action="store_true", help="also profile the float32 model compiled per op")
+    p.add_argument("--ops", action="store_true", help="also each lowbit op's total and the frame (op_totals)")
     p.add_argument("--compile-threads", type=common.positive_int, default=None,
                    help="compile once, at this count (inductor's C++ kernels keep the count they are compiled at: "
                         "at 1 they are serial at any count); default: each count's own compiled models")
@@ -211,6 +256,9 @@ def main() -> None:
             mine = {n: mine[a.compile_threads] for n in threads}
             fp32_call = {n: fp32_call[a.compile_threads] for n in threads}
         show(f"{label} lowbit compiled", breakdown(mine, a.rounds, a.calls, threads), threads)
+        if a.ops:
+            print(f"{label} lowbit compiled, per op (the calling thread's CPU µs per model call):")
+            op_totals(mine, a.rounds, a.calls, threads)
         show(f"{label} fp32 compiled (no labels: whole)", breakdown(fp32_call, a.rounds, a.calls, threads), threads)
         if a.fp32:
             print(f"{label} fp32 compiled, profiler self wall µs per call:")

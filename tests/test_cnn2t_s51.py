@@ -6,7 +6,9 @@ its eager module ran the plan on every call and the compiled ``lowbit::qconv_cfg
 arms only after a lane-served call. Now the plan arms a ``ConvLane`` without the layout step whose call is the same pass
 with its arguments converted once per input grid (``native.smallconv_prepared``). Pinned here: the codes (eager with and
 without the lane, compiled, exported and reloaded: bit-identical), the lane and the fast entry serving, the tallies, and
-the per-call switches (a pinned backend, ``native.disabled()``) still taken.
+the per-call switches (a pinned backend, ``native.disabled()``) still taken. Also: the compiled pool op hands its window
+straight to ``native.maxpool_codes``, and ``lowbit::qfunctional``'s add keeps an armed entry (the pass's numbers by
+the six grid tensors' identities and versions) that skips its body's checks and wraps.
 """
 
 from __future__ import annotations
@@ -215,3 +217,103 @@ def test_exported_smallcnn_saved_and_loaded_is_eager(smallcnn: tuple[torch.nn.Mo
         for _ in range(3):
             assert torch.equal(loaded(x), want)
         assert torch.equal(loaded(x[:5]), m(x[:5]))
+
+
+def test_compiled_pool_op_runs_the_native_pass_directly(smallcnn: tuple[torch.nn.Module, torch.Tensor],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lowbit::max_pool2d_codes`` hands its window straight to ``native.maxpool_codes`` (``qtensor.pool``'s argument
+    parsing skipped): eager's outputs and the pass's tally. Failed before: every call went through
+    ``qtensor.pool.max_pool2d_codes``."""
+    _routes()
+    from lowbit.pt2 import module_ops
+    m, x = smallcnn
+    torch._dynamo.reset()
+    c = torch.compile(copy.deepcopy(m), fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        want = m(x)
+        c(x)
+        parsed: list[int] = []
+        real = module_ops.max_pool2d_codes
+        monkeypatch.setattr(module_ops, "max_pool2d_codes", lambda *a: parsed.append(1) or real(*a))
+        before = native.counts["maxpool"]
+        assert torch.equal(c(x), want) and native.counts["maxpool"] - before == 2
+        assert parsed == []
+        with native.disabled():  # (no pass: the parsed path's torch pooling, the same codes)
+            assert torch.equal(c(x), m(x)) and len(parsed) == 2
+
+
+def test_pool_op_refuses_what_it_refused() -> None:
+    """A window past 16 taps, an NCHW input: the op's errors as before; a 2x2 window: its maxima (a pin)."""
+    _routes()
+    q = torch.randint(0, 256, (2, 4, 10, 10), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="is not covered"):
+        torch.ops.lowbit.max_pool2d_codes(q, [5, 5], [5, 5])
+    with pytest.raises(ValueError, match="is not covered"):
+        torch.ops.lowbit.max_pool2d_codes(q.contiguous(), [2, 2], [2, 2])
+    y = torch.ops.lowbit.max_pool2d_codes(q, [2, 2], [2, 2])
+    assert torch.equal(y, q.reshape(2, 4, 5, 2, 5, 2).amax((3, 5))) and y.is_contiguous(memory_format=torch.channels_last)
+
+
+def _add_args(relu: bool = True, shape: tuple[int, ...] = (4, 8, 6, 6), seed: int = 0) -> list[Any]:
+    g = torch.Generator().manual_seed(seed)
+    qa = torch.randint(0, 256, shape, generator=g).to(torch.uint8).contiguous(memory_format=torch.channels_last)
+    qb = torch.randint(0, 256, shape, generator=g).to(torch.uint8).contiguous(memory_format=torch.channels_last)
+    return ["add_relu" if relu else "add", qa, torch.tensor(0.031), torch.tensor(120), "quint8:0:255", qb,
+            torch.tensor(0.027), torch.tensor(131), "quint8:0:255", 0.0, torch.tensor(0.05), torch.tensor(7),
+            "quint8:0:255"]
+
+
+def _eager_add(args: list[Any]) -> torch.Tensor:
+    """The codes of ``QFunctional``'s eager add on the op's grids."""
+    op, qa, sa, za, _, qb, sb, zb, _, _, s, z, _ = args
+    f = Q.nn.quantized.QFunctional()
+    f.scale, f.zero_point = s.clone(), z.clone()
+    xa, xb = Q.QTensor(qa, float(sa), int(za), Q.quint8), Q.QTensor(qb, float(sb), int(zb), Q.quint8)
+    return (f.add_relu(xa, xb) if op == "add_relu" else f.add(xa, xb)).int_repr()
+
+
+@pytest.mark.parametrize("relu", [True, False])
+def test_qfunctional_add_takes_its_armed_entry(relu: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a call the native pass served, ``lowbit::qfunctional``'s add hands the codes straight to the pass (the
+    body's checks, wraps and memo key skipped): eager's codes and layout, one ``qadd`` tally a call. Failed before:
+    the body (``_Grid._eager_add*``) ran on every call."""
+    _routes()
+    from lowbit.pt2 import module_ops
+    args = _add_args(relu)
+    want = _eager_add(args)
+    body: list[int] = []
+    name = "_eager_add_relu" if relu else "_eager_add"
+    real = getattr(module_ops._Grid, name)
+    monkeypatch.setattr(module_ops._Grid, name, lambda self, *a: body.append(1) or real(self, *a))
+    for _ in range(3):
+        before = native.counts["qadd"]
+        y = torch.ops.lowbit.qfunctional(*args)
+        assert torch.equal(y, want) and y.stride() == want.stride() and native.counts["qadd"] - before == 1
+    assert len(body) == 1
+
+
+def test_qfunctional_add_entry_steps_aside() -> None:
+    """Another grid object, an in-place write of a grid, a ``.data`` swap to two values, other codes' dtype or shape,
+    NCHW and channels-last operands mixed: the body runs, with its codes or its error (a pin of the entry's terms)."""
+    _routes()
+    args = _add_args(seed=1)
+    torch.ops.lowbit.qfunctional(*args)
+    torch.ops.lowbit.qfunctional(*args)
+    other = list(args)
+    other[10] = torch.tensor(0.05)  # (the same value, another object)
+    assert torch.equal(torch.ops.lowbit.qfunctional(*other), _eager_add(other))
+    args[2].mul_(1.5)  # (the x scale written in place: the numbers read again)
+    assert torch.equal(torch.ops.lowbit.qfunctional(*args), _eager_add(args))
+    mixed = list(args)
+    mixed[5] = args[5].contiguous()
+    assert torch.equal(torch.ops.lowbit.qfunctional(*mixed), _eager_add(mixed))
+    small = _add_args(seed=1, shape=(2, 8, 6, 6))
+    small[2], small[3], small[6], small[7], small[10], small[11] = args[2], args[3], args[6], args[7], args[10], args[11]
+    assert torch.equal(torch.ops.lowbit.qfunctional(*small), _eager_add(small))
+    bad = list(args)
+    bad[1] = args[1].to(torch.int8)
+    with pytest.raises(TypeError, match="x must hold torch.uint8 codes"):
+        torch.ops.lowbit.qfunctional(*bad)
+    args[10].data = torch.tensor([0.05, 0.06])  # (no version bump: the numel check)
+    with pytest.raises(ValueError):
+        torch.ops.lowbit.qfunctional(*args)
