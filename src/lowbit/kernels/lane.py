@@ -27,7 +27,10 @@ reads them) are u8 CPU codes of that very shape: every check ``run`` and the mod
 these (the shape checks, the odd-window test, the pack's key), so the lane repeats ``run``'s layout step (NCHW codes
 to channels-last memory) and its call, with the same tally. The module calls it only without explicit padding (its
 input is then the plan's input) and after its own buffer checks (``WeightedQuantModule._lane_call``); the compiled
-``lowbit::qconv`` / ``qconv_cfg`` after ``checked_weight`` and its input checks (``pt2.kernel_ops``).
+``lowbit::qconv`` / ``qconv_cfg`` after ``checked_weight`` and its input checks (``pt2.kernel_ops``). The small
+first-conv pass has a ``ConvLane`` of its own since session 51 (``channels_last=False``: no layout step, the pass
+reads any strides; its "packed" is ``conv_small.prepared``'s run), and a call that declines (``None``) is not tallied:
+``run`` then serves and tallies.
 
 >>> import torch, lowbit as Q
 >>> lane = LinearLane(k=2, vnni=False, vnni_rows=0, out=(None, None, Q.quint8), counts={}, key=("onednn", "linear"))

@@ -288,7 +288,7 @@ def _qconv(op: str, x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: torch.
         if run is not None:
             # the eager module's route: the plan's lane first (armed by run's last call on this input grid and shape:
             # the same oneDNN call on the same pack, only what can change between calls checked), then run
-            lane = getattr(run, "lane", None)  # (conv_small's planned pass has none)
+            lane = getattr(run, "lane", None)  # (every conv plan has one; the small pass's since session 51)
             y = None if lane is None else lane(xq)
             if y is None:
                 y = run(xq)
