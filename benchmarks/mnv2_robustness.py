@@ -111,7 +111,7 @@ def main() -> None:
     w0 = time.time()
     with kernels.use_backend("reference"):
         qmodel, _ = Q.quantize_ptq(model, list(calib.split(16)), recipe="accurate", iters=args.iters, seed=args.seed,
-                                   progress=False)
+                                   progress=True)  # (its bars on stderr: ~4-6 min)
     print(f"build: {time.thread_time() - t0:.0f} s CPU, {time.time() - w0:.0f} s wall", flush=True)
     refs, outs, srcs = [], [], []
     for k in seeds:
