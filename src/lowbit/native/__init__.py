@@ -58,7 +58,7 @@ __all__ = ["available", "traced_available",
            "dwconv", "dw_weight", "smallconv", "smallconv_prepared", "smallconv_weight", "smallconv_body", "maxpool_codes",
            "to_channels_last", "to_contiguous", "im2col", "conv_out_hw", "qlinear", "qlinear_requant",
            "qlinear_rows", "LinearPlan", "linear_plan", "dyn_linear", "empty_codes", "disabled", "through_ctypes",
-           "entry_points", "force_scalar", "force_avx2", "vnni", "counts"]
+           "entry_points", "force_scalar", "force_avx2", "force_vnni", "vnni", "amx", "counts"]
 
 _DIR = Path(__file__).parent
 # compiled together; all include common.h
@@ -257,6 +257,24 @@ def force_avx2() -> contextlib.AbstractContextManager[None]:
     """The AVX2 bodies inside this block (this thread) even on a CPU with AVX-512 VNNI, whose Linears otherwise take
     their VNNI kernels (the same sums): tests cover both where the CPU has both. No effect without AVX2."""
     return _pinned(2)
+
+
+def force_vnni() -> contextlib.AbstractContextManager[None]:
+    """The VNNI kernels inside this block (this thread) even on a CPU with AMX, whose Linears on ``k % 64 == 0`` otherwise
+    make their sums with AMX tiles (the same sums): tests compare the two. Elsewhere the same as no pin."""
+    return _pinned(3)
+
+
+def amx() -> bool:
+    """Whether the Linears' AMX int8 sums run in this thread (built, the CPU has AMX-INT8 and Linux grants the tiles,
+    not pinned away): ``LinearPlan`` runs on the VNNI packing with ``k % 64 == 0`` take them."""
+    lib = _lib()
+    if lib is None or _local.__dict__.get("isa", 1) != 1:
+        return False
+    cpu = _state.get("amx_cpu")
+    if cpu is None:
+        cpu = _state["amx_cpu"] = bool(lib.lb_cpu_amx())
+    return cpu  # type: ignore[return-value]
 
 
 def vnni() -> bool:

@@ -8,11 +8,14 @@
  */
 #ifndef LOWBIT_NATIVE_COMMON_H
 #define LOWBIT_NATIVE_COMMON_H
+#include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define MAX_THREADS 64
 
@@ -62,6 +65,19 @@ static inline int cpu_vnni(void) {
     return known;
 }
 
+/* AMX int8 (tdpbusd: a 16 x 64 u8 tile times a 64 x 16 s8 tile into 16 x 16 exact int32 sums): the CPU has AMX-TILE
+ * and AMX-INT8 (cpuid 7.0 EDX bits 24, 25) and Linux lets this process use the tile data (arch_prctl
+ * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; granted once per process, asked before any thread runs a tile) */
+static inline int cpu_amx(void) {
+    static int known = -1;
+    if (known < 0) {
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        int ok = cpu_vnni() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1u) && (d >> 25 & 1u);
+        known = ok && syscall(SYS_arch_prctl, 0x1023L, 18L) == 0;
+    }
+    return known;
+}
+
 /* AVX-512F (the stubs' 512-bit elementwise bodies) */
 static inline int cpu_avx512(void) {
     static int known = -1;
@@ -69,10 +85,12 @@ static inline int cpu_avx512(void) {
     return known;
 }
 
-/* isa: 0 the scalar bodies, 1 the best this CPU has, 2 the AVX2 bodies even where AVX-512 is present (tests pin each) */
+/* isa: 0 the scalar bodies, 1 the best this CPU has, 2 the AVX2 bodies even where AVX-512 is present, 3 the best but
+ * AMX (the VNNI kernels where the CPU has AMX too) (tests pin each) */
 static inline int use_avx2(int isa) { return isa == 0 ? 0 : cpu_avx2(); }
-static inline int use_vnni(int isa) { return isa == 1 ? cpu_vnni() : 0; }
-static inline int use_avx512(int isa) { return isa == 1 ? cpu_avx512() : 0; }
+static inline int use_vnni(int isa) { return isa == 1 || isa == 3 ? cpu_vnni() : 0; }
+static inline int use_amx(int isa) { return isa == 1 ? cpu_amx() : 0; }
+static inline int use_avx512(int isa) { return isa == 1 || isa == 3 ? cpu_avx512() : 0; }
 /* the elementwise passes' body (stubs.c, rowquant.c's row grids and epilogue): 2 AVX-512F, 1 AVX2 + FMA, 0 scalar */
 static inline int body_of(int isa) { return use_avx512(isa) ? 2 : use_avx2(isa); }
 

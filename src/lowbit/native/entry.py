@@ -57,6 +57,7 @@ SIGNATURES: dict[str, tuple[str, str]] = {
     "lb_to_nchw": ("p i64 i64 i64 p i32", "void"),
     "lb_cpu_avx2": ("", "i32"),
     "lb_cpu_vnni": ("", "i32"),
+    "lb_cpu_amx": ("", "i32"),
     "lb_cpu_avx512": ("", "i32"),
     "lb_openmp": ("", "i32"),
 }

@@ -55,6 +55,7 @@ typedef struct {
     const conv_src *cv; uint8_t *patch;  /* lb_conv_gemm: the rows are cv's patches, one tile at a time into patch */
     int64_t rb, r_lo;  /* rows per tile (tile_rows); the job's rows are [r_lo, m) */
     const int8_t *wv;  /* blk_bcast_vnni's packing (lin_plan's wv), NULL where the VNNI kernels do not read it */
+    int amx;  /* sums_amx makes the sums from wv (run_plan: AMX, k a multiple of 64) */
 } lin_job;
 
 static int32_t cvt_rne(float f) {  /* cvtps2dq */
@@ -433,6 +434,62 @@ static void sums_vnni(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
     }
 }
 
+/* With AMX int8 (cpu_amx): the same sums from the same packing by tile dot products. A B tile is 16 groups of 4 codes
+ * (64 codes of k) × one block of 16 columns, i.e. 16 consecutive group vectors of blk_bcast_vnni's packing at the
+ * chunk's group stride; an A tile is 16 rows × those 64 codes of x. tdpbusd adds each u8 × s8 group of 4 products to
+ * its int32 sum: the exact Σ_k x w of every (row, column), as vpdpbusd (k a multiple of 64: run_plan). Tiles 0-3: the
+ * sums of up to 16 rows × the chunk's nv blocks, 4: the rows' codes, 5: one block's weights. */
+#if RV_V > 4
+#error "RV_V above 4: sums_amx keeps a chunk's blocks in tiles 0-3"
+#endif
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16];
+} amx_cfg;
+
+__attribute__((target("amx-tile,amx-int8"), always_inline))
+static inline void amx_load_cfg(int rt) {
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = (uint8_t)(t == 5 ? 16 : rt); }
+    _tile_loadconfig(&cfg);
+}
+
+#define AMX_BLK(v) do { _tile_loadd(5, wk + v * 64, gs); _tile_dpbusd(v, 4, 5); } while (0)
+__attribute__((target("amx-tile,amx-int8")))
+static void sums_amx(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
+    const int64_t kq = j->k / 4, ks = j->k / 64, ldx = j->ldx;
+    int cur = -1;
+    for (int64_t c0 = cs; c0 < ce; c0 += RV_V * NB) {
+        const int64_t left = (j->ldo - c0 + NB - 1) / NB;
+        const int nv = left >= RV_V ? RV_V : (int)left;
+        const int64_t gs = nv * 64;
+        const int8_t *wp = j->wv + (c0 / (RV_V * NB)) * kq * (RV_V * 64);
+        int32_t *o = buf + (c0 - cs);
+        for (int64_t r0 = 0; r0 < j->m; r0 += 16) {
+            const int rt = j->m - r0 < 16 ? (int)(j->m - r0) : 16;
+            if (rt != cur) { amx_load_cfg(rt); cur = rt; }
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            const uint8_t *x = j->x + r0 * ldx;
+            for (int64_t kk = 0; kk < ks; ++kk) {
+                const int8_t *wk = wp + kk * 16 * gs;
+                _tile_loadd(4, x + kk * 64, ldx);
+                AMX_BLK(0);
+                if (nv > 1) AMX_BLK(1);
+                if (nv > 2) AMX_BLK(2);
+                if (nv > 3) AMX_BLK(3);
+            }
+            int32_t *d = o + r0 * CB;
+            _tile_stored(0, d, CB * 4);
+            if (nv > 1) _tile_stored(1, d + NB, CB * 4);
+            if (nv > 2) _tile_stored(2, d + 2 * NB, CB * 4);
+            if (nv > 3) _tile_stored(3, d + 3 * NB, CB * 4);
+        }
+    }
+    _tile_release();
+}
+#undef AMX_BLK
+
 /* rows [r0, r0 + nr) against packed block b by the plan's kernel (half: blk_bcast_s's first 8 columns only) */
 __attribute__((target("avx2,fma"), always_inline))
 static inline void blk_packed(const lin_job *j, int64_t r0, const int nr, int64_t b, int32_t *o, const int half) {
@@ -549,6 +606,10 @@ static void epi_avx2(const lin_job *j, int64_t r, int64_t cs, int64_t ce, const 
 
 /* the chunk's sums of columns [cs, ce) for every row into buf[r CB + c - cs] */
 static void chunk_sums(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
+    if (j->amx) {
+        sums_amx(j, cs, ce, buf);
+        return;
+    }
     if (j->vnni) {
         sums_vnni(j, cs, ce, buf);
         return;
@@ -856,6 +917,7 @@ static int run_plan(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx,
     const lin_split sp = plan_split(p, m, nthreads, isa, cv != NULL);
     const int8_t *wv = sp.wv, *wp = sp.wp;
     const int sgn = sp.sgn, by_rows = sp.by_rows, nt = sp.nt;
+    const int amx = wv && !cv && p->k % 64 == 0 && use_amx(isa);  /* sums_amx (a conv's patches: the VNNI kernels) */
     const int sgn1 = avx2 && !wp && !vnni && !p->pairs && p->wsum;  /* blk_sgn (few rows) */
     const int64_t k = p->k, n = p->n, unit = sp.unit, blocks = sp.blocks;
     /* each thread's buffers for one row tile: blk_bcast_s's codes and row sums, a conv's patch rows (lin_run makes
@@ -913,6 +975,7 @@ static int run_plan(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx,
             jb.sw = p->sw;
         }
         jb.wv = wv;
+        jb.amx = amx;
         jobs[t] = jb;
     }
     fan_out(lin_run, jobs, sizeof(lin_job), nt);

@@ -238,6 +238,7 @@ static void *epi_run(void *p) {
 
 int lb_cpu_avx2(void) { return cpu_avx2(); }
 int lb_cpu_vnni(void) { return cpu_vnni(); }
+int lb_cpu_amx(void) { return cpu_amx(); }
 int lb_cpu_avx512(void) { return cpu_avx512(); }
 
 int lb_openmp(void) {

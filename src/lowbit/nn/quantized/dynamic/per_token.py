@@ -128,7 +128,7 @@ def _epilogue(raw: torch.Tensor, c: torch.Tensor, wsum: torch.Tensor, sx: torch.
 class _Plan:
     """Per-weight-version constants of the fast paths (a cache, never state)."""
 
-    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "token", "rows", "vnni", "rows8")
+    __slots__ = ("key", "weight", "w_t", "wsum_i", "wsum", "scale", "packed", "token", "rows", "vnni", "rows8", "amx")
 
     def __init__(self, key: Any, weight: QTensor, cache: dict[str, Any]) -> None:
         w = weight.int_repr()
@@ -141,6 +141,7 @@ class _Plan:
         self.rows: Any = None  # its native plan for few rows, with the bias it holds: (bias key, native.LinearPlan)
         self.rows8: Any = None  # the 8-bit recipe's native "rows_sub" plan without VNNI, likewise (no_vnni._native_rows8)
         self.vnni: Any = None  # a VNNI CPU's native plans for few rows: (bias key, one-row plan, rows plan) (_vnni_native)
+        self.amx: Any = None  # an AMX CPU's native "rows_sub" plan, likewise (_amx_rows)
 
 
 def native_plan_call(plan: _Plan, slot: str, codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -256,7 +257,12 @@ def onednn_route(plan: _Plan, xf: torch.Tensor) -> bool:
 def onednn_rows(plan: _Plan, q: torch.Tensor, scale: torch.Tensor, neg_zp: torch.Tensor, w_scale: torch.Tensor,
                 w_zero_point: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``dynamic_linear``'s oneDNN route on ``_grid_codes``' ``(q, s_x, -z_x)`` (``neg_zp`` is overwritten): one
-    ``qlinear_pointwise`` call on the shared grid (scale 1, zero point 128), then the row epilogue in place."""
+    ``qlinear_pointwise`` call on the shared grid (scale 1, zero point 128), then the row epilogue in place. On a CPU
+    with AMX int8 (``native.amx()``) and ``K % 64 == 0``, ``_amx_rows`` gives the same floats in one native call."""
+    if AMX_ROWS and q.shape[1] % 64 == 0 and native.amx():
+        y = _amx_rows(plan, q, scale, neg_zp, bias)
+        if y is not None:
+            return y
     raw = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, plan.packed, w_scale, w_zero_point, None, 1.0, 0,
                                              torch.float32, "none", [], "")  # Σ (q_x - 128) ŵ, float32
     kernels.counts[("onednn", "linear")] += 1
@@ -269,6 +275,33 @@ def onednn_rows(plan: _Plan, q: torch.Tensor, scale: torch.Tensor, neg_zp: torch
         return raw
     raw = raw.addcmul_(cn, plan.wsum).mul_(scale)  # (raw - c ⊗ wsum) · s_x: one fused pass less
     return raw if bias is None else raw.add_(bias)
+
+
+AMX_ROWS = True  # onednn_rows takes _amx_rows where it can (tests turn it off for the oneDNN route)
+
+
+def _amx_rows(plan: _Plan, q: torch.Tensor, scale: torch.Tensor, neg_zp: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``onednn_rows``' floats, bit for bit, from ``lowbit.native``'s AMX int8 sums (``Σ (q - 128) ŵ``: exact int32, as
+    oneDNN's) and its row epilogue in the same call: ``t = fl(fl(Σ) · s_w)``, then ``onednn_rows``' epilogue: fused
+    (``fl(fl(t + cn · Σ ŵ) · s_x) + b``, the "rows" plan, ``cn = 128 - z_x``) up to ``_BLOCK`` outputs, unfused past
+    it (``fl(fl(t - fl(c · Σ ŵ)) · s_x) + b``, "rows_sub", ``c = z_x - 128``). No per-call oneDNN primitive set-up
+    (~40 µs of the calling thread's time a call, which stayed on one thread at 2 threads), no separate epilogue pass.
+    ``neg_zp`` is kept. ``None``: not taken (no plan, the tensors do not fit)."""
+    m, n = q.shape[0], plan.wsum.shape[0]
+    if m * n > _BLOCK:
+        w, wsum = plan.weight.int_repr(), plan.wsum_i.to(torch.int32)  # type: ignore[union-attr]
+        lin = slot_plan(plan, "amx", bias, lambda: native.linear_plan(w, "rows_sub", plan.scale.float(), bias, wsum=wsum,
+                                                                      pairs=False, fw=plan.wsum))
+        a = neg_zp.add(_C128).neg_()  # z_x - 128
+    else:
+        lin = _vnni_plans(plan, bias)[2]
+        a = neg_zp.add(_C128)  # 128 - z_x
+    y = torch.empty(m, n)
+    if lin is None or not lin.run(q, 128, y, (a, scale)):
+        return None
+    kernels.counts[("onednn", "linear")] += 1  # (as the call it replaces)
+    return y
 
 
 def _vnni_native(plan: _Plan, q: torch.Tensor, scale: torch.Tensor, zx: int, cn: torch.Tensor,
