@@ -267,7 +267,7 @@ def force_vnni() -> contextlib.AbstractContextManager[None]:
 
 def amx() -> bool:
     """Whether the Linears' AMX int8 sums run in this thread (built, the CPU has AMX-INT8 and Linux grants the tiles,
-    not pinned away): ``LinearPlan`` runs on the VNNI packing with ``k % 64 == 0`` take them."""
+    not pinned away): ``LinearPlan`` runs of 8 rows or more on the VNNI packing with ``k % 64 == 0`` take them."""
     lib = _lib()
     if lib is None or _local.__dict__.get("isa", 1) != 1:
         return False

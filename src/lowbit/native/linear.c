@@ -442,6 +442,12 @@ static void sums_vnni(const lin_job *j, int64_t cs, int64_t ce, int32_t *buf) {
 #if RV_V > 4
 #error "RV_V above 4: sums_amx keeps a chunk's blocks in tiles 0-3"
 #endif
+#ifndef AMX_M
+#define AMX_M 8  /* rows from which run_plan takes sums_amx: a rows plan, 1 thread, Xeon (session 51), AMX / VNNI time at
+                  * 1 / 2 / 4 / 8 / 16 / 64 / 512 rows: 1.16 / 1.04 / 1.05 / 0.95 / 0.84 / 0.61 / 0.54 (384 -> 384),
+                  * 1.49 / 1.26 / 1.21 / 0.74 / 0.55 / 0.46 / 0.53 (1536 -> 384), 1.52 / 1.28 / 1.38 / 0.92 / 0.75 / 0.63 /
+                  * 0.70 (384 -> 1536) */
+#endif
 typedef struct __attribute__((packed)) {
     uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16];
 } amx_cfg;
@@ -917,7 +923,8 @@ static int run_plan(const lin_plan *p, const uint8_t *x, int64_t m, int64_t ldx,
     const lin_split sp = plan_split(p, m, nthreads, isa, cv != NULL);
     const int8_t *wv = sp.wv, *wp = sp.wp;
     const int sgn = sp.sgn, by_rows = sp.by_rows, nt = sp.nt;
-    const int amx = wv && !cv && p->k % 64 == 0 && use_amx(isa);  /* sums_amx (a conv's patches: the VNNI kernels) */
+    /* sums_amx from AMX_M rows (a conv's patches: the VNNI kernels) */
+    const int amx = wv && !cv && m >= AMX_M && p->k % 64 == 0 && use_amx(isa);
     const int sgn1 = avx2 && !wp && !vnni && !p->pairs && p->wsum;  /* blk_sgn (few rows) */
     const int64_t k = p->k, n = p->n, unit = sp.unit, blocks = sp.blocks;
     /* each thread's buffers for one row tile: blk_bcast_s's codes and row sums, a conv's patch rows (lin_run makes

@@ -15,7 +15,9 @@ quantize with no per-call validation, then the fastest exact GEMM for the case, 
   than a prepacked oneDNN/fbgemm call at M = 1) and an integer zero-point correction;
 - otherwise on x86: one prepacked ``onednn::qlinear_pointwise`` call on the shared grid
   ``(scale 1, zero point 128)`` and each row's grid in the float epilogue (``per_token_linear``'s
-  arithmetic, with one fused multiply-add when the output is small: equal up to float32 rounding);
+  arithmetic, with one fused multiply-add when the output is small: equal up to float32 rounding); on a CPU with
+  AMX int8 and ``K % 64 == 0`` the same floats, bit for bit, from one ``lowbit.native`` call (``_amx_rows``: AMX
+  tile sums and the epilogue, no per-call oneDNN set-up, which stayed on the calling thread at 2 threads);
 - a CPU without VNNI (its u8 × s8 pairs saturate: the kernels' split/fbgemm rules apply): the
   generic path's codes, kernel call and epilogue (bit for bit) without its per-call wrapping (on torch's
   fbgemm/x86 engine: the codes, lowbit.native's exact int32 sums and the epilogue in one native call at every
