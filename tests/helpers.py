@@ -331,3 +331,17 @@ class LnAfter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.ln(self.fc(x)))
+
+
+def converted_smallcnn(batch: int) -> tuple[nn.Module, torch.Tensor]:
+    """SmallCNN converted on the default qconfig (fused, two random calibration batches of 32, seed 0) and a random
+    batch of ``batch`` images."""
+    import lowbit as Q
+    from lowbit.examples import SmallCNN
+    torch.manual_seed(0)
+    m = Q.fuse_modules(SmallCNN().eval(), SmallCNN.fusion_groups())
+    p = Q.prepare(m, Q.get_default_qconfig())
+    with torch.inference_mode():
+        for _ in range(2):
+            p(torch.randn(32, 1, 28, 28))
+    return Q.convert(p), torch.randn(batch, 1, 28, 28)

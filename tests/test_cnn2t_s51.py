@@ -23,10 +23,11 @@ import torch
 
 import lowbit as Q
 from lowbit import kernels, native
-from lowbit.examples import SmallCNN
 from lowbit.kernels import conv_small, onednn
 from lowbit.nn.quantized import Conv2d, ConvReLU2d
 from lowbit.pt2 import kernel_ops
+
+from helpers import converted_smallcnn
 
 
 def _routes() -> None:
@@ -142,13 +143,7 @@ def test_prepared_smallconv_is_smallconv() -> None:
 
 @pytest.fixture(scope="module")
 def smallcnn() -> tuple[torch.nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    m = Q.fuse_modules(SmallCNN().eval(), SmallCNN.fusion_groups())
-    p = Q.prepare(m, Q.get_default_qconfig())
-    with torch.inference_mode():
-        for _ in range(2):
-            p(torch.randn(32, 1, 28, 28))
-    return Q.convert(p), torch.randn(16, 1, 28, 28)
+    return converted_smallcnn(16)
 
 
 def test_compiled_smallcnn_first_conv_takes_the_fast_entry(smallcnn: tuple[torch.nn.Module, torch.Tensor],

@@ -18,21 +18,16 @@ from torch._inductor.utils import run_and_get_code
 
 import lowbit as Q
 from lowbit import native
-from lowbit.examples import SmallCNN
 from lowbit.kernels import ConvSpec
 from lowbit.pt2 import kernel_ops
+
+from helpers import converted_smallcnn
 
 
 @pytest.fixture(scope="module")
 def smallcnn() -> tuple[torch.nn.Module, torch.Tensor]:
     """SmallCNN converted on the default qconfig (fused, two random calibration batches) and a batch of 8."""
-    torch.manual_seed(0)
-    m = Q.fuse_modules(SmallCNN().eval(), SmallCNN.fusion_groups())
-    p = Q.prepare(m, Q.get_default_qconfig())
-    with torch.inference_mode():
-        for _ in range(2):
-            p(torch.randn(32, 1, 28, 28))
-    return Q.convert(p), torch.randn(8, 1, 28, 28)
+    return converted_smallcnn(8)
 
 
 def test_qconv_cfg_makes_its_spec_once_per_config(monkeypatch: pytest.MonkeyPatch) -> None:
