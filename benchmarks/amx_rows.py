@@ -60,7 +60,7 @@ def shapes(rounds: int) -> None:
                 return PT.onednn_rows(a[0], a[1], a[2], a[3].clone(), a[4], a[5], a[6])
             assert torch.equal(run(True), run(False))
             res: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
-            for i in range(rounds):
+            for i in common.round_bar(rounds, f"{m}x{k}->{n} t={nt}"):
                 for amx in (True, False) if i % 2 else (False, True):
                     res[amx].append(_clock(lambda amx=amx: run(amx)))
             PT.AMX_ROWS = True
@@ -81,7 +81,7 @@ def model(rounds: int) -> None:
         calls[nt] = (build(), fp32_build())
     res: dict[tuple[int, Any], list[tuple[float, float, float]]] = {}
     with torch.inference_mode():
-        for r in range(rounds):
+        for r in common.round_bar(rounds, "compiled MiniLM rounds"):
             for nt in (1, 2) if r % 2 else (2, 1):
                 torch.set_num_threads(nt)
                 for mode in ("fp32", False, True) if r % 2 else (True, False, "fp32"):
