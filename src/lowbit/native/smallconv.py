@@ -77,33 +77,8 @@ def smallconv(q: torch.Tensor, zx: int, packed: SmallConvWeight, stride: list[in
     """The conv of u8 codes ``q`` ``(N, C_in, H, W)`` (any strides) on input zero point ``zx`` with the packed weight:
     ``(N, C_out, OH, OW)`` channels-last u8 codes (module docstring; ``scale`` = ``fl(s_x s_w)`` and ``bias`` per output
     channel, ``inv`` = 1 / s_out, codes clamped to ``[lo, hi]``); ``None`` where the tensors do not fit."""
-    _check_grid("smallconv", zero_point, lo, hi, inv=inv)
-    _check_conv("smallconv", zx, stride, padding, dilation)
-    lib = _lib()
-    cout, cin, kh, kw = packed.shape
-    if lib is None or q.dtype != torch.uint8 or q.dim() != 4 or not q.is_cpu or q.shape[1] != cin:
-        return None
-    if not _channel_vectors(cout, scale, bias):
-        return None
-    n, _, h, w = q.shape
-    oh, ow = conv_out_hw(h, w, (kh, kw), stride, padding, dilation)
-    if oh <= 0 or ow <= 0 or n == 0:
-        return None
-    sc, b = _padded(scale, packed.cp), _padded(bias, packed.cp)
-    out = torch.empty((n, oh, ow, cout), dtype=torch.uint8)
-    vlo = float(lo - zero_point) if lo > 0 else -float("inf")
-    vhi = float(hi - zero_point) if hi < 255 else float("inf")
-    if dilation[1] != 1:
-        return None  # (smallconv.c reads each window row as whole 4-byte quads)
-    done = lib.lb_smallconv(q.data_ptr(), n, cin, h, w, *q.stride(), packed.w4.data_ptr(), packed.w2.data_ptr(),
-                     packed.wsum.data_ptr(), cout, packed.cp, kh, kw, stride[0], stride[1], padding[0], padding[1],
-                     dilation[0], dilation[1], zx, oh, ow, sc.data_ptr(), None if b is None else b.data_ptr(), inv,
-                     float(zero_point), vlo, vhi, out.data_ptr(), _threads(n * oh * ow * cout * kh * kw * cin),
-                     _local.__dict__.get("isa", 1))
-    if done != 0:
-        return None  # (no memory for the padded images)
-    counts["smallconv"] += 1
-    return out.permute(0, 3, 1, 2)
+    run = smallconv_prepared(zx, packed, stride, padding, dilation, scale, bias, inv, zero_point, lo, hi)
+    return None if run is None else run(q)
 
 
 def smallconv_prepared(zx: int, packed: SmallConvWeight, stride: list[int], padding: list[int], dilation: list[int],
